@@ -1,0 +1,201 @@
+"""Parameter accounting of a (usually meta-device) model, found by structure.
+
+Routed experts are found from the module tree, not class names: a module holding >= 3-D
+parameters that share a leading expert dimension E (packed experts), or a ModuleList of >= 2
+identical modules whose parent also holds an [E, D] router weight. A token uses top-k of the E
+experts, so routed parameters count ``top_k / E`` toward the active parameters; shared experts and
+dense parts count fully.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+# Config / module attribute names that hold the number of experts a token is routed to.
+TOPK_NAMES = ("num_experts_per_tok", "top_k", "topk", "moe_topk", "num_selected_experts",
+              "experts_per_token", "moe_k")
+
+_LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def path_pattern(path: str) -> str:
+    """``model.layers.3.mlp`` -> ``model.layers.*.mlp`` (numeric components become ``*``)."""
+    return _LAYER_INDEX.sub(".*", path)
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEInfo:
+    path: str  # the MoE block (parent of experts and router)
+    experts_path: str
+    n_experts: int
+    top_k: int | None
+    top_k_source: str
+    router_path: str | None
+    routed_params: int
+    shared_paths: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class ParamCounts:
+    total: int
+    active: int
+    active_without_embeddings: int
+    embedding: int
+    lm_head: int
+    tied_embeddings: bool
+    routed_experts: int
+    by_category: dict[str, int]
+    by_component: dict[str, int]
+    moe: list[MoEInfo]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _is_conv(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.conv._ConvNd)
+
+
+def _packed_experts(module: nn.Module) -> int | None:
+    """E if ``module`` directly holds >= 3-D parameters that all share leading dim E >= 2."""
+    if _is_conv(module):
+        return None
+    leads = {p.shape[0] for p in module.parameters(recurse=False) if p.ndim >= 3}
+    if len(leads) == 1 and (e := leads.pop()) >= 2:
+        return e
+    return None
+
+
+def _same_structure(mods: list[nn.Module]) -> bool:
+    sig = [tuple((n, tuple(p.shape)) for n, p in m.named_parameters()) for m in mods]
+    return len(mods) >= 2 and all(s == sig[0] and s for s in sig)
+
+
+def _router_in(parent: nn.Module, parent_path: str, n_experts: int,
+               skip: str) -> str | None:
+    for name, mod in parent.named_modules():
+        path = f"{parent_path}.{name}" if name else parent_path
+        if path == skip or path.startswith(skip + "."):
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.ndim == 2 and p.shape[0] == n_experts:
+                return path
+    return None
+
+
+def _top_k(block: nn.Module, router: nn.Module | None, config: Any) -> tuple[int | None, str]:
+    for where, obj in (("router", router), ("moe block", block)):
+        for attr in TOPK_NAMES:
+            v = getattr(obj, attr, None) if obj is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v, f"{where} attribute {attr}"
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in TOPK_NAMES:
+        v = getattr(cfg, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v, f"config.{attr}"
+    return None, "not found"
+
+
+def find_moe(model: nn.Module, config: Any = None) -> list[MoEInfo]:
+    modules = dict(model.named_modules())
+    found: list[MoEInfo] = []
+    for path, mod in modules.items():
+        n_exp = _packed_experts(mod)
+        if n_exp is None and isinstance(mod, nn.ModuleList) and _same_structure(list(mod)):
+            n_exp = len(mod)
+        if n_exp is None or not path:
+            continue
+        parent_path = path.rsplit(".", 1)[0] if "." in path else ""
+        parent = modules[parent_path]
+        router = _router_in(parent, parent_path, n_exp, skip=path)
+        if router is None:
+            if isinstance(mod, nn.ModuleList):
+                continue  # identical layers without a router are just a layer stack
+            block_path = path  # packed experts with a router held elsewhere: count anyway
+        else:
+            block_path = parent_path
+        if any(f.experts_path == path or path.startswith(f.experts_path + ".") for f in found):
+            continue
+        top_k, src = _top_k(modules[block_path], modules.get(router) if router else None,
+                            config)
+        shared = []
+        if block_path != path:
+            for name, child in modules[block_path].named_children():
+                cpath = f"{block_path}.{name}" if block_path else name
+                if cpath in (path, router) or (router or "").startswith(cpath + "."):
+                    continue
+                if sum(1 for m in child.modules() if isinstance(m, nn.Linear)) >= 2:
+                    shared.append(cpath)
+        found.append(MoEInfo(path=block_path, experts_path=path, n_experts=n_exp, top_k=top_k,
+                             top_k_source=src, router_path=router,
+                             routed_params=sum(p.numel() for p in mod.parameters()),
+                             shared_paths=shared))
+    return found
+
+
+def _owner(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
+def count_parameters(model: nn.Module, config: Any = None) -> ParamCounts:
+    """Exact totals (tied parameters counted once) and active-per-token parameters."""
+    modules = dict(model.named_modules())
+    moe = find_moe(model, config)
+    embed_ids = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_ids = {id(out_emb.weight)} if isinstance(out_emb, nn.Module) and hasattr(
+        out_emb, "weight") else set()
+    tied = bool(head_ids & embed_ids)
+
+    def category(owner: str, pid: int) -> str:
+        if pid in embed_ids:
+            return "embedding"
+        if pid in head_ids:
+            return "lm_head"
+        for info in moe:
+            if owner == info.experts_path or owner.startswith(info.experts_path + "."):
+                return "moe.experts"
+            if info.router_path and owner == info.router_path:
+                return "moe.router"
+            if any(owner == s or owner.startswith(s + ".") for s in info.shared_paths):
+                return "moe.shared_expert"
+        mod = modules.get(owner)
+        if mod is not None and not list(mod.children()) and all(
+                p.ndim == 1 for p in mod.parameters(recurse=False)):
+            return "norm"
+        return "dense"
+
+    total = active = 0
+    by_category: dict[str, int] = {}
+    by_component: dict[str, int] = {}
+    embedding = lm_head = 0
+    for name, p in model.named_parameters():  # named_parameters de-duplicates tied tensors
+        n = p.numel()
+        owner = _owner(name)
+        cat = category(owner, id(p))
+        total += n
+        by_category[cat] = by_category.get(cat, 0) + n
+        pat = path_pattern(owner)
+        by_component[pat] = by_component.get(pat, 0) + n
+        if cat == "embedding":
+            embedding += n
+        elif cat == "lm_head":
+            lm_head += n
+        if cat == "moe.experts":
+            info = next(i for i in moe if owner == i.experts_path
+                        or owner.startswith(i.experts_path + "."))
+            frac = (info.top_k / info.n_experts) if info.top_k else 1.0
+            active += n * frac
+        else:
+            active += n
+    active = int(round(active))
+    return ParamCounts(total=total, active=active,
+                       active_without_embeddings=active - embedding - lm_head,
+                       embedding=embedding, lm_head=lm_head, tied_embeddings=tied,
+                       routed_experts=by_category.get("moe.experts", 0),
+                       by_category=by_category, by_component=by_component, moe=moe)

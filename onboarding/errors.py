@@ -1,0 +1,27 @@
+"""Error types and the CLI exit codes they map to.
+
+`InputError` is the user's fault (bad path, bad JSON, unknown key): exit code 2.
+Everything else that escapes is an internal failure: exit code 1.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_BAD_INPUT = 2
+
+
+class OnboardError(Exception):
+    """Base class of errors raised on purpose by onboard."""
+
+    exit_code = EXIT_INTERNAL
+
+
+class InputError(OnboardError):
+    """The input (model reference, config, CLI option) is wrong; the message names the problem."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ModelRunError(InputError):
+    """The user's model failed while running (its forward raised)."""

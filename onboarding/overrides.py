@@ -1,0 +1,72 @@
+"""`--set key=value` overrides: parsed as JSON where possible, type-checked against the config."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from onboarding.errors import InputError
+
+
+def parse_assignments(items: list[str] | None) -> dict[str, Any]:
+    """Parse ``["a=1", "b.c=[1,2]"]`` into ``{"a": 1, "b.c": [1, 2]}``; values are JSON or strings."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError(f"--set {item!r}: expected key=value")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key] = value
+    return out
+
+
+def _type_ok(old: Any, new: Any) -> bool:
+    if old is None or new is None:
+        return True
+    if isinstance(old, bool) or isinstance(new, bool):
+        return isinstance(old, bool) and isinstance(new, bool)
+    if isinstance(old, float):
+        return isinstance(new, (int, float))
+    if isinstance(old, int):
+        return isinstance(new, int)
+    if isinstance(old, (list, tuple)):
+        return isinstance(new, (list, tuple))
+    return isinstance(new, type(old))
+
+
+def apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    """Set ``overrides`` on a transformers config (dotted keys reach sub-configs).
+
+    Unknown keys and values of the wrong type raise `InputError` naming the key; nothing is
+    changed unless every override is valid.
+    """
+    planned: list[tuple[Any, str, Any]] = []
+    for key, value in overrides.items():
+        target, parts = config, key.split(".")
+        for part in parts[:-1]:
+            if not hasattr(target, part) or getattr(target, part) is None:
+                raise InputError(f"--set {key}: {type(target).__name__} has no field {part!r}")
+            target = getattr(target, part)
+            if isinstance(target, dict):
+                raise InputError(f"--set {key}: {part!r} is a plain dict; set it whole as JSON")
+        leaf = parts[-1]
+        known = set(target.to_dict()) if hasattr(target, "to_dict") else set(vars(target))
+        if leaf not in known and not hasattr(target, leaf):
+            raise InputError(
+                f"--set {key}: unknown config key {leaf!r} for {type(target).__name__}"
+            )
+        old = getattr(target, leaf, None)
+        if not _type_ok(old, value):
+            raise InputError(
+                f"--set {key}={json.dumps(value)}: expected {type(old).__name__} "
+                f"(current value {old!r}), got {type(value).__name__}"
+            )
+        if isinstance(old, float) and isinstance(value, int):
+            value = float(value)
+        planned.append((target, leaf, value))
+    for target, leaf, value in planned:
+        setattr(target, leaf, value)
