@@ -19,12 +19,12 @@ from torch import nn
 TOPK_NAMES = ("num_experts_per_tok", "top_k", "topk", "moe_topk", "num_selected_experts",
               "experts_per_token", "moe_k")
 
-_LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
 def path_pattern(path: str) -> str:
     """``model.layers.3.mlp`` -> ``model.layers.*.mlp`` (numeric components become ``*``)."""
-    return _LAYER_INDEX.sub(".*", path)
+    return LAYER_INDEX.sub(".*", path)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,81 @@
+"""RMSNorm family: plain, gated (`* silu(gate)`) and weightless L2 norm, forward and backward.
+
+Variants: `plain` (y = x * rsqrt(mean(x^2) + eps) * w, or `* (1 + w)` with `unit_offset`),
+`gated` (plain times silu(gate), norm before gate, as Qwen3-Next / fla's FusedRMSNormGated),
+`l2norm` (y = x * rsqrt(sum(x^2) + eps), no weight: q/k before delta-rule attention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "rmsnorm"
+
+
+def _check(variant: str, params: dict[str, Any]) -> None:
+    if variant == "l2norm" and params["unit_offset"]:
+        raise InputError("rmsnorm/l2norm: parameter 'unit_offset' needs a weight; l2norm has none")
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Render params for an `opgraph.Block`, or None when this family cannot serve it.
+
+    `norm.rms` with a weight -> `plain`; without a weight -> `l2norm` only when the block says it
+    sums (attrs `reduction == "sum"`), since a weightless mean-RMSNorm is a different op.
+    `norm.rms_gated` -> `gated` (norm before gate; attrs `norm_before_gate=False` -> None).
+    """
+    attrs = block.attrs
+    eps = attrs.get("eps")
+    params: dict[str, Any] = {"eps": 1e-6 if eps is None else float(eps)}
+    if block.kind == "norm.rms":
+        if attrs.get("has_weight", True):
+            variant = "plain"
+            params["unit_offset"] = bool(attrs.get("unit_offset", False))
+        elif attrs.get("reduction") == "sum":
+            variant = "l2norm"
+        else:
+            return None
+    elif block.kind == "norm.rms_gated":
+        if not attrs.get("has_weight", True) or attrs.get("norm_before_gate", True) is False:
+            return None
+        if attrs.get("activation", "silu") != "silu":
+            return None
+        variant = "gated"
+        params["unit_offset"] = bool(attrs.get("unit_offset", False))
+    else:
+        return None
+    try:
+        return {"variant": variant, "params": FAMILY.resolve(variant, params)}
+    except InputError:
+        return None
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="rmsnorm.py.j2",
+    template_version=1,
+    variants={
+        "plain": "x * rsqrt(mean(x^2) + eps) * w (or * (1 + w) with unit_offset)",
+        "gated": "plain * silu(gate); gradients to x, gate and w",
+        "l2norm": "x * rsqrt(sum(x^2) + eps), no weight",
+    },
+    params=(
+        Param(name="eps", type=float, default=1e-6, min=0.0, max=1.0,
+              doc="default eps of the user-facing function (eps stays a call argument)"),
+        Param(name="unit_offset", type=bool, default=False, variants=("plain", "gated"),
+              doc="scale by (1 + w) instead of w (Gemma / Qwen3-Next style zero-centred weight)"),
+    ),
+    tuning_space={"BLOCK_N": (1, 2, 4, 8, 16, 32), "num_warps": (1, 2, 4, 8, 16, 32)},
+    default_config={"BLOCK_N": 4, "num_warps": 4},
+    shape_buckets=(
+        ShapeBucket(name="d_le_512", dim="D", lo=1, hi=512),
+        ShapeBucket(name="d_le_2k", dim="D", lo=513, hi=2048),
+        ShapeBucket(name="d_le_8k", dim="D", lo=2049, hi=8192),
+        ShapeBucket(name="d_le_64k", dim="D", lo=8193, hi=65536),
+    ),
+    check=_check,
+    match=match,
+)

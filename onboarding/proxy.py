@@ -1,0 +1,294 @@
+"""Proxy configs: the same architecture with shrunk widths, experts and layers.
+
+A proxy keeps what makes the architecture itself: the layer-type pattern (at least one full
+period of a hybrid schedule and every distinct layer kind), top-k and gating, normalisation, the
+rotary layout, and head dimensions where affordable. Widths, expert counts, vocabulary and depth
+shrink. The rules act on the Hugging Face config *field conventions* (``hidden_size``,
+``num_experts``...), never on model class names; a field the rules do not know keeps its value.
+
+``tiny`` targets a few million parameters (CPU tests); ``small`` 0.3-1B (one GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from onboarding.accounting import LAYER_INDEX, TOPK_NAMES
+from onboarding.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProxySize:
+    hidden: int
+    heads: int
+    head_dim_cap: int
+    latent_cap: int  # MLA / low-rank widths
+    experts: int
+    topk_cap: int
+    ffn: int
+    expert_ffn: int
+    vocab: int
+    index_topk: int
+    window: int
+    max_params: int  # a full-size model at most this big is used as is (weights load)
+    min_params: int  # small proxies add layer periods until they reach this
+
+
+PROXY_SIZES = {
+    "tiny": ProxySize(hidden=128, heads=4, head_dim_cap=32, latent_cap=32, experts=8,
+                      topk_cap=2, ffn=256, expert_ffn=64, vocab=2048, index_topk=16, window=32,
+                      max_params=20_000_000, min_params=0),
+    "small": ProxySize(hidden=1024, heads=16, head_dim_cap=256, latent_cap=512, experts=64,
+                       topk_cap=8, ffn=2816, expert_ffn=512, vocab=32768, index_topk=512,
+                       window=1024, max_params=1_000_000_000, min_params=300_000_000),
+}
+
+EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _set(c: Any, name: str, fn) -> None:
+    v = getattr(c, name, None)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        setattr(c, name, int(fn(v)))
+
+
+# Head-size fields that some configs tie to each other (DeepSeek's head_dim is its rotary
+# width): fields equal in the full config stay equal in the proxy.
+_TIED_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim")
+
+
+def _retie(c: Any, before: dict[str, Any]) -> None:
+    names = [n for n in _TIED_DIMS if isinstance(before.get(n), int)]
+    for a in names:
+        for b in names:
+            if a < b and before[a] == before[b]:
+                v = min(getattr(c, a), getattr(c, b))
+                setattr(c, a, v)
+                setattr(c, b, v)
+
+
+def _shrink_widths(c: Any, s: ProxySize) -> None:
+    before = {n: getattr(c, n, None) for n in _TIED_DIMS}
+    heads = getattr(c, "num_attention_heads", None)
+    kv = getattr(c, "num_key_value_heads", None)
+    had_head_dim = isinstance(getattr(c, "head_dim", None), int)
+    _set(c, "hidden_size", lambda v: min(v, s.hidden))
+    if isinstance(heads, int):
+        new_heads = min(heads, s.heads)
+        c.num_attention_heads = new_heads
+        if isinstance(kv, int) and kv > 0:
+            groups = max(1, heads // kv)  # keep the GQA ratio where it fits
+            c.num_key_value_heads = max(1, new_heads // min(groups, new_heads))
+        if had_head_dim:
+            c.head_dim = min(c.head_dim, s.head_dim_cap)
+    _set(c, "intermediate_size", lambda v: min(v, s.ffn))
+    for name in ("moe_intermediate_size", "expert_intermediate_size"):
+        _set(c, name, lambda v: min(v, s.expert_ffn))
+    _set(c, "shared_expert_intermediate_size", lambda v: min(v, s.expert_ffn * 2))
+    # linear attention (gated delta / Kimi delta / mamba-style) widths
+    lk = getattr(c, "linear_num_key_heads", None)
+    lv = getattr(c, "linear_num_value_heads", None)
+    if isinstance(lk, int) and isinstance(lv, int):
+        ratio = max(1, lv // lk)
+        c.linear_num_key_heads = min(lk, max(1, s.heads // 2))
+        c.linear_num_value_heads = c.linear_num_key_heads * ratio
+    _set(c, "linear_num_heads", lambda v: min(v, s.heads))
+    for name in ("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"):
+        _set(c, name, lambda v: min(v, s.head_dim_cap))
+    # low-rank / MLA and indexer widths
+    for name in ("q_lora_rank", "kv_lora_rank"):
+        _set(c, name, lambda v: min(v, s.latent_cap * (2 if name == "q_lora_rank" else 1)))
+    for name in ("qk_nope_head_dim", "v_head_dim", "index_head_dim"):
+        _set(c, name, lambda v: min(v, s.head_dim_cap))
+    _set(c, "qk_rope_head_dim", lambda v: min(v, max(8, s.head_dim_cap // 2)))
+    _set(c, "index_n_heads", lambda v: min(v, s.heads))
+    _set(c, "index_topk", lambda v: min(v, s.index_topk))
+    _set(c, "sliding_window", lambda v: min(v, s.window))
+    for name in ("ssm_state_size", "state_size", "mamba_d_state"):
+        _set(c, name, lambda v: min(v, 16 if s.hidden <= 256 else v))
+    for name in ("mamba_n_heads", "mamba_num_heads"):
+        _set(c, name, lambda v: min(v, s.heads * 2))
+    _retie(c, before)
+    if isinstance(getattr(c, "qk_head_dim", None), int) and isinstance(
+            getattr(c, "qk_nope_head_dim", None), int):
+        c.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
+
+
+def _shrink_experts(c: Any, s: ProxySize) -> None:
+    n_exp = None
+    for name in EXPERT_COUNT_NAMES:
+        v = getattr(c, name, None)
+        if isinstance(v, int) and v > 1:
+            n_exp = min(v, s.experts)
+            setattr(c, name, n_exp)
+    if n_exp is None:
+        return
+    groups_name = next((n for n in ("n_group", "num_expert_group") if
+                        isinstance(getattr(c, n, None), int)), None)
+    n_group = getattr(c, groups_name) if groups_name else 1
+    if n_group > 1:
+        n_group = max(2, min(n_group, n_exp // 2))
+        while n_exp % n_group:
+            n_group -= 1
+        setattr(c, groups_name, n_group)
+    topk_group = getattr(c, "topk_group", None)
+    if isinstance(topk_group, int) and n_group > 1:
+        c.topk_group = max(1, min(topk_group, n_group - 1))
+    for name in TOPK_NAMES + ("num_experts_per_token",):
+        v = getattr(c, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            k = min(v, s.topk_cap, n_exp)
+            if n_group > 1 and isinstance(getattr(c, "topk_group", None), int):
+                k = min(k, c.topk_group * (n_exp // n_group))
+            setattr(c, name, k)
+
+
+def _shrink_vocab(c: Any, s: ProxySize) -> None:
+    vocab = getattr(c, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    c.vocab_size = min(vocab, s.vocab)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        v = getattr(c, name, None)
+        if isinstance(v, int) and v >= c.vocab_size:
+            setattr(c, name, c.vocab_size - 1)
+        elif isinstance(v, list):
+            setattr(c, name, [min(x, c.vocab_size - 1) for x in v])
+
+
+def _layer_count_name(c: Any) -> str | None:
+    return next((n for n in LAYER_COUNT_NAMES if isinstance(getattr(c, n, None), int)), None)
+
+
+def layer_signatures(model: nn.Module, n_layers: int) -> list[tuple] | None:
+    """Per-layer structure (sub-module paths, types and parameter ranks) of the layer stack.
+
+    This catches layer schedules that configs express as periods/offsets instead of lists.
+    """
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and n_layers > 1:
+            return [tuple(sorted((LAYER_INDEX.sub(".*", name), type(m).__name__,
+                                  tuple(p.ndim for p in m.parameters(recurse=False)))
+                                 for name, m in layer.named_modules()))
+                    for layer in mod]
+    return None
+
+
+def layer_descriptors(c: Any, signatures: list[tuple] | None = None) -> list[tuple]:
+    """Per-layer type tuples: every per-layer type list in the config, plus module structure."""
+    name = _layer_count_name(c)
+    if name is None:
+        return []
+    n = getattr(c, name)
+    # Lists of all-distinct ints are layer indices (e.g. per-layer ids), not layer types.
+    lists = sorted(k for k, v in vars(c).items()
+                   if isinstance(v, (list, tuple)) and len(v) == n and n > 1
+                   and all(isinstance(x, (str, int, bool)) for x in v)
+                   and not (all(isinstance(x, int) for x in v) and len(set(v)) == n))
+    sig = signatures if signatures is not None and len(signatures) == n else [()] * n
+    return [tuple(getattr(c, k)[i] for k in lists) + (sig[i],) for i in range(n)]
+
+
+def _period(desc: list[tuple]) -> tuple[int, int]:
+    """Smallest (prefix, period) with desc[i] == desc[i + period] for all i >= prefix."""
+    n = len(desc)
+    best = (0, max(n, 1))
+    for s in range(0, min(4, n)):
+        for p in range(1, n - s + 1):
+            if all(desc[i] == desc[i + p] for i in range(s, n - p)):
+                if s + p < sum(best):
+                    best = (s, p)
+                break
+    return best
+
+
+def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list[int]:
+    desc = layer_descriptors(c, signatures)
+    name = _layer_count_name(c)
+    n = getattr(c, name) if name else 0
+    if not desc:
+        return list(range(min(n, 2 * periods)))
+    prefix, period = _period(desc)
+    first_seen: dict[tuple, int] = {}
+    for i, d in enumerate(desc):
+        first_seen.setdefault(d, i)
+    cover = max(first_seen.values()) + 1
+    want = max(cover, prefix + period * periods, 2)
+    return list(range(min(n, want)))
+
+
+def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> None:
+    name = _layer_count_name(c)
+    if name is None:
+        return
+    n = getattr(c, name)
+    for field in ("first_k_dense_replace",):
+        _set(c, field, lambda v: min(v, 1))
+    keep = _choose_layers(c, periods, signatures)
+    for k, v in list(vars(c).items()):
+        if isinstance(v, (list, tuple)) and len(v) == n and n > 1:
+            setattr(c, k, type(v)(v[i] for i in keep))
+    for k in ("mlp_only_layers",):
+        v = getattr(c, k, None)
+        if isinstance(v, list):
+            setattr(c, k, [i for i in v if i < len(keep)])
+    setattr(c, name, len(keep))
+
+
+def shrink_config(config: Any, size: str, *, periods: int = 1,
+                  signatures: list[tuple] | None = None) -> Any:
+    """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
+
+    ``signatures`` (from `layer_signatures` of the full-size model) let the layer choice see
+    layer kinds that the config does not list per layer.
+    """
+    if size not in PROXY_SIZES:
+        raise InputError(f"--proxy {size!r}: expected one of {', '.join(PROXY_SIZES)}")
+    s = PROXY_SIZES[size]
+    cfg = copy.deepcopy(config)
+    c = text_config(cfg)
+    _shrink_widths(c, s)
+    _shrink_experts(c, s)
+    _shrink_vocab(c, s)
+    _shrink_layers(c, periods, signatures)
+    return cfg
+
+
+def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
+                 full_params: int | None = None) -> tuple[Any, str]:
+    """The proxy config for ``loaded`` and a one-line note on how it was made.
+
+    ``full_model`` is the full-size model (on ``meta``), used for layer structure.
+    """
+    s = PROXY_SIZES.get(size)
+    if s is None:
+        raise InputError(f"--proxy {size!r}: expected one of {', '.join(PROXY_SIZES)}")
+    if loaded.config is None or not loaded.is_hf:
+        return loaded.config, "no config to shrink: the proxy is the model as given"
+    if full_params is not None and full_params <= s.max_params:
+        return copy.deepcopy(loaded.config), (
+            f"full size ({full_params:,} parameters) fits the {size} budget: used as is")
+    from onboarding.accounting import count_parameters
+
+    c = text_config(loaded.config)
+    name = _layer_count_name(c)
+    sigs = layer_signatures(full_model, getattr(c, name)) if full_model is not None and name \
+        else None
+    periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs)
+    while s.min_params:
+        n = count_parameters(loaded.build(cfg, device="meta", seed=None)).total
+        if n >= s.min_params or periods >= 16:
+            break
+        periods += 1
+        cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs)
+    return cfg, f"shrunk to the {size} proxy ({periods} layer period(s))"
