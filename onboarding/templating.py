@@ -80,7 +80,11 @@ def config_for(size: int) -> dict:
     \"\"\"The tile config used for a problem whose bucketed dimension is `size`.\"\"\"
     if _CONFIG_OVERRIDE is not None:
         return _CONFIG_OVERRIDE
-    return _TUNED.get(shape_bucket(size), DEFAULT_CONFIG)
+    name = shape_bucket(size)
+    if name in _TUNED:
+        return _TUNED[name]
+    bucket = next(b for b in SHAPE_BUCKETS if b["name"] == name)
+    return {**DEFAULT_CONFIG, **bucket["config"]}
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -154,15 +158,20 @@ class Param:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShapeBucket:
-    """A named range of the dimension that decides tile sizes (`dim` in [lo, hi])."""
+    """A named range of the dimension that decides tile sizes (`dim` in [lo, hi]).
+
+    `config` holds this bucket's untuned default tile config (over the family default), so a
+    wide row does not start from a config that spills; tuning replaces it per bucket.
+    """
 
     name: str
     dim: str
     lo: int
     hi: int
+    config: Mapping[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dim": self.dim, "lo": self.lo, "hi": self.hi}
+        return {"name": self.name, "dim": self.dim, "lo": self.lo, "hi": self.hi, "config": dict(self.config)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +192,13 @@ class FamilySpec:
     shape_buckets: tuple[ShapeBucket, ...]
     check: Callable[[str, dict[str, Any]], None] | None = None
     match: Callable[[Any], dict[str, Any] | None] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.shape_buckets:
+            raise ValueError(f"family {self.name!r}: needs at least one shape bucket")
+        self.check_config(self.default_config)
+        for b in self.shape_buckets:
+            self.check_config(b.config)
 
     def param(self, name: str) -> Param:
         for p in self.params:

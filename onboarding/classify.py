@@ -1,0 +1,494 @@
+"""Classify captured modules into blocks by structure: the ops they run and their shapes.
+
+Modules are visited children first. Each module sees its *unclaimed* records: its own ops plus
+those of descendants that did not become blocks (plain Linear projections, helper modules). Rules
+match on those records; a matched module claims them. Class names are never used to decide;
+each decision carries its evidence. Leftover substantive compute that no rule explains becomes
+an ``unknown`` block at the module that ran it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from onboarding.capture import Capture, OpRecord
+from onboarding.opgraph import Block, TensorMeta
+
+MATMUL = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm",
+          "grouped_mm"}
+SDPA_PREFIX = ("scaled_dot_product_attention", "_scaled_dot_product", "_flash_attention",
+               "_efficient_attention")
+SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
+CONV = {"conv1d", "convolution", "_convolution", "conv2d"}
+ACTIVATIONS = {"silu": "silu", "silu_": "silu", "gelu": "gelu", "relu": "relu", "relu_": "relu",
+               "sigmoid": "sigmoid", "tanh": "tanh"}
+VIEW_OPS = {"view", "reshape", "_unsafe_view", "expand", "slice", "select", "transpose", "t",
+            "permute", "unsqueeze", "squeeze", "alias", "getitem", "contiguous", "clone",
+            "split", "split_with_sizes", "chunk", "unbind", "detach", "_assert_tensor_metadata",
+            "to", "_to_copy", "type_as", "lift_fresh_copy", "flatten", "unflatten", "lift_fresh"}
+TRIANGULAR = {"tril", "triu", "linalg_solve_triangular", "triangular_solve"}
+
+_NUM = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def is_matmul(op: str) -> bool:
+    return op in MATMUL or "grouped_mm" in op
+
+
+def is_sdpa(op: str) -> bool:
+    return op.startswith(SDPA_PREFIX)
+
+
+def layer_of(path: str) -> int | None:
+    m = _NUM.search(path)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(kw_only=True)
+class Context:
+    seq: int
+    vocab: int | None
+    hidden: int | None
+    layer_hints: dict[int, str]  # layer -> config layer type, a weak hint
+    param_shapes: dict[str, list[int]]
+    children: dict[str, list[str]]
+    module_types: dict[str, str]
+    identical_lists: dict[str, int]  # ModuleList path -> length, when children are identical
+
+
+def _hist(recs: list[OpRecord]) -> Counter:
+    return Counter(r.op for r in recs)
+
+
+def _matmul_recs(recs: list[OpRecord]) -> list[OpRecord]:
+    return [r for r in recs if is_matmul(r.op)]
+
+
+def _linear_dims(r: OpRecord, ctx: Context) -> tuple[int, int] | None:
+    """(in, out) features of a linear-like record, from its weight or shapes."""
+    if r.op == "linear" and len(r.in_shapes) > 1 and r.in_shapes[1]:
+        w = r.in_shapes[1]
+        return (w[1], w[0]) if len(w) == 2 else None
+    if r.in_shapes and r.in_shapes[0] and r.out_shapes:
+        return r.in_shapes[0][-1], r.out_shapes[0][-1]
+    return None
+
+
+def _topks(recs: list[OpRecord]) -> list[tuple[OpRecord, int, int]]:
+    """(record, k, size of the dim it selects over) for every topk."""
+    out = []
+    for r in recs:
+        if r.op == "topk" and r.in_shapes and r.in_shapes[0]:
+            k = r.scalars[1] if len(r.scalars) > 1 and isinstance(r.scalars[1], int) else None
+            dim = r.scalars[2] if len(r.scalars) > 2 and isinstance(r.scalars[2], int) else -1
+            out.append((r, k, r.in_shapes[0][dim]))
+    return out
+
+
+def _attention_softmax(recs: list[OpRecord], seq: int) -> list[str]:
+    ev = []
+    for r in recs:
+        if is_sdpa(r.op):
+            ev.append(f"{r.op} (fused attention)")
+        elif r.op in SOFTMAX and r.in_shapes and r.in_shapes[0] and len(r.in_shapes[0]) >= 2 \
+                and r.in_shapes[0][-1] == seq and r.in_shapes[0][-2] == seq:
+            ev.append(f"{r.op} over [.., {seq}, {seq}] scores")
+    return ev
+
+
+def _decay_cumsum(recs: list[OpRecord]) -> OpRecord | None:
+    ops = _hist(recs)
+    if not ops["exp"]:
+        return None
+    return next((r for r in recs if r.op == "cumsum"), None)
+
+
+def _is_rms(recs: list[OpRecord]) -> bool:
+    ops = _hist(recs)
+    if ops.get("rms_norm") or ops.get("_fused_rms_norm"):
+        return True
+    squares = ops["pow"] + sum(1 for r in recs if r.op == "mul" and len(r.in_shapes) > 1
+                               and r.in_shapes[0] is not None and r.in_shapes[0] == r.in_shapes[1])
+    return bool((ops["rsqrt"] or ops["sqrt"]) and ops["mean"] and squares)
+
+
+def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
+    eps = None
+    for r in recs:
+        if r.op == "add" and len(r.scalars) > 1 and isinstance(r.scalars[1], float) \
+                and 0 < r.scalars[1] < 1e-2:
+            eps = r.scalars[1]
+            break
+    weighted = [name for r in recs for name in r.params.values()]
+    unit_offset = any(r.op == "add" and r.params and len(r.scalars) > 1
+                      and r.scalars[1] in (1, 1.0) for r in recs)
+    first = next((r for r in recs if r.in_shapes and r.in_shapes[0]), None)
+    dim = first.in_shapes[0][-1] if first else None
+    return {"dim": dim, "eps": eps, "unit_offset": unit_offset, "has_weight": bool(weighted)}
+
+
+def _activation(recs: list[OpRecord]) -> str | None:
+    for r in recs:
+        if r.op in ACTIVATIONS and ACTIVATIONS[r.op] != "sigmoid":
+            return ACTIVATIONS[r.op]
+    return None
+
+
+def _clamp(recs: list[OpRecord]) -> float | None:
+    for r in recs:
+        if r.op in ("clamp", "clamp_max", "clamp_min") and len(r.scalars) > 1:
+            vals = [v for v in r.scalars[1:] if isinstance(v, (int, float))]
+            if vals:
+                return float(max(abs(v) for v in vals))
+    return None
+
+
+class Classifier:
+    def __init__(self, cap: Capture, ctx: Context):
+        self.cap, self.ctx = cap, ctx
+        self.by_module: dict[str, list[OpRecord]] = {}
+        for r in cap.records:
+            self.by_module.setdefault(r.module, []).append(r)
+        self.blocks: dict[str, Block] = {}
+        self.unclaimed: dict[str, list[OpRecord]] = {}
+        self.origin: dict[int, str] = {r.index: r.module for r in cap.records}
+
+    # -- rules ----------------------------------------------------------------------------
+    def _rule(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
+              ) -> tuple[str, list[str], dict[str, Any]] | None:
+        ctx, ops = self.ctx, _hist(recs)
+        mm = _matmul_recs(recs)
+        leaf = not ctx.children.get(path)
+        if ops["embedding"] and not mm:
+            return "embedding", ["aten.embedding lookup"], {}
+        if leaf and len(mm) == 1 and ctx.vocab and (d := _linear_dims(mm[0], ctx)) \
+                and d[1] == ctx.vocab and sum(ops.values()) - ops["linear"] <= 2:
+            return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)"], {}
+        if not mm and (ops["native_layer_norm"] or ops["layer_norm"]):
+            return "norm.layer", ["layer_norm op"], {}
+        if not mm and _is_rms(recs):
+            attrs = _norm_attrs(recs, ctx)
+            gate = next((ACTIVATIONS[r.op] for r in recs if r.op in ACTIVATIONS), None)
+            ev = ["mean of squares, rsqrt, scale"]
+            if attrs["unit_offset"]:
+                ev.append("weight used as (1 + w)")
+            if gate:
+                attrs["gate_activation"] = gate
+                return "norm.rms_gated", ev + [f"output gated by {gate}(z)"], attrs
+            return "norm.rms", ev, attrs
+        if not mm and ops["cos"] and ops["sin"]:
+            cos = next(r for r in recs if r.op == "cos")
+            return "rope", ["cos and sin of position x inv_freq"], {
+                "rotary_dim": cos.out_shapes[0][-1] if cos.out_shapes else None}
+        attn = _attention_softmax(recs, ctx.seq)
+        seq_topk = [t for t in _topks(recs) if t[2] == ctx.seq]
+        if attn and mm:
+            return self._attention(path, recs, attn, seq_topk, child_kinds)
+        decay = _decay_cumsum(recs)
+        tri = [op for op in TRIANGULAR if ops[op]]
+        if decay is not None and mm and not attn:
+            return self._linear_attention(recs, decay, tri)
+        exp_topk = [t for t in _topks(recs) if t[2] != ctx.seq]
+        n_experts = max((t[2] for t in exp_topk), default=0)
+        if exp_topk and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
+            return self._router(recs, exp_topk, n_experts)
+        expert_params = self._expert_params(path)
+        if expert_params and (mm or any("grouped_mm" in op for op in ops)):
+            e = expert_params
+            return "moe.experts", [f"{len(self._3d_params(path))} parameters stacked over "
+                                   f"{e} experts", "matmuls over expert-sorted tokens"], {
+                "n_experts": e, "layout": "packed_3d",
+                "activation": _activation(recs), "clamp": _clamp(recs),
+                "grouped_mm": any("grouped_mm" in op for op in ops)}
+        weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
+        if len(mm) >= 2 and weight_only and (act := _activation(recs)) and not attn \
+                and not seq_topk:
+            gated = ops["mul"] > 0 and len(mm) >= 3
+            return "mlp.dense", [f"{len(mm)} projections with {act}" +
+                                 (" gating (act(gate) * up)" if gated else "")], {
+                "activation": act, "gated": gated, "clamp": _clamp(recs),
+                "hidden": _linear_dims(mm[0], ctx)[0] if _linear_dims(mm[0], ctx) else None,
+                "intermediate": _linear_dims(mm[0], ctx)[1] if _linear_dims(mm[0], ctx)
+                else None}
+        return None
+
+    def _3d_params(self, path: str) -> list[str]:
+        return [n for n, s in self.ctx.param_shapes.items()
+                if n.rsplit(".", 1)[0] == path and len(s) >= 3]
+
+    def _expert_params(self, path: str) -> int | None:
+        if self.ctx.module_types.get(path, "").startswith("Conv"):
+            return None
+        leads = {self.ctx.param_shapes[n][0] for n in self._3d_params(path)}
+        return leads.pop() if len(leads) == 1 and min(leads | {2}) >= 2 else None
+
+    def _attention(self, path, recs, attn, seq_topk, child_kinds):
+        ctx, ev, attrs = self.ctx, list(attn), {}
+        mm = _matmul_recs(recs)
+        # MLA: a low-rank latent that a child norm normalises and a projection expands again.
+        latent_dims = {self.blocks[c].attrs.get("dim") for c in child_kinds
+                       if child_kinds[c] == "norm.rms"}
+        in_dims = {d[0] for r in mm if (d := _linear_dims(r, ctx))}
+        latent = sorted(d for d in latent_dims & in_dims if d and d != ctx.hidden)
+        if latent:
+            ev.append(f"low-rank latent of width {latent} normalised then expanded (MLA)")
+            attrs["layout"] = "mla"
+            attrs["kv_latent"] = latent
+        if any(r.op == "slice" and len(r.scalars) > 4 and r.scalars[4] == 2 for r in recs):
+            attrs["rope_layout"] = "interleaved"
+        elif any(r.op == "neg" for r in recs):
+            attrs["rope_layout"] = "half"
+        if seq_topk:
+            r, k, n = seq_topk[0]
+            relu = any(x.op in ("relu", "relu_") for x in recs)
+            ev.append(f"topk k={k} over {n} key positions" + (" of ReLU indexer scores"
+                                                               if relu else ""))
+            attrs.update(topk=k, indexer_relu=relu)
+            return "sparse_attention.topk", ev, attrs
+        if latent:
+            return "attention.mla", ev, attrs
+        hint = ctx.layer_hints.get(layer_of(path) if layer_of(path) is not None else -1, "")
+        if "sliding" in hint or "chunked" in hint or "local" in hint:
+            ev.append(f"hint: config layer type {hint!r} (the mask is built outside the block)")
+            return "attention.sliding", ev, attrs
+        last_mm = mm[-1].index
+        gate = [r for r in recs if r.op == "sigmoid" and r.index < last_mm]
+        if gate:
+            ev.append("attention output multiplied by sigmoid(gate) before the out projection")
+            return "attention.gated", ev, attrs
+        return "attention.full", ev, attrs
+
+    def _linear_attention(self, recs, decay, tri):
+        ops = _hist(recs)
+        ev = ["exp + cumsum: cumulative decay in log space"]
+        if tri:
+            ev.append(f"triangular masks/solves ({', '.join(sorted(tri))})")
+        loop = ops["copy_"] + ops["index_put"] + ops["index_put_"]
+        if loop >= 8:
+            ev.append(f"{loop} in-place row updates (forward substitution / chunk loop)")
+        shape = decay.in_shapes[0] or []
+        dim = decay.scalars[1] if len(decay.scalars) > 1 and isinstance(decay.scalars[1],
+                                                                         int) else -1
+        per_channel = dim % max(len(shape), 1) != len(shape) - 1
+        beta = ops["sigmoid"] > 0
+        l2 = any(r.op in ("rsqrt", "sqrt", "norm", "linalg_vector_norm") for r in recs)
+        attrs = {"decay_shape": shape, "cumsum_dim": dim, "per_channel_decay": per_channel,
+                 "chunk": shape[dim] if shape else None}
+        if tri and beta and (loop >= 8 or "linalg_solve_triangular" in tri):
+            ev.append("sigmoid beta with a triangular delta-rule correction")
+            if l2:
+                ev.append("q/k normalised (l2)")
+            if per_channel:
+                ev.append(f"decay cumsum over dim {dim} of {shape}: per-channel gate")
+                return "linear_attention.kimi_delta", ev, attrs
+            ev.append(f"decay cumsum over the last dim of {shape}: scalar gate per head")
+            return "linear_attention.gated_delta", ev, attrs
+        if ops["softplus"] and not beta:
+            ev.append("softplus time step without a delta-rule beta (selective state space)")
+            return "linear_attention.mamba", ev, attrs
+        return "linear_attention.other", ev, attrs
+
+    def _router(self, recs, exp_topk, n_experts):
+        ops = _hist(recs)
+        k = exp_topk[-1][1]
+        scoring = "sigmoid" if ops["sigmoid"] else ("softmax" if any(
+            op in ops for op in SOFTMAX) else "other")
+        ev = [f"linear to {n_experts} expert logits", f"{scoring} scoring",
+              f"topk k={k} over {n_experts} experts"]
+        grouped = any(t[2] != n_experts and t[2] > 1 for t in exp_topk)
+        if grouped:
+            groups = min(t[2] for t in exp_topk if t[2] > 1)
+            ev.append(f"group-limited: topk over {groups} groups first")
+        bias = any(r.op == "add" and r.params for r in recs)
+        renorm = ops["sum"] > 0 and (ops["div"] + ops["div_"]) > 0
+        return "moe.router", ev, {"n_experts": n_experts, "top_k": k, "scoring": scoring,
+                                  "group_limited": grouped, "score_bias": bias,
+                                  "renormalize": renorm}
+
+    # -- traversal ------------------------------------------------------------------------
+    def _post_order(self) -> list[str]:
+        order: list[str] = []
+
+        def visit(p: str) -> None:
+            for c in self.ctx.children.get(p, []):
+                visit(c)
+            order.append(p)
+
+        visit("")
+        return order
+
+    def _conv_blocks(self, path: str, recs: list[OpRecord]) -> list[OpRecord]:
+        """Split causal depthwise convs out as blocks named after their weight's module."""
+        kept = []
+        for r in recs:
+            w = r.in_shapes[1] if len(r.in_shapes) > 1 else None
+            groups = r.scalars[-1] if r.scalars and isinstance(r.scalars[-1], int) else 1
+            pad = r.scalars[4] if len(r.scalars) > 4 else None
+            if r.op in CONV and w and len(w) == 3 and groups == w[0] and w[1] == 1:
+                wname = r.params.get(1, f"{path}.conv")
+                owner = wname.rsplit(".", 1)[0]
+                k = w[-1]
+                causal = pad in ([k - 1], k - 1)
+                after = [x for x in recs if x.index > r.index][:4]
+                act = next((ACTIVATIONS[x.op] for x in after if x.op in ACTIVATIONS), None)
+                ev = [f"depthwise conv1d: groups = channels = {w[0]}, kernel {k}"]
+                ev.append(f"padding {k - 1} then trimmed: causal" if causal
+                          else f"padding {pad}")
+                if act:
+                    ev.append(f"followed by {act}")
+                self._add(owner, "conv.causal1d" if causal else "unknown", ev,
+                          {"channels": w[0], "kernel_size": k, "activation": act,
+                           "causal": causal}, [r], r)
+            else:
+                kept.append(r)
+        return kept
+
+    def _add(self, path, kind, evidence, attrs, recs, first=None) -> None:
+        io = self.cap.module_io.get(path)
+        if io:
+            ins, outs = io
+        elif first is not None:
+            ins = [TensorMeta(shape=s, dtype=d or "") for s, d in
+                   zip(first.in_shapes, first.in_dtypes) if s is not None]
+            outs = [TensorMeta(shape=s, dtype=d) for s, d in
+                    zip(first.out_shapes, first.out_dtypes)]
+        else:
+            ins, outs = [], []
+        params = {n[len(path) + 1:]: s for n, s in self.ctx.param_shapes.items()
+                  if n.startswith(path + ".")}
+        flops, nbytes = estimate_cost(recs)
+        self.blocks[path] = Block(
+            path=path, kind=kind, layer=layer_of(path),
+            class_name=self.ctx.module_types.get(path, ""), evidence=evidence,
+            op_histogram=dict(sorted(_hist(recs).items())), inputs=ins, outputs=outs,
+            params=params, attrs=attrs, flops=flops, bytes=nbytes)
+
+    def run(self) -> list[Block]:
+        for path in self._post_order():
+            kids = self.ctx.children.get(path, [])
+            recs = list(self.by_module.get(path, []))
+            recs = self._conv_blocks(path, recs)
+            for c in kids:
+                recs.extend(self.unclaimed.pop(c, []))
+            recs.sort(key=lambda r: r.index)
+            child_kinds = {c: self.blocks[c].kind for c in kids if c in self.blocks}
+            found = self._rule(path, recs, child_kinds) if recs else None
+            if found is None:
+                self.unclaimed[path] = recs
+                continue
+            kind, ev, attrs = found
+            self._add(path, kind, ev, attrs, recs)
+        self._merge_expert_lists()
+        self._leftovers()
+        self._shared_experts()
+        return sorted(self.blocks.values(), key=lambda b: _path_key(b.path))
+
+    def _merge_expert_lists(self) -> None:
+        """A list of identical MLPs beside a router is one experts block."""
+        for lst, n in self.ctx.identical_lists.items():
+            members = [p for p in self.blocks if p.startswith(lst + ".")
+                       and p[len(lst) + 1:].split(".")[0].isdigit()]
+            parent = lst.rsplit(".", 1)[0] if "." in lst else ""
+            routers = [b for p, b in self.blocks.items() if b.kind == "moe.router" and
+                       (p == parent or p.startswith(parent + ".")) and
+                       b.attrs.get("n_experts") == n]
+            if not members or not routers:
+                continue
+            first = self.blocks[members[0]]
+            flops = sum(self.blocks[m].flops for m in members)
+            nbytes = sum(self.blocks[m].bytes for m in members)
+            hist: Counter = Counter()
+            for m in members:
+                hist.update(self.blocks.pop(m).op_histogram)
+            params = {n2[len(lst) + 1:]: s for n2, s in self.ctx.param_shapes.items()
+                      if n2.startswith(lst + ".")}
+            self.blocks[lst] = Block(
+                path=lst, kind="moe.experts", layer=layer_of(lst), class_name="ModuleList",
+                evidence=[f"{n} identical MLPs in a list", f"router beside it selects among {n}",
+                          f"{len(members)} of them ran on this input"],
+                op_histogram=dict(sorted(hist.items())), inputs=first.inputs,
+                outputs=first.outputs, params=params,
+                attrs={"n_experts": n, "layout": "module_list",
+                       "activation": first.attrs.get("activation"),
+                       "clamp": first.attrs.get("clamp"), "grouped_mm": False},
+                flops=flops, bytes=nbytes)
+
+    def _leftovers(self) -> None:
+        """Substantive compute nobody explained becomes `unknown` at the module that ran it."""
+        for container, recs in self.unclaimed.items():
+            by_origin: dict[str, list[OpRecord]] = {}
+            for r in recs:
+                origin = self._origin(r.module)
+                by_origin.setdefault(origin, []).append(r)
+            for origin, group in by_origin.items():
+                ops = _hist(group)
+                n_mm = len(_matmul_recs(group))
+                heavy = [op for op in ("topk", "cumsum", "sort") if ops[op]] + \
+                    [op for op in ops if op in SOFTMAX or op in CONV or is_sdpa(op)]
+                if origin == container and container in self.blocks:
+                    continue
+                if n_mm >= 2 or (heavy and n_mm >= 1):
+                    self._add(origin, "unknown", [
+                        f"{n_mm} matmuls" + (f", {', '.join(sorted(set(heavy)))}" if heavy
+                                             else "") + " that no rule explains"], {}, group)
+
+    def _origin(self, module: str) -> str:
+        """The largest subtree around ``module`` that holds no block: where leftovers came from."""
+        def has_block(p: str) -> bool:
+            return any(b == p or b.startswith(p + ".") if p else True for b in self.blocks)
+
+        while module and not has_block(parent := module.rsplit(".", 1)[0] if "." in module
+                                       else ""):
+            module = parent
+        return module
+
+    def _shared_experts(self) -> None:
+        moe_parents = {b.path.rsplit(".", 1)[0] for b in self.blocks.values()
+                       if b.kind in ("moe.router", "moe.experts")}
+        for b in self.blocks.values():
+            parent = b.path.rsplit(".", 1)[0]
+            if b.kind == "mlp.dense" and parent in moe_parents:
+                b.kind = "moe.shared_expert"
+                b.evidence.append("a dense MLP beside a router and experts: shared expert")
+
+
+def _path_key(path: str) -> list:
+    return [int(p) if p.isdigit() else p for p in path.split(".")]
+
+
+def estimate_cost(recs: list[OpRecord]) -> tuple[int, int]:
+    """FLOPs and unfused bytes moved, from op shapes (views move nothing)."""
+    flops = nbytes = 0
+    size = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+            "bool": 1}
+
+    def numel(s: list[int] | None) -> int:
+        n = 1
+        for d in s or []:
+            n *= d
+        return n
+
+    for r in recs:
+        if r.op in VIEW_OPS:
+            continue
+        out = numel(r.out_shapes[0]) if r.out_shapes else 0
+        if is_matmul(r.op) and r.in_shapes and r.in_shapes[0]:
+            k = r.in_shapes[0][-1]
+            flops += 2 * out * k
+        elif is_sdpa(r.op) and len(r.in_shapes) >= 3 and r.in_shapes[1]:
+            q, kk, v = r.in_shapes[:3]
+            flops += 2 * numel(q) * kk[-2] + 2 * numel(q[:-1]) * kk[-2] * v[-1]
+        elif r.op in CONV and len(r.in_shapes) > 1 and r.in_shapes[1]:
+            w = r.in_shapes[1]
+            flops += 2 * out * numel(w[1:])
+        else:
+            flops += out
+        for s, d in zip(r.in_shapes, r.in_dtypes):
+            if s is not None:
+                nbytes += numel(s) * size.get(d or "", 4)
+        for s, d in zip(r.out_shapes, r.out_dtypes):
+            nbytes += numel(s) * size.get(d, 4)
+    return flops, nbytes

@@ -1,0 +1,103 @@
+"""SwiGLU activation family: y = (up + up_offset) * g * sigmoid(alpha * g), optionally clamped.
+
+Variants: `split` (gate and up as two tensors) and `fused` (one `[..., 2F]` gate_up tensor,
+`layout` "halves" = [gate | up] or "interleaved" = gate at even, up at odd columns, as gpt-oss).
+Clamping (`limit`): `clamp_style="pre_act"` is gpt-oss (gate clamped to max=limit before the
+activation, up to [-limit, limit]; with alpha=1.702 and up_offset=1.0); `"post_act"` is
+Step-3.x (silu(gate) clamped to max=limit, up to [-limit, limit]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "swiglu"
+
+# Known clamped SwiGLUs, by a lower-case fragment of the block's class name.
+_CLAMPED_STYLES = {
+    "gptoss": {"clamp_style": "pre_act", "alpha": 1.702, "up_offset": 1.0, "layout": "interleaved"},
+    "step3": {"clamp_style": "post_act", "alpha": 1.0, "up_offset": 0.0, "layout": "halves"},
+}
+
+
+def _check(variant: str, params: dict[str, Any]) -> None:
+    if params["limit"] is None and params["clamp_style"] != "pre_act":
+        raise InputError("swiglu: parameter 'clamp_style' applies only when 'limit' is set")
+    if params["limit"] is not None and params["limit"] <= 0:
+        raise InputError(f"swiglu: parameter 'limit' must be > 0, got {params['limit']!r}")
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Render params for a gated-SiLU `mlp.dense` / `moe.shared_expert` block, else None.
+
+    A fused gate_up projection (a param named `*gate_up_proj*`) selects `fused`. A clamp
+    (`attrs["clamp"]`) needs its style: from attrs (`clamp_style`, `alpha`, `up_offset`,
+    `gate_up_layout`) or a known class-name fragment (gpt-oss, Step-3); otherwise None.
+    """
+    if block.kind not in ("mlp.dense", "moe.shared_expert", "moe.experts"):
+        return None
+    attrs = block.attrs
+    if attrs.get("activation") != "silu" or not attrs.get("gated", False):
+        return None
+    fused = any("gate_up" in name for name in block.params)
+    params: dict[str, Any] = {}
+    style: dict[str, Any] = {}
+    cls = block.class_name.lower().replace("_", "")
+    for fragment, known in _CLAMPED_STYLES.items():
+        if fragment in cls:
+            style = dict(known)
+    if attrs.get("clamp") is not None:
+        if "clamp_style" in attrs:
+            style = {"clamp_style": attrs["clamp_style"]}
+        if not style:
+            return None
+        params["limit"] = float(attrs["clamp"])
+        params["clamp_style"] = style["clamp_style"]
+        params["alpha"] = float(attrs.get("alpha", style.get("alpha", 1.0)))
+        params["up_offset"] = float(attrs.get("up_offset", style.get("up_offset", 0.0)))
+    if fused:
+        params["layout"] = attrs.get("gate_up_layout", style.get("layout", "halves"))
+    variant = "fused" if fused else "split"
+    try:
+        return {"variant": variant, "params": FAMILY.resolve(variant, params)}
+    except InputError:
+        return None
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="swiglu.py.j2",
+    template_version=1,
+    variants={
+        "split": "swiglu(gate, up): separate [..., F] tensors",
+        "fused": "swiglu_fused(gate_up): one [..., 2F] tensor (halves or interleaved)",
+    },
+    params=(
+        Param(name="layout", type=str, default="halves", choices=("halves", "interleaved"),
+              variants=("fused",), doc="where gate and up sit in gate_up"),
+        Param(name="limit", type=float, default=None, nullable=True, min=0.0,
+              doc="clamp limit (None: no clamp)"),
+        Param(name="clamp_style", type=str, default="pre_act", choices=("pre_act", "post_act"),
+              doc="pre_act: clamp gate before the activation (gpt-oss); post_act: clamp silu(gate)"),
+        Param(name="alpha", type=float, default=1.0, min=0.0, max=100.0,
+              doc="sigmoid slope: a = g * sigmoid(alpha * g) (gpt-oss: 1.702)"),
+        Param(name="up_offset", type=float, default=0.0, min=-100.0, max=100.0,
+              doc="added to (clamped) up before the product (gpt-oss: 1.0)"),
+    ),
+    tuning_space={
+        "BLOCK_N": (1, 2, 4, 8, 16, 32),
+        "BLOCK_F": (64, 128, 256, 512, 1024, 2048),
+        "num_warps": (1, 2, 4, 8, 16),
+    },
+    default_config={"BLOCK_N": 4, "BLOCK_F": 1024, "num_warps": 4},
+    shape_buckets=(
+        ShapeBucket(name="f_le_1k", dim="F", lo=1, hi=1024, config={"BLOCK_N": 8, "BLOCK_F": 512}),
+        ShapeBucket(name="f_le_8k", dim="F", lo=1025, hi=8192),
+        ShapeBucket(name="f_big", dim="F", lo=8193, hi=2**31 - 1, config={"BLOCK_N": 2, "BLOCK_F": 2048, "num_warps": 8}),
+    ),
+    check=_check,
+    match=match,
+)
