@@ -229,8 +229,11 @@ class Classifier:
         ctx, ev, attrs = self.ctx, list(attn), {}
         mm = _matmul_recs(recs)
         # MLA: a low-rank latent that a child norm normalises and a projection expands again.
+        # Per-head q/k norms see [B, T, H, D]; a latent norm sees [B, T, r] straight from a
+        # projection.
         latent_dims = {self.blocks[c].attrs.get("dim") for c in child_kinds
-                       if child_kinds[c] == "norm.rms"}
+                       if child_kinds[c] == "norm.rms" and self.blocks[c].inputs
+                       and len(self.blocks[c].inputs[0].shape) == 3}
         in_dims = {d[0] for r in mm if (d := _linear_dims(r, ctx))}
         latent = sorted(d for d in latent_dims & in_dims if d and d != ctx.hidden)
         if latent:

@@ -1,2 +1,2 @@
-from onboarding.families import rmsnorm, swiglu
-FAMILIES = (rmsnorm.FAMILY, swiglu.FAMILY)
+from onboarding.families import rmsnorm, swiglu, rope
+FAMILIES = (rmsnorm.FAMILY, swiglu.FAMILY, rope.FAMILY)

@@ -1,0 +1,65 @@
+"""Graph nodes: thin calls into the `onboarding` library, reporting progress as custom events."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from langgraph.config import get_stream_writer
+
+from agents.state import RunState
+from onboarding.rundir import append_event
+from onboarding.report import build_report
+from onboarding.stages import run_load, run_parse
+
+
+def _progress(node: str):
+    try:
+        writer = get_stream_writer()
+    except RuntimeError:  # called outside a graph run
+        writer = None
+
+    def step(text: str) -> None:
+        if writer is not None:
+            writer({"node": node, "step": text})
+
+    return step
+
+
+def _done(state: RunState, node: str, **updates: Any) -> dict[str, Any]:
+    append_event(Path(state.run_dir), {"node": node, "event": "done"})
+    artifacts = {**state.artifacts, **updates.pop("artifacts", {})}
+    summary = {**state.summary, **updates.pop("summary", {})}
+    return {"completed": [*state.completed, node], "artifacts": artifacts, "summary": summary,
+            **updates}
+
+
+def load_node(state: RunState) -> dict[str, Any]:
+    append_event(Path(state.run_dir), {"node": "load", "event": "start"})
+    _progress("load")("resolving MODEL, full-size accounting on meta")
+    c = state.config
+    info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy, Path(state.run_dir))
+    return _done(state, "load", model_name=info.loaded.name,
+                 artifacts={"model": "model.json"},
+                 summary={"total_params": info.full.total, "active_params": info.full.active})
+
+
+def parse_node(state: RunState) -> dict[str, Any]:
+    append_event(Path(state.run_dir), {"node": "parse", "event": "start"})
+    step = _progress("parse")
+    c = state.config
+    step("building the proxy")
+    info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy)
+    g = run_parse(info, Path(state.run_dir), batch=c.batch, seq=c.seq, seed=c.seed,
+                  on_step=step)
+    return _done(state, "parse", artifacts={"opgraph": "opgraph.json"},
+                 summary={"capture": g.capture, "layer_pattern": g.layer_pattern,
+                          "blocks": len(g.blocks), "unknown_blocks": len(g.by_kind("unknown"))})
+
+
+def report_node(state: RunState) -> dict[str, Any]:
+    append_event(Path(state.run_dir), {"node": "report", "event": "start"})
+    _progress("report")("writing report.md")
+    path = build_report(Path(state.run_dir), title=state.model_name or "model",
+                        attempts=[*state.completed, "report"])
+    return _done(state, "report", artifacts={"report": path.name})

@@ -1,0 +1,28 @@
+"""The agent's typed state. Nodes return partial updates; loop caps live in `RunConfig`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class RunConfig(BaseModel):
+    """Everything a run needs to be re-created on resume (stored in the checkpoint)."""
+
+    model_ref: str | None = None
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    trust_remote_code: bool = False
+    proxy: str = "tiny"
+    batch: int = 1
+    seq: int = 64
+    seed: int = 0
+
+
+class RunState(BaseModel):
+    config: RunConfig
+    run_dir: str
+    model_name: str | None = None
+    completed: list[str] = Field(default_factory=list)
+    artifacts: dict[str, str] = Field(default_factory=dict)
+    summary: dict[str, Any] = Field(default_factory=dict)

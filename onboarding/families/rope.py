@@ -1,0 +1,70 @@
+"""Rotary position embedding family: q and k rotated by cos/sin, forward and backward.
+
+Variants: `half` (rotate_half: pairs (i, i + R/2), the transformers default) and `interleaved`
+(pairs (2i, 2i + 1)). The rotary dim R is cos.shape[-1]; R < head_dim is partial rotary (the
+rest of each head passes through). `head_dim`/`rotary_dim` (optional) pin the shapes the module
+accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "rope"
+
+
+def _check(variant: str, params: dict[str, Any]) -> None:
+    r, d = params["rotary_dim"], params["head_dim"]
+    if r is not None and r % 2:
+        raise InputError(f"rope: parameter 'rotary_dim' must be even, got {r}")
+    if r is not None and d is not None and r > d:
+        raise InputError(f"rope: parameter 'rotary_dim' ({r}) must be <= 'head_dim' ({d})")
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Render params for a `rope` block (attrs layout, rotary_dim, head_dim), else None."""
+    if block.kind != "rope":
+        return None
+    attrs = block.attrs
+    layout = attrs.get("layout", "half")
+    if layout not in ("half", "interleaved"):
+        return None
+    params = {"head_dim": attrs.get("head_dim"), "rotary_dim": attrs.get("rotary_dim")}
+    try:
+        return {"variant": layout, "params": FAMILY.resolve(layout, params)}
+    except InputError:
+        return None
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="rope.py.j2",
+    template_version=1,
+    variants={
+        "half": "rotate_half layout: x * cos + cat(-x2, x1) * sin",
+        "interleaved": "interleaved pairs (2i, 2i+1)",
+    },
+    params=(
+        Param(name="head_dim", type=int, default=None, nullable=True, min=2, max=1024,
+              doc="accepted head dim D (None: any)"),
+        Param(name="rotary_dim", type=int, default=None, nullable=True, min=2, max=1024,
+              doc="accepted rotary dim R = cos.shape[-1] (None: any even R <= D)"),
+    ),
+    tuning_space={
+        "BLOCK_T": (1, 2, 4, 8, 16, 32),
+        "BLOCK_H": (1, 2, 4, 8, 16, 32, 64),
+        "num_warps": (1, 2, 4, 8),
+    },
+    default_config={"BLOCK_T": 4, "BLOCK_H": 8, "num_warps": 4},
+    shape_buckets=(
+        ShapeBucket(name="d_le_64", dim="D", lo=1, hi=64, config={"BLOCK_T": 8}),
+        ShapeBucket(name="d_le_128", dim="D", lo=65, hi=128),
+        ShapeBucket(name="d_le_256", dim="D", lo=129, hi=256, config={"BLOCK_T": 2}),
+        ShapeBucket(name="d_big", dim="D", lo=257, hi=1024, config={"BLOCK_T": 1, "BLOCK_H": 4}),
+    ),
+    check=_check,
+    match=match,
+)

@@ -1,0 +1,117 @@
+"""The run report: one builder, one section per stage, each reading that stage's artifacts.
+
+A stage adds its section by registering a function ``(run_dir) -> str | None`` in `SECTIONS`
+(None when its artifact is absent). `build_report` writes ``report.md`` plus the plots it embeds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from onboarding.opgraph import OpGraph
+from onboarding.parse import PATTERN_LEGEND
+
+Section = Callable[[Path], "str | None"]
+
+
+def human(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _model_section(run_dir: Path) -> str | None:
+    f = run_dir / "model.json"
+    if not f.exists():
+        return None
+    m = json.loads(f.read_text())
+    p = m["params"]
+    rows = [["total", f"{p['total']:,}", human(p["total"])],
+            ["active per token", f"{p['active']:,}", human(p["active"])],
+            ["active, without embeddings and lm_head", f"{p['active_without_embeddings']:,}",
+             human(p["active_without_embeddings"])],
+            ["routed experts", f"{p['routed_experts']:,}", human(p["routed_experts"])]]
+    out = [f"## Model\n\n`{m['ref']}` ({m['source']}); proxy: {m['proxy']} — {m['proxy_note']}.",
+           "", "Full-size parameters, counted on the meta device:", "",
+           table(["", "parameters", ""], rows)]
+    if p["moe"]:
+        moe = p["moe"][0]
+        out += ["", f"{len(p['moe'])} MoE blocks: {moe['n_experts']} experts, top-k "
+                f"{moe['top_k']} ({moe['top_k_source']})."]
+    env = m["environment"]
+    out += ["", f"Environment: torch {env['torch']}, transformers {env['transformers']}, "
+            f"triton {env['triton']}, commit {env['commit']}, {env['date']}."]
+    return "\n".join(out)
+
+
+def _params_plot(graph: OpGraph, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_kind = graph.param_counts.get("full_by_kind") or {}
+    if not by_kind:
+        return False
+    kinds = sorted(by_kind, key=by_kind.get)
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(kinds) + 1.2))
+    ax.barh(kinds, [by_kind[k] / 1e9 for k in kinds], color="#4878a8")
+    ax.set_xlabel("parameters (billions, full size)")
+    ax.set_title(f"{graph.model}: parameters by block kind")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _opgraph_section(run_dir: Path) -> str | None:
+    f = run_dir / "opgraph.json"
+    if not f.exists():
+        return None
+    g = OpGraph.load(f)
+    counts = Counter(b.kind for b in g.blocks)
+    flops = Counter()
+    for b in g.blocks:
+        flops[b.kind] += b.flops
+    rows = []
+    for kind, n in sorted(counts.items()):
+        example = next(b for b in g.blocks if b.kind == kind)
+        shape = "x".join(map(str, example.inputs[0].shape)) if example.inputs else "-"
+        rows.append([f"`{kind}`", n, f"`{example.path}`", shape, human(flops[kind])])
+    out = [f"## Operator graph\n\nCaptured with **{g.capture}** ({g.capture_note}); proxy input "
+           f"batch {g.batch} x seq {g.seq}, {g.dtype}.", "",
+           f"Layer pattern: `{g.layer_pattern}`  ", f"({PATTERN_LEGEND})", "",
+           table(["kind", "blocks", "example", "input shape", "FLOPs (proxy)"], rows)]
+    if _params_plot(g, run_dir / "params_by_kind.png"):
+        out += ["", "![parameters by block kind](params_by_kind.png)"]
+    unknown = g.by_kind("unknown")
+    if unknown:
+        out += ["", f"**{len(unknown)} unknown blocks** (no rule explains them): " +
+                ", ".join(f"`{b.path}`" for b in unknown[:8])]
+    return "\n".join(out)
+
+
+SECTIONS: list[Section] = [_model_section, _opgraph_section]
+
+
+def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None) -> Path:
+    parts = [f"# onboard run: {title}", ""]
+    if attempts:
+        parts += ["Stages run: " + " -> ".join(attempts), ""]
+    for section in SECTIONS:
+        text = section(run_dir)
+        if text:
+            parts += [text, ""]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(parts))
+    return path

@@ -1,0 +1,77 @@
+"""Stage functions with file outputs: what the CLI and the agent's nodes both call."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onboarding import __version__
+from onboarding.loading import load_model
+from onboarding.opgraph import OpGraph
+from onboarding.parse import ModelInfo, load_stage, parse_stage
+from onboarding.proxy import text_config
+from onboarding.rundir import write_json
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"onboard": __version__, "commit": git_commit(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "triton": triton_version,
+            "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _config_dict(config: Any) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    return text_config(config).to_dict() if hasattr(config, "to_dict") else None
+
+
+def run_load(ref: str | None, overrides: dict[str, Any], trust_remote_code: bool, proxy: str,
+             out_dir: Path | None = None) -> ModelInfo:
+    """Resolve MODEL, account the full size on meta, pick the proxy; writes ``model.json``."""
+    t0 = time.perf_counter()
+    info = load_stage(load_model(ref, overrides=overrides, trust_remote_code=trust_remote_code),
+                      proxy)
+    if out_dir is not None:
+        lm = info.loaded
+        write_json(out_dir / "model.json", {
+            "ref": lm.ref, "name": lm.name, "source": lm.source, "overrides": overrides,
+            "trust_remote_code": lm.trust_remote_code,
+            "weights": [str(w) for w in lm.weights],
+            "params": info.full.to_dict(), "proxy": proxy, "proxy_note": info.proxy_note,
+            "full_config": _config_dict(lm.config), "proxy_config": _config_dict(
+                info.proxy_config),
+            "seconds": round(time.perf_counter() - t0, 3), "environment": environment()})
+    return info
+
+
+def run_parse(info: ModelInfo, out_dir: Path | None, *, batch: int = 1, seq: int = 64,
+              seed: int = 0, on_step: Callable[[str], None] | None = None) -> OpGraph:
+    graph = parse_stage(info, batch=batch, seq=seq, seed=seed, on_step=on_step)
+    if out_dir is not None:
+        graph.save(out_dir / "opgraph.json")
+    return graph
