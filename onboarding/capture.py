@@ -12,6 +12,9 @@ module's input/output shapes.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +206,21 @@ def _walk_graph(gm: Any, param_of: dict[str, str], records: list[OpRecord]) -> N
                                 params=params))
 
 
+@contextlib.contextmanager
+def _quiet():
+    loggers = [logging.getLogger(n) for n in ("torch._dynamo", "torch.export",
+                                              "torch._export", "torch.fx", "torch._subclasses")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
 def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool = True,
             on_step: Callable[[str], None] | None = None) -> Capture:
     """Capture ``model`` on ``inputs``: export when it works, the dispatch recording otherwise."""
@@ -214,7 +232,9 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool =
         return eager
     step("torch.export (non-strict)")
     try:
-        ep = torch.export.export(model, inputs, kwargs=kwargs, strict=False)
+        # A failing export dumps the whole graph to the terminal: keep it quiet.
+        with _quiet():
+            ep = torch.export.export(model, inputs, kwargs=kwargs, strict=False)
     except Exception as exc:
         lines = str(exc).strip().splitlines()
         eager.note = (f"torch.export failed ({type(exc).__name__}: "

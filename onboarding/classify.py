@@ -165,7 +165,8 @@ class Classifier:
         if ops["embedding"] and not mm:
             return "embedding", ["aten.embedding lookup"], {}
         if leaf and len(mm) == 1 and ctx.vocab and (d := _linear_dims(mm[0], ctx)) \
-                and d[1] == ctx.vocab and sum(ops.values()) - ops["linear"] <= 2:
+                and d[1] == ctx.vocab and sum(n for op, n in ops.items()
+                                              if op not in VIEW_OPS and not is_matmul(op)) <= 2:
             return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)"], {}
         if not mm and (ops["native_layer_norm"] or ops["layer_norm"]):
             return "norm.layer", ["layer_norm op"], {}

@@ -1,0 +1,53 @@
+"""Causal depthwise conv1d family over [B, T, C], kernel size W, optional bias, optional SiLU.
+
+One variant, `causal`: y = act(bias + sum_w x[t - (W - 1) + w] * weight[:, w]), the short
+token-mixing convolution of Mamba and gated delta-net blocks; gradients to x, weight and bias.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "conv1d"
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Render params for a `conv.causal1d` block (attrs kernel_size, activation), else None."""
+    if block.kind != "conv.causal1d":
+        return None
+    attrs = block.attrs
+    activation = attrs.get("activation")
+    if activation not in (None, "silu"):
+        return None
+    params = {"kernel_size": attrs.get("kernel_size"), "activation": activation}
+    try:
+        return {"variant": "causal", "params": FAMILY.resolve("causal", params)}
+    except InputError:
+        return None
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="conv1d.py.j2",
+    template_version=1,
+    variants={"causal": "causal depthwise conv over [B, T, C], optional bias, optional SiLU"},
+    params=(
+        Param(name="kernel_size", type=int, default=4, min=1, max=8, doc="taps W (weight [C, W])"),
+        Param(name="activation", type=str, default=None, nullable=True, choices=("silu",),
+              doc="fused activation: None or 'silu'"),
+    ),
+    tuning_space={
+        "BLOCK_T": (8, 16, 32, 64, 128),
+        "BLOCK_C": (32, 64, 128, 256),
+        "num_warps": (1, 2, 4, 8),
+    },
+    default_config={"BLOCK_T": 16, "BLOCK_C": 128, "num_warps": 4},
+    shape_buckets=(
+        ShapeBucket(name="c_le_1k", dim="C", lo=1, hi=1024, config={"BLOCK_C": 64}),
+        ShapeBucket(name="c_big", dim="C", lo=1025, hi=2**31 - 1),
+    ),
+    match=match,
+)

@@ -1,0 +1,146 @@
+"""Numerical tolerances and tensor comparison shared by kernel tests and layer-wise alignment.
+
+The headline metric is the relative RMS error ||a - b|| / ||b|| (in float64); an elementwise
+allclose bound (|a - b| <= atol + rtol * |b|) catches localised errors the RMS hides.
+Tolerances are per dtype and per kind of quantity:
+
+- "elementwise": outputs and gradients computed per element or per row (the default);
+- "reduction": quantities summed over many rows (weight/bias gradients), where the summation
+  order differs from the reference;
+- "layer": whole-layer outputs and gradients in layer-wise alignment (several ops deep).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    max_rel_rms: float
+
+    def __str__(self) -> str:
+        return f"rel_rms<={self.max_rel_rms:.1e}, atol={self.atol:.1e}, rtol={self.rtol:.1e}"
+
+
+# Kernels compute in fp32 from inputs of the given dtype; references compute in fp32 from the
+# same inputs. fp32 bounds cover summation-order differences; fp16/bf16 bounds cover one
+# rounding of the output to the storage dtype (eps 9.8e-4 / 7.8e-3) plus a few ulp.
+_TOLERANCES: dict[tuple[torch.dtype, str], Tolerance] = {
+    (torch.float32, "elementwise"): Tolerance(atol=1e-5, rtol=1e-4, max_rel_rms=1e-5),
+    (torch.float16, "elementwise"): Tolerance(atol=1e-3, rtol=5e-3, max_rel_rms=2e-3),
+    (torch.bfloat16, "elementwise"): Tolerance(atol=1e-2, rtol=2e-2, max_rel_rms=1e-2),
+    # Sums over rows: fp32 accumulation in a different order (per-program partials).
+    (torch.float32, "reduction"): Tolerance(atol=1e-4, rtol=1e-4, max_rel_rms=1e-5),
+    (torch.float16, "reduction"): Tolerance(atol=1e-2, rtol=5e-3, max_rel_rms=2e-3),
+    (torch.bfloat16, "reduction"): Tolerance(atol=5e-2, rtol=2e-2, max_rel_rms=1e-2),
+    # Whole layers: errors compound through several ops and intermediate roundings.
+    (torch.float32, "layer"): Tolerance(atol=1e-4, rtol=1e-3, max_rel_rms=1e-4),
+    (torch.float16, "layer"): Tolerance(atol=1e-2, rtol=2e-2, max_rel_rms=1e-2),
+    (torch.bfloat16, "layer"): Tolerance(atol=5e-2, rtol=5e-2, max_rel_rms=3e-2),
+}
+KINDS = ("elementwise", "reduction", "layer")
+
+
+def tolerance_for(dtype: torch.dtype | str, kind: str | None = None) -> Tolerance:
+    """The tolerance for `dtype` (a torch dtype or "fp32"/"float16"/...) and `kind`."""
+    if isinstance(dtype, str):
+        names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+                 "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(names)}")
+        dtype = names[dtype]
+    kind = kind or "elementwise"
+    if kind not in KINDS:
+        raise ValueError(f"unknown tolerance kind {kind!r}; known: {KINDS}")
+    if (dtype, kind) not in _TOLERANCES:
+        raise ValueError(f"no tolerance for dtype {dtype}")
+    return _TOLERANCES[(dtype, kind)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Comparison:
+    name: str
+    passed: bool
+    rel_rms: float
+    max_abs: float
+    tolerance: Tolerance
+    shape: tuple[int, ...]
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name, "passed": self.passed, "rel_rms": self.rel_rms, "max_abs": self.max_abs,
+            "atol": self.tolerance.atol, "rtol": self.tolerance.rtol,
+            "max_rel_rms": self.tolerance.max_rel_rms, "shape": list(self.shape), "message": self.message,
+        }
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, name: str = "tensor") -> Comparison:
+    """Compare `actual` with `expected` under `tol`; the message says why it failed, if it did.
+
+    Fails on shape mismatch, on NaN/inf in `actual` where `expected` is finite, when
+    ||a - b|| / ||b|| > max_rel_rms (unless the RMS of a - b is itself within atol: an absolute
+    floor for expected values near zero), or when any element breaks |a - b| <= atol + rtol * |b|.
+    """
+    if tuple(actual.shape) != tuple(expected.shape):
+        return Comparison(
+            name=name, passed=False, rel_rms=math.inf, max_abs=math.inf, tolerance=tol,
+            shape=tuple(expected.shape),
+            message=f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}",
+        )
+    a = actual.detach().to("cpu", torch.float64)
+    b = expected.detach().to("cpu", torch.float64)
+    shape = tuple(b.shape)
+    bad = ~torch.isfinite(a) & torch.isfinite(b)
+    if bad.any():
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        return Comparison(
+            name=name, passed=False, rel_rms=math.nan, max_abs=math.nan, tolerance=tol, shape=shape,
+            message=f"{name}: {int(bad.sum())} of {b.numel()} elements non-finite (first at {first}: "
+            f"{a[first].item()} vs {b[first].item()})",
+        )
+    finite = torch.isfinite(b)
+    diff = torch.where(finite, (a - b).abs(), torch.zeros_like(a))
+    if b.numel() == 0:
+        return Comparison(name=name, passed=True, rel_rms=0.0, max_abs=0.0, tolerance=tol, shape=shape,
+                          message=f"{name}: empty")
+    norm_b = torch.where(finite, b, torch.zeros_like(b)).norm().item()
+    norm_d = diff.norm().item()
+    rel_rms = norm_d / norm_b if norm_b > 0 else (0.0 if norm_d == 0 else math.inf)
+    max_abs = diff.max().item()
+    excess = diff - (tol.atol + tol.rtol * b.abs().nan_to_num(0.0))
+    n_out = int((excess > 0).sum())
+    # Absolute floor: when the expected tensor is ~0 (e.g. a gradient that cancels analytically),
+    # the relative RMS is meaningless; an RMS difference within atol passes, as in allclose.
+    rms_ok = rel_rms <= tol.max_rel_rms or norm_d <= tol.atol * math.sqrt(b.numel())
+    passed = rms_ok and n_out == 0
+    i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), shape)) if shape else ()
+    detail = f"rel_rms={rel_rms:.2e} max_abs={max_abs:.2e} at {i} ({a[i].item():.6g} vs {b[i].item():.6g})"
+    if passed:
+        message = f"{name}: ok {detail}"
+    else:
+        why = []
+        if not rms_ok:
+            why.append(f"rel_rms {rel_rms:.2e} > {tol.max_rel_rms:.1e}")
+        if n_out:
+            why.append(f"{n_out} of {b.numel()} elements outside atol={tol.atol:.1e} + rtol={tol.rtol:.1e}*|b|")
+        message = f"{name}: FAIL {'; '.join(why)}; {detail}; shape {shape}"
+    return Comparison(name=name, passed=passed, rel_rms=rel_rms, max_abs=max_abs, tolerance=tol,
+                      shape=shape, message=message)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, name: str = "tensor") -> Comparison:
+    """`compare`, raising AssertionError with the readable message on failure."""
+    result = compare(actual, expected, tol, name)
+    if not result.passed:
+        raise AssertionError(result.message)
+    return result

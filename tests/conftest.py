@@ -1,0 +1,41 @@
+"""Shared fixtures: parsed op graphs are cached per session (export of hybrids takes seconds)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+# Kernel tests run Triton in the interpreter on CPU machines; it must be set before any
+# @triton.jit runs (DESIGN.md).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@functools.cache
+def parsed(ref: str, **kw):
+    from onboarding.loading import load_model
+    from onboarding.parse import load_stage, parse_stage
+
+    info = load_stage(load_model(ref, trust_remote_code=True))
+    return parse_stage(info, **kw)
+
+
+@pytest.fixture(scope="session")
+def parse_model():
+    return parsed

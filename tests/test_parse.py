@@ -1,0 +1,125 @@
+"""Parsing tiny proxies and classifying their blocks by structure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from onboarding.opgraph import BLOCK_KINDS, OpGraph
+
+
+def kinds_of(g):
+    return {b.kind for b in g.blocks}
+
+
+def test_qwen3_next(parse_model):
+    g = parse_model("hf:qwen3_next")
+    assert g.capture == "export"
+    k = kinds_of(g)
+    assert {"linear_attention.gated_delta", "attention.gated", "moe.router", "moe.experts",
+            "moe.shared_expert", "norm.rms_gated", "conv.causal1d", "norm.rms", "rope",
+            "embedding", "lm_head"} <= k
+    assert "linear_attention.kimi_delta" not in k and "unknown" not in k
+    assert g.layer_pattern == "DE DE DE AE"
+    norm = g.by_kind("norm.rms")[0]
+    assert norm.attrs["unit_offset"] is True  # Qwen3-Next scales by (1 + weight)
+
+
+def test_kimi_linear(parse_model):
+    g = parse_model("hf:kimi_linear")
+    k = kinds_of(g)
+    assert {"linear_attention.kimi_delta", "attention.mla", "moe.router", "moe.experts",
+            "moe.shared_expert", "mlp.dense", "norm.rms_gated", "conv.causal1d"} <= k
+    assert "linear_attention.gated_delta" not in k and "unknown" not in k
+    kda = g.by_kind("linear_attention.kimi_delta")[0]
+    assert kda.attrs["per_channel_decay"] is True
+    assert g.by_kind("norm.rms_gated")[0].attrs["gate_activation"] == "sigmoid"
+
+
+def test_deepseek_v32(parse_model):
+    g = parse_model("hf:deepseek_v32")
+    k = kinds_of(g)
+    assert {"sparse_attention.topk", "moe.router", "moe.experts", "moe.shared_expert",
+            "mlp.dense", "norm.layer"} <= k
+    sparse = g.by_kind("sparse_attention.topk")[0]
+    assert sparse.attrs["layout"] == "mla" and sparse.attrs["indexer_relu"]
+    router = g.by_kind("moe.router")[0]
+    assert router.attrs["scoring"] == "sigmoid" and router.attrs["group_limited"]
+    assert "unknown" not in k
+
+
+@pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:mixtral"])
+def test_plain_moe(parse_model, ref):
+    g = parse_model(ref)
+    k = kinds_of(g)
+    assert {"attention.full", "moe.router", "moe.experts", "norm.rms", "rope"} <= k
+    assert not k & {"moe.shared_expert", "mlp.dense", "unknown"}
+    r = g.by_kind("moe.router")[0]
+    assert r.attrs["scoring"] == "softmax" and r.attrs["top_k"] == 2
+
+
+def test_example_hybrid(parse_model):
+    g = parse_model("onboard_hybrid")
+    k = kinds_of(g)
+    assert {"linear_attention.gated_delta", "sparse_attention.topk", "moe.router",
+            "moe.experts", "moe.shared_expert", "norm.rms_gated", "conv.causal1d"} <= k
+    assert "unknown" not in k
+    mixers = [p[0] for p in g.layer_pattern.split()]
+    assert mixers.count("D") == 3 * mixers.count("S")  # 3/4 linear attention
+
+
+def test_example_dense(parse_model):
+    g = parse_model("tiny_dense")
+    assert {"attention.full", "mlp.dense", "norm.rms", "embedding", "lm_head"} <= kinds_of(g)
+
+
+def test_export_failure_falls_back_and_still_classifies(parse_model):
+    g = parse_model("tests/fixtures/user_models.py:DataDependentMoELM")
+    assert g.capture == "dispatch"
+    assert "torch.export failed" in g.capture_note
+    k = kinds_of(g)
+    assert {"attention.full", "moe.router", "moe.experts", "norm.layer", "embedding",
+            "lm_head"} <= k
+    experts = g.by_kind("moe.experts")[0]
+    assert experts.attrs["layout"] == "module_list" and experts.attrs["n_experts"] == 4
+    assert "unknown" not in k
+
+
+def test_every_block_has_evidence_shapes_and_cost(parse_model):
+    g = parse_model("hf:qwen3_next")
+    for b in g.blocks:
+        assert b.kind in BLOCK_KINDS
+        assert b.evidence, b.path
+        assert b.op_histogram, b.path
+        if b.kind not in ("rope",):
+            assert b.inputs and b.outputs, b.path
+        if b.kind.startswith(("attention", "linear_attention", "moe.experts", "mlp")):
+            assert b.flops > 0 and b.bytes > 0, b.path
+
+
+def test_unseen_structure_is_unknown_not_guessed(tmp_path):
+    src = tmp_path / "odd.py"
+    src.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Mixer(nn.Module):\n"
+        "    def __init__(s):\n        super().__init__()\n"
+        "        s.a = nn.Linear(16, 16)\n        s.b = nn.Linear(16, 16)\n"
+        "    def forward(s, x):\n        return s.b(torch.cos(s.a(x)) * x)\n"
+        "class Odd(nn.Module):\n"
+        "    def __init__(s):\n        super().__init__()\n"
+        "        s.embed = nn.Embedding(50, 16)\n        s.mix = Mixer()\n"
+        "    def forward(s, ids):\n        return s.mix(s.embed(ids))\n")
+    from onboarding.loading import load_model
+    from onboarding.parse import load_stage, parse_stage
+
+    g = parse_stage(load_stage(load_model(f"{src}:Odd")))
+    assert g.by_kind("unknown")[0].path == "mix"
+
+
+def test_opgraph_json_roundtrip(parse_model, tmp_path):
+    g = parse_model("hf:mixtral")
+    g.save(tmp_path / "opgraph.json")
+    back = OpGraph.load(tmp_path / "opgraph.json")
+    assert back.to_dict() == json.loads((tmp_path / "opgraph.json").read_text())
+    assert [b.kind for b in back.blocks] == [b.kind for b in g.blocks]
