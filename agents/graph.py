@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
@@ -30,7 +31,10 @@ def build_graph():
 def compile_graph(run_dir: Path):
     """The graph compiled with a SQLite checkpointer in ``run_dir`` (caller closes ``.conn``)."""
     conn = sqlite3.connect(str(run_dir / CHECKPOINT_DB), check_same_thread=False)
-    saver = SqliteSaver(conn)
+    # Our state types are the only custom classes the checkpoint may revive.
+    serde = JsonPlusSerializer(allowed_msgpack_modules=[("agents.state", "RunConfig"),
+                                                        ("agents.state", "RunState")])
+    saver = SqliteSaver(conn, serde=serde)
     app = build_graph().compile(checkpointer=saver)
     return app, conn
 

@@ -35,8 +35,8 @@ def _done(state: RunState, node: str, **updates: Any) -> dict[str, Any]:
 
 
 def load_node(state: RunState) -> dict[str, Any]:
-    append_event(Path(state.run_dir), {"node": "load", "event": "start"})
     _progress("load")("resolving MODEL, full-size accounting on meta")
+    append_event(Path(state.run_dir), {"node": "load", "event": "start"})
     c = state.config
     info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy, Path(state.run_dir))
     return _done(state, "load", model_name=info.loaded.name,
@@ -45,10 +45,10 @@ def load_node(state: RunState) -> dict[str, Any]:
 
 
 def parse_node(state: RunState) -> dict[str, Any]:
-    append_event(Path(state.run_dir), {"node": "parse", "event": "start"})
     step = _progress("parse")
-    c = state.config
     step("building the proxy")
+    append_event(Path(state.run_dir), {"node": "parse", "event": "start"})
+    c = state.config
     info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy)
     g = run_parse(info, Path(state.run_dir), batch=c.batch, seq=c.seq, seed=c.seed,
                   on_step=step)
@@ -58,8 +58,8 @@ def parse_node(state: RunState) -> dict[str, Any]:
 
 
 def report_node(state: RunState) -> dict[str, Any]:
-    append_event(Path(state.run_dir), {"node": "report", "event": "start"})
     _progress("report")("writing report.md")
+    append_event(Path(state.run_dir), {"node": "report", "event": "start"})
     path = build_report(Path(state.run_dir), title=state.model_name or "model",
                         attempts=[*state.completed, "report"])
     return _done(state, "report", artifacts={"report": path.name})

@@ -114,17 +114,20 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                     console.print(f"{run_dir}: run already complete")
                     return EXIT_OK
                 console.print(f"resuming {run_dir} at: {', '.join(snap.next)}")
+            stopping = False
             with console.status("starting") as status:
                 for mode, chunk in app.stream(inputs, cfg, stream_mode=["updates", "custom"],
                                               durability="sync"):
+                    if stopping:
+                        # Test hook: die like a killed process once the next node has begun,
+                        # i.e. after the stopped-after node's checkpoint is written.
+                        os.kill(os.getpid(), signal.SIGKILL)
                     if mode == "custom":
                         status.update(f"[bold]{chunk['node']}[/bold]: {chunk['step']}")
                         continue
                     for node in chunk:
                         console.print(f"[green]done[/green] {node}")
-                        if node == args.stop_after:  # test hook: die like a killed process
-                            conn.close()
-                            os.kill(os.getpid(), signal.SIGKILL)
+                        stopping = stopping or node == args.stop_after
         finally:
             conn.close()
     graph_file = run_dir / "opgraph.json"

@@ -37,7 +37,7 @@ def match(block: Any) -> dict[str, Any] | None:
     (`attrs["clamp"]`) needs its style: from attrs (`clamp_style`, `alpha`, `up_offset`,
     `gate_up_layout`) or a known class-name fragment (gpt-oss, Step-3); otherwise None.
     """
-    if block.kind not in ("mlp.dense", "moe.shared_expert", "moe.experts"):
+    if block.kind not in ("mlp.dense", "moe.shared_expert"):
         return None
     attrs = block.attrs
     if attrs.get("activation") != "silu" or not attrs.get("gated", False):

@@ -1,0 +1,127 @@
+"""The command line: bad input exits 2 with one clear line and leaves no run directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onboarding.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = Path(__file__).resolve().parent / "fixtures" / "user_models.py"
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _bad(workdir, capsys, argv, needle):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert needle in err, err
+    assert len(err.splitlines()) <= 3, err  # one message (rich may wrap a long line)
+    assert not (workdir / "runs").exists() or not any((workdir / "runs").iterdir())
+
+
+def test_missing_path(workdir, capsys):
+    _bad(workdir, capsys, ["run", "does/not/exist"], "no such path")
+
+
+def test_directory_without_config(workdir, capsys):
+    (workdir / "empty").mkdir()
+    _bad(workdir, capsys, ["run", "empty"], "no config.json")
+
+
+def test_malformed_json(workdir, capsys):
+    (workdir / "m").mkdir()
+    (workdir / "m" / "config.json").write_text('{"model_type": "llama",')
+    _bad(workdir, capsys, ["run", "m"], "malformed JSON")
+
+
+def test_unknown_model_type(workdir, capsys):
+    (workdir / "m").mkdir()
+    (workdir / "m" / "config.json").write_text('{"model_type": "no_such_arch"}')
+    _bad(workdir, capsys, ["run", "m"], "unknown model_type")
+    _bad(workdir, capsys, ["parse", "hf:no_such_arch"], "unknown model_type")
+
+
+def test_remote_code_needs_the_flag(workdir, capsys):
+    shutil.copytree(ROOT / "examples" / "onboard_hybrid", workdir / "hybrid")
+    _bad(workdir, capsys, ["run", "hybrid"], "--trust-remote-code")
+
+
+def test_module_ref_that_is_not_a_module(workdir, capsys):
+    _bad(workdir, capsys, ["run", f"{FIX}:NOT_A_MODULE"], "not an nn.Module")
+    _bad(workdir, capsys, ["run", "collections:OrderedDict"], "not a torch.nn.Module")
+
+
+def test_forward_that_raises(workdir, capsys):
+    _bad(workdir, capsys, ["run", f"{FIX}:RaisingModel"], "forward raised RuntimeError")
+
+
+def test_bad_set(workdir, capsys):
+    _bad(workdir, capsys, ["run", "hf:mixtral", "--set", "no_such_key=1"],
+         "unknown config key")
+    _bad(workdir, capsys, ["run", "hf:mixtral", "--set", "hidden_size=wide"], "expected int")
+    _bad(workdir, capsys, ["run", f"{FIX}:make_tiny", "--set", "depth=3"], "unknown key")
+
+
+def test_out_dir_not_overwritten(workdir, capsys):
+    (workdir / "mine").mkdir()
+    (workdir / "mine" / "notes.txt").write_text("keep me")
+    _bad(workdir, capsys, ["run", "hf:mixtral", "--out", "mine"], "not empty")
+    assert (workdir / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_parse_json_and_set(workdir, capsys):
+    code = main(["parse", f"{FIX}:make_tiny", "--set", "width=24", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    g = json.loads(out)
+    assert g["capture"] == "dispatch"
+    emb = next(b for b in g["blocks"] if b["kind"] == "embedding")
+    assert emb["outputs"][0]["shape"][-1] == 24
+
+
+def test_parse_writes_out_dir(workdir, capsys):
+    assert main(["parse", "hf:qwen3_moe", "--out", "o"]) == 0
+    assert (workdir / "o" / "opgraph.json").is_file() and (workdir / "o" / "model.json").is_file()
+    assert "layer pattern" in capsys.readouterr().out
+
+
+def _onboard(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "onboarding.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_run_killed_between_nodes_resumes(tmp_path):
+    run_dir = tmp_path / "r"
+    first = _onboard("run", "hf:qwen3_moe", "--out", str(run_dir), "--stop-after", "parse",
+                     cwd=tmp_path)
+    assert first.returncode == -9, first.stderr  # SIGKILL after parse's checkpoint
+    assert (run_dir / "opgraph.json").exists() and not (run_dir / "report.md").exists()
+    second = _onboard("run", "--resume", str(run_dir), cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "resuming" in second.stdout and "report" in second.stdout
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    starts = [e["node"] for e in events if e["event"] == "start"]
+    # Finished nodes are not redone; report may have begun before the kill landed.
+    assert starts.count("load") == 1 and starts.count("parse") == 1
+    assert starts[-1] == "report"
+    report = (run_dir / "report.md").read_text()
+    assert "## Operator graph" in report and "## Model" in report
+    third = _onboard("run", "--resume", str(run_dir), cwd=tmp_path)
+    assert third.returncode == 0 and "already complete" in third.stdout
+
+
+def test_resume_of_non_run_dir(workdir, capsys):
+    (workdir / "x").mkdir()
+    _bad(workdir, capsys, ["run", "--resume", "x"], "not a run directory")
