@@ -119,7 +119,7 @@ def test_run_killed_between_nodes_resumes(tmp_path):
     report = (run_dir / "report.md").read_text()
     assert "## Operator graph" in report and "## Model" in report
     third = _onboard("run", "--resume", str(run_dir), cwd=tmp_path)
-    assert third.returncode == 0 and "already complete" in third.stdout
+    assert third.returncode == 0 and "already complete" in " ".join(third.stdout.split())
 
 
 def test_resume_of_non_run_dir(workdir, capsys):
