@@ -125,3 +125,18 @@ def test_run_killed_between_nodes_resumes(tmp_path):
 def test_resume_of_non_run_dir(workdir, capsys):
     (workdir / "x").mkdir()
     _bad(workdir, capsys, ["run", "--resume", "x"], "not a run directory")
+
+
+def test_default_run_is_the_hybrid_example(workdir, capsys):
+    assert main(["run", "--out", "demo"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "sparse_attention.topk" in out and "linear_attention.gated_delta" in out
+    report = (workdir / "demo" / "report.md").read_text()
+    assert "params_by_kind.png" in report and (workdir / "demo" / "params_by_kind.png").exists()
+
+
+def test_readme_commands_are_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    blocks = readme.split("<!-- test-command -->")[1].split("```")[1].strip().splitlines()
+    assert blocks == ["pip install torch==2.13.0 -e . && python -m pytest -q"]
+    assert "README.md" in (ROOT / ".ci" / "run").read_text()
