@@ -177,7 +177,7 @@ class Classifier:
             if attrs["unit_offset"]:
                 ev.append("weight used as (1 + w)")
             if gate:
-                attrs["gate_activation"] = gate
+                attrs["gate_activation"] = attrs["activation"] = gate
                 return "norm.rms_gated", ev + [f"output gated by {gate}(z)"], attrs
             return "norm.rms", ev, attrs
         if not mm and ops["cos"] and ops["sin"]:
@@ -207,7 +207,7 @@ class Classifier:
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         if len(mm) >= 2 and weight_only and (act := _activation(recs)) and not attn \
                 and not seq_topk:
-            gated = ops["mul"] > 0 and len(mm) >= 3
+            gated = ops["mul"] > 0  # act(gate) * up
             return "mlp.dense", [f"{len(mm)} projections with {act}" +
                                  (" gating (act(gate) * up)" if gated else "")], {
                 "activation": act, "gated": gated, "clamp": _clamp(recs),
@@ -343,9 +343,11 @@ class Classifier:
                           else f"padding {pad}")
                 if act:
                     ev.append(f"followed by {act}")
+                # The activation after the conv is the caller's: the block itself is the plain
+                # conv (so a kernel for it is a drop-in); `followed_by` records the fusion chance.
                 self._add(owner, "conv.causal1d" if causal else "unknown", ev,
-                          {"channels": w[0], "kernel_size": k, "activation": act,
-                           "causal": causal}, [r], r)
+                          {"channels": w[0], "kernel_size": k, "activation": None,
+                           "followed_by": act, "causal": causal}, [r], r)
             else:
                 kept.append(r)
         return kept

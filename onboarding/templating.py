@@ -43,7 +43,6 @@ _CONFIG_OVERRIDE: dict | None = None
 _TUNED: dict = {}
 # The contract suite sets this so outputs start as NaN and unwritten elements show up.
 _POISON_OUTPUTS = False
-_TL_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def shape_bucket(size: int) -> str:

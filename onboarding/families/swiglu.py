@@ -16,13 +16,6 @@ from onboarding.templating import FamilySpec, Param, ShapeBucket
 
 NAME = "swiglu"
 
-# Known clamped SwiGLUs, by a lower-case fragment of the block's class name.
-_CLAMPED_STYLES = {
-    "gptoss": {"clamp_style": "pre_act", "alpha": 1.702, "up_offset": 1.0, "layout": "interleaved"},
-    "step3": {"clamp_style": "post_act", "alpha": 1.0, "up_offset": 0.0, "layout": "halves"},
-}
-
-
 def _check(variant: str, params: dict[str, Any]) -> None:
     if params["limit"] is None and params["clamp_style"] != "pre_act":
         raise InputError("swiglu: parameter 'clamp_style' applies only when 'limit' is set")
@@ -33,27 +26,24 @@ def _check(variant: str, params: dict[str, Any]) -> None:
 def match(block: Any) -> dict[str, Any] | None:
     """Render params for a gated-SiLU `mlp.dense` / `moe.shared_expert` block, else None.
 
-    A fused gate_up projection (a param named `*gate_up_proj*`) selects `fused`. A clamp
-    (`attrs["clamp"]`) needs its style: from attrs (`clamp_style`, `alpha`, `up_offset`,
-    `gate_up_layout`) or a known class-name fragment (gpt-oss, Step-3); otherwise None.
+    A fused gate_up projection (two 2-D weights, one twice as wide as the other's input) selects
+    `fused`. A clamp (`attrs["clamp"]`) needs its style from attrs (`clamp_style`, `alpha`,
+    `up_offset`, `gate_up_layout`); without it the block stays uncovered rather than guessed.
     """
     if block.kind not in ("mlp.dense", "moe.shared_expert"):
         return None
     attrs = block.attrs
     if attrs.get("activation") != "silu" or not attrs.get("gated", False):
         return None
-    fused = any("gate_up" in name for name in block.params)
+    weights = [shape for shape in block.params.values() if len(shape) == 2]
+    fused = len(weights) == 2 and any(
+        w[0] == 2 * o[1] for w in weights for o in weights if o is not w)
     params: dict[str, Any] = {}
     style: dict[str, Any] = {}
-    cls = block.class_name.lower().replace("_", "")
-    for fragment, known in _CLAMPED_STYLES.items():
-        if fragment in cls:
-            style = dict(known)
     if attrs.get("clamp") is not None:
-        if "clamp_style" in attrs:
-            style = {"clamp_style": attrs["clamp_style"]}
-        if not style:
+        if "clamp_style" not in attrs:
             return None
+        style = {"clamp_style": attrs["clamp_style"]}
         params["limit"] = float(attrs["clamp"])
         params["clamp_style"] = style["clamp_style"]
         params["alpha"] = float(attrs.get("alpha", style.get("alpha", 1.0)))

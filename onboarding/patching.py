@@ -1,0 +1,274 @@
+"""Swap classified blocks of a model for kernel-backed versions, reversibly, by module path.
+
+Nothing here knows a model class. Each block kind has one generic binding from the block's
+structure (its parameters, its input) to a kernel's signature:
+  - ``norm.rms``: ``forward(x)`` -> ``rmsnorm(x, w, eps)`` (``unit_offset`` rendered in);
+  - ``norm.rms_gated``: ``forward(x, z)`` -> ``rmsnorm_gated(x, z, w, eps)``;
+  - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
+  - ``conv.causal1d``: the depthwise conv call made with the block's weight, intercepted with a
+    `TorchFunctionMode` while the owning block runs (the conv is often an inline functional call,
+    not a module call).
+
+Where a binding has a choice the structure leaves open (which linear is the gate, which argument
+is the gate), the patch *calibrates* on its first call: it runs the original and each candidate
+binding on the same input and keeps the one that matches within tolerance. A block with no
+matching binding is restored and reported, never silently wrong.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from onboarding.opgraph import Block, OpGraph
+from onboarding.testing.tolerance import compare, tolerance_for
+
+
+@dataclass(kw_only=True)
+class PatchRecord:
+    path: str
+    kind: str
+    family: str
+    status: str = "pending"  # pending -> active | rejected | restored
+    binding: str = ""
+    detail: str = ""
+
+
+@dataclass(kw_only=True)
+class PatchSet:
+    records: list[PatchRecord] = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        for r in self.records:
+            if r.status in ("pending", "active"):
+                r.status = "restored"
+
+    def __enter__(self) -> PatchSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def active(self) -> list[PatchRecord]:
+        return [r for r in self.records if r.status == "active"]
+
+
+def entry_function(mod: ModuleType) -> Callable:
+    """The user-facing function of a rendered module: ``f`` such that ``f_op`` exists."""
+    for name in dir(mod):
+        if not name.startswith("_") and not name.endswith("_op") and \
+                hasattr(mod, f"{name}_op") and callable(getattr(mod, name)):
+            return getattr(mod, name)
+    raise ValueError(f"{mod.__name__}: no entry function (f with f_op)")
+
+
+def _matches(out: Any, ref: Any) -> bool:
+    if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor):
+        return False
+    if out.shape != ref.shape:
+        return False
+    return compare(out.float(), ref.float(), tolerance_for(ref.dtype)).passed
+
+
+class _Calibrated:
+    """Replaces ``module.forward``; picks a binding on the first call by comparing outputs."""
+
+    def __init__(self, module: nn.Module, record: PatchRecord,
+                 bindings: dict[str, Callable[..., torch.Tensor]]):
+        self.module, self.record, self.bindings = module, record, bindings
+        self.original = module.forward
+        self.chosen: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.chosen is None:
+            with torch.no_grad():
+                ref = self.original(*args, **kwargs)
+                for name, fn in self.bindings.items():
+                    try:
+                        out = fn(*args, **kwargs)
+                    except (TypeError, ValueError, RuntimeError) as exc:
+                        self.record.detail = f"{name}: {type(exc).__name__}: {exc}"[:200]
+                        continue
+                    if _matches(out, ref):
+                        self.chosen, self.record.binding = fn, name
+                        self.record.status = "active"
+                        break
+            if self.chosen is None:
+                self.record.status = "rejected"
+                self.record.detail = self.record.detail or "no binding matched the original"
+                self.module.forward = self.original  # give the block back, unpatched
+                return self.original(*args, **kwargs)
+        out = self.chosen(*args, **kwargs)
+        return out
+
+
+def _weight_1d(module: nn.Module) -> nn.Parameter | None:
+    ps = [p for p in module.parameters(recurse=False) if p.ndim == 1]
+    return ps[0] if len(ps) == 1 else None
+
+
+def _norm_bindings(block: Block, module: nn.Module, fn: Callable) -> dict[str, Callable]:
+    w = _weight_1d(module)
+    eps = block.attrs.get("eps") or 1e-6
+    if w is None:
+        return {}
+    if block.kind == "norm.rms":
+        return {"x": lambda x, *a, **k: fn(x, w, eps)}
+
+    def gated(i: int, j: int):
+        def call(*args, **kwargs):
+            tensors = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            return fn(tensors[i], tensors[j], w, eps)
+        return call
+
+    return {"x=arg0, z=arg1": gated(0, 1), "x=arg1, z=arg0": gated(1, 0)}
+
+
+def _mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
+    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+    if len(linears) == 3:
+        # The down projection is the one whose input width is both others' output width.
+        downs = [n for n, m in linears.items()
+                 if all(m.in_features == o.out_features for o in linears.values() if o is not m)]
+        if len(downs) != 1:
+            return {}
+        down = linears[downs[0]]
+        a, b = [n for n in linears if n != downs[0]]
+
+        def bind(g: str, u: str):
+            gate, up = linears[g], linears[u]
+            return lambda x, *args, **kw: down(fn(gate(x), up(x)))
+
+        return {f"gate={a}, up={b}": bind(a, b), f"gate={b}, up={a}": bind(b, a)}
+    if len(linears) == 2:
+        (na, a), (nb, b) = linears.items()
+        fused, down = (a, b) if a.out_features == 2 * b.in_features else (b, a)
+        if fused.out_features != 2 * down.in_features:
+            return {}
+
+        def halves(first_gate: bool):
+            def call(x, *args, **kw):
+                g, u = fused(x).chunk(2, dim=-1)
+                return down(fn(g, u) if first_gate else fn(u, g))
+            return call
+
+        return {"gate_up halves (gate first)": halves(True),
+                "gate_up halves (up first)": halves(False)}
+    return {}
+
+
+class _ConvIntercept(TorchFunctionMode):
+    """Routes ``conv1d(x, w, b, padding=K-1, groups=C)`` with our weight to the kernel."""
+
+    def __init__(self, weight: torch.Tensor, fn: Callable, record: PatchRecord):
+        super().__init__()
+        self.ptr, self.fn, self.record = weight.untyped_storage().data_ptr(), fn, record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.conv1d, torch.conv1d) and len(args) >= 2 and \
+                isinstance(args[1], torch.Tensor) and \
+                args[1].untyped_storage().data_ptr() == self.ptr:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            pad = args[4] if len(args) > 4 else kwargs.get("padding", 0)
+            pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+            k = w.shape[-1]
+            if pad == k - 1 and x.dim() == 3:
+                y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), bias).transpose(1, 2)
+                self.record.status = "active"
+                # conv1d with padding K-1 returns T + K - 1 steps and the caller keeps the first
+                # T (that is what makes it causal); the dropped tail is zero here.
+                return F.pad(y, (0, k - 1))
+        return func(*args, **kwargs)
+
+
+def _patch_conv(model: nn.Module, block: Block, fn: Callable, record: PatchRecord,
+                patches: PatchSet) -> None:
+    weight = dict(model.named_parameters()).get(block.path + ".weight")
+    modules = dict(model.named_modules())
+    if weight is None:
+        record.status, record.detail = "rejected", "no weight parameter at the block path"
+        return
+    # The conv runs inside the nearest ancestor that is a module call: intercept there.
+    owner_path = block.path.rsplit(".", 1)[0] if "." in block.path else ""
+    owner = modules[owner_path]
+    original = owner.forward
+    intercept = _ConvIntercept(weight, fn, record)
+
+    def forward(*args, **kwargs):
+        with intercept:
+            return original(*args, **kwargs)
+
+    had_own, previous = "forward" in owner.__dict__, owner.__dict__.get("forward")
+    owner.forward = forward
+    record.binding = f"conv1d calls with {block.path}.weight inside {owner_path or 'model'}"
+
+    def undo() -> None:
+        if had_own:
+            owner.forward = previous
+        else:
+            owner.__dict__.pop("forward", None)
+
+    patches._undo.append(undo)
+
+
+PATCHABLE = {"norm.rms": "rmsnorm", "norm.rms_gated": "rmsnorm", "mlp.dense": "swiglu",
+             "moe.shared_expert": "swiglu", "conv.causal1d": "conv1d"}
+
+
+def patch_model(model: nn.Module, graph: OpGraph,
+                kernels: dict[tuple[str, str], ModuleType],
+                kinds: set[str] | None = None) -> PatchSet:
+    """Patch every block of ``graph`` whose (path, family) has a module in ``kernels``.
+
+    ``kernels`` maps (block path, family) to a loaded rendered module (see
+    `onboarding.generate.kernels_for`). Returns a `PatchSet`; ``restore()`` undoes everything.
+    """
+    modules = dict(model.named_modules())
+    patches = PatchSet()
+    for block in graph.blocks:
+        family = PATCHABLE.get(block.kind)
+        if family is None or (kinds and block.kind not in kinds):
+            continue
+        kmod = kernels.get((block.path, family))
+        if kmod is None:
+            continue
+        record = PatchRecord(path=block.path, kind=block.kind, family=family)
+        patches.records.append(record)
+        fn = entry_function(kmod)
+        if block.kind == "conv.causal1d":
+            _patch_conv(model, block, fn, record, patches)
+            continue
+        module = modules.get(block.path)
+        if module is None:
+            record.status, record.detail = "rejected", "no module at this path"
+            continue
+        if block.kind.startswith("norm."):
+            bindings = _norm_bindings(block, module, fn)
+        else:
+            bindings = _mlp_bindings(module, fn)
+        if not bindings:
+            record.status, record.detail = "rejected", "structure does not fit the kernel"
+            continue
+        had_own = "forward" in module.__dict__
+        module.forward = _Calibrated(module, record, bindings)
+
+        def undo(module=module, had_own=had_own):
+            if not had_own:
+                module.__dict__.pop("forward", None)
+
+        patches._undo.append(undo)
+    return patches

@@ -1,0 +1,63 @@
+"""Kernel tests: Triton runs in the interpreter when no GPU is present.
+
+TRITON_INTERPRET is read when `@triton.jit` runs, so it is set here, before any rendered kernel
+module is imported. On CPU the tests pin large tiles (few programs: the interpreter costs a few
+ms per program); on a GPU the modules' own per-bucket configs are used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from onboarding import templating  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# bf16 passes in the interpreter too: the kernels upcast on load, so its broken bf16 arithmetic
+# is never hit.
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16"),
+]
+_MODULES: dict = {}
+
+
+def case_id(variant: str, params: dict) -> str:
+    """Readable parametrize id: variant plus non-default params, e.g. `fused-layout=interleaved`."""
+    return "-".join([variant] + [f"{k}={v}" for k, v in sorted(params.items())])
+
+
+@pytest.fixture(scope="session")
+def kernel_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="session")
+def load_kernel(kernel_root):
+    """load_kernel(family, variant, params, cpu_config) -> rendered, written and imported module."""
+
+    def load(family: str, variant: str, params: dict, cpu_config: dict | None = None):
+        key = (family, variant, tuple(sorted(params.items())))
+        if key not in _MODULES:
+            source = templating.render(family, variant, params)
+            name = case_id(variant, params).replace("=", "_").replace("-", "_").replace(".", "p").lower()
+            path = templating.write_module(source, kernel_root / family / f"{name}.py")
+            module = templating.load_module(path)
+            if DEVICE.type == "cpu" and cpu_config:
+                module.set_config(cpu_config)
+            _MODULES[key] = module
+        return _MODULES[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def device():
+    return DEVICE

@@ -1,0 +1,93 @@
+"""Causal depthwise conv1d family (W 2-4, bias or not, SiLU or not): fwd + x/weight/bias grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DTYPES, case_id
+
+from onboarding import aot
+from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+
+CASES = [
+    ("causal", {"kernel_size": 4, "activation": "silu"}),
+    ("causal", {"kernel_size": 3}),
+    ("causal", {"kernel_size": 2, "activation": "silu"}),
+]
+# (B, T, C, bias)
+SHAPES = [(2, 63, 100, True), (1, 5, 7, False), (3, 2, 33, True)]
+CPU_CONFIG = {"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}
+CASE_PARAMS = [pytest.param(v, p, id=case_id(v, p)) for v, p in CASES]
+
+
+def shape_id(s) -> str:
+    B, T, C, bias = s
+    return f"B{B}T{T}C{C}" + ("-bias" if bias else "-nobias")
+
+
+def fixture(module, shape) -> KernelFixture:
+    B, T, C, bias = shape
+    W = module.KERNEL_SIZE
+
+    def make_inputs(dtype, device, gen):
+        x = torch.randn(B, T, C, generator=gen).to(device, dtype)
+        w = (0.5 * torch.randn(C, W, generator=gen)).to(device, dtype)
+        b = torch.randn(C, generator=gen).to(device, dtype) if bias else None
+        return [x, w, b]
+
+    return KernelFixture(name=f"conv1d/W{W}", module=module, make_inputs=make_inputs, weights=(1, 2))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant,params", CASE_PARAMS)
+def test_forward_backward(load_kernel, device, variant, params, dtype, shape):
+    module = load_kernel("conv1d", variant, params, CPU_CONFIG)
+    check_forward_backward(fixture(module, shape), dtype, device)
+
+
+def test_grid_stride_backward(load_kernel, device):
+    """Fewer time programs than time blocks: the grid-stride loop and partial dW/db sums."""
+    module = load_kernel("conv1d", *CASES[0], CPU_CONFIG)
+    old = module._num_programs
+    module._num_programs = lambda n, dev: 1
+    try:
+        check_forward_backward(fixture(module, (2, 70, 20, True)), torch.float32, device)
+    finally:
+        module._num_programs = old
+
+
+@pytest.mark.parametrize("variant,params", CASE_PARAMS)
+def test_opcheck_and_contract(load_kernel, device, variant, params):
+    module = load_kernel("conv1d", variant, params, CPU_CONFIG)
+    check_module_contract(module)
+    for shape in [(1, 6, 9, True), (1, 6, 9, False)]:
+        check_opcheck(fixture(module, shape), torch.float32, device)
+
+
+def test_accepts_conv1d_weight_layout(load_kernel, device):
+    """nn.Conv1d's [C, 1, W] weight works and matches nn.Conv1d itself."""
+    module = load_kernel("conv1d", *CASES[1], CPU_CONFIG)
+    conv = torch.nn.Conv1d(12, 12, 3, groups=12, padding=2).to(device)
+    x = torch.randn(2, 10, 12, device=device)
+    expected = conv(x.transpose(1, 2))[..., :10].transpose(1, 2)
+    with torch.no_grad():
+        actual = module.causal_conv1d(x, conv.weight, conv.bias)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shape_errors_name_shapes(load_kernel, device):
+    module = load_kernel("conv1d", *CASES[0], CPU_CONFIG)
+    with pytest.raises(ValueError, match=r"weight \(8, 3\)"):
+        module.causal_conv1d(torch.randn(1, 4, 8, device=device), torch.randn(8, 3, device=device))
+
+
+def test_aot_sm90(load_kernel):
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    paths = [load_kernel("conv1d", v, p).__file__ for v, p in CASES]
+    for path, rs in aot.compile_files(paths, registers=False).items():
+        assert rs, path
+        for r in rs:
+            assert r.ok, f"{path}: {r.kernel}: {r.error}"

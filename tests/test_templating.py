@@ -1,0 +1,249 @@
+"""Template machinery: validation before rendering, determinism, writing, loading, matching."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from onboarding import templating
+from onboarding.errors import InputError
+from onboarding.families import FAMILIES
+from onboarding.opgraph import Block
+from onboarding.testing import Tolerance, compare, tolerance_for
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_VARIANTS = [pytest.param(f.name, v, id=f"{f.name}-{v}") for f in FAMILIES for v in f.variants]
+
+
+@pytest.mark.parametrize("family,variant", ALL_VARIANTS)
+def test_every_variant_renders_with_defaults(family, variant):
+    source = templating.render(family, variant)
+    spec = templating.get_family(family)
+    params = spec.resolve(variant)
+    lines = source.splitlines()
+    assert lines[0] == (
+        f"# Rendered by onboard from kernel_templates/{spec.template} "
+        f"(template version {spec.template_version}). Do not edit."
+    )
+    assert lines[2] == "# params: " + json.dumps(params, sort_keys=True)
+    for name in ("TEMPLATE", "TEMPLATE_VERSION", "PARAMS", "TUNING_SPACE", "SHAPE_BUCKETS", "DEFAULT_CONFIG",
+                 "def reference(", "register_fake", "register_autograd", "torch.autograd.Function"):
+        assert name in source, name
+    assert source.endswith("\n") and not source.endswith("\n\n\n")
+
+
+@pytest.mark.parametrize("family,variant", ALL_VARIANTS)
+def test_render_is_deterministic(family, variant):
+    assert templating.render(family, variant) == templating.render(family, variant)
+
+
+def test_render_is_deterministic_across_processes():
+    """Same params in another process (another hash seed) give byte-identical files."""
+    code = (
+        "import sys, hashlib; sys.path.insert(0, %r)\n"
+        "from onboarding import templating\n"
+        "from onboarding.families import FAMILIES\n"
+        "print(hashlib.sha256(''.join(templating.render(f.name, v) for f in FAMILIES for v in f.variants)"
+        ".encode()).hexdigest())\n" % str(ROOT)
+    )
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1
+
+
+def test_param_order_does_not_matter():
+    a = templating.render("swiglu", "fused", {"layout": "interleaved", "limit": 7.0, "alpha": 1.702})
+    b = templating.render("swiglu", "fused", {"alpha": 1.702, "limit": 7, "layout": "interleaved"})
+    assert a == b
+
+
+def test_op_names_differ_per_params():
+    a = templating.render("rmsnorm", "plain", {})
+    b = templating.render("rmsnorm", "plain", {"unit_offset": True})
+    op = [line for line in a.splitlines() if line.startswith("OP_NAME")][0]
+    assert op.startswith('OP_NAME = "onboard::rmsnorm_plain_')
+    assert op not in b
+
+
+BAD = [
+    ("nope", "plain", {}, "nope"),
+    ("rmsnorm", "nope", {}, "nope"),
+    ("rmsnorm", "plain", {"epsilon": 1e-6}, "epsilon"),
+    ("rmsnorm", "plain", {"eps": "small"}, "'eps'"),
+    ("rmsnorm", "plain", {"eps": -1.0}, "'eps'"),
+    ("rmsnorm", "plain", {"eps": float("nan")}, "'eps'"),
+    ("rmsnorm", "plain", {"unit_offset": 1}, "'unit_offset'"),
+    ("rmsnorm", "l2norm", {"unit_offset": True}, "'unit_offset'"),
+    ("swiglu", "split", {"layout": "interleaved"}, "'layout'"),
+    ("swiglu", "fused", {"layout": "diagonal"}, "'layout'"),
+    ("swiglu", "split", {"clamp_style": "post_act"}, "'clamp_style'"),
+    ("swiglu", "split", {"limit": 0.0}, "'limit'"),
+    ("rope", "half", {"rotary_dim": 7}, "'rotary_dim'"),
+    ("rope", "half", {"rotary_dim": 64, "head_dim": 32}, "'rotary_dim'"),
+    ("rope", "half", {"head_dim": True}, "'head_dim'"),
+    ("conv1d", "causal", {"kernel_size": 9}, "'kernel_size'"),
+    ("conv1d", "causal", {"kernel_size": None}, "'kernel_size'"),
+    ("conv1d", "causal", {"activation": "gelu"}, "'activation'"),
+]
+
+
+@pytest.mark.parametrize("family,variant,params,needle", BAD, ids=[f"{b[0]}-{b[1]}-{b[3]}" for b in BAD])
+def test_bad_params_raise_input_error_and_write_nothing(tmp_path, family, variant, params, needle):
+    with pytest.raises(InputError, match=needle):
+        templating.render_to(tmp_path, family, variant, params)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_module_refuses_different_content(tmp_path):
+    path = tmp_path / "rmsnorm" / "plain.py"
+    a = templating.render("rmsnorm", "plain")
+    b = templating.render("rmsnorm", "plain", {"unit_offset": True})
+    assert templating.write_module(a, path) == path
+    assert templating.write_module(a, path) == path  # identical content: no-op
+    with pytest.raises(InputError, match="overwrite=True"):
+        templating.write_module(b, path)
+    assert path.read_text() == a
+    templating.write_module(b, path, overwrite=True)
+    assert path.read_text() == b
+    assert not (tmp_path / "rmsnorm" / "__init__.py").exists()
+    assert [p.name for p in path.parent.iterdir()] == ["plain.py"]  # no temp files left
+    with pytest.raises(InputError, match=".py"):
+        templating.write_module(a, tmp_path / "x.txt")
+
+
+def test_module_path_layout(tmp_path):
+    assert templating.module_path(tmp_path, "rope", "half") == tmp_path / "rope" / "half.py"
+    with pytest.raises(InputError):
+        templating.module_path(tmp_path, "rope", "../evil")
+
+
+def test_load_module_by_path_under_private_name(tmp_path):
+    path = templating.render_to(tmp_path, "swiglu", "split", {"limit": 3.0})
+    module = templating.load_module(path)
+    assert module.__name__.startswith("onboard_kernels.swiglu.split_")
+    assert module.PARAMS == templating.get_family("swiglu").resolve("split", {"limit": 3.0})
+    assert module.TEMPLATE == "swiglu.py.j2" and module.TEMPLATE_VERSION == 1
+    assert "kernels" not in sys.modules
+    # same content (another path) -> the same module: custom ops register once per process
+    copy = tmp_path / "other" / "split.py"
+    templating.write_module(path.read_text(), copy)
+    assert templating.load_module(copy) is module
+    with pytest.raises(InputError, match="no rendered module"):
+        templating.load_module(tmp_path / "missing.py")
+
+
+def test_rendered_config_api(tmp_path):
+    # params used by no other test: modules are shared per content, and kernel tests pin configs
+    module = templating.load_module(templating.render_to(tmp_path, "rmsnorm", "l2norm", {"eps": 1e-3}))
+    assert module.shape_bucket(100) == "d_le_512"
+    assert module.config_for(4096) == {"BLOCK_N": 1, "num_warps": 8}
+    module.set_config({"BLOCK_N": 2}, bucket="d_le_4k")
+    assert module.config_for(4096) == {"BLOCK_N": 2, "num_warps": 4}
+    module.set_config(None, bucket="d_le_4k")
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        module.set_config({"BLOCK_N": 3})
+
+
+def test_family_configs_are_in_their_tuning_space():
+    for f in FAMILIES:
+        f.check_config(f.default_config)
+        with pytest.raises(InputError, match="unknown config"):
+            f.check_config({"BLOCK_Q": 1})
+
+
+def test_py_literal_is_sorted_and_exact():
+    assert templating.py_literal({"b": 1, "a": [1.5, None, True], "c": (2,)}) == "{'a': [1.5, None, True], 'b': 1, 'c': (2,)}"
+    with pytest.raises(ValueError):
+        templating.py_literal(float("inf"))
+
+
+def _block(kind, attrs, class_name="X", params=None):
+    return Block(path="model.layers.0.x", kind=kind, layer=0, class_name=class_name, attrs=attrs,
+                 params=params or {})
+
+
+MATCHES = [
+    (_block("norm.rms", {"dim": 64, "eps": 1e-5, "unit_offset": False, "has_weight": True}),
+     "rmsnorm", {"variant": "plain", "params": {"eps": 1e-5, "unit_offset": False}}),
+    (_block("norm.rms", {"dim": 64, "eps": None, "unit_offset": True, "has_weight": True}),
+     "rmsnorm", {"variant": "plain", "params": {"eps": 1e-6, "unit_offset": True}}),
+    (_block("norm.rms_gated", {"dim": 64, "eps": 1e-6, "unit_offset": False, "has_weight": True}),
+     "rmsnorm", {"variant": "gated", "params": {"eps": 1e-6, "unit_offset": False}}),
+    (_block("norm.rms", {"dim": 64, "eps": 1e-6, "has_weight": False}), "rmsnorm", None),
+    (_block("norm.layer", {}), "rmsnorm", None),
+    (_block("mlp.dense", {"activation": "silu", "gated": True, "clamp": None}),
+     "swiglu", {"variant": "split", "params": templating.get_family("swiglu").resolve("split")}),
+    (_block("mlp.dense", {"activation": "gelu", "gated": True, "clamp": None}), "swiglu", None),
+    (_block("mlp.dense", {"activation": "silu", "gated": False, "clamp": None}), "swiglu", None),
+    (_block("moe.shared_expert", {"activation": "silu", "gated": True, "clamp": 7.0}), "swiglu", None),
+    # A class name is no evidence: without a structural clamp style the block stays uncovered.
+    (_block("mlp.dense", {"activation": "silu", "gated": True, "clamp": 7.0}, "GptOssMLP",
+            {"gate_up": [64, 32], "down": [32, 32]}), "swiglu", None),
+    (_block("mlp.dense", {"activation": "silu", "gated": True, "clamp": 7.0,
+                          "clamp_style": "pre_act", "alpha": 1.702, "up_offset": 1.0,
+                          "gate_up_layout": "interleaved"}, "AnyMLP",
+            {"gate_up": [64, 32], "down": [32, 32]}),
+     "swiglu", {"variant": "fused", "params": {"alpha": 1.702, "clamp_style": "pre_act", "layout": "interleaved",
+                                               "limit": 7.0, "up_offset": 1.0}}),
+    (_block("rope", {"layout": "half", "rotary_dim": 32, "head_dim": 64}),
+     "rope", {"variant": "half", "params": {"head_dim": 64, "rotary_dim": 32}}),
+    (_block("rope", {"layout": "yarn-2d", "rotary_dim": 32, "head_dim": 64}), "rope", None),
+    (_block("conv.causal1d", {"channels": 96, "kernel_size": 4, "activation": "silu"}),
+     "conv1d", {"variant": "causal", "params": {"activation": "silu", "kernel_size": 4}}),
+    (_block("conv.causal1d", {"channels": 96, "kernel_size": 4, "activation": "gelu"}), "conv1d", None),
+    (_block("conv.causal1d", {"channels": 96, "kernel_size": 16, "activation": None}), "conv1d", None),
+]
+
+
+@pytest.mark.parametrize("block,family,expected", MATCHES, ids=[f"{m[0].kind}-{m[1]}-{i}" for i, m in enumerate(MATCHES)])
+def test_match(block, family, expected):
+    spec = templating.get_family(family)
+    assert spec.match(block) == expected
+    claimed = [name for name, _ in templating.match_block(block)]
+    if expected:
+        assert claimed == [family]  # no other family claims it
+    else:
+        assert family not in claimed
+
+
+def test_match_result_renders():
+    block = _block("norm.rms_gated", {"dim": 64, "eps": 1e-6, "unit_offset": True, "has_weight": True})
+    (family, m), = templating.match_block(block)
+    assert "(1 + w)" in templating.render(family, m["variant"], m["params"])
+
+
+# ---- onboarding.testing.tolerance (shared with layer-wise alignment) ----------------------
+
+
+def test_compare_pass_fail_and_messages():
+    tol = tolerance_for(torch.float32)
+    b = torch.randn(8, 8)
+    assert compare(b + 1e-7, b, tol).passed
+    bad = b.clone()
+    bad[3, 4] += 1.0
+    res = compare(bad, b, tol, "out")
+    assert not res.passed and "(3, 4)" in res.message and "rel_rms" in res.message
+    nan = b.clone()
+    nan[1, 2] = float("nan")
+    res = compare(nan, b, tol, "out")
+    assert not res.passed and "non-finite" in res.message and "(1, 2)" in res.message
+    assert not compare(b[:4], b, tol).passed
+    # expected ~0 (a gradient that cancels): the absolute floor applies
+    assert compare(torch.full((4,), 1e-9), torch.full((4,), 2e-9), tol).passed
+
+
+def test_tolerance_lookup():
+    assert tolerance_for("bf16", "layer") == tolerance_for(torch.bfloat16, "layer")
+    assert isinstance(tolerance_for(torch.float16), Tolerance)
+    assert tolerance_for(torch.float32).max_rel_rms < tolerance_for(torch.float16).max_rel_rms
+    with pytest.raises(ValueError):
+        tolerance_for(torch.float32, "whatever")
