@@ -139,19 +139,14 @@ def _norm_bindings(block: Block, module: nn.Module, fn: Callable) -> dict[str, C
 def _mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
     linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
     if len(linears) == 3:
-        # The down projection is the one whose input width is both others' output width.
-        downs = [n for n, m in linears.items()
-                 if all(m.in_features == o.out_features for o in linears.values() if o is not m)]
-        if len(downs) != 1:
-            return {}
-        down = linears[downs[0]]
-        a, b = [n for n in linears if n != downs[0]]
-
-        def bind(g: str, u: str):
-            gate, up = linears[g], linears[u]
+        # Which linear is down, gate or up is left to calibration: widths can coincide.
+        def bind(g: str, u: str, d: str):
+            gate, up, down = linears[g], linears[u], linears[d]
             return lambda x, *args, **kw: down(fn(gate(x), up(x)))
 
-        return {f"gate={a}, up={b}": bind(a, b), f"gate={b}, up={a}": bind(b, a)}
+        return {f"gate={g}, up={u}, down={d}": bind(g, u, d)
+                for g, u, d in itertools.permutations(linears)
+                if linears[d].in_features == linears[g].out_features == linears[u].out_features}
     if len(linears) == 2:
         (na, a), (nb, b) = linears.items()
         fused, down = (a, b) if a.out_features == 2 * b.in_features else (b, a)
@@ -178,21 +173,26 @@ class _ConvIntercept(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (F.conv1d, torch.conv1d) and len(args) >= 2 and \
-                isinstance(args[1], torch.Tensor) and \
-                args[1].untyped_storage().data_ptr() == self.ptr:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            pad = args[4] if len(args) > 4 else kwargs.get("padding", 0)
-            pad = pad[0] if isinstance(pad, (list, tuple)) else pad
-            k = w.shape[-1]
-            if pad == k - 1 and x.dim() == 3:
-                y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), bias).transpose(1, 2)
-                self.record.status = "active"
-                # conv1d with padding K-1 returns T + K - 1 steps and the caller keeps the first
-                # T (that is what makes it causal); the dropped tail is zero here.
-                return F.pad(y, (0, k - 1))
+        if func in (F.conv1d, torch.conv1d):
+            a = {**dict(zip(_CONV_ARGS, args)), **kwargs}
+            x, w = a.get("input"), a.get("weight")
+            if isinstance(w, torch.Tensor) and w.untyped_storage().data_ptr() == self.ptr \
+                    and isinstance(x, torch.Tensor) and x.dim() == 3:
+                k = w.shape[-1]
+                pad = a.get("padding", 0)
+                pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+                ones = all((v[0] if isinstance(v, (list, tuple)) else v) == 1
+                           for v in (a.get("stride", 1), a.get("dilation", 1)))
+                if pad == k - 1 and ones and a.get("groups", 1) == w.shape[0]:
+                    y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), a.get("bias"))
+                    self.record.status = "active"
+                    # conv1d with padding K-1 returns T + K - 1 steps and the caller keeps the
+                    # first T (that is what makes it causal); the dropped tail is zero here.
+                    return F.pad(y.transpose(1, 2), (0, k - 1))
         return func(*args, **kwargs)
+
+
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 
 
 def _patch_conv(model: nn.Module, block: Block, fn: Callable, record: PatchRecord,

@@ -178,7 +178,8 @@ class FamilySpec:
     """Declaration of a kernel family: template, schema, variants, tuning space, buckets.
 
     `check` (optional) validates combinations of parameters after the per-parameter checks and
-    raises InputError; `match` maps an `opgraph.Block` to `{"variant": ..., "params": ...}`.
+    raises InputError; `match` maps an `opgraph.Block` to `{"variant": ..., "params": ...}`;
+    `sample_inputs` builds fresh random entry arguments for a candidate's correctness check.
     """
 
     name: str
@@ -191,6 +192,9 @@ class FamilySpec:
     shape_buckets: tuple[ShapeBucket, ...]
     check: Callable[[str, dict[str, Any]], None] | None = None
     match: Callable[[Any], dict[str, Any] | None] | None = field(default=None, compare=False)
+    # sample_inputs(variant, params, shapes, generator) -> positional args of the entry function
+    # at the block's real widths (``shapes``: its input shapes): the generate stage's check.
+    sample_inputs: Callable[..., list[Any]] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.shape_buckets:

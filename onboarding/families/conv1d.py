@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from onboarding.errors import InputError
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
@@ -28,6 +30,15 @@ def match(block: Any) -> dict[str, Any] | None:
     except InputError:
         return None
 
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """x [2, 37, C], weight [C, W], bias [C]; C from the block's conv input ``[B, C, T]``."""
+    width = shapes[0][1] if shapes and len(shapes[0]) == 3 else 64
+    w = params.get("kernel_size", 4)
+    return [torch.randn(2, 37, width, generator=gen), 0.5 * torch.randn(width, w, generator=gen),
+            torch.randn(width, generator=gen)]
 
 FAMILY = FamilySpec(
     name=NAME,
@@ -50,4 +61,5 @@ FAMILY = FamilySpec(
         ShapeBucket(name="c_big", dim="C", lo=1025, hi=2**31 - 1),
     ),
     match=match,
+    sample_inputs=sample_inputs,
 )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from onboarding.errors import InputError
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
@@ -53,6 +55,20 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
 
 
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """Fresh random entry arguments: 37 rows (odd on purpose) at the block's width."""
+    width = shapes[0][-1] if shapes else 64
+    x = torch.randn(37, width, generator=gen)
+    args = [x]
+    if variant == "gated":
+        args.append(torch.randn(37, width, generator=gen))
+    if variant != "l2norm":
+        args.append(0.5 * torch.randn(width, generator=gen) + (0.0 if params.get("unit_offset")
+                                                               else 1.0))
+    return [*args, params.get("eps", 1e-6)]
+
 FAMILY = FamilySpec(
     name=NAME,
     template="rmsnorm.py.j2",
@@ -80,4 +96,5 @@ FAMILY = FamilySpec(
     ),
     check=_check,
     match=match,
+    sample_inputs=sample_inputs,
 )

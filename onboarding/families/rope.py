@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from onboarding.errors import InputError
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
@@ -39,6 +41,17 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
 
 
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """q, k of shape [2, 19, H, D] and cos/sin tables over the rotary dim."""
+    r = params.get("rotary_dim") or 32
+    d = params.get("head_dim") or r
+    theta = 10 * torch.rand(19, r, generator=gen)
+    q = torch.randn(2, 19, 3, d, generator=gen)
+    k = torch.randn(2, 19, 1, d, generator=gen)
+    return [q, k, theta.cos(), theta.sin()]
+
 FAMILY = FamilySpec(
     name=NAME,
     template="rope.py.j2",
@@ -67,4 +80,5 @@ FAMILY = FamilySpec(
     ),
     check=_check,
     match=match,
+    sample_inputs=sample_inputs,
 )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from onboarding.errors import InputError
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
@@ -57,6 +59,15 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
 
 
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """Fresh random entry arguments: 37 rows at the block's width (scaled so clamps bite)."""
+    width = shapes[0][-1] if shapes else 64
+    if variant == "fused":
+        return [3 * torch.randn(37, 2 * width, generator=gen)]
+    return [3 * torch.randn(37, width, generator=gen) for _ in range(2)]
+
 FAMILY = FamilySpec(
     name=NAME,
     template="swiglu.py.j2",
@@ -90,4 +101,5 @@ FAMILY = FamilySpec(
     ),
     check=_check,
     match=match,
+    sample_inputs=sample_inputs,
 )

@@ -1,0 +1,829 @@
+"""Layer-wise accuracy alignment: a (patched) candidate model against an eager reference.
+
+Both models get the same weights and the same seeded inputs. Hooks on every classified block
+(`OpGraph.blocks`) capture, per call, the block's inputs and forward outputs, the gradient that
+reaches each output (the backward's input) and the gradient w.r.t. each of the block's floating
+inputs (the backward's output, taken on a private clone of the input so that only this block's
+share is seen); parameter gradients are read after the backward. The loss is a fixed, seeded
+projection of the logits whose values are exact in every dtype, so both backwards start from
+identical gradients.
+
+Verdicts, per block and direction (forward in completion order, backward in reverse start
+order, so children come before the blocks that contain them):
+
+- ``pass``: the block's end-to-end output is within its `Tolerance` (`layer_tolerance`);
+- ``fail``: the culprit. The block is wrong on its own: replayed in isolation on the
+  reference's inputs (and, backward, the reference's output gradients) it disagrees with the
+  reference. Without a replay (it raised), a block that fails while its input is within
+  tolerance is the culprit (the plain propagation rule);
+- ``nonfinite``: a culprit that produced NaN/Inf from finite inputs (reported loudly);
+- ``propagated``: it fails end to end but is right in isolation (its input had already
+  diverged, or a sub-tolerance input error was amplified), or it fails only because a block it
+  contains is the culprit (``source`` names that block);
+- ``not_called``: neither model called it on these inputs (an expert with no tokens);
+- ``skipped``: only one model called it (a fused kernel that bypasses a child block).
+
+A block whose replay disagrees with its own end-to-end run (its kernel is bound through its
+caller, as the conv1d intercept is) falls back to the propagation rule.
+
+Shape legend: none beyond ``logits_BTV`` ([batch, seq, vocab]).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from onboarding.opgraph import Block, OpGraph
+from onboarding.testing.tolerance import Tolerance, compare, layer_tolerance
+
+MODES = ("percentile", "bitwise")
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+DTYPES = {"fp64": torch.float64, "float64": torch.float64, "fp32": torch.float32,
+          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+FAILING = ("fail", "nonfinite")
+
+
+class AlignmentError(RuntimeError):
+    """Raised by `AlignmentResult.check()` (and for a reference that is itself non-finite)."""
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class ErrorStats:
+    """Error of a candidate tensor set against the reference (flattened and concatenated)."""
+
+    numel: int
+    p50: float
+    p90: float
+    p99: float
+    p999: float
+    max_abs: float
+    rel_rms: float
+    cosine: float
+    ref_rms: float
+    nonfinite: int = 0  # candidate elements that are NaN/Inf where the reference is finite
+    ref_nonfinite: int = 0
+    discrete_mismatch: float = 0.0  # fraction of integer/bool elements that differ (routing flips)
+    exact_fraction: float | None = None  # bitwise mode, in the candidate dtype
+    max_ulp: int | None = None
+    ulp_histogram: dict[str, int] | None = None
+
+
+def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
+    if not ts:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in ts])
+
+
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """Float bits as int64 on a monotonic scale, so that |a - b| is the distance in ULPs."""
+    itype = {torch.float64: torch.int64, torch.float32: torch.int32,
+             torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype]
+    i = t.contiguous().view(itype).to(torch.int64)
+    bits = torch.finfo(t.dtype).bits
+    # Sign-magnitude to two's complement: negative floats count down from -0 (== +0).
+    return torch.where(i < 0, -(i & ((1 << (bits - 1)) - 1)), i)
+
+
+def _ulp_stats(cand: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype
+               ) -> tuple[float, int, dict[str, int]]:
+    if not cand:
+        return 1.0, 0, {"0": 0}
+    a = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in cand])
+    b = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in ref])
+    d = (_ordered_bits(a) - _ordered_bits(b)).abs()
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    d = torch.where(both_nan, torch.zeros_like(d), d)
+    hist: dict[str, int] = {"0": int((d == 0).sum())}
+    lo = 1
+    while lo <= 2 ** 20:
+        hi = lo * 2
+        n = int(((d >= lo) & (d < hi)).sum())
+        if n:
+            hist[f"{lo}-{hi - 1}" if hi - 1 > lo else str(lo)] = n
+        lo = hi
+    if int((d >= lo).sum()):
+        hist[f">={lo}"] = int((d >= lo).sum())
+    return hist["0"] / d.numel(), int(d.max()), hist
+
+
+def error_stats(cand: list[torch.Tensor], ref: list[torch.Tensor], *,
+                bitwise_dtype: torch.dtype | None = None,
+                cand_discrete: list[torch.Tensor] = (), ref_discrete: list[torch.Tensor] = ()
+                ) -> ErrorStats:
+    """Percentiles of |a - b|, ||a - b|| / ||b||, cosine; ULPs in `bitwise_dtype` if given."""
+    a, b = _flat(cand), _flat(ref)
+    if a.shape != b.shape:
+        raise ValueError(f"candidate has {a.numel()} elements, reference {b.numel()}")
+    fin_b = torch.isfinite(b)
+    nonfinite = int((~torch.isfinite(a) & fin_b).sum())
+    ok = fin_b & torch.isfinite(a)
+    d = (a - b).abs()[ok]
+    bb, aa = b[ok], a[ok]
+    if d.numel():
+        s = d.sort().values
+        pct = [s[max(0, min(s.numel() - 1, int(round(q / 100 * (s.numel() - 1)))))].item()
+               for q in PERCENTILES]
+        nb, nd = bb.norm().item(), d.norm().item()
+        rel = nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
+        na = aa.norm().item()
+        cos = (aa @ bb).item() / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+        max_abs, ref_rms = s[-1].item(), nb / math.sqrt(bb.numel())
+    else:
+        pct, rel, cos, max_abs, ref_rms = [0.0] * 4, 0.0, 1.0, 0.0, 0.0
+    if nonfinite:
+        rel, cos, max_abs = math.inf, math.nan, math.inf
+    mism = 0.0
+    if ref_discrete:
+        x, y = _flat(list(cand_discrete)), _flat(list(ref_discrete))
+        mism = float((x != y).double().mean()) if x.shape == y.shape and x.numel() else \
+            (1.0 if x.shape != y.shape else 0.0)
+    st = ErrorStats(numel=b.numel(), p50=pct[0], p90=pct[1], p99=pct[2], p999=pct[3],
+                    max_abs=max_abs, rel_rms=rel, cosine=cos, ref_rms=ref_rms,
+                    nonfinite=nonfinite, ref_nonfinite=int((~fin_b).sum()),
+                    discrete_mismatch=mism)
+    if bitwise_dtype is not None:
+        st.exact_fraction, st.max_ulp, st.ulp_histogram = _ulp_stats(cand, ref, bitwise_dtype)
+    return st
+
+
+def within(cand: list[torch.Tensor], ref: list[torch.Tensor], tol: Tolerance, name: str
+           ) -> tuple[bool, str]:
+    """`compare` under `tol`, with atol in units of the reference's RMS.
+
+    Layer activations and gradients have arbitrary scales (massive activations, gradient norms
+    that grow with depth), so an absolute atol means nothing across blocks; scaling both tensors
+    by the reference RMS keeps rel_rms and rtol unchanged and makes atol scale-free.
+    """
+    a, b = _flat(cand), _flat(ref)
+    if a.numel() == 0 and b.numel() == 0:
+        return True, f"{name}: empty"
+    fin = torch.isfinite(b)
+    scale = b[fin].norm().item() / math.sqrt(max(int(fin.sum()), 1))
+    if scale > 0:
+        a, b = a / scale, b / scale
+    c = compare(a, b, tol, name)
+    return c.passed, c.message
+
+
+# ---- capture -------------------------------------------------------------------------------------
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an output or argument structure, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):  # also transformers' ModelOutput
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(o, fn) for o in obj)
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: _map(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _split(ts: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ts = list(ts)
+    return [t for t in ts if t.is_floating_point()], [t for t in ts if not t.is_floating_point()]
+
+
+@dataclass
+class _Call:
+    args: Any = None  # (args, kwargs) with tensors detached and cloned; requires_grad kept aside
+    grad_flags: list[bool] = field(default_factory=list)  # per tensor in _tensors(args)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # floating inputs (all)
+    discrete_in: list[torch.Tensor] = field(default_factory=list)
+    taps: list[torch.Tensor | None] = field(default_factory=list)  # grads w.r.t. tapped inputs
+    n_taps: int = 0
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    discrete_out: list[torch.Tensor] = field(default_factory=list)
+    out_grads: list[torch.Tensor | None] = field(default_factory=list)
+    out_needs_grad: list[bool] = field(default_factory=list)
+
+
+class _Recorder:
+    """Forward pre/post hooks on the blocks of one model; see the module docstring."""
+
+    def __init__(self, model: nn.Module, blocks: list[Block]):
+        self.modules = dict(model.named_modules())
+        self.calls: dict[str, list[_Call]] = {b.path: [] for b in blocks}
+        self.start: list[str] = []
+        self.end: list[str] = []
+        self.active = True
+        self._stack: dict[str, list[_Call]] = {}
+        self._handles = []
+        for b in blocks:
+            m = self.modules.get(b.path)
+            if m is None:
+                continue
+            self._handles.append(m.register_forward_pre_hook(self._pre(b.path), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post(b.path), with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        was, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = was
+
+    def _pre(self, path: str):
+        def hook(module, args, kwargs):
+            if not self.active:
+                return None
+            call = _Call()
+            ts = list(_tensors((args, kwargs)))
+            call.grad_flags = [t.requires_grad for t in ts]
+            call.args = _map((args, kwargs), lambda t: t.detach().clone())
+            call.inputs, call.discrete_in = _split(t.detach().clone() for t in ts)
+            if not torch.is_grad_enabled():
+                self._begin(path, call)
+                return None
+
+            def tap(t: torch.Tensor) -> torch.Tensor:
+                # A private clone: its gradient is this block's share only (the original may
+                # feed a residual too). Only top-level and tuple-nested tensors are tapped.
+                if not (t.is_floating_point() and t.requires_grad):
+                    return t
+                k = call.n_taps
+                call.n_taps += 1
+                call.taps.append(None)
+                c = t.clone()
+                c.register_hook(lambda g, k=k: call.taps.__setitem__(k, g.detach().clone()))
+                return c
+
+            new_args, new_kwargs = _map((args, kwargs), tap)
+            self._begin(path, call)
+            return new_args, new_kwargs
+        return hook
+
+    def _begin(self, path: str, call: _Call) -> None:
+        self._stack.setdefault(path, []).append(call)
+        self.start.append(path)
+
+    def _post(self, path: str):
+        def hook(module, args, kwargs, output):
+            if not self.active or not self._stack.get(path):
+                return None
+            call = self._stack[path].pop()
+            outs = list(_tensors(output))
+            floats, discrete = _split(outs)
+            call.outputs = [t.detach().clone() for t in floats]
+            call.discrete_out = [t.detach().clone() for t in discrete]
+            call.out_grads = [None] * len(floats)
+            call.out_needs_grad = [t.requires_grad for t in floats]
+            for k, t in enumerate(floats):
+                if t.requires_grad:
+                    t.register_hook(lambda g, k=k: call.out_grads.__setitem__(k, g.detach().clone()))
+            self.calls[path].append(call)
+            self.end.append(path)
+            return None
+        return hook
+
+
+# ---- the pair of models ---------------------------------------------------------------------------
+
+def _float_params_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def use_eager_experts(model: nn.Module) -> bool:
+    """Switch a transformers model's experts to the eager loop (grouped_mm has no fp64).
+
+    The config object is shared by every module of the model, so call this on a deep copy.
+    Returns whether the switch was possible.
+    """
+    setter = getattr(model, "set_experts_implementation", None)
+    if setter is None:
+        return False
+    try:
+        setter("eager")
+    except (ValueError, ImportError, AttributeError):
+        return False
+    return True
+
+
+def build_pair(model: nn.Module, *, reference_dtype: torch.dtype | str = torch.float64,
+               candidate_dtype: torch.dtype | str = torch.float32
+               ) -> tuple[nn.Module, nn.Module]:
+    """(reference, candidate): deep copies of ``model`` with the same weights, cast.
+
+    The reference uses the plain eager path (eager MoE experts: `grouped_mm` has no fp64); the
+    candidate keeps the model's own settings and is the one to patch. Both are in eval mode
+    (no dropout, deterministic routers).
+    """
+    ref = copy.deepcopy(model).to(as_dtype(reference_dtype)).eval()
+    use_eager_experts(ref)
+    cand = copy.deepcopy(model).to(as_dtype(candidate_dtype)).eval()
+    return ref, cand
+
+
+def projection_loss(logits: torch.Tensor, seed: int) -> torch.Tensor:
+    """sum(logits * R) with R seeded and exact in every float dtype (multiples of 1/4 in [-1, 1]).
+
+    Exactness matters: the gradient at the logits is then bit-identical for both models, so any
+    backward difference comes from the blocks, not from rounding the loss weights.
+    """
+    gen = torch.Generator().manual_seed(seed + 7919)
+    r = torch.randint(-4, 5, logits.shape, generator=gen).to(logits.dtype) / 4
+    return (logits * r.to(logits.device)).sum()
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if getattr(out, "logits", None) is not None:
+        return out.logits
+    first = next(_tensors(out), None)
+    if first is None:
+        raise ValueError("the model returned no tensor to take logits from")
+    return first
+
+
+@dataclass
+class _Run:
+    rec: _Recorder
+    logits: torch.Tensor
+    param_grads: dict[str, torch.Tensor | None]
+
+
+def _run(model: nn.Module, graph: OpGraph, inputs: tuple, kwargs: dict, seed: int) -> _Run:
+    dtype = _float_params_dtype(model)
+    model.zero_grad(set_to_none=True)
+    rec = _Recorder(model, graph.blocks)
+    try:
+        with torch.enable_grad():
+            args = _map(tuple(inputs), lambda t: t.to(dtype) if t.is_floating_point() else t)
+            out = model(*args, **kwargs)
+            logits = _logits(out)
+            projection_loss(logits, seed).backward()
+    finally:
+        rec.remove()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
+             for n, p in model.named_parameters()}
+    return _Run(rec=rec, logits=logits.detach(), param_grads=grads)
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True)
+class Direction:
+    """One direction (forward or backward) of one block."""
+
+    verdict: str = "pass"
+    output: ErrorStats | None = None  # fwd: block outputs; bwd: gradients w.r.t. its inputs
+    input: ErrorStats | None = None  # fwd: block inputs; bwd: gradients reaching its outputs
+    params: ErrorStats | None = None  # bwd only: gradients of the block's parameters
+    local: ErrorStats | None = None  # the isolated replay on the reference's inputs
+    local_params: ErrorStats | None = None
+    output_ok: bool = True
+    input_ok: bool = True
+    local_ok: bool | None = None
+    source: str | None = None  # for "propagated" from a contained culprit
+    message: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class BlockAlignment:
+    path: str
+    kind: str
+    layer: int | None
+    calls: int
+    tolerance: dict[str, float]
+    fwd: Direction
+    bwd: Direction
+
+
+@dataclass(kw_only=True)
+class AlignmentResult:
+    model: str
+    mode: str
+    reference_dtype: str
+    candidate_dtype: str
+    seed: int
+    input_shapes: list[list[int]]
+    blocks: list[BlockAlignment]
+    forward_order: list[str]
+    backward_order: list[str]
+    logits: dict[str, Any]
+    patches: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def block(self, path: str) -> BlockAlignment:
+        for b in self.blocks:
+            if b.path == path:
+                return b
+        raise KeyError(path)
+
+    def culprits(self, direction: str = "fwd") -> list[BlockAlignment]:
+        """Failing blocks in that direction's execution order (first = the culprit)."""
+        order = self.forward_order if direction == "fwd" else self.backward_order
+        rank = {p: i for i, p in enumerate(order)}
+        bad = [b for b in self.blocks if getattr(b, direction).verdict in FAILING]
+        return sorted(bad, key=lambda b: rank.get(b.path, len(rank)))
+
+    @property
+    def culprit(self) -> BlockAlignment | None:
+        """The first failing block, forward first, else backward."""
+        c = self.culprits("fwd") or self.culprits("bwd")
+        return c[0] if c else None
+
+    @property
+    def passed(self) -> bool:
+        return not self.culprits("fwd") and not self.culprits("bwd")
+
+    def summary(self) -> str:
+        if self.passed:
+            return (f"alignment passed: {len(self.blocks)} blocks, {self.candidate_dtype} vs "
+                    f"{self.reference_dtype}, logits KL {self.logits['kl']:.2e}, top-1 "
+                    f"{self.logits['top1_agreement']:.3f}")
+        lines = []
+        for d, name in (("fwd", "forward"), ("bwd", "backward")):
+            for b in self.culprits(d):
+                lines.append(f"{name}: {b.path} ({b.kind}): {getattr(b, d).message}")
+        return "alignment FAILED\n  " + "\n  ".join(lines)
+
+    def check(self) -> AlignmentResult:
+        """Raise `AlignmentError` naming the culprit blocks unless the alignment passed."""
+        if not self.passed:
+            raise AlignmentError(self.summary())
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["passed"] = self.passed
+        d["culprit"] = {k: [b.path for b in self.culprits(k)] for k in ("fwd", "bwd")}
+        return _json_safe(d)
+
+    def save(self, path: Path | str) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    def to_markdown(self, *, only_failing: bool = False) -> str:
+        return render_markdown(self, only_failing=only_failing)
+
+    def plot(self, path: Path | str) -> Path:
+        return plot_errors(self, Path(path))
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+# ---- isolated replay -------------------------------------------------------------------------------
+
+@dataclass
+class _Replay:
+    outputs: list[torch.Tensor]
+    input_grads: list[torch.Tensor | None]
+    param_grads: list[torch.Tensor | None]
+
+
+def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype,
+            source: str = "reference") -> _Replay:
+    """Run ``module`` on one recorded call's inputs, then backprop the reference's output grads.
+
+    ``source="reference"``: activations that carry gradients come from the reference (cast to
+    ``dtype``), integer tensors (routing indices) too; floating tensors without gradients
+    (masks, cos/sin tables) come from the model's own call (``own``), since a mask cast from
+    fp64 can turn into -inf. ``source="own"``: everything from ``own`` (the faithfulness check).
+    """
+    base = own if source == "own" else ref
+    own_ts = list(_tensors(own.args)) if own is not None else []
+    ref_ts = list(_tensors(base.args))
+    leaves: list[torch.Tensor] = []
+    i = iter(range(len(ref_ts)))
+
+    def build(t: torch.Tensor) -> torch.Tensor:
+        k = next(i)
+        mine = own_ts[k] if k < len(own_ts) and own_ts[k].shape == t.shape else None
+        if t.is_floating_point() and base.grad_flags[k]:
+            leaf = t.to(dtype).detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf
+        if t.is_floating_point():
+            return mine if mine is not None else t.to(dtype)
+        return t
+
+    args, kwargs = _map(base.args, build)
+    params = [p for p in module.parameters() if p.requires_grad]
+    with torch.enable_grad():
+        out = module(*args, **kwargs)
+        floats, _ = _split(_tensors(out))
+        pairs = [(o, g.to(o.dtype)) for o, g, need in
+                 zip(floats, ref.out_grads, ref.out_needs_grad) if need and g is not None
+                 and o.requires_grad and o.shape == g.shape]
+        grads: list[torch.Tensor | None] = [None] * (len(leaves) + len(params))
+        if pairs and (leaves or params):
+            grads = list(torch.autograd.grad([o for o, _ in pairs], leaves + params,
+                                             [g for _, g in pairs], allow_unused=True))
+    return _Replay(outputs=[o.detach() for o in floats],
+                   input_grads=[g.detach() if g is not None else None for g in grads[:len(leaves)]],
+                   param_grads=[g.detach() if g is not None else None
+                                for g in grads[len(leaves):]])
+
+
+def _pair_grads(a: list[torch.Tensor | None], b: list[torch.Tensor | None]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Gradients that never arrived are zero; a missing one on one side only is an error."""
+    xs, ys = [], []
+    for x, y in zip(a, b):
+        if x is None and y is None:
+            continue
+        xs.append(x if x is not None else torch.zeros_like(y))
+        ys.append(y if y is not None else torch.zeros_like(x))
+    return xs, ys
+
+
+# ---- the alignment ---------------------------------------------------------------------------------
+
+def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tuple,
+          kwargs: dict[str, Any] | None = None, *, mode: str = "percentile",
+          reference_dtype: torch.dtype | str | None = None,
+          candidate_dtype: torch.dtype | str | None = None, seed: int = 0, max_ulp: int = 0,
+          isolate: bool = True, patches: Any = None,
+          tolerance: Callable[[torch.dtype, str], Tolerance] = layer_tolerance
+          ) -> AlignmentResult:
+    """Align ``candidate`` (patched, candidate dtype) with ``reference`` block by block.
+
+    ``reference`` and ``candidate`` must hold the same weights (see `build_pair`); ``inputs`` and
+    ``kwargs`` are the model's call arguments (`parse.example_inputs`), floating ones cast to
+    each model's dtype. ``mode="bitwise"`` judges by ULP distance in the candidate dtype (pass:
+    at most ``max_ulp``) instead of `Tolerance`; both modes record all statistics.
+    ``isolate`` replays each block on the reference's inputs to localise culprits (module
+    docstring). ``patches`` (a `PatchSet`) is recorded in the result.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    kwargs = dict(kwargs or {})
+    rdt = as_dtype(reference_dtype) if reference_dtype else _float_params_dtype(reference)
+    cdt = as_dtype(candidate_dtype) if candidate_dtype else _float_params_dtype(candidate)
+    for name, model, dt in (("reference", reference, rdt), ("candidate", candidate, cdt)):
+        if _float_params_dtype(model) != dt:
+            raise ValueError(f"{name} parameters are {_float_params_dtype(model)}, expected {dt}")
+    if reference is candidate:
+        raise ValueError("reference and candidate must be distinct modules (use build_pair)")
+    bitwise = cdt if mode == "bitwise" else None
+
+    ref_run = _run(reference, graph, inputs, kwargs, seed)
+    cand_run = _run(candidate, graph, inputs, kwargs, seed)
+    ref_mods, cand_mods = dict(reference.named_modules()), dict(candidate.named_modules())
+
+    def ok(cand: list[torch.Tensor], ref: list[torch.Tensor], tol: Tolerance, name: str
+           ) -> tuple[bool, str]:
+        if bitwise is None:
+            return within(cand, ref, tol, name)
+        if not cand and not ref:
+            return True, f"{name}: empty"
+        frac, worst, _ = _ulp_stats(cand, ref, cdt)
+        passed = worst <= max_ulp
+        return passed, (f"{name}: {'ok' if passed else 'FAIL'} max {worst} ulp "
+                        f"(allowed {max_ulp}), exact {frac:.4f}")
+
+    def stats(cand, ref, **kw) -> ErrorStats:
+        return error_stats(cand, ref, bitwise_dtype=bitwise, **kw)
+
+    results: list[BlockAlignment] = []
+    for b in graph.blocks:
+        tol = tolerance(cdt, b.kind)
+        rc, cc = ref_run.rec.calls.get(b.path, []), cand_run.rec.calls.get(b.path, [])
+        fwd, bwd = Direction(), Direction()
+        res = BlockAlignment(path=b.path, kind=b.kind, layer=b.layer, calls=len(rc),
+                             tolerance={"atol": tol.atol, "rtol": tol.rtol,
+                                        "max_rel_rms": tol.max_rel_rms}, fwd=fwd, bwd=bwd)
+        results.append(res)
+        if b.path not in cand_mods or b.path not in ref_mods:
+            for d in (fwd, bwd):
+                d.verdict, d.message = "not_called", "no module at this path (not hookable)"
+            continue
+        if not rc and not cc:
+            for d in (fwd, bwd):
+                d.verdict, d.message = "not_called", "not called on these inputs"
+            continue
+        if len(rc) != len(cc):
+            for d in (fwd, bwd):
+                d.verdict = "skipped"
+                d.message = f"called {len(rc)}x in the reference, {len(cc)}x in the candidate"
+            continue
+        try:
+            _judge(b, rc, cc, ref_run, cand_run, ref_mods[b.path], cand_mods[b.path], rdt, cdt,
+                   tol, ok, stats, isolate, res)
+        except ValueError as exc:  # structure mismatch between the two models' calls
+            for d in (fwd, bwd):
+                d.verdict, d.message = "fail", f"cannot compare: {exc}"
+            fwd.output_ok = bwd.output_ok = False
+
+    fwd_order = list(dict.fromkeys(ref_run.rec.end))
+    bwd_order = list(dict.fromkeys(reversed(ref_run.rec.start)))
+    _blame_containers(results)
+    result = AlignmentResult(
+        model=graph.model, mode=mode, reference_dtype=_dtype_name(rdt),
+        candidate_dtype=_dtype_name(cdt), seed=seed,
+        input_shapes=[list(t.shape) for t in _tensors(tuple(inputs))],
+        blocks=results, forward_order=fwd_order, backward_order=bwd_order,
+        logits=_logit_stats(cand_run.logits, ref_run.logits, bitwise),
+        patches=[{"path": r.path, "kind": r.kind, "family": r.family, "status": r.status,
+                  "binding": r.binding, "detail": r.detail}
+                 for r in getattr(patches, "records", [])] if patches is not None else [])
+    multi = [r.path for r in results if r.calls > 1]
+    if multi:
+        result.notes.append(f"called more than once per forward (compared call by call): {multi}")
+    ref_bad = [r.path for r in results if r.fwd.output and r.fwd.output.ref_nonfinite]
+    if ref_bad:
+        result.notes.append(f"the reference itself has non-finite outputs in {ref_bad}")
+    return result
+
+
+def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: _Run,
+           ref_mod: nn.Module, cand_mod: nn.Module, rdt: torch.dtype, cdt: torch.dtype,
+           tol: Tolerance, ok, stats, isolate: bool, res: BlockAlignment) -> None:
+    fwd, bwd = res.fwd, res.bwd
+
+    def cat(calls: list[_Call], attr: str) -> list:
+        return [t for c in calls for t in getattr(c, attr)]
+
+    def shapes_match(x: list, y: list, what: str) -> None:
+        if [tuple(t.shape) for t in x] != [tuple(t.shape) for t in y]:
+            raise ValueError(f"{what} shapes differ: candidate {[tuple(t.shape) for t in x]}, "
+                             f"reference {[tuple(t.shape) for t in y]}")
+
+    # ---- forward, end to end
+    for attr in ("inputs", "outputs"):
+        shapes_match(cat(cc, attr), cat(rc, attr), attr)
+    fwd.input = stats(cat(cc, "inputs"), cat(rc, "inputs"), cand_discrete=cat(cc, "discrete_in"),
+                      ref_discrete=cat(rc, "discrete_in"))
+    fwd.output = stats(cat(cc, "outputs"), cat(rc, "outputs"),
+                       cand_discrete=cat(cc, "discrete_out"), ref_discrete=cat(rc, "discrete_out"))
+    in_ok, in_msg = ok(cat(cc, "inputs"), cat(rc, "inputs"), tol, f"{b.path} input")
+    in_finite = all(bool(torch.isfinite(t).all()) for t in cat(cc, "inputs"))
+    fwd.input_ok = in_ok and in_finite and fwd.input.discrete_mismatch == 0
+    fwd.output_ok, out_msg = ok(cat(cc, "outputs"), cat(rc, "outputs"), tol, f"{b.path} output")
+
+    # ---- backward, end to end
+    tap_c, tap_r = _pair_grads(cat(cc, "taps"), cat(rc, "taps"))
+    gout_c, gout_r = _pair_grads(cat(cc, "out_grads"), cat(rc, "out_grads"))
+    names = [b.path + "." + n for n, p in ref_mod.named_parameters() if p.requires_grad]
+    pg_c, pg_r = _pair_grads([cand_run.param_grads.get(n) for n in names],
+                             [ref_run.param_grads.get(n) for n in names])
+    for x, y, what in ((tap_c, tap_r, "input gradient"), (gout_c, gout_r, "output gradient"),
+                       (pg_c, pg_r, "parameter gradient")):
+        shapes_match(x, y, what)
+    has_bwd = bool(tap_r or pg_r)
+    if has_bwd:
+        bwd.output = stats(tap_c, tap_r)
+        bwd.input = stats(gout_c, gout_r)
+        bwd.params = stats(pg_c, pg_r) if pg_r else None
+        g_ok, g_msg = ok(tap_c, tap_r, tol, f"{b.path} input grad")
+        p_ok, p_msg = ok(pg_c, pg_r, tol, f"{b.path} param grads")
+        bwd.output_ok = g_ok and p_ok
+        gi_ok, gi_msg = ok(gout_c, gout_r, tol, f"{b.path} output grad")
+        gi_finite = all(bool(torch.isfinite(t).all()) for t in gout_c)
+        bwd.input_ok = gi_ok and gi_finite and fwd.input_ok
+        bwd_msg = g_msg if not g_ok else p_msg
+    # ---- isolated replay on the reference's inputs
+    local_c: list[_Replay] = []
+    if isolate:
+        try:
+            local_r = [_replay(ref_mod, r, r, rdt) for r in rc]
+            local_c = [_replay(cand_mod, r, c, cdt) for r, c in zip(rc, cc)]
+        except Exception as exc:  # noqa: BLE001 - any failure means: no isolated verdict
+            fwd.message = bwd.message = f"isolated replay failed ({type(exc).__name__}: {exc})"[:200]
+            local_c = []
+    if local_c:
+        lo_c = [t for r in local_c for t in r.outputs]
+        lo_r = [t for r in local_r for t in r.outputs]
+        shapes_match(lo_c, lo_r, "replayed outputs")
+        fwd.local = stats(lo_c, lo_r)
+        fwd.local_ok, local_msg = ok(lo_c, lo_r, tol, f"{b.path} isolated output")
+        if has_bwd:
+            gi_c, gi_r = _pair_grads([g for r in local_c for g in r.input_grads],
+                                     [g for r in local_r for g in r.input_grads])
+            gp_c, gp_r = _pair_grads([g for r in local_c for g in r.param_grads],
+                                     [g for r in local_r for g in r.param_grads])
+            bwd.local = stats(gi_c, gi_r)
+            bwd.local_params = stats(gp_c, gp_r) if gp_r else None
+            li_ok, li_msg = ok(gi_c, gi_r, tol, f"{b.path} isolated input grad")
+            lp_ok, lp_msg = ok(gp_c, gp_r, tol, f"{b.path} isolated param grads")
+            bwd.local_ok = li_ok and lp_ok
+            local_bwd_msg = li_msg if not li_ok else lp_msg
+
+    def faithful(source: str) -> bool:
+        """Does replaying the candidate on its own inputs reproduce its own run?"""
+        try:
+            again = [_replay(cand_mod, c, c, cdt, source="own") for c in cc]
+        except Exception:  # noqa: BLE001
+            return False
+        if source == "fwd":
+            xs, ys = [t for r in again for t in r.outputs], cat(cc, "outputs")
+        else:
+            xs, ys = _pair_grads([g for r in again for g in r.input_grads], cat(cc, "taps"))
+        return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+    _verdict(fwd, "forward", fwd.output, in_finite, out_msg, in_msg,
+             locals().get("local_msg", ""), faithful, "fwd")
+    if not has_bwd:
+        bwd.verdict, bwd.message = "no_grad", "no gradients flow through this block"
+        return
+    _verdict(bwd, "backward", bwd.output, gi_finite and in_finite, bwd_msg, gi_msg,
+             locals().get("local_bwd_msg", ""), faithful, "bwd", params=bwd.params)
+
+
+def _verdict(d: Direction, name: str, out: ErrorStats, in_finite: bool, out_msg: str,
+             in_msg: str, local_msg: str, faithful, key: str,
+             params: ErrorStats | None = None) -> None:
+    nonfinite = out.nonfinite + (params.nonfinite if params else 0)
+    if nonfinite:
+        if in_finite:
+            d.verdict = "nonfinite"
+            d.message = (f"NaN/Inf produced by this block ({name}): {nonfinite} non-finite "
+                         f"elements from finite inputs")
+        else:
+            d.verdict, d.message = "propagated", f"non-finite input ({name})"
+    elif d.local_ok is False:
+        d.verdict, d.message = "fail", local_msg
+    elif d.output_ok:
+        d.verdict, d.message = "pass", out_msg
+    elif not d.input_ok:
+        d.verdict, d.message = "propagated", f"input already diverged: {in_msg}"
+    elif d.local_ok and faithful(key):
+        d.verdict = "propagated"
+        d.message = f"right in isolation; sub-tolerance input error amplified: {out_msg}"
+    else:
+        d.verdict = "fail"
+        d.message = out_msg + ("" if d.local_ok is None else
+                               " (isolated replay does not reproduce the patched run; judged "
+                               "by the propagation rule)")
+
+
+def _blame_containers(results: list[BlockAlignment]) -> None:
+    """A failing block that contains a failing block is not the culprit: its child is."""
+    for key in ("fwd", "bwd"):
+        bad = [r.path for r in results if getattr(r, key).verdict in FAILING]
+        for r in results:
+            d = getattr(r, key)
+            inner = [p for p in bad if p.startswith(r.path + ".")]
+            if d.verdict in FAILING and inner:
+                d.verdict, d.source = "propagated", inner[0]
+                d.message = f"contains the failing block {inner[0]}; " + d.message
+
+
+def _logit_stats(cand: torch.Tensor, ref: torch.Tensor, bitwise: torch.dtype | None
+                 ) -> dict[str, Any]:
+    """KL(p_ref || p_cand) per token (mean, max) and top-1 agreement, in float64."""
+    a = cand.detach().to("cpu", torch.float64).reshape(-1, cand.shape[-1])
+    b = ref.detach().to("cpu", torch.float64).reshape(-1, ref.shape[-1])
+    la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+    kl = (lb.exp() * (lb - la)).sum(-1)
+    st = error_stats([cand], [ref], bitwise_dtype=bitwise)
+    return {"kl": kl.mean().item(), "kl_max": kl.max().item(),
+            "top1_agreement": (a.argmax(-1) == b.argmax(-1)).double().mean().item(),
+            "tokens": a.shape[0], "stats": asdict(st)}
