@@ -1,4 +1,4 @@
-"""Wiring of the onboarding agent: load -> parse -> report, checkpointed in the run directory."""
+"""Wiring of the onboarding agent: load -> parse -> map -> generate -> report, checkpointed."""
 
 from __future__ import annotations
 
@@ -9,22 +9,22 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
-from agents.nodes import load_node, parse_node, report_node
+from agents.nodes import generate_node, load_node, map_node, parse_node, report_node
 from agents.state import RunState
 
-NODES = ("load", "parse", "report")
+NODES = ("load", "parse", "map", "generate", "report")
 CHECKPOINT_DB = "checkpoint.sqlite"
 
 
 def build_graph():
     g = StateGraph(RunState)
-    g.add_node("load", load_node)
-    g.add_node("parse", parse_node)
-    g.add_node("report", report_node)
-    g.add_edge(START, "load")
-    g.add_edge("load", "parse")
-    g.add_edge("parse", "report")
-    g.add_edge("report", END)
+    for name, node in (("load", load_node), ("parse", parse_node), ("map", map_node),
+                       ("generate", generate_node), ("report", report_node)):
+        g.add_node(name, node)
+    g.add_edge(START, NODES[0])
+    for a, b in zip(NODES, NODES[1:]):
+        g.add_edge(a, b)
+    g.add_edge(NODES[-1], END)
     return g
 
 

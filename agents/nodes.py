@@ -10,7 +10,9 @@ from langgraph.config import get_stream_writer
 from agents.state import RunState
 from onboarding.rundir import append_event
 from onboarding.report import build_report
-from onboarding.stages import run_load, run_parse
+from onboarding.opgraph import OpGraph
+from onboarding.registry import Coverage
+from onboarding.stages import run_generate, run_load, run_map, run_parse
 
 
 def _progress(node: str):
@@ -55,6 +57,27 @@ def parse_node(state: RunState) -> dict[str, Any]:
     return _done(state, "parse", artifacts={"opgraph": "opgraph.json"},
                  summary={"capture": g.capture, "layer_pattern": g.layer_pattern,
                           "blocks": len(g.blocks), "unknown_blocks": len(g.by_kind("unknown"))})
+
+
+def map_node(state: RunState) -> dict[str, Any]:
+    _progress("map")("registry lookup per block")
+    append_event(Path(state.run_dir), {"node": "map", "event": "start"})
+    run_dir = Path(state.run_dir)
+    cov = run_map(OpGraph.load(run_dir / "opgraph.json"), run_dir)
+    counts = cov.to_dict()["counts"]
+    return _done(state, "map", artifacts={"coverage": "coverage.json"},
+                 summary={"coverage": counts})
+
+
+def generate_node(state: RunState) -> dict[str, Any]:
+    step = _progress("generate")
+    step("rendering candidates")
+    append_event(Path(state.run_dir), {"node": "generate", "event": "start"})
+    run_dir = Path(state.run_dir)
+    cands = run_generate(Coverage.load(run_dir / "coverage.json"), run_dir, on_step=step)
+    passed = sum(c.status == "passed" for c in cands)
+    return _done(state, "generate", artifacts={"candidates": "candidates.json"},
+                 summary={"candidates": len(cands), "candidates_passed": passed})
 
 
 def report_node(state: RunState) -> dict[str, Any]:

@@ -346,16 +346,18 @@ def use_eager_experts(model: nn.Module) -> bool:
 
 
 def build_pair(model: nn.Module, *, reference_dtype: torch.dtype | str = torch.float64,
-               candidate_dtype: torch.dtype | str = torch.float32
+               candidate_dtype: torch.dtype | str = torch.float32, eager_reference: bool = True
                ) -> tuple[nn.Module, nn.Module]:
     """(reference, candidate): deep copies of ``model`` with the same weights, cast.
 
-    The reference uses the plain eager path (eager MoE experts: `grouped_mm` has no fp64); the
-    candidate keeps the model's own settings and is the one to patch. Both are in eval mode
-    (no dropout, deterministic routers).
+    With ``eager_reference`` the reference uses the plain eager path (eager MoE experts:
+    `grouped_mm` has no fp64); turn it off for a bitwise identity check. The candidate keeps
+    the model's own settings and is the one to patch. Both are in eval mode (no dropout,
+    deterministic routers).
     """
     ref = copy.deepcopy(model).to(as_dtype(reference_dtype)).eval()
-    use_eager_experts(ref)
+    if eager_reference:
+        use_eager_experts(ref)
     cand = copy.deepcopy(model).to(as_dtype(candidate_dtype)).eval()
     return ref, cand
 
@@ -532,27 +534,26 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
             source: str = "reference") -> _Replay:
     """Run ``module`` on one recorded call's inputs, then backprop the reference's output grads.
 
-    ``source="reference"``: activations that carry gradients come from the reference (cast to
-    ``dtype``), integer tensors (routing indices) too; floating tensors without gradients
-    (masks, cos/sin tables) come from the model's own call (``own``), since a mask cast from
-    fp64 can turn into -inf. ``source="own"``: everything from ``own`` (the faithfulness check).
+    ``source="reference"``: every input tensor comes from the reference call ``ref`` (floating
+    ones cast to ``dtype``; integer ones such as routing indices as they are);
+    ``source="own"``: from ``own``, the model's own call (the faithfulness check).
     """
     base = own if source == "own" else ref
-    own_ts = list(_tensors(own.args)) if own is not None else []
-    ref_ts = list(_tensors(base.args))
     leaves: list[torch.Tensor] = []
-    i = iter(range(len(ref_ts)))
+    i = iter(range(len(base.grad_flags)))
+    finfo = torch.finfo(dtype)
 
     def build(t: torch.Tensor) -> torch.Tensor:
         k = next(i)
-        mine = own_ts[k] if k < len(own_ts) and own_ts[k].shape == t.shape else None
-        if t.is_floating_point() and base.grad_flags[k]:
-            leaf = t.to(dtype).detach().requires_grad_(True)
-            leaves.append(leaf)
-            return leaf
-        if t.is_floating_point():
-            return mine if mine is not None else t.to(dtype)
-        return t
+        if not t.is_floating_point():
+            return t
+        # Masks hold finfo(fp64).min, which would round to -inf in fp32/bf16: clamp finite
+        # values into the target range first (as the model itself does in its own dtype).
+        x = torch.where(torch.isfinite(t), t.clamp(finfo.min, finfo.max), t).to(dtype)
+        if base.grad_flags[k]:
+            x = x.detach().requires_grad_(True)
+            leaves.append(x)
+        return x
 
     args, kwargs = _map(base.args, build)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -646,8 +647,7 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
                 d.verdict, d.message = "not_called", "no module at this path (not hookable)"
             continue
         if not rc and not cc:
-            for d in (fwd, bwd):
-                d.verdict, d.message = "not_called", "not called on these inputs"
+            _not_called(b, ref_mods[b.path], ref_run, cand_run, res, ok, stats, tol)
             continue
         if len(rc) != len(cc):
             for d in (fwd, bwd):
@@ -683,10 +683,31 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
     return result
 
 
+def _not_called(b: Block, ref_mod: nn.Module, ref_run: _Run, cand_run: _Run,
+                res: BlockAlignment, ok, stats, tol: Tolerance) -> None:
+    """Never called as a module: unused on these inputs, or its weights are used inline."""
+    names = [b.path + "." + n for n, p in ref_mod.named_parameters() if p.requires_grad]
+    pg_c, pg_r = _pair_grads([cand_run.param_grads.get(n) for n in names],
+                             [ref_run.param_grads.get(n) for n in names])
+    if not pg_r:
+        for d in (res.fwd, res.bwd):
+            d.verdict, d.message = "not_called", "not called on these inputs"
+        return
+    # e.g. a conv whose weight the enclosing block passes to F.conv1d: the enclosing block's
+    # verdict covers it; its parameter gradients are still reported.
+    res.fwd.verdict = res.bwd.verdict = "inline"
+    res.fwd.message = "weights used inline by the enclosing block (judged there)"
+    res.bwd.params = stats(pg_c, pg_r)
+    res.bwd.output_ok, msg = ok(pg_c, pg_r, tol, f"{b.path} param grads")
+    res.bwd.message = f"weights used inline by the enclosing block; {msg}"
+
+
 def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: _Run,
            ref_mod: nn.Module, cand_mod: nn.Module, rdt: torch.dtype, cdt: torch.dtype,
            tol: Tolerance, ok, stats, isolate: bool, res: BlockAlignment) -> None:
     fwd, bwd = res.fwd, res.bwd
+    local_msg = local_bwd_msg = ""
+    gi_finite, bwd_msg, gi_msg = True, "", ""
 
     def cat(calls: list[_Call], attr: str) -> list:
         return [t for c in calls for t in getattr(c, attr)]
@@ -729,9 +750,11 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
         gi_finite = all(bool(torch.isfinite(t).all()) for t in gout_c)
         bwd.input_ok = gi_ok and gi_finite and fwd.input_ok
         bwd_msg = g_msg if not g_ok else p_msg
-    # ---- isolated replay on the reference's inputs
+    # ---- isolated replay on the reference's inputs, for blocks that diverge end to end only:
+    # a block within tolerance end to end is never the culprit, and the replay runs the
+    # candidate's kernels again (slow in the Triton interpreter).
     local_c: list[_Replay] = []
-    if isolate:
+    if isolate and not (fwd.output_ok and (bwd.output_ok or not has_bwd)):
         try:
             local_r = [_replay(ref_mod, r, r, rdt) for r in rc]
             local_c = [_replay(cand_mod, r, c, cdt) for r, c in zip(rc, cc)]
@@ -769,12 +792,12 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
         return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
 
     _verdict(fwd, "forward", fwd.output, in_finite, out_msg, in_msg,
-             locals().get("local_msg", ""), faithful, "fwd")
+             local_msg, faithful, "fwd")
     if not has_bwd:
         bwd.verdict, bwd.message = "no_grad", "no gradients flow through this block"
         return
     _verdict(bwd, "backward", bwd.output, gi_finite and in_finite, bwd_msg, gi_msg,
-             locals().get("local_bwd_msg", ""), faithful, "bwd", params=bwd.params)
+             local_bwd_msg, faithful, "bwd", params=bwd.params)
 
 
 def _verdict(d: Direction, name: str, out: ErrorStats, in_finite: bool, out_msg: str,
@@ -827,3 +850,104 @@ def _logit_stats(cand: torch.Tensor, ref: torch.Tensor, bitwise: torch.dtype | N
     return {"kl": kl.mean().item(), "kl_max": kl.max().item(),
             "top1_agreement": (a.argmax(-1) == b.argmax(-1)).double().mean().item(),
             "tokens": a.shape[0], "stats": asdict(st)}
+
+
+# ---- report: Markdown table and plot -------------------------------------------------------------
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return f"{x:.1e}" if x else "0"
+
+
+def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> str:
+    """The run report's alignment section: a header line, culprits, one row per block."""
+    r = result
+    lines = [f"**Alignment** ({r.mode}): candidate {r.candidate_dtype} vs reference "
+             f"{r.reference_dtype}, inputs {r.input_shapes}, seed {r.seed}: "
+             f"**{'PASS' if r.passed else 'FAIL'}**. Logits KL {r.logits['kl']:.2e} "
+             f"(max {r.logits['kl_max']:.2e}), top-1 agreement {r.logits['top1_agreement']:.3f} "
+             f"over {r.logits['tokens']} tokens.", ""]
+    for key, name in (("fwd", "forward"), ("bwd", "backward")):
+        for b in r.culprits(key):
+            lines.append(f"- culprit ({name}): `{b.path}` ({b.kind}): {getattr(b, key).message}")
+    if r.patches:
+        active = sum(p["status"] == "active" for p in r.patches)
+        lines.append(f"- patched blocks: {active} active of {len(r.patches)}")
+    lines += [f"- note: {n}" for n in r.notes]
+    bit = r.mode == "bitwise"
+    head = ["#", "block", "kind", "fwd rel RMS", "fwd p99 |err|", "fwd max |err|", "cos",
+            "fwd", "bwd rel RMS", "param-grad rel RMS", "bwd max |err|", "bwd"]
+    if bit:
+        head[7:7] = ["exact", "max ulp"]
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rank = {p: i for i, p in enumerate(r.forward_order)}
+    for b in sorted(r.blocks, key=lambda b: rank.get(b.path, len(rank))):
+        f, g = b.fwd, b.bwd
+        if only_failing and f.verdict == "pass" and g.verdict in ("pass", "no_grad"):
+            continue
+        o, go = f.output, g.output
+        row = [str(rank.get(b.path, "—")), f"`{b.path}`", b.kind,
+               _fmt(o and o.rel_rms), _fmt(o and o.p99), _fmt(o and o.max_abs),
+               f"{o.cosine:.6f}" if o else "—", _mark(f.verdict),
+               _fmt(go and go.rel_rms), _fmt(g.params and g.params.rel_rms),
+               _fmt(go and go.max_abs), _mark(g.verdict)]
+        if bit:
+            row[7:7] = [f"{o.exact_fraction:.4f}" if o and o.exact_fraction is not None else "—",
+                        str(o.max_ulp) if o and o.max_ulp is not None else "—"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mark(verdict: str) -> str:
+    return {"fail": "**FAIL**", "nonfinite": "**NaN/Inf**"}.get(verdict, verdict)
+
+
+def plot_errors(result: AlignmentResult, path: Path) -> Path:
+    """PNG: relative RMS error per block in execution order, forward and backward, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.22 * len(result.blocks)), 7.5))
+    colors = {"pass": "tab:green", "propagated": "tab:orange", "fail": "tab:red",
+              "nonfinite": "tab:red"}
+    by_path = {b.path: b for b in result.blocks}
+    for ax, key, order, title in ((axes[0], "fwd", result.forward_order, "forward: block output"),
+                                  (axes[1], "bwd", result.backward_order,
+                                   "backward: gradient w.r.t. block input (params if none)")):
+        xs, ys, cs, labels = [], [], [], []
+        for p in order:
+            b = by_path.get(p)
+            if b is None:
+                continue
+            d = getattr(b, key)
+            st = d.output if (d.output and d.output.numel) else d.params
+            if st is None:
+                continue
+            y = st.rel_rms if math.isfinite(st.rel_rms) else 1e3
+            xs.append(len(xs))
+            ys.append(max(y, 1e-17))
+            cs.append(colors.get(d.verdict, "tab:gray"))
+            labels.append(f"{b.layer if b.layer is not None else '-'}:{p.rsplit('.', 1)[-1]}")
+        ax.scatter(xs, ys, c=cs, s=18, zorder=3)
+        ax.plot(xs, ys, color="0.75", lw=0.8, zorder=2)
+        tols = [by_path[p].tolerance["max_rel_rms"] for p in order if p in by_path]
+        if tols and result.mode == "percentile":
+            ax.axhline(max(tols), color="tab:red", ls="--", lw=0.8, label="max_rel_rms")
+            ax.legend(loc="upper left", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, labels, rotation=90, fontsize=6)
+        ax.set_ylabel("||a-b|| / ||b||")
+        ax.set_title(f"{title} ({result.candidate_dtype} vs {result.reference_dtype})", fontsize=9)
+        ax.grid(True, which="major", axis="y", alpha=0.3)
+    fig.suptitle(f"{result.model}: layer-wise alignment "
+                 f"({'PASS' if result.passed else 'FAIL'})", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from onboarding.backend import ensure_triton_backend
 from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, InputError
 from onboarding.loading import DEFAULT_EXAMPLE
 from onboarding.overrides import parse_assignments
@@ -44,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write model.json and opgraph.json here")
     p.add_argument("--json", action="store_true", help="print opgraph.json to stdout")
 
+    m = sub.add_parser("map", help="coverage: which ops have kernels, templates, fast paths")
+    _model_args(m)
+    m.add_argument("--out", help="write model.json, opgraph.json and coverage.json here")
+    m.add_argument("--json", action="store_true", help="print coverage.json to stdout")
+
+    g = sub.add_parser("generate", help="render and check candidate kernels for coverable ops")
+    _model_args(g)
+    g.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
+    g.add_argument("--promote", action="store_true",
+                   help="copy candidates that pass their checks into kernels/")
+
     r = sub.add_parser("run", help="run the agent pipeline on MODEL")
     _model_args(r, optional=True)
     r.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
@@ -52,31 +65,50 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def cmd_parse(args: argparse.Namespace, console: Console) -> int:
-    from onboarding.console import print_opgraph
-    from onboarding.rundir import owned_dir
-    from onboarding.stages import run_load, run_parse
+def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
+    """parse, map and generate: the stages up to the one named by the command."""
+    from onboarding.console import print_candidates, print_coverage, print_opgraph
+    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.stages import run_generate, run_load, run_map, run_parse
 
     overrides = parse_assignments(args.set)
+    stage = args.command
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and any(out.iterdir()):
         raise InputError(f"--out {out}: directory exists and is not empty")
-    if out is None:
-        with console.status("parse: loading"):
-            info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
-            g = run_parse(info, None, batch=args.batch, seq=args.seq, seed=args.seed)
+    with console.status(f"{stage}: loading") as status:
+        info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
+        if out is None and stage == "generate":
+            out = new_run_dir(info.loaded.name, None)
+        with owned_dir(out, created_here=True) if out is not None else _nothing():
+            if out is not None:
+                run_load(args.model, overrides, args.trust_remote_code, args.proxy, out)
+            graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
+                              on_step=lambda s: status.update(f"{stage}: {s}"))
+            coverage = run_map(graph, out) if stage in ("map", "generate") else None
+            cands = run_generate(coverage, out, promote_passing=args.promote,
+                                 on_step=lambda s: status.update(f"generate: {s}")) \
+                if stage == "generate" else None
+    if getattr(args, "json", False):
+        data = coverage.to_dict() if coverage is not None else graph.to_dict()
+        print(json.dumps(data, indent=1))
+        return EXIT_OK
+    if coverage is None:
+        print_opgraph(graph, console)
     else:
-        with owned_dir(out, created_here=True), console.status("parse") as status:
-            info = run_load(args.model, overrides, args.trust_remote_code, args.proxy, out)
-            g = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
-                          on_step=lambda s: status.update(f"parse: {s}"))
-    if args.json:
-        print(json.dumps(g.to_dict(), indent=1))
-    else:
-        print_opgraph(g, console)
-        if out is not None:
-            console.print(f"wrote {out / 'opgraph.json'}")
+        console.print(f"layer pattern: [bold]{graph.layer_pattern}[/bold] "
+                      f"({len(graph.blocks)} blocks, {graph.capture} capture)")
+        print_coverage(coverage, console)
+    if cands is not None:
+        print_candidates(cands, console)
+    if out is not None:
+        console.print(f"wrote {out}")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -140,10 +172,11 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    ensure_triton_backend()
     try:
-        if args.command == "parse":
-            return cmd_parse(args, console)
-        return cmd_run(args, console)
+        if args.command == "run":
+            return cmd_run(args, console)
+        return cmd_analyse(args, console)
     except InputError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         if args.debug:

@@ -7,8 +7,10 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from onboarding.generate import Candidate
 from onboarding.opgraph import OpGraph
 from onboarding.parse import PATTERN_LEGEND
+from onboarding.registry import Coverage
 from onboarding.report import human
 
 
@@ -39,3 +41,38 @@ def print_opgraph(g: OpGraph, console: Console) -> None:
         f"proxy {human(g.param_counts['proxy']['total'])}")
     if g.capture != "export":
         console.print(f"[yellow]{g.capture_note}[/yellow]")
+
+
+def print_coverage(cov: Coverage, console: Console) -> None:
+    t = Table(title=f"{cov.model}: coverage")
+    t.add_column("kind", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    t.add_column("n", justify="right", no_wrap=True)
+    t.add_column("shape", no_wrap=True)
+    t.add_column("op: how", overflow="fold", min_width=24)
+    groups: dict[tuple, list] = {}
+    for e in cov.entries:
+        groups.setdefault((e.kind, e.status, e.op, e.variant), []).append(e)
+    colors = {"kernel": "green", "template": "cyan", "torch_fast": "blue", "uncovered": "red"}
+    for (kind, status, op, variant), es in sorted(groups.items()):
+        how = f"{es[0].family}/{variant}" if es[0].family else es[0].reason
+        shape = "x".join(map(str, es[0].shapes[0])) if es[0].shapes else "-"
+        t.add_row(kind, f"[{colors[status]}]{status}[/]", str(len(es)), shape, f"{op}: {how}")
+    console.print(t)
+    counts = {s: len(cov.by_status(s)) for s in colors}
+    console.print("  ".join(f"[{colors[s]}]{s}[/] {n}" for s, n in counts.items()))
+
+
+def print_candidates(cands: list[Candidate], console: Console) -> None:
+    t = Table(title="generated candidates (forward + all gradients vs reference)")
+    t.add_column("family/variant", no_wrap=True)
+    t.add_column("params", overflow="fold")
+    t.add_column("blocks", justify="right")
+    t.add_column("status", overflow="fold")
+    t.add_column("worst rel. RMS", no_wrap=True)
+    for c in cands:
+        worst = max((x.get("rel_rms") or 0.0 for x in c.checks), default=float("nan"))
+        status = "[green]passed[/]" if c.status == "passed" else f"[red]{c.status}[/] {c.error}"
+        params = " ".join(f"{k}={v}" for k, v in sorted(c.params.items()) if v is not None)
+        t.add_row(f"{c.family}/{c.variant}", params, str(len(c.blocks)), status, f"{worst:.1e}")
+    console.print(t)

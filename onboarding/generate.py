@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from onboarding.backend import kernel_device
 from onboarding.errors import InputError
 from onboarding.registry import KERNELS_DIR, Coverage
 from onboarding.templating import get_family, load_module, params_hash, render, write_module
@@ -80,7 +81,9 @@ def check_candidate(cand: Candidate, shapes: list[list[int]], seed: int = 0) -> 
         if spec.sample_inputs is None:
             raise InputError(f"family {cand.family} declares no sample_inputs")
         gen = torch.Generator().manual_seed(seed)
-        args = spec.sample_inputs(cand.variant, cand.params, shapes, gen)
+        device = kernel_device()
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a
+                for a in spec.sample_inputs(cand.variant, cand.params, shapes, gen)]
         cand.checks = _check_one(_entry(mod), mod.reference, tuple(args), "sample")
         cand.status = "passed" if cand.checks and all(c["passed"] for c in cand.checks) \
             else "failed"
@@ -101,7 +104,7 @@ def _check_one(entry, ref, args: tuple, label: str) -> list[dict[str, Any]]:
     exps = expect if isinstance(expect, tuple) else (expect,)
     results = []
     gen = torch.Generator().manual_seed(1)
-    grads_out = [torch.randn(o.shape, generator=gen) for o in exps]
+    grads_out = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in exps]
     for i, (o, e) in enumerate(zip(outs, exps)):
         c = compare(o.detach().float(), e.detach().float(), tolerance_for(torch.float32),
                     f"{label}.out{i}")

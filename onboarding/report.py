@@ -101,7 +101,46 @@ def _opgraph_section(run_dir: Path) -> str | None:
     return "\n".join(out)
 
 
-SECTIONS: list[Section] = [_model_section, _opgraph_section]
+def _coverage_section(run_dir: Path) -> str | None:
+    f = run_dir / "coverage.json"
+    if not f.exists():
+        return None
+    from onboarding.registry import Coverage
+
+    cov = Coverage.load(f)
+    groups: dict[tuple, list] = {}
+    for e in cov.entries:
+        groups.setdefault((e.kind, e.status, e.op), []).append(e)
+    rows = [[f"`{k}`", s, op, len(es), "x".join(map(str, es[0].shapes[0])) if es[0].shapes
+             else "-", f"{es[0].family}/{es[0].variant}" if es[0].family else es[0].reason]
+            for (k, s, op), es in sorted(groups.items())]
+    counts = cov.to_dict()["counts"]
+    return "\n".join([
+        "## Coverage", "", ", ".join(f"{n} {s}" for s, n in counts.items()) + ".", "",
+        table(["kind", "status", "op", "blocks", "shape", "how"], rows)])
+
+
+def _candidates_section(run_dir: Path) -> str | None:
+    f = run_dir / "candidates.json"
+    if not f.exists():
+        return None
+    cands = json.loads(f.read_text())
+    rows = []
+    for c in cands:
+        worst = max((x.get("rel_rms") or 0.0 for x in c["checks"]), default=float("nan"))
+        rows.append([f"{c['family']}/{c['variant']}", f"`{Path(c['path']).name}`",
+                     len(c["blocks"]), c["status"] + (f" ({c['error']})" if c["error"] else ""),
+                     f"{worst:.1e}", c["seconds"]])
+    return "\n".join([
+        "## Generated kernels", "",
+        "Each candidate was rendered from its template and checked (forward and every gradient "
+        "against its reference, fresh random inputs at the block's widths, fp32).", "",
+        table(["family/variant", "file", "blocks", "status", "worst rel. RMS", "seconds"],
+              rows)])
+
+
+SECTIONS: list[Section] = [_model_section, _opgraph_section, _coverage_section,
+                           _candidates_section]
 
 
 def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None) -> Path:

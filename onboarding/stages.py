@@ -12,10 +12,13 @@ from typing import Any
 import torch
 
 from onboarding import __version__
+from onboarding.generate import (Candidate, check_candidate, promote, render_candidates,
+                                 save_candidates)
 from onboarding.loading import load_model
 from onboarding.opgraph import OpGraph
 from onboarding.parse import ModelInfo, load_stage, parse_stage
 from onboarding.proxy import text_config
+from onboarding.registry import Coverage, build_coverage
 from onboarding.rundir import write_json
 
 
@@ -75,3 +78,25 @@ def run_parse(info: ModelInfo, out_dir: Path | None, *, batch: int = 1, seq: int
     if out_dir is not None:
         graph.save(out_dir / "opgraph.json")
     return graph
+
+
+def run_map(graph: OpGraph, out_dir: Path | None) -> Coverage:
+    """Coverage of every block; writes ``coverage.json``."""
+    coverage = build_coverage(graph)
+    if out_dir is not None:
+        coverage.save(out_dir / "coverage.json")
+    return coverage
+
+
+def run_generate(coverage: Coverage, out_dir: Path, *, promote_passing: bool = False,
+                 on_step: Callable[[str], None] | None = None) -> list[Candidate]:
+    """Render candidates into ``out_dir/candidates``, check each; writes ``candidates.json``."""
+    cands = render_candidates(coverage, out_dir / "candidates")
+    for i, cand in enumerate(cands):
+        if on_step:
+            on_step(f"checking {cand.family}/{cand.variant} ({i + 1}/{len(cands)})")
+        check_candidate(cand, cand.shapes)
+        if promote_passing and cand.status == "passed":
+            promote(cand)
+    save_candidates(cands, out_dir / "candidates.json")
+    return cands

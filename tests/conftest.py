@@ -23,8 +23,11 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.e
     except ImportError:
         pass
 
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# The repo root must not be on sys.path: `kernels/` there would import as a namespace package
+# named `kernels`, the Hugging Face kernel hub's name, which transformers probes for.
+for entry in ("", str(ROOT)):
+    while entry in sys.path:
+        sys.path.remove(entry)
 
 
 @functools.cache

@@ -138,5 +138,22 @@ def test_default_run_is_the_hybrid_example(workdir, capsys):
 def test_readme_commands_are_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     blocks = readme.split("<!-- test-command -->")[1].split("```")[1].strip().splitlines()
-    assert blocks == ["pip install torch==2.13.0 -e . && python -m pytest -q"]
+    assert blocks == ["pip install torch==2.13.0 -e . && pytest -q"]
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_map_json(workdir, capsys):
+    assert main(["map", "hf:qwen3_moe", "--json"]) == 0
+    cov = json.loads(capsys.readouterr().out)
+    statuses = {e["status"] for e in cov["entries"]}
+    assert {"template", "torch_fast", "uncovered"} <= statuses
+    assert not (workdir / "runs").exists()
+
+
+def test_generate_writes_checked_candidates(workdir, capsys):
+    assert main(["generate", "hf:qwen3_moe", "--out", "g"]) == 0
+    cands = json.loads((workdir / "g" / "candidates.json").read_text())
+    assert cands and all(c["status"] == "passed" for c in cands)
+    for c in cands:
+        assert (workdir / c["path"]).is_file() or Path(c["path"]).is_file()
+    assert "passed" in capsys.readouterr().out

@@ -1,0 +1,71 @@
+"""Gated delta rule family (GDN): chunked linear attention with a scalar log-space decay per head.
+
+One variant, `chunk`: the chunked WY/UT algorithm (Triton forward, hybrid Triton + PyTorch
+backward) plus a token-by-token recurrent kernel for decoding. q, k [B, T, HK, K], v [B, T, HV, V]
+with HV a multiple of HK, g and beta [B, T, HV], optional in-kernel l2norm of q and k, a scale,
+initial / final state [B, HV, K, V]. Shared with `kimi_delta` (same template, per-channel decay).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "gated_delta"
+CHUNK_SIZES = (16, 32, 64)
+L2_OPS = ("rsqrt", "sqrt", "norm", "linalg_vector_norm")
+
+
+def block_params(block: Any) -> dict[str, Any]:
+    """Render params read off a linear-attention block by structure: chunk size and q/k l2norm."""
+    chunk = block.attrs.get("chunk")
+    params: dict[str, Any] = {"chunk_size": chunk if chunk in CHUNK_SIZES else 64}
+    hist = block.op_histogram or {}
+    params["qk_l2norm"] = any(hist.get(op, 0) > 0 for op in L2_OPS)
+    return params
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """`linear_attention.gated_delta` blocks whose decay cumsum runs over the last dim (scalar per head)."""
+    if block.kind != "linear_attention.gated_delta" or block.attrs.get("per_channel_decay", False):
+        return None
+    try:
+        return {"variant": "chunk", "params": FAMILY.resolve("chunk", block_params(block))}
+    except InputError:
+        return None
+
+
+# BV bounds the [K, BV] fp32 state tile a program keeps in registers (K up to 256).
+TUNING_SPACE = {
+    "BK": (16, 32, 64, 128),
+    "BV": (16, 32, 64, 128),
+    "num_warps": (1, 2, 4, 8),
+    "num_stages": (1, 2, 3),
+    "dot_precision": ("tf32", "ieee"),
+}
+DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32"}
+SHAPE_BUCKETS = (
+    ShapeBucket(name="k_le_64", dim="K", lo=1, hi=64, config={"BV": 64}),
+    ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128, config={"BV": 32, "num_warps": 8}),
+    ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256, config={"BV": 16, "num_warps": 8}),
+)
+PARAMS = (
+    Param(name="chunk_size", type=int, default=64, choices=CHUNK_SIZES,
+          doc="tokens per chunk BT (the WY/UT block); changes rounding, not the maths"),
+    Param(name="qk_l2norm", type=bool, default=False,
+          doc="default of use_qk_l2norm_in_kernel (l2norm of q and k inside the kernels)"),
+)
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="gated_delta.py.j2",
+    template_version=1,
+    variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
+    params=PARAMS,
+    tuning_space=TUNING_SPACE,
+    default_config=DEFAULT_CONFIG,
+    shape_buckets=SHAPE_BUCKETS,
+    match=match,
+)

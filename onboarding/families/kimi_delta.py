@@ -1,0 +1,39 @@
+"""Kimi delta attention family (KDA): the gated delta rule with a per-channel log-space decay.
+
+One variant, `chunk`: g is [B, T, HV, K] (one decay per key channel). The intra-chunk products
+sum a_ik b_jk exp(gc_ik - gc_jk) over channels with the exponent clamped at 0, so any gate is
+safe, including ones without a lower bound. Same kernels, API and tuning space as `gated_delta`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.families.gated_delta import DEFAULT_CONFIG, PARAMS, SHAPE_BUCKETS, TUNING_SPACE, block_params
+from onboarding.templating import FamilySpec
+
+NAME = "kimi_delta"
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """`linear_attention.kimi_delta` blocks (decay cumsum over a non-last dim: per-channel gate)."""
+    if block.kind != "linear_attention.kimi_delta":
+        return None
+    try:
+        return {"variant": "chunk", "params": FAMILY.resolve("chunk", block_params(block))}
+    except InputError:
+        return None
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="kimi_delta.py.j2",
+    template_version=1,
+    variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
+    params=PARAMS,
+    tuning_space=TUNING_SPACE,
+    default_config=DEFAULT_CONFIG,
+    shape_buckets=SHAPE_BUCKETS,
+    match=match,
+)

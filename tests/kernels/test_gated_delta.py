@@ -1,0 +1,259 @@
+"""Gated delta rule family (GDN, scalar decay): outputs, final state and every gradient vs both
+references (transformers' chunked/recurrent torch functions and the module's naive recurrence),
+decode steps vs the chunked forward, opcheck, block matching and sm_90 AOT compilation.
+
+The helpers here are shared with `test_kimi_delta.py` (per-channel decay), which imports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE
+
+from onboarding import aot, templating
+from onboarding.families import gated_delta
+from onboarding.opgraph import Block
+from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.tolerance import assert_close, tolerance_for
+
+# Interpreter-sized tiles and chunk (T=37 spans three chunks, the last one partial).
+CPU_CONFIG = {"BK": 32, "BV": 32, "num_warps": 4}
+CHUNK = 16
+_MODULES: dict = {}
+
+
+@dataclass(frozen=True)
+class Case:
+    HK: int
+    HV: int
+    T: int
+    l2: bool
+    h0: bool
+    K: int = 32
+    V: int = 16
+    B: int = 1
+
+    @property
+    def id(self) -> str:
+        return f"hk{self.HK}-hv{self.HV}-t{self.T}-k{self.K}v{self.V}" + ("-l2" if self.l2 else "") + ("-h0" if self.h0 else "")
+
+
+CASES = [
+    Case(HK=2, HV=2, T=37, l2=True, h0=True),  # T not a multiple of the chunk
+    Case(HK=1, HV=2, T=37, l2=False, h0=False, B=2),  # grouped values (HV = 2 HK), batch 2
+    Case(HK=2, HV=4, T=32, l2=True, h0=True, K=16, V=32),  # T a multiple of the chunk, K < V
+]
+
+
+def load(spec, params: dict | None = None):
+    """Render `spec` (a FamilySpec) with the CPU chunk, write it under a temp dir and import it."""
+    params = {"chunk_size": CHUNK, **(params or {})}
+    key = (spec.name, tuple(sorted(params.items())))
+    if key not in _MODULES:
+        import tempfile
+        from pathlib import Path
+
+        source = templating.render(spec, "chunk", params)
+        root = Path(tempfile.mkdtemp(prefix="onboard-la-"))
+        module = templating.load_module(templating.write_module(source, root / spec.name / "chunk.py"))
+        if DEVICE.type == "cpu":
+            module.set_config(CPU_CONFIG)
+        _MODULES[key] = module
+    return _MODULES[key]
+
+
+def make_inputs(case: Case, per_channel: bool, dtype, device, gen) -> list:
+    """Positional args of the entry: q, k, v, g, beta, scale, initial_state, output_final_state, l2."""
+    B, T, HK, HV, K, V = case.B, case.T, case.HK, case.HV, case.K, case.V
+    q = torch.randn(B, T, HK, K, generator=gen)
+    # without the in-kernel l2norm keep |k| ~ 1 so the delta rule stays contractive (beta |k|^2 < 2)
+    k = torch.randn(B, T, HK, K, generator=gen) * (1.0 if case.l2 else K ** -0.5)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g_shape = (B, T, HV, K) if per_channel else (B, T, HV)
+    # log decays in (-inf, 0): logsigmoid spreads them from ~0 (keep) to a few units (forget)
+    g = F.logsigmoid(2.0 * torch.randn(g_shape, generator=gen) + 2.0)
+    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen))
+    h0 = torch.randn(B, HV, K, V, generator=gen) if case.h0 else None
+    tensors = [x.to(device, dtype) for x in (q, k, v, g, beta)]
+    return [*tensors, None, None if h0 is None else h0.to(device, torch.float32), True, case.l2]
+
+
+def fixture(module, case: Case, per_channel: bool) -> KernelFixture:
+    return KernelFixture(
+        name=f"{module.FAMILY}/{case.id}", module=module,
+        make_inputs=lambda dtype, device, gen: make_inputs(case, per_channel, dtype, device, gen),
+    )
+
+
+def grads_of(fn, args: list, douts: list) -> tuple[list, list]:
+    """(outputs, grads of every floating tensor arg) of fn(*args) under cotangents douts."""
+    leaves = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) else a for a in args]
+    outs = [o for o in fn(*leaves) if o is not None]
+    wrt = [a for a in leaves if isinstance(a, torch.Tensor)]
+    grads = torch.autograd.grad(outs, wrt, douts[: len(outs)], allow_unused=True)
+    return outs, list(grads)
+
+
+def check_against(module, ref_fn, case: Case, per_channel: bool, what: str, with_grads: bool = True) -> None:
+    """Kernel vs `ref_fn` (same signature as the entry): outputs, final state, all gradients."""
+    gen = torch.Generator().manual_seed(1)
+    args = make_inputs(case, per_channel, torch.float32, DEVICE, gen)
+    o_shape = (case.B, case.T, case.HV, case.V)
+    douts = [torch.randn(o_shape, generator=gen).to(DEVICE), torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    tol = tolerance_for(torch.float32)
+    if not with_grads:
+        with torch.no_grad():
+            outs, ref_outs = module.entry(*args), ref_fn(*args)
+        for name, a, b in zip(("o", "final_state"), outs, ref_outs):
+            assert_close(a, b, tol, f"{case.id} vs {what}: {name}")
+        return
+    outs, grads = grads_of(module.entry, args, douts)
+    ref_outs, ref_grads = grads_of(ref_fn, args, douts)
+    for name, a, b in zip(("o", "final_state"), outs, ref_outs):
+        assert_close(a, b, tol, f"{case.id} vs {what}: {name}")
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    for name, a, b in zip(names, grads, ref_grads):
+        assert (a is None) == (b is None), f"{case.id} vs {what}: {name} presence differs"
+        if a is not None:
+            assert_close(a, b, tol, f"{case.id} vs {what}: {name}")
+
+
+def transformers_fns(per_channel: bool):
+    """transformers' (chunked, recurrent) torch functions wrapped to the entry's signature."""
+    if per_channel:
+        mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+        chunk_fn, rec_fn = mod.chunk_kimi_delta_attention, mod.recurrent_kimi_delta_attention
+    else:
+        mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+        chunk_fn, rec_fn = mod.torch_chunk_gated_delta_rule, mod.torch_recurrent_gated_delta_rule
+
+    def expand(q, k, v):  # transformers' KDA takes equal head counts; expand keys as GDN does
+        n = v.shape[2] // q.shape[2]
+        return (q.repeat_interleave(n, dim=2), k.repeat_interleave(n, dim=2)) if n > 1 else (q, k)
+
+    def chunked(q, k, v, g, beta, scale, initial_state, output_final_state, l2):
+        assert scale is None, "transformers always scales by K ** -0.5"
+        q, k = expand(q, k, v)
+        return chunk_fn(q, k, v, g=g, beta=beta, chunk_size=CHUNK, initial_state=initial_state,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2)
+
+    def recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, l2):
+        q, k = expand(q, k, v)
+        return rec_fn(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2)
+
+    return chunked, recurrent
+
+
+def check_decode(module, case: Case, per_channel: bool) -> None:
+    """The recurrent kernel one token at a time (decode) equals the chunked forward at every position."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, g, beta, scale, h0, _, l2 = make_inputs(case, per_channel, torch.float32, DEVICE, gen)
+    step = getattr(module, module.FAMILY + "_recurrent")
+    with torch.no_grad():
+        o_chunk, ht_chunk = module.entry(q, k, v, g, beta, scale, h0, True, l2)
+        state, outs = h0, []
+        for t in range(case.T):
+            sl = slice(t, t + 1)
+            o_t, state = step(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, state, True, l2)
+            outs.append(o_t)
+        o_fused, ht_fused = step(q, k, v, g, beta, scale, h0, True, l2)
+    tol = tolerance_for(torch.float32)
+    assert_close(torch.cat(outs, 1), o_chunk, tol, f"{case.id}: decode steps vs chunked o")
+    assert_close(state, ht_chunk, tol, f"{case.id}: decode final state vs chunked")
+    assert_close(o_fused, o_chunk, tol, f"{case.id}: recurrent (T tokens) vs chunked o")
+    assert_close(ht_fused, ht_chunk, tol, f"{case.id}: recurrent final state vs chunked")
+
+
+def block(kind: str, decay_shape: list[int], cumsum_dim: int, per_channel: bool, l2: bool) -> Block:
+    hist = {"cumsum": 1, "exp": 4, "sigmoid": 1, "matmul": 8}
+    if l2:
+        hist["rsqrt"] = 2
+    return Block(path="model.layers.0.linear_attn", kind=kind, layer=0, class_name="Anything",
+                 op_histogram=hist,
+                 attrs={"decay_shape": decay_shape, "cumsum_dim": cumsum_dim,
+                        "per_channel_decay": per_channel, "chunk": decay_shape[cumsum_dim]})
+
+
+def check_aot(spec) -> None:
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    # The GPU chunk (64) and default tiles at head dim 128, as a Qwen3-Next / Kimi-Linear layer uses.
+    import tempfile
+    from pathlib import Path
+
+    source = templating.render(spec, "chunk", {"chunk_size": 64, "qk_l2norm": True})
+    path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-aot-")) / spec.name / "chunk.py")
+    results = aot.compile_files([path], size=128, registers=False)
+    rs = next(iter(results.values()))
+    assert len(rs) == 5, [r.kernel for r in rs]
+    for r in rs:
+        assert r.ok, f"{r.kernel}: {r.error}"
+        assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, (r.kernel, r.shared_bytes)
+
+
+# ---- GDN tests ---------------------------------------------------------------------------------
+CASE_PARAMS = [pytest.param(c, id=c.id) for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_forward_backward_vs_naive(case):
+    module = load(gated_delta.FAMILY)
+    check_forward_backward(fixture(module, case, False), torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS[:2])
+def test_vs_transformers_chunked(case):
+    chunked, _ = transformers_fns(False)
+    check_against(load(gated_delta.FAMILY), chunked, case, False, "transformers torch_chunk_gated_delta_rule")
+
+
+def test_vs_transformers_recurrent():
+    _, recurrent = transformers_fns(False)
+    check_against(load(gated_delta.FAMILY), recurrent, CASES[1], False, "transformers torch_recurrent_gated_delta_rule")
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS[:2])
+def test_decode_matches_chunked(case):
+    check_decode(load(gated_delta.FAMILY), case, False)
+
+
+def test_fp16_inputs():
+    module = load(gated_delta.FAMILY)
+    check_forward_backward(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), False), torch.float16, DEVICE)
+
+
+def test_opcheck_and_contract():
+    module = load(gated_delta.FAMILY)
+    check_module_contract(module)
+    assert module.naive_recurrent_gated_delta is module.reference
+    check_opcheck(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), False), torch.float32, DEVICE)
+
+
+def test_shape_errors_name_shapes():
+    module = load(gated_delta.FAMILY)
+    q = torch.randn(1, 5, 2, 8)
+    v = torch.randn(1, 5, 3, 8)
+    with pytest.raises(ValueError, match=r"value heads 3 .*key heads 2"):
+        module.gated_delta(q, q, v, torch.zeros(1, 5, 3), torch.ones(1, 5, 3))
+    v = torch.randn(1, 5, 2, 8)
+    with pytest.raises(ValueError, match=r"g must be .*\(1, 5, 2\), got \(1, 5, 2, 8\)"):
+        module.gated_delta(q, q, v, torch.zeros(1, 5, 2, 8), torch.ones(1, 5, 2))
+
+
+def test_match_by_structure():
+    m = gated_delta.match(block("linear_attention.gated_delta", [1, 4, 2, 64], -1, False, True))
+    assert m == {"variant": "chunk", "params": {"chunk_size": 64, "qk_l2norm": True}}
+    m = gated_delta.match(block("linear_attention.gated_delta", [1, 4, 3, 17], -1, False, False))
+    assert m is not None and m["params"] == {"chunk_size": 64, "qk_l2norm": False}  # odd chunk: ours
+    assert gated_delta.match(block("linear_attention.kimi_delta", [1, 4, 2, 64, 32], 3, True, True)) is None
+    assert gated_delta.match(block("linear_attention.mamba", [1, 4, 2, 64], -1, False, False)) is None
+
+
+def test_aot_sm90():
+    check_aot(gated_delta.FAMILY)

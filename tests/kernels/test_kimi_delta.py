@@ -1,0 +1,74 @@
+"""Kimi delta attention family (KDA, per-channel decay): outputs, final state and every gradient vs
+both references (transformers' kimi_linear chunked/recurrent functions and the module's naive
+recurrence), decode steps vs the chunked forward, strong decays, opcheck, matching and sm_90 AOT.
+
+Shares the helpers of `test_gated_delta.py` (same template, same API).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from test_gated_delta import (
+    CASES, Case, block, check_against, check_aot, check_decode, fixture, load, make_inputs, transformers_fns,
+)
+
+from onboarding.families import kimi_delta
+from onboarding.testing import check_forward_backward, check_module_contract, check_opcheck
+
+CASE_PARAMS = [pytest.param(c, id=c.id) for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_forward_backward_vs_naive(case):
+    module = load(kimi_delta.FAMILY)
+    check_forward_backward(fixture(module, case, True), torch.float32, DEVICE)
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS[:2])
+def test_vs_transformers_chunked(case):
+    chunked, _ = transformers_fns(True)
+    check_against(load(kimi_delta.FAMILY), chunked, case, True, "transformers chunk_kimi_delta_attention")
+
+
+def test_vs_transformers_recurrent():
+    _, recurrent = transformers_fns(True)
+    check_against(load(kimi_delta.FAMILY), recurrent, CASES[0], True, "transformers recurrent_kimi_delta_attention")
+
+
+def test_strong_decay_is_finite():
+    """Per-channel decays far below any safe-gate bound (exp(-gc) would overflow fp32 in a chunk)."""
+    module = load(kimi_delta.FAMILY)
+    case = Case(HK=1, HV=1, T=37, l2=True, h0=True)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, g, beta, scale, h0, _, l2 = make_inputs(case, True, torch.float32, DEVICE, gen)
+    g = g * 30.0  # per-step log decays down to ~-150: a chunk of 16 sums past fp32's exp range
+    with torch.no_grad():
+        o, ht = module.entry(q, k, v, g, beta, scale, h0, True, l2)
+        ro, rht = module.reference(q, k, v, g, beta, scale, h0, True, l2)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS[1:2])
+def test_decode_matches_chunked(case):
+    check_decode(load(kimi_delta.FAMILY), case, True)
+
+
+def test_opcheck_and_contract():
+    module = load(kimi_delta.FAMILY)
+    check_module_contract(module)
+    assert module.naive_recurrent_kimi_delta is module.reference
+    check_opcheck(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), True), torch.float32, DEVICE)
+
+
+def test_match_by_structure():
+    m = kimi_delta.match(block("linear_attention.kimi_delta", [1, 4, 2, 32, 16], 3, True, True))
+    assert m == {"variant": "chunk", "params": {"chunk_size": 32, "qk_l2norm": True}}
+    assert kimi_delta.match(block("linear_attention.gated_delta", [1, 4, 2, 64], -1, False, True)) is None
+
+
+def test_aot_sm90():
+    check_aot(kimi_delta.FAMILY)
