@@ -549,7 +549,9 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
             return t
         # Masks hold finfo(fp64).min, which would round to -inf in fp32/bf16: clamp finite
         # values into the target range first (as the model itself does in its own dtype).
-        x = torch.where(torch.isfinite(t), t.clamp(finfo.min, finfo.max), t).to(dtype)
+        if torch.finfo(t.dtype).max > finfo.max:
+            t = torch.where(torch.isfinite(t), t.clamp(finfo.min, finfo.max), t)
+        x = t.to(dtype)
         if base.grad_flags[k]:
             x = x.detach().requires_grad_(True)
             leaves.append(x)

@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--promote", action="store_true",
                    help="copy candidates that pass their checks into kernels/")
 
+    b = sub.add_parser("bench", help="kernel benchmarks vs eager, torch.compile and anchors (GPU)")
+    b.add_argument("--suite", choices=("kernels",), default="kernels")
+    b.add_argument("--family", action="append", default=None,
+                   help="only these kernel families (repeatable)")
+    b.add_argument("--out", help="write the result rows as JSON here")
+
     r = sub.add_parser("run", help="run the agent pipeline on MODEL")
     _model_args(r, optional=True)
     r.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
@@ -109,6 +115,25 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
 @contextlib.contextmanager
 def _nothing():
     yield
+
+
+def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    from onboarding.bench.cases import cases_for
+    from onboarding.bench.harness import format_table, run_cases
+
+    if not torch.cuda.is_available():
+        raise InputError("onboard bench needs a GPU (timings on the CPU interpreter mean "
+                         "nothing); run it on the GPU machine")
+    cases = cases_for(args.family)
+    with console.status("benchmarking") as status:
+        result = run_cases(cases, log=lambda s: status.update(s))
+    print(format_table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        console.print(f"wrote {args.out}")
+    return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -176,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args, console)
+        if args.command == "bench":
+            return cmd_bench(args, console)
         return cmd_analyse(args, console)
     except InputError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import pytest
 
+from onboarding.backend import kernel_device
 from onboarding.generate import check_candidate, kernels_for, promote, render_candidates
 from onboarding.loading import load_model
 from onboarding.parse import example_inputs, load_stage
@@ -17,9 +18,10 @@ def _prepare(parse_model, ref, tmp_path):
     cov = build_coverage(g)
     cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path)]
     info = load_stage(load_model(ref, trust_remote_code=True))
-    model = info.loaded.build(info.proxy_config, seed=0).eval()
+    device = kernel_device()  # the GPU when there is one, else the interpreter on the CPU
+    model = info.loaded.build(info.proxy_config, seed=0).eval().to(device)
     inputs, kwargs = example_inputs(model, info.proxy_config, 1, g.seq, 1)
-    return g, cov, cands, model, inputs, kwargs
+    return g, cov, cands, model, tuple(t.to(device) for t in inputs), kwargs
 
 
 def test_coverage_statuses(parse_model):

@@ -7,6 +7,7 @@ The helpers here are shared with `test_kimi_delta.py` (per-channel decay), which
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import pytest
@@ -60,8 +61,8 @@ def load(spec, params: dict | None = None):
         source = templating.render(spec, "chunk", params)
         root = Path(tempfile.mkdtemp(prefix="onboard-la-"))
         module = templating.load_module(templating.write_module(source, root / spec.name / "chunk.py"))
-        if DEVICE.type == "cpu":
-            module.set_config(CPU_CONFIG)
+        # fp32 tests on a GPU need exact fp32 dots (the default tf32 rounds to ~1e-3)
+        module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
         _MODULES[key] = module
     return _MODULES[key]
 
@@ -130,6 +131,8 @@ def transformers_fns(per_channel: bool):
     else:
         mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
         chunk_fn, rec_fn = mod.torch_chunk_gated_delta_rule, mod.torch_recurrent_gated_delta_rule
+    # transformers dispatches these to fla when it is importable: test against the torch path
+    chunk_fn, rec_fn = inspect.unwrap(chunk_fn), inspect.unwrap(rec_fn)
 
     def expand(q, k, v):  # transformers' KDA takes equal head counts; expand keys as GDN does
         n = v.shape[2] // q.shape[2]

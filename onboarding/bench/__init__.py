@@ -1,0 +1,5 @@
+"""One benchmark harness for every kernel family (DESIGN.md: "one harness from the start")."""
+
+from onboarding.bench.harness import BenchCase, Timing, measure_ceilings, run_cases, time_fn
+
+__all__ = ["BenchCase", "Timing", "measure_ceilings", "run_cases", "time_fn"]

@@ -1,0 +1,245 @@
+"""Benchmark cases per kernel family, at real model shapes, with their anchors.
+
+Each case times one forward + backward step of our rendered kernel (``ours``) against the
+PyTorch eager formulation that transformers runs (``eager``), `torch.compile` of it
+(``compile``), and Liger-Kernel's op where it is installed (``liger``). ``check`` reports the
+bf16 kernel's relative RMS error against an fp32 reference, output and gradients.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from onboarding.bench.harness import BenchCase
+from onboarding.templating import load_module, render_to
+
+N_SETS = 3  # input sets to rotate through (each case's set is far larger than the 60 MB L2)
+
+
+def _kernel(family: str, variant: str, params: dict[str, Any] | None = None):
+    root = Path(tempfile.mkdtemp(prefix="onboard-bench-"))
+    mod = load_module(render_to(root, family, variant, params or {}))
+    from onboarding.patching import entry_function
+
+    return mod, entry_function(mod)
+
+
+def _fwd_bwd(fn: Callable, sets: list[tuple], grads: list[torch.Tensor]):
+    def step(i: int):
+        args = sets[i % len(sets)]
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, grads[: len(outs)])
+    return step
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _check(ours: Callable, ref: Callable, make: Callable[[torch.dtype], tuple]
+           ) -> Callable[[torch.device], dict[str, float]]:
+    """bf16 kernel vs fp32 reference on the same random inputs: outputs and every gradient."""
+    def check(device: torch.device) -> dict[str, float]:
+        base = make(torch.float32)
+        lo = tuple(_leaf(t.to(torch.bfloat16)) if t.is_floating_point() else t for t in base)
+        hi = tuple(_leaf(t) if t.is_floating_point() else t for t in base)
+        out, exp = ours(*lo), ref(*hi)
+        outs = out if isinstance(out, tuple) else (out,)
+        exps = exp if isinstance(exp, tuple) else (exp,)
+        gen = torch.Generator(device=device).manual_seed(7)
+        gs = [torch.randn(e.shape, device=device, generator=gen) for e in exps]
+        torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(gs, outs)])
+        torch.autograd.backward(exps, gs)
+        res = {f"out{i}": _rel(o, e) for i, (o, e) in enumerate(zip(outs, exps))}
+        for i, (a, b) in enumerate(zip(lo, hi)):
+            if isinstance(a, torch.Tensor) and a.grad is not None:
+                res[f"grad{i}"] = _rel(a.grad, b.grad)
+        return res
+    return check
+
+
+def _anchors(eager: Callable, ours: Callable, sets, grads, liger: Callable | None):
+    steps = {"ours": _fwd_bwd(ours, sets, grads), "eager": _fwd_bwd(eager, sets, grads),
+             "compile": _fwd_bwd(torch.compile(eager), sets, grads)}
+    if liger is not None:
+        steps["liger"] = _fwd_bwd(liger, sets, grads)
+    return steps
+
+
+def rmsnorm_cases() -> list[BenchCase]:
+    def eager(x, w, eps=1e-6):  # transformers' RMSNorm
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
+
+    cases = []
+    for n, d in ((16384, 4096), (32768, 2048), (8192, 7168)):
+        def setup(device, n=n, d=d):
+            _, ours = _kernel("rmsnorm", "plain")
+            sets = [(_leaf(torch.randn(n, d, device=device, dtype=torch.bfloat16)),
+                     _leaf(1 + 0.1 * torch.randn(d, device=device, dtype=torch.bfloat16)))
+                    for _ in range(N_SETS)]
+            grads = [torch.randn(n, d, device=device, dtype=torch.bfloat16)]
+            liger = None
+            try:
+                from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+                lmod = LigerRMSNorm(d, eps=1e-6).to(device, torch.bfloat16)
+                liger = lambda x, w: lmod(x)  # noqa: E731  (its own weight, same shape)
+            except ImportError:
+                pass
+            return _anchors(eager, lambda x, w: ours(x, w, 1e-6), sets, grads, liger)
+
+        def make(dtype, n=n, d=d):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            return (torch.randn(n, d, device="cuda", generator=g, dtype=dtype),
+                    1 + 0.1 * torch.randn(d, device="cuda", generator=g, dtype=dtype))
+
+        cases.append(BenchCase(
+            family="rmsnorm", name=f"{n}x{d}", shape={"N": n, "D": d},
+            min_bytes=5 * n * d * 2, flops=0, setup=setup,
+            check=lambda device, make=make: _check(
+                lambda x, w: _kernel("rmsnorm", "plain")[1](x, w, 1e-6), eager, make)(device)))
+    return cases
+
+
+def swiglu_cases() -> list[BenchCase]:
+    def eager(g, u):
+        return F.silu(g) * u
+
+    cases = []
+    for n, f in ((8192, 14336), (16384, 5632)):
+        def setup(device, n=n, f=f):
+            _, ours = _kernel("swiglu", "split")
+            sets = [tuple(_leaf(torch.randn(n, f, device=device, dtype=torch.bfloat16))
+                          for _ in range(2)) for _ in range(N_SETS)]
+            grads = [torch.randn(n, f, device=device, dtype=torch.bfloat16)]
+            liger = None
+            try:
+                from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+                liger = LigerSiLUMulFunction.apply
+            except ImportError:
+                pass
+            return _anchors(eager, ours, sets, grads, liger)
+
+        def make(dtype, n=n, f=f):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            return tuple(torch.randn(n, f, device="cuda", generator=g, dtype=dtype)
+                         for _ in range(2))
+
+        cases.append(BenchCase(
+            family="swiglu", name=f"{n}x{f}", shape={"N": n, "F": f},
+            min_bytes=(3 + 3) * n * f * 2, flops=0, setup=setup,
+            check=lambda device, make=make: _check(_kernel("swiglu", "split")[1], eager,
+                                                   make)(device)))
+    return cases
+
+
+def rope_cases() -> list[BenchCase]:
+    def rotate_half(x):
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat((-b, a), dim=-1)
+
+    def eager(q, k, cos, sin):  # transformers' apply_rotary_pos_emb on [B, T, H, D]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+    cases = []
+    for b, t, h, hk, d in ((1, 8192, 32, 8, 128), (4, 4096, 16, 2, 256)):
+        def setup(device, b=b, t=t, h=h, hk=hk, d=d):
+            _, ours = _kernel("rope", "half")
+            sets = []
+            for _ in range(N_SETS):
+                theta = torch.rand(t, d, device=device) * 10
+                sets.append((_leaf(torch.randn(b, t, h, d, device=device, dtype=torch.bfloat16)),
+                             _leaf(torch.randn(b, t, hk, d, device=device,
+                                               dtype=torch.bfloat16)),
+                             theta.cos().to(torch.bfloat16), theta.sin().to(torch.bfloat16)))
+            grads = [torch.randn(b, t, h, d, device=device, dtype=torch.bfloat16),
+                     torch.randn(b, t, hk, d, device=device, dtype=torch.bfloat16)]
+            liger = None
+            try:
+                from liger_kernel.ops.rope import LigerRopeFunction
+
+                def liger(q, k, cos, sin):  # Liger wants [B, H, T, D] and [1, T, D] tables
+                    oq, ok = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2),
+                                                     cos[None], sin[None])
+                    return oq.transpose(1, 2), ok.transpose(1, 2)
+            except ImportError:
+                pass
+            return _anchors(eager, ours, sets, grads, liger)
+
+        def make(dtype, b=b, t=t, h=h, hk=hk, d=d):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            theta = torch.rand(t, d, device="cuda", generator=g) * 10
+            return (torch.randn(b, t, h, d, device="cuda", generator=g, dtype=dtype),
+                    torch.randn(b, t, hk, d, device="cuda", generator=g, dtype=dtype),
+                    theta.cos().to(dtype), theta.sin().to(dtype))
+
+        cases.append(BenchCase(
+            family="rope", name=f"B{b}T{t}H{h}/{hk}D{d}",
+            shape={"B": b, "T": t, "H": h, "Hk": hk, "D": d},
+            min_bytes=2 * 2 * b * t * (h + hk) * d * 2, flops=0, setup=setup,
+            check=lambda device, make=make: _check(_kernel("rope", "half")[1], eager,
+                                                   make)(device)))
+    return cases
+
+
+def conv1d_cases() -> list[BenchCase]:
+    def eager(x, w, bias):  # what transformers' torch fallback does, on [B, T, C]
+        k = w.shape[-1]
+        y = F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=k - 1,
+                     groups=w.shape[0])[..., : x.shape[1]]
+        return y.transpose(1, 2)
+
+    cases = []
+    for b, t, c, k in ((2, 4096, 8192, 4), (1, 8192, 12288, 4)):
+        def setup(device, b=b, t=t, c=c, k=k):
+            _, ours = _kernel("conv1d", "causal", {"kernel_size": k})
+            sets = [(_leaf(torch.randn(b, t, c, device=device, dtype=torch.bfloat16)),
+                     _leaf(0.5 * torch.randn(c, k, device=device, dtype=torch.bfloat16)),
+                     _leaf(torch.randn(c, device=device, dtype=torch.bfloat16)))
+                    for _ in range(N_SETS)]
+            grads = [torch.randn(b, t, c, device=device, dtype=torch.bfloat16)]
+            return _anchors(eager, ours, sets, grads, None)
+
+        def make(dtype, b=b, t=t, c=c, k=k):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            return (torch.randn(b, t, c, device="cuda", generator=g, dtype=dtype),
+                    0.5 * torch.randn(c, k, device="cuda", generator=g, dtype=dtype),
+                    torch.randn(c, device="cuda", generator=g, dtype=dtype))
+
+        cases.append(BenchCase(
+            family="conv1d", name=f"B{b}T{t}C{c}W{k}", shape={"B": b, "T": t, "C": c, "W": k},
+            min_bytes=5 * b * t * c * 2, flops=2 * 2 * b * t * c * k * 2, setup=setup,
+            check=lambda device, make=make, k=k: _check(
+                _kernel("conv1d", "causal", {"kernel_size": k})[1], eager, make)(device)))
+    return cases
+
+
+CASES: dict[str, Callable[[], list[BenchCase]]] = {
+    "rmsnorm": rmsnorm_cases, "swiglu": swiglu_cases, "rope": rope_cases,
+    "conv1d": conv1d_cases,
+}
+
+
+def cases_for(families: list[str] | None = None) -> list[BenchCase]:
+    names = families or list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        from onboarding.errors import InputError
+
+        raise InputError(f"no benchmark cases for {unknown}; known: {sorted(CASES)}")
+    return [c for n in names for c in CASES[n]()]

@@ -1,0 +1,157 @@
+"""GPU timing harness: event timing, rotated inputs, ceilings measured in the same run.
+
+Every family registers `BenchCase`s (real model shapes, the baselines to compare with). A case's
+`setup(device)` returns named callables — ``ours`` plus anchors such as ``eager``,
+``compile`` or ``liger`` — each running one full step (forward, or forward + backward) on the
+*i*-th of several input sets, so that repeats rotate past the L2 cache. Rows carry the GPU name,
+versions, commit and date, and ratios against the anchors measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+Step = Callable[[int], Any]  # step(i) runs once on input set i % n_sets
+
+
+@dataclass(kw_only=True)
+class BenchCase:
+    family: str
+    name: str
+    shape: dict[str, int]
+    min_bytes: int  # fewest bytes the step must move (each input read once, output written once)
+    flops: int
+    setup: Callable[[torch.device], dict[str, Step]]
+    check: Callable[[torch.device], dict[str, float]] | None = None  # bf16 errors vs fp32 ref
+    note: str = ""
+
+
+@dataclass(kw_only=True)
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    repeats: int
+
+
+@dataclass(kw_only=True)
+class Row:
+    family: str
+    case: str
+    shape: dict[str, int]
+    impl: str
+    timing: Timing | None
+    error: str = ""
+    gbps: float | None = None
+    tflops: float | None = None
+    roofline_frac: float | None = None
+    ratios: dict[str, float] = field(default_factory=dict)  # anchor time / our time
+    check: dict[str, float] = field(default_factory=dict)
+
+
+def time_fn(step: Step, *, warmup: int = 5, repeats: int = 50, n_sets: int = 4) -> Timing:
+    """Median and p20/p80 of per-call event times; warm-up calls excluded."""
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    q = statistics.quantiles(times, n=10)
+    return Timing(median_ms=statistics.median(times), p20_ms=q[1], p80_ms=q[7], repeats=repeats)
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data."""
+    n = 1 << 30  # 2 GiB of bf16 per buffer: far past the L2
+    src = torch.randn(n // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda i: dst.copy_(src), warmup=3, repeats=20)
+    copy = 2 * src.numel() * 2 / (t.median_ms * 1e-3) / 1e12
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = time_fn(lambda i: a @ b, warmup=3, repeats=20)
+    mm = 2 * 8192**3 / (t.median_ms * 1e-3) / 1e12
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"copy_tb_s": round(copy, 3), "matmul_bf16_tflops": round(mm, 1)}
+
+
+def environment() -> dict[str, Any]:
+    from onboarding.stages import environment as env
+
+    return env()
+
+
+def run_cases(cases: list[BenchCase], device: torch.device | None = None,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    device = device or torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    log(f"ceilings: {ceilings}")
+    rows: list[Row] = []
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            steps = case.setup(device)
+        except Exception as exc:
+            rows.append(Row(family=case.family, case=case.name, shape=case.shape, impl="setup",
+                            timing=None, error=f"{type(exc).__name__}: {exc}"[:300]))
+            continue
+        check = {}
+        if case.check is not None:
+            try:
+                check = case.check(device)
+            except Exception as exc:
+                check = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        case_rows = []
+        for impl, step in steps.items():
+            try:
+                timing = time_fn(step)
+                err = ""
+            except Exception as exc:
+                timing, err = None, f"{type(exc).__name__}: {exc}"[:300]
+            row = Row(family=case.family, case=case.name, shape=case.shape, impl=impl,
+                      timing=timing, error=err, check=check if impl == "ours" else {})
+            if timing:
+                sec = timing.median_ms * 1e-3
+                row.gbps = case.min_bytes / sec / 1e9
+                row.tflops = case.flops / sec / 1e12 if case.flops else None
+                row.roofline_frac = row.gbps / (ceilings["copy_tb_s"] * 1e3)
+            case_rows.append(row)
+        ours = next((r for r in case_rows if r.impl == "ours" and r.timing), None)
+        if ours:
+            for r in case_rows:
+                if r.timing and r.impl != "ours":
+                    ours.ratios[r.impl] = r.timing.median_ms / ours.timing.median_ms
+        rows.extend(case_rows)
+        torch.cuda.empty_cache()
+        log(f"{case.family}/{case.name}: {time.perf_counter() - t0:.1f}s")
+    return {"environment": environment(), "ceilings": ceilings,
+            "rows": [asdict(r) for r in rows]}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"{'case':38s} {'impl':8s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s}  ratios (anchor/ours)"]
+    for r in result["rows"]:
+        t = r["timing"]
+        ms = f"{t['median_ms']:.3f}" if t else "-"
+        gb = f"{r['gbps']:.0f}" if r["gbps"] else "-"
+        frac = f"{100 * r['roofline_frac']:.0f}" if r["roofline_frac"] else "-"
+        ratios = " ".join(f"{k}={v:.2f}x" for k, v in r["ratios"].items())
+        err = f"  ERROR {r['error'][:60]}" if r["error"] else ""
+        chk = "  " + " ".join(f"{k}={v:.1e}" for k, v in r["check"].items()
+                              if isinstance(v, float)) if r["check"] else ""
+        lines.append(f"{r['family'] + '/' + r['case']:38s} {r['impl']:8s} {ms:>8s} {gb:>7s} "
+                     f"{frac:>6s}  {ratios}{err}{chk}")
+    return "\n".join(lines)
