@@ -66,7 +66,9 @@ class PatchSet:
 
 
 def entry_function(mod: ModuleType) -> Callable:
-    """The user-facing function of a rendered module: ``f`` such that ``f_op`` exists."""
+    """The user-facing function of a rendered module (its ``entry``, by the module contract)."""
+    if callable(getattr(mod, "entry", None)):
+        return mod.entry
     for name in dir(mod):
         if not name.startswith("_") and not name.endswith("_op") and \
                 hasattr(mod, f"{name}_op") and callable(getattr(mod, name)):

@@ -31,11 +31,14 @@ def _kernel(family: str, variant: str, params: dict[str, Any] | None = None):
 
 
 def _fwd_bwd(fn: Callable, sets: list[tuple], grads: list[torch.Tensor]):
+    """One forward + backward step on input set i. Gradients come from `autograd.grad`, so no
+    step pays for accumulating into `.grad` (which would add a read-modify-write per input)."""
     def step(i: int):
         args = sets[i % len(sets)]
         out = fn(*args)
         outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, grads[: len(outs)])
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        return torch.autograd.grad(outs, leaves, grads[: len(outs)])
     return step
 
 
@@ -69,6 +72,34 @@ def _check(ours: Callable, ref: Callable, make: Callable[[torch.dtype], tuple]
     return check
 
 
+def _config_sweep(mod, fn: Callable, sets, grads, size: int, limit: int = 16
+                  ) -> dict[str, Callable]:
+    """Extra ``ours@cfg`` steps over the module's tuning space (a coarse look before the
+    Optuna tuner exists); each step pins its config for the size's bucket while it runs."""
+    import itertools
+
+    space = mod.TUNING_SPACE
+    keys = sorted(space)
+    steps = {}
+    for values in itertools.islice(itertools.product(*(space[k] for k in keys)), 0, None):
+        cfg = dict(zip(keys, values))
+        if cfg.get("num_warps", 4) < 4 or cfg.get("BLOCK_N", 1) > 8:
+            continue
+        label = "ours@" + ",".join(f"{k}={v}" for k, v in cfg.items())
+
+        def step(i, cfg=cfg):
+            mod.set_config(cfg, bucket=mod.shape_bucket(size))
+            try:
+                return _fwd_bwd(fn, sets, grads)(i)
+            finally:
+                mod.set_config(None, bucket=mod.shape_bucket(size))
+
+        steps[label] = step
+        if len(steps) >= limit:
+            break
+    return steps
+
+
 def _anchors(eager: Callable, ours: Callable, sets, grads, liger: Callable | None):
     steps = {"ours": _fwd_bwd(ours, sets, grads), "eager": _fwd_bwd(eager, sets, grads),
              "compile": _fwd_bwd(torch.compile(eager), sets, grads)}
@@ -86,7 +117,7 @@ def rmsnorm_cases() -> list[BenchCase]:
     cases = []
     for n, d in ((16384, 4096), (32768, 2048), (8192, 7168)):
         def setup(device, n=n, d=d):
-            _, ours = _kernel("rmsnorm", "plain")
+            mod, ours = _kernel("rmsnorm", "plain")
             sets = [(_leaf(torch.randn(n, d, device=device, dtype=torch.bfloat16)),
                      _leaf(1 + 0.1 * torch.randn(d, device=device, dtype=torch.bfloat16)))
                     for _ in range(N_SETS)]
@@ -99,7 +130,10 @@ def rmsnorm_cases() -> list[BenchCase]:
                 liger = lambda x, w: lmod(x)  # noqa: E731  (its own weight, same shape)
             except ImportError:
                 pass
-            return _anchors(eager, lambda x, w: ours(x, w, 1e-6), sets, grads, liger)
+            steps = _anchors(eager, lambda x, w: ours(x, w, 1e-6), sets, grads, liger)
+            if (n, d) == (16384, 4096):  # the goal shape: look at the tile configs too
+                steps.update(_config_sweep(mod, lambda x, w: ours(x, w, 1e-6), sets, grads, d))
+            return steps
 
         def make(dtype, n=n, d=d):
             g = torch.Generator(device="cuda").manual_seed(0)

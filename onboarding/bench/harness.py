@@ -132,7 +132,7 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
         ours = next((r for r in case_rows if r.impl == "ours" and r.timing), None)
         if ours:
             for r in case_rows:
-                if r.timing and r.impl != "ours":
+                if r.timing and r.impl != "ours" and not r.impl.startswith("ours@"):
                     ours.ratios[r.impl] = r.timing.median_ms / ours.timing.median_ms
         rows.extend(case_rows)
         torch.cuda.empty_cache()

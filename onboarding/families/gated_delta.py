@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from onboarding.errors import InputError
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
@@ -58,6 +60,19 @@ PARAMS = (
           doc="default of use_qk_l2norm_in_kernel (l2norm of q and k inside the kernels)"),
 )
 
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """q, k [1, 37, 1, 16], v [1, 37, 2, 16] (two value heads per key head), a negative log
+    decay g, beta in (0, 1), and an initial state; T=37 is not a multiple of the chunk."""
+    q = torch.randn(1, 37, 1, 16, generator=gen)
+    k = torch.randn(1, 37, 1, 16, generator=gen)
+    v = torch.randn(1, 37, 2, 16, generator=gen)
+    g = -torch.rand((1, 37, 2), generator=gen) * 0.5
+    beta = torch.rand(1, 37, 2, generator=gen)
+    h0 = torch.randn(1, 2, 16, 16, generator=gen) * 0.1
+    return [q, k, v, g, beta, None, h0, True]
+
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
@@ -68,4 +83,5 @@ FAMILY = FamilySpec(
     default_config=DEFAULT_CONFIG,
     shape_buckets=SHAPE_BUCKETS,
     match=match,
+    sample_inputs=sample_inputs,
 )
