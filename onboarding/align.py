@@ -21,7 +21,15 @@ order, so children come before the blocks that contain them):
   diverged, or a sub-tolerance input error was amplified), or it fails only because a block it
   contains is the culprit (``source`` names that block);
 - ``not_called``: neither model called it on these inputs (an expert with no tokens);
-- ``skipped``: only one model called it (a fused kernel that bypasses a child block).
+- ``inline``: never called as a module, but its weights got gradients: the enclosing block
+  uses them inline (a conv weight passed to ``F.conv1d``); its parameter gradients are reported
+  and the enclosing block is judged;
+- ``skipped``: only one model called it (a fused kernel that bypasses a child block);
+- ``no_grad`` (backward only): no gradient flows through it (rope tables, no-grad indexers).
+
+Blocks called more than once per forward are compared call by call (counts must agree).
+Routing flips (integer inputs that differ) make a block's input "diverged", so the expert
+error they cause is reported as propagated, not blamed on the experts.
 
 A block whose replay disagrees with its own end-to-end run (its kernel is bound through its
 caller, as the conv1d intercept is) falls back to the propagation rule.
@@ -35,7 +43,6 @@ import copy
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +54,7 @@ from onboarding.opgraph import Block, OpGraph
 from onboarding.testing.tolerance import Tolerance, compare, layer_tolerance
 
 MODES = ("percentile", "bitwise")
+ISOLATE = ("auto", "always", "never")
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 DTYPES = {"fp64": torch.float64, "float64": torch.float64, "fp32": torch.float32,
           "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
@@ -257,14 +265,6 @@ class _Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        was, self.active = self.active, False
-        try:
-            yield
-        finally:
-            self.active = was
 
     def _pre(self, path: str):
         def hook(module, args, kwargs):
@@ -593,7 +593,7 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
           kwargs: dict[str, Any] | None = None, *, mode: str = "percentile",
           reference_dtype: torch.dtype | str | None = None,
           candidate_dtype: torch.dtype | str | None = None, seed: int = 0, max_ulp: int = 0,
-          isolate: bool = True, patches: Any = None,
+          isolate: str = "auto", patches: Any = None,
           tolerance: Callable[[torch.dtype, str], Tolerance] = layer_tolerance
           ) -> AlignmentResult:
     """Align ``candidate`` (patched, candidate dtype) with ``reference`` block by block.
@@ -602,11 +602,15 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
     ``kwargs`` are the model's call arguments (`parse.example_inputs`), floating ones cast to
     each model's dtype. ``mode="bitwise"`` judges by ULP distance in the candidate dtype (pass:
     at most ``max_ulp``) instead of `Tolerance`; both modes record all statistics.
-    ``isolate`` replays each block on the reference's inputs to localise culprits (module
-    docstring). ``patches`` (a `PatchSet`) is recorded in the result.
+    ``isolate`` replays blocks on the reference's inputs to localise culprits (module
+    docstring): "auto" only blocks that diverge end to end, "always" every block (slower; gives
+    every block's own error), "never" (propagation rule only). ``patches`` (a `PatchSet`) is
+    recorded in the result.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    if isolate not in ISOLATE:
+        raise ValueError(f"isolate {isolate!r}: expected one of {ISOLATE}")
     kwargs = dict(kwargs or {})
     rdt = as_dtype(reference_dtype) if reference_dtype else _float_params_dtype(reference)
     cdt = as_dtype(candidate_dtype) if candidate_dtype else _float_params_dtype(candidate)
@@ -706,7 +710,7 @@ def _not_called(b: Block, ref_mod: nn.Module, ref_run: _Run, cand_run: _Run,
 
 def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: _Run,
            ref_mod: nn.Module, cand_mod: nn.Module, rdt: torch.dtype, cdt: torch.dtype,
-           tol: Tolerance, ok, stats, isolate: bool, res: BlockAlignment) -> None:
+           tol: Tolerance, ok, stats, isolate: str, res: BlockAlignment) -> None:
     fwd, bwd = res.fwd, res.bwd
     local_msg = local_bwd_msg = ""
     gi_finite, bwd_msg, gi_msg = True, "", ""
@@ -727,6 +731,9 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
     fwd.output = stats(cat(cc, "outputs"), cat(rc, "outputs"),
                        cand_discrete=cat(cc, "discrete_out"), ref_discrete=cat(rc, "discrete_out"))
     in_ok, in_msg = ok(cat(cc, "inputs"), cat(rc, "inputs"), tol, f"{b.path} input")
+    if fwd.input.discrete_mismatch:
+        in_msg = (f"{fwd.input.discrete_mismatch:.1%} of its integer inputs (routing indices) "
+                  f"differ: a discrete flip upstream; {in_msg}")
     in_finite = all(bool(torch.isfinite(t).all()) for t in cat(cc, "inputs"))
     fwd.input_ok = in_ok and in_finite and fwd.input.discrete_mismatch == 0
     fwd.output_ok, out_msg = ok(cat(cc, "outputs"), cat(rc, "outputs"), tol, f"{b.path} output")
@@ -756,7 +763,8 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
     # a block within tolerance end to end is never the culprit, and the replay runs the
     # candidate's kernels again (slow in the Triton interpreter).
     local_c: list[_Replay] = []
-    if isolate and not (fwd.output_ok and (bwd.output_ok or not has_bwd)):
+    diverged = not (fwd.output_ok and (bwd.output_ok or not has_bwd))
+    if isolate == "always" or (isolate == "auto" and diverged):
         try:
             local_r = [_replay(ref_mod, r, r, rdt) for r in rc]
             local_c = [_replay(cand_mod, r, c, cdt) for r, c in zip(rc, cc)]

@@ -183,26 +183,29 @@ def test_nan_fails_loudly_naming_the_block(parse_model):
 
 
 def test_bf16_candidate_within_layer_tolerances(parse_model, kernel_dir):
-    """bf16 patched candidate vs fp32 reference: calibrates `layer_tolerance(bf16, kind)`.
+    """bf16 patched candidate vs fp32 reference: the calibration run of `layer_tolerance(bf16)`.
 
-    Measured here (seq 16, seed 0): forward rel RMS per block <= ~6e-3 and backward (input and
-    parameter gradients) <= ~1e-2, against max_rel_rms 3e-2: bf16 keeps 8 mantissa bits, one
-    rounding is 2^-9 = 2e-3 relative and a block stacks a few roundings (input cast, GEMM
-    output, activation, kernel output). Checked: the wrong-eps kernel above lands at ~0.3-1.
+    Measured (seq 16, seed 0, isolate="always"; numbers in onboarding/testing/tolerance.py):
+    each block on its own stays at rel_rms <= 7e-3 here (<= 1.1e-2 on qwen3_next, its GDN
+    fallback), under max_rel_rms 3e-2. End to end the forward stays <= 1.5e-2 after 4 layers;
+    the backward accumulates more (2.8e-2 at the router's input gradient), which is why
+    verdicts rest on the isolated replay and an end-to-end excess is only "propagated".
     """
     graph, reference, candidate, inputs, kwargs = _setup(
         "hf:deepseek_v32", parse_model, reference_dtype="fp32", candidate_dtype="bf16")
     with patch_model(candidate, graph, _kernels(graph, kernel_dir)) as patches:
         result = align(reference, candidate, graph, inputs, kwargs, patches=patches)
     assert result.passed, result.to_markdown(only_failing=True)
+    assert all(p["status"] == "active" for p in result.patches)
     tol = layer_tolerance(torch.bfloat16)
     worst = {"fwd": 0.0, "bwd": 0.0}
     for b in result.blocks:
         for key in ("fwd", "bwd"):
             d = getattr(b, key)
+            assert d.verdict not in ("fail", "nonfinite"), (b.path, d.message)
             if d.output is not None and d.output.numel:
                 worst[key] = max(worst[key], d.output.rel_rms)
-    # sane: bf16-sized errors, clearly non-zero, with margin under the tolerance
-    assert 1e-4 < worst["fwd"] < tol.max_rel_rms / 2, worst
-    assert 1e-4 < worst["bwd"] < tol.max_rel_rms, worst
-    assert result.logits["top1_agreement"] >= 0.9
+    # sane: bf16-sized errors (clearly above fp32 noise), forward within the layer bound
+    assert 1e-3 < worst["fwd"] < tol.max_rel_rms, worst
+    assert 1e-3 < worst["bwd"] < 2 * tol.max_rel_rms, worst
+    assert result.logits["top1_agreement"] >= 0.9 and result.logits["kl"] < 1e-3

@@ -39,10 +39,23 @@ _TOLERANCES: dict[tuple[torch.dtype, str], Tolerance] = {
     (torch.float32, "reduction"): Tolerance(atol=1e-4, rtol=1e-4, max_rel_rms=1e-5),
     (torch.float16, "reduction"): Tolerance(atol=1e-2, rtol=5e-3, max_rel_rms=2e-3),
     (torch.bfloat16, "reduction"): Tolerance(atol=5e-2, rtol=2e-2, max_rel_rms=1e-2),
-    # Whole layers: errors compound through several ops and intermediate roundings.
+    # Whole layers: errors compound through several ops and intermediate roundings. Alignment
+    # applies "layer" rows to tensors scaled by the reference's RMS (onboarding.align.within),
+    # so atol here is in units of that RMS. Calibrated on tiny deepseek_v32 / qwen3_next proxies
+    # patched with the template kernels (tests/test_align.py, seq 16, seed 0):
+    # - fp32 vs fp64: every block, forward and backward, at rel_rms <= 1e-6; the row leaves
+    #   ~100x margin for deeper and wider models.
+    # - bf16 vs fp32: a block on its own (isolated replay) reaches rel_rms 7e-3 and a largest
+    #   element error of 0.13 RMS (attention/expert weight gradients: sums over tokens of
+    #   products of two bf16-rounded factors, near-zero elements carry an error ~1e-2 RMS and
+    #   the tail of ~1e5 elements reaches ~5 sigma); end to end after 4 layers, rel_rms 2.8e-2
+    #   (router input gradient) and 0.22 RMS. max_rel_rms 3e-2 keeps 4x over one block's own
+    #   error; atol 0.25 RMS keeps ~2x over the measured tails. A wrong kernel (eps x1000)
+    #   lands at rel_rms 0.3.
+    # - fp16: scaled from bf16 by 2^-3 (three more mantissa bits); not yet measured.
     (torch.float32, "layer"): Tolerance(atol=1e-4, rtol=1e-3, max_rel_rms=1e-4),
-    (torch.float16, "layer"): Tolerance(atol=1e-2, rtol=2e-2, max_rel_rms=1e-2),
-    (torch.bfloat16, "layer"): Tolerance(atol=5e-2, rtol=5e-2, max_rel_rms=3e-2),
+    (torch.float16, "layer"): Tolerance(atol=3e-2, rtol=2e-2, max_rel_rms=1e-2),
+    (torch.bfloat16, "layer"): Tolerance(atol=2.5e-1, rtol=5e-2, max_rel_rms=3e-2),
 }
 KINDS = ("elementwise", "reduction", "layer")
 
