@@ -1,4 +1,8 @@
-"""Wiring of the onboarding agent: load -> parse -> map -> generate -> report, checkpointed."""
+"""Wiring of the onboarding agent, checkpointed in the run directory:
+
+load -> parse -> map -> generate -> align -> report, where a failed alignment loops back to
+generate (bounded by `RunConfig.max_align_retries`) without the culprit's kernel.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +13,26 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
-from agents.nodes import generate_node, load_node, map_node, parse_node, report_node
+from agents.nodes import (after_align, align_node, generate_node, load_node, map_node,
+                          parse_node, report_node)
 from agents.state import RunState
 
-NODES = ("load", "parse", "map", "generate", "report")
+NODES = ("load", "parse", "map", "generate", "align", "report")
 CHECKPOINT_DB = "checkpoint.sqlite"
 
 
 def build_graph():
     g = StateGraph(RunState)
     for name, node in (("load", load_node), ("parse", parse_node), ("map", map_node),
-                       ("generate", generate_node), ("report", report_node)):
+                       ("generate", generate_node), ("align", align_node),
+                       ("report", report_node)):
         g.add_node(name, node)
-    g.add_edge(START, NODES[0])
-    for a, b in zip(NODES, NODES[1:]):
+    g.add_edge(START, "load")
+    for a, b in (("load", "parse"), ("parse", "map"), ("map", "generate"),
+                 ("generate", "align")):
         g.add_edge(a, b)
-    g.add_edge(NODES[-1], END)
+    g.add_conditional_edges("align", after_align, {"generate": "generate", "report": "report"})
+    g.add_edge("report", END)
     return g
 
 

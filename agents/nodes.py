@@ -12,7 +12,8 @@ from onboarding.rundir import append_event
 from onboarding.report import build_report
 from onboarding.opgraph import OpGraph
 from onboarding.registry import Coverage
-from onboarding.stages import run_generate, run_load, run_map, run_parse
+from onboarding.generate import load_candidates
+from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
 
 
 def _progress(node: str):
@@ -80,9 +81,45 @@ def generate_node(state: RunState) -> dict[str, Any]:
                  summary={"candidates": len(cands), "candidates_passed": passed})
 
 
+def align_node(state: RunState) -> dict[str, Any]:
+    step = _progress("align")
+    step(f"aligning the patched proxy (attempt {len(state.align_attempts) + 1})")
+    append_event(Path(state.run_dir), {"node": "align", "event": "start"})
+    run_dir, c = Path(state.run_dir), state.config
+    info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy)
+    result = run_align(info, OpGraph.load(run_dir / "opgraph.json"),
+                       Coverage.load(run_dir / "coverage.json"),
+                       load_candidates(run_dir / "candidates.json"), run_dir,
+                       dtype=c.align_dtype, reference=c.align_reference, batch=c.batch,
+                       seq=c.seq, seed=c.seed,
+                       exclude={tuple(x) for x in state.excluded_kernels})
+    culprits = [b.path for b in result.culprits("fwd") or result.culprits("bwd")]
+    # The next candidate for a culprit's op: today, the torch path (its kernel left out).
+    excluded = [list(x) for x in state.excluded_kernels]
+    for r in result.patches:
+        if r.get("status") == "active" and any(r["path"] == p or r["path"].startswith(p + ".")
+                                               for p in culprits):
+            excluded.append([r["path"], r["family"]])
+    attempt = {"attempt": len(state.align_attempts) + 1, "passed": result.passed,
+               "culprits": culprits, "excluded_before": state.excluded_kernels,
+               "summary": result.summary()}
+    return _done(state, "align", artifacts={"alignment": "alignment.json"},
+                 align_attempts=[*state.align_attempts, attempt], excluded_kernels=excluded,
+                 summary={"alignment_passed": result.passed})
+
+
+def after_align(state: RunState) -> str:
+    """Back to generate while alignment fails and retries remain, else on to the report."""
+    last = state.align_attempts[-1]
+    if last["passed"] or len(state.align_attempts) > state.config.max_align_retries:
+        return "report"
+    return "generate"
+
+
 def report_node(state: RunState) -> dict[str, Any]:
     _progress("report")("writing report.md")
     append_event(Path(state.run_dir), {"node": "report", "event": "start"})
     path = build_report(Path(state.run_dir), title=state.model_name or "model",
-                        attempts=[*state.completed, "report"])
+                        attempts=[*state.completed, "report"],
+                        align_attempts=state.align_attempts)
     return _done(state, "report", artifacts={"report": path.name})

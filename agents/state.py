@@ -17,6 +17,9 @@ class RunConfig(BaseModel):
     batch: int = 1
     seq: int = 64
     seed: int = 0
+    align_dtype: str = "fp32"
+    align_reference: str = "fp64"
+    max_align_retries: int = 2  # failed alignment loops back to generate at most this often
 
 
 class RunState(BaseModel):
@@ -26,3 +29,6 @@ class RunState(BaseModel):
     completed: list[str] = Field(default_factory=list)
     artifacts: dict[str, str] = Field(default_factory=dict)
     summary: dict[str, Any] = Field(default_factory=dict)
+    # one entry per alignment attempt: passed, culprits, kernels excluded before it
+    align_attempts: list[dict[str, Any]] = Field(default_factory=list)
+    excluded_kernels: list[list[str]] = Field(default_factory=list)  # [block path, family]

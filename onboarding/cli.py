@@ -1,4 +1,7 @@
-"""The `onboard` command line. Exit codes: 0 success, 2 bad input, 1 internal failure."""
+"""The `onboard` command line.
+
+Exit codes: 0 success, 1 internal failure, 2 bad input, 3 a check failed (alignment).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from pathlib import Path
 from rich.console import Console
 
 from onboarding.backend import ensure_triton_backend
-from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, InputError
+from onboarding.errors import (EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK,
+                               InputError)
 from onboarding.loading import DEFAULT_EXAMPLE
 from onboarding.overrides import parse_assignments
 
@@ -57,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--promote", action="store_true",
                    help="copy candidates that pass their checks into kernels/")
 
+    a = sub.add_parser("align", help="layer-by-layer fwd+bwd check of the patched proxy "
+                                     "against the eager reference")
+    _model_args(a)
+    a.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
+    a.add_argument("--kernels", default="all",
+                   help="comma-separated kernel families to patch, 'all' or 'none'")
+    a.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32",
+                   help="candidate precision")
+    a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64")
+    a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile")
+
     b = sub.add_parser("bench", help="kernel benchmarks vs eager, torch.compile and anchors (GPU)")
     b.add_argument("--suite", choices=("kernels",), default="kernels")
     b.add_argument("--family", action="append", default=None,
@@ -75,7 +90,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     """parse, map and generate: the stages up to the one named by the command."""
     from onboarding.console import print_candidates, print_coverage, print_opgraph
     from onboarding.rundir import new_run_dir, owned_dir
-    from onboarding.stages import run_generate, run_load, run_map, run_parse
+    from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
 
     overrides = parse_assignments(args.set)
     stage = args.command
@@ -84,17 +99,21 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
         raise InputError(f"--out {out}: directory exists and is not empty")
     with console.status(f"{stage}: loading") as status:
         info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
-        if out is None and stage == "generate":
+        if out is None and stage in ("generate", "align"):
             out = new_run_dir(info.loaded.name, None)
         with owned_dir(out, created_here=True) if out is not None else _nothing():
             if out is not None:
                 run_load(args.model, overrides, args.trust_remote_code, args.proxy, out)
             graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
                               on_step=lambda s: status.update(f"{stage}: {s}"))
-            coverage = run_map(graph, out) if stage in ("map", "generate") else None
-            cands = run_generate(coverage, out, promote_passing=args.promote,
+            coverage = run_map(graph, out) if stage in ("map", "generate", "align") else None
+            cands = run_generate(coverage, out, promote_passing=getattr(args, "promote", False),
                                  on_step=lambda s: status.update(f"generate: {s}")) \
-                if stage == "generate" else None
+                if stage in ("generate", "align") else None
+            result = run_align(info, graph, coverage, cands, out, families=_families(args),
+                               dtype=args.dtype, reference=args.reference, mode=args.mode,
+                               batch=args.batch, seq=args.seq, seed=args.seed) \
+                if stage == "align" else None
     if getattr(args, "json", False):
         data = coverage.to_dict() if coverage is not None else graph.to_dict()
         print(json.dumps(data, indent=1))
@@ -109,7 +128,25 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
         print_candidates(cands, console)
     if out is not None:
         console.print(f"wrote {out}")
+    if result is not None:
+        console.print(result.to_markdown(only_failing=len(graph.blocks) > 40))
+        console.print(result.summary())
+        return EXIT_OK if result.passed else EXIT_CHECK_FAILED
     return EXIT_OK
+
+
+def _families(args: argparse.Namespace) -> list[str] | None:
+    from onboarding.templating import families
+
+    if args.kernels == "all":
+        return None
+    if args.kernels == "none":
+        return []
+    names = [n.strip() for n in args.kernels.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(families()))
+    if unknown:
+        raise InputError(f"--kernels: unknown families {unknown}; known: {sorted(families())}")
+    return names
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
+EXIT_CHECK_FAILED = 3  # the run worked and its verdict is "no": e.g. alignment failed
 
 
 class OnboardError(Exception):

@@ -185,12 +185,16 @@ class _ConvIntercept(TorchFunctionMode):
                 pad = pad[0] if isinstance(pad, (list, tuple)) else pad
                 ones = all((v[0] if isinstance(v, (list, tuple)) else v) == 1
                            for v in (a.get("stride", 1), a.get("dilation", 1)))
-                if pad == k - 1 and ones and a.get("groups", 1) == w.shape[0]:
+                if pad == k - 1 and ones and a.get("groups", 1) == w.shape[0] and \
+                        x.shape[-1] >= k - 1:
                     y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), a.get("bias"))
                     self.record.status = "active"
-                    # conv1d with padding K-1 returns T + K - 1 steps and the caller keeps the
-                    # first T (that is what makes it causal); the dropped tail is zero here.
-                    return F.pad(y.transpose(1, 2), (0, k - 1))
+                    # conv1d with padding K-1 returns T + K - 1 steps; callers keep the first T
+                    # (that is what makes it causal). The K - 1 trailing steps only see the last
+                    # K - 1 inputs: computed exactly here, so the patch is a true drop-in.
+                    tail = func(x[..., x.shape[-1] - (k - 1):], w, a.get("bias"),
+                                padding=k - 1, groups=w.shape[0])[..., k - 1:]
+                    return torch.cat([y.transpose(1, 2), tail], dim=-1)
         return func(*args, **kwargs)
 
 

@@ -143,7 +143,21 @@ SECTIONS: list[Section] = [_model_section, _opgraph_section, _coverage_section,
                            _candidates_section]
 
 
-def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None) -> Path:
+def _alignment_section(run_dir: Path) -> str | None:
+    f = run_dir / "alignment.md"
+    if not f.exists():
+        return None
+    out = ["## Alignment", "", f.read_text().strip()]
+    if (run_dir / "alignment.png").exists():
+        out += ["", "![error per block](alignment.png)"]
+    return "\n".join(out)
+
+
+SECTIONS.append(_alignment_section)
+
+
+def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None,
+                 align_attempts: list[dict] | None = None) -> Path:
     parts = [f"# onboard run: {title}", ""]
     if attempts:
         parts += ["Stages run: " + " -> ".join(attempts), ""]
@@ -151,6 +165,13 @@ def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None
         text = section(run_dir)
         if text:
             parts += [text, ""]
+    if align_attempts:
+        rows = [[a["attempt"], "pass" if a["passed"] else "FAIL",
+                 ", ".join(f"`{c}`" for c in a["culprits"]) or "-",
+                 ", ".join(f"`{p}` ({f})" for p, f in a["excluded_before"]) or "-"]
+                for a in align_attempts]
+        parts += ["### Alignment attempts", "",
+                  table(["attempt", "verdict", "culprits", "kernels left out"], rows), ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(parts))
     return path

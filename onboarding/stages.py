@@ -100,3 +100,42 @@ def run_generate(coverage: Coverage, out_dir: Path, *, promote_passing: bool = F
             promote(cand)
     save_candidates(cands, out_dir / "candidates.json")
     return cands
+
+
+def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: list[Candidate],
+              out_dir: Path | None, *, families: list[str] | None = None,
+              dtype: str = "fp32", reference: str = "fp64", mode: str = "percentile",
+              batch: int = 1, seq: int | None = None, seed: int = 0,
+              exclude: set[tuple[str, str]] | None = None):
+    """Align the proxy patched with the passing kernels against the eager reference.
+
+    ``families`` limits which kernels are patched (None: all; []: none); ``exclude`` drops
+    (block path, family) pairs, which is how the agent retries without a culprit's kernel.
+    Writes ``alignment.json``, ``alignment.md`` (the report's table) and ``alignment.png``.
+    """
+    from onboarding.align import align, build_pair
+    from onboarding.backend import kernel_device
+    from onboarding.generate import kernels_for
+    from onboarding.parse import example_inputs
+    from onboarding.patching import patch_model
+
+    kernels = {k: m for k, m in kernels_for(coverage, candidates).items()
+               if (families is None or k[1] in families) and k not in (exclude or set())}
+    device = kernel_device()
+    model = info.loaded.build(info.proxy_config, seed=seed).eval()
+    reference_model, candidate = build_pair(model, reference_dtype=reference,
+                                            candidate_dtype=dtype)
+    reference_model.to(device)
+    candidate.to(device)
+    inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq or graph.seq, seed)
+    inputs = tuple(t.to(device) for t in inputs)
+    with patch_model(candidate, graph, kernels) as patches:
+        result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,
+                       patches=patches)
+    if out_dir is not None:
+        result.save(out_dir / "alignment.json")
+        result.plot(out_dir / "alignment.png")
+        (out_dir / "alignment.md").write_text(
+            result.summary() + "\n\n" +
+            result.to_markdown(only_failing=len(result.blocks) > 60) + "\n")
+    return result
