@@ -38,7 +38,8 @@ def _fwd_bwd(fn: Callable, sets: list[tuple], grads: list[torch.Tensor]):
         out = fn(*args)
         outs = out if isinstance(out, tuple) else (out,)
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        return torch.autograd.grad(outs, leaves, grads[: len(outs)])
+        # allow_unused: an anchor may own its weight (Liger's RMSNorm module) and ignore ours
+        return torch.autograd.grad(outs, leaves, grads[: len(outs)], allow_unused=True)
     return step
 
 
