@@ -180,7 +180,10 @@ class Classifier:
                 attrs["gate_activation"] = attrs["activation"] = gate
                 return "norm.rms_gated", ev + [f"output gated by {gate}(z)"], attrs
             return "norm.rms", ev, attrs
-        if not mm and ops["cos"] and ops["sin"]:
+        projections = [r for r in mm if any(len(ctx.param_shapes.get(n, ())) == 2
+                                            for n in r.params.values())]
+        # position x inv_freq may be a matmul (transformers 5.17) but never a weight projection
+        if not projections and ops["cos"] and ops["sin"]:
             cos = next(r for r in recs if r.op == "cos")
             return "rope", ["cos and sin of position x inv_freq"], {
                 "rotary_dim": cos.out_shapes[0][-1] if cos.out_shapes else None}
