@@ -62,3 +62,23 @@ def test_small_full_model_is_used_as_is_with_weights():
     info = load_stage(load_model("tiny_dense"), "tiny")
     assert info.proxy_note.startswith("full size")
     assert info.loaded.weights, "tiny_dense ships model.safetensors"
+
+
+def test_shipped_weights_are_loaded_into_the_parsed_model(monkeypatch):
+    from safetensors.torch import load_file
+
+    import onboarding.parse as parse
+
+    seen = {}
+    real = parse.load_weights
+
+    def spy(model, files):
+        n = real(model, files)
+        seen["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+        return n
+
+    monkeypatch.setattr(parse, "load_weights", spy)
+    info = load_stage(load_model("tiny_dense"), "tiny")
+    parse.parse_stage(info, seq=16)
+    shipped = load_file(str(info.loaded.weights[0]))
+    assert shipped and all(torch.equal(seen["state"][k], v) for k, v in shipped.items())
