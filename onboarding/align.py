@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import copy
 import json
-import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,15 +49,35 @@ from typing import Any
 import torch
 from torch import nn
 
+from onboarding._align_report import plot_errors, render_markdown
+from onboarding._align_stats import (
+    DTYPES,
+    PERCENTILES,
+    ErrorStats,
+    _dtype_name,
+    _json_safe,
+    _logit_stats,
+    _map,
+    _pair_grads,
+    _split,
+    _tensors,
+    _ulp_stats,
+    as_dtype,
+    error_stats,
+    within,
+)
 from onboarding.opgraph import Block, OpGraph
-from onboarding.testing.tolerance import Tolerance, compare, layer_tolerance
+from onboarding.testing.tolerance import Tolerance, layer_tolerance
+
+__all__ = [
+    "DTYPES", "FAILING", "ISOLATE", "MODES", "PERCENTILES", "AlignmentError", "AlignmentResult",
+    "BlockAlignment", "Direction", "ErrorStats", "align", "as_dtype", "build_pair",
+    "error_stats", "plot_errors", "projection_loss", "render_markdown", "use_eager_experts",
+    "within",
+]
 
 MODES = ("percentile", "bitwise")
 ISOLATE = ("auto", "always", "never")
-PERCENTILES = (50.0, 90.0, 99.0, 99.9)
-DTYPES = {"fp64": torch.float64, "float64": torch.float64, "fp32": torch.float32,
-          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 FAILING = ("fail", "nonfinite")
 
 
@@ -66,168 +85,7 @@ class AlignmentError(RuntimeError):
     """Raised by `AlignmentResult.check()` (and for a reference that is itself non-finite)."""
 
 
-def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-# ---- statistics --------------------------------------------------------------------------------
-
-@dataclass(kw_only=True, slots=True)
-class ErrorStats:
-    """Error of a candidate tensor set against the reference (flattened and concatenated)."""
-
-    numel: int
-    p50: float
-    p90: float
-    p99: float
-    p999: float
-    max_abs: float
-    rel_rms: float
-    cosine: float
-    ref_rms: float
-    nonfinite: int = 0  # candidate elements that are NaN/Inf where the reference is finite
-    ref_nonfinite: int = 0
-    discrete_mismatch: float = 0.0  # fraction of integer/bool elements that differ (routing flips)
-    exact_fraction: float | None = None  # bitwise mode, in the candidate dtype
-    max_ulp: int | None = None
-    ulp_histogram: dict[str, int] | None = None
-
-
-def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
-    if not ts:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in ts])
-
-
-def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
-    """Float bits as int64 on a monotonic scale, so that |a - b| is the distance in ULPs."""
-    itype = {torch.float64: torch.int64, torch.float32: torch.int32,
-             torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype]
-    i = t.contiguous().view(itype).to(torch.int64)
-    bits = torch.finfo(t.dtype).bits
-    # Sign-magnitude to two's complement: negative floats count down from -0 (== +0).
-    return torch.where(i < 0, -(i & ((1 << (bits - 1)) - 1)), i)
-
-
-def _ulp_stats(cand: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype
-               ) -> tuple[float, int, dict[str, int]]:
-    if not cand:
-        return 1.0, 0, {"0": 0}
-    a = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in cand])
-    b = torch.cat([t.detach().reshape(-1).to("cpu", dtype) for t in ref])
-    d = (_ordered_bits(a) - _ordered_bits(b)).abs()
-    both_nan = torch.isnan(a) & torch.isnan(b)
-    d = torch.where(both_nan, torch.zeros_like(d), d)
-    hist: dict[str, int] = {"0": int((d == 0).sum())}
-    lo = 1
-    while lo <= 2 ** 20:
-        hi = lo * 2
-        n = int(((d >= lo) & (d < hi)).sum())
-        if n:
-            hist[f"{lo}-{hi - 1}" if hi - 1 > lo else str(lo)] = n
-        lo = hi
-    if int((d >= lo).sum()):
-        hist[f">={lo}"] = int((d >= lo).sum())
-    return hist["0"] / d.numel(), int(d.max()), hist
-
-
-def error_stats(cand: list[torch.Tensor], ref: list[torch.Tensor], *,
-                bitwise_dtype: torch.dtype | None = None,
-                cand_discrete: list[torch.Tensor] = (), ref_discrete: list[torch.Tensor] = ()
-                ) -> ErrorStats:
-    """Percentiles of |a - b|, ||a - b|| / ||b||, cosine; ULPs in `bitwise_dtype` if given."""
-    a, b = _flat(cand), _flat(ref)
-    if a.shape != b.shape:
-        raise ValueError(f"candidate has {a.numel()} elements, reference {b.numel()}")
-    fin_b = torch.isfinite(b)
-    nonfinite = int((~torch.isfinite(a) & fin_b).sum())
-    ok = fin_b & torch.isfinite(a)
-    d = (a - b).abs()[ok]
-    bb, aa = b[ok], a[ok]
-    if d.numel():
-        s = d.sort().values
-        pct = [s[max(0, min(s.numel() - 1, int(round(q / 100 * (s.numel() - 1)))))].item()
-               for q in PERCENTILES]
-        nb, nd = bb.norm().item(), d.norm().item()
-        rel = nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
-        na = aa.norm().item()
-        cos = (aa @ bb).item() / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-        max_abs, ref_rms = s[-1].item(), nb / math.sqrt(bb.numel())
-    else:
-        pct, rel, cos, max_abs, ref_rms = [0.0] * 4, 0.0, 1.0, 0.0, 0.0
-    if nonfinite:
-        rel, cos, max_abs = math.inf, math.nan, math.inf
-    mism = 0.0
-    if ref_discrete:
-        x, y = _flat(list(cand_discrete)), _flat(list(ref_discrete))
-        mism = float((x != y).double().mean()) if x.shape == y.shape and x.numel() else \
-            (1.0 if x.shape != y.shape else 0.0)
-    st = ErrorStats(numel=b.numel(), p50=pct[0], p90=pct[1], p99=pct[2], p999=pct[3],
-                    max_abs=max_abs, rel_rms=rel, cosine=cos, ref_rms=ref_rms,
-                    nonfinite=nonfinite, ref_nonfinite=int((~fin_b).sum()),
-                    discrete_mismatch=mism)
-    if bitwise_dtype is not None:
-        st.exact_fraction, st.max_ulp, st.ulp_histogram = _ulp_stats(cand, ref, bitwise_dtype)
-    return st
-
-
-def within(cand: list[torch.Tensor], ref: list[torch.Tensor], tol: Tolerance, name: str
-           ) -> tuple[bool, str]:
-    """`compare` under `tol`, with atol in units of the reference's RMS.
-
-    Layer activations and gradients have arbitrary scales (massive activations, gradient norms
-    that grow with depth), so an absolute atol means nothing across blocks; scaling both tensors
-    by the reference RMS keeps rel_rms and rtol unchanged and makes atol scale-free.
-    """
-    a, b = _flat(cand), _flat(ref)
-    if a.numel() == 0 and b.numel() == 0:
-        return True, f"{name}: empty"
-    fin = torch.isfinite(b)
-    scale = b[fin].norm().item() / math.sqrt(max(int(fin.sum()), 1))
-    if scale > 0:
-        a, b = a / scale, b / scale
-    c = compare(a, b, tol, name)
-    return c.passed, c.message
-
-
 # ---- capture -------------------------------------------------------------------------------------
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in an output or argument structure, in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):  # also transformers' ModelOutput
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(o, fn) for o in obj)
-    if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def _split(ts: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    ts = list(ts)
-    return [t for t in ts if t.is_floating_point()], [t for t in ts if not t.is_floating_point()]
-
 
 @dataclass
 class _Call:
@@ -511,16 +369,6 @@ class AlignmentResult:
         return plot_errors(self, Path(path))
 
 
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 # ---- isolated replay -------------------------------------------------------------------------------
 
 @dataclass
@@ -573,18 +421,6 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
                    input_grads=[g.detach() if g is not None else None for g in grads[:len(leaves)]],
                    param_grads=[g.detach() if g is not None else None
                                 for g in grads[len(leaves):]])
-
-
-def _pair_grads(a: list[torch.Tensor | None], b: list[torch.Tensor | None]
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Gradients that never arrived are zero; a missing one on one side only is an error."""
-    xs, ys = [], []
-    for x, y in zip(a, b):
-        if x is None and y is None:
-            continue
-        xs.append(x if x is not None else torch.zeros_like(y))
-        ys.append(y if y is not None else torch.zeros_like(x))
-    return xs, ys
 
 
 # ---- the alignment ---------------------------------------------------------------------------------
@@ -847,117 +683,3 @@ def _blame_containers(results: list[BlockAlignment]) -> None:
             if d.verdict in FAILING and inner:
                 d.verdict, d.source = "propagated", inner[0]
                 d.message = f"contains the failing block {inner[0]}; " + d.message
-
-
-def _logit_stats(cand: torch.Tensor, ref: torch.Tensor, bitwise: torch.dtype | None
-                 ) -> dict[str, Any]:
-    """KL(p_ref || p_cand) per token (mean, max) and top-1 agreement, in float64."""
-    a = cand.detach().to("cpu", torch.float64).reshape(-1, cand.shape[-1])
-    b = ref.detach().to("cpu", torch.float64).reshape(-1, ref.shape[-1])
-    la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
-    kl = (lb.exp() * (lb - la)).sum(-1)
-    st = error_stats([cand], [ref], bitwise_dtype=bitwise)
-    return {"kl": kl.mean().item(), "kl_max": kl.max().item(),
-            "top1_agreement": (a.argmax(-1) == b.argmax(-1)).double().mean().item(),
-            "tokens": a.shape[0], "stats": asdict(st)}
-
-
-# ---- report: Markdown table and plot -------------------------------------------------------------
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return f"{x:.1e}" if x else "0"
-
-
-def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> str:
-    """The run report's alignment section: a header line, culprits, one row per block."""
-    r = result
-    lines = [f"**Alignment** ({r.mode}): candidate {r.candidate_dtype} vs reference "
-             f"{r.reference_dtype}, inputs {r.input_shapes}, seed {r.seed}: "
-             f"**{'PASS' if r.passed else 'FAIL'}**. Logits KL {r.logits['kl']:.2e} "
-             f"(max {r.logits['kl_max']:.2e}), top-1 agreement {r.logits['top1_agreement']:.3f} "
-             f"over {r.logits['tokens']} tokens.", ""]
-    for key, name in (("fwd", "forward"), ("bwd", "backward")):
-        for b in r.culprits(key):
-            lines.append(f"- culprit ({name}): `{b.path}` ({b.kind}): {getattr(b, key).message}")
-    if r.patches:
-        active = sum(p["status"] == "active" for p in r.patches)
-        lines.append(f"- patched blocks: {active} active of {len(r.patches)}")
-    lines += [f"- note: {n}" for n in r.notes]
-    bit = r.mode == "bitwise"
-    head = ["#", "block", "kind", "fwd rel RMS", "fwd p99 |err|", "fwd max |err|", "cos",
-            "fwd", "bwd rel RMS", "param-grad rel RMS", "bwd max |err|", "bwd"]
-    if bit:
-        head[7:7] = ["exact", "max ulp"]
-    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rank = {p: i for i, p in enumerate(r.forward_order)}
-    for b in sorted(r.blocks, key=lambda b: rank.get(b.path, len(rank))):
-        f, g = b.fwd, b.bwd
-        if only_failing and f.verdict == "pass" and g.verdict in ("pass", "no_grad"):
-            continue
-        o, go = f.output, g.output
-        row = [str(rank.get(b.path, "—")), f"`{b.path}`", b.kind,
-               _fmt(o and o.rel_rms), _fmt(o and o.p99), _fmt(o and o.max_abs),
-               f"{o.cosine:.6f}" if o else "—", _mark(f.verdict),
-               _fmt(go and go.rel_rms), _fmt(g.params and g.params.rel_rms),
-               _fmt(go and go.max_abs), _mark(g.verdict)]
-        if bit:
-            row[7:7] = [f"{o.exact_fraction:.4f}" if o and o.exact_fraction is not None else "—",
-                        str(o.max_ulp) if o and o.max_ulp is not None else "—"]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _mark(verdict: str) -> str:
-    return {"fail": "**FAIL**", "nonfinite": "**NaN/Inf**"}.get(verdict, verdict)
-
-
-def plot_errors(result: AlignmentResult, path: Path) -> Path:
-    """PNG: relative RMS error per block in execution order, forward and backward, log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.22 * len(result.blocks)), 7.5))
-    colors = {"pass": "tab:green", "propagated": "tab:orange", "fail": "tab:red",
-              "nonfinite": "tab:red"}
-    by_path = {b.path: b for b in result.blocks}
-    for ax, key, order, title in ((axes[0], "fwd", result.forward_order, "forward: block output"),
-                                  (axes[1], "bwd", result.backward_order,
-                                   "backward: gradient w.r.t. block input (params if none)")):
-        xs, ys, cs, labels = [], [], [], []
-        for p in order:
-            b = by_path.get(p)
-            if b is None:
-                continue
-            d = getattr(b, key)
-            st = d.output if (d.output and d.output.numel) else d.params
-            if st is None:
-                continue
-            y = st.rel_rms if math.isfinite(st.rel_rms) else 1e3
-            xs.append(len(xs))
-            ys.append(max(y, 1e-17))
-            cs.append(colors.get(d.verdict, "tab:gray"))
-            labels.append(f"{b.layer if b.layer is not None else '-'}:{p.rsplit('.', 1)[-1]}")
-        ax.scatter(xs, ys, c=cs, s=18, zorder=3)
-        ax.plot(xs, ys, color="0.75", lw=0.8, zorder=2)
-        tols = [by_path[p].tolerance["max_rel_rms"] for p in order if p in by_path]
-        if tols and result.mode == "percentile":
-            ax.axhline(max(tols), color="tab:red", ls="--", lw=0.8, label="max_rel_rms")
-            ax.legend(loc="upper left", fontsize=7)
-        ax.set_yscale("log")
-        ax.set_xticks(xs, labels, rotation=90, fontsize=6)
-        ax.set_ylabel("||a-b|| / ||b||")
-        ax.set_title(f"{title} ({result.candidate_dtype} vs {result.reference_dtype})", fontsize=9)
-        ax.grid(True, which="major", axis="y", alpha=0.3)
-    fig.suptitle(f"{result.model}: layer-wise alignment "
-                 f"({'PASS' if result.passed else 'FAIL'})", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

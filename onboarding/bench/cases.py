@@ -3,7 +3,8 @@
 Each case times one forward + backward step of our rendered kernel (``ours``) against the
 PyTorch eager formulation that transformers runs (``eager``), `torch.compile` of it
 (``compile``), and Liger-Kernel's op where it is installed (``liger``). ``check`` reports the
-bf16 kernel's relative RMS error against an fp32 reference, output and gradients.
+bf16 kernel's relative RMS error against an fp32 reference, output and gradients. The
+linear-attention families (``gated_delta``, ``kimi_delta``) live in `cases_linear_attention`.
 """
 
 from __future__ import annotations
@@ -264,9 +265,22 @@ def conv1d_cases() -> list[BenchCase]:
     return cases
 
 
+def gated_delta_cases() -> list[BenchCase]:
+    # Imported on use: cases_linear_attention imports the helpers above from this module.
+    from onboarding.bench.cases_linear_attention import gated_delta_cases as cases
+
+    return cases()
+
+
+def kimi_delta_cases() -> list[BenchCase]:
+    from onboarding.bench.cases_linear_attention import kimi_delta_cases as cases
+
+    return cases()
+
+
 CASES: dict[str, Callable[[], list[BenchCase]]] = {
     "rmsnorm": rmsnorm_cases, "swiglu": swiglu_cases, "rope": rope_cases,
-    "conv1d": conv1d_cases,
+    "conv1d": conv1d_cases, "gated_delta": gated_delta_cases, "kimi_delta": kimi_delta_cases,
 }
 
 

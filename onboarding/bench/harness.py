@@ -123,16 +123,21 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
                 timing, err = None, f"{type(exc).__name__}: {exc}"[:300]
             row = Row(family=case.family, case=case.name, shape=case.shape, impl=impl,
                       timing=timing, error=err, check=check if impl == "ours" else {})
-            if timing:
+            # min_bytes/flops describe the full step; forward-only rows ("*_fwd") get none
+            if timing and not impl.endswith("_fwd"):
                 sec = timing.median_ms * 1e-3
                 row.gbps = case.min_bytes / sec / 1e9
                 row.tflops = case.flops / sec / 1e12 if case.flops else None
                 row.roofline_frac = row.gbps / (ceilings["copy_tb_s"] * 1e3)
             case_rows.append(row)
-        ours = next((r for r in case_rows if r.impl == "ours" and r.timing), None)
-        if ours:
+        # Ratios compare like with like: "X" with "ours", "X_fwd" with "ours_fwd".
+        for suffix in ("", "_fwd"):
+            ours = next((r for r in case_rows if r.impl == "ours" + suffix and r.timing), None)
+            if ours is None:
+                continue
             for r in case_rows:
-                if r.timing and r.impl != "ours" and not r.impl.startswith("ours@"):
+                if r.timing and r is not ours and not r.impl.startswith("ours") and \
+                        r.impl.endswith("_fwd") == bool(suffix):
                     ours.ratios[r.impl] = r.timing.median_ms / ours.timing.median_ms
         rows.extend(case_rows)
         torch.cuda.empty_cache()

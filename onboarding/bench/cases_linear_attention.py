@@ -1,0 +1,205 @@
+"""Benchmark cases for the linear-attention families: `gated_delta` (GDN) and `kimi_delta` (KDA).
+
+Shapes are issue 5's: GDN at B=2 T=4096 H=16 D=128, the Qwen3-Next layout (16 key / 32 value
+heads, D=128) at T=8192 and T=32768, and KDA in the Kimi-Linear layout (H=32, D=128) at T=8192.
+
+Impls per case (a ``_fwd`` suffix: forward only, under `torch.no_grad`; otherwise forward +
+backward of the output ``o``):
+
+- ``ours`` / ``ours_fwd``: our rendered ``chunk`` kernel (chunk 64, q/k l2norm in the kernel);
+- ``eager`` / ``eager_fwd``: transformers' torch fallback (``torch_chunk_gated_delta_rule``,
+  ``chunk_kimi_delta_attention``), unwrapped so that an installed fla does not take over;
+- ``compile`` / ``compile_fwd``: `torch.compile` of that fallback, only for T <= COMPILE_MAX_T;
+- ``fla`` / ``fla_fwd``: fla's ``chunk_gated_delta_rule`` / ``chunk_kda``, when fla is installed.
+  A failing fla (its fwd+bwd refuses on triton < 3.7.1 on Hopper) gives an error row.
+
+``check``: the bf16 kernel against the fp32 fallback on the same (bf16-representable) values:
+relative RMS error of ``o``, the final state ``ht`` and ``dq, dk, dv, dg, dbeta`` (backward of
+``o`` only); ``ok`` is 1.0 when ``o`` is within O_TOL and every gradient within GRAD_TOL.
+
+Shape legend: q, k [B, T, HK, D]; v [B, T, HV, D]; g [B, T, HV] (GDN) or [B, T, HV, D] (KDA),
+fp32 as the models compute it; beta [B, T, HV]; ht [B, HV, D, D] fp32.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from onboarding.bench.cases import N_SETS, _fwd_bwd, _kernel, _rel
+from onboarding.bench.harness import BenchCase, Step
+
+CHUNK = 64
+COMPILE_MAX_T = 8192  # torch.compile unrolls the fallback's chunk loop: T/64 copies of the body
+O_TOL, GRAD_TOL = 0.005, 0.01  # bf16 vs fp32 relative RMS bounds used for issue 5
+
+# (family, B, T, HK, HV, D, note): issue 5's shapes
+SHAPES = (
+    ("gated_delta", 2, 4096, 16, 16, 128, ""),
+    ("gated_delta", 1, 8192, 16, 32, 128, "Qwen3-Next layout"),
+    ("gated_delta", 1, 32768, 16, 32, 128, "Qwen3-Next layout"),
+    ("kimi_delta", 1, 8192, 32, 32, 128, "Kimi-Linear layout"),
+)
+
+
+def transformers_fallback(family: str) -> Callable:
+    """transformers' torch chunk function for `family`, called as (q, k, v, g, beta) -> (o, ht)."""
+    if family == "kimi_delta":
+        from transformers.models.kimi_linear import modeling_kimi_linear as m
+
+        fn = m.chunk_kimi_delta_attention
+    else:
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+        fn = m.torch_chunk_gated_delta_rule
+    # transformers routes these through fla when it is importable: unwrap to the torch path
+    fn = inspect.unwrap(fn)
+
+    def call(q, k, v, g, beta):
+        n = v.shape[2] // q.shape[2]
+        if n > 1:  # older transformers do not expand grouped value heads themselves
+            q, k = q.repeat_interleave(n, dim=2), k.repeat_interleave(n, dim=2)
+        return fn(q, k, v, g=g, beta=beta, chunk_size=CHUNK, initial_state=None,
+                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    return call
+
+
+def fla_function(family: str) -> Callable | None:
+    """fla's chunk function as (q, k, v, g, beta) -> (o, ht); None when fla is not installed.
+
+    An fla that is installed but fails to import gives a function that raises that error, so
+    the harness records it as the row's error.
+    """
+    try:
+        if family == "kimi_delta":
+            from fla.ops.kda import chunk_kda as fn
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+    except ModuleNotFoundError as exc:
+        if exc.name == "fla":
+            return None
+        err: Exception = exc
+    except Exception as exc:  # noqa: BLE001 - an optional anchor: report, don't crash
+        err = exc
+    else:
+        def call(q, k, v, g, beta):
+            return fn(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+        return call
+
+    def broken(*args):
+        raise RuntimeError(f"fla import failed: {type(err).__name__}: {err}")
+
+    return broken
+
+
+def _ours(family: str) -> Callable:
+    _, entry = _kernel(family, "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
+    return lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)
+
+
+def make_inputs(family: str, B: int, T: int, HK: int, HV: int, D: int,
+                device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """bf16 q, k, v, beta and an fp32 log decay g, as leaves that require grad."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bf16 = torch.bfloat16
+    q = torch.randn(B, T, HK, D, device=device, generator=gen).to(bf16)
+    k = torch.randn(B, T, HK, D, device=device, generator=gen).to(bf16)
+    v = torch.randn(B, T, HV, D, device=device, generator=gen).to(bf16)
+    g_shape = (B, T, HV, D) if family == "kimi_delta" else (B, T, HV)
+    # fp32 log decays as the models compute them (-exp(A_log) softplus(...)): mostly mild, some
+    # strong
+    g = F.logsigmoid(torch.randn(g_shape, device=device, generator=gen) + 3.0).float()
+    beta = torch.sigmoid(torch.randn(B, T, HV, device=device, generator=gen)).to(bf16)
+    return tuple(t.requires_grad_(True) for t in (q, k, v, g, beta))
+
+
+def _fwd(fn: Callable, sets: list[tuple]) -> Step:
+    def step(i: int):
+        with torch.no_grad():
+            return fn(*sets[i % len(sets)])
+    return step
+
+
+def _first(fn: Callable) -> Callable:
+    """Only the output o: the benchmarked backward starts from do alone (no dht)."""
+    return lambda *args: fn(*args)[0]
+
+
+def _check(family: str, B: int, T: int, HK: int, HV: int, D: int
+           ) -> Callable[[torch.device], dict[str, float]]:
+    def check(device: torch.device) -> dict[str, float]:
+        ours, ref = _ours(family), transformers_fallback(family)
+        leaves = make_inputs(family, B, T, HK, HV, D, device, seed=0)
+        gen = torch.Generator(device=device).manual_seed(7)
+        do = torch.randn(B, T, HV, D, device=device, generator=gen).to(torch.bfloat16)
+        o, ht = ours(*leaves)
+        grads = torch.autograd.grad(o, leaves, do)
+        leaves32 = [x.detach().float().requires_grad_(True) for x in leaves]
+        o32, ht32 = ref(*leaves32)
+        grads32 = torch.autograd.grad(o32, leaves32, do.float())
+        res = {"o": _rel(o, o32), "ht": _rel(ht, ht32)}
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads32):
+            res[name] = _rel(a, b)
+        ok = res["o"] <= O_TOL and all(res[n] <= GRAD_TOL for n in ("dq", "dk", "dv", "dg",
+                                                                        "dbeta"))
+        res["ok"] = float(ok)
+        return res
+    return check
+
+
+def _steps(family: str, B: int, T: int, HK: int, HV: int, D: int, device: torch.device
+           ) -> dict[str, Step]:
+    sets = [make_inputs(family, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
+    grads = [torch.randn(B, T, HV, D, device=device, dtype=torch.bfloat16)]
+    ours, eager = _ours(family), transformers_fallback(family)
+    steps = {"ours": _fwd_bwd(_first(ours), sets, grads), "ours_fwd": _fwd(ours, sets),
+             "eager": _fwd_bwd(_first(eager), sets, grads), "eager_fwd": _fwd(eager, sets)}
+    if T <= COMPILE_MAX_T:
+        compiled = torch.compile(eager)
+        steps["compile"] = _fwd_bwd(_first(compiled), sets, grads)
+        steps["compile_fwd"] = _fwd(compiled, sets)
+    fla = fla_function(family)
+    if fla is not None:
+        steps["fla"] = _fwd_bwd(_first(fla), sets, grads)
+        steps["fla_fwd"] = _fwd(fla, sets)
+    return steps
+
+
+def linear_attention_case(family: str, B: int, T: int, HK: int, HV: int, D: int,
+                          note: str = "") -> BenchCase:
+    """One case; nothing touches a device until the harness calls `setup` or `check`."""
+    heads = f"H{HK}" if HK == HV else f"H{HK}/{HV}"
+    G = D if family == "kimi_delta" else 1
+    # Bytes: q, k, v, beta (bf16) and g (fp32) read in the forward and again in the backward,
+    # their gradients written; o written and do read (bf16); ht written (fp32).
+    n_in = 2 * B * T * (2 * HK * D + HV * D + HV) + 4 * B * T * HV * G
+    n_o = 2 * B * T * HV * D
+    min_bytes = 3 * n_in + 2 * n_o + 4 * B * HV * D * D
+    # An estimate of the chunked algorithm's matmul work per token and value head (C = chunk):
+    # k k^T, q k^T and w = A (beta k) (3 C D); u = A (beta v) and (q k^T) u (2 C D); the state
+    # update k^T u and the reads q S, w S (3 D^2). Multiply-adds x2; the backward ~2x forward.
+    flops = 3 * 2 * B * T * HV * (5 * CHUNK * D + 3 * D * D)
+    return BenchCase(
+        family=family, name=f"B{B}T{T}{heads}D{D}",
+        shape={"B": B, "T": T, "HK": HK, "HV": HV, "D": D},
+        min_bytes=min_bytes, flops=flops,
+        setup=lambda device: _steps(family, B, T, HK, HV, D, device),
+        check=_check(family, B, T, HK, HV, D), note=note)
+
+
+def _cases(family: str) -> list[BenchCase]:
+    return [linear_attention_case(f, B, T, HK, HV, D, note)
+            for f, B, T, HK, HV, D, note in SHAPES if f == family]
+
+
+def gated_delta_cases() -> list[BenchCase]:
+    return _cases("gated_delta")
+
+
+def kimi_delta_cases() -> list[BenchCase]:
+    return _cases("kimi_delta")
