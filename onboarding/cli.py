@@ -94,6 +94,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
 
     overrides = parse_assignments(args.set)
     stage = args.command
+    families = _families(args) if stage == "align" else None  # bad --kernels fails first
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and any(out.iterdir()):
         raise InputError(f"--out {out}: directory exists and is not empty")
@@ -110,7 +111,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
             cands = run_generate(coverage, out, promote_passing=getattr(args, "promote", False),
                                  on_step=lambda s: status.update(f"generate: {s}")) \
                 if stage in ("generate", "align") else None
-            result = run_align(info, graph, coverage, cands, out, families=_families(args),
+            result = run_align(info, graph, coverage, cands, out, families=families,
                                dtype=args.dtype, reference=args.reference, mode=args.mode,
                                batch=args.batch, seq=args.seq, seed=args.seed) \
                 if stage == "align" else None

@@ -157,3 +157,13 @@ def test_generate_writes_checked_candidates(workdir, capsys):
     for c in cands:
         assert (workdir / c["path"]).is_file() or Path(c["path"]).is_file()
     assert "passed" in capsys.readouterr().out
+
+
+def test_align_bad_kernels_and_bitwise_identity(workdir, capsys):
+    _bad(workdir, capsys, ["align", "hf:qwen3_moe", "--kernels", "nosuch"], "unknown families")
+    code = main(["align", "tiny_dense", "--dtype", "fp32", "--reference", "fp32", "--mode",
+                 "bitwise", "--kernels", "none", "--seq", "16", "--out", "bw"])
+    assert code == 0
+    result = json.loads((workdir / "bw" / "alignment.json").read_text())
+    assert result["passed"] is True
+    assert (workdir / "bw" / "alignment.png").is_file()
