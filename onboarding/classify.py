@@ -311,9 +311,24 @@ class Classifier:
             ev.append(f"group-limited: topk over {groups} groups first")
         bias = any(r.op == "add" and r.params for r in recs)
         renorm = ops["sum"] > 0 and (ops["div"] + ops["div_"]) > 0
-        return "moe.router", ev, {"n_experts": n_experts, "top_k": k, "scoring": scoring,
-                                  "group_limited": grouped, "score_bias": bias,
-                                  "renormalize": renorm}
+        attrs = {"n_experts": n_experts, "top_k": k, "scoring": scoring,
+                 "group_limited": grouped, "score_bias": bias, "renormalize": renorm}
+        if grouped:
+            # The group pass picks topk_group of n_group group scores: the last top-k before
+            # the final one (an earlier one may rank experts within each group).
+            group_sel = [t for t in exp_topk if t[2] not in (n_experts, 1)][-1]
+            attrs.update(n_group=group_sel[2], topk_group=group_sel[1])
+            ev.append(f"keeps {group_sel[1]} of {group_sel[2]} groups")
+        # A scalar multiply after the final top-k scales the routed weights.
+        final = exp_topk[-1][0].index
+        scale = next((r.scalars[1] for r in recs if r.index > final and r.op in ("mul", "mul_")
+                      and len(r.scalars) > 1 and isinstance(r.scalars[1], float)), None)
+        if scale is not None:
+            attrs["routed_scaling_factor"] = scale
+            ev.append(f"routed weights scaled by {scale:g}")
+        elif grouped or bias:
+            attrs["routed_scaling_factor"] = 1.0
+        return "moe.router", ev, attrs
 
     # -- traversal ------------------------------------------------------------------------
     def _post_order(self) -> list[str]:

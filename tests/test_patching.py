@@ -30,7 +30,7 @@ def test_coverage_statuses(parse_model):
     assert ("norm.rms", "template") in by and ("conv.causal1d", "template") in by
     assert ("attention.gated", "torch_fast") in by and ("lm_head", "torch_fast") in by
     assert ("linear_attention.gated_delta", "template") in by
-    assert ("moe.experts", "uncovered") in by
+    assert ("moe.experts", "template") in by and ("moe.router", "template") in by
     norm = next(e for e in cov.entries if e.kind == "norm.rms")
     assert norm.params["unit_offset"] is True and norm.shapes[0][-1] == 128
 

@@ -1,0 +1,56 @@
+"""LoRA family: a frozen linear plus a low-rank adapter, y = x W^T + s (x A^T) B^T, fused.
+
+Variant `linear`: forward in two kernel launches (x A^T, then the base GEMM with the rank-r
+product added to its accumulator), backward with gradients to x, A and B only (W frozen).
+LoRA is applied by the training stage to chosen linears, not found in the op graph: no `match`.
+The grouped expert LoRA (per-expert A_e / B_e inside the grouped GEMM) is not implemented yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "lora"
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """x [37, I] at the block's width, W [40, I], rank-8 A and B (B non-zero, so dA shows)."""
+    width = shapes[0][-1] if shapes else 24
+    x = torch.randn(37, width, generator=gen)
+    w = torch.randn(40, width, generator=gen) / width ** 0.5
+    a = torch.randn(8, width, generator=gen) / width ** 0.5
+    b = torch.randn(40, 8, generator=gen) / 8 ** 0.5
+    return [x, w, a, b, params.get("scaling", 1.0)]
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="lora.py.j2",
+    template_version=1,
+    variants={"linear": "x W^T + scaling * (x A^T) B^T, frozen W; grads to x, A, B"},
+    params=(
+        Param(name="scaling", type=float, default=1.0, min=-1e6, max=1e6,
+              doc="default scaling (PEFT: lora_alpha / r); stays a call argument"),
+    ),
+    tuning_space={
+        "BLOCK_M": (16, 32, 64, 128),
+        "BLOCK_N": (16, 32, 64, 128, 256),
+        "BLOCK_K": (16, 32, 64, 128),
+        "num_warps": (2, 4, 8),
+        "num_stages": (1, 2, 3, 4),
+        "dot_precision": ("tf32", "ieee"),
+    },
+    default_config={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3,
+                    "dot_precision": "tf32"},
+    shape_buckets=(
+        ShapeBucket(name="i_le_1k", dim="I", lo=1, hi=1024),
+        ShapeBucket(name="i_big", dim="I", lo=1025, hi=2**31 - 1,
+                    config={"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}),
+    ),
+    sample_inputs=sample_inputs,
+)

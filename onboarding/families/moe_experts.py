@@ -1,0 +1,112 @@
+"""MoE experts family: permute -> grouped GEMM (SwiGLU fused) -> grouped GEMM (routing weight) -> combine.
+
+One variant, `swiglu`: packed expert weights gate_up_proj [E, 2F, D] ([gate | up] halves) and
+down_proj [E, D, F] as transformers' 3-D expert layout (a `module_list` block maps to it by
+stacking its per-expert weights). Forward and backward (dx, d topk_weights, d gate_up_proj,
+d down_proj) in Triton; dropless by default, optional capacity-factor dropping; optional
+clamped SwiGLU (gpt-oss style: gate clamped above, up both sides, slope alpha, up offset).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from onboarding.errors import InputError
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "moe_experts"
+
+
+def _check(variant: str, params: dict[str, Any]) -> None:
+    if params["limit"] is not None and params["limit"] <= 0:
+        raise InputError(f"moe_experts: parameter 'limit' must be > 0, got {params['limit']!r}")
+    if params["capacity_factor"] is not None and params["capacity_factor"] <= 0:
+        raise InputError(f"moe_experts: parameter 'capacity_factor' must be > 0, got {params['capacity_factor']!r}")
+
+
+def _layout_ok(block: Any) -> bool:
+    """3-D gate_up [E, 2F, D] + down [E, D, F], or per-expert 2-D gate/up/down weights (module_list)."""
+    shapes = list(block.params.values())
+    e = block.attrs.get("n_experts")
+    if block.attrs.get("layout") == "packed_3d":
+        three = [s for s in shapes if len(s) == 3 and s[0] == e]
+        return any(a[1] == 2 * b[2] and a[2] == b[1] for a in three for b in three if a is not b)
+    if block.attrs.get("layout") == "module_list":
+        two = [s for s in shapes if len(s) == 2]
+        return len(two) == 3 * e or len(two) == 2 * e
+    return False
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """`moe.experts` blocks with a (gated) SiLU activation and a gate/up + down weight layout.
+
+    A clamp needs `clamp_style == "pre_act"` (or none given with `alpha`/`up_offset` in attrs is
+    taken as gpt-oss's pre-activation clamp only when attrs say so): otherwise uncovered.
+    """
+    if block.kind != "moe.experts" or block.attrs.get("activation") != "silu" or not _layout_ok(block):
+        return None
+    attrs = block.attrs
+    params: dict[str, Any] = {}
+    if attrs.get("clamp") is not None:
+        if attrs.get("clamp_style", "pre_act") != "pre_act" or "clamp_style" not in attrs:
+            return None
+        params["limit"] = float(attrs["clamp"])
+        params["alpha"] = float(attrs.get("alpha", 1.0))
+        params["up_offset"] = float(attrs.get("up_offset", 0.0))
+    if attrs.get("capacity_factor") is not None:
+        params["capacity_factor"] = float(attrs["capacity_factor"])
+    try:
+        return {"variant": "swiglu", "params": FAMILY.resolve("swiglu", params)}
+    except InputError:
+        return None
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """37 tokens at the block's width, E=5 top-2 with expert 4 left empty, F=24."""
+    width = shapes[0][-1] if shapes else 24
+    n, k, e, f = 37, 2, 5, 24
+    x = torch.randn(n, width, generator=gen)
+    idx = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=gen)
+    gate_up = torch.randn(e, 2 * f, width, generator=gen) / width ** 0.5
+    down = torch.randn(e, width, f, generator=gen) / f ** 0.5
+    return [x, idx, w, gate_up, down]
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="moe_experts.py.j2",
+    template_version=1,
+    variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights, fwd + bwd"},
+    params=(
+        Param(name="limit", type=float, default=None, nullable=True, min=0.0,
+              doc="SwiGLU clamp (pre-activation, gpt-oss style); None: no clamp"),
+        Param(name="alpha", type=float, default=1.0, min=0.0, max=100.0,
+              doc="sigmoid slope: g * sigmoid(alpha * g)"),
+        Param(name="up_offset", type=float, default=0.0, min=-100.0, max=100.0,
+              doc="added to (clamped) up before the product"),
+        Param(name="capacity_factor", type=float, default=None, nullable=True, min=0.0, max=1000.0,
+              doc="keep ceil(cf * N * K / E) slots per expert (token order); None: dropless"),
+    ),
+    tuning_space={
+        "BLOCK_M": (16, 32, 64, 128),
+        "BLOCK_N": (16, 32, 64, 128, 256),
+        "BLOCK_K": (16, 32, 64, 128),
+        "num_warps": (2, 4, 8),
+        "num_stages": (1, 2, 3, 4),
+        "dot_precision": ("tf32", "ieee"),
+    },
+    default_config={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3,
+                    "dot_precision": "tf32"},
+    shape_buckets=(
+        ShapeBucket(name="d_le_1k", dim="D", lo=1, hi=1024),
+        ShapeBucket(name="d_le_4k", dim="D", lo=1025, hi=4096, config={"BLOCK_N": 128, "num_warps": 8}),
+        ShapeBucket(name="d_big", dim="D", lo=4097, hi=2**31 - 1, config={"BLOCK_N": 128, "num_warps": 8}),
+    ),
+    check=_check,
+    match=match,
+    sample_inputs=sample_inputs,
+)

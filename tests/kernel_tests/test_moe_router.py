@@ -1,0 +1,175 @@
+"""MoE router family (softmax / sigmoid, group-limited, bias, renorm, scaling): outputs, counts,
+gradients to x and the router weight, transformers parity, opcheck, AOT, matching real blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import case_id
+
+from onboarding import aot, templating
+from onboarding.families import moe_router
+from onboarding.testing import check_module_contract, compare, poisoned, tolerance_for
+
+DEEPSEEK = {"top_k": 3, "n_group": 4, "topk_group": 2, "score_bias": True, "renormalize": True,
+            "routed_scaling_factor": 2.5}
+CASES = [  # (variant, params, n_experts)
+    ("softmax", {"top_k": 2}, 5),                       # Qwen3-MoE (no renorm), E=5
+    ("softmax", {"top_k": 2, "renormalize": True}, 8),  # Mixtral
+    ("sigmoid", DEEPSEEK, 8),                           # DeepSeek-V3
+    ("sigmoid", {"top_k": 2, "routed_scaling_factor": 1.5}, 5),
+]
+CASE_PARAMS = [pytest.param(v, p, e, id=f"{case_id(v, p)}-E{e}") for v, p, e in CASES]
+CPU_CONFIG = {"BLOCK_N": 64, "num_warps": 4}
+_MODULES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def load(kernel_root):
+    def load(variant, params):
+        key = (variant, tuple(sorted(params.items())))
+        if key not in _MODULES:
+            src = templating.render(moe_router.FAMILY, variant, params)
+            name = case_id(variant, params).replace("=", "_").replace("-", "_").replace(".", "p").lower()
+            module = templating.load_module(templating.write_module(src, kernel_root / "moe_router" / f"{name}.py"))
+            module.set_config(CPU_CONFIG)
+            _MODULES[key] = module
+        return _MODULES[key]
+
+    return load
+
+
+def inputs(params, n_experts, n=37, d=24, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen).to(device).requires_grad_()
+    w = (torch.randn(n_experts, d, generator=gen) / d ** 0.5).to(device).requires_grad_()
+    b = (0.2 * torch.randn(n_experts, generator=gen)).to(device) if params.get("score_bias") else None
+    return x, w, b
+
+
+def check(module, x, w, b):
+    tol = tolerance_for(torch.float32, "elementwise")
+    with poisoned(module):
+        logits, tw, ti, cnt = module.entry(x, w, b)
+    r_logits, r_tw, r_ti, r_cnt = module.reference(x, w, b)
+    assert torch.equal(ti, r_ti), (ti, r_ti)
+    assert torch.equal(cnt, r_cnt) and cnt.dtype == torch.int64 and int(cnt.sum()) == ti.numel()
+    results = [compare(logits, r_logits, tol, "logits"), compare(tw, r_tw, tol, "topk_weights")]
+    dtw = torch.randn_like(tw)
+    g = torch.autograd.grad(tw, [x, w], dtw)
+    rg = torch.autograd.grad(r_tw, [x, w], dtw)
+    results += [compare(g[0], rg[0], tol, "grad x"),
+                compare(g[1], rg[1], tolerance_for(torch.float32, "reduction"), "grad weight")]
+    failures = [r.message for r in results if not r.passed]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("variant,params,n_experts", CASE_PARAMS)
+def test_forward_backward(load, device, variant, params, n_experts):
+    module = load(variant, params)
+    check(module, *inputs(params, n_experts, device=device))
+
+
+def test_skewed_and_degenerate_rows(load, device):
+    """Zipf-skewed logits (one expert takes nearly all tokens) and a single row."""
+    module = load("softmax", {"top_k": 2})
+    x, w, b = inputs({}, 5, device=device)
+    with torch.no_grad():
+        w[0] += 3.0 * x.detach().mean(0) / x.detach().mean(0).norm()  # expert 0 dominant
+    check(module, x, w, b)
+    check(module, *inputs({}, 5, n=1, device=device))
+
+
+def test_bias_selects_only(load, device):
+    """A large bias on one expert forces its selection but does not enter the weights."""
+    module = load("sigmoid", DEEPSEEK)
+    x, w, b = inputs(DEEPSEEK, 8, device=device)
+    b = torch.zeros(8, device=device)
+    b[5] = 10.0
+    _, tw, ti, cnt = module.entry(x, w, b)
+    assert (ti == 5).any(1).all() and cnt[5] == x.shape[0]
+    check(module, x, w, b)
+
+
+def test_matches_transformers_routers(load, device):
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = DeepseekV3Config(hidden_size=24, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                           norm_topk_prob=True, routed_scaling_factor=2.5)
+    hf = DeepseekV3TopkRouter(cfg).to(device)
+    x, w, b = inputs(DEEPSEEK, 8, device=device)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+        hf.e_score_correction_bias.copy_(b)
+    logits, tw, ti, _ = load("sigmoid", DEEPSEEK).entry(x, w, b)
+    h_logits, h_tw, h_ti = hf(x)
+    order = h_ti.sort(1).indices  # transformers uses topk(sorted=False)
+    torch.testing.assert_close(logits, h_logits)
+    torch.testing.assert_close(ti.sort(1).values, h_ti.gather(1, order))
+    torch.testing.assert_close(tw.gather(1, ti.sort(1).indices), h_tw.gather(1, order))
+
+    hq = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=24, num_experts=5, num_experts_per_tok=2,
+                                           norm_topk_prob=False)).to(device)
+    x, w, _ = inputs({}, 5, device=device)
+    with torch.no_grad():
+        hq.weight.copy_(w)
+    _, tw, ti, _ = load("softmax", {"top_k": 2}).entry(x, w, None)
+    _, q_tw, q_ti = hq(x)
+    assert torch.equal(ti, q_ti)
+    torch.testing.assert_close(tw, q_tw)
+
+
+@pytest.mark.parametrize("variant,params,n_experts", CASE_PARAMS)
+def test_opcheck_and_contract(load, device, variant, params, n_experts):
+    module = load(variant, params)
+    check_module_contract(module)
+    x, w, b = inputs(params, n_experts, n=7, device=device)
+    for op, args in module.op_samples(x, w, b):
+        torch.library.opcheck(op, args)
+
+
+def test_shape_errors_name_shapes(load, device):
+    module = load("sigmoid", DEEPSEEK)
+    x, w, _ = inputs(DEEPSEEK, 8, device=device)
+    with pytest.raises(ValueError, match=r"bias must be \[E\]=\(8,\), got \(7,\)"):
+        module.entry(x, w, torch.zeros(7, device=device))
+    with pytest.raises(ValueError, match=r"E=6 must split into 4 groups"):
+        module.entry(x, w[:6], torch.zeros(6, device=device))
+
+
+def test_aot_sm90(load):
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    paths = [load(v, p).__file__ for v, p, _ in CASES]
+    for path, rs in aot.compile_files(paths, registers=False).items():
+        assert rs, path
+        for r in rs:
+            assert r.ok, f"{path}: {r.kernel}: {r.error}"
+
+
+def _routers(graph):
+    return [b for b in graph.blocks if b.kind == "moe.router"]
+
+
+def test_match_parsed_blocks(parse_model):
+    qwen = _routers(parse_model("hf:qwen3_moe"))[0]
+    assert moe_router.match(qwen) == {"variant": "softmax", "params": moe_router.FAMILY.resolve(
+        "softmax", {"top_k": qwen.attrs["top_k"]})}
+    mixtral = _routers(parse_model("hf:mixtral"))[0]
+    assert moe_router.match(mixtral)["params"]["renormalize"] is True
+    ds = _routers(parse_model("hf:deepseek_v32"))[0]
+    # the classifier reads group counts and the scaling factor off the router's ops
+    m = moe_router.match(ds)
+    assert m["variant"] == "sigmoid" and m["params"]["score_bias"]
+    assert (m["params"]["n_group"], m["params"]["topk_group"]) == (4, 3)  # the tiny proxy's
+    assert m["params"]["routed_scaling_factor"] == 2.5
+    # without them a group-limited router stays uncovered rather than guessed
+    bare = {k: v for k, v in ds.attrs.items() if k not in ("n_group", "topk_group")}
+    assert moe_router.match(dataclasses.replace(ds, attrs=bare)) is None
+    dense = [b for b in parse_model("hf:qwen3_moe").blocks if b.kind == "moe.experts"][0]
+    assert moe_router.match(dense) is None
