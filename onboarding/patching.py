@@ -5,6 +5,8 @@ structure (its parameters, its input) to a kernel's signature:
   - ``norm.rms``: ``forward(x)`` -> ``rmsnorm(x, w, eps)`` (``unit_offset`` rendered in);
   - ``norm.rms_gated``: ``forward(x, z)`` -> ``rmsnorm_gated(x, z, w, eps)``;
   - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
+  - ``moe.experts`` (packed 3-D weights): ``forward(x, indices, weights)`` -> the grouped-GEMM
+    experts kernel, with the weights found by their shapes;
   - ``conv.causal1d``: the depthwise conv call made with the block's weight, intercepted with a
     `TorchFunctionMode` while the owning block runs (the conv is often an inline functional call,
     not a module call).
@@ -166,6 +168,33 @@ def _mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
     return {}
 
 
+def _experts_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
+    """Packed experts: ``forward(x, topk_indices, topk_weights)`` in any argument order, weights
+    ``[E, 2F, D]`` (gate/up) and ``[E, D, F]`` (down) found by their shapes."""
+    packed = [p for p in module.parameters(recurse=False) if p.ndim == 3]
+    if len(packed) != 2:
+        return {}
+    a, b = packed
+    if a.shape[1] == 2 * b.shape[2] and a.shape[2] == b.shape[1]:
+        gate_up, down = a, b
+    elif b.shape[1] == 2 * a.shape[2] and b.shape[2] == a.shape[1]:
+        gate_up, down = b, a
+    else:
+        return {}
+
+    def call(*args, **kwargs):
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        idx = [t for t in tensors if not t.is_floating_point()]
+        flt = [t for t in tensors if t.is_floating_point()]
+        if len(idx) != 1 or len(flt) != 2:
+            raise ValueError("expected one index tensor and two float tensors")
+        x, w = sorted(flt, key=lambda t: -t.shape[-1]) if flt[0].shape[-1] != \
+            flt[1].shape[-1] else flt
+        return fn(x, idx[0], w, gate_up, down)
+
+    return {"x, topk_indices, topk_weights (by dtype and width)": call}
+
+
 class _ConvIntercept(TorchFunctionMode):
     """Routes ``conv1d(x, w, b, padding=K-1, groups=C)`` with our weight to the kernel."""
 
@@ -232,7 +261,8 @@ def _patch_conv(model: nn.Module, block: Block, fn: Callable, record: PatchRecor
 
 
 PATCHABLE = {"norm.rms": "rmsnorm", "norm.rms_gated": "rmsnorm", "mlp.dense": "swiglu",
-             "moe.shared_expert": "swiglu", "conv.causal1d": "conv1d"}
+             "moe.shared_expert": "swiglu", "conv.causal1d": "conv1d",
+             "moe.experts": "moe_experts"}
 
 
 def patch_model(model: nn.Module, graph: OpGraph,
@@ -264,6 +294,8 @@ def patch_model(model: nn.Module, graph: OpGraph,
             continue
         if block.kind.startswith("norm."):
             bindings = _norm_bindings(block, module, fn)
+        elif block.kind == "moe.experts":
+            bindings = _experts_bindings(module, fn)
         else:
             bindings = _mlp_bindings(module, fn)
         if not bindings:

@@ -36,9 +36,11 @@ def test_coverage_statuses(parse_model):
 
 
 @pytest.mark.parametrize("ref,kinds", [
-    ("hf:qwen3_next", {"norm.rms", "norm.rms_gated", "conv.causal1d", "moe.shared_expert"}),
+    ("hf:qwen3_next", {"norm.rms", "norm.rms_gated", "conv.causal1d", "moe.shared_expert",
+                       "moe.experts"}),
     # Kimi's output norm is gated by sigmoid: no family serves it, so it stays unpatched.
-    ("hf:kimi_linear", {"norm.rms", "conv.causal1d", "moe.shared_expert", "mlp.dense"}),
+    ("hf:kimi_linear", {"norm.rms", "conv.causal1d", "moe.shared_expert", "mlp.dense",
+                        "moe.experts"}),
 ])
 def test_patched_model_matches_unpatched(parse_model, ref, kinds, tmp_path):
     g, cov, cands, model, inputs, kwargs = _prepare(parse_model, ref, tmp_path)
