@@ -61,17 +61,23 @@ PARAMS = (
 )
 
 
-def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
-                  gen: torch.Generator) -> list:
+def delta_rule_samples(gen: torch.Generator, *, per_channel: bool) -> list:
     """q, k [1, 37, 1, 16], v [1, 37, 2, 16] (two value heads per key head), a negative log
-    decay g, beta in (0, 1), and an initial state; T=37 is not a multiple of the chunk."""
+    decay g (one per head, or per key channel), beta in (0, 1) and an initial state; T=37 is not
+    a multiple of the chunk."""
     q = torch.randn(1, 37, 1, 16, generator=gen)
     k = torch.randn(1, 37, 1, 16, generator=gen)
     v = torch.randn(1, 37, 2, 16, generator=gen)
-    g = -torch.rand((1, 37, 2), generator=gen) * 0.5
+    g = -torch.rand((1, 37, 2, 16) if per_channel else (1, 37, 2), generator=gen) * 0.5
     beta = torch.rand(1, 37, 2, generator=gen)
     h0 = torch.randn(1, 2, 16, 16, generator=gen) * 0.1
     return [q, k, v, g, beta, None, h0, True]
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    return delta_rule_samples(gen, per_channel=False)
+
 
 FAMILY = FamilySpec(
     name=NAME,

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from onboarding.errors import InputError
-from onboarding.families.gated_delta import DEFAULT_CONFIG, PARAMS, SHAPE_BUCKETS, TUNING_SPACE, block_params
+from onboarding.families.gated_delta import (DEFAULT_CONFIG, PARAMS, SHAPE_BUCKETS, TUNING_SPACE,
+                                           block_params, delta_rule_samples)
 from onboarding.templating import FamilySpec
 
 NAME = "kimi_delta"
@@ -28,18 +29,10 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
 
 
-
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
                   gen: torch.Generator) -> list:
-    """q, k [1, 37, 1, 16], v [1, 37, 2, 16] (two value heads per key head), a negative log
-    decay g, beta in (0, 1), and an initial state; T=37 is not a multiple of the chunk."""
-    q = torch.randn(1, 37, 1, 16, generator=gen)
-    k = torch.randn(1, 37, 1, 16, generator=gen)
-    v = torch.randn(1, 37, 2, 16, generator=gen)
-    g = -torch.rand((1, 37, 2, 16), generator=gen) * 0.5
-    beta = torch.rand(1, 37, 2, generator=gen)
-    h0 = torch.randn(1, 2, 16, 16, generator=gen) * 0.1
-    return [q, k, v, g, beta, None, h0, True]
+    return delta_rule_samples(gen, per_channel=True)
+
 
 FAMILY = FamilySpec(
     name=NAME,
