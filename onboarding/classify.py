@@ -94,8 +94,10 @@ def _attention_softmax(recs: list[OpRecord], seq: int) -> list[str]:
         if is_sdpa(r.op):
             ev.append(f"{r.op} (fused attention)")
         elif r.op in SOFTMAX and r.in_shapes and r.in_shapes[0] and len(r.in_shapes[0]) >= 2 \
-                and r.in_shapes[0][-1] == seq and r.in_shapes[0][-2] == seq:
-            ev.append(f"{r.op} over [.., {seq}, {seq}] scores")
+                and r.in_shapes[0][-1] in (seq, seq + 1) and r.in_shapes[0][-2] == seq:
+            sink = r.in_shapes[0][-1] == seq + 1  # one extra column: an attention sink
+            ev.append(f"{r.op} over [.., {seq}, {r.in_shapes[0][-1]}] scores" +
+                      (" (with a sink column)" if sink else ""))
     return ev
 
 

@@ -272,7 +272,10 @@ def match_block(block: Any) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for name, spec in sorted(families().items()):
         if spec.match is not None and (m := spec.match(block)) is not None:
-            out.append((name, m))
+            # a block may need several variants of one family (sparse attention: the indexer
+            # and the gathered attention); the extra ones come under "also"
+            for one in (m, *m.get("also", ())):
+                out.append((name, {"variant": one["variant"], "params": one["params"]}))
     return out
 
 

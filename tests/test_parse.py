@@ -123,3 +123,15 @@ def test_opgraph_json_roundtrip(parse_model, tmp_path):
     back = OpGraph.load(tmp_path / "opgraph.json")
     assert back.to_dict() == json.loads((tmp_path / "opgraph.json").read_text())
     assert [b.kind for b in back.blocks] == [b.kind for b in g.blocks]
+
+
+@pytest.mark.parametrize("ref,kinds", [
+    # attention with a sink column, alternating sliding/full layers, clamped experts
+    ("hf:gpt_oss", {"attention.sliding", "attention.full", "moe.router", "moe.experts"}),
+    # mamba mixers beside attention, MoE every other layer
+    ("hf:jamba", {"linear_attention.mamba", "attention.full", "moe.experts", "mlp.dense",
+                  "conv.causal1d"}),
+])
+def test_architectures_beyond_the_dev_set(parse_model, ref, kinds):
+    k = kinds_of(parse_model(ref))
+    assert kinds <= k and "unknown" not in k

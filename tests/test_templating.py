@@ -32,8 +32,12 @@ def test_every_variant_renders_with_defaults(family, variant):
         f"(template version {spec.template_version}). Do not edit."
     )
     assert lines[2] == "# params: " + json.dumps(params, sort_keys=True)
+    # Backward is registered on the custom op (register_autograd: the op's autograd function).
+    # The top-k selection is not differentiated through (issue 7): nothing to register there.
+    autograd = () if (family, variant) == ("sparse_attention", "indexer") else (
+        "register_autograd",)
     for name in ("TEMPLATE", "TEMPLATE_VERSION", "PARAMS", "TUNING_SPACE", "SHAPE_BUCKETS", "DEFAULT_CONFIG",
-                 "def reference(", "register_fake", "register_autograd", "torch.autograd.Function"):
+                 "def reference(", "register_fake", *autograd):
         assert name in source, name
     assert source.endswith("\n") and not source.endswith("\n\n\n")
 

@@ -1,0 +1,157 @@
+"""Top-k sparse attention family (DSA): lightning indexer + causal top-k, and gathered attention.
+
+Two variants of one template, each a self-contained module with its own `entry`/`reference`:
+`indexer` (scores[b,t,s] = sum_h w[b,t,h] * relu(scale * q[b,t,h] . k[b,s]), s <= t, then the
+top `topk` positions per query as int32 indices, not differentiated) and `gathered` (softmax
+attention of each query over only its selected positions, forward and backward, GQA, optional
+sink, `layout="mla"` for the absorbed MLA/MQA layout with one shared latent KV whose first `d_v`
+columns are the values). They are separate variants because their contracts differ: the indexer
+returns integers and has no gradient, the gathered attention is a differentiable op.
+
+A `sparse_attention.topk` block needs both: `match` returns the `gathered` variant (the
+differentiable attention core) with the `indexer` variant under "also"; `match_all` returns both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from onboarding.errors import InputError
+from onboarding.templating import FamilySpec, Param, ShapeBucket
+
+NAME = "sparse_attention"
+
+
+def _check(variant: str, params: dict[str, Any]) -> None:
+    if params["layout"] == "mla" and params["d_v"] % 16:
+        raise InputError(f"{NAME}/{variant}: parameter 'd_v' must be a multiple of 16 for the MLA "
+                         f"layout, got {params['d_v']}")
+
+
+def _resolve(variant: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        return FAMILY.resolve(variant, params)
+    except InputError:
+        return None
+
+
+def match_all(block: Any) -> list[dict[str, Any]]:
+    """Both variants a `sparse_attention.topk` block needs (gathered first), or [] for others.
+
+    By structure only: attrs `topk` and `indexer_relu` from the classifier's topk/relu evidence,
+    `layout == "mla"` with `kv_latent` (the latent width, which is the absorbed d_v).
+    """
+    if block.kind != "sparse_attention.topk":
+        return []
+    attrs = block.attrs
+    topk = attrs.get("topk")
+    topk = int(topk) if isinstance(topk, int) and topk >= 1 else 2048
+    gathered: dict[str, Any] = {}
+    if attrs.get("layout") == "mla":
+        latent = attrs.get("kv_latent") or []
+        latent = latent[0] if isinstance(latent, (list, tuple)) and latent else latent
+        if not isinstance(latent, int):
+            return []
+        gathered = {"layout": "mla", "d_v": latent}
+    out = []
+    for variant, params in (("gathered", gathered),
+                            ("indexer", {"topk": topk, "indexer_relu": bool(attrs.get("indexer_relu", True))})):
+        resolved = _resolve(variant, params)
+        if resolved is None:
+            return []
+        out.append({"variant": variant, "params": resolved})
+    return out
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """The `gathered` variant for a `sparse_attention.topk` block, with the indexer in "also"."""
+    found = match_all(block)
+    if not found:
+        return None
+    return {**found[0], "also": found[1:]}
+
+
+def causal_topk_indices(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [B, T, min(topk, T)]: each row's top scores among s <= t, ascending, -1 padded."""
+    T = scores.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+    vals, idx = scores.masked_fill(~causal, float("-inf")).topk(min(topk, T), dim=-1)
+    idx = torch.where(torch.isfinite(vals), idx, T).sort(dim=-1).values
+    return torch.where(idx >= T, -1, idx).to(torch.int32)
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """Fresh random entry arguments: T=37 (odd), topk 8 (more than the early rows have), 4 query
+    heads; gathered MHA uses 2 KV heads (GQA) of width 16 and a sink; MLA one latent head of the
+    module's d_v plus a 64-wide rope part (d_v is baked into an MLA module)."""
+    B, T, H = 1, 37, 4
+    if variant == "indexer":
+        D = 16
+        q = torch.randn(B, T, H, D, generator=gen)
+        k = torch.randn(B, T, D, generator=gen)
+        w = torch.randn(B, T, H, generator=gen)
+        return [q, k, w, 8, None]
+    idx = causal_topk_indices(torch.randn(B, T, T, generator=gen), 8)
+    sink = torch.randn(H, generator=gen)
+    if params.get("layout") == "mla":
+        d_qk = int(params.get("d_v", 512)) + 64
+        q = torch.randn(B, T, H, d_qk, generator=gen)
+        kv = torch.randn(B, T, 1, d_qk, generator=gen)
+        return [q, kv, idx, sink, None]
+    D = 16
+    q = torch.randn(B, T, H, D, generator=gen)
+    k = torch.randn(B, T, 2, D, generator=gen)
+    v = torch.randn(B, T, 2, D, generator=gen)
+    return [q, k, v, idx, sink, None]
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="sparse_attention.py.j2",
+    template_version=1,
+    variants={
+        "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
+        "gathered": "attention over the selected positions: GQA or MLA latent, sink; fwd + bwd",
+    },
+    params=(
+        Param(name="topk", type=int, default=2048, min=1, variants=("indexer",),
+              doc="default top-k of the indexer entry (topk stays a call argument)"),
+        Param(name="indexer_relu", type=bool, default=True, variants=("indexer",),
+              doc="ReLU of each head's q.k score before the weighted head sum (DeepSeek-V3.2)"),
+        Param(name="layout", type=str, default="mha", choices=("mha", "mla"), variants=("gathered",),
+              doc="mha: k/v [B, S, HK, D]; mla: one shared latent kv [B, S, 1, D_QK], v = kv[..., :d_v]"),
+        Param(name="d_v", type=int, default=512, min=16, max=1024, variants=("gathered",),
+              doc="value width of the MLA latent (its first d_v columns); mla layout only"),
+    ),
+    # BLOCK_K: gathered positions per step; BLOCK_H: query heads of one KV group per program;
+    # BLOCK_T: indexer score tile; BLOCK_SEL: chunk of a row per selection pass; SEL_RADIX: bits
+    # of the threshold decided per pass (32 / SEL_RADIX passes, 2^SEL_RADIX compares per element).
+    tuning_space={
+        "BLOCK_K": (16, 32, 64, 128),
+        "BLOCK_H": (16, 32, 64, 128),
+        "BLOCK_T": (16, 32, 64, 128),
+        "BLOCK_SEL": (16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+        "SEL_RADIX": (2, 4, 8),
+        "num_warps": (1, 2, 4, 8),
+        "dot_precision": ("tf32", "ieee"),
+    },
+    default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
+                    "num_warps": 4,
+                    "dot_precision": "tf32"},
+    # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.
+    shape_buckets=(
+        ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64}),
+        ShapeBucket(name="d_le_128", dim="D_QK", lo=65, hi=128, config={"BLOCK_K": 32}),
+        ShapeBucket(name="d_le_256", dim="D_QK", lo=129, hi=256, config={"BLOCK_K": 32, "num_warps": 8}),
+        # MLA 576/512 on sm_90: BLOCK_H 32 keeps the backward at 172 KB of shared memory (64
+        # heads need 631 KB), so 128 query heads take 4 programs, each reading the gathered block.
+        ShapeBucket(name="d_le_1024", dim="D_QK", lo=257, hi=1024,
+                    config={"BLOCK_K": 16, "BLOCK_H": 32, "num_warps": 8}),
+    ),
+    check=_check,
+    match=match,
+    sample_inputs=sample_inputs,
+)
