@@ -72,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64")
     a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile")
 
+    t = sub.add_parser("tune", help="Optuna tile search for one kernel family at given sizes")
+    t.add_argument("--kernel", required=True, metavar="FAMILY")
+    t.add_argument("--variant", help="family variant (default: the first)")
+    t.add_argument("--shapes", required=True, type=lambda v: [int(x) for x in v.split(",")],
+                   metavar="N[,N...]", help="sizes of the bucketed dimension (e.g. D for rmsnorm)")
+    t.add_argument("--trials", type=int, default=30)
+    t.add_argument("--workers", type=int, default=1)
+    t.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out)")
+    t.add_argument("--out", help="directory for the module, tune.db and tuned.json")
+
     b = sub.add_parser("bench", help="kernel benchmarks vs eager, torch.compile and anchors (GPU)")
     b.add_argument("--suite", choices=("kernels",), default="kernels")
     b.add_argument("--family", action="append", default=None,
@@ -174,6 +184,38 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def cmd_tune(args: argparse.Namespace, console: Console) -> int:
+    from onboarding.templating import get_family, render_to
+    from onboarding.tune import TuneConfig, markdown_table, plot_history, tune_buckets, tuned_path
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress bar says it all
+    spec = get_family(args.kernel)
+    variant = args.variant or next(iter(spec.variants))
+    if variant not in spec.variants:
+        raise InputError(f"--variant {variant!r}: {args.kernel} has {sorted(spec.variants)}")
+    out = Path(args.out) if args.out else Path("runs") / f"tune-{args.kernel}-{variant}"
+    out.mkdir(parents=True, exist_ok=True)
+    module = render_to(out / "kernels", spec.name, variant, {})
+    cfg = TuneConfig(n_trials=args.trials, n_workers=args.workers, storage=args.storage,
+                     storage_dir=out)
+    results = tune_buckets(module, args.shapes, config=cfg)
+    plot_history(results, out / "tune_best.png")
+    console.print(markdown_table(results))
+    if not torch_cuda_available():
+        console.print("[yellow]no GPU: times are Triton-interpreter wall clock, not kernel "
+                      "speed[/yellow]")
+    console.print(f"wrote {tuned_path(module)}, {out / 'tune_best.png'}")
+    return EXIT_OK
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from agents.graph import compile_graph, thread_config
     from agents.state import RunConfig, RunState
@@ -241,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_run(args, console)
         if args.command == "bench":
             return cmd_bench(args, console)
+        if args.command == "tune":
+            return cmd_tune(args, console)
         return cmd_analyse(args, console)
     except InputError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
