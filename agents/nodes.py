@@ -90,7 +90,8 @@ def align_node(state: RunState) -> dict[str, Any]:
     result = run_align(info, OpGraph.load(run_dir / "opgraph.json"),
                        Coverage.load(run_dir / "coverage.json"),
                        load_candidates(run_dir / "candidates.json"), run_dir,
-                       dtype=c.align_dtype, reference=c.align_reference, batch=c.batch,
+                       families=c.align_kernels, dtype=c.align_dtype,
+                       reference=c.align_reference, batch=c.batch,
                        seq=c.seq, seed=c.seed,
                        exclude={tuple(x) for x in state.excluded_kernels})
     culprits = [b.path for b in result.culprits("fwd") or result.culprits("bwd")]

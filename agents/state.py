@@ -17,6 +17,7 @@ class RunConfig(BaseModel):
     batch: int = 1
     seq: int = 64
     seed: int = 0
+    align_kernels: list[str] | None = None  # families patched for alignment (None: all)
     align_dtype: str = "fp32"
     align_reference: str = "fp64"
     max_align_retries: int = 2  # failed alignment loops back to generate at most this often

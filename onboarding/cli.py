@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(r, optional=True)
     r.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run")
+    r.add_argument("--kernels", default="all",
+                   help="kernel families patched for alignment: comma-separated, 'all', 'none'")
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
     return ap
 
@@ -232,6 +234,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         inputs = None
     else:
         overrides = parse_assignments(args.set)
+        families = _families(args)
         # Check the input before a run directory exists, so bad input leaves nothing behind.
         with console.status("checking MODEL"):
             info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
@@ -239,7 +242,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         created = True
         inputs = RunState(config=RunConfig(
             model_ref=args.model, overrides=overrides, trust_remote_code=args.trust_remote_code,
-            proxy=args.proxy, batch=args.batch, seq=args.seq, seed=args.seed),
+            proxy=args.proxy, batch=args.batch, seq=args.seq, seed=args.seed,
+            align_kernels=families),
             run_dir=str(run_dir))
     with owned_dir(run_dir, created_here=created):
         app, conn = compile_graph(run_dir)

@@ -128,8 +128,10 @@ def test_resume_of_non_run_dir(workdir, capsys):
 
 
 def test_default_run_is_the_hybrid_example(workdir, capsys):
-    # seq 16 keeps the interpreter-run alignment of every patched kernel short on CI
-    assert main(["run", "--out", "demo", "--seq", "16"]) == 0
+    # Every kernel in the Triton interpreter makes the agent's alignment take minutes on 2 CPU
+    # cores; here two families are patched (tests/test_align.py and test_patching.py cover
+    # the others).
+    assert main(["run", "--out", "demo", "--seq", "16", "--kernels", "rmsnorm,swiglu"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "sparse_attention.topk" in out and "linear_attention.gated_delta" in out
     report = (workdir / "demo" / "report.md").read_text()
@@ -139,7 +141,7 @@ def test_default_run_is_the_hybrid_example(workdir, capsys):
 def test_readme_commands_are_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     blocks = readme.split("<!-- test-command -->")[1].split("```")[1].strip().splitlines()
-    assert blocks == ["pip install torch==2.13.0 -e . && pytest -q"]
+    assert blocks == ["pip install torch==2.13.0 -e . && pytest -q -n 2"]
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
 
 
@@ -147,7 +149,9 @@ def test_map_json(workdir, capsys):
     assert main(["map", "hf:qwen3_moe", "--json"]) == 0
     cov = json.loads(capsys.readouterr().out)
     statuses = {e["status"] for e in cov["entries"]}
-    assert {"template", "torch_fast", "uncovered"} <= statuses
+    assert {"template", "torch_fast"} <= statuses <= {"kernel", "template", "torch_fast",
+                                                      "uncovered"}
+    assert any(e["kind"] == "moe.experts" and e["status"] == "template" for e in cov["entries"])
     assert not (workdir / "runs").exists()
 
 
