@@ -102,7 +102,8 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     """parse, map and generate: the stages up to the one named by the command."""
     from onboarding.console import print_candidates, print_coverage, print_opgraph
     from onboarding.rundir import new_run_dir, owned_dir
-    from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
+    from onboarding.stages import (run_align, run_generate, run_load, run_map, run_parse,
+                                   save_model_json)
 
     overrides = parse_assignments(args.set)
     stage = args.command
@@ -115,8 +116,8 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
         if out is None and stage in ("generate", "align"):
             out = new_run_dir(info.loaded.name, None)
         with owned_dir(out, created_here=True) if out is not None else _nothing():
-            if out is not None:
-                run_load(args.model, overrides, args.trust_remote_code, args.proxy, out)
+            if out is not None:  # the model was loaded above, before the directory existed
+                save_model_json(info, out, overrides)
             graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
                               on_step=lambda s: status.update(f"{stage}: {s}"))
             coverage = run_map(graph, out) if stage in ("map", "generate", "align") else None

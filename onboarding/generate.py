@@ -22,6 +22,7 @@ import torch
 
 from onboarding.backend import kernel_device
 from onboarding.errors import InputError
+from onboarding.patching import entry_function
 from onboarding.registry import KERNELS_DIR, Coverage
 from onboarding.templating import get_family, load_module, params_hash, render, write_module
 from onboarding.testing.tolerance import compare, tolerance_for
@@ -65,12 +66,6 @@ def render_candidates(coverage: Coverage, root: Path) -> list[Candidate]:
     return list(out.values())
 
 
-def _entry(mod: ModuleType):
-    from onboarding.patching import entry_function
-
-    return entry_function(mod)
-
-
 def check_candidate(cand: Candidate, shapes: list[list[int]], seed: int = 0) -> Candidate:
     """Forward and every gradient vs the module's ``reference`` in fp32, on fresh random inputs
     at the block's widths (``shapes``: the first matching block's input shapes)."""
@@ -84,7 +79,7 @@ def check_candidate(cand: Candidate, shapes: list[list[int]], seed: int = 0) -> 
         device = kernel_device()
         args = [a.to(device) if isinstance(a, torch.Tensor) else a
                 for a in spec.sample_inputs(cand.variant, cand.params, shapes, gen)]
-        cand.checks = _check_one(_entry(mod), mod.reference, tuple(args), "sample")
+        cand.checks = _check_one(entry_function(mod), mod.reference, tuple(args), "sample")
         cand.status = "passed" if cand.checks and all(c["passed"] for c in cand.checks) \
             else "failed"
     except Exception as exc:  # a broken candidate is recorded, never fatal to the run

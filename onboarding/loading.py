@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from onboarding.errors import InputError
-from onboarding.overrides import apply_overrides
+from onboarding.overrides import apply_overrides, type_matches
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 DEFAULT_EXAMPLE = "onboard_hybrid"
@@ -234,9 +234,7 @@ def _apply_factory_overrides(loaded: LoadedModel, overrides: dict[str, Any]) -> 
                              f"{', '.join(sig.parameters) or 'no arguments'}")
         default = param.default if param is not None else None
         if default is not inspect.Parameter.empty and default is not None:
-            from onboarding.overrides import _type_ok
-
-            if not _type_ok(default, value):
+            if not type_matches(default, value):
                 raise InputError(f"--set {key}={value!r}: expected "
                                  f"{type(default).__name__}, got {type(value).__name__}")
         loaded.factory_kwargs[key] = value

@@ -24,7 +24,8 @@ def parse_assignments(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _type_ok(old: Any, new: Any) -> bool:
+def type_matches(old: Any, new: Any) -> bool:
+    """Whether ``new`` may replace ``old``: same type, ints for floats, any value for None."""
     if old is None or new is None:
         return True
     if isinstance(old, bool) or isinstance(new, bool):
@@ -60,7 +61,7 @@ def apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
                 f"--set {key}: unknown config key {leaf!r} for {type(target).__name__}"
             )
         old = getattr(target, leaf, None)
-        if not _type_ok(old, value):
+        if not type_matches(old, value):
             raise InputError(
                 f"--set {key}={json.dumps(value)}: expected {type(old).__name__} "
                 f"(current value {old!r}), got {type(value).__name__}"

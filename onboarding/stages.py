@@ -60,16 +60,20 @@ def run_load(ref: str | None, overrides: dict[str, Any], trust_remote_code: bool
     info = load_stage(load_model(ref, overrides=overrides, trust_remote_code=trust_remote_code),
                       proxy)
     if out_dir is not None:
-        lm = info.loaded
-        write_json(out_dir / "model.json", {
-            "ref": lm.ref, "name": lm.name, "source": lm.source, "overrides": overrides,
-            "trust_remote_code": lm.trust_remote_code,
-            "weights": [str(w) for w in lm.weights],
-            "params": info.full.to_dict(), "proxy": proxy, "proxy_note": info.proxy_note,
-            "full_config": _config_dict(lm.config), "proxy_config": _config_dict(
-                info.proxy_config),
-            "seconds": round(time.perf_counter() - t0, 3), "environment": environment()})
+        save_model_json(info, out_dir, overrides, time.perf_counter() - t0)
     return info
+
+
+def save_model_json(info: ModelInfo, out_dir: Path, overrides: dict[str, Any],
+                    seconds: float | None = None) -> None:
+    lm = info.loaded
+    write_json(out_dir / "model.json", {
+        "ref": lm.ref, "name": lm.name, "source": lm.source, "overrides": overrides,
+        "trust_remote_code": lm.trust_remote_code, "weights": [str(w) for w in lm.weights],
+        "params": info.full.to_dict(), "proxy": info.proxy_size, "proxy_note": info.proxy_note,
+        "full_config": _config_dict(lm.config), "proxy_config": _config_dict(info.proxy_config),
+        "seconds": None if seconds is None else round(seconds, 3),
+        "environment": environment()})
 
 
 def run_parse(info: ModelInfo, out_dir: Path | None, *, batch: int = 1, seq: int = 64,

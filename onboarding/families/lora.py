@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from onboarding.families._gemm import GEMM_DEFAULT_CONFIG, GEMM_TUNING_SPACE
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
 NAME = "lora"
@@ -37,16 +38,8 @@ FAMILY = FamilySpec(
         Param(name="scaling", type=float, default=1.0, min=-1e6, max=1e6,
               doc="default scaling (PEFT: lora_alpha / r); stays a call argument"),
     ),
-    tuning_space={
-        "BLOCK_M": (16, 32, 64, 128),
-        "BLOCK_N": (16, 32, 64, 128, 256),
-        "BLOCK_K": (16, 32, 64, 128),
-        "num_warps": (2, 4, 8),
-        "num_stages": (1, 2, 3, 4),
-        "dot_precision": ("tf32", "ieee"),
-    },
-    default_config={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3,
-                    "dot_precision": "tf32"},
+    tuning_space=GEMM_TUNING_SPACE,
+    default_config=GEMM_DEFAULT_CONFIG,
     shape_buckets=(
         ShapeBucket(name="i_le_1k", dim="I", lo=1, hi=1024),
         ShapeBucket(name="i_big", dim="I", lo=1025, hi=2**31 - 1,

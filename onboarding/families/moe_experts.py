@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from onboarding.errors import InputError
+from onboarding.families._gemm import GEMM_DEFAULT_CONFIG, GEMM_TUNING_SPACE
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
 NAME = "moe_experts"
@@ -91,16 +92,8 @@ FAMILY = FamilySpec(
         Param(name="capacity_factor", type=float, default=None, nullable=True, min=0.0, max=1000.0,
               doc="keep ceil(cf * N * K / E) slots per expert (token order); None: dropless"),
     ),
-    tuning_space={
-        "BLOCK_M": (16, 32, 64, 128),
-        "BLOCK_N": (16, 32, 64, 128, 256),
-        "BLOCK_K": (16, 32, 64, 128),
-        "num_warps": (2, 4, 8),
-        "num_stages": (1, 2, 3, 4),
-        "dot_precision": ("tf32", "ieee"),
-    },
-    default_config={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3,
-                    "dot_precision": "tf32"},
+    tuning_space=GEMM_TUNING_SPACE,
+    default_config=GEMM_DEFAULT_CONFIG,
     shape_buckets=(
         ShapeBucket(name="d_le_1k", dim="D", lo=1, hi=1024),
         ShapeBucket(name="d_le_4k", dim="D", lo=1025, hi=4096, config={"BLOCK_N": 128, "num_warps": 8}),
