@@ -189,15 +189,18 @@ class Classifier:
             cos = next(r for r in recs if r.op == "cos")
             return "rope", ["cos and sin of position x inv_freq"], {
                 "rotary_dim": cos.out_shapes[0][-1] if cos.out_shapes else None}
-        attn = _attention_softmax(recs, ctx.seq)
-        seq_topk = [t for t in _topks(recs) if t[2] == ctx.seq]
+        # Attention scores multiply two activations (q.k^T) or go through fused SDPA; a router's
+        # softmax may look the same when n_experts == seq, but its logits come from a weight.
+        act_mm = any(not r.params for r in mm) or any(is_sdpa(r.op) for r in recs)
+        attn = _attention_softmax(recs, ctx.seq) if act_mm else []
+        seq_topk = [t for t in _topks(recs) if t[2] == ctx.seq] if act_mm else []
         if attn and mm:
             return self._attention(path, recs, attn, seq_topk, child_kinds)
         decay = _decay_cumsum(recs)
         tri = [op for op in TRIANGULAR if ops[op]]
         if decay is not None and mm and not attn:
             return self._linear_attention(recs, decay, tri)
-        exp_topk = [t for t in _topks(recs) if t[2] != ctx.seq]
+        exp_topk = [t for t in _topks(recs) if t[2] != ctx.seq or not act_mm]
         n_experts = max((t[2] for t in exp_topk), default=0)
         if exp_topk and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
             return self._router(recs, exp_topk, n_experts)

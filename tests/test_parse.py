@@ -49,6 +49,19 @@ def test_deepseek_v32(parse_model):
     assert "unknown" not in k
 
 
+def test_router_over_as_many_experts_as_tokens_is_not_attention(parse_model):
+    # A router's softmax/top-k over n_experts == seq looks like attention scores by shape; its
+    # logits come from a weight projection, not from q.k^T.
+    from onboarding.loading import load_model
+    from onboarding.parse import load_stage, parse_stage
+
+    info = load_stage(load_model("hf:qwen3_moe"))
+    assert info.proxy_config.num_experts == 8
+    g = parse_stage(info, seq=8)  # 8 tokens, 8 experts
+    k = kinds_of(g)
+    assert "moe.router" in k and not k & {"sparse_attention.topk", "unknown"}
+
+
 @pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:mixtral"])
 def test_plain_moe(parse_model, ref):
     g = parse_model(ref)
