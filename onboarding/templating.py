@@ -92,10 +92,10 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _num_programs(n_blocks: int, device: torch.device) -> int:
-    \"\"\"Programs for a grid-stride loop: a few per SM on a GPU, one per block otherwise.\"\"\"
+def _num_programs(n_blocks: int, device: torch.device, per_sm: int = 4) -> int:
+    \"\"\"Programs for a grid-stride loop: `per_sm` per SM on a GPU, one per block otherwise.\"\"\"
     if device.type == "cuda":
-        return max(1, min(n_blocks, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+        return max(1, min(n_blocks, per_sm * torch.cuda.get_device_properties(device).multi_processor_count))
     return max(1, n_blocks)
 """
 

@@ -74,32 +74,34 @@ def _check(ours: Callable, ref: Callable, make: Callable[[torch.dtype], tuple]
     return check
 
 
-def _config_sweep(mod, fn: Callable, sets, grads, size: int, limit: int = 16
+def _config_sweep(mod, fn: Callable, sets, grads, size: int, configs: list[dict[str, int]]
                   ) -> dict[str, Callable]:
-    """Extra ``ours@cfg`` steps over the module's tuning space (a coarse look before the
-    Optuna tuner exists); each step pins its config for the size's bucket while it runs."""
-    import itertools
-
-    space = mod.TUNING_SPACE
-    keys = sorted(space)
+    """Extra ``ours@cfg`` steps, one per config (keys from the module's TUNING_SPACE, the rest
+    from its bucket's config); each pins its config for the size's bucket while it runs."""
+    bucket = mod.shape_bucket(size)
+    base = mod.config_for(size)
     steps = {}
-    for values in itertools.islice(itertools.product(*(space[k] for k in keys)), 0, None):
-        cfg = dict(zip(keys, values))
-        if cfg.get("num_warps", 4) < 4 or cfg.get("BLOCK_N", 1) > 8:
-            continue
+    for cfg in configs:
+        full = {**base, **cfg}
         label = "ours@" + ",".join(f"{k}={v}" for k, v in cfg.items())
 
-        def step(i, cfg=cfg):
-            mod.set_config(cfg, bucket=mod.shape_bucket(size))
+        def step(i, full=full):
+            mod.set_config(full, bucket=bucket)
             try:
                 return _fwd_bwd(fn, sets, grads)(i)
             finally:
-                mod.set_config(None, bucket=mod.shape_bucket(size))
+                mod.set_config(None, bucket=bucket)
 
         steps[label] = step
-        if len(steps) >= limit:
-            break
     return steps
+
+
+# The RMSNorm goal shape's sweep: backward rows per step x warps x programs per SM, and forward
+# rows per program, around the d_le_4k defaults.
+RMSNORM_SWEEP = [
+    {"BWD_BLOCK_N": bn, "bwd_warps": w, "programs_per_sm": p}
+    for bn in (1, 2, 4) for w in (4, 8) for p in (1, 2, 4, 8)
+] + [{"BLOCK_N": bn, "num_warps": w} for bn in (1, 4) for w in (4, 8, 16)]
 
 
 def _anchors(eager: Callable, ours: Callable, sets, grads, liger: Callable | None):
@@ -134,7 +136,8 @@ def rmsnorm_cases() -> list[BenchCase]:
                 pass
             steps = _anchors(eager, lambda x, w: ours(x, w, 1e-6), sets, grads, liger)
             if (n, d) == (16384, 4096):  # the goal shape: look at the tile configs too
-                steps.update(_config_sweep(mod, lambda x, w: ours(x, w, 1e-6), sets, grads, d))
+                steps.update(_config_sweep(mod, lambda x, w: ours(x, w, 1e-6), sets, grads, d,
+                                           RMSNORM_SWEEP))
             return steps
 
         def make(dtype, n=n, d=d):

@@ -53,13 +53,32 @@ class Row:
     roofline_frac: float | None = None
     ratios: dict[str, float] = field(default_factory=dict)  # anchor time / our time
     check: dict[str, float] = field(default_factory=dict)
+    # GPU time as a CUDA graph (no launch overhead), for steps under GRAPH_MAX_MS; None when
+    # the step cannot be captured
+    graph_ms: float | None = None
+    graph_roofline_frac: float | None = None
+    graph_ratios: dict[str, float] = field(default_factory=dict)
 
 
-def time_fn(step: Step, *, warmup: int = 5, repeats: int = 50, n_sets: int = 4) -> Timing:
-    """Median and p20/p80 of per-call event times; warm-up calls excluded."""
-    for i in range(warmup):
+GRAPH_MAX_MS = 5.0  # above this, launch overhead is noise: skip the graph replay
+
+
+def time_fn(step: Step, *, warmup: int = 5, repeats: int = 50, n_sets: int = 4,
+            budget_s: float = 3.0) -> Timing:
+    """Median and p20/p80 of per-call event times; warm-up calls excluded.
+
+    Slow steps (a torch fallback at long sequences) get fewer repeats, at least 5, so that one
+    implementation takes about ``budget_s`` seconds.
+    """
+    t0 = time.perf_counter()
+    step(0)  # may compile
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    for i in range(1, warmup):
         step(i)
     torch.cuda.synchronize()
+    per_step = (time.perf_counter() - t1) / (warmup - 1) if warmup > 1 else t1 - t0
+    repeats = max(5, min(repeats, int(budget_s / max(per_step, 1e-6))))
     times = []
     for i in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -70,6 +89,26 @@ def time_fn(step: Step, *, warmup: int = 5, repeats: int = 50, n_sets: int = 4) 
         times.append(start.elapsed_time(end))
     q = statistics.quantiles(times, n=10)
     return Timing(median_ms=statistics.median(times), p20_ms=q[1], p80_ms=q[7], repeats=repeats)
+
+
+def graph_time(step: Step, *, repeats: int = 50) -> Timing:
+    """GPU time of one step replayed as a CUDA graph: kernels only, no Python or launch overhead.
+
+    The step is captured once on input set 0 (after warm-up on a side stream). Raises when the
+    step cannot be captured (host syncs, CPU-side control flow on GPU values).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(0)
+    t = time_fn(lambda i: graph.replay(), warmup=3, repeats=repeats)
+    del graph
+    return t
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
@@ -95,7 +134,10 @@ def environment() -> dict[str, Any]:
 
 
 def run_cases(cases: list[BenchCase], device: torch.device | None = None,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print,
+              partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every case; ``partial`` receives the result so far after each case (so a run that is
+    cut short still leaves its finished rows behind)."""
     device = device or torch.device("cuda")
     ceilings = measure_ceilings(device)
     log(f"ceilings: {ceilings}")
@@ -123,12 +165,20 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
                 timing, err = None, f"{type(exc).__name__}: {exc}"[:300]
             row = Row(family=case.family, case=case.name, shape=case.shape, impl=impl,
                       timing=timing, error=err, check=check if impl == "ours" else {})
+            if timing and timing.median_ms < GRAPH_MAX_MS:
+                try:
+                    row.graph_ms = graph_time(step).median_ms
+                except Exception:  # noqa: BLE001 - not capturable: the wall time stands alone
+                    torch.cuda.synchronize()
             # min_bytes/flops describe the full step; forward-only rows ("*_fwd") get none
             if timing and not impl.endswith("_fwd"):
                 sec = timing.median_ms * 1e-3
                 row.gbps = case.min_bytes / sec / 1e9
                 row.tflops = case.flops / sec / 1e12 if case.flops else None
                 row.roofline_frac = row.gbps / (ceilings["copy_tb_s"] * 1e3)
+                if row.graph_ms:
+                    row.graph_roofline_frac = (case.min_bytes / (row.graph_ms * 1e-3) / 1e12
+                                               / ceilings["copy_tb_s"])
             case_rows.append(row)
         # Ratios compare like with like: "X" with "ours", "X_fwd" with "ours_fwd".
         for suffix in ("", "_fwd"):
@@ -139,24 +189,34 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
                 if r.timing and r is not ours and not r.impl.startswith("ours") and \
                         r.impl.endswith("_fwd") == bool(suffix):
                     ours.ratios[r.impl] = r.timing.median_ms / ours.timing.median_ms
+                    if r.graph_ms and ours.graph_ms:
+                        ours.graph_ratios[r.impl] = r.graph_ms / ours.graph_ms
         rows.extend(case_rows)
         torch.cuda.empty_cache()
         log(f"{case.family}/{case.name}: {time.perf_counter() - t0:.1f}s")
+        if partial is not None:
+            partial({"environment": environment(), "ceilings": ceilings,
+                     "rows": [asdict(r) for r in rows], "complete": False})
     return {"environment": environment(), "ceilings": ceilings,
-            "rows": [asdict(r) for r in rows]}
+            "rows": [asdict(r) for r in rows], "complete": True}
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{'case':38s} {'impl':8s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s}  ratios (anchor/ours)"]
+    lines = [f"{'case':38s} {'impl':8s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} {'graph':>7s} "
+             f"{'%copy':>6s}  ratios (anchor/ours; graph)"]
     for r in result["rows"]:
         t = r["timing"]
         ms = f"{t['median_ms']:.3f}" if t else "-"
         gb = f"{r['gbps']:.0f}" if r["gbps"] else "-"
         frac = f"{100 * r['roofline_frac']:.0f}" if r["roofline_frac"] else "-"
         ratios = " ".join(f"{k}={v:.2f}x" for k, v in r["ratios"].items())
+        if r.get("graph_ratios"):
+            ratios += "; " + " ".join(f"{k}={v:.2f}x" for k, v in r["graph_ratios"].items())
+        gms = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else "-"
+        gfrac = f"{100 * r['graph_roofline_frac']:.0f}" if r.get("graph_roofline_frac") else "-"
         err = f"  ERROR {r['error'][:60]}" if r["error"] else ""
         chk = "  " + " ".join(f"{k}={v:.1e}" for k, v in r["check"].items()
                               if isinstance(v, float)) if r["check"] else ""
         lines.append(f"{r['family'] + '/' + r['case']:38s} {r['impl']:8s} {ms:>8s} {gb:>7s} "
-                     f"{frac:>6s}  {ratios}{err}{chk}")
+                     f"{frac:>6s} {gms:>7s} {gfrac:>6s}  {ratios}{err}{chk}")
     return "\n".join(lines)

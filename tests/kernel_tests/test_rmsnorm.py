@@ -63,7 +63,7 @@ def test_grid_stride_backward(load_kernel, device):
     """More row blocks than programs: the backward's grid-stride loop and partial dW sums."""
     module = load_kernel("rmsnorm", "gated", {}, CPU_CONFIG)
     old = module._num_programs
-    module._num_programs = lambda n, dev: max(1, min(n, 2))
+    module._num_programs = lambda n, dev, per_sm=4: max(1, min(n, 2))
     try:
         check_forward_backward(fixture(module, "gated", {}, (70, 40)), torch.float32, device)
     finally:
