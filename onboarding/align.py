@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -376,6 +377,66 @@ class _Replay:
     outputs: list[torch.Tensor]
     input_grads: list[torch.Tensor | None]
     param_grads: list[torch.Tensor | None]
+    discrete: list[torch.Tensor] = field(default_factory=list)  # integer outputs (selections)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``t`` as [n, -1] when its leading dims hold ``n`` rows (tokens), else None."""
+    if t.dim() >= 1 and t.shape[0] == n:
+        return t.reshape(n, -1)
+    if t.dim() >= 2 and math.prod(t.shape[:-1]) == n:
+        return t.reshape(n, -1)
+    return None
+
+
+def _selection_flips(c: _Replay, r: _Replay) -> tuple[torch.Tensor | None, str]:
+    """Rows whose integer selection (top-k indices) differs between two isolated replays.
+
+    A flip is *explained* when the reference's own scores put the two choices closer together
+    than rounding can move them: within 8x the median score error of the whole replay (robust to
+    a few wrong rows) or 2 ulp of the candidate dtype at that score. Explained rows are masked out
+    of the comparison. Returns (keep-mask or None, message);
+    an unexplained flip returns a message and no mask, and the block is judged unmasked.
+    """
+    flipped = None
+    for x, y in zip(c.discrete, r.discrete):
+        if x.shape != y.shape or x.dim() == 0:
+            continue
+        xs, ys = x.reshape(x.shape[0], -1).sort(-1).values, y.reshape(y.shape[0], -1).sort(-1).values
+        rows = (xs != ys).any(-1)
+        flipped = rows if flipped is None else flipped | rows
+        sel_c, sel_r = x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1)
+    if flipped is None or not bool(flipped.any()):
+        return None, ""
+    n = flipped.numel()
+    width = int(max(sel_c.max(), sel_r.max())) + 1
+    scores = [(a, b) for a, b in zip(c.outputs, r.outputs) if a.shape == b.shape
+              and a.dim() >= 1 and a.shape[-1] >= width and _rows(b, n) is not None]
+    msg = f"{int(flipped.sum())} of {n} rows select differently in the candidate dtype"
+    if not scores:
+        return None, msg + " (no scores to tell near ties from errors)"
+    eps = torch.finfo(scores[0][0].dtype).eps
+    sc, sr = (_rows(t, n).double() for t in scores[0])
+    typical = 8 * (sc - sr).abs().median().item()
+    for i in flipped.nonzero().flatten().tolist():
+        ref_sel, cand_sel = set(sel_r[i].tolist()), set(sel_c[i].tolist())
+        boundary = min(sr[i, j].item() for j in ref_sel)
+        intruder = max(sr[i, j].item() for j in cand_sel - ref_sel)
+        allowed = max(typical, 2 * eps * abs(boundary))
+        if boundary - intruder > allowed:
+            return None, msg + f"; row {i} is no near tie (score gap {boundary - intruder:.2e}" \
+                               f" > {allowed:.2e} that rounding can explain)"
+    return ~flipped, msg + " (near ties: masked out)"
+
+
+def _keep_rows(ts: list[torch.Tensor], keep: torch.Tensor | None) -> list[torch.Tensor]:
+    if keep is None:
+        return ts
+    out = []
+    for t in ts:
+        rows = _rows(t, keep.numel())
+        out.append(rows[keep.to(t.device)] if rows is not None else t)
+    return out
 
 
 def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype,
@@ -409,7 +470,7 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.enable_grad():
         out = module(*args, **kwargs)
-        floats, _ = _split(_tensors(out))
+        floats, discrete = _split(_tensors(out))
         pairs = [(o, g.to(o.dtype)) for o, g, need in
                  zip(floats, ref.out_grads, ref.out_needs_grad) if need and g is not None
                  and o.requires_grad and o.shape == g.shape]
@@ -417,7 +478,7 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
         if pairs and (leaves or params):
             grads = list(torch.autograd.grad([o for o, _ in pairs], leaves + params,
                                              [g for _, g in pairs], allow_unused=True))
-    return _Replay(outputs=[o.detach() for o in floats],
+    return _Replay(outputs=[o.detach() for o in floats], discrete=[d.detach() for d in discrete],
                    input_grads=[g.detach() if g is not None else None for g in grads[:len(leaves)]],
                    param_grads=[g.detach() if g is not None else None
                                 for g in grads[len(leaves):]])
@@ -608,22 +669,33 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
             fwd.message = bwd.message = f"isolated replay failed ({type(exc).__name__}: {exc})"[:200]
             local_c = []
     if local_c:
-        lo_c = [t for r in local_c for t in r.outputs]
-        lo_r = [t for r in local_r for t in r.outputs]
+        flips = [_selection_flips(c, r) for c, r in zip(local_c, local_r)]
+        flip_msg = "; ".join(m for _, m in flips if m)
+        lo_c = [t for r, (keep, _) in zip(local_c, flips) for t in _keep_rows(r.outputs, keep)]
+        lo_r = [t for r, (keep, _) in zip(local_r, flips) for t in _keep_rows(r.outputs, keep)]
         shapes_match(lo_c, lo_r, "replayed outputs")
         fwd.local = stats(lo_c, lo_r)
         fwd.local_ok, local_msg = ok(lo_c, lo_r, tol, f"{b.path} isolated output")
         if has_bwd:
-            gi_c, gi_r = _pair_grads([g for r in local_c for g in r.input_grads],
-                                     [g for r in local_r for g in r.input_grads])
+            gi_c, gi_r = [], []
+            for c, r, (keep, _) in zip(local_c, local_r, flips):
+                x, y = _pair_grads(c.input_grads, r.input_grads)
+                gi_c += _keep_rows(x, keep)
+                gi_r += _keep_rows(y, keep)
             gp_c, gp_r = _pair_grads([g for r in local_c for g in r.param_grads],
                                      [g for r in local_r for g in r.param_grads])
             bwd.local = stats(gi_c, gi_r)
             bwd.local_params = stats(gp_c, gp_r) if gp_r else None
             li_ok, li_msg = ok(gi_c, gi_r, tol, f"{b.path} isolated input grad")
             lp_ok, lp_msg = ok(gp_c, gp_r, tol, f"{b.path} isolated param grads")
+            if not lp_ok and any(keep is not None for keep, _ in flips):
+                # parameter gradients sum over every row, the masked near ties included
+                lp_ok, lp_msg = True, f"param grads not judged ({flip_msg}); {lp_msg}"
             bwd.local_ok = li_ok and lp_ok
             local_bwd_msg = li_msg if not li_ok else lp_msg
+        if flip_msg:
+            local_msg = f"{flip_msg}; {local_msg}"
+            local_bwd_msg = f"{flip_msg}; {local_bwd_msg}"
 
     def faithful(source: str) -> bool:
         """Does replaying the candidate on its own inputs reproduce its own run?"""

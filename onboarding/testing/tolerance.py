@@ -23,9 +23,12 @@ class Tolerance:
     atol: float
     rtol: float
     max_rel_rms: float
+    # Fraction of elements allowed outside atol + rtol*|b| (the RMS bound still holds for all).
+    max_outlier_frac: float = 0.0
 
     def __str__(self) -> str:
-        return f"rel_rms<={self.max_rel_rms:.1e}, atol={self.atol:.1e}, rtol={self.rtol:.1e}"
+        out = f"rel_rms<={self.max_rel_rms:.1e}, atol={self.atol:.1e}, rtol={self.rtol:.1e}"
+        return out + (f", outliers<={self.max_outlier_frac:.0e}" if self.max_outlier_frac else "")
 
 
 # Kernels compute in fp32 from inputs of the given dtype; references compute in fp32 from the
@@ -52,10 +55,18 @@ _TOLERANCES: dict[tuple[torch.dtype, str], Tolerance] = {
     #   (router input gradient) and 0.22 RMS. max_rel_rms 3e-2 keeps 4x over one block's own
     #   error; atol 0.25 RMS keeps ~2x over the measured tails. A wrong kernel (eps x1000)
     #   lands at rel_rms 0.3.
+    # - bf16 vs fp32 on the H200, `--proxy small` qwen3_next (hidden 1024, seq 256): isolated
+    #   blocks stay at rel_rms <= 9e-3, but the elementwise bound has heavy tails at this width:
+    #   39-50 of 8.4M gated-delta parameter-gradient elements (<= 6e-6) and 1 of 264k expert
+    #   input-gradient elements (4e-6) exceed 0.25 RMS (docs/LOG.md). max_outlier_frac 1e-4
+    #   admits such tails with >= 16x margin; a wrong kernel still fails the RMS bound, and one
+    #   wrong row of a [256, 1024] tensor is 4e-3 of its elements.
     # - fp16: scaled from bf16 by 2^-3 (three more mantissa bits); not yet measured.
     (torch.float32, "layer"): Tolerance(atol=1e-4, rtol=1e-3, max_rel_rms=1e-4),
-    (torch.float16, "layer"): Tolerance(atol=3e-2, rtol=2e-2, max_rel_rms=1e-2),
-    (torch.bfloat16, "layer"): Tolerance(atol=2.5e-1, rtol=5e-2, max_rel_rms=3e-2),
+    (torch.float16, "layer"): Tolerance(atol=3e-2, rtol=2e-2, max_rel_rms=1e-2,
+                                        max_outlier_frac=1e-4),
+    (torch.bfloat16, "layer"): Tolerance(atol=2.5e-1, rtol=5e-2, max_rel_rms=3e-2,
+                                         max_outlier_frac=1e-4),
 }
 KINDS = ("elementwise", "reduction", "layer")
 
@@ -166,16 +177,18 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, name: 
     # Absolute floor: when the expected tensor is ~0 (e.g. a gradient that cancels analytically),
     # the relative RMS is meaningless; an RMS difference within atol passes, as in allclose.
     rms_ok = rel_rms <= tol.max_rel_rms or norm_d <= tol.atol * math.sqrt(b.numel())
-    passed = rms_ok and n_out == 0
+    passed = rms_ok and n_out <= tol.max_outlier_frac * b.numel()
     i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), shape)) if shape else ()
     detail = f"rel_rms={rel_rms:.2e} max_abs={max_abs:.2e} at {i} ({a[i].item():.6g} vs {b[i].item():.6g})"
+    if n_out:
+        detail += f"; {n_out} elements outside atol + rtol*|b|"
     if passed:
         message = f"{name}: ok {detail}"
     else:
         why = []
         if not rms_ok:
             why.append(f"rel_rms {rel_rms:.2e} > {tol.max_rel_rms:.1e}")
-        if n_out:
+        if n_out > tol.max_outlier_frac * b.numel():
             why.append(f"{n_out} of {b.numel()} elements outside atol={tol.atol:.1e} + rtol={tol.rtol:.1e}*|b|")
         message = f"{name}: FAIL {'; '.join(why)}; {detail}; shape {shape}"
     return Comparison(name=name, passed=passed, rel_rms=rel_rms, max_abs=max_abs, tolerance=tol,
