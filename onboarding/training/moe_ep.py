@@ -1,0 +1,419 @@
+"""Expert parallelism for packed ``moe.experts`` blocks: dispatch, grouped compute, combine.
+
+Each ``moe.experts`` block of the op graph (packed 3-D weights, ``forward(hidden, top_k_index,
+top_k_weights)`` as in transformers 5) is replaced by an `EPExperts` module. With EP degree
+``ep`` the rank at EP coordinate ``c`` keeps experts ``[c*E/ep, (c+1)*E/ep)`` (frozen, sliced
+from the full deterministic init). One forward:
+
+  1. local (token, k) pairs sorted (stably) by expert; per-(rank, expert) counts exchanged;
+  2. hidden rows sent with the autograd-aware ``all_to_all_single`` (uneven and zero splits);
+  3. received rows regrouped by local expert, computed grouped (SwiGLU, optional expert LoRA
+     with per-expert A/B and no delta-W), optional capacity drop at the owner;
+  4. results sent back and combined with the routing weights on the origin rank, so the router
+     gets its gradient there.
+
+Legend: N tokens, K top-k, E experts (E_l local), D hidden, F expert width, r LoRA rank,
+P pairs (N*K), R received rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.nn import functional as F
+
+from onboarding.errors import InputError
+from onboarding.opgraph import OpGraph
+from onboarding.patching import _experts_bindings
+
+
+@dataclass(kw_only=True)
+class EPGroup:
+    """The expert-parallel process group of this rank (``group=None``: one process, no comms)."""
+
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass(kw_only=True)
+class ExpertLoRA:
+    rank: int
+    alpha: float
+
+
+def _packed_names(module: nn.Module) -> tuple[str, str]:
+    """(gate_up, down) parameter names, found by the patching binding's shape rule."""
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    bindings = _experts_bindings(module, lambda x, i, w, gu, dn: found.append((gu, dn)))
+    if not bindings:
+        raise InputError(f"{type(module).__name__}: expected packed expert weights "
+                         "[E, 2F, D] and [E, D, F]; expert parallelism cannot split this block")
+    # The binding hands the weights it found to its kernel function: a probe call reveals them.
+    next(iter(bindings.values()))(torch.zeros(1, 2), torch.zeros(1, 1, dtype=torch.long),
+                                  torch.ones(1, 1))
+    names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+    gate_up, down = found[0]
+    return names[id(gate_up)], names[id(down)]
+
+
+def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Grouped ``x_e @ w_t[e]`` over row groups of sizes ``counts``: [R, I] x [E_l, I, O] -> [R, O].
+
+    CUDA: ``torch._grouped_mm`` (one launch); elsewhere, or where it refuses the dtype or the
+    alignment, one matmul per non-empty expert.
+    """
+    if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == w_t.dtype == torch.bfloat16:
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        try:
+            return torch._grouped_mm(x, w_t, offs=offs)
+        except RuntimeError:
+            pass
+    outs = [xe @ w_t[e] for e, xe in enumerate(torch.split(x, counts)) if counts[e]]
+    return torch.cat(outs) if outs else x.new_zeros(0, w_t.shape[-1])
+
+
+class EPExperts(nn.Module):
+    """Expert-parallel replacement of a packed experts module (same parameter names).
+
+    Parameters: the two frozen base weights (local experts only) under their original names, and
+    with expert LoRA ``lora_A_gate_up [E_l, r, D]``, ``lora_B_gate_up [E_l, 2F, r]``,
+    ``lora_A_down [E_l, r, F]``, ``lora_B_down [E_l, D, r]`` in fp32 (B starts at zero).
+    """
+
+    def __init__(self, source: nn.Module, *, path: str, layer: int, ep: EPGroup,
+                 act: Callable[[torch.Tensor], torch.Tensor],
+                 lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
+                 dispatch_groups: int = 1, seed: int = 0, kernel: Callable | None = None):
+        super().__init__()
+        self.path, self.layer, self.ep, self.act = path, layer, ep, act
+        self.capacity_factor, self.dispatch_groups, self.kernel = (
+            capacity_factor, dispatch_groups, kernel)
+        self.gate_up_name, self.down_name = _packed_names(source)
+        gate_up, down = getattr(source, self.gate_up_name), getattr(source, self.down_name)
+        self.n_experts = gate_up.shape[0]
+        if self.n_experts % ep.size:
+            raise InputError(f"{path}: ep={ep.size} does not divide {self.n_experts} experts")
+        extra = [n for n, _ in source.named_parameters(recurse=False)
+                 if n not in (self.gate_up_name, self.down_name)]
+        if extra:
+            raise InputError(f"{path}: expert parameters {extra} (e.g. biases) are not "
+                             "supported by expert parallelism")
+        self.n_local = self.n_experts // ep.size
+        lo = ep.rank * self.n_local
+        sl = slice(lo, lo + self.n_local)
+        for name, p in source.named_parameters(recurse=False):  # keep the source's order
+            self.register_parameter(name, nn.Parameter(p.detach()[sl].clone(),
+                                                       requires_grad=False))
+        self.lora = lora
+        if lora is not None:
+            self._init_lora(lora, gate_up.shape, down.shape, seed, sl)
+        self._k = 1
+        self.last_counts: torch.Tensor | None = None  # [E] pairs routed per expert, this rank
+        self.last_dropped = 0
+        self._full_lora: dict[str, torch.Tensor] | None = None
+
+    # ---- parameters ------------------------------------------------------------------------
+    def _init_lora(self, lora: ExpertLoRA, gu_shape, dn_shape, seed: int, sl: slice) -> None:
+        e, two_f, d = gu_shape
+        f = dn_shape[2]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (self.layer + 1))
+        dev = getattr(self, self.gate_up_name).device
+
+        def a(in_f: int) -> nn.Parameter:  # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in))
+            full = (torch.rand(e, lora.rank, in_f, generator=gen) * 2 - 1) / math.sqrt(in_f)
+            return nn.Parameter(full[sl].clone().to(dev))
+
+        self.lora_A_gate_up = a(d)
+        self.lora_B_gate_up = nn.Parameter(torch.zeros(self.n_local, two_f, lora.rank, device=dev))
+        self.lora_A_down = a(f)
+        self.lora_B_down = nn.Parameter(torch.zeros(self.n_local, d, lora.rank, device=dev))
+        self.scaling = lora.alpha / lora.rank
+
+    def lora_parameters(self) -> list[nn.Parameter]:
+        if self.lora is None:
+            return []
+        return [self.lora_A_gate_up, self.lora_B_gate_up, self.lora_A_down, self.lora_B_down]
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _split_args(self, args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        idx = [t for t in tensors if not t.is_floating_point()]
+        flt = [t for t in tensors if t.is_floating_point()]
+        width = getattr(self, self.gate_up_name).shape[2]
+        hidden = [t for t in flt if t.shape[-1] == width and t.ndim == 2]
+        weights = [t for t in flt if t is not (hidden[0] if hidden else None)]
+        if len(idx) != 1 or len(hidden) < 1 or len(weights) != 1:
+            raise ValueError(f"{self.path}: expected (hidden [N, {width}], top_k_index [N, K], "
+                             f"top_k_weights [N, K]), got {[tuple(t.shape) for t in tensors]}")
+        return hidden[0], idx[0], weights[0]
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        x, idx, w = self._split_args(args, kwargs)
+        n, k = idx.shape
+        self._k = k
+        flat_e = idx.reshape(-1)
+        counts = torch.bincount(flat_e, minlength=self.n_experts)
+        self.last_counts = counts.detach()
+        order = torch.argsort(flat_e, stable=True)  # pairs grouped by expert, token order inside
+        if self.ep.group is None and self.dispatch_groups > 1:
+            y_pairs = self._grouped_single(x, idx)
+        else:
+            y_sorted = self._dispatch(x[order // k], counts, n)
+            y_pairs = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+        y = (y_pairs.view(n, k, -1) * w.unsqueeze(-1).to(y_pairs.dtype)).sum(1)
+        return y.to(x.dtype)
+
+    def _grouped_single(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """One process standing in for ``dispatch_groups`` EP groups (capacity per group)."""
+        n, k = idx.shape
+        if n % self.dispatch_groups:
+            raise ValueError(f"{self.path}: {n} tokens do not split into "
+                             f"{self.dispatch_groups} dispatch groups")
+        outs = []
+        for xs, ids in zip(x.chunk(self.dispatch_groups), idx.chunk(self.dispatch_groups)):
+            fe = ids.reshape(-1)
+            o = torch.argsort(fe, stable=True)
+            ys = self._dispatch(xs[o // k], torch.bincount(fe, minlength=self.n_experts),
+                                xs.shape[0])
+            outs.append(torch.empty_like(ys).index_copy(0, o, ys))
+        return torch.cat(outs)
+
+    def _dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor, n_tokens: int
+                  ) -> torch.Tensor:
+        """Rows sorted by expert [P, D] -> expert outputs in the same order [P, D]."""
+        ep, el = self.ep, self.n_local
+        if ep.group is None:
+            recv = torch.cat([counts, counts.new_tensor([n_tokens])]).view(1, el + 1)
+            y = self._local(x_sorted, recv)
+            return y
+        # Per destination rank: counts of its local experts, plus our token count (capacity).
+        send = torch.cat([counts.view(ep.size, el),
+                          counts.new_full((ep.size, 1), n_tokens)], dim=1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=ep.group)
+        in_splits = counts.view(ep.size, el).sum(1).tolist()
+        out_splits = recv[:, :el].sum(1).tolist()
+        x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, ep.group)
+        y_recv = self._local(x_recv, recv)
+        return all_to_all_single_autograd(y_recv, in_splits, out_splits, ep.group)
+
+    def _local(self, x_recv: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+        """Rows received from each source (source-major, expert-sorted inside) -> outputs.
+
+        ``recv [S, E_l + 1]``: rows per (source, local expert) and each source's token count.
+        """
+        el = self.n_local
+        per = recv[:, :el]
+        local_e = torch.repeat_interleave(
+            torch.arange(el, device=x_recv.device).repeat(per.shape[0]), per.reshape(-1))
+        regroup = torch.argsort(local_e, stable=True)  # expert-major, then source, then order
+        counts = per.sum(0)
+        xg = x_recv[regroup]
+        keep = None
+        if self.capacity_factor is not None:
+            # capacity per expert over the dispatch group: ceil(cf * tokens * K / E)
+            cap = math.ceil(self.capacity_factor * int(recv[:, el].sum()) * self._k
+                            / self.n_experts)
+            start = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(xg.shape[0], device=xg.device) - start.repeat_interleave(counts)
+            keep = pos < cap
+            self.last_dropped = int((~keep).sum())
+            kept_counts = torch.clamp(counts, max=cap)
+            yk = self._compute(xg[keep], kept_counts.tolist())
+            yg = yk.new_zeros(xg.shape[0], yk.shape[-1]).index_copy(
+                0, keep.nonzero().squeeze(1), yk)
+        else:
+            self.last_dropped = 0
+            yg = self._compute(xg, counts.tolist())
+        return torch.empty_like(yg).index_copy(0, regroup, yg)
+
+    def _compute(self, xg: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """SwiGLU experts over rows grouped by local expert, with expert LoRA inside."""
+        gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
+        if self.kernel is not None and self.lora is None:
+            e = torch.repeat_interleave(torch.arange(len(counts), device=xg.device),
+                                        torch.tensor(counts, device=xg.device))
+            return self.kernel(xg, e.unsqueeze(1), xg.new_ones(xg.shape[0], 1), gu, dn)
+        h = _gmm(xg, gu.transpose(1, 2), counts)
+        if self.lora is not None:
+            xa = _gmm(xg.float(), self.lora_A_gate_up.transpose(1, 2), counts)
+            h = h.float() + self.scaling * _gmm(xa, self.lora_B_gate_up.transpose(1, 2), counts)
+        g, u = h.chunk(2, dim=-1)
+        a = self.act(g) * u
+        y = _gmm(a.to(dn.dtype), dn.transpose(1, 2), counts)
+        if self.lora is not None:
+            aa = _gmm(a.float(), self.lora_A_down.transpose(1, 2), counts)
+            y = y.float() + self.scaling * _gmm(aa, self.lora_B_down.transpose(1, 2), counts)
+        return y.to(xg.dtype)
+
+    # ---- export ----------------------------------------------------------------------------
+    def gather_lora(self) -> None:
+        """Collective over the EP group: keep the full [E, ...] expert LoRA for `peft_tensors`."""
+        if self.lora is None:
+            return
+        full = {}
+        for name, p in zip(("A_gate_up", "B_gate_up", "A_down", "B_down"),
+                           self.lora_parameters()):
+            t = p.detach()
+            if self.ep.group is not None and self.ep.size > 1:
+                parts = [torch.empty_like(t) for _ in range(self.ep.size)]
+                dist.all_gather(parts, t.contiguous(), group=self.ep.group)
+                t = torch.cat(parts)
+            full[name] = t.float().cpu()
+        self._full_lora = full
+
+    def peft_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """PEFT ``ParamWrapper`` tensors of the full expert LoRA (see `peft_export`).
+
+        With ep > 1, call `gather_lora` on every rank first (it is a collective).
+        """
+        from onboarding.training.peft_export import expert_lora_tensors
+
+        if self.lora is None:
+            return {}
+        if self._full_lora is None:
+            if self.ep.size > 1:
+                raise RuntimeError(f"{self.path}: call gather_lora() on every rank first")
+            self.gather_lora()
+        t = self._full_lora
+        assert t is not None
+        # registration order of the base weights: PEFT nests its wrappers in that order
+        order = [n for n, _ in self.named_parameters(recurse=False)
+                 if n in (self.gate_up_name, self.down_name)]
+        pairs = {self.gate_up_name: (t["A_gate_up"], t["B_gate_up"]),
+                 self.down_name: (t["A_down"], t["B_down"])}
+        return expert_lora_tensors(prefix, [(n, *pairs[n]) for n in order])
+
+    def peft_target(self) -> dict:
+        """``target_parameters`` (names relative to this module) for adapter_config.json."""
+        return {"target_parameters": [self.gate_up_name, self.down_name] if self.lora else []}
+
+
+def _activation(block_attrs: dict, module: nn.Module, path: str) -> Callable:
+    if block_attrs.get("clamp") is not None:
+        raise InputError(f"{path}: clamped SwiGLU experts are not supported by expert "
+                         "parallelism yet")
+    act = getattr(module, "act_fn", None)
+    if callable(act):
+        return act
+    if block_attrs.get("activation", "silu") == "silu":
+        return F.silu
+    raise InputError(f"{path}: expert activation {block_attrs.get('activation')!r} unsupported")
+
+
+def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
+                          lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
+                          dispatch_groups: int = 1, seed: int = 0,
+                          kernel: Callable | None = None) -> list[EPExperts]:
+    """Replace every packed ``moe.experts`` block of ``graph`` in ``model``; returns the modules."""
+    modules = dict(model.named_modules())
+    out = []
+    for block in graph.by_kind("moe.experts"):
+        if block.attrs.get("layout") != "packed_3d":
+            raise InputError(f"{block.path}: expert layout {block.attrs.get('layout')!r}; "
+                             "expert parallelism needs packed 3-D expert weights")
+        src = modules.get(block.path)
+        if src is None:
+            raise InputError(f"{block.path}: in the op graph but not in the model")
+        parent_path, _, attr = block.path.rpartition(".")
+        new = EPExperts(src, path=block.path, layer=block.layer or 0, ep=ep,
+                        act=_activation(block.attrs, src, block.path), lora=lora,
+                        capacity_factor=capacity_factor, dispatch_groups=dispatch_groups,
+                        seed=seed, kernel=kernel)
+        setattr(modules[parent_path] if parent_path else model, attr, new)
+        out.append(new)
+    return out
+
+
+class RouterTaps:
+    """Forward hooks on the graph's ``moe.router`` blocks keeping each router's logits [N, E].
+
+    A hook re-run by activation checkpointing overwrites its entry with identical values.
+    """
+
+    def __init__(self, model: nn.Module, graph: OpGraph):
+        self.logits: dict[str, torch.Tensor] = {}
+        self._handles = []
+        modules = dict(model.named_modules())
+        for b in graph.by_kind("moe.router"):
+            e = b.attrs.get("n_experts")
+            if b.path in modules and e:
+                self._handles.append(modules[b.path].register_forward_hook(
+                    self._hook(b.path, int(e))))
+
+    def _hook(self, path: str, e: int):
+        def hook(module, args, out):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            hit = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point()
+                   and t.shape[-1] == e]
+            if hit:
+                self.logits[path] = hit[0].reshape(-1, e)
+        return hook
+
+
+def aux_loss(taps: RouterTaps, ep_modules: list[EPExperts], group: dist.ProcessGroup | None
+             ) -> torch.Tensor | None:
+    """The load-balancing loss of transformers' MoE models (Switch style, over all layers):
+    ``E * sum_e f_e * P_e`` with ``f_e`` the share of (token, k) pairs routed to expert e and
+    ``P_e`` the mean router probability, both over every layer's tokens.
+
+    ``f`` is all-reduced over ``group`` (it carries no gradient); ``P`` stays the local mean, so
+    the mean of the ranks' losses equals the single-process loss over the global batch, and so
+    do its gradients. None when nothing was tapped.
+    """
+    if not taps.logits or not ep_modules:
+        return None
+    logits = torch.cat(list(taps.logits.values()))
+    e = logits.shape[-1]
+    probs = torch.softmax(logits.float(), dim=-1)
+    counts = torch.stack([m.last_counts for m in ep_modules]).sum(0).float()
+    n = torch.tensor([float(logits.shape[0])], device=counts.device)
+    if group is not None:
+        stats = torch.cat([counts, n])
+        dist.all_reduce(stats, group=group)
+        counts, n = stats[:-1], stats[-1:]
+    f = counts / n  # pairs per token-row, summed over k as transformers' sum over the k axis
+    return e * (f * probs.mean(0)).sum()
+
+
+def global_counts(ep_modules: list[EPExperts], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """[layers, E] (token, k) pairs routed to each expert in the last step, over all ranks."""
+    counts = torch.stack([m.last_counts for m in ep_modules]).clone()
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    return counts
+
+
+@torch.no_grad()
+def update_score_bias(model: nn.Module, graph: OpGraph, counts: torch.Tensor,
+                      rate: float = 1e-3) -> int:
+    """Aux-loss-free balancing: ``bias_e += rate * sign(mean load - load_e)`` per router.
+
+    Applies to routers whose block says ``score_bias`` and that hold one 1-D tensor of size E
+    (the score-correction bias). ``counts`` [layers, E] in the order of the ``moe.experts``
+    blocks; routers pair with experts by their parent module. Returns the routers updated.
+    """
+    modules = dict(model.named_modules())
+    by_parent = {b.path.rpartition(".")[0]: i for i, b in enumerate(graph.by_kind("moe.experts"))}
+    done = 0
+    for b in graph.by_kind("moe.router"):
+        i = by_parent.get(b.path.rpartition(".")[0])
+        mod = modules.get(b.path)
+        if not b.attrs.get("score_bias") or i is None or mod is None:
+            continue
+        e = counts.shape[1]
+        cands = [t for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False))
+                 if t.ndim == 1 and t.shape[0] == e]
+        if len(cands) != 1:
+            continue
+        load = counts[i].to(cands[0].device, torch.float32)
+        cands[0].add_(rate * torch.sign(load.mean() - load).to(cands[0].dtype))
+        done += 1
+    return done

@@ -1,0 +1,153 @@
+"""`onboard train`: dry run, bad configurations (exit 2, nothing left behind), --config re-runs,
+the loss comparison and report section, and one real 2-process launch on the CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from onboarding.cli import main
+from onboarding.errors import InputError
+from onboarding.training.compare import BF16_REL_TOL, FP32_REL_TOL, compare
+from onboarding.training.config import TrainConfig
+from onboarding.training.launch import plan, write_config
+
+WORKER = Path(__file__).resolve().parent.parent / "onboarding" / "training" / "worker.py"
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    f = tmp_path / "data.jsonl"
+    rows = [{"prompt": f"Return the sum of item {i} and its square.",
+             "response": f"def f{i}(x):\n    return x + x * x + {i}\n"} for i in range(200)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def test_dry_run_prints_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, small_data):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    rc = main(["train", "hf:qwen3_moe", "--nproc", "4", "--ep", "2",  # fsdp 2 inferred
+               "--steps", "5", "--out", str(out), "--data", str(small_data), "--dry-run"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "--nproc-per-node 4 -m onboarding.training.worker" in text
+    assert "--role reference" in text and "--role parallel" in text
+    assert "fsdp 2 x ep 2" in text and "5 steps" in text
+    assert not out.exists() and not (tmp_path / "runs").exists()
+    assert not any(p.suffix == ".toml" for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["hf:qwen3_moe", "--nproc", "3", "--ep", "3"], "ep=3: does not divide the model's 8"),
+    (["hf:qwen3_moe", "--nproc", "2", "--ep", "1", "--fsdp", "1"],
+     "nproc=2: world size must equal fsdp * ep"),
+    (["hf:qwen3_moe", "--nproc", "3", "--ep", "2"], "nproc=3: world size must equal"),
+    (["hf:qwen3", "--nproc", "2", "--ep", "2"], "ep=2: the model has no routed experts"),
+    (["hf:qwen3", "--expert-lora"], "expert_lora=true: the model has no routed experts"),
+    (["hf:qwen3_moe", "--lora-dropout", "1.5"], "lora_dropout=1.5"),
+    (["hf:qwen3_moe", "--data", "no/such/file.jsonl"], "--data no/such/file.jsonl: no such"),
+    (["hf:qwen3_moe", "--seq", "0"], "seq_len=0: must be positive"),
+    (["hf:qwen3_moe", "--seq", "10000000"], "longer than the model's max_position_embeddings"),
+    (["hf:no_such_arch"], "unknown model_type 'no_such_arch'"),
+    ([], "give a MODEL or --config"),
+], ids=lambda v: v if isinstance(v, str) else " ".join(v)[:40])
+def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, capsys, argv,
+                                                     fragment):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    rc = main(["train", *argv, "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert fragment in err and err.startswith("error:")
+    assert len(err.splitlines()) <= 2  # one clear message (rich may wrap it once)
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_config_rerun_uses_the_edited_file(tmp_path, capsys):
+    out = tmp_path / "run"
+    toml = TrainConfig(model="hf:qwen3_moe", out=str(out), nproc=2, ep=2,
+                       steps=11).to_toml(out / "train.toml")
+    text = toml.read_text().replace("steps = 11", "steps = 13")
+    toml.write_text(text)
+    assert main(["train", "--config", str(toml), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "13 steps" in printed and str(toml) in printed
+    assert toml.read_text() == text  # the user's file is never rewritten
+    assert main(["train", "--config", str(toml), "--steps", "3"]) == 2
+    assert "--config re-runs" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_train_toml_never_overwritten(tmp_path):
+    cfg = TrainConfig(model="hf:qwen3_moe", out=str(tmp_path), steps=4)
+    write_config(cfg)
+    write_config(cfg)  # same content: fine
+    cfg.steps = 5
+    with pytest.raises(InputError, match="exists and differs"):
+        write_config(cfg)
+    assert TrainConfig.from_toml(tmp_path / "train.toml").steps == 4
+
+
+def test_plan_commands():
+    one = plan(TrainConfig(model="m", out="/r"))
+    assert len(one) == 1 and one[0][-2:] == ["--role", "reference"]
+    two = plan(TrainConfig(model="m", out="/r", nproc=2, ep=2))
+    assert two[1][1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "2", "-m"]
+    assert two[1][-4:] == ["--config", "/r/train.toml", "--role", "parallel"]
+
+
+def _rows(path: Path, losses: list[float], **extra) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": i + 1, "loss": v, "tokens_per_s": 100.0 * (i + 1),
+                                        "peak_mem_bytes": 2 ** 30, **extra}) + "\n"
+                            for i, v in enumerate(losses)))
+
+
+def test_compare_verdicts_plots_and_report(tmp_path):
+    from onboarding.report import build_report
+
+    train = tmp_path / "train"
+    ref = [7.5, 7.25, 7.0, 6.5]
+    _rows(train / "reference.jsonl", ref)
+    _rows(train / "parallel.jsonl", [v * (1 + 3e-6) for v in ref],
+          expert_load=[{"layer": "l0", "tokens": [3, 1], "max_over_mean": 1.5}])
+    res = compare(tmp_path)
+    assert res["passed"] and res["max_rel_diff"] == pytest.approx(3e-6, rel=1e-3)
+    assert res["metrics"]["parallel"]["expert_max_imbalance"] == 1.5
+    assert res["metrics"]["parallel"]["tokens_per_s"] == 300.0  # median without step 1
+    assert (train / "loss.png").stat().st_size > 0 and (train / "metrics.png").exists()
+    assert json.loads((train / "compare.json").read_text())["passed"]
+    # 1e-4 apart: fails in fp32, passes the bf16 band
+    _rows(train / "parallel.jsonl", [v * (1 + 1e-4) for v in ref])
+    assert not compare(tmp_path, plot=False)["passed"]
+    assert compare(tmp_path, dtype="bf16", plot=False)["passed"]
+    assert FP32_REL_TOL < 1e-4 < BF16_REL_TOL
+    # a missing step fails, and says so
+    _rows(train / "parallel.jsonl", ref[:3])
+    res = compare(tmp_path)
+    assert not res["passed"] and "step 4 missing in the parallel run" in res["summary"]
+    TrainConfig(model="hf:qwen3_moe", out=str(tmp_path), nproc=2, ep=2).to_toml(
+        tmp_path / "train.toml")
+    report = build_report(tmp_path, title="t").read_text()
+    assert "## Training" in report and "FAIL" in report and "train/loss.png" in report
+    assert "fsdp 1 x ep 2" in report
+
+
+@pytest.mark.slow  # two launches of fresh processes: ~40-70 s on 2 busy cores
+@pytest.mark.skipif(not WORKER.exists(), reason="the distributed worker is not built yet")
+def test_end_to_end_two_ranks_match_reference(tmp_path, small_data, capsys):
+    out = tmp_path / "run"
+    rc = main(["train", "hf:qwen3_moe", "--nproc", "2", "--ep", "2", "--steps", "3",
+               "--seq", "32", "--micro-batch", "1", "--data", str(small_data),
+               "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
+    res = json.loads((out / "train" / "compare.json").read_text())
+    assert res["passed"] and len(res["steps"]) == 3 and res["max_rel_diff"] <= FP32_REL_TOL
+    assert (out / "train" / "adapter" / "adapter_model.safetensors").exists()
+    assert TrainConfig.from_toml(out / "train.toml").data == str(small_data.resolve())
+    assert "## Training" in (out / "report.md").read_text()

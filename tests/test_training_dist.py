@@ -1,0 +1,155 @@
+"""Distributed LoRA training on the CPU with gloo: expert parallelism, FSDP2 x EP, DCP resume.
+
+Each parallel run is launched with torchrun as a subprocess and compared step by step with the
+single-process reference of the same config (fp32: within 1e-5 relative). Tiny proxies of
+hf:qwen3_moe and hf:qwen3_next keep each run at a few seconds per step on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from onboarding.training.config import TrainConfig
+from onboarding.training.metrics import expert_load, overlap_stats
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+REL_TOL = 1e-5  # the issue's bound for fp32 on the CPU
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.update(extra)
+    return env
+
+
+def _torchrun(nproc: int, *args: str, env: dict | None = None, cwd: Path | None = None,
+              timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env or _env(), cwd=cwd,
+                          timeout=timeout)
+
+
+def _reference(cfg_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onboarding.training.worker", "--config",
+                           str(cfg_path), "--role", "reference"], capture_output=True,
+                          text=True, env=_env(), timeout=300)
+
+
+def _parallel(cfg_path: Path, nproc: int, **env: str) -> subprocess.CompletedProcess:
+    return _torchrun(nproc, "-m", "onboarding.training.worker", "--config", str(cfg_path),
+                     "--role", "parallel", env=_env(**env))
+
+
+def _ok(p: subprocess.CompletedProcess) -> None:
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+
+
+def _rows(out: Path, role: str) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "train" / f"{role}.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return rows
+
+
+def _losses(out: Path, role: str) -> list[float]:
+    return [r["loss"] for r in _rows(out, role)]
+
+
+def _config(tmp: Path, **kw) -> Path:
+    base = dict(proxy="tiny", out=str(tmp), steps=5, seq_len=32, micro_batch=2, lr=1e-2,
+                lora_rank=4, lora_alpha=8.0)
+    base.update(kw)
+    return TrainConfig(**base).to_toml(tmp / "train.toml")
+
+
+def _assert_curves_match(out: Path) -> None:
+    """Loss and pre-clip gradient norm per step. AdamW hides a constant gradient scale (it
+    divides by the gradient's own RMS), so the norm is what catches a wrong divide factor."""
+    ref, par = _rows(out, "reference"), _rows(out, "parallel")
+    assert len(ref) == len(par) and ref
+    for key in ("loss", "grad_norm"):
+        a, b = [r[key] for r in par], [r[key] for r in ref]
+        rel = [abs(x - y) / abs(y) for x, y in zip(a, b)]
+        assert max(rel) <= REL_TOL, f"{key}: parallel {a} vs reference {b}: rel {rel}"
+    assert ref[-1]["loss"] < ref[0]["loss"]  # it trains: the adapters move the loss
+
+
+# ---- the expert-parallel module alone --------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [[], ["--lora", "--capacity", "0.8"]],
+                         ids=["dropless-vs-transformers", "expert-lora-capacity"])
+def test_ep_experts_match_one_process_with_zero_splits(flags):
+    """EP=2: outputs, input/routing-weight grads and expert-LoRA grads equal one process holding
+    every expert (and the transformers module); one expert and one rank pair get no rows."""
+    p = _torchrun(2, str(FIXTURES / "ep_check.py"), *flags, timeout=120)
+    _ok(p)
+    assert "EP_CHECK_OK" in p.stdout
+
+
+# ---- whole training runs --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_world2_ep2_matches_reference(tmp_path):
+    cfg = _config(tmp_path, model="hf:qwen3_moe", nproc=2, ep=2, fsdp=1)
+    _ok(_reference(cfg))
+    _ok(_parallel(cfg, 2))
+    _assert_curves_match(tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "train/parallel.jsonl").read_text().splitlines()]
+    load = rows[0]["expert_load"]
+    assert len(load) == 2 and sum(load[0]["tokens"]) == 2 * 2 * 32 * 2  # 2 ranks x 2 x 32 x k=2
+    assert rows[0]["aux"] is not None and rows[0]["peak_mem_bytes"] > 0
+    assert (tmp_path / "train/adapter/adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_world4_fsdp2_ep2_expert_lora_matches_reference(tmp_path):
+    """FSDP=2 x EP=2 on a hybrid (gated delta + attention) MoE, expert LoRA, activation
+    checkpointing, gradient clipping and a capacity factor (drops per EP group)."""
+    cfg = _config(tmp_path, model="hf:qwen3_next", nproc=4, ep=2, fsdp=2, micro_batch=1,
+                  steps=4, expert_lora=True, activation_checkpointing=True, grad_clip=0.5,
+                  capacity_factor=1.0)
+    _ok(_reference(cfg))
+    _ok(_parallel(cfg, 4))
+    _assert_curves_match(tmp_path)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "train/adapter/adapter_model.safetensors"))
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    assert experts and all(tensors[k].shape[0] in (8 * 4, 128) for k in experts)
+
+
+@pytest.mark.slow
+def test_killed_rank_resumes_from_dcp_identically(tmp_path):
+    cfg = _config(tmp_path, model="hf:qwen3_moe", nproc=2, ep=2, fsdp=1, expert_lora=True,
+                  checkpoint_interval=2)
+    _ok(_reference(cfg))
+    crashed = _parallel(cfg, 2, ONBOARD_TEST_KILL="1:3")
+    assert crashed.returncode != 0
+    before = _losses(tmp_path, "parallel")
+    assert len(before) == 3  # rank 0 logged step 3; the checkpoint is of step 2
+    resumed = _parallel(cfg, 2)
+    _ok(resumed)
+    assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
+    after = _losses(tmp_path, "parallel")
+    assert after[:3] == before  # step 3 recomputed from the checkpoint: the very same loss
+    _assert_curves_match(tmp_path)
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+def test_overlap_stats_counts_only_uncovered_all_to_all_time():
+    total, exposed = overlap_stats([(0, 10), (5, 12), (20, 30)], [(8, 22), (25, 26)])
+    assert total == 22 and exposed == 22 - (12 - 8) - (22 - 20) - 1
+
+
+def test_expert_load_imbalance():
+    rows = expert_load(torch.tensor([[4, 0, 2, 2], [2, 2, 2, 2]]), ["a", "b"])
+    assert rows[0]["max_over_mean"] == 2.0 and rows[0]["empty_experts"] == 1
+    assert rows[1]["max_over_mean"] == 1.0

@@ -1,0 +1,375 @@
+"""Training stage, part A: config, data, LoRA, PEFT export and FLOPs (CPU, tiny proxies)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from onboarding.errors import InputError
+from onboarding.training.config import TrainConfig
+from onboarding.training.data import (BUILTIN_CORPUS, ByteTokenizer, HFTokenizer, PackedData,
+                                      load_texts, load_tokenizer)
+from onboarding.training.flops import peak_flops, step_flops
+from onboarding.training.lora import (LoRALinear, default_targets, inject_lora,
+                                      lora_parameters)
+from onboarding.training.peft_export import expert_lora_tensors, export_peft
+
+
+# ---------------------------------------------------------------------------------- config
+
+def test_config_toml_round_trip(tmp_path):
+    cfg = TrainConfig(model="hf:qwen3_moe", overrides={"num_experts": 16, "rope.theta": 1e4,
+                                                       "layer_types": ["a", "b"]},
+                      out=str(tmp_path), nproc=4, ep=2, fsdp=2, steps=7, lr=3e-4,
+                      lora_targets=["auto", "gate_*"], expert_lora=True, capacity_factor=1.25,
+                      data='we "quote"\\path', dtype="bf16")
+    path = cfg.to_toml(tmp_path / "train.toml")
+    text = path.read_text()
+    assert text.startswith("#") and "fsdp * ep" in text  # the explaining header
+    assert TrainConfig.from_toml(path) == cfg
+    # None is omitted and comes back as the default
+    cfg2 = TrainConfig(model="x", capacity_factor=None, data=None)
+    cfg2.to_toml(tmp_path / "b.toml")
+    assert "capacity_factor =" not in (tmp_path / "b.toml").read_text()
+    assert TrainConfig.from_toml(tmp_path / "b.toml") == cfg2
+
+
+@pytest.mark.parametrize("change,n_experts,fragment", [
+    ({"nproc": 2, "ep": 1, "fsdp": 1}, 8, "nproc=2: world size must equal fsdp * ep"),
+    ({"nproc": 3, "ep": 3}, 8, "ep=3: does not divide the model's 8"),
+    ({"nproc": 2, "ep": 2}, None, "ep=2: the model has no routed experts"),
+    ({"expert_lora": True}, None, "expert_lora=true: the model has no routed experts"),
+    ({"capacity_factor": 1.0}, None, "capacity_factor=1.0: the model has no routed"),
+    ({"capacity_factor": 0.0}, 8, "capacity_factor=0.0: must be > 0"),
+    ({"steps": 0}, None, "steps=0: must be positive"),
+    ({"lora_rank": -1}, None, "lora_rank=-1: must be positive"),
+    ({"seq_len": 0}, None, "seq_len=0"),
+    ({"micro_batch": 0}, None, "micro_batch=0"),
+    ({"checkpoint_interval": -1}, None, "checkpoint_interval=-1: must be >= 0"),
+    ({"warmup_steps": -2}, None, "warmup_steps=-2"),
+    ({"profile_every": -1}, None, "profile_every=-1"),
+    ({"lora_dropout": 1.0}, None, "lora_dropout=1.0: must be in [0, 1)"),
+    ({"lora_dropout": -0.1}, None, "lora_dropout=-0.1"),
+    ({"lr": 0.0}, None, "lr=0.0: must be a finite number > 0"),
+    ({"grad_clip": float("nan")}, None, "grad_clip=nan"),
+    ({"dtype": "fp16"}, None, "dtype='fp16': expected one of fp32, bf16"),
+    ({"device": "tpu"}, None, "device='tpu'"),
+    ({"proxy": "huge"}, None, "proxy='huge'"),
+    ({"lora_targets": []}, None, "lora_targets=[]"),
+    ({"out": "relative/dir"}, None, "out='relative/dir': must be an absolute path"),
+    ({"steps": 2.5}, None, "steps=2.5: expected an integer"),
+    ({"expert_lora": "yes"}, 8, "expert_lora='yes'"),
+], ids=lambda v: str(v)[:40] if not isinstance(v, dict) else ",".join(v))
+def test_config_validation_errors(change, n_experts, fragment):
+    cfg = TrainConfig(model="hf:qwen3_moe", **change)
+    with pytest.raises(InputError) as exc:
+        cfg.validate(n_experts=n_experts)
+    assert fragment in str(exc.value)
+
+
+def test_config_valid_layouts_pass():
+    TrainConfig(model="m", nproc=4, ep=2, fsdp=2).validate(n_experts=8)
+    TrainConfig(model="m", nproc=2, fsdp=2).validate(n_experts=None)
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ('model = "m"\nstepz = 3\n', "unknown field(s) stepz"),
+    ('steps = 3\n', "missing field 'model'"),
+    ('model = "m"\nsteps = "3"\n', "steps='3': expected an integer"),
+    ('model = "m"\nsteps = \n', "malformed TOML"),
+])
+def test_config_from_toml_errors(tmp_path, text, fragment):
+    (tmp_path / "t.toml").write_text(text)
+    with pytest.raises(InputError, match=None) as exc:
+        TrainConfig.from_toml(tmp_path / "t.toml")
+    assert fragment in str(exc.value)
+
+
+# ------------------------------------------------------------------------------------ data
+
+def test_byte_tokenizer_and_small_vocab_error():
+    tok = load_tokenizer(None, 256)
+    assert isinstance(tok, ByteTokenizer) and tok.eos_id == 0
+    assert tok.encode("é\x00!") == [0xC3, 0xA9, ord("!")]  # NUL is the separator: dropped
+    with pytest.raises(InputError, match="vocab_size=255: the byte-level tokenizer needs"):
+        load_tokenizer(None, 255)
+
+
+def _write_tokenizer(d: Path, eos: str = "<|endoftext|>") -> int:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", eos])
+    tok.train_from_iterator(["def add(a, b): return a + b", "the quick brown fox"] * 20,
+                            trainer)
+    tok.save(str(d / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def test_repo_tokenizer_used_when_it_fits(tmp_path):
+    n = _write_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path, 512)
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == n
+    ids = tok.encode("def add(a, b)")
+    assert ids and max(ids) < n and tok.eos_id == 1
+    # ids beyond the model's (proxy) vocabulary: the byte tokenizer takes over, and says
+    # clearly when even that does not fit
+    assert n < 256
+    with pytest.raises(InputError, match=f"vocab_size={n - 1}: the byte-level tokenizer"):
+        load_tokenizer(tmp_path, n - 1)
+    # no EOS token to separate packed texts: the byte tokenizer too
+    no_eos = tmp_path / "no_eos"
+    no_eos.mkdir()
+    _write_tokenizer(no_eos, eos="<pad>")
+    assert isinstance(load_tokenizer(no_eos, 512), ByteTokenizer)
+
+
+def test_load_texts_forms_and_errors(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "P1", "response": "R1"}\n\n{"text": "T2"}\n')
+    assert load_texts(str(f)) == ["P1\nR1", "T2"]
+    f.write_text('{"prompt": "P1"}\n')
+    with pytest.raises(InputError, match="d.jsonl:1: expected a 'text' field"):
+        load_texts(str(f))
+    f.write_text('{"text": "ok"}\n{oops\n')
+    with pytest.raises(InputError, match="d.jsonl:2: malformed JSON"):
+        load_texts(str(f))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.txt").write_text("bee")
+    (tmp_path / "docs" / "a.txt").write_text("ay")
+    assert load_texts(str(tmp_path / "docs")) == ["ay", "bee"]
+    with pytest.raises(InputError, match="no such file"):
+        load_texts(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(InputError, match="expected a .jsonl or .txt"):
+        load_texts(str(tmp_path / "x.csv"))
+
+
+def test_builtin_corpus_loads():
+    assert BUILTIN_CORPUS.is_file() and BUILTIN_CORPUS.stat().st_size < 5_000_000
+    texts = load_texts(None)
+    assert len(texts) > 1000
+    assert sum("def " in t for t in texts) > 0.95 * len(texts)
+    row = json.loads(BUILTIN_CORPUS.read_text().splitlines()[0])
+    assert set(row) == {"prompt", "response", "source"}
+    assert row["prompt"] not in row["response"]  # the docstring is the prompt, not in the code
+
+
+def test_packing_deterministic_and_cycles():
+    texts = [f"text number {i} " * (i % 5 + 1) for i in range(60)]
+    tok = ByteTokenizer(512)
+    a, b = PackedData(texts, tok, 16, seed=3), PackedData(texts, tok, 16, seed=3)
+    c = PackedData(texts, tok, 16, seed=4)
+    assert a.rows.shape[1] == 17 and (a.rows == tok.eos_id).any()
+    for step in range(3):
+        assert torch.equal(a.global_batch(step, 4), b.global_batch(step, 4))
+    assert not torch.equal(a.global_batch(0, 4), c.global_batch(0, 4))
+    # one epoch visits each row once; the next epoch is a different order
+    n = len(a)
+    epoch0 = torch.cat([a.global_batch(s, 1) for s in range(n)])
+    assert sorted(map(tuple, epoch0.tolist())) == sorted(map(tuple, a.rows.tolist()))
+    epoch1 = torch.cat([a.global_batch(s, 1) for s in range(n, 2 * n)])
+    assert not torch.equal(epoch0, epoch1)
+    # ranks' slices of the global batch partition it
+    g = a.global_batch(5, 4)
+    assert torch.equal(torch.cat([g[r * 2:(r + 1) * 2] for r in range(2)]), g)
+    with pytest.raises(InputError, match="fewer than one row"):
+        PackedData(["hi"], tok, 64, 0)
+
+
+# ------------------------------------------------------------------------------------ LoRA
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from onboarding.training.setup import build
+
+    cache = {}
+
+    def get(ref: str):
+        if ref not in cache:
+            out = tmp_path_factory.mktemp(ref.replace(":", "_"))
+            cache[ref] = build(TrainConfig(model=ref, out=str(out)))
+        b = cache[ref]
+        return copy.deepcopy(b.model), b.graph, b
+    return get
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("ref,expect,absent", [
+    # slow: the first user of the qwen3_next proxy pays for its export (~15-60 s)
+    pytest.param("hf:qwen3_next", {"linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
+                                   "linear_attn.out_proj", "self_attn.q_proj",
+                                   "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"},
+                 ("mlp", "lm_head"), marks=pytest.mark.slow),
+    ("hf:qwen3_moe", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                      "self_attn.o_proj"}, ("mlp", "lm_head", "gate")),
+])
+def test_inject_lora_by_structure(built, ref, expect, absent):
+    model, graph, b = built(ref)
+    assert b.n_experts == 8
+    original = copy.deepcopy(model)
+    targets = default_targets(model, graph)
+    suffixes = {".".join(t.split(".")[-2:]) for t in targets}
+    assert suffixes == expect
+    assert not any(a in t.split(".") for t in targets for a in absent)
+    wrapped = inject_lora(model, graph, targets=["auto"], rank=4, alpha=8.0, dropout=0.0)
+    assert wrapped == targets
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    adapters = {n for n, _ in lora_parameters(model)}
+    assert trainable == adapters and len(adapters) == 2 * len(wrapped)
+    ids = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_logits(model, ids), _logits(original, ids))  # B = 0 at init
+    for n, p in lora_parameters(model):
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    assert not torch.allclose(_logits(model, ids), _logits(original, ids))
+
+
+def test_inject_lora_patterns_and_errors(built):
+    model, graph, _ = built("hf:qwen3_moe")
+    wrapped = inject_lora(model, graph, targets=["q_proj", "model.layers.1.self_attn.o_*"],
+                          rank=2, alpha=2.0, dropout=0.1)
+    assert wrapped == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj",
+                       "model.layers.1.self_attn.q_proj"]
+    assert all(isinstance(model.get_submodule(p), LoRALinear) for p in wrapped)
+    with pytest.raises(InputError, match="pattern 'nothing_here' matches no nn.Linear"):
+        inject_lora(model, graph, targets=["nothing_here"], rank=2, alpha=2.0, dropout=0.0)
+
+
+def test_lora_same_adapters_from_same_seed():
+    base = nn.Linear(8, 6)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a = LoRALinear(copy.deepcopy(base), rank=3, alpha=6.0, generator=g1)
+    b = LoRALinear(copy.deepcopy(base), rank=3, alpha=6.0, generator=g2)
+    assert torch.equal(a.lora_A.weight, b.lora_A.weight) and a.scaling == 2.0
+    assert not a.base.weight.requires_grad and a.lora_A.weight.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------ PEFT export
+
+def test_peft_round_trip_dense(built, tmp_path):
+    from peft import PeftModel
+
+    model, graph, _ = built("hf:qwen3_next")
+    base = copy.deepcopy(model)
+    cfg = TrainConfig(model="hf:qwen3_next", lora_rank=4, lora_alpha=8.0)
+    inject_lora(model, graph, targets=["auto"], rank=4, alpha=8.0, dropout=0.0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in lora_parameters(model):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    export_peft(model, cfg, tmp_path, base_model_name_or_path="hf:qwen3_next")
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "LORA" and conf["r"] == 4
+    ids = torch.randint(0, 2048, (2, 16), generator=gen)
+    ours = _logits(model, ids)
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    theirs = _logits(peft_model, ids)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours, _logits(built("hf:qwen3_next")[0], ids), atol=1e-4)
+
+
+def test_peft_round_trip_expert_adapters(built, tmp_path):
+    """Per-expert A/B through PEFT's target_parameters equal merging B_e A_e into W_e."""
+    from peft import PeftModel
+
+    model, graph, _ = built("hf:qwen3_moe")
+    base = copy.deepcopy(model)
+    merged = copy.deepcopy(model)
+    r, alpha = 2, 4.0
+    inject_lora(model, graph, targets=["q_proj"], rank=r, alpha=alpha, dropout=0.0)
+    gen = torch.Generator().manual_seed(2)
+    for b in graph.by_kind("moe.experts"):
+        experts = model.get_submodule(b.path)
+        names = [n for n, p in experts.named_parameters(recurse=False) if p.ndim == 3]
+        pairs = {}
+        for n in names:
+            e, o, i = getattr(experts, n).shape
+            a_eri = torch.randn(e, r, i, generator=gen) * 0.1
+            b_eor = torch.randn(e, o, r, generator=gen) * 0.1
+            pairs[n] = (a_eri, b_eor)
+            w = merged.get_submodule(b.path)
+            with torch.no_grad():
+                getattr(w, n).add_((alpha / r) * torch.bmm(b_eor, a_eri))
+        experts.peft_tensors = lambda prefix, p=pairs, ns=names: expert_lora_tensors(
+            prefix, [(n, *p[n]) for n in ns])
+        experts.peft_target = lambda ns=names: {"target_parameters": ns}
+    cfg = TrainConfig(model="hf:qwen3_moe", lora_rank=r, lora_alpha=alpha, expert_lora=True)
+    export_peft(model, cfg, tmp_path, base_model_name_or_path="hf:qwen3_moe")
+    conf = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert len(conf["target_parameters"]) == 2 * len(graph.by_kind("moe.experts"))
+    ids = torch.randint(0, 2048, (2, 16), generator=gen)
+    # ours: q_proj LoRA (B = 0 so far) + experts merged
+    merged_lora = copy.deepcopy(merged)
+    inject_lora(merged_lora, graph, targets=["q_proj"], rank=r, alpha=alpha, dropout=0.0)
+    theirs = _logits(PeftModel.from_pretrained(base, str(tmp_path)).eval(), ids)
+    torch.testing.assert_close(theirs, _logits(merged_lora, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_export_without_adapters_errors(built, tmp_path):
+    model, _, _ = built("hf:qwen3_moe")
+    with pytest.raises(InputError, match="no LoRA adapters"):
+        export_peft(model, TrainConfig(model="m"), tmp_path, base_model_name_or_path="m")
+
+
+# ----------------------------------------------------------------------------------- FLOPs
+
+def test_flops_lora_correct_and_routed_scaling(built):
+    model, graph, _ = built("hf:qwen3_moe")
+    kw = dict(tokens=512, seq_len=64, lora_rank=8, expert_lora=False)
+    f = step_flops(graph, model, **kw)
+    assert f["total"] < f["total_6n"] and f["uncounted_blocks"] == 0
+    assert f["attention"] > 0 and f["linear_attention"] == 0
+    expected = step_flops(graph, model, routed_tokens=512 * 2 * 2, **kw)  # top-2, 2 layers
+    assert expected["base_experts"] == pytest.approx(f["base_experts"])
+    double = step_flops(graph, model, routed_tokens=512 * 2 * 2 * 2, **kw)
+    assert double["base_experts"] == pytest.approx(2 * f["base_experts"])
+    assert f["expert_adapters"] == 0
+    assert step_flops(graph, model, **{**kw, "expert_lora": True})["expert_adapters"] > 0
+    # attention grows faster than linearly with the sequence; GEMMs stay per token
+    long = step_flops(graph, model, **{**kw, "seq_len": 128})
+    assert long["attention"] > 1.8 * f["attention"]
+    assert long["base_dense"] == f["base_dense"]
+    # injecting rank-8 adapters counts them from the model itself, same number
+    inject_lora(model, graph, targets=["auto"], rank=8, alpha=8.0, dropout=0.0)
+    assert step_flops(graph, model, **kw)["adapters"] == pytest.approx(f["adapters"])
+
+
+def test_flops_linear_attention_counted(built):
+    model, graph, _ = built("hf:qwen3_next")
+    f = step_flops(graph, model, tokens=256, seq_len=128, lora_rank=4, expert_lora=False)
+    assert f["linear_attention"] > 0 and f["attention"] > 0 and f["uncounted_blocks"] == 0
+    assert peak_flops("cpu") is None
+
+
+def test_flops_unchanged_when_experts_are_sharded(built):
+    """Expert-parallel ranks hold E/ep experts (+ expert adapters) at the same path: the count
+    comes from the op graph, so it neither drops the experts nor counts them as dense."""
+    model, graph, _ = built("hf:qwen3_moe")
+    kw = dict(tokens=512, seq_len=64, lora_rank=4, expert_lora=True)
+    full = step_flops(graph, model, **kw)
+
+    class LocalExperts(nn.Module):
+        def __init__(self, src: nn.Module) -> None:
+            super().__init__()
+            for n, p in src.named_parameters(recurse=False):
+                self.register_parameter(n, nn.Parameter(p[: p.shape[0] // 2].clone()))
+                self.register_parameter(f"lora_A_{n}", nn.Parameter(
+                    torch.zeros(p.shape[0] // 2, 4, p.shape[-1])))
+
+    for b in graph.by_kind("moe.experts"):
+        parent, _, attr = b.path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, LocalExperts(model.get_submodule(b.path)))
+    sharded = step_flops(graph, model, **kw)
+    for part in ("base_dense", "base_experts", "expert_adapters", "total"):
+        assert sharded[part] == pytest.approx(full[part]), part
