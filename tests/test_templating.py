@@ -149,9 +149,10 @@ def test_rendered_config_api(tmp_path):
     # params used by no other test: modules are shared per content, and kernel tests pin configs
     module = templating.load_module(templating.render_to(tmp_path, "rmsnorm", "l2norm", {"eps": 1e-3}))
     assert module.shape_bucket(100) == "d_le_512"
-    assert module.config_for(4096) == {"BLOCK_N": 1, "num_warps": 8}
-    module.set_config({"BLOCK_N": 2}, bucket="d_le_4k")
-    assert module.config_for(4096) == {"BLOCK_N": 2, "num_warps": 4}
+    bucket = {"BLOCK_N": 2, "num_warps": 8, "BWD_BLOCK_N": 2, "bwd_warps": 8, "programs_per_sm": 2}
+    assert module.config_for(4096) == bucket
+    module.set_config({"BLOCK_N": 4}, bucket="d_le_4k")  # the rest from DEFAULT_CONFIG
+    assert module.config_for(4096) == {**module.DEFAULT_CONFIG, "BLOCK_N": 4}
     module.set_config(None, bucket="d_le_4k")
     with pytest.raises(ValueError, match="BLOCK_N"):
         module.set_config({"BLOCK_N": 3})
