@@ -151,15 +151,22 @@ def kernels_for(coverage: Coverage, candidates: list[Candidate]
     """(block path, family) -> loaded module, for reviewed kernels and passing candidates."""
     by_file = {c.path: c for c in candidates if c.status == "passed"}
     out: dict[tuple[str, str], ModuleType] = {}
+
+    def put(e, module: ModuleType) -> None:
+        # A block served by several variants of one family (sparse attention: gathered, then the
+        # indexer) keeps its first under (path, family), the others under (path, family:variant).
+        key = (e.path, e.family)
+        out[key if key not in out else (e.path, f"{e.family}:{e.variant}")] = module
+
     for e in coverage.entries:
         if not e.family:
             continue
         if e.status == "kernel" and e.module:
-            out[(e.path, e.family)] = load_module(e.module)
+            put(e, load_module(e.module))
             continue
         for c in by_file.values():
             if c.family == e.family and c.variant == e.variant and c.params == e.params:
-                out[(e.path, e.family)] = load_module(c.path)
+                put(e, load_module(c.path))
     return out
 
 

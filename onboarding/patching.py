@@ -7,6 +7,15 @@ structure (its parameters, its input) to a kernel's signature:
   - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
   - ``moe.experts`` (packed 3-D weights): ``forward(x, indices, weights)`` -> the grouped-GEMM
     experts kernel, with the weights found by their shapes;
+  - ``moe.router``: ``forward(x)`` -> the router kernel with the gate weight found by its shape
+    [n_experts, hidden] and the score-correction bias (a parameter or buffer [n_experts]) when
+    the kernel was rendered with one; scoring, top-k, groups, renormalisation and scaling are
+    rendered in from the block's attrs. Routers return different tuples ((logits, weights,
+    indices), (indices, weights), dense [N, E] scores, ...): the output structure is read off
+    the original's output at calibration (see `_router_adapt`);
+  - ``sparse_attention.topk``: the dense masked attention after the block's top-k (SDPA, or the
+    eager q k^T -> softmax -> v chain) -> the gathered kernel over the selected keys (MHA/GQA or
+    absorbed MLA), intercepted while the block runs (`onboarding._patch_sparse`);
   - ``conv.causal1d``: the depthwise conv call made with the block's weight, intercepted with a
     `TorchFunctionMode` while the owning block runs (the conv is often an inline functional call,
     not a module call).
@@ -78,6 +87,11 @@ def entry_function(mod: ModuleType) -> Callable:
     raise ValueError(f"{mod.__name__}: no entry function (f with f_op)")
 
 
+def _same(out: Any, ref: Any) -> tuple[Callable[[Any], Any], str] | None:
+    """The default calibration check: the binding's output is the original's, as it stands."""
+    return ((lambda o: o), "") if _matches(out, ref) else None
+
+
 def _matches(out: Any, ref: Any) -> bool:
     if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor):
         return False
@@ -90,8 +104,11 @@ class _Calibrated:
     """Replaces ``module.forward``; picks a binding on the first call by comparing outputs."""
 
     def __init__(self, module: nn.Module, record: PatchRecord,
-                 bindings: dict[str, Callable[..., torch.Tensor]]):
-        self.module, self.record, self.bindings = module, record, bindings
+                 bindings: dict[str, Callable[..., torch.Tensor]],
+                 adapt: Callable[[Any, Any], tuple[Callable[[Any], Any], str] | None] = _same):
+        # adapt(out, ref) -> (convert, description) when a binding's raw output, converted,
+        # reproduces the original's output ref; None when it does not
+        self.module, self.record, self.bindings, self.adapt = module, record, bindings, adapt
         self.original = module.forward
         self.chosen: Callable | None = None
 
@@ -105,8 +122,11 @@ class _Calibrated:
                     except (TypeError, ValueError, RuntimeError) as exc:
                         self.record.detail = f"{name}: {type(exc).__name__}: {exc}"[:200]
                         continue
-                    if _matches(out, ref):
-                        self.chosen, self.record.binding = fn, name
+                    fit = self.adapt(out, ref)
+                    if fit is not None:
+                        convert, how = fit
+                        self.chosen = _converted(fn, convert)
+                        self.record.binding = name + (f" -> {how}" if how else "")
                         self.record.status = "active"
                         break
             if self.chosen is None:
@@ -118,23 +138,27 @@ class _Calibrated:
         return out
 
 
+def _converted(fn: Callable, convert: Callable[[Any], Any]) -> Callable:
+    return lambda *args, **kwargs: convert(fn(*args, **kwargs))
+
+
 def _weight_1d(module: nn.Module) -> nn.Parameter | None:
     ps = [p for p in module.parameters(recurse=False) if p.ndim == 1]
     return ps[0] if len(ps) == 1 else None
 
 
 def _norm_bindings(block: Block, module: nn.Module, fn: Callable) -> dict[str, Callable]:
-    w = _weight_1d(module)
     eps = block.attrs.get("eps") or 1e-6
-    if w is None:
+    if _weight_1d(module) is None:
         return {}
+    # The weight is looked up at call time: FSDP2 swaps a sharded module's parameters.
     if block.kind == "norm.rms":
-        return {"x": lambda x, *a, **k: fn(x, w, eps)}
+        return {"x": lambda x, *a, **k: fn(x, _weight_1d(module), eps)}
 
     def gated(i: int, j: int):
         def call(*args, **kwargs):
             tensors = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-            return fn(tensors[i], tensors[j], w, eps)
+            return fn(tensors[i], tensors[j], _weight_1d(module), eps)
         return call
 
     return {"x=arg0, z=arg1": gated(0, 1), "x=arg1, z=arg0": gated(1, 0)}
@@ -260,9 +284,31 @@ def _patch_conv(model: nn.Module, block: Block, fn: Callable, record: PatchRecor
     patches._undo.append(undo)
 
 
+def _patch_sparse(model: nn.Module, block: Block, kernels: dict, record: PatchRecord,
+                  patches: PatchSet) -> None:
+    """`sparse_attention.topk`: the gathered-attention module (under the family, or under
+    ``family:gathered`` when another variant took that key) bound inside the block's forward by
+    a top-k + attention intercept (`onboarding._patch_sparse`)."""
+    from onboarding._patch_sparse import patch_sparse_block
+
+    module = dict(model.named_modules()).get(block.path)
+    if module is None:
+        record.status, record.detail = "rejected", "no module at this path"
+        return
+    fam = "sparse_attention"
+    kmods = [kernels.get((block.path, key)) for key in (fam, f"{fam}:gathered")]
+    undo = patch_sparse_block(module, kmods, record)
+    if undo is not None:
+        record.binding = "calibrating: top-k + attention intercept"
+        patches._undo.append(undo)
+
+
 PATCHABLE = {"norm.rms": "rmsnorm", "norm.rms_gated": "rmsnorm", "mlp.dense": "swiglu",
              "moe.shared_expert": "swiglu", "conv.causal1d": "conv1d",
-             "moe.experts": "moe_experts"}
+             "moe.experts": "moe_experts", "moe.router": "moe_router",
+             "sparse_attention.topk": "sparse_attention",
+             "linear_attention.gated_delta": "gated_delta",
+             "linear_attention.kimi_delta": "kimi_delta"}
 
 
 def patch_model(model: nn.Module, graph: OpGraph,
@@ -284,7 +330,18 @@ def patch_model(model: nn.Module, graph: OpGraph,
             continue
         record = PatchRecord(path=block.path, kind=block.kind, family=family)
         patches.records.append(record)
+        if block.kind == "sparse_attention.topk":
+            _patch_sparse(model, block, kernels, record, patches)
+            continue
         fn = entry_function(kmod)
+        if block.kind.startswith("linear_attention."):
+            from onboarding._patch_linear_attention import patch_linear_attention
+
+            module = modules.get(block.path)
+            undo = patch_linear_attention(module, fn, record) if module is not None else None
+            if undo is not None:
+                patches._undo.append(undo)
+            continue
         if block.kind == "conv.causal1d":
             _patch_conv(model, block, fn, record, patches)
             continue
@@ -292,17 +349,22 @@ def patch_model(model: nn.Module, graph: OpGraph,
         if module is None:
             record.status, record.detail = "rejected", "no module at this path"
             continue
+        adapt = _same
         if block.kind.startswith("norm."):
             bindings = _norm_bindings(block, module, fn)
         elif block.kind == "moe.experts":
             bindings = _experts_bindings(module, fn)
+        elif block.kind == "moe.router":
+            from onboarding._patch_router import router_adapt, router_bindings
+
+            bindings, adapt = router_bindings(block, module, fn, kmod), router_adapt
         else:
             bindings = _mlp_bindings(module, fn)
         if not bindings:
             record.status, record.detail = "rejected", "structure does not fit the kernel"
             continue
         had_own = "forward" in module.__dict__
-        module.forward = _Calibrated(module, record, bindings)
+        module.forward = _Calibrated(module, record, bindings, adapt)
 
         def undo(module=module, had_own=had_own):
             if not had_own:

@@ -36,7 +36,10 @@ def _kernels(graph, root) -> dict:
     for e in build_coverage(graph).entries:
         if e.status == "template" and e.family in PATCHABLE.values():
             path = render_to(root, e.family, e.variant, e.params, overwrite=True)
-            out[(e.path, e.family)] = load_module(path)
+            # keyed as generate.kernels_for keys them: a second variant of a block's family
+            # (the sparse-attention indexer) goes under "family:variant"
+            key = (e.path, e.family)
+            out[key if key not in out else (e.path, f"{e.family}:{e.variant}")] = load_module(path)
     return out
 
 
@@ -63,7 +66,7 @@ def test_patched_proxy_aligns(ref, parse_model, kernel_dir, tmp_path):
         result = align(reference, candidate, graph, inputs, kwargs, patches=patches)
     active = [p for p in result.patches if p["status"] == "active"]
     families = {p["family"] for p in active}
-    assert {"rmsnorm", "swiglu"} <= families, result.patches
+    assert {"rmsnorm", "swiglu", "moe_router", "moe_experts"} <= families, result.patches
     if ref != "hf:deepseek_v32":  # the hybrids have a causal conv
         assert "conv1d" in families
     assert result.passed, result.summary()
@@ -209,3 +212,48 @@ def test_bf16_candidate_within_layer_tolerances(parse_model, kernel_dir):
     assert 1e-3 < worst["fwd"] < tol.max_rel_rms, worst
     assert 1e-3 < worst["bwd"] < 2 * tol.max_rel_rms, worst
     assert result.logits["top1_agreement"] >= 0.9 and result.logits["kl"] < 1e-3
+
+
+def test_sparse_attention_proxy_aligns(parse_model, kernel_dir):
+    """DeepSeek-V3.2 proxy with only its DSA blocks patched (absorbed-MLA gathered kernel over the
+    model's top-k) against the fp64 eager reference, forward and backward, at T=24 > K=16 so
+    that rows 16.. attend to a strict subset."""
+    graph = parse_model("hf:deepseek_v32")
+    info = _info("hf:deepseek_v32")
+    model = info.loaded.build(info.proxy_config, seed=0)
+    reference, candidate = build_pair(model, reference_dtype="fp64", candidate_dtype="fp32")
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 24, 0)
+    assert info.proxy_config.index_topk < 24
+    kernels = _kernels(graph, kernel_dir)
+    with patch_model(candidate, graph, kernels, kinds={"sparse_attention.topk"}) as patches:
+        result = align(reference, candidate, graph, inputs, kwargs, patches=patches)
+    active = [p for p in result.patches if p["status"] == "active"]
+    assert len(active) == len(graph.by_kind("sparse_attention.topk")), result.patches
+    assert result.passed, result.summary()
+    for p in active:
+        b = result.block(p["path"])
+        assert b.fwd.verdict == "pass" and b.fwd.output.rel_rms < 1e-5, b.fwd
+        assert b.bwd.verdict == "pass" and b.bwd.output.rel_rms < 1e-5, b.bwd
+    assert result.logits["top1_agreement"] == 1.0
+
+
+# qwen3_next and deepseek_v32 get routers and experts patched in test_patched_proxy_aligns (with
+# every other family); these two are MoE-only models it does not run.
+@pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:mixtral"])
+def test_router_and_experts_align(ref, parse_model, kernel_dir):
+    """Routers and experts patched with the template kernels (fp32 candidate, fp64 reference):
+    every router and experts block is compared forward and backward and passes; the routing
+    is identical, so no block's input is 'diverged' by a selection flip."""
+    graph, reference, candidate, inputs, kwargs = _setup(ref, parse_model)
+    kinds = {"moe.router", "moe.experts"}
+    with patch_model(candidate, graph, _kernels(graph, kernel_dir), kinds=kinds) as patches:
+        result = align(reference, candidate, graph, inputs, kwargs, patches=patches)
+    active = [p for p in result.patches if p["status"] == "active"]
+    assert {p["kind"] for p in active} == kinds, result.patches
+    assert len(active) == len(result.patches), [p for p in result.patches if p["status"] != "active"]
+    assert result.passed, result.summary()
+    for p in active:
+        b = result.block(p["path"])
+        assert b.fwd.verdict == "pass" and b.fwd.output.rel_rms < 1e-5, (p["path"], b.fwd)
+        assert b.bwd.verdict == "pass" and b.bwd.output.rel_rms < 1e-5, (p["path"], b.bwd)
+    assert result.logits["top1_agreement"] == 1.0 and result.logits["kl"] < 1e-9

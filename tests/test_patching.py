@@ -37,10 +37,10 @@ def test_coverage_statuses(parse_model):
 
 @pytest.mark.parametrize("ref,kinds", [
     ("hf:qwen3_next", {"norm.rms", "norm.rms_gated", "conv.causal1d", "moe.shared_expert",
-                       "moe.experts"}),
+                       "moe.experts", "moe.router", "linear_attention.gated_delta"}),
     # Kimi's output norm is gated by sigmoid: no family serves it, so it stays unpatched.
     ("hf:kimi_linear", {"norm.rms", "conv.causal1d", "moe.shared_expert", "mlp.dense",
-                        "moe.experts"}),
+                        "moe.experts", "moe.router", "linear_attention.kimi_delta"}),
 ])
 def test_patched_model_matches_unpatched(parse_model, ref, kinds, tmp_path):
     g, cov, cands, model, inputs, kwargs = _prepare(parse_model, ref, tmp_path)
@@ -99,3 +99,308 @@ def test_promotion_needs_a_pass_and_never_overwrites(parse_model, tmp_path):
     cand.status = "failed"
     with pytest.raises(InputError, match="only a candidate that passed"):
         promote(cand, root)
+
+
+# ---- top-k sparse attention (DSA) --------------------------------------------------------------
+
+def test_sparse_attention_proxy_patched_matches(parse_model, tmp_path):
+    """DeepSeek-V3.2 proxy: every DSA block runs the absorbed-MLA gathered kernel over the model's
+    own top-k (K=16 < T=24, so rows 16.. are really sparse); same logits, restorable. (The
+    calibrated call runs the same intercept as later calls: one forward keeps the test short.)"""
+    g = parse_model("hf:deepseek_v32")
+    cov = build_coverage(g)
+    cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path)
+             if c.family == "sparse_attention" and c.variant == "gathered"]
+    assert len(cands) == 1 and cands[0].status == "passed", cands[0].error
+    info = load_stage(load_model("hf:deepseek_v32", trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0).eval()
+    # Layer 1's latent expansion gets a LoRA-style adapter (base + B(A(x))): the absorbed form
+    # would drop the adapter's term, so that block must be refused, not silently wrong.
+    adapted = "model.layers.1.self_attn"
+    attn = model.get_submodule(adapted)
+    attn.kv_b_proj = _Adapted(attn.kv_b_proj)
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 24, 1)
+    assert info.proxy_config.index_topk < 24
+    with torch.no_grad():
+        expected = model(*inputs, **kwargs).logits
+    with patch_model(model, g, kernels_for(cov, cands), kinds={"sparse_attention.topk"}) as patches:
+        with torch.no_grad():
+            got = model(*inputs, **kwargs).logits
+        recs = {r.path: r for r in patches.records}
+        assert len(recs) == len(g.by_kind("sparse_attention.topk"))
+        assert recs[adapted].status == "rejected" and "adapter" in recs[adapted].detail, recs[adapted]
+        others = [r for p, r in recs.items() if p != adapted]
+        assert all(r.status == "active" and "absorbed MLA" in r.binding for r in others), others
+    assert ((got - expected).norm() / expected.norm()) < 1e-5
+    with torch.no_grad():
+        assert torch.equal(model(*inputs, **kwargs).logits, expected)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+class _Adapted(torch.nn.Module):
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_kernels_for_keeps_every_variant_of_a_block(parse_model, tmp_path):
+    """A block served by two variants of one family (DSA: gathered, then indexer) keeps the first
+    under (path, family) and the other under (path, "family:variant"); nothing is overwritten."""
+    g = parse_model("hf:deepseek_v32")
+    cov = build_coverage(g)
+    cands = [c for c in render_candidates(cov, tmp_path) if c.family == "sparse_attention"]
+    for c in cands:  # plumbing only: the modules' numerics are the kernel tests' business
+        c.status = "passed"
+    kernels = kernels_for(cov, cands)
+    for b in g.by_kind("sparse_attention.topk"):
+        assert kernels[(b.path, "sparse_attention")].VARIANT == "gathered"
+        assert kernels[(b.path, "sparse_attention:indexer")].VARIANT == "indexer"
+
+
+class _TinyDSA(torch.nn.Module):
+    """A GQA attention with a DSA-style indexer, written from scratch: relu(q_i.k_i) weighted over
+    index heads, causal top-k, the selection scattered into a boolean mask, dense attention: SDPA,
+    or (``eager``) q @ k^T * scale + bias -> softmax -> @ v with the diagonal always kept."""
+
+    def __init__(self, d=32, H=4, HK=2, D=16, DI=8, HI=2, topk=6, eager=False):
+        super().__init__()
+        lin = torch.nn.Linear
+        self.H, self.HK, self.D, self.DI, self.HI, self.topk = H, HK, D, DI, HI, topk
+        self.eager = eager
+        self.q, self.k, self.v, self.o = lin(d, H * D), lin(d, HK * D), lin(d, HK * D), lin(H * D, d)
+        self.iq, self.ik, self.iw = lin(d, HI * DI), lin(d, DI), lin(d, HI)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        with torch.no_grad():
+            s = torch.relu(torch.einsum("bthd,bsd->bths", self.iq(x).view(B, T, self.HI, self.DI), self.ik(x)))
+            s = (s * self.iw(x)[..., None]).sum(2).masked_fill(~causal, float("-inf"))
+            idx = s.topk(min(self.topk, T), dim=-1).indices
+        keep = torch.zeros(B, T, T, dtype=torch.bool, device=x.device).scatter(-1, idx, True) & causal
+        q = self.q(x).view(B, T, self.H, self.D).transpose(1, 2)
+        k = self.k(x).view(B, T, self.HK, self.D).transpose(1, 2)
+        v = self.v(x).view(B, T, self.HK, self.D).transpose(1, 2)
+        if self.eager:
+            keep = keep | torch.eye(T, dtype=torch.bool, device=x.device)  # not a top-k set any more
+            bias = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[:, None]
+            k, v = k.repeat_interleave(self.H // self.HK, 1), v.repeat_interleave(self.H // self.HK, 1)
+            probs = ((q @ k.transpose(-1, -2)).float() * self.D ** -0.5 + bias).softmax(dim=-1)
+            o = probs.to(v.dtype) @ v
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None], enable_gqa=True)
+        return self.o(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def _tiny_dsa_setup(tmp_path, eager=False):
+    from types import SimpleNamespace
+
+    from onboarding.families import sparse_attention as fam
+    from onboarding.opgraph import Block
+    from onboarding.templating import load_module, render_to
+
+    block = Block(path="attn", kind="sparse_attention.topk", layer=0, class_name="Anything",
+                  attrs={"topk": 6, "indexer_relu": True})
+    m = fam.match(block)
+    kmod = load_module(render_to(tmp_path, fam.NAME, m["variant"], m["params"], overwrite=True))
+    model = torch.nn.Module()
+    model.attn = _TinyDSA(eager=eager)
+    return model, SimpleNamespace(blocks=[block]), kmod
+
+
+@pytest.mark.parametrize("eager,source", [(False, "top-k keys"), (True, "mask's kept keys")],
+                         ids=["sdpa", "eager-diagonal-kept"])
+def test_sparse_attention_gqa_block_forward_backward(tmp_path, eager, source):
+    """MHA/GQA layout on a hand-written DSA block (no transformers class): same output and the
+    same gradients for every weight (k/v get theirs through the kernel's scatter-add). Eager: the
+    q @ k^T -> softmax -> @ v chain is followed; its mask keeps the diagonal beyond the top-k, so
+    only the binding that reads the mask's kept keys matches."""
+    import copy
+
+    model, graph, kmod = _tiny_dsa_setup(tmp_path, eager)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 13, 32, generator=torch.Generator().manual_seed(0))
+    with patch_model(model, graph, {("attn", "sparse_attention"): kmod}) as patches:
+        out = model.attn(x)
+        (rec,) = patches.records
+        assert rec.status == "active" and source in rec.binding, rec
+        out = model.attn(x)  # calibrated: the kernel path with autograd
+        expected = ref.attn(x)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        do = torch.randn_like(out)
+        out.backward(do)
+        expected.backward(do)
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        if p_ref.grad is None:  # the indexer's weights: the selection is not differentiated
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_sparse_attention_wrong_kernel_is_rejected(tmp_path):
+    """A "gathered" kernel that attends to every causal position is caught on calibration."""
+    model, graph, kmod = _tiny_dsa_setup(tmp_path)
+
+    class Dense:
+        VARIANT = "gathered"
+        PARAMS = {"layout": "mha"}
+
+        @staticmethod
+        def entry(q, k, v, indices, sink=None, scale=None):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+            return o.transpose(1, 2)
+
+    x = torch.randn(1, 13, 32, generator=torch.Generator().manual_seed(1))
+    expected = model.attn(x)
+    with patch_model(model, graph, {("attn", "sparse_attention"): Dense}) as patches, torch.no_grad():
+        got = model.attn(x)
+        (rec,) = patches.records
+        assert rec.status == "rejected" and "differs" in rec.detail, rec
+    torch.testing.assert_close(got, expected)
+
+
+# ---- moe.router (+ moe.experts) -------------------------------------------------------------
+@pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:mixtral", "hf:qwen3_next", "hf:deepseek_v32"])
+def test_router_and_experts_patched_match_unpatched(parse_model, ref, tmp_path):
+    g, cov, cands, model, inputs, kwargs = _prepare(parse_model, ref, tmp_path)
+    kinds = {"moe.router", "moe.experts"}
+    with torch.no_grad():
+        expected = model(*inputs, **kwargs).logits
+    with patch_model(model, g, kernels_for(cov, cands), kinds=kinds) as patches:
+        with torch.no_grad():
+            got = model(*inputs, **kwargs).logits
+            again = model(*inputs, **kwargs).logits  # after calibration: kernels only
+        routers = [r for r in patches.records if r.kind == "moe.router"]
+        assert routers and {r.kind for r in patches.active()} == kinds
+        assert all(r.status == "active" for r in patches.records), [(r.path, r.detail) for r in patches.records]
+        # transformers 5 routers return (logits, weights, indices): read off the original's output
+        assert all(r.binding.endswith("-> (logits, topk_weights, topk_indices)") for r in routers)
+    for out in (got, again):
+        assert ((out - expected).norm() / expected.norm()) < 1e-5
+    with torch.no_grad():
+        assert torch.equal(model(*inputs, **kwargs).logits, expected)  # reversible
+
+
+class _Router(torch.nn.Module):
+    """A router that is no transformers class: sigmoid scores, a score bias buffer, renormalised
+    top-k, and a configurable output structure."""
+
+    def __init__(self, structure: str, gen: torch.Generator, e: int = 8, d: int = 16, k: int = 3):
+        super().__init__()
+        self.gate_proj = torch.nn.Parameter(torch.randn(e, d, generator=gen) / d ** 0.5)
+        self.register_buffer("correction", 0.05 * torch.randn(e, generator=gen))
+        self.structure, self.k = structure, k
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.gate_proj)
+        s = logits.sigmoid()
+        idx = torch.topk(s + self.correction, self.k, dim=-1, sorted=self.structure != "unsorted")[1]
+        if self.structure == "reversed":  # the same experts, listed in another order
+            idx = idx.flip(-1)
+        w = s.gather(1, idx)
+        w = w / w.sum(-1, keepdim=True)
+        if self.structure in ("indices_weights", "reversed", "unsorted"):
+            return idx, w
+        if self.structure == "dense":  # [N, E] routing scores, zeros off the selection
+            return torch.zeros_like(s).scatter(1, idx, w), logits
+        if self.structure == "counts":  # something the kernel cannot give in this form
+            return w, idx, torch.bincount(idx.flatten(), minlength=s.shape[1]).float()
+        if self.structure == "flipped":  # not a top-k of these scores
+            return (logits, w, (idx + 1) % s.shape[1])
+        raise ValueError(self.structure)
+
+
+def _router_graph(block_attrs):
+    from onboarding.opgraph import Block, OpGraph
+
+    block = Block(path="router", kind="moe.router", layer=0, class_name="_Router",
+                  params={"router.gate_proj": [8, 16]}, attrs=block_attrs)
+    return OpGraph(model="toy", capture="export", capture_note="", batch=1, seq=37, dtype="fp32",
+                   blocks=[block], layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
+
+
+@pytest.fixture(scope="module")
+def router_kernel(tmp_path_factory):
+    from onboarding.families import moe_router
+    from onboarding.templating import load_module, render_to
+
+    attrs = {"n_experts": 8, "top_k": 3, "scoring": "sigmoid", "score_bias": True, "renormalize": True,
+             "group_limited": False, "routed_scaling_factor": 1.0}
+    m = moe_router.match(_router_graph(attrs).blocks[0])
+    return attrs, load_module(render_to(tmp_path_factory.mktemp("k"), "moe_router", m["variant"], m["params"]))
+
+
+@pytest.mark.parametrize("structure,active", [
+    ("indices_weights", True), ("unsorted", True), ("reversed", True), ("dense", True),
+    ("counts", False), ("flipped", False)])
+def test_router_output_structure_by_calibration(router_kernel, structure, active):
+    attrs, kmod = router_kernel
+    gen = torch.Generator().manual_seed(0)
+    root = torch.nn.Module()
+    root.router = _Router(structure, gen)
+    x = torch.randn(2, 37, 16, generator=gen, requires_grad=True)
+    expected = root.router(x)
+    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
+        got = root.router(x)
+        rec = patches.records[0]
+        assert (rec.status == "active") is active, (rec.status, rec.detail)
+        if not active:  # restored, reported, and the original's output returned
+            assert "no binding matched" in rec.detail
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+            return
+        root.router.structure = "no longer runnable"  # the original would raise from now on
+        again = root.router(x)  # so this is the kernel alone
+        fewer = root.router(x[:, :5])  # another token count after calibration
+        assert [t.shape[0] for t in fewer] == [10] * len(expected)
+    assert len(again) == len(expected)
+    for a, b in zip(again, expected):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    if structure == "dense":
+        torch.testing.assert_close(again[0], expected[0])
+        torch.testing.assert_close(again[1], expected[1])
+    else:  # the same experts per token (order may differ), with the same weight on each
+        (ia, wa), (ib, wb) = again, expected
+        oa, ob = ia.argsort(-1), ib.argsort(-1)
+        assert torch.equal(ia.gather(1, oa), ib.gather(1, ob))
+        torch.testing.assert_close(wa.gather(1, oa), wb.gather(1, ob))
+    # gradients flow to the input and the gate weight through the kernel's weights
+    w_out = again[0] if structure == "dense" else again[1]
+    w_out.square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0 and root.router.gate_proj.grad.abs().sum() > 0
+
+
+def test_router_structure_mismatch_is_rejected(router_kernel):
+    """No gate weight of shape [n_experts, hidden]: nothing to bind, reported, block untouched."""
+    attrs, kmod = router_kernel
+    root = torch.nn.Module()
+    root.router = _Router("indices_weights", torch.Generator().manual_seed(0), e=6)
+    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
+        rec = patches.records[0]
+        assert rec.status == "rejected" and "structure does not fit" in rec.detail
+        assert "forward" not in root.router.__dict__
+
+
+def test_router_ties_are_rejected_not_guessed(router_kernel):
+    """A zero gate weight (Qwen3's router init) ties every expert: torch.topk's tie order is
+    arbitrary on the CPU, the kernel takes the lowest indices, so the selections differ; the
+    patch must be rejected and the original's routing kept, never a silently different one."""
+    attrs, kmod = router_kernel
+    root = torch.nn.Module()
+    root.router = _Router("indices_weights", torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        root.router.gate_proj.zero_()
+        root.router.correction.zero_()
+    x = torch.randn(37, 16)
+    expected = root.router(x)
+    if torch.equal(expected[0], torch.arange(3).expand(37, 3)):
+        pytest.skip("this torch breaks ties by lowest index, as the kernel does")
+    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
+        got = root.router(x)
+        assert patches.records[0].status == "rejected"
+    assert torch.equal(got[0], expected[0])

@@ -4,7 +4,8 @@ Each case times one forward + backward step of our rendered kernel (``ours``) ag
 PyTorch eager formulation that transformers runs (``eager``), `torch.compile` of it
 (``compile``), and Liger-Kernel's op where it is installed (``liger``). ``check`` reports the
 bf16 kernel's relative RMS error against an fp32 reference, output and gradients. The
-linear-attention families (``gated_delta``, ``kimi_delta``) live in `cases_linear_attention`.
+linear-attention families (``gated_delta``, ``kimi_delta``) live in `cases_linear_attention`,
+``moe_experts`` and ``lora`` in `cases_moe`.
 """
 
 from __future__ import annotations
@@ -281,9 +282,29 @@ def kimi_delta_cases() -> list[BenchCase]:
     return cases()
 
 
+def moe_experts_cases() -> list[BenchCase]:
+    from onboarding.bench.cases_moe import moe_experts_cases as cases
+
+    return cases()
+
+
+def lora_cases() -> list[BenchCase]:
+    from onboarding.bench.cases_moe import lora_cases as cases
+
+    return cases()
+
+
+def sparse_attention_cases() -> list[BenchCase]:
+    from onboarding.bench.cases_sparse import sparse_attention_cases as cases
+
+    return cases()
+
+
 CASES: dict[str, Callable[[], list[BenchCase]]] = {
     "rmsnorm": rmsnorm_cases, "swiglu": swiglu_cases, "rope": rope_cases,
     "conv1d": conv1d_cases, "gated_delta": gated_delta_cases, "kimi_delta": kimi_delta_cases,
+    "moe_experts": moe_experts_cases, "lora": lora_cases,
+    "sparse_attention": sparse_attention_cases,
 }
 
 

@@ -3,7 +3,8 @@
 Variant `linear`: forward in two kernel launches (x A^T, then the base GEMM with the rank-r
 product added to its accumulator), backward with gradients to x, A and B only (W frozen).
 LoRA is applied by the training stage to chosen linears, not found in the op graph: no `match`.
-The grouped expert LoRA (per-expert A_e / B_e inside the grouped GEMM) is not implemented yet.
+The grouped expert LoRA (per-expert A_e / B_e inside the grouped GEMM) is the `swiglu_lora`
+variant of the `moe_experts` family: it shares the experts' permutation and grouped GEMMs.
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
 """MoE experts family: permute -> grouped GEMM (SwiGLU fused) -> grouped GEMM (routing weight) -> combine.
 
-One variant, `swiglu`: packed expert weights gate_up_proj [E, 2F, D] ([gate | up] halves) and
+Variant `swiglu`: packed expert weights gate_up_proj [E, 2F, D] ([gate | up] halves) and
 down_proj [E, D, F] as transformers' 3-D expert layout (a `module_list` block maps to it by
 stacking its per-expert weights). Forward and backward (dx, d topk_weights, d gate_up_proj,
 d down_proj) in Triton; dropless by default, optional capacity-factor dropping; optional
 clamped SwiGLU (gpt-oss style: gate clamped above, up both sides, slope alpha, up offset).
+
+Variant `swiglu_lora`: the same experts frozen, with per-expert LoRA adapters on gate_up and on
+down applied inside the grouped GEMMs (no delta-W); gradients to x, topk_weights and the
+adapters. It also renders `grouped_experts_lora(x_sorted, counts, ...)` for expert-parallel
+training, where tokens arrive already sorted by local expert (see the template's docstring).
+LoRA is applied by the training stage, so `match` never picks this variant.
 """
 
 from __future__ import annotations
@@ -66,22 +72,29 @@ def match(block: Any) -> dict[str, Any] | None:
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
                   gen: torch.Generator) -> list:
-    """37 tokens at the block's width, E=5 top-2 with expert 4 left empty, F=24."""
+    """37 tokens at the block's width, E=5 top-2 with expert 4 left empty, F=24 (+ rank-8
+    adapters with non-zero B for `swiglu_lora`, so every adapter gradient shows)."""
     width = shapes[0][-1] if shapes else 24
-    n, k, e, f = 37, 2, 5, 24
+    n, k, e, f, r = 37, 2, 5, 24, 8
     x = torch.randn(n, width, generator=gen)
     idx = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(n)])
     w = torch.rand(n, k, generator=gen)
     gate_up = torch.randn(e, 2 * f, width, generator=gen) / width ** 0.5
     down = torch.randn(e, width, f, generator=gen) / f ** 0.5
-    return [x, idx, w, gate_up, down]
+    if variant != "swiglu_lora":
+        return [x, idx, w, gate_up, down]
+    lora = [torch.randn(e, r, width, generator=gen) / width ** 0.5, torch.randn(e, 2 * f, r, generator=gen) / r,
+            torch.randn(e, r, f, generator=gen) / f ** 0.5, torch.randn(e, width, r, generator=gen) / r]
+    return [x, idx, w, gate_up, down, *lora, 2.0]
 
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=1,
-    variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights, fwd + bwd"},
+    template_version=2,
+    variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights, fwd + bwd",
+              "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "
+                             "(routed and pre-sorted entries); grads to x, routing weights, adapters"},
     params=(
         Param(name="limit", type=float, default=None, nullable=True, min=0.0,
               doc="SwiGLU clamp (pre-activation, gpt-oss style); None: no clamp"),

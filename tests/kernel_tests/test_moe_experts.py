@@ -1,5 +1,6 @@
 """MoE experts family (permute -> grouped GEMM with SwiGLU -> grouped GEMM with routing weight ->
-combine): forward and every gradient vs the per-expert loop, over routing patterns."""
+combine): forward and every gradient vs the per-expert loop, over routing patterns; the grouped
+expert LoRA variant (routed and pre-sorted entries) the same way."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from conftest import case_id
 from onboarding import aot, templating
 from onboarding.families import moe_experts
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.tolerance import Tolerance
 
 GPT_OSS = {"limit": 1.0, "alpha": 1.702, "up_offset": 1.0}
 CASES = [("swiglu", {}), ("swiglu", GPT_OSS), ("swiglu", {"capacity_factor": 0.75})]
 CASE_PARAMS = [pytest.param(v, p, id=case_id(v, p)) for v, p in CASES]
+LORA_CASES = [("swiglu_lora", {}), ("swiglu_lora", GPT_OSS)]
 # BLOCK_M=16 with expert loads of 0..74 rows: counts are not tile multiples; 32-wide N tiles over
 # D=24/40 and F=20 leave partial column tiles too.
 CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "dot_precision": "ieee"}
@@ -132,7 +135,7 @@ def test_aot_sm90(load):
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    paths = [load(v, p).__file__ for v, p in CASES]
+    paths = [load(v, p).__file__ for v, p in CASES + LORA_CASES]
     for path, rs in aot.compile_files(paths, registers=False).items():
         assert rs, path
         for r in rs:
@@ -148,3 +151,157 @@ def test_match_parsed_blocks(parse_model, ref):
     for b in experts:
         assert moe_experts.match(b) == {"variant": "swiglu", "params": moe_experts.FAMILY.resolve("swiglu", {})}
     assert all(moe_experts.match(b) is None for b in blocks if b.kind != "moe.experts")
+
+
+# ---- grouped expert LoRA (variant swiglu_lora) ------------------------------------------------
+LORA_ARGS = ("lora_a_gate_up", "lora_b_gate_up", "lora_a_down", "lora_b_down")
+
+
+def _adapters(e, d, f, rank, gen):
+    """Per-expert A and B, B non-zero (PEFT starts B at 0; then dA would be trivially 0)."""
+    return [torch.randn(e, rank, d, generator=gen) / d ** 0.5, torch.randn(e, 2 * f, rank, generator=gen) / rank,
+            torch.randn(e, rank, f, generator=gen) / f ** 0.5, torch.randn(e, d, rank, generator=gen) / rank]
+
+
+def lora_fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2, rank=8) -> KernelFixture:
+    def make_inputs(dtype, device, gen):
+        x = torch.randn(n, d, generator=gen)
+        idx = routing(kind, n, e, k, gen)
+        w = torch.rand(n, k, generator=gen) + 0.1
+        gate_up = torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5
+        down = torch.randn(e, d, f, generator=gen) / f ** 0.5
+        floats = [t.to(device, dtype) for t in (gate_up, down, *_adapters(e, d, f, rank, gen))]
+        return [x.to(device, dtype), idx.to(device), w.to(device, dtype), *floats, 0.5]
+
+    # base expert weights frozen (no_grad); adapter and routing-weight gradients are sums over rows
+    return KernelFixture(name=f"moe_experts_lora/{kind}", module=module, make_inputs=make_inputs,
+                         weights=(2, 5, 6, 7, 8), no_grad=(3, 4))
+
+
+class _SortedEntry:
+    """The module seen through its pre-sorted entry, so the contract suite checks that entry."""
+
+    def __init__(self, module):
+        object.__setattr__(self, "_module", module)
+
+    entry = property(lambda self: self._module.grouped_experts_lora)
+    reference = property(lambda self: self._module.grouped_reference)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def __setattr__(self, name, value):  # poisoning must reach the real module
+        setattr(self._module, name, value)
+
+
+def sorted_fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2, rank=8, pad=3) -> KernelFixture:
+    def make_inputs(dtype, device, gen):
+        counts = torch.bincount(routing(kind, n, e, k, gen).flatten(), minlength=e)
+        x = torch.randn(int(counts.sum()) + pad, d, generator=gen)  # + padding rows past sum(counts)
+        gate_up = torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5
+        down = torch.randn(e, d, f, generator=gen) / f ** 0.5
+        floats = [t.to(device, dtype) for t in (gate_up, down, *_adapters(e, d, f, rank, gen))]
+        return [x.to(device, dtype), counts.to(device), *floats, 2.0]
+
+    return KernelFixture(name=f"grouped_experts_lora/{kind}", module=_SortedEntry(module), make_inputs=make_inputs,
+                         weights=(4, 5, 6, 7), no_grad=(2, 3))
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_lora_forward_backward(load, device, kind):
+    check_forward_backward(lora_fixture(load("swiglu_lora", {}), kind), torch.float32, device)
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_lora_sorted_forward_backward(load, device, kind):
+    check_forward_backward(sorted_fixture(load("swiglu_lora", {}), kind), torch.float32, device)
+
+
+@pytest.mark.parametrize("shape", [dict(n=64, d=40, e=8, f=16, k=1, rank=16), dict(n=1, d=24, e=5, f=20, k=2, rank=3)],
+                         ids=["k1-r16", "n1-r3"])
+def test_lora_shapes(load, device, shape):
+    check_forward_backward(lora_fixture(load("swiglu_lora", {}), "zipf", **shape), torch.float32, device)
+
+
+def test_lora_clamped_and_bf16(load, device):
+    check_forward_backward(lora_fixture(load("swiglu_lora", GPT_OSS), "zipf"), torch.float32, device)
+    fx = sorted_fixture(load("swiglu_lora", {}), "all_to_one")
+    # Adapter gradients here are sums over all 37 rows of expert 0 (RMS ~9, not O(1)), and the
+    # kernel saves gate/up pre-activations in bf16 (as the base variant does) where the reference
+    # keeps fp32: near-zero elements then err by ~1% of the RMS (measured 0.1 at RMS 9.2). The
+    # absolute atol scales with that RMS; the relative-RMS bound stays the table's.
+    fx.tolerances["reduction"] = Tolerance(atol=0.15, rtol=2e-2, max_rel_rms=1e-2)
+    check_forward_backward(fx, torch.bfloat16, device)
+
+
+def test_lora_zero_adapters_equal_base_experts(load, device):
+    """B = 0 (PEFT's initial state): exactly the frozen experts, and dA = 0 while dB is not."""
+    lora_mod, base = load("swiglu_lora", {}), load("swiglu", {})
+    gen = torch.Generator().manual_seed(5)
+    x, idx = torch.randn(37, 24, generator=gen).to(device), routing("zipf", 37, 5, 2, gen).to(device)
+    w = torch.rand(37, 2, generator=gen).to(device)
+    gate_up = torch.randn(5, 40, 24, generator=gen).to(device) / 5
+    down = torch.randn(5, 24, 20, generator=gen).to(device) / 5
+    a_gu, b_gu, a_d, b_d = [t.to(device).requires_grad_() for t in _adapters(5, 24, 20, 4, gen)]
+    with torch.no_grad():
+        b_gu.zero_()
+        b_d.zero_()
+    gate_up.requires_grad_(True)  # frozen by the op even if the caller leaves requires_grad on
+    y = lora_mod.entry(x, idx, w, gate_up, down, a_gu, b_gu, a_d, b_d, 2.0)
+    torch.testing.assert_close(y, base.entry(x, idx, w, gate_up.detach(), down), rtol=1e-5, atol=1e-6)
+    y.square().sum().backward()
+    assert gate_up.grad is None
+    assert a_gu.grad.abs().max() == 0 and a_d.grad.abs().max() == 0
+    assert b_gu.grad.abs().max() > 0 and b_d.grad.abs().max() > 0
+    assert not hasattr(lora_mod, "moe_dwgu_kernel"), "no base-weight gradient kernel in the LoRA variant"
+
+
+def test_lora_sorted_matches_routed(load, device):
+    """The pre-sorted entry on the routed slots, weighted and combined by hand, is the routed entry."""
+    module = load("swiglu_lora", {})
+    fx = lora_fixture(module, "zipf")
+    x, idx, w, gate_up, down, *lora, s = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(2))
+    rt = module.route(idx, 5, 16)
+    ys = module.grouped_experts_lora(x[rt["tok"]], rt["offsets"].diff(), gate_up, down, *lora, s)
+    y = torch.zeros_like(x).index_add_(0, rt["tok"], ys * w.reshape(-1)[rt["order"], None])
+    torch.testing.assert_close(y, module.entry(x, idx, w, gate_up, down, *lora, s), rtol=1e-4, atol=1e-5)
+
+
+def test_lora_opcheck_contract_and_errors(load, device):
+    module = load("swiglu_lora", {})
+    check_module_contract(module)
+    check_opcheck(lora_fixture(module, "empty_experts", n=9), torch.float32, device)
+    x, idx, w, gate_up, down, *lora, s = lora_fixture(module, "uniform").make_inputs(
+        torch.float32, device, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"lora_b_down \(5, 24, 7\)"):
+        module.entry(x, idx, w, gate_up, down, *lora[:3], lora[3][..., :7], s)
+    with pytest.raises(ValueError, match=r"counts must be an integer \[E\]=\(5,\)"):
+        module.grouped_experts_lora(x, torch.ones(4, dtype=torch.int64), gate_up, down, *lora, s)
+
+
+def test_bench_cases_construct_and_baselines_agree(load):
+    """The GPU benchmark cases build on the CPU (nothing runs), and the two anchors they time
+    compute what the kernel computes (fp32, tiny shapes)."""
+    from onboarding.bench.cases import cases_for
+    from onboarding.bench.cases_moe import LORA_SHAPES, MOE_SHAPES, grouped_mm, routing, transformers_loop
+
+    cases = cases_for(["moe_experts", "lora"])
+    moe = {c.name: c for c in cases if c.family == "moe_experts"}
+    lora_cases = [c for c in cases if c.family == "lora"]
+    assert len(moe) == 2 * sum(len(s[-1]) for s in MOE_SHAPES) and len(lora_cases) == 2 * len(LORA_SHAPES)
+    anchor = "anchor/E64K8D2048F512N8192/uniform"
+    assert moe[f"{anchor}/fwd"].flops == 6 * 8192 * 8 * 2048 * 512
+    assert moe[f"{anchor}/fwdbwd"].flops == 3 * moe[f"{anchor}/fwd"].flops
+    assert {"deepseek_v3/E256K8D7168F2048N32768/uniform/fwdbwd", "qwen3_next/E512K10D2048F512N8192/zipf/fwd"} <= set(moe)
+    assert all(c.flops > 0 and c.min_bytes > 0 and callable(c.setup) for c in cases)
+    assert all((c.check is not None) == c.name.endswith("fwdbwd") for c in cases)
+
+    module = load("swiglu", {})
+    gen = torch.Generator().manual_seed(0)
+    idx, w = routing("zipf", 37, 6, 2, torch.device("cpu"), gen)
+    assert (w.sum(-1) - 1).abs().max() < 1e-6 and all(len(set(r)) == 2 for r in idx.tolist())
+    x, gate_up, down = torch.randn(37, 16, generator=gen), torch.randn(6, 24, 16, generator=gen), \
+        torch.randn(6, 16, 12, generator=gen)
+    expected = module.reference(x, idx, w, gate_up, down)
+    for fn in (transformers_loop, grouped_mm):
+        torch.testing.assert_close(fn(x, idx, w, gate_up, down), expected, rtol=1e-4, atol=1e-5)

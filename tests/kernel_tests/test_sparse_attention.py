@@ -99,6 +99,30 @@ def test_indexer_no_relu(load):
     assert torch.equal(m.sparse_topk_indexer(q, k, w, 5), m.reference(q, k, w, 5))
 
 
+@pytest.mark.parametrize("B,T_,topk,budget_rows", [
+    pytest.param(1, 45, 8, 16, id="T45-k8-3chunks"),        # odd T, last chunk short, K > early rows
+    pytest.param(2, 33, 33, 16, id="B2-T33-k=T-3chunks"),   # K == T, two batches share a chunk buffer
+    pytest.param(1, 29, 40, 32, id="T29-k>T-1chunk"),       # K > T, the whole row block at once
+])
+def test_chunked_indexer_equals_torch_topk(load, B, T_, topk, budget_rows):
+    """The entry scores and selects one block of query rows at a time (max_score_bytes sized for
+    `budget_rows` rows); its selection equals torch.topk's on the full masked scores."""
+    m = load("indexer", {"topk": 8})
+    q, k, w = indexer_inputs(torch.Generator().manual_seed(6 + T_), positive=True, B=B, T=T_)
+    budget = B * budget_rows * T_ * 4
+    assert m.query_chunk(B, T_, budget) == min(budget_rows, T_)
+    idx = m.sparse_topk_indexer(q, k, w, topk, max_score_bytes=budget)
+    K = min(topk, T_)
+    assert idx.shape == (B, T_, K)
+    causal = torch.ones(T_, T_, dtype=torch.bool, device=DEVICE).tril()
+    vals, ref = m.reference_scores(q, k, w).masked_fill(~causal, float("-inf")).topk(K, dim=-1)
+    for b in range(B):
+        for t in range(T_):
+            n = min(K, t + 1)
+            assert (idx[b, t, n:] == -1).all(), (b, t)
+            assert torch.equal(idx[b, t, :n].long(), ref[b, t, :n].sort().values), (b, t)
+
+
 # ---- gathered attention ----------------------------------------------------------------------
 
 GATHERED_CASES = [
@@ -221,3 +245,77 @@ def test_sample_inputs_run(load, variant, params):
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+# ---- benchmark cases (GPU-only to run; built and sanity-checked here) --------------------------
+
+def test_bench_cases_build_without_running():
+    from onboarding.bench import cases_sparse as cs
+    from onboarding.bench.cases import CASES, cases_for
+
+    assert CASES["sparse_attention"] is not None
+    cases = cases_for(["sparse_attention"])
+    names = {c.name for c in cases}
+    for T in (8192, 16384, 32768, 65536):
+        assert {f"mha-T{T}-fwd", f"mha-T{T}-fwdbwd", f"mla-T{T}-fwd", f"mla-T{T}-fwdbwd",
+                f"indexer-T{T}"} <= names
+    by = {c.name: c for c in cases}
+    c = by["mha-T8192-fwd"]
+    assert c.shape["K"] == 2048 and c.shape["H"] == 16 and c.shape["D_QK"] == 128
+    # useful FLOPs: rows t < K have t + 1 keys, later rows K
+    pairs = 2048 * 2049 // 2 + (8192 - 2048) * 2048
+    assert c.flops == 16 * pairs * 2 * (128 + 128)
+    assert by["mha-T8192-fwdbwd"].flops == 16 * pairs * (8 * 128 + 6 * 128)
+    assert by["mla-T65536-fwd"].shape["D_QK"] == 576 and by["mla-T65536-fwd"].shape["HK"] == 1
+    assert "causal_sdpa left out" in by["mla-T32768-fwd"].note and "left out" not in by["mha-T65536-fwd"].note
+    assert "eager left out" in by["indexer-T65536"].note and by["mha-T8192-fwdbwd"].check is not None
+
+
+def test_bench_stratified_indices_and_dense_baselines():
+    """The benchmark's selections are distinct, causal and -1 padded; its masked SDPA baseline
+    computes what the kernel's reference computes (both layouts, small T on the CPU)."""
+    from onboarding.bench import cases_sparse as cs
+
+    gen = torch.Generator().manual_seed(0)
+    idx = cs.stratified_indices(2, 50, 8, torch.device("cpu"), gen).long()
+    assert idx.shape == (2, 50, 8)
+    for t in range(50):
+        row = idx[0, t]
+        n = min(8, t + 1)
+        assert (row[n:] == -1).all() and row[:n].unique().numel() == n and (row[:n] <= t).all()
+    assert cs.useful_pairs(50, 8) == int((idx[0] >= 0).sum())
+    for layout in ("mha", "mla"):
+        H, HK, D_QK, D_V = cs.LAYOUTS[layout]
+        H = 2 if layout == "mla" else H // 8
+        T_ = 24
+        q = torch.randn(1, T_, H, D_QK, generator=gen)
+        kvs = [torch.randn(1, T_, 1, D_QK, generator=gen)] if layout == "mla" else \
+            [torch.randn(1, T_, H, D_QK, generator=gen), torch.randn(1, T_, H, D_V, generator=gen)]
+        sel = cs.stratified_indices(1, T_, 5, torch.device("cpu"), gen)
+        dense = cs._dense(layout, masked=True)(q, *kvs, sel).transpose(1, 2)
+        # attention over the same selection, by hand: softmax over the selected keys only
+        k, v = (kvs[0], kvs[0][..., :D_V]) if layout == "mla" else kvs
+        kf, vf = k.repeat_interleave(H // k.shape[2], 2), v.repeat_interleave(H // v.shape[2], 2)
+        logits = torch.einsum("bthd,bshd->bhts", q, kf) * D_QK ** -0.5
+        keep = torch.zeros(1, T_, T_ + 1, dtype=torch.bool).scatter(2, torch.where(sel >= 0, sel.long(), T_), True)[..., :T_]
+        probs = logits.masked_fill(~keep[:, None], float("-inf")).softmax(-1)
+        torch.testing.assert_close(dense, torch.einsum("bhts,bshd->bthd", probs, vf), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["mha", "mla"])
+def test_bench_steps_and_check_run_small(layout, monkeypatch):
+    """The GPU cases' own code (steps of every impl, fwd and fwd+bwd, and the bf16 check) run at a
+    tiny T, K and head count, so a bug in them shows here rather than on the GPU machine."""
+    from onboarding.bench import cases_sparse as cs
+
+    monkeypatch.setattr(cs, "TOPK", 5)
+    monkeypatch.setattr(cs, "CHECK_T", 20)
+    monkeypatch.setattr(cs, "CHECK_H", 2)
+    monkeypatch.setitem(cs.LAYOUTS, layout, (2, min(cs.LAYOUTS[layout][1], 2), *cs.LAYOUTS[layout][2:]))
+    res = cs._attn_check(layout)(DEVICE)
+    assert res["ok"] == 1.0, res
+    for backward in (False, True):
+        steps = cs._attn_steps(layout, 12, backward, DEVICE)
+        assert sorted(steps) == ["causal_sdpa", "masked_sdpa", "ours"]
+        for step in steps.values():
+            step(0)

@@ -1,0 +1,230 @@
+"""Benchmark cases for the MoE experts family (`moe_experts`) and the fused LoRA linear (`lora`).
+
+``moe_experts``, issue 6's shapes (E experts, top-K, hidden D, expert FFN F, N tokens, bf16):
+the anchor E=64 K=8 D=2048 F=512 N=8192; Qwen3-Next's E=512 K=10 D=2048 F=512; DeepSeek-V3's
+E=256 K=8 D=7168 F=2048 at N=8192 and N=32768. Uniform routing everywhere, Zipf-skewed routing
+(expert popularity ~ 1/rank) at the two D=2048 shapes. Each shape gives two cases, ``.../fwd``
+(forward only, under no_grad) and ``.../fwdbwd`` (forward + backward to x, routing weights and
+both expert weights), so that every row carries TFLOP/s. Impls:
+
+- ``ours``: the rendered ``swiglu`` experts kernel (permute -> grouped GEMM + SwiGLU -> grouped
+  GEMM + routing weight -> combine);
+- ``loop``: the per-expert loop transformers runs (one-hot mask, per hit expert: gather, two
+  linears, index_add);
+- ``grouped_mm``: argsort by expert + ``torch._grouped_mm`` for both GEMMs + index_add.
+
+FLOPs: forward 6 S D F for S = N K routed rows (gate/up 4 S D F, down 2 S D F); forward +
+backward 3x that (dx and both weight gradients). ``check`` (fwdbwd cases): the bf16 kernel
+against the fp32 per-expert reference at the case's E, K, D, F on 4096 tokens (DeepSeek shapes:
+32 of the experts, so the fp32 copies fit beside the bf16 case), output and every gradient.
+
+``lora``: the fused LoRA linear at rank 16, x [N, I] -> [N, O] at real projection shapes
+(Qwen3/Llama-style o_proj 4096->4096 and GQA k/v_proj 4096->1024, a 2048->8192 up projection,
+DeepSeek-V3's q_a_proj 7168->1536), N=8192 tokens. Impls: ``ours`` (fused: grads to x, A, B;
+W frozen), ``base`` (x W^T alone, grad to x only: the floor LoRA adds to), ``unfused`` (PEFT's
+torch formulation x W^T + s (x A^T) B^T). Read the LoRA overhead over the base GEMM as
+``1 / ratios["base"] - 1`` (the issue's goal: <= 15% at rank 16). FLOPs count the LoRA step
+(base GEMMs plus the rank-r products), so ``base`` rows overstate their own rate by ~r/min(I, O).
+
+Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D]; down [E, D, F]; LoRA W [O, I],
+A [r, I], B [O, r].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from onboarding.bench.cases import N_SETS, _check, _fwd_bwd, _kernel, _leaf
+from onboarding.bench.harness import BenchCase, Step
+
+# (name, E, K, D, F, N, routings)
+MOE_SHAPES = (
+    ("anchor", 64, 8, 2048, 512, 8192, ("uniform", "zipf")),
+    ("qwen3_next", 512, 10, 2048, 512, 8192, ("uniform", "zipf")),
+    ("deepseek_v3", 256, 8, 7168, 2048, 8192, ("uniform",)),
+    ("deepseek_v3", 256, 8, 7168, 2048, 32768, ("uniform",)),
+)
+CHECK_TOKENS, CHECK_MAX_EXPERTS_WIDE = 4096, 32
+# (name, N, I, O): rank-16 LoRA on real projections
+LORA_SHAPES = (
+    ("o_proj", 8192, 4096, 4096),
+    ("kv_proj_gqa", 8192, 4096, 1024),
+    ("up_proj", 8192, 2048, 8192),
+    ("deepseek_v3_q_a", 8192, 7168, 1536),
+)
+LORA_RANK, LORA_SCALING = 16, 2.0
+
+
+def routing(kind: str, n: int, e: int, k: int, device: torch.device,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_indices [n, k] (distinct experts per token) and routing weights [n, k] summing to 1."""
+    if kind == "zipf":
+        probs = 1.0 / torch.arange(1, e + 1, device=device, dtype=torch.float32)
+        probs = probs[torch.randperm(e, device=device, generator=gen)]  # popular experts anywhere
+    else:
+        probs = torch.ones(e, device=device)
+    idx = torch.multinomial(probs.expand(n, e), k, replacement=False, generator=gen)
+    w = torch.rand(n, k, device=device, generator=gen) + 0.05
+    return idx, w / w.sum(-1, keepdim=True)
+
+
+def transformers_loop(x, topk_indices, topk_weights, gate_up_proj, down_proj):
+    """The per-expert loop of transformers' packed experts (Qwen3MoeExperts.forward et al.)."""
+    y = torch.zeros_like(x)
+    E = gate_up_proj.shape[0]
+    with torch.no_grad():
+        mask = F.one_hot(topk_indices, num_classes=E).permute(2, 1, 0)
+        hit = (mask.sum(dim=(-1, -2)) > 0).nonzero()
+    for e in hit:
+        e = e[0]
+        slot, tok = torch.where(mask[e])
+        g, u = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(g) * u, down_proj[e]) * topk_weights[tok, slot, None]
+        y.index_add_(0, tok, h.to(y.dtype))
+    return y
+
+
+def grouped_mm(x, topk_indices, topk_weights, gate_up_proj, down_proj):
+    """argsort by expert, torch._grouped_mm for gate/up and down, weight, index_add."""
+    N, K = topk_indices.shape
+    E = gate_up_proj.shape[0]
+    flat = topk_indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    gu = torch._grouped_mm(x[tok], gate_up_proj.transpose(1, 2), offs=offs)
+    g, u = gu.chunk(2, dim=-1)
+    o = torch._grouped_mm(F.silu(g) * u, down_proj.transpose(1, 2), offs=offs)
+    o = o * topk_weights.reshape(-1)[order, None].to(o.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, o)
+
+
+def _fwd(fn: Callable, sets: list[tuple]) -> Step:
+    def step(i: int):
+        with torch.no_grad():
+            return fn(*sets[i % len(sets)])
+    return step
+
+
+def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool) -> list[tuple]:
+    """N_SETS token sets (x, indices, weights) sharing one set of expert weights: the weights
+    (0.2-23 GB in bf16) are far past the L2 on their own, and three copies would not fit."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf16 = torch.bfloat16
+    gate_up = (torch.randn(E, 2 * Fw, D, device=device, generator=gen) / D ** 0.5).to(bf16)
+    down = (torch.randn(E, D, Fw, device=device, generator=gen) / Fw ** 0.5).to(bf16)
+    if grad:
+        gate_up, down = _leaf(gate_up), _leaf(down)
+    sets = []
+    for _ in range(N_SETS):
+        x = torch.randn(N, D, device=device, generator=gen).to(bf16)
+        idx, w = routing(kind, N, E, K, device, gen)
+        w = w.to(bf16)
+        sets.append((_leaf(x) if grad else x, idx, _leaf(w) if grad else w, gate_up, down))
+    return sets
+
+
+def _moe_steps(E, K, D, Fw, N, kind, backward: bool, device) -> dict[str, Step]:
+    _, ours = _kernel("moe_experts", "swiglu")
+    impls = {"ours": ours, "loop": transformers_loop, "grouped_mm": grouped_mm}
+    sets = _moe_sets(E, K, D, Fw, N, kind, device, backward)
+    if not backward:
+        return {name: _fwd(fn, sets) for name, fn in impls.items()}
+    grads = [torch.randn(N, D, device=device, dtype=torch.bfloat16)]
+    return {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
+
+
+def _moe_check(E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, float]]:
+    e = E if D < 4096 else min(E, CHECK_MAX_EXPERTS_WIDE)
+
+    def make(dtype):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        idx, w = routing(kind, CHECK_TOKENS, e, K, torch.device("cuda"), gen)
+        return (torch.randn(CHECK_TOKENS, D, device="cuda", generator=gen).to(dtype), idx, w.to(dtype),
+                (torch.randn(e, 2 * Fw, D, device="cuda", generator=gen) / D ** 0.5).to(dtype),
+                (torch.randn(e, D, Fw, device="cuda", generator=gen) / Fw ** 0.5).to(dtype))
+
+    def check(device):
+        mod, ours = _kernel("moe_experts", "swiglu")
+        return _check(ours, mod.reference, make)(device)
+    return check
+
+
+def moe_experts_cases() -> list[BenchCase]:
+    cases = []
+    for label, E, K, D, Fw, N, kinds in MOE_SHAPES:
+        S = N * K
+        # bytes: x, y (bf16) and the expert weights once; the backward reads dy, x, the weights
+        # and writes dx and both weight gradients
+        fwd_bytes = 2 * (2 * N * D + 3 * E * Fw * D)
+        for kind in kinds:
+            for backward in (False, True):
+                name = f"{label}/E{E}K{K}D{D}F{Fw}N{N}/{kind}/{'fwdbwd' if backward else 'fwd'}"
+                cases.append(BenchCase(
+                    family="moe_experts", name=name,
+                    shape={"E": E, "K": K, "D": D, "F": Fw, "N": N},
+                    min_bytes=fwd_bytes + (2 * (3 * N * D + 6 * E * Fw * D) if backward else 0),
+                    flops=(18 if backward else 6) * S * D * Fw,
+                    setup=lambda device, a=(E, K, D, Fw, N, kind, backward): _moe_steps(*a, device),
+                    check=_moe_check(E, K, D, Fw, kind) if backward else None,
+                    note=f"{kind} routing; {'forward + backward' if backward else 'forward only'}"))
+    return cases
+
+
+def _lora_steps(N, I, O, backward: bool, device) -> dict[str, Step]:
+    _, ours = _kernel("lora", "linear")
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf16, r = torch.bfloat16, LORA_RANK
+    w = (torch.randn(O, I, device=device, generator=gen) / I ** 0.5).to(bf16)  # frozen: no grad
+    a = (torch.randn(r, I, device=device, generator=gen) / I ** 0.5).to(bf16)
+    b = (torch.randn(O, r, device=device, generator=gen) / r).to(bf16)
+    if backward:
+        a, b = _leaf(a), _leaf(b)
+    sets = []
+    for _ in range(N_SETS):
+        x = torch.randn(N, I, device=device, generator=gen).to(bf16)
+        sets.append((_leaf(x) if backward else x, w, a, b))
+    impls = {
+        "ours": lambda x, w, a, b: ours(x, w, a, b, LORA_SCALING),
+        "base": lambda x, w, a, b: F.linear(x, w),
+        "unfused": lambda x, w, a, b: F.linear(x, w) + LORA_SCALING * F.linear(F.linear(x, a), b),
+    }
+    if not backward:
+        return {name: _fwd(fn, sets) for name, fn in impls.items()}
+    grads = [torch.randn(N, O, device=device, dtype=bf16)]
+    return {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
+
+
+def lora_cases() -> list[BenchCase]:
+    cases = []
+    r = LORA_RANK
+    for label, N, I, O in LORA_SHAPES:
+        fwd_flops = 2 * N * I * O + 2 * N * r * (I + O)
+        # backward: dx = dy W + s (dy B) A, dA, dB: one more base GEMM and three more rank-r products
+        bwd_flops = 2 * N * O * I + 3 * 2 * N * r * (I + O)
+        fwd_bytes = 2 * (N * I + O * I + N * O)
+        for backward in (False, True):
+            def make(dtype, N=N, I=I, O=O):
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                return (torch.randn(N, I, device="cuda", generator=gen).to(dtype),
+                        (torch.randn(O, I, device="cuda", generator=gen) / I ** 0.5).to(dtype),
+                        (torch.randn(r, I, device="cuda", generator=gen) / I ** 0.5).to(dtype),
+                        (torch.randn(O, r, device="cuda", generator=gen) / r).to(dtype))
+
+            def check(device, make=make):
+                mod, ours = _kernel("lora", "linear")
+                return _check(lambda *t: ours(*t, LORA_SCALING), lambda *t: mod.reference(*t, LORA_SCALING),
+                              make)(device)
+
+            cases.append(BenchCase(
+                family="lora", name=f"{label}/N{N}I{I}O{O}r{r}/{'fwdbwd' if backward else 'fwd'}",
+                shape={"N": N, "I": I, "O": O, "r": r},
+                min_bytes=fwd_bytes + (2 * (2 * N * O + N * I + O * I) if backward else 0),
+                flops=fwd_flops + (bwd_flops if backward else 0),
+                setup=lambda device, a=(N, I, O, backward): _lora_steps(*a, device),
+                check=check if backward else None,
+                note="overhead over the base GEMM = 1 / ratios['base'] - 1"))
+    return cases
