@@ -268,6 +268,10 @@ def _patch_conv(model: nn.Module, block: Block, fn: Callable, record: PatchRecor
     intercept = _ConvIntercept(weight, fn, record)
 
     def forward(*args, **kwargs):
+        # FSDP2 swaps parameters (sharded outside, unsharded inside forward): match the weight
+        # the conv module holds now.
+        w = modules[block.path].weight if block.path in modules else weight
+        intercept.ptr = w.untyped_storage().data_ptr()
         with intercept:
             return original(*args, **kwargs)
 
