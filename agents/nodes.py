@@ -110,11 +110,52 @@ def align_node(state: RunState) -> dict[str, Any]:
 
 
 def after_align(state: RunState) -> str:
-    """Back to generate while alignment fails and retries remain, else on to the report."""
+    """Back to generate while alignment fails and retries remain, else on to tuning."""
     last = state.align_attempts[-1]
     if last["passed"] or len(state.align_attempts) > state.config.max_align_retries:
-        return "report"
+        return "tune"
     return "generate"
+
+
+DEFAULT_GPU_TUNE_TRIALS = 20
+
+
+def tune_node(state: RunState) -> dict[str, Any]:
+    """Optuna tile search for every candidate kernel of the run, per shape bucket
+    (`onboarding.tune_model`); skipped on the CPU unless `tune_trials` asks for it."""
+    from onboarding.rundir import write_json
+    from onboarding.tune import TuneConfig, gpu_name
+    from onboarding.tune_model import RESULTS_FILE, tune_run
+
+    step = _progress("tune")
+    append_event(Path(state.run_dir), {"node": "tune", "event": "start"})
+    run_dir, c = Path(state.run_dir), state.config
+    on_gpu = gpu_name() != "cpu-interpreter"
+    trials = c.tune_trials if c.tune_trials is not None else \
+        (DEFAULT_GPU_TUNE_TRIALS if on_gpu else 0)
+    attempt: dict[str, Any] = {"attempt": len(state.tune_attempts) + 1,
+                               "trials_per_study": trials, "gpu": gpu_name()}
+    if trials <= 0:
+        why = ("skipped: no GPU, and Triton-interpreter timings mean nothing (set tune_trials, "
+               "`onboard run --tune-trials N`, to tune anyway)" if not on_gpu
+               else "skipped: tune_trials is 0")
+        write_json(run_dir / RESULTS_FILE, {"skipped": why, "gpu": gpu_name()})
+        return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
+                     tune_attempts=[*state.tune_attempts, {**attempt, "skipped": why}],
+                     summary={"tuned_studies": 0})
+    step(f"tuning with {trials} trials per study")
+    cfg = TuneConfig(n_trials=trials, n_workers=c.tune_workers, aot=c.tune_aot, seed=c.seed,
+                     progress=False, storage_dir=run_dir)
+    data = tune_run(run_dir, cfg, families=c.tune_kernels if c.tune_kernels is not None
+                    else c.align_kernels, on_step=lambda s: step(f"tuning {s}"))
+    best = [{"family": s["family"], "variant": s["variant"], "bucket": s["bucket"],
+             "best_ms": s["result"]["best_ms"], "default_ms": s["result"]["default_ms"],
+             "trials": s["result"]["n_trials"], "complete": s["result"]["n_complete"]}
+            for s in data["studies"]]
+    attempt.update(studies=len(best), best=best, notes=data["notes"])
+    return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
+                 tune_attempts=[*state.tune_attempts, attempt],
+                 summary={"tuned_studies": sum(b["complete"] > 0 for b in best)})
 
 
 def report_node(state: RunState) -> dict[str, Any]:

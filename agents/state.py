@@ -21,6 +21,13 @@ class RunConfig(BaseModel):
     align_dtype: str = "fp32"
     align_reference: str = "fp64"
     max_align_retries: int = 2  # failed alignment loops back to generate at most this often
+    # tune node: Optuna trials per study (one per kernel and shape bucket). None: 20 on a GPU;
+    # on the CPU the interpreter's timings mean nothing, so None skips tuning there (set it to
+    # tune anyway: each trial costs seconds).
+    tune_trials: int | None = None
+    tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
+    tune_workers: int = 1
+    tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
 
 
 class RunState(BaseModel):
@@ -33,3 +40,5 @@ class RunState(BaseModel):
     # one entry per alignment attempt: passed, culprits, kernels excluded before it
     align_attempts: list[dict[str, Any]] = Field(default_factory=list)
     excluded_kernels: list[list[str]] = Field(default_factory=list)  # [block path, family]
+    # one entry per tune node run: trials per study, studies, best vs default per study
+    tune_attempts: list[dict[str, Any]] = Field(default_factory=list)

@@ -96,9 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per trial request")
     t.add_argument("--no-aot", action="store_true", help="skip the sm_90 ahead-of-time gate")
     t.add_argument("--compare-grid", action="store_true",
-                   help="also run the exhaustive grid of the space (a separate study) and "
-                        "compare: TPE gets --tpe-fraction of the grid's trials")
-    t.add_argument("--tpe-fraction", type=float, default=0.15)
+                   help="instead of --trials: run the exhaustive grid of the space and a "
+                        "TPE study with --tpe-fraction of the grid's trials (separate, "
+                        "resumable studies), compare them, write the better to tuned.json")
+    t.add_argument("--tpe-fraction", type=float, default=0.15,
+                   help="TPE's trials as a fraction of the grid's (default 0.15)")
     t.add_argument("--storage", help="Optuna storage URL (default: SQLite tune.db in --out)")
     t.add_argument("--out", help="run directory: reused if it holds a generated run, else "
                                  "created (default runs/<model>-<time> or runs/tune-<family>)")

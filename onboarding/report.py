@@ -156,6 +156,41 @@ def _alignment_section(run_dir: Path) -> str | None:
 SECTIONS.append(_alignment_section)
 
 
+def _tuning_section(run_dir: Path) -> str | None:
+    """One table per study (kernel x shape bucket) and the best-so-far-vs-trials plot."""
+    from onboarding.tune import markdown_table, result_from_dict
+    from onboarding.tune_model import PLOT_FILE, load_results
+
+    data = load_results(run_dir)
+    if data is None:
+        return None
+    out = ["## Tuning", ""]
+    if data.get("skipped"):
+        return "\n".join(out + [f"Tuning {data['skipped']}."])
+    out += [f"Optuna (TPE, warm-started from the bucket default and neighbouring tuned "
+            f"buckets), {data['trials_per_study']} trials per study on {data['gpu']}, "
+            f"{data['dtype']}; every trial checked against the reference before timing. "
+            f"Studies are in `tune.db` (optuna-dashboard reads it).", ""]
+    if data["gpu"] == "cpu-interpreter":
+        out += ["*No GPU: times are Triton-interpreter wall clock, not kernel speed.*", ""]
+    for s in data["studies"]:
+        dims = ", ".join(f"{k}={v}" for k, v in (s["dims"] or {}).items()
+                         if data["gpu"] != "cpu-interpreter") or "the family's sample shapes"
+        out += [f"### {s['family']}/{s['variant']} — bucket `{s['bucket']}`", "",
+                f"`{s['module']}`, {len(s['blocks'])} blocks; {s['size_source']} = "
+                f"{s['size']}; timed at {dims}.", "",
+                markdown_table([result_from_dict(s["result"])]).strip(), ""]
+    if not data["studies"]:
+        out += ["Nothing to tune: no passing candidate kernels.", ""]
+    out += [f"- {n}" for n in data.get("notes", [])]
+    if (run_dir / PLOT_FILE).exists():
+        out += [f"![best so far vs trials]({PLOT_FILE})"]
+    return "\n".join(out).rstrip()
+
+
+SECTIONS.append(_tuning_section)
+
+
 def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None,
                  align_attempts: list[dict] | None = None) -> Path:
     parts = [f"# onboard run: {title}", ""]
@@ -175,3 +210,57 @@ def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None
     path = run_dir / "report.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def _train_section(run_dir: Path) -> str | None:
+    """Setup, loss comparison (parallel vs single-process reference) and per-step metrics."""
+    train = run_dir / "train"
+    if not (train / "reference.jsonl").exists():
+        return None
+    from onboarding.training.compare import read_rows, summarize
+    from onboarding.training.config import TrainConfig
+    from onboarding.training.launch import describe
+
+    out = ["## Training (FSDP2 + EP LoRA)", ""]
+    toml = run_dir / "train.toml"
+    if toml.exists():
+        cfg = TrainConfig.from_toml(toml)
+        g = run_dir / "opgraph.json"
+        experts = {b.attrs.get("n_experts") for b in OpGraph.load(g).by_kind("moe.experts")} \
+            if g.exists() else set()
+        n_exp = next(iter(experts)) if len(experts) == 1 else None
+        out += [table(["setup", ""], describe(cfg, n_exp)), ""]
+    cmp_file = train / "compare.json"
+    runs = {"reference": None, "parallel": None}
+    if cmp_file.exists():
+        cmp = json.loads(cmp_file.read_text())
+        out += [f"**{cmp['summary']}**", ""]
+        if (train / "loss.png").exists():
+            out += ["![loss: parallel vs reference](train/loss.png)", ""]
+        runs.update(cmp["metrics"])
+    else:
+        out += ["Single-process run only (no parallel run to compare).", ""]
+        runs["reference"] = summarize(read_rows(train / "reference.jsonl"))
+
+    def fmt(v, kind):
+        if v is None:
+            return "—"
+        return {"pct": f"{100 * v:.1f}%", "gib": f"{v / 2 ** 30:.2f}",
+                "num": f"{v:,.0f}", "x": f"{v:.2f}", "s": f"{v * 1e3:.1f}"}[kind]
+
+    rows = [[role, fmt(m.get("tokens_per_s"), "num"), fmt(m.get("step_time_s"), "s"),
+             fmt(m.get("mfu"), "pct"), fmt(m.get("a2a_share"), "pct"),
+             fmt(m.get("a2a_exposed_share"), "pct"), fmt(m.get("peak_mem_bytes"), "gib"),
+             fmt(m.get("expert_max_imbalance"), "x"), m.get("steps", "—")]
+            for role, m in runs.items() if m]
+    out += ["Per-step metrics (medians, first step left out; MFU with LoRA-correct FLOPs):", "",
+            table(["run", "tokens/s", "step ms", "MFU", "all-to-all", "a2a exposed",
+                   "peak GiB", "max expert load / mean", "steps"], rows)]
+    if (train / "metrics.png").exists():
+        out += ["", "![training metrics](train/metrics.png)"]
+    if (train / "adapter" / "adapter_config.json").exists():
+        out += ["", "Adapters exported in PEFT format: `train/adapter/`."]
+    return "\n".join(out)
+
+
+SECTIONS.append(_train_section)

@@ -136,6 +136,8 @@ def test_default_run_is_the_hybrid_example(workdir, capsys):
     assert "sparse_attention.topk" in out and "linear_attention.gated_delta" in out
     report = (workdir / "demo" / "report.md").read_text()
     assert "params_by_kind.png" in report and (workdir / "demo" / "params_by_kind.png").exists()
+    # On the CPU the tune node runs but skips tuning by default, and says so in the report.
+    assert "## Tuning" in report and "skipped: no GPU" in report
 
 
 def test_readme_commands_are_what_ci_runs():
@@ -182,3 +184,54 @@ def test_tune_one_family(workdir, capsys):
     assert "d_le_512" in json.dumps(tuned)
     capsys.readouterr()
     _bad(workdir, capsys, ["tune", "--kernel", "nosuch", "--shapes", "64"], "unknown kernel family")
+
+
+def test_tune_bad_input(workdir, capsys):
+    _bad(workdir, capsys, ["tune"], "give MODEL")
+    _bad(workdir, capsys, ["tune", "tiny_dense", "--shapes", "64"], "without MODEL")
+    _bad(workdir, capsys, ["tune", "--out", "nothing_here"], "no generated run there")
+    _bad(workdir, capsys, ["tune", "--kernel", "moe_experts", "--shapes", "256", "--dims",
+                           "N=64,E=8"], "missing ['F', 'TOPK']")
+    _bad(workdir, capsys, ["tune", "--kernel", "conv1d", "--shapes", "256", "--dims", "N=64"],
+         "no real-shape timing inputs for conv1d")
+    _bad(workdir, capsys, ["tune", "--kernel", "rmsnorm", "--shapes", "64", "--space",
+                           "BLOCK_N=3"], "--space BLOCK_N=[3]")
+    _bad(workdir, capsys, ["tune", "--kernel", "rmsnorm", "--shapes", "64", "--compare-grid",
+                           "--tpe-fraction", "0"], "--tpe-fraction")
+    assert not (workdir / "nothing_here").exists()
+
+
+def test_tune_model_end_to_end(workdir, capsys):
+    """parse -> map -> generate into a fresh run directory, then one study per bucket of the
+    chosen family, tuned.json beside the candidate, tune.json and the plot for the report."""
+    assert main(["tune", "tiny_dense", "--seq", "16", "--kernel", "rmsnorm", "--trials", "1",
+                 "--no-aot", "--repeats", "1", "--out", "r"]) == 0
+    data = json.loads((workdir / "r" / "tune.json").read_text())
+    (study,) = data["studies"]  # tiny_dense: every RMSNorm has D=64, one bucket
+    assert (study["family"], study["bucket"], study["size"]) == ("rmsnorm", "d_le_512", 64)
+    assert study["dims"] == {"N": 16, "D": 64} and len(study["blocks"]) >= 3
+    tuned = json.loads((workdir / "r" / Path(study["module"]).with_suffix("")
+                        ).with_suffix(".tuned.json").read_text())
+    assert tuned["buckets"]["d_le_512"]["config"] == study["result"]["best_config"]
+    assert (workdir / "r" / "tune_best.png").is_file()
+    assert "d_le_512" in capsys.readouterr().out
+    # The agent's tune node on the same run: it continues the study and records the attempt.
+    from agents.nodes import tune_node
+    from agents.state import RunConfig, RunState
+    from onboarding.report import build_report
+
+    update = tune_node(RunState(config=RunConfig(tune_trials=1, tune_kernels=["rmsnorm"],
+                                                 tune_aot=False), run_dir="r"))
+    (attempt,) = update["tune_attempts"]
+    assert attempt["attempt"] == 1 and attempt["studies"] == 1
+    (best,) = attempt["best"]
+    assert (best["family"], best["bucket"], best["trials"]) == ("rmsnorm", "d_le_512", 2)
+    assert best["best_ms"] > 0 and update["summary"]["tuned_studies"] == 1
+    report = build_report(workdir / "r", title="t").read_text()
+    assert "## Tuning" in report and "### rmsnorm/plain — bucket `d_le_512`" in report
+    assert "| d_le_512 | 2 | 2 |" in report and "tune_best.png" in report
+    # Default config on the CPU: the node skips tuning and says why.
+    update = tune_node(RunState(config=RunConfig(), run_dir="r"))
+    assert "no GPU" in update["tune_attempts"][0]["skipped"]
+    assert "skipped: no GPU" in build_report(workdir / "r", title="t").read_text()
+

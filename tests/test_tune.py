@@ -10,6 +10,7 @@ import optuna
 import pytest
 
 from onboarding import tune
+from onboarding.errors import InputError
 from onboarding.templating import load_module, render_to
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -33,6 +34,16 @@ def entry(*args, **kwargs):
     out = _clean_entry(*args, **kwargs)
     return out * 1.01 if block_n == 2 else out
 '''
+
+
+# rmsnorm tiles its backward separately; the searches here vary only the forward tile and keep
+# the d_le_512 bucket's backward defaults, so the fake timer's optimum is unique.
+_BWD = {"BWD_BLOCK_N": 8, "bwd_warps": 4, "programs_per_sm": 4}
+FWD_ONLY = {k: [v] for k, v in _BWD.items()}
+
+
+def _full(block_n, num_warps):
+    return {"BLOCK_N": block_n, "num_warps": num_warps, **_BWD}
 
 
 def _fake_timer(config, result):
@@ -61,9 +72,12 @@ def test_subprocess_gate_prunes_wrong_hung_and_crashing_configs(tmp_path):
     path = render_to(tmp_path / "k", "rmsnorm", "plain")
     path.write_text(path.read_text() + _SABOTAGE)
     mod = load_module(path)
-    cfg = _cfg(tmp_path, n_trials=4, trial_timeout_s=5)
-    study = tune.create_study(tune.study_name(mod, "d_le_512", cfg.dtype), tune.storage_url(cfg),
-                              mod.TUNING_SPACE)
+    # The timeout bounds the hung config; a shorter one also cuts off honest trials when other
+    # jobs share the two cores (the first check loads the module and runs the interpreter).
+    cfg = _cfg(tmp_path, n_trials=4, trial_timeout_s=15, space=FWD_ONLY)
+    space = tune.search_space(mod, "d_le_512", cfg.space)
+    study = tune.create_study(tune.study_name(mod, "d_le_512", cfg.dtype, space=space),
+                              tune.storage_url(cfg), space)
     for bn in (2, 16, 32, 8):
         study.enqueue_trial({"BLOCK_N": bn, "num_warps": 4})
     res = tune.tune_module(path, size=64, config=cfg, timer=_fake_timer)
@@ -76,7 +90,7 @@ def test_subprocess_gate_prunes_wrong_hung_and_crashing_configs(tmp_path):
     assert "rc=" in by_bn[32].user_attrs["reason"]
     # The study went on after the hang and the crash, on a restarted worker.
     assert by_bn[8].state == optuna.trial.TrialState.COMPLETE
-    assert res.best_config == {"BLOCK_N": 8, "num_warps": 4}
+    assert res.best_config == _full(8, 4)
     assert res.pruned == {"correctness": 1, "timeout": 1, "crash": 1}
 
 
@@ -99,10 +113,10 @@ def test_check_limits_reasons():
 
 
 def test_fake_timer_search_finds_best_in_few_trials(tmp_path, rms_path):
-    cfg = _cfg(tmp_path, n_trials=14, isolate=False, warm_start=True, seed=1)
+    cfg = _cfg(tmp_path, n_trials=14, isolate=False, warm_start=True, seed=1, space=FWD_ONLY)
     res = tune.tune_module(rms_path, size=64, config=cfg, timer=_fake_timer)
-    assert res.best_config == {"BLOCK_N": 32, "num_warps": 1}, res  # 14 of 36 configs
-    assert res.default_ms == _fake_timer({"BLOCK_N": 8, "num_warps": 4}, {})
+    assert res.best_config == _full(32, 1), res  # 14 of 36 configs
+    assert res.default_ms == _fake_timer(_full(8, 4), {})
     # Best-so-far never rises; the report pieces render.
     vals = [v for v in res.history if v is not None]
     assert vals == sorted(vals, reverse=True)
@@ -142,12 +156,14 @@ def test_tuned_json_round_trip_and_dispatch(tmp_path):
     for key in ("gpu", "torch", "triton", "date", "trials", "study", "dtype"):
         assert key in entry
     mod = load_module(path)
+    dflt = mod.DEFAULT_CONFIG  # keys a tuned.json leaves out take the family default
     try:
         applied = tune.apply_tuned(mod, out)
         assert applied["d_le_4k"] == {"BLOCK_N": 2, "num_warps": 16}
-        assert mod.config_for(300) == {"BLOCK_N": 32, "num_warps": 1}
-        assert mod.config_for(3000) == {"BLOCK_N": 2, "num_warps": 16}
-        assert mod.config_for(1000) == {"BLOCK_N": 2, "num_warps": 4}  # untuned: bucket default
+        assert mod.config_for(300) == {**dflt, "BLOCK_N": 32, "num_warps": 1}
+        assert mod.config_for(3000) == {**dflt, "BLOCK_N": 2, "num_warps": 16}
+        untuned = next(b["config"] for b in mod.SHAPE_BUCKETS if b["name"] == "d_le_2k")
+        assert mod.config_for(1000) == {**dflt, **untuned}  # untuned: the bucket's default
     finally:
         for b in mod.SHAPE_BUCKETS:
             mod.set_config(None, b["name"])
@@ -173,10 +189,11 @@ def test_warm_start_enqueues_neighbours_and_other_models(tmp_path):
     (other / "x.tuned.json").write_text(json.dumps({"family": "swiglu", "variant": "plain",
         "buckets": {"d_le_512": {"config": {"BLOCK_N": 64}}}}))
     configs = tune.warm_start_configs(mod, path, "d_le_512", [tmp_path / "other"])
-    assert configs == [{"BLOCK_N": 8, "num_warps": 4},  # the bucket's default first
-                       {"BLOCK_N": 4, "num_warps": 2},  # nearest neighbour bucket
-                       {"BLOCK_N": 1, "num_warps": 32},
-                       {"BLOCK_N": 16, "num_warps": 8}]  # same family, another model
+    dflt = mod.DEFAULT_CONFIG
+    assert configs == [_full(8, 4),  # the bucket's default first
+                       {**dflt, "BLOCK_N": 4, "num_warps": 2},  # nearest neighbour bucket
+                       {**dflt, "BLOCK_N": 1, "num_warps": 32},
+                       {**dflt, "BLOCK_N": 16, "num_warps": 8}]  # same family, another model
     study = tune.create_study("ws", f"sqlite:///{tmp_path / 'ws.db'}", mod.TUNING_SPACE)
     assert tune.enqueue_warm_start(study, configs) == 4
     assert tune.enqueue_warm_start(study, configs) == 0  # resuming does not re-enqueue
@@ -196,3 +213,137 @@ def test_tune_buckets_end_to_end_writes_and_applies_tuned_json(tmp_path):
         assert mod.config_for(64) == res.best_config
     finally:
         mod.set_config(None, "d_le_512")
+
+
+def test_search_space_restriction_keeps_the_default_and_rejects_bad_values(rms_path):
+    mod = load_module(rms_path)
+    space = tune.search_space(mod, "d_le_512", {"BLOCK_N": [16, 32], "num_warps": [1],
+                                                "programs_per_sm": [2]})
+    # the bucket default (BLOCK_N 8, num_warps 4, programs_per_sm 4) stays in; others in full
+    assert space == {**{k: list(v) for k, v in mod.TUNING_SPACE.items()},
+                     "BLOCK_N": [8, 16, 32], "num_warps": [1, 4], "programs_per_sm": [2, 4]}
+    assert tune.space_size(space) == 3 * 2 * 2 * 6 * 6
+    full = tune.search_space(mod, "d_le_512")
+    assert tune.study_name(mod, "d_le_512", "bf16", space=full) == \
+        tune.study_name(mod, "d_le_512", "bf16")
+    assert ".space-" in tune.study_name(mod, "d_le_512", "bf16", space=space)
+    with pytest.raises(InputError, match="BLOCK_Q"):
+        tune.search_space(mod, "d_le_512", {"BLOCK_Q": [1]})
+    with pytest.raises(InputError, match="BLOCK_N=\\[3\\]"):
+        tune.search_space(mod, "d_le_512", {"BLOCK_N": [3]})
+
+
+def test_compare_grid_with_tpe_on_a_small_space(tmp_path, rms_path):
+    from onboarding._tune_grid import compare_grid, plot_comparison
+
+    cfg = _cfg(tmp_path, isolate=False, warm_start=True,
+               space={"BLOCK_N": [16, 32], "num_warps": [1, 2], **FWD_ONLY})
+    cmp = compare_grid(rms_path, size=64, config=cfg, timer=_fake_timer, tpe_fraction=0.3)
+    # The grid ran every config of the 3 x 3 space (default values added) exactly once.
+    assert cmp.grid.n_trials == 9 and cmp.grid.n_complete == 9
+    trials = _trials(cmp.grid, tmp_path / "studies")
+    assert len({json.dumps(t.params, sort_keys=True) for t in trials}) == 9
+    assert cmp.grid.best_config == _full(32, 1) and cmp.grid.best_ms == 1.0
+    assert cmp.default_ms == 9.0 and cmp.gain(cmp.grid) == 9.0
+    # TPE got ceil(0.3 * 9) = 3 trials, the bucket default first (warm start).
+    assert cmp.tpe.n_trials == 3 and cmp.trials_fraction == pytest.approx(3 / 9)
+    assert _trials(cmp.tpe, tmp_path / "studies")[0].params == _full(8, 4)
+    assert cmp.ratio == pytest.approx(cmp.tpe.best_ms / 1.0)
+    assert not cmp.goal_met  # a third of the grid's trials is over the 15% budget
+    d = cmp.to_dict()
+    assert d["gain_grid"] == 9.0 and d["ratio"] == cmp.ratio
+    md = cmp.markdown()
+    assert "| trials | 9 | 3 (33.3% of the grid) |" in md and "9.00x" in md
+    assert plot_comparison(cmp, tmp_path / "cmp.png").stat().st_size > 1000
+    # Resuming runs nothing new: both studies are complete.
+    again = compare_grid(rms_path, size=64, config=cfg, timer=_fake_timer, tpe_fraction=0.3)
+    assert (again.grid.n_trials, again.tpe.n_trials) == (9, 3)
+
+
+def test_plan_jobs_reads_buckets_and_timing_dims_off_the_op_graph(tmp_path, parse_model):
+    import torch
+
+    from onboarding._tune_worker import timing_inputs
+    from onboarding.generate import render_candidates, save_candidates
+    from onboarding.stages import run_map
+    from onboarding.tune_model import plan_jobs
+
+    graph = parse_model("onboard_hybrid")
+    graph.save(tmp_path / "opgraph.json")
+    cands = render_candidates(run_map(graph, tmp_path), tmp_path / "candidates")
+    for c in cands:  # plan_jobs reads only the verdict of generate's checks
+        c.status = "failed" if c.family == "conv1d" else "passed"
+    save_candidates(cands, tmp_path / "candidates.json")
+    jobs, notes = plan_jobs(tmp_path)
+    by = {(j.family, j.variant): j for j in jobs}
+    moe = by["moe_experts", "swiglu"]
+    assert moe.dims == {"N": 64, "D": 256, "E": 16, "TOPK": 4, "F": 128}
+    assert (moe.bucket, moe.size, len(moe.blocks)) == ("d_le_1k", 256, 8)
+    gdn = by["gated_delta", "chunk"]
+    assert gdn.dims == {"B": 1, "T": 64, "HV": 4, "V": 64, "K": 64, "HK": 2}
+    assert gdn.bucket == "k_le_64"
+    assert by["moe_router", "softmax"].size == 16  # E from the block's n_experts
+    assert ("conv1d", "causal") not in by and any("conv1d" in n and "failed" in n for n in notes)
+    assert len({(j.module, j.bucket) for j in jobs}) == len(jobs)  # one study per bucket
+    # Timing inputs at those dims are valid arguments of the family's reference.
+    gen = torch.Generator().manual_seed(0)
+    for job in (moe, gdn):
+        args = timing_inputs(job.family, job.variant, {}, job.dims, torch.float32, "cpu", gen)
+        out = load_module(job.module).reference(*args)
+        o = out[0] if isinstance(out, tuple) else out
+        assert o.shape[:2] == ((64, 256) if job is moe else (1, 64))
+        assert torch.isfinite(o).all()
+    with pytest.raises(InputError, match="missing \\['F'\\]"):
+        timing_inputs("moe_experts", "swiglu", {}, {k: v for k, v in moe.dims.items() if k != "F"},
+                      torch.float32, "cpu", gen)
+
+
+def test_gpu_gate_times_alone():
+    import threading
+    import time
+
+    gate, log = tune._GpuGate(), []
+
+    def check(i):
+        with gate.shared():
+            log.append(f"in{i}")
+            time.sleep(0.05)
+            log.append(f"out{i}")
+
+    def timing():
+        with gate.exclusive():
+            log.append("T")
+            time.sleep(0.05)
+            log.append("/T")
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(3)]
+    threads += [threading.Thread(target=timing)]
+    threads += [threading.Thread(target=check, args=(i,)) for i in range(3, 6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    t0, t1 = log.index("T"), log.index("/T")
+    assert t1 == t0 + 1  # nothing else ran while timing
+    inside = sum(x.startswith("in") for x in log[:t0]) - sum(x.startswith("out") for x in log[:t0])
+    assert inside == 0 and len(log) == 14
+
+
+def test_low_precision_check_accepts_the_kernel_and_rejects_a_wrong_one(rms_path):
+    """The GPU-side gate (kernel in the tuned dtype vs the fp32 reference on the same rounded
+    values), run here in fp16: the interpreter's fp16 is exact enough, its bf16 is not."""
+    import torch
+
+    from onboarding._tune_worker import _check_at
+    from onboarding.patching import entry_function
+    from onboarding.templating import get_family
+
+    mod = load_module(rms_path)
+    args = get_family("rmsnorm").sample_inputs("plain", dict(mod.PARAMS), [[64]],
+                                                torch.Generator().manual_seed(0))
+    good = _check_at(entry_function(mod), mod.reference, args, torch.float16)
+    assert len(good) == 3 and all(c["passed"] for c in good), good  # out, dx, dw
+    bad = _check_at(lambda *a: entry_function(mod)(*a) * 1.05, mod.reference, args,
+                    torch.float16)
+    assert not bad[0]["passed"] and "tune.out0" in bad[0]["message"]

@@ -1,0 +1,376 @@
+"""The tuner's trial worker: a subprocess that checks and times one tile config at a time.
+
+`Worker` (parent side) runs `python -m onboarding._tune_worker` and speaks JSON lines with it.
+Importing torch + triton costs seconds, so one child serves many trials; it is killed and
+restarted after a timeout or a crash (`WorkerTimeout`, `WorkerDied`), and the study goes on.
+
+A trial has two requests, so that compiling and checking can run in many workers at once while
+timing runs alone on the GPU (the parent's `tune._GpuGate` admits one `time` and no `check`):
+
+- ``check``: load the module, pin the config, compare forward + every gradient with `reference`
+  on the family's small `sample_inputs` (fresh random values; on a GPU in the timing dtype
+  against the fp32 reference, in the interpreter in fp32), then build the timing inputs
+  (real shapes from ``dims`` on a GPU, see `timing_inputs`) and run one untimed step so that
+  the Triton JIT compiles outside the timed region;
+- ``time``: the median of event-timed forward + backward steps on the prepared inputs.
+
+``aot`` compiles the module for sm_90 on the host (no GPU), for the AOT gate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from onboarding.errors import InputError
+
+_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class WorkerTimeout(RuntimeError):
+    pass
+
+
+class Worker:
+    """A long-lived child speaking JSON lines. Kernel prints go to stderr (kept in a temp file
+    whose tail explains a crash); the protocol uses a duplicate of the child's original stdout."""
+
+    def __init__(self, *, interpret: bool | None, startup_timeout_s: float):
+        self.interpret, self.startup_timeout_s = interpret, startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        if self.interpret is False:
+            env.pop("TRITON_INTERPRET", None)  # AOT codegen fails once the interpreter is active
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "onboarding._tune_worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, args=(self.proc, self.lines), daemon=True).start()
+        self._read(self.startup_timeout_s)  # the "ready" line
+
+    @staticmethod
+    def _pump(proc: subprocess.Popen, q: queue.Queue) -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            q.put(line)
+        q.put(None)
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise WorkerTimeout(f"no answer within {timeout:g} s") from None
+        if line is None:
+            self.proc.wait()  # type: ignore[union-attr]
+            rc = self.proc.returncode  # type: ignore[union-attr]
+            self.err.seek(0)
+            tail = self.err.read()[-1500:]
+            self.proc = None
+            raise WorkerDied(f"worker exited with rc={rc}: {tail.strip()[-800:]}")
+        return json.loads(line)
+
+    def call(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._read(timeout)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def worker_main() -> int:
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything the kernels print goes to stderr, not into the protocol
+    # Heavy imports before "ready": they count against the startup timeout, not a trial's.
+    import torch  # noqa: F401
+
+    import onboarding.generate  # noqa: F401
+    import onboarding.patching  # noqa: F401
+    proto.write(json.dumps({"ready": True}) + "\n")
+    proto.flush()
+    for line in sys.stdin:
+        out = handle(json.loads(line))
+        proto.write(json.dumps(out, default=str) + "\n")
+        proto.flush()
+    return 0
+
+
+def handle(req: dict[str, Any]) -> dict[str, Any]:
+    """Answer one request; an exception becomes an ``error`` result, never a dead worker."""
+    ops = {"aot": aot_one, "check": check_one, "time": time_prepared, "trial": trial_one}
+    try:
+        return ops[req["op"]](**req.get("args", {}))
+    except Exception as e:
+        _PREPARED.clear()
+        return {"ok": False, "stage": "error", "reason": f"{type(e).__name__}: {e}"[:1500]}
+
+
+def aot_one(path: str, config: dict, dtype: str, size: int) -> dict[str, Any]:
+    from onboarding.aot import compile_module
+    from onboarding.templating import load_module
+
+    mod = load_module(path)
+    mod.set_config(config)
+    try:
+        res = compile_module(mod, dtype=dtype, size=size)
+    finally:
+        mod.set_config(None)
+    return {"ok": True, "kernels": [r.as_dict() for r in res]}
+
+
+# ---- timing inputs at real shapes -------------------------------------------------------------
+
+def _moe_experts(dims: dict[str, int], dtype, device, gen) -> list:
+    """x [N, D], top-k indices of E experts with weights, gate_up [E, 2F, D], down [E, D, F]."""
+    import torch
+
+    n, d, e, k, f = (int(dims[x]) for x in ("N", "D", "E", "TOPK", "F"))
+    x = torch.randn(n, d, generator=gen)
+    idx = torch.rand(n, e, generator=gen).topk(k, dim=-1).indices  # balanced on average
+    w = torch.rand(n, k, generator=gen)
+    gate_up = torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5
+    down = torch.randn(e, d, f, generator=gen) / f ** 0.5
+    return [x.to(device, dtype), idx.to(device), w.to(device, dtype), gate_up.to(device, dtype),
+            down.to(device, dtype)]
+
+
+def _delta_rule(dims: dict[str, int], dtype, device, gen, per_channel: bool) -> list:
+    """q, k [B, T, HK, K], v [B, T, HV, V], fp32 log decay g [B, T, HV(, K)], beta [B, T, HV]."""
+    import torch
+    from torch.nn import functional as F
+
+    b, t, hk = int(dims["B"]), int(dims["T"]), int(dims["HK"])
+    hv, kd = int(dims.get("HV", hk)), int(dims["K"])
+    vd = int(dims.get("V", kd))
+    q = torch.randn(b, t, hk, kd, generator=gen)
+    k = torch.randn(b, t, hk, kd, generator=gen)
+    v = torch.randn(b, t, hv, vd, generator=gen)
+    g = F.logsigmoid(torch.randn((b, t, hv, kd) if per_channel else (b, t, hv), generator=gen) + 3)
+    beta = torch.sigmoid(torch.randn(b, t, hv, generator=gen))
+    return [q.to(device, dtype), k.to(device, dtype), v.to(device, dtype),
+            g.to(device),  # the models compute the log decay in fp32
+            beta.to(device, dtype), None, None, False]  # training needs o only
+
+
+def _rows(dims: dict[str, int], dtype, device, gen, family: str, variant: str,
+          params: dict) -> list:
+    import torch
+
+    n = int(dims["N"])
+    if family == "swiglu":
+        f = int(dims["F"])
+        if variant == "fused":
+            return [torch.randn(n, 2 * f, generator=gen).to(device, dtype)]
+        return [torch.randn(n, f, generator=gen).to(device, dtype) for _ in range(2)]
+    d = int(dims["D"])
+    args = [torch.randn(n, d, generator=gen).to(device, dtype)]
+    if variant == "gated":
+        args.append(torch.randn(n, d, generator=gen).to(device, dtype))
+    if variant != "l2norm":
+        args.append((1 + 0.1 * torch.randn(d, generator=gen)).to(device, dtype))
+    return [*args, params.get("eps", 1e-6)]
+
+
+TIMING_DIMS = {  # dims each family's timing inputs need (the bucketed one may come from size)
+    "moe_experts": ("N", "D", "E", "TOPK", "F"),
+    "gated_delta": ("B", "T", "HK", "K"),
+    "kimi_delta": ("B", "T", "HK", "K"),
+    "rmsnorm": ("N", "D"),
+    "swiglu": ("N", "F"),
+}
+
+
+def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int], dtype,
+                  device, gen) -> list:
+    """Entry arguments at real shapes for timing; InputError naming what is missing."""
+    need = TIMING_DIMS.get(family)
+    if need is None:
+        raise InputError(f"tune: no real-shape timing inputs for family {family}; known: "
+                         f"{sorted(TIMING_DIMS)}")
+    missing = [k for k in need if k not in dims]
+    if missing:
+        raise InputError(f"tune: {family} timing needs dims {list(need)}; missing {missing}")
+    if family == "moe_experts":
+        return _moe_experts(dims, dtype, device, gen)
+    if family in ("gated_delta", "kimi_delta"):
+        return _delta_rule(dims, dtype, device, gen, per_channel=family == "kimi_delta")
+    return _rows(dims, dtype, device, gen, family, variant, params)
+
+
+# ---- check and time ---------------------------------------------------------------------------
+
+_PREPARED: dict[str, Any] = {}  # the checked config's module, entry, inputs and cotangents
+
+
+def check_one(path: str, config: dict, family: str, variant: str, params: dict,
+              shapes: list, seed: int, dtype: str, dims: dict | None = None) -> dict[str, Any]:
+    """Correctness on sample inputs, then prepare (and JIT-compile) the timing step."""
+    import torch
+
+    from onboarding.backend import kernel_device
+    from onboarding.generate import _check_one
+    from onboarding.patching import entry_function
+    from onboarding.templating import get_family, load_module
+
+    _release()
+    mod = load_module(path)
+    spec = get_family(family)
+    if spec.sample_inputs is None:
+        raise InputError(f"family {family} declares no sample_inputs")
+    device = kernel_device()
+    mod.set_config(config)
+    _PREPARED["module"] = mod  # pinned until `time` or the next check releases it
+    gen = torch.Generator().manual_seed(seed)
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a
+            for a in spec.sample_inputs(variant, params, shapes, gen)]
+    entry = entry_function(mod)
+    on_gpu = device.type == "cuda"
+    tdt = getattr(torch, _TORCH_DTYPES.get(dtype, "float32")) if on_gpu else torch.float32
+    # On a GPU the config is checked at the precision it is tuned for (a tf32 dot is right for
+    # bf16 inputs, not at fp32 tolerance); the interpreter's bf16 is broken, so fp32 there.
+    checks = _check_at(entry, mod.reference, args, tdt) if on_gpu and tdt != torch.float32 \
+        else _check_one(entry, mod.reference, tuple(args), "tune")
+    bad = [c for c in checks if not c["passed"]]
+    if not checks or bad:
+        _release()
+        why = "; ".join(f"{c['name']}: {c.get('message', '')}"[:200] for c in bad) or "no checks"
+        return {"ok": False, "stage": "correctness", "reason": why, "checks": checks}
+    if on_gpu and dims:
+        xs, shapes_note = timing_inputs(family, variant, params, dims, tdt, device, gen), "dims"
+    else:  # the interpreter: keep the small sample shapes (its timings mean nothing anyway)
+        xs, shapes_note = [a.detach().to(tdt) if isinstance(a, torch.Tensor) and
+                           a.is_floating_point() else a for a in args], "sample"
+    xs = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and
+          a.is_floating_point() else a for a in xs]
+    outs = _grad_outputs(entry(*xs))
+    cot = [torch.randn_like(o) for o in outs]
+    _PREPARED.update(entry=entry, xs=xs, cot=cot, device=device)
+    _step(entry, xs, cot)  # compile the timed shapes outside the timed region
+    if on_gpu:
+        torch.cuda.synchronize()
+    return {"ok": True, "stage": "checked", "checks": len(checks), "timing_shapes": shapes_note}
+
+
+def _check_at(entry, ref, args: list, tdt) -> list[dict[str, Any]]:
+    """The kernel in `tdt` against the fp32 reference on the same `tdt`-rounded values: every
+    output and input gradient, at `tdt`'s tolerance (gradients: its "reduction" row)."""
+    import torch
+
+    from onboarding.testing.tolerance import compare, tolerance_for
+
+    def is_f(a):
+        return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+    rounded = [a.detach().to(tdt) if is_f(a) else a for a in args]
+    lo = [a.clone().requires_grad_(True) if is_f(a) else a for a in rounded]
+    hi = [a.float().requires_grad_(True) if is_f(a) else a for a in rounded]
+    outs, exps = entry(*lo), ref(*hi)
+    outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o is not None]
+    exps = [e for e in (exps if isinstance(exps, tuple) else (exps,)) if e is not None]
+    res = []
+    for i, (o, e) in enumerate(zip(outs, exps)):
+        if not o.is_floating_point():
+            res.append({"name": f"tune.out{i}", "passed": torch.equal(o, e),
+                        "message": "integer output differs"})
+        else:
+            res.append(compare(o.detach().float(), e.detach().float(), tolerance_for(tdt),
+                               f"tune.out{i}").as_dict())
+    pairs = [(o, e) for o, e in zip(outs, exps) if o.requires_grad and e.requires_grad]
+    gen = torch.Generator(device=pairs[0][1].device if pairs else "cpu").manual_seed(1)
+    cot = [torch.randn(e.shape, device=e.device, generator=gen) for _, e in pairs]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [c.to(o.dtype) for (o, _), c in
+                                                          zip(pairs, cot)])
+        torch.autograd.backward([e for _, e in pairs], cot)
+    for i, (a, r) in enumerate(zip(lo, hi)):
+        if is_f(a) and (a.grad is not None or r.grad is not None):
+            if a.grad is None or r.grad is None:
+                res.append({"name": f"tune.grad{i}", "passed": False,
+                            "message": "gradient missing on one side"})
+                continue
+            res.append(compare(a.grad.float(), r.grad.float(), tolerance_for(tdt, "reduction"),
+                               f"tune.grad{i}").as_dict())
+    return res
+
+
+def _grad_outputs(out) -> list:
+    import torch
+
+    return [o for o in (out if isinstance(out, tuple) else (out,))
+            if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _step(entry, xs: list, cot: list) -> None:
+    """Forward + backward. Gradients come back from `autograd.grad`, so a step does not also
+    pay for accumulating them into `.grad` (as the benchmark harness does)."""
+    import torch
+
+    ys = _grad_outputs(entry(*xs))
+    leaves = [a for a in xs if isinstance(a, torch.Tensor) and a.requires_grad]
+    if ys and leaves:
+        torch.autograd.grad(ys, leaves, cot[: len(ys)], allow_unused=True)
+
+
+def time_prepared(repeats: int) -> dict[str, Any]:
+    """Median ms of forward + backward on the prepared inputs: CUDA events on a GPU, wall clock
+    (meaningless, kept short) in the interpreter."""
+    import statistics
+
+    if "entry" not in _PREPARED:
+        raise RuntimeError("time before a successful check")
+    entry, xs, cot, device = (_PREPARED[k] for k in ("entry", "xs", "cot", "device"))
+    try:
+        if device.type == "cuda":
+            from onboarding.bench.harness import time_fn
+
+            ms = time_fn(lambda i: _step(entry, xs, cot), warmup=3, repeats=repeats,
+                         n_sets=1).median_ms
+            return {"ok": True, "stage": "timed", "time_ms": ms, "timing": "cuda-events"}
+        times = []
+        for _ in range(min(repeats, 2)):
+            t0 = time.perf_counter()
+            _step(entry, xs, cot)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return {"ok": True, "stage": "timed", "time_ms": statistics.median(times),
+                "timing": "cpu-wallclock"}
+    finally:
+        _release()
+
+
+def _release() -> None:
+    mod = _PREPARED.get("module")
+    if mod is not None:
+        mod.set_config(None)
+    _PREPARED.clear()
+
+
+def trial_one(repeats: int, **check_args) -> dict[str, Any]:
+    """check + time in one request (in-process trials)."""
+    res = check_one(**check_args)
+    if not res["ok"]:
+        return res
+    return {**time_prepared(repeats), "checks": res["checks"],
+            "timing_shapes": res["timing_shapes"]}
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
