@@ -1,9 +1,9 @@
 """Gated delta rule family (GDN): chunked linear attention with a scalar log-space decay per head.
 
-One variant, `chunk`: the chunked WY/UT algorithm (Triton forward, hybrid Triton + PyTorch
-backward) plus a token-by-token recurrent kernel for decoding. q, k [B, T, HK, K], v [B, T, HV, V]
-with HV a multiple of HK, g and beta [B, T, HV], optional in-kernel l2norm of q and k, a scale,
-initial / final state [B, HV, K, V]. Shared with `kimi_delta` (same template, per-channel decay).
+One variant, `chunk`: the chunked WY/UT algorithm (Triton forward and backward) plus a
+token-by-token recurrent kernel for decoding. q, k [B, T, HK, K], v [B, T, HV, V] with HV a
+multiple of HK, g and beta [B, T, HV], optional in-kernel l2norm of q and k, a scale, initial /
+final state [B, HV, K, V]. Shared with `kimi_delta` (same template, per-channel decay).
 """
 
 from __future__ import annotations
@@ -46,12 +46,24 @@ TUNING_SPACE = {
     "num_warps": (1, 2, 4, 8),
     "num_stages": (1, 2, 3),
     "dot_precision": ("tf32", "ieee"),
+    # software-pipelining depth of the serial loops over chunks (forward and backward state
+    # passes): the next chunks' fp32 [BT, K] tiles are prefetched into shared memory
+    "state_stages": (1, 2, 3),
+    "state_bwd_stages": (1, 2, 3),
 }
-DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32"}
+DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32",
+                  "state_stages": 2, "state_bwd_stages": 1}
 SHAPE_BUCKETS = (
-    ShapeBucket(name="k_le_64", dim="K", lo=1, hi=64, config={"BV": 64}),
-    ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128, config={"BV": 32, "num_warps": 8}),
-    ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256, config={"BV": 16, "num_warps": 8}),
+    # Chosen from ptxas register spills and shared memory of the AOT build (sm_90, BT=64), not yet
+    # timed: BK=32 and 8 warps take prepare from 4.8k (K=64, 4 warps) / 536 (K=128, BK=64) spilled
+    # bytes to ~0 and halve the backward chunk kernels'; two pipeline stages fit the backward state
+    # pass up to K=64 and the forward one up to K=128.
+    ShapeBucket(name="k_le_64", dim="K", lo=1, hi=64,
+                config={"BK": 32, "BV": 32, "num_warps": 8, "state_bwd_stages": 2}),
+    ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128, config={"BK": 32, "BV": 32, "num_warps": 8}),
+    # fp32 [BT, 256] w and kd tiles: a second pipeline stage would not fit in shared memory
+    ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
+                config={"BK": 32, "BV": 16, "num_warps": 8, "state_stages": 1}),
 )
 PARAMS = (
     Param(name="chunk_size", type=int, default=64, choices=CHUNK_SIZES,
@@ -82,7 +94,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=1,
+    template_version=2,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

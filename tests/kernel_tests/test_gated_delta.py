@@ -172,6 +172,41 @@ def check_decode(module, case: Case, per_channel: bool) -> None:
     assert_close(ht_fused, ht_chunk, tol, f"{case.id}: recurrent final state vs chunked")
 
 
+def check_backward_is_triton(module, per_channel: bool, monkeypatch) -> None:
+    """fwd+bwd against the naive reference with the PyTorch prepare twin made to raise: the
+    backward runs in Triton and never recomputes the intra-chunk step with torch autograd."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the backward called chunk_prepare_torch (PyTorch recompute)")
+
+    monkeypatch.setattr(module, "chunk_prepare_torch", forbidden)
+    case = Case(HK=1, HV=2, T=20, l2=True, h0=True)
+    check_forward_backward(fixture(module, case, per_channel), torch.float32, DEVICE)
+
+
+def check_prepare_vs_torch(module, per_channel: bool) -> None:
+    """The prepare kernel's w, u, kd, qg, Aqk, gl equal the batched PyTorch twin; the kept Tm and M
+    are (I + A)^-1 and A / beta."""
+    case = Case(HK=1, HV=2, T=37, l2=True, h0=False)
+    q, k, v, g, beta, *_ = make_inputs(case, per_channel, torch.float32, DEVICE, torch.Generator().manual_seed(4))
+    scale = case.K ** -0.5
+    with torch.no_grad():
+        *outs, Tm, M = module._prepare(q, k, v, g, beta, scale, True, keep_tm=True)
+        refs = module.chunk_prepare_torch(q, k, v, g, beta, scale, True)
+    tol = tolerance_for(torch.float32)
+    for name, a, b in zip(("w", "u", "kd", "qg", "Aqk", "gl"), outs, refs):
+        assert_close(a, b.reshape(a.shape), tol, f"prepare {name}")
+    # Tm = (I + A)^-1 maps beta v to u chunk by chunk
+    B, NT, BT = case.B, -(-case.T // CHUNK), CHUNK
+    vb = F.pad((v * beta[..., None]).transpose(1, 2), (0, 0, 0, NT * BT - case.T)).reshape(B, case.HV, NT, BT, -1)
+    u_from_tm = Tm.reshape(B, case.HV, NT, BT, BT) @ vb
+    assert_close(u_from_tm, refs[1], tol, "prepare Tm (I + A)^-1 applied to beta v")
+    # M = A / beta: (I + beta M) Tm = I
+    eye = torch.eye(BT, device=Tm.device)
+    beta_c = F.pad(beta.transpose(1, 2), (0, NT * BT - case.T)).reshape(B, case.HV, NT, BT, 1)
+    ident = (eye + beta_c * M.reshape(B, case.HV, NT, BT, BT)) @ Tm.reshape(B, case.HV, NT, BT, BT)
+    assert_close(ident, eye.expand_as(ident), tol, "prepare M: (I + beta M) Tm = I")
+
+
 def block(kind: str, decay_shape: list[int], cumsum_dim: int, per_channel: bool, l2: bool) -> Block:
     hist = {"cumsum": 1, "exp": 4, "sigmoid": 1, "matmul": 8}
     if l2:
@@ -194,7 +229,7 @@ def check_aot(spec) -> None:
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-aot-")) / spec.name / "chunk.py")
     results = aot.compile_files([path], size=128, registers=False)
     rs = next(iter(results.values()))
-    assert len(rs) == 5, [r.kernel for r in rs]
+    assert len(rs) == 7, [r.kernel for r in rs]
     for r in rs:
         assert r.ok, f"{r.kernel}: {r.error}"
         assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, (r.kernel, r.shared_bytes)
@@ -224,6 +259,23 @@ def test_vs_transformers_recurrent():
 @pytest.mark.parametrize("case", CASE_PARAMS[:2])
 def test_decode_matches_chunked(case):
     check_decode(load(gated_delta.FAMILY), case, False)
+
+
+# K and V span two tiles of the CPU config (BK = BV = 32), the second V tile partial.
+WIDE = Case(HK=1, HV=2, T=37, l2=True, h0=True, K=64, V=48)
+
+
+def test_multi_tile_head_dims():
+    module = load(gated_delta.FAMILY)
+    check_against(module, module.reference, WIDE, False, "naive recurrence")
+
+
+def test_backward_runs_in_triton(monkeypatch):
+    check_backward_is_triton(load(gated_delta.FAMILY), False, monkeypatch)
+
+
+def test_prepare_kernel_vs_torch_twin():
+    check_prepare_vs_torch(load(gated_delta.FAMILY), False)
 
 
 def test_fp16_inputs():

@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import DEVICE
 from test_gated_delta import (
-    CASES, Case, block, check_against, check_aot, check_decode, fixture, load, make_inputs, transformers_fns,
+    CASES, WIDE, Case, block, check_against, check_aot, check_backward_is_triton, check_decode, check_prepare_vs_torch,
+    fixture, load, make_inputs, transformers_fns,
 )
 
 from onboarding.families import kimi_delta
@@ -55,6 +56,19 @@ def test_strong_decay_is_finite():
 @pytest.mark.parametrize("case", CASE_PARAMS[1:2])
 def test_decode_matches_chunked(case):
     check_decode(load(kimi_delta.FAMILY), case, True)
+
+
+def test_multi_tile_head_dims():
+    module = load(kimi_delta.FAMILY)
+    check_against(module, module.reference, WIDE, True, "naive recurrence")
+
+
+def test_backward_runs_in_triton(monkeypatch):
+    check_backward_is_triton(load(kimi_delta.FAMILY), True, monkeypatch)
+
+
+def test_prepare_kernel_vs_torch_twin():
+    check_prepare_vs_torch(load(kimi_delta.FAMILY), True)
 
 
 def test_opcheck_and_contract():
