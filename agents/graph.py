@@ -14,7 +14,7 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
 from agents.nodes import (after_align, align_node, generate_node, load_node, map_node,
-                          parse_node, report_node, tune_node)
+                          parse_node, report_node, train_node, tune_node)
 from agents.state import RunState
 
 NODES = ("load", "parse", "map", "generate", "align", "tune", "report")
@@ -25,14 +25,15 @@ def build_graph():
     g = StateGraph(RunState)
     for name, node in (("load", load_node), ("parse", parse_node), ("map", map_node),
                        ("generate", generate_node), ("align", align_node),
-                       ("tune", tune_node), ("report", report_node)):
+                       ("tune", tune_node), ("train", train_node), ("report", report_node)):
         g.add_node(name, node)
     g.add_edge(START, "load")
     for a, b in (("load", "parse"), ("parse", "map"), ("map", "generate"),
                  ("generate", "align")):
         g.add_edge(a, b)
     g.add_conditional_edges("align", after_align, {"generate": "generate", "tune": "tune"})
-    g.add_edge("tune", "report")
+    g.add_edge("tune", "train")
+    g.add_edge("train", "report")
     g.add_edge("report", END)
     return g
 

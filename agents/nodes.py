@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,59 @@ def tune_node(state: RunState) -> dict[str, Any]:
     return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
                  tune_attempts=[*state.tune_attempts, attempt],
                  summary={"tuned_studies": sum(b["complete"] > 0 for b in best)})
+
+
+DEFAULT_GPU_TRAIN_STEPS = 20
+
+
+def train_layout(nproc: int, n_experts: int | None) -> tuple[int, int]:
+    """(ep, fsdp) for ``nproc`` processes: experts split over every rank when they divide
+    evenly, else over the largest divisor of both; the rest of the world shards dense params."""
+    ep = 1
+    if n_experts:
+        ep = max(d for d in range(1, nproc + 1) if nproc % d == 0 and n_experts % d == 0)
+    return ep, nproc // ep
+
+
+def train_node(state: RunState) -> dict[str, Any]:
+    """LoRA fine-tuning of the proxy with FSDP2 x EP against its single-process reference
+    (`onboarding.training.launch`); skipped on the CPU unless `train_steps` asks for it."""
+    import torch
+    from rich.console import Console
+
+    from onboarding.training.config import TrainConfig
+    from onboarding.training.launch import launch
+
+    step = _progress("train")
+    append_event(Path(state.run_dir), {"node": "train", "event": "start"})
+    run_dir, c = Path(state.run_dir), state.config
+    gpus = torch.cuda.device_count()
+    steps = c.train_steps if c.train_steps is not None else \
+        (DEFAULT_GPU_TRAIN_STEPS if gpus else 0)
+    attempt: dict[str, Any] = {"attempt": len(state.train_attempts) + 1, "steps": steps}
+    if steps <= 0:
+        why = ("skipped: no GPU (set train_steps, `onboard run --train-steps N`, to train on "
+               "the CPU with gloo)" if not gpus else "skipped: train_steps is 0")
+        return _done(state, "train", train_attempts=[*state.train_attempts,
+                                                     {**attempt, "skipped": why}])
+    nproc = c.train_nproc or (gpus if gpus else 2)
+    experts = {b.attrs.get("n_experts")
+               for b in OpGraph.load(run_dir / "opgraph.json").by_kind("moe.experts")}
+    ep, fsdp = train_layout(nproc, next(iter(experts)) if len(experts) == 1 else None)
+    cfg = TrainConfig(model=c.model_ref or "", overrides=c.overrides,
+                      trust_remote_code=c.trust_remote_code, proxy=c.proxy,
+                      out=str(run_dir.resolve()), nproc=nproc, ep=ep, fsdp=fsdp, steps=steps,
+                      seq_len=c.seq, seed=c.seed,
+                      dtype="bf16" if gpus else "fp32", device="cuda" if gpus else "cpu")
+    step(f"training {steps} steps on {nproc} processes (fsdp {fsdp} x ep {ep})")
+    rc = launch(cfg, console=Console(stderr=True))
+    compare = run_dir / "train" / "compare.json"
+    verdict = json.loads(compare.read_text()) if compare.exists() else {}
+    attempt.update(nproc=nproc, ep=ep, fsdp=fsdp, exit_code=rc,
+                   passed=verdict.get("passed"), summary=verdict.get("summary"))
+    return _done(state, "train", artifacts={"train": "train/compare.json"},
+                 train_attempts=[*state.train_attempts, attempt],
+                 summary={"train_loss_matches_reference": verdict.get("passed")})
 
 
 def report_node(state: RunState) -> dict[str, Any]:

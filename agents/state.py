@@ -28,6 +28,10 @@ class RunConfig(BaseModel):
     tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
     tune_workers: int = 1
     tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
+    # train node: LoRA steps of the FSDP2 x EP setup plus its single-process reference. None:
+    # 20 on a GPU, skipped on the CPU (set it to train there: gloo, seconds per step).
+    train_steps: int | None = None
+    train_nproc: int | None = None  # None: the GPUs on this machine (2 on the CPU)
 
 
 class RunState(BaseModel):
@@ -42,3 +46,5 @@ class RunState(BaseModel):
     excluded_kernels: list[list[str]] = Field(default_factory=list)  # [block path, family]
     # one entry per tune node run: trials per study, studies, best vs default per study
     tune_attempts: list[dict[str, Any]] = Field(default_factory=list)
+    # one entry per train node run: the layout, exit code and the loss comparison's verdict
+    train_attempts: list[dict[str, Any]] = Field(default_factory=list)

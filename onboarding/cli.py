@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tune-trials", type=int, default=None, metavar="N",
                    help="Optuna trials per kernel and shape bucket (default: 20 on a GPU; "
                         "tuning is skipped on the CPU unless this is given)")
+    r.add_argument("--train-steps", type=int, default=None, metavar="N",
+                   help="LoRA training steps of the FSDP2 x EP setup and its reference "
+                        "(default: 20 on a GPU; skipped on the CPU unless this is given)")
+    r.add_argument("--train-nproc", type=int, default=None, metavar="N",
+                   help="training processes (default: the GPUs here, 2 on the CPU)")
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
 
     from onboarding.training.cli import add_train_parser
@@ -415,7 +420,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         inputs = RunState(config=RunConfig(
             model_ref=args.model, overrides=overrides, trust_remote_code=args.trust_remote_code,
             proxy=args.proxy, batch=args.batch, seq=args.seq, seed=args.seed,
-            align_kernels=families, tune_trials=args.tune_trials),
+            align_kernels=families, tune_trials=args.tune_trials,
+            train_steps=args.train_steps, train_nproc=args.train_nproc),
             run_dir=str(run_dir))
     with owned_dir(run_dir, created_here=created):
         app, conn = compile_graph(run_dir)

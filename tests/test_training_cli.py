@@ -4,6 +4,8 @@ the loss comparison and report section, and one real 2-process launch on the CPU
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,20 @@ def test_end_to_end_two_ranks_match_reference(tmp_path, small_data, capsys):
     assert (out / "train" / "adapter" / "adapter_model.safetensors").exists()
     assert TrainConfig.from_toml(out / "train.toml").data == str(small_data.resolve())
     assert "## Training" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_agent_run_trains_after_tuning(tmp_path):
+    """`onboard run --train-steps` adds the train node: EP=2 on two gloo ranks, its reference,
+    the loss comparison in the state and the report."""
+    run_dir = tmp_path / "r"
+    proc = subprocess.run(
+        [sys.executable, "-m", "onboarding.cli", "run", "hf:qwen3_moe", "--seq", "16",
+         "--kernels", "none", "--train-steps", "2", "--train-nproc", "2", "--out", str(run_dir)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cmp = json.loads((run_dir / "train" / "compare.json").read_text())
+    assert cmp["passed"] and len(cmp["steps"]) == 2
+    assert "ep = 2" in (run_dir / "train.toml").read_text()
+    report = (run_dir / "report.md").read_text()
+    assert "## Training" in report and "PASS" in report
