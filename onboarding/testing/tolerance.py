@@ -152,8 +152,9 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, name: 
             shape=tuple(expected.shape),
             message=f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}",
         )
-    a = actual.detach().to("cpu", torch.float64)
-    b = expected.detach().to("cpu", torch.float64)
+    # float64 on the tensors' own device: large gradients are compared where they live
+    a = actual.detach().to(expected.device, torch.float64)
+    b = expected.detach().to(torch.float64)
     shape = tuple(b.shape)
     bad = ~torch.isfinite(a) & torch.isfinite(b)
     if bad.any():
