@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from onboarding.accounting import count_parameters
 from onboarding.loading import load_model

@@ -106,9 +106,7 @@ def graph_time(step: Step, *, repeats: int = 50) -> Timing:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(0)
-    t = time_fn(lambda i: graph.replay(), warmup=3, repeats=repeats)
-    del graph
-    return t
+    return time_fn(lambda i: graph.replay(), warmup=3, repeats=repeats)
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:

@@ -250,7 +250,6 @@ def test_sample_inputs_run(load, variant, params):
 # ---- benchmark cases (GPU-only to run; built and sanity-checked here) --------------------------
 
 def test_bench_cases_build_without_running():
-    from onboarding.bench import cases_sparse as cs
     from onboarding.bench.cases import CASES, cases_for
 
     assert CASES["sparse_attention"] is not None
