@@ -491,8 +491,8 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
           reference_dtype: torch.dtype | str | None = None,
           candidate_dtype: torch.dtype | str | None = None, seed: int = 0, max_ulp: int = 0,
           isolate: str = "auto", patches: Any = None,
-          tolerance: Callable[[torch.dtype, str], Tolerance] = layer_tolerance
-          ) -> AlignmentResult:
+          tolerance: Callable[[torch.dtype, str], Tolerance] = layer_tolerance,
+          on_step: Callable[[str], None] | None = None) -> AlignmentResult:
     """Align ``candidate`` (patched, candidate dtype) with ``reference`` block by block.
 
     ``reference`` and ``candidate`` must hold the same weights (see `build_pair`); ``inputs`` and
@@ -518,7 +518,10 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
         raise ValueError("reference and candidate must be distinct modules (use build_pair)")
     bitwise = cdt if mode == "bitwise" else None
 
+    step = on_step or (lambda text: None)
+    step("running the reference, forward and backward")
     ref_run = _run(reference, graph, inputs, kwargs, seed)
+    step("running the candidate, forward and backward")
     cand_run = _run(candidate, graph, inputs, kwargs, seed)
     ref_mods, cand_mods = dict(reference.named_modules()), dict(candidate.named_modules())
 
@@ -537,7 +540,8 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
         return error_stats(cand, ref, bitwise_dtype=bitwise, **kw)
 
     results: list[BlockAlignment] = []
-    for b in graph.blocks:
+    for i, b in enumerate(graph.blocks):
+        step(f"judging block {i + 1}/{len(graph.blocks)}: {b.path}")
         tol = tolerance(cdt, b.kind)
         rc, cc = ref_run.rec.calls.get(b.path, []), cand_run.rec.calls.get(b.path, [])
         fwd, bwd = Direction(), Direction()

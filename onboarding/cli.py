@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -147,6 +148,11 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     if out is not None and out.exists() and any(out.iterdir()):
         raise InputError(f"--out {out}: directory exists and is not empty")
     with console.status(f"{stage}: loading") as status:
+        def step(text: str) -> None:
+            status.update(text)
+            if not console.is_terminal:  # a log file gets the progress as timed lines (stderr)
+                err.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
+
         info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
         if out is None and stage in ("generate", "align"):
             out = new_run_dir(info.loaded.name, None)
@@ -154,14 +160,15 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
             if out is not None:  # the model was loaded above, before the directory existed
                 save_model_json(info, out, overrides)
             graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
-                              on_step=lambda s: status.update(f"{stage}: {s}"))
+                              on_step=lambda s: step(f"{stage}: {s}"))
             coverage = run_map(graph, out) if stage in ("map", "generate", "align") else None
             cands = run_generate(coverage, out, promote_passing=getattr(args, "promote", False),
-                                 on_step=lambda s: status.update(f"generate: {s}")) \
+                                 on_step=lambda s: step(f"generate: {s}")) \
                 if stage in ("generate", "align") else None
             result = run_align(info, graph, coverage, cands, out, families=families,
                                dtype=args.dtype, reference=args.reference, mode=args.mode,
-                               batch=args.batch, seq=args.seq, seed=args.seed) \
+                               batch=args.batch, seq=args.seq, seed=args.seed,
+                               on_step=lambda s: step(f"align: {s}")) \
                 if stage == "align" else None
     if getattr(args, "json", False):
         data = coverage.to_dict() if coverage is not None else graph.to_dict()

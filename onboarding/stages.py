@@ -110,7 +110,8 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
               out_dir: Path | None, *, families: list[str] | None = None,
               dtype: str = "fp32", reference: str = "fp64", mode: str = "percentile",
               batch: int = 1, seq: int | None = None, seed: int = 0,
-              exclude: set[tuple[str, str]] | None = None):
+              exclude: set[tuple[str, str]] | None = None,
+              on_step: Callable[[str], None] | None = None):
     """Align the proxy patched with the passing kernels against the eager reference.
 
     ``families`` limits which kernels are patched (None: all; []: none); ``exclude`` drops
@@ -135,7 +136,7 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     inputs = tuple(t.to(device) for t in inputs)
     with patch_model(candidate, graph, kernels) as patches:
         result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,
-                       patches=patches)
+                       patches=patches, on_step=on_step)
     if out_dir is not None:
         result.save(out_dir / "alignment.json")
         result.plot(out_dir / "alignment.png")
