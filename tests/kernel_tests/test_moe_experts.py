@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import case_id
 
-from onboarding import aot, templating
+from onboarding import aot
 from onboarding.families import moe_experts
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 from onboarding.testing.tolerance import Tolerance
@@ -21,20 +21,14 @@ LORA_CASES = [("swiglu_lora", {}), ("swiglu_lora", GPT_OSS)]
 # D=24/40 and F=20 leave partial column tiles too.
 CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "dot_precision": "ieee"}
 ROUTINGS = ["uniform", "zipf", "all_to_one", "empty_experts"]
-_MODULES: dict = {}
 
 
 @pytest.fixture(scope="module")
-def load(kernel_root):
+def load(load_kernel):
     def load(variant, params):
-        key = (variant, tuple(sorted(params.items())))
-        if key not in _MODULES:
-            src = templating.render(moe_experts.FAMILY, variant, params)
-            name = case_id(variant, params).replace("=", "_").replace("-", "_").replace(".", "p").lower()
-            module = templating.load_module(templating.write_module(src, kernel_root / "moe_experts" / f"{name}.py"))
-            module.set_config(CPU_CONFIG)
-            _MODULES[key] = module
-        return _MODULES[key]
+        module = load_kernel("moe_experts", variant, params)
+        module.set_config(CPU_CONFIG)  # on a GPU too, as before: the fp32 checks use these tiles
+        return module
 
     return load
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import case_id
 
-from onboarding import aot, templating
+from onboarding import aot
 from onboarding.families import moe_router
 from onboarding.testing import check_module_contract, compare, poisoned, tolerance_for
 
@@ -23,20 +23,14 @@ CASES = [  # (variant, params, n_experts)
 ]
 CASE_PARAMS = [pytest.param(v, p, e, id=f"{case_id(v, p)}-E{e}") for v, p, e in CASES]
 CPU_CONFIG = {"BLOCK_N": 64, "num_warps": 4}
-_MODULES: dict = {}
 
 
 @pytest.fixture(scope="module")
-def load(kernel_root):
+def load(load_kernel):
     def load(variant, params):
-        key = (variant, tuple(sorted(params.items())))
-        if key not in _MODULES:
-            src = templating.render(moe_router.FAMILY, variant, params)
-            name = case_id(variant, params).replace("=", "_").replace("-", "_").replace(".", "p").lower()
-            module = templating.load_module(templating.write_module(src, kernel_root / "moe_router" / f"{name}.py"))
-            module.set_config(CPU_CONFIG)
-            _MODULES[key] = module
-        return _MODULES[key]
+        module = load_kernel("moe_router", variant, params)
+        module.set_config(CPU_CONFIG)  # on a GPU too, as before: the fp32 checks use these tiles
+        return module
 
     return load
 
