@@ -439,6 +439,29 @@ def _keep_rows(ts: list[torch.Tensor], keep: torch.Tensor | None) -> list[torch.
     return out
 
 
+def _follow_selection(grads: list[torch.Tensor | None], sel: list[torch.Tensor],
+                      ref_sel: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Reorder slot-aligned output grads when a replay picks the reference's choices in another order.
+
+    A router returns its top-k weights in slot order next to the indices; two near-equal
+    choices may swap slots in the candidate dtype. The reference's grad for slot j belongs to
+    the choice the reference put there, so each row's grads follow their choice to the slot the
+    replay put it in. Rows whose set of choices differs are left as they are (`_selection_flips`
+    judges those).
+    """
+    for x, y in zip(sel, ref_sel):
+        if x.shape != y.shape or x.dim() < 1 or torch.equal(x, y):
+            continue
+        xr, yr = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).to(x.device)
+        match = xr.unsqueeze(-1) == yr.unsqueeze(-2)  # [rows, slot in x, slot in y]
+        same_set = (match.sum(-1) == 1).all(-1) & (match.sum(-2) == 1).all(-1)
+        src = torch.where(same_set.unsqueeze(-1), match.int().argmax(-1),
+                          torch.arange(xr.shape[-1], device=x.device))
+        grads = [g.reshape(src.shape).gather(-1, src.to(g.device)).reshape(g.shape)
+                 if g is not None and g.shape == x.shape else g for g in grads]
+    return grads
+
+
 def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype,
             source: str = "reference") -> _Replay:
     """Run ``module`` on one recorded call's inputs, then backprop the reference's output grads.
@@ -471,8 +494,11 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
     with torch.enable_grad():
         out = module(*args, **kwargs)
         floats, discrete = _split(_tensors(out))
+        out_grads = ref.out_grads
+        if source == "reference":
+            out_grads = _follow_selection(out_grads, discrete, ref.discrete_out)
         pairs = [(o, g.to(o.dtype)) for o, g, need in
-                 zip(floats, ref.out_grads, ref.out_needs_grad) if need and g is not None
+                 zip(floats, out_grads, ref.out_needs_grad) if need and g is not None
                  and o.requires_grad and o.shape == g.shape]
         grads: list[torch.Tensor | None] = [None] * (len(leaves) + len(params))
         if pairs and (leaves or params):

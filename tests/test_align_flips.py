@@ -47,3 +47,16 @@ def test_no_flips_no_mask():
     s = torch.randn(4, 8, dtype=torch.float64)
     keep, msg = _selection_flips(_router_replay(s, 2, s), _router_replay(s, 2, s))
     assert keep is None and msg == ""
+
+
+def test_slot_grads_follow_choices_that_swap_slots():
+    from onboarding.align import _follow_selection
+
+    ref_idx = torch.tensor([[5, 2, 7], [1, 0, 3]])
+    cand_idx = torch.tensor([[2, 5, 7], [1, 0, 4]])  # row 0: same choices, swapped; row 1: a flip
+    g = torch.tensor([[0.5, 0.2, 0.7], [0.1, 0.0, 0.3]])
+    (out,) = _follow_selection([g], [cand_idx], [ref_idx])
+    assert torch.equal(out[0], torch.tensor([0.2, 0.5, 0.7]))  # each grad goes with its expert
+    assert torch.equal(out[1], g[1])  # a different set: left to _selection_flips
+    other = torch.ones(2, 4)  # not slot-aligned with the selection: untouched
+    assert _follow_selection([other], [cand_idx], [ref_idx])[0] is other
