@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -134,6 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _progress(console: Console, status) -> Callable[[str], None]:
+    """Progress into a rich status line; a log file gets it as timed lines on stderr."""
+    def step(text: str) -> None:
+        status.update(text)
+        if not console.is_terminal:
+            err.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
+    return step
+
+
 def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     """parse, map and generate: the stages up to the one named by the command."""
     from onboarding.console import print_candidates, print_coverage, print_opgraph
@@ -148,11 +158,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     if out is not None and out.exists() and any(out.iterdir()):
         raise InputError(f"--out {out}: directory exists and is not empty")
     with console.status(f"{stage}: loading") as status:
-        def step(text: str) -> None:
-            status.update(text)
-            if not console.is_terminal:  # a log file gets the progress as timed lines (stderr)
-                err.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
-
+        step = _progress(console, status)
         info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
         if out is None and stage in ("generate", "align"):
             out = new_run_dir(info.loaded.name, None)
@@ -226,7 +232,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
     with console.status("benchmarking") as status:
-        result = run_cases(cases, log=lambda s: status.update(s), partial=save)
+        result = run_cases(cases, log=_progress(console, status), partial=save)
     print(format_table(result))
     save(result)
     if args.out:

@@ -178,6 +178,9 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
                     row.graph_roofline_frac = (case.min_bytes / (row.graph_ms * 1e-3) / 1e12
                                                / ceilings["copy_tb_s"])
             case_rows.append(row)
+            log(f"  {case.family}/{case.name} {impl}: "
+                + (f"{timing.median_ms:.3f} ms" if timing else err[:80])
+                + f" ({time.perf_counter() - t0:.0f}s into the case)")
         # Ratios compare like with like: "X" with "ours", "X_fwd" with "ours_fwd".
         for suffix in ("", "_fwd"):
             ours = next((r for r in case_rows if r.impl == "ours" + suffix and r.timing), None)
