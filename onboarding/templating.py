@@ -38,7 +38,9 @@ _PARAM_TYPES = (bool, int, float, str)
 # Runtime helpers shared by every rendered module (included as "_common.py.j2"). Kept here so
 # each rendered module stays self-contained without a second template file per family.
 _COMMON_TEMPLATE = """\
-# ---- shared runtime: tile configs, shape buckets, output poisoning --------------------------
+# ---- shared runtime: tile configs, shape buckets, output poisoning, dots -----------------------
+import os as _os
+
 _CONFIG_OVERRIDE: dict | None = None
 _TUNED: dict = {}
 # The contract suite sets this so outputs start as NaN and unwritten elements show up.
@@ -90,6 +92,33 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     if _POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dot_mode(precision: str, dtype: torch.dtype, device: torch.device) -> str:
+    \"\"\"The `_dot` mode for inputs of `dtype`: their own 16-bit tensor-core dot on a GPU.
+
+    bf16/fp16 inputs on a GPU dot in that dtype (fp32 accumulation), twice tf32's rate and half
+    its operand traffic. fp32 inputs use the config's `precision` ("tf32"/"ieee"), "ieee" unless
+    torch allows tf32 for fp32 matmuls. The interpreter computes bf16 dots wrongly (DESIGN.md):
+    it keeps fp32 operands.
+    \"\"\"
+    if (dtype in (torch.bfloat16, torch.float16) and device.type == "cuda"
+            and _os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
+        return "bf16" if dtype == torch.bfloat16 else "fp16"
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return precision
+
+
+@triton.jit
+def _dot(a, b, MODE: tl.constexpr):
+    \"\"\"tl.dot with fp32 accumulation; MODE from `_dot_mode` ("bf16"/"fp16" cast the operands).\"\"\"
+    if MODE == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif MODE == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        return tl.dot(a, b, input_precision=MODE)
 
 
 def _num_programs(n_blocks: int, device: torch.device, per_sm: int = 4) -> int:
