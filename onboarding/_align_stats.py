@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from onboarding.testing.tolerance import Tolerance, compare
+from onboarding.testing.tolerance import Tolerance, compare_scaled
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 DTYPES = {"fp64": torch.float64, "float64": torch.float64, "fp32": torch.float32,
@@ -154,11 +154,7 @@ def within(cand: list[torch.Tensor], ref: list[torch.Tensor], tol: Tolerance, na
     a, b = _flat(cand), _flat(ref)
     if a.numel() == 0 and b.numel() == 0:
         return True, f"{name}: empty"
-    fin = torch.isfinite(b)
-    scale = b[fin].norm().item() / math.sqrt(max(int(fin.sum()), 1))
-    if scale > 0:
-        a, b = a / scale, b / scale
-    c = compare(a, b, tol, name)
+    c = compare_scaled(a, b, tol, name)
     return c.passed, c.message
 
 

@@ -60,3 +60,19 @@ def test_slot_grads_follow_choices_that_swap_slots():
     assert torch.equal(out[1], g[1])  # a different set: left to _selection_flips
     other = torch.ones(2, 4)  # not slot-aligned with the selection: untouched
     assert _follow_selection([other], [cand_idx], [ref_idx])[0] is other
+
+
+def test_scaled_compare_is_scale_free_but_catches_wrong_values():
+    from onboarding.testing.tolerance import compare_scaled
+
+    g = torch.Generator().manual_seed(2)
+    b = 1e5 * torch.randn(4096, generator=g, dtype=torch.float64)
+    b[7] = 3.0  # an element that cancelled to near zero keeps its terms' rounding error
+    a = b * (1 + 1e-3 * torch.randn(4096, generator=g, dtype=torch.float64))
+    a[7] = 300.0
+    tol = tolerance_for("bf16", "reduction")
+    assert not compare(a, b, tol).passed  # absolute atol: fails on the cancelled element
+    assert compare_scaled(a, b, tol).passed  # atol in units of the RMS (1e5): within
+    assert compare_scaled(a * 1e-7, b * 1e-7, tol).passed  # scale-free
+    a[100:140] = -b[100:140]  # a wrong block of values
+    assert not compare_scaled(a, b, tol).passed

@@ -196,6 +196,23 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, name: 
                       shape=shape, message=message)
 
 
+def compare_scaled(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance,
+                   name: str = "tensor") -> Comparison:
+    """`compare` with atol in units of the expected tensor's RMS (rel_rms and rtol unchanged).
+
+    For outputs several ops deep (layers, chunked recurrences, grouped GEMMs) whose scale is
+    arbitrary: an absolute atol means nothing there, and an element that cancels to near zero
+    keeps the rounding error of its large terms.
+    """
+    b = expected.detach().to(torch.float64)
+    fin = torch.isfinite(b)
+    scale = b[fin].norm().item() / math.sqrt(max(int(fin.sum()), 1))
+    a = actual.detach().to(b.device, torch.float64)
+    if scale > 0:
+        a, b = a / scale, b / scale
+    return compare(a, b, tol, name)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, name: str = "tensor") -> Comparison:
     """`compare`, raising AssertionError with the readable message on failure."""
     result = compare(actual, expected, tol, name)
