@@ -102,7 +102,10 @@ class GridComparison:
                    f"{self.trials_fraction:.1%} of the grid's trials; within 3% after "
                    f"{f(self.tpe_trials_to_goal, 'd')} TPE trials; goal (<= 1.03 with <= 15% "
                    f"of the trials) {'met' if self.goal_met else 'NOT met'}.")
-        return "\n".join([head, "", *rows, "", verdict]) + "\n"
+        why = [f"- {name} pruned by {stage} ({n}x), e.g.: {r.prune_reasons.get(stage, '')[:200]}"
+               for name, r in (("grid", self.grid), ("TPE", self.tpe))
+               for stage, n in r.pruned.items()]
+        return "\n".join([head, "", *rows, "", verdict, *([""] + why if why else [])]) + "\n"
 
 
 def _done(name: str, url: str, space: dict, seed: int, sampler: str) -> int:

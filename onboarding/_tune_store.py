@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,6 +29,7 @@ class BucketResult:
     n_complete: int
     pruned: dict[str, int]  # reason stage -> count
     history: list[float | None]  # best-so-far per trial number (None before the first)
+    prune_reasons: dict[str, str] = field(default_factory=dict)  # stage -> its first reason
 
 
 def gpu_name() -> str:

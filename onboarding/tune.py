@@ -435,13 +435,14 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
 def summarize(study, module: ModuleType, bucket: str) -> BucketResult:
     optuna = _optuna()
     trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
-    best, hist, pruned = None, [], {}
+    best, hist, pruned, reasons = None, [], {}, {}
     for t in trials:
         if t.state == optuna.trial.TrialState.COMPLETE and (best is None or t.value < best.value):
             best = t
         elif t.state == optuna.trial.TrialState.PRUNED:
             stage = t.user_attrs.get("stage", "pruned")
             pruned[stage] = pruned.get(stage, 0) + 1
+            reasons.setdefault(stage, str(t.user_attrs.get("reason", ""))[:300])
         if t.state.is_finished():
             hist.append(best.value if best else None)
     b = next(x for x in module.SHAPE_BUCKETS if x["name"] == bucket)
@@ -454,7 +455,7 @@ def summarize(study, module: ModuleType, bucket: str) -> BucketResult:
         best_ms=best.value if best else None, default_ms=dms[0] if dms else None,
         n_trials=len(hist), n_complete=sum(t.state == optuna.trial.TrialState.COMPLETE
                                            for t in trials),
-        pruned=pruned, history=hist)
+        pruned=pruned, history=hist, prune_reasons=reasons)
 
 
 def tune_buckets(module_path: Path | str, sizes: Iterable[int], *,
