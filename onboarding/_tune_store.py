@@ -139,8 +139,8 @@ def write_tuned(module_path: Path | str, results: Iterable[BucketResult], *, dty
 
 def apply_tuned(module: ModuleType, path: Path | str | None = None) -> dict[str, dict[str, Any]]:
     """Pin every bucket's tuned config of `path` with `module.set_config(config, bucket)`;
-    returns what was applied. A missing file applies nothing; a file for other parameters, or a
-    config outside TUNING_SPACE, raises InputError.
+    returns what was applied. Buckets tuned on another GPU are skipped. A missing file applies
+    nothing; a file for other parameters, or a config outside TUNING_SPACE, raises InputError.
 
     Pass `path`: `load_module` caches by content, so two identical module files share one module
     object whose `__file__` names the first one loaded (the default is beside that file)."""
@@ -152,8 +152,10 @@ def apply_tuned(module: ModuleType, path: Path | str | None = None) -> dict[str,
     if data.get("params_hash") not in (None, meta["params_hash"]):
         raise InputError(f"{path}: tuned for params hash {data.get('params_hash')}, the module "
                          f"has {meta['params_hash']}")
-    applied = {}
+    applied, here = {}, gpu_name()
     for bucket, entry in data.get("buckets", {}).items():
+        if entry.get("gpu", here) != here:  # tiles tuned for another GPU: keep the defaults
+            continue
         try:
             module.set_config(entry["config"], bucket)
         except ValueError as e:

@@ -148,7 +148,13 @@ def promote(cand: Candidate, kernels_root: Path = KERNELS_DIR, *, overwrite: boo
 
 def kernels_for(coverage: Coverage, candidates: list[Candidate]
                 ) -> dict[tuple[str, str], ModuleType]:
-    """(block path, family) -> loaded module, for reviewed kernels and passing candidates."""
+    """(block path, family) -> loaded module, for reviewed kernels and passing candidates.
+
+    A module with a `<variant>.tuned.json` beside it (written by `onboard tune` or the agent's
+    tune node) dispatches its buckets to the tuned configs (`apply_tuned`).
+    """
+    from onboarding._tune_store import load_tuned
+
     by_file = {c.path: c for c in candidates if c.status == "passed"}
     out: dict[tuple[str, str], ModuleType] = {}
 
@@ -162,11 +168,11 @@ def kernels_for(coverage: Coverage, candidates: list[Candidate]
         if not e.family:
             continue
         if e.status == "kernel" and e.module:
-            put(e, load_module(e.module))
+            put(e, load_tuned(e.module))
             continue
         for c in by_file.values():
             if c.family == e.family and c.variant == e.variant and c.params == e.params:
-                put(e, load_module(c.path))
+                put(e, load_tuned(c.path))
     return out
 
 

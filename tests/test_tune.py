@@ -164,6 +164,13 @@ def test_tuned_json_round_trip_and_dispatch(tmp_path):
         assert mod.config_for(3000) == {**dflt, "BLOCK_N": 2, "num_warps": 16}
         untuned = next(b["config"] for b in mod.SHAPE_BUCKETS if b["name"] == "d_le_2k")
         assert mod.config_for(1000) == {**dflt, **untuned}  # untuned: the bucket's default
+        mod.set_config(None, "d_le_4k")
+        other = json.loads(out.read_text())
+        other["buckets"]["d_le_4k"]["gpu"] = "Another GPU"  # tuned elsewhere: not applied
+        out.write_text(json.dumps(other))
+        assert set(tune.apply_tuned(mod, out)) == {"d_le_512"}
+        assert mod.config_for(3000) != {**dflt, "BLOCK_N": 2, "num_warps": 16}
+        out.write_text(json.dumps(data))
     finally:
         for b in mod.SHAPE_BUCKETS:
             mod.set_config(None, b["name"])
