@@ -6,6 +6,23 @@ T = 8k, 16k, 32k, 64k with K = 2048 and B = 1, in two layouts:
 - ``mla``: the absorbed MLA layout DeepSeek-V3.2 runs DSA in: one shared latent kv
   [B, S, 1, 576] whose first 512 columns are the values, H = 128 query heads of width 576.
 
+Why the MHA layout cannot beat masked SDPA by 3x (issue 7's goal), and MLA can: with one KV
+head per query head, the program of each (token, head) must read its own K = 2048 gathered key
+and value rows: T * H * K * (D_QK + D_V) * 2 bytes = 8192 * 16 * 2048 * 256 * 2 = 137 GB at
+T = 8192, 32 ms at the H200's measured 4.24 TB/s copy rate (the backward re-reads it and adds
+its dk/dv scatter-adds). Dense masked SDPA computes all T^2 pairs, 2 * 16 * 8192^2 * 256 =
+5.5 * 10^11 FLOPs (0.8 ms at ~700 TFLOP/s; 2.11 ms measured with its mask), reading each K/V
+row once per tile of ~128 queries that share it from shared memory. Gathering per query turns a
+compute-bound problem into a memory-bound one, so at this K / T ratio (1/4) the sparse kernel
+stays ~15x slower whatever its code; it wins only where T >> K (its time is linear in T, the
+dense one quadratic: 281 vs 134 ms measured at T = 64k, so they cross near T = 128k).
+In the shared-KV layouts (GQA groups, the MLA latent) one gathered block serves a whole block
+of query heads (the M dimension of the dot):
+at 64 heads per program MLA reads T * 2 * K * 576 * 2 = 38.7 GB at T = 8192 (9 ms, and the
+two head blocks of a query run back to back so the second read mostly hits L2) for
+2 * 128 * 8192 * 2048 * 1088 = 4.7 * 10^12 FLOPs (7 ms at 700 TFLOP/s): there the bf16
+tensor-core dots decide, and the dense baseline pays T^2 for 128 heads of width 576.
+
 Per (layout, T) two cases, ``...-fwd`` (forward under `torch.no_grad`) and ``...-fwdbwd``
 (forward + backward of the output), so that each case's ``flops`` is the right one for all its
 rows: the *useful* work of the sparse attention, 2 (D_QK + D_V) per (query, selected key, head)
@@ -16,8 +33,12 @@ Impls: ``ours`` (the gathered kernel); ``masked_sdpa`` (what transformers does: 
 boolean mask that keeps the selected keys, KV repeated to every head as transformers does;
 left out where the masks would not fit) and ``causal_sdpa`` (dense causal SDPA, flash where it
 applies: the cost of not being sparse at all). Both dense baselines are left out for MLA at
-T > DENSE_MLA_MAX_T (seconds per step); the case's note says what was left out and why. The selections are drawn stratified: row t >= K takes one random position in
-each of K equal slices of [0, t] (distinct, spread over the whole row, the diagonal not forced).
+T > DENSE_MLA_MAX_T (no flash kernel takes head dim 576: seconds per step and [B, H, T, T]
+scores), and the MLA forward + backward at T > MLA_FWDBWD_MAX_T (the whole family must run in
+one 10-minute device command; 8k-32k already show its linear growth in T); each case's note
+says what was left out and why. The selections are drawn stratified: row t >= K takes one
+random position in each of K equal slices of [0, t] (distinct, spread over the whole row, the
+diagonal not forced).
 
 ``indexer-T...`` cases time the DSA indexer + causal top-k (DeepSeek-V3.2: 64 index heads of
 width 128, fp32 scores): ``ours`` (query-chunked scores + selection kernel), ``eager`` (the
@@ -47,12 +68,14 @@ LAYOUTS = {  # name: (H, HK, D_QK, D_V)
     "mla": (128, 1, 576, 512),
 }
 INDEXER = (64, 128)  # DeepSeek-V3.2 index heads, index head dim
-# Dense MLA baselines (128 heads of 576 over all T^2 pairs) take seconds per step beyond this;
-# the harness runs each impl >= 10 times, and a device command gets 10 minutes.
-DENSE_MLA_MAX_T = 16384
+# Dense MLA baselines (128 heads of 576 over all T^2 pairs, no flash kernel for that head dim)
+# take seconds per step beyond this; the harness runs each impl >= 10 times, and a device
+# command gets 10 minutes.
+DENSE_MLA_MAX_T = 8192
+MLA_FWDBWD_MAX_T = 32768
 MEM_BUDGET = 100 * 2**30  # of the H200's 139 GiB: what a baseline may need before it is left out
 CHECK_T, CHECK_H = 4096, 32
-O_TOL, GRAD_TOL = 0.01, 0.02  # bf16 vs fp32 relative RMS
+O_TOL, GRAD_TOL = 5e-3, 1e-2  # bf16 (16-bit dots) vs fp32 relative RMS: the acceptance bar
 
 
 def useful_pairs(T: int, K: int) -> int:
@@ -259,5 +282,6 @@ def indexer_case(T: int) -> BenchCase:
 
 
 def sparse_attention_cases() -> list[BenchCase]:
-    out = [attention_case(layout, T, bwd) for layout in LAYOUTS for T in TS for bwd in (False, True)]
+    out = [attention_case(layout, T, bwd) for layout in LAYOUTS for T in TS for bwd in (False, True)
+           if not (layout == "mla" and bwd and T > MLA_FWDBWD_MAX_T)]
     return out + [indexer_case(T) for T in TS]

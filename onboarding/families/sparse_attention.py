@@ -111,7 +111,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=1,
+    template_version=2,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
         "gathered": "attention over the selected positions: GQA or MLA latent, sink; fwd + bwd",
@@ -126,30 +126,38 @@ FAMILY = FamilySpec(
         Param(name="d_v", type=int, default=512, min=16, max=1024, variants=("gathered",),
               doc="value width of the MLA latent (its first d_v columns); mla layout only"),
     ),
-    # BLOCK_K: gathered positions per step; BLOCK_H: query heads of one KV group per program;
+    # BLOCK_K: gathered positions per step; BLOCK_H: query heads of one KV group per program
+    # (BLOCK_K_BWD / BLOCK_H_BWD: the same for the backward, whose dq, dk and dv tiles need more
+    # registers and shared memory, so it may need smaller blocks than the forward);
     # BLOCK_T: indexer score tile; BLOCK_SEL: chunk of a row per selection pass; SEL_RADIX: bits
     # of the threshold decided per pass (32 / SEL_RADIX passes, 2^SEL_RADIX compares per element).
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
+        "BLOCK_K_BWD": (16, 32, 64, 128),
+        "BLOCK_H_BWD": (16, 32, 64, 128),
         "BLOCK_T": (16, 32, 64, 128),
         "BLOCK_SEL": (16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
         "SEL_RADIX": (2, 4, 8),
         "num_warps": (1, 2, 4, 8),
         "dot_precision": ("tf32", "ieee"),
     },
-    default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
+    default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
                     "dot_precision": "tf32"},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.
     shape_buckets=(
-        ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64}),
+        ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64, "BLOCK_K_BWD": 64}),
         ShapeBucket(name="d_le_128", dim="D_QK", lo=65, hi=128, config={"BLOCK_K": 32}),
         ShapeBucket(name="d_le_256", dim="D_QK", lo=129, hi=256, config={"BLOCK_K": 32, "num_warps": 8}),
-        # MLA 576/512 on sm_90: BLOCK_H 32 keeps the backward at 172 KB of shared memory (64
-        # heads need 631 KB), so 128 query heads take 4 programs, each reading the gathered block.
+        # MLA 576/512 on sm_90 with bf16 dots (AOT, ptxas): the forward takes 64 heads per
+        # program (wgmma m64, 111 KB shared, 600 B spilled: the [64, 512] fp32 accumulator is half
+        # the register file), so 128 query heads read each gathered block twice, back to back (L2).
+        # The backward at 64 heads needs 311 KB of shared memory; at 32 heads x 16 positions it
+        # takes 102 KB (496 B spilled; 32 positions: 119 KB, 1 KB spilled).
         ShapeBucket(name="d_le_1024", dim="D_QK", lo=257, hi=1024,
-                    config={"BLOCK_K": 16, "BLOCK_H": 32, "num_warps": 8}),
+                    config={"BLOCK_K": 32, "BLOCK_H": 64, "BLOCK_K_BWD": 16, "BLOCK_H_BWD": 32,
+                            "num_warps": 8}),
     ),
     check=_check,
     match=match,
