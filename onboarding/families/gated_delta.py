@@ -50,9 +50,15 @@ TUNING_SPACE = {
     # passes): the next chunks' fp32 [BT, K] tiles are prefetched into shared memory
     "state_stages": (1, 2, 3),
     "state_bwd_stages": (1, 2, 3),
+    # V tile of the serial state passes; 0 picks the widest tile whose grid still fills the GPU
+    # (B * HV heads x V / BV tiles against the SM count, see the module's `_state_bv`)
+    "state_bv": (0, 16, 32, 64, 128),
+    # operands of the dots with Tm = (I + A)^-1 when the other dots are 16-bit (bf16/fp16 inputs on
+    # a GPU): "input" casts Tm to that dtype as fla does, "tf32" keeps fp32 operands for them
+    "tm_dot": ("input", "tf32"),
 }
 DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32",
-                  "state_stages": 2, "state_bwd_stages": 1}
+                  "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input"}
 SHAPE_BUCKETS = (
     # Chosen from ptxas register spills and shared memory of the AOT build (sm_90, BT=64), not yet
     # timed: BK=32 and 8 warps take prepare from 4.8k (K=64, 4 warps) / 536 (K=128, BK=64) spilled
@@ -94,7 +100,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=2,
+    template_version=3,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

@@ -235,6 +235,143 @@ def check_aot(spec) -> None:
         assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, (r.kernel, r.shared_bytes)
 
 
+# Child process (no TRITON_INTERPRET: the interpreter patches triton.language in-process) that
+# compiles kernels of a rendered module for sm_90 from its bf16 aot_specs, each under a config
+# ([kernel, config] jobs in argv[2]), and reports which mma operand types their PTX uses.
+_PTX_MMA_CHILD = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from onboarding import aot, templating
+module = templating.load_module(sys.argv[1])
+kernels = aot.jit_kernels(module)
+out = []
+for name, config in json.loads(sys.argv[2]):
+    module.set_config(config)
+    spec = next(s for s in module.aot_specs("bf16", 128) if s["kernel"] == name)
+    src = ASTSource(fn=kernels[name], signature=spec["signature"], constexprs=spec["constexprs"])
+    opts = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    mmas = re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)\\S*", ptx)
+    out.append(sorted({t for m in mmas for t in ("bf16", "f16", "tf32") if "." + t + "." in m + "."}))
+print(json.dumps(out))
+"""
+
+
+def dot_modes_on_cpu(spec) -> None:
+    """In the interpreter `_tiles` keeps fp32 dot operands and fp32 intermediates for bf16 and fp16
+    inputs (its bf16 dots are wrong), and fp32 inputs keep exact fp32 dots."""
+    module = load(spec)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        c = module._tiles(128, 128, dtype, torch.device("cpu"), 32)
+        assert c["DOT_PREC"] in (("ieee",) if dtype == torch.float32 else ("tf32", "ieee")), (dtype, c)
+        assert c["TM_PREC"] == c["DOT_PREC"] and c["IDT"] == torch.float32, (dtype, c)
+        assert c["state_BV"] == c["BV"]  # no SM count to fill on the CPU: the pinned tile
+
+
+def check_aot_bf16_mma(spec, kernels: list[str], tm_kernels: list[str]) -> None:
+    """The bf16 specs compile for sm_90 with bf16 tensor-core dots (wgmma/mma .bf16) in every
+    kernel that has dots, and no tf32 ones (`tm_dot` "input", the default); with `tm_dot` "tf32"
+    the kernels with dots by Tm (`tm_kernels`) use tf32 ones too."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    source = templating.render(spec, "chunk", {"chunk_size": 64, "qk_l2norm": True})
+    path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / spec.name / "chunk.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # one child for all: the default-config compiles hit Triton's cache after test_aot_sm90
+    jobs = [[name, {}] for name in kernels] + [[name, {"tm_dot": "tf32"}] for name in tm_kernels]
+    run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path), json.dumps(jobs)],
+                         capture_output=True, text=True, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    for (name, config), types in zip(jobs, found):
+        if config:
+            assert "tf32" in types, f"{name} with {config}: mma operand types {types}, expected tf32 among them"
+        else:
+            assert types == ["bf16"], f"{name}: mma operand types {types}, expected only bf16"
+
+
+def check_fp16_dot_path(spec, per_channel: bool, monkeypatch) -> None:
+    """The 16-bit dot path (16-bit operands and intermediates) run in the interpreter with fp16,
+    which it computes right, by making `_dot_mode` pick "fp16" as it does on a GPU: forward and
+    every gradient against the fp32 naive recurrence at fp16 accuracy."""
+    module = load(spec)
+    monkeypatch.setattr(module, "_dot_mode", lambda prec, dtype, device: "fp16" if dtype == torch.float16 else prec)
+    assert module._tiles(32, 16, torch.float16, DEVICE)["IDT"] == torch.float16
+    case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
+    gen = torch.Generator().manual_seed(5)
+    args = make_inputs(case, per_channel, torch.float16, DEVICE, gen)
+    ref_args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    outs, grads = grads_of(module.entry, args, douts)
+    ref_outs, ref_grads = grads_of(module.reference, ref_args, douts)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    # fp16 operands round to 2^-11 relative; products and outputs stay within ~1e-3 (RMS)
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    errs = {n: rel(a, b) for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
+    assert all(e < 5e-3 for e in errs.values()), errs
+    # and the path is really 16-bit: fp16 rounding shows against fp32 dots on the same inputs
+    monkeypatch.undo()
+    exact = module.entry(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    assert rel(outs[1], exact[1]) > 1e-5, "the fp16 dot path gave fp32 dot results"
+
+
+def check_state_bv_fills_gpu(spec, monkeypatch) -> None:
+    """The auto V tile of the state passes against an H200's 132 SMs (no GPU needed)."""
+    module = load(spec)
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    cfg = dict(module.DEFAULT_CONFIG)
+    cuda = torch.device("cuda")
+    # (K, V, B * HV) -> BV: B=2 HV=16 and Qwen3-Next/Kimi-Linear B=1 HV=32 (32 heads) take 32 (128
+    # programs), 16 heads 16 (128), 64 heads 64 (128); K=256 caps the fp32 state at 256 x 32
+    expect = {(128, 128, 32): 32, (128, 128, 16): 16, (128, 128, 64): 64, (128, 128, 8): 16,
+              (256, 256, 64): 32, (64, 64, 32): 16, (128, 128, 512): 64}
+    got = {key: module._state_bv(cfg, key[0], key[1], key[2], cuda) for key in expect}
+    assert got == expect
+    assert module._state_bv({**cfg, "state_bv": 64}, 128, 128, 32, cuda) == 64  # a pinned tile wins
+    assert module._state_bv({**cfg, "state_bv": 128}, 128, 32, 32, cuda) == 32  # capped by V
+
+
+def check_bf16_vs_fp32_gpu(spec, per_channel: bool) -> None:
+    """GPU: the bf16 kernels (16-bit dots) against the fp32 kernels (exact fp32 dots, themselves
+    checked against the naive recurrence) on the same bf16-representable inputs, at head dim 128
+    and the GPU chunk: relative RMS <= 5e-3 on o and the final state, <= 1e-2 on every gradient."""
+    if DEVICE.type != "cuda":
+        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
+    module = load(spec, {"chunk_size": 64})
+    case = Case(HK=2, HV=4, T=1000, l2=True, h0=True, K=128, V=128, B=2)
+    gen = torch.Generator().manual_seed(6)
+    args = make_inputs(case, per_channel, torch.bfloat16, DEVICE, gen)
+    ref_args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    assert module._tiles(128, 128, torch.bfloat16, DEVICE)["DOT_PREC"] == "bf16"
+    outs, grads = grads_of(module.entry, args, [douts[0].bfloat16(), douts[1]])
+    ref_outs, ref_grads = grads_of(module.entry, ref_args, douts)
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    errs = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
+            for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
+    bad = {n: e for n, e in errs.items() if e > (5e-3 if n in ("o", "final_state") else 1e-2)}
+    assert not bad, f"relative RMS over the bar: {bad} (all: {errs})"
+
+
 # ---- GDN tests ---------------------------------------------------------------------------------
 CASE_PARAMS = [pytest.param(c, id=c.id) for c in CASES]
 
@@ -312,3 +449,25 @@ def test_match_by_structure():
 
 def test_aot_sm90():
     check_aot(gated_delta.FAMILY)
+
+
+def test_dot_mode_keeps_fp32_operands_on_cpu():
+    dot_modes_on_cpu(gated_delta.FAMILY)
+
+
+def test_aot_sm90_bf16_tensor_cores():
+    check_aot_bf16_mma(gated_delta.FAMILY, ["gdn_prepare_fwd_kernel", "gdn_state_fwd_kernel", "gdn_output_fwd_kernel",
+                                            "gdn_state_bwd_kernel", "gdn_chunk_bwd_wy_kernel", "gdn_chunk_bwd_qk_kernel"],
+                       ["gdn_chunk_bwd_wy_kernel"])
+
+
+def test_fp16_dot_path(monkeypatch):
+    check_fp16_dot_path(gated_delta.FAMILY, False, monkeypatch)
+
+
+def test_state_tile_fills_the_gpu(monkeypatch):
+    check_state_bv_fills_gpu(gated_delta.FAMILY, monkeypatch)
+
+
+def test_bf16_vs_fp32_on_gpu():
+    check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import DEVICE
 from test_gated_delta import (
-    CASES, WIDE, Case, block, check_against, check_aot, check_backward_is_triton, check_decode, check_prepare_vs_torch,
-    fixture, load, make_inputs, transformers_fns,
+    CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
+    check_bf16_vs_fp32_gpu, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
+    dot_modes_on_cpu, fixture, load, make_inputs, transformers_fns,
 )
 
 from onboarding.families import kimi_delta
@@ -86,3 +87,26 @@ def test_match_by_structure():
 
 def test_aot_sm90():
     check_aot(kimi_delta.FAMILY)
+
+
+def test_dot_mode_keeps_fp32_operands_on_cpu():
+    dot_modes_on_cpu(kimi_delta.FAMILY)
+
+
+def test_aot_sm90_bf16_tensor_cores():
+    # the per-channel decay builds A and Aqk without dots and its bwd qk kernel has none
+    check_aot_bf16_mma(kimi_delta.FAMILY, ["kda_prepare_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel",
+                                           "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel"],
+                       ["kda_chunk_bwd_wy_kernel"])
+
+
+def test_fp16_dot_path(monkeypatch):
+    check_fp16_dot_path(kimi_delta.FAMILY, True, monkeypatch)
+
+
+def test_state_tile_fills_the_gpu(monkeypatch):
+    check_state_bv_fills_gpu(kimi_delta.FAMILY, monkeypatch)
+
+
+def test_bf16_vs_fp32_on_gpu():
+    check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True)
