@@ -26,6 +26,9 @@ torch formulation x W^T + s (x A^T) B^T). Read the LoRA overhead over the base G
 ``1 / ratios["base"] - 1`` (the issue's goal: <= 15% at rank 16). FLOPs count the LoRA step
 (base GEMMs plus the rank-r products), so ``base`` rows overstate their own rate by ~r/min(I, O).
 
+At the anchor shape (uniform routing) ``ours@...`` rows time the experts kernel under other tile
+configs of its D bucket (``MOE_SWEEP``, around the bf16 defaults) for picking the defaults.
+
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D]; down [E, D, F]; LoRA W [O, I],
 A [r, I], B [O, r].
 """
@@ -37,7 +40,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _check, _fwd_bwd, _kernel, _leaf
+from onboarding.bench.cases import N_SETS, _check, _config_sweep, _fwd_bwd, _kernel, _leaf
 from onboarding.bench.harness import BenchCase, Step
 
 # (name, E, K, D, F, N, routings)
@@ -56,6 +59,16 @@ LORA_SHAPES = (
     ("deepseek_v3_q_a", 8192, 7168, 1536),
 )
 LORA_RANK, LORA_SCALING = 16, 2.0
+# Tile configs timed beside the defaults at the anchor shape (bf16 tensor-core dots): row tile x
+# column tile x K step x warps x pipeline stages; the first is the pre-bf16 default.
+MOE_SWEEP = [
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+]
 
 
 def routing(kind: str, n: int, e: int, k: int, device: torch.device,
@@ -127,14 +140,31 @@ def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool) -> list[tuple]:
     return sets
 
 
-def _moe_steps(E, K, D, Fw, N, kind, backward: bool, device) -> dict[str, Step]:
-    _, ours = _kernel("moe_experts", "swiglu")
+def _fwd_sweep(mod, fn: Callable, sets, size: int, configs: list[dict]) -> dict[str, Step]:
+    """Forward-only ``ours@cfg`` steps, each pinning its config for the size's bucket while it runs."""
+    bucket, base = mod.shape_bucket(size), mod.config_for(size)
+    def pinned(full: dict) -> Step:
+        def step(i: int):
+            mod.set_config(full, bucket=bucket)
+            try:
+                return _fwd(fn, sets)(i)
+            finally:
+                mod.set_config(None, bucket=bucket)
+        return step
+
+    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()): pinned({**base, **cfg}) for cfg in configs}
+
+
+def _moe_steps(E, K, D, Fw, N, kind, backward: bool, sweep: bool, device) -> dict[str, Step]:
+    mod, ours = _kernel("moe_experts", "swiglu")
     impls = {"ours": ours, "loop": transformers_loop, "grouped_mm": grouped_mm}
     sets = _moe_sets(E, K, D, Fw, N, kind, device, backward)
     if not backward:
-        return {name: _fwd(fn, sets) for name, fn in impls.items()}
+        steps = {name: _fwd(fn, sets) for name, fn in impls.items()}
+        return {**steps, **(_fwd_sweep(mod, ours, sets, D, MOE_SWEEP) if sweep else {})}
     grads = [torch.randn(N, D, device=device, dtype=torch.bfloat16)]
-    return {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
+    steps = {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
+    return {**steps, **(_config_sweep(mod, ours, sets, grads, D, MOE_SWEEP) if sweep else {})}
 
 
 def _moe_check(E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, float]]:
@@ -161,6 +191,7 @@ def moe_experts_cases() -> list[BenchCase]:
         # and writes dx and both weight gradients
         fwd_bytes = 2 * (2 * N * D + 3 * E * Fw * D)
         for kind in kinds:
+            sweep = label == "anchor" and kind == "uniform"
             for backward in (False, True):
                 name = f"{label}/E{E}K{K}D{D}F{Fw}N{N}/{kind}/{'fwdbwd' if backward else 'fwd'}"
                 cases.append(BenchCase(
@@ -168,7 +199,7 @@ def moe_experts_cases() -> list[BenchCase]:
                     shape={"E": E, "K": K, "D": D, "F": Fw, "N": N},
                     min_bytes=fwd_bytes + (2 * (3 * N * D + 6 * E * Fw * D) if backward else 0),
                     flops=(18 if backward else 6) * S * D * Fw,
-                    setup=lambda device, a=(E, K, D, Fw, N, kind, backward): _moe_steps(*a, device),
+                    setup=lambda device, a=(E, K, D, Fw, N, kind, backward, sweep): _moe_steps(*a, device),
                     check=_moe_check(E, K, D, Fw, kind) if backward else None,
                     note=f"{kind} routing; {'forward + backward' if backward else 'forward only'}"))
     return cases

@@ -33,7 +33,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="lora.py.j2",
-    template_version=1,
+    template_version=2,
     variants={"linear": "x W^T + scaling * (x A^T) B^T, frozen W; grads to x, A, B"},
     params=(
         Param(name="scaling", type=float, default=1.0, min=-1e6, max=1e6,

@@ -4,6 +4,11 @@ expert LoRA variant (routed and pre-sorted entries) the same way."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import case_id
@@ -135,6 +140,114 @@ def test_aot_sm90(load):
         for r in rs:
             assert r.ok, f"{path}: {r.kernel}: {r.error}"
             assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
+
+
+# Compiles the named kernels of a rendered module for sm_90 from its bf16 `aot_specs` and prints
+# the tensor-core instructions of each one's PTX (run without the interpreter, outside the repo
+# root so that `kernels/` cannot shadow the HF package).
+_PTX_MMA = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from onboarding import aot, templating
+
+mod = templating.load_module(sys.argv[1])
+names, kernels, out = sys.argv[2].split(","), aot.jit_kernels(mod), {}
+for spec in mod.aot_specs("bf16"):
+    if spec["kernel"] in names:
+        src = ASTSource(fn=kernels[spec["kernel"]], signature=spec["signature"], constexprs=spec["constexprs"])
+        opts = {"num_warps": spec.get("num_warps", 4), "num_stages": spec.get("num_stages", 3)}
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        out.setdefault(spec["kernel"], []).append(sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\S*", ptx))))
+print(json.dumps(out))
+"""
+
+
+def sm90_mma(path, kernels: list[str], cwd) -> dict[str, list[list[str]]]:
+    """{kernel: [mma instructions of each bf16 AOT spec]} of a rendered module compiled for sm_90."""
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PTX_MMA, str(path), ",".join(kernels)], capture_output=True,
+                         text=True, env=env, cwd=cwd, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def assert_bf16_mma(found: dict, kernels: list[str]) -> None:
+    """Every spec of every kernel runs bf16 x bf16 -> fp32 tensor-core instructions, and no tf32."""
+    assert sorted(found) == sorted(kernels), found
+    for name, per_spec in found.items():
+        for mmas in per_spec:
+            assert mmas and all(".bf16.bf16" in m and ".f32." in m for m in mmas), (name, mmas)
+
+
+GEMM_KERNELS = ["moe_gate_up_fwd_kernel", "moe_down_fwd_kernel", "moe_down_bwd_kernel", "moe_dx_kernel",
+                "moe_dwd_kernel", "moe_dwgu_kernel"]
+
+
+def test_bf16_specs_compile_to_bf16_mma(load, tmp_path):
+    """bf16 AOT specs use the 16-bit dot mode: every grouped GEMM (and the LoRA variant's
+    adapter kernels) compiles for sm_90 to bf16 tensor-core instructions."""
+    assert {s["constexprs"]["DOT_PRECISION"] for s in load("swiglu", {}).aot_specs("bf16")
+            if "DOT_PRECISION" in s["constexprs"]} == {"bf16"}
+    assert_bf16_mma(sm90_mma(load("swiglu", {}).__file__, GEMM_KERNELS, tmp_path), GEMM_KERNELS)
+    lora_kernels = ["moe_lora_proj_kernel", "moe_lora_wgrad_kernel", "moe_gate_up_fwd_kernel"]
+    assert_bf16_mma(sm90_mma(load("swiglu_lora", {}).__file__, lora_kernels, tmp_path), lora_kernels)
+
+
+def test_dot_mode_keeps_fp32_operands_off_gpu(load):
+    """bf16 inputs on the CPU or in the interpreter keep fp32 operands (its bf16 dot is wrong);
+    only a compiled GPU run picks the bf16 tensor-core dot."""
+    module = load("swiglu", {})
+    cfg = module.config_for(24)
+    x = torch.zeros(2, 24, dtype=torch.bfloat16)
+    mode = module._dot_mode(cfg["dot_precision"], torch.bfloat16, torch.device("cpu"))
+    assert mode in ("ieee", "tf32") and not module._is16(mode)
+    assert module._mid_dtype(x, mode) == torch.float32
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        assert module._dot_mode("tf32", torch.bfloat16, torch.device("cuda")) == "tf32"
+    assert module._launch({**cfg, "BLOCK_K": 64}, "bf16")["BLOCK_K"] == 64
+    assert module._launch({**cfg, "BLOCK_K": 64}, "ieee")["BLOCK_K"] == 32  # fp32 tiles: twice the bytes
+    assert module._mid_dtype(x, "bf16") == torch.bfloat16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 tensor-core path runs on a GPU only")
+@pytest.mark.parametrize("variant", ["swiglu", "swiglu_lora"])
+def test_bf16_tensor_core_accuracy_cuda(load, variant):
+    """bf16 kernel (16-bit dots, the module's own GPU tiles) vs the fp32 reference on fp32 inputs:
+    relative RMS <= 5e-3 on the output, <= 1e-2 on every gradient (the GPU acceptance bar)."""
+    module = load(variant, {})
+    n, d, e, f, k = 4096, 1024, 16, 512, 4
+    gen = torch.Generator().manual_seed(0)
+    idx = routing("uniform", n, e, k, gen).cuda()
+    w = torch.rand(n, k, generator=gen) + 0.05
+    ins = [torch.randn(n, d, generator=gen), w / w.sum(-1, keepdim=True),
+           torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5, torch.randn(e, d, f, generator=gen) / f ** 0.5]
+    if variant == "swiglu_lora":
+        ins += _adapters(e, d, f, 16, gen)
+    hi = [t.cuda().requires_grad_() for t in ins]
+    lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in hi]
+    extra = (0.5,) if variant == "swiglu_lora" else ()
+    module.set_config(None)  # the GPU buckets' tiles, not the CPU pin
+    try:
+        y = module.entry(lo[0], idx, *lo[1:], *extra)
+        dy = torch.randn(y.shape, device="cuda")
+        y.backward(dy.to(y.dtype))
+    finally:
+        module.set_config(CPU_CONFIG)
+    ref = module.reference(hi[0], idx, *hi[1:], *extra)
+    ref.backward(dy)
+    assert _rel(y, ref) <= 5e-3
+    for i, (a, b) in enumerate(zip(lo, hi)):
+        if b.grad is not None and a.grad is not None:
+            assert _rel(a.grad, b.grad) <= 1e-2, (i, _rel(a.grad, b.grad))
 
 
 @pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:deepseek_v32", "hf:mixtral"])
