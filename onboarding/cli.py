@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--suite", choices=("kernels",), default="kernels")
     b.add_argument("--family", action="append", default=None,
                    help="only these kernel families (repeatable)")
+    b.add_argument("--case", action="append", default=None, metavar="SUBSTR",
+                   help="only cases whose name contains SUBSTR (repeatable)")
+    b.add_argument("--impl", default=None, metavar="A,B",
+                   help="only these implementations (e.g. ours,ours_fwd,fla_fwd; tile sweeps "
+                        "'ours@...' count as 'ours')")
     b.add_argument("--out", help="write the result rows as JSON here")
 
     r = sub.add_parser("run", help="run the agent pipeline on MODEL")
@@ -219,13 +224,14 @@ def _nothing():
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from onboarding.bench.cases import cases_for
+    from onboarding.bench.cases import cases_for, select_cases
     from onboarding.bench.harness import format_table, run_cases
 
     if not torch.cuda.is_available():
         raise InputError("onboard bench needs a GPU (timings on the CPU interpreter mean "
                          "nothing); run it on the GPU machine")
-    cases = cases_for(args.family)
+    cases = select_cases(cases_for(args.family), args.case,
+                         args.impl.split(",") if args.impl else None)
 
     def save(result: dict) -> None:
         if args.out:

@@ -235,3 +235,21 @@ def test_tune_model_end_to_end(workdir, capsys):
     assert "no GPU" in update["tune_attempts"][0]["skipped"]
     assert "skipped: no GPU" in build_report(workdir / "r", title="t").read_text()
 
+
+
+def test_bench_case_and_impl_selection():
+    from onboarding.bench.cases import select_cases
+    from onboarding.bench.harness import BenchCase
+    from onboarding.errors import InputError
+
+    def case(name):
+        return BenchCase(family="f", name=name, shape={}, min_bytes=1, flops=0,
+                         setup=lambda device: {"ours": 1, "ours@BLOCK=64": 2, "fla": 3, "eager": 4})
+
+    cases = [case("B2T4096"), case("B1T8192"), case("B1T32768")]
+    picked = select_cases(cases, ["T8192", "T32768"], ["ours", "fla"])
+    assert [c.name for c in picked] == ["B1T8192", "B1T32768"]
+    assert set(picked[0].setup("cpu")) == {"ours", "ours@BLOCK=64", "fla"}
+    assert select_cases(cases) == cases
+    with pytest.raises(InputError, match="no benchmark case matches"):
+        select_cases(cases, ["T99"])

@@ -10,6 +10,8 @@ linear-attention families (``gated_delta``, ``kimi_delta``) live in `cases_linea
 
 from __future__ import annotations
 
+import dataclasses
+
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -316,3 +318,22 @@ def cases_for(families: list[str] | None = None) -> list[BenchCase]:
 
         raise InputError(f"no benchmark cases for {unknown}; known: {sorted(CASES)}")
     return [c for n in names for c in CASES[n]()]
+
+
+def select_cases(cases: list[BenchCase], names: list[str] | None = None,
+                 impls: list[str] | None = None) -> list[BenchCase]:
+    """Cases whose name contains one of `names`, timing only `impls` ("ours@<tiles>" rows count
+    as "ours"); None keeps everything. Nothing left to run is an InputError."""
+    from onboarding.errors import InputError
+
+    picked = [c for c in cases if not names or any(n in c.name for n in names)]
+    if not picked:
+        raise InputError(f"no benchmark case matches {names}; cases: {[c.name for c in cases]}")
+    if not impls:
+        return picked
+    keep = set(impls)
+
+    def only(setup):
+        return lambda device: {k: v for k, v in setup(device).items() if k.split("@")[0] in keep}
+
+    return [dataclasses.replace(c, setup=only(c.setup)) for c in picked]
