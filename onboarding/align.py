@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from onboarding._align_replay import _keep_rows, _Replay, _replay, _selection_flips
 from onboarding._align_report import plot_errors, render_markdown
 from onboarding._align_stats import (
     DTYPES,
@@ -368,146 +368,6 @@ class AlignmentResult:
 
     def plot(self, path: Path | str) -> Path:
         return plot_errors(self, Path(path))
-
-
-# ---- isolated replay -------------------------------------------------------------------------------
-
-@dataclass
-class _Replay:
-    outputs: list[torch.Tensor]
-    input_grads: list[torch.Tensor | None]
-    param_grads: list[torch.Tensor | None]
-    discrete: list[torch.Tensor] = field(default_factory=list)  # integer outputs (selections)
-
-
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor | None:
-    """``t`` as [n, -1] when its leading dims hold ``n`` rows (tokens), else None."""
-    if t.dim() >= 1 and t.shape[0] == n:
-        return t.reshape(n, -1)
-    if t.dim() >= 2 and math.prod(t.shape[:-1]) == n:
-        return t.reshape(n, -1)
-    return None
-
-
-def _selection_flips(c: _Replay, r: _Replay) -> tuple[torch.Tensor | None, str]:
-    """Rows whose integer selection (top-k indices) differs between two isolated replays.
-
-    A flip is *explained* when the reference's own scores put the two choices closer together
-    than rounding can move them: within 8x the median score error of the whole replay (robust to
-    a few wrong rows) or 2 ulp of the candidate dtype at that score. Explained rows are masked out
-    of the comparison. Returns (keep-mask or None, message);
-    an unexplained flip returns a message and no mask, and the block is judged unmasked.
-    """
-    flipped = None
-    for x, y in zip(c.discrete, r.discrete):
-        if x.shape != y.shape or x.dim() == 0:
-            continue
-        xs, ys = x.reshape(x.shape[0], -1).sort(-1).values, y.reshape(y.shape[0], -1).sort(-1).values
-        rows = (xs != ys).any(-1)
-        flipped = rows if flipped is None else flipped | rows
-        sel_c, sel_r = x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1)
-    if flipped is None or not bool(flipped.any()):
-        return None, ""
-    n = flipped.numel()
-    width = int(max(sel_c.max(), sel_r.max())) + 1
-    scores = [(a, b) for a, b in zip(c.outputs, r.outputs) if a.shape == b.shape
-              and a.dim() >= 1 and a.shape[-1] >= width and _rows(b, n) is not None]
-    msg = f"{int(flipped.sum())} of {n} rows select differently in the candidate dtype"
-    if not scores:
-        return None, msg + " (no scores to tell near ties from errors)"
-    eps = torch.finfo(scores[0][0].dtype).eps
-    sc, sr = (_rows(t, n).double() for t in scores[0])
-    typical = 8 * (sc - sr).abs().median().item()
-    for i in flipped.nonzero().flatten().tolist():
-        ref_sel, cand_sel = set(sel_r[i].tolist()), set(sel_c[i].tolist())
-        boundary = min(sr[i, j].item() for j in ref_sel)
-        intruder = max(sr[i, j].item() for j in cand_sel - ref_sel)
-        allowed = max(typical, 2 * eps * abs(boundary))
-        if boundary - intruder > allowed:
-            return None, msg + f"; row {i} is no near tie (score gap {boundary - intruder:.2e}" \
-                               f" > {allowed:.2e} that rounding can explain)"
-    return ~flipped, msg + " (near ties: masked out)"
-
-
-def _keep_rows(ts: list[torch.Tensor], keep: torch.Tensor | None) -> list[torch.Tensor]:
-    if keep is None:
-        return ts
-    out = []
-    for t in ts:
-        rows = _rows(t, keep.numel())
-        out.append(rows[keep.to(t.device)] if rows is not None else t)
-    return out
-
-
-def _follow_selection(grads: list[torch.Tensor | None], sel: list[torch.Tensor],
-                      ref_sel: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Reorder slot-aligned output grads when a replay picks the reference's choices in another order.
-
-    A router returns its top-k weights in slot order next to the indices; two near-equal
-    choices may swap slots in the candidate dtype. The reference's grad for slot j belongs to
-    the choice the reference put there, so each row's grads follow their choice to the slot the
-    replay put it in. Rows whose set of choices differs are left as they are (`_selection_flips`
-    judges those).
-    """
-    for x, y in zip(sel, ref_sel):
-        if x.shape != y.shape or x.dim() < 1 or torch.equal(x, y):
-            continue
-        xr, yr = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).to(x.device)
-        match = xr.unsqueeze(-1) == yr.unsqueeze(-2)  # [rows, slot in x, slot in y]
-        same_set = (match.sum(-1) == 1).all(-1) & (match.sum(-2) == 1).all(-1)
-        src = torch.where(same_set.unsqueeze(-1), match.int().argmax(-1),
-                          torch.arange(xr.shape[-1], device=x.device))
-        grads = [g.reshape(src.shape).gather(-1, src.to(g.device)).reshape(g.shape)
-                 if g is not None and g.shape == x.shape else g for g in grads]
-    return grads
-
-
-def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype,
-            source: str = "reference") -> _Replay:
-    """Run ``module`` on one recorded call's inputs, then backprop the reference's output grads.
-
-    ``source="reference"``: every input tensor comes from the reference call ``ref`` (floating
-    ones cast to ``dtype``; integer ones such as routing indices as they are);
-    ``source="own"``: from ``own``, the model's own call (the faithfulness check).
-    """
-    base = own if source == "own" else ref
-    leaves: list[torch.Tensor] = []
-    i = iter(range(len(base.grad_flags)))
-    finfo = torch.finfo(dtype)
-
-    def build(t: torch.Tensor) -> torch.Tensor:
-        k = next(i)
-        if not t.is_floating_point():
-            return t
-        # Masks hold finfo(fp64).min, which would round to -inf in fp32/bf16: clamp finite
-        # values into the target range first (as the model itself does in its own dtype).
-        if torch.finfo(t.dtype).max > finfo.max:
-            t = torch.where(torch.isfinite(t), t.clamp(finfo.min, finfo.max), t)
-        x = t.to(dtype)
-        if base.grad_flags[k]:
-            x = x.detach().requires_grad_(True)
-            leaves.append(x)
-        return x
-
-    args, kwargs = _map(base.args, build)
-    params = [p for p in module.parameters() if p.requires_grad]
-    with torch.enable_grad():
-        out = module(*args, **kwargs)
-        floats, discrete = _split(_tensors(out))
-        out_grads = ref.out_grads
-        if source == "reference":
-            out_grads = _follow_selection(out_grads, discrete, ref.discrete_out)
-        pairs = [(o, g.to(o.dtype)) for o, g, need in
-                 zip(floats, out_grads, ref.out_needs_grad) if need and g is not None
-                 and o.requires_grad and o.shape == g.shape]
-        grads: list[torch.Tensor | None] = [None] * (len(leaves) + len(params))
-        if pairs and (leaves or params):
-            grads = list(torch.autograd.grad([o for o, _ in pairs], leaves + params,
-                                             [g for _, g in pairs], allow_unused=True))
-    return _Replay(outputs=[o.detach() for o in floats], discrete=[d.detach() for d in discrete],
-                   input_grads=[g.detach() if g is not None else None for g in grads[:len(leaves)]],
-                   param_grads=[g.detach() if g is not None else None
-                                for g in grads[len(leaves):]])
 
 
 # ---- the alignment ---------------------------------------------------------------------------------

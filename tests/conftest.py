@@ -23,6 +23,16 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.e
     except ImportError:
         pass
 
+# Under pytest-xdist each worker gets an equal share of the cores: torch's default (all cores per
+# process) oversubscribes the CPU when the workers run interpreter-heavy tests side by side.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    except ImportError:
+        pass
+
 # The repo root must not be on sys.path: `kernels/` there would import as a namespace package
 # named `kernels`, the Hugging Face kernel hub's name, which transformers probes for.
 for entry in ("", str(ROOT)):
