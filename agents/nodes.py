@@ -10,7 +10,7 @@ from langgraph.config import get_stream_writer
 
 from agents.state import RunState
 from onboarding.rundir import append_event
-from onboarding.report import build_report
+from onboarding.report import TRAIN_SKIPPED_FILE, build_report
 from onboarding.opgraph import OpGraph
 from onboarding.registry import Coverage
 from onboarding.generate import load_candidates
@@ -190,6 +190,9 @@ def train_node(state: RunState) -> dict[str, Any]:
     if steps <= 0:
         why = ("skipped: no GPU (set train_steps, `onboard run --train-steps N`, to train on "
                "the CPU with gloo)" if not gpus else "skipped: train_steps is 0")
+        from onboarding.rundir import write_json
+
+        write_json(run_dir / TRAIN_SKIPPED_FILE, {"skipped": why})
         return _done(state, "train", train_attempts=[*state.train_attempts,
                                                      {**attempt, "skipped": why}])
     nproc = c.train_nproc or (gpus if gpus else 2)

@@ -212,10 +212,17 @@ def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None
     return path
 
 
+TRAIN_SKIPPED_FILE = "train_skipped.json"  # written by the agent's train node when it skips
+
+
 def _train_section(run_dir: Path) -> str | None:
     """Setup, loss comparison (parallel vs single-process reference) and per-step metrics."""
     train = run_dir / "train"
     if not (train / "reference.jsonl").exists():
+        skipped = run_dir / TRAIN_SKIPPED_FILE
+        if skipped.exists():
+            why = json.loads(skipped.read_text()).get("skipped", "skipped")
+            return "\n".join(["## Training (FSDP2 + EP LoRA)", "", f"Training {why}."])
         return None
     from onboarding.training.compare import read_rows, summarize
     from onboarding.training.config import TrainConfig

@@ -138,6 +138,7 @@ def test_default_run_is_the_hybrid_example(workdir, capsys):
     assert "params_by_kind.png" in report and (workdir / "demo" / "params_by_kind.png").exists()
     # On the CPU the tune node runs but skips tuning by default, and says so in the report.
     assert "## Tuning" in report and "skipped: no GPU" in report
+    assert "## Training" in report and "Training skipped: no GPU" in report  # likewise
 
 
 def test_readme_commands_are_what_ci_runs():
