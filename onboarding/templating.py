@@ -263,6 +263,14 @@ class FamilySpec:
             self.check(variant, out)
         return out
 
+    def served(self, variant: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """A family `match` result, ``{"variant", "params"}`` (resolved), or None when the block's
+        parameters are outside what `variant` renders (the family cannot serve that block)."""
+        try:
+            return {"variant": variant, "params": self.resolve(variant, params)}
+        except InputError:
+            return None
+
     def check_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """Validate a tile config against the tuning space (keys and values)."""
         bad = sorted(set(config) - set(self.tuning_space))

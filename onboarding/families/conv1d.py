@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from onboarding.errors import InputError
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
 NAME = "conv1d"
@@ -25,10 +24,7 @@ def match(block: Any) -> dict[str, Any] | None:
     if activation not in (None, "silu"):
         return None
     params = {"kernel_size": attrs.get("kernel_size"), "activation": activation}
-    try:
-        return {"variant": "causal", "params": FAMILY.resolve("causal", params)}
-    except InputError:
-        return None
+    return FAMILY.served("causal", params)
 
 
 

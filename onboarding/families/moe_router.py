@@ -48,10 +48,7 @@ def match(block: Any) -> dict[str, Any] | None:
         params["routed_scaling_factor"] = float(attrs["routed_scaling_factor"])
     elif attrs.get("group_limited") or attrs.get("score_bias"):
         return None
-    try:
-        return {"variant": variant, "params": FAMILY.resolve(variant, params)}
-    except InputError:
-        return None
+    return FAMILY.served(variant, params)
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],

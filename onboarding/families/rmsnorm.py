@@ -49,10 +49,7 @@ def match(block: Any) -> dict[str, Any] | None:
         params["unit_offset"] = bool(attrs.get("unit_offset", False))
     else:
         return None
-    try:
-        return {"variant": variant, "params": FAMILY.resolve(variant, params)}
-    except InputError:
-        return None
+    return FAMILY.served(variant, params)
 
 
 

@@ -35,10 +35,7 @@ def match(block: Any) -> dict[str, Any] | None:
     if layout not in ("half", "interleaved"):
         return None
     params = {"head_dim": attrs.get("head_dim"), "rotary_dim": attrs.get("rotary_dim")}
-    try:
-        return {"variant": layout, "params": FAMILY.resolve(layout, params)}
-    except InputError:
-        return None
+    return FAMILY.served(layout, params)
 
 
 

@@ -30,13 +30,6 @@ def _check(variant: str, params: dict[str, Any]) -> None:
                          f"layout, got {params['d_v']}")
 
 
-def _resolve(variant: str, params: dict[str, Any]) -> dict[str, Any] | None:
-    try:
-        return FAMILY.resolve(variant, params)
-    except InputError:
-        return None
-
-
 def match_all(block: Any) -> list[dict[str, Any]]:
     """Both variants a `sparse_attention.topk` block needs (gathered first), or [] for others.
 
@@ -58,10 +51,10 @@ def match_all(block: Any) -> list[dict[str, Any]]:
     out = []
     for variant, params in (("gathered", gathered),
                             ("indexer", {"topk": topk, "indexer_relu": bool(attrs.get("indexer_relu", True))})):
-        resolved = _resolve(variant, params)
-        if resolved is None:
+        served = FAMILY.served(variant, params)
+        if served is None:
             return []
-        out.append({"variant": variant, "params": resolved})
+        out.append(served)
     return out
 
 

@@ -53,10 +53,7 @@ def match(block: Any) -> dict[str, Any] | None:
     if fused:
         params["layout"] = attrs.get("gate_up_layout", style.get("layout", "halves"))
     variant = "fused" if fused else "split"
-    try:
-        return {"variant": variant, "params": FAMILY.resolve(variant, params)}
-    except InputError:
-        return None
+    return FAMILY.served(variant, params)
 
 
 
