@@ -12,7 +12,9 @@ from onboarding.families import lora
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 
 CPU_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "dot_precision": "ieee"}
-SHAPES = [((37, 24), 40, 8), ((2, 19, 40), 24, 5), ((1, 24), 16, 16)]  # (x shape, out, rank)
+# (x shape, out, rank): rows not a multiple of the CPU tile, I/O not powers of two, r in {1, 5, 8, 16}
+SHAPES = [((37, 24), 40, 8), ((2, 19, 40), 24, 5), ((1, 24), 16, 16), ((45, 70), 33, 1), ((3, 11, 36), 50, 16)]
+BASES = ["torch", "triton"]
 _MODULES: dict = {}
 
 
@@ -46,12 +48,40 @@ def fixture(module, shape, out, rank, scaling=2.0) -> KernelFixture:
 
 @pytest.mark.parametrize("shape,out,rank", SHAPES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")])
-def test_forward_backward(load, device, shape, out, rank, dtype):
-    check_forward_backward(fixture(load({}), shape, out, rank), dtype, device)
+@pytest.mark.parametrize("base", BASES)
+def test_forward_backward(load, device, base, shape, out, rank, dtype):
+    check_forward_backward(fixture(load({"base": base}), shape, out, rank), dtype, device)
 
 
-def test_frozen_weight_gets_no_grad(load, device):
-    module = load({"scaling": 0.5})
+def test_base_param_picks_kernels(load):
+    """base="torch" renders only the in-place low-rank kernel (the base GEMMs are torch's);
+    base="triton" only the fused Triton GEMM; a bad value is a clear user error."""
+    from onboarding.errors import InputError
+
+    assert load({})._lowrank_add_ and not hasattr(load({}), "lora_matmul_kernel")
+    assert load({"base": "triton"})._mm and not hasattr(load({"base": "triton"}), "lora_update_kernel")
+    with pytest.raises(InputError, match="base"):
+        templating.render(lora.FAMILY, "linear", {"base": "cublas"})
+
+
+def test_lowrank_add_in_place_strided(load, device):
+    """The update kernel adds s (x u) v into y in place (y's old content kept), takes transposed
+    and sliced views, and returns x u in fp32."""
+    module = load({})
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 45, generator=gen).to(device)[:, 5:]  # [70, 40], row stride 45
+    a, b = torch.randn(6, 40, generator=gen).to(device), torch.randn(33, 6, generator=gen).to(device)
+    y0 = torch.randn(70, 33, generator=gen).to(device)
+    y = y0.clone()
+    xu = module._lowrank_add_(x, a.t(), b.t(), y, -1.5, torch.float32)
+    assert xu.dtype == torch.float32
+    torch.testing.assert_close(xu, x @ a.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, y0 - 1.5 * (x @ a.t()) @ b.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_frozen_weight_gets_no_grad(load, device, base):
+    module = load({"scaling": 0.5, "base": base})
     x = torch.randn(5, 24, device=device, requires_grad=True)
     w = torch.randn(16, 24, device=device, requires_grad=True)
     a = torch.randn(4, 24, device=device, requires_grad=True)
@@ -62,14 +92,16 @@ def test_frozen_weight_gets_no_grad(load, device):
     assert w.grad is None and x.grad is not None and a.grad is not None and b.grad is not None
 
 
-def test_opcheck_and_contract(load, device):
-    module = load({})
+@pytest.mark.parametrize("base", BASES)
+def test_opcheck_and_contract(load, device, base):
+    module = load({"base": base})
     check_module_contract(module)
     check_opcheck(fixture(module, (7, 24), 16, 4), torch.float32, device)
 
 
-def test_shape_errors_name_shapes(load, device):
-    module = load({})
+@pytest.mark.parametrize("base", BASES)
+def test_shape_errors_name_shapes(load, device, base):
+    module = load({"base": base})
     with pytest.raises(ValueError, match=r"lora_a \(4, 23\)"):
         module.entry(torch.randn(3, 24), torch.randn(16, 24), torch.randn(4, 23), torch.randn(16, 4))
 
@@ -78,35 +110,44 @@ def test_aot_sm90(load):
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    for path, rs in aot.compile_files([load({}).__file__], registers=False).items():
+    files = [load({"base": base}).__file__ for base in BASES]
+    for path, rs in aot.compile_files(files, registers=False).items():
         assert rs, path
         for r in rs:
             assert r.ok, f"{path}: {r.kernel}: {r.error}"
             assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
 
 
-def test_bf16_spec_compiles_to_bf16_mma(load, tmp_path):
+@pytest.mark.parametrize("base,kernel", [("torch", "lora_update_kernel"), ("triton", "lora_matmul_kernel")])
+def test_bf16_spec_compiles_to_bf16_mma(load, tmp_path, base, kernel):
     """The bf16 AOT specs take the 16-bit dot mode and compile to bf16 tensor-core instructions
-    (both the fused form, whose fp32 x A^T operand is cast, and the plain one)."""
-    module = load({})
+    (the in-place update's x A^T and its fp32 (x A^T) B^T operand; the fused GEMM's both forms)."""
+    module = load({"base": base})
     assert {s["constexprs"]["DOT_PRECISION"] for s in module.aot_specs("bf16")} == {"bf16"}
-    assert_bf16_mma(sm90_mma(module.__file__, ["lora_matmul_kernel"], tmp_path), ["lora_matmul_kernel"])
+    assert_bf16_mma(sm90_mma(module.__file__, [kernel], tmp_path), [kernel])
 
 
 def test_dot_mode_keeps_fp32_operands_off_gpu(load):
+    cpu = torch.device("cpu")
     module = load({})
     cfg = module.config_for(24)
-    assert module._dot_mode(cfg["dot_precision"], torch.bfloat16, torch.device("cpu")) in ("ieee", "tf32")
+    assert module._dot_mode(cfg["dot_precision"], torch.bfloat16, cpu) in ("ieee", "tf32")
+    # off the GPU the update kernel keeps the config's row tile (no SM count to fill) unless the
+    # in-place tile would pass 32x128 fp32 values
+    assert module._update_launch({**cfg, "BLOCK_M": 128, "BLOCK_N": 32}, 8192, cpu, "ieee")["BLOCK_M"] == 128
+    assert module._update_launch({**cfg, "BLOCK_M": 128, "BLOCK_N": 128}, 8192, cpu, "ieee")["BLOCK_M"] == 32
+    module = load({"base": "triton"})
     assert module._launch({**cfg, "BLOCK_K": 64}, "ieee")["BLOCK_K"] == 32
     assert module._launch({**cfg, "BLOCK_K": 64}, "bf16") == {**{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N")},
                                                               "BLOCK_K": 64, "DOT_PRECISION": "bf16"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 tensor-core path runs on a GPU only")
-def test_bf16_tensor_core_accuracy_cuda(load):
+@pytest.mark.parametrize("base", BASES)
+def test_bf16_tensor_core_accuracy_cuda(load, base):
     """bf16 inputs (16-bit dots, the module's GPU tiles) vs the fp32 reference on fp32 inputs at a
     real projection width: rel RMS <= 5e-3 (output), <= 1e-2 (dx, dA, dB)."""
-    module = load({})
+    module = load({"base": base})
     gen = torch.Generator().manual_seed(0)
     n, i, o, r = 4096, 2048, 1024, 16
     ins = [torch.randn(n, i, generator=gen), torch.randn(o, i, generator=gen) / i ** 0.5,
@@ -114,6 +155,10 @@ def test_bf16_tensor_core_accuracy_cuda(load):
     hi = [t.cuda().requires_grad_(j != 1) for j, t in enumerate(ins)]
     lo = [t.detach().to(torch.bfloat16).requires_grad_(j != 1) for j, t in enumerate(hi)]
     module.set_config(None)
+    if base == "torch":  # one program per BLOCK_M rows: the launch fills every SM
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        bm = module._update_launch(module.config_for(i), n, torch.device("cuda"), "bf16")["BLOCK_M"]
+        assert bm == 16 or n // bm >= sms, bm
     try:
         y = module.entry(*lo, 2.0)
         dy = torch.randn(y.shape, device="cuda")
