@@ -134,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training processes (default: the GPUs here, 2 on the CPU)")
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
 
-    from onboarding.training.cli import add_train_parser
+    from onboarding.training.cli import add_scale_parser, add_train_parser
 
     add_train_parser(sub)
+    add_scale_parser(sub)
     return ap
 
 
@@ -486,10 +487,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args, console)
         if args.command == "tune":
             return cmd_tune(args, console)
-        if args.command == "train":
-            from onboarding.training.cli import cmd_train
+        if args.command in ("train", "scale"):
+            from onboarding.training.cli import cmd_scale, cmd_train
 
-            return cmd_train(args, console)
+            return (cmd_train if args.command == "train" else cmd_scale)(args, console)
         return cmd_analyse(args, console)
     except InputError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)

@@ -271,3 +271,19 @@ def _train_section(run_dir: Path) -> str | None:
 
 
 SECTIONS.append(_train_section)
+
+
+def _scaling_section(run_dir: Path) -> str | None:
+    """The weak-scaling table and plot of `onboard scale`."""
+    from onboarding.training.scaling import PLOT_FILE, RESULTS_FILE, markdown
+
+    path = run_dir / RESULTS_FILE
+    if not path.exists():
+        return None
+    out = ["## Weak scaling (FSDP2 x EP)", "", markdown(json.loads(path.read_text()))]
+    if (run_dir / PLOT_FILE).exists():
+        out += [f"![weak scaling]({PLOT_FILE})"]
+    return "\n".join(out)
+
+
+SECTIONS.append(_scaling_section)

@@ -23,24 +23,49 @@ FIELDS = {"nproc": "nproc", "ep": "ep", "fsdp": "fsdp", "steps": "steps", "seq":
 
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
-    d = TrainConfig(model="")
     t = sub.add_parser("train", help="FSDP2 + expert-parallel LoRA training of the proxy, "
                                      "checked against a single-process reference")
-    t.add_argument("model", nargs="?", default=None,
-                   help="model directory, hf:<model_type>, file.py:Name, module:Name or example")
     t.add_argument("--config", metavar="TRAIN_TOML",
                    help="re-run an (edited) train.toml as written; no other options")
+    t.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
+    _train_options(t, layout=True)
+    return t
+
+
+def add_scale_parser(sub) -> argparse.ArgumentParser:
+    t = sub.add_parser("scale", help="weak scaling: one `onboard train` per GPU count x EP "
+                                     "degree, tokens per GPU fixed; table and plot")
+    t.add_argument("--gpus", type=_ints, required=True, metavar="N[,N...]",
+                   help="GPU (process) counts, e.g. 2,4,8")
+    t.add_argument("--ep", type=_ints, required=True, metavar="E[,E...]",
+                   help="EP degree per GPU count (or one for all); FSDP takes the rest")
+    _train_options(t, layout=False)
+    return t
+
+
+def _ints(v: str) -> list[int]:
+    try:
+        return [int(x) for x in v.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,4,8, got {v!r}") from None
+
+
+def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
+    """The model and training options `train` and `scale` share (`layout`: --nproc/--ep/--fsdp)."""
+    d = TrainConfig(model="")
+    t.add_argument("model", nargs="?", default=None,
+                   help="model directory, hf:<model_type>, file.py:Name, module:Name or example")
     t.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                    help="override a model config field (JSON value); repeatable")
     t.add_argument("--trust-remote-code", action="store_true", default=None)
     t.add_argument("--proxy", choices=PROXIES, default=None,
                    help=f"proxy size (default {d.proxy}; none = the full config)")
     t.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
-    t.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
+    layout_options = (("--nproc", int, d.nproc, "processes (= fsdp * ep)"),
+                      ("--ep", int, d.ep, "expert-parallel degree"),
+                      ("--fsdp", int, d.fsdp, "FSDP degree")) if layout else ()
     for flag, typ, default, help_ in (
-            ("--nproc", int, d.nproc, "processes (= fsdp * ep)"),
-            ("--ep", int, d.ep, "expert-parallel degree"),
-            ("--fsdp", int, d.fsdp, "FSDP degree"),
+            *layout_options,
             ("--steps", int, d.steps, "optimizer steps"),
             ("--seq", int, d.seq_len, "sequence length"),
             ("--micro-batch", int, d.micro_batch, "sequences per rank per step"),
@@ -70,7 +95,6 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="also time transformers + PEFT (no onboard kernels, no EP) on one device")
     t.add_argument("--data", default=None,
                    help="JSONL (prompt/response or text), .txt or directory (default: built-in)")
-    return t
 
 
 def _explicit(args: argparse.Namespace) -> list[str]:
@@ -87,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     if args.model is None:
         raise InputError("onboard train: give a MODEL or --config train.toml")
-    values = {f: getattr(args, k) for k, f in FIELDS.items() if getattr(args, k) is not None}
+    values = {f: getattr(args, k, None) for k, f in FIELDS.items()
+              if getattr(args, k, None) is not None}
     # Fill the one layout degree left out: --ep 2 alone means 2 processes, --nproc 4 --ep 2
     # means fsdp 2. Explicit values that disagree still fail validation with a clear message.
     ep = values.get("ep", 1)
@@ -134,6 +159,39 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         rc = launch(cfg, False, console=console, source=source, checked=checked)
     _report(out, cfg, console)
     return rc
+
+
+def cmd_scale(args: argparse.Namespace, console: Console) -> int:
+    """`onboard scale`: every layout checked first (bad input writes nothing), then run in turn."""
+    from onboarding.report import build_report
+    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.stages import save_model_json
+    from onboarding.training import scaling
+    from onboarding.training.launch import check, launch
+
+    lays = scaling.layouts(args.gpus, args.ep)
+    args.ep = None  # the layouts set nproc/ep/fsdp per run
+    base = config_from_args(args)
+    out = new_run_dir(Path(base.model).name.removeprefix("hf:") + "-scale", args.out).resolve()
+    with console.status("scale: checking every layout"):
+        checked = {lay.name: check(cfg) for lay, cfg in zip(lays, scaling.configs(base, lays, out))}
+    info = next(iter(checked.values()))[0]
+    codes = []
+
+    def run(cfg: TrainConfig) -> int:
+        run_dir = Path(cfg.out)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_model_json(info, run_dir, cfg.overrides)
+        console.rule(f"{run_dir.name}: {cfg.nproc} processes, EP {cfg.ep} x FSDP {cfg.fsdp}")
+        codes.append(launch(cfg, console=console, checked=checked[run_dir.name]))
+        return codes[-1]
+
+    with owned_dir(out, created_here=True):
+        save_model_json(info, out, base.overrides)
+        result = scaling.run_scaling(base, lays, out, run)
+    console.print(scaling.markdown(result), highlight=False)
+    console.print(f"report: {build_report(out, title=f'scale {base.model}')}")
+    return next((c for c in codes if c), 0)
 
 
 def _report(out: Path, cfg: TrainConfig, console: Console) -> None:
