@@ -20,14 +20,20 @@ against the fp32 per-expert reference at the case's E, K, D, F on 4096 tokens (D
 
 ``lora``: the fused LoRA linear at rank 16, x [N, I] -> [N, O] at real projection shapes
 (Qwen3/Llama-style o_proj 4096->4096 and GQA k/v_proj 4096->1024, a 2048->8192 up projection,
-DeepSeek-V3's q_a_proj 7168->1536), N=8192 tokens. Impls: ``ours`` (fused: grads to x, A, B;
-W frozen), ``base`` (x W^T alone, grad to x only: the floor LoRA adds to), ``unfused`` (PEFT's
+DeepSeek-V3's q_a_proj 7168->1536), N=8192 tokens. Impls: ``ours`` (the default base="torch":
+torch's GEMM for x W^T and dy W, then one Triton kernel adding the rank-r term in place; grads to
+x, A, B; W frozen), ``ours@base=triton`` (everything in our Triton GEMM, the rank-r product in its
+accumulator), ``base`` (x W^T alone, grad to x only: the floor LoRA adds to), ``unfused`` (PEFT's
 torch formulation x W^T + s (x A^T) B^T). Read the LoRA overhead over the base GEMM as
 ``1 / ratios["base"] - 1`` (the issue's goal: <= 15% at rank 16). FLOPs count the LoRA step
 (base GEMMs plus the rank-r products), so ``base`` rows overstate their own rate by ~r/min(I, O).
+At o_proj, ``ours@BLOCK_M=...`` rows time the in-place update kernel under other tiles
+(``LORA_SWEEP``).
 
 At the anchor shape (uniform routing) ``ours@...`` rows time the experts kernel under other tile
-configs of its D bucket (``MOE_SWEEP``, around the bf16 defaults) for picking the defaults.
+configs of its D bucket, around the bf16 defaults, for picking them: the forward tiles in the
+``fwd`` case (``MOE_FWD_SWEEP``), the backward kernels' own tiles in the ``fwdbwd`` case
+(``MOE_BWD_SWEEP``, forward tiles left at the bucket's).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D]; down [E, D, F]; LoRA W [O, I],
 A [r, I], B [O, r].
@@ -59,15 +65,40 @@ LORA_SHAPES = (
     ("deepseek_v3_q_a", 8192, 7168, 1536),
 )
 LORA_RANK, LORA_SCALING = 16, 2.0
+# In-place update kernel tiles timed at o_proj (base="torch"; memory-bound): rows per program x
+# column step x the x A^T reduction step x warps x stages. BLOCK_M is a cap: the launch halves it
+# until every SM has a program (16 or 32 at N=8192 on an H200).
+LORA_SWEEP = [
+    {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+]
 # Tile configs timed beside the defaults at the anchor shape (bf16 tensor-core dots): row tile x
-# column tile x K step x warps x pipeline stages; the first is the pre-bf16 default.
-MOE_SWEEP = [
-    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+# column tile x K step x warps x pipeline stages. Forward (fwd case): the measured best (the
+# d_le_4k default since, 1.95 ms on the H200) first, then the old default (64-row tiles) and its
+# neighbours.
+MOE_FWD_SWEEP = [
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+]
+# Backward kernels' tiles (fwdbwd case): the measured best (64 x 128 x 64, 8 warps, 4 stages: the
+# default since), 128-row tiles (6.54 ms fwd+bwd when they drove every kernel), 3 stages (the old
+# default) and neighbours.
+MOE_BWD_SWEEP = [
+    {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 128, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
+    {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 128, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
+    {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 128, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
+    {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 128, "BWD_BLOCK_K": 32, "bwd_warps": 8, "bwd_stages": 4},
+    {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 4, "bwd_stages": 4},
+    {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
+    {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 256, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
 ]
 
 
@@ -161,10 +192,10 @@ def _moe_steps(E, K, D, Fw, N, kind, backward: bool, sweep: bool, device) -> dic
     sets = _moe_sets(E, K, D, Fw, N, kind, device, backward)
     if not backward:
         steps = {name: _fwd(fn, sets) for name, fn in impls.items()}
-        return {**steps, **(_fwd_sweep(mod, ours, sets, D, MOE_SWEEP) if sweep else {})}
+        return {**steps, **(_fwd_sweep(mod, ours, sets, D, MOE_FWD_SWEEP) if sweep else {})}
     grads = [torch.randn(N, D, device=device, dtype=torch.bfloat16)]
     steps = {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
-    return {**steps, **(_config_sweep(mod, ours, sets, grads, D, MOE_SWEEP) if sweep else {})}
+    return {**steps, **(_config_sweep(mod, ours, sets, grads, D, MOE_BWD_SWEEP) if sweep else {})}
 
 
 def _moe_check(E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, float]]:
@@ -205,8 +236,9 @@ def moe_experts_cases() -> list[BenchCase]:
     return cases
 
 
-def _lora_steps(N, I, O, backward: bool, device) -> dict[str, Step]:
-    _, ours = _kernel("lora", "linear")
+def _lora_steps(N, I, O, backward: bool, sweep: bool, device) -> dict[str, Step]:
+    mod, ours = _kernel("lora", "linear")
+    _, fused = _kernel("lora", "linear", {"base": "triton"})
     gen = torch.Generator(device=device).manual_seed(0)
     bf16, r = torch.bfloat16, LORA_RANK
     w = (torch.randn(O, I, device=device, generator=gen) / I ** 0.5).to(bf16)  # frozen: no grad
@@ -218,15 +250,19 @@ def _lora_steps(N, I, O, backward: bool, device) -> dict[str, Step]:
     for _ in range(N_SETS):
         x = torch.randn(N, I, device=device, generator=gen).to(bf16)
         sets.append((_leaf(x) if backward else x, w, a, b))
+    ours_s = lambda x, w, a, b: ours(x, w, a, b, LORA_SCALING)
     impls = {
-        "ours": lambda x, w, a, b: ours(x, w, a, b, LORA_SCALING),
+        "ours": ours_s,
+        "ours@base=triton": lambda x, w, a, b: fused(x, w, a, b, LORA_SCALING),
         "base": lambda x, w, a, b: F.linear(x, w),
         "unfused": lambda x, w, a, b: F.linear(x, w) + LORA_SCALING * F.linear(F.linear(x, a), b),
     }
+    configs = LORA_SWEEP if sweep else []
     if not backward:
-        return {name: _fwd(fn, sets) for name, fn in impls.items()}
+        return {**{name: _fwd(fn, sets) for name, fn in impls.items()}, **_fwd_sweep(mod, ours_s, sets, I, configs)}
     grads = [torch.randn(N, O, device=device, dtype=bf16)]
-    return {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
+    return {**{name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()},
+            **_config_sweep(mod, ours_s, sets, grads, I, configs)}
 
 
 def lora_cases() -> list[BenchCase]:
@@ -255,7 +291,7 @@ def lora_cases() -> list[BenchCase]:
                 shape={"N": N, "I": I, "O": O, "r": r},
                 min_bytes=fwd_bytes + (2 * (2 * N * O + N * I + O * I) if backward else 0),
                 flops=fwd_flops + (bwd_flops if backward else 0),
-                setup=lambda device, a=(N, I, O, backward): _lora_steps(*a, device),
+                setup=lambda device, a=(N, I, O, backward, label == "o_proj"): _lora_steps(*a, device),
                 check=check if backward else None,
                 note="overhead over the base GEMM = 1 / ratios['base'] - 1"))
     return cases

@@ -20,7 +20,11 @@ from typing import Any
 import torch
 
 from onboarding.errors import InputError
-from onboarding.families._gemm import GEMM_DEFAULT_CONFIG, GEMM_TUNING_SPACE
+from onboarding.families._gemm import (
+    GEMM_FWD_BWD_DEFAULT_CONFIG,
+    GEMM_FWD_BWD_TUNING_SPACE,
+    split_tiles,
+)
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
 NAME = "moe_experts"
@@ -88,10 +92,13 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     return [x, idx, w, gate_up, down, *lora, 2.0]
 
 
+_GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4})
+
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=3,
+    template_version=4,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights, fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "
                              "(routed and pre-sorted entries); grads to x, routing weights, adapters"},
@@ -105,14 +112,22 @@ FAMILY = FamilySpec(
         Param(name="capacity_factor", type=float, default=None, nullable=True, min=0.0, max=1000.0,
               doc="keep ceil(cf * N * K / E) slots per expert (token order); None: dropless"),
     ),
-    tuning_space=GEMM_TUNING_SPACE,
-    default_config=GEMM_DEFAULT_CONFIG,
+    # Forward tiles (BLOCK_M/N/K, num_warps, num_stages: gate/up and down GEMMs, forward combine)
+    # and backward tiles (BWD_BLOCK_M/N/K, bwd_warps, bwd_stages: down backward, dx, both weight
+    # gradients, backward combine, and in `swiglu_lora` the adapter kernels of the backward) tile
+    # separately: the backward's weight-gradient GEMMs reduce over each expert's rows.
+    tuning_space=GEMM_FWD_BWD_TUNING_SPACE,
+    default_config=GEMM_FWD_BWD_DEFAULT_CONFIG,
     shape_buckets=(
         ShapeBucket(name="d_le_1k", dim="D", lo=1, hi=1024),
-        # 64 x 128 tiles, 8 warps (wgmma m64 per warpgroup): 64-row expert tiles waste less on
-        # many small experts (E=512 top-10 of 8192 tokens: ~160 rows each) than 128-row ones
-        ShapeBucket(name="d_le_4k", dim="D", lo=1025, hi=4096, config={"BLOCK_N": 128, "num_warps": 8}),
-        ShapeBucket(name="d_big", dim="D", lo=4097, hi=2**31 - 1, config={"BLOCK_N": 128, "num_warps": 8}),
+        # Measured on the H200 at E64 top-8 D2048 F512 N8192 bf16 (docs/LOG.md, third session):
+        # forward best 128 x 128 x 64, 8 warps, 3 stages (1.95 ms; 64-row tiles 2.15 ms); forward +
+        # backward (one config for all kernels then) best 64 x 128 x 64, 8 warps, 4 stages (6.30 ms,
+        # of which forward 2.10; 128 x 128 tiles 6.54 ms). 64-row backward tiles also waste less on
+        # many small experts (E=512 top-10 of 8192 tokens: ~160 rows each). The same tiles past
+        # D=4096 until measured there.
+        ShapeBucket(name="d_le_4k", dim="D", lo=1025, hi=4096, config=_GPU_TILES),
+        ShapeBucket(name="d_big", dim="D", lo=4097, hi=2**31 - 1, config=_GPU_TILES),
     ),
     check=_check,
     match=match,

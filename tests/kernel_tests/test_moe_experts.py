@@ -14,8 +14,14 @@ import torch
 from conftest import case_id
 
 from onboarding import aot
+from onboarding.errors import InputError
 from onboarding.families import moe_experts
-from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing import (
+    KernelFixture,
+    check_forward_backward,
+    check_module_contract,
+    check_opcheck,
+)
 from onboarding.testing.tolerance import Tolerance
 
 GPT_OSS = {"limit": 1.0, "alpha": 1.702, "up_offset": 1.0}
@@ -24,7 +30,9 @@ CASE_PARAMS = [pytest.param(v, p, id=case_id(v, p)) for v, p in CASES]
 LORA_CASES = [("swiglu_lora", {}), ("swiglu_lora", GPT_OSS)]
 # BLOCK_M=16 with expert loads of 0..74 rows: counts are not tile multiples; 32-wide N tiles over
 # D=24/40 and F=20 leave partial column tiles too.
-CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "dot_precision": "ieee"}
+# The backward kernels' own tiles (BWD_*) pinned alike.
+CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "BWD_BLOCK_M": 16, "BWD_BLOCK_N": 32, "BWD_BLOCK_K": 16,
+              "dot_precision": "ieee"}
 ROUTINGS = ["uniform", "zipf", "all_to_one", "empty_experts"]
 
 
@@ -214,6 +222,128 @@ def test_dot_mode_keeps_fp32_operands_off_gpu(load):
     assert module._mid_dtype(x, "bf16") == torch.bfloat16
 
 
+# Distinct forward / backward tiles: 16 x 32 x 16 forward, 32 x 16 x 32 backward (fp32 operands
+# cap BLOCK_K at 32), other warps and stages, so every launch shows which set it took.
+SPLIT_CONFIG = {**CPU_CONFIG, "num_warps": 4, "num_stages": 3, "BWD_BLOCK_M": 32, "BWD_BLOCK_N": 16,
+                "BWD_BLOCK_K": 32, "bwd_warps": 2, "bwd_stages": 1}
+FWD_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3}
+BWD_TILES = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1}
+TILE_GEMMS = {"moe_gate_up_fwd_kernel", "moe_down_fwd_kernel", "moe_down_bwd_kernel", "moe_dx_kernel",
+              "moe_dwd_kernel", "moe_dwgu_kernel"}  # BLOCK_M x BLOCK_N output tiles from the config
+
+
+class _LaunchLog:
+    """Wraps every `*_kernel` of a module so each launch records (kernel, launch kwargs)."""
+
+    def __init__(self, module, monkeypatch):
+        self.launches: list[tuple[str, dict]] = []
+        for name in [n for n in dir(module) if n.startswith("moe_") and n.endswith("_kernel")]:
+            monkeypatch.setattr(module, name, self._wrap(name, getattr(module, name)))
+
+    def _wrap(self, name, kernel):
+        log = self.launches
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    log.append((name, {k: v for k, v in kwargs.items() if isinstance(v, int)}))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        return Launcher()
+
+    def take(self) -> list[tuple[str, dict]]:
+        out, self.launches[:] = list(self.launches), []
+        return out
+
+
+def assert_tiles(launches: list[tuple[str, dict]], tiles: dict) -> None:
+    """Every launch ran on `tiles`: the GEMMs' whole tile, the adapter kernels' K step, warps and
+    stages (their rank-wide side is the rank's), the combine's column block and warps."""
+    assert launches
+    for name, kw in launches:
+        if name == "moe_combine_kernel":
+            assert (kw["BLOCK_D"], kw["num_warps"]) == (tiles["BLOCK_N"], tiles["num_warps"]), (name, kw)
+            continue
+        want = tiles if name in TILE_GEMMS else {k: tiles[k] for k in ("BLOCK_K", "num_warps", "num_stages")}
+        assert {k: kw[k] for k in want} == want, (name, kw)
+
+
+@pytest.mark.parametrize("entry", ["swiglu", "swiglu_lora", "swiglu_lora_sorted"])
+def test_backward_kernels_use_backward_tiles(load, device, monkeypatch, entry):
+    """With distinct forward and backward tiles pinned, forward launches take BLOCK_*/num_warps/
+    num_stages and backward launches BWD_BLOCK_*/bwd_warps/bwd_stages (the row tile maps follow),
+    and the output and every gradient still match the reference."""
+    module = load("swiglu" if entry == "swiglu" else "swiglu_lora", {})
+    fx = {"swiglu": fixture, "swiglu_lora": lora_fixture, "swiglu_lora_sorted": sorted_fixture}[entry](
+        module, "zipf")
+    module.set_config(SPLIT_CONFIG)
+    try:
+        check_forward_backward(fx, torch.float32, device)
+        log = _LaunchLog(module, monkeypatch)
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
+        leaves = [a.requires_grad_() if i in fx.weights or i == 0 else a for i, a in enumerate(args)]
+        y = fx.module.entry(*leaves)
+        fwd = log.take()
+        y.backward(torch.randn_like(y))
+        bwd = log.take()
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert_tiles(fwd, FWD_TILES)
+    assert_tiles(bwd, BWD_TILES)
+    assert {n for n, _ in bwd} >= {"moe_down_bwd_kernel", "moe_dx_kernel"}
+    assert not {n for n, _ in fwd} & {"moe_down_bwd_kernel", "moe_dx_kernel", "moe_dwd_kernel", "moe_dwgu_kernel"}
+
+
+def test_backward_tile_keys_in_space_config_and_tuner(load):
+    """BWD_BLOCK_M/N/K, bwd_warps, bwd_stages are tuning keys: the family spec and the module's
+    set_config validate them, and the tuner's --space sub-space takes them (keeping the default)."""
+    from onboarding.tune import search_space
+
+    module = load("swiglu_lora", {})
+    bwd_keys = {"BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_BLOCK_K", "bwd_warps", "bwd_stages"}
+    assert bwd_keys <= set(module.TUNING_SPACE) and bwd_keys <= set(module.DEFAULT_CONFIG)
+    assert moe_experts.FAMILY.check_config({"BWD_BLOCK_M": 32, "bwd_stages": 4})["bwd_stages"] == 4
+    with pytest.raises(InputError, match="BWD_BLOCK_M=48"):
+        moe_experts.FAMILY.check_config({"BWD_BLOCK_M": 48})
+    with pytest.raises(ValueError, match="bwd_warps=3"):
+        module.set_config({"bwd_warps": 3})
+    assert module.config_for(24) == {**module.DEFAULT_CONFIG, **CPU_CONFIG}  # the failed pin left it
+    space = search_space(module, "d_le_4k", {"BWD_BLOCK_M": [32], "bwd_stages": [2]})
+    assert space["BWD_BLOCK_M"] == [32, 64] and space["bwd_stages"] == [2, 4]  # + the bucket's backward default
+    assert space["BLOCK_M"] == list(module.TUNING_SPACE["BLOCK_M"])
+    with pytest.raises(InputError, match="BWD_BLOCK_K"):
+        search_space(module, "d_le_4k", {"BWD_BLOCK_K": [48]})
+
+
+def test_aot_specs_split_forward_and_backward_tiles(load):
+    """At D=2048 (bucket d_le_4k) the bf16 specs carry the measured GPU tiles: forward kernels
+    128 x 128 x 64, 8 warps, 3 stages; backward kernels 64 x 128 x 64, 8 warps, 4 stages."""
+    fwd = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    bwd = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    for variant in ("swiglu", "swiglu_lora"):
+        module = load(variant, {})
+        module.set_config(None)  # the buckets' own tiles, not the CPU pin
+        try:
+            specs = module.aot_specs("bf16", 2048)
+        finally:
+            module.set_config(CPU_CONFIG)
+        got: dict[str, list] = {}
+        for spec in specs:
+            if "num_stages" in spec:
+                tiles = {**{k: spec["constexprs"].get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")},
+                         "num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+                got.setdefault(spec["kernel"], []).append(tiles)
+        for name in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel"):
+            assert got[name] == [fwd], (variant, name, got[name])
+        for name in ("moe_down_bwd_kernel", "moe_dx_kernel", "moe_dwd_kernel", "moe_dwgu_kernel"):
+            assert got.get(name, [bwd]) == [bwd], (variant, name, got[name])
+        if variant == "swiglu_lora":  # row projections in both passes, adapter gradients in the backward
+            assert {t["BLOCK_M"] for t in got["moe_lora_proj_kernel"]} == {128, 64}
+            assert all(t["num_stages"] == 4 and t["BLOCK_K"] == 64 for t in got["moe_lora_wgrad_kernel"])
+        combines = [(s["constexprs"]["BLOCK_D"], s["num_warps"]) for s in specs if s["kernel"] == "moe_combine_kernel"]
+        assert combines == [(128, 8)]  # forward and backward combine agree here: one spec
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -390,7 +520,15 @@ def test_bench_cases_construct_and_baselines_agree(load):
     """The GPU benchmark cases build on the CPU (nothing runs), and the two anchors they time
     compute what the kernel computes (fp32, tiny shapes)."""
     from onboarding.bench.cases import cases_for
-    from onboarding.bench.cases_moe import LORA_SHAPES, MOE_SHAPES, grouped_mm, routing, transformers_loop
+    from onboarding.bench.cases_moe import (
+        LORA_SHAPES,
+        MOE_BWD_SWEEP,
+        MOE_FWD_SWEEP,
+        MOE_SHAPES,
+        grouped_mm,
+        routing,
+        transformers_loop,
+    )
 
     cases = cases_for(["moe_experts", "lora"])
     moe = {c.name: c for c in cases if c.family == "moe_experts"}
@@ -402,6 +540,14 @@ def test_bench_cases_construct_and_baselines_agree(load):
     assert {"deepseek_v3/E256K8D7168F2048N32768/uniform/fwdbwd", "qwen3_next/E512K10D2048F512N8192/zipf/fwd"} <= set(moe)
     assert all(c.flops > 0 and c.min_bytes > 0 and callable(c.setup) for c in cases)
     assert all((c.check is not None) == c.name.endswith("fwdbwd") for c in cases)
+    # forward cases sweep forward tiles only, fwd+bwd cases backward tiles only; both hold the measured bests
+    fwd_keys, bwd_keys = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}, \
+        {"BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_BLOCK_K", "bwd_warps", "bwd_stages"}
+    for sweep, keys in ((MOE_FWD_SWEEP, fwd_keys), (MOE_BWD_SWEEP, bwd_keys)):
+        assert all(set(cfg) == keys and moe_experts.FAMILY.check_config(cfg) == cfg for cfg in sweep)
+        assert len({tuple(cfg.items()) for cfg in sweep}) == len(sweep)
+    assert {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3} in MOE_FWD_SWEEP
+    assert {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 128, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4} in MOE_BWD_SWEEP
 
     module = load("swiglu", {})
     gen = torch.Generator().manual_seed(0)
