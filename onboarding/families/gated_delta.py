@@ -56,9 +56,13 @@ TUNING_SPACE = {
     # operands of the dots with Tm = (I + A)^-1 when the other dots are 16-bit (bf16/fp16 inputs on
     # a GPU): "input" casts Tm to that dtype as fla does, "tf32" keeps fp32 operands for them
     "tm_dot": ("input", "tf32"),
+    # operands of the block-merge dots inside Tm = (I + A)^-1 (always fp32: "tf32" or exact "ieee";
+    # "ieee" whenever the other dots are)
+    "inv_dot": ("tf32", "ieee"),
 }
 DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32",
-                  "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input"}
+                  "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input",
+                  "inv_dot": "tf32"}
 SHAPE_BUCKETS = (
     # Chosen from ptxas register spills and shared memory of the AOT build (sm_90, BT=64), not yet
     # timed: BK=32 and 8 warps take prepare from 4.8k (K=64, 4 warps) / 536 (K=128, BK=64) spilled
@@ -100,7 +104,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=3,
+    template_version=4,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

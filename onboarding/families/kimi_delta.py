@@ -1,8 +1,10 @@
 """Kimi delta attention family (KDA): the gated delta rule with a per-channel log-space decay.
 
 One variant, `chunk`: g is [B, T, HV, K] (one decay per key channel). The intra-chunk products
-sum a_ik b_jk exp(gc_ik - gc_jk) over channels with the exponent clamped at 0, so any gate is
-safe, including ones without a lower bound. Same kernels, API and tuning space as `gated_delta`.
+sum a_ik b_jk exp(gc_ik - gc_jk) over channels: by dots below the 16-row diagonal blocks, with
+the decay split at a reference row between i and j so both factors are <= 1, and elementwise
+with the exponent clamped at 0 inside them; so any gate is safe, including ones without a lower
+bound. Same kernels, API and tuning space as `gated_delta`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=3,
+    template_version=4,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

@@ -196,7 +196,8 @@ def check_prepare_vs_torch(module, per_channel: bool) -> None:
     for name, a, b in zip(("w", "u", "kd", "qg", "Aqk", "gl"), outs, refs):
         assert_close(a, b.reshape(a.shape), tol, f"prepare {name}")
     # Tm = (I + A)^-1 maps beta v to u chunk by chunk
-    B, NT, BT = case.B, -(-case.T // CHUNK), CHUNK
+    B, BT = case.B, module.CHUNK_SIZE
+    NT = -(-case.T // BT)
     vb = F.pad((v * beta[..., None]).transpose(1, 2), (0, 0, 0, NT * BT - case.T)).reshape(B, case.HV, NT, BT, -1)
     u_from_tm = Tm.reshape(B, case.HV, NT, BT, BT) @ vb
     assert_close(u_from_tm, refs[1], tol, "prepare Tm (I + A)^-1 applied to beta v")
@@ -205,6 +206,53 @@ def check_prepare_vs_torch(module, per_channel: bool) -> None:
     beta_c = F.pad(beta.transpose(1, 2), (0, NT * BT - case.T)).reshape(B, case.HV, NT, BT, 1)
     ident = (eye + beta_c * M.reshape(B, case.HV, NT, BT, BT)) @ Tm.reshape(B, case.HV, NT, BT, BT)
     assert_close(ident, eye.expand_as(ident), tol, "prepare M: (I + beta M) Tm = I")
+
+
+def akk_torch(q, k, g, beta, HV: int, BT: int, per_channel: bool) -> torch.Tensor:
+    """A = strict_tril(beta_i <k_i, k_j>_{exp(gc_i - gc_j)}) per chunk [B, HV, NT, BT, BT] in fp64,
+    with l2-normed keys (the prepare kernel's A, written independently of the module)."""
+    B, T = k.shape[:2]
+    NT = -(-T // BT)
+    pad = NT * BT - T
+    k = F.normalize(k.double(), dim=-1, eps=0.0).repeat_interleave(HV // k.shape[2], dim=2)
+    k = F.pad(k.transpose(1, 2), (0, 0, 0, pad)).reshape(B, HV, NT, BT, -1)
+    gd = g.double().transpose(1, 2)
+    gc = F.pad(gd, (0, 0, 0, pad) if per_channel else (0, pad)).reshape(B, HV, NT, BT, -1).cumsum(3)
+    # <k_i, k_j> weighted by exp(gc_i - gc_j) (per channel, or one scalar per row pair)
+    dec = (gc[..., :, None, :] - gc[..., None, :, :]).clamp(max=0.0).exp()
+    A = (k[..., :, None, :] * k[..., None, :, :] * dec).sum(-1)
+    beta_c = F.pad(beta.double().transpose(1, 2), (0, pad)).reshape(B, HV, NT, BT, 1)
+    return (A * beta_c).tril(-1)
+
+
+def check_blockwise_inverse(module, per_channel: bool) -> None:
+    """The kept Tm of the prepare kernel (blockwise: 16-row diagonal blocks inverted by
+    substitution, the blocks below merged by dots) equals (I + A)^-1 from torch's triangular
+    solve and torch.inverse, at fp32 accuracy, on strongly correlated unit keys and beta near 1:
+    |A_ij| up to ~1 with a slow decay, so the blocks below the diagonal blocks are far from 0."""
+    BT = module.CHUNK_SIZE
+    assert BT // module.INV_BLOCK >= 2, "the merge needs at least two diagonal blocks"
+    gen = torch.Generator().manual_seed(7)
+    B, T, HV, K, V = 1, 2 * BT - 5, 2, 32, 16  # the second chunk partial
+    base = torch.randn(1, 1, 1, K, generator=gen)
+    q = torch.randn(B, T, 1, K, generator=gen)
+    k = base + 0.7 * torch.randn(B, T, 1, K, generator=gen)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = -0.02 * torch.rand((B, T, HV, K) if per_channel else (B, T, HV), generator=gen)
+    beta = 0.5 + 0.5 * torch.rand(B, T, HV, generator=gen)
+    with torch.no_grad():
+        *_, Tm, _ = module._prepare(q, k, v, g, beta, K ** -0.5, True, keep_tm=True)
+    A = akk_torch(q, k, g, beta, HV, BT, per_channel)
+    assert A.abs().max() > 0.5, "the test lost its large A entries"
+    eye = torch.eye(BT, dtype=A.dtype).expand_as(A)
+    ref = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+    assert_close(torch.linalg.inv(eye + A), ref, tolerance_for(torch.float32), "torch.inverse vs solve_triangular")
+    got = Tm.reshape(A.shape).double()
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-6, f"blockwise Tm vs (I + A)^-1: max error {err:.2e} of max |Tm|"
+    # the off-diagonal blocks really came from the merge: they are far from zero
+    below = torch.ones(BT, BT, dtype=torch.bool).tril(-module.INV_BLOCK)
+    assert got[..., below].abs().max() > 0.1
 
 
 def block(kind: str, decay_shape: list[int], cumsum_dim: int, per_channel: bool, l2: bool) -> Block:
@@ -272,8 +320,9 @@ def dot_modes_on_cpu(spec) -> None:
 
 def check_aot_bf16_mma(spec, kernels: list[str], tm_kernels: list[str]) -> None:
     """The bf16 specs compile for sm_90 with bf16 tensor-core dots (wgmma/mma .bf16) in every
-    kernel that has dots, and no tf32 ones (`tm_dot` "input", the default); with `tm_dot` "tf32"
-    the kernels with dots by Tm (`tm_kernels`) use tf32 ones too."""
+    kernel that has dots, and no tf32 ones (`tm_dot` "input", the default) except the prepare
+    kernel's block merges inside Tm = (I + A)^-1 (`inv_dot` "tf32", the default; none with
+    "ieee"); with `tm_dot` "tf32" the kernels with dots by Tm (`tm_kernels`) use tf32 ones too."""
     import json
     import os
     import subprocess
@@ -288,16 +337,21 @@ def check_aot_bf16_mma(spec, kernels: list[str], tm_kernels: list[str]) -> None:
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / spec.name / "chunk.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # one child for all: the default-config compiles hit Triton's cache after test_aot_sm90
-    jobs = [[name, {}] for name in kernels] + [[name, {"tm_dot": "tf32"}] for name in tm_kernels]
+    prepare = [name for name in kernels if name.endswith("_prepare_fwd_kernel")]
+    assert len(prepare) == 1, kernels
+    jobs = ([[name, {}] for name in kernels] + [[name, {"tm_dot": "tf32"}] for name in tm_kernels]
+            + [[prepare[0], {"inv_dot": "ieee"}]])
     run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path), json.dumps(jobs)],
                          capture_output=True, text=True, env=env, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.splitlines()[-1])
     for (name, config), types in zip(jobs, found):
-        if config:
+        if "tm_dot" in config:
             assert "tf32" in types, f"{name} with {config}: mma operand types {types}, expected tf32 among them"
+        elif name in prepare and not config:
+            assert types == ["bf16", "tf32"], f"{name}: mma operand types {types}, expected bf16 and tf32 (Tm merges)"
         else:
-            assert types == ["bf16"], f"{name}: mma operand types {types}, expected only bf16"
+            assert types == ["bf16"], f"{name} with {config}: mma operand types {types}, expected only bf16"
 
 
 def check_fp16_dot_path(spec, per_channel: bool, monkeypatch) -> None:
@@ -413,6 +467,15 @@ def test_backward_runs_in_triton(monkeypatch):
 
 def test_prepare_kernel_vs_torch_twin():
     check_prepare_vs_torch(load(gated_delta.FAMILY), False)
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_blockwise_inverse(chunk):
+    check_blockwise_inverse(load(gated_delta.FAMILY, {"chunk_size": chunk}), False)
+
+
+def test_prepare_kernel_vs_torch_twin_chunk64():
+    check_prepare_vs_torch(load(gated_delta.FAMILY, {"chunk_size": 64}), False)
 
 
 def test_fp16_inputs():

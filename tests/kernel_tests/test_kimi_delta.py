@@ -12,7 +12,7 @@ import torch
 from conftest import DEVICE
 from test_gated_delta import (
     CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
-    check_bf16_vs_fp32_gpu, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
+    check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
     dot_modes_on_cpu, fixture, load, make_inputs, transformers_fns,
 )
 
@@ -39,10 +39,13 @@ def test_vs_transformers_recurrent():
     check_against(load(kimi_delta.FAMILY), recurrent, CASES[0], True, "transformers recurrent_kimi_delta_attention")
 
 
-def test_strong_decay_is_finite():
-    """Per-channel decays far below any safe-gate bound (exp(-gc) would overflow fp32 in a chunk)."""
-    module = load(kimi_delta.FAMILY)
-    case = Case(HK=1, HV=1, T=37, l2=True, h0=True)
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_strong_decay_is_finite(chunk):
+    """Per-channel decays far below any safe-gate bound (exp(-gc) would overflow fp32 in a chunk);
+    at chunk 64 through the dot path of the blocks below the diagonal blocks (and T=37 < 64: one
+    partial chunk, so T=70 for two chunks)."""
+    module = load(kimi_delta.FAMILY, {"chunk_size": chunk})
+    case = Case(HK=1, HV=1, T=37 if chunk == 16 else 70, l2=True, h0=True)
     gen = torch.Generator().manual_seed(3)
     q, k, v, g, beta, scale, h0, _, l2 = make_inputs(case, True, torch.float32, DEVICE, gen)
     g = g * 30.0  # per-step log decays down to ~-150: a chunk of 16 sums past fp32's exp range
@@ -70,6 +73,15 @@ def test_backward_runs_in_triton(monkeypatch):
 
 def test_prepare_kernel_vs_torch_twin():
     check_prepare_vs_torch(load(kimi_delta.FAMILY), True)
+
+
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_blockwise_inverse(chunk):
+    check_blockwise_inverse(load(kimi_delta.FAMILY, {"chunk_size": chunk}), True)
+
+
+def test_prepare_kernel_vs_torch_twin_chunk64():
+    check_prepare_vs_torch(load(kimi_delta.FAMILY, {"chunk_size": 64}), True)
 
 
 def test_opcheck_and_contract():
