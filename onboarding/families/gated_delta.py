@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from onboarding.errors import InputError
 from onboarding.templating import FamilySpec, Param, ShapeBucket
 
 NAME = "gated_delta"
@@ -33,10 +32,7 @@ def match(block: Any) -> dict[str, Any] | None:
     """`linear_attention.gated_delta` blocks whose decay cumsum runs over the last dim (scalar per head)."""
     if block.kind != "linear_attention.gated_delta" or block.attrs.get("per_channel_decay", False):
         return None
-    try:
-        return {"variant": "chunk", "params": FAMILY.resolve("chunk", block_params(block))}
-    except InputError:
-        return None
+    return FAMILY.served("chunk", block_params(block))
 
 
 # BV bounds the [K, BV] fp32 state tile a program keeps in registers (K up to 256).

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from onboarding.errors import InputError
 from onboarding.families.gated_delta import (DEFAULT_CONFIG, PARAMS, SHAPE_BUCKETS, TUNING_SPACE,
                                            block_params, delta_rule_samples)
 from onboarding.templating import FamilySpec
@@ -25,10 +24,7 @@ def match(block: Any) -> dict[str, Any] | None:
     """`linear_attention.kimi_delta` blocks (decay cumsum over a non-last dim: per-channel gate)."""
     if block.kind != "linear_attention.kimi_delta":
         return None
-    try:
-        return {"variant": "chunk", "params": FAMILY.resolve("chunk", block_params(block))}
-    except InputError:
-        return None
+    return FAMILY.served("chunk", block_params(block))
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],

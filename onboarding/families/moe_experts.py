@@ -68,10 +68,7 @@ def match(block: Any) -> dict[str, Any] | None:
         params["up_offset"] = float(attrs.get("up_offset", 0.0))
     if attrs.get("capacity_factor") is not None:
         params["capacity_factor"] = float(attrs["capacity_factor"])
-    try:
-        return {"variant": "swiglu", "params": FAMILY.resolve("swiglu", params)}
-    except InputError:
-        return None
+    return FAMILY.served("swiglu", params)
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
