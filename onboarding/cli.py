@@ -19,10 +19,15 @@ from pathlib import Path
 from rich.console import Console
 
 from onboarding.backend import ensure_triton_backend
-from onboarding.errors import (EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK,
-                               InputError)
+from onboarding.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CHECK_FAILED,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    InputError,
+)
 from onboarding.loading import DEFAULT_EXAMPLE
-from onboarding.overrides import parse_assignments
+from onboarding.overrides import int_list, parse_assignments
 
 err = Console(stderr=True)
 
@@ -80,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kernel", metavar="FAMILY",
                    help="one family: alone with --shapes, or with MODEL to tune only that family")
     t.add_argument("--variant", help="family variant (default: the first)")
-    t.add_argument("--shapes", type=_int_list, metavar="N[,N...]",
+    t.add_argument("--shapes", type=int_list, metavar="N[,N...]",
                    help="without MODEL: sizes of the bucketed dimension (e.g. D for rmsnorm)")
     t.add_argument("--dims", type=_dims, metavar="K=V[,K=V...]",
                    help="without MODEL: real problem dims for GPU timing, e.g. "
@@ -154,8 +159,14 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     """parse, map and generate: the stages up to the one named by the command."""
     from onboarding.console import print_candidates, print_coverage, print_opgraph
     from onboarding.rundir import new_run_dir, owned_dir
-    from onboarding.stages import (run_align, run_generate, run_load, run_map, run_parse,
-                                   save_model_json)
+    from onboarding.stages import (
+        run_align,
+        run_generate,
+        run_load,
+        run_map,
+        run_parse,
+        save_model_json,
+    )
 
     overrides = parse_assignments(args.set)
     stage = args.command
@@ -247,13 +258,6 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
-def _int_list(v: str) -> list[int]:
-    try:
-        return [int(x) for x in v.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 2048,4096, got {v!r}") from None
-
-
 def _dims(v: str) -> dict[str, int]:
     try:
         return {k.strip(): int(x) for k, x in (item.split("=") for item in v.split(","))}
@@ -303,8 +307,14 @@ def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
     from onboarding._tune_grid import compare_grid, plot_comparison
     from onboarding._tune_worker import TIMING_DIMS
     from onboarding.templating import get_family, render_to
-    from onboarding.tune import (markdown_table, plot_history, progress_bar, tune_buckets,
-                                 tuned_path, write_tuned)
+    from onboarding.tune import (
+        markdown_table,
+        plot_history,
+        progress_bar,
+        tune_buckets,
+        tuned_path,
+        write_tuned,
+    )
 
     spec = get_family(args.kernel)
     variant = args.variant or next(iter(spec.variants))
@@ -365,7 +375,13 @@ def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
 
 def _tune_model(args: argparse.Namespace, cfg, console: Console) -> int:
     from onboarding.rundir import new_run_dir, owned_dir
-    from onboarding.stages import run_generate, run_load, run_map, run_parse, save_model_json
+    from onboarding.stages import (
+        run_generate,
+        run_load,
+        run_map,
+        run_parse,
+        save_model_json,
+    )
     from onboarding.tune import markdown_table, result_from_dict
     from onboarding.tune_model import PLOT_FILE, RESULTS_FILE, RUN_ARTIFACTS, tune_run
 

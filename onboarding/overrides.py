@@ -1,7 +1,9 @@
-"""`--set key=value` overrides: parsed as JSON where possible, type-checked against the config."""
+"""`--set key=value` overrides: parsed as JSON where possible, type-checked against the config;
+and the other list-valued option types of the command line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -71,3 +73,12 @@ def apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
         planned.append((target, leaf, value))
     for target, leaf, value in planned:
         setattr(target, leaf, value)
+
+
+def int_list(v: str) -> list[int]:
+    """An argparse type: ``"2,4,8"`` -> ``[2, 4, 8]``."""
+    try:
+        return [int(x) for x in v.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got "
+                                         f"{v!r}") from None

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from onboarding.errors import InputError
+from onboarding.overrides import int_list
 from onboarding.training.config import PROXIES, TrainConfig
 
 # option dest -> TrainConfig field (options left unset take the config defaults)
@@ -35,19 +36,12 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 def add_scale_parser(sub) -> argparse.ArgumentParser:
     t = sub.add_parser("scale", help="weak scaling: one `onboard train` per GPU count x EP "
                                      "degree, tokens per GPU fixed; table and plot")
-    t.add_argument("--gpus", type=_ints, required=True, metavar="N[,N...]",
+    t.add_argument("--gpus", type=int_list, required=True, metavar="N[,N...]",
                    help="GPU (process) counts, e.g. 2,4,8")
-    t.add_argument("--ep", type=_ints, required=True, metavar="E[,E...]",
+    t.add_argument("--ep", type=int_list, required=True, metavar="E[,E...]",
                    help="EP degree per GPU count (or one for all); FSDP takes the rest")
     _train_options(t, layout=False)
     return t
-
-
-def _ints(v: str) -> list[int]:
-    try:
-        return [int(x) for x in v.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 2,4,8, got {v!r}") from None
 
 
 def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
