@@ -354,3 +354,30 @@ def test_low_precision_check_accepts_the_kernel_and_rejects_a_wrong_one(rms_path
     bad = _check_at(lambda *a: entry_function(mod)(*a) * 1.05, mod.reference, args,
                     torch.float16)
     assert not bad[0]["passed"] and "tune.out0" in bad[0]["message"]
+
+
+def test_kernels_for_dispatches_to_tuned_configs(tmp_path):
+    """What patching, alignment and training load (`kernels_for`) runs the tuned.json beside
+    each module: a tuned bucket's config, untuned buckets their defaults."""
+    from onboarding.generate import Candidate, kernels_for
+    from onboarding.registry import Coverage, CoverageEntry
+
+    path = render_to(tmp_path / "k", "rmsnorm", "plain")
+    mod = load_module(path)
+    params = dict(mod.PARAMS)
+    best = {"BLOCK_N": 32, "num_warps": 1}
+    tune.write_tuned(path, [tune.BucketResult(
+        bucket="d_le_512", study_name="s", best_config=best, best_ms=1.0, default_ms=2.0,
+        n_trials=3, n_complete=3, pruned={}, history=[])])
+    cov = Coverage(model="m", entries=[CoverageEntry(
+        path="model.norm", kind="norm.rms", op="rmsnorm", status="template", family="rmsnorm",
+        variant="plain", params=params)])
+    cand = Candidate(family="rmsnorm", variant="plain", params=params, path=str(path),
+                     status="passed")
+    try:
+        got = kernels_for(cov, [cand])[("model.norm", "rmsnorm")]
+        assert got.config_for(256) == {**got.DEFAULT_CONFIG, **best}
+        untuned = next(b["config"] for b in got.SHAPE_BUCKETS if b["name"] == "d_le_2k")
+        assert got.config_for(1000) == {**got.DEFAULT_CONFIG, **untuned}
+    finally:
+        mod.set_config(None, "d_le_512")
