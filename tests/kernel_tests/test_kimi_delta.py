@@ -13,7 +13,7 @@ from conftest import DEVICE
 from test_gated_delta import (
     CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
     check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
-    dot_modes_on_cpu, fixture, load, make_inputs, transformers_fns,
+    dot_modes_on_cpu, fixture, grads_of, load, make_inputs, transformers_fns,
 )
 
 from onboarding.families import kimi_delta
@@ -41,20 +41,25 @@ def test_vs_transformers_recurrent():
 
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_strong_decay_is_finite(chunk):
-    """Per-channel decays far below any safe-gate bound (exp(-gc) would overflow fp32 in a chunk);
-    at chunk 64 through the dot path of the blocks below the diagonal blocks (and T=37 < 64: one
+    """Per-channel decays far below any safe-gate bound (exp(-gc) would overflow fp32 in a chunk):
+    outputs and every gradient finite and right; at chunk 64 through the dot paths (forward Gram
+    products and their backward) of the blocks below the diagonal blocks (and T=37 < 64: one
     partial chunk, so T=70 for two chunks)."""
     module = load(kimi_delta.FAMILY, {"chunk_size": chunk})
     case = Case(HK=1, HV=1, T=37 if chunk == 16 else 70, l2=True, h0=True)
     gen = torch.Generator().manual_seed(3)
-    q, k, v, g, beta, scale, h0, _, l2 = make_inputs(case, True, torch.float32, DEVICE, gen)
-    g = g * 30.0  # per-step log decays down to ~-150: a chunk of 16 sums past fp32's exp range
-    with torch.no_grad():
-        o, ht = module.entry(q, k, v, g, beta, scale, h0, True, l2)
-        ro, rht = module.reference(q, k, v, g, beta, scale, h0, True, l2)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    args[3] = args[3] * 30.0  # per-step log decays down to ~-150: a chunk of 16 sums past fp32's exp range
+    douts = [torch.randn(1, case.T, 1, case.V, generator=gen).to(DEVICE),
+             torch.randn(1, 1, case.K, case.V, generator=gen).to(DEVICE)]
+    (o, ht), grads = grads_of(module.entry, args, douts)
+    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("case", CASE_PARAMS[1:2])
@@ -106,9 +111,10 @@ def test_dot_mode_keeps_fp32_operands_on_cpu():
 
 
 def test_aot_sm90_bf16_tensor_cores():
-    # the per-channel decay builds A and Aqk without dots and its bwd qk kernel has none
+    # every kernel but the token-by-token recurrence has dots: the per-channel Gram products and
+    # their backward (bwd qk) dot the blocks below the diagonal blocks
     check_aot_bf16_mma(kimi_delta.FAMILY, ["kda_prepare_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel",
-                                           "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel"],
+                                           "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"],
                        ["kda_chunk_bwd_wy_kernel"])
 
 
