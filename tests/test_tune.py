@@ -46,6 +46,23 @@ def _full(block_n, num_warps):
     return {"BLOCK_N": block_n, "num_warps": num_warps, **_BWD}
 
 
+@pytest.fixture(autouse=True)
+def _unpinned():
+    """`load_module` shares one module per rendered source, and the kernel tests pin CPU tiles on
+    theirs (`set_config`): a test here that renders the same source must see it unpinned, and
+    the pins (which in-process trials clear) come back afterwards."""
+    from onboarding import templating
+
+    saved = {m: (m._CONFIG_OVERRIDE, dict(m._TUNED)) for m in templating._LOADED.values()}
+    for m in saved:
+        m.set_config(None)
+    yield
+    for m, (override, tuned) in saved.items():
+        m._CONFIG_OVERRIDE = override
+        m._TUNED.clear()
+        m._TUNED.update(tuned)
+
+
 def _fake_timer(config, result):
     """Deterministic 'time' with its minimum far from the default: BLOCK_N=32, num_warps=1."""
     return 1.0 + (math.log2(config["BLOCK_N"]) - 5) ** 2 + math.log2(config["num_warps"]) ** 2
