@@ -113,21 +113,23 @@ def _f(v: Any, fmt: str) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
+    from onboarding.report import table
+
     head = ["GPUs", "EP x FSDP", "tokens/s per GPU", "efficiency", "MFU", "a2a share",
             "a2a exposed", "expert imbalance (max/mean)", "peak mem GiB", "loss vs reference"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in result["rows"]:
         loss = r.get("error") or (f"{_f(r.get('loss_max_rel_diff'), '.1e')} "
                                   f"({'pass' if r.get('loss_passed') else 'FAIL'}, tol "
                                   f"{_f(r.get('loss_tolerance'), '.0e')})")
-        lines.append("| " + " | ".join([
-            str(r["gpus"]), f"{r['ep']} x {r['fsdp']}", _f(r.get("tokens_per_s_per_gpu"), ".0f"),
+        rows.append([
+            r["gpus"], f"{r['ep']} x {r['fsdp']}", _f(r.get("tokens_per_s_per_gpu"), ".0f"),
             _f(r.get("efficiency"), ".2f"), _f(r.get("mfu"), ".1%"), _f(r.get("a2a_share"), ".1%"),
             _f(r.get("a2a_exposed_share"), ".1%"), _f(r.get("expert_max_imbalance"), ".2f"),
-            _f(r.get("peak_mem_gib"), ".1f"), loss]) + " |")
+            _f(r.get("peak_mem_gib"), ".1f"), loss])
     return (f"Weak scaling of {result['model']}: seq {result['seq_len']}, micro-batch "
             f"{result['micro_batch']} per GPU, {result['dtype']}, {result['steps']} steps "
-            "(medians over the steps after the first).\n\n" + "\n".join(lines) + "\n")
+            "(medians over the steps after the first).\n\n" + table(head, rows) + "\n")
 
 
 def plot(result: dict[str, Any], path: Path) -> Path | None:
