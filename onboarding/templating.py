@@ -110,6 +110,23 @@ def _dot_mode(precision: str, dtype: torch.dtype, device: torch.device) -> str:
     return precision
 
 
+def _aot_dot_mode(dtype: str, precision: str) -> str:
+    \"\"\"The `_dot_mode` a GPU run with `dtype` ("bf16"/"fp16"/"fp32") inputs picks, for AOT specs:
+    16-bit specs compile the 16-bit tensor-core path, fp32 ones `precision`.\"\"\"
+    return dtype if dtype in ("bf16", "fp16") else precision
+
+
+@triton.jit
+def _operand(b_x, MODE: tl.constexpr):
+    \"\"\"A loaded tile used only as a dot operand: kept in its 16-bit storage dtype for a 16-bit
+    `_dot` (no round trip through fp32, half the registers), else fp32 (the interpreter's bf16
+    maths is wrong).\"\"\"
+    if MODE == "bf16" or MODE == "fp16":
+        return b_x
+    else:
+        return b_x.to(tl.float32)
+
+
 @triton.jit
 def _dot(a, b, MODE: tl.constexpr):
     \"\"\"tl.dot with fp32 accumulation; MODE from `_dot_mode` ("bf16"/"fp16" cast the operands).\"\"\"
