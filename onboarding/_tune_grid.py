@@ -23,6 +23,7 @@ from onboarding.tune import (BucketResult, Timer, TuneConfig, create_study, sear
                              space_size, storage_url, study_name, tune_module)
 
 WITHIN = 1.03  # the goal: TPE's best within 3% of the grid's
+MAX_GRID = 2000  # an exhaustive grid larger than this is a mistake, not a baseline
 
 
 @dataclass(kw_only=True)
@@ -143,8 +144,14 @@ def compare_grid(module_path: Path | str, *, size: int, shapes: list[list[int]] 
     cfg = config or TuneConfig()
     module = load_module(module_path)
     bucket = module.shape_bucket(size)
-    space = search_space(module, bucket, cfg.space)
+    space = search_space(module, bucket, cfg.space, cfg.space_only)
     n_grid = space_size(space)
+    if n_grid > MAX_GRID:
+        from onboarding.errors import InputError
+
+        wide = " x ".join(f"{k} {len(v)}" for k, v in space.items() if len(v) > 1)
+        raise InputError(f"tune --compare-grid: the grid holds {n_grid} configs ({wide}), over "
+                         f"{MAX_GRID}; narrow it: --space KEY=V1,V2 --space-only")
     n_tpe = max(1, math.ceil(tpe_fraction * n_grid))
     url = storage_url(cfg)
     base = study_name(module, bucket, cfg.dtype, space=space)

@@ -19,6 +19,7 @@ timing runs alone on the GPU (the parent's `tune._GpuGate` admits one `time` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from onboarding.errors import InputError
@@ -222,8 +224,10 @@ _PREPARED: dict[str, Any] = {}  # the checked config's module, entry, inputs and
 
 
 def check_one(path: str, config: dict, family: str, variant: str, params: dict,
-              shapes: list, seed: int, dtype: str, dims: dict | None = None) -> dict[str, Any]:
-    """Correctness on sample inputs, then prepare (and JIT-compile) the timing step."""
+              shapes: list, seed: int, dtype: str, dims: dict | None = None,
+              default: dict | None = None) -> dict[str, Any]:
+    """Correctness on sample inputs, then prepare (and JIT-compile) the timing step.
+    `default`: the bucket's default config, the yardstick of a 16-bit check (`_check_at`)."""
     import torch
 
     from onboarding.backend import kernel_device
@@ -247,8 +251,18 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     tdt = getattr(torch, _TORCH_DTYPES.get(dtype, "float32")) if on_gpu else torch.float32
     # On a GPU the config is checked at the precision it is tuned for (a tf32 dot is right for
     # bf16 inputs, not at fp32 tolerance); the interpreter's bf16 is broken, so fp32 there.
-    checks = _check_at(entry, mod.reference, args, tdt) if on_gpu and tdt != torch.float32 \
-        else _check_one(entry, mod.reference, tuple(args), "tune")
+    @contextlib.contextmanager
+    def under_default():
+        mod.set_config(default)
+        try:
+            yield
+        finally:
+            mod.set_config(config)
+
+    yardstick = (under_default if default is not None
+                 and default != {**mod.DEFAULT_CONFIG, **config} else None)
+    checks = _check_at(entry, mod.reference, args, tdt, yardstick) \
+        if on_gpu and tdt != torch.float32 else _check_one(entry, mod.reference, tuple(args), "tune")
     bad = [c for c in checks if not c["passed"]]
     if not checks or bad:
         _release()
@@ -270,48 +284,103 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     return {"ok": True, "stage": "checked", "checks": len(checks), "timing_shapes": shapes_note}
 
 
-def _check_at(entry, ref, args: list, tdt) -> list[dict[str, Any]]:
+# A 16-bit result outside the family's bound still passes when the bucket's default config, run
+# on the same inputs, is nearly as far off: tile configs only reorder the same arithmetic, so a
+# config is wrong when it is much worse than the default, not when the sample is ill-conditioned
+# (tiny sample shapes of a chunked recurrence put single bf16 elements 2-3% off in every config).
+NO_WORSE_RMS, NO_WORSE_MAX = 2.0, 3.0
+
+
+def _check_at(entry, ref, args: list, tdt, default: Callable[[], Any] | None = None
+              ) -> list[dict[str, Any]]:
     """The kernel in `tdt` against the fp32 reference on the same `tdt`-rounded values: every
     output and input gradient at `tdt`'s "reduction" tolerance, atol in units of the reference's
     RMS (`compare_scaled`: a chunked recurrence's or grouped GEMM's outputs have arbitrary scale,
-    and a config that is wrong is off by O(1) of it)."""
+    and a config that is wrong is off by O(1) of it).
+
+    `default`: a context manager that runs `entry` under the bucket's default config. Given, a
+    tensor that fails its bound is re-judged against the default's error on the same inputs
+    (within NO_WORSE_RMS x its relative RMS and NO_WORSE_MAX x its largest error)."""
     import torch
 
     from onboarding.testing.tolerance import compare_scaled, tolerance_for
 
-    def is_f(a):
-        return isinstance(a, torch.Tensor) and a.is_floating_point()
+    tol = tolerance_for(tdt, "reduction")
+    rounded = [a.detach().to(tdt) if _is_float(a) else a for a in args]
+    exps, ref_grads, grad_idx, cot = _forward_backward(
+        ref, [a.float() if _is_float(a) else a for a in rounded])
+    expected = _named(exps, ref_grads)
 
-    rounded = [a.detach().to(tdt) if is_f(a) else a for a in args]
-    lo = [a.clone().requires_grad_(True) if is_f(a) else a for a in rounded]
-    hi = [a.float().requires_grad_(True) if is_f(a) else a for a in rounded]
-    outs, exps = entry(*lo), ref(*hi)
-    outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o is not None]
-    exps = [e for e in (exps if isinstance(exps, tuple) else (exps,)) if e is not None]
-    res = []
-    for i, (o, e) in enumerate(zip(outs, exps)):
-        if not o.is_floating_point():
-            res.append({"name": f"tune.out{i}", "passed": torch.equal(o, e),
-                        "message": "integer output differs"})
+    def judge():
+        outs, grads, _, _ = _forward_backward(entry, rounded, grad_idx, cot)
+        got = _named(outs, grads)
+        res = {}
+        for name, e in expected.items():
+            o = got.get(name)
+            if o is None:
+                res[name] = {"name": name, "passed": False, "message": "missing on the kernel side"}
+            elif not o.is_floating_point():
+                res[name] = {"name": name, "passed": torch.equal(o, e),
+                             "message": "integer output differs"}
+            else:
+                res[name] = compare_scaled(o.float(), e.float(), tol, name).as_dict()
+        for name in got.keys() - expected.keys():  # a gradient only the kernel returns
+            res[name] = {"name": name, "passed": False, "message": "missing on the reference side"}
+        return res
+
+    res = judge()
+    if default is None or all(r["passed"] for r in res.values()):
+        return list(res.values())
+    with default():
+        base = judge()
+    for name, r in res.items():
+        d = base[name]
+        if r["passed"] or "rel_rms" not in r or "rel_rms" not in d:
+            continue
+        if (r["rel_rms"] <= max(tol.max_rel_rms, NO_WORSE_RMS * d["rel_rms"])
+                and r["max_abs"] <= NO_WORSE_MAX * d["max_abs"]):
+            r.update(passed=True, relative_to_default=True, message=(
+                f"{name}: no worse than the default config on the same inputs (rel_rms "
+                f"{r['rel_rms']:.2e} vs {d['rel_rms']:.2e}, max {r['max_abs']:.2e} vs "
+                f"{d['max_abs']:.2e}); alone: {r['message']}"))
         else:
-            res.append(compare_scaled(o.float(), e.float(), tolerance_for(tdt, "reduction"),
-                                      f"tune.out{i}").as_dict())
-    pairs = [(o, e) for o, e in zip(outs, exps) if o.requires_grad and e.requires_grad]
-    gen = torch.Generator(device=pairs[0][1].device if pairs else "cpu").manual_seed(1)
-    cot = [torch.randn(e.shape, device=e.device, generator=gen) for _, e in pairs]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [c.to(o.dtype) for (o, _), c in
-                                                          zip(pairs, cot)])
-        torch.autograd.backward([e for _, e in pairs], cot)
-    for i, (a, r) in enumerate(zip(lo, hi)):
-        if is_f(a) and (a.grad is not None or r.grad is not None):
-            if a.grad is None or r.grad is None:
-                res.append({"name": f"tune.grad{i}", "passed": False,
-                            "message": "gradient missing on one side"})
-                continue
-            res.append(compare_scaled(a.grad, r.grad, tolerance_for(tdt, "reduction"),
-                                      f"tune.grad{i}").as_dict())
-    return res
+            r["message"] += (f"; the default config on the same inputs: rel_rms "
+                             f"{d['rel_rms']:.2e}, max {d['max_abs']:.2e}")
+    return list(res.values())
+
+
+def _is_float(a) -> bool:
+    import torch
+
+    return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+
+def _forward_backward(fn, args: list, grad_idx: list[int] | None = None,
+                      cot: list | None = None) -> tuple[list, list, list[int], list]:
+    """Outputs and input gradients of `fn` on fresh leaves of `args`, back-propagating
+    cotangents `cot` from outputs `grad_idx`. None: from every differentiable output, with
+    cotangents drawn from a fixed seed (the reference's call; the kernel's reuses them)."""
+    import torch
+
+    leaves = [a.clone().requires_grad_(True) if _is_float(a) else a for a in args]
+    outs = fn(*leaves)
+    outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o is not None]
+    if grad_idx is None:
+        grad_idx = [i for i, o in enumerate(outs) if o.requires_grad]
+        gen = torch.Generator(device=outs[0].device if outs else "cpu").manual_seed(1)
+        cot = [torch.randn(outs[i].shape, device=outs[i].device, generator=gen) for i in grad_idx]
+    live = [j for j, i in enumerate(grad_idx) if i < len(outs) and outs[i].requires_grad]
+    if live:
+        torch.autograd.backward([outs[grad_idx[j]] for j in live],
+                                [cot[j].to(outs[grad_idx[j]].dtype) for j in live])
+    grads = [a.grad if _is_float(a) else None for a in leaves]
+    return outs, grads, grad_idx, cot
+
+
+def _named(outs: list, grads: list) -> dict[str, Any]:
+    named = {f"tune.out{i}": o for i, o in enumerate(outs)}
+    named.update({f"tune.grad{i}": g for i, g in enumerate(grads) if g is not None})
+    return named
 
 
 def _grad_outputs(out) -> list:

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
                    help="search only these values of a tile parameter (repeatable); the "
                         "bucket's default is always kept")
+    t.add_argument("--space-only", action="store_true",
+                   help="search only the keys --space names; the others stay at the bucket's "
+                        "default (keeps a --compare-grid grid small)")
     t.add_argument("--trials", type=int, default=30, help="trials per study")
     t.add_argument("--workers", type=int, default=1,
                    help="worker processes that check/compile concurrently (timing is serial)")
@@ -288,9 +292,12 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
         raise InputError(f"--tpe-fraction {args.tpe_fraction}: must be in (0, 1]")
     if args.trials < 1 or args.workers < 1 or args.repeats < 1:
         raise InputError("--trials, --workers and --repeats must be >= 1")
+    if args.space_only and not args.space:
+        raise InputError("--space-only needs --space KEY=V1,V2 to search")
     cfg = TuneConfig(n_trials=args.trials, n_workers=args.workers, storage=args.storage,
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
-                     aot=not args.no_aot, space=_space(args.space) or None, seed=args.seed)
+                     aot=not args.no_aot, space=_space(args.space) or None,
+                     space_only=args.space_only, seed=args.seed)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:
@@ -304,17 +311,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
 
 
 def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
-    from onboarding._tune_grid import compare_grid, plot_comparison
     from onboarding._tune_worker import TIMING_DIMS
-    from onboarding.templating import get_family, render_to
-    from onboarding.tune import (
-        markdown_table,
-        plot_history,
-        progress_bar,
-        tune_buckets,
-        tuned_path,
-        write_tuned,
-    )
+    from onboarding.templating import get_family
 
     spec = get_family(args.kernel)
     variant = args.variant or next(iter(spec.variants))
@@ -339,7 +337,29 @@ def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
             raise InputError(f"--space {key}={values}: {spec.name} searches "
                              f"{ {k: list(v) for k, v in spec.tuning_space.items()} }")
     out = Path(args.out) if args.out else Path("runs") / f"tune-{args.kernel}-{variant}"
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _tune_family_in(args, cfg, console, spec, variant, out, dims_for)
+    except InputError:  # found late (e.g. a grid too large): leave no run directory behind
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, variant: str,
+                    out: Path, dims_for) -> int:
+    from onboarding._tune_grid import compare_grid, plot_comparison
+    from onboarding.templating import render_to
+    from onboarding.tune import (
+        markdown_table,
+        plot_history,
+        progress_bar,
+        tune_buckets,
+        tuned_path,
+        write_tuned,
+    )
+
     module = render_to(out / "kernels", spec.name, variant, {})
     cfg.storage_dir = out
     if torch_cuda_available() and args.dims is None:

@@ -120,15 +120,20 @@ class TuneConfig:
     # a sub-space {key: values} of TUNING_SPACE; the bucket's default values are always kept,
     # so the gain over the default is measured. Studies over a sub-space get their own names.
     space: Mapping[str, Sequence[Any]] | None = None
+    space_only: bool = False  # True: keys `space` does not name stay at the bucket's default
 
 
 # ---- keys, spaces and storage -----------------------------------------------------------------
 
 def search_space(module: ModuleType, bucket: str,
-                 restrict: Mapping[str, Sequence[Any]] | None = None) -> dict[str, list]:
-    """The searched space: TUNING_SPACE, or `restrict` (validated) plus the bucket default."""
+                 restrict: Mapping[str, Sequence[Any]] | None = None,
+                 only: bool = False) -> dict[str, list]:
+    """The searched space: TUNING_SPACE, or `restrict` (validated) plus the bucket default;
+    `only`: the keys `restrict` does not name take the bucket default alone."""
     full = {k: list(v) for k, v in module.TUNING_SPACE.items()}
     if not restrict:
+        if only:
+            raise InputError("tune: --space-only needs --space KEY=V1,V2 to search")
         return full
     unknown = sorted(set(restrict) - set(full))
     if unknown:
@@ -139,7 +144,7 @@ def search_space(module: ModuleType, bucket: str,
     out = {}
     for k, values in full.items():
         if k not in restrict:
-            out[k] = values
+            out[k] = [default[k]] if only else values
             continue
         bad = [v for v in restrict[k] if v not in values]
         if bad or not restrict[k]:
@@ -250,6 +255,8 @@ class _Objective:
         self.dims, self.space = dims, space
         self.cfg, self.timer, self.aot = cfg, timer, aot
         self.meta = module_meta(module)
+        bucket = next(b for b in module.SHAPE_BUCKETS if b["name"] == module.shape_bucket(size))
+        self.default = {**module.DEFAULT_CONFIG, **bucket["config"]}  # the check's yardstick
         interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         self.trial_worker = Worker(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
         self.aot_worker = Worker(interpret=False if interp else None,
@@ -308,7 +315,8 @@ class _Objective:
                 "path": self.path, "config": config, "family": self.meta["family"],
                 "variant": self.meta["variant"], "params": self.meta["params"],
                 "shapes": self.shapes, "seed": self.cfg.seed * 100003 + trial.number,
-                "dtype": self.cfg.dtype, "dims": self.dims}, self.cfg.trial_timeout_s)
+                "dtype": self.cfg.dtype, "dims": self.dims, "default": self.default},
+                self.cfg.trial_timeout_s)
         if res["ok"]:
             with _GPU.exclusive():
                 res = self._run(self.trial_worker, "time", {"repeats": self.cfg.repeats},
@@ -326,22 +334,27 @@ class _Objective:
 _ASK = threading.Lock()
 
 
-def _one_trial(study, objective: _Objective) -> None:
+def _one_trial(study, objective: _Objective, stop: threading.Event) -> None:
     """Ask, evaluate, tell. `ask` is serialized in this process: two threads popping the queued
-    (warm-start, grid) trials of one SQLite study at once can take the same trial."""
+    (warm-start, grid) trials of one SQLite study at once can take the same trial. Once `stop`
+    is set (an interrupt killed the workers), the outcome is not told: the trial stays RUNNING
+    and a resumed grid runs its config again."""
     optuna = _optuna()
     with _ASK:
         trial = study.ask()
     try:
         value = objective(trial)
     except optuna.TrialPruned:
-        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        if not stop.is_set():
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     except Exception as e:  # a bug in the objective: recorded, the study goes on
-        trial.set_user_attr("stage", "error")
-        trial.set_user_attr("reason", f"{type(e).__name__}: {e}"[:1000])
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if not stop.is_set():
+            trial.set_user_attr("stage", "error")
+            trial.set_user_attr("reason", f"{type(e).__name__}: {e}"[:1000])
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
     else:
-        study.tell(trial, value)
+        if not stop.is_set():
+            study.tell(trial, value)
 
 
 def progress_bar():
@@ -373,7 +386,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     module = load_module(path)
     bucket = module.shape_bucket(size)
     shapes = shapes if shapes is not None else [[size]]
-    space = search_space(module, bucket, cfg.space)
+    space = search_space(module, bucket, cfg.space, cfg.space_only)
     name = study_name(module, bucket, cfg.dtype, space=space, suffix=suffix)
     url = storage_url(cfg)
     study = create_study(name, url, space, cfg.seed, sampler)  # once, before any worker
@@ -383,7 +396,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         ws = [c for c in warm_start_configs(module, path, bucket, cfg.warm_start_dirs)
               if all(v in space[k] for k, v in c.items())]
         enqueue_warm_start(study, ws)
-    aot, lock, claimed = _Aot(), threading.Lock(), [0]
+    aot, lock, claimed, stop, objectives = _Aot(), threading.Lock(), [0], threading.Event(), []
     own = progress is None and cfg.progress
     prog = progress_bar() if own else progress
     task = prog.add_task(name.split(".", 2)[0] + f" {bucket}{suffix}", total=cfg.n_trials,
@@ -391,7 +404,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
 
     def claim() -> bool:
         with lock:
-            if claimed[0] >= cfg.n_trials:
+            if stop.is_set() or claimed[0] >= cfg.n_trials:
                 return False
             claimed[0] += 1
             return True
@@ -409,9 +422,11 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                                                           sampler)
         obj = _Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
                          space=space, cfg=cfg, timer=timer, aot=aot)
+        with lock:
+            objectives.append(obj)
         try:
             while claim():
-                _one_trial(st, obj)
+                _one_trial(st, obj, stop)
                 on_done(st)
         finally:
             obj.close()
@@ -421,11 +436,22 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     if own:
         prog.start()
     try:
-        threads = [threading.Thread(target=work, args=(w,)) for w in range(cfg.n_workers)]
+        # Daemon threads, joined here: on Ctrl-C / SIGINT no new trial starts, the worker
+        # subprocesses are killed (their trials stay RUNNING: a resumed grid queues them again)
+        # and the interrupt propagates instead of waiting for the trials in flight.
+        threads = [threading.Thread(target=work, args=(w,), daemon=True)
+                   for w in range(cfg.n_workers)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except KeyboardInterrupt:
+            stop.set()
+            with lock:
+                for obj in objectives:
+                    obj.close()
+            raise
     finally:
         if own:
             prog.stop()

@@ -199,7 +199,12 @@ def test_tune_bad_input(workdir, capsys):
                            "BLOCK_N=3"], "--space BLOCK_N=[3]")
     _bad(workdir, capsys, ["tune", "--kernel", "rmsnorm", "--shapes", "64", "--compare-grid",
                            "--tpe-fraction", "0"], "--tpe-fraction")
-    assert not (workdir / "nothing_here").exists()
+    _bad(workdir, capsys, ["tune", "--kernel", "rmsnorm", "--shapes", "64", "--space-only"],
+         "--space-only needs --space")
+    # the full rmsnorm space is a 5184-config grid: refused, and its run directory removed
+    _bad(workdir, capsys, ["tune", "--kernel", "rmsnorm", "--shapes", "64", "--compare-grid",
+                           "--out", "big"], "the grid holds 5184 configs")
+    assert not (workdir / "nothing_here").exists() and not (workdir / "big").exists()
 
 
 def test_tune_model_end_to_end(workdir, capsys):

@@ -251,6 +251,10 @@ def test_search_space_restriction_keeps_the_default_and_rejects_bad_values(rms_p
     assert tune.study_name(mod, "d_le_512", "bf16", space=full) == \
         tune.study_name(mod, "d_le_512", "bf16")
     assert ".space-" in tune.study_name(mod, "d_le_512", "bf16", space=space)
+    only = tune.search_space(mod, "d_le_512", {"BLOCK_N": [16, 32]}, only=True)
+    assert only == {"BLOCK_N": [8, 16, 32], "num_warps": [4], **FWD_ONLY}  # others: the default
+    with pytest.raises(InputError, match="--space-only needs"):
+        tune.search_space(mod, "d_le_512", None, only=True)
     with pytest.raises(InputError, match="BLOCK_Q"):
         tune.search_space(mod, "d_le_512", {"BLOCK_Q": [1]})
     with pytest.raises(InputError, match="BLOCK_N=\\[3\\]"):
@@ -373,6 +377,44 @@ def test_low_precision_check_accepts_the_kernel_and_rejects_a_wrong_one(rms_path
     assert not bad[0]["passed"] and "tune.out0" in bad[0]["message"]
 
 
+def test_low_precision_check_judges_a_failing_config_against_the_default(rms_path):
+    """Outside its bound, a config passes when the default config is as far off on the same
+    inputs (an ill-conditioned sample), and fails when it is much worse than the default."""
+    import contextlib
+
+    import torch
+
+    from onboarding._tune_worker import _check_at
+    from onboarding.patching import entry_function
+    from onboarding.templating import get_family
+
+    mod = load_module(rms_path)
+    args = get_family("rmsnorm").sample_inputs("plain", dict(mod.PARAMS), [[64]],
+                                                torch.Generator().manual_seed(0))
+    err = {"now": 0.0}
+
+    @contextlib.contextmanager
+    def default_off_by(e):
+        saved, err["now"] = err["now"], e
+        try:
+            yield
+        finally:
+            err["now"] = saved
+
+    def entry(*a):
+        return entry_function(mod)(*a) * (1 + err["now"])
+
+    err["now"] = 0.035  # 3.5% off: outside fp16's bound alone
+    alone = _check_at(entry, mod.reference, args, torch.float16)
+    assert not alone[0]["passed"]
+    ok = _check_at(entry, mod.reference, args, torch.float16, lambda: default_off_by(0.03))
+    assert all(c["passed"] for c in ok), ok
+    assert ok[0]["relative_to_default"] and "no worse than the default" in ok[0]["message"]
+    err["now"] = 0.2  # much worse than the default
+    bad = _check_at(entry, mod.reference, args, torch.float16, lambda: default_off_by(0.03))
+    assert not bad[0]["passed"] and "the default config on the same inputs" in bad[0]["message"]
+
+
 def test_kernels_for_dispatches_to_tuned_configs(tmp_path):
     """What patching, alignment and training load (`kernels_for`) runs the tuned.json beside
     each module: a tuned bucket's config, untuned buckets their defaults."""
@@ -398,3 +440,56 @@ def test_kernels_for_dispatches_to_tuned_configs(tmp_path):
         assert got.config_for(1000) == {**got.DEFAULT_CONFIG, **untuned}
     finally:
         mod.set_config(None, "d_le_512")
+
+
+def _marked_pids(mark: str) -> list[int]:
+    """Live processes whose environment holds `mark` (the CLI and its worker subprocesses)."""
+    import os
+
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if mark.encode() in f.read():
+                        with open(f"/proc/{d}/stat") as st:
+                            if st.read().split(") ")[-1][0] != "Z":
+                                pids.append(int(d))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="needs /proc")
+def test_interrupt_stops_the_tuner_and_its_workers(tmp_path):
+    """SIGINT (Ctrl-C, `timeout -s INT`) ends `onboard tune` promptly with its worker
+    subprocesses, instead of the worker threads running the remaining trials."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    mark = f"ONBOARD_TEST_MARK={uuid.uuid4().hex}"
+    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
+    proc = subprocess.Popen([sys.executable, "-m", "onboarding.cli", "tune", "--kernel",
+                             "rmsnorm", "--shapes", "64", "--trials", "200", "--workers", "2",
+                             "--no-aot", "--out", str(tmp_path / "t")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_marked_pids(mark)) < 3 and time.monotonic() < deadline:  # CLI + 2 workers
+            time.sleep(0.5)
+        assert len(_marked_pids(mark)) >= 3, "the workers did not start"
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode != 0 and "interrupted" in err, err
+        time.sleep(1)
+        assert _marked_pids(mark) == []  # no worker left behind
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _marked_pids(mark):
+            os.kill(pid, signal.SIGKILL)
