@@ -152,7 +152,7 @@ def compare_grid(module_path: Path | str, *, size: int, shapes: list[list[int]] 
         wide = " x ".join(f"{k} {len(v)}" for k, v in space.items() if len(v) > 1)
         raise InputError(f"tune --compare-grid: the grid holds {n_grid} configs ({wide}), over "
                          f"{MAX_GRID}; narrow it: --space KEY=V1,V2 --space-only")
-    n_tpe = max(1, math.ceil(tpe_fraction * n_grid))
+    n_tpe = max(1, math.floor(tpe_fraction * n_grid))  # never more than the fraction
     url = storage_url(cfg)
     base = study_name(module, bucket, cfg.dtype, space=space)
     results = {}

@@ -60,13 +60,17 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
                   "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input",
                   "inv_dot": "tf32"}
 SHAPE_BUCKETS = (
-    # Chosen from ptxas register spills and shared memory of the AOT build (sm_90, BT=64), not yet
-    # timed: BK=32 and 8 warps take prepare from 4.8k (K=64, 4 warps) / 536 (K=128, BK=64) spilled
-    # bytes to ~0 and halve the backward chunk kernels'; two pipeline stages fit the backward state
-    # pass up to K=64 and the forward one up to K=128.
+    # k_le_64 and k_le_256: chosen from ptxas register spills and shared memory of the AOT build
+    # (sm_90, BT=64), not yet timed: BK=32 and 8 warps take prepare's spills to ~0; two pipeline
+    # stages fit the backward state pass up to K=64.
     ShapeBucket(name="k_le_64", dim="K", lo=1, hi=64,
                 config={"BK": 32, "BV": 32, "num_warps": 8, "state_bwd_stages": 2}),
-    ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128, config={"BK": 32, "BV": 32, "num_warps": 8}),
+    # Timed: the best of a 72-config grid on the H200, fwd+bwd at B2 T4096 H16 K=V=128 bf16,
+    # 2.26 ms against 3.02 ms for the spill-free BK32 BV32 8-warp config that was here (docs/LOG.md,
+    # fourth session: "Grid vs TPE"); every 4-warp config beat every 8-warp one. It spills up to
+    # 6.8 KB in the backward WY kernel and is faster all the same.
+    ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
+                config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 2}),
     # fp32 [BT, 256] w and kd tiles: a second pipeline stage would not fit in shared memory
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
                 config={"BK": 32, "BV": 16, "num_warps": 8, "state_stages": 1}),
