@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from onboarding.tune import (BucketResult, Timer, TuneConfig, create_study, search_space,
-                             space_size, storage_url, study_name, tune_module)
+from onboarding.tune import (BucketResult, Timer, TuneConfig, create_study, retime,
+                             search_space, space_size, storage_url, study_name, timing_is_real,
+                             tune_module)
 
 WITHIN = 1.03  # the goal: TPE's best within 3% of the grid's
 MAX_GRID = 2000  # an exhaustive grid larger than this is a mistake, not a baseline
@@ -38,13 +39,28 @@ class GridComparison:
     grid: BucketResult
     tpe: BucketResult
     tpe_fraction: float
+    # The grid's best, TPE's best and the default re-timed together after both searches
+    # ("grid" / "tpe" / "default" -> median ms; empty when not re-timed: interpreter, rounds 0)
+    final_ms: dict[str, float | None] = dataclasses.field(default_factory=dict)
 
     @property
     def ratio(self) -> float | None:
-        """TPE best / grid best (1.0: TPE found the grid's best; < 1: timing noise)."""
+        """TPE best / grid best (1.0: TPE found the grid's best; < 1: timing noise), from the
+        joint re-timing when there is one."""
+        g, t = self.final_ms.get("grid"), self.final_ms.get("tpe")
+        if g and t:
+            return t / g
         if self.grid.best_ms and self.tpe.best_ms:
             return self.tpe.best_ms / self.grid.best_ms
         return None
+
+    def best(self) -> BucketResult | None:
+        """The study whose best config is faster: by the joint re-timing when there is one."""
+        def ms(key: str, r: BucketResult) -> float | None:
+            return self.final_ms.get(key) or r.best_ms
+
+        timed = [(ms(k, r), r) for k, r in (("grid", self.grid), ("tpe", self.tpe)) if ms(k, r)]
+        return min(timed, key=lambda x: x[0])[1] if timed else None
 
     @property
     def trials_fraction(self) -> float:
@@ -52,10 +68,14 @@ class GridComparison:
 
     @property
     def default_ms(self) -> float | None:
-        return self.grid.default_ms or self.tpe.default_ms
+        return self.final_ms.get("default") or self.grid.default_ms or self.tpe.default_ms
 
     def gain(self, r: BucketResult) -> float | None:
-        """Default config time / best time, both measured in study `r` when it has both."""
+        """Default config time / best time: from the joint re-timing when there is one, else
+        both as study `r` timed them."""
+        best = self.final_ms.get("grid" if r is self.grid else "tpe")
+        if best and self.final_ms.get("default"):
+            return self.final_ms["default"] / best
         d = r.default_ms or self.default_ms
         return d / r.best_ms if d and r.best_ms else None
 
@@ -97,6 +117,9 @@ class GridComparison:
             f"| gain over default ({f(self.default_ms)} ms) | {f(self.gain(self.grid), '.2f')}x "
             f"| {f(self.gain(self.tpe), '.2f')}x |",
         ]
+        if self.final_ms:
+            rows.append(f"| best re-timed together (default {f(self.final_ms.get('default'))} "
+                        f"ms) | {f(self.final_ms.get('grid'))} | {f(self.final_ms.get('tpe'))} |")
         head = (f"### Grid vs TPE: {self.family}/{self.variant}, bucket {self.bucket} "
                 f"(size {self.size}{', dims ' + json.dumps(self.dims) if self.dims else ''})")
         verdict = (f"TPE best / grid best = {f(self.ratio, '.4f')} with "
@@ -161,17 +184,27 @@ def compare_grid(module_path: Path | str, *, size: int, shapes: list[list[int]] 
             left = total - _done(f"{base}.{sampler}", url, space, cfg.seed, sampler)
             if left <= 0 and sampler in results:
                 break
-            run_cfg = dataclasses.replace(cfg, n_trials=max(0, left),
+            run_cfg = dataclasses.replace(cfg, n_trials=max(0, left), final_rounds=0,
                                           warm_start=cfg.warm_start and sampler == "tpe")
             results[sampler] = tune_module(module_path, size=size, shapes=shapes, dims=dims,
                                            config=run_cfg, timer=timer, sampler=sampler,
                                            suffix=f".{sampler}", progress=progress)
             if sampler == "tpe":
                 break
+    grid, tpe = results["grid"], results["tpe"]
+    final_ms: dict[str, float | None] = {}
+    if cfg.final_rounds and timing_is_real(timer) and grid.best_config and tpe.best_config:
+        b = next(x for x in module.SHAPE_BUCKETS if x["name"] == bucket)
+        named = {"grid": grid.best_config, "tpe": tpe.best_config,
+                 "default": {**module.DEFAULT_CONFIG, **b["config"]}}
+        distinct = list({json.dumps(c, sort_keys=True): c for c in named.values()}.values())
+        ms = dict(zip((json.dumps(c, sort_keys=True) for c in distinct),
+                      retime(module_path, distinct, size=size, shapes=shapes, dims=dims,
+                             config=cfg, timer=timer)))
+        final_ms = {k: ms[json.dumps(c, sort_keys=True)] for k, c in named.items()}
     return GridComparison(family=module.FAMILY, variant=module.VARIANT, bucket=bucket, size=size,
-                          dims=dims, space=space, grid_size=n_grid, grid=results["grid"],
-                          tpe=results["tpe"],
-                          tpe_fraction=tpe_fraction)
+                          dims=dims, space=space, grid_size=n_grid, grid=grid, tpe=tpe,
+                          tpe_fraction=tpe_fraction, final_ms=final_ms)
 
 
 def plot_comparison(cmp: GridComparison, out: Path | str) -> Path:

@@ -30,6 +30,9 @@ class BucketResult:
     pruned: dict[str, int]  # reason stage -> count
     history: list[float | None]  # best-so-far per trial number (None before the first)
     prune_reasons: dict[str, str] = field(default_factory=dict)  # stage -> its first reason
+    # the finalists re-timed after the search (config JSON -> median ms; empty: not re-timed).
+    # best_ms / default_ms come from here when it holds them.
+    final: dict[str, float | None] = field(default_factory=dict)
 
 
 def gpu_name() -> str:
@@ -213,4 +216,4 @@ def result_dict(r: BucketResult) -> dict[str, Any]:
 
 
 def result_from_dict(d: dict[str, Any]) -> BucketResult:
-    return BucketResult(**{k: d[k] for k in BucketResult.__dataclass_fields__})
+    return BucketResult(**{k: d[k] for k in BucketResult.__dataclass_fields__ if k in d})

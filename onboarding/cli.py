@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="timing precision")
     t.add_argument("--repeats", type=int, default=20, help="timed repeats per trial")
+    t.add_argument("--final-rounds", type=int, default=3,
+                   help="after the search, re-time the fastest few configs and the default "
+                        "alone in this many interleaved rounds and pick by their medians "
+                        "(GPU only; 0: off)")
     t.add_argument("--timeout", type=float, default=120.0, help="seconds per trial request")
     t.add_argument("--no-aot", action="store_true", help="skip the sm_90 ahead-of-time gate")
     t.add_argument("--compare-grid", action="store_true",
@@ -290,14 +294,15 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
 
     if args.tpe_fraction <= 0 or args.tpe_fraction > 1:
         raise InputError(f"--tpe-fraction {args.tpe_fraction}: must be in (0, 1]")
-    if args.trials < 1 or args.workers < 1 or args.repeats < 1:
-        raise InputError("--trials, --workers and --repeats must be >= 1")
+    if args.trials < 1 or args.workers < 1 or args.repeats < 1 or args.final_rounds < 0:
+        raise InputError("--trials, --workers and --repeats must be >= 1, --final-rounds >= 0")
     if args.space_only and not args.space:
         raise InputError("--space-only needs --space KEY=V1,V2 to search")
     cfg = TuneConfig(n_trials=args.trials, n_workers=args.workers, storage=args.storage,
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
                      aot=not args.no_aot, space=_space(args.space) or None,
-                     space_only=args.space_only, seed=args.seed)
+                     space_only=args.space_only, final_rounds=args.final_rounds,
+                     seed=args.seed)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:
@@ -377,8 +382,7 @@ def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, varia
             stem.with_suffix(".md").write_text(c.markdown())
             plot_comparison(c, stem.with_suffix(".png"))
             console.print(c.markdown())
-            best = min((r for r in (c.grid, c.tpe) if r.best_ms is not None),
-                       key=lambda r: r.best_ms, default=None)
+            best = c.best()
             if best is not None:
                 write_tuned(module, [best], dtype=cfg.dtype)
         console.print(f"wrote {out}/compare-*.json|md|png, {tuned_path(module)}")

@@ -75,7 +75,7 @@ def rms_path(tmp_path_factory):
 
 def _cfg(tmp_path, **kw):
     base = dict(storage_dir=tmp_path / "studies", aot=False, progress=False, repeats=1,
-                trial_timeout_s=20, warm_start=False)
+                trial_timeout_s=20, warm_start=False, final_rounds=0)
     return tune.TuneConfig(**{**base, **kw})
 
 
@@ -265,9 +265,12 @@ def test_search_space_restriction_keeps_the_default_and_rejects_bad_values(rms_p
 def test_compare_grid_with_tpe_on_a_small_space(tmp_path, rms_path):
     from onboarding._tune_grid import compare_grid, plot_comparison
 
-    cfg = _cfg(tmp_path, isolate=False, warm_start=True,
+    cfg = _cfg(tmp_path, isolate=False, warm_start=True, final_rounds=1,
                space={"BLOCK_N": [16, 32], "num_warps": [1, 2], **FWD_ONLY})
     cmp = compare_grid(rms_path, size=64, config=cfg, timer=_fake_timer, tpe_fraction=0.34)
+    # Both bests and the default re-timed together after the searches (the fake timer is exact)
+    assert cmp.final_ms == {"grid": 1.0, "tpe": cmp.tpe.best_ms, "default": 9.0}
+    assert cmp.best() is cmp.grid or cmp.tpe.best_ms == 1.0
     # The grid ran every config of the 3 x 3 space (default values added) exactly once.
     assert cmp.grid.n_trials == 9 and cmp.grid.n_complete == 9
     trials = _trials(cmp.grid, tmp_path / "studies")
@@ -283,10 +286,35 @@ def test_compare_grid_with_tpe_on_a_small_space(tmp_path, rms_path):
     assert d["gain_grid"] == 9.0 and d["ratio"] == cmp.ratio
     md = cmp.markdown()
     assert "| trials | 9 | 3 (33.3% of the grid) |" in md and "9.00x" in md
+    assert "| best re-timed together (default 9 ms) | 1 |" in md
     assert plot_comparison(cmp, tmp_path / "cmp.png").stat().st_size > 1000
     # Resuming runs nothing new: both studies are complete.
     again = compare_grid(rms_path, size=64, config=cfg, timer=_fake_timer, tpe_fraction=0.34)
     assert (again.grid.n_trials, again.tpe.n_trials) == (9, 3)
+
+
+def test_final_retiming_replaces_a_lucky_single_timing(tmp_path, rms_path):
+    """A config timed once during the search at half its real time wins the search; the final
+    interleaved re-timing of the finalists and the default measures it again and picks the
+    config that is really fastest."""
+    import collections
+
+    calls = collections.Counter()
+
+    def lucky(config, result):
+        key = (config["BLOCK_N"], config["num_warps"])
+        calls[key] += 1
+        return 0.5 if key == (16, 2) and calls[key] == 1 else _fake_timer(config, result)
+
+    cfg = _cfg(tmp_path, n_trials=9, isolate=False, final_rounds=2,
+               space={"BLOCK_N": [16, 32], "num_warps": [1, 2], **FWD_ONLY})
+    res = tune.tune_module(rms_path, size=64, config=cfg, timer=lucky, sampler="grid")
+    assert min(v for v in res.history if v is not None) == 0.5  # the search's lucky best
+    assert res.best_config == _full(32, 1) and res.best_ms == 1.0
+    assert res.default_ms == 9.0  # the bucket default (8, 4), re-timed with the finalists
+    assert len(res.final) == tune.FINALISTS + 1
+    assert res.final[json.dumps(_full(16, 2), sort_keys=True)] == 3.0
+    assert calls[(16, 2)] == 1 + 2  # once in the search, once per final round
 
 
 def test_plan_jobs_reads_buckets_and_timing_dims_off_the_op_graph(tmp_path, parse_model):
