@@ -52,3 +52,20 @@ def parsed(ref: str, **kw):
 @pytest.fixture(scope="session")
 def parse_model():
     return parsed
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_tile_pins():
+    """`load_module` shares one module per rendered source across tests, so a test module that
+    pins tiles (`set_config`, e.g. the kernel tests' CPU tiles) would leave them pinned for the
+    next test module in the same xdist worker. The pins are put back as they were when this test
+    module began (modules loaded since: unpinned)."""
+    from onboarding import templating
+
+    saved = {sha: (m._CONFIG_OVERRIDE, dict(m._TUNED)) for sha, m in templating._LOADED.items()}
+    yield
+    for sha, m in templating._LOADED.items():
+        override, tuned = saved.get(sha, (None, {}))
+        m._CONFIG_OVERRIDE = override
+        m._TUNED.clear()
+        m._TUNED.update(tuned)
