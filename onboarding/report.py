@@ -215,38 +215,21 @@ def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None
 TRAIN_SKIPPED_FILE = "train_skipped.json"  # written by the agent's train node when it skips
 
 
-def _train_section(run_dir: Path) -> str | None:
-    """Setup, loss comparison (parallel vs single-process reference) and per-step metrics."""
-    train = run_dir / "train"
-    if not (train / "reference.jsonl").exists():
-        skipped = run_dir / TRAIN_SKIPPED_FILE
-        if skipped.exists():
-            why = json.loads(skipped.read_text()).get("skipped", "skipped")
-            return "\n".join(["## Training (FSDP2 + EP LoRA)", "", f"Training {why}."])
-        return None
-    from onboarding.training.compare import read_rows, summarize
-    from onboarding.training.config import TrainConfig
-    from onboarding.training.launch import describe
+TRAIN_METRICS_HEADER = ["run", "tokens/s", "step ms", "MFU", "all-to-all", "a2a exposed",
+                        "peak GiB", "max expert load / mean", "steps"]
 
-    out = ["## Training (FSDP2 + EP LoRA)", ""]
-    toml = run_dir / "train.toml"
-    if toml.exists():
-        cfg = TrainConfig.from_toml(toml)
-        g = run_dir / "opgraph.json"
-        experts = {b.attrs.get("n_experts") for b in OpGraph.load(g).by_kind("moe.experts")} \
-            if g.exists() else set()
-        n_exp = next(iter(experts)) if len(experts) == 1 else None
-        out += [table(["setup", ""], describe(cfg, n_exp)), ""]
+
+def train_metrics(run_dir: Path) -> tuple[list[str], list[list]]:
+    """Header and one row per training run (reference, parallel, baseline) of a run directory:
+    medians of the per-step metrics, the first step left out (the report and the terminal)."""
+    from onboarding.training.compare import read_rows, summarize
+
+    train = run_dir / "train"
+    runs: dict[str, dict | None] = {"reference": None, "parallel": None}
     cmp_file = train / "compare.json"
-    runs = {"reference": None, "parallel": None}
     if cmp_file.exists():
-        cmp = json.loads(cmp_file.read_text())
-        out += [f"**{cmp['summary']}**", ""]
-        if (train / "loss.png").exists():
-            out += ["![loss: parallel vs reference](train/loss.png)", ""]
-        runs.update(cmp["metrics"])
-    else:
-        out += ["Single-process run only (no parallel run to compare).", ""]
+        runs.update(json.loads(cmp_file.read_text())["metrics"])
+    elif (train / "reference.jsonl").exists():
         runs["reference"] = summarize(read_rows(train / "reference.jsonl"))
 
     def fmt(v, kind):
@@ -260,9 +243,40 @@ def _train_section(run_dir: Path) -> str | None:
              fmt(m.get("a2a_exposed_share"), "pct"), fmt(m.get("peak_mem_bytes"), "gib"),
              fmt(m.get("expert_max_imbalance"), "x"), m.get("steps", "—")]
             for role, m in runs.items() if m]
+    return TRAIN_METRICS_HEADER, rows
+
+
+def _train_section(run_dir: Path) -> str | None:
+    """Setup, loss comparison (parallel vs single-process reference) and per-step metrics."""
+    train = run_dir / "train"
+    if not (train / "reference.jsonl").exists():
+        skipped = run_dir / TRAIN_SKIPPED_FILE
+        if skipped.exists():
+            why = json.loads(skipped.read_text()).get("skipped", "skipped")
+            return "\n".join(["## Training (FSDP2 + EP LoRA)", "", f"Training {why}."])
+        return None
+    from onboarding.training.config import TrainConfig
+    from onboarding.training.launch import describe
+
+    out = ["## Training (FSDP2 + EP LoRA)", ""]
+    toml = run_dir / "train.toml"
+    if toml.exists():
+        cfg = TrainConfig.from_toml(toml)
+        g = run_dir / "opgraph.json"
+        experts = {b.attrs.get("n_experts") for b in OpGraph.load(g).by_kind("moe.experts")} \
+            if g.exists() else set()
+        n_exp = next(iter(experts)) if len(experts) == 1 else None
+        out += [table(["setup", ""], describe(cfg, n_exp)), ""]
+    cmp_file = train / "compare.json"
+    if cmp_file.exists():
+        cmp = json.loads(cmp_file.read_text())
+        out += [f"**{cmp['summary']}**", ""]
+        if (train / "loss.png").exists():
+            out += ["![loss: parallel vs reference](train/loss.png)", ""]
+    else:
+        out += ["Single-process run only (no parallel run to compare).", ""]
     out += ["Per-step metrics (medians, first step left out; MFU with LoRA-correct FLOPs):", "",
-            table(["run", "tokens/s", "step ms", "MFU", "all-to-all", "a2a exposed",
-                   "peak GiB", "max expert load / mean", "steps"], rows)]
+            table(*train_metrics(run_dir))]
     if (train / "metrics.png").exists():
         out += ["", "![training metrics](train/metrics.png)"]
     if (train / "adapter" / "adapter_config.json").exists():

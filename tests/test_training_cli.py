@@ -4,6 +4,7 @@ the loss comparison and report section, and one real 2-process launch on the CPU
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +154,11 @@ def test_end_to_end_two_ranks_match_reference(tmp_path, small_data, capsys):
     assert (out / "train" / "adapter" / "adapter_model.safetensors").exists()
     assert TrainConfig.from_toml(out / "train.toml").data == str(small_data.resolve())
     assert "## Training" in (out / "report.md").read_text()
+    # the terminal shows the metrics table: a row per run, tokens/s a number
+    table = printed.out[printed.out.index("training (medians"):]
+    for role in ("reference", "parallel"):
+        row = next(line for line in table.splitlines() if role in line)
+        assert re.search(r"\d", row.split(role, 1)[1]), row
 
 
 @pytest.mark.slow

@@ -189,9 +189,22 @@ def cmd_scale(args: argparse.Namespace, console: Console) -> int:
 
 
 def _report(out: Path, cfg: TrainConfig, console: Console) -> None:
-    from onboarding.report import build_report
+    from rich.table import Table
+
+    from onboarding.report import build_report, train_metrics
 
     if (out / "train").is_dir():
+        _, rows = train_metrics(out)
+        if rows:  # the report's columns, headed short enough for an 80-column terminal
+            t = Table(title="training (medians over the steps after the first)",
+                      box=None, padding=(0, 1), pad_edge=False)
+            t.add_column("run", no_wrap=True)
+            for h in ("tok/s", "step ms", "MFU", "a2a", "a2a exp", "peak GiB", "imbalance",
+                      "steps"):
+                t.add_column(h, justify="right", no_wrap=True, min_width=len(h))
+            for r in rows:
+                t.add_row(*(str(v) for v in r))
+            console.print(t)
         path = build_report(out, title=f"train {cfg.model}")
         console.print(f"report: {path}")
     console.print(f"run directory: {out}")
