@@ -225,12 +225,13 @@ def train_metrics(run_dir: Path) -> tuple[list[str], list[list]]:
     from onboarding.training.compare import read_rows, summarize
 
     train = run_dir / "train"
-    runs: dict[str, dict | None] = {"reference": None, "parallel": None}
     cmp_file = train / "compare.json"
     if cmp_file.exists():
-        runs.update(json.loads(cmp_file.read_text())["metrics"])
-    elif (train / "reference.jsonl").exists():
-        runs["reference"] = summarize(read_rows(train / "reference.jsonl"))
+        runs = json.loads(cmp_file.read_text())["metrics"]
+    else:  # a single-process run (no comparison): whatever rows there are
+        runs = {role: summarize(read_rows(train / f"{role}.jsonl"))
+                for role in ("reference", "parallel", "baseline")
+                if (train / f"{role}.jsonl").exists()}
 
     def fmt(v, kind):
         if v is None:
