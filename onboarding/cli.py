@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--impl", default=None, metavar="A,B",
                    help="only these implementations (e.g. ours,ours_fwd,fla_fwd; tile sweeps "
                         "'ours@...' count as 'ours')")
+    b.add_argument("--profile", action="store_true",
+                   help="also break our steps down by kernel (torch.profiler): time, share, calls")
     b.add_argument("--out", help="write the result rows as JSON here")
 
     r = sub.add_parser("run", help="run the agent pipeline on MODEL")
@@ -258,7 +260,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
     with console.status("benchmarking") as status:
-        result = run_cases(cases, log=_progress(console, status), partial=save)
+        result = run_cases(cases, log=_progress(console, status), partial=save,
+                           profile=args.profile)
     print(format_table(result))
     save(result)
     if args.out:

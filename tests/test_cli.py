@@ -259,3 +259,20 @@ def test_bench_case_and_impl_selection():
     assert select_cases(cases) == cases
     with pytest.raises(InputError, match="no benchmark case matches"):
         select_cases(cases, ["T99"])
+
+
+def test_bench_kernel_breakdown_aggregates_per_step_and_folds_the_tail():
+    from onboarding.bench.harness import aggregate_kernels, format_table
+
+    events = [("gemm", 3000.0, 5), ("norm", 1000.0, 10), ("gemm", 1000.0, 5)]
+    events += [(f"tiny{i}", 10.0, 5) for i in range(4)]
+    rows = aggregate_kernels(events, steps=5, top=4)
+    assert [r["kernel"] for r in rows] == ["gemm", "norm", "tiny0", "(other kernels)"]
+    assert rows[0]["ms"] == pytest.approx(0.8) and rows[0]["calls"] == 2
+    assert rows[1]["ms"] == pytest.approx(0.2) and rows[1]["calls"] == 2
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    assert rows[-1]["ms"] == pytest.approx(3 * 10 / 5 / 1e3) and rows[-1]["calls"] == 3
+    row = {"family": "f", "case": "c", "impl": "ours", "timing": None, "gbps": None,
+           "roofline_frac": None, "ratios": {}, "error": "", "check": {}, "kernels": rows}
+    text = format_table({"rows": [row]})
+    assert "f/c ours: kernels 1.008 ms per step" in text and "(other kernels)" in text

@@ -58,9 +58,50 @@ class Row:
     graph_ms: float | None = None
     graph_roofline_frac: float | None = None
     graph_ratios: dict[str, float] = field(default_factory=dict)
+    # per-kernel GPU time of one step (`--profile`, "ours" rows): where the time goes
+    kernels: list[dict[str, Any]] = field(default_factory=list)
 
 
 GRAPH_MAX_MS = 5.0  # above this, launch overhead is noise: skip the graph replay
+PROFILE_STEPS, PROFILE_TOP = 5, 12
+
+
+def aggregate_kernels(events: list[tuple[str, float, int]], steps: int,
+                      top: int = PROFILE_TOP) -> list[dict[str, Any]]:
+    """(kernel name, total GPU µs, calls) over `steps` steps -> per-step rows, slowest first:
+    ms and calls per step and the share of the step's kernel time; the rest folded into one
+    "(other kernels)" row."""
+    per: dict[str, list[float]] = {}
+    for name, us, calls in events:
+        acc = per.setdefault(name, [0.0, 0])
+        acc[0] += us
+        acc[1] += calls
+    total = sum(us for us, _ in per.values())
+    rows = sorted(({"kernel": k, "ms": us / steps / 1e3, "calls": c / steps,
+                    "share": us / total if total else 0.0} for k, (us, c) in per.items()),
+                  key=lambda r: -r["ms"])
+    if len(rows) > top:
+        rest = rows[top - 1:]
+        rows = rows[:top - 1] + [{"kernel": "(other kernels)", "ms": sum(r["ms"] for r in rest),
+                                  "calls": sum(r["calls"] for r in rest),
+                                  "share": sum(r["share"] for r in rest)}]
+    return rows
+
+
+def kernel_breakdown(step: Step, steps: int = PROFILE_STEPS) -> list[dict[str, Any]]:
+    """GPU time per kernel of `step` (torch.profiler, CUDA activity), after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    return aggregate_kernels([(e.key, e.self_device_time_total, e.count)
+                              for e in prof.key_averages() if e.self_device_time_total > 0],
+                             steps)
 
 
 def time_fn(step: Step, *, warmup: int = 5, repeats: int = 50, n_sets: int = 4,
@@ -120,9 +161,8 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     t = time_fn(lambda i: a @ b, warmup=3, repeats=20)
     mm = 2 * 8192**3 / (t.median_ms * 1e-3) / 1e12
-    del src, dst, a, b
-    torch.cuda.empty_cache()
-    return {"copy_tb_s": round(copy, 3), "matmul_bf16_tflops": round(mm, 1)}
+    return {"copy_tb_s": round(copy, 3), "matmul_bf16_tflops": round(mm, 1)}  # buffers freed:
+    # the caller empties the cache once they are out of scope
 
 
 def environment() -> dict[str, Any]:
@@ -133,11 +173,14 @@ def environment() -> dict[str, Any]:
 
 def run_cases(cases: list[BenchCase], device: torch.device | None = None,
               log: Callable[[str], None] = print,
-              partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              partial: Callable[[dict[str, Any]], None] | None = None,
+              profile: bool = False) -> dict[str, Any]:
     """Run every case; ``partial`` receives the result so far after each case (so a run that is
-    cut short still leaves its finished rows behind)."""
+    cut short still leaves its finished rows behind). ``profile``: also break our rows down by
+    kernel (`kernel_breakdown`)."""
     device = device or torch.device("cuda")
     ceilings = measure_ceilings(device)
+    torch.cuda.empty_cache()  # the ceilings' 4 GiB of buffers
     log(f"ceilings: {ceilings}")
     rows: list[Row] = []
     for case in cases:
@@ -163,6 +206,12 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
                 timing, err = None, f"{type(exc).__name__}: {exc}"[:300]
             row = Row(family=case.family, case=case.name, shape=case.shape, impl=impl,
                       timing=timing, error=err, check=check if impl == "ours" else {})
+            if profile and timing and impl.startswith("ours"):
+                try:
+                    row.kernels = kernel_breakdown(step)
+                except Exception as exc:  # noqa: BLE001 - the timing stands without it
+                    row.kernels = [{"kernel": f"profiler failed: {type(exc).__name__}: {exc}"[:200],
+                                    "ms": 0.0, "calls": 0, "share": 0.0}]
             if timing and timing.median_ms < GRAPH_MAX_MS:
                 try:
                     row.graph_ms = graph_time(step).median_ms
@@ -220,4 +269,10 @@ def format_table(result: dict[str, Any]) -> str:
                               if isinstance(v, float)) if r["check"] else ""
         lines.append(f"{r['family'] + '/' + r['case']:38s} {r['impl']:8s} {ms:>8s} {gb:>7s} "
                      f"{frac:>6s} {gms:>7s} {gfrac:>6s}  {ratios}{err}{chk}")
+    for r in result["rows"]:
+        if r.get("kernels"):
+            total = sum(k["ms"] for k in r["kernels"])
+            lines += ["", f"{r['family']}/{r['case']} {r['impl']}: kernels {total:.3f} ms per step"]
+            lines += [f"  {k['ms']:8.3f} ms {100 * k['share']:5.1f}% {k['calls']:5.1f}x  "
+                      f"{k['kernel'][:90]}" for k in r["kernels"]]
     return "\n".join(lines)
