@@ -58,7 +58,7 @@ class Row:
     graph_ms: float | None = None
     graph_roofline_frac: float | None = None
     graph_ratios: dict[str, float] = field(default_factory=dict)
-    # per-kernel GPU time of one step (`--profile`, "ours" rows): where the time goes
+    # per-kernel GPU time of one step (`--profile`; the ours and ours_fwd rows): where time goes
     kernels: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -206,7 +206,7 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
                 timing, err = None, f"{type(exc).__name__}: {exc}"[:300]
             row = Row(family=case.family, case=case.name, shape=case.shape, impl=impl,
                       timing=timing, error=err, check=check if impl == "ours" else {})
-            if profile and timing and impl.startswith("ours"):
+            if profile and timing and impl in ("ours", "ours_fwd"):
                 try:
                     row.kernels = kernel_breakdown(step)
                 except Exception as exc:  # noqa: BLE001 - the timing stands without it
