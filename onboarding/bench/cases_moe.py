@@ -30,10 +30,11 @@ torch formulation x W^T + s (x A^T) B^T). Read the LoRA overhead over the base G
 At o_proj, ``ours@BLOCK_M=...`` rows time the in-place update kernel under other tiles
 (``LORA_SWEEP``).
 
-At the anchor shape (uniform routing) ``ours@...`` rows time the experts kernel under other tile
-configs of its D bucket, around the bf16 defaults, for picking them: the forward tiles in the
-``fwd`` case (``MOE_FWD_SWEEP``), the backward kernels' own tiles in the ``fwdbwd`` case
-(``MOE_BWD_SWEEP``, forward tiles left at the bucket's).
+At the anchor and Qwen3-Next shapes (uniform routing) ``ours@...`` rows time the experts kernel
+under other tile configs of its D bucket, around the bf16 defaults, for picking them: the forward
+tiles in the ``fwd`` case (``MOE_FWD_SWEEP``), the backward kernels' own tiles in the ``fwdbwd``
+case (``MOE_BWD_SWEEP``, forward tiles left at the bucket's). Both shapes share the D bucket but
+not the rows per expert (anchor 1024, Qwen3-Next 160: 128-row tiles pad the latter by 60%).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D]; down [E, D, F]; LoRA W [O, I],
 A [r, I], B [O, r].
@@ -222,7 +223,7 @@ def moe_experts_cases() -> list[BenchCase]:
         # and writes dx and both weight gradients
         fwd_bytes = 2 * (2 * N * D + 3 * E * Fw * D)
         for kind in kinds:
-            sweep = label == "anchor" and kind == "uniform"
+            sweep = label in ("anchor", "qwen3_next") and kind == "uniform"
             for backward in (False, True):
                 name = f"{label}/E{E}K{K}D{D}F{Fw}N{N}/{kind}/{'fwdbwd' if backward else 'fwd'}"
                 cases.append(BenchCase(
