@@ -69,6 +69,19 @@ def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, caps
     assert not out.exists() and not (tmp_path / "runs").exists()
 
 
+def test_more_processes_than_gpus_exit_2_and_leave_nothing(tmp_path, monkeypatch, capsys):
+    """On a GPU machine each process takes a GPU: asking for more fails before anything runs."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    rc = main(["train", "hf:qwen3_moe", "--nproc", "4", "--ep", "2", "--out", "run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nproc=4: one GPU per process, and this machine has 2" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_config_rerun_uses_the_edited_file(tmp_path, capsys):
     out = tmp_path / "run"
     toml = TrainConfig(model="hf:qwen3_moe", out=str(out), nproc=2, ep=2,

@@ -45,16 +45,18 @@ def check(cfg: TrainConfig):
     """Validate ``cfg`` against the model (meta build) and the data; returns the `ModelInfo`."""
     from onboarding.proxy import text_config
     from onboarding.training.data import PackedData, load_texts, load_tokenizer
-    from onboarding.training.setup import meta_experts, tokenizer_dir
+    from onboarding.training.setup import meta_experts, resolve_device, tokenizer_dir
 
     cfg.validate_fields()  # field checks first: cheap, and clear before the model is loaded
     info, n_experts = meta_experts(cfg)
     cfg.validate(n_experts=n_experts)
-    if cfg.device == "cuda":
+    if resolve_device(cfg).type == "cuda":  # one GPU per process
         import torch
 
-        if not torch.cuda.is_available():
-            raise InputError("device='cuda': no CUDA device is available here")
+        n_gpus = torch.cuda.device_count()
+        if cfg.nproc > n_gpus:
+            raise InputError(f"nproc={cfg.nproc}: one GPU per process, and this machine has "
+                             f"{n_gpus}; use fewer processes, or --device cpu (gloo)")
     tc = text_config(info.proxy_config) if info.proxy_config is not None else None
     vocab = getattr(tc, "vocab_size", None)
     max_pos = getattr(tc, "max_position_embeddings", None)
