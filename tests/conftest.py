@@ -40,6 +40,17 @@ for entry in ("", str(ROOT)):
         sys.path.remove(entry)
 
 
+def pytest_configure(config):
+    """The suite must test this checkout: an editable install left pointing at another clone
+    (a fresh-clone CI run re-points it) would test that clone's code instead, silently."""
+    import onboarding
+
+    where = Path(onboarding.__file__).resolve().parent.parent
+    if where != ROOT:
+        raise pytest.UsageError(f"onboarding is imported from {where}, not from this checkout "
+                                f"{ROOT}: run `pip install -e . --no-deps` here")
+
+
 @functools.cache
 def parsed(ref: str, **kw):
     from onboarding.loading import load_model
