@@ -56,17 +56,17 @@ def shape_bucket(size: int) -> str:
 
 
 def set_config(config: dict | None = None, bucket: str | None = None) -> None:
-    \"\"\"Pin a tile config for one shape bucket, or for all shapes when `bucket` is None.
+    \"\"\"Pin tile config values for one shape bucket, or for all shapes when `bucket` is None.
 
-    Keys and values must come from TUNING_SPACE; missing keys take DEFAULT_CONFIG's value.
-    `config=None` clears the pin.
+    Keys and values must come from TUNING_SPACE; the keys a pin leaves out keep the bucket's own
+    values (see `config_for`). `config=None` clears the pin.
     \"\"\"
     global _CONFIG_OVERRIDE
     if config is not None:
         for key, value in config.items():
             if key not in TUNING_SPACE or value not in TUNING_SPACE[key]:
                 raise ValueError(f"config {key}={value!r} is not in TUNING_SPACE {TUNING_SPACE}")
-        config = {**DEFAULT_CONFIG, **config}
+        config = dict(config)
     if bucket is None:
         _CONFIG_OVERRIDE = config
     elif bucket not in [b["name"] for b in SHAPE_BUCKETS]:
@@ -78,14 +78,12 @@ def set_config(config: dict | None = None, bucket: str | None = None) -> None:
 
 
 def config_for(size: int) -> dict:
-    \"\"\"The tile config used for a problem whose bucketed dimension is `size`.\"\"\"
-    if _CONFIG_OVERRIDE is not None:
-        return _CONFIG_OVERRIDE
+    \"\"\"The tile config used for a problem whose bucketed dimension is `size`: DEFAULT_CONFIG,
+    then its bucket's values, the bucket's pin (tuned.json), the all-shapes pin, each over the
+    last.\"\"\"
     name = shape_bucket(size)
-    if name in _TUNED:
-        return _TUNED[name]
     bucket = next(b for b in SHAPE_BUCKETS if b["name"] == name)
-    return {**DEFAULT_CONFIG, **bucket["config"]}
+    return {**DEFAULT_CONFIG, **bucket["config"], **_TUNED.get(name, {}), **(_CONFIG_OVERRIDE or {})}
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

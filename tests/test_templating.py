@@ -151,8 +151,11 @@ def test_rendered_config_api(tmp_path):
     assert module.shape_bucket(100) == "d_le_512"
     bucket = {"BLOCK_N": 2, "num_warps": 8, "BWD_BLOCK_N": 2, "bwd_warps": 8, "programs_per_sm": 2}
     assert module.config_for(4096) == bucket
-    module.set_config({"BLOCK_N": 4}, bucket="d_le_4k")  # the rest from DEFAULT_CONFIG
-    assert module.config_for(4096) == {**module.DEFAULT_CONFIG, "BLOCK_N": 4}
+    module.set_config({"BLOCK_N": 4}, bucket="d_le_4k")  # the rest: the bucket's own values
+    assert module.config_for(4096) == {**bucket, "BLOCK_N": 4}
+    module.set_config({"num_warps": 1})  # all shapes, over the bucket pin
+    assert module.config_for(4096) == {**bucket, "BLOCK_N": 4, "num_warps": 1}
+    module.set_config(None)
     module.set_config(None, bucket="d_le_4k")
     with pytest.raises(ValueError, match="BLOCK_N"):
         module.set_config({"BLOCK_N": 3})

@@ -174,20 +174,22 @@ def test_tuned_json_round_trip_and_dispatch(tmp_path):
     for key in ("gpu", "torch", "triton", "date", "trials", "study", "dtype"):
         assert key in entry
     mod = load_module(path)
-    dflt = mod.DEFAULT_CONFIG  # keys a tuned.json leaves out take the family default
+    def own(name):  # keys a tuned.json leaves out keep the bucket's own values
+        return {**mod.DEFAULT_CONFIG, **next(b["config"] for b in mod.SHAPE_BUCKETS
+                                             if b["name"] == name)}
+
     try:
         applied = tune.apply_tuned(mod, out)
         assert applied["d_le_4k"] == {"BLOCK_N": 2, "num_warps": 16}
-        assert mod.config_for(300) == {**dflt, "BLOCK_N": 32, "num_warps": 1}
-        assert mod.config_for(3000) == {**dflt, "BLOCK_N": 2, "num_warps": 16}
-        untuned = next(b["config"] for b in mod.SHAPE_BUCKETS if b["name"] == "d_le_2k")
-        assert mod.config_for(1000) == {**dflt, **untuned}  # untuned: the bucket's default
+        assert mod.config_for(300) == {**own("d_le_512"), "BLOCK_N": 32, "num_warps": 1}
+        assert mod.config_for(3000) == {**own("d_le_4k"), "BLOCK_N": 2, "num_warps": 16}
+        assert mod.config_for(1000) == own("d_le_2k")  # untuned: the bucket's default
         mod.set_config(None, "d_le_4k")
         other = json.loads(out.read_text())
         other["buckets"]["d_le_4k"]["gpu"] = "Another GPU"  # tuned elsewhere: not applied
         out.write_text(json.dumps(other))
         assert set(tune.apply_tuned(mod, out)) == {"d_le_512"}
-        assert mod.config_for(3000) != {**dflt, "BLOCK_N": 2, "num_warps": 16}
+        assert mod.config_for(3000) == own("d_le_4k")
         out.write_text(json.dumps(data))
     finally:
         for b in mod.SHAPE_BUCKETS:
@@ -464,9 +466,9 @@ def test_kernels_for_dispatches_to_tuned_configs(tmp_path):
                      status="passed")
     try:
         got = kernels_for(cov, [cand])[("model.norm", "rmsnorm")]
-        assert got.config_for(256) == {**got.DEFAULT_CONFIG, **best}
-        untuned = next(b["config"] for b in got.SHAPE_BUCKETS if b["name"] == "d_le_2k")
-        assert got.config_for(1000) == {**got.DEFAULT_CONFIG, **untuned}
+        own = {b["name"]: {**got.DEFAULT_CONFIG, **b["config"]} for b in got.SHAPE_BUCKETS}
+        assert got.config_for(256) == {**own["d_le_512"], **best}
+        assert got.config_for(1000) == own["d_le_2k"]  # untuned: the bucket's default
     finally:
         mod.set_config(None, "d_le_512")
 
