@@ -200,7 +200,7 @@ def compare_grid(module_path: Path | str, *, size: int, shapes: list[list[int]] 
         distinct = list({json.dumps(c, sort_keys=True): c for c in named.values()}.values())
         ms = dict(zip((json.dumps(c, sort_keys=True) for c in distinct),
                       retime(module_path, distinct, size=size, shapes=shapes, dims=dims,
-                             config=cfg, timer=timer)))
+                             config=cfg, timer=timer, progress=progress)))
         final_ms = {k: ms[json.dumps(c, sort_keys=True)] for k, c in named.items()}
     return GridComparison(family=module.FAMILY, variant=module.VARIANT, bucket=bucket, size=size,
                           dims=dims, space=space, grid_size=n_grid, grid=grid, tpe=tpe,

@@ -487,12 +487,13 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                 for obj in objectives:
                     obj.close()
             raise
+        final_study = _load_study(name, url, cfg.seed, space, sampler)
+        return _finalize(summarize(final_study, module, bucket), final_study, module, path,
+                         size=size, shapes=shapes, dims=dims, cfg=cfg, timer=timer,
+                         progress=prog)
     finally:
         if own:
             prog.stop()
-    final_study = _load_study(name, url, cfg.seed, space, sampler)
-    return _finalize(summarize(final_study, module, bucket), final_study, module, path, size=size,
-                     shapes=shapes, dims=dims, cfg=cfg, timer=timer)
 
 
 def summarize(study, module: ModuleType, bucket: str) -> BucketResult:
@@ -527,7 +528,7 @@ FINALISTS = 3  # best distinct configs of a search re-timed with the default (fi
 def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: int,
            shapes: list[list[int]] | None = None, dims: dict[str, int] | None = None,
            config: TuneConfig | None = None, timer: Timer | None = None,
-           rounds: int | None = None) -> list[float | None]:
+           rounds: int | None = None, progress=None) -> list[float | None]:
     """Median ms of each config over `rounds` interleaved rounds (the order rotates each round),
     on one worker after the search, when no check or compile competes for the machine. A search
     times each config once, amid other workers' compiles: one config timed 6.51 and 6.03 ms in
@@ -543,6 +544,8 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
     obj = _Objective(path=path, module=module, size=size, shapes=shapes or [[size]], dims=dims,
                      space={}, cfg=cfg, timer=timer, aot=_Aot())
     times: list[list[float]] = [[] for _ in configs]
+    task = progress.add_task(f"re-timing {len(configs)} configs x {rounds} rounds",
+                             total=rounds * len(configs), best="-") if progress else None
     try:
         for r in range(rounds):
             for j in range(len(configs)):
@@ -550,6 +553,10 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
                 ms = obj.measure(dict(configs[i]), seed=cfg.seed * 100003 + 7919 * (r + 1) + i)
                 if ms is not None:
                     times[i].append(ms)
+                if task is not None:
+                    done = [statistics.median(t) for t in times if t]
+                    progress.update(task, advance=1,
+                                    best=f"{min(done):.4g} ms" if done else "-")
     finally:
         obj.close()
     return [statistics.median(t) if t else None for t in times]
@@ -578,13 +585,13 @@ def timing_is_real(timer: Timer | None) -> bool:
 
 
 def _finalize(result: BucketResult, study, module: ModuleType, module_path, *, size: int,
-              shapes, dims, cfg: TuneConfig, timer: Timer | None) -> BucketResult:
+              shapes, dims, cfg: TuneConfig, timer: Timer | None, progress=None) -> BucketResult:
     """Re-time the finalists with the default; the best and the default's time come from it."""
     if not cfg.final_rounds or result.best_config is None or not timing_is_real(timer):
         return result
     configs = finalists(study, module, result.bucket)
     ms = retime(module_path, configs, size=size, shapes=shapes, dims=dims, config=cfg,
-                timer=timer)
+                timer=timer, progress=progress)
     final = {json.dumps(c, sort_keys=True): m for c, m in zip(configs, ms)}
     timed = [(m, c) for c, m in zip(configs, ms) if m is not None]
     if not timed:

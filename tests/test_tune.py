@@ -310,7 +310,11 @@ def test_final_retiming_replaces_a_lucky_single_timing(tmp_path, rms_path):
 
     cfg = _cfg(tmp_path, n_trials=9, isolate=False, final_rounds=2,
                space={"BLOCK_N": [16, 32], "num_warps": [1, 2], **FWD_ONLY})
-    res = tune.tune_module(rms_path, size=64, config=cfg, timer=lucky, sampler="grid")
+    prog = tune.progress_bar()
+    res = tune.tune_module(rms_path, size=64, config=cfg, timer=lucky, sampler="grid",
+                           progress=prog)
+    (final,) = [t for t in prog.tasks if t.description.startswith("re-timing")]
+    assert final.completed == final.total == (tune.FINALISTS + 1) * 2
     assert min(v for v in res.history if v is not None) == 0.5  # the search's lucky best
     assert res.best_config == _full(32, 1) and res.best_ms == 1.0
     assert res.default_ms == 9.0  # the bucket default (8, 4), re-timed with the finalists
