@@ -199,6 +199,7 @@ def plot_history(results: Iterable[BucketResult], out: Path | str) -> Path:
 
 
 def markdown_table(results: Iterable[BucketResult]) -> str:
+    results = list(results)
     rows = ["| bucket | trials | complete | pruned | best config | best ms | default ms | gain |",
             "|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -208,7 +209,13 @@ def markdown_table(results: Iterable[BucketResult]) -> str:
         rows.append(f"| {r.bucket} | {r.n_trials} | {r.n_complete} | {pr} | "
                     f"`{json.dumps(r.best_config, sort_keys=True)}` | {fmt(r.best_ms)} | "
                     f"{fmt(r.default_ms)} | {gain} |")
-    return "\n".join(rows) + "\n"
+    notes = []
+    for r in results:
+        timed = sorted((ms, c) for c, ms in r.final.items() if ms is not None)
+        if timed:  # best and default ms above come from these
+            notes.append(f"- `{r.bucket}`, finalists re-timed in interleaved rounds (medians): "
+                         + "; ".join(f"{ms:.4g} ms `{c}`" for ms, c in timed))
+    return "\n".join(rows) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def result_dict(r: BucketResult) -> dict[str, Any]:

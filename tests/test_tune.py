@@ -321,6 +321,8 @@ def test_final_retiming_replaces_a_lucky_single_timing(tmp_path, rms_path):
     assert len(res.final) == tune.FINALISTS + 1
     assert res.final[json.dumps(_full(16, 2), sort_keys=True)] == 3.0
     assert calls[(16, 2)] == 1 + 2  # once in the search, once per final round
+    table = tune.markdown_table([res])
+    assert "finalists re-timed in interleaved rounds (medians): 1 ms" in table
 
 
 def test_plan_jobs_reads_buckets_and_timing_dims_off_the_op_graph(tmp_path, parse_model):
