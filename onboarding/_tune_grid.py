@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from onboarding.tune import (BucketResult, Timer, TuneConfig, create_study, retime,
-                             search_space, space_size, storage_url, study_name, timing_is_real,
+from onboarding.tune import (BucketResult, Timer, TuneConfig, bucket_default, create_study,
+                             retime, search_space, space_size, storage_url, study_name, timing_is_real,
                              tune_module)
 
 WITHIN = 1.03  # the goal: TPE's best within 3% of the grid's
@@ -194,9 +194,8 @@ def compare_grid(module_path: Path | str, *, size: int, shapes: list[list[int]] 
     grid, tpe = results["grid"], results["tpe"]
     final_ms: dict[str, float | None] = {}
     if cfg.final_rounds and timing_is_real(timer) and grid.best_config and tpe.best_config:
-        b = next(x for x in module.SHAPE_BUCKETS if x["name"] == bucket)
         named = {"grid": grid.best_config, "tpe": tpe.best_config,
-                 "default": {**module.DEFAULT_CONFIG, **b["config"]}}
+                 "default": bucket_default(module, bucket)}
         distinct = list({json.dumps(c, sort_keys=True): c for c in named.values()}.values())
         ms = dict(zip((json.dumps(c, sort_keys=True) for c in distinct),
                       retime(module_path, distinct, size=size, shapes=shapes, dims=dims,

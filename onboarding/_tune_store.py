@@ -59,14 +59,20 @@ def tuned_path(module_path: Path | str) -> Path:
     return p.with_name(p.stem + TUNED_SUFFIX)
 
 
+def bucket_default(module: ModuleType, bucket: str) -> dict[str, Any]:
+    """The config a shape bucket runs with when nothing is pinned: DEFAULT_CONFIG under the
+    bucket's own values (`config_for` without the pins)."""
+    b = next(x for x in module.SHAPE_BUCKETS if x["name"] == bucket)
+    return {**module.DEFAULT_CONFIG, **b["config"]}
+
+
 def warm_start_configs(module: ModuleType, module_path: Path | str, bucket: str,
                        search_dirs: Iterable[Path | str] = ()) -> list[dict[str, Any]]:
     """Configs to try first: the bucket's default, then neighbouring buckets' tuned bests of this
     module (nearest first), then same-family bests from other tuned.json files."""
     names = [b["name"] for b in module.SHAPE_BUCKETS]
     i = names.index(bucket)
-    b = module.SHAPE_BUCKETS[i]
-    out = [{**module.DEFAULT_CONFIG, **b["config"]}]
+    out = [bucket_default(module, bucket)]
     own = tuned_path(module_path)
     files = [own] + sorted(f for d in search_dirs for f in Path(d).rglob(f"*{TUNED_SUFFIX}")
                            if f.resolve() != own.resolve())

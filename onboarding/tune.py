@@ -47,9 +47,10 @@ from types import ModuleType
 from typing import Any
 
 from onboarding._tune_store import (TUNED_SUFFIX, BucketResult, apply_tuned,  # noqa: F401
-                                    enqueue_warm_start, gpu_name, load_tuned, markdown_table,
-                                    module_meta, plot_history, result_dict, result_from_dict,
-                                    tuned_path, warm_start_configs, write_tuned)
+                                    bucket_default, enqueue_warm_start, gpu_name, load_tuned,
+                                    markdown_table, module_meta, plot_history, result_dict,
+                                    result_from_dict, tuned_path, warm_start_configs,
+                                    write_tuned)
 from onboarding._tune_worker import Worker, WorkerDied, WorkerTimeout, handle
 from onboarding.errors import InputError
 
@@ -152,8 +153,7 @@ def search_space(module: ModuleType, bucket: str,
     if unknown:
         raise InputError(f"tune --space: unknown keys {unknown}; {module.FAMILY} has "
                          f"{sorted(full)}")
-    b = next(x for x in module.SHAPE_BUCKETS if x["name"] == bucket)
-    default = {**module.DEFAULT_CONFIG, **b["config"]}
+    default = bucket_default(module, bucket)
     out = {}
     for k, values in full.items():
         if k not in restrict:
@@ -269,8 +269,7 @@ class _Objective:
         self.dims, self.space = dims, space
         self.cfg, self.timer, self.aot = cfg, timer, aot
         self.meta = module_meta(module)
-        bucket = next(b for b in module.SHAPE_BUCKETS if b["name"] == module.shape_bucket(size))
-        self.default = {**module.DEFAULT_CONFIG, **bucket["config"]}  # the check's yardstick
+        self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
         interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         self.trial_worker = Worker(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
         self.aot_worker = Worker(interpret=False if interp else None,
@@ -509,8 +508,7 @@ def summarize(study, module: ModuleType, bucket: str) -> BucketResult:
             reasons.setdefault(stage, str(t.user_attrs.get("reason", ""))[:300])
         if t.state.is_finished():
             hist.append(best.value if best else None)
-    b = next(x for x in module.SHAPE_BUCKETS if x["name"] == bucket)
-    default = {**module.DEFAULT_CONFIG, **b["config"]}
+    default = bucket_default(module, bucket)
     dms = [t.value for t in trials if t.state == optuna.trial.TrialState.COMPLETE
            and {**module.DEFAULT_CONFIG, **t.params} == default]
     return BucketResult(
@@ -565,8 +563,7 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
 def finalists(study, module: ModuleType, bucket: str, n: int = FINALISTS) -> list[dict]:
     """The `n` fastest distinct complete configs of `study`, then the bucket default."""
     optuna = _optuna()
-    b = next(x for x in module.SHAPE_BUCKETS if x["name"] == bucket)
-    default = {**module.DEFAULT_CONFIG, **b["config"]}
+    default = bucket_default(module, bucket)
     done = sorted((t for t in study.get_trials(deepcopy=False)
                    if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.value)
     out: list[dict] = []
