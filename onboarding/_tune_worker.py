@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import subprocess
@@ -259,9 +260,9 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
         finally:
             mod.set_config(config)
 
-    yardstick = (under_default if default is not None
-                 and default != {**mod.DEFAULT_CONFIG, **config} else None)
-    checks = _check_at(entry, mod.reference, args, tdt, yardstick) \
+    is_default = default is not None and default == {**mod.DEFAULT_CONFIG, **config}
+    yardstick = under_default if default is not None and not is_default else None
+    checks = _check_at(entry, mod.reference, args, tdt, yardstick, is_default) \
         if on_gpu and tdt != torch.float32 else _check_one(entry, mod.reference, tuple(args), "tune")
     bad = [c for c in checks if not c["passed"]]
     if not checks or bad:
@@ -291,8 +292,8 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
 NO_WORSE_RMS, NO_WORSE_MAX = 2.0, 3.0
 
 
-def _check_at(entry, ref, args: list, tdt, default: Callable[[], Any] | None = None
-              ) -> list[dict[str, Any]]:
+def _check_at(entry, ref, args: list, tdt, default: Callable[[], Any] | None = None,
+              is_default: bool = False) -> list[dict[str, Any]]:
     """The kernel in `tdt` against the fp32 reference on the same `tdt`-rounded values: every
     output and input gradient at `tdt`'s "reduction" tolerance, atol in units of the reference's
     RMS (`compare_scaled`: a chunked recurrence's or grouped GEMM's outputs have arbitrary scale,
@@ -300,7 +301,10 @@ def _check_at(entry, ref, args: list, tdt, default: Callable[[], Any] | None = N
 
     `default`: a context manager that runs `entry` under the bucket's default config. Given, a
     tensor that fails its bound is re-judged against the default's error on the same inputs
-    (within NO_WORSE_RMS x its relative RMS and NO_WORSE_MAX x its largest error)."""
+    (within NO_WORSE_RMS x its relative RMS and NO_WORSE_MAX x its largest error).
+    `is_default`: the config is that default, the yardstick itself: only its RMS error is
+    judged, not single elements. Without this the H200 grid at K=64 pruned the bucket default
+    on one of 74 dbeta elements (docs/LOG.md, fifth session)."""
     import torch
 
     from onboarding.testing.tolerance import compare_scaled, tolerance_for
@@ -329,6 +333,15 @@ def _check_at(entry, ref, args: list, tdt, default: Callable[[], Any] | None = N
         return res
 
     res = judge()
+    if is_default:
+        # compare_scaled's atol is in units of the expected RMS: an RMS floor like max_rel_rms
+        rms_bound = max(tol.max_rel_rms, tol.atol)
+        for name, r in res.items():
+            if not r["passed"] and r.get("rel_rms", math.inf) <= rms_bound:
+                r.update(passed=True, relative_to_default=True, message=(
+                    f"{name}: the bucket default (the yardstick) within the RMS bound, rel_rms "
+                    f"{r['rel_rms']:.2e} <= {rms_bound:.1e}; single elements: {r['message']}"))
+        return list(res.values())
     if default is None or all(r["passed"] for r in res.values()):
         return list(res.values())
     with default():

@@ -416,7 +416,8 @@ def test_low_precision_check_accepts_the_kernel_and_rejects_a_wrong_one(rms_path
 
 def test_low_precision_check_judges_a_failing_config_against_the_default(rms_path):
     """Outside its bound, a config passes when the default config is as far off on the same
-    inputs (an ill-conditioned sample), and fails when it is much worse than the default."""
+    inputs (an ill-conditioned sample), and fails when it is much worse than the default; the
+    default itself is judged by its RMS error only."""
     import contextlib
 
     import torch
@@ -450,6 +451,19 @@ def test_low_precision_check_judges_a_failing_config_against_the_default(rms_pat
     err["now"] = 0.2  # much worse than the default
     bad = _check_at(entry, mod.reference, args, torch.float16, lambda: default_off_by(0.03))
     assert not bad[0]["passed"] and "the default config on the same inputs" in bad[0]["message"]
+    # the default itself is the yardstick: its RMS error is judged, not single elements
+    err["now"] = 0.0
+
+    def spiked(*a):  # one output element off by 20% of the output's RMS
+        y = entry_function(mod)(*a)
+        return y + torch.zeros_like(y).index_put_((torch.tensor([0]),) * y.dim(),
+                                                  0.2 * y.detach().float().pow(2).mean().sqrt().to(y.dtype))
+
+    assert not _check_at(spiked, mod.reference, args, torch.float16)[0]["passed"]
+    own = _check_at(spiked, mod.reference, args, torch.float16, is_default=True)
+    assert all(c["passed"] for c in own) and "the bucket default" in own[0]["message"], own
+    err["now"] = 0.2
+    assert not _check_at(entry, mod.reference, args, torch.float16, is_default=True)[0]["passed"]
 
 
 def test_kernels_for_dispatches_to_tuned_configs(tmp_path):
