@@ -60,18 +60,20 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
                   "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input",
                   "inv_dot": "tf32"}
 SHAPE_BUCKETS = (
-    # k_le_64 and k_le_256: chosen from ptxas register spills and shared memory of the AOT build
-    # (sm_90, BT=64), not yet timed: BK=32 and 8 warps take prepare's spills to ~0; two pipeline
-    # stages fit the backward state pass up to K=64.
+    # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
+    # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed
+    # together; docs/LOG.md, fifth session). state_bv auto takes 32 there. Two pipeline stages
+    # fit the backward state pass up to K=64.
     ShapeBucket(name="k_le_64", dim="K", lo=1, hi=64,
-                config={"BK": 32, "BV": 32, "num_warps": 8, "state_bwd_stages": 2}),
+                config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 1, "state_bwd_stages": 2}),
     # Timed: the best of a 72-config grid on the H200, fwd+bwd at B2 T4096 H16 K=V=128 bf16,
     # 2.26 ms against 3.02 ms for the spill-free BK32 BV32 8-warp config that was here (docs/LOG.md,
     # fourth session: "Grid vs TPE"); every 4-warp config beat every 8-warp one. It spills up to
     # 6.8 KB in the backward WY kernel and is faster all the same.
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
                 config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 2}),
-    # fp32 [BT, 256] w and kd tiles: a second pipeline stage would not fit in shared memory
+    # Untimed, chosen from the AOT build's (sm_90, BT=64) spills and shared memory: fp32
+    # [BT, 256] w and kd tiles leave no room for a second pipeline stage
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
                 config={"BK": 32, "BV": 16, "num_warps": 8, "state_stages": 1}),
 )
