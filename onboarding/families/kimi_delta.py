@@ -13,11 +13,16 @@ from typing import Any
 
 import torch
 
+import dataclasses
+
 from onboarding.families.gated_delta import (DEFAULT_CONFIG, PARAMS, SHAPE_BUCKETS, TUNING_SPACE,
                                            block_params, delta_rule_samples)
 from onboarding.templating import FamilySpec
 
 NAME = "kimi_delta"
+# GDN's buckets without their prepare K tile: it was timed for GDN's scalar-decay Gram only
+KDA_BUCKETS = tuple(dataclasses.replace(b, config={k: v for k, v in b.config.items() if k != "prep_bk"})
+                    for b in SHAPE_BUCKETS)
 
 
 def match(block: Any) -> dict[str, Any] | None:
@@ -40,7 +45,7 @@ FAMILY = FamilySpec(
     params=PARAMS,
     tuning_space=TUNING_SPACE,
     default_config=DEFAULT_CONFIG,
-    shape_buckets=SHAPE_BUCKETS,
+    shape_buckets=KDA_BUCKETS,
     match=match,
     sample_inputs=sample_inputs,
 )
