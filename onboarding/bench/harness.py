@@ -5,6 +5,12 @@ Every family registers `BenchCase`s (real model shapes, the baselines to compare
 ``compile`` or ``liger`` — each running one full step (forward, or forward + backward) on the
 *i*-th of several input sets, so that repeats rotate past the L2 cache. Rows carry the GPU name,
 versions, commit and date, and ratios against the anchors measured in the same run.
+
+Ratios come from interleaved rounds: after every step of a case has been timed (and compiled),
+ours and its anchors are timed again in turn, RATIO_ROUNDS times, and each ratio is the median
+of the per-round ratios. Timed one after the other, the same config measured 3.38 and 3.01 ms
+in one H200 run (docs/LOG.md, fifth session): a drift that a sequential ratio takes for a speed
+difference.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class Row:
     tflops: float | None = None
     roofline_frac: float | None = None
     ratios: dict[str, float] = field(default_factory=dict)  # anchor time / our time
+    # medians of the interleaved rounds the ratios come from (ours and its anchors)
+    rounds_ms: list[float] = field(default_factory=list)
     check: dict[str, float] = field(default_factory=dict)
     # GPU time as a CUDA graph (no launch overhead), for steps under GRAPH_MAX_MS; None when
     # the step cannot be captured
@@ -63,6 +71,7 @@ class Row:
 
 
 GRAPH_MAX_MS = 5.0  # above this, launch overhead is noise: skip the graph replay
+RATIO_ROUNDS, ROUND_BUDGET_S = 3, 0.5  # interleaved rounds of ours and its anchors, per step
 PROFILE_STEPS, PROFILE_TOP = 5, 12
 
 
@@ -130,6 +139,30 @@ def time_fn(step: Step, *, warmup: int = 5, repeats: int = 50, n_sets: int = 4,
         times.append(start.elapsed_time(end))
     q = statistics.quantiles(times, n=10)
     return Timing(median_ms=statistics.median(times), p20_ms=q[1], p80_ms=q[7], repeats=repeats)
+
+
+def interleaved_rounds(steps: dict[str, Step], rounds: int,
+                       timer: Callable[[Step], float]) -> dict[str, list[float]]:
+    """`timer(step)` (ms) of every step, round by round, each round in a rotated order: a slow
+    drift of the GPU's state (clocks, temperature, memory) falls on all steps alike."""
+    names = list(steps)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names) if names else 0
+        for n in names[k:] + names[:k]:
+            out[n].append(timer(steps[n]))
+    return out
+
+
+def paired_ratios(rounds: dict[str, list[float]], ours: str) -> dict[str, float]:
+    """Per anchor, the median over rounds of (anchor time / our time) in the same round."""
+    base = rounds[ours]
+    return {n: statistics.median(a / b for a, b in zip(ts, base))
+            for n, ts in rounds.items() if n != ours}
+
+
+def _round_timer(step: Step) -> float:
+    return time_fn(step, warmup=2, repeats=20, budget_s=ROUND_BUDGET_S).median_ms
 
 
 def graph_time(step: Step, *, repeats: int = 50) -> Timing:
@@ -235,12 +268,26 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
             ours = next((r for r in case_rows if r.impl == "ours" + suffix and r.timing), None)
             if ours is None:
                 continue
-            for r in case_rows:
-                if r.timing and r is not ours and not r.impl.startswith("ours") and \
-                        r.impl.endswith("_fwd") == bool(suffix):
-                    ours.ratios[r.impl] = r.timing.median_ms / ours.timing.median_ms
-                    if r.graph_ms and ours.graph_ms:
-                        ours.graph_ratios[r.impl] = r.graph_ms / ours.graph_ms
+            anchors = [r for r in case_rows if r.timing and r is not ours and
+                       not r.impl.startswith("ours") and r.impl.endswith("_fwd") == bool(suffix)]
+            for r in anchors:
+                ours.ratios[r.impl] = r.timing.median_ms / ours.timing.median_ms
+                if r.graph_ms and ours.graph_ms:
+                    ours.graph_ratios[r.impl] = r.graph_ms / ours.graph_ms
+            if not anchors:
+                continue
+            group = [ours, *anchors]
+            try:  # the ratios above stand when a re-timing fails
+                rounds = interleaved_rounds({r.impl: steps[r.impl] for r in group}, RATIO_ROUNDS,
+                                            _round_timer)
+            except Exception as exc:  # noqa: BLE001
+                log(f"  interleaved rounds failed ({type(exc).__name__}: {str(exc)[:80]}): "
+                    "sequential ratios")
+                torch.cuda.synchronize()
+                continue
+            for r in group:
+                r.rounds_ms = rounds[r.impl]
+            ours.ratios.update(paired_ratios(rounds, ours.impl))
         rows.extend(case_rows)
         torch.cuda.empty_cache()
         log(f"{case.family}/{case.name}: {time.perf_counter() - t0:.1f}s")
@@ -253,7 +300,7 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"{'case':38s} {'impl':8s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} {'graph':>7s} "
-             f"{'%copy':>6s}  ratios (anchor/ours; graph)"]
+             f"{'%copy':>6s}  ratios (anchor/ours: interleaved rounds; graph)"]
     for r in result["rows"]:
         t = r["timing"]
         ms = f"{t['median_ms']:.3f}" if t else "-"

@@ -1,0 +1,49 @@
+"""Benchmark ratios from interleaved rounds (`onboarding.bench.harness`), with a fake timer
+whose GPU drifts: no GPU needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from onboarding.bench.harness import interleaved_rounds, paired_ratios
+
+
+class DriftingTimer:
+    """Times `cost` ms steps on a device that gets `drift` slower with every timing."""
+
+    def __init__(self, drift: float):
+        self.factor, self.drift, self.order = 1.0, drift, []
+
+    def __call__(self, step) -> float:
+        self.order.append(step.name)
+        t = step.cost * self.factor
+        self.factor *= 1 + self.drift
+        return t
+
+
+class FakeStep:
+    def __init__(self, name: str, cost: float):
+        self.name, self.cost = name, cost
+
+    def __call__(self, i: int):
+        raise AssertionError("the timer runs the step, not the test")
+
+
+def test_paired_ratios_survive_a_drift_that_sequential_timing_takes_for_speed():
+    steps = {"ours": FakeStep("ours", 1.0), "anchor": FakeStep("anchor", 1.2)}  # truly 1.2x
+    drift = 0.04
+    seq = DriftingTimer(drift)  # sequential: all of ours, then all of the anchor
+    ours_t = sorted(seq(steps["ours"]) for _ in range(3))[1]
+    anchor_t = sorted(seq(steps["anchor"]) for _ in range(3))[1]
+    assert anchor_t / ours_t == pytest.approx(1.2 * 1.04 ** 3)  # 12% too high
+    timer = DriftingTimer(drift)
+    rounds = interleaved_rounds(steps, 3, timer)
+    assert timer.order == ["ours", "anchor", "anchor", "ours", "ours", "anchor"]  # rotated
+    assert {n: len(t) for n, t in rounds.items()} == {"ours": 3, "anchor": 3}
+    ratio = paired_ratios(rounds, "ours")["anchor"]
+    assert abs(ratio - 1.2) <= 1.2 * drift + 1e-9  # at most one timing's drift off
+
+
+def test_paired_ratios_take_the_median_round():
+    rounds = {"ours": [1.0, 1.0, 1.0], "a": [2.0, 1.5, 9.0], "b": [0.5, 0.5, 0.5]}
+    assert paired_ratios(rounds, "ours") == {"a": 2.0, "b": 0.5}  # one outlier round ignored
