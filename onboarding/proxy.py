@@ -12,6 +12,7 @@ shrink. The rules act on the Hugging Face config *field conventions* (``hidden_s
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,8 +78,51 @@ def _retie(c: Any, before: dict[str, Any]) -> None:
                 setattr(c, b, v)
 
 
+# State-space (Mamba-2 style) mixers split an inner width into heads: heads x head dim equals
+# d_ssm, or expand x hidden_size where no d_ssm field exists. (heads, head dim) field pairs:
+_SSM_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"),
+              ("num_heads", "head_dim"))
+_SSM_GROUPS = ("mamba_n_groups", "n_groups")
+
+
+def _ssm_inner(c: Any) -> int | None:
+    d_ssm = getattr(c, "mamba_d_ssm", None)
+    if isinstance(d_ssm, int) and d_ssm > 0:
+        return d_ssm
+    expand = next((getattr(c, n) for n in ("mamba_expand", "expand")
+                   if isinstance(getattr(c, n, None), int)), None)
+    hidden = getattr(c, "hidden_size", None)
+    return expand * hidden if isinstance(expand, int) and isinstance(hidden, int) else None
+
+
+def _retie_ssm_heads(c: Any, before: dict[str, Any], s: ProxySize) -> None:
+    """Keep heads x head dim == the SSM inner width where the full config has it so: the
+    proxy's inner width follows the shrunk hidden size (d_ssm at most expand x hidden), the head
+    dim is capped, the heads fill the rest, and the group count divides the heads."""
+    inner_before = before.get("_ssm_inner")
+    for heads_name, dim_name in _SSM_HEADS:
+        heads, dim = before.get(heads_name), before.get(dim_name)
+        if not (isinstance(heads, int) and isinstance(dim, int) and inner_before == heads * dim):
+            continue
+        if isinstance(getattr(c, "mamba_d_ssm", None), int):
+            expand = next((getattr(c, n) for n in ("mamba_expand", "expand")
+                           if isinstance(getattr(c, n, None), int)), 1)
+            c.mamba_d_ssm = min(c.mamba_d_ssm, expand * c.hidden_size)
+        inner = _ssm_inner(c)
+        new_dim = min(dim, s.head_dim_cap, inner)
+        new_heads = max(1, inner // new_dim)
+        setattr(c, heads_name, new_heads)
+        setattr(c, dim_name, inner // new_heads)
+        for g in _SSM_GROUPS:
+            groups = getattr(c, g, None)
+            if isinstance(groups, int) and groups > 0:
+                setattr(c, g, math.gcd(groups, new_heads))
+        return
+
+
 def _shrink_widths(c: Any, s: ProxySize) -> None:
-    before = {n: getattr(c, n, None) for n in _TIED_DIMS}
+    before = {n: getattr(c, n, None) for n in _TIED_DIMS + tuple(n for p in _SSM_HEADS for n in p)}
+    before["_ssm_inner"] = _ssm_inner(c)
     heads = getattr(c, "num_attention_heads", None)
     kv = getattr(c, "num_key_value_heads", None)
     had_head_dim = isinstance(getattr(c, "head_dim", None), int)
@@ -119,6 +163,7 @@ def _shrink_widths(c: Any, s: ProxySize) -> None:
     for name in ("mamba_n_heads", "mamba_num_heads"):
         _set(c, name, lambda v: min(v, s.heads * 2))
     _retie(c, before)
+    _retie_ssm_heads(c, before, s)
     if isinstance(getattr(c, "qk_head_dim", None), int) and isinstance(
             getattr(c, "qk_nope_head_dim", None), int):
         c.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim

@@ -82,3 +82,25 @@ def test_shipped_weights_are_loaded_into_the_parsed_model(monkeypatch):
     parse.parse_stage(info, seq=16)
     shipped = load_file(str(info.loaded.weights[0]))
     assert shipped and all(torch.equal(seen["state"][k], v) for k, v in shipped.items())
+
+
+@pytest.mark.parametrize("ref, heads, dim", [
+    ("hf:mamba2", "num_heads", "head_dim"),
+    ("hf:bamba", "mamba_n_heads", "mamba_d_head"),
+    ("hf:falcon_h1", "mamba_n_heads", "mamba_d_head"),  # inner width from mamba_d_ssm
+    ("hf:granitemoehybrid", "mamba_n_heads", "mamba_d_head"),
+])
+def test_ssm_proxy_keeps_heads_times_head_dim_equal_to_the_inner_width(ref, heads, dim):
+    """Mamba-2 style mixers reshape their inner width into heads: a proxy that shrank the
+    hidden size and the heads apart failed in its first forward (a reshape error)."""
+    from onboarding.proxy import _ssm_inner
+
+    info = load_stage(load_model(ref), "tiny")
+    c = text_config(info.proxy_config)
+    assert getattr(c, heads) * getattr(c, dim) == _ssm_inner(c)
+    groups = next(getattr(c, g) for g in ("mamba_n_groups", "n_groups") if hasattr(c, g))
+    assert getattr(c, heads) % groups == 0
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=0)
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, c.vocab_size, (1, 16)), use_cache=False)
+    assert torch.isfinite(out.logits).all()
