@@ -123,6 +123,9 @@ def _fast_paths(b: Block) -> list[tuple[str, str]]:
         out.append(("attention core", "fused SDPA (flash) with a causal mask"))
     if b.kind == "rope":
         out.append(("cos/sin table", "computed once per step; negligible"))
+    if ops.get("layer_norm") or ops.get("native_layer_norm"):
+        # unlike the RMSNorms the models write out in torch ops, F.layer_norm is one fused kernel
+        out.append(("layer norm", "one fused torch kernel (native_layer_norm)"))
     return out
 
 

@@ -36,6 +36,14 @@ def test_coverage_statuses(parse_model):
     assert norm.params["unit_offset"] is True and norm.shapes[0][-1] == 128
 
 
+def test_layer_norm_is_a_fused_torch_path(parse_model):
+    """The indexer's LayerNorm (one fused F.layer_norm) is served by torch, not uncovered."""
+    cov = build_coverage(parse_model("hf:deepseek_v32"))
+    norms = [e for e in cov.entries if e.kind == "norm.layer"]
+    assert norms and {e.status for e in norms} == {"torch_fast"}
+    assert "native_layer_norm" in norms[0].reason
+
+
 @pytest.mark.parametrize("ref,kinds", [
     ("hf:qwen3_next", {"norm.rms", "norm.rms_gated", "conv.causal1d", "moe.shared_expert",
                        "moe.experts", "moe.router", "linear_attention.gated_delta"}),
