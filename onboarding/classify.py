@@ -148,6 +148,30 @@ def _clamp(recs: list[OpRecord]) -> float | None:
     return None
 
 
+def _clamp_style(recs: list[OpRecord]) -> dict[str, Any]:
+    """How a gated MLP's clamp sits, read off the op order (empty without a clamp): "pre_act"
+    when a clamp runs before the activation (gpt-oss, DeepSeek-V4: gate clamped from above, up
+    on both sides), else "post_act"; `alpha`, the scalar that scales the gate inside a sigmoid
+    GLU g * sigmoid(alpha g) (1 for SiLU); `up_offset`, a scalar added after the clamps (gpt-oss's
+    up + 1). A guess from structure: patching checks the kernel against the block's own output
+    on its first call and leaves the block unpatched when they differ."""
+    clamps = [r.index for r in recs if r.op in ("clamp", "clamp_max", "clamp_min")]
+    acts = [r for r in recs if r.op in ACTIVATIONS]
+    if not clamps or not acts:
+        return {}
+    act = acts[0]
+    style: dict[str, Any] = {"clamp_style": "pre_act" if clamps[0] < act.index else "post_act"}
+    if ACTIVATIONS[act.op] == "sigmoid":
+        scales = [v for r in recs if r.op == "mul" and r.index < act.index
+                  for v in (r.scalars or []) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        style["alpha"] = float(scales[-1]) if scales else 1.0
+    offsets = [v for r in recs if r.op == "add" and r.index > clamps[-1]
+               for v in (r.scalars or []) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if offsets:
+        style["up_offset"] = float(offsets[0])
+    return style
+
+
 class Classifier:
     def __init__(self, cap: Capture, ctx: Context):
         self.cap, self.ctx = cap, ctx
@@ -210,7 +234,7 @@ class Classifier:
             return "moe.experts", [f"{len(self._3d_params(path))} parameters stacked over "
                                    f"{e} experts", "matmuls over expert-sorted tokens"], {
                 "n_experts": e, "layout": "packed_3d",
-                "activation": _activation(recs), "clamp": _clamp(recs),
+                "activation": _activation(recs), "clamp": _clamp(recs), **_clamp_style(recs),
                 "grouped_mm": any("grouped_mm" in op for op in ops)}
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         if len(mm) >= 2 and weight_only and (act := _activation(recs)) and not attn \
@@ -218,7 +242,7 @@ class Classifier:
             gated = ops["mul"] > 0  # act(gate) * up
             return "mlp.dense", [f"{len(mm)} projections with {act}" +
                                  (" gating (act(gate) * up)" if gated else "")], {
-                "activation": act, "gated": gated, "clamp": _clamp(recs),
+                "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
                 "hidden": _linear_dims(mm[0], ctx)[0] if _linear_dims(mm[0], ctx) else None,
                 "intermediate": _linear_dims(mm[0], ctx)[1] if _linear_dims(mm[0], ctx)
                 else None}
@@ -442,7 +466,9 @@ class Classifier:
                 outputs=first.outputs, params=params,
                 attrs={"n_experts": n, "layout": "module_list",
                        "activation": first.attrs.get("activation"),
-                       "clamp": first.attrs.get("clamp"), "grouped_mm": False},
+                       "clamp": first.attrs.get("clamp"), "grouped_mm": False,
+                       **{k: first.attrs[k] for k in ("clamp_style", "alpha", "up_offset")
+                          if k in first.attrs}},
                 flops=flops, bytes=nbytes)
 
     def _leftovers(self) -> None:

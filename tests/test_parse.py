@@ -148,3 +148,18 @@ def test_opgraph_json_roundtrip(parse_model, tmp_path):
 def test_architectures_beyond_the_dev_set(parse_model, ref, kinds):
     k = kinds_of(parse_model(ref))
     assert kinds <= k and "unknown" not in k
+
+
+@pytest.mark.parametrize("ref,style", [
+    # gate clamped from above, up on both sides, then g * sigmoid(1.702 g) * (up + 1)
+    ("hf:gpt_oss", {"clamp": 7.0, "clamp_style": "pre_act", "alpha": 1.702, "up_offset": 1.0}),
+    # the same clamps before a plain SiLU
+    ("hf:deepseek_v4", {"clamp": 10.0, "clamp_style": "pre_act"}),
+])
+def test_clamped_experts_carry_their_clamp_style(parse_model, ref, style):
+    """The clamp's place and the GLU's scalars, read off the op order, so that a clamped
+    SwiGLU can be matched (and patching then checks it against the block's own output)."""
+    pytest.importorskip(f"transformers.models.{ref[3:]}")
+    experts = parse_model(ref).by_kind("moe.experts")[0]
+    assert {k: experts.attrs.get(k) for k in style} == style
+    assert "up_offset" in style or "up_offset" not in experts.attrs

@@ -297,6 +297,23 @@ def test_router_and_experts_patched_match_unpatched(parse_model, ref, tmp_path):
         assert torch.equal(model(*inputs, **kwargs).logits, expected)  # reversible
 
 
+def test_clamped_experts_patched_match_unpatched(parse_model, tmp_path):
+    """DeepSeek-V4's experts clamp gate and up before a SiLU: matched from the clamp style the
+    classifier reads off the op order, patched, and equal to the unpatched model."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    g, cov, cands, model, inputs, kwargs = _prepare(parse_model, "hf:deepseek_v4", tmp_path,
+                                                    families={"moe_experts"})
+    assert all(c.params.get("limit") == 10.0 for c in cands)
+    with torch.no_grad():
+        expected = model(*inputs, **kwargs).logits
+    with patch_model(model, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches:
+        with torch.no_grad():
+            got = model(*inputs, **kwargs).logits
+        assert patches.records and all(r.status == "active" for r in patches.records), \
+            [(r.path, r.detail) for r in patches.records]
+    assert ((got - expected).norm() / expected.norm()) < 1e-5
+
+
 class _Router(torch.nn.Module):
     """A router that is no transformers class: sigmoid scores, a score bias buffer, renormalised
     top-k, and a configurable output structure."""
