@@ -3,7 +3,8 @@ original's output structure by calibration.
 
 The binding finds the gate weight by its shape ([n_experts, hidden], the only such 2-D
 parameter of the block) and, when the kernel was rendered with a score-correction bias, the one
-1-D parameter or buffer of length n_experts. Scoring, top-k, groups, renormalisation and scaling
+1-D parameter or buffer of length n_experts, or else the one such tensor among the call's
+arguments (a bias the parent block owns and passes in). Scoring, top-k, groups, renormalisation and scaling
 are rendered into the kernel from the block's attrs; the binding only checks that the kernel's
 top-k is the block's. Two bindings differ in the dtype of the logits: the input's dtype (Qwen3,
 Mixtral) or fp32 (DeepSeek-V3 and Kimi compute the router in fp32 whatever the model dtype).
@@ -48,22 +49,30 @@ def router_bindings(block: Block, module: nn.Module, fn: Callable, kmod: ModuleT
     top_k = getattr(kmod, "TOP_K", None)
     if block.attrs.get("top_k") not in (None, top_k):
         return {}
-    bias = None
+    bias, bias_arg = None, False
     if getattr(kmod, "PARAMS", {}).get("score_bias"):
         vecs = [t for t in (*params.values(), *module.buffers(recurse=False))
                 if t.ndim == 1 and t.shape[0] == E and t.is_floating_point()]
-        if len(vecs) != 1:
+        if len(vecs) > 1:
             return {}
-        bias = vecs[0]
+        # none of its own: the owner passes it in (MiniMax-M2's gate(x, e_score_correction_bias))
+        bias, bias_arg = (vecs[0], False) if vecs else (None, True)
 
     def bind(fp32: bool) -> Callable:
         def call(*args, **kwargs):
-            xs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
-                  and t.is_floating_point() and t.shape[-1] == weight.shape[1]]
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+                       and t.is_floating_point()]
+            xs = [t for t in tensors if t.dim() >= 2 and t.shape[-1] == weight.shape[1]]
             if len(xs) != 1:
                 raise ValueError(f"expected one input of width {weight.shape[1]}, got {len(xs)}")
+            b = bias
+            if bias_arg:
+                vecs = [t for t in tensors if t.dim() == 1 and t.shape[0] == E]
+                if len(vecs) != 1:
+                    raise ValueError(f"expected one score-bias argument of length {E}, got {len(vecs)}")
+                b = vecs[0]
             x, w = (xs[0].float(), weight.float()) if fp32 else (xs[0], weight)
-            return fn(x, w, bias)
+            return fn(x, w, b)
         return call
 
     return {"x, gate weight (logits in the input dtype)": bind(False),

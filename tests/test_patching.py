@@ -402,6 +402,41 @@ def test_router_output_structure_by_calibration(router_kernel, structure, active
     assert x.grad is not None and x.grad.abs().sum() > 0 and root.router.gate_proj.grad.abs().sum() > 0
 
 
+class _BiasArgRouter(torch.nn.Module):
+    """A gate whose score-correction bias belongs to its parent and comes in as an argument
+    (MiniMax-M2's gate(x, e_score_correction_bias))."""
+
+    def __init__(self, gen: torch.Generator, e: int = 8, d: int = 16, k: int = 3):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(e, d, generator=gen) / d ** 0.5)
+        self.k = k
+
+    def forward(self, x, correction):
+        logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        s = logits.sigmoid()
+        idx = torch.topk(s + correction, self.k, dim=-1)[1]
+        w = s.gather(1, idx)
+        return logits, w / w.sum(-1, keepdim=True), idx
+
+
+def test_router_takes_a_score_bias_passed_in(router_kernel):
+    attrs, kmod = router_kernel
+    gen = torch.Generator().manual_seed(1)
+    root = torch.nn.Module()
+    root.router = _BiasArgRouter(gen)
+    x = torch.randn(2, 37, 16, generator=gen)
+    correction = 0.05 * torch.randn(8, generator=gen)
+    expected = root.router(x, correction)
+    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
+        root.router(x, correction)
+        assert patches.records[0].status == "active", patches.records[0].detail
+        got = root.router(x, correction)  # the kernel alone, the bias read from the argument
+        shifted = root.router(x, correction + torch.linspace(0.0, 50.0, 8))  # bias decides top-k
+    torch.testing.assert_close(got[0], expected[0])
+    assert torch.equal(got[2].sort(-1).values, expected[2].sort(-1).values)
+    assert torch.equal(shifted[2].sort(-1).values, torch.tensor([5, 6, 7]).expand(74, 3))
+
+
 def test_router_structure_mismatch_is_rejected(router_kernel):
     """No gate weight of shape [n_experts, hidden]: nothing to bind, reported, block untouched."""
     attrs, kmod = router_kernel
