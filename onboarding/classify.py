@@ -332,6 +332,8 @@ class Classifier:
         k = exp_topk[-1][1]
         scoring = "sigmoid" if ops["sigmoid"] else ("softmax" if any(
             op in ops for op in SOFTMAX) else "other")
+        if scoring == "other" and ops["softplus"] and ops["sqrt"]:
+            scoring = "sqrtsoftplus"  # DeepSeek-V4
         ev = [f"linear to {n_experts} expert logits", f"{scoring} scoring",
               f"topk k={k} over {n_experts} experts"]
         grouped = any(t[2] != n_experts and t[2] > 1 for t in exp_topk)

@@ -1,8 +1,9 @@
 """MoE router family: scores, (group-limited) top-k, score-correction bias, renorm, scaling.
 
-Variants by scoring: `softmax` (Qwen3-MoE, Mixtral: softmax over all experts, then top-k) and
+Variants by scoring: `softmax` (Qwen3-MoE, Mixtral: softmax over all experts, then top-k),
 `sigmoid` (DeepSeek-V3: sigmoid scores, a bias added for selection only, group-limited top-k,
-renormalised, times a routed scaling factor). The kernel takes router logits [N, E]; the linear
+renormalised, times a routed scaling factor) and `sqrtsoftplus` (DeepSeek-V4: sqrt(softplus)
+scores, otherwise as `sigmoid`). The kernel takes router logits [N, E]; the linear
 producing them stays in PyTorch so autograd gives the router weight's gradient. It also emits the
 per-expert token counts that dispatch and balancing statistics need.
 """
@@ -26,7 +27,7 @@ def _check(variant: str, params: dict[str, Any]) -> None:
 
 
 def match(block: Any) -> dict[str, Any] | None:
-    """`moe.router` blocks with softmax or sigmoid scoring, else None.
+    """`moe.router` blocks with softmax, sigmoid or sqrt(softplus) scoring, else None.
 
     Group-limited routing needs `n_group` and `topk_group` in attrs, and a DeepSeek-style router
     (group-limited or with a score bias) needs `routed_scaling_factor`: these are numbers of the
@@ -36,7 +37,7 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
     attrs = block.attrs
     variant = attrs.get("scoring")
-    if variant not in ("softmax", "sigmoid") or not attrs.get("top_k"):
+    if variant not in FAMILY.variants or not attrs.get("top_k"):
         return None
     params: dict[str, Any] = {"top_k": int(attrs["top_k"]), "score_bias": bool(attrs.get("score_bias")),
                               "renormalize": bool(attrs.get("renormalize"))}
@@ -66,10 +67,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_router.py.j2",
-    template_version=1,
+    template_version=2,
     variants={
         "softmax": "softmax over all experts, then top-k (Qwen3-MoE, Mixtral)",
         "sigmoid": "sigmoid scores, top-k (DeepSeek-V3 with bias, groups, renorm, scaling)",
+        "sqrtsoftplus": "sqrt(softplus) scores, top-k (DeepSeek-V4 with bias, renorm, scaling)",
     },
     params=(
         Param(name="top_k", type=int, default=2, min=1, max=64, doc="experts per token"),

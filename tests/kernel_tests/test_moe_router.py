@@ -1,4 +1,4 @@
-"""MoE router family (softmax / sigmoid, group-limited, bias, renorm, scaling): outputs, counts,
+"""MoE router family (softmax / sigmoid / sqrt-softplus, group-limited, bias, renorm, scaling): outputs, counts,
 gradients to x and the router weight, transformers parity, opcheck, AOT, matching real blocks."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ CASES = [  # (variant, params, n_experts)
     ("softmax", {"top_k": 2, "renormalize": True}, 8),  # Mixtral
     ("sigmoid", DEEPSEEK, 8),                           # DeepSeek-V3
     ("sigmoid", {"top_k": 2, "routed_scaling_factor": 1.5}, 5),
+    ("sqrtsoftplus", {"top_k": 3, "score_bias": True, "renormalize": True,  # DeepSeek-V4
+                      "routed_scaling_factor": 1.5}, 8),
 ]
 CASE_PARAMS = [pytest.param(v, p, e, id=f"{case_id(v, p)}-E{e}") for v, p, e in CASES]
 CPU_CONFIG = {"BLOCK_N": 64, "num_warps": 4}
@@ -117,6 +119,29 @@ def test_matches_transformers_routers(load, device):
     torch.testing.assert_close(tw, q_tw)
 
 
+def test_matches_the_deepseek_v4_router(load, device):
+    """sqrt(softplus) scores, a selection-only bias, renormalised and scaled: as transformers'
+    DeepseekV4TopKRouter, with large logits of both signs (softplus's two regimes)."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from transformers import DeepseekV4Config
+
+    params = CASES[-1][1]
+    cfg = DeepseekV4Config(hidden_size=24, num_local_experts=8, num_experts_per_tok=3,
+                           routed_scaling_factor=1.5, scoring_func="sqrtsoftplus")
+    hf = modeling.DeepseekV4TopKRouter(cfg).to(device)
+    x, w, b = inputs(params, 8, device=device)
+    with torch.no_grad():
+        w.mul_(torch.linspace(-8.0, 8.0, 8, device=device)[:, None])
+        hf.weight.copy_(w)
+        hf.e_score_correction_bias.copy_(b)
+    logits, tw, ti, _ = load("sqrtsoftplus", params).entry(x, w, b)
+    h_logits, h_tw, h_ti = hf(x)
+    order = h_ti.sort(1).indices  # transformers uses topk(sorted=False)
+    torch.testing.assert_close(logits, h_logits)
+    torch.testing.assert_close(ti.sort(1).values, h_ti.gather(1, order))
+    torch.testing.assert_close(tw.gather(1, ti.sort(1).indices), h_tw.gather(1, order))
+
+
 @pytest.mark.parametrize("variant,params,n_experts", CASE_PARAMS)
 def test_opcheck_and_contract(load, device, variant, params, n_experts):
     module = load(variant, params)
@@ -167,3 +192,16 @@ def test_match_parsed_blocks(parse_model):
     assert moe_router.match(dataclasses.replace(ds, attrs=bare)) is None
     dense = [b for b in parse_model("hf:qwen3_moe").blocks if b.kind == "moe.experts"][0]
     assert moe_router.match(dense) is None
+
+
+def test_match_sqrt_softplus_router(parse_model):
+    """DeepSeek-V4's learned router (softplus then sqrt among its ops) takes the sqrtsoftplus
+    variant; its hash routers (a token-id lookup, no top-k) are no router block."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    blocks = _routers(parse_model("hf:deepseek_v4"))
+    learned = [b for b in blocks if b.attrs.get("scoring") == "sqrtsoftplus"]
+    assert learned
+    m = moe_router.match(learned[0])
+    assert m["variant"] == "sqrtsoftplus"
+    assert m["params"]["score_bias"] and m["params"]["renormalize"]
+    assert m["params"]["routed_scaling_factor"] == 1.5
