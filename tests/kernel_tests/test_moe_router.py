@@ -89,6 +89,17 @@ def test_bias_selects_only(load, device):
     check(module, x, w, b)
 
 
+def assert_same_routing(ours, theirs) -> None:
+    """Our (logits, weights, indices, counts) vs a transformers router's (logits, weights,
+    indices), whose top-k is unsorted: the same experts per token with the same weights."""
+    logits, tw, ti, _ = ours
+    h_logits, h_tw, h_ti = theirs
+    order = h_ti.sort(1).indices
+    torch.testing.assert_close(logits, h_logits)
+    torch.testing.assert_close(ti.sort(1).values, h_ti.gather(1, order))
+    torch.testing.assert_close(tw.gather(1, ti.sort(1).indices), h_tw.gather(1, order))
+
+
 def test_matches_transformers_routers(load, device):
     from transformers import DeepseekV3Config, Qwen3MoeConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -101,12 +112,7 @@ def test_matches_transformers_routers(load, device):
     with torch.no_grad():
         hf.weight.copy_(w)
         hf.e_score_correction_bias.copy_(b)
-    logits, tw, ti, _ = load("sigmoid", DEEPSEEK).entry(x, w, b)
-    h_logits, h_tw, h_ti = hf(x)
-    order = h_ti.sort(1).indices  # transformers uses topk(sorted=False)
-    torch.testing.assert_close(logits, h_logits)
-    torch.testing.assert_close(ti.sort(1).values, h_ti.gather(1, order))
-    torch.testing.assert_close(tw.gather(1, ti.sort(1).indices), h_tw.gather(1, order))
+    assert_same_routing(load("sigmoid", DEEPSEEK).entry(x, w, b), hf(x))
 
     hq = Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=24, num_experts=5, num_experts_per_tok=2,
                                            norm_topk_prob=False)).to(device)
@@ -134,12 +140,7 @@ def test_matches_the_deepseek_v4_router(load, device):
         w.mul_(torch.linspace(-8.0, 8.0, 8, device=device)[:, None])
         hf.weight.copy_(w)
         hf.e_score_correction_bias.copy_(b)
-    logits, tw, ti, _ = load("sqrtsoftplus", params).entry(x, w, b)
-    h_logits, h_tw, h_ti = hf(x)
-    order = h_ti.sort(1).indices  # transformers uses topk(sorted=False)
-    torch.testing.assert_close(logits, h_logits)
-    torch.testing.assert_close(ti.sort(1).values, h_ti.gather(1, order))
-    torch.testing.assert_close(tw.gather(1, ti.sort(1).indices), h_tw.gather(1, order))
+    assert_same_routing(load("sqrtsoftplus", params).entry(x, w, b), hf(x))
 
 
 @pytest.mark.parametrize("variant,params,n_experts", CASE_PARAMS)
