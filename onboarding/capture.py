@@ -240,6 +240,13 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool =
         eager.note = (f"torch.export failed ({type(exc).__name__}: "
                       f"{lines[0][:200] if lines else ''}); used the dispatch-mode recording")
         return eager
+    try:
+        records = records_from_export(ep)
+    except Exception as exc:  # e.g. a data-dependent (unbacked) size no shape can be read from
+        lines = str(exc).strip().splitlines()
+        eager.note = (f"torch.export's graph could not be read ({type(exc).__name__}: "
+                      f"{lines[0][:200] if lines else ''}); used the dispatch-mode recording")
+        return eager
     return Capture(method="export", note="torch.export.export(strict=False) succeeded",
-                   records=records_from_export(ep), module_io=eager.module_io,
+                   records=records, module_io=eager.module_io,
                    module_types=eager.module_types, exported=ep)

@@ -138,6 +138,12 @@ def test_opgraph_json_roundtrip(parse_model, tmp_path):
     assert [b.kind for b in back.blocks] == [b.kind for b in g.blocks]
 
 
+def test_unreadable_export_graph_falls_back_to_the_dispatch_recording(parse_model):
+    g = parse_model("tests/fixtures/user_models.py:UnbackedSizeLM")
+    assert g.capture == "dispatch" and "graph could not be read" in g.capture_note
+    assert {"embedding", "lm_head"} <= kinds_of(g)
+
+
 @pytest.mark.parametrize("ref,kinds", [
     # attention with a sink column, alternating sliding/full layers, clamped experts
     ("hf:gpt_oss", {"attention.sliding", "attention.full", "moe.router", "moe.experts"}),
