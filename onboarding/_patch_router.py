@@ -3,8 +3,8 @@ original's output structure by calibration.
 
 The binding finds the gate weight by its shape ([n_experts, hidden], the only such 2-D
 parameter of the block) and, when the kernel was rendered with a score-correction bias, the one
-1-D parameter or buffer of length n_experts, or else the one such tensor among the call's
-arguments (a bias the parent block owns and passes in). Scoring, top-k, groups, renormalisation and scaling
+parameter or buffer of n_experts values (the block's or a submodule's, [E] or [1, E]), or else
+the one 1-D such tensor among the call's arguments (a bias the parent block owns and passes in). Scoring, top-k, groups, renormalisation and scaling
 are rendered into the kernel from the block's attrs; the binding only checks that the kernel's
 top-k is the block's. Two bindings differ in the dtype of the logits: the input's dtype (Qwen3,
 Mixtral) or fp32 (DeepSeek-V3 and Kimi compute the router in fp32 whatever the model dtype).
@@ -51,12 +51,13 @@ def router_bindings(block: Block, module: nn.Module, fn: Callable, kmod: ModuleT
         return {}
     bias, bias_arg = None, False
     if getattr(kmod, "PARAMS", {}).get("score_bias"):
-        vecs = [t for t in (*params.values(), *module.buffers(recurse=False))
-                if t.ndim == 1 and t.shape[0] == E and t.is_floating_point()]
+        # its own or a submodule's (Ernie 4.5's moe_statics holds a [1, E] one)
+        vecs = [t for t in (*module.parameters(), *module.buffers())
+                if t.numel() == E and t.squeeze().dim() == 1 and t.is_floating_point()]
         if len(vecs) > 1:
             return {}
-        # none of its own: the owner passes it in (MiniMax-M2's gate(x, e_score_correction_bias))
-        bias, bias_arg = (vecs[0], False) if vecs else (None, True)
+        # none at all: the owner passes it in (MiniMax-M2's gate(x, e_score_correction_bias))
+        bias, bias_arg = (vecs[0].reshape(E), False) if vecs else (None, True)
 
     def bind(fp32: bool) -> Callable:
         def call(*args, **kwargs):

@@ -437,6 +437,40 @@ def test_router_takes_a_score_bias_passed_in(router_kernel):
     assert torch.equal(shifted[2].sort(-1).values, torch.tensor([5, 6, 7]).expand(74, 3))
 
 
+class _Statics(torch.nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.correction = torch.nn.Parameter(bias[None, :], requires_grad=False)  # [1, E]
+
+
+class _SubmoduleBiasRouter(_BiasArgRouter):
+    """The bias held by a submodule as [1, E] (Ernie 4.5's moe_statics)."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__(gen)
+        self.statics = _Statics(0.05 * torch.randn(8, generator=gen))
+
+    def forward(self, x):
+        return super().forward(x, self.statics.correction.squeeze(0))
+
+
+def test_router_finds_a_score_bias_in_a_submodule(router_kernel):
+    attrs, kmod = router_kernel
+    gen = torch.Generator().manual_seed(2)
+    root = torch.nn.Module()
+    root.router = _SubmoduleBiasRouter(gen)
+    x = torch.randn(2, 37, 16, generator=gen)
+    expected = root.router(x)
+    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
+        root.router(x)
+        assert patches.records[0].status == "active", patches.records[0].detail
+        with torch.no_grad():
+            root.router.statics.correction[0, :3] += 50.0  # the kernel reads the live bias
+        got = root.router(x)
+    assert torch.equal(got[2].sort(-1).values, torch.tensor([0, 1, 2]).expand(74, 3))
+    assert got[0].shape == expected[0].shape
+
+
 def test_router_structure_mismatch_is_rejected(router_kernel):
     """No gate weight of shape [n_experts, hidden]: nothing to bind, reported, block untouched."""
     attrs, kmod = router_kernel
