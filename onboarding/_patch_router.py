@@ -4,9 +4,9 @@ original's output structure by calibration.
 The binding finds the gate weight by its shape ([n_experts, hidden], the only such 2-D
 parameter of the block) and, when the kernel was rendered with a score-correction bias, the one
 parameter or buffer of n_experts values (the block's or a submodule's, [E] or [1, E]), or else
-the one 1-D such tensor among the call's arguments (a bias the parent block owns and passes in). Scoring, top-k, groups, renormalisation and scaling
-are rendered into the kernel from the block's attrs; the binding only checks that the kernel's
-top-k is the block's. Two bindings differ in the dtype of the logits: the input's dtype (Qwen3,
+the one 1-D such tensor among the call's arguments (a bias the parent block owns and passes
+in). Scoring, top-k, groups, renormalisation and scaling are rendered into the kernel from the
+block's attrs; the binding only checks that the kernel's top-k is the block's. Two bindings differ in the dtype of the logits: the input's dtype (Qwen3,
 Mixtral) or fp32 (DeepSeek-V3 and Kimi compute the router in fp32 whatever the model dtype).
 
 Routers return different things: (logits, weights, indices) in transformers 5, (indices,

@@ -9,11 +9,10 @@ bound. Same kernels, API and tuning space as `gated_delta`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
-
-import dataclasses
 
 from onboarding.families.gated_delta import (DEFAULT_CONFIG, PARAMS, SHAPE_BUCKETS, TUNING_SPACE,
                                            block_params, delta_rule_samples)
