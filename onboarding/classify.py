@@ -117,6 +117,12 @@ def _is_rms(recs: list[OpRecord]) -> bool:
     return bool((ops["rsqrt"] or ops["sqrt"]) and ops["mean"] and squares)
 
 
+def _mean_centred(recs: list[OpRecord]) -> bool:
+    """A mean subtracted before the mean of squares: a LayerNorm written in torch ops (Cohere)."""
+    ops = _hist(recs)
+    return ops["mean"] >= 2 and ops["sub"] >= 1
+
+
 def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
     eps = None
     for r in recs:
@@ -196,6 +202,8 @@ class Classifier:
             return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)"], {}
         if not mm and (ops["native_layer_norm"] or ops["layer_norm"]):
             return "norm.layer", ["layer_norm op"], {}
+        if not mm and _is_rms(recs) and _mean_centred(recs):
+            return "norm.layer", ["mean subtracted, then mean of squares, rsqrt, scale"], {}
         if not mm and _is_rms(recs):
             attrs = _norm_attrs(recs, ctx)
             gate = next((ACTIVATIONS[r.op] for r in recs if r.op in ACTIVATIONS), None)

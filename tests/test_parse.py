@@ -169,3 +169,12 @@ def test_clamped_experts_carry_their_clamp_style(parse_model, ref, style):
     experts = parse_model(ref).by_kind("moe.experts")[0]
     assert {k: experts.attrs.get(k) for k in style} == style
     assert "up_offset" in style or "up_offset" not in experts.attrs
+
+
+def test_layer_norm_written_in_torch_ops_is_no_rms_norm(parse_model):
+    """Cohere's LayerNorm (mean subtracted, then mean of squares and rsqrt, in torch ops) is a
+    norm.layer: as norm.rms the RMSNorm kernel would be matched to it (and rejected at patch)."""
+    g = parse_model("hf:cohere2_moe")
+    kinds = {b.class_name: b.kind for b in g.blocks if "Norm" in b.class_name}
+    assert kinds.get("Cohere2MoeLayerNorm") == "norm.layer", kinds
+    assert all(k == "norm.rms" for c, k in kinds.items() if "RMSNorm" in c)
