@@ -350,6 +350,12 @@ class Classifier:
             ev.append(f"group-limited: topk over {groups} groups first")
         bias = any(r.op == "add" and r.params for r in recs)
         renorm = ops["sum"] > 0 and (ops["div"] + ops["div_"]) > 0
+        last_topk = max(t[0].index for t in exp_topk)
+        if scoring == "softmax" and any(r.op in SOFTMAX and r.index > last_topk for r in recs):
+            # softmax over the k selected logits (Cohere2-MoE, gpt-oss) is the softmax over all
+            # experts renormalised over the selection, which picks the same top-k
+            renorm = True
+            ev.append("softmax over the top-k logits: renormalised softmax")
         attrs = {"n_experts": n_experts, "top_k": k, "scoring": scoring,
                  "group_limited": grouped, "score_bias": bias, "renormalize": renorm}
         if grouped:

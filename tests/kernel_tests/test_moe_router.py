@@ -206,3 +206,13 @@ def test_match_sqrt_softplus_router(parse_model):
     assert m["variant"] == "sqrtsoftplus"
     assert m["params"]["score_bias"] and m["params"]["renormalize"]
     assert m["params"]["routed_scaling_factor"] == 1.5
+
+
+def test_softmax_after_top_k_is_a_renormalised_softmax(parse_model):
+    """Cohere2-MoE takes the top-k of the logits, then a softmax over those k: the same experts
+    and weights as a softmax over all experts renormalised over the selection."""
+    router = _routers(parse_model("hf:cohere2_moe"))[0]
+    m = moe_router.match(router)
+    assert m["variant"] == "softmax" and m["params"]["renormalize"] is True
+    qwen = _routers(parse_model("hf:qwen3_moe"))[0]  # softmax, then top-k, not renormalised
+    assert moe_router.match(qwen)["params"]["renormalize"] is False
