@@ -5,7 +5,8 @@ The binding finds the gate weight by its shape ([n_experts, hidden], the only su
 parameter of the block) and, when the kernel was rendered with a score-correction bias, the one
 parameter or buffer of n_experts values (the block's or a submodule's, [E] or [1, E]), or else
 the one 1-D such tensor among the call's arguments (a bias the parent block owns and passes
-in). Scoring, top-k, groups, renormalisation and scaling are rendered into the kernel from the
+in). A bias of the logits' linear itself (gpt-oss) is the parameter the classifier named.
+Scoring, top-k, groups, renormalisation and scaling are rendered into the kernel from the
 block's attrs; the binding only checks that the kernel's top-k is the block's. Two bindings differ in the dtype of the logits: the input's dtype (Qwen3,
 Mixtral) or fp32 (DeepSeek-V3 and Kimi compute the router in fp32 whatever the model dtype).
 
@@ -49,11 +50,19 @@ def router_bindings(block: Block, module: nn.Module, fn: Callable, kmod: ModuleT
     top_k = getattr(kmod, "TOP_K", None)
     if block.attrs.get("top_k") not in (None, top_k):
         return {}
+    # the logits' own linear bias (gpt-oss), named by the classifier
+    gate_bias = None
+    if block.attrs.get("gate_bias"):
+        own = dict(module.named_parameters())
+        name = block.attrs["gate_bias"]
+        gate_bias = next((p for n, p in own.items() if name == n or name.endswith("." + n)), None)
+        if gate_bias is None or gate_bias.shape != (E,):
+            return {}
     bias, bias_arg = None, False
     if getattr(kmod, "PARAMS", {}).get("score_bias"):
         # its own or a submodule's (Ernie 4.5's moe_statics holds a [1, E] one)
-        vecs = [t for t in (*module.parameters(), *module.buffers())
-                if t.numel() == E and t.squeeze().dim() == 1 and t.is_floating_point()]
+        vecs = [t for t in (*module.parameters(), *module.buffers()) if t is not gate_bias
+                and t.numel() == E and t.squeeze().dim() == 1 and t.is_floating_point()]
         if len(vecs) > 1:
             return {}
         # none at all: the owner passes it in (MiniMax-M2's gate(x, e_score_correction_bias))
@@ -73,7 +82,8 @@ def router_bindings(block: Block, module: nn.Module, fn: Callable, kmod: ModuleT
                     raise ValueError(f"expected one score-bias argument of length {E}, got {len(vecs)}")
                 b = vecs[0]
             x, w = (xs[0].float(), weight.float()) if fp32 else (xs[0], weight)
-            return fn(x, w, b)
+            gb = gate_bias.float() if fp32 and gate_bias is not None else gate_bias
+            return fn(x, w, b, gb)
         return call
 
     return {"x, gate weight (logits in the input dtype)": bind(False),

@@ -358,6 +358,12 @@ class Classifier:
             ev.append("softmax over the top-k logits: renormalised softmax")
         attrs = {"n_experts": n_experts, "top_k": k, "scoring": scoring,
                  "group_limited": grouped, "score_bias": bias, "renormalize": renorm}
+        # a bias of the logits' linear itself (gpt-oss), by its parameter name
+        gate_bias = next((n for r in _matmul_recs(recs) for n in r.params.values()
+                          if self.ctx.param_shapes.get(n) == [n_experts]), None)
+        if gate_bias is not None:
+            attrs["gate_bias"] = gate_bias
+            ev.append("the logits' linear has a bias")
         if grouped:
             # The group pass picks topk_group of n_group group scores: the last top-k before
             # the final one (an earlier one may rank experts within each group).

@@ -143,6 +143,28 @@ def test_matches_the_deepseek_v4_router(load, device):
     assert_same_routing(load("sqrtsoftplus", params).entry(x, w, b), hf(x))
 
 
+def test_matches_the_gpt_oss_router(load, device):
+    """A bias on the logits' linear, the top-k of the logits, a softmax over those k: our
+    renormalised softmax with `gate_bias`; the gradient reaches the bias too."""
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    from transformers import GptOssConfig
+
+    hf = modeling.GptOssTopKRouter(GptOssConfig(hidden_size=24, num_local_experts=8,
+                                                num_experts_per_tok=2)).to(device)
+    x, w, _ = inputs({}, 8, device=device)
+    gb = (0.5 * torch.randn(8, generator=torch.Generator().manual_seed(3))).to(device).requires_grad_()
+    with torch.no_grad():
+        hf.weight.copy_(w)
+        hf.bias.copy_(gb)
+    ours = load("softmax", {"top_k": 2, "renormalize": True}).entry(x, w, None, gb)
+    assert_same_routing(ours, hf(x))
+    ref = load("softmax", {"top_k": 2, "renormalize": True}).reference(x, w, None, gb)
+    dw = torch.randn_like(ours[1])
+    g, rg = (torch.autograd.grad(o[1], gb, dw)[0] for o in (ours, ref))
+    torch.testing.assert_close(g, rg)
+    assert g.abs().sum() > 0
+
+
 @pytest.mark.parametrize("variant,params,n_experts", CASE_PARAMS)
 def test_opcheck_and_contract(load, device, variant, params, n_experts):
     module = load(variant, params)
@@ -216,3 +238,7 @@ def test_softmax_after_top_k_is_a_renormalised_softmax(parse_model):
     assert m["variant"] == "softmax" and m["params"]["renormalize"] is True
     qwen = _routers(parse_model("hf:qwen3_moe"))[0]  # softmax, then top-k, not renormalised
     assert moe_router.match(qwen)["params"]["renormalize"] is False
+    assert "gate_bias" not in qwen.attrs
+    gpt = _routers(parse_model("hf:gpt_oss"))[0]  # the same, after a linear with a bias
+    assert moe_router.match(gpt)["params"]["renormalize"] is True
+    assert gpt.attrs["gate_bias"].endswith("router.bias")
