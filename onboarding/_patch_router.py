@@ -2,7 +2,7 @@
 original's output structure by calibration.
 
 The binding finds the gate weight by its shape ([n_experts, hidden], the only such 2-D
-parameter of the block) and, when the kernel was rendered with a score-correction bias, the one
+parameter of the block or its submodules) and, when the kernel was rendered with a score-correction bias, the one
 parameter or buffer of n_experts values (the block's or a submodule's, [E] or [1, E]), or else
 the one 1-D such tensor among the call's arguments (a bias the parent block owns and passes
 in). A bias of the logits' linear itself (gpt-oss) is the parameter the classifier named.
@@ -41,7 +41,7 @@ def router_bindings(block: Block, module: nn.Module, fn: Callable, kmod: ModuleT
                     ) -> dict[str, Callable]:
     """Candidate calls of the router kernel for this block; empty when the structure does not fit."""
     n_experts = block.attrs.get("n_experts")
-    params = dict(module.named_parameters(recurse=False))
+    params = dict(module.named_parameters())  # its own, or a gate nn.Linear inside (AFMoE)
     mats = [p for p in params.values() if p.ndim == 2 and n_experts in (None, p.shape[0])]
     if len(mats) != 1:
         return {}

@@ -471,6 +471,38 @@ def test_router_finds_a_score_bias_in_a_submodule(router_kernel):
     assert got[0].shape == expected[0].shape
 
 
+class _LinearGateRouter(torch.nn.Module):
+    """The gate weight inside an nn.Linear submodule, the bias passed in (AFMoE)."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 8, bias=False)
+        with torch.no_grad():
+            self.gate.weight.copy_(torch.randn(8, 16, generator=gen) / 4)
+
+    def forward(self, x, correction):
+        s = self.gate(x.reshape(-1, 16)).sigmoid()
+        idx = torch.topk(s + correction, 3, dim=-1)[1]
+        w = s.gather(1, idx)
+        return self.gate(x.reshape(-1, 16)), w / w.sum(-1, keepdim=True), idx
+
+
+def test_router_finds_its_gate_weight_in_a_linear_submodule(router_kernel):
+    attrs, kmod = router_kernel
+    gen = torch.Generator().manual_seed(4)
+    root = torch.nn.Module()
+    root.router = _LinearGateRouter(gen)
+    x = torch.randn(2, 37, 16, generator=gen)
+    correction = 0.05 * torch.randn(8, generator=gen)
+    expected = root.router(x, correction)
+    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
+        root.router(x, correction)
+        assert patches.records[0].status == "active", patches.records[0].detail
+        got = root.router(x, correction)
+    torch.testing.assert_close(got[0], expected[0])
+    assert torch.equal(got[2].sort(-1).values, expected[2].sort(-1).values)
+
+
 def test_router_structure_mismatch_is_rejected(router_kernel):
     """No gate weight of shape [n_experts, hidden]: nothing to bind, reported, block untouched."""
     attrs, kmod = router_kernel
