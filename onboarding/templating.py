@@ -447,6 +447,8 @@ def write_module(source: str, path: Path | str, *, overwrite: bool = False) -> P
 
 
 _LOADED: dict[str, ModuleType] = {}
+_OP_OWNERS: dict[str, str] = {}  # custom op name -> sha of the source that registered it
+_OP_NAME_LINE = re.compile(r'^OP_NAME = "([^"]+)"$', re.M)
 
 
 def load_module(path: Path | str) -> ModuleType:
@@ -469,9 +471,18 @@ def load_module(path: Path | str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise InputError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
+    text = data.decode()
+    op = _OP_NAME_LINE.search(text)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        if op and _OP_OWNERS.setdefault(op.group(1), sha) != sha:
+            # Another source (an edited or re-rendered module) registered this op name in this
+            # process already. torch replaces a custom op defined again under its name, which
+            # leaves the first module calling a destroyed op: this one gets its own name.
+            text = text[:op.end(1)] + f"_{sha}" + text[op.end(1):]
+            exec(compile(text, str(path), "exec"), module.__dict__)
+        else:
+            spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(name, None)
         raise

@@ -255,3 +255,18 @@ def test_tolerance_lookup():
     assert tolerance_for(torch.float32).max_rel_rms < tolerance_for(torch.float16).max_rel_rms
     with pytest.raises(ValueError):
         tolerance_for(torch.float32, "whatever")
+
+
+def test_an_edited_module_gets_its_own_op_name(tmp_path):
+    """Two sources that render one op name (an edited or re-rendered module) in one process:
+    torch would replace the first one's custom op and leave it calling a destroyed op (a test
+    run crashed with a garbled op name); the second gets a name of its own."""
+    first = templating.load_module(templating.render_to(tmp_path / "a", "rmsnorm", "plain", {"eps": 3e-5}))
+    path = templating.render_to(tmp_path / "b", "rmsnorm", "plain", {"eps": 3e-5})
+    path.write_text(path.read_text() + "\nEDITED = True\n")
+    second = templating.load_module(path)
+    assert second.EDITED and second.OP_NAME.startswith(first.OP_NAME + "_")
+    x, w = torch.randn(3, 64), torch.rand(64)
+    for module in (first, second):
+        torch.testing.assert_close(module.entry(x, w), module.reference(x, w))
+    assert templating.load_module(path) is second  # cached by content, named once
