@@ -85,12 +85,16 @@ _SSM_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head
 _SSM_GROUPS = ("mamba_n_groups", "n_groups")
 
 
+def _ssm_expand(c: Any) -> int | None:
+    return next((getattr(c, n) for n in ("mamba_expand", "expand")
+                 if isinstance(getattr(c, n, None), int)), None)
+
+
 def _ssm_inner(c: Any) -> int | None:
     d_ssm = getattr(c, "mamba_d_ssm", None)
     if isinstance(d_ssm, int) and d_ssm > 0:
         return d_ssm
-    expand = next((getattr(c, n) for n in ("mamba_expand", "expand")
-                   if isinstance(getattr(c, n, None), int)), None)
+    expand = _ssm_expand(c)
     hidden = getattr(c, "hidden_size", None)
     return expand * hidden if isinstance(expand, int) and isinstance(hidden, int) else None
 
@@ -105,9 +109,7 @@ def _retie_ssm_heads(c: Any, before: dict[str, Any], s: ProxySize) -> None:
         if not (isinstance(heads, int) and isinstance(dim, int) and inner_before == heads * dim):
             continue
         if isinstance(getattr(c, "mamba_d_ssm", None), int):
-            expand = next((getattr(c, n) for n in ("mamba_expand", "expand")
-                           if isinstance(getattr(c, n, None), int)), 1)
-            c.mamba_d_ssm = min(c.mamba_d_ssm, expand * c.hidden_size)
+            c.mamba_d_ssm = min(c.mamba_d_ssm, (_ssm_expand(c) or 1) * c.hidden_size)
         inner = _ssm_inner(c)
         new_dim = min(dim, s.head_dim_cap, inner)
         new_heads = max(1, inner // new_dim)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import pytest
 
@@ -411,30 +413,28 @@ class _BiasArgRouter(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(e, d, generator=gen) / d ** 0.5)
         self.k = k
 
+    def logits(self, x):
+        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight)
+
     def forward(self, x, correction):
-        logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        logits = self.logits(x)
         s = logits.sigmoid()
         idx = torch.topk(s + correction, self.k, dim=-1)[1]
         w = s.gather(1, idx)
         return logits, w / w.sum(-1, keepdim=True), idx
 
 
-def test_router_takes_a_score_bias_passed_in(router_kernel):
+@contextlib.contextmanager
+def _calibrated(router, router_kernel, *args):
+    """`router` patched with the router kernel and calibrated on `args`: from here on the
+    kernel alone runs."""
     attrs, kmod = router_kernel
-    gen = torch.Generator().manual_seed(1)
     root = torch.nn.Module()
-    root.router = _BiasArgRouter(gen)
-    x = torch.randn(2, 37, 16, generator=gen)
-    correction = 0.05 * torch.randn(8, generator=gen)
-    expected = root.router(x, correction)
+    root.router = router
     with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
-        root.router(x, correction)
+        router(*args)
         assert patches.records[0].status == "active", patches.records[0].detail
-        got = root.router(x, correction)  # the kernel alone, the bias read from the argument
-        shifted = root.router(x, correction + torch.linspace(0.0, 50.0, 8))  # bias decides top-k
-    torch.testing.assert_close(got[0], expected[0])
-    assert torch.equal(got[2].sort(-1).values, expected[2].sort(-1).values)
-    assert torch.equal(shifted[2].sort(-1).values, torch.tensor([5, 6, 7]).expand(74, 3))
+        yield router
 
 
 class _Statics(torch.nn.Module):
@@ -455,52 +455,46 @@ class _SubmoduleBiasRouter(_BiasArgRouter):
 
 
 def test_router_finds_a_score_bias_in_a_submodule(router_kernel):
-    attrs, kmod = router_kernel
     gen = torch.Generator().manual_seed(2)
-    root = torch.nn.Module()
-    root.router = _SubmoduleBiasRouter(gen)
+    router = _SubmoduleBiasRouter(gen)
     x = torch.randn(2, 37, 16, generator=gen)
-    expected = root.router(x)
-    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
-        root.router(x)
-        assert patches.records[0].status == "active", patches.records[0].detail
+    expected = router(x)
+    with _calibrated(router, router_kernel, x):
         with torch.no_grad():
-            root.router.statics.correction[0, :3] += 50.0  # the kernel reads the live bias
-        got = root.router(x)
+            router.statics.correction[0, :3] += 50.0  # the kernel reads the live bias
+        got = router(x)
     assert torch.equal(got[2].sort(-1).values, torch.tensor([0, 1, 2]).expand(74, 3))
     assert got[0].shape == expected[0].shape
 
 
-class _LinearGateRouter(torch.nn.Module):
+class _LinearGateRouter(_BiasArgRouter):
     """The gate weight inside an nn.Linear submodule, the bias passed in (AFMoE)."""
 
     def __init__(self, gen: torch.Generator):
-        super().__init__()
+        super().__init__(gen)
+        del self.weight
         self.gate = torch.nn.Linear(16, 8, bias=False)
         with torch.no_grad():
             self.gate.weight.copy_(torch.randn(8, 16, generator=gen) / 4)
 
-    def forward(self, x, correction):
-        s = self.gate(x.reshape(-1, 16)).sigmoid()
-        idx = torch.topk(s + correction, 3, dim=-1)[1]
-        w = s.gather(1, idx)
-        return self.gate(x.reshape(-1, 16)), w / w.sum(-1, keepdim=True), idx
+    def logits(self, x):
+        return self.gate(x.reshape(-1, 16))
 
 
-def test_router_finds_its_gate_weight_in_a_linear_submodule(router_kernel):
-    attrs, kmod = router_kernel
-    gen = torch.Generator().manual_seed(4)
-    root = torch.nn.Module()
-    root.router = _LinearGateRouter(gen)
+@pytest.mark.parametrize("make", [_BiasArgRouter, _LinearGateRouter])
+def test_router_takes_a_score_bias_passed_in(router_kernel, make):
+    """The bias comes in as an argument; the gate weight is the block's own or an nn.Linear's."""
+    gen = torch.Generator().manual_seed(1)
+    router = make(gen)
     x = torch.randn(2, 37, 16, generator=gen)
     correction = 0.05 * torch.randn(8, generator=gen)
-    expected = root.router(x, correction)
-    with patch_model(root, _router_graph(attrs), {("router", "moe_router"): kmod}) as patches:
-        root.router(x, correction)
-        assert patches.records[0].status == "active", patches.records[0].detail
-        got = root.router(x, correction)
+    expected = router(x, correction)
+    with _calibrated(router, router_kernel, x, correction):
+        got = router(x, correction)  # the kernel alone, the bias read from the argument
+        shifted = router(x, correction + torch.linspace(0.0, 50.0, 8))  # bias decides top-k
     torch.testing.assert_close(got[0], expected[0])
     assert torch.equal(got[2].sort(-1).values, expected[2].sort(-1).values)
+    assert torch.equal(shifted[2].sort(-1).values, torch.tensor([5, 6, 7]).expand(74, 3))
 
 
 def test_router_structure_mismatch_is_rejected(router_kernel):
