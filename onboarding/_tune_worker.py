@@ -124,7 +124,11 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
         return ops[req["op"]](**req.get("args", {}))
     except Exception as e:
         _PREPARED.clear()
-        return {"ok": False, "stage": "error", "reason": f"{type(e).__name__}: {e}"[:1500]}
+        why = f"{type(e).__name__}: {e}"[:1500]
+        if type(e).__name__ == "OutOfMemoryError":  # torch's; torch is imported lazily here
+            why = ("out of GPU memory: every worker keeps its timing inputs and gradients on the "
+                   "GPU between check and timing; rerun with fewer --workers. " + why)[:1500]
+        return {"ok": False, "stage": "error", "reason": why}
 
 
 def aot_one(path: str, config: dict, dtype: str, size: int) -> dict[str, Any]:
@@ -142,21 +146,30 @@ def aot_one(path: str, config: dict, dtype: str, size: int) -> dict[str, Any]:
 
 # ---- timing inputs at real shapes -------------------------------------------------------------
 
-def _moe_experts(dims: dict[str, int], dtype, device, gen) -> list:
+def _randn(gen, *shape, dtype, scale: float = 1.0):
+    """Normal samples made on `gen`'s device in `dtype`: at real shapes an fp32 host copy per
+    worker does not fit (DeepSeek-V3's experts: 30 GB of gate_up each, 8 workers OOM-killed)."""
+    import torch
+
+    x = torch.randn(shape, generator=gen, device=gen.device, dtype=dtype)
+    return x.mul_(scale) if scale != 1.0 else x
+
+
+def _moe_experts(dims: dict[str, int], dtype, gen) -> list:
     """x [N, D], top-k indices of E experts with weights, gate_up [E, 2F, D], down [E, D, F]."""
     import torch
 
     n, d, e, k, f = (int(dims[x]) for x in ("N", "D", "E", "TOPK", "F"))
-    x = torch.randn(n, d, generator=gen)
-    idx = torch.rand(n, e, generator=gen).topk(k, dim=-1).indices  # balanced on average
-    w = torch.rand(n, k, generator=gen)
-    gate_up = torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5
-    down = torch.randn(e, d, f, generator=gen) / f ** 0.5
-    return [x.to(device, dtype), idx.to(device), w.to(device, dtype), gate_up.to(device, dtype),
-            down.to(device, dtype)]
+    x = _randn(gen, n, d, dtype=dtype)
+    # balanced on average
+    idx = torch.rand(n, e, generator=gen, device=gen.device).topk(k, dim=-1).indices
+    w = torch.rand(n, k, generator=gen, device=gen.device).to(dtype)
+    gate_up = _randn(gen, e, 2 * f, d, dtype=dtype, scale=d ** -0.5)
+    down = _randn(gen, e, d, f, dtype=dtype, scale=f ** -0.5)
+    return [x, idx, w, gate_up, down]
 
 
-def _delta_rule(dims: dict[str, int], dtype, device, gen, per_channel: bool) -> list:
+def _delta_rule(dims: dict[str, int], dtype, gen, per_channel: bool) -> list:
     """q, k [B, T, HK, K], v [B, T, HV, V], fp32 log decay g [B, T, HV(, K)], beta [B, T, HV]."""
     import torch
     from torch.nn import functional as F
@@ -164,32 +177,27 @@ def _delta_rule(dims: dict[str, int], dtype, device, gen, per_channel: bool) -> 
     b, t, hk = int(dims["B"]), int(dims["T"]), int(dims["HK"])
     hv, kd = int(dims.get("HV", hk)), int(dims["K"])
     vd = int(dims.get("V", kd))
-    q = torch.randn(b, t, hk, kd, generator=gen)
-    k = torch.randn(b, t, hk, kd, generator=gen)
-    v = torch.randn(b, t, hv, vd, generator=gen)
-    g = F.logsigmoid(torch.randn((b, t, hv, kd) if per_channel else (b, t, hv), generator=gen) + 3)
-    beta = torch.sigmoid(torch.randn(b, t, hv, generator=gen))
-    return [q.to(device, dtype), k.to(device, dtype), v.to(device, dtype),
-            g.to(device),  # the models compute the log decay in fp32
-            beta.to(device, dtype), None, None, False]  # training needs o only
+    q, k = (_randn(gen, b, t, hk, kd, dtype=dtype) for _ in range(2))
+    v = _randn(gen, b, t, hv, vd, dtype=dtype)
+    # the models compute the log decay in fp32
+    g = F.logsigmoid(_randn(gen, *((b, t, hv, kd) if per_channel else (b, t, hv)), dtype=torch.float32) + 3)
+    beta = torch.sigmoid(_randn(gen, b, t, hv, dtype=torch.float32)).to(dtype)
+    return [q, k, v, g, beta, None, None, False]  # training needs o only
 
 
-def _rows(dims: dict[str, int], dtype, device, gen, family: str, variant: str,
-          params: dict) -> list:
-    import torch
-
+def _rows(dims: dict[str, int], dtype, gen, family: str, variant: str, params: dict) -> list:
     n = int(dims["N"])
     if family == "swiglu":
         f = int(dims["F"])
         if variant == "fused":
-            return [torch.randn(n, 2 * f, generator=gen).to(device, dtype)]
-        return [torch.randn(n, f, generator=gen).to(device, dtype) for _ in range(2)]
+            return [_randn(gen, n, 2 * f, dtype=dtype)]
+        return [_randn(gen, n, f, dtype=dtype) for _ in range(2)]
     d = int(dims["D"])
-    args = [torch.randn(n, d, generator=gen).to(device, dtype)]
+    args = [_randn(gen, n, d, dtype=dtype)]
     if variant == "gated":
-        args.append(torch.randn(n, d, generator=gen).to(device, dtype))
+        args.append(_randn(gen, n, d, dtype=dtype))
     if variant != "l2norm":
-        args.append((1 + 0.1 * torch.randn(d, generator=gen)).to(device, dtype))
+        args.append(_randn(gen, d, dtype=dtype, scale=0.1).add_(1))
     return [*args, params.get("eps", 1e-6)]
 
 
@@ -212,11 +220,16 @@ def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int],
     missing = [k for k in need if k not in dims]
     if missing:
         raise InputError(f"tune: {family} timing needs dims {list(need)}; missing {missing}")
+    # drawn on the device from a seed the host generator gives: nothing big lives on the host
+    import torch
+
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    dgen = torch.Generator(device=device).manual_seed(seed)
     if family == "moe_experts":
-        return _moe_experts(dims, dtype, device, gen)
+        return _moe_experts(dims, dtype, dgen)
     if family in ("gated_delta", "kimi_delta"):
-        return _delta_rule(dims, dtype, device, gen, per_channel=family == "kimi_delta")
-    return _rows(dims, dtype, device, gen, family, variant, params)
+        return _delta_rule(dims, dtype, dgen, per_channel=family == "kimi_delta")
+    return _rows(dims, dtype, dgen, family, variant, params)
 
 
 # ---- check and time ---------------------------------------------------------------------------

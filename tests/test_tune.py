@@ -544,3 +544,24 @@ def test_interrupt_stops_the_tuner_and_its_workers(tmp_path):
             proc.kill()
         for pid in _marked_pids(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_timing_inputs_are_made_in_the_timed_dtype_and_oom_names_the_workers(monkeypatch):
+    import torch
+
+    from onboarding import _tune_worker
+    from onboarding._tune_worker import handle, timing_inputs
+
+    dims = {"N": 33, "D": 16, "E": 4, "TOPK": 2, "F": 8}
+    a = timing_inputs("moe_experts", "swiglu", {}, dims, torch.bfloat16, "cpu", torch.Generator().manual_seed(3))
+    b = timing_inputs("moe_experts", "swiglu", {}, dims, torch.bfloat16, "cpu", torch.Generator().manual_seed(3))
+    assert [t.dtype for t in a] == [torch.bfloat16, torch.int64, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # the seed decides them
+    assert a[3].float().std() < 0.5  # scaled by D ** -0.5
+
+    def oom(**_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
+
+    monkeypatch.setattr(_tune_worker, "check_one", oom)
+    out = handle({"op": "check", "args": {}})
+    assert not out["ok"] and "fewer --workers" in out["reason"] and "7.00 GiB" in out["reason"]
