@@ -50,6 +50,8 @@ TUNING_SPACE = {
     # tile of the backward's chunk kernels. Separate because they disagree: at K=128 on the H200,
     # BK 64 took prepare 12-15% faster and the backward WY kernel 50% slower than BK 32
     "prep_bk": (0, 16, 32, 64, 128),
+    # pipeline stages of the prepare kernel; 0: num_stages, the backward chunk kernels' stages
+    "prep_stages": (0, 1, 2, 3),
     # V tile of the serial state passes; 0 picks the widest tile whose grid still fills the GPU
     # (B * HV heads x V / BV tiles against the SM count, see the module's `_state_bv`)
     "state_bv": (0, 16, 32, 64, 128),
@@ -62,7 +64,7 @@ TUNING_SPACE = {
 }
 DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32",
                   "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input",
-                  "inv_dot": "tf32", "prep_bk": 0}
+                  "inv_dot": "tf32", "prep_bk": 0, "prep_stages": 0}
 SHAPE_BUCKETS = (
     # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
     # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed
@@ -76,8 +78,12 @@ SHAPE_BUCKETS = (
     # 6.8 KB in the backward WY kernel and is faster all the same. prep_bk 64: the prepare kernel
     # alone 0.189 vs 0.214 ms at B2 T4096 H16 and 1.405 vs 1.647 ms at B1 T32768 HV32 (fifth
     # session; GDN only: kimi_delta drops it, its per-channel Gram at BK 64 is untimed).
+    # Three pipeline stages, each kernel timed alone over warps x tile x stages (sixth session,
+    # bf16): the state pass 0.570 vs 0.869 ms at B1 T32768 HK16 HV32 (0.076 vs 0.114 at B2 T4096
+    # H16; best of 27 at all three shapes timed), prepare 1.198 vs 1.271 (best of 18).
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
-                config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 2, "prep_bk": 64}),
+                config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 2, "prep_bk": 64,
+                        "prep_stages": 3, "state_stages": 3}),
     # Untimed, chosen from the AOT build's (sm_90, BT=64) spills and shared memory: fp32
     # [BT, 256] w and kd tiles leave no room for a second pipeline stage
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
@@ -112,7 +118,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=6,
+    template_version=7,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

@@ -19,8 +19,10 @@ from onboarding.families.gated_delta import (DEFAULT_CONFIG, PARAMS, SHAPE_BUCKE
 from onboarding.templating import FamilySpec
 
 NAME = "kimi_delta"
-# GDN's buckets without their prepare K tile: it was timed for GDN's scalar-decay Gram only
-KDA_BUCKETS = tuple(dataclasses.replace(b, config={k: v for k, v in b.config.items() if k != "prep_bk"})
+# GDN's buckets without their prepare kernel's K tile and stages: timed for GDN's scalar-decay
+# Gram only (the state pass, one kernel for both but for KDA's [K] gate load, keeps its stages)
+KDA_BUCKETS = tuple(dataclasses.replace(b, config={k: v for k, v in b.config.items()
+                                                   if k not in ("prep_bk", "prep_stages")})
                     for b in SHAPE_BUCKETS)
 
 
@@ -39,7 +41,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=6,
+    template_version=7,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

@@ -463,15 +463,17 @@ def test_multi_tile_head_dims():
     check_against(module, module.reference, WIDE, False, "naive recurrence")
 
 
-@pytest.mark.parametrize("prep_bk", [16, 64])
-def test_prepare_k_tile_apart_from_the_backward(prep_bk):
-    """The prepare kernel's own K tile (`prep_bk`: four tiles or one of K=64) under the
-    backward's BK 32: outputs, final state and all gradients still match the recurrence."""
+@pytest.mark.parametrize(("prep_bk", "prep_stages"), [(16, 3), (64, 0)])
+def test_prepare_k_tile_apart_from_the_backward(prep_bk, prep_stages):
+    """The prepare kernel's own K tile (`prep_bk`: four tiles or one of K=64) and stages under
+    the backward's BK 32: outputs, final state and all gradients still match the recurrence."""
     module = load(gated_delta.FAMILY)
     base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    module.set_config({**base, "prep_bk": prep_bk})
+    module.set_config({**base, "prep_bk": prep_bk, "prep_stages": prep_stages})
     try:
-        assert module._tiles(64, 48)["prep_BK"] == prep_bk
+        tiles = module._tiles(64, 48)
+        assert tiles["prep_BK"] == prep_bk
+        assert tiles["prep_stages"] == (prep_stages or module.config_for(64)["num_stages"])
         check_against(module, module.reference, WIDE, False, f"naive recurrence, prep_bk {prep_bk}")
     finally:
         module.set_config(base)
