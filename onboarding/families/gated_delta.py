@@ -78,12 +78,14 @@ SHAPE_BUCKETS = (
     # 6.8 KB in the backward WY kernel and is faster all the same. prep_bk 64: the prepare kernel
     # alone 0.189 vs 0.214 ms at B2 T4096 H16 and 1.405 vs 1.647 ms at B1 T32768 HV32 (fifth
     # session; GDN only: kimi_delta drops it, its per-channel Gram at BK 64 is untimed).
-    # Three pipeline stages, each kernel timed alone over warps x tile x stages (sixth session,
-    # bf16): the state pass 0.570 vs 0.869 ms at B1 T32768 HK16 HV32 (0.076 vs 0.114 at B2 T4096
-    # H16; best of 27 at all three shapes timed), prepare 1.198 vs 1.271 (best of 18).
+    # Three pipeline stages everywhere (sixth session, bf16): each forward kernel timed alone over
+    # warps x tile x stages, the state pass 0.570 vs 0.869 ms at B1 T32768 HK16 HV32 (0.076 vs
+    # 0.114 at B2 T4096 H16; best of 27 at all three shapes timed), prepare 1.198 vs 1.271 (best
+    # of 18); the whole backward over state_bwd_stages x num_stages (3 x 3): 1.080 vs 1.204 ms at
+    # B2 T4096 H16, 2.349 vs 2.624 at B1 T8192 HK16 HV32 (best at both).
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
-                config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 2, "prep_bk": 64,
-                        "prep_stages": 3, "state_stages": 3}),
+                config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 3, "prep_bk": 64,
+                        "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3}),
     # Untimed, chosen from the AOT build's (sm_90, BT=64) spills and shared memory: fp32
     # [BT, 256] w and kd tiles leave no room for a second pipeline stage
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
