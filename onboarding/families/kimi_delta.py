@@ -19,10 +19,14 @@ from onboarding.families.gated_delta import (DEFAULT_CONFIG, PARAMS, SHAPE_BUCKE
 from onboarding.templating import FamilySpec
 
 NAME = "kimi_delta"
-# GDN's buckets without their prepare kernel's K tile and stages: timed for GDN's scalar-decay
-# Gram only (the state pass, one kernel for both but for KDA's [K] gate load, keeps its stages)
-KDA_BUCKETS = tuple(dataclasses.replace(b, config={k: v for k, v in b.config.items()
-                                                   if k not in ("prep_bk", "prep_stages")})
+# GDN's buckets less what was timed on GDN's kernels only: the prepare kernel's K tile and
+# stages (KDA's per-channel Gram differs) and k_le_128's three-stage backward chunk kernels,
+# which keep the stages they had. The state passes are one kernel for both (but for KDA's [K]
+# gate load): KDA's forward with their three stages went 3.342 -> 3.075 ms (B1 T8192 H32 D128).
+_GDN_ONLY = ("prep_bk", "prep_stages")
+_KDA_STAGES = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1}}
+KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
+                                                   **_KDA_STAGES.get(b.name, {})})
                     for b in SHAPE_BUCKETS)
 
 
