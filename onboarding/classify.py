@@ -145,6 +145,46 @@ def _activation(recs: list[OpRecord]) -> str | None:
     return None
 
 
+def _expert_activation(recs: list[OpRecord]) -> str | None:
+    """The routed experts' activation, naming the composite forms transformers' ACT2FN writes out.
+
+    relu whose next op squares it (``square``, or ``pow`` by 2) is "relu2" (relu(x)^2); tanh of
+    the tanh-GELU polynomial (a 0.044715 factor: gelu_new, gelu_fast) is "gelu_tanh"; erf with no
+    other activation (gelu_python) is "gelu". ``aten.gelu`` reads as "gelu" (exact erf): its
+    ``approximate`` keyword is not captured, so gelu_pytorch_tanh looks the same; patching checks
+    the kernel against the block's own output on the first call and rejects it when they differ.
+    """
+    act = _activation(recs)
+    if act == "relu":
+        i = next(j for j, r in enumerate(recs) if r.op in ("relu", "relu_"))
+        nxt = next((r for r in recs[i + 1:] if r.op not in VIEW_OPS), None)
+        if nxt is not None and (nxt.op == "square" or (nxt.op in ("pow", "pow_") and len(nxt.scalars) > 1
+                                                       and nxt.scalars[1] == 2)):
+            return "relu2"
+    if act == "tanh" and any(r.op in ("mul", "mul_") and any(isinstance(v, float) and abs(v - 0.044715) < 1e-9
+                                                             for v in r.scalars) for r in recs):
+        return "gelu_tanh"
+    if act is None and any(r.op == "erf" for r in recs):
+        return "gelu"
+    return act
+
+
+def _expert_gating(mats: list[list[int]]) -> bool | None:
+    """Whether one expert's weights [out, in] hold a gate: gate and up [F, D] beside down [D, F],
+    or a packed gate_up [2F, D] beside down [D, F] (True); only up [F, D] and down [D, F], each
+    the other's transpose (False); None when the shapes say neither. The two cases never overlap:
+    a packed [2F, D] is never the transpose of [D, F]."""
+    if len(mats) == 3:
+        return True if any(mats.count(m) >= 2 and [m[1], m[0]] in mats for m in mats) else None
+    if len(mats) == 2:
+        a, b = mats
+        if (a[0] == 2 * b[1] and a[1] == b[0]) or (b[0] == 2 * a[1] and b[1] == a[0]):
+            return True
+        if a[0] == b[1] and a[1] == b[0]:
+            return False
+    return None
+
+
 def _clamp(recs: list[OpRecord]) -> float | None:
     for r in recs:
         if r.op in ("clamp", "clamp_max", "clamp_min") and len(r.scalars) > 1:
@@ -239,10 +279,16 @@ class Classifier:
         expert_params = self._expert_params(path)
         if expert_params and (mm or any("grouped_mm" in op for op in ops)):
             e = expert_params
-            return "moe.experts", [f"{len(self._3d_params(path))} parameters stacked over "
-                                   f"{e} experts", "matmuls over expert-sorted tokens"], {
-                "n_experts": e, "layout": "packed_3d",
-                "activation": _activation(recs), "clamp": _clamp(recs), **_clamp_style(recs),
+            gated = _expert_gating([self.ctx.param_shapes[n][1:] for n in self._3d_params(path)
+                                    if len(self.ctx.param_shapes[n]) == 3])
+            ev = [f"{len(self._3d_params(path))} parameters stacked over {e} experts",
+                  "matmuls over expert-sorted tokens"]
+            if gated is False:
+                ev.append("up [E, F, D] and down [E, D, F] only, each the other's transpose: "
+                          "no gate half (non-gated experts)")
+            return "moe.experts", ev, {
+                "n_experts": e, "layout": "packed_3d", "gated": gated,
+                "activation": _expert_activation(recs), "clamp": _clamp(recs), **_clamp_style(recs),
                 "grouped_mm": any("grouped_mm" in op for op in ops)}
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         if len(mm) >= 2 and weight_only and (act := _activation(recs)) and not attn \
@@ -473,6 +519,11 @@ class Classifier:
             if not members or not routers:
                 continue
             first = self.blocks[members[0]]
+            # the first expert's own records and 2-D weights: its activation and gating
+            first_recs = [r for r in self.cap.records
+                          if r.module == members[0] or r.module.startswith(members[0] + ".")]
+            gated = _expert_gating([s for n2, s in self.ctx.param_shapes.items()
+                                    if n2.startswith(members[0] + ".") and len(s) == 2])
             flops = sum(self.blocks[m].flops for m in members)
             nbytes = sum(self.blocks[m].bytes for m in members)
             hist: Counter = Counter()
@@ -486,8 +537,8 @@ class Classifier:
                           f"{len(members)} of them ran on this input"],
                 op_histogram=dict(sorted(hist.items())), inputs=first.inputs,
                 outputs=first.outputs, params=params,
-                attrs={"n_experts": n, "layout": "module_list",
-                       "activation": first.attrs.get("activation"),
+                attrs={"n_experts": n, "layout": "module_list", "gated": gated,
+                       "activation": _expert_activation(first_recs) or first.attrs.get("activation"),
                        "clamp": first.attrs.get("clamp"), "grouped_mm": False,
                        **{k: first.attrs[k] for k in ("clamp_style", "alpha", "up_offset")
                           if k in first.attrs}},

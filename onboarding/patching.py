@@ -6,7 +6,8 @@ structure (its parameters, its input) to a kernel's signature:
   - ``norm.rms_gated``: ``forward(x, z)`` -> ``rmsnorm_gated(x, z, w, eps)``;
   - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
   - ``moe.experts`` (packed 3-D weights): ``forward(x, indices, weights)`` -> the grouped-GEMM
-    experts kernel, with the weights found by their shapes;
+    experts kernel, with the weights found by their shapes (gate_up [E, 2F, D] + down [E, D, F]
+    for the gated variants, up [E, F, D] + down [E, D, F] for the non-gated `mlp` one);
   - ``moe.router``: ``forward(x)`` -> the router kernel with the gate weight found by its shape
     [n_experts, hidden] and the score-correction bias (a parameter or buffer [n_experts]) when
     the kernel was rendered with one; scoring, top-k, groups, renormalisation and scaling are
@@ -192,9 +193,26 @@ def _mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
     return {}
 
 
+def _experts_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, topk_indices, topk_weights) of an experts call, in any argument order: the one integer
+    tensor, and of the two float ones the wider (x [N, D] beside weights [N, K])."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    idx = [t for t in tensors if not t.is_floating_point()]
+    flt = [t for t in tensors if t.is_floating_point()]
+    if len(idx) != 1 or len(flt) != 2:
+        raise ValueError("expected one index tensor and two float tensors")
+    x, w = sorted(flt, key=lambda t: -t.shape[-1]) if flt[0].shape[-1] != \
+        flt[1].shape[-1] else flt
+    return x, idx[0], w
+
+
 def _experts_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
     """Packed experts: ``forward(x, topk_indices, topk_weights)`` in any argument order, weights
-    ``[E, 2F, D]`` (gate/up) and ``[E, D, F]`` (down) found by their shapes."""
+    found by their shapes: ``[E, 2F, D]`` (gate/up) and ``[E, D, F]`` (down) for a gated block;
+    ``[E, F, D]`` (up) and ``[E, D, F]`` (down), each the other's transpose, for a non-gated one
+    (the kernel then is the `mlp` variant's). Which of a non-gated pair is up is x's width: up
+    ends in D. With F == D the shapes cannot tell, so both assignments are offered and the
+    first-call calibration keeps the one that reproduces the block."""
     packed = [p for p in module.parameters(recurse=False) if p.ndim == 3]
     if len(packed) != 2:
         return {}
@@ -203,20 +221,40 @@ def _experts_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
         gate_up, down = a, b
     elif b.shape[1] == 2 * a.shape[2] and b.shape[2] == a.shape[1]:
         gate_up, down = b, a
+    elif a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2] and a.shape[2] == b.shape[1]:
+        return _mlp_experts_bindings(module, fn, a, b)
     else:
         return {}
 
     def call(*args, **kwargs):
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        idx = [t for t in tensors if not t.is_floating_point()]
-        flt = [t for t in tensors if t.is_floating_point()]
-        if len(idx) != 1 or len(flt) != 2:
-            raise ValueError("expected one index tensor and two float tensors")
-        x, w = sorted(flt, key=lambda t: -t.shape[-1]) if flt[0].shape[-1] != \
-            flt[1].shape[-1] else flt
-        return fn(x, idx[0], w, gate_up, down)
+        x, idx, w = _experts_args(args, kwargs)
+        return fn(x, idx, w, gate_up, down)
 
     return {"x, topk_indices, topk_weights (by dtype and width)": call}
+
+
+def _mlp_experts_bindings(module: nn.Module, fn: Callable, a: torch.Tensor, b: torch.Tensor
+                          ) -> dict[str, Callable]:
+    """Non-gated packed experts: up [E, F, D] and down [E, D, F] (see `_experts_bindings`). The
+    weights are looked up by name at call time: FSDP2 swaps a sharded module's parameters."""
+    names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+    na, nb = names[id(a)], names[id(b)]
+
+    def bind(up_name: str | None, down_name: str | None):
+        def call(*args, **kwargs):
+            x, idx, w = _experts_args(args, kwargs)
+            wa, wb = getattr(module, na), getattr(module, nb)
+            if up_name is None:  # F != D: up is the weight whose last dim is x's width
+                up, down = (wa, wb) if wa.shape[-1] == x.shape[-1] else (wb, wa)
+            else:
+                up, down = getattr(module, up_name), getattr(module, down_name)
+            return fn(x, idx, w, up, down)
+        return call
+
+    if a.shape[1] != a.shape[2]:
+        return {f"x, topk_indices, topk_weights; up/down = {na}/{nb} by x's width": bind(None, None)}
+    return {f"x, topk_indices, topk_weights; up={na}, down={nb}": bind(na, nb),
+            f"x, topk_indices, topk_weights; up={nb}, down={na}": bind(nb, na)}
 
 
 class _ConvIntercept(TorchFunctionMode):

@@ -526,3 +526,199 @@ def test_router_ties_are_rejected_not_guessed(router_kernel):
         got = root.router(x)
         assert patches.records[0].status == "rejected"
     assert torch.equal(got[0], expected[0])
+
+
+# ---- non-gated routed experts (moe_experts variant mlp) ---------------------------------------
+def test_non_gated_experts_proxy_classified_patched_and_aligned(parse_model, tmp_path):
+    """transformers' nemotron_h proxy: its routed experts (up [E, F, D] -> relu(x)^2 -> down
+    [E, D, F], no gate) are classified non-gated, matched to `moe_experts/mlp`, checked against
+    the eager reference, patched (the binding checked on the first call), and align block by
+    block, forward and backward, with an fp64 eager reference (as tests/test_align.py)."""
+    from onboarding.align import align, build_pair
+
+    g = parse_model("hf:nemotron_h")
+    experts = g.by_kind("moe.experts")
+    assert experts and all(b.attrs["gated"] is False and b.attrs["activation"] == "relu2" for b in experts)
+    cov = build_coverage(g)
+    entries = [e for e in cov.entries if e.kind == "moe.experts"]
+    assert entries and {(e.status, e.family, e.variant, e.params["activation"]) for e in entries} == \
+        {("template", "moe_experts", "mlp", "relu2")}
+    cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path) if c.family == "moe_experts"]
+    assert cands and all(c.status == "passed" for c in cands), [c.error for c in cands]
+    info = load_stage(load_model("hf:nemotron_h", trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0)
+    reference, candidate = build_pair(model, reference_dtype="fp64", candidate_dtype="fp32")
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 16, 0)
+    with patch_model(candidate, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches:
+        result = align(reference, candidate, g, inputs, kwargs, patches=patches)
+        recs = patches.records
+        assert recs and all(r.status == "active" for r in recs), [(r.path, r.detail) for r in recs]
+        assert all("up/down = up_proj/down_proj by x's width" in r.binding for r in recs), recs
+    assert result.passed, result.summary()
+    for b in experts:
+        blk = result.block(b.path)
+        assert blk.fwd.verdict == "pass" and blk.fwd.output.rel_rms < 1e-5, blk.fwd
+        assert blk.bwd.verdict == "pass" and blk.bwd.output.rel_rms < 1e-5, blk.bwd
+    assert result.logits["top1_agreement"] == 1.0
+    assert all("forward" not in m.__dict__ for m in candidate.modules())  # restored
+
+
+_MLP_LIST_MODEL = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Expert(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.fc_in = nn.Linear(d, f, bias=False)
+        self.fc_out = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.fc_out(F.relu(self.fc_in(x)).square())
+
+
+class MoE(nn.Module):
+    def __init__(self, d, n_experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, 48) for _ in range(n_experts))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        w, idx = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(idx == e)
+            if rows.numel():
+                out.index_add_(0, rows, expert(x[rows]) * w[rows, slot, None])
+        return out.reshape(b, t, d)
+
+
+class ListMoELM(nn.Module):
+    def __init__(self, vocab=97, d=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.moe = MoE(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.head(x + self.moe(x))
+'''
+
+
+def test_non_gated_module_list_experts_classified(parse_model, tmp_path):
+    """A plain nn.Module MoE whose experts are a list of non-gated relu^2 MLPs (no transformers
+    class): one `module_list` experts block, non-gated from its per-expert weights [F, D] / [D, F],
+    activation relu2 read off relu then square, matched to `moe_experts/mlp`."""
+    from onboarding.families import moe_experts
+
+    path = tmp_path / "list_moe.py"
+    path.write_text(_MLP_LIST_MODEL)
+    g = parse_model(f"{path}:ListMoELM")
+    experts = g.by_kind("moe.experts")
+    assert len(experts) == 1, [(b.path, b.kind) for b in g.blocks]
+    attrs = experts[0].attrs
+    assert (attrs["layout"], attrs["gated"], attrs["activation"]) == ("module_list", False, "relu2"), attrs
+    assert moe_experts.match(experts[0]) == {
+        "variant": "mlp", "params": moe_experts.FAMILY.resolve("mlp", {"activation": "relu2"})}
+
+
+class _PackedMLPExperts(torch.nn.Module):
+    """Packed non-gated experts under names no rule knows, eager per-expert loop; ``act`` is the
+    activation it really applies."""
+
+    def __init__(self, gen, e=4, d=24, f=20, act=torch.nn.functional.gelu):
+        super().__init__()
+        self.w_a = torch.nn.Parameter(torch.randn(e, d, f, generator=gen) / f ** 0.5)  # down first
+        self.w_b = torch.nn.Parameter(torch.randn(e, f, d, generator=gen) / d ** 0.5)
+        self.act = act
+
+    def forward(self, weights, hidden, indices):  # another argument order than transformers'
+        out = torch.zeros_like(hidden)
+        for e in range(self.w_a.shape[0]):
+            rows, slot = torch.where(indices == e)
+            h = self.act(hidden[rows] @ self.w_b[e].T) @ self.w_a[e].T
+            out.index_add_(0, rows, h * weights[rows, slot, None])
+        return out
+
+
+def _experts_graph(d, f, activation):
+    from onboarding.opgraph import Block, OpGraph
+
+    block = Block(path="experts", kind="moe.experts", layer=0, class_name="_PackedMLPExperts",
+                  params={"w_a": [4, d, f], "w_b": [4, f, d]},
+                  attrs={"n_experts": 4, "layout": "packed_3d", "gated": False, "activation": activation,
+                         "clamp": None})
+    return OpGraph(model="toy", capture="export", capture_note="", batch=1, seq=37, dtype="fp32",
+                   blocks=[block], layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
+
+
+@pytest.mark.parametrize("d,f,act,kernel_act,active", [
+    (24, 20, "gelu", "gelu", True),
+    (24, 24, "gelu", "gelu", True),  # F == D: both up/down assignments tried, the right one kept
+    # aten.gelu's `approximate` is not captured, so the classifier says "gelu" (exact) for the tanh
+    # form too: the first-call check against the block's own output refuses the exact kernel.
+    (24, 20, "gelu_tanh", "gelu", False),
+    (24, 20, "relu2", "relu", False),  # a wrong activation is refused, never used
+])
+def test_non_gated_experts_binding_by_shape(tmp_path, d, f, act, kernel_act, active):
+    from onboarding.families import moe_experts
+    from onboarding.templating import load_module, render_to
+
+    torch_act = {"gelu": torch.nn.functional.gelu,
+                 "gelu_tanh": lambda u: torch.nn.functional.gelu(u, approximate="tanh"),
+                 "relu2": lambda u: torch.relu(u).square()}[act]
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()  # the block under a parent, at path "experts"
+    model.experts = _PackedMLPExperts(gen, d=d, f=f, act=torch_act)
+    model = model.to(kernel_device())
+    graph = _experts_graph(d, f, act)
+    m = moe_experts.match(graph.blocks[0])
+    assert m is not None and m["variant"] == "mlp"
+    mod = load_module(render_to(tmp_path, "moe_experts", "mlp", {"activation": kernel_act}))
+    x = torch.randn(37, d, generator=gen).to(kernel_device())
+    idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(37)]).to(x.device)
+    w = torch.rand(37, 2, generator=gen).to(x.device)
+    with torch.no_grad():
+        expected = model.experts(w, x, idx)
+    with patch_model(model, graph, {("experts", "moe_experts"): mod}) as patches, torch.no_grad():
+        got = model.experts(w, x, idx)
+        again = model.experts(w, x, idx)
+        rec = patches.records[0]
+        assert rec.status == ("active" if active else "rejected"), (rec.binding, rec.detail)
+        if active and d == f:
+            assert rec.binding.endswith("up=w_b, down=w_a"), rec.binding
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_non_gated_experts_refuse_expert_lora_early(parse_model):
+    """Training: expert LoRA (and the expert-parallel compute) are SwiGLU's. A model with
+    non-gated experts fails before any block is replaced, with an error naming the problem."""
+    from onboarding.errors import InputError
+    from onboarding.training.moe_ep import (
+        EPGroup,
+        ExpertLoRA,
+        _packed_names,
+        apply_expert_parallel,
+    )
+
+    g = parse_model("hf:nemotron_h")
+    info = load_stage(load_model("hf:nemotron_h", trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0)
+    path = g.by_kind("moe.experts")[0].path
+    before = type(model.get_submodule(path))
+    with pytest.raises(InputError, match=r"expert_lora=true, but the routed experts are non-gated.*"
+                                         r"activation relu2.*Set expert_lora=false"):
+        apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
+    with pytest.raises(InputError, match="non-gated.*expert parallelism supports gated SwiGLU experts"):
+        apply_expert_parallel(model, g, EPGroup())
+    assert type(model.get_submodule(path)) is before  # nothing replaced
+    # the weight-shape backstop (an op graph saved before the classifier recorded `gated`)
+    with pytest.raises(InputError, match=r"expert_lora=true.*weights \[8, 64, 128\], \[8, 128, 64\]"):
+        _packed_names(model.get_submodule(path), path, ExpertLoRA(rank=4, alpha=8.0))

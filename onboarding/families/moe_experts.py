@@ -11,6 +11,15 @@ down applied inside the grouped GEMMs (no delta-W); gradients to x, topk_weights
 adapters. It also renders `grouped_experts_lora(x_sorted, counts, ...)` for expert-parallel
 training, where tokens arrive already sorted by local expert (see the template's docstring).
 LoRA is applied by the training stage, so `match` never picks this variant.
+
+Variant `mlp`: non-gated routed experts, y = sum_k r * down(act(up(x))) with up_proj [E, F, D]
+and down_proj [E, D, F] (transformers' NemotronHExperts; a `module_list` block of per-expert
+up/down Linear pairs maps to it likewise). `activation` (relu2 = relu(x)^2, relu, silu, gelu
+(exact erf), gelu_tanh) is fused in the up GEMM's epilogue; the same permute, grouped GEMMs,
+routing weight, combine and backward (dx, d topk_weights, d up_proj, d down_proj) as `swiglu`,
+dropless or with `capacity_factor`. Picked by structure: the block's classifier attrs say
+`gated: False` (two expert weights whose shapes are each other's transpose, no gate half) and
+name the activation read off its ops; other activations, a clamp or biases leave it uncovered.
 """
 
 from __future__ import annotations
@@ -30,7 +39,14 @@ from onboarding.templating import FamilySpec, Param, ShapeBucket
 NAME = "moe_experts"
 
 
+# Activations the `mlp` variant renders; the names are the classifier's (`classify._expert_activation`).
+MLP_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
+
+
 def _check(variant: str, params: dict[str, Any]) -> None:
+    if variant != "mlp" and params["activation"] != "silu":
+        raise InputError(f"moe_experts/{variant}: parameter 'activation' must be 'silu' (SwiGLU's gate), "
+                         f"got {params['activation']!r}; non-gated experts use variant 'mlp'")
     if params["limit"] is not None and params["limit"] <= 0:
         raise InputError(f"moe_experts: parameter 'limit' must be > 0, got {params['limit']!r}")
     if params["capacity_factor"] is not None and params["capacity_factor"] <= 0:
@@ -41,6 +57,8 @@ def _layout_ok(block: Any) -> bool:
     """3-D gate_up [E, 2F, D] + down [E, D, F], or per-expert 2-D gate/up/down weights (module_list)."""
     shapes = list(block.params.values())
     e = block.attrs.get("n_experts")
+    if block.attrs.get("gated") is False:  # the classifier found no gate half (variant `mlp`)
+        return False
     if block.attrs.get("layout") == "packed_3d":
         three = [s for s in shapes if len(s) == 3 and s[0] == e]
         return any(a[1] == 2 * b[2] and a[2] == b[1] for a in three for b in three if a is not b)
@@ -50,13 +68,53 @@ def _layout_ok(block: Any) -> bool:
     return False
 
 
+def _transposed_pair(a: list[int], b: list[int]) -> bool:
+    """a and b are each other's transpose over their last two dims: up [.., F, D] and down [.., D, F]."""
+    return a[:-2] == b[:-2] and a[-2] == b[-1] and a[-1] == b[-2]
+
+
+def _mlp_layout_ok(block: Any) -> bool:
+    """Non-gated experts: exactly two 3-D weights up [E, F, D] and down [E, D, F] (packed_3d), or
+    E pairs of 2-D up [F, D] / down [D, F] weights (module_list); no other parameters (biases:
+    the kernel has none)."""
+    shapes = list(block.params.values())
+    e = block.attrs.get("n_experts")
+    if not e or block.attrs.get("gated") is not False:
+        return False
+    if block.attrs.get("layout") == "packed_3d":
+        return (len(shapes) == 2 and all(len(s) == 3 and s[0] == e for s in shapes)
+                and _transposed_pair(*shapes))
+    if block.attrs.get("layout") == "module_list":
+        return (len(shapes) == 2 * e and all(len(s) == 2 for s in shapes)
+                and all(any(_transposed_pair(s, t) for t in shapes) for s in shapes))
+    return False
+
+
+def _match_mlp(block: Any) -> dict[str, Any] | None:
+    """Variant `mlp` for a non-gated experts block with a supported activation and no clamp."""
+    attrs = block.attrs
+    if attrs.get("activation") not in MLP_ACTIVATIONS or attrs.get("clamp") is not None \
+            or not _mlp_layout_ok(block):
+        return None
+    params: dict[str, Any] = {"activation": attrs["activation"]}
+    if attrs.get("capacity_factor") is not None:
+        params["capacity_factor"] = float(attrs["capacity_factor"])
+    return FAMILY.served("mlp", params)
+
+
 def match(block: Any) -> dict[str, Any] | None:
-    """`moe.experts` blocks with a (gated) SiLU activation and a gate/up + down weight layout.
+    """`moe.experts` blocks with a (gated) SiLU activation and a gate/up + down weight layout
+    (variant `swiglu`), or non-gated ones (attrs `gated: False`) with an activation of
+    `MLP_ACTIVATIONS` and an up + down layout (variant `mlp`).
 
     A clamp needs `clamp_style == "pre_act"` (or none given with `alpha`/`up_offset` in attrs is
     taken as gpt-oss's pre-activation clamp only when attrs say so): otherwise uncovered.
     """
-    if block.kind != "moe.experts" or block.attrs.get("activation") != "silu" or not _layout_ok(block):
+    if block.kind != "moe.experts":
+        return None
+    if block.attrs.get("gated") is False:
+        return _match_mlp(block)
+    if block.attrs.get("activation") != "silu" or not _layout_ok(block):
         return None
     attrs = block.attrs
     params: dict[str, Any] = {}
@@ -74,13 +132,14 @@ def match(block: Any) -> dict[str, Any] | None:
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
                   gen: torch.Generator) -> list:
     """37 tokens at the block's width, E=5 top-2 with expert 4 left empty, F=24 (+ rank-8
-    adapters with non-zero B for `swiglu_lora`, so every adapter gradient shows)."""
+    adapters with non-zero B for `swiglu_lora`, so every adapter gradient shows; `mlp`: up_proj
+    [E, F, D] in place of gate_up)."""
     width = shapes[0][-1] if shapes else 24
     n, k, e, f, r = 37, 2, 5, 24, 8
     x = torch.randn(n, width, generator=gen)
     idx = torch.stack([torch.randperm(e - 1, generator=gen)[:k] for _ in range(n)])
     w = torch.rand(n, k, generator=gen)
-    gate_up = torch.randn(e, 2 * f, width, generator=gen) / width ** 0.5
+    gate_up = torch.randn(e, (f if variant == "mlp" else 2 * f), width, generator=gen) / width ** 0.5
     down = torch.randn(e, width, f, generator=gen) / f ** 0.5
     if variant != "swiglu_lora":
         return [x, idx, w, gate_up, down]
@@ -89,22 +148,28 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     return [x, idx, w, gate_up, down, *lora, 2.0]
 
 
+_GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU clamp, slope, offset)
 _GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
                          {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4})
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=4,
+    template_version=5,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights, fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "
-                             "(routed and pre-sorted entries); grads to x, routing weights, adapters"},
+                             "(routed and pre-sorted entries); grads to x, routing weights, adapters",
+              "mlp": "routed non-gated experts down(act(up x)), packed [E, F, D] / [E, D, F] weights, "
+                     "fwd + bwd"},
     params=(
-        Param(name="limit", type=float, default=None, nullable=True, min=0.0,
+        Param(name="activation", type=str, default="silu", choices=MLP_ACTIVATIONS,
+              doc="the expert activation: SwiGLU's gate activation (silu only) for swiglu/swiglu_lora; "
+                  "act(up) for mlp: relu2 = relu(x)^2, relu, silu, gelu (exact erf), gelu_tanh"),
+        Param(name="limit", type=float, default=None, nullable=True, min=0.0, variants=_GATED,
               doc="SwiGLU clamp (pre-activation, gpt-oss style); None: no clamp"),
-        Param(name="alpha", type=float, default=1.0, min=0.0, max=100.0,
+        Param(name="alpha", type=float, default=1.0, min=0.0, max=100.0, variants=_GATED,
               doc="sigmoid slope: g * sigmoid(alpha * g)"),
-        Param(name="up_offset", type=float, default=0.0, min=-100.0, max=100.0,
+        Param(name="up_offset", type=float, default=0.0, min=-100.0, max=100.0, variants=_GATED,
               doc="added to (clamped) up before the product"),
         Param(name="capacity_factor", type=float, default=None, nullable=True, min=0.0, max=1000.0,
               doc="keep ceil(cf * N * K / E) slots per expert (token order); None: dropless"),

@@ -48,13 +48,32 @@ class ExpertLoRA:
     alpha: float
 
 
-def _packed_names(module: nn.Module) -> tuple[str, str]:
+def _non_gated_error(path: str, what: str, lora: ExpertLoRA | None) -> InputError:
+    """The error for non-gated experts (up [E, F, D] -> act -> down [E, D, F], no gate half):
+    expert parallelism and expert LoRA here compute gated SwiGLU experts only."""
+    if lora is not None:
+        return InputError(f"{path}: expert_lora=true, but the routed experts are non-gated ({what}: "
+                          "up [E, F, D] -> act -> down [E, D, F], no gate product); expert LoRA "
+                          "supports gated SwiGLU experts (gate_up [E, 2F, D]) only. Set "
+                          "expert_lora=false")
+    return InputError(f"{path}: the routed experts are non-gated ({what}: up [E, F, D] -> act -> "
+                      "down [E, D, F], no gate product); expert parallelism supports gated SwiGLU "
+                      "experts (gate_up [E, 2F, D]) only")
+
+
+def _packed_names(module: nn.Module, path: str = "", lora: ExpertLoRA | None = None
+                  ) -> tuple[str, str]:
     """(gate_up, down) parameter names, found by the patching binding's shape rule."""
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     bindings = _experts_bindings(module, lambda x, i, w, gu, dn: found.append((gu, dn)))
     if not bindings:
         raise InputError(f"{type(module).__name__}: expected packed expert weights "
                          "[E, 2F, D] and [E, D, F]; expert parallelism cannot split this block")
+    packed = [p for p in module.parameters(recurse=False) if p.ndim == 3]
+    if not any(a.shape[1] == 2 * b.shape[2] for a in packed for b in packed if a is not b):
+        # the binding found up [E, F, D] and down [E, D, F]: a non-gated block
+        shapes = ", ".join(str(list(p.shape)) for p in packed)
+        raise _non_gated_error(path or type(module).__name__, f"weights {shapes}", lora)
     # The binding hands the weights it found to its kernel function: a probe call reveals them.
     next(iter(bindings.values()))(torch.zeros(1, 2), torch.zeros(1, 1, dtype=torch.long),
                                   torch.ones(1, 1))
@@ -95,7 +114,7 @@ class EPExperts(nn.Module):
         self.path, self.layer, self.ep, self.act = path, layer, ep, act
         self.capacity_factor, self.dispatch_groups, self.kernel = (
             capacity_factor, dispatch_groups, kernel)
-        self.gate_up_name, self.down_name = _packed_names(source)
+        self.gate_up_name, self.down_name = _packed_names(source, path, lora)
         gate_up, down = getattr(source, self.gate_up_name), getattr(source, self.down_name)
         self.n_experts = gate_up.shape[0]
         if self.n_experts % ep.size:
@@ -312,8 +331,15 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
                           lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
                           dispatch_groups: int = 1, seed: int = 0,
                           kernel: Callable | None = None) -> list[EPExperts]:
-    """Replace every packed ``moe.experts`` block of ``graph`` in ``model``; returns the modules."""
+    """Replace every packed ``moe.experts`` block of ``graph`` in ``model``; returns the modules.
+
+    Non-gated experts (the classifier's ``gated: False``) raise `InputError` before any block is
+    replaced: the grouped compute and expert LoRA here are SwiGLU's.
+    """
     modules = dict(model.named_modules())
+    for block in graph.by_kind("moe.experts"):
+        if block.attrs.get("gated") is False:
+            raise _non_gated_error(block.path, f"activation {block.attrs.get('activation')}", lora)
     out = []
     for block in graph.by_kind("moe.experts"):
         if block.attrs.get("layout") != "packed_3d":
