@@ -1,9 +1,11 @@
 """MoE experts family (permute -> grouped GEMM with SwiGLU -> grouped GEMM with routing weight ->
 combine): forward and every gradient vs the per-expert loop, over routing patterns; the grouped
-expert LoRA variant (routed and pre-sorted entries) the same way."""
+expert LoRA variant (routed and pre-sorted entries) the same way; the non-gated `mlp` variant
+(up [E, F, D] -> activation -> down [E, D, F]) for every activation it renders."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -91,9 +93,21 @@ def test_all_tokens_one_expert_top1(load, device):
     check_forward_backward(fixture(load("swiglu", {}), "all_to_one", k=1), torch.float32, device)
 
 
+def _gpu_rounding(fx: KernelFixture, device: torch.device) -> KernelFixture:
+    """On a GPU the kernel's 16-bit dots and the bf16 reference's matmuls round differently, so
+    single elements land a bf16 ulp or two outside atol + rtol * |b| (H200, sixth session: 1 of
+    888 in dx at rel RMS 4.0e-3; 7 of 1848 in the pre-sorted LoRA entry at 3.9e-3): up to 1% may,
+    while the relative-RMS bound still holds for every element."""
+    if device.type == "cuda":
+        for kind in ("elementwise", "reduction"):
+            fx.tolerances[kind] = dataclasses.replace(fx.tolerance(torch.bfloat16, kind), max_outlier_frac=0.01)
+    return fx
+
+
 def test_bf16_inputs(load, device):
-    """bf16 weights and activations: loads upcast to fp32, so the interpreter's bf16 maths is never hit."""
-    check_forward_backward(fixture(load("swiglu", {}), "zipf"), torch.bfloat16, device)
+    """bf16 weights and activations: loads upcast to fp32, so the interpreter's bf16 maths is never
+    hit; on a GPU the 16-bit dots (see `_gpu_rounding`)."""
+    check_forward_backward(_gpu_rounding(fixture(load("swiglu", {}), "zipf"), device), torch.bfloat16, device)
 
 
 def test_capacity_drops_slots(load, device):
@@ -349,17 +363,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 tensor-core path runs on a GPU only")
-@pytest.mark.parametrize("variant", ["swiglu", "swiglu_lora"])
+@pytest.mark.parametrize("variant", ["swiglu", "swiglu_lora", "mlp"])
 def test_bf16_tensor_core_accuracy_cuda(load, variant):
     """bf16 kernel (16-bit dots, the module's own GPU tiles) vs the fp32 reference on fp32 inputs:
     relative RMS <= 5e-3 on the output, <= 1e-2 on every gradient (the GPU acceptance bar)."""
-    module = load(variant, {})
+    module = load(variant, {"activation": "relu2"} if variant == "mlp" else {})
     n, d, e, f, k = 4096, 1024, 16, 512, 4
     gen = torch.Generator().manual_seed(0)
     idx = routing("uniform", n, e, k, gen).cuda()
     w = torch.rand(n, k, generator=gen) + 0.05
     ins = [torch.randn(n, d, generator=gen), w / w.sum(-1, keepdim=True),
-           torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5, torch.randn(e, d, f, generator=gen) / f ** 0.5]
+           torch.randn(e, f if variant == "mlp" else 2 * f, d, generator=gen) / d ** 0.5,
+           torch.randn(e, d, f, generator=gen) / f ** 0.5]
     if variant == "swiglu_lora":
         ins += _adapters(e, d, f, 16, gen)
     hi = [t.cuda().requires_grad_() for t in ins]
@@ -468,7 +483,7 @@ def test_lora_clamped_and_bf16(load, device):
     # keeps fp32: near-zero elements then err by ~1% of the RMS (measured 0.1 at RMS 9.2). The
     # absolute atol scales with that RMS; the relative-RMS bound stays the table's.
     fx.tolerances["reduction"] = Tolerance(atol=0.15, rtol=2e-2, max_rel_rms=1e-2)
-    check_forward_backward(fx, torch.bfloat16, device)
+    check_forward_backward(_gpu_rounding(fx, device), torch.bfloat16, device)
 
 
 def test_lora_zero_adapters_equal_base_experts(load, device):
@@ -558,3 +573,178 @@ def test_bench_cases_construct_and_baselines_agree(load):
     expected = module.reference(x, idx, w, gate_up, down)
     for fn in (transformers_loop, grouped_mm):
         torch.testing.assert_close(fn(x, idx, w, gate_up, down), expected, rtol=1e-4, atol=1e-5)
+
+
+# ---- non-gated experts (variant mlp) ----------------------------------------------------------
+MLP_ACTS = ["relu2", "relu", "silu", "gelu", "gelu_tanh"]
+MLP_CASES = [("mlp", {"activation": a}) for a in MLP_ACTS] + [("mlp", {"activation": "relu2", "capacity_factor": 0.75})]
+MLP_CASE_PARAMS = [pytest.param(v, p, id=case_id(v, p)) for v, p in MLP_CASES]
+
+
+def mlp_fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2) -> KernelFixture:
+    """up_proj [E, F, D], down_proj [E, D, F]; x at unit scale so relu/relu2 see both signs."""
+    def make_inputs(dtype, device, gen):
+        x = torch.randn(n, d, generator=gen)
+        idx = routing(kind, n, e, k, gen)
+        w = torch.rand(n, k, generator=gen) + 0.1
+        up = torch.randn(e, f, d, generator=gen) / d ** 0.5
+        down = torch.randn(e, d, f, generator=gen) / f ** 0.5
+        return [x.to(device, dtype), idx.to(device), w.to(device, dtype), up.to(device, dtype),
+                down.to(device, dtype)]
+
+    return KernelFixture(name=f"moe_experts_mlp/{kind}", module=module, make_inputs=make_inputs, weights=(2, 3, 4))
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("variant,params", MLP_CASE_PARAMS)
+def test_mlp_forward_backward(load, device, variant, params, kind):
+    """Forward and dx, d topk_weights, d up_proj, d down_proj vs the per-expert loop, outputs
+    poisoned; with capacity_factor 0.75 every routing drops slots (12 kept of ~15-37 per expert)."""
+    check_forward_backward(mlp_fixture(load(variant, params), kind), torch.float32, device)
+
+
+@pytest.mark.parametrize("shape", [
+    {"n": 37, "d": 40, "e": 5, "f": 24, "k": 2}, {"n": 64, "d": 24, "e": 8, "f": 16, "k": 1},
+    {"n": 1, "d": 24, "e": 5, "f": 20, "k": 2}, {"n": 29, "d": 24, "e": 3, "f": 24, "k": 3},
+    {"n": 53, "d": 36, "e": 6, "f": 18, "k": 2},
+], ids=["d40", "k1", "n1", "f_eq_d-k3", "d_eq_2f"])
+def test_mlp_shapes(load, device, shape):
+    check_forward_backward(mlp_fixture(load("mlp", {"activation": "relu2"}), "zipf", **shape), torch.float32, device)
+
+
+@pytest.mark.parametrize("cf", [0.75, 0.2])
+def test_mlp_capacity_all_to_one_top1(load, device, cf):
+    """All 37 tokens top-1 to expert 0: with cf 0.2 it keeps ceil(0.2 * 37 / 5) = 2 rows (the
+    first two tokens), every other token's output and gradients are zero."""
+    module = load("mlp", {"activation": "relu2", "capacity_factor": cf})
+    check_forward_backward(mlp_fixture(module, "all_to_one", k=1), torch.float32, device)
+    x, idx, w, up, down = mlp_fixture(module, "all_to_one", k=1).make_inputs(
+        torch.float32, device, torch.Generator().manual_seed(1))
+    cap = module.capacity(37, 5)
+    y = module.entry(x, idx, w, up, down)
+    assert (y[cap:] == 0).all() and (y[:cap].abs().sum(-1) > 0).all()
+
+
+def test_mlp_aot_sm90(load):
+    """The non-gated epilogues with libdevice maths (erf; tanh through sigmoid) compile for sm_90
+    within the shared-memory budget."""
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    paths = [load("mlp", {"activation": a}).__file__ for a in ("gelu", "gelu_tanh")]
+    for path, rs in aot.compile_files(paths, registers=False).items():
+        assert rs, path
+        for r in rs:
+            assert r.ok, f"{path}: {r.kernel}: {r.error}"
+            assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
+
+
+def test_mlp_bf16_specs_compile_to_bf16_mma(load, tmp_path):
+    assert_bf16_mma(sm90_mma(load("mlp", {"activation": "relu2"}).__file__, GEMM_KERNELS, tmp_path), GEMM_KERNELS)
+
+
+def test_mlp_bf16_inputs(load, device):
+    fx = mlp_fixture(load("mlp", {"activation": "gelu_tanh"}), "zipf")
+    check_forward_backward(_gpu_rounding(fx, device), torch.bfloat16, device)
+
+
+@pytest.mark.parametrize("variant,params", MLP_CASE_PARAMS[:1] + MLP_CASE_PARAMS[-1:])
+def test_mlp_opcheck_and_contract(load, device, variant, params):
+    module = load(variant, params)
+    check_module_contract(module)
+    check_opcheck(mlp_fixture(module, "empty_experts", n=9), torch.float32, device)
+    assert not hasattr(module, "_swiglu"), "no gated helper in the non-gated module"
+
+
+@pytest.mark.parametrize("act", MLP_ACTS)
+def test_mlp_matches_transformers_nemotron_h_experts(load, device, act):
+    """transformers' own non-gated experts (NemotronHExperts, eager loop) with each activation's
+    ACT2FN name: the kernel reproduces it."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    hf_act = {"relu2": "relu2", "relu": "relu", "silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_new"}[act]
+    cfg = NemotronHConfig(hidden_size=24, n_routed_experts=5, moe_intermediate_size=20, num_experts_per_tok=2,
+                          mlp_hidden_act=hf_act)
+    hf = NemotronHExperts(cfg).to(device)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        hf.up_proj.copy_(torch.randn(hf.up_proj.shape, generator=gen) / 5)
+        hf.down_proj.copy_(torch.randn(hf.down_proj.shape, generator=gen) / 5)
+    x = torch.randn(37, 24, generator=gen).to(device)
+    idx = routing("zipf", 37, 5, 2, gen).to(device)
+    w = torch.rand(37, 2, generator=gen).to(device)
+    y = load("mlp", {"activation": act}).entry(x, idx, w, hf.up_proj, hf.down_proj)
+    torch.testing.assert_close(y, hf(x, idx, w), rtol=1e-4, atol=1e-5)
+
+
+def test_mlp_errors_name_the_problem(load, device):
+    module = load("mlp", {"activation": "relu2"})
+    with pytest.raises(ValueError, match=r"up_proj \(5, 40, 24\)"):  # a gated [E, 2F, D] weight
+        module.entry(torch.randn(4, 24), torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2),
+                     torch.randn(5, 40, 24), torch.randn(5, 24, 20))
+    with pytest.raises(InputError, match="parameter 'activation' must be one of"):
+        moe_experts.FAMILY.resolve("mlp", {"activation": "tanh"})
+    with pytest.raises(InputError, match="'activation' must be 'silu'.*variant 'mlp'"):
+        moe_experts.FAMILY.resolve("swiglu", {"activation": "relu2"})
+    with pytest.raises(InputError, match="'limit' applies only to variants"):
+        moe_experts.FAMILY.resolve("mlp", {"activation": "relu", "limit": 7.0})
+    assert moe_experts.FAMILY.resolve("swiglu", {}) == moe_experts.FAMILY.resolve("swiglu", {"activation": "silu"})
+
+
+def _experts_block(attrs: dict, params: dict):
+    from onboarding.opgraph import Block
+
+    return Block(path="layers.0.experts", kind="moe.experts", layer=0, class_name="AnyName",
+                 params=params, attrs={"n_experts": 4, "clamp": None, **attrs})
+
+
+PACKED_MLP = {"w_in": [4, 20, 24], "w_out": [4, 24, 20]}
+LIST_MLP = {f"{i}.{n}.weight": s for i in range(4) for n, s in (("fc1", [20, 24]), ("fc2", [24, 20]))}
+
+
+@pytest.mark.parametrize("act", MLP_ACTS)
+@pytest.mark.parametrize("layout,params", [("packed_3d", PACKED_MLP), ("module_list", LIST_MLP)])
+def test_mlp_match_by_structure(act, layout, params):
+    """Non-gated blocks match `mlp` with their activation whatever their names; the parameter
+    names here are nobody's."""
+    block = _experts_block({"layout": layout, "gated": False, "activation": act, "capacity_factor": 1.5}, params)
+    assert moe_experts.match(block) == {"variant": "mlp", "params": moe_experts.FAMILY.resolve(
+        "mlp", {"activation": act, "capacity_factor": 1.5})}
+
+
+@pytest.mark.parametrize("attrs,params", [
+    ({"activation": "tanh"}, PACKED_MLP),  # an activation the kernel does not render
+    ({"activation": None}, PACKED_MLP),
+    ({"activation": "relu2", "clamp": 7.0}, PACKED_MLP),  # a clamp: not in this kernel
+    ({"activation": "relu2"}, {**PACKED_MLP, "b_in": [4, 20]}),  # a bias: not in this kernel
+    ({"activation": "relu2"}, {"w_in": [4, 20, 24], "w_out": [4, 24, 21]}),  # not an up/down pair
+    ({"activation": "relu2"}, {**LIST_MLP, "0.fc1.bias": [20]}),
+])
+def test_mlp_unsupported_stays_uncovered(attrs, params):
+    layout = "module_list" if "0.fc1.weight" in params else "packed_3d"
+    assert moe_experts.match(_experts_block({"layout": layout, "gated": False, **attrs}, params)) is None
+
+
+def test_non_gated_silu_is_not_swiglu():
+    """A non-gated SiLU block (two weights per expert, no gate product) is `mlp`, never SwiGLU,
+    and a gated block never `mlp`."""
+    for layout, params in (("packed_3d", PACKED_MLP), ("module_list", LIST_MLP)):
+        m = moe_experts.match(_experts_block({"layout": layout, "gated": False, "activation": "silu"}, params))
+        assert m is not None and m["variant"] == "mlp", (layout, m)
+    gated = _experts_block({"layout": "packed_3d", "gated": True, "activation": "silu"},
+                           {"gate_up": [4, 40, 24], "down": [4, 24, 20]})
+    assert moe_experts.match(gated)["variant"] == "swiglu"
+    assert moe_experts.match(_experts_block({"layout": "packed_3d", "gated": True, "activation": "relu2"},
+                                            {"gate_up": [4, 40, 24], "down": [4, 24, 20]})) is None
+
+
+def test_match_parsed_nemotron_h(parse_model):
+    """transformers' nemotron_h proxy: relu2 experts with up [E, F, D] / down [E, D, F] and
+    D = 2F, classified non-gated from the weight shapes and matched to `mlp`."""
+    experts = [b for b in parse_model("hf:nemotron_h").blocks if b.kind == "moe.experts"]
+    assert experts
+    for b in experts:
+        assert b.attrs["gated"] is False and b.attrs["activation"] == "relu2", b.attrs
+        assert moe_experts.match(b) == {"variant": "mlp",
+                                        "params": moe_experts.FAMILY.resolve("mlp", {"activation": "relu2"})}
