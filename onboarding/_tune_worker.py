@@ -155,8 +155,9 @@ def _randn(gen, *shape, dtype, scale: float = 1.0):
     return x.mul_(scale) if scale != 1.0 else x
 
 
-def _moe_experts(dims: dict[str, int], dtype, gen) -> list:
-    """x [N, D], top-k indices of E experts with weights, gate_up [E, 2F, D], down [E, D, F]."""
+def _moe_experts(dims: dict[str, int], dtype, gen, variant: str) -> list:
+    """x [N, D], top-k indices of E experts with weights, gate_up [E, 2F, D] (`mlp`: up
+    [E, F, D]), down [E, D, F]."""
     import torch
 
     n, d, e, k, f = (int(dims[x]) for x in ("N", "D", "E", "TOPK", "F"))
@@ -164,7 +165,7 @@ def _moe_experts(dims: dict[str, int], dtype, gen) -> list:
     # balanced on average
     idx = torch.rand(n, e, generator=gen, device=gen.device).topk(k, dim=-1).indices
     w = torch.rand(n, k, generator=gen, device=gen.device).to(dtype)
-    gate_up = _randn(gen, e, 2 * f, d, dtype=dtype, scale=d ** -0.5)
+    gate_up = _randn(gen, e, f if variant == "mlp" else 2 * f, d, dtype=dtype, scale=d ** -0.5)
     down = _randn(gen, e, d, f, dtype=dtype, scale=f ** -0.5)
     return [x, idx, w, gate_up, down]
 
@@ -226,7 +227,7 @@ def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int],
     seed = int(torch.randint(0, 2**62, (1,), generator=gen))
     dgen = torch.Generator(device=device).manual_seed(seed)
     if family == "moe_experts":
-        return _moe_experts(dims, dtype, dgen)
+        return _moe_experts(dims, dtype, dgen, variant)
     if family in ("gated_delta", "kimi_delta"):
         return _delta_rule(dims, dtype, dgen, per_channel=family == "kimi_delta")
     return _rows(dims, dtype, dgen, family, variant, params)

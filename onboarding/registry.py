@@ -35,7 +35,7 @@ CORE_OPS = {
     "linear_attention.other": "linear-attention recurrence",
     "sparse_attention.topk": "indexer + top-k + gathered attention",
     "moe.router": "router scoring + top-k",
-    "moe.experts": "permute -> grouped GEMM (SwiGLU) -> unpermute",
+    "moe.experts": "permute -> grouped GEMM (SwiGLU or non-gated activation) -> unpermute",
     "unknown": "unclassified compute",
 }
 

@@ -74,11 +74,13 @@ def block_dims(family: str, entry, block) -> dict[str, int] | None:
         return None
     x = shapes[0]
     if family == "moe_experts" and block is not None and len(shapes) >= 2:
-        down = next((s for n, s in block.params.items() if "down" in n and len(s) == 3), None)
-        e = block.attrs.get("n_experts")
-        if down and e:
-            return {"N": _numel(x[:-1]), "D": x[-1], "E": e, "TOPK": shapes[1][-1],
-                    "F": down[2]}
+        # down [E, D, F] by shape: the expert weight whose rows are x's width D (gate_up [E, 2F, D]
+        # and up [E, F, D] have D columns; when F == D or 2F == D, the one that is not [E, D, D])
+        e, d = block.attrs.get("n_experts"), x[-1]
+        downs = [s for s in block.params.values() if len(s) == 3 and s[0] == e and s[1] == d]
+        if e and downs:
+            f = next((s[2] for s in downs if s[2] != d), d)
+            return {"N": _numel(x[:-1]), "D": d, "E": e, "TOPK": shapes[1][-1], "F": f}
     if family in ("gated_delta", "kimi_delta") and block is not None and len(x) == 3:
         d = _delta_dims(block)
         return {"B": x[0], "T": x[1], **d} if d else None

@@ -558,6 +558,8 @@ def test_timing_inputs_are_made_in_the_timed_dtype_and_oom_names_the_workers(mon
     assert [t.dtype for t in a] == [torch.bfloat16, torch.int64, torch.bfloat16, torch.bfloat16, torch.bfloat16]
     assert all(torch.equal(x, y) for x, y in zip(a, b))  # the seed decides them
     assert a[3].float().std() < 0.5  # scaled by D ** -0.5
+    up = timing_inputs("moe_experts", "mlp", {}, dims, torch.float32, "cpu", torch.Generator().manual_seed(3))[3]
+    assert up.shape == (4, 8, 16)  # non-gated experts: up [E, F, D]
 
     def oom(**_):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
