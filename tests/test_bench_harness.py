@@ -47,3 +47,26 @@ def test_paired_ratios_survive_a_drift_that_sequential_timing_takes_for_speed():
 def test_paired_ratios_take_the_median_round():
     rounds = {"ours": [1.0, 1.0, 1.0], "a": [2.0, 1.5, 9.0], "b": [0.5, 0.5, 0.5]}
     assert paired_ratios(rounds, "ours") == {"a": 2.0, "b": 0.5}  # one outlier round ignored
+
+
+def test_non_gated_moe_cases_and_their_anchors_agree_with_the_kernel():
+    """`anchor_mlp` times the `mlp` experts (relu^2) against anchors that compute what it does:
+    the per-expert loop and argsort + `_grouped_mm` with up [E, F, D] (fp32, tiny shapes)."""
+    import torch
+
+    from onboarding.bench.cases import _kernel, cases_for
+    from onboarding.bench.cases_moe import grouped_mm_mlp, routing, transformers_loop_mlp
+
+    moe = {c.name: c for c in cases_for(["moe_experts"])}
+    fwd = moe["anchor_mlp/E64K8D2048F512N8192/uniform/fwd"]
+    assert fwd.flops == 4 * 8192 * 8 * 2048 * 512  # up and down, 2 S D F each
+    assert moe["anchor_mlp/E64K8D2048F512N8192/uniform/fwdbwd"].flops == 3 * fwd.flops
+    mod, ours = _kernel("moe_experts", "mlp", {"activation": "relu2"})
+    gen = torch.Generator().manual_seed(0)
+    idx, w = routing("zipf", 37, 6, 2, torch.device("cpu"), gen)
+    x, up, down = torch.randn(37, 16, generator=gen), torch.randn(6, 12, 16, generator=gen), \
+        torch.randn(6, 16, 12, generator=gen)
+    expected = mod.reference(x, idx, w, up, down)
+    torch.testing.assert_close(ours(x, idx, w, up, down), expected, rtol=1e-4, atol=1e-5)
+    for fn in (transformers_loop_mlp, grouped_mm_mlp):
+        torch.testing.assert_close(fn(x, idx, w, up, down), expected, rtol=1e-4, atol=1e-5)

@@ -3,7 +3,8 @@
 ``moe_experts``, issue 6's shapes (E experts, top-K, hidden D, expert FFN F, N tokens, bf16):
 the anchor E=64 K=8 D=2048 F=512 N=8192; Qwen3-Next's E=512 K=10 D=2048 F=512; DeepSeek-V3's
 E=256 K=8 D=7168 F=2048 at N=8192 and N=32768. Uniform routing everywhere, Zipf-skewed routing
-(expert popularity ~ 1/rank) at the two D=2048 shapes. Each shape gives two cases, ``.../fwd``
+(expert popularity ~ 1/rank) at the two D=2048 shapes. Non-gated experts (variant ``mlp``,
+relu(x)^2 as nemotron_h's) at the anchor's sizes, ``anchor_mlp``. Each shape gives two cases, ``.../fwd``
 (forward only, under no_grad) and ``.../fwdbwd`` (forward + backward to x, routing weights and
 both expert weights), so that every row carries TFLOP/s. Impls:
 
@@ -13,8 +14,10 @@ both expert weights), so that every row carries TFLOP/s. Impls:
   linears, index_add);
 - ``grouped_mm``: argsort by expert + ``torch._grouped_mm`` for both GEMMs + index_add.
 
-FLOPs: forward 6 S D F for S = N K routed rows (gate/up 4 S D F, down 2 S D F); forward +
-backward 3x that (dx and both weight gradients). ``check`` (fwdbwd cases): the bf16 kernel
+(``anchor_mlp``: the same three with up [E, F, D] -> relu^2 -> down in place of SwiGLU.)
+
+FLOPs: forward 6 S D F for S = N K routed rows (gate/up 4 S D F, down 2 S D F; non-gated 4 S D
+F); forward + backward 3x that (dx and both weight gradients). ``check`` (fwdbwd cases): the bf16 kernel
 against the fp32 per-expert reference at the case's E, K, D, F on 4096 tokens (DeepSeek shapes:
 32 of the experts, so the fp32 copies fit beside the bf16 case), output and every gradient.
 
@@ -36,7 +39,7 @@ tiles in the ``fwd`` case (``MOE_FWD_SWEEP``), the backward kernels' own tiles i
 case (``MOE_BWD_SWEEP``, forward tiles left at the bucket's). Both shapes share the D bucket but
 not the rows per expert (anchor 1024, Qwen3-Next 160: 128-row tiles pad the latter by 60%).
 
-Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D]; down [E, D, F]; LoRA W [O, I],
+Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F]; LoRA W [O, I],
 A [r, I], B [O, r].
 """
 
@@ -56,7 +59,11 @@ MOE_SHAPES = (
     ("qwen3_next", 512, 10, 2048, 512, 8192, ("uniform", "zipf")),
     ("deepseek_v3", 256, 8, 7168, 2048, 8192, ("uniform",)),
     ("deepseek_v3", 256, 8, 7168, 2048, 32768, ("uniform",)),
+    ("anchor_mlp", 64, 8, 2048, 512, 8192, ("uniform",)),
 )
+# shapes whose experts are non-gated (variant "mlp", relu(x)^2)
+MLP_LABELS = ("anchor_mlp",)
+MLP_ACTIVATION = "relu2"
 CHECK_TOKENS, CHECK_MAX_EXPERTS_WIDE = 4096, 32
 # (name, N, I, O): rank-16 LoRA on real projections
 LORA_SHAPES = (
@@ -116,8 +123,16 @@ def routing(kind: str, n: int, e: int, k: int, device: torch.device,
     return idx, w / w.sum(-1, keepdim=True)
 
 
-def transformers_loop(x, topk_indices, topk_weights, gate_up_proj, down_proj):
-    """The per-expert loop of transformers' packed experts (Qwen3MoeExperts.forward et al.)."""
+def _swiglu(gu: torch.Tensor) -> torch.Tensor:
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def _relu2(h: torch.Tensor) -> torch.Tensor:
+    return torch.relu(h).square()
+
+
+def _loop(x, topk_indices, topk_weights, gate_up_proj, down_proj, act: Callable):
     y = torch.zeros_like(x)
     E = gate_up_proj.shape[0]
     with torch.no_grad():
@@ -126,25 +141,42 @@ def transformers_loop(x, topk_indices, topk_weights, gate_up_proj, down_proj):
     for e in hit:
         e = e[0]
         slot, tok = torch.where(mask[e])
-        g, u = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(g) * u, down_proj[e]) * topk_weights[tok, slot, None]
+        h = F.linear(act(F.linear(x[tok], gate_up_proj[e])), down_proj[e]) * topk_weights[tok, slot, None]
         y.index_add_(0, tok, h.to(y.dtype))
     return y
 
 
-def grouped_mm(x, topk_indices, topk_weights, gate_up_proj, down_proj):
-    """argsort by expert, torch._grouped_mm for gate/up and down, weight, index_add."""
+def transformers_loop(x, topk_indices, topk_weights, gate_up_proj, down_proj):
+    """The per-expert loop of transformers' packed experts (Qwen3MoeExperts.forward et al.)."""
+    return _loop(x, topk_indices, topk_weights, gate_up_proj, down_proj, _swiglu)
+
+
+def transformers_loop_mlp(x, topk_indices, topk_weights, up_proj, down_proj):
+    """The same loop for non-gated relu^2 experts (NemotronHExperts.forward)."""
+    return _loop(x, topk_indices, topk_weights, up_proj, down_proj, _relu2)
+
+
+def _grouped(x, topk_indices, topk_weights, gate_up_proj, down_proj, act: Callable):
     N, K = topk_indices.shape
     E = gate_up_proj.shape[0]
     flat = topk_indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tok = order // K
     offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    gu = torch._grouped_mm(x[tok], gate_up_proj.transpose(1, 2), offs=offs)
-    g, u = gu.chunk(2, dim=-1)
-    o = torch._grouped_mm(F.silu(g) * u, down_proj.transpose(1, 2), offs=offs)
+    h = act(torch._grouped_mm(x[tok], gate_up_proj.transpose(1, 2), offs=offs))
+    o = torch._grouped_mm(h, down_proj.transpose(1, 2), offs=offs)
     o = o * topk_weights.reshape(-1)[order, None].to(o.dtype)
     return torch.zeros_like(x).index_add_(0, tok, o)
+
+
+def grouped_mm(x, topk_indices, topk_weights, gate_up_proj, down_proj):
+    """argsort by expert, torch._grouped_mm for gate/up and down, weight, index_add."""
+    return _grouped(x, topk_indices, topk_weights, gate_up_proj, down_proj, _swiglu)
+
+
+def grouped_mm_mlp(x, topk_indices, topk_weights, up_proj, down_proj):
+    """The same for non-gated relu^2 experts."""
+    return _grouped(x, topk_indices, topk_weights, up_proj, down_proj, _relu2)
 
 
 def _fwd(fn: Callable, sets: list[tuple]) -> Step:
@@ -154,12 +186,12 @@ def _fwd(fn: Callable, sets: list[tuple]) -> Step:
     return step
 
 
-def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool) -> list[tuple]:
+def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True) -> list[tuple]:
     """N_SETS token sets (x, indices, weights) sharing one set of expert weights: the weights
     (0.2-23 GB in bf16) are far past the L2 on their own, and three copies would not fit."""
     gen = torch.Generator(device=device).manual_seed(0)
     bf16 = torch.bfloat16
-    gate_up = (torch.randn(E, 2 * Fw, D, device=device, generator=gen) / D ** 0.5).to(bf16)
+    gate_up = (torch.randn(E, (2 if gated else 1) * Fw, D, device=device, generator=gen) / D ** 0.5).to(bf16)
     down = (torch.randn(E, D, Fw, device=device, generator=gen) / Fw ** 0.5).to(bf16)
     if grad:
         gate_up, down = _leaf(gate_up), _leaf(down)
@@ -187,10 +219,19 @@ def _fwd_sweep(mod, fn: Callable, sets, size: int, configs: list[dict]) -> dict[
     return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()): pinned({**base, **cfg}) for cfg in configs}
 
 
-def _moe_steps(E, K, D, Fw, N, kind, backward: bool, sweep: bool, device) -> dict[str, Step]:
-    mod, ours = _kernel("moe_experts", "swiglu")
-    impls = {"ours": ours, "loop": transformers_loop, "grouped_mm": grouped_mm}
-    sets = _moe_sets(E, K, D, Fw, N, kind, device, backward)
+def _variant(label: str) -> tuple[str, dict, bool]:
+    """(variant, params, gated) of a MOE_SHAPES label."""
+    if label in MLP_LABELS:
+        return "mlp", {"activation": MLP_ACTIVATION}, False
+    return "swiglu", {}, True
+
+
+def _moe_steps(label, E, K, D, Fw, N, kind, backward: bool, sweep: bool, device) -> dict[str, Step]:
+    variant, params, gated = _variant(label)
+    mod, ours = _kernel("moe_experts", variant, params)
+    impls = {"ours": ours, "loop": transformers_loop if gated else transformers_loop_mlp,
+             "grouped_mm": grouped_mm if gated else grouped_mm_mlp}
+    sets = _moe_sets(E, K, D, Fw, N, kind, device, backward, gated)
     if not backward:
         steps = {name: _fwd(fn, sets) for name, fn in impls.items()}
         return {**steps, **(_fwd_sweep(mod, ours, sets, D, MOE_FWD_SWEEP) if sweep else {})}
@@ -199,18 +240,19 @@ def _moe_steps(E, K, D, Fw, N, kind, backward: bool, sweep: bool, device) -> dic
     return {**steps, **(_config_sweep(mod, ours, sets, grads, D, MOE_BWD_SWEEP) if sweep else {})}
 
 
-def _moe_check(E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, float]]:
+def _moe_check(label, E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, float]]:
     e = E if D < 4096 else min(E, CHECK_MAX_EXPERTS_WIDE)
+    variant, params, gated = _variant(label)
 
     def make(dtype):
         gen = torch.Generator(device="cuda").manual_seed(0)
         idx, w = routing(kind, CHECK_TOKENS, e, K, torch.device("cuda"), gen)
         return (torch.randn(CHECK_TOKENS, D, device="cuda", generator=gen).to(dtype), idx, w.to(dtype),
-                (torch.randn(e, 2 * Fw, D, device="cuda", generator=gen) / D ** 0.5).to(dtype),
+                (torch.randn(e, (2 if gated else 1) * Fw, D, device="cuda", generator=gen) / D ** 0.5).to(dtype),
                 (torch.randn(e, D, Fw, device="cuda", generator=gen) / Fw ** 0.5).to(dtype))
 
     def check(device):
-        mod, ours = _kernel("moe_experts", "swiglu")
+        mod, ours = _kernel("moe_experts", variant, params)
         return _check(ours, mod.reference, make)(device)
     return check
 
@@ -219,9 +261,10 @@ def moe_experts_cases() -> list[BenchCase]:
     cases = []
     for label, E, K, D, Fw, N, kinds in MOE_SHAPES:
         S = N * K
+        mats = 3 if _variant(label)[2] else 2  # weight matrices of F x D per expert
         # bytes: x, y (bf16) and the expert weights once; the backward reads dy, x, the weights
         # and writes dx and both weight gradients
-        fwd_bytes = 2 * (2 * N * D + 3 * E * Fw * D)
+        fwd_bytes = 2 * (2 * N * D + mats * E * Fw * D)
         for kind in kinds:
             sweep = label in ("anchor", "qwen3_next") and kind == "uniform"
             for backward in (False, True):
@@ -229,10 +272,10 @@ def moe_experts_cases() -> list[BenchCase]:
                 cases.append(BenchCase(
                     family="moe_experts", name=name,
                     shape={"E": E, "K": K, "D": D, "F": Fw, "N": N},
-                    min_bytes=fwd_bytes + (2 * (3 * N * D + 6 * E * Fw * D) if backward else 0),
-                    flops=(18 if backward else 6) * S * D * Fw,
-                    setup=lambda device, a=(E, K, D, Fw, N, kind, backward, sweep): _moe_steps(*a, device),
-                    check=_moe_check(E, K, D, Fw, kind) if backward else None,
+                    min_bytes=fwd_bytes + (2 * (3 * N * D + 2 * mats * E * Fw * D) if backward else 0),
+                    flops=(3 if backward else 1) * 2 * mats * S * D * Fw,
+                    setup=lambda device, a=(label, E, K, D, Fw, N, kind, backward, sweep): _moe_steps(*a, device),
+                    check=_moe_check(label, E, K, D, Fw, kind) if backward else None,
                     note=f"{kind} routing; {'forward + backward' if backward else 'forward only'}"))
     return cases
 
