@@ -39,6 +39,8 @@ class OpRecord:
     out_dtypes: list[str]
     scalars: list[Any]  # non-tensor positional args (ints, floats, int lists), else None
     params: dict[int, str] = field(default_factory=dict)  # arg position -> parameter name
+    # keyword args that are scalars or strings (gelu's approximate="tanh", softmax's dim=...)
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -74,6 +76,17 @@ def _scalar(x: Any) -> Any:
     if isinstance(x, torch.SymInt):
         return int(x)
     return None
+
+
+def _scalar_kwargs(kwargs: dict | None) -> dict[str, Any]:
+    """The keyword arguments of one op that `_scalar` keeps, plus strings (enum-like options)."""
+    out = {}
+    for k, v in (kwargs or {}).items():
+        if isinstance(v, str):
+            out[k] = v
+        elif (s := _scalar(v)) is not None:
+            out[k] = s
+    return out
 
 
 def _io_hooks(model: nn.Module, io: dict, stack: list[str] | None = None) -> list:
@@ -119,7 +132,7 @@ class _Recorder(TorchDispatchMode):
             in_dtypes=[m.dtype if m else None for m in metas],
             out_shapes=[o.shape for o in outs], out_dtypes=[o.dtype for o in outs],
             scalars=[None if isinstance(a, torch.Tensor) else _scalar(a) for a in args],
-            params=params))
+            params=params, kwargs=_scalar_kwargs(kwargs)))
         return out
 
 
@@ -203,7 +216,7 @@ def _walk_graph(gm: Any, param_of: dict[str, str], records: list[OpRecord]) -> N
                                 in_shapes=in_shapes, in_dtypes=in_dtypes,
                                 out_shapes=[o.shape for o in outs],
                                 out_dtypes=[o.dtype for o in outs], scalars=scalars,
-                                params=params))
+                                params=params, kwargs=_scalar_kwargs(node.kwargs)))
 
 
 @contextlib.contextmanager

@@ -178,3 +178,21 @@ def test_layer_norm_written_in_torch_ops_is_no_rms_norm(parse_model):
     kinds = {b.class_name: b.kind for b in g.blocks if "Norm" in b.class_name}
     assert kinds.get("Cohere2MoeLayerNorm") == "norm.layer", kinds
     assert all(k == "norm.rms" for c, k in kinds.items() if "RMSNorm" in c)
+
+
+def test_capture_keeps_string_and_scalar_keyword_arguments():
+    """gelu's approximate="tanh" (a keyword, a string) survives both captures: it is what tells
+    the tanh GELU from the exact one."""
+    import torch
+    from torch import nn
+
+    from onboarding import capture
+
+    class TwoGelus(nn.Module):
+        def forward(self, x):
+            return nn.functional.gelu(x, approximate="tanh") + nn.functional.gelu(x)
+
+    x = torch.randn(3, 4)
+    for cap in (capture.capture(TwoGelus(), (x,), {}), capture.record_eager(TwoGelus(), (x,), {})):
+        gelus = [r.kwargs for r in cap.records if r.op == "gelu"]
+        assert gelus == [{"approximate": "tanh"}, {}], (cap.method, gelus)
