@@ -185,6 +185,86 @@ def _expert_gating(mats: list[list[int]]) -> bool | None:
     return None
 
 
+def _packed_orientation(mats: list[list[int]]) -> tuple[str, int] | None:
+    """How two packed gated expert weights (each [out, in] or [in, out] past the expert dim) are
+    stored, from their shapes: ("out_in", i) for gate_up [2F, D] + down [D, F] (used as x W^T),
+    ("in_out", i) for gate_up [D, 2F] + down [F, D] (used as x W: gpt-oss), with i the index of
+    gate_up in `mats`; None when neither fits. The two never both fit positive dims (that would
+    need F = 0), so the shapes decide."""
+    if len(mats) != 2:
+        return None
+    for i, (g, d) in enumerate((mats, mats[::-1])):
+        if g[0] == 2 * d[1] and g[1] == d[0]:
+            return "out_in", i
+        if g[1] == 2 * d[0] and g[0] == d[1]:
+            return "in_out", i
+    return None
+
+
+def _is_last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and not isinstance(dim, bool) and ndim > 0 and dim % ndim == ndim - 1
+
+
+def _gate_up_split(recs: list[OpRecord], two_f: int) -> str | None:
+    """How the gate/up product [.., 2F] is split, read off the recorded ops: "interleaved" (gate
+    at even, up at odd columns: slices with step 2 from 0 and 1, or a view to [.., F, 2]) or
+    "halves" ([gate | up]: chunk(2), split(F) / split_with_sizes([F, F]), step-1 slices or a
+    narrow at F, or a view to [.., 2, F]), each over the last dim of a tensor that ends in 2F.
+    None when neither is seen, or both are: the split cannot be read, and is never guessed."""
+    f = two_f // 2
+    seen: set[str] = set()
+    for r in recs:
+        shape = r.in_shapes[0] if r.in_shapes else None
+        if not shape or shape[-1] != two_f or two_f % 2:
+            continue
+        nd, sc = len(shape), r.scalars
+        if r.op == "slice" and len(sc) > 1 and _is_last_dim(sc[1], nd):
+            start = sc[2] if len(sc) > 2 and sc[2] is not None else 0
+            end = sc[3] if len(sc) > 3 and sc[3] is not None else two_f
+            step = sc[4] if len(sc) > 4 and sc[4] is not None else 1
+            if step == 2 and start in (0, 1) and end >= two_f:
+                seen.add("interleaved")
+            elif step == 1 and ((start == 0 and end == f) or (start == f and end >= two_f)):
+                seen.add("halves")
+        elif r.op == "chunk" and len(sc) > 2 and sc[1] == 2 and _is_last_dim(sc[2], nd):
+            seen.add("halves")
+        elif r.op in ("split", "split_with_sizes") and len(sc) > 2 and _is_last_dim(sc[2], nd) \
+                and sc[1] in (f, [f, f]):
+            seen.add("halves")
+        elif r.op == "narrow" and len(sc) > 3 and _is_last_dim(sc[1], nd) and sc[3] == f \
+                and sc[2] in (0, f):
+            seen.add("halves")
+        elif r.op in ("view", "reshape", "_unsafe_view", "unflatten") and r.out_shapes \
+                and len(r.out_shapes[0]) == nd + 1 and r.out_shapes[0][:-2] == shape[:-1]:
+            tail = r.out_shapes[0][-2:]
+            if tail == [f, 2]:
+                seen.add("interleaved")
+            elif tail == [2, f]:
+                seen.add("halves")
+    return seen.pop() if len(seen) == 1 else None
+
+
+def _sigmoid_glu(recs: list[OpRecord]) -> float | None:
+    """The slope alpha of a gate written out as g * sigmoid(alpha g) (gpt-oss's experts): a
+    sigmoid whose next op multiplies its output by a tensor of the same shape; alpha is the scalar
+    multiply feeding the sigmoid (1 without one). None when there is no such gate."""
+    for i, r in enumerate(recs):
+        if r.op != "sigmoid" or not r.out_shapes:
+            continue
+        nxt = next((x for x in recs[i + 1:] if x.op not in VIEW_OPS), None)
+        if nxt is None or nxt.op not in ("mul", "mul_") or len(nxt.in_shapes) < 2 \
+                or nxt.in_shapes[0] != r.out_shapes[0] or nxt.in_shapes[1] != r.out_shapes[0]:
+            continue
+        prev = next((x for x in reversed(recs[:i]) if x.op not in VIEW_OPS), None)
+        if prev is not None and prev.op in ("mul", "mul_") and prev.out_shapes \
+                and prev.out_shapes[0] == (r.in_shapes[0] if r.in_shapes else None):
+            scal = [v for v in prev.scalars or [] if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if scal:
+                return float(scal[-1])
+        return 1.0
+    return None
+
+
 def _clamp(recs: list[OpRecord]) -> float | None:
     for r in recs:
         if r.op in ("clamp", "clamp_max", "clamp_min") and len(r.scalars) > 1:
@@ -279,17 +359,23 @@ class Classifier:
         expert_params = self._expert_params(path)
         if expert_params and (mm or any("grouped_mm" in op for op in ops)):
             e = expert_params
-            gated = _expert_gating([self.ctx.param_shapes[n][1:] for n in self._3d_params(path)
-                                    if len(self.ctx.param_shapes[n]) == 3])
+            names3 = [n for n in self._3d_params(path) if len(self.ctx.param_shapes[n]) == 3]
+            mats = [self.ctx.param_shapes[n][1:] for n in names3]
+            gated = _expert_gating(mats)
+            orient = _packed_orientation(mats)
+            if gated is None and orient is not None:
+                gated = True  # gate_up [E, D, 2F] + down [E, F, D]: gpt-oss's x @ W layout
             ev = [f"{len(self._3d_params(path))} parameters stacked over {e} experts",
                   "matmuls over expert-sorted tokens"]
             if gated is False:
                 ev.append("up [E, F, D] and down [E, D, F] only, each the other's transpose: "
                           "no gate half (non-gated experts)")
-            return "moe.experts", ev, {
-                "n_experts": e, "layout": "packed_3d", "gated": gated,
-                "activation": _expert_activation(recs), "clamp": _clamp(recs), **_clamp_style(recs),
-                "grouped_mm": any("grouped_mm" in op for op in ops)}
+            attrs = {"n_experts": e, "layout": "packed_3d", "gated": gated,
+                     "activation": _expert_activation(recs), "clamp": _clamp(recs),
+                     **_clamp_style(recs), "grouped_mm": any("grouped_mm" in op for op in ops)}
+            if gated and orient is not None:
+                self._packed_gated(path, recs, names3, orient, ev, attrs)
+            return "moe.experts", ev, attrs
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         if len(mm) >= 2 and weight_only and (act := _activation(recs)) and not attn \
                 and not seq_topk:
@@ -301,6 +387,46 @@ class Classifier:
                 "intermediate": _linear_dims(mm[0], ctx)[1] if _linear_dims(mm[0], ctx)
                 else None}
         return None
+
+    def _packed_gated(self, path: str, recs: list[OpRecord], names3: list[str],
+                      orient: tuple[str, int], ev: list[str], attrs: dict[str, Any]) -> None:
+        """Into `attrs`, what the kernel binding needs of gated packed experts: the weights' orientation
+        (`weight_layout`), how the gate/up product is split (`gate_up_split`, None when the ops
+        do not say), the per-expert biases (`gate_up_bias` [E, 2F] / `down_bias` [E, D]: 2-D
+        parameters of the block used by its ops, by name relative to the block), and the
+        activation of a written-out sigmoid gate g * sigmoid(alpha g) (SiLU with slope alpha)."""
+        layout, i = orient
+        e = self.ctx.param_shapes[names3[0]][0]
+        gu = self.ctx.param_shapes[names3[i]]
+        two_f, d = (gu[1], gu[2]) if layout == "out_in" else (gu[2], gu[1])
+        split = _gate_up_split(recs, two_f)
+        attrs.update(weight_layout=layout, gate_up_split=split, gate_up_bias=None, down_bias=None)
+        ev.append(f"gate_up [E, {'2F, D' if layout == 'out_in' else 'D, 2F'}] and down "
+                  f"[E, {'D, F' if layout == 'out_in' else 'F, D'}] ({layout})")
+        ev.append(f"gate/up split: {split}" if split else
+                  "gate/up split not read off the ops (neither halves nor interleaved)")
+        # the split (else the first activation) separates the gate_up bias from the down bias
+        pivot = next((r.index for r in recs if r.op in ("slice", "chunk", "split", "split_with_sizes",
+                                                        "narrow") and r.in_shapes and r.in_shapes[0]
+                      and r.in_shapes[0][-1] == two_f), None)
+        if pivot is None:
+            pivot = next((r.index for r in recs if r.op in ACTIVATIONS), None)
+        first_use: dict[str, int] = {}
+        for r in recs:
+            for n in r.params.values():
+                shape = self.ctx.param_shapes.get(n, [])
+                if n.rsplit(".", 1)[0] == path and len(shape) == 2 and shape[0] == e:
+                    first_use.setdefault(n, r.index)
+        for key, width, before in (("gate_up_bias", two_f, True), ("down_bias", d, False)):
+            fits = [n for n, at in first_use.items() if self.ctx.param_shapes[n] == [e, width]
+                    and (pivot is None or (at < pivot) == before)]
+            if len(fits) == 1:
+                attrs[key] = fits[0][len(path) + 1:]
+                ev.append(f"{key.replace('_', ' ')} {fits[0][len(path) + 1:]} [E, {width}]")
+        if _activation(recs) is None and (alpha := _sigmoid_glu(recs)) is not None:
+            attrs["activation"] = "silu"
+            attrs.setdefault("alpha", alpha)  # the clamp style's reading, when it made one
+            ev.append(f"gate written out as g * sigmoid({alpha:g} g)")
 
     def _3d_params(self, path: str) -> list[str]:
         return [n for n, s in self.ctx.param_shapes.items()

@@ -7,7 +7,10 @@ structure (its parameters, its input) to a kernel's signature:
   - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
   - ``moe.experts`` (packed 3-D weights): ``forward(x, indices, weights)`` -> the grouped-GEMM
     experts kernel, with the weights found by their shapes (gate_up [E, 2F, D] + down [E, D, F]
-    for the gated variants, up [E, F, D] + down [E, D, F] for the non-gated `mlp` one);
+    for the gated variants, up [E, F, D] + down [E, D, F] for the non-gated `mlp` one). Gated
+    blocks stored otherwise (gpt-oss: gate_up [E, D, 2F] with gate/up interleaved, down [E, F, D],
+    per-expert biases) are converted to the kernel's layout as the classifier read it off the
+    block (see `_ExpertWeights`);
   - ``moe.router``: ``forward(x)`` -> the router kernel with the gate weight found by its shape
     [n_experts, hidden] and the score-correction bias (a parameter or buffer [n_experts]) when
     the kernel was rendered with one; scoring, top-k, groups, renormalisation and scaling are
@@ -206,31 +209,121 @@ def _experts_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor
     return x, idx[0], w
 
 
-def _experts_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
+class _ExpertWeights:
+    """A gated packed experts block's weights (and biases) in the kernel's layout: gate_up
+    [E, 2F, D] as [gate | up] halves, down [E, D, F], gate_up_bias [E, 2F] as halves, down_bias
+    [E, D].
+
+    ``layout`` "in_out" (the block computes x @ W: gate_up [E, D, 2F], down [E, F, D]) transposes
+    the last two dims; ``split`` "interleaved" (gate at even, up at odd columns) regroups them into
+    halves. The kernels take contiguous weights at fixed strides, and interleaved rows are no
+    strided view of halves, so a converted copy is made: for a weight that needs no gradient here
+    (frozen, or under no_grad) once, cached on the parameter's data_ptr, ``_version``, shape,
+    stride, dtype and device (an in-place update or a swapped tensor converts again); for one
+    that does, on every call with differentiable ops, so autograd takes each gradient back to the
+    original parameter's layout. Parameters are looked up by name at call time (FSDP2 swaps a
+    sharded module's parameters). The same conversion runs in both cases, so the patch's
+    first-call check against the block's own output covers it.
+    """
+
+    def __init__(self, module: nn.Module, names: dict[str, str], layout: str, split: str):
+        self.module, self.names, self.layout, self.split = module, names, layout, split
+        self._cache: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def _needs_conversion(self, role: str) -> bool:
+        if role in ("gate_up", "down") and self.layout == "in_out":
+            return True
+        return role in ("gate_up", "gate_up_bias") and self.split == "interleaved"
+
+    def _convert(self, role: str, p: torch.Tensor) -> torch.Tensor:
+        if role in ("gate_up", "down") and self.layout == "in_out":
+            p = p.transpose(1, 2)  # [E, in, out] -> [E, out, in]
+        if role in ("gate_up", "gate_up_bias") and self.split == "interleaved":
+            # rows (gate 0, up 0, gate 1, up 1, ...) -> (gate 0, gate 1, ..., up 0, up 1, ...)
+            e, two_f = p.shape[0], p.shape[1]
+            p = p.unflatten(1, (two_f // 2, 2)).transpose(1, 2).reshape(e, two_f, *p.shape[2:])
+        return p.contiguous()
+
+    def get(self, role: str) -> torch.Tensor:
+        p = getattr(self.module, self.names[role])
+        if not self._needs_conversion(role):
+            return p
+        if torch.is_grad_enabled() and p.requires_grad:
+            return self._convert(role, p)
+        key = (p.data_ptr(), p._version, tuple(p.shape), p.stride(), p.dtype, p.device)
+        hit = self._cache.get(role)
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = (key, self._convert(role, p))
+            self._cache[role] = hit
+        return hit[1]
+
+
+def _gated_experts_roles(module: nn.Module, a: torch.Tensor, b: torch.Tensor
+                         ) -> tuple[str, dict[str, str]] | None:
+    """(layout, {"gate_up": name, "down": name}) of two packed gated weights by their shapes:
+    "out_in" gate_up [E, 2F, D] + down [E, D, F], or "in_out" gate_up [E, D, 2F] + down
+    [E, F, D]; None when neither fits (the two never both fit positive dims)."""
+    names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+    for g, d in ((a, b), (b, a)):
+        if g.shape[0] != d.shape[0]:
+            continue
+        if g.shape[1] == 2 * d.shape[2] and g.shape[2] == d.shape[1]:
+            return "out_in", {"gate_up": names[id(g)], "down": names[id(d)]}
+        if g.shape[2] == 2 * d.shape[1] and g.shape[1] == d.shape[2]:
+            return "in_out", {"gate_up": names[id(g)], "down": names[id(d)]}
+    return None
+
+
+def _experts_bindings(module: nn.Module, fn: Callable, block: Block | None = None,
+                      kernel_bias: bool = False) -> dict[str, Callable]:
     """Packed experts: ``forward(x, topk_indices, topk_weights)`` in any argument order, weights
-    found by their shapes: ``[E, 2F, D]`` (gate/up) and ``[E, D, F]`` (down) for a gated block;
-    ``[E, F, D]`` (up) and ``[E, D, F]`` (down), each the other's transpose, for a non-gated one
-    (the kernel then is the `mlp` variant's). Which of a non-gated pair is up is x's width: up
-    ends in D. With F == D the shapes cannot tell, so both assignments are offered and the
-    first-call calibration keeps the one that reproduces the block."""
+    found by their shapes: ``[E, 2F, D]`` (gate/up) and ``[E, D, F]`` (down) for a gated block,
+    or ``[E, D, 2F]`` and ``[E, F, D]`` (used as x @ W); ``[E, F, D]`` (up) and ``[E, D, F]``
+    (down), each the other's transpose, for a non-gated one (the kernel then is the `mlp`
+    variant's). Which of a non-gated pair is up is x's width: up ends in D. With F == D the
+    shapes cannot tell, so both assignments are offered and the first-call calibration keeps the
+    one that reproduces the block.
+
+    A gated block's gate/up split and biases come from the classifier (``block.attrs``:
+    ``gate_up_split``, ``gate_up_bias``, ``down_bias``; ``weight_layout`` must agree with the
+    shapes); a graph classified before they were recorded means [gate | up] halves, no biases.
+    An unread split, or biases the kernel was not rendered with (``kernel_bias``, the `bias`
+    render parameter), give no binding. Weights in another layout are converted by
+    `_ExpertWeights`."""
     packed = [p for p in module.parameters(recurse=False) if p.ndim == 3]
     if len(packed) != 2:
         return {}
     a, b = packed
-    if a.shape[1] == 2 * b.shape[2] and a.shape[2] == b.shape[1]:
-        gate_up, down = a, b
-    elif b.shape[1] == 2 * a.shape[2] and b.shape[2] == a.shape[1]:
-        gate_up, down = b, a
-    elif a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2] and a.shape[2] == b.shape[1]:
-        return _mlp_experts_bindings(module, fn, a, b)
-    else:
+    roles = _gated_experts_roles(module, a, b)
+    if roles is None:
+        if a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2] and a.shape[2] == b.shape[1]:
+            return _mlp_experts_bindings(module, fn, a, b)
         return {}
+    layout, names = roles
+    attrs = block.attrs if block is not None else {}
+    split = attrs.get("gate_up_split", "halves")
+    if attrs.get("weight_layout", layout) != layout or split not in ("halves", "interleaved"):
+        return {}
+    biases = {k: attrs.get(k) for k in ("gate_up_bias", "down_bias")}
+    has_bias = all(biases.values())
+    if has_bias != kernel_bias or (any(biases.values()) and not has_bias):
+        return {}
+    if has_bias:
+        own = dict(module.named_parameters())
+        if any(n not in own for n in biases.values()):
+            return {}
+        names.update(biases)
+    weights = _ExpertWeights(module, names, layout, split)
+    roles_used = ("gate_up", "down", "gate_up_bias", "down_bias") if has_bias else ("gate_up", "down")
 
     def call(*args, **kwargs):
         x, idx, w = _experts_args(args, kwargs)
-        return fn(x, idx, w, gate_up, down)
+        return fn(x, idx, w, *(weights.get(r) for r in roles_used))
 
-    return {"x, topk_indices, topk_weights (by dtype and width)": call}
+    how = "" if (layout, split, has_bias) == ("out_in", "halves", False) else \
+        f"; {names['gate_up']} {layout} {split}" + (" + biases" if has_bias else "") + " -> kernel layout"
+    return {f"x, topk_indices, topk_weights (by dtype and width){how}": call}
 
 
 def _mlp_experts_bindings(module: nn.Module, fn: Callable, a: torch.Tensor, b: torch.Tensor
@@ -395,7 +488,7 @@ def patch_model(model: nn.Module, graph: OpGraph,
         if block.kind.startswith("norm."):
             bindings = _norm_bindings(block, module, fn)
         elif block.kind == "moe.experts":
-            bindings = _experts_bindings(module, fn)
+            bindings = _experts_bindings(module, fn, block, bool(getattr(kmod, "PARAMS", {}).get("bias")))
         elif block.kind == "moe.router":
             from onboarding._patch_router import router_adapt, router_bindings
 

@@ -4,7 +4,19 @@ Variant `swiglu`: packed expert weights gate_up_proj [E, 2F, D] ([gate | up] hal
 down_proj [E, D, F] as transformers' 3-D expert layout (a `module_list` block maps to it by
 stacking its per-expert weights). Forward and backward (dx, d topk_weights, d gate_up_proj,
 d down_proj) in Triton; dropless by default, optional capacity-factor dropping; optional
-clamped SwiGLU (gpt-oss style: gate clamped above, up both sides, slope alpha, up offset).
+clamped SwiGLU (gpt-oss style: gate clamped above, up both sides, slope alpha, up offset);
+optional per-expert biases (`bias`: gate_up_bias [E, 2F] added before the activation, down_bias
+[E, D] added to the expert output before the routing weight, with their gradients).
+
+The kernel has one weight layout; blocks store theirs in others, read off by the classifier:
+`weight_layout` "out_in" ([E, out, in], used as x W^T: the kernel's) or "in_out" ([E, in, out],
+used as x W: gpt-oss's gate_up [E, D, 2F] and down [E, F, D]); `gate_up_split` "halves" ([gate |
+up]) or "interleaved" (gate at even, up at odd columns: gpt-oss), from the recorded split of the
+gate/up product (a chunk or step-1 slices vs step-2 slices); `gate_up_bias` / `down_bias`: the
+names of the 2-D [E, 2F] / [E, D] parameters added around the two GEMMs. `match` takes these
+layouts; `onboarding.patching` converts the block's weights to the kernel's layout (and checks
+the result against the block's own output on its first call). A gated packed block whose split
+the classifier could not read (`gate_up_split: None`) stays uncovered.
 
 Variant `swiglu_lora`: the same experts frozen, with per-expert LoRA adapters on gate_up and on
 down applied inside the grouped GEMMs (no delta-W); gradients to x, topk_weights and the
@@ -53,15 +65,63 @@ def _check(variant: str, params: dict[str, Any]) -> None:
         raise InputError(f"moe_experts: parameter 'capacity_factor' must be > 0, got {params['capacity_factor']!r}")
 
 
+# `gate_up_split` of graphs classified before the classifier recorded it: [gate | up] halves, as
+# the kernel has always assumed for them (the first-call check at patching still guards it).
+_LEGACY_SPLIT = "halves"
+
+
+def _gate_up_down(shapes: dict[str, list[int]], e: int, weight_layout: str) -> tuple[str, str] | None:
+    """(gate_up name, down name) of the packed 3-D weights in `weight_layout`: "out_in" gate_up
+    [E, 2F, D] + down [E, D, F], or "in_out" gate_up [E, D, 2F] + down [E, F, D]; None when no
+    (or more than one) pair fits."""
+    three = {n: s for n, s in shapes.items() if len(s) == 3 and s[0] == e}
+    if weight_layout == "out_in":
+        fits = [(a, b) for a in three for b in three
+                if a != b and three[a][1] == 2 * three[b][2] and three[a][2] == three[b][1]]
+    elif weight_layout == "in_out":
+        fits = [(a, b) for a in three for b in three
+                if a != b and three[a][2] == 2 * three[b][1] and three[a][1] == three[b][2]]
+    else:
+        return None
+    return fits[0] if len(fits) == 1 else None
+
+
+def _packed_params(block: Any) -> dict[str, Any] | None:
+    """The `swiglu` render params a gated packed_3d block needs ({"bias": bool}), or None when its
+    weight layout, gate/up split or parameters are not what the kernel (after the patch binding's
+    conversion) computes: the two weights, and either both biases [E, 2F] / [E, D] or none."""
+    attrs, e = block.attrs, block.attrs.get("n_experts")
+    layout = attrs.get("weight_layout", "out_in")
+    if attrs.get("gate_up_split", _LEGACY_SPLIT) not in ("halves", "interleaved"):
+        return None  # the split could not be read off the ops: no guessing
+    pair = _gate_up_down(block.params, e, layout)
+    if pair is None:
+        return None
+    gu = block.params[pair[0]]
+    two_f, d = (gu[1], gu[2]) if layout == "out_in" else (gu[2], gu[1])
+    biases = {k: attrs.get(k) for k in ("gate_up_bias", "down_bias")}
+    if any(b is not None and b not in block.params for b in biases.values()):
+        return None
+    if (biases["gate_up_bias"] is None) != (biases["down_bias"] is None):
+        return None  # one bias alone: the kernel renders both or none
+    if biases["gate_up_bias"] is not None and (block.params[biases["gate_up_bias"]] != [e, two_f]
+                                               or block.params[biases["down_bias"]] != [e, d]):
+        return None
+    known = set(pair) | {b for b in biases.values() if b is not None}
+    if set(block.params) - known:
+        return None  # a parameter the kernel would ignore
+    return {"bias": biases["gate_up_bias"] is not None}
+
+
 def _layout_ok(block: Any) -> bool:
-    """3-D gate_up [E, 2F, D] + down [E, D, F], or per-expert 2-D gate/up/down weights (module_list)."""
+    """Packed 3-D gate_up + down in a layout `_packed_params` takes, or per-expert 2-D gate/up/down
+    weights (module_list)."""
     shapes = list(block.params.values())
     e = block.attrs.get("n_experts")
     if block.attrs.get("gated") is False:  # the classifier found no gate half (variant `mlp`)
         return False
     if block.attrs.get("layout") == "packed_3d":
-        three = [s for s in shapes if len(s) == 3 and s[0] == e]
-        return any(a[1] == 2 * b[2] and a[2] == b[1] for a in three for b in three if a is not b)
+        return _packed_params(block) is not None
     if block.attrs.get("layout") == "module_list":
         two = [s for s in shapes if len(s) == 2]
         return len(two) == 3 * e or len(two) == 2 * e
@@ -108,7 +168,10 @@ def match(block: Any) -> dict[str, Any] | None:
     `MLP_ACTIVATIONS` and an up + down layout (variant `mlp`).
 
     A clamp needs `clamp_style == "pre_act"` (or none given with `alpha`/`up_offset` in attrs is
-    taken as gpt-oss's pre-activation clamp only when attrs say so): otherwise uncovered.
+    taken as gpt-oss's pre-activation clamp only when attrs say so): otherwise uncovered. Packed
+    weights in the "in_out" orientation, interleaved gate/up and biases (attrs `weight_layout`,
+    `gate_up_split`, `gate_up_bias`/`down_bias`) are served by `swiglu` (with `bias` for the
+    biases); a gated packed block with an unread split (`gate_up_split: None`) is not.
     """
     if block.kind != "moe.experts":
         return None
@@ -118,6 +181,8 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
     attrs = block.attrs
     params: dict[str, Any] = {}
+    if attrs.get("layout") == "packed_3d":
+        params.update(_packed_params(block) or {})
     if attrs.get("clamp") is not None:
         if attrs.get("clamp_style", "pre_act") != "pre_act" or "clamp_style" not in attrs:
             return None
@@ -126,6 +191,8 @@ def match(block: Any) -> dict[str, Any] | None:
         params["up_offset"] = float(attrs.get("up_offset", 0.0))
     if attrs.get("capacity_factor") is not None:
         params["capacity_factor"] = float(attrs["capacity_factor"])
+    if attrs.get("alpha") is not None and "alpha" not in params:
+        params["alpha"] = float(attrs["alpha"])  # a sigmoid GLU's slope without a clamp
     return FAMILY.served("swiglu", params)
 
 
@@ -133,7 +200,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
                   gen: torch.Generator) -> list:
     """37 tokens at the block's width, E=5 top-2 with expert 4 left empty, F=24 (+ rank-8
     adapters with non-zero B for `swiglu_lora`, so every adapter gradient shows; `mlp`: up_proj
-    [E, F, D] in place of gate_up)."""
+    [E, F, D] in place of gate_up; with `bias`, random non-zero gate_up_bias [E, 2F] and down_bias
+    [E, D])."""
     width = shapes[0][-1] if shapes else 24
     n, k, e, f, r = 37, 2, 5, 24, 8
     x = torch.randn(n, width, generator=gen)
@@ -141,6 +209,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     w = torch.rand(n, k, generator=gen)
     gate_up = torch.randn(e, (f if variant == "mlp" else 2 * f), width, generator=gen) / width ** 0.5
     down = torch.randn(e, width, f, generator=gen) / f ** 0.5
+    if params.get("bias"):
+        return [x, idx, w, gate_up, down, torch.randn(e, 2 * f, generator=gen) / 2,
+                torch.randn(e, width, generator=gen) / 2]
     if variant != "swiglu_lora":
         return [x, idx, w, gate_up, down]
     lora = [torch.randn(e, r, width, generator=gen) / width ** 0.5, torch.randn(e, 2 * f, r, generator=gen) / r,
@@ -155,8 +226,9 @@ _GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_wa
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=5,
-    variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights, fwd + bwd",
+    template_version=6,
+    variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
+                        "biases), fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "
                              "(routed and pre-sorted entries); grads to x, routing weights, adapters",
               "mlp": "routed non-gated experts down(act(up x)), packed [E, F, D] / [E, D, F] weights, "
@@ -171,6 +243,9 @@ FAMILY = FamilySpec(
               doc="sigmoid slope: g * sigmoid(alpha * g)"),
         Param(name="up_offset", type=float, default=0.0, min=-100.0, max=100.0, variants=_GATED,
               doc="added to (clamped) up before the product"),
+        Param(name="bias", type=bool, default=False, variants=("swiglu",),
+              doc="per-expert biases: gate_up_bias [E, 2F] before the activation, down_bias [E, D] "
+                  "before the routing weight (gpt-oss); swiglu only (swiglu_lora and mlp have none)"),
         Param(name="capacity_factor", type=float, default=None, nullable=True, min=0.0, max=1000.0,
               doc="keep ceil(cf * N * K / E) slots per expert (token order); None: dropless"),
     ),
