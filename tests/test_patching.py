@@ -722,3 +722,164 @@ def test_non_gated_experts_refuse_expert_lora_early(parse_model):
     # the weight-shape backstop (an op graph saved before the classifier recorded `gated`)
     with pytest.raises(InputError, match=r"expert_lora=true.*weights \[8, 64, 128\], \[8, 128, 64\]"):
         _packed_names(model.get_submodule(path), path, ExpertLoRA(rank=4, alpha=8.0))
+
+
+# ---- gpt-oss-style experts (x @ W weights, interleaved gate/up, per-expert biases) -----------
+def test_gpt_oss_experts_proxy_classified_patched_and_aligned(parse_model, tmp_path):
+    """transformers' gpt_oss proxy: its experts (gate_up [E, D, 2F] used as x @ W with gate/up
+    interleaved, down [E, F, D], biases [E, 2F] / [E, D], clamped sigmoid GLU) are classified
+    with that layout read off their shapes and ops, matched to `moe_experts/swiglu` with `bias`,
+    checked against the eager reference, patched through the layout conversion (checked on the
+    first call), and align block by block, forward and backward, with an fp64 eager reference.
+    The proxy's biases start at zero: they are drawn at random first, so they count."""
+    from onboarding.align import align, build_pair
+
+    pytest.importorskip("transformers.models.gpt_oss")
+    g = parse_model("hf:gpt_oss")
+    experts = g.by_kind("moe.experts")
+    assert experts
+    for b in experts:
+        a = b.attrs
+        assert (a["gated"], a["activation"], a["weight_layout"], a["gate_up_split"]) == \
+            (True, "silu", "in_out", "interleaved"), a
+        (e, d, two_f), = [s for s in b.params.values() if len(s) == 3 and s[2] % 2 == 0 and
+                           [s[0], s[2] // 2, s[1]] in b.params.values()]  # gate_up [E, D, 2F] beside down [E, F, D]
+        assert (b.params[a["gate_up_bias"]], b.params[a["down_bias"]]) == ([e, two_f], [e, d]), (a, b.params)
+    cov = build_coverage(g)
+    entries = [e for e in cov.entries if e.kind == "moe.experts"]
+    assert entries and {(e.status, e.family, e.variant, e.params["bias"], e.params["limit"], e.params["alpha"],
+                         e.params["up_offset"]) for e in entries} == \
+        {("template", "moe_experts", "swiglu", True, 7.0, 1.702, 1.0)}
+    cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path) if c.family == "moe_experts"]
+    assert cands and all(c.status == "passed" for c in cands), [c.error for c in cands]
+    info = load_stage(load_model("hf:gpt_oss", trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in experts:
+            mod = model.get_submodule(b.path)
+            for name in (b.attrs["gate_up_bias"], b.attrs["down_bias"]):
+                p = getattr(mod, name)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    reference, candidate = build_pair(model, reference_dtype="fp64", candidate_dtype="fp32")
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 16, 0)
+    with patch_model(candidate, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches:
+        result = align(reference, candidate, g, inputs, kwargs, patches=patches)
+        recs = patches.records
+        assert recs and all(r.status == "active" for r in recs), [(r.path, r.detail) for r in recs]
+        assert all("in_out interleaved + biases -> kernel layout" in r.binding for r in recs), recs
+    assert result.passed, result.summary()
+    for b in experts:
+        blk = result.block(b.path)
+        assert blk.fwd.verdict == "pass" and blk.fwd.output.rel_rms < 1e-5, blk.fwd
+        assert blk.bwd.verdict == "pass" and blk.bwd.output.rel_rms < 1e-5, blk.bwd
+    assert result.logits["top1_agreement"] == 1.0
+    assert all("forward" not in m.__dict__ for m in candidate.modules())  # restored
+
+
+_SPLIT_MOE_MODEL = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+SPLIT = {split!r}
+
+
+class Experts(nn.Module):
+    """gate_up [E, D, 2F] used as x @ W, gate/up split by SPLIT; names nobody's rule knows."""
+
+    def __init__(self, d, f, e):
+        super().__init__()
+        self.w_a = nn.Parameter(torch.randn(e, d, 2 * f) / d ** 0.5)
+        self.w_b = nn.Parameter(torch.randn(e, f, d) / f ** 0.5)
+        # even / odd columns, held as index tensors: the same interleaving, unreadable from ops
+        self.register_buffer("cols_g", torch.arange(0, 2 * f, 2))
+        self.register_buffer("cols_u", torch.arange(1, 2 * f, 2))
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for e in range(self.w_a.shape[0]):
+            rows, slot = torch.where(idx == e)
+            gu = x[rows] @ self.w_a[e]
+            if SPLIT == "strided":
+                g, u = gu[..., ::2], gu[..., 1::2]
+            else:
+                g, u = gu.index_select(-1, self.cols_g), gu.index_select(-1, self.cols_u)
+            out.index_add_(0, rows, (F.silu(g) * u) @ self.w_b[e] * w[rows, slot, None])
+        return out
+
+
+class SplitMoELM(nn.Module):
+    def __init__(self, vocab=97, d=32, f=24, e=4, k=2):
+        super().__init__()
+        self.k = k
+        self.embed = nn.Embedding(vocab, d)
+        self.router = nn.Linear(d, e, bias=False)
+        self.experts = Experts(d, f, e)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        b, t, d = x.shape
+        h = x.reshape(-1, d)
+        w, idx = self.router(h).softmax(-1).topk(self.k, dim=-1)
+        return self.head(x + self.experts(h, idx, w).reshape(b, t, d))
+'''
+
+
+@pytest.mark.parametrize("split", ["strided", "index_select"])
+def test_gate_up_split_read_off_the_ops(parse_model, tmp_path, split):
+    """A plain MoE (no transformers class) with x @ W experts: gate/up taken by step-2 slices is
+    classified "interleaved", matched and patched equal to the model; the same interleaving taken
+    with index tensors cannot be read off the ops, so the block stays uncovered (never guessed)."""
+    from onboarding.families import moe_experts
+
+    path = tmp_path / f"split_moe_{split}.py"
+    path.write_text(_SPLIT_MOE_MODEL.format(split=split))
+    g = parse_model(f"{path}:SplitMoELM")
+    experts = g.by_kind("moe.experts")
+    assert len(experts) == 1, [(b.path, b.kind) for b in g.blocks]
+    attrs = experts[0].attrs
+    assert (attrs["gated"], attrs["weight_layout"], attrs["activation"]) == (True, "in_out", "silu"), attrs
+    entry = next(e for e in build_coverage(g).entries if e.path == experts[0].path)
+    if split == "index_select":
+        assert attrs["gate_up_split"] is None, attrs
+        assert moe_experts.match(experts[0]) is None
+        assert entry.status == "uncovered", entry
+        return
+    assert attrs["gate_up_split"] == "interleaved", attrs
+    assert moe_experts.match(experts[0]) == {"variant": "swiglu", "params": moe_experts.FAMILY.resolve("swiglu", {})}
+    assert (entry.status, entry.family, entry.variant) == ("template", "moe_experts", "swiglu")
+    cov = build_coverage(g)
+    cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path) if c.family == "moe_experts"]
+    assert cands and all(c.status == "passed" for c in cands), [c.error for c in cands]
+    info = load_stage(load_model(f"{path}:SplitMoELM", trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0).eval()
+    ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)
+    with patch_model(model, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches, torch.no_grad():
+        got = model(ids)
+        again = model(ids)
+        rec = patches.records[0]
+        assert rec.status == "active" and "w_a in_out interleaved -> kernel layout" in rec.binding, rec
+    for out in (got, again):
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_gpt_oss_experts_refuse_expert_parallelism_early(parse_model):
+    """The expert-parallel compute is SwiGLU's over [E, 2F, D] halves without biases: gpt-oss's
+    transposed, interleaved, biased experts fail before any block is replaced, naming why."""
+    from onboarding.errors import InputError
+    from onboarding.training.moe_ep import EPGroup, apply_expert_parallel
+
+    pytest.importorskip("transformers.models.gpt_oss")
+    g = parse_model("hf:gpt_oss")
+    info = load_stage(load_model("hf:gpt_oss", trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0)
+    path = g.by_kind("moe.experts")[0].path
+    before = type(model.get_submodule(path))
+    with pytest.raises(InputError, match=r"weight_layout='in_out', gate_up_split='interleaved', "
+                                         r"gate_up_bias=.*down_bias="):
+        apply_expert_parallel(model, g, EPGroup())
+    assert type(model.get_submodule(path)) is before

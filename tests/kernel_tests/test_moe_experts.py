@@ -1,7 +1,9 @@
 """MoE experts family (permute -> grouped GEMM with SwiGLU -> grouped GEMM with routing weight ->
 combine): forward and every gradient vs the per-expert loop, over routing patterns; the grouped
 expert LoRA variant (routed and pre-sorted entries) the same way; the non-gated `mlp` variant
-(up [E, F, D] -> activation -> down [E, D, F]) for every activation it renders."""
+(up [E, F, D] -> activation -> down [E, D, F]) for every activation it renders; per-expert biases
+(`bias`) and gpt-oss's experts (gate_up [E, D, 2F] interleaved, down [E, F, D], biases) through
+the patch binding's layout conversion."""
 
 from __future__ import annotations
 
@@ -156,7 +158,7 @@ def test_aot_sm90(load):
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    paths = [load(v, p).__file__ for v, p in CASES + LORA_CASES]
+    paths = [load(v, p).__file__ for v, p in CASES + LORA_CASES + BIAS_CASES[1:2]]  # + biases, clamped
     for path, rs in aot.compile_files(paths, registers=False).items():
         assert rs, path
         for r in rs:
@@ -748,3 +750,229 @@ def test_match_parsed_nemotron_h(parse_model):
         assert b.attrs["gated"] is False and b.attrs["activation"] == "relu2", b.attrs
         assert moe_experts.match(b) == {"variant": "mlp",
                                         "params": moe_experts.FAMILY.resolve("mlp", {"activation": "relu2"})}
+
+
+# ---- per-expert biases (swiglu `bias`) and gpt-oss's layout -----------------------------------
+BIAS_CASES = [("swiglu", {"bias": True}), ("swiglu", {"bias": True, **GPT_OSS}),
+              ("swiglu", {"bias": True, "capacity_factor": 0.75})]
+
+
+def bias_fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2) -> KernelFixture:
+    """`fixture` plus non-zero random gate_up_bias [E, 2F] and down_bias [E, D]; every bias
+    gradient is a per-expert row sum (the "reduction" tolerance)."""
+    base = fixture(module, kind, n=n, d=d, e=e, f=f, k=k)
+
+    def make_inputs(dtype, device, gen):
+        args = base.make_inputs(dtype, device, gen)
+        b_gu = torch.randn(e, 2 * f, generator=gen) / 2
+        b_d = torch.randn(e, d, generator=gen) / 2
+        return [*args, b_gu.to(device, dtype), b_d.to(device, dtype)]
+
+    return KernelFixture(name=f"moe_experts/bias/{kind}", module=module, make_inputs=make_inputs,
+                         weights=(2, 3, 4, 5, 6))
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("variant,params", [pytest.param(v, p, id=case_id(v, p)) for v, p in BIAS_CASES])
+def test_bias_forward_backward(load, device, variant, params, kind):
+    """Forward and every gradient (x, topk_weights, both weights, both biases) vs the per-expert
+    loop, over uniform, Zipf, all-to-one and empty-expert routing, plain, clamped gpt-oss style and
+    with capacity dropping."""
+    check_forward_backward(bias_fixture(load(variant, params), kind), torch.float32, device)
+
+
+@pytest.mark.parametrize("shape", [dict(n=37, d=40, e=5, f=24, k=2), dict(n=1, d=24, e=5, f=20, k=2)],
+                         ids=["d40", "n1"])
+def test_bias_shapes(load, device, shape):
+    check_forward_backward(bias_fixture(load("swiglu", {"bias": True}), "zipf", **shape), torch.float32, device)
+
+
+def test_bias_gradients_are_per_expert_sums(load, device):
+    """The bias gradients by their definition: d gate_up_bias[e] sums d(gate|up) over e's rows and
+    d down_bias[e] = sum over e's slots of r * dy[token]; an expert nobody routes to gets zero."""
+    module = load("swiglu", {"bias": True})
+    args = bias_fixture(module, "empty_experts").make_inputs(torch.float32, device, torch.Generator().manual_seed(5))
+    x, idx, w = args[:3]
+    leaves = [a.clone().requires_grad_(True) for a in args[3:]]
+    y = module.entry(x, idx, w, *leaves)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    expect_bd = torch.zeros_like(leaves[3])
+    for e in range(leaves[3].shape[0]):
+        tok, slot = torch.where(idx == e)
+        expect_bd[e] = (w[tok, slot, None] * dy[tok]).sum(0)
+    torch.testing.assert_close(leaves[3].grad, expect_bd, rtol=1e-4, atol=1e-5)
+    assert (leaves[2].grad[-2:] == 0).all() and (leaves[3].grad[-2:] == 0).all()  # experts 3, 4 unused
+    assert leaves[2].grad[:3].abs().sum() > 0
+
+
+def test_bias_opcheck_and_contract(load, device):
+    module = load("swiglu", {"bias": True, **GPT_OSS})
+    check_module_contract(module)
+    check_opcheck(bias_fixture(module, "zipf", n=9), torch.float32, device)
+
+
+def test_bias_shape_errors_name_shapes(load, device):
+    module = load("swiglu", {"bias": True})
+    args = [torch.randn(4, 24), torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2), torch.randn(5, 40, 24),
+            torch.randn(5, 24, 20)]
+    with pytest.raises(ValueError, match=r"gate_up_bias \[E, 2F\].*gate_up_bias \(5, 20\)"):
+        module.entry(*args, torch.randn(5, 20), torch.randn(5, 24))
+    with pytest.raises(ValueError, match=r"down_bias \(24,\)"):
+        module.entry(*args, torch.randn(5, 40), torch.randn(24))
+
+
+def test_bias_only_in_swiglu():
+    """Biases are rendered for `swiglu` only: asking them of the LoRA or non-gated variants is a
+    clear error naming the parameter, never a silently bias-free kernel."""
+    for variant in ("swiglu_lora", "mlp"):
+        with pytest.raises(InputError, match=r"parameter 'bias' applies only to variants \['swiglu'\]"):
+            moe_experts.FAMILY.resolve(variant, {"bias": True, "activation": "silu"})
+
+
+def test_bias_default_renders_unchanged(load):
+    """Without `bias` the entry, kernels and AOT signatures are those of before (no bias argument)."""
+    import inspect
+
+    module = load("swiglu", {})
+    assert list(inspect.signature(module.entry).parameters) == [
+        "x", "topk_indices", "topk_weights", "gate_up_proj", "down_proj"]
+    names = {n for spec in module.aot_specs() for n in spec["signature"]}
+    assert not names & {"p_bgu", "p_bd", "p_dbgu", "p_dbd"}, names
+    biased = {n for spec in load("swiglu", {"bias": True}).aot_specs() for n in spec["signature"]}
+    assert {"p_bgu", "p_bd", "p_dbgu", "p_dbd"} <= biased
+
+
+def _gpt_oss_experts(device, d=24, f=20, e=5, limit=1.0, seed=3):
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    hf = GptOssExperts(GptOssConfig(hidden_size=d, intermediate_size=f, num_local_experts=e,
+                                    num_experts_per_tok=2, swiglu_limit=limit))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # random weights and non-zero random biases (the module starts empty)
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 4)
+    return hf.to(device), gen
+
+
+# What the classifier records for GptOssExperts (tests/test_patching.py checks it on the parsed
+# gpt_oss proxy): x @ W weights, interleaved gate/up, both biases, clamped sigmoid GLU.
+GPT_OSS_ATTRS = {"n_experts": 5, "layout": "packed_3d", "gated": True, "activation": "silu", "clamp": 1.0,
+                 "clamp_style": "pre_act", "alpha": 1.702, "up_offset": 1.0, "weight_layout": "in_out",
+                 "gate_up_split": "interleaved", "gate_up_bias": "gate_up_proj_bias", "down_bias": "down_proj_bias"}
+
+
+def test_matches_transformers_gpt_oss_experts(load, device):
+    """transformers' GptOssExperts itself (gate_up [E, D, 2F] used as x @ W with gate/up
+    interleaved, down [E, F, D], both biases, clamp, slope 1.702, up + 1) through the patch path:
+    matched from its structure, bound with the layout conversion, checked on the first call, then
+    forward and every gradient (x, routing weights, both weights and both biases, in their own
+    layouts) equal to the unpatched module's. Frozen weights convert once (cached) and convert
+    again after an in-place update."""
+    from onboarding.opgraph import Block, OpGraph
+    from onboarding.patching import patch_model
+
+    hf, gen = _gpt_oss_experts(device)
+    root = torch.nn.Module()
+    root.experts = hf
+    block = Block(path="experts", kind="moe.experts", layer=0, class_name="AnyName",
+                  params={n: list(p.shape) for n, p in hf.named_parameters()}, attrs=dict(GPT_OSS_ATTRS))
+    m = moe_experts.match(block)
+    assert m == {"variant": "swiglu", "params": moe_experts.FAMILY.resolve(
+        "swiglu", {"bias": True, "limit": 1.0, "alpha": 1.702, "up_offset": 1.0})}
+    graph = OpGraph(model="toy", capture="export", capture_note="", batch=1, seq=37, dtype="fp32", blocks=[block],
+                    layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
+    x = torch.randn(37, 24, generator=gen).to(device).requires_grad_(True)
+    idx = routing("zipf", 37, 5, 2, gen).to(device)
+    w = torch.rand(37, 2, generator=gen).to(device).requires_grad_(True)
+    leaves = [x, w, *hf.parameters()]
+    expected = hf(x, idx, w)
+    dy = torch.randn(expected.shape, generator=gen).to(device)
+    expected_grads = torch.autograd.grad(expected, leaves, dy)
+    with patch_model(root, graph, {("experts", "moe_experts"): load(m["variant"], m["params"])}) as patches:
+        with torch.no_grad():
+            first = hf(x, idx, w)  # calibration: the kernel against the module's own output
+        rec = patches.records[0]
+        assert rec.status == "active", rec.detail
+        assert "in_out interleaved + biases" in rec.binding, rec.binding
+        got = hf(x, idx, w)
+        grads = torch.autograd.grad(got, leaves, dy)
+        with torch.no_grad():  # frozen: converted once, then from the cache
+            hf.requires_grad_(False)
+            cached = hf(x, idx, w)
+            hf.gate_up_proj.mul_(0.5)  # in place: the cache must see the new version
+            hf.gate_up_proj_bias.add_(0.25)
+            updated = hf(x, idx, w)
+    with torch.no_grad():
+        updated_ref = hf(x, idx, w)  # restored: the module's own forward
+    for out in (first, got, cached):
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(updated, updated_ref, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(updated_ref, expected, rtol=1e-3, atol=1e-3)
+    for name, g, r in zip(["x", "routing_weights", *dict(hf.named_parameters())], grads, expected_grads):
+        assert g.shape == r.shape, name
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_gpt_oss_wrong_split_is_rejected(load, device):
+    """The first-call check guards the layout: read as halves (what it is not), GptOssExperts
+    stays unpatched and gives its own output."""
+    from onboarding.opgraph import Block, OpGraph
+    from onboarding.patching import patch_model
+
+    hf, gen = _gpt_oss_experts(device)
+    root = torch.nn.Module()
+    root.experts = hf
+    block = Block(path="experts", kind="moe.experts", layer=0, class_name="AnyName",
+                  params={n: list(p.shape) for n, p in hf.named_parameters()},
+                  attrs={**GPT_OSS_ATTRS, "gate_up_split": "halves"})
+    m = moe_experts.match(block)
+    graph = OpGraph(model="toy", capture="export", capture_note="", batch=1, seq=37, dtype="fp32", blocks=[block],
+                    layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
+    x = torch.randn(37, 24, generator=gen).to(device)
+    idx = routing("uniform", 37, 5, 2, gen).to(device)
+    w = torch.rand(37, 2, generator=gen).to(device)
+    with torch.no_grad():
+        expected = hf(x, idx, w)
+        with patch_model(root, graph, {("experts", "moe_experts"): load(m["variant"], m["params"])}) as patches:
+            got = hf(x, idx, w)
+            assert patches.records[0].status == "rejected", patches.records[0]
+    assert torch.equal(got, expected)
+
+
+GPT_OSS_PARAMS = {"gate_up_proj": [4, 24, 40], "gate_up_proj_bias": [4, 40], "down_proj": [4, 20, 24],
+                  "down_proj_bias": [4, 24]}
+GPT_OSS_BLOCK = {"layout": "packed_3d", "gated": True, "activation": "silu", "weight_layout": "in_out",
+                 "gate_up_split": "interleaved", "gate_up_bias": "gate_up_proj_bias", "down_bias": "down_proj_bias"}
+
+
+@pytest.mark.parametrize("attrs,params,expect", [
+    (GPT_OSS_BLOCK, GPT_OSS_PARAMS, {"bias": True}),
+    # names are nobody's: the roles come from the attrs and shapes
+    ({**GPT_OSS_BLOCK, "gate_up_bias": "b1", "down_bias": "b2"},
+     {"w1": [4, 24, 40], "b1": [4, 40], "w2": [4, 20, 24], "b2": [4, 24]}, {"bias": True}),
+    ({**GPT_OSS_BLOCK, "gate_up_bias": None, "down_bias": None},
+     {"gate_up_proj": [4, 24, 40], "down_proj": [4, 20, 24]}, {}),
+    ({**GPT_OSS_BLOCK, "weight_layout": "out_in", "gate_up_bias": None, "down_bias": None},
+     {"gate_up": [4, 40, 24], "down": [4, 24, 20]}, {}),
+    ({**GPT_OSS_BLOCK, "weight_layout": "out_in", "gate_up_split": "halves"},
+     {"gate_up": [4, 40, 24], "down": [4, 24, 20], "gate_up_proj_bias": [4, 40], "down_proj_bias": [4, 24]},
+     {"bias": True}),
+])
+def test_packed_layouts_match_swiglu(attrs, params, expect):
+    """x @ W weights, interleaved gate/up and biases match `swiglu` (with `bias` for biases)."""
+    assert moe_experts.match(_experts_block(attrs, params)) == {
+        "variant": "swiglu", "params": moe_experts.FAMILY.resolve("swiglu", expect)}
+
+
+@pytest.mark.parametrize("attrs,params", [
+    ({**GPT_OSS_BLOCK, "gate_up_split": None}, GPT_OSS_PARAMS),  # the split could not be read
+    ({**GPT_OSS_BLOCK, "down_bias": None}, GPT_OSS_PARAMS),  # one bias alone (and an unknown param)
+    ({**GPT_OSS_BLOCK, "weight_layout": "out_in"}, GPT_OSS_PARAMS),  # shapes do not fit the layout
+    ({**GPT_OSS_BLOCK, "weight_layout": None}, GPT_OSS_PARAMS),
+    (GPT_OSS_BLOCK, {**GPT_OSS_PARAMS, "gate_up_proj_bias": [4, 24]}),  # a bias of the wrong width
+    (GPT_OSS_BLOCK, {**GPT_OSS_PARAMS, "scales": [4, 7]}),  # a parameter the kernel would ignore
+])
+def test_unreadable_packed_layouts_stay_uncovered(attrs, params):
+    assert moe_experts.match(_experts_block(attrs, params)) is None
