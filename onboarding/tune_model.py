@@ -74,12 +74,14 @@ def block_dims(family: str, entry, block) -> dict[str, int] | None:
         return None
     x = shapes[0]
     if family == "moe_experts" and block is not None and len(shapes) >= 2:
-        # down [E, D, F] by shape: the expert weight whose rows are x's width D (gate_up [E, 2F, D]
-        # and up [E, F, D] have D columns; when F == D or 2F == D, the one that is not [E, D, D])
+        # down by shape: [E, D, F], the expert weight whose output side is x's width D (gate_up
+        # [E, 2F, D] and up [E, F, D] take D in); [E, F, D] for weights stored [E, in, out]
+        # (`weight_layout` "in_out", gpt-oss). When F == D or 2F == D: the one that is not D x D.
         e, d = block.attrs.get("n_experts"), x[-1]
-        downs = [s for s in block.params.values() if len(s) == 3 and s[0] == e and s[1] == d]
+        out_dim, f_dim = (2, 1) if block.attrs.get("weight_layout") == "in_out" else (1, 2)
+        downs = [s for s in block.params.values() if len(s) == 3 and s[0] == e and s[out_dim] == d]
         if e and downs:
-            f = next((s[2] for s in downs if s[2] != d), d)
+            f = next((s[f_dim] for s in downs if s[f_dim] != d), d)
             return {"N": _numel(x[:-1]), "D": d, "E": e, "TOPK": shapes[1][-1], "F": f}
     if family in ("gated_delta", "kimi_delta") and block is not None and len(x) == 3:
         d = _delta_dims(block)

@@ -567,3 +567,19 @@ def test_timing_inputs_are_made_in_the_timed_dtype_and_oom_names_the_workers(mon
     monkeypatch.setattr(_tune_worker, "check_one", oom)
     out = handle({"op": "check", "args": {}})
     assert not out["ok"] and "fewer --workers" in out["reason"] and "7.00 GiB" in out["reason"]
+
+
+def test_block_dims_reads_the_expert_width_in_either_weight_orientation():
+    from types import SimpleNamespace
+
+    from onboarding.tune_model import block_dims
+
+    entry = SimpleNamespace(shapes=[[2, 33, 64], [66, 4]], variant="swiglu")
+    want = {"N": 66, "D": 64, "E": 8, "TOPK": 4, "F": 24}
+    for layout, gate_up, down in (("out_in", [8, 48, 64], [8, 64, 24]), ("in_out", [8, 64, 48], [8, 24, 64])):
+        block = SimpleNamespace(attrs={"n_experts": 8, "weight_layout": layout},
+                                params={"w1": gate_up, "w2": down, "b1": [8, 48], "b2": [8, 64]})
+        assert block_dims("moe_experts", entry, block) == want, layout
+    # non-gated up [E, F, D] beside down [E, D, F], and F == D
+    block = SimpleNamespace(attrs={"n_experts": 8}, params={"a": [8, 64, 64], "b": [8, 64, 64]})
+    assert block_dims("moe_experts", entry, block)["F"] == 64

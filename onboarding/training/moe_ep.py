@@ -333,13 +333,23 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
                           kernel: Callable | None = None) -> list[EPExperts]:
     """Replace every packed ``moe.experts`` block of ``graph`` in ``model``; returns the modules.
 
-    Non-gated experts (the classifier's ``gated: False``) raise `InputError` before any block is
-    replaced: the grouped compute and expert LoRA here are SwiGLU's.
+    Non-gated experts (the classifier's ``gated: False``) and packed layouts other than gate_up
+    [E, 2F, D] in [gate | up] halves + down [E, D, F] without biases (gpt-oss's transposed,
+    interleaved, biased experts) raise `InputError` before any block is replaced: the grouped
+    compute and expert LoRA here are that SwiGLU's.
     """
     modules = dict(model.named_modules())
     for block in graph.by_kind("moe.experts"):
-        if block.attrs.get("gated") is False:
-            raise _non_gated_error(block.path, f"activation {block.attrs.get('activation')}", lora)
+        a = block.attrs
+        if a.get("gated") is False:
+            raise _non_gated_error(block.path, f"activation {a.get('activation')}", lora)
+        other = [f"{k}={a[k]!r}" for k, ok in (("weight_layout", "out_in"), ("gate_up_split", "halves"))
+                 if a.get(k) not in (None, ok)]
+        other += [f"{k}={a[k]!r}" for k in ("gate_up_bias", "down_bias") if a.get(k) is not None]
+        if other:
+            raise InputError(f"{block.path}: expert parallelism supports packed gate_up [E, 2F, D] in "
+                             f"[gate | up] halves and down [E, D, F] without biases; this block has "
+                             f"{', '.join(other)}")
     out = []
     for block in graph.by_kind("moe.experts"):
         if block.attrs.get("layout") != "packed_3d":
