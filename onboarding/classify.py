@@ -150,11 +150,12 @@ def _expert_activation(recs: list[OpRecord]) -> str | None:
 
     relu whose next op squares it (``square``, or ``pow`` by 2) is "relu2" (relu(x)^2); tanh of
     the tanh-GELU polynomial (a 0.044715 factor: gelu_new, gelu_fast) is "gelu_tanh"; erf with no
-    other activation (gelu_python) is "gelu". ``aten.gelu`` reads as "gelu" (exact erf): its
-    ``approximate`` keyword is not captured, so gelu_pytorch_tanh looks the same; patching checks
-    the kernel against the block's own output on the first call and rejects it when they differ.
+    other activation (gelu_python) is "gelu". ``aten.gelu`` is "gelu" (exact erf), or "gelu_tanh"
+    with its ``approximate="tanh"`` keyword (gelu_pytorch_tanh).
     """
     act = _activation(recs)
+    if act == "gelu" and any(r.op == "gelu" and r.kwargs.get("approximate") == "tanh" for r in recs):
+        return "gelu_tanh"
     if act == "relu":
         i = next(j for j, r in enumerate(recs) if r.op in ("relu", "relu_"))
         nxt = next((r for r in recs[i + 1:] if r.op not in VIEW_OPS), None)

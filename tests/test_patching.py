@@ -611,21 +611,25 @@ class ListMoELM(nn.Module):
 '''
 
 
-def test_non_gated_module_list_experts_classified(parse_model, tmp_path):
-    """A plain nn.Module MoE whose experts are a list of non-gated relu^2 MLPs (no transformers
-    class): one `module_list` experts block, non-gated from its per-expert weights [F, D] / [D, F],
-    activation relu2 read off relu then square, matched to `moe_experts/mlp`."""
+@pytest.mark.parametrize("act_src,act", [("F.relu(self.fc_in(x)).square()", "relu2"),
+                                         ('F.gelu(self.fc_in(x), approximate="tanh")', "gelu_tanh"),
+                                         ("F.gelu(self.fc_in(x))", "gelu")])
+def test_non_gated_module_list_experts_classified(parse_model, tmp_path, act_src, act):
+    """A plain nn.Module MoE whose experts are a list of non-gated MLPs (no transformers class):
+    one `module_list` experts block, non-gated from its per-expert weights [F, D] / [D, F], the
+    activation read off the ops (relu then square; gelu and its `approximate` keyword), matched
+    to `moe_experts/mlp`."""
     from onboarding.families import moe_experts
 
     path = tmp_path / "list_moe.py"
-    path.write_text(_MLP_LIST_MODEL)
+    path.write_text(_MLP_LIST_MODEL.replace("F.relu(self.fc_in(x)).square()", act_src))
     g = parse_model(f"{path}:ListMoELM")
     experts = g.by_kind("moe.experts")
     assert len(experts) == 1, [(b.path, b.kind) for b in g.blocks]
     attrs = experts[0].attrs
-    assert (attrs["layout"], attrs["gated"], attrs["activation"]) == ("module_list", False, "relu2"), attrs
+    assert (attrs["layout"], attrs["gated"], attrs["activation"]) == ("module_list", False, act), attrs
     assert moe_experts.match(experts[0]) == {
-        "variant": "mlp", "params": moe_experts.FAMILY.resolve("mlp", {"activation": "relu2"})}
+        "variant": "mlp", "params": moe_experts.FAMILY.resolve("mlp", {"activation": act})}
 
 
 class _PackedMLPExperts(torch.nn.Module):
@@ -661,10 +665,10 @@ def _experts_graph(d, f, activation):
 @pytest.mark.parametrize("d,f,act,kernel_act,active", [
     (24, 20, "gelu", "gelu", True),
     (24, 24, "gelu", "gelu", True),  # F == D: both up/down assignments tried, the right one kept
-    # aten.gelu's `approximate` is not captured, so the classifier says "gelu" (exact) for the tanh
-    # form too: the first-call check against the block's own output refuses the exact kernel.
+    # a kernel with the wrong activation (exact gelu for the tanh form, relu for relu^2) is refused
+    # by the first-call check against the block's own output, never used
     (24, 20, "gelu_tanh", "gelu", False),
-    (24, 20, "relu2", "relu", False),  # a wrong activation is refused, never used
+    (24, 20, "relu2", "relu", False),
 ])
 def test_non_gated_experts_binding_by_shape(tmp_path, d, f, act, kernel_act, active):
     from onboarding.families import moe_experts
