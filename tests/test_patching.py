@@ -534,8 +534,6 @@ def test_non_gated_experts_proxy_classified_patched_and_aligned(parse_model, tmp
     [E, D, F], no gate) are classified non-gated, matched to `moe_experts/mlp`, checked against
     the eager reference, patched (the binding checked on the first call), and align block by
     block, forward and backward, with an fp64 eager reference (as tests/test_align.py)."""
-    from onboarding.align import align, build_pair
-
     g = parse_model("hf:nemotron_h")
     experts = g.by_kind("moe.experts")
     assert experts and all(b.attrs["gated"] is False and b.attrs["activation"] == "relu2" for b in experts)
@@ -543,19 +541,29 @@ def test_non_gated_experts_proxy_classified_patched_and_aligned(parse_model, tmp
     entries = [e for e in cov.entries if e.kind == "moe.experts"]
     assert entries and {(e.status, e.family, e.variant, e.params["activation"]) for e in entries} == \
         {("template", "moe_experts", "mlp", "relu2")}
+    _experts_align(g, cov, "hf:nemotron_h", tmp_path, "up/down = up_proj/down_proj by x's width")
+
+
+def _experts_align(g, cov, ref: str, tmp_path, binding: str, prepare=lambda model: None) -> None:
+    """Render and check the experts candidates of `cov`, build `ref`'s proxy (`prepare` edits it),
+    patch its experts only (each binding naming `binding`) and align them, fp32 kernels against
+    the fp64 eager model, forward and backward."""
+    from onboarding.align import align, build_pair
+
     cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path) if c.family == "moe_experts"]
     assert cands and all(c.status == "passed" for c in cands), [c.error for c in cands]
-    info = load_stage(load_model("hf:nemotron_h", trust_remote_code=True))
+    info = load_stage(load_model(ref, trust_remote_code=True))
     model = info.loaded.build(info.proxy_config, seed=0)
+    prepare(model)
     reference, candidate = build_pair(model, reference_dtype="fp64", candidate_dtype="fp32")
     inputs, kwargs = example_inputs(model, info.proxy_config, 1, 16, 0)
     with patch_model(candidate, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches:
         result = align(reference, candidate, g, inputs, kwargs, patches=patches)
         recs = patches.records
         assert recs and all(r.status == "active" for r in recs), [(r.path, r.detail) for r in recs]
-        assert all("up/down = up_proj/down_proj by x's width" in r.binding for r in recs), recs
+        assert all(binding in r.binding for r in recs), recs
     assert result.passed, result.summary()
-    for b in experts:
+    for b in g.by_kind("moe.experts"):
         blk = result.block(b.path)
         assert blk.fwd.verdict == "pass" and blk.fwd.output.rel_rms < 1e-5, blk.fwd
         assert blk.bwd.verdict == "pass" and blk.bwd.output.rel_rms < 1e-5, blk.bwd
@@ -736,8 +744,6 @@ def test_gpt_oss_experts_proxy_classified_patched_and_aligned(parse_model, tmp_p
     checked against the eager reference, patched through the layout conversion (checked on the
     first call), and align block by block, forward and backward, with an fp64 eager reference.
     The proxy's biases start at zero: they are drawn at random first, so they count."""
-    from onboarding.align import align, build_pair
-
     pytest.importorskip("transformers.models.gpt_oss")
     g = parse_model("hf:gpt_oss")
     experts = g.by_kind("moe.experts")
@@ -754,31 +760,17 @@ def test_gpt_oss_experts_proxy_classified_patched_and_aligned(parse_model, tmp_p
     assert entries and {(e.status, e.family, e.variant, e.params["bias"], e.params["limit"], e.params["alpha"],
                          e.params["up_offset"]) for e in entries} == \
         {("template", "moe_experts", "swiglu", True, 7.0, 1.702, 1.0)}
-    cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path) if c.family == "moe_experts"]
-    assert cands and all(c.status == "passed" for c in cands), [c.error for c in cands]
-    info = load_stage(load_model("hf:gpt_oss", trust_remote_code=True))
-    model = info.loaded.build(info.proxy_config, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for b in experts:
-            mod = model.get_submodule(b.path)
-            for name in (b.attrs["gate_up_bias"], b.attrs["down_bias"]):
-                p = getattr(mod, name)
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    reference, candidate = build_pair(model, reference_dtype="fp64", candidate_dtype="fp32")
-    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 16, 0)
-    with patch_model(candidate, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches:
-        result = align(reference, candidate, g, inputs, kwargs, patches=patches)
-        recs = patches.records
-        assert recs and all(r.status == "active" for r in recs), [(r.path, r.detail) for r in recs]
-        assert all("in_out interleaved + biases -> kernel layout" in r.binding for r in recs), recs
-    assert result.passed, result.summary()
-    for b in experts:
-        blk = result.block(b.path)
-        assert blk.fwd.verdict == "pass" and blk.fwd.output.rel_rms < 1e-5, blk.fwd
-        assert blk.bwd.verdict == "pass" and blk.bwd.output.rel_rms < 1e-5, blk.bwd
-    assert result.logits["top1_agreement"] == 1.0
-    assert all("forward" not in m.__dict__ for m in candidate.modules())  # restored
+
+    def random_biases(model):  # the proxy initialises them to zero: nothing would show
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for b in experts:
+                mod = model.get_submodule(b.path)
+                for name in (b.attrs["gate_up_bias"], b.attrs["down_bias"]):
+                    p = getattr(mod, name)
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+    _experts_align(g, cov, "hf:gpt_oss", tmp_path, "in_out interleaved + biases -> kernel layout", random_biases)
 
 
 _SPLIT_MOE_MODEL = '''
