@@ -66,17 +66,20 @@ def routing(kind: str, n: int, e: int, k: int, gen: torch.Generator) -> torch.Te
     return torch.multinomial(probs.expand(n, e), k, replacement=False, generator=gen)
 
 
-def fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2) -> KernelFixture:
+def fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2, gated: bool = True) -> KernelFixture:
+    """x [n, d], top-k routing of `kind`, gate_up [E, 2F, D] (not `gated`: up [E, F, D]), down
+    [E, D, F]."""
     def make_inputs(dtype, device, gen):
         x = torch.randn(n, d, generator=gen)
         idx = routing(kind, n, e, k, gen)
         w = torch.rand(n, k, generator=gen) + 0.1
-        gate_up = torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5
+        gate_up = torch.randn(e, (2 if gated else 1) * f, d, generator=gen) / d ** 0.5
         down = torch.randn(e, d, f, generator=gen) / f ** 0.5
         return [x.to(device, dtype), idx.to(device), w.to(device, dtype), gate_up.to(device, dtype),
                 down.to(device, dtype)]
 
-    return KernelFixture(name=f"moe_experts/{kind}", module=module, make_inputs=make_inputs, weights=(2, 3, 4))
+    name = f"moe_experts/{kind}" if gated else f"moe_experts_mlp/{kind}"
+    return KernelFixture(name=name, module=module, make_inputs=make_inputs, weights=(2, 3, 4))
 
 
 @pytest.mark.parametrize("kind", ROUTINGS)
@@ -585,16 +588,7 @@ MLP_CASE_PARAMS = [pytest.param(v, p, id=case_id(v, p)) for v, p in MLP_CASES]
 
 def mlp_fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2) -> KernelFixture:
     """up_proj [E, F, D], down_proj [E, D, F]; x at unit scale so relu/relu2 see both signs."""
-    def make_inputs(dtype, device, gen):
-        x = torch.randn(n, d, generator=gen)
-        idx = routing(kind, n, e, k, gen)
-        w = torch.rand(n, k, generator=gen) + 0.1
-        up = torch.randn(e, f, d, generator=gen) / d ** 0.5
-        down = torch.randn(e, d, f, generator=gen) / f ** 0.5
-        return [x.to(device, dtype), idx.to(device), w.to(device, dtype), up.to(device, dtype),
-                down.to(device, dtype)]
-
-    return KernelFixture(name=f"moe_experts_mlp/{kind}", module=module, make_inputs=make_inputs, weights=(2, 3, 4))
+    return fixture(module, kind, n, d, e, f, k, gated=False)
 
 
 @pytest.mark.parametrize("kind", ROUTINGS)
