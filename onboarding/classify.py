@@ -355,7 +355,10 @@ class Classifier:
             return self._linear_attention(recs, decay, tri)
         exp_topk = [t for t in _topks(recs) if t[2] != ctx.seq or not act_mm]
         n_experts = max((t[2] for t in exp_topk), default=0)
-        if exp_topk and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
+        # a router keeps fewer experts than it scores: a top-k of every position (DeepSeek-V4's
+        # compressed-attention indexer on a short proxy sequence) selects, it does not route
+        sparse = any(t[2] == n_experts and (t[1] is None or t[1] < n_experts) for t in exp_topk)
+        if sparse and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
             return self._router(recs, exp_topk, n_experts)
         expert_params = self._expert_params(path)
         if expert_params and (mm or any("grouped_mm" in op for op in ops)):

@@ -62,6 +62,58 @@ def test_router_over_as_many_experts_as_tokens_is_not_attention(parse_model):
     assert "moe.router" in k and not k & {"sparse_attention.topk", "unknown"}
 
 
+_SELECT_ALL = '''
+import torch
+from torch import nn
+
+
+class Selector(nn.Module):
+    """Scores 8 slots with a linear and keeps the top K of them, then mixes a value per slot."""
+
+    def __init__(self, d=32, k=8):
+        super().__init__()
+        self.k = k
+        self.score = nn.Linear(d, 8, bias=False)
+        self.values = nn.Parameter(torch.randn(8, d))
+
+    def forward(self, x):
+        w, idx = self.score(x).softmax(-1).topk(self.k, dim=-1)
+        return x + (w[..., None] * self.values[idx]).sum(-2)
+
+
+class SelectLM(nn.Module):
+    def __init__(self, vocab=97, d=32, k=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.sel = Selector(d, k)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.sel(self.embed(ids)))
+
+
+class SelectAllLM(SelectLM):
+    def __init__(self):
+        super().__init__(k=8)
+
+
+class SelectTwoLM(SelectLM):
+    def __init__(self):
+        super().__init__(k=2)
+'''
+
+
+def test_a_top_k_of_every_scored_slot_is_no_router(parse_model, tmp_path):
+    """A linear to 8 logits with a top-8 of them keeps everything it scores: no routing (as
+    DeepSeek-V4's compressed-attention indexer on a short proxy sequence). The same module with
+    a top-2 is a router."""
+    path = tmp_path / "select.py"
+    path.write_text(_SELECT_ALL)
+    routers = {name: [b.path for b in parse_model(f"{path}:{name}").by_kind("moe.router")]
+               for name in ("SelectAllLM", "SelectTwoLM")}
+    assert routers == {"SelectAllLM": [], "SelectTwoLM": ["sel"]}, routers
+
+
 @pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:mixtral"])
 def test_plain_moe(parse_model, ref):
     g = parse_model(ref)
