@@ -709,6 +709,16 @@ def test_non_gated_experts_binding_by_shape(tmp_path, d, f, act, kernel_act, act
     torch.testing.assert_close(again, expected, rtol=1e-4, atol=1e-5)
 
 
+def _proxy_experts(parse_model, ref: str):
+    """`ref`'s op graph, its built proxy, the first experts block's path and that module's type
+    (to show afterwards that nothing was replaced)."""
+    g = parse_model(ref)
+    info = load_stage(load_model(ref, trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0)
+    path = g.by_kind("moe.experts")[0].path
+    return g, model, path, type(model.get_submodule(path))
+
+
 def test_non_gated_experts_refuse_expert_lora_early(parse_model):
     """Training: expert LoRA (and the expert-parallel compute) are SwiGLU's. A model with
     non-gated experts fails before any block is replaced, with an error naming the problem."""
@@ -720,11 +730,7 @@ def test_non_gated_experts_refuse_expert_lora_early(parse_model):
         apply_expert_parallel,
     )
 
-    g = parse_model("hf:nemotron_h")
-    info = load_stage(load_model("hf:nemotron_h", trust_remote_code=True))
-    model = info.loaded.build(info.proxy_config, seed=0)
-    path = g.by_kind("moe.experts")[0].path
-    before = type(model.get_submodule(path))
+    g, model, path, before = _proxy_experts(parse_model, "hf:nemotron_h")
     with pytest.raises(InputError, match=r"expert_lora=true, but the routed experts are non-gated.*"
                                          r"activation relu2.*Set expert_lora=false"):
         apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
@@ -870,11 +876,7 @@ def test_gpt_oss_experts_refuse_expert_parallelism_early(parse_model):
     from onboarding.training.moe_ep import EPGroup, apply_expert_parallel
 
     pytest.importorskip("transformers.models.gpt_oss")
-    g = parse_model("hf:gpt_oss")
-    info = load_stage(load_model("hf:gpt_oss", trust_remote_code=True))
-    model = info.loaded.build(info.proxy_config, seed=0)
-    path = g.by_kind("moe.experts")[0].path
-    before = type(model.get_submodule(path))
+    g, model, path, before = _proxy_experts(parse_model, "hf:gpt_oss")
     with pytest.raises(InputError, match=r"weight_layout='in_out', gate_up_split='interleaved', "
                                          r"gate_up_bias=.*down_bias="):
         apply_expert_parallel(model, g, EPGroup())

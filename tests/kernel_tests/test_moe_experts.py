@@ -126,21 +126,28 @@ def test_capacity_drops_slots(load, device):
     assert dropless.capacity(74, 5) is None and dropless.route(idx, 5, 16)["S"] == 74
 
 
+def _check_vs_transformers_experts(module, hf, device, first: str = "gate_up_proj") -> None:
+    """transformers' packed experts module `hf` (D=24, E=5, top-2; weights `first`, gate_up or
+    up, and down_proj) with random weights: `module`'s kernel reproduces it."""
+    hf = hf.to(device)
+    gen = torch.Generator().manual_seed(3)
+    first, down = getattr(hf, first), hf.down_proj
+    with torch.no_grad():
+        for p in (first, down):
+            p.copy_(torch.randn(p.shape, generator=gen) / 5)
+    x = torch.randn(37, 24, generator=gen).to(device)
+    idx = routing("zipf", 37, 5, 2, gen).to(device)
+    w = torch.rand(37, 2, generator=gen).to(device)
+    torch.testing.assert_close(module.entry(x, idx, w, first, down), hf(x, idx, w), rtol=1e-4, atol=1e-5)
+
+
 def test_matches_transformers_experts(load, device):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     hf = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=24, num_experts=5, moe_intermediate_size=20,
-                                        num_experts_per_tok=2)).to(device)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        hf.gate_up_proj.copy_(torch.randn(hf.gate_up_proj.shape, generator=gen) / 5)
-        hf.down_proj.copy_(torch.randn(hf.down_proj.shape, generator=gen) / 5)
-    x = torch.randn(37, 24, generator=gen).to(device)
-    idx = routing("zipf", 37, 5, 2, gen).to(device)
-    w = torch.rand(37, 2, generator=gen).to(device)
-    y = load("swiglu", {}).entry(x, idx, w, hf.gate_up_proj, hf.down_proj)
-    torch.testing.assert_close(y, hf(x, idx, w), rtol=1e-4, atol=1e-5)
+                                        num_experts_per_tok=2))
+    _check_vs_transformers_experts(load("swiglu", {}), hf, device)
 
 
 @pytest.mark.parametrize("variant,params", CASE_PARAMS)
@@ -662,16 +669,7 @@ def test_mlp_matches_transformers_nemotron_h_experts(load, device, act):
     hf_act = {"relu2": "relu2", "relu": "relu", "silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_new"}[act]
     cfg = NemotronHConfig(hidden_size=24, n_routed_experts=5, moe_intermediate_size=20, num_experts_per_tok=2,
                           mlp_hidden_act=hf_act)
-    hf = NemotronHExperts(cfg).to(device)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        hf.up_proj.copy_(torch.randn(hf.up_proj.shape, generator=gen) / 5)
-        hf.down_proj.copy_(torch.randn(hf.down_proj.shape, generator=gen) / 5)
-    x = torch.randn(37, 24, generator=gen).to(device)
-    idx = routing("zipf", 37, 5, 2, gen).to(device)
-    w = torch.rand(37, 2, generator=gen).to(device)
-    y = load("mlp", {"activation": act}).entry(x, idx, w, hf.up_proj, hf.down_proj)
-    torch.testing.assert_close(y, hf(x, idx, w), rtol=1e-4, atol=1e-5)
+    _check_vs_transformers_experts(load("mlp", {"activation": act}), NemotronHExperts(cfg), device, "up_proj")
 
 
 def test_mlp_errors_name_the_problem(load, device):
