@@ -186,7 +186,7 @@ def _expert_gating(mats: list[list[int]]) -> bool | None:
     return None
 
 
-def _packed_orientation(mats: list[list[int]]) -> tuple[str, int] | None:
+def packed_orientation(mats: list[list[int]]) -> tuple[str, int] | None:
     """How two packed gated expert weights (each [out, in] or [in, out] past the expert dim) are
     stored, from their shapes: ("out_in", i) for gate_up [2F, D] + down [D, F] (used as x W^T),
     ("in_out", i) for gate_up [D, 2F] + down [F, D] (used as x W: gpt-oss), with i the index of
@@ -366,7 +366,7 @@ class Classifier:
             names3 = [n for n in self._3d_params(path) if len(self.ctx.param_shapes[n]) == 3]
             mats = [self.ctx.param_shapes[n][1:] for n in names3]
             gated = _expert_gating(mats)
-            orient = _packed_orientation(mats)
+            orient = packed_orientation(mats)
             if gated is None and orient is not None:
                 gated = True  # gate_up [E, D, 2F] + down [E, F, D]: gpt-oss's x @ W layout
             ev = [f"{len(self._3d_params(path))} parameters stacked over {e} experts",

@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from onboarding.classify import packed_orientation
 from onboarding.opgraph import Block, OpGraph
 from onboarding.testing.tolerance import compare, tolerance_for
 
@@ -261,18 +262,16 @@ class _ExpertWeights:
 
 def _gated_experts_roles(module: nn.Module, a: torch.Tensor, b: torch.Tensor
                          ) -> tuple[str, dict[str, str]] | None:
-    """(layout, {"gate_up": name, "down": name}) of two packed gated weights by their shapes:
-    "out_in" gate_up [E, 2F, D] + down [E, D, F], or "in_out" gate_up [E, D, 2F] + down
-    [E, F, D]; None when neither fits (the two never both fit positive dims)."""
+    """(layout, {"gate_up": name, "down": name}) of two packed gated weights by their shapes
+    (`classify.packed_orientation` past the expert dim): "out_in" gate_up [E, 2F, D] + down
+    [E, D, F], or "in_out" gate_up [E, D, 2F] + down [E, F, D]; None when neither fits."""
+    orient = packed_orientation([list(a.shape[1:]), list(b.shape[1:])]) if a.shape[0] == b.shape[0] else None
+    if orient is None:
+        return None
+    layout, i = orient
+    g, d = (a, b) if i == 0 else (b, a)
     names = {id(p): n for n, p in module.named_parameters(recurse=False)}
-    for g, d in ((a, b), (b, a)):
-        if g.shape[0] != d.shape[0]:
-            continue
-        if g.shape[1] == 2 * d.shape[2] and g.shape[2] == d.shape[1]:
-            return "out_in", {"gate_up": names[id(g)], "down": names[id(d)]}
-        if g.shape[2] == 2 * d.shape[1] and g.shape[1] == d.shape[2]:
-            return "in_out", {"gate_up": names[id(g)], "down": names[id(d)]}
-    return None
+    return layout, {"gate_up": names[id(g)], "down": names[id(d)]}
 
 
 def _experts_bindings(module: nn.Module, fn: Callable, block: Block | None = None,

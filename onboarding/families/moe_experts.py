@@ -36,10 +36,12 @@ name the activation read off its ops; other activations, a clamp or biases leave
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
+from onboarding.classify import packed_orientation
 from onboarding.errors import InputError
 from onboarding.families._gemm import (
     GEMM_FWD_BWD_DEFAULT_CONFIG,
@@ -72,17 +74,14 @@ _LEGACY_SPLIT = "halves"
 
 def _gate_up_down(shapes: dict[str, list[int]], e: int, weight_layout: str) -> tuple[str, str] | None:
     """(gate_up name, down name) of the packed 3-D weights in `weight_layout`: "out_in" gate_up
-    [E, 2F, D] + down [E, D, F], or "in_out" gate_up [E, D, 2F] + down [E, F, D]; None when no
-    (or more than one) pair fits."""
+    [E, 2F, D] + down [E, D, F], or "in_out" gate_up [E, D, 2F] + down [E, F, D] (the
+    classifier's `packed_orientation`); None when no (or more than one) pair fits."""
     three = {n: s for n, s in shapes.items() if len(s) == 3 and s[0] == e}
-    if weight_layout == "out_in":
-        fits = [(a, b) for a in three for b in three
-                if a != b and three[a][1] == 2 * three[b][2] and three[a][2] == three[b][1]]
-    elif weight_layout == "in_out":
-        fits = [(a, b) for a in three for b in three
-                if a != b and three[a][2] == 2 * three[b][1] and three[a][1] == three[b][2]]
-    else:
-        return None
+    fits = []
+    for a, b in itertools.combinations(three, 2):
+        orient = packed_orientation([three[a][1:], three[b][1:]])
+        if orient is not None and orient[0] == weight_layout:
+            fits.append((a, b) if orient[1] == 0 else (b, a))
     return fits[0] if len(fits) == 1 else None
 
 
