@@ -219,13 +219,19 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 
 
 _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU clamp, slope, offset)
+# group_m: row tiles per band of the row-tiled GEMMs' launch order (`_band` in the kernels): the
+# gate/up, down, down-backward and dx GEMMs run a band's row tiles across all column tiles
+# before the next band, so gathered rows and expert weight tiles are re-read from L2, not HBM.
+# 8 row tiles x 16 column tiles (F or D = 2048 over 128) is about one wave of 132 SMs.
+_TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16)}
+_DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8}
 _GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
                          {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4})
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=6,
+    template_version=7,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "
@@ -252,8 +258,8 @@ FAMILY = FamilySpec(
     # and backward tiles (BWD_BLOCK_M/N/K, bwd_warps, bwd_stages: down backward, dx, both weight
     # gradients, backward combine, and in `swiglu_lora` the adapter kernels of the backward) tile
     # separately: the backward's weight-gradient GEMMs reduce over each expert's rows.
-    tuning_space=GEMM_FWD_BWD_TUNING_SPACE,
-    default_config=GEMM_FWD_BWD_DEFAULT_CONFIG,
+    tuning_space=_TUNING_SPACE,
+    default_config=_DEFAULT_CONFIG,
     shape_buckets=(
         ShapeBucket(name="d_le_1k", dim="D", lo=1, hi=1024),
         # Measured on the H200 at E64 top-8 D2048 F512 N8192 bf16 (docs/LOG.md, third session):
