@@ -96,6 +96,10 @@ PARAMS = (
           doc="tokens per chunk BT (the WY/UT block); changes rounding, not the maths"),
     Param(name="qk_l2norm", type=bool, default=False,
           doc="default of use_qk_l2norm_in_kernel (l2norm of q and k inside the kernels)"),
+    Param(name="recompute", type=bool, default=False,
+          doc="training: the backward re-runs the forward's prepare and state kernels instead of "
+              "keeping their outputs from the forward (less activation memory per layer, a slower "
+              "backward; see the module's `saved_shapes`)"),
 )
 
 
@@ -120,7 +124,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=7,
+    template_version=8,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

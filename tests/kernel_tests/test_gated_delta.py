@@ -483,6 +483,33 @@ def test_backward_runs_in_triton(monkeypatch):
     check_backward_is_triton(load(gated_delta.FAMILY), False, monkeypatch)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_training_forward_keeps_what_the_backward_needs(recompute, monkeypatch):
+    """A training step runs the prepare kernel once (the forward keeps Tm, M and the states for
+    the backward), twice with the param `recompute` (the backward re-runs it); the gradients
+    match the recurrence either way."""
+    module = load(gated_delta.FAMILY, {"recompute": recompute})
+    case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
+    args = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(5))
+    calls = []
+    prepare = module._prepare
+
+    def counted(*a, **kw):
+        calls.append(kw.get("keep_tm", False))
+        return prepare(*a, **kw)
+
+    monkeypatch.setattr(module, "_prepare", counted)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, device=DEVICE), torch.randn(case.B, case.HV, case.K, case.V, device=DEVICE)]
+    outs, grads = grads_of(module.gated_delta, args, douts)
+    assert calls == ([False, True] if recompute else [True])
+    ref_outs, ref_grads = grads_of(module.reference, args, douts)
+    tol = tolerance_for(torch.float32)
+    for name, a, b in zip(("o", "final state"), outs, ref_outs):
+        assert_close(a, b, tol, name)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, ref_grads):
+        assert_close(a, b, tol, name)
+
+
 def test_prepare_kernel_vs_torch_twin():
     check_prepare_vs_torch(load(gated_delta.FAMILY), False)
 
@@ -521,9 +548,9 @@ def test_shape_errors_name_shapes():
 
 def test_match_by_structure():
     m = gated_delta.match(block("linear_attention.gated_delta", [1, 4, 2, 64], -1, False, True))
-    assert m == {"variant": "chunk", "params": {"chunk_size": 64, "qk_l2norm": True}}
+    assert m == {"variant": "chunk", "params": {"chunk_size": 64, "qk_l2norm": True, "recompute": False}}
     m = gated_delta.match(block("linear_attention.gated_delta", [1, 4, 3, 17], -1, False, False))
-    assert m is not None and m["params"] == {"chunk_size": 64, "qk_l2norm": False}  # odd chunk: ours
+    assert m is not None and m["params"] == {"chunk_size": 64, "qk_l2norm": False, "recompute": False}  # odd chunk: ours
     assert gated_delta.match(block("linear_attention.kimi_delta", [1, 4, 2, 64, 32], 3, True, True)) is None
     assert gated_delta.match(block("linear_attention.mamba", [1, 4, 2, 64], -1, False, False)) is None
 

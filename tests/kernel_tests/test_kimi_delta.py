@@ -98,7 +98,7 @@ def test_opcheck_and_contract():
 
 def test_match_by_structure():
     m = kimi_delta.match(block("linear_attention.kimi_delta", [1, 4, 2, 32, 16], 3, True, True))
-    assert m == {"variant": "chunk", "params": {"chunk_size": 32, "qk_l2norm": True}}
+    assert m == {"variant": "chunk", "params": {"chunk_size": 32, "qk_l2norm": True, "recompute": False}}
     assert kimi_delta.match(block("linear_attention.gated_delta", [1, 4, 2, 64], -1, False, True)) is None
 
 
