@@ -277,12 +277,14 @@ def check_aot(spec) -> None:
 
     source = templating.render(spec, "chunk", {"chunk_size": 64, "qk_l2norm": True})
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-aot-")) / spec.name / "chunk.py")
-    results = aot.compile_files([path], size=128, registers=False)
-    rs = next(iter(results.values()))
-    assert len(rs) == 7, [r.kernel for r in rs]
-    for r in rs:
-        assert r.ok, f"{r.kernel}: {r.error}"
-        assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, (r.kernel, r.shared_bytes)
+    # bf16 and fp32 inputs (32-bit intermediates: twice the shared memory per pipeline stage)
+    for dtype in ("bf16", "fp32"):
+        results = aot.compile_files([path], size=128, dtype=dtype, registers=False)
+        rs = next(iter(results.values()))
+        assert len(rs) == 7, [r.kernel for r in rs]
+        for r in rs:
+            assert r.ok, f"{dtype} {r.kernel}: {r.error}"
+            assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, (dtype, r.kernel, r.shared_bytes)
 
 
 # Child process (no TRITON_INTERPRET: the interpreter patches triton.language in-process) that
