@@ -225,8 +225,16 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # 8 row tiles x 16 column tiles (F or D = 2048 over 128) is about one wave of 132 SMs.
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8}
-_GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-                         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4})
+_BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+# Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
+# routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
+# at Qwen3-Next (E512 top-10 D2048 F512 N8192, ~160 rows per expert) 64-row tiles with 4 stages
+# took 2.756 ms against 3.059 for 128 x 128 / 3 stages (1.38x vs 1.24x); at DeepSeek-V3 (E256
+# top-8 D7168 F2048 N8192) 128-row tiles with 4 stages 15.49 ms against 16.54 (3 stages), and
+# 16-row-tile bands 15.81 against 16.54 (group_m 8).
+_GPU_TILES = split_tiles({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}, _BWD_TILES)
+_GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+                                _BWD_TILES), "group_m": 16}
 
 FAMILY = FamilySpec(
     name=NAME,
@@ -262,14 +270,12 @@ FAMILY = FamilySpec(
     default_config=_DEFAULT_CONFIG,
     shape_buckets=(
         ShapeBucket(name="d_le_1k", dim="D", lo=1, hi=1024),
-        # Measured on the H200 at E64 top-8 D2048 F512 N8192 bf16 (docs/LOG.md, third session):
-        # forward best 128 x 128 x 64, 8 warps, 3 stages (1.95 ms; 64-row tiles 2.15 ms); forward +
-        # backward (one config for all kernels then) best 64 x 128 x 64, 8 warps, 4 stages (6.30 ms,
-        # of which forward 2.10; 128 x 128 tiles 6.54 ms). 64-row backward tiles also waste less on
-        # many small experts (E=512 top-10 of 8192 tokens: ~160 rows each). The same tiles past
-        # D=4096 until measured there.
+        # Backward measured on the H200 at E64 top-8 D2048 F512 N8192 bf16 (docs/LOG.md, third
+        # session): forward + backward (one config for all kernels then) best 64 x 128 x 64, 8 warps,
+        # 4 stages (6.30 ms; 128 x 128 tiles 6.54 ms). 64-row tiles also waste less on many small
+        # experts (E=512 top-10 of 8192 tokens: ~160 rows each). Forward: see _GPU_TILES.
         ShapeBucket(name="d_le_4k", dim="D", lo=1025, hi=4096, config=_GPU_TILES),
-        ShapeBucket(name="d_big", dim="D", lo=4097, hi=2**31 - 1, config=_GPU_TILES),
+        ShapeBucket(name="d_big", dim="D", lo=4097, hi=2**31 - 1, config=_GPU_TILES_BIG),
     ),
     check=_check,
     match=match,
