@@ -52,6 +52,8 @@ TUNING_SPACE = {
     "prep_bk": (0, 16, 32, 64, 128),
     # pipeline stages of the prepare kernel; 0: num_stages, the backward chunk kernels' stages
     "prep_stages": (0, 1, 2, 3),
+    # V tile of the backward's WY kernel; 0: BV, the forward's (prepare's u and the output kernel)
+    "bwd_bv": (0, 16, 32, 64, 128),
     # V tile of the serial state passes; 0 picks the widest tile whose grid still fills the GPU
     # (B * HV heads x V / BV tiles against the SM count, see the module's `_state_bv`)
     "state_bv": (0, 16, 32, 64, 128),
@@ -64,7 +66,7 @@ TUNING_SPACE = {
 }
 DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32",
                   "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input",
-                  "inv_dot": "tf32", "prep_bk": 0, "prep_stages": 0}
+                  "inv_dot": "tf32", "prep_bk": 0, "prep_stages": 0, "bwd_bv": 0}
 SHAPE_BUCKETS = (
     # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
     # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed
@@ -82,10 +84,13 @@ SHAPE_BUCKETS = (
     # warps x tile x stages, the state pass 0.570 vs 0.869 ms at B1 T32768 HK16 HV32 (0.076 vs
     # 0.114 at B2 T4096 H16; best of 27 at all three shapes timed), prepare 1.198 vs 1.271 (best
     # of 18); the whole backward over state_bwd_stages x num_stages (3 x 3): 1.080 vs 1.204 ms at
-    # B2 T4096 H16, 2.349 vs 2.624 at B1 T8192 HK16 HV32 (best at both).
+    # B2 T4096 H16, 2.349 vs 2.624 at B1 T8192 HK16 HV32 (best at both). bwd_bv 32 (seventh
+    # session, the saving forward + backward over BK x BV x warps as CUDA graphs): BV 32 took the
+    # backward to 0.760 from 0.811 ms at B2 T4096 H16 (1.766 from 1.828 at B1 T8192 HK16 HV32) and
+    # the forward from 0.310 up to 0.351 (its output kernel): the backward alone takes 32.
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
                 config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 3, "prep_bk": 64,
-                        "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3}),
+                        "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3, "bwd_bv": 32}),
     # Untimed, chosen from the AOT build's (sm_90, BT=64) spills and shared memory: fp32
     # [BT, 256] w and kd tiles leave no room for a second pipeline stage
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,

@@ -20,10 +20,11 @@ from onboarding.templating import FamilySpec
 
 NAME = "kimi_delta"
 # GDN's buckets less what was timed on GDN's kernels only: the prepare kernel's K tile and
-# stages (KDA's per-channel Gram differs) and k_le_128's three-stage backward chunk kernels,
+# stages (KDA's per-channel Gram differs), the backward WY kernel's V tile, and k_le_128's
+# three-stage backward chunk kernels,
 # which keep the stages they had. The state passes are one kernel for both (but for KDA's [K]
 # gate load): KDA's forward with their three stages went 3.342 -> 3.075 ms (B1 T8192 H32 D128).
-_GDN_ONLY = ("prep_bk", "prep_stages")
+_GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv")
 _KDA_STAGES = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1}}
 KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
                                                    **_KDA_STAGES.get(b.name, {})})
