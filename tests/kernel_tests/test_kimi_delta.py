@@ -114,7 +114,7 @@ def test_aot_sm90_bf16_tensor_cores():
     # every kernel but the token-by-token recurrence has dots: the per-channel Gram products and
     # their backward (bwd qk) dot the blocks below the diagonal blocks
     check_aot_bf16_mma(kimi_delta.FAMILY, ["kda_prepare_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel",
-                                           "kda_state_bwd_kernel", "kda_chunk_bwd_dh_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"],
+                                           "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"],
                        ["kda_chunk_bwd_wy_kernel"])
 
 
