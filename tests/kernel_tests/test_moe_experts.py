@@ -342,15 +342,15 @@ def test_backward_tile_keys_in_space_config_and_tuner(load):
 
 
 def test_aot_specs_split_forward_and_backward_tiles(load):
-    """At D=2048 (bucket d_le_4k) the bf16 specs carry the measured GPU tiles: forward kernels
-    128 x 128 x 64, 8 warps, 3 stages; backward kernels 64 x 128 x 64, 8 warps, 4 stages."""
-    fwd = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    """At D=7168 (bucket d_big) the bf16 specs carry the measured GPU tiles: forward kernels
+    128 x 128 x 64, 8 warps, 4 stages; backward kernels 64 x 128 x 64, 8 warps, 4 stages."""
+    fwd = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     bwd = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     for variant in ("swiglu", "swiglu_lora"):
         module = load(variant, {})
         module.set_config(None)  # the buckets' own tiles, not the CPU pin
         try:
-            specs = module.aot_specs("bf16", 2048)
+            specs = module.aot_specs("bf16", 7168)
         finally:
             module.set_config(CPU_CONFIG)
         got: dict[str, list] = {}
