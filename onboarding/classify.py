@@ -360,7 +360,9 @@ class Classifier:
         sparse = any(t[2] == n_experts and (t[1] is None or t[1] < n_experts) for t in exp_topk)
         if sparse and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
             return self._router(recs, exp_topk, n_experts)
-        expert_params = self._expert_params(path)
+        expert_params, zero = self._expert_params(path), None
+        if expert_params is None and (split := self._zero_experts(path, recs)) is not None:
+            expert_params, zero = split
         if expert_params and (mm or any("grouped_mm" in op for op in ops)):
             e = expert_params
             names3 = [n for n in self._3d_params(path) if len(self.ctx.param_shapes[n]) == 3]
@@ -377,6 +379,11 @@ class Classifier:
             attrs = {"n_experts": e, "layout": "packed_3d", "gated": gated,
                      "activation": _expert_activation(recs), "clamp": _clamp(recs),
                      **_clamp_style(recs), "grouped_mm": any("grouped_mm" in op for op in ops)}
+            if zero is not None:
+                attrs["zero_experts"] = zero[0]
+                ev.append(f"3-D weights over {e + zero[0]} and {e} experts; {zero[1]} scatter-adds of "
+                          f"a token times its routing weight with no matmul: slots >= {e} are "
+                          "identity (zero) experts")
             if gated and orient is not None:
                 self._packed_gated(path, recs, names3, orient, ev, attrs)
             return "moe.experts", ev, attrs
@@ -400,7 +407,7 @@ class Classifier:
         parameters of the block used by its ops, by name relative to the block), and the
         activation of a written-out sigmoid gate g * sigmoid(alpha g) (SiLU with slope alpha)."""
         layout, i = orient
-        e = self.ctx.param_shapes[names3[0]][0]
+        e = attrs["n_experts"]  # the real experts (a zero-expert block's gate_up may hold more)
         gu = self.ctx.param_shapes[names3[i]]
         two_f, d = (gu[1], gu[2]) if layout == "out_in" else (gu[2], gu[1])
         split = _gate_up_split(recs, two_f)
@@ -441,6 +448,28 @@ class Classifier:
             return None
         leads = {self.ctx.param_shapes[n][0] for n in self._3d_params(path)}
         return leads.pop() if len(leads) == 1 and min(leads | {2}) >= 2 else None
+
+    def _zero_experts(self, path: str, recs: list[OpRecord]) -> tuple[int, tuple[int, int]] | None:
+        """(E, (Z, n)) for packed experts with identity ("zero") experts (LongCat-Flash): 3-D
+        weights over two expert counts E + Z > E (gate_up over every routing slot, down over the
+        E real experts only), and in the op order `n` > 0 scatter-adds into the output
+        (``index_add_``) of a token multiplied by its routing weight with no matmul since the
+        previous one. None otherwise: without seeing such a slot the zero experts' op is not
+        guessed."""
+        if self.ctx.module_types.get(path, "").startswith("Conv"):
+            return None
+        leads = sorted({self.ctx.param_shapes[n][0] for n in self._3d_params(path)})
+        if len(leads) != 2 or leads[0] < 2:
+            return None
+        n, seg = 0, []
+        for r in recs:
+            if r.op in ("index_add_", "index_add"):
+                if not any(is_matmul(x.op) for x in seg) and any(x.op in ("mul", "mul_") for x in seg):
+                    n += 1
+                seg = []
+            else:
+                seg.append(r)
+        return (leads[0], (leads[1] - leads[0], n)) if n else None
 
     def _attention(self, path, recs, attn, seq_topk, child_kinds):
         ctx, ev, attrs = self.ctx, list(attn), {}

@@ -10,7 +10,8 @@ structure (its parameters, its input) to a kernel's signature:
     for the gated variants, up [E, F, D] + down [E, D, F] for the non-gated `mlp` one). Gated
     blocks stored otherwise (gpt-oss: gate_up [E, D, 2F] with gate/up interleaved, down [E, F, D],
     per-expert biases) are converted to the kernel's layout as the classifier read it off the
-    block (see `_ExpertWeights`);
+    block (see `_ExpertWeights`); identity ("zero") expert slots (attrs `zero_experts`: index >= E)
+    go to the kernel with weight 0 and their r * x is added in torch;
   - ``moe.router``: ``forward(x)`` -> the router kernel with the gate weight found by its shape
     [n_experts, hidden] and the score-correction bias (a parameter or buffer [n_experts]) when
     the kernel was rendered with one; scoring, top-k, groups, renormalisation and scaling are
@@ -260,16 +261,21 @@ class _ExpertWeights:
         return hit[1]
 
 
-def _gated_experts_roles(module: nn.Module, a: torch.Tensor, b: torch.Tensor
+def _gated_experts_roles(module: nn.Module, a: torch.Tensor, b: torch.Tensor, zero: int = 0
                          ) -> tuple[str, dict[str, str]] | None:
     """(layout, {"gate_up": name, "down": name}) of two packed gated weights by their shapes
     (`classify.packed_orientation` past the expert dim): "out_in" gate_up [E, 2F, D] + down
-    [E, D, F], or "in_out" gate_up [E, D, 2F] + down [E, F, D]; None when neither fits."""
-    orient = packed_orientation([list(a.shape[1:]), list(b.shape[1:])]) if a.shape[0] == b.shape[0] else None
+    [E, D, F], or "in_out" gate_up [E, D, 2F] + down [E, F, D]; None when neither fits. With
+    `zero` identity experts gate_up may hold E + zero experts (down: E)."""
+    if a.shape[0] != b.shape[0] and not (zero and abs(a.shape[0] - b.shape[0]) == zero):
+        return None
+    orient = packed_orientation([list(a.shape[1:]), list(b.shape[1:])])
     if orient is None:
         return None
     layout, i = orient
     g, d = (a, b) if i == 0 else (b, a)
+    if g.shape[0] not in (d.shape[0], d.shape[0] + zero):
+        return None
     names = {id(p): n for n, p in module.named_parameters(recurse=False)}
     return layout, {"gate_up": names[id(g)], "down": names[id(d)]}
 
@@ -294,7 +300,8 @@ def _experts_bindings(module: nn.Module, fn: Callable, block: Block | None = Non
     if len(packed) != 2:
         return {}
     a, b = packed
-    roles = _gated_experts_roles(module, a, b)
+    zero = int((block.attrs.get("zero_experts") or 0) if block is not None else 0)
+    roles = _gated_experts_roles(module, a, b, zero)
     if roles is None:
         if a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2] and a.shape[2] == b.shape[1]:
             return _mlp_experts_bindings(module, fn, a, b)
@@ -318,10 +325,22 @@ def _experts_bindings(module: nn.Module, fn: Callable, block: Block | None = Non
 
     def call(*args, **kwargs):
         x, idx, w = _experts_args(args, kwargs)
-        return fn(x, idx, w, *(weights.get(r) for r in roles_used))
+        ws = [weights.get(r) for r in roles_used]
+        if not zero:
+            return fn(x, idx, w, *ws)
+        # Identity ("zero") experts: slots >= E return r * x. The kernel gets the E real experts
+        # (gate_up's first E) and those slots as expert 0 with weight 0 (masked_fill: no gradient
+        # through the kernel's slot); their r * x is added here, with its gradient to r and x.
+        e = ws[1].shape[0]
+        ws = [t[:e] if t.shape[0] != e else t for t in ws]
+        slot = idx >= e
+        y = fn(x, idx.masked_fill(slot, 0), w.masked_fill(slot, 0), *ws)
+        return y + (x * (w * slot).sum(-1, keepdim=True)).to(y.dtype)
 
     how = "" if (layout, split, has_bias) == ("out_in", "halves", False) else \
         f"; {names['gate_up']} {layout} {split}" + (" + biases" if has_bias else "") + " -> kernel layout"
+    if zero:
+        how += f"; {zero} identity (zero) experts added in torch"
     return {f"x, topk_indices, topk_weights (by dtype and width){how}": call}
 
 

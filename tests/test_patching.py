@@ -881,3 +881,95 @@ def test_gpt_oss_experts_refuse_expert_parallelism_early(parse_model):
                                          r"gate_up_bias=.*down_bias="):
         apply_expert_parallel(model, g, EPGroup())
     assert type(model.get_submodule(path)) is before
+
+
+# ---- identity ("zero") experts (LongCat-Flash) -----------------------------------------------
+def _zero_expert_router_bias(model, e: int, bias: float = 2e-3) -> None:
+    """The tiny longcat_flash proxy routes among 8 real and 256 zero experts: with its zero
+    score-correction bias no slot of a 16-token input picks a real expert, so the kernel would
+    never run. A small bias on the real experts' selection (not on the weights) mixes both kinds
+    of slot (14 of 32 slots real, 7 of 8 experts, at seed 0)."""
+    for m in model.modules():
+        b = getattr(m, "e_score_correction_bias", None)
+        if isinstance(b, torch.Tensor):
+            with torch.no_grad():
+                b.zero_()
+                b[:e] = bias
+
+
+def test_zero_experts_proxy_classified_patched_and_aligned(parse_model, tmp_path):
+    """transformers' longcat_flash proxy: its experts hold gate_up [E + Z, 2F, D] and down
+    [E, D, F], and slots >= E add the token times its routing weight (identity "zero" experts).
+    Classified by those shapes and that op order as packed experts over the E real ones with
+    `zero_experts` Z, matched to `moe_experts/swiglu`, patched (real slots through the kernel,
+    zero slots in torch; checked on the first call) and aligned forward and backward against the
+    fp64 eager model with both kinds of slot in the routing."""
+    pytest.importorskip("transformers.models.longcat_flash")
+    g = parse_model("hf:longcat_flash")
+    experts = g.by_kind("moe.experts")
+    assert experts and not g.by_kind("moe.shared_expert")
+    for b in experts:
+        a = b.attrs
+        assert (a["n_experts"], a["zero_experts"], a["gated"], a["activation"], a["weight_layout"],
+                a["gate_up_split"]) == (8, 256, True, "silu", "out_in", "halves"), a
+    cov = build_coverage(g)
+    entries = [e for e in cov.entries if e.kind == "moe.experts"]
+    assert entries and {(e.status, e.family, e.variant) for e in entries} == \
+        {("template", "moe_experts", "swiglu")}
+    _experts_align(g, cov, "hf:longcat_flash", tmp_path, "256 identity (zero) experts added in torch",
+                   lambda model: _zero_expert_router_bias(model, 8))
+
+
+def test_zero_experts_refuse_expert_parallelism_early(parse_model):
+    """Expert parallelism dispatches to real experts only: a block with identity (zero) experts
+    fails before any block is replaced, naming them."""
+    from onboarding.errors import InputError
+    from onboarding.training.moe_ep import EPGroup, apply_expert_parallel
+
+    pytest.importorskip("transformers.models.longcat_flash")
+    g, model, path, before = _proxy_experts(parse_model, "hf:longcat_flash")
+    with pytest.raises(InputError, match=r"zero_experts=256 \(identity experts\)"):
+        apply_expert_parallel(model, g, EPGroup())
+    assert type(model.get_submodule(path)) is before
+
+
+def test_zero_expert_slots_forward_and_gradients(parse_model, tmp_path):
+    """The zero-expert binding on one experts module, with routing drawn at random over real and
+    zero slots: output and every gradient (x, topk_weights, gate_up, down) match the eager
+    module; a zero slot's weight gradient is <dy, x>, never the kernel's expert-0 output."""
+    pytest.importorskip("transformers.models.longcat_flash")
+    g = parse_model("hf:longcat_flash")
+    cov = build_coverage(g)
+    cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path) if c.family == "moe_experts"]
+    assert cands and all(c.status == "passed" for c in cands), [c.error for c in cands]
+    g, model, path, _ = _proxy_experts(parse_model, "hf:longcat_flash")
+    module = model.get_submodule(path)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in (module.gate_up_proj, module.down_proj):
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    n, d, total, k = 29, module.down_proj.shape[1], module.gate_up_proj.shape[0], 3
+    x = torch.randn(n, d, generator=gen)
+    # about half the slots real (< 8), half zero experts, distinct per token
+    idx = torch.stack([torch.cat([torch.randperm(8, generator=gen)[:2],
+                                  8 + torch.randperm(total - 8, generator=gen)[:1]])[torch.randperm(k, generator=gen)]
+                       for _ in range(n)])
+    w = torch.rand(n, k, generator=gen)
+    dy = torch.randn(n, d, generator=gen)
+
+    def run():
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        module.zero_grad()
+        y = module(xs, idx, ws)
+        (y * dy).sum().backward()
+        return y.detach(), xs.grad, ws.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()
+
+    expected = run()
+    with patch_model(model, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches:
+        got = run()
+        rec = next(r for r in patches.records if r.path == path)
+        assert rec.status == "active" and "identity (zero) experts" in rec.binding, (rec.binding, rec.detail)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    zero = idx >= 8
+    assert torch.allclose(got[2][zero], (dy[:, None, :] * x[:, None, :]).sum(-1).expand(n, k)[zero], atol=1e-4)

@@ -16,7 +16,10 @@ gate/up product (a chunk or step-1 slices vs step-2 slices); `gate_up_bias` / `d
 names of the 2-D [E, 2F] / [E, D] parameters added around the two GEMMs. `match` takes these
 layouts; `onboarding.patching` converts the block's weights to the kernel's layout (and checks
 the result against the block's own output on its first call). A gated packed block whose split
-the classifier could not read (`gate_up_split: None`) stays uncovered.
+the classifier could not read (`gate_up_split: None`) stays uncovered. Identity ("zero") experts
+(attrs `zero_experts`: routing slots >= E return the token times its routing weight; gate_up may
+hold E + Z experts, down E) are served by `swiglu` for the E real experts; the patch binding adds
+the zero slots' r * x in torch.
 
 Variant `swiglu_lora`: the same experts frozen, with per-expert LoRA adapters on gate_up and on
 down applied inside the grouped GEMMs (no delta-W); gradients to x, topk_weights and the
@@ -72,16 +75,21 @@ def _check(variant: str, params: dict[str, Any]) -> None:
 _LEGACY_SPLIT = "halves"
 
 
-def _gate_up_down(shapes: dict[str, list[int]], e: int, weight_layout: str) -> tuple[str, str] | None:
+def _gate_up_down(shapes: dict[str, list[int]], e: int, weight_layout: str, zero: int = 0
+                  ) -> tuple[str, str] | None:
     """(gate_up name, down name) of the packed 3-D weights in `weight_layout`: "out_in" gate_up
     [E, 2F, D] + down [E, D, F], or "in_out" gate_up [E, D, 2F] + down [E, F, D] (the
-    classifier's `packed_orientation`); None when no (or more than one) pair fits."""
-    three = {n: s for n, s in shapes.items() if len(s) == 3 and s[0] == e}
+    classifier's `packed_orientation`); None when no (or more than one) pair fits. With `zero`
+    identity experts (the classifier's `zero_experts`) gate_up may hold E + zero experts (the
+    patch binding uses the first E); down holds E."""
+    three = {n: s for n, s in shapes.items() if len(s) == 3 and s[0] in (e, e + zero)}
     fits = []
     for a, b in itertools.combinations(three, 2):
         orient = packed_orientation([three[a][1:], three[b][1:]])
         if orient is not None and orient[0] == weight_layout:
-            fits.append((a, b) if orient[1] == 0 else (b, a))
+            pair = (a, b) if orient[1] == 0 else (b, a)
+            if three[pair[1]][0] == e:
+                fits.append(pair)
     return fits[0] if len(fits) == 1 else None
 
 
@@ -93,7 +101,7 @@ def _packed_params(block: Any) -> dict[str, Any] | None:
     layout = attrs.get("weight_layout", "out_in")
     if attrs.get("gate_up_split", _LEGACY_SPLIT) not in ("halves", "interleaved"):
         return None  # the split could not be read off the ops: no guessing
-    pair = _gate_up_down(block.params, e, layout)
+    pair = _gate_up_down(block.params, e, layout, attrs.get("zero_experts") or 0)
     if pair is None:
         return None
     gu = block.params[pair[0]]

@@ -335,8 +335,8 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
 
     Non-gated experts (the classifier's ``gated: False``) and packed layouts other than gate_up
     [E, 2F, D] in [gate | up] halves + down [E, D, F] without biases (gpt-oss's transposed,
-    interleaved, biased experts) raise `InputError` before any block is replaced: the grouped
-    compute and expert LoRA here are that SwiGLU's.
+    interleaved, biased experts) and identity ("zero") experts (LongCat-Flash) raise `InputError`
+    before any block is replaced: the grouped compute and expert LoRA here are that SwiGLU's.
     """
     modules = dict(model.named_modules())
     for block in graph.by_kind("moe.experts"):
@@ -346,6 +346,8 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
         other = [f"{k}={a[k]!r}" for k, ok in (("weight_layout", "out_in"), ("gate_up_split", "halves"))
                  if a.get(k) not in (None, ok)]
         other += [f"{k}={a[k]!r}" for k in ("gate_up_bias", "down_bias") if a.get(k) is not None]
+        if a.get("zero_experts"):  # identity slots past the real experts: no dispatch for them here
+            other.append(f"zero_experts={a['zero_experts']!r} (identity experts)")
         if other:
             raise InputError(f"{block.path}: expert parallelism supports packed gate_up [E, 2F, D] in "
                              f"[gate | up] halves and down [E, D, F] without biases; this block has "
