@@ -178,9 +178,10 @@ def _expert_gating(mats: list[list[int]]) -> bool | None:
     if len(mats) == 3:
         return True if any(mats.count(m) >= 2 and [m[1], m[0]] in mats for m in mats) else None
     if len(mats) == 2:
-        a, b = mats
-        if (a[0] == 2 * b[1] and a[1] == b[0]) or (b[0] == 2 * a[1] and b[1] == a[0]):
+        orient = packed_orientation(mats)
+        if orient is not None and orient[0] == "out_in":
             return True
+        a, b = mats
         if a[0] == b[1] and a[1] == b[0]:
             return False
     return None
