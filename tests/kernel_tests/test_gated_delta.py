@@ -281,7 +281,8 @@ def check_aot(spec) -> None:
     for dtype in ("bf16", "fp32"):
         results = aot.compile_files([path], size=128, dtype=dtype, registers=False)
         rs = next(iter(results.values()))
-        assert len(rs) == 7, [r.kernel for r in rs]
+        # one result per spec, every jit kernel covered (compile_files raises otherwise)
+        assert len(rs) == len(templating.load_module(path).aot_specs(dtype, 128)) >= 6, [r.kernel for r in rs]
         for r in rs:
             assert r.ok, f"{dtype} {r.kernel}: {r.error}"
             assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, (dtype, r.kernel, r.shared_bytes)
@@ -567,7 +568,7 @@ def test_dot_mode_keeps_fp32_operands_on_cpu():
 
 def test_aot_sm90_bf16_tensor_cores():
     check_aot_bf16_mma(gated_delta.FAMILY, ["gdn_prepare_fwd_kernel", "gdn_state_fwd_kernel", "gdn_output_fwd_kernel",
-                                            "gdn_state_bwd_kernel", "gdn_chunk_bwd_wy_kernel", "gdn_chunk_bwd_qk_kernel"],
+                                            "gdn_state_bwd_kernel", "gdn_chunk_bwd_wy_kernel"],
                        ["gdn_chunk_bwd_wy_kernel"])
 
 
