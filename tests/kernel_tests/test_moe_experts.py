@@ -366,8 +366,12 @@ def test_aot_specs_split_forward_and_backward_tiles(load):
         if variant == "swiglu_lora":  # row projections in both passes, adapter gradients in the backward
             assert {t["BLOCK_M"] for t in got["moe_lora_proj_kernel"]} == {128, 64}
             assert all(t["num_stages"] == 4 and t["BLOCK_K"] == 64 for t in got["moe_lora_wgrad_kernel"])
-        combines = [(s["constexprs"]["BLOCK_D"], s["num_warps"]) for s in specs if s["kernel"] == "moe_combine_kernel"]
-        assert combines == [(128, 8)]  # forward and backward combine agree here: one spec
+        combines = [(s["constexprs"]["BLOCK_D"], s["num_warps"], s["signature"]["p_src"]) for s in specs
+                    if s["kernel"] == "moe_combine_kernel"]
+        # forward and backward combine tiles agree here; the rows they sum: fp32 forward, 16-bit
+        # backward (one spec each) except with LoRA (fp32 both ways: one spec)
+        srcs = ["*fp32"] if variant == "swiglu_lora" else ["*fp32", "*bf16"]
+        assert combines == [(128, 8, src) for src in srcs]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
