@@ -238,10 +238,12 @@ _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
 # at Qwen3-Next (E512 top-10 D2048 F512 N8192, ~160 rows per expert) 64-row tiles with 4 stages
 # took 2.756 ms against 3.059 for 128 x 128 / 3 stages (1.38x vs 1.24x); the anchor (E64, 1024
-# rows per expert) prefers 128 rows (1.839 ms against 1.972 for these tiles in the bench's sweep):
+# rows per expert) preferred 128 rows (1.839 ms against 1.972 for these tiles in the bench's sweep).
+# Eighth session, the bench's own sweep (one run, interleaved rounds): 128 x 64 x 64, 8 warps, 3
+# stages took 1.961 ms at the anchor (64 x 128 / 4 stages: 2.179) and 2.823 at Qwen3-Next (3.053):
 # one D bucket serves both. At DeepSeek-V3 (E256 top-8 D7168 F2048 N8192) 128-row tiles with 4
 # stages 15.49 ms against 16.54 (3 stages), and bands of 16 row tiles 15.81 against 16.54 (8).
-_GPU_TILES = split_tiles({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}, _BWD_TILES)
+_GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}, _BWD_TILES)
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16}
 
