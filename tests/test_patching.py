@@ -719,27 +719,54 @@ def _proxy_experts(parse_model, ref: str):
     return g, model, path, type(model.get_submodule(path))
 
 
-def test_non_gated_experts_refuse_expert_lora_early(parse_model):
-    """Training: expert LoRA (and the expert-parallel compute) are SwiGLU's. A model with
-    non-gated experts fails before any block is replaced, with an error naming the problem."""
-    from onboarding.errors import InputError
-    from onboarding.training.moe_ep import (
-        EPGroup,
-        ExpertLoRA,
-        _packed_names,
-        apply_expert_parallel,
-    )
+def test_non_gated_experts_expert_parallel_with_lora(parse_model):
+    """Training: expert parallelism and expert LoRA serve non-gated experts (nemotron_h: up
+    [E, F, D] -> relu(x)^2 -> down [E, D, F]). One process (ep=1) with LoRA B non-zero equals
+    transformers' module with W + s B A merged into both weights, forward and d x."""
+    import copy
 
-    g, model, path, before = _proxy_experts(parse_model, "hf:nemotron_h")
-    with pytest.raises(InputError, match=r"expert_lora=true, but the routed experts are non-gated.*"
-                                         r"activation relu2.*Set expert_lora=false"):
-        apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
-    with pytest.raises(InputError, match="non-gated.*expert parallelism supports gated SwiGLU experts"):
-        apply_expert_parallel(model, g, EPGroup())
-    assert type(model.get_submodule(path)) is before  # nothing replaced
-    # the weight-shape backstop (an op graph saved before the classifier recorded `gated`)
-    with pytest.raises(InputError, match=r"expert_lora=true.*weights \[8, 64, 128\], \[8, 128, 64\]"):
-        _packed_names(model.get_submodule(path), path, ExpertLoRA(rank=4, alpha=8.0))
+    from onboarding.training.moe_ep import EPExperts, EPGroup, ExpertLoRA, apply_expert_parallel
+
+    g, model, path, _ = _proxy_experts(parse_model, "hf:nemotron_h")
+    merged = copy.deepcopy(model.get_submodule(path))
+    (ep,) = [m for m in apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
+             if m.path == path]
+    assert isinstance(model.get_submodule(path), EPExperts) and not ep.gated
+    assert (ep.gate_up_name, ep.down_name) == ("up_proj", "down_proj")  # up ends in D (by shape)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in ep.lora_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        merged.up_proj += ep.scaling * ep.lora_B_gate_up @ ep.lora_A_gate_up
+        merged.down_proj += ep.scaling * ep.lora_B_down @ ep.lora_A_down
+    e, _, d = merged.up_proj.shape
+    x = torch.randn(19, d, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(19)])
+    w = torch.rand(19, 2, generator=gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ep(xa, idx, w), merged(xb, idx, w)
+    cot = torch.randn(ya.shape, generator=gen)
+    (ya * cot).sum().backward()
+    (yb * cot).sum().backward()
+    torch.testing.assert_close(ya, yb, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-5)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ep.lora_parameters())
+
+
+def test_expert_parallel_refuses_square_non_gated_experts():
+    """Non-gated experts with F == D: up and down have the same shape, so which is which cannot be
+    read from them; expert parallelism says so instead of guessing."""
+    from onboarding.errors import InputError
+    from onboarding.training.moe_ep import _packed_names
+
+    class Square(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_a = torch.nn.Parameter(torch.randn(4, 8, 8))
+            self.w_b = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    with pytest.raises(InputError, match=r"blk: non-gated experts with F == D \(8\).*cannot be told by shape"):
+        _packed_names(Square(), 8, "blk")
 
 
 # ---- gpt-oss-style experts (x @ W weights, interleaved gate/up, per-expert biases) -----------

@@ -279,11 +279,13 @@ def test_peft_round_trip_dense(built, tmp_path):
     assert not torch.allclose(ours, _logits(built("hf:qwen3_next")[0], ids), atol=1e-4)
 
 
-def test_peft_round_trip_expert_adapters(built, tmp_path):
-    """Per-expert A/B through PEFT's target_parameters equal merging B_e A_e into W_e."""
+@pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:nemotron_h"])
+def test_peft_round_trip_expert_adapters(built, tmp_path, ref):
+    """Per-expert A/B through PEFT's target_parameters equal merging B_e A_e into W_e: SwiGLU
+    experts (gate_up [E, 2F, D]) and non-gated ones (up [E, F, D])."""
     from peft import PeftModel
 
-    model, graph, _ = built("hf:qwen3_moe")
+    model, graph, _ = built(ref)
     base = copy.deepcopy(model)
     merged = copy.deepcopy(model)
     r, alpha = 2, 4.0
@@ -304,8 +306,8 @@ def test_peft_round_trip_expert_adapters(built, tmp_path):
         experts.peft_tensors = lambda prefix, p=pairs, ns=names: expert_lora_tensors(
             prefix, [(n, *p[n]) for n in ns])
         experts.peft_target = lambda ns=names: {"target_parameters": ns}
-    cfg = TrainConfig(model="hf:qwen3_moe", lora_rank=r, lora_alpha=alpha, expert_lora=True)
-    export_peft(model, cfg, tmp_path, base_model_name_or_path="hf:qwen3_moe")
+    cfg = TrainConfig(model=ref, lora_rank=r, lora_alpha=alpha, expert_lora=True)
+    export_peft(model, cfg, tmp_path, base_model_name_or_path=ref)
     conf = json.loads((tmp_path / "adapter_config.json").read_text())
     assert len(conf["target_parameters"]) == 2 * len(graph.by_kind("moe.experts"))
     ids = torch.randint(0, 2048, (2, 16), generator=gen)

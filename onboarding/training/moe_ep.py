@@ -7,13 +7,15 @@ from the full deterministic init). One forward:
 
   1. local (token, k) pairs sorted (stably) by expert; per-(rank, expert) counts exchanged;
   2. hidden rows sent with the autograd-aware ``all_to_all_single`` (uneven and zero splits);
-  3. received rows regrouped by local expert, computed grouped (SwiGLU, optional expert LoRA
-     with per-expert A/B and no delta-W), optional capacity drop at the owner;
+  3. received rows regrouped by local expert, computed grouped (SwiGLU, or a non-gated
+     up -> act -> down; optional expert LoRA with per-expert A/B and no delta-W), optional
+     capacity drop at the owner;
   4. results sent back and combined with the routing weights on the origin rank, so the router
      gets its gradient there.
 
 Legend: N tokens, K top-k, E experts (E_l local), D hidden, F expert width, r LoRA rank,
-P pairs (N*K), R received rows.
+P pairs (N*K), R received rows. The first expert weight is gate_up [E, 2F, D] (gated: [gate |
+up] halves) or up [E, F, D] (non-gated); down is [E, D, F] either way.
 """
 
 from __future__ import annotations
@@ -48,34 +50,20 @@ class ExpertLoRA:
     alpha: float
 
 
-def _non_gated_error(path: str, what: str, lora: ExpertLoRA | None) -> InputError:
-    """The error for non-gated experts (up [E, F, D] -> act -> down [E, D, F], no gate half):
-    expert parallelism and expert LoRA here compute gated SwiGLU experts only."""
-    if lora is not None:
-        return InputError(f"{path}: expert_lora=true, but the routed experts are non-gated ({what}: "
-                          "up [E, F, D] -> act -> down [E, D, F], no gate product); expert LoRA "
-                          "supports gated SwiGLU experts (gate_up [E, 2F, D]) only. Set "
-                          "expert_lora=false")
-    return InputError(f"{path}: the routed experts are non-gated ({what}: up [E, F, D] -> act -> "
-                      "down [E, D, F], no gate product); expert parallelism supports gated SwiGLU "
-                      "experts (gate_up [E, 2F, D]) only")
-
-
-def _packed_names(module: nn.Module, path: str = "", lora: ExpertLoRA | None = None
-                  ) -> tuple[str, str]:
-    """(gate_up, down) parameter names, found by the patching binding's shape rule."""
+def _packed_names(module: nn.Module, width: int, path: str = "") -> tuple[str, str]:
+    """(gate_up or up, down) parameter names, found by the patching binding's shape rule for
+    hidden states of ``width`` (a non-gated block's up is the weight ending in it)."""
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     bindings = _experts_bindings(module, lambda x, i, w, gu, dn: found.append((gu, dn)))
+    where = path or type(module).__name__
     if not bindings:
-        raise InputError(f"{type(module).__name__}: expected packed expert weights "
-                         "[E, 2F, D] and [E, D, F]; expert parallelism cannot split this block")
-    packed = [p for p in module.parameters(recurse=False) if p.ndim == 3]
-    if not any(a.shape[1] == 2 * b.shape[2] for a in packed for b in packed if a is not b):
-        # the binding found up [E, F, D] and down [E, D, F]: a non-gated block
-        shapes = ", ".join(str(list(p.shape)) for p in packed)
-        raise _non_gated_error(path or type(module).__name__, f"weights {shapes}", lora)
+        raise InputError(f"{where}: expected packed expert weights [E, 2F, D] (or [E, F, D]) and "
+                         "[E, D, F]; expert parallelism cannot split this block")
+    if len(bindings) > 1:  # non-gated with F == D: the shapes cannot tell up from down
+        raise InputError(f"{where}: non-gated experts with F == D ({width}): which packed weight is "
+                         "up cannot be told by shape; expert parallelism cannot split this block")
     # The binding hands the weights it found to its kernel function: a probe call reveals them.
-    next(iter(bindings.values()))(torch.zeros(1, 2), torch.zeros(1, 1, dtype=torch.long),
+    next(iter(bindings.values()))(torch.zeros(1, width), torch.zeros(1, 1, dtype=torch.long),
                                   torch.ones(1, 1))
     names = {id(p): n for n, p in module.named_parameters(recurse=False)}
     gate_up, down = found[0]
@@ -102,11 +90,12 @@ class EPExperts(nn.Module):
     """Expert-parallel replacement of a packed experts module (same parameter names).
 
     Parameters: the two frozen base weights (local experts only) under their original names, and
-    with expert LoRA ``lora_A_gate_up [E_l, r, D]``, ``lora_B_gate_up [E_l, 2F, r]``,
-    ``lora_A_down [E_l, r, F]``, ``lora_B_down [E_l, D, r]`` in fp32 (B starts at zero).
+    with expert LoRA ``lora_A_gate_up [E_l, r, D]``, ``lora_B_gate_up [E_l, 2F, r]`` (non-gated
+    experts: ``[E_l, F, r]``, on up), ``lora_A_down [E_l, r, F]``, ``lora_B_down [E_l, D, r]`` in
+    fp32 (B starts at zero). ``act`` is the gate's activation (gated) or the expert's (non-gated).
     """
 
-    def __init__(self, source: nn.Module, *, path: str, layer: int, ep: EPGroup,
+    def __init__(self, source: nn.Module, *, path: str, layer: int, ep: EPGroup, width: int,
                  act: Callable[[torch.Tensor], torch.Tensor],
                  lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
                  dispatch_groups: int = 1, seed: int = 0, kernel: Callable | None = None):
@@ -114,9 +103,11 @@ class EPExperts(nn.Module):
         self.path, self.layer, self.ep, self.act = path, layer, ep, act
         self.capacity_factor, self.dispatch_groups, self.kernel = (
             capacity_factor, dispatch_groups, kernel)
-        self.gate_up_name, self.down_name = _packed_names(source, path, lora)
+        self.gate_up_name, self.down_name = _packed_names(source, width, path)
         gate_up, down = getattr(source, self.gate_up_name), getattr(source, self.down_name)
         self.n_experts = gate_up.shape[0]
+        # gate_up [E, 2F, D] against down [E, D, F]; a non-gated block's up is [E, F, D]
+        self.gated = gate_up.shape[1] == 2 * down.shape[2]
         if self.n_experts % ep.size:
             raise InputError(f"{path}: ep={ep.size} does not divide {self.n_experts} experts")
         extra = [n for n, _ in source.named_parameters(recurse=False)
@@ -140,7 +131,7 @@ class EPExperts(nn.Module):
 
     # ---- parameters ------------------------------------------------------------------------
     def _init_lora(self, lora: ExpertLoRA, gu_shape, dn_shape, seed: int, sl: slice) -> None:
-        e, two_f, d = gu_shape
+        e, two_f, d = gu_shape  # two_f: F for non-gated experts
         f = dn_shape[2]
         gen = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (self.layer + 1))
         dev = getattr(self, self.gate_up_name).device
@@ -254,9 +245,10 @@ class EPExperts(nn.Module):
         return torch.empty_like(yg).index_copy(0, regroup, yg)
 
     def _compute(self, xg: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """SwiGLU experts over rows grouped by local expert, with expert LoRA inside."""
+        """The experts (SwiGLU, or non-gated act(up)) over rows grouped by local expert, with
+        expert LoRA inside. ``kernel``: a gated experts kernel (x, idx, w, gate_up, down)."""
         gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
-        if self.kernel is not None and self.lora is None:
+        if self.kernel is not None and self.lora is None and self.gated:
             e = torch.repeat_interleave(torch.arange(len(counts), device=xg.device),
                                         torch.tensor(counts, device=xg.device))
             return self.kernel(xg, e.unsqueeze(1), xg.new_ones(xg.shape[0], 1), gu, dn)
@@ -264,8 +256,11 @@ class EPExperts(nn.Module):
         if self.lora is not None:
             xa = _gmm(xg.float(), self.lora_A_gate_up.transpose(1, 2), counts)
             h = h.float() + self.scaling * _gmm(xa, self.lora_B_gate_up.transpose(1, 2), counts)
-        g, u = h.chunk(2, dim=-1)
-        a = self.act(g) * u
+        if self.gated:
+            g, u = h.chunk(2, dim=-1)
+            a = self.act(g) * u
+        else:
+            a = self.act(h)
         y = _gmm(a.to(dn.dtype), dn.transpose(1, 2), counts)
         if self.lora is not None:
             aa = _gmm(a.float(), self.lora_A_down.transpose(1, 2), counts)
@@ -315,16 +310,26 @@ class EPExperts(nn.Module):
         return {"target_parameters": [self.gate_up_name, self.down_name] if self.lora else []}
 
 
+# The non-gated experts' activations by the classifier's names (`moe_experts/mlp`'s set).
+_MLP_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu2": lambda x: torch.relu(x).square(), "relu": torch.relu, "silu": F.silu, "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 def _activation(block_attrs: dict, module: nn.Module, path: str) -> Callable:
+    """The module's own ``act_fn`` when it has one, else the classifier's activation name."""
     if block_attrs.get("clamp") is not None:
         raise InputError(f"{path}: clamped SwiGLU experts are not supported by expert "
                          "parallelism yet")
     act = getattr(module, "act_fn", None)
     if callable(act):
         return act
-    if block_attrs.get("activation", "silu") == "silu":
+    name = block_attrs.get("activation", "silu")
+    if block_attrs.get("gated") is False and name in _MLP_ACTS:
+        return _MLP_ACTS[name]
+    if name == "silu":
         return F.silu
-    raise InputError(f"{path}: expert activation {block_attrs.get('activation')!r} unsupported")
+    raise InputError(f"{path}: expert activation {name!r} unsupported by expert parallelism")
 
 
 def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
@@ -333,16 +338,14 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
                           kernel: Callable | None = None) -> list[EPExperts]:
     """Replace every packed ``moe.experts`` block of ``graph`` in ``model``; returns the modules.
 
-    Non-gated experts (the classifier's ``gated: False``) and packed layouts other than gate_up
-    [E, 2F, D] in [gate | up] halves + down [E, D, F] without biases (gpt-oss's transposed,
-    interleaved, biased experts) and identity ("zero") experts (LongCat-Flash) raise `InputError`
-    before any block is replaced: the grouped compute and expert LoRA here are that SwiGLU's.
+    Served: gate_up [E, 2F, D] in [gate | up] halves + down [E, D, F] (SwiGLU), and non-gated
+    up [E, F, D] + down [E, D, F] (the classifier's ``gated: False``), without biases. Other
+    packed layouts (gpt-oss's transposed, interleaved, biased experts) and identity ("zero")
+    experts (LongCat-Flash) raise `InputError` before any block is replaced.
     """
     modules = dict(model.named_modules())
     for block in graph.by_kind("moe.experts"):
         a = block.attrs
-        if a.get("gated") is False:
-            raise _non_gated_error(block.path, f"activation {a.get('activation')}", lora)
         other = [f"{k}={a[k]!r}" for k, ok in (("weight_layout", "out_in"), ("gate_up_split", "halves"))
                  if a.get(k) not in (None, ok)]
         other += [f"{k}={a[k]!r}" for k in ("gate_up_bias", "down_bias") if a.get(k) is not None]
@@ -350,7 +353,8 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
             other.append(f"zero_experts={a['zero_experts']!r} (identity experts)")
         if other:
             raise InputError(f"{block.path}: expert parallelism supports packed gate_up [E, 2F, D] in "
-                             f"[gate | up] halves and down [E, D, F] without biases; this block has "
+                             f"[gate | up] halves (or a non-gated up [E, F, D]) and down [E, D, F] "
+                             f"without biases; this block has "
                              f"{', '.join(other)}")
     out = []
     for block in graph.by_kind("moe.experts"):
@@ -361,7 +365,9 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
         if src is None:
             raise InputError(f"{block.path}: in the op graph but not in the model")
         parent_path, _, attr = block.path.rpartition(".")
-        new = EPExperts(src, path=block.path, layer=block.layer or 0, ep=ep,
+        if not block.inputs:
+            raise InputError(f"{block.path}: the op graph records no input for this experts block")
+        new = EPExperts(src, path=block.path, layer=block.layer or 0, ep=ep, width=block.inputs[0].shape[-1],
                         act=_activation(block.attrs, src, block.path), lora=lora,
                         capacity_factor=capacity_factor, dispatch_groups=dispatch_groups,
                         seed=seed, kernel=kernel)
