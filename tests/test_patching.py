@@ -757,7 +757,7 @@ def test_expert_parallel_refuses_square_non_gated_experts():
     """Non-gated experts with F == D: up and down have the same shape, so which is which cannot be
     read from them; expert parallelism says so instead of guessing."""
     from onboarding.errors import InputError
-    from onboarding.training.moe_ep import _packed_names
+    from onboarding.training.moe_ep import _packed_weights
 
     class Square(torch.nn.Module):
         def __init__(self):
@@ -766,7 +766,7 @@ def test_expert_parallel_refuses_square_non_gated_experts():
             self.w_b = torch.nn.Parameter(torch.randn(4, 8, 8))
 
     with pytest.raises(InputError, match=r"blk: non-gated experts with F == D \(8\).*cannot be told by shape"):
-        _packed_names(Square(), 8, "blk")
+        _packed_weights(Square(), 8, {}, "blk")
 
 
 # ---- gpt-oss-style experts (x @ W weights, interleaved gate/up, per-expert biases) -----------
@@ -896,18 +896,43 @@ def test_gate_up_split_read_off_the_ops(parse_model, tmp_path, split):
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_gpt_oss_experts_refuse_expert_parallelism_early(parse_model):
-    """The expert-parallel compute is SwiGLU's over [E, 2F, D] halves without biases: gpt-oss's
-    transposed, interleaved, biased experts fail before any block is replaced, naming why."""
+def test_gpt_oss_experts_expert_parallel(parse_model):
+    """Training: expert parallelism serves gpt-oss's experts (x @ W weights, interleaved gate/up,
+    per-expert biases, clamped g * sigmoid(1.702 g) * (up + 1)) from the classifier's reading of
+    the proxy: one process (ep=1) equals transformers' module, forward and d x, with random
+    biases. Expert LoRA needs the [E, out, in] halves layout: refused before any block is
+    replaced, naming the weights."""
+    import copy
+
     from onboarding.errors import InputError
-    from onboarding.training.moe_ep import EPGroup, apply_expert_parallel
+    from onboarding.training.moe_ep import EPExperts, EPGroup, ExpertLoRA, apply_expert_parallel
 
     pytest.importorskip("transformers.models.gpt_oss")
     g, model, path, before = _proxy_experts(parse_model, "hf:gpt_oss")
-    with pytest.raises(InputError, match=r"weight_layout='in_out', gate_up_split='interleaved', "
-                                         r"gate_up_bias=.*down_bias="):
-        apply_expert_parallel(model, g, EPGroup())
+    with pytest.raises(InputError, match=r"expert_lora=true, but the expert weights \['down_proj', "
+                                         r"'gate_up_proj', 'gate_up_proj_bias'\] are not in the \[E, out, in\]"):
+        apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
     assert type(model.get_submodule(path)) is before
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.get_submodule(path).parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)  # gate/up std ~3.4: some clamp at 7
+    src = copy.deepcopy(model.get_submodule(path))
+    apply_expert_parallel(model, g, EPGroup())
+    ep = model.get_submodule(path)
+    assert isinstance(ep, EPExperts) and ep.gated and ep.limit == 7.0 and ep.up_offset == 1.0
+    e, d, _ = src.gate_up_proj.shape
+    x = torch.randn(23, d, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(23)])
+    w = torch.rand(23, 2, generator=gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ep(xa, idx, w), src(xb, idx, w)
+    cot = torch.randn(ya.shape, generator=gen)
+    (ya * cot).sum().backward()
+    (yb * cot).sum().backward()
+    # fp32 sums in another order (grouped against per expert) at outputs of magnitude ~10-100
+    torch.testing.assert_close(ya, yb, rtol=1e-4, atol=1e-6 * yb.abs().max().item())
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-6 * xb.grad.abs().max().item())
 
 
 # ---- identity ("zero") experts (LongCat-Flash) -----------------------------------------------
@@ -949,14 +974,20 @@ def test_zero_experts_proxy_classified_patched_and_aligned(parse_model, tmp_path
 
 def test_zero_experts_refuse_expert_parallelism_early(parse_model):
     """Expert parallelism dispatches to real experts only: a block with identity (zero) experts
-    fails before any block is replaced, naming them."""
+    fails before any block is replaced, naming them, when the module is needed (ep > 1, expert
+    LoRA or a capacity); with ep=1, no expert LoRA and dropless routing the model keeps its own
+    experts module, with a warning naming why."""
     from onboarding.errors import InputError
-    from onboarding.training.moe_ep import EPGroup, apply_expert_parallel
+    from onboarding.training.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
 
     pytest.importorskip("transformers.models.longcat_flash")
     g, model, path, before = _proxy_experts(parse_model, "hf:longcat_flash")
-    with pytest.raises(InputError, match=r"zero_experts=256 \(identity experts\)"):
-        apply_expert_parallel(model, g, EPGroup())
+    for kw in ({"lora": ExpertLoRA(rank=4, alpha=8.0)}, {"capacity_factor": 1.0}):
+        with pytest.raises(InputError, match=r"zero_experts=256 \(identity experts\)"):
+            apply_expert_parallel(model, g, EPGroup(), **kw)
+        assert type(model.get_submodule(path)) is before
+    with pytest.warns(UserWarning, match=r"zero_experts=256.*keeps the model's own experts module"):
+        assert apply_expert_parallel(model, g, EPGroup()) == []
     assert type(model.get_submodule(path)) is before
 
 

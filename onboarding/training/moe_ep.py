@@ -21,8 +21,10 @@ up] halves) or up [E, F, D] (non-gated); down is [E, D, F] either way.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -50,24 +52,51 @@ class ExpertLoRA:
     alpha: float
 
 
-def _packed_names(module: nn.Module, width: int, path: str = "") -> tuple[str, str]:
-    """(gate_up or up, down) parameter names, found by the patching binding's shape rule for
-    hidden states of ``width`` (a non-gated block's up is the weight ending in it)."""
-    found: list[tuple[torch.Tensor, torch.Tensor]] = []
-    bindings = _experts_bindings(module, lambda x, i, w, gu, dn: found.append((gu, dn)))
+_ROLES = ("gate_up", "down", "gate_up_bias", "down_bias")
+
+
+def _packed_weights(module: nn.Module, width: int, attrs: dict, path: str = ""
+                    ) -> dict[str, tuple[str, torch.Tensor]]:
+    """{role: (parameter name, weight in the kernel layout)} for roles gate_up (or a non-gated
+    up), down and, where the block has them, gate_up_bias and down_bias, found by the patching
+    binding's shape rule for hidden states of ``width`` (a non-gated block's up is the weight
+    ending in it) and the classifier's ``attrs`` (weight layout, gate/up split, bias names).
+
+    The kernel layout: gate_up [E, 2F, D] as [gate | up] halves (up [E, F, D]), down [E, D, F],
+    gate_up_bias [E, 2F] as halves, down_bias [E, D]. A weight already in it is the parameter
+    itself; another (gpt-oss's x @ W, interleaved gate/up) is a converted copy.
+    """
+    found: list[tuple[torch.Tensor, ...]] = []
+    biased = bool(attrs.get("gate_up_bias") and attrs.get("down_bias"))
+    block = SimpleNamespace(attrs=attrs)
+    bindings = _experts_bindings(module, lambda x, i, w, *ws: found.append(ws), block, kernel_bias=biased)
     where = path or type(module).__name__
     if not bindings:
         raise InputError(f"{where}: expected packed expert weights [E, 2F, D] (or [E, F, D]) and "
-                         "[E, D, F]; expert parallelism cannot split this block")
+                         "[E, D, F], or their x @ W transposes; expert parallelism cannot split this "
+                         "block")
     if len(bindings) > 1:  # non-gated with F == D: the shapes cannot tell up from down
         raise InputError(f"{where}: non-gated experts with F == D ({width}): which packed weight is "
                          "up cannot be told by shape; expert parallelism cannot split this block")
     # The binding hands the weights it found to its kernel function: a probe call reveals them.
-    next(iter(bindings.values()))(torch.zeros(1, width), torch.zeros(1, 1, dtype=torch.long),
-                                  torch.ones(1, 1))
-    names = {id(p): n for n, p in module.named_parameters(recurse=False)}
-    gate_up, down = found[0]
-    return names[id(gate_up)], names[id(down)]
+    with torch.no_grad():
+        next(iter(bindings.values()))(torch.zeros(1, width), torch.zeros(1, 1, dtype=torch.long),
+                                      torch.ones(1, 1))
+    own = dict(module.named_parameters(recurse=False))
+    out: dict[str, tuple[str, torch.Tensor]] = {}
+    for role, t in zip(_ROLES, found[0]):
+        same = [n for n, p in own.items() if p is t]
+        # a converted copy came from the bias the classifier named, or from the parameter of the
+        # same expert count and the same dims in another order (a transpose)
+        named = [attrs[role]] if role.endswith("bias") and attrs.get(role) in own else []
+        like = same or named or [n for n, p in own.items() if p.shape[0] == t.shape[0]
+                        and sorted(p.shape[1:]) == sorted(t.shape[1:])
+                        and n not in {m for m, _ in out.values()}]
+        if len(like) != 1:
+            raise InputError(f"{where}: cannot tell which expert parameter holds {role} "
+                             f"{list(t.shape)}; expert parallelism cannot split this block")
+        out[role] = (like[0], t)
+    return out
 
 
 def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -96,31 +125,49 @@ class EPExperts(nn.Module):
     """
 
     def __init__(self, source: nn.Module, *, path: str, layer: int, ep: EPGroup, width: int,
-                 act: Callable[[torch.Tensor], torch.Tensor],
+                 act: Callable[[torch.Tensor], torch.Tensor], attrs: dict | None = None,
                  lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
                  dispatch_groups: int = 1, seed: int = 0, kernel: Callable | None = None):
         super().__init__()
+        attrs = attrs or {}
         self.path, self.layer, self.ep, self.act = path, layer, ep, act
         self.capacity_factor, self.dispatch_groups, self.kernel = (
             capacity_factor, dispatch_groups, kernel)
-        self.gate_up_name, self.down_name = _packed_names(source, width, path)
-        gate_up, down = getattr(source, self.gate_up_name), getattr(source, self.down_name)
+        # gpt-oss's SwiGLU: gate clamped above, up clamped both ways and offset before the product
+        self.limit = attrs.get("clamp")
+        self.up_offset = float(attrs.get("up_offset") or 0.0)
+        roles = _packed_weights(source, width, attrs, path)
+        gate_up, down = roles["gate_up"][1], roles["down"][1]
         self.n_experts = gate_up.shape[0]
         # gate_up [E, 2F, D] against down [E, D, F]; a non-gated block's up is [E, F, D]
         self.gated = gate_up.shape[1] == 2 * down.shape[2]
         if self.n_experts % ep.size:
             raise InputError(f"{path}: ep={ep.size} does not divide {self.n_experts} experts")
-        extra = [n for n, _ in source.named_parameters(recurse=False)
-                 if n not in (self.gate_up_name, self.down_name)]
+        used = {n for n, _ in roles.values()}
+        extra = [n for n, _ in source.named_parameters(recurse=False) if n not in used]
         if extra:
-            raise InputError(f"{path}: expert parameters {extra} (e.g. biases) are not "
-                             "supported by expert parallelism")
+            raise InputError(f"{path}: expert parameters {extra} are not supported by expert "
+                             "parallelism")
+        converted = sorted(n for n, t in roles.values() if t is not getattr(source, n))
+        if converted and lora is not None:
+            raise InputError(f"{path}: expert_lora=true, but the expert weights {converted} are not "
+                             "in the [E, out, in] layout with [gate | up] halves (x @ W or "
+                             "interleaved gate/up, as gpt-oss); expert LoRA needs that layout. Set "
+                             "expert_lora=false")
         self.n_local = self.n_experts // ep.size
         lo = ep.rank * self.n_local
         sl = slice(lo, lo + self.n_local)
-        for name, p in source.named_parameters(recurse=False):  # keep the source's order
-            self.register_parameter(name, nn.Parameter(p.detach()[sl].clone(),
-                                                       requires_grad=False))
+        # Frozen local slices in the kernel layout: a weight already in it keeps its name (and the
+        # source's order); a converted one is registered under its role (gate_up, down, ...).
+        self.names: dict[str, str] = {}
+        role_of = {name: role for role, (name, _) in roles.items()}
+        for name, p in source.named_parameters(recurse=False):
+            role = role_of[name]
+            t = roles[role][1]
+            reg = name if t is p else role
+            self.register_parameter(reg, nn.Parameter(t.detach()[sl].clone(), requires_grad=False))
+            self.names[role] = reg
+        self.gate_up_name, self.down_name = self.names["gate_up"], self.names["down"]
         self.lora = lora
         if lora is not None:
             self._init_lora(lora, gate_up.shape, down.shape, seed, sl)
@@ -245,23 +292,35 @@ class EPExperts(nn.Module):
         return torch.empty_like(yg).index_copy(0, regroup, yg)
 
     def _compute(self, xg: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The experts (SwiGLU, or non-gated act(up)) over rows grouped by local expert, with
-        expert LoRA inside. ``kernel``: a gated experts kernel (x, idx, w, gate_up, down)."""
+        """The experts (SwiGLU, or non-gated act(up); per-expert biases, gpt-oss's clamp and up
+        offset) over rows grouped by local expert, with expert LoRA inside. ``kernel``: a plain
+        SwiGLU experts kernel (x, idx, w, gate_up, down)."""
         gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
-        if self.kernel is not None and self.lora is None and self.gated:
+        bgu, bd = (getattr(self, self.names[r]) if r in self.names else None
+                   for r in ("gate_up_bias", "down_bias"))
+        e = None
+        if bgu is not None or (self.kernel is not None and self.lora is None):
             e = torch.repeat_interleave(torch.arange(len(counts), device=xg.device),
                                         torch.tensor(counts, device=xg.device))
+        plain = self.gated and bgu is None and self.limit is None and self.up_offset == 0.0
+        if self.kernel is not None and self.lora is None and plain:
             return self.kernel(xg, e.unsqueeze(1), xg.new_ones(xg.shape[0], 1), gu, dn)
         h = _gmm(xg, gu.transpose(1, 2), counts)
+        if bgu is not None:
+            h = h + bgu[e].to(h.dtype)
         if self.lora is not None:
             xa = _gmm(xg.float(), self.lora_A_gate_up.transpose(1, 2), counts)
             h = h.float() + self.scaling * _gmm(xa, self.lora_B_gate_up.transpose(1, 2), counts)
         if self.gated:
             g, u = h.chunk(2, dim=-1)
-            a = self.act(g) * u
+            if self.limit is not None:
+                g, u = g.clamp(max=self.limit), u.clamp(min=-self.limit, max=self.limit)
+            a = self.act(g) * (u + self.up_offset if self.up_offset else u)
         else:
             a = self.act(h)
         y = _gmm(a.to(dn.dtype), dn.transpose(1, 2), counts)
+        if bd is not None:
+            y = y + bd[e].to(y.dtype)
         if self.lora is not None:
             aa = _gmm(a.float(), self.lora_A_down.transpose(1, 2), counts)
             y = y.float() + self.scaling * _gmm(aa, self.lora_B_down.transpose(1, 2), counts)
@@ -317,10 +376,14 @@ _MLP_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def _activation(block_attrs: dict, module: nn.Module, path: str) -> Callable:
-    """The module's own ``act_fn`` when it has one, else the classifier's activation name."""
-    if block_attrs.get("clamp") is not None:
-        raise InputError(f"{path}: clamped SwiGLU experts are not supported by expert "
-                         "parallelism yet")
+    """The module's own ``act_fn`` when it has one, else the classifier's activation name; a
+    gate's sigmoid slope (``alpha``: g * sigmoid(alpha * g), gpt-oss) when the classifier read one."""
+    if block_attrs.get("clamp") is not None and block_attrs.get("clamp_style") != "pre_act":
+        raise InputError(f"{path}: clamped SwiGLU experts with clamp style "
+                         f"{block_attrs.get('clamp_style')!r} are not supported by expert parallelism")
+    alpha = block_attrs.get("alpha")
+    if block_attrs.get("gated") is not False and alpha is not None:
+        return lambda g: g * torch.sigmoid(float(alpha) * g)
     act = getattr(module, "act_fn", None)
     if callable(act):
         return act
@@ -332,48 +395,61 @@ def _activation(block_attrs: dict, module: nn.Module, path: str) -> Callable:
     raise InputError(f"{path}: expert activation {name!r} unsupported by expert parallelism")
 
 
+def _ep_module(block, src: nn.Module, ep: EPGroup, **kw) -> EPExperts:
+    """The `EPExperts` replacing ``block`` (module ``src``), or `InputError` naming why not."""
+    a = block.attrs
+    if a.get("zero_experts"):  # identity slots past the real experts: no dispatch for them here
+        raise InputError(f"{block.path}: expert parallelism supports routed experts with weights; "
+                         f"this block has zero_experts={a['zero_experts']!r} (identity experts)")
+    if a.get("gate_up_split") not in (None, "halves", "interleaved"):
+        raise InputError(f"{block.path}: gate/up split {a.get('gate_up_split')!r} unread; expert "
+                         "parallelism needs [gate | up] halves or interleaved gate/up")
+    if a.get("layout") != "packed_3d":
+        raise InputError(f"{block.path}: expert layout {a.get('layout')!r}; expert parallelism "
+                         "needs packed 3-D expert weights")
+    if not block.inputs:
+        raise InputError(f"{block.path}: the op graph records no input for this experts block")
+    return EPExperts(src, path=block.path, layer=block.layer or 0, ep=ep, width=block.inputs[0].shape[-1],
+                     act=_activation(a, src, block.path), attrs=a, **kw)
+
+
 def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
                           lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
                           dispatch_groups: int = 1, seed: int = 0,
                           kernel: Callable | None = None) -> list[EPExperts]:
     """Replace every packed ``moe.experts`` block of ``graph`` in ``model``; returns the modules.
 
-    Served: gate_up [E, 2F, D] in [gate | up] halves + down [E, D, F] (SwiGLU), and non-gated
-    up [E, F, D] + down [E, D, F] (the classifier's ``gated: False``), without biases. Other
-    packed layouts (gpt-oss's transposed, interleaved, biased experts) and identity ("zero")
-    experts (LongCat-Flash) raise `InputError` before any block is replaced.
+    Served: SwiGLU experts with gate_up [E, 2F, D] + down [E, D, F] or their x @ W transposes,
+    [gate | up] halves or interleaved, per-expert biases, gpt-oss's clamp, slope and up offset;
+    non-gated up [E, F, D] + down [E, D, F] (the classifier's ``gated: False``). Expert LoRA
+    needs the [E, out, in] layout with halves.
+
+    A block it cannot serve (identity "zero" experts, experts split over modules, ...) raises
+    `InputError` before any block is replaced, unless nothing needs this module: with ep=1, no
+    expert LoRA and dropless routing the block keeps the model's own experts module (a warning
+    says so; its expert load is then not counted).
     """
     modules = dict(model.named_modules())
+    own_ok = ep.size == 1 and lora is None and capacity_factor is None
+    plan = []
     for block in graph.by_kind("moe.experts"):
-        a = block.attrs
-        other = [f"{k}={a[k]!r}" for k, ok in (("weight_layout", "out_in"), ("gate_up_split", "halves"))
-                 if a.get(k) not in (None, ok)]
-        other += [f"{k}={a[k]!r}" for k in ("gate_up_bias", "down_bias") if a.get(k) is not None]
-        if a.get("zero_experts"):  # identity slots past the real experts: no dispatch for them here
-            other.append(f"zero_experts={a['zero_experts']!r} (identity experts)")
-        if other:
-            raise InputError(f"{block.path}: expert parallelism supports packed gate_up [E, 2F, D] in "
-                             f"[gate | up] halves (or a non-gated up [E, F, D]) and down [E, D, F] "
-                             f"without biases; this block has "
-                             f"{', '.join(other)}")
-    out = []
-    for block in graph.by_kind("moe.experts"):
-        if block.attrs.get("layout") != "packed_3d":
-            raise InputError(f"{block.path}: expert layout {block.attrs.get('layout')!r}; "
-                             "expert parallelism needs packed 3-D expert weights")
         src = modules.get(block.path)
         if src is None:
             raise InputError(f"{block.path}: in the op graph but not in the model")
-        parent_path, _, attr = block.path.rpartition(".")
-        if not block.inputs:
-            raise InputError(f"{block.path}: the op graph records no input for this experts block")
-        new = EPExperts(src, path=block.path, layer=block.layer or 0, ep=ep, width=block.inputs[0].shape[-1],
-                        act=_activation(block.attrs, src, block.path), lora=lora,
-                        capacity_factor=capacity_factor, dispatch_groups=dispatch_groups,
-                        seed=seed, kernel=kernel)
+        try:
+            new = _ep_module(block, src, ep, lora=lora, capacity_factor=capacity_factor,
+                             dispatch_groups=dispatch_groups, seed=seed, kernel=kernel)
+        except InputError as err:
+            if not own_ok:
+                raise
+            warnings.warn(f"{err}; with ep=1, no expert LoRA and dropless routing it keeps the "
+                          "model's own experts module", stacklevel=2)
+            continue
+        plan.append((block.path, new))
+    for path, new in plan:
+        parent_path, _, attr = path.rpartition(".")
         setattr(modules[parent_path] if parent_path else model, attr, new)
-        out.append(new)
-    return out
+    return [new for _, new in plan]
 
 
 class RouterTaps:
