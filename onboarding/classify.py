@@ -21,7 +21,7 @@ MATMUL = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_group
           "grouped_mm"}
 SDPA_PREFIX = ("scaled_dot_product_attention", "_scaled_dot_product", "_flash_attention",
                "_efficient_attention")
-SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
+SOFTMAX = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"}
 CONV = {"conv1d", "convolution", "_convolution", "conv2d"}
 ACTIVATIONS = {"silu": "silu", "silu_": "silu", "gelu": "gelu", "relu": "relu", "relu_": "relu",
                "sigmoid": "sigmoid", "tanh": "tanh"}
