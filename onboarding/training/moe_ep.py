@@ -116,10 +116,12 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
 
 
 class EPExperts(nn.Module):
-    """Expert-parallel replacement of a packed experts module (same parameter names).
+    """Expert-parallel replacement of a packed experts module.
 
-    Parameters: the two frozen base weights (local experts only) under their original names, and
-    with expert LoRA ``lora_A_gate_up [E_l, r, D]``, ``lora_B_gate_up [E_l, 2F, r]`` (non-gated
+    Parameters: the frozen base weights and biases (local experts only) in the kernel layout (see
+    `_packed_weights`): under their original names where they already are in it, else (gpt-oss's
+    x @ W, interleaved gate/up) converted copies under their roles (``gate_up``, ``down``,
+    ``gate_up_bias``); and with expert LoRA ``lora_A_gate_up [E_l, r, D]``, ``lora_B_gate_up [E_l, 2F, r]`` (non-gated
     experts: ``[E_l, F, r]``, on up), ``lora_A_down [E_l, r, F]``, ``lora_B_down [E_l, D, r]`` in
     fp32 (B starts at zero). ``act`` is the gate's activation (gated) or the expert's (non-gated).
     """
@@ -168,6 +170,9 @@ class EPExperts(nn.Module):
             self.register_parameter(reg, nn.Parameter(t.detach()[sl].clone(), requires_grad=False))
             self.names[role] = reg
         self.gate_up_name, self.down_name = self.names["gate_up"], self.names["down"]
+        # what a plain SwiGLU experts kernel (`kernel`) computes: no biases, clamp, offset, slope
+        self._plain = (self.gated and "gate_up_bias" not in roles and self.limit is None
+                       and self.up_offset == 0.0 and float(attrs.get("alpha") or 1.0) == 1.0)
         self.lora = lora
         if lora is not None:
             self._init_lora(lora, gate_up.shape, down.shape, seed, sl)
@@ -298,12 +303,11 @@ class EPExperts(nn.Module):
         gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
         bgu, bd = (getattr(self, self.names[r]) if r in self.names else None
                    for r in ("gate_up_bias", "down_bias"))
-        e = None
+        e = None  # each row's local expert, for the biases and the kernel
         if bgu is not None or (self.kernel is not None and self.lora is None):
             e = torch.repeat_interleave(torch.arange(len(counts), device=xg.device),
                                         torch.tensor(counts, device=xg.device))
-        plain = self.gated and bgu is None and self.limit is None and self.up_offset == 0.0
-        if self.kernel is not None and self.lora is None and plain:
+        if self.kernel is not None and self.lora is None and self._plain:
             return self.kernel(xg, e.unsqueeze(1), xg.new_ones(xg.shape[0], 1), gu, dn)
         h = _gmm(xg, gu.transpose(1, 2), counts)
         if bgu is not None:
