@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from onboarding.errors import InputError
 from onboarding.opgraph import OpGraph
-from onboarding.patching import _experts_bindings
+from onboarding.patching import _experts_bindings, _gated_experts_roles
 
 
 @dataclass(kw_only=True)
@@ -82,21 +82,12 @@ def _packed_weights(module: nn.Module, width: int, attrs: dict, path: str = ""
     with torch.no_grad():
         next(iter(bindings.values()))(torch.zeros(1, width), torch.zeros(1, 1, dtype=torch.long),
                                       torch.ones(1, 1))
-    own = dict(module.named_parameters(recurse=False))
-    out: dict[str, tuple[str, torch.Tensor]] = {}
-    for role, t in zip(_ROLES, found[0]):
-        same = [n for n, p in own.items() if p is t]
-        # a converted copy came from the bias the classifier named, or from the parameter of the
-        # same expert count and the same dims in another order (a transpose)
-        named = [attrs[role]] if role.endswith("bias") and attrs.get(role) in own else []
-        like = same or named or [n for n, p in own.items() if p.shape[0] == t.shape[0]
-                        and sorted(p.shape[1:]) == sorted(t.shape[1:])
-                        and n not in {m for m, _ in out.values()}]
-        if len(like) != 1:
-            raise InputError(f"{where}: cannot tell which expert parameter holds {role} "
-                             f"{list(t.shape)}; expert parallelism cannot split this block")
-        out[role] = (like[0], t)
-    return out
+    own = {id(p): n for n, p in module.named_parameters(recurse=False)}
+    # Only gated weights are converted: their source names are the binding's own (its shape rule
+    # for gate_up / down, the classifier's names for the biases).
+    gated = _gated_experts_roles(module, *[p for p in module.parameters(recurse=False) if p.ndim == 3])
+    sources = {**(gated[1] if gated else {}), **{r: attrs[r] for r in _ROLES[2:] if attrs.get(r)}}
+    return {role: (own.get(id(t)) or sources[role], t) for role, t in zip(_ROLES, found[0])}
 
 
 def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
