@@ -231,8 +231,16 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # gate/up, down, down-backward and dx GEMMs run a band's row tiles across all column tiles
 # before the next band, so gathered rows and expert weight tiles are re-read from L2, not HBM.
 # 8 row tiles x 16 column tiles (F or D = 2048 over 128) is about one wave of 132 SMs.
-_TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16)}
-_DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8}
+# combine: how each token's K slot rows are summed, by the down GEMM (forward) and the dx GEMM
+# (backward): "rows" writes fp32 per-slot rows [S, D] that a combine pass sums per token (a fixed
+# order: bitwise reproducible); "atomic" adds them into the token's fp32 row in the GEMM's
+# epilogue (no rows round trip; the order varies run to run, so deterministic mode keeps rows).
+# swiglu and mlp only: swiglu_lora always keeps rows.
+# half_tail: the forward GEMMs run an expert's last tile at half height (BLOCK_M / 2) when it holds
+# that few rows (BLOCK_M >= 32).
+_TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
+                 "half_tail": (False, True)}
+_DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
@@ -243,14 +251,23 @@ _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num
 # stages took 1.961 ms at the anchor (64 x 128 / 4 stages: 2.179) and 2.823 at Qwen3-Next (3.053):
 # one D bucket serves both. At DeepSeek-V3 (E256 top-8 D7168 F2048 N8192) 128-row tiles with 4
 # stages 15.49 ms against 16.54 (3 stages), and bands of 16 row tiles 15.81 against 16.54 (8).
-_GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}, _BWD_TILES)
+# Ninth session (same-process A/B, forward, uniform routing, median of three interleaved rounds):
+# combine "atomic" took the anchor to 1.671 ms from 1.891 with rows, Qwen3-Next 2.560 from 2.635,
+# DeepSeek-V3 N8192 15.53 from 15.79 and N32768 50.45 from 53.64 (Qwen3-Next Zipf: 2.619 against
+# 2.491); fwd+bwd within 3% either way; bf16 vs fp32 the same (output 4.73e-3). half_tail (same
+# A/B, call 3): Qwen3-Next (~160 rows per expert: every other tile a partial one) 2.465 ms against
+# 2.638, Zipf 2.446 against 2.547, the anchor 1.737 against 1.747; DeepSeek-V3 15.87 against 15.72
+# at N8192 and 52.44 against 52.89 at N32768 (its tails cost weight traffic, not MMA work): on
+# for D <= 4k only.
+_GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                            _BWD_TILES), "combine": "atomic", "half_tail": True}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
-                                _BWD_TILES), "group_m": 16}
+                                _BWD_TILES), "group_m": 16, "combine": "atomic"}
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=8,
+    template_version=9,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "

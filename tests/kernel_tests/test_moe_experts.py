@@ -126,6 +126,92 @@ def test_capacity_drops_slots(load, device):
     assert dropless.capacity(74, 5) is None and dropless.route(idx, 5, 16)["S"] == 74
 
 
+ATOMIC_CASES = [pytest.param("swiglu", {}, id="swiglu"), pytest.param("swiglu", {"capacity_factor": 0.75}, id="cf"),
+                pytest.param("mlp", {"activation": "relu2"}, id="mlp")]
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+@pytest.mark.parametrize("variant,params", ATOMIC_CASES)
+def test_atomic_combine_forward_backward(load, device, monkeypatch, variant, params, kind):
+    """combine "atomic": the down and dx GEMMs add each slot's row into its token's fp32 row, no
+    per-slot rows and no combine launch, and the output and every gradient still match."""
+    module = load(variant, params)
+    fx = fixture(module, kind, gated=variant != "mlp")
+    module.set_config({**CPU_CONFIG, "combine": "atomic"})
+    try:
+        check_forward_backward(fx, torch.float32, device)
+        log = _LaunchLog(module, monkeypatch)
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
+        leaves = [a.requires_grad_() if i in fx.weights or i == 0 else a for i, a in enumerate(args)]
+        fx.module.entry(*leaves).sum().backward()
+        launches = log.take()
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert "moe_combine_kernel" not in {n for n, _ in launches}
+    assert all(kw["ATOMIC"] for n, kw in launches if n in ("moe_down_fwd_kernel", "moe_dx_kernel"))
+
+
+@pytest.mark.parametrize("kind", ["uniform", "zipf"])
+@pytest.mark.parametrize("entry", ["swiglu", "mlp", "swiglu_lora"])
+def test_half_tail_tiles(load, device, monkeypatch, entry, kind):
+    """half_tail with 32-row tiles: tiles of 16 rows or fewer run the forward GEMMs at half
+    height. The routings leave both kinds of tile, and the output and every gradient match."""
+    module = load(entry, {"activation": "relu2"} if entry == "mlp" else {})
+    fx = (lora_fixture if entry == "swiglu_lora" else fixture)(module, kind, **({"gated": False} if entry == "mlp" else {}))
+    args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(0))
+    rows = module.route(args[1], 5, 32)
+    heights = (torch.minimum(rows["offsets"][rows["tile_expert"].clamp(max=4) + 1], rows["tile_start"] + 32)
+               - rows["tile_start"])[rows["tile_expert"] < 5]
+    assert (heights <= 16).any() and (heights > 16).any(), heights
+    module.set_config({**CPU_CONFIG, "BLOCK_M": 32, "half_tail": True})
+    try:
+        check_forward_backward(fx, torch.float32, device)
+        log = _LaunchLog(module, monkeypatch)
+        fx.module.entry(*args)
+        launches = log.take()
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert all(kw["HALF_TAIL"] for n, kw in launches if n in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel"))
+
+
+def test_deterministic_mode_keeps_rows(load, device, monkeypatch):
+    """Under torch.use_deterministic_algorithms an "atomic" config still sums fixed-order rows."""
+    module = load("swiglu", {})
+    fx = fixture(module, "zipf")
+    args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
+    log = _LaunchLog(module, monkeypatch)
+    module.set_config({**CPU_CONFIG, "combine": "atomic"})
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        module.entry(*args)
+    finally:
+        torch.use_deterministic_algorithms(was)
+        module.set_config(CPU_CONFIG)
+    launches = log.take()
+    assert "moe_combine_kernel" in {n for n, _ in launches}
+    assert not any(kw["ATOMIC"] for n, kw in launches if n == "moe_down_fwd_kernel")
+
+
+def test_forward_without_grad_skips_gu(load, device, monkeypatch):
+    """Without a gradient to take, the gate/up GEMM stores h alone (SAVE_GU off, gu empty); with
+    one it keeps gu; backward through an op run with keep_gu=False names the problem."""
+    module = load("swiglu", {})
+    args = fixture(module, "uniform").make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
+    log = _LaunchLog(module, monkeypatch)
+    with torch.no_grad():
+        y0 = module.entry(*args)
+    assert [kw["SAVE_GU"] for n, kw in log.take() if n == "moe_gate_up_fwd_kernel"] == [False]
+    x = args[0].clone().requires_grad_()
+    y1 = module.entry(x, *args[1:])
+    assert [kw["SAVE_GU"] for n, kw in log.take() if n == "moe_gate_up_fwd_kernel"] == [True]
+    torch.testing.assert_close(y0, y1.detach(), rtol=0, atol=0)
+    y, gu = module.moe_experts_op(x, *args[1:], False)
+    assert gu.shape[0] == 0
+    with pytest.raises(RuntimeError, match="keep_gu=False"):
+        y.sum().backward()
+
+
 def _check_vs_transformers_experts(module, hf, device, first: str = "gate_up_proj") -> None:
     """transformers' packed experts module `hf` (D=24, E=5, top-2; weights `first`, gate_up or
     up, and down_proj) with random weights: `module`'s kernel reproduces it."""
