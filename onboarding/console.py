@@ -76,3 +76,17 @@ def print_candidates(cands: list[Candidate], console: Console) -> None:
         params = " ".join(f"{k}={v}" for k, v in sorted(c.params.items()) if v is not None)
         t.add_row(f"{c.family}/{c.variant}", params, str(len(c.blocks)), status, f"{worst:.1e}")
     console.print(t)
+
+
+def print_regression(rows: list[tuple[str, str, str, str]], console: Console, *,
+                     title: str) -> None:
+    """The facts `onboard regress` checked: golden value, this run's, ok or changed."""
+    t = Table(title=title)
+    t.add_column("fact", no_wrap=True)
+    t.add_column("golden", overflow="fold")
+    t.add_column("this run", overflow="fold")
+    t.add_column("", no_wrap=True)
+    for fact, gold, cur, status in rows:
+        color = "green" if status == "ok" else "red"
+        t.add_row(fact, gold, cur, f"[{color}]{status}[/]")
+    console.print(t)
