@@ -87,6 +87,6 @@ def print_regression(rows: list[tuple[str, str, str, str]], console: Console, *,
     t.add_column("this run", overflow="fold")
     t.add_column("", no_wrap=True)
     for fact, gold, cur, status in rows:
-        color = "green" if status == "ok" else "red"
+        color = {"ok": "green", "new": "yellow"}.get(status, "red")
         t.add_row(fact, gold, cur, f"[{color}]{status}[/]")
     console.print(t)

@@ -280,13 +280,17 @@ def summary(value: Any, width: int = 44) -> str:
 
 def rows(golden: dict[str, Any], current: dict[str, Any], findings: list[Finding]
          ) -> list[tuple[str, str, str, str]]:
-    """(fact, golden, current, "ok" | "changed") for every fact of either side."""
+    """(fact, golden, current, status) for every fact of either side; status is "ok",
+    "changed" ("changed (n)": n entries of a mapping), or "new" (not in the golden)."""
     changed = Counter(f.fact for f in findings)
     out = []
     for fact in [*golden, *(k for k in current if k not in golden)]:
         n = changed.get(fact, 0)
-        status = "ok" if not n else ("changed" if not isinstance(golden.get(fact), dict)
-                                     else f"changed ({n})")
+        if fact not in golden:
+            status = "new"
+        else:
+            status = "ok" if not n else ("changed" if not isinstance(golden[fact], dict)
+                                         else f"changed ({n})")
         out.append((fact, summary(golden.get(fact, "-")), summary(current.get(fact, "-")),
                     status))
     return out
