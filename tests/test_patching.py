@@ -760,6 +760,44 @@ def _same_experts(mod_a, mod_b, e: int, d: int, gen: torch.Generator, n: int = 1
         torch.testing.assert_close(got, want, rtol=1e-4, atol=max(1e-5, 1e-6 * want.abs().max().item()))
 
 
+def test_expert_lora_kernel_attaches_to_ep_experts(parse_model, tmp_path, monkeypatch):
+    """Training: `attach_expert_kernels` gives plain SwiGLU EP experts with expert LoRA the
+    grouped expert LoRA kernel (pre-sorted rows) after checking it against the module's torch
+    path; the experts then agree with a copy on the torch path, forward, d x and every adapter
+    gradient. Frozen experts (no expert LoRA) keep torch; a failed check keeps the torch path."""
+    import copy
+
+    from onboarding.training import kernels as K
+    from onboarding.training.moe_ep import EPGroup, ExpertLoRA, _is_silu, apply_expert_parallel
+
+    g, model, path, _ = _proxy_experts(parse_model, "hf:qwen3_moe")
+    mods = apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
+    assert mods and all(m.plain for m in mods)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for m in mods:
+            for p in m.lora_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    torch_path = copy.deepcopy(mods[0])
+    assert K.attach_expert_kernels(mods, tmp_path, rank=0) == {"moe.experts": len(mods), "rejected:moe.experts": 0}
+    assert all(m.kernel is not None for m in mods) and torch_path.kernel is None
+    e, _, d = getattr(mods[0], mods[0].gate_up_name).shape
+    _same_experts(mods[0], torch_path, e, d, gen)
+    for a, b in zip(mods[0].lora_parameters(), torch_path.lora_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6 * b.grad.abs().max().item())
+
+    for m in mods:
+        m.use_kernel(None)
+    monkeypatch.setattr(K, "check_experts_kernel", lambda m, k: "output 3.0e-01")
+    with pytest.warns(UserWarning, match="keep the torch path"):
+        assert K.attach_expert_kernels(mods, tmp_path, rank=0)["rejected:moe.experts"] == len(mods)
+    assert all(m.kernel is None for m in mods)
+    _, frozen_model, _, _ = _proxy_experts(parse_model, "hf:qwen3_moe")
+    frozen = apply_expert_parallel(frozen_model, g, EPGroup())
+    assert K.attach_expert_kernels(frozen, tmp_path, rank=0) == {} and all(m.kernel is None for m in frozen)
+    assert _is_silu(torch.nn.SiLU()) and not _is_silu(torch.nn.functional.gelu)
+
+
 def test_expert_parallel_refuses_square_non_gated_experts():
     """Non-gated experts with F == D: up and down have the same shape, so which is which cannot be
     read from them; expert parallelism says so instead of guessing."""

@@ -120,12 +120,12 @@ class EPExperts(nn.Module):
     def __init__(self, source: nn.Module, *, path: str, layer: int, ep: EPGroup, width: int,
                  act: Callable[[torch.Tensor], torch.Tensor], attrs: dict | None = None,
                  lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
-                 dispatch_groups: int = 1, seed: int = 0, kernel: Callable | None = None):
+                 dispatch_groups: int = 1, seed: int = 0):
         super().__init__()
         attrs = attrs or {}
         self.path, self.layer, self.ep, self.act = path, layer, ep, act
-        self.capacity_factor, self.dispatch_groups, self.kernel = (
-            capacity_factor, dispatch_groups, kernel)
+        self.capacity_factor, self.dispatch_groups = capacity_factor, dispatch_groups
+        self.kernel: Callable | None = None  # see `use_kernel`
         # gpt-oss's SwiGLU: gate clamped above, up clamped both ways and offset before the product
         self.limit = attrs.get("clamp")
         self.up_offset = float(attrs.get("up_offset") or 0.0)
@@ -161,9 +161,11 @@ class EPExperts(nn.Module):
             self.register_parameter(reg, nn.Parameter(t.detach()[sl].clone(), requires_grad=False))
             self.names[role] = reg
         self.gate_up_name, self.down_name = self.names["gate_up"], self.names["down"]
-        # what a plain SwiGLU experts kernel (`kernel`) computes: no biases, clamp, offset, slope
-        self._plain = (self.gated and "gate_up_bias" not in roles and self.limit is None
-                       and self.up_offset == 0.0 and float(attrs.get("alpha") or 1.0) == 1.0)
+        # what a plain SwiGLU experts kernel (`use_kernel`) computes: silu(gate) * up; no biases,
+        # clamp, offset or slope
+        self.plain = (self.gated and "gate_up_bias" not in roles and self.limit is None
+                       and self.up_offset == 0.0 and float(attrs.get("alpha") or 1.0) == 1.0
+                       and _is_silu(act))
         self.lora = lora
         if lora is not None:
             self._init_lora(lora, gate_up.shape, down.shape, seed, sl)
@@ -188,6 +190,14 @@ class EPExperts(nn.Module):
         self.lora_A_down = a(f)
         self.lora_B_down = nn.Parameter(torch.zeros(self.n_local, d, lora.rank, device=dev))
         self.scaling = lora.alpha / lora.rank
+
+    def use_kernel(self, experts_lora: Callable | None) -> bool:
+        """Compute the experts and their expert LoRA with ``experts_lora(x_sorted, counts, gate_up,
+        down, A_gu, B_gu, A_d, B_d, scaling) -> y_sorted`` (`moe_experts/swiglu_lora`'s
+        pre-sorted entry) from now on (None: the torch path again). Only plain SwiGLU experts
+        with expert LoRA take it (``plain``); returns whether this module did."""
+        self.kernel = experts_lora if self.plain and self.lora is not None else None
+        return self.kernel is not None
 
     def lora_parameters(self) -> list[nn.Parameter]:
         if self.lora is None:
@@ -289,17 +299,18 @@ class EPExperts(nn.Module):
 
     def _compute(self, xg: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The experts (SwiGLU, or non-gated act(up); per-expert biases, gpt-oss's clamp and up
-        offset) over rows grouped by local expert, with expert LoRA inside. ``kernel``: a plain
-        SwiGLU experts kernel (x, idx, w, gate_up, down)."""
+        offset) over rows grouped by local expert, with expert LoRA inside; through the kernel
+        of `use_kernel` when it attached one."""
         gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
+        if self.kernel is not None:
+            return self.kernel(xg, torch.tensor(counts, device=xg.device), gu, dn,
+                               *self.lora_parameters(), self.scaling).to(xg.dtype)
         bgu, bd = (getattr(self, self.names[r]) if r in self.names else None
                    for r in ("gate_up_bias", "down_bias"))
-        e = None  # each row's local expert, for the biases and the kernel
-        if bgu is not None or (self.kernel is not None and self.lora is None):
+        e = None  # each row's local expert, for the biases
+        if bgu is not None:
             e = torch.repeat_interleave(torch.arange(len(counts), device=xg.device),
                                         torch.tensor(counts, device=xg.device))
-        if self.kernel is not None and self.lora is None and self._plain:
-            return self.kernel(xg, e.unsqueeze(1), xg.new_ones(xg.shape[0], 1), gu, dn)
         h = _gmm(xg, gu.transpose(1, 2), counts)
         if bgu is not None:
             h = h + bgu[e].to(h.dtype)
@@ -370,6 +381,15 @@ _MLP_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+def _is_silu(act: Callable) -> bool:
+    """Whether ``act`` computes silu (g * sigmoid(g)): checked on values, not by its type."""
+    t = torch.linspace(-8.0, 8.0, 161)
+    try:
+        return bool(torch.allclose(act(t), F.silu(t), rtol=1e-5, atol=1e-6))
+    except Exception:  # noqa: BLE001 - an activation that cannot take a plain tensor is not silu
+        return False
+
+
 def _activation(block_attrs: dict, module: nn.Module, path: str) -> Callable:
     """The module's own ``act_fn`` when it has one, else the classifier's activation name; a
     gate's sigmoid slope (``alpha``: g * sigmoid(alpha * g), gpt-oss) when the classifier read one."""
@@ -410,8 +430,7 @@ def _ep_module(block, src: nn.Module, ep: EPGroup, **kw) -> EPExperts:
 
 def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
                           lora: ExpertLoRA | None = None, capacity_factor: float | None = None,
-                          dispatch_groups: int = 1, seed: int = 0,
-                          kernel: Callable | None = None) -> list[EPExperts]:
+                          dispatch_groups: int = 1, seed: int = 0) -> list[EPExperts]:
     """Replace every packed ``moe.experts`` block of ``graph`` in ``model``; returns the modules.
 
     Served: SwiGLU experts with gate_up [E, 2F, D] + down [E, D, F] or their x @ W transposes,
@@ -433,7 +452,7 @@ def apply_expert_parallel(model: nn.Module, graph: OpGraph, ep: EPGroup, *,
             raise InputError(f"{block.path}: in the op graph but not in the model")
         try:
             new = _ep_module(block, src, ep, lora=lora, capacity_factor=capacity_factor,
-                             dispatch_groups=dispatch_groups, seed=seed, kernel=kernel)
+                             dispatch_groups=dispatch_groups, seed=seed)
         except InputError as err:
             if not own_ok:
                 raise

@@ -107,12 +107,14 @@ def run(cfg: TrainConfig, role: str) -> None:
     if role != "baseline":
         inject_lora(model, graph, targets=cfg.lora_targets, rank=cfg.lora_rank,
                     alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
-    patches = None
+    patches, expert_kernels = None, {}
     if cfg.kernels and device.type == "cuda" and role != "baseline":
-        from onboarding.training.kernels import patch_kernels
+        from onboarding.training.kernels import attach_expert_kernels, patch_kernels
 
         patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
                                 rank=layout.rank, distributed=layout.distributed)
+        expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
+                                               rank=layout.rank)
     taps = RouterTaps(model, graph) if (getattr(_text_cfg(model), "router_aux_loss_coef", 0)
                                         or 0) > 0 and ep_mods else None
     aux_coef = float(getattr(_text_cfg(model), "router_aux_loss_coef", 0) or 0)
@@ -201,7 +203,7 @@ def run(cfg: TrainConfig, role: str) -> None:
         if patches is not None and step == start + 1:  # patches calibrate on the first call
             from onboarding.training.kernels import summary
 
-            row["kernels"] = summary(patches)
+            row["kernels"] = {**summary(patches), **expert_kernels}
         writer.write(row)
         if layout.rank == 0:
             print(f"step {step} loss {row['loss']:.6f} {row['tokens_per_s']:.0f} tok/s",
