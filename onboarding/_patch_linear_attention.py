@@ -12,7 +12,10 @@ within the layer tolerance of its dtype; otherwise that function stays as it is.
 no function was swapped after its first call is reported as rejected.
 
 Arguments our kernel does not take (a named one that is set, or a tensor such as variable-length
-offsets passed through ``**kwargs``) keep the original function.
+offsets passed through ``**kwargs``) keep the original function. A function without a
+``use_qk_l2norm_in_kernel`` argument may or may not normalise q and k itself (the block's op graph
+shows a normalisation either way, often applied before the call): calibration tries the kernel
+without its l2norm first, then with it, and keeps the one that agrees.
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ def callees(module: nn.Module) -> list[tuple[str, str, Callable]]:
     return found
 
 
-def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict) -> Any:
+L2_FLAG = "use_qk_l2norm_in_kernel"
+
+
+def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, l2: bool | None = None) -> Any:
+    """``kernel`` on ``fn``'s arguments; ``l2`` sets our l2norm flag when ``fn`` was not given one."""
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
@@ -78,6 +85,8 @@ def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict) -> Any
     unknown += [k for k, v in catch_all.items() if isinstance(v, torch.Tensor)]
     if unknown:
         raise TypeError(f"arguments the kernel does not take: {unknown}")
+    if l2 is not None:
+        extra.setdefault(L2_FLAG, l2)
     return kernel(*pos, **extra)
 
 
@@ -105,18 +114,26 @@ class _Swap:
     def __init__(self, fn: Callable, kernel: Callable, patch: LinearAttentionPatch, name: str):
         self.fn, self.kernel, self.patch, self.name = fn, kernel, patch, name
         self.state = "pending"  # -> bound | kept
+        self.l2: bool | None = None  # our l2norm flag, when the function takes none
 
     def __call__(self, *args, **kwargs):
         if self.state == "bound":
-            return _call_ours(self.fn, self.kernel, args, kwargs)
+            return _call_ours(self.fn, self.kernel, args, kwargs, self.l2)
         ref = self.fn(*args, **kwargs)
         if self.state == "pending":
-            try:
-                with torch.no_grad():
-                    mine = _call_ours(self.fn, self.kernel, args, kwargs)
-                ok, why = _agrees(mine, ref)
-            except (TypeError, ValueError, RuntimeError) as exc:
-                ok, why = False, f"{type(exc).__name__}: {exc}"
+            given = L2_FLAG in inspect.signature(self.fn).parameters or L2_FLAG in kwargs
+            ok, why = False, ""
+            for l2 in (None,) if given else (False, True):
+                try:
+                    with torch.no_grad():
+                        mine = _call_ours(self.fn, self.kernel, args, kwargs, l2)
+                    ok, msg = _agrees(mine, ref)
+                except (TypeError, ValueError, RuntimeError) as exc:
+                    ok, msg = False, f"{type(exc).__name__}: {exc}"
+                if ok:
+                    self.l2 = l2
+                    break
+                why = why or msg  # the first attempt's reason (no l2norm of ours)
             self.state = "bound" if ok else "kept"
             self.patch.calibrated(self.name, ok, why)
         return ref

@@ -72,6 +72,26 @@ def test_patched_model_matches_unpatched(parse_model, ref, kinds, tmp_path):
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+def test_delta_rule_function_given_normalised_qk(parse_model, tmp_path):
+    """The built-in example l2-normalises q and k (eps inside the root, so norms slightly below 1)
+    before its delta-rule function, which takes no l2norm flag: the block's op graph still shows
+    the normalisation, so the kernel renders with qk_l2norm on. Calibration finds that the
+    function wants no l2norm of ours and binds every gated-delta block (a second normalisation
+    was 4.3e-4 off and left them all on the torch path)."""
+    g, cov, cands, model, inputs, kwargs = _prepare(parse_model, "onboard_hybrid", tmp_path,
+                                                    families={"gated_delta"})
+    assert cands and all(c.status == "passed" and c.params["qk_l2norm"] for c in cands)
+    with torch.no_grad():
+        expected = model(*inputs, **kwargs).logits
+    with patch_model(model, g, kernels_for(cov, cands)) as patches:
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+            got = model(*inputs, **kwargs).logits  # after calibration: kernels only
+        records = [r for r in patches.records if r.kind == "linear_attention.gated_delta"]
+        assert records and all(r.status == "active" for r in records), [r.detail for r in records]
+    assert ((got - expected).norm() / expected.norm()) < 1e-5
+
+
 def test_wrong_kernel_is_rejected_not_used(parse_model, tmp_path):
     g, cov, cands, model, inputs, kwargs = _prepare(parse_model, "hf:qwen3_moe", tmp_path)
     kernels = kernels_for(cov, cands)
