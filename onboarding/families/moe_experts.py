@@ -237,10 +237,15 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # epilogue (no rows round trip; the order varies run to run, so deterministic mode keeps rows).
 # swiglu and mlp only: swiglu_lora always keeps rows.
 # half_tail: the forward GEMMs run an expert's last tile at half height (BLOCK_M / 2) when it holds
-# that few rows (BLOCK_M >= 32).
+# that few rows (BLOCK_M >= 32). tma: the forward GEMMs load the expert weights through tensor
+# descriptors (TMA on Hopper) where their rows are 16-byte aligned; swiglu and mlp only.
+# DOWN_BLOCK_N / down_stages: the forward down GEMM's own column tile and pipeline depth (0: the
+# forward's BLOCK_N / num_stages; swiglu and mlp only).
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
-                 "half_tail": (False, True)}
-_DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False}
+                 "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),
+                 "down_stages": (0, 2, 3, 4)}
+_DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
+                   "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
@@ -259,15 +264,20 @@ _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num
 # 2.638, Zipf 2.446 against 2.547, the anchor 1.737 against 1.747; DeepSeek-V3 15.87 against 15.72
 # at N8192 and 52.44 against 52.89 at N32768 (its tails cost weight traffic, not MMA work): on
 # for D <= 4k only.
+# tma (call 6, same A/B): DeepSeek-V3 N8192 14.725 ms against 15.485 (N32768 48.47 against
+# 53.61), Qwen3-Next 2.580 against 2.670, the anchor 1.856 against 1.920. The down GEMM's own
+# 256-column tile (call 7, with tma): DeepSeek-V3 N8192 13.835 ms at 4 stages and 14.036 at 3
+# against 14.732 with gate/up's 128 (N32768 46.35 against 47.80); at Qwen3-Next 128 or 256
+# columns lost to gate/up's 64 (2.381-2.463 and 2.286 against 2.254 ms).
 _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-                            _BWD_TILES), "combine": "atomic", "half_tail": True}
+                            _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
-                                _BWD_TILES), "group_m": 16, "combine": "atomic"}
+                                _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256}
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=9,
+    template_version=10,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "

@@ -174,6 +174,50 @@ def test_half_tail_tiles(load, device, monkeypatch, entry, kind):
     assert all(kw["HALF_TAIL"] for n, kw in launches if n in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel"))
 
 
+@pytest.mark.parametrize("kind", ["uniform", "empty_experts"])
+@pytest.mark.parametrize("variant,params", [pytest.param("swiglu", {}, id="swiglu"),
+                                            pytest.param("swiglu", {"bias": True, **GPT_OSS}, id="gpt_oss"),
+                                            pytest.param("mlp", {"activation": "relu2"}, id="mlp")])
+def test_tma_weight_loads(load, device, monkeypatch, variant, params, kind):
+    """tma: the forward GEMMs load the expert weights through tensor descriptors (zero-filled past
+    the weight, other experts' rows feeding masked columns only); the output and every gradient
+    still match, and both forward launches took the descriptor path."""
+    module = load(variant, params)
+    if module.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    fx = (bias_fixture(module, kind) if params.get("bias") else
+          fixture(module, kind, gated=variant != "mlp"))
+    module.set_config({**CPU_CONFIG, "tma": True})
+    try:
+        check_forward_backward(fx, torch.float32, device)
+        log = _LaunchLog(module, monkeypatch)
+        fx.module.entry(*fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1)))
+        launches = log.take()
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert [kw["TMA"] for n, kw in launches if n in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel")] == [True, True]
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_down_gemm_own_tiles(load, device, monkeypatch, tma):
+    """DOWN_BLOCK_N / down_stages give the forward down GEMM its own column tile and pipeline
+    depth (D=40 over 64 columns: one partial tile); the output and every gradient still match."""
+    module = load("swiglu", {})
+    if tma and module.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    fx = fixture(module, "zipf", d=40)
+    module.set_config({**CPU_CONFIG, "DOWN_BLOCK_N": 64, "down_stages": 2, "tma": tma})
+    try:
+        check_forward_backward(fx, torch.float32, device)
+        log = _LaunchLog(module, monkeypatch)
+        fx.module.entry(*fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1)))
+        launches = dict(log.take())
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert (launches["moe_down_fwd_kernel"]["BLOCK_N"], launches["moe_down_fwd_kernel"]["num_stages"]) == (64, 2)
+    assert launches["moe_gate_up_fwd_kernel"]["BLOCK_N"] == CPU_CONFIG["BLOCK_N"]
+
+
 def test_deterministic_mode_keeps_rows(load, device, monkeypatch):
     """Under torch.use_deterministic_algorithms an "atomic" config still sums fixed-order rows."""
     module = load("swiglu", {})
@@ -429,7 +473,8 @@ def test_backward_tile_keys_in_space_config_and_tuner(load):
 
 def test_aot_specs_split_forward_and_backward_tiles(load):
     """At D=7168 (bucket d_big) the bf16 specs carry the measured GPU tiles: forward kernels
-    128 x 128 x 64, 8 warps, 4 stages; backward kernels 64 x 128 x 64, 8 warps, 4 stages."""
+    128 x 128 x 64, 8 warps, 4 stages, the plain variant's down GEMM 256 columns wide; backward
+    kernels 64 x 128 x 64, 8 warps, 4 stages."""
     fwd = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     bwd = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     for variant in ("swiglu", "swiglu_lora"):
@@ -445,8 +490,9 @@ def test_aot_specs_split_forward_and_backward_tiles(load):
                 tiles = {**{k: spec["constexprs"].get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")},
                          "num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
                 got.setdefault(spec["kernel"], []).append(tiles)
-        for name in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel"):
-            assert got[name] == [fwd], (variant, name, got[name])
+        assert got["moe_gate_up_fwd_kernel"] == [fwd], (variant, got["moe_gate_up_fwd_kernel"])
+        down = {**fwd, "BLOCK_N": 256 if variant == "swiglu" else 128}  # DOWN_BLOCK_N: not with LoRA
+        assert got["moe_down_fwd_kernel"] == [down], (variant, got["moe_down_fwd_kernel"])
         for name in ("moe_down_bwd_kernel", "moe_dx_kernel", "moe_dwd_kernel", "moe_dwgu_kernel"):
             assert got.get(name, [bwd]) == [bwd], (variant, name, got[name])
         if variant == "swiglu_lora":  # row projections in both passes, adapter gradients in the backward
