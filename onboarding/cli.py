@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from onboarding.backend import ensure_triton_backend
 from onboarding.errors import (
@@ -627,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
             return (cmd_train if args.command == "train" else cmd_scale)(args, console)
         return cmd_analyse(args, console)
     except InputError as exc:
-        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        # the message as written (no markup: "[E, out, in]" is text), one line the terminal wraps
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         if args.debug:
             traceback.print_exc()
         return EXIT_BAD_INPUT
@@ -635,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         err.print("interrupted")
         return EXIT_INTERNAL
     except Exception as exc:  # internal failure: a bug in onboard, not the user's input
-        err.print(f"[red]internal error:[/red] {type(exc).__name__}: {exc}", highlight=False)
+        err.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))}", highlight=False,
+                  soft_wrap=True)
         if args.debug:
             traceback.print_exc()
         return EXIT_INTERNAL

@@ -50,6 +50,8 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, s
     (["hf:qwen3_moe", "--nproc", "3", "--ep", "2"], "nproc=3: world size must equal"),
     (["hf:qwen3", "--nproc", "2", "--ep", "2"], "ep=2: the model has no routed experts"),
     (["hf:qwen3", "--expert-lora"], "expert_lora=true: the model has no routed experts"),
+    # found by expert parallelism itself (the workers' replacement, run once before any directory)
+    (["hf:gpt_oss", "--expert-lora"], "expert_lora=true, but the expert weights"),
     (["hf:qwen3_moe", "--lora-dropout", "1.5"], "lora_dropout=1.5"),
     (["hf:qwen3_moe", "--data", "no/such/file.jsonl"], "--data no/such/file.jsonl: no such"),
     (["hf:qwen3_moe", "--seq", "0"], "seq_len=0: must be positive"),

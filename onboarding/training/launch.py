@@ -69,7 +69,24 @@ def check(cfg: TrainConfig):
         raise InputError(f"the data packs into {len(data)} rows of seq_len + 1 = "
                          f"{cfg.seq_len + 1} tokens, fewer than one global batch "
                          f"({cfg.global_batch}); add data or shorten seq_len")
+    if n_experts and (cfg.ep > 1 or cfg.expert_lora or cfg.capacity_factor is not None):
+        _preflight_experts(cfg, info)
     return info, n_experts, tok
+
+
+def _preflight_experts(cfg: TrainConfig, info) -> None:
+    """Expert parallelism's refusals (an experts layout it cannot split, expert LoRA on weights
+    that are not [E, out, in] halves, ...) before any directory exists: the workers' own
+    replacement, run once here on the proxy (CPU build, rank 0 of the EP group)."""
+    from onboarding.parse import parse_stage
+    from onboarding.training.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
+    from onboarding.training.setup import PARSE_SEQ
+
+    graph = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed)
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=cfg.seed)
+    lora = ExpertLoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.expert_lora else None
+    apply_expert_parallel(model, graph, EPGroup(size=cfg.ep), lora=lora,
+                          capacity_factor=cfg.capacity_factor, seed=cfg.seed)
 
 
 def write_config(cfg: TrainConfig, *, source: Path | None = None) -> Path:
