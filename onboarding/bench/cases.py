@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from onboarding.bench.harness import BenchCase
 from onboarding.templating import load_module, render_to
+from onboarding.testing.tolerance import rel_rms as _rel
 
 N_SETS = 3  # input sets to rotate through (each case's set is far larger than the 60 MB L2)
 
@@ -49,10 +50,6 @@ def _fwd_bwd(fn: Callable, sets: list[tuple], grads: list[torch.Tensor]):
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _check(ours: Callable, ref: Callable, make: Callable[[torch.dtype], tuple]

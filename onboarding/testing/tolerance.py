@@ -139,6 +139,12 @@ class Comparison:
         }
 
 
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp32 (the relative RMS error the bars are written in)."""
+    a, b = actual.detach().float(), expected.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def compare(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, name: str = "tensor") -> Comparison:
     """Compare `actual` with `expected` under `tol`; the message says why it failed, if it did.
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from onboarding.opgraph import OpGraph
+from onboarding.testing.tolerance import rel_rms as _rel
 
 EP_OWNED = frozenset({"moe.experts", "moe.router"})
 
@@ -54,11 +55,6 @@ def summary(patches) -> dict[str, int]:
 # bf16 bars of the experts-kernel check: two bf16 paths (ours and torch's grouped GEMMs), each
 # within the families' 5e-3 / 1e-2 relative RMS of an fp32 reference
 EXPERTS_OUT_TOL, EXPERTS_GRAD_TOL = 1e-2, 2e-2
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def check_experts_kernel(module, kernel) -> str | None:

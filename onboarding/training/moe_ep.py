@@ -164,8 +164,8 @@ class EPExperts(nn.Module):
         # what a plain SwiGLU experts kernel (`use_kernel`) computes: silu(gate) * up; no biases,
         # clamp, offset or slope
         self.plain = (self.gated and "gate_up_bias" not in roles and self.limit is None
-                       and self.up_offset == 0.0 and float(attrs.get("alpha") or 1.0) == 1.0
-                       and _is_silu(act))
+                      and self.up_offset == 0.0 and float(attrs.get("alpha") or 1.0) == 1.0
+                      and _is_silu(act))
         self.lora = lora
         if lora is not None:
             self._init_lora(lora, gate_up.shape, down.shape, seed, sl)
