@@ -71,6 +71,24 @@ def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, caps
     assert not out.exists() and not (tmp_path / "runs").exists()
 
 
+def test_expert_preflight_graph_reaches_the_workers(tmp_path, small_data, monkeypatch):
+    """With expert LoRA, `check` replaces the experts once on the proxy (the preflight) and hands
+    its op graph on; `launch` leaves it as <out>/opgraph.json, which the workers load instead of
+    parsing again. With nothing for expert parallelism to refuse, no preflight runs."""
+    from onboarding.opgraph import OpGraph
+    from onboarding.training import launch as L
+
+    out = tmp_path / "run"
+    cfg = TrainConfig(model="hf:qwen3_moe", data=str(small_data), expert_lora=True, out=str(out))
+    checked = L.check(cfg)
+    assert checked[1] and checked[3] is not None and checked[3].by_kind("moe.experts")
+    assert L.check(TrainConfig(model="hf:qwen3_moe", data=str(small_data)))[3] is None
+    monkeypatch.setattr(L, "_run", lambda *a: 0)  # no worker processes
+    out.mkdir()
+    assert L.launch(cfg, checked=checked) == 0
+    assert OpGraph.load(out / "opgraph.json").to_dict() == checked[3].to_dict()
+
+
 def test_more_processes_than_gpus_exit_2_and_leave_nothing(tmp_path, monkeypatch, capsys):
     """On a GPU machine each process takes a GPU: asking for more fails before anything runs."""
     import torch

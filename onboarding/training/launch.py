@@ -42,7 +42,8 @@ def plan(cfg: TrainConfig) -> list[list[str]]:
 
 
 def check(cfg: TrainConfig):
-    """Validate ``cfg`` against the model (meta build) and the data; returns the `ModelInfo`."""
+    """Validate ``cfg`` against the model (meta build) and the data; returns (`ModelInfo`, routed
+    expert count, tokenizer, the op graph the expert-parallel preflight parsed or None)."""
     from onboarding.proxy import text_config
     from onboarding.training.data import PackedData, load_texts, load_tokenizer
     from onboarding.training.setup import meta_experts, resolve_device, tokenizer_dir
@@ -69,15 +70,17 @@ def check(cfg: TrainConfig):
         raise InputError(f"the data packs into {len(data)} rows of seq_len + 1 = "
                          f"{cfg.seq_len + 1} tokens, fewer than one global batch "
                          f"({cfg.global_batch}); add data or shorten seq_len")
+    graph = None
     if n_experts and (cfg.ep > 1 or cfg.expert_lora or cfg.capacity_factor is not None):
-        _preflight_experts(cfg, info)
-    return info, n_experts, tok
+        graph = _preflight_experts(cfg, info)
+    return info, n_experts, tok, graph
 
 
-def _preflight_experts(cfg: TrainConfig, info) -> None:
+def _preflight_experts(cfg: TrainConfig, info):
     """Expert parallelism's refusals (an experts layout it cannot split, expert LoRA on weights
     that are not [E, out, in] halves, ...) before any directory exists: the workers' own
-    replacement, run once here on the proxy (CPU build, rank 0 of the EP group)."""
+    replacement, run once here on the proxy (CPU build, rank 0 of the EP group). Returns the op
+    graph it parsed, which `launch` leaves in the run directory for the workers."""
     from onboarding.parse import parse_stage
     from onboarding.training.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
     from onboarding.training.setup import PARSE_SEQ
@@ -87,6 +90,7 @@ def _preflight_experts(cfg: TrainConfig, info) -> None:
     lora = ExpertLoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.expert_lora else None
     apply_expert_parallel(model, graph, EPGroup(size=cfg.ep), lora=lora,
                           capacity_factor=cfg.capacity_factor, seed=cfg.seed)
+    return graph
 
 
 def write_config(cfg: TrainConfig, *, source: Path | None = None) -> Path:
@@ -183,7 +187,7 @@ def launch(cfg: TrainConfig, dry_run: bool = False, *, console: Console | None =
     the caller already ran it.
     """
     console = console or Console()
-    _, n_experts, tok = checked or check(cfg)
+    _, n_experts, tok, graph = checked or check(cfg)
     cmds = plan(cfg)
     if dry_run:
         from rich.table import Table
@@ -196,6 +200,9 @@ def launch(cfg: TrainConfig, dry_run: bool = False, *, console: Console | None =
             console.print(shlex.join(cmd), highlight=False, soft_wrap=True)
         return EXIT_OK
     write_config(cfg, source=source)
+    graph_file = Path(cfg.out) / "opgraph.json"
+    if graph is not None and not graph_file.exists():  # the workers load it instead of parsing again
+        graph.save(graph_file)
     for cmd in cmds:
         rc = _run(cmd, cmd[-1], cfg, console)  # every command ends with "--role ROLE"
         if rc != 0:
