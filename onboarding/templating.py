@@ -126,6 +126,19 @@ def _operand(b_x, MODE: tl.constexpr):
 
 
 @triton.jit
+def _cast_operand(b_x, MODE: tl.constexpr):
+    \"\"\"A computed fp32 tile that is from then on only a dot operand: cast once to a 16-bit
+    `_dot`'s dtype (which the dot would cast it to anyway), so that a tile held across a loop
+    takes half the registers; unchanged for 32-bit modes.\"\"\"
+    if MODE == "bf16":
+        return b_x.to(tl.bfloat16)
+    elif MODE == "fp16":
+        return b_x.to(tl.float16)
+    else:
+        return b_x
+
+
+@triton.jit
 def _dot(a, b, MODE: tl.constexpr):
     \"\"\"tl.dot with fp32 accumulation; MODE from `_dot_mode` ("bf16"/"fp16" cast the operands).\"\"\"
     if MODE == "bf16":
