@@ -513,6 +513,30 @@ def test_training_forward_keeps_what_the_backward_needs(recompute, monkeypatch):
         assert_close(a, b, tol, name)
 
 
+def test_caller_may_change_o_in_place():
+    """The l2norm backward's <q_n, dq_n> comes from o (`<o, do>`): from the training forward's
+    own copy, so a caller that scales o in place still gets the gradients of what it computed."""
+    module = load(gated_delta.FAMILY)
+    case = Case(HK=1, HV=1, T=37, l2=True, h0=False)
+    gen = torch.Generator().manual_seed(9)
+    args = make_inputs(case, False, torch.float32, DEVICE, gen)
+    do = torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE)
+
+    def scaled_in_place(*a):
+        o, _ = module.gated_delta(*a)
+        return (o.mul_(3.0),)
+
+    def scaled(*a):
+        o, _ = module.reference(*a)
+        return (o * 3.0,)
+
+    _, grads = grads_of(scaled_in_place, args, [do])
+    _, ref_grads = grads_of(scaled, args, [do])
+    tol = tolerance_for(torch.float32)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, ref_grads):
+        assert_close(a, b, tol, name)
+
+
 def test_prepare_kernel_vs_torch_twin():
     check_prepare_vs_torch(load(gated_delta.FAMILY), False)
 
