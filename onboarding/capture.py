@@ -143,7 +143,31 @@ def _call(model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     except Exception as exc:
         lines = str(exc).strip().splitlines()
         raise ModelRunError(f"the model's forward raised {type(exc).__name__}: "
-                            f"{lines[0] if lines else ''}") from exc
+                            f"{lines[0] if lines else ''}{_gpu_kernel_hint(exc)}") from exc
+
+
+# packages whose frames say nothing about which kernel library the model code picked
+_PLUMBING = frozenset({"torch", "transformers", "triton", "onboarding", "contextlib", "functools"})
+
+
+def _gpu_kernel_hint(exc: BaseException) -> str:
+    """When the failure came out of Triton's launcher: the model code called a GPU kernel
+    library (its own choice, e.g. because that package is importable) on the CPU tensors that
+    parsing uses. Names the first such package in the traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    parts = [f.filename.replace("\\", "/").split("/") for f in frames]
+    if not any("triton" in p[:-1] for p in parts):
+        return ""
+    for p in parts:
+        if "site-packages" in p or "dist-packages" in p:
+            i = max(i for i, x in enumerate(p) if x in ("site-packages", "dist-packages"))
+            top = p[i + 1].removesuffix(".py") if i + 1 < len(p) else ""
+            if top and top not in _PLUMBING:
+                return (f" (the model code ran a Triton kernel of {top!r} on the CPU tensors that "
+                        f"parsing uses: parse in an environment without {top!r})")
+    return " (the model code ran a Triton kernel on the CPU tensors that parsing uses)"
 
 
 def record_eager(model: nn.Module, inputs: tuple, kwargs: dict) -> Capture:

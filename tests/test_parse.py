@@ -251,3 +251,35 @@ def test_capture_keeps_string_and_scalar_keyword_arguments():
     for cap in (capture.capture(TwoGelus(), (x,), {}), capture.record_eager(TwoGelus(), (x,), {})):
         gelus = [r.kwargs for r in cap.records if r.op == "gelu"]
         assert gelus == [{"approximate": "tanh"}, {}], (cap.method, gelus)
+
+
+def test_a_gpu_kernel_library_on_cpu_tensors_is_named():
+    """Model code that picked a GPU kernel package (importable here) fails on parsing's CPU
+    tensors inside Triton's launcher: the error names that package. Frames of an installed
+    package and of triton are stood in for by code compiled under such file names."""
+    import torch
+    from torch import nn
+
+    from onboarding import capture
+    from onboarding.errors import ModelRunError
+
+    def module_at(path: str, src: str) -> dict:
+        ns: dict = {}
+        exec(compile(src, path, "exec"), ns)
+        return ns
+
+    site = "/env/lib/python3.12/site-packages"
+    launcher = module_at(f"{site}/triton/runtime/jit.py", "def run(x):\n"
+                         "    raise ValueError('Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)')\n")
+    kernels = module_at(f"{site}/fastlinattn/ops/chunk.py", "def chunk(x, run):\n    return run(x)\n")
+
+    class PicksKernels(nn.Module):
+        def forward(self, x):
+            return kernels["chunk"](x, launcher["run"])
+
+    with pytest.raises(ModelRunError, match=r"Pointer argument.*Triton kernel of 'fastlinattn'.*without 'fastlinattn'"):
+        capture.record_eager(PicksKernels(), (torch.randn(2, 3),), {})
+    # any other failure keeps its message as it was
+    with pytest.raises(ModelRunError) as err:
+        capture.record_eager(nn.Linear(3, 2), (torch.randn(2, 4),), {})
+    assert "Triton" not in str(err.value)
