@@ -87,7 +87,9 @@ SHAPE_BUCKETS = (
     # B2 T4096 H16, 2.349 vs 2.624 at B1 T8192 HK16 HV32 (best at both). bwd_bv 32 (seventh
     # session, the saving forward + backward over BK x BV x warps as CUDA graphs): BV 32 took the
     # backward to 0.760 from 0.811 ms at B2 T4096 H16 (1.766 from 1.828 at B1 T8192 HK16 HV32) and
-    # the forward from 0.310 up to 0.351 (its output kernel): the backward alone takes 32.
+    # the forward from 0.310 up to 0.351 (its output kernel): the backward alone takes 32. Re-timed
+    # under the tenth session's backward (closed-form dA and l2norm row dots): BK 32, bwd_bv 32,
+    # 4 warps stay best (0.886 ms at B2 T4096 H16 against 0.928 for bwd_bv 64, 1.036 for BK 64).
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
                 config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 3, "prep_bk": 64,
                         "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3, "bwd_bv": 32}),
