@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'ours@...' count as 'ours')")
     b.add_argument("--profile", action="store_true",
                    help="also break our steps down by kernel (torch.profiler): time, share, calls")
+    b.add_argument("--against", metavar="REV",
+                   help="also time our kernels as the templates of git revision REV render them "
+                        "(rows rev:<sha>, rev:<sha>_fwd; their ratio > 1: the tree is faster)")
     b.add_argument("--out", help="write the result rows as JSON here")
 
     r = sub.add_parser("run", help="run the agent pipeline on MODEL")
@@ -262,11 +265,16 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     from onboarding.bench.cases import cases_for, select_cases
     from onboarding.bench.harness import format_table, run_cases
 
+    cases = select_cases(cases_for(args.family), args.case,
+                         args.impl.split(",") if args.impl else None)
+    if args.against:
+        from onboarding.bench.revision import against, templates_at
+
+        template_dir, sha = templates_at(args.against)
+        cases = against(cases, template_dir, f"rev:{sha}")
     if not torch.cuda.is_available():
         raise InputError("onboard bench needs a GPU (timings on the CPU interpreter mean "
                          "nothing); run it on the GPU machine")
-    cases = select_cases(cases_for(args.family), args.case,
-                         args.impl.split(",") if args.impl else None)
 
     def save(result: dict) -> None:
         if args.out:

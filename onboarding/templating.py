@@ -363,9 +363,10 @@ def py_literal(value: Any) -> str:
     raise TypeError(f"cannot render {type(value).__name__} as a literal")
 
 
-def params_hash(family: str, variant: str, version: int, params: Mapping[str, Any]) -> str:
-    key = json.dumps([family, variant, version, dict(params)], sort_keys=True)
-    return hashlib.sha256(key.encode()).hexdigest()[:8]
+def params_hash(family: str, variant: str, version: int, params: Mapping[str, Any],
+                tag: str | None = None) -> str:
+    parts = [family, variant, version, dict(params)] + ([tag] if tag is not None else [])
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def _environment(template_dir: Path):
@@ -394,15 +395,18 @@ def render(
     params: Mapping[str, Any] | None = None,
     *,
     template_dir: Path | None = None,
+    tag: str | None = None,
 ) -> str:
     """Validate `params` for `family`/`variant` and return the rendered module source.
 
+    `template_dir`: templates other than kernel_templates/ (another revision's); `tag` then
+    keeps the module's custom op names apart from the tree's (they share one op registry).
     Raises InputError (naming the parameter) on a bad family, variant or parameter; raises
     RuntimeError if the template produced invalid Python (a template bug).
     """
     spec = get_family(family)
     resolved = spec.resolve(variant, params)
-    digest = params_hash(spec.name, variant, spec.template_version, resolved)
+    digest = params_hash(spec.name, variant, spec.template_version, resolved, tag)
     context = {
         "family": spec.name,
         "variant": variant,
@@ -510,8 +514,10 @@ def render_to(
     params: Mapping[str, Any] | None = None,
     *,
     overwrite: bool = False,
+    template_dir: Path | None = None,
+    tag: str | None = None,
 ) -> Path:
-    """Render and write `<root>/<family>/<variant>.py`; returns the path."""
+    """Render (`render`'s arguments) and write `<root>/<family>/<variant>.py`; returns the path."""
     spec = get_family(family)
-    source = render(spec, variant, params)
+    source = render(spec, variant, params, template_dir=template_dir, tag=tag)
     return write_module(source, module_path(root, spec.name, variant), overwrite=overwrite)

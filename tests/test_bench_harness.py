@@ -70,3 +70,47 @@ def test_non_gated_moe_cases_and_their_anchors_agree_with_the_kernel():
     torch.testing.assert_close(ours(x, idx, w, up, down), expected, rtol=1e-4, atol=1e-5)
     for fn in (transformers_loop_mlp, grouped_mm_mlp):
         torch.testing.assert_close(fn(x, idx, w, up, down), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_against_a_revision_adds_its_kernels_as_anchor_rows(tmp_path):
+    """`onboard bench --against REV`: each case's ours / ours_fwd steps set up again from the
+    other templates (their own op names), as rows rev:<sha> / rev:<sha>_fwd beside the tree's."""
+    import shutil
+
+    from onboarding.bench import cases as C
+    from onboarding.bench.harness import BenchCase
+    from onboarding.bench.revision import against
+    from onboarding.templating import TEMPLATE_DIR
+
+    other = tmp_path / "kernel_templates"
+    shutil.copytree(TEMPLATE_DIR, other)
+    with open(other / "rmsnorm.py.j2", "a") as f:
+        f.write("\nMARKER_OF_THE_OTHER_REVISION = True\n")
+
+    def setup(device):
+        mod, _ = C._kernel("rmsnorm", "plain")
+        return {"ours": mod, "ours_fwd": mod, "eager": "eager step"}
+
+    case = BenchCase(family="rmsnorm", name="x", shape={}, min_bytes=1, flops=0, setup=setup)
+    [wrapped] = against([case], other, "rev:abc")
+    steps = wrapped.setup("cpu")
+    assert sorted(steps) == ["eager", "ours", "ours_fwd", "rev:abc", "rev:abc_fwd"]
+    assert getattr(steps["rev:abc"], "MARKER_OF_THE_OTHER_REVISION", False)
+    assert not hasattr(steps["ours"], "MARKER_OF_THE_OTHER_REVISION")
+    assert steps["rev:abc"].OP_NAME != steps["ours"].OP_NAME
+    assert C._TEMPLATES == {"template_dir": None, "tag": None}  # the tree's templates again
+
+
+def test_templates_at_a_revision_and_bad_revisions(tmp_path):
+    from onboarding.bench.revision import templates_at
+    from onboarding.errors import InputError
+    from onboarding.templating import TEMPLATE_DIR
+
+    if not (TEMPLATE_DIR.parent / ".git").exists():
+        pytest.skip("not a git checkout")
+    path, sha = templates_at("HEAD")
+    assert (path / "gated_delta.py.j2").is_file() and len(sha) == 8
+    with pytest.raises(InputError, match="no such revision"):
+        templates_at("no-such-revision-anywhere")
+    with pytest.raises(InputError, match="not a git checkout"):
+        templates_at("HEAD", repo=tmp_path)

@@ -10,8 +10,8 @@ linear-attention families (``gated_delta``, ``kimi_delta``) live in `cases_linea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,9 +27,25 @@ from onboarding.testing.tolerance import rel_rms as _rel
 N_SETS = 3  # input sets to rotate through (each case's set is far larger than the 60 MB L2)
 
 
+# Where `_kernel` renders from: kernel_templates/ (None), or another revision's templates with a
+# tag for their op names (`templates_from`, for `onboarding.bench.revision`).
+_TEMPLATES: dict[str, Any] = {"template_dir": None, "tag": None}
+
+
+@contextlib.contextmanager
+def templates_from(template_dir: Path, tag: str):
+    """Cases set up inside this block render our kernels from `template_dir`."""
+    before = dict(_TEMPLATES)
+    _TEMPLATES.update(template_dir=template_dir, tag=tag)
+    try:
+        yield
+    finally:
+        _TEMPLATES.update(before)
+
+
 def _kernel(family: str, variant: str, params: dict[str, Any] | None = None):
     root = Path(tempfile.mkdtemp(prefix="onboard-bench-"))
-    mod = load_module(render_to(root, family, variant, params or {}))
+    mod = load_module(render_to(root, family, variant, params or {}, **_TEMPLATES))
     from onboarding.patching import entry_function
 
     return mod, entry_function(mod)
