@@ -256,6 +256,27 @@ def test_forward_without_grad_skips_gu(load, device, monkeypatch):
         y.sum().backward()
 
 
+@pytest.mark.parametrize("frozen", [(3, 4), (3,), (4,)], ids=["both", "gate_up", "down"])
+def test_frozen_weights_skip_their_gradient_gemms(load, device, monkeypatch, frozen):
+    """Weights that need no gradient (frozen experts, LoRA elsewhere) get none and their
+    weight-gradient kernel does not run; dx, d topk_weights and the other weight's gradient are
+    the ones of the full backward."""
+    module = load("swiglu", {})
+    args = fixture(module, "zipf").make_inputs(torch.float32, device, torch.Generator().manual_seed(4))
+    dy = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(5)).to(device)
+    full = [a.clone().requires_grad_(i != 1) for i, a in enumerate(args)]
+    ref = torch.autograd.grad(module.entry(*full), [full[i] for i in (0, 2, 3, 4)], dy)
+    part = [a.clone().requires_grad_(i != 1 and i not in frozen) for i, a in enumerate(args)]
+    log = _LaunchLog(module, monkeypatch)
+    y = module.entry(*part)
+    wanted = [i for i in (0, 2, 3, 4) if i not in frozen]
+    got = torch.autograd.grad(y, [part[i] for i in wanted], dy)
+    ran = {n for n, _ in log.take()}
+    assert ("moe_dwgu_kernel" in ran) == (3 not in frozen) and ("moe_dwd_kernel" in ran) == (4 not in frozen)
+    for i, g in zip(wanted, got):
+        torch.testing.assert_close(g, ref[(0, 2, 3, 4).index(i)], rtol=1e-6, atol=1e-6)
+
+
 def _check_vs_transformers_experts(module, hf, device, first: str = "gate_up_proj") -> None:
     """transformers' packed experts module `hf` (D=24, E=5, top-2; weights `first`, gate_up or
     up, and down_proj) with random weights: `module`'s kernel reproduces it."""
