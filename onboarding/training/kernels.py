@@ -100,11 +100,11 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
     """Render `moe_experts/swiglu_lora` into ``root/rank<rank>`` and attach its grouped expert
     LoRA kernel (pre-sorted rows) to every plain SwiGLU `EPExperts` with expert LoRA whose check
     passes (one check per distinct widths and rank; `check_experts_kernel`). Experts without
-    expert LoRA keep torch._grouped_mm: the routed experts kernel's backward also computes the
-    base-weight gradients that frozen experts do not need, and attaching it did not change the
+    expert LoRA keep torch._grouped_mm: attaching the routed experts kernel did not change the
     step (H200, ninth session, `--proxy small` qwen3_next: 61,267 tokens/s with it, 61,921
-    without, on two machines). Returns counts for the summary: ``moe.experts`` (attached) and
-    ``rejected:moe.experts``."""
+    without, on two machines) while its backward still computed the base-weight gradients that
+    frozen experts do not need; it skips them since template version 11 (not yet timed here).
+    Returns counts for the summary: ``moe.experts`` (attached) and ``rejected:moe.experts``."""
     import warnings
 
     from onboarding.templating import load_module, render_to
