@@ -146,8 +146,8 @@ def _call(model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
                             f"{lines[0] if lines else ''}{_gpu_kernel_hint(exc)}") from exc
 
 
-# packages whose frames say nothing about which kernel library the model code picked
-_PLUMBING = frozenset({"torch", "transformers", "triton", "onboarding", "contextlib", "functools"})
+# installed packages whose frames say nothing about which kernel library the model code picked
+_PLUMBING = frozenset({"torch", "transformers", "triton", "onboarding"})
 
 
 def _gpu_kernel_hint(exc: BaseException) -> str:
