@@ -49,6 +49,25 @@ def test_paired_ratios_take_the_median_round():
     assert paired_ratios(rounds, "ours") == {"a": 2.0, "b": 0.5}  # one outlier round ignored
 
 
+def test_frozen_experts_cases_leave_the_expert_weights_without_gradients():
+    """`fwdbwd_frozen` (anchor, Qwen3-Next): gradients to x and the routing weights only, twice
+    the forward's FLOPs (the dx GEMMs); the plain `fwdbwd` sets still make every input a leaf."""
+    import torch
+
+    from onboarding.bench.cases import cases_for
+    from onboarding.bench.cases_moe import _moe_sets
+
+    moe = {c.name: c for c in cases_for(["moe_experts"])}
+    fwd = moe["qwen3_next/E512K10D2048F512N8192/uniform/fwd"]
+    assert moe["qwen3_next/E512K10D2048F512N8192/uniform/fwdbwd_frozen"].flops == 2 * fwd.flops
+    assert not any(n.endswith("fwdbwd_frozen") and "deepseek" in n for n in moe)
+    cpu = torch.device("cpu")
+    frozen = _moe_sets(6, 2, 16, 12, 37, "uniform", cpu, grad=True, frozen=True)[0]
+    trained = _moe_sets(6, 2, 16, 12, 37, "uniform", cpu, grad=True)[0]
+    assert [a.requires_grad for a in frozen] == [True, False, True, False, False]
+    assert [a.requires_grad for a in trained] == [True, False, True, True, True]
+
+
 def test_non_gated_moe_cases_and_their_anchors_agree_with_the_kernel():
     """`anchor_mlp` times the `mlp` experts (relu^2) against anchors that compute what it does:
     the per-expert loop and argsort + `_grouped_mm` with up [E, F, D] (fp32, tiny shapes)."""

@@ -6,7 +6,9 @@ E=256 K=8 D=7168 F=2048 at N=8192 and N=32768. Uniform routing everywhere, Zipf-
 (expert popularity ~ 1/rank) at the two D=2048 shapes. Non-gated experts (variant ``mlp``,
 relu(x)^2 as nemotron_h's) at the anchor's sizes, ``anchor_mlp``. Each shape gives two cases, ``.../fwd``
 (forward only, under no_grad) and ``.../fwdbwd`` (forward + backward to x, routing weights and
-both expert weights), so that every row carries TFLOP/s. Impls:
+both expert weights), so that every row carries TFLOP/s; the anchor and Qwen3-Next (uniform) add
+``.../fwdbwd_frozen`` (the expert weights frozen, as LoRA training on attention leaves them:
+gradients to x and the routing weights only). Impls:
 
 - ``ours``: the rendered ``swiglu`` experts kernel (permute -> grouped GEMM + SwiGLU -> grouped
   GEMM + routing weight -> combine);
@@ -17,7 +19,7 @@ both expert weights), so that every row carries TFLOP/s. Impls:
 (``anchor_mlp``: the same three with up [E, F, D] -> relu^2 -> down in place of SwiGLU.)
 
 FLOPs: forward 6 S D F for S = N K routed rows (gate/up 4 S D F, down 2 S D F; non-gated 4 S D
-F); forward + backward 3x that (dx and both weight gradients). ``check`` (fwdbwd cases): the bf16 kernel
+F); forward + backward 3x that (dx and both weight gradients), 2x with frozen experts (dx only). ``check`` (fwdbwd cases): the bf16 kernel
 against the fp32 per-expert reference at the case's E, K, D, F on 4096 tokens (DeepSeek shapes:
 32 of the experts, so the fp32 copies fit beside the bf16 case), output and every gradient.
 
@@ -64,6 +66,9 @@ MOE_SHAPES = (
 # shapes whose experts are non-gated (variant "mlp", relu(x)^2)
 MLP_LABELS = ("anchor_mlp",)
 MLP_ACTIVATION = "relu2"
+# shapes that also time a backward with frozen expert weights (LoRA training on attention only:
+# gradients to x and the routing weights; `fwdbwd_frozen`), uniform routing
+FROZEN_LABELS = ("anchor", "qwen3_next")
 CHECK_TOKENS, CHECK_MAX_EXPERTS_WIDE = 4096, 32
 # (name, N, I, O): rank-16 LoRA on real projections
 LORA_SHAPES = (
@@ -186,14 +191,15 @@ def _fwd(fn: Callable, sets: list[tuple]) -> Step:
     return step
 
 
-def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True) -> list[tuple]:
+def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True, frozen: bool = False) -> list[tuple]:
     """N_SETS token sets (x, indices, weights) sharing one set of expert weights: the weights
-    (0.2-23 GB in bf16) are far past the L2 on their own, and three copies would not fit."""
+    (0.2-23 GB in bf16) are far past the L2 on their own, and three copies would not fit. `grad`:
+    x, the routing weights and (unless `frozen`) the expert weights require gradients."""
     gen = torch.Generator(device=device).manual_seed(0)
     bf16 = torch.bfloat16
     gate_up = (torch.randn(E, (2 if gated else 1) * Fw, D, device=device, generator=gen) / D ** 0.5).to(bf16)
     down = (torch.randn(E, D, Fw, device=device, generator=gen) / Fw ** 0.5).to(bf16)
-    if grad:
+    if grad and not frozen:
         gate_up, down = _leaf(gate_up), _leaf(down)
     sets = []
     for _ in range(N_SETS):
@@ -226,12 +232,13 @@ def _variant(label: str) -> tuple[str, dict, bool]:
     return "swiglu", {}, True
 
 
-def _moe_steps(label, E, K, D, Fw, N, kind, backward: bool, sweep: bool, device) -> dict[str, Step]:
+def _moe_steps(label, E, K, D, Fw, N, kind, backward: bool, sweep: bool, device,
+               frozen: bool = False) -> dict[str, Step]:
     variant, params, gated = _variant(label)
     mod, ours = _kernel("moe_experts", variant, params)
     impls = {"ours": ours, "loop": transformers_loop if gated else transformers_loop_mlp,
              "grouped_mm": grouped_mm if gated else grouped_mm_mlp}
-    sets = _moe_sets(E, K, D, Fw, N, kind, device, backward, gated)
+    sets = _moe_sets(E, K, D, Fw, N, kind, device, backward, gated, frozen)
     if not backward:
         steps = {name: _fwd(fn, sets) for name, fn in impls.items()}
         return {**steps, **(_fwd_sweep(mod, ours, sets, D, MOE_FWD_SWEEP) if sweep else {})}
@@ -267,16 +274,21 @@ def moe_experts_cases() -> list[BenchCase]:
         fwd_bytes = 2 * (2 * N * D + mats * E * Fw * D)
         for kind in kinds:
             sweep = label in ("anchor", "qwen3_next") and kind == "uniform"
-            for backward in (False, True):
-                name = f"{label}/E{E}K{K}D{D}F{Fw}N{N}/{kind}/{'fwdbwd' if backward else 'fwd'}"
+            frozen_too = label in FROZEN_LABELS and kind == "uniform"
+            for backward, frozen in ((False, False), (True, False)) + (((True, True),) if frozen_too else ()):
+                mode = "fwdbwd_frozen" if frozen else "fwdbwd" if backward else "fwd"
+                # the backward reads dy, x and the weights and writes dx (+ both weight gradients)
+                bwd_bytes = 2 * (3 * N * D + (1 if frozen else 2) * mats * E * Fw * D)
                 cases.append(BenchCase(
-                    family="moe_experts", name=name,
+                    family="moe_experts", name=f"{label}/E{E}K{K}D{D}F{Fw}N{N}/{kind}/{mode}",
                     shape={"E": E, "K": K, "D": D, "F": Fw, "N": N},
-                    min_bytes=fwd_bytes + (2 * (3 * N * D + 2 * mats * E * Fw * D) if backward else 0),
-                    flops=(3 if backward else 1) * 2 * mats * S * D * Fw,
-                    setup=lambda device, a=(label, E, K, D, Fw, N, kind, backward, sweep): _moe_steps(*a, device),
-                    check=_moe_check(label, E, K, D, Fw, kind) if backward else None,
-                    note=f"{kind} routing; {'forward + backward' if backward else 'forward only'}"))
+                    min_bytes=fwd_bytes + (bwd_bytes if backward else 0),
+                    flops=(1 + (1 if frozen else 2) * backward) * 2 * mats * S * D * Fw,
+                    setup=lambda device, a=(label, E, K, D, Fw, N, kind, backward, sweep and not frozen), f=frozen:
+                        _moe_steps(*a, device, frozen=f),
+                    check=_moe_check(label, E, K, D, Fw, kind) if backward and not frozen else None,
+                    note=f"{kind} routing; " + ("forward + backward to x and the routing weights (frozen experts)"
+                                                if frozen else "forward + backward" if backward else "forward only")))
     return cases
 
 
