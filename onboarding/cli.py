@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also break our steps down by kernel (torch.profiler): time, share, calls")
     b.add_argument("--against", metavar="REV",
                    help="also time our kernels as the templates of git revision REV render them "
-                        "(rows rev:<sha>, rev:<sha>_fwd; their ratio > 1: the tree is faster)")
+                        "(rows rev:<sha>, rev:<sha>_fwd; their ratio > 1: the tree is faster); "
+                        "REV may be a folder of templates instead (rows tpl:<folder name>)")
     b.add_argument("--out", help="write the result rows as JSON here")
 
     r = sub.add_parser("run", help="run the agent pipeline on MODEL")
@@ -268,10 +269,9 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     cases = select_cases(cases_for(args.family), args.case,
                          args.impl.split(",") if args.impl else None)
     if args.against:
-        from onboarding.bench.revision import against, templates_at
+        from onboarding.bench.revision import against, resolve
 
-        template_dir, sha = templates_at(args.against)
-        cases = against(cases, template_dir, f"rev:{sha}")
+        cases = against(cases, *resolve(args.against))
     if not torch.cuda.is_available():
         raise InputError("onboard bench needs a GPU (timings on the CPU interpreter mean "
                          "nothing); run it on the GPU machine")

@@ -133,3 +133,20 @@ def test_templates_at_a_revision_and_bad_revisions(tmp_path):
         templates_at("no-such-revision-anywhere")
     with pytest.raises(InputError, match="not a git checkout"):
         templates_at("HEAD", repo=tmp_path)
+
+
+def test_against_takes_a_folder_of_templates(tmp_path):
+    """`--against DIR`: a folder of *.j2 templates (a carried copy, no git history needed) gives
+    rows tpl:<folder>; a folder without templates is refused by name."""
+    from onboarding.bench.revision import resolve
+    from onboarding.errors import InputError
+    from onboarding.templating import TEMPLATE_DIR
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "rmsnorm.py.j2").write_text((TEMPLATE_DIR / "rmsnorm.py.j2").read_text())
+    assert resolve(str(base)) == (base.resolve(), "tpl:base")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="no \\*.j2 templates"):
+        resolve(str(empty))

@@ -1,5 +1,6 @@
 """Our kernels as another git revision rendered them, timed in the same run (``onboard bench
---against REV``): a kernel change's before/after on one machine, in one process.
+--against REV``): a kernel change's before/after on one machine, in one process. REV may also be
+a folder of templates (``resolve``), for a machine that has the tree but not its history.
 
 `templates_at` extracts ``kernel_templates/`` as of a revision of the source checkout;
 `against` adds rows ``rev:<sha>`` and ``rev:<sha>_fwd`` to every case: the case's ``ours`` and
@@ -49,6 +50,20 @@ def templates_at(rev: str, repo: Path | None = None) -> tuple[Path, str]:
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(out, filter="data")
     return out / TEMPLATE_DIR.name, sha[:8]
+
+
+def resolve(ref: str, repo: Path | None = None) -> tuple[Path, str]:
+    """(templates directory, row label) of ``--against REF``: REF a folder holding ``*.j2``
+    templates (e.g. a ``git archive`` of ``kernel_templates/`` carried to a machine without the
+    history; label ``tpl:<folder name>``) or a git revision (label ``rev:<short sha>``)."""
+    path = Path(ref)
+    if path.is_dir():
+        if not any(path.glob("*.j2")):
+            raise InputError(f"--against {ref}: the folder holds no *.j2 templates (give a revision or "
+                             "a copy of kernel_templates/)")
+        return path.resolve(), f"tpl:{path.resolve().name}"
+    template_dir, sha = templates_at(ref, repo)
+    return template_dir, f"rev:{sha}"
 
 
 def against(cases: list[BenchCase], template_dir: Path, label: str) -> list[BenchCase]:
