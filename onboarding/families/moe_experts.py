@@ -237,9 +237,8 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # epilogue (no rows round trip; the order varies run to run, so deterministic mode keeps rows).
 # swiglu and mlp only: swiglu_lora always keeps rows.
 # half_tail: the forward GEMMs run an expert's last tile at half height (BLOCK_M / 2) when it holds
-# that few rows (BLOCK_M >= 32). tma: the forward GEMMs load the expert weights, and the down
-# GEMM its rows of h, through tensor descriptors (TMA on Hopper) where the weights' rows are
-# 16-byte aligned; swiglu and mlp only.
+# that few rows (BLOCK_M >= 32). tma: the forward GEMMs load the expert weights through tensor
+# descriptors (TMA on Hopper) where their rows are 16-byte aligned; swiglu and mlp only.
 # DOWN_BLOCK_N / down_stages: the forward down GEMM's own column tile and pipeline depth (0: the
 # forward's BLOCK_N / num_stages; swiglu and mlp only).
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
@@ -278,7 +277,7 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=12,
+    template_version=11,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "
