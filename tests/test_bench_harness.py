@@ -96,6 +96,8 @@ def test_against_a_revision_adds_its_kernels_as_anchor_rows(tmp_path):
     other templates (their own op names), as rows rev:<sha> / rev:<sha>_fwd beside the tree's."""
     import shutil
 
+    import torch
+
     from onboarding.bench import cases as C
     from onboarding.bench.harness import BenchCase
     from onboarding.bench.revision import against
@@ -106,18 +108,30 @@ def test_against_a_revision_adds_its_kernels_as_anchor_rows(tmp_path):
     with open(other / "rmsnorm.py.j2", "a") as f:
         f.write("\nMARKER_OF_THE_OTHER_REVISION = True\n")
 
+    built = []
+
+    @C.shared_inputs
+    def inputs(n: int, seed: int = 0):
+        built.append(n)
+        return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
     def setup(device):
         mod, _ = C._kernel("rmsnorm", "plain")
-        return {"ours": mod, "ours_fwd": mod, "eager": "eager step"}
+        x = inputs(4, seed=1)
+        return {"ours": (mod, x), "ours_fwd": (mod, x), "eager": "eager step"}
 
     case = BenchCase(family="rmsnorm", name="x", shape={}, min_bytes=1, flops=0, setup=setup)
     [wrapped] = against([case], other, "rev:abc")
     steps = wrapped.setup("cpu")
     assert sorted(steps) == ["eager", "ours", "ours_fwd", "rev:abc", "rev:abc_fwd"]
-    assert getattr(steps["rev:abc"], "MARKER_OF_THE_OTHER_REVISION", False)
-    assert not hasattr(steps["ours"], "MARKER_OF_THE_OTHER_REVISION")
-    assert steps["rev:abc"].OP_NAME != steps["ours"].OP_NAME
+    (ours, x), (theirs, x_theirs) = steps["ours"], steps["rev:abc"]
+    assert getattr(theirs, "MARKER_OF_THE_OTHER_REVISION", False)
+    assert not hasattr(ours, "MARKER_OF_THE_OTHER_REVISION")
+    assert theirs.OP_NAME != ours.OP_NAME
     assert C._TEMPLATES == {"template_dir": None, "tag": None}  # the tree's templates again
+    # both setups timed the same input set, built once; outside `against` each call builds its own
+    assert x_theirs is x and built == [4]
+    assert inputs(4, seed=1) is not x and built == [4, 4]
 
 
 def test_templates_at_a_revision_and_bad_revisions(tmp_path):

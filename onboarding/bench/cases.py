@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,36 @@ def templates_from(template_dir: Path, tag: str):
         yield
     finally:
         _TEMPLATES.update(before)
+
+
+# Input sets built inside `sharing_inputs` (None outside), by builder and arguments.
+_SHARED_INPUTS: dict[tuple, Any] | None = None
+
+
+@contextlib.contextmanager
+def sharing_inputs():
+    """Inside this block, a case set up twice (`onboarding.bench.revision`: the tree's kernels and
+    another revision's) gets the same input sets from every `shared_inputs` builder: one copy
+    in GPU memory (DeepSeek-V3's expert weights alone are 22.5 GB), the same inputs for both."""
+    global _SHARED_INPUTS
+    before, _SHARED_INPUTS = _SHARED_INPUTS, {}
+    try:
+        yield
+    finally:
+        _SHARED_INPUTS = before
+
+
+def shared_inputs(build: Callable) -> Callable:
+    """An input-set builder (hashable arguments) whose results `sharing_inputs` reuses."""
+    @functools.wraps(build)
+    def wrapper(*args, **kwargs):
+        if _SHARED_INPUTS is None:
+            return build(*args, **kwargs)
+        key = (build.__module__, build.__qualname__, args, tuple(sorted(kwargs.items())))
+        if key not in _SHARED_INPUTS:
+            _SHARED_INPUTS[key] = build(*args, **kwargs)
+        return _SHARED_INPUTS[key]
+    return wrapper
 
 
 def _kernel(family: str, variant: str, params: dict[str, Any] | None = None):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _fwd_bwd, _kernel, _rel
+from onboarding.bench.cases import N_SETS, _fwd_bwd, _kernel, _rel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 
 CHUNK = 64
@@ -103,6 +103,7 @@ def _ours(family: str) -> Callable:
     return lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)
 
 
+@shared_inputs
 def make_inputs(family: str, B: int, T: int, HK: int, HV: int, D: int,
                 device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """bf16 q, k, v, beta and an fp32 log decay g, as leaves that require grad."""

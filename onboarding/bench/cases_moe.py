@@ -52,7 +52,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _check, _config_sweep, _fwd_bwd, _kernel, _leaf
+from onboarding.bench.cases import N_SETS, _check, _config_sweep, _fwd_bwd, _kernel, _leaf, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 
 # (name, E, K, D, F, N, routings)
@@ -191,6 +191,7 @@ def _fwd(fn: Callable, sets: list[tuple]) -> Step:
     return step
 
 
+@shared_inputs
 def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True, frozen: bool = False) -> list[tuple]:
     """N_SETS token sets (x, indices, weights) sharing one set of expert weights: the weights
     (0.2-23 GB in bf16) are far past the L2 on their own, and three copies would not fit. `grad`:

@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _fwd_bwd, _kernel, _rel
+from onboarding.bench.cases import N_SETS, _fwd_bwd, _kernel, _rel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 
 TS = (8192, 16384, 32768, 65536)
@@ -105,6 +105,7 @@ def _gathered(layout: str) -> Callable:
     return entry
 
 
+@shared_inputs
 def _inputs(layout: str, T: int, H: int, device: torch.device, seed: int) -> tuple:
     """bf16 leaves q [1, T, H, D_QK] and k, v [1, T, HK, D] (mla: one kv [1, T, 1, D_QK]),
     stratified indices."""

@@ -69,13 +69,14 @@ def resolve(ref: str, repo: Path | None = None) -> tuple[Path, str]:
 def against(cases: list[BenchCase], template_dir: Path, label: str) -> list[BenchCase]:
     """`cases` with rows `label` / `label`_fwd: their ``ours`` / ``ours_fwd`` steps rendered
     from `template_dir` (op names tagged with `label`)."""
-    from onboarding.bench.cases import templates_from
+    from onboarding.bench.cases import sharing_inputs, templates_from
 
     def setup_both(setup):
         def run(device):
-            steps = setup(device)
-            with templates_from(template_dir, label):
-                other = setup(device)
+            with sharing_inputs():  # both setups time the same input sets, held once
+                steps = setup(device)
+                with templates_from(template_dir, label):
+                    other = setup(device)
             for name in OURS:
                 if name in other:
                     steps[label + name.removeprefix("ours")] = other[name]
