@@ -1,0 +1,82 @@
+"""Grouped linear family: one linear per expert over rows already sorted by expert.
+
+Variant `sorted`: y[rows of e] = x[rows of e] W[e]^T with x [S, K] sorted by expert, per-expert
+row counts [E] as a device integer tensor, and one packed weight W [E, N, K]; forward and
+backward (dx, dW; dW only when the weight needs a gradient) in Triton, fp32 accumulation, no
+host sync (the tile map is built on the device from the counts).
+
+This is the "split by sizes, then one linear per expert" building block of ScatterMoE- and
+Megablocks-style models (transformers' JetMoeParallelExperts, used by JetMoE both in its MoE MLP
+and in its mixture of attention): the routing, the gather into expert order, the activation and
+the combine stay in the surrounding torch code, which calls this block once per projection.
+
+Why a family of its own rather than a variant of `moe_experts`: that family's kernels take the
+whole routed MLP (routing indices and weights in, permute, two GEMMs with the activation fused,
+combine); this block has neither routing nor an activation, one weight and a different call
+signature (x, sizes). Its kernels are three small grouped GEMMs that share nothing with the
+experts template beyond the tile-map idea, which is re-implemented in the rendered module
+(`tile_map`): rendered modules are self-contained and cannot import each other.
+
+Blocks are picked by structure: `moe.experts` blocks whose classifier attrs say
+`layout: "split_linear"` (`onboarding._classify_split`): the module's only parameter is one 3-D
+weight [E, N, K], and its ops split its input by sizes and run at most E linears against slices
+of that weight. `onboarding._patch_grouped_linear` binds the block's forward(x, sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from onboarding.families._gemm import (
+    GEMM_FWD_BWD_DEFAULT_CONFIG,
+    GEMM_FWD_BWD_TUNING_SPACE,
+)
+from onboarding.templating import FamilySpec, ShapeBucket
+
+NAME = "grouped_linear"
+LAYOUT = "split_linear"  # the classifier's `layout` attr for these blocks
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Variant `sorted` for a `moe.experts` block with `layout == "split_linear"` whose parameters
+    are exactly the one 3-D weight [E, N, K] the attrs name, with E == `n_experts`."""
+    attrs = block.attrs
+    if block.kind != "moe.experts" or attrs.get("layout") != LAYOUT:
+        return None
+    name = attrs.get("weight")
+    shape = block.params.get(name) if name else None
+    if set(block.params) != {name} or shape is None or len(shape) != 3 or shape[0] != attrs.get("n_experts"):
+        return None
+    if [shape[1], shape[2]] != [attrs.get("out_features"), attrs.get("in_features")]:
+        return None
+    return FAMILY.served("sorted", {})
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """37 rows at the block's input width, E=5 with expert 3 empty and 3 padding rows past
+    sum(counts), N=40 outputs (the block's input shapes do not carry its output width)."""
+    width = shapes[0][-1] if shapes else 24
+    counts = torch.tensor([9, 13, 5, 0, 7])
+    x = torch.randn(int(counts.sum()) + 3, width, generator=gen)
+    weight = torch.randn(5, 40, width, generator=gen) / width ** 0.5
+    return [x, counts, weight]
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="grouped_linear.py.j2",
+    template_version=1,
+    variants={"sorted": "per-expert linear over rows sorted by expert (counts [E] on the device), "
+                        "weight [E, N, K]; fwd + bwd (dx, dW)"},
+    params=(),
+    # Forward tiles (BLOCK_M/N/K, num_warps, num_stages) and the backward's own (BWD_*): dW
+    # reduces over each expert's rows, dx over N. Untuned: the shared GEMM defaults.
+    tuning_space=GEMM_FWD_BWD_TUNING_SPACE,
+    default_config=GEMM_FWD_BWD_DEFAULT_CONFIG,
+    shape_buckets=(ShapeBucket(name="k_any", dim="K", lo=1, hi=2**31 - 1),),
+    match=match,
+    sample_inputs=sample_inputs,
+)
