@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from onboarding._classify_split import split_linear
 from onboarding.capture import Capture, OpRecord
 from onboarding.opgraph import Block, TensorMeta
 
@@ -365,6 +366,8 @@ class Classifier:
         if expert_params is None and (split := self._zero_experts(path, recs)) is not None:
             expert_params, zero = split
         if expert_params and (mm or any("grouped_mm" in op for op in ops)):
+            if zero is None and (split := split_linear(path, recs, ctx.param_shapes)) is not None:
+                return "moe.experts", *split  # one weight, x.split(sizes) -> a linear per piece
             e = expert_params
             names3 = [n for n in self._3d_params(path) if len(self.ctx.param_shapes[n]) == 3]
             mats = [self.ctx.param_shapes[n][1:] for n in names3]
