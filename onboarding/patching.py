@@ -12,6 +12,9 @@ structure (its parameters, its input) to a kernel's signature:
     per-expert biases) are converted to the kernel's layout as the classifier read it off the
     block (see `_ExpertWeights`); identity ("zero") expert slots (attrs `zero_experts`: index >= E)
     go to the kernel with weight 0 and their r * x is added in torch;
+  - ``moe.experts`` split by sizes (attrs ``layout: "split_linear"``: one weight [E, N, K],
+    ``forward(x, sizes)`` -> a linear per piece): the `grouped_linear` kernel with the sizes as
+    a device tensor (`onboarding._patch_grouped_linear`);
   - ``moe.router``: ``forward(x)`` -> the router kernel with the gate weight found by its shape
     [n_experts, hidden] and the score-correction bias (a parameter or buffer [n_experts]) when
     the kernel was rendered with one; scoring, top-k, groups, renormalisation and scaling are
@@ -462,6 +465,9 @@ PATCHABLE = {"norm.rms": "rmsnorm", "norm.rms_gated": "rmsnorm", "mlp.dense": "s
              "sparse_attention.topk": "sparse_attention",
              "linear_attention.gated_delta": "gated_delta",
              "linear_attention.kimi_delta": "kimi_delta"}
+# Further families a kind's blocks may be served by, tried after its PATCHABLE one: split-by-size
+# per-expert linears (`moe.experts` with layout "split_linear") take `grouped_linear`.
+ALSO_PATCHABLE = {"moe.experts": ("grouped_linear",)}
 
 
 def patch_model(model: nn.Module, graph: OpGraph,
@@ -475,10 +481,11 @@ def patch_model(model: nn.Module, graph: OpGraph,
     modules = dict(model.named_modules())
     patches = PatchSet()
     for block in graph.blocks:
-        family = PATCHABLE.get(block.kind)
-        if family is None or (kinds and block.kind not in kinds):
+        if block.kind not in PATCHABLE or (kinds and block.kind not in kinds):
             continue
-        kmod = kernels.get((block.path, family))
+        family, kmod = next(((f, kernels[(block.path, f)])
+                             for f in (PATCHABLE[block.kind], *ALSO_PATCHABLE.get(block.kind, ()))
+                             if (block.path, f) in kernels), (None, None))
         if kmod is None:
             continue
         record = PatchRecord(path=block.path, kind=block.kind, family=family)
@@ -505,6 +512,10 @@ def patch_model(model: nn.Module, graph: OpGraph,
         adapt = _same
         if block.kind.startswith("norm."):
             bindings = _norm_bindings(block, module, fn)
+        elif family == "grouped_linear":
+            from onboarding._patch_grouped_linear import grouped_linear_bindings
+
+            bindings = grouped_linear_bindings(block, module, fn)
         elif block.kind == "moe.experts":
             bindings = _experts_bindings(module, fn, block, bool(getattr(kmod, "PARAMS", {}).get("bias")))
         elif block.kind == "moe.router":
