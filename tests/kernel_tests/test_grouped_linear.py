@@ -100,3 +100,19 @@ def test_shape_errors_name_the_shapes(module):
         module.entry(torch.randn(10), counts, w)
     with pytest.raises(ValueError, match="int32/int64"):
         module.entry(x, counts.float(), w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs show on a GPU only")
+def test_no_host_sync_on_gpu(module):
+    """Counts stay on the device: forward and backward launch without waiting for the GPU."""
+    x, counts, w = fixture(module, "skewed").make_inputs(torch.float32, torch.device("cuda"),
+                                                         torch.Generator().manual_seed(5))
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    module.entry(x, counts, w).sum().backward()  # warm-up: compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        module.entry(x, counts, w).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
