@@ -705,6 +705,7 @@ def test_bench_cases_construct_and_baselines_agree(load):
     compute what the kernel computes (fp32, tiny shapes)."""
     from onboarding.bench.cases import cases_for
     from onboarding.bench.cases_moe import (
+        FROZEN_LABELS,
         LORA_SHAPES,
         MOE_BWD_SWEEP,
         MOE_FWD_SWEEP,
@@ -717,7 +718,9 @@ def test_bench_cases_construct_and_baselines_agree(load):
     cases = cases_for(["moe_experts", "lora"])
     moe = {c.name: c for c in cases if c.family == "moe_experts"}
     lora_cases = [c for c in cases if c.family == "lora"]
-    assert len(moe) == 2 * sum(len(s[-1]) for s in MOE_SHAPES) and len(lora_cases) == 2 * len(LORA_SHAPES)
+    frozen = sum(s[0] in FROZEN_LABELS and "uniform" in s[-1] for s in MOE_SHAPES)  # + fwdbwd_frozen
+    assert frozen == 2 and len(moe) == 2 * sum(len(s[-1]) for s in MOE_SHAPES) + frozen
+    assert len(lora_cases) == 2 * len(LORA_SHAPES)
     anchor = "anchor/E64K8D2048F512N8192/uniform"
     assert moe[f"{anchor}/fwd"].flops == 6 * 8192 * 8 * 2048 * 512
     assert moe[f"{anchor}/fwdbwd"].flops == 3 * moe[f"{anchor}/fwd"].flops
