@@ -218,6 +218,30 @@ def test_down_gemm_own_tiles(load, device, monkeypatch, tma):
     assert launches["moe_gate_up_fwd_kernel"]["BLOCK_N"] == CPU_CONFIG["BLOCK_N"]
 
 
+@pytest.mark.parametrize("entry", ["swiglu", "mlp"])
+def test_weight_gradient_gemms_own_tiles(load, device, monkeypatch, entry):
+    """DW_* give the weight-gradient GEMMs their own output tile, row step, warps and stages
+    (32 x 16 over D = 24 and F = 20: partial tiles both ways); every gradient still matches, and
+    the other backward kernels keep the backward tiles."""
+    module = load(entry, {"activation": "relu2"} if entry == "mlp" else {})
+    fx = fixture(module, "zipf", gated=entry != "mlp")
+    dw = {"DW_BLOCK_M": 32, "DW_BLOCK_N": 16, "DW_BLOCK_K": 32, "dw_warps": 2, "dw_stages": 2}
+    module.set_config({**CPU_CONFIG, **dw})
+    try:
+        check_forward_backward(fx, torch.float32, device)
+        log = _LaunchLog(module, monkeypatch)
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
+        leaves = [a.requires_grad_() if i in fx.weights or i == 0 else a for i, a in enumerate(args)]
+        fx.module.entry(*leaves).sum().backward()
+        launches = dict(log.take())
+    finally:
+        module.set_config(CPU_CONFIG)
+    for name in ("moe_dwd_kernel", "moe_dwgu_kernel"):
+        kw = launches[name]
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"]) == (32, 16, 32, 2, 2)
+    assert launches["moe_dx_kernel"]["BLOCK_M"] == CPU_CONFIG["BWD_BLOCK_M"]
+
+
 def test_deterministic_mode_keeps_rows(load, device, monkeypatch):
     """Under torch.use_deterministic_algorithms an "atomic" config still sums fixed-order rows."""
     module = load("swiglu", {})
