@@ -275,10 +275,17 @@ _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num
 # 256-column tile (call 7, with tma): DeepSeek-V3 N8192 13.835 ms at 4 stages and 14.036 at 3
 # against 14.732 with gate/up's 128 (N32768 46.35 against 47.80); at Qwen3-Next 128 or 256
 # columns lost to gate/up's 64 (2.381-2.463 and 2.286 against 2.254 ms).
+# Weight-gradient GEMMs (eleventh session, `.gpu/dw.py`: fwd+bwd per DW config in one process,
+# kernel times by torch.profiler; the grid already expert-slowest): 128 x 128 x 64, 8 warps, 3
+# stages took d gate_up / d down from 0.917 / 0.423 ms to 0.685 / 0.349 at the anchor, 1.995 /
+# 0.962 to 1.624 / 0.821 at Qwen3-Next and 20.84 / 9.53 to 16.61 / 8.34 at DeepSeek-V3 N8192
+# (its step 62.1 -> 56.5 ms); 4 stages the same, 128 x 256 16.85 / 7.40, 128-row steps worse.
+_DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps": 8, "dw_stages": 3}
 _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-                            _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True}
+                            _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
-                                _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256}
+                                _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
+                  **_DW_TILES}
 
 FAMILY = FamilySpec(
     name=NAME,
