@@ -68,7 +68,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="grouped_linear.py.j2",
-    template_version=1,
+    template_version=2,
     variants={"sorted": "per-expert linear over rows sorted by expert (counts [E] on the device), "
                         "weight [E, N, K]; fwd + bwd (dx, dW)"},
     params=(),
