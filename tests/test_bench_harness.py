@@ -164,3 +164,23 @@ def test_against_takes_a_folder_of_templates(tmp_path):
     empty.mkdir()
     with pytest.raises(InputError, match="no \\*.j2 templates"):
         resolve(str(empty))
+
+
+def test_grouped_linear_cases_and_their_anchors_agree_with_the_kernel():
+    """`grouped_linear` cases time the kernel against the module's own loop (split + F.linear per
+    expert) and `_grouped_mm`: both compute the reference's result, empty experts included."""
+    import torch
+
+    from onboarding.bench.cases import _kernel, cases_for
+    from onboarding.bench.cases_grouped_linear import grouped_mm, loop
+
+    cases = {c.name: c for c in cases_for(["grouped_linear"])}
+    fwd = cases["fine/E64S65536K2048N1024/fwd"]
+    assert fwd.flops == 2 * 65536 * 2048 * 1024 and cases["fine/E64S65536K2048N1024/fwdbwd"].flops == 3 * fwd.flops
+    mod, _ = _kernel("grouped_linear", "sorted")
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 3])
+    x, w = torch.randn(17, 12, generator=gen), torch.randn(4, 10, 12, generator=gen)
+    expected = mod.reference(x, counts, w)
+    torch.testing.assert_close(loop(x, counts, w), expected)
+    torch.testing.assert_close(grouped_mm(x, counts, w), expected, rtol=1e-5, atol=1e-5)

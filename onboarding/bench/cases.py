@@ -5,7 +5,7 @@ PyTorch eager formulation that transformers runs (``eager``), `torch.compile` of
 (``compile``), and Liger-Kernel's op where it is installed (``liger``). ``check`` reports the
 bf16 kernel's relative RMS error against an fp32 reference, output and gradients. The
 linear-attention families (``gated_delta``, ``kimi_delta``) live in `cases_linear_attention`,
-``moe_experts`` and ``lora`` in `cases_moe`.
+``moe_experts`` and ``lora`` in `cases_moe`, ``grouped_linear`` in `cases_grouped_linear`.
 """
 
 from __future__ import annotations
@@ -340,6 +340,12 @@ def lora_cases() -> list[BenchCase]:
     return cases()
 
 
+def grouped_linear_cases() -> list[BenchCase]:
+    from onboarding.bench.cases_grouped_linear import grouped_linear_cases as cases
+
+    return cases()
+
+
 def sparse_attention_cases() -> list[BenchCase]:
     from onboarding.bench.cases_sparse import sparse_attention_cases as cases
 
@@ -349,7 +355,7 @@ def sparse_attention_cases() -> list[BenchCase]:
 CASES: dict[str, Callable[[], list[BenchCase]]] = {
     "rmsnorm": rmsnorm_cases, "swiglu": swiglu_cases, "rope": rope_cases,
     "conv1d": conv1d_cases, "gated_delta": gated_delta_cases, "kimi_delta": kimi_delta_cases,
-    "moe_experts": moe_experts_cases, "lora": lora_cases,
+    "moe_experts": moe_experts_cases, "lora": lora_cases, "grouped_linear": grouped_linear_cases,
     "sparse_attention": sparse_attention_cases,
 }
 
