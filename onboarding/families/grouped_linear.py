@@ -32,6 +32,7 @@ import torch
 from onboarding.families._gemm import (
     GEMM_FWD_BWD_DEFAULT_CONFIG,
     GEMM_FWD_BWD_TUNING_SPACE,
+    split_tiles,
 )
 from onboarding.templating import FamilySpec, ShapeBucket
 
@@ -65,18 +66,27 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     return [x, counts, weight]
 
 
+# First GPU tiles (eleventh session): with the shared defaults (64 x 64 x 64, 4 warps) the
+# kernel ran at 0.32-0.44x of torch._grouped_mm on the H200 (`onboard bench --family
+# grouped_linear`, docs/LOG.md); these are moe_experts' measured GEMM tiles, not yet tuned here.
+_GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+                         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3})
+
+
 FAMILY = FamilySpec(
     name=NAME,
     template="grouped_linear.py.j2",
-    template_version=2,
+    template_version=3,
     variants={"sorted": "per-expert linear over rows sorted by expert (counts [E] on the device), "
                         "weight [E, N, K]; fwd + bwd (dx, dW)"},
     params=(),
     # Forward tiles (BLOCK_M/N/K, num_warps, num_stages) and the backward's own (BWD_*): dW
-    # reduces over each expert's rows, dx over N. Untuned: the shared GEMM defaults.
+    # reduces over each expert's rows, dx over N. Small widths keep the shared GEMM defaults;
+    # from K 1025 the GPU tiles of moe_experts' GEMMs (_GPU_TILES).
     tuning_space=GEMM_FWD_BWD_TUNING_SPACE,
     default_config=GEMM_FWD_BWD_DEFAULT_CONFIG,
-    shape_buckets=(ShapeBucket(name="k_any", dim="K", lo=1, hi=2**31 - 1),),
+    shape_buckets=(ShapeBucket(name="k_le_1k", dim="K", lo=1, hi=1024),
+                   ShapeBucket(name="k_big", dim="K", lo=1025, hi=2**31 - 1, config=_GPU_TILES)),
     match=match,
     sample_inputs=sample_inputs,
 )
