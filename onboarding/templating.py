@@ -149,6 +149,24 @@ def _dot(a, b, MODE: tl.constexpr):
         return tl.dot(a, b, input_precision=MODE)
 
 
+@triton.jit
+def _band(NT, NC, GROUP_M: tl.constexpr):
+    \"\"\"(row tile, column tile) of this program of a 1-D grid over NT row tiles x NC column tiles,
+    walked in bands of GROUP_M row tiles, row tile fastest: the programs in flight together cover
+    a band's row tiles across its column tiles, so each row tile (gathered or not) and each
+    expert's weight tile comes from HBM about once (then from L2), not once per column tile.\"\"\"
+    pid = tl.program_id(0)
+    width = GROUP_M * NC
+    first = (pid // width) * GROUP_M
+    rows = tl.minimum(NT - first, GROUP_M)
+    return first + (pid % width) % rows, (pid % width) // rows
+
+
+def _band_grid(n_tiles: int, cols: int, block_n: int) -> tuple[int]:
+    \"\"\"1-D grid of a row-tiled grouped GEMM (`_band` maps each program to its row and column tile).\"\"\"
+    return (n_tiles * triton.cdiv(cols, block_n),)
+
+
 def _num_programs(n_blocks: int, device: torch.device, per_sm: int = 4) -> int:
     \"\"\"Programs for a grid-stride loop: `per_sm` per SM on a GPU, one per block otherwise.\"\"\"
     if device.type == "cuda":

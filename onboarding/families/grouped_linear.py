@@ -69,22 +69,25 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 # First GPU tiles (eleventh session): with the shared defaults (64 x 64 x 64, 4 warps) the
 # kernel ran at 0.32-0.44x of torch._grouped_mm on the H200 (`onboard bench --family
 # grouped_linear`, docs/LOG.md); these are moe_experts' measured GEMM tiles, not yet tuned here.
-_GPU_TILES = split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
-                         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3})
+_GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
+                            {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+              "tma": True}
 
 
 FAMILY = FamilySpec(
     name=NAME,
     template="grouped_linear.py.j2",
-    template_version=3,
+    template_version=5,
     variants={"sorted": "per-expert linear over rows sorted by expert (counts [E] on the device), "
                         "weight [E, N, K]; fwd + bwd (dx, dW)"},
     params=(),
     # Forward tiles (BLOCK_M/N/K, num_warps, num_stages) and the backward's own (BWD_*): dW
-    # reduces over each expert's rows, dx over N. Small widths keep the shared GEMM defaults;
+    # reduces over each expert's rows, dx over N. group_m: row tiles per band of the forward and
+    # dx GEMMs' launch order (`_band`); tma: those two load their row and weight tiles through
+    # tensor descriptors (TMA on Hopper) where the rows are 16-byte aligned. Small widths keep the shared GEMM defaults;
     # from K 1025 the GPU tiles of moe_experts' GEMMs (_GPU_TILES).
-    tuning_space=GEMM_FWD_BWD_TUNING_SPACE,
-    default_config=GEMM_FWD_BWD_DEFAULT_CONFIG,
+    tuning_space={**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "tma": (False, True)},
+    default_config={**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "tma": False},
     shape_buckets=(ShapeBucket(name="k_le_1k", dim="K", lo=1, hi=1024),
                    ShapeBucket(name="k_big", dim="K", lo=1025, hi=2**31 - 1, config=_GPU_TILES)),
     match=match,

@@ -69,6 +69,34 @@ def test_shapes(module, device, shape):
     check_forward_backward(fixture(module, "uniform", **shape), torch.float32, device)
 
 
+@pytest.mark.parametrize("shape", [dict(), dict(s=29, pad=6, k=20, n=36)], ids=["k24-n40", "pad6-k20-n36"])
+@pytest.mark.parametrize("kind", ["skewed", "empty_experts"])
+def test_tma_operands(module, device, monkeypatch, kind, shape):
+    """tma: the forward and dx GEMMs load rows and weight tiles through tensor descriptors (zero
+    past the tensors, the next expert's rows feeding masked rows or columns only); the output and
+    every gradient still match, and both GEMMs took the descriptor path."""
+    if module.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    taken = []
+    for name in ("grouped_linear_fwd_kernel", "grouped_linear_dx_kernel"):
+        kernel = getattr(module, name)
+
+        class Logged:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kwargs):
+                    taken.append((name, kwargs["TMA"]))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        monkeypatch.setattr(module, name, Logged())
+    module.set_config({**CPU_CONFIG, "tma": True})
+    try:
+        check_forward_backward(fixture(module, kind, **shape), torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert ("grouped_linear_fwd_kernel", True) in taken and ("grouped_linear_dx_kernel", True) in taken
+    assert all(tma for _, tma in taken)
+
+
 def test_frozen_weight_skips_dweight(module, device, monkeypatch):
     """A weight that needs no gradient gets none and its GEMM never launches."""
     class NoLaunch:
