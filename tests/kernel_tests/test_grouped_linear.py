@@ -144,3 +144,30 @@ def test_no_host_sync_on_gpu(module):
         module.entry(x, counts, w).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_aot_sm90(module, tmp_path, tma):
+    """Every kernel compiles for sm_90 from its bf16 specs at K=2048 (the GPU bucket's tiles),
+    with the row-tiled GEMMs' operands as pointers or as tensor descriptors (a copy of the
+    rendered module whose defaults turn `tma` on: the compile runs in a child process)."""
+    from pathlib import Path
+
+    from onboarding import aot
+
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    if tma and module.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    src = Path(module.__file__).read_text()
+    if tma:
+        assert src.count("'tma': False") == 1, "the rendered DEFAULT_CONFIG no longer spells tma as expected"
+        src = src.replace("'tma': False", "'tma': True")
+    path = tmp_path / "sorted.py"
+    path.write_text(src)
+    [results] = aot.compile_files([path], size=2048, registers=False).values()
+    assert {r.kernel for r in results} == {"grouped_linear_fwd_kernel", "grouped_linear_dx_kernel",
+                                           "grouped_linear_dw_kernel"}
+    for r in results:
+        assert r.ok, f"{r.kernel}: {r.error}"
