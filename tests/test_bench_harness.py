@@ -160,6 +160,10 @@ def test_against_takes_a_folder_of_templates(tmp_path):
     base.mkdir()
     (base / "rmsnorm.py.j2").write_text((TEMPLATE_DIR / "rmsnorm.py.j2").read_text())
     assert resolve(str(base)) == (base.resolve(), "tpl:base")
+    archived = tmp_path / "before" / "kernel_templates"  # `git archive REV kernel_templates` unpacked
+    archived.mkdir(parents=True)
+    (archived / "rmsnorm.py.j2").write_text((TEMPLATE_DIR / "rmsnorm.py.j2").read_text())
+    assert resolve(str(archived)) == (archived.resolve(), "tpl:before")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(InputError, match="no \\*.j2 templates"):

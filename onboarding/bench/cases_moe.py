@@ -19,8 +19,8 @@ gradients to x and the routing weights only). Impls:
 (``anchor_mlp``: the same three with up [E, F, D] -> relu^2 -> down in place of SwiGLU.)
 
 FLOPs: forward 6 S D F for S = N K routed rows (gate/up 4 S D F, down 2 S D F; non-gated 4 S D
-F); forward + backward 3x that (dx and both weight gradients), 2x with frozen experts (dx only). ``check`` (fwdbwd cases): the bf16 kernel
-against the fp32 per-expert reference at the case's E, K, D, F on 4096 tokens (DeepSeek shapes:
+F); forward + backward 3x that (dx and both weight gradients), 2x with frozen experts (dx
+only). ``check`` (fwdbwd cases): the bf16 kernel against the fp32 per-expert reference at the case's E, K, D, F on 4096 tokens (DeepSeek shapes:
 32 of the experts, so the fp32 copies fit beside the bf16 case), output and every gradient.
 
 ``lora``: the fused LoRA linear at rank 16, x [N, I] -> [N, O] at real projection shapes

@@ -55,13 +55,15 @@ def templates_at(rev: str, repo: Path | None = None) -> tuple[Path, str]:
 def resolve(ref: str, repo: Path | None = None) -> tuple[Path, str]:
     """(templates directory, row label) of ``--against REF``: REF a folder holding ``*.j2``
     templates (e.g. a ``git archive`` of ``kernel_templates/`` carried to a machine without the
-    history; label ``tpl:<folder name>``) or a git revision (label ``rev:<short sha>``)."""
+    history; label ``tpl:<folder name>``, the parent's name for a folder named kernel_templates)
+    or a git revision (label ``rev:<short sha>``)."""
     path = Path(ref)
     if path.is_dir():
         if not any(path.glob("*.j2")):
             raise InputError(f"--against {ref}: the folder holds no *.j2 templates (give a revision or "
                              "a copy of kernel_templates/)")
-        return path.resolve(), f"tpl:{path.resolve().name}"
+        path = path.resolve()
+        return path, f"tpl:{path.parent.name if path.name == TEMPLATE_DIR.name else path.name}"
     template_dir, sha = templates_at(ref, repo)
     return template_dir, f"rev:{sha}"
 
