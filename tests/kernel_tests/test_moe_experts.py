@@ -137,16 +137,7 @@ def test_atomic_combine_forward_backward(load, device, monkeypatch, variant, par
     per-slot rows and no combine launch, and the output and every gradient still match."""
     module = load(variant, params)
     fx = fixture(module, kind, gated=variant != "mlp")
-    module.set_config({**CPU_CONFIG, "combine": "atomic"})
-    try:
-        check_forward_backward(fx, torch.float32, device)
-        log = _LaunchLog(module, monkeypatch)
-        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
-        leaves = [a.requires_grad_() if i in fx.weights or i == 0 else a for i, a in enumerate(args)]
-        fx.module.entry(*leaves).sum().backward()
-        launches = log.take()
-    finally:
-        module.set_config(CPU_CONFIG)
+    launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, "combine": "atomic"})
     assert "moe_combine_kernel" not in {n for n, _ in launches}
     assert all(kw["ATOMIC"] for n, kw in launches if n in ("moe_down_fwd_kernel", "moe_dx_kernel"))
 
@@ -226,16 +217,7 @@ def test_weight_gradient_gemms_own_tiles(load, device, monkeypatch, entry):
     module = load(entry, {"activation": "relu2"} if entry == "mlp" else {})
     fx = fixture(module, "zipf", gated=entry != "mlp")
     dw = {"DW_BLOCK_M": 32, "DW_BLOCK_N": 16, "DW_BLOCK_K": 32, "dw_warps": 2, "dw_stages": 2}
-    module.set_config({**CPU_CONFIG, **dw})
-    try:
-        check_forward_backward(fx, torch.float32, device)
-        log = _LaunchLog(module, monkeypatch)
-        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
-        leaves = [a.requires_grad_() if i in fx.weights or i == 0 else a for i, a in enumerate(args)]
-        fx.module.entry(*leaves).sum().backward()
-        launches = dict(log.take())
-    finally:
-        module.set_config(CPU_CONFIG)
+    launches = dict(_checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, **dw}))
     for name in ("moe_dwd_kernel", "moe_dwgu_kernel"):
         kw = launches[name]
         assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"], kw["num_stages"]) == (32, 16, 32, 2, 2)
@@ -455,6 +437,22 @@ class _LaunchLog:
     def take(self) -> list[tuple[str, dict]]:
         out, self.launches[:] = list(self.launches), []
         return out
+
+
+def _checked_launches(fx: KernelFixture, device, monkeypatch, config: dict) -> list[tuple[str, dict]]:
+    """Under `config`: the output and every gradient checked against the reference, then the
+    kernel launches (name, launch kwargs) of one forward + backward on fresh inputs."""
+    module = fx.module
+    module.set_config(config)
+    try:
+        check_forward_backward(fx, torch.float32, device)
+        log = _LaunchLog(module, monkeypatch)
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
+        leaves = [a.requires_grad_() if i in fx.weights or i == 0 else a for i, a in enumerate(args)]
+        fx.module.entry(*leaves).sum().backward()
+        return log.take()
+    finally:
+        module.set_config(CPU_CONFIG)
 
 
 def assert_tiles(launches: list[tuple[str, dict]], tiles: dict) -> None:
