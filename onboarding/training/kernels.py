@@ -103,7 +103,9 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
     expert LoRA keep torch._grouped_mm: attaching the routed experts kernel did not change the
     step (H200, ninth session, `--proxy small` qwen3_next: 61,267 tokens/s with it, 61,921
     without, on two machines) while its backward still computed the base-weight gradients that
-    frozen experts do not need; it skips them since template version 11 (not yet timed here).
+    frozen experts do not need. It skips them since template version 11: alone, its frozen-expert
+    fwd+bwd then beats argsort + torch._grouped_mm 1.30-1.31x (eleventh session, `onboard bench
+    --family moe_experts`, `fwdbwd_frozen` rows); not yet timed inside a training step here.
     Returns counts for the summary: ``moe.experts`` (attached) and ``rejected:moe.experts``."""
     import warnings
 
