@@ -13,9 +13,10 @@ the combine stay in the surrounding torch code, which calls this block once per 
 Why a family of its own rather than a variant of `moe_experts`: that family's kernels take the
 whole routed MLP (routing indices and weights in, permute, two GEMMs with the activation fused,
 combine); this block has neither routing nor an activation, one weight and a different call
-signature (x, sizes). Its kernels are three small grouped GEMMs that share nothing with the
-experts template beyond the tile-map idea, which is re-implemented in the rendered module
-(`tile_map`): rendered modules are self-contained and cannot import each other.
+signature (x, sizes). Its kernels are three small grouped GEMMs that share with the experts
+template the tile-map idea, re-implemented in the rendered module (`tile_map`: rendered modules
+are self-contained and cannot import each other), and the banded launch order (`_band`, in the
+shared runtime every rendered module includes).
 
 Blocks are picked by structure: `moe.experts` blocks whose classifier attrs say
 `layout: "split_linear"` (`onboarding._classify_split`): the module's only parameter is one 3-D
