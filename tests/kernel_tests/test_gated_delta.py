@@ -20,6 +20,7 @@ from onboarding.families import gated_delta
 from onboarding.opgraph import Block
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 from onboarding.testing.tolerance import assert_close, tolerance_for
+from onboarding.testing.tolerance import rel_rms as rel
 
 # Interpreter-sized tiles and chunk (T=37 spans three chunks, the last one partial).
 CPU_CONFIG = {"BK": 32, "BV": 32, "num_warps": 4}
@@ -374,9 +375,6 @@ def check_fp16_dot_path(spec, per_channel: bool, monkeypatch) -> None:
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     outs, grads = grads_of(module.entry, args, douts)
     ref_outs, ref_grads = grads_of(module.reference, ref_args, douts)
-
-    def rel(a, b):
-        return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     # fp16 operands round to 2^-11 relative; products and outputs stay within ~1e-3 (RMS)
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]

@@ -10,6 +10,7 @@ from test_moe_experts import assert_bf16_mma, sm90_mma
 from onboarding import aot, templating
 from onboarding.families import lora
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.tolerance import rel_rms as rel
 
 CPU_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "dot_precision": "ieee"}
 # (x shape, out, rank): rows not a multiple of the CPU tile, I/O not powers of two, r in {1, 5, 8, 16}
@@ -167,7 +168,6 @@ def test_bf16_tensor_core_accuracy_cuda(load, base):
         module.set_config(CPU_CONFIG)
     ref = module.reference(*hi, 2.0)
     ref.backward(dy)
-    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()
     assert rel(y, ref) <= 5e-3
     for j in (0, 2, 3):
         assert rel(lo[j].grad, hi[j].grad) <= 1e-2, (j, rel(lo[j].grad, hi[j].grad))

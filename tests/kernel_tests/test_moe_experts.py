@@ -27,6 +27,7 @@ from onboarding.testing import (
     check_opcheck,
 )
 from onboarding.testing.tolerance import Tolerance
+from onboarding.testing.tolerance import rel_rms as rel
 
 GPT_OSS = {"limit": 1.0, "alpha": 1.702, "up_offset": 1.0}
 CASES = [("swiglu", {}), ("swiglu", GPT_OSS), ("swiglu", {"capacity_factor": 0.75})]
@@ -552,10 +553,6 @@ def test_aot_specs_split_forward_and_backward_tiles(load):
         assert combines == [(128, 8, src) for src in srcs]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 tensor-core path runs on a GPU only")
 @pytest.mark.parametrize("variant", ["swiglu", "swiglu_lora", "mlp"])
 def test_bf16_tensor_core_accuracy_cuda(load, variant):
@@ -583,10 +580,10 @@ def test_bf16_tensor_core_accuracy_cuda(load, variant):
         module.set_config(CPU_CONFIG)
     ref = module.reference(hi[0], idx, *hi[1:], *extra)
     ref.backward(dy)
-    assert _rel(y, ref) <= 5e-3
+    assert rel(y, ref) <= 5e-3
     for i, (a, b) in enumerate(zip(lo, hi)):
         if b.grad is not None and a.grad is not None:
-            assert _rel(a.grad, b.grad) <= 1e-2, (i, _rel(a.grad, b.grad))
+            assert rel(a.grad, b.grad) <= 1e-2, (i, rel(a.grad, b.grad))
 
 
 @pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:deepseek_v32", "hf:mixtral"])

@@ -16,6 +16,7 @@ from onboarding import aot, templating
 from onboarding.families import sparse_attention as fam
 from onboarding.opgraph import Block
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.tolerance import rel_rms as rel
 
 # Few, large tiles: the interpreter costs per program and per op. BLOCK_SEL=16 splits a 37-long
 # row into 3 chunks, so the chunked counting and the carried compaction offsets are exercised.
@@ -331,9 +332,6 @@ def test_gpu_bf16_accuracy(load, params, dims):
     hi = [t.detach().float().requires_grad_() for t in (q, *kvs)]
     o32 = m.reference(*hi, idx)
     grads32 = torch.autograd.grad(o32, hi, do)
-
-    def rel(a, b):
-        return ((a.float() - b).norm() / b.norm()).item()
 
     assert rel(o, o32) <= 5e-3, rel(o, o32)
     for name, g, g32 in zip(("dq", "dk", "dv"), grads, grads32):
