@@ -170,6 +170,16 @@ def _moe_experts(dims: dict[str, int], dtype, gen, variant: str) -> list:
     return [x, idx, w, gate_up, down]
 
 
+def _grouped_linear(dims: dict[str, int], dtype, gen) -> list:
+    """x [S, K] sorted by expert, counts [E] of a uniform split of the S rows, weight [E, N, K]."""
+    import torch
+
+    s, k, n, e = (int(dims[x]) for x in ("S", "K", "N", "E"))
+    picks = torch.randint(0, e, (s,), generator=gen, device=gen.device)
+    counts = torch.bincount(picks, minlength=e)
+    return [_randn(gen, s, k, dtype=dtype), counts, _randn(gen, e, n, k, dtype=dtype, scale=k ** -0.5)]
+
+
 def _delta_rule(dims: dict[str, int], dtype, gen, per_channel: bool) -> list:
     """q, k [B, T, HK, K], v [B, T, HV, V], fp32 log decay g [B, T, HV(, K)], beta [B, T, HV]."""
     import torch
@@ -204,6 +214,7 @@ def _rows(dims: dict[str, int], dtype, gen, family: str, variant: str, params: d
 
 TIMING_DIMS = {  # dims each family's timing inputs need (the bucketed one may come from size)
     "moe_experts": ("N", "D", "E", "TOPK", "F"),
+    "grouped_linear": ("S", "K", "N", "E"),
     "gated_delta": ("B", "T", "HK", "K"),
     "kimi_delta": ("B", "T", "HK", "K"),
     "rmsnorm": ("N", "D"),
@@ -228,6 +239,8 @@ def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int],
     dgen = torch.Generator(device=device).manual_seed(seed)
     if family == "moe_experts":
         return _moe_experts(dims, dtype, dgen, variant)
+    if family == "grouped_linear":
+        return _grouped_linear(dims, dtype, dgen)
     if family in ("gated_delta", "kimi_delta"):
         return _delta_rule(dims, dtype, dgen, per_channel=family == "kimi_delta")
     return _rows(dims, dtype, dgen, family, variant, params)

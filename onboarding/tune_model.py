@@ -83,6 +83,10 @@ def block_dims(family: str, entry, block) -> dict[str, int] | None:
         if e and downs:
             f = next((s[f_dim] for s in downs if s[f_dim] != d), d)
             return {"N": _numel(x[:-1]), "D": d, "E": e, "TOPK": shapes[1][-1], "F": f}
+    if family == "grouped_linear" and block is not None and len(x) == 2:
+        # x [S, K] (sorted rows) and the weight [E, N, K] the classifier named
+        n, k, e = (block.attrs.get(a) for a in ("out_features", "in_features", "n_experts"))
+        return {"S": x[0], "K": k, "N": n, "E": e} if n and k and e and x[1] == k else None
     if family in ("gated_delta", "kimi_delta") and block is not None and len(x) == 3:
         d = _delta_dims(block)
         return {"B": x[0], "T": x[1], **d} if d else None

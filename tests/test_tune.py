@@ -583,3 +583,26 @@ def test_block_dims_reads_the_expert_width_in_either_weight_orientation():
     # non-gated up [E, F, D] beside down [E, D, F], and F == D
     block = SimpleNamespace(attrs={"n_experts": 8}, params={"a": [8, 64, 64], "b": [8, 64, 64]})
     assert block_dims("moe_experts", entry, block)["F"] == 64
+
+
+def test_grouped_linear_timing_dims_and_inputs(tmp_path):
+    """A split-linear experts block's real dims (rows S, K in, N out, E experts) come off its input
+    shape and classifier attrs; the timing inputs at those dims are valid reference arguments."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from onboarding._tune_worker import timing_inputs
+    from onboarding.templating import load_module, render_to
+    from onboarding.tune_model import block_dims
+
+    block = SimpleNamespace(attrs={"n_experts": 4, "in_features": 24, "out_features": 40},
+                            params={"weight": [4, 40, 24]})
+    dims = block_dims("grouped_linear", SimpleNamespace(shapes=[[37, 24]], variant="sorted"), block)
+    assert dims == {"S": 37, "K": 24, "N": 40, "E": 4}
+    assert block_dims("grouped_linear", SimpleNamespace(shapes=[[37, 16]], variant="sorted"), block) is None
+    x, counts, w = timing_inputs("grouped_linear", "sorted", {}, dims, torch.float32, "cpu",
+                                 torch.Generator().manual_seed(0))
+    assert x.shape == (37, 24) and w.shape == (4, 40, 24) and counts.shape == (4,) and int(counts.sum()) == 37
+    mod = load_module(render_to(tmp_path, "grouped_linear", "sorted", {}))
+    assert mod.reference(x, counts, w).shape == (37, 40)
