@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from onboarding._align_stats import _map, _split, _tensors
+from onboarding._torch_paths import torch_reference_paths
 
 if TYPE_CHECKING:
     from onboarding.align import _Call
@@ -136,7 +137,7 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
 
     args, kwargs = _map(base.args, build)
     params = [p for p in module.parameters() if p.requires_grad]
-    with torch.enable_grad():
+    with torch.enable_grad(), torch_reference_paths():
         out = module(*args, **kwargs)
         floats, discrete = _split(_tensors(out))
         out_grads = ref.out_grads

@@ -67,6 +67,7 @@ from onboarding._align_stats import (
     error_stats,
     within,
 )
+from onboarding._torch_paths import torch_reference_paths
 from onboarding.opgraph import Block, OpGraph
 from onboarding.testing.tolerance import Tolerance, layer_tolerance
 
@@ -255,7 +256,8 @@ def _run(model: nn.Module, graph: OpGraph, inputs: tuple, kwargs: dict, seed: in
     model.zero_grad(set_to_none=True)
     rec = _Recorder(model, graph.blocks)
     try:
-        with torch.enable_grad():
+        # the reference is the model's own torch code, never an optional kernel library it picked
+        with torch.enable_grad(), torch_reference_paths():
             args = _map(tuple(inputs), lambda t: t.to(dtype) if t.is_floating_point() else t)
             out = model(*args, **kwargs)
             logits = _logits(out)

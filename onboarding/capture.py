@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from onboarding._torch_paths import torch_reference_paths
 from onboarding.errors import ModelRunError
 from onboarding.opgraph import TensorMeta
 
@@ -138,7 +139,8 @@ class _Recorder(TorchDispatchMode):
 
 def _call(model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     try:
-        with torch.no_grad():
+        # the model's own torch formulation, as torch.export records it (`_torch_paths`)
+        with torch.no_grad(), torch_reference_paths():
             return model(*inputs, **kwargs)
     except Exception as exc:
         lines = str(exc).strip().splitlines()

@@ -253,6 +253,48 @@ def test_capture_keeps_string_and_scalar_keyword_arguments():
         assert gelus == [{"approximate": "tanh"}, {}], (cap.method, gelus)
 
 
+def test_transformers_kernel_wrappers_take_their_torch_path_on_cpu_runs(monkeypatch):
+    """transformers' kernel-with-fallback wrappers call an importable kernel package whatever the
+    device (fla on a GPU machine, with Qwen3-Next): parsing's CPU forward runs their torch
+    function instead, as torch.export does, and the switch is undone afterwards."""
+    import sys
+    import types
+
+    import torch
+    from torch import nn
+
+    hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
+    if not hasattr(hub_kernels, "use_kernel_func_from_hub_with_fallback"):
+        pytest.skip("this transformers has no kernel-with-fallback wrappers")
+    from onboarding import capture
+    from onboarding._torch_paths import torch_reference_paths
+
+    pkg = types.ModuleType("onboard_fake_gpu_kernels")
+
+    def doubled(x):  # what a Triton kernel does with CPU tensors
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    pkg.doubled = doubled
+    monkeypatch.setitem(sys.modules, "onboard_fake_gpu_kernels", pkg)
+
+    @hub_kernels.use_kernel_func_from_hub_with_fallback("doubled", "onboard_fake_gpu_kernels")
+    def doubled_torch(x):
+        return x * 2
+
+    class UsesWrapper(nn.Module):
+        def forward(self, x):
+            return doubled_torch(x) + 1
+
+    with pytest.raises(RuntimeError, match="active drivers"):
+        UsesWrapper()(torch.ones(2))  # the wrapper picked the package
+    rec = capture.record_eager(UsesWrapper(), (torch.ones(2),), {})
+    assert {r.op for r in rec.records} >= {"mul", "add"}
+    with torch_reference_paths():
+        assert torch.equal(UsesWrapper()(torch.ones(2)), torch.full((2,), 3.0))
+    with pytest.raises(RuntimeError, match="active drivers"):
+        UsesWrapper()(torch.ones(2))  # undone
+
+
 def test_a_gpu_kernel_library_on_cpu_tensors_is_named():
     """Model code that picked a GPU kernel package (importable here) fails on parsing's CPU
     tensors inside Triton's launcher: the error names that package. Frames of an installed

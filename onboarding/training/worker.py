@@ -17,6 +17,7 @@ its checkpoint, if one is due) to test crash recovery. It only ever ends a run e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from onboarding._torch_paths import torch_reference_paths
 from onboarding.errors import InputError
 from onboarding.training import metrics as M
 from onboarding.training.checkpoint import Checkpointer
@@ -163,7 +165,9 @@ def run(cfg: TrainConfig, role: str) -> None:
             prof.__enter__()
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+        # on the CPU, model code takes its torch path, never a GPU kernel library it found
+        with torch_reference_paths() if device.type == "cpu" else contextlib.nullcontext():
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                              ids[:, 1:].reshape(-1))
         loss = ce
