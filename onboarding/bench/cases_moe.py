@@ -26,13 +26,13 @@ only). ``check`` (fwdbwd cases): the bf16 kernel against the fp32 per-expert ref
 ``lora``: the fused LoRA linear at rank 16, x [N, I] -> [N, O] at real projection shapes
 (Qwen3/Llama-style o_proj 4096->4096 and GQA k/v_proj 4096->1024, a 2048->8192 up projection,
 DeepSeek-V3's q_a_proj 7168->1536), N=8192 tokens. Impls: ``ours`` (the default base="torch":
-torch's GEMM for x W^T and dy W, then one Triton kernel adding the rank-r term in place; grads to
+one Triton kernel writing the rank-r term, then torch's GEMM adding x W^T or dy W onto it; grads to
 x, A, B; W frozen), ``ours@base=triton`` (everything in our Triton GEMM, the rank-r product in its
 accumulator), ``base`` (x W^T alone, grad to x only: the floor LoRA adds to), ``unfused`` (PEFT's
 torch formulation x W^T + s (x A^T) B^T). Read the LoRA overhead over the base GEMM as
 ``1 / ratios["base"] - 1`` (the issue's goal: <= 15% at rank 16). FLOPs count the LoRA step
 (base GEMMs plus the rank-r products), so ``base`` rows overstate their own rate by ~r/min(I, O).
-At o_proj, ``ours@BLOCK_M=...`` rows time the in-place update kernel under other tiles
+At o_proj, ``ours@BLOCK_M=...`` rows time the low-rank kernel under other tiles
 (``LORA_SWEEP``).
 
 At the anchor and Qwen3-Next shapes (uniform routing) ``ours@...`` rows time the experts kernel

@@ -2,8 +2,9 @@
 
 Variant `linear`, gradients to x, A and B only (W frozen). Param `base` picks who runs the base
 GEMMs (x W^T, dy W):
-- "torch" (default): the vendor GEMM (cuBLAS), then one Triton kernel per pass adds the rank-r
-  term in place (reads x, reads and writes y once; stores x A^T for the backward). Our Triton
+- "torch" (default): one Triton kernel per pass writes the rank-r term (reads x, writes y once;
+  stores x A^T for the backward), then the vendor GEMM (cuBLAS) adds x W^T onto it through its
+  beta = 1 epilogue, which reads y under the GEMM's math. Our Triton
   GEMM runs at about half of cuBLAS on an H200, so this is the path that can keep the LoRA
   overhead within ~15% of the base GEMM.
 - "triton": everything in our Triton GEMM, the rank-r product joining its accumulator.
@@ -38,11 +39,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="lora.py.j2",
-    template_version=3,
+    template_version=4,
     variants={"linear": "x W^T + scaling * (x A^T) B^T, frozen W; grads to x, A, B"},
     params=(
         Param(name="base", type=str, default="torch", choices=("torch", "triton"),
-              doc="base GEMMs in torch (vendor GEMM + an in-place low-rank kernel) or in our Triton GEMM"),
+              doc="base GEMMs in torch (a low-rank kernel, then the vendor GEMM adding onto it) or in our Triton GEMM"),
         Param(name="scaling", type=float, default=1.0, min=-1e6, max=1e6,
               doc="default scaling (PEFT: lora_alpha / r); stays a call argument"),
     ),

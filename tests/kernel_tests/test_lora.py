@@ -55,29 +55,28 @@ def test_forward_backward(load, device, base, shape, out, rank, dtype):
 
 
 def test_base_param_picks_kernels(load):
-    """base="torch" renders only the in-place low-rank kernel (the base GEMMs are torch's);
+    """base="torch" renders only the low-rank kernel (the base GEMMs are torch's);
     base="triton" only the fused Triton GEMM; a bad value is a clear user error."""
     from onboarding.errors import InputError
 
-    assert load({})._lowrank_add_ and not hasattr(load({}), "lora_matmul_kernel")
-    assert load({"base": "triton"})._mm and not hasattr(load({"base": "triton"}), "lora_update_kernel")
+    assert load({})._lowrank_into and not hasattr(load({}), "lora_matmul_kernel")
+    assert load({"base": "triton"})._mm and not hasattr(load({"base": "triton"}), "lora_lowrank_kernel")
     with pytest.raises(InputError, match="base"):
         templating.render(lora.FAMILY, "linear", {"base": "cublas"})
 
 
-def test_lowrank_add_in_place_strided(load, device):
-    """The update kernel adds s (x u) v into y in place (y's old content kept), takes transposed
-    and sliced views, and returns x u in fp32."""
+def test_lowrank_into_strided(load, device):
+    """The low-rank kernel writes s (x u) v into y (y's old content, NaN here, ignored), takes
+    transposed and sliced views, and returns x u in fp32."""
     module = load({})
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(70, 45, generator=gen).to(device)[:, 5:]  # [70, 40], row stride 45
     a, b = torch.randn(6, 40, generator=gen).to(device), torch.randn(33, 6, generator=gen).to(device)
-    y0 = torch.randn(70, 33, generator=gen).to(device)
-    y = y0.clone()
-    xu = module._lowrank_add_(x, a.t(), b.t(), y, -1.5, torch.float32)
+    y = torch.full((70, 33), float("nan"), device=device)
+    xu = module._lowrank_into(x, a.t(), b.t(), y, -1.5, torch.float32)
     assert xu.dtype == torch.float32
     torch.testing.assert_close(xu, x @ a.t(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y, y0 - 1.5 * (x @ a.t()) @ b.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, -1.5 * (x @ a.t()) @ b.t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("base", BASES)
@@ -119,10 +118,10 @@ def test_aot_sm90(load):
             assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
 
 
-@pytest.mark.parametrize("base,kernel", [("torch", "lora_update_kernel"), ("triton", "lora_matmul_kernel")])
+@pytest.mark.parametrize("base,kernel", [("torch", "lora_lowrank_kernel"), ("triton", "lora_matmul_kernel")])
 def test_bf16_spec_compiles_to_bf16_mma(load, tmp_path, base, kernel):
     """The bf16 AOT specs take the 16-bit dot mode and compile to bf16 tensor-core instructions
-    (the in-place update's x A^T and its fp32 (x A^T) B^T operand; the fused GEMM's both forms)."""
+    (the low-rank kernel's x A^T and its fp32 (x A^T) B^T operand; the fused GEMM's both forms)."""
     module = load({"base": base})
     assert {s["constexprs"]["DOT_PRECISION"] for s in module.aot_specs("bf16")} == {"bf16"}
     assert_bf16_mma(sm90_mma(module.__file__, [kernel], tmp_path), [kernel])
@@ -133,10 +132,10 @@ def test_dot_mode_keeps_fp32_operands_off_gpu(load):
     module = load({})
     cfg = module.config_for(24)
     assert module._dot_mode(cfg["dot_precision"], torch.bfloat16, cpu) in ("ieee", "tf32")
-    # off the GPU the update kernel keeps the config's row tile (no SM count to fill) unless the
-    # in-place tile would pass 32x128 fp32 values
-    assert module._update_launch({**cfg, "BLOCK_M": 128, "BLOCK_N": 32}, 8192, cpu, "ieee")["BLOCK_M"] == 128
-    assert module._update_launch({**cfg, "BLOCK_M": 128, "BLOCK_N": 128}, 8192, cpu, "ieee")["BLOCK_M"] == 32
+    # off the GPU the low-rank kernel keeps the config's row tile (no SM count to fill) unless
+    # its output tile would pass 32x128 fp32 values
+    assert module._lowrank_launch({**cfg, "BLOCK_M": 128, "BLOCK_N": 32}, 8192, cpu, "ieee")["BLOCK_M"] == 128
+    assert module._lowrank_launch({**cfg, "BLOCK_M": 128, "BLOCK_N": 128}, 8192, cpu, "ieee")["BLOCK_M"] == 32
     module = load({"base": "triton"})
     assert module._launch({**cfg, "BLOCK_K": 64}, "ieee")["BLOCK_K"] == 32
     assert module._launch({**cfg, "BLOCK_K": 64}, "bf16") == {**{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N")},
@@ -158,7 +157,7 @@ def test_bf16_tensor_core_accuracy_cuda(load, base):
     module.set_config(None)
     if base == "torch":  # one program per BLOCK_M rows: the launch fills every SM
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        bm = module._update_launch(module.config_for(i), n, torch.device("cuda"), "bf16")["BLOCK_M"]
+        bm = module._lowrank_launch(module.config_for(i), n, torch.device("cuda"), "bf16")["BLOCK_M"]
         assert bm == 16 or n // bm >= sms, bm
     try:
         y = module.entry(*lo, 2.0)
