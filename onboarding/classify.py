@@ -113,9 +113,11 @@ def _is_rms(recs: list[OpRecord]) -> bool:
     ops = _hist(recs)
     if ops.get("rms_norm") or ops.get("_fused_rms_norm"):
         return True
-    squares = ops["pow"] + sum(1 for r in recs if r.op == "mul" and len(r.in_shapes) > 1
-                               and r.in_shapes[0] is not None and r.in_shapes[0] == r.in_shapes[1])
-    return bool((ops["rsqrt"] or ops["sqrt"]) and ops["mean"] and squares)
+    inv_roots = [r for r in recs if r.op in ("pow", "pow_") and len(r.scalars) > 1 and r.scalars[1] == -0.5]
+    squares = ops["pow"] - len(inv_roots) + sum(1 for r in recs if r.op == "mul" and len(r.in_shapes) > 1
+                                                and r.in_shapes[0] is not None and r.in_shapes[0] == r.in_shapes[1])
+    # the inverse root as rsqrt, 1 / sqrt, or pow(., -0.5) (Gemma 4)
+    return bool((ops["rsqrt"] or ops["sqrt"] or inv_roots) and ops["mean"] and squares)
 
 
 def _mean_centred(recs: list[OpRecord]) -> bool:

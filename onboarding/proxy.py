@@ -12,7 +12,9 @@ shrink. The rules act on the Hugging Face config *field conventions* (``hidden_s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +58,16 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _writable(c: Any, name: str) -> bool:
+    """False for a field the config class derives from others (a property without a setter,
+    xLSTM's v_head_dim): it follows its sources and is never set directly."""
+    prop = getattr(type(c), name, None)
+    return not (isinstance(prop, property) and prop.fset is None)
+
+
 def _set(c: Any, name: str, fn) -> None:
     v = getattr(c, name, None)
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0 and _writable(c, name):
         setattr(c, name, int(fn(v)))
 
 
@@ -69,13 +78,38 @@ _TIED_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", 
 
 
 def _retie(c: Any, before: dict[str, Any]) -> None:
-    names = [n for n in _TIED_DIMS if isinstance(before.get(n), int)]
+    names = [n for n in _TIED_DIMS if isinstance(before.get(n), int) and _writable(c, n)]
     for a in names:
         for b in names:
             if a < b and before[a] == before[b]:
                 v = min(getattr(c, a), getattr(c, b))
                 setattr(c, a, v)
                 setattr(c, b, v)
+
+
+def _rope_fraction(c: Any) -> float | None:
+    """The rotary table's share of head_dim (partial_rotary_factor; one value for all layer
+    types), None where the config names none."""
+    rp = getattr(c, "rope_parameters", None)
+    if isinstance(rp, dict):
+        if "partial_rotary_factor" in rp:
+            return rp["partial_rotary_factor"]
+        per_type = {v.get("partial_rotary_factor", 1.0) for v in rp.values() if isinstance(v, dict)}
+        if len(per_type) == 1:
+            return per_type.pop()
+    prf = getattr(c, "partial_rotary_factor", None)
+    return float(prf) if isinstance(prf, (int, float)) and not isinstance(prf, bool) else None
+
+
+def _retie_rope(c: Any, before: dict[str, Any], fraction: float | None) -> None:
+    """Where the rotary table (head_dim x partial_rotary_factor) is as wide as the MLA rotary part
+    qk_rope_head_dim in the full config (dots3: 256 x 0.25 = 64), keep them equal in the proxy."""
+    hd, rope = before.get("head_dim"), before.get("qk_rope_head_dim")
+    if not (fraction and isinstance(hd, int) and isinstance(rope, int) and hd * fraction == rope):
+        return
+    new = int(getattr(c, "head_dim") * fraction)
+    if new >= 2 and new % 2 == 0 and _writable(c, "qk_rope_head_dim"):
+        c.qk_rope_head_dim = new
 
 
 # State-space (Mamba-2 style) mixers split an inner width into heads: heads x head dim equals
@@ -122,13 +156,23 @@ def _retie_ssm_heads(c: Any, before: dict[str, Any], s: ProxySize) -> None:
         return
 
 
+_WIDTH_ALIAS = re.compile(r"^(embed(ding)?_(dim|size)|d_model|model_dim|n_embd|hidden_dim)$")
+
+
 def _shrink_widths(c: Any, s: ProxySize) -> None:
-    before = {n: getattr(c, n, None) for n in _TIED_DIMS + tuple(n for p in _SSM_HEADS for n in p)}
+    before = {n: getattr(c, n, None) for n in _TIED_DIMS + tuple(n for p in _SSM_HEADS for n in p)
+              + ("qk_rope_head_dim",)}
     before["_ssm_inner"] = _ssm_inner(c)
     heads = getattr(c, "num_attention_heads", None)
     kv = getattr(c, "num_key_value_heads", None)
     had_head_dim = isinstance(getattr(c, "head_dim", None), int)
+    hidden = getattr(c, "hidden_size", None)
+    rope_fraction = _rope_fraction(c)
     _set(c, "hidden_size", lambda v: min(v, s.hidden))
+    # a second name for the model width (xLSTM's embedding_dim beside hidden_size) follows it
+    for name, v in list(vars(c).items()):
+        if name != "hidden_size" and v == hidden and _WIDTH_ALIAS.search(name):
+            _set(c, name, lambda _: c.hidden_size)
     if isinstance(heads, int):
         new_heads = min(heads, s.heads)
         c.num_attention_heads = new_heads
@@ -165,6 +209,7 @@ def _shrink_widths(c: Any, s: ProxySize) -> None:
     for name in ("mamba_n_heads", "mamba_num_heads"):
         _set(c, name, lambda v: min(v, s.heads * 2))
     _retie(c, before)
+    _retie_rope(c, before, rope_fraction)
     _retie_ssm_heads(c, before, s)
     if isinstance(getattr(c, "qk_head_dim", None), int) and isinstance(
             getattr(c, "qk_nope_head_dim", None), int):
@@ -274,10 +319,12 @@ def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list
     return list(range(min(n, want)))
 
 
-def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> None:
+def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list[int] | None:
+    """Keep the layers `_choose_layers` picks; returns their full-model indices (None: no layer
+    count to shrink)."""
     name = _layer_count_name(c)
     if name is None:
-        return
+        return None
     n = getattr(c, name)
     for field in ("first_k_dense_replace",):
         _set(c, field, lambda v: min(v, 1))
@@ -289,7 +336,63 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> None
         v = getattr(c, k, None)
         if isinstance(v, list):
             setattr(c, k, [i for i in v if i < len(keep)])
+    # a second name for the layer count (xLSTM's num_blocks beside num_hidden_layers) follows it
+    for other in LAYER_COUNT_NAMES + ("num_blocks",):
+        if other != name and getattr(c, other, None) == n and _writable(c, other):
+            setattr(c, other, len(keep))
     setattr(c, name, len(keep))
+    return keep
+
+
+def _rederive(c: Any) -> None:
+    """Recompute what a dataclass config derives in ``__post_init__`` instead of taking as an
+    argument (Zamba2's attention_head_dim = 2 hidden / heads, mamba_headdim, hybrid_layer_ids)
+    from the shrunk fields: ``__post_init__`` runs again on a copy, and the derived (non-field)
+    values that changed are taken from it. A config whose ``__post_init__`` refuses to run twice
+    keeps its values."""
+    if not dataclasses.is_dataclass(c) or not hasattr(c, "__post_init__"):
+        return
+    fields = {f.name for f in dataclasses.fields(c)}
+    probe = copy.deepcopy(c)
+    try:
+        probe.__post_init__()
+    except Exception:  # noqa: BLE001 - the model's own config code: keep the shrunk values
+        return
+    mine = vars(c)
+    for k, v in vars(probe).items():
+        if k not in fields and not k.startswith("_") and k in mine and mine[k] != v and _writable(c, k):
+            setattr(c, k, v)
+
+
+def _lift_per_layer_overrides(c: Any) -> dict[int, dict[str, Any]] | None:
+    """Take a heterogeneous config's per-layer overrides (transformers' `per_layer_config`) off
+    it, so that the shrinking rules read and write the global fields (which such a config hides
+    from global reads); None for a homogeneous config."""
+    spec = vars(c).get("_heterogeneity_spec")
+    if spec is None:
+        return None
+    overrides = copy.deepcopy(spec.per_layer_overrides)
+    c.per_layer_config = None
+    return overrides
+
+
+def _put_back_per_layer_overrides(c: Any, overrides: dict[int, dict[str, Any]], before: dict[str, Any],
+                                  keep: list[int] | None) -> None:
+    """Re-attach the overrides of the kept layers (renumbered), each integer field scaled as the
+    shrinking scaled its global value (a 512 head dim where the global 256 became 32: 64)."""
+    out = {}
+    for new_i, old_i in enumerate(keep if keep is not None else sorted(overrides)):
+        if old_i not in overrides:
+            continue
+        layer = {}
+        for k, v in overrides[old_i].items():
+            b, a = before.get(k), getattr(c, k, None)
+            if isinstance(v, int) and not isinstance(v, bool) and isinstance(b, int) and isinstance(a, int) \
+                    and b > 0 and a != b:
+                v = max(1, round(v * a / b))
+            layer[k] = v
+        out[new_i] = layer
+    c.per_layer_config = out
 
 
 def shrink_config(config: Any, size: str, *, periods: int = 1,
@@ -304,10 +407,15 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     s = PROXY_SIZES[size]
     cfg = copy.deepcopy(config)
     c = text_config(cfg)
+    overrides = _lift_per_layer_overrides(c)
+    before = dict(vars(c))
     _shrink_widths(c, s)
     _shrink_experts(c, s)
     _shrink_vocab(c, s)
-    _shrink_layers(c, periods, signatures)
+    keep = _shrink_layers(c, periods, signatures)
+    _rederive(c)
+    if overrides is not None:
+        _put_back_per_layer_overrides(c, overrides, before, keep)
     return cfg
 
 

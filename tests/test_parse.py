@@ -235,6 +235,18 @@ def test_layer_norm_written_in_torch_ops_is_no_rms_norm(parse_model):
     assert all(k == "norm.rms" for c, k in kinds.items() if "RMSNorm" in c)
 
 
+def test_rms_norm_with_its_inverse_root_as_pow(parse_model):
+    """Gemma 4's RMSNorm writes the inverse root as pow(mean_sq, -0.5), not rsqrt: still a
+    norm.rms (before, its ops fell into the decoder layer's own block)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "gemma4_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma4_text")
+    g = parse_model("hf:gemma4_text")
+    norms = [b for b in g.blocks if b.class_name == "Gemma4RMSNorm"]
+    assert norms and all(b.kind == "norm.rms" for b in norms), {b.kind for b in norms}
+
+
 def test_capture_keeps_string_and_scalar_keyword_arguments():
     """gelu's approximate="tanh" (a keyword, a string) survives both captures: it is what tells
     the tanh GELU from the exact one."""

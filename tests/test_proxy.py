@@ -104,3 +104,46 @@ def test_ssm_proxy_keeps_heads_times_head_dim_equal_to_the_inner_width(ref, head
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, c.vocab_size, (1, 16)), use_cache=False)
     assert torch.isfinite(out.logits).all()
+
+
+def _model_type_or_skip(ref: str) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if ref.removeprefix("hf:") not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"this transformers has no {ref}")
+
+
+@pytest.mark.parametrize("ref", [
+    "hf:gemma4_text",  # heterogeneous config: per-layer head_dim overrides (full layers 2x)
+    "hf:dots3_note_text",  # per-layer heads and MLA ranks; rotary table 256 x 0.25 = qk_rope 64
+    "hf:xlstm",  # v_head_dim a read-only property; embedding_dim and num_blocks name the width, depth again
+    "hf:zamba2",  # attention_head_dim, mamba_headdim derived in __post_init__
+])
+def test_proxy_of_configs_with_derived_and_per_layer_fields_runs(ref):
+    """Each of these failed before the proxy rules knew the config pattern in its comment
+    (an internal error, or a shape error in the proxy's first forward)."""
+    _model_type_or_skip(ref)
+    info = load_stage(load_model(ref), "tiny")
+    c = text_config(info.proxy_config)
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=0)
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, c.vocab_size, (1, 16)), use_cache=False)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_per_layer_overrides_follow_their_global_field():
+    """A per-layer override is scaled as its global field was and renumbered with the kept
+    layers: Gemma 4's full-attention layers keep twice the sliding layers' head dim."""
+    _model_type_or_skip("hf:gemma4_text")
+    from transformers import AutoConfig
+
+    from onboarding.proxy import shrink_config
+
+    full = AutoConfig.for_model("gemma4_text")
+    c = shrink_config(full, "tiny")
+    layers = c.per_layer_config
+    kinds = c.layer_types
+    assert "full_attention" in kinds
+    dims = {kind: {layers[i].head_dim for i, k in enumerate(kinds) if k == kind} for kind in set(kinds)}
+    assert dims["full_attention"] == {2 * d for d in dims["sliding_attention"]}, dims
+    assert max(dims["full_attention"]) <= 2 * 32
