@@ -141,6 +141,18 @@ def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
     return {"dim": dim, "eps": eps, "unit_offset": unit_offset, "has_weight": bool(weighted)}
 
 
+def _mlp_activation_by_shape(recs: list[OpRecord], mm: list[OpRecord], ctx: Context) -> str | None:
+    """The activation of a block whose projections go out from the model width and back
+    (D -> F ... F' -> D) with only elementwise ops between, where no named activation op
+    says which: "silu" for a written-out sigmoid gate g * sigmoid(g) (MiniMax-M3's clamped
+    gate), else "other" (Apertus' xIELU, written in softplus / expm1 / where); None when the
+    projections do not return to the width they started from."""
+    first, last = _linear_dims(mm[0], ctx), _linear_dims(mm[-1], ctx)
+    if not (first and last and first[0] == last[1] and first[1] != first[0]):
+        return None
+    return "silu" if _hist(recs)["sigmoid"] else "other"
+
+
 def _activation(recs: list[OpRecord]) -> str | None:
     for r in recs:
         if r.op in ACTIVATIONS and ACTIVATIONS[r.op] != "sigmoid":
@@ -394,8 +406,8 @@ class Classifier:
                 self._packed_gated(path, recs, names3, orient, ev, attrs)
             return "moe.experts", ev, attrs
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
-        if len(mm) >= 2 and weight_only and (act := _activation(recs)) and not attn \
-                and not seq_topk:
+        if len(mm) >= 2 and weight_only and not attn and not seq_topk \
+                and (act := _activation(recs) or _mlp_activation_by_shape(recs, mm, ctx)):
             gated = ops["mul"] > 0  # act(gate) * up
             return "mlp.dense", [f"{len(mm)} projections with {act}" +
                                  (" gating (act(gate) * up)" if gated else "")], {

@@ -247,6 +247,25 @@ def test_rms_norm_with_its_inverse_root_as_pow(parse_model):
     assert norms and all(b.kind == "norm.rms" for b in norms), {b.kind for b in norms}
 
 
+@pytest.mark.parametrize("ref, cls, act", [
+    ("hf:apertus1p5_text", "Apertus1p5TextMLP", "other"),  # xIELU in softplus / expm1 / where
+    ("hf:minimax_m3_vl_text", "MiniMaxM3VLDenseMLP", "silu"),  # clamped g * sigmoid(alpha g) * (up + 1)
+])
+def test_dense_mlp_with_a_written_out_activation(parse_model, ref, cls, act):
+    """Two projections out of the model width and back with only elementwise ops between are
+    an MLP even when no named activation op says which (both were `unknown` blocks)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if ref.removeprefix("hf:") not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"this transformers has no {ref}")
+    g = parse_model(ref)
+    blocks = [b for b in g.blocks if b.class_name == cls]
+    assert blocks and all(b.kind in ("mlp.dense", "moe.shared_expert") for b in blocks), \
+        {b.kind for b in blocks}
+    assert {b.attrs["activation"] for b in blocks} == {act}
+    assert not [b for b in g.blocks if b.kind == "unknown"]
+
+
 def test_capture_keeps_string_and_scalar_keyword_arguments():
     """gelu's approximate="tanh" (a keyword, a string) survives both captures: it is what tells
     the tanh GELU from the exact one."""
