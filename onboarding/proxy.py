@@ -250,6 +250,10 @@ def _shrink_vocab(c: Any, s: ProxySize) -> None:
     if not isinstance(vocab, int):
         return
     c.vocab_size = min(vocab, s.vocab)
+    # other tables over the same vocabulary (Gemma 4's per-layer input embeddings) follow it
+    for name, v in list(vars(c).items()):
+        if name != "vocab_size" and "vocab" in name and v == vocab:
+            _set(c, name, lambda _: c.vocab_size)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         v = getattr(c, name, None)
         if isinstance(v, int) and v >= c.vocab_size:
