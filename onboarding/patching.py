@@ -2,7 +2,9 @@
 
 Nothing here knows a model class. Each block kind has one generic binding from the block's
 structure (its parameters, its input) to a kernel's signature:
-  - ``norm.rms``: ``forward(x)`` -> ``rmsnorm(x, w, eps)`` (``unit_offset`` rendered in);
+  - ``norm.rms``: ``forward(x)`` -> ``rmsnorm(x, w, eps)`` (``unit_offset`` rendered in), or
+    ``rmsnorm(x, eps)`` for a kernel rendered without a weight, bound only to a module that has
+    no parameters of its own;
   - ``norm.rms_gated``: ``forward(x, z)`` -> ``rmsnorm_gated(x, z, w, eps)``;
   - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
   - ``moe.experts`` (packed 3-D weights): ``forward(x, indices, weights)`` -> the grouped-GEMM
@@ -156,8 +158,23 @@ def _weight_1d(module: nn.Module) -> nn.Parameter | None:
     return ps[0] if len(ps) == 1 else None
 
 
-def _norm_bindings(block: Block, module: nn.Module, fn: Callable) -> dict[str, Callable]:
+def _norm_takes_weight(kmod: ModuleType) -> bool:
+    """Whether a rendered norm module's entry takes a weight: not `l2norm`, nor `plain` rendered
+    with ``has_weight=False`` (read off its render params, not its argument names)."""
+    params = getattr(kmod, "PARAMS", None) or {}
+    return getattr(kmod, "VARIANT", None) != "l2norm" and bool(params.get("has_weight", True))
+
+
+def _norm_bindings(block: Block, module: nn.Module, fn: Callable, weighted: bool = True
+                   ) -> dict[str, Callable]:
+    """Bindings of a norm block to ``fn``; ``weighted``: the kernel takes the module's weight."""
     eps = block.attrs.get("eps") or 1e-6
+    if not weighted:
+        # A weightless kernel on a module that owns a weight would ignore it, and calibration
+        # could not tell while that weight is still all ones (its usual init): refused.
+        if block.kind != "norm.rms" or any(True for _ in module.parameters(recurse=False)):
+            return {}
+        return {"x (no weight)": lambda x, *a, **k: fn(x, eps=eps)}
     if _weight_1d(module) is None:
         return {}
     # The weight is looked up at call time: FSDP2 swaps a sharded module's parameters.
@@ -511,7 +528,7 @@ def patch_model(model: nn.Module, graph: OpGraph,
             continue
         adapt = _same
         if block.kind.startswith("norm."):
-            bindings = _norm_bindings(block, module, fn)
+            bindings = _norm_bindings(block, module, fn, _norm_takes_weight(kmod))
         elif family == "grouped_linear":
             from onboarding._patch_grouped_linear import grouped_linear_bindings
 

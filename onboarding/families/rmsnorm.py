@@ -1,8 +1,11 @@
-"""RMSNorm family: plain, gated (`* silu(gate)`) and weightless L2 norm, forward and backward.
+"""RMSNorm family: plain, gated (`* silu(gate)` or `* sigmoid(gate)`) and weightless L2 norm,
+forward and backward.
 
-Variants: `plain` (y = x * rsqrt(mean(x^2) + eps) * w, or `* (1 + w)` with `unit_offset`),
-`gated` (plain times silu(gate), norm before gate, as Qwen3-Next / fla's FusedRMSNormGated),
-`l2norm` (y = x * rsqrt(sum(x^2) + eps), no weight: q/k before delta-rule attention).
+Variants: `plain` (y = x * rsqrt(mean(x^2) + eps) * w, or `* (1 + w)` with `unit_offset`, or no
+weight at all with `has_weight=False`: Gemma 4's v_norm), `gated` (plain times act(gate), norm
+before gate: silu as Qwen3-Next / fla's FusedRMSNormGated, sigmoid as Bailing-hybrid's
+BailingHybridRMSNormGated), `l2norm` (y = x * rsqrt(sum(x^2) + eps), no weight: q/k before
+delta-rule attention).
 """
 
 from __future__ import annotations
@@ -20,37 +23,50 @@ NAME = "rmsnorm"
 def _check(variant: str, params: dict[str, Any]) -> None:
     if variant == "l2norm" and params["unit_offset"]:
         raise InputError("rmsnorm/l2norm: parameter 'unit_offset' needs a weight; l2norm has none")
+    if params["unit_offset"] and not params["has_weight"]:
+        raise InputError(f"rmsnorm/{variant}: parameter 'unit_offset' needs a weight; "
+                         "has_weight is False")
 
 
 def match(block: Any) -> dict[str, Any] | None:
     """Render params for an `opgraph.Block`, or None when this family cannot serve it.
 
-    `norm.rms` with a weight -> `plain`; without a weight -> `l2norm` only when the block says it
-    sums (attrs `reduction == "sum"`), since a weightless mean-RMSNorm is a different op.
-    `norm.rms_gated` -> `gated` (norm before gate; attrs `norm_before_gate=False` -> None).
+    `norm.rms` with a weight -> `plain` (a mean of squares: attrs `reduction` absent or "mean");
+    without one -> `l2norm` when the block says it sums (`reduction == "sum"`), else `plain` with
+    `has_weight=False` (a mean-RMSNorm with no scale; a weightless block cannot be unit-offset). `norm.rms_gated` -> `gated` with the gate's
+    `activation` (attrs `activation` / `gate_activation`: silu or sigmoid; both must agree where
+    both are given); the template computes norm, weight, then gate, so a block that says it gates
+    first (`norm_before_gate=False`), has no weight, or another activation -> None.
     """
     attrs = block.attrs
     eps = attrs.get("eps")
     params: dict[str, Any] = {"eps": 1e-6 if eps is None else float(eps)}
     if block.kind == "norm.rms":
-        if attrs.get("has_weight", True):
+        reduction = attrs.get("reduction") or "mean"
+        if attrs.get("has_weight", True) and reduction == "mean":
             variant = "plain"
             params["unit_offset"] = bool(attrs.get("unit_offset", False))
-        elif attrs.get("reduction") == "sum":
+        elif attrs.get("has_weight", True):
+            return None
+        elif reduction == "sum":
             variant = "l2norm"
+        elif reduction == "mean" and not attrs.get("unit_offset", False):
+            variant = "plain"
+            params["has_weight"] = False
         else:
             return None
     elif block.kind == "norm.rms_gated":
         if not attrs.get("has_weight", True) or attrs.get("norm_before_gate", True) is False:
             return None
-        if attrs.get("activation", "silu") != "silu":
+        acts = {a for a in (attrs.get("activation"), attrs.get("gate_activation")) if a is not None}
+        if len(acts) > 1:
             return None
         variant = "gated"
+        params["activation"] = acts.pop() if acts else "silu"
         params["unit_offset"] = bool(attrs.get("unit_offset", False))
     else:
         return None
     return FAMILY.served(variant, params)
-
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
@@ -61,7 +77,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     args = [x]
     if variant == "gated":
         args.append(torch.randn(37, width, generator=gen))
-    if variant != "l2norm":
+    if variant != "l2norm" and params.get("has_weight", True):
         args.append(0.5 * torch.randn(width, generator=gen) + (0.0 if params.get("unit_offset")
                                                                else 1.0))
     return [*args, params.get("eps", 1e-6)]
@@ -69,10 +85,10 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="rmsnorm.py.j2",
-    template_version=2,
+    template_version=3,
     variants={
-        "plain": "x * rsqrt(mean(x^2) + eps) * w (or * (1 + w) with unit_offset)",
-        "gated": "plain * silu(gate); gradients to x, gate and w",
+        "plain": "x * rsqrt(mean(x^2) + eps) * w (or * (1 + w) with unit_offset, or no w)",
+        "gated": "plain * silu(gate) or * sigmoid(gate); gradients to x, gate and w",
         "l2norm": "x * rsqrt(sum(x^2) + eps), no weight",
     },
     params=(
@@ -80,6 +96,11 @@ FAMILY = FamilySpec(
               doc="default eps of the user-facing function (eps stays a call argument)"),
         Param(name="unit_offset", type=bool, default=False, variants=("plain", "gated"),
               doc="scale by (1 + w) instead of w (Gemma / Qwen3-Next style zero-centred weight)"),
+        Param(name="has_weight", type=bool, default=True, variants=("plain",),
+              doc="False: no weight argument, no weight read, no weight gradient (Gemma 4 v_norm)"),
+        Param(name="activation", type=str, default="silu", choices=("silu", "sigmoid"),
+              variants=("gated",),
+              doc="the gate's activation: y = norm(x) * w * act(gate)"),
     ),
     # Forward (BLOCK_N rows per program, num_warps) and backward (BWD_BLOCK_N rows per loop
     # step, bwd_warps, programs_per_sm for the grid-stride loop) tile separately.
