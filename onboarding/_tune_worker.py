@@ -207,7 +207,7 @@ def _rows(dims: dict[str, int], dtype, gen, family: str, variant: str, params: d
     args = [_randn(gen, n, d, dtype=dtype)]
     if variant == "gated":
         args.append(_randn(gen, n, d, dtype=dtype))
-    if variant != "l2norm":
+    if variant != "l2norm" and params.get("has_weight", True):
         args.append(_randn(gen, d, dtype=dtype, scale=0.1).add_(1))
     return [*args, params.get("eps", 1e-6)]
 

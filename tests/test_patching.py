@@ -49,9 +49,9 @@ def test_layer_norm_is_a_fused_torch_path(parse_model):
 @pytest.mark.parametrize("ref,kinds", [
     ("hf:qwen3_next", {"norm.rms", "norm.rms_gated", "conv.causal1d", "moe.shared_expert",
                        "moe.experts", "moe.router", "linear_attention.gated_delta"}),
-    # Kimi's output norm is gated by sigmoid: no family serves it, so it stays unpatched.
-    ("hf:kimi_linear", {"norm.rms", "conv.causal1d", "moe.shared_expert", "mlp.dense",
-                        "moe.experts", "moe.router", "linear_attention.kimi_delta"}),
+    # Kimi's output norm is gated by sigmoid: `rmsnorm/gated` with activation=sigmoid.
+    ("hf:kimi_linear", {"norm.rms", "norm.rms_gated", "conv.causal1d", "moe.shared_expert",
+                        "mlp.dense", "moe.experts", "moe.router", "linear_attention.kimi_delta"}),
 ])
 def test_patched_model_matches_unpatched(parse_model, ref, kinds, tmp_path):
     g, cov, cands, model, inputs, kwargs = _prepare(parse_model, ref, tmp_path)

@@ -181,12 +181,14 @@ def _block(kind, attrs, class_name="X", params=None):
 
 MATCHES = [
     (_block("norm.rms", {"dim": 64, "eps": 1e-5, "unit_offset": False, "has_weight": True}),
-     "rmsnorm", {"variant": "plain", "params": {"eps": 1e-5, "unit_offset": False}}),
+     "rmsnorm", {"variant": "plain", "params": templating.get_family("rmsnorm").resolve("plain", {"eps": 1e-5})}),
     (_block("norm.rms", {"dim": 64, "eps": None, "unit_offset": True, "has_weight": True}),
-     "rmsnorm", {"variant": "plain", "params": {"eps": 1e-6, "unit_offset": True}}),
+     "rmsnorm", {"variant": "plain", "params": templating.get_family("rmsnorm").resolve("plain", {"unit_offset": True})}),
     (_block("norm.rms_gated", {"dim": 64, "eps": 1e-6, "unit_offset": False, "has_weight": True}),
-     "rmsnorm", {"variant": "gated", "params": {"eps": 1e-6, "unit_offset": False}}),
-    (_block("norm.rms", {"dim": 64, "eps": 1e-6, "has_weight": False}), "rmsnorm", None),
+     "rmsnorm", {"variant": "gated", "params": templating.get_family("rmsnorm").resolve("gated")}),
+    # a weightless mean-RMSNorm (Gemma 4's v_norm) is `plain` rendered without a weight
+    (_block("norm.rms", {"dim": 64, "eps": 1e-6, "has_weight": False}),
+     "rmsnorm", {"variant": "plain", "params": templating.get_family("rmsnorm").resolve("plain", {"has_weight": False})}),
     (_block("norm.layer", {}), "rmsnorm", None),
     (_block("mlp.dense", {"activation": "silu", "gated": True, "clamp": None}),
      "swiglu", {"variant": "split", "params": templating.get_family("swiglu").resolve("split")}),
