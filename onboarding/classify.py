@@ -142,11 +142,12 @@ def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
 
 
 def _mlp_activation_by_shape(recs: list[OpRecord], mm: list[OpRecord], ctx: Context) -> str | None:
-    """The activation of a block whose projections go out from the model width and back
-    (D -> F ... F' -> D) with only elementwise ops between, where no named activation op
-    says which: "silu" for a written-out sigmoid gate g * sigmoid(g) (MiniMax-M3's clamped
-    gate), else "other" (Apertus' xIELU, written in softplus / expm1 / where); None when the
-    projections do not return to the width they started from."""
+    """The activation of a weight-only block (no attention, no top-k: the caller's conditions)
+    whose projections go out from the model width and back (D -> F ... F' -> D), where no named
+    activation op says which: "silu" for a written-out sigmoid gate g * sigmoid(g) (MiniMax-M3's
+    clamped gate), else "other" (Apertus' xIELU, written in softplus / expm1 / where; no family
+    serves it, its projections stay torch's); None when the projections do not return to the
+    width they started from."""
     first, last = _linear_dims(mm[0], ctx), _linear_dims(mm[-1], ctx)
     if not (first and last and first[0] == last[1] and first[1] != first[0]):
         return None

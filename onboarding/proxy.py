@@ -385,7 +385,8 @@ def _put_back_per_layer_overrides(c: Any, overrides: dict[int, dict[str, Any]], 
     """Re-attach the overrides of the kept layers (renumbered), each integer field scaled as the
     shrinking scaled its global value (a 512 head dim where the global 256 became 32: 64)."""
     out = {}
-    for new_i, old_i in enumerate(keep if keep is not None else sorted(overrides)):
+    pairs = enumerate(keep) if keep is not None else ((i, i) for i in sorted(overrides))
+    for new_i, old_i in pairs:
         if old_i not in overrides:
             continue
         layer = {}
