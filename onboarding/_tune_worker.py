@@ -205,6 +205,11 @@ def _rows(dims: dict[str, int], dtype, gen, family: str, variant: str, params: d
         return [_randn(gen, n, f, dtype=dtype) for _ in range(2)]
     d = int(dims["D"])
     args = [_randn(gen, n, d, dtype=dtype)]
+    if family == "layernorm":
+        args.append(_randn(gen, d, dtype=dtype, scale=0.1).add_(1))
+        if params.get("has_bias"):
+            args.append(_randn(gen, d, dtype=dtype, scale=0.1))
+        return [*args, params.get("eps", 1e-5)]
     if variant == "gated":
         args.append(_randn(gen, n, d, dtype=dtype))
     if variant != "l2norm" and params.get("has_weight", True):
@@ -218,6 +223,7 @@ TIMING_DIMS = {  # dims each family's timing inputs need (the bucketed one may c
     "gated_delta": ("B", "T", "HK", "K"),
     "kimi_delta": ("B", "T", "HK", "K"),
     "rmsnorm": ("N", "D"),
+    "layernorm": ("N", "D"),
     "swiglu": ("N", "F"),
 }
 

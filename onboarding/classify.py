@@ -341,7 +341,13 @@ class Classifier:
         if not mm and (ops["native_layer_norm"] or ops["layer_norm"]):
             return "norm.layer", ["layer_norm op"], {}
         if not mm and _is_rms(recs) and _mean_centred(recs):
-            return "norm.layer", ["mean subtracted, then mean of squares, rsqrt, scale"], {}
+            attrs = _norm_attrs(recs, ctx)
+            # a second parameter beside the weight is the bias (which is which: patch calibration)
+            attrs["has_bias"] = len({n for r in recs for n in r.params.values()}) >= 2
+            ev = ["mean subtracted, then mean of squares, rsqrt, scale"]
+            if attrs["has_bias"]:
+                ev.append("bias added")
+            return "norm.layer", ev, attrs
         if not mm and _is_rms(recs):
             attrs = _norm_attrs(recs, ctx)
             gate = next((ACTIVATIONS[r.op] for r in recs if r.op in ACTIVATIONS), None)

@@ -6,6 +6,8 @@ structure (its parameters, its input) to a kernel's signature:
     ``rmsnorm(x, eps)`` for a kernel rendered without a weight, bound only to a module that has
     no parameters of its own;
   - ``norm.rms_gated``: ``forward(x, z)`` -> ``rmsnorm_gated(x, z, w, eps)``;
+  - ``norm.layer`` (written in torch ops; a fused ``F.layer_norm`` is left to torch):
+    ``forward(x)`` -> ``layernorm(x, w, [b,] eps)``, weight and bias told apart by calibration;
   - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
   - ``moe.experts`` (packed 3-D weights): ``forward(x, indices, weights)`` -> the grouped-GEMM
     experts kernel, with the weights found by their shapes (gate_up [E, 2F, D] + down [E, D, F]
@@ -188,6 +190,29 @@ def _norm_bindings(block: Block, module: nn.Module, fn: Callable, weighted: bool
         return call
 
     return {"x=arg0, z=arg1": gated(0, 1), "x=arg1, z=arg0": gated(1, 0)}
+
+
+def _layer_norm_bindings(block: Block, module: nn.Module, fn: Callable, bias: bool
+                         ) -> dict[str, Callable]:
+    """``forward(x)`` -> ``fn(x, weight[, bias], eps)`` for a module whose own parameters are
+    exactly the 1-D weight, or weight and bias when the kernel was rendered with ``bias`` (which
+    is which is left to calibration: with the usual ones / zeros init the swapped binding
+    outputs the bias, never the norm). An eps the classifier did not read is left to the
+    kernel's rendered default."""
+    names = [n for n, p in module.named_parameters(recurse=False) if p.ndim == 1]
+    if len(names) != len(list(module.parameters(recurse=False))) or len(names) != 1 + bias:
+        return {}
+    eps = block.attrs.get("eps")
+    extra = () if eps is None else (eps,)
+
+    def bind(*order: str):
+        # looked up by name at call time: FSDP2 swaps a sharded module's parameters
+        return lambda x, *a, **k: fn(x, *(getattr(module, n) for n in order), *extra)
+
+    if len(names) == 1:
+        return {f"x, weight={names[0]}": bind(*names)}
+    a, b = names
+    return {f"x, weight={a}, bias={b}": bind(a, b), f"x, weight={b}, bias={a}": bind(b, a)}
 
 
 def _mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
@@ -476,7 +501,8 @@ def _patch_sparse(model: nn.Module, block: Block, kernels: dict, record: PatchRe
         patches._undo.append(undo)
 
 
-PATCHABLE = {"norm.rms": "rmsnorm", "norm.rms_gated": "rmsnorm", "mlp.dense": "swiglu",
+PATCHABLE = {"norm.rms": "rmsnorm", "norm.rms_gated": "rmsnorm", "norm.layer": "layernorm",
+             "mlp.dense": "swiglu",
              "moe.shared_expert": "swiglu", "conv.causal1d": "conv1d",
              "moe.experts": "moe_experts", "moe.router": "moe_router",
              "sparse_attention.topk": "sparse_attention",
@@ -527,7 +553,10 @@ def patch_model(model: nn.Module, graph: OpGraph,
             record.status, record.detail = "rejected", "no module at this path"
             continue
         adapt = _same
-        if block.kind.startswith("norm."):
+        if block.kind == "norm.layer":
+            bindings = _layer_norm_bindings(block, module, fn,
+                                            bool(getattr(kmod, "PARAMS", {}).get("has_bias")))
+        elif block.kind.startswith("norm."):
             bindings = _norm_bindings(block, module, fn, _norm_takes_weight(kmod))
         elif family == "grouped_linear":
             from onboarding._patch_grouped_linear import grouped_linear_bindings

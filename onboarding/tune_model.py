@@ -90,7 +90,7 @@ def block_dims(family: str, entry, block) -> dict[str, int] | None:
     if family in ("gated_delta", "kimi_delta") and block is not None and len(x) == 3:
         d = _delta_dims(block)
         return {"B": x[0], "T": x[1], **d} if d else None
-    if family == "rmsnorm":
+    if family in ("rmsnorm", "layernorm"):
         return {"N": _numel(x[:-1]), "D": x[-1]}
     if family == "swiglu":
         fused = entry.variant == "fused"
