@@ -150,3 +150,22 @@ def run_contract(
     if opcheck:
         check_opcheck(fx, dtypes[0], device)
     return results
+
+
+def check_aot_sm90(paths: list[str], **compile_kwargs: Any) -> None:
+    """Every kernel of the rendered modules at ``paths`` compiles ahead of time for sm_90
+    (``compile_kwargs``: `aot.compile_files`' size / dtype) and fits an H100/H200 SM's shared
+    memory; the calling test is skipped where this triton cannot compile ahead of time."""
+    import pytest
+
+    from onboarding import aot
+
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    for path, rs in aot.compile_files(list(paths), registers=False, **compile_kwargs).items():
+        assert rs, path
+        for r in rs:
+            assert r.ok, f"{path}: {r.kernel}: {r.error}"
+            assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, \
+                (path, r.kernel, r.shared_bytes)

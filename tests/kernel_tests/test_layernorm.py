@@ -10,11 +10,16 @@ import torch
 from conftest import DTYPES, case_id
 from torch.nn import functional as F
 
-from onboarding import aot
 from onboarding.families import layernorm as family
 from onboarding.opgraph import Block
 from onboarding.patching import patch_model
-from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing import (
+    KernelFixture,
+    check_aot_sm90,
+    check_forward_backward,
+    check_module_contract,
+    check_opcheck,
+)
 
 CASES = [("plain", {}), ("plain", {"has_bias": True})]
 SHAPES = [(37, 100), (3, 7, 33), (1, 1)]
@@ -79,16 +84,7 @@ def test_grid_stride_backward(load_kernel, device, variant, params):
 
 
 def test_aot_sm90(load_kernel):
-    ok, why = aot.aot_available()
-    if not ok:
-        pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    paths = [load_kernel("layernorm", v, p).__file__ for v, p in CASES]
-    results = aot.compile_files(paths, registers=False)
-    for path, rs in results.items():
-        assert rs, path
-        for r in rs:
-            assert r.ok, f"{path}: {r.kernel}: {r.error}"
-            assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
+    check_aot_sm90([load_kernel("layernorm", v, p).__file__ for v, p in CASES])
 
 
 # ---- against torch's own LayerNorm and the module it serves -----------------------------------

@@ -7,9 +7,15 @@ import torch
 from conftest import case_id
 from test_moe_experts import assert_bf16_mma, sm90_mma
 
-from onboarding import aot, templating
+from onboarding import templating
 from onboarding.families import lora
-from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing import (
+    KernelFixture,
+    check_aot_sm90,
+    check_forward_backward,
+    check_module_contract,
+    check_opcheck,
+)
 from onboarding.testing.tolerance import rel_rms as rel
 
 CPU_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "dot_precision": "ieee"}
@@ -107,15 +113,7 @@ def test_shape_errors_name_shapes(load, device, base):
 
 
 def test_aot_sm90(load):
-    ok, why = aot.aot_available()
-    if not ok:
-        pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    files = [load({"base": base}).__file__ for base in BASES]
-    for path, rs in aot.compile_files(files, registers=False).items():
-        assert rs, path
-        for r in rs:
-            assert r.ok, f"{path}: {r.kernel}: {r.error}"
-            assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
+    check_aot_sm90([load({"base": base}).__file__ for base in BASES])
 
 
 @pytest.mark.parametrize("base,kernel", [("torch", "lora_lowrank_kernel"), ("triton", "lora_matmul_kernel")])

@@ -22,6 +22,7 @@ from onboarding.errors import InputError
 from onboarding.families import moe_experts
 from onboarding.testing import (
     KernelFixture,
+    check_aot_sm90,
     check_forward_backward,
     check_module_contract,
     check_opcheck,
@@ -323,15 +324,7 @@ def test_shape_errors_name_shapes(load, device):
 
 
 def test_aot_sm90(load):
-    ok, why = aot.aot_available()
-    if not ok:
-        pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    paths = [load(v, p).__file__ for v, p in CASES + LORA_CASES + BIAS_CASES[1:2]]  # + biases, clamped
-    for path, rs in aot.compile_files(paths, registers=False).items():
-        assert rs, path
-        for r in rs:
-            assert r.ok, f"{path}: {r.kernel}: {r.error}"
-            assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
+    check_aot_sm90([load(v, p).__file__ for v, p in CASES + LORA_CASES + BIAS_CASES[1:2]])  # + biases, clamped
 
 
 # Compiles the named kernels of a rendered module for sm_90 from its bf16 `aot_specs` and prints
@@ -813,15 +806,7 @@ def test_mlp_capacity_all_to_one_top1(load, device, cf):
 def test_mlp_aot_sm90(load):
     """The non-gated epilogues with libdevice maths (erf; tanh through sigmoid) compile for sm_90
     within the shared-memory budget."""
-    ok, why = aot.aot_available()
-    if not ok:
-        pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    paths = [load("mlp", {"activation": a}).__file__ for a in ("gelu", "gelu_tanh")]
-    for path, rs in aot.compile_files(paths, registers=False).items():
-        assert rs, path
-        for r in rs:
-            assert r.ok, f"{path}: {r.kernel}: {r.error}"
-            assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES
+    check_aot_sm90([load("mlp", {"activation": a}).__file__ for a in ("gelu", "gelu_tanh")])
 
 
 def test_mlp_bf16_specs_compile_to_bf16_mma(load, tmp_path):

@@ -15,7 +15,13 @@ from conftest import DEVICE
 from onboarding import aot, templating
 from onboarding.families import sparse_attention as fam
 from onboarding.opgraph import Block
-from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing import (
+    KernelFixture,
+    check_aot_sm90,
+    check_forward_backward,
+    check_module_contract,
+    check_opcheck,
+)
 from onboarding.testing.tolerance import rel_rms as rel
 
 # Few, large tiles: the interpreter costs per program and per op. BLOCK_SEL=16 splits a 37-long
@@ -241,15 +247,8 @@ def _aot_groups(load) -> dict:
 def test_aot_sm90(load):
     """Compile every kernel for sm_90 at real head dims: indexer D=128, gathered GQA D=128, MLA
     d_qk 576 / d_v 512 (128 query heads over one latent)."""
-    ok, why = aot.aot_available()
-    if not ok:
-        pytest.skip(f"triton cannot compile ahead of time here: {why}")
     for size, paths in _aot_groups(load).items():
-        for path, results in aot.compile_files(paths, size=size, registers=False).items():
-            assert results, path
-            for r in results:
-                assert r.ok, f"{path}: {r.kernel}: {r.error}"
-                assert r.shared_bytes is not None and r.shared_bytes <= aot.H100_SHARED_BYTES, (path, r)
+        check_aot_sm90(paths, size=size)
 
 
 def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
