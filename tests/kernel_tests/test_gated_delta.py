@@ -512,8 +512,9 @@ def test_training_forward_keeps_what_the_backward_needs(recompute, monkeypatch):
 
 
 def test_caller_may_change_o_in_place():
-    """The l2norm backward's <q_n, dq_n> comes from o (`<o, do>`): from the training forward's
-    own copy, so a caller that scales o in place still gets the gradients of what it computed."""
+    """The training forward keeps nothing the caller holds (the l2norm backward's row dots come
+    from the gradients, not from o), so a caller that scales o in place still gets the gradients
+    of what it computed."""
     module = load(gated_delta.FAMILY)
     case = Case(HK=1, HV=1, T=37, l2=True, h0=False)
     gen = torch.Generator().manual_seed(9)
