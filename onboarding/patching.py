@@ -174,7 +174,7 @@ def _norm_bindings(block: Block, module: nn.Module, fn: Callable, weighted: bool
     if not weighted:
         # A weightless kernel on a module that owns a weight would ignore it, and calibration
         # could not tell while that weight is still all ones (its usual init): refused.
-        if block.kind != "norm.rms" or any(True for _ in module.parameters(recurse=False)):
+        if block.kind != "norm.rms" or next(module.parameters(recurse=False), None) is not None:
             return {}
         return {"x (no weight)": lambda x, *a, **k: fn(x, eps=eps)}
     if _weight_1d(module) is None:

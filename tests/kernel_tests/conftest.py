@@ -34,6 +34,14 @@ def case_id(variant: str, params: dict) -> str:
     return "-".join([variant] + [f"{k}={v}" for k, v in sorted(params.items())])
 
 
+def check_sample_inputs_fit(module, family, variant: str, params: dict, shape: list[int]) -> None:
+    """The generate stage's check calls `entry(*sample_inputs(...))`: the arguments must fit, and
+    the rendered `module` must agree with its own reference on them."""
+    resolved = family.FAMILY.resolve(variant, params)
+    args = family.sample_inputs(variant, resolved, [shape], torch.Generator().manual_seed(0))
+    torch.testing.assert_close(module.entry(*args), module.reference(*args), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="session")
 def kernel_root(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")

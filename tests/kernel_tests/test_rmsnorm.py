@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DTYPES, case_id
+from conftest import DTYPES, case_id, check_sample_inputs_fit
 
 from onboarding.families import rmsnorm as family
 from onboarding.opgraph import Block
@@ -252,8 +252,4 @@ def test_patched_module_end_to_end(load_kernel, device, kind, norm, params, stat
 
 @pytest.mark.parametrize("variant,params", CASE_PARAMS)
 def test_sample_inputs_fit_the_entry(load_kernel, variant, params):
-    """The generate stage's check calls `entry(*sample_inputs(...))`: the arguments must fit."""
-    module = load_kernel("rmsnorm", variant, params, CPU_CONFIG)
-    args = family.sample_inputs(variant, family.FAMILY.resolve(variant, params), [[2, 5, 33]],
-                                torch.Generator().manual_seed(0))
-    torch.testing.assert_close(module.entry(*args), module.reference(*args), rtol=1e-5, atol=1e-5)
+    check_sample_inputs_fit(load_kernel("rmsnorm", variant, params, CPU_CONFIG), family, variant, params, [2, 5, 33])
