@@ -415,7 +415,12 @@ class Classifier:
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         if len(mm) >= 2 and weight_only and not attn and not seq_topk \
                 and (act := _activation(recs) or _mlp_activation_by_shape(recs, mm, ctx)):
-            gated = ops["mul"] > 0  # act(gate) * up
+            # act(gate) * up: a product, and a gate beside up (three projections, or the first
+            # one twice as wide as the last one's input: gate and up fused). A written-out
+            # activation multiplies too (xIELU, x * sigmoid(x)) without gating anything.
+            dims = [_linear_dims(r, ctx) for r in (mm[0], mm[-1])]
+            fused = None not in dims and dims[0][1] == 2 * dims[1][0]
+            gated = ops["mul"] > 0 and (len(mm) >= 3 or fused)
             return "mlp.dense", [f"{len(mm)} projections with {act}" +
                                  (" gating (act(gate) * up)" if gated else "")], {
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),

@@ -247,13 +247,14 @@ def test_rms_norm_with_its_inverse_root_as_pow(parse_model):
     assert norms and all(b.kind == "norm.rms" for b in norms), {b.kind for b in norms}
 
 
-@pytest.mark.parametrize("ref, cls, act", [
-    ("hf:apertus1p5_text", "Apertus1p5TextMLP", "other"),  # xIELU in softplus / expm1 / where
-    ("hf:minimax_m3_vl_text", "MiniMaxM3VLDenseMLP", "silu"),  # clamped g * sigmoid(alpha g) * (up + 1)
+@pytest.mark.parametrize("ref, cls, act, gated", [
+    ("hf:apertus1p5_text", "Apertus1p5TextMLP", "other", False),  # up -> xIELU (softplus / expm1 / where) -> down
+    ("hf:minimax_m3_vl_text", "MiniMaxM3VLDenseMLP", "silu", True),  # clamped g * sigmoid(alpha g) * (up + 1)
 ])
-def test_dense_mlp_with_a_written_out_activation(parse_model, ref, cls, act):
+def test_dense_mlp_with_a_written_out_activation(parse_model, ref, cls, act, gated):
     """Two projections out of the model width and back with only elementwise ops between are
-    an MLP even when no named activation op says which (both were `unknown` blocks)."""
+    an MLP even when no named activation op says which (both were `unknown` blocks); the
+    activation's own products do not make it gated."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if ref.removeprefix("hf:") not in CONFIG_MAPPING_NAMES:
@@ -263,6 +264,7 @@ def test_dense_mlp_with_a_written_out_activation(parse_model, ref, cls, act):
     assert blocks and all(b.kind in ("mlp.dense", "moe.shared_expert") for b in blocks), \
         {b.kind for b in blocks}
     assert {b.attrs["activation"] for b in blocks} == {act}
+    assert {b.attrs["gated"] for b in blocks} == {gated}
     assert not [b for b in g.blocks if b.kind == "unknown"]
 
 
