@@ -42,6 +42,17 @@ def check_sample_inputs_fit(module, family, variant: str, params: dict, shape: l
     torch.testing.assert_close(module.entry(*args), module.reference(*args), rtol=1e-5, atol=1e-5)
 
 
+def check_match(family, block, expected: tuple[str, dict] | None) -> None:
+    """`family.match(block)` is None when `expected` is, else its (variant, params over the
+    defaults)."""
+    got = family.match(block)
+    if expected is None:
+        assert got is None
+        return
+    variant, params = expected
+    assert got == {"variant": variant, "params": family.FAMILY.resolve(variant, params)}
+
+
 @pytest.fixture(scope="session")
 def kernel_root(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")

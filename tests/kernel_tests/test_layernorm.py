@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DTYPES, case_id, check_sample_inputs_fit
+from conftest import DTYPES, case_id, check_match, check_sample_inputs_fit
 from torch.nn import functional as F
 
 from onboarding.families import layernorm as family
@@ -132,10 +132,10 @@ def _block(**attrs) -> Block:
 
 
 MATCHES = [
-    # (block, expected params over the defaults) or None: the family refuses it
-    (_block(has_weight=True, has_bias=False), {"eps": 1e-6}),
-    (_block(has_weight=True, has_bias=True), {"eps": 1e-6, "has_bias": True}),
-    (_block(has_weight=True, has_bias=False, eps=None), {}),
+    # (block, (variant, expected params over the defaults)) or None: the family refuses it
+    (_block(has_weight=True, has_bias=False), ("plain", {"eps": 1e-6})),
+    (_block(has_weight=True, has_bias=True), ("plain", {"eps": 1e-6, "has_bias": True})),
+    (_block(has_weight=True, has_bias=False, eps=None), ("plain", {})),
     (_block(has_weight=False, has_bias=False), None),
     (Block(path="norm", kind="norm.layer", layer=0, class_name="AnyNorm", attrs={}), None),
     (_block(has_weight=True, unit_offset=True), None),
@@ -154,11 +154,7 @@ MATCHES = [
 
 @pytest.mark.parametrize("block,expected", MATCHES, ids=[f"{b.kind}-{i}" for i, (b, _) in enumerate(MATCHES)])
 def test_match(block, expected):
-    got = family.match(block)
-    if expected is None:
-        assert got is None
-        return
-    assert got == {"variant": "plain", "params": family.FAMILY.resolve("plain", expected)}
+    check_match(family, block, expected)
 
 
 class _CohereNorm(torch.nn.Module):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DTYPES, case_id, check_sample_inputs_fit
+from conftest import DTYPES, case_id, check_match, check_sample_inputs_fit
 
 from onboarding.families import rmsnorm as family
 from onboarding.opgraph import Block
@@ -173,12 +173,7 @@ MATCHES = [
 
 @pytest.mark.parametrize("block,expected", MATCHES, ids=[f"{b.kind}-{i}" for i, (b, _) in enumerate(MATCHES)])
 def test_match(block, expected):
-    got = family.match(block)
-    if expected is None:
-        assert got is None
-        return
-    variant, params = expected
-    assert got == {"variant": variant, "params": family.FAMILY.resolve(variant, params)}
+    check_match(family, block, expected)
 
 
 class _GatedNorm(torch.nn.Module):
