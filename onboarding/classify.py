@@ -418,15 +418,13 @@ class Classifier:
             # act(gate) * up: a product, and a gate beside up (three projections, or the first
             # one twice as wide as the last one's input: gate and up fused). A written-out
             # activation multiplies too (xIELU, x * sigmoid(x)) without gating anything.
-            dims = [_linear_dims(r, ctx) for r in (mm[0], mm[-1])]
-            fused = None not in dims and dims[0][1] == 2 * dims[1][0]
+            first, last = _linear_dims(mm[0], ctx), _linear_dims(mm[-1], ctx)
+            fused = first is not None and last is not None and first[1] == 2 * last[0]
             gated = ops["mul"] > 0 and (len(mm) >= 3 or fused)
             return "mlp.dense", [f"{len(mm)} projections with {act}" +
                                  (" gating (act(gate) * up)" if gated else "")], {
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
-                "hidden": _linear_dims(mm[0], ctx)[0] if _linear_dims(mm[0], ctx) else None,
-                "intermediate": _linear_dims(mm[0], ctx)[1] if _linear_dims(mm[0], ctx)
-                else None}
+                "hidden": first[0] if first else None, "intermediate": first[1] if first else None}
         return None
 
     def _packed_gated(self, path: str, recs: list[OpRecord], names3: list[str],

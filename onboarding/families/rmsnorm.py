@@ -33,10 +33,11 @@ def match(block: Any) -> dict[str, Any] | None:
 
     `norm.rms` with a weight -> `plain` (a mean of squares: attrs `reduction` absent or "mean");
     without one -> `l2norm` when the block says it sums (`reduction == "sum"`), else `plain` with
-    `has_weight=False` (a mean-RMSNorm with no scale; a weightless block cannot be unit-offset). `norm.rms_gated` -> `gated` with the gate's
-    `activation` (attrs `activation` / `gate_activation`: silu or sigmoid; both must agree where
-    both are given); the template computes norm, weight, then gate, so a block that says it gates
-    first (`norm_before_gate=False`), has no weight, or another activation -> None.
+    `has_weight=False` (a mean-RMSNorm with no scale; a weightless block cannot be unit-offset).
+    `norm.rms_gated` -> `gated` with the gate's `activation` (attrs `activation` /
+    `gate_activation`: silu or sigmoid; both must agree where both are given); the template
+    computes norm, weight, then gate, so a block that says it gates first
+    (`norm_before_gate=False`), has no weight, or another activation -> None.
     """
     attrs = block.attrs
     eps = attrs.get("eps")
