@@ -188,3 +188,101 @@ def test_grouped_linear_cases_and_their_anchors_agree_with_the_kernel():
     expected = mod.reference(x, counts, w)
     torch.testing.assert_close(loop(x, counts, w), expected)
     torch.testing.assert_close(grouped_mm(x, counts, w), expected, rtol=1e-5, atol=1e-5)
+
+
+class CountingTimer:
+    """A CPU stand-in for the harness's GPU timers: `step.cost` ms, every call recorded."""
+
+    def __init__(self):
+        self.timed: list[str] = []
+
+    def __call__(self, step):
+        from onboarding.bench.harness import Timing
+
+        self.timed.append(step.name)
+        return Timing(median_ms=step.cost, p20_ms=step.cost, p80_ms=step.cost, repeats=1)
+
+    def rounds(self, step) -> float:
+        self.timed.append(step.name)
+        return step.cost
+
+
+def _fake_case(name: str, check):
+    from onboarding.bench.harness import BenchCase
+
+    def setup(device):
+        return {"ours": FakeStep(f"{name}:ours", 1.0), "ours_fwd": FakeStep(f"{name}:ours_fwd", 0.4),
+                "ours@BLOCK=64": FakeStep(f"{name}:ours@BLOCK=64", 1.1),
+                "eager": FakeStep(f"{name}:eager", 2.0), "eager_fwd": FakeStep(f"{name}:eager_fwd", 0.8)}
+
+    return BenchCase(family="fake", name=name, shape={"N": 4}, min_bytes=10**9, flops=0,
+                     setup=setup, check=check)
+
+
+def test_a_row_whose_check_raised_or_failed_is_not_timed_and_says_why():
+    """A case's check guards every row of our kernel: raised, ``ok`` 0 or a NaN error -> our rows
+    are not timed, get no ratios, status "check failed" with the reason in the JSON row and in
+    the table; the anchors are still timed. A passing check's case gets its ratios as before."""
+    import torch
+
+    from onboarding.bench.harness import format_table, run_cases
+
+    def raises(device):
+        raise RuntimeError("kernel returned garbage")
+
+    cases = [_fake_case("raised", raises),
+             _fake_case("not_ok", lambda device: {"o": 0.02, "dq": 0.001, "ok": 0.0}),
+             _fake_case("nan", lambda device: {"out0": float("nan"), "grad0": 1e-3}),
+             _fake_case("passed", lambda device: {"o": 1e-3, "ok": 1.0})]
+    timer, logs = CountingTimer(), []
+    result = run_cases(cases, torch.device("cpu"), log=logs.append, timer=timer,
+                       round_timer=timer.rounds, graph_timer=None, ceilings={"copy_tb_s": 4.0})
+    rows = {(r["case"], r["impl"]): r for r in result["rows"]}
+    assert len(rows) == 4 * 5
+    reasons = {"raised": "check raised RuntimeError: kernel returned garbage",
+               "not_ok": "check failed: o=0.02 dq=0.001", "nan": "check failed: non-finite out0"}
+    for case, reason in reasons.items():
+        for impl in ("ours", "ours_fwd", "ours@BLOCK=64"):
+            r = rows[case, impl]
+            assert r["status"] == "check failed" and r["error"] == reason, (case, impl)
+            assert r["timing"] is None and r["gbps"] is None and r["roofline_frac"] is None
+            assert r["ratios"] == {} and r["rounds_ms"] == [] and r["graph_ratios"] == {}
+            assert f"{case}:{impl}" not in timer.timed  # never run as a timed result
+        for impl in ("eager", "eager_fwd"):  # the anchors' own times are still valid
+            assert rows[case, impl]["status"] == "ok" and rows[case, impl]["timing"]["median_ms"] > 0
+    assert rows["raised", "ours"]["check"] == {"error": "RuntimeError: kernel returned garbage"}
+    ok, ok_fwd = rows["passed", "ours"], rows["passed", "ours_fwd"]
+    assert ok["status"] == "ok" and ok["error"] == "" and ok["timing"]["median_ms"] == 1.0
+    assert ok["ratios"] == {"eager": 2.0} and ok_fwd["ratios"] == {"eager_fwd": 2.0}
+    assert ok["rounds_ms"] == [1.0, 1.0, 1.0] and ok["gbps"] == pytest.approx(1000.0)
+    assert any("raised: check raised RuntimeError" in line for line in logs)
+
+    table = format_table(result).splitlines()
+    assert table[0].split()[:3] == ["case", "impl", "status"]
+    line = next(t for t in table if t.startswith("fake/raised") and " ours " in t)
+    assert line.split()[2:5] == ["check", "failed", "-"]  # status, then no time
+    assert "CHECK FAILED: check raised RuntimeError: kernel returned garbage" in line
+    assert "=" not in line.split("CHECK FAILED")[0]  # no ratios printed
+    passed = next(t for t in table if t.startswith("fake/passed") and " ours " in t)
+    assert passed.split()[2] == "ok" and "eager=2.00x" in passed and "FAILED" not in passed
+
+
+def test_bench_check_rejects_a_kernel_that_returns_fewer_outputs():
+    """`cases._check` pairs our outputs with the reference's: one output short is an error that
+    names both counts (zip alone would judge the one output both have)."""
+    import torch
+
+    from onboarding.bench.cases import _check
+
+    def make(dtype):
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(8, 16, generator=g, dtype=dtype),
+                torch.randn(8, 16, generator=g, dtype=dtype))
+
+    def ref(q, k):
+        return q * 2, k * 3
+
+    full = _check(lambda q, k: ref(q, k), ref, make)(torch.device("cpu"))
+    assert set(full) == {"out0", "out1", "grad0", "grad1"} and max(full.values()) < 1e-2
+    with pytest.raises(AssertionError, match="returned 1 outputs, the reference 2"):
+        _check(lambda q, k: q * 2, ref, make)(torch.device("cpu"))

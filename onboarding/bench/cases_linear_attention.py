@@ -145,7 +145,7 @@ def _check(family: str, B: int, T: int, HK: int, HV: int, D: int
         o32, ht32 = ref(*leaves32)
         grads32 = torch.autograd.grad(o32, leaves32, do.float())
         res = {"o": _rel(o, o32), "ht": _rel(ht, ht32)}
-        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads32):
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads32, strict=True):
             res[name] = _rel(a, b)
         ok = res["o"] <= O_TOL and all(res[n] <= GRAD_TOL for n in ("dq", "dk", "dv", "dg",
                                                                         "dbeta"))

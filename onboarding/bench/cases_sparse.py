@@ -197,7 +197,8 @@ def _attn_check(layout: str) -> Callable[[torch.device], dict[str, float]]:
         o32 = mod.reference(*hi, idx)
         grads32 = torch.autograd.grad(o32, hi, do)
         names = ["dq", "dkv"] if layout == "mla" else ["dq", "dk", "dv"]
-        res = {"o": _rel(o, o32), **{n: _rel(a, b) for n, a, b in zip(names, grads, grads32)}}
+        res = {"o": _rel(o, o32),
+               **{n: _rel(a, b) for n, a, b in zip(names, grads, grads32, strict=True)}}
         res["ok"] = float(res["o"] <= O_TOL and all(res[n] <= GRAD_TOL for n in names))
         return res
     return check

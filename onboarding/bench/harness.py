@@ -11,10 +11,16 @@ ours and its anchors are timed again in turn, RATIO_ROUNDS times, and each ratio
 of the per-round ratios. Timed one after the other, the same config measured 3.38 and 3.01 ms
 in one H200 run (docs/LOG.md, fifth session): a drift that a sequential ratio takes for a speed
 difference.
+
+A case's ``check`` guards our rows: when it raises, returns ``ok`` 0, or reports a non-finite
+error, every row of our kernel (``ours``, ``ours_fwd``, ``ours@cfg``) is left untimed, with
+status ``check failed``, the reason in ``error`` and no ratios; the anchors are still timed.
+A wrong kernel's time is not a result.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -53,6 +59,9 @@ class Row:
     shape: dict[str, int]
     impl: str
     timing: Timing | None
+    # "ok"; "error" (setup or timing raised); "check failed" (our kernel's check raised or
+    # failed: the row is not timed and gets no ratios). `error` says why.
+    status: str = "ok"
     error: str = ""
     gbps: float | None = None
     tflops: float | None = None
@@ -198,6 +207,26 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
     # the caller empties the cache once they are out of scope
 
 
+def check_failure(check: dict[str, Any]) -> str:
+    """Why a case's check result fails ('' when it passes): it raised (``error``), said ``ok`` 0,
+    or reported a non-finite error."""
+    if "error" in check:
+        return f"check raised {check['error']}"
+    if "ok" in check and not check["ok"]:
+        bad = {k: v for k, v in check.items() if k != "ok"}
+        return "check failed: " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in bad.items())
+    nonfinite = [k for k, v in check.items() if isinstance(v, float) and not math.isfinite(v)]
+    if nonfinite:
+        return f"check failed: non-finite {', '.join(nonfinite)}"
+    return ""
+
+
+def _ours(impl: str) -> bool:
+    """A row of our kernel (the one the case's check covers)."""
+    return impl == "ours" or impl.startswith(("ours_", "ours@"))
+
+
 def environment() -> dict[str, Any]:
     from onboarding.stages import environment as env
 
@@ -207,13 +236,25 @@ def environment() -> dict[str, Any]:
 def run_cases(cases: list[BenchCase], device: torch.device | None = None,
               log: Callable[[str], None] = print,
               partial: Callable[[dict[str, Any]], None] | None = None,
-              profile: bool = False) -> dict[str, Any]:
+              profile: bool = False, *, timer: Callable[[Step], Timing] = time_fn,
+              round_timer: Callable[[Step], float] | None = None,
+              graph_timer: Callable[[Step], Timing] | None = graph_time,
+              ceilings: dict[str, float] | None = None) -> dict[str, Any]:
     """Run every case; ``partial`` receives the result so far after each case (so a run that is
     cut short still leaves its finished rows behind). ``profile``: also break our rows down by
-    kernel (`kernel_breakdown`)."""
+    kernel (`kernel_breakdown`). ``timer`` / ``round_timer`` / ``graph_timer`` (None: no graph
+    replay) and given ``ceilings`` replace the GPU's (tests run the harness on the CPU)."""
     device = device or torch.device("cuda")
-    ceilings = measure_ceilings(device)
-    torch.cuda.empty_cache()  # the ceilings' 4 GiB of buffers
+    round_timer = round_timer or _round_timer
+    on_gpu = torch.device(device).type == "cuda"
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    if ceilings is None:
+        ceilings = measure_ceilings(device)
+        torch.cuda.empty_cache()  # the ceilings' 4 GiB of buffers
     log(f"ceilings: {ceilings}")
     rows: list[Row] = []
     for case in cases:
@@ -222,34 +263,42 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
             steps = case.setup(device)
         except Exception as exc:
             rows.append(Row(family=case.family, case=case.name, shape=case.shape, impl="setup",
-                            timing=None, error=f"{type(exc).__name__}: {exc}"[:300]))
+                            timing=None, status="error",
+                            error=f"{type(exc).__name__}: {exc}"[:300]))
             continue
-        check = {}
+        check: dict[str, Any] = {}
         if case.check is not None:
             try:
                 check = case.check(device)
             except Exception as exc:
                 check = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        failed = check_failure(check)
+        if failed:
+            log(f"  {case.family}/{case.name}: {failed[:120]}: our rows are not timed")
         case_rows = []
         for impl, step in steps.items():
-            try:
-                timing = time_fn(step)
-                err = ""
-            except Exception as exc:
-                timing, err = None, f"{type(exc).__name__}: {exc}"[:300]
             row = Row(family=case.family, case=case.name, shape=case.shape, impl=impl,
-                      timing=timing, error=err, check=check if impl == "ours" else {})
+                      timing=None, check=check if impl == "ours" else {})
+            case_rows.append(row)
+            if failed and _ours(impl):
+                row.status, row.error = "check failed", failed[:300]
+                continue
+            try:
+                row.timing = timing = timer(step)
+            except Exception as exc:
+                timing = None
+                row.status, row.error = "error", f"{type(exc).__name__}: {exc}"[:300]
             if profile and timing and impl in ("ours", "ours_fwd"):
                 try:
                     row.kernels = kernel_breakdown(step)
                 except Exception as exc:  # noqa: BLE001 - the timing stands without it
                     row.kernels = [{"kernel": f"profiler failed: {type(exc).__name__}: {exc}"[:200],
                                     "ms": 0.0, "calls": 0, "share": 0.0}]
-            if timing and timing.median_ms < GRAPH_MAX_MS:
+            if graph_timer is not None and timing and timing.median_ms < GRAPH_MAX_MS:
                 try:
-                    row.graph_ms = graph_time(step).median_ms
+                    row.graph_ms = graph_timer(step).median_ms
                 except Exception:  # noqa: BLE001 - not capturable: the wall time stands alone
-                    torch.cuda.synchronize()
+                    sync()
             # min_bytes/flops describe the full step; forward-only rows ("*_fwd") get none
             if timing and not impl.endswith("_fwd"):
                 sec = timing.median_ms * 1e-3
@@ -259,17 +308,17 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
                 if row.graph_ms:
                     row.graph_roofline_frac = (case.min_bytes / (row.graph_ms * 1e-3) / 1e12
                                                / ceilings["copy_tb_s"])
-            case_rows.append(row)
             log(f"  {case.family}/{case.name} {impl}: "
-                + (f"{timing.median_ms:.3f} ms" if timing else err[:80])
+                + (f"{timing.median_ms:.3f} ms" if timing else row.error[:80])
                 + f" ({time.perf_counter() - t0:.0f}s into the case)")
-        # Ratios compare like with like: "X" with "ours", "X_fwd" with "ours_fwd".
+        # Ratios compare like with like: "X" with "ours", "X_fwd" with "ours_fwd". A row whose
+        # check failed has no timing, hence no ratios.
         for suffix in ("", "_fwd"):
             ours = next((r for r in case_rows if r.impl == "ours" + suffix and r.timing), None)
             if ours is None:
                 continue
             anchors = [r for r in case_rows if r.timing and r is not ours and
-                       not r.impl.startswith("ours") and r.impl.endswith("_fwd") == bool(suffix)]
+                       not _ours(r.impl) and r.impl.endswith("_fwd") == bool(suffix)]
             for r in anchors:
                 ours.ratios[r.impl] = r.timing.median_ms / ours.timing.median_ms
                 if r.graph_ms and ours.graph_ms:
@@ -279,17 +328,18 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
             group = [ours, *anchors]
             try:  # the ratios above stand when a re-timing fails
                 rounds = interleaved_rounds({r.impl: steps[r.impl] for r in group}, RATIO_ROUNDS,
-                                            _round_timer)
+                                            round_timer)
             except Exception as exc:  # noqa: BLE001
                 log(f"  interleaved rounds failed ({type(exc).__name__}: {str(exc)[:80]}): "
                     "sequential ratios")
-                torch.cuda.synchronize()
+                sync()
                 continue
             for r in group:
                 r.rounds_ms = rounds[r.impl]
             ours.ratios.update(paired_ratios(rounds, ours.impl))
         rows.extend(case_rows)
-        torch.cuda.empty_cache()
+        if on_gpu:
+            torch.cuda.empty_cache()
         log(f"{case.family}/{case.name}: {time.perf_counter() - t0:.1f}s")
         if partial is not None:
             partial({"environment": environment(), "ceilings": ceilings,
@@ -299,10 +349,13 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{'case':38s} {'impl':8s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} {'graph':>7s} "
-             f"{'%copy':>6s}  ratios (anchor/ours: interleaved rounds; graph)"]
+    """The rows as a terminal table: a status column (ok / error / check failed) and, for a row
+    that is not ok, the reason after its ratios."""
+    lines = [f"{'case':38s} {'impl':8s} {'status':12s} {'ms':>8s} {'GB/s':>7s} {'%copy':>6s} "
+             f"{'graph':>7s} {'%copy':>6s}  ratios (anchor/ours: interleaved rounds; graph)"]
     for r in result["rows"]:
         t = r["timing"]
+        status = r.get("status") or ("error" if r["error"] else "ok")  # rows from before status
         ms = f"{t['median_ms']:.3f}" if t else "-"
         gb = f"{r['gbps']:.0f}" if r["gbps"] else "-"
         frac = f"{100 * r['roofline_frac']:.0f}" if r["roofline_frac"] else "-"
@@ -311,11 +364,11 @@ def format_table(result: dict[str, Any]) -> str:
             ratios += "; " + " ".join(f"{k}={v:.2f}x" for k, v in r["graph_ratios"].items())
         gms = f"{r['graph_ms']:.3f}" if r.get("graph_ms") else "-"
         gfrac = f"{100 * r['graph_roofline_frac']:.0f}" if r.get("graph_roofline_frac") else "-"
-        err = f"  ERROR {r['error'][:60]}" if r["error"] else ""
+        err = f"  {status.upper()}: {r['error'][:100]}" if r["error"] else ""
         chk = "  " + " ".join(f"{k}={v:.1e}" for k, v in r["check"].items()
                               if isinstance(v, float)) if r["check"] else ""
-        lines.append(f"{r['family'] + '/' + r['case']:38s} {r['impl']:8s} {ms:>8s} {gb:>7s} "
-                     f"{frac:>6s} {gms:>7s} {gfrac:>6s}  {ratios}{err}{chk}")
+        lines.append(f"{r['family'] + '/' + r['case']:38s} {r['impl']:8s} {status:12s} {ms:>8s} "
+                     f"{gb:>7s} {frac:>6s} {gms:>7s} {gfrac:>6s}  {ratios}{err}{chk}")
     for r in result["rows"]:
         if r.get("kernels"):
             total = sum(k["ms"] for k in r["kernels"])
