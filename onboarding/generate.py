@@ -99,9 +99,12 @@ def _check_one(entry, ref, args: tuple, label: str) -> list[dict[str, Any]]:
     outs = tuple(o for o in (out if isinstance(out, tuple) else (out,)) if o is not None)
     exps = tuple(e for e in (expect if isinstance(expect, tuple) else (expect,))
                  if e is not None)
+    if len(outs) != len(exps):  # pairing them would judge only the outputs both have
+        return [{"name": f"{label}.outputs", "passed": False,
+                 "message": f"candidate returned {len(outs)} outputs, the reference {len(exps)}"}]
     results = []
     gen = torch.Generator().manual_seed(1)
-    for i, (o, e) in enumerate(zip(outs, exps)):
+    for i, (o, e) in enumerate(zip(outs, exps, strict=True)):
         if not o.is_floating_point():  # indices, counts: exactly equal or wrong
             same = torch.equal(o.cpu(), e.cpu())
             results.append({"name": f"{label}.out{i}", "passed": same,
@@ -111,13 +114,14 @@ def _check_one(entry, ref, args: tuple, label: str) -> list[dict[str, Any]]:
                     f"{label}.out{i}")
         results.append(c.as_dict())
     # Back-propagate the same random cotangents through every differentiable output.
-    pairs = [(o, e) for o, e in zip(outs, exps) if o.requires_grad and e.requires_grad]
+    pairs = [(o, e) for o, e in zip(outs, exps, strict=True)
+             if o.requires_grad and e.requires_grad]
     grads_out = [torch.randn(e.shape, generator=gen).to(e.device, e.dtype) for _, e in pairs]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for (o, _), g in
-                                                          zip(pairs, grads_out)])
+                                                          zip(pairs, grads_out, strict=True)])
         torch.autograd.backward([e for _, e in pairs], grads_out)
-    for i, (a, r) in enumerate(zip(a_args, r_args)):
+    for i, (a, r) in enumerate(zip(a_args, r_args, strict=True)):
         if isinstance(a, torch.Tensor) and a.requires_grad:
             if a.grad is None or r.grad is None:
                 results.append({"name": f"{label}.grad{i}", "passed": a.grad is None and

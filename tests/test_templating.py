@@ -272,3 +272,31 @@ def test_an_edited_module_gets_its_own_op_name(tmp_path):
     for module in (first, second):
         torch.testing.assert_close(module.entry(x, w), module.reference(x, w))
     assert templating.load_module(path) is second  # cached by content, named once
+
+
+def test_generate_fails_a_candidate_that_returns_fewer_outputs(tmp_path, monkeypatch):
+    """`check_candidate` counts outputs before pairing them with the reference's. The router
+    returns (logits, weights, indices, counts); a candidate that drops the counts (no gradient
+    to miss) passed on the other three while zip stopped at the shorter side. Now it fails,
+    with both counts named."""
+    from onboarding import generate
+
+    path = tmp_path / "moe_router" / "softmax.py"
+    templating.write_module(templating.render("moe_router", "softmax", {}), path)
+
+    def candidate():
+        return generate.Candidate(family="moe_router", variant="softmax", params={},
+                                  path=str(path))
+
+    full = generate.check_candidate(candidate(), [[37, 32]])
+    assert full.status == "passed", full.error or full.checks
+    assert [c["name"] for c in full.checks if ".out" in c["name"]] == [
+        "sample.out0", "sample.out1", "sample.out2", "sample.out3"]
+
+    real = generate.entry_function
+    monkeypatch.setattr(generate, "entry_function",
+                        lambda mod: (lambda *a: real(mod)(*a)[:3]))  # no counts
+    short = generate.check_candidate(candidate(), [[37, 32]])
+    assert short.status == "failed" and short.error == ""
+    assert short.checks == [{"name": "sample.outputs", "passed": False,
+                             "message": "candidate returned 3 outputs, the reference 4"}]
