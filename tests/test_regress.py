@@ -153,9 +153,83 @@ def test_every_float_fact_has_a_tolerance(run):
             assert fact in regress.TOLERANCES, fact
 
 
-def test_identical_runs_have_no_findings(run, tmp_path):
+def test_runs_that_differ_only_in_non_facts_have_no_findings(run, tmp_path):
+    """Another directory (so other candidate paths), other timings, event times and environment:
+    none of it is a fact. (`test_every_fact_change_is_reported_exactly` shows the same compare
+    reports each real change.)"""
     other = make_run(tmp_path / "again")
+    edit(other, "candidates.json", lambda d: d[0].update(seconds=99.0))
+    edit(other, "model.json", lambda d: d.update(seconds=7.0, environment={"gpu": "H200"}))
+    lines = (other / "events.jsonl").read_text().splitlines()
+    (other / "events.jsonl").write_text("".join(
+        json.dumps({**json.loads(line), "time": 1000.0 + i}) + "\n" for i, line in enumerate(lines)))
     assert regress.compare(regress.golden(run), regress.golden(other)) == []
+
+
+COMMITTED_FACTS = regress.load_golden(COMMITTED)["facts"] if COMMITTED.is_file() else {}
+
+
+def _changes(fact: str, value):
+    """(a value of `fact` that compare must report, one it must let pass or None): an exact
+    fact changed by one step; a float with a tolerance moved past it and within it."""
+    tol = regress.TOLERANCES.get(fact)
+    if isinstance(value, bool):
+        return (not value), None
+    if isinstance(value, int):
+        return value + 1, None
+    if isinstance(value, str):
+        return value + "~", None
+    if value is None:
+        return 0.5, None
+    assert isinstance(value, float) and tol is not None, (fact, value)
+    if tol.drop is not None:
+        return value - 2 * tol.drop, value - tol.drop / 2
+    bound = max(value * tol.ratio, tol.floor)
+    return 2 * bound, 0.9 * bound
+
+
+@pytest.mark.parametrize("fact", list(COMMITTED_FACTS))
+def test_every_fact_change_is_reported_exactly(fact):
+    """Each fact of the committed golden (every entry of a mapping), changed on its own: compare
+    reports that one change and nothing else, with both values; a float moved within its
+    tolerance is not reported; a mapping's entry removed or added is reported as such."""
+    facts = COMMITTED_FACTS
+    value = facts[fact]
+    entries = list(value.items()) if isinstance(value, dict) else [(None, value)]
+    for key, v in entries:
+        changed, within = _changes(fact, v)
+        for new, reported in ((changed, True), (within, False)):
+            if new is None:
+                continue
+            current = {**facts, fact: {**value, key: new} if key is not None else new}
+            found = regress.compare(facts, current)
+            if not reported:
+                assert found == [], (fact, key, v, new)
+                continue
+            assert [(f.fact, f.key) for f in found] == [(fact, key)], (key, v, new)
+            assert (found[0].golden, found[0].current) == (v, new)
+            name = fact if key is None else f"{fact}[{key}]"
+            assert found[0].message.startswith(f"{name}: golden "), found[0].message
+    if isinstance(value, dict):
+        key = next(iter(value))
+        gone = regress.compare(facts, {**facts, fact: {k: v for k, v in value.items() if k != key}})
+        assert [(f.fact, f.key, f.current) for f in gone] == [(fact, key, None)]
+        assert gone[0].message.endswith("now absent")
+        new = regress.compare(facts, {**facts, fact: {**value, "extra entry": 1}})
+        assert [(f.fact, f.key, f.golden) for f in new] == [(fact, "extra entry", None)]
+    missing = regress.compare(facts, {k: v for k, v in facts.items() if k != fact})
+    assert [(f.fact, f.key) for f in missing] == [(fact, None)]
+    assert regress.compare(facts, facts) == []
+
+
+def test_a_value_of_another_type_is_a_change():
+    """False and 0, 1 and 1.0 compare equal in Python; as facts they differ."""
+    g = {"params.totals": {"tied_embeddings": False, "total": 1}, "opgraph.total_flops": 5}
+    found = regress.compare(g, {"params.totals": {"tied_embeddings": 0, "total": 1.0},
+                                "opgraph.total_flops": 5.0})
+    assert [(f.fact, f.key) for f in found] == [("params.totals", "tied_embeddings"),
+                                                ("params.totals", "total"),
+                                                ("opgraph.total_flops", None)]
 
 
 def test_changed_coverage_entry(run):
@@ -251,7 +325,7 @@ def test_committed_example_golden(run):
     assert list(facts) == list(shape)  # the facts `golden` extracts today, in its order
     for fact, value in shape.items():
         assert isinstance(facts[fact], dict) == isinstance(value, dict), fact
-    assert regress.compare(facts, facts) == []
+    assert regress.compare(facts, facts) == []  # beside test_every_fact_change_is_reported_exactly
     assert facts["run.config"]["model"] == "onboard_hybrid"
     assert facts["alignment.verdict"] == "passed"
     assert all(s.startswith("passed") for s in facts["candidates.status"].values())
