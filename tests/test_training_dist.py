@@ -99,16 +99,57 @@ def test_ep_experts_match_one_process_with_zero_splits(flags):
 
 # ---- whole training runs --------------------------------------------------------------------
 
+def _proxy(cfg_path: Path):
+    """(proxy config, fp32 bytes of its parameters: what every rank holds before it shards
+    experts), without building weights."""
+    from onboarding.training.setup import model_info
+
+    info = model_info(TrainConfig.from_toml(cfg_path))
+    model = info.loaded.build(info.proxy_config, device="meta", seed=None)
+    return info.proxy_config, 4 * sum(p.numel() for p in model.parameters())
+
+
+def _assert_a2a_shares(rows: list[dict], profiled: list[int], *, all_to_all: bool) -> None:
+    """Profiled steps (and only those) carry the all-to-all share of the step's time: total and
+    exposed, 0 <= exposed <= total <= 1; above 0 where expert parallelism exchanges tokens,
+    exactly 0 where nothing does (the single-process reference)."""
+    assert [r["step"] for r in rows if "a2a_share" in r] == profiled
+    for r in rows:
+        if "a2a_share" not in r:
+            assert "a2a_exposed_share" not in r and "a2a_ms" not in r
+            continue
+        assert 0.0 <= r["a2a_exposed_share"] <= r["a2a_share"] <= 1.0, r
+        assert r["a2a_ms"] == pytest.approx(r["a2a_share"] * r["step_time_s"] * 1e3)
+        if all_to_all:
+            assert r["a2a_ms"] > 0 and r["a2a_exposed_share"] > 0, r
+        else:
+            assert r["a2a_ms"] == 0.0 and r["a2a_share"] == 0.0, r
+
+
 @pytest.mark.slow
 def test_world2_ep2_matches_reference(tmp_path):
-    cfg = _config(tmp_path, model="hf:qwen3_moe", nproc=2, ep=2, fsdp=1)
+    """EP=2 on two gloo ranks against the reference, profiling every 2nd step (`--profile-every
+    2`): the all-to-all share of the profiled steps, the expert load, peak memory."""
+    from onboarding.training.compare import compare
+
+    cfg = _config(tmp_path, model="hf:qwen3_moe", nproc=2, ep=2, fsdp=1, profile_every=2)
     _ok(_reference(cfg))
     _ok(_parallel(cfg, 2))
     _assert_curves_match(tmp_path)
-    rows = [json.loads(x) for x in (tmp_path / "train/parallel.jsonl").read_text().splitlines()]
+    rows = _rows(tmp_path, "parallel")
+    proxy, model_bytes = _proxy(cfg)
     load = rows[0]["expert_load"]
-    assert len(load) == 2 and sum(load[0]["tokens"]) == 2 * 2 * 32 * 2  # 2 ranks x 2 x 32 x k=2
-    assert rows[0]["aux"] is not None and rows[0]["peak_mem_bytes"] > 0
+    k = proxy.num_experts_per_tok
+    assert len(load) == 2 and sum(load[0]["tokens"]) == 2 * 2 * 32 * k  # 2 ranks x 2 x 32 x k
+    assert rows[0]["aux"] is not None
+    _assert_a2a_shares(rows, [2, 4], all_to_all=True)
+    _assert_a2a_shares(_rows(tmp_path, "reference"), [2, 4], all_to_all=False)
+    metrics = compare(tmp_path, plot=False)["metrics"]["parallel"]  # the medians the table shows
+    assert 0 < metrics["a2a_exposed_share"] <= metrics["a2a_share"] <= 1
+    # peak memory (max RSS on the CPU) holds at least the model, and not more than the machine
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for r in rows:
+        assert model_bytes <= r["peak_mem_bytes"] <= ram, (model_bytes, r["peak_mem_bytes"])
     assert (tmp_path / "train/adapter/adapter_model.safetensors").is_file()
 
 

@@ -375,3 +375,27 @@ def test_flops_unchanged_when_experts_are_sharded(built):
     sharded = step_flops(graph, model, **kw)
     for part in ("base_dense", "base_experts", "expert_adapters", "total"):
         assert sharded[part] == pytest.approx(full[part]), part
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+def test_cpu_peak_memory_is_in_bytes_and_grows_with_what_the_process_holds():
+    """`peak_memory` on the CPU (the process's max RSS, KiB on Linux): in a fresh process,
+    touching a 256 MiB tensor raises it by most of that (the peak before may sit above the
+    resident set of the moment: import-time garbage freed since), and by far less than 1024x
+    that (a KiB/byte slip either way fails)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from onboarding.training.metrics import peak_memory\n"
+            "cpu = torch.device('cpu')\n"
+            "before = peak_memory(cpu)\n"
+            "held = torch.ones(64 * 2**20)\n"  # 256 MiB of fp32, every page written
+            "print(before, peak_memory(cpu), held.numel() * held.element_size())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    before, after, size = map(int, out.split())
+    assert size == 256 * 2**20
+    assert 0.5 * size <= after - before <= 2 * size and after >= size, (before, after)
+    assert 50 * 2**20 < before < 2 * 2**30  # python + torch: tens to hundreds of MiB
