@@ -96,24 +96,54 @@ def align_node(state: RunState) -> dict[str, Any]:
                        seq=c.seq, seed=c.seed,
                        exclude={tuple(x) for x in state.excluded_kernels})
     culprits = [b.path for b in result.culprits("fwd") or result.culprits("bwd")]
-    # The next candidate for a culprit's op: today, the torch path (its kernel left out).
-    excluded = [list(x) for x in state.excluded_kernels]
-    for r in result.patches:
-        if r.get("status") == "active" and any(r["path"] == p or r["path"].startswith(p + ".")
-                                               for p in culprits):
-            excluded.append([r["path"], r["family"]])
+    excluded, stop = next_exclusions(result, state.excluded_kernels)
     attempt = {"attempt": len(state.align_attempts) + 1, "passed": result.passed,
                "culprits": culprits, "excluded_before": state.excluded_kernels,
-               "summary": result.summary()}
+               "summary": result.summary(), "stop": stop}
     return _done(state, "align", artifacts={"alignment": "alignment.json"},
                  align_attempts=[*state.align_attempts, attempt], excluded_kernels=excluded,
                  summary={"alignment_passed": result.passed})
 
 
+def next_exclusions(result, excluded: list[list[str]]) -> tuple[list[list[str]], str | None]:
+    """The kernels to leave out on the next attempt, and why there is none (None: retry).
+
+    The next candidate for a culprit's op is, today, its torch path: every active kernel
+    patched at a culprit, inside one, or around one is left out. A retry must change
+    something: when a failed alignment blames no block that runs one of our kernels (a
+    culprit on the model's own code, or a failure not pinned on a block), there is nothing
+    to leave out, and the loop stops with that reason instead of running the same alignment
+    again.
+    """
+    if result.passed:
+        return [list(x) for x in excluded], None
+    culprits = [b.path for b in result.culprits("fwd") + result.culprits("bwd")]
+    new = [list(x) for x in excluded]
+    for r in result.patches:
+        p = r["path"]
+        if r.get("status") == "active" and [p, r["family"]] not in new and any(
+                p == c or p.startswith(c + ".") or c.startswith(p + ".") for c in culprits):
+            new.append([p, r["family"]])
+    if len(new) > len(excluded):
+        return new, None
+    if culprits:
+        why = (f"no retry: the culprit{'s' if len(culprits) > 1 else ''} "
+               f"{', '.join(culprits)} run{'s' if len(culprits) == 1 else ''} no kernel of ours "
+               "(the model's own code), so there is no kernel to leave out")
+    else:
+        lg = result.logits
+        why = ("no retry: no block is to blame (logits rel_rms "
+               f"{lg['stats']['rel_rms']:.2e} over their bound {lg.get('max_rel_rms', 0):.1e}), "
+               "nothing to leave out")
+    return new, why
+
+
 def after_align(state: RunState) -> str:
-    """Back to generate while alignment fails and retries remain, else on to tuning."""
+    """Back to generate while alignment fails, retries remain and the retry changes something
+    (`next_exclusions`), else on to tuning."""
     last = state.align_attempts[-1]
-    if last["passed"] or len(state.align_attempts) > state.config.max_align_retries:
+    if (last["passed"] or last.get("stop")
+            or len(state.align_attempts) > state.config.max_align_retries):
         return "tune"
     return "generate"
 

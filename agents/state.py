@@ -48,3 +48,33 @@ class RunState(BaseModel):
     tune_attempts: list[dict[str, Any]] = Field(default_factory=list)
     # one entry per train node run: the layout, exit code and the loss comparison's verdict
     train_attempts: list[dict[str, Any]] = Field(default_factory=list)
+
+    def verdict(self) -> tuple[bool, str]:
+        """(passed, one line): the run's checks, the last alignment and training attempts.
+
+        A check that did not run (training skipped on a CPU) is said as such, never as passed.
+        """
+        lines, passed = [], True
+        if self.align_attempts:
+            a = self.align_attempts[-1]
+            if a["passed"]:
+                lines.append(f"alignment passed (attempt {a['attempt']})")
+            else:
+                passed = False
+                blamed = ", ".join(a["culprits"]) or "no single block"
+                lines.append(f"alignment FAILED after {a['attempt']} attempt(s): {blamed}"
+                             + (f"; {a['stop']}" if a.get("stop") else ""))
+        else:
+            lines.append("alignment not run")
+        if self.train_attempts:
+            t = self.train_attempts[-1]
+            if t.get("skipped"):
+                lines.append("training not run (" + t["skipped"] + ")")
+            elif t.get("passed"):
+                lines.append("training loss matches its reference")
+            else:
+                passed = False
+                lines.append("training loss check FAILED"
+                             + (f": {t['summary']}" if t.get("summary") else
+                                f" (exit code {t.get('exit_code')}, no verdict written)"))
+        return passed, "; ".join(lines)

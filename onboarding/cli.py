@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 20 on a GPU; skipped on the CPU unless this is given)")
     r.add_argument("--train-nproc", type=int, default=None, metavar="N",
                    help="training processes (default: the GPUs here, 2 on the CPU)")
+    r.add_argument("--max-align-retries", type=int, default=2, metavar="N",
+                   help="a failed alignment loops back to generate without the culprit's kernel "
+                        "at most N times (default 2; each retry must leave out a kernel)")
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
 
     rg = sub.add_parser("regress", help="compare a finished run (default: a fresh run of the "
@@ -496,6 +499,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     else:
         overrides = parse_assignments(args.set)
         families = _families(args)
+        if args.max_align_retries < 0:
+            raise InputError(f"--max-align-retries {args.max_align_retries}: expected >= 0")
         # Check the input before a run directory exists, so bad input leaves nothing behind.
         with console.status("checking MODEL"):
             info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
@@ -504,7 +509,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         inputs = RunState(config=RunConfig(
             model_ref=args.model, overrides=overrides, trust_remote_code=args.trust_remote_code,
             proxy=args.proxy, batch=args.batch, seq=args.seq, seed=args.seed,
-            align_kernels=families, tune_trials=args.tune_trials,
+            align_kernels=families, max_align_retries=args.max_align_retries,
+            tune_trials=args.tune_trials,
             train_steps=args.train_steps, train_nproc=args.train_nproc),
             run_dir=str(run_dir))
     with owned_dir(run_dir, created_here=created):
@@ -515,7 +521,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                 snap = app.get_state(cfg)
                 if not snap.next:
                     console.print(f"{run_dir}: run already complete")
-                    return EXIT_OK
+                    return _run_verdict(snap.values, console)
                 console.print(f"resuming {run_dir} at: {', '.join(snap.next)}")
             stopping = False
             with console.status("starting") as status:
@@ -531,13 +537,27 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                     for node in chunk:
                         console.print(f"[green]done[/green] {node}")
                         stopping = stopping or node == args.stop_after
+            final = app.get_state(cfg).values
         finally:
             conn.close()
     graph_file = run_dir / "opgraph.json"
     if graph_file.exists():
         print_opgraph(OpGraph.load(graph_file), console)
     console.print(f"report: {run_dir / 'report.md'}")
-    return EXIT_OK
+    return _run_verdict(final, console)
+
+
+def _run_verdict(values: dict, console: Console) -> int:
+    """The run's last screen line: what its checks said; exit 3 when one failed."""
+    from agents.state import RunState
+
+    passed, line = RunState.model_validate(values).verdict()
+    if passed:
+        console.print(escape(line), highlight=False)
+        return EXIT_OK
+    console.print(f"[bold red]check failed[/bold red]: {escape(line)} (exit {EXIT_CHECK_FAILED})",
+                  highlight=False)
+    return EXIT_CHECK_FAILED
 
 
 def _regress_example(name: str, console: Console) -> tuple[Path, str]:
@@ -551,7 +571,8 @@ def _regress_example(name: str, console: Console) -> tuple[Path, str]:
     argv = ["run", "--out", str(run_dir), "--tune-trials", "0", "--train-steps", "0"]
     command = "onboard " + " ".join(argv)
     console.print(f"running the built-in example: {command}", highlight=False)
-    if cmd_run(build_parser().parse_args(argv), console) != EXIT_OK:
+    # a failed check (exit 3) is a fact the golden compares; anything else is not a run
+    if cmd_run(build_parser().parse_args(argv), console) not in (EXIT_OK, EXIT_CHECK_FAILED):
         raise RuntimeError(f"{command} did not finish")
     return run_dir, command
 

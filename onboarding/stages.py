@@ -116,9 +116,13 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
 
     ``families`` limits which kernels are patched (None: all; []: none); ``exclude`` drops
     (block path, family) pairs, which is how the agent retries without a culprit's kernel.
+    A 16-bit ``dtype`` also runs the unpatched model in that dtype: its own error against the
+    reference, block by block, sets the bounds (`onboarding.align.bounds_from_floor`).
     Writes ``alignment.json``, ``alignment.md`` (the report's table) and ``alignment.png``.
     """
-    from onboarding.align import align, build_pair
+    import copy
+
+    from onboarding.align import align, as_dtype, build_pair
     from onboarding.backend import kernel_device
     from onboarding.generate import kernels_for
     from onboarding.parse import example_inputs
@@ -132,11 +136,15 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
                                             candidate_dtype=dtype)
     reference_model.to(device)
     candidate.to(device)
+    # 16-bit candidates: the unpatched model in the same dtype, run beside them, sets the bounds
+    floor = None
+    if mode == "percentile" and as_dtype(dtype).itemsize == 2:
+        floor = copy.deepcopy(model).to(as_dtype(dtype)).eval().to(device)
     inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq or graph.seq, seed)
     inputs = tuple(t.to(device) for t in inputs)
     with patch_model(candidate, graph, kernels) as patches:
         result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,
-                       patches=patches, on_step=on_step)
+                       patches=patches, floor=floor, on_step=on_step)
     if out_dir is not None:
         result.save(out_dir / "alignment.json")
         result.plot(out_dir / "alignment.png")
