@@ -415,14 +415,32 @@ def test_export_shipped_model(shipped_model, shape):
     assert {"model.layers.0.linear_attn", "model.layers.3.self_attn.indexer", "model.layers.0.mlp.experts"} <= paths
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_forward_dtypes(shipped_model, dtype):
-    ids = torch.randint(0, shipped_model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
-    model = shipped_model if dtype == torch.float32 else build(shipped_model.config).to(dtype)
+def test_forward_fp32_sequences_in_a_batch_are_independent(shipped_model):
+    """The shipped model's fp32 logits of a sequence are its logits alone, whatever it is
+    batched with (routing, the indexer's top-k and attention never mix sequences)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shipped_model.config.vocab_size, (1, 128), generator=gen)
+    other = torch.randint(0, shipped_model.config.vocab_size, (1, 128), generator=gen)
     with torch.no_grad():
-        out = model(ids, use_cache=False).logits
-    assert out.shape == (1, 128, shipped_model.config.vocab_size) and out.dtype == dtype
-    assert torch.isfinite(out).all()
+        alone = shipped_model(ids, use_cache=False).logits
+        batched = shipped_model(torch.cat([other, ids]), use_cache=False).logits
+    assert alone.shape == (1, 128, shipped_model.config.vocab_size) and alone.dtype == torch.float32
+    assert_close(batched[1], alone[0], 1e-5, "batched with another sequence")
+    assert rel_err(batched[0], alone[0]) > 0.1  # the other sequence's logits are its own
+
+
+def test_forward_bf16_tracks_fp32_through_top_k_choices(shipped_model):
+    """The shipped model (top-4 routing, top-k key selection) in bf16 against its own fp32:
+    rounding flips some discrete choices, so the logits move by more than rounding
+    (measured rel RMS 0.12 / top-1 agreement 0.92 at this seed; 0.12-0.16 / 0.76-0.92 over
+    seeds 1-3), but a wrong model (other weights) is off by ~1.4."""
+    ids = torch.randint(0, shipped_model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = shipped_model(ids, use_cache=False).logits
+        out = build(shipped_model.config).to(torch.bfloat16)(ids, use_cache=False).logits
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert rel_err(out, ref) < 0.25
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
 
 
 def test_bf16_tracks_fp32_without_discrete_choices():
@@ -533,9 +551,11 @@ def test_dense_forward_export_and_padding():
     model = AutoModelForCausalLM.from_pretrained(DENSE_DIR, trust_remote_code=True).eval()
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(6))
     out = model(ids, labels=ids)
-    assert out.logits.shape == (2, 24, 256) and torch.isfinite(out.loss)
+    assert out.logits.shape == (2, 24, 256)
+    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    assert_close(out.loss, expected, 1e-6, "loss: next-token cross-entropy")
     out.loss.backward()
-    assert all(p.grad is not None for p in model.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     with torch.no_grad():
         ep = torch.export.export(model, (ids,), kwargs={"use_cache": False}, strict=False)
         assert_close(ep.module()(ids, use_cache=False).logits, model(ids).logits, 1e-6, "exported")
@@ -544,5 +564,7 @@ def test_dense_forward_export_and_padding():
         padded = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
         assert_close(padded[0, 4:], model(ids[:1, 4:]).logits[0], 1e-5, "left padding")
         assert_close(padded[1], model(ids[1:]).logits[0], 1e-6, "no padding")
+        fp32 = model(ids).logits
         bf16 = model.to(torch.bfloat16)(ids).logits
-    assert bf16.dtype == torch.bfloat16 and torch.isfinite(bf16).all()
+    # no discrete choices in a dense model: bf16 differs from fp32 by rounding only
+    assert bf16.dtype == torch.bfloat16 and rel_err(bf16, fp32) < 3e-2
