@@ -87,6 +87,9 @@ def test_floor_bound_in_isolation_never_exceeds_the_documented_bound():
     # RMS alone
     e2e = bounds_from_floor(tol, {"output": 0.2}, 1e-2, "output")
     assert e2e.max_rel_rms == pytest.approx(FLOOR_FACTOR_E2E * 0.2) and e2e.max_outlier_frac == 1
-    # a GDN-sized floor (1e-2 in isolation): a 2% error is still over the derived bound
-    assert bounds_from_floor(tol, {"local_output": 1.03e-2}, 1e-2, "local_output").max_rel_rms < 0.02
+    # the largest floor measured in isolation (a gated-delta mixer's torch path, 8.4e-3): a 2%
+    # error on top of an own error that size is still over the derived bound
+    f = 8.4e-3
+    assert bounds_from_floor(tol, {"local_output": f}, 1e-2, "local_output").max_rel_rms < \
+        (f ** 2 + 0.02 ** 2) ** 0.5
     assert bounds_from_floor(tol, {}, 1e-2, "output") is tol  # nothing measured: as documented
