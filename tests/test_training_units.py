@@ -216,7 +216,7 @@ def _logits(model, ids):
 ])
 def test_inject_lora_by_structure(built, ref, expect, absent):
     model, graph, b = built(ref)
-    assert b.n_experts == 8
+    assert b.n_experts == b.info.proxy_config.num_experts  # found by structure, as configured
     original = copy.deepcopy(model)
     targets = default_targets(model, graph)
     suffixes = {".".join(t.split(".")[-2:]) for t in targets}
@@ -327,14 +327,15 @@ def test_export_without_adapters_errors(built, tmp_path):
 # ----------------------------------------------------------------------------------- FLOPs
 
 def test_flops_lora_correct_and_routed_scaling(built):
-    model, graph, _ = built("hf:qwen3_moe")
+    model, graph, b = built("hf:qwen3_moe")
     kw = dict(tokens=512, seq_len=64, lora_rank=8, expert_lora=False)
     f = step_flops(graph, model, **kw)
     assert f["total"] < f["total_6n"] and f["uncounted_blocks"] == 0
     assert f["attention"] > 0 and f["linear_attention"] == 0
-    expected = step_flops(graph, model, routed_tokens=512 * 2 * 2, **kw)  # top-2, 2 layers
+    routed = 512 * b.info.proxy_config.num_experts_per_tok * len(graph.by_kind("moe.experts"))
+    expected = step_flops(graph, model, routed_tokens=routed, **kw)  # tokens x top-k x layers
     assert expected["base_experts"] == pytest.approx(f["base_experts"])
-    double = step_flops(graph, model, routed_tokens=512 * 2 * 2 * 2, **kw)
+    double = step_flops(graph, model, routed_tokens=2 * routed, **kw)
     assert double["base_experts"] == pytest.approx(2 * f["base_experts"])
     assert f["expert_adapters"] == 0
     assert step_flops(graph, model, **{**kw, "expert_lora": True})["expert_adapters"] > 0
@@ -379,23 +380,30 @@ def test_flops_unchanged_when_experts_are_sharded(built):
 
 # ---------------------------------------------------------------------------------- metrics
 
-def test_cpu_peak_memory_is_in_bytes_and_grows_with_what_the_process_holds():
-    """`peak_memory` on the CPU (the process's max RSS, KiB on Linux): in a fresh process,
-    touching a 256 MiB tensor raises it by most of that (the peak before may sit above the
-    resident set of the moment: import-time garbage freed since), and by far less than 1024x
-    that (a KiB/byte slip either way fails)."""
-    import subprocess
-    import sys
+def test_cpu_peak_memory_is_in_bytes_and_covers_what_the_process_holds():
+    """`peak_memory` on the CPU (the process's max RSS; Linux reports KiB): at least the resident
+    set of this moment, a 64 MiB tensor included, and no more than the machine has (a KiB/byte
+    slip either way fails). The peak may sit far above the moment's resident set: Linux carries
+    it over from the process that forked this one."""
+    import os
 
-    code = ("import torch\n"
-            "from onboarding.training.metrics import peak_memory\n"
-            "cpu = torch.device('cpu')\n"
-            "before = peak_memory(cpu)\n"
-            "held = torch.ones(64 * 2**20)\n"  # 256 MiB of fp32, every page written
-            "print(before, peak_memory(cpu), held.numel() * held.element_size())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    before, after, size = map(int, out.split())
-    assert size == 256 * 2**20
-    assert 0.5 * size <= after - before <= 2 * size and after >= size, (before, after)
-    assert 50 * 2**20 < before < 2 * 2**30  # python + torch: tens to hundreds of MiB
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs Linux's /proc/self/statm for the resident set")
+    from onboarding.training.metrics import peak_memory
+
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    cpu = torch.device("cpu")
+    before, rss_before = peak_memory(cpu), resident()
+    held = torch.ones(16 * 2**20)  # 64 MiB of fp32, every page written
+    rss_held = resident()
+    assert rss_held - rss_before >= 0.9 * held.numel() * held.element_size()  # the set-up
+    after = peak_memory(cpu)
+    # the kernel's RSS counters are synced lazily: the peak may read a few pages under statm
+    assert before <= after and 0.95 * rss_held <= after <= page * os.sysconf("SC_PHYS_PAGES"), \
+        (before, rss_held, after)
+    del held
