@@ -44,7 +44,8 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, s
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (["hf:qwen3_moe", "--nproc", "3", "--ep", "3"], "ep=3: does not divide the model's 8"),
+    (["hf:qwen3_moe", "--nproc", "3", "--ep", "3"],
+     "ep=3: does not divide the model's {experts} routed experts"),
     (["hf:qwen3_moe", "--nproc", "2", "--ep", "1", "--fsdp", "1"],
      "nproc=2: world size must equal fsdp * ep"),
     (["hf:qwen3_moe", "--nproc", "3", "--ep", "2"], "nproc=3: world size must equal"),
@@ -62,6 +63,11 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, s
 def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, capsys, argv,
                                                      fragment):
     monkeypatch.chdir(tmp_path)
+    if "{experts}" in fragment:  # the proxy's routed experts, from its config
+        from onboarding.training.setup import model_info
+
+        experts = model_info(TrainConfig(model=argv[0])).proxy_config.num_experts
+        fragment = fragment.format(experts=experts)
     out = tmp_path / "run"
     rc = main(["train", *argv, "--out", str(out)])
     err = capsys.readouterr().err.strip()
