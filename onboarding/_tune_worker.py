@@ -8,8 +8,8 @@ A trial has two requests, so that compiling and checking can run in many workers
 timing runs alone on the GPU (the parent's `tune._GpuGate` admits one `time` and no `check`):
 
 - ``check``: load the module, pin the config, compare forward + every gradient with `reference`
-  on the family's small `sample_inputs` (fresh random values; on a GPU in the timing dtype
-  against the fp32 reference, in the interpreter in fp32), then build the timing inputs
+  on the family's small `sample_inputs` (fresh random values, in the timing dtype against the
+  fp32 reference: `_check_at`, emulated in the interpreter), then build the timing inputs
   (real shapes from ``dims`` on a GPU, see `timing_inputs`) and run one untimed step so that
   the Triton JIT compiles outside the timed region;
 - ``time``: the median of event-timed forward + backward steps on the prepared inputs.
@@ -282,9 +282,14 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
             for a in spec.sample_inputs(variant, params, shapes, gen)]
     entry = entry_function(mod)
     on_gpu = device.type == "cuda"
-    tdt = getattr(torch, _TORCH_DTYPES.get(dtype, "float32")) if on_gpu else torch.float32
-    # On a GPU the config is checked at the precision it is tuned for (a tf32 dot is right for
-    # bf16 inputs, not at fp32 tolerance); the interpreter's bf16 is broken, so fp32 there.
+    # The config is checked at the precision it is tuned for (a tf32 dot is right for bf16
+    # inputs, not at fp32 tolerance), by the same 16-bit gate on a GPU and in the interpreter.
+    # The interpreter's bf16 is broken, so there the kernel computes in fp32 on the 16-bit
+    # inputs and its outputs and gradients are rounded to the 16-bit dtype (`_emulated`): the
+    # gate's bounds are the tuned dtype's in CI too. fp32 tuning keeps generate's fp32 check.
+    gate_dt = getattr(torch, _TORCH_DTYPES.get(dtype, "float32"))
+    tdt = gate_dt if on_gpu else torch.float32  # the timing step's dtype
+
     @contextlib.contextmanager
     def under_default():
         mod.set_config(default)
@@ -295,8 +300,9 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
 
     is_default = default is not None and default == {**mod.DEFAULT_CONFIG, **config}
     yardstick = under_default if default is not None and not is_default else None
-    checks = _check_at(entry, mod.reference, args, tdt, yardstick, is_default) \
-        if on_gpu and tdt != torch.float32 else _check_one(entry, mod.reference, tuple(args), "tune")
+    checks = _check_at(entry, mod.reference, args, gate_dt, yardstick, is_default,
+                       emulate=not on_gpu) if gate_dt != torch.float32 else \
+        _check_one(entry, mod.reference, tuple(args), "tune")
     bad = [c for c in checks if not c["passed"]]
     if not checks or bad:
         _release()
@@ -318,38 +324,107 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     return {"ok": True, "stage": "checked", "checks": len(checks), "timing_shapes": shapes_note}
 
 
-# A 16-bit result outside the family's bound still passes when the bucket's default config, run
-# on the same inputs, is nearly as far off: tile configs only reorder the same arithmetic, so a
-# config is wrong when it is much worse than the default, not when the sample is ill-conditioned
-# (tiny sample shapes of a chunked recurrence put single bf16 elements 2-3% off in every config).
+# The 16-bit gate (`_check_at`). Its bound is `tolerance_for(dtype, "reduction")`
+# (onboarding/testing/tolerance.py; relative RMS error bf16 1e-2, fp16 2e-3), with atol in units
+# of the reference's RMS (`compare_scaled`). Until issue 36 the bucket default passed at rel_rms
+# <= atol (bf16 5e-2) and any config within 2x of an off default passed with it, so a kernel
+# whose every config was 2%, 5% or 8% off, or had a gradient's sign wrong, passed. Now:
+# - the relative-RMS bound holds unless the sample itself is ill-conditioned, which is measured
+#   without the kernel: the noise floor (`_noise_floor`) is how far the fp32 reference's result
+#   moves when its 16-bit inputs move by about one rounding. The H200 needs this for chunked
+#   recurrences: on the tiny GDN / KDA samples every config, the default included, is off by
+#   1-5e-2 in bf16 on some seeds, under 2x those samples' floors (1.6-6.4e-2); every other
+#   family stays at <= 4.6e-3 bf16 / 8.2e-4 fp16, under the bound (docs/LOG.md, issue 36).
+#   A tensor over the bound passes only within NOISE_FACTOR x its floor and, for a config other
+#   than the default, only when the default on the same inputs is over the bound too (or not
+#   finite) and the config within NO_WORSE_RMS x its error: a config that is wrong where the
+#   default is right fails at the documented bound. The floors of those GDN / KDA samples are
+#   far above what the kernels reach (3.3e-2 where every config is at <= 5.2e-3), so there
+#   the default's own check cannot resolve a kernel-wide error of a few percent.
+# - single elements outside the elementwise bound (the RMS within it) pass when the largest
+#   error is within NO_WORSE_MAX x the default's on the same inputs: the tiny samples put single
+#   bf16 elements 2-3% off in every config. The default itself, the yardstick, is not judged on
+#   single elements (the H200 grid at K=64 pruned it on one of 74 dbeta elements: docs/LOG.md,
+#   fifth session).
+NOISE_FACTOR, NOISE_REPS = 2.0, 8
 NO_WORSE_RMS, NO_WORSE_MAX = 2.0, 3.0
 
 
+def _emulated(entry, tdt):
+    """`entry` as a GPU kernel runs at `tdt`, for the CPU (the interpreter cannot compute in
+    bf16): the kernel computes in fp32 on the `tdt`-rounded inputs it is given, its outputs are
+    rounded to `tdt` (a GPU kernel stores them there), and through that cast its backward gets
+    `tdt`-rounded cotangents and its gradients are rounded to the `tdt` leaves."""
+    def run(*xs):
+        outs = entry(*[x.float() if _is_float(x) else x for x in xs])
+
+        def cast(o):
+            return o.to(tdt) if _is_float(o) else o
+
+        return tuple(cast(o) for o in outs) if isinstance(outs, tuple) else cast(outs)
+
+    return run
+
+
+def _noise_floor(ref, rounded: list, grad_idx: list[int], cot: list, expected: dict, tdt
+                 ) -> dict[str, float]:
+    """Per output and gradient, the relative RMS change of the fp32 reference when its
+    `tdt`-rounded inputs are each multiplied by 1 + eps * u (eps of `tdt`, u uniform in
+    [-1/2, 1/2]: about one rounding), as the RMS over NOISE_REPS draws of a fixed seed: how far
+    a right `tdt` result can be off on these inputs, whatever the kernel does. One draw alone
+    is unsteady on an ill-conditioned sample (GDN's: 5e-3 to 8e-2 for one gradient over 16
+    draws, RMS 3-4e-2)."""
+    import torch
+
+    from onboarding.testing.tolerance import rel_rms
+
+    eps = torch.finfo(tdt).eps
+    dev = next((a.device for a in rounded if _is_float(a)), torch.device("cpu"))
+    gen = torch.Generator(device=dev).manual_seed(7)
+    sq: dict[str, float] = {}
+    for _ in range(NOISE_REPS):
+        moved = [a.float() * (1 + eps * (torch.rand(a.shape, generator=gen, device=dev) - 0.5))
+                 if _is_float(a) else a for a in rounded]
+        outs, grads, _, _ = _forward_backward(ref, moved, grad_idx, cot)
+        for name, v in _named(outs, grads).items():
+            e = expected.get(name)
+            if e is not None and e.is_floating_point() and v.is_floating_point():
+                sq[name] = sq.get(name, 0.0) + rel_rms(v, e) ** 2 / NOISE_REPS
+    return {name: math.sqrt(v) for name, v in sq.items()}
+
+
 def _check_at(entry, ref, args: list, tdt, default: Callable[[], Any] | None = None,
-              is_default: bool = False) -> list[dict[str, Any]]:
+              is_default: bool = False, *, emulate: bool = False) -> list[dict[str, Any]]:
     """The kernel in `tdt` against the fp32 reference on the same `tdt`-rounded values: every
     output and input gradient at `tdt`'s "reduction" tolerance, atol in units of the reference's
     RMS (`compare_scaled`: a chunked recurrence's or grouped GEMM's outputs have arbitrary scale,
-    and a config that is wrong is off by O(1) of it).
+    and a config that is wrong is off by O(1) of it). The rules are above NOISE_FACTOR.
 
-    `default`: a context manager that runs `entry` under the bucket's default config. Given, a
-    tensor that fails its bound is re-judged against the default's error on the same inputs
-    (within NO_WORSE_RMS x its relative RMS and NO_WORSE_MAX x its largest error).
-    `is_default`: the config is that default, the yardstick itself: only its RMS error is
-    judged, not single elements. Without this the H200 grid at K=64 pruned the bucket default
-    on one of 74 dbeta elements (docs/LOG.md, fifth session)."""
+    `default`: a context manager that runs `entry` under the bucket's default config: the
+    yardstick of a tensor that fails (the default's error on the same inputs).
+    `is_default`: the config is that default, the yardstick itself: its relative RMS is
+    judged (against the bound, or its noise floor), not its single elements.
+    `emulate`: run `entry` as `_emulated` (the CPU's way to apply the 16-bit gate)."""
     import torch
 
     from onboarding.testing.tolerance import compare_scaled, tolerance_for
 
     tol = tolerance_for(tdt, "reduction")
+    bound = tol.max_rel_rms
+    run = _emulated(entry, tdt) if emulate else entry
     rounded = [a.detach().to(tdt) if _is_float(a) else a for a in args]
     exps, ref_grads, grad_idx, cot = _forward_backward(
         ref, [a.float() if _is_float(a) else a for a in rounded])
     expected = _named(exps, ref_grads)
+    floors: dict[str, float] = {}
+
+    def floor(name: str) -> float:  # measured once, only when a tensor is over the bound
+        if not floors:
+            floors.update(_noise_floor(ref, rounded, grad_idx, cot, expected, tdt) or {"": 0})
+        return floors.get(name, 0.0)
 
     def judge():
-        outs, grads, _, _ = _forward_backward(entry, rounded, grad_idx, cot)
+        outs, grads, _, _ = _forward_backward(run, rounded, grad_idx, cot)
         got = _named(outs, grads)
         res = {}
         for name, e in expected.items():
@@ -365,33 +440,50 @@ def _check_at(entry, ref, args: list, tdt, default: Callable[[], Any] | None = N
             res[name] = {"name": name, "passed": False, "message": "missing on the reference side"}
         return res
 
+    def excuse(r, why: str) -> None:
+        r.update(passed=True, relative_to_default=True, message=f"{r['name']}: {why}; alone: "
+                 f"{r['message']}")
+
     res = judge()
+    failed = [r for r in res.values() if not r["passed"] and "rel_rms" in r]
     if is_default:
-        # compare_scaled's atol is in units of the expected RMS: an RMS floor like max_rel_rms
-        rms_bound = max(tol.max_rel_rms, tol.atol)
-        for name, r in res.items():
-            if not r["passed"] and r.get("rel_rms", math.inf) <= rms_bound:
-                r.update(passed=True, relative_to_default=True, message=(
-                    f"{name}: the bucket default (the yardstick) within the RMS bound, rel_rms "
-                    f"{r['rel_rms']:.2e} <= {rms_bound:.1e}; single elements: {r['message']}"))
+        for r in failed:
+            e = r["rel_rms"]
+            if e <= bound:
+                excuse(r, f"the bucket default (the yardstick) within the relative-RMS bound, "
+                          f"rel_rms {e:.2e} <= {bound:.1e}; single elements are not judged")
+            elif e <= NOISE_FACTOR * floor(r["name"]):
+                excuse(r, f"the bucket default (the yardstick) on an ill-conditioned sample: "
+                          f"rel_rms {e:.2e} within {NOISE_FACTOR:g}x its noise floor "
+                          f"{floor(r['name']):.2e}")
+            else:
+                r["message"] += f"; the inputs' noise floor {floor(r['name']):.2e}"
         return list(res.values())
-    if default is None or all(r["passed"] for r in res.values()):
+    if default is None or not failed:
         return list(res.values())
-    with default():
+    with default():  # also for a hard failure: its error tells a wrong config from a wrong kernel
         base = judge()
-    for name, r in res.items():
-        d = base[name]
-        if r["passed"] or "rel_rms" not in r or "rel_rms" not in d:
+    for r in failed:
+        d = base.get(r["name"], {})
+        if "rel_rms" not in d:
             continue
-        if (r["rel_rms"] <= max(tol.max_rel_rms, NO_WORSE_RMS * d["rel_rms"])
-                and r["max_abs"] <= NO_WORSE_MAX * d["max_abs"]):
-            r.update(passed=True, relative_to_default=True, message=(
-                f"{name}: no worse than the default config on the same inputs (rel_rms "
-                f"{r['rel_rms']:.2e} vs {d['rel_rms']:.2e}, max {r['max_abs']:.2e} vs "
-                f"{d['max_abs']:.2e}); alone: {r['message']}"))
+        e, de, m, dm = r["rel_rms"], d["rel_rms"], r["max_abs"], d["max_abs"]
+        same = (f"the default config on the same inputs: rel_rms {de:.2e}, max {dm:.2e}")
+        if not (math.isfinite(de) and math.isfinite(dm)):  # a broken default: as far off as any
+            de = dm = math.inf
+        if e <= bound and m <= NO_WORSE_MAX * dm:
+            excuse(r, f"single elements no worse than the default config on the same inputs "
+                      f"(max {m:.2e} vs {dm:.2e}, within {NO_WORSE_MAX:g}x; rel_rms {e:.2e} "
+                      f"<= {bound:.1e})")
+        elif e > bound and de > bound and e <= NO_WORSE_RMS * de and m <= NO_WORSE_MAX * dm \
+                and e <= NOISE_FACTOR * floor(r["name"]):
+            excuse(r, f"an ill-conditioned sample: rel_rms {e:.2e} within {NO_WORSE_RMS:g}x of "
+                      f"the default config's {de:.2e} on the same inputs (also over the bound "
+                      f"{bound:.1e}) and within {NOISE_FACTOR:g}x the inputs' noise floor "
+                      f"{floor(r['name']):.2e}")
         else:
-            r["message"] += (f"; the default config on the same inputs: rel_rms "
-                             f"{d['rel_rms']:.2e}, max {d['max_abs']:.2e}")
+            r["message"] += f"; {same}" + (f"; the inputs' noise floor {floor(r['name']):.2e}"
+                                           if e > bound else "")
     return list(res.values())
 
 

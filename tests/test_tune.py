@@ -32,7 +32,7 @@ def entry(*args, **kwargs):
     if block_n == 32:
         _os.abort()
     out = _clean_entry(*args, **kwargs)
-    return out * 1.01 if block_n == 2 else out
+    return out * 1.03 if block_n == 2 else out  # 3x bf16's relative-RMS bound (the tuned dtype)
 '''
 
 
@@ -415,9 +415,11 @@ def test_low_precision_check_accepts_the_kernel_and_rejects_a_wrong_one(rms_path
 
 
 def test_low_precision_check_judges_a_failing_config_against_the_default(rms_path):
-    """Outside its bound, a config passes when the default config is as far off on the same
-    inputs (an ill-conditioned sample), and fails when it is much worse than the default; the
-    default itself is judged by its RMS error only."""
+    """The default config's error on the same inputs excuses single elements only: a config
+    3.5% off fails in fp16 also when the default is 3% off (before issue 36 it passed as "no
+    worse than the default"), a spiked element passes when the default has the same spike, and
+    the default itself is judged by its relative RMS only. (tests/test_tune_gate.py plants
+    errors through the worker's whole check.)"""
     import contextlib
 
     import torch
@@ -429,40 +431,40 @@ def test_low_precision_check_judges_a_failing_config_against_the_default(rms_pat
     mod = load_module(rms_path)
     args = get_family("rmsnorm").sample_inputs("plain", dict(mod.PARAMS), [[64]],
                                                 torch.Generator().manual_seed(0))
-    err = {"now": 0.0}
+    err = {"now": 0.0, "spike": 0.0}
 
     @contextlib.contextmanager
-    def default_off_by(e):
-        saved, err["now"] = err["now"], e
+    def default_off_by(e, spike=0.0):
+        saved = dict(err)
+        err.update(now=e, spike=spike)
         try:
             yield
         finally:
-            err["now"] = saved
+            err.update(saved)
 
-    def entry(*a):
-        return entry_function(mod)(*a) * (1 + err["now"])
+    def entry(*a):  # off by err["now"], one element off by err["spike"] x the output's RMS
+        y = entry_function(mod)(*a) * (1 + err["now"])
+        rms = y.detach().float().pow(2).mean().sqrt().to(y.dtype)
+        return y + torch.zeros_like(y).index_put_((torch.tensor([0]),) * y.dim(),
+                                                  err["spike"] * rms)
 
-    err["now"] = 0.035  # 3.5% off: outside fp16's bound alone
-    alone = _check_at(entry, mod.reference, args, torch.float16)
-    assert not alone[0]["passed"]
-    ok = _check_at(entry, mod.reference, args, torch.float16, lambda: default_off_by(0.03))
+    err["now"] = 0.035  # 3.5% off: outside fp16's bound
+    assert not _check_at(entry, mod.reference, args, torch.float16)[0]["passed"]
+    bad = _check_at(entry, mod.reference, args, torch.float16, lambda: default_off_by(0.03))
+    assert not bad[0]["passed"] and "rel_rms 3.50e-02 > 2.0e-03" in bad[0]["message"]
+    assert "the default config on the same inputs: rel_rms 3.0" in bad[0]["message"]
+    err["now"] = 0.0
+    err["spike"] = 0.05  # one element off by 5% of the output's RMS: single elements only
+    assert not _check_at(entry, mod.reference, args, torch.float16)[0]["passed"]
+    ok = _check_at(entry, mod.reference, args, torch.float16, lambda: default_off_by(0, 0.04))
     assert all(c["passed"] for c in ok), ok
     assert ok[0]["relative_to_default"] and "no worse than the default" in ok[0]["message"]
-    err["now"] = 0.2  # much worse than the default
-    bad = _check_at(entry, mod.reference, args, torch.float16, lambda: default_off_by(0.03))
-    assert not bad[0]["passed"] and "the default config on the same inputs" in bad[0]["message"]
-    # the default itself is the yardstick: its RMS error is judged, not single elements
-    err["now"] = 0.0
-
-    def spiked(*a):  # one output element off by 20% of the output's RMS
-        y = entry_function(mod)(*a)
-        return y + torch.zeros_like(y).index_put_((torch.tensor([0]),) * y.dim(),
-                                                  0.2 * y.detach().float().pow(2).mean().sqrt().to(y.dtype))
-
-    assert not _check_at(spiked, mod.reference, args, torch.float16)[0]["passed"]
-    own = _check_at(spiked, mod.reference, args, torch.float16, is_default=True)
+    assert not _check_at(entry, mod.reference, args, torch.float16,
+                         lambda: default_off_by(0, 0.01))[0]["passed"]  # 5x the default's
+    # the default itself is the yardstick: its relative RMS is judged, not single elements
+    own = _check_at(entry, mod.reference, args, torch.float16, is_default=True)
     assert all(c["passed"] for c in own) and "the bucket default" in own[0]["message"], own
-    err["now"] = 0.2
+    err.update(now=0.035, spike=0.0)
     assert not _check_at(entry, mod.reference, args, torch.float16, is_default=True)[0]["passed"]
 
 
