@@ -33,6 +33,9 @@ class BucketResult:
     # the finalists re-timed after the search (config JSON -> median ms; empty: not re-timed).
     # best_ms / default_ms come from here when it holds them.
     final: dict[str, float | None] = field(default_factory=dict)
+    # [best config, bucket default]: the largest spill of their kernels in bytes per thread
+    # (the AOT gate's ptxas report; None: not compiled ahead of time)
+    spill_bytes: list[int | None] = field(default_factory=lambda: [None, None])
 
 
 def gpu_name() -> str:
@@ -135,6 +138,7 @@ def write_tuned(module_path: Path | str, results: Iterable[BucketResult], *, dty
             "config": r.best_config, "best_ms": r.best_ms, "default_ms": r.default_ms,
             "trials": r.n_trials, "complete": r.n_complete, "pruned": r.pruned,
             "study": r.study_name, "dtype": dtype, "gpu": gpu or gpu_name(),
+            "spill_bytes": r.spill_bytes[0],
             "timing": timing or ("cuda-events" if gpu_name() != "cpu-interpreter"
                                  else "cpu-wallclock (meaningless)"),
             "torch": torch.__version__, "triton": triton.__version__,
@@ -206,15 +210,17 @@ def plot_history(results: Iterable[BucketResult], out: Path | str) -> Path:
 
 def markdown_table(results: Iterable[BucketResult]) -> str:
     results = list(results)
-    rows = ["| bucket | trials | complete | pruned | best config | best ms | default ms | gain |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| bucket | trials | complete | pruned | best config | best ms | default ms | gain "
+            "| spills best / default (B) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         gain = (f"{r.default_ms / r.best_ms:.2f}x" if r.best_ms and r.default_ms else "-")
         pr = ", ".join(f"{k} {v}" for k, v in sorted(r.pruned.items())) or "0"
         fmt = (lambda v: f"{v:.4g}" if v is not None else "-")
+        spills = " / ".join("-" if v is None else str(v) for v in r.spill_bytes)
         rows.append(f"| {r.bucket} | {r.n_trials} | {r.n_complete} | {pr} | "
                     f"`{json.dumps(r.best_config, sort_keys=True)}` | {fmt(r.best_ms)} | "
-                    f"{fmt(r.default_ms)} | {gain} |")
+                    f"{fmt(r.default_ms)} | {gain} | {spills} |")
     notes = []
     for r in results:
         timed = sorted((ms, c) for c, ms in r.final.items() if ms is not None)

@@ -118,16 +118,81 @@ def test_aot_gate_prunes_config_over_the_limits(tmp_path, rms_path):
     (t,) = _trials(res, tmp_path / "studies")
     assert t.state == optuna.trial.TrialState.PRUNED and t.user_attrs["stage"] == "aot"
     assert "shared memory" in t.user_attrs["reason"] and "> 0" in t.user_attrs["reason"]
+    # the trial records each kernel's [registers, spill bytes, shared bytes] from ptxas
+    usage = t.user_attrs["aot_kernels"]
+    assert set(usage) == {s["kernel"] for s in load_module(rms_path).aot_specs("bf16", 64)}
+    assert all(0 < regs <= 255 and shared >= 0 for regs, _, shared in usage.values()), usage
+    assert t.user_attrs["spill_bytes"] == max(spill for _, spill, _ in usage.values())
+
+
+def _aot(**kw):
+    """An AOT gate result as the worker sends it (`AotResult.as_dict`)."""
+    from onboarding.aot import AotResult
+
+    base = dict(kernel="k", arch=90, num_warps=4, ok=True, shared_bytes=1024, n_regs=64,
+                n_spills=0)
+    return AotResult(**{**base, **kw}).as_dict()
 
 
 def test_check_limits_reasons():
-    ok = {"kernel": "k", "ok": True, "shared_bytes": 1024, "n_regs": 64, "n_spills": 0}
     lim = tune.Limits()
-    assert tune.check_limits([ok], lim) == ""
-    assert "compile error" in tune.check_limits([{**ok, "ok": False, "error": "boom"}], lim)
-    assert tune.check_limits([{**ok, "n_spills": 8}], lim) == ""  # spills cost time: timed
-    assert "spills" in tune.check_limits([{**ok, "n_spills": 8}], tune.Limits(max_spill_bytes=0))
-    assert "shared memory" in tune.check_limits([{**ok, "shared_bytes": 1 << 20}], lim)
+    assert tune.check_limits([_aot()], lim) == ""
+    assert "compile error" in tune.check_limits([_aot(ok=False, error="boom")], lim)
+    assert "shared memory" in tune.check_limits([_aot(shared_bytes=1 << 20)], lim)
+    # ptxas caps a thread at 255 registers and spills the rest: 255 is a count, not an excess
+    assert tune.check_limits([_aot(n_regs=255, n_spills=544)], lim) == ""
+    # spills cost time, which the timing measures: the 6.8 KB of the H200's fastest GDN config
+    # is kept by default; only a spill over the stated bound prunes
+    assert tune.check_limits([_aot(n_regs=255, n_spills=6800)], lim) == ""
+    bound = lim.max_spill_bytes
+    assert bound is not None and bound >= 4 * 6800
+    assert tune.check_limits([_aot(n_regs=255, n_spills=bound)], lim) == ""
+    why = tune.check_limits([_aot(), _aot(kernel="bwd", n_regs=255, n_spills=bound + 1)], lim)
+    assert why.startswith("bwd: spills") and f"> {bound}" in why and "255 registers" in why
+    assert tune.check_limits([_aot(n_spills=10 ** 6)], tune.Limits(max_spill_bytes=None)) == ""
+    # without ptxas (n_regs / n_spills None) nothing prunes on registers or spills
+    assert tune.check_limits([_aot(n_regs=None, n_spills=None)], lim) == ""
+
+
+def test_aot_usage_records_registers_and_the_largest_spill():
+    kernels = [_aot(kernel="fwd", n_regs=128, n_spills=0),
+               _aot(kernel="bwd", n_regs=255, n_spills=6800, shared_bytes=4096)]
+    usage, spill = tune.aot_usage(kernels)
+    assert usage == {"fwd": [128, 0, 1024], "bwd": [255, 6800, 4096]} and spill == 6800
+    assert tune.aot_usage([*kernels, _aot(n_regs=None, n_spills=None)])[1] is None  # no ptxas
+    assert tune.aot_usage([*kernels, _aot(ok=False, error="boom")])[1] is None
+
+
+def test_spills_prune_only_over_the_bound_and_show_in_the_results(tmp_path, monkeypatch):
+    """AOT results with spills (as ptxas reports them) through the tuner: the config spilling
+    over the bound is pruned with the reason, the one spilling 6.8 KB is timed and wins, and the
+    best's and the default's spills reach the result, the table and tuned.json."""
+    bound = tune.Limits().max_spill_bytes
+    spills = {8: 544, 16: 6800, 32: bound + 1}  # by BLOCK_N; 8 is the bucket default
+    real = tune.handle
+
+    def fake_aot(req):
+        if req["op"] != "aot":
+            return real(req)
+        n = spills[req["args"]["config"]["BLOCK_N"]]
+        return {"ok": True, "kernels": [_aot(kernel="fwd", n_regs=96), _aot(
+            kernel="bwd", n_regs=255, n_spills=n)]}
+
+    monkeypatch.setattr(tune, "handle", fake_aot)
+    path = render_to(tmp_path / "k", "rmsnorm", "plain")
+    cfg = _cfg(tmp_path, n_trials=3, isolate=False, aot=True,
+               space={"BLOCK_N": [16, 32], "num_warps": [4], **FWD_ONLY}, space_only=True)
+    res = tune.tune_module(path, size=64, config=cfg, timer=_fake_timer, sampler="grid")
+    by_bn = {t.params["BLOCK_N"]: t for t in _trials(res, tmp_path / "studies")}
+    assert by_bn[32].state == optuna.trial.TrialState.PRUNED
+    assert by_bn[32].user_attrs["stage"] == "aot"
+    assert f"bwd: spills {bound + 1} bytes per thread > {bound}" in by_bn[32].user_attrs["reason"]
+    assert by_bn[16].user_attrs["spill_bytes"] == 6800
+    assert by_bn[16].user_attrs["aot_kernels"] == {"fwd": [96, 0, 1024], "bwd": [255, 6800, 1024]}
+    assert res.best_config == _full(16, 4) and res.spill_bytes == [6800, 544]
+    assert "| 6800 / 544 |" in tune.markdown_table([res])
+    tuned = tune.write_tuned(path, [res])
+    assert json.loads(tuned.read_text())["buckets"]["d_le_512"]["spill_bytes"] == 6800
 
 
 def test_fake_timer_search_finds_best_in_few_trials(tmp_path, rms_path):
