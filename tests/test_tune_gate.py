@@ -10,6 +10,9 @@ rmsnorm module (wrapping its entry; the kernels are untouched), either in one ti
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -231,3 +234,16 @@ def test_the_gate_compares_at_the_16_bit_dtype_on_the_cpu(planted, dtype):
     for c in got:
         assert c["passed"] and eps / 20 < c["rel_rms"] <= eps, c
         assert c["max_rel_rms"] == tolerance_for(tdt, "reduction").max_rel_rms
+
+
+def test_the_readme_states_the_gates_bounds_of_tolerance_py_and_tune_py():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    m = re.search(r"relative RMS error of at most ([0-9.e-]+) in bf16 and ([0-9.e-]+) in fp16",
+                  " ".join(readme.split()))
+    assert m, "README's Tuning paragraph no longer states the gate's bounds"
+    assert float(m.group(1)) == tolerance_for(torch.bfloat16, "reduction").max_rel_rms
+    assert float(m.group(2)) == tolerance_for(torch.float16, "reduction").max_rel_rms
+    from onboarding.tune import Limits
+
+    m = re.search(r"spills more than (\d+) KB per thread", " ".join(readme.split()))
+    assert m and int(m.group(1)) * 1024 == Limits().max_spill_bytes
