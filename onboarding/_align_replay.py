@@ -5,6 +5,7 @@ top-k choices flip or swap slots in the candidate dtype."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -56,8 +57,9 @@ def _selection_flips(c: _Replay, r: _Replay) -> tuple[torch.Tensor | None, str]:
         return None, ""
     n = flipped.numel()
     width = int(max(sel_c.max(), sel_r.max())) + 1
+    # scores: a [rows, >= width] view of an output, one score per choice (router logits)
     scores = [(a, b) for a, b in zip(c.outputs, r.outputs) if a.shape == b.shape
-              and a.dim() >= 1 and a.shape[-1] >= width and _rows(b, n) is not None]
+              and a.dim() >= 1 and _rows(b, n) is not None and _rows(b, n).shape[-1] >= width]
     msg = f"{int(flipped.sum())} of {n} rows select differently in the candidate dtype"
     if not scores:
         return None, msg + " (no scores to tell near ties from errors)"
@@ -85,6 +87,28 @@ def _keep_rows(ts: list[torch.Tensor], keep: torch.Tensor | None) -> list[torch.
     return out
 
 
+def _slot_maps(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slot maps between two selections [..., k] (as [rows, k]) that list the same choices per row.
+
+    Returns (to_ref, from_ref, same_set): ``to_ref[r, j]`` is the slot of ``x`` holding the
+    choice ``y`` lists in slot j, ``from_ref[r, i]`` the slot of ``y`` holding ``x``'s slot-i
+    choice; identity on rows whose set of choices differs (``same_set`` False there).
+    """
+    xr, yr = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).to(x.device)
+    match = xr.unsqueeze(-1) == yr.unsqueeze(-2)  # [rows, slot in x, slot in y]
+    same_set = (match.sum(-1) == 1).all(-1) & (match.sum(-2) == 1).all(-1)
+    ident = torch.arange(xr.shape[-1], device=x.device).expand_as(xr)
+    to_ref = torch.where(same_set.unsqueeze(-1), match.int().argmax(-2), ident)
+    from_ref = torch.where(same_set.unsqueeze(-1), match.int().argmax(-1), ident)
+    return to_ref, from_ref, same_set
+
+
+def _permute(ts: list, x: torch.Tensor, src: torch.Tensor) -> list:
+    """Each tensor of ``x``'s shape (slot-aligned with it) with its slots gathered by ``src``."""
+    return [t.reshape(src.shape).gather(-1, src.to(t.device)).reshape(t.shape)
+            if t is not None and t.shape == x.shape else t for t in ts]
+
+
 def _follow_selection(grads: list[torch.Tensor | None], sel: list[torch.Tensor],
                       ref_sel: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """Reorder slot-aligned output grads when a replay picks the reference's choices in another order.
@@ -98,14 +122,53 @@ def _follow_selection(grads: list[torch.Tensor | None], sel: list[torch.Tensor],
     for x, y in zip(sel, ref_sel):
         if x.shape != y.shape or x.dim() < 1 or torch.equal(x, y):
             continue
-        xr, yr = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).to(x.device)
-        match = xr.unsqueeze(-1) == yr.unsqueeze(-2)  # [rows, slot in x, slot in y]
-        same_set = (match.sum(-1) == 1).all(-1) & (match.sum(-2) == 1).all(-1)
-        src = torch.where(same_set.unsqueeze(-1), match.int().argmax(-1),
-                          torch.arange(xr.shape[-1], device=x.device))
-        grads = [g.reshape(src.shape).gather(-1, src.to(g.device)).reshape(g.shape)
-                 if g is not None and g.shape == x.shape else g for g in grads]
+        grads = _permute(grads, x, _slot_maps(x, y)[1])
     return grads
+
+
+def _in_reference_order(floats: list[torch.Tensor], sel: list[torch.Tensor],
+                        ref_sel: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Slot-aligned outputs (and the selection itself) put in the reference's slot order.
+
+    A kernel may list a row's top-k choices in another order than the original (ours sorted by
+    score, transformers' DeepSeek-V3 / Kimi routers `topk(sorted=False)`); every consumer sums
+    over the slots, so only the pairing of choice and weight matters. Comparing slot j with slot j
+    would compare one expert's weight with another's (rel_rms 5e-2 on the DeepSeek-V3.2 router at
+    top-8, its own error 2e-4). Rows whose set of choices differs are left as they are
+    (`_selection_flips` judges those), and so are 1-D integer outputs (counts, not slots).
+    """
+    sel = list(sel)
+    for n, y in enumerate(ref_sel[:len(sel)]):
+        x = sel[n]
+        if x.shape != y.shape or x.dim() < 2 or torch.equal(x, y.to(x.device)):
+            continue
+        to_ref = _slot_maps(x, y)[0]
+        floats = _permute(floats, x, to_ref)
+        sel[n] = _permute([x], x, to_ref)[0]
+    return floats, sel
+
+
+def _calls_in_reference_order(calls: list[_Call], ref_calls: list[_Call]) -> list[_Call]:
+    """Copies of one block's recorded calls (the candidate's or the floor's) with their
+    slot-aligned tensors in the reference calls' slot order, for the end-to-end comparison.
+
+    Outputs and their grads follow the block's integer outputs (a router's top-k indices);
+    inputs and their taps follow its integer inputs (the experts' indices, next to their
+    weights). Only for comparing: `args` is kept as recorded, and the faithfulness check must
+    compare a replay with the calls as recorded, not with these copies.
+    """
+    out = []
+    for c, r in zip(calls, ref_calls):
+        c = dataclasses.replace(c)
+        n = len(c.outputs)
+        ts, c.discrete_out = _in_reference_order([*c.outputs, *c.out_grads], c.discrete_out,
+                                                 r.discrete_out)
+        c.outputs, c.out_grads = ts[:n], ts[n:]
+        n = len(c.inputs)
+        ts, c.discrete_in = _in_reference_order([*c.inputs, *c.taps], c.discrete_in, r.discrete_in)
+        c.inputs, c.taps = ts[:n], ts[n:]
+        out.append(c)
+    return out
 
 
 def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype,
@@ -150,7 +213,10 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
         if pairs and (leaves or params):
             grads = list(torch.autograd.grad([o for o, _ in pairs], leaves + params,
                                              [g for _, g in pairs], allow_unused=True))
-    return _Replay(outputs=[o.detach() for o in floats], discrete=[d.detach() for d in discrete],
+    floats, discrete = [o.detach() for o in floats], [d.detach() for d in discrete]
+    if source == "reference":  # compared with the reference's outputs, slot by slot
+        floats, discrete = _in_reference_order(floats, discrete, ref.discrete_out)
+    return _Replay(outputs=floats, discrete=discrete,
                    input_grads=[g.detach() if g is not None else None for g in grads[:len(leaves)]],
                    param_grads=[g.detach() if g is not None else None
                                 for g in grads[len(leaves):]])
