@@ -89,6 +89,35 @@ def test_bias_selects_only(load, device):
     check(module, x, w, b)
 
 
+TOP8 = {"top_k": 8, "n_group": 8, "topk_group": 4, "score_bias": True, "renormalize": True,
+        "routed_scaling_factor": 2.5}  # the DeepSeek-V3.2 tiny proxy's router: top-8 of 16
+
+
+@pytest.mark.parametrize("variant,params,n_experts", [
+    pytest.param("sigmoid", TOP8, 16, id="sigmoid-top8-of-16"),
+    pytest.param("softmax", {"top_k": 2, "renormalize": True}, 8, id="softmax-top2")])
+def test_bf16_loads_and_computes_in_fp32(load, device, variant, params, n_experts):
+    """bf16 x, weight and bias: logits in bf16 (the PyTorch linear), the kernel loads them and
+    scores, selects and renormalises in fp32 (the interpreter's bf16 arithmetic is never hit), so
+    its fp32 weights are the reference's on the same bf16 logits to fp32 rounding, its indices
+    the same; the logits' gradient is rounded to bf16 once, on store."""
+    module = load(variant, params)
+    x, w, b = (t.detach().bfloat16().requires_grad_(t.requires_grad) if t is not None else None
+               for t in inputs(params, n_experts, seed=5, device=device))
+    logits, tw, ti, cnt = module.entry(x, w, b)
+    r_logits, r_tw, r_ti, r_cnt = module.reference(x, w, b)
+    assert logits.dtype == torch.bfloat16 and tw.dtype == torch.float32 and ti.dtype == torch.int64
+    assert torch.equal(logits, r_logits) and torch.equal(ti, r_ti) and torch.equal(cnt, r_cnt)
+    fp32 = tolerance_for(torch.float32, "elementwise")
+    assert compare(tw, r_tw, fp32, "topk_weights").passed  # bf16 math would be ~4e-3 off
+    dtw = torch.randn_like(tw)
+    g, rg = (torch.autograd.grad(o, [x, w], dtw) for o in (tw, r_tw))
+    for a, r, what in zip(g, rg, ("grad x", "grad weight")):
+        assert a.dtype == torch.bfloat16
+        c = compare(a, r, tolerance_for(torch.bfloat16, "reduction"), what)
+        assert c.passed, c.message
+
+
 def assert_same_routing(ours, theirs) -> None:
     """Our (logits, weights, indices, counts) vs a transformers router's (logits, weights,
     indices), whose top-k is unsorted: the same experts per token with the same weights."""
@@ -208,7 +237,12 @@ def test_match_parsed_blocks(parse_model):
     # the classifier reads group counts and the scaling factor off the router's ops
     m = moe_router.match(ds)
     assert m["variant"] == "sigmoid" and m["params"]["score_bias"]
-    assert (m["params"]["n_group"], m["params"]["topk_group"]) == (4, 3)  # the tiny proxy's
+    from onboarding.loading import load_model
+    from onboarding.parse import load_stage
+
+    cfg = load_stage(load_model("hf:deepseek_v32")).proxy_config  # the tiny proxy's
+    assert (m["params"]["n_group"], m["params"]["topk_group"]) == (cfg.n_group, cfg.topk_group)
+    assert m["params"]["top_k"] == cfg.num_experts_per_tok
     assert m["params"]["routed_scaling_factor"] == 2.5
     # without them a group-limited router stays uncovered rather than guessed
     bare = {k: v for k, v in ds.attrs.items() if k not in ("n_group", "topk_group")}
