@@ -1,9 +1,11 @@
 """Kimi delta attention family (KDA): the gated delta rule with a per-channel log-space decay.
 
 One variant, `chunk`: g is [B, T, HV, K] (one decay per key channel). The intra-chunk products
-sum a_ik b_jk exp(gc_ik - gc_jk) over channels: by dots below the 16-row diagonal blocks, with
-the decay split at a reference row between i and j so both factors are <= 1, and elementwise
-with the exponent clamped at 0 inside them; so any gate is safe, including ones without a lower
+sum a_ik b_jk exp(gc_ik - gc_jk) over channels: by dots on 16-row blocks, each with a reference
+at the midpoint of its gc range, where a chunk's decays stay within that range's bound (a gc
+range of 80 inside a block: per-step log decays to ~-5, as fla's safe gate); otherwise by dots
+below the diagonal blocks (a reference row between i and j, both factors <= 1) and elementwise
+with the exponent clamped at 0 inside them. So any gate is safe, including ones without a lower
 bound. Same kernels, API and tuning space as `gated_delta`.
 """
 
@@ -46,7 +48,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=14,
+    template_version=15,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,
