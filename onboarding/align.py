@@ -17,11 +17,17 @@ order, so children come before the blocks that contain them):
   reference. Without a replay (it raised), a block that fails while its input is within
   tolerance is the culprit (the plain propagation rule);
 - ``nonfinite``: a culprit that produced NaN/Inf from finite inputs (reported loudly);
-- ``amplified``: it fails end to end while its input is within tolerance, and it is right in
-  isolation: it amplifies a sub-tolerance input error past its bound (a failure: the patched
-  model is further off than its bound at this block, and this block is where it got there);
+- ``amplified``: a block that runs one of our kernels fails end to end, by its relative RMS,
+  while its input is within tolerance, and it is right in isolation: it amplifies a
+  sub-tolerance input error past its bound (a failure: the patched model is further off than
+  its bound at this block, and this block is where it got there). The same on a block running
+  only the model's own code, or an excess of single elements only, is ``propagated`` (the
+  reference runs that code too; the logits judge where it leads);
 - ``propagated``: it fails end to end because its input had already diverged, or only because
   a block it contains is the culprit (``source`` names that block);
+- with a noise floor, a block that runs none of our kernels is the unpatched model's own code
+  in the same dtype: it is never the culprit (``fail``/``amplified`` read ``propagated``) and is
+  not replayed;
 - ``not_called``: neither model called it on these inputs (an expert with no tokens);
 - ``inline``: never called as a module, but its weights got gradients: the enclosing block
   uses them inline (a conv weight passed to ``F.conv1d``); its parameter gradients are reported
@@ -29,8 +35,9 @@ order, so children come before the blocks that contain them):
 - ``skipped``: only one model called it (a fused kernel that bypasses a child block);
 - ``no_grad`` (backward only): no gradient flows through it (rope tables, no-grad indexers).
 
-The logits are judged too (`AlignmentResult.logits["passed"]`): an alignment whose final logits
-are over their bound fails even when no block is to blame.
+The logits are judged too (`AlignmentResult.logits["passed"]`, by relative RMS against the
+"lm_head" bound): an alignment whose final logits are over it fails even when no block is to
+blame.
 
 With a noise floor (``floor``: the unpatched model in the candidate dtype, for 16-bit
 candidates), every bound is derived in the same run, block by block and quantity by quantity
@@ -63,7 +70,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from onboarding._align_replay import _keep_rows, _Replay, _replay, _selection_flips
+from onboarding._align_replay import (
+    _calls_in_reference_order,
+    _keep_rows,
+    _Replay,
+    _replay,
+    _selection_flips,
+)
 from onboarding._align_report import plot_errors, render_markdown
 from onboarding._align_stats import (
     DTYPES,
@@ -501,6 +514,9 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
                 d.message = f"called {len(rc)}x in the reference, {len(cc)}x in the candidate"
             continue
         fb = None
+        # without a PatchSet, which blocks run our kernels is unknown: judge every one as ours
+        runs_ours = patches is None or any(
+            b.path == p or b.path.startswith(p + ".") or p.startswith(b.path + ".") for p in patched)
         if floor_run is not None and b.path in floor_mods and \
                 len(floor_run.rec.calls.get(b.path, [])) == len(rc):
             fb = _FloorBlock(module=floor_mods[b.path], calls=floor_run.rec.calls[b.path],
@@ -509,13 +525,14 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
                                         for p in patched))
         try:
             _judge(b, rc, cc, ref_run, cand_run, ref_mods[b.path], cand_mods[b.path], rdt, cdt,
-                   tol, ok, stats, isolate, res, fb)
+                   tol, ok, stats, isolate, res, fb, runs_ours)
         except ValueError as exc:  # structure mismatch between the two models' calls
             for d in (fwd, bwd):
                 d.verdict, d.message = "fail", f"cannot compare: {exc}"
             fwd.output_ok = bwd.output_ok = False
 
-    ltol = tolerance(cdt, "lm_head")
+    # the logits by their relative RMS: single elements past atol are judged in the blocks
+    ltol = dataclasses.replace(tolerance(cdt, "lm_head"), max_outlier_frac=1.0)
     logits_floor = None
     if floor_run is not None:
         logits_floor = _rel([floor_run.logits], [ref_run.logits])
@@ -539,6 +556,11 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
     multi = [r.path for r in results if r.calls > 1]
     if multi:
         result.notes.append(f"called more than once per forward (compared call by call): {multi}")
+    over = [f"{r.path} ({q} {v:.1e})" for r in results for q, v in r.floor.items()
+            if q.startswith("local_") and v > r.tolerance["max_rel_rms"]]
+    if over:
+        result.notes.append("the unpatched model's own code is over the documented bound in "
+                            f"isolation, so {FLOOR_FACTOR:g}x its floor judges these: {over}")
     ref_bad = [r.path for r in results if r.fwd.output and r.fwd.output.ref_nonfinite]
     if ref_bad:
         result.notes.append(f"the reference itself has non-finite outputs in {ref_bad}")
@@ -591,7 +613,10 @@ def bounds_from_floor(tol: Tolerance, floor_rel: dict[str, float | None], minimu
     In isolation (``local_*``: the block replayed on the reference's inputs, where its own error
     is seen): ``max_rel_rms`` is ``FLOOR_FACTOR`` x the floor block's isolated rel_rms, at least
     ``minimum`` and never above ``tol.max_rel_rms`` (the documented bound on a block's own
-    error); the element rule as documented.
+    error), unless the unpatched block alone is over that bound (a router whose bf16 scores
+    flip most of its selections): no kernel could meet it then, and ``FLOOR_FACTOR`` x the
+    floor's RMS decides alone (`align` notes each such block); else the element rule as
+    documented.
 
     End to end (``output``, ``grad_in``, ``logits``, ...): ``FLOOR_FACTOR_E2E`` x the floor's
     rel_rms at the same point, at least ``minimum``, with no element rule. The unpatched model
@@ -608,8 +633,10 @@ def bounds_from_floor(tol: Tolerance, floor_rel: dict[str, float | None], minimu
     if f is None or not math.isfinite(f):
         return tol
     if quantity.startswith("local_"):
-        return dataclasses.replace(
-            tol, max_rel_rms=min(max(FLOOR_FACTOR * f, minimum), tol.max_rel_rms))
+        bound = max(FLOOR_FACTOR * f, minimum)
+        if f > tol.max_rel_rms:  # no kernel could meet it: the floor decides, by RMS (noted)
+            return dataclasses.replace(tol, max_rel_rms=bound, max_outlier_frac=1.0)
+        return dataclasses.replace(tol, max_rel_rms=min(bound, tol.max_rel_rms))
     return dataclasses.replace(tol, max_rel_rms=max(FLOOR_FACTOR_E2E * f, minimum),
                                max_outlier_frac=1.0)
 
@@ -617,7 +644,7 @@ def bounds_from_floor(tol: Tolerance, floor_rel: dict[str, float | None], minimu
 def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: _Run,
            ref_mod: nn.Module, cand_mod: nn.Module, rdt: torch.dtype, cdt: torch.dtype,
            tol: Tolerance, ok, stats, isolate: str, res: BlockAlignment,
-           floor: _FloorBlock | None = None) -> None:
+           floor: _FloorBlock | None = None, runs_ours: bool = True) -> None:
     fwd, bwd = res.fwd, res.bwd
     local_msg = local_bwd_msg = ""
     gi_finite, bwd_msg, gi_msg = True, "", ""
@@ -634,7 +661,9 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
             raise ValueError(f"{what} shapes differ: candidate {[tuple(t.shape) for t in x]}, "
                              f"reference {[tuple(t.shape) for t in y]}")
 
-    # ---- forward, end to end
+    # ---- forward, end to end: slot-aligned tensors (a router's top-k weights) compared in the
+    # reference's slot order (our kernels list experts by score, some models in another order)
+    recorded, cc = cc, _calls_in_reference_order(cc, rc)
     for attr in ("inputs", "outputs"):
         shapes_match(cat(cc, attr), cat(rc, attr), attr)
     fwd.input = stats(cat(cc, "inputs"), cat(rc, "inputs"), cand_discrete=cat(cc, "discrete_in"),
@@ -643,7 +672,7 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
                        cand_discrete=cat(cc, "discrete_out"), ref_discrete=cat(rc, "discrete_out"))
     names = [b.path + "." + n for n, p in ref_mod.named_parameters() if p.requires_grad]
     if floor is not None:
-        fc = floor.calls
+        fc = _calls_in_reference_order(floor.calls, rc)
         pairs = {"input": (cat(fc, "inputs"), cat(rc, "inputs")),
                  "output": (cat(fc, "outputs"), cat(rc, "outputs")),
                  "grad_in": _pair_grads(cat(fc, "taps"), cat(rc, "taps")),
@@ -689,7 +718,9 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
     # a deep block's end-to-end noise.
     diverged = not (fwd.output_ok and (bwd.output_ok or not has_bwd))
     local_f: list[_Replay] = []
-    if isolate == "always" or (isolate == "auto" and (diverged or (floor and floor.replay))):
+    own_code = floor is not None and not runs_ours  # judged as the floor: no culprit here
+    if isolate == "always" or (isolate == "auto" and not own_code
+                               and (diverged or (floor and floor.replay))):
         try:
             local_r = [_replay(ref_mod, r, r, rdt) for r in rc]
             local_c = [_replay(cand_mod, r, c, cdt) for r, c in zip(rc, cc)]
@@ -744,30 +775,44 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
     def faithful(source: str) -> bool:
         """Does replaying the candidate on its own inputs reproduce its own run?"""
         try:
-            again = [_replay(cand_mod, c, c, cdt, source="own") for c in cc]
+            again = [_replay(cand_mod, c, c, cdt, source="own") for c in recorded]
         except Exception:  # noqa: BLE001
             return False
         if source == "fwd":
-            xs, ys = [t for r in again for t in r.outputs], cat(cc, "outputs")
+            xs, ys = [t for r in again for t in r.outputs], cat(recorded, "outputs")
         else:
-            xs, ys = _pair_grads([g for r in again for g in r.input_grads], cat(cc, "taps"))
+            xs, ys = _pair_grads([g for r in again for g in r.input_grads],
+                                 cat(recorded, "taps"))
         return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
 
     if floor is not None:
         res.floor = {q: v for q, v in floor_rel.items() if v is not None}
         res.bounds = {q: bound(q).max_rel_rms for q in res.floor}
+    # "amplified" needs the relative RMS over its bound, not a few elements past atol (a
+    # propagating error's small-count tail)
+    rms_over_fwd = fwd.output.rel_rms > bound("output").max_rel_rms
     _verdict(fwd, "forward", fwd.output, in_finite, out_msg, in_msg,
-             local_msg, faithful, "fwd")
+             local_msg, faithful, "fwd", runs_ours=runs_ours and rms_over_fwd)
     if not has_bwd:
         bwd.verdict, bwd.message = "no_grad", "no gradients flow through this block"
         return
+    rms_over_bwd = (bwd.output.rel_rms > bound("grad_in").max_rel_rms or
+                    (bwd.params is not None and bwd.params.rel_rms > bound("params").max_rel_rms))
     _verdict(bwd, "backward", bwd.output, gi_finite and in_finite, bwd_msg, gi_msg,
-             local_bwd_msg, faithful, "bwd", params=bwd.params)
+             local_bwd_msg, faithful, "bwd", params=bwd.params,
+             runs_ours=runs_ours and rms_over_bwd)
+    if floor is not None and not runs_ours:
+        # the unpatched model runs this very code in this dtype: its error is the floor's
+        for d in (fwd, bwd):
+            if d.verdict in ("fail", "amplified"):
+                d.verdict = "propagated"
+                d.message = ("runs only the model's own code, as the unpatched model does: not "
+                             "ours to blame; " + d.message)
 
 
 def _verdict(d: Direction, name: str, out: ErrorStats, in_finite: bool, out_msg: str,
              in_msg: str, local_msg: str, faithful, key: str,
-             params: ErrorStats | None = None) -> None:
+             params: ErrorStats | None = None, runs_ours: bool = True) -> None:
     nonfinite = out.nonfinite + (params.nonfinite if params else 0)
     if nonfinite:
         if in_finite:
@@ -783,9 +828,15 @@ def _verdict(d: Direction, name: str, out: ErrorStats, in_finite: bool, out_msg:
     elif not d.input_ok:
         d.verdict, d.message = "propagated", f"input already diverged: {in_msg}"
     elif d.local_ok and faithful(key):
-        d.verdict = "amplified"
-        d.message = (f"right in isolation, but it amplifies an input error within its bound "
-                     f"past its own end-to-end bound: {out_msg}")
+        if runs_ours:
+            d.verdict = "amplified"
+            d.message = (f"right in isolation, but it amplifies an input error within its "
+                         f"bound past its own end-to-end bound: {out_msg}")
+        else:
+            d.verdict = "propagated"
+            d.message = (f"right in isolation; an input error within its bound grows past "
+                         f"this block's bound in the model's own code or in single elements "
+                         f"only: {out_msg}")
     else:
         d.verdict = "fail"
         d.message = out_msg + ("" if d.local_ok is None else

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -196,9 +197,17 @@ def test_bf16_candidate_within_layer_tolerances(parse_model, kernel_dir):
     """
     graph, reference, candidate, inputs, kwargs = _setup(
         "hf:deepseek_v32", parse_model, reference_dtype="fp32", candidate_dtype="bf16")
+    floor = copy.deepcopy(candidate)  # unpatched, bf16: the noise floor
     with patch_model(candidate, graph, _kernels(graph, kernel_dir)) as patches:
-        result = align(reference, candidate, graph, inputs, kwargs, patches=patches)
+        result = align(reference, candidate, graph, inputs, kwargs, patches=patches, floor=floor)
     assert result.passed, result.to_markdown(only_failing=True)
+    assert result.floor_dtype == "bfloat16"
+    # every patched block was replayed in isolation and judged against its own floor there
+    for p in result.patches:
+        b = result.block(p["path"])
+        if b.fwd.verdict != "inline":
+            assert b.fwd.local is not None and "local_output" in b.bounds, (p["path"], b.floor)
+            assert b.fwd.local.rel_rms <= b.bounds["local_output"]
     assert all(p["status"] == "active" for p in result.patches)
     tol = layer_tolerance(torch.bfloat16)
     worst = {"fwd": 0.0, "bwd": 0.0}

@@ -371,3 +371,28 @@ def test_retry_leaves_the_culprits_kernel_out_and_then_passes(workdir, capsys, p
     rec = [p for p in d["patches"] if p["path"] == PLANT_AT]
     assert d["passed"] and not rec  # the second attempt ran the model's own norm there
     assert any(p["family"] == "rmsnorm" and p["status"] == "active" for p in d["patches"])
+
+
+def test_run_verdict_fails_on_a_failed_training_loss_check_and_never_passes_what_did_not_run():
+    from rich.console import Console
+
+    from agents.state import RunConfig, RunState
+    from onboarding.cli import _run_verdict
+
+    aligned = {"attempt": 1, "passed": True, "culprits": [], "excluded_before": [], "stop": None}
+    state = RunState(config=RunConfig(), run_dir="x", align_attempts=[aligned],
+                     train_attempts=[{"attempt": 1, "steps": 5, "passed": False, "exit_code": 0,
+                                      "summary": "loss 2.31 vs 2.29 at step 5: rel 8.7e-3 > 1e-5"}])
+    console = Console(record=True, width=200)
+    assert _run_verdict(state.model_dump(), console) == 3
+    text = console.export_text()
+    assert "training loss check FAILED: loss 2.31" in text and "(exit 3)" in text
+    # training that wrote no verdict is a failure too, never a pass
+    state.train_attempts = [{"attempt": 1, "steps": 5, "passed": None, "exit_code": 1}]
+    assert _run_verdict(state.model_dump(), Console(record=True)) == 3
+    # skipped training is said as not run; the run passes on its alignment
+    state.train_attempts = [{"attempt": 1, "steps": 0, "skipped": "skipped: no GPU"}]
+    passed, line = state.verdict()
+    assert passed and "training not run (skipped: no GPU)" in line
+    state.align_attempts = []
+    assert "alignment not run" in state.verdict()[1]
