@@ -7,6 +7,13 @@ shrink. The rules act on the Hugging Face config *field conventions* (``hidden_s
 ``num_experts``...), never on model class names; a field the rules do not know keeps its value.
 
 ``tiny`` targets a few million parameters (CPU tests); ``small`` 0.3-1B (one GPU).
+
+Top-k is kept exactly: the routed experts shrink to the size's ``experts``, but never below
+2 x top-k (nor below what group-limited routing needs to pick top-k experts from its top groups).
+Only where keeping top-k would need more than the size's ``max_experts`` experts is top-k itself
+capped. That cap and the sparse-attention ``index_topk`` cap are the proxy's *notes*: each is
+warned about (`ProxyWarning`, which the CLI prints) and appended to the proxy note that
+``model.json`` records.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import copy
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +38,18 @@ class ProxySize:
     heads: int
     head_dim_cap: int
     latent_cap: int  # MLA / low-rank widths
-    experts: int
-    topk_cap: int
+    experts: int  # routed experts, unless top-k needs more (2 x top-k, group-limited routing)
+    max_experts: int  # hard limit on routed experts; top-k is capped only past max_experts // 2
     ffn: int
     expert_ffn: int
+    # intermediate_size where it is also the routed experts' width (no expert width field:
+    # Mixtral, gpt-oss): expert_ffn in tiny (CPU interpreter time grows with it), ffn in small
+    # (wider GPU shapes; a narrower one takes 4x the layers to reach the 0.3B floor)
+    experts_ffn: int
     vocab: int
+    # Sparse attention's keys per query, below the sequence lengths the size runs at (tiny: the
+    # CPU's 16-64 tokens; small: up to 2048): with K >= T every key is kept and the top-k
+    # selection does nothing. (transformers clamps K to T, so this is not needed to run.)
     index_topk: int
     window: int
     max_params: int  # a full-size model at most this big is used as is (weights load)
@@ -42,15 +57,28 @@ class ProxySize:
 
 
 PROXY_SIZES = {
+    # tiny: 32 experts x 3 x 128 x 64 is 0.8M parameters a layer (top-k up to 16 kept)
     "tiny": ProxySize(hidden=128, heads=4, head_dim_cap=32, latent_cap=32, experts=8,
-                      topk_cap=2, ffn=256, expert_ffn=64, vocab=2048, index_topk=16, window=32,
-                      max_params=20_000_000, min_params=0),
+                      max_experts=32, ffn=256, expert_ffn=64, experts_ffn=64, vocab=2048,
+                      index_topk=16, window=32, max_params=20_000_000, min_params=0),
+    # small: 128 experts x 3 x 1024 x 512 is 0.2B a layer (top-k up to 64 kept)
     "small": ProxySize(hidden=1024, heads=16, head_dim_cap=256, latent_cap=512, experts=64,
-                       topk_cap=8, ffn=2816, expert_ffn=512, vocab=32768, index_topk=512,
-                       window=1024, max_params=1_000_000_000, min_params=300_000_000),
+                       max_experts=128, ffn=2816, expert_ffn=512, experts_ffn=2816,
+                       vocab=32768, index_topk=512, window=1024, max_params=1_000_000_000,
+                       min_params=300_000_000),
 }
 
+
+class ProxyWarning(UserWarning):
+    """What a proxy caps (top-k, sparse attention's index_topk); the same text is appended to
+    the proxy note that ``model.json`` records."""
+
+
 EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+# The routed experts' FFN width; a config with routed experts and none of these sizes its experts
+# with intermediate_size (Mixtral, gpt-oss, JetMoE).
+EXPERT_WIDTH_NAMES = ("moe_intermediate_size", "expert_intermediate_size")
+GROUP_COUNT_NAMES = ("n_group", "num_expert_group")
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
 
 
@@ -159,7 +187,7 @@ def _retie_ssm_heads(c: Any, before: dict[str, Any], s: ProxySize) -> None:
 _WIDTH_ALIAS = re.compile(r"^(embed(ding)?_(dim|size)|d_model|model_dim|n_embd|hidden_dim)$")
 
 
-def _shrink_widths(c: Any, s: ProxySize) -> None:
+def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
     before = {n: getattr(c, n, None) for n in _TIED_DIMS + tuple(n for p in _SSM_HEADS for n in p)
               + ("qk_rope_head_dim",)}
     before["_ssm_inner"] = _ssm_inner(c)
@@ -181,8 +209,10 @@ def _shrink_widths(c: Any, s: ProxySize) -> None:
             c.num_key_value_heads = max(1, new_heads // min(groups, new_heads))
         if had_head_dim:
             c.head_dim = min(c.head_dim, s.head_dim_cap)
-    _set(c, "intermediate_size", lambda v: min(v, s.ffn))
-    for name in ("moe_intermediate_size", "expert_intermediate_size"):
+    experts_use_ffn = _expert_count(c) is not None and not any(
+        isinstance(getattr(c, n, None), int) for n in EXPERT_WIDTH_NAMES)
+    _set(c, "intermediate_size", lambda v: min(v, s.experts_ffn if experts_use_ffn else s.ffn))
+    for name in EXPERT_WIDTH_NAMES:
         _set(c, name, lambda v: min(v, s.expert_ffn))
     _set(c, "shared_expert_intermediate_size", lambda v: min(v, s.expert_ffn * 2))
     # linear attention (gated delta / Kimi delta / mamba-style) widths
@@ -202,7 +232,12 @@ def _shrink_widths(c: Any, s: ProxySize) -> None:
         _set(c, name, lambda v: min(v, s.head_dim_cap))
     _set(c, "qk_rope_head_dim", lambda v: min(v, max(8, s.head_dim_cap // 2)))
     _set(c, "index_n_heads", lambda v: min(v, s.heads))
+    index_topk = getattr(c, "index_topk", None)
     _set(c, "index_topk", lambda v: min(v, s.index_topk))
+    if isinstance(index_topk, int) and getattr(c, "index_topk") != index_topk:
+        notes.append(f"index_topk {index_topk} -> {c.index_topk}: sparse attention keeps fewer "
+                     f"keys per query, below the proxy's sequence lengths (with K >= T the top-k "
+                     f"selection keeps every key)")
     _set(c, "sliding_window", lambda v: min(v, s.window))
     for name in ("ssm_state_size", "state_size", "mamba_d_state"):
         _set(c, name, lambda v: min(v, 16 if s.hidden <= 256 else v))
@@ -216,33 +251,84 @@ def _shrink_widths(c: Any, s: ProxySize) -> None:
         c.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
 
 
-def _shrink_experts(c: Any, s: ProxySize) -> None:
-    n_exp = None
-    for name in EXPERT_COUNT_NAMES:
-        v = getattr(c, name, None)
-        if isinstance(v, int) and v > 1:
-            n_exp = min(v, s.experts)
-            setattr(c, name, n_exp)
-    if n_exp is None:
+def _count(c: Any, name: str) -> int | None:
+    v = getattr(c, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _expert_count(c: Any) -> int | None:
+    """The routed experts (the largest count field above 1); None for a config without them."""
+    counts = [v for n in EXPERT_COUNT_NAMES if (v := _count(c, n)) is not None and v > 1]
+    return max(counts) if counts else None
+
+
+def _topk_names(c: Any) -> list[str]:
+    return [n for n in TOPK_NAMES + ("num_experts_per_token",) if _count(c, n) is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Routing:
+    experts: int
+    groups: int  # 1: no group-limited routing
+    topk_group: int | None
+
+
+def _routing_for(n_exp: int, k: int, groups: int, topk_group: int | None) -> _Routing | None:
+    """Group-limited routing over ``n_exp`` experts close to the full model's (``groups`` groups,
+    the best ``topk_group`` of them searched) that can still pick ``k`` experts: the most groups
+    that divide ``n_exp`` into groups of at least 2 (a group's score is its best two experts'),
+    top groups fewer than groups where the full model has them fewer; None if none can."""
+    if groups <= 1:
+        return _Routing(n_exp, groups, topk_group)
+    strict = topk_group is None or topk_group < groups
+    for g in range(min(groups, n_exp // 2), 1, -1):
+        if n_exp % g:
+            continue
+        tg = None if topk_group is None else max(1, min(topk_group, g - 1 if strict else g))
+        if k <= (tg if tg is not None else g) * (n_exp // g):
+            return _Routing(n_exp, g, tg)
+    return None
+
+
+def _shrink_experts(c: Any, s: ProxySize, notes: list[str]) -> None:
+    """Routed experts down to the size's ``experts``, top-k kept: at least 2 x top-k experts,
+    more where group-limited routing needs them to reach top-k. Top-k is capped (a note) only
+    where that would take more than ``max_experts`` experts."""
+    full_exp = _expert_count(c)
+    if full_exp is None:
         return
-    groups_name = next((n for n in ("n_group", "num_expert_group") if
-                        isinstance(getattr(c, n, None), int)), None)
-    n_group = getattr(c, groups_name) if groups_name else 1
-    if n_group > 1:
-        n_group = max(2, min(n_group, n_exp // 2))
-        while n_exp % n_group:
-            n_group -= 1
-        setattr(c, groups_name, n_group)
-    topk_group = getattr(c, "topk_group", None)
-    if isinstance(topk_group, int) and n_group > 1:
-        c.topk_group = max(1, min(topk_group, n_group - 1))
-    for name in TOPK_NAMES + ("num_experts_per_token",):
-        v = getattr(c, name, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            k = min(v, s.topk_cap, n_exp)
-            if n_group > 1 and isinstance(getattr(c, "topk_group", None), int):
-                k = min(k, c.topk_group * (n_exp // n_group))
-            setattr(c, name, k)
+    topk_names = _topk_names(c)
+    k_full = max((getattr(c, n) for n in topk_names), default=1)
+    groups_name = next((n for n in GROUP_COUNT_NAMES if _count(c, n) is not None), None)
+    groups = getattr(c, groups_name) if groups_name else 1
+    topk_group = _count(c, "topk_group") if groups > 1 else None
+    limit = min(full_exp, s.max_experts)
+    need = min(full_exp, 2 * k_full)  # experts that keeping top-k takes
+    k = max(1, s.max_experts // 2) if need > s.max_experts else k_full
+    why = f"keeping it would need {need} routed experts, over the proxy's limit of {s.max_experts}"
+    routing = next((r for n in range(min(full_exp, max(s.experts, 2 * k)), limit + 1)
+                    if (r := _routing_for(n, k, groups, topk_group)) is not None), None)
+    if routing is None:
+        why = (f"group-limited routing ({groups} groups, top {topk_group}) over at most "
+               f"{limit} experts cannot reach it")
+    while routing is None and k > 1:
+        k -= 1
+        routing = _routing_for(limit, k, groups, topk_group)
+    if routing is None:  # groups of fewer than 2 experts in the full model too: keep its routing
+        k, routing = k_full, _Routing(full_exp, groups, topk_group)
+    for name in EXPERT_COUNT_NAMES:
+        v = _count(c, name)
+        if v is not None and v > 1 and _writable(c, name):
+            setattr(c, name, min(v, routing.experts))
+    if groups_name:
+        setattr(c, groups_name, routing.groups)
+    if routing.topk_group is not None:
+        c.topk_group = routing.topk_group
+    for name in topk_names:
+        if _writable(c, name):
+            setattr(c, name, min(getattr(c, name), k))
+    if k < k_full:
+        notes.append(f"top-k {k_full} -> {k}: {why}")
 
 
 def _shrink_vocab(c: Any, s: ProxySize) -> None:
@@ -401,32 +487,44 @@ def _put_back_per_layer_overrides(c: Any, overrides: dict[int, dict[str, Any]], 
 
 
 def shrink_config(config: Any, size: str, *, periods: int = 1,
-                  signatures: list[tuple] | None = None) -> Any:
+                  signatures: list[tuple] | None = None, notes: list[str] | None = None) -> Any:
     """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
 
     ``signatures`` (from `layer_signatures` of the full-size model) let the layer choice see
-    layer kinds that the config does not list per layer.
+    layer kinds that the config does not list per layer. What the proxy caps is appended to
+    ``notes``; without a list, each is warned about (`ProxyWarning`).
     """
     if size not in PROXY_SIZES:
         raise InputError(f"--proxy {size!r}: expected one of {', '.join(PROXY_SIZES)}")
     s = PROXY_SIZES[size]
+    found: list[str] = []
     cfg = copy.deepcopy(config)
     c = text_config(cfg)
     overrides = _lift_per_layer_overrides(c)
     before = dict(vars(c))
-    _shrink_widths(c, s)
-    _shrink_experts(c, s)
+    _shrink_widths(c, s, found)
+    _shrink_experts(c, s, found)
     _shrink_vocab(c, s)
     keep = _shrink_layers(c, periods, signatures)
     _rederive(c)
     if overrides is not None:
         _put_back_per_layer_overrides(c, overrides, before, keep)
+    if notes is None:
+        _warn(size, found)
+    else:
+        notes.extend(found)
     return cfg
+
+
+def _warn(size: str, notes: list[str]) -> None:
+    for note in notes:
+        warnings.warn(f"{size} proxy: {note}", ProxyWarning, stacklevel=3)
 
 
 def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
                  full_params: int | None = None) -> tuple[Any, str]:
-    """The proxy config for ``loaded`` and a one-line note on how it was made.
+    """The proxy config for ``loaded`` and a one-line note on how it was made (with what it
+    caps, each also warned about: `ProxyWarning`).
 
     ``full_model`` is the full-size model (on ``meta``), used for layer structure.
     """
@@ -444,11 +542,15 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
     name = _layer_count_name(c)
     sigs = layer_signatures(full_model, getattr(c, name)) if full_model is not None and name \
         else None
-    periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs)
+    notes: list[str] = []
+    periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs, notes=notes)
     while s.min_params:
         n = count_parameters(loaded.build(cfg, device="meta", seed=None)).total
         if n >= s.min_params or periods >= 16:
             break
         periods += 1
-        cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs)
-    return cfg, f"shrunk to the {size} proxy ({periods} layer period(s))"
+        notes = []
+        cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs, notes=notes)
+    _warn(size, notes)
+    note = f"shrunk to the {size} proxy ({periods} layer period(s))"
+    return cfg, "; ".join([note] + notes)

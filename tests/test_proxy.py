@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -37,16 +39,120 @@ def test_proxy_keeps_hybrid_period_and_routing():
     assert tiny.layer_types == full.layer_types[:4]  # one full period: 3 linear, 1 full
     assert {"linear_attention", "full_attention"} == set(tiny.layer_types)
     assert tiny.norm_topk_prob == full.norm_topk_prob
-    assert tiny.num_experts_per_tok <= tiny.num_experts
+    assert tiny.num_experts_per_tok == full.num_experts_per_tok == 10
     assert tiny.linear_num_value_heads // tiny.linear_num_key_heads == \
         full.linear_num_value_heads // full.linear_num_key_heads
 
 
-def test_proxy_keeps_group_limited_routing_valid():
-    info = load_stage(load_model("hf:deepseek_v3"), "tiny")
+# The MoE dev targets, with README's Mixtral example (16 experts, top-4) beside the default.
+MOE = [("hf:qwen3_next", {}), ("hf:qwen3_moe", {}), ("hf:deepseek_v3", {}),
+       ("hf:deepseek_v32", {}), ("hf:kimi_linear", {}), ("hf:mixtral", {}),
+       ("hf:mixtral", {"num_local_experts": 16, "num_experts_per_tok": 4}), ("hf:gpt_oss", {})]
+
+
+def _routing(c):
+    """(experts, {top-k field: k}, groups, topk_group) of a config, by the proxy's field names."""
+    from onboarding.proxy import GROUP_COUNT_NAMES, _expert_count, _topk_names
+
+    groups = next((getattr(c, n) for n in GROUP_COUNT_NAMES if isinstance(getattr(c, n, None), int)), 1)
+    return (_expert_count(c), {n: getattr(c, n) for n in _topk_names(c)}, groups,
+            getattr(c, "topk_group", None))
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("ref, overrides", MOE,
+                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else v)
+def test_proxy_keeps_top_k_with_at_least_twice_as_many_experts(ref, overrides, size):
+    """Top-k is the full model's, in the config and in the built model's routers; experts shrink
+    to no fewer than 2 x top-k, and group-limited routing can still reach top-k (before: top-2 in
+    tiny and top-8 in small, whatever the model's)."""
+    import warnings
+
+    from onboarding.accounting import find_moe
+    from onboarding.proxy import PROXY_SIZES, ProxyWarning
+
+    _model_type_or_skip(ref)
+    lm = load_model(ref, overrides=overrides)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = load_stage(lm, size)
+    assert not [w for w in caught if issubclass(w.category, ProxyWarning)
+                and re.search(r"top-k \d+ ->", str(w.message))]
+    full_exp, full_k, full_groups, full_tg = _routing(text_config(lm.config))
     c = text_config(info.proxy_config)
-    assert c.n_group > 1 and c.topk_group < c.n_group
-    assert c.num_experts_per_tok <= c.topk_group * (c.n_routed_experts // c.n_group)
+    n_exp, ks, groups, tg = _routing(c)
+    k = max(full_k.values())
+    assert ks == full_k, (ks, full_k)
+    # the size's expert count, or 2 x top-k where that is more (never more than the full model's)
+    assert n_exp == min(full_exp, max(PROXY_SIZES[size].experts, 2 * k)) >= min(full_exp, 2 * k)
+    if full_groups > 1:
+        assert groups > 1 and n_exp % groups == 0 and n_exp // groups >= 2
+        assert tg < groups if full_tg < full_groups else tg == groups
+        assert k <= tg * (n_exp // groups), (k, tg, n_exp, groups)
+    blocks = find_moe(lm.build(info.proxy_config, device="meta", seed=None), info.proxy_config)
+    assert blocks and {(b.n_experts, b.top_k) for b in blocks} == {(n_exp, k)}
+    assert not re.search(r"top-k \d+ ->", info.proxy_note)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"topk_group": 1}], ids=["default", "topk_group=1"])
+def test_group_limited_proxy_routes_top_k_in_its_top_groups(overrides):
+    """DeepSeek-V3's 8 of 256 experts from the best 4 of 8 groups; with topk_group=1 all 8 come
+    from one group, so a 16-expert proxy needs groups of 8: it takes fewer groups, not a lower
+    k. The proxy runs (transformers' group routing takes the two best experts of every group)."""
+    lm = load_model("hf:deepseek_v3", overrides=overrides)
+    info = load_stage(lm, "tiny")
+    c = text_config(info.proxy_config)
+    assert c.num_experts_per_tok == 8 and c.n_routed_experts == 16
+    assert (c.n_group, c.topk_group) == ((8, 4) if not overrides else (2, 1))
+    model = lm.build(info.proxy_config, device="cpu", seed=0)
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, c.vocab_size, (1, 8)), use_cache=False)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_top_k_past_the_expert_limit_is_capped_warned_and_recorded(tmp_path, monkeypatch, capsys):
+    """Keeping top-20 needs 40 experts, over tiny's 32: top-k becomes 16 of 32, and the CLI
+    says so (a ProxyWarning on stderr) and model.json's proxy note records it."""
+    import json
+    import sys
+    import warnings
+
+    from onboarding.cli import main
+    from onboarding.proxy import ProxyWarning
+
+    monkeypatch.chdir(tmp_path)
+    over = {"num_experts_per_tok": 20}
+    with pytest.warns(ProxyWarning, match=r"tiny proxy: top-k 20 -> 16: keeping it would need 40"):
+        info = load_stage(load_model("hf:qwen3_moe", overrides=over), "tiny")
+    c = text_config(info.proxy_config)
+    assert (c.num_experts, c.num_experts_per_tok) == (32, 16)
+    assert "top-k 20 -> 16" in info.proxy_note
+
+    def show(message, category, filename, lineno, file=None, line=None):  # Python's default
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # Python's filters and output, not pytest's record
+        warnings.simplefilter("default")
+        warnings.showwarning = show
+        assert main(["parse", "hf:qwen3_moe", "--set", "num_experts_per_tok=20", "--out", "o"]) == 0
+    assert "ProxyWarning: tiny proxy: top-k 20 -> 16" in capsys.readouterr().err
+    model = json.loads((tmp_path / "o" / "model.json").read_text())
+    assert "top-k 20 -> 16" in model["proxy_note"] and model["proxy_config"]["num_experts_per_tok"] == 16
+
+
+@pytest.mark.parametrize("size, kept", [("tiny", 16), ("small", 512)])
+def test_index_topk_cap_is_warned_and_recorded(size, kept):
+    """Sparse attention's K (2048 in DeepSeek-V3.2) is cut below the proxy's sequence lengths,
+    where K >= T would keep every key; a K already below the cap is kept, without a note."""
+    from onboarding.proxy import ProxyWarning
+
+    with pytest.warns(ProxyWarning, match=rf"{size} proxy: index_topk 2048 -> {kept}: "):
+        info = load_stage(load_model("hf:deepseek_v32"), size)
+    assert text_config(info.proxy_config).index_topk == kept
+    assert f"index_topk 2048 -> {kept}" in info.proxy_note
+    info = load_stage(load_model("hf:deepseek_v32", overrides={"index_topk": 8}), size)
+    assert text_config(info.proxy_config).index_topk == 8 and "index_topk" not in info.proxy_note
 
 
 def test_same_seed_same_model():
