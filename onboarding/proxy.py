@@ -11,9 +11,9 @@ shrink. The rules act on the Hugging Face config *field conventions* (``hidden_s
 Top-k is kept exactly: the routed experts shrink to the size's ``experts``, but never below
 2 x top-k (nor below what group-limited routing needs to pick top-k experts from its top groups).
 Only where keeping top-k would need more than the size's ``max_experts`` experts is top-k itself
-capped. That cap and the sparse-attention ``index_topk`` cap are the proxy's *notes*: each is
-warned about (`ProxyWarning`, which the CLI prints) and appended to the proxy note that
-``model.json`` records.
+capped. That cap, the sparse-attention ``index_topk`` cap and a config whose ``__post_init__``
+cannot re-derive its fields are the proxy's *notes*: each is warned about (`ProxyWarning`, which
+the CLI prints) and appended to the proxy note that ``model.json`` records.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ PROXY_SIZES = {
 
 
 class ProxyWarning(UserWarning):
-    """What a proxy caps (top-k, sparse attention's index_topk); the same text is appended to
-    the proxy note that ``model.json`` records."""
+    """What a proxy caps (top-k, sparse attention's index_topk) or could not re-derive; the
+    same text is appended to the proxy note that ``model.json`` records."""
 
 
 EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -434,19 +434,24 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list
     return keep
 
 
-def _rederive(c: Any) -> None:
+def _rederive(c: Any, notes: list[str]) -> None:
     """Recompute what a dataclass config derives in ``__post_init__`` instead of taking as an
     argument (Zamba2's attention_head_dim = 2 hidden / heads, mamba_headdim, hybrid_layer_ids)
     from the shrunk fields: ``__post_init__`` runs again on a copy, and the derived (non-field)
-    values that changed are taken from it. A config whose ``__post_init__`` refuses to run twice
-    keeps its values."""
+    values that changed are taken from it. A config whose ``__post_init__`` refuses to run again
+    keeps its derived values, which may still be the full model's: a note names the class and
+    the error (the config is not wrong, so it is not an input error; the proxy may be)."""
     if not dataclasses.is_dataclass(c) or not hasattr(c, "__post_init__"):
         return
     fields = {f.name for f in dataclasses.fields(c)}
     probe = copy.deepcopy(c)
     try:
         probe.__post_init__()
-    except Exception:  # noqa: BLE001 - the model's own config code: keep the shrunk values
+    except Exception as e:  # noqa: BLE001 - the model's own config code, whatever it raises
+        derived = sorted(k for k in vars(c) if k not in fields and not k.startswith("_"))
+        notes.append(f"{type(c).__name__}.__post_init__ raised {type(e).__name__}: {e} when re-run "
+                     f"on the shrunk fields; its derived fields keep their values "
+                     f"({', '.join(derived) or 'none found'})")
         return
     mine = vars(c)
     for k, v in vars(probe).items():
@@ -491,8 +496,8 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
 
     ``signatures`` (from `layer_signatures` of the full-size model) let the layer choice see
-    layer kinds that the config does not list per layer. What the proxy caps is appended to
-    ``notes``; without a list, each is warned about (`ProxyWarning`).
+    layer kinds that the config does not list per layer. What the proxy caps or could not
+    re-derive is appended to ``notes``; without a list, each is warned about (`ProxyWarning`).
     """
     if size not in PROXY_SIZES:
         raise InputError(f"--proxy {size!r}: expected one of {', '.join(PROXY_SIZES)}")
@@ -506,7 +511,7 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     _shrink_experts(c, s, found)
     _shrink_vocab(c, s)
     keep = _shrink_layers(c, periods, signatures)
-    _rederive(c)
+    _rederive(c, found)
     if overrides is not None:
         _put_back_per_layer_overrides(c, overrides, before, keep)
     if notes is None:

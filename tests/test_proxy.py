@@ -155,6 +155,38 @@ def test_index_topk_cap_is_warned_and_recorded(size, kept):
     assert text_config(info.proxy_config).index_topk == 8 and "index_topk" not in info.proxy_note
 
 
+def test_rederive_error_is_warned_naming_the_config_and_the_error():
+    """A dataclass config's __post_init__ re-runs on the shrunk fields; one that refuses was
+    skipped in silence, leaving its derived fields at full size."""
+    import dataclasses
+    import warnings
+
+    from onboarding.proxy import ProxyWarning, shrink_config
+
+    @dataclasses.dataclass
+    class OnceConfig:
+        hidden_size: int = 4096
+        num_hidden_layers: int = 4
+        refuse_again: bool = True
+
+        def __post_init__(self):
+            if self.refuse_again and hasattr(self, "half_width"):
+                raise ValueError("derived twice")
+            self.half_width = self.hidden_size // 2
+
+    with pytest.warns(ProxyWarning, match=r"tiny proxy: OnceConfig.__post_init__ raised "
+                                          r"ValueError: derived twice .*\(half_width\)"):
+        c = shrink_config(OnceConfig(), "tiny")
+    assert (c.hidden_size, c.half_width) == (128, 2048)  # the derived field is stale: said so
+    notes = []
+    shrink_config(OnceConfig(), "tiny", notes=notes)
+    assert len(notes) == 1 and notes[0].startswith("OnceConfig.__post_init__ raised ValueError")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProxyWarning)
+        c = shrink_config(OnceConfig(refuse_again=False), "tiny")
+    assert (c.hidden_size, c.half_width) == (128, 64)
+
+
 def test_same_seed_same_model():
     info = load_stage(load_model("hf:qwen3_moe"), "tiny")
     a = info.loaded.build(info.proxy_config, seed=3).state_dict()
