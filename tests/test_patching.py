@@ -1106,16 +1106,18 @@ def test_zero_experts_proxy_classified_patched_and_aligned(parse_model, tmp_path
     g = parse_model("hf:longcat_flash")
     experts = g.by_kind("moe.experts")
     assert experts and not g.by_kind("moe.shared_expert")
+    # the proxy keeps top-k, so its real expert count follows it (2 x top-k at least)
+    real = load_stage(load_model("hf:longcat_flash")).proxy_config.n_routed_experts
     for b in experts:
         a = b.attrs
         assert (a["n_experts"], a["zero_experts"], a["gated"], a["activation"], a["weight_layout"],
-                a["gate_up_split"]) == (8, 256, True, "silu", "out_in", "halves"), a
+                a["gate_up_split"]) == (real, 256, True, "silu", "out_in", "halves"), a
     cov = build_coverage(g)
     entries = [e for e in cov.entries if e.kind == "moe.experts"]
     assert entries and {(e.status, e.family, e.variant) for e in entries} == \
         {("template", "moe_experts", "swiglu")}
     _experts_align(g, cov, "hf:longcat_flash", tmp_path, "256 identity (zero) experts added in torch",
-                   lambda model: _zero_expert_router_bias(model, 8))
+                   lambda model: _zero_expert_router_bias(model, real))
 
 
 def test_zero_experts_refuse_expert_parallelism_early(parse_model):
@@ -1153,11 +1155,13 @@ def test_zero_expert_slots_forward_and_gradients(parse_model, tmp_path):
         for p in (module.gate_up_proj, module.down_proj):
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     n, d, total, k = 29, module.down_proj.shape[1], module.gate_up_proj.shape[0], 3
+    real = module.down_proj.shape[0]  # down is [E, D, F] over the real experts only
+    assert total - real == 256
     x = torch.randn(n, d, generator=gen)
-    # about half the slots real (< 8), half zero experts, distinct per token
-    idx = torch.stack([torch.cat([torch.randperm(8, generator=gen)[:2],
-                                  8 + torch.randperm(total - 8, generator=gen)[:1]])[torch.randperm(k, generator=gen)]
-                       for _ in range(n)])
+    # two real slots (< real) and one zero expert per token, distinct per token
+    idx = torch.stack([torch.cat([torch.randperm(real, generator=gen)[:2],
+                                  real + torch.randperm(total - real, generator=gen)[:1]])
+                       [torch.randperm(k, generator=gen)] for _ in range(n)])
     w = torch.rand(n, k, generator=gen)
     dy = torch.randn(n, d, generator=gen)
 
@@ -1175,5 +1179,5 @@ def test_zero_expert_slots_forward_and_gradients(parse_model, tmp_path):
         assert rec.status == "active" and "identity (zero) experts" in rec.binding, (rec.binding, rec.detail)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    zero = idx >= 8
+    zero = idx >= real
     assert torch.allclose(got[2][zero], (dy[:, None, :] * x[:, None, :]).sum(-1).expand(n, k)[zero], atol=1e-4)
