@@ -62,7 +62,8 @@ def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> s
 
 
 def _mark(verdict: str) -> str:
-    return {"fail": "**FAIL**", "nonfinite": "**NaN/Inf**"}.get(verdict, verdict)
+    return {"fail": "**FAIL**", "nonfinite": "**NaN/Inf**",
+            "amplified": "**AMPLIFIED**"}.get(verdict, verdict)
 
 
 def plot_errors(result: AlignmentResult, path: Path) -> Path:
@@ -74,7 +75,7 @@ def plot_errors(result: AlignmentResult, path: Path) -> Path:
 
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.22 * len(result.blocks)), 7.5))
     colors = {"pass": "tab:green", "propagated": "tab:orange", "fail": "tab:red",
-              "nonfinite": "tab:red"}
+              "nonfinite": "tab:red", "amplified": "tab:red"}
     by_path = {b.path: b for b in result.blocks}
     for ax, key, order, title in ((axes[0], "fwd", result.forward_order, "forward: block output"),
                                   (axes[1], "bwd", result.backward_order,
