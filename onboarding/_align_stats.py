@@ -1,7 +1,7 @@
 """Error statistics for layer-wise alignment (`onboarding.align`): percentiles, relative RMS,
 cosine, ULP distances, and the tensor-structure helpers both models' captures share.
 
-Private module: import the public names (`ErrorStats`, `error_stats`, `within`, `as_dtype`)
+Private module: import the public names (`ErrorStats`, `error_stats`, `within`)
 from `onboarding.align`.
 """
 
@@ -17,21 +17,6 @@ import torch
 from onboarding.testing.tolerance import Tolerance, compare_scaled
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
-DTYPES = {"fp64": torch.float64, "float64": torch.float64, "fp32": torch.float32,
-          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # ---- statistics ----------------------------------------------------------------------------------

@@ -41,7 +41,9 @@ class BucketResult:
 def gpu_name() -> str:
     import torch
 
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    from onboarding.backend import interpreting
+
+    if torch.cuda.is_available() and not interpreting():
         return torch.cuda.get_device_name(0)
     return "cpu-interpreter"
 

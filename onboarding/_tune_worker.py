@@ -34,7 +34,6 @@ from typing import Any
 
 from onboarding.errors import InputError
 
-_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 class WorkerDied(RuntimeError):
@@ -287,7 +286,9 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     # The interpreter's bf16 is broken, so there the kernel computes in fp32 on the 16-bit
     # inputs and its outputs and gradients are rounded to the 16-bit dtype (`_emulated`): the
     # gate's bounds are the tuned dtype's in CI too. fp32 tuning keeps generate's fp32 check.
-    gate_dt = getattr(torch, _TORCH_DTYPES.get(dtype, "float32"))
+    from onboarding.dtypes import as_dtype
+
+    gate_dt = as_dtype(dtype)
     tdt = gate_dt if on_gpu else torch.float32  # the timing step's dtype
 
     @contextlib.contextmanager

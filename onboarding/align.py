@@ -79,11 +79,9 @@ from onboarding._align_replay import (
 )
 from onboarding._align_report import plot_errors, render_markdown
 from onboarding._align_stats import (
-    DTYPES,
     _flat,
     PERCENTILES,
     ErrorStats,
-    _dtype_name,
     _json_safe,
     _logit_stats,
     _map,
@@ -91,11 +89,12 @@ from onboarding._align_stats import (
     _split,
     _tensors,
     _ulp_stats,
-    as_dtype,
     error_stats,
     within,
 )
 from onboarding._torch_paths import torch_reference_paths
+from onboarding.dtypes import DTYPES, as_dtype
+from onboarding.dtypes import dtype_name as _dtype_name
 from onboarding.opgraph import Block, OpGraph
 from onboarding.testing.tolerance import Tolerance, layer_tolerance, tolerance_for
 

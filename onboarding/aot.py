@@ -180,15 +180,6 @@ def compile_module(
     return results
 
 
-def _interpreting() -> bool:
-    try:
-        from triton import knobs
-
-        return bool(knobs.runtime.interpret)
-    except Exception:  # pragma: no cover - older triton
-        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def compile_files(
     paths: list[Path | str],
     *,
@@ -205,7 +196,9 @@ def compile_files(
     """
     paths = [str(Path(p).resolve()) for p in paths]
     if isolate is None:
-        isolate = _interpreting()
+        from onboarding.backend import interpreting
+
+        isolate = interpreting()
     if not isolate:
         from onboarding.templating import load_module
 

@@ -7,6 +7,17 @@ import os
 import torch
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run in the CPU interpreter in this process (Triton's own knob,
+    read from TRITON_INTERPRET)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except Exception:  # pragma: no cover - older triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def kernel_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -18,6 +29,6 @@ def ensure_triton_backend() -> str:
     module is imported (DESIGN.md). A user's explicit TRITON_INTERPRET is left alone.
     """
     if torch.cuda.is_available():
-        return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "gpu"
+        return "interpreter" if interpreting() else "gpu"
     os.environ.setdefault("TRITON_INTERPRET", "1")
     return "interpreter"

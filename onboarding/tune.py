@@ -40,7 +40,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,6 +54,7 @@ from onboarding._tune_store import (TUNED_SUFFIX, BucketResult, apply_tuned,  # 
                                     result_from_dict, tuned_path, warm_start_configs,
                                     write_tuned)
 from onboarding._tune_worker import Worker, WorkerDied, WorkerTimeout, handle
+from onboarding.backend import interpreting
 from onboarding.errors import InputError
 
 Timer = Callable[[dict[str, Any], dict[str, Any]], float]  # (config, worker result) -> ms
@@ -294,7 +294,7 @@ class _Objective:
         self.cfg, self.timer, self.aot = cfg, timer, aot
         self.meta = module_meta(module)
         self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
-        interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        interp = interpreting()
         self.trial_worker = Worker(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
         self.aot_worker = Worker(interpret=False if interp else None,
                                  startup_timeout_s=cfg.startup_timeout_s)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from onboarding.dtypes import as_dtype as _as_dtype
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tolerance:
@@ -74,19 +76,6 @@ KINDS = ("elementwise", "reduction", "layer")
 # The most specific prefix wins ("moe.experts" before "moe"). Empty until a block kind is
 # measured to need its own bound; every entry must say why (see tests/test_align.py).
 _LAYER_OVERRIDES: dict[tuple[torch.dtype, str], Tolerance] = {}
-
-
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
-                "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp64": torch.float64, "float64": torch.float64}
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, str):
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_NAMES)}")
-        return _DTYPE_NAMES[dtype]
-    return dtype
 
 
 def tolerance_for(dtype: torch.dtype | str, kind: str | None = None) -> Tolerance:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from onboarding.accounting import count_parameters, find_moe
+from onboarding.dtypes import as_dtype
 from onboarding.errors import InputError
 from onboarding.loading import LoadedModel, load_model
 from onboarding.opgraph import OpGraph
@@ -23,7 +24,6 @@ from onboarding.training.config import TrainConfig
 
 PARSE_SEQ = 64  # the op graph is shape-generic enough at a short sequence (and export is fast)
 TOKENIZER_FILES = ("tokenizer.json",)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -138,7 +138,7 @@ def build(cfg: TrainConfig, *, device: torch.device | str = "cpu") -> Built:
         load_weights(model, info.loaded.weights)
     graph = _graph(cfg, info, model)
     n_experts = routed_experts(model, info.proxy_config)
-    cast_parameters(model, DTYPES[cfg.dtype])
+    cast_parameters(model, as_dtype(cfg.dtype))
     model = model.to(device=device)
     return Built(model=model, graph=graph, info=info, n_experts=n_experts,
                  tokenizer_dir=tokenizer_dir(info))
