@@ -21,6 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from onboarding import __version__
 from onboarding.backend import ensure_triton_backend
 from onboarding.errors import (
     EXIT_BAD_INPUT,
@@ -53,27 +54,28 @@ def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="onboard", description=__doc__)
     ap.add_argument("--debug", action="store_true", help="print tracebacks")
+    ap.add_argument("--version", action="version", version=f"onboard {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("parse", help="capture the proxy and classify its blocks")
-    _model_args(p)
+    _model_args(p, optional=True)
     p.add_argument("--out", help="write model.json and opgraph.json here")
     p.add_argument("--json", action="store_true", help="print opgraph.json to stdout")
 
     m = sub.add_parser("map", help="coverage: which ops have kernels, templates, fast paths")
-    _model_args(m)
+    _model_args(m, optional=True)
     m.add_argument("--out", help="write model.json, opgraph.json and coverage.json here")
     m.add_argument("--json", action="store_true", help="print coverage.json to stdout")
 
     g = sub.add_parser("generate", help="render and check candidate kernels for coverable ops")
-    _model_args(g)
+    _model_args(g, optional=True)
     g.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     g.add_argument("--promote", action="store_true",
                    help="copy candidates that pass their checks into kernels/")
 
     a = sub.add_parser("align", help="layer-by-layer fwd+bwd check of the patched proxy "
                                      "against the eager reference")
-    _model_args(a)
+    _model_args(a, optional=True)
     a.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     a.add_argument("--kernels", default="all",
                    help="comma-separated kernel families to patch, 'all' or 'none'")

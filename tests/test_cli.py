@@ -396,3 +396,17 @@ def test_run_verdict_fails_on_a_failed_training_loss_check_and_never_passes_what
     assert passed and "training not run (skipped: no GPU)" in line
     state.align_attempts = []
     assert "alignment not run" in state.verdict()[1]
+
+
+def test_python_dash_m_version_and_default_model(workdir, capsys):
+    from onboarding import __version__
+
+    out = subprocess.run([sys.executable, "-m", "onboarding", "--version"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"onboard {__version__}", out
+    bad = subprocess.run([sys.executable, "-m", "onboarding", "map", "no/such/dir"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no such path" in bad.stderr
+    # MODEL is optional where the help names a default: the built-in example
+    assert main(["map"]) == 0
+    assert "onboard_hybrid" in " ".join(capsys.readouterr().out.split())

@@ -1,0 +1,7 @@
+"""`python -m onboarding` is `onboard`."""
+
+import sys
+
+from onboarding.cli import main
+
+sys.exit(main())
