@@ -266,7 +266,8 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     from onboarding.backend import kernel_device
     from onboarding.generate import _check_one
     from onboarding.patching import entry_function
-    from onboarding.templating import get_family, load_module
+    from onboarding.families import get_family
+    from onboarding.templating import load_module
 
     _release()
     mod = load_module(path)

@@ -247,7 +247,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
 
 
 def _families(args: argparse.Namespace) -> list[str] | None:
-    from onboarding.templating import families
+    from onboarding.families import families
 
     if args.kernels == "all":
         return None
@@ -346,7 +346,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
 
 def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
     from onboarding._tune_worker import TIMING_DIMS
-    from onboarding.templating import get_family
+    from onboarding.families import get_family
 
     spec = get_family(args.kernel)
     variant = args.variant or next(iter(spec.variants))
@@ -440,7 +440,7 @@ def _tune_model(args: argparse.Namespace, cfg, console: Console) -> int:
 
     families = [args.kernel] if args.kernel else None
     if args.kernel:
-        from onboarding.templating import get_family
+        from onboarding.families import get_family
 
         get_family(args.kernel)  # an unknown family fails before any work
     out = Path(args.out) if args.out else None

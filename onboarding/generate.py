@@ -24,7 +24,8 @@ from onboarding.backend import kernel_device
 from onboarding.errors import InputError
 from onboarding.patching import entry_function
 from onboarding.registry import KERNELS_DIR, Coverage
-from onboarding.templating import get_family, load_module, params_hash, render, write_module
+from onboarding.families import get_family
+from onboarding.templating import load_module, params_hash, render, write_module
 from onboarding.testing.tolerance import compare, tolerance_for
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.opgraph import Block, OpGraph
-from onboarding.templating import match_block
+from onboarding.families import match_block
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 STATUSES = ("kernel", "template", "torch_fast", "uncovered")

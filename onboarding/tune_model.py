@@ -125,7 +125,8 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
     from onboarding.generate import load_candidates
     from onboarding.opgraph import OpGraph
     from onboarding.registry import Coverage
-    from onboarding.templating import get_family, load_module
+    from onboarding.families import get_family
+    from onboarding.templating import load_module
 
     missing = [a for a in RUN_ARTIFACTS if not (run_dir / a).is_file()]
     if missing:

@@ -105,7 +105,7 @@ def test_against_a_revision_adds_its_kernels_as_anchor_rows(tmp_path):
 
     other = tmp_path / "kernel_templates"
     shutil.copytree(TEMPLATE_DIR, other)
-    with open(other / "rmsnorm.py.j2", "a") as f:
+    with open(other / "rmsnorm" / "rmsnorm.py.j2", "a") as f:
         f.write("\nMARKER_OF_THE_OTHER_REVISION = True\n")
 
     built = []
@@ -142,7 +142,7 @@ def test_templates_at_a_revision_and_bad_revisions(tmp_path):
     if not (TEMPLATE_DIR.parent / ".git").exists():
         pytest.skip("not a git checkout")
     path, sha = templates_at("HEAD")
-    assert (path / "gated_delta.py.j2").is_file() and len(sha) == 8
+    assert (path / "gated_delta" / "gated_delta.py.j2").is_file() and len(sha) == 8
     with pytest.raises(InputError, match="no such revision"):
         templates_at("no-such-revision-anywhere")
     with pytest.raises(InputError, match="not a git checkout"):
@@ -156,13 +156,13 @@ def test_against_takes_a_folder_of_templates(tmp_path):
     from onboarding.errors import InputError
     from onboarding.templating import TEMPLATE_DIR
 
-    base = tmp_path / "base"
+    base = tmp_path / "base"  # the flat layout of revisions before the per-family folders
     base.mkdir()
-    (base / "rmsnorm.py.j2").write_text((TEMPLATE_DIR / "rmsnorm.py.j2").read_text())
+    (base / "rmsnorm.py.j2").write_text((TEMPLATE_DIR / "rmsnorm" / "rmsnorm.py.j2").read_text())
     assert resolve(str(base)) == (base.resolve(), "tpl:base")
     archived = tmp_path / "before" / "kernel_templates"  # `git archive REV kernel_templates` unpacked
-    archived.mkdir(parents=True)
-    (archived / "rmsnorm.py.j2").write_text((TEMPLATE_DIR / "rmsnorm.py.j2").read_text())
+    (archived / "rmsnorm").mkdir(parents=True)  # the per-family layout
+    (archived / "rmsnorm" / "rmsnorm.py.j2").write_text((TEMPLATE_DIR / "rmsnorm" / "rmsnorm.py.j2").read_text())
     assert resolve(str(archived)) == (archived.resolve(), "tpl:before")
     empty = tmp_path / "empty"
     empty.mkdir()

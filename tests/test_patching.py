@@ -231,7 +231,8 @@ class _TinyDSA(torch.nn.Module):
 def _tiny_dsa_setup(tmp_path, eager=False):
     from types import SimpleNamespace
 
-    from onboarding.families import sparse_attention as fam
+    from onboarding.families import family_module
+    fam = family_module("sparse_attention")
     from onboarding.opgraph import Block
     from onboarding.templating import load_module, render_to
 
@@ -378,7 +379,8 @@ def _router_graph(block_attrs):
 
 @pytest.fixture(scope="module")
 def router_kernel(tmp_path_factory):
-    from onboarding.families import moe_router
+    from onboarding.families import family_module
+    moe_router = family_module("moe_router")
     from onboarding.templating import load_module, render_to
 
     attrs = {"n_experts": 8, "top_k": 3, "scoring": "sigmoid", "score_bias": True, "renormalize": True,
@@ -738,7 +740,8 @@ def test_non_gated_module_list_experts_classified(parse_model, tmp_path, act_src
     one `module_list` experts block, non-gated from its per-expert weights [F, D] / [D, F], the
     activation read off the ops (relu then square; gelu and its `approximate` keyword), matched
     to `moe_experts/mlp`."""
-    from onboarding.families import moe_experts
+    from onboarding.families import family_module
+    moe_experts = family_module("moe_experts")
 
     path = tmp_path / "list_moe.py"
     path.write_text(_MLP_LIST_MODEL.replace("F.relu(self.fc_in(x)).square()", act_src))
@@ -790,7 +793,8 @@ def _experts_graph(d, f, activation):
     (24, 20, "relu2", "relu", False),
 ])
 def test_non_gated_experts_binding_by_shape(tmp_path, d, f, act, kernel_act, active):
-    from onboarding.families import moe_experts
+    from onboarding.families import family_module
+    moe_experts = family_module("moe_experts")
     from onboarding.templating import load_module, render_to
 
     torch_act = {"gelu": torch.nn.functional.gelu,
@@ -1017,7 +1021,8 @@ def test_gate_up_split_read_off_the_ops(parse_model, tmp_path, split):
     """A plain MoE (no transformers class) with x @ W experts: gate/up taken by step-2 slices is
     classified "interleaved", matched and patched equal to the model; the same interleaving taken
     with index tensors cannot be read off the ops, so the block stays uncovered (never guessed)."""
-    from onboarding.families import moe_experts
+    from onboarding.families import family_module
+    moe_experts = family_module("moe_experts")
 
     path = tmp_path / f"split_moe_{split}.py"
     path.write_text(_SPLIT_MOE_MODEL.format(split=split))

@@ -9,7 +9,9 @@ import pytest
 from onboarding._classify_split import split_linear
 from onboarding.backend import kernel_device
 from onboarding.capture import OpRecord
-from onboarding.families import grouped_linear, moe_experts
+from onboarding.families import family_module
+grouped_linear = family_module("grouped_linear")
+moe_experts = family_module("moe_experts")
 from onboarding.generate import check_candidate, kernels_for, render_candidates
 from onboarding.loading import load_model
 from onboarding.parse import example_inputs, load_stage, parse_stage

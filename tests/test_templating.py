@@ -13,9 +13,11 @@ import torch
 
 from onboarding import templating
 from onboarding.errors import InputError
-from onboarding.families import FAMILIES
+from onboarding.families import families, get_family, match_block
 from onboarding.opgraph import Block
 from onboarding.testing import Tolerance, compare, tolerance_for
+
+FAMILIES = tuple(families().values())
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_VARIANTS = [pytest.param(f.name, v, id=f"{f.name}-{v}") for f in FAMILIES for v in f.variants]
@@ -24,11 +26,11 @@ ALL_VARIANTS = [pytest.param(f.name, v, id=f"{f.name}-{v}") for f in FAMILIES fo
 @pytest.mark.parametrize("family,variant", ALL_VARIANTS)
 def test_every_variant_renders_with_defaults(family, variant):
     source = templating.render(family, variant)
-    spec = templating.get_family(family)
+    spec = get_family(family)
     params = spec.resolve(variant)
     lines = source.splitlines()
     assert lines[0] == (
-        f"# Rendered by onboard from kernel_templates/{spec.template} "
+        f"# Rendered by onboard from kernel_templates/{spec.name}/{spec.template} "
         f"(template version {spec.template_version}). Do not edit."
     )
     assert lines[2] == "# params: " + json.dumps(params, sort_keys=True)
@@ -52,7 +54,7 @@ def test_render_is_deterministic_across_processes():
     code = (
         "import sys, hashlib; sys.path.insert(0, %r)\n"
         "from onboarding import templating\n"
-        "from onboarding.families import FAMILIES\n"
+        "from onboarding.families import families\nFAMILIES = tuple(families().values())\n"
         "print(hashlib.sha256(''.join(templating.render(f.name, v) for f in FAMILIES for v in f.variants)"
         ".encode()).hexdigest())\n" % str(ROOT)
     )
@@ -134,8 +136,8 @@ def test_load_module_by_path_under_private_name(tmp_path):
     path = templating.render_to(tmp_path, "swiglu", "split", {"limit": 3.0})
     module = templating.load_module(path)
     assert module.__name__.startswith("onboard_kernels.swiglu.split_")
-    assert module.PARAMS == templating.get_family("swiglu").resolve("split", {"limit": 3.0})
-    assert module.TEMPLATE == "swiglu.py.j2" and module.TEMPLATE_VERSION == 1
+    assert module.PARAMS == get_family("swiglu").resolve("split", {"limit": 3.0})
+    assert module.TEMPLATE == "swiglu/swiglu.py.j2" and module.TEMPLATE_VERSION == 1
     assert "kernels" not in sys.modules
     # same content (another path) -> the same module: custom ops register once per process
     copy = tmp_path / "other" / "split.py"
@@ -181,17 +183,17 @@ def _block(kind, attrs, class_name="X", params=None):
 
 MATCHES = [
     (_block("norm.rms", {"dim": 64, "eps": 1e-5, "unit_offset": False, "has_weight": True}),
-     "rmsnorm", {"variant": "plain", "params": templating.get_family("rmsnorm").resolve("plain", {"eps": 1e-5})}),
+     "rmsnorm", {"variant": "plain", "params": get_family("rmsnorm").resolve("plain", {"eps": 1e-5})}),
     (_block("norm.rms", {"dim": 64, "eps": None, "unit_offset": True, "has_weight": True}),
-     "rmsnorm", {"variant": "plain", "params": templating.get_family("rmsnorm").resolve("plain", {"unit_offset": True})}),
+     "rmsnorm", {"variant": "plain", "params": get_family("rmsnorm").resolve("plain", {"unit_offset": True})}),
     (_block("norm.rms_gated", {"dim": 64, "eps": 1e-6, "unit_offset": False, "has_weight": True}),
-     "rmsnorm", {"variant": "gated", "params": templating.get_family("rmsnorm").resolve("gated")}),
+     "rmsnorm", {"variant": "gated", "params": get_family("rmsnorm").resolve("gated")}),
     # a weightless mean-RMSNorm (Gemma 4's v_norm) is `plain` rendered without a weight
     (_block("norm.rms", {"dim": 64, "eps": 1e-6, "has_weight": False}),
-     "rmsnorm", {"variant": "plain", "params": templating.get_family("rmsnorm").resolve("plain", {"has_weight": False})}),
+     "rmsnorm", {"variant": "plain", "params": get_family("rmsnorm").resolve("plain", {"has_weight": False})}),
     (_block("norm.layer", {}), "rmsnorm", None),
     (_block("mlp.dense", {"activation": "silu", "gated": True, "clamp": None}),
-     "swiglu", {"variant": "split", "params": templating.get_family("swiglu").resolve("split")}),
+     "swiglu", {"variant": "split", "params": get_family("swiglu").resolve("split")}),
     (_block("mlp.dense", {"activation": "gelu", "gated": True, "clamp": None}), "swiglu", None),
     (_block("mlp.dense", {"activation": "silu", "gated": False, "clamp": None}), "swiglu", None),
     (_block("moe.shared_expert", {"activation": "silu", "gated": True, "clamp": 7.0}), "swiglu", None),
@@ -216,9 +218,9 @@ MATCHES = [
 
 @pytest.mark.parametrize("block,family,expected", MATCHES, ids=[f"{m[0].kind}-{m[1]}-{i}" for i, m in enumerate(MATCHES)])
 def test_match(block, family, expected):
-    spec = templating.get_family(family)
+    spec = get_family(family)
     assert spec.match(block) == expected
-    claimed = [name for name, _ in templating.match_block(block)]
+    claimed = [name for name, _ in match_block(block)]
     if expected:
         assert claimed == [family]  # no other family claims it
     else:
@@ -227,7 +229,7 @@ def test_match(block, family, expected):
 
 def test_match_result_renders():
     block = _block("norm.rms_gated", {"dim": 64, "eps": 1e-6, "unit_offset": True, "has_weight": True})
-    (family, m), = templating.match_block(block)
+    (family, m), = match_block(block)
     assert "(1 + w)" in templating.render(family, m["variant"], m["params"])
 
 

@@ -467,7 +467,7 @@ def test_low_precision_check_accepts_the_kernel_and_rejects_a_wrong_one(rms_path
 
     from onboarding._tune_worker import _check_at
     from onboarding.patching import entry_function
-    from onboarding.templating import get_family
+    from onboarding.families import get_family
 
     mod = load_module(rms_path)
     args = get_family("rmsnorm").sample_inputs("plain", dict(mod.PARAMS), [[64]],
@@ -491,7 +491,7 @@ def test_low_precision_check_judges_a_failing_config_against_the_default(rms_pat
 
     from onboarding._tune_worker import _check_at
     from onboarding.patching import entry_function
-    from onboarding.templating import get_family
+    from onboarding.families import get_family
 
     mod = load_module(rms_path)
     args = get_family("rmsnorm").sample_inputs("plain", dict(mod.PARAMS), [[64]],

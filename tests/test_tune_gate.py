@@ -223,7 +223,7 @@ def test_the_gate_compares_at_the_16_bit_dtype_on_the_cpu(planted, dtype):
     """The emulated check rounds the kernel's outputs to the 16-bit dtype: the reference itself,
     run as the kernel, is off by that dtype's rounding (not 0, as in fp32), and inside its
     bound; the bound is the documented one of tolerance.py."""
-    from onboarding.templating import get_family
+    from onboarding.families import get_family
 
     path, mod = planted
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]

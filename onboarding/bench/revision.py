@@ -59,7 +59,7 @@ def resolve(ref: str, repo: Path | None = None) -> tuple[Path, str]:
     or a git revision (label ``rev:<short sha>``)."""
     path = Path(ref)
     if path.is_dir():
-        if not any(path.glob("*.j2")):
+        if not any(path.glob("*.j2")) and not any(path.glob("*/*.j2")):  # flat or per-family
             raise InputError(f"--against {ref}: the folder holds no *.j2 templates (give a revision or "
                              "a copy of kernel_templates/)")
         path = path.resolve()

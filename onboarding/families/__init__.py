@@ -1,11 +1,13 @@
-"""Kernel family declarations (schema, variants, tuning space, buckets, block matching)."""
+"""Kernel families as plugins: the `FamilySpec` a family folder declares, and the registry of the
+folders found (built-in `kernel_templates/<family>/`, `--families DIR`, `ONBOARD_FAMILIES`, the
+`onboard.families` entry points). Stages iterate over `families()`; none names a family.
+"""
 
-from onboarding.families import (conv1d, gated_delta, grouped_linear, kimi_delta, layernorm, lora,
-                                 moe_experts, moe_router, rmsnorm, rope, sparse_attention, swiglu)
+from onboarding.families.discover import (ENV_VAR, Family, FamilyWarning, Skipped, add_dirs,
+                                          extra_dirs, families, family_module, get_family,
+                                          match_block, registry, reset, skipped, subprocess_env)
+from onboarding.families.spec import FamilySpec, Param, ShapeBucket
 
-FAMILIES = (rmsnorm.FAMILY, swiglu.FAMILY, rope.FAMILY, conv1d.FAMILY, gated_delta.FAMILY,
-            kimi_delta.FAMILY, moe_router.FAMILY, moe_experts.FAMILY, lora.FAMILY,
-            sparse_attention.FAMILY, grouped_linear.FAMILY, layernorm.FAMILY)
-
-__all__ = ["FAMILIES", "conv1d", "gated_delta", "grouped_linear", "kimi_delta", "layernorm", "lora",
-           "moe_experts", "moe_router", "rmsnorm", "rope", "sparse_attention", "swiglu"]
+__all__ = ["ENV_VAR", "Family", "FamilySpec", "FamilyWarning", "Param", "ShapeBucket", "Skipped",
+           "add_dirs", "extra_dirs", "families", "family_module", "get_family", "match_block",
+           "registry", "reset", "skipped", "subprocess_env"]

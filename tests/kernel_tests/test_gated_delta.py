@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from conftest import DEVICE
 
 from onboarding import aot, templating
-from onboarding.families import gated_delta
+from onboarding.families import family_module
+gated_delta = family_module("gated_delta")
 from onboarding.opgraph import Block
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 from onboarding.testing.tolerance import assert_close, tolerance_for

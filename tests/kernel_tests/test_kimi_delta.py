@@ -16,7 +16,8 @@ from test_gated_delta import (
     dot_modes_on_cpu, fixture, grads_of, load, make_inputs, transformers_fns,
 )
 
-from onboarding.families import kimi_delta
+from onboarding.families import family_module
+kimi_delta = family_module("kimi_delta")
 from onboarding.testing import check_forward_backward, check_module_contract, check_opcheck
 
 CASE_PARAMS = [pytest.param(c, id=c.id) for c in CASES]

@@ -10,7 +10,8 @@ import torch
 from conftest import DTYPES, case_id, check_match, check_sample_inputs_fit
 from torch.nn import functional as F
 
-from onboarding.families import layernorm as family
+from onboarding.families import family_module
+family = family_module("layernorm")
 from onboarding.opgraph import Block
 from onboarding.patching import patch_model
 from onboarding.testing import (

@@ -19,7 +19,8 @@ from conftest import case_id
 
 from onboarding import aot
 from onboarding.errors import InputError
-from onboarding.families import moe_experts
+from onboarding.families import family_module
+moe_experts = family_module("moe_experts")
 from onboarding.testing import (
     KernelFixture,
     check_aot_sm90,

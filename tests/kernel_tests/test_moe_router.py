@@ -10,7 +10,8 @@ import torch
 from conftest import case_id
 
 from onboarding import aot
-from onboarding.families import moe_router
+from onboarding.families import family_module
+moe_router = family_module("moe_router")
 from onboarding.testing import check_module_contract, compare, poisoned, tolerance_for
 
 DEEPSEEK = {"top_k": 3, "n_group": 4, "topk_group": 2, "score_bias": True, "renormalize": True,

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import DTYPES, case_id, check_match, check_sample_inputs_fit
 
-from onboarding.families import rmsnorm as family
+from onboarding.families import family_module
+family = family_module("rmsnorm")
 from onboarding.opgraph import Block
 from onboarding.patching import patch_model
 from onboarding.testing import (

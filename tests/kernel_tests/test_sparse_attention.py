@@ -13,7 +13,8 @@ import torch
 from conftest import DEVICE
 
 from onboarding import aot, templating
-from onboarding.families import sparse_attention as fam
+from onboarding.families import family_module
+fam = family_module("sparse_attention")
 from onboarding.opgraph import Block
 from onboarding.testing import (
     KernelFixture,

@@ -10,12 +10,13 @@ per-expert token counts that dispatch and balancing statistics need.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboarding.errors import InputError
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "moe_router"
 
@@ -68,6 +69,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="moe_router.py.j2",
     template_version=2,
+    folder=Path(__file__).parent,
     variants={
         "softmax": "softmax over all experts, then top-k (Qwen3-MoE, Mixtral)",
         "sigmoid": "sigmoid scores, top-k (DeepSeek-V3 with bias, groups, renorm, scaling)",

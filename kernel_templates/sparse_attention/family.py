@@ -14,12 +14,13 @@ differentiable attention core) with the `indexer` variant under "also"; `match_a
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboarding.errors import InputError
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "sparse_attention"
 
@@ -105,6 +106,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
     template_version=2,
+    folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
         "gathered": "attention over the selected positions: GQA or MLA latent, sink; fwd + bwd",

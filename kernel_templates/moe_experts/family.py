@@ -40,18 +40,15 @@ name the activation read off its ops; other activations, a clamp or biases leave
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboarding.classify import packed_orientation
 from onboarding.errors import InputError
-from onboarding.families._gemm import (
-    GEMM_FWD_BWD_DEFAULT_CONFIG,
-    GEMM_FWD_BWD_TUNING_SPACE,
-    split_tiles,
-)
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
+from onboarding.families.gemm import GEMM_FWD_BWD_DEFAULT_CONFIG, GEMM_FWD_BWD_TUNING_SPACE, split_tiles
 
 NAME = "moe_experts"
 
@@ -291,6 +288,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
     template_version=12,
+    folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
               "swiglu_lora": "frozen routed SwiGLU experts + per-expert LoRA on gate_up and down "

@@ -12,13 +12,20 @@ bound. Same kernels, API and tuning space as `gated_delta`.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from onboarding.families.gated_delta import (DEFAULT_CONFIG, PARAMS, SHAPE_BUCKETS, TUNING_SPACE,
-                                           block_params, delta_rule_samples)
-from onboarding.templating import FamilySpec
+from onboarding.families import FamilySpec, family_module
+
+# KDA shares the scalar-gated delta rule's kernels (its template includes that family's, with
+# the per-channel path on), parameters and tuning space: it extends that family.
+BASE = "gated_delta"
+_base = family_module(BASE)
+PARAMS, TUNING_SPACE, DEFAULT_CONFIG = _base.PARAMS, _base.TUNING_SPACE, _base.DEFAULT_CONFIG
+SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
+                                                   _base.delta_rule_samples)
 
 NAME = "kimi_delta"
 # GDN's buckets less what was timed on GDN's kernels only: the prepare kernel's K tile and
@@ -49,6 +56,8 @@ FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
     template_version=15,
+    folder=Path(__file__).parent,
+    extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

@@ -26,16 +26,13 @@ of that weight. `onboarding._patch_grouped_linear` binds the block's forward(x, 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from onboarding.families._gemm import (
-    GEMM_FWD_BWD_DEFAULT_CONFIG,
-    GEMM_FWD_BWD_TUNING_SPACE,
-    split_tiles,
-)
-from onboarding.templating import FamilySpec, ShapeBucket
+from onboarding.families import FamilySpec, ShapeBucket
+from onboarding.families.gemm import GEMM_FWD_BWD_DEFAULT_CONFIG, GEMM_FWD_BWD_TUNING_SPACE, split_tiles
 
 NAME = "grouped_linear"
 LAYOUT = "split_linear"  # the classifier's `layout` attr for these blocks
@@ -79,6 +76,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="grouped_linear.py.j2",
     template_version=5,
+    folder=Path(__file__).parent,
     variants={"sorted": "per-expert linear over rows sorted by expert (counts [E] on the device), "
                         "weight [E, N, K]; fwd + bwd (dx, dW)"},
     params=(),

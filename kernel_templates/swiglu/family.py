@@ -9,12 +9,13 @@ Step-3.x (silu(gate) clamped to max=limit, up to [-limit, limit]).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboarding.errors import InputError
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "swiglu"
 
@@ -69,6 +70,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="swiglu.py.j2",
     template_version=1,
+    folder=Path(__file__).parent,
     variants={
         "split": "swiglu(gate, up): separate [..., F] tensors",
         "fused": "swiglu_fused(gate_up): one [..., 2F] tensor (halves or interleaved)",

@@ -6,11 +6,12 @@ token-mixing convolution of Mamba and gated delta-net blocks; gradients to x, we
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "conv1d"
 
@@ -40,6 +41,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="conv1d.py.j2",
     template_version=1,
+    folder=Path(__file__).parent,
     variants={"causal": "causal depthwise conv over [B, T, C], optional bias, optional SiLU"},
     params=(
         Param(name="kernel_size", type=int, default=4, min=1, max=8, doc="taps W (weight [C, W])"),

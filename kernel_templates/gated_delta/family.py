@@ -8,11 +8,12 @@ final state [B, HV, K, V]. Shared with `kimi_delta` (same template, per-channel 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "gated_delta"
 CHUNK_SIZES = (16, 32, 64)
@@ -132,6 +133,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
     template_version=14,
+    folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
     tuning_space=TUNING_SPACE,

@@ -8,12 +8,13 @@ accepts.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboarding.errors import InputError
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "rope"
 
@@ -53,6 +54,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="rope.py.j2",
     template_version=1,
+    folder=Path(__file__).parent,
     variants={
         "half": "rotate_half layout: x * cos + cat(-x2, x1) * sin",
         "interleaved": "interleaved pairs (2i, 2i+1)",

@@ -15,12 +15,13 @@ variant of the `moe_experts` family: it shares the experts' permutation and grou
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from onboarding.families._gemm import GEMM_DEFAULT_CONFIG, GEMM_TUNING_SPACE
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
+from onboarding.families.gemm import GEMM_DEFAULT_CONFIG, GEMM_TUNING_SPACE
 
 NAME = "lora"
 
@@ -40,6 +41,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="lora.py.j2",
     template_version=4,
+    folder=Path(__file__).parent,
     variants={"linear": "x W^T + scaling * (x A^T) B^T, frozen W; grads to x, A, B"},
     params=(
         Param(name="base", type=str, default="torch", choices=("torch", "triton"),

@@ -10,12 +10,13 @@ delta-rule attention).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboarding.errors import InputError
-from onboarding.templating import FamilySpec, Param, ShapeBucket
+from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "rmsnorm"
 
@@ -87,6 +88,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="rmsnorm.py.j2",
     template_version=3,
+    folder=Path(__file__).parent,
     variants={
         "plain": "x * rsqrt(mean(x^2) + eps) * w (or * (1 + w) with unit_offset, or no w)",
         "gated": "plain * silu(gate) or * sigmoid(gate); gradients to x, gate and w",

@@ -9,12 +9,16 @@ fused op (`F.layer_norm` / `native_layer_norm`) are left to torch: registry mark
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from onboarding.families import rmsnorm
-from onboarding.templating import FamilySpec, Param
+from onboarding.families import FamilySpec, Param, family_module
+
+# LayerNorm's kernels tile like RMSNorm's (a row reduction, then the column sums of the weight
+# gradients): it borrows that family's tuning space, default and buckets.
+_rms = family_module("rmsnorm").FAMILY
 
 NAME = "layernorm"
 _FUSED_OPS = ("layer_norm", "native_layer_norm")
@@ -60,6 +64,7 @@ FAMILY = FamilySpec(
     name=NAME,
     template="layernorm.py.j2",
     template_version=1,
+    folder=Path(__file__).parent,
     variants={
         "plain": "(x - mean) * rsqrt(var + eps) * w (+ b); gradients to x, w (and b)",
     },
@@ -72,9 +77,9 @@ FAMILY = FamilySpec(
     # The row tiles are rmsnorm's (one [BLOCK_N, BLOCK_D] fp32 tile per step, one more live
     # in the backward): its tuning space and buckets are the starting point, not yet measured
     # for this kernel.
-    tuning_space=rmsnorm.FAMILY.tuning_space,
-    default_config=rmsnorm.FAMILY.default_config,
-    shape_buckets=rmsnorm.FAMILY.shape_buckets,
+    tuning_space=_rms.tuning_space,
+    default_config=_rms.default_config,
+    shape_buckets=_rms.shape_buckets,
     match=match,
     sample_inputs=sample_inputs,
 )
