@@ -49,7 +49,7 @@ def gpu_name() -> str:
 
 
 def module_meta(module: ModuleType) -> dict[str, Any]:
-    from onboarding.templating import params_hash
+    from onboarding.families.render import params_hash
 
     fam, var = getattr(module, "FAMILY", "unknown"), getattr(module, "VARIANT", "unknown")
     params = dict(getattr(module, "PARAMS", {}))

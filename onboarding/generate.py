@@ -25,7 +25,8 @@ from onboarding.errors import InputError
 from onboarding.patching import entry_function
 from onboarding.registry import KERNELS_DIR, Coverage
 from onboarding.families import get_family
-from onboarding.templating import load_module, params_hash, render, write_module
+from onboarding.families.render import params_hash
+from onboarding.templating import load_module, render, write_module
 from onboarding.testing.tolerance import compare, tolerance_for
 
 

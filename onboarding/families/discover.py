@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from onboarding.errors import InputError
+from onboarding.families.render import render_source
 from onboarding.families.spec import FamilySpec
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "kernel_templates"
@@ -178,7 +179,13 @@ class Registry:
         self._importing.append(name)
         try:
             family = _import_family(name, folder, origin)
-            _check_renders(family.spec)
+            base = None
+            if family.spec.extends:
+                found = self.get(family.spec.extends)
+                if found is None:
+                    raise _Broken(f"it extends family {family.spec.extends!r}, which is not loaded")
+                base = found.spec
+            _check_renders(family.spec, base)
         except _Broken as exc:
             del self.candidates[name]
             _forget(name)
@@ -233,16 +240,14 @@ def _import_family(name: str, folder: Path, origin: str) -> Family:
     return Family(spec, module, folder, origin)
 
 
-def _check_renders(spec: FamilySpec) -> None:
-    from onboarding.templating import render  # the renderer resolves families through here
-
+def _check_renders(spec: FamilySpec, base: FamilySpec | None) -> None:
     for variant in spec.variants:
         try:
             defaults = spec.resolve(variant)
         except InputError:
             continue  # a variant that needs explicit params: rendered when a block asks for it
         try:
-            render(spec, variant, defaults)
+            render_source(spec, variant, defaults, base=base)
         except Exception as exc:
             raise _Broken(f"template {spec.template!r} does not render variant {variant!r} at its "
                           f"default parameters: {type(exc).__name__}: {exc}") from exc
