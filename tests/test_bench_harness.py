@@ -55,8 +55,9 @@ def test_frozen_experts_cases_leave_the_expert_weights_without_gradients():
     import torch
 
     from onboarding.bench.cases import cases_for
-    from onboarding.bench.cases_moe import _moe_sets
+    from onboarding.families import family_module
 
+    _moe_sets = family_module("moe_experts").bench._moe_sets
     moe = {c.name: c for c in cases_for(["moe_experts"])}
     fwd = moe["qwen3_next/E512K10D2048F512N8192/uniform/fwd"]
     assert moe["qwen3_next/E512K10D2048F512N8192/uniform/fwdbwd_frozen"].flops == 2 * fwd.flops
@@ -73,14 +74,17 @@ def test_non_gated_moe_cases_and_their_anchors_agree_with_the_kernel():
     the per-expert loop and argsort + `_grouped_mm` with up [E, F, D] (fp32, tiny shapes)."""
     import torch
 
-    from onboarding.bench.cases import _kernel, cases_for
-    from onboarding.bench.cases_moe import grouped_mm_mlp, routing, transformers_loop_mlp
+    from onboarding.bench.cases import cases_for, kernel, routing
+    from onboarding.families import family_module
+
+    bench = family_module("moe_experts").bench
+    grouped_mm_mlp, transformers_loop_mlp = bench.grouped_mm_mlp, bench.transformers_loop_mlp
 
     moe = {c.name: c for c in cases_for(["moe_experts"])}
     fwd = moe["anchor_mlp/E64K8D2048F512N8192/uniform/fwd"]
     assert fwd.flops == 4 * 8192 * 8 * 2048 * 512  # up and down, 2 S D F each
     assert moe["anchor_mlp/E64K8D2048F512N8192/uniform/fwdbwd"].flops == 3 * fwd.flops
-    mod, ours = _kernel("moe_experts", "mlp", {"activation": "relu2"})
+    mod, ours = kernel("moe_experts", "mlp", {"activation": "relu2"})
     gen = torch.Generator().manual_seed(0)
     idx, w = routing("zipf", 37, 6, 2, torch.device("cpu"), gen)
     x, up, down = torch.randn(37, 16, generator=gen), torch.randn(6, 12, 16, generator=gen), \
@@ -116,7 +120,7 @@ def test_against_a_revision_adds_its_kernels_as_anchor_rows(tmp_path):
         return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
     def setup(device):
-        mod, _ = C._kernel("rmsnorm", "plain")
+        mod, _ = C.kernel("rmsnorm", "plain")
         x = inputs(4, seed=1)
         return {"ours": (mod, x), "ours_fwd": (mod, x), "eager": "eager step"}
 
@@ -175,13 +179,16 @@ def test_grouped_linear_cases_and_their_anchors_agree_with_the_kernel():
     expert) and `_grouped_mm`: both compute the reference's result, empty experts included."""
     import torch
 
-    from onboarding.bench.cases import _kernel, cases_for
-    from onboarding.bench.cases_grouped_linear import grouped_mm, loop
+    from onboarding.bench.cases import cases_for, kernel
+    from onboarding.families import family_module
+
+    bench = family_module("grouped_linear").bench
+    grouped_mm, loop = bench.grouped_mm, bench.loop
 
     cases = {c.name: c for c in cases_for(["grouped_linear"])}
     fwd = cases["fine/E64S65536K2048N1024/fwd"]
     assert fwd.flops == 2 * 65536 * 2048 * 1024 and cases["fine/E64S65536K2048N1024/fwdbwd"].flops == 3 * fwd.flops
-    mod, _ = _kernel("grouped_linear", "sorted")
+    mod, _ = kernel("grouped_linear", "sorted")
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([5, 0, 9, 3])
     x, w = torch.randn(17, 12, generator=gen), torch.randn(4, 10, 12, generator=gen)
@@ -268,11 +275,11 @@ def test_a_row_whose_check_raised_or_failed_is_not_timed_and_says_why():
 
 
 def test_bench_check_rejects_a_kernel_that_returns_fewer_outputs():
-    """`cases._check` pairs our outputs with the reference's: one output short is an error that
+    """`cases.bf16_check` pairs our outputs with the reference's: one output short is an error that
     names both counts (zip alone would judge the one output both have)."""
     import torch
 
-    from onboarding.bench.cases import _check
+    from onboarding.bench.cases import bf16_check as _check
 
     def make(dtype):
         g = torch.Generator().manual_seed(0)

@@ -13,6 +13,9 @@ import torch
 
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from . import bench
+from .binding import bind
+
 NAME = "conv1d"
 
 
@@ -60,4 +63,6 @@ FAMILY = FamilySpec(
     ),
     match=match,
     sample_inputs=sample_inputs,
+    bench_cases=bench.cases,
+    binding=bind,
 )

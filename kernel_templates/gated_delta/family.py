@@ -15,6 +15,10 @@ import torch
 
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from . import bench
+from .binding import bind
+from .tuning import delta_rule_inputs, problem_dims, timing_inputs  # noqa: F401 (kimi_delta's too)
+
 NAME = "gated_delta"
 CHUNK_SIZES = (16, 32, 64)
 L2_OPS = ("rsqrt", "sqrt", "norm", "linalg_vector_norm")
@@ -141,4 +145,9 @@ FAMILY = FamilySpec(
     shape_buckets=SHAPE_BUCKETS,
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    timing_dims=("B", "T", "HK", "K"),
+    timing_inputs=timing_inputs,
+    bench_cases=bench.cases,
+    binding=bind,
 )

@@ -21,7 +21,7 @@ shared runtime every rendered module includes).
 Blocks are picked by structure: `moe.experts` blocks whose classifier attrs say
 `layout: "split_linear"` (`onboarding._classify_split`): the module's only parameter is one 3-D
 weight [E, N, K], and its ops split its input by sizes and run at most E linears against slices
-of that weight. `onboarding._patch_grouped_linear` binds the block's forward(x, sizes).
+of that weight. `binding.py` binds the block's forward(x, sizes).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ import torch
 
 from onboarding.families import FamilySpec, ShapeBucket
 from onboarding.families.gemm import GEMM_FWD_BWD_DEFAULT_CONFIG, GEMM_FWD_BWD_TUNING_SPACE, split_tiles
+
+from . import bench
+from .binding import bind
+from .tuning import problem_dims, timing_inputs
 
 NAME = "grouped_linear"
 LAYOUT = "split_linear"  # the classifier's `layout` attr for these blocks
@@ -91,4 +95,9 @@ FAMILY = FamilySpec(
                    ShapeBucket(name="k_big", dim="K", lo=1025, hi=2**31 - 1, config=_GPU_TILES)),
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    timing_dims=("S", "K", "N", "E"),
+    timing_inputs=timing_inputs,
+    bench_cases=bench.cases,
+    binding=bind,
 )

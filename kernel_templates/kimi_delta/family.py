@@ -19,6 +19,9 @@ import torch
 
 from onboarding.families import FamilySpec, family_module
 
+from . import bench
+from .tuning import problem_dims, timing_inputs
+
 # KDA shares the scalar-gated delta rule's kernels (its template includes that family's, with
 # the per-channel path on), parameters and tuning space: it extends that family.
 BASE = "gated_delta"
@@ -65,4 +68,9 @@ FAMILY = FamilySpec(
     shape_buckets=KDA_BUCKETS,
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    timing_dims=("B", "T", "HK", "K"),
+    timing_inputs=timing_inputs,
+    bench_cases=bench.cases,
+    binding=_base.FAMILY.binding,
 )

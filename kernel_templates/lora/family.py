@@ -23,6 +23,8 @@ import torch
 from onboarding.families import FamilySpec, Param, ShapeBucket
 from onboarding.families.gemm import GEMM_DEFAULT_CONFIG, GEMM_TUNING_SPACE
 
+from . import bench
+
 NAME = "lora"
 
 
@@ -57,4 +59,5 @@ FAMILY = FamilySpec(
                     config={"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8}),
     ),
     sample_inputs=sample_inputs,
+    bench_cases=bench.cases,
 )

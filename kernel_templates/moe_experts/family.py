@@ -14,7 +14,7 @@ used as x W: gpt-oss's gate_up [E, D, 2F] and down [E, F, D]); `gate_up_split` "
 up]) or "interleaved" (gate at even, up at odd columns: gpt-oss), from the recorded split of the
 gate/up product (a chunk or step-1 slices vs step-2 slices); `gate_up_bias` / `down_bias`: the
 names of the 2-D [E, 2F] / [E, D] parameters added around the two GEMMs. `match` takes these
-layouts; `onboarding.patching` converts the block's weights to the kernel's layout (and checks
+layouts; `binding.py` converts the block's weights to the kernel's layout (and checks
 the result against the block's own output on its first call). A gated packed block whose split
 the classifier could not read (`gate_up_split: None`) stays uncovered. Identity ("zero") experts
 (attrs `zero_experts`: routing slots >= E return the token times its routing weight; gate_up may
@@ -25,7 +25,8 @@ Variant `swiglu_lora`: the same experts frozen, with per-expert LoRA adapters on
 down applied inside the grouped GEMMs (no delta-W); gradients to x, topk_weights and the
 adapters. It also renders `grouped_experts_lora(x_sorted, counts, ...)` for expert-parallel
 training, where tokens arrive already sorted by local expert (see the template's docstring).
-LoRA is applied by the training stage, so `match` never picks this variant.
+LoRA is applied by the training stage, so `match` never picks this variant; `lora_variants`
+offers it to training for `moe.experts` blocks (`families.lora_kernel`).
 
 Variant `mlp`: non-gated routed experts, y = sum_k r * down(act(up(x))) with up_proj [E, F, D]
 and down_proj [E, D, F] (transformers' NemotronHExperts; a `module_list` block of per-expert
@@ -49,6 +50,10 @@ from onboarding.classify import packed_orientation
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
 from onboarding.families.gemm import GEMM_FWD_BWD_DEFAULT_CONFIG, GEMM_FWD_BWD_TUNING_SPACE, split_tiles
+
+from . import bench
+from .binding import bind
+from .tuning import problem_dims, timing_inputs
 
 NAME = "moe_experts"
 
@@ -329,4 +334,10 @@ FAMILY = FamilySpec(
     check=_check,
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    timing_dims=("N", "D", "E", "TOPK", "F"),
+    timing_inputs=timing_inputs,
+    bench_cases=bench.cases,
+    lora_variants={"moe.experts": "swiglu_lora"},
+    binding=bind,
 )

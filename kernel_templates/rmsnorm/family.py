@@ -18,6 +18,10 @@ import torch
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from . import bench
+from .binding import bind
+from .tuning import problem_dims, timing_inputs
+
 NAME = "rmsnorm"
 
 
@@ -130,4 +134,9 @@ FAMILY = FamilySpec(
     check=_check,
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    timing_dims=("N", "D"),
+    timing_inputs=timing_inputs,
+    bench_cases=bench.cases,
+    binding=bind,
 )

@@ -16,6 +16,9 @@ import torch
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from . import bench
+from .tuning import problem_dims
+
 NAME = "rope"
 
 
@@ -80,4 +83,6 @@ FAMILY = FamilySpec(
     check=_check,
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    bench_cases=bench.cases,
 )

@@ -22,6 +22,9 @@ import torch
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from . import bench
+from .binding import bind
+
 NAME = "sparse_attention"
 
 
@@ -157,4 +160,6 @@ FAMILY = FamilySpec(
     check=_check,
     match=match,
     sample_inputs=sample_inputs,
+    bench_cases=bench.cases,
+    binding=bind,
 )

@@ -1,8 +1,6 @@
-"""Benchmark cases for the linear-attention families: `gated_delta` (GDN) and `kimi_delta` (KDA).
-
-Shapes are issue 5's: GDN at B=2 T=4096 H=16 D=128, the Qwen3-Next layout (16 key / 32 value
-heads, D=128) at T=8192 and T=32768, and KDA in the Kimi-Linear layout (H=32, D=128) at T=8192
-and T=32768 (issue 32).
+"""The delta-rule benchmark case, shared by the scalar-gated (GDN) and the per-channel (KDA)
+families: each family's `bench.py` lists its shapes (issue 5's for GDN, issue 32's for KDA) and
+builds its cases with `delta_rule_case(family, ..., per_channel=...)`.
 
 Impls per case (a ``_fwd`` suffix: forward only, under `torch.no_grad`; otherwise forward +
 backward of the output ``o``):
@@ -35,8 +33,9 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _fwd_bwd, _kernel, _rel, shared_inputs
+from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
+from onboarding.testing.tolerance import rel_rms
 
 CHUNK = 64
 COMPILE_MAX_T = 8192  # torch.compile unrolls the fallback's chunk loop: T/64 copies of the body
@@ -46,20 +45,11 @@ KDA_EAGER_MAX_T = 8192
 KDA_CHECK_MAX_T = 8192
 O_TOL, GRAD_TOL = 0.005, 0.01  # bf16 vs fp32 relative RMS bounds used for issue 5
 
-# (family, B, T, HK, HV, D, note): issue 5's shapes
-SHAPES = (
-    ("gated_delta", 2, 4096, 16, 16, 128, ""),
-    ("gated_delta", 1, 8192, 16, 32, 128, "Qwen3-Next layout"),
-    ("gated_delta", 1, 32768, 16, 32, 128, "Qwen3-Next layout"),
-    ("kimi_delta", 1, 8192, 32, 32, 128, "Kimi-Linear layout"),
-    ("kimi_delta", 1, 32768, 32, 32, 128, "Kimi-Linear layout; no check (the fallback's 34 GB "
-     "decays): the same kernels are checked at T8192"),
-)
 
-
-def transformers_fallback(family: str) -> Callable:
-    """transformers' torch chunk function for `family`, called as (q, k, v, g, beta) -> (o, ht)."""
-    if family == "kimi_delta":
+def transformers_fallback(per_channel: bool) -> Callable:
+    """transformers' torch chunk function (KDA's when `per_channel`, else GDN's), called as
+    (q, k, v, g, beta) -> (o, ht)."""
+    if per_channel:
         from transformers.models.kimi_linear import modeling_kimi_linear as m
 
         fn = m.chunk_kimi_delta_attention
@@ -80,14 +70,15 @@ def transformers_fallback(family: str) -> Callable:
     return call
 
 
-def fla_function(family: str) -> Callable | None:
-    """fla's chunk function as (q, k, v, g, beta) -> (o, ht); None when fla is not installed.
+def fla_function(per_channel: bool) -> Callable | None:
+    """fla's chunk function (``chunk_kda`` when `per_channel`, else ``chunk_gated_delta_rule``) as
+    (q, k, v, g, beta) -> (o, ht); None when fla is not installed.
 
     An fla that is installed but fails to import gives a function that raises that error, so
     the harness records it as the row's error.
     """
     try:
-        if family == "kimi_delta":
+        if per_channel:
             from fla.ops.kda import chunk_kda as fn
         else:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
@@ -110,12 +101,12 @@ def fla_function(family: str) -> Callable | None:
 
 
 def _ours(family: str) -> Callable:
-    _, entry = _kernel(family, "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
+    _, entry = kernel(family, "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
     return lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)
 
 
 @shared_inputs
-def make_inputs(family: str, B: int, T: int, HK: int, HV: int, D: int,
+def make_inputs(per_channel: bool, B: int, T: int, HK: int, HV: int, D: int,
                 device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """bf16 q, k, v, beta and an fp32 log decay g, as leaves that require grad."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -123,7 +114,7 @@ def make_inputs(family: str, B: int, T: int, HK: int, HV: int, D: int,
     q = torch.randn(B, T, HK, D, device=device, generator=gen).to(bf16)
     k = torch.randn(B, T, HK, D, device=device, generator=gen).to(bf16)
     v = torch.randn(B, T, HV, D, device=device, generator=gen).to(bf16)
-    g_shape = (B, T, HV, D) if family == "kimi_delta" else (B, T, HV)
+    g_shape = (B, T, HV, D) if per_channel else (B, T, HV)
     # fp32 log decays as the models compute them (-exp(A_log) softplus(...)): mostly mild, some
     # strong
     g = F.logsigmoid(torch.randn(g_shape, device=device, generator=gen) + 3.0).float()
@@ -131,23 +122,16 @@ def make_inputs(family: str, B: int, T: int, HK: int, HV: int, D: int,
     return tuple(t.requires_grad_(True) for t in (q, k, v, g, beta))
 
 
-def _fwd(fn: Callable, sets: list[tuple]) -> Step:
-    def step(i: int):
-        with torch.no_grad():
-            return fn(*sets[i % len(sets)])
-    return step
-
-
 def _first(fn: Callable) -> Callable:
     """Only the output o: the benchmarked backward starts from do alone (no dht)."""
     return lambda *args: fn(*args)[0]
 
 
-def _check(family: str, B: int, T: int, HK: int, HV: int, D: int
+def _check(family: str, per_channel: bool, B: int, T: int, HK: int, HV: int, D: int
            ) -> Callable[[torch.device], dict[str, float]]:
     def check(device: torch.device) -> dict[str, float]:
-        ours, ref = _ours(family), transformers_fallback(family)
-        leaves = make_inputs(family, B, T, HK, HV, D, device, seed=0)
+        ours, ref = _ours(family), transformers_fallback(per_channel)
+        leaves = make_inputs(per_channel, B, T, HK, HV, D, device, seed=0)
         gen = torch.Generator(device=device).manual_seed(7)
         do = torch.randn(B, T, HV, D, device=device, generator=gen).to(torch.bfloat16)
         o, ht = ours(*leaves)
@@ -155,9 +139,9 @@ def _check(family: str, B: int, T: int, HK: int, HV: int, D: int
         leaves32 = [x.detach().float().requires_grad_(True) for x in leaves]
         o32, ht32 = ref(*leaves32)
         grads32 = torch.autograd.grad(o32, leaves32, do.float())
-        res = {"o": _rel(o, o32), "ht": _rel(ht, ht32)}
+        res = {"o": rel_rms(o, o32), "ht": rel_rms(ht, ht32)}
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads32, strict=True):
-            res[name] = _rel(a, b)
+            res[name] = rel_rms(a, b)
         ok = res["o"] <= O_TOL and all(res[n] <= GRAD_TOL for n in ("dq", "dk", "dv", "dg",
                                                                         "dbeta"))
         res["ok"] = float(ok)
@@ -165,31 +149,32 @@ def _check(family: str, B: int, T: int, HK: int, HV: int, D: int
     return check
 
 
-def _steps(family: str, B: int, T: int, HK: int, HV: int, D: int, device: torch.device
-           ) -> dict[str, Step]:
-    sets = [make_inputs(family, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
+def _steps(family: str, per_channel: bool, B: int, T: int, HK: int, HV: int, D: int,
+           device: torch.device) -> dict[str, Step]:
+    sets = [make_inputs(per_channel, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
     grads = [torch.randn(B, T, HV, D, device=device, dtype=torch.bfloat16)]
-    ours, eager = _ours(family), transformers_fallback(family)
-    steps = {"ours": _fwd_bwd(_first(ours), sets, grads), "ours_fwd": _fwd(ours, sets)}
-    if family != "kimi_delta":
-        steps["eager"] = _fwd_bwd(_first(eager), sets, grads)
-    if family != "kimi_delta" or T <= KDA_EAGER_MAX_T:
-        steps["eager_fwd"] = _fwd(eager, sets)
+    ours, eager = _ours(family), transformers_fallback(per_channel)
+    steps = {"ours": fwd_bwd(_first(ours), sets, grads), "ours_fwd": fwd_only(ours, sets)}
+    if not per_channel:
+        steps["eager"] = fwd_bwd(_first(eager), sets, grads)
+    if not per_channel or T <= KDA_EAGER_MAX_T:
+        steps["eager_fwd"] = fwd_only(eager, sets)
     # forward only: compiling the unrolled backward takes minutes
-    if T <= COMPILE_MAX_T and family != "kimi_delta":
-        steps["compile_fwd"] = _fwd(torch.compile(eager), sets)
-    fla = fla_function(family)
+    if T <= COMPILE_MAX_T and not per_channel:
+        steps["compile_fwd"] = fwd_only(torch.compile(eager), sets)
+    fla = fla_function(per_channel)
     if fla is not None:
-        steps["fla"] = _fwd_bwd(_first(fla), sets, grads)
-        steps["fla_fwd"] = _fwd(fla, sets)
+        steps["fla"] = fwd_bwd(_first(fla), sets, grads)
+        steps["fla_fwd"] = fwd_only(fla, sets)
     return steps
 
 
-def linear_attention_case(family: str, B: int, T: int, HK: int, HV: int, D: int,
-                          note: str = "") -> BenchCase:
-    """One case; nothing touches a device until the harness calls `setup` or `check`."""
+def delta_rule_case(family: str, B: int, T: int, HK: int, HV: int, D: int, note: str = "", *,
+                    per_channel: bool) -> BenchCase:
+    """One case of `family`'s ``chunk`` kernel (a [B, T, HV, D] decay when `per_channel`, else
+    [B, T, HV]); nothing touches a device until the harness calls `setup` or `check`."""
     heads = f"H{HK}" if HK == HV else f"H{HK}/{HV}"
-    G = D if family == "kimi_delta" else 1
+    G = D if per_channel else 1
     # Bytes: q, k, v, beta (bf16) and g (fp32) read in the forward and again in the backward,
     # their gradients written; o written and do read (bf16); ht written (fp32).
     n_in = 2 * B * T * (2 * HK * D + HV * D + HV) + 4 * B * T * HV * G
@@ -203,19 +188,7 @@ def linear_attention_case(family: str, B: int, T: int, HK: int, HV: int, D: int,
         family=family, name=f"B{B}T{T}{heads}D{D}",
         shape={"B": B, "T": T, "HK": HK, "HV": HV, "D": D},
         min_bytes=min_bytes, flops=flops,
-        setup=lambda device: _steps(family, B, T, HK, HV, D, device),
-        check=None if family == "kimi_delta" and T > KDA_CHECK_MAX_T else _check(family, B, T, HK, HV, D),
+        setup=lambda device: _steps(family, per_channel, B, T, HK, HV, D, device),
+        check=None if per_channel and T > KDA_CHECK_MAX_T
+        else _check(family, per_channel, B, T, HK, HV, D),
         note=note)
-
-
-def _cases(family: str) -> list[BenchCase]:
-    return [linear_attention_case(f, B, T, HK, HV, D, note)
-            for f, B, T, HK, HV, D, note in SHAPES if f == family]
-
-
-def gated_delta_cases() -> list[BenchCase]:
-    return _cases("gated_delta")
-
-
-def kimi_delta_cases() -> list[BenchCase]:
-    return _cases("kimi_delta")

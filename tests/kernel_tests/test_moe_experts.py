@@ -719,17 +719,13 @@ def test_lora_opcheck_contract_and_errors(load, device):
 def test_bench_cases_construct_and_baselines_agree(load):
     """The GPU benchmark cases build on the CPU (nothing runs), and the two anchors they time
     compute what the kernel computes (fp32, tiny shapes)."""
-    from onboarding.bench.cases import cases_for
-    from onboarding.bench.cases_moe import (
-        FROZEN_LABELS,
-        LORA_SHAPES,
-        MOE_BWD_SWEEP,
-        MOE_FWD_SWEEP,
-        MOE_SHAPES,
-        grouped_mm,
-        routing,
-        transformers_loop,
-    )
+    from onboarding.bench.cases import cases_for, routing
+
+    bench = moe_experts.bench
+    FROZEN_LABELS, MOE_BWD_SWEEP, MOE_FWD_SWEEP, MOE_SHAPES = (bench.FROZEN_LABELS, bench.MOE_BWD_SWEEP,
+                                                               bench.MOE_FWD_SWEEP, bench.MOE_SHAPES)
+    grouped_mm, transformers_loop = bench.grouped_mm, bench.transformers_loop
+    LORA_SHAPES = family_module("lora").bench.LORA_SHAPES
 
     cases = cases_for(["moe_experts", "lora"])
     moe = {c.name: c for c in cases if c.family == "moe_experts"}

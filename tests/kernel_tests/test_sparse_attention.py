@@ -370,9 +370,9 @@ def test_sample_inputs_run(load, variant, params):
 # ---- benchmark cases (GPU-only to run; built and sanity-checked here) --------------------------
 
 def test_bench_cases_build_without_running():
-    from onboarding.bench.cases import CASES, cases_for
+    from onboarding.bench.cases import cases_for
 
-    assert CASES["sparse_attention"] is not None
+    assert family_module("sparse_attention").FAMILY.bench_cases is not None
     cases = cases_for(["sparse_attention"])
     names = {c.name for c in cases}
     for T in (8192, 16384, 32768, 65536):
@@ -394,7 +394,7 @@ def test_bench_cases_build_without_running():
 def test_bench_stratified_indices_and_dense_baselines():
     """The benchmark's selections are distinct, causal and -1 padded; its masked SDPA baseline
     computes what the kernel's reference computes (both layouts, small T on the CPU)."""
-    from onboarding.bench import cases_sparse as cs
+    cs = family_module("sparse_attention").bench
 
     gen = torch.Generator().manual_seed(0)
     idx = cs.stratified_indices(2, 50, 8, torch.device("cpu"), gen).long()
@@ -426,7 +426,7 @@ def test_bench_stratified_indices_and_dense_baselines():
 def test_bench_steps_and_check_run_small(layout, monkeypatch):
     """The GPU cases' own code (steps of every impl, fwd and fwd+bwd, and the bf16 check) run at a
     tiny T, K and head count, so a bug in them shows here rather than on the GPU machine."""
-    from onboarding.bench import cases_sparse as cs
+    cs = family_module("sparse_attention").bench
 
     monkeypatch.setattr(cs, "TOPK", 5)
     monkeypatch.setattr(cs, "CHECK_T", 20)

@@ -1,14 +1,13 @@
-"""Benchmark cases for the MoE experts family (`moe_experts`) and the fused LoRA linear (`lora`).
-
-``moe_experts``, issue 6's shapes (E experts, top-K, hidden D, expert FFN F, N tokens, bf16):
-the anchor E=64 K=8 D=2048 F=512 N=8192; Qwen3-Next's E=512 K=10 D=2048 F=512; DeepSeek-V3's
-E=256 K=8 D=7168 F=2048 at N=8192 and N=32768. Uniform routing everywhere, Zipf-skewed routing
-(expert popularity ~ 1/rank) at the two D=2048 shapes. Non-gated experts (variant ``mlp``,
-relu(x)^2 as nemotron_h's) at the anchor's sizes, ``anchor_mlp``. Each shape gives two cases, ``.../fwd``
-(forward only, under no_grad) and ``.../fwdbwd`` (forward + backward to x, routing weights and
-both expert weights), so that every row carries TFLOP/s; the anchor and Qwen3-Next (uniform) add
-``.../fwdbwd_frozen`` (the expert weights frozen, as LoRA training on attention leaves them:
-gradients to x and the routing weights only). Impls:
+"""The MoE experts family's benchmark cases (the spec's `bench_cases`), issue 6's shapes (E
+experts, top-K, hidden D, expert FFN F, N tokens, bf16): the anchor E=64 K=8 D=2048 F=512
+N=8192; Qwen3-Next's E=512 K=10 D=2048 F=512; DeepSeek-V3's E=256 K=8 D=7168 F=2048 at N=8192
+and N=32768. Uniform routing everywhere, Zipf-skewed routing (expert popularity ~ 1/rank) at the
+two D=2048 shapes. Non-gated experts (variant ``mlp``, relu(x)^2 as nemotron_h's) at the
+anchor's sizes, ``anchor_mlp``. Each shape gives two cases, ``.../fwd`` (forward only, under
+no_grad) and ``.../fwdbwd`` (forward + backward to x, routing weights and both expert weights),
+so that every row carries TFLOP/s; the anchor and Qwen3-Next (uniform) add ``.../fwdbwd_frozen``
+(the expert weights frozen, as LoRA training on attention leaves them: gradients to x and the
+routing weights only). Impls:
 
 - ``ours``: the rendered ``swiglu`` experts kernel (permute -> grouped GEMM + SwiGLU -> grouped
   GEMM + routing weight -> combine);
@@ -20,20 +19,9 @@ gradients to x and the routing weights only). Impls:
 
 FLOPs: forward 6 S D F for S = N K routed rows (gate/up 4 S D F, down 2 S D F; non-gated 4 S D
 F); forward + backward 3x that (dx and both weight gradients), 2x with frozen experts (dx
-only). ``check`` (fwdbwd cases): the bf16 kernel against the fp32 per-expert reference at the case's E, K, D, F on 4096 tokens (DeepSeek shapes:
-32 of the experts, so the fp32 copies fit beside the bf16 case), output and every gradient.
-
-``lora``: the fused LoRA linear at rank 16, x [N, I] -> [N, O] at real projection shapes
-(Qwen3/Llama-style o_proj 4096->4096 and GQA k/v_proj 4096->1024, a 2048->8192 up projection,
-DeepSeek-V3's q_a_proj 7168->1536), N=8192 tokens. Impls: ``ours`` (the default base="torch":
-one Triton kernel writing the rank-r term, then torch's GEMM adding x W^T or dy W onto it; grads to
-x, A, B; W frozen), ``ours@base=triton`` (everything in our Triton GEMM, the rank-r product in its
-accumulator), ``base`` (x W^T alone, grad to x only: the floor LoRA adds to), ``unfused`` (PEFT's
-torch formulation x W^T + s (x A^T) B^T). Read the LoRA overhead over the base GEMM as
-``1 / ratios["base"] - 1`` (the issue's goal: <= 15% at rank 16). FLOPs count the LoRA step
-(base GEMMs plus the rank-r products), so ``base`` rows overstate their own rate by ~r/min(I, O).
-At o_proj, ``ours@BLOCK_M=...`` rows time the low-rank kernel under other tiles
-(``LORA_SWEEP``).
+only). ``check`` (fwdbwd cases): the bf16 kernel against the fp32 per-expert reference at the
+case's E, K, D, F on 4096 tokens (DeepSeek shapes: 32 of the experts, so the fp32 copies fit
+beside the bf16 case), output and every gradient.
 
 At the anchor and Qwen3-Next shapes (uniform routing) ``ours@...`` rows time the experts kernel
 under other tile configs of its D bucket, around the bf16 defaults, for picking them: the forward
@@ -41,8 +29,7 @@ tiles in the ``fwd`` case (``MOE_FWD_SWEEP``), the backward kernels' own tiles i
 case (``MOE_BWD_SWEEP``, forward tiles left at the bucket's). Both shapes share the D bucket but
 not the rows per expert (anchor 1024, Qwen3-Next 160: 128-row tiles pad the latter by 60%).
 
-Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F]; LoRA W [O, I],
-A [r, I], B [O, r].
+Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
 
 from __future__ import annotations
@@ -52,7 +39,10 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _check, _config_sweep, _fwd_bwd, _kernel, _leaf, shared_inputs
+from onboarding.bench.cases import (
+    N_SETS, bf16_check, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, leaf, routing,
+    shared_inputs,
+)
 from onboarding.bench.harness import BenchCase, Step
 
 # (name, E, K, D, F, N, routings)
@@ -70,24 +60,6 @@ MLP_ACTIVATION = "relu2"
 # gradients to x and the routing weights; `fwdbwd_frozen`), uniform routing
 FROZEN_LABELS = ("anchor", "qwen3_next")
 CHECK_TOKENS, CHECK_MAX_EXPERTS_WIDE = 4096, 32
-# (name, N, I, O): rank-16 LoRA on real projections
-LORA_SHAPES = (
-    ("o_proj", 8192, 4096, 4096),
-    ("kv_proj_gqa", 8192, 4096, 1024),
-    ("up_proj", 8192, 2048, 8192),
-    ("deepseek_v3_q_a", 8192, 7168, 1536),
-)
-LORA_RANK, LORA_SCALING = 16, 2.0
-# In-place update kernel tiles timed at o_proj (base="torch"; memory-bound): rows per program x
-# column step x the x A^T reduction step x warps x stages. BLOCK_M is a cap: the launch halves it
-# until every SM has a program (16 or 32 at N=8192 on an H200).
-LORA_SWEEP = [
-    {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-]
 # Tile configs timed beside the defaults at the anchor shape (bf16 tensor-core dots): row tile x
 # column tile x K step x warps x pipeline stages. Forward (fwd case): the measured best (the
 # d_le_4k default since, 1.95 ms on the H200) first, then the old default (64-row tiles) and its
@@ -113,19 +85,6 @@ MOE_BWD_SWEEP = [
     {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
     {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 256, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
 ]
-
-
-def routing(kind: str, n: int, e: int, k: int, device: torch.device,
-            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_indices [n, k] (distinct experts per token) and routing weights [n, k] summing to 1."""
-    if kind == "zipf":
-        probs = 1.0 / torch.arange(1, e + 1, device=device, dtype=torch.float32)
-        probs = probs[torch.randperm(e, device=device, generator=gen)]  # popular experts anywhere
-    else:
-        probs = torch.ones(e, device=device)
-    idx = torch.multinomial(probs.expand(n, e), k, replacement=False, generator=gen)
-    w = torch.rand(n, k, device=device, generator=gen) + 0.05
-    return idx, w / w.sum(-1, keepdim=True)
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
@@ -184,13 +143,6 @@ def grouped_mm_mlp(x, topk_indices, topk_weights, up_proj, down_proj):
     return _grouped(x, topk_indices, topk_weights, up_proj, down_proj, _relu2)
 
 
-def _fwd(fn: Callable, sets: list[tuple]) -> Step:
-    def step(i: int):
-        with torch.no_grad():
-            return fn(*sets[i % len(sets)])
-    return step
-
-
 @shared_inputs
 def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True, frozen: bool = False) -> list[tuple]:
     """N_SETS token sets (x, indices, weights) sharing one set of expert weights: the weights
@@ -201,29 +153,14 @@ def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True, froz
     gate_up = (torch.randn(E, (2 if gated else 1) * Fw, D, device=device, generator=gen) / D ** 0.5).to(bf16)
     down = (torch.randn(E, D, Fw, device=device, generator=gen) / Fw ** 0.5).to(bf16)
     if grad and not frozen:
-        gate_up, down = _leaf(gate_up), _leaf(down)
+        gate_up, down = leaf(gate_up), leaf(down)
     sets = []
     for _ in range(N_SETS):
         x = torch.randn(N, D, device=device, generator=gen).to(bf16)
         idx, w = routing(kind, N, E, K, device, gen)
         w = w.to(bf16)
-        sets.append((_leaf(x) if grad else x, idx, _leaf(w) if grad else w, gate_up, down))
+        sets.append((leaf(x) if grad else x, idx, leaf(w) if grad else w, gate_up, down))
     return sets
-
-
-def _fwd_sweep(mod, fn: Callable, sets, size: int, configs: list[dict]) -> dict[str, Step]:
-    """Forward-only ``ours@cfg`` steps, each pinning its config for the size's bucket while it runs."""
-    bucket, base = mod.shape_bucket(size), mod.config_for(size)
-    def pinned(full: dict) -> Step:
-        def step(i: int):
-            mod.set_config(full, bucket=bucket)
-            try:
-                return _fwd(fn, sets)(i)
-            finally:
-                mod.set_config(None, bucket=bucket)
-        return step
-
-    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()): pinned({**base, **cfg}) for cfg in configs}
 
 
 def _variant(label: str) -> tuple[str, dict, bool]:
@@ -236,16 +173,16 @@ def _variant(label: str) -> tuple[str, dict, bool]:
 def _moe_steps(label, E, K, D, Fw, N, kind, backward: bool, sweep: bool, device,
                frozen: bool = False) -> dict[str, Step]:
     variant, params, gated = _variant(label)
-    mod, ours = _kernel("moe_experts", variant, params)
+    mod, ours = kernel("moe_experts", variant, params)
     impls = {"ours": ours, "loop": transformers_loop if gated else transformers_loop_mlp,
              "grouped_mm": grouped_mm if gated else grouped_mm_mlp}
     sets = _moe_sets(E, K, D, Fw, N, kind, device, backward, gated, frozen)
     if not backward:
-        steps = {name: _fwd(fn, sets) for name, fn in impls.items()}
-        return {**steps, **(_fwd_sweep(mod, ours, sets, D, MOE_FWD_SWEEP) if sweep else {})}
+        steps = {name: fwd_only(fn, sets) for name, fn in impls.items()}
+        return {**steps, **(fwd_sweep(mod, ours, sets, D, MOE_FWD_SWEEP) if sweep else {})}
     grads = [torch.randn(N, D, device=device, dtype=torch.bfloat16)]
-    steps = {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
-    return {**steps, **(_config_sweep(mod, ours, sets, grads, D, MOE_BWD_SWEEP) if sweep else {})}
+    steps = {name: fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
+    return {**steps, **(config_sweep(mod, ours, sets, grads, D, MOE_BWD_SWEEP) if sweep else {})}
 
 
 def _moe_check(label, E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, float]]:
@@ -260,13 +197,13 @@ def _moe_check(label, E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, f
                 (torch.randn(e, D, Fw, device="cuda", generator=gen) / Fw ** 0.5).to(dtype))
 
     def check(device):
-        mod, ours = _kernel("moe_experts", variant, params)
-        return _check(ours, mod.reference, make)(device)
+        mod, ours = kernel("moe_experts", variant, params)
+        return bf16_check(ours, mod.reference, make)(device)
     return check
 
 
-def moe_experts_cases() -> list[BenchCase]:
-    cases = []
+def cases() -> list[BenchCase]:
+    out = []
     for label, E, K, D, Fw, N, kinds in MOE_SHAPES:
         S = N * K
         mats = 3 if _variant(label)[2] else 2  # weight matrices of F x D per expert
@@ -280,7 +217,7 @@ def moe_experts_cases() -> list[BenchCase]:
                 mode = "fwdbwd_frozen" if frozen else "fwdbwd" if backward else "fwd"
                 # the backward reads dy, x and the weights and writes dx (+ both weight gradients)
                 bwd_bytes = 2 * (3 * N * D + (1 if frozen else 2) * mats * E * Fw * D)
-                cases.append(BenchCase(
+                out.append(BenchCase(
                     family="moe_experts", name=f"{label}/E{E}K{K}D{D}F{Fw}N{N}/{kind}/{mode}",
                     shape={"E": E, "K": K, "D": D, "F": Fw, "N": N},
                     min_bytes=fwd_bytes + (bwd_bytes if backward else 0),
@@ -290,65 +227,4 @@ def moe_experts_cases() -> list[BenchCase]:
                     check=_moe_check(label, E, K, D, Fw, kind) if backward and not frozen else None,
                     note=f"{kind} routing; " + ("forward + backward to x and the routing weights (frozen experts)"
                                                 if frozen else "forward + backward" if backward else "forward only")))
-    return cases
-
-
-def _lora_steps(N, I, O, backward: bool, sweep: bool, device) -> dict[str, Step]:
-    mod, ours = _kernel("lora", "linear")
-    _, fused = _kernel("lora", "linear", {"base": "triton"})
-    gen = torch.Generator(device=device).manual_seed(0)
-    bf16, r = torch.bfloat16, LORA_RANK
-    w = (torch.randn(O, I, device=device, generator=gen) / I ** 0.5).to(bf16)  # frozen: no grad
-    a = (torch.randn(r, I, device=device, generator=gen) / I ** 0.5).to(bf16)
-    b = (torch.randn(O, r, device=device, generator=gen) / r).to(bf16)
-    if backward:
-        a, b = _leaf(a), _leaf(b)
-    sets = []
-    for _ in range(N_SETS):
-        x = torch.randn(N, I, device=device, generator=gen).to(bf16)
-        sets.append((_leaf(x) if backward else x, w, a, b))
-    ours_s = lambda x, w, a, b: ours(x, w, a, b, LORA_SCALING)
-    impls = {
-        "ours": ours_s,
-        "ours@base=triton": lambda x, w, a, b: fused(x, w, a, b, LORA_SCALING),
-        "base": lambda x, w, a, b: F.linear(x, w),
-        "unfused": lambda x, w, a, b: F.linear(x, w) + LORA_SCALING * F.linear(F.linear(x, a), b),
-    }
-    configs = LORA_SWEEP if sweep else []
-    if not backward:
-        return {**{name: _fwd(fn, sets) for name, fn in impls.items()}, **_fwd_sweep(mod, ours_s, sets, I, configs)}
-    grads = [torch.randn(N, O, device=device, dtype=bf16)]
-    return {**{name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()},
-            **_config_sweep(mod, ours_s, sets, grads, I, configs)}
-
-
-def lora_cases() -> list[BenchCase]:
-    cases = []
-    r = LORA_RANK
-    for label, N, I, O in LORA_SHAPES:
-        fwd_flops = 2 * N * I * O + 2 * N * r * (I + O)
-        # backward: dx = dy W + s (dy B) A, dA, dB: one more base GEMM and three more rank-r products
-        bwd_flops = 2 * N * O * I + 3 * 2 * N * r * (I + O)
-        fwd_bytes = 2 * (N * I + O * I + N * O)
-        for backward in (False, True):
-            def make(dtype, N=N, I=I, O=O):
-                gen = torch.Generator(device="cuda").manual_seed(0)
-                return (torch.randn(N, I, device="cuda", generator=gen).to(dtype),
-                        (torch.randn(O, I, device="cuda", generator=gen) / I ** 0.5).to(dtype),
-                        (torch.randn(r, I, device="cuda", generator=gen) / I ** 0.5).to(dtype),
-                        (torch.randn(O, r, device="cuda", generator=gen) / r).to(dtype))
-
-            def check(device, make=make):
-                mod, ours = _kernel("lora", "linear")
-                return _check(lambda *t: ours(*t, LORA_SCALING), lambda *t: mod.reference(*t, LORA_SCALING),
-                              make)(device)
-
-            cases.append(BenchCase(
-                family="lora", name=f"{label}/N{N}I{I}O{O}r{r}/{'fwdbwd' if backward else 'fwd'}",
-                shape={"N": N, "I": I, "O": O, "r": r},
-                min_bytes=fwd_bytes + (2 * (2 * N * O + N * I + O * I) if backward else 0),
-                flops=fwd_flops + (bwd_flops if backward else 0),
-                setup=lambda device, a=(N, I, O, backward, label == "o_proj"): _lora_steps(*a, device),
-                check=check if backward else None,
-                note="overhead over the base GEMM = 1 / ratios['base'] - 1"))
-    return cases
+    return out

@@ -1,4 +1,4 @@
-"""Benchmark cases for top-k sparse attention (`sparse_attention`): issue 7's shapes.
+"""Top-k sparse attention's benchmark cases (the spec's `bench_cases`): issue 7's shapes.
 
 T = 8k, 16k, 32k, 64k with K = 2048 and B = 1, in two layouts:
 
@@ -58,8 +58,9 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _fwd_bwd, _kernel, _rel, shared_inputs
+from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
+from onboarding.testing.tolerance import rel_rms
 
 TS = (8192, 16384, 32768, 65536)
 TOPK = 2048
@@ -101,7 +102,7 @@ def stratified_indices(B: int, T: int, K: int, device: torch.device, gen: torch.
 def _gathered(layout: str) -> Callable:
     H, HK, D_QK, D_V = LAYOUTS[layout]
     params = {"layout": "mla", "d_v": D_V} if layout == "mla" else {}
-    _, entry = _kernel("sparse_attention", "gathered", params)
+    _, entry = kernel("sparse_attention", "gathered", params)
     return entry
 
 
@@ -155,13 +156,6 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
     return 3 * T * T + expand
 
 
-def _fwd(fn: Callable, sets: list[tuple]) -> Step:
-    def step(i: int):
-        with torch.no_grad():
-            return fn(*sets[i % len(sets)])
-    return step
-
-
 def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> dict[str, Step]:
     H = LAYOUTS[layout][0]
     sets = [_inputs(layout, T, H, device, seed=s) for s in range(N_SETS)]
@@ -172,12 +166,12 @@ def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> di
     if dense:
         fns["causal_sdpa"] = _dense(layout, masked=False)
     if not backward:
-        return {name: _fwd(fn, sets) for name, fn in fns.items()}
+        return {name: fwd_only(fn, sets) for name, fn in fns.items()}
     D_V = LAYOUTS[layout][3]
     grads = [torch.randn(1, T, H, D_V, device=device, dtype=torch.bfloat16)]
     # the dense baselines return [B, H, T, D_V]: their output gradient is laid out the same way
     grads_t = [g.transpose(1, 2).contiguous() for g in grads]
-    return {name: _fwd_bwd(fn, sets, grads if name == "ours" else grads_t) for name, fn in fns.items()}
+    return {name: fwd_bwd(fn, sets, grads if name == "ours" else grads_t) for name, fn in fns.items()}
 
 
 def _attn_check(layout: str) -> Callable[[torch.device], dict[str, float]]:
@@ -197,8 +191,8 @@ def _attn_check(layout: str) -> Callable[[torch.device], dict[str, float]]:
         o32 = mod.reference(*hi, idx)
         grads32 = torch.autograd.grad(o32, hi, do)
         names = ["dq", "dkv"] if layout == "mla" else ["dq", "dk", "dv"]
-        res = {"o": _rel(o, o32),
-               **{n: _rel(a, b) for n, a, b in zip(names, grads, grads32, strict=True)}}
+        res = {"o": rel_rms(o, o32),
+               **{n: rel_rms(a, b) for n, a, b in zip(names, grads, grads32, strict=True)}}
         res["ok"] = float(res["o"] <= O_TOL and all(res[n] <= GRAD_TOL for n in names))
         return res
     return check
@@ -248,18 +242,18 @@ def eager_indexer(q, k, w, topk: int) -> torch.Tensor:
 
 def _indexer_steps(T: int, device: torch.device) -> dict[str, Step]:
     H, _ = INDEXER
-    mod, entry = _kernel("sparse_attention", "indexer", {"topk": TOPK})
+    mod, entry = kernel("sparse_attention", "indexer", {"topk": TOPK})
     sets = [_indexer_inputs(T, device, seed=s) for s in range(N_SETS)]
     fns = {"ours": lambda q, k, w: entry(q, k, w, TOPK)}
     if 4 * H * T * T * 2 <= MEM_BUDGET:
         fns["eager"] = lambda q, k, w: eager_indexer(q, k, w, TOPK)
     if 4 * T * T <= MEM_BUDGET // 4:
         fns["torch_topk"] = lambda q, k, w: mod.index_scores(q, k, w).topk(TOPK, dim=-1).indices
-    return {name: _fwd(fn, sets) for name, fn in fns.items()}
+    return {name: fwd_only(fn, sets) for name, fn in fns.items()}
 
 
 def _indexer_check(device: torch.device) -> dict[str, float]:
-    mod, entry = _kernel("sparse_attention", "indexer", {"topk": TOPK})
+    mod, entry = kernel("sparse_attention", "indexer", {"topk": TOPK})
     q, k, w = _indexer_inputs(CHECK_T, device, seed=11)
     got = entry(q, k, w, TOPK).long()
     ref = mod.reference(q, k, w, TOPK).long()  # fp32 scores of the same bf16 inputs
@@ -283,7 +277,7 @@ def indexer_case(T: int) -> BenchCase:
         note="; ".join(notes))
 
 
-def sparse_attention_cases() -> list[BenchCase]:
+def cases() -> list[BenchCase]:
     out = [attention_case(layout, T, bwd) for layout in LAYOUTS for T in TS for bwd in (False, True)
            if not (layout == "mla" and bwd and T > MLA_FWDBWD_MAX_T)]
     return out + [indexer_case(T) for T in TS]

@@ -1,4 +1,4 @@
-"""Benchmark cases for the split-by-size per-expert linear (`grouped_linear`).
+"""The split-by-size per-expert linear's benchmark cases (the spec's `bench_cases`).
 
 ScatterMoE / Megablocks-style experts (transformers' JetMoeParallelExperts) hold one weight
 [E, N, K] and run one linear per expert over rows already sorted by expert: y = x_e W_e^T for the
@@ -9,7 +9,7 @@ pieces of x.split(counts). Shapes (bf16, S sorted rows = tokens x top-k):
 - ``jetmoe_out``: its output linear, K=5632 -> N=2048;
 - ``fine``: fine-grained experts, E=64 top-8 of 8192 tokens (S=65536), K=2048 -> N=1024.
 
-Counts come from uniform top-k routing (`cases_moe.routing`). Each shape gives ``.../fwd``
+Counts come from uniform top-k routing (`onboarding.bench.cases.routing`). Each shape gives ``.../fwd``
 (forward only, under no_grad) and ``.../fwdbwd`` (forward + backward to x and the weight). Impls:
 
 - ``ours``: the rendered `grouped_linear/sorted` kernel (counts on the device, no host sync);
@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, _check, _fwd_bwd, _kernel, _leaf, shared_inputs
-from onboarding.bench.cases_moe import routing
+from onboarding.bench.cases import (
+    N_SETS, bf16_check, fwd_bwd, fwd_only, kernel, leaf, routing, shared_inputs,
+)
 from onboarding.bench.harness import BenchCase, Step
 
 # (name, E, top-k, tokens, K, N)
@@ -57,31 +58,24 @@ def _sets(E: int, topk: int, tokens: int, K: int, N: int, device: torch.device, 
     gen = torch.Generator(device=device).manual_seed(0)
     weight = (torch.randn(E, N, K, device=device, generator=gen) / K ** 0.5).to(torch.bfloat16)
     if grad:
-        weight = _leaf(weight)
+        weight = leaf(weight)
     sets = []
     for _ in range(N_SETS):
         idx, _ = routing("uniform", tokens, E, topk, device, gen)
         counts = torch.bincount(idx.reshape(-1), minlength=E)
         x = torch.randn(tokens * topk, K, device=device, generator=gen).to(torch.bfloat16)
-        sets.append((_leaf(x) if grad else x, counts, weight))
+        sets.append((leaf(x) if grad else x, counts, weight))
     return sets
 
 
-def _fwd(fn, sets: list[tuple]) -> Step:
-    def step(i: int):
-        with torch.no_grad():
-            return fn(*sets[i % len(sets)])
-    return step
-
-
 def _steps(E, topk, tokens, K, N, backward: bool, device) -> dict[str, Step]:
-    _, ours = _kernel("grouped_linear", "sorted")
+    _, ours = kernel("grouped_linear", "sorted")
     impls = {"ours": ours, "loop": loop, "grouped_mm": grouped_mm}
     sets = _sets(E, topk, tokens, K, N, device, backward)
     if not backward:
-        return {name: _fwd(fn, sets) for name, fn in impls.items()}
+        return {name: fwd_only(fn, sets) for name, fn in impls.items()}
     grads = [torch.randn(tokens * topk, N, device=device, dtype=torch.bfloat16)]
-    return {name: _fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
+    return {name: fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
 
 
 def _check_case(E, topk, K, N):
@@ -94,17 +88,17 @@ def _check_case(E, topk, K, N):
                 (torch.randn(E, N, K, device="cuda", generator=gen) / K ** 0.5).to(dtype))
 
     def check(device):
-        mod, ours = _kernel("grouped_linear", "sorted")
-        return _check(ours, mod.reference, make)(device)
+        mod, ours = kernel("grouped_linear", "sorted")
+        return bf16_check(ours, mod.reference, make)(device)
     return check
 
 
-def grouped_linear_cases() -> list[BenchCase]:
-    cases = []
+def cases() -> list[BenchCase]:
+    out = []
     for label, E, topk, tokens, K, N in SHAPES:
         S = tokens * topk
         for backward in (False, True):
-            cases.append(BenchCase(
+            out.append(BenchCase(
                 family="grouped_linear", name=f"{label}/E{E}S{S}K{K}N{N}/{'fwdbwd' if backward else 'fwd'}",
                 shape={"E": E, "S": S, "K": K, "N": N},
                 # x, y and the weight once (backward: dy, x, the weight; dx and d weight written)
@@ -113,4 +107,4 @@ def grouped_linear_cases() -> list[BenchCase]:
                 setup=lambda device, a=(E, topk, tokens, K, N, backward): _steps(*a, device),
                 check=_check_case(E, topk, K, N) if backward else None,
                 note="uniform routing; " + ("forward + backward" if backward else "forward only")))
-    return cases
+    return out

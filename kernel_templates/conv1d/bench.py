@@ -1,0 +1,43 @@
+"""Causal depthwise conv1d's benchmark cases (the spec's `bench_cases`): `causal` on [B, T, C]
+bf16 with a width-4 filter against transformers' torch fallback (F.conv1d) and its
+`torch.compile`."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from onboarding.bench.cases import N_SETS, anchors, bf16_check, kernel, leaf
+from onboarding.bench.harness import BenchCase
+
+
+def cases() -> list[BenchCase]:
+    def eager(x, w, bias):  # what transformers' torch fallback does, on [B, T, C]
+        k = w.shape[-1]
+        y = F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=k - 1,
+                     groups=w.shape[0])[..., : x.shape[1]]
+        return y.transpose(1, 2)
+
+    out = []
+    for b, t, c, k in ((2, 4096, 8192, 4), (1, 8192, 12288, 4)):
+        def setup(device, b=b, t=t, c=c, k=k):
+            _, ours = kernel("conv1d", "causal", {"kernel_size": k})
+            sets = [(leaf(torch.randn(b, t, c, device=device, dtype=torch.bfloat16)),
+                     leaf(0.5 * torch.randn(c, k, device=device, dtype=torch.bfloat16)),
+                     leaf(torch.randn(c, device=device, dtype=torch.bfloat16)))
+                    for _ in range(N_SETS)]
+            grads = [torch.randn(b, t, c, device=device, dtype=torch.bfloat16)]
+            return anchors(eager, ours, sets, grads, None)
+
+        def make(dtype, b=b, t=t, c=c, k=k):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            return (torch.randn(b, t, c, device="cuda", generator=g, dtype=dtype),
+                    0.5 * torch.randn(c, k, device="cuda", generator=g, dtype=dtype),
+                    torch.randn(c, device="cuda", generator=g, dtype=dtype))
+
+        out.append(BenchCase(
+            family="conv1d", name=f"B{b}T{t}C{c}W{k}", shape={"B": b, "T": t, "C": c, "W": k},
+            min_bytes=5 * b * t * c * 2, flops=2 * 2 * b * t * c * k * 2, setup=setup,
+            check=lambda device, make=make, k=k: bf16_check(
+                kernel("conv1d", "causal", {"kernel_size": k})[1], eager, make)(device)))
+    return out
