@@ -13,6 +13,7 @@ from onboarding.families.discover import (
                                           families,
                                           family_module,
                                           get_family,
+                                          lora_kernel,
                                           match_block,
                                           registry,
                                           reset,
@@ -22,5 +23,5 @@ from onboarding.families.discover import (
 from onboarding.families.spec import FamilySpec, Param, ShapeBucket
 
 __all__ = ["ENV_VAR", "Family", "FamilySpec", "FamilyWarning", "Param", "ShapeBucket", "Skipped",
-           "add_dirs", "extra_dirs", "families", "family_module", "get_family", "match_block",
-           "registry", "reset", "skipped", "subprocess_env"]
+           "add_dirs", "extra_dirs", "families", "family_module", "get_family", "lora_kernel",
+           "match_block", "registry", "reset", "skipped", "subprocess_env"]

@@ -302,6 +302,15 @@ def _loaded(name: str) -> Family:
     return found
 
 
+def lora_kernel(kind: str) -> tuple[str, str] | None:
+    """(family, variant) of the first family, in name order, that runs blocks of `kind` with LoRA
+    adapters inside the kernel (its `lora_variants`); None when no family does."""
+    for name, spec in families().items():
+        if kind in spec.lora_variants:
+            return name, spec.lora_variants[kind]
+    return None
+
+
 def match_block(block: Any) -> list[tuple[str, dict[str, Any]]]:
     """Every family whose `match` accepts `block`, as (family name, {"variant", "params"})."""
     out = []

@@ -126,6 +126,11 @@ class FamilySpec:
     timing_dims: tuple[str, ...] = ()                                              # tune
     timing_inputs: Callable[..., Any] | None = field(default=None, compare=False)  # tune
     bench_cases: Callable[[], list[Any]] | None = field(default=None, compare=False)  # bench
+    # lora_variants: block kind -> the variant that runs blocks of that kind with their weights
+    # frozen and LoRA adapters applied inside the kernel. LoRA is added by the training stage, not
+    # found in the op graph, so `match` never picks these; training asks
+    # `families.lora_kernel(kind)` for the (family, variant) to render.
+    lora_variants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.shape_buckets:
@@ -133,6 +138,8 @@ class FamilySpec:
         self.check_config(self.default_config)
         for b in self.shape_buckets:
             self.check_config(b.config)
+        for variant in self.lora_variants.values():
+            self._check_variant(variant)
 
     def param(self, name: str) -> Param:
         for p in self.params:

@@ -28,7 +28,7 @@ def patch_kernels(model: nn.Module, graph: OpGraph, root: Path, *, rank: int,
     """Patch passing candidates into ``model``; returns the `PatchSet`."""
     from onboarding.generate import (check_candidate, kernels_for, load_candidates,
                                      render_candidates, save_candidates)
-    from onboarding.patching import PATCHABLE, patch_model
+    from onboarding.patching import patch_model
     from onboarding.registry import build_coverage
 
     coverage = build_coverage(graph)
@@ -39,7 +39,7 @@ def patch_kernels(model: nn.Module, graph: OpGraph, root: Path, *, rank: int,
     if distributed:
         dist.barrier()
     cands = load_candidates(verdicts)
-    kinds = {k for k in PATCHABLE if k not in exclude}
+    kinds = {b.kind for b in graph.blocks} - exclude
     return patch_model(model, graph, kernels_for(coverage, cands), kinds=kinds)
 
 
@@ -97,7 +97,8 @@ def check_experts_kernel(module, kernel) -> str | None:
 
 
 def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, int]:
-    """Render `moe_experts/swiglu_lora` into ``root/rank<rank>`` and attach its grouped expert
+    """Render the family variant that serves ``moe.experts`` with LoRA (`families.lora_kernel`:
+    the experts family's `swiglu_lora`) into ``root/rank<rank>`` and attach its grouped expert
     LoRA kernel (pre-sorted rows) to every plain SwiGLU `EPExperts` with expert LoRA whose check
     passes (one check per distinct widths and rank; `check_experts_kernel`). Experts without
     expert LoRA keep torch._grouped_mm: attaching the routed experts kernel did not change the
@@ -106,15 +107,18 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
     frozen experts do not need. It skips them since template version 11: alone, its frozen-expert
     fwd+bwd then beats argsort + torch._grouped_mm 1.30-1.31x (eleventh session, `onboard bench
     --family moe_experts`, `fwdbwd_frozen` rows); not yet timed inside a training step here.
-    Returns counts for the summary: ``moe.experts`` (attached) and ``rejected:moe.experts``."""
+    Returns counts for the summary: ``moe.experts`` (attached) and ``rejected:moe.experts``;
+    none when no module has expert LoRA or no family offers the kernel."""
     import warnings
 
+    from onboarding.families import lora_kernel
     from onboarding.templating import load_module, render_to
 
     lora_mods = [m for m in ep_mods if m.plain and m.lora is not None]
-    if not lora_mods:
+    served = lora_kernel("moe.experts")
+    if not lora_mods or served is None:
         return {}
-    grouped = load_module(render_to(root / f"rank{rank}", "moe_experts", "swiglu_lora", {})).grouped_experts_lora
+    grouped = load_module(render_to(root / f"rank{rank}", *served, {})).grouped_experts_lora
     verdicts: dict[tuple, str | None] = {}
     counts = {"moe.experts": 0, "rejected:moe.experts": 0}
     for m in lora_mods:
