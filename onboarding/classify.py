@@ -350,12 +350,19 @@ class Classifier:
             return "norm.layer", ev, attrs
         if not mm and _is_rms(recs):
             attrs = _norm_attrs(recs, ctx)
-            gate = next((ACTIVATIONS[r.op] for r in recs if r.op in ACTIVATIONS), None)
+            act = next((r for r in recs if r.op in ACTIVATIONS), None)
             ev = ["mean of squares, rsqrt, scale"]
             if attrs["unit_offset"]:
                 ev.append("weight used as (1 + w)")
-            if gate:
+            if act is not None:
+                gate = ACTIVATIONS[act.op]
                 attrs["gate_activation"] = attrs["activation"] = gate
+                # the gate applied before the mean of squares (Mamba-2's mixer norm) normalises
+                # x * act(z), not x: another function than the gated-after form
+                first_mean = min((r.index for r in recs if r.op == "mean"), default=act.index)
+                if act.index < first_mean:
+                    attrs["norm_before_gate"] = False
+                    return "norm.rms_gated", ev + [f"input gated by {gate}(z) before the norm"], attrs
                 return "norm.rms_gated", ev + [f"output gated by {gate}(z)"], attrs
             return "norm.rms", ev, attrs
         projections = [r for r in mm if any(len(ctx.param_shapes.get(n, ())) == 2
