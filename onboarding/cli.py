@@ -51,29 +51,44 @@ def _model_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+_FAMILIES_HELP = ("a folder of kernel families (or one family folder) to use beside the built-in "
+                  "ones; repeatable. Also: the ONBOARD_FAMILIES path list and installed packages' "
+                  "onboard.families entry points")
+
+
+def _command(sub, name: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand's parser. It takes `--families` too (`onboard map X --families DIR`);
+    SUPPRESS keeps a value given before the command when none comes after it."""
+    p = sub.add_parser(name, **kw)
+    p.add_argument("--families", action="append", default=argparse.SUPPRESS, metavar="DIR",
+                   help=_FAMILIES_HELP)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="onboard", description=__doc__)
     ap.add_argument("--debug", action="store_true", help="print tracebacks")
     ap.add_argument("--version", action="version", version=f"onboard {__version__}")
+    ap.add_argument("--families", action="append", default=[], metavar="DIR", help=_FAMILIES_HELP)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("parse", help="capture the proxy and classify its blocks")
+    p = _command(sub, "parse", help="capture the proxy and classify its blocks")
     _model_args(p, optional=True)
     p.add_argument("--out", help="write model.json and opgraph.json here")
     p.add_argument("--json", action="store_true", help="print opgraph.json to stdout")
 
-    m = sub.add_parser("map", help="coverage: which ops have kernels, templates, fast paths")
+    m = _command(sub, "map", help="coverage: which ops have kernels, templates, fast paths")
     _model_args(m, optional=True)
     m.add_argument("--out", help="write model.json, opgraph.json and coverage.json here")
     m.add_argument("--json", action="store_true", help="print coverage.json to stdout")
 
-    g = sub.add_parser("generate", help="render and check candidate kernels for coverable ops")
+    g = _command(sub, "generate", help="render and check candidate kernels for coverable ops")
     _model_args(g, optional=True)
     g.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     g.add_argument("--promote", action="store_true",
                    help="copy candidates that pass their checks into kernels/")
 
-    a = sub.add_parser("align", help="layer-by-layer fwd+bwd check of the patched proxy "
+    a = _command(sub, "align", help="layer-by-layer fwd+bwd check of the patched proxy "
                                      "against the eager reference")
     _model_args(a, optional=True)
     a.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
@@ -84,18 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64")
     a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile")
 
-    t = sub.add_parser("tune", help="Optuna tile search: every kernel of MODEL at its op-graph "
+    t = _command(sub, "tune", help="Optuna tile search: every kernel of MODEL at its op-graph "
                                     "shapes, or one family (--kernel F --shapes N)")
     _model_args(t, optional=True)
     t.add_argument("--kernel", metavar="FAMILY",
                    help="one family: alone with --shapes, or with MODEL to tune only that family")
     t.add_argument("--variant", help="family variant (default: the first)")
     t.add_argument("--shapes", type=int_list, metavar="N[,N...]",
-                   help="without MODEL: sizes of the bucketed dimension (e.g. D for rmsnorm)")
+                   help="without MODEL: sizes of the family's bucketed dimension (its shape "
+                        "buckets' dim, e.g. D: a norm's width)")
     t.add_argument("--dims", type=_dims, metavar="K=V[,K=V...]",
-                   help="without MODEL: real problem dims for GPU timing, e.g. "
-                        "N=8192,E=64,TOPK=8,F=512 (moe_experts) or B=2,T=4096,HK=16 "
-                        "(gated_delta); the bucketed one comes from --shapes")
+                   help="without MODEL: real problem dims for GPU timing, the family's "
+                        "timing dims (e.g. N=8192,E=64,TOPK=8,F=512 for MoE experts); the "
+                        "bucketed one comes from --shapes")
     t.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
                    help="search only these values of a tile parameter (repeatable); the "
                         "bucket's default is always kept")
@@ -124,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run directory: reused if it holds a generated run, else "
                                  "created (default runs/<model>-<time> or runs/tune-<family>)")
 
-    b = sub.add_parser("bench", help="kernel benchmarks vs eager, torch.compile and anchors (GPU)")
+    b = _command(sub, "bench", help="kernel benchmarks vs eager, torch.compile and anchors (GPU)")
     b.add_argument("--suite", choices=("kernels",), default="kernels")
     b.add_argument("--family", action="append", default=None,
                    help="only these kernel families (repeatable)")
@@ -141,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "REV may be a folder of templates instead (rows tpl:<folder name>)")
     b.add_argument("--out", help="write the result rows as JSON here")
 
-    r = sub.add_parser("run", help="run the agent pipeline on MODEL")
+    r = _command(sub, "run", help="run the agent pipeline on MODEL")
     _model_args(r, optional=True)
     r.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run")
@@ -160,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "at most N times (default 2; each retry must leave out a kernel)")
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
 
-    rg = sub.add_parser("regress", help="compare a finished run (default: a fresh run of the "
+    rg = _command(sub, "regress", help="compare a finished run (default: a fresh run of the "
                                         "built-in example) with its golden reference")
     rg.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
                     help="a finished `onboard run` directory (default: run the built-in "
@@ -345,8 +361,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
 
 
 def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
-    from onboarding._tune_worker import TIMING_DIMS
-    from onboarding.families import get_family
+    from onboarding.families import families, get_family
 
     spec = get_family(args.kernel)
     variant = args.variant or next(iter(spec.variants))
@@ -354,10 +369,11 @@ def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
         raise InputError(f"--variant {variant!r}: {args.kernel} has {sorted(spec.variants)}")
     dim = spec.shape_buckets[0].dim
     if args.dims is not None:
-        need = TIMING_DIMS.get(spec.name)
-        if need is None:
+        need = spec.timing_dims
+        if spec.timing_inputs is None:
+            timed = {n: list(s.timing_dims) for n, s in families().items() if s.timing_inputs}
             raise InputError(f"--dims: no real-shape timing inputs for {spec.name}; families "
-                             f"with them: {sorted(TIMING_DIMS)}")
+                             f"with them, and their dims: {timed}")
         missing = sorted(set(need) - set(args.dims) - {dim})
         if missing:
             raise InputError(f"--dims: {spec.name} needs {list(need)} ({dim} from --shapes); "
@@ -640,11 +656,31 @@ def cmd_regress(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _load_families(dirs: list[str]) -> None:
+    """Register `--families` folders and load every family now, so that a folder skipped as
+    broken is reported once, here, with its path and reason (the run goes on without it)."""
+    import warnings
+
+    from onboarding.families import FamilyWarning, add_dirs, registry
+
+    add_dirs(dirs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FamilyWarning)
+        registry()
+    for w in caught:
+        if issubclass(w.category, FamilyWarning):
+            err.print(f"[yellow]warning:[/yellow] {escape(str(w.message))}", highlight=False,
+                      soft_wrap=True)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     ensure_triton_backend()
     try:
+        _load_families(args.families)
         if args.command == "run":
             return cmd_run(args, console)
         if args.command == "bench":

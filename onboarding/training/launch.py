@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK, InputError
+from onboarding.families import subprocess_env
 from onboarding.training.config import TrainConfig
 
 
@@ -147,7 +148,8 @@ def _run(cmd: list[str], role: str, cfg: TrainConfig, console: Console) -> int:
     metrics = train_dir / f"{role}.jsonl"
     # PYTHONSAFEPATH: `python -m` would put the working directory on sys.path, and a repo
     # checkout's kernels/ folder would then shadow the Hugging Face `kernels` package.
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    # the workers see the families this process was given (--families DIR) as well
+    env = {**subprocess_env(), "PYTHONSAFEPATH": "1"}
     t0 = time.perf_counter()
     with open(log, "w") as out, console.status(f"train: {role} starting") as status:
         out.write("$ " + shlex.join(cmd) + "\n")
