@@ -53,7 +53,9 @@ class Worker:
         self.proc: subprocess.Popen | None = None
 
     def _start(self) -> None:
-        env = dict(os.environ)
+        from onboarding.families import subprocess_env
+
+        env = subprocess_env()  # the child finds the families this process was given
         if self.interpret is False:
             env.pop("TRITON_INTERPRET", None)  # AOT codegen fails once the interpreter is active
         self.err = tempfile.TemporaryFile(mode="w+")
@@ -145,95 +147,33 @@ def aot_one(path: str, config: dict, dtype: str, size: int) -> dict[str, Any]:
 
 # ---- timing inputs at real shapes -------------------------------------------------------------
 
-def _randn(gen, *shape, dtype, scale: float = 1.0):
-    """Normal samples made on `gen`'s device in `dtype`: at real shapes an fp32 host copy per
-    worker does not fit (DeepSeek-V3's experts: 30 GB of gate_up each, 8 workers OOM-killed)."""
+def randn(gen, *shape, dtype, scale: float = 1.0):
+    """Normal samples made on `gen`'s device in `dtype`, for the families' `timing_inputs`: at
+    real shapes an fp32 host copy per worker does not fit (DeepSeek-V3's experts: 30 GB of
+    gate_up each, 8 workers OOM-killed)."""
     import torch
 
     x = torch.randn(shape, generator=gen, device=gen.device, dtype=dtype)
     return x.mul_(scale) if scale != 1.0 else x
 
 
-def _moe_experts(dims: dict[str, int], dtype, gen, variant: str) -> list:
-    """x [N, D], top-k indices of E experts with weights, gate_up [E, 2F, D] (`mlp`: up
-    [E, F, D]), down [E, D, F]."""
-    import torch
-
-    n, d, e, k, f = (int(dims[x]) for x in ("N", "D", "E", "TOPK", "F"))
-    x = _randn(gen, n, d, dtype=dtype)
-    # balanced on average
-    idx = torch.rand(n, e, generator=gen, device=gen.device).topk(k, dim=-1).indices
-    w = torch.rand(n, k, generator=gen, device=gen.device).to(dtype)
-    gate_up = _randn(gen, e, f if variant == "mlp" else 2 * f, d, dtype=dtype, scale=d ** -0.5)
-    down = _randn(gen, e, d, f, dtype=dtype, scale=f ** -0.5)
-    return [x, idx, w, gate_up, down]
-
-
-def _grouped_linear(dims: dict[str, int], dtype, gen) -> list:
-    """x [S, K] sorted by expert, counts [E] of a uniform split of the S rows, weight [E, N, K]."""
-    import torch
-
-    s, k, n, e = (int(dims[x]) for x in ("S", "K", "N", "E"))
-    picks = torch.randint(0, e, (s,), generator=gen, device=gen.device)
-    counts = torch.bincount(picks, minlength=e)
-    return [_randn(gen, s, k, dtype=dtype), counts, _randn(gen, e, n, k, dtype=dtype, scale=k ** -0.5)]
-
-
-def _delta_rule(dims: dict[str, int], dtype, gen, per_channel: bool) -> list:
-    """q, k [B, T, HK, K], v [B, T, HV, V], fp32 log decay g [B, T, HV(, K)], beta [B, T, HV]."""
-    import torch
-    from torch.nn import functional as F
-
-    b, t, hk = int(dims["B"]), int(dims["T"]), int(dims["HK"])
-    hv, kd = int(dims.get("HV", hk)), int(dims["K"])
-    vd = int(dims.get("V", kd))
-    q, k = (_randn(gen, b, t, hk, kd, dtype=dtype) for _ in range(2))
-    v = _randn(gen, b, t, hv, vd, dtype=dtype)
-    # the models compute the log decay in fp32
-    g = F.logsigmoid(_randn(gen, *((b, t, hv, kd) if per_channel else (b, t, hv)), dtype=torch.float32) + 3)
-    beta = torch.sigmoid(_randn(gen, b, t, hv, dtype=torch.float32)).to(dtype)
-    return [q, k, v, g, beta, None, None, False]  # training needs o only
-
-
-def _rows(dims: dict[str, int], dtype, gen, family: str, variant: str, params: dict) -> list:
-    n = int(dims["N"])
-    if family == "swiglu":
-        f = int(dims["F"])
-        if variant == "fused":
-            return [_randn(gen, n, 2 * f, dtype=dtype)]
-        return [_randn(gen, n, f, dtype=dtype) for _ in range(2)]
-    d = int(dims["D"])
-    args = [_randn(gen, n, d, dtype=dtype)]
-    if family == "layernorm":
-        args.append(_randn(gen, d, dtype=dtype, scale=0.1).add_(1))
-        if params.get("has_bias"):
-            args.append(_randn(gen, d, dtype=dtype, scale=0.1))
-        return [*args, params.get("eps", 1e-5)]
-    if variant == "gated":
-        args.append(_randn(gen, n, d, dtype=dtype))
-    if variant != "l2norm" and params.get("has_weight", True):
-        args.append(_randn(gen, d, dtype=dtype, scale=0.1).add_(1))
-    return [*args, params.get("eps", 1e-6)]
-
-
-TIMING_DIMS = {  # dims each family's timing inputs need (the bucketed one may come from size)
-    "moe_experts": ("N", "D", "E", "TOPK", "F"),
-    "grouped_linear": ("S", "K", "N", "E"),
-    "gated_delta": ("B", "T", "HK", "K"),
-    "kimi_delta": ("B", "T", "HK", "K"),
-    "rmsnorm": ("N", "D"),
-    "layernorm": ("N", "D"),
-    "swiglu": ("N", "F"),
-}
+def rows(shape: list[int]) -> int:
+    """The rows of an input `[..., D]` (every dim but the last; 0 for a 1-D shape), for the
+    families' `problem_dims`."""
+    return math.prod(shape[:-1]) if len(shape) > 1 else 0
 
 
 def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int], dtype,
                   device, gen) -> list:
-    """Entry arguments at real shapes for timing; InputError naming what is missing."""
-    need = TIMING_DIMS.get(family)
-    if need is None:
-        raise InputError(f"tune: no real-shape timing inputs for family {family}; known: "
-                         f"{sorted(TIMING_DIMS)}")
+    """Entry arguments at real shapes for timing, from the family's `timing_inputs` hook;
+    InputError naming what is missing."""
+    from onboarding.families import families, get_family
+
+    spec = get_family(family)
+    if spec.timing_inputs is None:
+        known = sorted(n for n, s in families().items() if s.timing_inputs is not None)
+        raise InputError(f"tune: no real-shape timing inputs for family {family}; known: {known}")
+    need = spec.timing_dims
     missing = [k for k in need if k not in dims]
     if missing:
         raise InputError(f"tune: {family} timing needs dims {list(need)}; missing {missing}")
@@ -242,13 +182,7 @@ def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int],
 
     seed = int(torch.randint(0, 2**62, (1,), generator=gen))
     dgen = torch.Generator(device=device).manual_seed(seed)
-    if family == "moe_experts":
-        return _moe_experts(dims, dtype, dgen, variant)
-    if family == "grouped_linear":
-        return _grouped_linear(dims, dtype, dgen)
-    if family in ("gated_delta", "kimi_delta"):
-        return _delta_rule(dims, dtype, dgen, per_channel=family == "kimi_delta")
-    return _rows(dims, dtype, dgen, family, variant, params)
+    return spec.timing_inputs(variant, params, dims, dtype, dgen)
 
 
 # ---- check and time ---------------------------------------------------------------------------

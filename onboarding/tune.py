@@ -18,7 +18,7 @@ Every trial, in order:
    config is pruned with its reason in the trial's user_attrs. Workers check and compile
    concurrently.
 3. Only then is it timed, alone on the GPU (`_GpuGate`: no other timing or check runs): median of
-   event-timed fwd+bwd steps at the real shapes given as `dims` (`_tune_worker.timing_inputs`);
+   event-timed fwd+bwd steps at the real shapes given as `dims` (the family's `timing_inputs`);
    on the CPU interpreter the wall-clock time is meaningless, so `timer(config, result)` (run in
    the parent) may replace it; tests use a deterministic fake one.
 
@@ -440,7 +440,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
 
     `shapes` are the block's input shapes, handed to the family's `sample_inputs` for the
     correctness check (default: `size` as the last width); `dims` the real problem dimensions
-    for timing on a GPU (`_tune_worker.TIMING_DIMS`; None: time at the sample shapes).
+    for timing on a GPU (the family's `timing_dims`; None: time at the sample shapes).
     Creates/loads the study (`sampler` "tpe" or "grid", name + `suffix`), enqueues warm starts,
     runs `config.n_trials` more trials over `config.n_workers` threads and returns the bucket's
     result. `progress`: a `progress_bar()` to add a row to (default: its own, if enabled).

@@ -3,17 +3,16 @@
 A run directory holds `opgraph.json`, `coverage.json` and `candidates.json` (parse, map,
 generate). `plan_jobs` turns them into one job per (candidate module, shape bucket): the
 bucketed dimension (`ShapeBucket.dim`) and the real problem dims for timing are read off each
-block by structure (input shapes, weight shapes, attrs); the first block of a bucket gives its
-shapes. `tune_run` runs one study per job (key: family, variant, params, bucket, dtype, GPU),
-writes `<variant>.tuned.json` beside each candidate module, `tune.json` (every result, for the
-report) and `tune_best.png`. Reviewed kernels (`kernels/`) are not tuned here: their tuned
-configs are reviewed like their code.
+block by structure (input shapes, weight shapes, attrs: the family's `problem_dims` hook); the
+first block of a bucket gives its shapes. `tune_run` runs one study per job (key: family,
+variant, params, bucket, dtype, GPU), writes `<variant>.tuned.json` beside each candidate
+module, `tune.json` (every result, for the report) and `tune_best.png`. Reviewed kernels
+(`kernels/`) are not tuned here: their tuned configs are reviewed like their code.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -42,71 +41,25 @@ class TuneJob:
     blocks: list[str] = field(default_factory=list)
 
 
-def _numel(shape: list[int]) -> int:
-    return math.prod(shape) if shape else 0
-
-
-def _delta_dims(block) -> dict[str, int] | None:
-    """Heads and head dims of a delta-rule block from its weights: value heads from the per-head
-    decay parameter, V from the value projection; K is taken equal to V when the query
-    projection divides by it (true of Qwen3-Next and Kimi-Linear), else from the norm weight."""
-    p = block.params
-    hv = next((s[0] for n, s in p.items() if len(s) == 1 and n.split(".")[-1].startswith("A")),
-              None)
-    v_out = next((s[0] for n, s in p.items() if n.endswith("v_proj.weight") and len(s) == 2),
-                 None)
-    q_out = next((s[0] for n, s in p.items() if n.endswith("q_proj.weight") and len(s) == 2),
-                 None)
-    if not (hv and v_out and q_out) or v_out % hv:
-        return None
-    vd = v_out // hv
-    kd = vd if q_out % vd == 0 else next((s[0] for n, s in p.items()
-                                          if n.endswith("norm.weight") and len(s) == 1), None)
-    if not kd or q_out % kd:
-        return None
-    return {"HV": hv, "V": vd, "K": kd, "HK": q_out // kd}
-
-
 def block_dims(family: str, entry, block) -> dict[str, int] | None:
-    """The real problem dims of one block for `_tune_worker.timing_inputs` (None: unknown)."""
-    shapes = entry.shapes
-    if not shapes or not shapes[0]:
-        return None
-    x = shapes[0]
-    if family == "moe_experts" and block is not None and len(shapes) >= 2:
-        # down by shape: [E, D, F], the expert weight whose output side is x's width D (gate_up
-        # [E, 2F, D] and up [E, F, D] take D in); [E, F, D] for weights stored [E, in, out]
-        # (`weight_layout` "in_out", gpt-oss). When F == D or 2F == D: the one that is not D x D.
-        e, d = block.attrs.get("n_experts"), x[-1]
-        out_dim, f_dim = (2, 1) if block.attrs.get("weight_layout") == "in_out" else (1, 2)
-        downs = [s for s in block.params.values() if len(s) == 3 and s[0] == e and s[out_dim] == d]
-        if e and downs:
-            f = next((s[f_dim] for s in downs if s[f_dim] != d), d)
-            return {"N": _numel(x[:-1]), "D": d, "E": e, "TOPK": shapes[1][-1], "F": f}
-    if family == "grouped_linear" and block is not None and len(x) == 2:
-        # x [S, K] (sorted rows) and the weight [E, N, K] the classifier named
-        n, k, e = (block.attrs.get(a) for a in ("out_features", "in_features", "n_experts"))
-        return {"S": x[0], "K": k, "N": n, "E": e} if n and k and e and x[1] == k else None
-    if family in ("gated_delta", "kimi_delta") and block is not None and len(x) == 3:
-        d = _delta_dims(block)
-        return {"B": x[0], "T": x[1], **d} if d else None
-    if family in ("rmsnorm", "layernorm"):
-        return {"N": _numel(x[:-1]), "D": x[-1]}
-    if family == "swiglu":
-        fused = entry.variant == "fused"
-        return {"N": _numel(x[:-1]), "F": x[-1] // 2 if fused else x[-1]}
-    return None
+    """The real problem dims of one coverage entry's block: the family's `problem_dims` hook
+    (None: unknown, or the family declares none)."""
+    from onboarding.families import get_family
+
+    hook = get_family(family).problem_dims
+    return hook(entry, block) if hook is not None else None
 
 
 def bucket_size(spec, entry, block, dims: dict[str, int] | None) -> tuple[int | None, str]:
-    """The value of the family's bucketed dimension for one block, and where it came from."""
+    """The value of the family's bucketed dimension for one block, and where it came from: the
+    family's problem dims when it declares them (they are its whole say: None is not tuned),
+    else generic rules by the dim's name."""
     dim = spec.shape_buckets[0].dim
     if dims and dim in dims:
-        return int(dims[dim]), f"{dim} from the block's shapes"
-    p, attrs = entry.params, (block.attrs if block is not None else {})
-    if entry.family == "rope":
-        d = p.get("head_dim") or p.get("rotary_dim")
-        return (int(d), f"{dim} from the rope parameters") if d else (None, "")
+        return int(dims[dim]), f"{dim} from the block's problem dims"
+    if spec.problem_dims is not None:
+        return None, ""
+    attrs = block.attrs if block is not None else {}
     if dim == "C" and attrs.get("channels"):
         return int(attrs["channels"]), "C from the block's channels"
     if dim == "E" and attrs.get("n_experts"):
@@ -116,6 +69,14 @@ def bucket_size(spec, entry, block, dims: dict[str, int] | None) -> tuple[int | 
     if dim == "D_QK" and len(entry.shapes) >= 2 and entry.shapes[1]:
         return int(entry.shapes[1][-1]), "D_QK: the head dim of the rotary table"
     return None, ""
+
+
+def timing_dims(spec, dims: dict[str, int] | None) -> dict[str, int] | None:
+    """`dims` when they hold every dim of the family's real-shape timing inputs, else None
+    (timed at the sample shapes)."""
+    if not dims or spec.timing_inputs is None or not set(spec.timing_dims) <= set(dims):
+        return None
+    return dims
 
 
 def plan_jobs(run_dir: Path, families: list[str] | None = None
@@ -155,6 +116,7 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
             block = blocks.get(e.path)
             dims = block_dims(c.family, e, block)
             size, source = bucket_size(spec, e, block, dims)
+            dims = timing_dims(spec, dims)
             if size is None:
                 notes.append(f"{c.family}/{c.variant} at {e.path}: bucketed dimension "
                              f"{spec.shape_buckets[0].dim} unknown, not tuned")

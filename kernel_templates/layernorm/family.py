@@ -16,6 +16,8 @@ import torch
 
 from onboarding.families import FamilySpec, Param, family_module
 
+from .tuning import problem_dims, timing_inputs
+
 # LayerNorm's kernels tile like RMSNorm's (a row reduction, then the column sums of the weight
 # gradients): it borrows that family's tuning space, default and buckets.
 _rms = family_module("rmsnorm").FAMILY
@@ -82,4 +84,7 @@ FAMILY = FamilySpec(
     shape_buckets=_rms.shape_buckets,
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    timing_dims=("N", "D"),
+    timing_inputs=timing_inputs,
 )

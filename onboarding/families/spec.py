@@ -122,9 +122,19 @@ class FamilySpec:
     # Stage hooks. Each is optional: a stage that needs one a family lacks skips that family and
     # says so. Signatures are documented where the stage calls them.
     binding: Callable[..., Any] | None = field(default=None, compare=False)        # patching
-    problem_dims: Callable[..., Any] | None = field(default=None, compare=False)   # tune
-    timing_dims: tuple[str, ...] = ()                                              # tune
-    timing_inputs: Callable[..., Any] | None = field(default=None, compare=False)  # tune
+    # tune: problem_dims(entry, block) -> {dim: size} | None, the real problem dims of one
+    # coverage entry (`.shapes` its block's input shapes, `.variant`, `.params`) and its
+    # `opgraph.Block` (None when the graph lacks it), read off input shapes, weights and attrs.
+    # They size the bucket (`shape_buckets[0].dim`; a family that declares this hook is the
+    # only say on it: None or a dict without that dim leaves the block untuned) and, when they
+    # hold every `timing_dims`, the timing inputs.
+    problem_dims: Callable[..., dict[str, int] | None] | None = field(default=None, compare=False)
+    # tune: the dims `timing_inputs` needs (`onboard tune --dims` checks them up front).
+    timing_dims: tuple[str, ...] = ()
+    # tune: timing_inputs(variant, params, dims, dtype, gen) -> entry arguments at the real
+    # shapes `dims`, in `dtype`, drawn with `gen` (a torch.Generator on the device: make the
+    # tensors there, `onboarding._tune_worker.randn`). None: timed at the sample shapes.
+    timing_inputs: Callable[..., list[Any]] | None = field(default=None, compare=False)
     bench_cases: Callable[[], list[Any]] | None = field(default=None, compare=False)  # bench
     # lora_variants: block kind -> the variant that runs blocks of that kind with their weights
     # frozen and LoRA adapters applied inside the kernel. LoRA is added by the training stage, not
