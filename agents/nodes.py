@@ -14,6 +14,7 @@ from onboarding.report import TRAIN_SKIPPED_FILE, build_report
 from onboarding.opgraph import OpGraph
 from onboarding.registry import Coverage
 from onboarding.generate import load_candidates
+from onboarding.policy import next_exclusions, train_budget, train_plan, tune_budget
 from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
 
 
@@ -105,39 +106,6 @@ def align_node(state: RunState) -> dict[str, Any]:
                  summary={"alignment_passed": result.passed})
 
 
-def next_exclusions(result, excluded: list[list[str]]) -> tuple[list[list[str]], str | None]:
-    """The kernels to leave out on the next attempt, and why there is none (None: retry).
-
-    The next candidate for a culprit's op is, today, its torch path: every active kernel
-    patched at a culprit, inside one, or around one is left out. A retry must change
-    something: when a failed alignment blames no block that runs one of our kernels (a
-    culprit on the model's own code, or a failure not pinned on a block), there is nothing
-    to leave out, and the loop stops with that reason instead of running the same alignment
-    again.
-    """
-    if result.passed:
-        return [list(x) for x in excluded], None
-    culprits = [b.path for b in result.culprits("fwd") + result.culprits("bwd")]
-    new = [list(x) for x in excluded]
-    for r in result.patches:
-        p = r["path"]
-        if r.get("status") == "active" and [p, r["family"]] not in new and any(
-                p == c or p.startswith(c + ".") or c.startswith(p + ".") for c in culprits):
-            new.append([p, r["family"]])
-    if len(new) > len(excluded):
-        return new, None
-    if culprits:
-        why = (f"no retry: the culprit{'s' if len(culprits) > 1 else ''} "
-               f"{', '.join(culprits)} run{'s' if len(culprits) == 1 else ''} no kernel of ours "
-               "(the model's own code), so there is no kernel to leave out")
-    else:
-        lg = result.logits
-        why = ("no retry: no block is to blame (logits rel_rms "
-               f"{lg['stats']['rel_rms']:.2e} over their bound {lg.get('max_rel_rms', 0):.1e}), "
-               "nothing to leave out")
-    return new, why
-
-
 def after_align(state: RunState) -> str:
     """Back to generate while alignment fails, retries remain and the retry changes something
     (`next_exclusions`), else on to tuning."""
@@ -146,9 +114,6 @@ def after_align(state: RunState) -> str:
             or len(state.align_attempts) > state.config.max_align_retries):
         return "tune"
     return "generate"
-
-
-DEFAULT_GPU_TUNE_TRIALS = 20
 
 
 def tune_node(state: RunState) -> dict[str, Any]:
@@ -161,18 +126,14 @@ def tune_node(state: RunState) -> dict[str, Any]:
     step = _progress("tune")
     append_event(Path(state.run_dir), {"node": "tune", "event": "start"})
     run_dir, c = Path(state.run_dir), state.config
-    on_gpu = gpu_name() != "cpu-interpreter"
-    trials = c.tune_trials if c.tune_trials is not None else \
-        (DEFAULT_GPU_TUNE_TRIALS if on_gpu else 0)
+    budget = tune_budget(c.tune_trials, gpu=gpu_name())
+    trials = budget.amount
     attempt: dict[str, Any] = {"attempt": len(state.tune_attempts) + 1,
                                "trials_per_study": trials, "gpu": gpu_name()}
-    if trials <= 0:
-        why = ("skipped: no GPU, and Triton-interpreter timings mean nothing (set tune_trials, "
-               "`onboard run --tune-trials N`, to tune anyway)" if not on_gpu
-               else "skipped: tune_trials is 0")
-        write_json(run_dir / RESULTS_FILE, {"skipped": why, "gpu": gpu_name()})
+    if budget.skipped:
+        write_json(run_dir / RESULTS_FILE, {"skipped": budget.skipped, "gpu": gpu_name()})
         return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
-                     tune_attempts=[*state.tune_attempts, {**attempt, "skipped": why}],
+                     tune_attempts=[*state.tune_attempts, {**attempt, "skipped": budget.skipped}],
                      summary={"tuned_studies": 0})
     step(f"tuning with {trials} trials per study")
     cfg = TuneConfig(n_trials=trials, n_workers=c.tune_workers, aot=c.tune_aot, seed=c.seed,
@@ -189,18 +150,6 @@ def tune_node(state: RunState) -> dict[str, Any]:
                  summary={"tuned_studies": sum(b["complete"] > 0 for b in best)})
 
 
-DEFAULT_GPU_TRAIN_STEPS = 20
-
-
-def train_layout(nproc: int, n_experts: int | None) -> tuple[int, int]:
-    """(ep, fsdp) for ``nproc`` processes: experts split over every rank when they divide
-    evenly, else over the largest divisor of both; the rest of the world shards dense params."""
-    ep = 1
-    if n_experts:
-        ep = max(d for d in range(1, nproc + 1) if nproc % d == 0 and n_experts % d == 0)
-    return ep, nproc // ep
-
-
 def train_node(state: RunState) -> dict[str, Any]:
     """LoRA fine-tuning of the proxy with FSDP2 x EP against its single-process reference
     (`onboarding.training.launch`); skipped on the CPU unless `train_steps` asks for it."""
@@ -214,26 +163,21 @@ def train_node(state: RunState) -> dict[str, Any]:
     append_event(Path(state.run_dir), {"node": "train", "event": "start"})
     run_dir, c = Path(state.run_dir), state.config
     gpus = torch.cuda.device_count()
-    steps = c.train_steps if c.train_steps is not None else \
-        (DEFAULT_GPU_TRAIN_STEPS if gpus else 0)
+    budget = train_budget(c.train_steps, gpus=gpus)
+    steps = budget.amount
     attempt: dict[str, Any] = {"attempt": len(state.train_attempts) + 1, "steps": steps}
-    if steps <= 0:
-        why = ("skipped: no GPU (set train_steps, `onboard run --train-steps N`, to train on "
-               "the CPU with gloo)" if not gpus else "skipped: train_steps is 0")
+    if budget.skipped:
         from onboarding.rundir import write_json
 
-        write_json(run_dir / TRAIN_SKIPPED_FILE, {"skipped": why})
+        write_json(run_dir / TRAIN_SKIPPED_FILE, {"skipped": budget.skipped})
         return _done(state, "train", train_attempts=[*state.train_attempts,
-                                                     {**attempt, "skipped": why}])
-    nproc = c.train_nproc or (gpus if gpus else 2)
-    experts = {b.attrs.get("n_experts")
-               for b in OpGraph.load(run_dir / "opgraph.json").by_kind("moe.experts")}
-    ep, fsdp = train_layout(nproc, next(iter(experts)) if len(experts) == 1 else None)
+                                                     {**attempt, "skipped": budget.skipped}])
+    plan = train_plan(OpGraph.load(run_dir / "opgraph.json"), gpus=gpus, nproc=c.train_nproc)
+    nproc, ep, fsdp = plan.nproc, plan.ep, plan.fsdp
     cfg = TrainConfig(model=c.model_ref or "", overrides=c.overrides,
                       trust_remote_code=c.trust_remote_code, proxy=c.proxy,
                       out=str(run_dir.resolve()), nproc=nproc, ep=ep, fsdp=fsdp, steps=steps,
-                      seq_len=c.seq, seed=c.seed,
-                      dtype="bf16" if gpus else "fp32", device="cuda" if gpus else "cpu")
+                      seq_len=c.seq, seed=c.seed, dtype=plan.dtype, device=plan.device)
     step(f"training {steps} steps on {nproc} processes (fsdp {fsdp} x ep {ep})")
     rc = launch(cfg, console=Console(stderr=True))
     compare = run_dir / "train" / "compare.json"
