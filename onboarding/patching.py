@@ -1,36 +1,16 @@
 """Swap classified blocks of a model for kernel-backed versions, reversibly, by module path.
 
-Nothing here knows a model class. Each block kind has one generic binding from the block's
-structure (its parameters, its input) to a kernel's signature:
-  - ``norm.rms``: ``forward(x)`` -> ``rmsnorm(x, w, eps)`` (``unit_offset`` rendered in), or
-    ``rmsnorm(x, eps)`` for a kernel rendered without a weight, bound only to a module that has
-    no parameters of its own;
-  - ``norm.rms_gated``: ``forward(x, z)`` -> ``rmsnorm_gated(x, z, w, eps)``;
-  - ``norm.layer`` (written in torch ops; a fused ``F.layer_norm`` is left to torch):
-    ``forward(x)`` -> ``layernorm(x, w, [b,] eps)``, weight and bias told apart by calibration;
-  - ``mlp.dense`` / ``moe.shared_expert``: ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))``;
-  - ``moe.experts`` (packed 3-D weights): ``forward(x, indices, weights)`` -> the grouped-GEMM
-    experts kernel, with the weights found by their shapes (gate_up [E, 2F, D] + down [E, D, F]
-    for the gated variants, up [E, F, D] + down [E, D, F] for the non-gated `mlp` one). Gated
-    blocks stored otherwise (gpt-oss: gate_up [E, D, 2F] with gate/up interleaved, down [E, F, D],
-    per-expert biases) are converted to the kernel's layout as the classifier read it off the
-    block (see `_ExpertWeights`); identity ("zero") expert slots (attrs `zero_experts`: index >= E)
-    go to the kernel with weight 0 and their r * x is added in torch;
-  - ``moe.experts`` split by sizes (attrs ``layout: "split_linear"``: one weight [E, N, K],
-    ``forward(x, sizes)`` -> a linear per piece): the `grouped_linear` kernel with the sizes as
-    a device tensor (`onboarding._patch_grouped_linear`);
-  - ``moe.router``: ``forward(x)`` -> the router kernel with the gate weight found by its shape
-    [n_experts, hidden] and the score-correction bias (a parameter or buffer [n_experts]) when
-    the kernel was rendered with one; scoring, top-k, groups, renormalisation and scaling are
-    rendered in from the block's attrs. Routers return different tuples ((logits, weights,
-    indices), (indices, weights), dense [N, E] scores, ...): the output structure is read off
-    the original's output at calibration (see `_router_adapt`);
-  - ``sparse_attention.topk``: the dense masked attention after the block's top-k (SDPA, or the
-    eager q k^T -> softmax -> v chain) -> the gathered kernel over the selected keys (MHA/GQA or
-    absorbed MLA), intercepted while the block runs (`onboarding._patch_sparse`);
-  - ``conv.causal1d``: the depthwise conv call made with the block's weight, intercepted with a
-    `TorchFunctionMode` while the owning block runs (the conv is often an inline functional call,
-    not a module call).
+Nothing here knows a model class or a kernel family. A family that can patch the blocks it
+serves says how in its folder (`kernel_templates/<family>/binding.py`, set as the `binding` hook
+of its `FamilySpec`): which of the block's parameters and arguments go where in its kernel's
+signature. `patch_model` finds, for each block, the first family (in name order) that has a
+`binding` and a kernel for the block, and calls it; the binding installs the patch and returns
+its undo.
+
+The shared machinery lives here: `calibrated` (below), the packed experts weights by their
+shapes (`_experts_bindings`, also what expert parallelism splits), and beside this module the
+delta-rule call swap (`onboarding._patch_linear_attention`) and the top-k attention intercept
+(`onboarding._patch_sparse`).
 
 Where a binding has a choice the structure leaves open (which linear is the gate, which argument
 is the gate), the patch *calibrates* on its first call: it runs the original and each candidate
@@ -40,7 +20,6 @@ matching binding is restored and reported, never silently wrong.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -48,10 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 from onboarding.classify import packed_orientation
+from onboarding.families import families
 from onboarding.opgraph import Block, OpGraph
 from onboarding.testing.tolerance import compare, tolerance_for
 
@@ -155,92 +133,24 @@ def _converted(fn: Callable, convert: Callable[[Any], Any]) -> Callable:
     return lambda *args, **kwargs: convert(fn(*args, **kwargs))
 
 
-def _weight_1d(module: nn.Module) -> nn.Parameter | None:
-    ps = [p for p in module.parameters(recurse=False) if p.ndim == 1]
-    return ps[0] if len(ps) == 1 else None
+def calibrated(module: nn.Module, record: PatchRecord, bindings: dict[str, Callable[..., Any]],
+               adapt: Callable[[Any, Any], tuple[Callable[[Any], Any], str] | None] = _same
+               ) -> Callable[[], None] | None:
+    """Put ``bindings`` (description -> call with the forward's arguments) over ``module.forward``,
+    the one that reproduces the original on the first call to be kept (`_Calibrated`; ``adapt``
+    says when a binding's output, converted, is the original's). Returns the undo, or None with
+    the record rejected when there is no binding: the block's structure does not fit the kernel."""
+    if not bindings:
+        record.status, record.detail = "rejected", "structure does not fit the kernel"
+        return None
+    had_own = "forward" in module.__dict__
+    module.forward = _Calibrated(module, record, bindings, adapt)
 
+    def undo() -> None:
+        if not had_own:
+            module.__dict__.pop("forward", None)
 
-def _norm_takes_weight(kmod: ModuleType) -> bool:
-    """Whether a rendered norm module's entry takes a weight: not `l2norm`, nor `plain` rendered
-    with ``has_weight=False`` (read off its render params, not its argument names)."""
-    params = getattr(kmod, "PARAMS", None) or {}
-    return getattr(kmod, "VARIANT", None) != "l2norm" and bool(params.get("has_weight", True))
-
-
-def _norm_bindings(block: Block, module: nn.Module, fn: Callable, weighted: bool = True
-                   ) -> dict[str, Callable]:
-    """Bindings of a norm block to ``fn``; ``weighted``: the kernel takes the module's weight."""
-    eps = block.attrs.get("eps") or 1e-6
-    if not weighted:
-        # A weightless kernel on a module that owns a weight would ignore it, and calibration
-        # could not tell while that weight is still all ones (its usual init): refused.
-        if block.kind != "norm.rms" or next(module.parameters(recurse=False), None) is not None:
-            return {}
-        return {"x (no weight)": lambda x, *a, **k: fn(x, eps=eps)}
-    if _weight_1d(module) is None:
-        return {}
-    # The weight is looked up at call time: FSDP2 swaps a sharded module's parameters.
-    if block.kind == "norm.rms":
-        return {"x": lambda x, *a, **k: fn(x, _weight_1d(module), eps)}
-
-    def gated(i: int, j: int):
-        def call(*args, **kwargs):
-            tensors = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-            return fn(tensors[i], tensors[j], _weight_1d(module), eps)
-        return call
-
-    return {"x=arg0, z=arg1": gated(0, 1), "x=arg1, z=arg0": gated(1, 0)}
-
-
-def _layer_norm_bindings(block: Block, module: nn.Module, fn: Callable, bias: bool
-                         ) -> dict[str, Callable]:
-    """``forward(x)`` -> ``fn(x, weight[, bias], eps)`` for a module whose own parameters are
-    exactly the 1-D weight, or weight and bias when the kernel was rendered with ``bias`` (which
-    is which is left to calibration: with the usual ones / zeros init the swapped binding
-    outputs the bias, never the norm). An eps the classifier did not read is left to the
-    kernel's rendered default."""
-    names = [n for n, p in module.named_parameters(recurse=False) if p.ndim == 1]
-    if len(names) != len(list(module.parameters(recurse=False))) or len(names) != 1 + bias:
-        return {}
-    eps = block.attrs.get("eps")
-    extra = () if eps is None else (eps,)
-
-    def bind(*order: str):
-        # looked up by name at call time: FSDP2 swaps a sharded module's parameters
-        return lambda x, *a, **k: fn(x, *(getattr(module, n) for n in order), *extra)
-
-    if len(names) == 1:
-        return {f"x, weight={names[0]}": bind(*names)}
-    a, b = names
-    return {f"x, weight={a}, bias={b}": bind(a, b), f"x, weight={b}, bias={a}": bind(b, a)}
-
-
-def _mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
-    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
-    if len(linears) == 3:
-        # Which linear is down, gate or up is left to calibration: widths can coincide.
-        def bind(g: str, u: str, d: str):
-            gate, up, down = linears[g], linears[u], linears[d]
-            return lambda x, *args, **kw: down(fn(gate(x), up(x)))
-
-        return {f"gate={g}, up={u}, down={d}": bind(g, u, d)
-                for g, u, d in itertools.permutations(linears)
-                if linears[d].in_features == linears[g].out_features == linears[u].out_features}
-    if len(linears) == 2:
-        (na, a), (nb, b) = linears.items()
-        fused, down = (a, b) if a.out_features == 2 * b.in_features else (b, a)
-        if fused.out_features != 2 * down.in_features:
-            return {}
-
-        def halves(first_gate: bool):
-            def call(x, *args, **kw):
-                g, u = fused(x).chunk(2, dim=-1)
-                return down(fn(g, u) if first_gate else fn(u, g))
-            return call
-
-        return {"gate_up halves (gate first)": halves(True),
-                "gate_up halves (up first)": halves(False)}
-    return {}
+    return undo
 
 
 def _experts_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -413,172 +323,45 @@ def _mlp_experts_bindings(module: nn.Module, fn: Callable, a: torch.Tensor, b: t
             f"x, topk_indices, topk_weights; up={nb}, down={na}": bind(nb, na)}
 
 
-class _ConvIntercept(TorchFunctionMode):
-    """Routes ``conv1d(x, w, b, padding=K-1, groups=C)`` with our weight to the kernel."""
-
-    def __init__(self, weight: torch.Tensor, fn: Callable, record: PatchRecord):
-        super().__init__()
-        self.ptr, self.fn, self.record = weight.untyped_storage().data_ptr(), fn, record
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (F.conv1d, torch.conv1d):
-            a = {**dict(zip(_CONV_ARGS, args)), **kwargs}
-            x, w = a.get("input"), a.get("weight")
-            if isinstance(w, torch.Tensor) and w.untyped_storage().data_ptr() == self.ptr \
-                    and isinstance(x, torch.Tensor) and x.dim() == 3:
-                k = w.shape[-1]
-                pad = a.get("padding", 0)
-                pad = pad[0] if isinstance(pad, (list, tuple)) else pad
-                ones = all((v[0] if isinstance(v, (list, tuple)) else v) == 1
-                           for v in (a.get("stride", 1), a.get("dilation", 1)))
-                if pad == k - 1 and ones and a.get("groups", 1) == w.shape[0] and \
-                        x.shape[-1] >= k - 1:
-                    y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), a.get("bias"))
-                    self.record.status = "active"
-                    # conv1d with padding K-1 returns T + K - 1 steps; callers keep the first T
-                    # (that is what makes it causal). The K - 1 trailing steps only see the last
-                    # K - 1 inputs: computed exactly here, so the patch is a true drop-in.
-                    tail = func(x[..., x.shape[-1] - (k - 1):], w, a.get("bias"),
-                                padding=k - 1, groups=w.shape[0])[..., k - 1:]
-                    return torch.cat([y.transpose(1, 2), tail], dim=-1)
-        return func(*args, **kwargs)
-
-
-_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-
-
-def _patch_conv(model: nn.Module, block: Block, fn: Callable, record: PatchRecord,
-                patches: PatchSet) -> None:
-    weight = dict(model.named_parameters()).get(block.path + ".weight")
-    modules = dict(model.named_modules())
-    if weight is None:
-        record.status, record.detail = "rejected", "no weight parameter at the block path"
-        return
-    # The conv runs inside the nearest ancestor that is a module call: intercept there.
-    owner_path = block.path.rsplit(".", 1)[0] if "." in block.path else ""
-    owner = modules[owner_path]
-    original = owner.forward
-    intercept = _ConvIntercept(weight, fn, record)
-
-    def forward(*args, **kwargs):
-        # FSDP2 swaps parameters (sharded outside, unsharded inside forward): match the weight
-        # the conv module holds now.
-        w = modules[block.path].weight if block.path in modules else weight
-        intercept.ptr = w.untyped_storage().data_ptr()
-        with intercept:
-            return original(*args, **kwargs)
-
-    had_own, previous = "forward" in owner.__dict__, owner.__dict__.get("forward")
-    owner.forward = forward
-    record.binding = f"conv1d calls with {block.path}.weight inside {owner_path or 'model'}"
-
-    def undo() -> None:
-        if had_own:
-            owner.forward = previous
-        else:
-            owner.__dict__.pop("forward", None)
-
-    patches._undo.append(undo)
-
-
-def _patch_sparse(model: nn.Module, block: Block, kernels: dict, record: PatchRecord,
-                  patches: PatchSet) -> None:
-    """`sparse_attention.topk`: the gathered-attention module (under the family, or under
-    ``family:gathered`` when another variant took that key) bound inside the block's forward by
-    a top-k + attention intercept (`onboarding._patch_sparse`)."""
-    from onboarding._patch_sparse import patch_sparse_block
-
-    module = dict(model.named_modules()).get(block.path)
-    if module is None:
-        record.status, record.detail = "rejected", "no module at this path"
-        return
-    fam = "sparse_attention"
-    kmods = [kernels.get((block.path, key)) for key in (fam, f"{fam}:gathered")]
-    undo = patch_sparse_block(module, kmods, record)
-    if undo is not None:
-        record.binding = "calibrating: top-k + attention intercept"
-        patches._undo.append(undo)
-
-
-PATCHABLE = {"norm.rms": "rmsnorm", "norm.rms_gated": "rmsnorm", "norm.layer": "layernorm",
-             "mlp.dense": "swiglu",
-             "moe.shared_expert": "swiglu", "conv.causal1d": "conv1d",
-             "moe.experts": "moe_experts", "moe.router": "moe_router",
-             "sparse_attention.topk": "sparse_attention",
-             "linear_attention.gated_delta": "gated_delta",
-             "linear_attention.kimi_delta": "kimi_delta"}
-# Further families a kind's blocks may be served by, tried after its PATCHABLE one: split-by-size
-# per-expert linears (`moe.experts` with layout "split_linear") take `grouped_linear`.
-ALSO_PATCHABLE = {"moe.experts": ("grouped_linear",)}
-
-
 def patch_model(model: nn.Module, graph: OpGraph,
                 kernels: dict[tuple[str, str], ModuleType],
                 kinds: set[str] | None = None) -> PatchSet:
-    """Patch every block of ``graph`` whose (path, family) has a module in ``kernels``.
+    """Patch every block of ``graph`` (of ``kinds``, when given) that a family with a `binding`
+    has a module for in ``kernels``.
 
-    ``kernels`` maps (block path, family) to a loaded rendered module (see
-    `onboarding.generate.kernels_for`). Returns a `PatchSet`; ``restore()`` undoes everything.
+    ``kernels`` maps (block path, family) to a loaded rendered module, and a block's further
+    variants of one family to (block path, "family:variant") (see
+    `onboarding.generate.kernels_for`). Per block, the first family in name order with a
+    ``binding`` and a module under (path, family) is called as
+    ``binding(block, module, kernels, record, model) -> undo | None``: ``module`` the model's
+    module at the block's path, ``kernels`` that family's modules for the block (the one under
+    (path, family) first), ``record`` the block's `PatchRecord` (pending; the binding sets
+    ``binding``, and ``status``/``detail`` when it rejects the block or its patch calibrates),
+    ``model`` the whole model (a patch may sit on an ancestor). It returns the patch's undo, or
+    None with the record rejected. Returns a `PatchSet`; ``restore()`` undoes everything.
     """
     modules = dict(model.named_modules())
+    binders = {name: spec.binding for name, spec in families().items() if spec.binding is not None}
+    variants: dict[tuple[str, str], list[ModuleType]] = {}
+    for (path, key), kmod in kernels.items():
+        family, _, variant = key.partition(":")
+        if variant:
+            variants.setdefault((path, family), []).append(kmod)
     patches = PatchSet()
     for block in graph.blocks:
-        if block.kind not in PATCHABLE or (kinds and block.kind not in kinds):
+        if kinds and block.kind not in kinds:
             continue
-        family, kmod = next(((f, kernels[(block.path, f)])
-                             for f in (PATCHABLE[block.kind], *ALSO_PATCHABLE.get(block.kind, ()))
-                             if (block.path, f) in kernels), (None, None))
-        if kmod is None:
+        family = next((f for f in binders if (block.path, f) in kernels), None)
+        if family is None:
             continue
         record = PatchRecord(path=block.path, kind=block.kind, family=family)
         patches.records.append(record)
-        if block.kind == "sparse_attention.topk":
-            _patch_sparse(model, block, kernels, record, patches)
-            continue
-        fn = entry_function(kmod)
-        if block.kind.startswith("linear_attention."):
-            from onboarding._patch_linear_attention import patch_linear_attention
-
-            module = modules.get(block.path)
-            undo = patch_linear_attention(module, fn, record) if module is not None else None
-            if undo is not None:
-                patches._undo.append(undo)
-            continue
-        if block.kind == "conv.causal1d":
-            _patch_conv(model, block, fn, record, patches)
-            continue
         module = modules.get(block.path)
         if module is None:
             record.status, record.detail = "rejected", "no module at this path"
             continue
-        adapt = _same
-        if block.kind == "norm.layer":
-            bindings = _layer_norm_bindings(block, module, fn,
-                                            bool(getattr(kmod, "PARAMS", {}).get("has_bias")))
-        elif block.kind.startswith("norm."):
-            bindings = _norm_bindings(block, module, fn, _norm_takes_weight(kmod))
-        elif family == "grouped_linear":
-            from onboarding._patch_grouped_linear import grouped_linear_bindings
-
-            bindings = grouped_linear_bindings(block, module, fn)
-        elif block.kind == "moe.experts":
-            bindings = _experts_bindings(module, fn, block, bool(getattr(kmod, "PARAMS", {}).get("bias")))
-        elif block.kind == "moe.router":
-            from onboarding._patch_router import router_adapt, router_bindings
-
-            bindings, adapt = router_bindings(block, module, fn, kmod), router_adapt
-        else:
-            bindings = _mlp_bindings(module, fn)
-        if not bindings:
-            record.status, record.detail = "rejected", "structure does not fit the kernel"
-            continue
-        had_own = "forward" in module.__dict__
-        module.forward = _Calibrated(module, record, bindings, adapt)
-
-        def undo(module=module, had_own=had_own):
-            if not had_own:
-                module.__dict__.pop("forward", None)
-
-        patches._undo.append(undo)
+        mods = [kernels[(block.path, family)], *variants.get((block.path, family), ())]
+        undo = binders[family](block, module, mods, record, model)
+        if undo is not None:
+            patches._undo.append(undo)
     return patches

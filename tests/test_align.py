@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from onboarding.align import AlignmentError, AlignmentResult, align, build_pair
+from onboarding.families import families
 from onboarding.loading import load_model
 from onboarding.parse import example_inputs, load_stage
-from onboarding.patching import PATCHABLE, patch_model
+from onboarding.patching import patch_model
 from onboarding.registry import build_coverage
 from onboarding.templating import load_module, render_to
 from onboarding.testing.tolerance import layer_tolerance
@@ -35,7 +36,7 @@ def _kernels(graph, root) -> dict:
     """Every template kernel the patcher can bind, rendered for this graph's blocks."""
     out = {}
     for e in build_coverage(graph).entries:
-        if e.status == "template" and e.family in PATCHABLE.values():
+        if e.status == "template" and families()[e.family].binding is not None:
             path = render_to(root, e.family, e.variant, e.params, overwrite=True)
             # keyed as generate.kernels_for keys them: a second variant of a block's family
             # (the sparse-attention indexer) goes under "family:variant"

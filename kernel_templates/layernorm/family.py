@@ -16,6 +16,7 @@ import torch
 
 from onboarding.families import FamilySpec, Param, family_module
 
+from .binding import bind
 from .tuning import problem_dims, timing_inputs
 
 # LayerNorm's kernels tile like RMSNorm's (a row reduction, then the column sums of the weight
@@ -87,4 +88,5 @@ FAMILY = FamilySpec(
     problem_dims=problem_dims,
     timing_dims=("N", "D"),
     timing_inputs=timing_inputs,
+    binding=bind,
 )

@@ -18,6 +18,8 @@ import torch
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from .binding import bind
+
 NAME = "moe_router"
 
 
@@ -98,4 +100,5 @@ FAMILY = FamilySpec(
     check=_check,
     match=match,
     sample_inputs=sample_inputs,
+    binding=bind,
 )

@@ -121,7 +121,11 @@ class FamilySpec:
     extends: str | None = None
     # Stage hooks. Each is optional: a stage that needs one a family lacks skips that family and
     # says so. Signatures are documented where the stage calls them.
-    binding: Callable[..., Any] | None = field(default=None, compare=False)        # patching
+    # binding(block, module, kernels, record, model) -> undo | None: patch one block the family
+    # serves (`module`: the model's module at block.path; `kernels`: this family's loaded
+    # modules for the block, the one keyed (path, family) first); returns the patch's undo, or
+    # None with `record` rejected and saying why (see `onboarding.patching.patch_model`).
+    binding: Callable[..., Callable[[], None] | None] | None = field(default=None, compare=False)
     # tune: problem_dims(entry, block) -> {dim: size} | None, the real problem dims of one
     # coverage entry (`.shapes` its block's input shapes, `.variant`, `.params`) and its
     # `opgraph.Block` (None when the graph lacks it), read off input shapes, weights and attrs.

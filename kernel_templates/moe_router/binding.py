@@ -1,4 +1,4 @@
-"""`moe.router` patching: bind a router block to the router kernel by structure, and match the
+"""Patch binding of `moe.router` blocks to the router kernel, by structure, matching the
 original's output structure by calibration.
 
 The binding finds the gate weight by its shape ([n_experts, hidden], the only such 2-D
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from onboarding.opgraph import Block
+from onboarding.patching import PatchRecord, calibrated, entry_function
 from onboarding.testing.tolerance import compare, tolerance_for
 
 
@@ -152,3 +153,11 @@ def router_adapt(out: Any, ref: Any) -> tuple[Callable[[Any], Any], str] | None:
     order = "" if not ints or torch.equal(indices, ints[0].reshape(N, k).long()) else \
         "; the original lists the same experts in another order"
     return convert, "(" + ", ".join(n for n, _ in layout) + ")" + order
+
+
+def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
+         model: nn.Module) -> Callable[[], None] | None:
+    """The `binding` hook (`onboarding.patching.patch_model`)."""
+    kmod = kernels[0]
+    return calibrated(module, record, router_bindings(block, module, entry_function(kmod), kmod),
+                      router_adapt)

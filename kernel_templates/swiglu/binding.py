@@ -1,0 +1,50 @@
+"""Patch binding of `mlp.dense` and `moe.shared_expert` blocks to the swiglu kernel:
+``forward(x)`` -> ``down(swiglu(gate(x), up(x)))`` over the block's three linears, or over a fused
+gate_up linear's halves and down; which linear (or half) is which is left to calibration
+(`onboarding.patching.calibrated`) where the widths cannot tell.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from types import ModuleType
+
+from torch import nn
+
+from onboarding.opgraph import Block
+from onboarding.patching import PatchRecord, calibrated, entry_function
+
+
+def mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
+    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
+    if len(linears) == 3:
+        # Which linear is down, gate or up is left to calibration: widths can coincide.
+        def bind(g: str, u: str, d: str):
+            gate, up, down = linears[g], linears[u], linears[d]
+            return lambda x, *args, **kw: down(fn(gate(x), up(x)))
+
+        return {f"gate={g}, up={u}, down={d}": bind(g, u, d)
+                for g, u, d in itertools.permutations(linears)
+                if linears[d].in_features == linears[g].out_features == linears[u].out_features}
+    if len(linears) == 2:
+        a, b = linears.values()
+        fused, down = (a, b) if a.out_features == 2 * b.in_features else (b, a)
+        if fused.out_features != 2 * down.in_features:
+            return {}
+
+        def halves(first_gate: bool):
+            def call(x, *args, **kw):
+                g, u = fused(x).chunk(2, dim=-1)
+                return down(fn(g, u) if first_gate else fn(u, g))
+            return call
+
+        return {"gate_up halves (gate first)": halves(True),
+                "gate_up halves (up first)": halves(False)}
+    return {}
+
+
+def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
+         model: nn.Module) -> Callable[[], None] | None:
+    """The `binding` hook (`onboarding.patching.patch_model`)."""
+    return calibrated(module, record, mlp_bindings(module, entry_function(kernels[0])))
