@@ -138,7 +138,14 @@ def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
                       and r.scalars[1] in (1, 1.0) for r in recs)
     first = next((r for r in recs if r.in_shapes and r.in_shapes[0]), None)
     dim = first.in_shapes[0][-1] if first else None
-    return {"dim": dim, "eps": eps, "unit_offset": unit_offset, "has_weight": bool(weighted)}
+    attrs = {"dim": dim, "eps": eps, "unit_offset": unit_offset, "has_weight": bool(weighted)}
+    # a mean of squares over a narrower last dim than the row: normalised per group of the row
+    # (Mamba-2's gated norm with n_groups > 1), another function than one norm over the row
+    mean = next((r for r in recs if r.op == "mean" and r.in_shapes and r.in_shapes[0]), None)
+    width = mean.in_shapes[0][-1] if mean else None
+    if dim and width and width < dim and dim % width == 0:
+        attrs["group_size"] = width
+    return attrs
 
 
 def _mlp_activation_by_shape(recs: list[OpRecord], mm: list[OpRecord], ctx: Context) -> str | None:

@@ -38,8 +38,8 @@ def match(block: Any) -> dict[str, Any] | None:
     does not say, one that scales by (1 + w) (`unit_offset`), or one whose parameters are not
     all [D] (a per-head weight [H, D], as Cohere's QK norm) -> None.
     """
-    if block.kind != "norm.layer":
-        return None
+    if block.kind != "norm.layer" or block.attrs.get("group_size"):
+        return None  # (a norm per group of the row: the kernels normalise whole rows)
     if any(block.op_histogram.get(op) for op in _FUSED_OPS):
         return None
     if any(len(shape) != 1 for shape in block.params.values()):

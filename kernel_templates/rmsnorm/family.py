@@ -39,12 +39,15 @@ def match(block: Any) -> dict[str, Any] | None:
     `norm.rms` with a weight -> `plain` (a mean of squares: attrs `reduction` absent or "mean");
     without one -> `l2norm` when the block says it sums (`reduction == "sum"`), else `plain` with
     `has_weight=False` (a mean-RMSNorm with no scale; a weightless block cannot be unit-offset).
+    A block normalised per group of its row (attrs `group_size`) -> None.
     `norm.rms_gated` -> `gated` with the gate's `activation` (attrs `activation` /
     `gate_activation`: silu or sigmoid; both must agree where both are given); the template
     computes norm, weight, then gate, so a block that says it gates first
     (`norm_before_gate=False`), has no weight, or another activation -> None.
     """
     attrs = block.attrs
+    if attrs.get("group_size"):
+        return None  # normalised per group of the row: the kernels normalise whole rows
     eps = attrs.get("eps")
     params: dict[str, Any] = {"eps": 1e-6 if eps is None else float(eps)}
     if block.kind == "norm.rms":
