@@ -14,6 +14,8 @@ import torch
 
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from .binding import bind
+
 NAME = "rmsnorm_gate_first"
 
 
@@ -27,13 +29,14 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
     eps = attrs.get("eps")
     return FAMILY.served("plain", {"eps": 1e-6 if eps is None else float(eps),
-                                   "unit_offset": bool(attrs.get("unit_offset", False))})
+                                   "unit_offset": bool(attrs.get("unit_offset", False)),
+                                   "group_size": int(attrs.get("group_size") or 0)})
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
                   gen: torch.Generator) -> list:
     """Fresh random entry arguments (x, z, weight, eps): 37 rows at the block's width."""
-    width = shapes[0][-1] if shapes else 64
+    width = shapes[0][-1] if shapes else 4 * (params.get("group_size") or 16)
     x, z = torch.randn(37, width, generator=gen), torch.randn(37, width, generator=gen)
     w = 0.5 * torch.randn(width, generator=gen) + (0.0 if params.get("unit_offset") else 1.0)
     return [x, z, w, params.get("eps", 1e-6)]
@@ -50,6 +53,9 @@ FAMILY = FamilySpec(
               doc="default eps of the user-facing function (eps stays a call argument)"),
         Param(name="unit_offset", type=bool, default=False,
               doc="scale by (1 + w) instead of w"),
+        Param(name="group_size", type=int, default=0, min=0, max=16384,
+              doc="normalise each group of this many channels of a row (Mamba-2's n_groups); "
+                  "0: the whole row"),
     ),
     tuning_space={"num_warps": (1, 2, 4, 8, 16)},
     default_config={"num_warps": 4},
@@ -61,4 +67,5 @@ FAMILY = FamilySpec(
     ),
     match=match,
     sample_inputs=sample_inputs,
+    binding=bind,
 )
