@@ -11,9 +11,9 @@ from langgraph.config import get_stream_writer
 from agents.state import RunState
 from onboarding.rundir import append_event
 from onboarding.report import TRAIN_SKIPPED_FILE, build_report
-from onboarding.opgraph import OpGraph
-from onboarding.registry import Coverage
-from onboarding.generate import load_candidates
+from onboarding.graph.opgraph import OpGraph
+from onboarding.coverage import Coverage
+from onboarding.generate.candidates import load_candidates
 from onboarding.policy import next_exclusions, train_budget, train_plan, tune_budget
 from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
 
@@ -118,10 +118,10 @@ def after_align(state: RunState) -> str:
 
 def tune_node(state: RunState) -> dict[str, Any]:
     """Optuna tile search for every candidate kernel of the run, per shape bucket
-    (`onboarding.tune_model`); skipped on the CPU unless `tune_trials` asks for it."""
+    (`onboarding.tune.run`); skipped on the CPU unless `tune_trials` asks for it."""
     from onboarding.rundir import write_json
-    from onboarding.tune import TuneConfig, gpu_name
-    from onboarding.tune_model import RESULTS_FILE, tune_run
+    from onboarding.tune.search import TuneConfig, gpu_name
+    from onboarding.tune.run import RESULTS_FILE, tune_run
 
     step = _progress("tune")
     append_event(Path(state.run_dir), {"node": "tune", "event": "start"})
@@ -152,12 +152,12 @@ def tune_node(state: RunState) -> dict[str, Any]:
 
 def train_node(state: RunState) -> dict[str, Any]:
     """LoRA fine-tuning of the proxy with FSDP2 x EP against its single-process reference
-    (`onboarding.training.launch`); skipped on the CPU unless `train_steps` asks for it."""
+    (`onboarding.train.launch`); skipped on the CPU unless `train_steps` asks for it."""
     import torch
     from rich.console import Console
 
-    from onboarding.training.config import TrainConfig
-    from onboarding.training.launch import launch
+    from onboarding.train.config import TrainConfig
+    from onboarding.train.launch import launch
 
     step = _progress("train")
     append_event(Path(state.run_dir), {"node": "train", "event": "start"})

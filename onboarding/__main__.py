@@ -2,6 +2,6 @@
 
 import sys
 
-from onboarding.cli import main
+from onboarding.cli.main import main
 
 sys.exit(main())

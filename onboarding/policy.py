@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from onboarding.align import AlignmentResult
-    from onboarding.opgraph import OpGraph
+    from onboarding.align.core import AlignmentResult
+    from onboarding.graph.opgraph import OpGraph
 
 DEFAULT_GPU_TUNE_TRIALS = 20
 DEFAULT_GPU_TRAIN_STEPS = 20
-# what `onboarding.tune.gpu_name` says without a GPU (timings from the Triton interpreter)
+# what `onboarding.tune.search.gpu_name` says without a GPU (timings from the Triton interpreter)
 _NO_GPU = "cpu-interpreter"
 
 
@@ -28,7 +28,7 @@ class Budget:
 
 
 def tune_budget(trials: int | None, *, gpu: str) -> Budget:
-    """Optuna trials per study on the device ``gpu`` (`onboarding.tune.gpu_name`). None: 20 on
+    """Optuna trials per study on the device ``gpu`` (`onboarding.tune.search.gpu_name`). None: 20 on
     a GPU and none on the CPU, whose interpreter timings mean nothing; a number is taken as
     asked (the CPU tunes when asked to, each trial costing seconds)."""
     on_gpu = gpu != _NO_GPU

@@ -11,23 +11,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from onboarding.opgraph import OpGraph
-from onboarding.parse import PATTERN_LEGEND
+from onboarding.graph.opgraph import OpGraph
+from onboarding.graph.parse import PATTERN_LEGEND
+from onboarding.formatting import human, table
 
 Section = Callable[[Path], "str | None"]
-
-
-def human(n: float) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _model_section(run_dir: Path) -> str | None:
@@ -105,7 +93,7 @@ def _coverage_section(run_dir: Path) -> str | None:
     f = run_dir / "coverage.json"
     if not f.exists():
         return None
-    from onboarding.registry import Coverage
+    from onboarding.coverage import Coverage
 
     cov = Coverage.load(f)
     groups: dict[tuple, list] = {}
@@ -158,8 +146,8 @@ SECTIONS.append(_alignment_section)
 
 def _tuning_section(run_dir: Path) -> str | None:
     """One table per study (kernel x shape bucket) and the best-so-far-vs-trials plot."""
-    from onboarding.tune import markdown_table, result_from_dict
-    from onboarding.tune_model import PLOT_FILE, load_results
+    from onboarding.tune.search import markdown_table, result_from_dict
+    from onboarding.tune.run import PLOT_FILE, load_results
 
     data = load_results(run_dir)
     if data is None:
@@ -222,7 +210,7 @@ TRAIN_METRICS_HEADER = ["run", "tokens/s", "step ms", "MFU", "all-to-all", "a2a 
 def train_metrics(run_dir: Path) -> tuple[list[str], list[list]]:
     """Header and one row per training run (reference, parallel, baseline) of a run directory:
     medians of the per-step metrics, the first step left out (the report and the terminal)."""
-    from onboarding.training.compare import read_rows, summarize
+    from onboarding.train.compare import read_rows, summarize
 
     train = run_dir / "train"
     cmp_file = train / "compare.json"
@@ -256,8 +244,8 @@ def _train_section(run_dir: Path) -> str | None:
             why = json.loads(skipped.read_text()).get("skipped", "skipped")
             return "\n".join(["## Training (FSDP2 + EP LoRA)", "", f"Training {why}."])
         return None
-    from onboarding.training.config import TrainConfig
-    from onboarding.training.launch import describe
+    from onboarding.train.config import TrainConfig
+    from onboarding.train.launch import describe
 
     out = ["## Training (FSDP2 + EP LoRA)", ""]
     toml = run_dir / "train.toml"
@@ -290,7 +278,7 @@ SECTIONS.append(_train_section)
 
 def _scaling_section(run_dir: Path) -> str | None:
     """The weak-scaling table and plot of `onboard scale`."""
-    from onboarding.training.scaling import PLOT_FILE, RESULTS_FILE, markdown
+    from onboarding.train.scaling import PLOT_FILE, RESULTS_FILE, markdown
 
     path = run_dir / RESULTS_FILE
     if not path.exists():

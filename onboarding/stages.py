@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from onboarding import __version__
-from onboarding.generate import (Candidate, check_candidate, promote, render_candidates,
+from onboarding.generate.candidates import (Candidate, check_candidate, promote, render_candidates,
                                  save_candidates)
-from onboarding.loading import load_model
-from onboarding.opgraph import OpGraph
-from onboarding.parse import ModelInfo, load_stage, parse_stage
-from onboarding.proxy import text_config
-from onboarding.registry import Coverage, build_coverage
+from onboarding.load.model import load_model
+from onboarding.graph.opgraph import OpGraph
+from onboarding.graph.parse import ModelInfo, load_stage, parse_stage
+from onboarding.load.proxy import text_config
+from onboarding.coverage import Coverage, build_coverage
 from onboarding.rundir import write_json
 
 
@@ -117,16 +117,16 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     ``families`` limits which kernels are patched (None: all; []: none); ``exclude`` drops
     (block path, family) pairs, which is how the agent retries without a culprit's kernel.
     A 16-bit ``dtype`` also runs the unpatched model in that dtype: its own error against the
-    reference, block by block, sets the bounds (`onboarding.align.bounds_from_floor`).
+    reference, block by block, sets the bounds (`onboarding.align.core.bounds_from_floor`).
     Writes ``alignment.json``, ``alignment.md`` (the report's table) and ``alignment.png``.
     """
     import copy
 
-    from onboarding.align import align, as_dtype, build_pair
+    from onboarding.align.core import align, as_dtype, build_pair
     from onboarding.backend import kernel_device
-    from onboarding.generate import kernels_for
-    from onboarding.parse import example_inputs
-    from onboarding.patching import patch_model
+    from onboarding.generate.candidates import kernels_for
+    from onboarding.graph.parse import example_inputs
+    from onboarding.patching.core import patch_model
 
     kernels = {k: m for k, m in kernels_for(coverage, candidates).items()
                if (families is None or k[1] in families) and k not in (exclude or set())}

@@ -53,8 +53,8 @@ def pytest_configure(config):
 
 @functools.cache
 def parsed(ref: str, **kw):
-    from onboarding.loading import load_model
-    from onboarding.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage, parse_stage
 
     info = load_stage(load_model(ref, trust_remote_code=True))
     return parse_stage(info, **kw)
@@ -71,7 +71,7 @@ def _restore_tile_pins():
     pins tiles (`set_config`, e.g. the kernel tests' CPU tiles) would leave them pinned for the
     next test module in the same xdist worker. The pins are put back as they were when this test
     module began (modules loaded since: unpinned)."""
-    from onboarding import templating
+    from onboarding.generate import templating
 
     saved = {sha: (m._CONFIG_OVERRIDE, dict(m._TUNED)) for sha, m in templating._LOADED.items()}
     yield

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from onboarding.accounting import count_parameters
-from onboarding.loading import load_model
+from onboarding.load.accounting import count_parameters
+from onboarding.load.model import load_model
 
 
 def _full(ref: str, **overrides):

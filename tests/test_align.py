@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from onboarding.align import AlignmentError, AlignmentResult, align, build_pair
+from onboarding.align.core import AlignmentError, AlignmentResult, align, build_pair
 from onboarding.families import families
-from onboarding.loading import load_model
-from onboarding.parse import example_inputs, load_stage
-from onboarding.patching import patch_model
-from onboarding.registry import build_coverage
-from onboarding.templating import load_module, render_to
+from onboarding.load.model import load_model
+from onboarding.graph.parse import example_inputs, load_stage
+from onboarding.patching.core import patch_model
+from onboarding.coverage import build_coverage
+from onboarding.generate.templating import load_module, render_to
 from onboarding.testing.tolerance import layer_tolerance
 
 SEQ = 16  # tiny: the patched candidates run their kernels in the Triton interpreter

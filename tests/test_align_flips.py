@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from onboarding._align_replay import _keep_rows, _Replay, _selection_flips
+from onboarding.align.replay import _keep_rows, _Replay, _selection_flips
 from onboarding.testing.tolerance import compare, layer_tolerance, tolerance_for
 
 
@@ -50,7 +50,7 @@ def test_no_flips_no_mask():
 
 
 def test_slot_grads_follow_choices_that_swap_slots():
-    from onboarding._align_replay import _follow_selection
+    from onboarding.align.replay import _follow_selection
 
     ref_idx = torch.tensor([[5, 2, 7], [1, 0, 3]])
     cand_idx = torch.tensor([[2, 5, 7], [1, 0, 4]])  # row 0: same choices, swapped; row 1: a flip

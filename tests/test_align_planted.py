@@ -20,12 +20,12 @@ import functools
 import pytest
 import torch
 
-from onboarding.align import FAILING, align, build_pair
-from onboarding.loading import load_model
-from onboarding.parse import example_inputs, load_stage
-from onboarding.patching import patch_model
-from onboarding.registry import build_coverage
-from onboarding.templating import load_module, render_to
+from onboarding.align.core import FAILING, align, build_pair
+from onboarding.load.model import load_model
+from onboarding.graph.parse import example_inputs, load_stage
+from onboarding.patching.core import patch_model
+from onboarding.coverage import build_coverage
+from onboarding.generate.templating import load_module, render_to
 from onboarding.testing.planted import plant
 
 SEQ = 16

@@ -105,7 +105,7 @@ def test_against_a_revision_adds_its_kernels_as_anchor_rows(tmp_path):
     from onboarding.bench import cases as C
     from onboarding.bench.harness import BenchCase
     from onboarding.bench.revision import against
-    from onboarding.templating import TEMPLATE_DIR
+    from onboarding.generate.templating import TEMPLATE_DIR
 
     other = tmp_path / "kernel_templates"
     shutil.copytree(TEMPLATE_DIR, other)
@@ -141,7 +141,7 @@ def test_against_a_revision_adds_its_kernels_as_anchor_rows(tmp_path):
 def test_templates_at_a_revision_and_bad_revisions(tmp_path):
     from onboarding.bench.revision import templates_at
     from onboarding.errors import InputError
-    from onboarding.templating import TEMPLATE_DIR
+    from onboarding.generate.templating import TEMPLATE_DIR
 
     if not (TEMPLATE_DIR.parent / ".git").exists():
         pytest.skip("not a git checkout")
@@ -158,7 +158,7 @@ def test_against_takes_a_folder_of_templates(tmp_path):
     rows tpl:<folder>; a folder without templates is refused by name."""
     from onboarding.bench.revision import resolve
     from onboarding.errors import InputError
-    from onboarding.templating import TEMPLATE_DIR
+    from onboarding.generate.templating import TEMPLATE_DIR
 
     base = tmp_path / "base"  # the flat layout of revisions before the per-family folders
     base.mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from onboarding.cli import main
+from onboarding.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = Path(__file__).resolve().parent / "fixtures" / "user_models.py"
@@ -98,7 +98,7 @@ def test_parse_writes_out_dir(workdir, capsys):
 
 
 def _onboard(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "onboarding.cli", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "onboarding.cli.main", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -296,7 +296,7 @@ def test_bad_input_exits_2_for_every_command(workdir, capsys, argv, needle):
 
 
 def test_internal_failure_exits_1(workdir, capsys, monkeypatch):
-    import onboarding.cli as cli
+    import onboarding.cli.main as cli
 
     def broken(args, console):
         raise RuntimeError("a bug in onboard")
@@ -334,7 +334,7 @@ PLANT_AT = "model.layers.0.post_attention_layernorm"
 @pytest.fixture
 def planted_rmsnorm(monkeypatch):
     """Our rmsnorm kernel at PLANT_AT made 5% too large (forward), while it is patched."""
-    import onboarding.patching as patching
+    import onboarding.patching.core as patching
     from onboarding.testing.planted import plant
 
     real = patching.patch_model
@@ -377,7 +377,7 @@ def test_run_verdict_fails_on_a_failed_training_loss_check_and_never_passes_what
     from rich.console import Console
 
     from agents.state import RunConfig, RunState
-    from onboarding.cli import _run_verdict
+    from onboarding.cli.main import _run_verdict
 
     aligned = {"attempt": 1, "passed": True, "culprits": [], "excluded_before": [], "stop": None}
     state = RunState(config=RunConfig(), run_dir="x", align_attempts=[aligned],

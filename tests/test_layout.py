@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 
 from onboarding.families import families
-from onboarding.opgraph import BLOCK_KINDS
+from onboarding.graph.opgraph import BLOCK_KINDS
 
 ROOT = Path(__file__).resolve().parents[1]
 CENTRAL = sorted([*(ROOT / "onboarding").rglob("*.py"), *(ROOT / "agents").rglob("*.py")])
 # Literals that equal a family's name but mean something else, each with the reason.
 NOT_A_FAMILY = {
-    ("onboarding/classify.py", "conv1d"): "the ATen op aten.conv1d, which the classifier matches",
-    ("onboarding/training/cli.py", "lora"): "the LoRA adapters being trained (--lora-rank, "
+    ("onboarding/graph/classify.py", "conv1d"): "the ATen op aten.conv1d, which the classifier matches",
+    ("onboarding/cli/train.py", "lora"): "the LoRA adapters being trained (--lora-rank, "
                                             "--expert-lora, ...), not the kernel family",
-    ("onboarding/training/flops.py", "lora"): "PEFT's adapter parameter names (lora_A, lora_B)",
+    ("onboarding/train/flops.py", "lora"): "PEFT's adapter parameter names (lora_A, lora_B)",
 }
 
 
@@ -94,14 +94,21 @@ def _module_name(path: Path) -> str:
 
 def import_graph(root_packages=("onboarding", "agents")) -> dict[str, set[str]]:
     """Module -> the project modules it imports (at any depth in the file: lazy imports inside
-    functions count too, since they are how cycles are usually hidden)."""
+    functions count too, since they are how cycles are usually hidden; imports under
+    `if TYPE_CHECKING:` do not, since they never run)."""
     paths = [p for pkg in root_packages for p in (ROOT / pkg).rglob("*.py")]
     modules = {_module_name(p): p for p in paths}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         is_pkg = path.name == "__init__.py"
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        # `if TYPE_CHECKING:` imports never run: annotations are not import cycles
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from onboarding.opgraph import BLOCK_KINDS, OpGraph
+from onboarding.graph.opgraph import BLOCK_KINDS, OpGraph
 
 
 def kinds_of(g):
@@ -52,8 +52,8 @@ def test_deepseek_v32(parse_model):
 def test_router_over_as_many_experts_as_tokens_is_not_attention(parse_model):
     # A router's softmax/top-k over n_experts == seq looks like attention scores by shape; its
     # logits come from a weight projection, not from q.k^T.
-    from onboarding.loading import load_model
-    from onboarding.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage, parse_stage
 
     info = load_stage(load_model("hf:qwen3_moe"))
     n_experts = info.proxy_config.num_experts
@@ -121,8 +121,8 @@ def test_plain_moe(parse_model, ref):
     k = kinds_of(g)
     assert {"attention.full", "moe.router", "moe.experts", "norm.rms", "rope"} <= k
     assert not k & {"moe.shared_expert", "mlp.dense", "unknown"}
-    from onboarding.loading import load_model
-    from onboarding.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage
 
     r = g.by_kind("moe.router")[0]
     top_k = load_stage(load_model(ref)).proxy_config.num_experts_per_tok  # the proxy's config
@@ -180,8 +180,8 @@ def test_unseen_structure_is_unknown_not_guessed(tmp_path):
         "    def __init__(s):\n        super().__init__()\n"
         "        s.embed = nn.Embedding(50, 16)\n        s.mix = Mixer()\n"
         "    def forward(s, ids):\n        return s.mix(s.embed(ids))\n")
-    from onboarding.loading import load_model
-    from onboarding.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage, parse_stage
 
     g = parse_stage(load_stage(load_model(f"{src}:Odd")))
     assert g.by_kind("unknown")[0].path == "mix"
@@ -279,7 +279,7 @@ def test_capture_keeps_string_and_scalar_keyword_arguments():
     import torch
     from torch import nn
 
-    from onboarding import capture
+    from onboarding.graph import capture
 
     class TwoGelus(nn.Module):
         def forward(self, x):
@@ -304,8 +304,8 @@ def test_transformers_kernel_wrappers_take_their_torch_path_on_cpu_runs(monkeypa
     hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
     if not hasattr(hub_kernels, "use_kernel_func_from_hub_with_fallback"):
         pytest.skip("this transformers has no kernel-with-fallback wrappers")
-    from onboarding import capture
-    from onboarding._torch_paths import torch_reference_paths
+    from onboarding.graph import capture
+    from onboarding.graph.torch_paths import torch_reference_paths
 
     pkg = types.ModuleType("onboard_fake_gpu_kernels")
 
@@ -340,7 +340,7 @@ def test_a_gpu_kernel_library_on_cpu_tensors_is_named():
     import torch
     from torch import nn
 
-    from onboarding import capture
+    from onboarding.graph import capture
     from onboarding.errors import ModelRunError
 
     def module_at(path: str, src: str) -> dict:

@@ -8,11 +8,11 @@ import torch
 import pytest
 
 from onboarding.backend import kernel_device
-from onboarding.generate import check_candidate, kernels_for, promote, render_candidates
-from onboarding.loading import load_model
-from onboarding.parse import example_inputs, load_stage
-from onboarding.patching import patch_model
-from onboarding.registry import build_coverage, reviewed_kernels
+from onboarding.generate.candidates import check_candidate, kernels_for, promote, render_candidates
+from onboarding.load.model import load_model
+from onboarding.graph.parse import example_inputs, load_stage
+from onboarding.patching.core import patch_model
+from onboarding.coverage import build_coverage, reviewed_kernels
 
 
 def _prepare(parse_model, ref, tmp_path, families=None):
@@ -233,8 +233,8 @@ def _tiny_dsa_setup(tmp_path, eager=False):
 
     from onboarding.families import family_module
     fam = family_module("sparse_attention")
-    from onboarding.opgraph import Block
-    from onboarding.templating import load_module, render_to
+    from onboarding.graph.opgraph import Block
+    from onboarding.generate.templating import load_module, render_to
 
     block = Block(path="attn", kind="sparse_attention.topk", layer=0, class_name="Anything",
                   attrs={"topk": 6, "indexer_relu": True})
@@ -369,7 +369,7 @@ class _Router(torch.nn.Module):
 
 
 def _router_graph(block_attrs):
-    from onboarding.opgraph import Block, OpGraph
+    from onboarding.graph.opgraph import Block, OpGraph
 
     block = Block(path="router", kind="moe.router", layer=0, class_name="_Router",
                   params={"router.gate_proj": [8, 16]}, attrs=block_attrs)
@@ -381,7 +381,7 @@ def _router_graph(block_attrs):
 def router_kernel(tmp_path_factory):
     from onboarding.families import family_module
     moe_router = family_module("moe_router")
-    from onboarding.templating import load_module, render_to
+    from onboarding.generate.templating import load_module, render_to
 
     attrs = {"n_experts": 8, "top_k": 3, "scoring": "sigmoid", "score_bias": True, "renormalize": True,
              "group_limited": False, "routed_scaling_factor": 1.0}
@@ -580,8 +580,8 @@ def test_router_replay_compares_weights_choice_by_choice(router_kernel):
     by slot: at top-8 the slot-by-slot comparison failed DeepSeek-V3.2's and Kimi's bf16 routers
     at rel_rms 4-5e-2 against their own error of 2e-3 (the kernel's own error, aligned, is the
     unpatched bf16 router's)."""
-    from onboarding._align_replay import _replay
-    from onboarding.align import _Call
+    from onboarding.align.replay import _replay
+    from onboarding.align.core import _Call
 
     attrs, kmod = router_kernel
     gen = torch.Generator().manual_seed(3)
@@ -616,8 +616,8 @@ def test_router_calls_compared_in_the_reference_order():
     """End to end, a router's recorded outputs and output grads, and the experts' recorded inputs
     (indices next to weights) and input grads, follow the reference's slot order for comparing;
     rows choosing other experts, tensors of other shapes and the recorded call stay as they are."""
-    from onboarding._align_replay import _calls_in_reference_order
-    from onboarding.align import _Call
+    from onboarding.align.replay import _calls_in_reference_order
+    from onboarding.align.core import _Call
 
     gen = torch.Generator().manual_seed(4)
     ref_idx = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(5)])
@@ -661,7 +661,7 @@ def _experts_align(g, cov, ref: str, tmp_path, binding: str, prepare=lambda mode
     """Render and check the experts candidates of `cov`, build `ref`'s proxy (`prepare` edits it),
     patch its experts only (each binding naming `binding`) and align them, fp32 kernels against
     the fp64 eager model, forward and backward."""
-    from onboarding.align import align, build_pair
+    from onboarding.align.core import align, build_pair
 
     cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path) if c.family == "moe_experts"]
     assert cands and all(c.status == "passed" for c in cands), [c.error for c in cands]
@@ -774,7 +774,7 @@ class _PackedMLPExperts(torch.nn.Module):
 
 
 def _experts_graph(d, f, activation):
-    from onboarding.opgraph import Block, OpGraph
+    from onboarding.graph.opgraph import Block, OpGraph
 
     block = Block(path="experts", kind="moe.experts", layer=0, class_name="_PackedMLPExperts",
                   params={"w_a": [4, d, f], "w_b": [4, f, d]},
@@ -795,7 +795,7 @@ def _experts_graph(d, f, activation):
 def test_non_gated_experts_binding_by_shape(tmp_path, d, f, act, kernel_act, active):
     from onboarding.families import family_module
     moe_experts = family_module("moe_experts")
-    from onboarding.templating import load_module, render_to
+    from onboarding.generate.templating import load_module, render_to
 
     torch_act = {"gelu": torch.nn.functional.gelu,
                  "gelu_tanh": lambda u: torch.nn.functional.gelu(u, approximate="tanh"),
@@ -840,7 +840,7 @@ def test_non_gated_experts_expert_parallel_with_lora(parse_model):
     transformers' module with W + s B A merged into both weights, forward and d x."""
     import copy
 
-    from onboarding.training.moe_ep import EPExperts, EPGroup, ExpertLoRA, apply_expert_parallel
+    from onboarding.train.moe_ep import EPExperts, EPGroup, ExpertLoRA, apply_expert_parallel
 
     g, model, path, _ = _proxy_experts(parse_model, "hf:nemotron_h")
     merged = copy.deepcopy(model.get_submodule(path))
@@ -883,8 +883,8 @@ def test_expert_lora_kernel_attaches_to_ep_experts(parse_model, tmp_path, monkey
     import copy
 
     from onboarding.families import lora_kernel
-    from onboarding.training import kernels as K
-    from onboarding.training.moe_ep import EPGroup, ExpertLoRA, _is_silu, apply_expert_parallel
+    from onboarding.train import kernels as K
+    from onboarding.train.moe_ep import EPGroup, ExpertLoRA, _is_silu, apply_expert_parallel
 
     # the experts family offers its LoRA variant for moe.experts; no family one for norms
     assert lora_kernel("moe.experts") == ("moe_experts", "swiglu_lora") and lora_kernel("norm.rms") is None
@@ -920,7 +920,7 @@ def test_expert_parallel_refuses_square_non_gated_experts():
     """Non-gated experts with F == D: up and down have the same shape, so which is which cannot be
     read from them; expert parallelism says so instead of guessing."""
     from onboarding.errors import InputError
-    from onboarding.training.moe_ep import _packed_weights
+    from onboarding.train.moe_ep import _packed_weights
 
     class Square(torch.nn.Module):
         def __init__(self):
@@ -1069,7 +1069,7 @@ def test_gpt_oss_experts_expert_parallel(parse_model):
     import copy
 
     from onboarding.errors import InputError
-    from onboarding.training.moe_ep import EPExperts, EPGroup, ExpertLoRA, apply_expert_parallel
+    from onboarding.train.moe_ep import EPExperts, EPGroup, ExpertLoRA, apply_expert_parallel
 
     pytest.importorskip("transformers.models.gpt_oss")
     g, model, path, before = _proxy_experts(parse_model, "hf:gpt_oss")
@@ -1134,7 +1134,7 @@ def test_zero_experts_refuse_expert_parallelism_early(parse_model):
     LoRA or a capacity); with ep=1, no expert LoRA and dropless routing the model keeps its own
     experts module, with a warning naming why."""
     from onboarding.errors import InputError
-    from onboarding.training.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
+    from onboarding.train.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
 
     pytest.importorskip("transformers.models.longcat_flash")
     g, model, path, before = _proxy_experts(parse_model, "hf:longcat_flash")

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from onboarding.accounting import count_parameters
-from onboarding.loading import load_model
-from onboarding.parse import load_stage
-from onboarding.proxy import text_config
+from onboarding.load.accounting import count_parameters
+from onboarding.load.model import load_model
+from onboarding.graph.parse import load_stage
+from onboarding.load.proxy import text_config
 
 DEV = ["hf:qwen3_next", "hf:deepseek_v32", "hf:kimi_linear", "hf:qwen3_moe", "hf:mixtral"]
 
@@ -52,7 +52,7 @@ MOE = [("hf:qwen3_next", {}), ("hf:qwen3_moe", {}), ("hf:deepseek_v3", {}),
 
 def _routing(c):
     """(experts, {top-k field: k}, groups, topk_group) of a config, by the proxy's field names."""
-    from onboarding.proxy import GROUP_COUNT_NAMES, _expert_count, _topk_names
+    from onboarding.load.proxy import GROUP_COUNT_NAMES, _expert_count, _topk_names
 
     groups = next((getattr(c, n) for n in GROUP_COUNT_NAMES if isinstance(getattr(c, n, None), int)), 1)
     return (_expert_count(c), {n: getattr(c, n) for n in _topk_names(c)}, groups,
@@ -68,8 +68,8 @@ def test_proxy_keeps_top_k_with_at_least_twice_as_many_experts(ref, overrides, s
     tiny and top-8 in small, whatever the model's)."""
     import warnings
 
-    from onboarding.accounting import find_moe
-    from onboarding.proxy import PROXY_SIZES, ProxyWarning
+    from onboarding.load.accounting import find_moe
+    from onboarding.load.proxy import PROXY_SIZES, ProxyWarning
 
     _model_type_or_skip(ref)
     lm = load_model(ref, overrides=overrides)
@@ -117,8 +117,8 @@ def test_top_k_past_the_expert_limit_is_capped_warned_and_recorded(tmp_path, mon
     import sys
     import warnings
 
-    from onboarding.cli import main
-    from onboarding.proxy import ProxyWarning
+    from onboarding.cli.main import main
+    from onboarding.load.proxy import ProxyWarning
 
     monkeypatch.chdir(tmp_path)
     over = {"num_experts_per_tok": 20}
@@ -145,7 +145,7 @@ def test_top_k_past_the_expert_limit_is_capped_warned_and_recorded(tmp_path, mon
 def test_index_topk_cap_is_warned_and_recorded(size, kept):
     """Sparse attention's K (2048 in DeepSeek-V3.2) is cut below the proxy's sequence lengths,
     where K >= T would keep every key; a K already below the cap is kept, without a note."""
-    from onboarding.proxy import ProxyWarning
+    from onboarding.load.proxy import ProxyWarning
 
     with pytest.warns(ProxyWarning, match=rf"{size} proxy: index_topk 2048 -> {kept}: "):
         info = load_stage(load_model("hf:deepseek_v32"), size)
@@ -161,7 +161,7 @@ def test_rederive_error_is_warned_naming_the_config_and_the_error():
     import dataclasses
     import warnings
 
-    from onboarding.proxy import ProxyWarning, shrink_config
+    from onboarding.load.proxy import ProxyWarning, shrink_config
 
     @dataclasses.dataclass
     class OnceConfig:
@@ -205,7 +205,7 @@ def test_small_full_model_is_used_as_is_with_weights():
 def test_shipped_weights_are_loaded_into_the_parsed_model(monkeypatch):
     from safetensors.torch import load_file
 
-    import onboarding.parse as parse
+    import onboarding.graph.parse as parse
 
     seen = {}
     real = parse.load_weights
@@ -231,7 +231,7 @@ def test_shipped_weights_are_loaded_into_the_parsed_model(monkeypatch):
 def test_ssm_proxy_keeps_heads_times_head_dim_equal_to_the_inner_width(ref, heads, dim):
     """Mamba-2 style mixers reshape their inner width into heads: a proxy that shrank the
     hidden size and the heads apart failed in its first forward (a reshape error)."""
-    from onboarding.proxy import _ssm_inner
+    from onboarding.load.proxy import _ssm_inner
 
     info = load_stage(load_model(ref), "tiny")
     c = text_config(info.proxy_config)
@@ -277,7 +277,7 @@ def test_per_layer_overrides_follow_their_global_field():
     _model_type_or_skip("hf:gemma4_text")
     from transformers import AutoConfig
 
-    from onboarding.proxy import shrink_config
+    from onboarding.load.proxy import shrink_config
 
     full = AutoConfig.for_model("gemma4_text")
     c = shrink_config(full, "tiny")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from onboarding import regress
-from onboarding.cli import main
+from onboarding.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "reference_runs" / "example" / "golden.json"
@@ -406,7 +406,7 @@ def test_cli_without_run_dir_runs_the_example(run, refs, monkeypatch, capsys):
     into runs/, tuning and training off."""
     import shutil
 
-    import onboarding.cli as cli
+    import onboarding.cli.main as cli
 
     calls = []
 

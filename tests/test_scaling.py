@@ -10,8 +10,8 @@ import pytest
 
 from onboarding.errors import InputError
 from onboarding.report import build_report
-from onboarding.training import scaling
-from onboarding.training.config import TrainConfig
+from onboarding.train import scaling
+from onboarding.train.config import TrainConfig
 
 
 def test_layouts_pair_gpus_with_ep_degrees():
@@ -57,7 +57,7 @@ def test_sweep_table_plot_and_report(tmp_path):
 
 
 def test_bad_layout_fails_before_anything_is_written(tmp_path, capsys):
-    from onboarding.cli import main
+    from onboarding.cli.main import main
 
     out = tmp_path / "s"
     assert main(["scale", "hf:qwen3_moe", "--gpus", "4", "--ep", "3", "--out", str(out)]) == 2

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from onboarding._classify_split import split_linear
+from onboarding.graph.split import split_linear
 from onboarding.backend import kernel_device
-from onboarding.capture import OpRecord
+from onboarding.graph.capture import OpRecord
 from onboarding.families import family_module
 grouped_linear = family_module("grouped_linear")
 moe_experts = family_module("moe_experts")
-from onboarding.generate import check_candidate, kernels_for, render_candidates
-from onboarding.loading import load_model
-from onboarding.parse import example_inputs, load_stage, parse_stage
-from onboarding.patching import patch_model
-from onboarding.registry import build_coverage
+from onboarding.generate.candidates import check_candidate, kernels_for, render_candidates
+from onboarding.load.model import load_model
+from onboarding.graph.parse import example_inputs, load_stage, parse_stage
+from onboarding.patching.core import patch_model
+from onboarding.coverage import build_coverage
 
 W = "blk.weight"
 SHAPES = {W: [4, 6, 5]}  # E=4, N=6, K=5

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from onboarding import templating
+from onboarding.generate import templating
 from onboarding.errors import InputError
 from onboarding.families import families, get_family, match_block
-from onboarding.opgraph import Block
+from onboarding.graph.opgraph import Block
 from onboarding.testing import Tolerance, compare, tolerance_for
 
 FAMILIES = tuple(families().values())
@@ -281,7 +281,7 @@ def test_generate_fails_a_candidate_that_returns_fewer_outputs(tmp_path, monkeyp
     returns (logits, weights, indices, counts); a candidate that drops the counts (no gradient
     to miss) passed on the other three while zip stopped at the shorter side. Now it fails,
     with both counts named."""
-    from onboarding import generate
+    from onboarding.generate import candidates as generate
 
     path = tmp_path / "moe_router" / "softmax.py"
     templating.write_module(templating.render("moe_router", "softmax", {}), path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onboarding.align import FLOOR_FACTOR, FLOOR_FACTOR_E2E, bounds_from_floor
+from onboarding.align.core import FLOOR_FACTOR, FLOOR_FACTOR_E2E, bounds_from_floor
 from onboarding.testing.tolerance import compare_scaled, layer_tolerance, rel_rms, tolerance_for
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

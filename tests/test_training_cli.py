@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from onboarding.cli import main
+from onboarding.cli.main import main
 from onboarding.errors import InputError
-from onboarding.training.compare import BF16_REL_TOL, FP32_REL_TOL, compare
-from onboarding.training.config import TrainConfig
-from onboarding.training.launch import plan, write_config
+from onboarding.train.compare import BF16_REL_TOL, FP32_REL_TOL, compare
+from onboarding.train.config import TrainConfig
+from onboarding.train.launch import plan, write_config
 
 WORKER = Path(__file__).resolve().parent.parent / "onboarding" / "training" / "worker.py"
 
@@ -36,7 +36,7 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, s
                "--steps", "5", "--out", str(out), "--data", str(small_data), "--dry-run"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "--nproc-per-node 4 -m onboarding.training.worker" in text
+    assert "--nproc-per-node 4 -m onboarding.train.worker" in text
     assert "--role reference" in text and "--role parallel" in text
     assert "fsdp 2 x ep 2" in text and "5 steps" in text
     assert not out.exists() and not (tmp_path / "runs").exists()
@@ -64,7 +64,7 @@ def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, caps
                                                      fragment):
     monkeypatch.chdir(tmp_path)
     if "{experts}" in fragment:  # the proxy's routed experts, from its config
-        from onboarding.training.setup import model_info
+        from onboarding.train.setup import model_info
 
         experts = model_info(TrainConfig(model=argv[0])).proxy_config.num_experts
         fragment = fragment.format(experts=experts)
@@ -81,8 +81,8 @@ def test_expert_preflight_graph_reaches_the_workers(tmp_path, small_data, monkey
     """With expert LoRA, `check` replaces the experts once on the proxy (the preflight) and hands
     its op graph on; `launch` leaves it as <out>/opgraph.json, which the workers load instead of
     parsing again. With nothing for expert parallelism to refuse, no preflight runs."""
-    from onboarding.opgraph import OpGraph
-    from onboarding.training import launch as L
+    from onboarding.graph.opgraph import OpGraph
+    from onboarding.train import launch as L
 
     out = tmp_path / "run"
     cfg = TrainConfig(model="hf:qwen3_moe", data=str(small_data), expert_lora=True, out=str(out))
@@ -206,7 +206,7 @@ def test_agent_run_trains_after_tuning(tmp_path):
     the loss comparison in the state and the report."""
     run_dir = tmp_path / "r"
     proc = subprocess.run(
-        [sys.executable, "-m", "onboarding.cli", "run", "hf:qwen3_moe", "--seq", "16",
+        [sys.executable, "-m", "onboarding.cli.main", "run", "hf:qwen3_moe", "--seq", "16",
          "--kernels", "none", "--train-steps", "2", "--train-nproc", "2", "--out", str(run_dir)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

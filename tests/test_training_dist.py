@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from onboarding.training.config import TrainConfig
-from onboarding.training.metrics import expert_load, overlap_stats
+from onboarding.train.config import TrainConfig
+from onboarding.train.metrics import expert_load, overlap_stats
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 REL_TOL = 1e-5  # the issue's bound for fp32 on the CPU
@@ -38,13 +38,13 @@ def _torchrun(nproc: int, *args: str, env: dict | None = None, cwd: Path | None 
 
 
 def _reference(cfg_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onboarding.training.worker", "--config",
+    return subprocess.run([sys.executable, "-m", "onboarding.train.worker", "--config",
                            str(cfg_path), "--role", "reference"], capture_output=True,
                           text=True, env=_env(), timeout=300)
 
 
 def _parallel(cfg_path: Path, nproc: int, **env: str) -> subprocess.CompletedProcess:
-    return _torchrun(nproc, "-m", "onboarding.training.worker", "--config", str(cfg_path),
+    return _torchrun(nproc, "-m", "onboarding.train.worker", "--config", str(cfg_path),
                      "--role", "parallel", env=_env(**env))
 
 
@@ -102,7 +102,7 @@ def test_ep_experts_match_one_process_with_zero_splits(flags):
 def _proxy(cfg_path: Path):
     """(proxy config, fp32 bytes of its parameters: what every rank holds before it shards
     experts), without building weights."""
-    from onboarding.training.setup import model_info
+    from onboarding.train.setup import model_info
 
     info = model_info(TrainConfig.from_toml(cfg_path))
     model = info.loaded.build(info.proxy_config, device="meta", seed=None)
@@ -130,7 +130,7 @@ def _assert_a2a_shares(rows: list[dict], profiled: list[int], *, all_to_all: boo
 def test_world2_ep2_matches_reference(tmp_path):
     """EP=2 on two gloo ranks against the reference, profiling every 2nd step (`--profile-every
     2`): the all-to-all share of the profiled steps, the expert load, peak memory."""
-    from onboarding.training.compare import compare
+    from onboarding.train.compare import compare
 
     cfg = _config(tmp_path, model="hf:qwen3_moe", nproc=2, ep=2, fsdp=1, profile_every=2)
     _ok(_reference(cfg))
@@ -167,8 +167,8 @@ def test_world4_fsdp2_ep2_expert_lora_matches_reference(tmp_path):
 
     tensors = load_file(str(tmp_path / "train/adapter/adapter_model.safetensors"))
     experts = [k for k in tensors if ".mlp.experts." in k]
-    from onboarding.loading import load_model
-    from onboarding.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage
 
     n_experts = load_stage(load_model("hf:qwen3_next")).proxy_config.num_experts
     assert experts and all(tensors[k].shape[0] in (n_experts * 4, 128) for k in experts)

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from onboarding.errors import InputError
-from onboarding.training.config import TrainConfig
-from onboarding.training.data import (BUILTIN_CORPUS, ByteTokenizer, HFTokenizer, PackedData,
+from onboarding.train.config import TrainConfig
+from onboarding.train.data import (BUILTIN_CORPUS, ByteTokenizer, HFTokenizer, PackedData,
                                       load_texts, load_tokenizer)
-from onboarding.training.flops import peak_flops, step_flops
-from onboarding.training.lora import (LoRALinear, default_targets, inject_lora,
+from onboarding.train.flops import peak_flops, step_flops
+from onboarding.train.lora import (LoRALinear, default_targets, inject_lora,
                                       lora_parameters)
-from onboarding.training.peft_export import expert_lora_tensors, export_peft
+from onboarding.train.peft_export import expert_lora_tensors, export_peft
 
 
 # ---------------------------------------------------------------------------------- config
@@ -187,7 +187,7 @@ def test_packing_deterministic_and_cycles():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from onboarding.training.setup import build
+    from onboarding.train.setup import build
 
     cache = {}
 
@@ -389,7 +389,7 @@ def test_cpu_peak_memory_is_in_bytes_and_covers_what_the_process_holds():
 
     if not os.path.exists("/proc/self/statm"):
         pytest.skip("needs Linux's /proc/self/statm for the resident set")
-    from onboarding.training.metrics import peak_memory
+    from onboarding.train.metrics import peak_memory
 
     page = os.sysconf("SC_PAGE_SIZE")
 

@@ -9,9 +9,9 @@ import math
 import optuna
 import pytest
 
-from onboarding import tune
+from onboarding.tune import search as tune
 from onboarding.errors import InputError
-from onboarding.templating import load_module, render_to
+from onboarding.generate.templating import load_module, render_to
 
 pytestmark = pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 
@@ -51,7 +51,7 @@ def _unpinned():
     """`load_module` shares one module per rendered source, and the kernel tests pin CPU tiles on
     theirs (`set_config`): a test here that renders the same source must see it unpinned, and
     the pins (which in-process trials clear) come back afterwards."""
-    from onboarding import templating
+    from onboarding.generate import templating
 
     saved = {m: (m._CONFIG_OVERRIDE, dict(m._TUNED)) for m in templating._LOADED.values()}
     for m in saved:
@@ -127,7 +127,7 @@ def test_aot_gate_prunes_config_over_the_limits(tmp_path, rms_path):
 
 def _aot(**kw):
     """An AOT gate result as the worker sends it (`AotResult.as_dict`)."""
-    from onboarding.aot import AotResult
+    from onboarding.generate.aot import AotResult
 
     base = dict(kernel="k", arch=90, num_warps=4, ok=True, shared_bytes=1024, n_regs=64,
                 n_spills=0)
@@ -330,7 +330,7 @@ def test_search_space_restriction_keeps_the_default_and_rejects_bad_values(rms_p
 
 
 def test_compare_grid_with_tpe_on_a_small_space(tmp_path, rms_path):
-    from onboarding._tune_grid import compare_grid, plot_comparison
+    from onboarding.tune.grid import compare_grid, plot_comparison
 
     cfg = _cfg(tmp_path, isolate=False, warm_start=True, final_rounds=1,
                space={"BLOCK_N": [16, 32], "num_warps": [1, 2], **FWD_ONLY})
@@ -393,10 +393,10 @@ def test_final_retiming_replaces_a_lucky_single_timing(tmp_path, rms_path):
 def test_plan_jobs_reads_buckets_and_timing_dims_off_the_op_graph(tmp_path, parse_model):
     import torch
 
-    from onboarding._tune_worker import timing_inputs
-    from onboarding.generate import render_candidates, save_candidates
+    from onboarding.tune.worker import timing_inputs
+    from onboarding.generate.candidates import render_candidates, save_candidates
     from onboarding.stages import run_map
-    from onboarding.tune_model import plan_jobs
+    from onboarding.tune.run import plan_jobs
 
     graph = parse_model("onboard_hybrid")
     graph.save(tmp_path / "opgraph.json")
@@ -465,8 +465,8 @@ def test_low_precision_check_accepts_the_kernel_and_rejects_a_wrong_one(rms_path
     values), run here in fp16: the interpreter's fp16 is exact enough, its bf16 is not."""
     import torch
 
-    from onboarding._tune_worker import _check_at
-    from onboarding.patching import entry_function
+    from onboarding.tune.worker import _check_at
+    from onboarding.patching.core import entry_function
     from onboarding.families import get_family
 
     mod = load_module(rms_path)
@@ -489,8 +489,8 @@ def test_low_precision_check_judges_a_failing_config_against_the_default(rms_pat
 
     import torch
 
-    from onboarding._tune_worker import _check_at
-    from onboarding.patching import entry_function
+    from onboarding.tune.worker import _check_at
+    from onboarding.patching.core import entry_function
     from onboarding.families import get_family
 
     mod = load_module(rms_path)
@@ -536,8 +536,8 @@ def test_low_precision_check_judges_a_failing_config_against_the_default(rms_pat
 def test_kernels_for_dispatches_to_tuned_configs(tmp_path):
     """What patching, alignment and training load (`kernels_for`) runs the tuned.json beside
     each module: a tuned bucket's config, untuned buckets their defaults."""
-    from onboarding.generate import Candidate, kernels_for
-    from onboarding.registry import Coverage, CoverageEntry
+    from onboarding.generate.candidates import Candidate, kernels_for
+    from onboarding.coverage import Coverage, CoverageEntry
 
     path = render_to(tmp_path / "k", "rmsnorm", "plain")
     mod = load_module(path)
@@ -591,7 +591,7 @@ def test_interrupt_stops_the_tuner_and_its_workers(tmp_path):
 
     mark = f"ONBOARD_TEST_MARK={uuid.uuid4().hex}"
     env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
-    proc = subprocess.Popen([sys.executable, "-m", "onboarding.cli", "tune", "--kernel",
+    proc = subprocess.Popen([sys.executable, "-m", "onboarding.cli.main", "tune", "--kernel",
                              "rmsnorm", "--shapes", "64", "--trials", "200", "--workers", "2",
                              "--no-aot", "--out", str(tmp_path / "t")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -616,8 +616,8 @@ def test_interrupt_stops_the_tuner_and_its_workers(tmp_path):
 def test_timing_inputs_are_made_in_the_timed_dtype_and_oom_names_the_workers(monkeypatch):
     import torch
 
-    from onboarding import _tune_worker
-    from onboarding._tune_worker import handle, timing_inputs
+    from onboarding.tune import worker as _tune_worker
+    from onboarding.tune.worker import handle, timing_inputs
 
     dims = {"N": 33, "D": 16, "E": 4, "TOPK": 2, "F": 8}
     a = timing_inputs("moe_experts", "swiglu", {}, dims, torch.bfloat16, "cpu", torch.Generator().manual_seed(3))
@@ -639,7 +639,7 @@ def test_timing_inputs_are_made_in_the_timed_dtype_and_oom_names_the_workers(mon
 def test_block_dims_reads_the_expert_width_in_either_weight_orientation():
     from types import SimpleNamespace
 
-    from onboarding.tune_model import block_dims
+    from onboarding.tune.run import block_dims
 
     entry = SimpleNamespace(shapes=[[2, 33, 64], [66, 4]], variant="swiglu")
     want = {"N": 66, "D": 64, "E": 8, "TOPK": 4, "F": 24}
@@ -659,9 +659,9 @@ def test_grouped_linear_timing_dims_and_inputs(tmp_path):
 
     import torch
 
-    from onboarding._tune_worker import timing_inputs
-    from onboarding.templating import load_module, render_to
-    from onboarding.tune_model import block_dims
+    from onboarding.tune.worker import timing_inputs
+    from onboarding.generate.templating import load_module, render_to
+    from onboarding.tune.run import block_dims
 
     block = SimpleNamespace(attrs={"n_experts": 4, "in_features": 24, "out_features": 40},
                             params={"weight": [4, 40, 24]})

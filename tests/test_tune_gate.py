@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from onboarding import _tune_worker
-from onboarding.templating import load_module, render_to
+from onboarding.tune import worker as _tune_worker
+from onboarding.generate.templating import load_module, render_to
 from onboarding.testing.tolerance import tolerance_for
 
 _PLANT = '''
@@ -113,7 +113,7 @@ def _assert_fails(res, name):
 
 def test_the_bucket_default_of_the_planted_module_is_the_yardstick(planted):
     path, mod = planted
-    from onboarding.tune import bucket_default
+    from onboarding.tune.search import bucket_default
 
     assert bucket_default(mod, mod.shape_bucket(64)) == BUCKET_DEFAULT
 
@@ -243,7 +243,7 @@ def test_the_readme_states_the_gates_bounds_of_tolerance_py_and_tune_py():
     assert m, "README's Tuning paragraph no longer states the gate's bounds"
     assert float(m.group(1)) == tolerance_for(torch.bfloat16, "reduction").max_rel_rms
     assert float(m.group(2)) == tolerance_for(torch.float16, "reduction").max_rel_rms
-    from onboarding.tune import Limits
+    from onboarding.tune.search import Limits
 
     m = re.search(r"spills more than (\d+) KB per thread", " ".join(readme.split()))
     assert m and int(m.group(1)) * 1024 == Limits().max_spill_bytes

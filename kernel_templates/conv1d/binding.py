@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, entry_function
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, entry_function
 
 
 class _ConvIntercept(TorchFunctionMode):
@@ -54,7 +54,7 @@ _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "group
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`): the intercept on the block's
+    """The `binding` hook (`onboarding.patching.core.patch_model`): the intercept on the block's
     parent module (the conv runs inside the nearest ancestor that is a module call)."""
     weight = dict(model.named_parameters()).get(block.path + ".weight")
     if weight is None:

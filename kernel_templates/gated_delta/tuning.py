@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from onboarding._tune_worker import randn
+from onboarding.tune.worker import randn
 
 
 def head_dims(block: Any) -> dict[str, int] | None:

@@ -7,7 +7,7 @@ expert_size)``), a tuple, or an integer tensor. The binding finds the one floati
 the sizes, turns a list into an int64 tensor on x's device (the kernel reads the counts on the
 device), and calls ``grouped_linear(x, counts, weight)`` with the block's weight looked up by name
 at call time (FSDP2 swaps a sharded module's parameters). Like every patch it calibrates on its
-first call against the block's own output (`onboarding.patching.calibrated`).
+first call against the block's own output (`onboarding.patching.core.calibrated`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, calibrated, entry_function
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, calibrated, entry_function
 
 
 def _is_sizes(v: Any) -> bool:
@@ -64,5 +64,5 @@ def grouped_linear_bindings(block: Block, module: nn.Module, fn: Callable) -> di
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`)."""
+    """The `binding` hook (`onboarding.patching.core.patch_model`)."""
     return calibrated(module, record, grouped_linear_bindings(block, module, entry_function(kernels[0])))

@@ -19,7 +19,7 @@ are self-contained and cannot import each other), and the banded launch order (`
 shared runtime every rendered module includes).
 
 Blocks are picked by structure: `moe.experts` blocks whose classifier attrs say
-`layout: "split_linear"` (`onboarding._classify_split`): the module's only parameter is one 3-D
+`layout: "split_linear"` (`onboarding.graph.split`): the module's only parameter is one 3-D
 weight [E, N, K], and its ops split its input by sizes and run at most E linears against slices
 of that weight. `binding.py` binds the block's forward(x, sizes).
 """

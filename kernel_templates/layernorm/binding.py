@@ -1,6 +1,6 @@
 """Patch binding of `norm.layer` blocks (written in torch ops; a fused ``F.layer_norm`` is left to
 torch) to the layernorm kernel: ``forward(x)`` -> ``layernorm(x, w, [b,] eps)``, weight and bias
-told apart by calibration (`onboarding.patching.calibrated`).
+told apart by calibration (`onboarding.patching.core.calibrated`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import ModuleType
 
 from torch import nn
 
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, calibrated, entry_function
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, calibrated, entry_function
 
 
 def layer_norm_bindings(block: Block, module: nn.Module, fn: Callable, bias: bool
@@ -39,7 +39,7 @@ def layer_norm_bindings(block: Block, module: nn.Module, fn: Callable, bias: boo
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`): the bias when the kernel was
+    """The `binding` hook (`onboarding.patching.core.patch_model`): the bias when the kernel was
     rendered with ``has_bias``."""
     kmod = kernels[0]
     bias = bool(getattr(kmod, "PARAMS", {}).get("has_bias"))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from onboarding._tune_worker import randn
+from onboarding.tune.worker import randn
 from onboarding.families import family_module
 
 problem_dims = family_module("rmsnorm").problem_dims

@@ -1,7 +1,7 @@
 """Patch binding of `moe.experts` blocks with packed 3-D weights to the experts kernel:
 ``forward(x, indices, weights)`` -> the grouped-GEMM experts kernel, with the weights found by
 their shapes and converted to the kernel's layout where the classifier read another
-(`onboarding.patching._experts_bindings`, which expert parallelism uses too); identity ("zero")
+(`onboarding.patching.core._experts_bindings`, which expert parallelism uses too); identity ("zero")
 expert slots go to the kernel with weight 0 and their r * x is added in torch.
 """
 
@@ -12,8 +12,8 @@ from types import ModuleType
 
 from torch import nn
 
-from onboarding.opgraph import Block
-from onboarding.patching import (
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import (
     PatchRecord,
     _experts_bindings,
     calibrated,
@@ -23,7 +23,7 @@ from onboarding.patching import (
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`): biases only to a kernel rendered
+    """The `binding` hook (`onboarding.patching.core.patch_model`): biases only to a kernel rendered
     with ``bias``."""
     kmod = kernels[0]
     bias = bool(getattr(kmod, "PARAMS", {}).get("bias"))

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from onboarding.classify import packed_orientation
+from onboarding.graph.classify import packed_orientation
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
 from onboarding.families.gemm import GEMM_FWD_BWD_DEFAULT_CONFIG, GEMM_FWD_BWD_TUNING_SPACE, split_tiles

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, calibrated, entry_function
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, calibrated, entry_function
 from onboarding.testing.tolerance import compare, tolerance_for
 
 
@@ -157,7 +157,7 @@ def router_adapt(out: Any, ref: Any) -> tuple[Callable[[Any], Any], str] | None:
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`)."""
+    """The `binding` hook (`onboarding.patching.core.patch_model`)."""
     kmod = kernels[0]
     return calibrated(module, record, router_bindings(block, module, entry_function(kmod), kmod),
                       router_adapt)

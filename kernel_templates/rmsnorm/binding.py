@@ -4,7 +4,7 @@
     ``rmsnorm(x, eps)`` for a kernel rendered without a weight, bound only to a module that has
     no parameters of its own;
   - ``norm.rms_gated``: ``forward(x, z)`` -> ``rmsnorm_gated(x, z, w, eps)``, which argument is
-    the gate left to calibration (`onboarding.patching.calibrated`).
+    the gate left to calibration (`onboarding.patching.core.calibrated`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, calibrated, entry_function
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, calibrated, entry_function
 
 
 def _weight_1d(module: nn.Module) -> nn.Parameter | None:
@@ -58,6 +58,6 @@ def norm_bindings(block: Block, module: nn.Module, fn: Callable, weighted: bool 
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`)."""
+    """The `binding` hook (`onboarding.patching.core.patch_model`)."""
     kmod = kernels[0]
     return calibrated(module, record, norm_bindings(block, module, entry_function(kmod), _takes_weight(kmod)))

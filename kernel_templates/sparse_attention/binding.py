@@ -1,5 +1,5 @@
 """Patch binding of `sparse_attention.topk` blocks to the family's gathered-attention kernel, by the
-top-k + attention intercept (`onboarding._patch_sparse`): the dense masked attention after the
+top-k + attention intercept (`onboarding.patching.sparse`): the dense masked attention after the
 block's top-k (SDPA, or the eager q k^T -> softmax -> v chain) -> the gathered kernel over the
 selected keys.
 
@@ -20,9 +20,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from onboarding._patch_sparse import patch_sparse_block
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, entry_function
+from onboarding.patching.sparse import patch_sparse_block
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, entry_function
 
 
 def mha_attend(fn: Callable) -> Callable:
@@ -111,7 +111,7 @@ def sparse_bindings(block_module: nn.Module, gathered: ModuleType
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`): the gathered module among the
+    """The `binding` hook (`onboarding.patching.core.patch_model`): the gathered module among the
     block's kernels of this family (found by its VARIANT: another variant, the indexer, may hold
     the family's first key), bound inside the block's forward."""
     gathered = next((m for m in kernels if getattr(m, "VARIANT", "") == "gathered"), None)

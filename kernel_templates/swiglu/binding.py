@@ -1,7 +1,7 @@
 """Patch binding of `mlp.dense` and `moe.shared_expert` blocks to the swiglu kernel:
 ``forward(x)`` -> ``down(swiglu(gate(x), up(x)))`` over the block's three linears, or over a fused
 gate_up linear's halves and down; which linear (or half) is which is left to calibration
-(`onboarding.patching.calibrated`) where the widths cannot tell.
+(`onboarding.patching.core.calibrated`) where the widths cannot tell.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from types import ModuleType
 
 from torch import nn
 
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, calibrated, entry_function
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, calibrated, entry_function
 
 
 def mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
@@ -46,5 +46,5 @@ def mlp_bindings(module: nn.Module, fn: Callable) -> dict[str, Callable]:
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook (`onboarding.patching.patch_model`)."""
+    """The `binding` hook (`onboarding.patching.core.patch_model`)."""
     return calibrated(module, record, mlp_bindings(module, entry_function(kernels[0])))

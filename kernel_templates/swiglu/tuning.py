@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from onboarding._tune_worker import randn, rows
+from onboarding.tune.worker import randn, rows
 
 
 def problem_dims(entry: Any, block: Any) -> dict[str, int] | None:

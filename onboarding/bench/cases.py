@@ -25,7 +25,7 @@ import torch
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.errors import InputError
 from onboarding.families import families
-from onboarding.templating import load_module, render_to
+from onboarding.generate.templating import load_module, render_to
 from onboarding.testing.tolerance import rel_rms
 
 N_SETS = 3  # input sets to rotate through (each case's set is far larger than the 60 MB L2)
@@ -80,7 +80,7 @@ def shared_inputs(build: Callable) -> Callable:
 def kernel(family: str, variant: str, params: dict[str, Any] | None = None):
     root = Path(tempfile.mkdtemp(prefix="onboard-bench-"))
     mod = load_module(render_to(root, family, variant, params or {}, **_TEMPLATES))
-    from onboarding.patching import entry_function
+    from onboarding.patching.core import entry_function
 
     return mod, entry_function(mod)
 

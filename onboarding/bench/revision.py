@@ -22,7 +22,7 @@ from pathlib import Path
 
 from onboarding.bench.harness import BenchCase
 from onboarding.errors import InputError
-from onboarding.templating import TEMPLATE_DIR
+from onboarding.generate.templating import TEMPLATE_DIR
 
 OURS = ("ours", "ours_fwd")
 

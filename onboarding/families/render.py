@@ -1,7 +1,7 @@
 """Rendering a family's Jinja template into module source: the search path (the family's folder,
 the one it extends, the shared partials in `kernel_templates/_common/`), the render context, and
 the deterministic literals it uses. Writing and importing rendered modules is
-`onboarding.templating`'s.
+`onboarding.generate.templating`'s.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def render_source(spec: FamilySpec, variant: str, params: Mapping[str, Any] | No
                   base: FamilySpec | None = None, template_dir: Path | None = None,
                   tag: str | None = None) -> str:
     """`spec`'s template rendered for `variant` with `params` (validated first); `base` is the
-    family `spec` extends. See `onboarding.templating.render`."""
+    family `spec` extends. See `onboarding.generate.templating.render`."""
     resolved = spec.resolve(variant, params)
     digest = params_hash(spec.name, variant, spec.template_version, resolved, tag)
     context = {

@@ -124,7 +124,7 @@ class FamilySpec:
     # binding(block, module, kernels, record, model) -> undo | None: patch one block the family
     # serves (`module`: the model's module at block.path; `kernels`: this family's loaded
     # modules for the block, the one keyed (path, family) first); returns the patch's undo, or
-    # None with `record` rejected and saying why (see `onboarding.patching.patch_model`).
+    # None with `record` rejected and saying why (see `onboarding.patching.core.patch_model`).
     binding: Callable[..., Callable[[], None] | None] | None = field(default=None, compare=False)
     # tune: problem_dims(entry, block) -> {dim: size} | None, the real problem dims of one
     # coverage entry (`.shapes` its block's input shapes, `.variant`, `.params`) and its
@@ -137,7 +137,7 @@ class FamilySpec:
     timing_dims: tuple[str, ...] = ()
     # tune: timing_inputs(variant, params, dims, dtype, gen) -> entry arguments at the real
     # shapes `dims`, in `dtype`, drawn with `gen` (a torch.Generator on the device: make the
-    # tensors there, `onboarding._tune_worker.randn`). None: timed at the sample shapes.
+    # tensors there, `onboarding.tune.worker.randn`). None: timed at the sample shapes.
     timing_inputs: Callable[..., list[Any]] | None = field(default=None, compare=False)
     bench_cases: Callable[[], list[Any]] | None = field(default=None, compare=False)  # bench
     # lora_variants: block kind -> the variant that runs blocks of that kind with their weights

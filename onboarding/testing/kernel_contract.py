@@ -158,7 +158,7 @@ def check_aot_sm90(paths: list[str], **compile_kwargs: Any) -> None:
     memory; the calling test is skipped where this triton cannot compile ahead of time."""
     import pytest
 
-    from onboarding import aot
+    from onboarding.generate import aot
 
     ok, why = aot.aot_available()
     if not ok:

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from onboarding import templating  # noqa: E402
+from onboarding.generate import templating  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # bf16 passes in the interpreter too: the kernels upcast on load, so its broken bf16 arithmetic

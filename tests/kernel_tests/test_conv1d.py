@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import DTYPES, case_id
 
-from onboarding import aot
+from onboarding.generate import aot
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 
 CASES = [

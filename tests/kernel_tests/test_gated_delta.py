@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE
 
-from onboarding import aot, templating
+from onboarding.generate import aot
+from onboarding.generate import templating
 from onboarding.families import family_module
 gated_delta = family_module("gated_delta")
-from onboarding.opgraph import Block
+from onboarding.graph.opgraph import Block
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 from onboarding.testing.tolerance import assert_close, tolerance_for
 from onboarding.testing.tolerance import rel_rms as rel
@@ -298,7 +299,8 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from onboarding import aot, templating
+from onboarding.generate import aot
+from onboarding.generate import templating
 module = templating.load_module(sys.argv[1])
 kernels = aot.jit_kernels(module)
 out = []

@@ -153,7 +153,7 @@ def test_aot_sm90(module, tmp_path, tma):
     rendered module whose defaults turn `tma` on: the compile runs in a child process)."""
     from pathlib import Path
 
-    from onboarding import aot
+    from onboarding.generate import aot
 
     ok, why = aot.aot_available()
     if not ok:

@@ -12,8 +12,8 @@ from torch.nn import functional as F
 
 from onboarding.families import family_module
 family = family_module("layernorm")
-from onboarding.opgraph import Block
-from onboarding.patching import patch_model
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import patch_model
 from onboarding.testing import (
     KernelFixture,
     check_aot_sm90,
@@ -228,7 +228,7 @@ def test_sample_inputs_fit_the_entry(load_kernel, variant, params):
 @pytest.mark.parametrize("variant,params", CASE_PARAMS)
 def test_timing_inputs_fit_the_entry(load_kernel, variant, params):
     """`onboard tune` times `entry(*timing_inputs(...))` at the block's real N x D."""
-    from onboarding._tune_worker import timing_inputs
+    from onboarding.tune.worker import timing_inputs
 
     module = load_kernel("layernorm", variant, params, CPU_CONFIG)
     resolved = family.FAMILY.resolve(variant, params)

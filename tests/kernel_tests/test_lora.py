@@ -7,7 +7,7 @@ import torch
 from conftest import case_id
 from test_moe_experts import assert_bf16_mma, sm90_mma
 
-from onboarding import templating
+from onboarding.generate import templating
 from onboarding.families import family_module
 lora = family_module("lora")
 from onboarding.testing import (

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import case_id
 
-from onboarding import aot
+from onboarding.generate import aot
 from onboarding.errors import InputError
 from onboarding.families import family_module
 moe_experts = family_module("moe_experts")
@@ -336,7 +336,8 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from onboarding import aot, templating
+from onboarding.generate import aot
+from onboarding.generate import templating
 
 mod = templating.load_module(sys.argv[1])
 names, kernels, out = sys.argv[2].split(","), aot.jit_kernels(mod), {}
@@ -491,7 +492,7 @@ def test_backward_kernels_use_backward_tiles(load, device, monkeypatch, entry):
 def test_backward_tile_keys_in_space_config_and_tuner(load):
     """BWD_BLOCK_M/N/K, bwd_warps, bwd_stages are tuning keys: the family spec and the module's
     set_config validate them, and the tuner's --space sub-space takes them (keeping the default)."""
-    from onboarding.tune import search_space
+    from onboarding.tune.search import search_space
 
     module = load("swiglu_lora", {})
     bwd_keys = {"BWD_BLOCK_M", "BWD_BLOCK_N", "BWD_BLOCK_K", "bwd_warps", "bwd_stages"}
@@ -851,7 +852,7 @@ def test_mlp_errors_name_the_problem(load, device):
 
 
 def _experts_block(attrs: dict, params: dict):
-    from onboarding.opgraph import Block
+    from onboarding.graph.opgraph import Block
 
     return Block(path="layers.0.experts", kind="moe.experts", layer=0, class_name="AnyName",
                  params=params, attrs={"n_experts": 4, "clamp": None, **attrs})
@@ -1026,8 +1027,8 @@ def test_matches_transformers_gpt_oss_experts(load, device):
     forward and every gradient (x, routing weights, both weights and both biases, in their own
     layouts) equal to the unpatched module's. Frozen weights convert once (cached) and convert
     again after an in-place update."""
-    from onboarding.opgraph import Block, OpGraph
-    from onboarding.patching import patch_model
+    from onboarding.graph.opgraph import Block, OpGraph
+    from onboarding.patching.core import patch_model
 
     hf, gen = _gpt_oss_experts(device)
     root = torch.nn.Module()
@@ -1074,8 +1075,8 @@ def test_matches_transformers_gpt_oss_experts(load, device):
 def test_gpt_oss_wrong_split_is_rejected(load, device):
     """The first-call check guards the layout: read as halves (what it is not), GptOssExperts
     stays unpatched and gives its own output."""
-    from onboarding.opgraph import Block, OpGraph
-    from onboarding.patching import patch_model
+    from onboarding.graph.opgraph import Block, OpGraph
+    from onboarding.patching.core import patch_model
 
     hf, gen = _gpt_oss_experts(device)
     root = torch.nn.Module()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import case_id
 
-from onboarding import aot
+from onboarding.generate import aot
 from onboarding.families import family_module
 moe_router = family_module("moe_router")
 from onboarding.testing import check_module_contract, compare, poisoned, tolerance_for
@@ -238,8 +238,8 @@ def test_match_parsed_blocks(parse_model):
     # the classifier reads group counts and the scaling factor off the router's ops
     m = moe_router.match(ds)
     assert m["variant"] == "sigmoid" and m["params"]["score_bias"]
-    from onboarding.loading import load_model
-    from onboarding.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage
 
     cfg = load_stage(load_model("hf:deepseek_v32")).proxy_config  # the tiny proxy's
     assert (m["params"]["n_group"], m["params"]["topk_group"]) == (cfg.n_group, cfg.topk_group)

@@ -11,8 +11,8 @@ from conftest import DTYPES, case_id, check_match, check_sample_inputs_fit
 
 from onboarding.families import family_module
 family = family_module("rmsnorm")
-from onboarding.opgraph import Block
-from onboarding.patching import patch_model
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import patch_model
 from onboarding.testing import (
     KernelFixture,
     check_aot_sm90,

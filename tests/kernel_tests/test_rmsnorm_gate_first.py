@@ -13,7 +13,7 @@ from conftest import DTYPES, check_match, check_sample_inputs_fit
 
 from onboarding import families
 from onboarding.families import discover
-from onboarding.opgraph import Block
+from onboarding.graph.opgraph import Block
 from onboarding.testing import (KernelFixture, check_aot_sm90, check_forward_backward,
                                 check_module_contract, check_opcheck)
 
@@ -100,8 +100,8 @@ def test_match_takes_gate_first_blocks_and_rmsnorm_declines_them(family):
 def test_mamba2_norm_is_classified_gate_first_and_grouped(family):
     """By structure: the gate multiplies the input before the mean of squares, and the mean runs
     over groups of the row."""
-    from onboarding.loading import load_model
-    from onboarding.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage, parse_stage
 
     graph = parse_stage(load_stage(load_model("hf:mamba2")), seq=16)
     norms = [b for b in graph.blocks if b.kind == "norm.rms_gated"]
@@ -112,7 +112,7 @@ def test_mamba2_norm_is_classified_gate_first_and_grouped(family):
 
 
 def test_aot_sm90(family, tmp_path):
-    from onboarding import templating
+    from onboarding.generate import templating
 
     path = templating.render_to(tmp_path, NAME, "plain", {"group_size": 64})
     check_aot_sm90([str(path)], size=4096)

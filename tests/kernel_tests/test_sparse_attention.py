@@ -12,10 +12,11 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from onboarding import aot, templating
+from onboarding.generate import aot
+from onboarding.generate import templating
 from onboarding.families import family_module
 fam = family_module("sparse_attention")
-from onboarding.opgraph import Block
+from onboarding.graph.opgraph import Block
 from onboarding.testing import (
     KernelFixture,
     check_aot_sm90,
@@ -222,8 +223,8 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from onboarding import aot
-from onboarding.templating import load_module
+from onboarding.generate import aot
+from onboarding.generate.templating import load_module
 out = {}
 for path, size in json.loads(sys.argv[1]):
     m = load_module(path)

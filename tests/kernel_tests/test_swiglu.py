@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import DTYPES, case_id
 
-from onboarding import aot
+from onboarding.generate import aot
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 
 GPT_OSS = {"layout": "interleaved", "limit": 2.0, "clamp_style": "pre_act", "alpha": 1.702, "up_offset": 1.0}

@@ -1,7 +1,7 @@
 """Patch binding: a gate-first norm module's ``forward(x, z)`` -> ``rmsnorm_gate_first(x, z, w, eps)``.
 
 Which of the two inputs is the gate is not in the op graph: both orders are offered, and the
-library's first-call calibration (`onboarding.patching.calibrated`) keeps the one whose output
+library's first-call calibration (`onboarding.patching.core.calibrated`) keeps the one whose output
 matches the module's own, or leaves the block unpatched and says why.
 """
 
@@ -13,8 +13,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from onboarding.opgraph import Block
-from onboarding.patching import PatchRecord, calibrated, entry_function
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord, calibrated, entry_function
 
 
 def _weight(module: nn.Module) -> nn.Parameter | None:
@@ -24,7 +24,7 @@ def _weight(module: nn.Module) -> nn.Parameter | None:
 
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
-    """The `binding` hook: see `onboarding.patching.patch_model`."""
+    """The `binding` hook: see `onboarding.patching.core.patch_model`."""
     if _weight(module) is None:
         return calibrated(module, record, {})  # rejected: the structure does not fit the kernel
     fn, eps = entry_function(kernels[0]), block.attrs.get("eps") or 1e-6

@@ -1,0 +1,211 @@
+"""``onboard train``: build a `TrainConfig` from options (or a train.toml) and launch it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from onboarding.errors import InputError
+from onboarding.load.overrides import int_list
+from onboarding.train.config import PROXIES, TrainConfig
+
+# option dest -> TrainConfig field (options left unset take the config defaults)
+FIELDS = {"nproc": "nproc", "ep": "ep", "fsdp": "fsdp", "steps": "steps", "seq": "seq_len",
+          "micro_batch": "micro_batch", "lr": "lr", "lora_rank": "lora_rank",
+          "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+          "lora_targets": "lora_targets", "expert_lora": "expert_lora",
+          "activation_checkpointing": "activation_checkpointing",
+          "checkpoint_interval": "checkpoint_interval", "seed": "seed", "dtype": "dtype",
+          "device": "device", "data": "data", "proxy": "proxy",
+          "trust_remote_code": "trust_remote_code", "capacity_factor": "capacity_factor",
+          "profile_every": "profile_every", "kernels": "kernels", "baseline": "baseline"}
+
+
+def add_train_parser(sub) -> argparse.ArgumentParser:
+    t = sub.add_parser("train", help="FSDP2 + expert-parallel LoRA training of the proxy, "
+                                     "checked against a single-process reference")
+    t.add_argument("--config", metavar="TRAIN_TOML",
+                   help="re-run an (edited) train.toml as written; no other options")
+    t.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
+    _train_options(t, layout=True)
+    return t
+
+
+def add_scale_parser(sub) -> argparse.ArgumentParser:
+    t = sub.add_parser("scale", help="weak scaling: one `onboard train` per GPU count x EP "
+                                     "degree, tokens per GPU fixed; table and plot")
+    t.add_argument("--gpus", type=int_list, required=True, metavar="N[,N...]",
+                   help="GPU (process) counts, e.g. 2,4,8")
+    t.add_argument("--ep", type=int_list, required=True, metavar="E[,E...]",
+                   help="EP degree per GPU count (or one for all); FSDP takes the rest")
+    _train_options(t, layout=False)
+    return t
+
+
+def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
+    """The model and training options `train` and `scale` share (`layout`: --nproc/--ep/--fsdp)."""
+    d = TrainConfig(model="")
+    t.add_argument("model", nargs="?", default=None,
+                   help="model directory, hf:<model_type>, file.py:Name, module:Name or example")
+    t.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help="override a model config field (JSON value); repeatable")
+    t.add_argument("--trust-remote-code", action="store_true", default=None)
+    t.add_argument("--proxy", choices=PROXIES, default=None,
+                   help=f"proxy size (default {d.proxy}; none = the full config)")
+    t.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
+    layout_options = (("--nproc", int, d.nproc, "processes (= fsdp * ep)"),
+                      ("--ep", int, d.ep, "expert-parallel degree"),
+                      ("--fsdp", int, d.fsdp, "FSDP degree")) if layout else ()
+    for flag, typ, default, help_ in (
+            *layout_options,
+            ("--steps", int, d.steps, "optimizer steps"),
+            ("--seq", int, d.seq_len, "sequence length"),
+            ("--micro-batch", int, d.micro_batch, "sequences per rank per step"),
+            ("--lr", float, d.lr, "AdamW learning rate"),
+            ("--lora-rank", int, d.lora_rank, "LoRA rank"),
+            ("--lora-alpha", float, d.lora_alpha, "LoRA alpha"),
+            ("--lora-dropout", float, d.lora_dropout, "LoRA dropout"),
+            ("--checkpoint-interval", int, d.checkpoint_interval, "DCP checkpoint every N steps"),
+            ("--seed", int, d.seed, "seed"),
+            ("--capacity-factor", float, None, "expert capacity factor (default dropless)"),
+            ("--profile-every", int, d.profile_every,
+             "profile every N-th step for the all-to-all share (0 = off)")):
+        t.add_argument(flag, type=typ, default=None,
+                       help=help_ + (f" (default {default})" if default is not None else ""))
+    t.add_argument("--lora-targets", type=lambda v: [x.strip() for x in v.split(",")],
+                   default=None, metavar="auto|PATTERN[,PATTERN...]",
+                   help="modules to adapt: auto (attention projections) or fnmatch patterns")
+    t.add_argument("--expert-lora", action="store_true", default=None,
+                   help="also train grouped LoRA on the routed experts")
+    t.add_argument("--activation-checkpointing", action="store_true", default=None)
+    t.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help=f"base weight dtype (default {d.dtype})")
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    t.add_argument("--no-kernels", dest="kernels", action="store_false", default=None,
+                   help="use the torch paths even where onboard kernels exist (a baseline)")
+    t.add_argument("--baseline", action="store_true", default=None,
+                   help="also time transformers + PEFT (no onboard kernels, no EP) on one device")
+    t.add_argument("--data", default=None,
+                   help="JSONL (prompt/response or text), .txt or directory (default: built-in)")
+
+
+def _explicit(args: argparse.Namespace) -> list[str]:
+    names = [k for k in FIELDS if getattr(args, k, None) is not None]
+    if args.set:
+        names.append("set")
+    if args.out:
+        names.append("out")
+    return names
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from onboarding.load.overrides import parse_assignments
+
+    if args.model is None:
+        raise InputError("onboard train: give a MODEL or --config train.toml")
+    values = {f: getattr(args, k, None) for k, f in FIELDS.items()
+              if getattr(args, k, None) is not None}
+    # Fill the one layout degree left out: --ep 2 alone means 2 processes, --nproc 4 --ep 2
+    # means fsdp 2. Explicit values that disagree still fail validation with a clear message.
+    ep = values.get("ep", 1)
+    if "nproc" not in values:
+        values["nproc"] = values.get("fsdp", 1) * ep
+    elif "fsdp" not in values and values["nproc"] % ep == 0:
+        values["fsdp"] = values["nproc"] // ep
+    model = args.model
+    if not model.startswith("hf:") and Path(model).exists():
+        model = str(Path(model).resolve())  # train.toml must work from any directory
+    if values.get("data") and Path(values["data"]).exists():
+        values["data"] = str(Path(values["data"]).resolve())
+    return TrainConfig(model=model, overrides=parse_assignments(args.set), **values)
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.stages import save_model_json
+    from onboarding.train.launch import check, launch
+
+    source = None
+    if args.config:
+        extra = _explicit(args) + (["MODEL"] if args.model else [])
+        if extra:
+            raise InputError(f"--config re-runs {args.config} as written; edit the file "
+                             f"instead of passing {', '.join(extra)}")
+        source = Path(args.config)
+        cfg = TrainConfig.from_toml(source)
+        if not cfg.out:
+            cfg.out = str(source.resolve().parent)
+    else:
+        cfg = config_from_args(args)
+    with console.status("train: checking the setup"):
+        checked = check(cfg)  # before any directory exists: bad input leaves nothing
+    info = checked[0]
+    if source is None:
+        cfg.out = str(new_run_dir(info.loaded.name, args.out).resolve())
+    out = Path(cfg.out)
+    if args.dry_run:
+        return launch(cfg, True, console=console, source=source, checked=checked)
+    with owned_dir(out, created_here=source is None):
+        if not (out / "model.json").exists():
+            save_model_json(info, out, cfg.overrides)
+        rc = launch(cfg, False, console=console, source=source, checked=checked)
+    _report(out, cfg, console)
+    return rc
+
+
+def cmd_scale(args: argparse.Namespace, console: Console) -> int:
+    """`onboard scale`: every layout checked first (bad input writes nothing), then run in turn."""
+    from onboarding.report import build_report
+    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.stages import save_model_json
+    from onboarding.train import scaling
+    from onboarding.train.launch import check, launch
+
+    lays = scaling.layouts(args.gpus, args.ep)
+    args.ep = None  # the layouts set nproc/ep/fsdp per run
+    base = config_from_args(args)
+    out = new_run_dir(Path(base.model).name.removeprefix("hf:") + "-scale", args.out).resolve()
+    with console.status("scale: checking every layout"):
+        checked = {lay.name: check(cfg) for lay, cfg in zip(lays, scaling.configs(base, lays, out))}
+    info = next(iter(checked.values()))[0]
+    codes = []
+
+    def run(cfg: TrainConfig) -> int:
+        run_dir = Path(cfg.out)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_model_json(info, run_dir, cfg.overrides)
+        console.rule(f"{run_dir.name}: {cfg.nproc} processes, EP {cfg.ep} x FSDP {cfg.fsdp}")
+        codes.append(launch(cfg, console=console, checked=checked[run_dir.name]))
+        return codes[-1]
+
+    with owned_dir(out, created_here=True):
+        save_model_json(info, out, base.overrides)
+        result = scaling.run_scaling(base, lays, out, run)
+    console.print(scaling.markdown(result), highlight=False)
+    console.print(f"report: {build_report(out, title=f'scale {base.model}')}")
+    return next((c for c in codes if c), 0)
+
+
+def _report(out: Path, cfg: TrainConfig, console: Console) -> None:
+    from rich.table import Table
+
+    from onboarding.report import build_report, train_metrics
+
+    if (out / "train").is_dir():
+        _, rows = train_metrics(out)
+        if rows:  # the report's columns, headed short enough for an 80-column terminal
+            t = Table(title="training (medians over the steps after the first)",
+                      box=None, padding=(0, 1), pad_edge=False)
+            t.add_column("run", no_wrap=True)
+            for h in ("tok/s", "step ms", "MFU", "a2a", "a2a exp", "peak GiB", "imbalance",
+                      "steps"):
+                t.add_column(h, justify="right", no_wrap=True, min_width=len(h))
+            for r in rows:
+                t.add_row(*(str(v) for v in r))
+            console.print(t)
+        path = build_report(out, title=f"train {cfg.model}")
+        console.print(f"report: {path}")
+    console.print(f"run directory: {out}")
+

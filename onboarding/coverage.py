@@ -1,0 +1,155 @@
+"""Coverage: for every block of an op graph, how each of its operators gets a fast path.
+
+Each entry is one of:
+  - ``kernel``: a reviewed rendered module in ``kernels/`` with exactly the parameters the block
+    needs;
+  - ``template``: a family template can render one (``onboard generate`` does);
+  - ``torch_fast``: a fast torch path already serves it (flash SDPA, cuBLAS GEMMs, embedding
+    gathers) and no kernel is needed;
+  - ``uncovered``: no kernel, no template, no fast path yet.
+
+Which families serve a block comes from each family's ``match(block)`` (structure and attrs
+only); the rules below add the fast torch paths and the known-uncovered cores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onboarding.graph.opgraph import Block, OpGraph
+from onboarding.families import match_block
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+STATUSES = ("kernel", "template", "torch_fast", "uncovered")
+
+# The compute cores of these kinds need families that do not exist yet: they stay `uncovered`
+# (with the reason) until a family's `match` accepts them.
+CORE_OPS = {
+    "linear_attention.gated_delta": "chunked gated delta rule",
+    "linear_attention.kimi_delta": "chunked Kimi delta attention",
+    "linear_attention.mamba": "selective state-space scan",
+    "linear_attention.other": "linear-attention recurrence",
+    "sparse_attention.topk": "indexer + top-k + gathered attention",
+    "moe.router": "router scoring + top-k",
+    "moe.experts": "permute -> grouped GEMM (SwiGLU or non-gated activation) -> unpermute",
+    "unknown": "unclassified compute",
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class CoverageEntry:
+    path: str
+    kind: str
+    op: str  # what is covered: "rmsnorm", "projections (GEMM)", "attention core", ...
+    status: str
+    family: str | None = None
+    variant: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    module: str | None = None  # the reviewed module's path for status "kernel"
+    shapes: list[list[int]] = field(default_factory=list)
+    dtype: str | None = None
+    reason: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class Coverage:
+    model: str
+    entries: list[CoverageEntry]
+
+    def by_status(self, status: str) -> list[CoverageEntry]:
+        return [e for e in self.entries if e.status == status]
+
+    def candidates(self) -> dict[tuple[str, str, str], CoverageEntry]:
+        """Distinct (family, variant, params) that a template can render, first entry each."""
+        out: dict[tuple[str, str, str], CoverageEntry] = {}
+        for e in self.entries:
+            if e.status in ("template", "kernel") and e.family:
+                key = (e.family, e.variant or "", json.dumps(e.params, sort_keys=True))
+                out.setdefault(key, e)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {s: len(self.by_status(s)) for s in STATUSES}
+        return {"model": self.model, "counts": counts,
+                "entries": [asdict(e) for e in self.entries]}
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Coverage:
+        d = json.loads(Path(path).read_text())
+        return cls(model=d["model"], entries=[CoverageEntry(**e) for e in d["entries"]])
+
+
+_HEADER = re.compile(r"^# family: (\S+)\s+variant: (\S+)\n# params: (.*)$", re.M)
+
+
+def reviewed_kernels(root: Path = KERNELS_DIR) -> dict[tuple[str, str, str], Path]:
+    """Reviewed rendered modules by (family, variant, params JSON), read from their headers."""
+    found: dict[tuple[str, str, str], Path] = {}
+    if not root.is_dir():
+        return found
+    for path in sorted(root.glob("*/*.py")):
+        m = _HEADER.search(path.read_text()[:2000])
+        if m:
+            params = json.dumps(json.loads(m.group(3)), sort_keys=True)
+            found[(m.group(1), m.group(2), params)] = path
+    return found
+
+
+def _shapes(b: Block) -> tuple[list[list[int]], str | None]:
+    metas = b.inputs or b.outputs
+    return [t.shape for t in metas[:3]], (metas[0].dtype if metas else None)
+
+
+def _fast_paths(b: Block) -> list[tuple[str, str]]:
+    """(op, reason) for the parts of ``b`` that a fast torch path already serves."""
+    ops = b.op_histogram
+    out = []
+    gemms = sum(n for op, n in ops.items() if op in ("linear", "mm", "addmm", "bmm"))
+    if b.kind == "embedding":
+        return [("embedding gather", "memory-bound gather; torch is at bandwidth")]
+    if b.kind == "lm_head":
+        return [("vocabulary projection", "one large GEMM: cuBLAS")]
+    if gemms and b.kind not in ("moe.experts",):
+        out.append(("projections (GEMM)", f"{gemms} dense GEMMs: cuBLAS"))
+    if any(op.startswith(("scaled_dot_product", "_scaled_dot_product")) for op in ops) and \
+            b.kind != "sparse_attention.topk":
+        out.append(("attention core", "fused SDPA (flash) with a causal mask"))
+    if b.kind == "rope":
+        out.append(("cos/sin table", "computed once per step; negligible"))
+    if ops.get("layer_norm") or ops.get("native_layer_norm"):
+        # unlike the RMSNorms the models write out in torch ops, F.layer_norm is one fused kernel
+        out.append(("layer norm", "one fused torch kernel (native_layer_norm)"))
+    return out
+
+
+def build_coverage(graph: OpGraph, kernels_root: Path = KERNELS_DIR) -> Coverage:
+    reviewed = reviewed_kernels(kernels_root)
+    entries: list[CoverageEntry] = []
+    for b in graph.blocks:
+        shapes, dtype = _shapes(b)
+        base = {"path": b.path, "kind": b.kind, "shapes": shapes, "dtype": dtype}
+        for family, m in match_block(b):
+            key = (family, m["variant"], json.dumps(m["params"], sort_keys=True))
+            module = reviewed.get(key)
+            entries.append(CoverageEntry(
+                **base, op=family, status="kernel" if module else "template", family=family,
+                variant=m["variant"], params=m["params"],
+                module=str(module) if module else None,
+                reason="reviewed kernel" if module else f"template {family}/{m['variant']}"))
+        for op, reason in _fast_paths(b):
+            entries.append(CoverageEntry(**base, op=op, status="torch_fast", reason=reason))
+        if b.kind in CORE_OPS and not any(e.path == b.path and e.status in ("kernel", "template")
+                                          for e in entries):
+            entries.append(CoverageEntry(**base, op=CORE_OPS[b.kind], status="uncovered",
+                                         reason="no family matches this block yet"))
+        if not any(e.path == b.path for e in entries):
+            entries.append(CoverageEntry(**base, op=b.kind, status="uncovered",
+                                         reason="no family, template or fast path matches"))
+    return Coverage(model=graph.model, entries=entries)

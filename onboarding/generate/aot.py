@@ -1,0 +1,239 @@
+"""Ahead-of-time compilation of a rendered module's Triton kernels for a GPU target, on any host.
+
+`compile_module(module)` compiles every `@triton.jit` kernel of a rendered module (see
+`onboarding.generate.templating`) for `GPUTarget("cuda", 90, 32)` (H100/H200) with `triton.compile` and an
+`ASTSource`, using the signatures and constexprs from the module's `aot_specs()`; no GPU needed.
+It catches compile errors early and reports shared memory, and registers/spills from
+`ptxas -v` when Triton's bundled ptxas is there.
+
+Triton API notes: `ASTSource(fn, signature, constexprs=...)` with a name-keyed signature in which
+constexprs are typed "constexpr" is the form of triton >= 3.3 (checked on 3.6 and 3.9); older
+releases took `constants=` keyed by index and raise `AotUnavailable` here. Under
+`TRITON_INTERPRET=1` `@triton.jit` yields interpreter objects: the original Python function is
+compiled in a child process without it: once the interpreter is active, `triton.language`
+is patched in-process and code generation fails.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+H100_SHARED_BYTES = 232448  # opt-in max dynamic shared memory per block on sm_90
+
+
+class AotUnavailable(RuntimeError):
+    """This Triton build cannot compile ahead of time in the way this module expects."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AotResult:
+    kernel: str
+    arch: int
+    num_warps: int
+    ok: bool
+    shared_bytes: int | None = None
+    n_regs: int | None = None
+    n_spills: int | None = None
+    error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _api():
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:  # pragma: no cover - depends on the installed triton
+        raise AotUnavailable(f"triton AOT API not importable: {e}") from e
+    params = inspect.signature(ASTSource.__init__).parameters
+    if "constexprs" not in params:
+        raise AotUnavailable(
+            f"triton {triton.__version__}: ASTSource takes {list(params)[1:]}, expected a "
+            "'constexprs' argument (triton >= 3.3)"
+        )
+    return triton, GPUTarget, ASTSource
+
+
+def aot_available() -> tuple[bool, str]:
+    """(True, "") when AOT compilation is possible, else (False, reason)."""
+    try:
+        _api()
+    except AotUnavailable as e:
+        return False, str(e)
+    return True, ""
+
+
+def jit_kernels(module: ModuleType) -> dict[str, Any]:
+    """Every `@triton.jit` function defined in `module`, by name, as compilable `JITFunction`s."""
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        InterpretedFunction = ()  # type: ignore[assignment]
+    out = {}
+    for name, obj in sorted(vars(module).items()):
+        if isinstance(obj, JITFunction):
+            out[name] = obj
+        elif InterpretedFunction and isinstance(obj, InterpretedFunction):
+            out[name] = JITFunction(obj.fn)
+    return out
+
+
+def _ptxas_path(arch: int) -> str | None:
+    # Triton picks its ptxas per arch (3.9 ships a newer "ptxas-blackwell" used for sm_90+ whose
+    # PTX version the legacy one rejects); older releases have no such helper.
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch).path
+    except Exception:
+        pass
+    try:
+        from triton import knobs
+
+        return knobs.nvidia.ptxas.path
+    except Exception:
+        pass
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    """(registers, spill bytes) from `ptxas -v`, or (None, None) when unavailable."""
+    ptxas = _ptxas_path(arch)
+    if not ptxas:
+        return None, None
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        try:
+            run = subprocess.run(
+                [ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", src, "-o", os.path.join(tmp, "k.o")],
+                capture_output=True, text=True, timeout=120,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None, None
+    log = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return (int(regs.group(1)) if regs else None), (max(spills) if spills else None)
+
+
+def compile_module(
+    module: ModuleType,
+    *,
+    arch: int = 90,
+    dtype: str = "bf16",
+    size: int | None = None,
+    registers: bool = True,
+) -> list[AotResult]:
+    """Compile every kernel of a rendered module for `cuda:sm_<arch>`; one result per spec.
+
+    Raises AotUnavailable if this Triton cannot do it, and ValueError if a `@triton.jit`
+    kernel of the module has no entry in `module.aot_specs()` (every kernel must be covered).
+    Compile errors are caught per kernel and reported in `AotResult.error`.
+    """
+    triton, GPUTarget, ASTSource = _api()
+    if not hasattr(module, "aot_specs"):
+        raise ValueError(f"{module.__name__} has no aot_specs(); is it a rendered kernel module?")
+    specs = module.aot_specs(dtype) if size is None else module.aot_specs(dtype, size)
+    kernels = jit_kernels(module)
+    # `_`-prefixed jit functions are device helpers, compiled as part of the kernels calling them.
+    missing = sorted({k for k in kernels if not k.startswith("_")} - {s["kernel"] for s in specs})
+    if missing:
+        raise ValueError(f"{module.__name__}: kernels without an AOT spec: {missing}")
+    target = GPUTarget("cuda", arch, 32)
+    results = []
+    for spec in specs:
+        name = spec["kernel"]
+        num_warps = int(spec.get("num_warps", 4))
+        res = AotResult(kernel=name, arch=arch, num_warps=num_warps, ok=False)
+        try:
+            fn = kernels[name]
+            src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec.get("constexprs", {}))
+            options = {"num_warps": num_warps, "num_stages": int(spec.get("num_stages", 3))}
+            compiled = triton.compile(src, target=target, options=options)
+            res.shared_bytes = int(compiled.metadata.shared)
+            res.ok = True
+            if registers and "ptx" in compiled.asm:
+                res.n_regs, res.n_spills = _ptxas_usage(compiled.asm["ptx"], arch)
+        except Exception as e:  # report per kernel; the caller decides what a failure means
+            res.error = f"{type(e).__name__}: {e}"[:2000]
+        results.append(res)
+    return results
+
+
+def compile_files(
+    paths: list[Path | str],
+    *,
+    arch: int = 90,
+    dtype: str = "bf16",
+    size: int | None = None,
+    registers: bool = True,
+    isolate: bool | None = None,
+) -> dict[str, list[AotResult]]:
+    """`compile_module` for rendered module files, keyed by path.
+
+    With `isolate` (default: when this process runs the Triton interpreter) the work runs in one
+    child process with `TRITON_INTERPRET` unset.
+    """
+    paths = [str(Path(p).resolve()) for p in paths]
+    if isolate is None:
+        from onboarding.backend import interpreting
+
+        isolate = interpreting()
+    if not isolate:
+        from onboarding.generate.templating import load_module
+
+        return {
+            p: compile_module(load_module(p), arch=arch, dtype=dtype, size=size, registers=registers)
+            for p in paths
+        }
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    request = json.dumps({"paths": paths, "arch": arch, "dtype": dtype, "size": size, "registers": registers})
+    run = subprocess.run(
+        [sys.executable, "-m", "onboarding.generate.aot"], input=request, capture_output=True, text=True, env=env,
+    )
+    if run.returncode == 3:
+        raise AotUnavailable(run.stdout.strip() or run.stderr.strip()[-2000:])
+    if run.returncode != 0:
+        raise RuntimeError(f"AOT child process failed (rc={run.returncode}):\n{run.stderr[-4000:]}")
+    data = json.loads(run.stdout.splitlines()[-1])
+    return {p: [AotResult(**r) for r in rs] for p, rs in data.items()}
+
+
+def _main() -> int:
+    req = json.loads(sys.stdin.read())
+    ok, why = aot_available()
+    if not ok:
+        print(why)
+        return 3
+    out = compile_files(
+        req["paths"], arch=req["arch"], dtype=req["dtype"], size=req["size"],
+        registers=req["registers"], isolate=False,
+    )
+    print(json.dumps({p: [r.as_dict() for r in rs] for p, rs in out.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,190 @@
+"""The generate stage: render a candidate kernel module for every coverable op and check it.
+
+Candidates are written under ``<run_dir>/candidates/<family>/<variant>_<hash>.py`` (the hash of
+the parameters, so two parameter sets of one variant live side by side). Each candidate runs its
+correctness checks — forward and every gradient against its own ``reference`` on fresh random
+inputs at the block's real shapes, in fp32 — before anything uses it. Only a passing candidate
+can be promoted into the reviewed ``kernels/`` folder, and promotion never overwrites a
+different file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from onboarding.backend import kernel_device
+from onboarding.errors import InputError
+from onboarding.patching.core import entry_function
+from onboarding.coverage import KERNELS_DIR, Coverage
+from onboarding.families import get_family
+from onboarding.families.render import params_hash
+from onboarding.generate.templating import load_module, render, write_module
+from onboarding.testing.tolerance import compare, tolerance_for
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    family: str
+    variant: str
+    params: dict[str, Any]
+    path: str
+    blocks: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    status: str = "rendered"  # rendered -> passed | failed
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+    seconds: float = 0.0
+    promoted_to: str | None = None
+
+
+def candidate_name(family: str, variant: str, params: dict[str, Any]) -> str:
+    spec = get_family(family)
+    return f"{variant}_{params_hash(family, variant, spec.template_version, params)[:8]}"
+
+
+def render_candidates(coverage: Coverage, root: Path) -> list[Candidate]:
+    """Render every distinct (family, variant, params) that coverage marks coverable; each
+    candidate keeps the input shapes of the first block that needs it."""
+    out: dict[str, Candidate] = {}
+    for e in coverage.entries:
+        if e.status not in ("template", "kernel") or not e.family:
+            continue
+        name = candidate_name(e.family, e.variant, e.params)
+        path = root / e.family / f"{name}.py"
+        key = str(path)
+        if key not in out:
+            write_module(render(e.family, e.variant, e.params), path)
+            out[key] = Candidate(family=e.family, variant=e.variant, params=e.params,
+                                 path=str(path), shapes=e.shapes)
+        out[key].blocks.append(e.path)
+    return list(out.values())
+
+
+def check_candidate(cand: Candidate, shapes: list[list[int]], seed: int = 0) -> Candidate:
+    """Forward and every gradient vs the module's ``reference`` in fp32, on fresh random inputs
+    at the block's widths (``shapes``: the first matching block's input shapes)."""
+    t0 = time.perf_counter()
+    try:
+        mod = load_module(cand.path)
+        spec = get_family(cand.family)
+        if spec.sample_inputs is None:
+            raise InputError(f"family {cand.family} declares no sample_inputs")
+        gen = torch.Generator().manual_seed(seed)
+        device = kernel_device()
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a
+                for a in spec.sample_inputs(cand.variant, cand.params, shapes, gen)]
+        cand.checks = _check_one(entry_function(mod), mod.reference, tuple(args), "sample")
+        cand.status = "passed" if cand.checks and all(c["passed"] for c in cand.checks) \
+            else "failed"
+    except Exception as exc:  # a broken candidate is recorded, never fatal to the run
+        cand.status, cand.error = "failed", f"{type(exc).__name__}: {exc}"[:500]
+    cand.seconds = round(time.perf_counter() - t0, 3)
+    return cand
+
+
+def _check_one(entry, ref, args: tuple, label: str) -> list[dict[str, Any]]:
+    def prep():
+        return [a.detach().clone().requires_grad_(a.is_floating_point())
+                if isinstance(a, torch.Tensor) else a for a in args]
+
+    a_args, r_args = prep(), prep()
+    out, expect = entry(*a_args), ref(*r_args)
+    # Optional outputs (a final state not asked for) come back as None on both sides.
+    outs = tuple(o for o in (out if isinstance(out, tuple) else (out,)) if o is not None)
+    exps = tuple(e for e in (expect if isinstance(expect, tuple) else (expect,))
+                 if e is not None)
+    if len(outs) != len(exps):  # pairing them would judge only the outputs both have
+        return [{"name": f"{label}.outputs", "passed": False,
+                 "message": f"candidate returned {len(outs)} outputs, the reference {len(exps)}"}]
+    results = []
+    gen = torch.Generator().manual_seed(1)
+    for i, (o, e) in enumerate(zip(outs, exps, strict=True)):
+        if not o.is_floating_point():  # indices, counts: exactly equal or wrong
+            same = torch.equal(o.cpu(), e.cpu())
+            results.append({"name": f"{label}.out{i}", "passed": same,
+                            "message": "exact" if same else "integer output differs"})
+            continue
+        c = compare(o.detach().float(), e.detach().float(), tolerance_for(torch.float32),
+                    f"{label}.out{i}")
+        results.append(c.as_dict())
+    # Back-propagate the same random cotangents through every differentiable output.
+    pairs = [(o, e) for o, e in zip(outs, exps, strict=True)
+             if o.requires_grad and e.requires_grad]
+    grads_out = [torch.randn(e.shape, generator=gen).to(e.device, e.dtype) for _, e in pairs]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for (o, _), g in
+                                                          zip(pairs, grads_out, strict=True)])
+        torch.autograd.backward([e for _, e in pairs], grads_out)
+    for i, (a, r) in enumerate(zip(a_args, r_args, strict=True)):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            if a.grad is None or r.grad is None:
+                results.append({"name": f"{label}.grad{i}", "passed": a.grad is None and
+                                r.grad is None, "message": "gradient missing on one side"})
+                continue
+            c = compare(a.grad.float(), r.grad.float(), tolerance_for(torch.float32,
+                                                                      "reduction"),
+                        f"{label}.grad{i}")
+            results.append(c.as_dict())
+    return results
+
+
+def promote(cand: Candidate, kernels_root: Path = KERNELS_DIR, *, overwrite: bool = False
+            ) -> Path:
+    """Copy a passing candidate into the reviewed ``kernels/`` folder."""
+    if cand.status != "passed":
+        raise InputError(f"{cand.path}: only a candidate that passed its checks can be "
+                         f"promoted (status {cand.status})")
+    src = Path(cand.path)
+    dest = kernels_root / cand.family / src.name
+    if dest.exists() and dest.read_text() != src.read_text() and not overwrite:
+        raise InputError(f"{dest} exists with different content; not overwriting")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    cand.promoted_to = str(dest)
+    return dest
+
+
+def kernels_for(coverage: Coverage, candidates: list[Candidate]
+                ) -> dict[tuple[str, str], ModuleType]:
+    """(block path, family) -> loaded module, for reviewed kernels and passing candidates.
+
+    A module with a `<variant>.tuned.json` beside it (written by `onboard tune` or the agent's
+    tune node) dispatches its buckets to the tuned configs (`apply_tuned`).
+    """
+    from onboarding.tune.store import load_tuned
+
+    by_file = {c.path: c for c in candidates if c.status == "passed"}
+    out: dict[tuple[str, str], ModuleType] = {}
+
+    def put(e, module: ModuleType) -> None:
+        # A block served by several variants of one family (sparse attention: gathered, then the
+        # indexer) keeps its first under (path, family), the others under (path, family:variant).
+        key = (e.path, e.family)
+        out[key if key not in out else (e.path, f"{e.family}:{e.variant}")] = module
+
+    for e in coverage.entries:
+        if not e.family:
+            continue
+        if e.status == "kernel" and e.module:
+            put(e, load_tuned(e.module))
+            continue
+        for c in by_file.values():
+            if c.family == e.family and c.variant == e.variant and c.params == e.params:
+                put(e, load_tuned(c.path))
+    return out
+
+
+def save_candidates(cands: list[Candidate], path: Path) -> None:
+    path.write_text(json.dumps([asdict(c) for c in cands], indent=1, default=str) + "\n")
+
+
+def load_candidates(path: Path) -> list[Candidate]:
+    return [Candidate(**c) for c in json.loads(Path(path).read_text())]

@@ -1,0 +1,823 @@
+"""Classify captured modules into blocks by structure: the ops they run and their shapes.
+
+Modules are visited children first. Each module sees its *unclaimed* records: its own ops plus
+those of descendants that did not become blocks (plain Linear projections, helper modules). Rules
+match on those records; a matched module claims them. Class names are never used to decide;
+each decision carries its evidence. Leftover substantive compute that no rule explains becomes
+an ``unknown`` block at the module that ran it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from onboarding.graph.split import split_linear
+from onboarding.graph.capture import Capture, OpRecord
+from onboarding.graph.opgraph import Block, TensorMeta
+
+MATMUL = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm",
+          "grouped_mm"}
+SDPA_PREFIX = ("scaled_dot_product_attention", "_scaled_dot_product", "_flash_attention",
+               "_efficient_attention")
+SOFTMAX = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"}
+CONV = {"conv1d", "convolution", "_convolution", "conv2d"}
+ACTIVATIONS = {"silu": "silu", "silu_": "silu", "gelu": "gelu", "relu": "relu", "relu_": "relu",
+               "sigmoid": "sigmoid", "tanh": "tanh"}
+VIEW_OPS = {"view", "reshape", "_unsafe_view", "expand", "slice", "select", "transpose", "t",
+            "permute", "unsqueeze", "squeeze", "alias", "getitem", "contiguous", "clone",
+            "split", "split_with_sizes", "chunk", "unbind", "detach", "_assert_tensor_metadata",
+            "to", "_to_copy", "type_as", "lift_fresh_copy", "flatten", "unflatten", "lift_fresh"}
+TRIANGULAR = {"tril", "triu", "linalg_solve_triangular", "triangular_solve"}
+
+_NUM = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def is_matmul(op: str) -> bool:
+    return op in MATMUL or "grouped_mm" in op
+
+
+def is_sdpa(op: str) -> bool:
+    return op.startswith(SDPA_PREFIX)
+
+
+def layer_of(path: str) -> int | None:
+    m = _NUM.search(path)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(kw_only=True)
+class Context:
+    seq: int
+    vocab: int | None
+    hidden: int | None
+    layer_hints: dict[int, str]  # layer -> config layer type, a weak hint
+    param_shapes: dict[str, list[int]]
+    children: dict[str, list[str]]
+    module_types: dict[str, str]
+    identical_lists: dict[str, int]  # ModuleList path -> length, when children are identical
+
+
+def _hist(recs: list[OpRecord]) -> Counter:
+    return Counter(r.op for r in recs)
+
+
+def _matmul_recs(recs: list[OpRecord]) -> list[OpRecord]:
+    return [r for r in recs if is_matmul(r.op)]
+
+
+def _linear_dims(r: OpRecord, ctx: Context) -> tuple[int, int] | None:
+    """(in, out) features of a linear-like record, from its weight or shapes."""
+    if r.op == "linear" and len(r.in_shapes) > 1 and r.in_shapes[1]:
+        w = r.in_shapes[1]
+        return (w[1], w[0]) if len(w) == 2 else None
+    if r.in_shapes and r.in_shapes[0] and r.out_shapes:
+        return r.in_shapes[0][-1], r.out_shapes[0][-1]
+    return None
+
+
+def _topks(recs: list[OpRecord]) -> list[tuple[OpRecord, int, int]]:
+    """(record, k, size of the dim it selects over) for every topk."""
+    out = []
+    for r in recs:
+        if r.op == "topk" and r.in_shapes and r.in_shapes[0]:
+            k = r.scalars[1] if len(r.scalars) > 1 and isinstance(r.scalars[1], int) else None
+            dim = r.scalars[2] if len(r.scalars) > 2 and isinstance(r.scalars[2], int) else -1
+            out.append((r, k, r.in_shapes[0][dim]))
+    return out
+
+
+def _attention_softmax(recs: list[OpRecord], seq: int) -> list[str]:
+    ev = []
+    for r in recs:
+        if is_sdpa(r.op):
+            ev.append(f"{r.op} (fused attention)")
+        elif r.op in SOFTMAX and r.in_shapes and r.in_shapes[0] and len(r.in_shapes[0]) >= 2 \
+                and r.in_shapes[0][-1] in (seq, seq + 1) and r.in_shapes[0][-2] == seq:
+            sink = r.in_shapes[0][-1] == seq + 1  # one extra column: an attention sink
+            ev.append(f"{r.op} over [.., {seq}, {r.in_shapes[0][-1]}] scores" +
+                      (" (with a sink column)" if sink else ""))
+    return ev
+
+
+def _decay_cumsum(recs: list[OpRecord]) -> OpRecord | None:
+    ops = _hist(recs)
+    if not ops["exp"]:
+        return None
+    return next((r for r in recs if r.op == "cumsum"), None)
+
+
+def _is_rms(recs: list[OpRecord]) -> bool:
+    ops = _hist(recs)
+    if ops.get("rms_norm") or ops.get("_fused_rms_norm"):
+        return True
+    inv_roots = [r for r in recs if r.op in ("pow", "pow_") and len(r.scalars) > 1 and r.scalars[1] == -0.5]
+    squares = ops["pow"] - len(inv_roots) + sum(1 for r in recs if r.op == "mul" and len(r.in_shapes) > 1
+                                                and r.in_shapes[0] is not None and r.in_shapes[0] == r.in_shapes[1])
+    # the inverse root as rsqrt, 1 / sqrt, or pow(., -0.5) (Gemma 4)
+    return bool((ops["rsqrt"] or ops["sqrt"] or inv_roots) and ops["mean"] and squares)
+
+
+def _mean_centred(recs: list[OpRecord]) -> bool:
+    """A mean subtracted before the mean of squares: a LayerNorm written in torch ops (Cohere)."""
+    ops = _hist(recs)
+    return ops["mean"] >= 2 and ops["sub"] >= 1
+
+
+def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
+    eps = None
+    for r in recs:
+        if r.op == "add" and len(r.scalars) > 1 and isinstance(r.scalars[1], float) \
+                and 0 < r.scalars[1] < 1e-2:
+            eps = r.scalars[1]
+            break
+    weighted = [name for r in recs for name in r.params.values()]
+    unit_offset = any(r.op == "add" and r.params and len(r.scalars) > 1
+                      and r.scalars[1] in (1, 1.0) for r in recs)
+    first = next((r for r in recs if r.in_shapes and r.in_shapes[0]), None)
+    dim = first.in_shapes[0][-1] if first else None
+    attrs = {"dim": dim, "eps": eps, "unit_offset": unit_offset, "has_weight": bool(weighted)}
+    # a mean of squares over a narrower last dim than the row: normalised per group of the row
+    # (Mamba-2's gated norm with n_groups > 1), another function than one norm over the row
+    mean = next((r for r in recs if r.op == "mean" and r.in_shapes and r.in_shapes[0]), None)
+    width = mean.in_shapes[0][-1] if mean else None
+    if dim and width and width < dim and dim % width == 0:
+        attrs["group_size"] = width
+    return attrs
+
+
+def _mlp_activation_by_shape(recs: list[OpRecord], mm: list[OpRecord], ctx: Context) -> str | None:
+    """The activation of a weight-only block (no attention, no top-k: the caller's conditions)
+    whose projections go out from the model width and back (D -> F ... F' -> D), where no named
+    activation op says which: "silu" for a written-out sigmoid gate g * sigmoid(g) (MiniMax-M3's
+    clamped gate), else "other" (Apertus' xIELU, written in softplus / expm1 / where; no family
+    serves it, its projections stay torch's); None when the projections do not return to the
+    width they started from."""
+    first, last = _linear_dims(mm[0], ctx), _linear_dims(mm[-1], ctx)
+    if not (first and last and first[0] == last[1] and first[1] != first[0]):
+        return None
+    return "silu" if _hist(recs)["sigmoid"] else "other"
+
+
+def _activation(recs: list[OpRecord]) -> str | None:
+    for r in recs:
+        if r.op in ACTIVATIONS and ACTIVATIONS[r.op] != "sigmoid":
+            return ACTIVATIONS[r.op]
+    return None
+
+
+def _expert_activation(recs: list[OpRecord]) -> str | None:
+    """The routed experts' activation, naming the composite forms transformers' ACT2FN writes out.
+
+    relu whose next op squares it (``square``, or ``pow`` by 2) is "relu2" (relu(x)^2); tanh of
+    the tanh-GELU polynomial (a 0.044715 factor: gelu_new, gelu_fast) is "gelu_tanh"; erf with no
+    other activation (gelu_python) is "gelu". ``aten.gelu`` is "gelu" (exact erf), or "gelu_tanh"
+    with its ``approximate="tanh"`` keyword (gelu_pytorch_tanh).
+    """
+    act = _activation(recs)
+    if act == "gelu" and any(r.op == "gelu" and r.kwargs.get("approximate") == "tanh" for r in recs):
+        return "gelu_tanh"
+    if act == "relu":
+        i = next(j for j, r in enumerate(recs) if r.op in ("relu", "relu_"))
+        nxt = next((r for r in recs[i + 1:] if r.op not in VIEW_OPS), None)
+        if nxt is not None and (nxt.op == "square" or (nxt.op in ("pow", "pow_") and len(nxt.scalars) > 1
+                                                       and nxt.scalars[1] == 2)):
+            return "relu2"
+    if act == "tanh" and any(r.op in ("mul", "mul_") and any(isinstance(v, float) and abs(v - 0.044715) < 1e-9
+                                                             for v in r.scalars) for r in recs):
+        return "gelu_tanh"
+    if act is None and any(r.op == "erf" for r in recs):
+        return "gelu"
+    return act
+
+
+def _expert_gating(mats: list[list[int]]) -> bool | None:
+    """Whether one expert's weights [out, in] hold a gate: gate and up [F, D] beside down [D, F],
+    or a packed gate_up [2F, D] beside down [D, F] (True); only up [F, D] and down [D, F], each
+    the other's transpose (False); None when the shapes say neither. The two cases never overlap:
+    a packed [2F, D] is never the transpose of [D, F]."""
+    if len(mats) == 3:
+        return True if any(mats.count(m) >= 2 and [m[1], m[0]] in mats for m in mats) else None
+    if len(mats) == 2:
+        orient = packed_orientation(mats)
+        if orient is not None and orient[0] == "out_in":
+            return True
+        a, b = mats
+        if a[0] == b[1] and a[1] == b[0]:
+            return False
+    return None
+
+
+def packed_orientation(mats: list[list[int]]) -> tuple[str, int] | None:
+    """How two packed gated expert weights (each [out, in] or [in, out] past the expert dim) are
+    stored, from their shapes: ("out_in", i) for gate_up [2F, D] + down [D, F] (used as x W^T),
+    ("in_out", i) for gate_up [D, 2F] + down [F, D] (used as x W: gpt-oss), with i the index of
+    gate_up in `mats`; None when neither fits. The two never both fit positive dims (that would
+    need F = 0), so the shapes decide."""
+    if len(mats) != 2:
+        return None
+    for i, (g, d) in enumerate((mats, mats[::-1])):
+        if g[0] == 2 * d[1] and g[1] == d[0]:
+            return "out_in", i
+        if g[1] == 2 * d[0] and g[0] == d[1]:
+            return "in_out", i
+    return None
+
+
+def _is_last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and not isinstance(dim, bool) and ndim > 0 and dim % ndim == ndim - 1
+
+
+def _gate_up_split(recs: list[OpRecord], two_f: int) -> str | None:
+    """How the gate/up product [.., 2F] is split, read off the recorded ops: "interleaved" (gate
+    at even, up at odd columns: slices with step 2 from 0 and 1, or a view to [.., F, 2]) or
+    "halves" ([gate | up]: chunk(2), split(F) / split_with_sizes([F, F]), step-1 slices or a
+    narrow at F, or a view to [.., 2, F]), each over the last dim of a tensor that ends in 2F.
+    None when neither is seen, or both are: the split cannot be read, and is never guessed."""
+    f = two_f // 2
+    seen: set[str] = set()
+    for r in recs:
+        shape = r.in_shapes[0] if r.in_shapes else None
+        if not shape or shape[-1] != two_f or two_f % 2:
+            continue
+        nd, sc = len(shape), r.scalars
+        if r.op == "slice" and len(sc) > 1 and _is_last_dim(sc[1], nd):
+            start = sc[2] if len(sc) > 2 and sc[2] is not None else 0
+            end = sc[3] if len(sc) > 3 and sc[3] is not None else two_f
+            step = sc[4] if len(sc) > 4 and sc[4] is not None else 1
+            if step == 2 and start in (0, 1) and end >= two_f:
+                seen.add("interleaved")
+            elif step == 1 and ((start == 0 and end == f) or (start == f and end >= two_f)):
+                seen.add("halves")
+        elif r.op == "chunk" and len(sc) > 2 and sc[1] == 2 and _is_last_dim(sc[2], nd):
+            seen.add("halves")
+        elif r.op in ("split", "split_with_sizes") and len(sc) > 2 and _is_last_dim(sc[2], nd) \
+                and sc[1] in (f, [f, f]):
+            seen.add("halves")
+        elif r.op == "narrow" and len(sc) > 3 and _is_last_dim(sc[1], nd) and sc[3] == f \
+                and sc[2] in (0, f):
+            seen.add("halves")
+        elif r.op in ("view", "reshape", "_unsafe_view", "unflatten") and r.out_shapes \
+                and len(r.out_shapes[0]) == nd + 1 and r.out_shapes[0][:-2] == shape[:-1]:
+            tail = r.out_shapes[0][-2:]
+            if tail == [f, 2]:
+                seen.add("interleaved")
+            elif tail == [2, f]:
+                seen.add("halves")
+    return seen.pop() if len(seen) == 1 else None
+
+
+def _sigmoid_glu(recs: list[OpRecord]) -> float | None:
+    """The slope alpha of a gate written out as g * sigmoid(alpha g) (gpt-oss's experts): a
+    sigmoid whose next op multiplies its output by a tensor of the same shape; alpha is the scalar
+    multiply feeding the sigmoid (1 without one). None when there is no such gate."""
+    for i, r in enumerate(recs):
+        if r.op != "sigmoid" or not r.out_shapes:
+            continue
+        nxt = next((x for x in recs[i + 1:] if x.op not in VIEW_OPS), None)
+        if nxt is None or nxt.op not in ("mul", "mul_") or len(nxt.in_shapes) < 2 \
+                or nxt.in_shapes[0] != r.out_shapes[0] or nxt.in_shapes[1] != r.out_shapes[0]:
+            continue
+        prev = next((x for x in reversed(recs[:i]) if x.op not in VIEW_OPS), None)
+        if prev is not None and prev.op in ("mul", "mul_") and prev.out_shapes \
+                and prev.out_shapes[0] == (r.in_shapes[0] if r.in_shapes else None):
+            scal = [v for v in prev.scalars or [] if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if scal:
+                return float(scal[-1])
+        return 1.0
+    return None
+
+
+def _clamp(recs: list[OpRecord]) -> float | None:
+    for r in recs:
+        if r.op in ("clamp", "clamp_max", "clamp_min") and len(r.scalars) > 1:
+            vals = [v for v in r.scalars[1:] if isinstance(v, (int, float))]
+            if vals:
+                return float(max(abs(v) for v in vals))
+    return None
+
+
+def _clamp_style(recs: list[OpRecord]) -> dict[str, Any]:
+    """How a gated MLP's clamp sits, read off the op order (empty without a clamp): "pre_act"
+    when a clamp runs before the activation (gpt-oss, DeepSeek-V4: gate clamped from above, up
+    on both sides), else "post_act"; `alpha`, the scalar that scales the gate inside a sigmoid
+    GLU g * sigmoid(alpha g) (1 for SiLU); `up_offset`, a scalar added after the clamps (gpt-oss's
+    up + 1). A guess from structure: patching checks the kernel against the block's own output
+    on its first call and leaves the block unpatched when they differ."""
+    clamps = [r.index for r in recs if r.op in ("clamp", "clamp_max", "clamp_min")]
+    acts = [r for r in recs if r.op in ACTIVATIONS]
+    if not clamps or not acts:
+        return {}
+    act = acts[0]
+    style: dict[str, Any] = {"clamp_style": "pre_act" if clamps[0] < act.index else "post_act"}
+    if ACTIVATIONS[act.op] == "sigmoid":
+        scales = [v for r in recs if r.op == "mul" and r.index < act.index
+                  for v in (r.scalars or []) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        style["alpha"] = float(scales[-1]) if scales else 1.0
+    offsets = [v for r in recs if r.op == "add" and r.index > clamps[-1]
+               for v in (r.scalars or []) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if offsets:
+        style["up_offset"] = float(offsets[0])
+    return style
+
+
+class Classifier:
+    def __init__(self, cap: Capture, ctx: Context):
+        self.cap, self.ctx = cap, ctx
+        self.by_module: dict[str, list[OpRecord]] = {}
+        for r in cap.records:
+            self.by_module.setdefault(r.module, []).append(r)
+        self.blocks: dict[str, Block] = {}
+        self.unclaimed: dict[str, list[OpRecord]] = {}
+        self.origin: dict[int, str] = {r.index: r.module for r in cap.records}
+
+    # -- rules ----------------------------------------------------------------------------
+    def _rule(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
+              ) -> tuple[str, list[str], dict[str, Any]] | None:
+        ctx, ops = self.ctx, _hist(recs)
+        mm = _matmul_recs(recs)
+        leaf = not ctx.children.get(path)
+        if ops["embedding"] and not mm:
+            return "embedding", ["aten.embedding lookup"], {}
+        if leaf and len(mm) == 1 and ctx.vocab and (d := _linear_dims(mm[0], ctx)) \
+                and d[1] == ctx.vocab and sum(n for op, n in ops.items()
+                                              if op not in VIEW_OPS and not is_matmul(op)) <= 2:
+            return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)"], {}
+        if not mm and (ops["native_layer_norm"] or ops["layer_norm"]):
+            return "norm.layer", ["layer_norm op"], {}
+        if not mm and _is_rms(recs) and _mean_centred(recs):
+            attrs = _norm_attrs(recs, ctx)
+            # a second parameter beside the weight is the bias (which is which: patch calibration)
+            attrs["has_bias"] = len({n for r in recs for n in r.params.values()}) >= 2
+            ev = ["mean subtracted, then mean of squares, rsqrt, scale"]
+            if attrs["has_bias"]:
+                ev.append("bias added")
+            return "norm.layer", ev, attrs
+        if not mm and _is_rms(recs):
+            attrs = _norm_attrs(recs, ctx)
+            act = next((r for r in recs if r.op in ACTIVATIONS), None)
+            ev = ["mean of squares, rsqrt, scale"]
+            if attrs["unit_offset"]:
+                ev.append("weight used as (1 + w)")
+            if act is not None:
+                gate = ACTIVATIONS[act.op]
+                attrs["gate_activation"] = attrs["activation"] = gate
+                # the gate applied before the mean of squares (Mamba-2's mixer norm) normalises
+                # x * act(z), not x: another function than the gated-after form
+                first_mean = min((r.index for r in recs if r.op == "mean"), default=act.index)
+                if act.index < first_mean:
+                    attrs["norm_before_gate"] = False
+                    return "norm.rms_gated", ev + [f"input gated by {gate}(z) before the norm"], attrs
+                return "norm.rms_gated", ev + [f"output gated by {gate}(z)"], attrs
+            return "norm.rms", ev, attrs
+        projections = [r for r in mm if any(len(ctx.param_shapes.get(n, ())) == 2
+                                            for n in r.params.values())]
+        # position x inv_freq may be a matmul (transformers 5.17) but never a weight projection
+        if not projections and ops["cos"] and ops["sin"]:
+            cos = next(r for r in recs if r.op == "cos")
+            return "rope", ["cos and sin of position x inv_freq"], {
+                "rotary_dim": cos.out_shapes[0][-1] if cos.out_shapes else None}
+        # Attention scores multiply two activations (q.k^T) or go through fused SDPA; a router's
+        # softmax may look the same when n_experts == seq, but its logits come from a weight.
+        act_mm = any(not r.params for r in mm) or any(is_sdpa(r.op) for r in recs)
+        attn = _attention_softmax(recs, ctx.seq) if act_mm else []
+        seq_topk = [t for t in _topks(recs) if t[2] == ctx.seq] if act_mm else []
+        if attn and mm:
+            return self._attention(path, recs, attn, seq_topk, child_kinds)
+        decay = _decay_cumsum(recs)
+        tri = [op for op in TRIANGULAR if ops[op]]
+        if decay is not None and mm and not attn:
+            return self._linear_attention(recs, decay, tri)
+        exp_topk = [t for t in _topks(recs) if t[2] != ctx.seq or not act_mm]
+        n_experts = max((t[2] for t in exp_topk), default=0)
+        # a router keeps fewer experts than it scores: a top-k of every position (DeepSeek-V4's
+        # compressed-attention indexer on a short proxy sequence) selects, it does not route
+        sparse = any(t[2] == n_experts and (t[1] is None or t[1] < n_experts) for t in exp_topk)
+        if sparse and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
+            return self._router(recs, exp_topk, n_experts)
+        expert_params, zero = self._expert_params(path), None
+        if expert_params is None and (split := self._zero_experts(path, recs)) is not None:
+            expert_params, zero = split
+        if expert_params and (mm or any("grouped_mm" in op for op in ops)):
+            if zero is None and (split := split_linear(path, recs, ctx.param_shapes)) is not None:
+                return "moe.experts", *split  # one weight, x.split(sizes) -> a linear per piece
+            e = expert_params
+            names3 = [n for n in self._3d_params(path) if len(self.ctx.param_shapes[n]) == 3]
+            mats = [self.ctx.param_shapes[n][1:] for n in names3]
+            gated = _expert_gating(mats)
+            orient = packed_orientation(mats)
+            if gated is None and orient is not None:
+                gated = True  # gate_up [E, D, 2F] + down [E, F, D]: gpt-oss's x @ W layout
+            ev = [f"{len(self._3d_params(path))} parameters stacked over {e} experts",
+                  "matmuls over expert-sorted tokens"]
+            if gated is False:
+                ev.append("up [E, F, D] and down [E, D, F] only, each the other's transpose: "
+                          "no gate half (non-gated experts)")
+            attrs = {"n_experts": e, "layout": "packed_3d", "gated": gated,
+                     "activation": _expert_activation(recs), "clamp": _clamp(recs),
+                     **_clamp_style(recs), "grouped_mm": any("grouped_mm" in op for op in ops)}
+            if zero is not None:
+                attrs["zero_experts"] = zero[0]
+                ev.append(f"3-D weights over {e + zero[0]} and {e} experts; {zero[1]} scatter-adds of "
+                          f"a token times its routing weight with no matmul: slots >= {e} are "
+                          "identity (zero) experts")
+            if gated and orient is not None:
+                self._packed_gated(path, recs, names3, orient, ev, attrs)
+            return "moe.experts", ev, attrs
+        weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
+        if len(mm) >= 2 and weight_only and not attn and not seq_topk \
+                and (act := _activation(recs) or _mlp_activation_by_shape(recs, mm, ctx)):
+            # act(gate) * up: a product, and a gate beside up (three projections, or the first
+            # one twice as wide as the last one's input: gate and up fused). A written-out
+            # activation multiplies too (xIELU, x * sigmoid(x)) without gating anything.
+            first, last = _linear_dims(mm[0], ctx), _linear_dims(mm[-1], ctx)
+            fused = first is not None and last is not None and first[1] == 2 * last[0]
+            gated = ops["mul"] > 0 and (len(mm) >= 3 or fused)
+            return "mlp.dense", [f"{len(mm)} projections with {act}" +
+                                 (" gating (act(gate) * up)" if gated else "")], {
+                "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
+                "hidden": first[0] if first else None, "intermediate": first[1] if first else None}
+        return None
+
+    def _packed_gated(self, path: str, recs: list[OpRecord], names3: list[str],
+                      orient: tuple[str, int], ev: list[str], attrs: dict[str, Any]) -> None:
+        """Into `attrs`, what the kernel binding needs of gated packed experts: the weights' orientation
+        (`weight_layout`), how the gate/up product is split (`gate_up_split`, None when the ops
+        do not say), the per-expert biases (`gate_up_bias` [E, 2F] / `down_bias` [E, D]: 2-D
+        parameters of the block used by its ops, by name relative to the block), and the
+        activation of a written-out sigmoid gate g * sigmoid(alpha g) (SiLU with slope alpha)."""
+        layout, i = orient
+        e = attrs["n_experts"]  # the real experts (a zero-expert block's gate_up may hold more)
+        gu = self.ctx.param_shapes[names3[i]]
+        two_f, d = (gu[1], gu[2]) if layout == "out_in" else (gu[2], gu[1])
+        split = _gate_up_split(recs, two_f)
+        attrs.update(weight_layout=layout, gate_up_split=split, gate_up_bias=None, down_bias=None)
+        ev.append(f"gate_up [E, {'2F, D' if layout == 'out_in' else 'D, 2F'}] and down "
+                  f"[E, {'D, F' if layout == 'out_in' else 'F, D'}] ({layout})")
+        ev.append(f"gate/up split: {split}" if split else
+                  "gate/up split not read off the ops (neither halves nor interleaved)")
+        # the split (else the first activation) separates the gate_up bias from the down bias
+        pivot = next((r.index for r in recs if r.op in ("slice", "chunk", "split", "split_with_sizes",
+                                                        "narrow") and r.in_shapes and r.in_shapes[0]
+                      and r.in_shapes[0][-1] == two_f), None)
+        if pivot is None:
+            pivot = next((r.index for r in recs if r.op in ACTIVATIONS), None)
+        first_use: dict[str, int] = {}
+        for r in recs:
+            for n in r.params.values():
+                shape = self.ctx.param_shapes.get(n, [])
+                if n.rsplit(".", 1)[0] == path and len(shape) == 2 and shape[0] == e:
+                    first_use.setdefault(n, r.index)
+        for key, width, before in (("gate_up_bias", two_f, True), ("down_bias", d, False)):
+            fits = [n for n, at in first_use.items() if self.ctx.param_shapes[n] == [e, width]
+                    and (pivot is None or (at < pivot) == before)]
+            if len(fits) == 1:
+                attrs[key] = fits[0][len(path) + 1:]
+                ev.append(f"{key.replace('_', ' ')} {fits[0][len(path) + 1:]} [E, {width}]")
+        if _activation(recs) is None and (alpha := _sigmoid_glu(recs)) is not None:
+            attrs["activation"] = "silu"
+            attrs.setdefault("alpha", alpha)  # the clamp style's reading, when it made one
+            ev.append(f"gate written out as g * sigmoid({alpha:g} g)")
+
+    def _3d_params(self, path: str) -> list[str]:
+        return [n for n, s in self.ctx.param_shapes.items()
+                if n.rsplit(".", 1)[0] == path and len(s) >= 3]
+
+    def _expert_params(self, path: str) -> int | None:
+        if self.ctx.module_types.get(path, "").startswith("Conv"):
+            return None
+        leads = {self.ctx.param_shapes[n][0] for n in self._3d_params(path)}
+        return leads.pop() if len(leads) == 1 and min(leads | {2}) >= 2 else None
+
+    def _zero_experts(self, path: str, recs: list[OpRecord]) -> tuple[int, tuple[int, int]] | None:
+        """(E, (Z, n)) for packed experts with identity ("zero") experts (LongCat-Flash): 3-D
+        weights over two expert counts E + Z > E (gate_up over every routing slot, down over the
+        E real experts only), and in the op order `n` > 0 scatter-adds into the output
+        (``index_add_``) of a token multiplied by its routing weight with no matmul since the
+        previous one. None otherwise: without seeing such a slot the zero experts' op is not
+        guessed."""
+        if self.ctx.module_types.get(path, "").startswith("Conv"):
+            return None
+        leads = sorted({self.ctx.param_shapes[n][0] for n in self._3d_params(path)})
+        if len(leads) != 2 or leads[0] < 2:
+            return None
+        n, seg = 0, []
+        for r in recs:
+            if r.op in ("index_add_", "index_add"):
+                if not any(is_matmul(x.op) for x in seg) and any(x.op in ("mul", "mul_") for x in seg):
+                    n += 1
+                seg = []
+            else:
+                seg.append(r)
+        return (leads[0], (leads[1] - leads[0], n)) if n else None
+
+    def _attention(self, path, recs, attn, seq_topk, child_kinds):
+        ctx, ev, attrs = self.ctx, list(attn), {}
+        mm = _matmul_recs(recs)
+        # MLA: a low-rank latent that a child norm normalises and a projection expands again.
+        # Per-head q/k norms see [B, T, H, D]; a latent norm sees [B, T, r] straight from a
+        # projection.
+        latent_dims = {self.blocks[c].attrs.get("dim") for c in child_kinds
+                       if child_kinds[c] == "norm.rms" and self.blocks[c].inputs
+                       and len(self.blocks[c].inputs[0].shape) == 3}
+        in_dims = {d[0] for r in mm if (d := _linear_dims(r, ctx))}
+        latent = sorted(d for d in latent_dims & in_dims if d and d != ctx.hidden)
+        if latent:
+            ev.append(f"low-rank latent of width {latent} normalised then expanded (MLA)")
+            attrs["layout"] = "mla"
+            attrs["kv_latent"] = latent
+        if any(r.op == "slice" and len(r.scalars) > 4 and r.scalars[4] == 2 for r in recs):
+            attrs["rope_layout"] = "interleaved"
+        elif any(r.op == "neg" for r in recs):
+            attrs["rope_layout"] = "half"
+        if seq_topk:
+            r, k, n = seq_topk[0]
+            relu = any(x.op in ("relu", "relu_") for x in recs)
+            ev.append(f"topk k={k} over {n} key positions" + (" of ReLU indexer scores"
+                                                               if relu else ""))
+            attrs.update(topk=k, indexer_relu=relu)
+            return "sparse_attention.topk", ev, attrs
+        if latent:
+            return "attention.mla", ev, attrs
+        hint = ctx.layer_hints.get(layer_of(path) if layer_of(path) is not None else -1, "")
+        if "sliding" in hint or "chunked" in hint or "local" in hint:
+            ev.append(f"hint: config layer type {hint!r} (the mask is built outside the block)")
+            return "attention.sliding", ev, attrs
+        last_mm = mm[-1].index
+        gate = [r for r in recs if r.op == "sigmoid" and r.index < last_mm]
+        if gate:
+            ev.append("attention output multiplied by sigmoid(gate) before the out projection")
+            return "attention.gated", ev, attrs
+        return "attention.full", ev, attrs
+
+    def _linear_attention(self, recs, decay, tri):
+        ops = _hist(recs)
+        ev = ["exp + cumsum: cumulative decay in log space"]
+        if tri:
+            ev.append(f"triangular masks/solves ({', '.join(sorted(tri))})")
+        loop = ops["copy_"] + ops["index_put"] + ops["index_put_"]
+        if loop >= 8:
+            ev.append(f"{loop} in-place row updates (forward substitution / chunk loop)")
+        shape = decay.in_shapes[0] or []
+        dim = decay.scalars[1] if len(decay.scalars) > 1 and isinstance(decay.scalars[1],
+                                                                         int) else -1
+        per_channel = dim % max(len(shape), 1) != len(shape) - 1
+        beta = ops["sigmoid"] > 0
+        l2 = any(r.op in ("rsqrt", "sqrt", "norm", "linalg_vector_norm") for r in recs)
+        attrs = {"decay_shape": shape, "cumsum_dim": dim, "per_channel_decay": per_channel,
+                 "chunk": shape[dim] if shape else None}
+        if tri and beta and (loop >= 8 or "linalg_solve_triangular" in tri):
+            ev.append("sigmoid beta with a triangular delta-rule correction")
+            if l2:
+                ev.append("q/k normalised (l2)")
+            if per_channel:
+                ev.append(f"decay cumsum over dim {dim} of {shape}: per-channel gate")
+                return "linear_attention.kimi_delta", ev, attrs
+            ev.append(f"decay cumsum over the last dim of {shape}: scalar gate per head")
+            return "linear_attention.gated_delta", ev, attrs
+        if ops["softplus"] and not beta:
+            ev.append("softplus time step without a delta-rule beta (selective state space)")
+            return "linear_attention.mamba", ev, attrs
+        return "linear_attention.other", ev, attrs
+
+    def _router(self, recs, exp_topk, n_experts):
+        ops = _hist(recs)
+        k = exp_topk[-1][1]
+        scoring = "sigmoid" if ops["sigmoid"] else ("softmax" if any(
+            op in ops for op in SOFTMAX) else "other")
+        if scoring == "other" and ops["softplus"] and ops["sqrt"]:
+            scoring = "sqrtsoftplus"  # DeepSeek-V4
+        ev = [f"linear to {n_experts} expert logits", f"{scoring} scoring",
+              f"topk k={k} over {n_experts} experts"]
+        grouped = any(t[2] != n_experts and t[2] > 1 for t in exp_topk)
+        if grouped:
+            groups = min(t[2] for t in exp_topk if t[2] > 1)
+            ev.append(f"group-limited: topk over {groups} groups first")
+        bias = any(r.op == "add" and r.params for r in recs)
+        renorm = ops["sum"] > 0 and (ops["div"] + ops["div_"]) > 0
+        last_topk = max(t[0].index for t in exp_topk)
+        if scoring == "softmax" and any(r.op in SOFTMAX and r.index > last_topk for r in recs):
+            # softmax over the k selected logits (Cohere2-MoE, gpt-oss) is the softmax over all
+            # experts renormalised over the selection, which picks the same top-k
+            renorm = True
+            ev.append("softmax over the top-k logits: renormalised softmax")
+        attrs = {"n_experts": n_experts, "top_k": k, "scoring": scoring,
+                 "group_limited": grouped, "score_bias": bias, "renormalize": renorm}
+        # a bias of the logits' linear itself (gpt-oss), by its parameter name
+        gate_bias = next((n for r in _matmul_recs(recs) for n in r.params.values()
+                          if self.ctx.param_shapes.get(n) == [n_experts]), None)
+        if gate_bias is not None:
+            attrs["gate_bias"] = gate_bias
+            ev.append("the logits' linear has a bias")
+        if grouped:
+            # The group pass picks topk_group of n_group group scores: the last top-k before
+            # the final one (an earlier one may rank experts within each group).
+            group_sel = [t for t in exp_topk if t[2] not in (n_experts, 1)][-1]
+            attrs.update(n_group=group_sel[2], topk_group=group_sel[1])
+            ev.append(f"keeps {group_sel[1]} of {group_sel[2]} groups")
+        # A scalar multiply after the final top-k scales the routed weights.
+        final = exp_topk[-1][0].index
+        scale = next((r.scalars[1] for r in recs if r.index > final and r.op in ("mul", "mul_")
+                      and len(r.scalars) > 1 and isinstance(r.scalars[1], float)), None)
+        if scale is not None:
+            attrs["routed_scaling_factor"] = scale
+            ev.append(f"routed weights scaled by {scale:g}")
+        elif grouped or bias:
+            attrs["routed_scaling_factor"] = 1.0
+        return "moe.router", ev, attrs
+
+    # -- traversal ------------------------------------------------------------------------
+    def _post_order(self) -> list[str]:
+        order: list[str] = []
+
+        def visit(p: str) -> None:
+            for c in self.ctx.children.get(p, []):
+                visit(c)
+            order.append(p)
+
+        visit("")
+        return order
+
+    def _conv_blocks(self, path: str, recs: list[OpRecord]) -> list[OpRecord]:
+        """Split causal depthwise convs out as blocks named after their weight's module."""
+        kept = []
+        for r in recs:
+            w = r.in_shapes[1] if len(r.in_shapes) > 1 else None
+            groups = r.scalars[-1] if r.scalars and isinstance(r.scalars[-1], int) else 1
+            pad = r.scalars[4] if len(r.scalars) > 4 else None
+            if r.op in CONV and w and len(w) == 3 and groups == w[0] and w[1] == 1:
+                wname = r.params.get(1, f"{path}.conv")
+                owner = wname.rsplit(".", 1)[0]
+                k = w[-1]
+                causal = pad in ([k - 1], k - 1)
+                after = [x for x in recs if x.index > r.index][:4]
+                act = next((ACTIVATIONS[x.op] for x in after if x.op in ACTIVATIONS), None)
+                ev = [f"depthwise conv1d: groups = channels = {w[0]}, kernel {k}"]
+                ev.append(f"padding {k - 1} then trimmed: causal" if causal
+                          else f"padding {pad}")
+                if act:
+                    ev.append(f"followed by {act}")
+                # The activation after the conv is the caller's: the block itself is the plain
+                # conv (so a kernel for it is a drop-in); `followed_by` records the fusion chance.
+                self._add(owner, "conv.causal1d" if causal else "unknown", ev,
+                          {"channels": w[0], "kernel_size": k, "activation": None,
+                           "followed_by": act, "causal": causal}, [r], r)
+            else:
+                kept.append(r)
+        return kept
+
+    def _add(self, path, kind, evidence, attrs, recs, first=None) -> None:
+        io = self.cap.module_io.get(path)
+        if io:
+            ins, outs = io
+        elif first is not None:
+            ins = [TensorMeta(shape=s, dtype=d or "") for s, d in
+                   zip(first.in_shapes, first.in_dtypes) if s is not None]
+            outs = [TensorMeta(shape=s, dtype=d) for s, d in
+                    zip(first.out_shapes, first.out_dtypes)]
+        else:
+            ins, outs = [], []
+        params = {n[len(path) + 1:]: s for n, s in self.ctx.param_shapes.items()
+                  if n.startswith(path + ".")}
+        flops, nbytes = estimate_cost(recs)
+        self.blocks[path] = Block(
+            path=path, kind=kind, layer=layer_of(path),
+            class_name=self.ctx.module_types.get(path, ""), evidence=evidence,
+            op_histogram=dict(sorted(_hist(recs).items())), inputs=ins, outputs=outs,
+            params=params, attrs=attrs, flops=flops, bytes=nbytes)
+
+    def run(self) -> list[Block]:
+        for path in self._post_order():
+            kids = self.ctx.children.get(path, [])
+            recs = list(self.by_module.get(path, []))
+            recs = self._conv_blocks(path, recs)
+            for c in kids:
+                recs.extend(self.unclaimed.pop(c, []))
+            recs.sort(key=lambda r: r.index)
+            child_kinds = {c: self.blocks[c].kind for c in kids if c in self.blocks}
+            found = self._rule(path, recs, child_kinds) if recs else None
+            if found is None:
+                self.unclaimed[path] = recs
+                continue
+            kind, ev, attrs = found
+            self._add(path, kind, ev, attrs, recs)
+        self._merge_expert_lists()
+        self._leftovers()
+        self._shared_experts()
+        return sorted(self.blocks.values(), key=lambda b: _path_key(b.path))
+
+    def _merge_expert_lists(self) -> None:
+        """A list of identical MLPs beside a router is one experts block."""
+        for lst, n in self.ctx.identical_lists.items():
+            members = [p for p in self.blocks if p.startswith(lst + ".")
+                       and p[len(lst) + 1:].split(".")[0].isdigit()]
+            parent = lst.rsplit(".", 1)[0] if "." in lst else ""
+            routers = [b for p, b in self.blocks.items() if b.kind == "moe.router" and
+                       (p == parent or p.startswith(parent + ".")) and
+                       b.attrs.get("n_experts") == n]
+            if not members or not routers:
+                continue
+            first = self.blocks[members[0]]
+            # the first expert's own records and 2-D weights: its activation and gating
+            first_recs = [r for r in self.cap.records
+                          if r.module == members[0] or r.module.startswith(members[0] + ".")]
+            gated = _expert_gating([s for n2, s in self.ctx.param_shapes.items()
+                                    if n2.startswith(members[0] + ".") and len(s) == 2])
+            flops = sum(self.blocks[m].flops for m in members)
+            nbytes = sum(self.blocks[m].bytes for m in members)
+            hist: Counter = Counter()
+            for m in members:
+                hist.update(self.blocks.pop(m).op_histogram)
+            params = {n2[len(lst) + 1:]: s for n2, s in self.ctx.param_shapes.items()
+                      if n2.startswith(lst + ".")}
+            self.blocks[lst] = Block(
+                path=lst, kind="moe.experts", layer=layer_of(lst), class_name="ModuleList",
+                evidence=[f"{n} identical MLPs in a list", f"router beside it selects among {n}",
+                          f"{len(members)} of them ran on this input"],
+                op_histogram=dict(sorted(hist.items())), inputs=first.inputs,
+                outputs=first.outputs, params=params,
+                attrs={"n_experts": n, "layout": "module_list", "gated": gated,
+                       "activation": _expert_activation(first_recs) or first.attrs.get("activation"),
+                       "clamp": first.attrs.get("clamp"), "grouped_mm": False,
+                       **{k: first.attrs[k] for k in ("clamp_style", "alpha", "up_offset")
+                          if k in first.attrs}},
+                flops=flops, bytes=nbytes)
+
+    def _leftovers(self) -> None:
+        """Substantive compute nobody explained becomes `unknown` at the module that ran it."""
+        for container, recs in self.unclaimed.items():
+            by_origin: dict[str, list[OpRecord]] = {}
+            for r in recs:
+                origin = self._origin(r.module)
+                by_origin.setdefault(origin, []).append(r)
+            for origin, group in by_origin.items():
+                ops = _hist(group)
+                n_mm = len(_matmul_recs(group))
+                heavy = [op for op in ("topk", "cumsum", "sort") if ops[op]] + \
+                    [op for op in ops if op in SOFTMAX or op in CONV or is_sdpa(op)]
+                if origin == container and container in self.blocks:
+                    continue
+                if n_mm >= 2 or (heavy and n_mm >= 1):
+                    self._add(origin, "unknown", [
+                        f"{n_mm} matmuls" + (f", {', '.join(sorted(set(heavy)))}" if heavy
+                                             else "") + " that no rule explains"], {}, group)
+
+    def _origin(self, module: str) -> str:
+        """The largest subtree around ``module`` that holds no block: where leftovers came from."""
+        def has_block(p: str) -> bool:
+            return any(b == p or b.startswith(p + ".") if p else True for b in self.blocks)
+
+        while module and not has_block(parent := module.rsplit(".", 1)[0] if "." in module
+                                       else ""):
+            module = parent
+        return module
+
+    def _shared_experts(self) -> None:
+        moe_parents = {b.path.rsplit(".", 1)[0] for b in self.blocks.values()
+                       if b.kind in ("moe.router", "moe.experts")}
+        for b in self.blocks.values():
+            parent = b.path.rsplit(".", 1)[0]
+            if b.kind == "mlp.dense" and parent in moe_parents:
+                b.kind = "moe.shared_expert"
+                b.evidence.append("a dense MLP beside a router and experts: shared expert")
+
+
+def _path_key(path: str) -> list:
+    return [int(p) if p.isdigit() else p for p in path.split(".")]
+
+
+def estimate_cost(recs: list[OpRecord]) -> tuple[int, int]:
+    """FLOPs and unfused bytes moved, from op shapes (views move nothing)."""
+    flops = nbytes = 0
+    size = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+            "bool": 1}
+
+    def numel(s: list[int] | None) -> int:
+        n = 1
+        for d in s or []:
+            n *= d
+        return n
+
+    for r in recs:
+        if r.op in VIEW_OPS:
+            continue
+        out = numel(r.out_shapes[0]) if r.out_shapes else 0
+        if is_matmul(r.op) and r.in_shapes and r.in_shapes[0]:
+            k = r.in_shapes[0][-1]
+            flops += 2 * out * k
+        elif is_sdpa(r.op) and len(r.in_shapes) >= 3 and r.in_shapes[1]:
+            q, kk, v = r.in_shapes[:3]
+            flops += 2 * numel(q) * kk[-2] + 2 * numel(q[:-1]) * kk[-2] * v[-1]
+        elif r.op in CONV and len(r.in_shapes) > 1 and r.in_shapes[1]:
+            w = r.in_shapes[1]
+            flops += 2 * out * numel(w[1:])
+        else:
+            flops += out
+        for s, d in zip(r.in_shapes, r.in_dtypes):
+            if s is not None:
+                nbytes += numel(s) * size.get(d or "", 4)
+        for s, d in zip(r.out_shapes, r.out_dtypes):
+            nbytes += numel(s) * size.get(d, 4)
+    return flops, nbytes

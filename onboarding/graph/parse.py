@@ -1,0 +1,151 @@
+"""The parse stage: capture a proxy model and classify its blocks into an `OpGraph`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from onboarding.load.accounting import ParamCounts, _same_structure, count_parameters, path_pattern
+from onboarding.graph.capture import Capture, capture
+from onboarding.graph.classify import Classifier, Context
+from onboarding.errors import InputError
+from onboarding.load.model import LoadedModel
+from onboarding.graph.opgraph import Block, OpGraph
+from onboarding.load.proxy import proxy_config, text_config
+
+# One letter per mixer / feed-forward kind in the layer pattern string.
+MIXER_CODES = {"attention.full": "A", "attention.gated": "A", "attention.sliding": "W",
+               "attention.mla": "M", "sparse_attention.topk": "S",
+               "linear_attention.gated_delta": "D", "linear_attention.kimi_delta": "K",
+               "linear_attention.mamba": "m", "linear_attention.other": "L", "unknown": "?"}
+FFN_CODES = {"moe.experts": "E", "mlp.dense": "F"}
+PATTERN_LEGEND = ("A attention, W sliding, M MLA, S top-k sparse, D gated delta, K Kimi delta, "
+                  "m mamba, L other linear attention, ? unknown; E MoE, F dense MLP")
+
+
+@dataclass(kw_only=True)
+class ModelInfo:
+    """What the load stage produces: the full-size accounting and the proxy config."""
+
+    loaded: LoadedModel
+    full: ParamCounts
+    proxy_config: Any
+    proxy_note: str
+    proxy_size: str
+
+
+def load_stage(loaded: LoadedModel, proxy_size: str = "tiny") -> ModelInfo:
+    full_model = loaded.build(device="meta", seed=None)
+    full = count_parameters(full_model, loaded.config)
+    cfg, note = proxy_config(loaded, proxy_size, full_model, full.total)
+    return ModelInfo(loaded=loaded, full=full, proxy_config=cfg, proxy_note=note,
+                     proxy_size=proxy_size)
+
+
+def example_inputs(model: nn.Module, config: Any, batch: int, seq: int, seed: int
+                   ) -> tuple[tuple, dict]:
+    """Seeded inputs: the model's own `example_inputs(batch, seq)` if it has one, else token ids."""
+    if hasattr(model, "example_inputs"):
+        args = model.example_inputs(batch, seq)
+        return (tuple(args) if isinstance(args, (tuple, list)) else (args,)), {}
+    vocab = getattr(text_config(config), "vocab_size", None) if config is not None else None
+    if vocab is None:
+        emb = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        if not emb:
+            raise InputError(f"{type(model).__name__}: cannot infer example inputs (no config "
+                             "vocab_size, no nn.Embedding); define example_inputs(batch, seq)")
+        vocab = emb[0].num_embeddings
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    kwargs = {"use_cache": False} if config is not None else {}
+    return (ids,), kwargs
+
+
+def load_weights(model: nn.Module, files: list) -> int:
+    """Load safetensors weights into ``model``; returns the number of tensors loaded."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or (missing and len(missing) == len(model.state_dict())):
+        raise InputError(f"weights do not match the model: {len(unexpected)} unexpected keys "
+                         f"(e.g. {unexpected[:2]}), {len(missing)} missing")
+    return len(state)
+
+
+def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
+    children: dict[str, list[str]] = {}
+    for path, _ in model.named_modules():
+        if path:
+            parent = path.rsplit(".", 1)[0] if "." in path else ""
+            children.setdefault(parent, []).append(path)
+    emb = max((m for m in model.modules() if isinstance(m, nn.Embedding)),
+              key=lambda m: m.num_embeddings, default=None)
+    tc = text_config(config) if config is not None else None
+    types = getattr(tc, "layer_types", None) if tc is not None else None
+    hints = {i: str(t) for i, t in enumerate(types)} if isinstance(types, (list, tuple)) else {}
+    lists = {p: len(m) for p, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and _same_structure(list(m))}
+    return Context(seq=seq, vocab=emb.num_embeddings if emb else None,
+                   hidden=emb.embedding_dim if emb else None, layer_hints=hints,
+                   param_shapes={n: list(p.shape) for n, p in model.named_parameters()},
+                   children=children, module_types=cap.module_types, identical_lists=lists)
+
+
+def layer_pattern(blocks: list[Block]) -> tuple[str, list[list[str]]]:
+    layers: dict[int, list[str]] = {}
+    for b in blocks:
+        if b.layer is not None and (b.kind in MIXER_CODES or b.kind in FFN_CODES):
+            layers.setdefault(b.layer, []).append(b.kind)
+    pattern, kinds = [], []
+    for i in sorted(layers):
+        ks = layers[i]
+        mixer = "".join(MIXER_CODES[k] for k in ks if k in MIXER_CODES) or "-"
+        ffn = "".join(FFN_CODES[k] for k in ks if k in FFN_CODES) or "-"
+        pattern.append(mixer + ffn)
+        kinds.append(sorted(set(ks)))
+    return " ".join(pattern), kinds
+
+
+def by_kind_params(full: ParamCounts, blocks: list[Block]) -> dict[str, int]:
+    """Full-size parameters per block kind, joining full-size modules to proxy blocks by path."""
+    patterns = sorted(((path_pattern(b.path), b.kind) for b in blocks),
+                      key=lambda t: -len(t[0]))
+    out: Counter = Counter()
+    for comp, n in full.by_component.items():
+        kind = next((k for p, k in patterns if comp == p or comp.startswith(p + ".")), None)
+        out[kind or "other"] += n
+    return dict(out.most_common())
+
+
+def parse_stage(info: ModelInfo, *, batch: int = 1, seq: int = 64, seed: int = 0,
+                dtype: torch.dtype = torch.float32, try_export: bool = True,
+                on_step: Callable[[str], None] | None = None) -> OpGraph:
+    loaded = info.loaded
+    model = loaded.build(info.proxy_config, device="cpu", seed=seed).to(dtype).eval()
+    if loaded.weights and info.proxy_note.startswith("full size"):
+        load_weights(model, loaded.weights)
+    inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq, seed)
+    cap = capture(model, inputs, kwargs, try_export=try_export, on_step=on_step)
+    if on_step:
+        on_step("classify blocks")
+    blocks = Classifier(cap, _context(model, cap, info.proxy_config, seq)).run()
+    pattern, kinds = layer_pattern(blocks)
+    proxy_counts = count_parameters(model, info.proxy_config)
+    params = {
+        "full": {k: v for k, v in info.full.to_dict().items() if k not in ("by_component",)},
+        "full_by_kind": by_kind_params(info.full, blocks),
+        "proxy": {"total": proxy_counts.total, "active": proxy_counts.active},
+        "proxy_note": info.proxy_note,
+    }
+    return OpGraph(model=loaded.name, capture=cap.method, capture_note=cap.note, batch=batch,
+                   seq=seq, dtype=str(dtype).replace("torch.", ""), blocks=blocks,
+                   layer_pattern=pattern, layer_kinds=kinds, param_counts=params,
+                   total_flops=sum(b.flops for b in blocks))

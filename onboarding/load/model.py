@@ -1,0 +1,240 @@
+"""Resolve a MODEL reference into a buildable model: a config plus a factory.
+
+MODEL forms (DESIGN.md):
+  - a directory in the Hugging Face layout (config.json, optional remote code and weights);
+  - ``hf:<model_type>`` with the default config of an architecture transformers knows;
+  - ``path/to/file.py:Name`` or ``package.module:Name`` (an nn.Module class or a factory);
+  - the name of a built-in example under ``examples/``.
+
+Nothing here allocates weights: `LoadedModel.build` takes a device, and the full-size model is
+built on ``meta``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from onboarding.errors import InputError
+from onboarding.load.overrides import apply_overrides, type_matches
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+DEFAULT_EXAMPLE = "onboard_hybrid"
+
+
+def list_examples() -> list[str]:
+    if not EXAMPLES_DIR.is_dir():
+        return []
+    return sorted(p.name for p in EXAMPLES_DIR.iterdir() if (p / "config.json").is_file())
+
+
+@dataclass(kw_only=True)
+class LoadedModel:
+    """A resolved MODEL: where it came from, its config (if any) and how to build it."""
+
+    ref: str
+    name: str
+    source: str  # "directory" | "example" | "hf" | "module" | "file"
+    config: Any | None
+    trust_remote_code: bool = False
+    weights: list[Path] = field(default_factory=list)
+    _factory: Callable[..., nn.Module] | None = None
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_hf(self) -> bool:
+        return self.config is not None and self._factory is None
+
+    def build(self, config: Any | None = None, *, device: str | torch.device = "cpu",
+              dtype: torch.dtype | None = None, seed: int | None = 0) -> nn.Module:
+        """Build the model (``config`` defaults to the full-size one) on ``device``.
+
+        The same seed gives the same weights. Errors from the user's code become `InputError`.
+        """
+        if seed is not None:
+            torch.manual_seed(seed)
+        cfg = config if config is not None else self.config
+        try:
+            with torch.device(device):
+                if self._factory is not None:
+                    model = self._factory(**self.factory_kwargs)
+                else:
+                    from transformers import AutoModelForCausalLM
+
+                    kwargs = {"trust_remote_code": self.trust_remote_code}
+                    if dtype is not None:
+                        kwargs["dtype"] = dtype
+                    model = AutoModelForCausalLM.from_config(cfg, **kwargs)
+        except InputError:
+            raise
+        except Exception as exc:  # the user's model code failed: report it as their input
+            raise InputError(f"{self.ref}: building the model failed: "
+                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        if not isinstance(model, nn.Module):
+            raise InputError(f"{self.ref}: the factory returned {type(model).__name__}, "
+                             "not a torch.nn.Module")
+        if dtype is not None:
+            model = model.to(dtype)
+        return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
+
+
+_MODULE_REF = re.compile(r"^(?P<mod>[A-Za-z_][\w.]*|.+\.py):(?P<name>[A-Za-z_]\w*)$")
+
+
+def load_model(ref: str | None, *, overrides: dict[str, Any] | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Resolve ``ref`` (None: the default example) and apply ``--set`` overrides."""
+    ref = ref or DEFAULT_EXAMPLE
+    overrides = overrides or {}
+    if ref.startswith("hf:"):
+        loaded = _load_hf_type(ref)
+    elif (m := _MODULE_REF.match(ref)) and not Path(ref).is_dir():
+        loaded = _load_python_ref(ref, m.group("mod"), m.group("name"))
+    elif Path(ref).is_dir():
+        loaded = _load_directory(ref, Path(ref), "directory", trust_remote_code)
+    elif "/" not in ref and ref in list_examples():
+        # Built-in examples are our own code: running them needs no flag.
+        loaded = _load_directory(ref, EXAMPLES_DIR / ref, "example", True)
+    elif Path(ref).exists():
+        raise InputError(f"{ref}: not a model directory (expected a directory with config.json)")
+    else:
+        hint = ", ".join(list_examples()) or "none"
+        raise InputError(f"{ref}: no such path, example (built-in: {hint}), "
+                         "hf:<model_type>, or module:Name")
+    if overrides:
+        if loaded.config is not None and loaded._factory is None:
+            apply_overrides(loaded.config, overrides)
+        else:
+            _apply_factory_overrides(loaded, overrides)
+    return loaded
+
+
+def _load_hf_type(ref: str) -> LoadedModel:
+    from transformers import AutoConfig
+
+    model_type = ref[3:]
+    try:
+        config = AutoConfig.for_model(model_type)
+    except ValueError as exc:
+        raise InputError(f"{ref}: unknown model_type {model_type!r} for the installed "
+                         "transformers") from exc
+    return LoadedModel(ref=ref, name=model_type, source="hf", config=config)
+
+
+def _load_directory(ref: str, path: Path, source: str, trust_remote_code: bool) -> LoadedModel:
+    from transformers import AutoConfig
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise InputError(f"{ref}: directory has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{cfg_file}: malformed JSON (line {exc.lineno}: {exc.msg})") from exc
+    if not isinstance(raw, dict):
+        raise InputError(f"{cfg_file}: expected a JSON object")
+    auto_map = raw.get("auto_map") or {}
+    if auto_map and not trust_remote_code:
+        raise InputError(f"{ref}: the model ships its own code ({', '.join(sorted(auto_map))} "
+                         "in auto_map); read it, then pass --trust-remote-code to run it")
+    if not auto_map:
+        model_type = raw.get("model_type")
+        from transformers import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise InputError(f"{cfg_file}: unknown model_type {model_type!r} and no auto_map "
+                             "with remote code")
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=bool(auto_map))
+    except Exception as exc:
+        raise InputError(f"{ref}: transformers could not read the config: "
+                         f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    weights = sorted(path.glob("*.safetensors"))
+    name = path.resolve().name
+    return LoadedModel(ref=ref, name=name, source=source, config=config,
+                       trust_remote_code=bool(auto_map), weights=weights)
+
+
+def _load_python_ref(ref: str, mod: str, name: str) -> LoadedModel:
+    if mod.endswith(".py"):
+        file = Path(mod)
+        if not file.is_file():
+            raise InputError(f"{ref}: no such file {mod}")
+        mod_name = f"_onboard_user_{abs(hash(file.resolve()))}"
+        spec = importlib.util.spec_from_file_location(mod_name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(mod_name, None)
+            raise InputError(f"{ref}: importing {mod} failed: {type(exc).__name__}: "
+                             f"{_first_line(exc)}") from exc
+        source = "file"
+    else:
+        try:
+            module = importlib.import_module(mod)
+        except ImportError as exc:
+            raise InputError(f"{ref}: cannot import module {mod!r}: {exc}") from exc
+        source = "module"
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise InputError(f"{ref}: {mod} has no attribute {name!r}")
+    config = None
+    if inspect.isclass(obj):
+        if not issubclass(obj, nn.Module):
+            raise InputError(f"{ref}: {name} is a class but not a torch.nn.Module")
+        config_class = getattr(obj, "config_class", None)
+        if config_class is not None and _takes_config(obj):
+            # A transformers-style model class: build it from its config class' defaults.
+            config = config_class()
+            factory = obj
+            return LoadedModel(ref=ref, name=name, source=source, config=config,
+                               _factory=lambda **kw: factory(config), factory_kwargs={})
+    elif not callable(obj):
+        raise InputError(f"{ref}: {name} is a {type(obj).__name__}, not an nn.Module "
+                         "class or factory")
+    return LoadedModel(ref=ref, name=name, source=source, config=None, _factory=obj)
+
+
+def _takes_config(cls: type) -> bool:
+    try:
+        params = list(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2 and params[1] == "config"
+
+
+def _apply_factory_overrides(loaded: LoadedModel, overrides: dict[str, Any]) -> None:
+    if loaded.config is not None:
+        apply_overrides(loaded.config, overrides)
+        return
+    sig = inspect.signature(loaded._factory)
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    for key, value in overrides.items():
+        param = sig.parameters.get(key)
+        if param is None and not accepts_any:
+            raise InputError(f"--set {key}: unknown key; {loaded.ref} accepts "
+                             f"{', '.join(sig.parameters) or 'no arguments'}")
+        default = param.default if param is not None else None
+        if default is not inspect.Parameter.empty and default is not None:
+            if not type_matches(default, value):
+                raise InputError(f"--set {key}={value!r}: expected "
+                                 f"{type(default).__name__}, got {type(value).__name__}")
+        loaded.factory_kwargs[key] = value

@@ -1,0 +1,561 @@
+"""Proxy configs: the same architecture with shrunk widths, experts and layers.
+
+A proxy keeps what makes the architecture itself: the layer-type pattern (at least one full
+period of a hybrid schedule and every distinct layer kind), top-k and gating, normalisation, the
+rotary layout, and head dimensions where affordable. Widths, expert counts, vocabulary and depth
+shrink. The rules act on the Hugging Face config *field conventions* (``hidden_size``,
+``num_experts``...), never on model class names; a field the rules do not know keeps its value.
+
+``tiny`` targets a few million parameters (CPU tests); ``small`` 0.3-1B (one GPU).
+
+Top-k is kept exactly: the routed experts shrink to the size's ``experts``, but never below
+2 x top-k (nor below what group-limited routing needs to pick top-k experts from its top groups).
+Only where keeping top-k would need more than the size's ``max_experts`` experts is top-k itself
+capped. That cap, the sparse-attention ``index_topk`` cap and a config whose ``__post_init__``
+cannot re-derive its fields are the proxy's *notes*: each is warned about (`ProxyWarning`, which
+the CLI prints) and appended to the proxy note that ``model.json`` records.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from onboarding.load.accounting import LAYER_INDEX, TOPK_NAMES
+from onboarding.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProxySize:
+    hidden: int
+    heads: int
+    head_dim_cap: int
+    latent_cap: int  # MLA / low-rank widths
+    experts: int  # routed experts, unless top-k needs more (2 x top-k, group-limited routing)
+    max_experts: int  # hard limit on routed experts; top-k is capped only past max_experts // 2
+    ffn: int
+    expert_ffn: int
+    # intermediate_size where it is also the routed experts' width (no expert width field:
+    # Mixtral, gpt-oss): expert_ffn in tiny (CPU interpreter time grows with it), ffn in small
+    # (wider GPU shapes; a narrower one takes 4x the layers to reach the 0.3B floor)
+    experts_ffn: int
+    vocab: int
+    # Sparse attention's keys per query, below the sequence lengths the size runs at (tiny: the
+    # CPU's 16-64 tokens; small: up to 2048): with K >= T every key is kept and the top-k
+    # selection does nothing. (transformers clamps K to T, so this is not needed to run.)
+    index_topk: int
+    window: int
+    max_params: int  # a full-size model at most this big is used as is (weights load)
+    min_params: int  # small proxies add layer periods until they reach this
+
+
+PROXY_SIZES = {
+    # tiny: 32 experts x 3 x 128 x 64 is 0.8M parameters a layer (top-k up to 16 kept)
+    "tiny": ProxySize(hidden=128, heads=4, head_dim_cap=32, latent_cap=32, experts=8,
+                      max_experts=32, ffn=256, expert_ffn=64, experts_ffn=64, vocab=2048,
+                      index_topk=16, window=32, max_params=20_000_000, min_params=0),
+    # small: 128 experts x 3 x 1024 x 512 is 0.2B a layer (top-k up to 64 kept)
+    "small": ProxySize(hidden=1024, heads=16, head_dim_cap=256, latent_cap=512, experts=64,
+                       max_experts=128, ffn=2816, expert_ffn=512, experts_ffn=2816,
+                       vocab=32768, index_topk=512, window=1024, max_params=1_000_000_000,
+                       min_params=300_000_000),
+}
+
+
+class ProxyWarning(UserWarning):
+    """What a proxy caps (top-k, sparse attention's index_topk) or could not re-derive; the
+    same text is appended to the proxy note that ``model.json`` records."""
+
+
+EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+# The routed experts' FFN width; a config with routed experts and none of these sizes its experts
+# with intermediate_size (Mixtral, gpt-oss, JetMoE).
+EXPERT_WIDTH_NAMES = ("moe_intermediate_size", "expert_intermediate_size")
+GROUP_COUNT_NAMES = ("n_group", "num_expert_group")
+LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _writable(c: Any, name: str) -> bool:
+    """False for a field the config class derives from others (a property without a setter,
+    xLSTM's v_head_dim): it follows its sources and is never set directly."""
+    prop = getattr(type(c), name, None)
+    return not (isinstance(prop, property) and prop.fset is None)
+
+
+def _set(c: Any, name: str, fn) -> None:
+    v = getattr(c, name, None)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0 and _writable(c, name):
+        setattr(c, name, int(fn(v)))
+
+
+# Head-size fields that some configs tie to each other (DeepSeek's head_dim is its rotary
+# width): fields equal in the full config stay equal in the proxy.
+_TIED_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim")
+
+
+def _retie(c: Any, before: dict[str, Any]) -> None:
+    names = [n for n in _TIED_DIMS if isinstance(before.get(n), int) and _writable(c, n)]
+    for a in names:
+        for b in names:
+            if a < b and before[a] == before[b]:
+                v = min(getattr(c, a), getattr(c, b))
+                setattr(c, a, v)
+                setattr(c, b, v)
+
+
+def _rope_fraction(c: Any) -> float | None:
+    """The rotary table's share of head_dim (partial_rotary_factor; one value for all layer
+    types), None where the config names none."""
+    rp = getattr(c, "rope_parameters", None)
+    if isinstance(rp, dict):
+        if "partial_rotary_factor" in rp:
+            return rp["partial_rotary_factor"]
+        per_type = {v.get("partial_rotary_factor", 1.0) for v in rp.values() if isinstance(v, dict)}
+        if len(per_type) == 1:
+            return per_type.pop()
+    prf = getattr(c, "partial_rotary_factor", None)
+    return float(prf) if isinstance(prf, (int, float)) and not isinstance(prf, bool) else None
+
+
+def _retie_rope(c: Any, before: dict[str, Any], fraction: float | None) -> None:
+    """Where the rotary table (head_dim x partial_rotary_factor) is as wide as the MLA rotary part
+    qk_rope_head_dim in the full config (dots3: 256 x 0.25 = 64), keep them equal in the proxy."""
+    hd, rope = before.get("head_dim"), before.get("qk_rope_head_dim")
+    if not (fraction and isinstance(hd, int) and isinstance(rope, int) and hd * fraction == rope):
+        return
+    new = int(getattr(c, "head_dim") * fraction)
+    if new >= 2 and new % 2 == 0 and _writable(c, "qk_rope_head_dim"):
+        c.qk_rope_head_dim = new
+
+
+# State-space (Mamba-2 style) mixers split an inner width into heads: heads x head dim equals
+# d_ssm, or expand x hidden_size where no d_ssm field exists. (heads, head dim) field pairs:
+_SSM_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"),
+              ("num_heads", "head_dim"))
+_SSM_GROUPS = ("mamba_n_groups", "n_groups")
+
+
+def _ssm_expand(c: Any) -> int | None:
+    return next((getattr(c, n) for n in ("mamba_expand", "expand")
+                 if isinstance(getattr(c, n, None), int)), None)
+
+
+def _ssm_inner(c: Any) -> int | None:
+    d_ssm = getattr(c, "mamba_d_ssm", None)
+    if isinstance(d_ssm, int) and d_ssm > 0:
+        return d_ssm
+    expand = _ssm_expand(c)
+    hidden = getattr(c, "hidden_size", None)
+    return expand * hidden if isinstance(expand, int) and isinstance(hidden, int) else None
+
+
+def _retie_ssm_heads(c: Any, before: dict[str, Any], s: ProxySize) -> None:
+    """Keep heads x head dim == the SSM inner width where the full config has it so: the
+    proxy's inner width follows the shrunk hidden size (d_ssm at most expand x hidden), the head
+    dim is capped, the heads fill the rest, and the group count divides the heads."""
+    inner_before = before.get("_ssm_inner")
+    for heads_name, dim_name in _SSM_HEADS:
+        heads, dim = before.get(heads_name), before.get(dim_name)
+        if not (isinstance(heads, int) and isinstance(dim, int) and inner_before == heads * dim):
+            continue
+        if isinstance(getattr(c, "mamba_d_ssm", None), int):
+            c.mamba_d_ssm = min(c.mamba_d_ssm, (_ssm_expand(c) or 1) * c.hidden_size)
+        inner = _ssm_inner(c)
+        new_dim = min(dim, s.head_dim_cap, inner)
+        new_heads = max(1, inner // new_dim)
+        setattr(c, heads_name, new_heads)
+        setattr(c, dim_name, inner // new_heads)
+        for g in _SSM_GROUPS:
+            groups = getattr(c, g, None)
+            if isinstance(groups, int) and groups > 0:
+                setattr(c, g, math.gcd(groups, new_heads))
+        return
+
+
+_WIDTH_ALIAS = re.compile(r"^(embed(ding)?_(dim|size)|d_model|model_dim|n_embd|hidden_dim)$")
+
+
+def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
+    before = {n: getattr(c, n, None) for n in _TIED_DIMS + tuple(n for p in _SSM_HEADS for n in p)
+              + ("qk_rope_head_dim",)}
+    before["_ssm_inner"] = _ssm_inner(c)
+    heads = getattr(c, "num_attention_heads", None)
+    kv = getattr(c, "num_key_value_heads", None)
+    had_head_dim = isinstance(getattr(c, "head_dim", None), int)
+    hidden = getattr(c, "hidden_size", None)
+    rope_fraction = _rope_fraction(c)
+    _set(c, "hidden_size", lambda v: min(v, s.hidden))
+    # a second name for the model width (xLSTM's embedding_dim beside hidden_size) follows it
+    for name, v in list(vars(c).items()):
+        if name != "hidden_size" and v == hidden and _WIDTH_ALIAS.search(name):
+            _set(c, name, lambda _: c.hidden_size)
+    if isinstance(heads, int):
+        new_heads = min(heads, s.heads)
+        c.num_attention_heads = new_heads
+        if isinstance(kv, int) and kv > 0:
+            groups = max(1, heads // kv)  # keep the GQA ratio where it fits
+            c.num_key_value_heads = max(1, new_heads // min(groups, new_heads))
+        if had_head_dim:
+            c.head_dim = min(c.head_dim, s.head_dim_cap)
+    experts_use_ffn = _expert_count(c) is not None and not any(
+        isinstance(getattr(c, n, None), int) for n in EXPERT_WIDTH_NAMES)
+    _set(c, "intermediate_size", lambda v: min(v, s.experts_ffn if experts_use_ffn else s.ffn))
+    for name in EXPERT_WIDTH_NAMES:
+        _set(c, name, lambda v: min(v, s.expert_ffn))
+    _set(c, "shared_expert_intermediate_size", lambda v: min(v, s.expert_ffn * 2))
+    # linear attention (gated delta / Kimi delta / mamba-style) widths
+    lk = getattr(c, "linear_num_key_heads", None)
+    lv = getattr(c, "linear_num_value_heads", None)
+    if isinstance(lk, int) and isinstance(lv, int):
+        ratio = max(1, lv // lk)
+        c.linear_num_key_heads = min(lk, max(1, s.heads // 2))
+        c.linear_num_value_heads = c.linear_num_key_heads * ratio
+    _set(c, "linear_num_heads", lambda v: min(v, s.heads))
+    for name in ("linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"):
+        _set(c, name, lambda v: min(v, s.head_dim_cap))
+    # low-rank / MLA and indexer widths
+    for name in ("q_lora_rank", "kv_lora_rank"):
+        _set(c, name, lambda v: min(v, s.latent_cap * (2 if name == "q_lora_rank" else 1)))
+    for name in ("qk_nope_head_dim", "v_head_dim", "index_head_dim"):
+        _set(c, name, lambda v: min(v, s.head_dim_cap))
+    _set(c, "qk_rope_head_dim", lambda v: min(v, max(8, s.head_dim_cap // 2)))
+    _set(c, "index_n_heads", lambda v: min(v, s.heads))
+    index_topk = getattr(c, "index_topk", None)
+    _set(c, "index_topk", lambda v: min(v, s.index_topk))
+    if isinstance(index_topk, int) and getattr(c, "index_topk") != index_topk:
+        notes.append(f"index_topk {index_topk} -> {c.index_topk}: sparse attention keeps fewer "
+                     f"keys per query, below the proxy's sequence lengths (with K >= T the top-k "
+                     f"selection keeps every key)")
+    _set(c, "sliding_window", lambda v: min(v, s.window))
+    for name in ("ssm_state_size", "state_size", "mamba_d_state"):
+        _set(c, name, lambda v: min(v, 16 if s.hidden <= 256 else v))
+    for name in ("mamba_n_heads", "mamba_num_heads"):
+        _set(c, name, lambda v: min(v, s.heads * 2))
+    _retie(c, before)
+    _retie_rope(c, before, rope_fraction)
+    _retie_ssm_heads(c, before, s)
+    if isinstance(getattr(c, "qk_head_dim", None), int) and isinstance(
+            getattr(c, "qk_nope_head_dim", None), int):
+        c.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
+
+
+def _count(c: Any, name: str) -> int | None:
+    v = getattr(c, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _expert_count(c: Any) -> int | None:
+    """The routed experts (the largest count field above 1); None for a config without them."""
+    counts = [v for n in EXPERT_COUNT_NAMES if (v := _count(c, n)) is not None and v > 1]
+    return max(counts) if counts else None
+
+
+def _topk_names(c: Any) -> list[str]:
+    return [n for n in TOPK_NAMES + ("num_experts_per_token",) if _count(c, n) is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Routing:
+    experts: int
+    groups: int  # 1: no group-limited routing
+    topk_group: int | None
+
+
+def _routing_for(n_exp: int, k: int, groups: int, topk_group: int | None) -> _Routing | None:
+    """Group-limited routing over ``n_exp`` experts close to the full model's (``groups`` groups,
+    the best ``topk_group`` of them searched) that can still pick ``k`` experts: the most groups
+    that divide ``n_exp`` into groups of at least 2 (a group's score is its best two experts'),
+    top groups fewer than groups where the full model has them fewer; None if none can."""
+    if groups <= 1:
+        return _Routing(n_exp, groups, topk_group)
+    strict = topk_group is None or topk_group < groups
+    for g in range(min(groups, n_exp // 2), 1, -1):
+        if n_exp % g:
+            continue
+        tg = None if topk_group is None else max(1, min(topk_group, g - 1 if strict else g))
+        if k <= (tg if tg is not None else g) * (n_exp // g):
+            return _Routing(n_exp, g, tg)
+    return None
+
+
+def _shrink_experts(c: Any, s: ProxySize, notes: list[str]) -> None:
+    """Routed experts down to the size's ``experts``, top-k kept: at least 2 x top-k experts,
+    more where group-limited routing needs them to reach top-k. Top-k is capped (a note) only
+    where that would take more than ``max_experts`` experts."""
+    full_exp = _expert_count(c)
+    if full_exp is None:
+        return
+    topk_names = _topk_names(c)
+    k_full = max((getattr(c, n) for n in topk_names), default=1)
+    groups_name = next((n for n in GROUP_COUNT_NAMES if _count(c, n) is not None), None)
+    groups = getattr(c, groups_name) if groups_name else 1
+    topk_group = _count(c, "topk_group") if groups > 1 else None
+    limit = min(full_exp, s.max_experts)
+    need = min(full_exp, 2 * k_full)  # experts that keeping top-k takes
+    k = max(1, s.max_experts // 2) if need > s.max_experts else k_full
+    why = f"keeping it would need {need} routed experts, over the proxy's limit of {s.max_experts}"
+    routing = next((r for n in range(min(full_exp, max(s.experts, 2 * k)), limit + 1)
+                    if (r := _routing_for(n, k, groups, topk_group)) is not None), None)
+    if routing is None:
+        why = (f"group-limited routing ({groups} groups, top {topk_group}) over at most "
+               f"{limit} experts cannot reach it")
+    while routing is None and k > 1:
+        k -= 1
+        routing = _routing_for(limit, k, groups, topk_group)
+    if routing is None:  # groups of fewer than 2 experts in the full model too: keep its routing
+        k, routing = k_full, _Routing(full_exp, groups, topk_group)
+    for name in EXPERT_COUNT_NAMES:
+        v = _count(c, name)
+        if v is not None and v > 1 and _writable(c, name):
+            setattr(c, name, min(v, routing.experts))
+    if groups_name:
+        setattr(c, groups_name, routing.groups)
+    if routing.topk_group is not None:
+        c.topk_group = routing.topk_group
+    for name in topk_names:
+        if _writable(c, name):
+            setattr(c, name, min(getattr(c, name), k))
+    if k < k_full:
+        notes.append(f"top-k {k_full} -> {k}: {why}")
+
+
+def _shrink_vocab(c: Any, s: ProxySize) -> None:
+    vocab = getattr(c, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    c.vocab_size = min(vocab, s.vocab)
+    # other tables over the same vocabulary (Gemma 4's per-layer input embeddings) follow it
+    for name, v in list(vars(c).items()):
+        if name != "vocab_size" and "vocab" in name and v == vocab:
+            _set(c, name, lambda _: c.vocab_size)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        v = getattr(c, name, None)
+        if isinstance(v, int) and v >= c.vocab_size:
+            setattr(c, name, c.vocab_size - 1)
+        elif isinstance(v, list):
+            setattr(c, name, [min(x, c.vocab_size - 1) for x in v])
+
+
+def _layer_count_name(c: Any) -> str | None:
+    return next((n for n in LAYER_COUNT_NAMES if isinstance(getattr(c, n, None), int)), None)
+
+
+def layer_signatures(model: nn.Module, n_layers: int) -> list[tuple] | None:
+    """Per-layer structure (sub-module paths, types and parameter ranks) of the layer stack.
+
+    This catches layer schedules that configs express as periods/offsets instead of lists.
+    """
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and n_layers > 1:
+            return [tuple(sorted((LAYER_INDEX.sub(".*", name), type(m).__name__,
+                                  tuple(p.ndim for p in m.parameters(recurse=False)))
+                                 for name, m in layer.named_modules()))
+                    for layer in mod]
+    return None
+
+
+def layer_descriptors(c: Any, signatures: list[tuple] | None = None) -> list[tuple]:
+    """Per-layer type tuples: every per-layer type list in the config, plus module structure."""
+    name = _layer_count_name(c)
+    if name is None:
+        return []
+    n = getattr(c, name)
+    # Lists of all-distinct ints are layer indices (e.g. per-layer ids), not layer types.
+    lists = sorted(k for k, v in vars(c).items()
+                   if isinstance(v, (list, tuple)) and len(v) == n and n > 1
+                   and all(isinstance(x, (str, int, bool)) for x in v)
+                   and not (all(isinstance(x, int) for x in v) and len(set(v)) == n))
+    sig = signatures if signatures is not None and len(signatures) == n else [()] * n
+    return [tuple(getattr(c, k)[i] for k in lists) + (sig[i],) for i in range(n)]
+
+
+def _period(desc: list[tuple]) -> tuple[int, int]:
+    """Smallest (prefix, period) with desc[i] == desc[i + period] for all i >= prefix."""
+    n = len(desc)
+    best = (0, max(n, 1))
+    for s in range(0, min(4, n)):
+        for p in range(1, n - s + 1):
+            if all(desc[i] == desc[i + p] for i in range(s, n - p)):
+                if s + p < sum(best):
+                    best = (s, p)
+                break
+    return best
+
+
+def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list[int]:
+    desc = layer_descriptors(c, signatures)
+    name = _layer_count_name(c)
+    n = getattr(c, name) if name else 0
+    if not desc:
+        return list(range(min(n, 2 * periods)))
+    prefix, period = _period(desc)
+    first_seen: dict[tuple, int] = {}
+    for i, d in enumerate(desc):
+        first_seen.setdefault(d, i)
+    cover = max(first_seen.values()) + 1
+    want = max(cover, prefix + period * periods, 2)
+    return list(range(min(n, want)))
+
+
+def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list[int] | None:
+    """Keep the layers `_choose_layers` picks; returns their full-model indices (None: no layer
+    count to shrink)."""
+    name = _layer_count_name(c)
+    if name is None:
+        return None
+    n = getattr(c, name)
+    for field in ("first_k_dense_replace",):
+        _set(c, field, lambda v: min(v, 1))
+    keep = _choose_layers(c, periods, signatures)
+    for k, v in list(vars(c).items()):
+        if isinstance(v, (list, tuple)) and len(v) == n and n > 1:
+            setattr(c, k, type(v)(v[i] for i in keep))
+    for k in ("mlp_only_layers",):
+        v = getattr(c, k, None)
+        if isinstance(v, list):
+            setattr(c, k, [i for i in v if i < len(keep)])
+    # a second name for the layer count (xLSTM's num_blocks beside num_hidden_layers) follows it
+    for other in LAYER_COUNT_NAMES + ("num_blocks",):
+        if other != name and getattr(c, other, None) == n and _writable(c, other):
+            setattr(c, other, len(keep))
+    setattr(c, name, len(keep))
+    return keep
+
+
+def _rederive(c: Any, notes: list[str]) -> None:
+    """Recompute what a dataclass config derives in ``__post_init__`` instead of taking as an
+    argument (Zamba2's attention_head_dim = 2 hidden / heads, mamba_headdim, hybrid_layer_ids)
+    from the shrunk fields: ``__post_init__`` runs again on a copy, and the derived (non-field)
+    values that changed are taken from it. A config whose ``__post_init__`` refuses to run again
+    keeps its derived values, which may still be the full model's: a note names the class and
+    the error (the config is not wrong, so it is not an input error; the proxy may be)."""
+    if not dataclasses.is_dataclass(c) or not hasattr(c, "__post_init__"):
+        return
+    fields = {f.name for f in dataclasses.fields(c)}
+    probe = copy.deepcopy(c)
+    try:
+        probe.__post_init__()
+    except Exception as e:  # noqa: BLE001 - the model's own config code, whatever it raises
+        derived = sorted(k for k in vars(c) if k not in fields and not k.startswith("_"))
+        notes.append(f"{type(c).__name__}.__post_init__ raised {type(e).__name__}: {e} when re-run "
+                     f"on the shrunk fields; its derived fields keep their values "
+                     f"({', '.join(derived) or 'none found'})")
+        return
+    mine = vars(c)
+    for k, v in vars(probe).items():
+        if k not in fields and not k.startswith("_") and k in mine and mine[k] != v and _writable(c, k):
+            setattr(c, k, v)
+
+
+def _lift_per_layer_overrides(c: Any) -> dict[int, dict[str, Any]] | None:
+    """Take a heterogeneous config's per-layer overrides (transformers' `per_layer_config`) off
+    it, so that the shrinking rules read and write the global fields (which such a config hides
+    from global reads); None for a homogeneous config."""
+    spec = vars(c).get("_heterogeneity_spec")
+    if spec is None:
+        return None
+    overrides = copy.deepcopy(spec.per_layer_overrides)
+    c.per_layer_config = None
+    return overrides
+
+
+def _put_back_per_layer_overrides(c: Any, overrides: dict[int, dict[str, Any]], before: dict[str, Any],
+                                  keep: list[int] | None) -> None:
+    """Re-attach the overrides of the kept layers (renumbered), each integer field scaled as the
+    shrinking scaled its global value (a 512 head dim where the global 256 became 32: 64)."""
+    out = {}
+    pairs = enumerate(keep) if keep is not None else ((i, i) for i in sorted(overrides))
+    for new_i, old_i in pairs:
+        if old_i not in overrides:
+            continue
+        layer = {}
+        for k, v in overrides[old_i].items():
+            b, a = before.get(k), getattr(c, k, None)
+            if isinstance(v, int) and not isinstance(v, bool) and isinstance(b, int) and isinstance(a, int) \
+                    and b > 0 and a != b:
+                v = max(1, round(v * a / b))
+            layer[k] = v
+        out[new_i] = layer
+    c.per_layer_config = out
+
+
+def shrink_config(config: Any, size: str, *, periods: int = 1,
+                  signatures: list[tuple] | None = None, notes: list[str] | None = None) -> Any:
+    """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
+
+    ``signatures`` (from `layer_signatures` of the full-size model) let the layer choice see
+    layer kinds that the config does not list per layer. What the proxy caps or could not
+    re-derive is appended to ``notes``; without a list, each is warned about (`ProxyWarning`).
+    """
+    if size not in PROXY_SIZES:
+        raise InputError(f"--proxy {size!r}: expected one of {', '.join(PROXY_SIZES)}")
+    s = PROXY_SIZES[size]
+    found: list[str] = []
+    cfg = copy.deepcopy(config)
+    c = text_config(cfg)
+    overrides = _lift_per_layer_overrides(c)
+    before = dict(vars(c))
+    _shrink_widths(c, s, found)
+    _shrink_experts(c, s, found)
+    _shrink_vocab(c, s)
+    keep = _shrink_layers(c, periods, signatures)
+    _rederive(c, found)
+    if overrides is not None:
+        _put_back_per_layer_overrides(c, overrides, before, keep)
+    if notes is None:
+        _warn(size, found)
+    else:
+        notes.extend(found)
+    return cfg
+
+
+def _warn(size: str, notes: list[str]) -> None:
+    for note in notes:
+        warnings.warn(f"{size} proxy: {note}", ProxyWarning, stacklevel=3)
+
+
+def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
+                 full_params: int | None = None) -> tuple[Any, str]:
+    """The proxy config for ``loaded`` and a one-line note on how it was made (with what it
+    caps, each also warned about: `ProxyWarning`).
+
+    ``full_model`` is the full-size model (on ``meta``), used for layer structure.
+    """
+    s = PROXY_SIZES.get(size)
+    if s is None:
+        raise InputError(f"--proxy {size!r}: expected one of {', '.join(PROXY_SIZES)}")
+    if loaded.config is None or not loaded.is_hf:
+        return loaded.config, "no config to shrink: the proxy is the model as given"
+    if full_params is not None and full_params <= s.max_params:
+        return copy.deepcopy(loaded.config), (
+            f"full size ({full_params:,} parameters) fits the {size} budget: used as is")
+    from onboarding.load.accounting import count_parameters
+
+    c = text_config(loaded.config)
+    name = _layer_count_name(c)
+    sigs = layer_signatures(full_model, getattr(c, name)) if full_model is not None and name \
+        else None
+    notes: list[str] = []
+    periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs, notes=notes)
+    while s.min_params:
+        n = count_parameters(loaded.build(cfg, device="meta", seed=None)).total
+        if n >= s.min_params or periods >= 16:
+            break
+        periods += 1
+        notes = []
+        cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs, notes=notes)
+    _warn(size, notes)
+    note = f"shrunk to the {size} proxy ({periods} layer period(s))"
+    return cfg, "; ".join([note] + notes)

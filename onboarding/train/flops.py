@@ -1,0 +1,201 @@
+"""FLOPs of one LoRA training step, counted the LoRA-correct way, and device peak FLOP/s.
+
+Per token, with N the matmul parameters a token passes through:
+  - frozen base GEMMs: forward plus input gradient, 4 N (no weight-gradient GEMM: the weights are
+    frozen); routed experts count the tokens actually routed to them (else top-k / E weighting);
+  - adapters: forward, input gradient and weight gradient, 6 x adapter parameters (expert adapters
+    per routed token-expert pair);
+  - attention cores (no parameters): forward ``2 H (d_qk + d_v)`` per query-key pair, causal
+    (query i sees i + 1 keys; ``min(i + 1, window)`` sliding, ``min(i + 1, K)`` top-k sparse), and
+    the backward twice the forward; the top-k indexer forward only (the selection passes no
+    gradient to it);
+  - chunked linear attention (chunk C, per value head): intra-chunk ``Q K^T``, ``K K^T`` (the
+    delta rule's triangular transform) and ``A V``, plus three state products per token
+    (``q S``, ``w S``, ``k^T v``), backward twice the forward.
+Embedding lookups, norms and elementwise ops are not counted (MFU convention).
+Attention widths come from the model's config fields; blocks whose widths are unknown are listed
+in ``uncounted_blocks``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from onboarding.load.accounting import TOPK_NAMES
+from onboarding.graph.opgraph import OpGraph
+from onboarding.load.proxy import text_config
+from onboarding.train.lora import LoRALinear, adapter_modules, default_targets
+
+# Dense bf16 tensor-core peaks from the vendor datasheets (FLOP/s, no sparsity).
+PEAK_BF16 = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+             ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12))
+
+
+def peak_flops(device: Any) -> float | None:
+    """Datasheet dense bf16 FLOP/s of a CUDA ``device``; None on the CPU or an unknown GPU."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((f for key, f in PEAK_BF16 if key in name), None)
+
+
+def _causal_keys(seq: int, cap: int | None = None) -> float:
+    """Mean keys a query sees in a causal sequence of ``seq`` tokens (capped at ``cap``)."""
+    cap = seq if cap is None or cap <= 0 else min(cap, seq)
+    # queries 0..cap-1 see i + 1 keys; the rest see cap keys
+    return (cap * (cap + 1) / 2 + (seq - cap) * cap) / seq
+
+
+def _int(cfg: Any, *names: str) -> int | None:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _attention_widths(cfg: Any, kind: str) -> tuple[int, int, int] | None:
+    """(heads, d_qk, d_v) of a softmax-attention block from config fields."""
+    heads = _int(cfg, "num_attention_heads", "n_head", "num_heads")
+    if heads is None:
+        return None
+    if kind in ("attention.mla", "sparse_attention.topk") and _int(cfg, "qk_rope_head_dim"):
+        d_qk = (_int(cfg, "qk_nope_head_dim") or 0) + _int(cfg, "qk_rope_head_dim")
+        return heads, d_qk, _int(cfg, "v_head_dim") or d_qk
+    hidden = _int(cfg, "hidden_size", "d_model")
+    d = _int(cfg, "head_dim") or (hidden // heads if hidden else None)
+    return (heads, d, _int(cfg, "v_head_dim") or d) if d else None
+
+
+def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict) -> float | None:
+    """Training FLOPs per token of one attention block's core (no projections)."""
+    if kind.startswith("linear_attention."):
+        hv = _int(cfg, "linear_num_value_heads", "linear_num_heads")
+        dk = _int(cfg, "linear_key_head_dim", "linear_head_dim")
+        dv = _int(cfg, "linear_value_head_dim", "linear_head_dim")
+        if not (hv and dk and dv):
+            return None
+        c = min(int(attrs.get("chunk") or 64), seq)
+        intra = 2 * c * (2 * dk + dv) / 2  # causal half of C x C products, per token
+        state = 3 * 2 * dk * dv
+        return 3 * hv * (intra + state)
+    widths = _attention_widths(cfg, kind)
+    if widths is None:
+        return None
+    heads, d_qk, d_v = widths
+    cap = None
+    if kind == "attention.sliding":
+        cap = _int(cfg, "sliding_window", "attention_window")
+    extra = 0.0
+    if kind == "sparse_attention.topk":
+        cap = _int(cfg, "index_topk")
+        ih, idim = _int(cfg, "index_n_heads"), _int(cfg, "index_head_dim")
+        if ih and idim:
+            extra = 2 * ih * idim * _causal_keys(seq)  # indexer forward only
+    return 3 * 2 * heads * (d_qk + d_v) * _causal_keys(seq, cap) + extra
+
+
+def _numel(p: torch.Tensor) -> int:
+    return int(p.numel())
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _moe_blocks(graph: OpGraph, cfg: Any, lora_rank: int) -> list[dict[str, Any]]:
+    """Routed-expert blocks from the op graph (the unsharded proxy's shapes, whatever EP did to
+    the live model): path, top-k, parameters per expert, expert-LoRA parameters per expert."""
+    top_k = {b.layer: b.attrs.get("top_k") for b in graph.by_kind("moe.router")}
+    default_k = _int(cfg, *TOPK_NAMES) if cfg is not None else None
+    out = []
+    for b in graph.by_kind("moe.experts"):
+        n = b.attrs.get("n_experts")
+        if not n:
+            continue
+        shapes = [s for s in b.params.values() if len(s) >= 2]
+        per_expert = sum(_prod(s) for s in shapes) / n
+        # packed [E, out, in]: r (in + out) per expert; per-expert [out, in] lists: summed / E
+        adapter = sum(lora_rank * (s[-1] + s[-2]) / (1 if len(s) == 3 else n) for s in shapes)
+        out.append({"path": b.path, "n_experts": n, "per_expert": per_expert,
+                    "top_k": top_k.get(b.layer) or default_k or 1,
+                    "adapter_per_expert": adapter})
+    return out
+
+
+def step_flops(graph: OpGraph, model: nn.Module, *, tokens: int, seq_len: int, lora_rank: int,
+               expert_lora: bool, routed_tokens: int | None = None) -> dict[str, float]:
+    """FLOPs of one optimizer step over ``tokens`` tokens (all ranks), by part, plus ``total``.
+
+    ``routed_tokens``: token-expert assignments summed over all MoE layers in the step (what the
+    router actually sent, drops included); None assumes ``tokens * top_k`` per MoE layer.
+    ``total_6n`` is the naive ``6 x active parameters`` count, for comparison. Expert shapes and
+    top-k come from ``graph`` (the unsharded proxy), so an expert-parallel model counts right.
+    """
+    cfg = text_config(model.config) if getattr(model, "config", None) is not None else None
+    moe = _moe_blocks(graph, cfg, lora_rank)
+    modules = dict(model.named_modules())
+    expert_ids: set[int] = set()
+    for m in moe:
+        if m["path"] in modules:  # whatever holds the experts now (e.g. the EP module)
+            expert_ids.update(id(p) for p in modules[m["path"]].parameters())
+    adapter_ids = {id(p) for mod in adapter_modules(model).values() for n, p in
+                   mod.named_parameters() if "lora" in n}
+    embeds = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = {id(out_emb.weight)} if isinstance(out_emb, nn.Module) and hasattr(
+        out_emb, "weight") else set()
+    dense_n, seen = 0, set()
+    for p in model.parameters():  # DTensor numel is the global (unsharded) size
+        if id(p) in seen or p.ndim < 2 or id(p) in expert_ids or id(p) in adapter_ids:
+            continue
+        seen.add(id(p))
+        if id(p) in embeds and id(p) not in head:
+            continue  # an input embedding is a lookup, not a GEMM
+        dense_n += _numel(p)
+    parts: dict[str, float] = {"base_dense": 4.0 * dense_n * tokens}
+
+    # routed experts: per-expert parameters x actual (or expected) routed token count
+    assignments = routed_tokens if routed_tokens is not None else \
+        sum(tokens * m["top_k"] for m in moe)
+    mean_pe = sum(m["per_expert"] for m in moe) / len(moe) if moe else 0.0
+    parts["base_experts"] = 4.0 * mean_pe * assignments
+
+    # adapters: actual LoRALinear layers, or the default targets when not injected yet
+    lora_layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if lora_layers:
+        dense_adapter = sum(m.rank * (m.in_features + m.out_features) for m in lora_layers)
+    else:
+        dense_adapter = sum(lora_rank * (modules[p].in_features + modules[p].out_features)
+                            for p in default_targets(model, graph))
+    parts["adapters"] = 6.0 * dense_adapter * tokens
+    expert_adapter = sum(m["adapter_per_expert"] for m in moe) / len(moe) \
+        if moe and expert_lora else 0.0
+    parts["expert_adapters"] = 6.0 * expert_adapter * assignments
+
+    n_seq = tokens / seq_len
+    uncounted = 0
+    for kind_prefix in ("attention.", "sparse_attention.", "linear_attention."):
+        key = kind_prefix[:-1]  # the part: the block kinds' group
+        total = 0.0
+        for b in graph.blocks:
+            if not b.kind.startswith(kind_prefix):
+                continue
+            per_token = _attention_core(cfg, b.kind, seq_len, b.attrs) if cfg is not None else None
+            if per_token is None:
+                uncounted += 1
+                continue
+            total += per_token * seq_len * n_seq
+        parts[key] = total
+    parts["total"] = sum(parts.values())
+    active = dense_n + (mean_pe * assignments / tokens if tokens else 0.0)
+    parts["total_6n"] = 6.0 * active * tokens
+    parts["uncounted_blocks"] = float(uncounted)
+    return parts

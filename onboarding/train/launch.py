@@ -1,0 +1,217 @@
+"""Plan and launch a training run: the single-process reference, then the torchrun parallel run.
+
+`launch` checks everything it can before any process starts (config against the model's expert
+count from a meta-device build, the data and tokenizer), writes ``<out>/train.toml``, runs the
+commands with their output in ``<out>/train/<role>.log`` and compares the two loss curves.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from onboarding.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK, InputError
+from onboarding.families import subprocess_env
+from onboarding.train.config import TrainConfig
+
+
+def config_path(cfg: TrainConfig) -> Path:
+    return Path(cfg.out) / "train.toml"
+
+
+def plan(cfg: TrainConfig) -> list[list[str]]:
+    """Commands to run, in order: the reference, then (nproc > 1) the parallel run, then (when
+    asked) the transformers + PEFT baseline."""
+    if not cfg.out:
+        raise InputError("out: the run directory is not set")
+    toml = str(config_path(cfg))
+    worker = ["-m", "onboarding.train.worker", "--config", toml]
+    cmds = [[sys.executable, *worker, "--role", "reference"]]
+    if cfg.nproc > 1:
+        cmds.append([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", str(cfg.nproc), *worker, "--role", "parallel"])
+    if cfg.baseline:
+        cmds.append([sys.executable, *worker, "--role", "baseline"])
+    return cmds
+
+
+def check(cfg: TrainConfig):
+    """Validate ``cfg`` against the model (meta build) and the data; returns (`ModelInfo`, routed
+    expert count, tokenizer, the op graph the expert-parallel preflight parsed or None)."""
+    from onboarding.load.proxy import text_config
+    from onboarding.train.data import PackedData, load_texts, load_tokenizer
+    from onboarding.train.setup import meta_experts, resolve_device, tokenizer_dir
+
+    cfg.validate_fields()  # field checks first: cheap, and clear before the model is loaded
+    info, n_experts = meta_experts(cfg)
+    cfg.validate(n_experts=n_experts)
+    if resolve_device(cfg).type == "cuda":  # one GPU per process
+        import torch
+
+        n_gpus = torch.cuda.device_count()
+        if cfg.nproc > n_gpus:
+            raise InputError(f"nproc={cfg.nproc}: one GPU per process, and this machine has "
+                             f"{n_gpus}; use fewer processes, or --device cpu (gloo)")
+    tc = text_config(info.proxy_config) if info.proxy_config is not None else None
+    vocab = getattr(tc, "vocab_size", None)
+    max_pos = getattr(tc, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and cfg.seq_len > max_pos:
+        raise InputError(f"seq_len={cfg.seq_len}: longer than the model's "
+                         f"max_position_embeddings={max_pos}")
+    tok = load_tokenizer(tokenizer_dir(info), vocab or 256)
+    data = PackedData(load_texts(cfg.data), tok, cfg.seq_len, cfg.seed)
+    if len(data) < cfg.global_batch:
+        raise InputError(f"the data packs into {len(data)} rows of seq_len + 1 = "
+                         f"{cfg.seq_len + 1} tokens, fewer than one global batch "
+                         f"({cfg.global_batch}); add data or shorten seq_len")
+    graph = None
+    if n_experts and (cfg.ep > 1 or cfg.expert_lora or cfg.capacity_factor is not None):
+        graph = _preflight_experts(cfg, info)
+    return info, n_experts, tok, graph
+
+
+def _preflight_experts(cfg: TrainConfig, info):
+    """Expert parallelism's refusals (an experts layout it cannot split, expert LoRA on weights
+    that are not [E, out, in] halves, ...) before any directory exists: the workers' own
+    replacement, run once here on the proxy (CPU build, rank 0 of the EP group). Returns the op
+    graph it parsed, which `launch` leaves in the run directory for the workers."""
+    from onboarding.graph.parse import parse_stage
+    from onboarding.train.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
+    from onboarding.train.setup import PARSE_SEQ
+
+    graph = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed)
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=cfg.seed)
+    lora = ExpertLoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.expert_lora else None
+    apply_expert_parallel(model, graph, EPGroup(size=cfg.ep), lora=lora,
+                          capacity_factor=cfg.capacity_factor, seed=cfg.seed)
+    return graph
+
+
+def write_config(cfg: TrainConfig, *, source: Path | None = None) -> Path:
+    """Write ``<out>/train.toml`` unless it is ``source`` itself (the user's edited file).
+
+    An existing different ``train.toml`` there is never overwritten.
+    """
+    path = config_path(cfg)
+    if source is not None and path.exists() and path.resolve() == source.resolve():
+        return path
+    if path.exists():
+        if TrainConfig.from_toml(path) == cfg:
+            return path
+        raise InputError(f"{path} exists and differs from this setup; re-run it with "
+                         f"`onboard train --config {path}` or choose another --out")
+    return cfg.to_toml(path)
+
+
+def describe(cfg: TrainConfig, n_experts: int | None,
+             tokenizer_name: str | None = None) -> list[list[str]]:
+    """The setup table (rows of field, value) printed by --dry-run and the report."""
+    return [["model", f"{cfg.model} (proxy {cfg.proxy})"],
+            ["layout", f"{cfg.nproc} processes = fsdp {cfg.fsdp} x ep {cfg.ep}"],
+            ["routed experts", str(n_experts) if n_experts else "none (dense)"],
+            ["batch", f"{cfg.micro_batch} seq/rank x {cfg.nproc} = {cfg.global_batch} x "
+                      f"{cfg.seq_len} tokens, {cfg.steps} steps"],
+            ["LoRA", f"r={cfg.lora_rank} alpha={cfg.lora_alpha:g} dropout={cfg.lora_dropout:g} "
+                     f"targets={','.join(cfg.lora_targets)} experts={cfg.expert_lora}"],
+            ["optimizer", f"AdamW lr={cfg.lr:g} wd={cfg.weight_decay:g} "
+                          f"warmup={cfg.warmup_steps} clip={cfg.grad_clip:g}"],
+            ["precision", f"base {cfg.dtype}, adapters + optimizer fp32, device {cfg.device}"],
+            ["data", (cfg.data or "built-in stdlib docstring/code pairs") +
+             (f" ({tokenizer_name})" if tokenizer_name else "")],
+            ["checkpoints", f"every {cfg.checkpoint_interval} steps" if cfg.checkpoint_interval
+             else "none"]]
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return rows
+
+
+def _run(cmd: list[str], role: str, cfg: TrainConfig, console: Console) -> int:
+    train_dir = Path(cfg.out) / "train"
+    train_dir.mkdir(parents=True, exist_ok=True)
+    log = train_dir / f"{role}.log"
+    metrics = train_dir / f"{role}.jsonl"
+    # PYTHONSAFEPATH: `python -m` would put the working directory on sys.path, and a repo
+    # checkout's kernels/ folder would then shadow the Hugging Face `kernels` package.
+    # the workers see the families this process was given (--families DIR) as well
+    env = {**subprocess_env(), "PYTHONSAFEPATH": "1"}
+    t0 = time.perf_counter()
+    with open(log, "w") as out, console.status(f"train: {role} starting") as status:
+        out.write("$ " + shlex.join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            while proc.poll() is None:
+                rows = _rows(metrics)
+                if rows and isinstance(rows[-1].get("loss"), (int, float)):
+                    status.update(f"train: {role} step {rows[-1].get('step')}/{cfg.steps} "
+                                  f"loss {rows[-1]['loss']:.4f}")
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:  # interrupted: take the run (torchrun: its workers) down
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    rc = proc.returncode
+    took = time.perf_counter() - t0
+    if rc != 0:
+        tail = log.read_text().splitlines()[-15:]
+        console.print(f"[red]{role} run failed[/red] (exit {rc}, {took:.1f} s); last lines of "
+                      f"{log}:\n" + "\n".join(tail), highlight=False)
+    else:
+        console.print(f"[green]done[/green] {role} run ({took:.1f} s)")
+    return rc
+
+
+def launch(cfg: TrainConfig, dry_run: bool = False, *, console: Console | None = None,
+           source: Path | None = None, checked: tuple | None = None) -> int:
+    """Check, write train.toml, run reference then parallel, compare; returns an exit code.
+
+    ``source``: the train.toml this config was read from (never overwritten). A dry run
+    prints the plan and the commands and writes nothing. ``checked``: `check`'s result when
+    the caller already ran it.
+    """
+    console = console or Console()
+    _, n_experts, tok, graph = checked or check(cfg)
+    cmds = plan(cfg)
+    if dry_run:
+        from rich.table import Table
+
+        table = Table(title="onboard train (dry run)", show_header=False)
+        for k, v in describe(cfg, n_experts, tok.name):
+            table.add_row(k, v)
+        console.print(table)
+        for cmd in cmds:
+            console.print(shlex.join(cmd), highlight=False, soft_wrap=True)
+        return EXIT_OK
+    write_config(cfg, source=source)
+    graph_file = Path(cfg.out) / "opgraph.json"
+    if graph is not None and not graph_file.exists():  # the workers load it instead of parsing again
+        graph.save(graph_file)
+    for cmd in cmds:
+        rc = _run(cmd, cmd[-1], cfg, console)  # every command ends with "--role ROLE"
+        if rc != 0:
+            return rc if rc in (2, 3) else EXIT_INTERNAL
+    if cfg.nproc == 1:
+        return EXIT_OK
+    from onboarding.train.compare import compare
+
+    result = compare(Path(cfg.out), dtype=cfg.dtype)
+    console.print(result["summary"])
+    return EXIT_OK if result["passed"] else EXIT_CHECK_FAILED

@@ -1,0 +1,180 @@
+"""LoRA adapters on frozen linear layers, and where they go by default.
+
+`LoRALinear` computes ``y = base(x) + scaling * B(A(dropout(x)))`` with ``scaling = alpha / r``;
+A is Kaiming-uniform, B zeros (the wrapped model equals the original at init), both fp32 whatever
+the base dtype. Default targets are found from the op graph's block kinds (every attention kind:
+full, gated, sliding, MLA, top-k sparse with its indexer, and linear attention's in/out
+projections), never from class names. Routers, experts and the LM head are left out.
+
+Expert adapters live in the expert module itself (training/moe_ep.py). Such a module exposes
+``peft_tensors(prefix)`` and ``peft_target()``; its adapter parameters are named ``lora_*``, which
+is how `inject_lora` leaves them trainable and `lora_parameters` finds them.
+"""
+
+from __future__ import annotations
+
+import math
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from onboarding.errors import InputError
+from onboarding.graph.opgraph import OpGraph
+
+ATTENTION_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
+EXCLUDED_KINDS = ("moe.router", "moe.experts", "moe.shared_expert", "lm_head", "embedding")
+ADAPTER_PREFIX = "lora_"
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update (fp32 adapters)."""
+
+    def __init__(self, base: nn.Linear, *, rank: int, alpha: float, dropout: float = 0.0,
+                 generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        if rank <= 0:
+            raise InputError(f"lora_rank={rank}: must be positive")
+        self.base = base
+        dev = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=dev,
+                                dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=dev,
+                                dtype=torch.float32)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.rank = rank
+        self.alpha = float(alpha)
+        self.scaling = float(alpha) / rank
+        self.reset_adapters(generator)
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def reset_adapters(self, generator: torch.Generator | None = None) -> None:
+        # Same init as nn.Linear's weight (kaiming uniform, a=sqrt(5)); drawn on the CPU from
+        # ``generator`` so every process gets the same A wherever the layer lives.
+        bound = 1.0 / math.sqrt(self.lora_A.in_features)
+        a = torch.empty(self.lora_A.weight.shape, dtype=torch.float32)
+        a.uniform_(-bound, bound, generator=generator)
+        self.lora_A.weight.copy_(a)
+        self.lora_B.weight.zero_()
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:  # code that reads ``layer.weight`` sees the base weight
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        delta = self.lora_B(self.lora_A(self.dropout(x.to(torch.float32))))
+        return y + (self.scaling * delta).to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+def _linear_paths(model: nn.Module) -> dict[str, nn.Linear]:
+    """Plain ``nn.Linear`` modules, leaving out those inside a `LoRALinear` (base, A, B)."""
+    wrapped = [p for p, m in model.named_modules() if isinstance(m, LoRALinear)]
+    return {p: m for p, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not any(p.startswith(w + ".") for w in wrapped)}
+
+
+def _inside(path: str, block_path: str) -> bool:
+    return block_path == "" or path == block_path or path.startswith(block_path + ".")
+
+
+def default_targets(model: nn.Module, graph: OpGraph) -> list[str]:
+    """Paths of the ``nn.Linear`` modules inside every attention-kind block of ``graph``."""
+    linears = _linear_paths(model)
+    attn = [b.path for b in graph.blocks if b.kind.startswith(ATTENTION_PREFIXES)]
+    # Nested blocks of excluded kinds (a router inside an attention wrapper...) stay out.
+    excluded = [b.path for b in graph.blocks if b.kind in EXCLUDED_KINDS]
+    out = []
+    for path in linears:
+        if any(_inside(path, a) for a in attn) and not any(_inside(path, e) for e in excluded):
+            out.append(path)
+    return sorted(out, key=_path_key)
+
+
+def _path_key(path: str) -> list:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split(".")]
+
+
+def _matches(path: str, pattern: str) -> bool:
+    leaf = path.rsplit(".", 1)[-1]
+    return fnmatchcase(path, pattern) or fnmatchcase(leaf, pattern) or \
+        path.endswith("." + pattern)
+
+
+def resolve_targets(model: nn.Module, graph: OpGraph, targets: list[str]) -> list[str]:
+    """``targets`` (``"auto"`` and/or fnmatch patterns) -> the matching ``nn.Linear`` paths."""
+    linears = _linear_paths(model)
+    chosen: set[str] = set()
+    for pattern in targets:
+        if pattern == "auto":
+            chosen.update(default_targets(model, graph))
+            continue
+        hits = [p for p in linears if _matches(p, pattern)]
+        if not hits:
+            raise InputError(f"lora_targets: pattern {pattern!r} matches no nn.Linear module "
+                             f"(e.g. {', '.join(list(linears)[:4]) or 'none in the model'})")
+        chosen.update(hits)
+    if not chosen:
+        raise InputError(f"lora_targets={targets!r}: no nn.Linear module matched (the op graph "
+                         "has no attention-kind block with linear projections)")
+    return sorted(chosen, key=_path_key)
+
+
+def inject_lora(model: nn.Module, graph: OpGraph, *, targets: list[str], rank: int,
+                alpha: float, dropout: float, seed: int = 0) -> list[str]:
+    """Wrap the target linears in `LoRALinear` (in place); freeze every base parameter.
+
+    Returns the wrapped module paths. Adapter A matrices are drawn from ``seed`` in path order,
+    so every process that injects into the same model gets the same adapters.
+    """
+    paths = resolve_targets(model, graph, targets)
+    gen = torch.Generator().manual_seed(seed)
+    for path in paths:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        base = getattr(parent, name)
+        setattr(parent, name, LoRALinear(base, rank=rank, alpha=alpha, dropout=dropout,
+                                         generator=gen))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.rsplit(".", 1)[-1].startswith(ADAPTER_PREFIX)
+                         or _is_adapter_param(name))
+    return paths
+
+
+def _is_adapter_param(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B")
+
+
+def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Every trainable adapter parameter: `LoRALinear` A/B and ``lora_*`` params (expert LoRA)."""
+    out, seen = [], set()
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if (_is_adapter_param(name) or leaf.startswith(ADAPTER_PREFIX)) and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def adapter_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """`LoRALinear` layers and modules exporting their own adapters (``peft_tensors``)."""
+    return {p: m for p, m in model.named_modules()
+            if isinstance(m, LoRALinear) or callable(getattr(m, "peft_tensors", None))}

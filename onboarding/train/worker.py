@@ -1,0 +1,268 @@
+"""One training process: ``python -m onboarding.train.worker --config PATH --role ROLE``.
+
+``--role parallel`` runs under torchrun (gloo on the CPU, nccl on CUDA) with the FSDP2 x EP
+layout of the config; ``--role reference`` is the same model, data and seed in one process
+without sharding (experts computed by the same module with every expert local). ``--role
+baseline`` is what users get today, for speed comparisons on one device: the transformers model
+as it stands (its own experts, no onboard kernels) with PEFT LoRA on the same targets, fed one
+rank's share of each batch. Each writes ``<out>/train/<role>.jsonl``; the parallel role exports
+the adapters to ``<out>/train/adapter/``. On CUDA with ``kernels = true`` the reference and
+parallel roles patch the onboard kernels that pass their checks on the device
+(`onboarding.train.kernels`).
+
+Test hook: ``ONBOARD_TEST_KILL=RANK:STEP`` makes that rank exit(1) right after that step (after
+its checkpoint, if one is due) to test crash recovery. It only ever ends a run early.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from onboarding.graph.torch_paths import torch_reference_paths
+from onboarding.errors import InputError
+from onboarding.train import metrics as M
+from onboarding.train.checkpoint import Checkpointer
+from onboarding.train.config import TrainConfig
+from onboarding.train.moe_ep import (
+    ExpertLoRA, RouterTaps, aux_loss, apply_expert_parallel, global_counts, update_score_bias)
+from onboarding.train.parallel import (
+    Layout, apply_activation_checkpointing, clip_grads, decoder_blocks, finish_expert_grads,
+    make_layout, shard, single_layout)
+
+KILL_ENV = "ONBOARD_TEST_KILL"
+SCORE_BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed for aux-loss-free balancing
+
+
+def _init(role: str, cfg: TrainConfig) -> tuple[Layout, torch.device]:
+    from onboarding.train.setup import resolve_device
+
+    device = resolve_device(cfg)
+    if role in ("reference", "baseline"):
+        return single_layout(), device
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.nproc:
+        raise InputError(f"nproc={cfg.nproc} but the launcher started {world} processes")
+    if world == 1:
+        return single_layout(), device
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return make_layout(cfg.fsdp, cfg.ep, device.type), device
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    if cfg.warmup_steps <= 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, step / cfg.warmup_steps)
+
+
+def _world_mean(x: torch.Tensor, layout: Layout) -> float:
+    x = x.detach().double().clone()
+    if layout.distributed:
+        dist.all_reduce(x)
+        x /= layout.world
+    return float(x)
+
+
+def _maybe_kill(layout: Layout, step: int) -> None:
+    spec = os.environ.get(KILL_ENV, "")
+    if spec:
+        rank, _, at = spec.partition(":")
+        if int(rank) == layout.rank and int(at) == step:
+            print(f"[{KILL_ENV}] rank {layout.rank} exits after step {step}", flush=True)
+            os._exit(1)
+
+
+def run(cfg: TrainConfig, role: str) -> None:
+    from onboarding.train import data as D
+    from onboarding.train.flops import peak_flops, step_flops
+    from onboarding.train.lora import inject_lora, lora_parameters
+    from onboarding.train.setup import build
+
+    layout, device = _init(role, cfg)
+    built = build(cfg, device=device)
+    cfg.validate(n_experts=built.n_experts)
+    model, graph = built.model, built.graph
+    torch.manual_seed(cfg.seed)
+
+    ep_mods = []
+    if role == "baseline":
+        _peft(model, graph, cfg)
+    elif built.n_experts:
+        ep_mods = apply_expert_parallel(
+            model, graph, layout.ep_group,
+            lora=ExpertLoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.expert_lora
+            else None, capacity_factor=cfg.capacity_factor,
+            dispatch_groups=cfg.fsdp if role == "reference" and cfg.capacity_factor else 1,
+            seed=cfg.seed)
+    if role != "baseline":
+        inject_lora(model, graph, targets=cfg.lora_targets, rank=cfg.lora_rank,
+                    alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
+    patches, expert_kernels = None, {}
+    if cfg.kernels and device.type == "cuda" and role != "baseline":
+        from onboarding.train.kernels import attach_expert_kernels, patch_kernels
+
+        patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
+                                rank=layout.rank, distributed=layout.distributed)
+        expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
+                                               rank=layout.rank)
+    taps = RouterTaps(model, graph) if (getattr(_text_cfg(model), "router_aux_loss_coef", 0)
+                                        or 0) > 0 and ep_mods else None
+    aux_coef = float(getattr(_text_cfg(model), "router_aux_loss_coef", 0) or 0)
+    blocks = decoder_blocks(model, graph)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(blocks)
+    shard(model, layout, blocks, ep_mods)
+    model.train()
+
+    params = lora_parameters(model) if role != "baseline" else \
+        [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    expert_ids = {id(p) for m in ep_mods for p in m.lora_parameters()}
+    dense = [p for _, p in params if id(p) not in expert_ids]
+    experts = [p for _, p in params if id(p) in expert_ids]
+    opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            foreach=False)
+
+    out = Path(cfg.out) / "train"
+    ckpt = Checkpointer(out / "ckpt" / role, layout, interval=cfg.checkpoint_interval)
+    start = 0
+    latest = ckpt.latest() if cfg.checkpoint_interval > 0 else None
+    if latest is not None:
+        start = ckpt.load(latest, params, expert_ids, opt)
+        if layout.rank == 0:
+            print(f"resumed from {latest} (step {start})", flush=True)
+    writer = M.JsonlWriter(out / f"{role}.jsonl", resume_step=start, enabled=layout.rank == 0)
+
+    tok = D.load_tokenizer(built.tokenizer_dir, _text_cfg(model).vocab_size)
+    packed = D.PackedData(D.load_texts(cfg.data), tok, cfg.seq_len, cfg.seed)
+    n_rows = cfg.global_batch
+    lo, hi = layout.rank * cfg.micro_batch, (layout.rank + 1) * cfg.micro_batch
+    local_rows = n_rows if role == "reference" else cfg.micro_batch
+    peak = peak_flops(device)
+    world_group = layout.dense_mesh.get_group() if layout.distributed else None
+    paths = [m.path for m in ep_mods]
+
+    for step in range(start + 1, cfg.steps + 1):
+        rows = packed.global_batch(step - 1, n_rows)
+        ids = (rows if role == "reference" else rows[lo:hi]).to(device)
+        prof = M.profiler(device) if cfg.profile_every and step % cfg.profile_every == 0 \
+            else None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.__enter__()
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, step)
+        # on the CPU, model code takes its torch path, never a GPU kernel library it found
+        with torch_reference_paths() if device.type == "cpu" else contextlib.nullcontext():
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                             ids[:, 1:].reshape(-1))
+        loss = ce
+        aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
+        if aux is not None:
+            loss = ce + aux_coef * aux
+        loss.backward()
+        finish_expert_grads(experts, layout)
+        gnorm = clip_grads(dense, experts, layout, cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        counts = global_counts(ep_mods, world_group) if ep_mods else None
+        if counts is not None:
+            update_score_bias(model, graph, counts, SCORE_BIAS_RATE)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.__exit__(None, None, None)
+        tokens = local_rows * layout.world * cfg.seq_len
+        row = {"step": step, "loss": _world_mean(loss, layout), "ce": _world_mean(ce, layout),
+               "aux": _world_mean(aux, layout) if aux is not None else None,
+               "grad_norm": gnorm, "lr": _lr(cfg, step), "tokens": tokens,
+               "step_time_s": dt, "tokens_per_s": tokens / dt,
+               "peak_mem_bytes": M.peak_memory(device)}
+        routed = int(counts.sum()) if counts is not None else None
+        flops = step_flops(graph, model, tokens=tokens, seq_len=cfg.seq_len,
+                           lora_rank=cfg.lora_rank, expert_lora=cfg.expert_lora,
+                           routed_tokens=routed)
+        row["mfu"] = flops["total"] / dt / (peak * layout.world) if peak else None
+        if prof is not None:
+            a2a = M.a2a_from_profile(prof)
+            row.update(a2a_ms=a2a["a2a_ms"], a2a_share=a2a["a2a_ms"] / 1e3 / dt,
+                       a2a_exposed_share=a2a["a2a_exposed_ms"] / 1e3 / dt)
+        if counts is not None:
+            row["expert_load"] = M.expert_load(counts, paths)
+        if patches is not None and step == start + 1:  # patches calibrate on the first call
+            from onboarding.train.kernels import summary
+
+            row["kernels"] = {**summary(patches), **expert_kernels}
+        writer.write(row)
+        if layout.rank == 0:
+            print(f"step {step} loss {row['loss']:.6f} {row['tokens_per_s']:.0f} tok/s",
+                  flush=True)
+        if ckpt.due(step):
+            ckpt.save(step, params, expert_ids, opt)
+        _maybe_kill(layout, step)
+
+    if role == "parallel":
+        from onboarding.train.peft_export import export_peft
+
+        for m in ep_mods:
+            m.gather_lora()
+        export_peft(model, cfg, out / "adapter", base_model_name_or_path=cfg.model)
+
+
+def _peft(model, graph, cfg: TrainConfig) -> None:
+    """The baseline's adapters: PEFT's own LoRA on the same target linears (in place)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from onboarding.train.lora import resolve_targets
+
+    targets = resolve_targets(model, graph, cfg.lora_targets)
+    inject_adapter_in_model(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                       lora_dropout=cfg.lora_dropout, target_modules=targets),
+                            model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+        if p.requires_grad:
+            p.data = p.data.float()  # adapters in fp32, as ours
+
+
+def _text_cfg(model):
+    from onboarding.load.proxy import text_config
+
+    return text_config(model.config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m onboarding.train.worker")
+    ap.add_argument("--config", required=True, help="train.toml")
+    ap.add_argument("--role", choices=("reference", "parallel", "baseline"), default="parallel")
+    args = ap.parse_args(argv)
+    try:
+        cfg = TrainConfig.from_toml(args.config)
+        run(cfg, args.role)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        os._exit(exc.exit_code)
+    if dist.is_initialized():
+        dist.barrier()  # then skip interpreter teardown (DESIGN.md: torchrun shutdown aborts)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""`onboard tune MODEL`: tune every kernel a run uses, at the shapes seen in its op graph.
+
+A run directory holds `opgraph.json`, `coverage.json` and `candidates.json` (parse, map,
+generate). `plan_jobs` turns them into one job per (candidate module, shape bucket): the
+bucketed dimension (`ShapeBucket.dim`) and the real problem dims for timing are read off each
+block by structure (input shapes, weight shapes, attrs: the family's `problem_dims` hook); the
+first block of a bucket gives its shapes. `tune_run` runs one study per job (key: family,
+variant, params, bucket, dtype, GPU), writes `<variant>.tuned.json` beside each candidate
+module, `tune.json` (every result, for the report) and `tune_best.png`. Reviewed kernels
+(`kernels/`) are not tuned here: their tuned configs are reviewed like their code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.rundir import write_json
+from onboarding.tune.search import (BucketResult, Timer, TuneConfig, plot_history, progress_bar,
+                             result_dict, tune_module, write_tuned)
+
+RESULTS_FILE = "tune.json"
+PLOT_FILE = "tune_best.png"
+RUN_ARTIFACTS = ("opgraph.json", "coverage.json", "candidates.json")
+
+
+@dataclass(kw_only=True)
+class TuneJob:
+    family: str
+    variant: str
+    module: str  # the candidate module's path
+    bucket: str
+    size: int  # the bucketed dimension's value
+    size_source: str  # how `size` was read off the block
+    shapes: list[list[int]]  # the block's input shapes (for the correctness sample)
+    dims: dict[str, int] | None  # real problem dims for timing (None: sample shapes)
+    blocks: list[str] = field(default_factory=list)
+
+
+def block_dims(family: str, entry, block) -> dict[str, int] | None:
+    """The real problem dims of one coverage entry's block: the family's `problem_dims` hook
+    (None: unknown, or the family declares none)."""
+    from onboarding.families import get_family
+
+    hook = get_family(family).problem_dims
+    return hook(entry, block) if hook is not None else None
+
+
+def bucket_size(spec, entry, block, dims: dict[str, int] | None) -> tuple[int | None, str]:
+    """The value of the family's bucketed dimension for one block, and where it came from: the
+    family's problem dims when it declares them (they are its whole say: None is not tuned),
+    else generic rules by the dim's name."""
+    dim = spec.shape_buckets[0].dim
+    if dims and dim in dims:
+        return int(dims[dim]), f"{dim} from the block's problem dims"
+    if spec.problem_dims is not None:
+        return None, ""
+    attrs = block.attrs if block is not None else {}
+    if dim == "C" and attrs.get("channels"):
+        return int(attrs["channels"]), "C from the block's channels"
+    if dim == "E" and attrs.get("n_experts"):
+        return int(attrs["n_experts"]), "E from the block's n_experts"
+    if dim in ("D", "F", "I") and entry.shapes and entry.shapes[0]:
+        return int(entry.shapes[0][-1]), f"{dim}: the block input's last dim"
+    if dim == "D_QK" and len(entry.shapes) >= 2 and entry.shapes[1]:
+        return int(entry.shapes[1][-1]), "D_QK: the head dim of the rotary table"
+    return None, ""
+
+
+def timing_dims(spec, dims: dict[str, int] | None) -> dict[str, int] | None:
+    """`dims` when they hold every dim of the family's real-shape timing inputs, else None
+    (timed at the sample shapes)."""
+    if not dims or spec.timing_inputs is None or not set(spec.timing_dims) <= set(dims):
+        return None
+    return dims
+
+
+def plan_jobs(run_dir: Path, families: list[str] | None = None
+              ) -> tuple[list[TuneJob], list[str]]:
+    """Jobs for every passing candidate of the run, one per shape bucket; and notes on what
+    is not tuned (reviewed kernels, failed candidates, blocks whose size is unknown)."""
+    from onboarding.generate.candidates import load_candidates
+    from onboarding.graph.opgraph import OpGraph
+    from onboarding.coverage import Coverage
+    from onboarding.families import get_family
+    from onboarding.generate.templating import load_module
+
+    missing = [a for a in RUN_ARTIFACTS if not (run_dir / a).is_file()]
+    if missing:
+        raise InputError(f"{run_dir}: not a generated run directory (missing {missing}); "
+                         "run `onboard generate MODEL --out DIR` or give MODEL")
+    graph = OpGraph.load(run_dir / "opgraph.json")
+    blocks = {b.path: b for b in graph.blocks}
+    coverage = Coverage.load(run_dir / "coverage.json")
+    cands = load_candidates(run_dir / "candidates.json")
+    jobs: dict[tuple[str, str], TuneJob] = {}
+    notes = [f"reviewed kernel {e.family} at {e.path}: not tuned here" for e in coverage.entries
+             if e.status == "kernel" and (families is None or e.family in families)]
+    for c in cands:
+        if families is not None and c.family not in families:
+            continue
+        if c.status != "passed":
+            notes.append(f"{c.family}/{c.variant}: candidate {c.status}, not tuned")
+            continue
+        # candidates.json may name another copy of this run directory: prefer the module here
+        local = run_dir / "candidates" / c.family / Path(c.path).name
+        path = str(local) if local.is_file() else c.path
+        spec, module = get_family(c.family), load_module(path)
+        for e in coverage.entries:
+            if (e.family, e.variant, e.params) != (c.family, c.variant, c.params):
+                continue
+            block = blocks.get(e.path)
+            dims = block_dims(c.family, e, block)
+            size, source = bucket_size(spec, e, block, dims)
+            dims = timing_dims(spec, dims)
+            if size is None:
+                notes.append(f"{c.family}/{c.variant} at {e.path}: bucketed dimension "
+                             f"{spec.shape_buckets[0].dim} unknown, not tuned")
+                continue
+            bucket = module.shape_bucket(size)
+            job = jobs.setdefault((path, bucket), TuneJob(
+                family=c.family, variant=c.variant, module=path, bucket=bucket, size=size,
+                size_source=source, shapes=e.shapes, dims=dims))
+            job.blocks.append(e.path)
+    return list(jobs.values()), notes
+
+
+def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = None,
+             timer: Timer | None = None, on_step: Callable[[str], None] | None = None,
+             progress: bool = False) -> dict[str, Any]:
+    """Tune every job of `run_dir`; writes tuned.json files, `tune.json` and `tune_best.png`.
+
+    Studies live in `config.storage` or, by default, `run_dir/tune.db` (a resumed run continues
+    them). Returns the `tune.json` content."""
+    import optuna
+
+    from onboarding.tune.search import gpu_name
+
+    run_dir = Path(run_dir)
+    if config.storage is None and config.storage_dir is None:
+        config = replace(config, storage_dir=run_dir)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    jobs, notes = plan_jobs(run_dir, families)
+    prog = progress_bar() if progress else None
+    results: list[tuple[TuneJob, BucketResult]] = []
+    if prog:
+        prog.start()
+    try:
+        for i, job in enumerate(jobs):
+            if on_step:
+                on_step(f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})")
+            r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
+                            config=replace(config, progress=False), timer=timer, progress=prog)
+            if r.best_config is not None:
+                write_tuned(job.module, [r], dtype=config.dtype,
+                            timing="injected timer" if timer else None)
+            results.append((job, r))
+    finally:
+        if prog:
+            prog.stop()
+    data = {"gpu": gpu_name(), "dtype": config.dtype, "trials_per_study": config.n_trials,
+            "notes": notes,
+            "studies": [{**asdict(job), "module": _relative(job.module, run_dir),
+                         "result": result_dict(r)} for job, r in results]}
+    write_json(run_dir / RESULTS_FILE, data)
+    if results:  # one line per study, labelled family/variant bucket
+        plot_history([replace(r, bucket=f"{j.family}/{j.variant} {j.bucket}")
+                      for j, r in results], run_dir / PLOT_FILE)
+    return data
+
+
+def _relative(path: str, run_dir: Path) -> str:
+    p, root = Path(path).resolve(), run_dir.resolve()
+    return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+
+
+def load_results(run_dir: Path) -> dict[str, Any] | None:
+    f = Path(run_dir) / RESULTS_FILE
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text())

@@ -1,0 +1,671 @@
+"""The tune stage: Optuna search over a rendered kernel module's tile configs, per shape bucket.
+
+One study per key (family, variant, params hash, shape bucket, dtype, GPU name or
+"cpu-interpreter"), in plain Optuna storage (SQLite in a directory by default, any storage URL
+accepted), so optuna-dashboard reads it. The study is created once, before workers start:
+workers racing to create one SQLite study hit a UNIQUE constraint (DESIGN.md).
+
+Every trial, in order:
+1. AOT gate: the config is compiled for sm_90 on the host (`onboarding.generate.aot`, no GPU) and pruned
+   when a kernel fails to compile, needs more shared memory than the limit, or spills more than
+   `Limits.max_spill_bytes` (a large bound: spilled configs can still be the fastest; see
+   `Limits`). Each kernel's registers and spills are recorded on the trial. Results are cached
+   per config.
+2. In a worker subprocess (`onboarding.tune.worker`, kept alive across trials, killed and
+   restarted on a timeout or a crash) the module is loaded, the config pinned, and forward +
+   every gradient checked in the tuned dtype against `reference` on fresh random inputs (the
+   16-bit gate: `_tune_worker._check_at`, bounds from `onboarding.testing.tolerance`). A failing
+   config is pruned with its reason in the trial's user_attrs. Workers check and compile
+   concurrently.
+3. Only then is it timed, alone on the GPU (`_GpuGate`: no other timing or check runs): median of
+   event-timed fwd+bwd steps at the real shapes given as `dims` (the family's `timing_inputs`);
+   on the CPU interpreter the wall-clock time is meaningless, so `timer(config, result)` (run in
+   the parent) may replace it; tests use a deterministic fake one.
+
+After the search, the few fastest configs and the bucket default are re-timed alone, in
+interleaved rounds (`TuneConfig.final_rounds`, `retime`): a single timing amid other workers'
+compiles carries several percent of spread, and the best and the gain over the default are
+chosen from these medians.
+
+Best configs are written to `<module>.tuned.json` beside the module (`_tune_store`);
+`apply_tuned` pins them per bucket so kernels dispatch to the nearest bucket at run time.
+Entry points: `tune_module` (one bucket), `tune_buckets` (several), `compare_grid` (exhaustive
+grid vs TPE on the same space, `_tune_grid`); `onboarding.tune.run` tunes a whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from onboarding.tune.store import (TUNED_SUFFIX, BucketResult, apply_tuned,  # noqa: F401
+                                    bucket_default, enqueue_warm_start, gpu_name, load_tuned,
+                                    markdown_table, module_meta, plot_history, result_dict,
+                                    result_from_dict, tuned_path, warm_start_configs,
+                                    write_tuned)
+from onboarding.tune.worker import Worker, WorkerDied, WorkerTimeout, handle
+from onboarding.backend import interpreting
+from onboarding.errors import InputError
+
+Timer = Callable[[dict[str, Any], dict[str, Any]], float]  # (config, worker result) -> ms
+
+
+class _GpuGate:
+    """Checks (which run kernels too) share the GPU; a timing has it alone. Writer-preferring:
+    once a timing waits, no new check starts, so timings are not starved."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.readers = self.waiting = 0
+        self.writing = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self.cond:
+            self.cond.wait_for(lambda: not self.writing and not self.waiting)
+            self.readers += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.readers -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self.cond:
+            self.waiting += 1
+            self.cond.wait_for(lambda: not self.writing and not self.readers)
+            self.waiting -= 1
+            self.writing = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.writing = False
+                self.cond.notify_all()
+
+
+_GPU = _GpuGate()  # one process's trials: timings never share the GPU with other work
+
+
+@dataclass(kw_only=True, slots=True)
+class Limits:
+    """AOT pruning limits for sm_90 (H100/H200).
+
+    No register limit: ptxas never gives a thread more than sm_90's 255 registers, nor more than
+    the 64K-register file holds for the block's threads (Triton declares them, `.maxntid`); it
+    spills the rest, and it reports the count it used, never an excess (a `n_regs > 255` rule
+    could not fire). The registers and spills of every kernel are recorded on each trial
+    (`aot_kernels`, `spill_bytes`) and the best and default configs' spills show in the results.
+    """
+
+    max_shared_bytes: int = 232448  # opt-in max dynamic shared memory per block
+    # Spill stores or loads per thread, in bytes, of the worst kernel; None: spills never prune.
+    # A spill is a cost that the timing measures, not a reason to skip a config: on the H200 the
+    # GDN config that spills 6.8 KB in one backward kernel ran fwd+bwd 1.34x faster than the
+    # default that spills 544 bytes (docs/LOG.md, fourth session), and the k_le_128 default now
+    # spills 4.3 KB. The bound only skips configs whose spilling is heavy enough that timing
+    # them likely wastes the trial: at rmsnorm's d_le_64k the config spilling 21.9 KB ran
+    # fwd+bwd 2.3x slower than the default's 2.9 KB, and random GDN configs spill up to 86 KB
+    # (H200, issue 36). 32 KB is 4.7x the spill of the fastest config measured.
+    max_spill_bytes: int | None = 32768
+
+
+@dataclass(kw_only=True, slots=True)
+class TuneConfig:
+    """Knobs of one tuning run (all have working defaults)."""
+
+    n_trials: int = 30
+    n_workers: int = 1  # concurrent worker threads, each with its own subprocess
+    seed: int = 0
+    storage: str | None = None  # Optuna URL; default sqlite:///<storage_dir>/tune.db
+    storage_dir: Path | None = None
+    trial_timeout_s: float = 120.0
+    startup_timeout_s: float = 120.0
+    aot: bool = True
+    aot_timeout_s: float = 300.0
+    limits: Limits = field(default_factory=Limits)
+    dtype: str = "bf16"  # timing dtype, and the check's (emulated in the interpreter)
+    repeats: int = 20
+    warm_start: bool = True
+    warm_start_dirs: tuple[Path, ...] = ()  # other tuned.json files of the same family
+    isolate: bool = True  # False: run trials in-process (no timeout; for tests/debugging)
+    progress: bool = True
+    # a sub-space {key: values} of TUNING_SPACE; the bucket's default values are always kept,
+    # so the gain over the default is measured. Studies over a sub-space get their own names.
+    space: Mapping[str, Sequence[Any]] | None = None
+    space_only: bool = False  # True: keys `space` does not name stay at the bucket's default
+    # After the search, the FINALISTS best configs and the default are re-timed alone, this many
+    # interleaved rounds, and the best is chosen by their medians (GPU or injected timer; 0: off)
+    final_rounds: int = 3
+
+
+# ---- keys, spaces and storage -----------------------------------------------------------------
+
+def search_space(module: ModuleType, bucket: str,
+                 restrict: Mapping[str, Sequence[Any]] | None = None,
+                 only: bool = False) -> dict[str, list]:
+    """The searched space: TUNING_SPACE, or `restrict` (validated) plus the bucket default;
+    `only`: the keys `restrict` does not name take the bucket default alone."""
+    full = {k: list(v) for k, v in module.TUNING_SPACE.items()}
+    if not restrict:
+        if only:
+            raise InputError("tune: --space-only needs --space KEY=V1,V2 to search")
+        return full
+    unknown = sorted(set(restrict) - set(full))
+    if unknown:
+        raise InputError(f"tune --space: unknown keys {unknown}; {module.FAMILY} has "
+                         f"{sorted(full)}")
+    default = bucket_default(module, bucket)
+    out = {}
+    for k, values in full.items():
+        if k not in restrict:
+            out[k] = [default[k]] if only else values
+            continue
+        bad = [v for v in restrict[k] if v not in values]
+        if bad or not restrict[k]:
+            raise InputError(f"tune --space: {k}={list(restrict[k])} must be a non-empty subset "
+                             f"of {values}")
+        keep = set(restrict[k]) | {default[k]}
+        out[k] = [v for v in values if v in keep]
+    return out
+
+
+def space_size(space: Mapping[str, Sequence]) -> int:
+    return math.prod(len(v) for v in space.values())
+
+
+def study_name(module: ModuleType, bucket: str, dtype: str, gpu: str | None = None,
+               space: Mapping[str, Sequence] | None = None, suffix: str = "") -> str:
+    """`family.variant.params_hash.bucket.dtype.gpu`, plus a space hash for a sub-space."""
+    m = module_meta(module)
+    gpu = (gpu or gpu_name()).replace(" ", "_")
+    name = f"{m['family']}.{m['variant']}.{m['params_hash']}.{bucket}.{dtype}.{gpu}"
+    if space is not None and dict(space) != {k: list(v) for k, v in module.TUNING_SPACE.items()}:
+        name += ".space-" + hashlib.sha256(json.dumps(space, sort_keys=True).encode()
+                                           ).hexdigest()[:8]
+    return name + suffix
+
+
+def storage_url(cfg: TuneConfig) -> str:
+    if cfg.storage:
+        return cfg.storage
+    if cfg.storage_dir is None:
+        raise InputError("tune: give storage (an Optuna URL) or storage_dir")
+    Path(cfg.storage_dir).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{Path(cfg.storage_dir).resolve() / 'tune.db'}"
+
+
+def _optuna():
+    try:
+        import optuna
+    except ImportError as e:  # pragma: no cover
+        raise InputError("the tune stage needs optuna: pip install optuna") from e
+    return optuna
+
+
+def _sampler(kind: str, space: Mapping[str, Sequence], seed: int):
+    optuna = _optuna()
+    if kind == "grid":
+        return optuna.samplers.GridSampler({k: list(v) for k, v in space.items()}, seed=seed)
+    if kind != "tpe":
+        raise InputError(f"tune: unknown sampler {kind!r}; known: tpe, grid")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # multivariate/constant_liar are "experimental"
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
+                                          n_startup_trials=min(8, space_size(space) // 4 + 1))
+
+
+def create_study(name: str, storage: str, space: Mapping[str, Sequence], seed: int = 0,
+                 sampler: str = "tpe"):
+    """Create (or load) the study once, in this process, before any worker starts."""
+    optuna = _optuna()
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                sampler=_sampler(sampler, space, seed), load_if_exists=True)
+    study.set_user_attr("tuning_space", {k: list(v) for k, v in space.items()})
+    study.set_user_attr("sampler", sampler)
+    return study
+
+
+def _load_study(name: str, storage: str, seed: int, space: Mapping[str, Sequence],
+                sampler: str = "tpe"):
+    return _optuna().load_study(study_name=name, storage=storage,
+                                sampler=_sampler(sampler, space, seed))
+
+
+# ---- the objective ----------------------------------------------------------------------------
+
+class _Aot:
+    """AOT results per (module sha, config, dtype, size), shared by worker threads."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+
+    def key(self, path: str, config: Mapping, dtype: str, size: int) -> str:
+        sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+        return json.dumps([sha, dict(sorted(config.items())), dtype, size])
+
+
+def check_limits(kernels: list[dict[str, Any]], limits: Limits) -> str:
+    """Why a config is impossible on the target, or not worth timing ("" when it is kept)."""
+    for k in kernels:
+        if not k["ok"]:
+            return f"{k['kernel']}: compile error: {k['error'][:300]}"
+        if k.get("shared_bytes") is not None and k["shared_bytes"] > limits.max_shared_bytes:
+            return f"{k['kernel']}: shared memory {k['shared_bytes']} > {limits.max_shared_bytes}"
+        if (limits.max_spill_bytes is not None and k.get("n_spills") is not None
+                and k["n_spills"] > limits.max_spill_bytes):
+            return (f"{k['kernel']}: spills {k['n_spills']} bytes per thread > "
+                    f"{limits.max_spill_bytes} ({k.get('n_regs')} registers, "
+                    f"{k.get('num_warps')} warps)")
+    return ""
+
+
+def aot_usage(kernels: list[dict[str, Any]]) -> tuple[dict[str, list], int | None]:
+    """Per kernel [registers, spill bytes, shared bytes] of an AOT result, and the largest spill
+    (None when ptxas reported none: no ptxas, or a kernel did not compile)."""
+    usage = {k["kernel"]: [k.get("n_regs"), k.get("n_spills"), k.get("shared_bytes")]
+             for k in kernels if k.get("ok")}
+    spills = [u[1] for u in usage.values()]
+    ok = bool(usage) and len(usage) == len(kernels) and all(v is not None for v in spills)
+    return usage, (max(spills) if ok else None)
+
+
+class _Objective:
+    """One per worker thread: owns a trial worker and an AOT worker subprocess."""
+
+    def __init__(self, *, path: str, module: ModuleType, size: int, shapes: list,
+                 dims: dict[str, int] | None, space: dict[str, list], cfg: TuneConfig,
+                 timer: Timer | None, aot: _Aot):
+        self.path, self.module, self.size, self.shapes = path, module, size, shapes
+        self.dims, self.space = dims, space
+        self.cfg, self.timer, self.aot = cfg, timer, aot
+        self.meta = module_meta(module)
+        self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
+        interp = interpreting()
+        self.trial_worker = Worker(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
+        self.aot_worker = Worker(interpret=False if interp else None,
+                                 startup_timeout_s=cfg.startup_timeout_s)
+
+    def close(self) -> None:
+        self.trial_worker.close()
+        self.aot_worker.close()
+
+    def _run(self, worker: Worker, op: str, args: dict, timeout: float) -> dict[str, Any]:
+        if not self.cfg.isolate:
+            return handle({"op": op, "args": args})
+        try:
+            return worker.call({"op": op, "args": args}, timeout)
+        except WorkerTimeout as e:
+            return {"ok": False, "stage": "timeout", "reason": f"{op}: {e}"}
+        except WorkerDied as e:
+            return {"ok": False, "stage": "crash", "reason": f"{op}: {e}"}
+
+    def _aot_reason(self, config: dict, trial=None) -> str:
+        """Why the AOT gate prunes `config` ("": kept); records its registers and spills on
+        `trial`."""
+        key = self.aot.key(self.path, config, self.cfg.dtype, self.size)
+        with self.aot.lock:
+            hit = self.aot.cache.get(key)
+        if hit is None:
+            hit = self._run(self.aot_worker, "aot", {"path": self.path, "config": config,
+                                                     "dtype": self.cfg.dtype, "size": self.size},
+                            self.cfg.aot_timeout_s)
+            with self.aot.lock:
+                self.aot.cache[key] = hit
+        if not hit["ok"]:
+            return f"aot {hit['stage']}: {hit['reason']}"
+        if trial is not None:
+            usage, spill = aot_usage(hit["kernels"])
+            trial.set_user_attr("aot_kernels", usage)
+            trial.set_user_attr("spill_bytes", spill)
+        return check_limits(hit["kernels"], self.cfg.limits)
+
+    def _check_and_time(self, config: dict, seed: int) -> dict[str, Any]:
+        with _GPU.shared():
+            res = self._run(self.trial_worker, "check", {
+                "path": self.path, "config": config, "family": self.meta["family"],
+                "variant": self.meta["variant"], "params": self.meta["params"],
+                "shapes": self.shapes, "seed": seed, "dtype": self.cfg.dtype, "dims": self.dims,
+                "default": self.default}, self.cfg.trial_timeout_s)
+        if res["ok"]:
+            with _GPU.exclusive():
+                res = self._run(self.trial_worker, "time", {"repeats": self.cfg.repeats},
+                                self.cfg.trial_timeout_s)
+        return res
+
+    def measure(self, config: dict, seed: int) -> float | None:
+        """Check and time one config outside any trial; None when it fails either."""
+        res = self._check_and_time(config, seed)
+        if not res["ok"]:
+            return None
+        return float(self.timer(config, res)) if self.timer else float(res["time_ms"])
+
+    def _prune(self, trial, stage: str, why: str):
+        trial.set_user_attr("stage", stage)
+        trial.set_user_attr("reason", why[:1000])
+        return _optuna().TrialPruned(why[:200])
+
+    def __call__(self, trial) -> float:
+        optuna = _optuna()
+        config = {k: trial.suggest_categorical(k, v) for k, v in self.space.items()}
+        # TPE re-proposes configs; a finished twin answers without re-running.
+        for t in trial.study.get_trials(deepcopy=False):
+            if t.number != trial.number and t.params == config and t.state.is_finished():
+                trial.set_user_attr("duplicate_of", t.number)
+                for k in ("aot_kernels", "spill_bytes"):
+                    if k in t.user_attrs:
+                        trial.set_user_attr(k, t.user_attrs[k])
+                if t.state == optuna.trial.TrialState.COMPLETE:
+                    return float(t.value)
+                raise self._prune(trial, t.user_attrs.get("stage", ""),
+                                  t.user_attrs.get("reason", "duplicate of a pruned trial"))
+        if self.cfg.aot:
+            why = self._aot_reason(config, trial)
+            if why:
+                raise self._prune(trial, "aot", why)
+        res = self._check_and_time(config, self.cfg.seed * 100003 + trial.number)
+        trial.set_user_attr("stage", res["stage"])
+        if not res["ok"]:
+            raise self._prune(trial, res["stage"], res["reason"])
+        trial.set_user_attr("measured_ms", res["time_ms"])
+        trial.set_user_attr("timing", "injected timer" if self.timer else res["timing"])
+        return float(self.timer(config, res)) if self.timer else float(res["time_ms"])
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+_ASK = threading.Lock()
+
+
+def _one_trial(study, objective: _Objective, stop: threading.Event) -> None:
+    """Ask, evaluate, tell. `ask` is serialized in this process: two threads popping the queued
+    (warm-start, grid) trials of one SQLite study at once can take the same trial. Once `stop`
+    is set (an interrupt killed the workers), the outcome is not told: the trial stays RUNNING
+    and a resumed grid runs its config again."""
+    optuna = _optuna()
+    with _ASK:
+        trial = study.ask()
+    try:
+        value = objective(trial)
+    except optuna.TrialPruned:
+        if not stop.is_set():
+            _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
+    except Exception as e:  # a bug in the objective: recorded, the study goes on
+        if not stop.is_set():
+            trial.set_user_attr("stage", "error")
+            trial.set_user_attr("reason", f"{type(e).__name__}: {e}"[:1000])
+            _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+    else:
+        if not stop.is_set():
+            _tell(study, trial, value)
+
+
+def _tell(study, trial, *args, **kwargs) -> None:
+    """`study.tell`, except that GridSampler's `study.stop()` once every grid point ran raises
+    outside `optimize`. The trial's state is stored before that (optuna's tell stores it in a
+    `finally`), and the claim counter ends the workers, so the error is only noise."""
+    try:
+        study.tell(trial, *args, **kwargs)
+    except RuntimeError as e:
+        if "Study.stop" not in str(e):
+            raise
+
+
+def progress_bar():
+    """A rich progress bar with one row per study and its best-so-far."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("best {task.fields[best]}"), transient=False)
+
+
+def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] | None = None,
+                dims: dict[str, int] | None = None, config: TuneConfig | None = None,
+                timer: Timer | None = None, sampler: str = "tpe", suffix: str = "",
+                progress=None) -> BucketResult:
+    """Tune the bucket of a rendered module that holds `size` (its bucketed dimension, e.g. D).
+
+    `shapes` are the block's input shapes, handed to the family's `sample_inputs` for the
+    correctness check (default: `size` as the last width); `dims` the real problem dimensions
+    for timing on a GPU (the family's `timing_dims`; None: time at the sample shapes).
+    Creates/loads the study (`sampler` "tpe" or "grid", name + `suffix`), enqueues warm starts,
+    runs `config.n_trials` more trials over `config.n_workers` threads and returns the bucket's
+    result. `progress`: a `progress_bar()` to add a row to (default: its own, if enabled).
+    Does not write tuned.json: call `write_tuned` with the results.
+    """
+    from onboarding.generate.templating import load_module
+
+    cfg = config or TuneConfig()
+    path = str(Path(module_path).resolve())
+    module = load_module(path)
+    bucket = module.shape_bucket(size)
+    shapes = shapes if shapes is not None else [[size]]
+    space = search_space(module, bucket, cfg.space, cfg.space_only)
+    name = study_name(module, bucket, cfg.dtype, space=space, suffix=suffix)
+    url = storage_url(cfg)
+    study = create_study(name, url, space, cfg.seed, sampler)  # once, before any worker
+    for k, v in (("module", path), ("bucket", bucket), ("size", size), ("dims", dims)):
+        study.set_user_attr(k, v)
+    if cfg.warm_start and sampler == "tpe":
+        ws = [c for c in warm_start_configs(module, path, bucket, cfg.warm_start_dirs)
+              if all(v in space[k] for k, v in c.items())]
+        enqueue_warm_start(study, ws)
+    aot, lock, claimed, stop, objectives = _Aot(), threading.Lock(), [0], threading.Event(), []
+    own = progress is None and cfg.progress
+    prog = progress_bar() if own else progress
+    task = prog.add_task(name.split(".", 2)[0] + f" {bucket}{suffix}", total=cfg.n_trials,
+                         best="-") if prog else None
+
+    def claim() -> bool:
+        with lock:
+            if stop.is_set() or claimed[0] >= cfg.n_trials:
+                return False
+            claimed[0] += 1
+            return True
+
+    def on_done(s) -> None:
+        if prog is not None:
+            try:
+                best = f"{s.best_value:.4g} ms {s.best_params}"
+            except ValueError:
+                best = "-"
+            prog.update(task, advance=1, best=best)
+
+    def work(wid: int) -> None:
+        st = study if cfg.n_workers == 1 else _load_study(name, url, cfg.seed + wid, space,
+                                                          sampler)
+        obj = _Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
+                         space=space, cfg=cfg, timer=timer, aot=aot)
+        with lock:
+            objectives.append(obj)
+        try:
+            while claim():
+                _one_trial(st, obj, stop)
+                on_done(st)
+        finally:
+            obj.close()
+
+    optuna = _optuna()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if own:
+        prog.start()
+    try:
+        # Daemon threads, joined here: on Ctrl-C / SIGINT no new trial starts, the worker
+        # subprocesses are killed (their trials stay RUNNING: a resumed grid queues them again)
+        # and the interrupt propagates instead of waiting for the trials in flight.
+        threads = [threading.Thread(target=work, args=(w,), daemon=True)
+                   for w in range(cfg.n_workers)]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                t.join()
+        except KeyboardInterrupt:
+            stop.set()
+            with lock:
+                for obj in objectives:
+                    obj.close()
+            raise
+        final_study = _load_study(name, url, cfg.seed, space, sampler)
+        return _finalize(summarize(final_study, module, bucket), final_study, module, path,
+                         size=size, shapes=shapes, dims=dims, cfg=cfg, timer=timer,
+                         progress=prog)
+    finally:
+        if own:
+            prog.stop()
+
+
+def summarize(study, module: ModuleType, bucket: str) -> BucketResult:
+    optuna = _optuna()
+    trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    best, hist, pruned, reasons = None, [], {}, {}
+    for t in trials:
+        if t.state == optuna.trial.TrialState.COMPLETE and (best is None or t.value < best.value):
+            best = t
+        elif t.state == optuna.trial.TrialState.PRUNED:
+            stage = t.user_attrs.get("stage", "pruned")
+            pruned[stage] = pruned.get(stage, 0) + 1
+            reasons.setdefault(stage, str(t.user_attrs.get("reason", ""))[:300])
+        if t.state.is_finished():
+            hist.append(best.value if best else None)
+    default = bucket_default(module, bucket)
+    dms = [t.value for t in trials if t.state == optuna.trial.TrialState.COMPLETE
+           and {**module.DEFAULT_CONFIG, **t.params} == default]
+    best_config = {**module.DEFAULT_CONFIG, **best.params} if best else None
+    return BucketResult(
+        bucket=bucket, study_name=study.study_name, best_config=best_config,
+        best_ms=best.value if best else None, default_ms=dms[0] if dms else None,
+        n_trials=len(hist), n_complete=sum(t.state == optuna.trial.TrialState.COMPLETE
+                                           for t in trials),
+        pruned=pruned, history=hist, prune_reasons=reasons,
+        spill_bytes=spills_of(trials, module, [best_config, default]))
+
+
+def spills_of(trials, module: ModuleType, configs: Sequence[dict | None]) -> list[int | None]:
+    """The largest spill (bytes per thread, from the AOT gate) of each config, from the first
+    trial of it that recorded one; None: not compiled ahead of time (`--no-aot`), or no ptxas."""
+    out = []
+    for c in configs:
+        out.append(next((t.user_attrs["spill_bytes"] for t in trials
+                         if c is not None and t.user_attrs.get("spill_bytes") is not None
+                         and {**module.DEFAULT_CONFIG, **t.params} == c), None))
+    return out
+
+
+FINALISTS = 3  # best distinct configs of a search re-timed with the default (final_rounds)
+
+
+def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: int,
+           shapes: list[list[int]] | None = None, dims: dict[str, int] | None = None,
+           config: TuneConfig | None = None, timer: Timer | None = None,
+           rounds: int | None = None, progress=None) -> list[float | None]:
+    """Median ms of each config over `rounds` interleaved rounds (the order rotates each round),
+    on one worker after the search, when no check or compile competes for the machine. A search
+    times each config once, amid other workers' compiles: one config timed 6.51 and 6.03 ms in
+    two studies of one run (docs/LOG.md, fourth session). None: the config failed every round."""
+    import statistics
+
+    from onboarding.generate.templating import load_module
+
+    cfg = config or TuneConfig()
+    rounds = cfg.final_rounds if rounds is None else rounds
+    path = str(Path(module_path).resolve())
+    module = load_module(path)
+    obj = _Objective(path=path, module=module, size=size, shapes=shapes or [[size]], dims=dims,
+                     space={}, cfg=cfg, timer=timer, aot=_Aot())
+    times: list[list[float]] = [[] for _ in configs]
+    task = progress.add_task(f"re-timing {len(configs)} configs x {rounds} rounds",
+                             total=rounds * len(configs), best="-") if progress else None
+    try:
+        for r in range(rounds):
+            for j in range(len(configs)):
+                i = (j + r) % len(configs)
+                ms = obj.measure(dict(configs[i]), seed=cfg.seed * 100003 + 7919 * (r + 1) + i)
+                if ms is not None:
+                    times[i].append(ms)
+                if task is not None:
+                    done = [statistics.median(t) for t in times if t]
+                    progress.update(task, advance=1,
+                                    best=f"{min(done):.4g} ms" if done else "-")
+    finally:
+        obj.close()
+    return [statistics.median(t) if t else None for t in times]
+
+
+def finalists(study, module: ModuleType, bucket: str, n: int = FINALISTS) -> list[dict]:
+    """The `n` fastest distinct complete configs of `study`, then the bucket default."""
+    optuna = _optuna()
+    default = bucket_default(module, bucket)
+    done = sorted((t for t in study.get_trials(deepcopy=False)
+                   if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.value)
+    out: list[dict] = []
+    for t in done:
+        c = {**module.DEFAULT_CONFIG, **t.params}
+        if c not in out and c != default:
+            out.append(c)
+        if len(out) == n:
+            break
+    return out + [default]
+
+
+def timing_is_real(timer: Timer | None) -> bool:
+    """Re-timing means something with an injected timer or on a GPU, not in the interpreter."""
+    return timer is not None or gpu_name() != "cpu-interpreter"
+
+
+def _finalize(result: BucketResult, study, module: ModuleType, module_path, *, size: int,
+              shapes, dims, cfg: TuneConfig, timer: Timer | None, progress=None) -> BucketResult:
+    """Re-time the finalists with the default; the best and the default's time come from it."""
+    if not cfg.final_rounds or result.best_config is None or not timing_is_real(timer):
+        return result
+    configs = finalists(study, module, result.bucket)
+    ms = retime(module_path, configs, size=size, shapes=shapes, dims=dims, config=cfg,
+                timer=timer, progress=progress)
+    final = {json.dumps(c, sort_keys=True): m for c, m in zip(configs, ms)}
+    timed = [(m, c) for c, m in zip(configs, ms) if m is not None]
+    if not timed:
+        return dataclasses.replace(result, final=final)
+    best_ms, best = min(timed, key=lambda x: x[0])
+    spills = spills_of(study.get_trials(deepcopy=False), module, [best, configs[-1]])
+    return dataclasses.replace(result, best_config=best, best_ms=best_ms,
+                               default_ms=ms[-1] if ms[-1] is not None else result.default_ms,
+                               final=final, spill_bytes=spills)
+
+
+def tune_buckets(module_path: Path | str, sizes: Iterable[int], *,
+                 shapes_for: Callable[[int], list[list[int]]] | None = None,
+                 dims_for: Callable[[int], dict[str, int] | None] | None = None,
+                 config: TuneConfig | None = None, timer: Timer | None = None,
+                 write: bool = True, progress=None) -> list[BucketResult]:
+    """Tune each bucket hit by `sizes` (one size per bucket, the first wins), in bucket order so
+    later buckets warm-start from earlier ones; writes `<module>.tuned.json` when `write`."""
+    from onboarding.generate.templating import load_module
+
+    cfg = config or TuneConfig()
+    module = load_module(module_path)
+    by_bucket: dict[str, int] = {}
+    for s in sizes:
+        by_bucket.setdefault(module.shape_bucket(s), s)
+    out = []
+    for s in by_bucket.values():
+        r = tune_module(module_path, size=s, shapes=shapes_for(s) if shapes_for else None,
+                        dims=dims_for(s) if dims_for else None, config=cfg, timer=timer,
+                        progress=progress)
+        out.append(r)
+        if write and r.best_config is not None:
+            write_tuned(module_path, [r], dtype=cfg.dtype, timing="injected timer" if timer
+                        else None)
+    return out
