@@ -296,7 +296,7 @@ def test_bad_input_exits_2_for_every_command(workdir, capsys, argv, needle):
 
 
 def test_internal_failure_exits_1(workdir, capsys, monkeypatch):
-    import onboarding.cli.main as cli
+    import onboarding.cli.analyse as cli
 
     def broken(args, console):
         raise RuntimeError("a bug in onboard")
@@ -377,7 +377,7 @@ def test_run_verdict_fails_on_a_failed_training_loss_check_and_never_passes_what
     from rich.console import Console
 
     from agents.state import RunConfig, RunState
-    from onboarding.cli.main import _run_verdict
+    from onboarding.cli.run import _run_verdict
 
     aligned = {"attempt": 1, "passed": True, "culprits": [], "excluded_before": [], "stop": None}
     state = RunState(config=RunConfig(), run_dir="x", align_attempts=[aligned],

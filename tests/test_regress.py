@@ -406,7 +406,7 @@ def test_cli_without_run_dir_runs_the_example(run, refs, monkeypatch, capsys):
     into runs/, tuning and training off."""
     import shutil
 
-    import onboarding.cli.main as cli
+    import onboarding.cli.run as cli
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""``onboard train``: build a `TrainConfig` from options (or a train.toml) and launch it."""
+"""``onboard train`` and ``scale``: LoRA training from options (or a train.toml), weak scaling."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ FIELDS = {"nproc": "nproc", "ep": "ep", "fsdp": "fsdp", "steps": "steps", "seq":
           "profile_every": "profile_every", "kernels": "kernels", "baseline": "baseline"}
 
 
+def add_parser(sub) -> None:
+    add_train_parser(sub)
+    add_scale_parser(sub)
+
+
 def add_train_parser(sub) -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="FSDP2 + expert-parallel LoRA training of the proxy, "
                                      "checked against a single-process reference")
@@ -30,6 +35,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="re-run an (edited) train.toml as written; no other options")
     t.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
     _train_options(t, layout=True)
+    t.set_defaults(func=cmd_train)
     return t
 
 
@@ -41,6 +47,7 @@ def add_scale_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--ep", type=int_list, required=True, metavar="E[,E...]",
                    help="EP degree per GPU count (or one for all); FSDP takes the rest")
     _train_options(t, layout=False)
+    t.set_defaults(func=cmd_scale)
     return t
 
 

@@ -1,0 +1,111 @@
+"""``onboard parse``, ``map``, ``generate`` and ``align``: the stages up to the one named."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from onboarding.cli.common import _families, _progress, command_parser, model_options
+from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
+from onboarding.load.overrides import parse_assignments
+
+
+def add_parser(sub) -> None:
+    p = command_parser(sub, "parse", help="capture the proxy and classify its blocks")
+    model_options(p, optional=True)
+    p.add_argument("--out", help="write model.json and opgraph.json here")
+    p.add_argument("--json", action="store_true", help="print opgraph.json to stdout")
+    p.set_defaults(func=cmd_analyse)
+
+    m = command_parser(sub, "map", help="coverage: which ops have kernels, templates, fast paths")
+    model_options(m, optional=True)
+    m.add_argument("--out", help="write model.json, opgraph.json and coverage.json here")
+    m.add_argument("--json", action="store_true", help="print coverage.json to stdout")
+    m.set_defaults(func=cmd_analyse)
+
+    g = command_parser(sub, "generate", help="render and check candidate kernels for coverable ops")
+    model_options(g, optional=True)
+    g.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
+    g.add_argument("--promote", action="store_true",
+                   help="copy candidates that pass their checks into kernels/")
+    g.set_defaults(func=cmd_analyse)
+
+    a = command_parser(sub, "align", help="layer-by-layer fwd+bwd check of the patched proxy "
+                                           "against the eager reference")
+    model_options(a, optional=True)
+    a.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
+    a.add_argument("--kernels", default="all",
+                   help="comma-separated kernel families to patch, 'all' or 'none'")
+    a.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32",
+                   help="candidate precision")
+    a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64")
+    a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile")
+    a.set_defaults(func=cmd_analyse)
+
+
+def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
+    """parse, map and generate: the stages up to the one named by the command."""
+    from onboarding.cli.console import print_candidates, print_coverage, print_opgraph
+    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.stages import (
+        run_align,
+        run_generate,
+        run_load,
+        run_map,
+        run_parse,
+        save_model_json,
+    )
+
+    overrides = parse_assignments(args.set)
+    stage = args.command
+    families = _families(args) if stage == "align" else None  # bad --kernels fails first
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and any(out.iterdir()):
+        raise InputError(f"--out {out}: directory exists and is not empty")
+    with console.status(f"{stage}: loading") as status:
+        step = _progress(console, status)
+        info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
+        if out is None and stage in ("generate", "align"):
+            out = new_run_dir(info.loaded.name, None)
+        with owned_dir(out, created_here=True) if out is not None else _nothing():
+            if out is not None:  # the model was loaded above, before the directory existed
+                save_model_json(info, out, overrides)
+            graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
+                              on_step=lambda s: step(f"{stage}: {s}"))
+            coverage = run_map(graph, out) if stage in ("map", "generate", "align") else None
+            cands = run_generate(coverage, out, promote_passing=getattr(args, "promote", False),
+                                 on_step=lambda s: step(f"generate: {s}")) \
+                if stage in ("generate", "align") else None
+            result = run_align(info, graph, coverage, cands, out, families=families,
+                               dtype=args.dtype, reference=args.reference, mode=args.mode,
+                               batch=args.batch, seq=args.seq, seed=args.seed,
+                               on_step=lambda s: step(f"align: {s}")) \
+                if stage == "align" else None
+    if getattr(args, "json", False):
+        data = coverage.to_dict() if coverage is not None else graph.to_dict()
+        print(json.dumps(data, indent=1))
+        return EXIT_OK
+    if coverage is None:
+        print_opgraph(graph, console)
+    else:
+        console.print(f"layer pattern: [bold]{graph.layer_pattern}[/bold] "
+                      f"({len(graph.blocks)} blocks, {graph.capture} capture)")
+        print_coverage(coverage, console)
+    if cands is not None:
+        print_candidates(cands, console)
+    if out is not None:
+        console.print(f"wrote {out}")
+    if result is not None:
+        console.print(result.to_markdown(only_failing=len(graph.blocks) > 40))
+        console.print(result.summary())
+        return EXIT_OK if result.passed else EXIT_CHECK_FAILED
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield

@@ -1,0 +1,72 @@
+"""What the commands share: the error console, the MODEL and --families options, progress lines."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+
+from onboarding.errors import InputError
+from onboarding.load.model import DEFAULT_EXAMPLE
+
+err = Console(stderr=True)
+
+
+def model_options(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("model", nargs="?" if optional else None, default=None,
+                   help="model directory, hf:<model_type>, file.py:Name, module:Name, or a "
+                        f"built-in example (default: {DEFAULT_EXAMPLE})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (JSON value); repeatable")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow running the model's own modeling_*.py (read it first)")
+    p.add_argument("--proxy", choices=("tiny", "small"), default="tiny",
+                   help="proxy size for real execution: tiny (CPU) or small (one GPU)")
+    p.add_argument("--seq", type=int, default=64, help="proxy sequence length")
+    p.add_argument("--batch", type=int, default=1, help="proxy batch size")
+    p.add_argument("--seed", type=int, default=0)
+
+
+FAMILIES_HELP = ("a folder of kernel families (or one family folder) to use beside the built-in "
+                 "ones; repeatable. Also: the ONBOARD_FAMILIES path list and installed packages' "
+                 "onboard.families entry points")
+
+
+def command_parser(sub, name: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand's parser. It takes `--families` too (`onboard map X --families DIR`);
+    SUPPRESS keeps a value given before the command when none comes after it."""
+    p = sub.add_parser(name, **kw)
+    p.add_argument("--families", action="append", default=argparse.SUPPRESS, metavar="DIR",
+                   help=FAMILIES_HELP)
+    return p
+
+
+def _progress(console: Console, status) -> Callable[[str], None]:
+    """Progress into a rich status line; a log file gets it as timed lines on stderr."""
+    def step(text: str) -> None:
+        status.update(text)
+        if not console.is_terminal:
+            err.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
+    return step
+
+
+def _families(args: argparse.Namespace) -> list[str] | None:
+    from onboarding.families import families
+
+    if args.kernels == "all":
+        return None
+    if args.kernels == "none":
+        return []
+    names = [n.strip() for n in args.kernels.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(families()))
+    if unknown:
+        raise InputError(f"--kernels: unknown families {unknown}; known: {sorted(families())}")
+    return names
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
