@@ -43,7 +43,7 @@ def load_node(state: RunState) -> dict[str, Any]:
     _progress("load")("resolving MODEL, full-size accounting on meta")
     append_event(Path(state.run_dir), {"node": "load", "event": "start"})
     c = state.config
-    info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy, Path(state.run_dir))
+    info = run_load(c.model, Path(state.run_dir))
     return _done(state, "load", model_name=info.loaded.name,
                  artifacts={"model": "model.json"},
                  summary={"total_params": info.full.total, "active_params": info.full.active})
@@ -54,7 +54,7 @@ def parse_node(state: RunState) -> dict[str, Any]:
     step("building the proxy")
     append_event(Path(state.run_dir), {"node": "parse", "event": "start"})
     c = state.config
-    info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy)
+    info = run_load(c.model)
     g = run_parse(info, Path(state.run_dir), batch=c.batch, seq=c.seq, seed=c.seed,
                   on_step=step)
     return _done(state, "parse", artifacts={"opgraph": "opgraph.json"},
@@ -88,7 +88,7 @@ def align_node(state: RunState) -> dict[str, Any]:
     step(f"aligning the patched proxy (attempt {len(state.align_attempts) + 1})")
     append_event(Path(state.run_dir), {"node": "align", "event": "start"})
     run_dir, c = Path(state.run_dir), state.config
-    info = run_load(c.model_ref, c.overrides, c.trust_remote_code, c.proxy)
+    info = run_load(c.model)
     result = run_align(info, OpGraph.load(run_dir / "opgraph.json"),
                        Coverage.load(run_dir / "coverage.json"),
                        load_candidates(run_dir / "candidates.json"), run_dir,
@@ -174,9 +174,7 @@ def train_node(state: RunState) -> dict[str, Any]:
                                                      {**attempt, "skipped": budget.skipped}])
     plan = train_plan(OpGraph.load(run_dir / "opgraph.json"), gpus=gpus, nproc=c.train_nproc)
     nproc, ep, fsdp = plan.nproc, plan.ep, plan.fsdp
-    cfg = TrainConfig(model=c.model_ref or "", overrides=c.overrides,
-                      trust_remote_code=c.trust_remote_code, proxy=c.proxy,
-                      out=str(run_dir.resolve()), nproc=nproc, ep=ep, fsdp=fsdp, steps=steps,
+    cfg = TrainConfig.for_model(c.model, out=str(run_dir.resolve()), nproc=nproc, ep=ep, fsdp=fsdp, steps=steps,
                       seq_len=c.seq, seed=c.seed, dtype=plan.dtype, device=plan.device)
     step(f"training {steps} steps on {nproc} processes (fsdp {fsdp} x ep {ep})")
     rc = launch(cfg, console=Console(stderr=True))

@@ -6,14 +6,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from onboarding.load.spec import ModelSpec
+
 
 class RunConfig(BaseModel):
     """Everything a run needs to be re-created on resume (stored in the checkpoint)."""
 
-    model_ref: str | None = None
-    overrides: dict[str, Any] = Field(default_factory=dict)
-    trust_remote_code: bool = False
-    proxy: str = "tiny"
+    model: ModelSpec = ModelSpec()
     batch: int = 1
     seq: int = 64
     seed: int = 0

@@ -14,7 +14,7 @@ import torch
 from onboarding import __version__
 from onboarding.generate.candidates import (Candidate, check_candidate, promote, render_candidates,
                                  save_candidates)
-from onboarding.load.model import load_model
+from onboarding.load.spec import ModelSpec
 from onboarding.graph.opgraph import OpGraph
 from onboarding.graph.parse import ModelInfo, load_stage, parse_stage
 from onboarding.load.proxy import text_config
@@ -53,14 +53,12 @@ def _config_dict(config: Any) -> dict[str, Any] | None:
     return text_config(config).to_dict() if hasattr(config, "to_dict") else None
 
 
-def run_load(ref: str | None, overrides: dict[str, Any], trust_remote_code: bool, proxy: str,
-             out_dir: Path | None = None) -> ModelInfo:
+def run_load(spec: ModelSpec, out_dir: Path | None = None) -> ModelInfo:
     """Resolve MODEL, account the full size on meta, pick the proxy; writes ``model.json``."""
     t0 = time.perf_counter()
-    info = load_stage(load_model(ref, overrides=overrides, trust_remote_code=trust_remote_code),
-                      proxy)
+    info = load_stage(spec.load(), spec.proxy)
     if out_dir is not None:
-        save_model_json(info, out_dir, overrides, time.perf_counter() - t0)
+        save_model_json(info, out_dir, spec.overrides, time.perf_counter() - t0)
     return info
 
 

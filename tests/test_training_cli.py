@@ -17,7 +17,7 @@ from onboarding.train.compare import BF16_REL_TOL, FP32_REL_TOL, compare
 from onboarding.train.config import TrainConfig
 from onboarding.train.launch import plan, write_config
 
-WORKER = Path(__file__).resolve().parent.parent / "onboarding" / "training" / "worker.py"
+WORKER = Path(__file__).resolve().parent.parent / "onboarding" / "train" / "worker.py"
 
 
 @pytest.fixture

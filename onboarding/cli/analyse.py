@@ -9,9 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from onboarding.cli.common import _families, _progress, command_parser, model_options
+from onboarding.cli.common import command_parser, model_options, model_spec, progress, selected_kernels
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
-from onboarding.load.overrides import parse_assignments
 
 
 def add_parser(sub) -> None:
@@ -60,20 +59,20 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
         save_model_json,
     )
 
-    overrides = parse_assignments(args.set)
+    spec = model_spec(args)
     stage = args.command
-    families = _families(args) if stage == "align" else None  # bad --kernels fails first
+    families = selected_kernels(args) if stage == "align" else None  # bad --kernels fails first
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and any(out.iterdir()):
         raise InputError(f"--out {out}: directory exists and is not empty")
     with console.status(f"{stage}: loading") as status:
-        step = _progress(console, status)
-        info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
+        step = progress(console, status)
+        info = run_load(spec)
         if out is None and stage in ("generate", "align"):
             out = new_run_dir(info.loaded.name, None)
         with owned_dir(out, created_here=True) if out is not None else _nothing():
             if out is not None:  # the model was loaded above, before the directory existed
-                save_model_json(info, out, overrides)
+                save_model_json(info, out, spec.overrides)
             graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
                               on_step=lambda s: step(f"{stage}: {s}"))
             coverage = run_map(graph, out) if stage in ("map", "generate", "align") else None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from onboarding.cli.common import _progress, command_parser
+from onboarding.cli.common import progress, command_parser
 from onboarding.errors import EXIT_OK, InputError
 
 
@@ -55,7 +55,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
     with console.status("benchmarking") as status:
-        result = run_cases(cases, log=_progress(console, status), partial=save,
+        result = run_cases(cases, log=progress(console, status), partial=save,
                            profile=args.profile)
     print(format_table(result))
     save(result)

@@ -10,6 +10,8 @@ from rich.console import Console
 
 from onboarding.errors import InputError
 from onboarding.load.model import DEFAULT_EXAMPLE
+from onboarding.load.overrides import parse_assignments
+from onboarding.load.spec import ModelSpec
 
 err = Console(stderr=True)
 
@@ -43,7 +45,7 @@ def command_parser(sub, name: str, **kw) -> argparse.ArgumentParser:
     return p
 
 
-def _progress(console: Console, status) -> Callable[[str], None]:
+def progress(console: Console, status) -> Callable[[str], None]:
     """Progress into a rich status line; a log file gets it as timed lines on stderr."""
     def step(text: str) -> None:
         status.update(text)
@@ -52,7 +54,7 @@ def _progress(console: Console, status) -> Callable[[str], None]:
     return step
 
 
-def _families(args: argparse.Namespace) -> list[str] | None:
+def selected_kernels(args: argparse.Namespace) -> list[str] | None:
     from onboarding.families import families
 
     if args.kernels == "all":
@@ -70,3 +72,9 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The `ModelSpec` of a command's MODEL options (`model_options`)."""
+    return ModelSpec(ref=args.model, overrides=parse_assignments(args.set),
+                     trust_remote_code=args.trust_remote_code, proxy=args.proxy)

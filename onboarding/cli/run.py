@@ -10,9 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from onboarding.cli.common import _families, command_parser, model_options
+from onboarding.cli.common import command_parser, model_options, model_spec, selected_kernels
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
-from onboarding.load.overrides import parse_assignments
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -53,18 +52,17 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         created = False
         inputs = None
     else:
-        overrides = parse_assignments(args.set)
-        families = _families(args)
+        spec = model_spec(args)
+        families = selected_kernels(args)
         if args.max_align_retries < 0:
             raise InputError(f"--max-align-retries {args.max_align_retries}: expected >= 0")
         # Check the input before a run directory exists, so bad input leaves nothing behind.
         with console.status("checking MODEL"):
-            info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
+            info = run_load(spec)
         run_dir = new_run_dir(info.loaded.name, args.out)
         created = True
         inputs = RunState(config=RunConfig(
-            model_ref=args.model, overrides=overrides, trust_remote_code=args.trust_remote_code,
-            proxy=args.proxy, batch=args.batch, seq=args.seq, seed=args.seed,
+            model=spec, batch=args.batch, seq=args.seq, seed=args.seed,
             align_kernels=families, max_align_retries=args.max_align_retries,
             tune_trials=args.tune_trials,
             train_steps=args.train_steps, train_nproc=args.train_nproc),

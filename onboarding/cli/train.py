@@ -109,6 +109,7 @@ def _explicit(args: argparse.Namespace) -> list[str]:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from onboarding.load.overrides import parse_assignments
+    from onboarding.load.spec import ModelSpec
 
     if args.model is None:
         raise InputError("onboard train: give a MODEL or --config train.toml")
@@ -126,7 +127,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model = str(Path(model).resolve())  # train.toml must work from any directory
     if values.get("data") and Path(values["data"]).exists():
         values["data"] = str(Path(values["data"]).resolve())
-    return TrainConfig(model=model, overrides=parse_assignments(args.set), **values)
+    spec = ModelSpec(ref=model, overrides=parse_assignments(args.set),
+                     trust_remote_code=bool(values.pop("trust_remote_code", False)),
+                     proxy=values.pop("proxy", "tiny"))
+    return TrainConfig.for_model(spec, **values)
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> int:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from onboarding.cli.common import command_parser, model_options, torch_cuda_available
+from onboarding.cli.common import command_parser, model_options, model_spec, torch_cuda_available
 from onboarding.errors import EXIT_OK, InputError
-from onboarding.load.overrides import int_list, parse_assignments
+from onboarding.load.overrides import int_list
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -215,12 +215,12 @@ def _tune_model(args: argparse.Namespace, cfg, console: Console) -> int:
         if args.model is None:
             raise InputError(f"--out {out}: no generated run there ({', '.join(RUN_ARTIFACTS)}); "
                              "give MODEL")
-        overrides = parse_assignments(args.set)
+        spec = model_spec(args)
         with console.status("tune: loading") as status:
-            info = run_load(args.model, overrides, args.trust_remote_code, args.proxy)
+            info = run_load(spec)
             out = new_run_dir(info.loaded.name, args.out)
             with owned_dir(out, created_here=True):
-                save_model_json(info, out, overrides)
+                save_model_json(info, out, spec.overrides)
                 graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
                                   on_step=lambda s: status.update(f"parse: {s}"))
                 run_generate(run_map(graph, out), out,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.errors import InputError
+from onboarding.load.spec import ModelSpec
 
 PROXIES = ("tiny", "small", "none")
 DTYPES = ("fp32", "bf16")
@@ -86,6 +87,17 @@ class TrainConfig:
     kernels: bool = True
     profile_every: int = 0
     baseline: bool = False
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, **fields: Any) -> TrainConfig:
+        """The training setup of `spec`'s model (the TOML keeps its four fields flat)."""
+        return cls(model=spec.ref or "", overrides=dict(spec.overrides),
+                   trust_remote_code=spec.trust_remote_code, proxy=spec.proxy, **fields)
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(ref=self.model or None, overrides=dict(self.overrides),
+                         trust_remote_code=self.trust_remote_code, proxy=self.proxy)
 
     @property
     def world_size(self) -> int:

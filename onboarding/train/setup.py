@@ -17,7 +17,7 @@ from torch import nn
 from onboarding.load.accounting import count_parameters, find_moe
 from onboarding.dtypes import as_dtype
 from onboarding.errors import InputError
-from onboarding.load.model import LoadedModel, load_model
+from onboarding.load.model import LoadedModel
 from onboarding.graph.opgraph import OpGraph
 from onboarding.graph.parse import ModelInfo, load_stage, load_weights, parse_stage
 from onboarding.train.config import TrainConfig
@@ -45,8 +45,7 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
 
 def model_info(cfg: TrainConfig, loaded: LoadedModel | None = None) -> ModelInfo:
     """Load MODEL and choose the config that trains (``proxy="none"``: the full config)."""
-    loaded = loaded or load_model(cfg.model, overrides=cfg.overrides,
-                                  trust_remote_code=cfg.trust_remote_code)
+    loaded = loaded or cfg.model_spec.load()
     if cfg.proxy != "none":
         return load_stage(loaded, cfg.proxy)
     full = count_parameters(loaded.build(device="meta", seed=None), loaded.config)

@@ -1,0 +1,39 @@
+"""`ModelSpec`: what names a model to onboard, the one declaration every command, the agent and
+training take (MODEL, its `--set` overrides, whether its own code may run, the proxy size)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from onboarding.errors import InputError
+
+PROXIES = ("tiny", "small", "none")  # none: the full-size config (training only)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """MODEL and how to build it.
+
+    `ref`: a model directory, `hf:<model_type>`, `file.py:Name`, `module:Name` or a built-in
+    example (None: the default example); `overrides`: config fields set before building
+    (`--set key=value`); `trust_remote_code`: run the repo's own modeling code;
+    `proxy`: the size of the model that really runs (tiny on a CPU, small on one GPU, none for
+    the full-size config).
+    """
+
+    ref: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
+    proxy: str = "tiny"
+
+    def __post_init__(self) -> None:
+        if self.proxy not in PROXIES:
+            raise InputError(f"proxy {self.proxy!r}: expected one of {', '.join(PROXIES)}")
+
+    def load(self):
+        """The resolved model (`LoadedModel`): config, builder and provenance, nothing built."""
+        from onboarding.load.model import load_model
+
+        return load_model(self.ref, overrides=dict(self.overrides),
+                          trust_remote_code=self.trust_remote_code)
