@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DTYPES, check_match, check_sample_inputs_fit
+from conftest import DTYPES, check_match
 
 from onboarding import families
 from onboarding.families import discover
@@ -54,7 +54,11 @@ def test_contract_opcheck_and_sample_inputs(family, load_kernel, device):
         module = load_kernel(NAME, "plain", params)
         check_module_contract(module)
         check_opcheck(fixture(module, shape), torch.float32, device)
-        check_sample_inputs_fit(module, family, "plain", params, [shape[-1]])
+        # the generate stage's check: entry(*sample_inputs) against the reference
+        args = family.sample_inputs("plain", family.FAMILY.resolve("plain", params), [[shape[-1]]],
+                                    torch.Generator().manual_seed(0))
+        args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        torch.testing.assert_close(module.entry(*args), module.reference(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_reference_is_the_gate_first_formula(family, load_kernel, device):
@@ -62,10 +66,10 @@ def test_reference_is_the_gate_first_formula(family, load_kernel, device):
     from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 
     module = load_kernel(NAME, "plain", {"group_size": 32})
-    norm = MambaRMSNormGated(96, group_size=32, eps=1e-5)
+    norm = MambaRMSNormGated(96, group_size=32, eps=1e-5).to(device)
     with torch.no_grad():
         norm.weight.normal_()
-    x, z = torch.randn(4, 96), torch.randn(4, 96)
+    x, z = torch.randn(4, 96, device=device), torch.randn(4, 96, device=device)
     torch.testing.assert_close(module.entry(x, z, norm.weight, 1e-5), norm(x, z), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(module.reference(x, z, norm.weight, 1e-5), norm(x, z), rtol=1e-5, atol=1e-5)
 
