@@ -1,0 +1,163 @@
+"""Structures from real vendor code (issue 26, item 4): experts written as a list of per-expert
+MLPs stacked into the packed kernel layout and patched, for alignment and training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from onboarding.backend import kernel_device
+from onboarding.patching.core import PatchRecord
+from onboarding.patching.expert_list import StackedExperts, module_list_bindings, role_candidates
+
+FIX = Path(__file__).parent / "fixtures" / "vendor_moe.py"
+
+
+def _fixture():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vendor_moe_fixture", FIX)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def swiglu_kernel(tmp_path_factory):
+    from onboarding.generate.templating import load_module, render_to
+    from onboarding.patching.core import entry_function
+
+    out = tmp_path_factory.mktemp("moe_experts")
+    return entry_function(load_module(render_to(out, "moe_experts", "swiglu", {})))
+
+
+def _moe(seed: int = 0, d: int = 24, f: int = 20):
+    torch.manual_seed(seed)
+    return _fixture().SparseMoeBlock(d, n_experts=4, top_k=2, intermediate=f, shared=16).to(kernel_device())
+
+
+class _OddNames(nn.Module):
+    """A SwiGLU expert whose names say nothing: which linear is the gate is for the calibration."""
+
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.b = nn.Linear(d, f, bias=False)  # up
+        self.a = nn.Linear(d, f, bias=False)  # gate
+        self.c = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.c(self.b(x) * F.silu(self.a(x)))
+
+
+def test_module_list_experts_patched_forward_backward(swiglu_kernel):
+    """The members' weights stacked to gate_up [E, 2F, D] / down [E, D, F]; the block's output and
+    every gradient (x, each member's weights, the router's) equal the unpatched block's; the
+    routing stays the block's own (the router's gate gets its gradient through it)."""
+    moe, ref = _moe(), _moe()
+    x = torch.randn(2, 9, 24, device=kernel_device())
+    rec = PatchRecord(path="experts", kind="moe.experts", family="moe_experts")
+    undo = module_list_bindings(moe.experts, swiglu_kernel, rec, gated=True)
+    assert undo is not None
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, _ = moe(xa)
+    assert rec.status == "active" and "gate=gate_proj.weight, up=up_proj.weight" in rec.binding, rec
+    want, _ = ref(xb)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    want.backward(dy)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(moe.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    undo()
+    assert all("forward" not in m.__dict__ for m in moe.experts)
+
+
+def test_stacked_weights_cached_frozen_restacked_when_changed():
+    """Frozen (or no_grad): one stack, reused while no member weight changes; an in-place update
+    (an optimizer step) stacks again; a trained weight is stacked per call, with its gradient."""
+    moe = _moe()
+    groups = role_candidates(list(moe.experts), True)[0][1]
+    stacked = StackedExperts(list(moe.experts), groups)
+    with torch.no_grad():
+        (gu, dn), at = stacked.get(2)
+        assert at == 2 and gu.shape == (4, 40, 24) and dn.shape == (4, 24, 20)
+        torch.testing.assert_close(gu[2], torch.cat([moe.experts[2].gate_proj.weight,
+                                                     moe.experts[2].up_proj.weight]))
+        assert stacked.get(1)[0][0] is gu  # cached
+        moe.experts[1].up_proj.weight.add_(1.0)
+        (gu2, _), _ = stacked.get(1)
+        assert gu2 is not gu
+        torch.testing.assert_close(gu2[1, 20:], moe.experts[1].up_proj.weight)
+    (gu3, _), at = stacked.get(3)  # trained: member 3 alone, differentiable
+    assert at == 0 and gu3.shape == (1, 40, 24) and gu3.requires_grad
+    gu3.sum().backward()
+    assert moe.experts[3].gate_proj.weight.grad is not None and moe.experts[0].gate_proj.weight.grad is None
+
+
+def test_module_list_gate_found_by_calibration_and_misfits_rejected(swiglu_kernel):
+    """Names that do not say which linear is the gate: the first-call check keeps the assignment
+    that reproduces the member. Members with biases fit no packed layout: rejected, nothing patched."""
+    torch.manual_seed(0)
+    experts = nn.ModuleList(_OddNames(24, 20) for _ in range(3)).to(kernel_device())
+    x = torch.randn(7, 24, device=kernel_device())
+    with torch.no_grad():
+        want = [m(x) for m in experts]
+    rec = PatchRecord(path="experts", kind="moe.experts", family="moe_experts")
+    undo = module_list_bindings(experts, swiglu_kernel, rec, gated=True)
+    with torch.no_grad():
+        got = [m(x) for m in experts]
+    assert rec.status == "active" and "gate=a.weight, up=b.weight, down=c.weight" in rec.binding, rec
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    undo()
+    biased = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(2))
+    rec = PatchRecord(path="experts", kind="moe.experts", family="moe_experts")
+    assert module_list_bindings(biased, swiglu_kernel, rec, gated=None) is None
+    assert rec.status == "rejected" and "does not fit" in rec.detail
+
+
+def test_module_list_member_that_does_not_match_gives_the_list_back(swiglu_kernel):
+    """A member computing something else than the first (a GELU gate) fails its own first-call
+    check: the whole list is restored and the record rejected, and the output is the original's."""
+    torch.manual_seed(0)
+    MLP = _fixture().MLP
+    experts = nn.ModuleList(MLP(24, 20) for _ in range(3)).to(kernel_device())
+    experts[2].act_fn = nn.GELU()
+    x = torch.randn(5, 24, device=kernel_device())
+    rec = PatchRecord(path="experts", kind="moe.experts", family="moe_experts")
+    module_list_bindings(experts, swiglu_kernel, rec, gated=True)
+    with torch.no_grad():
+        experts[0](x)
+        assert rec.status == "active"
+        want = F.linear(F.gelu(experts[2].gate_proj(x)) * experts[2].up_proj(x), experts[2].down_proj.weight)
+        got = experts[2](x)
+    assert rec.status == "rejected" and rec.detail.startswith("member 2"), rec
+    torch.testing.assert_close(got, want)
+    assert all("forward" not in m.__dict__ for m in experts)
+
+
+@pytest.mark.slow
+def test_module_list_experts_fixture_aligns_patched(tmp_path):
+    """Must-show: `onboard align` on a vendor-style causal LM whose MoE routes inline and loops over
+    a ModuleList of SwiGLU experts patches both experts blocks (active in alignment.json, with the
+    stacked weights' binding) and passes."""
+    from onboarding.cli.main import main
+
+    out = tmp_path / "run"
+    code = main(["align", f"{FIX}:ListMoECausalLM", "--dtype", "fp32", "--reference", "fp64",
+                 "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "alignment.json").read_text())
+    experts = {p["path"]: p for p in report["patches"] if p["kind"] == "moe.experts"}
+    assert set(experts) == {"layers.0.mlp.experts", "layers.1.mlp.experts"}, experts
+    for p in experts.values():
+        assert p["status"] == "active", p
+        assert "stacked to the packed layout" in p["binding"], p
+    assert report["passed"] is True
