@@ -161,3 +161,33 @@ def test_module_list_experts_fixture_aligns_patched(tmp_path):
         assert p["status"] == "active", p
         assert "stacked to the packed layout" in p["binding"], p
     assert report["passed"] is True
+
+
+@pytest.mark.slow
+def test_module_list_experts_patched_for_training(parse_model, tmp_path):
+    """Training patches what expert parallelism never replaces: the module_list experts get the
+    stacked-weights patch (the router, tapped by expert parallelism, stays excluded); a training
+    step's forward and the members' weight gradients equal the unpatched model's."""
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.train.kernels import patch_kernels
+
+    ref = f"{FIX}:ListMoECausalLM"
+    graph = parse_model(ref)
+    info = load_stage(load_model(ref))
+    model = info.loaded.build(info.proxy_config, seed=0).to(kernel_device()).train()
+    plain = info.loaded.build(info.proxy_config, seed=0).to(kernel_device()).train()
+    patches = patch_kernels(model, graph, tmp_path / "kernels", rank=0, distributed=False)
+    ids = torch.randint(0, 101, (2, 12), device=kernel_device())
+    loss = model(ids).float().square().mean()
+    want = plain(ids).float().square().mean()
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-6)
+    loss.backward()
+    want.backward()
+    status = {r.path: r.status for r in patches.records}
+    assert status["layers.0.mlp.experts"] == status["layers.1.mlp.experts"] == "active", status
+    assert not any(r.kind == "moe.router" for r in patches.records)
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)

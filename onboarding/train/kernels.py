@@ -5,12 +5,15 @@ Rank 0 renders a candidate for every coverable block of the op graph into
 gradient); the other ranks wait and load the verdicts. Only passing candidates are patched, with
 the same structural patcher that alignment uses, and every patch calibrates on its first call.
 Blocks that expert parallelism owns (``moe.experts``, and the router whose outputs it taps) are
-left to it; `attach_expert_kernels` then gives its modules with expert LoRA the grouped expert
-LoRA kernel, checked against the module's own torch path.
+left to it, except experts written as a list of per-expert MLPs (``layout: module_list``), which it
+never replaces: those get the stacked-weights patch alignment uses. `attach_expert_kernels` then
+gives its modules with expert LoRA the grouped expert LoRA kernel, checked against the module's
+own torch path.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,8 +42,14 @@ def patch_kernels(model: nn.Module, graph: OpGraph, root: Path, *, rank: int,
     if distributed:
         dist.barrier()
     cands = load_candidates(verdicts)
-    kinds = {b.kind for b in graph.blocks} - exclude
-    return patch_model(model, graph, kernels_for(coverage, cands), kinds=kinds)
+    # Experts written as a list of per-expert MLPs are never expert parallelism's (it keeps the
+    # model's own list, or refuses): they are patched here, member by member, as in alignment.
+    blocks = [b for b in graph.blocks if b.kind not in exclude or _member_experts(b)]
+    return patch_model(model, replace(graph, blocks=blocks), kernels_for(coverage, cands))
+
+
+def _member_experts(block) -> bool:
+    return block.kind == "moe.experts" and block.attrs.get("layout") == "module_list"
 
 
 def summary(patches) -> dict[str, int]:
