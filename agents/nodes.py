@@ -95,12 +95,16 @@ def align_node(state: RunState) -> dict[str, Any]:
                        families=c.align_kernels, dtype=c.align_dtype,
                        reference=c.align_reference, batch=c.batch,
                        seq=c.seq, seed=c.seed,
-                       exclude={tuple(x) for x in state.excluded_kernels})
+                       exclude={tuple(x) for x in state.excluded_kernels}, strict=c.strict)
     culprits = [b.path for b in result.culprits("fwd") or result.culprits("bwd")]
     excluded, stop = next_exclusions(result, state.excluded_kernels)
     attempt = {"attempt": len(state.align_attempts) + 1, "passed": result.passed,
                "culprits": culprits, "excluded_before": state.excluded_kernels,
-               "summary": result.summary(), "stop": stop}
+               "summary": result.summary(), "stop": stop,
+               # what it did not check (`onboarding.align.verdicts`), for the run's verdict line
+               "checked": result.checked(), "coverable": result.coverable,
+               "not_checked": result.not_checked,
+               "backward_not_checked": result.backward_not_checked}
     return _done(state, "align", artifacts={"alignment": "alignment.json"},
                  align_attempts=[*state.align_attempts, attempt], excluded_kernels=excluded,
                  summary={"alignment_passed": result.passed})

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from onboarding.align.verdicts import strict_line
 from onboarding.load.spec import ModelSpec
 
 
@@ -20,6 +21,8 @@ class RunConfig(BaseModel):
     align_dtype: str = "fp32"
     align_reference: str = "fp64"
     max_align_retries: int = 2  # failed alignment loops back to generate at most this often
+    # any coverable block left unpatched (not checked by alignment) fails the run (exit 3)
+    strict: bool = False
     # tune node: Optuna trials per study (one per kernel and shape bucket). None: 20 on a GPU;
     # on the CPU the interpreter's timings mean nothing, so None skips tuning there (set it to
     # tune anyway: each trial costs seconds).
@@ -56,13 +59,20 @@ class RunState(BaseModel):
         lines, passed = [], True
         if self.align_attempts:
             a = self.align_attempts[-1]
-            if a["passed"]:
-                lines.append(f"alignment passed (attempt {a['attempt']})")
+            what = a.get("checked") or ""
+            if a["passed"] and self.config.strict and a.get("not_checked"):
+                passed = False
+                lines.append(f"alignment FAILED under --strict (attempt {a['attempt']}): "
+                             + strict_line(a["not_checked"]))
+            elif a["passed"]:
+                lines.append(f"alignment passed (attempt {a['attempt']})"
+                             + (f": {what}" if what else ""))
             else:
                 passed = False
                 blamed = ", ".join(a["culprits"]) or "no single block"
                 lines.append(f"alignment FAILED after {a['attempt']} attempt(s): {blamed}"
-                             + (f"; {a['stop']}" if a.get("stop") else ""))
+                             + (f"; {a['stop']}" if a.get("stop") else "")
+                             + (f"; {what}" if what else ""))
         else:
             lines.append("alignment not run")
         if self.train_attempts:

@@ -32,10 +32,22 @@ def _model_section(run_dir: Path) -> str | None:
     out = [f"## Model\n\n`{m['ref']}` ({m['source']}); proxy: {m['proxy']} — {m['proxy_note']}.",
            "", "Full-size parameters, counted on the meta device:", "",
            table(["", "parameters", ""], rows)]
+    if len(p.get("by_part") or {}) > 1:  # a multimodal model: the whole, by component
+        out += ["", "By component (the language model is what is onboarded):", "",
+                table(["component", "parameters", ""],
+                      [[k, f"{v:,}", human(v)] for k, v in p["by_part"].items()])]
+        if p.get("parts_note"):
+            out += ["", f"Components: {p['parts_note']}."]
     if p["moe"]:
         moe = p["moe"][0]
         out += ["", f"{len(p['moe'])} MoE blocks: {moe['n_experts']} experts, top-k "
                 f"{moe['top_k']} ({moe['top_k_source']})."]
+    if m.get("compat_shims"):
+        out += ["", f"Remote code written for an older transformers ran through "
+                f"{len(m['compat_shims'])} compatibility shims:", "",
+                table(["name", "why", "used at"],
+                      [[f"`{s['name']}`", s["why"], f"`{s['used_at']}`"]
+                       for s in m["compat_shims"]])]
     env = m["environment"]
     out += ["", f"Environment: torch {env['torch']}, transformers {env['transformers']}, "
             f"triton {env['triton']}, commit {env['commit']}, {env['date']}."]
@@ -189,7 +201,9 @@ def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None
         if text:
             parts += [text, ""]
     if align_attempts:
-        rows = [[a["attempt"], "pass" if a["passed"] else "FAIL",
+        rows = [[a["attempt"], ("pass" if a["passed"] else "FAIL")
+                 + (f" ({len(a['not_checked'])} coverable not checked)"
+                    if a.get("not_checked") else ""),
                  ", ".join(f"`{c}`" for c in a["culprits"]) or "-",
                  ", ".join(f"`{p}` ({f})" for p, f in a["excluded_before"]) or "-"]
                 for a in align_attempts]

@@ -16,7 +16,7 @@ from onboarding.generate.candidates import (Candidate, check_candidate, promote,
                                  save_candidates)
 from onboarding.load.spec import ModelSpec
 from onboarding.graph.opgraph import OpGraph
-from onboarding.graph.parse import ModelInfo, load_stage, parse_stage
+from onboarding.graph.parse import ModelInfo, load_shipped_weights, load_stage, parse_stage
 from onboarding.load.proxy import text_config
 from onboarding.coverage import Coverage, build_coverage
 from onboarding.rundir import write_json
@@ -68,6 +68,7 @@ def save_model_json(info: ModelInfo, out_dir: Path, overrides: dict[str, Any],
     write_json(out_dir / "model.json", {
         "ref": lm.ref, "name": lm.name, "source": lm.source, "overrides": overrides,
         "trust_remote_code": lm.trust_remote_code, "weights": [str(w) for w in lm.weights],
+        "compat_shims": lm.compat_shims,
         "params": info.full.to_dict(), "proxy": info.proxy_size, "proxy_note": info.proxy_note,
         "full_config": _config_dict(lm.config), "proxy_config": _config_dict(info.proxy_config),
         "seconds": None if seconds is None else round(seconds, 3),
@@ -108,9 +109,13 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
               out_dir: Path | None, *, families: list[str] | None = None,
               dtype: str = "fp32", reference: str = "fp64", mode: str = "percentile",
               batch: int = 1, seq: int | None = None, seed: int = 0,
-              exclude: set[tuple[str, str]] | None = None,
+              exclude: set[tuple[str, str]] | None = None, strict: bool = False,
               on_step: Callable[[str], None] | None = None):
     """Align the proxy patched with the passing kernels against the eager reference.
+
+    The result lists the coverable blocks the alignment did not check, by path and reason
+    (`onboarding.align.verdicts`); ``strict`` makes any of them fail the verdict
+    (`AlignmentResult.verdict_passed`).
 
     ``families`` limits which kernels are patched (None: all; []: none); ``exclude`` drops
     (block path, family) pairs, which is how the agent retries without a culprit's kernel.
@@ -121,15 +126,19 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     import copy
 
     from onboarding.align.core import align, as_dtype, build_pair
+    from onboarding.align.verdicts import unchecked_blocks
+    from onboarding.families import families as all_families
     from onboarding.backend import kernel_device
     from onboarding.generate.candidates import kernels_for
     from onboarding.graph.parse import example_inputs
     from onboarding.patching.core import patch_model
 
-    kernels = {k: m for k, m in kernels_for(coverage, candidates).items()
+    available = kernels_for(coverage, candidates)
+    kernels = {k: m for k, m in available.items()
                if (families is None or k[1] in families) and k not in (exclude or set())}
     device = kernel_device()
     model = info.loaded.build(info.proxy_config, seed=seed).eval()
+    load_shipped_weights(model, info)
     reference_model, candidate = build_pair(model, reference_dtype=reference,
                                             candidate_dtype=dtype)
     reference_model.to(device)
@@ -143,6 +152,12 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     with patch_model(candidate, graph, kernels) as patches:
         result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,
                        patches=patches, floor=floor, on_step=on_step)
+        # read while patched: a patch installed but never called is still "pending" here
+        result.coverable, result.not_checked = unchecked_blocks(
+            coverage, patches.records, available=available,
+            bindable=[n for n, f in all_families().items() if f.binding is not None],
+            families=families, exclude=exclude or ())
+        result.strict = strict
     if out_dir is not None:
         result.save(out_dir / "alignment.json")
         result.plot(out_dir / "alignment.png")

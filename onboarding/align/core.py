@@ -79,6 +79,7 @@ from onboarding.align.replay import (
     _selection_flips,
 )
 from onboarding.align.report import plot_errors, render_markdown
+from onboarding.align.verdicts import backward_unchecked, checked_line
 from onboarding.align.stats import (
     _flat,
     PERCENTILES,
@@ -354,6 +355,13 @@ class AlignmentResult:
     patches: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     floor_dtype: str | None = None  # the unpatched model's dtype when bounds come from it
+    # what was not checked (`onboarding.align.verdicts`): the coverable blocks (None: not known,
+    # no coverage given), those left unpatched {path, kind, family, reason}, patched blocks whose
+    # backward was not exercised; ``strict``: an unpatched coverable block fails the verdict
+    coverable: int | None = None
+    not_checked: list[dict[str, Any]] = field(default_factory=list)
+    backward_not_checked: list[dict[str, Any]] = field(default_factory=list)
+    strict: bool = False
 
     def block(self, path: str) -> BlockAlignment:
         for b in self.blocks:
@@ -379,13 +387,35 @@ class AlignmentResult:
         return (not self.culprits("fwd") and not self.culprits("bwd")
                 and self.logits.get("passed", True))
 
+    @property
+    def strict_failed(self) -> bool:
+        """Under ``strict``, a coverable block was left unpatched (not checked)."""
+        return self.strict and bool(self.not_checked)
+
+    @property
+    def verdict_passed(self) -> bool:
+        """The checks passed and, under ``strict``, every coverable block was patched."""
+        return self.passed and not self.strict_failed
+
+    def checked(self) -> str:
+        """What was checked: "18 of 20 coverable blocks patched; not checked: ..." ("" when the
+        coverable blocks are not known)."""
+        return checked_line(self)
+
     def summary(self) -> str:
         floor = " (bounds from the unpatched model's own error)" if self.floor_dtype else ""
+        what = self.checked()
         if self.passed:
-            return (f"alignment passed: {len(self.blocks)} blocks, {self.candidate_dtype} vs "
-                    f"{self.reference_dtype}{floor}, logits rel_rms "
-                    f"{self.logits['stats']['rel_rms']:.2e}, KL {self.logits['kl']:.2e}, top-1 "
-                    f"{self.logits['top1_agreement']:.3f}")
+            stats = (f"{len(self.blocks)} blocks, {self.candidate_dtype} vs "
+                     f"{self.reference_dtype}{floor}, logits rel_rms "
+                     f"{self.logits['stats']['rel_rms']:.2e}, KL {self.logits['kl']:.2e}, top-1 "
+                     f"{self.logits['top1_agreement']:.3f}")
+            if self.strict_failed:
+                return f"alignment FAILED under --strict \u2014 {what}. {stats}"
+            if self.not_checked or self.backward_not_checked:
+                # never a plain pass when something coverable was not checked
+                return f"alignment PASS \u2014 {what}. {stats}"
+            return f"alignment passed: {what + '; ' if what else ''}{stats}"
         lines = []
         for d, name in (("fwd", "forward"), ("bwd", "backward")):
             for b in self.culprits(d):
@@ -393,17 +423,21 @@ class AlignmentResult:
                              f"{getattr(b, d).message}")
         if not self.logits.get("passed", True):
             lines.append(f"logits: {self.logits.get('message', '')}")
+        if what:
+            lines.append(what)
         return f"alignment FAILED{floor}\n  " + "\n  ".join(lines)
 
     def check(self) -> AlignmentResult:
-        """Raise `AlignmentError` naming the culprit blocks unless the alignment passed."""
-        if not self.passed:
+        """Raise `AlignmentError` naming the culprit blocks unless the alignment passed (and,
+        under ``strict``, every coverable block was patched)."""
+        if not self.verdict_passed:
             raise AlignmentError(self.summary())
         return self
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["passed"] = self.passed
+        d["verdict_passed"] = self.verdict_passed
         d["culprit"] = {k: [b.path for b in self.culprits(k)] for k in ("fwd", "bwd")}
         return _json_safe(d)
 
@@ -561,6 +595,9 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
     if over:
         result.notes.append("the unpatched model's own code is over the documented bound in "
                             f"isolation, so {FLOOR_FACTOR:g}x its floor judges these: {over}")
+    if patches is not None:
+        result.backward_not_checked = backward_unchecked(result, patches.records, ref_mods,
+                                                         ref_run.param_grads)
     ref_bad = [r.path for r in results if r.fwd.output and r.fwd.output.ref_nonfinite]
     if ref_bad:
         result.notes.append(f"the reference itself has non-finite outputs in {ref_bad}")

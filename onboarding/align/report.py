@@ -24,10 +24,15 @@ def _fmt(x: float | None) -> str:
 
 def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> str:
     """The run report's alignment section: a header line, culprits, one row per block."""
+    from onboarding.align.verdicts import markdown_lines
+
     r = result
+    what = r.checked()
+    verdict = ("**FAIL** (--strict)" if r.strict_failed else "**PASS**" if r.passed
+               else "**FAIL**") + (f" — {what}" if what else "")
     lines = [f"**Alignment** ({r.mode}): candidate {r.candidate_dtype} vs reference "
              f"{r.reference_dtype}, inputs {r.input_shapes}, seed {r.seed}: "
-             f"**{'PASS' if r.passed else 'FAIL'}**. Logits KL {r.logits['kl']:.2e} "
+             f"{verdict}. Logits KL {r.logits['kl']:.2e} "
              f"(max {r.logits['kl_max']:.2e}), top-1 agreement {r.logits['top1_agreement']:.3f} "
              f"over {r.logits['tokens']} tokens.", ""]
     for key, name in (("fwd", "forward"), ("bwd", "backward")):
@@ -36,6 +41,7 @@ def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> s
     if r.patches:
         active = sum(p["status"] == "active" for p in r.patches)
         lines.append(f"- patched blocks: {active} active of {len(r.patches)}")
+    lines += markdown_lines(r)
     lines += [f"- note: {n}" for n in r.notes]
     bit = r.mode == "bitwise"
     head = ["#", "block", "kind", "fwd rel RMS", "fwd p99 |err|", "fwd max |err|", "cos",
@@ -44,6 +50,7 @@ def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> s
         head[7:7] = ["exact", "max ulp"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rank = {p: i for i, p in enumerate(r.forward_order)}
+    no_bwd = {x["path"] for x in r.backward_not_checked}
     for b in sorted(r.blocks, key=lambda b: rank.get(b.path, len(rank))):
         f, g = b.fwd, b.bwd
         if only_failing and f.verdict == "pass" and g.verdict in ("pass", "no_grad"):
@@ -53,7 +60,8 @@ def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> s
                _fmt(o and o.rel_rms), _fmt(o and o.p99), _fmt(o and o.max_abs),
                f"{o.cosine:.6f}" if o else "—", _mark(f.verdict),
                _fmt(go and go.rel_rms), _fmt(g.params and g.params.rel_rms),
-               _fmt(go and go.max_abs), _mark(g.verdict)]
+               _fmt(go and go.max_abs),
+               _mark(g.verdict) + (" (backward not checked)" if b.path in no_bwd else "")]
         if bit:
             row[7:7] = [f"{o.exact_fraction:.4f}" if o and o.exact_fraction is not None else "—",
                         str(o.max_ulp) if o and o.max_ulp is not None else "—"]
@@ -105,8 +113,10 @@ def plot_errors(result: AlignmentResult, path: Path) -> Path:
         ax.set_ylabel("||a-b|| / ||b||")
         ax.set_title(f"{title} ({result.candidate_dtype} vs {result.reference_dtype})", fontsize=9)
         ax.grid(True, which="major", axis="y", alpha=0.3)
+    n = len(result.not_checked)
+    unchecked = f", {n} coverable block{'s' if n != 1 else ''} not checked" if n else ""
     fig.suptitle(f"{result.model}: layer-wise alignment "
-                 f"({'PASS' if result.passed else 'FAIL'})", fontsize=10)
+                 f"({'PASS' if result.verdict_passed else 'FAIL'}{unchecked})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

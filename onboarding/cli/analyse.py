@@ -43,11 +43,16 @@ def add_parser(sub) -> None:
                    help="candidate precision")
     a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64")
     a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile")
+    a.add_argument("--strict", action="store_true",
+                   help="fail (exit 3) when any coverable block was left unpatched (not checked)")
     a.set_defaults(func=cmd_analyse)
 
 
 def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     """parse, map and generate: the stages up to the one named by the command."""
+    from rich.markup import escape
+
+    from onboarding.align.verdicts import strict_line
     from onboarding.cli.console import print_candidates, print_coverage, print_opgraph
     from onboarding.rundir import new_run_dir, owned_dir
     from onboarding.stages import (
@@ -82,7 +87,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
             result = run_align(info, graph, coverage, cands, out, families=families,
                                dtype=args.dtype, reference=args.reference, mode=args.mode,
                                batch=args.batch, seq=args.seq, seed=args.seed,
-                               on_step=lambda s: step(f"align: {s}")) \
+                               strict=args.strict, on_step=lambda s: step(f"align: {s}")) \
                 if stage == "align" else None
     if getattr(args, "json", False):
         data = coverage.to_dict() if coverage is not None else graph.to_dict()
@@ -100,8 +105,12 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
         console.print(f"wrote {out}")
     if result is not None:
         console.print(result.to_markdown(only_failing=len(graph.blocks) > 40))
-        console.print(result.summary())
-        return EXIT_OK if result.passed else EXIT_CHECK_FAILED
+        console.print(escape(result.summary()), highlight=False)
+        if result.strict_failed:  # the last line names every block left unpatched
+            console.print(f"[bold red]check failed[/bold red]: --strict: "
+                          f"{escape(strict_line(result.not_checked))} "
+                          f"(exit {EXIT_CHECK_FAILED})", highlight=False)
+        return EXIT_OK if result.verdict_passed else EXIT_CHECK_FAILED
     return EXIT_OK
 
 

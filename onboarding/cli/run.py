@@ -32,6 +32,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--max-align-retries", type=int, default=2, metavar="N",
                    help="a failed alignment loops back to generate without the culprit's kernel "
                         "at most N times (default 2; each retry must leave out a kernel)")
+    r.add_argument("--strict", action="store_true",
+                   help="fail (exit 3) when any coverable block was left unpatched (not checked)")
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
     return r
@@ -64,6 +66,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         inputs = RunState(config=RunConfig(
             model=spec, batch=args.batch, seq=args.seq, seed=args.seed,
             align_kernels=families, max_align_retries=args.max_align_retries,
+            strict=args.strict,
             tune_trials=args.tune_trials,
             train_steps=args.train_steps, train_nproc=args.train_nproc),
             run_dir=str(run_dir))
@@ -105,7 +108,16 @@ def _run_verdict(values: dict, console: Console) -> int:
     """The run's last screen line: what its checks said; exit 3 when one failed."""
     from agents.state import RunState
 
-    passed, line = RunState.model_validate(values).verdict()
+    state = RunState.model_validate(values)
+    if state.align_attempts:  # what the last alignment did not check, block by block
+        a = state.align_attempts[-1]
+        for x in a.get("not_checked", []):
+            console.print(escape(f"not checked: {x['path']} ({x['kind']}, {x['family']}): "
+                                 f"{x['reason']}"), highlight=False)
+        for x in a.get("backward_not_checked", []):
+            console.print(escape(f"backward not checked: {x['path']} ({x['kind']}, "
+                                 f"{x['family']}): {x['reason']}"), highlight=False)
+    passed, line = state.verdict()
     if passed:
         console.print(escape(line), highlight=False)
         return EXIT_OK
