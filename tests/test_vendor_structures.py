@@ -4,6 +4,7 @@ MLPs stacked into the packed kernel layout and patched, for alignment and traini
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,40 @@ def test_module_list_experts_patched_for_training(parse_model, tmp_path):
     for name, p in model.named_parameters():
         if ".experts." in name:
             torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_router_score_bias_held_as_a_buffer(parse_model, tmp_path):
+    """A router's selection bias held as a buffer (DeepSeek-V3's e_score_correction_bias), in a
+    model torch.export cannot trace (its sorted-token expert loop): classified `score_bias`, the
+    router kernel rendered with it, and the patch reads the buffer itself (an update outside the
+    optimizer moves the kernel's selection as it moves the original's)."""
+    from onboarding.families import family_module
+    from onboarding.generate.templating import load_module, render_to
+    from onboarding.patching.core import patch_model
+
+    graph = parse_model(f"{FIX}:BufferBiasMoECausalLM")
+    assert graph.capture == "dispatch"
+    routers = graph.by_kind("moe.router")
+    assert [r.path for r in routers] == ["layers.0.mlp.gate", "layers.1.mlp.gate"]
+    block = routers[0]
+    assert block.attrs["score_bias"] is True and block.attrs["group_limited"] is True, block.attrs
+    match = family_module("moe_router").match(block)
+    assert match is not None and match["params"]["score_bias"] is True, match
+    kmod = load_module(render_to(tmp_path, "moe_router", match["variant"], match["params"]))
+    torch.manual_seed(0)
+    lm = _fixture().BufferBiasMoECausalLM().to(kernel_device())
+    gate = lm.layers[0].mlp.gate
+    x = torch.randn(2, 7, 32, device=kernel_device())
+    one = replace(graph, blocks=[block])
+    with patch_model(lm, one, {(block.path, "moe_router"): kmod}) as patches, torch.no_grad():
+        idx, w = gate(x)
+        rec = patches.records[0]
+        assert rec.status == "active", (rec.binding, rec.detail)
+        gate.e_score_correction_bias[[5, 6]] += 10.0  # experts 5 and 6 (one group) now always win
+        idx, w = gate(x)
+        assert set(idx.flatten().tolist()) == {5, 6}
+    with torch.no_grad():
+        ref_idx, ref_w = gate(x)
+    torch.testing.assert_close(idx.sort(-1).values, ref_idx.sort(-1).values)
+    torch.testing.assert_close(w.sum(-1), ref_w.sum(-1), rtol=1e-5, atol=1e-6)

@@ -176,8 +176,12 @@ def record_eager(model: nn.Module, inputs: tuple, kwargs: dict) -> Capture:
     """Run one eager forward, recording every ATen op with its module (the fallback capture)."""
     io: dict = {}
     stack: list[str] = []
-    ptrs = {p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()
+    # parameters and buffers, as torch.export's signature names them (a router's selection bias
+    # held as a buffer, DeepSeek-V3's e_score_correction_bias, is read as a bias either way)
+    ptrs = {p.untyped_storage().data_ptr(): n for n, p in model.named_buffers()
             if p.device.type != "meta"}
+    ptrs.update({p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()
+                 if p.device.type != "meta"})
     handles = _io_hooks(model, io, stack)
     recorder = _Recorder(stack, ptrs)
     try:
