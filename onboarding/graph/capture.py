@@ -143,6 +143,11 @@ def _call(model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
         with torch.no_grad(), torch_reference_paths():
             return model(*inputs, **kwargs)
     except Exception as exc:
+        from onboarding.load.compat import describe_failure
+
+        remote = describe_failure(exc, what="in forward", config=getattr(model, "config", None))
+        if remote is not None:
+            raise ModelRunError(remote + _gpu_kernel_hint(exc)) from exc
         lines = str(exc).strip().splitlines()
         raise ModelRunError(f"the model's forward raised {type(exc).__name__}: "
                             f"{lines[0] if lines else ''}{_gpu_kernel_hint(exc)}") from exc

@@ -67,17 +67,18 @@ def example_inputs(model: nn.Module, config: Any, batch: int, seq: int, seed: in
 
 
 def load_weights(model: nn.Module, files: list) -> int:
-    """Load safetensors weights into ``model``; returns the number of tensors loaded."""
-    from safetensors.torch import load_file
+    """Load safetensors weights into ``model``, every name and shape checked
+    (`onboarding.load.weights`); returns the number of tensors loaded."""
+    from onboarding.load.weights import load_safetensors
 
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or (missing and len(missing) == len(model.state_dict())):
-        raise InputError(f"weights do not match the model: {len(unexpected)} unexpected keys "
-                         f"(e.g. {unexpected[:2]}), {len(missing)} missing")
-    return len(state)
+    return load_safetensors(model, files)
+
+
+def load_shipped_weights(model: nn.Module, info: ModelInfo) -> int:
+    """The directory's ``*.safetensors`` into ``model`` when it runs at full size (0: none)."""
+    if info.loaded.weights and info.proxy_note.startswith("full size"):
+        return load_weights(model, info.loaded.weights)
+    return 0
 
 
 def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
@@ -130,8 +131,7 @@ def parse_stage(info: ModelInfo, *, batch: int = 1, seq: int = 64, seed: int = 0
                 on_step: Callable[[str], None] | None = None) -> OpGraph:
     loaded = info.loaded
     model = loaded.build(info.proxy_config, device="cpu", seed=seed).to(dtype).eval()
-    if loaded.weights and info.proxy_note.startswith("full size"):
-        load_weights(model, loaded.weights)
+    load_shipped_weights(model, info)
     inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq, seed)
     cap = capture(model, inputs, kwargs, try_export=try_export, on_step=on_step)
     if on_step:

@@ -49,6 +49,8 @@ class LoadedModel:
     config: Any | None
     trust_remote_code: bool = False
     weights: list[Path] = field(default_factory=list)
+    directory: Path | None = None  # where the model's own code lives (remote code only)
+    compat_shims: list[dict[str, str]] = field(default_factory=list)  # see load.compat
     _factory: Callable[..., nn.Module] | None = None
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -79,6 +81,11 @@ class LoadedModel:
         except InputError:
             raise
         except Exception as exc:  # the user's model code failed: report it as their input
+            if self.directory is not None:
+                from onboarding.load.compat import raise_remote
+
+                raise_remote(exc, ref=self.ref, what="building the model", config=cfg,
+                             directory=self.directory)
             raise InputError(f"{self.ref}: building the model failed: "
                              f"{type(exc).__name__}: {_first_line(exc)}") from exc
         if not isinstance(model, nn.Module):
@@ -160,15 +167,26 @@ def _load_directory(ref: str, path: Path, source: str, trust_remote_code: bool) 
         if model_type not in CONFIG_MAPPING:
             raise InputError(f"{cfg_file}: unknown model_type {model_type!r} and no auto_map "
                              "with remote code")
+    shims: list[dict[str, str]] = []
+    if auto_map:
+        from onboarding.load import compat
+
+        compat.check_auto_map(ref, path, auto_map)
+        shims = compat.install_shims(path)
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=bool(auto_map))
     except Exception as exc:
+        if auto_map:
+            compat.raise_remote(exc, ref=ref, what="reading the config", directory=path)
         raise InputError(f"{ref}: transformers could not read the config: "
                          f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    if auto_map:
+        compat.install_config_shims(config, shims, path)
     weights = sorted(path.glob("*.safetensors"))
     name = path.resolve().name
     return LoadedModel(ref=ref, name=name, source=source, config=config,
-                       trust_remote_code=bool(auto_map), weights=weights)
+                       trust_remote_code=bool(auto_map), weights=weights,
+                       directory=path if auto_map else None, compat_shims=shims)
 
 
 def _load_python_ref(ref: str, mod: str, name: str) -> LoadedModel:

@@ -1,0 +1,84 @@
+"""The ``*.safetensors`` a model directory ships, loaded into a model built at full size.
+
+Every name and shape must fit: a checkpoint with tensors the model lacks, parameters it does not
+hold (tied parameters count as held when one of their names is there) or other shapes is bad
+input, named by its first mismatches; so is a file that is not whole (truncated, corrupt header).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from onboarding.errors import InputError
+
+SHOWN = 3  # mismatches named per kind
+
+
+def read_safetensors(files: list) -> dict[str, torch.Tensor]:
+    """All tensors of ``files``; a truncated or corrupt file is an `InputError` naming it."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        path = Path(f)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as fh:
+                for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if key in state:
+                        raise InputError(f"{path}: tensor {key} is also in another "
+                                         "safetensors file of the directory")
+                    state[key] = fh.get_tensor(key)
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...
+            lines = str(exc).strip().splitlines()
+            size = path.stat().st_size if path.exists() else 0
+            raise InputError(f"{path}: not a readable safetensors file ({size:,} bytes; "
+                             f"truncated or corrupt?): {type(exc).__name__}: "
+                             f"{lines[0] if lines else ''}") from exc
+    return state
+
+
+def _shown(items: list[str]) -> str:
+    more = f", ... ({len(items) - SHOWN} more)" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more
+
+
+def check_fit(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    """What does not fit between ``model`` and the checkpoint ``state`` (empty: it fits)."""
+    own = model.state_dict(keep_vars=True)
+    # names of one tied tensor: any of them in the checkpoint loads them all
+    groups: dict[int, list[str]] = {}
+    for name, t in own.items():
+        if t.device.type != "meta":
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    tied = {n: g for g in groups.values() if len(g) > 1 for n in g}
+    unexpected = sorted(k for k in state if k not in own)
+    missing = sorted(k for k in own if k not in state
+                     and not any(o in state for o in tied.get(k, ())))
+    shapes = [f"{k} (checkpoint {list(state[k].shape)}, model {list(own[k].shape)})"
+              for k in sorted(state) if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
+    problems = []
+    if shapes:
+        problems.append(f"{len(shapes)} of other shapes: {_shown(shapes)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} the model does not have: {_shown(unexpected)}")
+    if missing:
+        problems.append(f"{len(missing)} of the model's missing: {_shown(missing)}")
+    return problems
+
+
+def load_safetensors(model: nn.Module, files: list) -> int:
+    """Load ``files`` into ``model`` after checking every name and shape; returns the number of
+    tensors loaded."""
+    state = read_safetensors(files)
+    problems = check_fit(model, state)
+    if problems:
+        where = files[0] if len(files) == 1 else f"{len(files)} safetensors files in " \
+            f"{Path(files[0]).parent}"
+        raise InputError(f"{where}: the weights do not fit the model: " + "; ".join(problems))
+    model.load_state_dict(state, strict=False)
+    return len(state)

@@ -1,0 +1,260 @@
+"""Remote code written for transformers 4.x (issue 26, items 2 and 5): the compatibility layer
+(`onboarding.load.compat`), failures inside remote code named by file:line and targeted version,
+`auto_map` checks, and the shipped safetensors (`onboarding.load.weights`).
+
+The fixture `tests/fixtures/remote_v4` is a 4.x-style repo of our own; the broken variants are
+copies under tmp_path, each in a directory of its own name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from onboarding.cli.main import main
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "remote_v4"
+MODELING = "modeling_oldlm.py"
+
+
+def _copy(tmp_path: Path, name: str) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURE, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def _edit(path: Path, old: str, new: str) -> int:
+    """Replace ``old`` (once) in ``path``; returns the 1-based line where ``new`` starts."""
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    at = text.index(old)
+    path.write_text(text.replace(old, new))
+    return text[:at].count("\n") + 1
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    cap = capsys.readouterr()
+    return code, " ".join((cap.out + cap.err).split())  # rich wraps long lines
+
+
+def _state(directory: Path) -> dict[str, torch.Tensor]:
+    from onboarding.load.model import load_model
+
+    loaded = load_model(str(directory), trust_remote_code=True)
+    model = loaded.build(seed=123)
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the compatibility layer
+
+
+def test_scan_finds_the_4x_names(tmp_path):
+    from onboarding.load.compat import scan_remote_code
+
+    uses = scan_remote_code(FIXTURE)
+    assert ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask") \
+        in uses.imports
+    assert uses.attrs["get_usable_length"].startswith(MODELING + ":")
+    assert uses.attrs["rope_scaling"].startswith(MODELING + ":")  # a read, not the config's store
+
+
+def test_attention_mask_shim_matches_a_causal_padding_mask():
+    from onboarding.load.compat import _prepare_4d_causal_attention_mask
+
+    emb = torch.zeros(2, 4, 8)
+    pad = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    mask = _prepare_4d_causal_attention_mask(pad, (2, 4), emb, 0)
+    assert mask.shape == (2, 1, 4, 4)
+    allowed = mask == 0
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    assert torch.equal(allowed[0, 0], causal)
+    assert torch.equal(allowed[1, 0], causal & torch.tensor([False, True, True, True]))
+    # with a past: the new queries see every past key
+    mask = _prepare_4d_causal_attention_mask(None, (1, 2), emb, 3)
+    assert mask.shape == (1, 1, 2, 5) and bool((mask[0, 0, 0, :4] == 0).all())
+    assert mask[0, 0, 0, 4] < 0
+
+
+def test_without_the_layer_the_fixture_fails_at_import():
+    """The fixture really needs the shims: the installed transformers lacks what it imports."""
+    import importlib.util
+    import sys
+
+    if "transformers.modeling_attn_mask_utils" in sys.modules:
+        assert getattr(sys.modules["transformers.modeling_attn_mask_utils"], "__onboard_shim__")
+    else:
+        assert importlib.util.find_spec("transformers.modeling_attn_mask_utils") is None
+
+
+def test_v4_fixture_parses_with_its_shims_listed(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, text = _run(capsys, "parse", str(FIXTURE), "--trust-remote-code", "--out", str(out))
+    assert code == 0, text
+    shims = json.loads((out / "model.json").read_text())["compat_shims"]
+    names = {s["name"] for s in shims}
+    assert {"transformers.modeling_attn_mask_utils._prepare_4d_causal_attention_mask",
+            "transformers.cache_utils.Cache.from_legacy_cache",
+            "transformers.cache_utils.Cache.get_usable_length",
+            "config.rope_scaling"} <= names
+    assert all(s["why"] and ":" in s["used_at"] for s in shims)
+    graph = json.loads((out / "opgraph.json").read_text())
+    kinds = {b["kind"] for b in graph["blocks"]}
+    assert {"attention.full", "mlp.dense"} <= kinds
+
+
+def test_native_models_record_no_shims(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, text = _run(capsys, "parse", "tiny_dense", "--out", str(out))
+    assert code == 0, text
+    assert json.loads((out / "model.json").read_text())["compat_shims"] == []
+
+
+@pytest.mark.slow
+def test_v4_fixture_aligns_with_shipped_weights_and_shims_in_the_report(tmp_path, capsys,
+                                                                        monkeypatch):
+    """Must show: a 4.x-style repo parses and aligns, its shims listed in model.json and the
+    report; the safetensors it ships are what align runs."""
+    from safetensors.torch import save_file
+
+    import onboarding.stages as stages
+    from onboarding.report import build_report
+
+    repo = _copy(tmp_path, "oldlm_weights")
+    state = _state(repo)
+    save_file(state, str(repo / "model.safetensors"))
+    loaded_into: list[dict] = []
+    real = stages.load_shipped_weights
+
+    def spy(model, info):
+        n = real(model, info)
+        loaded_into.append({k: v.clone() for k, v in model.state_dict().items()})
+        return n
+
+    monkeypatch.setattr(stages, "load_shipped_weights", spy)
+    out = tmp_path / "run"
+    code, text = _run(capsys, "align", str(repo), "--trust-remote-code", "--out", str(out))
+    assert code == 0, text
+    assert loaded_into and all(torch.equal(loaded_into[0][k], v) for k, v in state.items())
+    report = build_report(out, title="remote v4").read_text()
+    assert "compatibility shims" in report
+    assert "_prepare_4d_causal_attention_mask" in report and "config.rope_scaling" in report
+
+
+# ---------------------------------------------------------------------------------------------
+# failures inside remote code: file:line, targeted version, PyPI names; nothing left behind
+
+
+def test_raise_at_import_names_file_line_and_version(tmp_path, capsys):
+    repo = _copy(tmp_path, "oldlm_import_raise")
+    line = _edit(repo / MODELING, "logger = logging.get_logger(__name__)\n",
+                 "raise RuntimeError('vendor setup failed')\n")
+    out = tmp_path / "out"
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code", "--out", str(out))
+    assert code == 2
+    assert f"{MODELING}:{line}" in text and "vendor setup failed" in text
+    assert "transformers 4.46.0" in text
+    assert not out.exists()
+
+
+def test_raise_in_forward_names_file_line_and_version(tmp_path, capsys):
+    repo = _copy(tmp_path, "oldlm_forward_raise")
+    line = _edit(repo / MODELING, "        hidden_states = self.norm(hidden_states)\n",
+                 "        raise ValueError('vendor forward failed')\n")
+    out = tmp_path / "out"
+    code, text = _run(capsys, "align", str(repo), "--trust-remote-code", "--out", str(out))
+    assert code == 2
+    assert f"{MODELING}:{line}" in text and "vendor forward failed" in text
+    assert "in forward" in text and "transformers 4.46.0" in text
+    assert not out.exists()
+
+
+def test_missing_packages_are_named_by_their_pypi_names(tmp_path, capsys):
+    repo = _copy(tmp_path, "oldlm_missing_pkg")
+    line = _edit(repo / MODELING, "from .configuration_oldlm import OldLMConfig\n",
+          "from .configuration_oldlm import OldLMConfig\n"
+          "from fla.modules import FusedRMSNormGated\nimport causal_conv1d\n")
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code")
+    assert code == 2
+    assert "pip install flash-linear-attention" in text and "pip install causal-conv1d" in text
+    assert "pip install fla " not in text + " "
+    assert f"{MODELING}:{line + 1}" in text or f"{MODELING}:{line + 2}" in text  # an import line
+    assert "transformers 4.46.0" in text
+
+
+def test_pypi_names():
+    from onboarding.load.compat import pypi_name
+
+    assert pypi_name("fla.ops.kda") == "flash-linear-attention"
+    assert pypi_name("flash_attn") == "flash-attn"
+    assert pypi_name("mamba_ssm") == "mamba-ssm"
+    assert pypi_name("causal_conv1d") == "causal-conv1d"
+
+
+@pytest.mark.parametrize("entry,expect", [
+    ("modeling_gone.OldLMForCausalLM", "has no modeling_gone.py"),
+    ("modeling_oldlm.NoSuchClass", "defines no NoSuchClass"),
+])
+def test_auto_map_pointing_nowhere(tmp_path, capsys, entry, expect):
+    repo = _copy(tmp_path, "oldlm_automap_" + entry.split(".")[-1].lower())
+    cfg = json.loads((repo / "config.json").read_text())
+    cfg["auto_map"]["AutoModelForCausalLM"] = entry
+    (repo / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code", "--out", str(out))
+    assert code == 2
+    assert expect in text and "AutoModelForCausalLM" in text
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# shipped weights
+
+
+def test_weights_of_other_shapes_are_named(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    repo = _copy(tmp_path, "oldlm_bad_shapes")
+    state = _state(repo)
+    state["model.layers.1.mlp.up_proj.weight"] = torch.zeros(16, 32)
+    state["model.extra.weight"] = torch.zeros(3)
+    save_file(state, str(repo / "model.safetensors"))
+    out = tmp_path / "out"
+    code, text = _run(capsys, "align", str(repo), "--trust-remote-code", "--out", str(out))
+    assert code == 2
+    assert "do not fit" in text
+    assert "model.layers.1.mlp.up_proj.weight (checkpoint [16, 32], model [64, 32])" in text
+    assert "model.extra.weight" in text
+    assert not out.exists()
+
+
+def test_weights_missing_a_parameter_are_named(tmp_path):
+    from onboarding.load.weights import check_fit
+
+    from onboarding.load.model import load_model
+
+    model = load_model(str(FIXTURE), trust_remote_code=True).build()
+    state = dict(model.state_dict())
+    del state["lm_head.weight"]
+    problems = check_fit(model, state)
+    assert problems and "lm_head.weight" in problems[0] and "missing" in problems[0]
+
+
+def test_truncated_safetensors(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    repo = _copy(tmp_path, "oldlm_truncated")
+    file = repo / "model.safetensors"
+    save_file(_state(repo), str(file))
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    code, text = _run(capsys, "align", str(repo), "--trust-remote-code", "--out", str(out))
+    assert code == 2
+    assert "model.safetensors" in text and "truncated or corrupt" in text
+    assert not out.exists()
