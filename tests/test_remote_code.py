@@ -258,3 +258,15 @@ def test_truncated_safetensors(tmp_path, capsys):
     assert code == 2
     assert "model.safetensors" in text and "truncated or corrupt" in text
     assert not out.exists()
+
+
+def test_checkpoint_entries_transformers_skips_are_not_mismatches():
+    """An old checkpoint's rotary inv_freq (a non-persistent buffer now) is skipped, not an
+    unexpected key."""
+    from onboarding.load.model import load_model
+    from onboarding.load.weights import check_fit
+
+    model = load_model(str(FIXTURE), trust_remote_code=True).build()
+    state = dict(model.state_dict())
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    assert check_fit(model, state) == []

@@ -7,6 +7,7 @@ input, named by its first mismatches; so is a file that is not whole (truncated,
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -56,9 +57,16 @@ def check_fit(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
         if t.device.type != "meta":
             groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
     tied = {n: g for g in groups.values() if len(g) > 1 for n in g}
-    unexpected = sorted(k for k in state if k not in own)
+    # what transformers itself skips: the model's declared patterns, and checkpoint entries for
+    # buffers it keeps out of its state dict (an old rotary inv_freq)
+    skip_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
+    skip_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
+    buffers = {n for n, _ in model.named_buffers()}
+    unexpected = sorted(k for k in state if k not in own and k not in buffers
+                        and not any(p.search(k) for p in skip_unexpected))
     missing = sorted(k for k in own if k not in state
-                     and not any(o in state for o in tied.get(k, ())))
+                     and not any(o in state for o in tied.get(k, ()))
+                     and not any(p.search(k) for p in skip_missing))
     shapes = [f"{k} (checkpoint {list(state[k].shape)}, model {list(own[k].shape)})"
               for k in sorted(state) if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
     problems = []
@@ -71,6 +79,17 @@ def check_fit(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     return problems
 
 
+def _patterns(model: nn.Module, attr: str) -> list[re.Pattern]:
+    out = []
+    for m in model.modules():
+        for p in getattr(m, attr, None) or ():
+            try:
+                out.append(re.compile(p))
+            except (re.error, TypeError):
+                pass
+    return out
+
+
 def load_safetensors(model: nn.Module, files: list) -> int:
     """Load ``files`` into ``model`` after checking every name and shape; returns the number of
     tensors loaded."""
@@ -80,5 +99,6 @@ def load_safetensors(model: nn.Module, files: list) -> int:
         where = files[0] if len(files) == 1 else f"{len(files)} safetensors files in " \
             f"{Path(files[0]).parent}"
         raise InputError(f"{where}: the weights do not fit the model: " + "; ".join(problems))
-    model.load_state_dict(state, strict=False)
+    own = model.state_dict()
+    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
     return len(state)
