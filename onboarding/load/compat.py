@@ -220,6 +220,24 @@ _ALWAYS_TRUE = ("is_torch_fx_available", "is_torch_sdpa_available")
 # install
 
 
+# where a name that left its 4.x module may live now
+_HOMES = ("transformers", "transformers.utils", "transformers.pytorch_utils",
+          "transformers.modeling_utils", "transformers.configuration_utils",
+          "transformers.cache_utils", "transformers.utils.generic",
+          "transformers.utils.import_utils")
+
+
+def _moved(name: str) -> str | None:
+    for home in _HOMES:
+        mod = _module_or_none(home)
+        try:
+            if mod is not None and getattr(mod, name, None) is not None:
+                return home
+        except Exception:  # noqa: BLE001 - a lazy attribute that fails to import
+            continue
+    return None
+
+
 def _missing_module(name: str) -> bool:
     if name in sys.modules:
         return getattr(sys.modules[name], "__onboard_shim__", False)
@@ -283,6 +301,21 @@ def install_shims(directory: Path) -> list[dict[str, str]]:
             setattr(mod, name, getattr(mod, m.group(1) + "Attention"))
             record(f"{module}.{name}", f"transformers 5 has one attention class per model "
                    f"dispatching on attn_implementation; aliased to {m.group(1)}Attention", where)
+            continue
+        home = _moved(name)
+        if home is not None:
+            setattr(mod, name, getattr(importlib.import_module(home), name))
+            record(f"{module}.{name}", f"not in {module} in transformers {installed}; "
+                   f"re-exported from {home}", where)
+            continue
+        if module == "transformers.cache_utils" and name.endswith("Cache"):
+            from transformers.cache_utils import DynamicCache
+
+            setattr(mod, name, type(name, (DynamicCache,), {"__module__": module,
+                                                            "__onboard_shim__": True}))
+            record(f"{module}.{name}", f"cache class removed in transformers 5 (installed "
+                   f"{installed}); a DynamicCache stand-in for imports and isinstance checks "
+                   "(onboard runs the model without a cache)", where)
     # 3. legacy-cache methods the code calls
     if any(m.startswith("transformers.cache_utils") for m in uses.modules) or \
             any(a in uses.attrs for a in _CACHE_METHODS):
