@@ -15,6 +15,7 @@ from onboarding.graph.capture import Capture, capture
 from onboarding.graph.classify import Classifier, Context
 from onboarding.errors import InputError
 from onboarding.load.model import LoadedModel
+from onboarding.load.multimodal import account
 from onboarding.graph.opgraph import Block, OpGraph
 from onboarding.load.proxy import proxy_config, text_config
 
@@ -41,7 +42,7 @@ class ModelInfo:
 
 def load_stage(loaded: LoadedModel, proxy_size: str = "tiny") -> ModelInfo:
     full_model = loaded.build(device="meta", seed=None)
-    full = count_parameters(full_model, loaded.config)
+    full = account(full_model, loaded.config)  # a multimodal model: the whole, by part
     cfg, note = proxy_config(loaded, proxy_size, full_model, full.total)
     return ModelInfo(loaded=loaded, full=full, proxy_config=cfg, proxy_note=note,
                      proxy_size=proxy_size)

@@ -51,6 +51,9 @@ class ParamCounts:
     by_category: dict[str, int]
     by_component: dict[str, int]
     moe: list[MoEInfo]
+    # a multimodal model's parts (language, vision, projector, audio...; onboarding.load.multimodal)
+    by_part: dict[str, int] = field(default_factory=dict)
+    parts_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,6 +28,7 @@ from torch import nn
 
 from onboarding.errors import InputError
 from onboarding.load.overrides import apply_overrides, type_matches
+from onboarding.load.multimodal import build_language_model, has_causal_lm
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_EXAMPLE = "onboard_hybrid"
@@ -58,6 +59,16 @@ class LoadedModel:
     def is_hf(self) -> bool:
         return self.config is not None and self._factory is None
 
+    @property
+    def probe_proxy(self) -> Callable[[Any], bool] | None:
+        """For a model taken out of a multimodal one: whether a (small) config builds and runs a
+        few tokens on the CPU; None for the rest."""
+        if not self.is_hf or has_causal_lm(self.config, self.trust_remote_code):
+            return None
+        from onboarding.load.multimodal import runs
+
+        return lambda cfg: runs(self, cfg)
+
     def build(self, config: Any | None = None, *, device: str | torch.device = "cpu",
               dtype: torch.dtype | None = None, seed: int | None = 0) -> nn.Module:
         """Build the model (``config`` defaults to the full-size one) on ``device``.
@@ -71,6 +82,9 @@ class LoadedModel:
             with torch.device(device):
                 if self._factory is not None:
                     model = self._factory(**self.factory_kwargs)
+                elif not has_causal_lm(cfg, self.trust_remote_code):
+                    # multimodal / bare decoder: its language model as a causal LM
+                    model = build_language_model(cfg, self.trust_remote_code, device)
                 else:
                     from transformers import AutoModelForCausalLM
 

@@ -491,8 +491,47 @@ def _put_back_per_layer_overrides(c: Any, overrides: dict[int, dict[str, Any]], 
     c.per_layer_config = out
 
 
+def _head_dim(c: Any) -> int | None:
+    try:
+        hd = getattr(c, "head_dim", None)
+    except Exception:  # noqa: BLE001 - a per-layer field the config will not read globally
+        return None
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    h, n = getattr(c, "hidden_size", None), getattr(c, "num_attention_heads", None)
+    return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 else None
+
+
+def _fit_rope_sections(c: Any, before: dict[str, Any]) -> None:
+    """Rotary sections over the head (multimodal RoPE's per-axis split of the rotary half,
+    ``rope_parameters["mrope_section"]``-style lists of ints) scale with the head dim, their sum
+    kept exact: a list that summed to the full rotary half sums to the proxy's."""
+    rp = getattr(c, "rope_parameters", None)
+    old_hd = before.get("head_dim") if isinstance(before.get("head_dim"), int) else None
+    if old_hd is None and isinstance(before.get("hidden_size"), int) and \
+            isinstance(before.get("num_attention_heads"), int):
+        old_hd = before["hidden_size"] // before["num_attention_heads"]
+    new_hd = _head_dim(c)
+    if not isinstance(rp, dict) or not old_hd or not new_hd or old_hd == new_hd:
+        return
+    for k, v in list(rp.items()):
+        if not (isinstance(v, list) and len(v) > 1 and all(isinstance(x, int) for x in v)):
+            continue
+        total = sum(v)
+        if total <= 0 or (old_hd % total and total % old_hd and (2 * total) % old_hd):
+            continue
+        want = total * new_hd // old_hd
+        if want < len(v):
+            continue
+        out = [max(1, x * new_hd // old_hd) for x in v]
+        out[0] += want - sum(out)
+        if out[0] >= 1:
+            rp[k] = out
+
+
 def shrink_config(config: Any, size: str, *, periods: int = 1,
-                  signatures: list[tuple] | None = None, notes: list[str] | None = None) -> Any:
+                  signatures: list[tuple] | None = None, notes: list[str] | None = None,
+                  head_dim: int | None = None) -> Any:
     """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
 
     ``signatures`` (from `layer_signatures` of the full-size model) let the layer choice see
@@ -508,12 +547,19 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     overrides = _lift_per_layer_overrides(c)
     before = dict(vars(c))
     _shrink_widths(c, s, found)
+    if head_dim:  # a rotary layout fixed in the model's code needs this head dim
+        c.head_dim = head_dim
     _shrink_experts(c, s, found)
     _shrink_vocab(c, s)
     keep = _shrink_layers(c, periods, signatures)
     _rederive(c, found)
+    _fit_rope_sections(c, before)
     if overrides is not None:
         _put_back_per_layer_overrides(c, overrides, before, keep)
+    if c is not cfg:  # multimodal: the towers shrink too (the text config alone does not)
+        from onboarding.load.multimodal import shrink_towers
+
+        shrink_towers(config, cfg, s)
     if notes is None:
         _warn(size, found)
     else:
@@ -556,6 +602,15 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
         periods += 1
         notes = []
         cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs, notes=notes)
+    if not s.min_params and loaded.probe_proxy is not None and not loaded.probe_proxy(cfg):
+        full_hd = _head_dim(c)
+        for hd in dict.fromkeys(x for x in (full_hd, 128, 64) if x):
+            kept = shrink_config(loaded.config, size, signatures=sigs, notes=[], head_dim=hd)
+            if loaded.probe_proxy(kept):
+                cfg = kept
+                notes.append(f"head dim {hd}: the proxy with shrunk heads does not run (a "
+                             "rotary layout fixed in the model's code)")
+                break
     _warn(size, notes)
     note = f"shrunk to the {size} proxy ({periods} layer period(s))"
     return cfg, "; ".join([note] + notes)

@@ -1,0 +1,529 @@
+"""Models whose config maps to no causal LM (image-text-to-text, conditional generation, an omni
+"thinker", a bare ``*_text`` decoder): the language model inside them, and the whole model's
+parameters by component.
+
+Everything goes by structure, never by class or model names:
+
+- the *text config* is the sub-config that holds a vocabulary and a layer count (the config's own
+  ``get_text_config()`` where that is such a node);
+- the *whole model* is built from the model's own classes: the auto classes transformers (or the
+  remote code's ``auto_map``) registers for the config, else the classes of the config's modeling
+  module whose ``config_class`` is the config's class; where the root does not build, the
+  sub-config on the way to the text config does (what was not built is a note);
+- the *decoder* is the shallowest module with an embedding over the text vocabulary and a
+  ModuleList of the text layer count; the *lm_head* is the whole model's output embedding (a
+  linear to the vocabulary), else a new linear (tied where the decoder's config ties);
+- *components*: the module built from each sub-config (``model.config is sub``) is that
+  component (``vision_config`` -> ``vision``, ``audio_config`` -> ``audio``; the text config is
+  ``language``, with the lm_head); inside a tower, the children after its layer stack that hold
+  linear or convolution layers, and anything outside every component that holds them, are the
+  ``projector``; what is left is ``other``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from onboarding.errors import InputError
+
+LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
+# Auto classes tried in order for the whole model: the ones with a language-model head first.
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMultimodalLM",
+                "AutoModelForVision2Seq", "AutoModelForSeq2SeqLM", "AutoModel")
+
+
+def _is_config(v: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(v, PretrainedConfig)
+
+
+def sub_configs(cfg: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """(attribute path, config) of ``cfg`` and every nested sub-config, root first."""
+    yield path, cfg
+    for k, v in vars(cfg).items():
+        if _is_config(v) and not k.startswith("_"):
+            yield from sub_configs(v, path + (k,))
+
+
+def _int(c: Any, name: str) -> int | None:
+    v = getattr(c, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _layers(c: Any) -> int | None:
+    return next((v for n in LAYER_COUNT_NAMES if (v := _int(c, n)) is not None), None)
+
+
+def _is_text_node(c: Any) -> bool:
+    return _int(c, "vocab_size") is not None and _layers(c) is not None \
+        and _int(c, "hidden_size") is not None
+
+
+def text_config_path(cfg: Any) -> tuple[str, ...]:
+    """The attribute path to the sub-config that holds the text model (vocab size, layers)."""
+    nodes = [(p, c) for p, c in sub_configs(cfg) if _is_text_node(c)]
+    preferred = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
+    for p, c in nodes:
+        if c is preferred:
+            return p
+    if not nodes:
+        raise InputError(f"{type(cfg).__name__}: no sub-config holds a text model (a "
+                         "vocab_size, hidden_size and layer count): the text part cannot be found")
+    return min(nodes, key=lambda pc: (len(pc[0]), -(_layers(pc[1]) * pc[1].hidden_size)))[0]
+
+
+def _get(cfg: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        cfg = getattr(cfg, k)
+    return cfg
+
+
+def has_causal_lm(cfg: Any, trust_remote_code: bool) -> bool:
+    """Whether transformers (or the remote code's auto_map) maps a causal LM for ``cfg``."""
+    from transformers import AutoModelForCausalLM
+
+    auto_map = getattr(cfg, "auto_map", None) or {}
+    if trust_remote_code and "AutoModelForCausalLM" in auto_map:
+        return True
+    try:
+        return type(cfg) in AutoModelForCausalLM._model_mapping
+    except Exception:  # noqa: BLE001 - a mapping that cannot be read: let transformers decide
+        return True
+
+
+def _builders(cfg: Any, trust_remote_code: bool) -> list[tuple[str, Any]]:
+    """(description, callable building a model from ``cfg``) in the order they are tried."""
+    import transformers
+    from transformers import GenerationMixin, PreTrainedModel
+
+    out: list[tuple[str, Any]] = []
+    auto_map = getattr(cfg, "auto_map", None) or {}
+    for name in AUTO_CLASSES:
+        auto = getattr(transformers, name, None)
+        if auto is None:
+            continue
+        try:
+            mapped = type(cfg) in auto._model_mapping
+        except Exception:  # noqa: BLE001
+            mapped = False
+        if mapped or (trust_remote_code and name in auto_map):
+            out.append((name, lambda c, a=auto: a.from_config(c, trust_remote_code=trust_remote_code)))
+    modeling = type(cfg).__module__.replace("configuration_", "modeling_")
+    try:
+        mod = importlib.import_module(modeling)
+    except Exception:  # noqa: BLE001 - no modeling module next to the config: nothing to scan
+        mod = None
+    if mod is not None:
+        classes = [o for o in vars(mod).values()
+                   if inspect.isclass(o) and issubclass(o, PreTrainedModel)
+                   and getattr(o, "config_class", None) is type(cfg)
+                   and o.__init__ is not PreTrainedModel.__init__]
+        classes.sort(key=lambda o: not issubclass(o, GenerationMixin))  # with an LM head first
+        out += [(o.__name__, lambda c, o=o: o(c)) for o in classes]
+    return out
+
+
+def build_whole(cfg: Any, trust_remote_code: bool) -> tuple[nn.Module, tuple[str, ...], list[str]]:
+    """The whole model from its own classes (on the current device), the config path it was built
+    from (``()``: the root) and notes on what was not built."""
+    text_path = text_config_path(cfg)
+    notes: list[str] = []
+    errors: list[str] = []
+    for depth in range(len(text_path) + 1):
+        node_path = text_path[:depth]
+        node = _get(cfg, node_path)
+        for what, build in _builders(node, trust_remote_code):
+            try:
+                model = build(node)
+            except Exception as exc:  # noqa: BLE001 - the model's own code, whatever it raises
+                errors.append(f"{what}: {type(exc).__name__}: {_first_line(exc)}")
+                continue
+            if isinstance(model, nn.Module) and any(True for _ in model.parameters()):
+                if node_path:
+                    skipped = [".".join(p) for p, _ in sub_configs(cfg)
+                               if len(p) == 1 and p[0] != node_path[0]]
+                    notes.append(f"built from {'.'.join(node_path)} ({errors[0] if errors else 'the root has no model class'}); "
+                                 f"not built: {', '.join(skipped) or 'none'}")
+                return model, node_path, notes
+    detail = errors[0] if errors else "no model class is registered for the config"
+    raise InputError(f"building the model failed: {detail}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
+
+
+def find_decoder(model: nn.Module, text_cfg: Any) -> tuple[str, nn.Module]:
+    """The shallowest module with an embedding over the vocabulary and a ModuleList of the text
+    layer count among its children."""
+    vocab, n_layers = _int(text_cfg, "vocab_size"), _layers(text_cfg)
+    found = []
+    for path, mod in model.named_modules():
+        kids = list(mod.children())
+        if any(isinstance(k, nn.Embedding) and k.num_embeddings == vocab for k in kids) and \
+                any(isinstance(k, nn.ModuleList) and len(k) == n_layers for k in kids):
+            found.append((path.count(".") + bool(path), path, mod))
+    if not found:
+        raise InputError(f"{type(model).__name__}: no module holds an embedding of the text "
+                         f"vocabulary ({vocab}) and {n_layers} layers: the text part cannot be found")
+    _, path, mod = min(found, key=lambda t: t[0])
+    return path, mod
+
+
+def find_lm_head(model: nn.Module, decoder_path: str, text_cfg: Any) -> nn.Linear | None:
+    vocab = _int(text_cfg, "vocab_size")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, nn.Linear) and head.out_features == vocab:
+        return head
+    for path, mod in model.named_modules():
+        inside = decoder_path and (path == decoder_path or path.startswith(decoder_path + "."))
+        if isinstance(mod, nn.Linear) and mod.out_features == vocab and not inside:
+            return mod
+    return None
+
+
+class LanguageModelForCausalLM(nn.Module):
+    """A decoder stack and its lm_head as a causal LM: ``forward(input_ids)`` returns logits."""
+
+    def __init__(self, model: nn.Module, lm_head: nn.Linear, config: Any, tied: bool):
+        super().__init__()
+        self.model = model
+        self.lm_head = lm_head
+        self.config = config
+        if tied:
+            self.lm_head.weight = self.get_input_embeddings().weight
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        vocab = self.lm_head.out_features
+        return next(m for m in self.model.children()
+                    if isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_experts_implementation(self, impl: str):  # the decoder's, where it has one
+        return self.model.set_experts_implementation(impl)
+
+    def set_attn_implementation(self, impl: str):
+        return self.model.set_attn_implementation(impl)
+
+    def forward(self, input_ids: torch.Tensor | None = None, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        kwargs.pop("labels", None)
+        out = self.model(input_ids=input_ids, **kwargs)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden))
+
+
+@dataclass(kw_only=True)
+class Layout:
+    whole: nn.Module
+    node_path: tuple[str, ...]  # the config path the whole model was built from
+    text_path: tuple[str, ...]
+    decoder_path: str
+    decoder: nn.Module
+    lm_head: nn.Linear | None
+    notes: list[str]
+
+
+def layout(cfg: Any, trust_remote_code: bool) -> Layout:
+    """Build the whole model on ``meta`` and find its decoder and lm_head."""
+    with torch.device("meta"):
+        whole, node_path, notes = build_whole(cfg, trust_remote_code)
+    text_path = text_config_path(cfg)
+    text_cfg = _get(cfg, text_path)
+    dec_path, dec = find_decoder(whole, text_cfg)
+    return Layout(whole=whole, node_path=node_path, text_path=text_path, decoder_path=dec_path,
+                  decoder=dec, lm_head=find_lm_head(whole, dec_path, text_cfg), notes=notes)
+
+
+def _tied(lay: Layout, text_cfg: Any) -> bool:
+    if lay.lm_head is None:
+        return bool(getattr(text_cfg, "tie_word_embeddings", False))
+    emb = [m for m in lay.decoder.children() if isinstance(m, nn.Embedding)]
+    return any(m.weight is lay.lm_head.weight for m in emb)
+
+
+def _shapes(m: nn.Module) -> dict[str, tuple]:
+    return {n: tuple(p.shape) for n, p in m.named_parameters()}
+
+
+def build_language_model(cfg: Any, trust_remote_code: bool, device: str | torch.device
+                         ) -> LanguageModelForCausalLM:
+    """The language model of ``cfg`` (decoder + lm_head) on ``device``. On ``meta`` it shares
+    the whole model's modules (``whole_model`` holds the whole); elsewhere the decoder is built
+    alone from its own class when that gives the same parameters, else taken from a whole model
+    built on ``device``."""
+    lay = layout(cfg, trust_remote_code)
+    text_cfg = getattr(lay.decoder, "config", None) or _get(cfg, lay.text_path)
+    tied = _tied(lay, text_cfg)
+    hidden = lay.decoder.get_input_embeddings().embedding_dim if hasattr(
+        lay.decoder, "get_input_embeddings") else _int(text_cfg, "hidden_size")
+    vocab = _int(_get(cfg, lay.text_path), "vocab_size")
+    bias = lay.lm_head is not None and lay.lm_head.bias is not None
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            head = lay.lm_head if lay.lm_head is not None else nn.Linear(hidden, vocab, bias=False)
+        lm = LanguageModelForCausalLM(lay.decoder, head, text_cfg, tied and lay.lm_head is None)
+        object.__setattr__(lm, "whole_model", lay)
+        return lm
+    decoder = None
+    with torch.device(device):
+        try:
+            cls = type(lay.decoder)
+            decoder = cls._from_config(text_cfg) if hasattr(cls, "_from_config") else cls(text_cfg)
+            if _shapes(decoder) != _shapes(lay.decoder):
+                decoder = None
+        except Exception:  # noqa: BLE001 - its class wants more than the config: use the whole
+            decoder = None
+        if decoder is None:
+            whole, _, _ = build_whole(cfg, trust_remote_code)
+            decoder = whole.get_submodule(lay.decoder_path) if lay.decoder_path else whole
+        head = nn.Linear(hidden, vocab, bias=bias)
+        std = getattr(text_cfg, "initializer_range", None)
+        if isinstance(std, float):
+            nn.init.normal_(head.weight, std=std)
+            if head.bias is not None:
+                nn.init.zeros_(head.bias)
+    return LanguageModelForCausalLM(decoder, head, text_cfg, tied)
+
+
+# -- accounting -------------------------------------------------------------------------------
+
+def _component_name(path: tuple[str, ...], text_path: tuple[str, ...]) -> str:
+    if path == text_path:
+        return "language"
+    name = path[-1]
+    return name[: -len("_config")] if name.endswith("_config") else name
+
+
+def _has_layers(m: nn.Module) -> bool:
+    return any(isinstance(x, (nn.Linear, nn.modules.conv._ConvNd)) for x in m.modules())
+
+
+def _widths(m: nn.Module) -> list[tuple[int, int]]:
+    out = []
+    for x in m.modules():
+        if isinstance(x, nn.Linear):
+            out.append((x.in_features, x.out_features))
+        elif isinstance(x, nn.modules.conv._ConvNd):
+            out.append((x.in_channels, x.out_channels))
+    return out
+
+
+def _tower_heads(tower: nn.Module) -> list[str]:
+    """Children of a tower that project its features out: not its layer stack (the ModuleList of
+    the tower's layer count, else the largest one), the last layer's output not the tower's width,
+    some layer's input at least that width (a stem from pixels or mel bins starts below it)."""
+    cfg = getattr(tower, "config", None)
+    width = next((v for n in ("hidden_size", "d_model", "embed_dim") if (v := _int(cfg, n))), None)
+    if width is None:
+        return []
+    lists = [(n, c) for n, c in tower.named_children() if isinstance(c, nn.ModuleList)]
+    n_layers = _layers(cfg) or _int(cfg, "depth") or _int(cfg, "encoder_layers")
+    stack = next((n for n, c in lists if len(c) == n_layers), None) or max(
+        lists, key=lambda nc: sum(p.numel() for p in nc[1].parameters()), default=(None,))[0]
+    heads = []
+    for name, child in tower.named_children():
+        w = _widths(child)
+        if name != stack and w and w[-1][1] != width and max(i for i, _ in w) >= width:
+            heads.append(name)
+    return heads
+
+
+def component_params(lay: Layout, cfg: Any) -> dict[str, int]:
+    """Parameters of the whole model by component (language, vision, projector, audio...);
+    tied tensors counted once, the parts sum to the whole."""
+    whole = lay.whole
+    node = _get(cfg, lay.node_path)
+    roots: dict[str, str] = {}  # module path -> component
+    wanted = {id(c): _component_name(lay.node_path + p, lay.text_path)
+              for p, c in sub_configs(node) if p}
+    for path, mod in whole.named_modules():
+        comp = wanted.get(id(getattr(mod, "config", None)))
+        if comp is None or not path:
+            continue
+        if any(path == r or path.startswith(r + ".") for r in roots):
+            continue
+        roots[path] = comp
+    roots[lay.decoder_path] = "language"
+    head_ids = {id(lay.lm_head.weight)} if lay.lm_head is not None else set()
+    # projector heads inside a tower: children besides its layer stack that take the tower's
+    # features (an input at least the tower width) out of its width
+    projector: set[str] = set()
+    for path, comp in roots.items():
+        if comp != "language":
+            projector |= {f"{path}.{n}" for n in _tower_heads(whole.get_submodule(path))}
+    out: dict[str, int] = {}
+    modules = dict(whole.named_modules())
+    for name, p in whole.named_parameters():
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if id(p) in head_ids:
+            comp = "language"
+        elif any(owner == q or owner.startswith(q + ".") for q in projector):
+            comp = "projector"
+        else:
+            root = max((r for r in roots if r == "" or owner == r or owner.startswith(r + ".")),
+                       key=len, default=None)
+            if root is not None:
+                comp = roots[root]
+            else:
+                top = owner.split(".")
+                # the outermost module outside every component that holds this parameter
+                comp = "other"
+                for i in range(1, len(top) + 1):
+                    mod = modules.get(".".join(top[:i]))
+                    if mod is not None and not any(r.startswith(".".join(top[:i]) + ".") or
+                                                   r == ".".join(top[:i]) for r in roots):
+                        comp = "projector" if _has_layers(mod) else "other"
+                        break
+        out[comp] = out.get(comp, 0) + p.numel()
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def account(model: nn.Module, config: Any):
+    """`count_parameters` of ``model``. For a language model taken from a multimodal one (on
+    meta: it holds ``whole_model``): the language model is counted as any causal LM (paths as in
+    it, its experts routed), the other parts (towers, projector) are added to the totals as dense
+    parameters, by path and category, and ``by_part`` splits the whole by component."""
+    from onboarding.load.accounting import count_parameters, path_pattern
+
+    counts = count_parameters(model, config)
+    lay = getattr(model, "whole_model", None)
+    if not isinstance(lay, Layout):
+        return counts
+    if lay.lm_head is None and lay.decoder is lay.whole:  # a bare decoder: all of it is language
+        counts.by_part = {"language": counts.total}
+        return counts
+    parts = component_params(lay, config)
+    mine = {id(p) for p in model.parameters()}
+    extra = 0
+    for name, p in lay.whole.named_parameters():
+        if id(p) in mine:
+            continue
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        pat = path_pattern(owner)
+        counts.by_component[pat] = counts.by_component.get(pat, 0) + p.numel()
+        extra += p.numel()
+    for part, n in parts.items():
+        if part != "language":
+            counts.by_category[part] = n
+    counts.total += extra
+    counts.active += extra
+    counts.active_without_embeddings += extra
+    counts.by_part = parts
+    counts.parts_note = "; ".join(lay.notes)
+    return counts
+
+
+# -- proxy ------------------------------------------------------------------------------------
+
+TOWER_WIDTHS = ("hidden_size", "d_model", "embed_dim", "hidden_dim")
+TOWER_HEADS = ("num_heads", "num_attention_heads", "encoder_attention_heads", "num_key_value_heads")
+TOWER_FFN = ("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim")
+TOWER_LAYERS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")
+
+
+def _set_int(c: Any, name: str, v: int) -> None:
+    prop = getattr(type(c), name, None)
+    if not (isinstance(prop, property) and prop.fset is None):
+        setattr(c, name, int(v))
+
+
+def _follow(c: Any, before: int | None, after: int | None, skip: set[str]) -> None:
+    """Int fields of ``c`` equal to ``before`` (a width another part had) become ``after``."""
+    if not before or not after or before == after:
+        return
+    for k, v in list(vars(c).items()):
+        if k not in skip and not k.startswith("_") and v == before and not isinstance(v, bool):
+            _set_int(c, k, after)
+            skip.add(k)
+
+
+def shrink_towers(full: Any, proxy: Any, s: Any) -> list[str]:
+    """Shrink every sub-config of ``proxy`` besides the text one (vision, audio... towers): widths
+    to the size's hidden, heads, FFN and layer counts down, layer-index lists rescaled; fields
+    anywhere that equal the full text width or vocabulary follow the shrunk text config (a
+    tower's output width is the language model's). Returns what was shrunk, for the proxy note."""
+    try:
+        text_path = text_config_path(full)
+    except InputError:
+        return []
+    t_full, t_proxy = _get(full, text_path), _get(proxy, text_path)
+    shrunk = []
+    for path, c in sub_configs(proxy):
+        if path == text_path[: len(path)]:  # the text config and the configs above it
+            if path != text_path:
+                done: set[str] = set()
+                _follow(c, _int(t_full, "hidden_size"), _int(t_proxy, "hidden_size"), done)
+                _follow(c, _int(t_full, "vocab_size"), _int(t_proxy, "vocab_size"), done)
+            continue
+        if len(path) > len(text_path) and path[: len(text_path)] == text_path:
+            continue  # inside the text config: shrink_config's rules own it
+        done = set()
+        _follow(c, _int(t_full, "hidden_size"), _int(t_proxy, "hidden_size"), done)
+        width = next((n for n in TOWER_WIDTHS if n not in done and _int(c, n)), None)
+        old_width = _int(c, width) if width else None
+        for n in TOWER_WIDTHS:
+            if n not in done and _int(c, n):
+                _set_int(c, n, min(_int(c, n), s.hidden))
+        new_width = _int(c, width) if width else None
+        # output widths (the projection into the language model): width-named fields at least
+        # the tower's width go to the text width
+        for k, v in list(vars(c).items()):
+            if k not in done and old_width and isinstance(v, int) and not isinstance(v, bool) \
+                    and v >= old_width and k not in TOWER_WIDTHS \
+                    and re.search(r"(hidden_size|_dim|d_model)$", k):
+                _set_int(c, k, _int(t_proxy, "hidden_size") or new_width)
+                done.add(k)
+        for n in TOWER_HEADS:
+            if _int(c, n):
+                h = min(_int(c, n), s.heads)
+                while new_width and new_width % h:
+                    h -= 1
+                _set_int(c, n, h)
+        if _int(c, "head_dim"):
+            _set_int(c, "head_dim", min(c.head_dim, s.head_dim_cap))
+        for n in TOWER_FFN:
+            if n not in done and _int(c, n):
+                _set_int(c, n, min(_int(c, n), s.ffn))
+        for n in TOWER_LAYERS:
+            old = _int(c, n)
+            if not old or n in done:
+                continue
+            index_lists = [k for k, v in vars(c).items()
+                           if isinstance(v, list) and v and all(
+                               isinstance(x, int) and not isinstance(x, bool) and 0 <= x < old
+                               for x in v) and len(set(v)) == len(v) and len(v) < old]
+            new = min(old, max(2, 2 * max((len(getattr(c, k)) for k in index_lists), default=0)))
+            _set_int(c, n, new)
+            for k in index_lists:
+                setattr(c, k, sorted({x * new // old for x in getattr(c, k)}))
+        # the tower's own width, where its parents name it (a projector's input width)
+        for p in range(len(path)):
+            _follow(_get(proxy, path[:p]), old_width, new_width, set())
+        shrunk.append(".".join(path))
+    return shrunk
+
+
+def runs(loaded: Any, cfg: Any) -> bool:
+    """Whether ``loaded`` builds from ``cfg`` on the CPU and runs four tokens."""
+    try:
+        model = loaded.build(cfg, device="cpu", seed=0).eval()
+        vocab = _int(_get(cfg, text_config_path(cfg)), "vocab_size") or 2
+        with torch.no_grad():
+            model(torch.arange(4).remainder(vocab)[None], use_cache=False)
+        return True
+    except Exception:  # noqa: BLE001 - the model's own code, whatever it raises
+        return False
