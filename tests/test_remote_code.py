@@ -272,3 +272,39 @@ def test_checkpoint_entries_transformers_skips_are_not_mismatches():
     state = dict(model.state_dict())
     state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
     assert check_fit(model, state) == []
+
+
+@pytest.mark.parametrize("damage", ["shape", "truncated"])
+def test_train_refuses_unfit_weights_before_writing(tmp_path, capsys, monkeypatch, damage):
+    from safetensors.torch import save_file
+
+    monkeypatch.chdir(tmp_path)
+    repo = _copy(tmp_path, f"oldlm_train_{damage}")
+    state = _state(repo)
+    if damage == "shape":
+        state["lm_head.weight"] = torch.zeros(5, 32)
+    file = repo / "model.safetensors"
+    save_file(state, str(file))
+    if damage == "truncated":
+        file.write_bytes(file.read_bytes()[:-100])
+    out = tmp_path / "run"
+    code, text = _run(capsys, "train", str(repo), "--trust-remote-code", "--steps", "1",
+                      "--out", str(out))
+    assert code == 2
+    assert ("lm_head.weight (checkpoint [5, 32], model [256, 32])" if damage == "shape"
+            else "truncated or corrupt") in text
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
+def test_shipped_weights_that_fit_pass_the_preflight(tmp_path):
+    from safetensors.torch import save_file
+
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.load.weights import check_shipped
+
+    repo = _copy(tmp_path, "oldlm_fit")
+    save_file(_state(repo), str(repo / "model.safetensors"))
+    info = load_stage(load_model(str(repo), trust_remote_code=True))
+    assert info.proxy_note.startswith("full size")
+    check_shipped(info)  # raises on a mismatch

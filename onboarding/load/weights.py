@@ -51,11 +51,10 @@ def _shown(items: list[str]) -> str:
 def check_fit(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     """What does not fit between ``model`` and the checkpoint ``state`` (empty: it fits)."""
     own = model.state_dict(keep_vars=True)
-    # names of one tied tensor: any of them in the checkpoint loads them all
+    # names of one tied tensor (the same Parameter): any of them in the checkpoint loads them all
     groups: dict[int, list[str]] = {}
     for name, t in own.items():
-        if t.device.type != "meta":
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+        groups.setdefault(id(t), []).append(name)
     tied = {n: g for g in groups.values() if len(g) > 1 for n in g}
     # what transformers itself skips: the model's declared patterns, and checkpoint entries for
     # buffers it keeps out of its state dict (an old rotary inv_freq)
@@ -90,15 +89,46 @@ def _patterns(model: nn.Module, attr: str) -> list[re.Pattern]:
     return out
 
 
-def load_safetensors(model: nn.Module, files: list) -> int:
-    """Load ``files`` into ``model`` after checking every name and shape; returns the number of
-    tensors loaded."""
-    state = read_safetensors(files)
+def _raise_unfit(model: nn.Module, state: dict[str, torch.Tensor], files: list) -> None:
     problems = check_fit(model, state)
     if problems:
         where = files[0] if len(files) == 1 else f"{len(files)} safetensors files in " \
             f"{Path(files[0]).parent}"
         raise InputError(f"{where}: the weights do not fit the model: " + "; ".join(problems))
+
+
+def read_shapes(files: list) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files`` as an empty ``meta`` tensor of its shape: headers only (a file
+    whose data is cut short fails here too, as safetensors checks the sizes on open)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:
+                for key in fh.keys():  # noqa: SIM118
+                    out[key] = torch.empty(fh.get_slice(key).get_shape(), device="meta")
+        except Exception:  # noqa: BLE001 - read_safetensors names the problem
+            read_safetensors([f])
+            raise
+    return out
+
+
+def check_shipped(info) -> None:
+    """Before anything is written: the weights a full-size run would load fit the model (a
+    ``meta`` build against the files' headers). ``info`` is the load stage's `ModelInfo`."""
+    files = info.loaded.weights
+    if not files or not info.proxy_note.startswith("full size"):
+        return
+    model = info.loaded.build(info.proxy_config, device="meta", seed=None)
+    _raise_unfit(model, read_shapes(files), files)
+
+
+def load_safetensors(model: nn.Module, files: list) -> int:
+    """Load ``files`` into ``model`` after checking every name and shape; returns the number of
+    tensors loaded."""
+    state = read_safetensors(files)
+    _raise_unfit(model, state, files)
     own = model.state_dict()
     model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
     return len(state)

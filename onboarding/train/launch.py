@@ -64,6 +64,9 @@ def check(cfg: TrainConfig):
     if isinstance(max_pos, int) and cfg.seq_len > max_pos:
         raise InputError(f"seq_len={cfg.seq_len}: longer than the model's "
                          f"max_position_embeddings={max_pos}")
+    from onboarding.load.weights import check_shipped
+
+    check_shipped(info)  # shipped safetensors that do not fit: before any directory exists
     tok = load_tokenizer(tokenizer_dir(info), vocab or 256)
     data = PackedData(load_texts(cfg.data), tok, cfg.seq_len, cfg.seed)
     if len(data) < cfg.global_batch:
