@@ -96,6 +96,7 @@ def test_v4_fixture_parses_with_its_shims_listed(tmp_path, capsys):
     out = tmp_path / "out"
     code, text = _run(capsys, "parse", str(FIXTURE), "--trust-remote-code", "--out", str(out))
     assert code == 0, text
+    assert "compatibility shims" in text and "_prepare_4d_causal_attention_mask" in text
     shims = json.loads((out / "model.json").read_text())["compat_shims"]
     names = {s["name"] for s in shims}
     assert {"transformers.modeling_attn_mask_utils._prepare_4d_causal_attention_mask",

@@ -73,6 +73,11 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     with console.status(f"{stage}: loading") as status:
         step = progress(console, status)
         info = run_load(spec)
+        shims = info.loaded.compat_shims
+        if shims and not getattr(args, "json", False):
+            console.print(f"remote code: {len(shims)} compatibility shims for an older "
+                          f"transformers: {', '.join(s['name'].rsplit('.', 1)[-1] for s in shims)}"
+                          " (model.json compat_shims says why)")
         if out is None and stage in ("generate", "align"):
             out = new_run_dir(info.loaded.name, None)
         with owned_dir(out, created_here=True) if out is not None else _nothing():
