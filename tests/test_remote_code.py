@@ -309,3 +309,25 @@ def test_shipped_weights_that_fit_pass_the_preflight(tmp_path):
     info = load_stage(load_model(str(repo), trust_remote_code=True))
     assert info.proxy_note.startswith("full size")
     check_shipped(info)  # raises on a mismatch
+
+
+def test_raise_in_the_remote_config_names_file_line_and_version(tmp_path, capsys):
+    repo = _copy(tmp_path, "oldlm_config_raise")
+    line = _edit(repo / "configuration_oldlm.py", "        self.vocab_size = vocab_size\n",
+                 "        raise KeyError('vendor config failed')\n")
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code")
+    assert code == 2
+    assert f"configuration_oldlm.py:{line}" in text and "vendor config failed" in text
+    assert "reading the config" in text and "transformers 4.46.0" in text
+
+
+def test_rope_scaling_reads_as_in_4x():
+    """None when unscaled; a scaled one keeps its 4.x 'type' key."""
+    from onboarding.load.compat import _rope_scaling_v4
+
+    class Cfg:
+        rope_parameters = {"rope_type": "default", "rope_theta": 1e4}
+
+    assert _rope_scaling_v4(Cfg()) is None
+    Cfg.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    assert _rope_scaling_v4(Cfg())["type"] == "linear"

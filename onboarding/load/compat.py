@@ -519,11 +519,14 @@ def raise_remote(exc: BaseException, *, ref: str, what: str, config: Any = None,
 
 
 def check_auto_map(ref: str, directory: Path, auto_map: Any) -> None:
-    """Every ``auto_map`` entry names a file the directory has and a class that file defines."""
+    """Every ``auto_map`` entry onboard runs (the config and model classes) names a file the
+    directory has and a class that file defines."""
     if not isinstance(auto_map, dict):
         raise InputError(f"{ref}: config.json's auto_map must be an object, got "
                          f"{type(auto_map).__name__}")
     for auto, target in auto_map.items():
+        if not (auto == "AutoConfig" or auto.startswith("AutoModel")):
+            continue  # tokenizers, processors: not what onboard runs
         for entry in target if isinstance(target, (list, tuple)) else [target]:
             if entry is None:
                 continue
