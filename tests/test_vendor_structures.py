@@ -229,3 +229,23 @@ def test_router_score_bias_held_as_a_buffer(parse_model, tmp_path):
         ref_idx, ref_w = gate(x)
     torch.testing.assert_close(idx.sort(-1).values, ref_idx.sort(-1).values)
     torch.testing.assert_close(w.sum(-1), ref_w.sum(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_module_called_twice_classified_per_call(parse_model):
+    """An lm_head shared with a multi-token-prediction head runs twice per forward: both captures
+    record which call ran each op, each call is classified on its own, and the block is an
+    `lm_head` saying so (it was `unknown`, its two vocabulary matmuls taken for one block's)."""
+    from onboarding.graph.capture import record_eager
+
+    graph = parse_model(f"{FIX}:SharedHeadMTPCausalLM")
+    kinds = {b.path: b.kind for b in graph.blocks}
+    assert kinds["lm_head"] == "lm_head", kinds
+    assert "unknown" not in kinds.values(), kinds
+    head = next(b for b in graph.blocks if b.path == "lm_head")
+    assert any("called 2 times" in e for e in head.evidence), head.evidence
+    torch.manual_seed(0)
+    lm = _fixture().SharedHeadMTPCausalLM()
+    cap = record_eager(lm, (torch.randint(0, 101, (1, 8)),), {})
+    calls = sorted({r.call for r in cap.records if r.module == "lm_head"})
+    assert calls == [0, 1], calls
+    assert {r.call for r in cap.records if r.module == "mtp.eh_proj"} == {0}

@@ -42,6 +42,9 @@ class OpRecord:
     params: dict[int, str] = field(default_factory=dict)  # arg position -> parameter name
     # keyword args that are scalars or strings (gelu's approximate="tanh", softmax's dim=...)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # which call of ``module`` in the forward ran the op (0: the first; a module called more than
+    # once, like an lm_head shared with a multi-token-prediction head, has 1, 2, ...)
+    call: int = 0
 
 
 @dataclass(kw_only=True)
@@ -90,12 +93,15 @@ def _scalar_kwargs(kwargs: dict | None) -> dict[str, Any]:
     return out
 
 
-def _io_hooks(model: nn.Module, io: dict, stack: list[str] | None = None) -> list:
+def _io_hooks(model: nn.Module, io: dict, stack: list[str] | None = None,
+              calls: dict[str, int] | None = None) -> list:
     handles = []
     for path, mod in model.named_modules():
         def pre(m, args, kwargs, path=path):
             if stack is not None:
                 stack.append(path)
+            if calls is not None:
+                calls[path] = calls.get(path, -1) + 1
             if path not in io:
                 flat, _ = tree_flatten((args, kwargs))
                 io[path] = ([t for t in map(_meta, flat) if t is not None], [])
@@ -113,9 +119,11 @@ def _io_hooks(model: nn.Module, io: dict, stack: list[str] | None = None) -> lis
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, stack: list[str], param_ptrs: dict[int, str]):
+    def __init__(self, stack: list[str], param_ptrs: dict[int, str],
+                 calls: dict[str, int] | None = None):
         super().__init__()
         self.stack, self.param_ptrs, self.records = stack, param_ptrs, []
+        self.calls = calls if calls is not None else {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -133,7 +141,8 @@ class _Recorder(TorchDispatchMode):
             in_dtypes=[m.dtype if m else None for m in metas],
             out_shapes=[o.shape for o in outs], out_dtypes=[o.dtype for o in outs],
             scalars=[None if isinstance(a, torch.Tensor) else _scalar(a) for a in args],
-            params=params, kwargs=_scalar_kwargs(kwargs)))
+            params=params, kwargs=_scalar_kwargs(kwargs),
+            call=self.calls.get(self.stack[-1], 0) if self.stack else 0))
         return out
 
 
@@ -187,8 +196,9 @@ def record_eager(model: nn.Module, inputs: tuple, kwargs: dict) -> Capture:
             if p.device.type != "meta"}
     ptrs.update({p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()
                  if p.device.type != "meta"})
-    handles = _io_hooks(model, io, stack)
-    recorder = _Recorder(stack, ptrs)
+    calls: dict[str, int] = {}
+    handles = _io_hooks(model, io, stack, calls)
+    recorder = _Recorder(stack, ptrs, calls)
     try:
         with recorder:
             _call(model, inputs, kwargs)
@@ -237,6 +247,9 @@ def _walk_graph(gm: Any, param_of: dict[str, str], records: list[OpRecord]) -> N
             param_of[node.name] = param_of[first.name]
         stack = node.meta.get("nn_module_stack") or {}
         module = list(stack.values())[-1][0] if stack else ""
+        # a module's second call is keyed "<name>@1" (the third "@2", ...)
+        key = list(stack)[-1] if stack else ""
+        call = int(key.rsplit("@", 1)[1]) if "@" in key and key.rsplit("@", 1)[1].isdigit() else 0
         in_shapes, in_dtypes, scalars, params = [], [], [], {}
         for i, a in enumerate(node.args):
             val = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
@@ -251,7 +264,7 @@ def _walk_graph(gm: Any, param_of: dict[str, str], records: list[OpRecord]) -> N
                                 in_shapes=in_shapes, in_dtypes=in_dtypes,
                                 out_shapes=[o.shape for o in outs],
                                 out_dtypes=[o.dtype for o in outs], scalars=scalars,
-                                params=params, kwargs=_scalar_kwargs(node.kwargs)))
+                                params=params, kwargs=_scalar_kwargs(node.kwargs), call=call))
 
 
 @contextlib.contextmanager

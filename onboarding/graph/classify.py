@@ -698,6 +698,8 @@ class Classifier:
             recs.sort(key=lambda r: r.index)
             child_kinds = {c: self.blocks[c].kind for c in kids if c in self.blocks}
             found = self._rule(path, recs, child_kinds) if recs else None
+            if found is None and recs:
+                found = self._per_call(path, recs, child_kinds)
             if found is None:
                 self.unclaimed[path] = recs
                 continue
@@ -707,6 +709,20 @@ class Classifier:
         self._leftovers()
         self._shared_experts()
         return sorted(self.blocks.values(), key=lambda b: _path_key(b.path))
+
+    def _per_call(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
+                  ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A module called more than once in one forward (an lm_head shared with a
+        multi-token-prediction head): its calls' ops classified call by call; one kind when
+        every call is that kind (the first call's attrs), else None."""
+        calls = sorted({r.call for r in self.by_module.get(path, [])})
+        if len(calls) < 2:
+            return None
+        found = [self._rule(path, [r for r in recs if r.call == c], child_kinds) for c in calls]
+        if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+            return None
+        kind, ev, attrs = found[0]
+        return kind, [*ev, f"called {len(calls)} times in one forward, each call {kind}"], attrs
 
     def _merge_expert_lists(self) -> None:
         """A list of identical MLPs beside a router is one experts block."""
