@@ -331,3 +331,27 @@ def test_rope_scaling_reads_as_in_4x():
     assert _rope_scaling_v4(Cfg()) is None
     Cfg.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
     assert _rope_scaling_v4(Cfg())["type"] == "linear"
+
+
+def test_shims_come_from_what_the_code_imports(tmp_path):
+    """The list is derived from the code and the installed transformers: a per-model attention
+    class becomes the one class, a removed probe answers True, a name that moved is re-exported;
+    a name the installed transformers still has gets no shim."""
+    import importlib
+
+    from onboarding.load.compat import install_shims
+
+    (tmp_path / "modeling_probe.py").write_text(
+        "from transformers.models.llama.modeling_llama import LlamaSdpaAttention, "
+        "LlamaFlashAttention2, LlamaRMSNorm\n"
+        "from transformers.utils import is_torch_sdpa_available, logging\n"
+        "from transformers.modeling_utils import PretrainedConfig\n")
+    shims = {s["name"]: s for s in install_shims(tmp_path)}
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    for name in ("LlamaSdpaAttention", "LlamaFlashAttention2"):
+        assert f"transformers.models.llama.modeling_llama.{name}" in shims
+        assert getattr(llama, name) is llama.LlamaAttention
+    assert shims["transformers.utils.is_torch_sdpa_available"]["used_at"] == "modeling_probe.py:2"
+    assert importlib.import_module("transformers.utils").is_torch_sdpa_available() is True
+    assert "transformers.modeling_utils.PretrainedConfig" in shims
+    assert not any(n.endswith(("LlamaRMSNorm", ".logging")) for n in shims)
