@@ -188,6 +188,20 @@ def test_missing_packages_are_named_by_their_pypi_names(tmp_path, capsys):
     assert "pip install fla " not in text + " "
     assert f"{MODELING}:{line + 1}" in text or f"{MODELING}:{line + 2}" in text  # an import line
     assert "transformers 4.46.0" in text
+    if not torch.cuda.is_available():
+        assert "causal-conv1d needs a CUDA GPU" in text
+
+
+def test_guarded_cuda_imports_take_the_codes_own_path(tmp_path, capsys):
+    """A CUDA-only package imported under try/except (the usual 4.x pattern) is not required:
+    the code falls back to its own eager path and parses."""
+    repo = _copy(tmp_path, "oldlm_guarded_flash")
+    _edit(repo / MODELING, "from .configuration_oldlm import OldLMConfig\n",
+          "from .configuration_oldlm import OldLMConfig\n"
+          "try:\n    from flash_attn import flash_attn_func\nexcept ImportError:\n"
+          "    flash_attn_func = None\n")
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code")
+    assert code == 0, text
 
 
 def test_pypi_names():

@@ -398,6 +398,11 @@ PYPI_NAMES = {
 }
 
 
+# packages that build CUDA extensions: installing them on a machine without a GPU does not help
+CUDA_ONLY = frozenset({"flash_attn", "flash_attn_interface", "causal_conv1d", "mamba_ssm",
+                       "deep_gemm", "transformer_engine", "grouped_gemm", "megablocks"})
+
+
 def pypi_name(import_name: str) -> str:
     top = import_name.split(".")[0]
     if top in PYPI_NAMES:
@@ -501,6 +506,11 @@ def describe_failure(exc: BaseException, *, what: str, config: Any = None,
         names = [pypi_name(m) for m in missing]
         text = (f"missing package{'s' if len(names) > 1 else ''} "
                 f"{', '.join(f'{m} (pip install {n})' for m, n in zip(missing, names))}")
+        cuda = [pypi_name(m) for m in missing if m.split(".")[0] in CUDA_ONLY]
+        if cuda and not torch.cuda.is_available():
+            text += (f"; {', '.join(cuda)} need{'s' if len(cuda) == 1 else ''} a CUDA GPU and "
+                     "this machine has none, and the code imports it unconditionally (no "
+                     "eager/torch path to fall back on)")
     where = f" at {site}" if site else ""
     version = target_version(None, directory) or _target_of(exc) or \
         target_version(config, None)
