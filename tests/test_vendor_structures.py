@@ -249,3 +249,43 @@ def test_module_called_twice_classified_per_call(parse_model):
     calls = sorted({r.call for r in cap.records if r.module == "lm_head"})
     assert calls == [0, 1], calls
     assert {r.call for r in cap.records if r.module == "mtp.eh_proj"} == {0}
+
+
+class _WeighingExpert(nn.Module):
+    """Mixtral's early expert: called with the rows' routing weights, which it applies itself."""
+
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.w1 = nn.Linear(d, f, bias=False)
+        self.w2 = nn.Linear(f, d, bias=False)
+        self.w3 = nn.Linear(d, f, bias=False)
+
+    def forward(self, hidden_states, routing_weights):
+        return routing_weights * self.w2(F.silu(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+def test_module_list_member_called_with_its_routing_weights(swiglu_kernel):
+    """A member called as ``expert(x, routing_weights)`` gets those weights as the kernel's, with
+    their gradient; another second argument is no fit (rejected, the list given back)."""
+    torch.manual_seed(0)
+    experts = nn.ModuleList(_WeighingExpert(24, 20) for _ in range(3)).to(kernel_device())
+    x = torch.randn(6, 24, device=kernel_device())
+    r = torch.rand(6, 1, device=kernel_device())
+    ra, rb = r.clone().requires_grad_(), r.clone().requires_grad_()
+    want = experts[1](x, rb)
+    rec = PatchRecord(path="experts", kind="moe.experts", family="moe_experts")
+    undo = module_list_bindings(experts, swiglu_kernel, rec, gated=True)
+    got = experts[1](x, ra)
+    assert rec.status == "active" and "the routing weight it is called with" in rec.binding, rec
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    dy = torch.randn_like(got)
+    got.backward(dy)
+    want.backward(dy)
+    torch.testing.assert_close(ra.grad, rb.grad, rtol=1e-4, atol=1e-5)
+    undo()
+    rec = PatchRecord(path="experts", kind="moe.experts", family="moe_experts")
+    module_list_bindings(experts, swiglu_kernel, rec, gated=True)
+    with torch.no_grad():
+        experts[0](x, torch.rand(6, 24, device=kernel_device()))  # not one weight per row
+    assert rec.status == "rejected" and "arguments" in rec.detail, rec
+    assert all("forward" not in m.__dict__ for m in experts)

@@ -8,7 +8,9 @@ expert, calls ``experts[e](x[rows])`` and multiplies by its own routing weights.
 is never called. So the patch sits on each member's ``forward``: the routing stays the module's
 own (its router call selected ``rows`` and weighs the result), and the member's call becomes one
 kernel call over those rows with every row routed to expert ``e`` with weight 1
-(``fn(x, [[e]], [[1]], gate_up, down)``), which is ``experts[e](x)``.
+(``fn(x, [[e]], [[1]], gate_up, down)``), which is ``experts[e](x)``; a member called with the
+rows' routing weights too (Mixtral's early ``expert(x, routing_weights)``, weighing inside the
+expert) gets them as the kernel's weights.
 
 The packed weights (`StackedExperts`): gated members (gate [F, D], up [F, D], down [D, F]) give
 gate_up [E, 2F, D] as [gate | up] halves and down [E, D, F]; non-gated ones (up [F, D], down
@@ -112,13 +114,31 @@ def role_candidates(members: list[nn.Module], gated: bool | None
 
 
 def _call(fn: Callable, weights: StackedExperts, e: int) -> Callable:
-    def call(x: torch.Tensor) -> torch.Tensor:
+    def call(x: torch.Tensor, r: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         packed, at = weights.get(e)
         idx = torch.full((rows.shape[0], 1), at, dtype=torch.long, device=x.device)
-        w = torch.ones(rows.shape[0], 1, dtype=x.dtype, device=x.device)
+        w = torch.ones(rows.shape[0], 1, dtype=x.dtype, device=x.device) if r is None else \
+            r.reshape(rows.shape[0], 1)
         return fn(rows, idx, w, *packed).reshape(*x.shape[:-1], -1)
     return call
+
+
+def _member_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(hidden states, routing weight or None) of a member's call: the hidden states alone, or
+    with the token's routing weight (one float per row: Mixtral's early
+    ``expert(x, routing_weights)``, which weighs inside the expert); None for anything else."""
+    vals = [*args, *kwargs.values()]
+    if not vals or len(vals) > 2 or not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    x = vals[0]
+    if len(vals) == 1:
+        return x, None
+    r = vals[1]
+    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    if not r.is_floating_point() or r.numel() != rows:
+        return None
+    return x, r
 
 
 class _ListPatch:
@@ -150,21 +170,22 @@ class _ListPatch:
     def _forward(self, e: int) -> Callable:
         def forward(*args, **kwargs):
             original = self.originals[e]
-            x = args[0] if args else next(iter(kwargs.values()), None)
-            if len(args) + len(kwargs) != 1 or not isinstance(x, torch.Tensor):
-                self._reject(f"member {e} called with {len(args) + len(kwargs)} arguments; "
-                             "the kernel takes the hidden states alone")
+            found = _member_args(args, kwargs)
+            if found is None:
+                self._reject(f"member {e} called with {len(args) + len(kwargs)} arguments; the "
+                             "kernel takes the hidden states (and a routing weight per row)")
                 return original(*args, **kwargs)
+            x, r = found
             if e not in self.checked:
                 if x.numel() == 0:  # no rows routed here: nothing to check yet
-                    return original(x)
+                    return original(*args, **kwargs)
                 with torch.no_grad():
-                    ref = original(x)
+                    ref = original(*args, **kwargs)
                     names = [self.chosen] if self.chosen else list(self.stacks)
                     fit = None
                     for how in names:
                         try:
-                            out = _call(self.fn, self.stacks[how], e)(x)
+                            out = _call(self.fn, self.stacks[how], e)(x, r)
                         except (TypeError, ValueError, RuntimeError) as exc:
                             self.record.detail = f"{how}: {type(exc).__name__}: {exc}"[:200]
                             continue
@@ -174,14 +195,15 @@ class _ListPatch:
                 if fit is None:
                     self._reject(f"member {e}: " + (f"{self.chosen} does not reproduce it" if self.chosen
                                                     else self.record.detail or "no binding matched"))
-                    return original(x)
+                    return original(*args, **kwargs)
                 if self.chosen is None:
                     self.chosen = fit
                     self.record.status, self.record.detail = "active", ""
-                    self.record.binding = (f"per member: its routed rows, expert index, weight 1; "
+                    weight = "weight 1" if r is None else "the routing weight it is called with"
+                    self.record.binding = (f"per member: its routed rows, expert index, {weight}; "
                                            f"{fit} stacked to the packed layout")
                 self.checked.add(e)
-            return _call(self.fn, self.stacks[self.chosen], e)(x)
+            return _call(self.fn, self.stacks[self.chosen], e)(x, r)
         return forward
 
 
