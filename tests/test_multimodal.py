@@ -130,3 +130,15 @@ def test_align_tiny_exit_0(model_type, tmp_path):
     assert main(["align", ref, "--proxy", "tiny", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "alignment.json").read_text())
     assert result["logits"]["passed"]
+
+
+@pytest.mark.slow
+def test_train_lora_on_the_language_model(tmp_path):
+    """Training takes the language model alone: the towers are never built, so they stay as
+    they are; the run's model.json still accounts the whole model by component."""
+    ref = _known("qwen3_vl_moe")
+    assert main(["train", ref, "--steps", "2", "--seq", "16", "--device", "cpu", "--no-kernels",
+                 "--out", str(tmp_path)]) == 0
+    m = json.loads((tmp_path / "model.json").read_text())
+    assert {"language", "vision"} <= set(m["params"]["by_part"])
+    assert "By component" in (tmp_path / "report.md").read_text()

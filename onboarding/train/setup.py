@@ -48,7 +48,9 @@ def model_info(cfg: TrainConfig, loaded: LoadedModel | None = None) -> ModelInfo
     loaded = loaded or cfg.model_spec.load()
     if cfg.proxy != "none":
         return load_stage(loaded, cfg.proxy)
-    full = count_parameters(loaded.build(device="meta", seed=None), loaded.config)
+    from onboarding.load.multimodal import account
+
+    full = account(loaded.build(device="meta", seed=None), loaded.config)
     return ModelInfo(loaded=loaded, full=full, proxy_config=copy.deepcopy(loaded.config),
                      proxy_note=f"full size ({full.total:,} parameters): proxy none",
                      proxy_size="none")
