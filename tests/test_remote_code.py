@@ -369,3 +369,49 @@ def test_shims_come_from_what_the_code_imports(tmp_path):
     assert importlib.import_module("transformers.utils").is_torch_sdpa_available() is True
     assert "transformers.modeling_utils.PretrainedConfig" in shims
     assert not any(n.endswith(("LlamaRMSNorm", ".logging")) for n in shims)
+
+
+# ---------------------------------------------------------------------------------------------
+# --impl native|remote: remote code for a model_type transformers implements
+
+
+def _as_llama(tmp_path: Path, name: str) -> Path:
+    """The fixture declared as model_type llama: its parameter names are Llama's."""
+    repo = _copy(tmp_path, name)
+    cfg = json.loads((repo / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (repo / "config.json").write_text(json.dumps(cfg))
+    _edit(repo / "configuration_oldlm.py", 'model_type = "oldlm"', 'model_type = "llama"')
+    return repo
+
+
+def test_impl_native_when_names_and_shapes_agree(tmp_path, capsys):
+    repo = _as_llama(tmp_path, "oldlm_as_llama")
+    code, text = _run(capsys, "parse", str(repo))
+    assert code == 2 and "--impl native" in text  # the refusal says there is a native one
+    out = tmp_path / "out"
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code", "--impl", "native",
+                      "--out", str(out))
+    assert code == 0, text
+    model = json.loads((out / "model.json").read_text())
+    assert "native" in model["impl_note"] and model["compat_shims"] == []
+    out2 = tmp_path / "out2"
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code", "--out", str(out2))
+    assert code == 0, text
+    assert "--impl native" in json.loads((out2 / "model.json").read_text())["impl_note"]
+
+
+def test_impl_native_refused_when_the_remote_model_differs(tmp_path, capsys):
+    repo = _as_llama(tmp_path, "oldlm_as_llama_renamed")
+    _edit(repo / MODELING, "        self.up_proj = nn.Linear(", "        self.w3 = nn.Linear(")
+    _edit(repo / MODELING, "self.act_fn(self.gate_proj(x)) * self.up_proj(x)",
+          "self.act_fn(self.gate_proj(x)) * self.w3(x)")
+    code, text = _run(capsys, "parse", str(repo), "--trust-remote-code", "--impl", "native")
+    assert code == 2
+    assert "does not match the model's own code" in text and "mlp.w3.weight" in text
+    assert "--impl remote" in text
+
+
+def test_impl_native_without_a_native_model_type(capsys):
+    code, text = _run(capsys, "parse", str(FIXTURE), "--trust-remote-code", "--impl", "native")
+    assert code == 2 and "model_type 'oldlm' has no causal-LM implementation" in text

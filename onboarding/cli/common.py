@@ -24,6 +24,10 @@ def model_options(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="override a config field (JSON value); repeatable")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow running the model's own modeling_*.py (read it first)")
+    p.add_argument("--impl", choices=("auto", "native", "remote"), default="auto",
+                   help="remote code whose model_type the installed transformers also "
+                        "implements: native uses transformers' classes (when names and shapes "
+                        "agree), remote (auto) the model's own code")
     p.add_argument("--proxy", choices=("tiny", "small"), default="tiny",
                    help="proxy size for real execution: tiny (CPU) or small (one GPU)")
     p.add_argument("--seq", type=int, default=64, help="proxy sequence length")
@@ -77,4 +81,5 @@ def torch_cuda_available() -> bool:
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The `ModelSpec` of a command's MODEL options (`model_options`)."""
     return ModelSpec(ref=args.model, overrides=parse_assignments(args.set),
-                     trust_remote_code=args.trust_remote_code, proxy=args.proxy)
+                     trust_remote_code=args.trust_remote_code, proxy=args.proxy,
+                     impl=getattr(args, "impl", "auto"))

@@ -255,6 +255,35 @@ def _module_or_none(name: str):
         return None
 
 
+_INSTALLED: dict[tuple[str, str], str] = {}  # (module, name) supplied -> why
+
+
+def _replacement(module: str, name: str, installed: str) -> tuple[Any, str]:
+    """What stands in for ``module.name`` (which the installed transformers lacks), and why;
+    (None, "") when nothing does."""
+    if name in _ALWAYS_TRUE:
+        return (lambda: True), (f"removed in transformers 5 (installed {installed}); always "
+                                "true under torch 2")
+    m = re.fullmatch(r"(\w+?)(FlashAttention2|SdpaAttention)", name)
+    mod = importlib.import_module(module)
+    if m and hasattr(mod, m.group(1) + "Attention"):
+        return getattr(mod, m.group(1) + "Attention"), (
+            "transformers 5 has one attention class per model dispatching on "
+            f"attn_implementation; aliased to {m.group(1)}Attention")
+    home = _moved(name)
+    if home is not None:
+        return getattr(importlib.import_module(home), name), (
+            f"not in {module} in transformers {installed}; re-exported from {home}")
+    if module == "transformers.cache_utils" and name.endswith("Cache"):
+        from transformers.cache_utils import DynamicCache
+
+        return type(name, (DynamicCache,), {"__module__": module, "__onboard_shim__": True}), (
+            f"cache class removed in transformers 5 (installed {installed}); a DynamicCache "
+            "stand-in for imports and isinstance checks (onboard runs the model without a "
+            "cache)")
+    return None, ""
+
+
 def install_shims(directory: Path) -> list[dict[str, str]]:
     """Supply what the directory's remote code uses and the installed transformers lacks.
 
@@ -289,33 +318,18 @@ def install_shims(directory: Path) -> list[dict[str, str]]:
         if not module.startswith("transformers") or module == mask_mod:
             continue
         mod = _module_or_none(module)
-        if mod is None or hasattr(mod, name):
+        if mod is None:
             continue
-        if name in _ALWAYS_TRUE:
-            setattr(mod, name, lambda: True)
-            record(f"{module}.{name}", f"removed in transformers 5 (installed {installed}); "
-                   "always true under torch 2", where)
+        if (module, name) in _INSTALLED:  # supplied for an earlier model of this process
+            record(f"{module}.{name}", _INSTALLED[(module, name)], where)
             continue
-        m = re.fullmatch(r"(\w+?)(FlashAttention2|SdpaAttention)", name)
-        if m and hasattr(mod, m.group(1) + "Attention"):
-            setattr(mod, name, getattr(mod, m.group(1) + "Attention"))
-            record(f"{module}.{name}", f"transformers 5 has one attention class per model "
-                   f"dispatching on attn_implementation; aliased to {m.group(1)}Attention", where)
+        if hasattr(mod, name):
             continue
-        home = _moved(name)
-        if home is not None:
-            setattr(mod, name, getattr(importlib.import_module(home), name))
-            record(f"{module}.{name}", f"not in {module} in transformers {installed}; "
-                   f"re-exported from {home}", where)
-            continue
-        if module == "transformers.cache_utils" and name.endswith("Cache"):
-            from transformers.cache_utils import DynamicCache
-
-            setattr(mod, name, type(name, (DynamicCache,), {"__module__": module,
-                                                            "__onboard_shim__": True}))
-            record(f"{module}.{name}", f"cache class removed in transformers 5 (installed "
-                   f"{installed}); a DynamicCache stand-in for imports and isinstance checks "
-                   "(onboard runs the model without a cache)", where)
+        value, why = _replacement(module, name, installed)
+        if value is not None:
+            setattr(mod, name, value)
+            _INSTALLED[(module, name)] = why
+            record(f"{module}.{name}", why, where)
     # 3. legacy-cache methods the code calls
     if any(m.startswith("transformers.cache_utils") for m in uses.modules) or \
             any(a in uses.attrs for a in _CACHE_METHODS):

@@ -52,6 +52,7 @@ class LoadedModel:
     weights: list[Path] = field(default_factory=list)
     directory: Path | None = None  # where the model's own code lives (remote code only)
     compat_shims: list[dict[str, str]] = field(default_factory=list)  # see load.compat
+    impl_note: str | None = None  # remote code whose model_type transformers also implements
     _factory: Callable[..., nn.Module] | None = None
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -119,8 +120,12 @@ _MODULE_REF = re.compile(r"^(?P<mod>[A-Za-z_][\w.]*|.+\.py):(?P<name>[A-Za-z_]\w
 
 
 def load_model(ref: str | None, *, overrides: dict[str, Any] | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
-    """Resolve ``ref`` (None: the default example) and apply ``--set`` overrides."""
+               trust_remote_code: bool = False, impl: str = "auto") -> LoadedModel:
+    """Resolve ``ref`` (None: the default example) and apply ``--set`` overrides.
+
+    ``impl``: for a directory with remote code whose model_type the installed transformers also
+    implements, ``native`` uses transformers' own classes (only when their parameter names and
+    shapes agree with the remote model's), ``remote`` (and ``auto``) the model's code."""
     ref = ref or DEFAULT_EXAMPLE
     overrides = overrides or {}
     if ref.startswith("hf:"):
@@ -128,7 +133,7 @@ def load_model(ref: str | None, *, overrides: dict[str, Any] | None = None,
     elif (m := _MODULE_REF.match(ref)) and not Path(ref).is_dir():
         loaded = _load_python_ref(ref, m.group("mod"), m.group("name"))
     elif Path(ref).is_dir():
-        loaded = _load_directory(ref, Path(ref), "directory", trust_remote_code)
+        loaded = _load_directory(ref, Path(ref), "directory", trust_remote_code, impl)
     elif "/" not in ref and ref in list_examples():
         # Built-in examples are our own code: running them needs no flag.
         loaded = _load_directory(ref, EXAMPLES_DIR / ref, "example", True)
@@ -158,7 +163,8 @@ def _load_hf_type(ref: str) -> LoadedModel:
     return LoadedModel(ref=ref, name=model_type, source="hf", config=config)
 
 
-def _load_directory(ref: str, path: Path, source: str, trust_remote_code: bool) -> LoadedModel:
+def _load_directory(ref: str, path: Path, source: str, trust_remote_code: bool,
+                    impl: str = "auto") -> LoadedModel:
     from transformers import AutoConfig
 
     cfg_file = path / "config.json"
@@ -171,9 +177,14 @@ def _load_directory(ref: str, path: Path, source: str, trust_remote_code: bool) 
     if not isinstance(raw, dict):
         raise InputError(f"{cfg_file}: expected a JSON object")
     auto_map = raw.get("auto_map") or {}
+    native = _native_type(raw) if auto_map else None
+    if auto_map and impl == "native":
+        return _load_native(ref, path, source, raw, trust_remote_code)
     if auto_map and not trust_remote_code:
         raise InputError(f"{ref}: the model ships its own code ({', '.join(sorted(auto_map))} "
-                         "in auto_map); read it, then pass --trust-remote-code to run it")
+                         "in auto_map); read it, then pass --trust-remote-code to run it"
+                         + (f" (or --impl native: the installed transformers implements "
+                            f"model_type {native!r})" if native else ""))
     if not auto_map:
         model_type = raw.get("model_type")
         from transformers import CONFIG_MAPPING
@@ -200,7 +211,63 @@ def _load_directory(ref: str, path: Path, source: str, trust_remote_code: bool) 
     name = path.resolve().name
     return LoadedModel(ref=ref, name=name, source=source, config=config,
                        trust_remote_code=bool(auto_map), weights=weights,
-                       directory=path if auto_map else None, compat_shims=shims)
+                       directory=path if auto_map else None, compat_shims=shims,
+                       impl_note=(f"remote code; model_type {native!r} is also implemented in "
+                                  "the installed transformers: --impl native uses that when "
+                                  "its parameter names and shapes agree") if native else None)
+
+
+def _native_type(raw: dict) -> str | None:
+    """config.json's model_type when the installed transformers implements it (with a CausalLM)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    mt = raw.get("model_type")
+    return mt if mt in CONFIG_MAPPING and mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else None
+
+
+def _load_native(ref: str, path: Path, source: str, raw: dict,
+                 trust_remote_code: bool) -> LoadedModel:
+    """``--impl native``: transformers' own classes for the directory's model_type, used only when
+    their parameter names and shapes agree with the remote model's (built on meta when its code
+    may run, else the shipped safetensors' headers)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from onboarding.load.weights import check_fit, read_shapes
+
+    mt = raw.get("model_type")
+    if _native_type(raw) is None:
+        raise InputError(f"{ref}: --impl native: model_type {mt!r} has no causal-LM "
+                         f"implementation in the installed transformers "
+                         f"{transformers.__version__}; run the model's own code "
+                         "(--impl remote --trust-remote-code)")
+    try:
+        config = CONFIG_MAPPING[mt].from_dict({k: v for k, v in raw.items() if k != "auto_map"})
+    except Exception as exc:
+        raise InputError(f"{ref}: --impl native: transformers' {mt} config cannot read "
+                         f"config.json: {type(exc).__name__}: {_first_line(exc)}") from exc
+    weights = sorted(path.glob("*.safetensors"))
+    loaded = LoadedModel(ref=ref, name=path.resolve().name, source=source, config=config,
+                         weights=weights, impl_note=f"--impl native: transformers' own {mt} "
+                         "classes, not the model's code")
+    model = loaded.build(device="meta", seed=None)
+    if trust_remote_code:
+        remote = _load_directory(ref, path, source, True, "remote")
+        other = remote.build(device="meta", seed=None).state_dict()
+        against = "the model's own code"
+    elif weights:
+        other, against = read_shapes(weights), "the shipped safetensors"
+    else:
+        raise InputError(f"{ref}: --impl native: checking that transformers' {mt} has the "
+                         "parameter names and shapes of the model's own code runs that code: "
+                         "pass --trust-remote-code too")
+    problems = check_fit(model, other)
+    if problems:
+        raise InputError(f"{ref}: --impl native: transformers' own {mt} does not match "
+                         f"{against}: {'; '.join(problems)}; use --impl remote "
+                         "--trust-remote-code")
+    return loaded
 
 
 def _load_python_ref(ref: str, mod: str, name: str) -> LoadedModel:

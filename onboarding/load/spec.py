@@ -9,6 +9,7 @@ from typing import Any
 from onboarding.errors import InputError
 
 PROXIES = ("tiny", "small", "none")  # none: the full-size config (training only)
+IMPLS = ("auto", "native", "remote")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,14 +27,17 @@ class ModelSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     proxy: str = "tiny"
+    impl: str = "auto"  # remote code whose model_type transformers implements: native | remote
 
     def __post_init__(self) -> None:
         if self.proxy not in PROXIES:
             raise InputError(f"proxy {self.proxy!r}: expected one of {', '.join(PROXIES)}")
+        if self.impl not in IMPLS:
+            raise InputError(f"impl {self.impl!r}: expected one of {', '.join(IMPLS)}")
 
     def load(self):
         """The resolved model (`LoadedModel`): config, builder and provenance, nothing built."""
         from onboarding.load.model import load_model
 
         return load_model(self.ref, overrides=dict(self.overrides),
-                          trust_remote_code=self.trust_remote_code)
+                          trust_remote_code=self.trust_remote_code, impl=self.impl)
