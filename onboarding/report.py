@@ -1,7 +1,8 @@
 """The run report: one builder, one section per stage, each reading that stage's artifacts.
 
 A stage adds its section by registering a function ``(run_dir) -> str | None`` in `SECTIONS`
-(None when its artifact is absent). `build_report` writes ``report.md`` plus the plots it embeds.
+(None when its artifact is absent). `build_report` writes ``report.md`` plus the plots it embeds,
+and ``report.html``: the same sections as one self-contained page (`onboarding.report_html`).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def _params_plot(graph: OpGraph, path: Path) -> bool:
         return False
     kinds = sorted(by_kind, key=by_kind.get)
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(kinds) + 1.2))
-    ax.barh(kinds, [by_kind[k] / 1e9 for k in kinds], color="#4878a8")
-    ax.set_xlabel("parameters (billions, full size)")
+    div, unit = next(((d, u) for d, u in ((1e9, "billions"), (1e6, "millions"))
+                      if max(by_kind.values()) >= d), (1e3, "thousands"))
+    ax.barh(kinds, [by_kind[k] / div for k in kinds], color="#4878a8")
+    ax.set_xlabel(f"parameters ({unit}, full size)")
     ax.set_title(f"{graph.model}: parameters by block kind")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -211,6 +214,9 @@ def build_report(run_dir: Path, *, title: str, attempts: list[str] | None = None
                   table(["attempt", "verdict", "culprits", "kernels left out"], rows), ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(parts))
+    from onboarding.report_html import write_html
+
+    write_html(path)  # report.html beside it: the same sections, one self-contained page
     return path
 
 

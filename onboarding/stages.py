@@ -161,7 +161,6 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     if out_dir is not None:
         result.save(out_dir / "alignment.json")
         result.plot(out_dir / "alignment.png")
-        (out_dir / "alignment.md").write_text(
-            result.summary() + "\n\n" +
-            result.to_markdown(only_failing=len(result.blocks) > 60) + "\n")
+        (out_dir / "alignment.md").write_text(  # its first line is the verdict: no summary()
+            result.to_markdown(only_failing=len(result.blocks) > 150) + "\n")
     return result
