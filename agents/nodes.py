@@ -14,7 +14,8 @@ from onboarding.report import TRAIN_SKIPPED_FILE, build_report
 from onboarding.graph.opgraph import OpGraph
 from onboarding.coverage import Coverage
 from onboarding.generate.candidates import load_candidates
-from onboarding.policy import next_exclusions, train_budget, train_plan, tune_budget
+from onboarding.policy import (next_exclusions, train_budget, train_plan, tune_budget,
+                               tune_seconds)
 from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
 
 
@@ -139,16 +140,21 @@ def tune_node(state: RunState) -> dict[str, Any]:
         return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
                      tune_attempts=[*state.tune_attempts, {**attempt, "skipped": budget.skipped}],
                      summary={"tuned_studies": 0})
-    step(f"tuning with {trials} trials per study")
+    seconds = tune_seconds(c.tune_budget_s)
+    step(f"tuning with {trials} trials per study"
+         + (f" within {seconds:.0f} s" if seconds is not None else ""))
     cfg = TuneConfig(n_trials=trials, n_workers=c.tune_workers, aot=c.tune_aot, seed=c.seed,
                      progress=False, storage_dir=run_dir)
     data = tune_run(run_dir, cfg, families=c.tune_kernels if c.tune_kernels is not None
-                    else c.align_kernels, on_step=lambda s: step(f"tuning {s}"))
+                    else c.align_kernels, on_step=lambda s: step(f"tuning {s}"),
+                    budget_s=seconds)
     best = [{"family": s["family"], "variant": s["variant"], "bucket": s["bucket"],
              "best_ms": s["result"]["best_ms"], "default_ms": s["result"]["default_ms"],
-             "trials": s["result"]["n_trials"], "complete": s["result"]["n_complete"]}
+             "trials": s["result"]["n_trials"], "complete": s["result"]["n_complete"],
+             "stopped": s["result"].get("stopped"), "seconds": s["result"].get("seconds")}
             for s in data["studies"]]
-    attempt.update(studies=len(best), best=best, notes=data["notes"])
+    attempt.update(studies=len(best), best=best, notes=data["notes"], budget_s=seconds,
+                   seconds=data.get("seconds"))
     return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
                  tune_attempts=[*state.tune_attempts, attempt],
                  summary={"tuned_studies": sum(b["complete"] > 0 for b in best)})
@@ -186,6 +192,8 @@ def train_node(state: RunState) -> dict[str, Any]:
     verdict = json.loads(compare.read_text()) if compare.exists() else {}
     attempt.update(nproc=nproc, ep=ep, fsdp=fsdp, exit_code=rc,
                    passed=verdict.get("passed"), summary=verdict.get("summary"))
+    if nproc == 1 and rc == 0 and not verdict:  # `launch` runs the reference alone
+        attempt["single"] = "one process: no parallel run to compare its loss with"
     return _done(state, "train", artifacts={"train": "train/compare.json"},
                  train_attempts=[*state.train_attempts, attempt],
                  summary={"train_loss_matches_reference": verdict.get("passed")})

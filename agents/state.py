@@ -27,6 +27,9 @@ class RunConfig(BaseModel):
     # on the CPU the interpreter's timings mean nothing, so None skips tuning there (set it to
     # tune anyway: each trial costs seconds).
     tune_trials: int | None = None
+    # seconds for the whole tune stage, split over its studies (kernel x bucket); None: the
+    # default (`onboarding.policy.DEFAULT_TUNE_BUDGET_S`); 0: no time limit
+    tune_budget_s: float | None = None
     tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
     tune_workers: int = 1
     tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
@@ -79,6 +82,8 @@ class RunState(BaseModel):
             t = self.train_attempts[-1]
             if t.get("skipped"):
                 lines.append("training not run (" + t["skipped"] + ")")
+            elif t.get("single") and t.get("exit_code") == 0:
+                lines.append("training ran, loss not compared (" + t["single"] + ")")
             elif t.get("passed"):
                 lines.append("training loss matches its reference")
             else:

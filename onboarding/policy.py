@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
 DEFAULT_GPU_TUNE_TRIALS = 20
 DEFAULT_GPU_TRAIN_STEPS = 20
+# Seconds for the whole tune stage of a run (split over its studies, `onboarding.tune.run`):
+# keeps the built-in example's `onboard run` under 3 minutes on one H200 (docs/LOG.md,
+# fifteenth session); 20 trials per study without it ran past 340 s there.
+DEFAULT_TUNE_BUDGET_S = 40.0
 # what `onboarding.tune.search.gpu_name` says without a GPU (timings from the Triton interpreter)
 _NO_GPU = "cpu-interpreter"
 
@@ -38,6 +42,16 @@ def tune_budget(trials: int | None, *, gpu: str) -> Budget:
     return Budget(n, "skipped: no GPU, and Triton-interpreter timings mean nothing (set "
                      "tune_trials, `onboard run --tune-trials N`, to tune anyway)" if not on_gpu
                   else "skipped: tune_trials is 0")
+
+
+def tune_seconds(budget_s: float | None) -> float | None:
+    """The tune stage's time budget: None gives `DEFAULT_TUNE_BUDGET_S`; 0: no time limit
+    (trials alone bound it); a positive number is taken as asked."""
+    if budget_s is None:
+        return DEFAULT_TUNE_BUDGET_S
+    if budget_s < 0:
+        raise ValueError(f"tune budget {budget_s}: expected seconds >= 0 (0: no time limit)")
+    return float(budget_s) or None
 
 
 def train_budget(steps: int | None, *, gpus: int) -> Budget:

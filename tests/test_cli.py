@@ -139,6 +139,11 @@ def test_default_run_is_the_hybrid_example(workdir, capsys):
     # On the CPU the tune node runs but skips tuning by default, and says so in the report.
     assert "## Tuning" in report and "skipped: no GPU" in report
     assert "## Training" in report and "Training skipped: no GPU" in report  # likewise
+    # the summary screen: a verdict line per stage, skips with their reason, then the paths
+    assert "summary load: " in out and "map: coverage: kernel" in out and "align: passed (attempt 1)" in out
+    assert "coverable blocks checked" in out and "tune: not run (skipped: no GPU" in out
+    assert "train: not run (skipped: no GPU" in out and "run dir: demo" in out
+    assert "done align (" in out  # each finished stage with its wall time
 
 
 def test_readme_commands_are_what_ci_runs():
@@ -410,3 +415,54 @@ def test_python_dash_m_version_and_default_model(workdir, capsys):
     # MODEL is optional where the help names a default: the built-in example
     assert main(["map"]) == 0
     assert "onboard_hybrid" in " ".join(capsys.readouterr().out.split())
+
+
+def test_run_summary_screen_has_one_verdict_line_per_stage(tmp_path):
+    """The summary after `onboard run`: coverage counts, the alignment verdict with what it did
+    not check, tuning best vs default (and a budget stop), training tok/s, MFU and the loss
+    verdict, skips with their reason, stage times, then the report and run directory."""
+    from rich.console import Console
+
+    from agents.state import RunConfig, RunState
+    from onboarding.cli.run import print_summary
+
+    (tmp_path / "report.md").write_text("# r\n")
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "compare.json").write_text(json.dumps(
+        {"passed": True, "metrics": {"parallel": {"tokens_per_s": 12345.6, "mfu": 0.123}}}))
+    events = [{"time": 10.0, "node": "align", "event": "start"},
+              {"time": 22.5, "node": "align", "event": "done"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    state = RunState(
+        config=RunConfig(), run_dir=str(tmp_path), model_name="m",
+        completed=["load", "parse", "map", "generate", "align", "tune", "train", "report"],
+        summary={"total_params": 17_400_000, "active_params": 17_400_000, "capture": "export",
+                 "layer_pattern": "LA", "blocks": 30, "unknown_blocks": 0,
+                 "coverage": {"kernel": 0, "template": 20, "torch_fast": 9, "uncovered": 1},
+                 "candidates": 6, "candidates_passed": 6},
+        align_attempts=[{"attempt": 1, "passed": True, "culprits": [], "coverable": 20,
+                         "not_checked": [{"path": "model.norm", "kind": "norm.rms",
+                                          "family": "rmsnorm", "reason": "not selected"}]}],
+        tune_attempts=[{"attempt": 1, "studies": 1, "budget_s": 60.0, "best": [
+            {"family": "rmsnorm", "variant": "plain", "bucket": "d_le_512", "best_ms": 0.5,
+             "default_ms": 1.0, "trials": 3, "complete": 3,
+             "stopped": "stopped at budget (60 s) after 3 of 20 trials"}]}],
+        train_attempts=[{"attempt": 1, "steps": 20, "nproc": 1, "passed": True}])
+    console = Console(record=True, width=300)
+    print_summary(state.model_dump(), tmp_path, console)
+    text = console.export_text()
+    assert "map:      coverage: kernel 0, template 20, torch_fast 9, uncovered 1" in text
+    assert ("align:    passed (attempt 1); 19 of 20 coverable blocks checked; not checked: "
+            "model.norm (not selected) [12.5 s]") in text
+    assert ("tune:     1 studies within 60 s: rmsnorm d_le_512 0.5 ms vs default 1 ms (2.00x), "
+            "3 trials (stopped at budget)") in text
+    assert "train:    20 steps on 1 processes: 12,346 tok/s, MFU 12.3%; loss matches" in text
+    assert f"report:   {tmp_path / 'report.md'}" in text and f"run dir:  {tmp_path}" in text
+    # skips say why
+    state.tune_attempts = [{"attempt": 1, "skipped": "skipped: no GPU"}]
+    state.train_attempts = [{"attempt": 1, "steps": 0, "skipped": "skipped: no GPU (set ...)"}]
+    console = Console(record=True, width=300)
+    print_summary(state.model_dump(), tmp_path, console)
+    text = console.export_text()
+    assert "tune:     not run (skipped: no GPU)" in text
+    assert "train:    not run (skipped: no GPU (set ...))" in text

@@ -673,3 +673,57 @@ def test_grouped_linear_timing_dims_and_inputs(tmp_path):
     assert x.shape == (37, 24) and w.shape == (4, 40, 24) and counts.shape == (4,) and int(counts.sum()) == 37
     mod = load_module(render_to(tmp_path, "grouped_linear", "sorted", {}))
     assert mod.reference(x, counts, w).shape == (37, 40)
+
+
+def test_time_budget_stops_the_study_and_says_so(tmp_path, rms_path):
+    """No trial starts once the study's budget is spent; the result says "stopped at budget"
+    with the trials done, and each trial reports best vs default and the time left."""
+    import time
+
+    def slow(config, result):
+        time.sleep(0.4)
+        return _fake_timer(config, result)
+
+    seen = []
+    cfg = _cfg(tmp_path, n_trials=40, isolate=False, warm_start=True, budget_s=1.0,
+               space=FWD_ONLY)
+    t0 = time.monotonic()
+    res = tune.tune_module(rms_path, size=64, config=cfg, timer=slow, on_trial=seen.append)
+    assert time.monotonic() - t0 < 30
+    assert res.trials_run is not None and 1 <= res.trials_run < 40
+    assert res.stopped == f"stopped at budget (1 s) after {res.trials_run} of 40 trials"
+    assert res.budget_s == 1.0 and res.seconds is not None
+    assert [s["done"] for s in seen] == list(range(1, res.trials_run + 1))
+    assert seen[0]["default_ms"] == seen[0]["best_ms"] == 9.0  # the warm-started default first
+    assert all(s["left_s"] is not None and s["total"] == 40 for s in seen)
+    assert "stopped at budget" in tune.markdown_table([res])
+    # without a budget the same call runs every trial and stops for no budget
+    cfg = _cfg(tmp_path / "b", n_trials=3, isolate=False, space=FWD_ONLY)
+    res = tune.tune_module(rms_path, size=64, config=cfg, timer=_fake_timer)
+    assert res.stopped is None and res.trials_run == 3
+
+
+def test_progress_text_and_plain_progress_lines(capsys):
+    assert tune.progress_text(0.5, 1.0, 12.3) == "0.5 ms vs default 1 ms (2.00x), 12 s left"
+    assert tune.progress_text(None, None) == "- vs default -"
+    prog = tune.progress_bar()  # pytest's stdout is no terminal: plain lines
+    assert isinstance(prog, tune.PlainProgress)
+    task = prog.add_task("rmsnorm d_le_512", total=4, best="-")
+    prog.update(task, advance=1, best=tune.progress_text(0.5, 1.0, 3))
+    assert capsys.readouterr().out == ("rmsnorm d_le_512: 1/4 best 0.5 ms vs default 1 ms "
+                                       "(2.00x), 3 s left\n")
+
+
+def test_a_spent_budget_skips_the_re_timing(tmp_path, rms_path):
+    import time
+
+    def slow(config, result):
+        time.sleep(1.2)  # one trial spends the whole 1 s budget
+        return _fake_timer(config, result)
+
+    cfg = _cfg(tmp_path, n_trials=10, isolate=False, warm_start=True, budget_s=1.0,
+               final_rounds=2, space=FWD_ONLY)
+    res = tune.tune_module(rms_path, size=64, config=cfg, timer=slow)
+    assert res.trials_run == 1 and res.final == {}
+    assert res.stopped == ("stopped at budget (1 s) after 1 of 10 trials; finalists not "
+                           "re-timed (budget spent)")

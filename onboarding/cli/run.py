@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -24,6 +26,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--tune-trials", type=int, default=None, metavar="N",
                    help="Optuna trials per kernel and shape bucket (default: 20 on a GPU; "
                         "tuning is skipped on the CPU unless this is given)")
+    r.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
+                   help="seconds for the whole tune stage, split over its studies (kernel x "
+                        "shape bucket); no trial starts once a study's share is spent (default "
+                        "40; 0: no time limit, --tune-trials alone)")
     r.add_argument("--train-steps", type=int, default=None, metavar="N",
                    help="LoRA training steps of the FSDP2 x EP setup and its reference "
                         "(default: 20 on a GPU; skipped on the CPU unless this is given)")
@@ -56,6 +62,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     else:
         spec = model_spec(args)
         families = selected_kernels(args)
+        if args.tune_budget is not None and args.tune_budget < 0:
+            raise InputError(f"--tune-budget {args.tune_budget}: expected seconds >= 0 "
+                             "(0: no time limit)")
         if args.max_align_retries < 0:
             raise InputError(f"--max-align-retries {args.max_align_retries}: expected >= 0")
         # Check the input before a run directory exists, so bad input leaves nothing behind.
@@ -67,7 +76,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             model=spec, batch=args.batch, seq=args.seq, seed=args.seed,
             align_kernels=families, max_align_retries=args.max_align_retries,
             strict=args.strict,
-            tune_trials=args.tune_trials,
+            tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
             train_steps=args.train_steps, train_nproc=args.train_nproc),
             run_dir=str(run_dir))
     with owned_dir(run_dir, created_here=created):
@@ -81,7 +90,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                     return _run_verdict(snap.values, console)
                 console.print(f"resuming {run_dir} at: {', '.join(snap.next)}")
             stopping = False
+            steps = _Steps(console)
             with console.status("starting") as status:
+                steps.status = status
                 for mode, chunk in app.stream(inputs, cfg, stream_mode=["updates", "custom"],
                                               durability="sync"):
                     if stopping:
@@ -89,10 +100,10 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                         # i.e. after the stopped-after node's checkpoint is written.
                         os.kill(os.getpid(), signal.SIGKILL)
                     if mode == "custom":
-                        status.update(f"[bold]{chunk['node']}[/bold]: {chunk['step']}")
+                        steps.step(chunk["node"], chunk["step"])
                         continue
                     for node in chunk:
-                        console.print(f"[green]done[/green] {node}")
+                        steps.done(node)
                         stopping = stopping or node == args.stop_after
             final = app.get_state(cfg).values
         finally:
@@ -100,8 +111,158 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     graph_file = run_dir / "opgraph.json"
     if graph_file.exists():
         print_opgraph(OpGraph.load(graph_file), console)
-    console.print(f"report: {run_dir / 'report.md'}")
+    print_summary(final, run_dir, console)
     return _run_verdict(final, console)
+
+
+class _Steps:
+    """What the running stage is doing: a spinner line on a terminal; elsewhere (a pipe, a log
+    file, CI) plain lines, at most one per `PLAIN_EVERY_S` within a stage. Each finished stage
+    gets a line with its wall time."""
+
+    PLAIN_EVERY_S = 2.0
+
+    def __init__(self, console: Console) -> None:
+        self.console, self.status = console, None
+        self.plain = not console.is_terminal
+        self.node, self.printed = None, 0.0
+        self.started = time.monotonic()
+
+    def step(self, node: str, text: str) -> None:
+        if not self.plain:
+            if self.status is not None:
+                self.status.update(f"[bold]{escape(node)}[/bold]: {escape(text)}")
+            return
+        now = time.monotonic()
+        if node != self.node or now - self.printed >= self.PLAIN_EVERY_S:
+            self.console.print(escape(f"{node}: {text}"), highlight=False, emoji=False)
+            self.node, self.printed = node, now
+
+    def done(self, node: str) -> None:
+        now = time.monotonic()
+        self.console.print(f"[green]done[/green] {escape(node)} ({now - self.started:.1f} s)",
+                           highlight=False)
+        self.started, self.node = now, None
+
+
+def stage_seconds(run_dir: Path) -> dict[str, float]:
+    """Wall seconds of each stage's last run, from `events.jsonl` (start to done)."""
+    out: dict[str, float] = {}
+    start: dict[str, float] = {}
+    f = run_dir / "events.jsonl"
+    if not f.is_file():
+        return out
+    for line in f.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if e.get("event") == "start":
+            start[e["node"]] = e["time"]
+        elif e.get("event") == "done" and e.get("node") in start:
+            out[e["node"]] = e["time"] - start[e["node"]]
+    return out
+
+
+def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
+    """(stage, verdict) per stage of a finished run: coverage counts, the alignment verdict with
+    what it did not check, tuning's best against the default, training's tok/s, MFU and loss
+    verdict, each skip with its reason; then the report and the run directory."""
+    from agents.state import RunState
+    from onboarding.formatting import human
+
+    state = RunState.model_validate(values)
+    secs = stage_seconds(run_dir)
+    s = state.summary
+    rows: list[tuple[str, str]] = []
+
+    def add(stage: str, text: str) -> None:
+        t = secs.get(stage)
+        rows.append((stage, text + (f" [{t:.1f} s]" if t is not None else "")))
+
+    if "load" in state.completed:
+        add("load", f"{state.model_name}: {human(s.get('total_params', 0))} parameters, "
+                    f"{human(s.get('active_params', 0))} active")
+    if "parse" in state.completed:
+        add("parse", f"{s.get('blocks')} blocks ({s.get('capture')} capture), "
+                     f"{s.get('unknown_blocks', 0)} unknown; layer pattern "
+                     f"{s.get('layer_pattern')}")
+    if "coverage" in s:
+        add("map", "coverage: " + ", ".join(f"{k} {v}" for k, v in s["coverage"].items()))
+    if "candidates" in s:
+        add("generate", f"{s['candidates_passed']} of {s['candidates']} candidate kernels "
+                        "passed their checks")
+    if state.align_attempts:
+        a = state.align_attempts[-1]
+        verdict = "passed" if a["passed"] else "FAILED"
+        text = f"{verdict} (attempt {a['attempt']})"
+        if not a["passed"]:
+            text += ": " + (", ".join(a["culprits"]) or "no single block to blame")
+        nc = a.get("not_checked") or []
+        if a.get("coverable") is not None:
+            text += (f"; {a['coverable'] - len(nc)} of {a['coverable']} coverable blocks "
+                     "checked")
+        if nc:
+            text += "; not checked: " + "; ".join(f"{x['path']} ({x['reason']})"
+                                                   for x in nc[:3])
+            text += f" and {len(nc) - 3} more" if len(nc) > 3 else ""
+        add("align", text)
+    if state.tune_attempts:
+        t = state.tune_attempts[-1]
+        if t.get("skipped"):
+            add("tune", f"not run ({t['skipped']})")
+        else:
+            parts = []
+            for b in t.get("best", []):
+                gain = (f" ({b['default_ms'] / b['best_ms']:.2f}x)"
+                        if b.get("best_ms") and b.get("default_ms") else "")
+                fmt = (lambda v: "-" if v is None else f"{v:.4g} ms")
+                parts.append(f"{b['family']} {b['bucket']} {fmt(b.get('best_ms'))} vs default "
+                             f"{fmt(b.get('default_ms'))}{gain}, {b.get('trials')} trials"
+                             + (" (stopped at budget)" if "stopped at budget" in
+                                (b.get("stopped") or "") else "")
+                             + (", not re-timed" if "not re-timed" in (b.get("stopped") or "")
+                                else ""))
+            budget = (f" within {t['budget_s']:.0f} s" if t.get("budget_s") else "")
+            add("tune", f"{t.get('studies', 0)} studies{budget}"
+                        + (": " + "; ".join(parts) if parts else ""))
+    if state.train_attempts:
+        t = state.train_attempts[-1]
+        if t.get("skipped"):
+            add("train", f"not run ({t['skipped']})")
+        else:
+            m = {}
+            cmp_file = run_dir / "train" / "compare.json"
+            if cmp_file.is_file():
+                try:
+                    m = json.loads(cmp_file.read_text()).get("metrics", {}).get("parallel", {})
+                except json.JSONDecodeError:
+                    m = {}
+            elif (run_dir / "train" / "reference.jsonl").is_file():  # one process: its rows
+                from onboarding.train.compare import read_rows, summarize
+
+                m = summarize(read_rows(run_dir / "train" / "reference.jsonl"))
+            tps, mfu = m.get("tokens_per_s"), m.get("mfu")
+            loss = (f"loss not compared ({t['single']})" if t.get("single") else
+                    "loss matches its reference" if t.get("passed") else
+                    "loss check FAILED" + (f": {t['summary']}" if t.get("summary") else
+                                           f" (exit code {t.get('exit_code')})"))
+            add("train", f"{t.get('steps')} steps on {t.get('nproc')} processes: "
+                         + (f"{tps:,.0f} tok/s" if tps else "tok/s -") + ", MFU "
+                         + (f"{100 * mfu:.1f}%" if mfu is not None else "-") + f"; {loss}")
+    if (run_dir / "report.md").is_file():
+        html = run_dir / "report.html"
+        add("report", str(run_dir / "report.md") + (f", {html}" if html.is_file() else ""))
+    rows.append(("run dir", str(run_dir)))
+    return rows
+
+
+def print_summary(values: dict, run_dir: Path, console: Console) -> None:
+    """The run's summary screen: one verdict line per stage, then the report and run dir."""
+    console.print("[bold]summary[/bold]")
+    for stage, text in summary_lines(values, run_dir):
+        console.print(f"  {stage + ':':<10}" + escape(text), highlight=False, emoji=False,
+                      soft_wrap=not console.is_terminal)
 
 
 def _run_verdict(values: dict, console: Console) -> int:

@@ -35,6 +35,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="search only the keys --space names; the others stay at the bucket's "
                         "default (keeps a --compare-grid grid small)")
     t.add_argument("--trials", type=int, default=30, help="trials per study")
+    t.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
+                   help="seconds for all of this command's tuning, split over its studies "
+                        "(kernel x shape bucket; time one leaves passes on); no trial starts "
+                        "once a study's share is spent (default: no time limit)")
     t.add_argument("--workers", type=int, default=1,
                    help="worker processes that check/compile concurrently (timing is serial)")
     t.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
@@ -89,6 +93,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
         raise InputError(f"--tpe-fraction {args.tpe_fraction}: must be in (0, 1]")
     if args.trials < 1 or args.workers < 1 or args.repeats < 1 or args.final_rounds < 0:
         raise InputError("--trials, --workers and --repeats must be >= 1, --final-rounds >= 0")
+    if args.tune_budget is not None and args.tune_budget <= 0:
+        raise InputError(f"--tune-budget {args.tune_budget}: expected seconds > 0")
     if args.space_only and not args.space:
         raise InputError("--space-only needs --space KEY=V1,V2 to search")
     cfg = TuneConfig(n_trials=args.trials, n_workers=args.workers, storage=args.storage,
@@ -147,6 +153,7 @@ def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
 
 def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, variant: str,
                     out: Path, dims_for) -> int:
+    from onboarding.generate.templating import load_module as module_of
     from onboarding.generate.templating import render_to
     from onboarding.tune.grid import compare_grid, plot_comparison
     from onboarding.tune.search import (
@@ -180,6 +187,9 @@ def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, varia
                 write_tuned(module, [best], dtype=cfg.dtype)
         console.print(f"wrote {out}/compare-*.json|md|png, {tuned_path(module)}")
     else:
+        if args.tune_budget is not None:  # an equal share per bucket
+            n = len({module_of(module).shape_bucket(s) for s in args.shapes})
+            cfg.budget_s = args.tune_budget / n
         results = tune_buckets(module, args.shapes, dims_for=dims_for, config=cfg)
         plot_history(results, out / "tune_best.png")
         console.print(markdown_table(results))
@@ -225,7 +235,7 @@ def _tune_model(args: argparse.Namespace, cfg, console: Console) -> int:
                                   on_step=lambda s: status.update(f"parse: {s}"))
                 run_generate(run_map(graph, out), out,
                              on_step=lambda s: status.update(f"generate: {s}"))
-    data = tune_run(out, cfg, families=families, progress=True)
+    data = tune_run(out, cfg, families=families, progress=True, budget_s=args.tune_budget)
     for s in data["studies"]:
         console.print(f"[bold]{s['family']}/{s['variant']}[/bold] `{s['module']}` "
                       f"({len(s['blocks'])} blocks, {s['size_source']} = {s['size']})")

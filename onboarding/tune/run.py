@@ -131,14 +131,21 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
 
 def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = None,
              timer: Timer | None = None, on_step: Callable[[str], None] | None = None,
-             progress: bool = False) -> dict[str, Any]:
+             progress: bool = False, budget_s: float | None = None) -> dict[str, Any]:
     """Tune every job of `run_dir`; writes tuned.json files, `tune.json` and `tune_best.png`.
+
+    `budget_s`: seconds for the whole run's tuning. Each study gets an equal share of what is
+    left when it starts (time a study does not use passes to the next ones), capped by
+    `config.budget_s` (a per-kernel budget) when that is set; `on_step` hears each trial
+    (trials done, best so far vs the default, time left).
 
     Studies live in `config.storage` or, by default, `run_dir/tune.db` (a resumed run continues
     them). Returns the `tune.json` content."""
+    import time
+
     import optuna
 
-    from onboarding.tune.search import gpu_name
+    from onboarding.tune.search import gpu_name, progress_text
 
     run_dir = Path(run_dir)
     if config.storage is None and config.storage_dir is None:
@@ -147,14 +154,27 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
     jobs, notes = plan_jobs(run_dir, families)
     prog = progress_bar() if progress else None
     results: list[tuple[TuneJob, BucketResult]] = []
+    start = time.monotonic()
     if prog:
         prog.start()
     try:
         for i, job in enumerate(jobs):
+            label = f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})"
+            share = config.budget_s
+            if budget_s is not None:
+                left = max(0.0, budget_s - (time.monotonic() - start)) / (len(jobs) - i)
+                share = left if share is None else min(share, left)
             if on_step:
-                on_step(f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})")
+                on_step(label + (f", {share:.0f} s budget" if share is not None else ""))
+
+            def on_trial(info: dict[str, Any], label: str = label) -> None:
+                if on_step:
+                    on_step(f"{label}: trial {info['done']}/{info['total']}, best "
+                            + progress_text(info["best_ms"], info["default_ms"], info["left_s"]))
+
             r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
-                            config=replace(config, progress=False), timer=timer, progress=prog)
+                            config=replace(config, progress=False, budget_s=share), timer=timer,
+                            progress=prog, on_trial=on_trial)
             if r.best_config is not None:
                 write_tuned(job.module, [r], dtype=config.dtype,
                             timing="injected timer" if timer else None)
@@ -163,7 +183,8 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
         if prog:
             prog.stop()
     data = {"gpu": gpu_name(), "dtype": config.dtype, "trials_per_study": config.n_trials,
-            "notes": notes,
+            "budget_s": budget_s, "study_budget_s": config.budget_s,
+            "seconds": round(time.monotonic() - start, 2), "notes": notes,
             "studies": [{**asdict(job), "module": _relative(job.module, run_dir),
                          "result": result_dict(r)} for job, r in results]}
     write_json(run_dir / RESULTS_FILE, data)

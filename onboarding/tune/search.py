@@ -36,11 +36,14 @@ grid vs TPE on the same space, `_tune_grid`); `onboarding.tune.run` tunes a whol
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import json
 import math
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -149,6 +152,10 @@ class TuneConfig:
     # After the search, the FINALISTS best configs and the default are re-timed alone, this many
     # interleaved rounds, and the best is chosen by their medians (GPU or injected timer; 0: off)
     final_rounds: int = 3
+    # Seconds for one study (search, then re-timing): once spent, no new trial starts (the
+    # trials in flight finish) and the result says "stopped at budget"; the re-timing runs one
+    # round, then more only while time is left. None: no time limit (n_trials alone).
+    budget_s: float | None = None
 
 
 # ---- keys, spaces and storage -----------------------------------------------------------------
@@ -424,18 +431,73 @@ def _tell(study, trial, *args, **kwargs) -> None:
             raise
 
 
-def progress_bar():
-    """A rich progress bar with one row per study and its best-so-far."""
+class PlainProgress:
+    """`progress_bar`'s interface for output that is not a terminal: one plain line per update
+    (a log a pipe or a CI job can read), no cursor movement."""
+
+    def __init__(self, file=None) -> None:
+        self.file = file
+        self.tasks: list[Any] = []  # like rich's: description, total, completed, fields
+
+    def add_task(self, description: str, total: int | None = None, **fields) -> int:
+        from types import SimpleNamespace
+
+        self.tasks.append(SimpleNamespace(description=description, total=total, completed=0,
+                                          fields=dict(fields)))
+        return len(self.tasks) - 1
+
+    def update(self, task: int, advance: int = 0, **fields) -> None:
+        t = self.tasks[task]
+        t.completed += advance
+        t.fields.update(fields)
+        print(f"{t.description}: {t.completed}/{t.total} best {t.fields.get('best', '-')}",
+              file=self.file or sys.stdout, flush=True)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def progress_bar(console=None):
+    """A rich progress bar with one row per study: trials done, elapsed, and a text field `best`
+    (best so far against the default, time left of the budget). Not a terminal: `PlainProgress`,
+    one plain line per update."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = console or Console()
+    if not console.is_terminal:
+        return PlainProgress(console.file)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("best {task.fields[best]}"), transient=False)
+                    TimeElapsedColumn(), TextColumn("best {task.fields[best]}"), transient=False,
+                    console=console)
+
+
+def progress_text(best_ms: float | None, default_ms: float | None,
+                  left_s: float | None = None) -> str:
+    """'0.0123 ms vs default 0.0150 ms (1.22x), 23 s left': a study's standing, in words."""
+    fmt = (lambda v: "-" if v is None else f"{v:.4g} ms")
+    text = fmt(best_ms) + f" vs default {fmt(default_ms)}"
+    if best_ms and default_ms:
+        text += f" ({default_ms / best_ms:.2f}x)"
+    if left_s is not None:
+        text += f", {max(0.0, left_s):.0f} s left"
+    return text
 
 
 def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] | None = None,
                 dims: dict[str, int] | None = None, config: TuneConfig | None = None,
                 timer: Timer | None = None, sampler: str = "tpe", suffix: str = "",
-                progress=None) -> BucketResult:
+                progress=None, on_trial: Callable[[dict[str, Any]], None] | None = None
+                ) -> BucketResult:
     """Tune the bucket of a rendered module that holds `size` (its bucketed dimension, e.g. D).
 
     `shapes` are the block's input shapes, handed to the family's `sample_inputs` for the
@@ -444,6 +506,9 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     Creates/loads the study (`sampler` "tpe" or "grid", name + `suffix`), enqueues warm starts,
     runs `config.n_trials` more trials over `config.n_workers` threads and returns the bucket's
     result. `progress`: a `progress_bar()` to add a row to (default: its own, if enabled).
+    `config.budget_s` bounds the study's time: no trial starts once it is spent, and the result
+    says so (`BucketResult.stopped`). `on_trial(info)` is called after each trial with done,
+    total, best_ms, default_ms and left_s (None without a budget).
     Does not write tuned.json: call `write_tuned` with the results.
     """
     from onboarding.generate.templating import load_module
@@ -464,6 +529,14 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
               if all(v in space[k] for k, v in c.items())]
         enqueue_warm_start(study, ws)
     aot, lock, claimed, stop, objectives = _Aot(), threading.Lock(), [0], threading.Event(), []
+    started = time.monotonic()
+    deadline = None if cfg.budget_s is None else started + cfg.budget_s
+    # the search leaves a quarter of the budget to the re-timing that follows it
+    retimes = bool(cfg.final_rounds) and timing_is_real(timer)
+    search_end = None if deadline is None else started + cfg.budget_s * (0.75 if retimes
+                                                                        else 1.0)
+    at_budget, finished = threading.Event(), [0]
+    default_cfg = bucket_default(module, bucket)
     own = progress is None and cfg.progress
     prog = progress_bar() if own else progress
     task = prog.add_task(name.split(".", 2)[0] + f" {bucket}{suffix}", total=cfg.n_trials,
@@ -473,16 +546,32 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         with lock:
             if stop.is_set() or claimed[0] >= cfg.n_trials:
                 return False
+            if search_end is not None and time.monotonic() >= search_end:
+                at_budget.set()
+                return False
             claimed[0] += 1
             return True
 
     def on_done(s) -> None:
+        with lock:
+            finished[0] += 1
+            done = finished[0]
+        if prog is None and on_trial is None:
+            return
+        complete = [t for t in s.get_trials(deepcopy=False)
+                    if t.state == optuna.trial.TrialState.COMPLETE]
+        best = min((t.value for t in complete), default=None)
+        dflt = next((t.value for t in complete
+                     if {**module.DEFAULT_CONFIG, **t.params} == default_cfg), None)
+        left = None if search_end is None else search_end - time.monotonic()
         if prog is not None:
-            try:
-                best = f"{s.best_value:.4g} ms {s.best_params}"
-            except ValueError:
-                best = "-"
-            prog.update(task, advance=1, best=best)
+            prog.update(task, advance=1, best=progress_text(best, dflt, left))
+        if on_trial is not None:
+            try:  # a progress display that fails must not end the study
+                on_trial({"done": done, "total": cfg.n_trials, "best_ms": best,
+                          "default_ms": dflt, "left_s": left})
+            except Exception as e:  # noqa: BLE001
+                warnings.warn(f"tune progress callback failed: {type(e).__name__}: {e}")
 
     def work(wid: int) -> None:
         st = study if cfg.n_workers == 1 else _load_study(name, url, cfg.seed + wid, space,
@@ -506,8 +595,10 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         # Daemon threads, joined here: on Ctrl-C / SIGINT no new trial starts, the worker
         # subprocesses are killed (their trials stay RUNNING: a resumed grid queues them again)
         # and the interrupt propagates instead of waiting for the trials in flight.
-        threads = [threading.Thread(target=work, args=(w,), daemon=True)
-                   for w in range(cfg.n_workers)]
+        # Each thread runs in a copy of this context, so a callback that reads context
+        # variables (LangGraph's stream writer, in the agent's tune node) works from it.
+        threads = [threading.Thread(target=contextvars.copy_context().run, args=(work, w),
+                                    daemon=True) for w in range(cfg.n_workers)]
         for t in threads:
             t.start()
         try:
@@ -520,9 +611,15 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                     obj.close()
             raise
         final_study = _load_study(name, url, cfg.seed, space, sampler)
-        return _finalize(summarize(final_study, module, bucket), final_study, module, path,
-                         size=size, shapes=shapes, dims=dims, cfg=cfg, timer=timer,
-                         progress=prog)
+        result = summarize(final_study, module, bucket)
+        if at_budget.is_set():
+            result = dataclasses.replace(
+                result, stopped=f"stopped at budget ({cfg.budget_s:.0f} s) after "
+                                f"{finished[0]} of {cfg.n_trials} trials")
+        result = _finalize(result, final_study, module, path, size=size, shapes=shapes,
+                           dims=dims, cfg=cfg, timer=timer, progress=prog, deadline=deadline)
+        return dataclasses.replace(result, trials_run=finished[0], budget_s=cfg.budget_s,
+                                   seconds=round(time.monotonic() - started, 2))
     finally:
         if own:
             prog.stop()
@@ -571,11 +668,13 @@ FINALISTS = 3  # best distinct configs of a search re-timed with the default (fi
 def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: int,
            shapes: list[list[int]] | None = None, dims: dict[str, int] | None = None,
            config: TuneConfig | None = None, timer: Timer | None = None,
-           rounds: int | None = None, progress=None) -> list[float | None]:
+           rounds: int | None = None, progress=None,
+           deadline: float | None = None) -> list[float | None]:
     """Median ms of each config over `rounds` interleaved rounds (the order rotates each round),
     on one worker after the search, when no check or compile competes for the machine. A search
     times each config once, amid other workers' compiles: one config timed 6.51 and 6.03 ms in
-    two studies of one run (docs/LOG.md, fourth session). None: the config failed every round."""
+    two studies of one run (docs/LOG.md, fourth session). None: the config failed every round.
+    `deadline` (time.monotonic()): after the first round, no round starts once it has passed."""
     import statistics
 
     from onboarding.generate.templating import load_module
@@ -591,6 +690,8 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
                              total=rounds * len(configs), best="-") if progress else None
     try:
         for r in range(rounds):
+            if r and deadline is not None and time.monotonic() >= deadline:
+                break
             for j in range(len(configs)):
                 i = (j + r) % len(configs)
                 ms = obj.measure(dict(configs[i]), seed=cfg.seed * 100003 + 7919 * (r + 1) + i)
@@ -627,13 +728,20 @@ def timing_is_real(timer: Timer | None) -> bool:
 
 
 def _finalize(result: BucketResult, study, module: ModuleType, module_path, *, size: int,
-              shapes, dims, cfg: TuneConfig, timer: Timer | None, progress=None) -> BucketResult:
-    """Re-time the finalists with the default; the best and the default's time come from it."""
+              shapes, dims, cfg: TuneConfig, timer: Timer | None, progress=None,
+              deadline: float | None = None) -> BucketResult:
+    """Re-time the finalists with the default; the best and the default's time come from it.
+    Past `deadline` (the study's budget spent) there is no re-timing: the search's timings
+    stand, and `result.stopped` says so."""
     if not cfg.final_rounds or result.best_config is None or not timing_is_real(timer):
         return result
+    if deadline is not None and time.monotonic() >= deadline:
+        why = "finalists not re-timed (budget spent)"
+        return dataclasses.replace(result, stopped=f"{result.stopped}; {why}" if result.stopped
+                                   else why)
     configs = finalists(study, module, result.bucket)
     ms = retime(module_path, configs, size=size, shapes=shapes, dims=dims, config=cfg,
-                timer=timer, progress=progress)
+                timer=timer, progress=progress, deadline=deadline)
     final = {json.dumps(c, sort_keys=True): m for c, m in zip(configs, ms)}
     timed = [(m, c) for c, m in zip(configs, ms) if m is not None]
     if not timed:

@@ -36,6 +36,11 @@ class BucketResult:
     # [best config, bucket default]: the largest spill of their kernels in bytes per thread
     # (the AOT gate's ptxas report; None: not compiled ahead of time)
     spill_bytes: list[int | None] = field(default_factory=lambda: [None, None])
+    # "stopped at budget (N s) after k of n trials" when the time budget ended the search
+    stopped: str | None = None
+    trials_run: int | None = None  # trials this call ran (n_trials counts a resumed study's too)
+    budget_s: float | None = None  # the study's time budget (None: none)
+    seconds: float | None = None  # the study's wall time, search and re-timing
 
 
 def gpu_name() -> str:
@@ -223,7 +228,7 @@ def markdown_table(results: Iterable[BucketResult]) -> str:
         rows.append(f"| {r.bucket} | {r.n_trials} | {r.n_complete} | {pr} | "
                     f"`{json.dumps(r.best_config, sort_keys=True)}` | {fmt(r.best_ms)} | "
                     f"{fmt(r.default_ms)} | {gain} | {spills} |")
-    notes = []
+    notes = [f"- `{r.bucket}`: {r.stopped}" for r in results if r.stopped]
     for r in results:
         timed = sorted((ms, c) for c, ms in r.final.items() if ms is not None)
         if timed:  # best and default ms above come from these
