@@ -12,7 +12,8 @@ template(s) and any helper modules it imports relatively. Folders come from, in 
 A DIR is either one family folder (it has `family.py`) or a folder of family folders. The folder's
 name is the family's name. A folder whose family cannot be used (a syntax or import error, no
 `FAMILY`, a spec that fails its own checks, a name that is not the folder's, a name already taken,
-a variant whose template does not render at its defaults) is skipped with a `FamilyWarning`
+a variant whose template does not render at its defaults — checked for folders from outside the
+repo; the built-in templates are rendered by the test suite) is skipped with a `FamilyWarning`
 naming its path and the reason; the rest load as usual.
 
 Each family imports as the package `onboard_families.<name>` (its folder as `__path__`), so
@@ -185,7 +186,10 @@ class Registry:
                 if found is None:
                     raise _Broken(f"it extends family {family.spec.extends!r}, which is not loaded")
                 base = found.spec
-            _check_renders(family.spec, base)
+            if origin != "built-in":
+                # the built-in templates are rendered variant by variant by the test suite
+                # (tests/test_templating.py); checking them here would cost every process ~0.5 s
+                _check_renders(family.spec, base)
         except _Broken as exc:
             del self.candidates[name]
             _forget(name)
