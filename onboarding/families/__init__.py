@@ -3,25 +3,11 @@ folders found (built-in `kernel_templates/<family>/`, `--families DIR`, `ONBOARD
 `onboard.families` entry points). Stages iterate over `families()`; none names a family.
 """
 
-from onboarding.families.discover import (
-                                          ENV_VAR,
-                                          Family,
-                                          FamilyWarning,
-                                          Skipped,
-                                          add_dirs,
-                                          extra_dirs,
-                                          families,
-                                          family_module,
-                                          get_family,
-                                          lora_kernel,
-                                          match_block,
-                                          registry,
-                                          reset,
-                                          skipped,
-                                          subprocess_env,
-)
+from onboarding.families.discover import (ENV_VAR, Family, FamilyWarning, Skipped, add_dirs,
+                                          families, family_module, get_family, lora_kernel,
+                                          match_block, registry, reset, skipped, subprocess_env)
 from onboarding.families.spec import FamilySpec, Param, ShapeBucket
 
 __all__ = ["ENV_VAR", "Family", "FamilySpec", "FamilyWarning", "Param", "ShapeBucket", "Skipped",
-           "add_dirs", "extra_dirs", "families", "family_module", "get_family", "lora_kernel",
+           "add_dirs", "families", "family_module", "get_family", "lora_kernel",
            "match_block", "registry", "reset", "skipped", "subprocess_env"]

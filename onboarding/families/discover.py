@@ -84,11 +84,6 @@ def add_dirs(dirs: list[str | Path]) -> None:
     reset()
 
 
-def extra_dirs() -> list[Path]:
-    """The `--families` folders given to this process (for passing on to subprocesses)."""
-    return list(_EXTRA_DIRS)
-
-
 def subprocess_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's) with `ONBOARD_FAMILIES` extended by the `--families`
     folders, so a worker subprocess sees the same families as its parent."""
