@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from onboarding.bench.cases import N_SETS, anchors, bf16_check, kernel, leaf
 from onboarding.bench.harness import BenchCase
+from onboarding.families import NightlySpec
 
 
 def cases() -> list[BenchCase]:
@@ -41,3 +42,7 @@ def cases() -> list[BenchCase]:
             check=lambda device, make=make, k=k: bf16_check(
                 kernel("conv1d", "causal", {"kernel_size": k})[1], eager, make)(device)))
     return out
+
+
+# The nightly regression suite's share (one shape against transformers' fallback).
+NIGHTLY = NightlySpec(cases={"B2T4096C8192W4": ("ours", "eager")}, min_threshold=0.08)

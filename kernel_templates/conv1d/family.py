@@ -64,5 +64,6 @@ FAMILY = FamilySpec(
     match=match,
     sample_inputs=sample_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     binding=bind,
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from onboarding.bench.cases_linear_attention import delta_rule_case
 from onboarding.bench.harness import BenchCase
+from onboarding.families import NightlySpec
 
 # (B, T, HK, HV, D, note)
 SHAPES = (
@@ -17,3 +18,7 @@ SHAPES = (
 
 def cases() -> list[BenchCase]:
     return [delta_rule_case("gated_delta", *shape, per_channel=False) for shape in SHAPES]
+
+
+# The nightly regression suite's share (issue 5's shape; fla's anchors are left out (its autotune takes minutes)).
+NIGHTLY = NightlySpec(cases={"B2T4096H16D128": ("ours", "ours_fwd", "eager_fwd")}, min_threshold=0.05)

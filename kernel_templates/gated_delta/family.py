@@ -149,5 +149,6 @@ FAMILY = FamilySpec(
     timing_dims=("B", "T", "HK", "K"),
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     binding=bind,
 )

@@ -30,6 +30,7 @@ from onboarding.bench.cases import (
     N_SETS, bf16_check, fwd_bwd, fwd_only, kernel, leaf, routing, shared_inputs,
 )
 from onboarding.bench.harness import BenchCase, Step
+from onboarding.families import NightlySpec
 
 # (name, E, top-k, tokens, K, N)
 SHAPES = (
@@ -108,3 +109,7 @@ def cases() -> list[BenchCase]:
                 check=_check_case(E, topk, K, N) if backward else None,
                 note="uniform routing; " + ("forward + backward" if backward else "forward only")))
     return out
+
+
+# The nightly regression suite's share (fine-grained experts against torch._grouped_mm).
+NIGHTLY = NightlySpec(cases={"fine/E64S65536K2048N1024/fwdbwd": ("ours", "grouped_mm")}, min_threshold=0.05)

@@ -99,5 +99,6 @@ FAMILY = FamilySpec(
     timing_dims=("S", "K", "N", "E"),
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     binding=bind,
 )

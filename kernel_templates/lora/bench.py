@@ -22,6 +22,7 @@ from onboarding.bench.cases import (
     N_SETS, bf16_check, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, leaf,
 )
 from onboarding.bench.harness import BenchCase, Step
+from onboarding.families import NightlySpec
 
 # (name, N, I, O): rank-16 LoRA on real projections
 LORA_SHAPES = (
@@ -102,3 +103,7 @@ def cases() -> list[BenchCase]:
                 check=check if backward else None,
                 note="overhead over the base GEMM = 1 / ratios['base'] - 1"))
     return out
+
+
+# The nightly regression suite's share (o_proj against the base GEMM and PEFT's formulation).
+NIGHTLY = NightlySpec(cases={"o_proj/N8192I4096O4096r16/fwdbwd": ("ours", "base", "unfused")}, min_threshold=0.05)

@@ -60,4 +60,5 @@ FAMILY = FamilySpec(
     ),
     sample_inputs=sample_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
 )

@@ -44,6 +44,7 @@ from onboarding.bench.cases import (
     shared_inputs,
 )
 from onboarding.bench.harness import BenchCase, Step
+from onboarding.families import NightlySpec
 
 # (name, E, K, D, F, N, routings)
 MOE_SHAPES = (
@@ -228,3 +229,7 @@ def cases() -> list[BenchCase]:
                     note=f"{kind} routing; " + ("forward + backward to x and the routing weights (frozen experts)"
                                                 if frozen else "forward + backward" if backward else "forward only")))
     return out
+
+
+# The nightly regression suite's share (the anchor shape against torch._grouped_mm).
+NIGHTLY = NightlySpec(cases={"anchor/E64K8D2048F512N8192/uniform/fwdbwd": ("ours", "grouped_mm")}, min_threshold=0.05)

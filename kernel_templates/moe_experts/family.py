@@ -338,6 +338,7 @@ FAMILY = FamilySpec(
     timing_dims=("N", "D", "E", "TOPK", "F"),
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     lora_variants={"moe.experts": "swiglu_lora"},
     binding=bind,
 )

@@ -8,6 +8,7 @@ import torch
 
 from onboarding.bench.cases import N_SETS, anchors, bf16_check, config_sweep, kernel, leaf
 from onboarding.bench.harness import BenchCase
+from onboarding.families import NightlySpec
 
 # The goal shape's sweep: backward rows per step x warps x programs per SM, and forward rows per
 # program, around the d_le_4k defaults.
@@ -55,3 +56,7 @@ def cases() -> list[BenchCase]:
             check=lambda device, make=make: bf16_check(
                 lambda x, w: kernel("rmsnorm", "plain")[1](x, w, 1e-6), eager, make)(device)))
     return out
+
+
+# The nightly regression suite's share (the goal shape, against eager (torch.compile and Liger stay in the full cases: compiling costs the nightly more than it tells)).
+NIGHTLY = NightlySpec(cases={"16384x4096": ("ours", "eager")}, min_threshold=0.08)

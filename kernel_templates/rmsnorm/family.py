@@ -141,5 +141,6 @@ FAMILY = FamilySpec(
     timing_dims=("N", "D"),
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     binding=bind,
 )

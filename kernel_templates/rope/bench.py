@@ -7,6 +7,7 @@ import torch
 
 from onboarding.bench.cases import N_SETS, anchors, bf16_check, kernel, leaf
 from onboarding.bench.harness import BenchCase
+from onboarding.families import NightlySpec
 
 
 def cases() -> list[BenchCase]:
@@ -56,3 +57,7 @@ def cases() -> list[BenchCase]:
             check=lambda device, make=make: bf16_check(kernel("rope", "half")[1], eager,
                                                        make)(device)))
     return out
+
+
+# The nightly regression suite's share (the GQA shape against eager).
+NIGHTLY = NightlySpec(cases={"B1T8192H32/8D128": ("ours", "eager")}, min_threshold=0.08)

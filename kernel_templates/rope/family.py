@@ -85,4 +85,5 @@ FAMILY = FamilySpec(
     sample_inputs=sample_inputs,
     problem_dims=problem_dims,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
 )

@@ -60,6 +60,7 @@ from torch.nn import functional as F
 
 from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
+from onboarding.families import NightlySpec
 from onboarding.testing.tolerance import rel_rms
 
 TS = (8192, 16384, 32768, 65536)
@@ -281,3 +282,7 @@ def cases() -> list[BenchCase]:
     out = [attention_case(layout, T, bwd) for layout in LAYOUTS for T in TS for bwd in (False, True)
            if not (layout == "mla" and bwd and T > MLA_FWDBWD_MAX_T)]
     return out + [indexer_case(T) for T in TS]
+
+
+# The nightly regression suite's share (the anchor layout's shortest sequence, forward, against dense causal SDPA).
+NIGHTLY = NightlySpec(cases={"mha-T8192-fwd": ("ours", "causal_sdpa")}, min_threshold=0.05)

@@ -109,5 +109,6 @@ FAMILY = FamilySpec(
     timing_dims=("N", "F"),
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     binding=bind,
 )

@@ -92,6 +92,23 @@ class ShapeBucket:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NightlySpec:
+    """A family's share of the nightly regression suite (`onboard bench --suite nightly`): a few
+    of its benchmark cases, each with the implementations timed (ours and its anchors), and the
+    smallest relative change a nightly may call a regression for this family (a floor under the
+    threshold the run's own noise sets: short kernels move more between processes)."""
+
+    cases: Mapping[str, tuple[str, ...]]  # case name (exact) -> impls, e.g. ("ours", "eager")
+    min_threshold: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.cases or any(not impls for impls in self.cases.values()):
+            raise ValueError("NightlySpec: every case needs at least one impl")
+        if not 0 < self.min_threshold < 1:
+            raise ValueError(f"NightlySpec: min_threshold {self.min_threshold} not in (0, 1)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FamilySpec:
     """Declaration of a kernel family: template, schema, variants, tuning space, buckets.
 
@@ -140,6 +157,7 @@ class FamilySpec:
     # tensors there, `onboarding.tune.worker.randn`). None: timed at the sample shapes.
     timing_inputs: Callable[..., list[Any]] | None = field(default=None, compare=False)
     bench_cases: Callable[[], list[Any]] | None = field(default=None, compare=False)  # bench
+    bench_nightly: NightlySpec | None = field(default=None, compare=False)  # the nightly suite
     # lora_variants: block kind -> the variant that runs blocks of that kind with their weights
     # frozen and LoRA adapters applied inside the kernel. LoRA is added by the training stage, not
     # found in the op graph, so `match` never picks these; training asks
