@@ -26,7 +26,7 @@ def ensure_triton_backend() -> str:
     """Select the interpreter on a machine without a GPU; returns "gpu" or "interpreter".
 
     `TRITON_INTERPRET` is read when `@triton.jit` runs, so this must happen before any rendered
-    module is imported (DESIGN.md). A user's explicit TRITON_INTERPRET is left alone.
+    module is imported (docs/design.md). A user's explicit TRITON_INTERPRET is left alone.
     """
     if torch.cuda.is_available():
         return "interpreter" if interpreting() else "gpu"

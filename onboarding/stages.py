@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from onboarding import __version__
+from onboarding import __version__, optional_kernels
 from onboarding.generate.candidates import (Candidate, check_candidate, promote, render_candidates,
                                  save_candidates)
 from onboarding.load.spec import ModelSpec
@@ -44,7 +44,9 @@ def environment() -> dict[str, Any]:
             "transformers": transformers.__version__, "triton": triton_version,
             "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            # installed kernel packages and what was done with them (hidden from model code)
+            "kernel_packages": optional_kernels.state()}
 
 
 def _config_dict(config: Any) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # Kernel tests run Triton in the interpreter on CPU machines; it must be set before any
-# @triton.jit runs (DESIGN.md).
+# @triton.jit runs (docs/design.md).
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
     try:
         import torch

@@ -1,4 +1,4 @@
-"""One benchmark harness for every kernel family (DESIGN.md: "one harness from the start")."""
+"""One benchmark harness for every kernel family (docs/design.md)."""
 
 from onboarding.bench.harness import BenchCase, Timing, measure_ceilings, run_cases, time_fn
 

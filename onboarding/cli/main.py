@@ -18,6 +18,7 @@ from onboarding.backend import ensure_triton_backend
 from onboarding.cli import analyse, bench, regress, run, train, tune
 from onboarding.cli.common import FAMILIES_HELP, err
 from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, InputError
+from onboarding.optional_kernels import hide as hide_kernel_packages
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     ensure_triton_backend()
+    if args.command != "bench":  # bench imports some by name, as comparison rows only
+        hide_kernel_packages()
     try:
         _load_families(args.families)
         return args.func(args, console)

@@ -12,7 +12,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
-# The stable block vocabulary (DESIGN.md). Classification never emits a kind outside this set.
+# The stable block vocabulary (docs/opgraph.md). Classification never emits a kind outside this set.
 BLOCK_KINDS = (
     "attention.full",
     "attention.gated",

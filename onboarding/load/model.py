@@ -1,6 +1,6 @@
 """Resolve a MODEL reference into a buildable model: a config plus a factory.
 
-MODEL forms (DESIGN.md):
+MODEL forms (docs/design.md):
   - a directory in the Hugging Face layout (config.json, optional remote code and weights);
   - ``hf:<model_type>`` with the default config of an architecture transformers knows;
   - ``path/to/file.py:Name`` or ``package.module:Name`` (an nn.Module class or a factory);
@@ -53,6 +53,7 @@ class LoadedModel:
     directory: Path | None = None  # where the model's own code lives (remote code only)
     compat_shims: list[dict[str, str]] = field(default_factory=list)  # see load.compat
     impl_note: str | None = None  # remote code whose model_type transformers also implements
+    part: str = "language"  # "vision": the vision tower alone (onboarding.load.vision)
     _factory: Callable[..., nn.Module] | None = None
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -64,7 +65,8 @@ class LoadedModel:
     def probe_proxy(self) -> Callable[[Any], bool] | None:
         """For a model taken out of a multimodal one: whether a (small) config builds and runs a
         few tokens on the CPU; None for the rest."""
-        if not self.is_hf or has_causal_lm(self.config, self.trust_remote_code):
+        if not self.is_hf or (self.part == "language"
+                              and has_causal_lm(self.config, self.trust_remote_code)):
             return None
         from onboarding.load.multimodal import runs
 
@@ -83,6 +85,10 @@ class LoadedModel:
             with torch.device(device):
                 if self._factory is not None:
                     model = self._factory(**self.factory_kwargs)
+                elif self.part == "vision":
+                    from onboarding.load.vision import build_vision_part
+
+                    model = build_vision_part(cfg, self.trust_remote_code, device, self.ref)
                 elif not has_causal_lm(cfg, self.trust_remote_code):
                     # multimodal / bare decoder: its language model as a causal LM
                     model = build_language_model(cfg, self.trust_remote_code, device)
@@ -120,12 +126,14 @@ _MODULE_REF = re.compile(r"^(?P<mod>[A-Za-z_][\w.]*|.+\.py):(?P<name>[A-Za-z_]\w
 
 
 def load_model(ref: str | None, *, overrides: dict[str, Any] | None = None,
-               trust_remote_code: bool = False, impl: str = "auto") -> LoadedModel:
+               trust_remote_code: bool = False, impl: str = "auto",
+               part: str = "language") -> LoadedModel:
     """Resolve ``ref`` (None: the default example) and apply ``--set`` overrides.
 
     ``impl``: for a directory with remote code whose model_type the installed transformers also
     implements, ``native`` uses transformers' own classes (only when their parameter names and
-    shapes agree with the remote model's), ``remote`` (and ``auto``) the model's code."""
+    shapes agree with the remote model's), ``remote`` (and ``auto``) the model's code.
+    ``part="vision"``: the vision tower of a multimodal model (exit 2 when there is none)."""
     ref = ref or DEFAULT_EXAMPLE
     overrides = overrides or {}
     if ref.startswith("hf:"):
@@ -148,6 +156,10 @@ def load_model(ref: str | None, *, overrides: dict[str, Any] | None = None,
             apply_overrides(loaded.config, overrides)
         else:
             _apply_factory_overrides(loaded, overrides)
+    if part != "language":
+        from onboarding.load.vision import select_part
+
+        select_part(loaded, part)
     return loaded
 
 

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK, InputError
 from onboarding.families import subprocess_env
+from onboarding.optional_kernels import state as hidden_state
 from onboarding.train.config import TrainConfig
 
 
@@ -128,7 +129,10 @@ def describe(cfg: TrainConfig, n_experts: int | None,
             ["data", (cfg.data or "built-in stdlib docstring/code pairs") +
              (f" ({tokenizer_name})" if tokenizer_name else "")],
             ["checkpoints", f"every {cfg.checkpoint_interval} steps" if cfg.checkpoint_interval
-             else "none"]]
+             else "none"],
+            # installed kernel packages are hidden from the model code of every role
+            # (`onboarding.optional_kernels`): the model's torch path plus onboard's patches
+            ["model code's kernel packages", "; ".join(hidden_state().values()) or "none installed"]]
 
 
 def _rows(path: Path) -> list[dict]:

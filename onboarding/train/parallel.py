@@ -11,7 +11,7 @@ mean over the global batch, so every gradient must be ``(1/world) * sum over ran
   - dense: FSDP's default reduce-scatter average over the world does exactly that;
   - expert LoRA: the all-to-all backward already sums the contributions of every rank of the EP
     group onto the owning rank; the ranks of the "fsdp" sub-mesh are then summed (all-reduce)
-    and the total divided by ``world`` (not by the sub-mesh size: the DESIGN.md gotcha).
+    and the total divided by ``world`` (not by the sub-mesh size: docs/design.md).
 """
 
 from __future__ import annotations

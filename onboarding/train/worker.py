@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from onboarding.graph.torch_paths import torch_reference_paths
 from onboarding.errors import InputError
+from onboarding.optional_kernels import hide as hide_kernel_packages
 from onboarding.train import metrics as M
 from onboarding.train.checkpoint import Checkpointer
 from onboarding.train.config import TrainConfig
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="train.toml")
     ap.add_argument("--role", choices=("reference", "parallel", "baseline"), default="parallel")
     args = ap.parse_args(argv)
+    hide_kernel_packages()  # every role runs the model's torch path plus onboard's kernels
     try:
         cfg = TrainConfig.from_toml(args.config)
         run(cfg, args.role)
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         os._exit(exc.exit_code)
     if dist.is_initialized():
-        dist.barrier()  # then skip interpreter teardown (DESIGN.md: torchrun shutdown aborts)
+        dist.barrier()  # then skip interpreter teardown (docs/design.md: torchrun shutdown aborts)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

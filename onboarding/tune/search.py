@@ -3,7 +3,7 @@
 One study per key (family, variant, params hash, shape bucket, dtype, GPU name or
 "cpu-interpreter"), in plain Optuna storage (SQLite in a directory by default, any storage URL
 accepted), so optuna-dashboard reads it. The study is created once, before workers start:
-workers racing to create one SQLite study hit a UNIQUE constraint (DESIGN.md).
+workers racing to create one SQLite study hit a UNIQUE constraint (docs/design.md).
 
 Every trial, in order:
 1. AOT gate: the config is compiled for sm_90 on the host (`onboarding.generate.aot`, no GPU) and pruned
