@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from onboarding import __version__
 from onboarding.backend import ensure_triton_backend
-from onboarding.cli import analyse, bench, regress, run, train, tune
+from onboarding.cli import analyse, bench, plan, regress, run, train, tune
 from onboarding.cli.common import FAMILIES_HELP, err
 from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, InputError
 from onboarding.optional_kernels import hide as hide_kernel_packages
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"onboard {__version__}")
     ap.add_argument("--families", action="append", default=[], metavar="DIR", help=FAMILIES_HELP)
     sub = ap.add_subparsers(dest="command", required=True)
-    for command in (analyse, tune, bench, run, regress, train):  # the order --help lists
+    for command in (analyse, plan, tune, bench, run, regress, train):  # the order --help lists
         command.add_parser(sub)
     return ap
 

@@ -1,0 +1,166 @@
+"""Communication bytes and step time of one layout.
+
+All-to-all per MoE layer and step, per rank: its N tokens x top-k rows of D bf16 values leave for
+the other EP ranks ((ep - 1) / ep of them) in the dispatch and come back in the combine, forward
+and backward (4 transfers), times the expected load imbalance (the busiest rank sets the pace).
+An EP group is ``ep`` consecutive ranks, so past one node its traffic to the other nodes goes over
+the inter-node links. FSDP all-gathers the bf16 dense weights twice a step (forward, and again in
+the backward: reshard after forward) and reduce-scatters the gradients (LoRA: the fp32 adapter
+gradients; full: bf16 dense gradients, and expert gradients all-reduced over the ranks holding
+the same experts). A ring over ``world`` ranks moves (world - 1) / world of the buffer per rank;
+its slowest link sets its time.
+
+Step time: GEMMs at the GEMM rate (experts: at least the time to read their weights), fused
+attention cores at the attention rate, memory-bound work (4 passes over the kept activations,
+~20 bytes per logit) at the HBM rate, and host time (ATen ops per block from the op graph's
+capture, x3 for the backward, at ``launch_us`` each) when that is longer: eager PyTorch is launch
+bound at small widths. FLOPs as `onboarding.train.flops` counts them (LoRA-correct: 4N for
+frozen GEMMs, 6 x adapters). With overlap the step is max(compute, communication); without, the
+sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onboarding.plan.config import ClusterConfig, PlanConfig
+from onboarding.plan.memory import BF16, FP32, Layout, Memory, expert_lora_params, \
+    lora_params, pairs_per_token
+from onboarding.plan.shapes import ModelShape, ceil_div
+
+
+@dataclass(kw_only=True, slots=True)
+class Comm:
+    a2a_layer_bytes: float  # per MoE layer per step, per rank (dispatch + combine, fwd + bwd)
+    a2a_bytes: float  # all MoE layers
+    a2a_s: float
+    fsdp_gather_bytes: float
+    fsdp_reduce_bytes: float
+    fsdp_s: float
+    offload_bytes: float
+    offload_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.a2a_s + self.fsdp_s + self.offload_s
+
+
+@dataclass(kw_only=True, slots=True)
+class StepTime:
+    flops: float  # per rank per step
+    gemm_s: float
+    attn_s: float
+    memory_s: float
+    host_s: float
+    compute_s: float
+    overlap_s: float  # step with communication hidden behind compute
+    serial_s: float  # step with no overlap
+    mfu: float  # at the overlapped step time, against the datasheet peak
+    tokens_per_s: float  # all ranks
+
+
+def _link_time(nbytes: float, group: int, cluster: ClusterConfig) -> float:
+    """Seconds to move ``nbytes`` per rank inside a group of ``group`` consecutive ranks."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    g = cluster.gpus_per_node
+    if group <= g:
+        return nbytes / (cluster.nvlink_gbps * 1e9)
+    inter = nbytes * (group - g) / (group - 1)  # peers on other nodes
+    return max((nbytes - inter) / (cluster.nvlink_gbps * 1e9),
+               inter / (cluster.internode_gbps * 1e9))
+
+
+def _ring_time(nbytes: float, world: int, cluster: ClusterConfig) -> float:
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    bw = cluster.nvlink_gbps if world <= cluster.gpus_per_node else cluster.internode_gbps
+    return nbytes / (bw * 1e9)
+
+
+def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
+                  cluster: ClusterConfig) -> Comm:
+    world, ep = lay.world, lay.ep
+    tokens = cfg.micro_batch * cfg.seq
+    a2a_layer = a2a = 0.0
+    if ep > 1:
+        for e in shape.experts:
+            per = 4 * tokens * pairs_per_token(shape, cfg, ep, e.top_k) * e.hidden * BF16 \
+                * (ep - 1) / ep
+            a2a_layer = max(a2a_layer, per)
+            a2a += e.count * per
+    frac = (world - 1) / world if world > 1 else 0.0
+    dense_bytes = BF16 * shape.dense
+    gather = 2 * dense_bytes * frac
+    if cfg.mode == "lora":
+        reduce = FP32 * lora_params(shape, cfg)[0] * frac
+        exp_reduce = 0.0
+        if cfg.expert_lora and lay.fsdp > 1:
+            exp_reduce = 2 * FP32 * expert_lora_params(shape, cfg) / ep * (lay.fsdp - 1) \
+                / lay.fsdp
+    else:
+        reduce = dense_bytes * frac
+        local_experts = sum(e.count * ceil_div(e.n_experts, ep) * e.per_expert
+                            for e in shape.experts)
+        exp_reduce = 2 * BF16 * local_experts * (lay.fsdp - 1) / lay.fsdp if lay.fsdp > 1 \
+            else 0.0
+    fsdp_s = _ring_time(gather + reduce + exp_reduce, world, cluster)
+    # weights in for the forward and again for the backward; optimizer state out and back
+    offload = 2 * mem.host_weights + 2 * mem.host_optimizer
+    return Comm(a2a_layer_bytes=a2a_layer, a2a_bytes=a2a, a2a_s=_link_time(a2a, ep, cluster),
+                fsdp_gather_bytes=gather, fsdp_reduce_bytes=reduce + exp_reduce, fsdp_s=fsdp_s,
+                offload_bytes=offload, offload_s=offload / (cluster.pcie_gbps * 1e9))
+
+
+def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]:
+    """(GEMM FLOPs, expert GEMM FLOPs, attention-core FLOPs) per token of one training step."""
+    from onboarding.train.flops import _attention_core
+
+    routed = sum(e.count * e.top_k * e.per_expert for e in shape.experts)
+    if cfg.mode == "lora":
+        adapters = lora_params(shape, cfg)[0]
+        exp_adapters = sum(e.count * e.top_k * sum(cfg.lora_rank * (i + o) for i, o in e.matrices)
+                           for e in shape.experts) if cfg.expert_lora else 0
+        dense = 4.0 * shape.dense_matmul + 6.0 * adapters
+        experts = 4.0 * routed + 6.0 * exp_adapters
+    else:
+        dense, experts = 6.0 * shape.dense_matmul, 6.0 * routed
+    core = 0.0
+    for b in shape.blocks:
+        if b.kind.startswith(("attention.", "sparse_attention.", "linear_attention.")) \
+                and shape.config is not None:
+            per = _attention_core(shape.config, b.kind, cfg.seq, b.attrs)
+            core += b.count * (per or 0.0)
+    return dense, experts, core
+
+
+def step_time(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, comm: Comm,
+              cluster: ClusterConfig) -> StepTime:
+    r = cluster.rates
+    tokens = cfg.micro_batch * cfg.seq
+    dense_f, exp_f, core_f = step_flops(shape, cfg)
+    gemm_rate = r.gemm_tflops * 1e12
+    expert_s = exp_f * tokens / gemm_rate
+    # experts with few tokens each are bound by reading their weights (fwd + bwd, + wgrad)
+    passes = 3 if cfg.mode == "full" else 2
+    expert_read = passes * mem.weights_experts / (r.hbm_tbps * 1e12) if mem.weights_experts \
+        else 0.0
+    gemm_s = dense_f * tokens / gemm_rate + max(expert_s, expert_read)
+    attn_s = core_f * tokens / (r.attn_tflops * 1e12)
+    kept = sum(mem.activations.values())
+    memory_s = (4 * kept + 20 * shape.vocab * tokens) / (r.hbm_tbps * 1e12)
+    ops = sum(b.count * b.ops for b in shape.blocks if not b.nested) * 3
+    if lay.recompute == "full":
+        ops = ops * 4 // 3  # the forward again
+    host_s = ops * r.launch_us * 1e-6
+    gpu_s = gemm_s + attn_s + memory_s
+    if lay.recompute == "full":
+        gpu_s += (gemm_s + attn_s + memory_s) / 3  # one more forward
+    compute_s = max(gpu_s, host_s)
+    overlap = max(compute_s, comm.seconds)
+    serial = compute_s + comm.seconds
+    flops = (dense_f + exp_f + core_f) * tokens
+    mfu = flops / overlap / (r.peak_tflops * 1e12) if overlap else 0.0
+    return StepTime(flops=flops, gemm_s=gemm_s, attn_s=attn_s, memory_s=memory_s,
+                    host_s=host_s, compute_s=compute_s, overlap_s=overlap, serial_s=serial,
+                    mfu=mfu, tokens_per_s=tokens * lay.world / overlap if overlap else 0.0)

@@ -1,0 +1,288 @@
+"""Bytes per device of one layout: weights, trainable state, activations by block kind, workspace.
+
+Weights are bf16: dense parameters sharded by FSDP2 over every rank (as `onboard train` shards
+them: dim 0 in ceil-sized chunks, so the largest shard is counted), routed experts split by EP.
+Trainable state, fp32: LoRA parameters, gradients and Adam moments (16 bytes per adapter
+parameter), or for full training bf16 gradients, an fp32 master copy and Adam moments (2 + 4 + 8
+bytes per parameter: with the bf16 weight, the article's 16 bytes per parameter).
+
+Activations are the tensors autograd keeps for the backward, per token of one rank (N = micro
+batch x seq), by block kind, from the block's full-size widths (`onboarding.plan.shapes`):
+  - attention (full, gated, sliding, MLA, top-k sparse): its projections' outputs except the
+    one back to the residual (q, k, v or MLA's latents and up-projections), the core's output
+    (heads x d_v) and its fp32 log-sum-exp (heads); top-k sparse adds the indexer's scores
+    ``[B, T, index_heads, T]`` in fp32 as a transient (one layer at a time);
+  - linear attention: the same projections and output, plus per chunk of C tokens the fp32
+    state ``heads x d_k x d_v`` and the ``C x C`` intra-chunk matrix per head; its causal conv
+    keeps its activated output;
+  - MoE: the router's fp32 scores (2 x E), per routed (token, expert) pair the expert's gate and
+    up outputs and the activation (3F; F non-gated), the expert output kept for the routing
+    weight's gradient (D) and three int64 indices; pairs per token are top-k x the expected
+    load imbalance (capped by a capacity factor) on an EP rank; dispatch buffers (x sorted,
+    received, regrouped, and back: 4 x D per pair) are a transient of one layer;
+  - dense MLP and shared experts: gate, up, activation (3F, gated);
+  - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast);
+  - LoRA adapters: each keeps its input in fp32 and its rank-r product (4 (in + r) bytes);
+  - full training adds each block's input (2D) and the expert/MLP inputs the weight gradients
+    need (2 (D + F));
+  - the loss: bf16 logits kept by the loop and the fp32 log-softmax (6V per token), plus the
+    backward's fp32 gradients of both (8V) at the start of the backward.
+Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
+backward; ``selective`` re-runs the MLP/expert activations (the 3F parts) and keeps the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onboarding.plan.config import GIB, ClusterConfig, PlanConfig
+from onboarding.plan.shapes import BlockShape, ModelShape, attention_heads, ceil_div, fsdp_shard
+
+BF16, FP32 = 2, 4
+
+
+@dataclass(kw_only=True, slots=True)
+class Layout:
+    ep: int
+    fsdp: int
+    recompute: str
+    offload: str
+
+    @property
+    def world(self) -> int:
+        return self.ep * self.fsdp
+
+    @property
+    def name(self) -> str:
+        return f"EP {self.ep} x FSDP {self.fsdp}, recompute {self.recompute}, " \
+               f"offload {self.offload}"
+
+
+@dataclass(kw_only=True, slots=True)
+class Memory:
+    """Bytes per device by component; ``activations`` by block kind group."""
+
+    weights_dense: float
+    weights_experts: float
+    fsdp_buffers: float
+    trainable: dict[str, float]
+    activations: dict[str, float]
+    workspace: float
+    workspace_what: str
+    slack: float
+    reserved: float
+    host_weights: float  # bytes per device offloaded to host memory: weights
+    host_optimizer: float  # and optimizer state
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def allocated(self) -> float:
+        """What ``torch.cuda.max_memory_allocated`` should read at the peak."""
+        return (self.weights_dense + self.weights_experts + self.fsdp_buffers
+                + sum(self.trainable.values()) + sum(self.activations.values()) + self.workspace)
+
+    @property
+    def host(self) -> float:
+        return self.host_weights + self.host_optimizer
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.slack + self.reserved
+
+    def components(self) -> dict[str, float]:
+        out = {"weights: dense (FSDP)": self.weights_dense,
+               "weights: experts (EP)": self.weights_experts,
+               "FSDP gather buffers": self.fsdp_buffers}
+        out.update(self.trainable)
+        out.update({f"activations: {k}": v for k, v in self.activations.items()})
+        out["workspace: " + self.workspace_what] = self.workspace
+        out["allocator slack + reserved"] = self.slack + self.reserved
+        return {k: v for k, v in out.items() if v > 0}
+
+
+def kind_group(kind: str) -> str:
+    if kind.startswith("sparse_attention"):
+        return "sparse attention"
+    if kind.startswith("linear_attention") or kind == "conv.causal1d":
+        return "linear attention"
+    if kind.startswith("attention"):
+        return "attention"
+    if kind.startswith("moe"):
+        return "MoE"
+    if kind == "mlp.dense":
+        return "dense MLP"
+    if kind.startswith("norm"):
+        return "norms"
+    return "other"
+
+
+def lora_params(shape: ModelShape, cfg: PlanConfig) -> tuple[int, int]:
+    """(dense adapter parameters in the whole model, expert adapter parameters per expert-layer
+    per expert) at the default targets."""
+    r = cfg.lora_rank
+    dense = sum(b.count * sum(r * (i + o) for i, o in b.lora_targets) for b in shape.blocks
+                if not b.nested)
+    return dense, 0
+
+
+def expert_lora_params(shape: ModelShape, cfg: PlanConfig) -> int:
+    """Expert adapter parameters in the whole model (per expert r (in + out) per matrix)."""
+    if not cfg.expert_lora:
+        return 0
+    return sum(e.count * e.n_experts * sum(cfg.lora_rank * (i + o) for i, o in e.matrices)
+               for e in shape.experts)
+
+
+def pairs_per_token(shape: ModelShape, cfg: PlanConfig, ep: int, top_k: int) -> float:
+    """(token, expert) pairs an EP rank computes per token of its own: top-k, times the
+    expected max/mean load on one rank when experts are split (capped by a capacity factor)."""
+    load = cfg.imbalance if ep > 1 else 1.0
+    if cfg.capacity_factor is not None:
+        load = min(load, cfg.capacity_factor)
+    return top_k * load
+
+
+def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
+                ) -> tuple[float, float, float]:
+    """(bytes kept per token, of which selective recompute re-runs, transient bytes per token of
+    one layer at a time) of one instance of block ``b``."""
+    d, r = shape.hidden, cfg.lora_rank
+    full = cfg.mode == "full"
+    kind = b.kind
+    if b.nested and kind != "conv.causal1d":
+        return 0.0, 0.0, 0.0  # its parent's projections account for it
+    lora = 0.0 if full else sum(FP32 * (i + r) for i, _ in b.lora_targets)
+    if kind.startswith(("attention.", "sparse_attention.", "linear_attention.")):
+        lin_out = max(sum(o for _, _, o in b.linears) - d, 0)
+        heads = attention_heads(shape.config, kind)
+        if heads is not None:
+            h, dqk, dv = heads
+        else:  # widths unknown: the output projection's input stands for the core's output
+            h, dqk, dv = 1, 0, next((i for _, i, o in b.linears if o == d), d)
+        kept = BF16 * (lin_out + h * dv) + lora + (BF16 * d if full else 0)
+        transient = 0.0
+        if kind.startswith("linear_attention."):
+            c = int(b.attrs.get("chunk") or 64)
+            kept += FP32 * h * dk_dv(dqk, dv) / c + FP32 * h * c
+        else:
+            kept += FP32 * h  # log-sum-exp
+        if kind == "sparse_attention.topk":
+            from onboarding.train.flops import _int
+
+            ih = _int(shape.config, "index_n_heads") or 1
+            transient = FP32 * ih * cfg.seq  # [B, T, H_idx, T] scores: per token x T
+        return kept, 0.0, transient
+    if kind == "moe.router":
+        e = shape.n_experts or 1
+        return 2 * FP32 * e, 0.0, 0.0
+    if kind == "moe.experts":
+        ex = next((x for x in shape.experts if x.pattern == b.pattern), None)
+        if ex is None:
+            return 0.0, 0.0, 0.0
+        f = ex.width
+        act = (3 if ex.gated else 1) * f
+        per_pair = BF16 * (act + d) + 3 * 8
+        if cfg.expert_lora and not full:
+            per_pair += FP32 * (d + (2 * f if ex.gated else f) + f) + 2 * FP32 * r
+        if full:
+            per_pair += BF16 * (d + f)
+        pairs = pairs_per_token(shape, cfg, ep, ex.top_k)
+        return pairs * per_pair, pairs * BF16 * act, pairs * 4 * BF16 * d
+    if kind in ("mlp.dense", "moe.shared_expert"):
+        outs = [o for _, i, o in b.linears if i == d]
+        f = min(outs) if outs else d
+        gated = len(outs) >= 2 or (outs and max(outs) == 2 * min(outs))
+        if len(outs) == 1 and gated:
+            f = outs[0] // 2
+        act = (3 if gated else 2) * f
+        return BF16 * act + lora + (BF16 * (d + f) if full else 0), BF16 * act, 0.0
+    if kind.startswith("norm."):
+        return ((BF16 if cfg.kernels_norm else FP32) * d + FP32), 0.0, 0.0
+    if kind == "conv.causal1d":
+        return BF16 * int(b.attrs.get("channels") or 0), 0.0, 0.0
+    return 0.0, 0.0, 0.0
+
+
+def dk_dv(dk: int, dv: int) -> int:
+    return dk * dv
+
+
+def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConfig) -> Memory:
+    """Peak bytes per device of ``lay`` (the largest shard and the busiest EP rank)."""
+    world, ep = lay.world, lay.ep
+    tokens = cfg.micro_batch * cfg.seq
+    notes: list[str] = []
+    # weights
+    dense_el = sum(fsdp_shard(d0, rest, world) for d0, rest in shape.dense_tensors)
+    expert_el = sum(e.count * ceil_div(e.n_experts, ep) * e.per_expert for e in shape.experts)
+    w_dense, w_exp = BF16 * dense_el, BF16 * expert_el
+    layer_experts = max((ceil_div(e.n_experts, ep) * e.per_expert for e in shape.experts),
+                        default=0)
+    gather = BF16 * 2 * shape.layer_dense_max if world > 1 else 0.0  # this layer + prefetch
+    host_w = host_opt = 0.0
+    if lay.offload == "params":
+        host_w = w_dense + w_exp
+        gather = BF16 * 2 * (shape.layer_dense_max + layer_experts)
+        w_dense = w_exp = 0.0
+        notes.append("offload params: sharded weights live in host memory; two layers "
+                     "(dense + local experts) are on the GPU at a time")
+    # trainable state
+    trainable: dict[str, float] = {}
+    if cfg.mode == "lora":
+        n_dense, _ = lora_params(shape, cfg)
+        n_exp = expert_lora_params(shape, cfg)
+        per = ceil_div(n_dense, world) + ceil_div(n_exp, ep)
+        trainable["LoRA params + grads (fp32)"] = 2 * FP32 * per
+        adam = 2 * FP32 * per
+        if lay.offload in ("optimizer", "params"):
+            host_opt, adam = adam, 0.0
+        trainable["LoRA Adam moments (fp32)"] = adam
+    else:
+        n = dense_el + expert_el
+        trainable["grads (bf16)"] = BF16 * n
+        master, adam = FP32 * n, 2 * FP32 * n
+        if lay.offload in ("optimizer", "params"):
+            host_opt, master, adam = master + adam, 0.0, 0.0
+        trainable["fp32 master weights"] = master
+        trainable["Adam moments (fp32)"] = adam
+    # activations
+    acts: dict[str, float] = {}
+    trans_layer = 0.0
+    for b in shape.blocks:
+        kept, selective, trans = block_saved(b, shape, cfg, ep)
+        if lay.recompute == "selective":
+            kept -= selective
+        g = kind_group(b.kind)
+        acts[g] = acts.get(g, 0.0) + b.count * kept * tokens
+        trans_layer = max(trans_layer, trans * tokens)
+    if lay.recompute == "full":
+        acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers,
+                "one layer recomputed": _per_layer_max(shape, cfg, ep, tokens)}
+    v = shape.vocab
+    acts["logits + loss"] = (BF16 + FP32) * v * tokens
+    loss_bwd = 2 * FP32 * v * tokens
+    workspace, what = max((loss_bwd, "loss backward (fp32 grads of the logits)"),
+                          (trans_layer, "one layer's dispatch / indexer buffers"))
+    if cfg.mode == "full":
+        notes.append("full training: gradients are reduce-scattered per layer; the peak "
+                     "counts every shard's gradient at once")
+    dynamic = sum(acts.values()) + workspace + gather
+    return Memory(weights_dense=w_dense, weights_experts=w_exp, fsdp_buffers=gather,
+                  trainable=trainable, activations=acts, workspace=workspace,
+                  workspace_what=what, slack=cluster.slack * dynamic,
+                  reserved=cluster.reserved_gib * GIB, host_weights=host_w,
+                  host_optimizer=host_opt, notes=notes)
+
+
+def _per_layer_max(shape: ModelShape, cfg: PlanConfig, ep: int, tokens: int) -> float:
+    """About what one decoder layer keeps (recompute full re-runs one layer at a time): the
+    largest block of each kind group (mixer, feed-forward, norms) summed."""
+    by_group: dict[str, float] = {}
+    for b in shape.blocks:
+        g = kind_group(b.kind)
+        by_group[g] = max(by_group.get(g, 0.0), block_saved(b, shape, cfg, ep)[0] * tokens)
+    return sum(by_group.values())
+
+
+def gib(x: float) -> float:
+    return x / GIB

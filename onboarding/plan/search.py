@@ -1,0 +1,174 @@
+"""The plan: every FSDP x EP x recompute x offload layout of a GPU count, checked against the GPU's
+memory, the ones that fit ranked by estimated step time, the others with the reason and numbers.
+
+A layout the user fixed (``--ep``, ``--fsdp``, ``--recompute``, ``--offload``) narrows the search;
+a model that fits no layout is a plan that says so, not an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from onboarding.errors import InputError
+from onboarding.plan.config import GIB, OFFLOAD, RECOMPUTE, ClusterConfig, PlanConfig
+from onboarding.plan.estimate import Comm, StepTime, communication, step_time
+from onboarding.plan.memory import Layout, Memory, memory
+from onboarding.plan.shapes import ModelShape
+
+PLAN_FILE = "plan.json"
+
+
+def size(nbytes: float) -> str:
+    """Decimal size of a whole (``1.26 TB``): what a model weighs."""
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= div:
+            return f"{nbytes / div:.3g} {unit}"
+    return f"{nbytes / 1e3:.3g} kB"
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.3g} GiB" if nbytes >= 0.1 * GIB else f"{nbytes / 2**20:.3g} MiB"
+
+
+@dataclass(kw_only=True, slots=True)
+class Candidate:
+    layout: Layout
+    memory: Memory
+    comm: Comm
+    time: StepTime
+    fits: bool
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"layout": asdict(self.layout), "name": self.layout.name, "fits": self.fits,
+             "reason": self.reason,
+             "memory": {"components": self.memory.components(),
+                        "allocated": self.memory.allocated, "total": self.memory.total,
+                        "host_weights": self.memory.host_weights,
+                        "host_optimizer": self.memory.host_optimizer,
+                        "notes": self.memory.notes},
+             "comm": asdict(self.comm), "time": asdict(self.time)}
+        return d
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    model: str
+    config: PlanConfig
+    cluster: ClusterConfig
+    shape: dict[str, Any]
+    chosen: Candidate | None
+    fitting: list[Candidate]
+    rejected: list[Candidate]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        cap = f"{self.cluster.gpu_mem_gib:g} GiB"
+        n = self.config.gpus
+        if self.chosen is None:
+            return f"does not fit on {n} GPUs of {cap} in any layout searched"
+        c = self.chosen
+        if not c.fits:
+            return f"{c.layout.name} does not fit on {n} GPUs of {cap}: {c.reason}"
+        return (f"fits on {n} GPUs of {cap}: {c.layout.name}, {gib(c.memory.total)} per GPU, "
+                f"step {c.time.overlap_s * 1e3:.4g} ms with overlap "
+                f"({c.time.serial_s * 1e3:.4g} ms without), MFU {c.time.mfu:.1%}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "config": asdict(self.config),
+                "cluster": asdict(self.cluster), "assumptions": self.cluster.assumptions(),
+                "shape": self.shape, "verdict": self.verdict,
+                "chosen": self.chosen.to_dict() if self.chosen else None,
+                "fitting": [c.to_dict() for c in self.fitting],
+                "rejected": [c.to_dict() for c in self.rejected], "notes": self.notes}
+
+
+def _reason(shape: ModelShape, cand: Candidate, cluster: ClusterConfig) -> str:
+    m, lay, cap = cand.memory, cand.layout, cluster.gpu_bytes
+    capt = f"{cluster.gpu_mem_gib:g} GiB"
+    if m.weights_experts > cap:
+        return (f"experts {size(2 * shape.routed)} / EP {lay.ep} = {gib(m.weights_experts)} "
+                f"per GPU > {capt}")
+    weights = m.weights_dense + m.weights_experts
+    if weights > cap:
+        return (f"weights {gib(weights)} per GPU (dense {size(2 * shape.dense)} / {lay.world} + "
+                f"experts {size(2 * shape.routed)} / EP {lay.ep}) > {capt}")
+    static = weights + m.fsdp_buffers + sum(m.trainable.values())
+    if static > cap:
+        return (f"weights + trainable state {gib(static)} per GPU (state "
+                f"{gib(sum(m.trainable.values()))}) > {capt}")
+    return (f"{gib(m.total)} per GPU > {capt}: activations {gib(sum(m.activations.values()))} "
+            f"+ workspace {gib(m.workspace)} over weights and state {gib(static)}")
+
+
+def _ep_choices(shape: ModelShape, cfg: PlanConfig) -> list[int]:
+    e = shape.n_experts
+    if cfg.fsdp is not None and cfg.ep is None:
+        ep = cfg.gpus // cfg.fsdp
+        wanted = [ep]
+    elif cfg.ep is not None:
+        wanted = [cfg.ep]
+    else:
+        wanted = [d for d in range(1, cfg.gpus + 1) if cfg.gpus % d == 0
+                  and (d == 1 or (e and e % d == 0))]
+    for ep in wanted:
+        if ep > 1 and not e:
+            raise InputError(f"--ep {ep}: the model has no routed experts, so expert "
+                             "parallelism needs EP 1")
+        if ep > 1 and e % ep:
+            raise InputError(f"--ep {ep}: does not divide the model's {e} routed experts")
+        if cfg.gpus % ep:
+            raise InputError(f"EP {ep}: does not divide --gpus {cfg.gpus}")
+    return wanted
+
+
+def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Plan:
+    """Every layout allowed by ``cfg`` on ``cfg.gpus`` GPUs of ``cluster``; fitting ones ranked."""
+    cfg.validate()
+    cluster.validate()
+    cands: list[Candidate] = []
+    for ep in _ep_choices(shape, cfg):
+        for rc in ([cfg.recompute] if cfg.recompute else RECOMPUTE):
+            for off in ([cfg.offload] if cfg.offload else OFFLOAD):
+                lay = Layout(ep=ep, fsdp=cfg.gpus // ep, recompute=rc, offload=off)
+                mem = memory(shape, cfg, lay, cluster)
+                comm = communication(shape, cfg, lay, mem, cluster)
+                t = step_time(shape, cfg, lay, mem, comm, cluster)
+                c = Candidate(layout=lay, memory=mem, comm=comm, time=t,
+                              fits=mem.total <= cluster.gpu_bytes)
+                if not c.fits:
+                    c.reason = _reason(shape, c, cluster)
+                cands.append(c)
+    fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.time.overlap_s,
+                                                                 c.memory.total))
+    rejected = [c for c in cands if not c.fits]
+    fixed = cfg.ep is not None or cfg.fsdp is not None
+    if fitting:
+        chosen = fitting[0]
+    elif fixed and cfg.recompute and cfg.offload:
+        chosen = cands[0]  # the one layout asked for: shown with why it does not fit
+    else:
+        chosen = None
+    notes = []
+    if shape.unmatched:
+        notes.append("op-graph blocks not found in the full model (not in the activation "
+                     "estimate): " + ", ".join(shape.unmatched[:6]))
+    unknown = [b.pattern for b in shape.blocks if b.kind == "unknown"]
+    if unknown:
+        notes.append("unknown blocks (their activations are not modelled): "
+                     + ", ".join(unknown[:6]))
+    return Plan(model=shape.name, config=cfg, cluster=cluster, shape=shape_summary(shape),
+                chosen=chosen, fitting=fitting, rejected=rejected, notes=notes)
+
+
+def shape_summary(shape: ModelShape) -> dict[str, Any]:
+    return {"total_params": shape.total, "routed_expert_params": shape.routed,
+            "dense_params": shape.dense, "dense_matmul_params": shape.dense_matmul,
+            "hidden": shape.hidden, "vocab": shape.vocab, "layers": shape.n_layers,
+            "experts": [{"pattern": e.pattern, "layers": e.count, "n_experts": e.n_experts,
+                         "top_k": e.top_k, "width": e.width, "per_expert": e.per_expert}
+                        for e in shape.experts],
+            "blocks": [{"pattern": b.pattern, "kind": b.kind, "count": b.count,
+                        "params": b.params, "ops": b.ops} for b in shape.blocks]}

@@ -1,0 +1,245 @@
+"""The full-size model's shapes, joined to the op graph's block kinds, for the plan.
+
+The op graph is captured on a proxy; the plan needs the full size. Every module of the full
+model built on ``meta`` is matched to a proxy block by its path pattern (layer numbers as ``*``)
+*and* its parameter names, so a layer-0 dense MLP and a later layer's MoE wrapper that share the
+pattern ``model.layers.*.mlp`` are told apart by what they hold, never by class names. Widths
+(linear in/out features, expert counts and widths) are read off the meta tensors; attention head
+counts from the config fields `onboarding.train.flops` reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from onboarding.graph.opgraph import OpGraph
+from onboarding.load.accounting import find_moe, path_pattern
+from onboarding.load.proxy import text_config
+
+ATTENTION_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
+
+
+@dataclass(kw_only=True, slots=True)
+class BlockShape:
+    """One kind of block of the full model: every instance with the same pattern and params."""
+
+    pattern: str
+    kind: str
+    count: int  # instances in the full model
+    params: int  # parameters per instance
+    linears: list[tuple[str, int, int]]  # (path under the block, in, out) of its nn.Linear
+    attrs: dict[str, Any]
+    ops: int  # ATen ops per call in the proxy capture (launch count)
+    nested: bool  # inside another block (a norm inside attention): its parent accounts for it
+    lora_targets: list[tuple[int, int]] = field(default_factory=list)  # default LoRA (in, out)
+
+
+@dataclass(kw_only=True, slots=True)
+class ExpertShape:
+    """One routed-experts pattern: E experts of ``per_expert`` parameters, top-k of them used."""
+
+    pattern: str
+    count: int  # MoE layers
+    n_experts: int
+    top_k: int
+    per_expert: int
+    hidden: int  # D
+    width: int  # F (one expert's intermediate width)
+    gated: bool
+    matrices: list[tuple[int, int]]  # (in, out) per expert weight matrix
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelShape:
+    name: str
+    hidden: int
+    vocab: int
+    n_layers: int
+    total: int
+    routed: int
+    dense_tensors: list[tuple[int, int]]  # (dim 0, elements per dim-0 row) of dense parameters
+    experts: list[ExpertShape]
+    blocks: list[BlockShape]
+    layer_dense_max: int  # most dense parameters in one decoder layer (FSDP's unsharded unit)
+    dense_matmul: int  # parameters of dense GEMMs a token passes through (lm_head included)
+    config: Any
+    unmatched: list[str] = field(default_factory=list)  # proxy block patterns not found
+
+    @property
+    def dense(self) -> int:
+        return sum(d0 * rest for d0, rest in self.dense_tensors)
+
+    @property
+    def n_experts(self) -> int | None:
+        counts = {e.n_experts for e in self.experts}
+        return counts.pop() if len(counts) == 1 else (max(counts) if counts else None)
+
+    def by_kind(self, prefix: str) -> list[BlockShape]:
+        return [b for b in self.blocks if b.kind.startswith(prefix)]
+
+
+def _params_signature(mod: nn.Module) -> frozenset[str]:
+    return frozenset(n for n, _ in mod.named_parameters())
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent + ".")
+
+
+def _decoder_layers(model: nn.Module) -> int:
+    """Length of the longest ModuleList whose members are all called ``<list>.<i>``: the layers."""
+    return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)), default=1)
+
+
+def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = "") -> ModelShape:
+    """Shapes of ``model`` (the full size, on meta) with ``graph``'s block kinds."""
+    from onboarding.load.accounting import count_parameters
+
+    counts = count_parameters(model, config)
+    moe = [m for m in find_moe(model, config) if m.router_path is not None] or find_moe(
+        model, config)
+    modules = dict(model.named_modules())
+    expert_paths = [m.experts_path for m in moe]
+    proxy = {}
+    for b in graph.blocks:
+        if b.path:
+            proxy.setdefault((path_pattern(b.path), frozenset(b.params)), b)
+    proxy_paths = [b.path for b in graph.blocks if b.path]
+    # instances: full modules whose (pattern, parameter names) a proxy block has
+    inst: dict[tuple[str, frozenset], list[str]] = {}
+    for path, mod in modules.items():
+        if not path:
+            continue
+        key = (path_pattern(path), _params_signature(mod))
+        if key in proxy:
+            inst.setdefault(key, []).append(path)
+    blocks: list[BlockShape] = []
+    all_paths = [p for ps in inst.values() for p in ps]
+    excluded = [p for key, ps in inst.items() if proxy[key].kind in ("moe.router", "moe.experts")
+                for p in ps]
+    for key, paths in inst.items():
+        b = proxy[key]
+        first = modules[paths[0]]
+        lin = [(n, m.in_features, m.out_features) for n, m in first.named_modules()
+               if isinstance(m, nn.Linear)]
+        # the default LoRA targets (`onboarding.train.lora.default_targets`): the linears of
+        # every attention-kind block, except those inside a router or experts nested in it
+        targets = [(i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES) and not any(
+            _inside(f"{paths[0]}.{n}", e) for e in excluded)]
+        blocks.append(BlockShape(
+            pattern=key[0], kind=b.kind, count=len(paths),
+            params=sum(p.numel() for p in first.parameters()), linears=lin, attrs=dict(b.attrs),
+            ops=sum(b.op_histogram.values()), lora_targets=targets,
+            nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths)))
+    matched = {k[0] for k in inst}
+    unmatched = sorted({path_pattern(p) for p in proxy_paths} - matched)
+
+    experts = []
+    cfg = text_config(config) if config is not None else None
+    for info in moe:
+        key = path_pattern(info.experts_path)
+        same = [m for m in moe if path_pattern(m.experts_path) == key]
+        if info is not same[0]:
+            continue
+        mod = modules[info.experts_path]
+        mats = _expert_matrices(mod, info.n_experts)
+        hidden = _hidden(model)
+        ins = [i for i, _ in mats] + [o for _, o in mats]
+        width = min((x for x in ins if x != hidden), default=hidden)
+        gated = any(o == 2 * width for _, o in mats) or len(mats) >= 3
+        experts.append(ExpertShape(
+            pattern=key, count=len(same), n_experts=info.n_experts,
+            top_k=info.top_k or 1, per_expert=info.routed_params // info.n_experts,
+            hidden=hidden, width=width, gated=gated, matrices=mats))
+
+    dense, seen = [], set()
+    for pname, p in model.named_parameters():
+        owner = pname.rsplit(".", 1)[0] if "." in pname else ""
+        if id(p) in seen or any(_inside(owner, e) for e in expert_paths):
+            continue
+        seen.add(id(p))
+        d0 = p.shape[0] if p.ndim else 1
+        dense.append((int(d0), int(p.numel() // d0) if d0 else 0))
+    n_layers = _decoder_layers(model)
+    layer_dense = _layer_dense_max(model, expert_paths)
+    vocab = getattr(cfg, "vocab_size", None) or max(
+        (m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
+    return ModelShape(name=name or graph.model, hidden=_hidden(model), vocab=int(vocab),
+                      n_layers=n_layers, total=counts.total, routed=counts.routed_experts,
+                      dense_tensors=dense, experts=experts, blocks=blocks,
+                      layer_dense_max=layer_dense, config=cfg, unmatched=unmatched,
+                      dense_matmul=_dense_matmul(counts))
+
+
+def _dense_matmul(counts) -> int:
+    """Dense GEMM parameters per token: dense, shared experts, routers and the output head (the
+    input embedding is a lookup; tied, it is the head)."""
+    c = counts.by_category
+    head = counts.lm_head or (counts.embedding if counts.tied_embeddings else 0)
+    return c.get("dense", 0) + c.get("moe.shared_expert", 0) + c.get("moe.router", 0) + head
+
+
+def _hidden(model: nn.Module) -> int:
+    emb = max((m for m in model.modules() if isinstance(m, nn.Embedding)),
+              key=lambda m: m.num_embeddings, default=None)
+    return int(emb.embedding_dim) if emb is not None else 0
+
+
+def _expert_matrices(mod: nn.Module, n_experts: int) -> list[tuple[int, int]]:
+    """(in, out) of one expert's weight matrices: packed [E, out, in] (or [E, in, out]: the
+    hidden width decides which is which later) or the first member of a list of experts."""
+    packed = [p for p in mod.parameters(recurse=False) if p.ndim == 3 and p.shape[0] == n_experts]
+    if packed:
+        return [(int(p.shape[2]), int(p.shape[1])) for p in packed]
+    if isinstance(mod, nn.ModuleList) and len(mod):
+        return [(m.in_features, m.out_features) for m in mod[0].modules()
+                if isinstance(m, nn.Linear)]
+    return [(int(p.shape[-1]), int(p.shape[-2])) for p in mod.parameters() if p.ndim >= 2]
+
+
+def _layer_dense_max(model: nn.Module, expert_paths: list[str]) -> int:
+    """Dense parameters of the biggest decoder layer (FSDP gathers one layer at a time)."""
+    best = 0
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList):
+            continue
+        for i, layer in enumerate(mod):
+            n = 0
+            for pname, p in layer.named_parameters():
+                full = f"{path}.{i}.{pname}".rsplit(".", 1)[0]
+                if not any(_inside(full, e) for e in expert_paths):
+                    n += p.numel()
+            best = max(best, n)
+    return best
+
+
+def attention_heads(cfg: Any, kind: str) -> tuple[int, int, int] | None:
+    """(heads, d_qk, d_v) of an attention block from config fields (linear attention: value
+    heads and key/value head dims)."""
+    from onboarding.train.flops import _attention_widths, _int
+
+    if cfg is None:
+        return None
+    if kind.startswith("linear_attention."):
+        hv = _int(cfg, "linear_num_value_heads", "linear_num_heads")
+        dk = _int(cfg, "linear_key_head_dim", "linear_head_dim")
+        dv = _int(cfg, "linear_value_head_dim", "linear_head_dim")
+        return (hv, dk, dv) if hv and dk and dv else None
+    return _attention_widths(cfg, kind)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else a
+
+
+def fsdp_shard(dim0: int, rest: int, world: int) -> int:
+    """Elements of the largest FSDP2 shard (rank 0's: dim 0 split in ceil-sized chunks)."""
+    return ceil_div(dim0, world) * rest if world > 1 else dim0 * rest
+
+
+def isclose(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)

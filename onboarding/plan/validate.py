@@ -1,0 +1,165 @@
+"""Predicted against measured: the plan's peak memory and step time for one GPU against
+``onboard train --nproc 1`` on that GPU, at several proxy sizes and sequence lengths.
+
+    python -m onboarding.plan.validate --out DIR            # GPU: calibrate, train, compare
+    python -m onboarding.plan.validate --measured DIR       # re-predict from DIR's measurements
+
+Each case trains a few LoRA steps of a proxy in bf16 (`onboard train`, single process: the
+reference role, every expert local) and reads its ``train/reference.jsonl``: the peak is the
+largest ``peak_mem_bytes`` (``torch.cuda.max_memory_allocated`` over the whole run), the step
+time the median ``step_time_s`` after the first step. The plan is computed for the same config
+(the proxy built on ``meta``, EP 1, no recompute, no offload) with the rates measured on the GPU
+(`onboarding.plan.calibrate`) and compared with the plan's *allocated* bytes (no slack: the
+allocator's peak is what was measured). Targets: memory within 10%, step time within 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MEM_TARGET, TIME_TARGET = 0.10, 0.25
+
+
+@dataclass(kw_only=True, slots=True)
+class Case:
+    model: str
+    seq: int
+    micro_batch: int = 2
+    proxy: str = "small"
+    sets: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        extra = "".join("_" + s.split("=")[0].split(".")[-1] + s.split("=")[1] for s in self.sets)
+        return f"{self.model.removeprefix('hf:')}-{self.proxy}-T{self.seq}-B{self.micro_batch}" \
+            + extra
+
+
+CASES = [Case(model="hf:qwen3_moe", seq=2048), Case(model="hf:qwen3_moe", seq=8192),
+         Case(model="hf:qwen3_moe", seq=32768, micro_batch=1),
+         Case(model="hf:qwen3_next", seq=4096), Case(model="hf:qwen3_next", seq=16384,
+                                                     micro_batch=1)]
+
+
+def measure(case: Case, out: Path, steps: int, timeout: float) -> dict:
+    """Train ``case`` for ``steps`` steps; the peak and median step time of its rows."""
+    run = out / case.name
+    cmd = [sys.executable, "-m", "onboarding", "train", case.model, "--proxy", case.proxy,
+           "--seq", str(case.seq), "--micro-batch", str(case.micro_batch), "--steps", str(steps),
+           "--nproc", "1", "--dtype", "bf16", "--device", "cuda", "--out", str(run)]
+    for s in case.sets:
+        cmd += ["--set", s]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        rc, tail = p.returncode, (p.stdout + p.stderr)[-600:]
+    except subprocess.TimeoutExpired:
+        rc, tail = 124, f"timed out after {timeout:.0f} s"
+    rows_file = run / "train" / "reference.jsonl"
+    rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()] \
+        if rows_file.exists() else []
+    res = {"case": asdict(case), "name": case.name, "command": " ".join(cmd[2:]),
+           "exit_code": rc, "steps": len(rows)}
+    if rows:
+        res["peak_bytes"] = max(r["peak_mem_bytes"] for r in rows)
+        later = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
+        res["step_s"] = statistics.median(later)
+        res["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rows[1:] or rows)
+    else:
+        res["error"] = tail
+    return res
+
+
+def predict(case: Case, rates=None) -> dict:
+    """The plan's peak (allocated) bytes and step time for ``case`` on one GPU."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.overrides import parse_assignments
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.config import ClusterConfig, PlanConfig
+    from onboarding.plan.run import run_plan
+
+    loaded = ModelSpec(ref=case.model, overrides=parse_assignments(case.sets)).load()
+    info = load_stage(loaded, case.proxy)
+    graph = parse_stage(load_stage(loaded, "tiny"), seq=64, try_export=False)
+    cluster = ClusterConfig()
+    if rates is not None:
+        cluster.rates = rates
+    cfg = PlanConfig(gpus=1, ep=1, seq=case.seq, micro_batch=case.micro_batch,
+                     recompute="none", offload="none")
+    plan = run_plan(info, graph, cfg, cluster, config=info.proxy_config)
+    c = plan.chosen
+    return {"allocated": c.memory.allocated, "components": c.memory.components(),
+            "step_s": c.time.overlap_s, "host_s": c.time.host_s, "gpu_parts_s": {
+                "gemm": c.time.gemm_s, "attn": c.time.attn_s, "memory": c.time.memory_s},
+            "params": plan.shape["total_params"]}
+
+
+def table(results: list[dict]) -> str:
+    head = ("| case | params | predicted GiB | measured GiB | error | within 10% | predicted ms "
+            "| measured ms | error | within 25% |\n|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in results:
+        p, m = r.get("predicted"), r
+        if p is None or "peak_bytes" not in m:
+            lines.append(f"| {r['name']} | | | | | | | | | not measured: "
+                         f"{(r.get('error') or '').splitlines()[-1:]} |")
+            continue
+        em = p["allocated"] / m["peak_bytes"] - 1
+        et = p["step_s"] / m["step_s"] - 1
+        lines.append(
+            f"| {r['name']} | {p['params'] / 1e9:.2f}B | {p['allocated'] / 2**30:.2f} | "
+            f"{m['peak_bytes'] / 2**30:.2f} | {em:+.1%} | "
+            f"{'yes' if abs(em) <= MEM_TARGET else 'NO'} | {p['step_s'] * 1e3:.0f} | "
+            f"{m['step_s'] * 1e3:.0f} | {et:+.1%} | {'yes' if abs(et) <= TIME_TARGET else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m onboarding.plan.validate")
+    ap.add_argument("--out", help="run the cases here (needs a GPU)")
+    ap.add_argument("--measured", help="a folder a previous --out wrote: predict again only")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds per case")
+    args = ap.parse_args(argv)
+    from onboarding.plan.config import Rates
+
+    if args.measured:
+        src = Path(args.measured)
+        results = json.loads((src / "measured.json").read_text())
+        rates = Rates(**json.loads((src / "rates.json").read_text()))
+    else:
+        from onboarding.plan.calibrate import calibrate
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rates = calibrate(seq=4096)
+        (out / "rates.json").write_text(json.dumps(asdict(rates), indent=1))
+        print("rates:", asdict(rates), flush=True)
+        results = []
+        for case in CASES:
+            res = measure(case, out, args.steps, args.timeout)
+            print(json.dumps({k: v for k, v in res.items() if k != "case"}), flush=True)
+            results.append(res)
+            (out / "measured.json").write_text(json.dumps(results, indent=1))
+    for r in results:
+        try:
+            r["predicted"] = predict(Case(**r["case"]), rates)
+        except Exception as exc:  # a case the plan cannot read is a row that says so
+            r["predicted"] = None
+            r["error"] = f"prediction failed: {type(exc).__name__}: {exc}"
+    print(f"rates: {asdict(rates)}")
+    print(table(results))
+    if args.out:
+        (Path(args.out) / "validation.json").write_text(json.dumps(results, indent=1,
+                                                                   default=str))
+        (Path(args.out) / "validation.md").write_text(table(results) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
