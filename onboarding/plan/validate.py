@@ -32,29 +32,34 @@ class Case:
     seq: int
     micro_batch: int = 2
     proxy: str = "small"
+    recompute: str = "none"  # full: --activation-checkpointing
     sets: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         extra = "".join("_" + s.split("=")[0].split(".")[-1] + s.split("=")[1] for s in self.sets)
         return f"{self.model.removeprefix('hf:')}-{self.proxy}-T{self.seq}-B{self.micro_batch}" \
-            + extra
+            + ("-ckpt" if self.recompute == "full" else "") + extra
 
 
 CASES = [Case(model="hf:qwen3_moe", seq=2048), Case(model="hf:qwen3_moe", seq=8192),
          Case(model="hf:qwen3_moe", seq=32768, micro_batch=1),
-         Case(model="hf:qwen3_next", seq=4096), Case(model="hf:qwen3_next", seq=16384,
-                                                     micro_batch=1)]
+         Case(model="hf:qwen3_moe", seq=8192, recompute="full"),
+         Case(model="hf:qwen3_next", seq=4096),
+         Case(model="hf:qwen3_next", seq=16384, micro_batch=1)]
 
 
-def measure(case: Case, out: Path, steps: int, timeout: float) -> dict:
-    """Train ``case`` for ``steps`` steps; the peak and median step time of its rows."""
-    run = out / case.name
+def measure(case: Case, runs: Path, steps: int, timeout: float) -> dict:
+    """Train ``case`` for ``steps`` steps in ``runs``; the peak and median step time of its
+    rows."""
+    run = runs / case.name
     cmd = [sys.executable, "-m", "onboarding", "train", case.model, "--proxy", case.proxy,
            "--seq", str(case.seq), "--micro-batch", str(case.micro_batch), "--steps", str(steps),
            "--nproc", "1", "--dtype", "bf16", "--device", "cuda", "--out", str(run)]
     for s in case.sets:
         cmd += ["--set", s]
+    if case.recompute == "full":
+        cmd.append("--activation-checkpointing")
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rc, tail = p.returncode, (p.stdout + p.stderr)[-600:]
@@ -70,6 +75,8 @@ def measure(case: Case, out: Path, steps: int, timeout: float) -> dict:
         later = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
         res["step_s"] = statistics.median(later)
         res["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rows[1:] or rows)
+        res["rows"] = [{"step": r["step"], "step_time_s": r["step_time_s"],
+                        "peak_mem_bytes": r["peak_mem_bytes"]} for r in rows]
     else:
         res["error"] = tail
     return res
@@ -90,7 +97,7 @@ def predict(case: Case, rates=None) -> dict:
     if rates is not None:
         cluster.rates = rates
     cfg = PlanConfig(gpus=1, ep=1, seq=case.seq, micro_batch=case.micro_batch,
-                     recompute="none", offload="none")
+                     recompute=case.recompute, offload="none")
     plan = run_plan(info, graph, cfg, cluster, config=info.proxy_config)
     c = plan.chosen
     return {"allocated": c.memory.allocated, "components": c.memory.components(),
@@ -122,6 +129,7 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m onboarding.plan.validate")
     ap.add_argument("--out", help="run the cases here (needs a GPU)")
+    ap.add_argument("--runs", help="where the training runs go (default OUT/runs)")
     ap.add_argument("--measured", help="a folder a previous --out wrote: predict again only")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per case")
@@ -142,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print("rates:", asdict(rates), flush=True)
         results = []
         for case in CASES:
-            res = measure(case, out, args.steps, args.timeout)
+            res = measure(case, Path(args.runs) if args.runs else out / "runs", args.steps,
+                          args.timeout)
             print(json.dumps({k: v for k, v in res.items() if k != "case"}), flush=True)
             results.append(res)
             (out / "measured.json").write_text(json.dumps(results, indent=1))
