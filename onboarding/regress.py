@@ -185,6 +185,13 @@ def golden(run_dir: Path) -> dict[str, Any]:
     f["candidates.status"] = dict(sorted(status.items()))
     f["candidates.worst_rel_rms"] = dict(sorted(worst.items()))
 
+    f.update(alignment_facts(al))
+    return f
+
+
+def alignment_facts(al: dict[str, Any]) -> dict[str, Any]:
+    """The ``alignment.*`` facts of an ``alignment.json`` (the nightly suite keeps these too)."""
+    f: dict[str, Any] = {}
     f["alignment.verdict"] = "passed" if al["passed"] else "FAILED"
     f["alignment.culprits"] = {d: " ".join(al["culprit"][d]) or "-" for d in ("fwd", "bwd")}
     verdicts = Counter()

@@ -180,6 +180,13 @@ def graph_time(step: Step, *, repeats: int = 50) -> Timing:
     The step is captured once on input set 0 (after warm-up on a side stream). Raises when the
     step cannot be captured (host syncs, CPU-side control flow on GPU values).
     """
+    graph = capture_graph(step)
+    return time_fn(lambda i: graph.replay(), warmup=3, repeats=repeats)
+
+
+def capture_graph(step: Step) -> torch.cuda.CUDAGraph:
+    """`step` on input set 0 captured as a CUDA graph, after warm-up on a side stream; raises
+    when it cannot be captured."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -189,7 +196,7 @@ def graph_time(step: Step, *, repeats: int = 50) -> Timing:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(0)
-    return time_fn(lambda i: graph.replay(), warmup=3, repeats=repeats)
+    return graph
 
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:

@@ -9,13 +9,20 @@ from pathlib import Path
 from rich.console import Console
 
 from onboarding.cli.common import progress, command_parser
+from onboarding.cli.nightly import DEFAULT
 from onboarding.errors import EXIT_OK, InputError
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = command_parser(sub, "bench",
                        help="kernel benchmarks vs eager, torch.compile and anchors (GPU)")
-    b.add_argument("--suite", choices=("kernels",), default="kernels")
+    b.add_argument("action", nargs="?", choices=("history",),
+                   help="history: list the nightly history (--history URL, --key SUBSTR) with "
+                        "its change points; no GPU needed")
+    b.add_argument("--suite", choices=("kernels", "nightly"), default="kernels",
+                   help="kernels: the chosen families' cases (default); nightly: the regression "
+                        "suite (each family's nightly cases, two proxies' training step, the "
+                        "example's alignment facts) with A/A noise per row")
     b.add_argument("--family", action="append", default=None,
                    help="only these kernel families (repeatable)")
     b.add_argument("--case", action="append", default=None, metavar="SUBSTR",
@@ -30,11 +37,44 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(rows rev:<sha>, rev:<sha>_fwd; their ratio > 1: the tree is faster); "
                         "REV may be a folder of templates instead (rows tpl:<folder name>)")
     b.add_argument("--out", help="write the result rows as JSON here")
+    n = b.add_argument_group("nightly (--suite nightly)")
+    n.add_argument("--parts", default=",".join(("kernels", "train", "align")), metavar="A,B",
+                   help="which parts: kernels, train, align (default: all)")
+    n.add_argument("--rounds", type=int, default=5, help="A/A rounds per row (default 5)")
+    n.add_argument("--compare", nargs="?", const=DEFAULT, metavar="BASELINE",
+                   help="judge every row against BASELINE (default: reference_runs/bench/<gpu>/"
+                        "nightly.json): ok / regression / improvement / suspicious; exit 3 on "
+                        "a regression")
+    n.add_argument("--update-baseline", nargs="?", const=DEFAULT, metavar="PATH",
+                   help="write this run as the baseline (default path as --compare); an existing "
+                        "one is replaced only after a confirmation or with --yes")
+    n.add_argument("--yes", action="store_true", help="replace the baseline without asking")
+    n.add_argument("--history", metavar="URL",
+                   help="the history store, any SQLAlchemy URL (default $ONBOARD_BENCH_HISTORY, "
+                        "else sqlite:///runs/bench-history.sqlite)")
+    n.add_argument("--no-history", action="store_true", help="do not append this run")
+    n.add_argument("--dashboard", metavar="HTML",
+                   help="write the dashboard here (one self-contained page) and the profiled "
+                        "training step's Chrome trace beside it")
+    n.add_argument("--key", metavar="SUBSTR", help="history: only rows whose key contains SUBSTR")
+    n.add_argument("--json", action="store_true", help="history: the rows as JSON")
     b.set_defaults(func=cmd_bench)
     return b
 
 
+NIGHTLY_ONLY = ("compare", "update_baseline", "yes", "no_history", "dashboard", "history")
+
+
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
+    if args.action == "history":
+        return _history(args, console)
+    if args.suite == "nightly":
+        from onboarding.cli.nightly import cmd_nightly
+
+        return cmd_nightly(args, console)
+    given = [f"--{k.replace('_', '-')}" for k in NIGHTLY_ONLY if getattr(args, k, None)]
+    if given:
+        raise InputError(f"{', '.join(given)}: only with --suite nightly")
     import torch
 
     from onboarding.bench.cases import cases_for, select_cases
@@ -61,4 +101,18 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     save(result)
     if args.out:
         console.print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _history(args: argparse.Namespace, console: Console) -> int:
+    from onboarding.bench.history import History, default_url, format_history
+
+    url = args.history or default_url()
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
+        raise InputError(f"--history {url}: no such database (a nightly run writes it)")
+    series = History(url).series(args.key)
+    if args.json:
+        print(json.dumps(series, indent=1, default=str))
+    else:
+        print(format_history(series))
     return EXIT_OK

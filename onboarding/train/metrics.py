@@ -8,6 +8,7 @@ on the CPU (gloo) the intervals are host ops. ``a2a_ms`` is the union of all-to-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -97,11 +98,28 @@ def a2a_from_profile(prof: Any) -> dict[str, float]:
     return {"a2a_ms": total / 1e3, "a2a_exposed_ms": exposed / 1e3}
 
 
+# Receives every finished step profile (`profile_every`) while `trace_sink` is active: the
+# nightly benchmark keeps one training step's kernels and Chrome trace this way.
+_TRACE_SINK: list = []
+
+
+@contextlib.contextmanager
+def trace_sink(callback):
+    """Inside this block, each profiled training step's profiler is passed to `callback`."""
+    _TRACE_SINK.append(callback)
+    try:
+        yield
+    finally:
+        _TRACE_SINK.remove(callback)
+
+
 def profiler(device: torch.device):
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(activities=acts)
+    sinks = list(_TRACE_SINK)
+    return profile(activities=acts,
+                   on_trace_ready=(lambda prof: [f(prof) for f in sinks]) if sinks else None)
 
 
 def peak_memory(device: torch.device) -> int:
