@@ -1,0 +1,79 @@
+"""Kernel tasks for uncovered blocks, the block check, the Inductor fallback and the decision loop
+(`onboarding.generate`), on a tiny hand-written model whose mixers no family serves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from onboarding.coverage import build_coverage
+from onboarding.graph.opgraph import Block, TensorMeta
+from onboarding.load.spec import ModelSpec
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+CUM = f"{FIXTURES / 'uncovered_models.py'}:CumLM"
+
+
+@pytest.fixture(scope="module")
+def cum_graph(parse_model):
+    return parse_model(CUM, seq=16)
+
+
+def test_tasks_of_the_uncovered_mixers(cum_graph):
+    from onboarding.generate.tasks import KernelTask, build_tasks
+
+    cov = build_coverage(cum_graph)
+    tasks = build_tasks(graph=cum_graph, coverage=cov, spec=ModelSpec(ref=CUM))
+    assert [t.path for t in tasks] == ["layers.0.mixer", "layers.1.mixer"]
+    t = tasks[0]
+    assert t.kind == "unknown" and t.class_name == "CumMixer"
+    # the class and the module-level function its forward calls, nothing of torch's
+    assert "class CumMixer" in t.source and "def running_mean" in t.source
+    assert [n.rsplit(".", 1)[1] for n in t.functions] == ["CumMixer", "running_mean"]
+    assert t.op_histogram.get("cumsum") == 1 and t.params == {"inp.weight": [16, 16],
+                                                              "out.weight": [16, 16]}
+    assert t.inputs == [{"shape": [1, 16, 16], "dtype": "float32"}] == t.inputs_full
+    assert "meta" in t.full_note and t.examples and t.examples_note
+    assert tasks[1].key == t.key  # the same problem twice: one check serves both
+    again = KernelTask.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert again == t
+    # no spec: the structure only, and the task says what is missing
+    bare = build_tasks(graph=cum_graph, coverage=cov)
+    assert bare[0].source == "" and "no model spec" in bare[0].source_note
+    # a block whose family failed alignment is a task too, with that reason
+    failed = build_tasks(graph=cum_graph, coverage=cov,
+                         failed={"layers.0.norm": "somefamily: fwd rel_rms 3e-1"})
+    norm = next(t for t in failed if t.path == "layers.0.norm")
+    assert norm.failed_family == "somefamily" and "fwd rel_rms" in norm.reason
+
+
+def test_full_size_shapes_by_dim_map_when_meta_cannot_run():
+    from onboarding.generate.tasks import dim_map, scale_shapes
+
+    mapping, ambiguous = dim_map({"w": [8, 128]}, {"w": [16, 4096]},
+                                 {"n_heads": 4, "other": 2}, {"n_heads": 32, "other": 3})
+    assert mapping == {8: 16, 128: 4096, 4: 32, 2: 3} and not ambiguous
+    out = scale_shapes([{"shape": [64, 128], "dtype": "float32"}], mapping, keep={1, 64})
+    assert out == [{"shape": [64, 4096], "dtype": "float32"}]
+    _, amb = dim_map({"a": [8], "b": [8]}, {"a": [16], "b": [32]}, None, None)
+    assert amb == {8}
+
+
+def test_worked_examples_by_structure():
+    """A router-like block (selection, softmax, integer indices out) gets the family that serves
+    routers; any block gets the simplest norm family; names come from the registry."""
+    from onboarding.families import match_block
+    from onboarding.generate.tasks import _prototypes, worked_examples
+
+    router = Block(path="r", kind="unknown", layer=0, class_name="X",
+                   op_histogram={"linear": 1, "softmax": 2, "max": 2, "gather": 2},
+                   outputs=[TensorMeta(shape=[4, 2], dtype="int64")])
+    names, why = worked_examples(router)
+    protos = dict(_prototypes(router))
+    assert len(names) == 2 and len(protos) == 2
+    for (what, proto), name in zip(_prototypes(router), names):
+        assert name in [n for n, _ in match_block(proto)] and name in why
+    plain = Block(path="p", kind="unknown", layer=0, class_name="Y", op_histogram={"mm": 2})
+    assert worked_examples(plain)[0] == names[-1:]
