@@ -17,7 +17,7 @@ from agents.nodes import (after_align, align_node, generate_node, load_node, map
                           parse_node, report_node, train_node, tune_node)
 from agents.state import RunState
 
-NODES = ("load", "parse", "map", "generate", "align", "tune", "report")
+NODES = ("load", "parse", "map", "generate", "align", "tune", "train", "report")
 CHECKPOINT_DB = "checkpoint.sqlite"
 
 
@@ -49,5 +49,37 @@ def compile_graph(run_dir: Path):
     return app, conn
 
 
-def thread_config(run_dir: Path) -> dict:
-    return {"configurable": {"thread_id": run_dir.resolve().name}}
+def thread_config(run_dir: Path, run_id: str) -> dict:
+    """The graph's config for the run ``run_id`` in ``run_dir``: nodes write where the folder is
+    now (``run_dir``, absolute), never where the run began (`node_run_dir`)."""
+    return {"configurable": {"thread_id": run_id, "run_dir": str(run_dir.resolve())}}
+
+
+def run_thread(run_dir: Path) -> str:
+    """The checkpoint thread of the run in ``run_dir``, checked readable before anything opens it
+    for writing: ``run.json``'s id (a run from before ids were kept: the checkpoint's only
+    thread). An empty, corrupt or foreign checkpoint is bad input ("checkpoint unreadable")."""
+    from onboarding.errors import InputError
+    from onboarding.rundir import read_run_id
+
+    db = run_dir / CHECKPOINT_DB
+    if not db.is_file():
+        raise InputError(f"--resume {run_dir}: not a run directory (no {CHECKPOINT_DB})")
+    if db.stat().st_size == 0:
+        raise InputError(f"--resume {run_dir}: checkpoint unreadable: {db} is empty (0 bytes)")
+    run_id = read_run_id(run_dir)
+    try:  # read-only: a failed check changes nothing in the folder
+        conn = sqlite3.connect(f"file:{db.resolve()}?mode=ro", uri=True)
+        try:
+            threads = [r[0] for r in conn.execute("SELECT DISTINCT thread_id FROM checkpoints")]
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise InputError(f"--resume {run_dir}: checkpoint unreadable: {db}: {exc}") from None
+    if run_id is None and len(threads) == 1:
+        run_id = threads[0]
+    if run_id is None or run_id not in threads:
+        what = f"run {run_id}" if run_id else "its run (no run.json)"
+        raise InputError(f"--resume {run_dir}: checkpoint unreadable: {db} holds no checkpoint "
+                         f"of {what} ({len(threads)} other threads)")
+    return run_id

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from langchain_core.runnables import RunnableConfig
 from langgraph.config import get_stream_writer
 
 from agents.state import RunState
@@ -32,63 +33,71 @@ def _progress(node: str):
     return step
 
 
-def _done(state: RunState, node: str, **updates: Any) -> dict[str, Any]:
-    append_event(Path(state.run_dir), {"node": node, "event": "done"})
+def node_run_dir(state: RunState, config: dict | None) -> Path:
+    """Where a node writes: the folder the run was opened from (`agents.graph.thread_config`:
+    a copied or moved run writes into itself, from any working directory), else (a node called
+    directly) the state's own."""
+    where = ((config or {}).get("configurable") or {}).get("run_dir")
+    return Path(where or state.run_dir)
+
+
+def _done(state: RunState, node: str, config: dict | None, **updates: Any) -> dict[str, Any]:
+    append_event(node_run_dir(state, config), {"node": node, "event": "done"})
     artifacts = {**state.artifacts, **updates.pop("artifacts", {})}
     summary = {**state.summary, **updates.pop("summary", {})}
     return {"completed": [*state.completed, node], "artifacts": artifacts, "summary": summary,
             **updates}
 
 
-def load_node(state: RunState) -> dict[str, Any]:
+def load_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     _progress("load")("resolving MODEL, full-size accounting on meta")
-    append_event(Path(state.run_dir), {"node": "load", "event": "start"})
+    append_event(node_run_dir(state, config), {"node": "load", "event": "start"})
     c = state.config
-    info = run_load(c.model, Path(state.run_dir))
-    return _done(state, "load", model_name=info.loaded.name,
+    info = run_load(c.model, node_run_dir(state, config))
+    return _done(state, "load", config, model_name=info.loaded.name,
                  artifacts={"model": "model.json"},
                  summary={"total_params": info.full.total, "active_params": info.full.active})
 
 
-def parse_node(state: RunState) -> dict[str, Any]:
+def parse_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     step = _progress("parse")
     step("building the proxy")
-    append_event(Path(state.run_dir), {"node": "parse", "event": "start"})
+    append_event(node_run_dir(state, config), {"node": "parse", "event": "start"})
     c = state.config
     info = run_load(c.model)
-    g = run_parse(info, Path(state.run_dir), batch=c.batch, seq=c.seq, seed=c.seed,
+    g = run_parse(info, node_run_dir(state, config), batch=c.batch, seq=c.seq, seed=c.seed,
                   on_step=step)
-    return _done(state, "parse", artifacts={"opgraph": "opgraph.json"},
+    return _done(state, "parse", config, artifacts={"opgraph": "opgraph.json"},
                  summary={"capture": g.capture, "layer_pattern": g.layer_pattern,
                           "blocks": len(g.blocks), "unknown_blocks": len(g.by_kind("unknown"))})
 
 
-def map_node(state: RunState) -> dict[str, Any]:
+def map_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     _progress("map")("registry lookup per block")
-    append_event(Path(state.run_dir), {"node": "map", "event": "start"})
-    run_dir = Path(state.run_dir)
+    run_dir = node_run_dir(state, config)
+    append_event(run_dir, {"node": "map", "event": "start"})
     cov = run_map(OpGraph.load(run_dir / "opgraph.json"), run_dir)
     counts = cov.to_dict()["counts"]
-    return _done(state, "map", artifacts={"coverage": "coverage.json"},
+    return _done(state, "map", config, artifacts={"coverage": "coverage.json"},
                  summary={"coverage": counts})
 
 
-def generate_node(state: RunState) -> dict[str, Any]:
+def generate_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     step = _progress("generate")
     step("rendering candidates")
-    append_event(Path(state.run_dir), {"node": "generate", "event": "start"})
-    run_dir = Path(state.run_dir)
+    run_dir = node_run_dir(state, config)
+    append_event(run_dir, {"node": "generate", "event": "start"})
     cands = run_generate(Coverage.load(run_dir / "coverage.json"), run_dir, on_step=step)
     passed = sum(c.status == "passed" for c in cands)
-    return _done(state, "generate", artifacts={"candidates": "candidates.json"},
+    return _done(state, "generate", config, artifacts={"candidates": "candidates.json"},
                  summary={"candidates": len(cands), "candidates_passed": passed})
 
 
-def align_node(state: RunState) -> dict[str, Any]:
+def align_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     step = _progress("align")
     step(f"aligning the patched proxy (attempt {len(state.align_attempts) + 1})")
-    append_event(Path(state.run_dir), {"node": "align", "event": "start"})
-    run_dir, c = Path(state.run_dir), state.config
+    run_dir, c = node_run_dir(state, config), state.config
+    append_event(run_dir, {"node": "align", "event": "start"})
     info = run_load(c.model)
     result = run_align(info, OpGraph.load(run_dir / "opgraph.json"),
                        Coverage.load(run_dir / "coverage.json"),
@@ -106,7 +115,7 @@ def align_node(state: RunState) -> dict[str, Any]:
                "checked": result.checked(), "coverable": result.coverable,
                "not_checked": result.not_checked,
                "backward_not_checked": result.backward_not_checked}
-    return _done(state, "align", artifacts={"alignment": "alignment.json"},
+    return _done(state, "align", config, artifacts={"alignment": "alignment.json"},
                  align_attempts=[*state.align_attempts, attempt], excluded_kernels=excluded,
                  summary={"alignment_passed": result.passed})
 
@@ -121,7 +130,7 @@ def after_align(state: RunState) -> str:
     return "generate"
 
 
-def tune_node(state: RunState) -> dict[str, Any]:
+def tune_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     """Optuna tile search for every candidate kernel of the run, per shape bucket
     (`onboarding.tune.run`); skipped on the CPU unless `tune_trials` asks for it."""
     from onboarding.rundir import write_json
@@ -129,15 +138,15 @@ def tune_node(state: RunState) -> dict[str, Any]:
     from onboarding.tune.run import RESULTS_FILE, tune_run
 
     step = _progress("tune")
-    append_event(Path(state.run_dir), {"node": "tune", "event": "start"})
-    run_dir, c = Path(state.run_dir), state.config
+    run_dir, c = node_run_dir(state, config), state.config
+    append_event(run_dir, {"node": "tune", "event": "start"})
     budget = tune_budget(c.tune_trials, gpu=gpu_name())
     trials = budget.amount
     attempt: dict[str, Any] = {"attempt": len(state.tune_attempts) + 1,
                                "trials_per_study": trials, "gpu": gpu_name()}
     if budget.skipped:
         write_json(run_dir / RESULTS_FILE, {"skipped": budget.skipped, "gpu": gpu_name()})
-        return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
+        return _done(state, "tune", config, artifacts={"tune": RESULTS_FILE},
                      tune_attempts=[*state.tune_attempts, {**attempt, "skipped": budget.skipped}],
                      summary={"tuned_studies": 0})
     seconds = tune_seconds(c.tune_budget_s)
@@ -155,12 +164,12 @@ def tune_node(state: RunState) -> dict[str, Any]:
             for s in data["studies"]]
     attempt.update(studies=len(best), best=best, notes=data["notes"], budget_s=seconds,
                    seconds=data.get("seconds"))
-    return _done(state, "tune", artifacts={"tune": RESULTS_FILE},
+    return _done(state, "tune", config, artifacts={"tune": RESULTS_FILE},
                  tune_attempts=[*state.tune_attempts, attempt],
                  summary={"tuned_studies": sum(b["complete"] > 0 for b in best)})
 
 
-def train_node(state: RunState) -> dict[str, Any]:
+def train_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     """LoRA fine-tuning of the proxy with FSDP2 x EP against its single-process reference
     (`onboarding.train.launch`); skipped on the CPU unless `train_steps` asks for it."""
     import torch
@@ -170,8 +179,8 @@ def train_node(state: RunState) -> dict[str, Any]:
     from onboarding.train.launch import launch
 
     step = _progress("train")
-    append_event(Path(state.run_dir), {"node": "train", "event": "start"})
-    run_dir, c = Path(state.run_dir), state.config
+    run_dir, c = node_run_dir(state, config), state.config
+    append_event(run_dir, {"node": "train", "event": "start"})
     gpus = torch.cuda.device_count()
     budget = train_budget(c.train_steps, gpus=gpus)
     steps = budget.amount
@@ -180,7 +189,7 @@ def train_node(state: RunState) -> dict[str, Any]:
         from onboarding.rundir import write_json
 
         write_json(run_dir / TRAIN_SKIPPED_FILE, {"skipped": budget.skipped})
-        return _done(state, "train", train_attempts=[*state.train_attempts,
+        return _done(state, "train", config, train_attempts=[*state.train_attempts,
                                                      {**attempt, "skipped": budget.skipped}])
     plan = train_plan(OpGraph.load(run_dir / "opgraph.json"), gpus=gpus, nproc=c.train_nproc)
     nproc, ep, fsdp = plan.nproc, plan.ep, plan.fsdp
@@ -194,15 +203,15 @@ def train_node(state: RunState) -> dict[str, Any]:
                    passed=verdict.get("passed"), summary=verdict.get("summary"))
     if nproc == 1 and rc == 0 and not verdict:  # `launch` runs the reference alone
         attempt["single"] = "one process: no parallel run to compare its loss with"
-    return _done(state, "train", artifacts={"train": "train/compare.json"},
+    return _done(state, "train", config, artifacts={"train": "train/compare.json"},
                  train_attempts=[*state.train_attempts, attempt],
                  summary={"train_loss_matches_reference": verdict.get("passed")})
 
 
-def report_node(state: RunState) -> dict[str, Any]:
+def report_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     _progress("report")("writing report.md")
-    append_event(Path(state.run_dir), {"node": "report", "event": "start"})
-    path = build_report(Path(state.run_dir), title=state.model_name or "model",
+    append_event(node_run_dir(state, config), {"node": "report", "event": "start"})
+    path = build_report(node_run_dir(state, config), title=state.model_name or "model",
                         attempts=[*state.completed, "report"],
                         align_attempts=state.align_attempts)
-    return _done(state, "report", artifacts={"report": path.name})
+    return _done(state, "report", config, artifacts={"report": path.name})

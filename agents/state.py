@@ -14,24 +14,25 @@ class RunConfig(BaseModel):
     """Everything a run needs to be re-created on resume (stored in the checkpoint)."""
 
     model: ModelSpec = ModelSpec()
-    batch: int = 1
-    seq: int = 64
+    batch: int = Field(1, ge=1)
+    seq: int = Field(64, ge=1)
     seed: int = 0
     align_kernels: list[str] | None = None  # families patched for alignment (None: all)
     align_dtype: str = "fp32"
     align_reference: str = "fp64"
-    max_align_retries: int = 2  # failed alignment loops back to generate at most this often
+    # a failed alignment loops back to generate at most this often
+    max_align_retries: int = Field(2, ge=0)
     # any coverable block left unpatched (not checked by alignment) fails the run (exit 3)
     strict: bool = False
     # tune node: Optuna trials per study (one per kernel and shape bucket). None: 20 on a GPU;
     # on the CPU the interpreter's timings mean nothing, so None skips tuning there (set it to
     # tune anyway: each trial costs seconds).
-    tune_trials: int | None = None
+    tune_trials: int | None = Field(None, ge=0)
     # seconds for the whole tune stage, split over its studies (kernel x bucket); None: the
     # default (`onboarding.policy.DEFAULT_TUNE_BUDGET_S`); 0: no time limit
-    tune_budget_s: float | None = None
+    tune_budget_s: float | None = Field(None, ge=0)
     tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
-    tune_workers: int = 1
+    tune_workers: int = Field(1, ge=1)
     tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
     # train node: LoRA steps of the FSDP2 x EP setup plus its single-process reference. None:
     # 20 on a GPU, skipped on the CPU (set it to train there: gloo, seconds per step).

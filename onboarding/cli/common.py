@@ -10,10 +10,19 @@ from rich.console import Console
 
 from onboarding.errors import InputError
 from onboarding.load.model import DEFAULT_EXAMPLE
-from onboarding.load.overrides import parse_assignments
+from onboarding.load.overrides import parse_assignments, positive_int
 from onboarding.load.spec import ModelSpec
 
-err = Console(stderr=True)
+# errors print as written: no markup in messages, no :name: emoji (`hf:llama:` is text)
+err = Console(stderr=True, emoji=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad option said in one line (the full usage of a command with many
+    options would bury it), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def model_options(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -30,8 +39,8 @@ def model_options(p: argparse.ArgumentParser, optional: bool = False) -> None:
                         "agree), remote (auto) the model's own code")
     p.add_argument("--proxy", choices=("tiny", "small"), default="tiny",
                    help="proxy size for real execution: tiny (CPU) or small (one GPU)")
-    p.add_argument("--seq", type=int, default=64, help="proxy sequence length")
-    p.add_argument("--batch", type=int, default=1, help="proxy batch size")
+    p.add_argument("--seq", type=positive_int, default=64, help="proxy sequence length")
+    p.add_argument("--batch", type=positive_int, default=1, help="proxy batch size")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -7,6 +7,7 @@ regression against a golden reference).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import traceback
 
@@ -16,13 +17,13 @@ from rich.markup import escape
 from onboarding import __version__
 from onboarding.backend import ensure_triton_backend
 from onboarding.cli import analyse, bench, plan, regress, run, train, tune
-from onboarding.cli.common import FAMILIES_HELP, err
-from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, InputError
+from onboarding.cli.common import FAMILIES_HELP, Parser, err
+from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError
 from onboarding.optional_kernels import hide as hide_kernel_packages
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="onboard", description=__doc__)
+    ap = Parser(prog="onboard", description=__doc__)
     ap.add_argument("--debug", action="store_true", help="print tracebacks")
     ap.add_argument("--version", action="version", version=f"onboard {__version__}")
     ap.add_argument("--families", action="append", default=[], metavar="DIR", help=FAMILIES_HELP)
@@ -52,11 +53,15 @@ def _load_families(dirs: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad option (said in one line)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     console = Console()
     ensure_triton_backend()
     if args.command != "bench":  # bench imports some by name, as comparison rows only
         hide_kernel_packages()
+    old_term = _sigterm_interrupts()
     try:
         _load_families(args.families)
         return args.func(args, console)
@@ -68,13 +73,43 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         err.print("interrupted")
-        return EXIT_INTERNAL
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # from code onboard ran (a model's import, build or forward)
+        err.print(f"[red]error:[/red] {escape(_exit_line(exc))}", highlight=False, soft_wrap=True)
+        if args.debug:
+            traceback.print_exc()
+        return EXIT_BAD_INPUT
     except Exception as exc:  # internal failure: a bug in onboard, not the user's input
         err.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))}", highlight=False,
                   soft_wrap=True)
         if args.debug:
             traceback.print_exc()
         return EXIT_INTERNAL
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _sigterm_interrupts():
+    """SIGTERM ends a command as Ctrl-C does (what it created is cleaned up, a run stays
+    resumable) instead of killing it mid-write; returns the handler it replaced."""
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        return None
+
+
+def _exit_line(exc: SystemExit) -> str:
+    """Where code onboard ran called sys.exit: the deepest frame of the exit."""
+    tb, where = exc.__traceback__, ""
+    while tb is not None:
+        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return (f"the model's code called sys.exit({exc.code!r})"
+            + (f" at {where}" if where else "") + "; a model must raise, not exit")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from rich.markup import escape
 
 from onboarding.cli.common import command_parser, model_options, model_spec, selected_kernels
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
+from onboarding.load.overrides import nonneg_int, positive_int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -23,19 +26,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run")
     r.add_argument("--kernels", default="all",
                    help="kernel families patched for alignment: comma-separated, 'all', 'none'")
-    r.add_argument("--tune-trials", type=int, default=None, metavar="N",
+    r.add_argument("--tune-trials", type=nonneg_int, default=None, metavar="N",
                    help="Optuna trials per kernel and shape bucket (default: 20 on a GPU; "
                         "tuning is skipped on the CPU unless this is given)")
     r.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
                    help="seconds for the whole tune stage, split over its studies (kernel x "
                         "shape bucket); no trial starts once a study's share is spent (default "
                         "40; 0: no time limit, --tune-trials alone)")
-    r.add_argument("--train-steps", type=int, default=None, metavar="N",
+    r.add_argument("--train-steps", type=nonneg_int, default=None, metavar="N",
                    help="LoRA training steps of the FSDP2 x EP setup and its reference "
                         "(default: 20 on a GPU; skipped on the CPU unless this is given)")
-    r.add_argument("--train-nproc", type=int, default=None, metavar="N",
+    r.add_argument("--train-nproc", type=positive_int, default=None, metavar="N",
                    help="training processes (default: the GPUs here, 2 on the CPU)")
-    r.add_argument("--max-align-retries", type=int, default=2, metavar="N",
+    r.add_argument("--max-align-retries", type=nonneg_int, default=2, metavar="N",
                    help="a failed alignment loops back to generate without the culprit's kernel "
                         "at most N times (default 2; each retry must leave out a kernel)")
     r.add_argument("--strict", action="store_true",
@@ -46,17 +49,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from agents.graph import compile_graph, thread_config
+    from agents.graph import NODES, compile_graph, run_thread, thread_config
     from agents.state import RunConfig, RunState
     from onboarding.cli.console import print_opgraph
     from onboarding.graph.opgraph import OpGraph
-    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.rundir import new_run_dir, new_run_id, owned_dir
     from onboarding.stages import run_load
 
     if args.resume:
         run_dir = Path(args.resume)
-        if not (run_dir / "checkpoint.sqlite").is_file():
-            raise InputError(f"--resume {run_dir}: not a run directory (no checkpoint.sqlite)")
+        if not run_dir.is_dir():
+            raise InputError(f"--resume {run_dir}: no such directory")
+        run_id = run_thread(run_dir)  # the run's identity is what its folder holds
         created = False
         inputs = None
     else:
@@ -67,31 +71,36 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                              "(0: no time limit)")
         if args.max_align_retries < 0:
             raise InputError(f"--max-align-retries {args.max_align_retries}: expected >= 0")
+        config = RunConfig(
+            model=spec, batch=args.batch, seq=args.seq, seed=args.seed,
+            align_kernels=families, max_align_retries=args.max_align_retries,
+            strict=args.strict,
+            tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
+            train_steps=args.train_steps, train_nproc=args.train_nproc)
+        if args.out:  # an unusable --out fails before the model is loaded
+            new_run_dir("", args.out)
         # Check the input before a run directory exists, so bad input leaves nothing behind.
         with console.status("checking MODEL"):
             info = run_load(spec)
         run_dir = new_run_dir(info.loaded.name, args.out)
         created = True
-        inputs = RunState(config=RunConfig(
-            model=spec, batch=args.batch, seq=args.seq, seed=args.seed,
-            align_kernels=families, max_align_retries=args.max_align_retries,
-            strict=args.strict,
-            tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
-            train_steps=args.train_steps, train_nproc=args.train_nproc),
-            run_dir=str(run_dir))
-    with owned_dir(run_dir, created_here=created):
+        inputs = RunState(config=config, run_dir=str(run_dir.resolve()))
+    # resumable: an interrupted run keeps its folder; bad input found by a stage removes it
+    with owned_dir(run_dir, created_here=created, resumable=True):
+        if not args.resume:
+            run_id = new_run_id(run_dir, model=info.loaded.name)
         app, conn = compile_graph(run_dir)
         try:
-            cfg = thread_config(run_dir)
+            cfg = thread_config(run_dir, run_id)
             if args.resume:
-                snap = app.get_state(cfg)
-                if not snap.next:
+                done, pending = _resume_point(app, cfg, run_dir)
+                if not pending and NODES[-1] in done:  # complete only once the last node ran
                     console.print(f"{run_dir}: run already complete")
-                    return _run_verdict(snap.values, console)
-                console.print(f"resuming {run_dir} at: {', '.join(snap.next)}")
+                    return _run_verdict(app.get_state(cfg).values, console)
+                console.print(f"resuming {run_dir} at: {pending or 'after ' + done[-1]}")
             stopping = False
             steps = _Steps(console)
-            with console.status("starting") as status:
+            with console.status("starting") as status, _stop_on_signals(run_dir):
                 steps.status = status
                 for mode, chunk in app.stream(inputs, cfg, stream_mode=["updates", "custom"],
                                               durability="sync"):
@@ -103,6 +112,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                         steps.step(chunk["node"], chunk["step"])
                         continue
                     for node in chunk:
+                        if node.startswith("__"):  # langgraph's own (a replayed step's metadata)
+                            continue
                         steps.done(node)
                         stopping = stopping or node == args.stop_after
             final = app.get_state(cfg).values
@@ -113,6 +124,92 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         print_opgraph(OpGraph.load(graph_file), console)
     print_summary(final, run_dir, console)
     return _run_verdict(final, console)
+
+
+def _resume_point(app, cfg: dict, run_dir: Path) -> tuple[list[str], str]:
+    """(the nodes done, the nodes to run next) of a run's checkpoint. A stage that finished but
+    whose step was not closed (killed between its writes and the next checkpoint) counts as
+    done: its writes are saved, and the graph applies them when it resumes. A checkpoint that
+    cannot be read back is bad input, never a finished run."""
+    from pydantic import ValidationError
+
+    from agents.state import RunState
+
+    try:
+        snap = app.get_state(cfg)
+        state = RunState.model_validate(snap.values)
+    except ValidationError as exc:
+        raise InputError(f"--resume {run_dir}: checkpoint unreadable: the run state does not "
+                         f"validate ({exc.error_count()} errors, first: "
+                         f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']})") from None
+    except Exception as exc:  # noqa: BLE001 - sqlite, msgpack, ...: the file is not a checkpoint
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise InputError(f"--resume {run_dir}: checkpoint unreadable: {type(exc).__name__}: "
+                         f"{first}") from None
+    if not state.completed and not snap.next:
+        raise InputError(f"--resume {run_dir}: checkpoint unreadable: it holds no stage done "
+                         "and none to run")
+    return state.completed, ", ".join(snap.next)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(run_dir: Path):
+    """SIGINT or SIGTERM while the graph runs: stop now, not when the running stage ends (the
+    graph runs its node in a worker thread and would wait for it). The checkpoint written
+    before that stage is on disk (durability "sync"), so ending here leaves a run that
+    ``--resume`` continues from that stage; the processes it started go first."""
+    def stop(signum, _frame) -> None:
+        from onboarding.cli.common import err
+        from onboarding.rundir import append_event
+
+        name = signal.Signals(signum).name
+        try:
+            append_event(run_dir, {"event": "interrupted", "signal": name})
+        except OSError:
+            pass
+        err.print(f"{name}: stopped; continue with: onboard run --resume {run_dir}",
+                  highlight=False, markup=False, emoji=False, soft_wrap=True)
+        _end_children()
+        for f in (sys.stdout, sys.stderr):  # os._exit skips Python's buffers
+            f.flush()
+        os._exit(128 + signum)
+
+    try:
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: no handlers there
+        old = {}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _end_children() -> None:
+    """SIGTERM to every process this one started (training ranks, tuning workers), found by
+    parent pid in /proc, deepest first; on a system without /proc, nothing."""
+    children: dict[int, list[int]] = {}
+    try:
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    stat = Path(f"/proc/{d}/stat").read_text()
+                except OSError:
+                    continue
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d))
+    except OSError:
+        return
+    order, todo = [], [os.getpid()]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            order.append(c)
+            todo.append(c)
+    for pid in reversed(order):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
 
 
 class _Steps:

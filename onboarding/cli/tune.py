@@ -11,7 +11,7 @@ from rich.console import Console
 
 from onboarding.cli.common import command_parser, model_options, model_spec, torch_cuda_available
 from onboarding.errors import EXIT_OK, InputError
-from onboarding.load.overrides import int_list
+from onboarding.load.overrides import positive_int_list
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -21,7 +21,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--kernel", metavar="FAMILY",
                    help="one family: alone with --shapes, or with MODEL to tune only that family")
     t.add_argument("--variant", help="family variant (default: the first)")
-    t.add_argument("--shapes", type=int_list, metavar="N[,N...]",
+    t.add_argument("--shapes", type=positive_int_list, metavar="N[,N...]",
                    help="without MODEL: sizes of the family's bucketed dimension (its shape "
                         "buckets' dim, e.g. D: a norm's width)")
     t.add_argument("--dims", type=_dims, metavar="K=V[,K=V...]",

@@ -82,3 +82,30 @@ def int_list(v: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4,8, got "
                                          f"{v!r}") from None
+
+
+def _bounded_int(low: int, what: str):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {n}")
+        return n
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+# argparse types: nonsense counts fail when the command line is read, before any work
+positive_int = _bounded_int(1, "an integer >= 1")
+nonneg_int = _bounded_int(0, "an integer >= 0")
+
+
+def positive_int_list(v: str) -> list[int]:
+    """An argparse type: ``"64,128"`` -> ``[64, 128]``, every size >= 1."""
+    out = int_list(v)
+    bad = [n for n in out if n < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected sizes >= 1, got {v!r}")
+    return out
