@@ -20,6 +20,12 @@ Parts:
 - ``align``: the built-in example through load, parse, map, generate and align as ``onboard
   run`` does, and the ``alignment.*`` facts `onboard regress` keeps (`regress.alignment_facts`).
 
+Before anything is timed, `warm_up` compiles in parallel processes what the timed parts will
+run (each kernel case's steps once, two steps of each training run, which also leave their op
+graph for the timed run to load) and aligns the example there (facts, not timings). On a cold
+Triton cache that is most of the suite's time, spread over the CPU cores; the pool is shut down
+before the first timing, so the GPU runs one thing at a time while it is timed.
+
 ``--against REF`` (`onboarding.bench.revision`) adds rows of our kernels rendered from REF's
 templates; their `baseline_key` is the tree's row, so a comparison judges REF against the
 stored baseline.
@@ -80,6 +86,8 @@ class NightlyConfig:
     against: tuple[Path, str] | None = None  # (templates dir, row label) of --against
     work_dir: Path | None = None  # training and alignment write here (a temp dir if None)
     trace_path: Path | None = None  # Chrome trace of the first model's profiled step
+    # Processes for the warm-up (0: none): see `warm_up`
+    warm_workers: int = 12
 
     def __post_init__(self) -> None:
         bad = [p for p in self.parts if p not in PARTS]
@@ -297,22 +305,20 @@ def train_rows(model: TrainModel, steps: list[dict[str, Any]], warmup: int, roun
 
 
 def run_train(model: TrainModel, cfg: NightlyConfig, work: Path, env: dict[str, Any],
-              log: Callable[[str], None], trace_path: Path | None
+              log: Callable[[str], None], trace_path: Path | None, device: str = "cuda"
               ) -> tuple[list[NightlyRow], dict[str, Any] | None]:
-    from onboarding.load.model import ModelSpec
+    """One model's training rows and its profiled step (``device`` cpu: a smoke run)."""
     from onboarding.train import metrics as M
     from onboarding.train import worker
-    from onboarding.train.config import TrainConfig
 
     n_steps = cfg.train_warmup + 2 * cfg.rounds + 1  # the last one profiled, not timed
     out = work / f"train-{model.label}"
-    tcfg = TrainConfig.for_model(ModelSpec(ref=model.ref, proxy=model.proxy), out=str(out),
-                                 steps=n_steps, seq_len=model.seq_len,
-                                 micro_batch=model.micro_batch, dtype="bf16", device="cuda",
-                                 kernels=True, profile_every=n_steps)
+    tcfg = _train_config(model, work, n_steps, device)
     profiles: list[Any] = []
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    gpu = device == "cuda"
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
         with M.trace_sink(profiles.append):
@@ -326,7 +332,8 @@ def run_train(model: TrainModel, cfg: NightlyConfig, work: Path, env: dict[str, 
             r.error = err
         return rows, None
     finally:
-        torch.cuda.empty_cache()
+        if gpu:
+            torch.cuda.empty_cache()
     rows = train_rows(model, steps, cfg.train_warmup, cfg.rounds, env)
     prof = None
     if profiles:
@@ -348,7 +355,7 @@ def run_align_facts(work: Path, env: dict[str, Any], log: Callable[[str], None]
                     ) -> list[NightlyRow]:
     """The built-in example aligned as `onboard run` aligns it; one fact row per alignment fact."""
     from onboarding import regress
-    from onboarding.load.model import ModelSpec
+    from onboarding.load.spec import ModelSpec
     from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
 
     out = work / "align-example"
@@ -371,6 +378,85 @@ def run_align_facts(work: Path, env: dict[str, Any], log: Callable[[str], None]
     return [NightlyRow(key=f"align/example/{k}", part="align", group=ALIGN_GROUP, case="example",
                        impl=k, metric=k, unit="fact", better="equal", value=v, env=row_env(env))
             for k, v in facts.items()]
+
+
+# ---- warm-up -------------------------------------------------------------------------------------
+
+def _warm_case(family: str, case_name: str, impls: tuple[str, ...],
+               against_: tuple[Path, str] | None) -> str:
+    """Run each kept step of one case once (compiles its kernels into the shared cache)."""
+    t0 = time.perf_counter()
+    cases, _ = nightly_cases([family])
+    case = next(c for c, _ in cases if c.name == case_name)
+    if against_ is not None:
+        from onboarding.bench.revision import against
+
+        case = against([case], *against_)[0]
+    device = torch.device("cuda")
+    label = against_[1] if against_ else None
+    for name, step in case.setup(device).items():
+        if _kept(name, impls, label):
+            step(0)
+    torch.cuda.synchronize()
+    return f"{family}/{case_name} {time.perf_counter() - t0:.0f}s"
+
+
+def _train_config(model: TrainModel, work: Path, steps: int, device: str = "cuda"):
+    from onboarding.load.spec import ModelSpec
+    from onboarding.train.config import TrainConfig
+
+    return TrainConfig.for_model(ModelSpec(ref=model.ref, proxy=model.proxy),
+                                 out=str(work / f"train-{model.label}"), steps=steps,
+                                 seq_len=model.seq_len, micro_batch=model.micro_batch,
+                                 dtype="bf16" if device == "cuda" else "fp32", device=device,
+                                 kernels=True, profile_every=steps)
+
+
+def _warm_train(model: TrainModel, work: Path) -> str:
+    """Two training steps: kernels compiled and checked, the op graph left in the run dir."""
+    from onboarding.train import worker
+
+    t0 = time.perf_counter()
+    worker.run(_train_config(model, work, 2), "reference")
+    return f"train/{model.label} {time.perf_counter() - t0:.0f}s"
+
+
+def _align_task(work: Path, env: dict[str, Any]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in run_align_facts(work, env, print)]
+
+
+def warm_up(cfg: NightlyConfig, cases: list[tuple[BenchCase, tuple[str, ...]]], work: Path,
+            env: dict[str, Any], log: Callable[[str], None]) -> list[dict[str, Any]] | None:
+    """Compile everything the timed parts run, in `cfg.warm_workers` processes, and align the
+    example there; returns the align part's rows (None when it did not run). A failed warm-up
+    task is only logged: the timed part meets the same error and records it."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    t0 = time.perf_counter()
+    tasks: list[tuple[Callable, tuple]] = []
+    if "align" in cfg.parts:
+        tasks.append((_align_task, (work, env)))
+    if "train" in cfg.parts:
+        tasks += [(_warm_train, (m, work)) for m in cfg.train_models]
+    tasks += [(_warm_case, (c.family, c.name, impls, cfg.against))
+              for c, impls in cases]
+    align_rows = None
+    with cf.ProcessPoolExecutor(max_workers=min(cfg.warm_workers, len(tasks)),
+                                mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(fn, *args): fn for fn, args in tasks}
+        for fut in cf.as_completed(futures):
+            try:
+                got = fut.result()
+            except Exception as exc:  # noqa: BLE001
+                log(f"  warm-up {futures[fut].__name__}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            if futures[fut] is _align_task:
+                align_rows = got
+            else:
+                log(f"  warm-up {got}")
+    log(f"warm-up ({len(tasks)} tasks): {time.perf_counter() - t0:.1f}s")
+    return align_rows
 
 
 # ---- the suite -----------------------------------------------------------------------------------
@@ -396,6 +482,10 @@ def run_nightly(cfg: NightlyConfig, log: Callable[[str], None] = print,
         cases = list(zip(against([c for c, _ in cases], *cfg.against), [i for _, i in cases]))
     work = Path(cfg.work_dir) if cfg.work_dir else Path(tempfile.mkdtemp(prefix="onboard-nightly-"))
     t_start = time.perf_counter()
+    align_rows = None
+    if cfg.warm_workers > 0:
+        align_rows = warm_up(cfg, cases, work, env, log)
+    seconds = {"warm_up": round(time.perf_counter() - t_start, 1)}
     ceilings = measure_ceilings(device)
     torch.cuda.empty_cache()
     log(f"ceilings: {ceilings}")
@@ -404,7 +494,7 @@ def run_nightly(cfg: NightlyConfig, log: Callable[[str], None] = print,
                               "min_thresholds": min_thresholds(family_min),
                               "parts": list(cfg.parts), "rounds": cfg.rounds,
                               "against": cfg.against[1] if cfg.against else None,
-                              "seconds": {}, "complete": False}
+                              "seconds": seconds, "complete": False}
 
     def done(part: str, t0: float, rows: list[NightlyRow]) -> None:
         result["rows"].extend(asdict(r) for r in rows)
@@ -428,7 +518,11 @@ def run_nightly(cfg: NightlyConfig, log: Callable[[str], None] = print,
             done("train", t0, rows)
     if "align" in cfg.parts:
         t0 = time.perf_counter()
-        done("align", t0, run_align_facts(work, env, log))
+        if align_rows is not None:  # aligned during the warm-up
+            result["rows"].extend(align_rows)
+            result["seconds"]["align"] = "in the warm-up"
+        else:
+            done("align", t0, run_align_facts(work, env, log))
     result["seconds"]["total"] = round(time.perf_counter() - t_start, 1)
     result["complete"] = True
     return result

@@ -38,7 +38,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "REV may be a folder of templates instead (rows tpl:<folder name>)")
     b.add_argument("--out", help="write the result rows as JSON here")
     n = b.add_argument_group("nightly (--suite nightly)")
-    n.add_argument("--parts", default=",".join(("kernels", "train", "align")), metavar="A,B",
+    n.add_argument("--parts", default="kernels,train,align", metavar="A,B",
                    help="which parts: kernels, train, align (default: all)")
     n.add_argument("--rounds", type=int, default=5, help="A/A rounds per row (default 5)")
     n.add_argument("--compare", nargs="?", const=DEFAULT, metavar="BASELINE",
