@@ -1,7 +1,9 @@
 """Wiring of the onboarding agent, checkpointed in the run directory:
 
 load -> parse -> map -> generate -> align -> tune -> report, where a failed alignment loops back
-to generate (bounded by `RunConfig.max_align_retries`) without the culprit's kernel.
+to generate (bounded by `RunConfig.max_align_retries`) without the culprit's kernel; with
+`RunConfig.review`, report -> review (opens the kernel PR, then `interrupt`) -> pr (merges or
+deletes it on the human's answer; `agents.review`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from langgraph.graph import END, START, StateGraph
 
 from agents.nodes import (after_align, align_node, generate_node, load_node, map_node,
                           parse_node, report_node, train_node, tune_node)
+from agents.review import after_report, pr_node, review_node
 from agents.state import RunState
 
 NODES = ("load", "parse", "map", "generate", "align", "tune", "train", "report")
@@ -34,7 +37,11 @@ def build_graph():
     g.add_conditional_edges("align", after_align, {"generate": "generate", "tune": "tune"})
     g.add_edge("tune", "train")
     g.add_edge("train", "report")
-    g.add_edge("report", END)
+    g.add_node("review", review_node)
+    g.add_node("pr", pr_node)
+    g.add_conditional_edges("report", after_report, {"review": "review", END: END})
+    g.add_edge("review", "pr")
+    g.add_edge("pr", END)
     return g
 
 

@@ -38,6 +38,12 @@ class RunConfig(BaseModel):
     # 20 on a GPU, skipped on the CPU (set it to train there: gloo, seconds per step).
     train_steps: int | None = None
     train_nproc: int | None = None  # None: the GPUs on this machine (2 on the CPU)
+    # the review gate (`agents.review`): after the report, open the kernel PR in
+    # `review_repo` (None: this checkout) onto `review_base` (None: its current branch) and
+    # wait for a human's answer
+    review: bool = False
+    review_repo: str | None = None
+    review_base: str | None = None
 
 
 class RunState(BaseModel):
@@ -54,6 +60,8 @@ class RunState(BaseModel):
     tune_attempts: list[dict[str, Any]] = Field(default_factory=list)
     # one entry per train node run: the layout, exit code and the loss comparison's verdict
     train_attempts: list[dict[str, Any]] = Field(default_factory=list)
+    # the review gate: the PR's branch and repo, the answer, what the pr node did with it
+    review: dict[str, Any] = Field(default_factory=dict)
 
     def verdict(self) -> tuple[bool, str]:
         """(passed, one line): the run's checks, the last alignment and training attempts.

@@ -15,6 +15,7 @@ only); the rules below add the fast torch paths and the known-uncovered cores.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from onboarding.graph.opgraph import Block, OpGraph
 from onboarding.families import match_block
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+# more folders of reviewed modules, os.pathsep-separated (searched after KERNELS_DIR)
+KERNELS_ENV = "ONBOARD_KERNELS"
 STATUSES = ("kernel", "template", "torch_fast", "uncovered")
 
 # The compute cores of these kinds need families that do not exist yet: they stay `uncovered`
@@ -89,16 +92,25 @@ class Coverage:
 _HEADER = re.compile(r"^# family: (\S+)\s+variant: (\S+)\n# params: (.*)$", re.M)
 
 
-def reviewed_kernels(root: Path = KERNELS_DIR) -> dict[tuple[str, str, str], Path]:
-    """Reviewed rendered modules by (family, variant, params JSON), read from their headers."""
+def kernel_roots() -> list[Path]:
+    """Where reviewed modules are looked up: this checkout's kernels/, then the folders of
+    `ONBOARD_KERNELS` (a team's kernel repository that `onboard pr` merges into)."""
+    extra = [Path(p).expanduser() for p in os.environ.get(KERNELS_ENV, "").split(os.pathsep) if p]
+    return [KERNELS_DIR, *extra]
+
+
+def reviewed_kernels(root: Path | None = None) -> dict[tuple[str, str, str], Path]:
+    """Reviewed rendered modules by (family, variant, params JSON), read from their headers; the
+    first folder (`kernel_roots`) holding a key wins."""
     found: dict[tuple[str, str, str], Path] = {}
-    if not root.is_dir():
-        return found
-    for path in sorted(root.glob("*/*.py")):
-        m = _HEADER.search(path.read_text()[:2000])
-        if m:
-            params = json.dumps(json.loads(m.group(3)), sort_keys=True)
-            found[(m.group(1), m.group(2), params)] = path
+    for folder in [root] if root is not None else kernel_roots():
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("*/*.py")):
+            m = _HEADER.search(path.read_text()[:2000])
+            if m:
+                params = json.dumps(json.loads(m.group(3)), sort_keys=True)
+                found.setdefault((m.group(1), m.group(2), params), path)
     return found
 
 
@@ -129,7 +141,7 @@ def _fast_paths(b: Block) -> list[tuple[str, str]]:
     return out
 
 
-def build_coverage(graph: OpGraph, kernels_root: Path = KERNELS_DIR) -> Coverage:
+def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage:
     reviewed = reviewed_kernels(kernels_root)
     entries: list[CoverageEntry] = []
     for b in graph.blocks:

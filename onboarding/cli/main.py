@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from onboarding import __version__
 from onboarding.backend import ensure_triton_backend
-from onboarding.cli import analyse, bench, plan, regress, run, train, tune
+from onboarding.cli import analyse, bench, plan, pr, regress, run, train, tune
 from onboarding.cli.common import FAMILIES_HELP, Parser, err
 from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError
 from onboarding.optional_kernels import hide as hide_kernel_packages
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"onboard {__version__}")
     ap.add_argument("--families", action="append", default=[], metavar="DIR", help=FAMILIES_HELP)
     sub = ap.add_subparsers(dest="command", required=True)
-    for command in (analyse, plan, tune, bench, run, regress, train):  # the order --help lists
+    for command in (analyse, plan, tune, bench, run, pr, regress, train):  # the order --help lists
         command.add_parser(sub)
     return ap
 

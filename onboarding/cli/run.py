@@ -43,6 +43,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "at most N times (default 2; each retry must leave out a kernel)")
     r.add_argument("--strict", action="store_true",
                    help="fail (exit 3) when any coverable block was left unpatched (not checked)")
+    r.add_argument("--review", action="store_true",
+                   help="after the report, open the kernel PR (as onboard pr create) and stop "
+                        "for a human's review; answer with onboard pr approve|reject RUN_DIR or "
+                        "--resume RUN_DIR --approve|--reject")
+    r.add_argument("--repo", metavar="PATH",
+                   help="with --review: the git repository holding kernels/ (default: this "
+                        "checkout)")
+    r.add_argument("--base", metavar="BRANCH",
+                   help="with --review: the branch the PR merges into (default: the repo's "
+                        "current branch)")
+    answer = r.add_mutually_exclusive_group()
+    answer.add_argument("--approve", action="store_true",
+                        help="with --resume: approve the kernel PR the run waits on (merge it)")
+    answer.add_argument("--reject", action="store_true",
+                        help="with --resume: reject it (delete its branch) and end the run")
+    r.add_argument("--why", metavar="TEXT", help="with --reject: the reason, recorded")
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
     return r
@@ -56,6 +72,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     from onboarding.rundir import new_run_dir, new_run_id, owned_dir
     from onboarding.stages import run_load
 
+    _check_review_options(args)
     if args.resume:
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
@@ -76,7 +93,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             align_kernels=families, max_align_retries=args.max_align_retries,
             strict=args.strict,
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
-            train_steps=args.train_steps, train_nproc=args.train_nproc)
+            train_steps=args.train_steps, train_nproc=args.train_nproc,
+            review=args.review, review_repo=args.repo and str(Path(args.repo).resolve()),
+            review_base=args.base)
         if args.out:  # an unusable --out fails before the model is loaded
             new_run_dir("", args.out)
         # Check the input before a run directory exists, so bad input leaves nothing behind.
@@ -94,6 +113,18 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             cfg = thread_config(run_dir, run_id)
             if args.resume:
                 done, pending = _resume_point(app, cfg, run_dir)
+                waiting = review_waiting(app, cfg)
+                if args.approve or args.reject:
+                    if waiting is None:
+                        raise InputError(f"--resume {run_dir}: no kernel PR awaits review in "
+                                         "this run")
+                    from langgraph.types import Command
+
+                    inputs = Command(resume={"decision": "approve" if args.approve
+                                             else "reject", "why": args.why})
+                elif waiting is not None:  # still paused: say what awaits and how to answer
+                    print_review(waiting, console)
+                    return EXIT_OK
                 if not pending and NODES[-1] in done:  # complete only once the last node ran
                     console.print(f"{run_dir}: run already complete")
                     return _run_verdict(app.get_state(cfg).values, console)
@@ -117,13 +148,87 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                         steps.done(node)
                         stopping = stopping or node == args.stop_after
             final = app.get_state(cfg).values
+            waiting = review_waiting(app, cfg)
         finally:
             conn.close()
     graph_file = run_dir / "opgraph.json"
     if graph_file.exists():
         print_opgraph(OpGraph.load(graph_file), console)
     print_summary(final, run_dir, console)
+    if waiting is not None:
+        print_review(waiting, console)
     return _run_verdict(final, console)
+
+
+def _check_review_options(args: argparse.Namespace) -> None:
+    """The review gate's options, checked before anything runs: answers only on --resume, a
+    repository that is a git repository with the base branch (bad input leaves nothing)."""
+    if (args.approve or args.reject) and not args.resume:
+        raise InputError("--approve/--reject answer a run paused at review: give --resume "
+                         "RUN_DIR")
+    if args.why and not args.reject:
+        raise InputError("--why goes with --reject")
+    if (args.repo or args.base) and not args.review:
+        raise InputError("--repo/--base go with --review")
+    if args.review and not args.resume:
+        from onboarding.pr import Git, default_repo
+
+        git = Git(args.repo or default_repo())
+        if args.base and not git.branch_exists(args.base):
+            raise InputError(f"--base {args.base}: no such branch in {git.root}")
+        if not args.base and git.current_branch() is None:
+            raise InputError(f"{git.root}: HEAD is detached; name the branch to merge into "
+                             "with --base BRANCH")
+
+
+def review_waiting(app, cfg: dict) -> dict | None:
+    """What a run paused at the review gate shows (its interrupt's value), else None."""
+    for task in app.get_state(cfg).tasks:
+        for it in task.interrupts:
+            return it.value
+    return None
+
+
+def print_review(waiting: dict, console: Console) -> None:
+    console.print(f"[bold yellow]awaiting review[/bold yellow]: kernel PR "
+                  f"[bold]{escape(waiting['branch'])}[/bold] in {escape(waiting['repo'])} onto "
+                  f"{escape(waiting['base'])} ({', '.join(waiting['families'])}); PR.md at "
+                  f"{escape(waiting['body'])} on the branch", highlight=False)
+    for key in ("show", "diff", "approve", "reject"):
+        console.print(f"  {key + ':':<8} " + escape(waiting[key]), highlight=False,
+                      soft_wrap=True)
+
+
+def _snapshot(run_dir: Path):
+    from agents.graph import CHECKPOINT_DB, compile_graph, run_thread, thread_config
+
+    if not (run_dir / CHECKPOINT_DB).is_file():
+        return None, None
+    run_id = run_thread(run_dir)
+    app, conn = compile_graph(run_dir)
+    try:
+        cfg = thread_config(run_dir, run_id)
+        return app.get_state(cfg), review_waiting(app, cfg)
+    finally:
+        conn.close()
+
+
+def run_config(run_dir: Path):
+    """The RunConfig in a run's checkpoint (None: no checkpoint, or one that cannot be read)."""
+    from agents.state import RunState
+
+    try:
+        snap, _ = _snapshot(Path(run_dir))
+        return RunState.model_validate(snap.values).config if snap is not None else None
+    except Exception:  # noqa: BLE001 - PR.md then says less; the PR does not depend on it
+        return None
+
+
+def review_pending(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` is paused at the review gate."""
+    if not Path(run_dir).is_dir():
+        return False
+    return _snapshot(Path(run_dir))[1] is not None
 
 
 def _resume_point(app, cfg: dict, run_dir: Path) -> tuple[list[str], str]:
@@ -347,6 +452,15 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
             add("train", f"{t.get('steps')} steps on {t.get('nproc')} processes: "
                          + (f"{tps:,.0f} tok/s" if tps else "tok/s -") + ", MFU "
                          + (f"{100 * mfu:.1f}%" if mfu is not None else "-") + f"; {loss}")
+    r = state.review
+    if r:
+        if r.get("status") == "not opened":
+            add("review", f"no kernel PR opened: {r.get('error')}")
+        elif r.get("status") == "approved":
+            add("review", f"approved: {r.get('branch')} merged at "
+                          f"{(r.get('merged_commit') or '?')[:10]}")
+        elif r.get("status") == "rejected":
+            add("review", f"rejected: {r.get('branch')} deleted ({r.get('why')})")
     if (run_dir / "report.md").is_file():
         html = run_dir / "report.html"
         add("report", str(run_dir / "report.md") + (f", {html}" if html.is_file() else ""))
