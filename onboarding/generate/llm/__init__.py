@@ -6,8 +6,8 @@ every gradient at odd sizes in a subprocess, static and runtime anti-cheat check
 
 from onboarding.generate.llm.client import LLMClient, LLMConfig, LLMError, Reply
 from onboarding.generate.llm.contract import Answer, AnswerError, answer_schema, parse_answer
-from onboarding.generate.llm.gate import GateVerdict, gate
-from onboarding.generate.llm.propose import Attempt, LLMOutcome, propose
+from onboarding.generate.llm.attempts import Attempt, LLMOutcome, propose
+from onboarding.generate.llm.gate import GateVerdict
 
 __all__ = ["Answer", "AnswerError", "Attempt", "GateVerdict", "LLMClient", "LLMConfig", "LLMError",
-           "LLMOutcome", "Reply", "answer_schema", "gate", "parse_answer", "propose"]
+           "LLMOutcome", "Reply", "answer_schema", "parse_answer", "propose"]

@@ -5,18 +5,19 @@
 2. it renders (Jinja, every variant at its defaults, into a Python module that compiles);
 3. the static anti-cheat check of the rendered module (`static.check_source`);
 4. it compiles ahead of time for sm_90 (`onboarding.generate.aot.compile_files`);
-5. in a subprocess with a timeout (`worker`): the block's eager forward and every gradient
-   against ``block_forward`` at the block's captured size and at odd sizes, on fresh inputs
-   redrawn between calls, outputs poisoned, Triton launches counted, torch ops recorded, module
-   state compared; and the answer's reference against the block.
+5. `onboarding.generate.blockcheck` in a subprocess with a timeout: the block's eager forward
+   and every gradient against ``block_forward`` at the block's captured size (two draws: inputs
+   redrawn between calls) and at odd sizes, the replacement being `worker.Watched` (the runtime
+   anti-cheat check: fresh allocations poisoned, Triton launches counted in both directions,
+   torch ops recorded, the kernel module's data globals compared); and the answer's reference
+   against the block.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from onboarding.generate.llm.static import check_source
 @dataclass(kw_only=True)
 class GateVerdict:
     ok: bool
-    stage: str  # folder | render | static | aot | numerics | timeout | passed
+    stage: str  # folder | render | static | aot | runtime | numerics | timeout | reference | passed
     reason: str = ""
     seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
@@ -39,18 +40,11 @@ class GateVerdict:
         return asdict(self)
 
 
-def check_sizes(batch: int, seq: int) -> list[list[int]]:
-    """The sizes a candidate is checked at: the block's own, then an odd sequence length (not a
-    power of two) at batch 1, and batch 3 at a short odd length."""
-    odd = max(3, (seq * 5) // 8 | 1)
-    sizes = [[batch, seq], [1, odd], [3, 7 if seq > 7 else max(1, seq - 1 | 1)]]
-    return [s for i, s in enumerate(sizes) if s not in sizes[:i]]
-
-
 def gate(answer: Answer, task: Any, *, spec: Any, out_dir: Path, timeout_s: float = 600.0,
          sizes: list[list[int]] | None = None, seed: int = 0) -> GateVerdict:
-    """Run the gate on `answer` for `task` (the proxy rebuilt from ModelSpec `spec`); files go
-    under `out_dir` (``family/<name>/``, ``rendered/<name>/<variant>.py``, ``worker.json``)."""
+    """Run the gate on `answer` for `task` (the proxy rebuilt from ModelSpec `spec`; `sizes`:
+    (batch, seq) pairs, default blockcheck's); files go under `out_dir` (``family/<name>/``,
+    ``rendered/<name>/<variant>.py``, ``blockcheck.json``)."""
     t0 = time.perf_counter()
 
     def done(ok: bool, stage: str, reason: str = "", **details: Any) -> GateVerdict:
@@ -83,49 +77,88 @@ def gate(answer: Answer, task: Any, *, spec: Any, out_dir: Path, timeout_s: floa
             return done(False, "static", f"anti-cheat (static): {report.reason}", static=asdict(report))
     static = asdict(report)
     try:
-        from onboarding.generate.aot import compile_files
-
-        aot = compile_files(paths)
+        aot_rows = compile_sm90(paths)
     except Exception as exc:
         return done(False, "aot", f"sm_90 compile failed: {type(exc).__name__}: {str(exc)[:300]}", static=static)
-    aot_rows = [r.as_dict() for rs in aot.values() for r in rs]
     bad = [r for r in aot_rows if not r["ok"]]
     if bad or not aot_rows:
         why = f"{bad[0]['kernel']}: {bad[0]['error'][:300]}" if bad else "no kernel compiled"
         return done(False, "aot", f"sm_90 compile failed: {why}", static=static, aot=aot_rows)
-    req = {"module": str(paths[0]), "reference": str(folder / "reference.py"), "path": task.path,
-           "spec": {f: getattr(spec, f) for f in ("ref", "overrides", "trust_remote_code", "proxy",
-                                                   "impl", "part") if hasattr(spec, f)},
-           "sizes": sizes or check_sizes(task.batch or 1, task.seq or 16), "seed": seed}
-    result = run_worker(req, timeout_s)
-    (Path(out_dir) / "worker.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    if not result.get("ok"):
-        reason = result.get("reason") or "the check failed"
-        stage = "timeout" if result.get("stage") == "timeout" else \
-            "runtime" if reason.startswith("anti-cheat") else "numerics"
-        return done(False, stage, reason, static=static, aot=aot_rows, worker=result)
-    return done(True, "passed", "", static=static, aot=aot_rows, worker=result)
+    from onboarding.generate.blockcheck import Replacement, check_block
+
+    repl = Replacement(target="onboarding.generate.llm.worker:make", label=f"{fspec.name} (LLM)",
+                       kwargs={"kernel": str(paths[0]), "reference": str(folder / "reference.py")})
+    verdict = check_block(spec, task.path, repl, batch=task.batch or 1, seq=task.seq or 16,
+                          sizes=[tuple(s) for s in sizes] if sizes else None, seed=seed,
+                          kind=task.kind, timeout_s=timeout_s)
+    result = verdict.to_dict()
+    (Path(out_dir) / "blockcheck.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    watched = [a for a in verdict.artifacts.values() if isinstance(a, dict)]
+    cheat = next((w for w in (_cheat(a) for a in watched) if w), "")
+    if not cheat and "anti-cheat" in verdict.reason:
+        cheat = verdict.reason[verdict.reason.index("anti-cheat"):]
+    if cheat:
+        return done(False, "runtime", cheat + (f" ({verdict.reason})" if verdict.reason and
+                    "anti-cheat" not in verdict.reason else ""), static=static, aot=aot_rows, check=result)
+    if not verdict.passed:
+        stage = "timeout" if verdict.reason.startswith("timeout") else "numerics"
+        return done(False, stage, verdict.reason or "the block check failed", static=static,
+                    aot=aot_rows, check=result)
+    ref = next((a.get("reference", {}) for a in watched), {})
+    if ref.get("reason"):
+        return done(False, "reference", ref["reason"], static=static, aot=aot_rows, check=result)
+    return done(True, "passed", "", static=static, aot=aot_rows, check=result,
+                summary=verdict.summary())
 
 
-def run_worker(req: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """`worker.check(req)` in a subprocess (the families' folders and the backend as here);
-    a timeout or a crash is a verdict, not an exception."""
-    from onboarding.families import subprocess_env
+def _cheat(record: dict[str, Any]) -> str:
+    """The runtime anti-cheat reason a `worker.Watched.finish()` record shows, or ""."""
+    if record.get("state_changes"):
+        return "anti-cheat (runtime): module-level state written during calls: " \
+            f"{', '.join(record['state_changes'])} (outputs kept from earlier calls)"
+    if record.get("forbidden"):
+        ops = ", ".join(f"aten.{k} x{v}" for k, v in sorted(record["forbidden"].items()))
+        return f"anti-cheat (runtime): torch ops do the work outside Triton kernels: {ops}"
+    if record.get("calls") and not record.get("launches"):
+        return "anti-cheat (runtime): block_forward launched no Triton kernel"
+    return ""
 
-    root = str(Path(__file__).resolve().parents[3])
-    env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    try:
-        run = subprocess.run([sys.executable, "-m", "onboarding.generate.llm.worker"],
-                             input=json.dumps(req), capture_output=True, text=True, env=env,
-                             timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "stage": "timeout", "reason": f"timeout after {timeout_s:g} s"}
-    lines = run.stdout.strip().splitlines()
-    if run.returncode != 0 or not lines:
-        tail = (run.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return {"ok": False, "stage": "error", "reason": f"the check process died (rc={run.returncode}): {tail}"}
-    try:
-        return json.loads(lines[-1])
-    except json.JSONDecodeError:
-        return {"ok": False, "stage": "error", "reason": f"the check process printed no verdict: {lines[-1][:200]}"}
+
+_AOT_DONE: dict[str, list[dict[str, Any]]] = {}
+
+
+def aot_key(source: str) -> str:
+    """A digest of what the sm_90 compile of a rendered module depends on: its ``@triton.jit``
+    functions, ``aot_specs`` and every module-level function these reach, its module-level
+    assignments and imports, and the Triton version. Answers that differ only in Python glue
+    (a retry that fixes the wrapper) compile once per process."""
+    import triton
+
+    tree = ast.parse(source)
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    todo = [n for n, d in defs.items() if n == "aot_specs" or (
+        isinstance(d, ast.FunctionDef) and any("jit" in ast.unparse(x) for x in d.decorator_list))]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [x.id for x in ast.walk(defs[name]) if isinstance(x, ast.Name) and x.id in defs]
+    parts = [triton.__version__] + [ast.unparse(defs[n]) for n in sorted(seen)] + \
+        [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def compile_sm90(paths: list[Path]) -> list[dict[str, Any]]:
+    """`onboarding.generate.aot.compile_files` rows for the rendered modules, memoised by
+    `aot_key` within the process."""
+    from onboarding.generate.aot import compile_files
+
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        key = aot_key(Path(path).read_text())
+        if key not in _AOT_DONE:
+            _AOT_DONE[key] = [r.as_dict() for rs in compile_files([path]).values() for r in rs]
+        rows += _AOT_DONE[key]
+    return rows

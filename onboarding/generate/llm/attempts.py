@@ -3,7 +3,7 @@ back, within a bound of attempts and seconds; record every attempt.
 
 Files, under ``<run_dir>/generated/``:
 - ``llm/<block>/attempt-N/``: ``prompt.json`` (the messages sent, their hash), ``answer.txt`` (the
-  raw reply), ``family/<name>/`` and ``rendered/`` (the parsed files), ``worker.json`` (the
+  raw reply), ``family/<name>/`` and ``rendered/`` (the parsed files), ``blockcheck.json`` (the
   subprocess check), ``verdict.json``;
 - ``llm/<block>/summary.json``: every attempt's prompt hash, verdict and reason, and the outcome;
 - ``families/<name>/``: the accepted family folder (plugin layout, loads with ``--families``),
