@@ -77,3 +77,96 @@ def test_worked_examples_by_structure():
         assert name in [n for n, _ in match_block(proto)] and name in why
     plain = Block(path="p", kind="unknown", layer=0, class_name="Y", op_histogram={"mm": 2})
     assert worked_examples(plain)[0] == names[-1:]
+
+
+# -- the block check ---------------------------------------------------------------------------
+
+def _running_mean(v):
+    import torch
+
+    n = torch.arange(1, v.shape[1] + 1, dtype=v.dtype)
+    return torch.cumsum(v, dim=1) / n[:, None]
+
+
+def _own(m):
+    return m.forward
+
+
+def _off(m):
+    return lambda x: m.forward(x) * 1.01
+
+
+def _no_param_grad(m):
+    import torch
+
+    def fwd(x):
+        v = torch.nn.functional.linear(x, m.inp.weight.detach())
+        return m.out(_running_mean(v) * v)
+    return fwd
+
+
+def _cached(m):
+    """Returns the first call's output again for inputs of the same shape."""
+    memo = {}
+
+    def fwd(x):
+        if x.shape not in memo:
+            out = m.forward(x)
+            memo[x.shape] = out.detach()
+            return out
+        return memo[x.shape] + 0 * x.sum()
+    return fwd
+
+
+def _example_shape_only(m):
+    """Right at the captured length, a wrong causal mean elsewhere (a hard-coded length)."""
+    import torch
+
+    def fwd(x):
+        v = m.inp(x)
+        n = torch.arange(1, 17, dtype=v.dtype)[: v.shape[1]]
+        mean = torch.cumsum(v, dim=1) / (n if v.shape[1] == 16 else n.flip(0))[:, None]
+        return m.out(mean * v)
+    return fwd
+
+
+def _raises(m):
+    def fwd(x):
+        raise RuntimeError("launch failed\ninvalid grid (0, 1, 1)")
+    return fwd
+
+
+@pytest.mark.parametrize("make, passed, reason, where", [
+    (_own, True, "", ""),
+    (_off, False, "out0: rel_rms 1.0e-02 > 1e-04", "(batch 1, seq 16, fp32)"),
+    (_no_param_grad, False, "no gradient reached parameter inp.weight",
+     "(batch 1, seq 16, fp32)"),
+    (_cached, False, "out0: rel_rms", "(batch 1, seq 16, fp32)"),
+    (_example_shape_only, False, "out0: rel_rms", "(batch 1, seq 13, fp32)"),
+    (_raises, False, "the replacement raised at batch 1, seq 16, fp32: RuntimeError: "
+                     "invalid grid (0, 1, 1)", ""),
+])
+def test_block_check_verdicts(make, passed, reason, where):
+    from onboarding.generate.blockcheck import check_block
+
+    v = check_block(ModelSpec(ref=CUM), "layers.0.mixer", make, seq=16, in_process=True)
+    assert v.passed is passed and v.reason.startswith(reason), v.reason
+    assert v.reason.endswith(where)
+    if passed:  # every size checked: forward, the input's and both weights' gradients
+        assert [(s.batch, s.seq) for s in v.sizes] == [(1, 16), (1, 16), (1, 13), (3, 13)]
+        assert {e.name for e in v.sizes[-1].errors} == {
+            "out0", "grad of x", "grad of param inp.weight", "grad of param out.weight"}
+    if make is _cached:  # right on the first draw, wrong on the second draw at the same shape
+        assert v.sizes[0].passed and v.sizes[1].draw != v.sizes[0].draw
+        assert not v.sizes[1].passed
+
+
+def test_block_check_subprocess_timeout():
+    from onboarding.generate.blockcheck import Replacement, check_block
+
+    v = check_block(ModelSpec(ref=CUM), "layers.0.mixer",
+                    Replacement(target=f"{FIXTURES / 'uncovered_models.py'}:running_mean"), seq=16,
+                    timeout_s=1)
+    assert not v.passed and v.reason == "timeout after 1 s"
+    with pytest.raises(TypeError, match="cannot cross into the check's subprocess"):
+        check_block(ModelSpec(ref=CUM), "layers.0.mixer", _own, seq=16)

@@ -1,0 +1,454 @@
+"""The block check: the gate every replacement of a whole block passes before it is used (the
+Inductor fallback, an LLM-written kernel family's forward).
+
+A replacement is made from the block's module, ``make(module) -> forward_fn`` with the module's
+own forward signature. The check rebuilds the seeded proxy model from its `ModelSpec` and, at
+each size, draws fresh model inputs, runs the model's forward up to the block (a forward
+pre-hook with kwargs captures the block's inputs and ends the forward there), then calls the
+replacement and the block's own eager forward in separate calls on separate clones of those
+inputs (replacement first, so nothing it returns can come from the reference's call), and
+back-propagates the same random cotangents through both. Compared: every floating output, every
+gradient of a floating input, and every gradient of the block's trainable parameters, by
+relative RMS under the "layer" row of `onboarding.testing.tolerance` (integer outputs must be
+equal). Sizes: the captured (batch, seq), the same again with a second draw (a replacement that
+returns values cached from an earlier call fails there), then an odd, non-power-of-two sequence
+length at batch 1 and 3. A size at which the model's own forward fails is skipped and said so.
+Dtypes: fp32, and bf16 on a GPU that supports it (there the reference is the block in fp32 and
+the bar is the bf16 "layer" row, or twice the unpatched bf16 block's own error where that is
+larger, as in alignment).
+
+`check_block` runs all this in a subprocess with a timeout (the replacement named by
+`Replacement`, "package.module:function" or "/path/file.py:function", so it can be made on the
+other side) and returns a `BlockVerdict`. ``in_process=True`` takes any callable (tests).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onboarding.load.spec import ModelSpec
+from onboarding.testing.tolerance import compare_scaled, layer_tolerance, rel_rms
+
+FLOOR_FACTOR = 2.0  # bf16: at most this times the unpatched bf16 block's own error
+
+
+@dataclass(kw_only=True)
+class Replacement:
+    """How the check's subprocess makes the replacement: ``target`` names a function
+    ("package.module:function" or "/path/to/file.py:function") called as
+    ``function(module, **kwargs) -> forward_fn``. A forward_fn with a ``finish()`` method has it
+    called after the last size; what it returns (JSON) is kept in the verdict's ``artifacts``."""
+
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    def load(self) -> Callable[..., Callable]:
+        where, _, name = self.target.rpartition(":")
+        if not where or not name:
+            raise ValueError(f"replacement target {self.target!r}: expected module:function")
+        if where.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(f"_onboard_repl_{abs(hash(where))}",
+                                                          where)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(where)
+        fn = getattr(mod, name, None)
+        if not callable(fn):
+            raise ValueError(f"replacement target {self.target!r}: no function {name}")
+        return lambda module: fn(module, **self.kwargs)
+
+
+@dataclass(kw_only=True)
+class TensorError:
+    name: str  # "out0", "grad of hidden_states", "grad of param inp.weight"
+    passed: bool
+    rel_rms: float | None = None
+    bound: float | None = None
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class SizeCheck:
+    batch: int
+    seq: int
+    dtype: str
+    draw: int  # the seed the model inputs were drawn with
+    passed: bool = False
+    skipped: str = ""  # why this size was not checked (the model's own forward fails there)
+    errors: list[TensorError] = field(default_factory=list)
+    seconds: float = 0.0  # the replacement's first call at this size (compiles included)
+
+
+@dataclass(kw_only=True)
+class BlockVerdict:
+    path: str
+    replacement: str
+    passed: bool = False
+    reason: str = ""  # the first failure, in one line; "" when passed
+    sizes: list[SizeCheck] = field(default_factory=list)
+    device: str = ""
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    artifacts: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BlockVerdict:
+        d = dict(d)
+        d["sizes"] = [SizeCheck(**{**s, "errors": [TensorError(**e) for e in s["errors"]]})
+                      for s in d.get("sizes", [])]
+        return cls(**d)
+
+    def summary(self) -> str:
+        checked = [s for s in self.sizes if not s.skipped]
+        worst = max((e.rel_rms for s in checked for e in s.errors if e.rel_rms is not None
+                     and math.isfinite(e.rel_rms)), default=None)
+        what = ", ".join(f"{s.batch}x{s.seq} {s.dtype}" for s in checked) or "no size"
+        head = "passed" if self.passed else f"FAILED: {self.reason}"
+        return head + f" ({what}" + (f"; worst rel_rms {worst:.1e}" if worst is not None
+                                     else "") + ")"
+
+
+def default_sizes(batch: int, seq: int) -> list[tuple[int, int]]:
+    """The captured size twice (two draws), then an odd, non-power-of-two seq at batch 1 and 3."""
+    odd = max(3, seq // 2 + 5) | 1
+    if odd & (odd - 1) == 0 or odd == seq:
+        odd += 2
+    return [(batch, seq), (batch, seq), (1, odd), (3, odd)]
+
+
+def default_dtypes(device: str) -> list[str]:
+    if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+        return ["fp32", "bf16"]
+    return ["fp32"]
+
+
+def check_block(spec: ModelSpec, path: str, replacement: Replacement | Callable, *,
+                batch: int = 1, seq: int = 64, sizes: list[tuple[int, int]] | None = None,
+                dtypes: list[str] | None = None, seed: int = 0, kind: str = "",
+                timeout_s: float = 600.0,
+                in_process: bool = False, env: dict[str, str] | None = None) -> BlockVerdict:
+    """Check ``replacement`` against the block at ``path`` of the proxy of ``spec`` (module
+    docstring). In a subprocess with ``timeout_s`` unless ``in_process``."""
+    label = replacement.label or replacement.target if isinstance(replacement, Replacement) \
+        else getattr(replacement, "__qualname__", repr(replacement))
+    request = {"spec": asdict(spec), "path": path, "batch": batch, "seq": seq,
+               "sizes": sizes or default_sizes(batch, seq), "dtypes": dtypes, "seed": seed,
+               "kind": kind}
+    if in_process:
+        make = replacement.load() if isinstance(replacement, Replacement) else replacement
+        return run_check(request, make, label)
+    if not isinstance(replacement, Replacement):
+        raise TypeError("a callable cannot cross into the check's subprocess: give a "
+                        "Replacement naming it (module:function), or in_process=True")
+    from onboarding.families import subprocess_env
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="blockcheck-") as tmp:
+        out = Path(tmp) / "verdict.json"
+        request.update(replacement=asdict(replacement), out=str(out), label=label)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "onboarding.generate.blockcheck"],
+                                  input=json.dumps(request), capture_output=True, text=True,
+                                  timeout=timeout_s, env=subprocess_env(env))
+        except subprocess.TimeoutExpired:
+            return BlockVerdict(path=path, replacement=label, passed=False,
+                                reason=f"timeout after {timeout_s:.0f} s",
+                                seconds=round(time.perf_counter() - t0, 1))
+        if out.exists():
+            return BlockVerdict.from_dict(json.loads(out.read_text()))
+        lines = [ln for ln in (proc.stderr or proc.stdout or "").strip().splitlines() if ln]
+        return BlockVerdict(path=path, replacement=label, passed=False,
+                            reason=f"check process exited {proc.returncode}: "
+                            + (lines[-1][:300] if lines else "no output"),
+                            seconds=round(time.perf_counter() - t0, 1))
+
+
+# -- the check itself (runs in the subprocess) --------------------------------------------------
+
+class _Stop(Exception):
+    pass
+
+
+def _clone(x: Any, grad: bool = False) -> Any:
+    if isinstance(x, torch.Tensor):
+        y = x.detach().clone()
+        return y.requires_grad_(True) if grad and y.is_floating_point() else y
+    if isinstance(x, tuple):
+        return tuple(_clone(v, grad) for v in x)
+    if isinstance(x, list):
+        return [_clone(v, grad) for v in x]
+    if isinstance(x, dict):
+        return {k: _clone(v, grad) for k, v in x.items()}
+    return x
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    return x
+
+
+def _flat(x: Any) -> list[torch.Tensor | None]:
+    """The tensors of an output, in order (a ModelOutput by its fields; None kept as None)."""
+    if isinstance(x, torch.Tensor) or x is None:
+        return [x]
+    if hasattr(x, "to_tuple"):
+        return _flat(x.to_tuple())
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _flat(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _flat(v)]
+    return []
+
+
+def _leaves(args: tuple, kwargs: dict, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the floating inputs that require grad, named by the signature."""
+    out = []
+    for i, a in enumerate(args):
+        name = names[i] if i < len(names) else f"arg{i}"
+        out += [(name if len(_flat(a)) == 1 else f"{name}[{j}]", t)
+                for j, t in enumerate(_flat(a)) if isinstance(t, torch.Tensor)
+                and t.requires_grad]
+    for k, v in kwargs.items():
+        out += [(k if len(_flat(v)) == 1 else f"{k}[{j}]", t) for j, t in enumerate(_flat(v))
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+    return out
+
+
+def _run_once(fn: Callable, module: torch.nn.Module, args: tuple, kwargs: dict,
+              cot_seed: int, names: list[str]
+              ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
+    """Outputs and gradients (inputs, then parameters) of one call on fresh clones."""
+    a, k = _clone(args, grad=True), _clone(kwargs, grad=True)
+    for p in module.parameters():
+        p.grad = None
+    outs = _flat(fn(*a, **k))
+    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+    gen = torch.Generator().manual_seed(cot_seed)
+    if diff:
+        cots = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in diff]
+        torch.autograd.backward(diff, cots)
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, t in _leaves(a, k, names):
+        grads[f"grad of {name}"] = None if t.grad is None else t.grad.detach().clone()
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            grads[f"grad of param {name}"] = None if p.grad is None else p.grad.detach().clone()
+        p.grad = None
+    return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], grads
+
+
+def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str
+           ) -> list[TensorError]:
+    tol = layer_tolerance(dtype, kind)
+    (c_out, c_grads), (r_out, r_grads) = cand, ref
+    errors: list[TensorError] = []
+    if len(c_out) != len(r_out):
+        return [TensorError(name="outputs", passed=False,
+                            message=f"the replacement returned {len(c_out)} tensors, the "
+                            f"block {len(r_out)}")]
+
+    def bound_for(name: str, f: torch.Tensor | None, r: torch.Tensor) -> float:
+        if f is None:
+            return tol.max_rel_rms
+        return max(tol.max_rel_rms, FLOOR_FACTOR * rel_rms(f.float(), r.float()))
+
+    f_out, f_grads = floor if floor is not None else ([None] * len(r_out), {})
+    for i, (c, r) in enumerate(zip(c_out, r_out)):
+        name = f"out{i}"
+        if r is None or c is None:
+            if (r is None) != (c is None):
+                errors.append(TensorError(name=name, passed=False, message=f"{name}: "
+                                          f"{'None' if c is None else 'a tensor'} where the "
+                                          f"block returns {'None' if r is None else 'a tensor'}"))
+            continue
+        if not r.is_floating_point():
+            same = c.shape == r.shape and torch.equal(c.cpu(), r.cpu())
+            errors.append(TensorError(name=name, passed=same, message=f"{name}: " + (
+                "equal" if same else "integer output differs")))
+            continue
+        errors.append(_compare(name, c, r, bound_for(name, f_out[i] if i < len(f_out) else None,
+                                                      r), tol))
+    for name, r in r_grads.items():
+        c = c_grads.get(name)
+        if r is None:
+            continue
+        if c is None:
+            what = name.replace("grad of param ", "parameter ").replace("grad of ", "input ")
+            errors.append(TensorError(name=name, passed=False,
+                                      message=f"no gradient reached {what}"))
+            continue
+        errors.append(_compare(name, c, r, bound_for(name, f_grads.get(name), r), tol))
+    return errors
+
+
+def _compare(name: str, c: torch.Tensor, r: torch.Tensor, bound: float, tol) -> TensorError:
+    from dataclasses import replace
+
+    cmp = compare_scaled(c.float(), r.float(), replace(tol, max_rel_rms=bound), name)
+    rr = cmp.rel_rms if math.isfinite(cmp.rel_rms) else None
+    msg = cmp.message if cmp.passed else (
+        f"{name}: rel_rms {cmp.rel_rms:.1e} > {bound:.0e}" if not math.isfinite(cmp.rel_rms)
+        or cmp.rel_rms > bound else cmp.message)
+    return TensorError(name=name, passed=cmp.passed, rel_rms=rr, bound=bound, message=msg)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1].strip()[:240] if lines else ''}"
+
+
+def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) -> BlockVerdict:
+    """The check of the module docstring, in this process."""
+    from onboarding.align.core import as_dtype
+    from onboarding.backend import kernel_device
+    from onboarding.graph.parse import example_inputs, load_shipped_weights, load_stage
+
+    t0 = time.perf_counter()
+    path, seed = req["path"], int(req.get("seed", 0))
+    device = str(kernel_device())
+    verdict = BlockVerdict(path=path, replacement=label, device=device)
+    spec = ModelSpec(**req["spec"])
+    info = load_stage(spec.load(), spec.proxy)
+    base = info.loaded.build(info.proxy_config, seed=seed).eval()
+    load_shipped_weights(base, info)
+    kind = req.get("kind") or ""
+    for dtype_name in req.get("dtypes") or default_dtypes(device):
+        dtype = as_dtype(dtype_name)
+        model = copy.deepcopy(base).to(device=device, dtype=dtype).eval()
+        module = dict(model.named_modules()).get(path)
+        if module is None:
+            verdict.reason = f"no module at {path} in the proxy model"
+            break
+        original = module.forward
+        names = [p for p in inspect.signature(original).parameters]
+        ref_module = module if dtype == torch.float32 else \
+            copy.deepcopy(module).to(torch.float32)
+        try:
+            fn = make(module)
+        except Exception as exc:  # the replacement could not be made: its own failure
+            verdict.reason = f"making the replacement raised {_last_line(exc)}"
+            break
+        if not callable(fn):
+            verdict.reason = f"the replacement's make() returned {type(fn).__name__}, " \
+                "not a forward function"
+            break
+        for draw, (b, t) in enumerate(req["sizes"]):
+            size = SizeCheck(batch=b, seq=t, dtype=dtype_name, draw=seed + 1 + draw)
+            verdict.sizes.append(size)
+            captured: dict[str, Any] = {}
+
+            def pre(mod, args, kwargs, captured=captured):
+                if not captured:
+                    captured["args"], captured["kwargs"] = _clone(args), _clone(kwargs)
+                raise _Stop
+
+            handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+            try:
+                inputs, kwargs = example_inputs(model, info.proxy_config, b, t, size.draw)
+                inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x
+                               for x in inputs)
+                with torch.no_grad():
+                    model(*inputs, **kwargs)
+            except _Stop:
+                pass
+            except Exception as exc:
+                size.skipped = f"the model's own forward fails at batch {b}, seq {t}: " \
+                    + _last_line(exc)
+                continue
+            finally:
+                handle.remove()
+            if not captured:
+                size.skipped = f"the model's forward did not call {path} at batch {b}, seq {t}"
+                continue
+            args, kw = captured["args"], captured["kwargs"]
+            try:
+                ref = _run_once(original if ref_module is module else ref_module.forward,
+                                ref_module, _cast(args, torch.float32) if ref_module is not module
+                                else args, _cast(kw, torch.float32) if ref_module is not module
+                                else kw, size.draw, names)
+            except Exception as exc:
+                size.skipped = f"the block's own forward fails at batch {b}, seq {t}: " \
+                    + _last_line(exc)
+                continue
+            floor = None
+            if ref_module is not module:  # 16-bit: the unpatched block's own error sets a floor
+                floor = _run_once(original, module, args, kw, size.draw, names)
+            s0 = time.perf_counter()
+            try:
+                cand = _run_once(fn, module, args, kw, size.draw, names)
+            except Exception as exc:
+                size.seconds = round(time.perf_counter() - s0, 2)
+                verdict.reason = f"the replacement raised at batch {b}, seq {t}, " \
+                    f"{dtype_name}: {_last_line(exc)}"
+                break
+            size.seconds = round(time.perf_counter() - s0, 2)
+            size.errors = _judge(cand, ref, floor, dtype_name, kind)
+            size.passed = all(e.passed for e in size.errors)
+            if not size.passed:
+                bad = next(e for e in size.errors if not e.passed)
+                verdict.reason = f"{bad.message} (batch {b}, seq {t}, {dtype_name})"
+                break
+        finish = getattr(fn, "finish", None)
+        if callable(finish):
+            try:
+                verdict.artifacts[dtype_name] = finish()
+            except Exception as exc:
+                verdict.notes.append(f"finish() raised {_last_line(exc)}")
+        if verdict.reason:
+            break
+    checked = [s for s in verdict.sizes if not s.skipped]
+    skipped = [s for s in verdict.sizes if s.skipped]
+    if skipped:
+        verdict.notes += sorted({s.skipped for s in skipped})
+    if not verdict.reason and not checked:
+        verdict.reason = "no size could be checked: " + (skipped[0].skipped if skipped else
+                                                          "no sizes")
+    verdict.passed = not verdict.reason and all(s.passed for s in checked)
+    verdict.seconds = round(time.perf_counter() - t0, 1)
+    return verdict
+
+
+def main() -> int:
+    req = json.loads(sys.stdin.read())
+    repl = Replacement(**req["replacement"])
+    out = Path(req["out"])
+    try:
+        make = repl.load()
+        verdict = run_check(req, make, req.get("label") or repl.target)
+    except Exception as exc:
+        verdict = BlockVerdict(path=req["path"], replacement=req.get("label") or repl.target,
+                               passed=False, reason=_last_line(exc))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(verdict.to_dict(), default=str))
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
