@@ -355,8 +355,11 @@ def run_align_facts(work: Path, env: dict[str, Any], log: Callable[[str], None]
                     ) -> list[NightlyRow]:
     """The built-in example aligned as `onboard run` aligns it; one fact row per alignment fact."""
     from onboarding import regress
+    from onboarding.backend import ensure_triton_backend
     from onboarding.load.spec import ModelSpec
     from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
+
+    ensure_triton_backend()  # a spawned warm-up process starts without the CLI's set-up
 
     out = work / "align-example"
     out.mkdir(parents=True, exist_ok=True)
