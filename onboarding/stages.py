@@ -57,8 +57,11 @@ def _config_dict(config: Any) -> dict[str, Any] | None:
 
 def run_load(spec: ModelSpec, out_dir: Path | None = None) -> ModelInfo:
     """Resolve MODEL, account the full size on meta, pick the proxy; writes ``model.json``."""
+    from onboarding.load.weights import check_shipped
+
     t0 = time.perf_counter()
     info = load_stage(spec.load(), spec.proxy)
+    check_shipped(info)  # unfit, truncated or corrupt weights: before any file is written
     if out_dir is not None:
         save_model_json(info, out_dir, spec.overrides, time.perf_counter() - t0)
     return info

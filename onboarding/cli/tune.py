@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import re
 from pathlib import Path
 
 from rich.console import Console
 
 from onboarding.cli.common import command_parser, model_options, model_spec, torch_cuda_available
 from onboarding.errors import EXIT_OK, InputError
+from onboarding.rundir import RUN_FILE, check_out, owned_dir, write_json
 from onboarding.load.overrides import positive_int_list
 
 
@@ -97,6 +98,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
         raise InputError(f"--tune-budget {args.tune_budget}: expected seconds > 0")
     if args.space_only and not args.space:
         raise InputError("--space-only needs --space KEY=V1,V2 to search")
+    if args.storage:
+        _check_storage(args.storage)
     cfg = TuneConfig(n_trials=args.trials, n_workers=args.workers, storage=args.storage,
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
                      aot=not args.no_aot, space=_space(args.space) or None,
@@ -141,14 +144,55 @@ def _tune_family(args: argparse.Namespace, cfg, console: Console) -> int:
             raise InputError(f"--space {key}={values}: {spec.name} searches "
                              f"{ {k: list(v) for k, v in spec.tuning_space.items()} }")
     out = Path(args.out) if args.out else Path("runs") / f"tune-{args.kernel}-{variant}"
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
+    check_out(out)
+    reuse = _earlier_tune(out, spec.name, variant)
+    if not reuse and out.exists() and any(out.iterdir()):  # never among a user's files
+        raise InputError(f"--out {out}: directory exists and is not empty (nor an earlier "
+                         f"`onboard tune --kernel {spec.name}` folder); choose another")
+    # found late (e.g. a grid too large): the directory made here is removed again
+    with owned_dir(out, created_here=not reuse):
+        if not reuse:
+            write_json(out / RUN_FILE, {"kind": "tune", "family": spec.name, "variant": variant})
         return _tune_family_in(args, cfg, console, spec, variant, out, dims_for)
-    except InputError:  # found late (e.g. a grid too large): leave no run directory behind
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+
+
+# what an `onboard tune --kernel F` folder holds: it may be tuned into again (its studies resume)
+_TUNE_FILES = re.compile(r"^(kernels|tune\.db|tune_best\.png|compare-.*\.(json|md|png)|"
+                         r"run\.json|run\.lock)$")
+
+
+def _earlier_tune(out: Path, family: str, variant: str) -> bool:
+    """Whether ``out`` is an earlier `onboard tune --kernel` folder of this family and variant
+    (its run.json says so; older ones: only tune's own files, with kernels/<family>)."""
+    if not out.is_dir():
+        return False
+    try:
+        mark = json.loads((out / RUN_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        mark = None
+    if isinstance(mark, dict) and mark.get("kind") == "tune":
+        return (mark.get("family"), mark.get("variant")) == (family, variant)
+    return (out / "kernels" / family).is_dir() and all(_TUNE_FILES.match(p.name)
+                                                       for p in out.iterdir())
+
+
+def _check_storage(url: str) -> None:
+    """An Optuna storage URL that cannot be opened fails before any work: an unknown scheme, a
+    SQLite file in a folder that does not exist."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        u = make_url(url)
+        u.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise InputError(f"--storage {url}: not a database URL Optuna can open "
+                         f"({type(exc).__name__}: {exc})") from None
+    if u.get_backend_name() == "sqlite" and u.database not in (None, "", ":memory:"):
+        folder = Path(u.database).expanduser().parent
+        if not folder.is_dir():
+            raise InputError(f"--storage {url}: the SQLite file's folder {folder} does not "
+                             "exist")
 
 
 def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, variant: str,
@@ -201,7 +245,7 @@ def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, varia
 
 
 def _tune_model(args: argparse.Namespace, cfg, console: Console) -> int:
-    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.rundir import new_run_dir
     from onboarding.stages import (
         run_generate,
         run_load,
@@ -221,21 +265,28 @@ def _tune_model(args: argparse.Namespace, cfg, console: Console) -> int:
     reuse = out is not None and all((out / a).is_file() for a in RUN_ARTIFACTS)
     if reuse:
         console.print(f"reusing the generated run in {out}")
+        with owned_dir(out, created_here=False):  # locked: no run writes it meanwhile
+            data = tune_run(out, cfg, families=families, progress=True,
+                            budget_s=args.tune_budget)
     else:
         if args.model is None:
             raise InputError(f"--out {out}: no generated run there ({', '.join(RUN_ARTIFACTS)}); "
                              "give MODEL")
         spec = model_spec(args)
+        if args.out:  # an unusable --out fails before the model is loaded
+            new_run_dir("", args.out)
         with console.status("tune: loading") as status:
             info = run_load(spec)
             out = new_run_dir(info.loaded.name, args.out)
-            with owned_dir(out, created_here=True):
-                save_model_json(info, out, spec.overrides)
-                graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
-                                  on_step=lambda s: status.update(f"parse: {s}"))
-                run_generate(run_map(graph, out), out,
-                             on_step=lambda s: status.update(f"generate: {s}"))
-    data = tune_run(out, cfg, families=families, progress=True, budget_s=args.tune_budget)
+        with owned_dir(out, created_here=True), console.status("tune: parse") as status:
+            save_model_json(info, out, spec.overrides)
+            graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
+                              on_step=lambda s: status.update(f"parse: {s}"))
+            run_generate(run_map(graph, out), out,
+                         on_step=lambda s: status.update(f"generate: {s}"))
+            status.stop()
+            data = tune_run(out, cfg, families=families, progress=True,
+                            budget_s=args.tune_budget)
     for s in data["studies"]:
         console.print(f"[bold]{s['family']}/{s['variant']}[/bold] `{s['module']}` "
                       f"({len(s['blocks'])} blocks, {s['size_source']} = {s['size']})")

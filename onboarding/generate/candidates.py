@@ -10,6 +10,7 @@ different file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -43,6 +44,7 @@ class Candidate:
     error: str = ""
     seconds: float = 0.0
     promoted_to: str | None = None
+    sha256: str = ""  # of the module as rendered: `load_candidates` refuses an edited file
 
 
 def candidate_name(family: str, variant: str, params: dict[str, Any]) -> str:
@@ -61,9 +63,10 @@ def render_candidates(coverage: Coverage, root: Path) -> list[Candidate]:
         path = root / e.family / f"{name}.py"
         key = str(path)
         if key not in out:
-            write_module(render(e.family, e.variant, e.params), path)
+            source = render(e.family, e.variant, e.params)
+            write_module(source, path)
             out[key] = Candidate(family=e.family, variant=e.variant, params=e.params,
-                                 path=str(path), shapes=e.shapes)
+                                 path=str(path), shapes=e.shapes, sha256=_sha256(source))
         out[key].blocks.append(e.path)
     return list(out.values())
 
@@ -187,4 +190,36 @@ def save_candidates(cands: list[Candidate], path: Path) -> None:
 
 
 def load_candidates(path: Path) -> list[Candidate]:
-    return [Candidate(**c) for c in json.loads(Path(path).read_text())]
+    """The candidates of ``candidates.json``, each module the copy in that run folder (a moved or
+    copied run imports its own) and verified to be the file onboard rendered: its sha256 as
+    recorded at rendering (older runs: the family's rendering again). An edited candidate is
+    refused (bad input), never imported."""
+    path = Path(path)
+    out = []
+    for d in json.loads(path.read_text()):
+        c = Candidate(**d)
+        local = path.parent / "candidates" / c.family / Path(c.path).name
+        if local.is_file():
+            c.path = str(local)
+        _verify_source(c)
+        out.append(c)
+    return out
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _verify_source(c: Candidate) -> None:
+    file = Path(c.path)
+    if not file.is_file():
+        return  # nothing to import: whoever needs it says so
+    text = file.read_text()
+    if c.sha256:
+        ok, what = _sha256(text) == c.sha256, f"sha256 {c.sha256[:12]} recorded at rendering"
+    else:
+        ok, what = text == render(c.family, c.variant, c.params), "the family's rendering"
+    if not ok:
+        raise InputError(f"{file}: the {c.family}/{c.variant} candidate differs from {what} "
+                         "(edited?); onboard does not import it: restore it or generate the "
+                         "run again")

@@ -42,6 +42,10 @@ class ModelInfo:
 
 def load_stage(loaded: LoadedModel, proxy_size: str = "tiny") -> ModelInfo:
     full_model = loaded.build(device="meta", seed=None)
+    empty = [f"{n} {list(p.shape)}" for n, p in full_model.named_parameters() if p.numel() == 0]
+    if empty:  # a width or count set to 0 (a --set, a factory argument): nothing would run
+        raise InputError(f"{loaded.ref}: the model has parameters of size 0 ({', '.join(empty[:3])}"
+                         f"{', ...' if len(empty) > 3 else ''}): is a width or count 0?")
     full = account(full_model, loaded.config)  # a multimodal model: the whole, by part
     cfg, note = proxy_config(loaded, proxy_size, full_model, full.total)
     return ModelInfo(loaded=loaded, full=full, proxy_config=cfg, proxy_note=note,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 from onboarding.errors import InputError
@@ -72,7 +73,59 @@ def apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
             value = float(value)
         planned.append((target, leaf, value))
     for target, leaf, value in planned:
-        setattr(target, leaf, value)
+        try:
+            setattr(target, leaf, value)
+        except Exception as exc:  # noqa: BLE001 - the config class' own field validation
+            raise InputError(f"--set {leaf}={json.dumps(value)}: {type(target).__name__} "
+                             f"rejects it: {_first_line(exc)}") from None
+    check_values(config, overrides)
+
+
+# fields that count or size something: an overridden one must be >= 1 (never negative for any
+# count); top-k must not exceed the experts it picks from
+_SIZE_FIELD = re.compile(r"(_size|_dim|_layers|_heads|^num_experts_per_tok|^top_?k|_topk)$")
+_COUNT_FIELD = re.compile(r"^(num|n)_|_(size|dim|layers|heads|experts)$")
+
+
+def check_values(config: Any, overrides: dict[str, Any]) -> None:
+    """After ``--set``: what the values must satisfy for the config to describe a model, said
+    before anything is built. Counts and sizes set to zero or less, top-k above the expert count,
+    and whatever the config class' own `validate()` (transformers' strict configs) rejects."""
+    for key, value in overrides.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if value < 1 and _SIZE_FIELD.search(leaf):
+            raise InputError(f"--set {key}={value}: a size, layer, head or top-k count must "
+                             "be >= 1")
+        if value < 0 and _COUNT_FIELD.search(leaf):
+            raise InputError(f"--set {key}={value}: a count must be >= 0")
+    from onboarding.load.accounting import TOPK_NAMES
+    from onboarding.load.proxy import EXPERT_COUNT_NAMES, text_config
+
+    tc = text_config(config)
+    ints = {n: v for n in (*TOPK_NAMES, *EXPERT_COUNT_NAMES)
+            if isinstance(v := getattr(tc, n, None), int) and not isinstance(v, bool)}
+    topk = {n: v for n, v in ints.items() if n in TOPK_NAMES and v > 0}
+    experts = {n: v for n, v in ints.items() if n in EXPERT_COUNT_NAMES and v > 0}
+    if topk and experts:
+        (kn, k), (en, e) = max(topk.items(), key=lambda t: t[1]), max(experts.items(),
+                                                                      key=lambda t: t[1])
+        if k > e and any(key.rsplit(".", 1)[-1] in ints for key in overrides):
+            raise InputError(f"--set: {kn}={k} > {en}={e}: each token would pick more experts "
+                             "than there are")
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except Exception as exc:  # noqa: BLE001 - transformers' own checks, as they say it
+            raise InputError(f"--set: transformers rejects the config: {type(exc).__name__}: "
+                             f"{_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [x for x in str(exc).strip().splitlines() if x.strip()]
+    return " ".join(x.strip() for x in lines[:2]) if lines else ""
 
 
 def int_list(v: str) -> list[int]:

@@ -30,6 +30,9 @@ class ModelSpec:
     impl: str = "auto"  # remote code whose model_type transformers implements: native | remote
 
     def __post_init__(self) -> None:
+        if self.ref is not None and not self.ref.strip():  # `onboard parse ''`: not the default
+            raise InputError("MODEL is empty: give a model directory, hf:<model_type>, "
+                             "file.py:Name, module:Name or an example (or leave it out)")
         if self.proxy not in PROXIES:
             raise InputError(f"proxy {self.proxy!r}: expected one of {', '.join(PROXIES)}")
         if self.impl not in IMPLS:

@@ -52,6 +52,12 @@ def check(cfg: TrainConfig):
     cfg.validate_fields()  # field checks first: cheap, and clear before the model is loaded
     info, n_experts = meta_experts(cfg)
     cfg.validate(n_experts=n_experts)
+    patterns = [t for t in cfg.lora_targets if t != "auto"]
+    if patterns:  # a pattern that matches no linear fails here, not in a worker in the run dir
+        from onboarding.train.lora import resolve_targets
+
+        resolve_targets(info.loaded.build(info.proxy_config, device="meta", seed=None), None,
+                        patterns)
     if resolve_device(cfg).type == "cuda":  # one GPU per process
         import torch
 

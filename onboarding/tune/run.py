@@ -106,9 +106,7 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
         if c.status != "passed":
             notes.append(f"{c.family}/{c.variant}: candidate {c.status}, not tuned")
             continue
-        # candidates.json may name another copy of this run directory: prefer the module here
-        local = run_dir / "candidates" / c.family / Path(c.path).name
-        path = str(local) if local.is_file() else c.path
+        path = c.path  # this folder's copy, as rendered (`load_candidates` checks)
         spec, module = get_family(c.family), load_module(path)
         for e in coverage.entries:
             if (e.family, e.variant, e.params) != (c.family, c.variant, c.params):
