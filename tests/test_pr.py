@@ -248,3 +248,119 @@ def test_bad_input_exit_2_and_the_repo_unchanged(run_dir, tmp_path, capsys, monk
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     rc, out = onboard(capsys, "pr", "create", run_dir, "--repo", repo)
     assert rc == 2 and "git not found" in out
+
+
+def _paused_at_review(run_dir: Path, repo: Path):
+    """The agent's graph on `run_dir` as if its report had just finished, run on from there:
+    the review gate opens the PR and interrupts. Returns the run's thread config."""
+    from agents.graph import compile_graph, thread_config
+    from agents.state import RunConfig, RunState
+    from onboarding.load.spec import ModelSpec
+    from onboarding.rundir import new_run_id
+
+    run_id = new_run_id(run_dir, model="tiny_dense")
+    state = RunState(config=RunConfig(model=ModelSpec(ref="tiny_dense"), review=True,
+                                      review_repo=str(repo), align_kernels=["rmsnorm"]),
+                     run_dir=str(run_dir), model_name="tiny_dense",
+                     completed=["load", "parse", "map", "generate", "align", "tune", "train",
+                                "report"])
+    app, conn = compile_graph(run_dir)
+    try:
+        cfg = thread_config(run_dir, run_id)
+        app.update_state(cfg, state.model_dump(), as_node="report")
+        list(app.stream(None, cfg, durability="sync"))
+        snap = app.get_state(cfg)
+        assert snap.next == ("review",)
+        assert [i.value["branch"] for t in snap.tasks for i in t.interrupts]
+    finally:
+        conn.close()
+    return cfg
+
+
+def _graph_state(run_dir: Path, cfg: dict):
+    from agents.graph import compile_graph
+
+    app, conn = compile_graph(run_dir)
+    try:
+        return app.get_state(cfg)
+    finally:
+        conn.close()
+
+
+def onboard_process(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onboarding.cli.main", *map(str, argv)],
+                          capture_output=True, text=True, env={**os.environ, **GIT_ENV})
+
+
+@pytest.mark.parametrize("answer", ["approve", "reject"])
+def test_review_gate_pauses_and_resumes_in_a_new_process(run_dir, tmp_path, answer):
+    """`--review`: the graph stops before the pr node (interrupt, checkpointed in SQLite) with
+    the PR branch open; another process answers (`onboard pr approve RUN_DIR`, `onboard run
+    --resume RUN_DIR --reject`) and the pr node merges or deletes the branch."""
+    repo = make_repo(tmp_path / "repo")
+    cfg = _paused_at_review(run_dir, repo)
+    rec = json.loads((run_dir / "pr.json").read_text())
+    assert git(repo, "branch", "--list", rec["branch"]).strip()
+    if answer == "approve":
+        # asked again without an answer: it says what awaits, and stays paused
+        out = onboard_process("run", "--resume", run_dir)
+        assert out.returncode == 0 and "awaiting review" in out.stdout, out.stdout + out.stderr
+        assert f"onboard pr approve {run_dir}" in out.stdout
+        out = onboard_process("pr", "approve", run_dir)
+    else:
+        out = onboard_process("run", "--resume", run_dir, "--reject", "--why", "not now")
+    assert out.returncode == 0, out.stdout + out.stderr
+    snap = _graph_state(run_dir, cfg)
+    assert snap.next == () and snap.values["completed"][-2:] == ["review", "pr"]
+    review = snap.values["review"]
+    assert git(repo, "branch", "--list", rec["branch"]).strip() == ""
+    tracked = git(repo, "ls-files", "kernels")
+    if answer == "approve":
+        assert review["status"] == "approved" and "kernels/rmsnorm/" in tracked
+        assert "approved:" in out.stdout
+    else:
+        assert review["status"] == "rejected" and review["why"] == "not now"
+        assert tracked.split() == ["kernels/README.md"] and "rejected:" in out.stdout
+        # answered once: a second answer is bad input
+        out = onboard_process("run", "--resume", run_dir, "--approve")
+        assert out.returncode == 2 and "no kernel PR awaits review" in out.stderr
+
+
+@pytest.mark.slow
+def test_example_run_review_approve_end_to_end(tmp_path):
+    """The built-in example on the CPU: `onboard run --review` stops before the pr node with a
+    branch of one commit per family and PR.md; the branch's tests pass from a clean clone;
+    `onboard pr approve RUN_DIR` (a new process) merges it, after which coverage finds every
+    merged module as `kernel`. The cheapest run that still aligns: two families patched."""
+    from onboarding.graph.opgraph import OpGraph
+
+    repo = make_repo(tmp_path / "repo")
+    run = tmp_path / "run"
+    out = onboard_process("run", "--review", "--repo", repo, "--kernels", "rmsnorm,swiglu",
+                          "--out", run)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "awaiting review" in out.stdout and f"onboard pr approve {run}" in out.stdout
+    rec = json.loads((run / "pr.json").read_text())
+    families = [c["family"] for c in rec["commits"]]
+    cands = json.loads((run / "candidates.json").read_text())
+    assert set(families) == {c["family"] for c in cands if c["status"] == "passed"}
+    subjects = git(repo, "log", "--reverse", "--format=%s", f"main..{rec['branch']}").splitlines()
+    assert [s.split()[1] for s in subjects[:-1]] == families and subjects[-1].startswith("PR:")
+    body = git(repo, "show", f"{rec['branch']}:{rec['body_path']}")
+    assert "| rmsnorm | `kernels/rmsnorm/" in body and "| out0 |" in body
+    assert "**passed**" in body and "not measured on a GPU" in body
+    assert "onboard run --kernels rmsnorm,swiglu" in body
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "-b", rec["branch"], str(repo), str(clone)], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = sorted(str(p) for p in (clone / "tests" / "reviewed_kernels").glob("test_*.py")
+                   if p.name.startswith(("test_rmsnorm", "test_swiglu")))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                         capture_output=True, text=True, cwd=clone, env=env)
+    assert res.returncode == 0 and f"{2 * len(tests)} passed" in res.stdout, res.stdout[-3000:]
+    out = onboard_process("pr", "approve", run)
+    assert out.returncode == 0 and "approved:" in out.stdout, out.stdout[-3000:] + out.stderr
+    cov = build_coverage(OpGraph.load(run / "opgraph.json"), kernels_root=repo / "kernels")
+    served = [e for e in cov.entries if e.family in families]
+    assert served and all(e.status == "kernel" and e.module.startswith(str(repo))
+                          for e in served)

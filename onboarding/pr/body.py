@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from onboarding.pr.collect import Proposal
+from onboarding.pr.collect import KernelModule, Proposal
 
 NOT_ON_GPU = "not measured on a GPU"
 
@@ -54,12 +54,29 @@ def _params(p: dict[str, Any]) -> str:
 
 
 def kernels_table(prop: Proposal) -> list[str]:
-    lines = ["| family | module | variant | parameters | blocks served |", "|---|---|---|---|---|"]
+    lines = ["| family | module | variant | parameters | blocks served | in the model's "
+             "alignment |", "|---|---|---|---|---|---|"]
     for m in prop.modules:
         lines.append(f"| {m.family} | `kernels/{m.family}/{m.name}` | {m.variant} | "
                      f"{_cell(_params(m.params))} | {len(m.blocks)}: "
-                     f"{_cell(group_paths(m.blocks))} |")
+                     f"{_cell(group_paths(m.blocks))} | {_cell(aligned(prop, m))} |")
     return lines
+
+
+def aligned(prop: Proposal, m: KernelModule) -> str:
+    """How many of the module's blocks ran its family's kernel in the run's alignment (a block
+    that failed there keeps its module out of the PR, so those that ran passed)."""
+    a = prop.alignment
+    if not a:
+        return "alignment not run"
+    active = {p["path"] for p in a.get("patches", [])
+              if p.get("status") == "active" and p["family"] == m.family}
+    n = sum(b in active for b in m.blocks)
+    if n:
+        return f"{n} of {len(m.blocks)} blocks patched, passed"
+    why = next((x.get("reason") for x in a.get("not_checked", []) if x["path"] in m.blocks),
+               None)
+    return "not patched" + (f": {why}" if why else " in this run's alignment")
 
 
 def call_lines(prop: Proposal) -> list[str]:
