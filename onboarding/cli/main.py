@@ -19,6 +19,7 @@ from onboarding.backend import ensure_triton_backend
 from onboarding.cli import analyse, bench, plan, pr, regress, run, train, tune
 from onboarding.cli.common import FAMILIES_HELP, Parser, err
 from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError
+from onboarding.load.modules_cache import use_private_modules_cache
 from onboarding.optional_kernels import hide as hide_kernel_packages
 
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_triton_backend()
     if args.command != "bench":  # bench imports some by name, as comparison rows only
         hide_kernel_packages()
+    use_private_modules_cache()  # a model's code is not copied into the user's HF cache
     old_term = _sigterm_interrupts()
     try:
         _load_families(args.families)
