@@ -126,13 +126,15 @@ def _fast_paths(b: Block) -> list[tuple[str, str]]:
     gemms = sum(n for op, n in ops.items() if op in ("linear", "mm", "addmm", "bmm"))
     if b.kind == "embedding":
         return [("embedding gather", "memory-bound gather; torch is at bandwidth")]
+    if b.kind == "embedding.patch":
+        return [("patch convolution", "one strided convolution: cuDNN")]
     if b.kind == "lm_head":
         return [("vocabulary projection", "one large GEMM: cuBLAS")]
     if gemms and b.kind not in ("moe.experts",):
         out.append(("projections (GEMM)", f"{gemms} dense GEMMs: cuBLAS"))
     if any(op.startswith(("scaled_dot_product", "_scaled_dot_product")) for op in ops) and \
             b.kind != "sparse_attention.topk":
-        out.append(("attention core", "fused SDPA (flash) with a causal mask"))
+        out.append(("attention core", "fused SDPA (flash)"))
     if b.kind == "rope":
         out.append(("cos/sin table", "computed once per step; negligible"))
     if ops.get("layer_norm") or ops.get("native_layer_norm"):

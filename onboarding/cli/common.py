@@ -37,6 +37,9 @@ def model_options(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="remote code whose model_type the installed transformers also "
                         "implements: native uses transformers' classes (when names and shapes "
                         "agree), remote (auto) the model's own code")
+    p.add_argument("--part", choices=("language", "vision"), default="language",
+                   help="a multimodal model: its language model, or its vision tower alone "
+                        "(synthetic pixel inputs)")
     p.add_argument("--proxy", choices=("tiny", "small"), default="tiny",
                    help="proxy size for real execution: tiny (CPU) or small (one GPU)")
     p.add_argument("--seq", type=positive_int, default=64, help="proxy sequence length")
@@ -91,4 +94,4 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The `ModelSpec` of a command's MODEL options (`model_options`)."""
     return ModelSpec(ref=args.model, overrides=parse_assignments(args.set),
                      trust_remote_code=args.trust_remote_code, proxy=args.proxy,
-                     impl=getattr(args, "impl", "auto"))
+                     impl=getattr(args, "impl", "auto"), part=getattr(args, "part", "language"))

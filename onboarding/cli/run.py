@@ -88,12 +88,17 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                              "(0: no time limit)")
         if args.max_align_retries < 0:
             raise InputError(f"--max-align-retries {args.max_align_retries}: expected >= 0")
+        if spec.part == "vision" and args.train_steps:
+            raise InputError("--part vision --train-steps: LoRA training takes the language model "
+                             "(its towers frozen); run without --part vision to train")
         config = RunConfig(
             model=spec, batch=args.batch, seq=args.seq, seed=args.seed,
             align_kernels=families, max_align_retries=args.max_align_retries,
             strict=args.strict,
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
-            train_steps=args.train_steps, train_nproc=args.train_nproc,
+            # the vision tower alone is not trained (training takes the language model)
+            train_steps=0 if spec.part == "vision" else args.train_steps,
+            train_nproc=args.train_nproc,
             review=args.review, review_repo=args.repo and str(Path(args.repo).resolve()),
             review_base=args.base)
         if args.out:  # an unusable --out fails before the model is loaded

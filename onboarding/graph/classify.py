@@ -23,7 +23,7 @@ MATMUL = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_group
 SDPA_PREFIX = ("scaled_dot_product_attention", "_scaled_dot_product", "_flash_attention",
                "_efficient_attention")
 SOFTMAX = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"}
-CONV = {"conv1d", "convolution", "_convolution", "conv2d"}
+CONV = {"conv1d", "convolution", "_convolution", "conv2d", "conv3d"}
 ACTIVATIONS = {"silu": "silu", "silu_": "silu", "gelu": "gelu", "relu": "relu", "relu_": "relu",
                "sigmoid": "sigmoid", "tanh": "tanh"}
 VIEW_OPS = {"view", "reshape", "_unsafe_view", "expand", "slice", "select", "transpose", "t",
@@ -73,6 +73,8 @@ def _linear_dims(r: OpRecord, ctx: Context) -> tuple[int, int] | None:
     if r.op == "linear" and len(r.in_shapes) > 1 and r.in_shapes[1]:
         w = r.in_shapes[1]
         return (w[1], w[0]) if len(w) == 2 else None
+    if r.op == "addmm" and len(r.in_shapes) > 2 and r.in_shapes[1] and r.in_shapes[2]:
+        return r.in_shapes[1][-1], r.in_shapes[2][-1]  # addmm(bias, x, W^T): arg 0 is the bias
     if r.in_shapes and r.in_shapes[0] and r.out_shapes:
         return r.in_shapes[0][-1], r.out_shapes[0][-1]
     return None
@@ -341,6 +343,8 @@ class Classifier:
         leaf = not ctx.children.get(path)
         if ops["embedding"] and not mm:
             return "embedding", ["aten.embedding lookup"], {}
+        if not mm and (patch := self._patch_conv(recs)) is not None:
+            return patch
         if leaf and len(mm) == 1 and ctx.vocab and (d := _linear_dims(mm[0], ctx)) \
                 and d[1] == ctx.vocab and sum(n for op, n in ops.items()
                                               if op not in VIEW_OPS and not is_matmul(op)) <= 2:
@@ -480,6 +484,29 @@ class Classifier:
             attrs["activation"] = "silu"
             attrs.setdefault("alpha", alpha)  # the clamp style's reading, when it made one
             ev.append(f"gate written out as g * sigmoid({alpha:g} g)")
+
+    def _patch_conv(self, recs: list[OpRecord]) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A patch embedding: one 2-D or 3-D convolution whose stride is its kernel
+        (non-overlapping patches), ungrouped, and the first such convolution of the forward (the
+        one on the pixels; a later one, such as a patch-merging downsample, takes features)."""
+        convs = [r for r in recs if r.op in CONV]
+        if len(convs) != 1:
+            return None
+        r = convs[0]
+        w = r.in_shapes[1] if len(r.in_shapes) > 1 else None
+        stride = r.scalars[3] if len(r.scalars) > 3 else None
+        groups = r.scalars[-1] if r.scalars and isinstance(r.scalars[-1], int) else 1
+        if not w or len(w) not in (4, 5) or groups != 1 or not isinstance(stride, list) \
+                or stride != w[2:] or max(stride) < 2:
+            return None
+        first = min(x.index for x in self.cap.records if x.op in CONV
+                    and len(x.in_shapes) > 1 and x.in_shapes[1] and len(x.in_shapes[1]) in (4, 5))
+        if r.index != first:
+            return None
+        return "embedding.patch", [
+            f"convolution {w[1]} -> {w[0]} channels, kernel {'x'.join(map(str, w[2:]))} = stride "
+            "(non-overlapping patches)", "the first such convolution of the forward (on the input)"
+        ], {"in_channels": w[1], "dim": w[0], "patch": w[2:]}
 
     def _3d_params(self, path: str) -> list[str]:
         return [n for n, s in self.ctx.param_shapes.items()

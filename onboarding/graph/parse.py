@@ -138,10 +138,19 @@ def parse_stage(info: ModelInfo, *, batch: int = 1, seq: int = 64, seed: int = 0
     model = loaded.build(info.proxy_config, device="cpu", seed=seed).to(dtype).eval()
     load_shipped_weights(model, info)
     inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq, seed)
-    cap = capture(model, inputs, kwargs, try_export=try_export, on_step=on_step)
+    # a vision tower given a grid (`load.vision`) sizes its attention from the grid's values,
+    # which torch.export cannot trace (data-dependent guards): the dispatch recording it is
+    grid = getattr(model, "grid_arg", None) is not None
+    cap = capture(model, inputs, kwargs, try_export=try_export and not grid, on_step=on_step)
+    if grid and try_export:
+        cap.note = ("export not attempted: the vision tower's sequence lengths are read from the "
+                    "values of its grid input (data-dependent for torch.export)")
     if on_step:
         on_step("classify blocks")
-    blocks = Classifier(cap, _context(model, cap, info.proxy_config, seq)).run()
+    # a vision tower (`load.vision`): attention runs over each image's patches, its own config
+    ctx_seq = model.tokens_per_image(batch, seq) if hasattr(model, "tokens_per_image") else seq
+    ctx_cfg = model.config if hasattr(model, "tokens_per_image") else info.proxy_config
+    blocks = Classifier(cap, _context(model, cap, ctx_cfg, ctx_seq)).run()
     pattern, kinds = layer_pattern(blocks)
     proxy_counts = count_parameters(model, info.proxy_config)
     params = {

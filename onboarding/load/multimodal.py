@@ -400,6 +400,12 @@ def account(model: nn.Module, config: Any):
     from onboarding.load.accounting import count_parameters, path_pattern
 
     counts = count_parameters(model, config)
+    whole = getattr(model, "whole_layout", None)  # a vision tower taken out (load.vision)
+    if isinstance(whole, Layout):
+        counts.by_part = component_params(whole, config)
+        counts.parts_note = "; ".join([f"the vision tower {model.whole_path}: the totals are its "
+                                       "own, by_part is the whole model's", *whole.notes])
+        return counts
     lay = getattr(model, "whole_model", None)
     if not isinstance(lay, Layout):
         return counts
@@ -518,9 +524,14 @@ def shrink_towers(full: Any, proxy: Any, s: Any) -> list[str]:
 
 
 def runs(loaded: Any, cfg: Any) -> bool:
-    """Whether ``loaded`` builds from ``cfg`` on the CPU and runs four tokens."""
+    """Whether ``loaded`` builds from ``cfg`` on the CPU and runs four tokens (a vision tower:
+    its synthetic pixels)."""
     try:
         model = loaded.build(cfg, device="cpu", seed=0).eval()
+        if hasattr(model, "example_inputs"):  # a vision tower: its synthetic pixels
+            with torch.no_grad():
+                model(*model.example_inputs(1, 16))
+            return True
         vocab = _int(_get(cfg, text_config_path(cfg)), "vocab_size") or 2
         with torch.no_grad():
             model(torch.arange(4).remainder(vocab)[None], use_cache=False)

@@ -10,6 +10,7 @@ from onboarding.errors import InputError
 
 PROXIES = ("tiny", "small", "none")  # none: the full-size config (training only)
 IMPLS = ("auto", "native", "remote")
+PARTS = ("language", "vision")  # a multimodal model: its language model, or its vision tower
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,7 +21,7 @@ class ModelSpec:
     example (None: the default example); `overrides`: config fields set before building
     (`--set key=value`); `trust_remote_code`: run the repo's own modeling code;
     `proxy`: the size of the model that really runs (tiny on a CPU, small on one GPU, none for
-    the full-size config).
+    the full-size config); `part`: which part of a multimodal model runs (`load.vision`).
     """
 
     ref: str | None = None
@@ -28,6 +29,7 @@ class ModelSpec:
     trust_remote_code: bool = False
     proxy: str = "tiny"
     impl: str = "auto"  # remote code whose model_type transformers implements: native | remote
+    part: str = "language"  # vision: a multimodal model's vision tower, with synthetic pixels
 
     def __post_init__(self) -> None:
         if self.ref is not None and not self.ref.strip():  # `onboard parse ''`: not the default
@@ -37,10 +39,13 @@ class ModelSpec:
             raise InputError(f"proxy {self.proxy!r}: expected one of {', '.join(PROXIES)}")
         if self.impl not in IMPLS:
             raise InputError(f"impl {self.impl!r}: expected one of {', '.join(IMPLS)}")
+        if self.part not in PARTS:
+            raise InputError(f"part {self.part!r}: expected one of {', '.join(PARTS)}")
 
     def load(self):
         """The resolved model (`LoadedModel`): config, builder and provenance, nothing built."""
         from onboarding.load.model import load_model
 
         return load_model(self.ref, overrides=dict(self.overrides),
-                          trust_remote_code=self.trust_remote_code, impl=self.impl)
+                          trust_remote_code=self.trust_remote_code, impl=self.impl,
+                          part=self.part)

@@ -1,0 +1,225 @@
+"""``--part vision``: a multimodal model's vision tower as a model of its own, with synthetic pixel
+inputs, so that parse, map and align see its blocks (patch embedding, attention, MLP, norms).
+
+By structure and config conventions, never by class or model names:
+
+- the *tower* is the module of the whole model (built from its own classes,
+  `multimodal.build_whole`) whose ``config`` is the ``vision_config`` sub-config (the component
+  the accounting calls ``vision``);
+- the *inputs* come from the tower's forward signature and its first layer: the first parameter
+  takes the pixels, a parameter whose name holds ``grid`` takes one (t, h, w) row per image (or
+  (h, w)); the convolution with the fewest input channels (else the first linear) gives the
+  channels and the patch size (a 3-D kernel: temporal patches too); the grid's height and
+  width are multiples of every ``*merge*size*`` field of the config (patches merged after the
+  tower), about ``sqrt(seq)`` patches a side. The pixel layouts that fit are tried in turn
+  (flattened patches, patches, whole images) and the first the tower runs on is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from onboarding.errors import InputError
+
+
+def vision_config_path(cfg: Any) -> tuple[str, ...] | None:
+    """The attribute path of the vision tower's sub-config (the shallowest ``vision_config``)."""
+    from onboarding.load.multimodal import sub_configs
+
+    found = [p for p, _ in sub_configs(cfg) if p and p[-1] == "vision_config"]
+    return min(found, key=len) if found else None
+
+
+def _get(cfg: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        cfg = getattr(cfg, k)
+    return cfg
+
+
+def find_tower(whole: nn.Module, vision_cfg: Any) -> tuple[str, nn.Module] | None:
+    """(path, module): the shallowest module of ``whole`` built from ``vision_cfg``."""
+    found = [(p, m) for p, m in whole.named_modules() if p and getattr(m, "config", None) is vision_cfg]
+    return min(found, key=lambda pm: pm[0].count(".")) if found else None
+
+
+def _merge_sizes(cfg: Any) -> tuple[int, int]:
+    """(height, width) multiples the grid needs: every ``*merge*size*`` field of the config."""
+    mh = mw = 1
+    for k, v in vars(cfg).items():
+        if "merge" not in k or "size" not in k:
+            continue
+        vals = [v, v] if isinstance(v, int) and not isinstance(v, bool) else list(v) \
+            if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) for x in v) \
+            else None
+        if vals and all(x > 0 for x in vals):
+            mh, mw = math.lcm(mh, vals[0]), math.lcm(mw, vals[1])
+    return mh, mw
+
+
+def _first_layer(tower: nn.Module) -> nn.Module | None:
+    """The layer that takes the pixels: the convolution with the fewest input channels (a later
+    one, such as a patch-merging downsample, takes the tower's width), else the first linear."""
+    convs = [m for m in tower.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    if convs:
+        return min(convs, key=lambda m: m.in_channels)
+    return next((m for m in tower.modules() if isinstance(m, nn.Linear)), None)
+
+
+class VisionPart(nn.Module):
+    """A vision tower as a model: ``forward(pixels, grid)`` runs it and returns every floating
+    tensor of its output (features, merged features, intermediate features) flattened into one
+    row, so that alignment's loss reaches every part of it."""
+
+    def __init__(self, name: str, tower: nn.Module, config: Any):
+        super().__init__()
+        self.tower_name = name
+        self.add_module(name, tower)
+        self.config = config  # the vision sub-config
+        sig = inspect.signature(tower.forward)
+        params = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not params:
+            raise InputError(f"{type(tower).__name__}.forward takes no pixel argument")
+        self.pixel_arg = params[0].name
+        grid = [p.name for p in params[1:] if "grid" in p.name.lower()]
+        self.grid_arg = grid[0] if grid else None
+        needed = [p.name for p in params[1:] if p.default is p.empty and p.name not in grid]
+        if needed:
+            raise InputError(f"the vision tower's forward also needs {', '.join(needed)}: "
+                             "synthetic inputs cannot supply it")
+        self._layout: tuple | None = None
+
+    @property
+    def tower_module(self) -> nn.Module:
+        return self._modules[self.tower_name]
+
+    def forward(self, pixels: torch.Tensor, grid: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs = {self.pixel_arg: pixels}
+        if self.grid_arg is not None:
+            kwargs[self.grid_arg] = grid
+        out = self.tower_module(**kwargs)
+        flat, _ = torch.utils._pytree.tree_flatten(
+            out.to_tuple() if hasattr(out, "to_tuple") else out)
+        feats = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not feats:
+            raise InputError("the vision tower returned no floating tensor")
+        return torch.cat([t.reshape(-1) for t in feats])[None]
+
+    def _candidates(self, batch: int, seq: int) -> list[tuple[str, tuple, tuple | None]]:
+        """(layout, pixel shape, grid) for each input form that fits the tower's first layer."""
+        first = _first_layer(self.tower_module)
+        if first is None:
+            raise InputError("the vision tower has no convolution or linear layer to take pixels")
+        mh, mw = _merge_sizes(self.config)
+        side = max(1, round(math.sqrt(max(seq, 1))))
+        h, w = mh * max(1, round(side / mh)), mw * max(1, round(side / mw))
+        out: list[tuple[str, tuple, tuple | None]] = []
+        if isinstance(first, nn.modules.conv._ConvNd):
+            chans, kernel = first.in_channels, tuple(first.kernel_size)
+            n = batch * h * w
+            grids = [(batch, (1, h, w)), (batch, (h, w))] if self.grid_arg else [None]
+            for g in grids:
+                out.append(("flat patches", (n, chans * math.prod(kernel)), g))
+                out.append(("patches", (n, chans, *kernel), g))
+            if not self.grid_arg:
+                size = [k * s for k, s in zip(kernel[-2:], (h, w))]
+                frames = (kernel[0],) if len(kernel) == 3 else ()
+                out.append(("images", (batch, chans, *frames, *size), None))
+        else:
+            n = batch * h * w
+            grids = [(batch, (1, h, w)), (batch, (h, w))] if self.grid_arg else [None]
+            for g in grids:
+                out.append(("flat patches", (n, first.in_features), g))
+                if not self.grid_arg:
+                    out.append(("patch sequence", (batch, h * w, first.in_features), None))
+        return out
+
+    def example_inputs(self, batch: int, seq: int) -> tuple:
+        """Seeded pixels (and grid) the tower runs on; the first fitting layout is kept."""
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        errors = []
+        cands = self._candidates(batch, seq)
+        if self._layout is not None:
+            cands = [c for c in cands if (c[0], c[2] is not None and len(c[2][1])) == self._layout]
+        for layout, shape, grid in cands:
+            pixels = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+            g = torch.tensor([grid[1]] * grid[0], device=device) if grid else None
+            args = (pixels, g) if g is not None else (pixels,)
+            if self._layout is None:
+                try:
+                    with torch.no_grad():
+                        self(*args)
+                except Exception as exc:  # noqa: BLE001 - the next layout may fit
+                    errors.append(f"{layout} {list(shape)}: {type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+                    continue
+                self._layout = (layout, grid is not None and len(grid[1]))
+            return args
+        raise InputError("no synthetic pixel input runs the vision tower (tried "
+                         + "; ".join(errors) + ")")
+
+    def tokens_per_image(self, batch: int, seq: int) -> int:
+        mh, mw = _merge_sizes(self.config)
+        side = max(1, round(math.sqrt(max(seq, 1))))
+        return mh * max(1, round(side / mh)) * mw * max(1, round(side / mw))
+
+
+def no_vision(ref: str, why: str) -> InputError:
+    return InputError(f"{ref}: --part vision: the model has no vision part ({why})")
+
+
+def build_vision_part(cfg: Any, trust_remote_code: bool, device: str | torch.device,
+                      ref: str = "model") -> VisionPart:
+    """The vision tower of ``cfg`` on ``device``: built alone from its own class when that gives
+    the parameters it has in the whole model, else taken from the whole model."""
+    from onboarding.load.multimodal import build_whole, layout
+
+    path = vision_config_path(cfg)
+    if path is None:
+        raise no_vision(ref, "its config has no vision_config")
+    vcfg = _get(cfg, path)
+    lay = layout(cfg, trust_remote_code)  # the whole model on meta
+    found = find_tower(lay.whole, vcfg)
+    if found is None:
+        raise no_vision(ref, "no module of the model is built from its vision_config")
+    tpath, meta_tower = found
+    name = tpath.rsplit(".", 1)[-1]
+    if torch.device(device).type == "meta":
+        part = VisionPart(name, meta_tower, vcfg)
+        part.whole_path = tpath
+        object.__setattr__(part, "whole_layout", lay)  # for the accounting by component
+        return part
+    tower = None
+    with torch.device(device):
+        try:
+            cls = type(meta_tower)
+            tower = cls._from_config(vcfg) if hasattr(cls, "_from_config") else cls(vcfg)
+            if {n: p.shape for n, p in tower.named_parameters()} != \
+                    {n: p.shape for n, p in meta_tower.named_parameters()}:
+                tower = None
+        except Exception:  # noqa: BLE001 - its class wants more than the config: use the whole
+            tower = None
+        if tower is None:
+            whole, _, _ = build_whole(cfg, trust_remote_code)
+            tower = whole.get_submodule(tpath)
+    part = VisionPart(name, tower, vcfg)
+    part.whole_path = tpath
+    return part
+
+
+def select_part(loaded: Any, part: str) -> None:
+    """Make ``loaded`` (a `LoadedModel`) build its ``part``; exit 2 when the model has none."""
+    if part != "vision":
+        raise InputError(f"--part {part!r}: expected language or vision")
+    if not loaded.is_hf:
+        raise no_vision(loaded.ref, "a module or factory model has no config to find a vision "
+                        "tower in")
+    if vision_config_path(loaded.config) is None:
+        raise no_vision(loaded.ref, f"{type(loaded.config).__name__} has no vision_config")
+    loaded.part = "vision"
+    loaded.name = f"{loaded.name}-vision"

@@ -1,0 +1,115 @@
+"""``--part vision``: a multimodal model's vision tower captured, classified and aligned as its
+own op graph, on synthetic pixels built from its forward signature and config."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from onboarding.cli.main import main
+from onboarding.errors import InputError
+from onboarding.load.spec import ModelSpec
+from onboarding.load.vision import VisionPart
+
+
+def _known(model_type: str) -> str:
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"model_type {model_type!r} is not in the installed transformers")
+    return f"hf:{model_type}"
+
+
+def test_parse_vision_part_classifies_the_tower(tmp_path):
+    ref = _known("glm4v_moe")
+    assert main(["parse", ref, "--part", "vision", "--out", str(tmp_path / "p")]) == 0
+    m = json.loads((tmp_path / "p" / "model.json").read_text())
+    assert m["name"].endswith("-vision")
+    p = m["params"]
+    # the totals are the tower's own; by_part is still the whole model's
+    assert 0 < p["total"] < p["by_part"]["language"]
+    assert p["total"] <= p["by_part"]["vision"] + p["by_part"]["projector"]
+    graph = json.loads((tmp_path / "p" / "opgraph.json").read_text())
+    blocks = graph["blocks"]
+    kinds = {b["kind"] for b in blocks}
+    assert {"embedding.patch", "attention.full", "mlp.dense", "norm.rms"} <= kinds, kinds
+    assert not kinds & {"lm_head", "moe.experts", "moe.router", "unknown"}, kinds
+    tower = {b["path"].split(".")[0] for b in blocks}
+    assert len(tower) == 1, tower
+    patch = next(b for b in blocks if b["kind"] == "embedding.patch")
+    assert patch["attrs"]["in_channels"] == 3 and len(patch["attrs"]["patch"]) == 3  # t, p, p
+    # every tower layer has its attention and its MLP
+    assert graph["layer_pattern"] == " ".join(["AF"] * len(graph["layer_kinds"]))
+
+
+@pytest.mark.slow
+def test_align_vision_part_patches_what_fits(tmp_path):
+    """The existing families run on the tower where they match (RMSNorm, SwiGLU here); the rest
+    is listed as not checked, and the verdict passes."""
+    ref = _known("glm4v_moe")
+    assert main(["align", ref, "--part", "vision", "--out", str(tmp_path / "a")]) == 0
+    res = json.loads((tmp_path / "a" / "alignment.json").read_text())
+    active = {p["path"] for p in res["patches"] if p["status"] == "active"}
+    kinds = {b["path"]: b["kind"] for b in res["blocks"]}
+    assert {kinds[p] for p in active} >= {"norm.rms", "mlp.dense"}, active
+    assert res["passed"]
+
+
+@pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:glm4v_moe_text", "tiny_dense"])
+def test_model_without_a_vision_part_is_exit_2(ref, tmp_path, capsys):
+    if ref.startswith("hf:"):
+        _known(ref[3:])
+    out = tmp_path / "x"
+    assert main(["parse", ref, "--part", "vision", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--part vision: the model has no vision part" in err and not out.exists()
+
+
+def test_part_is_a_typed_field():
+    assert ModelSpec().part == "language"
+    with pytest.raises(InputError, match="part 'audio'"):
+        ModelSpec(part="audio")
+
+
+class _Tower(nn.Module):
+    """A tower whose forward takes patches [N, C, P, P] and one (h, w) row per image."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(merge_kernel_size=[2, 2])
+        self.proj = nn.Conv2d(3, 8, kernel_size=4, stride=4)
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, pixel_values, image_grid_hw):
+        assert pixel_values.ndim == 4 and image_grid_hw.shape[1] == 2
+        x = self.proj(pixel_values).flatten(1)
+        assert x.shape[0] == int(image_grid_hw.prod(-1).sum())
+        return (self.mlp(x),)
+
+
+def test_synthetic_pixels_follow_the_forward_and_the_first_layer():
+    """No model names: the pixel argument is the forward's first, the grid the one named *grid*,
+    the patch layout the one the tower runs on, the grid a multiple of the merge size."""
+    tower = _Tower()
+    part = VisionPart("tower", tower, tower.config)
+    assert (part.pixel_arg, part.grid_arg) == ("pixel_values", "image_grid_hw")
+    pixels, grid = part.example_inputs(2, 36)
+    assert part._layout == ("patches", 2)
+    assert list(pixels.shape) == [2 * 36, 3, 4, 4] and grid.tolist() == [[6, 6], [6, 6]]
+    assert part.tokens_per_image(2, 36) == 36
+    out = part(pixels, grid)
+    assert out.shape == (1, 72 * 8)
+    assert torch.equal(part.example_inputs(2, 36)[0], pixels)  # seeded
+
+
+def test_a_tower_needing_more_than_pixels_is_an_input_error():
+    class NeedsMask(nn.Module):
+        def forward(self, pixel_values, attention_mask):
+            return pixel_values
+
+    with pytest.raises(InputError, match="also needs attention_mask"):
+        VisionPart("t", NeedsMask(), None)
