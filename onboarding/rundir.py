@@ -39,6 +39,17 @@ def check_out(path: Path, flag: str = "--out") -> None:
         raise InputError(f"{flag} {path}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: {parent} is not writable by this user")
+    if parent != path:  # what only trying tells (read-only, immutable, /proc): one level, undone
+        top = path
+        while top.parent != parent:
+            top = top.parent
+        try:
+            top.mkdir()
+        except FileExistsError:
+            return
+        except OSError as exc:
+            raise InputError(f"{flag} {path}: cannot create {top}: {_why(exc)}") from None
+        top.rmdir()
 
 
 def new_run_dir(model_name: str, out: str | None) -> Path:
@@ -87,6 +98,8 @@ def _mkdirs(path: Path) -> Path | None:
 def _why(exc: OSError) -> str:
     if exc.errno in (errno.EPERM, errno.EACCES, errno.EROFS):
         return f"{exc.strerror} (read-only, immutable or not writable)"
+    if exc.errno == errno.ENOENT:  # the parent exists: a file system that takes no new folders
+        return f"{exc.strerror} (this file system takes no new folders)"
     return exc.strerror or str(exc)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from onboarding.cli.common import command_parser, model_options, model_spec, progress, selected_kernels
-from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
+from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK
 
 
 def add_parser(sub) -> None:
@@ -68,8 +68,8 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
     stage = args.command
     families = selected_kernels(args) if stage == "align" else None  # bad --kernels fails first
     out = Path(args.out) if args.out else None
-    if out is not None and out.exists() and any(out.iterdir()):
-        raise InputError(f"--out {out}: directory exists and is not empty")
+    if out is not None:  # a file, below a file, not writable, not empty: before any work
+        new_run_dir("", args.out)
     with console.status(f"{stage}: loading") as status:
         step = progress(console, status)
         info = run_load(spec)

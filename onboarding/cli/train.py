@@ -150,6 +150,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
             cfg.out = str(source.resolve().parent)
     else:
         cfg = config_from_args(args)
+        if args.out:  # an unusable --out fails before the model is loaded
+            new_run_dir("", args.out)
     with console.status("train: checking the setup"):
         checked = check(cfg)  # before any directory exists: bad input leaves nothing
     info = checked[0]
