@@ -340,8 +340,8 @@ def run_train(model: TrainModel, cfg: NightlyConfig, work: Path, env: dict[str, 
         prof = {"model": f"{model.ref} --proxy {model.proxy}",
                 **_profile_summary(profiles[-1], trace_path),
                 "step_ms": steps[-1]["step_time_s"] * 1e3 if steps else None}
-        if steps and steps[-1].get("kernels"):
-            prof["patched"] = steps[-1]["kernels"]
+        if steps and steps[0].get("kernels"):  # the first step's row says what was patched
+            prof["patched"] = steps[0]["kernels"]
     for r in rows:
         log(f"  {r.key}: " + (f"{r.value:.4g} {r.unit} (noise {100 * r.noise:.2f}%)"
                               if r.value is not None else f"{r.status}: {r.error[:100]}"))
