@@ -73,12 +73,31 @@ def apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
             value = float(value)
         planned.append((target, leaf, value))
     for target, leaf, value in planned:
+        old = getattr(target, leaf, None)
         try:
             setattr(target, leaf, value)
         except Exception as exc:  # noqa: BLE001 - the config class' own field validation
             raise InputError(f"--set {leaf}={json.dumps(value)}: {type(target).__name__} "
                              f"rejects it: {_first_line(exc)}") from None
+        _fit_per_layer_lists(target, leaf, old, value, {k.rsplit(".", 1)[-1] for k in overrides})
     check_values(config, overrides)
+
+
+def _fit_per_layer_lists(c: Any, leaf: str, old: Any, new: Any, given: set[str]) -> None:
+    """A new layer count carries the config's per-layer lists (``layer_types``, ...) along, as the
+    config class derives them from the count when it is built with it: the first ``new`` entries;
+    when the count grows, the list's shortest repeating pattern goes on. Lists the user set too
+    are left as given."""
+    from onboarding.load.proxy import LAYER_COUNT_NAMES
+
+    if leaf not in LAYER_COUNT_NAMES or not isinstance(old, int) or not isinstance(new, int) \
+            or old < 2 or new < 1 or old == new:
+        return
+    for k, v in list(vars(c).items()):
+        if k not in given and not k.startswith("_") and isinstance(v, (list, tuple)) \
+                and len(v) == old:
+            period = next(p for p in range(1, old + 1) if all(v[i] == v[i % p] for i in range(old)))
+            setattr(c, k, type(v)(v[i % period] for i in range(new)))
 
 
 # fields that count or size something: an overridden one must be >= 1 (never negative for any
