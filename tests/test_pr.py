@@ -36,8 +36,9 @@ def git(repo: Path, *args: str) -> str:
 def make_repo(path: Path) -> Path:
     (path / "kernels").mkdir(parents=True)
     (path / "kernels" / "README.md").write_text("reviewed kernels\n")
+    (path / "notes.md").write_text("the user's own file\n")
     git(path, "init", "-q", "-b", "main")
-    git(path, "add", "kernels/README.md")
+    git(path, "add", "kernels/README.md", "notes.md")
     git(path, "commit", "-q", "-m", "init")
     return path
 
@@ -177,13 +178,24 @@ def test_approve_merges_and_coverage_says_kernel(run_dir, tmp_path, capsys, tiny
     repo = make_repo(tmp_path / "repo")
     assert onboard(capsys, "pr", "create", run_dir, "--repo", repo)[0] == 0
     branch = json.loads((run_dir / "pr.json").read_text())["branch"]
+    # the base moves meanwhile (a merge commit, not a fast-forward), and the user has
+    # uncommitted work elsewhere: it stays as it is, staged and unstaged
+    (repo / "other.md").write_text("committed after the PR was opened\n")
+    git(repo, "add", "other.md")
+    git(repo, "commit", "-q", "-m", "other work")
+    (repo / "notes.md").write_text("edited, not committed\n")
+    (repo / "staged.md").write_text("staged\n")
+    git(repo, "add", "staged.md")
+    status = git(repo, "status", "--porcelain")
     rc, out = onboard(capsys, "pr", "approve", branch, "--repo", repo)
     assert rc == 0, out
     assert "merged into main" in out
     assert git(repo, "branch", "--list", branch).strip() == ""
+    assert git(repo, "log", "-1", "--format=%s").startswith(f"Merge kernel PR {branch}")
+    assert git(repo, "status", "--porcelain") == status
     tracked = git(repo, "ls-files", "kernels").split()
     module = repo / next(f for f in tracked if f.startswith("kernels/rmsnorm/"))
-    assert module.is_file() and git(repo, "status", "--porcelain") == ""
+    assert module.is_file() and git(repo, "diff", "HEAD", "--stat", "--", "kernels") == ""
     rc, out = onboard(capsys, "pr", "list", "--repo", repo)
     assert rc == 0 and f"approved  {branch}" in out
     # a later run finds the reviewed module: coverage says `kernel`, with its path
@@ -209,6 +221,7 @@ def test_reject_deletes_the_branch_and_keeps_why(run_dir, tmp_path, capsys):
     assert rc == 0, out
     assert git(repo, "branch", "--list", "onboard/*").strip() == ""
     assert git(repo, "log", "--all", "--format=%s").splitlines() == ["init"]
+    assert git(repo, "status", "--porcelain") == ""
     rc, out = onboard(capsys, "pr", "list", "--repo", repo)
     assert "rejected" in out and "(tiles too small)" in out
     rc, out = onboard(capsys, "pr", "approve", run_dir)
@@ -223,12 +236,26 @@ def test_bad_input_exit_2_and_the_repo_unchanged(run_dir, tmp_path, capsys, monk
     assert rc == 2 and "not a git repository" in out and not any(plain.iterdir())
     rc, out = onboard(capsys, "pr", "create", tmp_path / "nope", "--repo", repo)
     assert rc == 2 and "unknown RUN_DIR" in out
-    # a dirty work tree: refused, nothing touched (the edit is still there, no branch)
+    # a dirty work tree where PRs write: refused, nothing touched (the edit stays, no branch);
+    # an untracked file there too
     (repo / "kernels" / "README.md").write_text("edited\n")
     before = repo_state(repo)
     rc, out = onboard(capsys, "pr", "create", run_dir, "--repo", repo)
-    assert rc == 2 and "uncommitted changes" in out
+    assert rc == 2 and "uncommitted changes where the kernel PR writes" in out
     assert repo_state(repo) == before and not (run_dir / "pr.json").exists()
+    git(repo, "checkout", "--", "kernels/README.md")
+    (repo / "tests" / "reviewed_kernels").mkdir(parents=True)
+    (repo / "tests" / "reviewed_kernels" / "mine.py").write_text("x = 1\n")
+    before = repo_state(repo)
+    rc, out = onboard(capsys, "pr", "create", run_dir, "--repo", repo)
+    assert rc == 2 and "?? tests/reviewed_kernels/mine.py" in out and repo_state(repo) == before
+    shutil.rmtree(repo / "tests")
+    # approving onto a base whose kernels/ was edited meanwhile: refused, nothing touched
+    assert onboard(capsys, "pr", "create", run_dir, "--repo", repo, "--branch", "onboard/d")[0] == 0
+    (repo / "kernels" / "README.md").write_text("edited\n")
+    before = repo_state(repo)
+    rc, out = onboard(capsys, "pr", "approve", "onboard/d", "--repo", repo)
+    assert rc == 2 and "uncommitted changes" in out and repo_state(repo) == before
     git(repo, "checkout", "--", "kernels/README.md")
     # a branch that exists
     assert onboard(capsys, "pr", "create", run_dir, "--repo", repo, "--branch", "onboard/b")[0] == 0

@@ -2,11 +2,13 @@
 approve (merge into the base branch), reject (delete the branch, keep the reason), push.
 
 Every operation checks its input before it changes anything: an unknown run, a path that is not
-a git repository, a work tree with uncommitted changes, a branch that exists, a run with nothing
-that passed to propose are each an `InputError` (exit 2) with the repository untouched. Branches
-are built in a temporary worktree, so the user's checkout and current branch never move; a merge
-runs where the base branch is checked out (that work tree must be clean) or, when it is checked
-out nowhere, in a temporary worktree.
+a git repository, a work tree with uncommitted changes where kernel PRs write (`kernels/`,
+`tests/reviewed_kernels/`, `prs/`, a generated family's folder), a branch that exists, a run with
+nothing that passed to propose are each an `InputError` (exit 2) with the repository untouched.
+Branches are built in a temporary worktree, so the user's checkout and current branch never
+move. Approving merges with plumbing (`merge-tree`, `commit-tree`, a compare-and-swap
+`update-ref`): the base branch moves to the merge, and where it is checked out only the PR's own
+files are written into the work tree and index; the user's other changes, staged or not, stay.
 
 Each PR's record (branch, base, run directory, status, the reason of a rejection) is kept in the
 repository's git directory, `<git dir>/onboard/prs.json`, and in the run directory's `pr.json`.
@@ -31,6 +33,8 @@ from onboarding.pr.git import Git
 from onboarding.pr.testgen import sample_inputs_bytes, test_paths, test_source
 
 BRANCH_PREFIX = "onboard/"
+# where kernel PRs write: uncommitted changes here refuse create and approve
+KERNEL_PATHS = ("kernels", "tests/reviewed_kernels", "prs")
 RECORD_FILE = "pr.json"  # in the run directory
 PR_DIR = "prs"  # PR bodies on the branch: prs/<model>-<stamp>/PR.md
 TEMPLATES_DIR = "kernel_templates"  # where a generated family's folder goes
@@ -91,12 +95,14 @@ def branch_name(model: str, when: float | None = None) -> str:
     return f"{BRANCH_PREFIX}{safe}-{time.strftime('%Y%m%d-%H%M', time.localtime(when))}"
 
 
-def _refuse_dirty(git: Git, where: Path | None = None) -> None:
-    lines = git.dirty() if where is None else Git(where).dirty()
+def _refuse_dirty(git: Git, paths: list[str]) -> None:
+    """Refuse uncommitted changes (staged, unstaged or untracked) under `paths` in every work
+    tree where it matters: the repository's own and the base branch's."""
+    lines = git.dirty(paths)
     if lines:
         shown = "; ".join(ln.strip() for ln in lines[:3]) + (" ..." if len(lines) > 3 else "")
-        raise InputError(f"{where or git.root}: the work tree has uncommitted changes to tracked "
-                         f"files ({len(lines)}: {shown}); commit or stash them first (nothing "
+        raise InputError(f"{git.root}: the work tree has uncommitted changes where the kernel PR "
+                         f"writes ({len(lines)}: {shown}); commit or stash them first (nothing "
                          "was changed)")
 
 
@@ -155,7 +161,12 @@ def create_pr(run_dir: Path | str, repo: Path | str, *, base: str | None = None,
                          "--base BRANCH")
     if not git.branch_exists(base):
         raise InputError(f"--base {base}: no such branch in {git.root}")
-    _refuse_dirty(git)
+    generated = [f"{TEMPLATES_DIR}/{p.name}" for p in
+                 sorted((run_dir / "generated" / "families").glob("*")) if p.is_dir()]
+    _refuse_dirty(git, [*KERNEL_PATHS, *generated])
+    wt = git.worktree_of(base)
+    if wt is not None and wt != git.root:
+        _refuse_dirty(Git(wt), [*KERNEL_PATHS, *generated])
     base_commit = git.rev(base)
     prop = collect(run_dir, reviewed=lambda path: git.file_at(base_commit, path))
     if not prop.modules:
@@ -168,14 +179,8 @@ def create_pr(run_dir: Path | str, repo: Path | str, *, base: str | None = None,
         raise InputError(f"branch {branch} already exists in {git.root}; approve or reject it "
                          "first (onboard pr list)")
     commits_files = [(fam, _family_files(fam, prop)) for fam in prop.families]
-    # a merge into a checked-out base must not meet untracked files at these paths
-    all_paths = [p for _, files in commits_files for p in files]
-    body_path = f"{PR_DIR}/{branch[len(BRANCH_PREFIX):] if branch.startswith(BRANCH_PREFIX) else branch.replace('/', '_')}/PR.md"
-    for wt in filter(None, [git.worktree_of(base)]):
-        clash = Git(wt).untracked([*all_paths, body_path])
-        if clash:
-            raise InputError(f"{wt}: untracked files where the PR adds files ({', '.join(clash[:3])}); "
-                             "move them away first (nothing was changed)")
+    leaf = branch[len(BRANCH_PREFIX):] if branch.startswith(BRANCH_PREFIX) else branch
+    body_path = f"{PR_DIR}/{leaf.replace('/', '_')}/PR.md"
     body = build_body(prop, branch=branch, base=base, base_commit=base_commit,
                       run_command=run_command,
                       repo_hint="." if git.root == Path.cwd().resolve() else str(git.root))
@@ -279,40 +284,44 @@ def _need_open(git: Git, rec: PRRecord) -> None:
 
 def approve(git: Git, rec: PRRecord) -> PRRecord:
     """Merge the PR branch into its base (a fast-forward when the base has not moved, else a
-    merge commit), then delete the branch."""
+    merge commit), then delete the branch. Where the base is checked out, only the PR's files
+    are written (those paths must hold no uncommitted change)."""
     _need_open(git, rec)
     if not git.branch_exists(rec.base):
         raise InputError(f"{rec.branch}: its base branch {rec.base} no longer exists")
-    where = git.worktree_of(rec.base)
     if git.worktree_of(rec.branch) is not None:
         raise InputError(f"{rec.branch} is checked out at {git.worktree_of(rec.branch)}; "
                          "switch that work tree away from it first")
-    msg = f"Merge kernel PR {rec.branch}: kernels for {rec.model}"
+    where = git.worktree_of(rec.base)
+    files = git.run("diff", "--name-only", f"{rec.base}...{rec.branch}").split()
     if where is not None:
-        _refuse_dirty(git, where)
-        added = git.run("diff", "--name-only", f"{rec.base}...{rec.branch}").split()
-        clash = Git(where).untracked(added)
-        if clash:
-            raise InputError(f"{where}: untracked files where the PR adds files "
-                             f"({', '.join(clash[:3])}); move them away first")
-        _merge(git, where, rec.branch, msg)
+        _refuse_dirty(Git(where), [*KERNEL_PATHS, *files])
+    msg = f"Merge kernel PR {rec.branch}: kernels for {rec.model}"
+    for _ in range(5):  # the base may move under us (a commit elsewhere): compute again
+        old, tip = git.rev(rec.base), git.rev(rec.branch)
+        if git.ok("merge-base", "--is-ancestor", old, tip):
+            new = tip
+        else:
+            res = git.run("merge-tree", "--write-tree", "--no-messages", old, tip, check=False)
+            tree = res.split()[0] if res.strip() else ""
+            if not git.ok("cat-file", "-e", f"{tree}^{{tree}}") or len(res.split()) > 1:
+                raise InputError(f"{rec.branch} does not merge cleanly into {rec.base} "
+                                 f"({' '.join(res.split()[1:4])}); nothing was changed "
+                                 "(re-create the PR from the current base)")
+            new = git.run("commit-tree", tree, "-p", old, "-p", tip, "-m", msg).strip()
+        if git.ok("update-ref", f"refs/heads/{rec.base}", new, old):
+            break
     else:
-        with git.temp_worktree(rec.base) as wt:
-            _merge(git, wt, rec.branch, msg)
-    rec.merged_commit = git.rev(rec.base)
+        raise InputError(f"{rec.base} kept moving while merging {rec.branch}; try again")
+    if where is not None:  # bring the checked-out base's PR files up to the merge
+        changed = git.run("diff", "--name-only", old, new).split()
+        if changed:
+            git.run("checkout", new, "--", *changed, cwd=where)
+    rec.merged_commit = new
     git.run("branch", "-D", rec.branch)
     rec.status, rec.decided = "approved", _now()
     _save(git, rec)
     return rec
-
-
-def _merge(git: Git, where: Path, branch: str, msg: str) -> None:
-    try:
-        git.run("merge", "--no-edit", "-m", msg, branch, cwd=where)
-    except InputError:
-        git.run("merge", "--abort", cwd=where, check=False)
-        raise InputError(f"{branch} does not merge cleanly into {where}'s branch; nothing was "
-                         "changed (re-create the PR from the current base)") from None
 
 
 def reject(git: Git, rec: PRRecord, why: str | None) -> PRRecord:

@@ -79,17 +79,11 @@ class Git:
     def rev(self, ref: str) -> str:
         return self.run("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
 
-    def dirty(self) -> list[str]:
-        """Changed tracked files (staged or not), as `git status --porcelain` lines."""
-        return [ln for ln in self.run("status", "--porcelain", "--untracked-files=no"
-                                      ).splitlines() if ln.strip()]
-
-    def untracked(self, paths: list[str]) -> list[str]:
-        """Those of `paths` that exist in the work tree untracked (a merge would refuse)."""
-        if not paths:
-            return []
-        out = self.run("ls-files", "--others", "--", *paths)
-        return [ln for ln in out.splitlines() if ln]
+    def dirty(self, paths: list[str]) -> list[str]:
+        """Uncommitted changes under `paths` (staged, unstaged, untracked), as `git status
+        --porcelain` lines."""
+        return [ln for ln in self.run("status", "--porcelain", "--untracked-files=all", "--",
+                                      *paths).splitlines() if ln.strip()]
 
     def file_at(self, ref: str, path: str) -> str | None:
         out = subprocess.run([git_exe(), "-C", str(self.root), "show", f"{ref}:{path}"],
