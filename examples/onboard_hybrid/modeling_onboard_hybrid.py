@@ -17,7 +17,7 @@ F expert FFN width, N tokens (B*T), C chunk length, S kept keys (top-k).
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -616,19 +616,25 @@ class OnboardHybridModel(OnboardHybridPreTrainedModel):
         return self.norm(x_BTD)
 
 
-class OnboardHybridForCausalLM(OnboardHybridPreTrainedModel):
+class OnboardHybridForCausalLM(OnboardHybridPreTrainedModel, GenerationMixin):
     def __init__(self, config: OnboardHybridConfig):
         super().__init__(config)
         self.model = OnboardHybridModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        self.generation_config.use_cache = False  # no KV cache (see prepare_inputs_for_generation)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        """No KV cache: every step of `generate` runs the whole prefix (the default would feed
+        only the new token once a cache exists)."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -10,7 +10,7 @@ Shape legend for suffixed names: B batch, T sequence, D hidden, H heads, K head 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -155,19 +155,25 @@ class OnboardDenseModel(OnboardDensePreTrainedModel):
         return self.norm(x_BTD)
 
 
-class OnboardDenseForCausalLM(OnboardDensePreTrainedModel):
+class OnboardDenseForCausalLM(OnboardDensePreTrainedModel, GenerationMixin):
     def __init__(self, config: OnboardDenseConfig):
         super().__init__(config)
         self.model = OnboardDenseModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        self.generation_config.use_cache = False  # no KV cache (see prepare_inputs_for_generation)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        """No KV cache: every step of `generate` runs the whole prefix (the default would feed
+        only the new token once a cache exists)."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
 
     def get_output_embeddings(self):
         return self.lm_head

@@ -13,6 +13,14 @@ module's parameter order, the first innermost: its keys carry one ``.base_layer`
 targeted parameter. `expert_lora_tensors` builds exactly that, for the expert module to call from
 its ``peft_tensors``. PEFT's ParamWrapper refuses ``lora_dropout != 0``; dropout does nothing at
 inference, so the exported config states 0 when expert adapters are present.
+
+The base the adapters trained on is usually a seeded proxy that exists nowhere else, so
+`export_run` also saves it (``train/base/``, ``save_pretrained`` with the model's code) and names
+it in ``base_model_name_or_path``: ``AutoPeftModelForCausalLM.from_pretrained(adapter_dir,
+trust_remote_code=True)`` then loads base and adapters in one call. ``task_type`` is CAUSAL_LM
+only for a model that can generate (PEFT's causal-LM wrapper needs GenerationMixin); other
+models get none, which plain ``PeftModel.from_pretrained`` loads. ``onboard_probe.safetensors``
+holds a few tokens and the trained model's logits on them, to check a load against.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from onboarding.train.lora import LoRALinear, adapter_modules
 # Path segments that wrappers (activation checkpointing, compile) insert into module paths.
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 PEFT_PREFIX = "base_model.model."
+PROBE_FILE = "onboard_probe.safetensors"
+PROBE_TOKENS = 16  # the probe's logits are [1, 16, vocab]: small even for a 200k vocabulary
 
 
 def clean_path(path: str) -> str:
@@ -98,11 +108,17 @@ def collect(model: nn.Module, cfg: TrainConfig) -> tuple[dict[str, torch.Tensor]
     return tensors, modules, params
 
 
+def can_generate(model: nn.Module) -> bool:
+    """Whether PEFT's causal-LM wrapper can hold ``model`` (it calls the GenerationMixin API)."""
+    return callable(getattr(model, "prepare_inputs_for_generation", None))
+
+
 def export_peft(model: nn.Module, cfg: TrainConfig, out_dir: Path, *,
-                base_model_name_or_path: str) -> Path:
+                base_model_name_or_path: str, base: dict | None = None) -> Path:
     """Write the adapters of ``model`` to ``out_dir`` in PEFT's format; returns ``out_dir``.
 
     Call on every rank when parameters are sharded (gathering is collective); rank 0 writes.
+    ``base``: how the base model was saved (recorded in ``onboard_adapter.json``).
     """
     from peft import LoraConfig
     from safetensors.torch import save_file
@@ -120,7 +136,7 @@ def export_peft(model: nn.Module, cfg: TrainConfig, out_dir: Path, *,
                         lora_dropout=0.0 if params else cfg.lora_dropout,
                         target_modules=sorted(modules) or None,
                         target_parameters=sorted(params) or None, bias="none",
-                        task_type="CAUSAL_LM",
+                        task_type="CAUSAL_LM" if can_generate(model) else None,
                         base_model_name_or_path=base_model_name_or_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out_dir))
@@ -128,5 +144,96 @@ def export_peft(model: nn.Module, cfg: TrainConfig, out_dir: Path, *,
     (out_dir / "onboard_adapter.json").write_text(json.dumps({
         "model": cfg.model, "overrides": cfg.overrides, "proxy": cfg.proxy, "seed": cfg.seed,
         "lora_dropout_trained": cfg.lora_dropout, "n_tensors": len(tensors),
-        "target_modules": len(modules), "target_parameters": len(params)}, indent=1) + "\n")
+        "target_modules": len(modules), "target_parameters": len(params),
+        "task_type": config.task_type, "base": base}, indent=1) + "\n")
     return out_dir
+
+
+def changed_state(model: nn.Module, graph) -> dict[str, torch.Tensor]:
+    """Tensors outside the adapters that training moves: the score-correction biases of routers
+    with aux-loss-free balancing (`moe_ep.update_score_bias`), full, by clean module path. The
+    saved base needs them for the adapters to give the trained model's logits. Collective when
+    sharded: call on every rank."""
+    routers = {b.path for b in graph.by_kind("moe.router") if b.attrs.get("score_bias")}
+    out: dict[str, torch.Tensor] = {}
+    for raw, mod in model.named_modules():
+        path = clean_path(raw)
+        if path not in routers:
+            continue
+        for name, t in (*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)):
+            if t.ndim == 1:
+                out[f"{path}.{name}"] = full_tensor(t)
+    return out
+
+
+@torch.no_grad()
+def probe_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits on ``ids`` in eval mode (no dropout), fp32 on the CPU. Collective when
+    sharded: every rank passes the same ids."""
+    was = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        model.train(was)
+    return full_tensor(logits)
+
+
+def save_base(cfg: TrainConfig, changed: dict[str, torch.Tensor], out_dir: Path
+              ) -> tuple[str, dict]:
+    """Save the base the adapters trained on; returns (``base_model_name_or_path``, a record).
+
+    The repo itself when its own weights trained unchanged; else the rebuilt base (same seed,
+    same dtype, trained biases applied) with ``save_pretrained``, which copies remote code too.
+    A model that is not a transformers model cannot be saved so: the record says how to rebuild.
+    """
+    from onboarding.dtypes import as_dtype
+    from onboarding.load.model import EXAMPLES_DIR
+    from onboarding.train.setup import _uses_weights, base_model, cast_parameters, model_info
+
+    info = model_info(cfg)
+    lm = info.loaded
+    rebuild = ("onboarding.train.setup.build(TrainConfig.from_toml('train.toml')).model "
+               "rebuilds it (same seed, same weights)")
+    if not lm.is_hf:
+        return cfg.model, {"saved": False, "why": "not a transformers model (no save_pretrained "
+                           "config)", "rebuild": rebuild}
+    repo = {"directory": Path(lm.ref), "example": EXAMPLES_DIR / lm.ref}.get(lm.source)
+    if repo is not None and not changed and _uses_weights(info):
+        return str(repo.resolve()), {"saved": False, "why": "the repo's own weights trained"}
+    model = base_model(cfg, info)
+    with torch.no_grad():
+        for name, t in changed.items():
+            target = model.get_parameter(name) if name in dict(model.named_parameters()) \
+                else model.get_buffer(name)
+            target.copy_(t)
+    cast_parameters(model, as_dtype(cfg.dtype))
+    out_dir = Path(out_dir)
+    try:
+        model.save_pretrained(str(out_dir))
+    except Exception as exc:  # a model class transformers cannot save: say so, keep the adapters
+        return cfg.model, {"saved": False, "why": f"save_pretrained failed: "
+                           f"{type(exc).__name__}: {exc}".splitlines()[0], "rebuild": rebuild}
+    return str(out_dir.resolve()), {"saved": True, "dir": str(out_dir.resolve()),
+                                    "trust_remote_code": lm.trust_remote_code,
+                                    "changed": sorted(changed)}
+
+
+def export_run(model: nn.Module, graph, cfg: TrainConfig, ep_mods: list, ids: torch.Tensor,
+               train_dir: Path) -> Path:
+    """After training: the probe logits, the base (``train_dir/base``) and the adapters
+    (``train_dir/adapter``). Call on every rank; rank 0 writes."""
+    from safetensors.torch import save_file
+
+    logits = probe_logits(model, ids)
+    changed = changed_state(model, graph)
+    for m in ep_mods:
+        m.gather_lora()
+    name, record = (save_base(cfg, changed, Path(train_dir) / "base") if _is_writer()
+                    else (cfg.model, None))
+    out = export_peft(model, cfg, Path(train_dir) / "adapter", base_model_name_or_path=name,
+                      base=record)
+    if _is_writer():
+        save_file({"input_ids": ids.detach().cpu().contiguous(), "logits": logits},
+                  str(out / PROBE_FILE), metadata={"dtype": cfg.dtype})
+    return out

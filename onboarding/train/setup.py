@@ -126,6 +126,15 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
+def base_model(cfg: TrainConfig, info: ModelInfo) -> nn.Module:
+    """The base weights that train, in fp32 on the CPU: built from ``cfg.seed`` (the same in
+    every process and every call), the repo's weights loaded when they fit the trained config."""
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=cfg.seed).float()
+    if _uses_weights(info):
+        load_weights(model, info.loaded.weights)
+    return model
+
+
 def build(cfg: TrainConfig, *, device: torch.device | str = "cpu") -> Built:
     """The model to train on ``device`` with base weights in ``cfg.dtype``, its op graph and facts.
 
@@ -133,10 +142,7 @@ def build(cfg: TrainConfig, *, device: torch.device | str = "cpu") -> Built:
     repo's real weights are loaded when they fit the trained config, then cast and moved.
     """
     info = model_info(cfg)
-    model = info.loaded.build(info.proxy_config, device="cpu", seed=cfg.seed)
-    model = model.float()
-    if _uses_weights(info):
-        load_weights(model, info.loaded.weights)
+    model = base_model(cfg, info)
     graph = _graph(cfg, info, model)
     n_experts = routed_experts(model, info.proxy_config)
     cast_parameters(model, as_dtype(cfg.dtype))

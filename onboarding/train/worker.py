@@ -5,10 +5,11 @@ layout of the config; ``--role reference`` is the same model, data and seed in o
 without sharding (experts computed by the same module with every expert local). ``--role
 baseline`` is what users get today, for speed comparisons on one device: the transformers model
 as it stands (its own experts, no onboard kernels) with PEFT LoRA on the same targets, fed one
-rank's share of each batch. Each writes ``<out>/train/<role>.jsonl``; the parallel role exports
-the adapters to ``<out>/train/adapter/``. On CUDA with ``kernels = true`` the reference and
-parallel roles patch the onboard kernels that pass their checks on the device
-(`onboarding.train.kernels`).
+rank's share of each batch. Each writes ``<out>/train/<role>.jsonl``; the parallel role (the
+reference when it is the only process) exports the adapters to ``<out>/train/adapter/`` and the
+base they trained on to ``<out>/train/base/`` (`onboarding.train.peft_export.export_run`). On
+CUDA with ``kernels = true`` the reference and parallel roles patch the onboard kernels that
+pass their checks on the device (`onboarding.train.kernels`).
 
 Test hook: ``ONBOARD_TEST_KILL=RANK:STEP`` makes that rank exit(1) right after that step (after
 its checkpoint, if one is due) to test crash recovery. It only ever ends a run early.
@@ -217,12 +218,11 @@ def run(cfg: TrainConfig, role: str) -> None:
             ckpt.save(step, params, expert_ids, opt)
         _maybe_kill(layout, step)
 
-    if role == "parallel":
-        from onboarding.train.peft_export import export_peft
+    if role == "parallel" or (role == "reference" and cfg.nproc == 1):  # one process: it trained
+        from onboarding.train.peft_export import PROBE_TOKENS, export_run
 
-        for m in ep_mods:
-            m.gather_lora()
-        export_peft(model, cfg, out / "adapter", base_model_name_or_path=cfg.model)
+        export_run(model, graph, cfg, ep_mods,
+                   packed.global_batch(0, 1)[:, :PROBE_TOKENS].to(device), out)
 
 
 def _peft(model, graph, cfg: TrainConfig) -> None:
