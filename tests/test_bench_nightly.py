@@ -297,3 +297,18 @@ def test_workflows_run_the_ci_scripts():
     assert ".ci/run" in " ".join(str(s.get("run", "")) for j in ci["jobs"].values()
                                  for s in j["steps"])
     assert "--compare" in (ROOT / ".ci/nightly").read_text()
+
+
+def test_nightly_options_need_the_nightly_suite_and_dashboards_are_not_overwritten(tmp_path, capsys):
+    assert main(["bench", "--compare", "x.json"]) == 2
+    assert "only with --suite nightly" in capsys.readouterr().err
+    from onboarding.cli.nightly import DASHBOARD_MARK, check_dashboard
+
+    mine = tmp_path / "notes.html"
+    mine.write_text("<html>my notes</html>")
+    with pytest.raises(InputError, match="not an onboard dashboard"):
+        check_dashboard(mine)
+    ours = tmp_path / "dashboard.html"
+    ours.write_text(f"<html><head>{DASHBOARD_MARK}</head></html>")
+    check_dashboard(ours)  # last night's page may be replaced
+    check_dashboard(tmp_path / "new.html")

@@ -17,6 +17,11 @@ change could be told from noise). Facts (the example's alignment) are compared e
 within `onboarding.regress.TOLERANCES`. A row that passed in the baseline and now fails (an
 error, a failed check) is a regression; a row the baseline lacks is suspicious.
 
+The noise is one sample's, not the standard error of the row's median (smaller by ~sqrt(2 x
+rounds)), on purpose: two processes differ by more than one process's pairs show (an H200
+training step moved 16.6% between two runs of the same commit whose pairs scattered by 2.6-8.3%,
+docs/LOG.md), and a nightly that cries wolf gets ignored.
+
 Baselines live in ``reference_runs/bench/<gpu>/nightly.json``: the run's rows plus the metadata
 of the run that made them (commit, date, versions, GPU, command), written atomically.
 """
