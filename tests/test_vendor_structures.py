@@ -289,3 +289,25 @@ def test_module_list_member_called_with_its_routing_weights(swiglu_kernel):
         experts[0](x, torch.rand(6, 24, device=kernel_device()))  # not one weight per row
     assert rec.status == "rejected" and "arguments" in rec.detail, rec
     assert all("forward" not in m.__dict__ for m in experts)
+
+
+def test_inline_router_is_seen_and_rejected_with_its_reason(parse_model):
+    """A router that is no module of its own (Mixtral-style remote code: a gate linear, softmax
+    and top-k in the MoE block's forward) is the MoE block itself as `moe.router`: marked
+    `inline` by structure (the block holds the experts), and the router binding rejects it
+    saying why instead of trying a module patch that would replace the whole block."""
+    from onboarding.families import families
+
+    graph = parse_model(f"{FIX}:ListMoECausalLM")
+    routers = {b.path: b for b in graph.by_kind("moe.router")}
+    assert set(routers) == {"layers.0.mlp", "layers.1.mlp"}, set(routers)
+    block = routers["layers.0.mlp"]
+    assert block.attrs.get("inline") is True and "no module of its own" in block.evidence[-1]
+    record = PatchRecord(path=block.path, kind=block.kind, family="moe_router")
+    bind = families()["moe_router"].binding
+    lm = _fixture().ListMoECausalLM()
+    assert bind(block, lm.get_submodule(block.path), [None], record, lm) is None
+    assert record.status == "rejected" and record.detail.startswith("inline routing"), record
+    # a router module of its own (a gate module holding its weight) is not inline
+    other = parse_model(f"{FIX}:BufferBiasMoECausalLM").by_kind("moe.router")
+    assert other and not any(b.attrs.get("inline") for b in other)

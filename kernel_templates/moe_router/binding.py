@@ -158,6 +158,14 @@ def router_adapt(out: Any, ref: Any) -> tuple[Callable[[Any], Any], str] | None:
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
     """The `binding` hook (`onboarding.patching.core.patch_model`)."""
+    if block.attrs.get("inline"):
+        # the routing runs in the MoE block's own forward around its experts: swapping that
+        # module's forward for the router kernel would drop the experts (a graph rewrite of the
+        # block's forward could replace the linear -> scores -> top-k ops; not done)
+        record.status, record.detail = "rejected", (
+            "inline routing: the router runs in the MoE block's own forward, not in a module of "
+            "its own, so no module patch can replace it")
+        return None
     kmod = kernels[0]
     return calibrated(module, record, router_bindings(block, module, entry_function(kmod), kmod),
                       router_adapt)

@@ -31,6 +31,7 @@ VIEW_OPS = {"view", "reshape", "_unsafe_view", "expand", "slice", "select", "tra
             "split", "split_with_sizes", "chunk", "unbind", "detach", "_assert_tensor_metadata",
             "to", "_to_copy", "type_as", "lift_fresh_copy", "flatten", "unflatten", "lift_fresh"}
 TRIANGULAR = {"tril", "triu", "linalg_solve_triangular", "triangular_solve"}
+EXPERT_KINDS = ("moe.experts", "moe.shared_expert", "mlp.dense")  # what a router routes to
 
 _NUM = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -325,6 +326,38 @@ def _clamp_style(recs: list[OpRecord]) -> dict[str, Any]:
     return style
 
 
+def _inline_mlp(recs: list[OpRecord], ctx: Context
+                ) -> tuple[list[OpRecord], dict[str, Any], str] | None:
+    """An MLP that runs in an attention module's own forward after the attention (a decoder
+    block written as one module): (the attention's records, the MLP's attrs, evidence), or None.
+
+    After the last attention core op (fused SDPA, or the activation x activation matmul of
+    softmax(QK^T) V) the first weight projection is the output projection; an MLP follows when
+    at least two more weight projections and an activation run after it and go out from the
+    model width and back (D -> F ... F -> D)."""
+    core = [r.index for r in recs if is_sdpa(r.op) or (is_matmul(r.op) and not r.params)]
+    if not core:
+        return None
+    after = [r for r in recs if r.index > max(core)]
+    proj = [r for r in after if is_matmul(r.op) and r.params]
+    if len(proj) < 3:
+        return None
+    rest = [r for r in after if r.index > proj[0].index]
+    mlp_mm = proj[1:]
+    first, last = _linear_dims(mlp_mm[0], ctx), _linear_dims(mlp_mm[-1], ctx)
+    act = _activation(rest)
+    if not (act and first and last and first[0] == last[1] and first[1] != first[0]):
+        return None
+    fused = first[1] == 2 * last[0]
+    gated = any(r.op in ("mul", "mul_") for r in rest) and (len(mlp_mm) >= 3 or fused)
+    attrs = {"activation": act, "gated": gated, "hidden": first[0], "intermediate": first[1],
+             "projections": sorted({r.module for r in mlp_mm})}
+    ev = (f"then an MLP in the same module: {len(mlp_mm)} projections {first[0]} -> "
+          f"{first[1]} ... -> {last[1]} with {act}" + (" gating" if gated else "") +
+          " (inline_mlp: it has no module of its own to patch)")
+    return [r for r in recs if r.index <= proj[0].index], attrs, ev
+
+
 class Classifier:
     def __init__(self, cap: Capture, ctx: Context):
         self.cap, self.ctx = cap, ctx
@@ -347,8 +380,9 @@ class Classifier:
             return patch
         if leaf and len(mm) == 1 and ctx.vocab and (d := _linear_dims(mm[0], ctx)) \
                 and d[1] == ctx.vocab and sum(n for op, n in ops.items()
-                                              if op not in VIEW_OPS and not is_matmul(op)) <= 2:
-            return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)"], {}
+                                              if op not in VIEW_OPS and not is_matmul(op)) <= 2 \
+                and (why := self._output_head(path, mm[0])):
+            return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)", why], {}
         if not mm and (ops["native_layer_norm"] or ops["layer_norm"]):
             return "norm.layer", ["layer_norm op"], {}
         if not mm and _is_rms(recs) and _mean_centred(recs):
@@ -389,7 +423,13 @@ class Classifier:
         attn = _attention_softmax(recs, ctx.seq) if act_mm else []
         seq_topk = [t for t in _topks(recs) if t[2] == ctx.seq] if act_mm else []
         if attn and mm:
-            return self._attention(path, recs, attn, seq_topk, child_kinds)
+            inline = _inline_mlp(recs, ctx)
+            kind, ev, attrs = self._attention(path, inline[0] if inline else recs, attn,
+                                              seq_topk, child_kinds)
+            if inline:
+                attrs["inline_mlp"] = inline[1]
+                ev.append(inline[2])
+            return kind, ev, attrs
         decay = _decay_cumsum(recs)
         tri = [op for op in TRIANGULAR if ops[op]]
         if decay is not None and mm and not attn:
@@ -540,9 +580,32 @@ class Classifier:
                 seg.append(r)
         return (leads[0], (leads[1] - leads[0], n)) if n else None
 
+    def _output_head(self, path: str, rec: OpRecord) -> str | None:
+        """Why the vocabulary-wide linear at ``path`` is the model's output head, or None: its
+        weight is the embedding's (tied), or no other module's weight projection runs after its
+        last call (the logits are what the forward ends with). Width alone is no evidence: an
+        MLP as wide as the vocabulary has linears of the same shape that feed more compute."""
+        weights = set(rec.params.values())
+        if any(r.op == "embedding" and weights & set(r.params.values()) for r in self.cap.records):
+            return "its weight is the embedding's (tied)"
+        last = max(r.index for r in self.by_module.get(path, [rec]))
+        if not any(r.index > last and r.module != path and r.params and is_matmul(r.op)
+                   for r in self.cap.records):
+            return "no weight projection runs after it: the model's output head"
+        return None
+
     def _attention(self, path, recs, attn, seq_topk, child_kinds):
         ctx, ev, attrs = self.ctx, list(attn), {}
         mm = _matmul_recs(recs)
+        if not seq_topk and not any(is_sdpa(r.op) for r in recs):
+            # softmax(Q K^T) V written out: the scores are a tensor in memory, O(T^2) per head
+            scores = next((r.in_shapes[0] for r in recs if r.op in SOFTMAX and r.in_shapes
+                           and r.in_shapes[0] and r.in_shapes[0][-2:] in ([ctx.seq, ctx.seq],
+                                                                          [ctx.seq, ctx.seq + 1])),
+                          None)
+            attrs["unfused_core"] = {"scores": scores, "score_gemms": sum(
+                1 for r in mm if not r.params and r.op in ("mm", "bmm"))}
+            ev.append(f"unfused: the scores {scores} are materialised, O(T^2) memory and traffic")
         # MLA: a low-rank latent that a child norm normalises and a projection expands again.
         # Per-head q/k norms see [B, T, H, D]; a latent norm sees [B, T, r] straight from a
         # projection.
@@ -735,6 +798,7 @@ class Classifier:
         self._merge_expert_lists()
         self._leftovers()
         self._shared_experts()
+        self._inline_routers()
         return sorted(self.blocks.values(), key=lambda b: _path_key(b.path))
 
     def _per_call(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
@@ -750,6 +814,18 @@ class Classifier:
             return None
         kind, ev, attrs = found[0]
         return kind, [*ev, f"called {len(calls)} times in one forward, each call {kind}"], attrs
+
+    def _inline_routers(self) -> None:
+        """A router whose module holds the experts (or a shared expert) routes inline:
+        its gate is a child linear, its softmax / top-k run in the MoE block's own forward, so
+        the router is no module of its own (``inline``: a module patch would replace the block)."""
+        for b in self.blocks.values():
+            inner = [p for p, c in self.blocks.items() if b.kind == "moe.router"
+                     and p.startswith(b.path + ".") and c.kind in EXPERT_KINDS]
+            if inner:
+                b.attrs["inline"] = True
+                b.evidence.append(f"routing runs in this module's own forward, around {', '.join(inner)}"
+                                  " (the router is no module of its own)")
 
     def _merge_expert_lists(self) -> None:
         """A list of identical MLPs beside a router is one experts block."""
