@@ -33,6 +33,7 @@ BLOCK_KINDS = (
     "conv.causal1d",
     "rope",
     "embedding",
+    "embedding.patch",
     "lm_head",
     "unknown",
 )
