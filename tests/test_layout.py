@@ -24,6 +24,8 @@ NOT_A_FAMILY = {
     ("onboarding/train/flops.py", "lora"): "PEFT's adapter parameter names (lora_A, lora_B)",
     ("onboarding/load/compat.py", "conv1d"): "the PyPI package causal-conv1d that remote code "
                                              "imports, named when it is missing",
+    ("onboarding/optional_kernels.py", "conv1d"): "the PyPI package causal-conv1d, hidden from "
+                                                  "model code",
 }
 
 
