@@ -69,9 +69,10 @@ def block_dir(path: str) -> str:
 
 def propose(task: Any, client: LLMClient, *, attempts: int = 3, budget_s: float | None = None,
             run_dir: Path, spec: Any = None, gate_timeout_s: float = 900.0,
-            sizes: list[list[int]] | None = None) -> LLMOutcome:
+            sizes: list[list[int]] | None = None, check_in_process: bool = False) -> LLMOutcome:
     """Ask `client` for a family for `task` (a `KernelTask`) and gate each answer; see the module
-    docstring. `spec` is the run's ModelSpec (default: read from ``run_dir/model.json``)."""
+    docstring. `spec` is the run's ModelSpec (default: read from ``run_dir/model.json``); `sizes`
+    and `check_in_process` go to the gate (`gate.gate`)."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     t0 = time.perf_counter()
@@ -118,7 +119,8 @@ def propose(task: Any, client: LLMClient, *, attempts: int = 3, budget_s: float 
             continue
         att.family = answer.family
         timeout = gate_timeout_s if left is None else max(30.0, min(gate_timeout_s, left))
-        verdict = gate(answer, task, spec=spec, out_dir=adir, timeout_s=timeout, sizes=sizes)
+        verdict = gate(answer, task, spec=spec, out_dir=adir, timeout_s=timeout, sizes=sizes,
+                       in_process=check_in_process)
         (adir / "verdict.json").write_text(json.dumps(verdict.as_dict(), indent=1, default=str) + "\n")
         att.stage, att.reason = verdict.stage, verdict.reason
         if verdict.ok:

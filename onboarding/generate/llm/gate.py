@@ -41,10 +41,12 @@ class GateVerdict:
 
 
 def gate(answer: Answer, task: Any, *, spec: Any, out_dir: Path, timeout_s: float = 600.0,
-         sizes: list[list[int]] | None = None, seed: int = 0) -> GateVerdict:
+         sizes: list[list[int]] | None = None, seed: int = 0, in_process: bool = False) -> GateVerdict:
     """Run the gate on `answer` for `task` (the proxy rebuilt from ModelSpec `spec`; `sizes`:
     (batch, seq) pairs, default blockcheck's); files go under `out_dir` (``family/<name>/``,
-    ``rendered/<name>/<variant>.py``, ``blockcheck.json``)."""
+    ``rendered/<name>/<variant>.py``, ``blockcheck.json``). ``in_process`` runs the block check
+    here, without its subprocess and timeout (tests: the subprocess costs an import of the model
+    code per answer)."""
     t0 = time.perf_counter()
 
     def done(ok: bool, stage: str, reason: str = "", **details: Any) -> GateVerdict:
@@ -90,7 +92,7 @@ def gate(answer: Answer, task: Any, *, spec: Any, out_dir: Path, timeout_s: floa
                        kwargs={"kernel": str(paths[0]), "reference": str(folder / "reference.py")})
     verdict = check_block(spec, task.path, repl, batch=task.batch or 1, seq=task.seq or 16,
                           sizes=[tuple(s) for s in sizes] if sizes else None, seed=seed,
-                          kind=task.kind, timeout_s=timeout_s)
+                          kind=task.kind, timeout_s=timeout_s, in_process=in_process)
     result = verdict.to_dict()
     (Path(out_dir) / "blockcheck.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     watched = [a for a in verdict.artifacts.values() if isinstance(a, dict)]
@@ -129,8 +131,8 @@ _AOT_DONE: dict[str, list[dict[str, Any]]] = {}
 
 def aot_key(source: str) -> str:
     """A digest of what the sm_90 compile of a rendered module depends on: its ``@triton.jit``
-    functions, ``aot_specs`` and every module-level function these reach, its module-level
-    assignments and imports, and the Triton version. Answers that differ only in Python glue
+    functions, ``aot_specs`` and every module-level function these reach, the module-level
+    assignments and imports of names they use, and the Triton version. Answers that differ only in Python glue
     (a retry that fixes the wrapper) compile once per process."""
     import triton
 
@@ -145,8 +147,11 @@ def aot_key(source: str) -> str:
             continue
         seen.add(name)
         todo += [x.id for x in ast.walk(defs[name]) if isinstance(x, ast.Name) and x.id in defs]
-    parts = [triton.__version__] + [ast.unparse(defs[n]) for n in sorted(seen)] + \
-        [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom))]
+    used = {x.id for n in seen for x in ast.walk(defs[n]) if isinstance(x, ast.Name)}
+    glob = [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.Import, ast.ImportFrom))
+            and ({x.id for x in ast.walk(n) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Store)}
+                 | {a.asname or a.name.split(".")[0] for a in getattr(n, "names", [])}) & used]
+    parts = [triton.__version__] + [ast.unparse(defs[n]) for n in sorted(seen)] + [ast.unparse(n) for n in glob]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

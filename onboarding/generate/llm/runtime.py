@@ -33,7 +33,9 @@ GLUE = frozenset({
     "contiguous", "copy_", "_to_copy", "to", "lift_fresh", "lift_fresh_copy", "unbind", "split",
     "split_with_sizes", "chunk", "cat", "stack", "flatten", "unflatten", "view_as",
     "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
-    "is_same_size", "_has_compatible_shallow_copy_type", "set_", "resize_", "_reshape_alias"})
+    "is_same_size", "_has_compatible_shallow_copy_type", "set_", "resize_", "_reshape_alias",
+    # the backward of a slice, a select or a view writes the gradient into zeros: layout too
+    "slice_backward", "select_backward", "_unsafe_view_backward"})
 _EMPTY = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _AGG_NAMESPACES = ("aten", "prims", "prim")
 
