@@ -104,7 +104,7 @@ class PlanConfig:
     fsdp: int | None = None
     capacity_factor: float | None = None  # None: dropless
     imbalance: float = 1.25  # expected max/mean tokens per EP rank (assumption)
-    kernels_norm: bool = True  # norms run a fused kernel (saves x, not its fp32 copies)
+    kernels_norm: bool = False  # True: norms run a fused kernel (keep bf16 x, no fp32 copy)
 
     def validate(self) -> None:
         for name in ("gpus", "seq", "micro_batch", "lora_rank"):

@@ -134,6 +134,31 @@ def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]
     return dense, experts, core
 
 
+# Host ops of `onboard train`'s step beyond the captured blocks, counted with a dispatch mode on
+# the CPU for hf:qwen3_moe and hf:qwen3_next tiny proxies (docs/LOG.md): a LoRA adapter's
+# forward (upcast, A, B, scale, cast, add), the EP module's sort / dispatch / regroup / combine
+# per MoE layer (without its CPU per-expert loop), AdamW per trainable tensor (single-tensor
+# form), and the backward at 1.26 x the forward's ops.
+ADAPTER_OPS, EP_OPS, ADAM_OPS, BACKWARD_OPS = 8, 60, 10, 1.26
+
+
+def forward_ops(shape: ModelShape, cfg: PlanConfig) -> float:
+    """ATen ops of one forward: the op graph's blocks (outermost only), adapters, EP modules."""
+    blocks = sum(b.count * b.ops for b in shape.blocks if not b.nested)
+    adapters = 0 if cfg.mode == "full" else ADAPTER_OPS * sum(
+        b.count * len(b.lora_targets) for b in shape.blocks if not b.nested)
+    return blocks + adapters + EP_OPS * sum(e.count for e in shape.experts)
+
+
+def host_ops(shape: ModelShape, cfg: PlanConfig) -> float:
+    """Ops launched per step: forward, backward and the optimizer."""
+    if cfg.mode == "full":
+        tensors = len(shape.dense_tensors) + 2 * sum(e.count for e in shape.experts)
+    else:
+        tensors = 2 * sum(b.count * len(b.lora_targets) for b in shape.blocks if not b.nested)
+    return forward_ops(shape, cfg) * (1 + BACKWARD_OPS) + ADAM_OPS * tensors
+
+
 def step_time(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, comm: Comm,
               cluster: ClusterConfig) -> StepTime:
     r = cluster.rates
@@ -149,14 +174,16 @@ def step_time(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, comm
     attn_s = core_f * tokens / (r.attn_tflops * 1e12)
     kept = sum(mem.activations.values())
     memory_s = (4 * kept + 20 * shape.vocab * tokens) / (r.hbm_tbps * 1e12)
-    ops = sum(b.count * b.ops for b in shape.blocks if not b.nested) * 3
+    ops = host_ops(shape, cfg)
     if lay.recompute == "full":
-        ops = ops * 4 // 3  # the forward again
+        ops += forward_ops(shape, cfg)  # the forward again
     host_s = ops * r.launch_us * 1e-6
     gpu_s = gemm_s + attn_s + memory_s
     if lay.recompute == "full":
         gpu_s += (gemm_s + attn_s + memory_s) / 3  # one more forward
-    compute_s = max(gpu_s, host_s)
+    # the EP module reads its split sizes on the host (.tolist()) in every MoE layer: the host
+    # cannot run ahead of the GPU, so host and device time add up; without MoE they overlap
+    compute_s = gpu_s + host_s if shape.experts else max(gpu_s, host_s)
     overlap = max(compute_s, comm.seconds)
     serial = compute_s + comm.seconds
     flops = (dense_f + exp_f + core_f) * tokens

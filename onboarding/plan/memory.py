@@ -149,8 +149,6 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
     d, r = shape.hidden, cfg.lora_rank
     full = cfg.mode == "full"
     kind = b.kind
-    if b.nested and kind != "conv.causal1d":
-        return 0.0, 0.0, 0.0  # its parent's projections account for it
     lora = 0.0 if full else sum(FP32 * (i + r) for i, _ in b.lora_targets)
     if kind.startswith(("attention.", "sparse_attention.", "linear_attention.")):
         lin_out = max(sum(o for _, _, o in b.linears) - d, 0)
@@ -162,10 +160,15 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         kept = BF16 * (lin_out + h * dv) + lora + (BF16 * d if full else 0)
         transient = 0.0
         if kind.startswith("linear_attention."):
+            # the chunked delta rule as transformers' torch form runs it: fp32 copies of q, k,
+            # v, beta-weighted k and v, w, u and the output (8 x heads x d_v), the C x C
+            # intra-chunk matrices (4 per head) and the state entering each chunk
             c = int(b.attrs.get("chunk") or 64)
-            kept += FP32 * h * dk_dv(dqk, dv) / c + FP32 * h * c
+            kept += FP32 * (8 * h * dv + 4 * h * c) + FP32 * h * dqk * dv / c
         else:
             kept += FP32 * h  # log-sum-exp
+            if kind == "attention.gated":
+                kept += 2 * BF16 * h * dv  # the sigmoid gate and the output it multiplies
         if kind == "sparse_attention.topk":
             from onboarding.train.flops import _int
 
@@ -174,14 +177,18 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         return kept, 0.0, transient
     if kind == "moe.router":
         e = shape.n_experts or 1
-        return 2 * FP32 * e, 0.0, 0.0
+        k = max((x.top_k for x in shape.experts), default=1)
+        return FP32 * e + 12 * k + FP32, 0.0, 0.0  # scores, top-k ids and weights
     if kind == "moe.experts":
         ex = next((x for x in shape.experts if x.pattern == b.pattern), None)
         if ex is None:
             return 0.0, 0.0, 0.0
         f = ex.width
         act = (3 if ex.gated else 1) * f
-        per_pair = BF16 * (act + d) + 3 * 8
+        # `onboard train`'s EP module: gate/up and the activation, the two index_copy sources
+        # (regroup by local expert, back to pair order) and the output the routing weight
+        # multiplies, three int64 indices
+        per_pair = BF16 * (act + 3 * d) + 3 * 8
         if cfg.expert_lora and not full:
             per_pair += FP32 * (d + (2 * f if ex.gated else f) + f) + 2 * FP32 * r
         if full:
@@ -197,14 +204,16 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         act = (3 if gated else 2) * f
         return BF16 * act + lora + (BF16 * (d + f) if full else 0), BF16 * act, 0.0
     if kind.startswith("norm."):
-        return ((BF16 if cfg.kernels_norm else FP32) * d + FP32), 0.0, 0.0
+        w = b.width or d
+        # transformers' RMSNorm upcasts: its fp32 input is kept (a fused kernel keeps bf16);
+        # a gated norm also keeps its fp32 activated gate and product
+        per = BF16 * w if cfg.kernels_norm else FP32 * w
+        if kind == "norm.rms_gated":
+            per += (BF16 if cfg.kernels_norm else 2 * FP32 + BF16) * w
+        return per, 0.0, 0.0
     if kind == "conv.causal1d":
-        return BF16 * int(b.attrs.get("channels") or 0), 0.0, 0.0
+        return 2 * BF16 * b.width, 0.0, 0.0  # its input and its activated output
     return 0.0, 0.0, 0.0
-
-
-def dk_dv(dk: int, dv: int) -> int:
-    return dk * dv
 
 
 def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConfig) -> Memory:
@@ -255,14 +264,22 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
         g = kind_group(b.kind)
         acts[g] = acts.get(g, 0.0) + b.count * kept * tokens
         trans_layer = max(trans_layer, trans * tokens)
+    layer_ws, layer_what = trans_layer, "one layer's dispatch / indexer buffers"
     if lay.recompute == "full":
-        acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers,
-                "one layer recomputed": _per_layer_max(shape, cfg, ep, tokens)}
+        acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers}
+        layer_ws += _per_layer_max(shape, cfg, ep, tokens)
+        layer_what = "one layer recomputed"
+    # The peak is the start of the backward (logits, log-softmax and their fp32 gradients
+    # alive) or a layer's backward (the bf16 logits the loop holds, that layer's workspace).
     v = shape.vocab
-    acts["logits + loss"] = (BF16 + FP32) * v * tokens
-    loss_bwd = 2 * FP32 * v * tokens
-    workspace, what = max((loss_bwd, "loss backward (fp32 grads of the logits)"),
-                          (trans_layer, "one layer's dispatch / indexer buffers"))
+    loss_phase = (BF16 + FP32) * v * tokens + 2 * FP32 * v * tokens
+    layer_phase = BF16 * v * tokens + layer_ws
+    if loss_phase >= layer_phase:
+        acts["logits + log-softmax"] = (BF16 + FP32) * v * tokens
+        workspace, what = 2 * FP32 * v * tokens, "loss backward (fp32 grads of the logits)"
+    else:
+        acts["logits (bf16)"] = BF16 * v * tokens
+        workspace, what = layer_ws, layer_what
     if cfg.mode == "full":
         notes.append("full training: gradients are reduce-scattered per layer; the peak "
                      "counts every shard's gradient at once")

@@ -34,7 +34,9 @@ class BlockShape:
     linears: list[tuple[str, int, int]]  # (path under the block, in, out) of its nn.Linear
     attrs: dict[str, Any]
     ops: int  # ATen ops per call in the proxy capture (launch count)
-    nested: bool  # inside another block (a norm inside attention): its parent accounts for it
+    nested: bool  # inside another block (a norm inside attention, a linear attention's conv)
+    # elements per token a norm normalises, or a conv's channels (0 for other kinds)
+    width: int = 0
     lora_targets: list[tuple[int, int]] = field(default_factory=list)  # default LoRA (in, out)
 
 
@@ -134,7 +136,8 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             pattern=key[0], kind=b.kind, count=len(paths),
             params=sum(p.numel() for p in first.parameters()), linears=lin, attrs=dict(b.attrs),
             ops=sum(b.op_histogram.values()), lora_targets=targets,
-            nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths)))
+            nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
+            width=_width(b, first, paths[0], graph, modules)))
     matched = {k[0] for k in inst}
     unmatched = sorted({path_pattern(p) for p in proxy_paths} - matched)
 
@@ -181,6 +184,37 @@ def _dense_matmul(counts) -> int:
     c = counts.by_category
     head = counts.lm_head or (counts.embedding if counts.tied_embeddings else 0)
     return c.get("dense", 0) + c.get("moe.shared_expert", 0) + c.get("moe.router", 0) + head
+
+
+def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
+           modules: dict[str, nn.Module]) -> int:
+    """A norm's elements per token at full size, a conv's channels. A norm over heads (a q or k
+    norm with a [head_dim] weight) normalises the output of one of its parent's projections:
+    the proxy projection whose output has the captured per-token size names the full-size one."""
+    if b.kind == "conv.causal1d":
+        w = [p for p in full.parameters(recurse=False) if p.ndim == 3]
+        return int(w[0].shape[0]) if w else int(b.attrs.get("channels") or 0)
+    if not b.kind.startswith("norm.") or not b.inputs:
+        return 0
+    weight = next((p for p in full.parameters(recurse=False) if p.ndim == 1), None)
+    shp = b.inputs[0].shape
+    per_token = math.prod(shp[2:]) if len(shp) >= 4 else (shp[-1] if shp else 0)
+    proxy_w = next((s[0] for s in b.params.values() if len(s) == 1), None)
+    if weight is None:
+        return per_token  # weightless: the captured width (no full-size tensor to read)
+    if not proxy_w or per_token == proxy_w:
+        return int(weight.numel())
+    parent = max((x for x in graph.blocks if x.path and b.path.startswith(x.path + ".")),
+                 key=lambda x: len(x.path), default=None)
+    if parent is not None:
+        suffix = b.path[len(parent.path):]  # ".q_norm"
+        root = full_path[: len(full_path) - len(suffix)]
+        for name, shape in parent.params.items():
+            if len(shape) == 2 and shape[0] in (per_token, 2 * per_token):
+                mod = modules.get(root + "." + name.rsplit(".", 1)[0])
+                if isinstance(mod, nn.Linear):
+                    return mod.out_features // (shape[0] // per_token)
+    return int(weight.numel()) * (per_token // proxy_w)
 
 
 def _hidden(model: nn.Module) -> int:
