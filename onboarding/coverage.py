@@ -6,7 +6,10 @@ Each entry is one of:
   - ``template``: a family template can render one (``onboard generate`` does);
   - ``torch_fast``: a fast torch path already serves it (flash SDPA, cuBLAS GEMMs, embedding
     gathers) and no kernel is needed;
-  - ``uncovered``: no kernel, no template, no fast path yet.
+  - ``uncovered``: no kernel, no template, no fast path yet;
+  - ``generated``, ``inductor``: set by the generate stage's decision loop for a block that was
+    uncovered (`onboarding.generate.decide`): an LLM-written family that passed its gate, or
+    ``torch.compile`` of the block that passed the block check.
 
 Which families serve a block comes from each family's ``match(block)`` (structure and attrs
 only); the rules below add the fast torch paths and the known-uncovered cores.
@@ -27,7 +30,7 @@ from onboarding.families import match_block
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # more folders of reviewed modules, os.pathsep-separated (searched after KERNELS_DIR)
 KERNELS_ENV = "ONBOARD_KERNELS"
-STATUSES = ("kernel", "template", "torch_fast", "uncovered")
+STATUSES = ("kernel", "template", "generated", "inductor", "torch_fast", "uncovered")
 
 # The compute cores of these kinds need families that do not exist yet: they stay `uncovered`
 # (with the reason) until a family's `match` accepts them.
@@ -70,13 +73,16 @@ class Coverage:
         """Distinct (family, variant, params) that a template can render, first entry each."""
         out: dict[tuple[str, str, str], CoverageEntry] = {}
         for e in self.entries:
-            if e.status in ("template", "kernel") and e.family:
+            if e.status in ("template", "kernel", "generated") and e.family:
                 key = (e.family, e.variant or "", json.dumps(e.params, sort_keys=True))
                 out.setdefault(key, e)
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        counts = {s: len(self.by_status(s)) for s in STATUSES}
+        # the decision loop's statuses are counted where they occur (a run without uncovered
+        # blocks keeps the counts it always had)
+        counts = {s: n for s in STATUSES
+                  if (n := len(self.by_status(s))) or s not in ("generated", "inductor")}
         return {"model": self.model, "counts": counts,
                 "entries": [asdict(e) for e in self.entries]}
 

@@ -170,3 +170,101 @@ def test_block_check_subprocess_timeout():
     assert not v.passed and v.reason == "timeout after 1 s"
     with pytest.raises(TypeError, match="cannot cross into the check's subprocess"):
         check_block(ModelSpec(ref=CUM), "layers.0.mixer", _own, seq=16)
+
+
+# -- the decision loop -------------------------------------------------------------------------
+
+class _Outcome:
+    """What `onboarding.generate.llm.propose` returns, as far as the loop reads it."""
+
+    def __init__(self, accepted: bool, reason: str = "", family: str | None = None):
+        self.accepted, self.reason, self.family = accepted, reason, family
+        self.variant, self.folder, self.summary = "plain", None, ""
+        self.attempts = [object(), object()]
+
+
+def _fake_check(passed: bool, reason: str = ""):
+    from onboarding.generate.blockcheck import BlockVerdict, SizeCheck
+
+    calls = []
+
+    def check(spec, path, run_dir, **kw):
+        calls.append(path)
+        return BlockVerdict(path=path, replacement="torch.compile (Inductor)", passed=passed,
+                            reason=reason, sizes=[SizeCheck(batch=1, seq=16, dtype="fp32", draw=1,
+                                                            passed=passed)],
+                            artifacts={"fp32": {"backend": "inductor (cpp, OpenMP)",
+                                                "graphs": 2}})
+    check.calls = calls
+    return check
+
+
+@pytest.mark.parametrize("llm, inductor, decision, why", [
+    (None, True, "inductor", "inductor: torch.compile (inductor (cpp, OpenMP)) passed the block "
+                             "check: (1x16 fp32); template: no family's match accepts it"),
+    (_Outcome(False, "numerics off: out0 rel_rms 3e-1"), True, "inductor",
+     "llm: 2 attempt(s) rejected: numerics off: out0 rel_rms 3e-1"),
+    (_Outcome(True, family="cum_mixer"), True, "generated",
+     "llm: family cum_mixer accepted after 2 attempt(s)"),
+    (_Outcome(False, "empty answer"), False, "uncovered", "inductor: block check: timeout after 9 s"),
+])
+def test_decision_loop_with_an_injected_llm(cum_graph, tmp_path, llm, inductor, decision, why):
+    """template -> LLM (only with a client) -> Inductor -> uncovered, each with its evidence; the
+    same structure is decided once; coverage, swaps and the report take the decisions."""
+    from onboarding.generate.decide import (DECISIONS_FILE, GenerateOptions, apply_to_coverage,
+                                            decide, load_decisions, save_decisions, swaps)
+    from onboarding.generate.tasks import build_tasks
+    from onboarding.report import _decisions_section
+
+    cov = build_coverage(cum_graph)
+    tasks = build_tasks(graph=cum_graph, coverage=cov, full_size=False)
+    asked = []
+
+    def propose(task, client, *, attempts, budget_s, run_dir, spec):
+        asked.append((task.path, client, attempts))
+        return llm
+
+    client = object() if llm is not None else None
+    check = _fake_check(inductor, "" if inductor else "timeout after 9 s")
+    ds = decide(tasks, ModelSpec(ref=CUM), tmp_path, graph=cum_graph, client=client,
+                propose=propose, check=check, opts=GenerateOptions(llm_attempts=2, seq=16))
+    assert [d.decision for d in ds] == [decision, decision]
+    assert why in ds[0].why() and ds[1].same_as == "layers.0.mixer"
+    # one problem, decided once: the LLM asked (with the injected client) and checked once
+    assert asked == ([("layers.0.mixer", client, 2)] if client is not None else [])
+    assert check.calls == ([] if decision == "generated" else ["layers.0.mixer"])
+    assert [e.option for e in ds[0].evidence][:2] == ["template", "llm"]
+    if llm is None:
+        assert ds[0].evidence[1].outcome == "skipped" and ds[0].evidence[1].reason == "--llm off"
+    save_decisions(ds, tmp_path / DECISIONS_FILE)
+    assert load_decisions(tmp_path / DECISIONS_FILE) == ds
+    apply_to_coverage(cov, ds)
+    statuses = {e.path: e.status for e in cov.entries if e.path.endswith("mixer")
+                and e.status not in ("torch_fast",)}
+    assert statuses == {"layers.0.mixer": decision, "layers.1.mixer": decision}
+    assert [s.path for s in swaps(ds)] == (["layers.0.mixer", "layers.1.mixer"]
+                                           if decision == "inductor" else [])
+    section = _decisions_section(tmp_path)
+    assert "## Why this kernel" in section and "and 1 more like it" in section
+    assert f"| {decision} |" in section
+
+
+def test_decision_budget_and_nesting(cum_graph, tmp_path):
+    """A spent --generate-budget leaves blocks uncovered with that reason; a block inside one
+    that Inductor serves is compiled with it, not decided on its own."""
+    from onboarding.generate.decide import GenerateOptions, decide
+    from onboarding.generate.tasks import KernelTask
+
+    tasks = [KernelTask(path="layers.0.mixer", kind="unknown", reason="", op="x", key="a"),
+             KernelTask(path="layers.0.mixer.inp", kind="unknown", reason="", op="y", key="b"),
+             KernelTask(path="layers.1.mixer", kind="unknown", reason="", op="z", key="c")]
+    check = _fake_check(True)
+    ds = decide(tasks, ModelSpec(ref=CUM), tmp_path, graph=cum_graph, check=check)
+    assert [(d.decision, d.inside) for d in ds] == [("inductor", None),
+                                                     ("inductor", "layers.0.mixer"),
+                                                     ("inductor", None)]
+    assert check.calls == ["layers.0.mixer", "layers.1.mixer"]
+    ds = decide(tasks, ModelSpec(ref=CUM), tmp_path, graph=cum_graph, check=check,
+                opts=GenerateOptions(budget_s=0))
+    assert {d.decision for d in ds} == {"uncovered"}
+    assert "generate budget of 0 s spent" in ds[0].why()

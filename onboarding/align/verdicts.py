@@ -2,7 +2,7 @@
 was never exercised, and the verdict line that says so.
 
 A block is *coverable* when coverage says a kernel or a template serves it (status ``kernel`` or
-``template``). An alignment checks a coverable block's kernel only when that kernel was patched in
+``template``), or the generate stage's decision loop served it (``generated``, ``inductor``). An alignment checks a coverable block's kernel only when that kernel was patched in
 and ran: a block whose patch was rejected (its structure does not fit the kernel, calibration
 matched no binding), never ran (installed, never called), or was never made (no passing candidate,
 the family not selected, left out after a failed attempt, a family that cannot patch) is *not
@@ -40,10 +40,14 @@ def unchecked_blocks(coverage: Any, records: Iterable[Any], *, available: Iterab
     available, bindable, exclude = set(available), set(bindable), {tuple(x) for x in exclude}
     served: dict[str, dict[str, Any]] = {}  # path -> {kind, families}
     for e in coverage.entries:
-        if e.status in ("kernel", "template") and e.family:
+        # a block the generate stage served with Inductor is coverable too: its "family" is
+        # the swap's label (`onboarding.patching.core.BlockSwap`)
+        if e.status in ("kernel", "template", "generated", "inductor") and \
+                (e.family or e.status == "inductor"):
+            fam = e.family or e.status
             s = served.setdefault(e.path, {"kind": e.kind, "families": []})
-            if e.family not in s["families"]:
-                s["families"].append(e.family)
+            if fam not in s["families"]:
+                s["families"].append(fam)
     out = []
     for path, s in served.items():
         if path in active or any(path.startswith(p + ".") for p in active):

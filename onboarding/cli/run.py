@@ -43,6 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "at most N times (default 2; each retry must leave out a kernel)")
     r.add_argument("--strict", action="store_true",
                    help="fail (exit 3) when any coverable block was left unpatched (not checked)")
+    add_generate_options(r)
     r.add_argument("--review", action="store_true",
                    help="after the report, open the kernel PR (as onboard pr create) and stop "
                         "for a human's review; answer with onboard pr approve|reject RUN_DIR or "
@@ -62,6 +63,36 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--stop-after", choices=("load", "parse"), help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
     return r
+
+
+def add_generate_options(r: argparse.ArgumentParser) -> None:
+    """The decision loop's options for blocks no family serves (docs/generate.md)."""
+    r.add_argument("--llm", default="off", metavar="URL|off",
+                   help="an OpenAI-compatible server (vLLM, SGLang, ollama, OpenAI) asked to write "
+                        "a kernel family for each uncovered block before the Inductor fallback; "
+                        "key from ONBOARD_LLM_API_KEY or OPENAI_API_KEY (default off)")
+    r.add_argument("--llm-model", metavar="NAME", help="the model name the server serves")
+    r.add_argument("--llm-attempts", type=positive_int, default=3, metavar="N",
+                   help="answers asked per block, each failure sent back with its reason "
+                        "(default 3)")
+    r.add_argument("--generate-budget", type=float, default=None, metavar="SECONDS",
+                   help="wall time for the whole decision loop (LLM attempts, Inductor checks); "
+                        "blocks left when it is spent stay uncovered (default: no limit)")
+
+
+def llm_url(args: argparse.Namespace) -> str | None:
+    """--llm as a URL, or None for off; a bad value is an input error."""
+    if args.generate_budget is not None and args.generate_budget < 0:
+        raise InputError(f"--generate-budget {args.generate_budget}: expected seconds >= 0")
+    value = (args.llm or "off").strip()
+    if value.lower() == "off":
+        if args.llm_model:
+            raise InputError("--llm-model without --llm URL: the LLM path is off")
+        return None
+    if not value.startswith(("http://", "https://")):
+        raise InputError(f"--llm {value}: expected an http(s):// URL of an OpenAI-compatible "
+                         "server, or off")
+    return value
 
 
 def cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -94,7 +125,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
         config = RunConfig(
             model=spec, batch=args.batch, seq=args.seq, seed=args.seed,
             align_kernels=families, max_align_retries=args.max_align_retries,
-            strict=args.strict,
+            strict=args.strict, llm=llm_url(args), llm_model=args.llm_model,
+            llm_attempts=args.llm_attempts, generate_budget_s=args.generate_budget,
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
             # the vision tower alone is not trained (training takes the language model)
             train_steps=0 if spec.part == "vision" else args.train_steps,

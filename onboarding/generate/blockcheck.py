@@ -318,8 +318,14 @@ def _compare(name: str, c: torch.Tensor, r: torch.Tensor, bound: float, tol) -> 
     return TensorError(name=name, passed=cmp.passed, rel_rms=rr, bound=bound, message=msg)
 
 
+# torch's closing advice lines, not the error (an InductorError ends with them)
+_BOILERPLATE = ("Set TORCHDYNAMO_VERBOSE", "For even more developer context", "You can suppress",
+                "To execute this test", "from user code:", "  File ")
+
+
 def _last_line(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    lines = [ln for ln in str(exc).strip().splitlines()
+             if ln.strip() and not ln.lstrip().startswith(_BOILERPLATE)]
     return f"{type(exc).__name__}: {lines[-1].strip()[:240] if lines else ''}"
 
 

@@ -57,7 +57,7 @@ def render_candidates(coverage: Coverage, root: Path) -> list[Candidate]:
     candidate keeps the input shapes of the first block that needs it."""
     out: dict[str, Candidate] = {}
     for e in coverage.entries:
-        if e.status not in ("template", "kernel") or not e.family:
+        if e.status not in ("template", "kernel", "generated") or not e.family:
             continue
         name = candidate_name(e.family, e.variant, e.params)
         path = root / e.family / f"{name}.py"

@@ -365,3 +365,57 @@ def patch_model(model: nn.Module, graph: OpGraph,
         if undo is not None:
             patches._undo.append(undo)
     return patches
+
+
+@dataclass(kw_only=True)
+class BlockSwap:
+    """A whole block's forward replaced by a function made from its module: the Inductor fallback
+    (``label`` "inductor") or an accepted LLM-written family's forward ("generated"). ``make``
+    gets the module with its forward as it stands (a family's patch on the same module, such as
+    the conv1d intercept on its owner, is inside it) and returns the new forward. The
+    replacement was gated by the block check (`onboarding.generate.blockcheck`) before it gets
+    here, so there is no first-call calibration; alignment compares the block as usual."""
+
+    path: str
+    kind: str = ""
+    label: str
+    make: Callable[[nn.Module], Callable]
+    detail: str = ""
+
+
+def swap_blocks(model: nn.Module, swaps: list[BlockSwap], patches: PatchSet | None = None
+                ) -> PatchSet:
+    """Install ``swaps`` on ``model`` (after any family patches: see `BlockSwap`), recorded in
+    ``patches`` (a new `PatchSet` when None) with ``family`` = the swap's label; a record turns
+    ``active`` on the block's first call. ``restore()`` undoes them with the rest."""
+    patches = patches if patches is not None else PatchSet()
+    modules = dict(model.named_modules())
+    for s in swaps:
+        record = PatchRecord(path=s.path, kind=s.kind, family=s.label, binding=s.label,
+                             detail=s.detail)
+        patches.records.append(record)
+        module = modules.get(s.path)
+        if module is None:
+            record.status, record.detail = "rejected", "no module at this path"
+            continue
+        try:
+            fn = s.make(module)
+        except Exception as exc:  # a replacement that cannot be made leaves the block as is
+            record.status, record.detail = "rejected", f"{type(exc).__name__}: {exc}"[:200]
+            continue
+
+        def forward(*args, _fn=fn, _record=record, **kwargs):
+            _record.status = "active"
+            return _fn(*args, **kwargs)
+
+        had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+        module.forward = forward
+
+        def undo(module=module, had_own=had_own, previous=previous) -> None:
+            if had_own:
+                module.forward = previous
+            else:
+                module.__dict__.pop("forward", None)
+
+        patches._undo.append(undo)
+    return patches

@@ -1,0 +1,290 @@
+"""The decision loop for blocks no family serves: per kernel task (`onboarding.generate.tasks`),
+in this order, the first option that passes wins, and every option tried leaves its evidence:
+
+1. **template**: a registered family's `match` accepts the block after all (a family folder added
+   since `map`, e.g. with ``--families``);
+2. **llm**: only with ``--llm URL``: `onboarding.generate.llm.propose` asks the injected client
+   for a family folder and gates it; accepted -> ``generated``;
+3. **inductor**: ``torch.compile`` of the block's forward, gated by the block check
+   (`onboarding.generate.inductor.check_inductor`);
+4. **uncovered**: the block stays in the model's own code, with the reasons the others failed.
+
+Blocks with the same structure key are one problem: the first is decided, the others reuse its
+outcome (``same_as``). A block inside a block served by Inductor (Mamba-2's gated norm inside
+its mixer) is compiled with it (``inside``) and not decided on its own. ``budget_s``
+(``--generate-budget``) bounds the loop's wall time: once spent, the remaining blocks are left
+uncovered with that reason. The decisions go to ``decisions.json``, coverage (statuses
+``generated`` and ``inductor``), the patches alignment applies (`swaps`), ``events.jsonl`` and the
+report's "why this kernel" table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from onboarding.coverage import Coverage
+from onboarding.generate.tasks import KernelTask
+from onboarding.load.spec import ModelSpec
+
+DECISIONS_FILE = "decisions.json"
+OPTIONS = ("template", "llm", "inductor")
+
+
+@dataclass(kw_only=True)
+class Evidence:
+    option: str  # template | llm | inductor
+    outcome: str  # accepted | rejected | skipped
+    reason: str
+    seconds: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Decision:
+    path: str
+    kind: str
+    op: str
+    key: str
+    decision: str  # template | generated | inductor | uncovered
+    evidence: list[Evidence] = field(default_factory=list)
+    family: str | None = None
+    variant: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    folder: str | None = None  # an accepted generated family's folder
+    code_dir: str | None = None  # Inductor's generated code for review
+    verdict: str = ""  # the block check's summary line
+    same_as: str | None = None  # decided as this block (same structure key)
+    inside: str | None = None  # served as part of this enclosing block
+
+    def why(self) -> str:
+        """One line: what was decided and why the earlier options were not taken."""
+        if self.inside:
+            return f"compiled as part of {self.inside}"
+        parts = [f"{e.option}: {e.reason}" for e in self.evidence if e.outcome != "accepted"]
+        won = next((e for e in self.evidence if e.outcome == "accepted"), None)
+        head = f"{won.option}: {won.reason}" if won else "nothing passed"
+        return head + ("; " + "; ".join(parts) if parts else "") + \
+            (f" (as {self.same_as})" if self.same_as else "")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Decision:
+        d = dict(d)
+        d["evidence"] = [Evidence(**e) for e in d.get("evidence", [])]
+        return cls(**d)
+
+
+@dataclass(kw_only=True)
+class GenerateOptions:
+    """The decision loop's options (`RunConfig` carries them; `--llm`, `--llm-model`,
+    `--llm-attempts`, `--generate-budget`)."""
+
+    llm: str | None = None  # URL of an OpenAI-compatible server; None: off
+    llm_model: str | None = None
+    llm_attempts: int = 3
+    budget_s: float | None = None  # the whole loop; None: no limit
+    inductor: bool = True
+    check_timeout_s: float = 900.0  # one block check (compiles included)
+    batch: int = 1
+    seq: int = 64
+    seed: int = 0
+
+
+def _template(task: KernelTask, block: Any) -> tuple[Evidence, dict | None]:
+    from onboarding.families import families, match_block
+
+    t0 = time.perf_counter()
+    found = match_block(block) if block is not None else []
+    if found:
+        name, m = found[0]
+        return Evidence(option="template", outcome="accepted",
+                        reason=f"{name}/{m['variant']} matches it",
+                        seconds=round(time.perf_counter() - t0, 3)), \
+            {"family": name, "variant": m["variant"], "params": m["params"]}
+    n = len(families())
+    return Evidence(option="template", outcome="rejected",
+                    reason=f"no family's match accepts it ({n} families tried)",
+                    seconds=round(time.perf_counter() - t0, 3)), None
+
+
+def _llm(task: KernelTask, client: Any, opts: GenerateOptions, run_dir: Path, spec: ModelSpec,
+         left: float | None, propose: Callable | None) -> tuple[Evidence, Any]:
+    if client is None:
+        return Evidence(option="llm", outcome="skipped", reason="--llm off"), None
+    if propose is None:
+        from onboarding.generate.llm import propose
+    t0 = time.perf_counter()
+    try:
+        out = propose(task, client, attempts=opts.llm_attempts, budget_s=left, run_dir=run_dir,
+                      spec=spec)
+    except Exception as exc:  # the LLM path failing is evidence, never the run's end
+        return Evidence(option="llm", outcome="rejected",
+                        reason=f"the LLM path raised {type(exc).__name__}: {exc}"[:300],
+                        seconds=round(time.perf_counter() - t0, 1)), None
+    n = len(getattr(out, "attempts", []) or [])
+    detail = {"attempts": n, "folder": getattr(out, "folder", None),
+              "family": getattr(out, "family", None), "summary": getattr(out, "summary", "")}
+    if getattr(out, "accepted", False):
+        return Evidence(option="llm", outcome="accepted",
+                        reason=f"family {out.family} accepted after {n} attempt(s)",
+                        seconds=round(time.perf_counter() - t0, 1), detail=detail), out
+    return Evidence(option="llm", outcome="rejected",
+                    reason=f"{n} attempt(s) rejected: {getattr(out, 'reason', '') or '?'}",
+                    seconds=round(time.perf_counter() - t0, 1), detail=detail), out
+
+
+def _inductor(task: KernelTask, opts: GenerateOptions, run_dir: Path, spec: ModelSpec,
+              left: float | None, check: Callable | None) -> tuple[Evidence, Any]:
+    from onboarding.generate.inductor import block_dir, check_inductor
+
+    if not opts.inductor:
+        return Evidence(option="inductor", outcome="skipped", reason="turned off"), None
+    check = check or check_inductor
+    timeout = opts.check_timeout_s if left is None else max(1.0, min(opts.check_timeout_s, left))
+    t0 = time.perf_counter()
+    v = check(spec, task.path, run_dir, kind=task.kind, batch=opts.batch, seq=opts.seq,
+              seed=opts.seed, timeout_s=timeout)
+    art = next(iter(v.artifacts.values()), {}) if v.artifacts else {}
+    detail = {"backend": art.get("backend"), "graphs": art.get("graphs"),
+              "code_dir": str(block_dir(run_dir, task.path)), "verdict": v.summary()}
+    sec = round(time.perf_counter() - t0, 1)
+    if v.passed:
+        return Evidence(option="inductor", outcome="accepted",
+                        reason=f"torch.compile ({art.get('backend') or 'inductor'}) passed the "
+                        "block check: " + v.summary().removeprefix("passed "),
+                        seconds=sec, detail=detail), v
+    return Evidence(option="inductor", outcome="rejected", reason=f"block check: {v.reason}",
+                    seconds=sec, detail=detail), v
+
+
+def decide(tasks: list[KernelTask], spec: ModelSpec, run_dir: Path, *, graph: Any = None,
+           opts: GenerateOptions | None = None, client: Any = None,
+           propose: Callable | None = None, check: Callable | None = None,
+           on_step: Callable[[str], None] | None = None,
+           on_decision: Callable[[Decision], None] | None = None) -> list[Decision]:
+    """Decide every task (module docstring). ``client``: the LLM client built once from the
+    options (None: --llm off); ``propose``/``check`` replace the LLM path's entry point and the
+    Inductor check (tests)."""
+    opts = opts or GenerateOptions()
+    run_dir = Path(run_dir)
+    blocks = {b.path: b for b in graph.blocks} if graph is not None else {}
+    t0 = time.perf_counter()
+    decided: dict[str, Decision] = {}  # structure key -> the first decision
+    out: list[Decision] = []
+    # enclosing blocks first, so a block inside one served by Inductor is compiled with it
+    order = sorted(tasks, key=lambda t: (t.path.count("."), t.path))
+    for task in order:
+        base = dict(path=task.path, kind=task.kind, op=task.op, key=task.key)
+        parent = next((d for d in out if d.decision == "inductor" and not d.inside
+                       and task.path.startswith(d.path + ".")), None)
+        if parent is not None:
+            d = Decision(**base, decision="inductor", inside=parent.path,
+                         code_dir=parent.code_dir, verdict=parent.verdict,
+                         evidence=[Evidence(option="inductor", outcome="accepted",
+                                            reason=f"compiled as part of {parent.path}")])
+        elif task.key in decided:
+            first = decided[task.key]
+            d = Decision(**{**asdict(first), **base, "same_as": first.path, "inside": None})
+            d.evidence = first.evidence
+        else:
+            left = None if opts.budget_s is None else opts.budget_s - (time.perf_counter() - t0)
+            d = Decision(**base, decision="uncovered")
+            if left is not None and left <= 0:
+                d.evidence.append(Evidence(option="budget", outcome="rejected",
+                                           reason=f"generate budget of {opts.budget_s:g} s "
+                                           "spent before this block"))
+            else:
+                _decide_one(d, task, blocks.get(task.path), spec, run_dir, opts, client,
+                            propose, check, t0, on_step)
+            decided[task.key] = d
+        out.append(d)
+        if on_decision:
+            on_decision(d)
+    rank = {t.path: i for i, t in enumerate(tasks)}
+    return sorted(out, key=lambda d: rank[d.path])
+
+
+def _decide_one(d: Decision, task: KernelTask, block: Any, spec: ModelSpec, run_dir: Path,
+                opts: GenerateOptions, client: Any, propose: Callable | None,
+                check: Callable | None, t0: float,
+                on_step: Callable[[str], None] | None) -> None:
+    def left() -> float | None:
+        return None if opts.budget_s is None else opts.budget_s - (time.perf_counter() - t0)
+
+    ev, m = _template(task, block)
+    d.evidence.append(ev)
+    if m is not None:
+        d.decision, d.family, d.variant, d.params = "template", m["family"], m["variant"], \
+            m["params"]
+        return
+    if on_step and client is not None:
+        on_step(f"{task.path}: asking the LLM")
+    ev, out = _llm(task, client, opts, run_dir, spec, left(), propose)
+    d.evidence.append(ev)
+    if ev.outcome == "accepted":
+        d.decision, d.family, d.folder = "generated", out.family, out.folder
+        d.variant = getattr(out, "variant", None)
+        return
+    rem = left()
+    if rem is not None and rem <= 0:
+        d.evidence.append(Evidence(option="inductor", outcome="skipped",
+                                   reason=f"generate budget of {opts.budget_s:g} s spent"))
+        return
+    if on_step:
+        on_step(f"{task.path}: torch.compile (Inductor) + block check")
+    ev, v = _inductor(task, opts, run_dir, spec, rem, check)
+    d.evidence.append(ev)
+    if ev.outcome == "accepted":
+        d.decision, d.code_dir = "inductor", ev.detail.get("code_dir")
+        d.verdict = v.summary() if v is not None else ""
+    elif v is not None:
+        d.verdict = v.summary()
+
+
+# -- what the decisions change ------------------------------------------------------------------
+
+def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage:
+    """The uncovered entries of decided blocks take the decision's status (``template``,
+    ``generated``, ``inductor``) with its reason; ``uncovered`` ones get the evidence as reason."""
+    by_path = {d.path: d for d in decisions}
+    for e in coverage.entries:
+        d = by_path.get(e.path)
+        if d is None or e.status != "uncovered":
+            continue
+        if d.decision == "uncovered":
+            e.reason = d.why()
+            continue
+        e.status = d.decision
+        e.family, e.variant, e.params = d.family, d.variant, dict(d.params)
+        e.reason = d.why()
+    return coverage
+
+
+def swaps(decisions: list[Decision]) -> list[Any]:
+    """The block swaps alignment installs: every block Inductor serves on its own (not those
+    compiled as part of an enclosing block)."""
+    from onboarding.generate.blockcheck import Replacement
+    from onboarding.generate.inductor import TARGET
+    from onboarding.patching.core import BlockSwap
+
+    out = []
+    for d in decisions:
+        if d.decision == "inductor" and not d.inside:
+            make = Replacement(target=TARGET).load()
+            out.append(BlockSwap(path=d.path, kind=d.kind, label="inductor", make=make,
+                                 detail=d.verdict))
+    return out
+
+
+def save_decisions(decisions: list[Decision], path: Path) -> None:
+    path.write_text(json.dumps([asdict(d) for d in decisions], indent=1, default=str) + "\n")
+
+
+def load_decisions(path: Path) -> list[Decision]:
+    p = Path(path)
+    return [Decision.from_dict(d) for d in json.loads(p.read_text())] if p.exists() else []
+
