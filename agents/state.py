@@ -34,6 +34,10 @@ class RunConfig(BaseModel):
     tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
     tune_workers: int = Field(1, ge=1)
     tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
+    # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs
+    # (None: this machine's, 8 without a GPU) at plan_seq tokens per sequence, LoRA
+    plan_gpus: int | None = Field(None, ge=1)
+    plan_seq: int = Field(4096, ge=1)
     # train node: LoRA steps of the FSDP2 x EP setup plus its single-process reference. None:
     # 20 on a GPU, skipped on the CPU (set it to train there: gloo, seconds per step).
     train_steps: int | None = None
@@ -44,13 +48,6 @@ class RunConfig(BaseModel):
     review: bool = False
     review_repo: str | None = None
     review_base: str | None = None
-    # generate node's decision loop for blocks no family serves (`onboarding.generate.decide`):
-    # the LLM path only with `llm` (an OpenAI-compatible server's URL; None: off), key from
-    # ONBOARD_LLM_API_KEY or OPENAI_API_KEY; then Inductor; `generate_budget_s` bounds the loop
-    llm: str | None = None
-    llm_model: str | None = None
-    llm_attempts: int = Field(3, ge=1)
-    generate_budget_s: float | None = Field(None, ge=0)
 
 
 class RunState(BaseModel):
@@ -67,8 +64,6 @@ class RunState(BaseModel):
     tune_attempts: list[dict[str, Any]] = Field(default_factory=list)
     # one entry per train node run: the layout, exit code and the loss comparison's verdict
     train_attempts: list[dict[str, Any]] = Field(default_factory=list)
-    # the decision loop's outcome per uncovered block (`onboarding.generate.decide.Decision`)
-    generate_decisions: list[dict[str, Any]] = Field(default_factory=list)
     # the review gate: the PR's branch and repo, the answer, what the pr node did with it
     review: dict[str, Any] = Field(default_factory=dict)
 

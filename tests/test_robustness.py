@@ -424,3 +424,35 @@ def test_model_code_is_not_copied_into_the_users_hf_cache(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert not list(tmp_path.rglob("*.py")), list(tmp_path.rglob("*.py"))
+
+
+def test_a_stopped_generate_stage_checks_only_what_it_had_not(tmp_path, monkeypatch, parse_model):
+    """Generate keeps each candidate's verdict as it comes: resumed, it checks the rest only.
+    (The check itself is stood in for: what is tested is what is kept and reused.)"""
+    import onboarding.stages as stages
+
+    coverage = stages.run_map(parse_model("tiny_dense", seq=16), None)
+    checked: list[str] = []
+
+    def check(cand, shapes):
+        if len(checked) == 1 and not (tmp_path / stages.GENERATE_PROGRESS).exists():
+            raise AssertionError("the first verdict was not kept")
+        if len(checked) == 2 and "stop" not in checked:
+            checked.append("stop")
+            raise KeyboardInterrupt  # the run is killed while checking the third
+        checked.append(cand.path)
+        cand.status = "passed"
+        return cand
+
+    monkeypatch.setattr(stages, "check_candidate", check)
+    with pytest.raises(KeyboardInterrupt):
+        stages.run_generate(coverage, tmp_path)
+    first = list(checked)
+    assert len(first) == 3 and first[-1] == "stop"
+    cands = stages.run_generate(coverage, tmp_path)
+    again = checked[3:]
+    assert not set(first[:2]) & set(again), "re-checked what the stopped stage had checked"
+    assert len(first[:2]) + len(again) == len(cands) >= 3
+    assert all(c.status == "passed" for c in cands)
+    assert not (tmp_path / stages.GENERATE_PROGRESS).exists()
+    assert json.loads((tmp_path / "candidates.json").read_text())[0]["sha256"]
