@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +103,50 @@ def map_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
 
 def generate_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     step = _progress("generate")
-    step("rendering candidates")
     run_dir = node_run_dir(state, config)
     append_event(run_dir, {"node": "generate", "event": "start"})
+    updates: dict[str, Any] = {}
+    if not state.generate_decisions and "generate" not in state.completed:
+        # first pass only: a retry after a failed alignment keeps the decisions
+        decisions = _decide(state, run_dir, step)
+        updates["generate_decisions"] = [asdict(d) for d in decisions]
+    else:
+        from onboarding.stages import use_generated_families
+
+        use_generated_families(run_dir)
+    step("rendering candidates")
     cands = run_generate(Coverage.load(run_dir / "coverage.json"), run_dir, on_step=step)
     passed = sum(c.status == "passed" for c in cands)
+    decided = updates.get("generate_decisions", state.generate_decisions)
+    served = {k: sum(d["decision"] == k for d in decided) for k in ("generated", "inductor")}
     return _done(state, "generate", config, artifacts={"candidates": "candidates.json"},
-                 summary={"candidates": len(cands), "candidates_passed": passed})
+                 summary={"candidates": len(cands), "candidates_passed": passed,
+                          "uncovered_decided": len(decided), **served}, **updates)
+
+
+def _decide(state: RunState, run_dir: Path, step) -> list:
+    """The decision loop over the uncovered blocks (`onboarding.stages.run_decide`), the LLM
+    client built once from the run's options and injected (None with --llm off)."""
+    from onboarding.generate.decide import GenerateOptions
+    from onboarding.stages import run_decide
+
+    c = state.config
+    client = None
+    if c.llm:
+        from onboarding.generate.llm import LLMClient, LLMConfig
+
+        client = LLMClient(LLMConfig(url=c.llm, model=c.llm_model or "default"))
+    opts = GenerateOptions(llm=c.llm, llm_model=c.llm_model, llm_attempts=c.llm_attempts,
+                           budget_s=c.generate_budget_s, batch=c.batch, seq=c.seq, seed=c.seed)
+
+    def record(d) -> None:
+        append_event(run_dir, {"node": "generate", "event": "decision", "path": d.path,
+                               "decision": d.decision, "why": d.why(),
+                               "evidence": [asdict(e) for e in d.evidence]})
+
+    return run_decide(c.model, OpGraph.load(run_dir / "opgraph.json"),
+                      Coverage.load(run_dir / "coverage.json"), run_dir, opts=opts,
+                      client=client, on_step=step, on_decision=record)
 
 
 def align_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
@@ -117,13 +155,18 @@ def align_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]
     run_dir, c = node_run_dir(state, config), state.config
     append_event(run_dir, {"node": "align", "event": "start"})
     info = run_load(c.model)
+    from onboarding.generate.decide import DECISIONS_FILE, load_decisions, swaps
+    from onboarding.stages import use_generated_families
+
+    use_generated_families(run_dir)
     result = run_align(info, OpGraph.load(run_dir / "opgraph.json"),
                        Coverage.load(run_dir / "coverage.json"),
                        load_candidates(run_dir / "candidates.json"), run_dir,
                        families=c.align_kernels, dtype=c.align_dtype,
                        reference=c.align_reference, batch=c.batch,
                        seq=c.seq, seed=c.seed,
-                       exclude={tuple(x) for x in state.excluded_kernels}, strict=c.strict)
+                       exclude={tuple(x) for x in state.excluded_kernels}, strict=c.strict,
+                       swaps=swaps(load_decisions(run_dir / DECISIONS_FILE)))
     culprits = [b.path for b in result.culprits("fwd") or result.culprits("bwd")]
     excluded, stop = next_exclusions(result, state.excluded_kernels)
     attempt = {"attempt": len(state.align_attempts) + 1, "passed": result.passed,

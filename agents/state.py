@@ -48,6 +48,13 @@ class RunConfig(BaseModel):
     review: bool = False
     review_repo: str | None = None
     review_base: str | None = None
+    # generate node's decision loop for blocks no family serves (`onboarding.generate.decide`):
+    # the LLM path only with `llm` (an OpenAI-compatible server's URL; None: off), key from
+    # ONBOARD_LLM_API_KEY or OPENAI_API_KEY; then Inductor; `generate_budget_s` bounds the loop
+    llm: str | None = None
+    llm_model: str | None = None
+    llm_attempts: int = Field(3, ge=1)
+    generate_budget_s: float | None = Field(None, ge=0)
 
 
 class RunState(BaseModel):
@@ -64,6 +71,8 @@ class RunState(BaseModel):
     tune_attempts: list[dict[str, Any]] = Field(default_factory=list)
     # one entry per train node run: the layout, exit code and the loss comparison's verdict
     train_attempts: list[dict[str, Any]] = Field(default_factory=list)
+    # the decision loop's outcome per uncovered block (`onboarding.generate.decide.Decision`)
+    generate_decisions: list[dict[str, Any]] = Field(default_factory=list)
     # the review gate: the PR's branch and repo, the answer, what the pr node did with it
     review: dict[str, Any] = Field(default_factory=dict)
 

@@ -152,8 +152,46 @@ def _candidates_section(run_dir: Path) -> str | None:
               rows)])
 
 
+def _decisions_section(run_dir: Path) -> str | None:
+    """"Why this kernel": per uncovered block (blocks of one structure together), what the
+    generate stage's decision loop chose and why the earlier options were not taken
+    (`onboarding.generate.decide`), with the block's alignment verdict when there is one."""
+    from onboarding.generate.decide import DECISIONS_FILE, load_decisions
+
+    decisions = load_decisions(run_dir / DECISIONS_FILE)
+    if not decisions:
+        return None
+    verdicts: dict[str, str] = {}
+    f = run_dir / "alignment.json"
+    if f.exists():
+        for b in json.loads(f.read_text()).get("blocks", []):
+            verdicts[b["path"]] = f"fwd {b['fwd']['verdict']}, bwd {b['bwd']['verdict']}"
+    groups: dict[tuple, list] = {}
+    for d in decisions:
+        groups.setdefault((d.key, d.decision, d.inside is not None), []).append(d)
+    rows = []
+    for (_, decision, _), ds in groups.items():
+        first = ds[0]
+        paths = f"`{first.path}`" + (f" and {len(ds) - 1} more like it" if len(ds) > 1 else "")
+        where = ", ".join(sorted({verdicts[d.path] for d in ds if d.path in verdicts})) or "-"
+        secs = sum(e.seconds for e in first.evidence)
+        code = f"`{Path(first.code_dir).relative_to(run_dir)}`" if first.code_dir and \
+            Path(first.code_dir).is_relative_to(run_dir) else "-"
+        rows.append([paths, f"`{first.kind}`", first.op, decision,
+                     first.why().replace("|", "/"), f"{secs:.1f}", code, where])
+    served = sum(d.decision != "uncovered" for d in decisions)
+    return "\n".join([
+        "## Why this kernel", "",
+        f"{served} of {len(decisions)} blocks that no family served are now served "
+        "(template, then the LLM with --llm, then torch.compile with Inductor, each gated by "
+        "the block check: forward and every gradient against the block's own eager forward at "
+        "the captured and odd sizes); the rest stay in the model's own code.", "",
+        table(["blocks", "kind", "op", "decision", "why (evidence per option)", "seconds",
+               "code", "alignment"], rows)])
+
+
 SECTIONS: list[Section] = [_model_section, _opgraph_section, _plan_section, _coverage_section,
-                           _candidates_section]
+                           _decisions_section, _candidates_section]
 
 
 def _alignment_section(run_dir: Path) -> str | None:

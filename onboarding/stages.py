@@ -146,11 +146,46 @@ def _checked_before(progress: Path) -> dict[tuple[str, str, str], Candidate]:
     return out
 
 
+def run_decide(spec: ModelSpec, graph: OpGraph, coverage: Coverage, out_dir: Path, *,
+               opts: Any = None, client: Any = None, failed: dict[str, str] | None = None,
+               on_step: Callable[[str], None] | None = None,
+               on_decision: Callable[[Any], None] | None = None) -> list[Any]:
+    """The decision loop for the blocks no family serves (`onboarding.generate.decide`): kernel
+    tasks (``tasks.json``), per block template -> LLM (with a client) -> Inductor -> uncovered,
+    each with its evidence (``decisions.json``); coverage takes the decisions (rewrites
+    ``coverage.json``). Families the LLM path wrote are registered for this process."""
+    from onboarding.generate.decide import (DECISIONS_FILE, apply_to_coverage, decide,
+                                            save_decisions)
+    from onboarding.generate.tasks import build_tasks, save_tasks
+
+    if on_step:
+        on_step("kernel tasks for the uncovered blocks")
+    tasks = build_tasks(graph=graph, coverage=coverage, spec=spec, failed=failed)
+    save_tasks(tasks, out_dir / "tasks.json")
+    decisions = decide(tasks, spec, out_dir, graph=graph, opts=opts, client=client,
+                       on_step=on_step, on_decision=on_decision)
+    use_generated_families(out_dir)
+    save_decisions(decisions, out_dir / DECISIONS_FILE)
+    apply_to_coverage(coverage, decisions).save(out_dir / "coverage.json")
+    return decisions
+
+
+def use_generated_families(run_dir: Path) -> None:
+    """Register the family folders the LLM path accepted in ``run_dir`` (``generated/families``)
+    for this process and its subprocesses (a resumed run finds them again)."""
+    folder = Path(run_dir) / "generated" / "families"
+    if folder.is_dir() and any(folder.iterdir()):
+        from onboarding.families import add_dirs
+
+        add_dirs([folder])
+
+
 def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: list[Candidate],
               out_dir: Path | None, *, families: list[str] | None = None,
               dtype: str = "fp32", reference: str = "fp64", mode: str = "percentile",
               batch: int = 1, seq: int | None = None, seed: int = 0,
               exclude: set[tuple[str, str]] | None = None, strict: bool = False,
+              swaps: list[Any] | None = None,
               on_step: Callable[[str], None] | None = None):
     """Align the proxy patched with the passing kernels against the eager reference.
 
@@ -160,6 +195,9 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
 
     ``families`` limits which kernels are patched (None: all; []: none); ``exclude`` drops
     (block path, family) pairs, which is how the agent retries without a culprit's kernel.
+    ``swaps``: whole-block replacements from the generate stage's decision loop
+    (`onboarding.patching.core.BlockSwap`: Inductor), installed after the families' patches;
+    an excluded (path, label) pair leaves its swap out too.
     A 16-bit ``dtype`` also runs the unpatched model in that dtype: its own error against the
     reference, block by block, sets the bounds (`onboarding.align.core.bounds_from_floor`).
     Writes ``alignment.json``, ``alignment.md`` (the report's table) and ``alignment.png``.
@@ -172,7 +210,7 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     from onboarding.backend import kernel_device
     from onboarding.generate.candidates import kernels_for
     from onboarding.graph.parse import example_inputs
-    from onboarding.patching.core import patch_model
+    from onboarding.patching.core import patch_model, swap_blocks
 
     available = kernels_for(coverage, candidates)
     kernels = {k: m for k, m in available.items()
@@ -190,13 +228,19 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
         floor = copy.deepcopy(model).to(as_dtype(dtype)).eval().to(device)
     inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq or graph.seq, seed)
     inputs = tuple(t.to(device) for t in inputs)
+    # an explicit --kernels list patches those families only: the swaps need their label in it
+    swaps = [s for s in swaps or () if (s.path, s.label) not in (exclude or set())
+             and (families is None or s.label in families)]
     with patch_model(candidate, graph, kernels) as patches:
+        swap_blocks(candidate, swaps, patches)
         result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,
                        patches=patches, floor=floor, on_step=on_step)
         # read while patched: a patch installed but never called is still "pending" here
         result.coverable, result.not_checked = unchecked_blocks(
-            coverage, patches.records, available=available,
-            bindable=[n for n, f in all_families().items() if f.binding is not None],
+            coverage, patches.records,
+            available=[*available, *((s.path, s.label) for s in swaps)],
+            bindable=[n for n, f in all_families().items() if f.binding is not None]
+            + sorted({s.label for s in swaps}),
             families=families, exclude=exclude or ())
         result.strict = strict
     if out_dir is not None:
