@@ -104,16 +104,6 @@ def _opgraph_section(run_dir: Path) -> str | None:
     return "\n".join(out)
 
 
-def _plan_section(run_dir: Path) -> str | None:
-    """The plan stage's section (`onboarding.plan.render.markdown`, written beside plan.json)."""
-    from onboarding.plan.render import MARKDOWN_FILE
-
-    f = run_dir / MARKDOWN_FILE
-    if not f.exists():
-        return None
-    return "## Plan: the full-size model per GPU\n\n" + f.read_text().strip()
-
-
 def _coverage_section(run_dir: Path) -> str | None:
     f = run_dir / "coverage.json"
     if not f.exists():
