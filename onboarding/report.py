@@ -180,7 +180,7 @@ def _decisions_section(run_dir: Path) -> str | None:
                "code", "alignment"], rows)])
 
 
-SECTIONS: list[Section] = [_model_section, _opgraph_section, _plan_section, _coverage_section,
+SECTIONS: list[Section] = [_model_section, _opgraph_section, _coverage_section,
                            _decisions_section, _candidates_section]
 
 
