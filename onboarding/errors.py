@@ -10,6 +10,7 @@ EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
 EXIT_CHECK_FAILED = 3  # the run worked and its verdict is "no": e.g. alignment failed
+EXIT_ALERT = 4  # `onboard train`: a step stalled or the loss went NaN/inf (docs/training.md)
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM (`onboard run`: 128 + the signal, resumable)
 
 
