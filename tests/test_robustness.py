@@ -456,3 +456,33 @@ def test_a_stopped_generate_stage_checks_only_what_it_had_not(tmp_path, monkeypa
     assert all(c.status == "passed" for c in cands)
     assert not (tmp_path / stages.GENERATE_PROGRESS).exists()
     assert json.loads((tmp_path / "candidates.json").read_text())[0]["sha256"]
+
+
+def test_owned_dir_removes_only_what_it_created(tmp_path):
+    """The one place of 'no partial artifacts': bad input, user code that exits, or an interrupt
+    of a command that cannot resume removes what the command created, never what was there."""
+    from onboarding.errors import InputError
+    from onboarding.rundir import owned_dir
+
+    new = tmp_path / "a" / "b"
+    for exc in (InputError("bad"), SystemExit(7), KeyboardInterrupt()):
+        with pytest.raises(type(exc)), owned_dir(new, created_here=True) as d:
+            (d / "model.json").write_text("{}")
+            raise exc
+        assert not (tmp_path / "a").exists()
+    with pytest.raises(KeyboardInterrupt), owned_dir(new, created_here=True, resumable=True):
+        (new / "checkpoint.sqlite").write_text("")
+        raise KeyboardInterrupt  # a run: kept for --resume
+    assert (new / "checkpoint.sqlite").exists()
+    empty = tmp_path / "empty"  # the user's empty folder: emptied again, kept
+    empty.mkdir()
+    with pytest.raises(InputError), owned_dir(empty, created_here=True):
+        (empty / "x").write_text("")
+        raise InputError("bad")
+    assert empty.is_dir() and not any(empty.iterdir())
+    mine = tmp_path / "mine"  # a folder reused (tune --out RUN_DIR): nothing removed
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(InputError), owned_dir(mine, created_here=False):
+        raise InputError("bad")
+    assert (mine / "notes.txt").read_text() == "keep"
