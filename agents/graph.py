@@ -16,22 +16,23 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
 from agents.nodes import (after_align, align_node, generate_node, load_node, map_node,
-                          parse_node, report_node, train_node, tune_node)
+                          parse_node, plan_node, report_node, train_node, tune_node)
 from agents.review import after_report, pr_node, review_node
 from agents.state import RunState
 
-NODES = ("load", "parse", "map", "generate", "align", "tune", "train", "report")
+NODES = ("load", "parse", "plan", "map", "generate", "align", "tune", "train", "report")
 CHECKPOINT_DB = "checkpoint.sqlite"
 
 
 def build_graph():
     g = StateGraph(RunState)
-    for name, node in (("load", load_node), ("parse", parse_node), ("map", map_node),
+    for name, node in (("load", load_node), ("parse", parse_node), ("plan", plan_node),
+                       ("map", map_node),
                        ("generate", generate_node), ("align", align_node),
                        ("tune", tune_node), ("train", train_node), ("report", report_node)):
         g.add_node(name, node)
     g.add_edge(START, "load")
-    for a, b in (("load", "parse"), ("parse", "map"), ("map", "generate"),
+    for a, b in (("load", "parse"), ("parse", "plan"), ("plan", "map"), ("map", "generate"),
                  ("generate", "align")):
         g.add_edge(a, b)
     g.add_conditional_edges("align", after_align, {"generate": "generate", "tune": "tune"})

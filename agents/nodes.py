@@ -73,6 +73,24 @@ def parse_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]
                           "blocks": len(g.blocks), "unknown_blocks": len(g.by_kind("unknown"))})
 
 
+def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
+    """Memory per GPU, communication and step time of the full-size model (on meta) for its
+    FSDP x EP layouts (`onboarding.plan`); writes plan.json, plan.md and plan.png."""
+    from onboarding.plan import PlanConfig, load_cluster, run_plan
+
+    step = _progress("plan")
+    run_dir, c = node_run_dir(state, config), state.config
+    append_event(run_dir, {"node": "plan", "event": "start"})
+    import torch
+
+    gpus = c.plan_gpus or torch.cuda.device_count() or 8
+    step(f"planning the full-size model on {gpus} GPUs at {c.plan_seq} tokens")
+    plan = run_plan(run_load(c.model), OpGraph.load(run_dir / "opgraph.json"),
+                    PlanConfig(gpus=gpus, seq=c.plan_seq), load_cluster(), run_dir)
+    return _done(state, "plan", config, artifacts={"plan": "plan.json"},
+                 summary={"plan": plan.verdict})
+
+
 def map_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     _progress("map")("registry lookup per block")
     run_dir = node_run_dir(state, config)

@@ -34,6 +34,10 @@ class RunConfig(BaseModel):
     tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
     tune_workers: int = Field(1, ge=1)
     tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
+    # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs
+    # (None: this machine's, 8 without a GPU) at plan_seq tokens per sequence, LoRA
+    plan_gpus: int | None = Field(None, ge=1)
+    plan_seq: int = Field(4096, ge=1)
     # train node: LoRA steps of the FSDP2 x EP setup plus its single-process reference. None:
     # 20 on a GPU, skipped on the CPU (set it to train there: gloo, seconds per step).
     train_steps: int | None = None

@@ -104,6 +104,16 @@ def _opgraph_section(run_dir: Path) -> str | None:
     return "\n".join(out)
 
 
+def _plan_section(run_dir: Path) -> str | None:
+    """The plan stage's section (`onboarding.plan.render.markdown`, written beside plan.json)."""
+    from onboarding.plan.render import MARKDOWN_FILE
+
+    f = run_dir / MARKDOWN_FILE
+    if not f.exists():
+        return None
+    return "## Plan: the full-size model per GPU\n\n" + f.read_text().strip()
+
+
 def _coverage_section(run_dir: Path) -> str | None:
     f = run_dir / "coverage.json"
     if not f.exists():
@@ -180,7 +190,7 @@ def _decisions_section(run_dir: Path) -> str | None:
                "code", "alignment"], rows)])
 
 
-SECTIONS: list[Section] = [_model_section, _opgraph_section, _coverage_section,
+SECTIONS: list[Section] = [_model_section, _opgraph_section, _plan_section, _coverage_section,
                            _decisions_section, _candidates_section]
 
 

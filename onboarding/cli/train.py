@@ -158,14 +158,60 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if source is None:
         cfg.out = str(new_run_dir(info.loaded.name, args.out).resolve())
     out = Path(cfg.out)
+    plan = None
+    if args.dry_run or cfg.proxy == "none":
+        with console.status("train: planning memory (meta)"):
+            plan = train_plan(cfg, info)
     if args.dry_run:
+        from onboarding.plan.render import print_plan
+
+        print_plan(plan, console)
         return launch(cfg, True, console=console, source=source, checked=checked)
+    if plan is not None:
+        refuse_unfit(plan, info)  # the full size: before anything is allocated
     with owned_dir(out, created_here=source is None):
         if not (out / "model.json").exists():
             save_model_json(info, out, cfg.overrides)
         rc = launch(cfg, False, console=console, source=source, checked=checked)
     _report(out, cfg, console)
     return rc
+
+
+def train_plan(cfg: TrainConfig, info):
+    """The plan of the model as it will train (the proxy, or the full size with proxy none) in
+    this run's layout: built on meta from its config, block kinds from the tiny proxy."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.plan import PlanConfig, load_cluster, run_plan
+    from onboarding.train.setup import resolve_device
+
+    graph = parse_stage(load_stage(info.loaded, "tiny"), seq=64, try_export=False)
+    pc = PlanConfig(gpus=cfg.nproc, ep=cfg.ep, seq=cfg.seq_len, micro_batch=cfg.micro_batch,
+                    lora_rank=cfg.lora_rank, expert_lora=cfg.expert_lora,
+                    recompute="full" if cfg.activation_checkpointing else "none",
+                    offload="none", capacity_factor=cfg.capacity_factor, dtype=cfg.dtype)
+    cluster = load_cluster()
+    if resolve_device(cfg).type == "cpu":  # gloo on the CPU: the host's memory per process
+        cluster.gpu_mem_gib, cluster.gpu_mem_source = _host_gib() / cfg.nproc, "host memory"
+    return run_plan(info, graph, pc, cluster, config=info.proxy_config)
+
+
+def _host_gib() -> float:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+
+
+def refuse_unfit(plan, info) -> None:
+    """Bad input (exit 2) when the model as it trains cannot fit: its fp32 CPU build (every
+    process builds the whole model before sharding), or the plan's bytes per device."""
+    host = 4 * info.full.total / 2 ** 30
+    if host > _host_gib():
+        raise InputError(f"proxy none: every process builds the whole model in fp32 on the "
+                         f"CPU first, {host:,.0f} GiB > this machine's {_host_gib():,.0f} GiB; "
+                         "`onboard plan` says what the full size needs (train a proxy here)")
+    c = plan.chosen
+    if c is not None and not c.fits:
+        raise InputError(f"proxy none: {c.reason} (`onboard train --dry-run` shows the plan)")
 
 
 def cmd_scale(args: argparse.Namespace, console: Console) -> int:

@@ -77,7 +77,7 @@ class ClusterConfig:
 
     def assumptions(self) -> list[str]:
         r = self.rates
-        return [f"GPU memory {self.gpu_mem_gib:g} GiB ({self.gpu_mem_source})",
+        return [f"GPU memory {self.gpu_mem_gib:.4g} GiB ({self.gpu_mem_source})",
                 f"{self.gpus_per_node} GPUs per node; NVLink {self.nvlink_gbps:g} GB/s and "
                 f"inter-node {self.internode_gbps:g} GB/s per GPU one way; PCIe "
                 f"{self.pcie_gbps:g} GB/s",
@@ -104,6 +104,7 @@ class PlanConfig:
     fsdp: int | None = None
     capacity_factor: float | None = None  # None: dropless
     imbalance: float = 1.25  # expected max/mean tokens per EP rank (assumption)
+    dtype: str = "bf16"  # base weights (activations are modelled in bf16 either way)
     kernels_norm: bool = False  # True: norms run a fused kernel (keep bf16 x, no fp32 copy)
 
     def validate(self) -> None:
@@ -111,6 +112,8 @@ class PlanConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InputError(f"--{name.replace('_', '-')} {v}: must be a positive integer")
+        if self.dtype not in ("bf16", "fp32"):
+            raise InputError(f"dtype {self.dtype!r}: expected bf16 or fp32")
         if self.mode not in MODES:
             raise InputError(f"mode {self.mode!r}: expected one of {', '.join(MODES)}")
         if self.recompute is not None and self.recompute not in RECOMPUTE:

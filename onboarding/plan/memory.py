@@ -224,14 +224,15 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
     # weights
     dense_el = sum(fsdp_shard(d0, rest, world) for d0, rest in shape.dense_tensors)
     expert_el = sum(e.count * ceil_div(e.n_experts, ep) * e.per_expert for e in shape.experts)
-    w_dense, w_exp = BF16 * dense_el, BF16 * expert_el
+    wb = FP32 if cfg.dtype == "fp32" else BF16
+    w_dense, w_exp = wb * dense_el, wb * expert_el
     layer_experts = max((ceil_div(e.n_experts, ep) * e.per_expert for e in shape.experts),
                         default=0)
-    gather = BF16 * 2 * shape.layer_dense_max if world > 1 else 0.0  # this layer + prefetch
+    gather = wb * 2 * shape.layer_dense_max if world > 1 else 0.0  # this layer + prefetch
     host_w = host_opt = 0.0
     if lay.offload == "params":
         host_w = w_dense + w_exp
-        gather = BF16 * 2 * (shape.layer_dense_max + layer_experts)
+        gather = wb * 2 * (shape.layer_dense_max + layer_experts)
         w_dense = w_exp = 0.0
         notes.append("offload params: sharded weights live in host memory; two layers "
                      "(dense + local experts) are on the GPU at a time")

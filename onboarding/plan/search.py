@@ -7,6 +7,7 @@ a model that fits no layout is a plan that says so, not an error.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ class Plan:
 
     @property
     def verdict(self) -> str:
-        cap = f"{self.cluster.gpu_mem_gib:g} GiB"
+        cap = f"{self.cluster.gpu_mem_gib:.4g} GiB"
         n = self.config.gpus
         if self.chosen is None:
             return f"does not fit on {n} GPUs of {cap} in any layout searched"
@@ -85,22 +86,31 @@ class Plan:
                 "rejected": [c.to_dict() for c in self.rejected], "notes": self.notes}
 
 
-def _reason(shape: ModelShape, cand: Candidate, cluster: ClusterConfig) -> str:
+def _reason(shape: ModelShape, cand: Candidate, cluster: ClusterConfig, cfg: PlanConfig) -> str:
     m, lay, cap = cand.memory, cand.layout, cluster.gpu_bytes
-    capt = f"{cluster.gpu_mem_gib:g} GiB"
+    wb = 4 if cfg.dtype == "fp32" else 2
+    capt = f"{cluster.gpu_mem_gib:.4g} GiB"
     if m.weights_experts > cap:
-        return (f"experts {size(2 * shape.routed)} / EP {lay.ep} = {gib(m.weights_experts)} "
+        return (f"experts {size(wb * shape.routed)} / EP {lay.ep} = {gib(m.weights_experts)} "
                 f"per GPU > {capt}")
     weights = m.weights_dense + m.weights_experts
     if weights > cap:
-        return (f"weights {gib(weights)} per GPU (dense {size(2 * shape.dense)} / {lay.world} + "
-                f"experts {size(2 * shape.routed)} / EP {lay.ep}) > {capt}")
+        return (f"weights {gib(weights)} per GPU (dense {size(wb * shape.dense)} / {lay.world} + "
+                f"experts {size(wb * shape.routed)} / EP {lay.ep}) > {capt}")
     static = weights + m.fsdp_buffers + sum(m.trainable.values())
     if static > cap:
         return (f"weights + trainable state {gib(static)} per GPU (state "
                 f"{gib(sum(m.trainable.values()))}) > {capt}")
     return (f"{gib(m.total)} per GPU > {capt}: activations {gib(sum(m.activations.values()))} "
             f"+ workspace {gib(m.workspace)} over weights and state {gib(static)}")
+
+
+def _rank(c: Candidate) -> tuple:
+    """Step time in 1% steps, then the fewer memory savers (recompute, offload), then memory:
+    a saver that buys no time is not chosen."""
+    lay = c.layout
+    return (round(math.log(max(c.time.overlap_s, 1e-9)) / math.log(1.01)),
+            RECOMPUTE.index(lay.recompute), OFFLOAD.index(lay.offload), c.memory.total)
 
 
 def _ep_choices(shape: ModelShape, cfg: PlanConfig) -> list[int]:
@@ -139,10 +149,9 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
                 c = Candidate(layout=lay, memory=mem, comm=comm, time=t,
                               fits=mem.total <= cluster.gpu_bytes)
                 if not c.fits:
-                    c.reason = _reason(shape, c, cluster)
+                    c.reason = _reason(shape, c, cluster, cfg)
                 cands.append(c)
-    fitting = sorted((c for c in cands if c.fits), key=lambda c: (c.time.overlap_s,
-                                                                 c.memory.total))
+    fitting = sorted((c for c in cands if c.fits), key=_rank)
     rejected = [c for c in cands if not c.fits]
     fixed = cfg.ep is not None or cfg.fsdp is not None
     if fitting:
