@@ -207,6 +207,17 @@ def _alignment_section(run_dir: Path) -> str | None:
 SECTIONS.append(_alignment_section)
 
 
+def _llm_section(run_dir: Path) -> str | None:
+    """LLM-written kernel families and which are kernel-PR candidates (after alignment); writes
+    ``generated/pr_candidates.json`` (`onboarding.generate.llm.review`)."""
+    from onboarding.generate.llm.review import report_section
+
+    return report_section(run_dir)
+
+
+SECTIONS.append(_llm_section)
+
+
 def _tuning_section(run_dir: Path) -> str | None:
     """One table per study (kernel x shape bucket) and the best-so-far-vs-trials plot."""
     from onboarding.tune.search import markdown_table, result_from_dict

@@ -55,6 +55,13 @@ def test_models_endpoint_and_structured_output():
     assert parse_answer(reply.text).family == "mlstm_recurrent"
 
 
+def test_model_name_from_the_server_when_not_given():
+    with ReplayServer(["mlstm_correct"]) as server:
+        client = LLMClient(LLMConfig(url=server.url + "/v1/", timeout_s=5))
+        reply = client.complete(MESSAGES, response_format())
+    assert client.config.model == "replay-coder" and reply.model == "replay-coder"
+
+
 def test_falls_back_when_structured_output_is_refused():
     with ReplayServer(["no_structured_output"]) as server:
         client = _client(server)

@@ -78,6 +78,16 @@ def check_candidate(cand: Candidate, shapes: list[list[int]], seed: int = 0) -> 
     try:
         mod = load_module(cand.path)
         spec = get_family(cand.family)
+        if spec.sample_inputs is None and spec.folder and (Path(spec.folder) / "gate.json").is_file():
+            # an LLM-written family (onboarding.generate.llm): its check is the gate it passed,
+            # the block's own forward and every gradient at the block's and odd sizes
+            from onboarding.generate.llm.review import gate_checks
+
+            cand.checks = gate_checks(Path(spec.folder)) or []
+            cand.status = "passed" if cand.checks and all(c["passed"] for c in cand.checks) \
+                else "failed"
+            cand.seconds = round(time.perf_counter() - t0, 3)
+            return cand
         if spec.sample_inputs is None:
             raise InputError(f"family {cand.family} declares no sample_inputs")
         gen = torch.Generator().manual_seed(seed)

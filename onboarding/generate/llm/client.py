@@ -28,11 +28,12 @@ _FORMAT_WORDS = ("response_format", "json_schema", "structured", "guided", "not 
 @dataclass(kw_only=True, slots=True)
 class LLMConfig:
     """Where and how to ask: `url` the server's base URL (``http://host:port`` or ending in
-    ``/v1``), `model` the model name it serves, `api_key` (None: from ONBOARD_LLM_API_KEY or
+    ``/v1``), `model` the model name it serves (None: the first model its ``/v1/models`` lists,
+    as a vLLM or SGLang server serves one), `api_key` (None: from ONBOARD_LLM_API_KEY or
     OPENAI_API_KEY, else a placeholder local servers ignore), `timeout_s` per request."""
 
     url: str
-    model: str = "default"
+    model: str | None = None
     api_key: str | None = None
     timeout_s: float = 600.0
     temperature: float = 0.0
@@ -90,6 +91,24 @@ class LLMClient:
         self._client = openai_client
         self.mode: Mode = "json_schema"
 
+    def model(self) -> str:
+        """The model asked: the configured one, or the first the server lists (asked once)."""
+        if self.config.model is None:
+            import openai
+
+            try:
+                listed = [m.id for m in self._client.models.list().data]
+            except openai.APIConnectionError as exc:
+                raise LLMError("connection", f"cannot reach {self.config.base_url}: {exc}") from exc
+            except openai.APIStatusError as exc:
+                raise LLMError("model_not_found", f"no --llm-model given and {self.config.base_url}"
+                               f"/models failed (HTTP {exc.status_code}: {_message(exc)})", exc.status_code) from exc
+            if not listed:
+                raise LLMError("model_not_found", f"no --llm-model given and {self.config.base_url}"
+                               "/models lists no model")
+            self.config.model = listed[0]
+        return self.config.model
+
     def complete(self, messages: list[dict[str, str]], schema_format: dict[str, Any]) -> Reply:
         """The reply's text to `messages`, asking for `schema_format` (a `response_format`) first."""
         fallbacks: list[str] = []
@@ -118,7 +137,7 @@ class LLMClient:
     def _create(self, messages: list[dict[str, str]], schema_format: dict[str, Any]) -> Any:
         import openai
 
-        kwargs: dict[str, Any] = {"model": self.config.model, "messages": messages,
+        kwargs: dict[str, Any] = {"model": self.model(), "messages": messages,
                                   "temperature": self.config.temperature}
         if self.config.max_tokens:
             kwargs["max_tokens"] = self.config.max_tokens

@@ -144,3 +144,28 @@ def bind_block_forward(block: Any, module: Any, kernels: list, record: Any, mode
         return fn(module, *args, **kwargs)
 
     return calibrated(module, record, {"block_forward(module, *args, **kwargs)": run}, adapt=_same_tree)
+
+
+def rendered_module(folder: Path) -> Path:
+    """The family's first variant rendered at its defaults into ``folder/rendered/<variant>.py``
+    (rewritten only when it changed): the module a swap of the block's forward loads."""
+    from onboarding.families.render import render_source
+    from onboarding.generate.templating import write_module
+
+    spec = load_spec(Path(folder))
+    variant = next(iter(spec.variants))
+    source = render_source(spec, variant, spec.resolve(variant))
+    return write_module(source, Path(folder) / "rendered" / f"{variant}.py", overwrite=True)
+
+
+def make_forward(module: Any, folder: str) -> Any:
+    """A blockcheck `Replacement` target and alignment's block swap for an accepted generated
+    family: ``module``'s forward computed by the family's ``block_forward``."""
+    from onboarding.generate.templating import load_module
+
+    kmod = load_module(rendered_module(Path(folder)))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return kmod.block_forward(module, *args, **kwargs)
+
+    return forward
