@@ -10,11 +10,16 @@ tensors, EP-sharded by expert and replicated over the "fsdp" sub-mesh: they are 
 DTensor views over the ("fsdp", "ep") mesh with placements (Replicate, Shard(0)), so DCP sees
 their global shape and writes each expert once. Data order is a function of the step (the
 packed rows of step s are fixed by the seed), so the step is the data position.
+
+The root may be an fsspec URL (``s3://bucket/prefix``, ``gs://...``): DCP then writes through
+its fsspec storage, and the marker, RNG files, listing and pruning go through the same
+filesystem (s3fs for s3://; credentials and endpoint from the usual AWS variables, or
+``FSSPEC_S3_ENDPOINT_URL``). A plain path keeps DCP's local writer.
 """
 
 from __future__ import annotations
 
-import shutil
+import io
 from pathlib import Path
 
 import torch
@@ -31,9 +36,42 @@ def _barrier(layout: Layout) -> None:
         dist.barrier()
 
 
+def is_url(path: str | Path) -> bool:
+    return "://" in str(path)
+
+
+def filesystem(path: str | Path):
+    """(fsspec filesystem, path inside it) of a local path or a URL; a URL whose scheme has no
+    installed filesystem (s3:// without s3fs) is bad input, said before any step runs."""
+    import fsspec
+    from fsspec.core import url_to_fs
+
+    from onboarding.errors import InputError
+
+    try:
+        return url_to_fs(str(path))
+    except (ImportError, ValueError) as exc:
+        scheme = str(path).split("://", 1)[0]
+        known = fsspec.available_protocols()
+        hint = f"install its fsspec filesystem ({'s3fs' if scheme in ('s3', 's3a') else scheme})" \
+            if scheme in known else "unknown scheme"
+        raise InputError(f"{path}: cannot open this URL: {hint} ({exc})") from exc
+
+
 class Checkpointer:
-    def __init__(self, root: Path, layout: Layout, *, interval: int, keep: int = 2):
-        self.root, self.layout, self.interval, self.keep = Path(root), layout, interval, keep
+    def __init__(self, root: str | Path, layout: Layout, *, interval: int, keep: int = 2):
+        self.url = is_url(root)
+        self.fs, self._root = filesystem(root if self.url else Path(root).resolve())
+        self.root = str(root).rstrip("/") if self.url else Path(root)
+        self.layout, self.interval, self.keep = layout, interval, keep
+
+    def _join(self, *parts: str) -> str:
+        return "/".join([self._root.rstrip("/"), *parts])
+
+    def _name(self, fs_path: str):
+        """A filesystem path as the user names it: the URL, or a local `Path`."""
+        name = fs_path.rstrip("/").rpartition("/")[2]
+        return f"{self.root}/{name}" if self.url else Path(self.root) / name
 
     # ---- state ----------------------------------------------------------------------------
     def _view(self, t: torch.Tensor, expert: bool) -> torch.Tensor:
@@ -72,51 +110,73 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0
 
-    def save(self, step: int, params, expert_ids, opt) -> Path:
+    def _storage(self, d: str, write: bool) -> dict:
+        if not self.url:
+            return {"checkpoint_id": d}
+        from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+
+        url = self._name(d)
+        return {"storage_writer": FsspecWriter(str(url))} if write else \
+            {"storage_reader": FsspecReader(str(url))}
+
+    def save(self, step: int, params, expert_ids, opt):
         import torch.distributed.checkpoint as dcp
 
-        d = self.root / f"step_{step:06d}"
-        if self.layout.rank == 0 and d.exists():
-            shutil.rmtree(d)  # a partial save of the same step from a crashed run
+        d = self._join(f"step_{step:06d}")
+        if self.layout.rank == 0 and self.fs.exists(d):
+            self.fs.rm(d, recursive=True)  # a partial save of the same step from a crashed run
         _barrier(self.layout)
-        dcp.save(self.state(params, expert_ids, opt, step), checkpoint_id=str(d))
+        dcp.save(self.state(params, expert_ids, opt, step), **self._storage(d, True))
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, d / f"rng_rank{self.layout.rank}.pt")
+        buf = io.BytesIO()
+        torch.save(rng, buf)
+        self.fs.pipe_file(f"{d}/rng_rank{self.layout.rank}.pt", buf.getvalue())
         _barrier(self.layout)
         if self.layout.rank == 0:
-            (d / MARKER).write_text(f"{step}\n")
+            self.fs.pipe_file(f"{d}/{MARKER}", f"{step}\n".encode())
             self._prune()
         _barrier(self.layout)
-        return d
+        return self._name(d)
 
     def _prune(self) -> None:
-        done = self.complete()
+        done = self._complete()
         for old in done[:-self.keep] if self.keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                self.fs.rm(old, recursive=True)
+            except (FileNotFoundError, OSError):
+                pass
 
-    def complete(self) -> list[Path]:
-        if not self.root.is_dir():
+    def _complete(self) -> list[str]:
+        self.fs.invalidate_cache()  # listings of object stores are cached by default
+        if not self.fs.isdir(self._root):
             return []
-        return sorted(p for p in self.root.glob("step_*") if (p / MARKER).is_file())
+        steps = [p for p in self.fs.ls(self._root, detail=False)
+                 if p.rstrip("/").rpartition("/")[2].startswith("step_")]
+        return sorted(p for p in steps if self.fs.isfile(f"{p.rstrip('/')}/{MARKER}"))
 
-    def latest(self) -> Path | None:
+    def complete(self) -> list:
+        return [self._name(p) for p in self._complete()]
+
+    def latest(self):
         done = self.complete()
         return done[-1] if done else None
 
-    def load(self, path: Path, params, expert_ids, opt) -> int:
-        """Load ``path`` in place into the adapters and optimizer; returns its step."""
+    def load(self, path, params, expert_ids, opt) -> int:
+        """Load ``path`` (from `latest`) in place into the adapters and optimizer; returns its
+        step."""
         import torch.distributed.checkpoint as dcp
 
+        d = self._join(str(path).rstrip("/").rpartition("/")[2])
         sd = self.state(params, expert_ids, opt, 0)
-        dcp.load(sd, checkpoint_id=str(path))
+        dcp.load(sd, **self._storage(d, False))
         # Plain tensors (steps) are loaded in place too, but keep the optimizer's own objects.
         for name, p in params:
             opt.state[p]["step"].copy_(sd[f"optim/{name}/step"])
-        rng_file = Path(path) / f"rng_rank{self.layout.rank}.pt"
-        if rng_file.is_file():
-            rng = torch.load(rng_file, weights_only=True)
+        rng_file = f"{d}/rng_rank{self.layout.rank}.pt"
+        if self.fs.isfile(rng_file):
+            rng = torch.load(io.BytesIO(self.fs.cat_file(rng_file)), weights_only=True)
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])

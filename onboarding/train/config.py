@@ -19,6 +19,8 @@ from onboarding.load.spec import ModelSpec
 PROXIES = ("tiny", "small", "none")
 DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+RECOMPUTE = ("none", "selective", "full")  # the same three as `onboard plan --recompute`
+BALANCE = ("auto", "none", "aux-loss", "bias")
 
 # One line per field: the header comment of the written TOML file.
 FIELD_DOCS = {
@@ -42,7 +44,14 @@ FIELD_DOCS = {
     "lora_dropout": "dropout on the adapter input, in [0, 1)",
     "lora_targets": '["auto"] = projections of every attention kind; else fnmatch patterns',
     "expert_lora": "also train grouped LoRA adapters on the routed experts",
-    "activation_checkpointing": "recompute each block's activations in the backward",
+    "activation_checkpointing": "old name of recompute = \"full\" (true: every decoder layer)",
+    "recompute": "none | selective (each layer's MLP/experts sub-block) | full (every layer)",
+    "balance": "auto (the model's own) | none | aux-loss (Switch loss) | bias (aux-loss-free)",
+    "aux_loss_coef": "aux-loss coefficient; absent = the model's router_aux_loss_coef or 0.01",
+    "bias_rate": "bias balancing: per-step update of each expert's routing-score bias",
+    "checkpoint_dir": "checkpoint root (path or fsspec URL, s3://...); absent = <out>/train/ckpt",
+    "stall_timeout": "seconds without a finished step before the run stops (alert); 0 = off",
+    "alert_webhook": "URL that gets a JSON POST when an alert (stall, NaN/inf loss) fires",
     "checkpoint_interval": "DCP checkpoint every N steps; 0 = none",
     "seed": "seed of the proxy weights, adapters and data order",
     "dtype": "base weight dtype fp32 | bf16 (adapters and optimizer state stay fp32)",
@@ -78,7 +87,14 @@ class TrainConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["auto"])
     expert_lora: bool = False
     activation_checkpointing: bool = False
+    recompute: str = "none"
+    balance: str = "auto"
+    aux_loss_coef: float | None = None
+    bias_rate: float = 1e-3
     checkpoint_interval: int = 0
+    checkpoint_dir: str | None = None
+    stall_timeout: float = 0.0
+    alert_webhook: str | None = None
     seed: int = 0
     dtype: str = "fp32"
     device: str = "auto"
@@ -98,6 +114,16 @@ class TrainConfig:
     def model_spec(self) -> ModelSpec:
         return ModelSpec(ref=self.model or None, overrides=dict(self.overrides),
                          trust_remote_code=self.trust_remote_code, proxy=self.proxy)
+
+    @property
+    def recompute_mode(self) -> str:
+        """`recompute`, with the older ``activation_checkpointing = true`` meaning ``full``."""
+        return "full" if self.activation_checkpointing else self.recompute
+
+    @property
+    def ckpt_root(self) -> str:
+        """Where the role folders of the DCP checkpoints live: a path or an fsspec URL."""
+        return self.checkpoint_dir or str(Path(self.out) / "train" / "ckpt")
 
     @property
     def world_size(self) -> int:
@@ -131,10 +157,23 @@ class TrainConfig:
                                  f"{'> 0' if name in ('lr', 'lora_alpha') else '>= 0'}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise InputError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
-        for name, allowed in (("proxy", PROXIES), ("dtype", DTYPES), ("device", DEVICES)):
+        for name, allowed in (("proxy", PROXIES), ("dtype", DTYPES), ("device", DEVICES),
+                              ("recompute", RECOMPUTE), ("balance", BALANCE)):
             if getattr(self, name) not in allowed:
                 raise InputError(f"{name}={getattr(self, name)!r}: expected one of "
                                  f"{', '.join(allowed)}")
+        if self.activation_checkpointing and self.recompute not in ("none", "full"):
+            raise InputError(f"activation_checkpointing=true is recompute=\"full\"; it "
+                             f"contradicts recompute={self.recompute!r}")
+        for name in ("aux_loss_coef", "bias_rate", "stall_timeout"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise InputError(f"{name}={v}: must be a finite number >= 0")
+        if self.alert_webhook is not None and not self.alert_webhook.startswith(
+                ("http://", "https://")):
+            raise InputError(f"alert_webhook={self.alert_webhook!r}: expected an http(s):// URL")
+        if self.checkpoint_dir is not None and not self.checkpoint_dir.strip():
+            raise InputError("checkpoint_dir='': give a path or an fsspec URL, or leave it out")
         if self.capacity_factor is not None and not (self.capacity_factor > 0
                                                      and math.isfinite(self.capacity_factor)):
             raise InputError(f"capacity_factor={self.capacity_factor}: must be > 0 "
@@ -159,6 +198,8 @@ class TrainConfig:
             if self.capacity_factor is not None:
                 raise InputError(f"capacity_factor={self.capacity_factor}: the model has no "
                                  "routed experts")
+            if self.balance in ("aux-loss", "bias"):
+                raise InputError(f"balance={self.balance!r}: the model has no routed experts")
         elif n_experts % self.ep:
             raise InputError(f"ep={self.ep}: does not divide the model's {n_experts} routed "
                              "experts")
@@ -211,11 +252,14 @@ class TrainConfig:
 
 _TYPES = {"model": str, "overrides": dict, "trust_remote_code": bool, "proxy": str, "out": str,
           "lora_targets": list, "expert_lora": bool, "activation_checkpointing": bool,
+          "recompute": str, "balance": str, "checkpoint_dir": (str, type(None)),
+          "alert_webhook": (str, type(None)), "aux_loss_coef": (int, float, type(None)),
           "dtype": str, "device": str, "data": (str, type(None)), "kernels": bool, "baseline": bool,
           "capacity_factor": (int, float, type(None))}
 _INTS = ("nproc", "ep", "fsdp", "steps", "seq_len", "micro_batch", "warmup_steps", "lora_rank",
          "checkpoint_interval", "seed", "profile_every")
-_FLOATS = ("lr", "weight_decay", "grad_clip", "lora_alpha", "lora_dropout")
+_FLOATS = ("lr", "weight_decay", "grad_clip", "lora_alpha", "lora_dropout", "bias_rate",
+           "stall_timeout")
 
 
 def _check_types(cfg: TrainConfig, where: str = "") -> None:

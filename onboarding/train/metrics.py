@@ -155,5 +155,30 @@ class JsonlWriter:
                 f.write(json.dumps(row) + "\n")
 
 
+# The per-step row fields that also go to TensorBoard (tag = field name).
+TB_SCALARS = ("loss", "ce", "aux", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu",
+              "expert_imbalance", "dropped_tokens", "dropped_share", "a2a_share",
+              "a2a_exposed_share")
+
+
+class TensorBoard:
+    """The row's scalars as TensorBoard events in ``logdir`` (`onboarding.train.tensorboard`):
+    the fields of `TB_SCALARS`, peak memory in GiB, and each MoE layer's max/mean expert load
+    under ``expert_imbalance/<layer path>``."""
+
+    def __init__(self, logdir: Path):
+        from onboarding.train.tensorboard import EventWriter
+
+        self.events = EventWriter(logdir)
+
+    def write(self, row: dict[str, Any]) -> None:
+        vals = {k: row.get(k) for k in TB_SCALARS}
+        if isinstance(row.get("peak_mem_bytes"), (int, float)):
+            vals["peak_mem_gib"] = row["peak_mem_bytes"] / 2 ** 30
+        for layer in row.get("expert_load") or []:
+            vals[f"expert_imbalance/{layer['layer']}"] = layer.get("max_over_mean")
+        self.events.scalars(int(row["step"]), vals)
+
+
 def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -224,6 +224,7 @@ class EPExperts(nn.Module):
         flat_e = idx.reshape(-1)
         counts = torch.bincount(flat_e, minlength=self.n_experts)
         self.last_counts = counts.detach()
+        self.last_dropped = 0  # summed over the dispatch groups of this forward
         order = torch.argsort(flat_e, stable=True)  # pairs grouped by expert, token order inside
         if self.ep.group is None and self.dispatch_groups > 1:
             y_pairs = self._grouped_single(x, idx)
@@ -287,13 +288,12 @@ class EPExperts(nn.Module):
             start = torch.cumsum(counts, 0) - counts
             pos = torch.arange(xg.shape[0], device=xg.device) - start.repeat_interleave(counts)
             keep = pos < cap
-            self.last_dropped = int((~keep).sum())
+            self.last_dropped += int((~keep).sum())
             kept_counts = torch.clamp(counts, max=cap)
             yk = self._compute(xg[keep], kept_counts.tolist())
             yg = yk.new_zeros(xg.shape[0], yk.shape[-1]).index_copy(
                 0, keep.nonzero().squeeze(1), yk)
         else:
-            self.last_dropped = 0
             yg = self._compute(xg, counts.tolist())
         return torch.empty_like(yg).index_copy(0, regroup, yg)
 
@@ -525,6 +525,36 @@ def global_counts(ep_modules: list[EPExperts], group: dist.ProcessGroup | None) 
     return counts
 
 
+def score_bias_tensors(model: nn.Module, graph: OpGraph, e: int) -> dict[str, torch.Tensor]:
+    """{router path: its score-correction bias} for the routers that have one: the router block
+    says ``score_bias`` (the classifier saw a parameter added to the scores before top-k) and the
+    module holds exactly one 1-D tensor of size E (parameter or buffer)."""
+    modules = dict(model.named_modules())
+    out = {}
+    for b in graph.by_kind("moe.router"):
+        mod = modules.get(b.path)
+        if not b.attrs.get("score_bias") or mod is None:
+            continue
+        cands = [t for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False))
+                 if t.ndim == 1 and t.shape[0] == e]
+        if len(cands) == 1:
+            out[b.path] = cands[0]
+    return out
+
+
+def check_bias_balancing(model: nn.Module, graph: OpGraph, e: int) -> None:
+    """`InputError` unless every router of ``graph`` selects its top-k on scores plus a per-expert
+    bias that `update_score_bias` can move (DeepSeek-V3's aux-loss-free balancing needs one)."""
+    routers = [b.path for b in graph.by_kind("moe.router")]
+    have = score_bias_tensors(model, graph, e)
+    missing = [p for p in routers if p not in have]
+    if not routers or missing:
+        raise InputError(
+            f"balance='bias': router {missing[0] if missing else '(none found)'} has no score-"
+            f"correction bias (one [{e}] tensor added to the routing scores for top-k selection "
+            "only), so auxiliary-loss-free balancing cannot steer it; use balance='aux-loss'")
+
+
 @torch.no_grad()
 def update_score_bias(model: nn.Module, graph: OpGraph, counts: torch.Tensor,
                       rate: float = 1e-3) -> int:
@@ -534,20 +564,13 @@ def update_score_bias(model: nn.Module, graph: OpGraph, counts: torch.Tensor,
     (the score-correction bias). ``counts`` [layers, E] in the order of the ``moe.experts``
     blocks; routers pair with experts by their parent module. Returns the routers updated.
     """
-    modules = dict(model.named_modules())
     by_parent = {b.path.rpartition(".")[0]: i for i, b in enumerate(graph.by_kind("moe.experts"))}
     done = 0
-    for b in graph.by_kind("moe.router"):
-        i = by_parent.get(b.path.rpartition(".")[0])
-        mod = modules.get(b.path)
-        if not b.attrs.get("score_bias") or i is None or mod is None:
+    for path, bias in score_bias_tensors(model, graph, counts.shape[1]).items():
+        i = by_parent.get(path.rpartition(".")[0])
+        if i is None:
             continue
-        e = counts.shape[1]
-        cands = [t for t in (*mod.parameters(recurse=False), *mod.buffers(recurse=False))
-                 if t.ndim == 1 and t.shape[0] == e]
-        if len(cands) != 1:
-            continue
-        load = counts[i].to(cands[0].device, torch.float32)
-        cands[0].add_(rate * torch.sign(load.mean() - load).to(cands[0].dtype))
+        load = counts[i].to(bias.device, torch.float32)
+        bias.add_(rate * torch.sign(load.mean() - load).to(bias.dtype))
         done += 1
     return done

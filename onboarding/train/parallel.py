@@ -90,12 +90,53 @@ def decoder_blocks(model: nn.Module, graph: OpGraph) -> list[tuple[str, nn.Modul
 def apply_activation_checkpointing(blocks: list[tuple[str, nn.Module]]) -> None:
     """Recompute each block's forward in the backward (non-reentrant; keeps module paths)."""
     for _, block in blocks:
-        inner = block.forward
+        _checkpoint_forward(block)
 
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
-        block.forward = forward
+def _checkpoint_forward(module: nn.Module, attr: str = "forward") -> None:
+    inner = getattr(module, attr)
+
+    def forward(*args, _inner=inner, **kwargs):
+        return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+    setattr(module, attr, forward)
+
+
+# what `recompute = "selective"` re-runs: the MLP sub-blocks (`onboard plan`'s selective term)
+SELECTIVE_KINDS = ("mlp.dense", "moe.shared_expert", "moe.experts")
+
+
+def apply_recompute(model: nn.Module, graph: OpGraph, blocks: list[tuple[str, nn.Module]],
+                    mode: str) -> list[str]:
+    """Activation recomputation; returns the paths of the modules that recompute.
+
+    ``full``: every decoder layer keeps only its input and re-runs in the backward. ``selective``:
+    each layer's MLP sub-blocks re-run (dense MLPs, shared experts, routed experts), which holds
+    the 3F-wide gate/up/activation tensors per token: the cheap-to-recompute, memory-heavy part;
+    attention (and its core's softmax statistics), norms and routers keep their activations. A
+    replaced expert-parallel module re-runs only its local expert compute, after the dispatch,
+    so the backward repeats no all-to-all. Both are non-reentrant `torch.utils.checkpoint`
+    around a module's forward, applied before `fully_shard` (FSDP2 hooks the module call).
+    """
+    from onboarding.train.moe_ep import EPExperts
+
+    if mode == "none":
+        return []
+    if mode == "full":
+        apply_activation_checkpointing(blocks)
+        return [p for p, _ in blocks]
+    modules = dict(model.named_modules())
+    done = []
+    for b in graph.blocks:
+        mod = modules.get(b.path)
+        if b.kind not in SELECTIVE_KINDS or mod is None or b.path in done:
+            continue
+        _checkpoint_forward(mod, "_compute" if isinstance(mod, EPExperts) else "forward")
+        done.append(b.path)
+    if not done:
+        raise InputError("recompute='selective': the op graph has no MLP or expert blocks "
+                         f"({', '.join(SELECTIVE_KINDS)}) to recompute; use 'full'")
+    return done
 
 
 def expert_params(ep_modules: list[nn.Module]) -> set[nn.Parameter]:

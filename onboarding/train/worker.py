@@ -32,16 +32,19 @@ from onboarding.graph.torch_paths import torch_reference_paths
 from onboarding.errors import InputError
 from onboarding.optional_kernels import hide as hide_kernel_packages
 from onboarding.train import metrics as M
+from onboarding.train.alerts import Alerts
 from onboarding.train.checkpoint import Checkpointer
 from onboarding.train.config import TrainConfig
 from onboarding.train.moe_ep import (
-    ExpertLoRA, RouterTaps, aux_loss, apply_expert_parallel, global_counts, update_score_bias)
+    ExpertLoRA, RouterTaps, aux_loss, apply_expert_parallel, check_bias_balancing, global_counts,
+    score_bias_tensors, update_score_bias)
 from onboarding.train.parallel import (
-    Layout, apply_activation_checkpointing, clip_grads, decoder_blocks, finish_expert_grads,
-    make_layout, shard, single_layout)
+    Layout, apply_recompute, clip_grads, decoder_blocks, finish_expert_grads, make_layout, shard,
+    single_layout)
 
 KILL_ENV = "ONBOARD_TEST_KILL"
-SCORE_BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed for aux-loss-free balancing
+STALL_ENV = "ONBOARD_TEST_STALL"  # STEP:SECONDS: sleep inside that step (tests the watchdog)
+DEFAULT_AUX_COEF = 0.01  # Switch Transformer's; used when the model's config has none
 
 
 def _init(role: str, cfg: TrainConfig) -> tuple[Layout, torch.device]:
@@ -86,6 +89,43 @@ def _maybe_kill(layout: Layout, step: int) -> None:
             os._exit(1)
 
 
+def _maybe_stall(step: int) -> None:
+    spec = os.environ.get(STALL_ENV, "")
+    if spec and int(spec.partition(":")[0]) == step:
+        time.sleep(float(spec.partition(":")[2]))
+
+
+def balancing(cfg: TrainConfig, model, graph, ep_mods) -> tuple[float, float]:
+    """(aux-loss coefficient, score-bias rate) of ``cfg.balance``; 0 = off.
+
+    auto: the model's own setup (its config's ``router_aux_loss_coef``; the bias update where a
+    router has a score-correction bias); aux-loss: the Switch loss with ``aux_loss_coef`` (else
+    the model's coefficient, else 0.01); bias: DeepSeek-V3's auxiliary-loss-free update, only
+    for routers that select on scores plus a per-expert bias (checked by structure); none: off.
+    """
+    if cfg.balance == "none" or not ep_mods:
+        if cfg.balance in ("aux-loss", "bias") and not ep_mods:
+            raise InputError(f"balance={cfg.balance!r}: the experts kept the model's own module "
+                             "(see the warning above), so the per-expert load is not counted")
+        return 0.0, 0.0
+    own = float(getattr(_text_cfg(model), "router_aux_loss_coef", 0) or 0)
+    e = ep_mods[0].n_experts
+    if cfg.balance == "auto":
+        return (cfg.aux_loss_coef if cfg.aux_loss_coef is not None else own), \
+            (cfg.bias_rate if score_bias_tensors(model, graph, e) else 0.0)
+    if cfg.balance == "aux-loss":
+        return (cfg.aux_loss_coef if cfg.aux_loss_coef is not None else own or DEFAULT_AUX_COEF), 0.0
+    check_bias_balancing(model, graph, e)
+    return 0.0, cfg.bias_rate
+
+
+def _world_sum(values: list[float], layout: Layout, device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if layout.distributed:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
 def run(cfg: TrainConfig, role: str) -> None:
     from onboarding.train import data as D
     from onboarding.train.flops import peak_flops, step_flops
@@ -119,12 +159,11 @@ def run(cfg: TrainConfig, role: str) -> None:
                                 rank=layout.rank, distributed=layout.distributed)
         expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
                                                rank=layout.rank)
-    taps = RouterTaps(model, graph) if (getattr(_text_cfg(model), "router_aux_loss_coef", 0)
-                                        or 0) > 0 and ep_mods else None
-    aux_coef = float(getattr(_text_cfg(model), "router_aux_loss_coef", 0) or 0)
+    aux_coef, bias_rate = balancing(cfg, model, graph, ep_mods) if role != "baseline" \
+        else (0.0, 0.0)
+    taps = RouterTaps(model, graph) if aux_coef > 0 else None
     blocks = decoder_blocks(model, graph)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+    apply_recompute(model, graph, blocks, cfg.recompute_mode)
     shard(model, layout, blocks, ep_mods)
     model.train()
 
@@ -137,7 +176,8 @@ def run(cfg: TrainConfig, role: str) -> None:
                             foreach=False)
 
     out = Path(cfg.out) / "train"
-    ckpt = Checkpointer(out / "ckpt" / role, layout, interval=cfg.checkpoint_interval)
+    ckpt = Checkpointer(f"{cfg.ckpt_root.rstrip('/')}/{role}", layout,
+                        interval=cfg.checkpoint_interval)
     start = 0
     latest = ckpt.latest() if cfg.checkpoint_interval > 0 else None
     if latest is not None:
@@ -145,6 +185,9 @@ def run(cfg: TrainConfig, role: str) -> None:
         if layout.rank == 0:
             print(f"resumed from {latest} (step {start})", flush=True)
     writer = M.JsonlWriter(out / f"{role}.jsonl", resume_step=start, enabled=layout.rank == 0)
+    board = M.TensorBoard(out / "tb" / role) if layout.rank == 0 else None
+    alerts = Alerts(out, rank=layout.rank, stall_timeout=cfg.stall_timeout,
+                    webhook=cfg.alert_webhook, run=f"{cfg.out} ({role})")
 
     tok = D.load_tokenizer(built.tokenizer_dir, _text_cfg(model).vocab_size)
     packed = D.PackedData(D.load_texts(cfg.data), tok, cfg.seq_len, cfg.seed)
@@ -155,6 +198,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     world_group = layout.dense_mesh.get_group() if layout.distributed else None
     paths = [m.path for m in ep_mods]
 
+    alerts.start()  # the stall clock runs from here: the first step's set-up counts too
     for step in range(start + 1, cfg.steps + 1):
         rows = packed.global_batch(step - 1, n_rows)
         ids = (rows if role == "reference" else rows[lo:hi]).to(device)
@@ -176,14 +220,15 @@ def run(cfg: TrainConfig, role: str) -> None:
         aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
         if aux is not None:
             loss = ce + aux_coef * aux
+        _maybe_stall(step)
         loss.backward()
         finish_expert_grads(experts, layout)
         gnorm = clip_grads(dense, experts, layout, cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         counts = global_counts(ep_mods, world_group) if ep_mods else None
-        if counts is not None:
-            update_score_bias(model, graph, counts, SCORE_BIAS_RATE)
+        if counts is not None and bias_rate > 0:
+            update_score_bias(model, graph, counts, bias_rate)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -206,18 +251,33 @@ def run(cfg: TrainConfig, role: str) -> None:
                        a2a_exposed_share=a2a["a2a_exposed_ms"] / 1e3 / dt)
         if counts is not None:
             row["expert_load"] = M.expert_load(counts, paths)
+            loads = [x["max_over_mean"] for x in row["expert_load"] if x["max_over_mean"]]
+            row["expert_imbalance"] = max(loads) if loads else None
+            dropped = _world_sum([m.last_dropped for m in ep_mods], layout, device)
+            row["dropped_tokens"] = int(sum(dropped)) if cfg.capacity_factor is not None else None
+            row["dropped_share"] = sum(dropped) / routed if routed and \
+                cfg.capacity_factor is not None else None
+            if cfg.capacity_factor is not None:
+                row["dropped_by_layer"] = [int(x) for x in dropped]
         if patches is not None and step == start + 1:  # patches calibrate on the first call
             from onboarding.train.kernels import summary
 
             row["kernels"] = {**summary(patches), **expert_kernels}
         writer.write(row)
+        if board is not None:
+            board.write(row)
         if layout.rank == 0:
-            print(f"step {step} loss {row['loss']:.6f} {row['tokens_per_s']:.0f} tok/s",
-                  flush=True)
+            print(f"step {step} loss {row['loss']:.6f} {row['tokens_per_s']:.0f} tok/s"
+                  + (f" dropped {row['dropped_tokens']}" if row.get("dropped_tokens") is not None
+                     else ""), flush=True)
+        alerts.check_loss(step, row["loss"])  # before the checkpoint: the last one stays finite
+        alerts.progress(step)
         if ckpt.due(step):
             ckpt.save(step, params, expert_ids, opt)
+            alerts.progress(step)  # a slow save (object storage) is not a stalled step
         _maybe_kill(layout, step)
 
+    alerts.stop()
     if role == "parallel" or (role == "reference" and cfg.nproc == 1):  # one process: it trained
         from onboarding.train.peft_export import PROBE_TOKENS, export_run
 
