@@ -136,6 +136,7 @@ def _fast_paths(b: Block) -> list[tuple[str, str]]:
         return [("patch convolution", "one strided convolution: cuDNN")]
     if b.kind == "lm_head":
         return [("vocabulary projection", "one large GEMM: cuBLAS")]
+    gemms -= (b.attrs.get("unfused_core") or {}).get("score_gemms", 0)  # listed as the core
     if gemms and b.kind not in ("moe.experts",):
         out.append(("projections (GEMM)", f"{gemms} dense GEMMs: cuBLAS"))
     if any(op.startswith(("scaled_dot_product", "_scaled_dot_product")) for op in ops) and \
@@ -146,6 +147,20 @@ def _fast_paths(b: Block) -> list[tuple[str, str]]:
     if ops.get("layer_norm") or ops.get("native_layer_norm"):
         # unlike the RMSNorms the models write out in torch ops, F.layer_norm is one fused kernel
         out.append(("layer norm", "one fused torch kernel (native_layer_norm)"))
+    return out
+
+
+def _unserved_parts(b: Block) -> list[tuple[str, str]]:
+    """(op, reason) for parts of ``b`` that neither a family nor a fast path serves, though the
+    block's kind is otherwise served: an attention core written out, an MLP inside another
+    block's module."""
+    out = []
+    if (core := b.attrs.get("unfused_core")) is not None:
+        out.append(("attention core", f"unfused softmax(QK^T)V: the scores {core.get('scores')} "
+                    "are materialised, O(T^2) memory and traffic (fused SDPA would not)"))
+    if (mlp := b.attrs.get("inline_mlp")) is not None:
+        out.append((f"inline MLP ({mlp.get('activation')})", "an MLP in the same module as the "
+                    "attention: no module of its own for an MLP kernel to replace"))
     return out
 
 
@@ -165,6 +180,8 @@ def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage
                 reason="reviewed kernel" if module else f"template {family}/{m['variant']}"))
         for op, reason in _fast_paths(b):
             entries.append(CoverageEntry(**base, op=op, status="torch_fast", reason=reason))
+        for op, reason in _unserved_parts(b):
+            entries.append(CoverageEntry(**base, op=op, status="uncovered", reason=reason))
         if b.kind in CORE_OPS and not any(e.path == b.path and e.status in ("kernel", "template")
                                           for e in entries):
             entries.append(CoverageEntry(**base, op=CORE_OPS[b.kind], status="uncovered",

@@ -110,6 +110,8 @@ def layer_pattern(blocks: list[Block]) -> tuple[str, list[list[str]]]:
     for b in blocks:
         if b.layer is not None and (b.kind in MIXER_CODES or b.kind in FFN_CODES):
             layers.setdefault(b.layer, []).append(b.kind)
+        if b.layer is not None and b.attrs.get("inline_mlp"):  # an MLP inside the attention module
+            layers[b.layer].append("mlp.dense")
     pattern, kinds = [], []
     for i in sorted(layers):
         ks = layers[i]
