@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a bad option (said in one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
-    console = Console()
+    console = Console(emoji=False)  # `hf:llama:` in a line is text, never an emoji
     ensure_triton_backend()
     if args.command != "bench":  # bench imports some by name, as comparison rows only
         hide_kernel_packages()
