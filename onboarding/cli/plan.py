@@ -105,6 +105,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     spec = model_spec(args)
     with console.status("plan: loading (meta)"):
         info = run_load(spec)
+        experts = {m.n_experts for m in info.full.moe if m.router_path}
+        if cfg.ep and cfg.ep > 1 and len(experts) == 1 and next(iter(experts)) % cfg.ep:
+            raise InputError(f"--ep {cfg.ep}: does not divide the model's "
+                             f"{next(iter(experts))} routed experts")
         # the block kinds, from the tiny proxy (the dispatch capture: a second or two)
         graph = parse_stage(info, seq=64, try_export=False)
     if out is None:

@@ -2,6 +2,7 @@
 
 Every default below is an assumption, stated where the plan prints it (`assumptions`):
   - GPU memory: this GPU's total memory when one is visible, else an H200's 141 GiB;
+  - host memory for offload: 256 GiB per GPU (2 TiB in a node of 8);
   - links per GPU: NVLink 450 GB/s one way inside a node of 8 (H200 NVLink 4: 900 GB/s both
     ways), 50 GB/s between nodes (one 400 Gb/s NIC per GPU);
   - kernel rates of an H200: 790 TFLOP/s dense bf16 achievable by a large GEMM (989 on the
@@ -51,6 +52,7 @@ class ClusterConfig:
     nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
     internode_gbps: float = 50.0  # GB/s per GPU between nodes
     pcie_gbps: float = 25.0  # GB/s host <-> device per GPU (offload traffic)
+    host_mem_gib: float = 256.0  # host memory per GPU for offload (2 TiB per node of 8)
     slack: float = 0.10  # allocator fragmentation on the dynamic bytes
     reserved_gib: float = 1.0  # CUDA context, cuBLAS workspace, NCCL buffers
     rates: Rates = field(default_factory=Rates)
@@ -64,7 +66,7 @@ class ClusterConfig:
             raise InputError(f"GPU memory {self.gpu_mem_gib} GiB: must be a positive number")
         if self.gpus_per_node <= 0:
             raise InputError(f"gpus_per_node={self.gpus_per_node}: must be positive")
-        for name in ("nvlink_gbps", "internode_gbps", "pcie_gbps"):
+        for name in ("nvlink_gbps", "internode_gbps", "pcie_gbps", "host_mem_gib"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise InputError(f"{name}={v}: must be a positive bandwidth in GB/s")
@@ -80,7 +82,8 @@ class ClusterConfig:
         return [f"GPU memory {self.gpu_mem_gib:.4g} GiB ({self.gpu_mem_source})",
                 f"{self.gpus_per_node} GPUs per node; NVLink {self.nvlink_gbps:g} GB/s and "
                 f"inter-node {self.internode_gbps:g} GB/s per GPU one way; PCIe "
-                f"{self.pcie_gbps:g} GB/s",
+                f"{self.pcie_gbps:g} GB/s; {self.host_mem_gib:g} GiB of host memory per GPU "
+                "for offload",
                 f"kernel rates ({r.source}): GEMM {r.gemm_tflops:g} TFLOP/s, attention "
                 f"{r.attn_tflops:g} TFLOP/s, HBM {r.hbm_tbps:g} TB/s, {r.launch_us:g} us host "
                 f"time per op; MFU against {r.peak_tflops:g} TFLOP/s",

@@ -89,6 +89,9 @@ class Plan:
 def _reason(shape: ModelShape, cand: Candidate, cluster: ClusterConfig, cfg: PlanConfig) -> str:
     m, lay, cap = cand.memory, cand.layout, cluster.gpu_bytes
     wb = 4 if cfg.dtype == "fp32" else 2
+    if m.host > cluster.host_mem_gib * GIB:
+        return (f"offload {lay.offload}: {gib(m.host)} of host memory per GPU > "
+                f"{cluster.host_mem_gib:g} GiB")
     capt = f"{cluster.gpu_mem_gib:.4g} GiB"
     if m.weights_experts > cap:
         return (f"experts {size(wb * shape.routed)} / EP {lay.ep} = {gib(m.weights_experts)} "
@@ -147,7 +150,8 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
                 comm = communication(shape, cfg, lay, mem, cluster)
                 t = step_time(shape, cfg, lay, mem, comm, cluster)
                 c = Candidate(layout=lay, memory=mem, comm=comm, time=t,
-                              fits=mem.total <= cluster.gpu_bytes)
+                              fits=mem.total <= cluster.gpu_bytes
+                              and mem.host <= cluster.host_mem_gib * GIB)
                 if not c.fits:
                     c.reason = _reason(shape, c, cluster, cfg)
                 cands.append(c)
