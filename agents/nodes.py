@@ -135,7 +135,7 @@ def _decide(state: RunState, run_dir: Path, step) -> list:
     if c.llm:
         from onboarding.generate.llm import LLMClient, LLMConfig
 
-        client = LLMClient(LLMConfig(url=c.llm, model=c.llm_model or "default"))
+        client = LLMClient(LLMConfig(url=c.llm, model=c.llm_model))  # None: the server's first listed model
     opts = GenerateOptions(llm=c.llm, llm_model=c.llm_model, llm_attempts=c.llm_attempts,
                            budget_s=c.generate_budget_s, batch=c.batch, seq=c.seq, seed=c.seed)
 
