@@ -36,7 +36,8 @@ def _kernels(graph, root) -> dict:
     """Every template kernel the patcher can bind, rendered for this graph's blocks."""
     out = {}
     for e in build_coverage(graph).entries:
-        if e.status == "template" and families()[e.family].binding is not None:
+        # a reviewed module in kernels/ (status kernel) is the template rendered at these params
+        if e.status in ("template", "kernel") and families()[e.family].binding is not None:
             path = render_to(root, e.family, e.variant, e.params, overwrite=True)
             # keyed as generate.kernels_for keys them: a second variant of a block's family
             # (the sparse-attention indexer) goes under "family:variant"

@@ -52,7 +52,7 @@ def _info(ref: str):
 def _kernels(graph, root, families) -> dict:
     out = {}
     for e in build_coverage(graph).entries:
-        if e.status == "template" and e.family in families:
+        if e.status in ("template", "kernel") and e.family in families:  # kernel: reviewed
             path = render_to(root, e.family, e.variant, e.params, overwrite=True)
             key = (e.path, e.family)
             out[key if key not in out else (e.path, f"{e.family}:{e.variant}")] = load_module(path)
