@@ -203,6 +203,40 @@ def _clone(x: Any, grad: bool = False) -> Any:
     return x
 
 
+class NotCalled(Exception):
+    """The model's forward never called the block."""
+
+
+def capture_block_inputs(model: torch.nn.Module, config: Any, path: str, batch: int, seq: int,
+                         seed: int) -> tuple[tuple, dict]:
+    """(args, kwargs) of the module at ``path`` on its first call during a forward of ``model``
+    on inputs drawn at (batch, seq) with ``seed`` (clones; the forward stops there). Raises what
+    the model's forward raises, or `NotCalled`."""
+    from onboarding.graph.parse import example_inputs
+
+    module = model.get_submodule(path)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    captured: dict[str, Any] = {}
+
+    def pre(mod, args, kwargs):
+        captured["args"], captured["kwargs"] = _clone(args), _clone(kwargs)
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        inputs, kwargs = example_inputs(model, config, batch, seq, seed)
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        with torch.no_grad():
+            model(*inputs, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise NotCalled(f"the model's forward did not call {path} at batch {batch}, seq {seq}")
+    return captured["args"], captured["kwargs"]
+
+
 def _cast(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(dtype) if x.is_floating_point() else x
@@ -333,7 +367,7 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
     """The check of the module docstring, in this process."""
     from onboarding.align.core import as_dtype
     from onboarding.backend import kernel_device
-    from onboarding.graph.parse import example_inputs, load_shipped_weights, load_stage
+    from onboarding.graph.parse import load_shipped_weights, load_stage
 
     t0 = time.perf_counter()
     path, seed = req["path"], int(req.get("seed", 0))
@@ -367,32 +401,15 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
         for draw, (b, t) in enumerate(req["sizes"]):
             size = SizeCheck(batch=b, seq=t, dtype=dtype_name, draw=seed + 1 + draw)
             verdict.sizes.append(size)
-            captured: dict[str, Any] = {}
-
-            def pre(mod, args, kwargs, captured=captured):
-                if not captured:
-                    captured["args"], captured["kwargs"] = _clone(args), _clone(kwargs)
-                raise _Stop
-
-            handle = module.register_forward_pre_hook(pre, with_kwargs=True)
             try:
-                inputs, kwargs = example_inputs(model, info.proxy_config, b, t, size.draw)
-                inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x
-                               for x in inputs)
-                with torch.no_grad():
-                    model(*inputs, **kwargs)
-            except _Stop:
-                pass
+                args, kw = capture_block_inputs(model, info.proxy_config, path, b, t, size.draw)
+            except NotCalled as exc:
+                size.skipped = str(exc)
+                continue
             except Exception as exc:
                 size.skipped = f"the model's own forward fails at batch {b}, seq {t}: " \
                     + _last_line(exc)
                 continue
-            finally:
-                handle.remove()
-            if not captured:
-                size.skipped = f"the model's forward did not call {path} at batch {b}, seq {t}"
-                continue
-            args, kw = captured["args"], captured["kwargs"]
             try:
                 ref = _run_once(original if ref_module is module else ref_module.forward,
                                 ref_module, _cast(args, torch.float32) if ref_module is not module
