@@ -486,3 +486,19 @@ def test_owned_dir_removes_only_what_it_created(tmp_path):
     with pytest.raises(InputError), owned_dir(mine, created_here=False):
         raise InputError("bad")
     assert (mine / "notes.txt").read_text() == "keep"
+
+
+def test_sigterm_ends_a_command_like_ctrl_c(workdir, capsys, monkeypatch):
+    """SIGTERM during `onboard parse --out P`: exit 130 and P removed (it could not resume)."""
+    import onboarding.stages as stages  # the command imports run_parse from here when it runs
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler interrupts this
+        raise AssertionError("SIGTERM did not interrupt the command")
+
+    monkeypatch.setattr(stages, "run_parse", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["parse", "tiny_dense", "--out", "p"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not (workdir / "p").exists() and signal.getsignal(signal.SIGTERM) == before
