@@ -206,7 +206,8 @@ def _fake_check(passed: bool, reason: str = ""):
      "llm: 2 attempt(s) rejected: numerics off: out0 rel_rms 3e-1"),
     (_Outcome(True, family="cum_mixer"), True, "generated",
      "llm: family cum_mixer accepted after 2 attempt(s)"),
-    (_Outcome(False, "empty answer"), False, "uncovered", "inductor: block check: timeout after 9 s"),
+    (_Outcome(False, "empty answer"), False, "uncovered",
+     "inductor: block check: timeout after 9 s"),
 ])
 def test_decision_loop_with_an_injected_llm(cum_graph, tmp_path, llm, inductor, decision, why):
     """template -> LLM (only with a client) -> Inductor -> uncovered, each with its evidence; the

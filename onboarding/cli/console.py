@@ -53,13 +53,15 @@ def print_coverage(cov: Coverage, console: Console) -> None:
     groups: dict[tuple, list] = {}
     for e in cov.entries:
         groups.setdefault((e.kind, e.status, e.op, e.variant), []).append(e)
-    colors = {"kernel": "green", "template": "cyan", "torch_fast": "blue", "uncovered": "red"}
+    colors = {"kernel": "green", "template": "cyan", "generated": "magenta",
+              "inductor": "yellow", "torch_fast": "blue", "uncovered": "red"}
     for (kind, status, op, variant), es in sorted(groups.items()):
         how = f"{es[0].family}/{variant}" if es[0].family else es[0].reason
         shape = "x".join(map(str, es[0].shapes[0])) if es[0].shapes else "-"
         t.add_row(kind, f"[{colors[status]}]{status}[/]", str(len(es)), shape, f"{op}: {how}")
     console.print(t)
-    counts = {s: len(cov.by_status(s)) for s in colors}
+    counts = {s: n for s in colors  # the decision loop's statuses where they occur
+              if (n := len(cov.by_status(s))) or s not in ("generated", "inductor")}
     console.print("  ".join(f"[{colors[s]}]{s}[/] {n}" for s, n in counts.items()))
 
 

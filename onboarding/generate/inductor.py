@@ -8,9 +8,10 @@ static (``dynamic=False``): each new size recompiles (the check's three distinct
 forward and three backward graphs per dtype). Automatic-dynamic shapes would compile fewer
 graphs, but Inductor failed to compile Mamba-2's chunked scan with a symbolic sequence length
 (docs/LOG.md), and static graphs are what the GPU benchmark times. `compiled(...).finish()`
-reports how many graphs were compiled. Inductor's generated code (the Python wrapper with the C++ or Triton
-kernels in it) is copied beside the verdict for review: ``<run_dir>/generated/inductor/<block>/``
-holds ``code/*.py``, ``verdict.json`` and ``README.md``.
+reports how many graphs were compiled. Inductor's generated code (the Python wrapper with the
+C++ or Triton kernels in it) is copied beside the verdict for review:
+``<run_dir>/generated/inductor/<block>/`` holds ``code/*.py``, ``verdict.json`` and
+``README.md``.
 """
 
 from __future__ import annotations
