@@ -49,7 +49,10 @@ def check_out(path: Path, flag: str = "--out") -> None:
             return
         except OSError as exc:
             raise InputError(f"{flag} {path}: cannot create {top}: {_why(exc)}") from None
-        top.rmdir()
+        try:
+            top.rmdir()
+        except OSError:  # another process put something in it meanwhile: theirs now
+            pass
 
 
 def new_run_dir(model_name: str, out: str | None) -> Path:

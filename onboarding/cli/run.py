@@ -106,6 +106,9 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     _check_review_options(args)
     if args.resume:
         run_dir = Path(args.resume)
+        if args.model is not None or args.out:
+            raise InputError(f"--resume {run_dir} continues the run as it was set up; it takes "
+                             "no MODEL or --out")
         if not run_dir.is_dir():
             raise InputError(f"--resume {run_dir}: no such directory")
         run_id = run_thread(run_dir)  # the run's identity is what its folder holds
@@ -312,6 +315,8 @@ def _stop_on_signals(run_dir: Path):
         err.print(f"{name}: stopped; continue with: onboard run --resume {run_dir}",
                   highlight=False, markup=False, emoji=False, soft_wrap=True)
         _end_children()
+        if sys.stdout.isatty():
+            sys.stdout.write("\x1b[?25h")  # the status spinner hid the cursor
         for f in (sys.stdout, sys.stderr):  # os._exit skips Python's buffers
             f.flush()
         os._exit(128 + signum)
