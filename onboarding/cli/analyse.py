@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     g.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     g.add_argument("--promote", action="store_true",
                    help="copy candidates that pass their checks into kernels/")
+    g.add_argument("--json", action="store_true",
+                   help="print candidates.json to stdout (the tables go to stderr)")
     g.set_defaults(func=cmd_analyse)
 
     a = command_parser(sub, "align", help="layer-by-layer fwd+bwd check of the patched proxy "
@@ -45,6 +47,8 @@ def add_parser(sub) -> None:
     a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile")
     a.add_argument("--strict", action="store_true",
                    help="fail (exit 3) when any coverable block was left unpatched (not checked)")
+    a.add_argument("--json", action="store_true",
+                   help="print alignment.json to stdout (the tables go to stderr)")
     a.set_defaults(func=cmd_analyse)
 
 
@@ -94,7 +98,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
                                batch=args.batch, seq=args.seq, seed=args.seed,
                                strict=args.strict, on_step=lambda s: step(f"align: {s}")) \
                 if stage == "align" else None
-    if getattr(args, "json", False):
+    if getattr(args, "json", False) and stage in ("parse", "map"):
         data = coverage.to_dict() if coverage is not None else graph.to_dict()
         print(json.dumps(data, indent=1))
         return EXIT_OK
@@ -115,6 +119,10 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[bold red]check failed[/bold red]: --strict: "
                           f"{escape(strict_line(result.not_checked))} "
                           f"(exit {EXIT_CHECK_FAILED})", highlight=False)
+    if getattr(args, "json", False):  # generate, align: what they wrote in the run directory
+        written = out / ("alignment.json" if stage == "align" else "candidates.json")
+        print(written.read_text().rstrip("\n"))
+    if result is not None:
         return EXIT_OK if result.verdict_passed else EXIT_CHECK_FAILED
     return EXIT_OK
 

@@ -57,7 +57,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="write the dashboard here (one self-contained page) and the profiled "
                         "training step's Chrome trace beside it")
     n.add_argument("--key", metavar="SUBSTR", help="history: only rows whose key contains SUBSTR")
-    n.add_argument("--json", action="store_true", help="history: the rows as JSON")
+    b.add_argument("--json", action="store_true",
+                   help="print the result rows (history: its rows) as JSON to stdout instead "
+                        "of the table")
     b.set_defaults(func=cmd_bench)
     return b
 
@@ -97,7 +99,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     with console.status("benchmarking") as status:
         result = run_cases(cases, log=progress(console, status), partial=save,
                            profile=args.profile)
-    print(format_table(result))
+    print(json.dumps(result, indent=1, default=str) if args.json else format_table(result))
     save(result)
     if args.out:
         console.print(f"wrote {args.out}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 from rich.console import Console
@@ -52,21 +51,34 @@ FAMILIES_HELP = ("a folder of kernel families (or one family folder) to use besi
                  "onboard.families entry points")
 
 
+def verbosity_options(p: argparse.ArgumentParser, default=0) -> None:
+    """-v / -q, counted (`onboarding.cli.logs`)."""
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="more detail in the log lines (-v: debug)")
+    p.add_argument("-q", "--quiet", action="count", default=default,
+                   help="errors only: no progress, tables or summaries (--json still prints)")
+
+
 def command_parser(sub, name: str, **kw) -> argparse.ArgumentParser:
-    """A subcommand's parser. It takes `--families` too (`onboard map X --families DIR`);
-    SUPPRESS keeps a value given before the command when none comes after it."""
+    """A subcommand's parser. It takes `--families`, `-v` and `-q` too (`onboard map X
+    --families DIR -q`); SUPPRESS keeps a value given before the command when none comes after
+    it."""
     p = sub.add_parser(name, **kw)
     p.add_argument("--families", action="append", default=argparse.SUPPRESS, metavar="DIR",
                    help=FAMILIES_HELP)
+    verbosity_options(p, default=argparse.SUPPRESS)
     return p
 
 
 def progress(console: Console, status) -> Callable[[str], None]:
-    """Progress into a rich status line; a log file gets it as timed lines on stderr."""
+    """Progress into a rich status line; off a terminal, timed log lines on stderr (the
+    ``onboarding`` logger at INFO: ``-q`` silences them)."""
+    from onboarding.cli.logs import log
+
     def step(text: str) -> None:
         status.update(text)
         if not console.is_terminal:
-            err.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False)
+            log.info(text)
     return step
 
 

@@ -7,6 +7,7 @@ regression against a golden reference).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import traceback
@@ -17,7 +18,8 @@ from rich.markup import escape
 from onboarding import __version__
 from onboarding.backend import ensure_triton_backend
 from onboarding.cli import analyse, bench, plan, pr, regress, run, train, tune
-from onboarding.cli.common import FAMILIES_HELP, Parser, err
+from onboarding.cli import logs
+from onboarding.cli.common import FAMILIES_HELP, Parser, err, verbosity_options
 from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError
 from onboarding.load.modules_cache import use_private_modules_cache
 from onboarding.optional_kernels import hide as hide_kernel_packages
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--debug", action="store_true", help="print tracebacks")
     ap.add_argument("--version", action="version", version=f"onboard {__version__}")
     ap.add_argument("--families", action="append", default=[], metavar="DIR", help=FAMILIES_HELP)
+    verbosity_options(ap)
     sub = ap.add_subparsers(dest="command", required=True)
     for command in (analyse, plan, tune, bench, run, pr, regress, train):  # the order --help lists
         command.add_parser(sub)
@@ -58,7 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a bad option (said in one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
-    console = Console(emoji=False)  # `hf:llama:` in a line is text, never an emoji
+    try:
+        level = logs.level_from(args.verbose, args.quiet, os.environ.get(logs.ENV))
+    except InputError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return EXIT_BAD_INPUT
+    logs.setup(level)
+    # --json: stdout holds the JSON alone, so what the command says goes to stderr
+    console = Console(stderr=bool(getattr(args, "json", False)), quiet=logs.quiet(level),
+                      emoji=False)  # `hf:llama:` in a line is text, never an emoji
     ensure_triton_backend()
     if args.command != "bench":  # bench imports some by name, as comparison rows only
         hide_kernel_packages()

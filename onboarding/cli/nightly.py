@@ -98,7 +98,8 @@ def cmd_nightly(args: argparse.Namespace, console: Console) -> int:
 
     with console.status("nightly benchmark") as status:
         result = run_nightly(cfg, log=progress(console, status), partial=save)
-    print(format_rows(result))
+    if not args.json:  # --json: the whole result, once complete, below
+        print(format_rows(result))
     verdicts = None
     if baseline is not None:
         verdicts = C.compare(result, baseline, result["min_thresholds"])
@@ -106,8 +107,11 @@ def cmd_nightly(args: argparse.Namespace, console: Console) -> int:
                              "baseline_commit": baseline["metadata"].get("commit"),
                              "summary": C.summary(verdicts),
                              "verdicts": C.verdict_dicts(verdicts)}
-        print(C.format_verdicts(verdicts))
+        if not args.json:
+            print(C.format_verdicts(verdicts))
     save(result)
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
     if args.out:
         console.print(f"wrote {args.out}")
     if history is not None:

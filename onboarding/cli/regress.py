@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     rg.add_argument("--update", action="store_true",
                     help="write (or overwrite) the golden from this run; without it nothing "
                          "is written into reference_runs/")
+    rg.add_argument("--json", action="store_true",
+                    help="print the facts (golden, this run, status) as JSON to stdout")
     rg.set_defaults(func=cmd_regress)
     return rg
 
@@ -87,6 +90,12 @@ def cmd_regress(args: argparse.Namespace, console: Console) -> int:
                           f"{here}: error metrics compare within their tolerances[/yellow]")
     for f in findings:
         console.print(f"[red]changed[/red] {f.message}", highlight=False)
+    if args.json:
+        rows = regress.rows(old["facts"] if old is not None else {}, facts, findings)
+        print(json.dumps({"run_dir": str(run_dir), "golden": str(ref_file), "golden_made": made,
+                          "facts": [{"fact": f, "golden": g, "this_run": c, "status": st}
+                                    for f, g, c, st in rows],
+                          "changed": [f.message for f in findings]}, indent=1))
     if args.update:
         meta = regress.metadata(command=f"onboard regress{given}{ref_opt} --update",
                                 run_command=run_command)

@@ -78,6 +78,9 @@ def add_generate_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--generate-budget", type=float, default=None, metavar="SECONDS",
                    help="wall time for the whole decision loop (LLM attempts, Inductor checks); "
                         "blocks left when it is spent stay uncovered (default: no limit)")
+    r.add_argument("--json", action="store_true",
+                   help="print the outcome (run directory, exit code, verdict, the summary's "
+                        "lines) as JSON to stdout; progress and tables go to stderr")
 
 
 def llm_url(args: argparse.Namespace) -> str | None:
@@ -167,7 +170,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
                     return EXIT_OK
                 if not pending and NODES[-1] in done:  # complete only once the last node ran
                     console.print(f"{run_dir}: run already complete")
-                    return _run_verdict(app.get_state(cfg).values, console)
+                    values = app.get_state(cfg).values
+                    return _json_outcome(args, values, run_dir, _run_verdict(values, console))
                 console.print(f"resuming {run_dir} at: {pending or 'after ' + done[-1]}")
             stopping = False
             steps = _Steps(console)
@@ -197,7 +201,20 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     print_summary(final, run_dir, console)
     if waiting is not None:
         print_review(waiting, console)
-    return _run_verdict(final, console)
+    return _json_outcome(args, final, run_dir, _run_verdict(final, console))
+
+
+def _json_outcome(args: argparse.Namespace, values: dict, run_dir: Path, rc: int) -> int:
+    """`onboard run --json`: the outcome on stdout (the screen went to stderr); returns rc."""
+    if getattr(args, "json", False):
+        from agents.state import RunState
+
+        passed, line = RunState.model_validate(values).verdict()
+        print(json.dumps({"run_dir": str(run_dir), "exit": rc, "passed": passed,
+                          "verdict": line, "summary": [{"stage": st, "verdict": text} for st, text
+                                                       in summary_lines(values, run_dir)]},
+                         indent=1))
+    return rc
 
 
 def _check_review_options(args: argparse.Namespace) -> None:

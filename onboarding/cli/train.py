@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rich.console import Console
 
+from onboarding.cli.common import command_parser
 from onboarding.errors import InputError
 from onboarding.load.overrides import int_list
 from onboarding.train.config import PROXIES, TrainConfig
@@ -29,19 +31,24 @@ def add_parser(sub) -> None:
 
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
-    t = sub.add_parser("train", help="FSDP2 + expert-parallel LoRA training of the proxy, "
-                                     "checked against a single-process reference")
+    t = command_parser(sub, "train", help="FSDP2 + expert-parallel LoRA training of the proxy, "
+                                          "checked against a single-process reference")
     t.add_argument("--config", metavar="TRAIN_TOML",
                    help="re-run an (edited) train.toml as written; no other options")
     t.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
+    t.add_argument("--json", action="store_true",
+                   help="print the outcome (run directory, exit code, metrics, loss comparison, "
+                        "adapter) as JSON to stdout; with --dry-run the plan and commands")
     _train_options(t, layout=True)
     t.set_defaults(func=cmd_train)
     return t
 
 
 def add_scale_parser(sub) -> argparse.ArgumentParser:
-    t = sub.add_parser("scale", help="weak scaling: one `onboard train` per GPU count x EP "
-                                     "degree, tokens per GPU fixed; table and plot")
+    t = command_parser(sub, "scale", help="weak scaling: one `onboard train` per GPU count x "
+                                          "EP degree, tokens per GPU fixed; table and plot")
+    t.add_argument("--json", action="store_true",
+                   help="print the scaling result (scaling.json's content) to stdout")
     t.add_argument("--gpus", type=int_list, required=True, metavar="N[,N...]",
                    help="GPU (process) counts, e.g. 2,4,8")
     t.add_argument("--ep", type=int_list, required=True, metavar="E[,E...]",
@@ -166,7 +173,13 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         from onboarding.plan.render import print_plan
 
         print_plan(plan, console)
-        return launch(cfg, True, console=console, source=source, checked=checked)
+        rc = launch(cfg, True, console=console, source=source, checked=checked)
+        if args.json:
+            from onboarding.train.launch import plan as commands
+
+            print(json.dumps({"dry_run": True, "plan": plan.to_dict(), "commands": commands(cfg)},
+                             indent=1, default=str))
+        return rc
     if plan is not None:
         refuse_unfit(plan, info)  # the full size: before anything is allocated
     with owned_dir(out, created_here=source is None):
@@ -174,7 +187,24 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
             save_model_json(info, out, cfg.overrides)
         rc = launch(cfg, False, console=console, source=source, checked=checked)
     _report(out, cfg, console)
+    if args.json:
+        print(json.dumps(outcome(out, rc), indent=1, default=str))
     return rc
+
+
+def outcome(out: Path, rc: int) -> dict:
+    """What `onboard train --json` prints: the run, its metrics as the terminal table shows
+    them, the loss comparison and the adapter's folder (when written)."""
+    from onboarding.report import train_metrics
+
+    train = out / "train"
+    header, rows = train_metrics(out) if train.is_dir() else ([], [])
+    cmp_file = train / "compare.json"
+    return {"run_dir": str(out), "exit": rc, "config": str(out / "train.toml"),
+            "metrics": [dict(zip(header, r)) for r in rows],
+            "compare": json.loads(cmp_file.read_text()) if cmp_file.is_file() else None,
+            "adapter": str(train / "adapter") if (train / "adapter").is_dir() else None,
+            "report": str(out / "report.md") if (out / "report.md").is_file() else None}
 
 
 def train_plan(cfg: TrainConfig, info):
@@ -244,6 +274,8 @@ def cmd_scale(args: argparse.Namespace, console: Console) -> int:
         result = scaling.run_scaling(base, lays, out, run)
     console.print(scaling.markdown(result), highlight=False)
     console.print(f"report: {build_report(out, title=f'scale {base.model}')}")
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
     return next((c for c in codes if c), 0)
 
 

@@ -60,6 +60,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--storage", help="Optuna storage URL (default: SQLite tune.db in --out)")
     t.add_argument("--out", help="run directory: reused if it holds a generated run, else "
                                  "created (default runs/<model>-<time> or runs/tune-<family>)")
+    t.add_argument("--json", action="store_true",
+                   help="print the results (tune_results.json's content; per bucket for one "
+                        "family) to stdout; tables and progress go to stderr")
     t.set_defaults(func=cmd_tune)
     return t
 
@@ -230,6 +233,7 @@ def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, varia
             if best is not None:
                 write_tuned(module, [best], dtype=cfg.dtype)
         console.print(f"wrote {out}/compare-*.json|md|png, {tuned_path(module)}")
+        data = [c.to_dict() for c in cmps]
     else:
         if args.tune_budget is not None:  # an equal share per bucket
             n = len({module_of(module).shape_bucket(s) for s in args.shapes})
@@ -238,9 +242,14 @@ def _tune_family_in(args: argparse.Namespace, cfg, console: Console, spec, varia
         plot_history(results, out / "tune_best.png")
         console.print(markdown_table(results))
         console.print(f"wrote {tuned_path(module)}, {out / 'tune_best.png'}")
+        from onboarding.tune.store import result_dict
+
+        data = [result_dict(r) for r in results]
     if not torch_cuda_available():
         console.print("[yellow]no GPU: times are Triton-interpreter wall clock, not kernel "
                       "speed[/yellow]")
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
     return EXIT_OK
 
 
@@ -300,4 +309,6 @@ def _tune_model(args: argparse.Namespace, cfg, console: Console) -> int:
                       "speed[/yellow]")
     console.print(f"wrote {out / RESULTS_FILE}, {out / PLOT_FILE}, tuned.json beside each "
                   f"candidate")
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
     return EXIT_OK

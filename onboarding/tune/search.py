@@ -435,8 +435,8 @@ class PlainProgress:
     """`progress_bar`'s interface for output that is not a terminal: one plain line per update
     (a log a pipe or a CI job can read), no cursor movement."""
 
-    def __init__(self, file=None) -> None:
-        self.file = file
+    def __init__(self, file=None, *, silent: bool = False) -> None:
+        self.file, self.silent = file, silent
         self.tasks: list[Any] = []  # like rich's: description, total, completed, fields
 
     def add_task(self, description: str, total: int | None = None, **fields) -> int:
@@ -450,8 +450,9 @@ class PlainProgress:
         t = self.tasks[task]
         t.completed += advance
         t.fields.update(fields)
-        print(f"{t.description}: {t.completed}/{t.total} best {t.fields.get('best', '-')}",
-              file=self.file or sys.stdout, flush=True)
+        if not self.silent:
+            print(f"{t.description}: {t.completed}/{t.total} best {t.fields.get('best', '-')}",
+                  file=self.file or sys.stderr, flush=True)
 
     def start(self) -> None:
         pass
@@ -468,12 +469,17 @@ class PlainProgress:
 
 def progress_bar(console=None):
     """A rich progress bar with one row per study: trials done, elapsed, and a text field `best`
-    (best so far against the default, time left of the budget). Not a terminal: `PlainProgress`,
-    one plain line per update."""
+    (best so far against the default, time left of the budget), on stderr (stdout may hold a
+    command's --json). Not a terminal: `PlainProgress`, one plain line per update; the
+    ``onboarding`` logger set above INFO (``onboard -q``): nothing."""
+    import logging
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = console or Console()
+    if logging.getLogger("onboarding").level > logging.INFO:
+        return PlainProgress(silent=True)
+    console = console or Console(stderr=True)
     if not console.is_terminal:
         return PlainProgress(console.file)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -1,0 +1,61 @@
+"""Log levels of the command line: ``-v`` / ``-q`` and ``ONBOARD_LOG_LEVEL``, set up once by main.
+
+Progress lines go through the ``onboarding`` logger: on a terminal a rich handler on stderr, else
+plain ``HH:MM:SS message`` lines (a pipe, a log file, CI). INFO is the default; ``-q`` (WARNING)
+also silences the tables and summaries the commands print (their console is quiet), leaving
+errors and ``--json`` output; ``-v`` (DEBUG) adds detail. The flags win over the variable: an
+environment variable never overrides what the command line says.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from onboarding.errors import InputError
+
+LOGGER = "onboarding"
+ENV = "ONBOARD_LOG_LEVEL"
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR}
+
+log = logging.getLogger(LOGGER)
+
+
+def level_from(verbose: int, quiet: int, env: str | None) -> int:
+    """The level the flags ask for (each -v one step down from INFO, each -q one up), else the
+    environment's (a name from `LEVELS`, any case), else INFO."""
+    if verbose or quiet:
+        steps = [logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR]
+        return steps[max(0, min(len(steps) - 1, 1 - verbose + quiet))]
+    if env is None or not env.strip():
+        return logging.INFO
+    level = LEVELS.get(env.strip().lower())
+    if level is None:
+        raise InputError(f"{ENV}={env!r}: expected one of {', '.join(LEVELS)}")
+    return level
+
+
+def setup(level: int) -> None:
+    """Point the ``onboarding`` logger at stderr at ``level`` (again on each call: tests run
+    main many times in one process)."""
+    from onboarding.cli.common import err
+
+    log.setLevel(level)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    if err.is_terminal:
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=err, show_path=False, markup=False,
+                                               rich_tracebacks=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    log.addHandler(handler)
+
+
+def quiet(level: int) -> bool:
+    """Whether the commands' own console output (tables, summaries, progress) is off."""
+    return level > logging.INFO
