@@ -56,6 +56,7 @@ def _bad(workdir, capsys, argv, needle, *, out: str | None = None):
     (["tune", "--kernel", "rmsnorm", "--shapes", "0"], "--shapes: expected sizes >= 1"),
     (["tune", "--kernel", "rmsnorm", "--shapes", "-5"], "--shapes: expected sizes >= 1"),
     (["parse", ""], "MODEL is empty"),
+    (["run", "--resume", "r", "hf:mixtral"], "it takes no MODEL or --out"),
     (["run", ""], "MODEL is empty"),
     (["parse", "hf:mixtral", "--set", "num_experts_per_tok=9"],
      "num_experts_per_tok=9 > num_experts=8"),
