@@ -70,3 +70,24 @@ def test_json_alone_on_stdout(tmp_path, capsys, command, check):
     assert check(json.loads(out.out))  # the whole of stdout is one JSON document
     if command == "generate":
         assert "coverage" in out.err  # the tables went to stderr
+
+
+def test_test_only_packages_are_the_dev_extra():
+    """pytest and pytest-xdist are the dev extra, not runtime dependencies: nothing the
+    package runs imports them at module level (a kernel contract helper imports pytest inside
+    the function the tests call)."""
+    import ast
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    names = lambda reqs: {r.split(">")[0].split("=")[0].split("[")[0].strip() for r in reqs}
+    assert {"pytest", "pytest-xdist"} <= names(project["optional-dependencies"]["dev"])
+    assert not {"pytest", "pytest-xdist"} & names(project["dependencies"])
+    for pkg in ("onboarding", "agents"):
+        for f in (root / pkg).rglob("*.py"):
+            for node in ast.parse(f.read_text()).body:  # module level only
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                assert not any(m.split(".")[0] in ("pytest", "xdist") for m in mods), f
