@@ -211,7 +211,10 @@ class _Recorder:
             call.out_needs_grad = [t.requires_grad for t in floats]
             for k, t in enumerate(floats):
                 if t.requires_grad:
-                    t.register_hook(lambda g, k=k: call.out_grads.__setitem__(k, g.detach().clone()))
+                    # an output no loss reaches gets None when it comes out of an autograd
+                    # Function whose other outputs are used (a kernel's final states): as unset
+                    t.register_hook(lambda g, k=k: None if g is None else
+                                    call.out_grads.__setitem__(k, g.detach().clone()))
             self.calls[path].append(call)
             self.end.append(path)
             return None
