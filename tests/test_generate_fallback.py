@@ -269,3 +269,41 @@ def test_decision_budget_and_nesting(cum_graph, tmp_path):
                 opts=GenerateOptions(budget_s=0))
     assert {d.decision for d in ds} == {"uncovered"}
     assert "generate budget of 0 s spent" in ds[0].why()
+
+
+# -- the Inductor fallback, for real -----------------------------------------------------------
+
+@pytest.mark.slow
+def test_inductor_fallback_checked_then_aligned(cum_graph, tmp_path):
+    """torch.compile of an uncovered mixer passes the block check in its subprocess (the
+    generated code saved beside the verdict), and alignment swaps it in for both mixers and
+    checks them forward and backward."""
+    from onboarding.generate.decide import Decision, Evidence, apply_to_coverage, swaps
+    from onboarding.generate.inductor import check_inductor
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.stages import run_align
+
+    v = check_inductor(ModelSpec(ref=CUM), "layers.0.mixer", tmp_path, seq=16,
+                       sizes=[(1, 16), (3, 13)])
+    assert v.passed, v.reason
+    art = v.artifacts["fp32"]
+    assert art["backend"].startswith("inductor (cpp") and art["files"]
+    out = tmp_path / "generated" / "inductor" / "layers.0.mixer"
+    assert (out / "verdict.json").exists() and "Backend: inductor" in (out / "README.md").read_text()
+    assert all(e.passed for s in v.sizes for e in s.errors)
+    ds = [Decision(path=p, kind="unknown", op="unclassified compute", key="k",
+                   decision="inductor", verdict=v.summary(),
+                   evidence=[Evidence(option="inductor", outcome="accepted", reason="passed")])
+          for p in ("layers.0.mixer", "layers.1.mixer")]
+    cov = apply_to_coverage(build_coverage(cum_graph), ds)
+    info = load_stage(load_model(CUM))
+    result = run_align(info, cum_graph, cov, [], None, families=None, seq=16,
+                       swaps=swaps(ds))
+    recs = {r["path"]: r for r in result.patches if r["family"] == "inductor"}
+    assert {p: r["status"] for p, r in recs.items()} == {"layers.0.mixer": "active",
+                                                          "layers.1.mixer": "active"}
+    for p in recs:
+        b = result.block(p)
+        assert (b.fwd.verdict, b.bwd.verdict) == ("pass", "pass"), (b.fwd, b.bwd)
+    assert result.passed and not [x for x in result.not_checked if "mixer" in x["path"]]
