@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onboarding.errors import InputError
 from onboarding.graph.opgraph import Block, OpGraph
-from onboarding.families import match_block
+from onboarding.families import get_family, match_block
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # more folders of reviewed modules, os.pathsep-separated (searched after KERNELS_DIR)
@@ -96,6 +97,14 @@ class Coverage:
 
 
 _HEADER = re.compile(r"^# family: (\S+)\s+variant: (\S+)\n# params: (.*)$", re.M)
+_VERSION = re.compile(r"\(template version (\d+)\)")
+
+
+def _template_version(family: str) -> int | None:
+    try:
+        return get_family(family).template_version
+    except InputError:  # a family not loaded here: its modules count as they are
+        return None
 
 
 def kernel_roots() -> list[Path]:
@@ -107,16 +116,22 @@ def kernel_roots() -> list[Path]:
 
 def reviewed_kernels(root: Path | None = None) -> dict[tuple[str, str, str], Path]:
     """Reviewed rendered modules by (family, variant, params JSON), read from their headers; the
-    first folder (`kernel_roots`) holding a key wins."""
+    first folder (`kernel_roots`) holding a key wins. A module rendered from an older version of
+    its family's template is stale and left out: the new version needs its own review."""
     found: dict[tuple[str, str, str], Path] = {}
     for folder in [root] if root is not None else kernel_roots():
         if not folder.is_dir():
             continue
         for path in sorted(folder.glob("*/*.py")):
-            m = _HEADER.search(path.read_text()[:2000])
-            if m:
-                params = json.dumps(json.loads(m.group(3)), sort_keys=True)
-                found.setdefault((m.group(1), m.group(2), params), path)
+            head = path.read_text()[:2000]
+            m, v = _HEADER.search(head), _VERSION.search(head)
+            if not m:
+                continue
+            current = _template_version(m.group(1))
+            if v and current is not None and int(v.group(1)) != current:
+                continue
+            params = json.dumps(json.loads(m.group(3)), sort_keys=True)
+            found.setdefault((m.group(1), m.group(2), params), path)
     return found
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,29 @@ def test_modules_are_self_contained():
             assert foreign_imports(render(name, variant, {})) == [], f"{name}/{variant}"
             n += 1
     assert n >= 20
+
+
+def test_reviewed_modules_are_their_templates_rendered(tmp_path):
+    """Every module in kernels/ is its template rendered at its parameters, at the template's
+    current version (an edit without a version bump would serve unreviewed code as reviewed);
+    one from an older version is stale: coverage leaves it out until a new PR reviews it."""
+    from onboarding.coverage import KERNELS_DIR
+    from onboarding.generate.templating import render
+
+    found = reviewed_kernels(KERNELS_DIR)
+    for (family, variant, params), path in found.items():
+        assert render(family, variant, json.loads(params)) == path.read_text(), path
+    assert len(found) == len(list(KERNELS_DIR.glob("*/*.py")))
+    if found:
+        path = next(iter(found.values()))
+        stale = tmp_path / path.parent.name / path.name
+        stale.parent.mkdir()
+        text = path.read_text()
+        stale.write_text(re.sub(r"\(template version \d+\)", "(template version 0)", text,
+                                count=1))
+        assert reviewed_kernels(tmp_path) == {}
+        stale.write_text(text)
+        assert list(reviewed_kernels(tmp_path).values()) == [stale]
 
 
 def test_create_branch_per_family_and_body(run_dir, tmp_path, capsys):
