@@ -43,8 +43,12 @@ def add_parser(sub) -> None:
                    help="comma-separated kernel families to patch, 'all' or 'none'")
     a.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="candidate precision")
-    a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64")
-    a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile")
+    a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64",
+                   help="precision of the eager reference the patched proxy is compared with "
+                        "(default fp64)")
+    a.add_argument("--mode", choices=("percentile", "bitwise"), default="percentile",
+                   help="percentile: error statistics against the documented tolerances; "
+                        "bitwise: ULP distance in the candidate dtype (default percentile)")
     a.add_argument("--strict", action="store_true",
                    help="fail (exit 3) when any coverable block was left unpatched (not checked)")
     a.add_argument("--json", action="store_true",

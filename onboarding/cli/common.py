@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 
 from rich.console import Console
@@ -41,9 +42,11 @@ def model_options(p: argparse.ArgumentParser, optional: bool = False) -> None:
                         "(synthetic pixel inputs)")
     p.add_argument("--proxy", choices=("tiny", "small"), default="tiny",
                    help="proxy size for real execution: tiny (CPU) or small (one GPU)")
-    p.add_argument("--seq", type=positive_int, default=64, help="proxy sequence length")
-    p.add_argument("--batch", type=positive_int, default=1, help="proxy batch size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq", type=positive_int, default=64,
+                   help="proxy sequence length (default 64)")
+    p.add_argument("--batch", type=positive_int, default=1, help="proxy batch size (default 1)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the proxy's weights and inputs (default 0)")
 
 
 FAMILIES_HELP = ("a folder of kernel families (or one family folder) to use beside the built-in "
@@ -54,7 +57,7 @@ FAMILIES_HELP = ("a folder of kernel families (or one family folder) to use besi
 def verbosity_options(p: argparse.ArgumentParser, default=0) -> None:
     """-v / -q, counted (`onboarding.cli.logs`)."""
     p.add_argument("-v", "--verbose", action="count", default=default,
-                   help="more detail in the log lines (-v: debug)")
+                   help="debug log level: the progress steps as timed lines on a terminal too")
     p.add_argument("-q", "--quiet", action="count", default=default,
                    help="errors only: no progress, tables or summaries (--json still prints)")
 
@@ -77,8 +80,7 @@ def progress(console: Console, status) -> Callable[[str], None]:
 
     def step(text: str) -> None:
         status.update(text)
-        if not console.is_terminal:
-            log.info(text)
+        log.log(logging.DEBUG if console.is_terminal else logging.INFO, text)
     return step
 
 

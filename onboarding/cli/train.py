@@ -65,7 +65,8 @@ def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
                    help="model directory, hf:<model_type>, file.py:Name, module:Name or example")
     t.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                    help="override a model config field (JSON value); repeatable")
-    t.add_argument("--trust-remote-code", action="store_true", default=None)
+    t.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="allow running the model's own modeling_*.py (read it first)")
     t.add_argument("--proxy", choices=PROXIES, default=None,
                    help=f"proxy size (default {d.proxy}; none = the full config)")
     t.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
@@ -96,7 +97,8 @@ def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
     t.add_argument("--activation-checkpointing", action="store_true", default=None)
     t.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help=f"base weight dtype (default {d.dtype})")
-    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    t.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                   help="auto: CUDA when a GPU is here, else the CPU (gloo) (default auto)")
     t.add_argument("--no-kernels", dest="kernels", action="store_false", default=None,
                    help="use the torch paths even where onboard kernels exist (a baseline)")
     t.add_argument("--baseline", action="store_true", default=None,

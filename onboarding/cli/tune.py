@@ -35,21 +35,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--space-only", action="store_true",
                    help="search only the keys --space names; the others stay at the bucket's "
                         "default (keeps a --compare-grid grid small)")
-    t.add_argument("--trials", type=int, default=30, help="trials per study")
+    t.add_argument("--trials", type=int, default=30, help="trials per study (default 30)")
     t.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
                    help="seconds for all of this command's tuning, split over its studies "
                         "(kernel x shape bucket; time one leaves passes on); no trial starts "
                         "once a study's share is spent (default: no time limit)")
     t.add_argument("--workers", type=int, default=1,
-                   help="worker processes that check/compile concurrently (timing is serial)")
+                   help="worker processes that check/compile concurrently (timing is serial; "
+                        "default 1)")
     t.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
-                   help="timing precision")
-    t.add_argument("--repeats", type=int, default=20, help="timed repeats per trial")
+                   help="precision of the timed and checked kernels (default bf16)")
+    t.add_argument("--repeats", type=int, default=20,
+                   help="timed repeats per trial (default 20)")
     t.add_argument("--final-rounds", type=int, default=3,
                    help="after the search, re-time the fastest few configs and the default "
                         "alone in this many interleaved rounds and pick by their medians "
                         "(GPU only; 0: off)")
-    t.add_argument("--timeout", type=float, default=120.0, help="seconds per trial request")
+    t.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds per trial request (default 120)")
     t.add_argument("--no-aot", action="store_true", help="skip the sm_90 ahead-of-time gate")
     t.add_argument("--compare-grid", action="store_true",
                    help="instead of --trials: run the exhaustive grid of the space and a "
