@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -257,7 +258,9 @@ def train_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]
     cfg = TrainConfig.for_model(c.model, out=str(run_dir.resolve()), nproc=nproc, ep=ep, fsdp=fsdp, steps=steps,
                       seq_len=c.seq, seed=c.seed, dtype=plan.dtype, device=plan.device)
     step(f"training {steps} steps on {nproc} processes (fsdp {fsdp} x ep {ep})")
-    rc = launch(cfg, console=Console(stderr=True))
+    # `onboard -q` sets the onboarding logger above INFO: the launcher's lines stay quiet too
+    rc = launch(cfg, console=Console(stderr=True,
+                                     quiet=logging.getLogger("onboarding").level > logging.INFO))
     compare = run_dir / "train" / "compare.json"
     verdict = json.loads(compare.read_text()) if compare.exists() else {}
     attempt.update(nproc=nproc, ep=ep, fsdp=fsdp, exit_code=rc,
