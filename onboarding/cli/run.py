@@ -451,8 +451,12 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
     if "coverage" in s:
         add("map", "coverage: " + ", ".join(f"{k} {v}" for k, v in s["coverage"].items()))
     if "candidates" in s:
-        add("generate", f"{s['candidates_passed']} of {s['candidates']} candidate kernels "
-                        "passed their checks")
+        text = f"{s['candidates_passed']} of {s['candidates']} candidate kernels passed " \
+            "their checks"
+        if s.get("uncovered_decided"):  # the decision loop (docs/generate.md)
+            served = ", ".join(f"{s[k]} {k}" for k in ("generated", "inductor") if s.get(k))
+            text += f"; of {s['uncovered_decided']} uncovered blocks: {served or 'none served'}"
+        add("generate", text)
     if state.align_attempts:
         a = state.align_attempts[-1]
         verdict = "passed" if a["passed"] else "FAILED"
