@@ -51,6 +51,7 @@ def test_quiet_prints_nothing_and_progress_is_timed_log_lines(capsys):
     assert main(["parse", TINY, "-q"]) == 0
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""
+    assert logs.log.level == logging.NOTSET and not logs.log.handlers  # nothing carried over
     assert main(["parse", TINY]) == 0  # not a terminal: progress as "HH:MM:SS parse: ..." lines
     out = capsys.readouterr()
     assert "blocks (" in out.out

@@ -706,11 +706,12 @@ def test_time_budget_stops_the_study_and_says_so(tmp_path, rms_path):
 def test_progress_text_and_plain_progress_lines(capsys):
     assert tune.progress_text(0.5, 1.0, 12.3) == "0.5 ms vs default 1 ms (2.00x), 12 s left"
     assert tune.progress_text(None, None) == "- vs default -"
-    prog = tune.progress_bar()  # pytest's stdout is no terminal: plain lines
+    prog = tune.progress_bar()  # pytest's stderr is no terminal: plain lines
     assert isinstance(prog, tune.PlainProgress)
     task = prog.add_task("rmsnorm d_le_512", total=4, best="-")
     prog.update(task, advance=1, best=tune.progress_text(0.5, 1.0, 3))
-    assert capsys.readouterr().out == ("rmsnorm d_le_512: 1/4 best 0.5 ms vs default 1 ms "
+    # on stderr: stdout may hold a command's --json
+    assert capsys.readouterr().err == ("rmsnorm d_le_512: 1/4 best 0.5 ms vs default 1 ms "
                                        "(2.00x), 3 s left\n")
 
 

@@ -56,6 +56,14 @@ def setup(level: int) -> None:
     log.addHandler(handler)
 
 
+def reset() -> None:
+    """Back to the library's default (no level, no handler): main calls this when a command
+    ends, so a process that runs several commands (tests, the agent) carries no -q over."""
+    log.setLevel(logging.NOTSET)
+    for h in list(log.handlers):
+        log.removeHandler(h)
+
+
 def quiet(level: int) -> bool:
     """Whether the commands' own console output (tables, summaries, progress) is off."""
     return level > logging.INFO

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         return EXIT_INTERNAL
     finally:
+        logs.reset()
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
 
