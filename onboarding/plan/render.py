@@ -16,7 +16,12 @@ SHOWN = 8  # layouts listed in the terminal and the report (plan.json has them a
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.4g} ms"
+    return f"{s:.3g} s" if s >= 10 else f"{s * 1e3:.4g} ms"
+
+
+def short(c: Candidate) -> str:
+    lay = c.layout
+    return f"EP{lay.ep}xFSDP{lay.fsdp} rc:{lay.recompute} off:{lay.offload}"
 
 
 def memory_rows(c: Candidate) -> list[list[str]]:
@@ -62,10 +67,11 @@ def time_rows(c: Candidate) -> list[list[str]]:
 def layout_rows(plan: Plan, limit: int | None = SHOWN) -> list[list[str]]:
     rows = []
     for c in plan.fitting[:limit]:
-        rows.append(["fits", c.layout.name, gib(c.memory.total), _ms(c.time.overlap_s),
+        rows.append(["fits", short(c), gib(c.memory.total), _ms(c.time.overlap_s),
                      f"{c.time.mfu:.1%}", ""])
-    for c in plan.rejected[:limit]:
-        rows.append(["no", c.layout.name, gib(c.memory.total), _ms(c.time.overlap_s), "",
+    # the nearest misses first
+    for c in sorted(plan.rejected, key=lambda c: c.memory.total)[:limit]:
+        rows.append(["no", short(c), gib(c.memory.total), _ms(c.time.overlap_s), "",
                      c.reason])
     return rows
 

@@ -29,6 +29,8 @@ def size(nbytes: float) -> str:
 
 
 def gib(nbytes: float) -> str:
+    if nbytes >= 1000 * GIB:
+        return f"{nbytes / GIB:,.0f} GiB"
     return f"{nbytes / GIB:.3g} GiB" if nbytes >= 0.1 * GIB else f"{nbytes / 2**20:.3g} MiB"
 
 
@@ -74,8 +76,8 @@ class Plan:
         if not c.fits:
             return f"{c.layout.name} does not fit on {n} GPUs of {cap}: {c.reason}"
         return (f"fits on {n} GPUs of {cap}: {c.layout.name}, {gib(c.memory.total)} per GPU, "
-                f"step {c.time.overlap_s * 1e3:.4g} ms with overlap "
-                f"({c.time.serial_s * 1e3:.4g} ms without), MFU {c.time.mfu:.1%}")
+                f"step {c.time.overlap_s:.3g} s with overlap "
+                f"({c.time.serial_s:.3g} s without), MFU {c.time.mfu:.1%}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "config": asdict(self.config),
