@@ -22,6 +22,9 @@ NOT_A_FAMILY = {
     ("onboarding/cli/train.py", "lora"): "the LoRA adapters being trained (--lora-rank, "
                                             "--expert-lora, ...), not the kernel family",
     ("onboarding/train/flops.py", "lora"): "PEFT's adapter parameter names (lora_A, lora_B)",
+    ("onboarding/cli/plan.py", "lora"): "the plan's training mode (--lora, --lora-rank, "
+                                        "--expert-lora), not the kernel family",
+    ("onboarding/plan/config.py", "lora"): "the plan's training mode, LoRA or full",
     ("onboarding/load/compat.py", "conv1d"): "the PyPI package causal-conv1d that remote code "
                                              "imports, named when it is missing",
     ("onboarding/optional_kernels.py", "conv1d"): "the PyPI package causal-conv1d, hidden from "

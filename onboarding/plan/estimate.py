@@ -92,7 +92,7 @@ def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
     frac = (world - 1) / world if world > 1 else 0.0
     dense_bytes = BF16 * shape.dense
     gather = 2 * dense_bytes * frac
-    if cfg.mode == "lora":
+    if cfg.mode != "full":
         reduce = FP32 * lora_params(shape, cfg)[0] * frac
         exp_reduce = 0.0
         if cfg.expert_lora and lay.fsdp > 1:
@@ -117,7 +117,7 @@ def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]
     from onboarding.train.flops import _attention_core
 
     routed = sum(e.count * e.top_k * e.per_expert for e in shape.experts)
-    if cfg.mode == "lora":
+    if cfg.mode != "full":
         adapters = lora_params(shape, cfg)[0]
         exp_adapters = sum(e.count * e.top_k * sum(cfg.lora_rank * (i + o) for i, o in e.matrices)
                            for e in shape.experts) if cfg.expert_lora else 0

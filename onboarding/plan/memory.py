@@ -101,7 +101,7 @@ class Memory:
 
 
 def kind_group(kind: str) -> str:
-    if kind.startswith("sparse_attention"):
+    if kind.startswith("sparse_attention."):
         return "sparse attention"
     if kind.startswith("linear_attention") or kind == "conv.causal1d":
         return "linear attention"
@@ -238,7 +238,7 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
                      "(dense + local experts) are on the GPU at a time")
     # trainable state
     trainable: dict[str, float] = {}
-    if cfg.mode == "lora":
+    if cfg.mode != "full":
         n_dense, _ = lora_params(shape, cfg)
         n_exp = expert_lora_params(shape, cfg)
         per = ceil_div(n_dense, world) + ceil_div(n_exp, ep)
