@@ -198,7 +198,7 @@ def stub_stages(monkeypatch):
             return nodes._done(state, name, config, **extra)
         return node
 
-    for name in ("parse", "map", "generate", "tune", "train", "report"):
+    for name in ("parse", "plan", "map", "generate", "tune", "train", "report"):
         monkeypatch.setattr(graph, f"{name}_node", stub(name))
     monkeypatch.setattr(graph, "align_node", stub("align", align_attempts=[
         {"attempt": 1, "passed": True, "culprits": [], "stop": None}]))
@@ -240,8 +240,8 @@ def test_interrupted_run_resumes_where_it_stopped_and_never_says_complete_early(
     assert main(["run", "--resume", "r"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "resuming r at: after generate" in out and "already complete" not in out
-    assert _starts(run_dir) == ["load", "parse", "map", "generate", "align", "tune", "train",
-                                "report"]  # nothing done twice
+    assert _starts(run_dir) == ["load", "parse", "plan", "map", "generate", "align", "tune",
+                                "train", "report"]  # nothing done twice
     assert main(["run", "--resume", "r"]) == 0
     assert "r: run already complete" in capsys.readouterr().out
 
