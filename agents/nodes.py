@@ -86,8 +86,13 @@ def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
 
     gpus = c.plan_gpus or torch.cuda.device_count() or 8
     step(f"planning the full-size model on {gpus} GPUs at {c.plan_seq} tokens")
-    plan = run_plan(run_load(c.model), OpGraph.load(run_dir / "opgraph.json"),
-                    PlanConfig(gpus=gpus, seq=c.plan_seq), load_cluster(), run_dir)
+    try:
+        plan = run_plan(run_load(c.model), OpGraph.load(run_dir / "opgraph.json"),
+                        PlanConfig(gpus=gpus, seq=c.plan_seq), load_cluster(), run_dir)
+    except Exception as exc:  # a plan is advice: its failure is recorded, onboarding goes on
+        why = f"plan failed: {type(exc).__name__}: {exc}"
+        append_event(run_dir, {"node": "plan", "event": "error", "error": why})
+        return _done(state, "plan", config, summary={"plan": why})
     return _done(state, "plan", config, artifacts={"plan": "plan.json"},
                  summary={"plan": plan.verdict})
 
@@ -115,6 +120,15 @@ def generate_node(state: RunState, config: RunnableConfig = None) -> dict[str, A
         from onboarding.stages import use_generated_families
 
         use_generated_families(run_dir)
+        # a retry after a failed alignment: a block whose family was left out is a kernel task
+        # now (the LLM, then Inductor); swaps that failed are not decided again
+        decided = {d["path"] for d in state.generate_decisions}
+        failed = {p: f"{fam}: left out after alignment attempt {len(state.align_attempts)}"
+                  for p, fam in state.excluded_kernels
+                  if fam not in ("inductor", "generated") and p not in decided}
+        if failed:
+            decisions = _decide(state, run_dir, step, failed=failed)
+            updates["generate_decisions"] = [asdict(d) for d in decisions]
     step("rendering candidates")
     cands = run_generate(Coverage.load(run_dir / "coverage.json"), run_dir, on_step=step)
     passed = sum(c.status == "passed" for c in cands)
@@ -125,7 +139,8 @@ def generate_node(state: RunState, config: RunnableConfig = None) -> dict[str, A
                           "uncovered_decided": len(decided), **served}, **updates)
 
 
-def _decide(state: RunState, run_dir: Path, step) -> list:
+def _decide(state: RunState, run_dir: Path, step, failed: dict[str, str] | None = None
+            ) -> list:
     """The decision loop over the uncovered blocks (`onboarding.stages.run_decide`), the LLM
     client built once from the run's options and injected (None with --llm off)."""
     from onboarding.generate.decide import GenerateOptions
@@ -145,9 +160,13 @@ def _decide(state: RunState, run_dir: Path, step) -> list:
                                "decision": d.decision, "why": d.why(),
                                "evidence": [asdict(e) for e in d.evidence]})
 
+    from onboarding.generate.decide import Decision
+
+    earlier = [Decision.from_dict(d) for d in state.generate_decisions] if failed else None
     return run_decide(c.model, OpGraph.load(run_dir / "opgraph.json"),
                       Coverage.load(run_dir / "coverage.json"), run_dir, opts=opts,
-                      client=client, on_step=step, on_decision=record)
+                      client=client, on_step=step, on_decision=record, failed=failed,
+                      earlier=earlier)
 
 
 def align_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:

@@ -149,11 +149,14 @@ def _checked_before(progress: Path) -> dict[tuple[str, str, str], Candidate]:
 def run_decide(spec: ModelSpec, graph: OpGraph, coverage: Coverage, out_dir: Path, *,
                opts: Any = None, client: Any = None, failed: dict[str, str] | None = None,
                on_step: Callable[[str], None] | None = None,
-               on_decision: Callable[[Any], None] | None = None) -> list[Any]:
+               on_decision: Callable[[Any], None] | None = None,
+               earlier: list[Any] | None = None) -> list[Any]:
     """The decision loop for the blocks no family serves (`onboarding.generate.decide`): kernel
     tasks (``tasks.json``), per block template -> LLM (with a client) -> Inductor -> uncovered,
     each with its evidence (``decisions.json``); coverage takes the decisions (rewrites
-    ``coverage.json``). Families the LLM path wrote are registered for this process."""
+    ``coverage.json``). Families the LLM path wrote are registered for this process.
+    ``earlier``: decisions of an earlier pass (a retry after a failed alignment decides the
+    blocks in ``failed`` only, and keeps those)."""
     from onboarding.generate.decide import (DECISIONS_FILE, apply_to_coverage, decide,
                                             save_decisions)
     from onboarding.generate.tasks import build_tasks, save_tasks
@@ -161,9 +164,12 @@ def run_decide(spec: ModelSpec, graph: OpGraph, coverage: Coverage, out_dir: Pat
     if on_step:
         on_step("kernel tasks for the uncovered blocks")
     tasks = build_tasks(graph=graph, coverage=coverage, spec=spec, failed=failed)
-    save_tasks(tasks, out_dir / "tasks.json")
-    decisions = decide(tasks, spec, out_dir, graph=graph, opts=opts, client=client,
-                       on_step=on_step, on_decision=on_decision)
+    if earlier is not None:
+        tasks = [t for t in tasks if t.failed_family]
+    save_tasks(tasks, out_dir / ("tasks.json" if earlier is None else "tasks.retry.json"))
+    decisions = [*(earlier or []),
+                 *decide(tasks, spec, out_dir, graph=graph, opts=opts, client=client,
+                         on_step=on_step, on_decision=on_decision)]
     use_generated_families(out_dir)
     save_decisions(decisions, out_dir / DECISIONS_FILE)
     apply_to_coverage(coverage, decisions).save(out_dir / "coverage.json")

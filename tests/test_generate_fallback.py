@@ -307,3 +307,24 @@ def test_inductor_fallback_checked_then_aligned(cum_graph, tmp_path):
         b = result.block(p)
         assert (b.fwd.verdict, b.bwd.verdict) == ("pass", "pass"), (b.fwd, b.bwd)
     assert result.passed and not [x for x in result.not_checked if "mixer" in x["path"]]
+
+
+def test_a_block_whose_family_failed_alignment_is_decided_again(cum_graph, tmp_path):
+    """A retry's task: the block keeps its family's coverage entry (left out by alignment) and
+    gets one for what the loop chose, with both reasons."""
+    from onboarding.generate.decide import apply_to_coverage, decide, swaps
+    from onboarding.generate.tasks import build_tasks
+
+    cov = build_coverage(cum_graph)
+    fam = next(e for e in cov.entries if e.path == "layers.0.norm").family
+    tasks = [t for t in build_tasks(graph=cum_graph, coverage=cov, full_size=False,
+                                    failed={"layers.0.norm": f"{fam}: left out after attempt 1"})
+             if t.failed_family]
+    assert [t.path for t in tasks] == ["layers.0.norm"]
+    ds = decide(tasks, ModelSpec(ref=CUM), tmp_path, graph=cum_graph, check=_fake_check(True))
+    assert ds[0].decision == "inductor" and ds[0].failed_family == fam
+    apply_to_coverage(cov, ds)
+    entries = [(e.status, e.family) for e in cov.entries if e.path == "layers.0.norm"]
+    assert entries[0][1] == fam and entries[1:] == [("inductor", None)]
+    assert f"after {fam} failed alignment" in cov.entries[-1].reason
+    assert [s.path for s in swaps(ds)] == ["layers.0.norm"]

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onboarding.coverage import Coverage
+from onboarding.coverage import Coverage, CoverageEntry
 from onboarding.generate.tasks import KernelTask
 from onboarding.load.spec import ModelSpec
 
@@ -60,6 +60,7 @@ class Decision:
     verdict: str = ""  # the block check's summary line
     same_as: str | None = None  # decided as this block (same structure key)
     inside: str | None = None  # served as part of this enclosing block
+    failed_family: str | None = None  # the block's family failed alignment (a retry's task)
 
     def why(self) -> str:
         """One line: what was decided and why the earlier options were not taken."""
@@ -98,7 +99,9 @@ def _template(task: KernelTask, block: Any) -> tuple[Evidence, dict | None]:
     from onboarding.families import families, match_block
 
     t0 = time.perf_counter()
-    found = match_block(block) if block is not None else []
+    # a family that failed this block's alignment is not offered again
+    found = [(n, m) for n, m in (match_block(block) if block is not None else [])
+             if n != task.failed_family]
     if found:
         name, m = found[0]
         return Evidence(option="template", outcome="accepted",
@@ -106,8 +109,9 @@ def _template(task: KernelTask, block: Any) -> tuple[Evidence, dict | None]:
                         seconds=round(time.perf_counter() - t0, 3)), \
             {"family": name, "variant": m["variant"], "params": m["params"]}
     n = len(families())
-    return Evidence(option="template", outcome="rejected",
-                    reason=f"no family's match accepts it ({n} families tried)",
+    why = f"no family's match accepts it ({n} families tried)" if not task.failed_family \
+        else f"no family but {task.failed_family}, which failed its alignment, accepts it"
+    return Evidence(option="template", outcome="rejected", reason=why,
                     seconds=round(time.perf_counter() - t0, 3)), None
 
 
@@ -178,7 +182,8 @@ def decide(tasks: list[KernelTask], spec: ModelSpec, run_dir: Path, *, graph: An
     # enclosing blocks first, so a block inside one served by Inductor is compiled with it
     order = sorted(tasks, key=lambda t: (t.path.count("."), t.path))
     for task in order:
-        base = dict(path=task.path, kind=task.kind, op=task.op, key=task.key)
+        base = dict(path=task.path, kind=task.kind, op=task.op, key=task.key,
+                    failed_family=task.failed_family)
         parent = next((d for d in out if d.decision == "inductor" and not d.inside
                        and task.path.startswith(d.path + ".")), None)
         if parent is not None:
@@ -249,8 +254,19 @@ def _decide_one(d: Decision, task: KernelTask, block: Any, spec: ModelSpec, run_
 
 def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage:
     """The uncovered entries of decided blocks take the decision's status (``template``,
-    ``generated``, ``inductor``) with its reason; ``uncovered`` ones get the evidence as reason."""
+    ``generated``, ``inductor``) with its reason; ``uncovered`` ones get the evidence as reason.
+    A block decided after its family failed alignment gets an entry of its own beside the
+    family's (which alignment then leaves out)."""
     by_path = {d.path: d for d in decisions}
+    for d in decisions:  # a block whose family failed alignment: a new entry beside the family's
+        if d.failed_family and d.decision not in ("uncovered", "template") and not any(
+                e.path == d.path and e.status == d.decision for e in coverage.entries):
+            first = next((e for e in coverage.entries if e.path == d.path), None)
+            coverage.entries.append(CoverageEntry(
+                path=d.path, kind=d.kind, op=d.op, status=d.decision, family=d.family,
+                variant=d.variant, params=dict(d.params),
+                shapes=first.shapes if first else [], dtype=first.dtype if first else None,
+                reason=f"{d.why()} (after {d.failed_family} failed alignment)"))
     for e in coverage.entries:
         d = by_path.get(e.path)
         if d is None or e.status != "uncovered":
