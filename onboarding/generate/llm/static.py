@@ -34,7 +34,7 @@ COMPUTE_METHODS = frozenset({
     "max", "min", "amax", "amin", "maximum", "minimum", "norm", "sqrt", "rsqrt", "pow", "abs",
     "mul", "mul_", "div", "div_", "add", "add_", "sub", "sub_", "addcmul", "addcdiv", "lerp",
     "tril", "triu", "where", "masked_fill", "clamp", "sort", "topk", "argsort", "scatter_add",
-    "index_add", "logsumexp", "var", "std", "conv1d", "conv2d", "linear", "__matmul__"})
+    "index_add", "logsumexp", "var", "std", "linear", "__matmul__"})
 FORBIDDEN_IMPORTS = ("transformers", "onboarding", "onboard_families", "numpy", "scipy",
                      "importlib", "subprocess", "ctypes", "pickle", "marshal", "runpy", "builtins")
 MAX_LITERAL_NUMBERS = 64
