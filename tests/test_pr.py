@@ -71,8 +71,9 @@ def run_template(tmp_path_factory, tiny_graph):
     run = tmp_path_factory.mktemp("run") / "tiny_dense-run"
     run.mkdir()
     cov = build_coverage(tiny_graph)
-    keep = [e for e in cov.entries if e.status == "template" and e.family in ("rmsnorm",
-                                                                               "swiglu")]
+    # template, or kernel where this checkout's kernels/ holds the reviewed module already
+    keep = [e for e in cov.entries if e.status in ("template", "kernel")
+            and e.family in ("rmsnorm", "swiglu")]
     assert {e.family for e in keep} == {"rmsnorm", "swiglu"}
     cands = render_candidates(Coverage(model=cov.model, entries=keep), run / "candidates")
     for c in cands:
@@ -222,13 +223,17 @@ def test_approve_merges_and_coverage_says_kernel(run_dir, tmp_path, capsys, tiny
     assert module.is_file() and git(repo, "diff", "HEAD", "--stat", "--", "kernels") == ""
     rc, out = onboard(capsys, "pr", "list", "--repo", repo)
     assert rc == 0 and f"approved  {branch}" in out
-    # a later run finds the reviewed module: coverage says `kernel`, with its path
+    # a later run finds the reviewed module: coverage says `kernel`, with its path (this
+    # checkout's own kernels/ out of the way: it may hold the same module)
+    monkeypatch.setattr("onboarding.coverage.KERNELS_DIR", tmp_path / "no-kernels")
     monkeypatch.setenv("ONBOARD_KERNELS", str(repo / "kernels"))
     assert module in reviewed_kernels().values()
     cov = build_coverage(tiny_graph)
     norms = [e for e in cov.entries if e.family == "rmsnorm"]
     assert norms and all(e.status == "kernel" and e.module == str(module) for e in norms)
     assert all(e.status == "template" for e in cov.entries if e.family == "swiglu")
+    monkeypatch.delenv("ONBOARD_KERNELS")
+    assert not any(e.status == "kernel" for e in build_coverage(tiny_graph).entries)
     # proposing the same run again: nothing new passed
     before = repo_state(repo)
     rc, out = onboard(capsys, "pr", "create", run_dir, "--repo", repo)
