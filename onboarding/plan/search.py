@@ -28,6 +28,10 @@ def size(nbytes: float) -> str:
     return f"{nbytes / 1e3:.3g} kB"
 
 
+def _secs(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
 def gib(nbytes: float) -> str:
     if nbytes >= 1000 * GIB:
         return f"{nbytes / GIB:,.0f} GiB"
@@ -76,8 +80,8 @@ class Plan:
         if not c.fits:
             return f"{c.layout.name} does not fit on {n} GPUs of {cap}: {c.reason}"
         return (f"fits on {n} GPUs of {cap}: {c.layout.name}, {gib(c.memory.total)} per GPU, "
-                f"step {c.time.overlap_s:.3g} s with overlap "
-                f"({c.time.serial_s:.3g} s without), MFU {c.time.mfu:.1%}")
+                f"step {_secs(c.time.overlap_s)} with overlap "
+                f"({_secs(c.time.serial_s)} without), MFU {c.time.mfu:.1%}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "config": asdict(self.config),
