@@ -347,6 +347,17 @@ def _train_section(run_dir: Path) -> str | None:
             table(*train_metrics(run_dir))]
     if (train / "metrics.png").exists():
         out += ["", "![training metrics](train/metrics.png)"]
+    trained = train / ("parallel.jsonl" if (train / "parallel.jsonl").exists()
+                       else "reference.jsonl")
+    from onboarding.train.compare import read_rows as _read, summarize as _summ
+
+    m = _summ(_read(trained)) if trained.exists() else {}
+    if m.get("dropped_tokens") is not None:
+        out += ["", f"Capacity factor: {m['dropped_tokens']:,} (token, expert) pairs dropped "
+                f"over {m['steps']} steps ({100 * (m['dropped_share'] or 0):.1f}% of the routed "
+                "pairs on average)."]
+    if (train / "balance.png").exists():
+        out += ["", "![expert load balance](train/balance.png)"]
     if (train / "adapter" / "adapter_config.json").exists():
         out += ["", "Adapters exported in PEFT format: `train/adapter/`."]
     return "\n".join(out)
@@ -369,3 +380,19 @@ def _scaling_section(run_dir: Path) -> str | None:
 
 
 SECTIONS.append(_scaling_section)
+
+
+def _seq_sweep_section(run_dir: Path) -> str | None:
+    """The sequence-length table and plot of `onboard train --seq-sweep`."""
+    from onboarding.train.seqsweep import PLOT_FILE, RESULTS_FILE, markdown
+
+    path = run_dir / RESULTS_FILE
+    if not path.exists():
+        return None
+    out = ["## Sequence length", "", markdown(json.loads(path.read_text()))]
+    if (run_dir / PLOT_FILE).exists():
+        out += [f"![sequence sweep]({PLOT_FILE})"]
+    return "\n".join(out)
+
+
+SECTIONS.append(_seq_sweep_section)

@@ -11,14 +11,16 @@ from rich.console import Console
 from onboarding.cli.common import command_parser
 from onboarding.errors import InputError
 from onboarding.load.overrides import int_list
-from onboarding.train.config import PROXIES, TrainConfig
+from onboarding.train.config import BALANCE, PROXIES, RECOMPUTE, TrainConfig
 
 # option dest -> TrainConfig field (options left unset take the config defaults)
 FIELDS = {"nproc": "nproc", "ep": "ep", "fsdp": "fsdp", "steps": "steps", "seq": "seq_len",
           "micro_batch": "micro_batch", "lr": "lr", "lora_rank": "lora_rank",
           "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
           "lora_targets": "lora_targets", "expert_lora": "expert_lora",
-          "activation_checkpointing": "activation_checkpointing",
+          "recompute": "recompute", "balance": "balance", "aux_loss_coef": "aux_loss_coef",
+          "bias_rate": "bias_rate", "checkpoint_dir": "checkpoint_dir",
+          "stall_timeout": "stall_timeout", "alert_webhook": "alert_webhook",
           "checkpoint_interval": "checkpoint_interval", "seed": "seed", "dtype": "dtype",
           "device": "device", "data": "data", "proxy": "proxy",
           "trust_remote_code": "trust_remote_code", "capacity_factor": "capacity_factor",
@@ -39,6 +41,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true",
                    help="print the outcome (run directory, exit code, metrics, loss comparison, "
                         "adapter) as JSON to stdout; with --dry-run the plan and commands")
+    t.add_argument("--seq-sweep", type=int_list, default=None, metavar="L[,L...]",
+                   help="one short run per sequence length (fresh processes): tokens/s, peak "
+                        "memory, loss finite, OOM; seq_sweep.json, .md and .png")
     _train_options(t, layout=True)
     t.set_defaults(func=cmd_train)
     return t
@@ -94,7 +99,26 @@ def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
                    help="modules to adapt: auto (attention projections) or fnmatch patterns")
     t.add_argument("--expert-lora", action="store_true", default=None,
                    help="also train grouped LoRA on the routed experts")
-    t.add_argument("--activation-checkpointing", action="store_true", default=None)
+    t.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                   help="activation recomputation: none, selective (each layer's MLP/expert "
+                        "sub-blocks) or full (every decoder layer); default none")
+    t.add_argument("--activation-checkpointing", dest="recompute", action="store_const",
+                   const="full", help="the same as --recompute full")
+    t.add_argument("--balance", choices=BALANCE, default=None,
+                   help="expert load balancing: auto (the model's own; default), none, aux-loss "
+                        "(Switch loss added to the LM loss), bias (aux-loss-free score bias, "
+                        "routers with a score-correction bias only)")
+    t.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="aux-loss coefficient (default the model's router_aux_loss_coef, or 0.01)")
+    t.add_argument("--bias-rate", type=float, default=None,
+                   help=f"bias balancing: update per step (default {d.bias_rate:g})")
+    t.add_argument("--checkpoint-dir", default=None, metavar="PATH|URL",
+                   help="checkpoint root, a path or an fsspec URL such as s3://bucket/run "
+                        "(default <out>/train/ckpt)")
+    t.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop with exit 4 when no step finishes for this long (default off)")
+    t.add_argument("--alert-webhook", default=None, metavar="URL",
+                   help="POST a JSON alert here on a stall or a NaN/inf loss")
     t.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help=f"base weight dtype (default {d.dtype})")
     t.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
@@ -134,7 +158,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     model = args.model
     if not model.startswith("hf:") and Path(model).exists():
         model = str(Path(model).resolve())  # train.toml must work from any directory
-    if values.get("data") and Path(values["data"]).exists():
+    if values.get("data") and "://" not in values["data"] and Path(values["data"]).exists():
         values["data"] = str(Path(values["data"]).resolve())
     spec = ModelSpec(ref=model, overrides=parse_assignments(args.set),
                      trust_remote_code=bool(values.pop("trust_remote_code", False)),
@@ -148,6 +172,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     from onboarding.train.launch import check, launch
 
     source = None
+    if args.seq_sweep is not None:
+        if args.config:
+            raise InputError("--seq-sweep takes the model and options, not --config")
+        return cmd_seq_sweep(args, console)
     if args.config:
         extra = _explicit(args) + (["MODEL"] if args.model else [])
         if extra:
@@ -219,7 +247,7 @@ def train_plan(cfg: TrainConfig, info):
     graph = parse_stage(load_stage(info.loaded, "tiny"), seq=64, try_export=False)
     pc = PlanConfig(gpus=cfg.nproc, ep=cfg.ep, seq=cfg.seq_len, micro_batch=cfg.micro_batch,
                     lora_rank=cfg.lora_rank, expert_lora=cfg.expert_lora,
-                    recompute="full" if cfg.activation_checkpointing else "none",
+                    recompute=cfg.recompute_mode,
                     offload="none", capacity_factor=cfg.capacity_factor, dtype=cfg.dtype)
     cluster = load_cluster()
     if resolve_device(cfg).type == "cpu":  # gloo on the CPU: the host's memory per process
@@ -244,6 +272,64 @@ def refuse_unfit(plan, info) -> None:
     c = plan.chosen
     if c is not None and not c.fits:
         raise InputError(f"proxy none: {c.reason} (`onboard train --dry-run` shows the plan)")
+
+
+def cmd_seq_sweep(args: argparse.Namespace, console: Console) -> int:
+    """`onboard train ... --seq-sweep L,...`: every length checked first (bad input writes
+    nothing), then one run per length in its own processes; a failed length is a row."""
+    import dataclasses
+    import shutil
+
+    from rich.table import Table
+
+    from onboarding.report import build_report
+    from onboarding.rundir import new_run_dir, owned_dir
+    from onboarding.stages import save_model_json
+    from onboarding.train import seqsweep
+    from onboarding.train.launch import _run, check, plan, write_config
+
+    seqs = seqsweep.lengths(args.seq_sweep)
+    if args.baseline:
+        raise InputError("--seq-sweep times the run that trains; drop --baseline")
+    if args.dry_run:
+        raise InputError("--seq-sweep runs; --dry-run one length with --seq instead")
+    base = config_from_args(args)
+    if args.out:
+        new_run_dir("", args.out)
+    with console.status("seq sweep: checking every length"):
+        checked = [check(dataclasses.replace(base, seq_len=s)) for s in seqs]
+    info = checked[0][0]
+    out = new_run_dir(info.loaded.name + "-seq", args.out).resolve()
+    base.out = str(out)
+
+    def run_one(cfg: TrainConfig) -> int:
+        run_dir = Path(cfg.out)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_model_json(info, run_dir, cfg.overrides)
+        graph = out / "opgraph.json"  # parsed once (at a fixed length), shared by every run
+        if graph.exists():
+            shutil.copy(graph, run_dir / "opgraph.json")
+        write_config(cfg)
+        console.rule(f"seq {cfg.seq_len}")
+        cmd = plan(cfg)[0 if cfg.nproc == 1 else 1]
+        rc = _run(cmd, seqsweep.role(cfg), cfg, console)
+        if not graph.exists() and (run_dir / "opgraph.json").exists():
+            shutil.copy(run_dir / "opgraph.json", graph)
+        return rc
+
+    with owned_dir(out, created_here=True):
+        save_model_json(info, out, base.overrides)
+        result = seqsweep.run_sweep(base, seqs, out, run_one)
+    t = Table(title=f"sequence sweep (recompute {result['recompute']})", box=None,
+              padding=(0, 1), pad_edge=False)
+    for h in seqsweep.TABLE_HEAD:
+        t.add_column(h, justify="left" if h == "outcome" else "right")
+    for r in seqsweep.table_rows(result):
+        t.add_row(*r)
+    console.print(t)
+    console.print(f"report: {build_report(out, title=f'seq sweep {base.model}')}")
+    console.print(f"run directory: {out}")
+    return 0
 
 
 def cmd_scale(args: argparse.Namespace, console: Console) -> int:
@@ -298,6 +384,14 @@ def _report(out: Path, cfg: TrainConfig, console: Console) -> None:
             for r in rows:
                 t.add_row(*(str(v) for v in r))
             console.print(t)
+        from onboarding.train.compare import read_rows, summarize
+
+        trained = out / "train" / ("parallel.jsonl" if cfg.nproc > 1 else "reference.jsonl")
+        m = summarize(read_rows(trained)) if trained.exists() else {}
+        if m.get("dropped_tokens") is not None:
+            console.print(f"capacity factor {cfg.capacity_factor:g}: {m['dropped_tokens']:,} "
+                          f"(token, expert) pairs dropped over {m['steps']} steps "
+                          f"({100 * (m['dropped_share'] or 0):.1f}% of the routed pairs)")
         path = build_report(out, title=f"train {cfg.model}")
         console.print(f"report: {path}")
     console.print(f"run directory: {out}")

@@ -41,7 +41,7 @@ class Alerts:
 
     def __init__(self, out: Path, *, rank: int = 0, stall_timeout: float = 0.0,
                  webhook: str | None = None, run: str = "",
-                 exit_fn: Callable[[int], None] = os._exit):
+                 exit_fn: Callable[[int], None] | None = None):
         self.out, self.rank, self.timeout, self.webhook = Path(out), rank, stall_timeout, webhook
         self.run, self.exit_fn = run, exit_fn
         self.step = 0
@@ -103,4 +103,4 @@ class Alerts:
                                                         else f"not delivered ({why})"),
                   file=sys.stderr, flush=True)
         sys.stdout.flush()
-        self.exit_fn(EXIT_ALERT)
+        (self.exit_fn or os._exit)(EXIT_ALERT)  # os._exit: a watchdog thread ends the process

@@ -94,9 +94,12 @@ class Checkpointer:
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def state(self, params: list[tuple[str, nn.Parameter]], expert_ids: set[int],
-              opt: torch.optim.Optimizer, step: int) -> dict:
+              opt: torch.optim.Optimizer, step: int, extra: dict | None = None) -> dict:
+        """The DCP state dict; ``extra``: further tensors that train without the optimizer
+        (the routers' score-correction biases of bias balancing), saved and loaded in place."""
         self.init_optimizer_state(opt)
         sd: dict = {"step": torch.tensor(step, dtype=torch.int64)}
+        sd.update({f"extra/{k}": t for k, t in (extra or {}).items()})
         for name, p in params:
             ex = id(p) in expert_ids
             st = opt.state[p]
@@ -111,22 +114,24 @@ class Checkpointer:
         return self.interval > 0 and step % self.interval == 0
 
     def _storage(self, d: str, write: bool) -> dict:
+        from torch.distributed.checkpoint import FileSystemReader
+
         if not self.url:
-            return {"checkpoint_id": d}
-        from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+            return {"checkpoint_id": d} if write else {"storage_reader": FileSystemReader(d)}
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
         url = self._name(d)
         return {"storage_writer": FsspecWriter(str(url))} if write else \
             {"storage_reader": FsspecReader(str(url))}
 
-    def save(self, step: int, params, expert_ids, opt):
+    def save(self, step: int, params, expert_ids, opt, extra: dict | None = None):
         import torch.distributed.checkpoint as dcp
 
         d = self._join(f"step_{step:06d}")
         if self.layout.rank == 0 and self.fs.exists(d):
             self.fs.rm(d, recursive=True)  # a partial save of the same step from a crashed run
         _barrier(self.layout)
-        dcp.save(self.state(params, expert_ids, opt, step), **self._storage(d, True))
+        dcp.save(self.state(params, expert_ids, opt, step, extra), **self._storage(d, True))
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -163,14 +168,18 @@ class Checkpointer:
         done = self.complete()
         return done[-1] if done else None
 
-    def load(self, path, params, expert_ids, opt) -> int:
+    def load(self, path, params, expert_ids, opt, extra: dict | None = None) -> int:
         """Load ``path`` (from `latest`) in place into the adapters and optimizer; returns its
         step."""
         import torch.distributed.checkpoint as dcp
 
         d = self._join(str(path).rstrip("/").rpartition("/")[2])
-        sd = self.state(params, expert_ids, opt, 0)
-        dcp.load(sd, **self._storage(d, False))
+        sd = self.state(params, expert_ids, opt, 0, extra)
+        storage = self._storage(d, False)
+        saved = storage["storage_reader"].read_metadata().state_dict_metadata
+        for key in [k for k in sd if k.startswith("extra/") and k not in saved]:
+            del sd[key]  # a checkpoint from before these were saved: they keep their start
+        dcp.load(sd, **storage)
         # Plain tensors (steps) are loaded in place too, but keep the optimizer's own objects.
         for name, p in params:
             opt.state[p]["step"].copy_(sd[f"optim/{name}/step"])

@@ -81,6 +81,13 @@ def summarize(rows: dict[int, dict]) -> dict[str, Any]:
                                 default=None) or None
     imb = [_imbalance(r.get("expert_load")) for r in rows.values()]
     out["expert_max_imbalance"] = max((x for x in imb if x is not None), default=None)
+    dropped = [r["dropped_tokens"] for r in rows.values()
+               if isinstance(r.get("dropped_tokens"), (int, float))]
+    shares = [r["dropped_share"] for r in rows.values()
+              if isinstance(r.get("dropped_share"), (int, float))]
+    # capacity-factor drops over the whole run: (token, expert) pairs, and their mean share
+    out["dropped_tokens"] = int(sum(dropped)) if dropped else None
+    out["dropped_share"] = sum(shares) / len(shares) if shares else None
     out["steps"] = len(rows)
     return out
 
@@ -182,6 +189,43 @@ def plot_metrics(runs: dict[str, dict[int, dict]], path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center",
                     transform=ax.transAxes, color="0.5")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_balance(rows: dict[int, dict], path: Path) -> Path | None:
+    """Expert-load imbalance (max/mean, per MoE layer) and the capacity factor's dropped share,
+    per step; None when the rows carry no expert load."""
+    layers: dict[str, list[tuple[int, float]]] = {}
+    for s, r in sorted(rows.items()):
+        for x in r.get("expert_load") or []:
+            if isinstance(x.get("max_over_mean"), (int, float)):
+                layers.setdefault(x["layer"], []).append((s, x["max_over_mean"]))
+    if not layers:
+        return None
+    plt = _plt()
+    drops = [(s, 100 * r["dropped_share"]) for s, r in sorted(rows.items())
+             if isinstance(r.get("dropped_share"), (int, float))]
+    fig, axes = plt.subplots(1, 2 if drops else 1, figsize=(10 if drops else 6, 3.8),
+                             squeeze=False)
+    a = axes[0][0]
+    for name, pts in layers.items():
+        a.plot(*zip(*pts), lw=1, marker="." if len(pts) < 40 else None,
+               label=name if len(layers) <= 8 else None)
+    a.axhline(1.0, color="grey", ls="--", lw=0.8)
+    a.set(title="expert load max/mean per MoE layer (1 = uniform)", xlabel="step")
+    if len(layers) <= 8:
+        a.legend(fontsize=6)
+    if drops:
+        b = axes[0][1]
+        b.plot(*zip(*drops), "o-", ms=3)
+        b.set(title="dropped by the capacity factor (% of routed pairs)", xlabel="step",
+              ylim=(0, None))
+    for ax in axes[0]:
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

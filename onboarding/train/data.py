@@ -1,7 +1,7 @@
 """Training data: texts -> token ids -> packed rows of ``seq_len + 1`` tokens.
 
 Texts come from JSONL (``prompt``/``response`` or ``text`` fields), ``.txt`` files (or a
-directory of them), or the built-in corpus of docstring/code pairs from the Python standard
+directory of them), local or at an fsspec URL (``s3://bucket/data.jsonl``), or the built-in corpus of docstring/code pairs from the Python standard
 library (`onboarding.train.corpus`). Tokens come from the model repo's ``tokenizer.json``
 (the `tokenizers` library, offline) when it has one that fits the model's vocabulary, else from a
 byte-level tokenizer.
@@ -106,30 +106,59 @@ def load_tokenizer(model_dir: Path | None, vocab_size: int) -> Tokenizer:
     return ByteTokenizer(vocab_size)
 
 
-def _jsonl_texts(path: Path) -> list[str]:
+def _jsonl_texts(path: Path | str, text: str | None = None) -> list[str]:
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{n}: malformed JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise InputError(f"{path}:{n}: expected a JSON object per line")
-            if isinstance(row.get("text"), str):
-                texts.append(row["text"])
-            elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
-                texts.append(row["prompt"].rstrip() + "\n" + row["response"])
-            else:
-                raise InputError(f"{path}:{n}: expected a 'text' field or 'prompt' and "
-                                 f"'response' string fields, got keys {sorted(row)}")
+    if text is None:
+        text = Path(path).read_text(encoding="utf-8")
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{n}: malformed JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{n}: expected a JSON object per line")
+        if isinstance(row.get("text"), str):
+            texts.append(row["text"])
+        elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
+            texts.append(row["prompt"].rstrip() + "\n" + row["response"])
+        else:
+            raise InputError(f"{path}:{n}: expected a 'text' field or 'prompt' and "
+                             f"'response' string fields, got keys {sorted(row)}")
     return texts
 
 
+def _url_texts(url: str) -> list[str]:
+    """`load_texts` of an fsspec URL: the same forms, read through its filesystem."""
+    from onboarding.train.checkpoint import filesystem
+
+    fs, root = filesystem(url)
+    try:
+        if fs.isdir(root):
+            files = sorted(f for f in fs.find(root) if f.endswith(".txt"))
+            if not files:
+                raise InputError(f"--data {url}: the folder has no .txt files")
+            return [fs.cat_file(f).decode("utf-8", errors="replace") for f in files]
+        if not fs.isfile(root):
+            raise InputError(f"--data {url}: no such object")
+        if root.endswith(".jsonl"):
+            return _jsonl_texts(url, fs.cat_file(root).decode("utf-8"))
+        if root.endswith(".txt"):
+            return [fs.cat_file(root).decode("utf-8", errors="replace")]
+    except (OSError, PermissionError) as exc:  # credentials, endpoint, network: said, not raised
+        raise InputError(f"--data {url}: cannot read it ({exc})") from exc
+    raise InputError(f"--data {url}: expected a .jsonl or .txt object or a folder")
+
+
 def load_texts(path: str | None) -> list[str]:
-    """Texts from JSONL / .txt / a directory of .txt files; None reads the built-in corpus."""
+    """Texts from JSONL / .txt / a directory of .txt files (local or an fsspec URL); None reads
+    the built-in corpus."""
+    if path is not None and "://" in path:
+        texts = [t for t in _url_texts(path) if t.strip()]
+        if not texts:
+            raise InputError(f"--data {path}: no text in it")
+        return texts
     p = Path(path) if path is not None else BUILTIN_CORPUS
     if not p.exists():
         if path is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from onboarding.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK, InputError
+from onboarding.errors import EXIT_ALERT, EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK, InputError
 from onboarding.families import subprocess_env
 from onboarding.optional_kernels import state as hidden_state
 from onboarding.train.config import TrainConfig
@@ -80,8 +80,13 @@ def check(cfg: TrainConfig):
         raise InputError(f"the data packs into {len(data)} rows of seq_len + 1 = "
                          f"{cfg.seq_len + 1} tokens, fewer than one global batch "
                          f"({cfg.global_batch}); add data or shorten seq_len")
+    if cfg.checkpoint_dir is not None and cfg.checkpoint_interval > 0:
+        from onboarding.train.checkpoint import filesystem
+
+        filesystem(cfg.checkpoint_dir)  # a scheme without its fsspec filesystem: said now
     graph = None
-    if n_experts and (cfg.ep > 1 or cfg.expert_lora or cfg.capacity_factor is not None):
+    if n_experts and (cfg.ep > 1 or cfg.expert_lora or cfg.capacity_factor is not None
+                      or cfg.balance in ("aux-loss", "bias")):
         graph = _preflight_experts(cfg, info)
     return info, n_experts, tok, graph
 
@@ -98,8 +103,12 @@ def _preflight_experts(cfg: TrainConfig, info):
     graph = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed)
     model = info.loaded.build(info.proxy_config, device="cpu", seed=cfg.seed)
     lora = ExpertLoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.expert_lora else None
-    apply_expert_parallel(model, graph, EPGroup(size=cfg.ep), lora=lora,
-                          capacity_factor=cfg.capacity_factor, seed=cfg.seed)
+    ep_mods = apply_expert_parallel(model, graph, EPGroup(size=cfg.ep), lora=lora,
+                                    capacity_factor=cfg.capacity_factor, seed=cfg.seed)
+    if cfg.balance in ("aux-loss", "bias"):
+        from onboarding.train.worker import balancing
+
+        balancing(cfg, model, graph, ep_mods)  # bias: routers without a score bias refused
     return graph
 
 
@@ -134,8 +143,15 @@ def describe(cfg: TrainConfig, n_experts: int | None,
             ["precision", f"base {cfg.dtype}, adapters + optimizer fp32, device {cfg.device}"],
             ["data", (cfg.data or "built-in stdlib docstring/code pairs") +
              (f" ({tokenizer_name})" if tokenizer_name else "")],
-            ["checkpoints", f"every {cfg.checkpoint_interval} steps" if cfg.checkpoint_interval
-             else "none"],
+            ["checkpoints", f"every {cfg.checkpoint_interval} steps to {cfg.ckpt_root}"
+             if cfg.checkpoint_interval else "none"],
+            ["recompute", cfg.recompute_mode],
+            ["load balance", cfg.balance + (f", aux-loss coef {cfg.aux_loss_coef:g}"
+                                            if cfg.aux_loss_coef is not None else "")
+             + (f", bias rate {cfg.bias_rate:g}" if cfg.balance in ("auto", "bias") else "")],
+            ["alerts", (f"stall after {cfg.stall_timeout:g} s" if cfg.stall_timeout else
+                        "no stall watchdog") + ", NaN/inf loss (exit 4)"
+             + (f", webhook {cfg.alert_webhook}" if cfg.alert_webhook else "")],
             # installed kernel packages are hidden from the model code of every role
             # (`onboarding.optional_kernels`): the model's torch path plus onboard's patches
             ["model code's kernel packages", "; ".join(hidden_state().values()) or "none installed"]]
@@ -163,6 +179,9 @@ def _run(cmd: list[str], role: str, cfg: TrainConfig, console: Console) -> int:
     # the workers see the families this process was given (--families DIR) as well
     env = {**subprocess_env(), "PYTHONSAFEPATH": "1"}
     t0 = time.perf_counter()
+    from onboarding.train.alerts import ALERT_FILE
+
+    (train_dir / ALERT_FILE).unlink(missing_ok=True)  # an alert of an earlier attempt
     with open(log, "w") as out, console.status(f"train: {role} starting") as status:
         out.write("$ " + shlex.join(cmd) + "\n")
         out.flush()
@@ -183,6 +202,12 @@ def _run(cmd: list[str], role: str, cfg: TrainConfig, console: Console) -> int:
                     proc.kill()
     rc = proc.returncode
     took = time.perf_counter() - t0
+    if rc != 0 and (train_dir / ALERT_FILE).exists():  # torchrun reports its own exit code
+        alert = json.loads((train_dir / ALERT_FILE).read_text())
+        console.print(f"[red]ALERT[/red] {role} run stopped: [{alert.get('alert')}] "
+                      f"{alert.get('message')} (exit {EXIT_ALERT}; {train_dir / ALERT_FILE})",
+                      highlight=False)
+        return EXIT_ALERT
     if rc != 0:
         tail = log.read_text().splitlines()[-15:]
         console.print(f"[red]{role} run failed[/red] (exit {rc}, {took:.1f} s); last lines of "
@@ -220,10 +245,14 @@ def launch(cfg: TrainConfig, dry_run: bool = False, *, console: Console | None =
     for cmd in cmds:
         rc = _run(cmd, cmd[-1], cfg, console)  # every command ends with "--role ROLE"
         if rc != 0:
-            return rc if rc in (2, 3) else EXIT_INTERNAL
+            return rc if rc in (2, 3, EXIT_ALERT) else EXIT_INTERNAL
+    from onboarding.train.compare import compare, plot_balance, read_rows
+
+    trained = Path(cfg.out) / "train" / f"{'parallel' if cfg.nproc > 1 else 'reference'}.jsonl"
+    if trained.exists():
+        plot_balance(read_rows(trained), trained.parent / "balance.png")
     if cfg.nproc == 1:
         return EXIT_OK
-    from onboarding.train.compare import compare
 
     result = compare(Path(cfg.out), dtype=cfg.dtype)
     console.print(result["summary"])

@@ -179,9 +179,12 @@ def run(cfg: TrainConfig, role: str) -> None:
     ckpt = Checkpointer(f"{cfg.ckpt_root.rstrip('/')}/{role}", layout,
                         interval=cfg.checkpoint_interval)
     start = 0
+    # bias balancing moves the routers' score biases each step: they are training state too
+    balance_state = {f"score_bias/{p}": t for p, t in score_bias_tensors(
+        model, graph, ep_mods[0].n_experts).items()} if ep_mods else {}
     latest = ckpt.latest() if cfg.checkpoint_interval > 0 else None
     if latest is not None:
-        start = ckpt.load(latest, params, expert_ids, opt)
+        start = ckpt.load(latest, params, expert_ids, opt, balance_state)
         if layout.rank == 0:
             print(f"resumed from {latest} (step {start})", flush=True)
     writer = M.JsonlWriter(out / f"{role}.jsonl", resume_step=start, enabled=layout.rank == 0)
@@ -273,7 +276,7 @@ def run(cfg: TrainConfig, role: str) -> None:
         alerts.check_loss(step, row["loss"])  # before the checkpoint: the last one stays finite
         alerts.progress(step)
         if ckpt.due(step):
-            ckpt.save(step, params, expert_ids, opt)
+            ckpt.save(step, params, expert_ids, opt, balance_state)
             alerts.progress(step)  # a slow save (object storage) is not a stalled step
         _maybe_kill(layout, step)
 
