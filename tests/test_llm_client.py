@@ -108,6 +108,14 @@ def test_wrong_model_name_is_not_retried(tmp_path):
     assert "'no-such-model' not found" in out.reason and len(server.requests) == 1
 
 
+def test_unreachable_server_and_spent_budget_end_the_attempts(tmp_path):
+    client = LLMClient(LLMConfig(url="http://127.0.0.1:9", model="m", timeout_s=3))
+    out = propose(TASK, client, attempts=3, run_dir=tmp_path / "a", spec=SPEC)
+    assert len(out.attempts) == 1 and out.attempts[0].stage == "connection"
+    out = propose(TASK, client, attempts=3, budget_s=0, run_dir=tmp_path / "b", spec=SPEC)
+    assert not out.attempts and "budget of 0 s spent after 0 attempt(s)" in out.reason
+
+
 def test_static_check_rejects_a_call_of_the_eager_block(tmp_path):
     out, _ = _propose(tmp_path, "mlstm_calls_eager")
     assert not out.accepted and out.attempts[0].stage == "static"
