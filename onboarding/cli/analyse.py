@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
                    help="copy candidates that pass their checks into kernels/")
     g.add_argument("--json", action="store_true",
                    help="print candidates.json to stdout (the tables go to stderr)")
+    _decision_options(g)
     g.set_defaults(func=cmd_analyse)
 
     a = command_parser(sub, "align", help="layer-by-layer fwd+bwd check of the patched proxy "
@@ -53,7 +54,41 @@ def add_parser(sub) -> None:
                    help="fail (exit 3) when any coverable block was left unpatched (not checked)")
     a.add_argument("--json", action="store_true",
                    help="print alignment.json to stdout (the tables go to stderr)")
+    _decision_options(a)
     a.set_defaults(func=cmd_analyse)
+
+
+def _decision_options(p: argparse.ArgumentParser) -> None:
+    """The decision loop for blocks no family serves (docs/generate.md): off in these commands
+    unless --llm URL or --inductor asks for it (onboard run always runs it)."""
+    from onboarding.cli.run import add_generate_options
+
+    add_generate_options(p)
+    p.add_argument("--inductor", action="store_true",
+                   help="try torch.compile (Inductor), gated by the block check, for blocks no "
+                        "family serves (after the LLM when --llm is given); align patches the "
+                        "ones that pass")
+
+
+def _decide(args: argparse.Namespace, spec, graph, coverage, out: Path, step) -> list:
+    """The decision loop when --llm URL or --inductor asks for it (else nothing)."""
+    from onboarding.cli.run import llm_url
+    from onboarding.generate.decide import GenerateOptions
+    from onboarding.stages import run_decide
+
+    url = llm_url(args)
+    if url is None and not args.inductor:
+        return []
+    client = None
+    if url is not None:
+        from onboarding.generate.llm import LLMClient, LLMConfig
+
+        client = LLMClient(LLMConfig(url=url, model=args.llm_model))
+    opts = GenerateOptions(llm=url, llm_model=args.llm_model, llm_attempts=args.llm_attempts,
+                           budget_s=args.generate_budget, inductor=args.inductor,
+                           batch=args.batch, seq=args.seq, seed=args.seed)
+    return run_decide(spec, graph, coverage, out, opts=opts, client=client,
+                      on_step=lambda s: step(f"generate: {s}"))
 
 
 def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
@@ -62,6 +97,7 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
 
     from onboarding.align.verdicts import strict_line
     from onboarding.cli.console import print_candidates, print_coverage, print_opgraph
+    from onboarding.generate.decide import swaps
     from onboarding.rundir import new_run_dir, owned_dir
     from onboarding.stages import (
         run_align,
@@ -94,13 +130,16 @@ def cmd_analyse(args: argparse.Namespace, console: Console) -> int:
             graph = run_parse(info, out, batch=args.batch, seq=args.seq, seed=args.seed,
                               on_step=lambda s: step(f"{stage}: {s}"))
             coverage = run_map(graph, out) if stage in ("map", "generate", "align") else None
+            decisions = _decide(args, spec, graph, coverage, out, step) \
+                if stage in ("generate", "align") else []
             cands = run_generate(coverage, out, promote_passing=getattr(args, "promote", False),
                                  on_step=lambda s: step(f"generate: {s}")) \
                 if stage in ("generate", "align") else None
             result = run_align(info, graph, coverage, cands, out, families=families,
                                dtype=args.dtype, reference=args.reference, mode=args.mode,
                                batch=args.batch, seq=args.seq, seed=args.seed,
-                               strict=args.strict, on_step=lambda s: step(f"align: {s}")) \
+                               strict=args.strict, swaps=swaps(decisions),
+                               on_step=lambda s: step(f"align: {s}")) \
                 if stage == "align" else None
     if getattr(args, "json", False) and stage in ("parse", "map"):
         data = coverage.to_dict() if coverage is not None else graph.to_dict()

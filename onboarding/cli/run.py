@@ -44,6 +44,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--strict", action="store_true",
                    help="fail (exit 3) when any coverable block was left unpatched (not checked)")
     add_generate_options(r)
+    r.add_argument("--json", action="store_true",
+                   help="print the outcome (run directory, exit code, verdict, the summary's "
+                        "lines) as JSON to stdout; progress and tables go to stderr")
     r.add_argument("--review", action="store_true",
                    help="after the report, open the kernel PR (as onboard pr create) and stop "
                         "for a human's review; answer with onboard pr approve|reject RUN_DIR or "
@@ -78,9 +81,6 @@ def add_generate_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--generate-budget", type=float, default=None, metavar="SECONDS",
                    help="wall time for the whole decision loop (LLM attempts, Inductor checks); "
                         "blocks left when it is spent stay uncovered (default: no limit)")
-    r.add_argument("--json", action="store_true",
-                   help="print the outcome (run directory, exit code, verdict, the summary's "
-                        "lines) as JSON to stdout; progress and tables go to stderr")
 
 
 def llm_url(args: argparse.Namespace) -> str | None:
