@@ -116,6 +116,14 @@ def test_unreachable_server_and_spent_budget_end_the_attempts(tmp_path):
     assert not out.attempts and "budget of 0 s spent after 0 attempt(s)" in out.reason
 
 
+def test_a_family_name_taken_by_another_block_goes_back(tmp_path):
+    other = tmp_path / "generated" / "families" / "mlstm_recurrent"
+    other.mkdir(parents=True)
+    (other / "spec.json").write_text(json.dumps({"written_for": {"path": "model.mixer", "kind": "x", "key": "k"}}))
+    out, _ = _propose(tmp_path, "mlstm_correct")
+    assert out.attempts[0].stage == "folder" and "taken by the generated family for model.mixer" in out.reason
+
+
 def test_static_check_rejects_a_call_of_the_eager_block(tmp_path):
     out, _ = _propose(tmp_path, "mlstm_calls_eager")
     assert not out.accepted and out.attempts[0].stage == "static"

@@ -118,6 +118,14 @@ def propose(task: Any, client: LLMClient, *, attempts: int = 3, budget_s: float 
                                    {"role": "user", "content": feedback(str(exc))}]
             continue
         att.family = answer.family
+        other = _taken_by(run_dir / "generated" / "families" / answer.family, task)
+        if other:
+            why = f"family name {answer.family!r} is taken by the generated family for {other}: choose another"
+            att.verdict, att.stage, att.reason = "rejected", "folder", why
+            _finish(att, adir, a0)
+            messages = messages + [{"role": "assistant", "content": reply.text[:20000]},
+                                   {"role": "user", "content": feedback(why)}]
+            continue
         timeout = gate_timeout_s if left is None else max(30.0, min(gate_timeout_s, left))
         verdict = gate(answer, task, spec=spec, out_dir=adir, timeout_s=timeout, sizes=sizes,
                        in_process=check_in_process)
@@ -145,6 +153,16 @@ def propose(task: Any, client: LLMClient, *, attempts: int = 3, budget_s: float 
     out.summary = str(root / "summary.json")
     (root / "summary.json").write_text(json.dumps(out.as_dict(), indent=1, default=str) + "\n")
     return out
+
+
+def _taken_by(dest: Path, task: Any) -> str:
+    """The block another task's accepted family of this name was written for, or ""."""
+    try:
+        written = json.loads((dest / "spec.json").read_text()).get("written_for", {})
+    except (OSError, json.JSONDecodeError):
+        return ""
+    same = written.get("key") == getattr(task, "key", "") and written.get("kind") == task.kind
+    return "" if same or not written else str(written.get("path", "another block"))
 
 
 def _finish(att: Attempt, adir: Path, a0: float) -> None:
