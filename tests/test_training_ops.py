@@ -68,7 +68,7 @@ def _adapted(proxy, mode: str):
 
 def _step_saved_bytes(model, ids) -> tuple[torch.Tensor, int]:
     """(loss, bytes of the distinct storages autograd saved for the backward, parameters left
-    out): a deterministic stand-in for activation memory. Tensors saved inside a checkpointed
+    out): activation memory without the allocator or RSS. Tensors saved inside a checkpointed
     region never reach this hook (the checkpoint keeps what it re-runs from)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
