@@ -284,8 +284,9 @@ def test_inductor_fallback_checked_then_aligned(cum_graph, tmp_path):
     from onboarding.load.model import load_model
     from onboarding.stages import run_align
 
-    v = check_inductor(ModelSpec(ref=CUM), "layers.0.mixer", tmp_path, seq=16,
-                       sizes=[(1, 16), (3, 13)])
+    # one size: the odd sizes are the block check's own tests above; alignment then runs at
+    # this shape and finds the compiled graphs in Inductor's cache
+    v = check_inductor(ModelSpec(ref=CUM), "layers.0.mixer", tmp_path, seq=16, sizes=[(1, 16)])
     assert v.passed, v.reason
     art = v.artifacts["fp32"]
     assert art["backend"].startswith("inductor (cpp") and art["files"]
