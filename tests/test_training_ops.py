@@ -316,6 +316,38 @@ def test_nan_loss_alerts_with_exit_4_and_webhook(proxy, tmp_path, webhook, monke
     assert ckpts and ckpts[-1] == f"step_{bad - 1:06d}"  # the non-finite step is not saved
 
 
+def test_stalled_step_in_a_run_alerts(proxy, tmp_path, webhook, monkeypatch):
+    """The worker's watchdog: step 2 hangs (test hook) past --stall-timeout; the alert names it.
+    (The watchdog thread's exit is an exception here, so the run itself then finishes.)"""
+    from onboarding.train.alerts import ALERT_FILE
+
+    url, got = webhook
+    codes = _no_exit(monkeypatch)
+    monkeypatch.setenv("ONBOARD_TEST_STALL", "2:5")
+    cfg = TrainConfig(model=REF, out=str(tmp_path), steps=2, seq_len=16, micro_batch=2,
+                      lora_rank=4, stall_timeout=3.0, alert_webhook=url)
+    _run_worker(cfg, proxy[1])
+    assert codes == [EXIT_ALERT]
+    alert = json.loads((tmp_path / "train" / ALERT_FILE).read_text())
+    assert alert["alert"] == "stall" and alert["step"] == 2 and got == [alert]
+
+
+def test_launcher_reports_an_alert_as_exit_4(tmp_path, capsys):
+    """A worker (or torchrun, whose own exit code is 1) that stopped on an alert: exit 4."""
+    from rich.console import Console
+
+    from onboarding.train.launch import _run
+
+    cfg = TrainConfig(model="x", out=str(tmp_path))
+    note = json.dumps({"alert": "stall", "message": "no step finished for 9.0 s"})
+    code = (f"import pathlib, sys; pathlib.Path({str(tmp_path / 'train' / 'alert.json')!r})"
+            f".write_text({note!r}); sys.exit(1)")
+    assert _run([sys.executable, "-c", code], "parallel", cfg, Console()) == EXIT_ALERT
+    assert "ALERT parallel run stopped: [stall] no step finished" in capsys.readouterr().out
+    assert _run([sys.executable, "-c", "import sys; sys.exit(1)"], "parallel", cfg,
+                Console()) == 1  # the old alert file is gone before a new attempt
+
+
 # ---- object storage --------------------------------------------------------------------------
 
 @pytest.fixture

@@ -204,9 +204,11 @@ def _run(cmd: list[str], role: str, cfg: TrainConfig, console: Console) -> int:
     took = time.perf_counter() - t0
     if rc != 0 and (train_dir / ALERT_FILE).exists():  # torchrun reports its own exit code
         alert = json.loads((train_dir / ALERT_FILE).read_text())
-        console.print(f"[red]ALERT[/red] {role} run stopped: [{alert.get('alert')}] "
-                      f"{alert.get('message')} (exit {EXIT_ALERT}; {train_dir / ALERT_FILE})",
-                      highlight=False)
+        from rich.markup import escape
+
+        console.print(f"[red]ALERT[/red] {role} run stopped: " + escape(
+            f"[{alert.get('alert')}] {alert.get('message')} (exit {EXIT_ALERT}; "
+            f"{train_dir / ALERT_FILE})"), highlight=False)
         return EXIT_ALERT
     if rc != 0:
         tail = log.read_text().splitlines()[-15:]
