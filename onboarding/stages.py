@@ -74,7 +74,7 @@ def save_model_json(info: ModelInfo, out_dir: Path, overrides: dict[str, Any],
     write_json(out_dir / "model.json", {
         "ref": lm.ref, "name": lm.name, "source": lm.source, "overrides": overrides,
         "trust_remote_code": lm.trust_remote_code, "weights": [str(w) for w in lm.weights],
-        "compat_shims": lm.compat_shims, "impl_note": lm.impl_note,
+        "compat_shims": lm.compat_shims, "impl_note": lm.impl_note, "part": lm.part,
         "params": info.full.to_dict(), "proxy": info.proxy_size, "proxy_note": info.proxy_note,
         "full_config": _config_dict(lm.config), "proxy_config": _config_dict(info.proxy_config),
         "seconds": None if seconds is None else round(seconds, 3),

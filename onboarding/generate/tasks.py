@@ -340,7 +340,7 @@ def spec_from_run(run_dir: Path) -> ModelSpec:
     m = json.loads((Path(run_dir) / "model.json").read_text())
     return ModelSpec(ref=m.get("ref"), overrides=m.get("overrides") or {},
                      trust_remote_code=bool(m.get("trust_remote_code")),
-                     proxy=m.get("proxy") or "tiny")
+                     proxy=m.get("proxy") or "tiny", part=m.get("part") or "language")
 
 
 def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
