@@ -240,7 +240,8 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     with patch_model(candidate, graph, kernels) as patches:
         swap_blocks(candidate, swaps, patches)
         result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,
-                       patches=patches, floor=floor, on_step=on_step)
+                       patches=patches, floor=floor, on_step=on_step,
+                       progress=out_dir / ALIGN_PROGRESS if out_dir is not None else None)
         # read while patched: a patch installed but never called is still "pending" here
         result.coverable, result.not_checked = unchecked_blocks(
             coverage, patches.records,
@@ -254,4 +255,8 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
         result.plot(out_dir / "alignment.png")
         (out_dir / "alignment.md").write_text(  # its first line is the verdict: no summary()
             result.to_markdown(only_failing=len(result.blocks) > 150) + "\n")
+        (out_dir / ALIGN_PROGRESS).unlink(missing_ok=True)
     return result
+
+
+ALIGN_PROGRESS = "alignment.progress.jsonl"  # blocks judged so far (`align.core.BlockProgress`)

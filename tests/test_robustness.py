@@ -505,3 +505,47 @@ def test_sigterm_ends_a_command_like_ctrl_c(workdir, capsys, monkeypatch):
     assert main(["parse", "tiny_dense", "--out", "p"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not (workdir / "p").exists() and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_stopped_alignment_judges_only_the_blocks_it_had_not(tmp_path, parse_model):
+    """align keeps each judged block (plain JSON, read back into its dataclasses); run again with
+    the same setup it judges the rest only, and the result is the one a whole run gives."""
+    from onboarding.align.core import align, build_pair
+    from onboarding.graph.parse import example_inputs, load_stage
+    from onboarding.load.model import load_model
+
+    graph = parse_model("tiny_dense", seq=16)
+    info = load_stage(load_model("tiny_dense"))
+    model = info.loaded.build(info.proxy_config, seed=0)
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 16, 0)
+
+    def run(progress, stop_at=None):
+        reference, candidate = build_pair(model, reference_dtype="fp64", candidate_dtype="fp32")
+        said: list[str] = []
+
+        def step(text):
+            said.append(text)
+            if stop_at and text.startswith(f"judging block {stop_at}/"):
+                raise KeyboardInterrupt
+
+        return align(reference, candidate, graph, inputs, kwargs, on_step=step,
+                     progress=progress), said
+
+    whole, _ = run(None)
+    kept = tmp_path / "alignment.progress.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        run(kept, stop_at=3)
+    assert len(kept.read_text().splitlines()) == 1 + 2  # the key, blocks 1 and 2
+    resumed, said = run(kept)
+    assert sum(s.startswith("judged before the stop") for s in said) == 2
+    assert sum(s.startswith("judging block") for s in said) == len(graph.blocks) - 2
+    assert json.dumps(resumed.to_dict()) == json.dumps(whole.to_dict())
+    from onboarding.align.core import BlockProgress
+
+    key = json.loads(kept.read_text().splitlines()[0])["key"]
+    first = graph.blocks[0].path
+    assert BlockProgress(kept, key).get(first) is not None
+    kept.write_text(kept.read_text() + '{"path": "cut short by the kill')
+    assert BlockProgress(kept, key).get(first) is not None  # the lines before a torn one count
+    assert BlockProgress(kept, "another setup").get(first) is None  # and it starts the file over
+    assert kept.read_text() == json.dumps({"key": "another setup"}) + "\n"

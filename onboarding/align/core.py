@@ -465,8 +465,13 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
           isolate: str = "auto", patches: Any = None,
           tolerance: Callable[[torch.dtype, str], Tolerance] = layer_tolerance,
           floor: nn.Module | None = None,
-          on_step: Callable[[str], None] | None = None) -> AlignmentResult:
+          on_step: Callable[[str], None] | None = None,
+          progress: Path | str | None = None) -> AlignmentResult:
     """Align ``candidate`` (patched, candidate dtype) with ``reference`` block by block.
+
+    ``progress``: a file each judged block is appended to (`BlockProgress`); an alignment that
+    was stopped and runs again with the same setup (same logits from both models) judges only
+    the blocks it had not.
 
     ``reference`` and ``candidate`` must hold the same weights (see `build_pair`); ``inputs`` and
     ``kwargs`` are the model's call arguments (`parse.example_inputs`), floating ones cast to
@@ -529,7 +534,13 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
         return error_stats(cand, ref, bitwise_dtype=bitwise, **kw)
 
     results: list[BlockAlignment] = []
+    kept = BlockProgress(progress, _progress_key(graph, mode, rdt, cdt, seed, max_ulp, isolate,
+                                                 patched, ref_run, cand_run, floor_run))
     for i, b in enumerate(graph.blocks):
+        if (done := kept.get(b.path)) is not None:
+            step(f"judged before the stop: block {i + 1}/{len(graph.blocks)}: {b.path}")
+            results.append(done)
+            continue
         step(f"judging block {i + 1}/{len(graph.blocks)}: {b.path}")
         tol = tolerance(cdt, b.kind)
         rc, cc = ref_run.rec.calls.get(b.path, []), cand_run.rec.calls.get(b.path, [])
@@ -567,6 +578,7 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
             for d in (fwd, bwd):
                 d.verdict, d.message = "fail", f"cannot compare: {exc}"
             fwd.output_ok = bwd.output_ok = False
+        kept.add(res)
 
     # the logits by their relative RMS: single elements past atol are judged in the blocks
     ltol = dataclasses.replace(tolerance(cdt, "lm_head"), max_outlier_frac=1.0)
@@ -605,6 +617,58 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
     if ref_bad:
         result.notes.append(f"the reference itself has non-finite outputs in {ref_bad}")
     return result
+
+
+class BlockProgress:
+    """The blocks an alignment has judged, one JSON line each after a key line: what a stopped
+    alignment keeps, so that run again it judges only the rest. The key (`_progress_key`) holds
+    the setup and both models' logits: anything else (another kernel, dtype, input) starts over.
+    Plain JSON, read back into the dataclasses: nothing from the file is executed."""
+
+    def __init__(self, path: Path | str | None, key: str) -> None:
+        self.path, self.key, self.done = (Path(path) if path else None), key, {}
+        if self.path is None:
+            return
+        good: list[str] = []
+        try:
+            lines = self.path.read_text().splitlines()
+            if lines and json.loads(lines[0]).get("key") == key:
+                for line in lines[1:]:
+                    d = json.loads(line)
+                    self.done[d["path"]] = _block_from_dict(d)
+                    good.append(line)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass  # unreadable, or a line cut short by the kill: keep the blocks before it
+        self.path.write_text("".join(x + "\n" for x in [json.dumps({"key": key}), *good]))
+
+    def get(self, path: str) -> BlockAlignment | None:
+        return self.done.get(path)
+
+    def add(self, res: BlockAlignment) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(asdict(res)) + "\n")  # NaN/Infinity round-trip as JSON
+
+
+def _progress_key(graph: OpGraph, mode: str, rdt, cdt, seed: int, max_ulp: int, isolate: str,
+                  patched: set[str], *runs: Any) -> str:
+    import hashlib
+
+    sums = [None if r is None else float(r.logits.detach().double().sum()) for r in runs]
+    return hashlib.sha256(json.dumps([[(b.path, b.kind) for b in graph.blocks], mode, str(rdt),
+                                      str(cdt), seed, max_ulp, isolate, sorted(patched), sums])
+                          .encode()).hexdigest()
+
+
+def _block_from_dict(d: dict[str, Any]) -> BlockAlignment:
+    stats = {f.name for f in dataclasses.fields(Direction)
+             if f.name in ("output", "input", "params", "local", "local_params")}
+
+    def direction(v: dict[str, Any]) -> Direction:
+        return Direction(**{k: (ErrorStats(**x) if k in stats and x is not None else x)
+                            for k, x in v.items()})
+
+    return BlockAlignment(**{**d, "fwd": direction(d["fwd"]), "bwd": direction(d["bwd"])})
 
 
 def _not_called(b: Block, ref_mod: nn.Module, ref_run: _Run, cand_run: _Run,
