@@ -198,6 +198,25 @@ def test_bias_balancing_moves_a_skewed_router_toward_uniform(proxy):
         check_bias_balancing(model, plain, e)
 
 
+def test_balance_modes_choose_the_loss_and_the_bias_update(proxy):
+    from onboarding.train.moe_ep import EPGroup, apply_expert_parallel
+    from onboarding.train.worker import DEFAULT_AUX_COEF, balancing
+
+    model, graph = copy.deepcopy(proxy[0]), proxy[1]
+    ep_mods = apply_expert_parallel(model, graph, EPGroup(), capacity_factor=1.0)
+    own = float(getattr(model.config, "router_aux_loss_coef", 0) or 0)
+
+    def mode(**kw):
+        return balancing(TrainConfig(model=REF, **kw), model, graph, ep_mods)
+    assert mode(balance="none") == (0.0, 0.0)
+    assert mode(balance="auto") == (own, 1e-3)  # the router has a score bias: it is updated
+    assert mode(balance="aux-loss") == (own or DEFAULT_AUX_COEF, 0.0)
+    assert mode(balance="aux-loss", aux_loss_coef=0.5) == (0.5, 0.0)
+    assert mode(balance="bias", bias_rate=0.01) == (0.0, 0.01)
+    with pytest.raises(InputError, match="per-expert load is not counted"):
+        balancing(TrainConfig(model=REF, balance="bias"), model, graph, [])
+
+
 # ---- TensorBoard -----------------------------------------------------------------------------
 
 def test_tensorboard_events_read_back(tmp_path):
