@@ -33,7 +33,10 @@ def test_vision_part_classified_and_aligned(tmp_path):
     out = tmp_path / "a"
     assert main(["align", ref, "--part", "vision", "--seq", "16", "--out", str(out)]) == 0
     m = json.loads((out / "model.json").read_text())
-    assert m["name"].endswith("-vision")
+    assert m["name"].endswith("-vision") and m["part"] == "vision"
+    from onboarding.generate.tasks import spec_from_run
+
+    assert spec_from_run(out).part == "vision"  # what generate's kernel tasks rebuild
     p = m["params"]
     # the totals are the tower's own; by_part is still the whole model's
     assert 0 < p["total"] < p["by_part"]["language"]
