@@ -141,6 +141,8 @@ def plot(result: dict[str, Any], path: Path) -> Path | None:
         ax.set(title=f"{title} vs sequence length (recompute {result['recompute']})",
                xlabel="sequence length", ylim=(0, None))
         ax.set_xscale("log", base=2)
+        ax.set_xticks([r["seq"] for r in rows], [str(r["seq"]) for r in rows])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
