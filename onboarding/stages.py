@@ -171,9 +171,26 @@ def run_decide(spec: ModelSpec, graph: OpGraph, coverage: Coverage, out_dir: Pat
                  *decide(tasks, spec, out_dir, graph=graph, opts=opts, client=client,
                          on_step=on_step, on_decision=on_decision)]
     use_generated_families(out_dir)
+    _generated_params(decisions, graph)
     save_decisions(decisions, out_dir / DECISIONS_FILE)
     apply_to_coverage(coverage, decisions).save(out_dir / "coverage.json")
     return decisions
+
+
+def _generated_params(decisions: list[Any], graph: OpGraph) -> None:
+    """An accepted LLM-written family's variant and render parameters for each block it serves,
+    from its own `match` (registered by now), so generate renders it like any template."""
+    from onboarding.families import families
+
+    blocks = {b.path: b for b in graph.blocks}
+    registry = families()
+    for d in decisions:
+        spec = registry.get(d.family) if d.decision == "generated" else None
+        if spec is None or spec.match is None or d.path not in blocks:
+            continue
+        m = spec.match(blocks[d.path])
+        if m is not None:
+            d.variant, d.params = m["variant"], dict(m["params"])
 
 
 def use_generated_families(run_dir: Path) -> None:
@@ -237,6 +254,17 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     # an explicit --kernels list patches those families only: the swaps need their label in it
     swaps = [s for s in swaps or () if (s.path, s.label) not in (exclude or set())
              and (families is None or s.label in families)]
+    # a swapped block runs what the block check checked: its own code, children included, so
+    # family patches at or inside it (the conv1d intercept on a Mamba mixer) are left out; the
+    # swap's record names them (they count as checked inside the active swap)
+    inner = {s.path: sorted({f"{f}@{p}" for p, f in kernels if p == s.path
+                             or p.startswith(s.path + ".")}) for s in swaps}
+    kernels = {(p, f): m for (p, f), m in kernels.items()
+               if not any(p == s.path or p.startswith(s.path + ".") for s in swaps)}
+    for s in swaps:
+        if inner[s.path]:
+            s.detail += "; compiled with the code of " + ", ".join(inner[s.path]) + \
+                " (their family patches left out)"
     with patch_model(candidate, graph, kernels) as patches:
         swap_blocks(candidate, swaps, patches)
         result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,

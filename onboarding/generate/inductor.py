@@ -60,15 +60,17 @@ def _code_files() -> dict[str, Path]:
 
 def compiled(module: nn.Module, *, code_dir: str | None = None, dynamic: bool | None = False,
              forward: Callable | None = None) -> Callable:
-    """``torch.compile`` of ``module``'s forward (``forward``, when given: a forward already
-    patched by a family, which is then compiled with it). The returned function has
-    ``finish()``: copies the generated code written since into ``code_dir`` and returns
-    {backend, graphs, files}."""
+    """``torch.compile`` of ``module``'s forward (``forward``: another function to compile in
+    its place). The returned function has ``finish()``: copies the generated code written since
+    into ``code_dir`` and returns {backend, graphs, files}."""
     before = set(_code_files())
     fn = torch.compile(forward or module.forward, dynamic=dynamic)
 
     def call(*args, **kwargs):
-        return fn(*args, **kwargs)
+        # past the recompile limit dynamo would quietly run the block's own code instead: a
+        # block recorded as served by Inductor must raise then, never fall back unseen
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return fn(*args, **kwargs)
 
     def finish() -> dict[str, Any]:
         new = {k: p for k, p in _code_files().items() if k not in before}

@@ -371,10 +371,10 @@ def patch_model(model: nn.Module, graph: OpGraph,
 class BlockSwap:
     """A whole block's forward replaced by a function made from its module: the Inductor fallback
     (``label`` "inductor") or an accepted LLM-written family's forward ("generated"). ``make``
-    gets the module with its forward as it stands (a family's patch on the same module, such as
-    the conv1d intercept on its owner, is inside it) and returns the new forward. The
-    replacement was gated by the block check (`onboarding.generate.blockcheck`) before it gets
-    here, so there is no first-call calibration; alignment compares the block as usual."""
+    gets the module and returns the new forward. The replacement was gated by the block check
+    (`onboarding.generate.blockcheck`) on the block's own code, so `run_align` leaves out the
+    family patches at or inside a swapped block (what runs is what was checked); there is no
+    first-call calibration, and alignment compares the block as usual."""
 
     path: str
     kind: str = ""
