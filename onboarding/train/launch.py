@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from onboarding.errors import EXIT_ALERT, EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_OK, InputError
 from onboarding.families import subprocess_env
@@ -204,8 +205,6 @@ def _run(cmd: list[str], role: str, cfg: TrainConfig, console: Console) -> int:
     took = time.perf_counter() - t0
     if rc != 0 and (train_dir / ALERT_FILE).exists():  # torchrun reports its own exit code
         alert = json.loads((train_dir / ALERT_FILE).read_text())
-        from rich.markup import escape
-
         console.print(f"[red]ALERT[/red] {role} run stopped: " + escape(
             f"[{alert.get('alert')}] {alert.get('message')} (exit {EXIT_ALERT}; "
             f"{train_dir / ALERT_FILE})"), highlight=False)
@@ -241,6 +240,10 @@ def launch(cfg: TrainConfig, dry_run: bool = False, *, console: Console | None =
             console.print(shlex.join(cmd), highlight=False, soft_wrap=True)
         return EXIT_OK
     write_config(cfg, source=source)
+    for what in hidden_state().values():  # say which path runs where it could have differed
+        console.print(f"model code's kernel packages: {escape(what)} (every role takes the "
+                      "model's torch path; onboard's kernels are patched in except in the "
+                      "baseline)", highlight=False, soft_wrap=True)
     graph_file = Path(cfg.out) / "opgraph.json"
     if graph is not None and not graph_file.exists():  # the workers load it instead of parsing again
         graph.save(graph_file)
