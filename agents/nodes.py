@@ -186,7 +186,8 @@ def align_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]
                        reference=c.align_reference, batch=c.batch,
                        seq=c.seq, seed=c.seed,
                        exclude={tuple(x) for x in state.excluded_kernels}, strict=c.strict,
-                       swaps=swaps(load_decisions(run_dir / DECISIONS_FILE)))
+                       swaps=swaps(load_decisions(run_dir / DECISIONS_FILE)),
+                       on_step=step)  # per-block progress on the run's screen
     culprits = [b.path for b in result.culprits("fwd") or result.culprits("bwd")]
     excluded, stop = next_exclusions(result, state.excluded_kernels)
     attempt = {"attempt": len(state.align_attempts) + 1, "passed": result.passed,
