@@ -173,7 +173,11 @@ def _decisions_section(run_dir: Path) -> str | None:
     for (_, decision, _), ds in groups.items():
         first = ds[0]
         paths = f"`{first.path}`" + (f" and {len(ds) - 1} more like it" if len(ds) > 1 else "")
-        where = ", ".join(sorted({verdicts[d.path] for d in ds if d.path in verdicts})) or "-"
+        where = ", ".join(sorted({verdicts[d.path] for d in ds if d.path in verdicts}))
+        if not where and first.inside:  # judged with the block it is compiled in
+            outer = sorted({verdicts[d.inside] for d in ds if d.inside in verdicts})
+            where = f"{', '.join(outer)} (with the enclosing block)" if outer else ""
+        where = where or "-"
         secs = sum(e.seconds for e in first.evidence)
         code = f"`{Path(first.code_dir).relative_to(run_dir)}`" if first.code_dir and \
             Path(first.code_dir).is_relative_to(run_dir) else "-"

@@ -265,6 +265,14 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
         if inner[s.path]:
             s.detail += "; compiled with the code of " + ", ".join(inner[s.path]) + \
                 " (their family patches left out)"
+    # blocks inside a swapped block are judged with it: hooks on them would be traced into the
+    # compiled code, and their per-block guards recompile it for every instance (dynamo's limit
+    # is 8; Zamba2 has 48 mixers)
+    if swaps:
+        import dataclasses
+
+        graph = dataclasses.replace(graph, blocks=[
+            b for b in graph.blocks if not any(b.path.startswith(s.path + ".") for s in swaps)])
     with patch_model(candidate, graph, kernels) as patches:
         swap_blocks(candidate, swaps, patches)
         result = align(reference_model, candidate, graph, inputs, kwargs, mode=mode, seed=seed,
