@@ -11,8 +11,10 @@ base they trained on to ``<out>/train/base/`` (`onboarding.train.peft_export.exp
 CUDA with ``kernels = true`` the reference and parallel roles patch the onboard kernels that
 pass their checks on the device (`onboarding.train.kernels`).
 
-Test hook: ``ONBOARD_TEST_KILL=RANK:STEP`` makes that rank exit(1) right after that step (after
-its checkpoint, if one is due) to test crash recovery. It only ever ends a run early.
+Test hooks: ``ONBOARD_TEST_KILL=RANK:STEP`` makes that rank exit(1) right after that step (after
+its checkpoint, if one is due) to test crash recovery; ``ONBOARD_TEST_STALL=STEP:SECONDS`` sleeps
+inside that step (before its backward) to test the stall watchdog (`onboarding.train.alerts`).
+They only ever end a run early.
 """
 
 from __future__ import annotations
