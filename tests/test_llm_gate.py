@@ -38,6 +38,7 @@ def _run(tmp_path, cassette: str, attempts: int = 1, in_process: bool = False):
     ("mlstm_numerics_off", "numerics", "rel_rms"),
     ("mlstm_hidden_reference", "runtime", "torch ops do the work outside Triton kernels"),
     ("mlstm_cached", "runtime", "module-level state written during calls: _SEEN"),
+    ("mlstm_module_cache", "runtime", "wrote attribute(s) _last of the block module"),
     ("mlstm_example_shape", "numerics", "batch 3"),
 ])
 def test_broken_or_cheating_kernel_is_rejected_for_the_right_reason(tmp_path, cassette, stage, why):

@@ -16,6 +16,7 @@ calls).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -174,9 +175,19 @@ def module_state(mod: ModuleType, skip: frozenset[str] = frozenset()) -> dict[st
         fp = _fingerprint(value)
         if fp is None and (value is None or isinstance(value, (bool, int, float, str, tuple))):
             fp = ("value", type(value).__name__, repr(value)[:200])
+        if fp is None and inspect.isfunction(value) and vars(value):
+            fp = ("function attributes", _fingerprint(dict(vars(value))))  # f.cache = {...}
         if fp is not None:
             out[name] = fp
     return out
+
+
+def object_state(obj: Any) -> dict[str, Any]:
+    """Fingerprints of an object's attributes (the block module's: a kernel that keeps outputs
+    on the module it is handed)."""
+    return {k: _fingerprint(v) or ("id", id(v)) for k, v in list(vars(obj).items())
+            if k not in ("forward", "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                         "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")}
 
 
 def state_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:

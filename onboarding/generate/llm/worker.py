@@ -2,8 +2,8 @@
 
 `make(module, kernel=PATH)` (the blockcheck `Replacement` target) loads the rendered kernel
 module and returns a `Watched` forward: each call runs ``block_forward(module, ...)`` under the
-`Monitor` (fresh allocations poisoned, Triton launches counted, ATen ops recorded) and hands
-back its outputs through an autograd Function whose backward runs the kernel's own backward,
+`Monitor` (fresh allocations poisoned, Triton launches counted, ATen ops recorded; the block
+module's attributes compared before and after) and hands back its outputs through an autograd Function whose backward runs the kernel's own backward,
 also under the `Monitor`, so both directions are watched and nothing else is. A call that runs
 torch ops which do the work, launches no Triton kernel, or changes the kernel module's data
 globals raises `CheatError` at once. On its first call it also compares the answer's
@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from onboarding.generate.llm.folder import flat_tensors
-from onboarding.generate.llm.runtime import Monitor, module_state, state_changes
+from onboarding.generate.llm.runtime import Monitor, module_state, object_state, state_changes
 
 
 class CheatError(RuntimeError):
@@ -53,8 +53,13 @@ class _Guarded(torch.autograd.Function):
                       and t.is_floating_point() else t for t in inputs]
             args, kwargs = tree_unflatten(leaves, spec)
             launches = watched.monitor.record.launches
+            pre = object_state(watched.module)  # the eager forward may keep its own caches between calls
             with watched.monitor:
                 out = watched.fn(watched.module, *args, **kwargs)
+            kept = state_changes(pre, object_state(watched.module))
+            if kept:
+                raise CheatError(f"anti-cheat (runtime): block_forward wrote attribute(s) {', '.join(kept)} "
+                                 "of the block module (outputs kept from earlier calls)")
             if watched.monitor.record.launches == launches:
                 raise CheatError("anti-cheat (runtime): block_forward launched no Triton kernel")
         outs, ospec = tree_flatten(out)
