@@ -121,7 +121,8 @@ def test_recompute_option_and_old_flag(tmp_path):
                       stall_timeout=5.0, alert_webhook="http://127.0.0.1:1/x", aux_loss_coef=0.1)
     assert TrainConfig.from_toml(cfg.to_toml(tmp_path / "t.toml")) == cfg
     for bad, frag in ((dict(balance="loss"), "balance"), (dict(stall_timeout=-1.0), "stall"),
-                      (dict(alert_webhook="ftp://x"), "http"), (dict(bias_rate=math.inf), "bias")):
+                      (dict(alert_webhook="ftp://x"), "http"), (dict(bias_rate=math.inf), "bias"),
+                      (dict(checkpoint_dir="rel/ckpt"), "must be absolute")):
         with pytest.raises(InputError, match=frag):
             TrainConfig(model="x", **bad).validate_fields()
 

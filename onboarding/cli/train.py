@@ -158,6 +158,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     model = args.model
     if not model.startswith("hf:") and Path(model).exists():
         model = str(Path(model).resolve())  # train.toml must work from any directory
+    if values.get("checkpoint_dir") and "://" not in values["checkpoint_dir"]:
+        values["checkpoint_dir"] = str(Path(values["checkpoint_dir"]).resolve())
     if values.get("data") and "://" not in values["data"] and Path(values["data"]).exists():
         values["data"] = str(Path(values["data"]).resolve())
     spec = ModelSpec(ref=model, overrides=parse_assignments(args.set),

@@ -174,6 +174,10 @@ class TrainConfig:
             raise InputError(f"alert_webhook={self.alert_webhook!r}: expected an http(s):// URL")
         if self.checkpoint_dir is not None and not self.checkpoint_dir.strip():
             raise InputError("checkpoint_dir='': give a path or an fsspec URL, or leave it out")
+        if self.checkpoint_dir and "://" not in self.checkpoint_dir and \
+                not Path(self.checkpoint_dir).is_absolute():
+            raise InputError(f"checkpoint_dir={self.checkpoint_dir!r}: a local path must be "
+                             "absolute (or an fsspec URL such as s3://bucket/run)")
         if self.capacity_factor is not None and not (self.capacity_factor > 0
                                                      and math.isfinite(self.capacity_factor)):
             raise InputError(f"capacity_factor={self.capacity_factor}: must be > 0 "
