@@ -39,8 +39,9 @@ def level_from(verbose: int, quiet: int, env: str | None) -> int:
 def setup(level: int) -> None:
     """Point the ``onboarding`` logger at stderr at ``level`` (again on each call: tests run
     main many times in one process)."""
-    from onboarding.cli.common import err
+    from rich.console import Console
 
+    err = Console(stderr=True, emoji=False)  # as cli.common's error console (which imports us)
     log.setLevel(level)
     log.propagate = False
     for h in list(log.handlers):
