@@ -40,7 +40,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="print the plan and commands only")
     t.add_argument("--json", action="store_true",
                    help="print the outcome (run directory, exit code, metrics, loss comparison, "
-                        "adapter) as JSON to stdout; with --dry-run the plan and commands")
+                        "adapter) as JSON to stdout; with --dry-run the plan and commands; "
+                        "with --seq-sweep the sweep's rows")
     t.add_argument("--seq-sweep", type=int_list, default=None, metavar="L[,L...]",
                    help="one short run per sequence length (fresh processes): tokens/s, peak "
                         "memory, loss finite, OOM; seq_sweep.json, .md and .png")
@@ -331,6 +332,8 @@ def cmd_seq_sweep(args: argparse.Namespace, console: Console) -> int:
     console.print(t)
     console.print(f"report: {build_report(out, title=f'seq sweep {base.model}')}")
     console.print(f"run directory: {out}")
+    if args.json:  # seq_sweep.json's content
+        print(json.dumps({"run_dir": str(out), **result}, indent=1, default=str))
     return 0
 
 
