@@ -266,13 +266,14 @@ def _host_gib() -> float:
 
 def refuse_unfit(plan, info) -> None:
     """Bad input (exit 2) when the model as it trains cannot fit: its fp32 CPU build (every
-    process builds the whole model before sharding), or the plan's bytes per device."""
+    process builds the whole model before sharding), or the plan's bytes per device (``plan``
+    None: the host check only)."""
     host = 4 * info.full.total / 2 ** 30
     if host > _host_gib():
         raise InputError(f"proxy none: every process builds the whole model in fp32 on the "
                          f"CPU first, {host:,.0f} GiB > this machine's {_host_gib():,.0f} GiB; "
                          "`onboard plan` says what the full size needs (train a proxy here)")
-    c = plan.chosen
+    c = plan.chosen if plan is not None else None
     if c is not None and not c.fits:
         raise InputError(f"proxy none: {c.reason} (`onboard train --dry-run` shows the plan)")
 
@@ -302,6 +303,8 @@ def cmd_seq_sweep(args: argparse.Namespace, console: Console) -> int:
     with console.status("seq sweep: checking every length"):
         checked = [check(dataclasses.replace(base, seq_len=s)) for s in seqs]
     info = checked[0][0]
+    if base.proxy == "none":  # the host must hold the fp32 build; the device's limit is measured
+        refuse_unfit(None, info)
     out = new_run_dir(info.loaded.name + "-seq", args.out).resolve()
     base.out = str(out)
 
