@@ -149,7 +149,9 @@ def test_default_run_is_the_hybrid_example(workdir, capsys):
 def test_readme_commands_are_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     blocks = readme.split("<!-- test-command -->")[1].split("```")[1].strip().splitlines()
-    assert blocks == ["pip install torch==2.13.0 -e '.[dev]' && pytest -q -n 2"]
+    assert blocks == ["pip install torch==2.13.0 -e '.[dev]' && pytest -q -n 2 -m \"not slow\""]
+    # what the CI command leaves out runs nightly
+    assert "pytest -q -n 2 -m slow" in (ROOT / ".ci" / "nightly").read_text()
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
 
 
