@@ -141,6 +141,7 @@ def test_default_run_is_the_hybrid_example(workdir, capsys):
     assert "## Training" in report and "Training skipped: no GPU" in report  # likewise
     # the summary screen: a verdict line per stage, skips with their reason, then the paths
     assert "summary load: " in out and "map: coverage: kernel" in out and "align: passed (attempt 1)" in out
+    assert "plan: fits on 8 GPUs of " in out  # no GPU here: the plan's default of 8
     assert "coverable blocks checked" in out and "tune: not run (skipped: no GPU" in out
     assert "train: not run (skipped: no GPU" in out and "run dir: demo" in out
     assert "done align (" in out  # each finished stage with its wall time

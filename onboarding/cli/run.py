@@ -448,6 +448,8 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
         add("parse", f"{s.get('blocks')} blocks ({s.get('capture')} capture), "
                      f"{s.get('unknown_blocks', 0)} unknown; layer pattern "
                      f"{s.get('layer_pattern')}")
+    if "plan" in state.completed and s.get("plan"):  # the full-size model's layout verdict
+        add("plan", str(s["plan"]))
     if "coverage" in s:
         add("map", "coverage: " + ", ".join(f"{k} {v}" for k, v in s["coverage"].items()))
     if "candidates" in s:
