@@ -40,8 +40,8 @@ class RunConfig(BaseModel):
     plan_seq: int = Field(4096, ge=1)
     # train node: LoRA steps of the FSDP2 x EP setup plus its single-process reference. None:
     # 20 on a GPU, skipped on the CPU (set it to train there: gloo, seconds per step).
-    train_steps: int | None = None
-    train_nproc: int | None = None  # None: the GPUs on this machine (2 on the CPU)
+    train_steps: int | None = Field(None, ge=0)
+    train_nproc: int | None = Field(None, ge=1)  # None: the GPUs on this machine (2 on the CPU)
     # the review gate (`agents.review`): after the report, open the kernel PR in
     # `review_repo` (None: this checkout) onto `review_base` (None: its current branch) and
     # wait for a human's answer
