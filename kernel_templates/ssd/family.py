@@ -1,0 +1,55 @@
+"""Mamba-2 state-space duality (SSD) family: the selective state-space scan of Mamba-2 mixers.
+
+One variant, `scan`: x [B, T, H, P], dt [B, T, H] (bias, softplus and limits applied inside),
+A [H], grouped B and C [B, T, G, N], D skip [H], initial and final state [B, H, P, N]; Triton
+forward and backward (gradients to every tensor input) against a pure-PyTorch reference built
+like transformers' chunked torch path. `chunk_size` is the reference's (the model's) chunk length.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onboarding.families import FamilySpec, Param, ShapeBucket
+
+NAME = "ssd"
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """x [1, 19, H, P], dt, A < 0, B/C [1, 19, G, N], D, dt_bias; H, P from a [B, T, H, P] input shape."""
+    H, P = (shapes[0][2], shapes[0][3]) if shapes and len(shapes[0]) == 4 else (4, 16)
+    G, N, T = 1, 16, 19
+    return [torch.randn(1, T, H, P, generator=gen), torch.randn(1, T, H, generator=gen),
+            -torch.exp(torch.rand(H, generator=gen)), torch.randn(1, T, G, N, generator=gen),
+            torch.randn(1, T, G, N, generator=gen), torch.randn(H, generator=gen),
+            torch.randn(H, generator=gen) - 1.0]
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="ssd.py.j2",
+    template_version=1,
+    folder=Path(__file__).parent,
+    variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
+    params=(
+        Param(name="chunk_size", type=int, default=64, choices=(8, 16, 32, 64, 128, 256),
+              doc="chunk length of the reference's chunked quadratic form (the model's chunk_size)"),
+    ),
+    # BLOCK_P: head-dim rows of the [BLOCK_P, N] fp32 state a program holds; CHUNK: steps between
+    # the states the forward stores for the backward (and the backward's scratch length).
+    tuning_space={
+        "BLOCK_P": (8, 16, 32, 64),
+        "CHUNK": (16, 32, 64, 128),
+        "num_warps": (1, 2, 4, 8),
+    },
+    default_config={"BLOCK_P": 16, "CHUNK": 64, "num_warps": 4},
+    shape_buckets=(
+        ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
+        ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 32}),
+    ),
+    sample_inputs=sample_inputs,
+)
