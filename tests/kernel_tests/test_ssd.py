@@ -1,0 +1,114 @@
+"""Mamba-2 SSD scan family: forward, final state and every gradient (x, dt, A, B, C, D, dt_bias,
+initial_state) against the chunked reference, fp32 on tiny shapes (the interpreter is slow):
+odd T, T not a multiple of the reference chunk nor of the kernel's state-store interval, grouped
+B/C, initial states, several P blocks; opcheck; imports of the rendered module."""
+
+from __future__ import annotations
+
+import ast
+import math
+
+import pytest
+import torch
+from conftest import check_sample_inputs_fit
+
+from onboarding.families import family_module
+from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+
+PARAMS = {"chunk_size": 16}
+# CHUNK 16: at T=33 the backward re-runs three state-store chunks, the last one partial.
+CPU_CONFIG = {"BLOCK_P": 8, "CHUNK": 16, "num_warps": 4}
+# (B, T, H, P, G, N, D and dt_bias, initial state)
+SHAPES = [
+    (1, 33, 2, 16, 1, 8, True, True),     # T > 2 chunks, partial last chunk, 2 P blocks
+    (2, 7, 4, 8, 2, 16, True, False),    # odd T < chunk, 2 groups of 2 heads
+    (1, 16, 2, 8, 2, 8, False, True),     # T = one chunk exactly, no D / dt_bias, G = H
+]
+
+
+def shape_id(s) -> str:
+    b, t, h, p, g, n, skip, h0 = s
+    return f"B{b}T{t}H{h}P{p}G{g}N{n}" + ("-D" if skip else "") + ("-h0" if h0 else "")
+
+
+def fixture(module, shape, dt_limit=(0.0, math.inf), softplus=True) -> KernelFixture:
+    b, t, h, p, g, n, skip, h0 = shape
+
+    def make_inputs(dtype, device, gen):
+        def r(*s, scale=1.0):
+            return (scale * torch.randn(*s, generator=gen)).to(device, dtype)
+        A = (-torch.exp(torch.rand(h, generator=gen))).to(device, dtype)
+        return [r(b, t, h, p), r(b, t, h), A, r(b, t, g, n, scale=0.5), r(b, t, g, n, scale=0.5),
+                r(h) if skip else None, r(h) if skip else None, softplus, dt_limit,
+                r(b, h, p, n) if h0 else None, True]
+
+    # A, D, dt_bias, B and C gradients are sums over time (and heads, head dim)
+    return KernelFixture(name=f"ssd/{shape_id(shape)}", module=module, make_inputs=make_inputs,
+                         weights=(2, 3, 4, 5, 6))
+
+
+@pytest.fixture()
+def module(load_kernel):
+    return load_kernel("ssd", "scan", PARAMS, CPU_CONFIG)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_forward_backward(module, device, shape):
+    check_forward_backward(fixture(module, shape), torch.float32, device)
+
+
+def test_bf16_inputs(module, device):
+    """bf16 storage (loads upcast, fp32 maths) against the reference at the bf16 tolerances."""
+    check_forward_backward(fixture(module, SHAPES[1]), torch.bfloat16, device)
+
+
+def test_dt_limit_and_no_softplus(module, device):
+    """Clamped dt (gradient stops where the limit binds) and raw dt without softplus."""
+    check_forward_backward(fixture(module, (1, 9, 2, 8, 1, 8, True, True), dt_limit=(0.1, 1.5)),
+                           torch.float32, device)
+    shape = (1, 9, 2, 8, 1, 8, False, False)
+    fx = fixture(module, shape, softplus=False)
+    make = fx.make_inputs
+    fx.make_inputs = lambda dtype, dev, gen: [a.abs() if i == 1 else a for i, a in enumerate(make(dtype, dev, gen))]
+    check_forward_backward(fx, torch.float32, device)
+
+
+def test_reference_matches_token_recurrence(module):
+    """The chunked reference equals the plain recurrence S_t = a_t S_{t-1} + dt_t x_t B_t^T."""
+    gen = torch.Generator().manual_seed(3)
+    b, t, h, p, g, n = 1, 21, 4, 4, 2, 8
+    x, dt = torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, h, generator=gen)
+    A, D, bias = -torch.exp(torch.rand(h, generator=gen)), torch.randn(h, generator=gen), torch.randn(h, generator=gen)
+    B, C = torch.randn(b, t, g, n, generator=gen), torch.randn(b, t, g, n, generator=gen)
+    h0 = torch.randn(b, h, p, n, generator=gen)
+    y, ht = module.reference(x, dt, A, B, C, D, bias, True, (0.0, math.inf), h0, True)
+    d = torch.nn.functional.softplus(dt + bias)
+    Bh, Ch = B.repeat_interleave(h // g, 2), C.repeat_interleave(h // g, 2)
+    s, ys = h0, []
+    for i in range(t):
+        s = s * torch.exp(d[:, i] * A)[..., None, None] + (d[:, i, :, None] * x[:, i])[..., None] * Bh[:, i, :, None]
+        ys.append((s * Ch[:, i, :, None]).sum(-1) + D[:, None] * x[:, i])
+    torch.testing.assert_close(y, torch.stack(ys, 1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ht, s, rtol=1e-4, atol=1e-4)
+
+
+def test_opcheck_and_contract(module, device):
+    check_module_contract(module)
+    check_opcheck(fixture(module, (1, 5, 2, 8, 1, 8, True, True)), torch.float32, device)
+
+
+def test_sample_inputs_fit(module):
+    check_sample_inputs_fit(module, family_module("ssd"), "scan", PARAMS, [1, 19, 2, 8])
+
+
+def test_rendered_module_imports_only_torch_triton_stdlib(module):
+    tree = ast.parse(open(module.__file__).read())
+    roots = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert roots <= {"torch", "triton", "math", "typing", "os"}, roots
+
+
+def test_shape_errors_name_shapes(module, device):
+    x = torch.randn(1, 4, 2, 8, device=device)
+    with pytest.raises(ValueError, match=r"B and C must be \[B, T, G, N\].*B \(1, 4, 3, 8\)"):
+        module.ssd_scan(x, torch.randn(1, 4, 2), -torch.ones(2), torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
