@@ -1,5 +1,5 @@
 """Mamba-2 SSD scan family: forward, final state and every gradient (x, dt, A, B, C, D, dt_bias,
-initial_state) against the chunked reference, fp32 on tiny shapes (the interpreter is slow):
+initial_state) against the chunked reference, fp32 (and one bf16 case) on tiny shapes (the interpreter is slow):
 odd T, T not a multiple of the reference chunk nor of the kernel's state-store interval, grouped
 B/C, initial states, several P blocks; opcheck; imports of the rendered module."""
 
@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import check_sample_inputs_fit
 
 from onboarding.families import family_module
-from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing import (
+    KernelFixture,
+    check_forward_backward,
+    check_module_contract,
+    check_opcheck,
+)
 
 PARAMS = {"chunk_size": 16}
 # CHUNK 16: at T=33 the backward re-runs three state-store chunks, the last one partial.
@@ -102,7 +108,7 @@ def test_sample_inputs_fit(module):
 
 
 def test_rendered_module_imports_only_torch_triton_stdlib(module):
-    tree = ast.parse(open(module.__file__).read())
+    tree = ast.parse(Path(module.__file__).read_text())
     roots = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
     roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert roots <= {"torch", "triton", "math", "typing", "os"}, roots
