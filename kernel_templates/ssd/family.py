@@ -16,6 +16,24 @@ import torch
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
 NAME = "ssd"
+CHUNK_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Render params for a Mamba-2 (SSD) mixer core, by structure: a `linear_attention.mamba`
+    block (softplus time step, exp + cumsum decay, no delta-rule beta) whose decay is a scalar
+    per head (cumsum over the last dim) and that runs the chunked form (tril segment sums).
+
+    Not yet the spec's `match`: with no binding, claiming the block would take it off the
+    uncovered list and so away from the Inductor fallback that runs it today.
+    """
+    if block.kind != "linear_attention.mamba" or block.attrs.get("per_channel_decay", False):
+        return None
+    hist = block.op_histogram or {}
+    if not (hist.get("tril") and hist.get("cumsum")):
+        return None
+    chunk = block.attrs.get("chunk")
+    return FAMILY.served("scan", {"chunk_size": chunk if chunk in CHUNK_SIZES else 64})
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
@@ -36,7 +54,7 @@ FAMILY = FamilySpec(
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
-        Param(name="chunk_size", type=int, default=64, choices=(8, 16, 32, 64, 128, 256),
+        Param(name="chunk_size", type=int, default=64, choices=CHUNK_SIZES,
               doc="chunk length of the reference's chunked quadratic form (the model's chunk_size)"),
     ),
     # BLOCK_P: head-dim rows of the [BLOCK_P, N] fp32 state a program holds; CHUNK: steps between

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_sample_inputs_fit
+from conftest import check_match, check_sample_inputs_fit
 
 from onboarding.families import family_module
+from onboarding.graph.opgraph import Block
 from onboarding.testing import (
     KernelFixture,
     check_forward_backward,
@@ -118,3 +119,22 @@ def test_shape_errors_name_shapes(module, device):
     x = torch.randn(1, 4, 2, 8, device=device)
     with pytest.raises(ValueError, match=r"B and C must be \[B, T, G, N\].*B \(1, 4, 3, 8\)"):
         module.ssd_scan(x, torch.randn(1, 4, 2), -torch.ones(2), torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
+
+
+def mixer_block(kind="linear_attention.mamba", per_channel=False, tril=True, chunk=256) -> Block:
+    """A Mamba-2 mixer as `onboard parse hf:mamba2 --proxy tiny` records it (attrs, core ops)."""
+    hist = {"cumsum": 3, "exp": 5, "softplus": 1, "einsum": 5, "linear": 2}
+    if tril:
+        hist["tril"] = 4
+    return Block(path="backbone.layers.0.mixer", kind=kind, layer=0, class_name="Anything", op_histogram=hist,
+                 attrs={"decay_shape": [1, 8, 1, chunk], "cumsum_dim": -1, "per_channel_decay": per_channel,
+                        "chunk": chunk})
+
+
+def test_match_by_structure():
+    family = family_module("ssd")
+    check_match(family, mixer_block(), ("scan", {"chunk_size": 256}))
+    check_match(family, mixer_block(chunk=100), ("scan", {"chunk_size": 64}))
+    check_match(family, mixer_block(per_channel=True), None)
+    check_match(family, mixer_block(tril=False), None)
+    check_match(family, mixer_block(kind="linear_attention.gated_delta"), None)
