@@ -14,6 +14,7 @@ import torch
 from conftest import check_match, check_sample_inputs_fit
 
 from onboarding.families import family_module
+from onboarding.generate import aot
 from onboarding.graph.opgraph import Block
 from onboarding.testing import (
     KernelFixture,
@@ -138,3 +139,14 @@ def test_match_by_structure():
     check_match(family, mixer_block(per_channel=True), None)
     check_match(family, mixer_block(tril=False), None)
     check_match(family, mixer_block(kind="linear_attention.gated_delta"), None)
+
+
+def test_aot_sm90(module):
+    """Both kernels compile for sm_90 (what the interpreter cannot check: barriers, loop types)."""
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    for path, rs in aot.compile_files([module.__file__], registers=False).items():
+        assert rs, path
+        for r in rs:
+            assert r.ok, f"{path}: {r.kernel}: {r.error}"
