@@ -150,3 +150,20 @@ def test_aot_sm90(module):
         assert rs, path
         for r in rs:
             assert r.ok, f"{path}: {r.kernel}: {r.error}"
+
+
+def test_decode_steps_chain_to_the_full_scan(module, device):
+    """Decoding token by token (T=1 calls, each from the last final state) gives the full scan."""
+    gen = torch.Generator().manual_seed(5)
+    b, t, h, p, g, n = 1, 5, 2, 8, 1, 8
+    x, dt = torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, h, generator=gen)
+    A, D, bias = -torch.exp(torch.rand(h, generator=gen)), torch.randn(h, generator=gen), torch.randn(h, generator=gen)
+    B, C = torch.randn(b, t, g, n, generator=gen), torch.randn(b, t, g, n, generator=gen)
+    state = torch.randn(b, h, p, n, generator=gen)
+    y, ht = module.ssd_scan(x, dt, A, B, C, D, bias, initial_state=state, return_final_state=True)
+    for i in range(t):
+        s = slice(i, i + 1)
+        yi, state = module.ssd_scan(x[:, s], dt[:, s], A, B[:, s], C[:, s], D, bias, initial_state=state,
+                                    return_final_state=True)
+        torch.testing.assert_close(yi, y[:, s], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ht, rtol=1e-5, atol=1e-5)
