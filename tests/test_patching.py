@@ -23,6 +23,8 @@ OURS = ("template", "kernel")
 def _prepare(parse_model, ref, tmp_path, families=None):
     g = parse_model(ref)
     cov = build_coverage(g)
+    if families is not None:  # reviewed modules in kernels/ serve only the families asked for too
+        cov.entries = [e for e in cov.entries if e.family is None or e.family in families]
     cands = [check_candidate(c, c.shapes) for c in render_candidates(cov, tmp_path)
              if families is None or c.family in families]  # checks run in the interpreter
     info = load_stage(load_model(ref, trust_remote_code=True))
