@@ -77,7 +77,10 @@ def _targets(records, families, offset: int) -> dict[str, tuple[str, float, str]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("case", list(CASES))
+# qwen3_next's case takes 60-110 s on 2 cores (its GDN, router and experts all in the
+# interpreter): nightly; the other cases keep every family's planting in CI
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "qwen3next-gdn-moe"
+                                  else c for c in CASES])
 def test_planted_errors_are_blamed_on_their_block(case, dtype, parse_model, tmp_path):
     ref, families = CASES[case]
     graph = parse_model(ref)
