@@ -3,12 +3,19 @@ counts and Markdown tables."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def human(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
             return f"{n / div:.2f}{unit}"
     return f"{n:.0f}"
+
+
+def or_dash(v: Any, fmt: str) -> str:
+    """``v`` formatted with ``fmt``, or an em dash for a value that was not measured (None)."""
+    return "\u2014" if v is None else format(v, fmt)
 
 
 def table(header: list[str], rows: list[list]) -> str:

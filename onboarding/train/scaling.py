@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.errors import InputError
+from onboarding.formatting import or_dash
 from onboarding.rundir import write_json
 from onboarding.train.config import TrainConfig
 
@@ -108,10 +109,6 @@ def run_scaling(base: TrainConfig, lays: list[Layout], out: Path,
     return result
 
 
-def _f(v: Any, fmt: str) -> str:
-    return "—" if v is None else format(v, fmt)
-
-
 def markdown(result: dict[str, Any]) -> str:
     from onboarding.formatting import table
 
@@ -119,14 +116,15 @@ def markdown(result: dict[str, Any]) -> str:
             "a2a exposed", "expert imbalance (max/mean)", "peak mem GiB", "loss vs reference"]
     rows = []
     for r in result["rows"]:
-        loss = r.get("error") or (f"{_f(r.get('loss_max_rel_diff'), '.1e')} "
+        loss = r.get("error") or (f"{or_dash(r.get('loss_max_rel_diff'), '.1e')} "
                                   f"({'pass' if r.get('loss_passed') else 'FAIL'}, tol "
-                                  f"{_f(r.get('loss_tolerance'), '.0e')})")
+                                  f"{or_dash(r.get('loss_tolerance'), '.0e')})")
         rows.append([
-            r["gpus"], f"{r['ep']} x {r['fsdp']}", _f(r.get("tokens_per_s_per_gpu"), ".0f"),
-            _f(r.get("efficiency"), ".2f"), _f(r.get("mfu"), ".1%"), _f(r.get("a2a_share"), ".1%"),
-            _f(r.get("a2a_exposed_share"), ".1%"), _f(r.get("expert_max_imbalance"), ".2f"),
-            _f(r.get("peak_mem_gib"), ".1f"), loss])
+            r["gpus"], f"{r['ep']} x {r['fsdp']}", or_dash(r.get("tokens_per_s_per_gpu"), ".0f"),
+            or_dash(r.get("efficiency"), ".2f"), or_dash(r.get("mfu"), ".1%"),
+            or_dash(r.get("a2a_share"), ".1%"),
+            or_dash(r.get("a2a_exposed_share"), ".1%"), or_dash(r.get("expert_max_imbalance"), ".2f"),
+            or_dash(r.get("peak_mem_gib"), ".1f"), loss])
     return (f"Weak scaling of {result['model']}: seq {result['seq_len']}, micro-batch "
             f"{result['micro_batch']} per GPU, {result['dtype']}, {result['steps']} steps "
             "(medians over the steps after the first).\n\n" + table(head, rows) + "\n")

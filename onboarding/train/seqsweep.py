@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.errors import EXIT_ALERT, InputError
+from onboarding.formatting import or_dash
 from onboarding.rundir import write_json
 from onboarding.train.config import TrainConfig
 
@@ -94,12 +95,9 @@ def run_sweep(base: TrainConfig, seqs: list[int], out: Path,
     return result
 
 
-def _f(v: Any, fmt: str) -> str:
-    return "—" if v is None else format(v, fmt)
-
-
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
-    return [[str(r["seq"]), _f(r.get("tokens_per_s"), ",.0f"), _f(r.get("peak_mem_gib"), ".2f"),
+    return [[str(r["seq"]), or_dash(r.get("tokens_per_s"), ",.0f"),
+             or_dash(r.get("peak_mem_gib"), ".2f"),
              {True: "yes", False: "NO", None: "—"}[r.get("loss_finite")], r["outcome"]]
             for r in result["rows"]]
 
