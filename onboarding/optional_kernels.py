@@ -21,10 +21,11 @@ import importlib.metadata
 import importlib.util
 import sys
 
-# import name -> the distribution a user installs
-PACKAGES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d",
-            "mamba_ssm": "mamba-ssm", "flash_attn": "flash-attn",
-            "flash_attn_interface": "flash-attn (Hopper build)", "liger_kernel": "liger-kernel"}
+from onboarding.load.compat import pypi_name
+
+# import names (their PyPI names: `onboarding.load.compat.PYPI_NAMES`)
+PACKAGES = ("fla", "causal_conv1d", "mamba_ssm", "flash_attn", "flash_attn_interface",
+            "liger_kernel")
 
 _STATE: dict[str, str] = {}
 
@@ -36,7 +37,7 @@ def _version(name: str) -> str:
             return f"{dist} {importlib.metadata.version(dist)}"
         except importlib.metadata.PackageNotFoundError:
             continue
-    return PACKAGES[name]
+    return pypi_name(name)
 
 
 def _clear_transformers_checks() -> None:

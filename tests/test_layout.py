@@ -27,8 +27,6 @@ NOT_A_FAMILY = {
     ("onboarding/plan/config.py", "lora"): "the plan's training mode, LoRA or full",
     ("onboarding/load/compat.py", "conv1d"): "the PyPI package causal-conv1d that remote code "
                                              "imports, named when it is missing",
-    ("onboarding/optional_kernels.py", "conv1d"): "the PyPI package causal-conv1d, hidden from "
-                                                  "model code",
 }
 
 
