@@ -6,6 +6,10 @@ Everything else that escapes is an internal failure: exit code 1.
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+from typing import Any
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
@@ -28,3 +32,14 @@ class InputError(OnboardError):
 
 class ModelRunError(InputError):
     """The user's model failed while running (its forward raised)."""
+
+
+def read_toml(path: str | Path, option: str) -> dict[str, Any]:
+    """The TOML file the user named with `option`, or an InputError that names it."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{option} {path}: no such file")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: malformed TOML: {exc}") from exc

@@ -16,12 +16,11 @@ rates (``onboard plan --calibrate`` measures them on this GPU).
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from onboarding.errors import InputError
+from onboarding.errors import InputError, read_toml
 
 GIB = 1024 ** 3
 H200_GIB = 141.0
@@ -178,13 +177,7 @@ def load_cluster(path: str | Path | None = None, *, gpu_mem: float | None = None
     ``[rates]``), then ``gpu_mem`` (GiB) over it; GPU memory defaults to `this_gpu_gib`."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise InputError(f"--cluster {p}: no such file")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise InputError(f"{p}: malformed TOML: {exc}") from exc
+        data = read_toml(path, "--cluster")
     rates = data.pop("rates", {})
     known, rknown = {f.name for f in fields(ClusterConfig)}, {f.name for f in fields(Rates)}
     unknown = sorted(set(data) - known) + [f"rates.{k}" for k in sorted(set(rates) - rknown)]

@@ -8,12 +8,11 @@ re-runs it. It is read with `tomllib` and written by the small writer below (no 
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from onboarding.errors import InputError
+from onboarding.errors import InputError, read_toml
 from onboarding.load.spec import ModelSpec
 
 PROXIES = ("tiny", "small", "none")
@@ -237,12 +236,7 @@ class TrainConfig:
     @classmethod
     def from_toml(cls, path: str | Path) -> TrainConfig:
         path = Path(path)
-        if not path.is_file():
-            raise InputError(f"--config {path}: no such file")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise InputError(f"{path}: malformed TOML: {exc}") from exc
+        data = read_toml(path, "--config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
