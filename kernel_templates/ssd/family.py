@@ -50,24 +50,31 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=1,
+    template_version=2,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
         Param(name="chunk_size", type=int, default=64, choices=CHUNK_SIZES,
               doc="chunk length of the reference's chunked quadratic form (the model's chunk_size)"),
     ),
-    # BLOCK_P: head-dim rows of the [BLOCK_P, N] fp32 state a program holds; CHUNK: steps between
-    # the states the forward stores for the backward (and the backward's scratch length).
+    # CHUNK: tokens per chunk L of the kernels (the intra-chunk [L, L] tiles); BLOCK_P: head-dim
+    # columns of a forward program (the backward's chunk kernel holds all of P); BLOCK_S: state
+    # elements per program of the serial state passes; dot: "tf32" keeps fp32 dot operands,
+    # "input" dots 16-bit inputs in their own dtype on a GPU.
     tuning_space={
-        "BLOCK_P": (8, 16, 32, 64),
         "CHUNK": (16, 32, 64, 128),
-        "num_warps": (1, 2, 4, 8),
+        "BLOCK_P": (16, 32, 64, 128),
+        "BLOCK_S": (256, 512, 1024, 2048),
+        "num_warps": (2, 4, 8),
+        "bwd_warps": (2, 4, 8),
+        "dot": ("tf32", "input"),
     },
-    default_config={"BLOCK_P": 16, "CHUNK": 64, "num_warps": 4},
+    # Untimed (no GPU run yet): L 64 keeps the backward chunk kernel's [L, L], [L, N] and [P, N]
+    # fp32 tiles within 8 warps' registers at P 64, N 128.
+    default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_S": 512, "num_warps": 4, "bwd_warps": 8, "dot": "tf32"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
-        ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 32}),
+        ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
     sample_inputs=sample_inputs,
 )

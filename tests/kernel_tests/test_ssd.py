@@ -24,8 +24,8 @@ from onboarding.testing import (
 )
 
 PARAMS = {"chunk_size": 16}
-# CHUNK 16: at T=33 the backward re-runs three state-store chunks, the last one partial.
-CPU_CONFIG = {"BLOCK_P": 8, "CHUNK": 16, "num_warps": 4}
+# CHUNK 16: T=33 spans three kernel chunks, the last one partial; T=7 one partial chunk.
+CPU_CONFIG = {"CHUNK": 16, "BLOCK_P": 16, "BLOCK_S": 256, "num_warps": 4, "bwd_warps": 4, "dot": "tf32"}
 # (B, T, H, P, G, N, D and dt_bias, initial state)
 SHAPES = [
     (1, 33, 2, 16, 1, 8, True, True),     # T > 2 chunks, partial last chunk, 2 P blocks
