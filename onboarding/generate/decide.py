@@ -143,7 +143,12 @@ def _llm(task: KernelTask, client: Any, opts: GenerateOptions, run_dir: Path, sp
 
 def _inductor(task: KernelTask, opts: GenerateOptions, run_dir: Path, spec: ModelSpec,
               left: float | None, check: Callable | None) -> tuple[Evidence, Any]:
-    from onboarding.generate.inductor import block_dir, check_inductor
+    from onboarding.generate.inductor import (
+        block_dir,
+        check_inductor,
+        furthest_rung,
+        ladder_summary,
+    )
 
     if not opts.inductor:
         return Evidence(option="inductor", outcome="skipped", reason="turned off"), None
@@ -153,13 +158,17 @@ def _inductor(task: KernelTask, opts: GenerateOptions, run_dir: Path, spec: Mode
     v = check(spec, task.path, run_dir, kind=task.kind, batch=opts.batch, seq=opts.seq,
               seed=opts.seed, timeout_s=timeout)
     art = next(iter(v.artifacts.values()), {}) if v.artifacts else {}
+    graphs = [g for a in v.artifacts.values() for g in (a or {}).get("ladder") or []]
+    ladder = ladder_summary(graphs)
     detail = {"backend": art.get("backend"), "graphs": art.get("graphs"),
-              "code_dir": str(block_dir(run_dir, task.path)), "verdict": v.summary()}
+              "code_dir": str(block_dir(run_dir, task.path)), "verdict": v.summary(),
+              "rung": furthest_rung(graphs), "ladder": ladder}
     sec = round(time.perf_counter() - t0, 1)
     if v.passed:
         return Evidence(option="inductor", outcome="accepted",
                         reason=f"torch.compile ({art.get('backend') or 'inductor'}) passed the "
-                        "block check: " + v.summary().removeprefix("passed "),
+                        "block check: " + v.summary().removeprefix("passed ")
+                        + (f"; compile ladder: {ladder}" if ladder else ""),
                         seconds=sec, detail=detail), v
     return Evidence(option="inductor", outcome="rejected", reason=f"block check: {v.reason}",
                     seconds=sec, detail=detail), v
@@ -284,13 +293,13 @@ def swaps(decisions: list[Decision]) -> list[Any]:
     """The block swaps alignment installs: every block Inductor serves on its own (not those
     compiled as part of an enclosing block)."""
     from onboarding.generate.blockcheck import Replacement
-    from onboarding.generate.inductor import TARGET
+    from onboarding.generate.inductor import TARGET, ladder_kwargs
     from onboarding.patching.core import BlockSwap
 
     out = []
     for d in decisions:
-        if d.decision == "inductor" and not d.inside:
-            make = Replacement(target=TARGET).load()
+        if d.decision == "inductor" and not d.inside:  # from where the check's ladder ended
+            make = Replacement(target=TARGET, kwargs=ladder_kwargs(d.code_dir)).load()
             out.append(BlockSwap(path=d.path, kind=d.kind, label="inductor", make=make,
                                  detail=d.verdict))
     return out
