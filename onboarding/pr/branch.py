@@ -30,7 +30,13 @@ from onboarding.errors import InputError
 from onboarding.pr.body import build_body
 from onboarding.pr.collect import FamilyChange, Proposal, check_run_dir, collect
 from onboarding.pr.git import Git
-from onboarding.pr.testgen import sample_inputs_bytes, test_paths, test_source
+from onboarding.pr.testgen import (
+    HARNESS,
+    HARNESS_PATH,
+    sample_inputs_bytes,
+    test_paths,
+    test_source,
+)
 
 BRANCH_PREFIX = "onboard/"
 # where kernel PRs write: uncommitted changes here refuse create and approve
@@ -108,7 +114,7 @@ def _refuse_dirty(git: Git, paths: list[str]) -> None:
 
 def _family_files(fam: FamilyChange, prop: Proposal) -> dict[str, bytes]:
     """Repository path -> content of one family's commit."""
-    files: dict[str, bytes] = {}
+    files: dict[str, bytes] = {HARNESS_PATH: HARNESS.encode()}
     for m in fam.modules:
         files[f"kernels/{m.family}/{m.name}"] = m.source.read_bytes()
         if m.tuned is not None:
