@@ -77,11 +77,42 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        delta = self.lora_B(self.lora_A(self.dropout(x.to(torch.float32))))
-        return y + (self.scaling * delta).to(y.dtype)
+        if isinstance(self.dropout, nn.Identity):
+            delta = _LoRADelta.apply(x, self.lora_A.weight, self.lora_B.weight, self.scaling)
+        else:  # the dropped-out fp32 input is what A's gradient needs: autograd keeps it
+            delta = self.scaling * self.lora_B(self.lora_A(self.dropout(x.to(torch.float32))))
+        return y + delta.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"
+
+
+class _LoRADelta(torch.autograd.Function):
+    """``scaling * B(A(x.float()))`` with the fp32 adapters A [r, in], B [out, r].
+
+    Autograd on the plain expression keeps an fp32 copy of x per adapter for A's gradient (q, k
+    and v each hold their own, twice the size of the 16-bit input they share); this keeps x as it
+    came (one storage for every adapter on the same input, often saved for the backward anyway)
+    and the [.., r] product, and casts x again in the backward. The same operations in the same
+    order as the plain expression, so the same numbers.
+    """
+
+    @staticmethod
+    def forward(ctx, x, a, b, scaling):
+        xa = torch.nn.functional.linear(x.to(torch.float32), a)
+        ctx.save_for_backward(x, a, b, xa)
+        ctx.scaling = scaling
+        return scaling * torch.nn.functional.linear(xa, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, b, xa = ctx.saved_tensors
+        g = (grad * ctx.scaling).reshape(-1, b.shape[0])
+        gxa = g @ b
+        gb = g.t() @ xa.reshape(-1, b.shape[1])
+        ga = gxa.t() @ x.reshape(-1, a.shape[1]).to(torch.float32)
+        gx = (gxa @ a).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        return gx, ga, gb, None
 
 
 def _linear_paths(model: nn.Module) -> dict[str, nn.Linear]:

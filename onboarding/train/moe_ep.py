@@ -90,6 +90,31 @@ def _packed_weights(module: nn.Module, width: int, attrs: dict, path: str = ""
     return {role: (own.get(id(t)) or sources[role], t) for role, t in zip(_ROLES, found[0])}
 
 
+class _PlaceRows(torch.autograd.Function):
+    """``out[index] = y`` into ``n`` zero rows; the backward gathers ``grad[index]``.
+
+    Autograd's ``index_copy`` keeps its source (a [pairs, D] tensor per MoE layer, the size of
+    the experts' output) for the backward; the gradient needs only the index.
+    """
+
+    @staticmethod
+    def forward(ctx, y, index, n):
+        ctx.save_for_backward(index)
+        out = y.new_empty(n, *y.shape[1:]) if n == index.numel() else y.new_zeros(n, *y.shape[1:])
+        return out.index_copy_(0, index, y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
+def _place_rows(y: torch.Tensor, index: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """Row ``i`` of ``y`` to row ``index[i]`` of an ``n``-row result (default: ``len(y)``, a
+    permutation); rows no index names are zero. Keeps only ``index`` for the backward."""
+    return _PlaceRows.apply(y, index, y.shape[0] if n is None else n)
+
+
 def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Grouped ``x_e @ w_t[e]`` over row groups of sizes ``counts``: [R, I] x [E_l, I, O] -> [R, O].
 
@@ -230,7 +255,7 @@ class EPExperts(nn.Module):
             y_pairs = self._grouped_single(x, idx)
         else:
             y_sorted = self._dispatch(x[order // k], counts, n)
-            y_pairs = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+            y_pairs = _place_rows(y_sorted, order)
         y = (y_pairs.view(n, k, -1) * w.unsqueeze(-1).to(y_pairs.dtype)).sum(1)
         return y.to(x.dtype)
 
@@ -246,7 +271,7 @@ class EPExperts(nn.Module):
             o = torch.argsort(fe, stable=True)
             ys = self._dispatch(xs[o // k], torch.bincount(fe, minlength=self.n_experts),
                                 xs.shape[0])
-            outs.append(torch.empty_like(ys).index_copy(0, o, ys))
+            outs.append(_place_rows(ys, o))
         return torch.cat(outs)
 
     def _dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor, n_tokens: int
@@ -291,11 +316,10 @@ class EPExperts(nn.Module):
             self.last_dropped += int((~keep).sum())
             kept_counts = torch.clamp(counts, max=cap)
             yk = self._compute(xg[keep], kept_counts.tolist())
-            yg = yk.new_zeros(xg.shape[0], yk.shape[-1]).index_copy(
-                0, keep.nonzero().squeeze(1), yk)
+            yg = _place_rows(yk, keep.nonzero().squeeze(1), xg.shape[0])
         else:
             yg = self._compute(xg, counts.tolist())
-        return torch.empty_like(yg).index_copy(0, regroup, yg)
+        return _place_rows(yg, regroup)
 
     def _compute(self, xg: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The experts (SwiGLU, or non-gated act(up); per-expert biases, gpt-oss's clamp and up

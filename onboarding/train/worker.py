@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn import functional as F
 
 from onboarding.graph.torch_paths import torch_reference_paths
@@ -121,6 +122,46 @@ def balancing(cfg: TrainConfig, model, graph, ep_mods) -> tuple[float, float]:
     return 0.0, cfg.bias_rate
 
 
+def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.device):
+    """``built.model`` (in place) as ``role`` trains it, before recompute and sharding:
+    the baseline gets PEFT's LoRA on the model as it stands; ours gets the expert-parallel
+    experts, our LoRA and, on CUDA with ``kernels``, the onboard kernels that pass their checks.
+    Returns (expert-parallel modules, the kernels' `PatchSet` or None, expert-kernel counts)."""
+    from onboarding.train.lora import inject_lora
+
+    model, graph = built.model, built.graph
+    if role == "baseline":
+        _peft(model, graph, cfg)
+        return [], None, {}
+    ep_mods = []
+    if built.n_experts:
+        ep_mods = apply_expert_parallel(
+            model, graph, layout.ep_group,
+            lora=ExpertLoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.expert_lora
+            else None, capacity_factor=cfg.capacity_factor,
+            dispatch_groups=cfg.fsdp if role == "reference" and cfg.capacity_factor else 1,
+            seed=cfg.seed)
+    inject_lora(model, graph, targets=cfg.lora_targets, rank=cfg.lora_rank,
+                alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
+    patches, expert_kernels = None, {}
+    if cfg.kernels and device.type == "cuda":
+        from onboarding.train.kernels import attach_expert_kernels, patch_kernels
+
+        patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
+                                rank=layout.rank, distributed=layout.distributed)
+        expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
+                                               rank=layout.rank)
+    return ep_mods, patches, expert_kernels
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``ids`` [B, T + 1] (fp32 over the full-vocabulary logits)."""
+    # on the CPU, model code takes its torch path, never a GPU kernel library it found
+    with torch_reference_paths() if ids.device.type == "cpu" else contextlib.nullcontext():
+        logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
 def _world_sum(values: list[float], layout: Layout, device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if layout.distributed:
@@ -131,7 +172,7 @@ def _world_sum(values: list[float], layout: Layout, device) -> list[float]:
 def run(cfg: TrainConfig, role: str) -> None:
     from onboarding.train import data as D
     from onboarding.train.flops import peak_flops, step_flops
-    from onboarding.train.lora import inject_lora, lora_parameters
+    from onboarding.train.lora import lora_parameters
     from onboarding.train.setup import build
 
     layout, device = _init(role, cfg)
@@ -140,27 +181,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     model, graph = built.model, built.graph
     torch.manual_seed(cfg.seed)
 
-    ep_mods = []
-    if role == "baseline":
-        _peft(model, graph, cfg)
-    elif built.n_experts:
-        ep_mods = apply_expert_parallel(
-            model, graph, layout.ep_group,
-            lora=ExpertLoRA(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.expert_lora
-            else None, capacity_factor=cfg.capacity_factor,
-            dispatch_groups=cfg.fsdp if role == "reference" and cfg.capacity_factor else 1,
-            seed=cfg.seed)
-    if role != "baseline":
-        inject_lora(model, graph, targets=cfg.lora_targets, rank=cfg.lora_rank,
-                    alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
-    patches, expert_kernels = None, {}
-    if cfg.kernels and device.type == "cuda" and role != "baseline":
-        from onboarding.train.kernels import attach_expert_kernels, patch_kernels
-
-        patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
-                                rank=layout.rank, distributed=layout.distributed)
-        expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
-                                               rank=layout.rank)
+    ep_mods, patches, expert_kernels = prepare(cfg, role, built, layout, device)
     aux_coef, bias_rate = balancing(cfg, model, graph, ep_mods) if role != "baseline" \
         else (0.0, 0.0)
     taps = RouterTaps(model, graph) if aux_coef > 0 else None
@@ -216,11 +237,7 @@ def run(cfg: TrainConfig, role: str) -> None:
             prof.__enter__()
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        # on the CPU, model code takes its torch path, never a GPU kernel library it found
-        with torch_reference_paths() if device.type == "cpu" else contextlib.nullcontext():
-            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                             ids[:, 1:].reshape(-1))
+        ce = lm_loss(model, ids)
         loss = ce
         aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
         if aux is not None:

@@ -1,0 +1,101 @@
+"""Activation memory of a training step: ours keeps no more for the backward than the baseline.
+
+The tiny proxy of a Qwen3-MoE-style model in bf16, prepared as the worker prepares its roles
+(`onboarding.train.worker.prepare`): the baseline (the model as it stands with PEFT's LoRA on
+attention) against ours (expert-parallel experts, our LoRA), one step each; the bytes autograd
+keeps (`onboarding.train.memory`), per block kind and in total.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from onboarding.train.config import TrainConfig
+
+REF = "hf:qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.train.setup import Built, cast_parameters, routed_experts
+
+    info = load_stage(load_model(REF))
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=0).float()
+    graph = parse_stage(info, seq=64, seed=0, try_export=False)
+    cast_parameters(model, torch.bfloat16)
+    return Built(model=model, graph=graph, info=info, tokenizer_dir=None,
+                 n_experts=routed_experts(model, info.proxy_config))
+
+
+def _step(built, role: str, ids):
+    from onboarding.train.memory import saved_for_backward
+    from onboarding.train.parallel import single_layout
+    from onboarding.train.worker import lm_loss, prepare
+
+    cfg = TrainConfig(model=REF, dtype="bf16", device="cpu", kernels=False, lora_rank=8)
+    b = copy.copy(built)
+    b.model = copy.deepcopy(built.model)
+    prepare(cfg, role, b, single_layout(), torch.device("cpu"))
+    b.model.train()
+    loss, saved = saved_for_backward(b.model, b.graph, lambda: lm_loss(b.model, ids))
+    grads = {n: p.grad for n, p in b.model.named_parameters() if p.requires_grad}
+    return loss, saved, grads
+
+
+def test_ours_keeps_no_more_than_the_baseline(proxy):
+    ids = torch.randint(0, proxy.model.config.vocab_size, (2, 97),
+                        generator=torch.Generator().manual_seed(0))
+    base_loss, base, base_grads = _step(proxy, "baseline", ids)
+    loss, ours, grads = _step(proxy, "reference", ids)
+    assert torch.equal(loss, base_loss)  # adapters start at B = 0: the model as it stands
+    assert base.by_kind.get("moe.experts") and base.by_kind.get("attention.full")
+    more = {k: (v, base.by_kind.get(k, 0)) for k, v in ours.by_kind.items()
+            if v > base.by_kind.get(k, 0)}
+    assert not more, f"blocks keeping more than the baseline's (ours, baseline bytes): {more}"
+    assert ours.total <= base.total
+    # the attention LoRA keeps the 16-bit input once, not an fp32 copy per adapter
+    assert ours.by_kind["attention.full"] < base.by_kind["attention.full"]
+    assert len(grads) == len(base_grads) > 0  # the same number of adapter tensors train
+
+def test_lora_delta_same_numbers_as_the_plain_expression():
+    from onboarding.train.lora import _LoRADelta
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g).to(torch.bfloat16).requires_grad_()
+    a = (torch.randn(4, 16, generator=g) * 0.3).requires_grad_()
+    b = (torch.randn(8, 4, generator=g) * 0.3).requires_grad_()
+    dy = torch.randn(3, 5, 8, generator=g)
+    plain = 2.0 * torch.nn.functional.linear(torch.nn.functional.linear(x.float(), a), b)
+    ref = torch.autograd.grad(plain, (x, a, b), dy)
+    out = _LoRADelta.apply(x, a, b, 2.0)
+    got = torch.autograd.grad(out, (x, a, b), dy)
+    assert torch.equal(out, plain)
+    for r, t in zip(ref, got):
+        assert t.dtype == r.dtype
+        torch.testing.assert_close(t, r, rtol=1e-6, atol=1e-6)
+
+
+def test_place_rows_is_index_copy_keeping_only_the_index():
+    from onboarding.train.moe_ep import _place_rows
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(6, 3, generator=g, requires_grad=True)
+    perm = torch.randperm(6, generator=g)
+    kept = torch.tensor([4, 0, 7])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = _place_rows(y, perm)
+        part = _place_rows(y[:3], kept, 9)
+    assert all(not t.is_floating_point() for t in saved)  # indices only
+    assert torch.equal(out, torch.empty_like(y).index_copy(0, perm, y))
+    assert torch.equal(part, torch.zeros(9, 3).index_copy(0, kept, y[:3]))
+    dy, dp = torch.randn(6, 3, generator=g), torch.randn(9, 3, generator=g)
+    (gy,) = torch.autograd.grad((out * dy).sum() + (part * dp).sum(), y)
+    want = dy[perm].clone()
+    want[:3] += dp[kept]
+    torch.testing.assert_close(gy, want)
