@@ -227,6 +227,49 @@ def test_weight_gradient_gemms_own_tiles(load, device, monkeypatch, entry):
     assert launches["moe_dx_kernel"]["BLOCK_M"] == CPU_CONFIG["BWD_BLOCK_M"]
 
 
+# The persistent weight-gradient kernel's tiles: 16 x 16 output tiles over 2F = 40 (3 row tiles,
+# the last partial) x D = 24 (2 column tiles) per expert and 16-row steps over 0..~37 rows per
+# expert, walked by 3 programs per "SM" (the interpreter's stand-in count) or 1.
+PERSISTENT = {"DW_BLOCK_M": 16, "DW_BLOCK_N": 16, "DW_BLOCK_K": 16, "dw_warps": 4, "dw_stages": 2}
+
+
+@pytest.mark.parametrize("entry,kind,per_sm", [("swiglu", "zipf", 1), ("mlp", "empty_experts", 2),
+                                               ("bias", "empty_experts", 1)])
+def test_persistent_weight_gradients(load, device, monkeypatch, entry, kind, per_sm):
+    """dw_persistent: each weight gradient (and with `bias` its bias gradient) from one persistent
+    kernel whose programs walk several (output tile, row step) pairs in one flat loop: 37 tokens
+    (odd rows per expert, partial row steps and tiles), unused experts (one all-masked step, zero
+    gradient: poisoned outputs would show an unwritten one); every gradient matches the
+    reference, and neither grid kernel launches."""
+    module = load(*{"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
+                    "bias": ("swiglu", {"bias": True})}[entry])
+    fx = bias_fixture(module, kind) if entry == "bias" else fixture(module, kind, gated=entry != "mlp")
+    config = {**CPU_CONFIG, **PERSISTENT, "dw_persistent": per_sm}
+    launches = _checked_launches(fx, device, monkeypatch, config)
+    names = [n for n, _ in launches]
+    assert names.count("moe_dw_persistent_kernel") == 2 and not {"moe_dwd_kernel", "moe_dwgu_kernel"} & set(names)
+    assert all(kw["BLOCK_M"] == 16 and kw["BLOCK_K"] == 16 for n, kw in launches if n == "moe_dw_persistent_kernel")
+
+
+def test_persistent_weight_gradients_match_grid_kernels(load, device):
+    """The persistent kernel and the grid kernels give the same weight gradients (the same fp32
+    sums in the same row order) on fresh inputs with an expert left empty, frozen down included."""
+    module = load("swiglu", {})
+    args = fixture(module, "empty_experts", n=29).make_inputs(torch.float32, device, torch.Generator().manual_seed(5))
+    grads = []
+    for per_sm in (0, 1):
+        module.set_config({**CPU_CONFIG, **PERSISTENT, "dw_persistent": per_sm})
+        try:
+            leaves = [a.clone().requires_grad_(i in (0, 2, 3)) if a.is_floating_point() else a for i, a in enumerate(args)]
+            module.entry(*leaves).square().sum().backward()
+            grads.append([leaves[i].grad for i in (0, 2, 3)])
+        finally:
+            module.set_config(CPU_CONFIG)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert grads[1][2][3:].abs().max() == 0  # experts 3 and 4 took no rows
+
+
 def test_deterministic_mode_keeps_rows(load, device, monkeypatch):
     """Under torch.use_deterministic_algorithms an "atomic" config still sums fixed-order rows."""
     module = load("swiglu", {})
