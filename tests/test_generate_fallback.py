@@ -161,6 +161,35 @@ def test_block_check_verdicts(make, passed, reason, where):
         assert not v.sizes[1].passed
 
 
+def _state_in_dtype(m):
+    """Fp32StateMixer with its state in the input's dtype: right in bf16 too."""
+    import torch
+
+    def fwd(x):
+        v = m.inp(x)
+        return m.out(_running_mean(v) * v + v @ torch.zeros(v.shape[-1], v.shape[-1],
+                                                           dtype=v.dtype))
+    return fwd
+
+
+def test_block_check_bf16_where_the_blocks_own_forward_fails():
+    """xLSTM's chunkwise mLSTM raises in bf16 (fp32 initial states times bf16 keys; seen on the
+    H200): a replacement that runs there is judged by the bf16 row alone, and the block's own
+    code compiled, raising the same, has those sizes skipped, not failed."""
+    from onboarding.generate.blockcheck import check_block
+
+    spec = ModelSpec(ref=f"{FIXTURES / 'uncovered_models.py'}:Fp32StateLM")
+    kw = dict(seq=16, sizes=[(1, 16), (3, 13)], dtypes=["bf16"], in_process=True)
+    v = check_block(spec, "layers.0.mixer", _state_in_dtype, **kw)
+    assert v.passed, v.reason
+    assert [s.dtype for s in v.sizes] == ["bf16", "bf16"] and all(s.errors for s in v.sizes)
+    assert any("own bf16 forward fails" in n and "judged by the bf16 row alone" in n
+               for n in v.notes), v.notes
+    v = check_block(spec, "layers.0.mixer", _own, **kw)
+    assert not v.passed and all(s.skipped.endswith("so does the replacement") for s in v.sizes)
+    assert v.reason.startswith("no size could be checked: the block's own bf16 forward fails")
+
+
 def test_block_check_subprocess_timeout():
     from onboarding.generate.blockcheck import Replacement, check_block
 

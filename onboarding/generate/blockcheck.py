@@ -15,7 +15,9 @@ returns values cached from an earlier call fails there), then an odd, non-power-
 length at batch 1 and 3. A size at which the model's own forward fails is skipped and said so.
 Dtypes: fp32, and bf16 on a GPU that supports it (there the reference is the block in fp32 and
 the bar is the bf16 "layer" row, or twice the unpatched bf16 block's own error where that is
-larger, as in alignment).
+larger, as in alignment). Where the block's own bf16 forward raises (xLSTM's chunkwise path
+multiplies fp32 initial states with bf16 keys), the replacement is judged by the row alone, and
+a replacement that raises there too (the block's code compiled) has that size skipped.
 
 `check_block` runs all this in a subprocess with a timeout (the replacement named by
 `Replacement`, "package.module:function" or "/path/file.py:function", so it can be made on the
@@ -419,17 +421,27 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
                 size.skipped = f"the block's own forward fails at batch {b}, seq {t}: " \
                     + _last_line(exc)
                 continue
-            floor = None
+            floor, own = None, ""
             if ref_module is not module:  # 16-bit: the unpatched block's own error sets a floor
-                floor = _run_once(original, module, args, kw, size.draw, names)
+                try:
+                    floor = _run_once(original, module, args, kw, size.draw, names)
+                except Exception as exc:  # the block's own code fails in 16 bits (xLSTM's
+                    # chunkwise path: fp32 initial states @ bf16 keys): no floor, the row alone
+                    own = f"the block's own {dtype_name} forward fails at batch {b}, seq {t}: " \
+                        + _last_line(exc)
             s0 = time.perf_counter()
             try:
                 cand = _run_once(fn, module, args, kw, size.draw, names)
             except Exception as exc:
                 size.seconds = round(time.perf_counter() - s0, 2)
+                if own:  # failing where the block's own code fails is no verdict on it
+                    size.skipped = f"{own}; so does the replacement"
+                    continue
                 verdict.reason = f"the replacement raised at batch {b}, seq {t}, " \
                     f"{dtype_name}: {_last_line(exc)}"
                 break
+            if own:
+                verdict.notes.append(f"{own} (judged by the {dtype_name} row alone)")
             size.seconds = round(time.perf_counter() - s0, 2)
             size.errors = _judge(cand, ref, floor, dtype_name, kind)
             size.passed = all(e.passed for e in size.errors)
