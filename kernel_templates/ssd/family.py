@@ -58,20 +58,22 @@ FAMILY = FamilySpec(
               doc="chunk length of the reference's chunked quadratic form (the model's chunk_size)"),
     ),
     # CHUNK: tokens per chunk L of the kernels (the intra-chunk [L, L] tiles); BLOCK_P: head-dim
-    # columns of a forward program (the backward's chunk kernel holds all of P); BLOCK_S: state
+    # columns of a forward program (the backward's chunk kernel holds all of P); BLOCK_N: state
+    # columns per dot (the chunk kernels loop over N in BLOCK_N blocks); BLOCK_S: state
     # elements per program of the serial state passes; dot: "tf32" keeps fp32 dot operands,
     # "input" dots 16-bit inputs in their own dtype on a GPU.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
+        "BLOCK_N": (16, 32, 64, 128),
         "BLOCK_S": (256, 512, 1024, 2048),
         "num_warps": (2, 4, 8),
         "bwd_warps": (2, 4, 8),
         "dot": ("tf32", "input"),
     },
-    # Untimed (no GPU run yet): L 64 keeps the backward chunk kernel's [L, L], [L, N] and [P, N]
-    # fp32 tiles within 8 warps' registers at P 64, N 128.
-    default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_S": 512, "num_warps": 4, "bwd_warps": 8, "dot": "tf32"},
+    # Untimed (no GPU run yet); chosen from the sm_90 AOT build's spills at P 64, N 128 bf16.
+    default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
+                    "dot": "tf32"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
