@@ -216,6 +216,31 @@ def test_architectures_beyond_the_dev_set(parse_model, ref, kinds):
     assert kinds <= k and "unknown" not in k
 
 
+@pytest.mark.parametrize("ref,path,attrs", [
+    ("hf:mamba", "backbone.layers.0.mixer", {"norm_dt": False, "norm_bc": False, "dt_rank": 48}),
+    # weighted RMS norms of dt, B and C (Jamba, dt_rank 256; parsed above too), weightless ones
+    # (Falcon-Mamba: nightly, another 10-20 s parse)
+    ("hf:jamba", "model.layers.0.mamba", {"norm_dt": True, "norm_bc": True, "dt_rank": 256}),
+    pytest.param("hf:falcon_mamba", "backbone.layers.0.mixer",
+                 {"norm_dt": True, "norm_bc": True, "dt_rank": 48}, marks=pytest.mark.slow),
+])
+def test_mamba1_mixers_are_read_by_structure(parse_model, ref, path, attrs):
+    """A Mamba-1 mixer (per-channel [inner, state] decay, softplus step, x_proj / dt_proj, conv)
+    is a selective-scan `linear_attention.mamba` block at the mixer's own path, with its widths;
+    before, its ops were left unclaimed and Jamba's reached the whole model, where the mask's
+    integer cumsum read as a decay."""
+    g = parse_model(ref)
+    mixers = [b for b in g.blocks if b.kind == "linear_attention.mamba"]
+    assert mixers and all(b.path.endswith((".mixer", ".mamba")) for b in mixers), \
+        [b.path for b in mixers]
+    block = next(b for b in mixers if b.path == path)
+    assert block.attrs["scan"] == "selective" and block.attrs["per_channel_decay"]
+    assert {k: block.attrs[k] for k in ("inner", "state", "conv_width", "has_d", "gate")} == {
+        "inner": 256, "state": 16, "conv_width": 4, "has_d": True, "gate": "silu"}
+    assert {k: block.attrs[k] for k in attrs} == attrs
+    assert "unknown" not in kinds_of(g)
+
+
 @pytest.mark.parametrize("ref,style", [
     # gate clamped from above, up on both sides, then g * sigmoid(1.702 g) * (up + 1)
     ("hf:gpt_oss", {"clamp": 7.0, "clamp_style": "pre_act", "alpha": 1.702, "up_offset": 1.0}),

@@ -109,7 +109,9 @@ def _decay_cumsum(recs: list[OpRecord]) -> OpRecord | None:
     ops = _hist(recs)
     if not ops["exp"]:
         return None
-    return next((r for r in recs if r.op == "cumsum"), None)
+    # a decay sums floats: an integer cumsum (positions from a mask, expert offsets) is no decay
+    return next((r for r in recs if r.op == "cumsum" and not (
+        r.out_dtypes and str(r.out_dtypes[0] or "").startswith(("int", "uint", "bool")))), None)
 
 
 def _is_rms(recs: list[OpRecord]) -> bool:
@@ -430,6 +432,8 @@ class Classifier:
                 attrs["inline_mlp"] = inline[1]
                 ev.append(inline[2])
             return kind, ev, attrs
+        if (scan := self._selective_scan(path, recs, child_kinds)) is not None:
+            return scan
         decay = _decay_cumsum(recs)
         tri = [op for op in TRIANGULAR if ops[op]]
         if decay is not None and mm and not attn:
@@ -641,6 +645,52 @@ class Classifier:
             ev.append("attention output multiplied by sigmoid(gate) before the out projection")
             return "attention.gated", ev, attrs
         return "attention.full", ev, attrs
+
+    def _selective_scan(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
+                        ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A Mamba-1 mixer (a per-channel selective scan), read off its weights and ops: a
+        [I, N] parameter exponentiated (A = -exp(A_log), one decay per channel and state), a
+        softplus time step, a depthwise causal conv over I channels, and weight projections
+        I -> R + 2N (x_proj: dt, B, C), R -> I (dt_proj), width -> 2I (in_proj: x and the gate)
+        and I -> width (out_proj). None otherwise (Mamba-2's A is one scalar per head)."""
+        ops, shapes = _hist(recs), self.ctx.param_shapes
+        if not ops["softplus"] or not ops["exp"]:
+            return None
+        a_shapes = [shapes[n] for r in recs if r.op == "exp" for n in r.params.values()
+                    if len(shapes.get(n, ())) == 2]
+        if not a_shapes or len({tuple(s) for s in a_shapes}) != 1:
+            return None
+        inner, state = a_shapes[0]
+        # weights [out, in] of the matmuls (nn.Linear, or W @ x)
+        mats = [shapes[n] for r in recs if is_matmul(r.op) for n in r.params.values()
+                if len(shapes.get(n, ())) == 2]
+        x_proj = [m for m in mats if m[1] == inner and m[0] > 2 * state]
+        rank = x_proj[0][0] - 2 * state if x_proj else None
+        dt_proj = rank is not None and [inner, rank] in mats
+        in_proj = [m for m in mats if m[0] == 2 * inner]
+        out_proj = [m for m in mats if m[1] == inner and in_proj and m[0] == in_proj[0][1]]
+        convs = [self.blocks[c].attrs for c, k in child_kinds.items()
+                 if k == "conv.causal1d" and self.blocks[c].attrs.get("channels") == inner]
+        if not (x_proj and dt_proj and in_proj and out_proj and convs):
+            return None
+        norms = {self.blocks[c].attrs.get("dim") for c, k in child_kinds.items()
+                 if k == "norm.rms"}
+        norm_dt, norm_bc = rank in norms, state in norms
+        has_d = any(r.op in ("mul", "mul_") and shapes.get(n) == [inner]
+                    for r in recs for n in r.params.values())
+        gate = next((ACTIVATIONS[r.op] for r in reversed(recs) if r.op in ACTIVATIONS), None)
+        ev = [f"A: a [{inner}, {state}] parameter exponentiated (one decay per channel and state)",
+              "softplus time step", f"depthwise causal conv over {inner} channels",
+              f"projections {in_proj[0][1]} -> {2 * inner} (x and gate), {inner} -> {rank} + 2x{state}"
+              f" (dt, B, C), {rank} -> {inner} (dt), {inner} -> {out_proj[0][0]}",
+              "per-channel selective scan (Mamba-1)"]
+        if norm_dt or norm_bc:
+            ev.append("RMS-normed " + " and ".join(n for n, on in (("dt", norm_dt), ("B/C", norm_bc))
+                                                    if on))
+        return "linear_attention.mamba", ev, {
+            "scan": "selective", "per_channel_decay": True, "inner": inner, "state": state,
+            "dt_rank": rank, "conv_width": convs[0].get("kernel_size"), "norm_dt": norm_dt,
+            "norm_bc": norm_bc, "has_d": has_d, "gate": gate}
 
     def _linear_attention(self, recs, decay, tri):
         ops = _hist(recs)
