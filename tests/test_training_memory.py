@@ -99,3 +99,30 @@ def test_place_rows_is_index_copy_keeping_only_the_index():
     want = dy[perm].clone()
     want[:3] += dp[kept]
     torch.testing.assert_close(gy, want)
+
+
+def test_step_breakdown_by_phase_and_block(proxy):
+    """The profiled step's breakdown (`metrics.step_breakdown`, CPU: leaf ops stand for kernels)
+    puts the forward's time under the graph's block kinds and the backward's under autograd
+    nodes; the optimizer step is its own phase."""
+    from onboarding.train import metrics as M
+    from onboarding.train.worker import lm_loss
+
+    model = copy.deepcopy(proxy.model).train()
+    w = model.lm_head.weight
+    w.requires_grad_(True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(1))
+    phase = M.phases(True, model, proxy.graph)
+    with M.profiler(torch.device("cpu")) as prof:
+        with phase("forward"):
+            loss = lm_loss(model, ids)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+    b = M.step_breakdown(prof, 1.0)
+    assert set(b["by_phase"]) >= {"forward", "backward", "optimizer"}
+    assert {"moe.experts", "attention.full", "norm.rms"} <= set(b["by_block_forward"])
+    assert any(n.endswith("Backward0") for n in b["by_autograd_node"])
+    assert b["kernel_ms"] > 0 and b["top_kernels"]

@@ -98,6 +98,149 @@ def a2a_from_profile(prof: Any) -> dict[str, float]:
     return {"a2a_ms": total / 1e3, "a2a_exposed_ms": exposed / 1e3}
 
 
+# Kernel categories by name (first match wins), for the step breakdown.
+KERNEL_CATEGORIES = (
+    ("all-to-all / collectives", ("nccl", "all_to_all", "alltoall")),
+    ("optimizer", ("multi_tensor", "adam", "fused_adam", "_foreach")),
+    ("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "grouped_mm", "cublas", "splitk")),
+    ("copy / cast", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("reduction", ("reduce", "softmax", "norm_kernel", "argsort", "sort", "scan", "cub::")),
+    ("index / gather / scatter", ("index", "gather", "scatter", "embedding")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "silu", "sigmoid", "mul_", "add_")),
+)
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    for cat, marks in KERNEL_CATEGORIES:
+        if any(m in n for m in marks):
+            return cat
+    return "triton / other"
+
+
+def _phase(evt) -> tuple[str, str]:
+    """(phase, label) of the CPU op that launched kernels: its enclosing ``step:<phase>`` range,
+    or the autograd node running it (backward, on the engine's thread); the label is the
+    innermost ``block:<kind>`` range in the forward, the autograd node in the backward."""
+    label, e = "", evt
+    while e is not None:
+        name = e.name
+        if name.startswith("block:") and not label:
+            label = name[len("block:"):]
+        if name.startswith("autograd::engine::evaluate_function: "):
+            return "backward", name.rpartition(": ")[2]
+        if name.startswith("step:"):
+            return name[len("step:"):], label
+        e = e.cpu_parent
+    return "other", label
+
+
+def step_breakdown(prof: Any, step_s: float, top: int = 25) -> dict[str, Any]:
+    """Where one profiled step's time went on the device: kernel time per phase (forward,
+    backward, optimizer), per block kind (forward), per autograd node (backward), per kernel
+    category and per kernel; and the device's busy time (the union of kernel intervals) against
+    the step's wall time, the rest being host gaps (launch overhead, syncs, Python)."""
+    events = list(prof.events())
+    by_phase: dict[str, float] = {}
+    by_block: dict[str, float] = {}
+    by_node: dict[str, float] = {}
+    by_cat: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}
+    launched = [(e, [(k.name, k.duration) for k in e.kernels]) for e in events
+                if getattr(e, "kernels", None)]
+    if not launched:  # a CPU run: the leaf aten ops and their own time stand for the kernels
+        launched = [(e, [(e.name, e.self_cpu_time_total)]) for e in events
+                    if e.name.startswith("aten::") and not e.cpu_children]
+    for e, ks in launched:
+        phase, label = _phase(e)
+        for kname, us in ks:
+            ms = us / 1e3
+            by_phase[phase] = by_phase.get(phase, 0.0) + ms
+            if phase == "forward":
+                by_block[label or "(outside blocks)"] = by_block.get(label or "(outside blocks)", 0.0) + ms
+            elif phase == "backward":
+                by_node[label] = by_node.get(label, 0.0) + ms
+            cat = _category(kname)
+            by_cat[cat] = by_cat.get(cat, 0.0) + ms
+            kernels.setdefault(kname, []).append(ms)
+    dev = [(e.time_range.start, e.time_range.end) for e in events
+           if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy = _length(_union(dev)) / 1e3 if dev else sum(by_cat.values())
+
+    def ranked(d: dict[str, float], n: int | None = None) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
+
+    wall = step_s * 1e3
+    return {"wall_ms": round(wall, 3), "device_busy_ms": round(busy, 3),
+            "host_gap_ms": round(max(wall - busy, 0.0), 3),
+            "kernel_ms": round(sum(by_cat.values()), 3), "by_phase": ranked(by_phase),
+            "by_block_forward": ranked(by_block), "by_autograd_node": ranked(by_node, top),
+            "by_category": ranked(by_cat),
+            "top_kernels": [{"name": n[:160], "calls": len(v), "ms": round(sum(v), 3)}
+                            for n, v in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]]}
+
+
+@contextlib.contextmanager
+def block_ranges(model: Any, graph: Any):
+    """``block:<kind>`` profiler ranges around the forward of each block of ``graph`` (the
+    innermost wins in `step_breakdown`)."""
+    from torch.profiler import record_function
+
+    modules = dict(model.named_modules())
+    hooks, open_ranges = [], []
+
+    def enter(kind):
+        def pre(module, args):
+            r = record_function(f"block:{kind}")
+            r.__enter__()
+            open_ranges.append(r)
+        return pre
+
+    def leave(module, args, out):
+        if open_ranges:
+            open_ranges.pop().__exit__(None, None, None)
+
+    for b in graph.blocks:
+        mod = modules.get(b.path) if b.path else None
+        if mod is not None:
+            hooks.append(mod.register_forward_pre_hook(enter(b.kind)))
+            hooks.append(mod.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        while open_ranges:
+            open_ranges.pop().__exit__(None, None, None)
+
+
+def phases(on: bool, model: Any, graph: Any):
+    """``phase(name)``: a ``step:<name>`` profiler range (the forward's also with `block_ranges`)
+    when ``on``, else nothing."""
+    from torch.profiler import record_function
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        if not on:
+            yield
+            return
+        with record_function(f"step:{name}"), (block_ranges(model, graph) if name == "forward"
+                                               else contextlib.nullcontext()):
+            yield
+    return phase
+
+
+def write_breakdown(path: Path, prof: Any, step_s: float) -> None:
+    """`step_breakdown` of a profiled step as JSON (best effort: a profiler whose events lack a
+    field leaves a note instead)."""
+    try:
+        data = step_breakdown(prof, step_s)
+    except (AttributeError, TypeError, ValueError) as exc:
+        data = {"error": f"{type(exc).__name__}: {exc}"}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
 # Receives every finished step profile (`profile_every`) while `trace_sink` is active: the
 # nightly benchmark keeps one training step's kernels and Chrome trace this way.
 _TRACE_SINK: list = []

@@ -80,6 +80,20 @@ def collect(cfg: TrainConfig, rc: int) -> dict[str, Any]:
             "last_loss": losses[-1] if losses else None, "run_dir": cfg.out}
 
 
+def reuse_setup(src: Path, dst: Path) -> None:
+    """Give a length's run the first length's kernel candidates and verdicts (the op graph is
+    shared by the caller): they do not depend on the sequence length (rendered and checked at the
+    graph's widths), and at full size rendering and checking them on the device is a large part
+    of a run's set-up.
+    The run verifies each module against its recorded hash before it imports it."""
+    import shutil
+
+    kernels = src / "train" / "kernels"
+    if (kernels / "candidates.json").is_file() and not (dst / "train" / "kernels").exists():
+        shutil.copytree(kernels, dst / "train" / "kernels",
+                        ignore=shutil.ignore_patterns("experts", "__pycache__"))
+
+
 def run_sweep(base: TrainConfig, seqs: list[int], out: Path,
               run_one: Callable[[TrainConfig], int]) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
@@ -87,9 +101,13 @@ def run_sweep(base: TrainConfig, seqs: list[int], out: Path,
               "nproc": base.nproc, "ep": base.ep, "micro_batch": base.micro_batch,
               "dtype": base.dtype, "recompute": base.recompute_mode, "steps": base.steps,
               "device": base.device, "rows": rows}
+    first: Path | None = None
     for cfg in configs(base, seqs, out):
+        if first is not None:
+            reuse_setup(first, Path(cfg.out))
         rows.append(collect(cfg, run_one(cfg)))
         write_json(out / RESULTS_FILE, result)
+        first = first or Path(cfg.out)
     (out / TABLE_FILE).write_text(markdown(result))
     plot(result, out / PLOT_FILE)
     return result

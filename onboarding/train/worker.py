@@ -154,6 +154,14 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
     return ep_mods, patches, expert_kernels
 
 
+def _adamw(params: list, cfg: TrainConfig, *, fused: bool) -> torch.optim.AdamW:
+    """AdamW over the adapters: one fused kernel for all of them on one GPU (the per-tensor
+    loop launched about a dozen kernels per adapter tensor); per tensor where the adapters are
+    DTensor shards beside plain expert tensors (a fused or foreach step takes one kind)."""
+    kw = {"fused": True} if fused else {"foreach": False}
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
+
+
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of ``ids`` [B, T + 1] (fp32 over the full-vocabulary logits)."""
     # on the CPU, model code takes its torch path, never a GPU kernel library it found
@@ -195,8 +203,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     expert_ids = {id(p) for m in ep_mods for p in m.lora_parameters()}
     dense = [p for _, p in params if id(p) not in expert_ids]
     experts = [p for _, p in params if id(p) in expert_ids]
-    opt = torch.optim.AdamW([p for _, p in params], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            foreach=False)
+    opt = _adamw([p for _, p in params], cfg, fused=device.type == "cuda" and not layout.distributed)
 
     out = Path(cfg.out) / "train"
     ckpt = Checkpointer(f"{cfg.ckpt_root.rstrip('/')}/{role}", layout,
@@ -235,19 +242,23 @@ def run(cfg: TrainConfig, role: str) -> None:
         t0 = time.perf_counter()
         if prof is not None:
             prof.__enter__()
+        phase = M.phases(prof is not None, model, graph)
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        ce = lm_loss(model, ids)
-        loss = ce
-        aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
-        if aux is not None:
-            loss = ce + aux_coef * aux
+        with phase("forward"):
+            ce = lm_loss(model, ids)
+            loss = ce
+            aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
+            if aux is not None:
+                loss = ce + aux_coef * aux
         _maybe_stall(step)
-        loss.backward()
-        finish_expert_grads(experts, layout)
-        gnorm = clip_grads(dense, experts, layout, cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            finish_expert_grads(experts, layout)
+            gnorm = clip_grads(dense, experts, layout, cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         counts = global_counts(ep_mods, world_group) if ep_mods else None
         if counts is not None and bias_rate > 0:
             update_score_bias(model, graph, counts, bias_rate)
@@ -271,6 +282,8 @@ def run(cfg: TrainConfig, role: str) -> None:
             a2a = M.a2a_from_profile(prof)
             row.update(a2a_ms=a2a["a2a_ms"], a2a_share=a2a["a2a_ms"] / 1e3 / dt,
                        a2a_exposed_share=a2a["a2a_exposed_ms"] / 1e3 / dt)
+            if layout.rank == 0:
+                M.write_breakdown(out / f"profile_{role}_step{step}.json", prof, dt)
         if counts is not None:
             row["expert_load"] = M.expert_load(counts, paths)
             loads = [x["max_over_mean"] for x in row["expert_load"] if x["max_over_mean"]]
