@@ -23,11 +23,11 @@ only). ``check`` (fwdbwd cases): the bf16 kernel against the fp32 per-expert ref
 case's E, K, D, F on 4096 tokens (DeepSeek shapes: 32 of the experts, so the fp32 copies fit
 beside the bf16 case), output and every gradient.
 
-At the anchor and Qwen3-Next shapes (uniform routing) ``ours@...`` rows time the experts kernel
-under other tile configs of its D bucket, around the bf16 defaults, for picking them: the forward
-tiles in the ``fwd`` case (``MOE_FWD_SWEEP``), the backward kernels' own tiles in the ``fwdbwd``
-case (``MOE_BWD_SWEEP``, forward tiles left at the bucket's). Both shapes share the D bucket but
-not the rows per expert (anchor 1024, Qwen3-Next 160: 128-row tiles pad the latter by 60%).
+Some uniform-routing cases add ``ours@...`` rows (``SWEEPS``): the experts kernel under other
+configs of its D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd``
+case (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
+(``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next and DeepSeek-V3 N8192 time
+the weight-gradient kernels' choices in their ``fwdbwd`` cases (``MOE_DW_SWEEP``).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -86,6 +86,15 @@ MOE_BWD_SWEEP = [
     {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
     {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 256, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
 ]
+# The weight-gradient GEMMs' kernels timed beside the default (the persistent kernel) in the
+# fwdbwd case at Qwen3-Next (uniform) and DeepSeek-V3 N8192: one program per output tile
+# (`dw_persistent` 0, the default before), and a deeper pipeline.
+MOE_DW_SWEEP = [{"dw_persistent": 0}, {"dw_stages": 4}]
+# Which cases sweep: (label, N, mode) -> configs (`fwd` forward tiles, `fwdbwd` the backward's).
+# The anchor keeps the full tile sweeps; the larger shapes time only what is being decided, so
+# that every case of the family runs in under a minute.
+SWEEPS = {("anchor", 8192, "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "fwdbwd"): MOE_BWD_SWEEP,
+          ("qwen3_next", 8192, "fwdbwd"): MOE_DW_SWEEP, ("deepseek_v3", 8192, "fwdbwd"): MOE_DW_SWEEP}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
@@ -171,8 +180,9 @@ def _variant(label: str) -> tuple[str, dict, bool]:
     return "swiglu", {}, True
 
 
-def _moe_steps(label, E, K, D, Fw, N, kind, backward: bool, sweep: bool, device,
+def _moe_steps(label, E, K, D, Fw, N, kind, backward: bool, sweep: list[dict], device,
                frozen: bool = False) -> dict[str, Step]:
+    """The case's steps: every impl, plus ``ours@...`` rows for the `sweep` configs."""
     variant, params, gated = _variant(label)
     mod, ours = kernel("moe_experts", variant, params)
     impls = {"ours": ours, "loop": transformers_loop if gated else transformers_loop_mlp,
@@ -180,10 +190,10 @@ def _moe_steps(label, E, K, D, Fw, N, kind, backward: bool, sweep: bool, device,
     sets = _moe_sets(E, K, D, Fw, N, kind, device, backward, gated, frozen)
     if not backward:
         steps = {name: fwd_only(fn, sets) for name, fn in impls.items()}
-        return {**steps, **(fwd_sweep(mod, ours, sets, D, MOE_FWD_SWEEP) if sweep else {})}
+        return {**steps, **(fwd_sweep(mod, ours, sets, D, sweep) if sweep else {})}
     grads = [torch.randn(N, D, device=device, dtype=torch.bfloat16)]
     steps = {name: fwd_bwd(fn, sets, grads) for name, fn in impls.items()}
-    return {**steps, **(config_sweep(mod, ours, sets, grads, D, MOE_BWD_SWEEP) if sweep else {})}
+    return {**steps, **(config_sweep(mod, ours, sets, grads, D, sweep) if sweep else {})}
 
 
 def _moe_check(label, E, K, D, Fw, kind) -> Callable[[torch.device], dict[str, float]]:
@@ -212,10 +222,10 @@ def cases() -> list[BenchCase]:
         # and writes dx and both weight gradients
         fwd_bytes = 2 * (2 * N * D + mats * E * Fw * D)
         for kind in kinds:
-            sweep = label in ("anchor", "qwen3_next") and kind == "uniform"
             frozen_too = label in FROZEN_LABELS and kind == "uniform"
             for backward, frozen in ((False, False), (True, False)) + (((True, True),) if frozen_too else ()):
                 mode = "fwdbwd_frozen" if frozen else "fwdbwd" if backward else "fwd"
+                sweep = SWEEPS.get((label, N, mode), []) if kind == "uniform" else []
                 # the backward reads dy, x and the weights and writes dx (+ both weight gradients)
                 bwd_bytes = 2 * (3 * N * D + (1 if frozen else 2) * mats * E * Fw * D)
                 out.append(BenchCase(
@@ -223,7 +233,7 @@ def cases() -> list[BenchCase]:
                     shape={"E": E, "K": K, "D": D, "F": Fw, "N": N},
                     min_bytes=fwd_bytes + (bwd_bytes if backward else 0),
                     flops=(1 + (1 if frozen else 2) * backward) * 2 * mats * S * D * Fw,
-                    setup=lambda device, a=(label, E, K, D, Fw, N, kind, backward, sweep and not frozen), f=frozen:
+                    setup=lambda device, a=(label, E, K, D, Fw, N, kind, backward, sweep), f=frozen:
                         _moe_steps(*a, device, frozen=f),
                     check=_moe_check(label, E, K, D, Fw, kind) if backward and not frozen else None,
                     note=f"{kind} routing; " + ("forward + backward to x and the routing weights (frozen experts)"

@@ -285,7 +285,12 @@ _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num
 # stages took d gate_up / d down from 0.917 / 0.423 ms to 0.685 / 0.349 at the anchor, 1.995 /
 # 0.962 to 1.624 / 0.821 at Qwen3-Next and 20.84 / 9.53 to 16.61 / 8.34 at DeepSeek-V3 N8192
 # (its step 62.1 -> 56.5 ms); 4 stages the same, 128 x 256 16.85 / 7.40, 128-row steps worse.
-_DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps": 8, "dw_stages": 3}
+# Seventeenth session: the persistent kernel (`dw_persistent`: 1 program per SM; at 146 registers
+# a second would not fit beside it) in place of one program per output tile: the grid kernels
+# refill a 2-deep pipeline for every 4-step tile at DeepSeek-V3 (~256 rows per expert); measured
+# against them in the bench's MOE_DW_SWEEP rows (docs/LOG.md).
+_DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps": 8, "dw_stages": 3,
+             "dw_persistent": 1}
 _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
                             _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
