@@ -37,6 +37,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(rows rev:<sha>, rev:<sha>_fwd; their ratio > 1: the tree is faster); "
                         "REV may be a folder of templates instead (rows tpl:<folder name>)")
     b.add_argument("--out", help="write the result rows as JSON here")
+    u = b.add_argument_group("uncovered blocks (--blocks): the Inductor fallback against eager")
+    u.add_argument("--blocks", action="append", default=None, metavar="MODEL",
+                   help="time MODEL's distinct uncovered blocks (MODEL: a reference or a run "
+                        "directory), torch.compile as the fallback compiles it against the "
+                        "block's own code, forward and forward + backward (repeatable; one "
+                        "process per model)")
+    u.add_argument("--proxy", choices=("tiny", "small"), default=None,
+                   help="the proxy the blocks come from (default: small; a run's own)")
+    u.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    u.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="dtype (default bf16; a block whose own code fails in it is timed in "
+                        "fp32, with a note)")
+    u.add_argument("--start", choices=("default", "safe", "regional"), default="default",
+                   help="the compile ladder's first rung (default: Inductor's defaults)")
+    u.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop models still compiling or timing after SECONDS (their records "
+                        "so far are kept)")
     n = b.add_argument_group("nightly (--suite nightly)")
     n.add_argument("--parts", default="kernels,train,align", metavar="A,B",
                    help="which parts: kernels, train, align (default: all)")
@@ -70,6 +87,8 @@ NIGHTLY_ONLY = ("compare", "update_baseline", "yes", "no_history", "dashboard", 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.action == "history":
         return _history(args, console)
+    if args.blocks and args.suite == "nightly":
+        raise InputError("--blocks: not with --suite nightly")
     if args.suite == "nightly":
         from onboarding.cli.nightly import cmd_nightly
 
@@ -77,6 +96,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     given = [f"--{k.replace('_', '-')}" for k in NIGHTLY_ONLY if getattr(args, k, None)]
     if given:
         raise InputError(f"{', '.join(given)}: only with --suite nightly")
+    if args.blocks:
+        return _blocks(args, console)
     import torch
 
     from onboarding.bench.cases import cases_for, select_cases
@@ -102,6 +123,33 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     print(json.dumps(result, indent=1, default=str) if args.json else format_table(result))
     save(result)
     if args.out:
+        console.print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _blocks(args: argparse.Namespace, console: Console) -> int:
+    """``--blocks MODEL``: each model's uncovered blocks, Inductor against eager."""
+    import torch
+
+    from onboarding.bench.blocks import bench_blocks, summary_table
+
+    mixed = [f for f, v in (("--family", args.family), ("--case", args.case),
+                            ("--impl", args.impl), ("--against", args.against),
+                            ("--profile", args.profile)) if v]
+    if mixed:
+        raise InputError(f"{', '.join(mixed)}: not with --blocks (its rows are blocks, not "
+                         "kernel cases)")
+    if args.seq < 1:
+        raise InputError(f"--seq {args.seq}: must be >= 1")
+    if not torch.cuda.is_available():
+        raise InputError("onboard bench needs a GPU (timings on the CPU interpreter mean "
+                         "nothing); run it on the GPU machine")
+    with console.status("compiling and timing uncovered blocks"):
+        result = bench_blocks(args.blocks, proxy=args.proxy, seq=args.seq, dtype=args.dtype,
+                              start=args.start, timeout=args.timeout, log=console.print)
+    print(json.dumps(result, indent=1, default=str) if args.json else summary_table(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
         console.print(f"wrote {args.out}")
     return EXIT_OK
 
