@@ -192,7 +192,8 @@ def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage
                 **base, op=family, status="kernel" if module else "template", family=family,
                 variant=m["variant"], params=m["params"],
                 module=str(module) if module else None,
-                reason="reviewed kernel" if module else f"template {family}/{m['variant']}"))
+                reason=("reviewed kernel" if module else f"template {family}/{m['variant']}")
+                + (f"; {m['note']}" if m.get("note") else "")))
         for op, reason in _fast_paths(b):
             entries.append(CoverageEntry(**base, op=op, status="torch_fast", reason=reason))
         for op, reason in _unserved_parts(b):

@@ -24,6 +24,8 @@ from onboarding.patching.sparse import patch_sparse_block
 from onboarding.graph.opgraph import Block
 from onboarding.patching.core import PatchRecord, entry_function
 
+from . import crossover
+
 
 def mha_attend(fn: Callable) -> Callable:
     """SDPA-layout q [B, H, T, D], k/v [B, HK, S, D] -> the gathered kernel (GQA), back to SDPA's."""
@@ -118,6 +120,10 @@ def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: Pat
     if gathered is None:
         record.status, record.detail = "rejected", "no gathered-attention kernel for this block"
         return None
-    undo = patch_sparse_block(module, sparse_bindings(module, gathered), record)
+    layout = getattr(gathered, "PARAMS", {}).get("layout", "mha")
+    # by measured shape: calls below the crossover run the block's own (dense, same-function)
+    # attention, the others the kernel (crossover.py; never off a GPU)
+    undo = patch_sparse_block(module, sparse_bindings(module, gathered), record,
+                              prefer_dense=crossover.policy(layout))
     record.binding = "calibrating: top-k + attention intercept"
     return undo

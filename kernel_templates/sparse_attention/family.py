@@ -22,7 +22,7 @@ import torch
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
-from . import bench
+from . import bench, crossover
 from .binding import bind
 
 NAME = "sparse_attention"
@@ -63,11 +63,15 @@ def match_all(block: Any) -> list[dict[str, Any]]:
 
 
 def match(block: Any) -> dict[str, Any] | None:
-    """The `gathered` variant for a `sparse_attention.topk` block, with the indexer in "also"."""
+    """The `gathered` variant for a `sparse_attention.topk` block, with the indexer in "also" and,
+    as "note" (coverage's reason), when the patching runs the kernel and when the block's own
+    dense attention by the measured crossover (`crossover.summary`)."""
     found = match_all(block)
     if not found:
         return None
-    return {**found[0], "also": found[1:]}
+    layout = found[0]["params"].get("layout", "mha")
+    return {**found[0], "also": found[1:],
+            "note": crossover.summary(layout, int(found[1]["params"]["topk"]))}
 
 
 def causal_topk_indices(scores: torch.Tensor, topk: int) -> torch.Tensor:

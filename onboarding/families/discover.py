@@ -318,5 +318,7 @@ def match_block(block: Any) -> list[tuple[str, dict[str, Any]]]:
             # a block may need several variants of one family (sparse attention: the indexer
             # and the gathered attention); the extra ones come under "also"
             for one in (m, *m.get("also", ())):
-                out.append((name, {"variant": one["variant"], "params": one["params"]}))
+                # "note": what the family adds to coverage's reason (a choice it makes by shape)
+                out.append((name, {"variant": one["variant"], "params": one["params"],
+                                   **({"note": one["note"]} if one.get("note") else {})}))
     return out

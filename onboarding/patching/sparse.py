@@ -112,9 +112,14 @@ class SparseIntercept(TorchFunctionMode):
     not by running the block twice, keeps the block's children at one call per forward.
     """
 
-    def __init__(self, bindings: dict[str, tuple[Callable, int | None, str]], calibrated: bool = False):
+    def __init__(self, bindings: dict[str, tuple[Callable, int | None, str]], calibrated: bool = False,
+                 prefer_dense: Callable[..., bool] | None = None):
         super().__init__()
         self.bindings = bindings
+        # prefer_dense(q, k, topk, backward): the call runs the block's own attention instead
+        # (the family's choice by shape: below its measured crossover the dense one is faster)
+        self.prefer_dense = prefer_dense
+        self.dense = 0  # calls left to the block's own attention by prefer_dense
         self.latents = {lat for _, lat, _ in bindings.values() if lat}
         self.chosen: str | None = next(iter(bindings)) if calibrated else None
         self.indices: torch.Tensor | None = None
@@ -209,6 +214,10 @@ class SparseIntercept(TorchFunctionMode):
             self._calibrate(q, k, v, scale, indices, original)
         if self.chosen is None:
             return None
+        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if self.prefer_dense is not None and self.prefer_dense(q, k, self.indices.shape[-1], backward):
+            self.dense += 1
+            return None  # the caller runs the original attention call
         attend, _, source = self.bindings[self.chosen]
         self.hits += 1
         return attend(q, k, v, indices(source), scale, self.linears)
@@ -245,17 +254,21 @@ class SparseBlock:
     """Replaces a sparse block's ``forward``: the original, run under the intercept. The first
     call calibrates (see `SparseIntercept`); no binding matching -> the block is given back."""
 
-    def __init__(self, module: nn.Module, record: Any, bindings: dict):
+    def __init__(self, module: nn.Module, record: Any, bindings: dict,
+                 prefer_dense: Callable[..., bool] | None = None):
         self.module, self.record, self.bindings = module, record, bindings
         self.original = module.forward
+        self.prefer_dense = prefer_dense
+        self.dense_calls = 0  # attention calls the shape policy left to the block's own attention
 
     def __call__(self, *args, **kwargs):
         calibrated = self.record.status == "active"
-        mode = SparseIntercept(self.bindings, calibrated)
+        mode = SparseIntercept(self.bindings, calibrated, self.prefer_dense)
         with mode:
             out = self.original(*args, **kwargs)
+        self.dense_calls += mode.dense
         if not calibrated:
-            if mode.chosen is not None and mode.hits:
+            if mode.chosen is not None and (mode.hits or mode.dense):
                 self.bindings = {mode.chosen: self.bindings[mode.chosen]}
                 self.record.status, self.record.binding, self.record.detail = "active", mode.chosen, ""
             else:
@@ -267,11 +280,12 @@ class SparseBlock:
 
 
 def patch_sparse_block(module: nn.Module, bindings: dict[str, tuple[Callable, int | None, str]],
-                       record: Any) -> Callable[[], None]:
+                       record: Any, prefer_dense: Callable[..., bool] | None = None) -> Callable[[], None]:
     """Run ``module``'s forward under the intercept with ``bindings`` (see `SparseIntercept`);
-    returns the undo."""
+    ``prefer_dense(q, k, topk, backward)`` sends a calibrated call to the block's own attention
+    instead (the family's choice by shape). Returns the undo."""
     had_own = "forward" in module.__dict__
-    module.forward = SparseBlock(module, record, bindings)
+    module.forward = SparseBlock(module, record, bindings, prefer_dense)
 
     def undo() -> None:
         if not had_own:

@@ -440,3 +440,141 @@ def test_bench_steps_and_check_run_small(layout, monkeypatch):
         assert sorted(steps) == ["causal_sdpa", "masked_sdpa", "ours"]
         for step in steps.values():
             step(0)
+
+
+# ---- the measured crossover against dense attention, and the patching's choice by it ------------
+
+xo = fam.crossover
+
+
+def _table(groups=(1, 8), t_star=(500_000, 60_000)) -> dict:
+    """A table in crossover.json's form: ours = a T, masked dense = b T^2 with the crossover of
+    each group at `t_star` (forward; forward + backward at twice it); causal dense 4x cheaper."""
+    rows = []
+    ts = [16384, 32768, 65536, 131072]
+    for g, t0 in zip(groups, t_star):
+        a = 1e-3
+        times = {}
+        for mode, tc in (("fwd", t0), ("fwdbwd", 2 * t0)):
+            b = a / tc
+            times[mode] = {"ours": [a * t for t in ts], "masked_sdpa": [b * t * t for t in ts],
+                           "causal_sdpa": [b * t * t / 4 for t in ts]}
+        rows.append({"layout": "mha", "H": 16 * g, "HK": 16, "group": g, "d": 128, "K": 2048, "ts": ts,
+                     "times": times})
+    return {"device": "test", "rows": rows}
+
+
+def test_crossover_fit_interpolates_extrapolates_and_bounds():
+    """`fit`: the crossing T of ours = a T and dense = b T^2 (T* = a / b) between measured T
+    (log-linear: exact for these power laws), past them (a T + c against b T^2), or ours winning
+    from the first measured T; no pair timed: never."""
+    ts = [16384, 32768, 65536, 131072]
+    ours = [1e-3 * t for t in ts]
+    inside = xo.fit(ts, ours, [1e-3 / 100_000 * t * t for t in ts])
+    assert inside["how"] == "interpolated" and abs(inside["t"] - 100_000) <= 100
+    past = xo.fit(ts, ours, [1e-3 / 514_000 * t * t for t in ts])
+    assert past["how"] == "extrapolated" and abs(past["t"] - 514_000) <= 500
+    assert xo.fit(ts, ours, [1e-3 / 8000 * t * t for t in ts]) == {"t": 16384, "how": "below"}
+    # a baseline left out at the largest T (its masks would not fit): fitted from the others
+    assert xo.fit(ts, ours, [1e-3 / 514_000 * t * t for t in ts[:3]] + [None])["how"] == "extrapolated"
+    assert xo.fit(ts, ours, [None] * 4) == {"t": None, "how": "never"}
+
+
+def test_crossover_threshold_by_group_topk_and_backward():
+    """`threshold` takes the nearest measured group (log scale), the mode's crossover against the
+    block's own (masked) dense attention, and scales it with K; no row for a layout: None."""
+    table = _table()
+    t, why = xo.threshold(table, "mha", 1, 2048, backward=False)
+    assert abs(t - 500_000) <= 500 and "extrapolated" in why
+    assert abs(xo.threshold(table, "mha", 1, 2048, backward=True)[0] - 1_000_000) <= 1000
+    assert abs(xo.threshold(table, "mha", 8, 1024, backward=False)[0] - 30_000) <= 50  # interpolated, K/2
+    assert xo.threshold(table, "mha", 4, 2048, False)[0] == xo.threshold(table, "mha", 8, 2048, False)[0]
+    assert xo.threshold(table, "mla", 1, 2048, False)[0] is None
+    causal = xo.threshold(table, "mha", 1, 2048, False, baseline="causal_sdpa")[0]
+    assert abs(causal - 2_000_000) <= 2000  # 4x cheaper dense: 4x later
+    assert "g1: 500000 / 1000000" in xo.summary("mha", 2048, table)
+
+
+def test_crossover_policy_decides_per_call_on_gpu_only():
+    """`policy(layout)(q, k, topk, backward)`: dense below T*, the kernel from T*; never dense off a
+    GPU (the table's times are a GPU's) or without a table row for the layout."""
+    class Shape:  # q / k stand-ins: the policy reads shapes and the device only
+        def __init__(self, shape, cuda=True):
+            self.shape, self.is_cuda = shape, cuda
+
+    prefer = xo.policy("mha", _table())
+    q, k = Shape((1, 16, 400_000, 128)), Shape((1, 16, 400_000, 128))
+    assert prefer(q, k, 2048, False) and not prefer(Shape((1, 16, 600_000, 128)), k, 2048, False)
+    assert prefer(Shape((1, 16, 600_000, 128)), k, 2048, True)  # fwd+bwd: crossover 1M
+    assert not prefer(Shape((1, 32, 60_000, 128)), Shape((1, 4, 60_000, 128)), 2048, False)  # g8: 60k
+    assert not prefer(Shape((1, 16, 400_000, 128), cuda=False), k, 2048, False)
+    assert not xo.policy("mha", {"rows": []})(q, k, 2048, False)  # no row for the layout: the kernel
+
+
+class _TopkAttention(torch.nn.Module):
+    """Scores -> top-k over key positions -> boolean mask -> SDPA, as DSA blocks do."""
+
+    def __init__(self, topk: int):
+        super().__init__()
+        self.topk = topk
+
+    def forward(self, q, k, v):
+        T = q.shape[-2]
+        scores = (q.mean(1) @ k.mean(1).transpose(-1, -2)).float()  # [B, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        idx = scores.masked_fill(~causal, float("-inf")).topk(min(self.topk, T), dim=-1).indices
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True) & causal
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
+
+
+def test_patched_block_leaves_calls_below_the_crossover_to_its_own_attention():
+    """The intercept with a shape policy: the first call calibrates the binding (it runs once,
+    against the original); then calls the policy sends to dense run the block's own attention
+    (the binding untouched, same output), the others the binding, told whether a backward
+    follows."""
+    from onboarding.patching.core import PatchRecord
+    from onboarding.patching.sparse import patch_sparse_block
+
+    calls, seen = [], []
+
+    def attend(q, k, v, idx, scale, _linears):  # the gathered attention, in torch
+        calls.append(q.shape[-2])
+        T = q.shape[-2]
+        i = idx.long()
+        keep = torch.zeros(*i.shape[:2], T + 1, dtype=torch.bool).scatter_(-1, torch.where(i >= 0, i, T), True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, :, :T], scale=scale)
+
+    def prefer_dense(q, k, topk, backward):
+        seen.append((q.shape[-2], topk, backward))
+        return q.shape[-2] < 20
+
+    block = _TopkAttention(topk=8)
+    record = PatchRecord(path="attn", kind="sparse_attention.topk", family="sparse_attention")
+    undo = patch_sparse_block(block, {"torch gathered": (attend, None, "topk")}, record, prefer_dense=prefer_dense)
+    gen = torch.Generator().manual_seed(0)
+    short = [torch.randn(1, 2, 12, 8, generator=gen) for _ in range(3)]
+    long = [torch.randn(1, 2, 24, 8, generator=gen).requires_grad_() for _ in range(3)]
+    try:
+        out = block(*short)
+        assert record.status == "active" and calls == [12]  # calibration only: then the block's own
+        out_long = block(*long)
+        out_long.sum().backward()
+        assert calls == [12, 24] and seen == [(12, 8, False), (24, 8, True)]
+        assert block.forward.dense_calls == 1
+    finally:
+        undo()
+    torch.testing.assert_close(out, block(*short))
+    torch.testing.assert_close(out_long, block(*long), rtol=1e-5, atol=1e-6)
+
+
+def test_coverage_reason_names_the_choice_by_shape():
+    """A `sparse_attention.topk` block's coverage entry says when the patching runs the kernel
+    and when the block's own attention (the family's match note, from the measured table)."""
+    from onboarding.coverage import build_coverage
+    from onboarding.graph.opgraph import OpGraph
+
+    block = _block("sparse_attention.topk", topk=2048, indexer_relu=True)
+    graph = OpGraph(model="m", capture="export", capture_note="", batch=1, seq=32, dtype="float32",
+                    blocks=[block], layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
+    entry = next(e for e in build_coverage(graph).entries if e.variant == "gathered")
+    assert entry.reason.split("; ", 1)[1] == fam.crossover.summary("mha", 2048)  # after "reviewed kernel" or "template ..."
