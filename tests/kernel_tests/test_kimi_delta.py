@@ -64,26 +64,31 @@ def test_strong_decay_is_finite(chunk):
 
 
 def test_gram_paths_mixed_in_one_call(monkeypatch):
-    """Chunk 64 (four 16-row blocks): the first chunk's mild decays take the all-dots Gram
-    products (a reference per block), the second chunk's strong ones (a gc range past 80 inside
+    """Chunk 64 (four 16-row blocks), three chunks, one per path of the decayed Gram products:
+    mild decays (a gc range within 80 over the chunk) take one reference per chunk, medium ones
+    (within 80 inside each 16-row block only) a reference per block, strong ones (past 80 inside
     a block) the exact elementwise diagonal blocks; forward and every gradient against the naive
-    recurrence. In the interpreter a spy on the exact path checks that each chunk took its own."""
+    recurrence. In the interpreter spies on the helpers check that each chunk took its own."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=1, HV=1, T=100, l2=True, h0=True)
+    case = Case(HK=1, HV=1, T=150, l2=True, h0=True)
     gen = torch.Generator().manual_seed(8)
     args = make_inputs(case, True, torch.float32, DEVICE, gen)
-    args[3] = torch.cat([args[3][:, :64], args[3][:, 64:] * 30.0], dim=1)
+    # per-step log decays ~-0.36 (gc ranges up to 34 per chunk), ~-1.4 (55 per block, 119 per
+    # chunk), ~-11 (263 per block)
+    args[3] = torch.cat([args[3][:, :64], args[3][:, 64:128] * 4.0, args[3][:, 128:] * 30.0], dim=1)
     douts = [torch.randn(1, case.T, 1, case.V, generator=gen).to(DEVICE),
              torch.randn(1, 1, case.K, case.V, generator=gen).to(DEVICE)]
     calls = []
     if DEVICE.type == "cpu":  # interpreted: the jit helpers are plain Python through the module globals
-        for name in ("_kda_gram", "_kda_gram_bwd"):
-            exact = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _f=exact, _n=name, **kw: (calls.append(_n), _f(*a, **kw))[1])
+        for name, bc in (("_kda_gram", None), ("_kda_gram_bwd", None), ("_kda_gram_dots", 6), ("_kda_gram_bwd_dots", 9)):
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
+                calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
     (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
-    if DEVICE.type == "cpu":  # one K tile (BK 32): the second chunk only, forward and backward
-        assert sorted(calls) == ["_kda_gram", "_kda_gram_bwd"], calls
+    if DEVICE.type == "cpu":  # one K tile (BK 32): each chunk once forward, once backward
+        assert sorted(calls) == ["_kda_gram", "_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64",
+                                 "_kda_gram_dots/16", "_kda_gram_dots/64"], calls
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
