@@ -681,8 +681,8 @@ class Classifier:
         gate = next((ACTIVATIONS[r.op] for r in reversed(recs) if r.op in ACTIVATIONS), None)
         ev = [f"A: a [{inner}, {state}] parameter exponentiated (one decay per channel and state)",
               "softplus time step", f"depthwise causal conv over {inner} channels",
-              f"projections {in_proj[0][1]} -> {2 * inner} (x and gate), {inner} -> {rank} + 2x{state}"
-              f" (dt, B, C), {rank} -> {inner} (dt), {inner} -> {out_proj[0][0]}",
+              (f"projections {in_proj[0][1]} -> {2 * inner} (x and gate), {inner} -> {rank} + "
+               f"2x{state} (dt, B, C), {rank} -> {inner} (dt), {inner} -> {out_proj[0][0]}"),
               "per-channel selective scan (Mamba-1)"]
         if norm_dt or norm_bc:
             ev.append("RMS-normed " + " and ".join(n for n, on in (("dt", norm_dt), ("B/C", norm_bc))

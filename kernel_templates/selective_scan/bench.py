@@ -1,0 +1,128 @@
+"""Selective-scan benchmark cases (the spec's `bench_cases`): Mamba-1 layouts, state 16, bf16.
+
+Impls per case (a ``_fwd`` suffix: forward only, under `torch.no_grad`; otherwise forward +
+backward of y):
+
+- ``ours`` / ``ours_fwd``: our rendered ``scan`` kernel;
+- ``eager`` / ``eager_fwd``: transformers' Mamba-1 torch path (``mamba_selective_scan``, the
+  token-by-token recurrence the mixer runs without mamba_ssm), unwrapped so that a hub kernel
+  does not take over; its fwd+bwd only up to EAGER_BWD_MAX_T (one autograd node per step);
+- ``compile_fwd`` / ``compile``: `torch.compile` of that function with its own compile-time
+  form (``use_associative_scan``: an associative scan over [B, D, T, N], which it takes only
+  under torch.compile); compiling the token loop would unroll T steps.
+
+``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
+relative RMS error of y and of the gradients of u, delta, A, B, C, D, z, delta_bias; ``ok`` is
+1.0 when y is within O_TOL and every gradient within GRAD_TOL.
+Shape legend: u, delta, z [B, D, T]; A [D, N]; B, C [B, N, T].
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
+from onboarding.bench.harness import BenchCase, Step
+from onboarding.testing.tolerance import rel_rms
+
+O_TOL, GRAD_TOL = 0.005, 0.01
+EAGER_BWD_MAX_T = 4096
+GRADS = ("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias")
+# (B, T, D, N, note)
+SHAPES = (
+    (1, 4096, 5120, 16, "Mamba-2.8B layout (d_inner 5120)"),
+    (1, 8192, 4096, 16, "Mamba-1.4B-like width, T 8192"),
+)
+
+
+def transformers_scan(associative: bool = False) -> Callable:
+    """transformers' Mamba-1 torch scan as (u, delta, A, B, C, D, z, delta_bias) -> y."""
+    from transformers.models.mamba import modeling_mamba as m
+
+    fn = inspect.unwrap(m.mamba_selective_scan)
+
+    def call(u, delta, A, B, C, D, z, delta_bias):
+        return fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
+                  use_associative_scan=associative)
+
+    return call
+
+
+def _ours() -> Callable:
+    _, entry = kernel("selective_scan", "scan", {})
+    return lambda u, delta, A, B, C, D, z, bias: entry(u, delta, A, B, C, D, z, bias, True)
+
+
+@shared_inputs
+def make_inputs(B: int, T: int, D: int, N: int, device: torch.device, seed: int = 0
+                ) -> tuple[torch.Tensor, ...]:
+    """bf16 u, delta, B, C, z and fp32 A, D, delta_bias as a Mamba-1 mixer makes them (A = -[1..N]
+    per channel, dt = softplus(delta + bias) in [1e-3, 0.1]), leaves that require grad."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bf16 = torch.bfloat16
+
+    def r(*s):
+        return torch.randn(*s, device=device, generator=gen)
+
+    u, z = r(B, D, T).to(bf16), r(B, D, T).to(bf16)
+    delta = (0.1 * r(B, D, T)).to(bf16)
+    A = -torch.arange(1, N + 1, device=device, dtype=torch.float32).repeat(D, 1)
+    A = A * torch.exp(0.1 * r(D, N))
+    Bm, Cm = r(B, N, T).to(bf16), r(B, N, T).to(bf16)
+    Dv = torch.ones(D, device=device) + 0.1 * r(D)
+    dt = torch.exp(torch.rand(D, device=device, generator=gen) * (torch.log(torch.tensor(0.1))
+                                                                   - torch.log(torch.tensor(1e-3)))
+                   + torch.log(torch.tensor(1e-3))).to(device)
+    bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    return tuple(t.requires_grad_(True) for t in (u, delta, A, Bm, Cm, Dv, z, bias))
+
+
+def _check(B: int, T: int, D: int, N: int) -> Callable[[torch.device], dict[str, float]]:
+    def check(device: torch.device) -> dict[str, float]:
+        leaves = make_inputs(B, T, D, N, device, seed=0)
+        gen = torch.Generator(device=device).manual_seed(7)
+        dy = torch.randn(B, D, T, device=device, generator=gen)
+        y = _ours()(*leaves)
+        grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+        leaves32 = [x.detach().float().requires_grad_(True) for x in leaves]
+        y32 = transformers_scan()(*leaves32)
+        grads32 = torch.autograd.grad(y32, leaves32, dy)
+        res = {"y": rel_rms(y, y32)}
+        for name, a, b in zip(GRADS, grads, grads32, strict=True):
+            res[name] = rel_rms(a, b)
+        res["ok"] = float(res["y"] <= O_TOL and all(res[n] <= GRAD_TOL for n in GRADS))
+        return res
+    return check
+
+
+def _steps(B: int, T: int, D: int, N: int, device: torch.device) -> dict[str, Step]:
+    sets = [make_inputs(B, T, D, N, device, seed=s) for s in range(N_SETS)]
+    grads = [torch.randn(B, D, T, device=device, dtype=torch.bfloat16)]
+    ours, eager = _ours(), transformers_scan()
+    compiled = torch.compile(transformers_scan(associative=True))
+    steps = {"ours": fwd_bwd(ours, sets, grads), "ours_fwd": fwd_only(ours, sets),
+             "eager_fwd": fwd_only(eager, sets), "compile_fwd": fwd_only(compiled, sets),
+             "compile": fwd_bwd(compiled, sets, grads)}
+    if T <= EAGER_BWD_MAX_T:
+        steps["eager"] = fwd_bwd(eager, sets, grads)
+    return steps
+
+
+def scan_case(B: int, T: int, D: int, N: int, note: str = "") -> BenchCase:
+    # Bytes: u, delta, z (bf16) read by the forward and again by the backward, y written, dy read,
+    # du, ddelta, dz written (11 [B, D, T] bf16 passes); B, C read twice, dB, dC written (fp32).
+    min_bytes = 11 * 2 * B * D * T + (2 * 2 * 2 + 2 * 4) * B * N * T
+    # per (b, d, t, n): exp, the state's multiply-add, the output's multiply-add in the forward;
+    # the backward re-runs it and adds the adjoint scan and five products (~3x)
+    flops = 4 * 5 * B * D * T * N
+    return BenchCase(
+        family="selective_scan", name=f"B{B}T{T}D{D}N{N}", shape={"B": B, "T": T, "D": D, "N": N},
+        min_bytes=min_bytes, flops=flops, setup=lambda device: _steps(B, T, D, N, device),
+        check=_check(B, T, D, N), note=note)
+
+
+def cases() -> list[BenchCase]:
+    return [scan_case(*shape) for shape in SHAPES]
