@@ -7,7 +7,10 @@ block by structure (input shapes, weight shapes, attrs: the family's `problem_di
 first block of a bucket gives its shapes. `tune_run` runs one study per job (key: family,
 variant, params, bucket, dtype, GPU), writes `<variant>.tuned.json` beside each candidate
 module, `tune.json` (every result, for the report) and `tune_best.png`. Reviewed kernels
-(`kernels/`) are not tuned here: their tuned configs are reviewed like their code.
+(`kernels/`) are not tuned here: their tuned configs are reviewed like their code. A candidate
+whose module exports ``block_forward`` (an accepted LLM-written family) and whose bucketed
+dimension no rule reads is tuned on its block instead (`onboarding.tune.block`, job level
+"block"): on the run's proxy at its capture size.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class TuneJob:
     shapes: list[list[int]]  # the block's input shapes (for the correctness sample)
     dims: dict[str, int] | None  # real problem dims for timing (None: sample shapes)
     blocks: list[str] = field(default_factory=list)
+    # "kernel": the module's entry on sample/timing inputs (the worker's trials); "block": a
+    # module exporting block_forward, tuned on the block itself (`onboarding.tune.block`)
+    level: str = "kernel"
+    kind: str = ""
 
 
 def block_dims(family: str, entry, block) -> dict[str, int] | None:
@@ -88,6 +95,7 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
     from onboarding.coverage import Coverage
     from onboarding.families import get_family
     from onboarding.generate.templating import load_module
+    from onboarding.tune.block import has_block_forward
 
     missing = [a for a in RUN_ARTIFACTS if not (run_dir / a).is_file()]
     if missing:
@@ -115,6 +123,14 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
             dims = block_dims(c.family, e, block)
             size, source = bucket_size(spec, e, block, dims)
             dims = timing_dims(spec, dims)
+            if size is None and has_block_forward(module):  # an LLM-written family: its
+                # buckets are whatever block_forward looks up on the block (tune_block)
+                job = jobs.setdefault((path, "block"), TuneJob(
+                    family=c.family, variant=c.variant, module=path, bucket="(block)", size=0,
+                    size_source="the buckets block_forward looks up on the block",
+                    shapes=e.shapes, dims=None, level="block", kind=e.kind))
+                job.blocks.append(e.path)
+                continue
             if size is None:
                 notes.append(f"{c.family}/{c.variant} at {e.path}: bucketed dimension "
                              f"{spec.shape_buckets[0].dim} unknown, not tuned")
@@ -170,6 +186,10 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
                     on_step(f"{label}: trial {info['done']}/{info['total']}, best "
                             + progress_text(info["best_ms"], info["default_ms"], info["left_s"]))
 
+            if job.level == "block":
+                for r in _tune_block_job(run_dir, job, config, timer, share):
+                    results.append((replace(job, bucket=r.bucket), r))
+                continue
             r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
                             config=replace(config, progress=False, budget_s=share), timer=timer,
                             progress=prog, on_trial=on_trial)
@@ -190,6 +210,27 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
         plot_history([replace(r, bucket=f"{j.family}/{j.variant} {j.bucket}")
                       for j, r in results], run_dir / PLOT_FILE)
     return data
+
+
+def _tune_block_job(run_dir: Path, job: TuneJob, config: TuneConfig, timer: Timer | None,
+                    budget_s: float | None) -> list[BucketResult]:
+    """A block-level job (`onboarding.tune.block`) on the run's proxy at its capture size, the
+    first block it serves; writes the tuned.json like a kernel job."""
+    from onboarding.generate.tasks import spec_from_run
+    from onboarding.graph.opgraph import OpGraph
+    from onboarding.tune.block import tune_block
+
+    graph = OpGraph.load(run_dir / "opgraph.json")
+    rs = tune_block(job.module, spec_from_run(run_dir), job.blocks[0], batch=graph.batch or 1,
+                    seq=graph.seq or 64, dtype=config.dtype, kind=job.kind,
+                    n_trials=config.n_trials,
+                    space={k: list(v) for k, v in config.space.items()} if config.space else None,
+                    seed=config.seed, timer=(lambda c: timer(c, {})) if timer else None,
+                    budget_s=budget_s if budget_s is not None else config.budget_s)
+    if any(r.best_config is not None for r in rs):
+        write_tuned(job.module, rs, dtype=config.dtype,
+                    timing="injected timer" if timer else None)
+    return rs
 
 
 def _relative(path: str, run_dir: Path) -> str:
