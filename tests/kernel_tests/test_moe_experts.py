@@ -227,6 +227,24 @@ def test_weight_gradient_gemms_own_tiles(load, device, monkeypatch, entry):
     assert launches["moe_dx_kernel"]["BLOCK_M"] == CPU_CONFIG["BWD_BLOCK_M"]
 
 
+@pytest.mark.parametrize("entry,tma", [("swiglu", True), ("mlp", True), ("swiglu", False)])
+def test_backward_weight_tma_and_dx_tiles(load, device, monkeypatch, entry, tma):
+    """bwd_tma: the down backward and dx GEMMs read the expert weights through tensor descriptors
+    (D = 40 and 2F = 40 over 16-row blocks: blocks run past an expert's rows into the next's and
+    past the last); DX_BLOCK_M / DX_BLOCK_N / dx_stages: dx's own tile and tile map (32-row
+    tiles over counts that are not multiples of it). Every gradient matches."""
+    module = load(*{"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"})}[entry])
+    if tma and module.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    fx = fixture(module, "zipf", d=40, gated=entry != "mlp")
+    config = {**CPU_CONFIG, "bwd_tma": tma, "DX_BLOCK_M": 32, "DX_BLOCK_N": 16, "dx_stages": 2}
+    launches = _checked_launches(fx, device, monkeypatch, config)
+    dx = [kw for n, kw in launches if n == "moe_dx_kernel"]
+    down = [kw for n, kw in launches if n == "moe_down_bwd_kernel"]
+    assert dx and all((kw["BLOCK_M"], kw["BLOCK_N"], kw["num_stages"], kw["TMA"]) == (32, 16, 2, tma) for kw in dx)
+    assert down and all((kw["BLOCK_M"], kw["TMA"]) == (CPU_CONFIG["BWD_BLOCK_M"], tma) for kw in down)
+
+
 # The persistent weight-gradient kernel's tiles: 16 x 16 output tiles over 2F = 40 (3 row tiles,
 # the last partial) x D = 24 (2 column tiles) per expert and 16-row steps over 0..~37 rows per
 # expert, walked by 3 programs per "SM" (the interpreter's stand-in count) or 1.
