@@ -9,7 +9,9 @@ backward of y):
   does not take over; its fwd+bwd only up to EAGER_BWD_MAX_T (one autograd node per step);
 - ``compile_fwd`` / ``compile``: `torch.compile` of that function with its own compile-time
   form (``use_associative_scan``: an associative scan over [B, D, T, N], which it takes only
-  under torch.compile); compiling the token loop would unroll T steps.
+  under torch.compile); compiling the token loop would unroll T steps. ``compile`` (fwd+bwd)
+  at the first shape only;
+- ``ours@...`` / ``ours@..._fwd``: our kernel at other tiles (FWD_SWEEP, BWD_SWEEP), first shape.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
 relative RMS error of y and of the gradients of u, delta, A, B, C, D, z, delta_bias; ``ok`` is
@@ -24,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
+from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.testing.tolerance import rel_rms
 
@@ -34,8 +36,14 @@ GRADS = ("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias")
 # (B, T, D, N, note)
 SHAPES = (
     (1, 4096, 5120, 16, "Mamba-2.8B layout (d_inner 5120)"),
-    (1, 8192, 4096, 16, "Mamba-1.4B-like width, T 8192"),
+    (1, 8192, 4096, 16, "d_inner 4096, T 8192"),
 )
+# Tiles timed beside the default at the first shape (rows ours@...; forward-only ones end in
+# _fwd): the defaults are untimed (chosen from the sm_90 build's registers and spills).
+FWD_SWEEP = ({"BLOCK_D": 16, "BLOCK_T": 32, "num_warps": 8}, {"BLOCK_D": 4, "BLOCK_T": 32},
+             {"BLOCK_D": 8, "BLOCK_T": 64, "num_warps": 8}, {"BLOCK_D": 8, "BLOCK_T": 16})
+BWD_SWEEP = ({"BWD_BLOCK_D": 8, "bwd_warps": 8}, {"BWD_BLOCK_D": 2, "bwd_warps": 2},
+             {"BWD_BLOCK_D": 4, "bwd_warps": 8})
 
 
 def transformers_scan(associative: bool = False) -> Callable:
@@ -51,9 +59,9 @@ def transformers_scan(associative: bool = False) -> Callable:
     return call
 
 
-def _ours() -> Callable:
-    _, entry = kernel("selective_scan", "scan", {})
-    return lambda u, delta, A, B, C, D, z, bias: entry(u, delta, A, B, C, D, z, bias, True)
+def _ours():
+    mod, entry = kernel("selective_scan", "scan", {})
+    return mod, lambda u, delta, A, B, C, D, z, bias: entry(u, delta, A, B, C, D, z, bias, True)
 
 
 @shared_inputs
@@ -85,7 +93,7 @@ def _check(B: int, T: int, D: int, N: int) -> Callable[[torch.device], dict[str,
         leaves = make_inputs(B, T, D, N, device, seed=0)
         gen = torch.Generator(device=device).manual_seed(7)
         dy = torch.randn(B, D, T, device=device, generator=gen)
-        y = _ours()(*leaves)
+        y = _ours()[1](*leaves)
         grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
         leaves32 = [x.detach().float().requires_grad_(True) for x in leaves]
         y32 = transformers_scan()(*leaves32)
@@ -98,20 +106,24 @@ def _check(B: int, T: int, D: int, N: int) -> Callable[[torch.device], dict[str,
     return check
 
 
-def _steps(B: int, T: int, D: int, N: int, device: torch.device) -> dict[str, Step]:
+def _steps(B: int, T: int, D: int, N: int, device: torch.device, sweep: bool) -> dict[str, Step]:
     sets = [make_inputs(B, T, D, N, device, seed=s) for s in range(N_SETS)]
     grads = [torch.randn(B, D, T, device=device, dtype=torch.bfloat16)]
-    ours, eager = _ours(), transformers_scan()
-    compiled = torch.compile(transformers_scan(associative=True))
+    (mod, ours), eager = _ours(), transformers_scan()
     steps = {"ours": fwd_bwd(ours, sets, grads), "ours_fwd": fwd_only(ours, sets),
-             "eager_fwd": fwd_only(eager, sets), "compile_fwd": fwd_only(compiled, sets),
-             "compile": fwd_bwd(compiled, sets, grads)}
+             "eager_fwd": fwd_only(eager, sets)}
     if T <= EAGER_BWD_MAX_T:
         steps["eager"] = fwd_bwd(eager, sets, grads)
+    # one compiled function per step (grad mode changes the graph): compile_fwd, compile
+    steps["compile_fwd"] = fwd_only(torch.compile(transformers_scan(associative=True)), sets)
+    if sweep:  # the fwd+bwd compile once, at the first shape (its compile takes the longest)
+        steps["compile"] = fwd_bwd(torch.compile(transformers_scan(associative=True)), sets, grads)
+        steps.update({k + "_fwd": v for k, v in fwd_sweep(mod, ours, sets, N, list(FWD_SWEEP)).items()})
+        steps.update(config_sweep(mod, ours, sets, grads, N, list(BWD_SWEEP)))
     return steps
 
 
-def scan_case(B: int, T: int, D: int, N: int, note: str = "") -> BenchCase:
+def scan_case(B: int, T: int, D: int, N: int, note: str = "", sweep: bool = False) -> BenchCase:
     # Bytes: u, delta, z (bf16) read by the forward and again by the backward, y written, dy read,
     # du, ddelta, dz written (11 [B, D, T] bf16 passes); B, C read twice, dB, dC written (fp32).
     min_bytes = 11 * 2 * B * D * T + (2 * 2 * 2 + 2 * 4) * B * N * T
@@ -120,9 +132,9 @@ def scan_case(B: int, T: int, D: int, N: int, note: str = "") -> BenchCase:
     flops = 4 * 5 * B * D * T * N
     return BenchCase(
         family="selective_scan", name=f"B{B}T{T}D{D}N{N}", shape={"B": B, "T": T, "D": D, "N": N},
-        min_bytes=min_bytes, flops=flops, setup=lambda device: _steps(B, T, D, N, device),
+        min_bytes=min_bytes, flops=flops, setup=lambda device: _steps(B, T, D, N, device, sweep),
         check=_check(B, T, D, N), note=note)
 
 
 def cases() -> list[BenchCase]:
-    return [scan_case(*shape) for shape in SHAPES]
+    return [scan_case(*shape, sweep=i == 0) for i, shape in enumerate(SHAPES)]
