@@ -91,6 +91,15 @@ def _matches(out: Any, ref: Any) -> bool:
     return compare(out.float(), ref.float(), tolerance_for(ref.dtype)).passed
 
 
+def _mismatch(out: Any, ref: Any) -> str:
+    """How a binding's raw output differs from the original's (the rejection's detail)."""
+    if not isinstance(out, torch.Tensor) or not isinstance(ref, torch.Tensor):
+        return f"returned {type(out).__name__}, the original {type(ref).__name__}"
+    if out.shape != ref.shape:
+        return f"shape {tuple(out.shape)}, the original {tuple(ref.shape)}"
+    return compare(out.float(), ref.float(), tolerance_for(ref.dtype)).message
+
+
 class _Calibrated:
     """Replaces ``module.forward``; picks a binding on the first call by comparing outputs."""
 
@@ -120,6 +129,7 @@ class _Calibrated:
                         self.record.binding = name + (f" -> {how}" if how else "")
                         self.record.status = "active"
                         break
+                    self.record.detail = f"{name}: {_mismatch(out, ref)}"[:300]
             if self.chosen is None:
                 self.record.status = "rejected"
                 self.record.detail = self.record.detail or "no binding matched the original"

@@ -94,19 +94,58 @@ class _PlaceRows(torch.autograd.Function):
     """``out[index] = y`` into ``n`` zero rows; the backward gathers ``grad[index]``.
 
     Autograd's ``index_copy`` keeps its source (a [pairs, D] tensor per MoE layer, the size of
-    the experts' output) for the backward; the gradient needs only the index.
+    the experts' output) for the backward; the gradient needs only the index. A permutation
+    (``n == len(index)``) is placed by a gather through its inverse, which runs faster than the
+    scattered row writes of ``index_copy``.
     """
 
     @staticmethod
     def forward(ctx, y, index, n):
         ctx.save_for_backward(index)
-        out = y.new_empty(n, *y.shape[1:]) if n == index.numel() else y.new_zeros(n, *y.shape[1:])
-        return out.index_copy_(0, index, y)
+        if n == index.numel():
+            inverse = torch.empty_like(index)
+            inverse[index] = torch.arange(n, device=index.device, dtype=index.dtype)
+            return y.index_select(0, inverse)
+        return y.new_zeros(n, *y.shape[1:]).index_copy_(0, index, y)
 
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
         return grad.index_select(0, index), None, None
+
+
+class _SwiGLUWeighted(torch.autograd.Function):
+    """``silu(gate) * up * w`` per row of ``h = [gate | up]`` [R, 2F] with ``w`` [R]; keeps
+    ``h`` and ``w`` for the backward and recomputes silu there (autograd would also keep
+    silu(gate) [R, F]). The backward works in ``h``'s dtype with the same roundings as
+    autograd's (silu's own backward op), in row blocks so its temporaries stay small next to the
+    activations still held when it runs."""
+
+    BLOCK_ELEMENTS = 1 << 26
+
+    @staticmethod
+    def forward(ctx, h, w):
+        g, u = h.chunk(2, dim=-1)
+        ctx.save_for_backward(h, w)
+        return F.silu(g) * u * w.unsqueeze(-1).to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w = ctx.saved_tensors
+        f = h.shape[-1] // 2
+        dh = torch.empty_like(h)
+        dw = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        step = max(1, _SwiGLUWeighted.BLOCK_ELEMENTS // max(f, 1))
+        for lo in range(0, h.shape[0], step):
+            hi = min(lo + step, h.shape[0])
+            g, u, gr = h[lo:hi, :f], h[lo:hi, f:], grad[lo:hi]
+            act = F.silu(g)
+            gu = act * u
+            dw[lo:hi] = (gr * gu).sum(-1, dtype=torch.float32)
+            gw = gr * w[lo:hi].unsqueeze(-1).to(gr.dtype)
+            torch.mul(gw, act, out=dh[lo:hi, f:])
+            dh[lo:hi, :f] = torch.ops.aten.silu_backward(gw * u, g)
+        return dh, dw.to(w.dtype)
 
 
 def _place_rows(y: torch.Tensor, index: torch.Tensor, n: int | None = None) -> torch.Tensor:
@@ -251,37 +290,40 @@ class EPExperts(nn.Module):
         self.last_counts = counts.detach()
         self.last_dropped = 0  # summed over the dispatch groups of this forward
         order = torch.argsort(flat_e, stable=True)  # pairs grouped by expert, token order inside
+        # the routing weights travel with their rows and are applied inside the expert compute
+        # (`_compute`), so the combine below is a plain sum that keeps nothing for the backward
         if self.ep.group is None and self.dispatch_groups > 1:
-            y_pairs = self._grouped_single(x, idx)
+            y_pairs = self._grouped_single(x, idx, w)
         else:
-            y_sorted = self._dispatch(x[order // k], counts, n)
+            y_sorted = self._dispatch(x[order // k], counts, n, w.reshape(-1)[order])
             y_pairs = _place_rows(y_sorted, order)
-        y = (y_pairs.view(n, k, -1) * w.unsqueeze(-1).to(y_pairs.dtype)).sum(1)
-        return y.to(x.dtype)
+        return y_pairs.view(n, k, -1).sum(1).to(x.dtype)
 
-    def _grouped_single(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def _grouped_single(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
+                        ) -> torch.Tensor:
         """One process standing in for ``dispatch_groups`` EP groups (capacity per group)."""
         n, k = idx.shape
         if n % self.dispatch_groups:
             raise ValueError(f"{self.path}: {n} tokens do not split into "
                              f"{self.dispatch_groups} dispatch groups")
         outs = []
-        for xs, ids in zip(x.chunk(self.dispatch_groups), idx.chunk(self.dispatch_groups)):
+        for xs, ids, ws in zip(x.chunk(self.dispatch_groups), idx.chunk(self.dispatch_groups),
+                               w.chunk(self.dispatch_groups)):
             fe = ids.reshape(-1)
             o = torch.argsort(fe, stable=True)
             ys = self._dispatch(xs[o // k], torch.bincount(fe, minlength=self.n_experts),
-                                xs.shape[0])
+                                xs.shape[0], ws.reshape(-1)[o])
             outs.append(_place_rows(ys, o))
         return torch.cat(outs)
 
-    def _dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor, n_tokens: int
-                  ) -> torch.Tensor:
-        """Rows sorted by expert [P, D] -> expert outputs in the same order [P, D]."""
+    def _dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor, n_tokens: int,
+                  w_sorted: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert [P, D] and their routing weights [P] -> the weighted expert
+        outputs in the same order [P, D]."""
         ep, el = self.ep, self.n_local
         if ep.group is None:
             recv = torch.cat([counts, counts.new_tensor([n_tokens])]).view(1, el + 1)
-            y = self._local(x_sorted, recv)
-            return y
+            return self._local(x_sorted, recv, w_sorted)
         # Per destination rank: counts of its local experts, plus our token count (capacity).
         send = torch.cat([counts.view(ep.size, el),
                           counts.new_full((ep.size, 1), n_tokens)], dim=1).contiguous()
@@ -290,21 +332,28 @@ class EPExperts(nn.Module):
         in_splits = counts.view(ep.size, el).sum(1).tolist()
         out_splits = recv[:, :el].sum(1).tolist()
         x_recv = all_to_all_single_autograd(x_sorted, out_splits, in_splits, ep.group)
-        y_recv = self._local(x_recv, recv)
+        w_recv = all_to_all_single_autograd(w_sorted.unsqueeze(1).contiguous(), out_splits,
+                                            in_splits, ep.group).squeeze(1)
+        y_recv = self._local(x_recv, recv, w_recv)
         return all_to_all_single_autograd(y_recv, in_splits, out_splits, ep.group)
 
-    def _local(self, x_recv: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
-        """Rows received from each source (source-major, expert-sorted inside) -> outputs.
+    def _local(self, x_recv: torch.Tensor, recv: torch.Tensor, w_recv: torch.Tensor
+               ) -> torch.Tensor:
+        """Rows received from each source (source-major, expert-sorted inside) and their routing
+        weights -> weighted outputs.
 
         ``recv [S, E_l + 1]``: rows per (source, local expert) and each source's token count.
         """
         el = self.n_local
         per = recv[:, :el]
-        local_e = torch.repeat_interleave(
-            torch.arange(el, device=x_recv.device).repeat(per.shape[0]), per.reshape(-1))
-        regroup = torch.argsort(local_e, stable=True)  # expert-major, then source, then order
         counts = per.sum(0)
-        xg = x_recv[regroup]
+        if per.shape[0] == 1:  # one source: its rows are already grouped by expert
+            regroup, xg, wg = None, x_recv, w_recv
+        else:
+            local_e = torch.repeat_interleave(
+                torch.arange(el, device=x_recv.device).repeat(per.shape[0]), per.reshape(-1))
+            regroup = torch.argsort(local_e, stable=True)  # expert-major, then source, then order
+            xg, wg = x_recv[regroup], w_recv[regroup]
         keep = None
         if self.capacity_factor is not None:
             # capacity per expert over the dispatch group: ceil(cf * tokens * K / E)
@@ -315,20 +364,28 @@ class EPExperts(nn.Module):
             keep = pos < cap
             self.last_dropped += int((~keep).sum())
             kept_counts = torch.clamp(counts, max=cap)
-            yk = self._compute(xg[keep], kept_counts.tolist())
+            yk = self._compute(xg[keep], kept_counts.tolist(), wg[keep])
             yg = _place_rows(yk, keep.nonzero().squeeze(1), xg.shape[0])
         else:
-            yg = self._compute(xg, counts.tolist())
-        return _place_rows(yg, regroup)
+            yg = self._compute(xg, counts.tolist(), wg)
+        return yg if regroup is None else _place_rows(yg, regroup)
 
-    def _compute(self, xg: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _compute(self, xg: torch.Tensor, counts: list[int], wg: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """The experts (SwiGLU, or non-gated act(up); per-expert biases, gpt-oss's clamp and up
-        offset) over rows grouped by local expert, with expert LoRA inside; through the kernel
-        of `use_kernel` when it attached one."""
+        offset) over rows grouped by local expert, with expert LoRA inside, each row times its
+        routing weight ``wg`` (None: unweighted); through the kernel of `use_kernel` when it
+        attached one.
+
+        Without a down bias the weight scales the activation before the down projection (both
+        down terms are linear in it): plain SwiGLU rows then keep only the gate/up product and
+        the weights for the backward (`_SwiGLUWeighted`), where the weighted output rows would
+        otherwise be kept [rows, D] for the weights' gradient."""
         gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
         if self.kernel is not None:
-            return self.kernel(xg, torch.tensor(counts, device=xg.device), gu, dn,
-                               *self.lora_parameters(), self.scaling).to(xg.dtype)
+            y = self.kernel(xg, torch.tensor(counts, device=xg.device), gu, dn,
+                            *self.lora_parameters(), self.scaling).to(xg.dtype)
+            return y if wg is None else y * wg.unsqueeze(-1).to(y.dtype)
         bgu, bd = (getattr(self, self.names[r]) if r in self.names else None
                    for r in ("gate_up_bias", "down_bias"))
         e = None  # each row's local expert, for the biases
@@ -341,19 +398,27 @@ class EPExperts(nn.Module):
         if self.lora is not None:
             xa = _gmm(xg.float(), self.lora_A_gate_up.transpose(1, 2), counts)
             h = h.float() + self.scaling * _gmm(xa, self.lora_B_gate_up.transpose(1, 2), counts)
-        if self.gated:
-            g, u = h.chunk(2, dim=-1)
-            if self.limit is not None:
-                g, u = g.clamp(max=self.limit), u.clamp(min=-self.limit, max=self.limit)
-            a = self.act(g) * (u + self.up_offset if self.up_offset else u)
+        pre = wg is not None and bd is None  # the weight goes on the activation
+        if self.plain and pre:
+            a = _SwiGLUWeighted.apply(h, wg)
         else:
-            a = self.act(h)
+            if self.gated:
+                g, u = h.chunk(2, dim=-1)
+                if self.limit is not None:
+                    g, u = g.clamp(max=self.limit), u.clamp(min=-self.limit, max=self.limit)
+                a = self.act(g) * (u + self.up_offset if self.up_offset else u)
+            else:
+                a = self.act(h)
+            if pre:
+                a = a * wg.unsqueeze(-1).to(a.dtype)
         y = _gmm(a.to(dn.dtype), dn.transpose(1, 2), counts)
         if bd is not None:
             y = y + bd[e].to(y.dtype)
         if self.lora is not None:
             aa = _gmm(a.float(), self.lora_A_down.transpose(1, 2), counts)
             y = y.float() + self.scaling * _gmm(aa, self.lora_B_down.transpose(1, 2), counts)
+        if wg is not None and not pre:
+            y = y * wg.unsqueeze(-1).to(y.dtype)
         return y.to(xg.dtype)
 
     # ---- export ----------------------------------------------------------------------------

@@ -298,6 +298,9 @@ def run(cfg: TrainConfig, role: str) -> None:
             from onboarding.train.kernels import summary
 
             row["kernels"] = {**summary(patches), **expert_kernels}
+            # why a patch fell back to the model's torch path (its calibration's verdict)
+            row["kernels_rejected"] = {r.path: r.detail for r in patches.records
+                                       if r.status == "rejected"}
         writer.write(row)
         if board is not None:
             board.write(row)
