@@ -26,7 +26,15 @@ from collections.abc import Callable
 
 import torch
 
-from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
+from onboarding.bench.cases import (
+    N_SETS,
+    config_sweep,
+    fwd_bwd,
+    fwd_only,
+    fwd_sweep,
+    kernel,
+    shared_inputs,
+)
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.testing.tolerance import rel_rms
 
