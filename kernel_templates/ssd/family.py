@@ -1,13 +1,16 @@
 """Mamba-2 state-space duality (SSD) family: the selective state-space scan of Mamba-2 mixers.
 
 One variant, `scan`: x [B, T, H, P], dt [B, T, H] (bias, softplus and limits applied inside),
-A [H], grouped B and C [B, T, G, N], D skip [H], initial and final state [B, H, P, N]; Triton
-forward and backward (gradients to every tensor input) against a pure-PyTorch reference built
-like transformers' chunked torch path. `chunk_size` is the reference's (the model's) chunk length.
+A [H], grouped B and C [B, T, G, N], D skip [H], initial and final state [B, H, P, N]; chunked
+Triton forward and backward (gradients to every tensor input) and a one-token decode step,
+against a pure-PyTorch reference built like transformers' chunked torch path. `chunk_size` is
+the reference's (the model's) chunk length; the kernels' own chunk is a tuning value. Served
+blocks are patched by swapping the mixer's chunked-scan call (`binding`).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +18,32 @@ import torch
 
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from .binding import bind
+
 NAME = "ssd"
 CHUNK_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+def heads(block: Any) -> int | None:
+    """H of a Mamba-2 mixer by structure: the decay's head dim ([b, h, chunks, chunk], cumsum over
+    the chunk), held by at least two of the block's 1-D parameters (A, and D or the dt bias)."""
+    shape = block.attrs.get("decay_shape") or []
+    if len(shape) != 4:
+        return None
+    h = shape[1]
+    per_head = [s for s in (block.params or {}).values() if list(s) == [h]]
+    return h if len(per_head) >= 2 else None
 
 
 def match(block: Any) -> dict[str, Any] | None:
     """Render params for a Mamba-2 (SSD) mixer core, by structure: a `linear_attention.mamba`
     block (softplus time step, exp + cumsum decay, no delta-rule beta) whose decay is a scalar
-    per head (cumsum over the last dim) and that runs the chunked form (tril segment sums).
-
-    Not yet the spec's `match`: with no binding, claiming the block would take it off the
-    uncovered list and so away from the Inductor fallback that runs it today.
-    """
+    per head (cumsum over the last dim of [b, h, chunks, chunk], with per-head parameters of
+    that h) and that runs the chunked form (tril segment sums)."""
     if block.kind != "linear_attention.mamba" or block.attrs.get("per_channel_decay", False):
         return None
     hist = block.op_histogram or {}
-    if not (hist.get("tril") and hist.get("cumsum")):
+    if not (hist.get("tril") and hist.get("cumsum")) or heads(block) is None:
         return None
     chunk = block.attrs.get("chunk")
     return FAMILY.served("scan", {"chunk_size": chunk if chunk in CHUNK_SIZES else 64})
@@ -38,13 +51,16 @@ def match(block: Any) -> dict[str, Any] | None:
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
                   gen: torch.Generator) -> list:
-    """x [1, 19, H, P], dt, A < 0, B/C [1, 19, G, N], D, dt_bias; H, P from a [B, T, H, P] input shape."""
+    """x [1, 19, H, P], dt, A, B/C [1, 19, 1, 16], D, dt_bias, in the ranges Mamba-2 initialises
+    (A = -[1, 16], dt_bias the inverse softplus of dt in [0.001, 0.1]); H, P from a [B, T, H, P]
+    input shape."""
     H, P = (shapes[0][2], shapes[0][3]) if shapes and len(shapes[0]) == 4 else (4, 16)
     G, N, T = 1, 16, 19
+    dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
     return [torch.randn(1, T, H, P, generator=gen), torch.randn(1, T, H, generator=gen),
-            -torch.exp(torch.rand(H, generator=gen)), torch.randn(1, T, G, N, generator=gen),
+            -(1 + 15 * torch.rand(H, generator=gen)), torch.randn(1, T, G, N, generator=gen),
             torch.randn(1, T, G, N, generator=gen), torch.randn(H, generator=gen),
-            torch.randn(H, generator=gen) - 1.0]
+            dt0 + torch.log(-torch.expm1(-dt0))]
 
 
 FAMILY = FamilySpec(
@@ -61,7 +77,8 @@ FAMILY = FamilySpec(
     # columns of a forward program (the backward's chunk kernel holds all of P); BLOCK_N: state
     # columns per dot (the chunk kernels loop over N in BLOCK_N blocks); BLOCK_S: state
     # elements per program of the serial state passes; dot: "tf32" keeps fp32 dot operands,
-    # "input" dots 16-bit inputs in their own dtype on a GPU.
+    # "input" dots 16-bit inputs in their own dtype on a GPU; state: the dtype of the chunks'
+    # stored states (the forward's largest tensors), fp32 or 16-bit inputs' own.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -70,13 +87,16 @@ FAMILY = FamilySpec(
         "num_warps": (2, 4, 8),
         "bwd_warps": (2, 4, 8),
         "dot": ("tf32", "input"),
+        "state": ("fp32", "input"),
     },
     # Untimed (no GPU run yet); chosen from the sm_90 AOT build's spills at P 64, N 128 bf16.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
-                    "dot": "tf32"},
+                    "dot": "tf32", "state": "fp32"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
+    match=match,
     sample_inputs=sample_inputs,
+    binding=bind,
 )

@@ -7,6 +7,7 @@ the bf16 path against the fp32 path at the GDN bars."""
 from __future__ import annotations
 
 import ast
+import importlib
 import math
 from pathlib import Path
 
@@ -67,9 +68,15 @@ def test_forward_backward(module, device, shape):
     check_forward_backward(fixture(module, shape), torch.float32, device)
 
 
-def test_bf16_inputs(module, device):
-    """bf16 storage (loads upcast, fp32 maths) against the reference at the bf16 tolerances."""
-    check_forward_backward(fixture(module, SHAPES[1]), torch.bfloat16, device)
+@pytest.mark.parametrize("state", ["fp32", "input"])
+def test_bf16_inputs(module, device, state):
+    """bf16 storage (loads upcast, fp32 maths; the chunks' states fp32 or bf16) against the
+    reference at the bf16 tolerances."""
+    module.set_config({**CPU_CONFIG, "state": state} if device.type == "cpu" else {"state": state})
+    try:
+        check_forward_backward(fixture(module, SHAPES[1]), torch.bfloat16, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
 def test_dt_limit_and_no_softplus(module, device):
@@ -124,14 +131,16 @@ def test_shape_errors_name_shapes(module, device):
         module.ssd_scan(x, torch.randn(1, 4, 2), -torch.ones(2), torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
 
 
-def mixer_block(kind="linear_attention.mamba", per_channel=False, tril=True, chunk=256) -> Block:
-    """A Mamba-2 mixer as `onboard parse hf:mamba2 --proxy tiny` records it (attrs, core ops)."""
+def mixer_block(kind="linear_attention.mamba", per_channel=False, tril=True, chunk=256, heads=8) -> Block:
+    """A Mamba-2 mixer as `onboard parse hf:mamba2 --proxy tiny` records it (attrs, core ops, params)."""
     hist = {"cumsum": 3, "exp": 5, "softplus": 1, "einsum": 5, "linear": 2}
     if tril:
         hist["tril"] = 4
+    params = {"dt_bias": [heads], "A_log": [heads], "D": [heads], "conv1d.weight": [512, 1, 4],
+              "in_proj.weight": [776, 128], "norm.weight": [256], "out_proj.weight": [128, 256]}
     return Block(path="backbone.layers.0.mixer", kind=kind, layer=0, class_name="Anything", op_histogram=hist,
                  attrs={"decay_shape": [1, 8, 1, chunk], "cumsum_dim": -1, "per_channel_decay": per_channel,
-                        "chunk": chunk})
+                        "chunk": chunk}, params=params)
 
 
 def test_match_by_structure():
@@ -141,6 +150,7 @@ def test_match_by_structure():
     check_match(family, mixer_block(per_channel=True), None)
     check_match(family, mixer_block(tril=False), None)
     check_match(family, mixer_block(kind="linear_attention.gated_delta"), None)
+    check_match(family, mixer_block(heads=4), None)  # no per-head parameters of the decay's head count
 
 
 @pytest.mark.slow  # 35-50 s of sm_90 compiles for seven kernels on 2 cores
@@ -194,8 +204,9 @@ def test_decode_kernel_matches_the_scan(module, device):
         module.ssd_decode(x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], h0[..., :8])
 
 
-@pytest.mark.parametrize("dot", ["tf32", "input"])
-def test_bf16_vs_fp32_on_gpu(module, device, dot):
+@pytest.mark.parametrize("cfg", [{"dot": "tf32"}, {"dot": "input"}, {"state": "input"}, {"dot": "input", "state": "input"}],
+                         ids=["default", "dot-input", "state-input", "dot-state-input"])
+def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64): the bf16 path against the fp32 path (exact fp32 dots,
     itself checked against the reference above) on the same bf16-representable inputs, a Mamba-2
     head (P 64, N 128, 2 groups), T 1000 (not a multiple of the chunk), initial state: relative
@@ -219,7 +230,7 @@ def test_bf16_vs_fp32_on_gpu(module, device, dot):
         grads = torch.autograd.grad((y, ht), inputs, (dy.to(y.dtype), dht))
         return [y, ht, *grads]
 
-    module.set_config({"dot": dot})
+    module.set_config(cfg)
     try:
         got = run(low, dy)
         ref = run(full, dy)
@@ -229,3 +240,44 @@ def test_bf16_vs_fp32_on_gpu(module, device, dot):
     errs = {k: ((a.float() - r.float()).norm() / r.float().norm()).item() for k, a, r in zip(names, got, ref)}
     bad = {k: e for k, e in errs.items() if e > (5e-3 if k in ("y", "final_state") else 1e-2)}
     assert not bad, f"relative RMS over the bar: {bad} (all: {errs})"
+
+
+def test_binding_swaps_the_mixers_chunked_scan(module):
+    """The `binding` on a tiny transformers Mamba-2 mixer: the chunked-scan call it makes runs our
+    kernel (the first call included), outputs and parameter gradients match the unpatched mixer,
+    and undo restores it. A scan function whose arguments the kernel does not take stays."""
+    transformers = pytest.importorskip("transformers")
+    from onboarding.patching.core import PatchRecord
+
+    torch.manual_seed(0)
+    cfg = transformers.Mamba2Config(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16,
+                                    state_size=16, n_groups=2, expand=2, chunk_size=16)
+    mixer = transformers.Mamba2Model(cfg).layers[0].mixer
+    x = torch.randn(1, 21, 32)
+    ref = mixer(x)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [mixer.A_log, mixer.dt_bias, mixer.D, mixer.in_proj.weight])
+    calls = []
+    counting = module.entry
+
+    class Counting:
+        entry = staticmethod(lambda *a, **k: calls.append(1) or counting(*a, **k))
+
+    record = PatchRecord(path="mixer", kind="linear_attention.mamba", family="ssd")
+    undo = family_module("ssd").FAMILY.binding(None, mixer, [Counting], record, mixer)
+    try:
+        out = mixer(x)
+        assert record.status == "active" and "-> kernel" in record.binding, record
+        assert len(calls) == 2  # the calibration and the call it served
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        grads = torch.autograd.grad(out.square().sum(), [mixer.A_log, mixer.dt_bias, mixer.D, mixer.in_proj.weight])
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    finally:
+        undo()
+    assert "forward" not in mixer.__dict__
+    binding = importlib.import_module(family_module("ssd").FAMILY.binding.__module__)
+
+    def scan(x, dt, A, B, C, chunk_size, D=None, seq_idx=None, **kwargs):
+        return x
+    with pytest.raises(TypeError, match="seq_idx"):
+        binding._call_ours(scan, module.entry, (x, x, x, x, x, 16), {"seq_idx": torch.zeros(1)})
