@@ -92,7 +92,8 @@ def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
             ("--seed", int, d.seed, "seed"),
             ("--capacity-factor", float, None, "expert capacity factor (default dropless)"),
             ("--profile-every", int, d.profile_every,
-             "profile every N-th step for the all-to-all share (0 = off)")):
+             "profile every N-th step: the all-to-all share, and where the step's time went in "
+             "train/profile_<role>_step<N>.json (0 = off)")):
         t.add_argument(flag, type=typ, default=None,
                        help=help_ + (f" (default {default})" if default is not None else ""))
     t.add_argument("--lora-targets", type=lambda v: [x.strip() for x in v.split(",")],

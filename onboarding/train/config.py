@@ -58,7 +58,7 @@ FIELD_DOCS = {
     "capacity_factor": "expert capacity factor; absent = dropless",
     "data": "JSONL (prompt/response or text), .txt file or directory; absent = built-in corpus",
     "kernels": "use onboard kernels on the GPU where they exist",
-    "profile_every": "profile every N-th step for the all-to-all share; 0 = off",
+    "profile_every": "profile every N-th step (all-to-all share, train/profile_<role>_step<N>.json); 0 = off",
     "baseline": "also time transformers + PEFT on one device with one rank's batch share",
 }
 
