@@ -27,7 +27,7 @@ Some uniform-routing cases add ``ours@...`` rows (``SWEEPS``): the experts kerne
 configs of its D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd``
 case (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
 (``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next and DeepSeek-V3 N8192 time
-the weight-gradient kernels' choices in their ``fwdbwd`` cases (``MOE_DW_SWEEP``).
+the backward's open choices in their ``fwdbwd`` cases (``MOE_DW_SWEEP``, ``MOE_BWD_SWEEP_BIG``).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -86,15 +86,21 @@ MOE_BWD_SWEEP = [
     {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
     {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 256, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
 ]
-# The weight-gradient GEMMs' kernels timed beside the default (the persistent kernel) in the
-# fwdbwd case at Qwen3-Next (uniform) and DeepSeek-V3 N8192: one program per output tile
-# (`dw_persistent` 0, the default before), and a deeper pipeline.
-MOE_DW_SWEEP = [{"dw_persistent": 0}, {"dw_stages": 4}]
+# The backward's choices timed beside the default (the persistent weight-gradient kernel) in the
+# fwdbwd case at Qwen3-Next (uniform): one program per output tile (`dw_persistent` 0, the
+# default before), and the backward GEMMs' weights by TMA.
+MOE_DW_SWEEP = [{"dw_persistent": 0}, {"bwd_tma": True}]
+# DeepSeek-V3 N8192 adds the backward's other levers: the down backward's and dx's weights by TMA,
+# and dx's own 128-row tiles (its reduction runs over 2F = 4096 like a forward GEMM's; the down
+# backward keeps 64 rows: at 128 its epilogue spills 2.9 KB, sm_90 AOT).
+MOE_BWD_SWEEP_BIG = [*MOE_DW_SWEEP,
+                     {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
+                     {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}]
 # Which cases sweep: (label, N, mode) -> configs (`fwd` forward tiles, `fwdbwd` the backward's).
 # The anchor keeps the full tile sweeps; the larger shapes time only what is being decided, so
 # that every case of the family runs in under a minute.
 SWEEPS = {("anchor", 8192, "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "fwdbwd"): MOE_BWD_SWEEP,
-          ("qwen3_next", 8192, "fwdbwd"): MOE_DW_SWEEP, ("deepseek_v3", 8192, "fwdbwd"): MOE_DW_SWEEP}
+          ("qwen3_next", 8192, "fwdbwd"): MOE_DW_SWEEP, ("deepseek_v3", 8192, "fwdbwd"): MOE_BWD_SWEEP_BIG}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
