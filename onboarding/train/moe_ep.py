@@ -154,20 +154,34 @@ def _place_rows(y: torch.Tensor, index: torch.Tensor, n: int | None = None) -> t
     return _PlaceRows.apply(y, index, y.shape[0] if n is None else n)
 
 
-def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _counts(counts: torch.Tensor | list[int], device) -> torch.Tensor:
+    """Rows per expert as a device tensor (a list is copied up; a device tensor is itself)."""
+    return counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=device)
+
+
+def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
     """Grouped ``x_e @ w_t[e]`` over row groups of sizes ``counts``: [R, I] x [E_l, I, O] -> [R, O].
 
-    CUDA: ``torch._grouped_mm`` (one launch); elsewhere, or where it refuses the dtype or the
+    CUDA: ``torch._grouped_mm`` (one launch), its offsets from the counts on the device (no host
+    round trip: the host keeps queueing work); elsewhere, or where it refuses the dtype or the
     alignment, one matmul per non-empty expert.
     """
     if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == w_t.dtype == torch.bfloat16:
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
         try:
             return torch._grouped_mm(x, w_t, offs=offs)
         except RuntimeError:
             pass
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
     outs = [xe @ w_t[e] for e, xe in enumerate(torch.split(x, counts)) if counts[e]]
     return torch.cat(outs) if outs else x.new_zeros(0, w_t.shape[-1])
+
+
+def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:
+    """Pairs per expert, by a scatter-add (CUDA's bincount reads the largest index back to the
+    host first: a synchronisation per MoE layer)."""
+    return torch.zeros(n, dtype=torch.long, device=index.device).scatter_add_(
+        0, index, torch.ones_like(index))
 
 
 class EPExperts(nn.Module):
@@ -286,7 +300,7 @@ class EPExperts(nn.Module):
         n, k = idx.shape
         self._k = k
         flat_e = idx.reshape(-1)
-        counts = torch.bincount(flat_e, minlength=self.n_experts)
+        counts = _bincount(flat_e, self.n_experts)
         self.last_counts = counts.detach()
         self.last_dropped = 0  # summed over the dispatch groups of this forward
         order = torch.argsort(flat_e, stable=True)  # pairs grouped by expert, token order inside
@@ -311,7 +325,7 @@ class EPExperts(nn.Module):
                                w.chunk(self.dispatch_groups)):
             fe = ids.reshape(-1)
             o = torch.argsort(fe, stable=True)
-            ys = self._dispatch(xs[o // k], torch.bincount(fe, minlength=self.n_experts),
+            ys = self._dispatch(xs[o // k], _bincount(fe, self.n_experts),
                                 xs.shape[0], ws.reshape(-1)[o])
             outs.append(_place_rows(ys, o))
         return torch.cat(outs)
@@ -322,7 +336,7 @@ class EPExperts(nn.Module):
         outputs in the same order [P, D]."""
         ep, el = self.ep, self.n_local
         if ep.group is None:
-            recv = torch.cat([counts, counts.new_tensor([n_tokens])]).view(1, el + 1)
+            recv = torch.cat([counts, counts.new_full((1,), n_tokens)]).view(1, el + 1)
             return self._local(x_sorted, recv, w_sorted)
         # Per destination rank: counts of its local experts, plus our token count (capacity).
         send = torch.cat([counts.view(ep.size, el),
@@ -364,14 +378,14 @@ class EPExperts(nn.Module):
             keep = pos < cap
             self.last_dropped += int((~keep).sum())
             kept_counts = torch.clamp(counts, max=cap)
-            yk = self._compute(xg[keep], kept_counts.tolist(), wg[keep])
+            yk = self._compute(xg[keep], kept_counts, wg[keep])
             yg = _place_rows(yk, keep.nonzero().squeeze(1), xg.shape[0])
         else:
-            yg = self._compute(xg, counts.tolist(), wg)
+            yg = self._compute(xg, counts, wg)
         return yg if regroup is None else _place_rows(yg, regroup)
 
-    def _compute(self, xg: torch.Tensor, counts: list[int], wg: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+    def _compute(self, xg: torch.Tensor, counts: torch.Tensor | list[int],
+                 wg: torch.Tensor | None = None) -> torch.Tensor:
         """The experts (SwiGLU, or non-gated act(up); per-expert biases, gpt-oss's clamp and up
         offset) over rows grouped by local expert, with expert LoRA inside, each row times its
         routing weight ``wg`` (None: unweighted); through the kernel of `use_kernel` when it
@@ -383,7 +397,7 @@ class EPExperts(nn.Module):
         otherwise be kept [rows, D] for the weights' gradient."""
         gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
         if self.kernel is not None:
-            y = self.kernel(xg, torch.tensor(counts, device=xg.device), gu, dn,
+            y = self.kernel(xg, _counts(counts, xg.device), gu, dn,
                             *self.lora_parameters(), self.scaling).to(xg.dtype)
             return y if wg is None else y * wg.unsqueeze(-1).to(y.dtype)
         bgu, bd = (getattr(self, self.names[r]) if r in self.names else None
@@ -391,7 +405,7 @@ class EPExperts(nn.Module):
         e = None  # each row's local expert, for the biases
         if bgu is not None:
             e = torch.repeat_interleave(torch.arange(len(counts), device=xg.device),
-                                        torch.tensor(counts, device=xg.device))
+                                        _counts(counts, xg.device))
         h = _gmm(xg, gu.transpose(1, 2), counts)
         if bgu is not None:
             h = h + bgu[e].to(h.dtype)
