@@ -235,6 +235,9 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     from onboarding.graph.parse import example_inputs
     from onboarding.patching.core import patch_model, swap_blocks
 
+    if families is not None and "generated" in families:  # every LLM-written family served
+        families = [*families, *sorted({e.family for e in coverage.entries
+                                        if e.status == "generated" and e.family})]
     available = kernels_for(coverage, candidates)
     kernels = {k: m for k, m in available.items()
                if (families is None or k[1] in families) and k not in (exclude or set())}
@@ -252,7 +255,9 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq or graph.seq, seed)
     inputs = tuple(t.to(device) for t in inputs)
     # an explicit --kernels list patches those families only: the swaps need their label in it
-    swaps = [s for s in swaps or () if (s.path, s.label) not in (exclude or set())
+    # ("inductor", accepted by --kernels beside the families)
+    offered = list(swaps or ())  # before the selection: a swap left out is said so, by label
+    swaps = [s for s in offered if (s.path, s.label) not in (exclude or set())
              and (families is None or s.label in families)]
     # a swapped block runs what the block check checked: its own code, children included, so
     # family patches at or inside it (the conv1d intercept on a Mamba mixer) are left out; the
@@ -281,9 +286,9 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
         # read while patched: a patch installed but never called is still "pending" here
         result.coverable, result.not_checked = unchecked_blocks(
             coverage, patches.records,
-            available=[*available, *((s.path, s.label) for s in swaps)],
+            available=[*available, *((s.path, s.label) for s in offered)],
             bindable=[n for n, f in all_families().items() if f.binding is not None]
-            + sorted({s.label for s in swaps}),
+            + sorted({s.label for s in offered}),
             families=families, exclude=exclude or ())
         result.strict = strict
     if out_dir is not None:

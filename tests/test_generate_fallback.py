@@ -358,3 +358,36 @@ def test_a_block_whose_family_failed_alignment_is_decided_again(cum_graph, tmp_p
     assert entries[0][1] == fam and entries[1:] == [("inductor", None)]
     assert f"after {fam} failed alignment" in cov.entries[-1].reason
     assert [s.path for s in swaps(ds)] == ["layers.0.norm"]
+
+
+@pytest.mark.parametrize("kernels, active", [(None, True), (["rmsnorm"], False),
+                                              (["rmsnorm", "inductor"], True)])
+def test_kernels_list_keeps_or_names_the_inductor_swaps(cum_graph, kernels, active):
+    """An explicit --kernels list patches those families only: Inductor's block swaps stay in
+    when it names 'inductor', and otherwise the unchecked blocks say why (the swaps were once
+    dropped with no way to keep them, and reported as having no patch binding)."""
+    from onboarding.cli.common import selected_kernels
+    from onboarding.generate.decide import Decision, apply_to_coverage
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.patching.core import BlockSwap
+    from onboarding.stages import run_align
+
+    assert selected_kernels(type("A", (), {"kernels": "rmsnorm,inductor,generated"})) == [
+        "rmsnorm", "inductor", "generated"]
+    paths = ("layers.0.mixer", "layers.1.mixer")
+    ds = [Decision(path=p, kind="unknown", op="unclassified compute", key="k",
+                   decision="inductor") for p in paths]
+    cov = apply_to_coverage(build_coverage(cum_graph), ds)
+    swaps = [BlockSwap(path=p, kind="unknown", label="inductor", make=lambda m: m.forward)
+             for p in paths]  # the block's own forward stands in for the compiled one
+    result = run_align(load_stage(load_model(CUM)), cum_graph, cov, [], None, families=kernels,
+                       seq=16, swaps=swaps)
+    recs = {r["path"]: r["status"] for r in result.patches if r["family"] == "inductor"}
+    unchecked = {x["path"]: x["reason"] for x in result.not_checked}
+    if active:
+        assert recs == {p: "active" for p in paths} and not set(paths) & set(unchecked)
+    else:
+        assert recs == {}
+        assert {unchecked[p] for p in paths} == {
+            "inductor not selected (--kernels) (name 'inductor' to keep the swaps)"}

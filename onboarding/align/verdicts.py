@@ -72,7 +72,8 @@ def _reason(path: str, fams: list[str], recs: list[Any], available: set, bindabl
                          "no patch binding: its kernel is generated, never patched in")
     chosen = [f for f in can if selected is None or f in selected]
     if not chosen:
-        return can[0], f"{'/'.join(can)} not selected (--kernels)"
+        return can[0], f"{'/'.join(can)} not selected (--kernels)" + (
+            " (name 'inductor' to keep the swaps)" if can == ["inductor"] else "")
     left = [f for f in chosen if (path, f) in exclude]
     if left and len(left) == len(chosen):
         return left[0], "kernel left out after a failed alignment attempt"

@@ -41,7 +41,9 @@ def add_parser(sub) -> None:
     model_options(a, optional=True)
     a.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     a.add_argument("--kernels", default="all",
-                   help="comma-separated kernel families to patch, 'all' or 'none'")
+                   help="comma-separated kernel families to patch, 'all' or 'none' "
+                        "('inductor': the Inductor fallback's block swaps, 'generated': the "
+                        "LLM-written families)")
     a.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="candidate precision")
     a.add_argument("--reference", choices=("fp32", "fp64"), default="fp64",

@@ -84,6 +84,12 @@ def progress(console: Console, status) -> Callable[[str], None]:
     return step
 
 
+# --kernels names besides the registered families: what the generate stage serves uncovered
+# blocks with (the Inductor fallback's block swaps; every LLM-written family of the run, whose
+# names are not known before generate), so an explicit list can keep them
+SERVED_BY = ("inductor", "generated")
+
+
 def selected_kernels(args: argparse.Namespace) -> list[str] | None:
     from onboarding.families import families
 
@@ -92,9 +98,10 @@ def selected_kernels(args: argparse.Namespace) -> list[str] | None:
     if args.kernels == "none":
         return []
     names = [n.strip() for n in args.kernels.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(families()))
+    unknown = sorted(set(names) - set(families()) - set(SERVED_BY))
     if unknown:
-        raise InputError(f"--kernels: unknown families {unknown}; known: {sorted(families())}")
+        raise InputError(f"--kernels: unknown families {unknown}; known: "
+                         f"{sorted(families())} and {', '.join(SERVED_BY)}")
     return names
 
 

@@ -25,7 +25,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run")
     r.add_argument("--kernels", default="all",
-                   help="kernel families patched for alignment: comma-separated, 'all', 'none'")
+                   help="kernel families patched for alignment: comma-separated, 'all', 'none' "
+                        "('inductor': the Inductor fallback's block swaps, 'generated': the "
+                        "LLM-written families; an explicit list without them leaves those "
+                        "blocks eager)")
     r.add_argument("--tune-trials", type=nonneg_int, default=None, metavar="N",
                    help="Optuna trials per kernel and shape bucket (default: 20 on a GPU; "
                         "tuning is skipped on the CPU unless this is given)")

@@ -105,6 +105,9 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
     blocks = {b.path: b for b in graph.blocks}
     coverage = Coverage.load(run_dir / "coverage.json")
     cands = load_candidates(run_dir / "candidates.json")
+    if families is not None and "generated" in families:  # --kernels generated: LLM families
+        families = [*families, *{e.family for e in coverage.entries
+                                 if e.status == "generated" and e.family}]
     jobs: dict[tuple[str, str], TuneJob] = {}
     notes = [f"reviewed kernel {e.family} at {e.path}: not tuned here" for e in coverage.entries
              if e.status == "kernel" and (families is None or e.family in families)]
