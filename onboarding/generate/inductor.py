@@ -95,7 +95,8 @@ def _config_patch(rung: str) -> contextlib.ExitStack:
     if rung != "default":
         known = {k: v for k, v in SAFE_CONFIG.items() if _has_option(icfg, k)}
         stack.enter_context(icfg.patch(known))
-        stack.enter_context(V.set_choices_handler(_no_split_choices()))
+        if hasattr(V, "set_choices_handler"):  # absent in old torch: split reductions only
+            stack.enter_context(V.set_choices_handler(_no_split_choices()))
     return stack
 
 
