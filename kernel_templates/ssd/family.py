@@ -18,6 +18,7 @@ import torch
 
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
+from . import bench
 from .binding import bind
 
 NAME = "ssd"
@@ -98,5 +99,7 @@ FAMILY = FamilySpec(
     ),
     match=match,
     sample_inputs=sample_inputs,
+    bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     binding=bind,
 )

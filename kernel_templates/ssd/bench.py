@@ -1,0 +1,179 @@
+"""SSD's benchmark cases (the spec's `bench_cases`): the Mamba-2 chunked scan at a Mamba-2 layout
+(heads of 64, 8 groups, state 128, T 8192, bf16), issue 35's shapes.
+
+Impls per case (a ``_fwd`` suffix: forward only, under `torch.no_grad`; otherwise forward +
+backward of y, the training step, no final state):
+
+- ``ours`` / ``ours_fwd``: our rendered ``scan`` kernel at its default tiles;
+- ``eager`` / ``eager_fwd``: transformers' Mamba-2 chunked torch path (the module-level
+  chunk-scan function its mixers call, unwrapped so that an installed mamba_ssm does not take
+  over), chunk 256 as the models configure it; it computes in fp32 and returns fp32, cast back
+  to the inputs' dtype here as the mixer does. A transformers without that function gives
+  ``reference`` rows instead: the rendered module's own reference, the same chunked torch
+  algorithm;
+- ``compile_fwd`` (and ``compile``, forward + backward, on the first case only: the backward's
+  compile takes most of a case's minute): `torch.compile` of that path;
+- ``ours@...`` (first case only): the tuning values that the AOT build could not judge, timed
+  beside the default (chunk 32/128, 16-bit dots, 16-bit stored states), forward and
+  forward + backward.
+
+``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
+relative RMS of y and of every gradient (x, dt, A, B, C, D, dt_bias); ``ok`` is 1.0 when y is
+within O_TOL and every gradient within GRAD_TOL (the GDN bars).
+
+Shape legend: x [B, T, H, P], dt [B, T, H], A [H] fp32, B and C [B, T, G, N], D and dt_bias [H].
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+
+from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
+from onboarding.bench.harness import BenchCase, Step
+from onboarding.families import NightlySpec
+from onboarding.testing.tolerance import rel_rms
+
+MODEL_CHUNK = 256  # Mamba-2's configured chunk_size (the torch path's chunk)
+O_TOL, GRAD_TOL = 0.005, 0.01
+# (B, T, H, P, G, N, note)
+SHAPES = (
+    (1, 8192, 128, 64, 8, 128, "Mamba-2 layout, 128 heads"),
+    (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
+)
+SWEEP = ({"CHUNK": 32}, {"CHUNK": 128}, {"dot": "input"}, {"state": "input"},
+         {"dot": "input", "state": "input"})
+
+
+def torch_path() -> tuple[str, Callable]:
+    """("eager", transformers' chunked torch function) as (x, dt, A, B, C, D, dt_bias) -> y in x's
+    dtype; ("reference", the rendered module's reference) when transformers has no such function."""
+    try:
+        from transformers.models.mamba2 import modeling_mamba2 as m
+    except ImportError:
+        m = None
+    fn = getattr(m, "mamba2_chunk_scan", None)
+    if fn is not None:
+        fn = inspect.unwrap(fn)
+
+        def call(x, dt, A, B, C, D, dt_bias):
+            return fn(x, dt, A, B, C, chunk_size=MODEL_CHUNK, D=D, dt_bias=dt_bias, dt_softplus=True).to(x.dtype)
+
+        return "eager", call
+    mod, _ = kernel("ssd", "scan", {"chunk_size": MODEL_CHUNK})
+
+    def ref(x, dt, A, B, C, D, dt_bias):
+        return mod.reference(x, dt, A, B, C, D, dt_bias, True, (0.0, math.inf))
+
+    return "reference", ref
+
+
+def _ours(params: dict | None = None) -> tuple[object, Callable]:
+    mod, entry = kernel("ssd", "scan", params or {"chunk_size": MODEL_CHUNK})
+    return mod, lambda x, dt, A, B, C, D, dt_bias: entry(x, dt, A, B, C, D, dt_bias, True, (0.0, math.inf))
+
+
+@shared_inputs
+def make_inputs(B: int, T: int, H: int, P: int, G: int, N: int, device: torch.device, seed: int = 0,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    """x, dt (raw, before bias and softplus), B, C, D, dt_bias in `dtype` and A fp32, in the ranges
+    Mamba-2 initialises (A = -[1, 16], dt in [0.001, 0.1]), as leaves that require grad."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device=device, generator=gen)).to(dtype)
+
+    lo, hi = math.log(0.001), math.log(0.1)
+    dt0 = torch.exp(torch.rand(H, device=device, generator=gen) * (hi - lo) + lo)
+    A = -(1 + 15 * torch.rand(H, device=device, generator=gen))
+    leaves = (r(B, T, H, P), r(B, T, H, scale=0.5), A, r(B, T, G, N), r(B, T, G, N),
+              torch.ones(H, device=device).to(dtype), (dt0 + torch.log(-torch.expm1(-dt0))).to(dtype))
+    return tuple(t.requires_grad_(True) for t in leaves)
+
+
+NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias")
+
+
+def _check(B: int, T: int, H: int, P: int, G: int, N: int) -> Callable[[torch.device], dict[str, float]]:
+    def check(device: torch.device) -> dict[str, float]:
+        _, ours = _ours()
+        _, ref = torch_path()
+        leaves = make_inputs(B, T, H, P, G, N, device, seed=0)
+        gen = torch.Generator(device=device).manual_seed(7)
+        dy = torch.randn(B, T, H, P, device=device, generator=gen).to(torch.bfloat16).float()  # both sides' dy
+        y = ours(*leaves)
+        grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+        leaves32 = [t.detach().float().requires_grad_(True) for t in leaves]
+        y32 = ref(*leaves32)
+        grads32 = torch.autograd.grad(y32, leaves32, dy)
+        res = {"y": rel_rms(y, y32)}
+        res.update({n: rel_rms(a, b) for n, a, b in zip(NAMES, grads, grads32, strict=True)})
+        res["ok"] = float(res["y"] <= O_TOL and all(res[n] <= GRAD_TOL for n in NAMES))
+        return res
+    return check
+
+
+def _steps(B: int, T: int, H: int, P: int, G: int, N: int, device: torch.device, first: bool
+           ) -> dict[str, Step]:
+    sets = [make_inputs(B, T, H, P, G, N, device, seed=s) for s in range(N_SETS)]
+    grads = [torch.randn(B, T, H, P, device=device, dtype=torch.bfloat16)]
+    mod, ours = _ours()
+    label, eager = torch_path()
+    steps = {"ours": fwd_bwd(ours, sets, grads), "ours_fwd": fwd_only(ours, sets),
+             label: fwd_bwd(eager, sets, grads), f"{label}_fwd": fwd_only(eager, sets)}
+    compiled = torch.compile(eager)
+    steps["compile_fwd"] = fwd_only(compiled, sets)
+    if first:
+        steps["compile"] = fwd_bwd(compiled, sets, grads)
+        steps.update(_sweep(mod, ours, sets, grads, P))
+    return steps
+
+
+def _sweep(mod, fn: Callable, sets, grads, size: int) -> dict[str, Step]:
+    """``ours@cfg`` (forward + backward) and ``ours@cfg_fwd`` steps, one per SWEEP config, each
+    pinning its config for the size's bucket while it runs."""
+    bucket, base = mod.shape_bucket(size), mod.config_for(size)
+    steps: dict[str, Step] = {}
+    for cfg in SWEEP:
+        label = "ours@" + ",".join(f"{k}={v}" for k, v in cfg.items())
+        full = {**base, **cfg}
+        for suffix, inner in (("", fwd_bwd(fn, sets, grads)), ("_fwd", fwd_only(fn, sets))):
+            def step(i, inner=inner, full=full):
+                mod.set_config(full, bucket=bucket)
+                try:
+                    return inner(i)
+                finally:
+                    mod.set_config(None, bucket=bucket)
+
+            steps[label + suffix] = step
+    return steps
+
+
+def ssd_case(B: int, T: int, H: int, P: int, G: int, N: int, note: str = "", *, first: bool = False) -> BenchCase:
+    """One case of the ``scan`` kernel; nothing touches a device until the harness calls `setup`
+    or `check`."""
+    # Bytes: x, dt, B, C (bf16) read in the forward and again in the backward, their gradients
+    # written; y written and dy read.
+    n_in = 2 * B * T * (H * P + H + 2 * G * N)
+    n_y = 2 * B * T * H * P
+    min_bytes = 3 * n_in + 2 * n_y
+    # The chunked algorithm's matmul work per token and head (L: our chunk 64): C B^T (L N), the
+    # intra-chunk output (L P), the chunk state and the state's output (2 P N). Multiply-adds x2;
+    # the backward ~2x the forward.
+    flops = 3 * 2 * B * T * H * (64 * N + 64 * P + 2 * P * N)
+    return BenchCase(
+        family="ssd", name=f"B{B}T{T}H{H}P{P}G{G}N{N}", shape={"B": B, "T": T, "H": H, "P": P, "G": G, "N": N},
+        min_bytes=min_bytes, flops=flops,
+        setup=lambda device: _steps(B, T, H, P, G, N, device, first),
+        check=_check(B, T, H, P, G, N), note=note)
+
+
+def cases() -> list[BenchCase]:
+    return [ssd_case(*shape[:6], shape[6], first=i == 0) for i, shape in enumerate(SHAPES)]
+
+
+# The nightly regression suite's share: the first shape against the torch path, forward only.
+NIGHTLY = NightlySpec(cases={"B1T8192H128P64G8N128": ("ours", "ours_fwd", "eager_fwd")}, min_threshold=0.05)
