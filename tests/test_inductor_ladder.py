@@ -121,6 +121,17 @@ def test_ladder_kwargs_from_the_checks_verdict(tmp_path):
         I.LadderBackend(start="fast")
 
 
+def test_bench_blocks_model_at_paths():
+    from onboarding.bench.blocks import split_ref
+
+    assert split_ref("hf:mamba2@backbone.layers.0.mixer") == ("hf:mamba2",
+                                                              ["backbone.layers.0.mixer"])
+    assert split_ref("hf:xlstm") == ("hf:xlstm", [])
+    assert split_ref("runs/a@b/run") == ("runs/a@b/run", [])  # a folder name, not a block
+    assert split_ref("m.py:LM@layers.0.mixer, layers.1.mixer") == (
+        "m.py:LM", ["layers.0.mixer", "layers.1.mixer"])
+
+
 @pytest.mark.parametrize("argv, why", [
     (["--blocks", "hf:xlstm", "--family", "rmsnorm"], "--family: not with --blocks"),
     (["--blocks", "hf:xlstm", "--suite", "nightly"], "--blocks: not with --suite nightly"),

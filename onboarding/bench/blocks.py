@@ -111,6 +111,15 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
+def split_ref(ref: str) -> tuple[str, list[str]]:
+    """``MODEL@PATH[,PATH...]`` -> (MODEL, [PATH, ...]): those blocks, covered or not (a block a
+    family serves timed as the fallback would serve it); plain MODEL -> (MODEL, [])."""
+    model, at, tail = ref.rpartition("@")
+    if not at or not model or "/" in tail:
+        return ref, []
+    return model, [p.strip() for p in tail.split(",") if p.strip()]
+
+
 def block_cases(ref: str, proxy: str | None = "small", batch: int = 1, seq: int = 2048,
                 dtype: str = "bf16", start: str = "default",
                 save: Any = None) -> tuple[list[BenchCase], list[dict[str, Any]]]:
@@ -131,6 +140,7 @@ def block_cases(ref: str, proxy: str | None = "small", batch: int = 1, seq: int 
     save = save or (lambda recs: None)
     cases: list[BenchCase] = []
     recs: list[dict[str, Any]] = []
+    ref, paths = split_ref(ref)
     if (Path(ref) / "model.json").is_file():  # a run directory: the model it was made from
         from onboarding.generate.tasks import spec_from_run
 
@@ -141,7 +151,11 @@ def block_cases(ref: str, proxy: str | None = "small", batch: int = 1, seq: int 
     proxy = spec.proxy
     info = load_stage(spec.load(), proxy)
     graph = parse_stage(info, batch=1, seq=64, try_export=False)
-    picked = [b for b, *_ in task_blocks(graph, build_coverage(graph))]
+    picked = [b for b, *_ in task_blocks(graph, build_coverage(graph))] if not paths else \
+        [b for b in graph.blocks if b.path in paths]
+    missing = sorted(set(paths) - {b.path for b in picked})
+    if missing:
+        raise ValueError(f"{ref}: no block {', '.join(missing)} in the proxy's op graph")
     outer = [b for b in picked if not any(b.path.startswith(o.path + ".") for o in picked)]
     device = kernel_device()
     model = info.loaded.build(info.proxy_config, seed=0).to(device, as_dtype(dtype)).eval()

@@ -40,9 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     u = b.add_argument_group("uncovered blocks (--blocks): the Inductor fallback against eager")
     u.add_argument("--blocks", action="append", default=None, metavar="MODEL",
                    help="time MODEL's distinct uncovered blocks (MODEL: a reference or a run "
-                        "directory), torch.compile as the fallback compiles it against the "
-                        "block's own code, forward and forward + backward (repeatable; one "
-                        "process per model)")
+                        "directory; MODEL@PATH[,PATH]: those blocks, covered or not), "
+                        "torch.compile as the fallback compiles it against the block's own "
+                        "code, forward and forward + backward (repeatable; one process each)")
     u.add_argument("--proxy", choices=("tiny", "small"), default=None,
                    help="the proxy the blocks come from (default: small; a run's own)")
     u.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
