@@ -47,10 +47,10 @@ def fit(ts: list[int], ours_ms: list[float], dense_ms: list[float]) -> dict[str,
     both); ``below``: ours already wins at the smallest measured T (T* = that T: below it the
     table says nothing); ``extrapolated``: dense wins at every measured T, T* from ours = a T + c
     (the two largest T) against dense = b T^2 (the largest T); ``never``: no such T (ours grows
-    faster than quadratically, or no pair was timed)."""
+    faster than quadratically); ``untimed``: no T with both timed (nothing to decide by)."""
     pts = [(t, o, d) for t, o, d in zip(ts, ours_ms, dense_ms, strict=True) if o and d]
     if not pts:
-        return {"t": None, "how": "never"}
+        return {"t": None, "how": "untimed"}
     if pts[0][2] >= pts[0][1]:
         return {"t": pts[0][0], "how": "below"}
     for (t0, o0, d0), (t1, o1, d1) in itertools.pairwise(pts):
@@ -92,12 +92,11 @@ def load_table(path: Path | None = None) -> dict[str, Any] | None:
 
 
 def _row(table: dict[str, Any] | None, layout: str, group: int) -> dict[str, Any] | None:
-    """The row of `layout` whose query-heads-per-KV-head group is nearest `group` (log scale;
-    the larger on a tie: the sparse kernel's cost falls as the group grows)."""
-    rows = [r for r in (table or {}).get("rows", []) if r["layout"] == layout]
-    if not rows:
-        return None
-    return min(rows, key=lambda r: (abs(math.log2(r["group"]) - math.log2(max(group, 1))), -r["group"]))
+    """The row of `layout` with `group` query heads per KV head, or None. No borrowing from
+    another group: one gathered KV block serves the whole group, so the sparse kernel's cost per
+    query head falls with the group while dense attention's does not, and a crossover moves by
+    about the group's factor (the table holds measured rows only)."""
+    return next((r for r in (table or {}).get("rows", []) if r["layout"] == layout and r["group"] == group), None)
 
 
 def threshold(table: dict[str, Any] | None, layout: str, group: int, topk: int, backward: bool,
@@ -107,10 +106,11 @@ def threshold(table: dict[str, Any] | None, layout: str, group: int, topk: int, 
     row = _row(table, layout, group)
     mode = "fwdbwd" if backward else "fwd"
     if row is None:
-        return None, f"no measured crossover for the {layout} layout"
+        return None, f"no measured crossover for the {layout} layout at {group} query heads per KV head"
     found = crossovers(row).get(mode, {}).get(baseline)
     if found is None or found["t"] is None:
-        return None, f"{layout} g{row['group']}: the kernel is never slower in the measured table ({mode})"
+        why = "not measured" if found is None or found["how"] == "untimed" else "the kernel never slower"
+        return None, f"{layout} g{row['group']} {mode} vs {baseline}: {why}"
     t = int(found["t"] * topk / row["K"])
     return t, (f"{mode} vs {baseline}: crossover T {found['t']} at K {row['K']} ({found['how']}; "
                f"{row['layout']} layout, {row['group']} query heads per KV head, head dim {row['d']}), "
@@ -122,14 +122,15 @@ def summary(layout: str, topk: int, table: dict[str, Any] | None = None) -> str:
     table = load_table() if table is None else table
     rows = [r for r in (table or {}).get("rows", []) if r["layout"] == layout]
     if not rows:
-        return f"by shape: no measured crossover table for the {layout} layout, the kernel at every T"
+        return f"by shape: no measured crossover for the {layout} layout, the kernel at every T"
     parts = []
     for r in sorted(rows, key=lambda r: r["group"]):
-        ts = [threshold(table, layout, r["group"], topk, bwd)[0] for bwd in (False, True)]
-        parts.append(f"g{r['group']}: " + " / ".join("never" if t is None else str(t) for t in ts))
+        found = [threshold(table, layout, r["group"], topk, bwd) for bwd in (False, True)]
+        parts.append(f"g{r['group']}: " + " / ".join(
+            str(t) if t is not None else "not measured" if "not measured" in why else "never" for t, why in found))
     return (f"by shape at each call (GPU): the block's own dense attention below T*, the kernel from "
             f"T* (fwd / fwd+bwd, K {topk}, measured on {table.get('device', '?')}: "
-            + "; ".join(parts) + f"; {TABLE.name})")
+            + "; ".join(parts) + f"; other groups: the kernel at every T; {TABLE.name})")
 
 
 def policy(layout: str, table: dict[str, Any] | None = None) -> Callable[..., bool]:

@@ -477,19 +477,24 @@ def test_crossover_fit_interpolates_extrapolates_and_bounds():
     assert xo.fit(ts, ours, [1e-3 / 8000 * t * t for t in ts]) == {"t": 16384, "how": "below"}
     # a baseline left out at the largest T (its masks would not fit): fitted from the others
     assert xo.fit(ts, ours, [1e-3 / 514_000 * t * t for t in ts[:3]] + [None])["how"] == "extrapolated"
-    assert xo.fit(ts, ours, [None] * 4) == {"t": None, "how": "never"}
+    assert xo.fit(ts, ours, [None] * 4) == {"t": None, "how": "untimed"}
 
 
 def test_crossover_threshold_by_group_topk_and_backward():
-    """`threshold` takes the nearest measured group (log scale), the mode's crossover against the
-    block's own (masked) dense attention, and scales it with K; no row for a layout: None."""
+    """`threshold` takes the row of the call's group (no other group's: the crossover moves with
+    it), the mode's crossover against the block's own (masked) dense attention, and scales it with
+    K; no row for the layout or group, or a row never timed: None (the kernel at every T)."""
     table = _table()
     t, why = xo.threshold(table, "mha", 1, 2048, backward=False)
     assert abs(t - 500_000) <= 500 and "extrapolated" in why
     assert abs(xo.threshold(table, "mha", 1, 2048, backward=True)[0] - 1_000_000) <= 1000
     assert abs(xo.threshold(table, "mha", 8, 1024, backward=False)[0] - 30_000) <= 50  # interpolated, K/2
-    assert xo.threshold(table, "mha", 4, 2048, False)[0] == xo.threshold(table, "mha", 8, 2048, False)[0]
+    assert xo.threshold(table, "mha", 4, 2048, False)[0] is None
     assert xo.threshold(table, "mla", 1, 2048, False)[0] is None
+    untimed = {"rows": [{**table["rows"][0], "times": {m: {i: [None] * 4 for i in ("ours", "masked_sdpa")}
+                                                      for m in ("fwd", "fwdbwd")}}]}
+    t, why = xo.threshold(untimed, "mha", 1, 2048, False)
+    assert t is None and "not measured" in why and "g1: not measured / not measured" in xo.summary("mha", 2048, untimed)
     causal = xo.threshold(table, "mha", 1, 2048, False, baseline="causal_sdpa")[0]
     assert abs(causal - 2_000_000) <= 2000  # 4x cheaper dense: 4x later
     assert "g1: 500000 / 1000000" in xo.summary("mha", 2048, table)
@@ -578,3 +583,19 @@ def test_coverage_reason_names_the_choice_by_shape():
                     blocks=[block], layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
     entry = next(e for e in build_coverage(graph).entries if e.variant == "gathered")
     assert entry.reason.split("; ", 1)[1] == fam.crossover.summary("mha", 2048)  # after "reviewed kernel" or "template ..."
+
+
+def test_measured_crossover_table_is_consistent():
+    """crossover.json (measured on the H200; docs/LOG.md): every row holds a time or None per T for
+    each impl and mode, its stored crossovers are what `fit` derives from those times, and the
+    MHA row's forward crossover against the block's own attention lies between two measured T."""
+    table = xo.load_table()
+    assert table is not None and table["rows"]
+    for row in table["rows"]:
+        for mode in xo.MODES:
+            for impl in ("ours", *xo.BASELINES):
+                assert len(row["times"][mode][impl]) == len(row["ts"]), (row["group"], mode, impl)
+        assert row["crossover"] == xo.crossovers(row)
+    mha = next(r for r in table["rows"] if r["layout"] == "mha" and r["group"] == 1)
+    fwd = mha["crossover"]["fwd"]["masked_sdpa"]
+    assert fwd["how"] == "interpolated" and mha["ts"][0] < fwd["t"] < mha["ts"][-1]
