@@ -42,7 +42,8 @@ def _step(built, role: str, ids):
     b.model = copy.deepcopy(built.model)
     prepare(cfg, role, b, single_layout(), torch.device("cpu"))
     b.model.train()
-    loss, saved = saved_for_backward(b.model, b.graph, lambda: lm_loss(b.model, ids))
+    loss, saved = saved_for_backward(b.model, b.graph,
+                                     lambda: lm_loss(b.model, ids, chunked=role != "baseline"))
     grads = {n: p.grad for n, p in b.model.named_parameters() if p.requires_grad}
     return loss, saved, grads
 
@@ -60,6 +61,8 @@ def test_ours_keeps_no_more_than_the_baseline(proxy):
             if v > base.by_kind.get(k, 0)}
     assert not more, f"blocks keeping more than the baseline's (ours, baseline bytes): {more}"
     assert ours.total <= base.total
+    # the loss keeps the 16-bit logits (half the bytes), not their fp32 log-probabilities
+    assert ours.by_kind.get("(model)", 0) < 0.6 * base.by_kind["(model)"]
     # the attention LoRA keeps the 16-bit input once, not an fp32 copy per adapter
     assert ours.by_kind["attention.full"] < base.by_kind["attention.full"]
     assert len(grads) == len(base_grads) > 0  # the same number of adapter tensors train
@@ -145,3 +148,22 @@ def test_weighted_swiglu_grads_in_row_blocks(monkeypatch):
     ref = torch.nn.functional.silu(gate) * up * w.unsqueeze(-1)
     torch.testing.assert_close(out, ref)
     torch.autograd.gradcheck(_SwiGLUWeighted.apply, (h, w))
+
+
+def test_chunked_cross_entropy_same_loss_and_grads(monkeypatch):
+    from torch.nn import functional as F
+
+    from onboarding.train import worker
+
+    monkeypatch.setattr(worker, "CE_CHUNK_ELEMENTS", 50 * 64)  # 64-row chunks, the last short
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 50, generator=g).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 50, (300,), generator=g)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda v: saved.append(v) or v, lambda v: v):
+        loss = worker.chunked_cross_entropy(x, t)
+    assert not [v for v in saved if v.dtype == torch.float32 and v.shape[-1] == 50]
+    ref = F.cross_entropy(x.float(), t)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    (got,), (want,) = torch.autograd.grad(loss, x), torch.autograd.grad(ref, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -162,12 +162,39 @@ def _adamw(params: list, cfg: TrainConfig, *, fused: bool) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kw)
 
 
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of ``ids`` [B, T + 1] (fp32 over the full-vocabulary logits)."""
+def lm_loss(model: nn.Module, ids: torch.Tensor, *, chunked: bool = False) -> torch.Tensor:
+    """Next-token cross-entropy of ``ids`` [B, T + 1], in fp32 over the full-vocabulary logits.
+
+    ``chunked`` (ours): `chunked_cross_entropy`; else (the baseline, as transformers computes it)
+    one fp32 copy of the logits, whose log-probabilities autograd keeps for the backward."""
     # on the CPU, model code takes its torch path, never a GPU kernel library it found
     with torch_reference_paths() if ids.device.type == "cpu" else contextlib.nullcontext():
         logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    flat, targets = logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    if chunked:
+        return chunked_cross_entropy(flat, targets)
+    return F.cross_entropy(flat.float(), targets)
+
+
+CE_CHUNK_ELEMENTS = 1 << 26  # fp32 elements of one chunk's logits (256 MiB)
+
+
+def _ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` [N, V] (any dtype) against ``targets`` [N], in fp32,
+    over row chunks each recomputed in the backward (non-reentrant checkpoints): autograd keeps
+    the logits as they came (bf16: 2 bytes x N x V), not their fp32 log-probabilities (4 bytes x
+    N x V: 2 GiB at 16,384 tokens x 32,000), and the backward's fp32 temporaries are one chunk's
+    instead of two [N, V] fp32 gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    step = max(1, CE_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    total = sum(checkpoint(_ce_sum, logits[i:i + step], targets[i:i + step], use_reentrant=False)
+                for i in range(0, logits.shape[0], step))
+    return total / targets.numel()
 
 
 def _world_sum(values: list[float], layout: Layout, device) -> list[float]:
@@ -246,7 +273,7 @@ def run(cfg: TrainConfig, role: str) -> None:
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
         with phase("forward"):
-            ce = lm_loss(model, ids)
+            ce = lm_loss(model, ids, chunked=role != "baseline")
             loss = ce
             aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
             if aux is not None:
