@@ -86,16 +86,16 @@ MOE_BWD_SWEEP = [
     {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
     {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 256, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
 ]
-# The backward's choices timed beside the default (the persistent weight-gradient kernel) in the
-# fwdbwd case at Qwen3-Next (uniform): one program per output tile (`dw_persistent` 0, the
-# default before), and the backward GEMMs' weights by TMA.
-MOE_DW_SWEEP = [{"dw_persistent": 0}, {"bwd_tma": True}]
-# DeepSeek-V3 N8192 adds the backward's other levers: the down backward's and dx's weights by TMA,
-# and dx's own 128-row tiles (its reduction runs over 2F = 4096 like a forward GEMM's; the down
-# backward keeps 64 rows: at 128 its epilogue spills 2.9 KB, sm_90 AOT).
-MOE_BWD_SWEEP_BIG = [*MOE_DW_SWEEP,
-                     {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
-                     {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}]
+# The backward's choices timed beside the default in the fwdbwd case at Qwen3-Next (uniform): the
+# persistent weight-gradient kernel (`dw_persistent` 1; slower in the seventeenth session's run)
+# and the backward GEMMs' weights by TMA.
+MOE_DW_SWEEP = [{"dw_persistent": 1}, {"bwd_tma": True}]
+# DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights): the persistent kernel,
+# the backward before that default (dx on the backward's 64 x 128 tile, pointer loads) and dx at
+# 128 x 128. The down backward keeps 64 rows: at 128 its epilogue spills 2.9 KB (sm_90 AOT).
+MOE_BWD_SWEEP_BIG = [{"dw_persistent": 1},
+                     {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0},
+                     {"DX_BLOCK_N": 128}]
 # Which cases sweep: (label, N, mode) -> configs (`fwd` forward tiles, `fwdbwd` the backward's).
 # The anchor keeps the full tile sweeps; the larger shapes time only what is being decided, so
 # that every case of the family runs in under a minute.

@@ -290,17 +290,22 @@ _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num
 # stages took d gate_up / d down from 0.917 / 0.423 ms to 0.685 / 0.349 at the anchor, 1.995 /
 # 0.962 to 1.624 / 0.821 at Qwen3-Next and 20.84 / 9.53 to 16.61 / 8.34 at DeepSeek-V3 N8192
 # (its step 62.1 -> 56.5 ms); 4 stages the same, 128 x 256 16.85 / 7.40, 128-row steps worse.
-# Seventeenth session: the persistent kernel (`dw_persistent`: 1 program per SM; at 146 registers
-# a second would not fit beside it) in place of one program per output tile: the grid kernels
-# refill a 2-deep pipeline for every 4-step tile at DeepSeek-V3 (~256 rows per expert); measured
-# against them in the bench's MOE_DW_SWEEP rows (docs/LOG.md).
-_DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps": 8, "dw_stages": 3,
-             "dw_persistent": 1}
+# Seventeenth session (`onboard bench --family moe_experts --case deepseek_v3/...N8192/uniform/fwd
+# --profile`, one run): the persistent weight-gradient kernel (`dw_persistent` 1: one program per
+# SM, 146 registers, so no second program beside it) lost to these grid kernels (two programs per
+# SM at 118 registers): fwd+bwd 64.17 ms against 56.95 at DeepSeek-V3 N8192 (its two launches
+# 32.98 ms), 10.50 against 8.40 at Qwen3-Next. It stays an option, off.
+_DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps": 8, "dw_stages": 3}
 _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
                             _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES}
+# dx's own 128 x 256 tile with the backward's weights by TMA (same run, sweep rows): 61.88 ms
+# fwd+bwd at DeepSeek-V3 N8192 against 64.28 with TMA alone (TMA alone: 64.28 against 64.17, no
+# gain; dx 128 x 128: 62.09); dx took 10.12 ms of the step at 64 x 128. Measured beside the
+# persistent weight-gradient kernel; with the grid ones (the default) the sum is not yet timed.
+_DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
-                  **_DW_TILES}
+                  **_DW_TILES, **_DX_TILES_BIG}
 
 FAMILY = FamilySpec(
     name=NAME,

@@ -616,7 +616,8 @@ def test_backward_tile_keys_in_space_config_and_tuner(load):
 def test_aot_specs_split_forward_and_backward_tiles(load):
     """At D=7168 (bucket d_big) the bf16 specs carry the measured GPU tiles: forward kernels
     128 x 128 x 64, 8 warps, 4 stages, the plain variant's down GEMM 256 columns wide; backward
-    kernels 64 x 128 x 64, 8 warps, 4 stages, the weight-gradient GEMMs 128 x 128 x 64, 3 stages."""
+    kernels 64 x 128 x 64, 8 warps, 4 stages, the plain variant's dx 128 x 256, 3 stages, with the
+    down backward's and dx's weights by TMA, the weight-gradient GEMMs 128 x 128 x 64, 3 stages."""
     fwd = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     bwd = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     for variant in ("swiglu", "swiglu_lora"):
@@ -635,8 +636,11 @@ def test_aot_specs_split_forward_and_backward_tiles(load):
         assert got["moe_gate_up_fwd_kernel"] == [fwd], (variant, got["moe_gate_up_fwd_kernel"])
         down = {**fwd, "BLOCK_N": 256 if variant == "swiglu" else 128}  # DOWN_BLOCK_N: not with LoRA
         assert got["moe_down_fwd_kernel"] == [down], (variant, got["moe_down_fwd_kernel"])
+        dx = {**bwd, "BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3}  # DX_*: not with LoRA
         for name in ("moe_down_bwd_kernel", "moe_dx_kernel"):
-            assert got.get(name, [bwd]) == [bwd], (variant, name, got[name])
+            want = dx if name == "moe_dx_kernel" and variant == "swiglu" else bwd
+            assert got.get(name, [want]) == [want], (variant, name, got[name])
+            assert [s["constexprs"]["TMA"] for s in specs if s["kernel"] == name] == [variant == "swiglu"]
         dw = {**bwd, "BLOCK_M": 128, "num_stages": 3}  # DW_*: the weight-gradient GEMMs' own tile
         for name in ("moe_dwd_kernel", "moe_dwgu_kernel"):
             assert got.get(name, [dw]) == [dw], (variant, name, got[name])
