@@ -60,6 +60,7 @@ FIELD_DOCS = {
     "kernels": "use onboard kernels on the GPU where they exist",
     "profile_every": "profile every N-th step (all-to-all share, train/profile_<role>_step<N>.json); 0 = off",
     "baseline": "also time transformers + PEFT on one device with one rank's batch share",
+    "export": "write the adapters and the base they trained on at the end (a sweep does not)",
 }
 
 
@@ -102,6 +103,7 @@ class TrainConfig:
     kernels: bool = True
     profile_every: int = 0
     baseline: bool = False
+    export: bool = True
 
     @classmethod
     def for_model(cls, spec: ModelSpec, **fields: Any) -> TrainConfig:
@@ -252,7 +254,7 @@ _TYPES = {"model": str, "overrides": dict, "trust_remote_code": bool, "proxy": s
           "lora_targets": list, "expert_lora": bool, "activation_checkpointing": bool,
           "recompute": str, "balance": str, "checkpoint_dir": (str, type(None)),
           "alert_webhook": (str, type(None)), "aux_loss_coef": (int, float, type(None)),
-          "dtype": str, "device": str, "data": (str, type(None)), "kernels": bool, "baseline": bool,
+          "dtype": str, "device": str, "data": (str, type(None)), "kernels": bool, "baseline": bool, "export": bool,
           "capacity_factor": (int, float, type(None))}
 _INTS = ("nproc", "ep", "fsdp", "steps", "seq_len", "micro_batch", "warmup_steps", "lora_rank",
          "checkpoint_interval", "seed", "profile_every")

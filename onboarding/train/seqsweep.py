@@ -44,10 +44,12 @@ def role(cfg: TrainConfig) -> str:
 
 
 def configs(base: TrainConfig, seqs: list[int], out: Path) -> list[TrainConfig]:
-    """One config per length, in ``out/seq<L>``; checkpoints off (a sweep measures, it does
-    not resume), no baseline."""
+    """One config per length, in ``out/seq<L>``; checkpoints and the adapter export off (a sweep
+    measures, it does not resume or ship: at full size the export writes the whole base), no
+    baseline."""
     return [dataclasses.replace(base, seq_len=s, out=str(out / f"seq{s}"), baseline=False,
-                                checkpoint_interval=0, checkpoint_dir=None) for s in seqs]
+                                checkpoint_interval=0, checkpoint_dir=None, export=False)
+            for s in seqs]
 
 
 def _outcome(log: Path, rc: int) -> str:

@@ -343,7 +343,8 @@ def run(cfg: TrainConfig, role: str) -> None:
         _maybe_kill(layout, step)
 
     alerts.stop()
-    if role == "parallel" or (role == "reference" and cfg.nproc == 1):  # one process: it trained
+    # the run that trained (one process: the reference) exports, unless it only measures (a sweep)
+    if cfg.export and (role == "parallel" or (role == "reference" and cfg.nproc == 1)):
         from onboarding.train.peft_export import PROBE_TOKENS, export_run
 
         export_run(model, graph, cfg, ep_mods,
