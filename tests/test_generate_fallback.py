@@ -391,3 +391,46 @@ def test_kernels_list_keeps_or_names_the_inductor_swaps(cum_graph, kernels, acti
         assert recs == {}
         assert {unchecked[p] for p in paths} == {
             "inductor not selected (--kernels) (name 'inductor' to keep the swaps)"}
+
+
+def test_compile_ladder_in_the_decision_coverage_and_swap(cum_graph, tmp_path):
+    """A block Inductor served only regionally: the decision's reason (coverage, the report's
+    table) says what was left eager, and alignment's swap starts at that rung with those nodes
+    eager (read from the check's verdict.json)."""
+    import json as _json
+
+    import torch
+
+    from onboarding.generate.decide import GenerateOptions, apply_to_coverage, decide, swaps
+    from onboarding.generate.inductor import block_dir
+    from onboarding.generate.tasks import build_tasks
+
+    ladder = [{"graph": 0, "nodes": 7, "rung": "regional", "regions": 2, "eager_nodes": ["cumsum"],
+               "eager": ["call_function:cumsum @ uncovered_models.py:23"],
+               "failures": [{"rung": "default", "error": "InductorError: split scan"},
+                            {"rung": "safe", "error": "InductorError: split scan"}]}]
+    check = _fake_check(True)
+
+    def laddered(spec, path, run_dir, **kw):
+        v = check(spec, path, run_dir, **kw)
+        v.artifacts["fp32"].update(rung="regional", ladder=ladder)
+        out = block_dir(run_dir, path)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "verdict.json").write_text(_json.dumps(v.to_dict()))
+        return v
+
+    cov = build_coverage(cum_graph)
+    tasks = build_tasks(graph=cum_graph, coverage=cov, full_size=False)
+    ds = decide(tasks, ModelSpec(ref=CUM), tmp_path, graph=cum_graph, check=laddered,
+                opts=GenerateOptions(seq=16))
+    d = next(d for d in ds if d.path == "layers.0.mixer")
+    assert d.decision == "inductor"
+    assert "compile ladder: graph 0: compiled in 2 regions, eager: call_function:cumsum @ " \
+           "uncovered_models.py:23 (default failed: InductorError: split scan" in d.why()
+    cov = apply_to_coverage(cov, ds)
+    assert "eager: call_function:cumsum" in next(e.reason for e in cov.entries
+                                                 if e.path == "layers.0.mixer"
+                                                 and e.status == "inductor")
+    (swap,) = [s for s in swaps(ds) if s.path == "layers.0.mixer"]
+    fn = swap.make(torch.nn.Linear(2, 2))  # compiles lazily: nothing runs here
+    assert fn.ladder.start == "regional" and fn.ladder.eager == {"cumsum"}
