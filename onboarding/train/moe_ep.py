@@ -6,12 +6,15 @@ top_k_weights)`` as in transformers 5) is replaced by an `EPExperts` module. Wit
 from the full deterministic init). One forward:
 
   1. local (token, k) pairs sorted (stably) by expert; per-(rank, expert) counts exchanged;
-  2. hidden rows sent with the autograd-aware ``all_to_all_single`` (uneven and zero splits);
+  2. hidden rows and their routing weights sent with the autograd-aware ``all_to_all_single``
+     (uneven and zero splits);
   3. received rows regrouped by local expert, computed grouped (SwiGLU, or a non-gated
-     up -> act -> down; optional expert LoRA with per-expert A/B and no delta-W), optional
+     up -> act -> down; optional expert LoRA with per-expert A/B and no delta-W), each row
+     scaled by its routing weight inside (before the down projection where no down bias
+     forbids it: the backward then keeps no [P, D] rows for the weights' gradient), optional
      capacity drop at the owner;
-  4. results sent back and combined with the routing weights on the origin rank, so the router
-     gets its gradient there.
+  4. results sent back and summed per token on the origin rank; the weights' gradient returns
+     through the same all-to-all to the router.
 
 Legend: N tokens, K top-k, E experts (E_l local), D hidden, F expert width, r LoRA rank,
 P pairs (N*K), R received rows. The first expert weight is gate_up [E, 2F, D] (gated: [gate |
