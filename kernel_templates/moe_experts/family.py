@@ -251,17 +251,24 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # `moe_dwd_kernel` / `moe_dwgu_kernel`; swiglu and mlp only). bwd_tma: the down backward and dx
 # GEMMs load the expert weights through tensor descriptors, as `tma` does for the forward's.
 # DX_BLOCK_M / DX_BLOCK_N / dx_stages: the dx GEMM's own tile and pipeline depth (0: the
-# backward's; its row tile gets its own tile map). swiglu and mlp only.
+# backward's; its row tile gets its own tile map). swiglu and mlp only. dw_sorted: the grid
+# weight-gradient kernels read x[tok] and dy[tok] copied into slot order first ([S, D] each, one
+# gather apiece) instead of loading each row step's tokens: with that load in the loop, the
+# gathered operand keeps the software pipeline at one step of prefetch whatever the stages (sm_90
+# AOT: 66 KB shared at 3 and at 4 stages, `async_wait num = 0` at the loop's top); without it 3
+# stages prefetch two steps (98 KB, 112 registers: still two programs per SM), 4 stages three.
+# Untimed (the session's device time ran out); swiglu and mlp only.
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
                  "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),
                  "down_stages": (0, 2, 3, 4), "DW_BLOCK_M": (0, 16, 32, 64, 128),
                  "DW_BLOCK_N": (0, 16, 32, 64, 128, 256), "DW_BLOCK_K": (0, 16, 32, 64, 128), "dw_warps": (0, 2, 4, 8),
                  "dw_stages": (0, 1, 2, 3, 4), "dw_persistent": (0, 1, 2, 3, 4), "bwd_tma": (False, True),
-                 "DX_BLOCK_M": (0, 16, 32, 64, 128), "DX_BLOCK_N": (0, 16, 32, 64, 128, 256), "dx_stages": (0, 2, 3, 4)}
+                 "DX_BLOCK_M": (0, 16, 32, 64, 128), "DX_BLOCK_N": (0, 16, 32, 64, 128, 256), "dx_stages": (0, 2, 3, 4),
+                 "dw_sorted": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
-                   "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0}
+                   "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):

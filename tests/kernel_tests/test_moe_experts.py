@@ -269,6 +269,18 @@ def test_persistent_weight_gradients(load, device, monkeypatch, entry, kind, per
     assert all(kw["BLOCK_M"] == 16 and kw["BLOCK_K"] == 16 for n, kw in launches if n == "moe_dw_persistent_kernel")
 
 
+@pytest.mark.parametrize("entry,kind", [("swiglu", "empty_experts"), ("bias", "zipf")])
+def test_sorted_rows_weight_gradients(load, device, monkeypatch, entry, kind):
+    """dw_sorted: the grid weight-gradient kernels read x and dy already in slot order (no token
+    load in their loop); every gradient (with `bias` the bias gradients too) matches, on odd rows
+    per expert and unused experts."""
+    module = load(*{"swiglu": ("swiglu", {}), "bias": ("swiglu", {"bias": True})}[entry])
+    fx = bias_fixture(module, kind) if entry == "bias" else fixture(module, kind)
+    launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, "dw_sorted": True})
+    dw = [kw for n, kw in launches if n in ("moe_dwd_kernel", "moe_dwgu_kernel")]
+    assert len(dw) == 2 and all(kw["SORTED"] for kw in dw)
+
+
 def test_persistent_weight_gradients_match_grid_kernels(load, device):
     """The persistent kernel and the grid kernels give the same weight gradients (the same fp32
     sums in the same row order) on fresh inputs with an expert left empty, frozen down included."""
@@ -289,9 +301,9 @@ def test_persistent_weight_gradients_match_grid_kernels(load, device):
 
 
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
-# reference point), the persistent kernel, and with it the backward's weights by TMA and dx's own
+# reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
 # 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep).
-BF16_BWD_CONFIGS = [{"dw_persistent": 0}, {"dw_persistent": 1},
+BF16_BWD_CONFIGS = [{"dw_persistent": 0}, {"dw_persistent": 1}, {"dw_sorted": True},
                     {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
                     {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}]
 
