@@ -16,17 +16,21 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
     state ``heads x d_k x d_v`` and the ``C x C`` intra-chunk matrix per head; its causal conv
     keeps its activated output;
   - MoE: the router's fp32 scores (2 x E), per routed (token, expert) pair the expert's gate and
-    up outputs and the activation (3F; F non-gated), the expert output kept for the routing
-    weight's gradient (D) and three int64 indices; pairs per token are top-k x the expected
+    up outputs (2F; the routing weight scales the activation, whose silu the backward
+    recomputes), the pair's routing weight and two int64 indices; with expert LoRA on the torch
+    path the fp32 forms its adapters need (D + 3F); pairs per token are top-k x the expected
     load imbalance (capped by a capacity factor) on an EP rank; dispatch buffers (x sorted,
     received, regrouped, and back: 4 x D per pair) are a transient of one layer;
   - dense MLP and shared experts: gate, up, activation (3F, gated);
   - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast);
-  - LoRA adapters: each keeps its input in fp32 and its rank-r product (4 (in + r) bytes);
+  - LoRA adapters: each keeps its input as it came, once per distinct input (q, k and v share
+    theirs; an attention output projection's input is the core's output, already kept), and its
+    rank-r product in fp32;
   - full training adds each block's input (2D) and the expert/MLP inputs the weight gradients
     need (2 (D + F));
-  - the loss: bf16 logits kept by the loop and the fp32 log-softmax (6V per token), plus the
-    backward's fp32 gradients of both (8V) at the start of the backward.
+  - the loss: the bf16 logits (2V per token: the chunked cross-entropy keeps them, not their
+    fp32 log-softmax), plus at the start of the backward their bf16 gradient (2V) and one
+    chunk's fp32 temporaries.
 Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
 backward; ``selective`` re-runs the MLP/expert activations (the 3F parts) and keeps the rest.
 """
@@ -39,6 +43,7 @@ from onboarding.plan.config import GIB, ClusterConfig, PlanConfig
 from onboarding.plan.shapes import BlockShape, ModelShape, attention_heads, ceil_div, fsdp_shard
 
 BF16, FP32 = 2, 4
+CE_CHUNK_ELEMENTS = 1 << 26  # onboarding.train.worker's loss chunk (fp32 elements)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,6 +147,12 @@ def pairs_per_token(shape: ModelShape, cfg: PlanConfig, ep: int, top_k: int) -> 
     return top_k * load
 
 
+def _lora_saved(b: BlockShape, r: int) -> float:
+    """Per token: each distinct adapter input once in bf16 (q, k and v share theirs), and every
+    adapter's fp32 rank-r product."""
+    return sum(BF16 * i for i in {i for i, _ in b.lora_targets}) + FP32 * r * len(b.lora_targets)
+
+
 def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
                 ) -> tuple[float, float, float]:
     """(bytes kept per token, of which selective recompute re-runs, transient bytes per token of
@@ -149,7 +160,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
     d, r = shape.hidden, cfg.lora_rank
     full = cfg.mode == "full"
     kind = b.kind
-    lora = 0.0 if full else sum(FP32 * (i + r) for i, _ in b.lora_targets)
+    lora = 0.0 if full else _lora_saved(b, r)
     if kind.startswith(("attention.", "sparse_attention.", "linear_attention.")):
         lin_out = max(sum(o for _, _, o in b.linears) - d, 0)
         heads = attention_heads(shape.config, kind)
@@ -157,6 +168,8 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
             h, dqk, dv = heads
         else:  # widths unknown: the output projection's input stands for the core's output
             h, dqk, dv = 1, 0, next((i for _, i, o in b.linears if o == d), d)
+        if not full and not kind.startswith("linear_attention."):
+            lora -= BF16 * h * dv * any(i == h * dv for i, _ in b.lora_targets)  # the core's output
         kept = BF16 * (lin_out + h * dv) + lora + (BF16 * d if full else 0)
         transient = 0.0
         if kind.startswith("linear_attention."):
@@ -184,17 +197,16 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         if ex is None:
             return 0.0, 0.0, 0.0
         f = ex.width
-        act = (3 if ex.gated else 1) * f
-        # `onboard train`'s EP module: gate/up and the activation, the two index_copy sources
-        # (regroup by local expert, back to pair order) and the output the routing weight
-        # multiplies, three int64 indices
-        per_pair = BF16 * (act + 3 * d) + 3 * 8
-        if cfg.expert_lora and not full:
-            per_pair += FP32 * (d + (2 * f if ex.gated else f) + f) + 2 * FP32 * r
+        # `onboard train`'s EP module: gate/up (the weighted SwiGLU keeps [gate | up], a
+        # non-gated expert its up output and the weighted activation: 2F either way), the
+        # routing weight and two int64 indices (token of each pair, pair order)
+        per_pair = BF16 * 2 * f + BF16 + 2 * 8
+        if cfg.expert_lora and not full:  # torch path: gate/up in fp32 instead, x and act fp32
+            per_pair += FP32 * (d + (2 * f if ex.gated else f) + f) + 2 * FP32 * r - BF16 * 2 * f
         if full:
             per_pair += BF16 * (d + f)
         pairs = pairs_per_token(shape, cfg, ep, ex.top_k)
-        return pairs * per_pair, pairs * BF16 * act, pairs * 4 * BF16 * d
+        return pairs * per_pair, pairs * BF16 * 2 * f, pairs * 4 * BF16 * d
     if kind in ("mlp.dense", "moe.shared_expert"):
         outs = [o for _, i, o in b.linears if i == d]
         f = min(outs) if outs else d
@@ -270,16 +282,14 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
         acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers}
         layer_ws += _per_layer_max(shape, cfg, ep, tokens)
         layer_what = "one layer recomputed"
-    # The peak is the start of the backward (logits, log-softmax and their fp32 gradients
-    # alive) or a layer's backward (the bf16 logits the loop holds, that layer's workspace).
+    # The peak is the start of the backward (the logits and their gradient, one loss chunk's
+    # fp32 temporaries) or a layer's backward (that layer's workspace).
     v = shape.vocab
-    loss_phase = (BF16 + FP32) * v * tokens + 2 * FP32 * v * tokens
-    layer_phase = BF16 * v * tokens + layer_ws
-    if loss_phase >= layer_phase:
-        acts["logits + log-softmax"] = (BF16 + FP32) * v * tokens
-        workspace, what = 2 * FP32 * v * tokens, "loss backward (fp32 grads of the logits)"
+    acts["logits (bf16)"] = BF16 * v * tokens
+    loss_ws = BF16 * v * tokens + 3 * FP32 * min(CE_CHUNK_ELEMENTS, v * tokens)
+    if loss_ws >= layer_ws:
+        workspace, what = loss_ws, "loss backward (the logits' gradient, one chunk in fp32)"
     else:
-        acts["logits (bf16)"] = BF16 * v * tokens
         workspace, what = layer_ws, layer_what
     if cfg.mode == "full":
         notes.append("full training: gradients are reduce-scattered per layer; the peak "
