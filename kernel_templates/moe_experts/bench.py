@@ -86,16 +86,17 @@ MOE_BWD_SWEEP = [
     {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
     {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 256, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
 ]
-# The backward's choices timed beside the default in the fwdbwd case at Qwen3-Next (uniform): the
-# persistent weight-gradient kernel (`dw_persistent` 1; slower in the seventeenth session's run)
-# and the backward GEMMs' weights by TMA.
-MOE_DW_SWEEP = [{"dw_persistent": 1}, {"bwd_tma": True}]
-# DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights): the persistent kernel,
-# the backward before that default (dx on the backward's 64 x 128 tile, pointer loads) and dx at
-# 128 x 128. The down backward keeps 64 rows: at 128 its epilogue spills 2.9 KB (sm_90 AOT).
-MOE_BWD_SWEEP_BIG = [{"dw_persistent": 1},
+# The backward's open choices timed beside the default in the fwdbwd case at Qwen3-Next (uniform):
+# the weight-gradient kernels on slot-ordered rows (`dw_sorted`, untimed so far) and the
+# persistent weight-gradient kernel (`dw_persistent` 1; slower in the seventeenth session's run).
+MOE_DW_SWEEP = [{"dw_sorted": True}, {"dw_persistent": 1}]
+# DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights): slot-ordered rows at 3
+# and 4 stages, the backward before that default (dx on the backward's 64 x 128 tile, pointer
+# loads), the persistent kernel. The down backward keeps 64 rows: at 128 its epilogue spills
+# 2.9 KB (sm_90 AOT).
+MOE_BWD_SWEEP_BIG = [{"dw_sorted": True}, {"dw_sorted": True, "dw_stages": 4},
                      {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0},
-                     {"DX_BLOCK_N": 128}]
+                     {"dw_persistent": 1}]
 # Which cases sweep: (label, N, mode) -> configs (`fwd` forward tiles, `fwdbwd` the backward's).
 # The anchor keeps the full tile sweeps; the larger shapes time only what is being decided, so
 # that every case of the family runs in under a minute.
