@@ -87,6 +87,23 @@ def test_failing_node_left_eager_the_rest_compiled():
     assert I.furthest_rung(b.graphs) == "regional"
 
 
+def test_nodes_named_in_inductors_error_left_eager_first():
+    """Inductor names the origins of the buffer it could not generate: those nodes go eager at
+    once and the runs around them compile (two compiles, no search)."""
+    class Named(_StandIn):
+        def compile_graph(self, gm, inputs, rung):
+            try:
+                return super().compile_graph(gm, inputs, rung)
+            except RuntimeError as exc:
+                raise RuntimeError("Error in codegen for ComputedBuffer(name='buf3', data=SplitScan("
+                                   "origin_node=cumsum, origins=OrderedSet([cumsum]))") from exc
+
+    b = Named()
+    (g,) = _run(b, torch.randn(2, 6, 8))
+    assert g["hinted"] == ["cumsum"] and g["eager_nodes"] == ["cumsum"] and g["tries"] == 2
+    assert g["eager_why"] == [{"nodes": [g["eager"][0]], "why": "named in Inductor's error"}]
+
+
 def test_safe_rung_serves_when_only_the_defaults_fail():
     (g,) = _run(_StandIn(at=("default",)), torch.randn(1, 5, 8))
     assert g["rung"] == "safe" and [f["rung"] for f in g["failures"]] == ["default"]

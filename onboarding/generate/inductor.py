@@ -18,8 +18,10 @@ fine eagerly (torch 2.11 on the H200: the split-scan codegen of Mamba-2's chunke
 Triton compile of the mLSTM backend in a compile worker). Each graph dynamo hands over is tried
 with Inductor's defaults, then with a safer configuration (`SAFE_CONFIG`: no split reductions or
 scans, no persistent, mix-order or cooperative reductions, small fusions), then regionally: the
-graph is cut into contiguous segments, each compiled on its own (safe configuration), a segment
-that fails is halved until the failing nodes run eagerly, one at a time. The backward is lowered
+nodes Inductor's error names as the origins of the buffer it could not generate run eagerly and
+the runs between them are compiled on their own (safe configuration); without such names the
+graph is cut into halves; a segment that fails is halved until the failing nodes run eagerly,
+one at a time. The backward is lowered
 when the forward is (``force_non_lazy_backward_lowering``), so a backward that cannot compile
 fails inside the ladder too. ``finish()`` records per graph the rung that served it, each
 failure with its traceback (``compile_errors.txt`` beside the code), the regions compiled and the
@@ -205,10 +207,16 @@ class LadderBackend:
         tries = [0]
         segs: list[_Segment] = []
         run: list[Any] = []
+        eager, why = set(self.eager), "known to fail"
+        if not eager:  # the nodes Inductor's own error names (its IR's origins), eager first
+            eager = _named_in_errors(nodes, rec["failures"])
+            why = "named in Inductor's error"
+            if eager:
+                rec["hinted"] = sorted(eager)
         for n in nodes:  # the known-failing nodes eager, the runs between them compiled
-            if n.name in self.eager:
+            if n.name in eager:
                 segs += self._place(gm, run, rec, tries) if run else []
-                segs.append(self._eager(gm, [n], rec, "known to fail"))
+                segs.append(self._eager(gm, [n], rec, why))
                 run = []
             else:
                 run.append(n)
@@ -257,6 +265,22 @@ class LadderBackend:
             rec.setdefault("eager_why", []).append(
                 {"nodes": [_where(n) for n in nodes][:8], "why": why[:300]})
         return seg
+
+
+_ORIGINS = re.compile(r"origin_node=([A-Za-z_]\w*)|origins=OrderedSet\(\[([^\]]*)\]\)")
+MAX_HINTS = 8
+
+
+def _named_in_errors(nodes: list[Any], failures: list[dict[str, Any]]) -> set[str]:
+    """Compute nodes of this graph that Inductor's failure messages name as the origins of the
+    buffer it could not generate (``origin_node=cumsum``, ``origins=OrderedSet([cumsum])``):
+    names of its own ATen graph, often the FX node's; empty when none match or too many do."""
+    text = "\n".join(f.get("traceback", "") + f.get("error", "") for f in failures)
+    named: set[str] = set()
+    for one, many in _ORIGINS.findall(text):
+        named |= {one} if one else {x.strip() for x in many.split(",") if x.strip()}
+    hits = {n.name for n in nodes if n.name in named and _computes([n])}
+    return hits if len(hits) <= MAX_HINTS else set()
 
 
 def _computes(nodes: list[Any]) -> bool:
