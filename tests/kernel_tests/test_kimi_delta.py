@@ -7,6 +7,7 @@ Shares the helpers of `test_gated_delta.py` (same template, same API).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICE
@@ -18,6 +19,7 @@ from test_gated_delta import (
 
 from onboarding.families import family_module
 kimi_delta = family_module("kimi_delta")
+np_errstate = lambda: np.errstate(over="ignore", invalid="ignore")  # noqa: E731 - the interpreter's fp32 overflow
 from onboarding.testing import check_forward_backward, check_module_contract, check_opcheck
 
 CASE_PARAMS = [pytest.param(c, id=c.id) for c in CASES]
@@ -92,6 +94,29 @@ def test_gram_paths_mixed_in_one_call(monkeypatch):
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_chunk_reference_overflow_stays_masked():
+    """Chunk 64, one chunk whose gc range (79 per channel) just fits the one-reference-per-chunk
+    products, with raw q, k x 1e3 (the l2norm takes the scale back out): the products above the
+    diagonal (exp(79) x 1e6 per channel) overflow fp32, and must stay in the masked entries;
+    outputs and every gradient finite and equal to the naive recurrence's."""
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=1, T=64, l2=True, h0=True)
+    gen = torch.Generator().manual_seed(9)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    args[0], args[1] = args[0] * 1e3, args[1] * 1e3
+    args[3] = torch.full_like(args[3], -79.0 / 63.0)
+    douts = [torch.randn(1, case.T, 1, case.V, generator=gen).to(DEVICE),
+             torch.randn(1, 1, case.K, case.V, generator=gen).to(DEVICE)]
+    with np_errstate():
+        (o, ht), grads = grads_of(module.entry, args, douts)
+    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
+        assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
