@@ -15,8 +15,8 @@ backward of y, the training step, no final state):
 - ``compile_fwd``: `torch.compile` of that path's forward;
 - ``ours@...`` (second case only; the headline case goes first so that a run cut short keeps
   it): the tuning values that the AOT build could not judge, timed
-  beside the default (chunk 128, 16-bit dots, 16-bit stored states), forward and
-  forward + backward.
+  beside the default (chunk 128, 16-bit dots, 16-bit stored states, per-head dB/dC partials),
+  forward and forward + backward.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
 on the case's first CHECK_MAX_T tokens: relative RMS of y and of every gradient (x, dt, A, B, C,
@@ -51,7 +51,7 @@ SHAPES = (
     (1, 8192, 128, 64, 8, 128, "Mamba-2 layout, 128 heads"),
     (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
 )
-SWEEP = ({"CHUNK": 128}, {"dot": "input"}, {"state": "input"})
+SWEEP = ({"CHUNK": 128}, {"dot": "input"}, {"state": "input"}, {"dbc": "head"})
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=2,
+    template_version=3,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -79,7 +79,8 @@ FAMILY = FamilySpec(
     # columns per dot (the chunk kernels loop over N in BLOCK_N blocks); BLOCK_S: state
     # elements per program of the serial state passes; dot: "tf32" keeps fp32 dot operands,
     # "input" dots 16-bit inputs in their own dtype on a GPU; state: the dtype of the chunks'
-    # stored states (the forward's largest tensors), fp32 or 16-bit inputs' own.
+    # stored states (the forward's largest tensors), fp32 or 16-bit inputs' own; dbc: dB/dC summed
+    # over a group's heads in the kernel ("group") or per-head partials summed by the host.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -89,10 +90,12 @@ FAMILY = FamilySpec(
         "bwd_warps": (2, 4, 8),
         "dot": ("tf32", "input"),
         "state": ("fp32", "input"),
+        "dbc": ("group", "head"),
     },
     # Untimed (no GPU run yet); chosen from the sm_90 AOT build's spills at P 64, N 128 bf16.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
-                    "dot": "tf32", "state": "fp32"},
+                    "dot": "tf32", "state": "fp32",
+                    "dbc": "group"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),

@@ -79,6 +79,15 @@ def test_bf16_inputs(module, device, state):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
+def test_per_head_dbc_partials(module, device):
+    """dbc "head": dB/dC as per-head partials summed by the host (2 groups of 2 heads)."""
+    module.set_config({**CPU_CONFIG, "dbc": "head"} if device.type == "cpu" else {"dbc": "head"})
+    try:
+        check_forward_backward(fixture(module, SHAPES[1]), torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
 def test_dt_limit_and_no_softplus(module, device):
     """Clamped dt (gradient stops where the limit binds) and raw dt without softplus."""
     check_forward_backward(fixture(module, (1, 9, 2, 8, 1, 8, True, True), dt_limit=(0.1, 1.5)),
