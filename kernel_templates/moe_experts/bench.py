@@ -91,12 +91,12 @@ MOE_BWD_SWEEP = [
 # persistent weight-gradient kernel (`dw_persistent` 1; slower in the seventeenth session's run).
 MOE_DW_SWEEP = [{"dw_sorted": True}, {"dw_persistent": 1}]
 # DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights): slot-ordered rows at 3
-# and 4 stages, the backward before that default (dx on the backward's 64 x 128 tile, pointer
-# loads), the persistent kernel. The down backward keeps 64 rows: at 128 its epilogue spills
-# 2.9 KB (sm_90 AOT).
+# and 4 stages, the persistent kernel on them at 4 stages (three row steps of prefetch, sm_90
+# AOT), the backward before that default (dx on the backward's 64 x 128 tile, pointer loads).
+# The down backward keeps 64 rows: at 128 its epilogue spills 2.9 KB (sm_90 AOT).
 MOE_BWD_SWEEP_BIG = [{"dw_sorted": True}, {"dw_sorted": True, "dw_stages": 4},
-                     {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0},
-                     {"dw_persistent": 1}]
+                     {"dw_persistent": 1, "dw_sorted": True, "dw_stages": 4},
+                     {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0}]
 # Which cases sweep: (label, N, mode) -> configs (`fwd` forward tiles, `fwdbwd` the backward's).
 # The anchor keeps the full tile sweeps; the larger shapes time only what is being decided, so
 # that every case of the family runs in under a minute.

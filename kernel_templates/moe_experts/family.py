@@ -256,7 +256,8 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # gather apiece) instead of loading each row step's tokens: with that load in the loop, the
 # gathered operand keeps the software pipeline at one step of prefetch whatever the stages (sm_90
 # AOT: 66 KB shared at 3 and at 4 stages, `async_wait num = 0` at the loop's top); without it 3
-# stages prefetch two steps (98 KB, 112 registers: still two programs per SM), 4 stages three.
+# stages prefetch two steps (98 KB, 112 registers: still two programs per SM), 4 stages three;
+# the persistent kernel on such rows likewise (4 stages: 164 KB, 152 registers, three steps).
 # Untimed (the session's device time ran out); swiglu and mlp only.
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
                  "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),

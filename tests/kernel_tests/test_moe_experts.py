@@ -227,7 +227,7 @@ def test_weight_gradient_gemms_own_tiles(load, device, monkeypatch, entry):
     assert launches["moe_dx_kernel"]["BLOCK_M"] == CPU_CONFIG["BWD_BLOCK_M"]
 
 
-@pytest.mark.parametrize("entry,tma", [("swiglu", True), ("mlp", True), ("swiglu", False)])
+@pytest.mark.parametrize("entry,tma", [("swiglu", True), ("mlp", True)])
 def test_backward_weight_tma_and_dx_tiles(load, device, monkeypatch, entry, tma):
     """bwd_tma: the down backward and dx GEMMs read the expert weights through tensor descriptors
     (D = 40 and 2F = 40 over 16-row blocks: blocks run past an expert's rows into the next's and
@@ -251,8 +251,7 @@ def test_backward_weight_tma_and_dx_tiles(load, device, monkeypatch, entry, tma)
 PERSISTENT = {"DW_BLOCK_M": 16, "DW_BLOCK_N": 16, "DW_BLOCK_K": 16, "dw_warps": 4, "dw_stages": 2}
 
 
-@pytest.mark.parametrize("entry,kind,per_sm", [("swiglu", "zipf", 1), ("mlp", "empty_experts", 2),
-                                               ("bias", "empty_experts", 1)])
+@pytest.mark.parametrize("entry,kind,per_sm", [("mlp", "zipf", 2), ("bias", "empty_experts", 1)])
 def test_persistent_weight_gradients(load, device, monkeypatch, entry, kind, per_sm):
     """dw_persistent: each weight gradient (and with `bias` its bias gradient) from one persistent
     kernel whose programs walk several (output tile, row step) pairs in one flat loop: 37 tokens
@@ -269,15 +268,15 @@ def test_persistent_weight_gradients(load, device, monkeypatch, entry, kind, per
     assert all(kw["BLOCK_M"] == 16 and kw["BLOCK_K"] == 16 for n, kw in launches if n == "moe_dw_persistent_kernel")
 
 
-@pytest.mark.parametrize("entry,kind", [("swiglu", "empty_experts"), ("bias", "zipf")])
-def test_sorted_rows_weight_gradients(load, device, monkeypatch, entry, kind):
-    """dw_sorted: the grid weight-gradient kernels read x and dy already in slot order (no token
-    load in their loop); every gradient (with `bias` the bias gradients too) matches, on odd rows
-    per expert and unused experts."""
-    module = load(*{"swiglu": ("swiglu", {}), "bias": ("swiglu", {"bias": True})}[entry])
-    fx = bias_fixture(module, kind) if entry == "bias" else fixture(module, kind)
-    launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, "dw_sorted": True})
-    dw = [kw for n, kw in launches if n in ("moe_dwd_kernel", "moe_dwgu_kernel")]
+@pytest.mark.parametrize("kind,persistent", [("zipf", 0), ("empty_experts", 1)])
+def test_sorted_rows_weight_gradients(load, device, monkeypatch, kind, persistent):
+    """dw_sorted: the weight-gradient kernels (grid, or persistent) read x and dy already in slot
+    order (no token load in their loop); every gradient, the bias gradients too, matches on odd
+    rows per expert and unused experts."""
+    module = load("swiglu", {"bias": True})
+    config = {**CPU_CONFIG, "dw_sorted": True, **(PERSISTENT if persistent else {}), "dw_persistent": persistent}
+    launches = _checked_launches(bias_fixture(module, kind), device, monkeypatch, config)
+    dw = [kw for n, kw in launches if n in ("moe_dwd_kernel", "moe_dwgu_kernel", "moe_dw_persistent_kernel")]
     assert len(dw) == 2 and all(kw["SORTED"] for kw in dw)
 
 
@@ -304,6 +303,7 @@ def test_persistent_weight_gradients_match_grid_kernels(load, device):
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
 # 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep).
 BF16_BWD_CONFIGS = [{"dw_persistent": 0}, {"dw_persistent": 1}, {"dw_sorted": True},
+                    {"dw_persistent": 1, "dw_sorted": True, "dw_stages": 4},
                     {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
                     {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}]
 
