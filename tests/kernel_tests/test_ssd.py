@@ -258,7 +258,7 @@ def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     assert not bad, f"relative RMS over the bar: {bad} (all: {errs})"
 
 
-def test_binding_swaps_the_mixers_chunked_scan(module):
+def test_binding_swaps_the_mixers_chunked_scan(module, device):
     """The `binding` on a tiny transformers Mamba-2 mixer: the chunked-scan call it makes runs our
     kernel (the first call included), outputs and parameter gradients match the unpatched mixer,
     and undo restores it. A scan function whose arguments the kernel does not take stays."""
@@ -269,10 +269,10 @@ def test_binding_swaps_the_mixers_chunked_scan(module):
     torch.manual_seed(0)
     cfg = transformers.Mamba2Config(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16,
                                     state_size=16, n_groups=2, expand=2, chunk_size=16)
-    mixer = transformers.Mamba2Model(cfg).layers[0].mixer
+    mixer = transformers.Mamba2Model(cfg).layers[0].mixer.to(device)
     if not callees(mixer):
         pytest.skip(f"transformers {transformers.__version__}'s Mamba-2 mixer inlines its scan (no call to swap)")
-    x = torch.randn(1, 9, 32)
+    x = torch.randn(1, 9, 32, device=device)
     ref = mixer(x)
     ref_grads = torch.autograd.grad(ref.square().sum(), [mixer.A_log, mixer.dt_bias, mixer.D, mixer.in_proj.weight])
     calls = []
