@@ -268,3 +268,26 @@ def test_router_and_experts_align(ref, parse_model, kernel_dir):
         assert b.fwd.verdict == "pass" and b.fwd.output.rel_rms < 1e-5, (p["path"], b.fwd)
         assert b.bwd.verdict == "pass" and b.bwd.output.rel_rms < 1e-5, (p["path"], b.bwd)
     assert result.logits["top1_agreement"] == 1.0 and result.logits["kl"] < 1e-9
+
+
+@pytest.mark.slow  # 30-60 s on 2 cores: two parses and the scan kernels in the interpreter
+@pytest.mark.parametrize("ref", ["hf:mamba", "hf:falcon_mamba"])
+def test_mamba1_proxy_aligns_with_the_selective_scan(ref, parse_model, tmp_path):
+    """Mamba-1 mixers (plain, and with RMS-normed B/C/dt) run their scan core on the
+    selective_scan kernel (the conv on conv1d's) and the proxy aligns forward and backward. Only
+    those two families are rendered: `_kernels` writes every rmsnorm entry to one
+    rmsnorm/plain.py, and Falcon-Mamba's norms differ in eps (the interpreter reads a kernel's
+    source back from its file, overwritten by then)."""
+    graph, reference, candidate, inputs, kwargs = _setup(ref, parse_model)
+    kernels = {(e.path, e.family): load_module(render_to(tmp_path, e.family, e.variant, e.params))
+               for e in build_coverage(graph).entries
+               if e.status in ("template", "kernel") and e.family in ("selective_scan", "conv1d")}
+    with patch_model(candidate, graph, kernels) as patches:
+        result = align(reference, candidate, graph, inputs, kwargs, patches=patches)
+    scans = [p for p in result.patches if p["family"] == "selective_scan"]
+    assert len(scans) == 2 and all(p["status"] == "active" for p in scans), result.patches
+    assert result.passed, result.summary()
+    for p in scans:
+        b = result.block(p["path"])
+        assert b.fwd.verdict == "pass" and b.fwd.output.rel_rms < 1e-5, b.fwd
+        assert b.bwd.verdict == "pass" and b.bwd.output.rel_rms < 1e-5, b.bwd
