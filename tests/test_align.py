@@ -270,7 +270,7 @@ def test_router_and_experts_align(ref, parse_model, kernel_dir):
     assert result.logits["top1_agreement"] == 1.0 and result.logits["kl"] < 1e-9
 
 
-@pytest.mark.slow  # 30-60 s on 2 cores: two parses and the scan kernels in the interpreter
+@pytest.mark.slow  # ~90 s each on 2 shared cores: a parse and the scan kernels in the interpreter
 @pytest.mark.parametrize("ref", ["hf:mamba", "hf:falcon_mamba"])
 def test_mamba1_proxy_aligns_with_the_selective_scan(ref, parse_model, tmp_path):
     """Mamba-1 mixers (plain, and with RMS-normed B/C/dt) run their scan core on the
