@@ -434,3 +434,28 @@ def test_compile_ladder_in_the_decision_coverage_and_swap(cum_graph, tmp_path):
     (swap,) = [s for s in swaps(ds) if s.path == "layers.0.mixer"]
     fn = swap.make(torch.nn.Linear(2, 2))  # compiles lazily: nothing runs here
     assert fn.ladder.start == "regional" and fn.ladder.eager == {"cumsum"}
+
+
+def test_block_check_integer_outputs_in_16_bits():
+    """A router's picks in bf16 may differ from the fp32 block where rounding flips a near tie;
+    the bf16 block's own picks flip there too: as many (or up to twice as many) differences
+    pass, more fail; fp32 (no floor) stays exact."""
+    import torch
+
+    from onboarding.generate.blockcheck import _judge
+
+    ref = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    own = ref.clone()
+    own[1, 0] = 3  # the bf16 block's own flip
+    one, three = own.clone(), own.clone()
+    three[2, 0], three[3, 1] = 5, 6
+
+    def judge(c, floor):
+        return _judge(([c], {}), ([ref], {}), None if floor is None else ([floor], {}),
+                      "bf16" if floor is not None else "fp32", "")[0]
+
+    assert judge(ref, None).passed and not judge(one, None).passed
+    assert judge(one, own).passed and "the 16-bit block's own: 1" in judge(one, own).message
+    bad = judge(three, own)
+    assert not bad.passed and bad.message == ("out0: integer output differs in 3 of 8 "
+                                              "elements (the 16-bit block's own: 1)")
