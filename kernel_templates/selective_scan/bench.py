@@ -9,8 +9,9 @@ backward of y):
   does not take over; its fwd+bwd only up to EAGER_BWD_MAX_T (one autograd node per step);
 - ``compile_fwd`` / ``compile``: `torch.compile` of that function with its own compile-time
   form (``use_associative_scan``: an associative scan over [B, D, T, N], which it takes only
-  under torch.compile); compiling the token loop would unroll T steps. ``compile`` (fwd+bwd)
-  at the first shape only;
+  under torch.compile); compiling the token loop would unroll T steps. A case of its own at the
+  first shape (``...-compile``, beside ours), last: its compile took more than a minute on the
+  H200 (seventeenth session);
 - ``ours@...`` / ``ours@..._fwd``: our kernel at other tiles (FWD_SWEEP, BWD_SWEEP), first shape.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
@@ -114,24 +115,30 @@ def _check(B: int, T: int, D: int, N: int) -> Callable[[torch.device], dict[str,
     return check
 
 
-def _steps(B: int, T: int, D: int, N: int, device: torch.device, sweep: bool) -> dict[str, Step]:
+def _steps(B: int, T: int, D: int, N: int, device: torch.device, kind: str) -> dict[str, Step]:
+    """kind "plain": ours, the torch path (and the tile sweeps at the first shape); "compile":
+    ours and torch.compile of the torch path, a case of its own so that a slow compile (more than
+    60 s on the H200, seventeenth session) never costs the plain case its rows."""
     sets = [make_inputs(B, T, D, N, device, seed=s) for s in range(N_SETS)]
     grads = [torch.randn(B, D, T, device=device, dtype=torch.bfloat16)]
-    (mod, ours), eager = _ours(), transformers_scan()
-    steps = {"ours": fwd_bwd(ours, sets, grads), "ours_fwd": fwd_only(ours, sets),
-             "eager_fwd": fwd_only(eager, sets)}
+    mod, ours = _ours()
+    steps = {"ours": fwd_bwd(ours, sets, grads), "ours_fwd": fwd_only(ours, sets)}
+    if kind == "compile":
+        # one compiled function per step (grad mode changes the graph)
+        steps["compile_fwd"] = fwd_only(torch.compile(transformers_scan(associative=True)), sets)
+        steps["compile"] = fwd_bwd(torch.compile(transformers_scan(associative=True)), sets, grads)
+        return steps
+    eager = transformers_scan()
+    steps["eager_fwd"] = fwd_only(eager, sets)
     if T <= EAGER_BWD_MAX_T:
         steps["eager"] = fwd_bwd(eager, sets, grads)
-    # one compiled function per step (grad mode changes the graph): compile_fwd, compile
-    steps["compile_fwd"] = fwd_only(torch.compile(transformers_scan(associative=True)), sets)
-    if sweep:  # the fwd+bwd compile once, at the first shape (its compile takes the longest)
-        steps["compile"] = fwd_bwd(torch.compile(transformers_scan(associative=True)), sets, grads)
+    if kind == "sweep":
         steps.update({k + "_fwd": v for k, v in fwd_sweep(mod, ours, sets, N, list(FWD_SWEEP)).items()})
         steps.update(config_sweep(mod, ours, sets, grads, N, list(BWD_SWEEP)))
     return steps
 
 
-def scan_case(B: int, T: int, D: int, N: int, note: str = "", sweep: bool = False) -> BenchCase:
+def scan_case(B: int, T: int, D: int, N: int, note: str = "", kind: str = "plain") -> BenchCase:
     # Bytes: u, delta, z (bf16) read by the forward and again by the backward, y written, dy read,
     # du, ddelta, dz written (11 [B, D, T] bf16 passes); B, C read twice, dB, dC written (fp32).
     min_bytes = 11 * 2 * B * D * T + (2 * 2 * 2 + 2 * 4) * B * N * T
@@ -139,10 +146,14 @@ def scan_case(B: int, T: int, D: int, N: int, note: str = "", sweep: bool = Fals
     # the backward re-runs it and adds the adjoint scan and five products (~3x)
     flops = 4 * 5 * B * D * T * N
     return BenchCase(
-        family="selective_scan", name=f"B{B}T{T}D{D}N{N}", shape={"B": B, "T": T, "D": D, "N": N},
-        min_bytes=min_bytes, flops=flops, setup=lambda device: _steps(B, T, D, N, device, sweep),
-        check=_check(B, T, D, N), note=note)
+        family="selective_scan", name=f"B{B}T{T}D{D}N{N}" + ("-compile" if kind == "compile" else ""),
+        shape={"B": B, "T": T, "D": D, "N": N}, min_bytes=min_bytes, flops=flops,
+        setup=lambda device: _steps(B, T, D, N, device, kind),
+        check=None if kind == "compile" else _check(B, T, D, N), note=note)
 
 
 def cases() -> list[BenchCase]:
-    return [scan_case(*shape, sweep=i == 0) for i, shape in enumerate(SHAPES)]
+    """Each shape's plain case (the first one with the tile sweeps), then the compile case of the
+    first shape."""
+    out = [scan_case(*shape, kind="sweep" if i == 0 else "plain") for i, shape in enumerate(SHAPES)]
+    return out + [scan_case(*SHAPES[0][:4], note="torch.compile anchor", kind="compile")]
