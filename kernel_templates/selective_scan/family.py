@@ -100,5 +100,6 @@ FAMILY = FamilySpec(
     timing_dims=("B", "T", "D", "N"),
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
+    bench_nightly=bench.NIGHTLY,
     binding=bind,
 )
