@@ -664,9 +664,11 @@ class Classifier:
         # weights [out, in] of the matmuls (nn.Linear, or W @ x)
         mats = [shapes[n] for r in recs if is_matmul(r.op) for n in r.params.values()
                 if len(shapes.get(n, ())) == 2]
-        x_proj = [m for m in mats if m[1] == inner and m[0] > 2 * state]
+        # x_proj [R + 2N, I] beside dt_proj [I, R] (out_proj [width, I] also reads I)
+        x_proj = [m for m in mats if m[1] == inner and m[0] > 2 * state
+                  and [inner, m[0] - 2 * state] in mats]
         rank = x_proj[0][0] - 2 * state if x_proj else None
-        dt_proj = rank is not None and [inner, rank] in mats
+        dt_proj = rank is not None
         in_proj = [m for m in mats if m[0] == 2 * inner]
         out_proj = [m for m in mats if m[1] == inner and in_proj and m[0] == in_proj[0][1]]
         convs = [self.blocks[c].attrs for c, k in child_kinds.items()

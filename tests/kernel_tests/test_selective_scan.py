@@ -170,6 +170,36 @@ def test_match_by_structure():
     check_match(fam, mixer_block(kind="linear_attention.gated_delta"), None)
 
 
+def test_a_user_written_mamba1_model_is_read_and_served(parse_model, module, device):
+    """A Mamba-1 mixer under names of its own (no transformers class, its own scan function) is
+    classified by structure, matched, and its scan served: the binding finds the function by its
+    signature and the mixer's output and gradients stay the same."""
+    from fixtures.user_models import SelectiveMixer
+
+    from onboarding.patching.core import PatchRecord
+
+    g = parse_model("tests/fixtures/user_models.py:SelectiveScanLM")
+    mixers = [b for b in g.blocks if b.kind == "linear_attention.mamba"]
+    assert [b.path for b in mixers] == ["mixers.0", "mixers.1"]
+    assert {k: mixers[0].attrs[k] for k in ("scan", "inner", "state", "dt_rank", "conv_width", "norm_bc")} == {
+        "scan": "selective", "inner": 32, "state": 4, "dt_rank": 3, "conv_width": 3, "norm_bc": False}
+    fam = family_module("selective_scan")
+    check_match(fam, mixers[0], ("scan", {}))
+    torch.manual_seed(0)
+    mixer = SelectiveMixer(16, 32, 4, 3).to(device)
+    x = torch.randn(1, 11, 16, device=device)
+    ref = mixer(x)
+    record = PatchRecord(path="mixers.0", kind="linear_attention.mamba", family="selective_scan")
+    undo = fam.FAMILY.binding(mixers[0], mixer, [module], record, mixer)
+    try:
+        mixer(x)
+        out = mixer(x)
+    finally:
+        undo()
+    assert record.status == "active" and "ssm_scan" in record.binding, (record.status, record.detail)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_rendered_module_imports_only_torch_triton_stdlib(module):
     tree = ast.parse(Path(module.__file__).read_text())
     roots = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
