@@ -157,14 +157,15 @@ def test_rejected_patch_is_not_a_plain_pass_and_fails_under_strict(workdir, caps
     assert code == 0, out
     assert "alignment passed" not in out and "alignment PASS \u2014 " in out, out
     # the reason is the calibration's own comparison: the planted 5% error, element by element
-    why = f"{PLANT_AT} (patch rejected: x: tensor: FAIL rel_rms 5.00e-02 > 1.0e-05;"
+    why = (f"{PLANT_AT} (patch rejected: no binding matched the original (x: tensor: FAIL "
+           "rel_rms 5.00e-02 > 1.0e-05;")
     assert why in out, out
     d = json.loads((workdir / "a" / "alignment.json").read_text())
     assert d["passed"] and d["verdict_passed"] and d["coverable"] > len(d["not_checked"])
     rec = [x for x in d["not_checked"] if x["path"] == PLANT_AT]
-    assert [{**x, "reason": x["reason"][:48]} for x in rec] == [
+    assert [{**x, "reason": x["reason"][:81]} for x in rec] == [
         {"path": PLANT_AT, "kind": "norm.rms", "family": "rmsnorm",
-         "reason": "patch rejected: x: tensor: FAIL rel_rms 5.00e-02"}]
+         "reason": "patch rejected: no binding matched the original (x: tensor: FAIL rel_rms 5.00e-02"}]
     md = (workdir / "a" / "alignment.md").read_text()  # what the report's section holds
     assert f"- not checked: `{PLANT_AT}` (norm.rms, rmsnorm): patch rejected" in md
 

@@ -132,7 +132,8 @@ class _Calibrated:
                     self.record.detail = f"{name}: {_mismatch(out, ref)}"[:300]
             if self.chosen is None:
                 self.record.status = "rejected"
-                self.record.detail = self.record.detail or "no binding matched the original"
+                why = self.record.detail  # the last binding's error or comparison
+                self.record.detail = "no binding matched the original" + (f" ({why})" if why else "")
                 self.module.forward = self.original  # give the block back, unpatched
                 return self.original(*args, **kwargs)
         out = self.chosen(*args, **kwargs)
