@@ -162,7 +162,7 @@ def test_match_by_structure():
     check_match(family, mixer_block(heads=4), None)  # no per-head parameters of the decay's head count
 
 
-@pytest.mark.slow  # 35-50 s of sm_90 compiles for seven kernels on 2 cores
+@pytest.mark.slow  # seven sm_90 compiles: 10 s cold at load 3.5, 35-50 s at load 8 (2 cores); nightly keeps the file short
 def test_aot_sm90(module):
     """Both kernels compile for sm_90 (what the interpreter cannot check: barriers, loop types)."""
     ok, why = aot.aot_available()
