@@ -69,7 +69,7 @@ def timing_inputs(variant: str, params: dict[str, Any], dims: dict[str, int], dt
 FAMILY = FamilySpec(
     name=NAME,
     template="selective_scan.py.j2",
-    template_version=1,
+    template_version=2,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-1 selective scan: per-channel decay exp(dt A), (grouped) B/C, D skip, "
                       "silu(z) gate, delta bias + softplus, initial/final state; decode step"},
