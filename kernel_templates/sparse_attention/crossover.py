@@ -270,13 +270,17 @@ def _dense_fns():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -c "...crossover.main(['OUT.json'])"`: measure and write the table to OUT.json."""
+    """`python -c "...crossover.main(['OUT.json', BUDGET_S, GROUPS])"`: measure the SWEEP_LAYOUTS
+    rows (GROUPS: comma-separated query heads per KV head to keep, e.g. "8"; default all) within
+    BUDGET_S seconds and write the table to OUT.json (rows to merge into crossover.json)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     out = Path(args[0]) if args else TABLE
     budget = float(args[1]) if len(args) > 1 else 120.0
-    table = measure(budget_s=budget)
+    groups = {int(g) for g in args[2].split(",")} if len(args) > 2 else None
+    layouts = [lay for lay in SWEEP_LAYOUTS if groups is None or lay[1] // lay[2] in groups]
+    table = measure(layouts=layouts, budget_s=budget)
     out.write_text(json.dumps(table, indent=1) + "\n")
     for row in table["rows"]:
         for mode, fits in row["crossover"].items():
