@@ -70,8 +70,9 @@ def test_patched_proxy_aligns(ref, parse_model, kernel_dir, tmp_path):
     active = [p for p in result.patches if p["status"] == "active"]
     families = {p["family"] for p in active}
     assert {"rmsnorm", "swiglu", "moe_router", "moe_experts"} <= families, result.patches
-    if ref != "hf:deepseek_v32":  # the hybrids have a causal conv
+    if ref != "hf:deepseek_v32":  # the hybrids have a causal conv and a delta rule
         assert "conv1d" in families
+        assert {"hf:qwen3_next": "gated_delta", "hf:kimi_linear": "kimi_delta"}[ref] in families
     assert result.passed, result.summary()
     result.check()
     for b in result.blocks:

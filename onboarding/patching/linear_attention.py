@@ -8,8 +8,10 @@ instance attributes, and the module-level functions its ``forward`` names) whose
 at least five required positional arguments (q, k, v, g, beta: the delta-rule interface) is
 wrapped. On the first call a wrapper binds the arguments by the function's own signature, runs
 our kernel on the same tensors and keeps the swap when the output agrees with the original's
-within the layer tolerance of its dtype; otherwise that function stays as it is. A block where
-no function was swapped after its first call is reported as rejected.
+within the layer tolerance of its dtype; otherwise that function stays as it is. A swap that
+agrees serves that first call as well (its output, with its autograd graph, is the kernel's), so
+an alignment that runs the model once judges the kernel forward and backward. A block where no
+function was swapped after its first call is reported as rejected.
 
 Arguments our kernel does not take (a named one that is set, or a tensor such as variable-length
 offsets passed through ``**kwargs``) keep the original function. A function without a
@@ -136,6 +138,8 @@ class _Swap:
                 why = why or msg  # the first attempt's reason (no l2norm of ours)
             self.state = "bound" if ok else "kept"
             self.patch.calibrated(self.name, ok, why)
+            if ok:  # the kernel serves the first call too: a single-pass alignment judges it
+                return _call_ours(self.fn, self.kernel, args, kwargs, self.l2)
         return ref
 
 
