@@ -1,0 +1,211 @@
+"""Serve a block's core with our kernel by swapping the plain function the block hands it to.
+
+Mixers (delta-rule linear attention, Mamba's scans) compute their projections, convs and gates
+with torch modules (which stay: LoRA wraps the projections) and hand the recurrence to one plain
+function: an instance attribute in some models, a module-level function their ``forward`` names
+in others, a hub or package kernel bound to that name when one is installed. Which one is not
+read from names: every function the block can reach whose signature fits the family's interface
+(`Interface.fits`) is wrapped while the block runs.
+
+On its first call a wrapper runs the original, then our kernel on the same arguments (each of
+the interface's variants in turn, under no_grad), and keeps the swap when one agrees with the
+original's output within the layer tolerance. The kernel then serves that first call too, with
+its autograd graph: an alignment that runs the model once judges the kernel, forward and
+backward. A block where no function was swapped after its first call is reported as rejected,
+with the last attempt's reason; its calls keep the original function.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def forward_function(module: nn.Module) -> Callable:
+    """The class's own forward, under any decorating wrappers (its globals are the model's)."""
+    return inspect.unwrap(type(module).forward)
+
+
+def positional_counts(fn: Any) -> tuple[int, int] | None:
+    """(required, all) positional parameters of a plain function; None for anything else."""
+    if not callable(fn) or isinstance(fn, (type, nn.Module)) \
+            or not inspect.isfunction(inspect.unwrap(fn)):
+        return None
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return sum(p.default is inspect.Parameter.empty for p in positional), len(positional)
+
+
+def min_required(n: int) -> Callable[[Any], bool]:
+    """`Interface.fits` for functions taking at least ``n`` required positional arguments."""
+    def fits(fn: Any) -> bool:
+        counts = positional_counts(fn)
+        return counts is not None and counts[0] >= n
+    return fits
+
+
+def reachable(module: nn.Module, fits: Callable[[Any], bool]) -> list[tuple[str, str, Callable]]:
+    """(where, name, function): the plain functions ``module`` may hand its core to: its instance
+    attributes ("attr") and the module-level names its forward reads ("global")."""
+    found = [("attr", n, v) for n, v in vars(module).items() if n != "forward" and fits(v)]
+    fwd = forward_function(module)
+    code, glob = getattr(fwd, "__code__", None), getattr(fwd, "__globals__", {})
+    found += [("global", n, glob[n]) for n in (code.co_names if code else ())
+              if n in glob and fits(glob[n])]
+    return found
+
+
+def outputs_agree(out: Any, ref: Any, dtype: torch.dtype | None = None) -> tuple[bool, str]:
+    """Every tensor ``ref`` returns matched by ``out`` within the layer tolerance of ``dtype``
+    (default: each output's own dtype); a None in ``ref`` is not compared."""
+    from onboarding.align.stats import within
+    from onboarding.testing.tolerance import layer_tolerance
+
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    pairs = [(a, b) for a, b in zip(outs, refs) if isinstance(b, torch.Tensor)]
+    if not pairs or len(outs) != len(refs) \
+            or not all(isinstance(b, torch.Tensor) or b is None for b in refs):
+        return False, "output structure differs"
+    for a, b in pairs:
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+            return False, "output shapes differ"
+        ok, msg = within([a.float()], [b.float()], layer_tolerance(dtype or b.dtype), "output")
+        if not ok:
+            return False, msg
+    return True, ""
+
+
+def _cast_like(out: Any, dtypes: tuple) -> Any:
+    """Ours in the original's output dtypes (a torch path may compute and return fp32)."""
+    if isinstance(out, tuple):
+        return tuple(o.to(d) if isinstance(o, torch.Tensor) and d is not None else o
+                     for o, d in zip(out, dtypes))
+    return out.to(dtypes[0]) if isinstance(out, torch.Tensor) and dtypes[0] is not None else out
+
+
+@dataclass(frozen=True)
+class Interface:
+    """What a family's swap needs to know of the functions it replaces."""
+
+    what: str  # "delta-rule", "chunked-scan": names the call in records
+    fits: Callable[[Any], bool]  # a reachable value that may be such a function
+    # (fn, kernel, args, kwargs, variant) -> the kernel's output for fn's arguments; raises
+    # TypeError when fn was given an argument the kernel does not take
+    call: Callable[[Callable, Callable, tuple, dict, Any], Any]
+    # (fn, args, kwargs) -> the variants calibration tries, in order (e.g. an l2norm flag)
+    variants: Callable[[Callable, tuple, dict], Iterable[Any]] = lambda fn, args, kwargs: (None,)
+    # judge at the inputs' dtype (True: the first tensor argument's) rather than the outputs'
+    input_dtype_tolerance: bool = False
+
+
+class _Swap:
+    """Wraps one reachable function of the block; calibrates on its first call."""
+
+    def __init__(self, fn: Callable, kernel: Callable, patch: CallSwapPatch, name: str):
+        self.fn, self.kernel, self.patch, self.name = fn, kernel, patch, name
+        self.state = "pending"  # -> bound | kept
+        self.variant: Any = None
+        self.dtypes: tuple = ()
+
+    def _ours(self, args: tuple, kwargs: dict) -> Any:
+        out = self.patch.interface.call(self.fn, self.kernel, args, kwargs, self.variant)
+        return _cast_like(out, self.dtypes)
+
+    def __call__(self, *args, **kwargs):
+        if self.state == "bound":
+            return self._ours(args, kwargs)
+        ref = self.fn(*args, **kwargs)
+        if self.state != "pending":
+            return ref
+        iface = self.patch.interface
+        dtype = None
+        if iface.input_dtype_tolerance:
+            dtype = next((a.dtype for a in (*args, *kwargs.values())
+                          if isinstance(a, torch.Tensor)), None)
+        ok, why = False, ""
+        for variant in iface.variants(self.fn, args, kwargs):
+            try:
+                with torch.no_grad():
+                    mine = iface.call(self.fn, self.kernel, args, kwargs, variant)
+                ok, msg = outputs_agree(mine, ref, dtype)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                ok, msg = False, f"{type(exc).__name__}: {exc}"
+            if ok:
+                self.variant = variant
+                break
+            why = why or msg  # the first variant's reason
+        self.state = "bound" if ok else "kept"
+        self.patch.calibrated(self.name, ok, why)
+        if not ok:
+            return ref
+        self.dtypes = tuple(r.dtype if isinstance(r, torch.Tensor) else None
+                            for r in (ref if isinstance(ref, tuple) else (ref,)))
+        return self._ours(args, kwargs)  # the first call is the kernel's too
+
+
+class CallSwapPatch:
+    """The swaps of one block, installed for the duration of each of its forward calls."""
+
+    def __init__(self, module: nn.Module, kernel: Callable, record: Any, interface: Interface):
+        self.module, self.record, self.interface = module, record, interface
+        self.swaps = {(where, name): _Swap(fn, kernel, self, f"{where} {name}")
+                      for where, name, fn in reachable(module, interface.fits)}
+        self.original = module.forward
+        self.had_own = "forward" in module.__dict__
+        self.calls = 0
+
+    def calibrated(self, name: str, ok: bool, why: str) -> None:
+        if ok:
+            self.record.status = "active"
+            self.record.binding = f"{self.interface.what} call {name} -> kernel"
+        elif self.record.status != "active":
+            self.record.detail = f"{name}: {why}"[:200]
+
+    def forward(self, *args, **kwargs):
+        glob = forward_function(self.module).__globals__
+        saved_attr, saved_glob = {}, {}
+        for (where, name), swap in self.swaps.items():
+            if where == "attr":
+                saved_attr[name] = self.module.__dict__[name]
+                self.module.__dict__[name] = swap
+            else:
+                saved_glob[name] = glob[name]
+                glob[name] = swap
+        try:
+            return self.original(*args, **kwargs)
+        finally:
+            self.module.__dict__.update(saved_attr)
+            glob.update(saved_glob)
+            self.calls += 1
+            if self.calls == 1 and self.record.status == "pending":
+                self.record.status = "rejected"
+                self.record.detail = self.record.detail or \
+                    f"no {self.interface.what} call matched"
+
+    def undo(self) -> None:
+        if self.had_own:
+            self.module.forward = self.original
+        else:
+            self.module.__dict__.pop("forward", None)
+
+
+def install(module: nn.Module, kernel: Callable, record: Any, interface: Interface,
+            none_found: str) -> Callable[[], None] | None:
+    """Install the swaps on ``module``; returns their undo, or None (the record rejected with
+    ``none_found``: the block reaches no function that fits)."""
+    patch = CallSwapPatch(module, kernel, record, interface)
+    if not patch.swaps:
+        record.status, record.detail = "rejected", none_found
+        return None
+    module.forward = patch.forward
+    record.binding = "calibrating: " + ", ".join(s.name for s in patch.swaps.values())
+    return patch.undo
