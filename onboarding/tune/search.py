@@ -586,6 +586,10 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                          space=space, cfg=cfg, timer=timer, aot=aot)
         with lock:
             objectives.append(obj)
+            stopped = stop.is_set()  # interrupted before this worker's objective was listed
+        if stopped:
+            obj.close()
+            return
         try:
             while claim():
                 _one_trial(st, obj, stop)
