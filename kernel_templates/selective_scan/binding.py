@@ -24,11 +24,7 @@ from typing import Any
 from torch import nn
 
 from onboarding.graph.opgraph import Block
-from onboarding.patching.callswap import (
-    Interface,
-    install,
-    positional_counts,
-)
+from onboarding.patching.callswap import Interface, install, positional_counts
 from onboarding.patching.core import PatchRecord, entry_function
 
 # mamba_ssm's selective_scan_fn order after the five tensors; the kernel's keywords

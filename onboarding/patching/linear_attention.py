@@ -25,24 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from onboarding.patching.callswap import (
-    Interface,
-    install,
-    min_required,
-    reachable,
-)
+from onboarding.patching.callswap import Interface, install, min_required
 
 KERNEL_KWARGS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
 IGNORED = ("chunk_size",)  # a render parameter of ours: it changes rounding, not the maths
 L2_FLAG = "use_qk_l2norm_in_kernel"
-
-
-_delta_rule_like = min_required(5)  # q, k, v, g, beta
-
-
-def callees(module: nn.Module) -> list[tuple[str, str, Callable]]:
-    """(where, name, function): the plain functions ``module`` may hand its recurrence to."""
-    return reachable(module, _delta_rule_like)
 
 
 def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, l2: bool | None = None) -> Any:
@@ -76,7 +63,8 @@ def _l2_variants(fn: Callable, args: tuple, kwargs: dict) -> tuple:
     return (None,) if given else (False, True)
 
 
-DELTA_RULE = Interface(what="delta-rule", fits=_delta_rule_like, call=_call_ours,
+# q, k, v, g, beta: at least five required positional arguments
+DELTA_RULE = Interface(what="delta-rule", fits=min_required(5), call=_call_ours,
                        variants=_l2_variants)
 
 
