@@ -142,6 +142,15 @@ def test_reviewed_modules_are_their_templates_rendered(tmp_path):
         assert list(reviewed_kernels(tmp_path).values()) == [stale]
 
 
+def test_reviewed_tests_run_the_checks_kernel_prs_write():
+    """tests/reviewed_kernels/conftest.py is the harness `onboard pr create` writes beside the
+    tests it adds (an edit to one without the other would test this repo's modules differently
+    from a PR's clean clone)."""
+    from onboarding.pr.testgen import HARNESS, HARNESS_PATH
+
+    assert (Path(__file__).resolve().parents[1] / HARNESS_PATH).read_text() == HARNESS
+
+
 def test_create_branch_per_family_and_body(run_dir, tmp_path, capsys):
     repo = make_repo(tmp_path / "repo")
     head, status = git(repo, "rev-parse", "HEAD"), git(repo, "status", "--porcelain")
