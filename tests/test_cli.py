@@ -271,6 +271,28 @@ def test_bench_case_and_impl_selection():
         select_cases(cases, ["T99"])
 
 
+def test_bench_case_names_anchor_at_start_and_end():
+    """`--case` is a substring; ``PAT$`` only at the name's end (``/fwd$`` leaves ``/fwdbwd``
+    out), ``^PAT`` only at its start, ``^NAME$`` the whole name."""
+    from onboarding.bench.cases import select_cases
+    from onboarding.bench.harness import BenchCase
+
+    names = ["mla-T8192/fwd", "mla-T8192/fwdbwd", "mla-T32768/fwd", "xmla-T8192/fwd"]
+    cases = [BenchCase(family="f", name=n, shape={}, min_bytes=1, flops=0, setup=lambda d: {})
+             for n in names]
+
+    def pick(*pats):
+        return [c.name for c in select_cases(cases, list(pats))]
+
+    assert pick("T8192/fwd") == ["mla-T8192/fwd", "mla-T8192/fwdbwd", "xmla-T8192/fwd"]
+    assert pick("T8192/fwd$") == ["mla-T8192/fwd", "xmla-T8192/fwd"]
+    assert pick("^mla-T8192") == ["mla-T8192/fwd", "mla-T8192/fwdbwd"]
+    assert pick("^mla-T8192/fwd$") == ["mla-T8192/fwd"]
+    assert pick("/fwd$", "^xmla") == ["mla-T8192/fwd", "mla-T32768/fwd", "xmla-T8192/fwd"]
+    with pytest.raises(Exception, match="no benchmark case matches"):
+        pick("^T8192")
+
+
 def test_bench_kernel_breakdown_aggregates_per_step_and_folds_the_tail():
     from onboarding.bench.harness import aggregate_kernels, format_table
 

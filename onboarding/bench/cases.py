@@ -205,11 +205,27 @@ def cases_for(names: list[str] | None = None) -> list[BenchCase]:
     return [c for n in names for c in hooks[n]()]
 
 
+def name_matches(pattern: str, name: str) -> bool:
+    """`pattern` in `name`; ``^PAT`` only at its start, ``PAT$`` only at its end, ``^PAT$`` the
+    whole name (``.../fwd$`` picks the forward case without the ``.../fwdbwd`` one)."""
+    start, end = pattern.startswith("^"), pattern.endswith("$") and len(pattern) > 1
+    core = pattern[1 if start else 0:len(pattern) - 1 if end else None]
+    if start and end:
+        return name == core
+    if start:
+        return name.startswith(core)
+    if end:
+        return name.endswith(core)
+    return core in name
+
+
 def select_cases(cases: list[BenchCase], names: list[str] | None = None,
                  impls: list[str] | None = None) -> list[BenchCase]:
-    """Cases whose name contains one of `names`, timing only `impls` ("ours@<tiles>" rows count
-    as "ours"); None keeps everything. Nothing left to run is an InputError."""
-    picked = [c for c in cases if not names or any(n in c.name for n in names)]
+    """Cases whose name contains one of `names` (a name may be anchored: a leading ``^`` matches
+    the start of the case name, a trailing ``$`` its end, both the whole name), timing only
+    `impls` ("ours@<tiles>" rows count as "ours"); None keeps everything. Nothing left to run is
+    an InputError."""
+    picked = [c for c in cases if not names or any(name_matches(n, c.name) for n in names)]
     if not picked:
         raise InputError(f"no benchmark case matches {names}; cases: {[c.name for c in cases]}")
     if not impls:

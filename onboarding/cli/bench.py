@@ -26,7 +26,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--family", action="append", default=None,
                    help="only these kernel families (repeatable)")
     b.add_argument("--case", action="append", default=None, metavar="SUBSTR",
-                   help="only cases whose name contains SUBSTR (repeatable)")
+                   help="only cases whose name contains SUBSTR (repeatable; ^SUBSTR: at the start, "
+                        "SUBSTR$: at the end, ^NAME$: exactly)")
     b.add_argument("--impl", default=None, metavar="A,B",
                    help="only these implementations (e.g. ours,ours_fwd,fla_fwd; tile sweeps "
                         "'ours@...' count as 'ours')")
