@@ -13,6 +13,19 @@ backward of y, the training step, no final state):
   ``reference`` rows instead: the rendered module's own reference, the same chunked torch
   algorithm;
 - ``compile_fwd``: `torch.compile` of that path's forward;
+- ``mamba_ssm`` / ``mamba_ssm_fwd``, only when ``--impl`` names them (never because mamba-ssm
+  is installed): mamba-ssm's Triton SSD, ``mamba_chunk_scan_combined`` at the same inputs (chunk
+  256 as the models configure it, dt bias + softplus, D, grouped B/C, no z). It is loaded from
+  the source tree that ``$ONBOARD_ANCHOR_MAMBA_SSM`` names (the folder holding ``mamba_ssm/``),
+  else from an installed mamba_ssm, in both cases without running the package's ``__init__``
+  (which imports the CUDA extensions ``selective_scan_cuda`` & co.): a bare ``mamba_ssm``
+  package is registered and ``mamba_ssm.ops.triton.ssd_combined`` imported from it (torch,
+  triton, einops and packaging are all it needs). Neither there: the rows are ``skipped`` with
+  the reason. Its own check (``anchor_checks``) runs first, at the case's full shape: its y and
+  every gradient against ours on the same bf16 inputs and dy (relative RMS, printed on its row),
+  within twice our bars (both are bf16 against the same function); a failed check leaves its
+  rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
+  H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (second case only; the headline case goes first so that a run cut short keeps
   it): the tuning values that the AOT build could not judge, timed
   beside the default (chunk 128, 16-bit dots, 16-bit stored states, per-head dB/dC partials),
@@ -32,14 +45,21 @@ Shape legend: x [B, T, H, P], dt [B, T, H], A [H] fp32, B and C [B, T, G, N], D 
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import math
+import os
+import sys
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
-from onboarding.bench.harness import BenchCase, Step
+from onboarding.bench.harness import BenchCase, Step, Unavailable
 from onboarding.families import NightlySpec
 from onboarding.testing.tolerance import rel_rms
 
@@ -75,6 +95,86 @@ def torch_path() -> tuple[str, Callable]:
         return mod.reference(x, dt, A, B, C, D, dt_bias, True, (0.0, math.inf))
 
     return "reference", ref
+
+
+ANCHOR_ENV = "ONBOARD_ANCHOR_MAMBA_SSM"
+ANCHOR_IMPLS = ("mamba_ssm", "mamba_ssm_fwd")
+
+
+def mamba_ssm_module(submodule: str = "ops.triton.ssd_combined") -> types.ModuleType:
+    """``mamba_ssm.<submodule>`` from the source tree ``$ONBOARD_ANCHOR_MAMBA_SSM`` (a folder
+    holding ``mamba_ssm/``) or else an installed mamba_ssm, without running ``mamba_ssm/__init__``:
+    a bare package module with that folder as its ``__path__`` stands in for it. Raises
+    `Unavailable` when neither is there, RuntimeError when another mamba_ssm is imported already."""
+    root = os.environ.get(ANCHOR_ENV)
+    if root:
+        where = Path(root).expanduser().resolve() / "mamba_ssm"
+        if not where.is_dir():
+            raise Unavailable(f"mamba_ssm: ${ANCHOR_ENV}={root} holds no mamba_ssm/ folder")
+    else:
+        loaded = sys.modules.get("mamba_ssm")
+        spec = loaded.__spec__ if loaded is not None else importlib.util.find_spec("mamba_ssm")
+        if spec is None or not spec.submodule_search_locations:
+            raise Unavailable(f"mamba_ssm: not installed, and ${ANCHOR_ENV} (a folder holding the "
+                              "mamba_ssm/ source tree) is not set")
+        where = Path(list(spec.submodule_search_locations)[0]).resolve()
+    loaded = sys.modules.get("mamba_ssm")
+    if loaded is None:
+        spec = importlib.machinery.ModuleSpec("mamba_ssm", None, is_package=True)
+        spec.submodule_search_locations = [str(where)]
+        bare = importlib.util.module_from_spec(spec)  # its __init__ is never executed
+        sys.modules["mamba_ssm"] = bare
+    else:
+        paths = [Path(x).resolve() for x in getattr(loaded, "__path__", [])]
+        if where not in paths:
+            raise RuntimeError(f"mamba_ssm: already imported from {paths}, not {where}")
+    return importlib.import_module(f"mamba_ssm.{submodule}")
+
+
+def mamba_ssm_path() -> Callable:
+    """mamba-ssm's ``mamba_chunk_scan_combined`` as (x, dt, A, B, C, D, dt_bias) -> y, at the
+    models' chunk, dt bias + softplus, no limit, no z."""
+    fn = mamba_ssm_module().mamba_chunk_scan_combined
+
+    def call(x, dt, A, B, C, D, dt_bias):
+        return fn(x, dt, A, B, C, MODEL_CHUNK, D=D, dt_bias=dt_bias, dt_softplus=True,
+                  dt_limit=(0.0, math.inf))
+
+    return call
+
+
+def _anchor_steps(sets, grads) -> dict[str, Step]:
+    """``mamba_ssm`` / ``mamba_ssm_fwd``: the anchor is loaded at the first call, so a case set
+    up without them asked for never imports it."""
+    loaded: list[Callable] = []
+
+    def anchor(*args):
+        if not loaded:
+            loaded.append(mamba_ssm_path())
+        return loaded[0](*args)
+
+    return {"mamba_ssm": fwd_bwd(anchor, sets, grads), "mamba_ssm_fwd": fwd_only(anchor, sets)}
+
+
+def _anchor_check(B: int, T: int, H: int, P: int, G: int, N: int
+                  ) -> Callable[[torch.device], dict[str, float]]:
+    """mamba_ssm against ours at the case's full shape, the same bf16 inputs and dy: y and every
+    gradient; ``ok`` when within twice our bars."""
+    def check(device: torch.device) -> dict[str, float]:
+        anchor = mamba_ssm_path()
+        _, ours = _ours()
+        leaves = make_inputs(B, T, H, P, G, N, device, seed=0)
+        gen = torch.Generator(device=device).manual_seed(7)
+        dy = torch.randn(B, T, H, P, device=device, generator=gen).to(torch.bfloat16)
+        y = ours(*leaves)
+        grads = torch.autograd.grad(y, leaves, dy.to(y.dtype))
+        ya = anchor(*leaves)
+        grads_a = torch.autograd.grad(ya, leaves, dy.to(ya.dtype))
+        res = {"y": rel_rms(ya, y)}
+        res.update({n: rel_rms(a, b) for n, a, b in zip(NAMES, grads_a, grads, strict=True)})
+        res["ok"] = float(res["y"] <= 2 * O_TOL and all(res[n] <= 2 * GRAD_TOL for n in NAMES))
+        return res
+    return check
 
 
 def _ours(params: dict | None = None) -> tuple[object, Callable]:
@@ -134,6 +234,7 @@ def _steps(B: int, T: int, H: int, P: int, G: int, N: int, device: torch.device,
         steps[label] = fwd_bwd(eager, sets, grads)
     steps[f"{label}_fwd"] = fwd_only(eager, sets)
     steps["compile_fwd"] = fwd_only(torch.compile(eager), sets)
+    steps.update(_anchor_steps(sets, grads))
     if extras:
         steps.update(_sweep(mod, ours, sets, grads, P))
     return steps
@@ -175,7 +276,8 @@ def ssd_case(B: int, T: int, H: int, P: int, G: int, N: int, note: str = "", *, 
         family="ssd", name=f"B{B}T{T}H{H}P{P}G{G}N{N}", shape={"B": B, "T": T, "H": H, "P": P, "G": G, "N": N},
         min_bytes=min_bytes, flops=flops,
         setup=lambda device: _steps(B, T, H, P, G, N, device, extras),
-        check=_check(B, T, H, P, G, N), note=note)
+        check=_check(B, T, H, P, G, N), note=note, on_request=ANCHOR_IMPLS,
+        anchor_checks={"mamba_ssm": _anchor_check(B, T, H, P, G, N)})
 
 
 def cases() -> list[BenchCase]:

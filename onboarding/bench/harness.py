@@ -16,6 +16,12 @@ A case's ``check`` guards our rows: when it raises, returns ``ok`` 0, or reports
 error, every row of our kernel (``ours``, ``ours_fwd``, ``ours@cfg``) is left untimed, with
 status ``check failed``, the reason in ``error`` and no ratios; the anchors are still timed.
 A wrong kernel's time is not a result.
+
+An anchor from outside the tree (mamba-ssm's Triton SSD) is timed only when asked for: its
+impls are in the case's ``on_request`` and run only when ``--impl`` names them
+(`cases.select_cases`). An anchor with a check of its own (``anchor_checks``: its output against
+ours) is timed only when that check passes; a step or check that raises `Unavailable` (the
+anchor is not there) leaves the anchor's rows untimed with status ``skipped`` and the reason.
 """
 
 from __future__ import annotations
@@ -42,6 +48,17 @@ class BenchCase:
     setup: Callable[[torch.device], dict[str, Step]]
     check: Callable[[torch.device], dict[str, float]] | None = None  # bf16 errors vs fp32 ref
     note: str = ""
+    # impls that `setup` returns but that run only when --impl names them (anchors loaded from
+    # outside the tree: never picked up because they are installed)
+    on_request: tuple[str, ...] = ()
+    # per anchor X: a check that X computes our function (X's output against ours); it guards
+    # the rows X and X_fwd as `check` guards ours
+    anchor_checks: dict[str, Callable[[torch.device], dict[str, float]]] = field(default_factory=dict)
+
+
+class Unavailable(RuntimeError):
+    """An anchor that is not there (not installed, no source tree given): its rows are
+    ``skipped``, with this error's message as the reason."""
 
 
 @dataclass(kw_only=True)
@@ -60,7 +77,8 @@ class Row:
     impl: str
     timing: Timing | None
     # "ok"; "error" (setup or timing raised); "check failed" (our kernel's check raised or
-    # failed: the row is not timed and gets no ratios). `error` says why.
+    # failed: the row is not timed and gets no ratios); "skipped" (an anchor that is not there,
+    # `Unavailable`). `error` says why.
     status: str = "ok"
     error: str = ""
     gbps: float | None = None
@@ -229,6 +247,30 @@ def check_failure(check: dict[str, Any]) -> str:
     return ""
 
 
+def _anchor_checks(case: BenchCase, steps: dict[str, Step], device: torch.device,
+                   log: Callable[[str], None]) -> dict[str, tuple[dict, str, str]]:
+    """Per anchor of `case.anchor_checks` with a row in `steps`: (its check's result, the
+    status its rows get instead of being timed ('' when they are timed), why)."""
+    out: dict[str, tuple[dict, str, str]] = {}
+    for name, fn in case.anchor_checks.items():
+        if name not in steps and name + "_fwd" not in steps:
+            continue
+        try:
+            res, status, why = fn(device), "", ""
+        except Unavailable as exc:
+            res, status, why = {}, "skipped", str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported on the anchor's rows
+            res = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            status, why = "", ""
+        if not status:
+            why = check_failure(res)
+            status = "check failed" if why else ""
+        if status:
+            log(f"  {case.family}/{case.name} {name}: {why[:120]}: not timed")
+        out[name] = (res, status, why)
+    return out
+
+
 def _ours(impl: str) -> bool:
     """A row of our kernel (the one the case's check covers)."""
     return impl == "ours" or impl.startswith(("ours_", "ours@"))
@@ -282,16 +324,25 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
         failed = check_failure(check)
         if failed:
             log(f"  {case.family}/{case.name}: {failed[:120]}: our rows are not timed")
+        steps = {k: v for k, v in steps.items() if k not in case.on_request}
+        anchor = _anchor_checks(case, steps, device, log)
         case_rows = []
         for impl, step in steps.items():
+            own = anchor.get(impl.removesuffix("_fwd"))
             row = Row(family=case.family, case=case.name, shape=case.shape, impl=impl,
-                      timing=None, check=check if impl == "ours" else {})
+                      timing=None, check=check if impl == "ours" else own[0] if own else {})
             case_rows.append(row)
             if failed and _ours(impl):
                 row.status, row.error = "check failed", failed[:300]
                 continue
+            if own and own[1]:
+                row.status, row.error = own[1], own[2][:300]
+                continue
             try:
                 row.timing = timing = timer(step)
+            except Unavailable as exc:
+                timing = None
+                row.status, row.error = "skipped", str(exc)[:300]
             except Exception as exc:
                 timing = None
                 row.status, row.error = "error", f"{type(exc).__name__}: {exc}"[:300]
