@@ -133,22 +133,29 @@ def summary(layout: str, topk: int, table: dict[str, Any] | None = None) -> str:
             + "; ".join(parts) + f"; other groups: the kernel at every T; {TABLE.name})")
 
 
-def policy(layout: str, table: dict[str, Any] | None = None) -> Callable[..., bool]:
+def policy(layout: str, table: dict[str, Any] | None = None, devices: tuple[str, ...] = ("cuda",)
+           ) -> Callable[..., str | None]:
     """prefer_dense(q, k, topk, backward) for the patching's intercept (SDPA layout q [B, H, T,
-    D], k [B, HK, S, D]): True when the measured table puts the call below its crossover. Off a
-    GPU always False (the table's times are a GPU's; the CPU runs check numerics)."""
+    D], k [B, HK, S, D]): the reason (the crossover's T) when the measured table puts the call
+    below its crossover, else None (the kernel). It acts on tensors of `devices` only: the
+    table's times are a GPU's, and off one (the CPU runs check numerics) the kernel serves every
+    call; a test passes ``devices=("cpu",)`` with its own table to drive the choice on a CPU."""
     table = load_table() if table is None else table
     cache: dict[tuple[int, int, bool], int | None] = {}
+    where = table.get("device", "?") if table else "?"
 
-    def prefer_dense(q, k, topk: int, backward: bool) -> bool:
-        if table is None or not q.is_cuda:
-            return False
+    def prefer_dense(q, k, topk: int, backward: bool) -> str | None:
+        if table is None or q.device.type not in devices:
+            return None
         group = max(1, q.shape[1] // max(1, k.shape[1]))
         key = (group, topk, backward)
         if key not in cache:
             cache[key] = threshold(table, layout, group, topk, backward)[0]
-        t = cache[key]
-        return t is not None and q.shape[-2] < t
+        t, T = cache[key], q.shape[-2]
+        if t is None or T >= t:
+            return None
+        return (f"T {T} below the crossover T {t} ({'fwd+bwd' if backward else 'fwd'}, K {topk}, "
+                f"{layout} g{group}, measured on {where}, {TABLE.name})")
 
     return prefer_dense
 

@@ -600,7 +600,7 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
                 "floor_rel_rms": logits_floor},
         floor_dtype=_dtype_name(cdt) if floor_run is not None else None,
         patches=[{"path": r.path, "kind": r.kind, "family": r.family, "status": r.status,
-                  "binding": r.binding, "detail": r.detail}
+                  "binding": r.binding, "detail": r.detail, "calls": dict(r.calls)}
                  for r in getattr(patches, "records", [])] if patches is not None else [])
     multi = [r.path for r in results if r.calls > 1]
     if multi:

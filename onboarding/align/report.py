@@ -41,7 +41,10 @@ def render_markdown(result: AlignmentResult, *, only_failing: bool = False) -> s
             lines.append(f"- culprit ({name}): `{b.path}` ({b.kind}): {getattr(b, key).message}")
     if r.patches:
         active = sum(p["status"] == "active" for p in r.patches)
-        lines.append(f"- patched blocks: {active} active of {len(r.patches)}")
+        dense = sum(p["status"] == "dense_by_shape" for p in r.patches)
+        lines.append(f"- patched blocks: {active} active of {len(r.patches)}" + (
+            f"; {dense} dense by shape (calibrated, but every call ran the block's own attention)"
+            if dense else ""))
     lines += markdown_lines(r)
     lines += [f"- note: {n}" for n in r.notes]
     bit = r.mode == "bitwise"

@@ -64,6 +64,8 @@ def _reason(path: str, fams: list[str], recs: list[Any], available: set, bindabl
     for r in recs:  # a patch was attempted
         if r.status == "rejected":
             return r.family, f"patch rejected: {r.detail or 'no reason given'}"
+        if r.status == "dense_by_shape":  # installed and calibrated, but never served a call
+            return r.family, "dense by shape: " + (r.detail or "every call ran the block's own attention")
         if r.status == "pending":
             return r.family, "patched, but never called on these inputs"
     can = [f for f in fams if f in bindable]
@@ -118,9 +120,24 @@ def _grouped(items: list[dict[str, Any]], limit: int | None) -> str:
     return "; ".join(parts)
 
 
+def partly_dense(patches: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Active patches (as `AlignmentResult.patches` holds them) that a shape policy sent some
+    calls to the block's own attention: ``{path, kind, family, reason}`` with the counts and why.
+    Their verdict judged the kernel's calls and the block's own together."""
+    out = []
+    for p in patches:
+        calls = p.get("calls") or {}
+        if p.get("status") == "active" and calls.get("dense"):
+            out.append({"path": p["path"], "kind": p.get("kind"), "family": p.get("family"),
+                        "reason": p.get("detail") or f"kernel {calls.get('kernel', 0)} calls, "
+                                                     f"dense {calls['dense']}"})
+    return out
+
+
 def checked_line(result: Any, *, limit: int | None = _LINE_PATHS) -> str:
     """"18 of 20 coverable blocks patched; not checked: a, b (reason); backward not checked: c
-    (reason)", or "" when the coverable blocks are not known (`align` called without coverage)."""
+    (reason); partly dense by shape: d (the kernel served 1 of 2 calls ...)", or "" when the
+    coverable blocks are not known (`align` called without coverage) and nothing else applies."""
     parts = []
     if result.coverable is not None:
         n = result.coverable - len(result.not_checked)
@@ -129,6 +146,9 @@ def checked_line(result: Any, *, limit: int | None = _LINE_PATHS) -> str:
             parts.append("not checked: " + _grouped(result.not_checked, limit))
     if result.backward_not_checked:
         parts.append("backward not checked: " + _grouped(result.backward_not_checked, limit))
+    partly = partly_dense(getattr(result, "patches", None) or [])
+    if partly:
+        parts.append("partly dense by shape: " + _grouped(partly, limit))
     return "; ".join(parts)
 
 
@@ -147,5 +167,8 @@ def markdown_lines(result: Any) -> list[str]:
         lines.append(f"- not checked: `{x['path']}` ({x['kind']}, {x['family']}): {x['reason']}")
     for x in result.backward_not_checked:
         lines.append(f"- backward not checked: `{x['path']}` ({x['kind']}, {x['family']}): "
+                     f"{x['reason']}")
+    for x in partly_dense(getattr(result, "patches", None) or []):
+        lines.append(f"- partly dense by shape: `{x['path']}` ({x['kind']}, {x['family']}): "
                      f"{x['reason']}")
     return lines

@@ -39,9 +39,15 @@ class PatchRecord:
     path: str
     kind: str
     family: str
-    status: str = "pending"  # pending -> active | rejected | restored
+    # pending -> active | dense_by_shape | rejected, then restored. dense_by_shape: the patch is
+    # installed and calibrated but a shape policy sent every call so far to the block's own
+    # (dense) attention, so the kernel served none: not a kernel-patched block
+    status: str = "pending"
     binding: str = ""
     detail: str = ""
+    # calls served per path, for a patch that routes each call by shape (the sparse intercept):
+    # {"kernel": n, "dense": m}; empty for patches that always run their kernel
+    calls: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -54,7 +60,7 @@ class PatchSet:
             undo()
         self._undo.clear()
         for r in self.records:
-            if r.status in ("pending", "active"):
+            if r.status in ("pending", "active", "dense_by_shape"):
                 r.status = "restored"
 
     def __enter__(self) -> PatchSet:

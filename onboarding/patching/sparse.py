@@ -113,13 +113,15 @@ class SparseIntercept(TorchFunctionMode):
     """
 
     def __init__(self, bindings: dict[str, tuple[Callable, int | None, str]], calibrated: bool = False,
-                 prefer_dense: Callable[..., bool] | None = None):
+                 prefer_dense: Callable[..., str | bool | None] | None = None):
         super().__init__()
         self.bindings = bindings
-        # prefer_dense(q, k, topk, backward): the call runs the block's own attention instead
-        # (the family's choice by shape: below its measured crossover the dense one is faster)
+        # prefer_dense(q, k, topk, backward): truthy -> the call runs the block's own attention
+        # instead (the family's choice by shape: below its measured crossover the dense one is
+        # faster); a str is the reason (the crossover's T), recorded
         self.prefer_dense = prefer_dense
         self.dense = 0  # calls left to the block's own attention by prefer_dense
+        self.dense_why = ""  # the last such call's reason
         self.latents = {lat for _, lat, _ in bindings.values() if lat}
         self.chosen: str | None = next(iter(bindings)) if calibrated else None
         self.indices: torch.Tensor | None = None
@@ -215,8 +217,10 @@ class SparseIntercept(TorchFunctionMode):
         if self.chosen is None:
             return None
         backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if self.prefer_dense is not None and self.prefer_dense(q, k, self.indices.shape[-1], backward):
+        why = self.prefer_dense(q, k, self.indices.shape[-1], backward) if self.prefer_dense else None
+        if why:
             self.dense += 1
+            self.dense_why = why if isinstance(why, str) else "the shape policy chose dense"
             return None  # the caller runs the original attention call
         attend, _, source = self.bindings[self.chosen]
         self.hits += 1
@@ -252,38 +256,67 @@ class SparseIntercept(TorchFunctionMode):
 
 class SparseBlock:
     """Replaces a sparse block's ``forward``: the original, run under the intercept. The first
-    call calibrates (see `SparseIntercept`); no binding matching -> the block is given back."""
+    call calibrates (see `SparseIntercept`); no binding matching -> the block is given back.
+
+    The record counts the attention calls each path served (``record.calls``: "kernel", and
+    "dense" for those the shape policy left to the block's own attention, with its reason in
+    ``record.detail``). Its status is ``active`` once the kernel served a call, and
+    ``dense_by_shape`` while every call went dense: the kernel calibrated (it matched the
+    original once, under no_grad) but never served the block, so the block is not counted as
+    kernel-patched and its alignment judges the block's own attention."""
 
     def __init__(self, module: nn.Module, record: Any, bindings: dict,
-                 prefer_dense: Callable[..., bool] | None = None):
+                 prefer_dense: Callable[..., str | bool | None] | None = None):
         self.module, self.record, self.bindings = module, record, bindings
         self.original = module.forward
         self.prefer_dense = prefer_dense
+        self.calibrated = False
+        self.kernel_calls = 0  # attention calls the kernel served
         self.dense_calls = 0  # attention calls the shape policy left to the block's own attention
+        self.dense_why = ""
 
     def __call__(self, *args, **kwargs):
-        calibrated = self.record.status == "active"
-        mode = SparseIntercept(self.bindings, calibrated, self.prefer_dense)
+        mode = SparseIntercept(self.bindings, self.calibrated, self.prefer_dense)
         with mode:
             out = self.original(*args, **kwargs)
+        self.kernel_calls += mode.hits
         self.dense_calls += mode.dense
-        if not calibrated:
+        self.dense_why = mode.dense_why or self.dense_why
+        if not self.calibrated:
             if mode.chosen is not None and (mode.hits or mode.dense):
+                self.calibrated = True
                 self.bindings = {mode.chosen: self.bindings[mode.chosen]}
-                self.record.status, self.record.binding, self.record.detail = "active", mode.chosen, ""
+                self.record.binding, self.record.detail = mode.chosen, ""
             else:
                 self.record.status = "rejected"
                 self.record.detail = "; ".join(mode.failures)[:400] or (
                     "no attention (SDPA, or q @ k^T -> softmax -> @ v) over the top-k positions")
                 self.module.forward = self.original  # give the block back, unpatched
+                return out
+        if self.record.status != "restored":
+            self._record()
         return out
+
+    def _record(self) -> None:
+        r, k, d = self.record, self.kernel_calls, self.dense_calls
+        r.calls = {"kernel": k, "dense": d}
+        r.status = "active" if k else "dense_by_shape"
+        if not d:
+            r.detail = ""
+        elif not k:
+            r.detail = (f"all {d} attention call{'s' if d != 1 else ''} ran the block's own dense "
+                        f"attention, the kernel none: {self.dense_why}")
+        else:
+            r.detail = (f"the kernel served {k} of {k + d} attention calls, {d} ran the block's own "
+                        f"dense attention: {self.dense_why}")
 
 
 def patch_sparse_block(module: nn.Module, bindings: dict[str, tuple[Callable, int | None, str]],
-                       record: Any, prefer_dense: Callable[..., bool] | None = None) -> Callable[[], None]:
+                       record: Any, prefer_dense: Callable[..., str | bool | None] | None = None
+                       ) -> Callable[[], None]:
     """Run ``module``'s forward under the intercept with ``bindings`` (see `SparseIntercept`);
     ``prefer_dense(q, k, topk, backward)`` sends a calibrated call to the block's own attention
-    instead (the family's choice by shape). Returns the undo."""
+    instead when truthy (the family's choice by shape; a str says why). Returns the undo."""
     had_own = "forward" in module.__dict__
     module.forward = SparseBlock(module, record, bindings, prefer_dense)
 

@@ -505,7 +505,7 @@ def test_crossover_policy_decides_per_call_on_gpu_only():
     GPU (the table's times are a GPU's) or without a table row for the layout."""
     class Shape:  # q / k stand-ins: the policy reads shapes and the device only
         def __init__(self, shape, cuda=True):
-            self.shape, self.is_cuda = shape, cuda
+            self.shape, self.device = shape, torch.device("cuda" if cuda else "cpu")
 
     prefer = xo.policy("mha", _table())
     q, k = Shape((1, 16, 400_000, 128)), Shape((1, 16, 400_000, 128))
@@ -514,6 +514,10 @@ def test_crossover_policy_decides_per_call_on_gpu_only():
     assert not prefer(Shape((1, 32, 60_000, 128)), Shape((1, 4, 60_000, 128)), 2048, False)  # g8: 60k
     assert not prefer(Shape((1, 16, 400_000, 128), cuda=False), k, 2048, False)
     assert not xo.policy("mha", {"rows": []})(q, k, 2048, False)  # no row for the layout: the kernel
+    why = prefer(q, k, 2048, False)
+    assert why.startswith("T 400000 below the crossover T 50") and "fwd, K 2048" in why
+    # injected for a CPU test: the same table acts on CPU tensors, without faking a GPU
+    assert xo.policy("mha", _table(), devices=("cpu",))(Shape((1, 16, 400_000, 128), cuda=False), k, 2048, False)
 
 
 class _TopkAttention(torch.nn.Module):
@@ -561,15 +565,104 @@ def test_patched_block_leaves_calls_below_the_crossover_to_its_own_attention():
     long = [torch.randn(1, 2, 24, 8, generator=gen).requires_grad_() for _ in range(3)]
     try:
         out = block(*short)
-        assert record.status == "active" and calls == [12]  # calibration only: then the block's own
+        assert calls == [12]  # calibration only: then the block's own
+        # calibrated, but the kernel served no call: not counted as kernel-patched
+        assert record.status == "dense_by_shape" and record.calls == {"kernel": 0, "dense": 1}
+        assert "the shape policy chose dense" in record.detail
         out_long = block(*long)
         out_long.sum().backward()
         assert calls == [12, 24] and seen == [(12, 8, False), (24, 8, True)]
-        assert block.forward.dense_calls == 1
+        assert block.forward.dense_calls == 1 and block.forward.kernel_calls == 1
+        assert record.status == "active" and record.calls == {"kernel": 1, "dense": 1}
     finally:
         undo()
     torch.testing.assert_close(out, block(*short))
     torch.testing.assert_close(out_long, block(*long), rtol=1e-5, atol=1e-6)
+
+
+def _torch_gathered(calls: list):
+    def attend(q, k, v, idx, scale, _linears):  # the gathered attention, in torch
+        calls.append(q.shape[-2])
+        T = q.shape[-2]
+        i = idx.long()
+        keep = torch.zeros(*i.shape[:2], T + 1, dtype=torch.bool).scatter_(-1, torch.where(i >= 0, i, T), True)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, :, :T], scale=scale)
+    return attend
+
+
+def _small_table(t_star: int = 20, K: int = 8) -> dict:
+    """crossover.json's form at toy sizes: ours = a T, masked dense = a T^2 / t_star (forward;
+    forward + backward at 2 t_star), so the fitted crossover is t_star (log-linear: exact)."""
+    ts = [8, 16, 32, 64]
+    times = {m: {"ours": [1e-3 * t for t in ts], "masked_sdpa": [1e-3 / tc * t * t for t in ts],
+                 "causal_sdpa": [None] * 4} for m, tc in (("fwd", t_star), ("fwdbwd", 2 * t_star))}
+    return {"device": "test table", "rows": [{"layout": "mha", "H": 2, "HK": 2, "group": 1, "d": 8,
+                                              "K": K, "ts": ts, "times": times}]}
+
+
+@pytest.mark.parametrize("lengths, status, kernel, dense", [
+    ((12, 16), "dense_by_shape", 0, 2),  # every call below the crossover T 20
+    ((12, 24), "active", 1, 1),  # mixed
+    ((24, 32), "active", 2, 0),  # every call at or past it
+])
+def test_sparse_block_record_counts_kernel_and_dense_calls(lengths, status, kernel, dense):
+    """The family's measured-crossover policy, injected on the CPU (devices=("cpu",) with a toy
+    table: nothing else thinks a GPU is there): the record counts the calls the kernel served and
+    those left to the block's own attention, with the crossover's T; a block whose every call
+    went dense is ``dense_by_shape``, not kernel-patched, and the alignment verdict says why."""
+    from onboarding.align.core import AlignmentResult
+    from onboarding.align.verdicts import unchecked_blocks
+    from onboarding.coverage import Coverage, CoverageEntry
+    from onboarding.patching.core import PatchRecord
+    from onboarding.patching.sparse import patch_sparse_block
+
+    calls: list[int] = []
+    block = _TopkAttention(topk=8)
+    record = PatchRecord(path="attn", kind="sparse_attention.topk", family="sparse_attention")
+    prefer = xo.policy("mha", _small_table(), devices=("cpu",))
+    undo = patch_sparse_block(block, {"torch gathered": (_torch_gathered(calls), None, "topk")}, record,
+                              prefer_dense=prefer)
+    gen = torch.Generator().manual_seed(1)
+    outs = []
+    try:
+        for T in lengths:
+            x = [torch.randn(1, 2, T, 8, generator=gen) for _ in range(3)]
+            outs.append((x, block(*x)))
+    finally:
+        undo()
+    assert record.status == status and record.calls == {"kernel": kernel, "dense": dense}
+    # the first call calibrates (the kernel once, under no_grad), then serves only from T 20
+    assert calls == [lengths[0]] + [T for T in lengths if T >= 20]
+    for x, out in outs:  # same function whichever served the call
+        torch.testing.assert_close(out, block(*x), rtol=1e-5, atol=1e-6)
+    if dense:
+        assert f"below the crossover T 20 (fwd, K 8, mha g1, measured on test table" in record.detail
+        assert f"T {lengths[0]} below" in record.detail or f"T {lengths[1]} below" in record.detail
+    else:
+        assert record.detail == ""
+
+    cov = Coverage(model="m", entries=[CoverageEntry(path="attn", kind="sparse_attention.topk", op="x",
+                                                     status="template", family="sparse_attention")])
+    n, out = unchecked_blocks(cov, [record], available={("attn", "sparse_attention")},
+                              bindable=["sparse_attention"])
+    patches = [{"path": "attn", "kind": record.kind, "family": record.family, "status": record.status,
+                "binding": record.binding, "detail": record.detail, "calls": dict(record.calls)}]
+    logits = {"stats": {"rel_rms": 1e-7}, "kl": 0.0, "kl_max": 0.0, "top1_agreement": 1.0, "tokens": 16,
+              "passed": True}
+    res = AlignmentResult(model="m", mode="percentile", reference_dtype="float64", candidate_dtype="float32",
+                          seed=0, input_shapes=[[1, 16]], blocks=[], forward_order=[], backward_order=[],
+                          logits=logits, patches=patches, coverable=n, not_checked=out)
+    line, md = res.summary(), res.to_markdown()
+    if status == "dense_by_shape":  # not checked: the kernel served nothing
+        assert [x["reason"] for x in out] == ["dense by shape: " + record.detail]
+        assert "0 of 1 coverable blocks patched; not checked: attn (dense by shape: all 2 attention calls" in line
+        assert "- patched blocks: 0 active of 1; 1 dense by shape" in md
+    elif dense:  # checked, and the verdict says the kernel served 1 of the 2 calls
+        assert out == [] and "1 of 1 coverable blocks patched; partly dense by shape: attn (the kernel " \
+            "served 1 of 2 attention calls, 1 ran the block's own dense attention: T 12 below" in line
+        assert "- partly dense by shape: `attn`" in md and "- patched blocks: 1 active of 1" in md
+    else:
+        assert out == [] and "partly dense" not in line and "dense by shape" not in md
 
 
 def test_coverage_reason_names_the_choice_by_shape():
