@@ -105,7 +105,8 @@ def mamba_ssm_module(submodule: str = "ops.triton.ssd_combined") -> types.Module
     """``mamba_ssm.<submodule>`` from the source tree ``$ONBOARD_ANCHOR_MAMBA_SSM`` (a folder
     holding ``mamba_ssm/``) or else an installed mamba_ssm, without running ``mamba_ssm/__init__``:
     a bare package module with that folder as its ``__path__`` stands in for it. Raises
-    `Unavailable` when neither is there, RuntimeError when another mamba_ssm is imported already."""
+    `Unavailable` when neither is there or the submodule's imports fail (einops not carried),
+    RuntimeError when another mamba_ssm is imported already."""
     root = os.environ.get(ANCHOR_ENV)
     if root:
         where = Path(root).expanduser().resolve() / "mamba_ssm"
@@ -128,7 +129,11 @@ def mamba_ssm_module(submodule: str = "ops.triton.ssd_combined") -> types.Module
         paths = [Path(x).resolve() for x in getattr(loaded, "__path__", [])]
         if where not in paths:
             raise RuntimeError(f"mamba_ssm: already imported from {paths}, not {where}")
-    return importlib.import_module(f"mamba_ssm.{submodule}")
+    try:
+        return importlib.import_module(f"mamba_ssm.{submodule}")
+    except ImportError as exc:  # a dependency not carried (einops): the anchor is not there
+        raise Unavailable(f"mamba_ssm: importing mamba_ssm.{submodule} from {where} failed: "
+                          f"{type(exc).__name__}: {exc}") from exc
 
 
 def mamba_ssm_path() -> Callable:

@@ -105,6 +105,13 @@ def test_missing_anchor_is_unavailable(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("ONBOARD_ANCHOR_MAMBA_SSM", str(tmp_path))  # no mamba_ssm/ in it
     with pytest.raises(Unavailable, match="holds no mamba_ssm/ folder"):
         bench.mamba_ssm_module()
+    broken = _tree(tmp_path / "broken")
+    (broken / "mamba_ssm/ops/triton/helper.py").write_text("import einops_not_carried\n")
+    monkeypatch.setenv("ONBOARD_ANCHOR_MAMBA_SSM", str(broken))
+    with pytest.raises(Unavailable, match="failed: ModuleNotFoundError: No module named 'einops_not"):
+        bench.mamba_ssm_module()
+    for name in [m for m in sys.modules if m.startswith("mamba_ssm")]:
+        del sys.modules[name]
     monkeypatch.delenv("ONBOARD_ANCHOR_MAMBA_SSM")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p])  # nothing installed either
     import importlib.util
