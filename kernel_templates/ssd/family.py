@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=3,
+    template_version=4,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -80,7 +80,10 @@ FAMILY = FamilySpec(
     # elements per program of the serial state passes; dot: "tf32" keeps fp32 dot operands,
     # "input" dots 16-bit inputs in their own dtype on a GPU; state: the dtype of the chunks'
     # stored states (the forward's largest tensors), fp32 or 16-bit inputs' own; dbc: dB/dC summed
-    # over a group's heads in the kernel ("group") or per-head partials summed by the host.
+    # over a group's heads in the kernel ("group") or per-head partials summed by the host; DBC_N:
+    # state columns per dB/dC program (each program recomputes its chunk's dy x^T once per head);
+    # STATE_N: state columns per program of the chunk-state kernels (the forward's chunk states,
+    # the backward's dy pull on the incoming states), which hold one [BLOCK_P, STATE_N] product.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -91,11 +94,14 @@ FAMILY = FamilySpec(
         "dot": ("tf32", "input"),
         "state": ("fp32", "input"),
         "dbc": ("group", "head"),
+        "DBC_N": (16, 32, 64, 128),
+        "STATE_N": (16, 32, 64, 128),
     },
-    # Untimed (no GPU run yet); chosen from the sm_90 AOT build's spills at P 64, N 128 bf16.
+    # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
+    # (docs/LOG.md), DBC_N and STATE_N (v4) not yet timed on a GPU.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
-                    "dbc": "group"},
+                    "dbc": "group", "DBC_N": 32, "STATE_N": 64},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),

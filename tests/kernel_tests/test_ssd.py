@@ -27,8 +27,9 @@ from onboarding.testing import (
 
 PARAMS = {"chunk_size": 16}
 # CHUNK 16: T=23 spans two kernel chunks, the last one partial; T=7 one partial chunk.
+# DBC_N, STATE_N 16: N=24 gives the dB/dC and chunk-state kernels two N blocks, the second partial.
 CPU_CONFIG = {"CHUNK": 16, "BLOCK_P": 16, "BLOCK_N": 16, "BLOCK_S": 256, "num_warps": 4, "bwd_warps": 4,
-              "dot": "tf32"}
+              "dot": "tf32", "DBC_N": 16, "STATE_N": 16}
 # (B, T, H, P, G, N, D and dt_bias, initial state)
 SHAPES = [
     (1, 23, 2, 20, 1, 24, True, True),    # two chunks, the last partial; 2 P and 2 N blocks
@@ -84,6 +85,19 @@ def test_per_head_dbc_partials(module, device):
     module.set_config({**CPU_CONFIG, "dbc": "head"} if device.type == "cpu" else {"dbc": "head"})
     try:
         check_forward_backward(fixture(module, SHAPES[1]), torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+@pytest.mark.parametrize("tiles", [{"DBC_N": 32, "STATE_N": 32}, {"DBC_N": 16, "STATE_N": 32, "BLOCK_S": 512}],
+                         ids=["n32", "dbc16-state32"])
+def test_n_tiles_three_chunks(module, device, tiles):
+    """The dB/dC and chunk-state kernels at other N tiles (one block over N 24, padded; or two),
+    three kernel chunks (the state passes' one-step-ahead loads over a chain, the last partial),
+    2 groups of 2 heads summed in the dB/dC kernel, D, dt_bias and an initial state."""
+    module.set_config({**CPU_CONFIG, **tiles} if device.type == "cpu" else tiles)
+    try:
+        check_forward_backward(fixture(module, (1, 41, 4, 8, 2, 24, True, True)), torch.float32, device)
     finally:
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
