@@ -83,7 +83,10 @@ FAMILY = FamilySpec(
     # over a group's heads in the kernel ("group") or per-head partials summed by the host; DBC_N:
     # state columns per dB/dC program (each program recomputes its chunk's dy x^T once per head);
     # STATE_N: state columns per program of the chunk-state kernels (the forward's chunk states,
-    # the backward's dy pull on the incoming states), which hold one [BLOCK_P, STATE_N] product.
+    # the backward's dy pull on the incoming states), which hold one [BLOCK_P, STATE_N] product;
+    # pass: "split" runs those kernels over every chunk in parallel and the state passes apart
+    # (serial over chunks, BLOCK_S elements per program), "fused" one serial loop per (b, h,
+    # BLOCK_P x STATE_N tile) that computes each chunk's product in place (no stored chunk states).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -96,12 +99,13 @@ FAMILY = FamilySpec(
         "dbc": ("group", "head"),
         "DBC_N": (16, 32, 64, 128),
         "STATE_N": (16, 32, 64, 128),
+        "pass": ("split", "fused"),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), DBC_N and STATE_N (v4) not yet timed on a GPU.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
-                    "dbc": "group", "DBC_N": 32, "STATE_N": 64},
+                    "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),

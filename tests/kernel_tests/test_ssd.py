@@ -69,13 +69,25 @@ def test_forward_backward(module, device, shape):
     check_forward_backward(fixture(module, shape), torch.float32, device)
 
 
-@pytest.mark.parametrize("state", ["fp32", "input"])
-def test_bf16_inputs(module, device, state):
+@pytest.mark.parametrize("cfg", [{"state": "fp32"}, {"state": "input"}, {"state": "input", "pass": "fused"}],
+                         ids=["fp32", "input", "input-fused"])
+def test_bf16_inputs(module, device, cfg):
     """bf16 storage (loads upcast, fp32 maths; the chunks' states fp32 or bf16) against the
     reference at the bf16 tolerances."""
-    module.set_config({**CPU_CONFIG, "state": state} if device.type == "cpu" else {"state": state})
+    module.set_config({**CPU_CONFIG, **cfg} if device.type == "cpu" else cfg)
     try:
         check_forward_backward(fixture(module, (1, 7, 2, 8, 1, 16, True, True)), torch.bfloat16, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_fused_state_passes(module, device, shape):
+    """`pass` "fused" on every shape: with and without an initial state, one partial chunk, two P
+    and two N blocks."""
+    module.set_config({**CPU_CONFIG, "pass": "fused"} if device.type == "cpu" else {"pass": "fused"})
+    try:
+        check_forward_backward(fixture(module, shape), torch.float32, device)
     finally:
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
@@ -89,12 +101,14 @@ def test_per_head_dbc_partials(module, device):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
-@pytest.mark.parametrize("tiles", [{"DBC_N": 32, "STATE_N": 32}, {"DBC_N": 16, "STATE_N": 32, "BLOCK_S": 512}],
-                         ids=["n32", "dbc16-state32"])
+@pytest.mark.parametrize("tiles", [{"DBC_N": 32, "STATE_N": 32}, {"DBC_N": 16, "STATE_N": 32, "BLOCK_S": 512},
+                                   {"pass": "fused"}, {"pass": "fused", "STATE_N": 32}],
+                         ids=["n32", "dbc16-state32", "fused", "fused-state32"])
 def test_n_tiles_three_chunks(module, device, tiles):
     """The dB/dC and chunk-state kernels at other N tiles (one block over N 24, padded; or two),
     three kernel chunks (the state passes' one-step-ahead loads over a chain, the last partial),
-    2 groups of 2 heads summed in the dB/dC kernel, D, dt_bias and an initial state."""
+    2 groups of 2 heads summed in the dB/dC kernel, D, dt_bias and an initial state; `pass`
+    "fused" (chunk states and state passes in one serial loop, forward and backward)."""
     module.set_config({**CPU_CONFIG, **tiles} if device.type == "cpu" else tiles)
     try:
         check_forward_backward(fixture(module, (1, 41, 4, 8, 2, 24, True, True)), torch.float32, device)
@@ -176,7 +190,7 @@ def test_match_by_structure():
     check_match(family, mixer_block(heads=4), None)  # no per-head parameters of the decay's head count
 
 
-@pytest.mark.slow  # seven sm_90 compiles: 10 s cold at load 3.5, 35-50 s at load 8 (2 cores); nightly keeps the file short
+@pytest.mark.slow  # nine sm_90 compiles (7 s here at load 1; 35-50 s at load 8 for seven); nightly keeps the file short
 def test_aot_sm90(module):
     """Both kernels compile for sm_90 (what the interpreter cannot check: barriers, loop types)."""
     ok, why = aot.aot_available()
@@ -233,7 +247,8 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
                                  pytest.param({"dot": "input"}, id="dot-input", marks=UNTIMED),
                                  pytest.param({"state": "input"}, id="state-input", marks=UNTIMED),
-                                 pytest.param({"dot": "input", "state": "input"}, id="dot-state-input", marks=UNTIMED)])
+                                 pytest.param({"dot": "input", "state": "input"}, id="dot-state-input", marks=UNTIMED),
+                                 pytest.param({"pass": "fused"}, id="fused", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64): the bf16 path against the fp32 path (exact fp32 dots,
     itself checked against the reference above) on the same bf16-representable inputs, a Mamba-2
