@@ -28,8 +28,8 @@ backward of y, the training step, no final state):
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (second case only; the headline case goes first so that a run cut short keeps
   it): the tuning values that the AOT build could not judge, timed
-  beside the default (chunk 128, 16-bit dots, 16-bit stored states, the dB/dC kernel's and the
-  chunk-state kernels' N tiles, the chunk kernels' N loop step),
+  beside the default (chunk 128, 16-bit dots, the dB/dC kernel's and the chunk-state kernels' N
+  tiles, the chunk kernels' N loop step, the fused chunk-state + state-pass loops),
   forward and forward + backward.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
@@ -72,7 +72,8 @@ SHAPES = (
     (1, 8192, 128, 64, 8, 128, "Mamba-2 layout, 128 heads"),
     (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
 )
-SWEEP = ({"CHUNK": 128}, {"dot": "input"}, {"state": "input"}, {"DBC_N": 64}, {"STATE_N": 128}, {"BLOCK_N": 32})
+SWEEP = ({"CHUNK": 128}, {"dot": "input"}, {"DBC_N": 64}, {"STATE_N": 128}, {"BLOCK_N": 32},
+         {"pass": "fused", "STATE_N": 32})
 
 
 def torch_path() -> tuple[str, Callable]:
