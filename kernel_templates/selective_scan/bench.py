@@ -12,7 +12,9 @@ backward of y):
   under torch.compile); compiling the token loop would unroll T steps. A case of its own at the
   first shape (``...-compile``, beside ours), last: its compile took more than a minute on the
   H200 (seventeenth session);
-- ``ours@...`` / ``ours@..._fwd``: our kernel at other tiles (FWD_SWEEP, BWD_SWEEP), first shape.
+- ``ours@...`` / ``ours@..._fwd``: our kernel at other configs (FWD_SWEEP, BWD_SWEEP), first
+  shape: the tile orders ("dnt" / "tdn", the template's docstring), template version 2's
+  defaults (``ours@fwd_order=dnt,bwd_order=dnt,BLOCK_T=32,...``) and other tiles.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
 relative RMS error of y and of the gradients of u, delta, A, B, C, D, z, delta_bias; ``ok`` is
@@ -48,12 +50,16 @@ SHAPES = (
     (1, 4096, 5120, 16, "Mamba-2.8B layout (d_inner 5120)"),
     (1, 8192, 4096, 16, "d_inner 4096, T 8192"),
 )
-# Tiles timed beside the default at the first shape (rows ours@...; forward-only ones end in
-# _fwd): the defaults are untimed (chosen from the sm_90 build's registers and spills).
-FWD_SWEEP = ({"BLOCK_D": 16, "BLOCK_T": 32, "num_warps": 8}, {"BLOCK_D": 4, "BLOCK_T": 32},
-             {"BLOCK_D": 8, "BLOCK_T": 64, "num_warps": 8}, {"BLOCK_D": 8, "BLOCK_T": 16})
-BWD_SWEEP = ({"BWD_BLOCK_D": 8, "bwd_warps": 8}, {"BWD_BLOCK_D": 2, "bwd_warps": 2},
-             {"BWD_BLOCK_D": 4, "bwd_warps": 8})
+# Configs timed beside the default at the first shape (rows ours@...; forward-only ones end in
+# _fwd): the defaults are untimed (chosen from the sm_90 build: registers, spills and the tile
+# loop's instructions per element, family.py). The first of each is template version 2's
+# default ("dnt" order, BLOCK_T 32, backward 4 channels), the version-3 change's baseline.
+V2 = {"fwd_order": "dnt", "bwd_order": "dnt", "BLOCK_T": 32, "BLOCK_D": 8, "BWD_BLOCK_D": 4}
+FWD_SWEEP = ({k: V2[k] for k in ("fwd_order", "BLOCK_T")}, {"BLOCK_T": 32},
+             {"BLOCK_D": 16}, {"BLOCK_D": 4, "num_warps": 2})
+BWD_SWEEP = (V2, {"bwd_order": "dnt", "BWD_BLOCK_D": 4}, {"fwd_order": "dnt"},
+             {"BWD_BLOCK_D": 4, "bwd_warps": 2}, {"BWD_BLOCK_D": 2, "bwd_warps": 1},
+             {"BWD_BLOCK_D": 16, "bwd_warps": 8})
 
 
 def transformers_scan(associative: bool = False) -> Callable:

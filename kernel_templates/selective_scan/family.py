@@ -69,7 +69,7 @@ def timing_inputs(variant: str, params: dict[str, Any], dims: dict[str, int], dt
 FAMILY = FamilySpec(
     name=NAME,
     template="selective_scan.py.j2",
-    template_version=2,
+    template_version=3,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-1 selective scan: per-channel decay exp(dt A), (grouped) B/C, D skip, "
                       "silu(z) gate, delta bias + softplus, initial/final state; decode step"},
@@ -83,16 +83,26 @@ FAMILY = FamilySpec(
         "num_warps": (1, 2, 4, 8),
         "BWD_BLOCK_D": (2, 4, 8, 16),
         "bwd_warps": (1, 2, 4, 8),
+        # the tiles' order (the template's docstring): "dnt" [BLOCK_D, N, BLOCK_T], time across
+        # lanes; "tdn" [BLOCK_T, BLOCK_D, N], time inside each thread
+        "fwd_order": ("dnt", "tdn"),
+        "bwd_order": ("dnt", "tdn"),
     },
-    # Untimed, chosen from the sm_90 AOT build (bf16, N 16; ptxas registers / spill bytes):
-    # forward 8 x 32 at 4 warps 212 / 0 (16 x 16 spills 8, 16 x 32 at 4 warps spills 4);
-    # backward 4 x 32 at 4 warps 229 / 0 (8 x 32 at 4 warps spills 24, 16 x 16 spills 112).
-    default_config={"BLOCK_D": 8, "BLOCK_T": 32, "num_warps": 4, "BWD_BLOCK_D": 4, "bwd_warps": 4},
+    # Untimed, chosen from the sm_90 AOT build (bf16, N 16, the time strides specialized to 1 as
+    # the JIT does for contiguous inputs; ptxas registers / spill bytes, and PTX instructions in
+    # the tile loop per (channel, state, step)): forward "tdn" 8 x 16 at 4 warps 93 / 0, 25.1
+    # (the "dnt" forward at 8 x 32, the version-2 default: 167 / 0, 59.2); backward "tdn" 8 x 16
+    # at 4 warps 186 / 0, 85.2 (the "dnt" backward at 4 x 32, the version-2 default: 168 / 0,
+    # 136.1). "tdn" wants BLOCK_D x N >= 32 x warps (its lanes sit on channels and states: at
+    # 4 x 16, 4 warps the backward costs 244.6). docs/LOG.md, issue 35 (h35), has the table.
+    default_config={"BLOCK_D": 8, "BLOCK_T": 16, "num_warps": 4, "BWD_BLOCK_D": 8, "bwd_warps": 4,
+                    "fwd_order": "tdn", "bwd_order": "tdn"},
     shape_buckets=(
         ShapeBucket(name="n_le_16", dim="N", lo=1, hi=16),
-        # Untimed: the same tiles' registers at twice to four times the state
+        # Untimed, sm_90 build at N 64: forward "tdn" 8 x 16 242 / 0, 24.7; backward "dnt" 2 x 16
+        # 219 / 0, 132.0 ("tdn" spills there: 8 x 16 1624 bytes, 4 x 16 at 2 warps 1720)
         ShapeBucket(name="n_big", dim="N", lo=17, hi=2**31 - 1,
-                    config={"BLOCK_D": 4, "BLOCK_T": 16, "BWD_BLOCK_D": 2}),
+                    config={"BLOCK_D": 8, "BLOCK_T": 16, "BWD_BLOCK_D": 2, "bwd_order": "dnt"}),
     ),
     match=match,
     sample_inputs=sample_inputs,

@@ -26,7 +26,11 @@ from onboarding.testing import (
 from onboarding.testing.tolerance import rel_rms
 
 # BLOCK_T 8: T=21 spans three tiles, the last one partial; BLOCK_D 8: D=12 two channel blocks.
-CPU_CONFIG = {"BLOCK_D": 8, "BLOCK_T": 8, "num_warps": 4, "BWD_BLOCK_D": 8, "bwd_warps": 4}
+CPU_CONFIG = {"BLOCK_D": 8, "BLOCK_T": 8, "num_warps": 4, "BWD_BLOCK_D": 8, "bwd_warps": 4,
+              "fwd_order": "dnt", "bwd_order": "dnt"}
+# (fwd_order, bwd_order): each kernel in both tile orders, and a forward of one order feeding a
+# backward of the other (the tile-start states they share)
+ORDERS = [("dnt", "dnt"), ("tdn", "tdn"), ("tdn", "dnt")]
 # (B, D, T, N, G (0: ungrouped [B, N, T]), D skip / z / delta bias, initial state)
 SHAPES = [
     (1, 12, 19, 4, 0, True, True),     # 3 tiles (last partial), 2 channel blocks, N < 16
@@ -72,12 +76,41 @@ def module(load_kernel):
     return load_kernel("selective_scan", "scan", {}, CPU_CONFIG)
 
 
+def _pinned(module, device, cfg: dict):
+    """Pin `cfg` over the tiles the module runs on `device` (CPU_CONFIG in the interpreter, the
+    defaults on a GPU); returns the undo."""
+    base = CPU_CONFIG if device.type == "cpu" else {}
+    module.set_config({**base, **cfg})
+    return lambda: module.set_config(base or None)
+
+
+@pytest.fixture(params=ORDERS, ids=lambda o: f"{o[0]}-{o[1]}")
+def ordered(module, device, request):
+    """The module with its forward and backward in each order of ORDERS."""
+    fwd, bwd = request.param
+    undo = _pinned(module, device, {"fwd_order": fwd, "bwd_order": bwd})
+    yield module
+    undo()
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_forward_backward(module, device, shape):
-    check_forward_backward(fixture(module, shape), torch.float32, device)
+def test_forward_backward(ordered, device, shape):
+    check_forward_backward(fixture(ordered, shape), torch.float32, device)
 
 
-def test_strided_inputs_and_no_softplus(module, device):
+def test_tdn_odd_tiles(module, device):
+    """The "tdn" kernels at other tiles: 3 channels per group (a 4-wide block, one row masked),
+    T 13 over tiles of 8 (the last partial), N 3, fewer warps than the lanes need."""
+    undo = _pinned(module, device, {"BLOCK_D": 4, "BLOCK_T": 8, "num_warps": 2, "BWD_BLOCK_D": 2,
+                                    "bwd_warps": 1, "fwd_order": "tdn", "bwd_order": "tdn"})
+    try:
+        check_forward_backward(fixture(module, (2, 6, 13, 3, 2, True, True)), torch.float32, device)
+    finally:
+        undo()
+
+
+def test_strided_inputs_and_no_softplus(ordered, device):
+    module = ordered
     """u, delta, z as transposed [B, T, D] views (the mixer's layout, no copy), and raw dt."""
     check_forward_backward(fixture(module, (1, 12, 9, 4, 0, True, True), bt_layout=True),
                            torch.float32, device)
@@ -91,9 +124,18 @@ def test_strided_inputs_and_no_softplus(module, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 bars are for the GPU kernels")
 @pytest.mark.parametrize("shape", [(2, 96, 300, 16, 0, True, True), (1, 64, 129, 16, 2, True, False)],
                          ids=shape_id)
-def test_bf16_against_fp32(module, device, shape):
+@pytest.mark.parametrize("order", ["dnt", "tdn"])
+def test_bf16_against_fp32(module, device, shape, order):
     """bf16 storage against the fp32 reference on the same (bf16-representable) values: output
     within 0.005 and every gradient within 0.01 relative RMS (the bars used for GDN)."""
+    module.set_config({"fwd_order": order, "bwd_order": order})
+    try:
+        _bf16_against_fp32(module, device, shape)
+    finally:
+        module.set_config(None)
+
+
+def _bf16_against_fp32(module, device, shape):
     gen = torch.Generator().manual_seed(5)
     args = make(shape)(torch.bfloat16, device, gen)
     args[7] = None if args[7] is None else args[7].float()  # the mixers' fp32 D, bias and A
