@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
+from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.families import NightlySpec
 from onboarding.testing.tolerance import rel_rms
@@ -157,6 +157,22 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
     return 3 * T * T + expand
 
 
+# MLA forward cases also time ``ours@...`` rows: the forward under other configs of its D_QK
+# bucket (issue 33's open choices, family.py's tuning space): FWD_ROW_END (stop each row at its
+# last valid index: the early rows' padding), FWD_STAGES (the gathered loads' pipeline depth),
+# BLOCK_K 64 (a wider score block per step), and FWD_DV_SPLIT = 2 (the value columns over two
+# programs that each recompute the scores, 128 heads per program), alone and with FWD_ROW_END.
+MLA_FWD_SWEEP = [
+    {"FWD_ROW_END": 1},
+    {"FWD_STAGES": 2},
+    {"BLOCK_K": 64, "FWD_STAGES": 1},
+    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2},
+    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
+    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 3, "FWD_ROW_END": 1},
+    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 64, "FWD_STAGES": 1, "FWD_ROW_END": 1},
+]
+
+
 def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> dict[str, Step]:
     H = LAYOUTS[layout][0]
     sets = [_inputs(layout, T, H, device, seed=s) for s in range(N_SETS)]
@@ -167,7 +183,13 @@ def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> di
     if dense:
         fns["causal_sdpa"] = _dense(layout, masked=False)
     if not backward:
-        return {name: fwd_only(fn, sets) for name, fn in fns.items()}
+        steps = {name: fwd_only(fn, sets) for name, fn in fns.items()}
+        if layout == "mla":
+            import sys
+
+            mod = sys.modules[fns["ours"].__module__]  # the module whose config the rows pin
+            steps.update(fwd_sweep(mod, fns["ours"], sets, LAYOUTS[layout][2], MLA_FWD_SWEEP))
+        return steps
     D_V = LAYOUTS[layout][3]
     grads = [torch.randn(1, T, H, D_V, device=device, dtype=torch.bfloat16)]
     # the dense baselines return [B, H, T, D_V]: their output gradient is laid out the same way

@@ -112,7 +112,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=2,
+    template_version=3,
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -133,6 +133,13 @@ FAMILY = FamilySpec(
     # registers and shared memory, so it may need smaller blocks than the forward);
     # BLOCK_T: indexer score tile; BLOCK_SEL: chunk of a row per selection pass; SEL_RADIX: bits
     # of the threshold decided per pass (32 / SEL_RADIX passes, 2^SEL_RADIX compares per element).
+    # FWD_STAGES: software-pipeline stages of the forward kernels' gathered loads (3: Triton's
+    # default, what the forward ran with before it was a key). FWD_DV_SPLIT (MLA layout only):
+    # 1 = one program holds a head block's whole [BLOCK_H, d_v] output; 2 = the value columns
+    # split over two programs that each recompute the scores (twice the score work, half the
+    # accumulator: BLOCK_H = 128 fits, each warp group owning whole head rows of every dot).
+    # FWD_ROW_END 1: the forward stops each row after its last valid index (one [B, T] pass
+    # over the indices first): early rows (t < K) hold t + 1 picks and K - t - 1 padding slots.
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
@@ -143,10 +150,14 @@ FAMILY = FamilySpec(
         "SEL_RADIX": (2, 4, 8),
         "num_warps": (1, 2, 4, 8),
         "dot_precision": ("tf32", "ieee"),
+        "FWD_STAGES": (1, 2, 3, 4),
+        "FWD_DV_SPLIT": (1, 2),
+        "FWD_ROW_END": (0, 1),
     },
     default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
-                    "dot_precision": "tf32"},
+                    "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
+                    "FWD_ROW_END": 0},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.
     shape_buckets=(
         ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64, "BLOCK_K_BWD": 64}),
@@ -157,6 +168,13 @@ FAMILY = FamilySpec(
         # the register file), so 128 query heads read each gathered block twice, back to back (L2).
         # The backward at 64 heads needs 311 KB of shared memory; at 32 heads x 16 positions it
         # takes 102 KB (496 B spilled; 32 positions: 119 KB, 1 KB spilled).
+        # Those AOT numbers compile without the runtime's specialisation (16-byte aligned
+        # pointers, ints divisible by 16), under which no load is pipelined. With it (what the
+        # GPU runs at T 8192, K 2048, 128 heads; triton 3.9, sm_90, issue 33): the forward's
+        # gathered rows load by cp.async, 148 KB, 255 registers, 152 B spilled, its score dot
+        # m64n16 per warp group (the 32 key columns split over the two warp groups); the
+        # value-split forward (FWD_DV_SPLIT 2, 128 heads, BLOCK_K 32, 2 stages) 221 KB,
+        # 244 registers, no spill, m64n32 score and m64n256 value dots per warp group.
         ShapeBucket(name="d_le_1024", dim="D_QK", lo=257, hi=1024,
                     config={"BLOCK_K": 32, "BLOCK_H": 64, "BLOCK_K_BWD": 16, "BLOCK_H_BWD": 32,
                             "num_warps": 8}),

@@ -176,6 +176,59 @@ def test_gathered_forward_backward(load, params, dims, topk, sink, scale):
                            torch.float32, DEVICE)
 
 
+@pytest.mark.parametrize("H,D_QK,D_V,topk,sink,extras", [
+    # halves 24 / 24 (padded to 32), rope 8, K % BLOCK_K != 0; each choice alone and together
+    pytest.param(3, 56, 48, 21, True, ({"FWD_DV_SPLIT": 2}, {"FWD_ROW_END": 1},
+                                       {"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1}), id="h3-dv48-rope8-k21-sink"),
+    pytest.param(20, 40, 32, 29 + 5, False, ({"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1},),
+                 id="h20-two-head-blocks-k>T"),
+])
+def test_mla_value_split_forward(load, H, D_QK, D_V, topk, sink, extras):
+    """FWD_DV_SPLIT = 2 (the value columns over two programs, each recomputing the scores) and
+    FWD_ROW_END = 1 (stop at a row's last valid index): the output and the log-sum-exp (which the
+    unchanged backward reads) equal the fused forward's, and with both on the output and every
+    gradient equal the dense reference's; rows with fewer valid picks than K (early rows, -1
+    padding), invalid indices (-1 inside a row, positions >= S) and a row with none are handled
+    as there."""
+    m = load("gathered", {"layout": "mla", "d_v": D_V})
+    gen = torch.Generator().manual_seed(21)
+    B, S = 1, 29
+    q = torch.randn(B, S, H, D_QK, generator=gen).to(DEVICE)
+    kv = torch.randn(B, S, 1, D_QK, generator=gen).to(DEVICE)
+    idx = fam.causal_topk_indices(torch.randn(B, S, S, generator=gen), topk)
+    idx[:, 24:, 1] = -1  # a hole inside full rows
+    idx[:, 26:, 2] = S + 3  # past S: skipped like -1
+    if sink:  # a row with no valid index (the reference is finite there only with a sink)
+        idx[0, 6] = -1
+    idx = idx.to(DEVICE)
+    s = torch.randn(H, generator=gen).to(DEVICE) if sink else None
+    scale = 0.3
+    # fp32 dots on both paths (the GPU's default tf32 would round the two score sums differently)
+    base = {**CPU_CONFIG} if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    try:
+        m.set_config({**base, "FWD_DV_SPLIT": 1})
+        o1, lse1 = m._forward(q, kv, idx, s, scale)
+        for extra in extras:
+            m.set_config({**base, **extra})
+            o2, lse2 = m._forward(q, kv, idx, s, scale)
+            torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5, msg=str(extra))
+            torch.testing.assert_close(lse2, lse1, rtol=1e-5, atol=1e-5, msg=str(extra))
+        if sink:
+            assert int(m._row_ends(idx, S)[0, 6]) == 0 and int(m._row_ends(idx, S)[0, 3]) == 4
+        leaves = [q.clone().requires_grad_(), kv.clone().requires_grad_()] + \
+            ([s.clone().requires_grad_()] if sink else [])
+        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        o = m.entry(leaves[0], leaves[1], idx, leaves[2] if sink else None, scale)  # the last extra's config
+        ref = m.reference(ref_leaves[0], ref_leaves[1], idx, ref_leaves[2] if sink else None, scale)
+        torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+        do = torch.randn(o.shape, generator=gen).to(DEVICE)
+        for name, g, rg in zip(("dq", "dkv", "dsink"), torch.autograd.grad(o, leaves, do),
+                               torch.autograd.grad(ref, ref_leaves, do)):
+            torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-4, msg=name)
+    finally:
+        m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
+
+
 def test_indexer_feeds_gathered(load):
     """End to end: kernel indices (with -1 padding) into the gathered kernel; MQA as in DSA."""
     mi, mg = load("indexer", {"topk": 8}), load("gathered", {})
@@ -268,7 +321,7 @@ def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
     ptx = json.loads(run.stdout.splitlines()[-1])
     dot_kernels = {"sparse_topk_indexer_scores_kernel", "sparse_attention_fwd_kernel",
                    "sparse_attention_bwd_kernel", "sparse_mla_attention_fwd_kernel",
-                   "sparse_mla_attention_bwd_kernel"}
+                   "sparse_mla_attention_bwd_kernel", "sparse_mla_attention_fwd_split_kernel"}
     assert dot_kernels <= set(ptx), sorted(ptx)
     for name in dot_kernels:
         mma = ptx[name]["mma"]
@@ -308,15 +361,32 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tensor-core dots need a GPU")
-@pytest.mark.parametrize("params,dims", [
-    pytest.param({}, (16, 2, 128, 128), id="gqa-h16-hk2-d128"),
-    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), id="mla-h128-576-512"),
+@pytest.mark.parametrize("params,dims,config", [
+    pytest.param({}, (16, 2, 128, 128), None, id="gqa-h16-hk2-d128"),
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), None, id="mla-h128-576-512"),
+    # the value-split forward at the tiles the bench sweeps (the backward is the same kernel)
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
+                 {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2}, id="mla-split-h128-k32"),
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
+                 {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 64, "FWD_STAGES": 1}, id="mla-split-h128-k64"),
 ])
-def test_gpu_bf16_accuracy(load, params, dims):
+def test_gpu_bf16_accuracy(load, params, dims, config):
     """bf16 kernel (16-bit dots) vs the fp32 reference on the same bf16 values, T=1024, K=256:
     relative RMS <= 5e-3 on the output and <= 1e-2 on every gradient."""
     H, HK, D_QK, D_V = dims
     m = load("gathered", params)
+    if config is not None:
+        m.set_config(config)
+        try:
+            _gpu_bf16_accuracy(m, params, dims)
+        finally:
+            m.set_config(None)
+    else:
+        _gpu_bf16_accuracy(m, params, dims)
+
+
+def _gpu_bf16_accuracy(m, params, dims):
+    H, HK, D_QK, D_V = dims
     gen = torch.Generator(device="cuda").manual_seed(12)
     T_, K = 1024, 256
 
@@ -437,7 +507,9 @@ def test_bench_steps_and_check_run_small(layout, monkeypatch):
     assert res["ok"] == 1.0, res
     for backward in (False, True):
         steps = cs._attn_steps(layout, 12, backward, DEVICE)
-        assert sorted(steps) == ["causal_sdpa", "masked_sdpa", "ours"]
+        sweep = [] if backward or layout != "mla" else \
+            ["ours@" + ",".join(f"{k}={v}" for k, v in c.items()) for c in cs.MLA_FWD_SWEEP]
+        assert sorted(steps) == sorted(["causal_sdpa", "masked_sdpa", "ours", *sweep])
         for step in steps.values():
             step(0)
 
