@@ -166,6 +166,7 @@ MLA_FWD_SWEEP = [
     {"FWD_ROW_END": 1},
     {"FWD_STAGES": 2},
     {"BLOCK_K": 64, "FWD_STAGES": 1},
+    {"BLOCK_K": 64, "FWD_STAGES": 2},
     {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2},
     {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
     {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 3, "FWD_ROW_END": 1},
