@@ -331,6 +331,58 @@ def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
         assert adds and all(a.startswith("red.") and "relaxed" in a for a in adds), (name, ptx[name]["atomics"])
 
 
+# Child process: the MLA forward kernels at every MLA_FWD_SWEEP config, compiled for sm_90 as the
+# runtime JIT specialises them (16-byte aligned pointers and i32 arguments divisible by 16, as
+# at T 8192, K 2048, 128 heads): only then does Triton pipeline the gathered loads, so only
+# then is the shared memory the GPU will ask for known.
+_SWEEP_SCRIPT = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from onboarding.generate import aot
+from onboarding.generate.templating import load_module
+m = load_module(sys.argv[1])
+kernels = aot.jit_kernels(m)
+out = []
+for cfg in json.loads(sys.argv[2]):
+    m.set_config(cfg)
+    split = cfg.get("FWD_DV_SPLIT", 1) == 2
+    spec = next(s for s in m.aot_specs("bf16", 576)
+                if s["kernel"].endswith("_fwd_split_kernel" if split else "_fwd_kernel"))
+    sig = spec["signature"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or sig[n] == "i32"}
+    c = triton.compile(ASTSource(fn=kernels[spec["kernel"]], signature=sig, constexprs=spec["constexprs"], attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+    out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared),
+                "async": c.asm["ttgir"].count("async_copy_global_to_local")})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_aot_sm90_mla_forward_sweep_fits_as_the_runtime_compiles_it(load):
+    """Every config the MLA forward sweep times (bench.MLA_FWD_SWEEP, and the default) compiles
+    for sm_90 with the runtime's specialisation within an H100/H200 SM's shared memory, and
+    with two or more stages its gathered rows load asynchronously (pipelined)."""
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    path = load("gathered", {"layout": "mla", "d_v": 512}).__file__
+    configs = [{"dot_precision": "tf32"}] + [{"dot_precision": "tf32", **c} for c in fam.bench.MLA_FWD_SWEEP]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, path, json.dumps(configs)],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.splitlines()[-1])
+    assert len(rows) == len(configs)
+    for r in rows:
+        assert r["shared"] <= aot.H100_SHARED_BYTES, r
+        stages = r["cfg"].get("FWD_STAGES", 3)
+        assert stages < 2 or r["async"] > 0, r
+
+
 def test_dot_mode_keeps_fp32_operands_on_cpu(load):
     """_dot_mode picks fp32 operands ("ieee"/"tf32") for bf16 inputs on the CPU and in the
     interpreter (whose bf16 dots are wrong), the 16-bit dot only for 16-bit inputs on a GPU
