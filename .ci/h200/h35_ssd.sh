@@ -1,6 +1,8 @@
-# H200: issue 35's ssd family at template v4 (the dB/dC backward redesigned, N tiles DBC_N and
-# STATE_N, state passes loading a step ahead, config pass "fused"): the kernel tests (bf16 vs
-# fp32 bars on the GPU, every gradient) and the bench with its kernel profile and sweep.
+# H200: issue 35's ssd family at template v5 (the dB/dC backward redesigned, N tiles DBC_N and
+# STATE_N, state passes loading a step ahead, config pass "fused", C B^T once per group): the
+# kernel tests (bf16 vs fp32 bars on the GPU, every gradient) and the bench with its kernel
+# profile and sweep. The tests compile many kernel variants: if they hit their 100 s, the tail
+# shows how far they got and the bench still runs.
 #   source .ci/h200/setup.sh && bash .ci/h200/h35_ssd.sh
 # Expected: ~4-5 min (setup ~0.5, tests <= 100 s, bench <= 170 s). Outputs under $OUT:
 # env.txt (setup), h35_ssd_tests.txt, h35_ssd.json, h35_ssd_bench.txt.
