@@ -1,5 +1,5 @@
-# H200: issue 35's ssd family at template v5 (the dB/dC backward redesigned, N tiles DBC_N and
-# STATE_N, state passes loading a step ahead, config pass "fused", C B^T once per group): the
+# H200: issue 35's ssd family at template v6 (the dB/dC backward redesigned, N tiles DBC_N and
+# STATE_N, state passes loading a step ahead, config pass "fused", C B^T once per group, dB/dC over P tiles): the
 # kernel tests (bf16 vs fp32 bars on the GPU, every gradient) and the bench with its kernel
 # profile and sweep. The tests compile many kernel variants: if they hit their 100 s, the tail
 # shows how far they got and the bench still runs.
