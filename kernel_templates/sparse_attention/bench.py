@@ -159,18 +159,19 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
 
 # MLA forward cases also time ``ours@...`` rows: the forward under other configs of its D_QK
 # bucket (issue 33's open choices, family.py's tuning space): FWD_ROW_END (stop each row at its
-# last valid index: the early rows' padding), FWD_STAGES (the gathered loads' pipeline depth),
-# BLOCK_K 64 (a wider score block per step), and FWD_DV_SPLIT = 2 (the value columns over two
-# programs that each recompute the scores, 128 heads per program), alone and with FWD_ROW_END.
-MLA_FWD_SWEEP = [
-    {"FWD_ROW_END": 1},
-    {"FWD_STAGES": 2},
-    {"BLOCK_K": 64, "FWD_STAGES": 1},
-    {"BLOCK_K": 64, "FWD_STAGES": 2},
-    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2},
+# last valid index: the early rows' padding), BLOCK_K 64 (a wider score block per step),
+# FWD_DV_SPLIT = 2 (the value columns over two programs that each recompute the scores, 128
+# heads per program) and FWD_TWO_PASS = 1 (the scores once, the probabilities through memory,
+# then the value dots), at tiles whose sm_90 build fits (the slow AOT test checks them).
+MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
+    {"FWD_TWO_PASS": 1, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
     {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
-    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 3, "FWD_ROW_END": 1},
+    {"FWD_ROW_END": 1},
     {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 64, "FWD_STAGES": 1, "FWD_ROW_END": 1},
+    {"FWD_TWO_PASS": 1, "BLOCK_H": 64, "BLOCK_K": 64, "FWD_STAGES": 2, "FWD_ROW_END": 1},
+    {"FWD_TWO_PASS": 1, "BLOCK_H": 128, "BLOCK_K": 64, "FWD_STAGES": 1, "FWD_ROW_END": 1},
+    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2},
+    {"BLOCK_K": 64, "FWD_STAGES": 2},
 ]
 
 

@@ -140,6 +140,8 @@ FAMILY = FamilySpec(
     # accumulator: BLOCK_H = 128 fits, each warp group owning whole head rows of every dot).
     # FWD_ROW_END 1: the forward stops each row after its last valid index (one [B, T] pass
     # over the indices first): early rows (t < K) hold t + 1 picks and K - t - 1 padding slots.
+    # FWD_TWO_PASS 1 (MLA only, over FWD_DV_SPLIT): the scores once, the probabilities stored
+    # (B T H K elements in the dot's dtype) and replayed by a value kernel split as FWD_DV_SPLIT 2.
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
@@ -153,11 +155,12 @@ FAMILY = FamilySpec(
         "FWD_STAGES": (1, 2, 3, 4),
         "FWD_DV_SPLIT": (1, 2),
         "FWD_ROW_END": (0, 1),
+        "FWD_TWO_PASS": (0, 1),
     },
     default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
                     "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
-                    "FWD_ROW_END": 0},
+                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.
     shape_buckets=(
         ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64, "BLOCK_K_BWD": 64}),

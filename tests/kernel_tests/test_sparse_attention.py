@@ -178,15 +178,17 @@ def test_gathered_forward_backward(load, params, dims, topk, sink, scale):
 
 @pytest.mark.parametrize("H,D_QK,D_V,topk,sink,extras", [
     # halves 24 / 24 (padded to 32), rope 8, K % BLOCK_K != 0; each choice alone and together
-    pytest.param(3, 56, 48, 21, True, ({"FWD_DV_SPLIT": 2}, {"FWD_ROW_END": 1},
-                                       {"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1}), id="h3-dv48-rope8-k21-sink"),
-    pytest.param(20, 40, 32, 29 + 5, False, ({"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1},),
+    pytest.param(3, 56, 48, 21, True, ({"FWD_DV_SPLIT": 2}, {"FWD_ROW_END": 1}, {"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1},
+                                       {"FWD_TWO_PASS": 1}, {"FWD_TWO_PASS": 1, "FWD_ROW_END": 1}),
+                 id="h3-dv48-rope8-k21-sink"),
+    pytest.param(20, 40, 32, 29 + 5, False, ({"FWD_TWO_PASS": 1}, {"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1}),
                  id="h20-two-head-blocks-k>T"),
 ])
 def test_mla_value_split_forward(load, H, D_QK, D_V, topk, sink, extras):
-    """FWD_DV_SPLIT = 2 (the value columns over two programs, each recomputing the scores) and
-    FWD_ROW_END = 1 (stop at a row's last valid index): the output and the log-sum-exp (which the
-    unchanged backward reads) equal the fused forward's, and with both on the output and every
+    """FWD_DV_SPLIT = 2 (the value columns over two programs, each recomputing the scores),
+    FWD_TWO_PASS = 1 (scores and stored probabilities, then the value dots) and FWD_ROW_END = 1
+    (stop at a row's last valid index): the output and the log-sum-exp (which the unchanged
+    backward reads) equal the fused forward's, and under the last config the output and every
     gradient equal the dense reference's; rows with fewer valid picks than K (early rows, -1
     padding), invalid indices (-1 inside a row, positions >= S) and a row with none are handled
     as there."""
@@ -321,7 +323,8 @@ def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
     ptx = json.loads(run.stdout.splitlines()[-1])
     dot_kernels = {"sparse_topk_indexer_scores_kernel", "sparse_attention_fwd_kernel",
                    "sparse_attention_bwd_kernel", "sparse_mla_attention_fwd_kernel",
-                   "sparse_mla_attention_bwd_kernel", "sparse_mla_attention_fwd_split_kernel"}
+                   "sparse_mla_attention_bwd_kernel", "sparse_mla_attention_fwd_split_kernel",
+                   "sparse_mla_attention_fwd_scores_kernel", "sparse_mla_attention_fwd_values_kernel"}
     assert dot_kernels <= set(ptx), sorted(ptx)
     for name in dot_kernels:
         mma = ptx[name]["mma"]
@@ -347,16 +350,16 @@ kernels = aot.jit_kernels(m)
 out = []
 for cfg in json.loads(sys.argv[2]):
     m.set_config(cfg)
-    split = cfg.get("FWD_DV_SPLIT", 1) == 2
-    spec = next(s for s in m.aot_specs("bf16", 576)
-                if s["kernel"].endswith("_fwd_split_kernel" if split else "_fwd_kernel"))
-    sig = spec["signature"]
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or sig[n] == "i32"}
-    c = triton.compile(ASTSource(fn=kernels[spec["kernel"]], signature=sig, constexprs=spec["constexprs"], attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
-    out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared),
-                "async": c.asm["ttgir"].count("async_copy_global_to_local")})
+    names = (("_fwd_scores_kernel", "_fwd_values_kernel") if cfg.get("FWD_TWO_PASS") else
+             ("_fwd_split_kernel",) if cfg.get("FWD_DV_SPLIT", 1) == 2 else ("_fwd_kernel",))
+    for spec in [s for s in m.aot_specs("bf16", 576) if s["kernel"].endswith(names)]:
+        sig = spec["signature"]
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or sig[n] == "i32"}
+        c = triton.compile(ASTSource(fn=kernels[spec["kernel"]], signature=sig, constexprs=spec["constexprs"], attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+        out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared),
+                    "async": c.asm["ttgir"].count("async_copy_global_to_local")})
 print(json.dumps(out))
 """
 
@@ -376,7 +379,7 @@ def test_aot_sm90_mla_forward_sweep_fits_as_the_runtime_compiles_it(load):
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.splitlines()[-1])
-    assert len(rows) == len(configs)
+    assert len(rows) == len(configs) + sum(1 for c in configs if c.get("FWD_TWO_PASS"))
     for r in rows:
         assert r["shared"] <= aot.H100_SHARED_BYTES, r
         stages = r["cfg"].get("FWD_STAGES", 3)
@@ -416,11 +419,14 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
 @pytest.mark.parametrize("params,dims,config", [
     pytest.param({}, (16, 2, 128, 128), None, id="gqa-h16-hk2-d128"),
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), None, id="mla-h128-576-512"),
-    # the value-split forward at the tiles the bench sweeps (the backward is the same kernel)
+    # the value-split and two-pass forwards at tiles the bench sweeps (the backward is the same kernel)
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
                  {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2}, id="mla-split-h128-k32"),
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
                  {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 64, "FWD_STAGES": 1}, id="mla-split-h128-k64"),
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
+                 {"FWD_TWO_PASS": 1, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
+                 id="mla-two-pass-h128-k32-row-end"),
 ])
 def test_gpu_bf16_accuracy(load, params, dims, config):
     """bf16 kernel (16-bit dots) vs the fp32 reference on the same bf16 values, T=1024, K=256:
