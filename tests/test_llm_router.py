@@ -50,23 +50,26 @@ def test_router_answer_passes_the_contract_and_the_static_check(tmp_path):
 @pytest.mark.parametrize("experts, hidden, rows, jitter", [(8, 40, 37, 0.01), (16, 64, 5, 0.3)])
 def test_router_kernel_matches_the_block(tmp_path, experts, hidden, rows, jitter):
     """Logits, routing weights, the selected experts and both gradients against PhimoeTopKRouter
-    itself (fp32; odd hidden size and row count; a large jitter that keeps several experts)."""
+    itself (fp32; odd hidden size and row count; a large jitter that keeps several experts).
+    On the GPU when there is one (compiled kernels need CUDA tensors), else in the interpreter."""
     from transformers import PhimoeConfig
     from transformers.models.phimoe.modeling_phimoe import PhimoeTopKRouter
 
     _, kmod = _family(tmp_path)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     m = PhimoeTopKRouter(PhimoeConfig(hidden_size=hidden, num_local_experts=experts,
                                       router_jitter_noise=jitter)).eval()
     torch.nn.init.normal_(m.weight, std=0.3)
-    x = torch.randn(rows, hidden)
+    m = m.to(dev)
+    x = torch.randn(rows, hidden).to(dev)
     runs = []
     for fn in (m.forward, lambda h: kmod.block_forward(m, h)):
         xl = x.clone().requires_grad_(True)
         m.weight.grad = None
         out = fn(xl)
         gen = torch.Generator().manual_seed(1)
-        torch.autograd.backward(out[:2], [torch.randn(o.shape, generator=gen) for o in out[:2]])
+        torch.autograd.backward(out[:2], [torch.randn(o.shape, generator=gen).to(dev) for o in out[:2]])
         runs.append((out, xl.grad, m.weight.grad.clone()))
     (ref, dx_ref, dw_ref), (got, dx, dw) = runs
     assert torch.equal(got[2], ref[2])  # the same experts picked
