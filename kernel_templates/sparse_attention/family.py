@@ -178,9 +178,14 @@ FAMILY = FamilySpec(
         # m64n16 per warp group (the 32 key columns split over the two warp groups); the
         # value-split forward (FWD_DV_SPLIT 2, 128 heads, BLOCK_K 32, 2 stages) 221 KB,
         # 244 registers, no spill, m64n32 score and m64n256 value dots per warp group.
+        # Timed on the H200 (docs/LOG.md, eighteenth session, call C: `onboard bench --family
+        # sparse_attention --case 'mla-T8192-fwd$' --case 'mla-T32768-fwd$' --impl ours`, 128
+        # heads, K 2048): BLOCK_K 64 with 2 stages 17.69 ms at T 8192 and 73.32 at T 32768,
+        # against 28.59 / 113.38 at BLOCK_K 32 with 3 stages, the best of 9 configurations
+        # (the value-split and two-pass forwards 18.7-25 ms at T 8192).
         ShapeBucket(name="d_le_1024", dim="D_QK", lo=257, hi=1024,
-                    config={"BLOCK_K": 32, "BLOCK_H": 64, "BLOCK_K_BWD": 16, "BLOCK_H_BWD": 32,
-                            "num_warps": 8}),
+                    config={"BLOCK_K": 64, "FWD_STAGES": 2, "BLOCK_H": 64, "BLOCK_K_BWD": 16,
+                            "BLOCK_H_BWD": 32, "num_warps": 8}),
     ),
     check=_check,
     match=match,

@@ -179,7 +179,8 @@ def test_gathered_forward_backward(load, params, dims, topk, sink, scale):
 @pytest.mark.parametrize("H,D_QK,D_V,topk,sink,extras", [
     # halves 24 / 24 (padded to 32), rope 8, K % BLOCK_K != 0; each choice alone and together
     pytest.param(3, 56, 48, 21, True, ({"FWD_DV_SPLIT": 2}, {"FWD_ROW_END": 1}, {"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1},
-                                       {"FWD_TWO_PASS": 1}, {"FWD_TWO_PASS": 1, "FWD_ROW_END": 1}),
+                                       {"FWD_TWO_PASS": 1}, {"FWD_TWO_PASS": 1, "FWD_ROW_END": 1},
+                                       {"BLOCK_K": 64, "FWD_STAGES": 2}),  # the MLA bucket's H200 pick
                  id="h3-dv48-rope8-k21-sink"),
     pytest.param(20, 40, 32, 29 + 5, False, ({"FWD_TWO_PASS": 1}, {"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1}),
                  id="h20-two-head-blocks-k>T"),
