@@ -95,7 +95,11 @@ FAMILY = FamilySpec(
     # at 4 warps 186 / 0, 85.2 (the "dnt" backward at 4 x 32, the version-2 default: 168 / 0,
     # 136.1). "tdn" wants BLOCK_D x N >= 32 x warps (its lanes sit on channels and states: at
     # 4 x 16, 4 warps the backward costs 244.6). docs/LOG.md, issue 35 (h35), has the table.
-    default_config={"BLOCK_D": 8, "BLOCK_T": 16, "num_warps": 4, "BWD_BLOCK_D": 8, "bwd_warps": 4,
+    # Timed on the H200 (docs/LOG.md, eighteenth session, call C; B1 T4096 D5120 N16, bf16):
+    # forward 1.206 ms (v2's default 2.461 in call B), fwd+bwd 8.687 ms with the backward at
+    # 8 channels / 4 warps, 6.225 ms at 2 channels / 1 warp (the best of 7 backward rows; 4 / 2
+    # warps 7.828): the backward's default since.
+    default_config={"BLOCK_D": 8, "BLOCK_T": 16, "num_warps": 4, "BWD_BLOCK_D": 2, "bwd_warps": 1,
                     "fwd_order": "tdn", "bwd_order": "tdn"},
     shape_buckets=(
         ShapeBucket(name="n_le_16", dim="N", lo=1, hi=16),
