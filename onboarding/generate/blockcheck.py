@@ -16,7 +16,11 @@ length at batch 1 and 3. A size at which the model's own forward fails is skippe
 Dtypes: fp32, and bf16 on a GPU that supports it (there the reference is the block in fp32 and
 the bar is the bf16 "layer" row, or twice the unpatched bf16 block's own error where that is
 larger, as in alignment; integer outputs, a router's picks, equal the fp32 block's or differ
-in at most twice as many elements as the bf16 block's own). Where the block's own bf16 forward
+in at most twice as many elements as the bf16 block's own; the rows where they, or the bf16
+block's own, differ are then compared nowhere, their count kept in the size's
+``excluded_rows`` and the verdict's notes: a flipped pick changes everything downstream in its
+row, and parameter gradients are compared with those rows' cotangents zeroed in every backward,
+see `onboarding.generate.flips`). Where the block's own bf16 forward
 raises (xLSTM's chunkwise path multiplies fp32 initial states with bf16 keys), the replacement
 is judged by the row alone, and a replacement that raises there too (the block's code compiled)
 has that size skipped.
@@ -46,6 +50,7 @@ from typing import Any
 
 import torch
 
+from onboarding.generate.flips import RowExclusion, exclusion
 from onboarding.load.spec import ModelSpec
 from onboarding.testing.tolerance import compare_scaled, layer_tolerance, rel_rms
 
@@ -99,6 +104,9 @@ class SizeCheck:
     skipped: str = ""  # why this size was not checked (the model's own forward fails there)
     errors: list[TensorError] = field(default_factory=list)
     seconds: float = 0.0  # the replacement's first call at this size (compiles included)
+    # 16 bits: rows whose integer picks (a router's) flipped within the tolerance, left out of
+    # the comparisons (onboarding.generate.flips)
+    excluded_rows: int = 0
 
 
 @dataclass(kw_only=True)
@@ -127,7 +135,9 @@ class BlockVerdict:
         checked = [s for s in self.sizes if not s.skipped]
         worst = max((e.rel_rms for s in checked for e in s.errors if e.rel_rms is not None
                      and math.isfinite(e.rel_rms)), default=None)
-        what = ", ".join(f"{s.batch}x{s.seq} {s.dtype}" for s in checked) or "no size"
+        what = ", ".join(f"{s.batch}x{s.seq} {s.dtype}" + (f" ({s.excluded_rows} flipped rows "
+                                                           "excluded)" if s.excluded_rows else "")
+                         for s in checked) or "no size"
         head = "passed" if self.passed else f"FAILED: {self.reason}"
         return head + f" ({what}" + (f"; worst rel_rms {worst:.1e}" if worst is not None
                                      else "") + ")"
@@ -278,31 +288,67 @@ def _leaves(args: tuple, kwargs: dict, names: list[str]) -> list[tuple[str, torc
     return out
 
 
-def _run_once(fn: Callable, module: torch.nn.Module, args: tuple, kwargs: dict,
-              cot_seed: int, names: list[str]
-              ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
-    """Outputs and gradients (inputs, then parameters) of one call on fresh clones."""
+@dataclass
+class _Call:
+    """One forward on fresh clones, its graph kept for `_backward`."""
+
+    outs: list[Any]
+    leaves: list[tuple[str, torch.Tensor]]
+    diff: list[torch.Tensor]
+
+
+def _forward(fn: Callable, args: tuple, kwargs: dict, names: list[str]) -> _Call:
     a, k = _clone(args, grad=True), _clone(kwargs, grad=True)
+    outs = _flat(fn(*a, **k))
+    return _Call(outs=outs, leaves=_leaves(a, k, names),
+                 diff=[o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
+
+
+def _backward(call: _Call, module: torch.nn.Module, cot_seed: int,
+              rows: RowExclusion | None = None
+              ) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor | None]]:
+    """Outputs and gradients (inputs, then parameters) of ``call``, back-propagating random
+    cotangents drawn from ``cot_seed`` (zeroed in the excluded ``rows``)."""
     for p in module.parameters():
         p.grad = None
-    outs = _flat(fn(*a, **k))
-    diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
     gen = torch.Generator().manual_seed(cot_seed)
-    if diff:
-        cots = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in diff]
-        torch.autograd.backward(diff, cots)
+    if call.diff:
+        cots = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in call.diff]
+        if rows is not None:
+            cots = [rows.zero(c) for c in cots]
+        torch.autograd.backward(call.diff, cots)
     grads: dict[str, torch.Tensor | None] = {}
-    for name, t in _leaves(a, k, names):
+    for name, t in call.leaves:
         grads[f"grad of {name}"] = None if t.grad is None else t.grad.detach().clone()
     for name, p in module.named_parameters():
         if p.requires_grad:
             grads[f"grad of param {name}"] = None if p.grad is None else p.grad.detach().clone()
         p.grad = None
-    return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], grads
+    return [o.detach() if isinstance(o, torch.Tensor) else o for o in call.outs], grads
 
 
-def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str
-           ) -> list[TensorError]:
+def _exclusion(cand: _Call, ref: _Call, floor: _Call | None) -> RowExclusion | None:
+    """The rows whose integer picks flipped within the 16-bit tolerance (`flips`): the
+    replacement's or the 16-bit block's own, against the fp32 reference. None in fp32 (no
+    floor: any flip fails) and where nothing flipped."""
+    if floor is None:
+        return None
+    tolerated = [isinstance(r, torch.Tensor) and not r.is_floating_point()
+                 and isinstance(c, torch.Tensor) and c.shape == r.shape
+                 and _integers("", c, r, f).passed
+                 for c, r, f in zip(cand.outs, ref.outs,
+                                    floor.outs + [None] * (len(ref.outs) - len(floor.outs)))]
+    if len(cand.outs) != len(ref.outs) or not any(tolerated):
+        return None
+    return exclusion(cand.outs, ref.outs, floor.outs, [t for _, t in ref.leaves], tolerated)
+
+
+def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str,
+           rows: RowExclusion | None = None) -> list[TensorError]:
+    """Every output and gradient of ``cand`` against ``ref`` (the bar: the layer row, or
+    FLOOR_FACTOR times the 16-bit block's own error ``floor``). ``rows``: rows whose picks
+    flipped within the tolerance, left out of the floating outputs and the input gradients
+    (parameter gradients: the caller zeroed those rows' cotangents)."""
     tol = layer_tolerance(dtype, kind)
     (c_out, c_grads), (r_out, r_grads) = cand, ref
     errors: list[TensorError] = []
@@ -316,6 +362,16 @@ def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str
             return tol.max_rel_rms
         return max(tol.max_rel_rms, FLOOR_FACTOR * rel_rms(f.float(), r.float()))
 
+    def kept(name: str, c: torch.Tensor, r: torch.Tensor, f: torch.Tensor | None):
+        """(c, r, f) without the excluded rows where ``r`` has them, else as given."""
+        if rows is None or name.startswith("grad of param "):
+            return c, r, f
+        rk = rows.keep(r)
+        ck = rows.keep(c) if c.shape == r.shape else None
+        if rk is None or ck is None:
+            return c, r, f
+        return ck, rk, rows.keep(f) if f is not None and f.shape == r.shape else None
+
     f_out, f_grads = floor if floor is not None else ([None] * len(r_out), {})
     for i, (c, r) in enumerate(zip(c_out, r_out)):
         name = f"out{i}"
@@ -328,8 +384,8 @@ def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str
         if not r.is_floating_point():
             errors.append(_integers(name, c, r, f_out[i] if i < len(f_out) else None))
             continue
-        errors.append(_compare(name, c, r, bound_for(name, f_out[i] if i < len(f_out) else None,
-                                                      r), tol))
+        c, r, f = kept(name, c, r, f_out[i] if i < len(f_out) else None)
+        errors.append(_compare(name, c, r, bound_for(name, f, r), tol))
     for name, r in r_grads.items():
         c = c_grads.get(name)
         if r is None:
@@ -339,7 +395,8 @@ def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str
             errors.append(TensorError(name=name, passed=False,
                                       message=f"no gradient reached {what}"))
             continue
-        errors.append(_compare(name, c, r, bound_for(name, f_grads.get(name), r), tol))
+        c, r, f = kept(name, c, r, f_grads.get(name))
+        errors.append(_compare(name, c, r, bound_for(name, f, r), tol))
     return errors
 
 
@@ -438,25 +495,25 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
                     + _last_line(exc)
                 continue
             try:
-                ref = _run_once(original if ref_module is module else ref_module.forward,
-                                ref_module, _cast(args, torch.float32) if ref_module is not module
-                                else args, _cast(kw, torch.float32) if ref_module is not module
-                                else kw, size.draw, names)
+                ref_call = _forward(original if ref_module is module else ref_module.forward,
+                                    _cast(args, torch.float32) if ref_module is not module
+                                    else args, _cast(kw, torch.float32)
+                                    if ref_module is not module else kw, names)
             except Exception as exc:
                 size.skipped = f"the block's own forward fails at batch {b}, seq {t}: " \
                     + _last_line(exc)
                 continue
-            floor, own = None, ""
+            floor_call, own = None, ""
             if ref_module is not module:  # 16-bit: the unpatched block's own error sets a floor
                 try:
-                    floor = _run_once(original, module, args, kw, size.draw, names)
+                    floor_call = _forward(original, args, kw, names)
                 except Exception as exc:  # the block's own code fails in 16 bits (xLSTM's
                     # chunkwise path: fp32 initial states @ bf16 keys): no floor, the row alone
                     own = f"the block's own {dtype_name} forward fails at batch {b}, seq {t}: " \
                         + _last_line(exc)
             s0 = time.perf_counter()
             try:
-                cand = _run_once(fn, module, args, kw, size.draw, names)
+                cand_call = _forward(fn, args, kw, names)
             except Exception as exc:
                 size.seconds = round(time.perf_counter() - s0, 2)
                 if own:  # failing where the block's own code fails is no verdict on it
@@ -465,10 +522,42 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
                 verdict.reason = f"the replacement raised at batch {b}, seq {t}, " \
                     f"{dtype_name}: {_last_line(exc)}"
                 break
+            s1 = time.perf_counter()
+            # rows whose integer picks flipped within the 16-bit tolerance: compared nowhere,
+            # their cotangents zeroed in every backward (onboarding.generate.flips)
+            rows = _exclusion(cand_call, ref_call, floor_call)
+            try:
+                ref = _backward(ref_call, ref_module, size.draw, rows)
+            except Exception as exc:
+                size.skipped = f"the block's own backward fails at batch {b}, seq {t}: " \
+                    + _last_line(exc)
+                continue
+            floor = None
+            if floor_call is not None:
+                try:
+                    floor = _backward(floor_call, module, size.draw, rows)
+                except Exception as exc:
+                    own = f"the block's own {dtype_name} backward fails at batch {b}, " \
+                        f"seq {t}: " + _last_line(exc)
+            s2 = time.perf_counter()
+            try:
+                cand = _backward(cand_call, module, size.draw, rows)
+            except Exception as exc:
+                size.seconds = round(s1 - s0 + time.perf_counter() - s2, 2)
+                if own:
+                    size.skipped = f"{own}; so does the replacement"
+                    continue
+                verdict.reason = f"the replacement raised at batch {b}, seq {t}, " \
+                    f"{dtype_name}: {_last_line(exc)}"
+                break
             if own:
                 verdict.notes.append(f"{own} (judged by the {dtype_name} row alone)")
-            size.seconds = round(time.perf_counter() - s0, 2)
-            size.errors = _judge(cand, ref, floor, dtype_name, kind)
+            size.seconds = round(s1 - s0 + time.perf_counter() - s2, 2)
+            if rows is not None:
+                size.excluded_rows = rows.count
+                verdict.notes.append(f"{dtype_name} at batch {b}, seq {t}: "
+                                     + rows.describe(dtype_name))
+            size.errors = _judge(cand, ref, floor, dtype_name, kind, rows)
             size.passed = all(e.passed for e in size.errors)
             if not size.passed:
                 bad = next(e for e in size.errors if not e.passed)
