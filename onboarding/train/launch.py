@@ -45,7 +45,8 @@ def plan(cfg: TrainConfig) -> list[list[str]]:
 
 def check(cfg: TrainConfig):
     """Validate ``cfg`` against the model (meta build) and the data; returns (`ModelInfo`, routed
-    expert count, tokenizer, the op graph the expert-parallel preflight parsed or None)."""
+    expert count, tokenizer, the op graph a preflight (experts, the PEFT baseline) parsed or
+    None)."""
     from onboarding.load.proxy import text_config
     from onboarding.train.data import PackedData, load_texts, load_tokenizer
     from onboarding.train.setup import meta_experts, resolve_device, tokenizer_dir
@@ -89,7 +90,30 @@ def check(cfg: TrainConfig):
     if n_experts and (cfg.ep > 1 or cfg.expert_lora or cfg.capacity_factor is not None
                       or cfg.balance in ("aux-loss", "bias")):
         graph = _preflight_experts(cfg, info)
+    if cfg.baseline:
+        graph = _preflight_peft(cfg, info, graph)
     return info, n_experts, tok, graph
+
+
+def _preflight_peft(cfg: TrainConfig, info, graph):
+    """The baseline's PEFT must take the LoRA targets our run trains: resolved on a meta build
+    (``auto`` from the op graph, parsed here when no preflight did, and handed on to the workers
+    like the experts preflight's) and offered to PEFT's own injection; a refusal fails now,
+    before any directory or run exists. Returns the graph (None when no ``auto``)."""
+    from onboarding.train.lora import check_peft_accepts, resolve_targets
+
+    if graph is None and "auto" in cfg.lora_targets:
+        from onboarding.graph.parse import parse_stage
+        from onboarding.train.setup import PARSE_SEQ
+
+        graph = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed)
+
+    def build():
+        return info.loaded.build(info.proxy_config, device="meta", seed=None)
+
+    targets = resolve_targets(build(), graph, cfg.lora_targets)
+    check_peft_accepts(build, targets, rank=cfg.lora_rank, alpha=cfg.lora_alpha)
+    return graph
 
 
 def _preflight_experts(cfg: TrainConfig, info):

@@ -4,7 +4,8 @@
 A is Kaiming-uniform, B zeros (the wrapped model equals the original at init), both fp32 whatever
 the base dtype. Default targets are found from the op graph's block kinds (every attention kind:
 full, gated, sliding, MLA, top-k sparse with its indexer, and linear attention's in/out
-projections), never from class names. Routers, experts and the LM head are left out.
+projections; a selective state-space mixer's projections except its output one), never from
+class names. Routers, experts and the LM head are left out.
 
 Expert adapters live in the expert module itself (training/moe_ep.py). Such a module exposes
 ``peft_tensors(prefix)`` and ``peft_target()``; its adapter parameters are named ``lora_*``, which
@@ -23,6 +24,8 @@ from onboarding.errors import InputError
 from onboarding.graph.opgraph import OpGraph
 
 ATTENTION_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
+# selective state-space mixers (classified by structure): their output projection is no default
+SCAN_MIXER_KINDS = ("linear_attention.mamba",)
 EXCLUDED_KINDS = ("moe.router", "moe.experts", "moe.shared_expert", "lm_head", "embedding")
 ADAPTER_PREFIX = "lora_"
 
@@ -126,17 +129,64 @@ def _inside(path: str, block_path: str) -> bool:
     return block_path == "" or path == block_path or path.startswith(block_path + ".")
 
 
+def scan_mixer_outputs(graph: OpGraph, linears: dict[str, nn.Linear]) -> set[str]:
+    """The output projections of the selective state-space mixers (``SCAN_MIXER_KINDS``): inside
+    such a block, a linear that maps another width back to the block's output width (Mamba's
+    inner -> hidden ``out_proj``; its in_proj reads the hidden width, x_proj / dt_proj write
+    neither). PEFT refuses LoRA there (peft 0.21 ``_check_lora_target_modules_mamba``), so the
+    default leaves them out and both our run and the PEFT baseline train the same adapters."""
+    out = set()
+    for b in graph.blocks:
+        if b.kind not in SCAN_MIXER_KINDS or not b.inputs or not b.outputs:
+            continue
+        width_in, width_out = b.inputs[0].shape[-1], b.outputs[0].shape[-1]
+        out.update(p for p, m in linears.items() if _inside(p, b.path)
+                   and m.out_features == width_out and m.in_features != width_in)
+    return out
+
+
 def default_targets(model: nn.Module, graph: OpGraph) -> list[str]:
-    """Paths of the ``nn.Linear`` modules inside every attention-kind block of ``graph``."""
+    """Paths of the ``nn.Linear`` modules inside every attention-kind block of ``graph``, less
+    the output projections of selective state-space mixers (`scan_mixer_outputs`)."""
     linears = _linear_paths(model)
     attn = [b.path for b in graph.blocks if b.kind.startswith(ATTENTION_PREFIXES)]
     # Nested blocks of excluded kinds (a router inside an attention wrapper...) stay out.
     excluded = [b.path for b in graph.blocks if b.kind in EXCLUDED_KINDS]
+    mixer_outputs = scan_mixer_outputs(graph, linears)
     out = []
     for path in linears:
-        if any(_inside(path, a) for a in attn) and not any(_inside(path, e) for e in excluded):
+        if any(_inside(path, a) for a in attn) and not any(_inside(path, e) for e in excluded) \
+                and path not in mixer_outputs:
             out.append(path)
     return sorted(out, key=_path_key)
+
+
+def check_peft_accepts(build, targets: list[str], *, rank: int, alpha: float) -> None:
+    """Raise `InputError` naming every target the installed PEFT refuses (its own check, run by
+    injecting its LoRA into fresh meta builds from ``build()``), before any baseline trains."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    def refusal(paths: list[str]) -> str | None:
+        try:
+            inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=alpha, target_modules=paths),
+                                    build(), low_cpu_mem_usage=True)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    if not targets or refusal(targets) is None:
+        return
+    by_leaf: dict[str, list[str]] = {}
+    for p in targets:
+        by_leaf.setdefault(p.rsplit(".", 1)[-1], []).append(p)
+    refused = {leaf: why for leaf, paths in by_leaf.items() if (why := refusal(paths[:1]))}
+    if not refused:  # only the combination fails: say what PEFT said
+        refused = {"(together)": refusal(targets) or "refused"}
+    names = ", ".join(f"{leaf} ({len(by_leaf.get(leaf, targets))} modules, e.g. "
+                      f"{by_leaf.get(leaf, targets)[0]})" for leaf in refused)
+    why = next(iter(refused.values())).replace("\n", " ")
+    raise InputError(f"lora_targets: PEFT (the --baseline) refuses LoRA on {names}; PEFT says: "
+                     f"{why} Leave them out of --lora-targets, or drop --baseline")
 
 
 def _path_key(path: str) -> list:
