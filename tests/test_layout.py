@@ -22,6 +22,8 @@ NOT_A_FAMILY = {
     ("onboarding/cli/train.py", "lora"): "the LoRA adapters being trained (--lora-rank, "
                                             "--expert-lora, ...), not the kernel family",
     ("onboarding/train/flops.py", "lora"): "PEFT's adapter parameter names (lora_A, lora_B)",
+    ("onboarding/train/lora.py", "lora"): "the --lora-targets option named in an error, not the "
+                                          "kernel family",
     ("onboarding/cli/plan.py", "lora"): "the plan's training mode (--lora, --lora-rank, "
                                         "--expert-lora), not the kernel family",
     ("onboarding/plan/config.py", "lora"): "the plan's training mode, LoRA or full",
