@@ -49,6 +49,12 @@ def test_mamba_auto_targets_leave_out_the_mixer_output_and_peft_takes_them(mamba
     assert len(targets) == 3 * len(mixers)
     assert scan_mixer_outputs(graph, _linears(model)) == \
         {f"{m}.out_proj" for m in mixers}
+    # the memory plan counts the same adapters (one rule: mixer_output_names)
+    from onboarding.plan.shapes import model_shape
+
+    shape = model_shape(model, mamba.info.proxy_config, graph)
+    planned = [b for b in shape.blocks if b.kind == "linear_attention.mamba" and not b.nested]
+    assert planned and sum(b.count * len(b.lora_targets) for b in planned) == len(targets)
     build = lambda: mamba.info.loaded.build(mamba.info.proxy_config, device="meta", seed=None)
     check_peft_accepts(build, targets, rank=4, alpha=8.0)  # no refusal
     with pytest.raises(InputError, match=r"refuses LoRA on out_proj \(2 modules, e\.g\. "

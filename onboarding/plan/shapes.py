@@ -19,6 +19,7 @@ from torch import nn
 from onboarding.graph.opgraph import OpGraph
 from onboarding.load.accounting import find_moe, path_pattern
 from onboarding.load.proxy import text_config
+from onboarding.train.lora import mixer_output_names
 
 ATTENTION_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
 
@@ -129,9 +130,12 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         lin = [(n, m.in_features, m.out_features) for n, m in first.named_modules()
                if isinstance(m, nn.Linear)]
         # the default LoRA targets (`onboarding.train.lora.default_targets`): the linears of
-        # every attention-kind block, except those inside a router or experts nested in it
-        targets = [(i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES) and not any(
-            _inside(f"{paths[0]}.{n}", e) for e in excluded)]
+        # every attention-kind block, except those inside a router or experts nested in it and
+        # a selective state-space mixer's output projection (`mixer_output_names`)
+        mixer_out = mixer_output_names(b)
+        targets = [(i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES)
+                   and n not in mixer_out
+                   and not any(_inside(f"{paths[0]}.{n}", e) for e in excluded)]
         blocks.append(BlockShape(
             pattern=key[0], kind=b.kind, count=len(paths),
             params=sum(p.numel() for p in first.parameters()), linears=lin, attrs=dict(b.attrs),

@@ -129,20 +129,26 @@ def _inside(path: str, block_path: str) -> bool:
     return block_path == "" or path == block_path or path.startswith(block_path + ".")
 
 
+def mixer_output_names(block) -> set[str]:
+    """Module names, relative to ``block``, of a selective state-space mixer's output projections
+    (``SCAN_MIXER_KINDS``; empty for other kinds): a 2-D weight that maps another width back to
+    the block's output width (Mamba's inner -> hidden ``out_proj``; its in_proj reads the hidden
+    width, x_proj / dt_proj write neither). Read from the block's captured parameter shapes, so
+    the memory plan (full size, on meta) and the trainer apply one rule."""
+    if block.kind not in SCAN_MIXER_KINDS or not block.inputs or not block.outputs:
+        return set()
+    width_in, width_out = block.inputs[0].shape[-1], block.outputs[0].shape[-1]
+    return {name.rsplit(".", 1)[0] for name, shape in block.params.items()
+            if name.endswith(".weight") and len(shape) == 2 and shape[0] == width_out
+            and shape[1] != width_in}
+
+
 def scan_mixer_outputs(graph: OpGraph, linears: dict[str, nn.Linear]) -> set[str]:
-    """The output projections of the selective state-space mixers (``SCAN_MIXER_KINDS``): inside
-    such a block, a linear that maps another width back to the block's output width (Mamba's
-    inner -> hidden ``out_proj``; its in_proj reads the hidden width, x_proj / dt_proj write
-    neither). PEFT refuses LoRA there (peft 0.21 ``_check_lora_target_modules_mamba``), so the
-    default leaves them out and both our run and the PEFT baseline train the same adapters."""
-    out = set()
-    for b in graph.blocks:
-        if b.kind not in SCAN_MIXER_KINDS or not b.inputs or not b.outputs:
-            continue
-        width_in, width_out = b.inputs[0].shape[-1], b.outputs[0].shape[-1]
-        out.update(p for p, m in linears.items() if _inside(p, b.path)
-                   and m.out_features == width_out and m.in_features != width_in)
-    return out
+    """Paths of the linears that `mixer_output_names` names in ``graph``'s blocks. PEFT refuses
+    LoRA there (peft 0.21 ``_check_lora_target_modules_mamba``), so the default leaves them out
+    and both our run and the PEFT baseline train the same adapters."""
+    return {p for b in graph.blocks for n in mixer_output_names(b)
+            if (p := f"{b.path}.{n}" if b.path else n) in linears}
 
 
 def default_targets(model: nn.Module, graph: OpGraph) -> list[str]:
