@@ -94,24 +94,21 @@ def exclusion(c_out: list, r_out: list, f_out: list | None, inputs: list[torch.T
     """The rows to exclude: where a tolerated integer output (``tolerated[i]``) of the
     replacement (``c_out``) or of the 16-bit block (``f_out``) differs from the reference's
     (``r_out``). None where nothing flipped or the picks have no rows."""
-    found: RowExclusion | None = None
-    by_c_all = by_f_all = None
+    n, by_c, by_f = None, None, None
     for i, r in enumerate(r_out):
         if not tolerated[i] or not isinstance(r, torch.Tensor) or r.is_floating_point():
             continue
-        n = row_count(r, inputs)
-        if n is None or (found is not None and found.n != n):
+        rn = row_count(r, inputs)
+        if rn is None or (n is not None and rn != n):
             continue
-        c = c_out[i]
+        n = rn
         f = f_out[i] if f_out is not None and i < len(f_out) else None
-        by_c = flipped(c, r, n)
-        by_f = flipped(f, r, n) if isinstance(f, torch.Tensor) and f.shape == r.shape \
+        c_rows = flipped(c_out[i], r, n)
+        f_rows = flipped(f, r, n) if isinstance(f, torch.Tensor) and f.shape == r.shape \
             else torch.zeros(n, dtype=torch.bool)
-        if found is None:
-            found = RowExclusion(n=n, rows=torch.zeros(n, dtype=torch.bool))
-            by_c_all, by_f_all = torch.zeros_like(found.rows), torch.zeros_like(found.rows)
-        by_c_all |= by_c
-        by_f_all |= by_f
-        found.rows = by_c_all | by_f_all
-        found.by_replacement, found.by_block = int(by_c_all.sum()), int(by_f_all.sum())
-    return found if found is not None and found.count else None
+        by_c = c_rows if by_c is None else by_c | c_rows
+        by_f = f_rows if by_f is None else by_f | f_rows
+    if n is None or not (by_c | by_f).any():
+        return None
+    return RowExclusion(n=n, rows=by_c | by_f, by_replacement=int(by_c.sum()),
+                        by_block=int(by_f.sum()))
