@@ -19,9 +19,7 @@ from torch import nn
 from onboarding.graph.opgraph import OpGraph
 from onboarding.load.accounting import find_moe, path_pattern
 from onboarding.load.proxy import text_config
-from onboarding.train.lora import mixer_output_names
-
-ATTENTION_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
+from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names
 
 
 @dataclass(kw_only=True, slots=True)
