@@ -39,6 +39,7 @@ def check_sample_inputs_fit(module, family, variant: str, params: dict, shape: l
     the rendered `module` must agree with its own reference on them."""
     resolved = family.FAMILY.resolve(variant, params)
     args = family.sample_inputs(variant, resolved, [shape], torch.Generator().manual_seed(0))
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
     torch.testing.assert_close(module.entry(*args), module.reference(*args), rtol=1e-5, atol=1e-5)
 
 

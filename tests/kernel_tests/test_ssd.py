@@ -210,6 +210,7 @@ def test_decode_steps_chain_to_the_full_scan(module, device):
     A, D, bias = -torch.exp(torch.rand(h, generator=gen)), torch.randn(h, generator=gen), torch.randn(h, generator=gen)
     B, C = torch.randn(b, t, g, n, generator=gen), torch.randn(b, t, g, n, generator=gen)
     state = torch.randn(b, h, p, n, generator=gen)
+    x, dt, A, D, bias, B, C, state = (v.to(device) for v in (x, dt, A, D, bias, B, C, state))
     y, ht = module.ssd_scan(x, dt, A, B, C, D, bias, initial_state=state, return_final_state=True)
     for i in range(t):
         s = slice(i, i + 1)
