@@ -26,7 +26,18 @@ from .tuning import problem_dims, timing_inputs
 # the per-channel path on), parameters and tuning space: it extends that family.
 BASE = "gated_delta"
 _base = family_module(BASE)
-PARAMS, TUNING_SPACE, DEFAULT_CONFIG = _base.PARAMS, _base.TUNING_SPACE, _base.DEFAULT_CONFIG
+PARAMS = _base.PARAMS
+# KDA's own keys (its split prepare step, kimi_delta.py.j2's `_kda_prepare.py.j2`):
+# kda_prep "split" (default): the Gram products and Tm = (I + A)^-1 in one kernel, w, u, kd, qg
+#   in a second one over K and V tiles; "fused": the base template's one-kernel prepare step
+#   (fc39a47 / v17 timings: 0.83 ms of the 1.08 ms forward at B1 T8192 H32 D128).
+# kda_chunk_ref 1: the split Gram kernel tries one reference per chunk (v17's chunk-wide tier)
+#   before the per-block ones; 0 (default): v17's tier measured no gain at T8192 (1.122 against
+#   1.080-1.094 ms), so it is a tuning value. The fused kernel always has it.
+# kda_gram_warps: the split Gram kernel's warps (0: num_warps).
+TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_chunk_ref": (0, 1),
+                "kda_gram_warps": (0, 4, 8)}
+DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "split", "kda_chunk_ref": 0, "kda_gram_warps": 0}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 
@@ -58,7 +69,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=17,
+    template_version=18,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
