@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=6,
+    template_version=7,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -86,7 +86,10 @@ FAMILY = FamilySpec(
     # the backward's dy pull on the incoming states), which hold one [BLOCK_P, STATE_N] product;
     # pass: "split" runs those kernels over every chunk in parallel and the state passes apart
     # (serial over chunks, BLOCK_S elements per program), "fused" one serial loop per (b, h,
-    # BLOCK_P x STATE_N tile) that computes each chunk's product in place (no stored chunk states).
+    # BLOCK_P x STATE_N tile) that computes each chunk's product in place (no stored chunk states);
+    # SCAN_N: state columns per step of the chunk output kernel's C S^T loop (BLOCK_N before v7);
+    # gstate: the dtype of the backward's stored end-state gradients (its largest tensors), fp32 or
+    # 16-bit inputs' own (as `state`: the reverse pass sums in fp32).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -100,14 +103,20 @@ FAMILY = FamilySpec(
         "DBC_N": (16, 32, 64, 128),
         "STATE_N": (16, 32, 64, 128),
         "pass": ("split", "fused"),
+        "SCAN_N": (16, 32, 64, 128),
+        "gstate": ("fp32", "input"),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
-    # (docs/LOG.md), DBC_N and STATE_N (v4) not yet timed on a GPU.
+    # (docs/LOG.md), DBC_N and STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
+    # The P <= 64 bucket (Mamba-2's heads of 64) dots 16-bit inputs in their dtype and stores the
+    # forward's chunk states in it: on the H200 (call D) the bf16-vs-fp32 bars of
+    # tests/kernel_tests/test_ssd.py held for both (test_bf16_vs_fp32_on_gpu[dot-state-input]
+    # XPASS); fp32 inputs keep fp32 (tf32 or exact) dots and states either way.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
-                    "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split"},
+                    "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32"},
     shape_buckets=(
-        ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64),
+        ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64, config={"dot": "input", "state": "input"}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
     match=match,

@@ -27,9 +27,10 @@ from onboarding.testing import (
 
 PARAMS = {"chunk_size": 16}
 # CHUNK 16: T=23 spans two kernel chunks, the last one partial; T=7 one partial chunk.
-# DBC_N, STATE_N 16: N=24 gives the dB/dC and chunk-state kernels two N blocks, the second partial.
+# DBC_N, STATE_N, SCAN_N 16: N=24 gives the dB/dC, chunk-state and chunk output kernels two N
+# blocks, the second partial.
 CPU_CONFIG = {"CHUNK": 16, "BLOCK_P": 16, "BLOCK_N": 16, "BLOCK_S": 256, "num_warps": 4, "bwd_warps": 4,
-              "dot": "tf32", "DBC_N": 16, "STATE_N": 16}
+              "dot": "tf32", "DBC_N": 16, "STATE_N": 16, "SCAN_N": 16}
 # (B, T, H, P, G, N, D and dt_bias, initial state)
 SHAPES = [
     (1, 23, 2, 20, 1, 24, True, True),    # two chunks, the last partial; 2 P and 2 N blocks
@@ -69,11 +70,13 @@ def test_forward_backward(module, device, shape):
     check_forward_backward(fixture(module, shape), torch.float32, device)
 
 
-@pytest.mark.parametrize("cfg", [{"state": "fp32"}, {"state": "input"}, {"state": "input", "pass": "fused"}],
-                         ids=["fp32", "input", "input-fused"])
+@pytest.mark.parametrize("cfg", [{"state": "fp32", "gstate": "fp32"}, {"state": "input"},
+                                 {"state": "input", "pass": "fused"}, {"gstate": "input"},
+                                 {"state": "input", "gstate": "input", "pass": "fused"}],
+                         ids=["fp32", "input", "input-fused", "gstate-input", "both-input-fused"])
 def test_bf16_inputs(module, device, cfg):
-    """bf16 storage (loads upcast, fp32 maths; the chunks' states fp32 or bf16) against the
-    reference at the bf16 tolerances."""
+    """bf16 storage (loads upcast, fp32 maths; the chunks' states and the backward's end-state
+    gradients fp32 or bf16, split or fused passes) against the reference at the bf16 tolerances."""
     module.set_config({**CPU_CONFIG, **cfg} if device.type == "cpu" else cfg)
     try:
         check_forward_backward(fixture(module, (1, 7, 2, 8, 1, 16, True, True)), torch.bfloat16, device)
@@ -101,11 +104,11 @@ def test_per_head_dbc_partials(module, device):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
-@pytest.mark.parametrize("tiles", [{"DBC_N": 32, "STATE_N": 32}, {"DBC_N": 16, "STATE_N": 32, "BLOCK_S": 512},
+@pytest.mark.parametrize("tiles", [{"DBC_N": 32, "STATE_N": 32, "SCAN_N": 32}, {"DBC_N": 16, "STATE_N": 32, "BLOCK_S": 512},
                                    {"pass": "fused"}, {"pass": "fused", "STATE_N": 32}],
                          ids=["n32", "dbc16-state32", "fused", "fused-state32"])
 def test_n_tiles_three_chunks(module, device, tiles):
-    """The dB/dC and chunk-state kernels at other N tiles (one block over N 24, padded; or two),
+    """The dB/dC, chunk-state and chunk output kernels at other N tiles (one block over N 24, padded; or two),
     three kernel chunks (the state passes' one-step-ahead loads over a chain, the last partial),
     2 groups of 2 heads summed in the dB/dC kernel, D, dt_bias and an initial state; `pass`
     "fused" (chunk states and state passes in one serial loop, forward and backward)."""
@@ -246,12 +249,17 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 
 
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
-                                 pytest.param({"dot": "input"}, id="dot-input", marks=UNTIMED),
-                                 pytest.param({"state": "input"}, id="state-input", marks=UNTIMED),
-                                 pytest.param({"dot": "input", "state": "input"}, id="dot-state-input", marks=UNTIMED),
+                                 pytest.param({"dot": "tf32", "state": "fp32"}, id="tf32-fp32-state"),
+                                 pytest.param({"dot": "tf32"}, id="tf32-dots"),
+                                 pytest.param({"state": "fp32"}, id="fp32-state"),
+                                 pytest.param({"gstate": "input"}, id="gstate-input", marks=UNTIMED),
+                                 pytest.param({"pass": "fused", "gstate": "input"}, id="fused-gstate-input",
+                                              marks=UNTIMED),
                                  pytest.param({"pass": "fused"}, id="fused", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
-    """GPU, the default tiles (chunk 64): the bf16 path against the fp32 path (exact fp32 dots,
+    """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, the template
+    v6 rows dot-input / state-input / dot-state-input that XPASSed on the H200, now the bucket's
+    default; the v6 default tf32 dots + fp32 states beside it): the bf16 path against the fp32 path (exact fp32 dots,
     itself checked against the reference above) on the same bf16-representable inputs, a Mamba-2
     head (P 64, N 128, 2 groups), T 1000 (not a multiple of the chunk), initial state: relative
     RMS <= 5e-3 on y and the final state, <= 1e-2 on every gradient (the GDN bars)."""
