@@ -81,12 +81,15 @@ FAMILY = FamilySpec(
         "BLOCK_D": (2, 4, 8, 16, 32),
         "BLOCK_T": (8, 16, 32, 64),
         "num_warps": (1, 2, 4, 8),
-        "BWD_BLOCK_D": (2, 4, 8, 16),
+        "BWD_BLOCK_D": (1, 2, 4, 8, 16),
         "bwd_warps": (1, 2, 4, 8),
+        # the "nt" backward's chunk (steps between the states the forward stores for it)
+        "BWD_BLOCK_T": (8, 16, 32, 64, 128, 256),
         # the tiles' order (the template's docstring): "dnt" [BLOCK_D, N, BLOCK_T], time across
         # lanes; "tdn" [BLOCK_T, BLOCK_D, N], time inside each thread
         "fwd_order": ("dnt", "tdn"),
-        "bwd_order": ("dnt", "tdn"),
+        # "nt": [BLOCK_D, BWD_BLOCK_T] tiles with a loop over the states (the template's docstring)
+        "bwd_order": ("dnt", "tdn", "nt"),
     },
     # Untimed, chosen from the sm_90 AOT build (bf16, N 16, the time strides specialized to 1 as
     # the JIT does for contiguous inputs; ptxas registers / spill bytes, and PTX instructions in
@@ -100,7 +103,7 @@ FAMILY = FamilySpec(
     # 8 channels / 4 warps, 6.225 ms at 2 channels / 1 warp (the best of 7 backward rows; 4 / 2
     # warps 7.828): the backward's default since.
     default_config={"BLOCK_D": 8, "BLOCK_T": 16, "num_warps": 4, "BWD_BLOCK_D": 2, "bwd_warps": 1,
-                    "fwd_order": "tdn", "bwd_order": "tdn"},
+                    "BWD_BLOCK_T": 128, "fwd_order": "tdn", "bwd_order": "tdn"},
     shape_buckets=(
         ShapeBucket(name="n_le_16", dim="N", lo=1, hi=16),
         # Untimed, sm_90 build at N 64: forward "tdn" 8 x 16 242 / 0, 24.7; backward "dnt" 2 x 16
