@@ -70,6 +70,10 @@ class _Fp32:
     def gate(self, x):
         return x @ self.m.gate.weight.float().t()
 
+    @property
+    def margin(self):
+        return self.m.margin.float()
+
 
 def _check(make, dtypes):
     from onboarding.generate.blockcheck import check_block
@@ -107,7 +111,7 @@ def test_a_flip_within_the_tolerance_excludes_its_rows_and_is_recorded():
     assert any("bf16 at batch 3, seq 13: 6 of 39 rows excluded" in n
                and "the replacement's in 3, the bf16 block's own in 3" in n for n in v.notes), \
         v.notes
-    assert "(6 flipped rows excluded)" in v.summary()
+    assert "(6 rows excluded)" in v.summary()
     names = {e.name for e in bf16[-1].errors}
     assert {"out0", "out1", "grad of x", "grad of param gate.weight",
             "grad of param experts"} <= names
@@ -170,6 +174,107 @@ def test_rows_of_the_picks_map_to_the_tokens_of_the_inputs():
     assert row_count(torch.zeros(16, 2, dtype=torch.long), [torch.randn(5, 7)]) is None
     assert as_rows(torch.randn(3, 13, 8), 39).shape == (39, 8)
     assert as_rows(torch.randn(8, 16), 39) is None
+
+
+# -- rows the block itself jumps in (a threshold crossed, the pick unchanged) --------------------
+
+TSPEC = ModelSpec(ref=f"{FIXTURES / 'router_models.py'}:ThresholdRouterLM")
+AT = 3  # router_models.AT
+
+
+def _threshold_kernel(drop_at=(AT,), keep_all_at=()):
+    """The threshold router in fp32 inside; in 16 bits the second expert is dropped from the
+    softmax at the positions ``drop_at`` (a kernel whose rounding of the margin crossed the
+    threshold: the pick's weight 1 instead of about 1/2, the pick itself unchanged), as the
+    recorded phimoe router did against the fp32 block on the H200 (batch 3, seq 13: 0.505 vs
+    1.010); ``keep_all_at``: positions where it keeps every expert (a wrong decision)."""
+
+    def make(m):
+        def fwd(x):
+            xf = x.float()
+            logits = m.logits.__func__(_Fp32(m), xf)
+            pick = logits.argmax(-1)
+            keep = m.keep(logits)
+            if x.dtype != torch.float32:
+                keep = keep.clone()
+                keep[:, list(drop_at), 1:] = False
+                keep[:, list(keep_all_at)] = True
+            out = m.combine(xf, logits, keep, pick, m.experts.float())
+            return out.to(x.dtype), pick
+        return fwd
+    return make
+
+
+def _tcheck(make, dtypes):
+    from onboarding.generate.blockcheck import check_block
+
+    return check_block(TSPEC, PATH, make, dtypes=dtypes, **KW)
+
+
+def test_a_row_the_block_itself_jumps_in_is_excluded_by_the_probe():
+    """(d) The kernel's routing weight jumps at position AT, where the fp32 block's second
+    expert sits just inside the threshold: the probe (the fp32 block at inputs and parameters
+    times 1 +- bf16's eps) finds the block jumping there too, so the row is left out, counted
+    apart and said in the notes; the kernel is accepted. In fp32 nothing is excluded."""
+    v = _tcheck(_threshold_kernel(), ["fp32", "bf16"])
+    assert v.passed, v.reason
+    bf16 = [s for s in v.sizes if s.dtype == "bf16"]
+    assert all(s.excluded_rows == 0 for s in v.sizes if s.dtype == "fp32")
+    assert [s.excluded_rows for s in bf16] == [1, 3], [s.excluded_rows for s in bf16]
+    assert any("bf16 at batch 3, seq 13: 3 of 39 rows excluded" in n
+               and "the fp32 block itself jumps in 3 under bf16-sized perturbations" in n
+               for n in v.notes), v.notes
+
+
+def test_without_the_probe_the_jumped_row_fails_as_on_the_h200(monkeypatch):
+    """The same kernel with the probe finding nothing: rejected on the routing weight of the
+    jumped row (the H200 failure, on the CPU)."""
+    from onboarding.generate import flips
+
+    monkeypatch.setattr(flips, "probe",
+                        lambda run, ref, n, seed, eps: torch.zeros(n, dtype=torch.bool))
+    v = _tcheck(_threshold_kernel(), ["bf16"])
+    assert not v.passed and v.reason.startswith("out0: FAIL"), v.reason
+    assert v.sizes[0].excluded_rows == 0
+
+
+def test_a_jump_where_the_block_is_stable_is_still_rejected():
+    """The kernel keeps every expert in the softmax at position 5, far from the threshold: the
+    probe finds the block stable there, nothing excuses the row, rejected."""
+    v = _tcheck(_threshold_kernel(drop_at=(), keep_all_at=(5,)), ["bf16"])
+    assert not v.passed and v.reason.startswith("out0: rel_rms"), v.reason
+    assert v.reason.endswith("(batch 1, seq 16, bf16)")
+    assert v.sizes[0].excluded_rows == 1  # the block's own unstable row AT, not position 5
+
+
+def test_the_probe_finds_jumps_not_smooth_change_and_excuses_few_rows():
+    from onboarding.generate import flips
+
+    n, x = 40, torch.randn(40, 8)
+    w = torch.randn(8, 3)
+
+    def smooth(gen, eps):
+        xs = x.clone()
+        flips.perturb([xs], eps, gen)
+        return [torch.tanh(xs @ w)]
+
+    ref = smooth(torch.Generator(), 0.0)
+    assert not flips.probe(smooth, ref, n, seed=0, eps=2 ** -7).any()
+
+    def step(gen, eps):  # a row jumps when its perturbed first value crosses 1 +- 1e-4
+        xs = x.clone()
+        xs[:, 0] = torch.where(torch.arange(n) < 3, 1.0 + 1e-4, xs[:, 0].abs() + 2)
+        flips.perturb([xs], eps, gen)
+        return [(xs[:, :1] > 1).float() * 2]
+
+    rows = flips.probe(step, step(torch.Generator(), 0.0), n, seed=0, eps=2 ** -7)
+    assert rows.tolist() == [True] * 3 + [False] * (n - 3)
+    picks = torch.zeros(n, dtype=torch.long)
+    ex = flips.exclusion([picks], [picks], [picks], [x], [True], rows)
+    assert ex is not None and ex.count == 3 and ex.by_probe == 3
+    many = torch.zeros(n, dtype=torch.bool)
+    many[: n // 8 + 1] = True  # more than MAX_UNSTABLE of the rows: nothing excused
+    assert flips.exclusion([picks], [picks], [picks], [x], [True], many) is None
 
 
 # -- the device: one chooser for both paths -----------------------------------------------------

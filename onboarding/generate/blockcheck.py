@@ -20,7 +20,9 @@ in at most twice as many elements as the bf16 block's own; the rows where they, 
 block's own, differ are then compared nowhere, their count kept in the size's
 ``excluded_rows`` and the verdict's notes: a flipped pick changes everything downstream in its
 row, and parameter gradients are compared with those rows' cotangents zeroed in every backward,
-see `onboarding.generate.flips`). Where the block's own bf16 forward
+see `onboarding.generate.flips`; so are the few rows the fp32 block itself jumps in when its
+inputs and parameters move by bf16's epsilon, a threshold its routing weights cross with the
+picks unchanged, found from the block alone). Where the block's own bf16 forward
 raises (xLSTM's chunkwise path multiplies fp32 initial states with bf16 keys), the replacement
 is judged by the row alone, and a replacement that raises there too (the block's code compiled)
 has that size skipped.
@@ -50,7 +52,8 @@ from typing import Any
 
 import torch
 
-from onboarding.generate.flips import RowExclusion, exclusion
+from onboarding.generate import flips
+from onboarding.generate.flips import RowExclusion
 from onboarding.load.spec import ModelSpec
 from onboarding.testing.tolerance import compare_scaled, layer_tolerance, rel_rms
 
@@ -135,7 +138,7 @@ class BlockVerdict:
         checked = [s for s in self.sizes if not s.skipped]
         worst = max((e.rel_rms for s in checked for e in s.errors if e.rel_rms is not None
                      and math.isfinite(e.rel_rms)), default=None)
-        what = ", ".join(f"{s.batch}x{s.seq} {s.dtype}" + (f" ({s.excluded_rows} flipped rows "
+        what = ", ".join(f"{s.batch}x{s.seq} {s.dtype}" + (f" ({s.excluded_rows} rows "
                                                            "excluded)" if s.excluded_rows else "")
                          for s in checked) or "no size"
         head = "passed" if self.passed else f"FAILED: {self.reason}"
@@ -327,10 +330,13 @@ def _backward(call: _Call, module: torch.nn.Module, cot_seed: int,
     return [o.detach() if isinstance(o, torch.Tensor) else o for o in call.outs], grads
 
 
-def _exclusion(cand: _Call, ref: _Call, floor: _Call | None) -> RowExclusion | None:
+def _exclusion(cand: _Call, ref: _Call, floor: _Call | None,
+               probe_run: Callable[[torch.Generator], list], dtype: torch.dtype,
+               seed: int) -> RowExclusion | None:
     """The rows whose integer picks flipped within the 16-bit tolerance (`flips`): the
-    replacement's or the 16-bit block's own, against the fp32 reference. None in fp32 (no
-    floor: any flip fails) and where nothing flipped."""
+    replacement's or the 16-bit block's own, against the fp32 reference, and the rows the fp32
+    block itself jumps in under perturbations of ``dtype``'s size (`flips.probe`, by
+    ``probe_run``). None in fp32 (no floor: any flip fails) and where nothing is excluded."""
     if floor is None:
         return None
     tolerated = [isinstance(r, torch.Tensor) and not r.is_floating_point()
@@ -340,7 +346,30 @@ def _exclusion(cand: _Call, ref: _Call, floor: _Call | None) -> RowExclusion | N
                                     floor.outs + [None] * (len(ref.outs) - len(floor.outs)))]
     if len(cand.outs) != len(ref.outs) or not any(tolerated):
         return None
-    return exclusion(cand.outs, ref.outs, floor.outs, [t for _, t in ref.leaves], tolerated)
+    inputs = [t for _, t in ref.leaves]
+    n = flips.pick_rows(ref.outs, inputs, tolerated)
+    unstable = None if n is None else flips.probe(probe_run, ref.outs, n, seed,
+                                                  eps=torch.finfo(dtype).eps)
+    return flips.exclusion(cand.outs, ref.outs, floor.outs, inputs, tolerated, unstable)
+
+
+def _perturbed_runner(module: torch.nn.Module, args: tuple, kwargs: dict
+                      ) -> Callable[[torch.Generator, float], list]:
+    """``run(gen, eps)``: the fp32 block (a copy of ``module``) on ``args``/``kwargs`` with its
+    parameters and floating inputs multiplied by (1 +- eps), signs drawn from ``gen``."""
+    mod = copy.deepcopy(module)
+    base = [p.detach().clone() for p in mod.parameters()]
+
+    def run(gen: torch.Generator, eps: float) -> list:
+        with torch.no_grad():
+            for p, p0 in zip(mod.parameters(), base):
+                p.copy_(p0)
+            flips.perturb(list(mod.parameters()), eps, gen)
+            a, k = _clone(args), _clone(kwargs)
+            flips.perturb([t for t in _flat(a) + _flat(k) if isinstance(t, torch.Tensor)],
+                          eps, gen)
+            return _flat(mod(*a, **k))
+    return run
 
 
 def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str,
@@ -525,7 +554,9 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
             s1 = time.perf_counter()
             # rows whose integer picks flipped within the 16-bit tolerance: compared nowhere,
             # their cotangents zeroed in every backward (onboarding.generate.flips)
-            rows = _exclusion(cand_call, ref_call, floor_call)
+            rows = _exclusion(cand_call, ref_call, floor_call,
+                              _perturbed_runner(ref_module, _cast(args, torch.float32),
+                                                _cast(kw, torch.float32)), dtype, size.draw)
             try:
                 ref = _backward(ref_call, ref_module, size.draw, rows)
             except Exception as exc:
