@@ -1,10 +1,15 @@
 """KDA's benchmark cases (the spec's `bench_cases`), issue 32's shapes: the Kimi-Linear layout
 (H=32, D=128) at T=8192 and T=32768. The case itself (impls, check, bytes, FLOPs) is the shared
-delta-rule one, per-channel decay."""
+delta-rule one, per-channel decay, plus forward rows of the prepare step's alternatives
+(`FWD_SWEEP`, rows ``ours@<cfg>_fwd``) on the same inputs, so that one call times them against
+the default and fla."""
 
 from __future__ import annotations
 
-from onboarding.bench.cases_linear_attention import delta_rule_case
+import dataclasses
+
+from onboarding.bench.cases import N_SETS, fwd_sweep, kernel
+from onboarding.bench.cases_linear_attention import CHUNK, delta_rule_case, make_inputs
 from onboarding.bench.harness import BenchCase
 from onboarding.families import NightlySpec
 
@@ -15,9 +20,25 @@ SHAPES = (
                              "same kernels are checked at T8192")),
 )
 
+# The forward's alternatives to the default split prepare step: the base template's fused
+# kernel (template v17's prepare) and the split Gram kernel with the one-reference-per-chunk tier
+FWD_SWEEP = ({"kda_prep": "fused"}, {"kda_chunk_ref": 1})
+
+
+def _with_sweep(case: BenchCase, B: int, T: int, HK: int, HV: int, D: int) -> BenchCase:
+    def setup(device):
+        steps = case.setup(device)
+        mod, entry = kernel("kimi_delta", "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
+        sets = [make_inputs(True, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
+        fn = lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)  # noqa: E731
+        steps.update({k + "_fwd": v for k, v in fwd_sweep(mod, fn, sets, D, list(FWD_SWEEP)).items()})
+        return steps
+
+    return dataclasses.replace(case, setup=setup)
+
 
 def cases() -> list[BenchCase]:
-    return [delta_rule_case("kimi_delta", *shape, per_channel=True) for shape in SHAPES]
+    return [_with_sweep(delta_rule_case("kimi_delta", *shape, per_channel=True), *shape[:5]) for shape in SHAPES]
 
 
 # The nightly regression suite's share (the smaller shape, our kernel alone (the fallback takes 82 ms a forward there)).

@@ -34,10 +34,12 @@ PARAMS = _base.PARAMS
 # kda_chunk_ref 1: the split Gram kernel tries one reference per chunk (v17's chunk-wide tier)
 #   before the per-block ones; 0 (default): v17's tier measured no gain at T8192 (1.122 against
 #   1.080-1.094 ms), so it is a tuning value. The fused kernel always has it.
-# kda_gram_warps: the split Gram kernel's warps (0: num_warps).
+# kda_gram_warps, kda_wu_warps: the split kernels' warps (0: num_warps). The w/u kernel streams
+#   (sm_90 AOT: 198 registers at 4 warps, 80 at 8): 8, untimed.
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_chunk_ref": (0, 1),
-                "kda_gram_warps": (0, 4, 8)}
-DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "split", "kda_chunk_ref": 0, "kda_gram_warps": 0}
+                "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8)}
+DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "split", "kda_chunk_ref": 0, "kda_gram_warps": 0,
+                  "kda_wu_warps": 8}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 
