@@ -89,7 +89,12 @@ FAMILY = FamilySpec(
     # BLOCK_P x STATE_N tile) that computes each chunk's product in place (no stored chunk states);
     # SCAN_N: state columns per step of the chunk output kernel's C S^T loop (BLOCK_N before v7);
     # gstate: the dtype of the backward's stored end-state gradients (its largest tensors), fp32 or
-    # 16-bit inputs' own (as `state`: the reverse pass sums in fp32).
+    # 16-bit inputs' own (as `state`: the reverse pass sums in fp32); STATE_CHUNKS: chunks of CHUNK
+    # tokens per state chunk of the forward (over `pass`): > 1 computes the state chunks' own states
+    # (one program loops over their chunks), passes states over T / (CHUNK * STATE_CHUNKS) state
+    # chunks (that many fewer serial steps and stored states), and one chunk output program per
+    # (state chunk, head, P block) carries the state [BLOCK_P, N] in registers through its chunks
+    # (storing each chunk's incoming state only when a backward will run).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -105,6 +110,7 @@ FAMILY = FamilySpec(
         "pass": ("split", "fused"),
         "SCAN_N": (16, 32, 64, 128),
         "gstate": ("fp32", "input"),
+        "STATE_CHUNKS": (1, 2, 4, 8),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), DBC_N and STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -114,7 +120,8 @@ FAMILY = FamilySpec(
     # XPASS); fp32 inputs keep fp32 (tf32 or exact) dots and states either way.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
-                    "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32"},
+                    "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
+                    "STATE_CHUNKS": 1},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64, config={"dot": "input", "state": "input"}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),

@@ -95,6 +95,42 @@ def test_fused_state_passes(module, device, shape):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_state_chunks(module, device, shape):
+    """STATE_CHUNKS 2 (state chunks of two kernel chunks; the chunk output kernel carries the state
+    through them) on every shape: T 23 one state chunk whose second chunk is partial, T 7 one
+    partial chunk (the state chunk's second chunk past T), T 16 one full chunk; initial states."""
+    module.set_config({**CPU_CONFIG, "STATE_CHUNKS": 2} if device.type == "cpu" else {"STATE_CHUNKS": 2})
+    try:
+        check_forward_backward(fixture(module, shape), torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+@pytest.mark.parametrize("cfg", [{"STATE_CHUNKS": 2, "STATE_N": 32}, {"STATE_CHUNKS": 4, "BLOCK_P": 32}],
+                         ids=["sc2-state32", "sc4"])
+def test_state_chunks_three_chunks(module, device, cfg):
+    """STATE_CHUNKS over three kernel chunks (T 41, chunk 16, the last partial): 2 gives two state
+    chunks (the second holding one chunk and one past T), 4 one state chunk; 2 groups of 2 heads,
+    D, dt_bias, initial state; the forward under no_grad (no states stored) gives the same y and
+    final state."""
+    module.set_config({**CPU_CONFIG, **cfg} if device.type == "cpu" else cfg)
+    try:
+        fx = fixture(module, (1, 41, 4, 8, 2, 24, True, True))
+        check_forward_backward(fx, torch.float32, device)
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(1))
+        y, ht = module.entry(*args)
+        leaves = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+        y2, ht2 = module.entry(*leaves)
+        torch.testing.assert_close(y, y2.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(ht, ht2.detach(), rtol=0, atol=0)
+        with torch.no_grad():
+            _, _, st, _ = module.ssd_fwd_op(*args[:7], args[9], True, 0.0, math.inf, False)
+        assert st.shape[1] == 0
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
 def test_per_head_dbc_partials(module, device):
     """dbc "head": dB/dC as per-head partials summed by the host (2 groups of 2 heads)."""
     module.set_config({**CPU_CONFIG, "dbc": "head"} if device.type == "cpu" else {"dbc": "head"})
@@ -255,7 +291,8 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"gstate": "input"}, id="gstate-input", marks=UNTIMED),
                                  pytest.param({"pass": "fused", "gstate": "input"}, id="fused-gstate-input",
                                               marks=UNTIMED),
-                                 pytest.param({"pass": "fused"}, id="fused", marks=UNTIMED)])
+                                 pytest.param({"pass": "fused"}, id="fused", marks=UNTIMED),
+                                 pytest.param({"STATE_CHUNKS": 4}, id="state-chunks-4", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, the template
     v6 rows dot-input / state-input / dot-state-input that XPASSed on the H200, now the bucket's
