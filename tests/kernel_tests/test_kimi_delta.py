@@ -7,6 +7,8 @@ Shares the helpers of `test_gated_delta.py` (same template, same API).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -64,12 +66,32 @@ def test_strong_decay_is_finite(chunk):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_gram_paths_mixed_in_one_call(monkeypatch):
+@contextlib.contextmanager
+def pinned(module, config: dict):
+    """`module`'s config with `config` over the test's pin (fp32 dot modes), restored after."""
+    prev = module._CONFIG_OVERRIDE
+    module.set_config({**(prev or {}), **config})
+    try:
+        yield module
+    finally:
+        module.set_config(prev)
+
+
+# The forward's prepare step: split (default: a reference per 16-row block, else the exact
+# diagonal blocks), split with the one-reference-per-chunk tier first, the fused kernel (which
+# always has it). The backward's qk kernel always has the chunk tier.
+PREPARE_CONFIGS = {"split": {}, "split_chunk_ref": {"kda_chunk_ref": 1}, "fused": {"kda_prep": "fused"}}
+BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
+
+
+@pytest.mark.parametrize("prep", list(PREPARE_CONFIGS))
+def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
     """Chunk 64 (four 16-row blocks), three chunks, one per path of the decayed Gram products:
-    mild decays (a gc range within 80 over the chunk) take one reference per chunk, medium ones
-    (within 80 inside each 16-row block only) a reference per block, strong ones (past 80 inside
-    a block) the exact elementwise diagonal blocks; forward and every gradient against the naive
-    recurrence. In the interpreter spies on the helpers check that each chunk took its own."""
+    mild decays (a gc range within 80 over the chunk) take one reference per chunk where the
+    config has that tier (else one per block), medium ones (within 80 inside each 16-row block
+    only) a reference per block, strong ones (past 80 inside a block) the exact elementwise
+    diagonal blocks; forward and every gradient against the naive recurrence, under each prepare
+    config. In the interpreter spies on the helpers check that each chunk took its own."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=1, T=150, l2=True, h0=True)
     gen = torch.Generator().manual_seed(8)
@@ -85,15 +107,62 @@ def test_gram_paths_mixed_in_one_call(monkeypatch):
             fn = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
-    (o, ht), grads = grads_of(module.entry, args, douts)
+    with pinned(module, PREPARE_CONFIGS[prep]):
+        (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
     if DEVICE.type == "cpu":  # one K tile (BK 32): each chunk once forward, once backward
-        assert sorted(calls) == ["_kda_gram", "_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64",
-                                 "_kda_gram_dots/16", "_kda_gram_dots/64"], calls
+        mild = "_kda_gram_dots/16" if prep == "split" else "_kda_gram_dots/64"
+        assert sorted(calls) == sorted(["_kda_gram", "_kda_gram_dots/16", mild, *BWD_CALLS]), calls
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("prep", ["split_chunk_ref", "fused"])
+def test_prepare_configs_equal_split(prep):
+    """Every prepare config gives the default split step's outputs (w, u, kd, qg, Aqk, gl, Tm, M;
+    u fp32 as the recomputing backward asks) on grouped values (HV = 2 HK), two partial-free
+    chunks and a partial one, with the l2norm and without; and the split kernels really ran
+    (the fused one did not) under the default."""
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=2, T=150, l2=True, h0=False)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta, *_ = make_inputs(case, True, torch.float32, DEVICE, gen)
+    for use_l2 in (True, False):
+        # without the l2norm |k| ~ 1 keeps (I + A) well conditioned, as make_inputs does
+        kk = k if use_l2 else k * case.K ** -0.5
+        with torch.no_grad():
+            split = module._prepare(q, kk, v, g, beta, 0.3, use_l2, keep_tm=True, wide_u=True)
+            with pinned(module, PREPARE_CONFIGS[prep]):
+                other = module._prepare(q, kk, v, g, beta, 0.3, use_l2, keep_tm=True, wide_u=True)
+        for name, a, b in zip(("w", "u", "kd", "qg", "Aqk", "gl", "Tm", "M"), split, other):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{prep} {name} l2={use_l2}: {m}")
+    # without keep_tm no Tm or M comes back (the split step keeps its Tm internal)
+    *_, Tm, M = module._prepare(q, k, v, g, beta, 0.3, True)
+    assert Tm is None and M is None
+
+
+def test_split_prepare_runs_its_kernels(monkeypatch):
+    """The default prepare launches the split Gram and w/u kernels and not the fused one."""
+    module = load(kimi_delta.FAMILY)
+    launched = []
+    for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel"):
+        kern = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid, _k=kern, _n=name):
+                launched.append(_n)
+                return _k[grid]
+
+        monkeypatch.setattr(module, name, Spy())
+    case = Case(HK=1, HV=2, T=20, l2=True, h0=True)
+    args = make_inputs(case, True, torch.float32, DEVICE, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        o, _ = module.entry(*args)
+    assert launched == ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"], launched
+    ro, _ = module.reference(*args)
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
 
 
 def test_chunk_reference_overflow_stays_masked():
@@ -172,8 +241,37 @@ def test_aot_sm90_bf16_tensor_cores():
     # every kernel but the token-by-token recurrence has dots: the per-channel Gram products and
     # their backward (bwd qk) dot the blocks below the diagonal blocks
     check_aot_bf16_mma(kimi_delta.FAMILY, ["kda_prepare_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel",
-                                           "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"],
-                       ["kda_chunk_bwd_wy_kernel"])
+                                           "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
+                                           "kda_wu_fwd_kernel"],
+                       ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel"])
+
+
+def test_aot_sm90_split_gram_mma():
+    """The split Gram kernel's bf16 build: bf16 tensor-core dots for the Gram products and tf32
+    ones for Tm's block merges (`inv_dot` "tf32"), only bf16 with `inv_dot` "ieee"; with the
+    chunk tier too."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from test_gated_delta import _PTX_MMA_CHILD
+
+    from onboarding.generate import aot, templating
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
+    path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
+    configs = [{}, {"inv_dot": "ieee"}, {"kda_chunk_ref": 1}]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path),
+                          json.dumps([["kda_gram_fwd_kernel", c] for c in configs])],
+                         capture_output=True, text=True, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.splitlines()[-1]) == [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"]]
 
 
 def test_fp16_dot_path(monkeypatch):
