@@ -20,8 +20,10 @@ rows are found from the block alone, never from the replacement: the fp32 block 
 its inputs and parameters each multiplied by (1 +- eps) (eps: the 16-bit dtype's machine
 epsilon, a sign drawn per element, `PROBE_DRAWS` draws), and a row whose picks change, or whose
 floating outputs move by more than `JUMP` of the output's RMS, is ill-conditioned at that
-precision (a smooth row moves by about eps). Those rows join the excluded ones, counted apart,
-unless there are more than `MAX_UNSTABLE` of the rows (then nothing is excused by the probe).
+precision (a smooth row moves by about eps). Where the replacement (or the 16-bit block's own
+forward) jumps against the fp32 block in such a row, the row joins the excluded ones, counted
+apart, unless more than `MAX_UNSTABLE` of the rows would be excused so (then none is). A jump in
+a row the probe finds stable is never excused.
 """
 
 from __future__ import annotations
@@ -163,8 +165,9 @@ def exclusion(c_out: list, r_out: list, f_out: list | None, inputs: list[torch.T
               ) -> RowExclusion | None:
     """The rows to exclude: where a tolerated integer output (``tolerated[i]``) of the
     replacement (``c_out``) or of the 16-bit block (``f_out``) differs from the reference's
-    (``r_out``), and the rows ``unstable`` (bool, the picks' rows) of `probe` when they are at
-    most MAX_UNSTABLE of them. None where nothing is excluded or the picks have no rows."""
+    (``r_out``), and the rows where either of them `jumped` that are ``unstable`` (bool, the
+    picks' rows: `probe`), when those are at most MAX_UNSTABLE of the rows. None where nothing
+    is excluded or the picks have no rows."""
     n = pick_rows(r_out, inputs, tolerated)
     if n is None:
         return None
@@ -179,9 +182,13 @@ def exclusion(c_out: list, r_out: list, f_out: list | None, inputs: list[torch.T
         if isinstance(f, torch.Tensor) and f.shape == r.shape:
             by_f |= flipped(f, r, n)
     by_p = torch.zeros(n, dtype=torch.bool)
-    if unstable is not None and unstable.shape == (n,) and \
-            int(unstable.sum()) <= MAX_UNSTABLE * n:
-        by_p = unstable.cpu()
+    if unstable is not None and unstable.shape == (n,):
+        moved = jumped(c_out, r_out, n)
+        if f_out is not None:
+            moved |= jumped(f_out, r_out, n)
+        excused = unstable.cpu() & moved
+        if int(excused.sum()) <= MAX_UNSTABLE * n:
+            by_p = excused
     rows = by_c | by_f | by_p
     if not rows.any():
         return None
