@@ -165,6 +165,35 @@ def test_split_prepare_runs_its_kernels(monkeypatch):
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("prep", ["split", "fused"])
+def test_recompute_backward_reruns_prepare(prep, monkeypatch):
+    """With the param `recompute` the backward re-runs the prepare step (u kept fp32) under each
+    prepare config: the forward and every gradient against the naive recurrence, and the step
+    ran twice (forward without Tm, backward with it)."""
+    module = load(kimi_delta.FAMILY, {"recompute": True})
+    case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
+    gen = torch.Generator().manual_seed(12)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    calls = []
+    prepare = module._prepare
+
+    def counted(*a, **kw):
+        calls.append((kw.get("keep_tm", False), kw.get("wide_u", False)))
+        return prepare(*a, **kw)
+
+    monkeypatch.setattr(module, "_prepare", counted)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    with pinned(module, PREPARE_CONFIGS[prep]):
+        (o, ht), grads = grads_of(module.entry, args, douts)
+    assert calls == [(False, False), (True, True)], calls
+    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_chunk_reference_overflow_stays_masked():
     """Chunk 64, one chunk whose gc range (79 per channel) just fits the one-reference-per-chunk
     products, with raw q, k x 1e3 (the l2norm takes the scale back out): the products above the
