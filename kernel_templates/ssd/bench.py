@@ -26,11 +26,11 @@ backward of y, the training step, no final state):
   within twice our bars (both are bf16 against the same function); a failed check leaves its
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
-- ``ours@...`` (second case only; the headline case goes first so that a run cut short keeps
-  it): the tuning values that the AOT build could not judge, timed
-  beside the default (chunk 128, 16-bit dots, the dB/dC kernel's and the chunk-state kernels' N
-  tiles, the chunk kernels' N loop step, the fused chunk-state + state-pass loops),
-  forward and forward + backward.
+- ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
+  the tuning values that the AOT build could not judge, timed beside the default (`SWEEP`:
+  template v7's state chunks of 4 kernel chunks, at P tiles of 64 and 32, and bf16 end-state
+  gradients in the backward), forward and / or forward + backward; they run whenever ``ours``
+  is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
 on the case's first CHECK_MAX_T tokens: relative RMS of y and of every gradient (x, dt, A, B, C,
@@ -72,8 +72,11 @@ SHAPES = (
     (1, 8192, 128, 64, 8, 128, "Mamba-2 layout, 128 heads"),
     (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
 )
-SWEEP = ({"CHUNK": 128}, {"dot": "input"}, {"DBC_N": 64}, {"STATE_N": 128}, {"BLOCK_N": 32},
-         {"pass": "fused", "STATE_N": 32})
+# (config, rows): "both" gives ours@cfg (forward + backward) and ours@cfg_fwd, "fwd" / "bwd" one of
+# them. Template v7's alternatives: state chunks of 4 kernel chunks (256 tokens, as the models'
+# chunk) with P tiles of 64 or 32 (the chunk output kernel holds a [BLOCK_P, N] fp32 state; the
+# sm_90 build at 64: 1 CTA of 8 warps per SM), and the backward's bf16 end-state gradients.
+SWEEP = (({"STATE_CHUNKS": 4}, "both"), ({"STATE_CHUNKS": 4, "BLOCK_P": 32}, "fwd"), ({"gstate": "input"}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:
@@ -248,14 +251,17 @@ def _steps(B: int, T: int, H: int, P: int, G: int, N: int, device: torch.device,
 
 
 def _sweep(mod, fn: Callable, sets, grads, size: int) -> dict[str, Step]:
-    """``ours@cfg`` (forward + backward) and ``ours@cfg_fwd`` steps, one per SWEEP config, each
+    """``ours@cfg`` (forward + backward) and / or ``ours@cfg_fwd`` steps per SWEEP entry, each
     pinning its config for the size's bucket while it runs."""
     bucket, base = mod.shape_bucket(size), mod.config_for(size)
     steps: dict[str, Step] = {}
-    for cfg in SWEEP:
+    for cfg, rows in SWEEP:
         label = "ours@" + ",".join(f"{k}={v}" for k, v in cfg.items())
         full = {**base, **cfg}
+        kinds = {"both": ("", "_fwd"), "fwd": ("_fwd",), "bwd": ("",)}[rows]
         for suffix, inner in (("", fwd_bwd(fn, sets, grads)), ("_fwd", fwd_only(fn, sets))):
+            if suffix not in kinds:
+                continue
             def step(i, inner=inner, full=full):
                 mod.set_config(full, bucket=bucket)
                 try:
@@ -288,7 +294,7 @@ def ssd_case(B: int, T: int, H: int, P: int, G: int, N: int, note: str = "", *, 
 
 
 def cases() -> list[BenchCase]:
-    return [ssd_case(*shape[:6], shape[6], extras=i == 1) for i, shape in enumerate(SHAPES)]
+    return [ssd_case(*shape[:6], shape[6], extras=i == 0) for i, shape in enumerate(SHAPES)]
 
 
 # The nightly regression suite's share: the first shape against the torch path, forward only.
