@@ -3,12 +3,14 @@
 # end-state gradients; SCAN_N). Needs the carried .anchors/ (mamba_ssm 2.3.2.post1's source tree
 # and .anchors/wheels/einops-*.whl, git-ignored), as .ci/h200/h35_ssd_anchor.sh.
 #   source .ci/h200/setup.sh && bash .ci/h200/h35_ssd2.sh
-# Steps: the bf16-vs-fp32 bars on the GPU (the new default and every v7 alternative; timeout 60),
-# the other ssd kernel tests on the GPU (timeout 100), then the bench of the headline case with
-# mamba-ssm's rows, the kernel profile of ours / ours_fwd and the sweep rows ours@STATE_CHUNKS=4
-# (+ _fwd), ours@STATE_CHUNKS=4,BLOCK_P=32_fwd and ours@gstate=input (timeout 170).
-# Expected ~5 min (setup ~0.5, bars <= 60 s, tests <= 100 s, bench ~150 s: cold compiles of
-# mamba-ssm's autotune and of our 3 sweep configs). Outputs under $OUT: env.txt (setup),
+# Steps: the bf16-vs-fp32 bars on the GPU (the new default and the v7 alternatives; timeout 120),
+# the other ssd kernel tests on the GPU (timeout 80), then the bench of the headline case with
+# mamba-ssm's rows, the kernel profile of ours / ours_fwd and the four sweep rows of
+# kernel_templates/ssd/bench.py's SWEEP (they come with `ours`): ours@STATE_CHUNKS=4_fwd,
+# ours@STATE_CHUNKS=4,BLOCK_P=32_fwd, ours@BLOCK_N=64,DBC_N=64 and
+# ours@STATE_CHUNKS=4,gstate=input,BLOCK_N=64,DBC_N=64 (timeout 170).
+# Expected ~6 min (setup ~0.5, bars <= 120 s, tests <= 80 s, bench ~150 s: cold compiles of
+# mamba-ssm's autotune and of our 4 sweep configs). Outputs under $OUT: env.txt (setup),
 # ssd_bars.txt, ssd_tests.txt, ssd.json, ssd_bench.txt.
 set -o pipefail
 cd "$(dirname "$0")/../.."
@@ -18,10 +20,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .anchors/wheels/*.whl || echo "einops wheel not carried: the mamba_ssm rows will be skipped"
 export PYTHONPATH=$PYTHONPATH:/tmp/site_anchor
 stamp ssd-bars
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests/test_ssd.py -k bf16_vs_fp32 -rxXs \
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests/test_ssd.py -k bf16_vs_fp32 -rxXs \
   2>&1 | tee "$O/ssd_bars.txt" | tail -20
 stamp ssd-tests
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests/test_ssd.py -m "not slow" \
+timeout 80 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests/test_ssd.py -m "not slow" \
   -k "not bf16_vs_fp32" -rxXs --durations=5 2>&1 | tee "$O/ssd_tests.txt" | tail -20
 stamp ssd-bench
 ONBOARD_ANCHOR_MAMBA_SSM=$PWD/.anchors timeout 170 onboard bench --family ssd --case '^B1T8192H128' \

@@ -28,9 +28,9 @@ backward of y, the training step, no final state):
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
   the tuning values that the AOT build could not judge, timed beside the default (`SWEEP`:
-  template v7's state chunks of 4 kernel chunks, at P tiles of 64 and 32, and bf16 end-state
-  gradients in the backward), forward and / or forward + backward; they run whenever ``ours``
-  is timed.
+  template v7's state chunks of 4 kernel chunks, at P tiles of 64 and 32; the backward's N tiles
+  at 64; all of it with bf16 end-state gradients), forward or forward + backward; they run
+  whenever ``ours`` is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
 on the case's first CHECK_MAX_T tokens: relative RMS of y and of every gradient (x, dt, A, B, C,
@@ -73,10 +73,14 @@ SHAPES = (
     (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
 )
 # (config, rows): "both" gives ours@cfg (forward + backward) and ours@cfg_fwd, "fwd" / "bwd" one of
-# them. Template v7's alternatives: state chunks of 4 kernel chunks (256 tokens, as the models'
-# chunk) with P tiles of 64 or 32 (the chunk output kernel holds a [BLOCK_P, N] fp32 state; the
-# sm_90 build at 64: 1 CTA of 8 warps per SM), and the backward's bf16 end-state gradients.
-SWEEP = (({"STATE_CHUNKS": 4}, "both"), ({"STATE_CHUNKS": 4, "BLOCK_P": 32}, "fwd"), ({"gstate": "input"}, "bwd"))
+# them. Template v7's alternatives, four rows: the forward with state chunks of 4 kernel chunks
+# (256 tokens, as the models' chunk) at P tiles of 64 and 32 (the chunk output kernel carries a
+# [BLOCK_P, N] fp32 state; sm_90 bf16 build: 255 and 237 registers, 1 CTA of 8 warps per SM);
+# the backward's N tiles at 64 (bwd_chunk 196 registers, dB/dC 238, no spills: 2 N steps instead
+# of 8, dy x^T recomputed 2x instead of 4x); and all of it with bf16 end-state gradients.
+SWEEP = (({"STATE_CHUNKS": 4}, "fwd"), ({"STATE_CHUNKS": 4, "BLOCK_P": 32}, "fwd"),
+         ({"BLOCK_N": 64, "DBC_N": 64}, "bwd"),
+         ({"STATE_CHUNKS": 4, "gstate": "input", "BLOCK_N": 64, "DBC_N": 64}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

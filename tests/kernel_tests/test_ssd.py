@@ -285,18 +285,17 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 
 
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
-                                 pytest.param({"dot": "tf32", "state": "fp32"}, id="tf32-fp32-state"),
-                                 pytest.param({"dot": "tf32"}, id="tf32-dots"),
-                                 pytest.param({"state": "fp32"}, id="fp32-state"),
+                                 pytest.param({"STATE_CHUNKS": 4}, id="state-chunks-4", marks=UNTIMED),
+                                 pytest.param({"STATE_CHUNKS": 4, "gstate": "input", "BLOCK_N": 64, "DBC_N": 64},
+                                              id="sc4-gstate-n64", marks=UNTIMED),
                                  pytest.param({"gstate": "input"}, id="gstate-input", marks=UNTIMED),
-                                 pytest.param({"pass": "fused", "gstate": "input"}, id="fused-gstate-input",
-                                              marks=UNTIMED),
                                  pytest.param({"pass": "fused"}, id="fused", marks=UNTIMED),
-                                 pytest.param({"STATE_CHUNKS": 4}, id="state-chunks-4", marks=UNTIMED)])
+                                 pytest.param({"dot": "tf32", "state": "fp32"}, id="tf32-fp32-state")])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
-    """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, the template
-    v6 rows dot-input / state-input / dot-state-input that XPASSed on the H200, now the bucket's
-    default; the v6 default tf32 dots + fp32 states beside it): the bf16 path against the fp32 path (exact fp32 dots,
+    """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states: template v6's
+    rows dot-input / state-input / dot-state-input XPASSed on the H200, now the bucket's default;
+    v6's default tf32 dots + fp32 states beside it; v7's untimed alternatives, xfail until timed):
+    the bf16 path against the fp32 path (exact fp32 dots,
     itself checked against the reference above) on the same bf16-representable inputs, a Mamba-2
     head (P 64, N 128, 2 groups), T 1000 (not a multiple of the chunk), initial state: relative
     RMS <= 5e-3 on y and the final state, <= 1e-2 on every gradient (the GDN bars)."""
