@@ -6,7 +6,9 @@ at the midpoint of its gc range, where a chunk's decays stay within that range's
 range of 80 inside a block: per-step log decays to ~-5, as fla's safe gate); otherwise by dots
 below the diagonal blocks (a reference row between i and j, both factors <= 1) and elementwise
 with the exponent clamped at 0 inside them. So any gate is safe, including ones without a lower
-bound. Same kernels, API and tuning space as `gated_delta`.
+bound. The kernels, API and tuning space of `gated_delta`, plus KDA's own split prepare step
+(`_kda_prepare.py.j2`, the default) and its tuning keys (`kda_prep`, `kda_chunk_ref`,
+`kda_gram_warps`, `kda_wu_warps`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from . import bench
 from .tuning import problem_dims, timing_inputs
 
 # KDA shares the scalar-gated delta rule's kernels (its template includes that family's, with
-# the per-channel path on), parameters and tuning space: it extends that family.
+# the per-channel path on), parameters and tuning space (plus its own keys): it extends that family.
 BASE = "gated_delta"
 _base = family_module(BASE)
 PARAMS = _base.PARAMS
