@@ -20,6 +20,7 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider -rxXs --durations=8 "$T::tes
   "$T::test_gram_paths_mixed_in_one_call" 2>&1 | tee "$O/kda_tests.txt" | tail -25
 stamp kda-bench
 PYTHONPATH=$FLA_SITE:$PYTHONPATH timeout 240 onboard bench --family kimi_delta --case B1T8192H32D128 \
-  --case B1T32768H32D128 --impl ours,ours_fwd,fla_fwd --profile --out "$O/kda.json" 2>&1 \
+  --case B1T32768H32D128 --impl ours,ours_fwd,fla_fwd,ours@kda_prep=fused_fwd,ours@kda_chunk_ref=1_fwd \
+  --profile --out "$O/kda.json" 2>&1 \
   | tee "$O/kda_bench.txt" | tail -80
 stamp end

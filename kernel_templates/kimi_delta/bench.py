@@ -1,8 +1,8 @@
 """KDA's benchmark cases (the spec's `bench_cases`), issue 32's shapes: the Kimi-Linear layout
 (H=32, D=128) at T=8192 and T=32768. The case itself (impls, check, bytes, FLOPs) is the shared
 delta-rule one, per-channel decay, plus forward rows of the prepare step's alternatives
-(`FWD_SWEEP`, rows ``ours@<cfg>_fwd``) on the same inputs, so that one call times them against
-the default and fla."""
+(`FWD_SWEEP`, rows ``ours@<cfg>_fwd``, on request) on the same inputs, so that one call times
+them against the default and fla."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ SHAPES = (
 )
 
 # The forward's alternatives to the default split prepare step: the base template's fused
-# kernel (template v17's prepare) and the split Gram kernel with the one-reference-per-chunk tier
+# kernel (template v17's prepare) and the split Gram kernel with the one-reference-per-chunk tier.
+# Rows on request only (--impl names them, e.g. ours@kda_prep=fused_fwd): the default bench and
+# the nightly suite leave them (and their compiles) out.
 FWD_SWEEP = ({"kda_prep": "fused"}, {"kda_chunk_ref": 1})
+SWEEP_ROWS = tuple("ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "_fwd" for cfg in FWD_SWEEP)
 
 
 def _with_sweep(case: BenchCase, B: int, T: int, HK: int, HV: int, D: int) -> BenchCase:
@@ -34,7 +37,7 @@ def _with_sweep(case: BenchCase, B: int, T: int, HK: int, HV: int, D: int) -> Be
         steps.update({k + "_fwd": v for k, v in fwd_sweep(mod, fn, sets, D, list(FWD_SWEEP)).items()})
         return steps
 
-    return dataclasses.replace(case, setup=setup)
+    return dataclasses.replace(case, setup=setup, on_request=(*case.on_request, *SWEEP_ROWS))
 
 
 def cases() -> list[BenchCase]:
