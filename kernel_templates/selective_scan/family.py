@@ -69,14 +69,15 @@ def timing_inputs(variant: str, params: dict[str, Any], dims: dict[str, int], dt
 FAMILY = FamilySpec(
     name=NAME,
     template="selective_scan.py.j2",
-    template_version=3,
+    template_version=4,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-1 selective scan: per-channel decay exp(dt A), (grouped) B/C, D skip, "
                       "silu(z) gate, delta bias + softplus, initial/final state; decode step"},
     params=(),
     # BLOCK_D: channels per program (the [BLOCK_D, N] fp32 state in registers); BLOCK_T: steps
-    # per scanned tile (and between the states the forward stores for the backward); BWD_BLOCK_D:
-    # the backward's channels per program (it holds several [BLOCK_D, N, BLOCK_T] fp32 tiles).
+    # per scanned tile of the forward; BWD_BLOCK_D: the backward's channels per program;
+    # BWD_BLOCK_T: the "nt" backward's chunk (the forward stores the state every chunk; the
+    # "dnt" / "tdn" backwards run the forward's tiles and take a state per tile).
     tuning_space={
         "BLOCK_D": (2, 4, 8, 16, 32),
         "BLOCK_T": (8, 16, 32, 64),
@@ -102,14 +103,23 @@ FAMILY = FamilySpec(
     # forward 1.206 ms (v2's default 2.461 in call B), fwd+bwd 8.687 ms with the backward at
     # 8 channels / 4 warps, 6.225 ms at 2 channels / 1 warp (the best of 7 backward rows; 4 / 2
     # warps 7.828): the backward's default since.
+    # Template version 4: the "nt" backward (the template's docstring), untimed, chosen from the
+    # sm_90 build (bf16, N 16, every size a multiple of 16 as at the bench's shape; SASS
+    # instructions per (channel, state, step) in the state loop, plus the chunk loop's share):
+    # "nt" 2 x 128 at 1 warp 232 registers / 0 spills, 61.6 + 10.4; "tdn" 2 x 16 at 1 warp (v3's
+    # default) 168 / 0, 84.1; forward "tdn" 8 x 16 at 4 warps 93 / 0, 30.1. docs/LOG.md, the
+    # nineteenth session's selective_scan section, has the table; the bench's ours@ rows time
+    # the alternatives (v3's "tdn" backward, "nt" at 1 channel, "nt" at 64 steps).
     default_config={"BLOCK_D": 8, "BLOCK_T": 16, "num_warps": 4, "BWD_BLOCK_D": 2, "bwd_warps": 1,
-                    "BWD_BLOCK_T": 128, "fwd_order": "tdn", "bwd_order": "tdn"},
+                    "BWD_BLOCK_T": 128, "fwd_order": "tdn", "bwd_order": "nt"},
     shape_buckets=(
         ShapeBucket(name="n_le_16", dim="N", lo=1, hi=16),
         # Untimed, sm_90 build at N 64: forward "tdn" 8 x 16 242 / 0, 24.7; backward "dnt" 2 x 16
-        # 219 / 0, 132.0 ("tdn" spills there: 8 x 16 1624 bytes, 4 x 16 at 2 warps 1720)
+        # 219 / 0, 132.0 ("tdn" spills there: 8 x 16 1624 bytes, 4 x 16 at 2 warps 1720). The
+        # "nt" backward loops over the states, so its registers do not grow with N (v4: the
+        # default's "nt" backward here too)
         ShapeBucket(name="n_big", dim="N", lo=17, hi=2**31 - 1,
-                    config={"BLOCK_D": 8, "BLOCK_T": 16, "BWD_BLOCK_D": 2, "bwd_order": "dnt"}),
+                    config={"BLOCK_D": 8, "BLOCK_T": 16, "BWD_BLOCK_D": 2}),
     ),
     match=match,
     sample_inputs=sample_inputs,

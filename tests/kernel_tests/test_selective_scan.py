@@ -25,12 +25,15 @@ from onboarding.testing import (
 )
 from onboarding.testing.tolerance import rel_rms
 
-# BLOCK_T 8: T=21 spans three tiles, the last one partial; BLOCK_D 8: D=12 two channel blocks.
+# BLOCK_T 8: T=19 spans three tiles, the last one partial; BLOCK_D 8: D=12 two channel blocks;
+# BWD_BLOCK_T 16 (the "nt" backward): T=19 two chunks, the forward storing every second tile's
+# start state, T <= 8 one chunk of 8.
 CPU_CONFIG = {"BLOCK_D": 8, "BLOCK_T": 8, "num_warps": 4, "BWD_BLOCK_D": 8, "bwd_warps": 4,
-              "fwd_order": "dnt", "bwd_order": "dnt"}
-# (fwd_order, bwd_order): each kernel in both tile orders, and a forward of one order feeding a
-# backward of the other (the tile-start states they share)
-ORDERS = [("dnt", "dnt"), ("tdn", "tdn"), ("tdn", "dnt")]
+              "BWD_BLOCK_T": 16, "fwd_order": "dnt", "bwd_order": "dnt"}
+# (fwd_order, bwd_order): each kernel in both tile orders, a forward of one order feeding a
+# backward of the other (the tile-start states they share), and the "nt" backward after each
+# forward
+ORDERS = [("dnt", "dnt"), ("tdn", "tdn"), ("tdn", "dnt"), ("tdn", "nt"), ("dnt", "nt")]
 # (B, D, T, N, G (0: ungrouped [B, N, T]), D skip / z / delta bias, initial state)
 SHAPES = [
     (1, 12, 19, 4, 0, True, True),     # 3 tiles (last partial), 2 channel blocks, N < 16
@@ -109,6 +112,39 @@ def test_tdn_odd_tiles(module, device):
         undo()
 
 
+@pytest.mark.parametrize("cfg", [{"BWD_BLOCK_D": 1, "bwd_warps": 1, "BWD_BLOCK_T": 16},
+                                 {"BWD_BLOCK_D": 4, "bwd_warps": 2, "BWD_BLOCK_T": 32}],
+                         ids=["d1-t16", "d4-t32"])
+def test_nt_chunks_and_channel_blocks(module, device, cfg):
+    """The "nt" backward at other tiles: 3 channels per group (a 4-wide block has a masked row),
+    T 40 over chunks of 16 (three chunks: the carries' two slots end on the odd parity, the last
+    chunk partial) or 32 (two), N 3, initial states and every gradient; the forward's stored
+    states are one per chunk."""
+    undo = _pinned(module, device, {"BLOCK_D": 4, "BLOCK_T": 8, "num_warps": 2, "fwd_order": "tdn",
+                                    "bwd_order": "nt", **cfg})
+    try:
+        shape = (2, 6, 40, 3, 2, True, True)
+        check_forward_backward(fixture(module, shape), torch.float32, device)
+        args = make(shape)(torch.float32, device, torch.Generator().manual_seed(0))
+        _, _, ck = module.selective_scan_fwd_op(*args[:8], args[10], True)
+        assert ck.shape == (2, 6, -(-40 // cfg["BWD_BLOCK_T"]), 3)
+    finally:
+        undo()
+
+
+def test_backward_refuses_states_of_another_spacing(module, device):
+    """The backward reads the stored states at the spacing the forward wrote them; a mismatch is
+    an error, not a silently wrong gradient."""
+    args = make((1, 4, 20, 2, 0, False, False))(torch.float32, device, torch.Generator().manual_seed(0))
+    undo = _pinned(module, device, {"fwd_order": "tdn", "bwd_order": "nt"})
+    try:
+        y, ht, ck = module.selective_scan_fwd_op(*args[:8], None, True)
+        with pytest.raises(ValueError, match="do not cover T 20 in steps of 8"):
+            module.selective_scan_bwd_op(torch.ones_like(y), torch.zeros_like(ht), *args[:8], None, ck, 8, True)
+    finally:
+        undo()
+
+
 def test_strided_inputs_and_no_softplus(ordered, device):
     module = ordered
     """u, delta, z as transposed [B, T, D] views (the mixer's layout, no copy), and raw dt."""
@@ -124,11 +160,12 @@ def test_strided_inputs_and_no_softplus(ordered, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 bars are for the GPU kernels")
 @pytest.mark.parametrize("shape", [(2, 96, 300, 16, 0, True, True), (1, 64, 129, 16, 2, True, False)],
                          ids=shape_id)
-@pytest.mark.parametrize("order", ["dnt", "tdn"])
+@pytest.mark.parametrize("order", ["dnt", "tdn", "tdn-nt"])
 def test_bf16_against_fp32(module, device, shape, order):
     """bf16 storage against the fp32 reference on the same (bf16-representable) values: output
     within 0.005 and every gradient within 0.01 relative RMS (the bars used for GDN)."""
-    module.set_config({"fwd_order": order, "bwd_order": order})
+    fwd, _, bwd = order.partition("-")
+    module.set_config({"fwd_order": fwd, "bwd_order": bwd or fwd})
     try:
         _bf16_against_fp32(module, device, shape)
     finally:
