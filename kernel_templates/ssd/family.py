@@ -94,7 +94,9 @@ FAMILY = FamilySpec(
     # (one program loops over their chunks), passes states over T / (CHUNK * STATE_CHUNKS) state
     # chunks (that many fewer serial steps and stored states), and one chunk output program per
     # (state chunk, head, P block) carries the state [BLOCK_P, N] in registers through its chunks
-    # (storing each chunk's incoming state only when a backward will run).
+    # (storing each chunk's incoming state only when a backward will run); the backward likewise
+    # pulls dy on each state chunk's incoming state, passes over the state chunks, then fills in
+    # each state chunk's own chunks' end-state gradients in a reverse loop per state chunk.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
