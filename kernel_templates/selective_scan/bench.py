@@ -13,8 +13,9 @@ backward of y):
   first shape (``...-compile``, beside ours), last: its compile took more than a minute on the
   H200 (seventeenth session);
 - ``ours@...`` / ``ours@..._fwd``: our kernel at other configs (FWD_SWEEP, BWD_SWEEP), first
-  shape: the tile orders ("dnt" / "tdn", the template's docstring), template version 2's
-  defaults (``ours@fwd_order=dnt,bwd_order=dnt,BLOCK_T=32,...``) and other tiles.
+  shape: the forward's tile orders ("dnt" / "tdn", the template's docstring) and tiles, and the
+  backward's alternatives (``ours@bwd_order=tdn``: template version 3's backward;
+  ``ours@BWD_BLOCK_D=1``, ``ours@BWD_BLOCK_D=4,BWD_BLOCK_T=64``: other "nt" tiles).
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
 relative RMS error of y and of the gradients of u, delta, A, B, C, D, z, delta_bias; ``ok`` is
@@ -51,15 +52,18 @@ SHAPES = (
     (1, 8192, 4096, 16, "d_inner 4096, T 8192"),
 )
 # Configs timed beside the default at the first shape (rows ours@...; forward-only ones end in
-# _fwd): the defaults are untimed (chosen from the sm_90 build: registers, spills and the tile
-# loop's instructions per element, family.py). The first of each is template version 2's
-# default ("dnt" order, BLOCK_T 32, backward 4 channels), the version-3 change's baseline.
+# _fwd): the defaults are untimed (chosen from the sm_90 build: registers, spills and the loop's
+# instructions per element, family.py). FWD_SWEEP's first row is template version 2's forward
+# ("dnt" order, BLOCK_T 32), the version-3 change's baseline (the version-3 backward rows were
+# timed in the eighteenth session's call C, docs/LOG.md). BWD_SWEEP, template version 4's
+# alternatives to its "nt" backward (2 channels x 128 steps, 1 warp; 222 registers): version
+# 3's "tdn" backward (2 channels, 1 warp, now with relaxed atomics), "nt" at 1 channel (119
+# registers: more warps per SM, more atomics) and "nt" at 4 channels x 64 steps (the fewest
+# instructions per element in the build, half the dB/dC atomics).
 V2 = {"fwd_order": "dnt", "bwd_order": "dnt", "BLOCK_T": 32, "BLOCK_D": 8, "BWD_BLOCK_D": 4}
 FWD_SWEEP = ({k: V2[k] for k in ("fwd_order", "BLOCK_T")}, {"BLOCK_T": 32},
              {"BLOCK_D": 16}, {"BLOCK_D": 4, "num_warps": 2})
-BWD_SWEEP = (V2, {"bwd_order": "dnt", "BWD_BLOCK_D": 4}, {"fwd_order": "dnt"},
-             {"BWD_BLOCK_D": 4, "bwd_warps": 2}, {"BWD_BLOCK_D": 2, "bwd_warps": 1},
-             {"BWD_BLOCK_D": 16, "bwd_warps": 8})
+BWD_SWEEP = ({"bwd_order": "tdn"}, {"BWD_BLOCK_D": 1}, {"BWD_BLOCK_D": 4, "BWD_BLOCK_T": 64})
 
 
 def transformers_scan(associative: bool = False) -> Callable:
