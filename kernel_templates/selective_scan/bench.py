@@ -12,9 +12,8 @@ backward of y):
   under torch.compile); compiling the token loop would unroll T steps. A case of its own at the
   first shape (``...-compile``, beside ours), last: its compile took more than a minute on the
   H200 (seventeenth session);
-- ``ours@...`` / ``ours@..._fwd``: our kernel at other configs (FWD_SWEEP, BWD_SWEEP), first
-  shape: the forward's tile orders ("dnt" / "tdn", the template's docstring) and tiles, and the
-  backward's alternatives (``ours@bwd_order=tdn``: template version 3's backward;
+- ``ours@...`` / ``ours@..._fwd``: our kernel at other configs (FWD_SWEEP, empty since template
+  version 4; BWD_SWEEP), first shape: the backward's alternatives (``ours@bwd_order=tdn``: template version 3's backward;
   ``ours@BWD_BLOCK_D=1``, ``ours@BWD_BLOCK_D=4,BWD_BLOCK_T=64``: other "nt" tiles).
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
@@ -53,16 +52,16 @@ SHAPES = (
 )
 # Configs timed beside the default at the first shape (rows ours@...; forward-only ones end in
 # _fwd): the defaults are untimed (chosen from the sm_90 build: registers, spills and the loop's
-# instructions per element, family.py). FWD_SWEEP's first row is template version 2's forward
-# ("dnt" order, BLOCK_T 32), the version-3 change's baseline (the version-3 backward rows were
-# timed in the eighteenth session's call C, docs/LOG.md). BWD_SWEEP, template version 4's
+# instructions per element, family.py). FWD_SWEEP is empty since template version 4: its rows
+# (v2's "dnt" forward at BLOCK_T 32, "tdn" at BLOCK_T 32, 16 channels, 4 channels at 2 warps:
+# 1.266-2.324 ms against the default's 1.206) and version 3's backward rows were timed in the
+# eighteenth session's call C (docs/LOG.md); `--impl ours` runs every ours@ row, so rows that
+# decided nothing new are left out. BWD_SWEEP, template version 4's
 # alternatives to its "nt" backward (2 channels x 128 steps, 1 warp; 222 registers): version
 # 3's "tdn" backward (2 channels, 1 warp, now with relaxed atomics), "nt" at 1 channel (119
 # registers: more warps per SM, more atomics) and "nt" at 4 channels x 64 steps (the fewest
 # instructions per element in the build, half the dB/dC atomics).
-V2 = {"fwd_order": "dnt", "bwd_order": "dnt", "BLOCK_T": 32, "BLOCK_D": 8, "BWD_BLOCK_D": 4}
-FWD_SWEEP = ({k: V2[k] for k in ("fwd_order", "BLOCK_T")}, {"BLOCK_T": 32},
-             {"BLOCK_D": 16}, {"BLOCK_D": 4, "num_warps": 2})
+FWD_SWEEP: tuple[dict, ...] = ()
 BWD_SWEEP = ({"bwd_order": "tdn"}, {"BWD_BLOCK_D": 1}, {"BWD_BLOCK_D": 4, "BWD_BLOCK_T": 64})
 
 
