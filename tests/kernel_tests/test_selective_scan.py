@@ -230,6 +230,15 @@ def test_opcheck_and_contract(module, device):
     check_opcheck(fixture(module, (1, 4, 3, 2, 0, True, True)), torch.float32, device)
 
 
+def test_opcheck_nt_backward(module, device):
+    """opcheck with the "nt" backward (its carries' buffer, the stored states every chunk)."""
+    undo = _pinned(module, device, {"fwd_order": "tdn", "bwd_order": "nt"})
+    try:
+        check_opcheck(fixture(module, (1, 4, 11, 2, 0, True, True)), torch.float32, device)
+    finally:
+        undo()
+
+
 def test_sample_inputs_fit(module):
     check_sample_inputs_fit(module, family_module("selective_scan"), "scan", {}, [1, 19, 32])
 
