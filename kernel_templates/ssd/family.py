@@ -76,7 +76,7 @@ FAMILY = FamilySpec(
     ),
     # CHUNK: tokens per chunk L of the kernels (the intra-chunk [L, L] tiles); BLOCK_P: head-dim
     # columns of a forward program (the backward's chunk kernel holds all of P); BLOCK_N: state
-    # columns per dot (the chunk kernels loop over N in BLOCK_N blocks); BLOCK_S: state
+    # columns per step of the C B^T kernel's and the backward chunk kernel's N loops; BLOCK_S: state
     # elements per program of the serial state passes; dot: "tf32" keeps fp32 dot operands,
     # "input" dots 16-bit inputs in their own dtype on a GPU; state: the dtype of the chunks'
     # stored states (the forward's largest tensors), fp32 or 16-bit inputs' own; dbc: dB/dC summed
