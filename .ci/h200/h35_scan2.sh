@@ -3,7 +3,7 @@
 # (bf16 bars in every order, the nt tiles first), then the bench of the Mamba-2.8B layout
 # (B1 T4096 D5120 N16, bf16), profiled: ours (fwd+bwd, the nt default), ours_fwd and the three
 # BWD_SWEEP rows (`--impl ours` keeps every ours@ row): ours@bwd_order=tdn (v3's backward with
-# relaxed atomics), ours@BWD_BLOCK_D=1, ours@BWD_BLOCK_D=4,BWD_BLOCK_T=64. Goal: ours (fwd+bwd)
+# relaxed atomics), ours@bwd_maxnreg=128, ours@BWD_BLOCK_D=4,BWD_BLOCK_T=64. Goal: ours (fwd+bwd)
 # <= 3x ours_fwd. Expected ~4 min (setup ~30 s, tests <= 2 min, bench ~90 s).
 #   source .ci/h200/setup.sh && bash .ci/h200/h35_scan2.sh
 set -o pipefail

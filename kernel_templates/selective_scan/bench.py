@@ -14,7 +14,8 @@ backward of y):
   H200 (seventeenth session);
 - ``ours@...`` / ``ours@..._fwd``: our kernel at other configs (FWD_SWEEP, empty since template
   version 4; BWD_SWEEP), first shape: the backward's alternatives (``ours@bwd_order=tdn``: template version 3's backward;
-  ``ours@BWD_BLOCK_D=1``, ``ours@BWD_BLOCK_D=4,BWD_BLOCK_T=64``: other "nt" tiles).
+  ``ours@bwd_maxnreg=128``: the "nt" backward capped at 128 registers;
+  ``ours@BWD_BLOCK_D=4,BWD_BLOCK_T=64``: other "nt" tiles).
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values:
 relative RMS error of y and of the gradients of u, delta, A, B, C, D, z, delta_bias; ``ok`` is
@@ -57,12 +58,12 @@ SHAPES = (
 # 1.266-2.324 ms against the default's 1.206) and version 3's backward rows were timed in the
 # eighteenth session's call C (docs/LOG.md); `--impl ours` runs every ours@ row, so rows that
 # decided nothing new are left out. BWD_SWEEP, template version 4's
-# alternatives to its "nt" backward (2 channels x 128 steps, 1 warp; 222 registers): version
-# 3's "tdn" backward (2 channels, 1 warp, now with relaxed atomics), "nt" at 1 channel (119
-# registers: more warps per SM, more atomics) and "nt" at 4 channels x 64 steps (the fewest
-# instructions per element in the build, half the dB/dC atomics).
+# alternatives to its "nt" backward (2 channels x 128 steps, 1 warp; 222 registers, 9 programs
+# per SM): version 3's "tdn" backward (2 channels, 1 warp, now with relaxed atomics), "nt"
+# capped at 128 registers (16 programs per SM; 280 bytes spilled) and "nt" at 4 channels x 64
+# steps (the fewest instructions per element in the build, half the dB/dC atomics).
 FWD_SWEEP: tuple[dict, ...] = ()
-BWD_SWEEP = ({"bwd_order": "tdn"}, {"BWD_BLOCK_D": 1}, {"BWD_BLOCK_D": 4, "BWD_BLOCK_T": 64})
+BWD_SWEEP = ({"bwd_order": "tdn"}, {"bwd_maxnreg": 128}, {"BWD_BLOCK_D": 4, "BWD_BLOCK_T": 64})
 
 
 def transformers_scan(associative: bool = False) -> Callable:

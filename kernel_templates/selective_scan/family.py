@@ -86,6 +86,10 @@ FAMILY = FamilySpec(
         "bwd_warps": (1, 2, 4, 8),
         # the "nt" backward's chunk (steps between the states the forward stores for it)
         "BWD_BLOCK_T": (8, 16, 32, 64, 128, 256),
+        # a register cap for the backward's kernel (Triton's `maxnreg`; 0: none): more one-warp
+        # programs per SM against spills (the "nt" 2 x 128 kernel: 222 registers uncapped, at
+        # 128 it spills 280 bytes and its state loop grows 58.6 -> 61.1 per element)
+        "bwd_maxnreg": (0, 128, 168),
         # the tiles' order (the template's docstring): "dnt" [BLOCK_D, N, BLOCK_T], time across
         # lanes; "tdn" [BLOCK_T, BLOCK_D, N], time inside each thread
         "fwd_order": ("dnt", "tdn"),
@@ -109,9 +113,9 @@ FAMILY = FamilySpec(
     # "nt" 2 x 128 at 1 warp 232 registers / 0 spills, 61.6 + 10.4; "tdn" 2 x 16 at 1 warp (v3's
     # default) 168 / 0, 84.1; forward "tdn" 8 x 16 at 4 warps 93 / 0, 30.1. docs/LOG.md, the
     # nineteenth session's selective_scan section, has the table; the bench's ours@ rows time
-    # the alternatives (v3's "tdn" backward, "nt" at 1 channel, "nt" at 64 steps).
+    # the alternatives (v3's "tdn" backward, "nt" capped at 128 registers, "nt" 4 x 64).
     default_config={"BLOCK_D": 8, "BLOCK_T": 16, "num_warps": 4, "BWD_BLOCK_D": 2, "bwd_warps": 1,
-                    "BWD_BLOCK_T": 128, "fwd_order": "tdn", "bwd_order": "nt"},
+                    "BWD_BLOCK_T": 128, "bwd_maxnreg": 0, "fwd_order": "tdn", "bwd_order": "nt"},
     shape_buckets=(
         ShapeBucket(name="n_le_16", dim="N", lo=1, hi=16),
         # Untimed, sm_90 build at N 64: forward "tdn" 8 x 16 242 / 0, 24.7; backward "dnt" 2 x 16

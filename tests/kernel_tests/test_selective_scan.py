@@ -113,13 +113,14 @@ def test_tdn_odd_tiles(module, device):
 
 
 @pytest.mark.parametrize("cfg", [{"BWD_BLOCK_D": 1, "bwd_warps": 1, "BWD_BLOCK_T": 16},
-                                 {"BWD_BLOCK_D": 4, "bwd_warps": 2, "BWD_BLOCK_T": 32}],
-                         ids=["d1-t16", "d4-t32"])
+                                 {"BWD_BLOCK_D": 4, "bwd_warps": 2, "BWD_BLOCK_T": 32, "bwd_maxnreg": 128}],
+                         ids=["d1-t16", "d4-t32-maxnreg"])
 def test_nt_chunks_and_channel_blocks(module, device, cfg):
     """The "nt" backward at other tiles: 3 channels per group (a 4-wide block has a masked row),
     T 40 over chunks of 16 (three chunks: the carries' two slots end on the odd parity, the last
     chunk partial) or 32 (two), N 3, initial states and every gradient; the forward's stored
-    states are one per chunk."""
+    states are one per chunk; on the GPU the second also under a register cap (`maxnreg`, a
+    compile option the interpreter drops)."""
     undo = _pinned(module, device, {"BLOCK_D": 4, "BLOCK_T": 8, "num_warps": 2, "fwd_order": "tdn",
                                     "bwd_order": "nt", **cfg})
     try:
