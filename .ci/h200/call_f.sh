@@ -9,6 +9,5 @@ t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 stamp kda; bash .ci/h200/h32_kda.sh 2>&1 | tail -70
 left=$(( ${BUDGET:-540} - $(date +%s) + t0 - 20 ))
 stamp "gdn (${left} s left)"
-[ "$left" -gt 150 ] && sed "s/timeout 260 onboard train/timeout $left onboard train/" .ci/h200/h34_gdn.sh \
-  > /tmp/h34_gdn.sh && bash /tmp/h34_gdn.sh 2>&1 | tail -30
+[ "$left" -gt 150 ] && TRAIN_TIMEOUT=$left bash .ci/h200/h34_gdn.sh 2>&1 | tail -30
 stamp end

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 stamp train
-timeout 260 onboard train hf:qwen3_next --proxy none --set vocab_size=32000 --set hidden_size=2048 \
+timeout ${TRAIN_TIMEOUT:-260} onboard train hf:qwen3_next --proxy none --set vocab_size=32000 --set hidden_size=2048 \
   --set num_hidden_layers=12 --set num_attention_heads=16 --set num_key_value_heads=2 \
   --set head_dim=128 --set linear_num_key_heads=16 --set linear_num_value_heads=32 \
   --set linear_key_head_dim=64 --set linear_value_head_dim=64 \
