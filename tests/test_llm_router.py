@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from fixtures.llm_replay import ReplayServer, answer_from_folder
+from onboarding.backend import kernel_device
+from onboarding.generate.blockcheck import default_dtypes
 from onboarding.generate.llm import LLMClient, LLMConfig, propose
 from onboarding.generate.llm.contract import parse_answer
 from onboarding.generate.tasks import KernelTask
@@ -95,7 +97,11 @@ def test_router_family_accepted_by_the_gate(tmp_path):
     assert out.accepted and out.family == "sparsemixer_router", out.reason
     verdict = json.loads((tmp_path / "generated" / "llm" / TASK.path / "attempt-1" /
                           "blockcheck.json").read_text())
-    assert verdict["passed"] and len(verdict["sizes"]) == 4
+    # every size in each dtype the check runs on this device (fp32; bf16 too on a GPU: the
+    # H200's call E accepted it at all 8, one flipped and one jumped row excluded at 3 x 13)
+    dtypes = default_dtypes(str(kernel_device()))
+    assert verdict["passed"] and len(verdict["sizes"]) == len(SIZES) * len(dtypes)
+    assert [s["dtype"] for s in verdict["sizes"]] == [d for d in dtypes for _ in SIZES]
     assert (tmp_path / "generated" / "families" / "sparsemixer_router" / "gate.json").exists()
 
 
