@@ -6,9 +6,9 @@ at the midpoint of its gc range, where a chunk's decays stay within that range's
 range of 80 inside a block: per-step log decays to ~-5, as fla's safe gate); otherwise by dots
 below the diagonal blocks (a reference row between i and j, both factors <= 1) and elementwise
 with the exponent clamped at 0 inside them. So any gate is safe, including ones without a lower
-bound. The kernels, API and tuning space of `gated_delta`, plus KDA's own split prepare step
-(`_kda_prepare.py.j2`, the default) and its tuning keys (`kda_prep`, `kda_chunk_ref`,
-`kda_gram_warps`, `kda_wu_warps`).
+bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step is the
+default, `kda_prep` "fused"), plus KDA's own split prepare step (`_kda_prepare.py.j2`, a tuning
+value) and its tuning keys (`kda_prep`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`).
 """
 
 from __future__ import annotations
@@ -30,17 +30,22 @@ BASE = "gated_delta"
 _base = family_module(BASE)
 PARAMS = _base.PARAMS
 # KDA's own keys (its split prepare step, kimi_delta.py.j2's `_kda_prepare.py.j2`):
-# kda_prep "split" (default): the Gram products and Tm = (I + A)^-1 in one kernel, w, u, kd, qg
-#   in a second one over K and V tiles; "fused": the base template's one-kernel prepare step
-#   (fc39a47 / v17 timings: 0.83 ms of the 1.08 ms forward at B1 T8192 H32 D128).
-# kda_chunk_ref 1: the split Gram kernel tries one reference per chunk (v17's chunk-wide tier)
-#   before the per-block ones; 0 (default): v17's tier measured no gain at T8192 (1.122 against
-#   1.080-1.094 ms), so it is a tuning value. The fused kernel always has it.
+# kda_prep "fused" (default): the base template's one-kernel prepare step (template v17's);
+#   "split": the Gram products and Tm = (I + A)^-1 in one kernel, w, u, kd, qg in a second one
+#   over K and V tiles (template v18's default). On the H200 (bf16, `onboard bench --family
+#   kimi_delta --case B1T8192H32D128 --case B1T32768H32D128 --impl
+#   ours,ours_fwd,fla_fwd,ours@kda_prep=fused_fwd --profile` at v18) the forward took, wall / CUDA
+#   graph ms: T8192 split 1.383 / 1.092, fused 1.330 / 0.960 (fla 0.6 1.607 / 1.069); T32768
+#   split 4.421 / 4.158, fused 4.029 / 3.620 (fla 4.441 / 4.129): fused at both, so the default.
+# kda_chunk_ref 1 (split only): the split Gram kernel tries one reference per chunk (v17's
+#   chunk-wide tier) before the per-block ones; 0 (default): the tier measured no gain in the split
+#   kernel at T8192 (1.122 against 1.080-1.094 ms), so it is a tuning value. The fused kernel
+#   always has it.
 # kda_gram_warps, kda_wu_warps: the split kernels' warps (0: num_warps). The w/u kernel streams
 #   (sm_90 AOT: 198 registers at 4 warps, 80 at 8): 8, untimed.
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_chunk_ref": (0, 1),
                 "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8)}
-DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "split", "kda_chunk_ref": 0, "kda_gram_warps": 0,
+DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
@@ -73,7 +78,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=18,
+    template_version=19,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

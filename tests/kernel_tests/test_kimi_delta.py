@@ -77,10 +77,11 @@ def pinned(module, config: dict):
         module.set_config(prev)
 
 
-# The forward's prepare step: split (default: a reference per 16-row block, else the exact
-# diagonal blocks), split with the one-reference-per-chunk tier first, the fused kernel (which
-# always has it). The backward's qk kernel always has the chunk tier.
-PREPARE_CONFIGS = {"split": {}, "split_chunk_ref": {"kda_chunk_ref": 1}, "fused": {"kda_prep": "fused"}}
+# The forward's prepare step: split (a reference per 16-row block, else the exact diagonal
+# blocks), split with the one-reference-per-chunk tier first, the fused kernel (the default; it
+# always has the chunk tier). The backward's qk kernel always has the chunk tier.
+PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
+                   "fused": {}}
 BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
 
 
@@ -121,10 +122,9 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
 
 @pytest.mark.parametrize("prep", ["split_chunk_ref", "fused"])
 def test_prepare_configs_equal_split(prep):
-    """Every prepare config gives the default split step's outputs (w, u, kd, qg, Aqk, gl, Tm, M;
-    u fp32 as the recomputing backward asks) on grouped values (HV = 2 HK), two partial-free
-    chunks and a partial one, with the l2norm and without; and the split kernels really ran
-    (the fused one did not) under the default."""
+    """Every prepare config gives the split step's outputs (w, u, kd, qg, Aqk, gl, Tm, M; u fp32
+    as the recomputing backward asks) on grouped values (HV = 2 HK), two partial-free chunks and
+    a partial one, with the l2norm and without; without keep_tm neither returns Tm or M."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=2, T=150, l2=True, h0=False)
     gen = torch.Generator().manual_seed(11)
@@ -133,18 +133,26 @@ def test_prepare_configs_equal_split(prep):
         # without the l2norm |k| ~ 1 keeps (I + A) well conditioned, as make_inputs does
         kk = k if use_l2 else k * case.K ** -0.5
         with torch.no_grad():
-            split = module._prepare(q, kk, v, g, beta, 0.3, use_l2, keep_tm=True, wide_u=True)
+            with pinned(module, PREPARE_CONFIGS["split"]):
+                split = module._prepare(q, kk, v, g, beta, 0.3, use_l2, keep_tm=True, wide_u=True)
             with pinned(module, PREPARE_CONFIGS[prep]):
                 other = module._prepare(q, kk, v, g, beta, 0.3, use_l2, keep_tm=True, wide_u=True)
         for name, a, b in zip(("w", "u", "kd", "qg", "Aqk", "gl", "Tm", "M"), split, other):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{prep} {name} l2={use_l2}: {m}")
     # without keep_tm no Tm or M comes back (the split step keeps its Tm internal)
-    *_, Tm, M = module._prepare(q, k, v, g, beta, 0.3, True)
-    assert Tm is None and M is None
+    for name in ("split", prep):
+        with torch.no_grad(), pinned(module, PREPARE_CONFIGS[name]):
+            *_, Tm, M = module._prepare(q, k, v, g, beta, 0.3, True)
+        assert Tm is None and M is None, name
 
 
-def test_split_prepare_runs_its_kernels(monkeypatch):
-    """The default prepare launches the split Gram and w/u kernels and not the fused one."""
+@pytest.mark.parametrize("prep, kernels", [("fused", ["kda_prepare_fwd_kernel"]),
+                                           ("split", ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"])])
+def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
+    """The default config is the fused prepare step (H200, family.py); the forward launches the
+    fused kernel only under it, and the split Gram and w/u kernels only under `kda_prep` "split";
+    the output is the naive recurrence's either way."""
+    assert kimi_delta.DEFAULT_CONFIG["kda_prep"] == "fused"
     module = load(kimi_delta.FAMILY)
     launched = []
     for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel"):
@@ -158,9 +166,9 @@ def test_split_prepare_runs_its_kernels(monkeypatch):
         monkeypatch.setattr(module, name, Spy())
     case = Case(HK=1, HV=2, T=20, l2=True, h0=True)
     args = make_inputs(case, True, torch.float32, DEVICE, torch.Generator().manual_seed(2))
-    with torch.no_grad():
+    with torch.no_grad(), pinned(module, PREPARE_CONFIGS[prep]):
         o, _ = module.entry(*args)
-    assert launched == ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"], launched
+    assert launched == kernels, launched
     ro, _ = module.reference(*args)
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
 
