@@ -27,10 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  the tuning values that the AOT build could not judge, timed beside the default (`SWEEP`:
-  template v7's state chunks of 4 kernel chunks, at P tiles of 64 and 32; the backward's N tiles
-  at 64; all of it with bf16 end-state gradients), forward or forward + backward; they run
-  whenever ``ours`` is timed.
+  tuning values beside the default (`SWEEP`: template v7's former default of the P <= 64
+  bucket, state chunks of 2 kernel chunks, the dB/dC kernel's N tiles at 32), forward or
+  forward + backward; they run whenever ``ours`` is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
 on the case's first CHECK_MAX_T tokens: relative RMS of y and of every gradient (x, dt, A, B, C,
@@ -73,14 +72,16 @@ SHAPES = (
     (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
 )
 # (config, rows): "both" gives ours@cfg (forward + backward) and ours@cfg_fwd, "fwd" / "bwd" one of
-# them. Template v7's alternatives, four rows: the forward with state chunks of 4 kernel chunks
-# (256 tokens, as the models' chunk) at P tiles of 64 and 32 (the chunk output kernel carries a
-# [BLOCK_P, N] fp32 state; sm_90 bf16 build: 255 and 237 registers, 1 CTA of 8 warps per SM);
-# the backward's N tiles at 64 (bwd_chunk 196 registers, dB/dC 238, no spills: 2 N steps instead
-# of 8, dy x^T recomputed 2x instead of 4x); and all of it with bf16 end-state gradients.
-SWEEP = (({"STATE_CHUNKS": 4}, "fwd"), ({"STATE_CHUNKS": 4, "BLOCK_P": 32}, "fwd"),
-         ({"BLOCK_N": 64, "DBC_N": 64}, "bwd"),
-         ({"STATE_CHUNKS": 4, "gstate": "input", "BLOCK_N": 64, "DBC_N": 64}, "bwd"))
+# them. The P <= 64 default since the H200 timings of template v7 (family.py): state chunks of 4
+# kernel chunks (256 tokens, as the models' chunk), bf16 end-state gradients, the backward's N
+# tiles at 64 (BLOCK_N, DBC_N; bwd_chunk 196 registers, dB/dC 238, no spills in the sm_90 bf16
+# build). Beside it: v7's former default (one-chunk state passes, fp32 end-state gradients, N
+# tiles 16 / 32: 1.451 ms forward, 5.554 fwd+bwd against the new default's 4.469 there); state
+# chunks of 2; the dB/dC kernel at N tiles of 32 (dy x^T recomputed 4x instead of 2x, fewer
+# registers). Dropped from v7's rows: STATE_CHUNKS 4 at BLOCK_P 32 (1.880 ms forward against
+# 1.305 at 64).
+SWEEP = (({"STATE_CHUNKS": 1, "gstate": "fp32", "BLOCK_N": 16, "DBC_N": 32}, "both"),
+         ({"STATE_CHUNKS": 2}, "both"), ({"DBC_N": 32}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -115,17 +115,28 @@ FAMILY = FamilySpec(
         "STATE_CHUNKS": (1, 2, 4, 8),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
-    # (docs/LOG.md), DBC_N and STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
+    # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
     # The P <= 64 bucket (Mamba-2's heads of 64) dots 16-bit inputs in their dtype and stores the
     # forward's chunk states in it: on the H200 (call D) the bf16-vs-fp32 bars of
     # tests/kernel_tests/test_ssd.py held for both (test_bf16_vs_fp32_on_gpu[dot-state-input]
-    # XPASS); fp32 inputs keep fp32 (tf32 or exact) dots and states either way.
+    # XPASS); fp32 inputs keep fp32 (tf32 or exact) dots and states either way. Since v7 it also
+    # takes state chunks of 4 kernel chunks, 16-bit end-state gradients and N tiles of 64 in the
+    # backward (BLOCK_N sizes the forward's C B^T kernel and the backward chunk kernel's N loop,
+    # DBC_N the dB/dC kernel's): on the H200 (B1 T8192 H128 P64 G8 N128 bf16, `onboard bench
+    # --family ssd --case '^B1T8192H128' --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd --profile`
+    # with $ONBOARD_ANCHOR_MAMBA_SSM set) v7's former bucket default took 1.451 ms forward (CUDA
+    # graph 1.230) and 5.554 ms forward + backward; STATE_CHUNKS 4 alone 1.305 / 1.104 forward;
+    # BLOCK_N, DBC_N 64 alone 4.711 fwd+bwd (graph 4.263); all four together 4.469 (graph 3.913);
+    # mamba-ssm 1.416 / 0.602 forward, 6.257 fwd+bwd. The bars held with each
+    # (test_bf16_vs_fp32_on_gpu [state-chunks-4], [sc4-gstate-n64], [gstate-input] XPASS).
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
                     "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
                     "STATE_CHUNKS": 1},
     shape_buckets=(
-        ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64, config={"dot": "input", "state": "input"}),
+        ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
+                    config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
+                            "BLOCK_N": 64, "DBC_N": 64}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
     match=match,
