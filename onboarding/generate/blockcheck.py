@@ -331,12 +331,13 @@ def _backward(call: _Call, module: torch.nn.Module, cot_seed: int,
 
 
 def _exclusion(cand: _Call, ref: _Call, floor: _Call | None,
-               probe_run: Callable[[torch.Generator], list], dtype: torch.dtype,
-               seed: int) -> RowExclusion | None:
+               make_probe: Callable[[], Callable[[torch.Generator, float], list]],
+               dtype: torch.dtype, seed: int) -> RowExclusion | None:
     """The rows whose integer picks flipped within the 16-bit tolerance (`flips`): the
     replacement's or the 16-bit block's own, against the fp32 reference, and the rows the fp32
-    block itself jumps in under perturbations of ``dtype``'s size (`flips.probe`, by
-    ``probe_run``). None in fp32 (no floor: any flip fails) and where nothing is excluded."""
+    block itself jumps in under perturbations of ``dtype``'s size (`flips.probe`, run by what
+    ``make_probe()`` returns, made only for a block with such picks). None in fp32 (no floor:
+    any flip fails) and where nothing is excluded."""
     if floor is None:
         return None
     tolerated = [isinstance(r, torch.Tensor) and not r.is_floating_point()
@@ -348,7 +349,7 @@ def _exclusion(cand: _Call, ref: _Call, floor: _Call | None,
         return None
     inputs = [t for _, t in ref.leaves]
     n = flips.pick_rows(ref.outs, inputs, tolerated)
-    unstable = None if n is None else flips.probe(probe_run, ref.outs, n, seed,
+    unstable = None if n is None else flips.probe(make_probe(), ref.outs, n, seed,
                                                   eps=torch.finfo(dtype).eps)
     return flips.exclusion(cand.outs, ref.outs, floor.outs, inputs, tolerated, unstable)
 
@@ -555,8 +556,9 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
             # rows whose integer picks flipped within the 16-bit tolerance: compared nowhere,
             # their cotangents zeroed in every backward (onboarding.generate.flips)
             rows = _exclusion(cand_call, ref_call, floor_call,
-                              _perturbed_runner(ref_module, _cast(args, torch.float32),
-                                                _cast(kw, torch.float32)), dtype, size.draw)
+                              lambda: _perturbed_runner(ref_module, _cast(args, torch.float32),
+                                                        _cast(kw, torch.float32)),
+                              dtype, size.draw)
             try:
                 ref = _backward(ref_call, ref_module, size.draw, rows)
             except Exception as exc:
