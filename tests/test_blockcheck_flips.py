@@ -276,15 +276,16 @@ def test_the_probe_finds_jumps_not_smooth_change_and_excuses_few_rows():
     picks = torch.zeros(n, dtype=torch.long)
     moved = ref[0].clone()
     moved[[1, 2, 7]] = 0  # the replacement jumps in rows 1, 2 (unstable) and 7 (stable)
-    ex = flips.exclusion([picks, moved], [picks, ref[0]], None, [x], [True, False], rows)
+    ex = flips.exclusion([picks, moved], [picks, ref[0]], None, [x], [True, False],
+                         lambda n: rows)
     assert ex is not None and ex.rows.nonzero().flatten().tolist() == [1, 2] and ex.by_probe == 2
     assert flips.exclusion([picks, ref[0]], [picks, ref[0]], None, [x], [True, False],
-                           rows) is None  # no jump: nothing to excuse
+                           lambda n: rows) is None  # no jump: nothing to excuse
     many = torch.ones(n, dtype=torch.bool)
     wide = ref[0].clone()
     wide[: n // 8 + 1] = 0  # more than MAX_UNSTABLE of the rows would be excused: none is
     assert flips.exclusion([picks, wide], [picks, ref[0]], None, [x], [True, False],
-                           many) is None
+                           lambda n: many) is None
 
 
 def _phimoe_rounded_logits(m):

@@ -107,8 +107,9 @@ class SizeCheck:
     skipped: str = ""  # why this size was not checked (the model's own forward fails there)
     errors: list[TensorError] = field(default_factory=list)
     seconds: float = 0.0  # the replacement's first call at this size (compiles included)
-    # 16 bits: rows whose integer picks (a router's) flipped within the tolerance, left out of
-    # the comparisons (onboarding.generate.flips)
+    # 16 bits: rows whose integer picks (a router's) flipped within the tolerance, or that jumped
+    # where the fp32 block itself is unstable, left out of the comparisons
+    # (onboarding.generate.flips)
     excluded_rows: int = 0
 
 
@@ -336,8 +337,8 @@ def _exclusion(cand: _Call, ref: _Call, floor: _Call | None,
     """The rows whose integer picks flipped within the 16-bit tolerance (`flips`): the
     replacement's or the 16-bit block's own, against the fp32 reference, and the rows the fp32
     block itself jumps in under perturbations of ``dtype``'s size (`flips.probe`, run by what
-    ``make_probe()`` returns, made only for a block with such picks). None in fp32 (no floor:
-    any flip fails) and where nothing is excluded."""
+    ``make_probe()`` returns, made only where a row of a block with such picks jumped). None in
+    fp32 (no floor: any flip fails) and where nothing is excluded."""
     if floor is None:
         return None
     tolerated = [isinstance(r, torch.Tensor) and not r.is_floating_point()
@@ -347,11 +348,9 @@ def _exclusion(cand: _Call, ref: _Call, floor: _Call | None,
                                     floor.outs + [None] * (len(ref.outs) - len(floor.outs)))]
     if len(cand.outs) != len(ref.outs) or not any(tolerated):
         return None
-    inputs = [t for _, t in ref.leaves]
-    n = flips.pick_rows(ref.outs, inputs, tolerated)
-    unstable = None if n is None else flips.probe(make_probe(), ref.outs, n, seed,
-                                                  eps=torch.finfo(dtype).eps)
-    return flips.exclusion(cand.outs, ref.outs, floor.outs, inputs, tolerated, unstable)
+    return flips.exclusion(cand.outs, ref.outs, floor.outs, [t for _, t in ref.leaves],
+                           tolerated, lambda n: flips.probe(make_probe(), ref.outs, n, seed,
+                                                            eps=torch.finfo(dtype).eps))
 
 
 def _perturbed_runner(module: torch.nn.Module, args: tuple, kwargs: dict
@@ -376,8 +375,8 @@ def _perturbed_runner(module: torch.nn.Module, args: tuple, kwargs: dict
 def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str,
            rows: RowExclusion | None = None) -> list[TensorError]:
     """Every output and gradient of ``cand`` against ``ref`` (the bar: the layer row, or
-    FLOOR_FACTOR times the 16-bit block's own error ``floor``). ``rows``: rows whose picks
-    flipped within the tolerance, left out of the floating outputs and the input gradients
+    FLOOR_FACTOR times the 16-bit block's own error ``floor``). ``rows``: the excluded rows
+    (`_exclusion`), left out of the floating outputs and the input gradients
     (parameter gradients: the caller zeroed those rows' cotangents)."""
     tol = layer_tolerance(dtype, kind)
     (c_out, c_grads), (r_out, r_grads) = cand, ref
@@ -553,8 +552,9 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
                     f"{dtype_name}: {_last_line(exc)}"
                 break
             s1 = time.perf_counter()
-            # rows whose integer picks flipped within the 16-bit tolerance: compared nowhere,
-            # their cotangents zeroed in every backward (onboarding.generate.flips)
+            # rows whose integer picks flipped within the 16-bit tolerance (or jumped where the
+            # block itself is unstable): compared nowhere, their cotangents zeroed in every
+            # backward (onboarding.generate.flips)
             rows = _exclusion(cand_call, ref_call, floor_call,
                               lambda: _perturbed_runner(ref_module, _cast(args, torch.float32),
                                                         _cast(kw, torch.float32)),

@@ -110,8 +110,9 @@ class RowExclusion:
                 "cotangents zeroed in both")
 
 
-def pick_rows(r_out: list, inputs: list[torch.Tensor], tolerated: list[bool]) -> int | None:
-    """The row count shared by the tolerated integer outputs (``tolerated[i]``), or None."""
+def _pick_rows(r_out: list, inputs: list[torch.Tensor], tolerated: list[bool]) -> int | None:
+    """The row count of the first tolerated integer output (``tolerated[i]``) that has rows,
+    or None."""
     n = None
     for i, r in enumerate(r_out):
         if not tolerated[i] or not isinstance(r, torch.Tensor) or r.is_floating_point():
@@ -161,14 +162,14 @@ def probe(run: Callable[[torch.Generator, float], list], ref: list, n: int, seed
 
 
 def exclusion(c_out: list, r_out: list, f_out: list | None, inputs: list[torch.Tensor],
-              tolerated: list[bool], unstable: torch.Tensor | None = None
+              tolerated: list[bool], unstable: Callable[[int], torch.Tensor] | None = None
               ) -> RowExclusion | None:
     """The rows to exclude: where a tolerated integer output (``tolerated[i]``) of the
     replacement (``c_out``) or of the 16-bit block (``f_out``) differs from the reference's
-    (``r_out``), and the rows where either of them `jumped` that are ``unstable`` (bool, the
-    picks' rows: `probe`), when those are at most MAX_UNSTABLE of the rows. None where nothing
-    is excluded or the picks have no rows."""
-    n = pick_rows(r_out, inputs, tolerated)
+    (``r_out``), and the rows where either of them `jumped` that ``unstable(n)`` (bool over the
+    picks' n rows: `probe`, called only when something jumped) marks, when those are at most
+    MAX_UNSTABLE of the rows. None where nothing is excluded or the picks have no rows."""
+    n = _pick_rows(r_out, inputs, tolerated)
     if n is None:
         return None
     by_c = torch.zeros(n, dtype=torch.bool)
@@ -182,13 +183,14 @@ def exclusion(c_out: list, r_out: list, f_out: list | None, inputs: list[torch.T
         if isinstance(f, torch.Tensor) and f.shape == r.shape:
             by_f |= flipped(f, r, n)
     by_p = torch.zeros(n, dtype=torch.bool)
-    if unstable is not None and unstable.shape == (n,):
+    if unstable is not None:
         moved = jumped(c_out, r_out, n)
         if f_out is not None:
             moved |= jumped(f_out, r_out, n)
-        excused = unstable.cpu() & moved
-        if int(excused.sum()) <= MAX_UNSTABLE * n:
-            by_p = excused
+        if moved.any():
+            excused = unstable(n).cpu() & moved
+            if int(excused.sum()) <= MAX_UNSTABLE * n:
+                by_p = excused
     rows = by_c | by_f | by_p
     if not rows.any():
         return None
