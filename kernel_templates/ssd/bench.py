@@ -58,7 +58,8 @@ from pathlib import Path
 
 import torch
 
-from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
+from onboarding.bench.cases import (N_SETS, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel,
+                                    shared_inputs)
 from onboarding.bench.harness import BenchCase, Step, Unavailable
 from onboarding.families import NightlySpec
 from onboarding.testing.tolerance import rel_rms
@@ -256,25 +257,14 @@ def _steps(B: int, T: int, H: int, P: int, G: int, N: int, device: torch.device,
 
 
 def _sweep(mod, fn: Callable, sets, grads, size: int) -> dict[str, Step]:
-    """``ours@cfg`` (forward + backward) and / or ``ours@cfg_fwd`` steps per SWEEP entry, each
-    pinning its config for the size's bucket while it runs."""
-    bucket, base = mod.shape_bucket(size), mod.config_for(size)
+    """``ours@cfg`` (forward + backward, `config_sweep`) and / or ``ours@cfg_fwd`` (`fwd_sweep`)
+    steps per SWEEP entry, in SWEEP's order."""
     steps: dict[str, Step] = {}
     for cfg, rows in SWEEP:
-        label = "ours@" + ",".join(f"{k}={v}" for k, v in cfg.items())
-        full = {**base, **cfg}
-        kinds = {"both": ("", "_fwd"), "fwd": ("_fwd",), "bwd": ("",)}[rows]
-        for suffix, inner in (("", fwd_bwd(fn, sets, grads)), ("_fwd", fwd_only(fn, sets))):
-            if suffix not in kinds:
-                continue
-            def step(i, inner=inner, full=full):
-                mod.set_config(full, bucket=bucket)
-                try:
-                    return inner(i)
-                finally:
-                    mod.set_config(None, bucket=bucket)
-
-            steps[label + suffix] = step
+        if rows in ("both", "bwd"):
+            steps.update(config_sweep(mod, fn, sets, grads, size, [cfg]))
+        if rows in ("both", "fwd"):
+            steps.update({k + "_fwd": v for k, v in fwd_sweep(mod, fn, sets, size, [cfg]).items()})
     return steps
 
 
