@@ -258,18 +258,23 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # AOT: 66 KB shared at 3 and at 4 stages, `async_wait num = 0` at the loop's top); without it 3
 # stages prefetch two steps (98 KB, 112 registers: still two programs per SM), 4 stages three;
 # the persistent kernel on such rows likewise (4 stages: 164 KB, 152 registers, three steps).
-# Untimed (the session's device time ran out); swiglu and mlp only.
+# Untimed (the session's device time ran out); swiglu and mlp only. dw_grouped_mm: both weight
+# gradients (and with `bias` the bias gradients, per-expert row sums by index_add) by
+# torch._grouped_mm on slot-ordered copies of x[tok] and dy[tok], grouped over the reduction dim
+# (each expert's rows); ahead of dw_persistent / dw_sorted. On a GPU for bf16 on sm_90+ with rows
+# of a multiple of 8 elements only (else the Triton kernels); swiglu and mlp only. Untimed.
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
                  "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),
                  "down_stages": (0, 2, 3, 4), "DW_BLOCK_M": (0, 16, 32, 64, 128),
                  "DW_BLOCK_N": (0, 16, 32, 64, 128, 256), "DW_BLOCK_K": (0, 16, 32, 64, 128), "dw_warps": (0, 2, 4, 8),
                  "dw_stages": (0, 1, 2, 3, 4), "dw_persistent": (0, 1, 2, 3, 4), "bwd_tma": (False, True),
                  "DX_BLOCK_M": (0, 16, 32, 64, 128), "DX_BLOCK_N": (0, 16, 32, 64, 128, 256), "dx_stages": (0, 2, 3, 4),
-                 "dw_sorted": (False, True)}
+                 "dw_sorted": (False, True), "dw_grouped_mm": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
-                   "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False}
+                   "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False,
+                   "dw_grouped_mm": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
@@ -318,7 +323,7 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=13,
+    template_version=14,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

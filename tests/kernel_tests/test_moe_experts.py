@@ -299,13 +299,81 @@ def test_persistent_weight_gradients_match_grid_kernels(load, device):
     assert grads[1][2][3:].abs().max() == 0  # experts 3 and 4 took no rows
 
 
+DW_KERNELS = {"moe_dwd_kernel", "moe_dwgu_kernel", "moe_dw_persistent_kernel"}
+
+
+def _count_grouped_mm(monkeypatch) -> list[tuple]:
+    """Wraps torch._grouped_mm so each call records (mat_a shape, mat_b shape, offsets)."""
+    calls, real = [], torch._grouped_mm
+
+    def spy(a, b, *args, offs=None, **kwargs):
+        calls.append((tuple(a.shape), tuple(b.shape), None if offs is None else offs.tolist()))
+        return real(a, b, *args, offs=offs, **kwargs)
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    return calls
+
+
+@pytest.mark.parametrize("entry,kind", [("swiglu", "zipf"), ("mlp", "empty_experts"), ("bias", "empty_experts"),
+                                        ("bias_cf", "all_to_one"), ("gpt_oss", "uniform")])
+def test_grouped_mm_weight_gradients(load, device, monkeypatch, entry, kind):
+    """dw_grouped_mm: both weight gradients (and with `bias` both bias gradients) by
+    torch._grouped_mm over each expert's rows, grouped on the reduction dim: every gradient
+    matches the reference on odd rows per expert, unused experts (zero gradient), capacity
+    dropping (rows past the kept slots) and the clamped gpt-oss SwiGLU; off a GPU no Triton
+    weight-gradient kernel runs, on one (fp32 here) the Triton kernels keep the gradients."""
+    variant, params = {"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
+                       "bias": ("swiglu", {"bias": True}), "bias_cf": ("swiglu", {"bias": True, "capacity_factor": 0.75}),
+                       "gpt_oss": ("swiglu", GPT_OSS)}[entry]
+    module = load(variant, params)
+    fx = bias_fixture(module, kind) if entry.startswith("bias") else fixture(module, kind, gated=entry != "mlp")
+    calls = _count_grouped_mm(monkeypatch)
+    launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, "dw_grouped_mm": True})
+    names = {n for n, _ in launches}
+    assert "moe_dx_kernel" in names and "moe_down_bwd_kernel" in names
+    if device.type == "cuda":  # fp32 operands: the Triton kernels (torch's grouped GEMM is bf16-only there)
+        assert {"moe_dwd_kernel", "moe_dwgu_kernel"} <= names and not calls
+        return
+    assert not DW_KERNELS & names
+    d, f = 24, 20
+    gu = f if variant == "mlp" else 2 * f
+    # the last two calls are the checked forward + backward's: d down_proj [D, S] x [S, F], then d up [GU, S] x [S, D]
+    (a2, b2, offs2), (a1, b1, offs1) = calls[-2:]
+    assert (a2[0], b2[1], a1[0], b1[1]) == (d, f, gu, d) and offs1 == offs2 and len(offs1) == 5
+    assert offs1[-1] == a2[1] == b1[0]  # the groups cover every kept slot (capacity: fewer than N * K)
+
+
+@pytest.mark.parametrize("frozen", [(3,), (4,)], ids=["gate_up", "down"])
+def test_grouped_mm_frozen_weight(load, device, monkeypatch, frozen):
+    """dw_grouped_mm with one expert weight frozen: only the other weight's grouped GEMM runs;
+    every wanted gradient equals the Triton kernels' (up to the order of fp32 sums)."""
+    module = load("swiglu", {})
+    args = fixture(module, "zipf").make_inputs(torch.float32, device, torch.Generator().manual_seed(4))
+    dy = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(5)).to(device)
+    grads = []
+    calls = _count_grouped_mm(monkeypatch)
+    for gmm in (False, True):
+        module.set_config({**CPU_CONFIG, "dw_grouped_mm": gmm})
+        try:
+            part = [a.clone().requires_grad_(i != 1 and i not in frozen) for i, a in enumerate(args)]
+            grads.append(torch.autograd.grad(module.entry(*part), [part[i] for i in (0, 2, 3, 4) if i not in frozen], dy))
+        finally:
+            module.set_config(CPU_CONFIG)
+    assert len(calls) == (0 if device.type == "cuda" else 1)
+    if calls:
+        assert calls[0][1][1] == (20 if frozen == (3,) else 24)  # d down_proj: hr [S, F]; d gate_up: x[tok] [S, D]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
-# 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep).
+# 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm.
 BF16_BWD_CONFIGS = [{"dw_persistent": 0}, {"dw_persistent": 1}, {"dw_sorted": True},
                     {"dw_persistent": 1, "dw_sorted": True, "dw_stages": 4},
                     {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
-                    {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}]
+                    {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3},
+                    {"dw_grouped_mm": True},
+                    {"dw_grouped_mm": True, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
@@ -340,6 +408,46 @@ def test_backward_configs_bf16_cuda(load):
             assert rel(g, ref) <= 1e-2, (extra, i, rel(g, ref))
             assert rel(g, grid) <= 2e-3, (extra, i, rel(g, grid))  # the same sums up to bf16 roundings
         assert grads[2][e - 2:].abs().max() == 0 and grads[3][e - 2:].abs().max() == 0, extra
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._grouped_mm's bf16 grouped GEMM runs on a GPU only")
+@pytest.mark.parametrize("entry", ["mlp", "bias"])
+def test_grouped_mm_weight_gradients_bf16_cuda(load, monkeypatch, entry):
+    """dw_grouped_mm in bf16 at D = 2048 (a GPU bucket), odd token count, two experts left empty,
+    non-gated experts (GU = F) and per-expert biases: torch._grouped_mm runs twice, every
+    gradient is within 2e-3 of the Triton kernels' run and 1e-2 of the fp32 reference, and the
+    empty experts' weight (and bias) gradients are zero."""
+    module = load(*{"mlp": ("mlp", {"activation": "relu2"}), "bias": ("swiglu", {"bias": True})}[entry])
+    n, d, e, f, k = 1531, 2048, 16, 256, 4
+    gu = f if entry == "mlp" else 2 * f
+    gen = torch.Generator().manual_seed(3)
+    idx = routing("empty_experts", n, e, k, gen).cuda()
+    w = torch.rand(n, k, generator=gen) + 0.05
+    ins = [torch.randn(n, d, generator=gen), w / w.sum(-1, keepdim=True),
+           torch.randn(e, gu, d, generator=gen) / d ** 0.5, torch.randn(e, d, f, generator=gen) / f ** 0.5]
+    if entry == "bias":
+        ins += [torch.randn(e, gu, generator=gen) / 2, torch.randn(e, d, generator=gen) / 2]
+    hi = [t.cuda().requires_grad_() for t in ins]
+    dy = torch.randn(n, d, device="cuda")
+    bucket = module.shape_bucket(d)
+    calls = _count_grouped_mm(monkeypatch)
+    runs = []
+    for gmm in (False, True):
+        lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in hi]
+        module.set_config(None)
+        module.set_config({**module.config_for(d), "dw_grouped_mm": gmm}, bucket=bucket)
+        try:
+            module.entry(lo[0], idx, *lo[1:]).backward(dy.to(torch.bfloat16))
+        finally:
+            module.set_config(None, bucket=bucket)
+            module.set_config(CPU_CONFIG)
+        runs.append([t.grad for t in lo])
+    assert len(calls) == 2
+    module.reference(hi[0], idx, *hi[1:]).backward(dy)
+    for i, (g, tri, ref) in enumerate(zip(runs[1], runs[0], [t.grad for t in hi], strict=True)):
+        assert rel(g, ref) <= 1e-2 and rel(g, tri) <= 2e-3, (i, rel(g, ref), rel(g, tri))
+        if i >= 2:  # the weight and bias gradients: experts e-2, e-1 took no rows
+            assert g[e - 2:].abs().max() == 0, i
 
 
 def test_deterministic_mode_keeps_rows(load, device, monkeypatch):
