@@ -23,11 +23,12 @@ only). ``check`` (fwdbwd cases): the bf16 kernel against the fp32 per-expert ref
 case's E, K, D, F on 4096 tokens (DeepSeek shapes: 32 of the experts, so the fp32 copies fit
 beside the bf16 case), output and every gradient.
 
-Some uniform-routing cases add ``ours@...`` rows (``SWEEPS``): the experts kernel under other
-configs of its D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd``
-case (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
-(``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next and DeepSeek-V3 N8192 time
-the backward's open choices in their ``fwdbwd`` cases (``MOE_DW_SWEEP``, ``MOE_BWD_SWEEP_BIG``).
+Some cases add ``ours@...`` rows (``SWEEPS``): the experts kernel under other configs of its
+D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd`` case
+(``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
+(``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next (uniform and Zipf) and
+DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbwd`` cases
+(``MOE_DW_SWEEP``, ``MOE_DW_SWEEP_SHORT``, ``MOE_BWD_SWEEP_BIG``).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -86,22 +87,33 @@ MOE_BWD_SWEEP = [
     {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 64, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4},
     {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 256, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 3},
 ]
-# The backward's open choices timed beside the default in the fwdbwd case at Qwen3-Next (uniform):
-# the weight-gradient kernels on slot-ordered rows (`dw_sorted`, untimed so far) and the
-# persistent weight-gradient kernel (`dw_persistent` 1; slower in the seventeenth session's run).
-MOE_DW_SWEEP = [{"dw_sorted": True}, {"dw_persistent": 1}]
-# DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights): slot-ordered rows at 3
-# and 4 stages, the persistent kernel on them at 4 stages (three row steps of prefetch, sm_90
-# AOT), the backward before that default (dx on the backward's 64 x 128 tile, pointer loads).
-# The down backward keeps 64 rows: at 128 its epilogue spills 2.9 KB (sm_90 AOT).
-MOE_BWD_SWEEP_BIG = [{"dw_sorted": True}, {"dw_sorted": True, "dw_stages": 4},
-                     {"dw_persistent": 1, "dw_sorted": True, "dw_stages": 4},
-                     {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0}]
-# Which cases sweep: (label, N, mode) -> configs (`fwd` forward tiles, `fwdbwd` the backward's).
-# The anchor keeps the full tile sweeps; the larger shapes time only what is being decided, so
-# that every case of the family runs in under a minute.
-SWEEPS = {("anchor", 8192, "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "fwdbwd"): MOE_BWD_SWEEP,
-          ("qwen3_next", 8192, "fwdbwd"): MOE_DW_SWEEP, ("deepseek_v3", 8192, "fwdbwd"): MOE_BWD_SWEEP_BIG}
+# The backward's open choices (twentieth session): `dw_grouped_mm` (the weight gradients by
+# torch._grouped_mm on slot-ordered rows) against the default grid kernels and `dw_sorted` (grid
+# kernels on slot-ordered rows, untimed so far). Qwen3-Next adds the weight-gradient choice with
+# dx on its own 128 x 128 tile with TMA weights (its bucket's dx runs on the backward's 64 x 128).
+# The persistent kernel is left out at this shape: it lost by 2.1 ms in the seventeenth session.
+MOE_DW_SWEEP = [{"dw_grouped_mm": True}, {"dw_sorted": True},
+                {"dw_grouped_mm": True, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3}]
+# Zipf routing (a few experts with thousands of rows, many with tens) and DeepSeek-V3 N32768: the
+# two weight-gradient alternatives only.
+MOE_DW_SWEEP_SHORT = [{"dw_grouped_mm": True}, {"dw_sorted": True}]
+# DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights, grid weight gradients):
+# the weight gradients by torch._grouped_mm with that dx and with the backward before it (dx on
+# the backward's 64 x 128 tile, pointer loads), slot-ordered rows at 3 and 4 stages, and the
+# backward before the dx default with the grid kernels (the persistent kernel, which lost by 7.2
+# ms here in the seventeenth session, is left out to keep the case short). The down backward
+# keeps 64 rows: at 128 its epilogue spills 2.9 KB (sm_90 AOT).
+_DX_BEFORE = {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0}
+MOE_BWD_SWEEP_BIG = [{"dw_grouped_mm": True}, {"dw_grouped_mm": True, **_DX_BEFORE},
+                     {"dw_sorted": True}, {"dw_sorted": True, "dw_stages": 4}, _DX_BEFORE]
+# Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
+# backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
+# decided, so that every case of the family runs in under a minute.
+SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
+          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_DW_SWEEP,
+          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_DW_SWEEP_SHORT,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP_BIG,
+          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_DW_SWEEP_SHORT}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
@@ -232,7 +244,7 @@ def cases() -> list[BenchCase]:
             frozen_too = label in FROZEN_LABELS and kind == "uniform"
             for backward, frozen in ((False, False), (True, False)) + (((True, True),) if frozen_too else ()):
                 mode = "fwdbwd_frozen" if frozen else "fwdbwd" if backward else "fwd"
-                sweep = SWEEPS.get((label, N, mode), []) if kind == "uniform" else []
+                sweep = SWEEPS.get((label, N, kind, mode), [])
                 # the backward reads dy, x and the weights and writes dx (+ both weight gradients)
                 bwd_bytes = 2 * (3 * N * D + (1 if frozen else 2) * mats * E * Fw * D)
                 out.append(BenchCase(
