@@ -1,14 +1,17 @@
 """KDA's benchmark cases (the spec's `bench_cases`), issue 32's shapes: the Kimi-Linear layout
 (H=32, D=128) at T=8192 and T=32768. The case itself (impls, check, bytes, FLOPs) is the shared
 delta-rule one, per-channel decay, plus forward rows of the prepare step's alternative
-(`FWD_SWEEP`, rows ``ours@<cfg>_fwd``, on request) on the same inputs, so that one call times
-them against the default and fla."""
+(`FWD_SWEEP`, rows ``ours@<cfg>_fwd``) and forward + backward rows of the backward's (`BWD_SWEEP`,
+rows ``ours@<cfg>``), on request, on the same inputs, so that one call times them against the
+default and fla."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from onboarding.bench.cases import N_SETS, fwd_sweep, kernel
+import torch
+
+from onboarding.bench.cases import N_SETS, config_sweep, fwd_sweep, kernel
 from onboarding.bench.cases_linear_attention import CHUNK, delta_rule_case, make_inputs
 from onboarding.bench.harness import BenchCase
 from onboarding.families import NightlySpec
@@ -26,7 +29,18 @@ SHAPES = (
 # them: ours@kda_prep=split_fwd): the default bench and the nightly suite leave them (and their
 # compiles) out.
 FWD_SWEEP = ({"kda_prep": "split"},)
-SWEEP_ROWS = tuple("ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "_fwd" for cfg in FWD_SWEEP)
+# Forward + backward rows of the backward's alternatives (family.py: `kda_qk` "tiles", its K tile
+# and the backward kernels' warps), on the same inputs as `ours`; on request only. Their names
+# join the keys with "+" (``ours@kda_qk=tiles+kda_qk_bk=16``), so that --impl can name them.
+BWD_SWEEP = ({"kda_qk": "tiles"}, {"kda_qk": "tiles", "kda_qk_bk": 16}, {"kda_qk": "tiles", "kda_qk_warps": 8},
+             {"kda_qk": "tiles", "kda_qk_bk": 16, "kda_wy_warps": 8}, {"kda_wy_warps": 8})
+
+
+def _label(cfg: dict) -> str:
+    return "ours@" + "+".join(f"{k}={v}" for k, v in cfg.items())
+
+
+SWEEP_ROWS = (*(_label(cfg) + "_fwd" for cfg in FWD_SWEEP), *(_label(cfg) for cfg in BWD_SWEEP))
 
 
 def _with_sweep(case: BenchCase, B: int, T: int, HK: int, HV: int, D: int) -> BenchCase:
@@ -35,7 +49,12 @@ def _with_sweep(case: BenchCase, B: int, T: int, HK: int, HV: int, D: int) -> Be
         mod, entry = kernel("kimi_delta", "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
         sets = [make_inputs(True, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
         fn = lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)  # noqa: E731
-        steps.update({k + "_fwd": v for k, v in fwd_sweep(mod, fn, sets, D, list(FWD_SWEEP)).items()})
+        for cfg in FWD_SWEEP:
+            steps[_label(cfg) + "_fwd"] = next(iter(fwd_sweep(mod, fn, sets, D, [cfg]).values()))
+        gen = torch.Generator(device=device).manual_seed(N_SETS)
+        grads = [torch.randn(B, T, HV, D, device=device, generator=gen).to(torch.bfloat16)]
+        for cfg in BWD_SWEEP:  # the output o only, as the `ours` row
+            steps[_label(cfg)] = next(iter(config_sweep(mod, lambda *a: fn(*a)[0], sets, grads, D, [cfg]).values()))
         return steps
 
     return dataclasses.replace(case, setup=setup, on_request=(*case.on_request, *SWEEP_ROWS))

@@ -8,7 +8,9 @@ below the diagonal blocks (a reference row between i and j, both factors <= 1) a
 with the exponent clamped at 0 inside them. So any gate is safe, including ones without a lower
 bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step is the
 default, `kda_prep` "fused"), plus KDA's own split prepare step (`_kda_prepare.py.j2`, a tuning
-value) and its tuning keys (`kda_prep`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`).
+value), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
+(`kda_prep`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`, `kda_qk`, `kda_qk_bk`,
+`kda_qk_warps`, `kda_wy_warps`).
 """
 
 from __future__ import annotations
@@ -43,10 +45,19 @@ PARAMS = _base.PARAMS
 #   always has it.
 # kda_gram_warps, kda_wu_warps: the split kernels' warps (0: num_warps). The w/u kernel streams
 #   (sm_90 AOT: 198 registers at 4 warps, 80 at 8): 8, untimed.
+# kda_qk: the chunk-local backward's second half. "serial" (default): `kda_chunk_bwd_qk_kernel`
+#   per (chunk, key head) over the K tiles in turn, the l2norm backward in a second pass over dq
+#   and dk stored in fp32 (H200, v18: 2.140 ms of a 3.9 ms backward at B1 T8192 H32 D128; sm_90
+#   AOT bf16 255 registers, 5480 B of spills). "tiles" (`_kda_bwd.py.j2`): the wy kernel also
+#   writes the l2norm row dots and dA beta, dAqk scale in IDT, and `kda_chunk_bwd_qkt_kernel`
+#   runs per (K tile, chunk, key head) in one visit. Untimed: the bench's sweep rows decide.
+# kda_qk_bk: the K tile of the "tiles" qk kernel (0: BK). kda_qk_warps, kda_wy_warps: warps of the
+#   backward's qk and wy kernels, either form (0: num_warps).
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_chunk_ref": (0, 1),
-                "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8)}
+                "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles"),
+                "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8)}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_chunk_ref": 0, "kda_gram_warps": 0,
-                  "kda_wu_warps": 8}
+                  "kda_wu_warps": 8, "kda_qk": "serial", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 
@@ -78,7 +89,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=19,
+    template_version=20,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

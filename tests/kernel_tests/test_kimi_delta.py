@@ -81,7 +81,7 @@ def pinned(module, config: dict):
 # blocks), split with the one-reference-per-chunk tier first, the fused kernel (the default; it
 # always has the chunk tier). The backward's qk kernel always has the chunk tier.
 PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
-                   "fused": {}}
+                   "fused": {}, "fused_tiles": {"kda_qk": "tiles"}}
 BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
 
 
@@ -117,6 +117,64 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# The chunk-local backward's second half: the serial qk kernel (default) or the tiled one
+# (`_kda_bwd.py.j2`), at the default K tile and at 16 (K = 48: three tiles, the GPU's form of
+# several K tiles per row), with and without the in-kernel l2norm.
+BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16}}
+
+
+@pytest.mark.parametrize("l2", [True, False], ids=["l2", "no-l2"])
+@pytest.mark.parametrize("bwd", list(BWD_CONFIGS))
+def test_tiled_backward_equals_serial(bwd, l2):
+    """The tiled backward (row dots of the l2norm from the wy kernel, one program per K tile)
+    gives the serial kernels' gradients on grouped values (HV = 2 HK: the qkt kernel sums a key
+    head's two value heads), three chunks (the last partial), and the naive recurrence's."""
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=2, T=150, l2=l2, h0=True, K=48, V=16)
+    gen = torch.Generator().manual_seed(5)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    _, serial = grads_of(module.entry, args, douts)
+    with pinned(module, BWD_CONFIGS[bwd]):
+        (o, ht), grads = grads_of(module.entry, args, douts)
+    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
+    for name, a, b, r in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, serial, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name} vs serial: {m}")
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name} vs naive: {m}")
+
+
+@pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
+                                          ("tiles", ["kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"])])
+def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
+    """The default is the serial qk kernel; `kda_qk` "tiles" launches the tiled pair only."""
+    assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "serial"
+    module = load(kimi_delta.FAMILY)
+    launched = []
+    for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
+                 "kda_chunk_bwd_qkt_kernel"):
+        kern = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid, _k=kern, _n=name):
+                launched.append(_n)
+                return _k[grid]
+
+        monkeypatch.setattr(module, name, Spy())
+    case = Case(HK=1, HV=1, T=20, l2=True, h0=False)
+    gen = torch.Generator().manual_seed(2)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    with pinned(module, {"kda_qk": bwd}):
+        _, grads = grads_of(module.entry, args, douts)
+    assert launched == kernels, launched
+    _, ref_grads = grads_of(module.reference, args, douts)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -321,3 +379,13 @@ def test_state_tile_fills_the_gpu(monkeypatch):
 
 def test_bf16_vs_fp32_on_gpu():
     check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True)
+
+
+# The bench's fwd+bwd sweep rows (bench.BWD_SWEEP): each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
+                                 for c in kimi_delta.bench.BWD_SWEEP])
+def test_bf16_vs_fp32_on_gpu_bwd_sweep(cfg):
+    if DEVICE.type != "cuda":
+        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
+    with pinned(load(kimi_delta.FAMILY, {"chunk_size": 64}), cfg):
+        check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True)
