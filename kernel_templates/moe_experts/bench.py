@@ -89,23 +89,30 @@ MOE_BWD_SWEEP = [
 ]
 # The backward's open choices (twentieth session): `dw_grouped_mm` (the weight gradients by
 # torch._grouped_mm on slot-ordered rows) against the default grid kernels and `dw_sorted` (grid
-# kernels on slot-ordered rows, untimed so far). Qwen3-Next adds the weight-gradient choice with
-# dx on its own 128 x 128 tile with TMA weights (its bucket's dx runs on the backward's 64 x 128).
-# The persistent kernel is left out at this shape: it lost by 2.1 ms in the seventeenth session.
+# kernels on slot-ordered rows, untimed so far); with it, the down backward on 64 x 64 tiles (sm_90
+# AOT, bf16, `aot.compile_module` with the JIT's divisibility marks: at the bucket's 64 x 128 it
+# takes 255 registers and spills 1740 bytes, at 64 x 64 254 and none) and dx on its own tiles.
+# Qwen3-Next: dx 128 x 128 with TMA weights (184 bytes of spills), or dx kept at 64 x 128 beside
+# the 64 x 64 down backward. The persistent kernel is left out: it lost by 2.1 ms in the
+# seventeenth session.
 MOE_DW_SWEEP = [{"dw_grouped_mm": True}, {"dw_sorted": True},
-                {"dw_grouped_mm": True, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3}]
+                {"dw_grouped_mm": True, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
+                {"dw_grouped_mm": True, "BWD_BLOCK_N": 64, "DX_BLOCK_N": 128}]
 # Zipf routing (a few experts with thousands of rows, many with tens) and DeepSeek-V3 N32768: the
 # two weight-gradient alternatives only.
 MOE_DW_SWEEP_SHORT = [{"dw_grouped_mm": True}, {"dw_sorted": True}]
 # DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights, grid weight gradients):
-# the weight gradients by torch._grouped_mm with that dx and with the backward before it (dx on
-# the backward's 64 x 128 tile, pointer loads), slot-ordered rows at 3 and 4 stages, and the
-# backward before the dx default with the grid kernels (the persistent kernel, which lost by 7.2
-# ms here in the seventeenth session, is left out to keep the case short). The down backward
-# keeps 64 rows: at 128 its epilogue spills 2.9 KB (sm_90 AOT).
+# the weight gradients by torch._grouped_mm with that dx, with the backward before it (dx on the
+# backward's 64 x 128 tile, pointer loads), with the down backward on 64 x 64 tiles (sm_90 AOT as
+# above: 64 x 128 with TMA 1536 bytes of spills, 64 x 64 4 bytes) and with dx at 128 x 128 (128 x
+# 256: 255 registers, 2940 bytes of spills; 128 x 128: 184); the grid kernels on slot-ordered rows;
+# the backward before the dx default with the grid kernels. Left out to keep the case short: the
+# persistent kernel (lost by 7.2 ms here in the seventeenth session) and slot-ordered rows at 4
+# stages. The down backward keeps 64 rows: at 128 it spills 6856 bytes (sm_90 AOT).
 _DX_BEFORE = {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0}
 MOE_BWD_SWEEP_BIG = [{"dw_grouped_mm": True}, {"dw_grouped_mm": True, **_DX_BEFORE},
-                     {"dw_sorted": True}, {"dw_sorted": True, "dw_stages": 4}, _DX_BEFORE]
+                     {"dw_grouped_mm": True, "BWD_BLOCK_N": 64}, {"dw_grouped_mm": True, "DX_BLOCK_N": 128},
+                     {"dw_sorted": True}, _DX_BEFORE]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.

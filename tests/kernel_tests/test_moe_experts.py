@@ -367,13 +367,15 @@ def test_grouped_mm_frozen_weight(load, device, monkeypatch, frozen):
 
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
-# 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm.
+# 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm, also
+# beside the down backward on 64 x 64 tiles with dx kept at 64 x 128 (the bench's Qwen3-Next sweep).
 BF16_BWD_CONFIGS = [{"dw_persistent": 0}, {"dw_persistent": 1}, {"dw_sorted": True},
                     {"dw_persistent": 1, "dw_sorted": True, "dw_stages": 4},
                     {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
                     {"dw_persistent": 1, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3},
                     {"dw_grouped_mm": True},
-                    {"dw_grouped_mm": True, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}]
+                    {"dw_grouped_mm": True, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3},
+                    {"dw_grouped_mm": True, "BWD_BLOCK_N": 64, "DX_BLOCK_N": 128}]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
