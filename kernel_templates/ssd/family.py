@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=7,
+    template_version=8,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -97,6 +97,17 @@ FAMILY = FamilySpec(
     # (storing each chunk's incoming state only when a backward will run); the backward likewise
     # pulls dy on each state chunk's incoming state, passes over the state chunks, then fills in
     # each state chunk's own chunks' end-state gradients in a reverse loop per state chunk.
+    # scan (v8; STATE_CHUNKS > 1): "carry" the chunk output program per state chunk above;
+    # "blocks" one program per (chunk, head, P block), all chunks in parallel. Without a backward
+    # to come: the state chunk's incoming state's term plus the intra-state-chunk quadratic term
+    # tiled in [CHUNK, CHUNK] blocks (its own chunk's causal one and one per earlier chunk of the
+    # state chunk, the groups' C B^T blocks computed once beforehand), as a chunk of CHUNK *
+    # STATE_CHUNKS tokens with its C B^T tiled. With a backward to come: each program forms its
+    # chunk's incoming state from the state chunk's and its earlier chunks' products (SCAN_N
+    # columns at a time), stores it for the backward and dots it with C. scan_maxnreg: the
+    # "blocks" kernel's register cap (Triton's `maxnreg`; 0 none): 128 lets two programs of 8
+    # warps share an SM (the sm_90 bf16 build at P 64, N 128: 133 registers uncapped, 128 and no
+    # spills capped).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -113,6 +124,8 @@ FAMILY = FamilySpec(
         "SCAN_N": (16, 32, 64, 128),
         "gstate": ("fp32", "input"),
         "STATE_CHUNKS": (1, 2, 4, 8),
+        "scan": ("carry", "blocks"),
+        "scan_maxnreg": (0, 128, 168),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -132,7 +145,7 @@ FAMILY = FamilySpec(
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
                     "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
-                    "STATE_CHUNKS": 1},
+                    "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
