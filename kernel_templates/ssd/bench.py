@@ -27,9 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: template v7's former default of the P <= 64
-  bucket, state chunks of 2 kernel chunks, the dB/dC kernel's N tiles at 32), forward or
-  forward + backward; they run whenever ``ours`` is timed.
+  tuning values beside the default (`SWEEP`: template v8's `scan` "blocks" at its register cap
+  and without, with STATE_N 128, kernel chunks of 128, state chunks of 8), forward or forward +
+  backward; they run whenever ``ours`` is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
 on the case's first CHECK_MAX_T tokens: relative RMS of y and of every gradient (x, dt, A, B, C,
@@ -73,16 +73,22 @@ SHAPES = (
     (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
 )
 # (config, rows): "both" gives ours@cfg (forward + backward) and ours@cfg_fwd, "fwd" / "bwd" one of
-# them. The P <= 64 default since the H200 timings of template v7 (family.py): state chunks of 4
-# kernel chunks (256 tokens, as the models' chunk), bf16 end-state gradients, the backward's N
-# tiles at 64 (BLOCK_N, DBC_N; bwd_chunk 196 registers, dB/dC 238, no spills in the sm_90 bf16
-# build). Beside it: v7's former default (one-chunk state passes, fp32 end-state gradients, N
-# tiles 16 / 32: 1.451 ms forward, 5.554 fwd+bwd against the new default's 4.469 there); state
-# chunks of 2; the dB/dC kernel at N tiles of 32 (dy x^T recomputed 4x instead of 2x, fewer
-# registers). Dropped from v7's rows: STATE_CHUNKS 4 at BLOCK_P 32 (1.880 ms forward against
-# 1.305 at 64).
-SWEEP = (({"STATE_CHUNKS": 1, "gstate": "fp32", "BLOCK_N": 16, "DBC_N": 32}, "both"),
-         ({"STATE_CHUNKS": 2}, "both"), ({"DBC_N": 32}, "bwd"))
+# them. The P <= 64 default (family.py): state chunks of 4 kernel chunks (256 tokens, as the
+# models' chunk) whose chunk output kernel carries the state through them ("carry": 1.305 ms
+# forward on the H200, graph 1.104, mamba-ssm 0.602), bf16 end-state gradients, the backward's N
+# tiles at 64. Beside it, template v8's `scan` "blocks" (every chunk in parallel; forward only
+# without a backward: the earlier chunks of a state chunk as [64, 64] C B^T blocks, 128 registers
+# under its cap in the sm_90 bf16 build: two programs of 8 warps per SM; with one: each chunk's
+# incoming state formed and stored, 255 registers) at the default, uncapped (scan_maxnreg 0,
+# 133 registers), with the chunk-state kernel over all 128 state columns (STATE_N 128: x read
+# once, not twice), with kernel chunks of 128 (2 per state chunk; uncapped: 251 registers, 400
+# bytes of spills under the cap) and with state chunks of 8
+# (512 tokens: a 16-step pass, a quarter fewer stored states than 4, up to 7 blocks per chunk).
+# The earlier rows (v7's former default, state chunks of 2, DBC_N 32) were dropped to keep the
+# GPU call short (v7's former default: 5.554 ms fwd+bwd against 4.469 for today's default).
+SWEEP = (({"scan": "blocks"}, "both"), ({"scan": "blocks", "scan_maxnreg": 0}, "fwd"),
+         ({"scan": "blocks", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "CHUNK": 128, "STATE_CHUNKS": 2, "scan_maxnreg": 0}, "fwd"),
+         ({"scan": "blocks", "STATE_CHUNKS": 8}, "fwd"))
 
 
 def torch_path() -> tuple[str, Callable]:
