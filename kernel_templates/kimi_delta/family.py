@@ -10,7 +10,7 @@ bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepar
 default, `kda_prep` "fused"), plus KDA's own split prepare step (`_kda_prepare.py.j2`, a tuning
 value), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`, `kda_qk`, `kda_qk_bk`,
-`kda_qk_warps`, `kda_wy_warps`).
+`kda_qk_warps`, `kda_wy_warps`, `kda_state_bwd_warps`).
 """
 
 from __future__ import annotations
@@ -52,12 +52,15 @@ PARAMS = _base.PARAMS
 #   writes the l2norm row dots and dA beta, dAqk scale in IDT, and `kda_chunk_bwd_qkt_kernel`
 #   runs per (K tile, chunk, key head) in one visit. Untimed: the bench's sweep rows decide.
 # kda_qk_bk: the K tile of the "tiles" qk kernel (0: BK). kda_qk_warps, kda_wy_warps: warps of the
-#   backward's qk and wy kernels, either form (0: num_warps).
+#   backward's qk and wy kernels, either form (0: num_warps). kda_state_bwd_warps: warps of the
+#   reverse state pass (0: num_warps; sm_90 AOT bf16: 1228 B of spills at 4 warps, 96 at 8).
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_chunk_ref": (0, 1),
                 "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles"),
-                "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8)}
+                "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
+                "kda_state_bwd_warps": (0, 4, 8)}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_chunk_ref": 0, "kda_gram_warps": 0,
-                  "kda_wu_warps": 8, "kda_qk": "serial", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0}
+                  "kda_wu_warps": 8, "kda_qk": "serial", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
+                  "kda_state_bwd_warps": 0}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 

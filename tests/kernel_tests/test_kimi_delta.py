@@ -337,8 +337,8 @@ def test_aot_sm90_bf16_tensor_cores():
     # their backward (bwd qk) dot the blocks below the diagonal blocks
     check_aot_bf16_mma(kimi_delta.FAMILY, ["kda_prepare_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel",
                                            "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
-                                           "kda_wu_fwd_kernel"],
-                       ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel"])
+                                           "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"],
+                       ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel"])
 
 
 def test_aot_sm90_split_gram_mma():
