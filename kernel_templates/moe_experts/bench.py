@@ -89,12 +89,14 @@ MOE_BWD_SWEEP = [
 ]
 # The backward's open choices (twentieth session): `dw_grouped_mm` (the weight gradients by
 # torch._grouped_mm on slot-ordered rows) against the default grid kernels and `dw_sorted` (grid
-# kernels on slot-ordered rows, untimed so far); with it, the down backward on 64 x 64 tiles (sm_90
-# AOT, bf16, `aot.compile_module` with the JIT's divisibility marks: at the bucket's 64 x 128 it
-# takes 255 registers and spills 1740 bytes, at 64 x 64 254 and none) and dx on its own tiles.
-# Qwen3-Next: dx 128 x 128 with TMA weights (184 bytes of spills), or dx kept at 64 x 128 beside
-# the 64 x 64 down backward. The persistent kernel is left out: it lost by 2.1 ms in the
-# seventeenth session.
+# kernels on slot-ordered rows, untimed so far); with it, the down backward on 64 x 64 tiles and
+# dx on its own tiles. sm_90 AOT, bf16, `aot.compile_module(..., specialize="all")` (every pointer
+# and i32 divisible by 16, as the JIT marks them at these shapes), registers / spilled bytes /
+# shared memory: the down backward at the buckets' 64 x 128 255 / 76-80 / 98 KB, at 64 x 64 172 /
+# 0 / 65 KB, at 128 x 128 255 / 2920; dx at 64 x 128 77 / 0, 128 x 128 127 / 0 / 98 KB (two
+# programs per SM), 128 x 256 254 / 0 / 147 KB. Qwen3-Next: dx 128 x 128 with TMA weights, or dx
+# kept at 64 x 128 beside the 64 x 64 down backward. The persistent kernel is left out: it lost by
+# 2.1 ms in the seventeenth session.
 MOE_DW_SWEEP = [{"dw_grouped_mm": True}, {"dw_sorted": True},
                 {"dw_grouped_mm": True, "bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 128, "dx_stages": 3},
                 {"dw_grouped_mm": True, "BWD_BLOCK_N": 64, "DX_BLOCK_N": 128}]
@@ -103,12 +105,11 @@ MOE_DW_SWEEP = [{"dw_grouped_mm": True}, {"dw_sorted": True},
 MOE_DW_SWEEP_SHORT = [{"dw_grouped_mm": True}, {"dw_sorted": True}]
 # DeepSeek-V3 N8192 (default: dx's own 128 x 256 tile with TMA weights, grid weight gradients):
 # the weight gradients by torch._grouped_mm with that dx, with the backward before it (dx on the
-# backward's 64 x 128 tile, pointer loads), with the down backward on 64 x 64 tiles (sm_90 AOT as
-# above: 64 x 128 with TMA 1536 bytes of spills, 64 x 64 4 bytes) and with dx at 128 x 128 (128 x
-# 256: 255 registers, 2940 bytes of spills; 128 x 128: 184); the grid kernels on slot-ordered rows;
-# the backward before the dx default with the grid kernels. Left out to keep the case short: the
-# persistent kernel (lost by 7.2 ms here in the seventeenth session) and slot-ordered rows at 4
-# stages. The down backward keeps 64 rows: at 128 it spills 6856 bytes (sm_90 AOT).
+# backward's 64 x 128 tile, pointer loads), with the down backward on 64 x 64 tiles and with dx at
+# 128 x 128 (AOT above); the grid kernels on slot-ordered rows (`moe_dwgu_kernel` 112 registers,
+# 98 KB: two row steps in flight, against 118 / 66 KB and one); the backward before the dx
+# default with the grid kernels. Left out to keep the case short: the persistent kernel (lost by
+# 7.2 ms here in the seventeenth session) and slot-ordered rows at 4 stages.
 _DX_BEFORE = {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0}
 MOE_BWD_SWEEP_BIG = [{"dw_grouped_mm": True}, {"dw_grouped_mm": True, **_DX_BEFORE},
                      {"dw_grouped_mm": True, "BWD_BLOCK_N": 64}, {"dw_grouped_mm": True, "DX_BLOCK_N": 128},
