@@ -342,6 +342,21 @@ def test_grouped_mm_weight_gradients(load, device, monkeypatch, entry, kind):
     assert offs1[-1] == a2[1] == b1[0]  # the groups cover every kept slot (capacity: fewer than N * K)
 
 
+@pytest.mark.slow  # 21 s on 2 cores (opcheck runs each op several times)
+def test_grouped_mm_opcheck(load, device, monkeypatch):
+    """torch.library.opcheck of the backward op with dw_grouped_mm (the fake's gradient shapes,
+    dtypes and the weights left ungraded when not wanted): the grouped_mm path is the one that ran
+    (off a GPU)."""
+    module = load("swiglu", {"bias": True})
+    calls = _count_grouped_mm(monkeypatch)
+    module.set_config({**CPU_CONFIG, "dw_grouped_mm": True})
+    try:
+        check_opcheck(bias_fixture(module, "empty_experts", n=9), torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert bool(calls) == (device.type != "cuda")
+
+
 @pytest.mark.parametrize("frozen", [(3,), (4,)], ids=["gate_up", "down"])
 def test_grouped_mm_frozen_weight(load, device, monkeypatch, frozen):
     """dw_grouped_mm with one expert weight frozen: only the other weight's grouped GEMM runs;
