@@ -28,8 +28,8 @@ backward of y, the training step, no final state):
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
   tuning values beside the default (`SWEEP`: template v8's `scan` "blocks" at its register cap
-  and without, with STATE_N 128, kernel chunks of 128, state chunks of 8), forward or forward +
-  backward; they run whenever ``ours`` is timed.
+  and without, with STATE_N 128, kernel chunks of 128, state chunks of 8; DBC_SPLIT 2 and 4),
+  forward or forward + backward; they run whenever ``ours`` is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
 on the case's first CHECK_MAX_T tokens: relative RMS of y and of every gradient (x, dt, A, B, C,
@@ -83,12 +83,15 @@ SHAPES = (
 # 133 registers), with the chunk-state kernel over all 128 state columns (STATE_N 128: x read
 # once, not twice), with kernel chunks of 128 (2 per state chunk; uncapped: 251 registers, 400
 # bytes of spills under the cap) and with state chunks of 8
-# (512 tokens: a 16-step pass, a quarter fewer stored states than 4, up to 7 blocks per chunk).
+# (512 tokens: a 16-step pass, half the stored state-chunk states of 4, up to 7 blocks per chunk);
+# and v8's DBC_SPLIT 2 and 4 (the dB/dC kernel's 2048 programs of 16 heads each split into 2 or 4
+# programs of 8 or 4 heads, partials summed by the host), alone and with `scan` "blocks".
 # The earlier rows (v7's former default, state chunks of 2, DBC_N 32) were dropped to keep the
 # GPU call short (v7's former default: 5.554 ms fwd+bwd against 4.469 for today's default).
 SWEEP = (({"scan": "blocks"}, "both"), ({"scan": "blocks", "scan_maxnreg": 0}, "fwd"),
          ({"scan": "blocks", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "CHUNK": 128, "STATE_CHUNKS": 2, "scan_maxnreg": 0}, "fwd"),
-         ({"scan": "blocks", "STATE_CHUNKS": 8}, "fwd"))
+         ({"scan": "blocks", "STATE_CHUNKS": 8}, "fwd"), ({"DBC_SPLIT": 2}, "bwd"), ({"DBC_SPLIT": 4}, "bwd"),
+         ({"scan": "blocks", "DBC_SPLIT": 4}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

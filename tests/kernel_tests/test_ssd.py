@@ -194,11 +194,16 @@ def test_blocks_scan_backward(module, device, cfg, shape):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
-def test_per_head_dbc_partials(module, device):
-    """dbc "head": dB/dC as per-head partials summed by the host (2 groups of 2 heads)."""
-    module.set_config({**CPU_CONFIG, "dbc": "head"} if device.type == "cpu" else {"dbc": "head"})
+@pytest.mark.parametrize("cfg,shape", [({"dbc": "head"}, SHAPES[1]),
+                                       ({"DBC_SPLIT": 2}, (1, 41, 8, 8, 2, 24, True, True)),
+                                       ({"DBC_SPLIT": 4}, SHAPES[1])], ids=["head", "split2-hg4", "split4-hg2"])
+def test_dbc_partials(module, device, cfg, shape):
+    """dB/dC as partials summed by the host: dbc "head" (one head per program, 2 groups of 2
+    heads); DBC_SPLIT 2 over groups of 4 heads (two programs of two heads each per group; three
+    chunks, the last partial); DBC_SPLIT 4 over groups of 2 heads (its divisor 2: one head each)."""
+    module.set_config({**CPU_CONFIG, **cfg} if device.type == "cpu" else cfg)
     try:
-        check_forward_backward(fixture(module, SHAPES[1]), torch.float32, device)
+        check_forward_backward(fixture(module, shape), torch.float32, device)
     finally:
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
