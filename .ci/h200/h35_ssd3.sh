@@ -4,13 +4,14 @@
 #   source .ci/h200/setup.sh && bash .ci/h200/h35_ssd3.sh
 # Steps: the bf16-vs-fp32 bars on the GPU (the default, the three `scan` "blocks" rows, tf32 with
 # fp32 states; each row also checks the no_grad forward; timeout 60); the bench of the headline
-# case with mamba-ssm's rows, the kernel profile of ours / ours_fwd and the nine sweep rows of
+# case with mamba-ssm's rows, the kernel profile of ours / ours_fwd and the ten sweep rows of
 # kernel_templates/ssd/bench.py's SWEEP (they come with `ours`, after the other rows):
 # ours@scan=blocks (fwd+bwd) and ours@scan=blocks_fwd, ours@scan=blocks,scan_maxnreg=0_fwd,
 # ours@scan=blocks,STATE_N=128_fwd, ours@scan=blocks,CHUNK=128,STATE_CHUNKS=2,scan_maxnreg=0_fwd,
 # ours@scan=blocks,STATE_CHUNKS=8_fwd, ours@DBC_SPLIT=2, ours@DBC_SPLIT=4,
-# ours@scan=blocks,DBC_SPLIT=4 (fwd+bwd; timeout 140); then the per-kernel profile of the
-# `scan` "blocks" rows (the bench profiles only ours / ours_fwd; timeout 30).
+# ours@scan=blocks,DBC_SPLIT=4, ours@bwd_maxnreg=128 (fwd+bwd; timeout 140); then the
+# per-kernel profile of the `scan` "blocks" rows (the bench profiles only ours / ours_fwd;
+# timeout 30).
 # Expected ~4 min (setup ~0.5, bars <= 60 s, bench <= 140 s, profile <= 30 s). Outputs under
 # $OUT: env.txt (setup), ssd_bars.txt, ssd.json, ssd_bench.txt, ssd_blocks_profile.txt.
 set -o pipefail

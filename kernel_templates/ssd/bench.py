@@ -85,13 +85,15 @@ SHAPES = (
 # bytes of spills under the cap) and with state chunks of 8
 # (512 tokens: a 16-step pass, half the stored state-chunk states of 4, up to 7 blocks per chunk);
 # and v8's DBC_SPLIT 2 and 4 (the dB/dC kernel's 2048 programs of 16 heads each split into 2 or 4
-# programs of 8 or 4 heads, partials summed by the host), alone and with `scan` "blocks".
+# programs of 8 or 4 heads, partials summed by the host), alone and with `scan` "blocks"; and the
+# backward chunk and dB/dC kernels under a 128-register cap (two programs of 8 warps per SM instead
+# of one, 208 bytes of spills each in the sm_90 build).
 # The earlier rows (v7's former default, state chunks of 2, DBC_N 32) were dropped to keep the
 # GPU call short (v7's former default: 5.554 ms fwd+bwd against 4.469 for today's default).
 SWEEP = (({"scan": "blocks"}, "both"), ({"scan": "blocks", "scan_maxnreg": 0}, "fwd"),
          ({"scan": "blocks", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "CHUNK": 128, "STATE_CHUNKS": 2, "scan_maxnreg": 0}, "fwd"),
          ({"scan": "blocks", "STATE_CHUNKS": 8}, "fwd"), ({"DBC_SPLIT": 2}, "bwd"), ({"DBC_SPLIT": 4}, "bwd"),
-         ({"scan": "blocks", "DBC_SPLIT": 4}, "bwd"))
+         ({"scan": "blocks", "DBC_SPLIT": 4}, "bwd"), ({"bwd_maxnreg": 128}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -110,6 +110,9 @@ FAMILY = FamilySpec(
     # spills capped). DBC_SPLIT (v8; `dbc` "group"): programs per group of the dB/dC kernel, each
     # over H / G / DBC_SPLIT of its heads, writing partials the host sums (1: one program walks all
     # of the group's heads: 2048 programs of 16 heads at B1 T8192 G8 N128, DBC_N 64).
+    # bwd_maxnreg (v8): a register cap for the backward chunk and dB/dC kernels (0: none); at 128
+    # two programs of 8 warps fit an SM (the sm_90 bf16 build at P 64, N 128 of the P <= 64
+    # default: bwd_chunk 188 registers uncapped, 208 bytes of spills at 128; bwd_dbc 222, 208).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -129,6 +132,7 @@ FAMILY = FamilySpec(
         "scan": ("carry", "blocks"),
         "scan_maxnreg": (0, 128, 168),
         "DBC_SPLIT": (1, 2, 4),
+        "bwd_maxnreg": (0, 128, 168),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -148,7 +152,8 @@ FAMILY = FamilySpec(
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
                     "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
-                    "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128, "DBC_SPLIT": 1},
+                    "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128, "DBC_SPLIT": 1,
+                    "bwd_maxnreg": 0},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
