@@ -79,7 +79,8 @@ def pinned(module, config: dict):
 
 # The forward's prepare step: split (a reference per 16-row block, else the exact diagonal
 # blocks), split with the one-reference-per-chunk tier first, the fused kernel (the default; it
-# always has the chunk tier). The backward's qk kernel always has the chunk tier.
+# always has the chunk tier); the fused kernel with the tiled backward (`kda_qk` "tiles"). The
+# backward's qk kernels (serial and tiled) always have the chunk tier.
 PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
                    "fused": {}, "fused_tiles": {"kda_qk": "tiles"}}
 BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
