@@ -2,8 +2,8 @@
 # every chunk in parallel, beside v7's "carry" default). Needs the carried .anchors/ (mamba_ssm
 # 2.3.2.post1's source tree and .anchors/wheels/einops-*.whl, git-ignored) and .whl.
 #   source .ci/h200/setup.sh && bash .ci/h200/h35_ssd3.sh
-# Steps: the bf16-vs-fp32 bars on the GPU (the default, the three `scan` "blocks" rows, tf32 with
-# fp32 states; each row also checks the no_grad forward; timeout 60); the bench of the headline
+# Steps: the bf16-vs-fp32 bars on the GPU (the default, `scan` "blocks" at state chunks of 4 and 8,
+# tf32 with fp32 states; each row also checks the no_grad forward; timeout 60); the bench of the headline
 # case with mamba-ssm's rows, the kernel profile of ours / ours_fwd and the ten sweep rows of
 # kernel_templates/ssd/bench.py's SWEEP (they come with `ours`, after the other rows):
 # ours@scan=blocks (fwd+bwd) and ours@scan=blocks_fwd, ours@scan=blocks,scan_maxnreg=0_fwd,
