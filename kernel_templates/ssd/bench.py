@@ -76,10 +76,10 @@ SHAPES = (
 # them. The P <= 64 default (family.py): state chunks of 4 kernel chunks (256 tokens, as the
 # models' chunk) whose chunk output kernel carries the state through them ("carry": 1.305 ms
 # forward on the H200, graph 1.104, mamba-ssm 0.602), bf16 end-state gradients, the backward's N
-# tiles at 64. Beside it, template v8's `scan` "blocks" (every chunk in parallel; forward only
-# without a backward: the earlier chunks of a state chunk as [64, 64] C B^T blocks, 128 registers
-# under its cap in the sm_90 bf16 build: two programs of 8 warps per SM; with one: each chunk's
-# incoming state formed and stored, 255 registers) at the default, uncapped (scan_maxnreg 0,
+# tiles at 64. Beside it, template v8's `scan` "blocks" (every chunk in parallel, the earlier
+# chunks of a state chunk as [64, 64] C B^T blocks; without a backward to come 128 registers under
+# its cap in the sm_90 bf16 build: two programs of 8 warps per SM; with one each chunk's incoming
+# state is formed and stored beside y: 247 registers) at the default, uncapped (scan_maxnreg 0,
 # 133 registers), with the chunk-state kernel over all 128 state columns (STATE_N 128: x read
 # once, not twice), with kernel chunks of 128 (2 per state chunk; uncapped: 251 registers, 400
 # bytes of spills under the cap) and with state chunks of 8

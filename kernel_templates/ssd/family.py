@@ -98,13 +98,13 @@ FAMILY = FamilySpec(
     # pulls dy on each state chunk's incoming state, passes over the state chunks, then fills in
     # each state chunk's own chunks' end-state gradients in a reverse loop per state chunk.
     # scan (v8; STATE_CHUNKS > 1): "carry" the chunk output program per state chunk above;
-    # "blocks" one program per (chunk, head, P block), all chunks in parallel. Without a backward
-    # to come: the state chunk's incoming state's term plus the intra-state-chunk quadratic term
-    # tiled in [CHUNK, CHUNK] blocks (its own chunk's causal one and one per earlier chunk of the
-    # state chunk, the groups' C B^T blocks computed once beforehand), as a chunk of CHUNK *
-    # STATE_CHUNKS tokens with its C B^T tiled. With a backward to come: each program forms its
-    # chunk's incoming state from the state chunk's and its earlier chunks' products (SCAN_N
-    # columns at a time), stores it for the backward and dots it with C. scan_maxnreg: the
+    # "blocks" one program per (chunk, head, P block), all chunks in parallel: the state chunk's
+    # incoming state's term plus the intra-state-chunk quadratic term tiled in [CHUNK, CHUNK]
+    # blocks (its own chunk's causal one and one per earlier chunk of the state chunk, the groups'
+    # C B^T blocks computed once beforehand), as a chunk of CHUNK * STATE_CHUNKS tokens with its
+    # C B^T tiled. With a backward to come each program also forms its chunk's incoming state from
+    # the state chunk's and its earlier chunks' products (SCAN_N columns at a time) and stores it
+    # for the backward (y the same as without). scan_maxnreg: the
     # "blocks" kernel's register cap (Triton's `maxnreg`; 0 none): 128 lets two programs of 8
     # warps share an SM (the sm_90 bf16 build at P 64, N 128: 133 registers uncapped, 128 and no
     # spills capped). DBC_SPLIT (v8; `dbc` "group"): programs per group of the dB/dC kernel, each
