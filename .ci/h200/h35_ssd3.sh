@@ -3,7 +3,8 @@
 # 2.3.2.post1's source tree and .anchors/wheels/einops-*.whl, git-ignored) and .whl.
 #   source .ci/h200/setup.sh && bash .ci/h200/h35_ssd3.sh
 # Steps: the bf16-vs-fp32 bars on the GPU (the default, `scan` "blocks" at state chunks of 4 and 8,
-# tf32 with fp32 states; each row also checks the no_grad forward; timeout 60); the bench of the headline
+# tf32 with fp32 states; each row also checks the no_grad forward; -v: each row's line as it ends,
+# should the 60 s timeout cut the last); the bench of the headline
 # case with mamba-ssm's rows, the kernel profile of ours / ours_fwd and the ten sweep rows of
 # kernel_templates/ssd/bench.py's SWEEP (they come with `ours`, after the other rows):
 # ours@scan=blocks (fwd+bwd) and ours@scan=blocks_fwd, ours@scan=blocks,scan_maxnreg=0_fwd,
@@ -22,7 +23,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .anchors/wheels/*.whl || echo "einops wheel not carried: the mamba_ssm rows will be skipped"
 export PYTHONPATH=$PYTHONPATH:/tmp/site_anchor
 stamp ssd-bars
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests/test_ssd.py -k bf16_vs_fp32 -rxXs \
+timeout 60 python3 -m pytest -v -p no:cacheprovider tests/kernel_tests/test_ssd.py -k bf16_vs_fp32 -rxXs \
   2>&1 | tee "$O/ssd_bars.txt" | tail -20
 stamp ssd-bench
 ONBOARD_ANCHOR_MAMBA_SSM=$PWD/.anchors timeout 140 onboard bench --family ssd --case '^B1T8192H128' \
