@@ -258,11 +258,13 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # AOT: 66 KB shared at 3 and at 4 stages, `async_wait num = 0` at the loop's top); without it 3
 # stages prefetch two steps (98 KB, 112 registers: still two programs per SM), 4 stages three;
 # the persistent kernel on such rows likewise (4 stages: 164 KB, 152 registers, three steps).
-# Untimed (the session's device time ran out); swiglu and mlp only. dw_grouped_mm: both weight
+# dw_sorted: 51.66 ms at DeepSeek-V3 N8192 fwd+bwd, 8.10 / 8.35 at Qwen3-Next uniform / Zipf
+# (twentieth session, beside the numbers at _DW_GPU below); swiglu and mlp only. dw_grouped_mm: both weight
 # gradients (and with `bias` the bias gradients, per-expert row sums by index_add) by
 # torch._grouped_mm on slot-ordered copies of x[tok] and dy[tok], grouped over the reduction dim
 # (each expert's rows); ahead of dw_persistent / dw_sorted. On a GPU for bf16 on sm_90+ with rows
-# of a multiple of 8 elements only (else the Triton kernels); swiglu and mlp only. Untimed.
+# of a multiple of 8 elements only (else the Triton kernels); swiglu and mlp only. The GPU buckets'
+# default (timed: see _DW_GPU).
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
                  "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),
                  "down_stages": (0, 2, 3, 4), "DW_BLOCK_M": (0, 16, 32, 64, 128),
@@ -316,9 +318,16 @@ _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_
 # gain; dx 128 x 128: 62.09); dx took 10.12 ms of the step at 64 x 128. Measured beside the
 # persistent weight-gradient kernel; with the grid ones (the default) the sum is not yet timed.
 _DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}
+# Weight gradients by torch._grouped_mm on slot-ordered rows (`dw_grouped_mm`; twentieth session,
+# `bash .ci/h200/call_j.sh`, H200, fwd+bwd, one timing per sweep row beside the interleaved
+# `ours` / `_grouped_mm` medians): DeepSeek-V3 N8192 46.76 ms against 53.28 with the grid dW
+# kernels (the anchor 51.09), Qwen3-Next uniform 7.85 against 8.21 (anchor 8.88), Zipf 8.25
+# against 8.22 (anchor 9.73); its GPU bf16 tests passed in the same call.
+_DW_GPU = {"dw_grouped_mm": True}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
-                  **_DW_TILES, **_DX_TILES_BIG}
+                  **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU}
+_GPU_TILES = {**_GPU_TILES, **_DW_GPU}
 
 FAMILY = FamilySpec(
     name=NAME,
