@@ -360,11 +360,33 @@ def _train_section(run_dir: Path) -> str | None:
         out += ["", f"Capacity factor: {m['dropped_tokens']:,} (token, expert) pairs dropped "
                 f"over {m['steps']} steps ({100 * (m['dropped_share'] or 0):.1f}% of the routed "
                 "pairs on average)."]
+    out += _kernel_lines(train)
     if (train / "balance.png").exists():
         out += ["", "![expert load balance](train/balance.png)"]
     if (train / "adapter" / "adapter_config.json").exists():
         out += ["", "Adapters exported in PEFT format: `train/adapter/`."]
     return "\n".join(out)
+
+
+def _kernel_lines(train: Path) -> list[str]:
+    """Which kernels each run patched, and why a patch fell back to the model's torch path (the
+    first step's row: patches calibrate on their first call)."""
+    out = []
+    for role in ("reference", "parallel"):
+        path = train / f"{role}.jsonl"
+        if not path.exists():
+            continue
+        row = next((r for r in map(json.loads, path.read_text().splitlines()) if "kernels" in r), None)
+        if row is None:
+            continue
+        used = ", ".join(f"{k} {n}" for k, n in sorted(row["kernels"].items()) if not k.startswith("rejected:"))
+        out += ["", f"Kernels patched in the {role} run: {used or 'none'}."]
+        rejected = row.get("kernels_rejected") or {}
+        if rejected:
+            out += [f"Rejected at their first call (these blocks ran the model's torch path), "
+                    f"{len(rejected)}:", ""]
+            out += [f"- `{path_}`: {why}" for path_, why in sorted(rejected.items())]
+    return out
 
 
 SECTIONS.append(_train_section)

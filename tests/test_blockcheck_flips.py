@@ -9,6 +9,8 @@ check choose the device by the same function."""
 
 from __future__ import annotations
 
+import re
+
 import json
 import sys
 from pathlib import Path
@@ -321,7 +323,7 @@ def test_phimoe_router_with_logits_rounded_to_bf16(monkeypatch, probe):
         assert v.passed and [s.excluded_rows for s in v.sizes] == [0, 0, 0, 2], v.reason
     else:
         assert not v.passed and v.reason.startswith("out1: FAIL"), v.reason
-        assert "(0.505003 vs 1.01001)" in v.reason
+        assert re.search(r"\(0\.5050\d* vs 1\.010?\d*\)", v.reason), v.reason  # last digits vary by host
         assert v.reason.endswith("(batch 3, seq 13, bf16)")
 
 

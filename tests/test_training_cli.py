@@ -174,9 +174,16 @@ def test_compare_verdicts_plots_and_report(tmp_path):
     assert not res["passed"] and "step 4 missing in the parallel run" in res["summary"]
     TrainConfig(model="hf:qwen3_moe", out=str(tmp_path), nproc=2, ep=2).to_toml(
         tmp_path / "train.toml")
+    rows = [json.loads(line) for line in (train / "reference.jsonl").read_text().splitlines()]
+    rows[0].update(kernels={"norm.rms": 3, "rejected:linear_attention.gated_delta": 1},
+                   kernels_rejected={"model.layers.4.linear_attn": "output: FAIL rel_rms=1.70e-02"})
+    (train / "reference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = build_report(tmp_path, title="t").read_text()
     assert "## Training" in report and "FAIL" in report and "train/loss.png" in report
     assert "fsdp 1 x ep 2" in report
+    # the first step's patches, and why one fell back to the torch path
+    assert "Kernels patched in the reference run: norm.rms 3." in report
+    assert "- `model.layers.4.linear_attn`: output: FAIL rel_rms=1.70e-02" in report
 
 
 @pytest.mark.slow  # two launches of fresh processes: ~40-70 s on 2 busy cores
