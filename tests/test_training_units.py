@@ -382,7 +382,7 @@ def test_flops_unchanged_when_experts_are_sharded(built):
 
 def test_cpu_peak_memory_is_in_bytes_and_covers_what_the_process_holds():
     """`peak_memory` on the CPU (the process's max RSS; Linux reports KiB): at least the resident
-    set of this moment, a 64 MiB tensor included, and no more than the machine has (a KiB/byte
+    set of this moment, a 256 MiB tensor included, and no more than the machine has (a KiB/byte
     slip either way fails). The peak may sit far above the moment's resident set: Linux carries
     it over from the process that forked this one."""
     import os
@@ -399,9 +399,11 @@ def test_cpu_peak_memory_is_in_bytes_and_covers_what_the_process_holds():
 
     cpu = torch.device("cpu")
     before, rss_before = peak_memory(cpu), resident()
-    held = torch.ones(16 * 2**20)  # 64 MiB of fp32, every page written
+    held = torch.ones(64 * 2**20)  # 256 MiB of fp32, every page written
     rss_held = resident()
-    assert rss_held - rss_before >= 0.9 * held.numel() * held.element_size()  # the set-up
+    # the set-up (half: other memory of this pytest worker may be released meanwhile; CI at
+    # 2db1ba4 saw 64 MiB fall under 0.9 of itself once)
+    assert rss_held - rss_before >= 0.5 * held.numel() * held.element_size()
     after = peak_memory(cpu)
     # the kernel's RSS counters are synced lazily: the peak may read a few pages under statm
     assert before <= after and 0.95 * rss_held <= after <= page * os.sysconf("SC_PHYS_PAGES"), \
