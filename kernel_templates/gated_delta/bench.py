@@ -7,12 +7,7 @@ default and fla."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-
-from onboarding.bench.cases import N_SETS, config_sweep, fwd_sweep, kernel
-from onboarding.bench.cases_linear_attention import CHUNK, delta_rule_case, make_inputs
+from onboarding.bench.cases_linear_attention import delta_rule_case, sweep_rows
 from onboarding.bench.harness import BenchCase
 from onboarding.families import NightlySpec
 
@@ -28,26 +23,12 @@ SHAPES = (
 # proxy's forward has a layer where the default 16-bit Tm dots land at 1.1e-2 relative RMS of the
 # fp32 path (fla 4.2e-3, tf32 Tm dots 3.3e-3; docs/LOG.md, twentieth session); these rows time it.
 SWEEP = ({"tm_dot": "tf32"},)
-SWEEP_ROWS = tuple(f"ours@{k}={v}{end}" for cfg in SWEEP for k, v in cfg.items() for end in ("_fwd", ""))
-
-
-def _with_sweep(case: BenchCase, B: int, T: int, HK: int, HV: int, D: int) -> BenchCase:
-    def setup(device):
-        steps = case.setup(device)
-        mod, entry = kernel("gated_delta", "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
-        sets = [make_inputs(False, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
-        fn = lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)  # noqa: E731
-        gen = torch.Generator(device=device).manual_seed(N_SETS)
-        grads = [torch.randn(B, T, HV, D, device=device, generator=gen).to(torch.bfloat16)]
-        steps.update({k + "_fwd": v for k, v in fwd_sweep(mod, fn, sets, D, list(SWEEP)).items()})
-        steps.update(config_sweep(mod, lambda *a: fn(*a)[0], sets, grads, D, list(SWEEP)))
-        return steps
-
-    return dataclasses.replace(case, setup=setup, on_request=(*case.on_request, *SWEEP_ROWS))
+SWEEP_ROWS = sweep_rows(SWEEP, SWEEP)
 
 
 def cases() -> list[BenchCase]:
-    return [_with_sweep(delta_rule_case("gated_delta", *shape, per_channel=False), *shape[:5]) for shape in SHAPES]
+    return [delta_rule_case("gated_delta", *shape, per_channel=False, fwd_sweep=SWEEP, bwd_sweep=SWEEP)
+            for shape in SHAPES]
 
 
 # The nightly regression suite's share (issue 5's shape; fla's anchors are left out (its autotune takes minutes)).

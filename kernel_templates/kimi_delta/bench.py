@@ -7,12 +7,7 @@ default and fla."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
-
-from onboarding.bench.cases import N_SETS, config_sweep, fwd_sweep, kernel
-from onboarding.bench.cases_linear_attention import CHUNK, delta_rule_case, make_inputs
+from onboarding.bench.cases_linear_attention import delta_rule_case, sweep_rows
 from onboarding.bench.harness import BenchCase
 from onboarding.families import NightlySpec
 
@@ -41,32 +36,12 @@ BWD_SWEEP = ({"kda_qk": "tiles"}, {"kda_qk": "tiles", "kda_qk_bk": 16},
              {"kda_wy_warps": 8, "kda_state_bwd_warps": 8})
 
 
-def _label(cfg: dict) -> str:
-    return "ours@" + "+".join(f"{k}={v}" for k, v in cfg.items())
-
-
-SWEEP_ROWS = (*(_label(cfg) + "_fwd" for cfg in FWD_SWEEP), *(_label(cfg) for cfg in BWD_SWEEP))
-
-
-def _with_sweep(case: BenchCase, B: int, T: int, HK: int, HV: int, D: int) -> BenchCase:
-    def setup(device):
-        steps = case.setup(device)
-        mod, entry = kernel("kimi_delta", "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
-        sets = [make_inputs(True, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
-        fn = lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)  # noqa: E731
-        for cfg in FWD_SWEEP:
-            steps[_label(cfg) + "_fwd"] = next(iter(fwd_sweep(mod, fn, sets, D, [cfg]).values()))
-        gen = torch.Generator(device=device).manual_seed(N_SETS)
-        grads = [torch.randn(B, T, HV, D, device=device, generator=gen).to(torch.bfloat16)]
-        for cfg in BWD_SWEEP:  # the output o only, as the `ours` row
-            steps[_label(cfg)] = next(iter(config_sweep(mod, lambda *a: fn(*a)[0], sets, grads, D, [cfg]).values()))
-        return steps
-
-    return dataclasses.replace(case, setup=setup, on_request=(*case.on_request, *SWEEP_ROWS))
+SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)
 
 
 def cases() -> list[BenchCase]:
-    return [_with_sweep(delta_rule_case("kimi_delta", *shape, per_channel=True), *shape[:5]) for shape in SHAPES]
+    return [delta_rule_case("kimi_delta", *shape, per_channel=True, fwd_sweep=FWD_SWEEP, bwd_sweep=BWD_SWEEP)
+            for shape in SHAPES]
 
 
 # The nightly regression suite's share (the smaller shape, our kernel alone (the fallback takes 82 ms a forward there)).

@@ -15,7 +15,11 @@ backward of the output ``o``):
   limited by KDA_EAGER_MAX_T (forward only, no compile) and its check by KDA_CHECK_MAX_T, so that
   the family's bench stays under a minute;
 - ``fla`` / ``fla_fwd``: fla's ``chunk_gated_delta_rule`` / ``chunk_kda``, when fla is installed.
-  A failing fla (its fwd+bwd refuses on triton < 3.7.1 on Hopper) gives an error row.
+  A failing fla (its fwd+bwd refuses on triton < 3.7.1 on Hopper) gives an error row;
+- ``ours@<key>=<value>[+...]`` (forward + backward) and ``..._fwd`` (forward): a family's sweep
+  rows (`delta_rule_case`'s ``fwd_sweep`` / ``bwd_sweep``), each pinning its config on ``ours``'s
+  module for the case's bucket while it runs, on ``ours``'s inputs; on request only (``--impl``
+  names them; its list splits at commas, hence the "+").
 
 ``check``: the bf16 kernel against the fp32 fallback on the same (bf16-representable) values:
 relative RMS error of ``o``, the final state ``ht`` and ``dq, dk, dv, dg, dbeta`` (backward of
@@ -33,7 +37,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, kernel, shared_inputs
+from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.testing.tolerance import rel_rms
 
@@ -100,9 +104,20 @@ def fla_function(per_channel: bool) -> Callable | None:
     return broken
 
 
-def _ours(family: str) -> Callable:
-    _, entry = kernel(family, "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
-    return lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)
+def _ours(family: str):
+    """The rendered ``chunk`` module and its entry on (q, k, v, g, beta)."""
+    mod, entry = kernel(family, "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
+    return mod, lambda q, k, v, g, beta: entry(q, k, v, g, beta, None, None, True, True)
+
+
+def sweep_label(cfg: dict) -> str:
+    """A sweep row's name: ``ours@`` and the config's keys joined by "+"."""
+    return "ours@" + "+".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def sweep_rows(fwd_sweep: tuple[dict, ...] = (), bwd_sweep: tuple[dict, ...] = ()) -> tuple[str, ...]:
+    """The names of the sweep rows `delta_rule_case` adds (forward rows end in ``_fwd``)."""
+    return (*(sweep_label(c) + "_fwd" for c in fwd_sweep), *(sweep_label(c) for c in bwd_sweep))
 
 
 @shared_inputs
@@ -130,7 +145,7 @@ def _first(fn: Callable) -> Callable:
 def _check(family: str, per_channel: bool, B: int, T: int, HK: int, HV: int, D: int
            ) -> Callable[[torch.device], dict[str, float]]:
     def check(device: torch.device) -> dict[str, float]:
-        ours, ref = _ours(family), transformers_fallback(per_channel)
+        ours, ref = _ours(family)[1], transformers_fallback(per_channel)
         leaves = make_inputs(per_channel, B, T, HK, HV, D, device, seed=0)
         gen = torch.Generator(device=device).manual_seed(7)
         do = torch.randn(B, T, HV, D, device=device, generator=gen).to(torch.bfloat16)
@@ -150,11 +165,17 @@ def _check(family: str, per_channel: bool, B: int, T: int, HK: int, HV: int, D: 
 
 
 def _steps(family: str, per_channel: bool, B: int, T: int, HK: int, HV: int, D: int,
-           device: torch.device) -> dict[str, Step]:
+           device: torch.device, fwd_cfgs: tuple = (), bwd_cfgs: tuple = ()) -> dict[str, Step]:
+    """The case's rows; ``fwd_cfgs`` / ``bwd_cfgs``: the sweeps' configs as item tuples (hashable,
+    for `shared_inputs`)."""
     sets = [make_inputs(per_channel, B, T, HK, HV, D, device, seed=s) for s in range(N_SETS)]
     grads = [torch.randn(B, T, HV, D, device=device, dtype=torch.bfloat16)]
-    ours, eager = _ours(family), transformers_fallback(per_channel)
+    (mod, ours), eager = _ours(family), transformers_fallback(per_channel)
     steps = {"ours": fwd_bwd(_first(ours), sets, grads), "ours_fwd": fwd_only(ours, sets)}
+    for cfg in map(dict, fwd_cfgs):
+        steps[sweep_label(cfg) + "_fwd"] = next(iter(fwd_sweep(mod, ours, sets, D, [cfg]).values()))
+    for cfg in map(dict, bwd_cfgs):  # the output o only, as the `ours` row
+        steps[sweep_label(cfg)] = next(iter(config_sweep(mod, _first(ours), sets, grads, D, [cfg]).values()))
     if not per_channel:
         steps["eager"] = fwd_bwd(_first(eager), sets, grads)
     if not per_channel or T <= KDA_EAGER_MAX_T:
@@ -170,9 +191,12 @@ def _steps(family: str, per_channel: bool, B: int, T: int, HK: int, HV: int, D: 
 
 
 def delta_rule_case(family: str, B: int, T: int, HK: int, HV: int, D: int, note: str = "", *,
-                    per_channel: bool) -> BenchCase:
+                    per_channel: bool, fwd_sweep: tuple[dict, ...] = (),
+                    bwd_sweep: tuple[dict, ...] = ()) -> BenchCase:
     """One case of `family`'s ``chunk`` kernel (a [B, T, HV, D] decay when `per_channel`, else
-    [B, T, HV]); nothing touches a device until the harness calls `setup` or `check`."""
+    [B, T, HV]), with the sweep rows of `fwd_sweep` / `bwd_sweep` on request (`sweep_rows`);
+    nothing touches a device until the harness calls `setup` or `check`."""
+    fwd_cfgs, bwd_cfgs = (tuple(tuple(c.items()) for c in sweep) for sweep in (fwd_sweep, bwd_sweep))
     heads = f"H{HK}" if HK == HV else f"H{HK}/{HV}"
     G = D if per_channel else 1
     # Bytes: q, k, v, beta (bf16) and g (fp32) read in the forward and again in the backward,
@@ -188,7 +212,8 @@ def delta_rule_case(family: str, B: int, T: int, HK: int, HV: int, D: int, note:
         family=family, name=f"B{B}T{T}{heads}D{D}",
         shape={"B": B, "T": T, "HK": HK, "HV": HV, "D": D},
         min_bytes=min_bytes, flops=flops,
-        setup=lambda device: _steps(family, per_channel, B, T, HK, HV, D, device),
+        setup=lambda device: _steps(family, per_channel, B, T, HK, HV, D, device, fwd_cfgs, bwd_cfgs),
+        on_request=sweep_rows(fwd_sweep, bwd_sweep),
         check=None if per_channel and T > KDA_CHECK_MAX_T
         else _check(family, per_channel, B, T, HK, HV, D),
         note=note)
