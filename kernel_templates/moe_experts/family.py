@@ -311,23 +311,22 @@ _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num
 # SM at 118 registers): fwd+bwd 64.17 ms against 56.95 at DeepSeek-V3 N8192 (its two launches
 # 32.98 ms), 10.50 against 8.40 at Qwen3-Next. It stays an option, off.
 _DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps": 8, "dw_stages": 3}
-_GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-                            _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES}
-# dx's own 128 x 256 tile with the backward's weights by TMA (same run, sweep rows): 61.88 ms
-# fwd+bwd at DeepSeek-V3 N8192 against 64.28 with TMA alone (TMA alone: 64.28 against 64.17, no
-# gain; dx 128 x 128: 62.09); dx took 10.12 ms of the step at 64 x 128. Measured beside the
-# persistent weight-gradient kernel; with the grid ones (the default) the sum is not yet timed.
-_DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}
 # Weight gradients by torch._grouped_mm on slot-ordered rows (`dw_grouped_mm`; twentieth session,
 # `bash .ci/h200/call_j.sh`, H200, fwd+bwd, one timing per sweep row beside the interleaved
 # `ours` / `_grouped_mm` medians): DeepSeek-V3 N8192 46.76 ms against 53.28 with the grid dW
 # kernels (the anchor 51.09), Qwen3-Next uniform 7.85 against 8.21 (anchor 8.88), Zipf 8.25
 # against 8.22 (anchor 9.73); its GPU bf16 tests passed in the same call.
 _DW_GPU = {"dw_grouped_mm": True}
+_GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                            _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES, **_DW_GPU}
+# dx's own 128 x 256 tile with the backward's weights by TMA (same run, sweep rows): 61.88 ms
+# fwd+bwd at DeepSeek-V3 N8192 against 64.28 with TMA alone (TMA alone: 64.28 against 64.17, no
+# gain; dx 128 x 128: 62.09); dx took 10.12 ms of the step at 64 x 128. Measured beside the
+# persistent weight-gradient kernel; with the grid ones (the default) the sum is not yet timed.
+_DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
                   **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU}
-_GPU_TILES = {**_GPU_TILES, **_DW_GPU}
 
 FAMILY = FamilySpec(
     name=NAME,
