@@ -9,9 +9,7 @@
 #   bash .ci/h200/call_i.sh
 set -o pipefail
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-rm -rf /tmp/clean && mkdir -p /tmp/clean && tar xzf .clean/head.tgz -C /tmp/clean
-cp -r .whl .whl_fla /tmp/clean/ && cd /tmp/clean && git init -q 2>/dev/null
-source .ci/h200/setup.sh || exit 1
+source .ci/h200/clean.sh || exit 1
 t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 cat > kernels/gated_delta/chunk_fe7bb168.tuned.json <<'J'
 {"buckets": {"k_le_64": {"config": {"tm_dot": "tf32"}}, "k_le_128": {"config": {"tm_dot": "tf32"}}}}

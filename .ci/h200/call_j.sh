@@ -6,9 +6,7 @@
 #   bash .ci/h200/call_j.sh      (carry .whl, .whl_fla, .clean)
 set -o pipefail
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-rm -rf /tmp/clean && mkdir -p /tmp/clean && tar xzf .clean/head.tgz -C /tmp/clean
-cp -r .whl .whl_fla /tmp/clean/ && cd /tmp/clean && git init -q 2>/dev/null
-source .ci/h200/setup.sh || exit 1
+source .ci/h200/clean.sh || exit 1
 t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 left() { local l=$(( ${BUDGET:-470} - $(date +%s) + t0 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 T=tests/kernel_tests/test_kimi_delta.py
