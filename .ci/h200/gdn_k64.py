@@ -1,7 +1,8 @@
 """Device check (issue 34): the gated-delta kernel at the 4B Qwen3-Next proxy's call shape
 (B8 T2048 H32 K=V=64 bf16, l2norm in the kernel), forward + backward, under each `tm_dot`, with
 CUDA_LAUNCH_BLOCKING=1 so that a faulting kernel names itself; the reviewed module (the one
-training patches) and the template's current render.   python3 .ci/h200/gdn_k64.py
+training patches) and the template's current render (names after B and T: only those; a fault
+poisons the CUDA context, so a faulting module ends the run).   python3 .ci/h200/gdn_k64.py [B T [reviewed|render ...]]
 """
 import os, sys, tempfile, traceback
 from pathlib import Path
@@ -18,6 +19,7 @@ src = templating.render(family_module("gated_delta").FAMILY, "chunk", {"chunk_si
 mods["render"] = templating.load_module(templating.write_module(src, Path(tempfile.mkdtemp()) / "gd" / "chunk.py"))
 gen = torch.Generator(dev).manual_seed(0)
 B, T = (int(x) for x in sys.argv[1:3]) if len(sys.argv) > 2 else (8, 2048)
+mods = {n: m for n, m in mods.items() if n in sys.argv[3:]} if len(sys.argv) > 3 else mods
 for hk, hv, d in ((32, 32, 64), (16, 32, 64), (16, 32, 128)):
     for name, mod in mods.items():
         for tm in ("input", "tf32"):
