@@ -24,15 +24,15 @@ SHAPES = (
 # them: ours@kda_prep=split_fwd): the default bench and the nightly suite leave them (and their
 # compiles) out.
 FWD_SWEEP = ({"kda_prep": "split"},)
-# Forward + backward rows of the backward's alternatives (family.py: `kda_qk` "tiles", its K tile
-# and the backward kernels' warps), on the same inputs as `ours`; on request only. Their names
-# join the keys with "+" (``ours@kda_qk=tiles+kda_qk_bk=16``), so that --impl can name them.
-# sm_90 AOT (bf16, K = 128; registers / spill bytes): qkt BK 32 4 warps 255 / 1152, BK 16 255 / 0,
-# BK 32 8 warps 255 / 56; wyt 4 warps 255 / 1672, 8 warps 255 / 164; the serial wy 255 / 1544 and
-# qk 255 / 5480 at 4 warps; the state pass 255 / 1228 at 4 warps, 255 / 96 at 8.
+# Forward + backward rows of the backward's alternatives (family.py: `kda_qk` "serial", the tiled
+# default's K tile, the backward kernels' warps), on the same inputs as `ours`; on request only.
+# Their names join the keys with "+" (``ours@kda_qk_bk=16+kda_wy_warps=8``), so that --impl can name
+# them. sm_90 AOT (bf16, K = 128; registers / spill bytes): qkt BK 32 4 warps 255 / 1152, BK 16
+# 255 / 0, BK 32 8 warps 255 / 56; wyt 4 warps 255 / 1672, 8 warps 255 / 164; the serial wy
+# 255 / 1544 and qk 255 / 5480 at 4 warps; the state pass 255 / 1228 at 4 warps, 255 / 96 at 8.
 # Four rows keep one GPU call's bench within ~3 min beside fla's first-call autotuning.
-BWD_SWEEP = ({"kda_qk": "tiles"}, {"kda_qk": "tiles", "kda_qk_bk": 16},
-             {"kda_qk": "tiles", "kda_qk_bk": 16, "kda_wy_warps": 8, "kda_state_bwd_warps": 8},
+BWD_SWEEP = ({"kda_qk": "serial"}, {"kda_qk_bk": 16},
+             {"kda_qk_bk": 16, "kda_wy_warps": 8, "kda_state_bwd_warps": 8},
              {"kda_wy_warps": 8, "kda_state_bwd_warps": 8})
 
 

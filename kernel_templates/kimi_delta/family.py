@@ -45,12 +45,13 @@ PARAMS = _base.PARAMS
 #   always has it.
 # kda_gram_warps, kda_wu_warps: the split kernels' warps (0: num_warps). The w/u kernel streams
 #   (sm_90 AOT: 198 registers at 4 warps, 80 at 8): 8, untimed.
-# kda_qk: the chunk-local backward's second half. "serial" (default): `kda_chunk_bwd_qk_kernel`
-#   per (chunk, key head) over the K tiles in turn, the l2norm backward in a second pass over dq
-#   and dk stored in fp32 (H200, v18: 2.140 ms of a 3.9 ms backward at B1 T8192 H32 D128; sm_90
-#   AOT bf16 255 registers, 5480 B of spills). "tiles" (`_kda_bwd.py.j2`): the wy kernel also
-#   writes the l2norm row dots and dA beta, dAqk scale in IDT, and `kda_chunk_bwd_qkt_kernel`
-#   runs per (K tile, chunk, key head) in one visit. Untimed: the bench's sweep rows decide.
+# kda_qk: the chunk-local backward's second half. "tiles" (default, `_kda_bwd.py.j2`): the wy kernel
+#   also writes the l2norm row dots and dA beta, dAqk scale in IDT, and `kda_chunk_bwd_qkt_kernel`
+#   runs per (K tile, chunk, key head) in one visit. H200 (twentieth session, B1 H32 D128 bf16):
+#   fwd+bwd 3.872 ms against 5.003 for "serial" at T8192, 14.501 against 18.913 at T32768; its GPU
+#   bars passed (twenty-first session). "serial": `kda_chunk_bwd_qk_kernel` per (chunk, key head)
+#   over the K tiles in turn, the l2norm backward in a second pass over dq and dk stored in fp32
+#   (v18: 2.140 ms of a 3.9 ms backward at T8192; sm_90 AOT bf16 255 registers, 5480 B of spills).
 # kda_qk_bk: the K tile of the "tiles" qk kernel (0: BK). kda_qk_warps, kda_wy_warps: warps of the
 #   backward's qk and wy kernels, either form (0: num_warps). kda_state_bwd_warps: warps of the
 #   reverse state pass (0: num_warps; sm_90 AOT bf16: 1228 B of spills at 4 warps, 96 at 8).
@@ -59,7 +60,7 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_chunk
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_state_bwd_warps": (0, 4, 8)}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_chunk_ref": 0, "kda_gram_warps": 0,
-                  "kda_wu_warps": 8, "kda_qk": "serial", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
+                  "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_state_bwd_warps": 0}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)

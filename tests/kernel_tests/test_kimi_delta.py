@@ -79,10 +79,10 @@ def pinned(module, config: dict):
 
 # The forward's prepare step: split (a reference per 16-row block, else the exact diagonal
 # blocks), split with the one-reference-per-chunk tier first, the fused kernel (the default; it
-# always has the chunk tier); the fused kernel with the tiled backward (`kda_qk` "tiles"). The
-# backward's qk kernels (serial and tiled) always have the chunk tier.
+# always has the chunk tier); the fused kernel with the serial backward (`kda_qk` "serial"; the
+# default is "tiles"). The backward's qk kernels (serial and tiled) always have the chunk tier.
 PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
-                   "fused": {}, "fused_tiles": {"kda_qk": "tiles"}}
+                   "fused": {}, "fused_serial": {"kda_qk": "serial"}}
 BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
 
 
@@ -121,8 +121,8 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
-# The chunk-local backward's second half: the serial qk kernel (default) or the tiled one
-# (`_kda_bwd.py.j2`), at the default K tile and at 16 (K = 48: three tiles, the GPU's form of
+# The chunk-local backward's second half: the tiled qk kernel (`_kda_bwd.py.j2`, the default) or
+# the serial one, the tiled at the default K tile and at 16 (K = 48: three tiles, the GPU's form of
 # several K tiles per row), with and without the in-kernel l2norm.
 BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16}}
 
@@ -139,7 +139,8 @@ def test_tiled_backward_equals_serial(bwd, l2):
     args = make_inputs(case, True, torch.float32, DEVICE, gen)
     douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    _, serial = grads_of(module.entry, args, douts)
+    with pinned(module, {"kda_qk": "serial"}):
+        _, serial = grads_of(module.entry, args, douts)
     with pinned(module, BWD_CONFIGS[bwd]):
         (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
@@ -152,8 +153,8 @@ def test_tiled_backward_equals_serial(bwd, l2):
 @pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
                                           ("tiles", ["kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"])])
 def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
-    """The default is the serial qk kernel; `kda_qk` "tiles" launches the tiled pair only."""
-    assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "serial"
+    """The default is the tiled pair; `kda_qk` "serial" launches the serial pair only."""
+    assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "tiles"
     module = load(kimi_delta.FAMILY)
     launched = []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
