@@ -62,7 +62,10 @@ def _order(result: AlignmentResult, key: str) -> list[str]:
     return result.forward_order if key == "fwd" else result.backward_order
 
 
-@pytest.mark.parametrize("ref", ["hf:qwen3_next", "hf:kimi_linear", "hf:deepseek_v32"])
+# the two linear-attention proxies take 45-60 s each on 2 cores (every delta-rule kernel in the
+# interpreter): nightly; align_planted's kimi-kda cases keep a delta-rule alignment in CI
+@pytest.mark.parametrize("ref", [pytest.param("hf:qwen3_next", marks=pytest.mark.slow),
+                                 pytest.param("hf:kimi_linear", marks=pytest.mark.slow), "hf:deepseek_v32"])
 def test_patched_proxy_aligns(ref, parse_model, kernel_dir, tmp_path):
     graph, reference, candidate, inputs, kwargs = _setup(ref, parse_model)
     with patch_model(candidate, graph, _kernels(graph, kernel_dir)) as patches:

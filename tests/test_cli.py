@@ -102,6 +102,7 @@ def _onboard(*args, cwd):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # ~58 s on 2 cores; test_robustness keeps a signal-stopped resumable run in CI
 def test_run_killed_between_nodes_resumes(tmp_path):
     run_dir = tmp_path / "r"
     first = _onboard("run", "hf:qwen3_moe", "--out", str(run_dir), "--stop-after", "parse",

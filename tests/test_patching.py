@@ -311,7 +311,7 @@ def test_sparse_attention_wrong_kernel_is_rejected(tmp_path):
 # ---- moe.router (+ moe.experts) -------------------------------------------------------------
 @pytest.mark.parametrize("ref", ["hf:qwen3_moe", "hf:mixtral",
                                  pytest.param("hf:qwen3_next", marks=pytest.mark.slow),  # 45-60 s
-                                 "hf:deepseek_v32"])
+                                 pytest.param("hf:deepseek_v32", marks=pytest.mark.slow)])  # ~29 s
 def test_router_and_experts_patched_match_unpatched(parse_model, ref, tmp_path):
     g, cov, cands, model, inputs, kwargs = _prepare(parse_model, ref, tmp_path,
                                                     families={"moe_router", "moe_experts"})
@@ -335,6 +335,7 @@ def test_router_and_experts_patched_match_unpatched(parse_model, ref, tmp_path):
         assert torch.equal(model(*inputs, **kwargs).logits, expected)  # reversible
 
 
+@pytest.mark.slow  # ~35 s on 2 cores
 def test_clamped_experts_patched_match_unpatched(parse_model, tmp_path):
     """DeepSeek-V4's experts clamp gate and up before a SiLU: matched from the clamp style the
     classifier reads off the op order, patched, and equal to the unpatched model."""

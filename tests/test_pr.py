@@ -357,7 +357,7 @@ def onboard_process(*argv) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env={**os.environ, **GIT_ENV})
 
 
-@pytest.mark.parametrize("answer", ["approve", "reject"])
+@pytest.mark.parametrize("answer", ["approve", pytest.param("reject", marks=pytest.mark.slow)])  # ~29 s each
 def test_review_gate_pauses_and_resumes_in_a_new_process(run_dir, tmp_path, answer):
     """`--review`: the graph stops before the pr node (interrupt, checkpointed in SQLite) with
     the PR branch open; another process answers (`onboard pr approve RUN_DIR`, `onboard run

@@ -85,6 +85,7 @@ def _trials(result, storage_dir):
     return sorted(study.get_trials(), key=lambda t: t.number)
 
 
+@pytest.mark.slow  # ~35 s on 2 cores (a hung config waits out its timeout)
 def test_subprocess_gate_prunes_wrong_hung_and_crashing_configs(tmp_path):
     path = render_to(tmp_path / "k", "rmsnorm", "plain")
     path.write_text(path.read_text() + _SABOTAGE)
