@@ -136,7 +136,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=15,
+    template_version=14,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
