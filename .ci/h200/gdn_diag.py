@@ -4,40 +4,23 @@ kernel (when $FLA_SITE is on the path) and the fp32 path itself under (1 +- bf16
 perturbations of its inputs (the op's own conditioning). Prints one row per layer and writes
 $OUT/gdn_diag.json.   python3 .ci/h200/gdn_diag.py [B] [T]
 """
-import json, os, sys, tempfile, time
+import json, os, sys, time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 import transformers.models.qwen3_next.modeling_qwen3_next as M
 
-from onboarding.families import family_module
-from onboarding.generate import templating
+from gdn_proxy import fla_chunk, our_module, proxy
 from onboarding.patching.callswap import outputs_agree
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 T = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a smoke run (TRITON_INTERPRET=1)
-src = templating.render(family_module("gated_delta").FAMILY, "chunk", {"chunk_size": 64})
-mod = templating.load_module(templating.write_module(src, Path(tempfile.mkdtemp()) / "gd" / "chunk.py"))
+mod = our_module()
 ours = mod.gated_delta
-try:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-except Exception as e:  # noqa: BLE001
-    fla = None
-    print("fla absent:", type(e).__name__)
-
-cfg = Qwen3NextConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=12, num_attention_heads=16,
-                      num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
-                      linear_num_value_heads=32, linear_key_head_dim=64, linear_value_head_dim=64,
-                      shared_expert_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
-                      moe_intermediate_size=768, intermediate_size=6144, decoder_sparse_step=1)
-if dev.type == "cpu":
-    cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts, cfg.vocab_size = 4, 256, 4, 512
-    cfg.num_experts_per_tok, cfg.layer_types = 2, cfg.layer_types[:4]
-torch.manual_seed(0)
-with dev:
-    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16).eval()
+fla = fla_chunk()
+model = proxy(dev, small=dev.type == "cpu")
+cfg = model.config
 orig = M.torch_chunk_gated_delta_rule
 calls = []
 

@@ -6,37 +6,23 @@ our kernel (default and `tm_dot=tf32`) and fla's (when $FLA_SITE is on the path)
 also re-run alone (B1, one key and one value head) to show the error is the slice's own.
 Writes $OUT/gdn_slices.pt.   python3 .ci/h200/gdn_slice.py [call] [B] [T] [slices]
 """
-import os, sys, tempfile
+import os, sys
 from pathlib import Path
 
 import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 import transformers.models.qwen3_next.modeling_qwen3_next as M
 
-from onboarding.families import family_module
-from onboarding.generate import templating
+from gdn_proxy import fla_chunk, our_module, proxy
 
 CALL = int(sys.argv[1]) if len(sys.argv) > 1 else 7
 B = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 T = int(sys.argv[3]) if len(sys.argv) > 3 else 2048
 NS = int(sys.argv[4]) if len(sys.argv) > 4 else 4
 dev = torch.device("cuda")
-src = templating.render(family_module("gated_delta").FAMILY, "chunk", {"chunk_size": 64})
-mod = templating.load_module(templating.write_module(src, Path(tempfile.mkdtemp()) / "gd" / "chunk.py"))
-try:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
-except Exception as e:  # noqa: BLE001
-    fla = None
-    print("fla absent:", type(e).__name__)
-
-cfg = Qwen3NextConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=12, num_attention_heads=16,
-                      num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
-                      linear_num_value_heads=32, linear_key_head_dim=64, linear_value_head_dim=64,
-                      shared_expert_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
-                      moe_intermediate_size=768, intermediate_size=6144, decoder_sparse_step=1)
-torch.manual_seed(0)
-with dev:
-    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16).eval()
+mod = our_module()
+fla = fla_chunk()
+model = proxy(dev)
+cfg = model.config
 orig = M.torch_chunk_gated_delta_rule
 calls = []
 
