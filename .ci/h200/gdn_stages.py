@@ -15,7 +15,7 @@ from onboarding.families import family_module
 from onboarding.generate import templating
 
 NS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-dev = torch.device("cuda")
+dev = torch.device(os.environ.get("DEV", "cuda"))  # DEV=cpu with TRITON_INTERPRET=1: a smoke run
 src = templating.render(family_module("gated_delta").FAMILY, "chunk", {"chunk_size": 64})
 mod = templating.load_module(templating.write_module(src, Path(tempfile.mkdtemp()) / "gd" / "chunk.py"))
 data = torch.load(os.environ.get("SLICES", ".dev/gdn_slices.pt"))
@@ -36,6 +36,22 @@ for s in data["slices"][:NS]:
         runs[label]["u"] = u.float().cpu()
         err = ((runs[label]["o"][0, :, 0].double() - s["ref"].double()).norm() / s["ref"].double().norm()).item()
         print(f"b{s['b']} hv{s['hv']} {label}: o vs the fp32 torch path {err:.3e}", flush=True)
+    # hybrids: the default forward with one prepare output (w or u) taken from the tm_dot=tf32 run,
+    # to tell which of the two Tm dots carries the error
+    with torch.no_grad():
+        mod.set_config(None)
+        base = list(mod._prepare(q, k, v, g, beta, scale, True))
+        mod.set_config({"tm_dot": "tf32"})
+        wide = list(mod._prepare(q, k, v, g, beta, scale, True))
+        mod.set_config(None)
+        for label, idx in (("w from tf32", (0,)), ("u from tf32", (1,)), ("w and u from tf32", (0, 1))):
+            p = list(base)
+            for i in idx:
+                p[i] = wide[i].to(base[i].dtype)
+            h, vn, _ = mod._state_forward(p[0], p[1], p[2], p[5], None, v.shape[-1], q.dtype)
+            o = mod._output(p[3], h, p[4], vn, q.shape[1], v.dtype)
+            err = ((o[0, :, 0].double().cpu() - s["ref"].double()).norm() / s["ref"].double().norm()).item()
+            print(f"b{s['b']} hv{s['hv']} default with {label}: {err:.3e}", flush=True)
     if not out:
         out.append({"b": s["b"], "hv": s["hv"], "runs": {n: runs[n] for n in ("default", "tm_tf32")}})
 torch.save(out, Path(os.environ.get("OUT", "/tmp")) / "gdn_stages.pt")

@@ -93,7 +93,7 @@ SHAPES = (
 SWEEP = (({"scan": "blocks"}, "both"), ({"scan": "blocks", "scan_maxnreg": 0}, "fwd"),
          ({"scan": "blocks", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "CHUNK": 128, "STATE_CHUNKS": 2, "scan_maxnreg": 0}, "fwd"),
          ({"scan": "blocks", "STATE_CHUNKS": 8}, "fwd"), ({"DBC_SPLIT": 2}, "bwd"), ({"DBC_SPLIT": 4}, "bwd"),
-         ({"scan": "blocks", "DBC_SPLIT": 4}, "bwd"), ({"bwd_maxnreg": 128}, "bwd"))
+         ({"scan": "blocks", "DBC_SPLIT": 4}, "bwd"), ({"bwd_maxnreg": 0}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -157,7 +157,7 @@ FAMILY = FamilySpec(
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
-                            "BLOCK_N": 64, "DBC_N": 64}),
+                            "BLOCK_N": 64, "DBC_N": 64, "bwd_maxnreg": 128}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
     match=match,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import DEVICE
 from test_gated_delta import (
-    CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
+    CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
     check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
     dot_modes_on_cpu, fixture, grads_of, load, make_inputs, transformers_fns,
 )
@@ -379,8 +379,9 @@ def test_state_tile_fills_the_gpu(monkeypatch):
     check_state_bv_fills_gpu(kimi_delta.FAMILY, monkeypatch)
 
 
-def test_bf16_vs_fp32_on_gpu():
-    check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True)
+@pytest.mark.parametrize("case,slow", GPU_CASES)
+def test_bf16_vs_fp32_on_gpu(case, slow):
+    check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True, case, slow)
 
 
 # The bench's fwd+bwd sweep rows (bench.BWD_SWEEP): each within the bf16 bars on the GPU.
