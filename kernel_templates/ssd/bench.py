@@ -86,8 +86,8 @@ SHAPES = (
 # (512 tokens: a 16-step pass, half the stored state-chunk states of 4, up to 7 blocks per chunk);
 # and v8's DBC_SPLIT 2 and 4 (the dB/dC kernel's 2048 programs of 16 heads each split into 2 or 4
 # programs of 8 or 4 heads, partials summed by the host), alone and with `scan` "blocks"; and the
-# backward chunk and dB/dC kernels under a 128-register cap (two programs of 8 warps per SM instead
-# of one, 208 bytes of spills each in the sm_90 build).
+# backward chunk and dB/dC kernels without the bucket's 128-register cap (bwd_maxnreg 0, the
+# former default: one program of 8 warps per SM instead of two).
 # The earlier rows (v7's former default, state chunks of 2, DBC_N 32) were dropped to keep the
 # GPU call short (v7's former default: 5.554 ms fwd+bwd against 4.469 for today's default).
 SWEEP = (({"scan": "blocks"}, "both"), ({"scan": "blocks", "scan_maxnreg": 0}, "fwd"),
