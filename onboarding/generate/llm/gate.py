@@ -9,8 +9,8 @@
    and every gradient against ``block_forward`` at the block's captured size (two draws: inputs
    redrawn between calls) and at odd sizes, the replacement being `worker.Watched` (the runtime
    anti-cheat check: fresh allocations poisoned, Triton launches counted in both directions,
-   torch ops recorded, the kernel module's data globals compared); and the answer's reference
-   against the block.
+   torch ops recorded, the kernel module's data globals compared, in the interpreter every load
+   and store inside the launch's tensor arguments); and the answer's reference against the block.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def gate(answer: Answer, task: Any, *, spec: Any, out_dir: Path, timeout_s: floa
     cheat = next((w for w in (_cheat(a) for a in watched) if w), "")
     if not cheat and "anti-cheat" in verdict.reason:
         cheat = verdict.reason[verdict.reason.index("anti-cheat"):]
+    if not cheat and "out-of-bounds" in verdict.reason:  # the interpreter's bounds check (runtime.Monitor)
+        cheat = f"memory safety (runtime): {verdict.reason}"
     if cheat:
         return done(False, "runtime", cheat + (f" ({verdict.reason})" if verdict.reason and
                     "anti-cheat" not in verdict.reason else ""), static=static, aot=aot_rows, check=result)

@@ -7,7 +7,10 @@
   a custom op is followed into its Python implementation, so work cannot hide in one) and
   flags each op that is not allocation or layout glue (`GLUE`);
 - poisons fresh allocations: ``empty``-family ops return tensors filled with NaN, so an output
-  element the kernel never writes shows up in the comparison.
+  element the kernel never writes shows up in the comparison;
+- in Triton's interpreter, checks every load and store of a launch against the launch's tensor
+  arguments (`onboarding.testing.bounds`): an access outside them raises `OutOfBounds` where a
+  GPU would fault or corrupt memory, even when the numbers come out right.
 
 `module_state(mod)` snapshots a module's mutable globals (containers and tensors); two snapshots
 that differ mean the module wrote state during the calls between them (outputs kept from earlier
@@ -17,6 +20,7 @@ calls).
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -24,6 +28,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from onboarding.testing.bounds import bounds_checked
 
 # ATen ops a kernel wrapper may run in torch: allocation, layout, dtype moves, views
 GLUE = frozenset({
@@ -103,10 +109,13 @@ def _custom_impl(func: Any, args: tuple) -> Any:
 
 
 class Monitor:
-    """See the module docstring. ``poison``: fill ``empty`` allocations with NaN."""
+    """See the module docstring. ``poison``: fill ``empty`` allocations with NaN; ``bounds``:
+    the interpreter's bounds check (when kernels run in the interpreter)."""
 
-    def __init__(self, poison: bool = True):
+    def __init__(self, poison: bool = True, bounds: bool = True):
         self.poison = poison
+        self.bounds = bounds
+        self._bounds: Any = None
         self.record = RunRecord()
         self._local = threading.local()
         self._saved: list[tuple[type, Any]] = []
@@ -143,9 +152,15 @@ class Monitor:
             pass
         self._mode = _Recorder(self)
         self._mode.__enter__()
+        if self.bounds and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            self._bounds = bounds_checked()
+            self._bounds.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._bounds is not None:
+            self._bounds.__exit__(*exc)
+            self._bounds = None
         if self._mode is not None:
             self._mode.__exit__(*exc)
         for cls, original in reversed(self._saved):
