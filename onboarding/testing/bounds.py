@@ -93,7 +93,12 @@ def _check(ptrs: Any, mask: Any, kind: str) -> None:
                           "no tensor arguments")
     interp = _interp()
     width = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
-    # storages never overlap: the candidate for each address is the last one starting at or before it
+    # storages never overlap: the candidate for each address is the last one starting at or before
+    # it. Fast path: the lowest and the highest address in one storage put all of them in it.
+    lo, hi = addr.min(), addr.max()
+    j = int(np.searchsorted(starts, lo, side="right")) - 1
+    if j >= 0 and hi + np.uint64(width) <= ends[j]:
+        return
     idx = np.searchsorted(starts, addr, side="right") - 1
     inside = (idx >= 0) & (addr + np.uint64(width) <= ends[np.maximum(idx, 0)])
     if inside.all():
