@@ -12,11 +12,13 @@ one lies from the nearest argument.
 The unit is the storage, not the view: a kernel that reads past a view's last element but inside
 its storage is not flagged (that memory is allocated). Tensor-descriptor (TMA) loads and stores
 are checked as the interpreter lowers them (masked to the descriptor's shape, as the hardware
-pads out-of-range boxes). Compiled GPU launches are untouched: this is the CPU's way to catch, before a GPU run, what the GPU would fault on.
+pads out-of-range boxes). Compiled GPU launches are untouched: this is the CPU's way to catch,
+before a GPU run, what the GPU would fault on.
 
-The patch targets the interpreter of triton 3.6-3.9 (``GridExecutor._init_args_hst`` and the
-builder's ``create_masked_load`` / ``create_masked_store``); `available()` says whether this triton
-has them, and `bounds_checked()` raises `RuntimeError` when it does not rather than check nothing.
+The patch is written against the interpreter of triton 3.9 (the CPU machines'):
+``GridExecutor._init_args_hst`` and ``__call__``, the builder's ``create_masked_load`` /
+``create_masked_store``. `available()` says whether this triton has them, and `bounds_checked()`
+raises `RuntimeError` when it does not rather than check nothing.
 """
 
 from __future__ import annotations

@@ -416,7 +416,8 @@ def check_state_bv_fills_gpu(spec, monkeypatch) -> None:
 # The GPU bars' cases: head dim 128 with mixed decays, and head dim 64 (the K <= 64 bucket's own
 # tiles) with slow ones, grouped as Qwen3-Next's (two value heads per key head). Slow decays make
 # every row of the WY product w = Tm (k beta exp(gc)) count: at K = 64 under triton 3.6 on the
-# H200 the 16-bit dot gave w 118% off past row 16 of each chunk (issue 34, device call M), which
+# H200 the one-stage build of the K <= 64 bucket gave w 118% off past row 16 of each chunk and a
+# faulting backward WY kernel (issue 34, device calls M-O; the bucket takes 2 stages since), which
 # the mixed decays hid (their exp(gc) rows fade within the chunk).
 GPU_CASES = [pytest.param(Case(HK=2, HV=4, T=1000, l2=True, h0=True, K=128, V=128, B=2), False, id="k128-mixed"),
              pytest.param(Case(HK=2, HV=4, T=1000, l2=True, h0=True, K=64, V=64, B=2), True, id="k64-slow")]
