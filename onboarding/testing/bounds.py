@@ -24,6 +24,7 @@ raises `RuntimeError` when it does not rather than check nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -176,3 +177,13 @@ def bounds_checked() -> Iterator[None]:
                     setattr(owner, name, original)
                 _SAVED.clear()
                 _STATE.launch = None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter here (TRITON_INTERPRET set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def checked_when_interpreted() -> contextlib.AbstractContextManager:
+    """`bounds_checked()` when kernels run in the interpreter, else nothing."""
+    return bounds_checked() if interpreting() else contextlib.nullcontext()

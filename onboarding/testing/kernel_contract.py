@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from onboarding.testing.bounds import bounds_checked
+from onboarding.testing.bounds import checked_when_interpreted
 from onboarding.testing.tolerance import Comparison, Tolerance, compare, tolerance_for
 
 REQUIRED_ATTRS = (
@@ -61,15 +60,6 @@ def poisoned(module: ModuleType) -> Iterator[None]:
         module._POISON_OUTPUTS = old
 
 
-def interpreter_bounds(device: str | torch.device) -> contextlib.AbstractContextManager:
-    """`bounds_checked()` when kernels on `device` run in Triton's interpreter (a CPU run under
-    TRITON_INTERPRET=1), else nothing: an unmasked access outside a kernel's tensor arguments
-    raises `OutOfBounds` on the CPU instead of faulting on the GPU."""
-    if torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return bounds_checked()
-    return contextlib.nullcontext()
-
-
 def check_module_contract(module: ModuleType) -> None:
     """The rendered-module contract: required names, and `reference` shaped like `entry`."""
     missing = [name for name in REQUIRED_ATTRS if not hasattr(module, name)]
@@ -105,7 +95,7 @@ def check_forward_backward(
     """Forward output(s) and every gradient vs `reference`; AssertionError lists all failures."""
     args = _inputs(fx, dtype, device, seed)
     grad_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    with poisoned(fx.module), interpreter_bounds(device):
+    with poisoned(fx.module), checked_when_interpreted():  # CPU runs: out-of-bounds raises here
         out = _as_tuple(fx.module.entry(*args))
         gen = torch.Generator(device="cpu").manual_seed(seed + 1)
         douts = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype) for o in out]

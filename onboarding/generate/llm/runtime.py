@@ -20,7 +20,6 @@ calls).
 from __future__ import annotations
 
 import inspect
-import os
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from onboarding.testing.bounds import bounds_checked
+from onboarding.testing.bounds import checked_when_interpreted
 
 # ATen ops a kernel wrapper may run in torch: allocation, layout, dtype moves, views
 GLUE = frozenset({
@@ -152,8 +151,8 @@ class Monitor:
             pass
         self._mode = _Recorder(self)
         self._mode.__enter__()
-        if self.bounds and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-            self._bounds = bounds_checked()
+        if self.bounds:
+            self._bounds = checked_when_interpreted()
             self._bounds.__enter__()
         return self
 
