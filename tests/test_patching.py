@@ -256,7 +256,8 @@ def _tiny_dsa_setup(tmp_path, eager=False):
     return model, SimpleNamespace(blocks=[block]), kmod
 
 
-@pytest.mark.parametrize("eager,source", [(False, "top-k keys"), (True, "mask's kept keys")],
+@pytest.mark.parametrize("eager,source", [(False, "top-k keys"),
+                                           pytest.param(True, "mask's kept keys", marks=pytest.mark.slow)],  # ~19 s
                          ids=["sdpa", "eager-diagonal-kept"])
 def test_sparse_attention_gqa_block_forward_backward(tmp_path, eager, source):
     """MHA/GQA layout on a hand-written DSA block (no transformers class): same output and the
