@@ -81,7 +81,9 @@ def _storages(arg: Any, out: dict[int, int]) -> None:
         out[start] = max(out.get(start, start), start + storage.nbytes())
 
 
-def _check(ptrs: Any, mask: Any, kind: str) -> None:
+def _check(ptrs: Any, mask: Any, kind: str, width: int) -> None:
+    """Raise `OutOfBounds` unless every unmasked address of `ptrs` (elements of `width` bytes) lies in
+    one of the current launch's argument storages."""
     launch = getattr(_STATE, "launch", None)
     if launch is None:  # a load outside a checked launch (not ours to judge)
         return
@@ -94,8 +96,6 @@ def _check(ptrs: Any, mask: Any, kind: str) -> None:
     if starts.size == 0:
         raise OutOfBounds(f"out-of-bounds {kind} in Triton kernel {name}: {addr.size} unmasked addresses and "
                           "no tensor arguments")
-    interp = _interp()
-    width = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
     # storages never overlap: the candidate for each address is the last one starting at or before
     # it. Fast path: the lowest and the highest address in one storage put all of them in it.
     lo, hi = addr.min(), addr.max()
@@ -122,6 +122,7 @@ def _patch() -> None:
     interp = _interp()
     ge, builder = interp.GridExecutor, interp.InterpreterBuilder
     init, call, load, store = ge._init_args_hst, ge.__call__, builder.create_masked_load, builder.create_masked_store
+    np_dtype = interp._get_np_dtype
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = init(self, args_dev, kwargs)
@@ -140,12 +141,15 @@ def _patch() -> None:
                 raise OutOfBounds(str(exc.__cause__)) from None
             raise
 
+    def width(ptrs) -> int:
+        return np.dtype(np_dtype(ptrs.get_element_ty())).itemsize
+
     def masked_load(self, ptrs, mask, other, *rest, **kwargs):
-        _check(ptrs, mask, "load")
+        _check(ptrs, mask, "load", width(ptrs))
         return load(self, ptrs, mask, other, *rest, **kwargs)
 
     def masked_store(self, ptrs, value, mask, *rest, **kwargs):
-        _check(ptrs, mask, "store")
+        _check(ptrs, mask, "store", width(ptrs))
         return store(self, ptrs, value, mask, *rest, **kwargs)
 
     _SAVED[:] = [(ge, "_init_args_hst", init), (ge, "__call__", call), (builder, "create_masked_load", load),

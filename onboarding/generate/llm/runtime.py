@@ -108,12 +108,11 @@ def _custom_impl(func: Any, args: tuple) -> Any:
 
 
 class Monitor:
-    """See the module docstring. ``poison``: fill ``empty`` allocations with NaN; ``bounds``:
-    the interpreter's bounds check (when kernels run in the interpreter)."""
+    """See the module docstring. ``poison``: fill ``empty`` allocations with NaN. The bounds check
+    is on whenever kernels run in the interpreter."""
 
-    def __init__(self, poison: bool = True, bounds: bool = True):
+    def __init__(self, poison: bool = True):
         self.poison = poison
-        self.bounds = bounds
         self._bounds: Any = None
         self.record = RunRecord()
         self._local = threading.local()
@@ -151,9 +150,8 @@ class Monitor:
             pass
         self._mode = _Recorder(self)
         self._mode.__enter__()
-        if self.bounds:
-            self._bounds = checked_when_interpreted()
-            self._bounds.__enter__()
+        self._bounds = checked_when_interpreted()
+        self._bounds.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
