@@ -217,7 +217,7 @@ def test_activations_match_a_training_step():
     shape = shape_of(info, parse_stage(info, seq=64, try_export=False), config=info.proxy_config)
     mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=t, micro_batch=1),
                  Layout(ep=1, fsdp=1, recompute="none", offload="none"), ClusterConfig())
-    # kept by autograd: the layers and the bf16 logits (the chunked loss keeps them, not an
+    # kept by autograd: the layers and the logits' bf16 gradient (the chunked loss keeps it, not an
     # fp32 log-softmax)
     predicted = sum(mem.activations.values()) / t
     assert BF16 * shape.vocab < measured < FP32 * shape.vocab + predicted

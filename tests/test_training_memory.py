@@ -151,6 +151,9 @@ def test_weighted_swiglu_grads_in_row_blocks(monkeypatch):
 
 
 def test_chunked_cross_entropy_same_loss_and_grads(monkeypatch):
+    """The chunked loss gives F.cross_entropy's loss and bf16 gradient (ignored targets too, and
+    a loss scaled after it), and autograd keeps one bf16 [N, V] buffer: no fp32 chunk, not the
+    logits themselves."""
     from torch.nn import functional as F
 
     from onboarding.train import worker
@@ -159,11 +162,19 @@ def test_chunked_cross_entropy_same_loss_and_grads(monkeypatch):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 50, generator=g).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, 50, (300,), generator=g)
+    t[::7] = -100  # ignored rows: no loss, no gradient, still counted in the mean
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda v: saved.append(v) or v, lambda v: v):
         loss = worker.chunked_cross_entropy(x, t)
     assert not [v for v in saved if v.dtype == torch.float32 and v.shape[-1] == 50]
-    ref = F.cross_entropy(x.float(), t)
+    assert [(v.dtype, tuple(v.shape)) for v in saved] == [(torch.bfloat16, (300, 50))]
+    assert all(v.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for v in saved)
+    ref = F.cross_entropy(x.float(), t, reduction="sum") / t.numel()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     (got,), (want,) = torch.autograd.grad(loss, x), torch.autograd.grad(ref, x)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not got[::7].any() and got[1::7].abs().amin(-1).gt(0).all()
+    # a loss scaled after it (grad_out != 1): the buffer scaled in place, within a bf16 rounding
+    (got3,) = torch.autograd.grad(3 * worker.chunked_cross_entropy(x, t), x)
+    (want3,) = torch.autograd.grad(3 * F.cross_entropy(x.float(), t, reduction="sum") / t.numel(), x)
+    torch.testing.assert_close(got3.float(), want3.float(), rtol=1e-2, atol=1e-6)

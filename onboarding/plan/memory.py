@@ -28,9 +28,9 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
     rank-r product in fp32;
   - full training adds each block's input (2D) and the expert/MLP inputs the weight gradients
     need (2 (D + F));
-  - the loss: the bf16 logits (2V per token: the chunked cross-entropy keeps them, not their
-    fp32 log-softmax), plus at the start of the backward their bf16 gradient (2V) and one
-    chunk's fp32 temporaries.
+  - the loss: the bf16 logits (2V per token), plus, at the end of the forward, their bf16
+    gradient (2V: the chunked cross-entropy writes it there and keeps it instead of the logits,
+    which are then freed) and one chunk's fp32 temporaries.
 Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
 backward; ``selective`` re-runs the MLP/expert activations (the 3F parts) and keeps the rest.
 """
@@ -282,13 +282,13 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
         acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers}
         layer_ws += _per_layer_max(shape, cfg, ep, tokens)
         layer_what = "one layer recomputed"
-    # The peak is the start of the backward (the logits and their gradient, one loss chunk's
+    # The peak is the end of the forward (the logits and their gradient, one loss chunk's
     # fp32 temporaries) or a layer's backward (that layer's workspace).
     v = shape.vocab
     acts["logits (bf16)"] = BF16 * v * tokens
     loss_ws = BF16 * v * tokens + 3 * FP32 * min(CE_CHUNK_ELEMENTS, v * tokens)
     if loss_ws >= layer_ws:
-        workspace, what = loss_ws, "loss backward (the logits' gradient, one chunk in fp32)"
+        workspace, what = loss_ws, "loss (the logits and their gradient, one chunk in fp32)"
     else:
         workspace, what = layer_ws, layer_what
     if cfg.mode == "full":
