@@ -143,3 +143,107 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
             m.use_kernel(grouped)
             counts["moe.experts"] += 1
     return counts
+
+
+# The lora family's fused linear + low-rank adapter (base GEMMs in cuBLAS, the rank-r term in one
+# Triton kernel per pass): what `attach_lora_kernels` gives training's `LoRALinear` layers.
+LORA_LINEAR = ("lora", "linear", {"base": "torch"})
+# bf16 bars of the LoRA-kernel check (as the experts'): the fused path rounds A and B to bf16 as
+# dot operands and dA, dB to bf16 results; the torch path computes the adapter term in fp32
+LORA_OUT_TOL, LORA_GRAD_TOL = 1e-2, 2e-2
+LORA_CHECK_ROWS = 131  # rows of the check's batch: odd, more than one row tile
+
+
+def check_lora_kernel(module, kernel, *, rows: int = LORA_CHECK_ROWS) -> str | None:
+    """None when ``module`` (a `LoRALinear`) computes the same through ``kernel`` as through its
+    torch path (`LoRALinear.compute`) on ``rows`` random rows at its real widths, with its real
+    base weight and bias and random fp32 A and B (fresh tensors: the module's adapters are not
+    touched; B scaled so the adapter term is as large as the base's): the output and the
+    gradients of x, A and B (`LORA_OUT_TOL`, `LORA_GRAD_TOL`, relative RMS); else what differed,
+    or the error the kernel raised. Draws from its own generator (the global RNG is untouched)."""
+    w = module.base.weight
+    dev, dtype = w.device, w.dtype
+    gen = torch.Generator(device=dev).manual_seed(0)
+    r, s = module.rank, module.scaling
+    x = torch.randn(rows, module.in_features, device=dev, generator=gen).to(dtype).requires_grad_()
+    a = (torch.randn(r, module.in_features, device=dev, generator=gen)
+         * module.in_features ** -0.5).requires_grad_()
+    b = (torch.randn(module.out_features, r, device=dev, generator=gen)
+         / (r ** 0.5 * max(abs(s), 1e-12))).requires_grad_()
+    dy = None
+
+    def run(fn):
+        nonlocal dy
+        y = module.compute(x, a, b, fn)
+        dy = torch.randn(y.shape, device=dev, generator=gen).to(y.dtype) if dy is None else dy
+        return y, torch.autograd.grad(y, [x, a, b], dy)
+
+    ref, ref_grads = run(None)
+    try:
+        out, grads = run(kernel)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
+        return f"the kernel raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"output {tuple(out.shape)} {out.dtype}, torch path {tuple(ref.shape)} {ref.dtype}"
+    bad = [f"output {_rel(out, ref):.1e}"] if not _rel(out, ref) <= LORA_OUT_TOL else []
+    for n, g, want in zip(("x", "A", "B"), grads, ref_grads):
+        if g is None or g.shape != want.shape or g.dtype != want.dtype:
+            bad.append(f"d {n}: {None if g is None else (tuple(g.shape), g.dtype)}, torch path "
+                       f"{(tuple(want.shape), want.dtype)}")
+        elif not _rel(g, want) <= LORA_GRAD_TOL:  # `not <=`: NaN fails
+            bad.append(f"d {n} {_rel(g, want):.1e}")
+    return "; ".join(bad) or None
+
+
+def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
+                        dtypes=None) -> dict[str, int]:
+    """Give every `LoRALinear` of ``model`` the lora family's fused kernel (`LORA_LINEAR`,
+    rendered into ``root/rank<rank>`` and loaded; ``kernel``: another ``lora_linear``-like entry,
+    for tests) where it passes `check_lora_kernel` (one check per distinct widths, rank, scaling,
+    dtype and bias; a failure warns and keeps the torch path). Layers the kernel cannot serve
+    (`LoRALinear.kernel_refusal`: dropout, a base dtype outside ``dtypes``, default
+    `lora.KERNEL_DTYPES`) keep the torch path with a warning saying why. Called on CUDA only
+    (`worker.prepare`): the CPU keeps `_LoRADelta`.
+
+    Returns counts for the step row's ``kernels`` summary: ``lora`` (attached), ``rejected:lora``
+    (the check failed) and ``rejected:lora (<why>)`` per reason the kernel was not tried; none
+    when the model has no `LoRALinear`."""
+    import warnings
+
+    from onboarding.train.lora import KERNEL_DTYPES, LoRALinear
+
+    mods = [(p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if not mods:
+        return {}
+    dtypes = KERNEL_DTYPES if dtypes is None else tuple(dtypes)
+    counts = {"lora": 0, "rejected:lora": 0}
+    served = []
+    for path, m in mods:
+        why = m.kernel_refusal(dtypes=dtypes)
+        if why:
+            key = f"rejected:lora ({why.split(' (')[0]})"
+            if key not in counts:
+                warnings.warn(f"{path}: LoRA keeps the torch path: {why}", stacklevel=2)
+            counts[key] = counts.get(key, 0) + 1
+        else:
+            served.append((path, m))
+    if served and kernel is None:
+        from onboarding.generate.templating import load_module, render_to
+
+        kernel = load_module(render_to(root / f"rank{rank}", *LORA_LINEAR)).lora_linear
+    verdicts: dict[tuple, str | None] = {}
+    for path, m in served:
+        w = m.base.weight
+        key = (tuple(w.shape), w.dtype, m.rank, m.scaling, m.base.bias is not None)
+        if key not in verdicts:
+            verdicts[key] = check_lora_kernel(m, kernel)
+            if verdicts[key]:
+                warnings.warn(f"{path}: the LoRA kernel differs from the torch path "
+                              f"({verdicts[key]}); LoRA layers of this shape keep the torch path",
+                              stacklevel=2)
+        if verdicts[key]:
+            counts["rejected:lora"] += 1
+        else:
+            m.use_kernel(kernel)
+            counts["lora"] += 1
+    return counts

@@ -15,10 +15,12 @@ is how `inject_lora` leaves them trainable and `lora_parameters` finds them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from onboarding.errors import InputError
 from onboarding.graph.opgraph import OpGraph
@@ -28,6 +30,10 @@ ATTENTION_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
 SCAN_MIXER_KINDS = ("linear_attention.mamba",)
 EXCLUDED_KINDS = ("moe.router", "moe.experts", "moe.shared_expert", "lm_head", "embedding")
 ADAPTER_PREFIX = "lora_"
+# base weight dtypes the fused kernel serves (`LoRALinear.kernel_refusal`): the 16-bit ones it was
+# measured on (H200, o_proj 4096 -> 4096 r16 bf16); an fp32 base keeps the torch path
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_ANY_DTYPE = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class LoRALinear(nn.Module):
@@ -48,6 +54,7 @@ class LoRALinear(nn.Module):
         self.rank = rank
         self.alpha = float(alpha)
         self.scaling = float(alpha) / rank
+        self.kernel: Callable | None = None  # see `use_kernel`
         self.reset_adapters(generator)
         for p in self.base.parameters():
             p.requires_grad_(False)
@@ -79,12 +86,52 @@ class LoRALinear(nn.Module):
         return self.base.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compute(x, self.lora_A.weight, self.lora_B.weight, self.kernel)
+
+    def compute(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                kernel: Callable | None) -> torch.Tensor:
+        """The forward with adapters ``a`` [r, in], ``b`` [out, r] through ``kernel`` (the lora
+        family's fused ``lora_linear(x, weight, a, b, scaling)``; see `use_kernel`) or, when
+        None, the torch path (`_LoRADelta`, or the plain expression under dropout)."""
+        if kernel is not None:
+            y = kernel(x, self.base.weight, a, b, self.scaling)
+            return y if self.base.bias is None else y + self.base.bias
         y = self.base(x)
         if isinstance(self.dropout, nn.Identity):
-            delta = _LoRADelta.apply(x, self.lora_A.weight, self.lora_B.weight, self.scaling)
+            delta = _LoRADelta.apply(x, a, b, self.scaling)
         else:  # the dropped-out fp32 input is what A's gradient needs: autograd keeps it
-            delta = self.scaling * self.lora_B(self.lora_A(self.dropout(x.to(torch.float32))))
+            delta = self.scaling * F.linear(F.linear(self.dropout(x.to(torch.float32)), a), b)
         return y + delta.to(y.dtype)
+
+    def kernel_refusal(self, dtypes=KERNEL_DTYPES) -> str | None:
+        """Why the fused kernel cannot serve this layer (None: it can): dropout (the kernel has
+        none), a base weight dtype outside ``dtypes``, adapters that are not 2-D fp32."""
+        if not isinstance(self.dropout, nn.Identity):
+            return f"dropout {self.dropout.p:g} (the fused kernel has no dropout)"
+        if self.base.weight.dtype not in dtypes:
+            return (f"{str(self.base.weight.dtype).removeprefix('torch.')} base weight (the fused "
+                    f"kernel serves {', '.join(str(d).removeprefix('torch.') for d in dtypes)})")
+        if self.lora_A.weight.dtype != torch.float32 or self.lora_B.weight.dtype != torch.float32:
+            return "adapters not fp32"
+        return None
+
+    def use_kernel(self, kernel: Callable | None) -> None:
+        """Compute this layer with ``kernel`` (the lora family's fused ``lora_linear``, attached
+        by `onboarding.train.kernels.attach_lora_kernels` after its check) from now on; None:
+        the torch path again. Refuses (ValueError) a layer `kernel_refusal` names.
+
+        Numerics against the torch path (`_LoRADelta`, everything in fp32 from the 16-bit x):
+        on a GPU with a bf16/fp16 base the fused kernel takes the fp32 A and B as 16-bit dot
+        operands (rounded to the base dtype inside the kernel) with fp32 accumulation; x A^T is
+        kept in fp32; the rank-r term is rounded to the base dtype before cuBLAS adds x W^T onto
+        it (beta = 1); dA and dB are GEMMs of 16-bit operands whose result is rounded to the base
+        dtype before it becomes the fp32 gradient. The parameters and their gradients stay fp32
+        (the optimizer updates the same fp32 adapters; names, dtypes and the PEFT export are
+        unchanged). Relative RMS differences of about 1e-3 in bf16; with fp32 inputs (the CPU
+        interpreter) the two paths agree to fp32 rounding."""
+        if kernel is not None and (why := self.kernel_refusal(dtypes=_ANY_DTYPE)):
+            raise ValueError(f"LoRALinear: the fused kernel cannot serve this layer: {why}")
+        self.kernel = kernel
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}"

@@ -1,0 +1,122 @@
+"""Training's `LoRALinear` on the lora family's fused kernel (`attach_lora_kernels`): the attached
+kernel agrees with the torch path (`_LoRADelta`) forward and in the gradients of x, A and B; a
+wrong kernel is rejected (the torch path kept, counted, warned); layers the kernel cannot serve
+keep the torch path and say why. CPU: the interpreter, fp32 (its bf16 maths is wrong)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from onboarding.generate.templating import load_module, render_to
+from onboarding.train import kernels as K
+from onboarding.train.lora import LoRALinear
+
+CPU_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "dot_precision": "ieee"}
+FP32 = (torch.float32,)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The kernels dir `attach_lora_kernels` renders into, with the rendered module (the same
+    module object it loads: modules are cached by content) pinned to small CPU tiles."""
+    root = tmp_path_factory.mktemp("lora_train")
+    load_module(render_to(root / "rank0", *K.LORA_LINEAR)).set_config(CPU_CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def fused(root):
+    return load_module(render_to(root / "rank0", *K.LORA_LINEAR)).lora_linear
+
+
+def _layers(gen, *, dropout: float = 0.0) -> nn.Sequential:
+    """Two LoRA linears at odd widths, one with a bias, random non-zero A and B."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(LoRALinear(nn.Linear(37, 29, bias=False), rank=5, alpha=10.0, dropout=dropout),
+                        LoRALinear(nn.Linear(29, 19), rank=3, alpha=1.5))
+    with torch.no_grad():
+        for m in seq:
+            m.lora_A.weight.copy_(torch.randn(m.lora_A.weight.shape, generator=gen) * 0.2)
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=gen) * 0.2)
+    return seq
+
+
+def test_attached_kernel_matches_torch_path(root):
+    gen = torch.Generator().manual_seed(1)
+    model = _layers(gen)
+    torch_path = copy.deepcopy(model)
+    names = {n: (p.dtype, p.shape, p.requires_grad) for n, p in model.named_parameters()}
+    assert K.attach_lora_kernels(model, root, rank=0, dtypes=FP32) == {"lora": 2, "rejected:lora": 0}
+    assert all(m.kernel is not None for m in model) and all(m.kernel is None for m in torch_path)
+    # parameters keep their names, dtypes and shapes (checkpoints and the PEFT export unchanged)
+    assert {n: (p.dtype, p.shape, p.requires_grad) for n, p in model.named_parameters()} == names
+    assert list(model.state_dict()) == list(torch_path.state_dict())
+
+    x = torch.randn(2, 11, 37, generator=gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model(xa), torch_path(xb)
+    cot = torch.randn(ya.shape, generator=gen)
+    (ya * cot).sum().backward()
+    (yb * cot).sum().backward()
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), torch_path.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if q.grad is not None:  # the adapters (fp32), and only them
+            assert p.grad.dtype == torch.float32 and "lora_" in n
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    assert sum(p.grad is not None for p in model.parameters()) == 4
+    # the module docstring's claim: the check passes at far tighter bars than bf16's in fp32
+    for m in model:
+        assert K.check_lora_kernel(m, m.kernel) is None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.1
+
+
+@pytest.mark.parametrize("wrong", ["scaling", "dA_missing", "dA_scaled", "raises"])
+def test_wrong_kernel_rejected(root, fused, wrong):
+    def bad(x, w, a, b, s):
+        if wrong == "scaling":
+            return fused(x, w, a, b, 0.5 * s)
+        if wrong == "dA_missing":
+            return fused(x, w, a.detach(), b, s)
+        if wrong == "dA_scaled":
+            return fused(x, w, _ScaleGrad.apply(a), b, s)
+        raise RuntimeError("no kernel here")
+
+    model = _layers(torch.Generator().manual_seed(2))
+    with pytest.warns(UserWarning, match="keep the torch path"):
+        counts = K.attach_lora_kernels(model, root, rank=0, kernel=bad, dtypes=FP32)
+    assert counts == {"lora": 0, "rejected:lora": 2}
+    assert all(m.kernel is None for m in model)
+    assert K.check_lora_kernel(model[0], bad)  # says what differed
+    assert K.check_lora_kernel(model[0], fused) is None
+
+
+def test_layers_the_kernel_cannot_serve_keep_torch(root, fused):
+    model = _layers(torch.Generator().manual_seed(3), dropout=0.1)
+    with pytest.warns(UserWarning, match="dropout 0.1"):
+        counts = K.attach_lora_kernels(model, root, rank=0, dtypes=FP32)
+    assert counts == {"lora": 1, "rejected:lora": 0, "rejected:lora (dropout 0.1)": 1}
+    assert model[0].kernel is None and model[1].kernel is not None
+    with pytest.raises(ValueError, match="dropout"):
+        model[0].use_kernel(fused)
+    # default dtypes: the 16-bit bases only; an fp32 base keeps the torch path, said so
+    model = _layers(torch.Generator().manual_seed(3))
+    with pytest.warns(UserWarning, match="float32 base weight"):
+        counts = K.attach_lora_kernels(model, root, rank=0)
+    assert counts == {"lora": 0, "rejected:lora": 0, "rejected:lora (float32 base weight)": 2}
+    assert all(m.kernel is None for m in model)
+    assert K.attach_lora_kernels(nn.Sequential(nn.Linear(4, 4)), root, rank=0) == {}
