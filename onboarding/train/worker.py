@@ -126,7 +126,7 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
     """``built.model`` (in place) as ``role`` trains it, before recompute and sharding:
     the baseline gets PEFT's LoRA on the model as it stands; ours gets the expert-parallel
     experts, our LoRA and, on CUDA with ``kernels``, the onboard kernels that pass their checks.
-    Returns (expert-parallel modules, the kernels' `PatchSet` or None, expert-kernel counts)."""
+    Returns (expert-parallel modules, the kernels' `PatchSet` or None, expert- and LoRA-kernel counts)."""
     from onboarding.train.lora import inject_lora
 
     model, graph = built.model, built.graph
@@ -145,12 +145,15 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
                 alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
     patches, expert_kernels = None, {}
     if cfg.kernels and device.type == "cuda":
-        from onboarding.train.kernels import attach_expert_kernels, patch_kernels
+        from onboarding.train.kernels import attach_expert_kernels, attach_lora_kernels, patch_kernels
 
         patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
                                 rank=layout.rank, distributed=layout.distributed)
         expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
                                                rank=layout.rank)
+        # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
+        expert_kernels.update(attach_lora_kernels(model, Path(cfg.out) / "train" / "kernels" / "lora",
+                                                  rank=layout.rank))
     return ep_mods, patches, expert_kernels
 
 
