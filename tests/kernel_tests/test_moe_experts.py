@@ -43,6 +43,16 @@ CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "BWD_BLOCK_M": 16, "B
 ROUTINGS = ["uniform", "zipf", "all_to_one", "empty_experts"]
 
 
+def routing_grid(cases: list) -> list:
+    """Every (case, routing) pair of ``cases`` (pytest.params of variant, params) x ROUTINGS.
+    CI's command runs half of the grid, a checkerboard: each case under two routings, each
+    routing under half the cases (every case and every routing still runs); the other half is
+    marked slow and runs nightly."""
+    return [pytest.param(*c.values, kind, id=f"{c.id}-{kind}",
+                         marks=[pytest.mark.slow] if (i + j) % 2 else [])
+            for i, c in enumerate(cases) for j, kind in enumerate(ROUTINGS)]
+
+
 @pytest.fixture(scope="module")
 def load(load_kernel):
     def load(variant, params):
@@ -85,8 +95,7 @@ def fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2, gated: bool = True) -
     return KernelFixture(name=name, module=module, make_inputs=make_inputs, weights=(2, 3, 4))
 
 
-@pytest.mark.parametrize("kind", ROUTINGS)
-@pytest.mark.parametrize("variant,params", CASE_PARAMS)
+@pytest.mark.parametrize("variant,params,kind", routing_grid(CASE_PARAMS))
 def test_forward_backward(load, device, variant, params, kind):
     check_forward_backward(fixture(load(variant, params), kind), torch.float32, device)
 
@@ -133,8 +142,7 @@ ATOMIC_CASES = [pytest.param("swiglu", {}, id="swiglu"), pytest.param("swiglu", 
                 pytest.param("mlp", {"activation": "relu2"}, id="mlp")]
 
 
-@pytest.mark.parametrize("kind", ROUTINGS)
-@pytest.mark.parametrize("variant,params", ATOMIC_CASES)
+@pytest.mark.parametrize("variant,params,kind", routing_grid(ATOMIC_CASES))
 def test_atomic_combine_forward_backward(load, device, monkeypatch, variant, params, kind):
     """combine "atomic": the down and dx GEMMs add each slot's row into its token's fp32 row, no
     per-slot rows and no combine launch, and the output and every gradient still match."""
@@ -1015,8 +1023,7 @@ def mlp_fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2) -> KernelFixture:
     return fixture(module, kind, n, d, e, f, k, gated=False)
 
 
-@pytest.mark.parametrize("kind", ROUTINGS)
-@pytest.mark.parametrize("variant,params", MLP_CASE_PARAMS)
+@pytest.mark.parametrize("variant,params,kind", routing_grid(MLP_CASE_PARAMS))
 def test_mlp_forward_backward(load, device, variant, params, kind):
     """Forward and dx, d topk_weights, d up_proj, d down_proj vs the per-expert loop, outputs
     poisoned; with capacity_factor 0.75 every routing drops slots (12 kept of ~15-37 per expert)."""
@@ -1173,8 +1180,7 @@ def bias_fixture(module, kind: str, n=37, d=24, e=5, f=20, k=2) -> KernelFixture
                          weights=(2, 3, 4, 5, 6))
 
 
-@pytest.mark.parametrize("kind", ROUTINGS)
-@pytest.mark.parametrize("variant,params", [pytest.param(v, p, id=case_id(v, p)) for v, p in BIAS_CASES])
+@pytest.mark.parametrize("variant,params,kind", routing_grid([pytest.param(v, p, id=case_id(v, p)) for v, p in BIAS_CASES]))
 def test_bias_forward_backward(load, device, variant, params, kind):
     """Forward and every gradient (x, topk_weights, both weights, both biases) vs the per-expert
     loop, over uniform, Zipf, all-to-one and empty-expert routing, plain, clamped gpt-oss style and

@@ -182,8 +182,9 @@ def test_gathered_forward_backward(load, params, dims, topk, sink, scale):
                                        {"FWD_TWO_PASS": 1}, {"FWD_TWO_PASS": 1, "FWD_ROW_END": 1},
                                        {"BLOCK_K": 64, "FWD_STAGES": 2}),  # the MLA bucket's H200 pick
                  id="h3-dv48-rope8-k21-sink"),
+    # nightly (22 s on 2 cores): the same choices as above with two head blocks and K > T
     pytest.param(20, 40, 32, 29 + 5, False, ({"FWD_TWO_PASS": 1}, {"FWD_DV_SPLIT": 2, "FWD_ROW_END": 1}),
-                 id="h20-two-head-blocks-k>T"),
+                 id="h20-two-head-blocks-k>T", marks=pytest.mark.slow),
 ])
 def test_mla_value_split_forward(load, H, D_QK, D_V, topk, sink, extras):
     """FWD_DV_SPLIT = 2 (the value columns over two programs, each recomputing the scores),
