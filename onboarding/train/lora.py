@@ -7,6 +7,11 @@ full, gated, sliding, MLA, top-k sparse with its indexer, and linear attention's
 projections; a selective state-space mixer's projections except its output one), never from
 class names. Routers, experts and the LM head are left out.
 
+On CUDA with ``kernels``, the training stage gives each `LoRALinear` the lora family's fused
+kernel (`onboarding.train.kernels.attach_lora_kernels`, after a check against the torch path per
+shape; `LoRALinear.use_kernel` states the numeric difference); layers with dropout or an fp32
+base, the CPU, and layers whose check failed keep the torch path (`_LoRADelta`), each counted.
+
 Expert adapters live in the expert module itself (training/moe_ep.py). Such a module exposes
 ``peft_tensors(prefix)`` and ``peft_target()``; its adapter parameters are named ``lora_*``, which
 is how `inject_lora` leaves them trainable and `lora_parameters` finds them.

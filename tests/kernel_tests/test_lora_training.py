@@ -120,3 +120,41 @@ def test_layers_the_kernel_cannot_serve_keep_torch(root, fused):
     assert counts == {"lora": 0, "rejected:lora": 0, "rejected:lora (float32 base weight)": 2}
     assert all(m.kernel is None for m in model)
     assert K.attach_lora_kernels(nn.Sequential(nn.Linear(4, 4)), root, rank=0) == {}
+
+
+# the proxy's attention projections (hidden 2048; q/o 32 x 128 heads, k/v 4 x 128) at 8 x 2048 tokens
+CUDA_SHAPES = [(2048, 4096), (2048, 512), (4096, 2048)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bf16 tensor-core path)")
+@pytest.mark.parametrize("d_in,d_out", CUDA_SHAPES, ids=lambda v: str(v))
+def test_bf16_attach_cuda(tmp_path, d_in, d_out):
+    """On a GPU with bf16 bases (the default dtypes): attached, within the check's bf16 bars of
+    the torch path at the proxy's widths and tokens; prints fwd+bwd ms of both paths (no bar)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    base = nn.Linear(d_in, d_out, bias=False, device=dev, dtype=torch.bfloat16)
+    model = nn.Sequential(LoRALinear(base, rank=16, alpha=32.0))
+    with torch.no_grad():
+        model[0].lora_B.weight.copy_(torch.randn(d_out, 16, device=dev, generator=gen) * 0.05)
+    torch_path = copy.deepcopy(model)
+    assert K.attach_lora_kernels(model, tmp_path, rank=0) == {"lora": 1, "rejected:lora": 0}
+    x = torch.randn(8, 2048, d_in, device=dev, generator=gen).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(8, 2048, d_out, device=dev, generator=gen).to(torch.bfloat16)
+    res = {}
+    for name, m in (("fused", model), ("torch", torch_path)):
+        m.zero_grad()
+        y = m(x)
+        gx, ga, gb = torch.autograd.grad(y, [x, m[0].lora_A.weight, m[0].lora_B.weight], dy)
+        res[name] = (y, gx, ga, gb)
+        for _ in range(3):
+            torch.autograd.grad(m(x), [x, m[0].lora_A.weight, m[0].lora_B.weight], dy)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            torch.autograd.grad(m(x), [x, m[0].lora_A.weight, m[0].lora_B.weight], dy)
+        end.record()
+        torch.cuda.synchronize()
+        print(f"lora {d_in}->{d_out} r16 N16384 {name}: fwd+bwd {start.elapsed_time(end) / 20:.3f} ms")
+    for n, got, want in zip(("y", "dx", "dA", "dB"), res["fused"], res["torch"]):
+        assert got.dtype == want.dtype and K._rel(got, want) <= K.LORA_GRAD_TOL, (n, K._rel(got, want))
