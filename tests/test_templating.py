@@ -137,7 +137,7 @@ def test_load_module_by_path_under_private_name(tmp_path):
     module = templating.load_module(path)
     assert module.__name__.startswith("onboard_kernels.swiglu.split_")
     assert module.PARAMS == get_family("swiglu").resolve("split", {"limit": 3.0})
-    assert module.TEMPLATE == "swiglu/swiglu.py.j2" and module.TEMPLATE_VERSION == 1
+    assert module.TEMPLATE == "swiglu/swiglu.py.j2" and module.TEMPLATE_VERSION == 2
     assert "kernels" not in sys.modules
     # same content (another path) -> the same module: custom ops register once per process
     copy = tmp_path / "other" / "split.py"

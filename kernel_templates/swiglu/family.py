@@ -5,6 +5,11 @@ Variants: `split` (gate and up as two tensors) and `fused` (one `[..., 2F]` gate
 Clamping (`limit`): `clamp_style="pre_act"` is gpt-oss (gate clamped to max=limit before the
 activation, up to [-limit, limit]; with alpha=1.702 and up_offset=1.0); `"post_act"` is
 Step-3.x (silu(gate) clamped to max=limit, up to [-limit, limit]).
+
+`weighted` (training only, never picked by `match`): the `fused` activation times a per-row
+weight, ``swiglu_weighted(gate_up [..., 2F], w [...])``, with dw (a row sum) reduced inside the
+backward kernel. Expert parallelism's grouped experts (`onboarding.train.moe_ep`) apply the routing
+weight there; `onboarding.train.swiglu_kernels.attach_swiglu_kernels` renders and attaches it.
 """
 
 from __future__ import annotations
@@ -68,20 +73,24 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     width = shapes[0][-1] if shapes else 64
     if variant == "fused":
         return [3 * torch.randn(37, 2 * width, generator=gen)]
+    if variant == "weighted":
+        return [3 * torch.randn(37, 2 * width, generator=gen), torch.rand(37, generator=gen)]
     return [3 * torch.randn(37, width, generator=gen) for _ in range(2)]
 
 FAMILY = FamilySpec(
     name=NAME,
     template="swiglu.py.j2",
-    template_version=1,
+    template_version=2,
     folder=Path(__file__).parent,
     variants={
         "split": "swiglu(gate, up): separate [..., F] tensors",
         "fused": "swiglu_fused(gate_up): one [..., 2F] tensor (halves or interleaved)",
+        "weighted": "swiglu_weighted(gate_up, w): fused, times a per-row weight w [...] (MoE "
+                    "routing weights); dw reduced in the backward kernel",
     },
     params=(
         Param(name="layout", type=str, default="halves", choices=("halves", "interleaved"),
-              variants=("fused",), doc="where gate and up sit in gate_up"),
+              variants=("fused", "weighted"), doc="where gate and up sit in gate_up"),
         Param(name="limit", type=float, default=None, nullable=True, min=0.0,
               doc="clamp limit (None: no clamp)"),
         Param(name="clamp_style", type=str, default="pre_act", choices=("pre_act", "post_act"),

@@ -12,17 +12,19 @@ from onboarding.tune.worker import randn, rows
 
 def problem_dims(entry: Any, block: Any) -> dict[str, int] | None:
     """Rows N and width F off the input: [..., 2F] for `fused` ([gate | up] in one tensor),
-    [..., F] otherwise."""
+    [..., F] otherwise (`weighted`: as `fused`)."""
     x = entry.shapes[0] if entry.shapes else None
     if not x:
         return None
-    return {"N": rows(x), "F": x[-1] // 2 if entry.variant == "fused" else x[-1]}
+    return {"N": rows(x), "F": x[-1] // 2 if entry.variant in ("fused", "weighted") else x[-1]}
 
 
 def timing_inputs(variant: str, params: dict[str, Any], dims: dict[str, int], dtype,
                   gen: torch.Generator) -> list:
-    """`fused`: x [N, 2F]; otherwise gate and up [N, F]."""
+    """`fused`: x [N, 2F]; `weighted`: x [N, 2F] and w [N]; otherwise gate and up [N, F]."""
     n, f = int(dims["N"]), int(dims["F"])
+    if variant == "weighted":
+        return [randn(gen, n, 2 * f, dtype=dtype), randn(gen, n, dtype=dtype)]
     if variant == "fused":
         return [randn(gen, n, 2 * f, dtype=dtype)]
     return [randn(gen, n, f, dtype=dtype) for _ in range(2)]
