@@ -124,10 +124,19 @@ def check_forward_backward(
     return results
 
 
+# torch.library.opcheck's checks, split by cost: the AOT-dispatch one traces every op's forward
+# and backward through AOTAutograd with dynamic shapes and runs them again (about two thirds of an
+# opcheck's time in the interpreter)
+OPCHECK_FAST = ("test_schema", "test_autograd_registration", "test_faketensor")
+OPCHECK_AOT = ("test_aot_dispatch_dynamic",)
+
+
 def check_opcheck(
-    fx: KernelFixture, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+    fx: KernelFixture, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+    utils: Sequence[str] = OPCHECK_FAST + OPCHECK_AOT,
 ) -> int:
-    """`torch.library.opcheck` on every custom op of the module (samples from `op_samples`)."""
+    """`torch.library.opcheck` on every custom op of the module (samples from `op_samples`),
+    its checks ``utils`` (default: all of them)."""
     args = _inputs(fx, dtype, device, seed)
     samples = fx.module.op_samples(*args)
     covered = {op for op, _ in samples}
@@ -135,7 +144,7 @@ def check_opcheck(
     if missing:
         raise AssertionError(f"{fx.name}: op_samples does not cover {missing}")
     for op, op_args in samples:
-        torch.library.opcheck(op, op_args)
+        torch.library.opcheck(op, op_args, test_utils=tuple(utils))
     return len(samples)
 
 

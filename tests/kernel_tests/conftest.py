@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from onboarding.generate import templating  # noqa: E402
+from onboarding.testing.kernel_contract import OPCHECK_AOT, OPCHECK_FAST  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # bf16 passes in the interpreter too: the kernels upcast on load, so its broken bf16 arithmetic
@@ -27,6 +28,12 @@ DTYPES = [
     pytest.param(torch.bfloat16, id="bf16"),
 ]
 _MODULES: dict = {}
+
+
+# The opcheck of the families whose ops are slow in the interpreter, split: schema, autograd
+# registration and fake tensors in CI, the AOT-dispatch trace (two thirds of the time) nightly.
+OPCHECK_SPLIT = [pytest.param(OPCHECK_FAST, id="opcheck-fast"),
+                 pytest.param(OPCHECK_AOT, id="opcheck-aot", marks=pytest.mark.slow)]
 
 
 def case_id(variant: str, params: dict) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE
+from conftest import DEVICE, OPCHECK_SPLIT
 
 from onboarding.generate import aot
 from onboarding.generate import templating
@@ -571,11 +571,13 @@ def test_fp16_inputs():
     check_forward_backward(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), False), torch.float16, DEVICE)
 
 
-def test_opcheck_and_contract():
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_opcheck_and_contract(opcheck_utils):
     module = load(gated_delta.FAMILY)
     check_module_contract(module)
     assert module.naive_recurrent_gated_delta is module.reference
-    check_opcheck(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), False), torch.float32, DEVICE)
+    check_opcheck(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), False), torch.float32, DEVICE,
+                  utils=opcheck_utils)
 
 
 def test_shape_errors_name_shapes():

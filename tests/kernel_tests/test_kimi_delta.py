@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, OPCHECK_SPLIT
 from test_gated_delta import (
     CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
     check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
@@ -312,11 +312,13 @@ def test_prepare_kernel_vs_torch_twin_chunk64():
     check_prepare_vs_torch(load(kimi_delta.FAMILY, {"chunk_size": 64}), True)
 
 
-def test_opcheck_and_contract():
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_opcheck_and_contract(opcheck_utils):
     module = load(kimi_delta.FAMILY)
     check_module_contract(module)
     assert module.naive_recurrent_kimi_delta is module.reference
-    check_opcheck(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), True), torch.float32, DEVICE)
+    check_opcheck(fixture(module, Case(HK=1, HV=2, T=20, l2=True, h0=True), True), torch.float32, DEVICE,
+                  utils=opcheck_utils)
 
 
 def test_match_by_structure():

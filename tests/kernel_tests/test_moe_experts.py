@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import case_id
+from conftest import OPCHECK_SPLIT, case_id
 
 from onboarding.generate import aot
 from onboarding.errors import InputError
@@ -559,10 +559,11 @@ def test_matches_transformers_experts(load, device):
 
 
 @pytest.mark.parametrize("variant,params", CASE_PARAMS)
-def test_opcheck_and_contract(load, device, variant, params):
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_opcheck_and_contract(load, device, variant, params, opcheck_utils):
     module = load(variant, params)
     check_module_contract(module)
-    check_opcheck(fixture(module, "zipf", n=9), torch.float32, device)
+    check_opcheck(fixture(module, "zipf", n=9), torch.float32, device, utils=opcheck_utils)
 
 
 def test_shape_errors_name_shapes(load, device):
@@ -957,10 +958,11 @@ def test_lora_sorted_matches_routed(load, device):
     torch.testing.assert_close(y, module.entry(x, idx, w, gate_up, down, *lora, s), rtol=1e-4, atol=1e-5)
 
 
-def test_lora_opcheck_contract_and_errors(load, device):
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_lora_opcheck_contract_and_errors(load, device, opcheck_utils):
     module = load("swiglu_lora", {})
     check_module_contract(module)
-    check_opcheck(lora_fixture(module, "empty_experts", n=9), torch.float32, device)
+    check_opcheck(lora_fixture(module, "empty_experts", n=9), torch.float32, device, utils=opcheck_utils)
     x, idx, w, gate_up, down, *lora, s = lora_fixture(module, "uniform").make_inputs(
         torch.float32, device, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"lora_b_down \(5, 24, 7\)"):
@@ -1068,10 +1070,11 @@ def test_mlp_bf16_inputs(load, device):
 
 
 @pytest.mark.parametrize("variant,params", MLP_CASE_PARAMS[:1] + MLP_CASE_PARAMS[-1:])
-def test_mlp_opcheck_and_contract(load, device, variant, params):
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_mlp_opcheck_and_contract(load, device, variant, params, opcheck_utils):
     module = load(variant, params)
     check_module_contract(module)
-    check_opcheck(mlp_fixture(module, "empty_experts", n=9), torch.float32, device)
+    check_opcheck(mlp_fixture(module, "empty_experts", n=9), torch.float32, device, utils=opcheck_utils)
     assert not hasattr(module, "_swiglu"), "no gated helper in the non-gated module"
 
 
@@ -1213,10 +1216,11 @@ def test_bias_gradients_are_per_expert_sums(load, device):
     assert leaves[2].grad[:3].abs().sum() > 0
 
 
-def test_bias_opcheck_and_contract(load, device):
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_bias_opcheck_and_contract(load, device, opcheck_utils):
     module = load("swiglu", {"bias": True, **GPT_OSS})
     check_module_contract(module)
-    check_opcheck(bias_fixture(module, "zipf", n=9), torch.float32, device)
+    check_opcheck(bias_fixture(module, "zipf", n=9), torch.float32, device, utils=opcheck_utils)
 
 
 def test_bias_shape_errors_name_shapes(load, device):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DTYPES, check_match
+from conftest import DTYPES, OPCHECK_SPLIT, check_match
 
 from onboarding import families
 from onboarding.families import discover
@@ -49,11 +49,12 @@ def test_forward_backward(family, load_kernel, device, params, shape, dtype):
     check_forward_backward(fixture(module, shape), dtype, device)
 
 
-def test_contract_opcheck_and_sample_inputs(family, load_kernel, device):
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_contract_opcheck_and_sample_inputs(family, load_kernel, device, opcheck_utils):
     for params, shape in CASES[:2]:
         module = load_kernel(NAME, "plain", params)
         check_module_contract(module)
-        check_opcheck(fixture(module, shape), torch.float32, device)
+        check_opcheck(fixture(module, shape), torch.float32, device, utils=opcheck_utils)
         # the generate stage's check: entry(*sample_inputs) against the reference
         args = family.sample_inputs("plain", family.FAMILY.resolve("plain", params), [[shape[-1]]],
                                     torch.Generator().manual_seed(0))

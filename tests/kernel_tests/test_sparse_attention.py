@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, OPCHECK_SPLIT
 
 from onboarding.generate import aot
 from onboarding.generate import templating
@@ -259,7 +259,8 @@ def test_shape_errors_name_shapes(load):
 
 # ---- opcheck, contract, AOT ------------------------------------------------------------------
 
-def test_opcheck_and_contract(load):
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_opcheck_and_contract(load, opcheck_utils):
     mi = load("indexer", {"topk": 4})
     check_module_contract(mi)
     gen = torch.Generator().manual_seed(4)
@@ -269,7 +270,8 @@ def test_opcheck_and_contract(load):
     for params, dims, sink in (({}, (4, 2, 16, 16), True), ({"layout": "mla", "d_v": 32}, (2, 1, 40, 32), True)):
         mg = load("gathered", params)
         check_module_contract(mg)
-        check_opcheck(gathered_fixture(mg, params, dims, 4, sink, None, seq=9), torch.float32, DEVICE)
+        check_opcheck(gathered_fixture(mg, params, dims, 4, sink, None, seq=9), torch.float32, DEVICE,
+                      utils=opcheck_utils)
 
 
 # Child process (no interpreter): compile each module's bf16 AOT specs for sm_90 and report the

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_match, check_sample_inputs_fit
+from conftest import OPCHECK_SPLIT, check_match, check_sample_inputs_fit
 
 from onboarding.families import family_module
 from onboarding.generate import aot
@@ -256,9 +256,10 @@ def test_reference_matches_token_recurrence(module):
     torch.testing.assert_close(ht, s, rtol=1e-4, atol=1e-4)
 
 
-def test_opcheck_and_contract(module, device):
+@pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
+def test_opcheck_and_contract(module, device, opcheck_utils):
     check_module_contract(module)
-    check_opcheck(fixture(module, (1, 5, 2, 8, 1, 8, True, True)), torch.float32, device)
+    check_opcheck(fixture(module, (1, 5, 2, 8, 1, 8, True, True)), torch.float32, device, utils=opcheck_utils)
 
 
 def test_sample_inputs_fit(module):
