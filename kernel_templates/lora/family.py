@@ -42,7 +42,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="lora.py.j2",
-    template_version=4,
+    template_version=5,
     folder=Path(__file__).parent,
     variants={"linear": "x W^T + scaling * (x A^T) B^T, frozen W; grads to x, A, B"},
     params=(

@@ -122,6 +122,34 @@ def test_layers_the_kernel_cannot_serve_keep_torch(root, fused):
     assert K.attach_lora_kernels(nn.Sequential(nn.Linear(4, 4)), root, rank=0) == {}
 
 
+@pytest.mark.parametrize("base", ["torch", "triton"])
+def test_x_without_grad_skips_dx(root, tmp_path, base):
+    """An x that needs no gradient (a first layer's projections read a frozen norm's output): the
+    backward computes no dx (no dy W GEMM: the bwd op's need_dx=False returns an empty dx) and the
+    same dA and dB as with dx."""
+    mod = load_module(render_to(root / "rank0", *K.LORA_LINEAR) if base == "torch"
+                      else render_to(tmp_path, "lora", "linear", {"base": base}))
+    mod.set_config(CPU_CONFIG)
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 19, 40, generator=gen), torch.randn(24, 40, generator=gen) / 40 ** 0.5
+    a, b = torch.randn(5, 40, generator=gen) / 40 ** 0.5, torch.randn(24, 5, generator=gen)
+    dy = torch.randn(2, 19, 24, generator=gen)
+    grads = []
+    for x_grad in (True, False):
+        xi, ai, bi = x.clone().requires_grad_(x_grad), a.clone().requires_grad_(), b.clone().requires_grad_()
+        y = mod.lora_linear(xi, w, ai, bi, 2.0)
+        grads.append(torch.autograd.grad(y, [ai, bi], dy))
+        assert (xi.grad is None) and y.requires_grad
+    for g, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+    _, xa = mod._forward(x, w, a, b, 2.0)
+    full = mod.lora_linear_bwd_op(dy, x, w, a, b, xa, 2.0)
+    part = mod.lora_linear_bwd_op(dy, x, w, a, b, xa, 2.0, False)
+    assert full[0].shape == x.shape and part[0].numel() == 0
+    for g, want in zip(part[1:], full[1:]):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+
+
 # the proxy's attention projections (hidden 2048; q/o 32 x 128 heads, k/v 4 x 128) at 8 x 2048 tokens
 CUDA_SHAPES = [(2048, 4096), (2048, 512), (4096, 2048)]
 
