@@ -117,6 +117,41 @@ class _PlaceRows(torch.autograd.Function):
         return grad.index_select(0, index), None, None
 
 
+class _GatherPairs(torch.autograd.Function):
+    """``x[order // k]``: the rows of ``x`` [n, ...] for the (token, k) pairs in the order of
+    ``order``, a permutation of the ``n * k`` pairs; every row of ``x`` is taken ``k`` times.
+
+    Autograd's backward of that gather (``IndexBackward0``) is an ``index_put_`` with
+    accumulate, which CUDA runs as a sort of the indices and a segment kernel. Here each row's
+    ``k`` copies are found through the inverse permutation instead: ``dx`` is the gradient
+    gathered back into pair order and summed over ``k`` (fp32 accumulation, one rounding), in a
+    fixed order (deterministic), without a sort. Keeps only ``order`` for the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return x.index_select(0, order // k if k > 1 else order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        k = ctx.k
+        inverse = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
+        pairs = grad.index_select(0, inverse)  # pair p = (token p // k, slot p % k)
+        if k == 1:
+            return pairs, None, None
+        return pairs.view(order.numel() // k, k, *grad.shape[1:]).sum(1), None, None
+
+
+def _gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """``x[order // k]`` (``order`` a permutation of ``len(x) * k`` pairs) with a sort-free,
+    deterministic backward (`_GatherPairs`)."""
+    return _GatherPairs.apply(x, order, k)
+
+
 class _SwiGLUWeighted(torch.autograd.Function):
     """``silu(gate) * up * w`` per row of ``h = [gate | up]`` [R, 2F] with ``w`` [R]; keeps
     ``h`` and ``w`` for the backward and recomputes silu there (autograd would also keep
@@ -207,6 +242,7 @@ class EPExperts(nn.Module):
         self.path, self.layer, self.ep, self.act = path, layer, ep, act
         self.capacity_factor, self.dispatch_groups = capacity_factor, dispatch_groups
         self.kernel: Callable | None = None  # see `use_kernel`
+        self.swiglu_kernel: Callable | None = None  # see `use_swiglu_kernel`
         # gpt-oss's SwiGLU: gate clamped above, up clamped both ways and offset before the product
         self.limit = attrs.get("clamp")
         self.up_offset = float(attrs.get("up_offset") or 0.0)
@@ -280,6 +316,17 @@ class EPExperts(nn.Module):
         self.kernel = experts_lora if self.plain and self.lora is not None else None
         return self.kernel is not None
 
+    def use_swiglu_kernel(self, swiglu_weighted: Callable | None) -> bool:
+        """Compute the routing-weighted SwiGLU of the torch path (`_SwiGLUWeighted`) with
+        ``swiglu_weighted(h [R, 2F], w [R]) -> [R, F]`` (`swiglu/weighted`'s entry: one Triton
+        pass forward, one backward with dw reduced inside) from now on (None: `_SwiGLUWeighted`
+        again). Attaching is the choice (`onboarding.train.swiglu_kernels.attach_swiglu_kernels`,
+        on CUDA only): an attached kernel is used, nothing else decides. Only plain SwiGLU
+        experts take it (``plain``: no clamp, offset, slope or biases); returns whether this
+        module did."""
+        self.swiglu_kernel = swiglu_weighted if self.plain else None
+        return self.swiglu_kernel is not None
+
     def lora_parameters(self) -> list[nn.Parameter]:
         if self.lora is None:
             return []
@@ -312,7 +359,8 @@ class EPExperts(nn.Module):
         if self.ep.group is None and self.dispatch_groups > 1:
             y_pairs = self._grouped_single(x, idx, w)
         else:
-            y_sorted = self._dispatch(x[order // k], counts, n, w.reshape(-1)[order])
+            y_sorted = self._dispatch(_gather_pairs(x, order, k), counts, n,
+                                      _gather_pairs(w.reshape(-1), order))
             y_pairs = _place_rows(y_sorted, order)
         return y_pairs.view(n, k, -1).sum(1).to(x.dtype)
 
@@ -328,8 +376,8 @@ class EPExperts(nn.Module):
                                w.chunk(self.dispatch_groups)):
             fe = ids.reshape(-1)
             o = torch.argsort(fe, stable=True)
-            ys = self._dispatch(xs[o // k], _bincount(fe, self.n_experts),
-                                xs.shape[0], ws.reshape(-1)[o])
+            ys = self._dispatch(_gather_pairs(xs, o, k), _bincount(fe, self.n_experts),
+                                xs.shape[0], _gather_pairs(ws.reshape(-1), o))
             outs.append(_place_rows(ys, o))
         return torch.cat(outs)
 
@@ -370,7 +418,7 @@ class EPExperts(nn.Module):
             local_e = torch.repeat_interleave(
                 torch.arange(el, device=x_recv.device).repeat(per.shape[0]), per.reshape(-1))
             regroup = torch.argsort(local_e, stable=True)  # expert-major, then source, then order
-            xg, wg = x_recv[regroup], w_recv[regroup]
+            xg, wg = _gather_pairs(x_recv, regroup), _gather_pairs(w_recv, regroup)
         keep = None
         if self.capacity_factor is not None:
             # capacity per expert over the dispatch group: ceil(cf * tokens * K / E)
@@ -396,8 +444,9 @@ class EPExperts(nn.Module):
 
         Without a down bias the weight scales the activation before the down projection (both
         down terms are linear in it): plain SwiGLU rows then keep only the gate/up product and
-        the weights for the backward (`_SwiGLUWeighted`), where the weighted output rows would
-        otherwise be kept [rows, D] for the weights' gradient."""
+        the weights for the backward (`_SwiGLUWeighted`, or the Triton kernel of
+        `use_swiglu_kernel`), where the weighted output rows would otherwise be kept [rows, D]
+        for the weights' gradient."""
         gu, dn = getattr(self, self.gate_up_name), getattr(self, self.down_name)
         if self.kernel is not None:
             y = self.kernel(xg, _counts(counts, xg.device), gu, dn,
@@ -417,7 +466,8 @@ class EPExperts(nn.Module):
             h = h.float() + self.scaling * _gmm(xa, self.lora_B_gate_up.transpose(1, 2), counts)
         pre = wg is not None and bd is None  # the weight goes on the activation
         if self.plain and pre:
-            a = _SwiGLUWeighted.apply(h, wg)
+            a = (_SwiGLUWeighted.apply(h, wg) if self.swiglu_kernel is None
+                 else self.swiglu_kernel(h, wg))
         else:
             if self.gated:
                 g, u = h.chunk(2, dim=-1)

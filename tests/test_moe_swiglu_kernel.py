@@ -1,0 +1,193 @@
+"""Issue 34: the MoE experts' routing-weighted SwiGLU as one Triton pass each way (the swiglu
+family's `weighted` variant, attached by `attach_swiglu_kernels`), and the sort-free backward of
+the token-row gather feeding the experts (`_GatherPairs`).
+
+CPU runs interpret the kernel in fp32 (tests/conftest.py sets TRITON_INTERPRET); the CUDA test at
+the end checks the real proxy shape in bf16 and prints timings (skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from onboarding.generate.templating import load_module, render_to
+from onboarding.train.moe_ep import EPExperts, EPGroup, _gather_pairs, _SwiGLUWeighted
+from onboarding.train.swiglu_kernels import SWIGLU_WEIGHTED, attach_swiglu_kernels, check_swiglu_kernel
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+# CPU: small tiles, so F = 100 takes two column steps (one partial) and 37 rows three row blocks
+CPU_CONFIG = {"BLOCK_N": 16, "BLOCK_F": 64, "num_warps": 4}
+
+
+@pytest.fixture(scope="module")
+def kernel_module(tmp_path_factory):
+    module = load_module(render_to(tmp_path_factory.mktemp("swiglu_w"), *SWIGLU_WEIGHTED))
+    if not CUDA:
+        module.set_config(CPU_CONFIG)
+    return module
+
+
+# ---- the gather's backward ---------------------------------------------------------------------
+@pytest.mark.parametrize("n,k,d", [(7, 3, 5), (5, 1, 4), (0, 2, 3)])
+def test_gather_pairs_equals_indexing_without_index_backward(n, k, d):
+    """Same rows and the same d x as ``x[order // k]`` (fp64: exactly the same sums), through
+    `_GatherPairs`'s backward, not autograd's IndexBackward0 (a sort + index_put on CUDA)."""
+    gen = torch.Generator().manual_seed(n * 10 + k)
+    x = torch.randn(n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    order = torch.randperm(n * k, generator=gen)
+    y, ref = _gather_pairs(x, order, k), x[order // k]
+    assert torch.equal(y, ref)
+    assert "GatherPairs" in type(y.grad_fn).__name__ and "Index" not in type(y.grad_fn).__name__
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+    (got,), (want,) = torch.autograd.grad(y, [x], dy), torch.autograd.grad(ref, [x], dy)
+    torch.testing.assert_close(got, want)
+    w = torch.randn(n * k, dtype=torch.float64, generator=gen, requires_grad=True)  # 1-D, k = 1
+    assert torch.autograd.gradcheck(lambda t: _gather_pairs(t, order), (w,))
+
+
+def test_ep_forward_has_no_index_backward():
+    """The experts' forward gathers token rows and routing weights through `_GatherPairs`: the
+    autograd graph of an `EPExperts` output holds no IndexBackward0."""
+    m = _experts(4, 16, 13)
+    x, idx, w = _routing(9, 16, 4, 2, torch.Generator().manual_seed(0))
+    y = m(x.requires_grad_(), idx, w.requires_grad_())
+    names, seen, todo = set(), set(), [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo += [f for f, _ in fn.next_functions]
+    assert "IndexBackward0" not in names and any("GatherPairs" in n for n in names), names
+
+
+# ---- the kernel against the torch path -----------------------------------------------------------
+@pytest.mark.parametrize("rows,f", [(37, 100), (3, 1), (0, 7)], ids=["37x100", "3x1", "0rows"])
+def test_weighted_kernel_matches_torch_path(kernel_module, rows, f):
+    """Forward, dh and dw against `_SwiGLUWeighted` on fresh random inputs in fp32 (odd rows and
+    widths, not multiples of the tiles; no rows at all)."""
+    gen = torch.Generator().manual_seed(rows + f)
+    h = (3 * torch.randn(rows, 2 * f, generator=gen)).to(DEV).requires_grad_()
+    w = torch.rand(rows, generator=gen).to(DEV).requires_grad_()
+    dy = torch.randn(rows, f, generator=gen).to(DEV)
+    y, ref = kernel_module.swiglu_weighted(h, w), _SwiGLUWeighted.apply(h, w)
+    assert y.shape == ref.shape == (rows, f) and y.dtype == ref.dtype
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    got, want = torch.autograd.grad(y, [h, w], dy), torch.autograd.grad(ref, [h, w], dy)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)
+
+
+def test_check_passes_the_kernel_and_rejects_a_wrong_one(kernel_module):
+    """`check_swiglu_kernel` accepts the kernel (fp32, and bf16 h with fp32 w, loaded then cast
+    in the kernel) and names what differs for a kernel whose output or dw is off."""
+    fn = kernel_module.swiglu_weighted
+    assert check_swiglu_kernel(fn, 50, torch.float32, DEV, rows=21) is None
+    assert check_swiglu_kernel(fn, 50, torch.bfloat16, DEV, w_dtype=torch.float32, rows=21) is None
+    bad = check_swiglu_kernel(lambda h, w: _SwiGLUWeighted.apply(h, w * 1.1), 50, torch.float32,
+                              DEV, rows=21)
+    assert bad and bad.startswith("output") and "d w" in bad, bad
+
+
+# ---- through EPExperts -------------------------------------------------------------------------
+class _Packed(nn.Module):
+    """transformers 5's packed experts: gate_up_proj [E, 2F, D] ([gate | up]), down_proj [E, D, F]."""
+
+    def __init__(self, e: int, d: int, f: int, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5)
+        self.down_proj = nn.Parameter(torch.randn(e, d, f, generator=gen) / f ** 0.5)
+
+
+def _experts(e: int, d: int, f: int, **attrs) -> EPExperts:
+    return EPExperts(_Packed(e, d, f), path="model.layers.0.mlp.experts", layer=0, ep=EPGroup(),
+                     width=d, act=F.silu, attrs=attrs).to(DEV)
+
+
+def _routing(n: int, d: int, e: int, k: int, gen: torch.Generator):
+    x = torch.randn(n, d, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    return x.to(DEV), idx.to(DEV), torch.rand(n, k, generator=gen).to(DEV)
+
+
+def test_ep_experts_with_the_kernel_attached_match_the_torch_path(kernel_module, tmp_path,
+                                                                   monkeypatch):
+    """`attach_swiglu_kernels` renders the `weighted` variant, checks it and attaches it to plain
+    SwiGLU experts only; those then agree with a copy on the torch path (output, d x and the
+    routing weights' gradient), with the kernel really called. A failed check keeps the torch
+    path with a warning."""
+    import onboarding.train.swiglu_kernels as S
+
+    plain, clamped = _experts(5, 16, 13), _experts(5, 16, 13, clamp=7.0, up_offset=1.0)
+    torch_path = copy.deepcopy(plain)
+    assert not clamped.plain
+    # rendered here, into tmp_path (the CPU tiles pinned afterwards, as the fixture's module)
+    counts = attach_swiglu_kernels([plain, clamped], tmp_path, rank=0)
+    assert counts == {"swiglu.weighted": 1, "rejected:swiglu.weighted": 0}
+    assert plain.swiglu_kernel is not None and clamped.swiglu_kernel is None
+    assert (tmp_path / "rank0" / "swiglu").is_dir()
+    calls = []
+
+    def counted(h, w):
+        calls.append(tuple(h.shape))
+        return kernel_module.swiglu_weighted(h, w)
+
+    plain.use_swiglu_kernel(counted)
+    gen = torch.Generator().manual_seed(3)
+    x, idx, w = _routing(11, 16, 5, 3, gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    wa, wb = w.clone().requires_grad_(), w.clone().requires_grad_()
+    ya, yb = plain(xa, idx, wa), torch_path(xb, idx, wb)
+    assert calls == [(33, 26)]  # all 11 x 3 pairs, [gate | up] of F = 13
+    cot = torch.randn(ya.shape, generator=gen).to(DEV)
+    (ya * cot).sum().backward()
+    (yb * cot).sum().backward()
+    for got, want in ((ya, yb), (xa.grad, xb.grad), (wa.grad, wb.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    plain.use_swiglu_kernel(None)
+    monkeypatch.setattr(S, "check_swiglu_kernel", lambda *a, **kw: "output 3.0e-01")
+    with pytest.warns(UserWarning, match="keep the torch path"):
+        assert attach_swiglu_kernels([plain], tmp_path, rank=0)["rejected:swiglu.weighted"] == 1
+    assert plain.swiglu_kernel is None
+    assert attach_swiglu_kernels([clamped], tmp_path, rank=0) == {}
+    plain.kernel = lambda *a: None  # the grouped expert LoRA kernel applies w itself
+    assert attach_swiglu_kernels([plain], tmp_path, rank=0) == {} and plain.swiglu_kernel is None
+
+
+# ---- CUDA: the proxy's shape, bf16 ---------------------------------------------------------------
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_weighted_kernel_proxy_shape_bf16_and_timing(kernel_module):
+    """The H200 profile's shape (R = 131072 rows, F = 768, bf16): the kernel within the check's
+    bars of the torch path, and each path's forward + backward time printed (run with -s)."""
+    r, f = 131072, 768
+    assert check_swiglu_kernel(kernel_module.swiglu_weighted, f, torch.bfloat16, DEV,
+                               rows=r) is None
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    h = torch.randn(r, 2 * f, device=DEV, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.rand(r, device=DEV, generator=gen).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(r, f, device=DEV, generator=gen).to(torch.bfloat16)
+
+    def time_ms(fn, reps=20):
+        for _ in range(3):
+            torch.autograd.grad(fn(h, w), [h, w], dy)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            torch.autograd.grad(fn(h, w), [h, w], dy)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    ours, torch_ms = time_ms(kernel_module.swiglu_weighted), time_ms(_SwiGLUWeighted.apply)
+    print(f"\nweighted SwiGLU fwd+bwd R={r} F={f} bf16: kernel {ours:.3f} ms, "
+          f"torch path {torch_ms:.3f} ms ({torch_ms / ours:.2f}x)")
