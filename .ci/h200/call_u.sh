@@ -1,0 +1,40 @@
+# Device call U (prepared in the twenty-third session, for the next one): issue 34's sequence-length
+# table for the 4B Qwen3-Next-style proxy, one H200, RECOMPUTE=full (default) or none, lengths
+# ${LENGTHS:-4096,16384,65536} (micro-batch 1; `--seq-sweep`: one fresh process per length, the
+# first length's kernel candidates reused), then one resume-after-kill run on the H200 (the small
+# Qwen3-MoE proxy: 8 steps uninterrupted; the same run killed after step 5 with a checkpoint every
+# 2 steps, then started again from its train.toml; the two loss curves are printed side by side).
+#   bash .ci/h200/call_u.sh      (carry .whl)
+set -o pipefail
+D=${OUT:-/tmp/out}; O=/tmp/u; mkdir -p "$D" "$O"
+OUT=$O source .ci/h200/setup.sh || exit 1
+t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
+left() { local l=$(( ${BUDGET:-540} - $(date +%s) + t0 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+stamp resume
+R="onboard train hf:qwen3_moe --proxy small --nproc 1 --steps 8 --seq 1024 --dtype bf16 --checkpoint-interval 2"
+timeout 150 $R --out "$O/whole" > "$O/resume_whole.log" 2>&1; echo "whole exit $?"
+ONBOARD_TEST_KILL=0:5 timeout 150 $R --out "$O/killed" > "$O/resume_killed.log" 2>&1; echo "killed exit $? (non-zero expected)"
+timeout 150 onboard train --config "$O/killed/train.toml" > "$O/resume_again.log" 2>&1; echo "resumed exit $?"
+grep -h "resumed from" "$O/resume_again.log" "$O"/killed/train/*.log 2>/dev/null | head -2
+python3 - "$O" <<'PY' | tee "$O/resume.txt"
+import json, sys
+o = sys.argv[1]
+rows = lambda d: [json.loads(l) for l in open(f"{o}/{d}/train/reference.jsonl")]
+a, b = rows("whole"), rows("killed")
+print("step  whole loss            resumed-run loss      equal")
+for ra, rb in zip(a, b[-len(a):] if len(b) > len(a) else b):
+    print(ra["step"], rb["step"], repr(ra["loss"]), repr(rb["loss"]), ra["loss"] == rb["loss"])
+PY
+stamp seq-sweep
+timeout "$(left 480)" onboard train hf:qwen3_next --proxy none --set vocab_size=32000 --set hidden_size=2048 \
+  --set num_hidden_layers=12 --set num_attention_heads=16 --set num_key_value_heads=2 \
+  --set head_dim=128 --set linear_num_key_heads=16 --set linear_num_value_heads=32 \
+  --set linear_key_head_dim=64 --set linear_value_head_dim=64 \
+  --set shared_expert_intermediate_size=768 --set num_experts=64 --set num_experts_per_tok=8 \
+  --set moe_intermediate_size=768 --set intermediate_size=6144 --set decoder_sparse_step=1 \
+  --set max_position_embeddings=262144 --nproc 1 --steps 3 --micro-batch 1 --dtype bf16 \
+  --recompute "${RECOMPUTE:-full}" --seq-sweep "${LENGTHS:-4096,16384,65536}" --out "$O/sweep" > "$O/sweep.log" 2>&1
+echo "sweep exit $?"; grep -A12 "seq " "$O/sweep.log" | head -20
+stamp end
+find "$O" -name "*.safetensors" -delete; rm -rf "$O"/*/train/kernels "$O"/*/train/ckpt "$O"/sweep/*/train/kernels
+tar czf "$D/call_u.tgz" -C "$O" .
