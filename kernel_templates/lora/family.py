@@ -8,7 +8,8 @@ GEMMs (x W^T, dy W):
   GEMM runs at about half of cuBLAS on an H200, so this is the path that can keep the LoRA
   overhead within ~15% of the base GEMM.
 - "triton": everything in our Triton GEMM, the rank-r product joining its accumulator.
-LoRA is applied by the training stage to chosen linears, not found in the op graph: no `match`.
+LoRA is applied by the training stage to chosen linears, not found in the op graph: no `match`;
+training asks for this variant through `lora_variants` ("lora.linear": its `LoRALinear` layers).
 The grouped expert LoRA (per-expert A_e / B_e inside the grouped GEMM) is the `swiglu_lora`
 variant of the `moe_experts` family: it shares the experts' permutation and grouped GEMMs.
 """
@@ -61,4 +62,8 @@ FAMILY = FamilySpec(
     sample_inputs=sample_inputs,
     bench_cases=bench.cases,
     bench_nightly=bench.NIGHTLY,
+    # "lora.linear": training's `LoRALinear` (a frozen nn.Linear plus its adapters; no op-graph
+    # block kind), which `onboarding.train.kernels.attach_lora_kernels` serves with this variant
+    # at its default params (base="torch")
+    lora_variants={"lora.linear": "linear"},
 )

@@ -145,9 +145,11 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
     return counts
 
 
-# The lora family's fused linear + low-rank adapter (base GEMMs in cuBLAS, the rank-r term in one
-# Triton kernel per pass): what `attach_lora_kernels` gives training's `LoRALinear` layers.
-LORA_LINEAR = ("lora", "linear", {"base": "torch"})
+# What training's `LoRALinear` layers are to the families (`families.lora_kernel`: the family and
+# variant that serve them, rendered at its default params) and the key of their counts: the lora
+# family's fused linear + low-rank adapter (base GEMMs in cuBLAS, the rank-r term in one Triton
+# kernel per pass).
+LORA_LINEAR_KIND = "lora.linear"
 # bf16 bars of the LoRA-kernel check (as the experts'): the fused path rounds A and B to bf16 as
 # dot operands and dA, dB to bf16 results; the torch path computes the adapter term in fp32
 LORA_OUT_TOL, LORA_GRAD_TOL = 1e-2, 2e-2
@@ -197,31 +199,35 @@ def check_lora_kernel(module, kernel, *, rows: int = LORA_CHECK_ROWS) -> str | N
 
 def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
                         dtypes=None) -> dict[str, int]:
-    """Give every `LoRALinear` of ``model`` the lora family's fused kernel (`LORA_LINEAR`,
-    rendered into ``root/rank<rank>`` and loaded; ``kernel``: another ``lora_linear``-like entry,
-    for tests) where it passes `check_lora_kernel` (one check per distinct widths, rank, scaling,
+    """Give every `LoRALinear` of ``model`` the fused kernel of the family variant that serves
+    `LORA_LINEAR_KIND` (`families.lora_kernel`: the lora family's `linear`, rendered into
+    ``root/rank<rank>`` and loaded; ``kernel``: another ``lora_linear``-like entry, for tests)
+    where it passes `check_lora_kernel` (one check per distinct widths, rank, scaling,
     dtype and bias; a failure warns and keeps the torch path). Layers the kernel cannot serve
     (`LoRALinear.kernel_refusal`: dropout, a base dtype outside ``dtypes``, default
     `lora.KERNEL_DTYPES`) keep the torch path with a warning saying why. Called on CUDA only
     (`worker.prepare`): the CPU keeps `_LoRADelta`.
 
-    Returns counts for the step row's ``kernels`` summary: ``lora`` (attached), ``rejected:lora``
-    (the check failed) and ``rejected:lora (<why>)`` per reason the kernel was not tried; none
-    when the model has no `LoRALinear`."""
+    Returns counts for the step row's ``kernels`` summary: ``lora.linear`` (attached),
+    ``rejected:lora.linear`` (the check failed) and ``rejected:lora.linear (<why>)`` per reason
+    the kernel was not tried; none when the model has no `LoRALinear` or no family serves it."""
     import warnings
 
+    from onboarding.families import lora_kernel
     from onboarding.train.lora import KERNEL_DTYPES, LoRALinear
 
     mods = [(p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
-    if not mods:
+    served_by = lora_kernel(LORA_LINEAR_KIND)
+    if not mods or (served_by is None and kernel is None):
         return {}
     dtypes = KERNEL_DTYPES if dtypes is None else tuple(dtypes)
-    counts = {"lora": 0, "rejected:lora": 0}
+    kind = LORA_LINEAR_KIND
+    counts = {kind: 0, f"rejected:{kind}": 0}
     served = []
     for path, m in mods:
         why = m.kernel_refusal(dtypes=dtypes)
         if why:
-            key = f"rejected:lora ({why.split(' (')[0]})"
+            key = f"rejected:{kind} ({why.split(' (')[0]})"
             if key not in counts:
                 warnings.warn(f"{path}: LoRA keeps the torch path: {why}", stacklevel=2)
             counts[key] = counts.get(key, 0) + 1
@@ -230,7 +236,7 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
     if served and kernel is None:
         from onboarding.generate.templating import load_module, render_to
 
-        kernel = load_module(render_to(root / f"rank{rank}", *LORA_LINEAR)).lora_linear
+        kernel = load_module(render_to(root / f"rank{rank}", *served_by, {})).entry
     verdicts: dict[tuple, str | None] = {}
     for path, m in served:
         w = m.base.weight
@@ -242,8 +248,8 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
                               f"({verdicts[key]}); LoRA layers of this shape keep the torch path",
                               stacklevel=2)
         if verdicts[key]:
-            counts["rejected:lora"] += 1
+            counts[f"rejected:{kind}"] += 1
         else:
             m.use_kernel(kernel)
-            counts["lora"] += 1
+            counts[kind] += 1
     return counts

@@ -11,12 +11,19 @@ import pytest
 import torch
 from torch import nn
 
+from onboarding.families import lora_kernel
 from onboarding.generate.templating import load_module, render_to
 from onboarding.train import kernels as K
 from onboarding.train.lora import LoRALinear
 
 CPU_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "dot_precision": "ieee"}
 FP32 = (torch.float32,)
+KIND, REJECTED = K.LORA_LINEAR_KIND, f"rejected:{K.LORA_LINEAR_KIND}"
+
+
+def _render(root):
+    """The module `attach_lora_kernels` renders and loads (the family variant serving LoRALinear)."""
+    return load_module(render_to(root / "rank0", *lora_kernel(KIND), {}))
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +31,13 @@ def root(tmp_path_factory):
     """The kernels dir `attach_lora_kernels` renders into, with the rendered module (the same
     module object it loads: modules are cached by content) pinned to small CPU tiles."""
     root = tmp_path_factory.mktemp("lora_train")
-    load_module(render_to(root / "rank0", *K.LORA_LINEAR)).set_config(CPU_CONFIG)
+    _render(root).set_config(CPU_CONFIG)
     return root
 
 
 @pytest.fixture(scope="module")
 def fused(root):
-    return load_module(render_to(root / "rank0", *K.LORA_LINEAR)).lora_linear
+    return _render(root).entry
 
 
 def _layers(gen, *, dropout: float = 0.0) -> nn.Sequential:
@@ -46,11 +53,12 @@ def _layers(gen, *, dropout: float = 0.0) -> nn.Sequential:
 
 
 def test_attached_kernel_matches_torch_path(root):
+    assert lora_kernel(KIND) == ("lora", "linear")  # the family says it serves LoRALinear
     gen = torch.Generator().manual_seed(1)
     model = _layers(gen)
     torch_path = copy.deepcopy(model)
     names = {n: (p.dtype, p.shape, p.requires_grad) for n, p in model.named_parameters()}
-    assert K.attach_lora_kernels(model, root, rank=0, dtypes=FP32) == {"lora": 2, "rejected:lora": 0}
+    assert K.attach_lora_kernels(model, root, rank=0, dtypes=FP32) == {KIND: 2, REJECTED: 0}
     assert all(m.kernel is not None for m in model) and all(m.kernel is None for m in torch_path)
     # parameters keep their names, dtypes and shapes (checkpoints and the PEFT export unchanged)
     assert {n: (p.dtype, p.shape, p.requires_grad) for n, p in model.named_parameters()} == names
@@ -99,7 +107,7 @@ def test_wrong_kernel_rejected(root, fused, wrong):
     model = _layers(torch.Generator().manual_seed(2))
     with pytest.warns(UserWarning, match="keep the torch path"):
         counts = K.attach_lora_kernels(model, root, rank=0, kernel=bad, dtypes=FP32)
-    assert counts == {"lora": 0, "rejected:lora": 2}
+    assert counts == {KIND: 0, REJECTED: 2}
     assert all(m.kernel is None for m in model)
     assert K.check_lora_kernel(model[0], bad)  # says what differed
     assert K.check_lora_kernel(model[0], fused) is None
@@ -109,7 +117,7 @@ def test_layers_the_kernel_cannot_serve_keep_torch(root, fused):
     model = _layers(torch.Generator().manual_seed(3), dropout=0.1)
     with pytest.warns(UserWarning, match="dropout 0.1"):
         counts = K.attach_lora_kernels(model, root, rank=0, dtypes=FP32)
-    assert counts == {"lora": 1, "rejected:lora": 0, "rejected:lora (dropout 0.1)": 1}
+    assert counts == {KIND: 1, REJECTED: 0, f"{REJECTED} (dropout 0.1)": 1}
     assert model[0].kernel is None and model[1].kernel is not None
     with pytest.raises(ValueError, match="dropout"):
         model[0].use_kernel(fused)
@@ -117,7 +125,7 @@ def test_layers_the_kernel_cannot_serve_keep_torch(root, fused):
     model = _layers(torch.Generator().manual_seed(3))
     with pytest.warns(UserWarning, match="float32 base weight"):
         counts = K.attach_lora_kernels(model, root, rank=0)
-    assert counts == {"lora": 0, "rejected:lora": 0, "rejected:lora (float32 base weight)": 2}
+    assert counts == {KIND: 0, REJECTED: 0, f"{REJECTED} (float32 base weight)": 2}
     assert all(m.kernel is None for m in model)
     assert K.attach_lora_kernels(nn.Sequential(nn.Linear(4, 4)), root, rank=0) == {}
 
@@ -127,8 +135,8 @@ def test_x_without_grad_skips_dx(root, tmp_path, base):
     """An x that needs no gradient (a first layer's projections read a frozen norm's output): the
     backward computes no dx (no dy W GEMM: the bwd op's need_dx=False returns an empty dx) and the
     same dA and dB as with dx."""
-    mod = load_module(render_to(root / "rank0", *K.LORA_LINEAR) if base == "torch"
-                      else render_to(tmp_path, "lora", "linear", {"base": base}))
+    mod = _render(root) if base == "torch" else \
+        load_module(render_to(tmp_path, *lora_kernel(KIND), {"base": base}))
     mod.set_config(CPU_CONFIG)
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(2, 19, 40, generator=gen), torch.randn(24, 40, generator=gen) / 40 ** 0.5
@@ -166,7 +174,7 @@ def test_bf16_attach_cuda(tmp_path, d_in, d_out):
     with torch.no_grad():
         model[0].lora_B.weight.copy_(torch.randn(d_out, 16, device=dev, generator=gen) * 0.05)
     torch_path = copy.deepcopy(model)
-    assert K.attach_lora_kernels(model, tmp_path, rank=0) == {"lora": 1, "rejected:lora": 0}
+    assert K.attach_lora_kernels(model, tmp_path, rank=0) == {KIND: 1, REJECTED: 0}
     x = torch.randn(8, 2048, d_in, device=dev, generator=gen).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(8, 2048, d_out, device=dev, generator=gen).to(torch.bfloat16)
     res = {}
@@ -209,7 +217,7 @@ def test_tiny_model_step_same_loss_and_adapter_grads(root):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     torch_path = copy.deepcopy(model)
     counts = K.attach_lora_kernels(model, root, rank=0, dtypes=FP32)
-    assert counts == {"lora": len(paths), "rejected:lora": 0} and len(paths) >= 4
+    assert counts == {KIND: len(paths), REJECTED: 0} and len(paths) >= 4
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=gen)
     grads = []
     for m in (model, torch_path):
