@@ -152,8 +152,8 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
         expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
                                                rank=layout.rank)
         # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
-        expert_kernels.update(attach_lora_kernels(model, Path(cfg.out) / "train" / "kernels" / "lora",
-                                                  rank=layout.rank))
+        expert_kernels.update(attach_lora_kernels(
+            model, Path(cfg.out) / "train" / "kernels" / "lora_linear", rank=layout.rank))
     return ep_mods, patches, expert_kernels
 
 
