@@ -35,9 +35,13 @@ def kernel_module(tmp_path_factory):
 
 # ---- the gather's backward ---------------------------------------------------------------------
 @pytest.mark.parametrize("n,k,d", [(7, 3, 5), (5, 1, 4), (0, 2, 3)])
-def test_gather_pairs_equals_indexing_without_index_backward(n, k, d):
+def test_gather_pairs_equals_indexing_without_index_backward(n, k, d, monkeypatch):
     """Same rows and the same d x as ``x[order // k]`` (fp64: exactly the same sums), through
-    `_GatherPairs`'s backward, not autograd's IndexBackward0 (a sort + index_put on CUDA)."""
+    `_GatherPairs`'s backward, not autograd's IndexBackward0 (a sort + index_put on CUDA); its
+    token blocks of 2 tokens here (the last one partial)."""
+    from onboarding.train.moe_ep import _GatherPairs
+
+    monkeypatch.setattr(_GatherPairs, "BLOCK_ELEMENTS", 2 * k * d)
     gen = torch.Generator().manual_seed(n * 10 + k)
     x = torch.randn(n, d, dtype=torch.float64, generator=gen, requires_grad=True)
     order = torch.randperm(n * k, generator=gen)

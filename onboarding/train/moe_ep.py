@@ -125,8 +125,12 @@ class _GatherPairs(torch.autograd.Function):
     accumulate, which CUDA runs as a sort of the indices and a segment kernel. Here each row's
     ``k`` copies are found through the inverse permutation instead: ``dx`` is the gradient
     gathered back into pair order and summed over ``k`` (fp32 accumulation, one rounding), in a
-    fixed order (deterministic), without a sort. Keeps only ``order`` for the backward.
+    fixed order (deterministic), without a sort. Keeps only ``order`` for the backward; the
+    gathered pairs are summed in token blocks of about ``BLOCK_ELEMENTS`` elements, so the
+    temporary stays small next to the [pairs, D] gradient.
     """
+
+    BLOCK_ELEMENTS = 1 << 26
 
     @staticmethod
     def forward(ctx, x, order, k):
@@ -138,12 +142,19 @@ class _GatherPairs(torch.autograd.Function):
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
         k = ctx.k
+        # inverse[p]: where pair p = (token p // k, slot p % k) sits in grad
         inverse = torch.empty_like(order).scatter_(
             0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
-        pairs = grad.index_select(0, inverse)  # pair p = (token p // k, slot p % k)
         if k == 1:
-            return pairs, None, None
-        return pairs.view(order.numel() // k, k, *grad.shape[1:]).sum(1), None, None
+            return grad.index_select(0, inverse), None, None
+        n, tail = order.numel() // k, grad.shape[1:]
+        dx = grad.new_empty(n, *tail)
+        step = max(1, _GatherPairs.BLOCK_ELEMENTS // max(k * math.prod(tail), 1))
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            pairs = grad.index_select(0, inverse[lo * k:hi * k])
+            torch.sum(pairs.view(hi - lo, k, *tail), 1, out=dx[lo:hi])
+        return dx, None, None
 
 
 def _gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int = 1) -> torch.Tensor:
