@@ -13,16 +13,25 @@ from onboarding.families import NightlySpec
 
 
 def cases() -> list[BenchCase]:
-    def eager(x, w, bias):  # what transformers' torch fallback does, on [B, T, C]
+    def conv(x, w, bias):  # what transformers' torch fallback does, on [B, T, C]
         k = w.shape[-1]
         y = F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=k - 1,
                      groups=w.shape[0])[..., : x.shape[1]]
         return y.transpose(1, 2)
 
+    def conv_silu(x, w, bias):
+        return F.silu(conv(x, w, bias))
+
     out = []
-    for b, t, c, k in ((2, 4096, 8192, 4), (1, 8192, 12288, 4)):
-        def setup(device, b=b, t=t, c=c, k=k):
-            _, ours = kernel("conv1d", "causal", {"kernel_size": k})
+    # the last: the 4B Qwen3-Next-style training proxy's conv (8 x 2048 tokens, 4,096 channels,
+    # SiLU fused), whose backward took 1.13 ms a call in the H200 step profile (docs/LOG.md,
+    # device call S)
+    for b, t, c, k, act in ((2, 4096, 8192, 4, None), (1, 8192, 12288, 4, None), (8, 2048, 4096, 4, "silu")):
+        params = {"kernel_size": k, **({"activation": act} if act else {})}
+        eager = conv_silu if act else conv
+
+        def setup(device, b=b, t=t, c=c, params=params, eager=eager):
+            _, ours = kernel("conv1d", "causal", params)
             sets = [(leaf(torch.randn(b, t, c, device=device, dtype=torch.bfloat16)),
                      leaf(0.5 * torch.randn(c, k, device=device, dtype=torch.bfloat16)),
                      leaf(torch.randn(c, device=device, dtype=torch.bfloat16)))
@@ -37,10 +46,11 @@ def cases() -> list[BenchCase]:
                     torch.randn(c, device="cuda", generator=g, dtype=dtype))
 
         out.append(BenchCase(
-            family="conv1d", name=f"B{b}T{t}C{c}W{k}", shape={"B": b, "T": t, "C": c, "W": k},
+            family="conv1d", name=f"B{b}T{t}C{c}W{k}" + ("silu" if act else ""),
+            shape={"B": b, "T": t, "C": c, "W": k},
             min_bytes=5 * b * t * c * 2, flops=2 * 2 * b * t * c * k * 2, setup=setup,
-            check=lambda device, make=make, k=k: bf16_check(
-                kernel("conv1d", "causal", {"kernel_size": k})[1], eager, make)(device)))
+            check=lambda device, make=make, params=params, eager=eager: bf16_check(
+                kernel("conv1d", "causal", params)[1], eager, make)(device)))
     return out
 
 
