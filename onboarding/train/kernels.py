@@ -218,7 +218,11 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
 
     mods = [(p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
     served_by = lora_kernel(LORA_LINEAR_KIND)
-    if not mods or (served_by is None and kernel is None):
+    if not mods:
+        return {}
+    if served_by is None and kernel is None:
+        warnings.warn(f"no kernel family serves {LORA_LINEAR_KIND} (`lora_variants`): the "
+                      f"{len(mods)} LoRA layers keep the torch path", stacklevel=2)
         return {}
     dtypes = KERNEL_DTYPES if dtypes is None else tuple(dtypes)
     kind = LORA_LINEAR_KIND
