@@ -17,7 +17,8 @@ from torch.nn import functional as F
 
 from onboarding.generate.templating import load_module, render_to
 from onboarding.train.moe_ep import EPExperts, EPGroup, _gather_pairs, _SwiGLUWeighted
-from onboarding.train.swiglu_kernels import SWIGLU_WEIGHTED, attach_swiglu_kernels, check_swiglu_kernel
+from onboarding.families import lora_kernel
+from onboarding.train.swiglu_kernels import WEIGHTED_ACT_KIND, attach_swiglu_kernels, check_swiglu_kernel
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -27,7 +28,8 @@ CPU_CONFIG = {"BLOCK_N": 16, "BLOCK_F": 64, "num_warps": 4}
 
 @pytest.fixture(scope="module")
 def kernel_module(tmp_path_factory):
-    module = load_module(render_to(tmp_path_factory.mktemp("swiglu_w"), *SWIGLU_WEIGHTED))
+    assert lora_kernel(WEIGHTED_ACT_KIND) == ("swiglu", "weighted")  # the family says it serves it
+    module = load_module(render_to(tmp_path_factory.mktemp("swiglu_w"), *lora_kernel(WEIGHTED_ACT_KIND), {}))
     if not CUDA:
         module.set_config(CPU_CONFIG)
     return module
@@ -136,7 +138,7 @@ def test_ep_experts_with_the_kernel_attached_match_the_torch_path(kernel_module,
     assert not clamped.plain
     # rendered here, into tmp_path (the CPU tiles pinned afterwards, as the fixture's module)
     counts = attach_swiglu_kernels([plain, clamped], tmp_path, rank=0)
-    assert counts == {"swiglu.weighted": 1, "rejected:swiglu.weighted": 0}
+    assert counts == {WEIGHTED_ACT_KIND: 1, f"rejected:{WEIGHTED_ACT_KIND}": 0}
     assert plain.swiglu_kernel is not None and clamped.swiglu_kernel is None
     assert (tmp_path / "rank0" / "swiglu").is_dir()
     calls = []
@@ -161,7 +163,7 @@ def test_ep_experts_with_the_kernel_attached_match_the_torch_path(kernel_module,
     plain.use_swiglu_kernel(None)
     monkeypatch.setattr(S, "check_swiglu_kernel", lambda *a, **kw: "output 3.0e-01")
     with pytest.warns(UserWarning, match="keep the torch path"):
-        assert attach_swiglu_kernels([plain], tmp_path, rank=0)["rejected:swiglu.weighted"] == 1
+        assert attach_swiglu_kernels([plain], tmp_path, rank=0)[f"rejected:{WEIGHTED_ACT_KIND}"] == 1
     assert plain.swiglu_kernel is None
     assert attach_swiglu_kernels([clamped], tmp_path, rank=0) == {}
     plain.kernel = lambda *a: None  # the grouped expert LoRA kernel applies w itself

@@ -7,7 +7,8 @@ forward and a row-blocked loop of about six more backward; the swiglu family's `
 h and w and writes the activation, backward reads h, w and the gradient and writes dh and dw (dw
 summed over the row in fp32 inside the kernel, deterministic). `attach_swiglu_kernels` renders it
 and attaches it to every plain SwiGLU `EPExperts` whose check passes; the CPU keeps the torch
-path (nothing is attached there).
+path (nothing is attached there). Which family variant serves it is the family's say
+(`families.lora_kernel(WEIGHTED_ACT_KIND)`, its `lora_variants`): no family is named here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import torch
 
 from onboarding.testing.tolerance import rel_rms as _rel
 
-SWIGLU_WEIGHTED = ("swiglu", "weighted", {})
+# What the experts' routing-weighted activation is to the families: the kind a family's
+# `lora_variants` serves it under (rendered at the variant's default params), and the key of
+# the counts. Not an op-graph block kind: expert parallelism's own op, inside the LoRA step.
+WEIGHTED_ACT_KIND = "moe.experts.weighted_act"
 # bars against the torch path: ours rounds once (fp32 in registers), the torch path after each
 # bf16 op; both sit within bf16's few 1e-3 of the exact values
 SWIGLU_OUT_TOL, SWIGLU_GRAD_TOL = 1e-2, 2e-2
@@ -62,7 +66,8 @@ def check_swiglu_kernel(kernel, f: int, dtype: torch.dtype, device, *, w_dtype=N
 
 def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
                           dtype: torch.dtype | None = None) -> dict[str, int]:
-    """Render `SWIGLU_WEIGHTED` into ``root/rank<rank>`` and attach its entry
+    """Render the family variant serving `WEIGHTED_ACT_KIND` (the swiglu family's `weighted`)
+    into ``root/rank<rank>`` and attach its entry
     (`EPExperts.use_swiglu_kernel`) to every plain SwiGLU `EPExperts` (``plain``) that computes
     its experts in torch (no grouped expert LoRA kernel: call this after `attach_expert_kernels`,
     whose kernel applies the routing weight itself) where
@@ -72,16 +77,21 @@ def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
     on the torch path, whose h is fp32). Call it on CUDA only, as `attach_expert_kernels`: the
     CPU keeps the torch path.
 
-    Returns counts for the step row's ``kernels`` summary: ``swiglu.weighted`` (attached) and
-    ``rejected:swiglu.weighted``; none when no module is plain SwiGLU on the torch path."""
+    Returns counts for the step row's ``kernels`` summary: ``moe.experts.weighted_act``
+    (attached) and ``rejected:moe.experts.weighted_act``; none when no module is plain SwiGLU on
+    the torch path or no family serves the kind."""
+    from onboarding.families import lora_kernel
+
     mods = [m for m in ep_mods if m.plain and m.kernel is None]
-    if not mods:
+    served = lora_kernel(WEIGHTED_ACT_KIND)
+    if not mods or (served is None and kernel is None):
         return {}
     if kernel is None:
         from onboarding.generate.templating import load_module, render_to
 
-        kernel = load_module(render_to(root / f"rank{rank}", *SWIGLU_WEIGHTED)).swiglu_weighted
-    counts = {"swiglu.weighted": 0, "rejected:swiglu.weighted": 0}
+        kernel = load_module(render_to(root / f"rank{rank}", *served, {})).entry
+    ok, rejected = WEIGHTED_ACT_KIND, f"rejected:{WEIGHTED_ACT_KIND}"
+    counts = {ok: 0, rejected: 0}
     verdicts: dict[tuple, str | None] = {}
     for m in mods:
         dn = getattr(m, m.down_name)
@@ -95,8 +105,8 @@ def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
                               f"({verdicts[key]}); experts of this width keep the torch path",
                               stacklevel=2)
         if verdicts[key]:
-            counts["rejected:swiglu.weighted"] += 1
+            counts[rejected] += 1
         else:
             m.use_swiglu_kernel(kernel)
-            counts["swiglu.weighted"] += 1
+            counts[ok] += 1
     return counts
