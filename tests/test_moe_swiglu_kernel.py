@@ -197,3 +197,35 @@ def test_cuda_weighted_kernel_proxy_shape_bf16_and_timing(kernel_module):
     ours, torch_ms = time_ms(kernel_module.swiglu_weighted), time_ms(_SwiGLUWeighted.apply)
     print(f"\nweighted SwiGLU fwd+bwd R={r} F={f} bf16: kernel {ours:.3f} ms, "
           f"torch path {torch_ms:.3f} ms ({torch_ms / ours:.2f}x)")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_gather_pairs_backward_proxy_shape_and_timing():
+    """The H200 profile's gather (16,384 tokens x top-8 of D = 2048, bf16): `_GatherPairs`'s d x
+    is the fp32 sum of each token's 8 bf16 gradient rows rounded once (against the fp32 path's),
+    and each backward's time, and autograd's ``x[order // k]``'s, printed (run with -s)."""
+    n, k, d = 16384, 8, 2048
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(n, d, device=DEV, generator=gen).to(torch.bfloat16).requires_grad_()
+    e = torch.randint(0, 64, (n * k,), device=DEV, generator=gen)
+    order = torch.argsort(e, stable=True)
+    dy = torch.randn(n * k, d, device=DEV, generator=gen).to(torch.bfloat16)
+    ours, = torch.autograd.grad(_gather_pairs(x, order, k), [x], dy)
+    x32 = x.detach().float().requires_grad_()
+    ref, = torch.autograd.grad(x32[order // k], [x32], dy.float())
+    torch.testing.assert_close(ours.float(), ref, rtol=4e-3, atol=1e-5)  # one bf16 rounding
+
+    def time_ms(fn, reps=20):
+        for _ in range(3):
+            torch.autograd.grad(fn(), [x], dy)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            torch.autograd.grad(fn(), [x], dy)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    a, b = time_ms(lambda: _gather_pairs(x, order, k)), time_ms(lambda: x[order // k])
+    print(f"\ngather fwd+bwd {n}x{k} rows of {d} bf16: _GatherPairs {a:.3f} ms, "
+          f"x[order // k] {b:.3f} ms ({b / a:.2f}x)")
