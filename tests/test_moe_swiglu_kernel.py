@@ -17,8 +17,8 @@ from torch.nn import functional as F
 
 from onboarding.generate.templating import load_module, render_to
 from onboarding.train.moe_ep import EPExperts, EPGroup, _gather_pairs, _SwiGLUWeighted
-from onboarding.families import lora_kernel
-from onboarding.train.swiglu_kernels import WEIGHTED_ACT_KIND, attach_swiglu_kernels, check_swiglu_kernel
+from onboarding.families import training_kernel
+from onboarding.train.kernels import WEIGHTED_ACT_KIND, attach_swiglu_kernels, check_swiglu_kernel
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -28,8 +28,8 @@ CPU_CONFIG = {"BLOCK_N": 16, "BLOCK_F": 64, "num_warps": 4}
 
 @pytest.fixture(scope="module")
 def kernel_module(tmp_path_factory):
-    assert lora_kernel(WEIGHTED_ACT_KIND) == ("swiglu", "weighted")  # the family says it serves it
-    module = load_module(render_to(tmp_path_factory.mktemp("swiglu_w"), *lora_kernel(WEIGHTED_ACT_KIND), {}))
+    assert training_kernel(WEIGHTED_ACT_KIND) == ("swiglu", "weighted")  # the family says it serves it
+    module = load_module(render_to(tmp_path_factory.mktemp("swiglu_w"), *training_kernel(WEIGHTED_ACT_KIND), {}))
     if not CUDA:
         module.set_config(CPU_CONFIG)
     return module
@@ -131,7 +131,7 @@ def test_ep_experts_with_the_kernel_attached_match_the_torch_path(kernel_module,
     SwiGLU experts only; those then agree with a copy on the torch path (output, d x and the
     routing weights' gradient), with the kernel really called. A failed check keeps the torch
     path with a warning."""
-    import onboarding.train.swiglu_kernels as S
+    import onboarding.train.kernels as S
 
     plain, clamped = _experts(5, 16, 13), _experts(5, 16, 13, clamp=7.0, up_offset=1.0)
     torch_path = copy.deepcopy(plain)

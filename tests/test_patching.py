@@ -901,12 +901,12 @@ def test_expert_lora_kernel_attaches_to_ep_experts(parse_model, tmp_path, monkey
     gradient. Frozen experts (no expert LoRA) keep torch; a failed check keeps the torch path."""
     import copy
 
-    from onboarding.families import lora_kernel
+    from onboarding.families import training_kernel
     from onboarding.train import kernels as K
     from onboarding.train.moe_ep import EPGroup, ExpertLoRA, _is_silu, apply_expert_parallel
 
     # the experts family offers its LoRA variant for moe.experts; no family one for norms
-    assert lora_kernel("moe.experts") == ("moe_experts", "swiglu_lora") and lora_kernel("norm.rms") is None
+    assert training_kernel("moe.experts") == ("moe_experts", "swiglu_lora") and training_kernel("norm.rms") is None
     g, model, path, _ = _proxy_experts(parse_model, "hf:qwen3_moe")
     mods = apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
     assert mods and all(m.plain for m in mods)

@@ -9,7 +9,7 @@ GEMMs (x W^T, dy W):
   overhead within ~15% of the base GEMM.
 - "triton": everything in our Triton GEMM, the rank-r product joining its accumulator.
 LoRA is applied by the training stage to chosen linears, not found in the op graph: no `match`;
-training asks for this variant through `lora_variants` ("lora.linear": its `LoRALinear` layers).
+training asks for this variant through `training_variants` ("lora.linear": its `LoRALinear` layers).
 The grouped expert LoRA (per-expert A_e / B_e inside the grouped GEMM) is the `swiglu_lora`
 variant of the `moe_experts` family: it shares the experts' permutation and grouped GEMMs.
 """
@@ -65,5 +65,5 @@ FAMILY = FamilySpec(
     # "lora.linear": training's `LoRALinear` (a frozen nn.Linear plus its adapters; no op-graph
     # block kind), which `onboarding.train.kernels.attach_lora_kernels` serves with this variant
     # at its default params (base="torch")
-    lora_variants={"lora.linear": "linear"},
+    training_variants={"lora.linear": "linear"},
 )

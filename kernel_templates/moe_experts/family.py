@@ -25,8 +25,8 @@ Variant `swiglu_lora`: the same experts frozen, with per-expert LoRA adapters on
 down applied inside the grouped GEMMs (no delta-W); gradients to x, topk_weights and the
 adapters. It also renders `grouped_experts_lora(x_sorted, counts, ...)` for expert-parallel
 training, where tokens arrive already sorted by local expert (see the template's docstring).
-LoRA is applied by the training stage, so `match` never picks this variant; `lora_variants`
-offers it to training for `moe.experts` blocks (`families.lora_kernel`).
+LoRA is applied by the training stage, so `match` never picks this variant; `training_variants`
+offers it to training for `moe.experts` blocks (`families.training_kernel`).
 
 Variant `mlp`: non-gated routed experts, y = sum_k r * down(act(up(x))) with up_proj [E, F, D]
 and down_proj [E, D, F] (transformers' NemotronHExperts; a `module_list` block of per-expert
@@ -378,6 +378,6 @@ FAMILY = FamilySpec(
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
     bench_nightly=bench.NIGHTLY,
-    lora_variants={"moe.experts": "swiglu_lora"},
+    training_variants={"moe.experts": "swiglu_lora"},
     binding=bind,
 )

@@ -10,7 +10,7 @@ Step-3.x (silu(gate) clamped to max=limit, up to [-limit, limit]).
 weight, ``swiglu_weighted(gate_up [..., 2F], w [...])``, with dw (a row sum) reduced inside the
 backward kernel. Expert parallelism's grouped experts (`onboarding.train.moe_ep`) apply the routing
 weight there; `onboarding.train.swiglu_kernels.attach_swiglu_kernels` renders it (through
-`lora_variants`, the training-only variants' table) and attaches it.
+`training_variants`, the training-only variants' table) and attaches it.
 """
 
 from __future__ import annotations
@@ -125,5 +125,5 @@ FAMILY = FamilySpec(
     # inside the LoRA training step (no op-graph block: `match` never picks `weighted`), which
     # `onboarding.train.swiglu_kernels.attach_swiglu_kernels` serves with this variant at its
     # default params ([gate | up] halves, no clamp)
-    lora_variants={"moe.experts.weighted_act": "weighted"},
+    training_variants={"moe.experts.weighted_act": "weighted"},
 )

@@ -301,12 +301,12 @@ def _loaded(name: str) -> Family:
     return found
 
 
-def lora_kernel(kind: str) -> tuple[str, str] | None:
-    """(family, variant) of the first family, in name order, that runs blocks of `kind` with LoRA
-    adapters inside the kernel (its `lora_variants`); None when no family does."""
+def training_kernel(kind: str) -> tuple[str, str] | None:
+    """(family, variant) of the first family, in name order, whose `training_variants` serve
+    `kind` (what the training stage attaches itself); None when no family does."""
     for name, spec in families().items():
-        if kind in spec.lora_variants:
-            return name, spec.lora_variants[kind]
+        if kind in spec.training_variants:
+            return name, spec.training_variants[kind]
     return None
 
 

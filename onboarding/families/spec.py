@@ -158,11 +158,13 @@ class FamilySpec:
     timing_inputs: Callable[..., list[Any]] | None = field(default=None, compare=False)
     bench_cases: Callable[[], list[Any]] | None = field(default=None, compare=False)  # bench
     bench_nightly: NightlySpec | None = field(default=None, compare=False)  # the nightly suite
-    # lora_variants: block kind -> the variant that runs blocks of that kind with their weights
-    # frozen and LoRA adapters applied inside the kernel. LoRA is added by the training stage, not
-    # found in the op graph, so `match` never picks these; training asks
-    # `families.lora_kernel(kind)` for the (family, variant) to render.
-    lora_variants: Mapping[str, str] = field(default_factory=dict)
+    # training_variants: what the training stage attaches itself, by what it serves -> the variant:
+    # a block kind run with frozen weights and LoRA inside the kernel ("moe.experts"), a training
+    # layer ("lora.linear": LoRALinear) or a piece of the training path's own modules
+    # ("moe.experts.weighted_act": the experts' weighted activation). None of these is found in the
+    # op graph, so `match` never picks them; training asks `families.training_kernel(kind)` for the
+    # (family, variant) to render.
+    training_variants: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.shape_buckets:
@@ -170,7 +172,7 @@ class FamilySpec:
         self.check_config(self.default_config)
         for b in self.shape_buckets:
             self.check_config(b.config)
-        for variant in self.lora_variants.values():
+        for variant in self.training_variants.values():
             self._check_variant(variant)
 
     def param(self, name: str) -> Param:

@@ -8,7 +8,9 @@ Blocks that expert parallelism owns (``moe.experts``, and the router whose outpu
 left to it, except experts written as a list of per-expert MLPs (``layout: module_list``), which it
 never replaces: those get the stacked-weights patch alignment uses. `attach_expert_kernels` then
 gives its modules with expert LoRA the grouped expert LoRA kernel, checked against the module's
-own torch path.
+own torch path, `attach_lora_kernels` gives training's LoRA layers the lora family's fused kernel,
+and `attach_swiglu_kernels` gives the other plain SwiGLU experts the fused routing-weighted
+activation; each is checked against the torch path it replaces, once per shape.
 """
 
 from __future__ import annotations
@@ -66,6 +68,57 @@ def summary(patches) -> dict[str, int]:
 EXPERTS_OUT_TOL, EXPERTS_GRAD_TOL = 1e-2, 2e-2
 
 
+def compare_paths(out, ref, grads, ref_grads, names, *, out_tol: float,
+                  grad_tol: float) -> str | None:
+    """None when a kernel's output and gradients (``grads``, named ``names``) agree with the
+    torch path's (``ref``, ``ref_grads``): the same shapes and dtypes, within ``out_tol`` /
+    ``grad_tol`` relative RMS (NaN fails); else what differed."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return f"output {tuple(out.shape)} {out.dtype}, torch path {tuple(ref.shape)} {ref.dtype}"
+    bad = [f"output {_rel(out, ref):.1e}"] if not _rel(out, ref) <= out_tol else []
+    for n, g, want in zip(names, grads, ref_grads):
+        if g is None or g.shape != want.shape or g.dtype != want.dtype:
+            bad.append(f"d {n}: {None if g is None else (tuple(g.shape), g.dtype)}, torch path "
+                       f"{(tuple(want.shape), want.dtype)}")
+        elif not _rel(g, want) <= grad_tol:  # `not <=`: NaN fails
+            bad.append(f"d {n} {_rel(g, want):.1e}")
+    return "; ".join(bad) or None
+
+
+def raised(exc: Exception) -> str:
+    """A check's verdict for a kernel that raised: its type and first line."""
+    return f"the kernel raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def attach_checked(items, *, kind: str, key, check, attach, what: str,
+                   counts: dict[str, int] | None = None) -> dict[str, int]:
+    """For each ``(path, module)`` of ``items``: ``check(module)`` once per ``key(module)`` (None
+    = passed, else what differed; a failure warns once, naming ``what``, and the modules of that
+    key keep their torch path), then ``attach(module)`` where it passed. Returns ``counts``
+    (default empty) with ``kind`` and ``rejected:<kind>`` added: the step row's summary."""
+    import warnings
+
+    counts = dict(counts or {})
+    counts.setdefault(kind, 0)
+    counts.setdefault(f"rejected:{kind}", 0)
+    verdicts: dict = {}
+    for path, m in items:
+        k = key(m)
+        if k not in verdicts:
+            verdicts[k] = check(m)
+            if verdicts[k]:
+                warnings.warn(f"{path}: the {what} kernel differs from the torch path "
+                              f"({verdicts[k]}); these keep the torch path", stacklevel=3)
+        if verdicts[k]:
+            counts[f"rejected:{kind}"] += 1
+        else:
+            attach(m)
+            counts[kind] += 1
+    return counts
+
+
+
+
 def check_experts_kernel(module, kernel) -> str | None:
     """None when ``module`` (an `EPExperts`) computes the same through ``kernel`` as through its
     torch path on a random batch at its real widths: the output and the gradients of x and of
@@ -99,14 +152,13 @@ def check_experts_kernel(module, kernel) -> str | None:
         with torch.no_grad():
             for p, k in zip(lora, kept):
                 p.copy_(k)
-    bad = [f"output {_rel(out, ref):.1e}"] if _rel(out, ref) > EXPERTS_OUT_TOL else []
     names = ["x"] + [n for n, _ in zip(("A_gate_up", "B_gate_up", "A_down", "B_down"), lora)]
-    bad += [f"d {n} {_rel(g, r):.1e}" for n, g, r in zip(names, grads, ref_grads) if _rel(g, r) > EXPERTS_GRAD_TOL]
-    return "; ".join(bad) or None
+    return compare_paths(out, ref, grads, ref_grads, names, out_tol=EXPERTS_OUT_TOL,
+                         grad_tol=EXPERTS_GRAD_TOL)
 
 
 def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, int]:
-    """Render the family variant that serves ``moe.experts`` with LoRA (`families.lora_kernel`:
+    """Render the family variant that serves ``moe.experts`` with LoRA (`families.training_kernel`:
     the experts family's `swiglu_lora`) into ``root/rank<rank>`` and attach its grouped expert
     LoRA kernel (pre-sorted rows) to every plain SwiGLU `EPExperts` with expert LoRA whose check
     passes (one check per distinct widths and rank; `check_experts_kernel`). Experts without
@@ -118,34 +170,22 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
     --family moe_experts`, `fwdbwd_frozen` rows); not yet timed inside a training step here.
     Returns counts for the summary: ``moe.experts`` (attached) and ``rejected:moe.experts``;
     none when no module has expert LoRA or no family offers the kernel."""
-    import warnings
-
-    from onboarding.families import lora_kernel
+    from onboarding.families import training_kernel
     from onboarding.generate.templating import load_module, render_to
 
     lora_mods = [m for m in ep_mods if m.plain and m.lora is not None]
-    served = lora_kernel("moe.experts")
+    served = training_kernel("moe.experts")
     if not lora_mods or served is None:
         return {}
     grouped = load_module(render_to(root / f"rank{rank}", *served, {})).grouped_experts_lora
-    verdicts: dict[tuple, str | None] = {}
-    counts = {"moe.experts": 0, "rejected:moe.experts": 0}
-    for m in lora_mods:
-        key = (tuple(getattr(m, m.gate_up_name).shape), tuple(getattr(m, m.down_name).shape), m.lora.rank)
-        if key not in verdicts:
-            verdicts[key] = check_experts_kernel(m, grouped)
-            if verdicts[key]:
-                warnings.warn(f"{m.path}: the experts kernel differs from the torch path "
-                              f"({verdicts[key]}); these experts keep the torch path", stacklevel=2)
-        if verdicts[key]:
-            counts["rejected:moe.experts"] += 1
-        else:
-            m.use_kernel(grouped)
-            counts["moe.experts"] += 1
-    return counts
+    return attach_checked(
+        [(m.path, m) for m in lora_mods], kind="moe.experts", what="experts",
+        key=lambda m: (tuple(getattr(m, m.gate_up_name).shape), tuple(getattr(m, m.down_name).shape),
+                       m.lora.rank),
+        check=lambda m: check_experts_kernel(m, grouped), attach=lambda m: m.use_kernel(grouped))
 
 
-# What training's `LoRALinear` layers are to the families (`families.lora_kernel`: the family and
+# What training's `LoRALinear` layers are to the families (`families.training_kernel`: the family and
 # variant that serve them, rendered at its default params) and the key of their counts: the lora
 # family's fused linear + low-rank adapter (base GEMMs in cuBLAS, the rank-r term in one Triton
 # kernel per pass).
@@ -184,23 +224,15 @@ def check_lora_kernel(module, kernel, *, rows: int = LORA_CHECK_ROWS) -> str | N
     try:
         out, grads = run(kernel)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
-        return f"the kernel raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    if out.shape != ref.shape or out.dtype != ref.dtype:
-        return f"output {tuple(out.shape)} {out.dtype}, torch path {tuple(ref.shape)} {ref.dtype}"
-    bad = [f"output {_rel(out, ref):.1e}"] if not _rel(out, ref) <= LORA_OUT_TOL else []
-    for n, g, want in zip(("x", "A", "B"), grads, ref_grads):
-        if g is None or g.shape != want.shape or g.dtype != want.dtype:
-            bad.append(f"d {n}: {None if g is None else (tuple(g.shape), g.dtype)}, torch path "
-                       f"{(tuple(want.shape), want.dtype)}")
-        elif not _rel(g, want) <= LORA_GRAD_TOL:  # `not <=`: NaN fails
-            bad.append(f"d {n} {_rel(g, want):.1e}")
-    return "; ".join(bad) or None
+        return raised(exc)
+    return compare_paths(out, ref, grads, ref_grads, ("x", "A", "B"), out_tol=LORA_OUT_TOL,
+                         grad_tol=LORA_GRAD_TOL)
 
 
 def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
                         dtypes=None) -> dict[str, int]:
     """Give every `LoRALinear` of ``model`` the fused kernel of the family variant that serves
-    `LORA_LINEAR_KIND` (`families.lora_kernel`: the lora family's `linear`, rendered into
+    `LORA_LINEAR_KIND` (`families.training_kernel`: the lora family's `linear`, rendered into
     ``root/rank<rank>`` and loaded; ``kernel``: another ``lora_linear``-like entry, for tests)
     where it passes `check_lora_kernel` (one check per distinct widths, rank, scaling,
     dtype and bias; a failure warns and keeps the torch path). Layers the kernel cannot serve
@@ -213,15 +245,15 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
     the kernel was not tried; none when the model has no `LoRALinear` or no family serves it."""
     import warnings
 
-    from onboarding.families import lora_kernel
+    from onboarding.families import training_kernel
     from onboarding.train.lora import KERNEL_DTYPES, LoRALinear
 
     mods = [(p, m) for p, m in model.named_modules() if isinstance(m, LoRALinear)]
-    served_by = lora_kernel(LORA_LINEAR_KIND)
+    served_by = training_kernel(LORA_LINEAR_KIND)
     if not mods:
         return {}
     if served_by is None and kernel is None:
-        warnings.warn(f"no kernel family serves {LORA_LINEAR_KIND} (`lora_variants`): the "
+        warnings.warn(f"no kernel family serves {LORA_LINEAR_KIND} (`training_variants`): the "
                       f"{len(mods)} LoRA layers keep the torch path", stacklevel=2)
         return {}
     dtypes = KERNEL_DTYPES if dtypes is None else tuple(dtypes)
@@ -241,19 +273,81 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
         from onboarding.generate.templating import load_module, render_to
 
         kernel = load_module(render_to(root / f"rank{rank}", *served_by, {})).entry
-    verdicts: dict[tuple, str | None] = {}
-    for path, m in served:
-        w = m.base.weight
-        key = (tuple(w.shape), w.dtype, m.rank, m.scaling, m.base.bias is not None)
-        if key not in verdicts:
-            verdicts[key] = check_lora_kernel(m, kernel)
-            if verdicts[key]:
-                warnings.warn(f"{path}: the LoRA kernel differs from the torch path "
-                              f"({verdicts[key]}); LoRA layers of this shape keep the torch path",
-                              stacklevel=2)
-        if verdicts[key]:
-            counts[f"rejected:{kind}"] += 1
-        else:
-            m.use_kernel(kernel)
-            counts[kind] += 1
-    return counts
+    return attach_checked(
+        served, kind=kind, what="LoRA", counts=counts,
+        key=lambda m: (tuple(m.base.weight.shape), m.base.weight.dtype, m.rank, m.scaling,
+                       m.base.bias is not None),
+        check=lambda m: check_lora_kernel(m, kernel), attach=lambda m: m.use_kernel(kernel))
+
+
+# What the experts' routing-weighted activation (`moe_ep._SwiGLUWeighted`, silu(g) * u * w per
+# row of h = [g | u]) is to the families: the kind a family's `training_variants` serves it under
+# (the swiglu family's `weighted`: one Triton pass each way, dw summed over the row in fp32 in the
+# kernel), and the key of its counts. Not an op-graph block kind: expert parallelism's own op.
+WEIGHTED_ACT_KIND = "moe.experts.weighted_act"
+# bars against the torch path: ours rounds once (fp32 in registers), the torch path after each
+# bf16 op; both sit within bf16's few 1e-3 of the exact values
+SWIGLU_OUT_TOL, SWIGLU_GRAD_TOL = 1e-2, 2e-2
+SWIGLU_CHECK_ROWS = 131  # odd, more than one row block
+
+
+def check_swiglu_kernel(kernel, f: int, dtype: torch.dtype, device, *, w_dtype=None,
+                        rows: int = SWIGLU_CHECK_ROWS) -> str | None:
+    """None when ``kernel(h [rows, 2F], w [rows])`` agrees with `_SwiGLUWeighted` on random
+    inputs at width ``f``: the output, dh and dw (`compare_paths`, `SWIGLU_OUT_TOL` /
+    `SWIGLU_GRAD_TOL`); else what differed, or the error the kernel raised. Draws from its own
+    generator."""
+    from onboarding.train.moe_ep import _SwiGLUWeighted
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = (2 * torch.randn(rows, 2 * f, device=device, generator=gen)).to(dtype).requires_grad_()
+    w = torch.rand(rows, device=device, generator=gen).to(w_dtype or dtype).requires_grad_()
+    dy = torch.randn(rows, f, device=device, generator=gen).to(dtype)
+
+    def run(fn):
+        y = fn(h, w)
+        return y, torch.autograd.grad(y, [h, w], dy)
+
+    ref, ref_grads = run(_SwiGLUWeighted.apply)
+    try:
+        out, grads = run(kernel)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
+        return raised(exc)
+    return compare_paths(out, ref, grads, ref_grads, ("h", "w"), out_tol=SWIGLU_OUT_TOL,
+                         grad_tol=SWIGLU_GRAD_TOL)
+
+
+def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
+                          dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Render the family variant serving `WEIGHTED_ACT_KIND` into ``root/rank<rank>`` and attach
+    its entry (`EPExperts.use_swiglu_kernel`) to every plain SwiGLU `EPExperts` that computes its
+    experts in torch (no grouped expert LoRA kernel, whose kernel applies the routing weight
+    itself: call this after `attach_expert_kernels`) where `check_swiglu_kernel` passes (one
+    check per width F, dtype and device). ``kernel``: another ``swiglu_weighted``-like entry, for
+    tests; ``dtype``: the activations' dtype to check in (default: the expert weights'; fp32 with
+    expert LoRA on the torch path, whose h is fp32). On CUDA only (`worker.prepare`): the CPU
+    keeps `_SwiGLUWeighted`.
+
+    Returns counts for the step row's ``kernels`` summary: ``moe.experts.weighted_act`` and
+    ``rejected:moe.experts.weighted_act``; none when no module is plain SwiGLU on the torch path
+    or no family serves the kind."""
+    from onboarding.families import training_kernel
+
+    mods = [m for m in ep_mods if m.plain and m.kernel is None]
+    served = training_kernel(WEIGHTED_ACT_KIND)
+    if not mods or (served is None and kernel is None):
+        return {}
+    if kernel is None:
+        from onboarding.generate.templating import load_module, render_to
+
+        kernel = load_module(render_to(root / f"rank{rank}", *served, {})).entry
+
+    def act_dtype(m):
+        return dtype or (torch.float32 if m.lora is not None else getattr(m, m.down_name).dtype)
+
+    return attach_checked(
+        [(m.path, m) for m in mods], kind=WEIGHTED_ACT_KIND, what="weighted SwiGLU",
+        key=lambda m: (getattr(m, m.down_name).shape[2], act_dtype(m), getattr(m, m.down_name).device),
+        check=lambda m: check_swiglu_kernel(kernel, getattr(m, m.down_name).shape[2], act_dtype(m),
+                                            getattr(m, m.down_name).device),
+        attach=lambda m: m.use_swiglu_kernel(kernel))

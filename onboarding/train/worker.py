@@ -145,12 +145,16 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
                 alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
     patches, expert_kernels = None, {}
     if cfg.kernels and device.type == "cuda":
-        from onboarding.train.kernels import attach_expert_kernels, attach_lora_kernels, patch_kernels
+        from onboarding.train.kernels import (attach_expert_kernels, attach_lora_kernels,
+                                              attach_swiglu_kernels, patch_kernels)
 
         patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
                                 rank=layout.rank, distributed=layout.distributed)
         expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
                                                rank=layout.rank)
+        # the other plain SwiGLU experts: the routing-weighted activation in one pass each way
+        expert_kernels.update(attach_swiglu_kernels(
+            ep_mods, Path(cfg.out) / "train" / "kernels" / "weighted_act", rank=layout.rank))
         # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
         expert_kernels.update(attach_lora_kernels(
             model, Path(cfg.out) / "train" / "kernels" / "lora_linear", rank=layout.rank))

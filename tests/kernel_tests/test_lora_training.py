@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from onboarding.families import lora_kernel
+from onboarding.families import training_kernel
 from onboarding.generate.templating import load_module, render_to
 from onboarding.train import kernels as K
 from onboarding.train.lora import LoRALinear
@@ -23,7 +23,7 @@ KIND, REJECTED = K.LORA_LINEAR_KIND, f"rejected:{K.LORA_LINEAR_KIND}"
 
 def _render(root):
     """The module `attach_lora_kernels` renders and loads (the family variant serving LoRALinear)."""
-    return load_module(render_to(root / "rank0", *lora_kernel(KIND), {}))
+    return load_module(render_to(root / "rank0", *training_kernel(KIND), {}))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def _layers(gen, *, dropout: float = 0.0) -> nn.Sequential:
 
 
 def test_attached_kernel_matches_torch_path(root):
-    assert lora_kernel(KIND) == ("lora", "linear")  # the family says it serves LoRALinear
+    assert training_kernel(KIND) == ("lora", "linear")  # the family says it serves LoRALinear
     gen = torch.Generator().manual_seed(1)
     model = _layers(gen)
     torch_path = copy.deepcopy(model)
@@ -136,7 +136,7 @@ def test_x_without_grad_skips_dx(root, tmp_path, base):
     backward computes no dx (no dy W GEMM: the bwd op's need_dx=False returns an empty dx) and the
     same dA and dB as with dx."""
     mod = _render(root) if base == "torch" else \
-        load_module(render_to(tmp_path, *lora_kernel(KIND), {"base": base}))
+        load_module(render_to(tmp_path, *training_kernel(KIND), {"base": base}))
     mod.set_config(CPU_CONFIG)
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(2, 19, 40, generator=gen), torch.randn(24, 40, generator=gen) / 40 ** 0.5
