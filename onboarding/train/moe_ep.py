@@ -331,7 +331,7 @@ class EPExperts(nn.Module):
         """Compute the routing-weighted SwiGLU of the torch path (`_SwiGLUWeighted`) with
         ``swiglu_weighted(h [R, 2F], w [R]) -> [R, F]`` (`swiglu/weighted`'s entry: one Triton
         pass forward, one backward with dw reduced inside) from now on (None: `_SwiGLUWeighted`
-        again). Attaching is the choice (`onboarding.train.swiglu_kernels.attach_swiglu_kernels`,
+        again). Attaching is the choice (`onboarding.train.kernels.attach_swiglu_kernels`,
         on CUDA only): an attached kernel is used, nothing else decides. Only plain SwiGLU
         experts take it (``plain``: no clamp, offset, slope or biases); returns whether this
         module did."""
