@@ -9,7 +9,7 @@ Step-3.x (silu(gate) clamped to max=limit, up to [-limit, limit]).
 `weighted` (training only, never picked by `match`): the `fused` activation times a per-row
 weight, ``swiglu_weighted(gate_up [..., 2F], w [...])``, with dw (a row sum) reduced inside the
 backward kernel. Expert parallelism's grouped experts (`onboarding.train.moe_ep`) apply the routing
-weight there; `onboarding.train.swiglu_kernels.attach_swiglu_kernels` renders it (through
+weight there; `onboarding.train.kernels.attach_swiglu_kernels` renders it (through
 `training_variants`, the training-only variants' table) and attaches it.
 """
 
@@ -123,7 +123,7 @@ FAMILY = FamilySpec(
     binding=bind,
     # "moe.experts.weighted_act": expert parallelism's routing-weighted SwiGLU of frozen experts
     # inside the LoRA training step (no op-graph block: `match` never picks `weighted`), which
-    # `onboarding.train.swiglu_kernels.attach_swiglu_kernels` serves with this variant at its
+    # `onboarding.train.kernels.attach_swiglu_kernels` serves with this variant at its
     # default params ([gate | up] halves, no clamp)
     training_variants={"moe.experts.weighted_act": "weighted"},
 )
