@@ -43,7 +43,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="conv1d.py.j2",
-    template_version=1,
+    template_version=2,
     folder=Path(__file__).parent,
     variants={"causal": "causal depthwise conv over [B, T, C], optional bias, optional SiLU"},
     params=(
