@@ -55,8 +55,11 @@ FAMILY = FamilySpec(
         "BLOCK_T": (8, 16, 32, 64, 128),
         "BLOCK_C": (32, 64, 128, 256),
         "num_warps": (1, 2, 4, 8),
+        # the backward's time tile and programs per SM (its programs stride over time blocks)
+        "BWD_BLOCK_T": (8, 16, 32, 64, 128),
+        "BWD_PER_SM": (2, 4, 8, 16),
     },
-    default_config={"BLOCK_T": 16, "BLOCK_C": 128, "num_warps": 4},
+    default_config={"BLOCK_T": 16, "BLOCK_C": 128, "num_warps": 4, "BWD_BLOCK_T": 16, "BWD_PER_SM": 4},
     shape_buckets=(
         ShapeBucket(name="c_le_1k", dim="C", lo=1, hi=1024, config={"BLOCK_C": 64}),
         ShapeBucket(name="c_big", dim="C", lo=1025, hi=2**31 - 1),

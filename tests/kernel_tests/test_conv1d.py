@@ -50,11 +50,19 @@ def test_grid_stride_backward(load_kernel, device):
     """Fewer time programs than time blocks: the grid-stride loop and partial dW/db sums."""
     module = load_kernel("conv1d", *CASES[0], CPU_CONFIG)
     old = module._num_programs
-    module._num_programs = lambda n, dev: 1
+    module._num_programs = lambda n, dev, per_sm=4: 1
     try:
         check_forward_backward(fixture(module, (2, 70, 20, True)), torch.float32, device)
     finally:
         module._num_programs = old
+
+
+@pytest.mark.parametrize("variant,params", [CASES[1], CASES[0]], ids=["plain", "silu"])
+def test_backward_own_time_tile(load_kernel, device, variant, params):
+    """The backward's time tile (BWD_BLOCK_T) apart from the forward's, over a partial last block
+    and two programs per time stride; with SiLU the da pass keeps the forward's tile."""
+    module = load_kernel("conv1d", variant, params, {**CPU_CONFIG, "BWD_BLOCK_T": 8, "BWD_PER_SM": 2})
+    check_forward_backward(fixture(module, (2, 45, 20, True)), torch.float32, device)
 
 
 @pytest.mark.parametrize("variant,params", CASE_PARAMS)
