@@ -402,7 +402,8 @@ def test_router_sigmoid_scoring(hybrid_mod):
 # Whole model
 
 
-@pytest.mark.parametrize("shape", [(1, 128), (2, 96)], ids=["1x128", "2x96"])
+# 2x96 nightly (16 s on 2 cores): the batch of two, the same export path as 1x128's
+@pytest.mark.parametrize("shape", [(1, 128), pytest.param((2, 96), marks=pytest.mark.slow)], ids=["1x128", "2x96"])
 def test_export_shipped_model(shipped_model, shape):
     ids = torch.randint(0, shipped_model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0))
     ep = torch.export.export(shipped_model, (ids,), kwargs={"use_cache": False}, strict=False)
