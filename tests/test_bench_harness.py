@@ -272,6 +272,9 @@ def test_a_row_whose_check_raised_or_failed_is_not_timed_and_says_why():
     assert "=" not in line.split("CHECK FAILED")[0]  # no ratios printed
     passed = next(t for t in table if t.startswith("fake/passed") and " ours " in t)
     assert passed.split()[2] == "ok" and "eager=2.00x" in passed and "FAILED" not in passed
+    # the table says what its ratios are and that rows' medians are not to be divided
+    assert any(t.startswith("ms, graph: each row's own median. ratios: anchor / ours in the same run")
+               for t in table)
 
 
 def test_bench_check_rejects_a_kernel_that_returns_fewer_outputs():

@@ -427,6 +427,11 @@ def format_table(result: dict[str, Any]) -> str:
                               if isinstance(v, float)) if r["check"] else ""
         lines.append(f"{r['family'] + '/' + r['case']:38s} {r['impl']:8s} {status:12s} {ms:>8s} "
                      f"{gb:>7s} {frac:>6s} {gms:>7s} {gfrac:>6s}  {ratios}{err}{chk}")
+    if any(r["ratios"] for r in result["rows"]):
+        # two rows' ms columns come from their own timing runs, minutes apart: their quotient can
+        # differ from the same-run ratio (call M, ssd: 1.37x by medians, 1.02x by rounds)
+        lines.append("ms, graph: each row's own median. ratios: anchor / ours in the same run, the "
+                     "median over interleaved rounds, then by graph time; compare rows by these")
     for r in result["rows"]:
         if r.get("kernels"):
             total = sum(k["ms"] for k in r["kernels"])
