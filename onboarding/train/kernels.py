@@ -63,13 +63,16 @@ def summary(patches) -> dict[str, int]:
     return out
 
 
-# bf16 bars of the experts-kernel check: two bf16 paths (ours and torch's grouped GEMMs), each
-# within the families' 5e-3 / 1e-2 relative RMS of an fp32 reference
-EXPERTS_OUT_TOL, EXPERTS_GRAD_TOL = 1e-2, 2e-2
+# bf16 bars of every check here (`compare_paths`): two bf16 paths (ours and the torch path it
+# replaces), each within the families' 5e-3 / 1e-2 relative RMS of an fp32 reference; the LoRA
+# kernel rounds A and B as dot operands and dA, dB as results, the weighted SwiGLU rounds once
+# where the torch path rounds after each bf16 op: each a few 1e-3 from the exact values
+CHECK_OUT_TOL, CHECK_GRAD_TOL = 1e-2, 2e-2
+CHECK_ROWS = 131  # rows of the LoRA and SwiGLU checks' batches: odd, more than one row tile
 
 
-def compare_paths(out, ref, grads, ref_grads, names, *, out_tol: float,
-                  grad_tol: float) -> str | None:
+def compare_paths(out, ref, grads, ref_grads, names, *, out_tol: float = CHECK_OUT_TOL,
+                  grad_tol: float = CHECK_GRAD_TOL) -> str | None:
     """None when a kernel's output and gradients (``grads``, named ``names``) agree with the
     torch path's (``ref``, ``ref_grads``): the same shapes and dtypes, within ``out_tol`` /
     ``grad_tol`` relative RMS (NaN fails); else what differed."""
@@ -88,6 +91,14 @@ def compare_paths(out, ref, grads, ref_grads, names, *, out_tol: float,
 def raised(exc: Exception) -> str:
     """A check's verdict for a kernel that raised: its type and first line."""
     return f"the kernel raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def load_training_variant(served: tuple[str, str], root: Path, rank: int):
+    """The family variant ``served`` (`families.training_kernel`'s (family, variant)) rendered at
+    its default params into ``root/rank<rank>`` and loaded."""
+    from onboarding.generate.templating import load_module, render_to
+
+    return load_module(render_to(root / f"rank{rank}", *served, {}))
 
 
 def attach_checked(items, *, kind: str, key, check, attach, what: str,
@@ -153,8 +164,7 @@ def check_experts_kernel(module, kernel) -> str | None:
             for p, k in zip(lora, kept):
                 p.copy_(k)
     names = ["x"] + [n for n, _ in zip(("A_gate_up", "B_gate_up", "A_down", "B_down"), lora)]
-    return compare_paths(out, ref, grads, ref_grads, names, out_tol=EXPERTS_OUT_TOL,
-                         grad_tol=EXPERTS_GRAD_TOL)
+    return compare_paths(out, ref, grads, ref_grads, names)
 
 
 def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, int]:
@@ -171,13 +181,12 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
     Returns counts for the summary: ``moe.experts`` (attached) and ``rejected:moe.experts``;
     none when no module has expert LoRA or no family offers the kernel."""
     from onboarding.families import training_kernel
-    from onboarding.generate.templating import load_module, render_to
 
     lora_mods = [m for m in ep_mods if m.plain and m.lora is not None]
     served = training_kernel("moe.experts")
     if not lora_mods or served is None:
         return {}
-    grouped = load_module(render_to(root / f"rank{rank}", *served, {})).grouped_experts_lora
+    grouped = load_training_variant(served, root, rank).grouped_experts_lora
     return attach_checked(
         [(m.path, m) for m in lora_mods], kind="moe.experts", what="experts",
         key=lambda m: (tuple(getattr(m, m.gate_up_name).shape), tuple(getattr(m, m.down_name).shape),
@@ -190,18 +199,14 @@ def attach_expert_kernels(ep_mods: list, root: Path, *, rank: int) -> dict[str, 
 # family's fused linear + low-rank adapter (base GEMMs in cuBLAS, the rank-r term in one Triton
 # kernel per pass).
 LORA_LINEAR_KIND = "lora.linear"
-# bf16 bars of the LoRA-kernel check (as the experts'): the fused path rounds A and B to bf16 as
-# dot operands and dA, dB to bf16 results; the torch path computes the adapter term in fp32
-LORA_OUT_TOL, LORA_GRAD_TOL = 1e-2, 2e-2
-LORA_CHECK_ROWS = 131  # rows of the check's batch: odd, more than one row tile
 
 
-def check_lora_kernel(module, kernel, *, rows: int = LORA_CHECK_ROWS) -> str | None:
+def check_lora_kernel(module, kernel, *, rows: int = CHECK_ROWS) -> str | None:
     """None when ``module`` (a `LoRALinear`) computes the same through ``kernel`` as through its
     torch path (`LoRALinear.compute`) on ``rows`` random rows at its real widths, with its real
     base weight and bias and random fp32 A and B (fresh tensors: the module's adapters are not
     touched; B scaled so the adapter term is as large as the base's): the output and the
-    gradients of x, A and B (`LORA_OUT_TOL`, `LORA_GRAD_TOL`, relative RMS); else what differed,
+    gradients of x, A and B (`compare_paths`); else what differed,
     or the error the kernel raised. Draws from its own generator (the global RNG is untouched)."""
     w = module.base.weight
     dev, dtype = w.device, w.dtype
@@ -225,8 +230,7 @@ def check_lora_kernel(module, kernel, *, rows: int = LORA_CHECK_ROWS) -> str | N
         out, grads = run(kernel)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
         return raised(exc)
-    return compare_paths(out, ref, grads, ref_grads, ("x", "A", "B"), out_tol=LORA_OUT_TOL,
-                         grad_tol=LORA_GRAD_TOL)
+    return compare_paths(out, ref, grads, ref_grads, ("x", "A", "B"))
 
 
 def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
@@ -270,9 +274,7 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
         else:
             served.append((path, m))
     if served and kernel is None:
-        from onboarding.generate.templating import load_module, render_to
-
-        kernel = load_module(render_to(root / f"rank{rank}", *served_by, {})).entry
+        kernel = load_training_variant(served_by, root, rank).entry
     return attach_checked(
         served, kind=kind, what="LoRA", counts=counts,
         key=lambda m: (tuple(m.base.weight.shape), m.base.weight.dtype, m.rank, m.scaling,
@@ -285,17 +287,12 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
 # (the swiglu family's `weighted`: one Triton pass each way, dw summed over the row in fp32 in the
 # kernel), and the key of its counts. Not an op-graph block kind: expert parallelism's own op.
 WEIGHTED_ACT_KIND = "moe.experts.weighted_act"
-# bars against the torch path: ours rounds once (fp32 in registers), the torch path after each
-# bf16 op; both sit within bf16's few 1e-3 of the exact values
-SWIGLU_OUT_TOL, SWIGLU_GRAD_TOL = 1e-2, 2e-2
-SWIGLU_CHECK_ROWS = 131  # odd, more than one row block
 
 
 def check_swiglu_kernel(kernel, f: int, dtype: torch.dtype, device, *, w_dtype=None,
-                        rows: int = SWIGLU_CHECK_ROWS) -> str | None:
+                        rows: int = CHECK_ROWS) -> str | None:
     """None when ``kernel(h [rows, 2F], w [rows])`` agrees with `_SwiGLUWeighted` on random
-    inputs at width ``f``: the output, dh and dw (`compare_paths`, `SWIGLU_OUT_TOL` /
-    `SWIGLU_GRAD_TOL`); else what differed, or the error the kernel raised. Draws from its own
+    inputs at width ``f``: the output, dh and dw (`compare_paths`); else what differed, or the error the kernel raised. Draws from its own
     generator."""
     from onboarding.train.moe_ep import _SwiGLUWeighted
 
@@ -313,8 +310,7 @@ def check_swiglu_kernel(kernel, f: int, dtype: torch.dtype, device, *, w_dtype=N
         out, grads = run(kernel)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
         return raised(exc)
-    return compare_paths(out, ref, grads, ref_grads, ("h", "w"), out_tol=SWIGLU_OUT_TOL,
-                         grad_tol=SWIGLU_GRAD_TOL)
+    return compare_paths(out, ref, grads, ref_grads, ("h", "w"))
 
 
 def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
@@ -338,9 +334,7 @@ def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
     if not mods or (served is None and kernel is None):
         return {}
     if kernel is None:
-        from onboarding.generate.templating import load_module, render_to
-
-        kernel = load_module(render_to(root / f"rank{rank}", *served, {})).entry
+        kernel = load_training_variant(served, root, rank).entry
 
     def act_dtype(m):
         return dtype or (torch.float32 if m.lora is not None else getattr(m, m.down_name).dtype)
