@@ -126,7 +126,8 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
     """``built.model`` (in place) as ``role`` trains it, before recompute and sharding:
     the baseline gets PEFT's LoRA on the model as it stands; ours gets the expert-parallel
     experts, our LoRA and, on CUDA with ``kernels``, the onboard kernels that pass their checks.
-    Returns (expert-parallel modules, the kernels' `PatchSet` or None, expert- and LoRA-kernel counts)."""
+    Returns (expert-parallel modules, the kernels' `PatchSet` or None, the counts of the kernels
+    training attaches itself: experts, weighted SwiGLU, LoRA)."""
     from onboarding.train.lora import inject_lora
 
     model, graph = built.model, built.graph
@@ -143,22 +144,22 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
             seed=cfg.seed)
     inject_lora(model, graph, targets=cfg.lora_targets, rank=cfg.lora_rank,
                 alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
-    patches, expert_kernels = None, {}
+    patches, attached = None, {}
     if cfg.kernels and device.type == "cuda":
         from onboarding.train.kernels import (attach_expert_kernels, attach_lora_kernels,
                                               attach_swiglu_kernels, patch_kernels)
 
         patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
                                 rank=layout.rank, distributed=layout.distributed)
-        expert_kernels = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
-                                               rank=layout.rank)
+        attached = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
+                                      rank=layout.rank)
         # the other plain SwiGLU experts: the routing-weighted activation in one pass each way
-        expert_kernels.update(attach_swiglu_kernels(
+        attached.update(attach_swiglu_kernels(
             ep_mods, Path(cfg.out) / "train" / "kernels" / "weighted_act", rank=layout.rank))
         # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
-        expert_kernels.update(attach_lora_kernels(
+        attached.update(attach_lora_kernels(
             model, Path(cfg.out) / "train" / "kernels" / "lora_linear", rank=layout.rank))
-    return ep_mods, patches, expert_kernels
+    return ep_mods, patches, attached
 
 
 def _adamw(params: list, cfg: TrainConfig, *, fused: bool) -> torch.optim.AdamW:
@@ -256,7 +257,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     model, graph = built.model, built.graph
     torch.manual_seed(cfg.seed)
 
-    ep_mods, patches, expert_kernels = prepare(cfg, role, built, layout, device)
+    ep_mods, patches, attached = prepare(cfg, role, built, layout, device)
     aux_coef, bias_rate = balancing(cfg, model, graph, ep_mods) if role != "baseline" \
         else (0.0, 0.0)
     taps = RouterTaps(model, graph) if aux_coef > 0 else None
@@ -364,7 +365,7 @@ def run(cfg: TrainConfig, role: str) -> None:
         if patches is not None and step == start + 1:  # patches calibrate on the first call
             from onboarding.train.kernels import summary
 
-            row["kernels"] = {**summary(patches), **expert_kernels}
+            row["kernels"] = {**summary(patches), **attached}
             # why a patch fell back to the model's torch path (its calibration's verdict)
             row["kernels_rejected"] = {r.path: r.detail for r in patches.records
                                        if r.status == "rejected"}
