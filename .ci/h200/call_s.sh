@@ -3,7 +3,7 @@
 # --steps 6 and a profiled step 6 (train/profile_<role>_step6.json: time per kernel and block kind).
 # fla is not installed here unless WITH_FLA=1 (then fla-core 0.6 from .whl_fla goes on the path of
 # both roles: the tool must choose the linear-attention path itself and say so).
-#   bash .ci/h200/call_s.sh            (carry .whl; .whl_fla with WITH_FLA=1)
+#   bash .ci/h200/call_s.sh            (carry .whl; .whl_fla with WITH_FLA=1; ONLY=moe or ONLY=next: one proxy)
 set -o pipefail
 D=${OUT:-/tmp/out}; O=/tmp/s; mkdir -p "$D" "$O"
 OUT=$O source .ci/h200/setup.sh || exit 1
@@ -28,8 +28,8 @@ for f in sorted(glob.glob(sys.argv[1] + "/train/*.jsonl")):
             print(f.rsplit("/", 1)[1], "kernels", json.dumps(r["kernels"]), "rejected", json.dumps(r.get("kernels_rejected")))
 PY
 }
-run next hf:qwen3_next "$NEXT" "$(left 300)"
-run moe hf:qwen3_moe "--set num_key_value_heads=4" "$(left 260)"
+case ",${ONLY:-next,moe}," in *,next,*) run next hf:qwen3_next "$NEXT" "$(left 300)";; esac
+case ",${ONLY:-next,moe}," in *,moe,*) run moe hf:qwen3_moe "--set num_key_value_heads=4" "$(left 260)";; esac
 stamp end
 find "$O" -name "*.safetensors" -delete; rm -rf "$O"/*/train/kernels "$O"/*/checkpoints
 tar czf "$D/call_s.tgz" -C "$O" .

@@ -4,12 +4,14 @@
 # first length's kernel candidates reused), then one resume-after-kill run on the H200 (the small
 # Qwen3-MoE proxy: 8 steps uninterrupted; the same run killed after step 5 with a checkpoint every
 # 2 steps, then started again from its train.toml; the two loss curves are printed side by side).
-#   bash .ci/h200/call_u.sh      (carry .whl)
+#   bash .ci/h200/call_u.sh      (carry .whl; PARTS=resume or PARTS=sweep: one part)
 set -o pipefail
 D=${OUT:-/tmp/out}; O=/tmp/u; mkdir -p "$D" "$O"
 OUT=$O source .ci/h200/setup.sh || exit 1
 t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 left() { local l=$(( ${BUDGET:-540} - $(date +%s) + t0 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+PARTS=",${PARTS:-resume,sweep},"
+if [[ $PARTS == *,resume,* ]]; then
 stamp resume
 R="onboard train hf:qwen3_moe --proxy small --nproc 1 --steps 8 --seq 1024 --dtype bf16 --checkpoint-interval 2"
 timeout 150 $R --out "$O/whole" > "$O/resume_whole.log" 2>&1; echo "whole exit $?"
@@ -25,6 +27,8 @@ print("step  whole loss            resumed-run loss      equal")
 for ra, rb in zip(a, b[-len(a):] if len(b) > len(a) else b):
     print(ra["step"], rb["step"], repr(ra["loss"]), repr(rb["loss"]), ra["loss"] == rb["loss"])
 PY
+fi
+if [[ $PARTS == *,sweep,* ]]; then
 stamp seq-sweep
 timeout "$(left 480)" onboard train hf:qwen3_next --proxy none --set vocab_size=32000 --set hidden_size=2048 \
   --set num_hidden_layers=12 --set num_attention_heads=16 --set num_key_value_heads=2 \
@@ -35,6 +39,7 @@ timeout "$(left 480)" onboard train hf:qwen3_next --proxy none --set vocab_size=
   --set max_position_embeddings=262144 --nproc 1 --steps 3 --micro-batch 1 --dtype bf16 \
   --recompute "${RECOMPUTE:-full}" --seq-sweep "${LENGTHS:-4096,16384,65536}" --out "$O/sweep" > "$O/sweep.log" 2>&1
 echo "sweep exit $?"; grep -A12 "seq " "$O/sweep.log" | head -20
+fi
 stamp end
 find "$O" -name "*.safetensors" -delete; rm -rf "$O"/*/train/kernels "$O"/*/train/ckpt "$O"/sweep/*/train/kernels
 tar czf "$D/call_u.tgz" -C "$O" .

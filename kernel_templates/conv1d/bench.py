@@ -7,9 +7,15 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, anchors, bf16_check, kernel, leaf
+from onboarding.bench.cases import N_SETS, anchors, bf16_check, config_sweep, kernel, leaf
 from onboarding.bench.harness import BenchCase
 from onboarding.families import NightlySpec
+
+
+# The backward's tile sweep at the training proxy's shape (keys from the template's TUNING_SPACE;
+# the rest from the bucket's config): `--case B8T2048C4096W4$ --impl ours,eager` and its `ours@` rows.
+BWD_SWEEP = ({"BWD_PER_SM": 8}, {"BWD_PER_SM": 16}, {"BWD_BLOCK_T": 32}, {"BWD_BLOCK_T": 32, "BWD_PER_SM": 16},
+             {"BWD_BLOCK_T": 64}, {"BWD_BLOCK_T": 64, "BWD_PER_SM": 16}, {"BWD_BLOCK_T": 8, "BWD_PER_SM": 16})
 
 
 def cases() -> list[BenchCase]:
@@ -31,14 +37,17 @@ def cases() -> list[BenchCase]:
         params = {"kernel_size": k, **({"activation": act} if act else {})}
         eager = conv_silu if act else conv
 
-        def setup(device, b=b, t=t, c=c, params=params, eager=eager):
-            _, ours = kernel("conv1d", "causal", params)
+        def setup(device, b=b, t=t, c=c, act=act, params=params, eager=eager):
+            mod, ours = kernel("conv1d", "causal", params)
             sets = [(leaf(torch.randn(b, t, c, device=device, dtype=torch.bfloat16)),
                      leaf(0.5 * torch.randn(c, k, device=device, dtype=torch.bfloat16)),
                      leaf(torch.randn(c, device=device, dtype=torch.bfloat16)))
                     for _ in range(N_SETS)]
             grads = [torch.randn(b, t, c, device=device, dtype=torch.bfloat16)]
-            return anchors(eager, ours, sets, grads, None)
+            steps = anchors(eager, ours, sets, grads, None)
+            if (b, t, c, act) == (8, 2048, 4096, None):
+                steps.update(config_sweep(mod, ours, sets, grads, c, list(BWD_SWEEP)))
+            return steps
 
         def make(dtype, b=b, t=t, c=c, k=k):
             g = torch.Generator(device="cuda").manual_seed(0)
