@@ -8,7 +8,7 @@ read from names: every function the block can reach whose signature fits the fam
 (`Interface.fits`) is wrapped while the block runs.
 
 On its first call a wrapper runs the original, then our kernel on the same arguments (each of
-the interface's variants in turn, under no_grad), and keeps the swap when one agrees with the
+the interface's variants in turn, all under no_grad), and keeps the swap when one agrees with the
 original's output within the layer tolerance. The kernel then serves that first call too, with
 its autograd graph: an alignment that runs the model once judges the kernel, forward and
 backward. A block where no function was swapped after its first call is reported as rejected,
@@ -123,9 +123,13 @@ class _Swap:
     def __call__(self, *args, **kwargs):
         if self.state == "bound":
             return self._ours(args, kwargs)
-        ref = self.fn(*args, **kwargs)
         if self.state != "pending":
-            return ref
+            return self.fn(*args, **kwargs)
+        # the reference under no_grad: the call that serves the block (ours, or the original's
+        # again when no variant agrees) is the only one that saves tensors for the backward, so
+        # a first call under activation checkpointing saves what its recomputation will
+        with torch.no_grad():
+            ref = self.fn(*args, **kwargs)
         iface = self.patch.interface
         dtype = None
         if iface.input_dtype_tolerance:
@@ -146,7 +150,7 @@ class _Swap:
         self.state = "bound" if ok else "kept"
         self.patch.calibrated(self.name, ok, why)
         if not ok:
-            return ref
+            return self.fn(*args, **kwargs) if torch.is_grad_enabled() else ref
         self.dtypes = tuple(r.dtype if isinstance(r, torch.Tensor) else None
                             for r in (ref if isinstance(ref, tuple) else (ref,)))
         return self._ours(args, kwargs)  # the first call is the kernel's too
