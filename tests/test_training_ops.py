@@ -437,6 +437,29 @@ def test_s3_checkpoints_and_data_resume_continues_exactly(proxy, tmp_path, s3, m
         assert r["dropped_tokens"] == sum(r["dropped_by_layer"]) > 0
 
 
+@pytest.mark.parametrize("kw", [{}, {"fused": True}, {"foreach": True}])  # capturable: GPU only
+def test_resume_optimizer_state_is_what_adamw_makes(kw):
+    """A resume loads into the state `init_optimizer_state` makes before any step; it must be
+    AdamW's own (the fused kernel refuses a step tensor on another device than the parameters':
+    the H200's resume failed so)."""
+    from onboarding.train.checkpoint import Checkpointer
+
+    def opt_with(p):
+        return torch.optim.AdamW([p], lr=1e-3, **kw)
+
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    stepped = opt_with(p)
+    p.grad = torch.zeros_like(p)
+    stepped.step()
+    mine = opt_with(torch.nn.Parameter(torch.randn(4, 3)))
+    Checkpointer.init_optimizer_state(mine)
+    a, b = stepped.state[p], next(iter(mine.state.values()))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k].dtype, a[k].device, a[k].shape) == (b[k].dtype, b[k].device, b[k].shape), k
+    assert float(b["step"]) == 0.0
+
+
 def test_unknown_url_scheme_is_bad_input():
     from onboarding.train.checkpoint import filesystem
     from onboarding.train.data import load_texts

@@ -84,12 +84,16 @@ class Checkpointer:
     @staticmethod
     def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         """Create AdamW's state (zeros, step 0) up front, as its first step would, so that a
-        checkpoint can be loaded into it in place."""
+        checkpoint can be loaded into it in place. The step lives where AdamW's first step puts
+        it: on the parameter's device for the fused and capturable implementations (the fused
+        kernel refuses a CPU step), a CPU scalar otherwise."""
         for group in opt.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
             for p in group["params"]:
                 st = opt.state[p]
                 if not st:
-                    st["step"] = torch.tensor(0.0)
+                    st["step"] = torch.zeros((), dtype=torch.float32,
+                                             device=p.device if on_device else "cpu")
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
