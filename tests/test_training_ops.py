@@ -491,7 +491,10 @@ def test_seq_sweep_rows_say_oom_and_errors(tmp_path):
         (train / "reference.log").write_text("step 1\n" + logs[cfg.seq_len] + "\n")
         return 1
 
-    result = seqsweep.run_sweep(base, seqsweep.lengths([16, 32, 64]), tmp_path, run_one)
+    shown = []
+    result = seqsweep.run_sweep(base, seqsweep.lengths([16, 32, 64]), tmp_path, run_one,
+                                on_row=shown.append)
+    assert shown == seqsweep.table_rows(result)  # each row shown as its length ended
     rows = {r["seq"]: r for r in result["rows"]}
     assert rows[16]["outcome"] == "ok" and rows[16]["tokens_per_s"] == 250.0
     assert rows[16]["loss_finite"] is True and rows[16]["peak_mem_gib"] == 1.0
@@ -520,4 +523,5 @@ def test_seq_sweep_cli_runs_each_length_in_its_own_process(tmp_path):
     logs = [(out / f"seq{s}" / "train" / "reference.log").read_text() for s in (16, 32)]
     assert all("--role reference" in log for log in logs)
     assert "sequence sweep (recompute full)" in p.stdout
+    assert "seq 16  tokens/s" in p.stdout  # the row printed when its length ended
     assert "![sequence sweep](seq_sweep.png)" in (out / "report.md").read_text()

@@ -326,7 +326,9 @@ def cmd_seq_sweep(args: argparse.Namespace, console: Console) -> int:
 
     with owned_dir(out, created_here=True):
         save_model_json(info, out, base.overrides)
-        result = seqsweep.run_sweep(base, seqs, out, run_one)
+        result = seqsweep.run_sweep(
+            base, seqs, out, run_one, on_row=lambda r: console.print(
+                "  ".join(f"{h} {v}" for h, v in zip(seqsweep.TABLE_HEAD, r, strict=True))))
     t = Table(title=f"sequence sweep (recompute {result['recompute']})", box=None,
               padding=(0, 1), pad_edge=False)
     for h in seqsweep.TABLE_HEAD:

@@ -97,7 +97,10 @@ def reuse_setup(src: Path, dst: Path) -> None:
 
 
 def run_sweep(base: TrainConfig, seqs: list[int], out: Path,
-              run_one: Callable[[TrainConfig], int]) -> dict[str, Any]:
+              run_one: Callable[[TrainConfig], int],
+              on_row: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
+    """``run_one`` each length in turn; ``on_row`` gets each length's table row (`TABLE_HEAD`)
+    as soon as it is known, so a long sweep shows its results while it goes on."""
     rows: list[dict[str, Any]] = []
     result = {"model": base.model, "proxy": base.proxy, "overrides": base.overrides,
               "nproc": base.nproc, "ep": base.ep, "micro_batch": base.micro_batch,
@@ -109,6 +112,8 @@ def run_sweep(base: TrainConfig, seqs: list[int], out: Path,
             reuse_setup(first, Path(cfg.out))
         rows.append(collect(cfg, run_one(cfg)))
         write_json(out / RESULTS_FILE, result)
+        if on_row is not None:
+            on_row(table_rows({"rows": rows[-1:]})[0])
         first = first or Path(cfg.out)
     (out / TABLE_FILE).write_text(markdown(result))
     plot(result, out / PLOT_FILE)
