@@ -57,6 +57,37 @@ def test_gather_pairs_equals_indexing_without_index_backward(n, k, d, monkeypatc
     assert torch.autograd.gradcheck(lambda t: _gather_pairs(t, order), (w,))
 
 
+@pytest.mark.parametrize("bag", [False, True], ids=["gather_sum", "embedding_bag"])
+@pytest.mark.parametrize("n,k,d", [(7, 3, 5), (5, 1, 4), (0, 2, 3)])
+def test_combine_pairs_is_place_rows_then_sum(n, k, d, bag, monkeypatch):
+    """The experts' combine (`_combine_pairs`) equals placing the rows back in pair order and
+    summing each token's k rows (the form it replaces: ``_place_rows(y, order).view(n, k, -1)
+    .sum(1)``), forward and gradient, exactly in fp64; both ways of summing (``embedding_bag``,
+    CUDA's, forced here; the blocked gather + sum, the CPU's) give the same sums, and
+    `_GatherPairs`'s backward (the same `_sum_pairs`) too. Keeps only the order."""
+    from onboarding.train import moe_ep
+
+    monkeypatch.setattr(moe_ep, "_bag_sums", lambda src: bag and src.dim() == 2)
+    monkeypatch.setattr(moe_ep._GatherPairs, "BLOCK_ELEMENTS", 2 * k * d)
+    gen = torch.Generator().manual_seed(n * 10 + k)
+    y = torch.randn(n * k, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    order = torch.randperm(n * k, generator=gen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = moe_ep._combine_pairs(y, order, k)
+    assert all(not t.is_floating_point() for t in saved)
+    ref = moe_ep._place_rows(y, order).view(n, k, d).sum(1)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    dy = torch.randn(n, d, dtype=torch.float64, generator=gen)
+    (got,), (want,) = torch.autograd.grad(out, [y], dy), torch.autograd.grad(ref, [y], dy)
+    assert torch.equal(got, want)
+    x = torch.randn(n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    dp = torch.randn(n * k, d, dtype=torch.float64, generator=gen)
+    (gx,), (wx,) = (torch.autograd.grad(f(x), [x], dp) for f in
+                    (lambda t: _gather_pairs(t, order, k), lambda t: t[order // k]))
+    torch.testing.assert_close(gx, wx, rtol=0, atol=1e-12)
+
+
 def test_ep_forward_has_no_index_backward():
     """The experts' forward gathers token rows and routing weights through `_GatherPairs`: the
     autograd graph of an `EPExperts` output holds no IndexBackward0."""
@@ -229,3 +260,42 @@ def test_cuda_gather_pairs_backward_proxy_shape_and_timing():
     a, b = time_ms(lambda: _gather_pairs(x, order, k)), time_ms(lambda: x[order // k])
     print(f"\ngather fwd+bwd {n}x{k} rows of {d} bf16: _GatherPairs {a:.3f} ms, "
           f"x[order // k] {b:.3f} ms ({b / a:.2f}x)")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_pair_sums_by_embedding_bag_proxy_shape_and_timing(monkeypatch):
+    """The proxy's combine and gather backward shape (16,384 tokens x top-8 of D = 2048, bf16):
+    `_sum_pairs` through ``embedding_bag`` (CUDA's path) against the gather + sum it replaces,
+    each one fp32 sum rounded once: equal but for the order of fp32 adds (1 bf16 ulp at most, on
+    few elements); each one's time printed (run with -s)."""
+    from onboarding.train import moe_ep
+
+    n, k, d = 16384, 8, 2048
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    src = torch.randn(n * k, d, device=DEV, generator=gen).to(torch.bfloat16)
+    order = torch.argsort(torch.randint(0, 64, (n * k,), device=DEV, generator=gen), stable=True)
+    inverse = moe_ep._inverse(order)
+    bag = moe_ep._sum_pairs(src, inverse, k)
+    monkeypatch.setattr(moe_ep, "_bag_sums", lambda t: False)
+    plain = moe_ep._sum_pairs(src, inverse, k)
+    ref = src.float().index_select(0, inverse).view(n, k, d).sum(1)
+    off = (bag != plain).float().mean().item()
+    assert off < 1e-3, off
+    torch.testing.assert_close(bag.float(), ref, rtol=4e-3, atol=1e-5)
+
+    def time_ms(fn, reps=20):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    b = time_ms(lambda: moe_ep._sum_pairs(src, inverse, k))
+    monkeypatch.setattr(moe_ep, "_bag_sums", lambda t: t.is_cuda and t.dim() == 2)
+    a = time_ms(lambda: moe_ep._sum_pairs(src, inverse, k))
+    print(f"\npair sums {n}x{k} rows of {d} bf16: embedding_bag {a:.3f} ms, gather + sum "
+          f"{b:.3f} ms ({b / a:.2f}x); elements differing {off:.2e}")

@@ -123,11 +123,9 @@ class _GatherPairs(torch.autograd.Function):
 
     Autograd's backward of that gather (``IndexBackward0``) is an ``index_put_`` with
     accumulate, which CUDA runs as a sort of the indices and a segment kernel. Here each row's
-    ``k`` copies are found through the inverse permutation instead: ``dx`` is the gradient
-    gathered back into pair order and summed over ``k`` (fp32 accumulation, one rounding), in a
-    fixed order (deterministic), without a sort. Keeps only ``order`` for the backward; the
-    gathered pairs are summed in token blocks of about ``BLOCK_ELEMENTS`` elements, so the
-    temporary stays small next to the [pairs, D] gradient.
+    ``k`` copies are found through the inverse permutation instead: ``dx`` is the sum over k of
+    the gradient rows of each token (`_sum_pairs`: fp32 accumulation, one rounding), in a fixed
+    order (deterministic), without a sort. Keeps only ``order`` for the backward.
     """
 
     BLOCK_ELEMENTS = 1 << 26
@@ -141,20 +139,69 @@ class _GatherPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
+        return _sum_pairs(grad, _inverse(order), ctx.k), None, None
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """``inverse[p]``: where pair ``p`` (token ``p // k``, slot ``p % k``) sits in ``order``."""
+    return torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
+
+
+def _bag_sums(src: torch.Tensor) -> bool:
+    """Whether `_sum_pairs` sums through ``embedding_bag`` (CUDA: one pass that reads the
+    gathered rows and writes only the sums, accumulating in fp32); elsewhere, or for a 1-D
+    ``src``, it gathers the rows and sums them (``torch.sum``, fp32 accumulation for 16-bit),
+    which CPU's ``embedding_bag`` would not match (it rounds 16-bit sums per add)."""
+    return src.is_cuda and src.dim() == 2 and src.dtype in (torch.bfloat16, torch.float16,
+                                                           torch.float32)
+
+
+def _sum_pairs(src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """``out[t] = sum_j src[inverse[t * k + j]]`` for the ``len(inverse) // k`` tokens: each
+    token's ``k`` pair rows, in ``src``'s dtype after an fp32 sum (one rounding).
+
+    On CUDA (`_bag_sums`) one ``embedding_bag`` (sum) reads each pair row once and writes only
+    the [n, ...] sums; a gather into a [pairs, ...] temporary and a sum of it (the other path)
+    write and read the pairs once more. The other path gathers in token blocks of about
+    ``_GatherPairs.BLOCK_ELEMENTS`` elements, so its temporary stays small."""
+    if k == 1:
+        return src.index_select(0, inverse)
+    n, tail = inverse.numel() // k, src.shape[1:]
+    if _bag_sums(src) and n:
+        return F.embedding_bag(inverse.view(n, k), src, mode="sum")
+    out = src.new_empty(n, *tail)
+    step = max(1, _GatherPairs.BLOCK_ELEMENTS // max(k * math.prod(tail), 1))
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        pairs = src.index_select(0, inverse[lo * k:hi * k])
+        torch.sum(pairs.view(hi - lo, k, *tail), 1, out=out[lo:hi])
+    return out
+
+
+class _CombinePairs(torch.autograd.Function):
+    """The experts' combine: ``y_sorted`` [pairs, ...] in the order of ``order`` (a permutation
+    of the ``n * k`` (token, slot) pairs) -> [n, ...], each token's ``k`` rows summed
+    (`_sum_pairs`). The same sum as placing the rows back in pair order and summing over k
+    (``_place_rows(y, order).view(n, k, -1).sum(1)``), without the placed [pairs, ...] copy;
+    the backward gathers each pair's token gradient (``grad[order // k]``). Keeps ``order``."""
+
+    @staticmethod
+    def forward(ctx, y_sorted, order, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return _sum_pairs(y_sorted, _inverse(order), k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
         k = ctx.k
-        # inverse[p]: where pair p = (token p // k, slot p % k) sits in grad
-        inverse = torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
-        if k == 1:
-            return grad.index_select(0, inverse), None, None
-        n, tail = order.numel() // k, grad.shape[1:]
-        dx = grad.new_empty(n, *tail)
-        step = max(1, _GatherPairs.BLOCK_ELEMENTS // max(k * math.prod(tail), 1))
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
-            pairs = grad.index_select(0, inverse[lo * k:hi * k])
-            torch.sum(pairs.view(hi - lo, k, *tail), 1, out=dx[lo:hi])
-        return dx, None, None
+        return grad.index_select(0, order // k if k > 1 else order), None, None
+
+
+def _combine_pairs(y_sorted: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's ``k`` expert rows of ``y_sorted`` (pair order ``order``) summed (`_CombinePairs`)."""
+    return _CombinePairs.apply(y_sorted, order, k)
 
 
 def _gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int = 1) -> torch.Tensor:
@@ -372,7 +419,7 @@ class EPExperts(nn.Module):
         else:
             y_sorted = self._dispatch(_gather_pairs(x, order, k), counts, n,
                                       _gather_pairs(w.reshape(-1), order))
-            y_pairs = _place_rows(y_sorted, order)
+            return _combine_pairs(y_sorted, order, k).to(x.dtype)
         return y_pairs.view(n, k, -1).sum(1).to(x.dtype)
 
     def _grouped_single(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
