@@ -26,9 +26,20 @@ SWEEP = ({"tm_dot": "tf32"},)
 SWEEP_ROWS = sweep_rows(SWEEP, SWEEP)
 
 
+# The 4B Qwen3-Next-style training proxy's call (8 x 2048 tokens, its 16 key heads repeated to the
+# 32 value heads by the model, K = V = 64: the k_le_64 bucket), whose backward WY kernel took 7.9 of
+# the GDN backward's 11.2 ms a step in the H200 profile (docs/LOG.md, device call T); the bucket's
+# tiles were last timed before its num_stages became 2. Rows on request: the backward's tiles.
+PROXY_SHAPE = (8, 2048, 32, 32, 64, "4B Qwen3-Next proxy's call")
+K64_SWEEP = ({"bwd_bv": 32}, {"bwd_bv": 16}, {"num_stages": 3}, {"BK": 64}, {"num_warps": 8},
+             {"bwd_bv": 32, "num_stages": 3}, {"state_bwd_stages": 3})
+K64_ROWS = sweep_rows((), K64_SWEEP)
+
+
 def cases() -> list[BenchCase]:
-    return [delta_rule_case("gated_delta", *shape, per_channel=False, fwd_sweep=SWEEP, bwd_sweep=SWEEP)
-            for shape in SHAPES]
+    return [*(delta_rule_case("gated_delta", *shape, per_channel=False, fwd_sweep=SWEEP, bwd_sweep=SWEEP)
+              for shape in SHAPES),
+            delta_rule_case("gated_delta", *PROXY_SHAPE, per_channel=False, bwd_sweep=K64_SWEEP)]
 
 
 # The nightly regression suite's share (issue 5's shape; fla's anchors are left out (its autotune takes minutes)).
