@@ -1,0 +1,98 @@
+"""Copy traffic of a training step (issue 34): the bytes copy / cat / gather / sum ops move, counted
+per source line by `onboarding.train.traffic` over one step of the tiny Qwen3-MoE proxy in bf16,
+prepared as the worker prepares our role. The experts' pair sums take CUDA's path
+(``embedding_bag``: `moe_ep._bag_sums` forced), so the bytes are what the GPU step moves there.
+Fails when an avoidable copy comes back (docs/LOG.md, twenty-fourth session, helper copies).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from onboarding.train.config import TrainConfig
+
+REF = "hf:qwen3_moe"
+TOKENS = (2, 64)
+
+
+@pytest.fixture(scope="module")
+def step():
+    """(traffic, the experts' pairs P, hidden width D, MoE layers) of one step of our role."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.train import moe_ep
+    from onboarding.train.parallel import single_layout
+    from onboarding.train.setup import Built, cast_parameters, routed_experts
+    from onboarding.train.traffic import counting
+    from onboarding.train.worker import lm_loss, prepare
+
+    info = load_stage(load_model(REF))
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=0).float()
+    graph = parse_stage(info, seq=64, seed=0, try_export=False)
+    cast_parameters(model, torch.bfloat16)
+    built = Built(model=copy.deepcopy(model), graph=graph, info=info, tokenizer_dir=None,
+                  n_experts=routed_experts(model, info.proxy_config))
+    cfg = TrainConfig(model=REF, dtype="bf16", device="cpu", kernels=False, lora_rank=8)
+    ep_mods, _, _ = prepare(cfg, "reference", built, single_layout(), torch.device("cpu"))
+    built.model.train()
+    ids = torch.randint(0, info.proxy_config.vocab_size, (TOKENS[0], TOKENS[1] + 1),
+                        generator=torch.Generator().manual_seed(0))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(moe_ep, "_bag_sums", lambda src: src.dim() == 2, raising=False)  # CUDA's path
+    plain_gmm = moe_ep._gmm
+
+    def gmm(x, w_t, counts):  # CUDA's grouped GEMM (the CPU's loop would cat per expert)
+        if x.dtype == w_t.dtype == torch.bfloat16:
+            offs = torch.cumsum(moe_ep._counts(counts, x.device), 0, dtype=torch.int32)
+            return torch._grouped_mm(x, w_t, offs=offs)
+        return plain_gmm(x, w_t, counts)
+    mp.setattr(moe_ep, "_gmm", gmm)
+    try:
+        with counting() as mode:
+            loss = lm_loss(built.model, ids, chunked=True)
+            mode.backward(loss)
+    finally:
+        mp.undo()
+    assert torch.isfinite(loss)
+    k = ep_mods[0]._k
+    d = getattr(ep_mods[0], ep_mods[0].gate_up_name).shape[2]
+    return mode.traffic, TOKENS[0] * TOKENS[1] * k, d, len(ep_mods)
+
+
+def test_experts_combine_and_gather_backward_copy_no_pair_rows(step):
+    """The experts' combine and the pair gather's backward sum each token's k rows in one pass
+    (`moe_ep._sum_pairs`): no [pairs, D] rows are placed back or gathered only to be summed,
+    and no separate sum runs. The experts' data movement per MoE layer is then the pair gather
+    forward (2 P D: its rows, read and written), the combine's bag sum (P D read, N D written),
+    the combine's backward gather (2 P D) and the gather's backward bag sum (P D + N D), plus
+    index-sized terms: at most 6.5 P D elements. With the placed copy and the separate sums
+    (before) it was 8 P D of gathers and 2 (P D + N D) of sums."""
+    traffic, pairs, d, layers = step
+    # the weighted SwiGLU's torch path (a Triton kernel on CUDA) is not the combine's business
+    rows = [(k, n, b) for k, n, b in traffic.by("phase", "category", "op", "line", "node")
+            if k[3].startswith("onboarding/train/moe_ep.py")
+            and k[4] != "_SwiGLUWeightedBackward"]
+    assert not [r for r in rows if r[0][1] == "sum" and r[2] >= pairs * d], rows
+    moved = sum(b for k, n, b in rows if k[1] in ("gather", "copy", "cat"))
+    assert moved <= 6.5 * pairs * d * 2 * layers, (moved / (pairs * d * 2 * layers), rows)
+    assert any(k[2].endswith("embedding_bag") for k, _, _ in rows)
+
+
+def test_step_copy_traffic_stays_bounded(step):
+    """The whole step's copy + cat + gather ops (`traffic.MOVES`): launches and bytes at most
+    what this commit moves (tiny Qwen3-MoE proxy, 2 x 64 tokens, bf16, CPU torch paths for the
+    norms and LoRA) plus 5%: a copy that comes back (a placed [pairs, D] copy, a
+    ``.contiguous()``, a cast per step) fails here."""
+    from onboarding.train.traffic import MOVES
+
+    traffic = step[0]
+    n, b = traffic.total(MOVES)
+    assert n <= BOUND_LAUNCHES * 1.05 and b <= BOUND_BYTES * 1.05, (n, b)
+
+
+# measured at this commit (torch 2.13 CPU): 135 launches, 15,541,318 bytes; before the experts'
+# pair sums (a78aba0's parent) the same step moved 137 launches, 17,495,110 bytes
+BOUND_LAUNCHES, BOUND_BYTES = 135, 15_541_318
