@@ -271,12 +271,13 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "DW_BLOCK_N": (0, 16, 32, 64, 128, 256), "DW_BLOCK_K": (0, 16, 32, 64, 128), "dw_warps": (0, 2, 4, 8),
                  "dw_stages": (0, 1, 2, 3, 4), "dw_persistent": (0, 1, 2, 3, 4), "bwd_tma": (False, True),
                  "DX_BLOCK_M": (0, 16, 32, 64, 128), "DX_BLOCK_N": (0, 16, 32, 64, 128, 256), "dx_stages": (0, 2, 3, 4),
-                 "dw_sorted": (False, True), "dw_grouped_mm": (False, True)}
+                 "dw_sorted": (False, True), "dw_grouped_mm": (False, True), "dy_sorted": (False, True),
+                 "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
                    "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False,
-                   "dw_grouped_mm": False}
+                   "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
@@ -331,7 +332,7 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=14,
+    template_version=15,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

@@ -388,6 +388,81 @@ def test_grouped_mm_frozen_weight(load, device, monkeypatch, frozen):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+# The backward's slot-ordered rows and split epilogue (template v15): `dy_sorted` (the down
+# backward reads dy[tok] copied into slot order; the weight gradients reuse the copy), `rows_tma`
+# (that copy and dx's d(gate|up) through tensor descriptors, blocks running past an expert's rows
+# into the next's and past S), `bwd_epi_split` (the down backward's epilogue on 2 or 4 column
+# slices: F = 20 or 40 over 32-column tiles leaves partial and all-masked slices).
+ROWS_CONFIGS = {"dy_sorted": {"dy_sorted": True}, "rows_tma": {"dy_sorted": True, "rows_tma": True},
+                "dx_rows_tma": {"rows_tma": True, "DX_BLOCK_M": 32, "DX_BLOCK_N": 16},
+                "split2": {"bwd_epi_split": 2}, "split4": {"bwd_epi_split": 4},
+                "all_gmm": {"dy_sorted": True, "rows_tma": True, "bwd_epi_split": 2, "dw_grouped_mm": True},
+                "all_sorted_dw": {"dy_sorted": True, "bwd_epi_split": 4, "dw_sorted": True}}
+
+
+@pytest.mark.parametrize("entry,kind,name,f", [
+    ("swiglu", "zipf", "rows_tma", 20), ("gpt_oss_bias", "empty_experts", "all_gmm", 20),
+    ("mlp", "empty_experts", "split4", 20), ("swiglu", "uniform", "dx_rows_tma", 20),
+    ("bias", "zipf", "all_sorted_dw", 20),
+    pytest.param("swiglu", "all_to_one", "dy_sorted", 20, marks=pytest.mark.slow),
+    pytest.param("mlp", "zipf", "rows_tma", 40, marks=pytest.mark.slow),
+    pytest.param("swiglu", "zipf", "split2", 40, marks=pytest.mark.slow),
+    pytest.param("swiglu", "zipf", "rows_tma", 40, marks=pytest.mark.slow),
+    pytest.param("mlp", "uniform", "all_gmm", 20, marks=pytest.mark.slow),
+], ids=lambda v: str(v))
+def test_backward_sorted_rows_and_split_epilogue(load, device, monkeypatch, entry, kind, name, f):
+    """dy_sorted / rows_tma / bwd_epi_split (ROWS_CONFIGS): the output and every gradient (bias
+    gradients too) match the reference on odd rows per expert, unused experts and one expert with
+    every token; the down backward and dx launches took the paths asked for."""
+    variant, params = {"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
+                       "bias": ("swiglu", {"bias": True}),
+                       "gpt_oss_bias": ("swiglu", {"bias": True, **GPT_OSS})}[entry]
+    module = load(variant, params)
+    config = ROWS_CONFIGS[name]
+    if config.get("rows_tma") and module.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    fx = (bias_fixture(module, kind, d=40, f=f) if entry in ("bias", "gpt_oss_bias")
+          else fixture(module, kind, d=40, f=f, gated=entry != "mlp"))
+    launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, **config})
+    down = [kw for n, kw in launches if n == "moe_down_bwd_kernel"]
+    dx = [kw for n, kw in launches if n == "moe_dx_kernel"]
+    sorted_dy, rows = bool(config.get("dy_sorted")), bool(config.get("rows_tma"))
+    assert down and all((kw["DY_SORTED"], kw["ROWS_TMA"], kw["EPI_SPLIT"]) ==
+                        (sorted_dy, rows and sorted_dy, config.get("bwd_epi_split", 1)) for kw in down)
+    assert dx and all(kw["ROWS_TMA"] == rows for kw in dx)
+
+
+def test_sorted_dy_is_gathered_once(load, device, monkeypatch):
+    """With dy_sorted the weight gradients reuse the down backward's dy[tok] copy: one backward
+    gathers x and dy once each (grouped_mm weight gradients; Triton ones on slot-ordered rows), not
+    dy twice."""
+    module = load("swiglu", {})
+    args = fixture(module, "zipf").make_inputs(torch.float32, device, torch.Generator().manual_seed(2))
+    real, calls = torch.Tensor.index_select, []
+
+    def spy(t, dim, index, *a, **k):
+        calls.append(tuple(t.shape))
+        return real(t, dim, index, *a, **k)
+    counts = []
+    for extra in ({"dw_grouped_mm": True}, {"dw_sorted": True}):
+        for dy_sorted in (False, True):
+            module.set_config({**CPU_CONFIG, **extra, "dy_sorted": dy_sorted})
+            try:
+                leaves = [a.clone().requires_grad_(i != 1) for i, a in enumerate(args)]
+                y = module.entry(*leaves)
+                monkeypatch.setattr(torch.Tensor, "index_select", spy)
+                calls.clear()
+                y.sum().backward()
+                monkeypatch.undo()
+                counts.append(len(calls))
+            finally:
+                module.set_config(CPU_CONFIG)
+    on_cpu = device.type != "cuda"  # fp32 on a GPU: the Triton kernels, still on slot-ordered rows for dw_sorted
+    # CPU: grouped_mm (x and dy gathered for it) then the slot-ordered Triton kernels: two gathers each
+    # time, never a second dy; fp32 on a GPU: grouped_mm falls back to the grid kernels (no gather)
+    assert counts == ([2, 2, 2, 2] if on_cpu else [0, 1, 2, 2]), counts
+
+
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
 # 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm, also
