@@ -45,7 +45,10 @@ class _ConvIntercept(TorchFunctionMode):
                     # K - 1 inputs: computed exactly here, so the patch is a true drop-in.
                     tail = func(x[..., x.shape[-1] - (k - 1):], w, a.get("bias"),
                                 padding=k - 1, groups=w.shape[0])[..., k - 1:]
-                    return torch.cat([y.transpose(1, 2), tail], dim=-1)
+                    # joined time-major ([B, T + K - 1, C], a plain copy) and handed back as the
+                    # [B, C, T + K - 1] view: the caller's usual slice and transpose back to
+                    # [B, T, C] then read it contiguously, with no transposing copies after
+                    return torch.cat([y, tail.transpose(1, 2)], dim=1).transpose(1, 2)
         return func(*args, **kwargs)
 
 

@@ -99,3 +99,53 @@ def test_aot_sm90(load_kernel):
         assert rs, path
         for r in rs:
             assert r.ok, f"{path}: {r.kernel}: {r.error}"
+
+
+def test_binding_is_a_drop_in_and_hands_back_time_major(load_kernel, device):
+    """The binding serves a mixer's ``conv1d(x [B, C, T], padding=K-1)[..., :T]`` (Qwen3-Next's
+    use): the same output and gradients as the module's own conv, and the [B, C, T + K - 1]
+    result is a view of a time-major tensor, so the usual slice and transpose back to [B, T, C]
+    is contiguous (no transposing copies downstream)."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from onboarding.graph.opgraph import Block
+    from onboarding.patching.core import PatchRecord
+    from onboarding.families import family_module
+
+    module = load_kernel("conv1d", "causal", {"kernel_size": 4}, CPU_CONFIG)
+    B, T, C = 2, 13, 24
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1d = nn.Conv1d(C, C, 4, groups=C, padding=3, bias=True)
+
+        def forward(self, h):
+            out = self.conv1d(h.transpose(1, 2))
+            self.seen = out
+            return F.silu(out[..., :T]).transpose(1, 2)
+
+    torch.manual_seed(0)
+    ref, mine = Mixer().to(device), Mixer().to(device)
+    mine.load_state_dict(ref.state_dict())
+    model = nn.Sequential(mine)
+    rec = PatchRecord(path="0.conv1d", kind="conv.causal1d", family="conv1d")
+    undo = family_module("conv1d").FAMILY.binding(
+        Block(path="0.conv1d", kind="conv.causal1d", layer=0, class_name="Conv1d"),
+        mine.conv1d, [module], rec, model)
+    x = torch.randn(B, T, C, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y_ref = model(x), ref(x2)
+    assert rec.status == "active"
+    assert mine.seen.shape == (B, C, T + 3) and mine.seen.transpose(1, 2).is_contiguous()
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    for n, p in mine.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-4, atol=1e-5)
+    undo()
+    assert "forward" not in model.__dict__
