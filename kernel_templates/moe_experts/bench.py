@@ -28,7 +28,9 @@ D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd`` c
 (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
 (``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next (uniform and Zipf) and
 DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbwd`` cases
-(``MOE_DW_SWEEP``, ``MOE_DW_SWEEP_SHORT``, ``MOE_BWD_SWEEP_BIG``).
+(template v15's ``MOE_V15_SWEEP``, ``MOE_V15_SWEEP_SHORT``, ``MOE_V15_SWEEP_BIG``; the twentieth
+session's ``MOE_DW_SWEEP`` etc. are kept for the record), and DeepSeek-V3 N8192 its forward
+tiles in its ``fwd`` case (``MOE_FWD_SWEEP_BIG``).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -114,14 +116,37 @@ _DX_BEFORE = {"bwd_tma": False, "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0
 MOE_BWD_SWEEP_BIG = [{"dw_grouped_mm": True}, {"dw_grouped_mm": True, **_DX_BEFORE},
                      {"dw_grouped_mm": True, "BWD_BLOCK_N": 64}, {"dw_grouped_mm": True, "DX_BLOCK_N": 128},
                      {"dw_sorted": True}, _DX_BEFORE]
+# The twentieth session's rows above were decided by call J (`dw_grouped_mm` the default of both GPU
+# buckets since). Template v15 (twenty-fourth session) adds the down backward's epilogue on column
+# slices (`bwd_epi_split`), dy copied into slot order before the down backward (`dy_sorted`, the
+# copy the grouped_mm weight gradients make anyway) and the backward's slot-ordered rows by TMA
+# (`rows_tma`: that copy, and dx's d(gate|up)). sm_90 AOT (specialize="all", bf16; registers /
+# spilled bytes / shared memory): the down backward at D 7168, 64 x 128, 4 stages, weights by TMA:
+# whole-tile epilogue 255 / 16 / 98 KB, 2 slices 127 / 0 (two programs per SM), 2 slices + dy rows
+# by TMA 128 / 0; 128 x 128, 3 stages, 4 slices + dy rows by TMA 181 / 0 / 98 KB (at whole-tile
+# epilogue 255 / 2920). D 2048: whole 255 / 8, 2 slices 126 / 0; dx 64 x 128 with rows by TMA 66 / 0
+# (77 without). Which rows: the slices alone, then with dy sorted, then with both row operands by
+# TMA, dx's rows by TMA alone, and at DeepSeek-V3 the 128-row down backward that the slices make
+# spill-free.
+_ROWS = {"bwd_epi_split": 2, "dy_sorted": True, "rows_tma": True}
+MOE_V15_SWEEP_BIG = [{"bwd_epi_split": 2}, {"bwd_epi_split": 2, "dy_sorted": True}, _ROWS, {"rows_tma": True},
+                     {**_ROWS, "bwd_epi_split": 4, "BWD_BLOCK_M": 128, "bwd_stages": 3}]
+MOE_V15_SWEEP = [{"bwd_epi_split": 2}, _ROWS, {**_ROWS, "bwd_tma": True}]
+MOE_V15_SWEEP_SHORT = [{"bwd_epi_split": 2}, _ROWS]
+# DeepSeek-V3's forward (1.26x `_grouped_mm` at N8192 in the seventeenth session; goal 1.3x): gate/up
+# on 64 columns of each half (sm_90 AOT: 128 registers, no spills, 131 KB at 4 stages, 98 KB at 3:
+# two programs per SM; the default 128 columns: 255 / 8 / 197 KB, one) with the down GEMM kept at
+# its 4 stages.
+MOE_FWD_SWEEP_BIG = [{"BLOCK_N": 64, "num_stages": 3, "down_stages": 4}, {"BLOCK_N": 64, "down_stages": 4}]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
-          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_DW_SWEEP,
-          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_DW_SWEEP_SHORT,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP_BIG,
-          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_DW_SWEEP_SHORT}
+          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V15_SWEEP,
+          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V15_SWEEP_SHORT,
+          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_FWD_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V15_SWEEP_BIG,
+          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V15_SWEEP_SHORT}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:

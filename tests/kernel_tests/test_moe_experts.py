@@ -510,6 +510,45 @@ def test_backward_configs_bf16_cuda(load):
         assert grads[2][e - 2:].abs().max() == 0 and grads[3][e - 2:].abs().max() == 0, extra
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
+@pytest.mark.parametrize("d", [2048, 7168], ids=["d_le_4k", "d_big"])
+def test_backward_v15_configs_bf16_cuda(load, d):
+    """Template v15's backward rows as the bench times them (bench.MOE_V15_SWEEP at D 2048,
+    MOE_V15_SWEEP_BIG at D 7168: the split epilogue, dy in slot order, rows by TMA, the 128-row
+    down backward), bf16 on the bucket's tiles, odd token count, two experts left empty: every
+    gradient within 1e-2 of the fp32 reference and 2e-3 of the bucket default's run; the empty
+    experts' weight gradients zero."""
+    module = load("swiglu", {})
+    bench = moe_experts.bench
+    configs = [{}] + (bench.MOE_V15_SWEEP if d < 4096 else bench.MOE_V15_SWEEP_BIG)
+    n, e, f, k = 1531, 16 if d < 4096 else 8, 256, 4
+    gen = torch.Generator().manual_seed(3)
+    idx = routing("empty_experts", n, e, k, gen).cuda()
+    w = torch.rand(n, k, generator=gen) + 0.05
+    ins = [torch.randn(n, d, generator=gen), w / w.sum(-1, keepdim=True),
+           torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5, torch.randn(e, d, f, generator=gen) / f ** 0.5]
+    hi = [t.cuda().requires_grad_() for t in ins]
+    dy = torch.randn(n, d, device="cuda")
+    bucket = module.shape_bucket(d)
+    runs = []
+    for extra in configs:
+        lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in hi]
+        module.set_config(None)
+        module.set_config({**module.config_for(d), **extra}, bucket=bucket)
+        try:
+            module.entry(lo[0], idx, *lo[1:]).backward(dy.to(torch.bfloat16))
+        finally:
+            module.set_config(None, bucket=bucket)
+            module.set_config(CPU_CONFIG)
+        runs.append([t.grad for t in lo])
+    module.reference(hi[0], idx, *hi[1:]).backward(dy)
+    for extra, grads in zip(configs, runs, strict=True):
+        for i, (g, base, ref) in enumerate(zip(grads, runs[0], [t.grad for t in hi], strict=True)):
+            assert rel(g, ref) <= 1e-2, (extra, i, rel(g, ref))
+            assert rel(g, base) <= 2e-3, (extra, i, rel(g, base))
+        assert grads[2][e - 2:].abs().max() == 0 and grads[3][e - 2:].abs().max() == 0, extra
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._grouped_mm's bf16 grouped GEMM runs on a GPU only")
 @pytest.mark.parametrize("entry", ["mlp", "bias"])
 def test_grouped_mm_weight_gradients_bf16_cuda(load, monkeypatch, entry):
