@@ -415,12 +415,10 @@ class EPExperts(nn.Module):
         # the routing weights travel with their rows and are applied inside the expert compute
         # (`_compute`), so the combine below is a plain sum that keeps nothing for the backward
         if self.ep.group is None and self.dispatch_groups > 1:
-            y_pairs = self._grouped_single(x, idx, w)
-        else:
-            y_sorted = self._dispatch(_gather_pairs(x, order, k), counts, n,
-                                      _gather_pairs(w.reshape(-1), order))
-            return _combine_pairs(y_sorted, order, k).to(x.dtype)
-        return y_pairs.view(n, k, -1).sum(1).to(x.dtype)
+            return self._grouped_single(x, idx, w).view(n, k, -1).sum(1).to(x.dtype)
+        y_sorted = self._dispatch(_gather_pairs(x, order, k), counts, n,
+                                  _gather_pairs(w.reshape(-1), order))
+        return _combine_pairs(y_sorted, order, k).to(x.dtype)
 
     def _grouped_single(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
                         ) -> torch.Tensor:
