@@ -9,8 +9,9 @@ left to it, except experts written as a list of per-expert MLPs (``layout: modul
 never replaces: those get the stacked-weights patch alignment uses. `attach_expert_kernels` then
 gives its modules with expert LoRA the grouped expert LoRA kernel, checked against the module's
 own torch path, `attach_lora_kernels` gives training's LoRA layers the lora family's fused kernel,
-and `attach_swiglu_kernels` gives the other plain SwiGLU experts the fused routing-weighted
-activation; each is checked against the torch path it replaces, once per shape.
+`attach_swiglu_kernels` gives the other plain SwiGLU experts the fused routing-weighted
+activation, and `attach_loss_kernel` gives the training loss a fused cross-entropy kernel; each is
+checked against the torch path it replaces, once per shape.
 """
 
 from __future__ import annotations
@@ -345,3 +346,87 @@ def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
         check=lambda m: check_swiglu_kernel(kernel, getattr(m, m.down_name).shape[2], act_dtype(m),
                                             getattr(m, m.down_name).device),
         attach=lambda m: m.use_swiglu_kernel(kernel))
+
+
+# What the training step's loss (`worker.chunked_cross_entropy`: the mean cross-entropy of the
+# full-vocabulary logits, the gradient written in the forward) is to the families: the kind a
+# family's `training_variants` serves it under (one Triton kernel reading each row's logits twice
+# and writing its gradient once, where `_ChunkedCE` runs about ten aten passes per chunk), and the
+# key of its counts. Not an op-graph block kind.
+LOSS_KIND = "loss.cross_entropy"
+# the model attribute `worker.lm_loss` reads the attached loss kernel from (a `LossKernel`)
+LOSS_KERNEL_ATTR = "onboard_loss_kernel"
+
+
+class LossKernel:
+    """A loss kernel ``fn(logits [N, V], targets [N]) -> mean loss`` checked at one vocabulary
+    and logits dtype: `serves` says whether it may take these logits (else `_ChunkedCE` does)."""
+
+    def __init__(self, fn, vocab: int, dtype: torch.dtype) -> None:
+        self.fn, self.vocab, self.dtype = fn, vocab, dtype
+
+    def serves(self, logits: torch.Tensor) -> bool:
+        return logits.dim() == 2 and logits.shape[1] == self.vocab and logits.dtype == self.dtype
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.fn(logits, targets)
+
+    def __repr__(self) -> str:
+        return f"LossKernel(V={self.vocab}, {self.dtype})"
+
+
+def check_loss_kernel(kernel, torch_path, vocab: int, dtype: torch.dtype, device, *,
+                      ignore_index: int = -100, rows: int = CHECK_ROWS) -> str | None:
+    """None when ``kernel(logits [rows, vocab], targets [rows])`` agrees with ``torch_path`` (the
+    same signature: `worker.chunked_cross_entropy`, i.e. `_ChunkedCE`) on random logits (2 randn,
+    in ``dtype``) and targets with every seventh row ``ignore_index``: the loss and the logits'
+    gradient under an incoming gradient of 0.75 (`compare_paths`); else what differed, or the
+    error the kernel raised. Draws from its own generator."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = (2 * torch.randn(rows, vocab, device=device, generator=gen)).to(dtype).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    t[::7] = ignore_index
+    dy = torch.full((), 0.75, device=device)
+
+    def run(fn):
+        y = fn(x, t)
+        return y, torch.autograd.grad(y, [x], dy)
+
+    ref, ref_grads = run(torch_path)
+    try:
+        out, grads = run(kernel)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
+        return raised(exc)
+    return compare_paths(out, ref, grads, ref_grads, ("logits",))
+
+
+def attach_loss_kernel(model: nn.Module, root: Path, *, rank: int, torch_path,
+                       ignore_index: int = -100, kernel=None,
+                       dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Render the family variant serving `LOSS_KIND` into ``root/rank<rank>`` and attach its entry
+    to ``model`` (`LOSS_KERNEL_ATTR`, a `LossKernel`; `worker.lm_loss` hands it to
+    `chunked_cross_entropy`) where `check_loss_kernel` against ``torch_path`` (the worker's
+    `chunked_cross_entropy`, passed in: this module does not import the worker) passes at the
+    vocabulary of the model's output embedding and ``dtype`` (default: its weight's, the logits'
+    dtype); a failure warns and keeps `_ChunkedCE`. The family's variant is rendered at its
+    defaults: ``ignore_index`` must be its -100. ``kernel``: another ``cross_entropy``-like entry,
+    for tests. On CUDA only (`worker.prepare`): the CPU keeps `_ChunkedCE`.
+
+    Returns counts for the step row's ``kernels`` summary: ``loss.cross_entropy`` and
+    ``rejected:loss.cross_entropy``; none when the model has no output embedding or no family
+    serves the kind."""
+    from onboarding.families import training_kernel
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    served = training_kernel(LOSS_KIND)
+    if weight is None or weight.dim() != 2 or (served is None and kernel is None):
+        return {}
+    if kernel is None:
+        kernel = load_training_variant(served, root, rank).entry
+    vocab, dt, dev = weight.shape[0], dtype or weight.dtype, weight.device
+    return attach_checked(
+        [("the loss", model)], kind=LOSS_KIND, what="cross-entropy", key=lambda m: (vocab, dt),
+        check=lambda m: check_loss_kernel(kernel, torch_path, vocab, dt, dev,
+                                          ignore_index=ignore_index),
+        attach=lambda m: setattr(m, LOSS_KERNEL_ATTR, LossKernel(kernel, vocab, dt)))

@@ -127,7 +127,7 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
     the baseline gets PEFT's LoRA on the model as it stands; ours gets the expert-parallel
     experts, our LoRA and, on CUDA with ``kernels``, the onboard kernels that pass their checks.
     Returns (expert-parallel modules, the kernels' `PatchSet` or None, the counts of the kernels
-    training attaches itself: experts, weighted SwiGLU, LoRA)."""
+    training attaches itself: experts, weighted SwiGLU, LoRA, the loss)."""
     from onboarding.train.lora import inject_lora
 
     model, graph = built.model, built.graph
@@ -147,7 +147,8 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
     patches, attached = None, {}
     if cfg.kernels and device.type == "cuda":
         from onboarding.train.kernels import (attach_expert_kernels, attach_lora_kernels,
-                                              attach_swiglu_kernels, patch_kernels)
+                                              attach_loss_kernel, attach_swiglu_kernels,
+                                              patch_kernels)
 
         patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
                                 rank=layout.rank, distributed=layout.distributed)
@@ -159,6 +160,10 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
         # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
         attached.update(attach_lora_kernels(
             model, Path(cfg.out) / "train" / "kernels" / "lora_linear", rank=layout.rank))
+        # the loss (`lm_loss`, chunked): one fused cross-entropy kernel instead of `_ChunkedCE`
+        attached.update(attach_loss_kernel(
+            model, Path(cfg.out) / "train" / "kernels" / "loss", rank=layout.rank,
+            torch_path=chunked_cross_entropy, ignore_index=IGNORE_INDEX))
     return ep_mods, patches, attached
 
 
@@ -173,14 +178,18 @@ def _adamw(params: list, cfg: TrainConfig, *, fused: bool) -> torch.optim.AdamW:
 def lm_loss(model: nn.Module, ids: torch.Tensor, *, chunked: bool = False) -> torch.Tensor:
     """Next-token cross-entropy of ``ids`` [B, T + 1], in fp32 over the full-vocabulary logits.
 
-    ``chunked`` (ours): `chunked_cross_entropy`; else (the baseline, as transformers computes it)
-    one fp32 copy of the logits, whose log-probabilities autograd keeps for the backward."""
+    ``chunked`` (ours): `chunked_cross_entropy`, through the loss kernel `prepare` attached to
+    ``model`` where there is one (`kernels.attach_loss_kernel`); else (the baseline, as
+    transformers computes it) one fp32 copy of the logits, whose log-probabilities autograd keeps
+    for the backward."""
     # on the CPU, model code takes its torch path, never a GPU kernel library it found
     with torch_reference_paths() if ids.device.type == "cpu" else contextlib.nullcontext():
         logits = model(input_ids=ids[:, :-1], use_cache=False).logits
     flat, targets = logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
     if chunked:
-        return chunked_cross_entropy(flat, targets)
+        from onboarding.train.kernels import LOSS_KERNEL_ATTR
+
+        return chunked_cross_entropy(flat, targets, kernel=getattr(model, LOSS_KERNEL_ATTR, None))
     return F.cross_entropy(flat.float(), targets)
 
 
@@ -229,12 +238,19 @@ class _ChunkedCE(torch.autograd.Function):
         return grad.mul_(grad_out.to(grad.dtype)), None, None
 
 
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
+                          kernel=None) -> torch.Tensor:
     """Mean cross-entropy of ``logits`` [N, V] (any dtype) against ``targets`` [N] over all N
     rows (ignored targets count in the mean, as `F.cross_entropy` over a sum / N would), in
     fp32 by row chunks (`_ChunkedCE`): autograd keeps one [N, V] gradient in the logits' dtype
     (bf16: 2 bytes x N x V), not fp32 log-probabilities (4 bytes x N x V: 2 GiB at 16,384 tokens
-    x 32,000), and the fp32 temporaries are one chunk's."""
+    x 32,000), and the fp32 temporaries are one chunk's.
+
+    ``kernel``: an attached loss kernel (`kernels.LossKernel`, checked against `_ChunkedCE`; the
+    same semantics, one [N, V] gradient kept), used when it serves these logits (the vocabulary
+    and dtype it was checked at)."""
+    if kernel is not None and kernel.serves(logits):
+        return kernel(logits, targets)
     return _ChunkedCE.apply(logits, targets, targets.numel())
 
 
