@@ -481,47 +481,15 @@ def test_backward_configs_bf16_cuda(load):
     """At D = 2048 (a GPU bucket: its tiles, bf16 dots) with an odd token count and two experts
     left empty, each of BF16_BWD_CONFIGS: every gradient within 1e-2 of the fp32 reference and
     within 2e-3 of the grid kernels' run; the empty experts' weight gradients are zero."""
-    module = load("swiglu", {})
-    n, d, e, f, k = 1531, 2048, 16, 256, 4
-    gen = torch.Generator().manual_seed(3)
-    idx = routing("empty_experts", n, e, k, gen).cuda()
-    w = torch.rand(n, k, generator=gen) + 0.05
-    ins = [torch.randn(n, d, generator=gen), w / w.sum(-1, keepdim=True),
-           torch.randn(e, 2 * f, d, generator=gen) / d ** 0.5, torch.randn(e, d, f, generator=gen) / f ** 0.5]
-    hi = [t.cuda().requires_grad_() for t in ins]
-    dy = torch.randn(n, d, device="cuda")
-    bucket = module.shape_bucket(d)
-    runs = []
-    for extra in BF16_BWD_CONFIGS:
-        lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in hi]
-        module.set_config(None)
-        module.set_config({**module.config_for(d), **extra}, bucket=bucket)
-        try:
-            module.entry(lo[0], idx, *lo[1:]).backward(dy.to(torch.bfloat16))
-        finally:
-            module.set_config(None, bucket=bucket)
-            module.set_config(CPU_CONFIG)
-        runs.append([t.grad for t in lo])
-    module.reference(hi[0], idx, *hi[1:]).backward(dy)
-    for extra, grads in zip(BF16_BWD_CONFIGS, runs, strict=True):
-        for i, (g, grid, ref) in enumerate(zip(grads, runs[0], [t.grad for t in hi], strict=True)):
-            assert rel(g, ref) <= 1e-2, (extra, i, rel(g, ref))
-            assert rel(g, grid) <= 2e-3, (extra, i, rel(g, grid))  # the same sums up to bf16 roundings
-        assert grads[2][e - 2:].abs().max() == 0 and grads[3][e - 2:].abs().max() == 0, extra
+    _check_bwd_configs_bf16(load("swiglu", {}), 2048, 16, list(BF16_BWD_CONFIGS))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
-@pytest.mark.parametrize("d", [2048, 7168], ids=["d_le_4k", "d_big"])
-def test_backward_v15_configs_bf16_cuda(load, d):
-    """Template v15's backward rows as the bench times them (bench.MOE_V15_SWEEP at D 2048,
-    MOE_V15_SWEEP_BIG at D 7168: the split epilogue, dy in slot order, rows by TMA, the 128-row
-    down backward), bf16 on the bucket's tiles, odd token count, two experts left empty: every
-    gradient within 1e-2 of the fp32 reference and 2e-3 of the bucket default's run; the empty
-    experts' weight gradients zero."""
-    module = load("swiglu", {})
-    bench = moe_experts.bench
-    configs = [{}] + (bench.MOE_V15_SWEEP if d < 4096 else bench.MOE_V15_SWEEP_BIG)
-    n, e, f, k = 1531, 16 if d < 4096 else 8, 256, 4
+def _check_bwd_configs_bf16(module, d: int, e: int, configs: list[dict]) -> None:
+    """Each of ``configs`` over the bucket of ``d`` (bf16 on a GPU, n 1531 odd, top-4 of ``e``
+    experts, two left empty): every gradient within 1e-2 of the fp32 reference and 2e-3 of the
+    first config's run (the same sums up to bf16 roundings); the empty experts' weight gradients
+    zero."""
+    n, f, k = 1531, 256, 4
     gen = torch.Generator().manual_seed(3)
     idx = routing("empty_experts", n, e, k, gen).cuda()
     w = torch.rand(n, k, generator=gen) + 0.05
@@ -547,6 +515,17 @@ def test_backward_v15_configs_bf16_cuda(load, d):
             assert rel(g, ref) <= 1e-2, (extra, i, rel(g, ref))
             assert rel(g, base) <= 2e-3, (extra, i, rel(g, base))
         assert grads[2][e - 2:].abs().max() == 0 and grads[3][e - 2:].abs().max() == 0, extra
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
+@pytest.mark.parametrize("d", [2048, 7168], ids=["d_le_4k", "d_big"])
+def test_backward_v15_configs_bf16_cuda(load, d):
+    """Template v15's backward rows as the bench times them (bench.MOE_V15_SWEEP at D 2048,
+    MOE_V15_SWEEP_BIG at D 7168: the split epilogue, dy in slot order, rows by TMA, the 128-row
+    down backward) against the bucket default (`_check_bwd_configs_bf16`)."""
+    bench = moe_experts.bench
+    configs = [{}] + (bench.MOE_V15_SWEEP if d < 4096 else bench.MOE_V15_SWEEP_BIG)
+    _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._grouped_mm's bf16 grouped GEMM runs on a GPU only")
