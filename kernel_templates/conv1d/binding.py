@@ -47,7 +47,10 @@ class _ConvIntercept(TorchFunctionMode):
                                 padding=k - 1, groups=w.shape[0])[..., k - 1:]
                     # joined time-major ([B, T + K - 1, C], a plain copy) and handed back as the
                     # [B, C, T + K - 1] view: the caller's usual slice and transpose back to
-                    # [B, T, C] then read it contiguously, with no transposing copies after
+                    # [B, T, C] then read it contiguously, with no transposing copies after. The
+                    # values are conv1d's; the strides are not: a caller that `.view`s the result
+                    # merging the batch and channel dims would need `.reshape` (none of the
+                    # mixers we know does; each slices the time axis first)
                     return torch.cat([y, tail.transpose(1, 2)], dim=1).transpose(1, 2)
         return func(*args, **kwargs)
 
