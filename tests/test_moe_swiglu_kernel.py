@@ -41,9 +41,9 @@ def test_gather_pairs_equals_indexing_without_index_backward(n, k, d, monkeypatc
     """Same rows and the same d x as ``x[order // k]`` (fp64: exactly the same sums), through
     `_GatherPairs`'s backward, not autograd's IndexBackward0 (a sort + index_put on CUDA); its
     token blocks of 2 tokens here (the last one partial)."""
-    from onboarding.train.moe_ep import _GatherPairs
+    from onboarding.train import moe_ep
 
-    monkeypatch.setattr(_GatherPairs, "BLOCK_ELEMENTS", 2 * k * d)
+    monkeypatch.setattr(moe_ep, "PAIR_BLOCK_ELEMENTS", 2 * k * d)
     gen = torch.Generator().manual_seed(n * 10 + k)
     x = torch.randn(n, d, dtype=torch.float64, generator=gen, requires_grad=True)
     order = torch.randperm(n * k, generator=gen)
@@ -68,7 +68,7 @@ def test_combine_pairs_is_place_rows_then_sum(n, k, d, bag, monkeypatch):
     from onboarding.train import moe_ep
 
     monkeypatch.setattr(moe_ep, "_bag_sums", lambda src: bag and src.dim() == 2)
-    monkeypatch.setattr(moe_ep._GatherPairs, "BLOCK_ELEMENTS", 2 * k * d)
+    monkeypatch.setattr(moe_ep, "PAIR_BLOCK_ELEMENTS", 2 * k * d)
     gen = torch.Generator().manual_seed(n * 10 + k)
     y = torch.randn(n * k, d, dtype=torch.float64, generator=gen, requires_grad=True)
     order = torch.randperm(n * k, generator=gen)

@@ -89,9 +89,16 @@ def compare_paths(out, ref, grads, ref_grads, names, *, out_tol: float = CHECK_O
     return "; ".join(bad) or None
 
 
-def raised(exc: Exception) -> str:
-    """A check's verdict for a kernel that raised: its type and first line."""
-    return f"the kernel raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+def compare_runs(run, torch_path, kernel, names) -> str | None:
+    """A check's verdict: ``run(fn)`` -> (output, gradients) once through ``torch_path`` and once
+    through ``kernel``, compared by `compare_paths` (gradients named ``names``); the error's type
+    and first line when the kernel raised."""
+    ref, ref_grads = run(torch_path)
+    try:
+        out, grads = run(kernel)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
+        return f"the kernel raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return compare_paths(out, ref, grads, ref_grads, names)
 
 
 def load_training_variant(served: tuple[str, str], root: Path, rank: int):
@@ -127,8 +134,6 @@ def attach_checked(items, *, kind: str, key, check, attach, what: str,
             attach(m)
             counts[kind] += 1
     return counts
-
-
 
 
 def check_experts_kernel(module, kernel) -> str | None:
@@ -226,12 +231,7 @@ def check_lora_kernel(module, kernel, *, rows: int = CHECK_ROWS) -> str | None:
         dy = torch.randn(y.shape, device=dev, generator=gen).to(y.dtype) if dy is None else dy
         return y, torch.autograd.grad(y, [x, a, b], dy)
 
-    ref, ref_grads = run(None)
-    try:
-        out, grads = run(kernel)
-    except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
-        return raised(exc)
-    return compare_paths(out, ref, grads, ref_grads, ("x", "A", "B"))
+    return compare_runs(run, None, kernel, ("x", "A", "B"))
 
 
 def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
@@ -306,12 +306,7 @@ def check_swiglu_kernel(kernel, f: int, dtype: torch.dtype, device, *, w_dtype=N
         y = fn(h, w)
         return y, torch.autograd.grad(y, [h, w], dy)
 
-    ref, ref_grads = run(_SwiGLUWeighted.apply)
-    try:
-        out, grads = run(kernel)
-    except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
-        return raised(exc)
-    return compare_paths(out, ref, grads, ref_grads, ("h", "w"))
+    return compare_runs(run, _SwiGLUWeighted.apply, kernel, ("h", "w"))
 
 
 def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
@@ -392,12 +387,7 @@ def check_loss_kernel(kernel, torch_path, vocab: int, dtype: torch.dtype, device
         y = fn(x, t)
         return y, torch.autograd.grad(y, [x], dy)
 
-    ref, ref_grads = run(torch_path)
-    try:
-        out, grads = run(kernel)
-    except Exception as exc:  # noqa: BLE001 - a kernel that fails here keeps the torch path
-        return raised(exc)
-    return compare_paths(out, ref, grads, ref_grads, ("logits",))
+    return compare_runs(run, torch_path, kernel, ("logits",))
 
 
 def attach_loss_kernel(model: nn.Module, root: Path, *, rank: int, torch_path,

@@ -128,8 +128,6 @@ class _GatherPairs(torch.autograd.Function):
     order (deterministic), without a sort. Keeps only ``order`` for the backward.
     """
 
-    BLOCK_ELEMENTS = 1 << 26
-
     @staticmethod
     def forward(ctx, x, order, k):
         ctx.save_for_backward(order)
@@ -140,6 +138,11 @@ class _GatherPairs(torch.autograd.Function):
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
         return _sum_pairs(grad, _inverse(order), ctx.k), None, None
+
+
+# elements of `_sum_pairs`' gathered temporary per token block (off CUDA): small next to the
+# [pairs, D] rows it sums
+PAIR_BLOCK_ELEMENTS = 1 << 26
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
@@ -164,14 +167,14 @@ def _sum_pairs(src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor
     On CUDA (`_bag_sums`) one ``embedding_bag`` (sum) reads each pair row once and writes only
     the [n, ...] sums; a gather into a [pairs, ...] temporary and a sum of it (the other path)
     write and read the pairs once more. The other path gathers in token blocks of about
-    ``_GatherPairs.BLOCK_ELEMENTS`` elements, so its temporary stays small."""
+    `PAIR_BLOCK_ELEMENTS` elements, so its temporary stays small."""
     if k == 1:
         return src.index_select(0, inverse)
     n, tail = inverse.numel() // k, src.shape[1:]
     if _bag_sums(src) and n:
         return F.embedding_bag(inverse.view(n, k), src, mode="sum")
     out = src.new_empty(n, *tail)
-    step = max(1, _GatherPairs.BLOCK_ELEMENTS // max(k * math.prod(tail), 1))
+    step = max(1, PAIR_BLOCK_ELEMENTS // max(k * math.prod(tail), 1))
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         pairs = src.index_select(0, inverse[lo * k:hi * k])

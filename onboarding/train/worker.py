@@ -150,20 +150,18 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
                                               attach_loss_kernel, attach_swiglu_kernels,
                                               patch_kernels)
 
-        patches = patch_kernels(model, graph, Path(cfg.out) / "train" / "kernels",
-                                rank=layout.rank, distributed=layout.distributed)
-        attached = attach_expert_kernels(ep_mods, Path(cfg.out) / "train" / "kernels" / "experts",
-                                      rank=layout.rank)
+        kdir = Path(cfg.out) / "train" / "kernels"
+        patches = patch_kernels(model, graph, kdir, rank=layout.rank,
+                                distributed=layout.distributed)
+        attached = attach_expert_kernels(ep_mods, kdir / "experts", rank=layout.rank)
         # the other plain SwiGLU experts: the routing-weighted activation in one pass each way
-        attached.update(attach_swiglu_kernels(
-            ep_mods, Path(cfg.out) / "train" / "kernels" / "weighted_act", rank=layout.rank))
+        attached.update(attach_swiglu_kernels(ep_mods, kdir / "weighted_act", rank=layout.rank))
         # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
-        attached.update(attach_lora_kernels(
-            model, Path(cfg.out) / "train" / "kernels" / "lora_linear", rank=layout.rank))
+        attached.update(attach_lora_kernels(model, kdir / "lora_linear", rank=layout.rank))
         # the loss (`lm_loss`, chunked): one fused cross-entropy kernel instead of `_ChunkedCE`
-        attached.update(attach_loss_kernel(
-            model, Path(cfg.out) / "train" / "kernels" / "loss", rank=layout.rank,
-            torch_path=chunked_cross_entropy, ignore_index=IGNORE_INDEX))
+        attached.update(attach_loss_kernel(model, kdir / "loss", rank=layout.rank,
+                                           torch_path=chunked_cross_entropy,
+                                           ignore_index=IGNORE_INDEX))
     return ep_mods, patches, attached
 
 
