@@ -10,11 +10,8 @@ OUT=$O source .ci/h200/setup.sh || exit 1
 [ "${WITH_FLA:-0}" = 1 ] && export PYTHONPATH=$FLA_SITE:$PYTHONPATH && python3 -c "import fla; print('fla', fla.__version__, 'on the path')"
 t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 left() { local l=$(( ${BUDGET:-500} - $(date +%s) + t0 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
-COMMON="--set vocab_size=32000 --set hidden_size=2048 --set num_hidden_layers=12 --set num_attention_heads=16 \
-  --set num_experts=64 --set num_experts_per_tok=8 --set moe_intermediate_size=768 --set intermediate_size=6144 \
-  --set decoder_sparse_step=1 --nproc 1 --steps 6 --seq 2048 --micro-batch 8 --dtype bf16 --baseline --profile-every 6"
-NEXT="--set num_key_value_heads=2 --set head_dim=128 --set linear_num_key_heads=16 --set linear_num_value_heads=32 \
-  --set linear_key_head_dim=64 --set linear_value_head_dim=64 --set shared_expert_intermediate_size=768"
+source .ci/h200/proxies.sh
+COMMON="$WIDTHS --nproc 1 --steps 6 --seq 2048 --micro-batch 8 --dtype bf16 --baseline --profile-every 6"
 run() {  # name model extra timeout
   stamp "$1"
   timeout "$4" onboard train "$2" --proxy none $COMMON $3 --out "$O/$1" > "$O/$1.log" 2>&1
@@ -29,7 +26,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/train/*.jsonl")):
 PY
 }
 case ",${ONLY:-next,moe}," in *,next,*) run next hf:qwen3_next "$NEXT" "$(left 300)";; esac
-case ",${ONLY:-next,moe}," in *,moe,*) run moe hf:qwen3_moe "--set num_key_value_heads=4" "$(left 260)";; esac
+case ",${ONLY:-next,moe}," in *,moe,*) run moe hf:qwen3_moe "$MOE" "$(left 260)";; esac
 stamp end
 find "$O" -name "*.safetensors" -delete; rm -rf "$O"/*/train/kernels "$O"/*/checkpoints
 tar czf "$D/call_s.tgz" -C "$O" .

@@ -30,12 +30,8 @@ PY
 fi
 if [[ $PARTS == *,sweep,* ]]; then
 stamp seq-sweep
-timeout "$(left 480)" onboard train hf:qwen3_next --proxy none --set vocab_size=32000 --set hidden_size=2048 \
-  --set num_hidden_layers=12 --set num_attention_heads=16 --set num_key_value_heads=2 \
-  --set head_dim=128 --set linear_num_key_heads=16 --set linear_num_value_heads=32 \
-  --set linear_key_head_dim=64 --set linear_value_head_dim=64 \
-  --set shared_expert_intermediate_size=768 --set num_experts=64 --set num_experts_per_tok=8 \
-  --set moe_intermediate_size=768 --set intermediate_size=6144 --set decoder_sparse_step=1 \
+source .ci/h200/proxies.sh
+timeout "$(left 480)" onboard train hf:qwen3_next --proxy none $WIDTHS $NEXT \
   --set max_position_embeddings=262144 --nproc 1 --steps 3 --micro-batch 1 --dtype bf16 \
   --recompute "${RECOMPUTE:-full}" --seq-sweep "${LENGTHS:-4096,16384,65536}" --out "$O/sweep" > "$O/sweep.log" 2>&1
 echo "sweep exit $?"; grep -A12 "seq " "$O/sweep.log" | head -20

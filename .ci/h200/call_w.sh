@@ -18,11 +18,8 @@ stamp tests
 timeout 90 python3 -m pytest -q -s -p no:cacheprovider tests/test_moe_swiglu_kernel.py \
   -k "cuda_pair_sums or cuda_gather_pairs or combine" -rxXs 2>&1 | tee "$O/tests.txt" \
   | grep -E "ms|passed|failed|FAIL|Error" | cut -c1-300
-COMMON="--set vocab_size=32000 --set hidden_size=2048 --set num_hidden_layers=12 --set num_attention_heads=16 \
-  --set num_experts=64 --set num_experts_per_tok=8 --set moe_intermediate_size=768 --set intermediate_size=6144 \
-  --set decoder_sparse_step=1 --nproc 1 --steps 6 --seq 2048 --micro-batch 8 --dtype bf16 --profile-every 6"
-NEXT="--set num_key_value_heads=2 --set head_dim=128 --set linear_num_key_heads=16 --set linear_num_value_heads=32 \
-  --set linear_key_head_dim=64 --set linear_value_head_dim=64 --set shared_expert_intermediate_size=768"
+source .ci/h200/proxies.sh
+COMMON="$WIDTHS --nproc 1 --steps 6 --seq 2048 --micro-batch 8 --dtype bf16 --profile-every 6"
 run() {  # name model extra timeout
   stamp "$1"
   timeout "$4" onboard train "$2" --proxy none $COMMON $3 --out "$O/$1" > "$O/$1.log" 2>&1
@@ -55,7 +52,7 @@ for f in sorted(glob.glob(run + "/train/profile_*.json")):
 PY
 }
 case ",${ONLY:-next}," in *,next,*) run next hf:qwen3_next "$NEXT" "$(left 330)";; esac
-case ",${ONLY:-next}," in *,moe,*) run moe hf:qwen3_moe "--set num_key_value_heads=4" "$(left 230)";; esac
+case ",${ONLY:-next}," in *,moe,*) run moe hf:qwen3_moe "$MOE" "$(left 230)";; esac
 stamp end
 find "$O" -name "*.safetensors" -delete; rm -rf "$O"/*/train/kernels "$O"/*/checkpoints
 tar czf "$D/call_w.tgz" -C "$O" .
