@@ -20,16 +20,9 @@ REF = "hf:qwen3_moe"
 
 @pytest.fixture(scope="module")
 def proxy():
-    from onboarding.graph.parse import load_stage, parse_stage
-    from onboarding.load.model import load_model
-    from onboarding.train.setup import Built, cast_parameters, routed_experts
+    from fixtures.bf16_proxy import bf16_proxy
 
-    info = load_stage(load_model(REF))
-    model = info.loaded.build(info.proxy_config, device="cpu", seed=0).float()
-    graph = parse_stage(info, seq=64, seed=0, try_export=False)
-    cast_parameters(model, torch.bfloat16)
-    return Built(model=model, graph=graph, info=info, tokenizer_dir=None,
-                 n_experts=routed_experts(model, info.proxy_config))
+    return bf16_proxy(REF)
 
 
 def _step(built, role: str, ids):

@@ -7,7 +7,6 @@ Fails when an avoidable copy comes back (docs/LOG.md, twenty-fourth session, hel
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -21,20 +20,15 @@ TOKENS = (2, 64)
 @pytest.fixture(scope="module")
 def step():
     """(traffic, the experts' pairs P, hidden width D, MoE layers) of one step of our role."""
-    from onboarding.graph.parse import load_stage, parse_stage
-    from onboarding.load.model import load_model
+    from fixtures.bf16_proxy import bf16_proxy
+
     from onboarding.train import moe_ep
     from onboarding.train.parallel import single_layout
-    from onboarding.train.setup import Built, cast_parameters, routed_experts
     from onboarding.train.traffic import counting
     from onboarding.train.worker import lm_loss, prepare
 
-    info = load_stage(load_model(REF))
-    model = info.loaded.build(info.proxy_config, device="cpu", seed=0).float()
-    graph = parse_stage(info, seq=64, seed=0, try_export=False)
-    cast_parameters(model, torch.bfloat16)
-    built = Built(model=copy.deepcopy(model), graph=graph, info=info, tokenizer_dir=None,
-                  n_experts=routed_experts(model, info.proxy_config))
+    built = bf16_proxy(REF)
+    info = built.info
     cfg = TrainConfig(model=REF, dtype="bf16", device="cpu", kernels=False, lora_rank=8)
     ep_mods, _, _ = prepare(cfg, "reference", built, single_layout(), torch.device("cpu"))
     built.model.train()
