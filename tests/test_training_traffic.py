@@ -1,5 +1,5 @@
 """Copy traffic of a training step (issue 34): the bytes copy / cat / gather / sum ops move, counted
-per source line by `onboarding.train.traffic` over one step of the tiny Qwen3-MoE proxy in bf16,
+per source line by `onboarding.testing.traffic` over one step of the tiny Qwen3-MoE proxy in bf16,
 prepared as the worker prepares our role. The experts' pair sums take CUDA's path
 (``embedding_bag``: `moe_ep._bag_sums` forced), so the bytes are what the GPU step moves there.
 Fails when an avoidable copy comes back (docs/LOG.md, twenty-fourth session, helper copies).
@@ -24,7 +24,7 @@ def step():
 
     from onboarding.train import moe_ep
     from onboarding.train.parallel import single_layout
-    from onboarding.train.traffic import counting
+    from onboarding.testing.traffic import counting
     from onboarding.train.worker import lm_loss, prepare
 
     built = bf16_proxy(REF)
@@ -80,7 +80,7 @@ def test_step_copy_traffic_stays_bounded(step):
     what this commit moves (tiny Qwen3-MoE proxy, 2 x 64 tokens, bf16, CPU torch paths for the
     norms and LoRA) plus 5%: a copy that comes back (a placed [pairs, D] copy, a
     ``.contiguous()``, a cast per step) fails here."""
-    from onboarding.train.traffic import MOVES
+    from onboarding.testing.traffic import MOVES
 
     traffic = step[0]
     n, b = traffic.total(MOVES)

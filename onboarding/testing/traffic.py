@@ -180,7 +180,7 @@ class TrafficMode(TorchDispatchMode):
             return out
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
         node_name = node.name() if node is not None else ""
-        if where is None or where.startswith("onboarding/train/traffic"):
+        if where is None or where.startswith("onboarding/testing/traffic"):
             tb = node.metadata.get("traceback_") if node is not None else None
             where = (_traceback_line(tb) if tb else None) or "(autograd engine)"
             where = f"{where} <- {node_name}" if node_name and tb else where
