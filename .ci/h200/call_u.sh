@@ -3,7 +3,9 @@
 # ${LENGTHS:-4096,16384,65536} (micro-batch 1; `--seq-sweep`: one fresh process per length, the
 # first length's kernel candidates reused), then one resume-after-kill run on the H200 (the small
 # Qwen3-MoE proxy: 8 steps uninterrupted; the same run killed after step 5 with a checkpoint every
-# 2 steps, then started again from its train.toml; the two loss curves are printed side by side).
+# 2 steps, then started again from its train.toml; the uninterrupted run a second time, to tell a
+# resume fault from a backward that is not bit-reproducible on CUDA; the loss curves and gradient
+# norms are printed side by side).
 #   bash .ci/h200/call_u.sh      (carry .whl; PARTS=resume or PARTS=sweep: one part)
 set -o pipefail
 D=${OUT:-/tmp/out}; O=/tmp/u; mkdir -p "$D" "$O"
@@ -15,6 +17,7 @@ if [[ $PARTS == *,resume,* ]]; then
 stamp resume
 R="onboard train hf:qwen3_moe --proxy small --nproc 1 --steps 8 --seq 1024 --dtype bf16 --checkpoint-interval 2"
 timeout 150 $R --out "$O/whole" > "$O/resume_whole.log" 2>&1; echo "whole exit $?"
+timeout 150 $R --out "$O/whole2" > "$O/resume_whole2.log" 2>&1; echo "whole2 exit $?"
 ONBOARD_TEST_KILL=0:5 timeout 150 $R --out "$O/killed" > "$O/resume_killed.log" 2>&1; echo "killed exit $? (non-zero expected)"
 timeout 150 onboard train --config "$O/killed/train.toml" > "$O/resume_again.log" 2>&1; echo "resumed exit $?"
 grep -h "resumed from" "$O/resume_again.log" "$O"/killed/train/*.log 2>/dev/null | head -2
@@ -22,10 +25,11 @@ python3 - "$O" <<'PY' | tee "$O/resume.txt"
 import json, sys
 o = sys.argv[1]
 rows = lambda d: [json.loads(l) for l in open(f"{o}/{d}/train/reference.jsonl")]
-a, b = rows("whole"), rows("killed")
-print("step  whole loss            resumed-run loss      equal")
-for ra, rb in zip(a, b[-len(a):] if len(b) > len(a) else b):
-    print(ra["step"], rb["step"], repr(ra["loss"]), repr(rb["loss"]), ra["loss"] == rb["loss"])
+a, b, c = rows("whole"), rows("killed"), rows("whole2")
+print("step  whole loss / grad norm  | resumed run  | whole again  | resumed equal, again equal")
+for ra, rb, rc in zip(a, b[-len(a):] if len(b) > len(a) else b, c):
+    print(ra["step"], repr(ra["loss"]), repr(ra["grad_norm"]), "|", repr(rb["loss"]), repr(rb["grad_norm"]),
+          "|", repr(rc["loss"]), repr(rc["grad_norm"]), "|", ra["loss"] == rb["loss"], ra["loss"] == rc["loss"])
 PY
 fi
 if [[ $PARTS == *,sweep,* ]]; then

@@ -13,7 +13,7 @@ set -o pipefail
 D=${OUT:-/tmp/out}; O=/tmp/x; mkdir -p "$D" "$O"
 t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 quiet() { grep -v "^\(torch\|transformers\|peft\|optuna\|langgraph\|openai\|fla\) "; }
-OUT=$O/r PARTS=resume timeout 170 bash .ci/h200/call_u.sh 2>&1 | quiet
+OUT=$O/r PARTS=resume timeout 220 bash .ci/h200/call_u.sh 2>&1 | quiet
 stamp sweep
 OUT=$O/s PARTS=sweep LENGTHS=${LENGTHS:-65536,16384,4096} BUDGET=300 timeout 320 bash .ci/h200/call_u.sh 2>&1 | quiet
 stamp gdn-k64
