@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=8,
+    template_version=9,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -116,6 +116,17 @@ FAMILY = FamilySpec(
     # 128 is the P <= 64 bucket's value since the twenty-second session: on the H200 (B1 T8192
     # H128 P64 G8 N128 bf16) fwd+bwd 3.958 ms (graph 3.641) against 4.180 (3.902) uncapped, and
     # the bf16-vs-fp32 bars held (test_bf16_vs_fp32_on_gpu[default], docs/LOG.md device call M).
+    # fwd (v9): "scan" the forward above (`pass`, STATE_CHUNKS, `scan`); "split" five launches over
+    # split chunks of CHUNK * STATE_CHUNKS tokens (256 at the P <= 64 bucket), each with many
+    # small programs: dt and its chunk cumsum stored once; the chunks' own states (one program per
+    # (chunk, head, BLOCK_P x STATE_N tile), FWD_K tokens per dot step); the state pass; C B^T per
+    # (chunk, group) in [FWD_M, FWD_M] tiles on and below the diagonal; the outputs, one program per
+    # (chunk, head, FWD_M rows, BLOCK_P columns): exp(cs) C S_in^T over SCAN_N steps plus the causal
+    # C B^T sum in FWD_K steps plus D x. With a backward to come the states and the pass run per
+    # CHUNK tokens (what the backward reads; the output kernel takes every STATE_CHUNKS-th);
+    # the backward is unchanged. fwd_warps: warps of those kernels; fwd_maxnreg: the output kernel's
+    # register cap (0 none; the sm_90 bf16 build at P 64, N 128, FWD_M 64, FWD_K 32, 4 warps: 158
+    # registers uncapped, 128 and no spills capped: four programs per SM instead of three).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -136,6 +147,11 @@ FAMILY = FamilySpec(
         "scan_maxnreg": (0, 128, 168),
         "DBC_SPLIT": (1, 2, 4),
         "bwd_maxnreg": (0, 128, 168),
+        "fwd": ("scan", "split"),
+        "FWD_M": (16, 32, 64, 128),
+        "FWD_K": (16, 32, 64, 128),
+        "fwd_warps": (2, 4, 8),
+        "fwd_maxnreg": (0, 128, 168),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -156,7 +172,8 @@ FAMILY = FamilySpec(
                     "dot": "tf32", "state": "fp32",
                     "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
                     "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128, "DBC_SPLIT": 1,
-                    "bwd_maxnreg": 0},
+                    "bwd_maxnreg": 0, "fwd": "scan", "FWD_M": 64, "FWD_K": 32, "fwd_warps": 4,
+                    "fwd_maxnreg": 128},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
