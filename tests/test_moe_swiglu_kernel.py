@@ -57,17 +57,15 @@ def test_gather_pairs_equals_indexing_without_index_backward(n, k, d, monkeypatc
     assert torch.autograd.gradcheck(lambda t: _gather_pairs(t, order), (w,))
 
 
-@pytest.mark.parametrize("bag", [False, True], ids=["gather_sum", "embedding_bag"])
 @pytest.mark.parametrize("n,k,d", [(7, 3, 5), (5, 1, 4), (0, 2, 3)])
-def test_combine_pairs_is_place_rows_then_sum(n, k, d, bag, monkeypatch):
+def test_combine_pairs_is_place_rows_then_sum(n, k, d, monkeypatch):
     """The experts' combine (`_combine_pairs`) equals placing the rows back in pair order and
     summing each token's k rows (the form it replaces: ``_place_rows(y, order).view(n, k, -1)
-    .sum(1)``), forward and gradient, exactly in fp64; both ways of summing (``embedding_bag``,
-    CUDA's, forced here; the blocked gather + sum, the CPU's) give the same sums, and
-    `_GatherPairs`'s backward (the same `_sum_pairs`) too. Keeps only the order."""
+    .sum(1)``), forward and gradient, exactly in fp64, through `_sum_pairs`' torch path (the
+    blocked gather + sum, in token blocks of 2 here), and `_GatherPairs`'s backward (the same
+    `_sum_pairs`) too. Keeps only the order."""
     from onboarding.train import moe_ep
 
-    monkeypatch.setattr(moe_ep, "_bag_sums", lambda src: bag and src.dim() == 2)
     monkeypatch.setattr(moe_ep, "PAIR_BLOCK_ELEMENTS", 2 * k * d)
     gen = torch.Generator().manual_seed(n * 10 + k)
     y = torch.randn(n * k, d, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -263,11 +261,13 @@ def test_cuda_gather_pairs_backward_proxy_shape_and_timing():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_pair_sums_by_embedding_bag_proxy_shape_and_timing(monkeypatch):
+def test_cuda_pair_sums_by_embedding_bag_proxy_shape_and_timing():
     """The proxy's combine and gather backward shape (16,384 tokens x top-8 of D = 2048, bf16):
-    `_sum_pairs` through ``embedding_bag`` (CUDA's path) against the gather + sum it replaces,
-    each one fp32 sum rounded once: equal but for the order of fp32 adds (1 bf16 ulp at most, on
-    few elements); each one's time printed (run with -s)."""
+    `_sum_pairs`' torch path (the blocked gather + sum, CUDA's path when no pair-sum kernel is
+    attached) against ``embedding_bag`` (sum), the CUDA path it replaced (an anchor here), each
+    one fp32 sum rounded once: equal but for the order of fp32 adds (1 bf16 ulp at most, on few
+    elements); each one's time printed (run with -s). The pair-sum kernel's own timing is in
+    tests/kernel_tests/test_pair_sum.py."""
     from onboarding.train import moe_ep
 
     n, k, d = 16384, 8, 2048
@@ -275,13 +275,14 @@ def test_cuda_pair_sums_by_embedding_bag_proxy_shape_and_timing(monkeypatch):
     src = torch.randn(n * k, d, device=DEV, generator=gen).to(torch.bfloat16)
     order = torch.argsort(torch.randint(0, 64, (n * k,), device=DEV, generator=gen), stable=True)
     inverse = moe_ep._inverse(order)
-    bag = moe_ep._sum_pairs(src, inverse, k)
-    monkeypatch.setattr(moe_ep, "_bag_sums", lambda t: False)
+    bag_index = inverse.view(n, k)
+    bag = F.embedding_bag(bag_index, src, mode="sum")
     plain = moe_ep._sum_pairs(src, inverse, k)
     ref = src.float().index_select(0, inverse).view(n, k, d).sum(1)
     off = (bag != plain).float().mean().item()
     assert off < 1e-3, off
     torch.testing.assert_close(bag.float(), ref, rtol=4e-3, atol=1e-5)
+    torch.testing.assert_close(plain.float(), ref, rtol=4e-3, atol=1e-5)
 
     def time_ms(fn, reps=20):
         for _ in range(3):
@@ -295,7 +296,6 @@ def test_cuda_pair_sums_by_embedding_bag_proxy_shape_and_timing(monkeypatch):
         return start.elapsed_time(end) / reps
 
     b = time_ms(lambda: moe_ep._sum_pairs(src, inverse, k))
-    monkeypatch.setattr(moe_ep, "_bag_sums", lambda t: t.is_cuda and t.dim() == 2)
-    a = time_ms(lambda: moe_ep._sum_pairs(src, inverse, k))
+    a = time_ms(lambda: F.embedding_bag(bag_index, src, mode="sum"))
     print(f"\npair sums {n}x{k} rows of {d} bf16: embedding_bag {a:.3f} ms, gather + sum "
           f"{b:.3f} ms ({b / a:.2f}x); elements differing {off:.2e}")

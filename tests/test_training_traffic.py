@@ -1,8 +1,10 @@
 """Copy traffic of a training step (issue 34): the bytes copy / cat / gather / sum ops move, counted
 per source line by `onboarding.testing.traffic` over one step of the tiny Qwen3-MoE proxy in bf16,
-prepared as the worker prepares our role. The experts' pair sums take CUDA's path
-(``embedding_bag``: `moe_ep._bag_sums` forced), so the bytes are what the GPU step moves there.
-Fails when an avoidable copy comes back (docs/LOG.md, twenty-fourth session, helper copies).
+prepared as the worker prepares our role. The experts' pair sums take CUDA's path (the pair-sum
+kernel attached, as `attach_pair_sum_kernels` attaches it there), stood in for by ``embedding_bag``
+(sum), which moves the kernel's bytes (each pair row read once, each sum written once; the counter
+does not see inside a Triton launch), so the bytes are what the GPU step moves there. Fails when
+an avoidable copy comes back (docs/LOG.md, twenty-fourth session, helper copies).
 """
 
 from __future__ import annotations
@@ -10,11 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from onboarding.train.config import TrainConfig
 
 REF = "hf:qwen3_moe"
 TOKENS = (2, 64)
+
+
+def pair_sum_standin(src, index, k):
+    """The pair-sum kernel's traffic: ``embedding_bag`` reads each gathered row once and writes
+    each sum once (on the CPU it rounds 16-bit sums per add: only bytes count here)."""
+    return F.embedding_bag(index.view(-1, k), src, mode="sum")
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +43,9 @@ def step():
     built.model.train()
     ids = torch.randint(0, info.proxy_config.vocab_size, (TOKENS[0], TOKENS[1] + 1),
                         generator=torch.Generator().manual_seed(0))
+    for m in ep_mods:  # CUDA's path: the pair-sum kernel attached
+        m.use_pair_sum_kernel(pair_sum_standin)
     mp = pytest.MonkeyPatch()
-    mp.setattr(moe_ep, "_bag_sums", lambda src: src.dim() == 2, raising=False)  # CUDA's path
     plain_gmm = moe_ep._gmm
 
     def gmm(x, w_t, counts):  # CUDA's grouped GEMM (the CPU's loop would cat per expert)
@@ -58,8 +68,8 @@ def step():
 
 def test_experts_combine_and_gather_backward_copy_no_pair_rows(step):
     """The experts' combine and the pair gather's backward sum each token's k rows in one pass
-    (`moe_ep._sum_pairs`): no [pairs, D] rows are placed back or gathered only to be summed,
-    and no separate sum runs. The experts' data movement per MoE layer is then the pair gather
+    (`moe_ep._sum_pairs` through the attached pair-sum kernel, one per layer each way): no
+    [pairs, D] rows are placed back or gathered only to be summed, and no separate sum runs. The experts' data movement per MoE layer is then the pair gather
     forward (2 P D: its rows, read and written), the combine's bag sum (P D read, N D written),
     the combine's backward gather (2 P D) and the gather's backward bag sum (P D + N D), plus
     index-sized terms: at most 6.5 P D elements. With the placed copy and the separate sums
@@ -67,12 +77,13 @@ def test_experts_combine_and_gather_backward_copy_no_pair_rows(step):
     traffic, pairs, d, layers = step
     # the weighted SwiGLU's torch path (a Triton kernel on CUDA) is not the combine's business
     rows = [(k, n, b) for k, n, b in traffic.by("phase", "category", "op", "line", "node")
-            if k[3].startswith("onboarding/train/moe_ep.py")
+            if (k[3].startswith("onboarding/train/moe_ep.py") or "(pair_sum_standin)" in k[3])
             and k[4] != "_SwiGLUWeightedBackward"]
     assert not [r for r in rows if r[0][1] == "sum" and r[2] >= pairs * d], rows
     moved = sum(b for k, n, b in rows if k[1] in ("gather", "copy", "cat"))
     assert moved <= 6.5 * pairs * d * 2 * layers, (moved / (pairs * d * 2 * layers), rows)
-    assert any(k[2].endswith("embedding_bag") for k, _, _ in rows)
+    bags = [(k[0], n) for k, n, _ in rows if "embedding_bag" in k[2]]
+    assert sorted(bags) == [("backward", layers), ("forward", layers)], bags
 
 
 def test_step_copy_traffic_stays_bounded(step):

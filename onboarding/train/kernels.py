@@ -10,8 +10,10 @@ never replaces: those get the stacked-weights patch alignment uses. `attach_expe
 gives its modules with expert LoRA the grouped expert LoRA kernel, checked against the module's
 own torch path, `attach_lora_kernels` gives training's LoRA layers the lora family's fused kernel,
 `attach_swiglu_kernels` gives the other plain SwiGLU experts the fused routing-weighted
-activation, and `attach_loss_kernel` gives the training loss a fused cross-entropy kernel; each is
-checked against the torch path it replaces, once per shape.
+activation, `attach_pair_sum_kernels` gives every expert-parallel module a one-pass sum of each
+token's k rows (its combine and its token gather's backward), and `attach_loss_kernel` gives the
+training loss a fused cross-entropy kernel; each is checked against the torch path it replaces,
+once per shape.
 """
 
 from __future__ import annotations
@@ -341,6 +343,68 @@ def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
         check=lambda m: check_swiglu_kernel(kernel, getattr(m, m.down_name).shape[2], act_dtype(m),
                                             getattr(m, m.down_name).device),
         attach=lambda m: m.use_swiglu_kernel(kernel))
+
+
+# What expert parallelism's pair sums (`moe_ep._sum_pairs`: each token's k rows summed, in the
+# combine and in the backward of the token-row gather) are to the families: the kind a family's
+# `training_variants` serves them under (one Triton pass that reads each pair row once and writes
+# each sum once, where the torch path gathers the rows into a temporary and sums it), and the key
+# of their counts. Not an op-graph block kind.
+PAIR_SUM_KIND = "moe.experts.pair_sum"
+PAIR_SUM_CHECK_K = (3, 8)  # the k of the check: odd, and the proxies' top-8
+
+
+def check_pair_sum_kernel(kernel, d: int, dtype: torch.dtype, device, *, tokens: int = CHECK_ROWS,
+                          ks=PAIR_SUM_CHECK_K) -> str | None:
+    """None when ``kernel(src [tokens * k, d], inverse, k) -> [tokens, d]`` agrees with
+    `_sum_pairs`' torch path (`compare_paths`) on random rows in ``dtype`` gathered through a
+    random permutation, for each k of ``ks``; else what differed at which k, or the error the
+    kernel raised. Draws from its own generator."""
+    from onboarding.train.moe_ep import _sum_pairs
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    for k in ks:
+        src = torch.randn(tokens * k, d, device=device, generator=gen).to(dtype)
+        inverse = torch.randperm(tokens * k, device=device, generator=gen)
+
+        def run(fn, src=src, inverse=inverse, k=k):
+            return fn(src, inverse, k), ()
+
+        verdict = compare_runs(run, _sum_pairs, kernel, ())
+        if verdict:
+            return f"k={k}: {verdict}"
+    return None
+
+
+def attach_pair_sum_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
+                            dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Render the family variant serving `PAIR_SUM_KIND` into ``root/rank<rank>`` and attach its
+    entry (`EPExperts.use_pair_sum_kernel`) to every `EPExperts` of ``ep_mods`` where
+    `check_pair_sum_kernel` passes (one check per hidden width D, dtype and device; a failure
+    warns and keeps the torch path). ``kernel``: another ``pair_sum``-like entry, for tests;
+    ``dtype``: the rows' dtype to check in (default: the expert weights', which the experts'
+    output rows and the token gradients have). On CUDA only (`worker.prepare`): the CPU keeps
+    the torch path.
+
+    Returns counts for the step row's ``kernels`` summary: ``moe.experts.pair_sum`` and
+    ``rejected:moe.experts.pair_sum``; none when there is no module or no family serves the
+    kind."""
+    from onboarding.families import training_kernel
+
+    served = training_kernel(PAIR_SUM_KIND)
+    if not ep_mods or (served is None and kernel is None):
+        return {}
+    if kernel is None:
+        kernel = load_training_variant(served, root, rank).entry
+
+    def key(m):
+        w = getattr(m, m.gate_up_name)
+        return w.shape[2], dtype or w.dtype, w.device
+
+    return attach_checked(
+        [(m.path, m) for m in ep_mods], kind=PAIR_SUM_KIND, what="pair-sum", key=key,
+        check=lambda m: check_pair_sum_kernel(kernel, *key(m)),
+        attach=lambda m: m.use_pair_sum_kernel(kernel))
 
 
 # What the training step's loss (`worker.chunked_cross_entropy`: the mean cross-entropy of the

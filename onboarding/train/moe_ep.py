@@ -124,23 +124,24 @@ class _GatherPairs(torch.autograd.Function):
     Autograd's backward of that gather (``IndexBackward0``) is an ``index_put_`` with
     accumulate, which CUDA runs as a sort of the indices and a segment kernel. Here each row's
     ``k`` copies are found through the inverse permutation instead: ``dx`` is the sum over k of
-    the gradient rows of each token (`_sum_pairs`: fp32 accumulation, one rounding), in a fixed
-    order (deterministic), without a sort. Keeps only ``order`` for the backward.
+    the gradient rows of each token (`_sum_pairs`: fp32 accumulation, one rounding; through
+    ``kernel`` when one is attached), in a fixed order (deterministic), without a sort. Keeps
+    only ``order`` for the backward.
     """
 
     @staticmethod
-    def forward(ctx, x, order, k):
+    def forward(ctx, x, order, k, kernel=None):
         ctx.save_for_backward(order)
-        ctx.k = k
+        ctx.k, ctx.kernel = k, kernel
         return x.index_select(0, order // k if k > 1 else order)
 
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
-        return _sum_pairs(grad, _inverse(order), ctx.k), None, None
+        return _sum_pairs(grad, _inverse(order), ctx.k, ctx.kernel), None, None, None
 
 
-# elements of `_sum_pairs`' gathered temporary per token block (off CUDA): small next to the
+# elements of `_sum_pairs`' gathered temporary per token block (torch path): small next to the
 # [pairs, D] rows it sums
 PAIR_BLOCK_ELEMENTS = 1 << 26
 
@@ -151,28 +152,24 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
         0, order, torch.arange(order.numel(), device=order.device, dtype=order.dtype))
 
 
-def _bag_sums(src: torch.Tensor) -> bool:
-    """Whether `_sum_pairs` sums through ``embedding_bag`` (CUDA: one pass that reads the
-    gathered rows and writes only the sums, accumulating in fp32); elsewhere, or for a 1-D
-    ``src``, it gathers the rows and sums them (``torch.sum``, fp32 accumulation for 16-bit),
-    which CPU's ``embedding_bag`` would not match (it rounds 16-bit sums per add)."""
-    return src.is_cuda and src.dim() == 2 and src.dtype in (torch.bfloat16, torch.float16,
-                                                           torch.float32)
-
-
-def _sum_pairs(src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+def _sum_pairs(src: torch.Tensor, inverse: torch.Tensor, k: int,
+               kernel: Callable | None = None) -> torch.Tensor:
     """``out[t] = sum_j src[inverse[t * k + j]]`` for the ``len(inverse) // k`` tokens: each
     token's ``k`` pair rows, in ``src``'s dtype after an fp32 sum (one rounding).
 
-    On CUDA (`_bag_sums`) one ``embedding_bag`` (sum) reads each pair row once and writes only
-    the [n, ...] sums; a gather into a [pairs, ...] temporary and a sum of it (the other path)
-    write and read the pairs once more. The other path gathers in token blocks of about
-    `PAIR_BLOCK_ELEMENTS` elements, so its temporary stays small."""
+    ``kernel`` (``kernel(src [S, D], inverse, k) -> [n, D]``: the pair-sum family's entry that
+    `onboarding.train.kernels.attach_pair_sum_kernels` attaches on CUDA) sums a 2-D ``src`` in
+    one pass, each pair row read once and the sums written once. The torch path gathers the
+    rows into a temporary in token blocks of about `PAIR_BLOCK_ELEMENTS` elements and sums each
+    block (``torch.sum``: fp32 accumulation for 16-bit), so the temporary stays small; on the
+    H200 it took 0.501 ms at 16,384 tokens x top-8 x D 2048 bf16, against 0.717 ms for one
+    ``embedding_bag`` (sum), the CUDA path it replaced (docs/LOG.md, twenty-fifth session,
+    call Y)."""
     if k == 1:
         return src.index_select(0, inverse)
+    if kernel is not None and src.dim() == 2:
+        return kernel(src, inverse, k)
     n, tail = inverse.numel() // k, src.shape[1:]
-    if _bag_sums(src) and n:
-        return F.embedding_bag(inverse.view(n, k), src, mode="sum")
     out = src.new_empty(n, *tail)
     step = max(1, PAIR_BLOCK_ELEMENTS // max(k * math.prod(tail), 1))
     for lo in range(0, n, step):
@@ -185,32 +182,37 @@ def _sum_pairs(src: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor
 class _CombinePairs(torch.autograd.Function):
     """The experts' combine: ``y_sorted`` [pairs, ...] in the order of ``order`` (a permutation
     of the ``n * k`` (token, slot) pairs) -> [n, ...], each token's ``k`` rows summed
-    (`_sum_pairs`). The same sum as placing the rows back in pair order and summing over k
-    (``_place_rows(y, order).view(n, k, -1).sum(1)``), without the placed [pairs, ...] copy;
-    the backward gathers each pair's token gradient (``grad[order // k]``). Keeps ``order``."""
+    (`_sum_pairs`, through ``kernel`` when one is attached). The same sum as placing the rows
+    back in pair order and summing over k (``_place_rows(y, order).view(n, k, -1).sum(1)``),
+    without the placed [pairs, ...] copy; the backward gathers each pair's token gradient
+    (``grad[order // k]``). Keeps ``order``."""
 
     @staticmethod
-    def forward(ctx, y_sorted, order, k):
+    def forward(ctx, y_sorted, order, k, kernel=None):
         ctx.save_for_backward(order)
         ctx.k = k
-        return _sum_pairs(y_sorted, _inverse(order), k)
+        return _sum_pairs(y_sorted, _inverse(order), k, kernel)
 
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
         k = ctx.k
-        return grad.index_select(0, order // k if k > 1 else order), None, None
+        return grad.index_select(0, order // k if k > 1 else order), None, None, None
 
 
-def _combine_pairs(y_sorted: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """Each token's ``k`` expert rows of ``y_sorted`` (pair order ``order``) summed (`_CombinePairs`)."""
-    return _CombinePairs.apply(y_sorted, order, k)
+def _combine_pairs(y_sorted: torch.Tensor, order: torch.Tensor, k: int,
+                   kernel: Callable | None = None) -> torch.Tensor:
+    """Each token's ``k`` expert rows of ``y_sorted`` (pair order ``order``) summed
+    (`_CombinePairs`; ``kernel``: an attached pair-sum kernel, see `_sum_pairs`)."""
+    return _CombinePairs.apply(y_sorted, order, k, kernel)
 
 
-def _gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int = 1) -> torch.Tensor:
+def _gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int = 1,
+                  kernel: Callable | None = None) -> torch.Tensor:
     """``x[order // k]`` (``order`` a permutation of ``len(x) * k`` pairs) with a sort-free,
-    deterministic backward (`_GatherPairs`)."""
-    return _GatherPairs.apply(x, order, k)
+    deterministic backward (`_GatherPairs`; ``kernel``: an attached pair-sum kernel for that
+    backward's sums, see `_sum_pairs`)."""
+    return _GatherPairs.apply(x, order, k, kernel)
 
 
 class _SwiGLUWeighted(torch.autograd.Function):
@@ -304,6 +306,7 @@ class EPExperts(nn.Module):
         self.capacity_factor, self.dispatch_groups = capacity_factor, dispatch_groups
         self.kernel: Callable | None = None  # see `use_kernel`
         self.swiglu_kernel: Callable | None = None  # see `use_swiglu_kernel`
+        self.pair_sum_kernel: Callable | None = None  # see `use_pair_sum_kernel`
         # gpt-oss's SwiGLU: gate clamped above, up clamped both ways and offset before the product
         self.limit = attrs.get("clamp")
         self.up_offset = float(attrs.get("up_offset") or 0.0)
@@ -388,6 +391,15 @@ class EPExperts(nn.Module):
         self.swiglu_kernel = swiglu_weighted if self.plain else None
         return self.swiglu_kernel is not None
 
+    def use_pair_sum_kernel(self, pair_sum: Callable | None) -> None:
+        """Sum each token's k rows with ``pair_sum(src [S, D], index [n * k], k) -> [n, D]`` (the
+        pair-sum family's entry: one Triton pass, fp32 sums rounded once) from now on, in the
+        combine (`_CombinePairs`) and in the backward of the token-row gather (`_GatherPairs`);
+        None: the torch path of `_sum_pairs` again. Attaching is the choice
+        (`onboarding.train.kernels.attach_pair_sum_kernels`, on CUDA only); every experts module
+        takes it (the combine does not depend on the experts' activation)."""
+        self.pair_sum_kernel = pair_sum
+
     def lora_parameters(self) -> list[nn.Parameter]:
         if self.lora is None:
             return []
@@ -419,9 +431,9 @@ class EPExperts(nn.Module):
         # (`_compute`), so the combine below is a plain sum that keeps nothing for the backward
         if self.ep.group is None and self.dispatch_groups > 1:
             return self._grouped_single(x, idx, w).view(n, k, -1).sum(1).to(x.dtype)
-        y_sorted = self._dispatch(_gather_pairs(x, order, k), counts, n,
+        y_sorted = self._dispatch(_gather_pairs(x, order, k, self.pair_sum_kernel), counts, n,
                                   _gather_pairs(w.reshape(-1), order))
-        return _combine_pairs(y_sorted, order, k).to(x.dtype)
+        return _combine_pairs(y_sorted, order, k, self.pair_sum_kernel).to(x.dtype)
 
     def _grouped_single(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
                         ) -> torch.Tensor:
@@ -435,7 +447,8 @@ class EPExperts(nn.Module):
                                w.chunk(self.dispatch_groups)):
             fe = ids.reshape(-1)
             o = torch.argsort(fe, stable=True)
-            ys = self._dispatch(_gather_pairs(xs, o, k), _bincount(fe, self.n_experts),
+            ys = self._dispatch(_gather_pairs(xs, o, k, self.pair_sum_kernel),
+                                _bincount(fe, self.n_experts),
                                 xs.shape[0], _gather_pairs(ws.reshape(-1), o))
             outs.append(_place_rows(ys, o))
         return torch.cat(outs)

@@ -127,7 +127,7 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
     the baseline gets PEFT's LoRA on the model as it stands; ours gets the expert-parallel
     experts, our LoRA and, on CUDA with ``kernels``, the onboard kernels that pass their checks.
     Returns (expert-parallel modules, the kernels' `PatchSet` or None, the counts of the kernels
-    training attaches itself: experts, weighted SwiGLU, LoRA, the loss)."""
+    training attaches itself: experts, weighted SwiGLU, pair sums, LoRA, the loss)."""
     from onboarding.train.lora import inject_lora
 
     model, graph = built.model, built.graph
@@ -147,8 +147,8 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
     patches, attached = None, {}
     if cfg.kernels and device.type == "cuda":
         from onboarding.train.kernels import (attach_expert_kernels, attach_lora_kernels,
-                                              attach_loss_kernel, attach_swiglu_kernels,
-                                              patch_kernels)
+                                              attach_loss_kernel, attach_pair_sum_kernels,
+                                              attach_swiglu_kernels, patch_kernels)
 
         kdir = Path(cfg.out) / "train" / "kernels"
         patches = patch_kernels(model, graph, kdir, rank=layout.rank,
@@ -156,6 +156,8 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
         attached = attach_expert_kernels(ep_mods, kdir / "experts", rank=layout.rank)
         # the other plain SwiGLU experts: the routing-weighted activation in one pass each way
         attached.update(attach_swiglu_kernels(ep_mods, kdir / "weighted_act", rank=layout.rank))
+        # every experts module's pair sums (combine, gather backward): one Triton pass each
+        attached.update(attach_pair_sum_kernels(ep_mods, kdir / "pair_sums", rank=layout.rank))
         # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
         attached.update(attach_lora_kernels(model, kdir / "lora_linear", rank=layout.rank))
         # the loss (`lm_loss`, chunked): one fused cross-entropy kernel instead of `_ChunkedCE`
