@@ -318,8 +318,16 @@ _DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps":
 # kernels (the anchor 51.09), Qwen3-Next uniform 7.85 against 8.21 (anchor 8.88), Zipf 8.25
 # against 8.22 (anchor 9.73); its GPU bf16 tests passed in the same call.
 _DW_GPU = {"dw_grouped_mm": True}
+# The down backward's epilogue on two column slices, dy read in slot order and the rows by TMA
+# (template v15's options; twenty-fifth session, `bash .ci/h200/h33_moe2.sh`, H200, fwd+bwd bf16,
+# each row's median beside the v15 default's in one run): DeepSeek-V3 N8192 46.727-47.144 ms against
+# 47.442, N32768 142.02 against 146.50, Qwen3-Next uniform 7.793 against 7.915, Zipf 8.013 against
+# 8.383 (`_grouped_mm` 51.96 / 162.53 / 8.884 / 9.713); their GPU bf16 bars passed in the same call
+# (`test_backward_v15_configs_bf16_cuda`). The GPU buckets' default since template v16.
+_BWD_ROWS = {"bwd_epi_split": 2, "dy_sorted": True, "rows_tma": True}
 _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-                            _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES, **_DW_GPU}
+                            _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES, **_DW_GPU,
+              **_BWD_ROWS}
 # dx's own 128 x 256 tile with the backward's weights by TMA (same run, sweep rows): 61.88 ms
 # fwd+bwd at DeepSeek-V3 N8192 against 64.28 with TMA alone (TMA alone: 64.28 against 64.17, no
 # gain; dx 128 x 128: 62.09); dx took 10.12 ms of the step at 64 x 128. Measured beside the
@@ -327,12 +335,12 @@ _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_
 _DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
-                  **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU}
+                  **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU, **_BWD_ROWS}
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=15,
+    template_version=16,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
