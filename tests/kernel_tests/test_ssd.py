@@ -23,7 +23,9 @@ from onboarding.testing import (
     check_forward_backward,
     check_module_contract,
     check_opcheck,
+    poisoned,
 )
+from onboarding.testing.bounds import checked_when_interpreted
 
 PARAMS = {"chunk_size": 16}
 # CHUNK 16: T=23 spans two kernel chunks, the last one partial; T=7 one partial chunk.
@@ -79,9 +81,9 @@ SC1 = {"STATE_CHUNKS": 1}  # the one-chunk state passes, where `pass` acts
                                  {"state": "input", **SC1}, {"state": "input", "pass": "fused", **SC1},
                                  {"gstate": "input", **SC1},
                                  {"state": "input", "gstate": "input", "pass": "fused", **SC1},
-                                 {"state": "input", "scan": "blocks"}],
+                                 {"state": "input", "scan": "blocks"}, {"state": "input", "fwd": "split"}],
                          ids=["fp32", "input", "input-split", "input-fused", "gstate-input-split",
-                              "both-input-fused", "input-blocks"])
+                              "both-input-fused", "input-blocks", "input-fwd-split"])
 def test_bf16_inputs(module, device, cfg):
     """bf16 storage (loads upcast, fp32 maths; the chunks' states and the backward's end-state
     gradients fp32 or bf16; state chunks of 4 (the P <= 64 default) or split or fused one-chunk
@@ -191,6 +193,64 @@ def test_blocks_scan_backward(module, device, cfg, shape):
     """`scan` "blocks" with a backward: the incoming states the forward's programs form and store
     are the ones the backward reads (every gradient against the reference); A mild (`mild`)."""
     module.set_config({**CPU_CONFIG, **cfg, "scan": "blocks"} if device.type == "cpu" else {**cfg, "scan": "blocks"})
+    try:
+        check_forward_backward(mild(fixture(module, shape)), torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+# `fwd` "split" (v9): split chunks of CHUNK * STATE_CHUNKS tokens, FWD_M rows per output program
+SPLIT = [
+    # T 41, split chunks of 32: two, the second 9 tokens (its second row block wholly past T); with
+    # a backward the states per chunk of 16 (three) and the output kernel reads every second
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16}, T41, id="sc2-m16-T41"),
+    # T 45, one split chunk of 64: two row blocks of 32 (the second partial), off-diagonal steps of
+    # 16 (FWD_K < FWD_M), 2 P and 2 N blocks; with a backward the first of three states
+    pytest.param({"STATE_CHUNKS": 4, "FWD_M": 32, "FWD_K": 16}, (1, 45, 2, 20, 1, 24, True, False),
+                 id="sc4-m32-k16-T45"),
+    # one partial chunk of 16 (split chunk = kernel chunk), 2 batches, 2 groups of 2 heads
+    pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16}, SHAPES[1], id="sc1-T7"),
+]
+
+
+def _split(module, device, cfg):
+    full = {**cfg, "fwd": "split"}
+    module.set_config({**CPU_CONFIG, **full} if device.type == "cpu" else full)
+
+
+@pytest.mark.parametrize("cfg,shape", SPLIT)
+def test_split_forward(module, device, cfg, shape):
+    """`fwd` "split" under no_grad (the states formed and passed per split chunk, nothing kept):
+    y and the final state against the reference, outputs poisoned and loads bounds-checked; then
+    the forward with a backward to come (the states per kernel chunk, every STATE_CHUNKS-th read by
+    the output kernel) the same within rounding. A mild (`mild`) so that the earlier row blocks'
+    and chunks' terms weigh in."""
+    _split(module, device, cfg)
+    try:
+        fx = mild(fixture(module, shape))
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(4))
+        with torch.no_grad(), poisoned(module), checked_when_interpreted():
+            y, ht = module.entry(*args)
+        yr, htr = module.reference(*args[:9], args[9], True)
+        torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ht, htr, rtol=1e-4, atol=1e-4)
+        y2, ht2 = module.entry(*[a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args])
+        torch.testing.assert_close(y2.detach(), yr, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ht2.detach(), htr, rtol=1e-4, atol=1e-4)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+# T41's and T45's backward nightly (10-20 s each in the interpreter, bounds-checked): their
+# forwards run above, the backward's own kernels under every other config
+@pytest.mark.parametrize("cfg,shape", [p if p.id == "sc1-T7" else pytest.param(*p.values, id=p.id,
+                                                                                marks=pytest.mark.slow)
+                                       for p in SPLIT])
+def test_split_forward_backward(module, device, cfg, shape):
+    """`fwd` "split" with a backward to come: the states and the pass per kernel chunk (what the
+    backward reads), the output kernel on every STATE_CHUNKS-th; y, the final state and every
+    gradient against the reference (A mild)."""
+    _split(module, device, cfg)
     try:
         check_forward_backward(mild(fixture(module, shape)), torch.float32, device)
     finally:
