@@ -27,9 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: template v8's `scan` "blocks" at its register cap
-  and without, with STATE_N 128, kernel chunks of 128, state chunks of 8; DBC_SPLIT 2 and 4),
-  forward or forward + backward; they run whenever ``ours`` is timed.
+  tuning values beside the default (`SWEEP`: template v9's `fwd` "split" at its defaults and at
+  other tiles, v8's `scan` "blocks" with STATE_N 128), forward or forward + backward; they run
+  whenever ``ours`` is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
 on the case's first CHECK_MAX_T tokens: relative RMS of y and of every gradient (x, dt, A, B, C,
@@ -73,27 +73,22 @@ SHAPES = (
     (1, 8192, 64, 64, 8, 128, "Mamba-2 layout, 64 heads"),
 )
 # (config, rows): "both" gives ours@cfg (forward + backward) and ours@cfg_fwd, "fwd" / "bwd" one of
-# them. The P <= 64 default (family.py): state chunks of 4 kernel chunks (256 tokens, as the
-# models' chunk) whose chunk output kernel carries the state through them ("carry": 1.305 ms
-# forward on the H200, graph 1.104, mamba-ssm 0.602), bf16 end-state gradients, the backward's N
-# tiles at 64. Beside it, template v8's `scan` "blocks" (every chunk in parallel, the earlier
-# chunks of a state chunk as [64, 64] C B^T blocks; without a backward to come 128 registers under
-# its cap in the sm_90 bf16 build: two programs of 8 warps per SM; with one each chunk's incoming
-# state is formed and stored beside y: 247 registers) at the default, uncapped (scan_maxnreg 0,
-# 133 registers), with the chunk-state kernel over all 128 state columns (STATE_N 128: x read
-# once, not twice), with kernel chunks of 128 (2 per state chunk; uncapped: 251 registers, 400
-# bytes of spills under the cap) and with state chunks of 8
-# (512 tokens: a 16-step pass, half the stored state-chunk states of 4, up to 7 blocks per chunk);
-# and v8's DBC_SPLIT 2 and 4 (the dB/dC kernel's 2048 programs of 16 heads each split into 2 or 4
-# programs of 8 or 4 heads, partials summed by the host), alone and with `scan` "blocks"; and the
-# backward chunk and dB/dC kernels without the bucket's 128-register cap (bwd_maxnreg 0, the
-# former default: one program of 8 warps per SM instead of two).
-# The earlier rows (v7's former default, state chunks of 2, DBC_N 32) were dropped to keep the
-# GPU call short (v7's former default: 5.554 ms fwd+bwd against 4.469 for today's default).
-SWEEP = (({"scan": "blocks"}, "both"), ({"scan": "blocks", "scan_maxnreg": 0}, "fwd"),
-         ({"scan": "blocks", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "CHUNK": 128, "STATE_CHUNKS": 2, "scan_maxnreg": 0}, "fwd"),
-         ({"scan": "blocks", "STATE_CHUNKS": 8}, "fwd"), ({"DBC_SPLIT": 2}, "bwd"), ({"DBC_SPLIT": 4}, "bwd"),
-         ({"scan": "blocks", "DBC_SPLIT": 4}, "bwd"), ({"bwd_maxnreg": 0}, "bwd"))
+# them. Template v9's `fwd` "split" (five launches over chunks of 256 tokens at the P <= 64 bucket,
+# each with many small programs: dt and its cumsum, the chunks' states, the state pass, C B^T per
+# group, the outputs per (chunk, head, 64 rows); the sm_90 bf16 build's output kernel 128
+# registers under its cap, no spills) at its defaults (forward and forward + backward: with a
+# backward to come its states and pass run per kernel chunk of 64, as the backward reads them), and
+# forward-only (the output kernel's build: registers / spill bytes) at K steps of 16 (131
+# uncapped, 128/0 capped), 8 warps (128/0 uncapped: two programs per SM), row blocks of 32 (128/0
+# uncapped, a quarter of the shared memory: twice the programs, half the rows each), without the
+# register cap (158/0: three programs of 4 warps per SM, not four), the chunk-state kernel over all
+# 128 state columns (x read once, not twice; 128/0); beside the best forward of v8 (`scan` "blocks" with STATE_N 128, 0.942
+# ms graph in device call M). v8's other rows were dropped to keep the GPU call short (calls L and M
+# measured them: `scan` "blocks" at its defaults, uncapped, kernel chunks of 128, state chunks of
+# 8, DBC_SPLIT 2 and 4, bwd_maxnreg 0).
+SWEEP = (({"fwd": "split"}, "both"), ({"fwd": "split", "FWD_K": 16}, "fwd"), ({"fwd": "split", "fwd_warps": 8}, "fwd"),
+         ({"fwd": "split", "FWD_M": 32}, "fwd"), ({"fwd": "split", "fwd_maxnreg": 0}, "fwd"),
+         ({"fwd": "split", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "STATE_N": 128}, "fwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -418,19 +418,21 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 
 # Rows of the bars on the GPU: the default, tf32 dots with fp32 states, template v8's `scan`
 # "blocks" (kernel_templates/ssd/bench.py's SWEEP) at state chunks of 4 and of 8 (kernel chunks
-# of 128, a forward sweep row, not here: its backward's compiles would not fit the GPU call's 60 s).
+# of 128, a forward sweep row, not here: its backward's compiles would not fit the GPU call's 60 s),
+# template v9's `fwd` "split" at its defaults (its forward with and without a backward to come).
 # Dropped in v8 (call G ran them: [v7-default], [state-chunks-2], [fused] XPASS).
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
                                  pytest.param({"scan": "blocks"}, id="blocks", marks=UNTIMED),
                                  pytest.param({"scan": "blocks", "STATE_CHUNKS": 8}, id="blocks-sc8", marks=UNTIMED),
-                                 pytest.param({"dot": "tf32", "state": "fp32"}, id="tf32-fp32-state")])
+                                 pytest.param({"dot": "tf32", "state": "fp32"}, id="tf32-fp32-state"),
+                                 pytest.param({"fwd": "split"}, id="fwd-split", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
     chunks, bf16 end-state gradients and N tiles of 64 in the backward, v7's rows state-chunks-4,
     sc4-gstate-n64, gstate-input XPASSed on the H200: all the bucket's default now); tf32 dots +
     fp32 states beside it (as precise as the default or more in every part); other tuning
-    values (v8's `scan` "blocks"), xfail-marked (they measure their own error):
+    values (v8's `scan` "blocks", v9's `fwd` "split"), xfail-marked (they measure their own error):
     the bf16 path against the fp32 path (exact fp32 dots,
     itself checked against the reference above) on the same bf16-representable inputs, a Mamba-2
     head (P 64, N 128, 2 groups), T 1000 (not a multiple of the chunk), initial state: relative
