@@ -127,9 +127,10 @@ def test_step_breakdown_by_phase_and_block(proxy):
 
 
 def test_weighted_swiglu_grads_in_row_blocks(monkeypatch):
+    from onboarding.train import moe_ep
     from onboarding.train.moe_ep import _SwiGLUWeighted
 
-    monkeypatch.setattr(_SwiGLUWeighted, "BLOCK_ELEMENTS", 24)  # 4-row blocks of F = 6
+    monkeypatch.setattr(moe_ep, "SWIGLU_BLOCK_ELEMENTS", 24)  # 4-row blocks of F = 6
     g = torch.Generator().manual_seed(0)
     h = torch.randn(11, 12, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.rand(11, generator=g, dtype=torch.float64, requires_grad=True)

@@ -11,14 +11,14 @@ from rich.console import Console
 from onboarding.cli.common import command_parser
 from onboarding.errors import InputError
 from onboarding.load.overrides import int_list
-from onboarding.train.config import BALANCE, PROXIES, RECOMPUTE, TrainConfig
+from onboarding.train.config import BALANCE, COMPILE, PROXIES, RECOMPUTE, TrainConfig
 
 # option dest -> TrainConfig field (options left unset take the config defaults)
 FIELDS = {"nproc": "nproc", "ep": "ep", "fsdp": "fsdp", "steps": "steps", "seq": "seq_len",
           "micro_batch": "micro_batch", "lr": "lr", "lora_rank": "lora_rank",
           "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
           "lora_targets": "lora_targets", "expert_lora": "expert_lora",
-          "recompute": "recompute", "balance": "balance", "aux_loss_coef": "aux_loss_coef",
+          "recompute": "recompute", "compile": "compile", "balance": "balance", "aux_loss_coef": "aux_loss_coef",
           "bias_rate": "bias_rate", "checkpoint_dir": "checkpoint_dir",
           "stall_timeout": "stall_timeout", "alert_webhook": "alert_webhook",
           "checkpoint_interval": "checkpoint_interval", "seed": "seed", "dtype": "dtype",
@@ -106,6 +106,10 @@ def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
                         "sub-blocks) or full (every decoder layer); default none")
     t.add_argument("--activation-checkpointing", dest="recompute", action="store_const",
                    const="full", help="the same as --recompute full")
+    t.add_argument("--compile", choices=COMPILE, default=None,
+                   help="blocks: torch.compile of each decoder layer (regional, inside recompute "
+                        "and FSDP2), from the second step on (the first runs eagerly: kernel "
+                        "patches calibrate there); a compile failure stops the run; default none")
     t.add_argument("--balance", choices=BALANCE, default=None,
                    help="expert load balancing: auto (the model's own; default), none, aux-loss "
                         "(Switch loss added to the LM loss), bias (aux-loss-free score bias, "

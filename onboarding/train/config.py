@@ -20,6 +20,7 @@ DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 RECOMPUTE = ("none", "selective", "full")  # the same three as `onboard plan --recompute`
 BALANCE = ("auto", "none", "aux-loss", "bias")
+COMPILE = ("none", "blocks")  # `onboarding.train.compile`
 
 # One line per field: the header comment of the written TOML file.
 FIELD_DOCS = {
@@ -45,6 +46,7 @@ FIELD_DOCS = {
     "expert_lora": "also train grouped LoRA adapters on the routed experts",
     "activation_checkpointing": "old name of recompute = \"full\" (true: every decoder layer)",
     "recompute": "none | selective (each layer's MLP/experts sub-block) | full (every layer)",
+    "compile": "none | blocks (torch.compile of each decoder layer from the second step on)",
     "balance": "auto (the model's own) | none | aux-loss (Switch loss) | bias (aux-loss-free)",
     "aux_loss_coef": "aux-loss coefficient; absent = the model's router_aux_loss_coef or 0.01",
     "bias_rate": "bias balancing: per-step update of each expert's routing-score bias",
@@ -88,6 +90,7 @@ class TrainConfig:
     expert_lora: bool = False
     activation_checkpointing: bool = False
     recompute: str = "none"
+    compile: str = "none"
     balance: str = "auto"
     aux_loss_coef: float | None = None
     bias_rate: float = 1e-3
@@ -159,7 +162,8 @@ class TrainConfig:
         if not 0.0 <= self.lora_dropout < 1.0:
             raise InputError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
         for name, allowed in (("proxy", PROXIES), ("dtype", DTYPES), ("device", DEVICES),
-                              ("recompute", RECOMPUTE), ("balance", BALANCE)):
+                              ("recompute", RECOMPUTE), ("compile", COMPILE),
+                              ("balance", BALANCE)):
             if getattr(self, name) not in allowed:
                 raise InputError(f"{name}={getattr(self, name)!r}: expected one of "
                                  f"{', '.join(allowed)}")
@@ -252,7 +256,7 @@ class TrainConfig:
 
 _TYPES = {"model": str, "overrides": dict, "trust_remote_code": bool, "proxy": str, "out": str,
           "lora_targets": list, "expert_lora": bool, "activation_checkpointing": bool,
-          "recompute": str, "balance": str, "checkpoint_dir": (str, type(None)),
+          "recompute": str, "compile": str, "balance": str, "checkpoint_dir": (str, type(None)),
           "alert_webhook": (str, type(None)), "aux_loss_coef": (int, float, type(None)),
           "dtype": str, "device": str, "data": (str, type(None)), "kernels": bool, "baseline": bool, "export": bool,
           "capacity_factor": (int, float, type(None))}

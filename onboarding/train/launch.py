@@ -171,6 +171,8 @@ def describe(cfg: TrainConfig, n_experts: int | None,
             ["checkpoints", f"every {cfg.checkpoint_interval} steps to {cfg.ckpt_root}"
              if cfg.checkpoint_interval else "none"],
             ["recompute", cfg.recompute_mode],
+            ["compile", "blocks: torch.compile of each decoder layer from step 2 (step 1 eager)"
+             if cfg.compile == "blocks" else "none (eager)"],
             ["load balance", cfg.balance + (f", aux-loss coef {cfg.aux_loss_coef:g}"
                                             if cfg.aux_loss_coef is not None else "")
              + (f", bias rate {cfg.bias_rate:g}" if cfg.balance in ("auto", "bias") else "")],

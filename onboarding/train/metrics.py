@@ -182,9 +182,11 @@ def step_breakdown(prof: Any, step_s: float, top: int = 25) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def block_ranges(model: Any, graph: Any):
+def block_ranges(model: Any, graph: Any, skip: tuple[str, ...] = ()):
     """``block:<kind>`` profiler ranges around the forward of each block of ``graph`` (the
-    innermost wins in `step_breakdown`)."""
+    innermost wins in `step_breakdown`), except blocks inside the modules at the paths ``skip``
+    (compiled decoder layers: a hook added inside one changes what dynamo guarded, so the
+    profiled step would recompile the layer, and the compiled code ignores the ranges anyway)."""
     from torch.profiler import record_function
 
     modules = dict(model.named_modules())
@@ -203,7 +205,7 @@ def block_ranges(model: Any, graph: Any):
 
     for b in graph.blocks:
         mod = modules.get(b.path) if b.path else None
-        if mod is not None:
+        if mod is not None and not any(b.path.startswith(p + ".") for p in skip):
             hooks.append(mod.register_forward_pre_hook(enter(b.kind)))
             hooks.append(mod.register_forward_hook(leave))
     try:
@@ -215,9 +217,9 @@ def block_ranges(model: Any, graph: Any):
             open_ranges.pop().__exit__(None, None, None)
 
 
-def phases(on: bool, model: Any, graph: Any):
-    """``phase(name)``: a ``step:<name>`` profiler range (the forward's also with `block_ranges`)
-    when ``on``, else nothing."""
+def phases(on: bool, model: Any, graph: Any, skip: tuple[str, ...] = ()):
+    """``phase(name)``: a ``step:<name>`` profiler range (the forward's also with `block_ranges`,
+    which leaves out the blocks inside the modules at ``skip``) when ``on``, else nothing."""
     from torch.profiler import record_function
 
     @contextlib.contextmanager
@@ -225,8 +227,9 @@ def phases(on: bool, model: Any, graph: Any):
         if not on:
             yield
             return
-        with record_function(f"step:{name}"), (block_ranges(model, graph) if name == "forward"
-                                               else contextlib.nullcontext()):
+        ranges = block_ranges(model, graph, skip) if name == "forward" else \
+            contextlib.nullcontext()
+        with record_function(f"step:{name}"), ranges:
             yield
     return phase
 

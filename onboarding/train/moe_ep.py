@@ -215,14 +215,18 @@ def _gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int = 1,
     return _GatherPairs.apply(x, order, k, kernel)
 
 
+# elements of `_SwiGLUWeighted`'s backward temporaries per row block. A module constant, not a
+# class attribute: dynamo cannot read an autograd.Function's class attribute while it traces the
+# backward (a graph break at every apply under `compile = "blocks"`)
+SWIGLU_BLOCK_ELEMENTS = 1 << 26
+
+
 class _SwiGLUWeighted(torch.autograd.Function):
     """``silu(gate) * up * w`` per row of ``h = [gate | up]`` [R, 2F] with ``w`` [R]; keeps
     ``h`` and ``w`` for the backward and recomputes silu there (autograd would also keep
     silu(gate) [R, F]). The backward works in ``h``'s dtype with the same roundings as
     autograd's (silu's own backward op), in row blocks so its temporaries stay small next to the
-    activations still held when it runs."""
-
-    BLOCK_ELEMENTS = 1 << 26
+    activations still held when it runs (`SWIGLU_BLOCK_ELEMENTS`)."""
 
     @staticmethod
     def forward(ctx, h, w):
@@ -236,7 +240,7 @@ class _SwiGLUWeighted(torch.autograd.Function):
         f = h.shape[-1] // 2
         dh = torch.empty_like(h)
         dw = torch.empty(w.shape, dtype=torch.float32, device=w.device)
-        step = max(1, _SwiGLUWeighted.BLOCK_ELEMENTS // max(f, 1))
+        step = max(1, SWIGLU_BLOCK_ELEMENTS // max(f, 1))
         for lo in range(0, h.shape[0], step):
             hi = min(lo + step, h.shape[0])
             g, u, gr = h[lo:hi, :f], h[lo:hi, f:], grad[lo:hi]
@@ -244,7 +248,7 @@ class _SwiGLUWeighted(torch.autograd.Function):
             gu = act * u
             dw[lo:hi] = (gr * gu).sum(-1, dtype=torch.float32)
             gw = gr * w[lo:hi].unsqueeze(-1).to(gr.dtype)
-            torch.mul(gw, act, out=dh[lo:hi, f:])
+            dh[lo:hi, f:] = gw * act  # not mul(out=a column slice): dynamo breaks there
             dh[lo:hi, :f] = torch.ops.aten.silu_backward(gw * u, g)
         return dh, dw.to(w.dtype)
 
@@ -265,8 +269,19 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -
 
     CUDA: ``torch._grouped_mm`` (one launch), its offsets from the counts on the device (no host
     round trip: the host keeps queueing work); elsewhere, or where it refuses the dtype or the
-    alignment, one matmul per non-empty expert.
+    alignment, one matmul per non-empty expert. Inside ``torch.compile`` (`compile = "blocks"`)
+    the same choice without a host read: ``torch._grouped_mm`` where it takes these tensors
+    (`_grouped_mm_fits`, decided from shapes and strides), else the loop as one custom op
+    (`_grouped_mm.grouped_mm_loop`: the same matmuls, output [R, O] whatever the counts) instead
+    of a graph break at the counts' read and data-dependent split sizes.
     """
+    if torch.compiler.is_compiling():
+        from onboarding.train._grouped_mm import grouped_mm_loop
+
+        if x.is_cuda and _grouped_mm_fits(x, w_t):
+            offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
+            return torch._grouped_mm(x, w_t, offs=offs)
+        return grouped_mm_loop(x, w_t, _counts(counts, x.device))
     if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == w_t.dtype == torch.bfloat16:
         offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
         try:
@@ -276,6 +291,18 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -
     counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
     outs = [xe @ w_t[e] for e, xe in enumerate(torch.split(x, counts)) if counts[e]]
     return torch.cat(outs) if outs else x.new_zeros(0, w_t.shape[-1])
+
+
+def _grouped_mm_fits(x: torch.Tensor, w_t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``x`` [R, I] and ``w_t`` [E, I, O] as they are: both
+    bf16 (what its fake implementation accepts), and every stride but the unit one a multiple
+    of 16 bytes, the output's row too (its alignment check, which the eager path catches)."""
+    if not hasattr(torch, "_grouped_mm") or not x.dtype == w_t.dtype == torch.bfloat16 \
+            or x.dim() != 2 or w_t.dim() != 3:
+        return False
+    size = x.element_size()
+    return all(s == 1 or (s * size) % 16 == 0 for s in (*x.stride(), *w_t.stride())) \
+        and (w_t.shape[-1] * size) % 16 == 0
 
 
 def _bincount(index: torch.Tensor, n: int) -> torch.Tensor:

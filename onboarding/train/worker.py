@@ -37,6 +37,8 @@ from onboarding.optional_kernels import hide as hide_kernel_packages
 from onboarding.train import metrics as M
 from onboarding.train.alerts import Alerts
 from onboarding.train.checkpoint import Checkpointer
+from onboarding.train.compile import (CompileFailed, compile_blocks, compile_stats,
+                                      failures_named)
 from onboarding.train.config import TrainConfig
 from onboarding.train.moe_ep import (
     ExpertLoRA, RouterTaps, aux_loss, apply_expert_parallel, check_bias_balancing, global_counts,
@@ -281,6 +283,12 @@ def run(cfg: TrainConfig, role: str) -> None:
     apply_recompute(model, graph, blocks, cfg.recompute_mode)
     shard(model, layout, blocks, ep_mods)
     model.train()
+    # compile = "blocks": each decoder layer compiled after the first (eager) step, inside
+    # recompute and FSDP2 (`onboarding.train.compile`); the baseline stays as users run it
+    compiling = cfg.compile == "blocks" and role != "baseline"
+    compiled = None
+    if layout.rank == 0:
+        print(f"compile: {_compile_note(cfg, role, len(blocks))}", flush=True)
 
     params = lora_parameters(model) if role != "baseline" else \
         [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -326,18 +334,20 @@ def run(cfg: TrainConfig, role: str) -> None:
         t0 = time.perf_counter()
         if prof is not None:
             prof.__enter__()
-        phase = M.phases(prof is not None, model, graph)
+        phase = M.phases(prof is not None, model, graph,
+                         skip=tuple(compiled.paths) if compiled is not None else ())
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
-        with phase("forward"):
-            ce = lm_loss(model, ids, chunked=role != "baseline")
-            loss = ce
-            aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
-            if aux is not None:
-                loss = ce + aux_coef * aux
-        _maybe_stall(step)
-        with phase("backward"):
-            loss.backward()
+        with failures_named(step) if compiled is not None else contextlib.nullcontext():
+            with phase("forward"):
+                ce = lm_loss(model, ids, chunked=role != "baseline")
+                loss = ce
+                aux = aux_loss(taps, ep_mods, world_group) if taps is not None else None
+                if aux is not None:
+                    loss = ce + aux_coef * aux
+            _maybe_stall(step)
+            with phase("backward"):
+                loss.backward()
         with phase("optimizer"):
             finish_expert_grads(experts, layout)
             gnorm = clip_grads(dense, experts, layout, cfg.grad_clip)
@@ -378,6 +388,10 @@ def run(cfg: TrainConfig, role: str) -> None:
                 cfg.capacity_factor is not None else None
             if cfg.capacity_factor is not None:
                 row["dropped_by_layer"] = [int(x) for x in dropped]
+        row["compile"] = "blocks" if compiled is not None else \
+            ("eager warm-up" if compiling else "none")
+        if compiled is not None:
+            row["compile_stats"] = compile_stats()
         if patches is not None and step == start + 1:  # patches calibrate on the first call
             from onboarding.train.kernels import summary
 
@@ -398,14 +412,32 @@ def run(cfg: TrainConfig, role: str) -> None:
             ckpt.save(step, params, expert_ids, opt, balance_state)
             alerts.progress(step)  # a slow save (object storage) is not a stalled step
         _maybe_kill(layout, step)
+        if compiling and compiled is None:  # after the first step: every patch has calibrated
+            compiled = compile_blocks(blocks, patches=patches)
+            if layout.rank == 0:
+                print(f"compile: blocks: torch.compile of {len(compiled.paths)} decoder layers "
+                      f"from step {step + 1} on (step {step} ran eagerly)", flush=True)
 
     alerts.stop()
+    if compiled is not None:  # the export's probe runs at another length: the eager model
+        compiled.restore()
     # the run that trained (one process: the reference) exports, unless it only measures (a sweep)
     if cfg.export and (role == "parallel" or (role == "reference" and cfg.nproc == 1)):
         from onboarding.train.peft_export import PROBE_TOKENS, export_run
 
         export_run(model, graph, cfg, ep_mods,
                    packed.global_batch(0, 1)[:, :PROBE_TOKENS].to(device), out)
+
+
+def _compile_note(cfg: TrainConfig, role: str, n_blocks: int) -> str:
+    """The run log's line on `compile` (which mode runs)."""
+    if cfg.compile != "blocks":
+        return "none (eager)"
+    if role == "baseline":
+        return "none (eager; compile = blocks applies to ours, not to the transformers + PEFT baseline)"
+    return (f"blocks (torch.compile of each of the {n_blocks} decoder layers from the second "
+            "step on; the first step runs eagerly while kernel patches calibrate; a compile "
+            "failure stops the run)")
 
 
 def _peft(model, graph, cfg: TrainConfig) -> None:
@@ -439,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrainConfig.from_toml(args.config)
         run(cfg, args.role)
-    except InputError as exc:
+    except (InputError, CompileFailed) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         os._exit(exc.exit_code)
     if dist.is_initialized():
