@@ -81,7 +81,9 @@ SC1 = {"STATE_CHUNKS": 1}  # the one-chunk state passes, where `pass` acts
                                  {"state": "input", **SC1}, {"state": "input", "pass": "fused", **SC1},
                                  {"gstate": "input", **SC1},
                                  {"state": "input", "gstate": "input", "pass": "fused", **SC1},
-                                 {"state": "input", "scan": "blocks"}, {"state": "input", "fwd": "split"}],
+                                 {"state": "input", "scan": "blocks"},
+                                 # nightly (7 s): the GPU bars' [fwd-split] row checks the 16-bit path
+                                 pytest.param({"state": "input", "fwd": "split"}, marks=pytest.mark.slow)],
                          ids=["fp32", "input", "input-split", "input-fused", "gstate-input-split",
                               "both-input-fused", "input-blocks", "input-fwd-split"])
 def test_bf16_inputs(module, device, cfg):
