@@ -10,7 +10,7 @@
 #  2. the headline bench, B1 T8192 H128 P64 G8 N128 bf16, against mamba-ssm in the same run:
 #     ours, ours_fwd (the default), mamba_ssm, mamba_ssm_fwd and kernel_templates/ssd/bench.py's
 #     SWEEP rows (they come with `ours`, after the others): ours@fwd=split (fwd+bwd),
-#     ours@fwd=split_fwd, and forward-only at FWD_K=16, fwd_warps=8, FWD_M=32, fwd_maxnreg=0,
+#     ours@fwd=split_fwd, ours@fwd=split,split_states=fill (fwd+bwd), and forward-only at FWD_K=16, fwd_warps=8, FWD_M=32, fwd_maxnreg=0,
 #     STATE_N=128, and v8's best forward ours@scan=blocks,STATE_N=128_fwd -> ssd_bench.txt, ssd.json;
 #  3. per-kernel GPU ms (torch.profiler) of ours@fwd=split_fwd, ours@fwd=split (fwd+bwd) and
 #     mamba-ssm's forward -> ssd_split_profile.txt (SSD4_DRY=1 runs this step's script on the CPU

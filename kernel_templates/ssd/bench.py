@@ -77,7 +77,9 @@ SHAPES = (
 # each with many small programs: dt and its cumsum, the chunks' states, the state pass, C B^T per
 # group, the outputs per (chunk, head, 64 rows); the sm_90 bf16 build's output kernel 128
 # registers under its cap, no spills) at its defaults (forward and forward + backward: with a
-# backward to come its states and pass run per kernel chunk of 64, as the backward reads them), and
+# backward to come its states and pass run per kernel chunk of 64, as the backward reads them: a
+# 128-step pass), forward + backward with `split_states` "fill" (the pass over the 32 split chunks,
+# then each split chunk's four chunks' incoming states filled in: 140 registers, no spills), and
 # forward-only (the output kernel's build: registers / spill bytes) at K steps of 16 (131
 # uncapped, 128/0 capped), 8 warps (128/0 uncapped: two programs per SM), row blocks of 32 (128/0
 # uncapped, a quarter of the shared memory: twice the programs, half the rows each), without the
@@ -86,7 +88,7 @@ SHAPES = (
 # ms graph in device call M). v8's other rows were dropped to keep the GPU call short (calls L and M
 # measured them: `scan` "blocks" at its defaults, uncapped, kernel chunks of 128, state chunks of
 # 8, DBC_SPLIT 2 and 4, bwd_maxnreg 0).
-SWEEP = (({"fwd": "split"}, "both"), ({"fwd": "split", "FWD_K": 16}, "fwd"), ({"fwd": "split", "fwd_warps": 8}, "fwd"),
+SWEEP = (({"fwd": "split"}, "both"), ({"fwd": "split", "split_states": "fill"}, "bwd"), ({"fwd": "split", "FWD_K": 16}, "fwd"), ({"fwd": "split", "fwd_warps": 8}, "fwd"),
          ({"fwd": "split", "FWD_M": 32}, "fwd"), ({"fwd": "split", "fwd_maxnreg": 0}, "fwd"),
          ({"fwd": "split", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "STATE_N": 128}, "fwd"))
 

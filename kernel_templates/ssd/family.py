@@ -127,6 +127,10 @@ FAMILY = FamilySpec(
     # the backward is unchanged. fwd_warps: warps of those kernels; fwd_maxnreg: the output kernel's
     # register cap (0 none; the sm_90 bf16 build at P 64, N 128, FWD_M 64, FWD_K 32, 4 warps: 158
     # registers uncapped, 128 and no spills capped: four programs per SM instead of three).
+    # split_states (STATE_CHUNKS > 1, a backward to come): "pass" forms and passes the states per
+    # CHUNK tokens (a serial pass over T / CHUNK chunks); "fill" as without a backward (per split
+    # chunk, T / (CHUNK * STATE_CHUNKS) pass steps), then one program per (split chunk, head, tile)
+    # fills in its chunks' incoming states from its own (STATE_CHUNKS - 1 products in a loop).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -152,6 +156,7 @@ FAMILY = FamilySpec(
         "FWD_K": (16, 32, 64, 128),
         "fwd_warps": (2, 4, 8),
         "fwd_maxnreg": (0, 128, 168),
+        "split_states": ("pass", "fill"),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -173,7 +178,7 @@ FAMILY = FamilySpec(
                     "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
                     "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128, "DBC_SPLIT": 1,
                     "bwd_maxnreg": 0, "fwd": "scan", "FWD_M": 64, "FWD_K": 32, "fwd_warps": 4,
-                    "fwd_maxnreg": 128},
+                    "fwd_maxnreg": 128, "split_states": "pass"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",

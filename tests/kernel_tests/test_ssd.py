@@ -212,6 +212,10 @@ SPLIT = [
                  id="sc4-m32-k16-T45"),
     # one partial chunk of 16 (split chunk = kernel chunk), 2 batches, 2 groups of 2 heads
     pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16}, SHAPES[1], id="sc1-T7"),
+    # `split_states` "fill": with a backward to come, the states passed per split chunk of 32 and
+    # its two chunks' incoming states filled in (the second partial)
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "split_states": "fill"},
+                 (1, 23, 2, 8, 1, 16, True, True), id="sc2-fill-T23"),
 ]
 
 
@@ -243,9 +247,9 @@ def test_split_forward(module, device, cfg, shape):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
-# T41's and T45's backward nightly (10-20 s each in the interpreter, bounds-checked): their
+# T41's, T45's and T7's backward nightly (3-20 s each in the interpreter, bounds-checked): their
 # forwards run above, the backward's own kernels under every other config
-@pytest.mark.parametrize("cfg,shape", [p if p.id == "sc1-T7" else pytest.param(*p.values, id=p.id,
+@pytest.mark.parametrize("cfg,shape", [p if p.id == "sc2-fill-T23" else pytest.param(*p.values, id=p.id,
                                                                                 marks=pytest.mark.slow)
                                        for p in SPLIT])
 def test_split_forward_backward(module, device, cfg, shape):
