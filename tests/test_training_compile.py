@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures.adapted_proxy import adapted
 from onboarding.errors import InputError
 from onboarding.train.config import TrainConfig
 
@@ -171,23 +172,10 @@ def test_compile_failure_stops_the_run_with_its_cause(proxies, tmp_path, monkeyp
 # ---- gradients, compiled for real (slow) ---------------------------------------------------------
 
 def _adapted(proxy, recompute: str):
-    """The proxy as ours trains it: EP experts with expert LoRA, attention LoRA (B non-zero so
-    every adapter has a gradient), ``recompute``."""
-    from onboarding.train.lora import inject_lora, lora_parameters
-    from onboarding.train.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
-    from onboarding.train.parallel import apply_recompute, decoder_blocks
-
-    model, graph = copy.deepcopy(proxy[0]), proxy[1]
-    apply_expert_parallel(model, graph, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0), seed=0)
-    inject_lora(model, graph, targets=["auto"], rank=4, alpha=8.0, dropout=0.0, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in lora_parameters(model):
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    blocks = decoder_blocks(model, graph)
-    apply_recompute(model, graph, blocks, recompute)
-    return model, blocks, [p for _, p in lora_parameters(model)]
+    """The proxy adapted as training adapts it (`adapted`) -> (model, its decoder layers, the
+    adapter parameters)."""
+    model, blocks, _, params = adapted(proxy, recompute)
+    return model, blocks, [p for _, p in params]
 
 
 def _steps(model, blocks, params, backend: str | None, n: int = 3):

@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from fixtures.adapted_proxy import adapted
 from onboarding.errors import EXIT_ALERT, InputError
 from onboarding.train.config import TrainConfig
 
@@ -48,22 +49,10 @@ def _ids(model, n=2, t=17, seed=0):
 # ---- recompute -------------------------------------------------------------------------------
 
 def _adapted(proxy, mode: str):
-    """The proxy with EP experts, expert and attention LoRA (B set non-zero so every adapter gets
-    a gradient) and ``mode`` recompute."""
-    from onboarding.train.lora import inject_lora, lora_parameters
-    from onboarding.train.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
-    from onboarding.train.parallel import apply_recompute, decoder_blocks
-
-    model, graph = copy.deepcopy(proxy[0]), proxy[1]
-    apply_expert_parallel(model, graph, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0), seed=0)
-    inject_lora(model, graph, targets=["auto"], rank=4, alpha=8.0, dropout=0.0, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in lora_parameters(model):
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    done = apply_recompute(model, graph, decoder_blocks(model, graph), mode)
-    return model, done, lora_parameters(model)
+    """The proxy adapted as training adapts it with ``mode`` recompute (`adapted`) -> (model,
+    the modules recompute wrapped, the adapters)."""
+    model, _, done, params = adapted(proxy, mode)
+    return model, done, params
 
 
 def _step_saved_bytes(model, ids) -> tuple[torch.Tensor, int]:
