@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from onboarding.generate.templating import load_module, render_to
 from onboarding.train.moe_ep import EPExperts, EPGroup, _gather_pairs, _SwiGLUWeighted
+from onboarding.bench.harness import time_fn
 from onboarding.families import training_kernel
-from onboarding.train.kernels import WEIGHTED_ACT_KIND, attach_swiglu_kernels, check_swiglu_kernel
+from onboarding.train.kernels import (WEIGHTED_ACT_KIND, attach_swiglu_kernels, check_swiglu_kernel,
+                                      load_training_variant)
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -29,7 +30,7 @@ CPU_CONFIG = {"BLOCK_N": 16, "BLOCK_F": 64, "num_warps": 4}
 @pytest.fixture(scope="module")
 def kernel_module(tmp_path_factory):
     assert training_kernel(WEIGHTED_ACT_KIND) == ("swiglu", "weighted")  # the family says it serves it
-    module = load_module(render_to(tmp_path_factory.mktemp("swiglu_w"), *training_kernel(WEIGHTED_ACT_KIND), {}))
+    module = load_training_variant(training_kernel(WEIGHTED_ACT_KIND), tmp_path_factory.mktemp("swiglu_w"), 0)
     if not CUDA:
         module.set_config(CPU_CONFIG)
     return module
@@ -212,18 +213,8 @@ def test_cuda_weighted_kernel_proxy_shape_bf16_and_timing(kernel_module):
     w = torch.rand(r, device=DEV, generator=gen).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(r, f, device=DEV, generator=gen).to(torch.bfloat16)
 
-    def time_ms(fn, reps=20):
-        for _ in range(3):
-            torch.autograd.grad(fn(h, w), [h, w], dy)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            torch.autograd.grad(fn(h, w), [h, w], dy)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
-    ours, torch_ms = time_ms(kernel_module.swiglu_weighted), time_ms(_SwiGLUWeighted.apply)
+    ours, torch_ms = (time_fn(lambda _, fn=fn: torch.autograd.grad(fn(h, w), [h, w], dy)).median_ms
+                      for fn in (kernel_module.swiglu_weighted, _SwiGLUWeighted.apply))
     print(f"\nweighted SwiGLU fwd+bwd R={r} F={f} bf16: kernel {ours:.3f} ms, "
           f"torch path {torch_ms:.3f} ms ({torch_ms / ours:.2f}x)")
 
@@ -244,18 +235,8 @@ def test_cuda_gather_pairs_backward_proxy_shape_and_timing():
     ref, = torch.autograd.grad(x32[order // k], [x32], dy.float())
     torch.testing.assert_close(ours.float(), ref, rtol=4e-3, atol=1e-5)  # one bf16 rounding
 
-    def time_ms(fn, reps=20):
-        for _ in range(3):
-            torch.autograd.grad(fn(), [x], dy)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            torch.autograd.grad(fn(), [x], dy)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
-    a, b = time_ms(lambda: _gather_pairs(x, order, k)), time_ms(lambda: x[order // k])
+    a, b = (time_fn(lambda _, fn=fn: torch.autograd.grad(fn(), [x], dy)).median_ms
+            for fn in (lambda: _gather_pairs(x, order, k), lambda: x[order // k]))
     print(f"\ngather fwd+bwd {n}x{k} rows of {d} bf16: _GatherPairs {a:.3f} ms, "
           f"x[order // k] {b:.3f} ms ({b / a:.2f}x)")
 
@@ -284,18 +265,7 @@ def test_cuda_pair_sums_by_embedding_bag_proxy_shape_and_timing():
     torch.testing.assert_close(bag.float(), ref, rtol=4e-3, atol=1e-5)
     torch.testing.assert_close(plain.float(), ref, rtol=4e-3, atol=1e-5)
 
-    def time_ms(fn, reps=20):
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
-    b = time_ms(lambda: moe_ep._sum_pairs(src, inverse, k))
-    a = time_ms(lambda: F.embedding_bag(bag_index, src, mode="sum"))
+    b = time_fn(lambda _: moe_ep._sum_pairs(src, inverse, k)).median_ms
+    a = time_fn(lambda _: F.embedding_bag(bag_index, src, mode="sum")).median_ms
     print(f"\npair sums {n}x{k} rows of {d} bf16: embedding_bag {a:.3f} ms, gather + sum "
           f"{b:.3f} ms ({b / a:.2f}x); elements differing {off:.2e}")

@@ -17,6 +17,13 @@ import torch
 from torch import Tensor
 
 
+def matmul_per_group(x: Tensor, w_t: Tensor, sizes: list[int]) -> Tensor:
+    """``x`` [R, I] in row groups of ``sizes`` (host ints) times ``w_t[e]`` [I, O] per group ->
+    [R, O]: one matmul per non-empty group (`moe_ep._gmm`'s eager fallback and this op's body)."""
+    outs = [xe @ w_t[e] for e, xe in enumerate(torch.split(x, sizes)) if sizes[e]]
+    return torch.cat(outs) if outs else x.new_zeros(0, w_t.shape[-1])
+
+
 @torch.library.custom_op("onboard::grouped_mm_loop", mutates_args=())
 def grouped_mm_loop(x: Tensor, w_t: Tensor, counts: Tensor) -> Tensor:
     """``x`` [R, I] in row groups of sizes ``counts`` [E] (summing to R) times ``w_t`` [E, I, O]
@@ -24,9 +31,7 @@ def grouped_mm_loop(x: Tensor, w_t: Tensor, counts: Tensor) -> Tensor:
     if x.dim() != 2 or w_t.dim() != 3 or x.shape[1] != w_t.shape[1] or counts.numel() != w_t.shape[0]:
         raise ValueError(f"grouped_mm_loop: x {tuple(x.shape)}, w_t {tuple(w_t.shape)}, counts "
                          f"{tuple(counts.shape)}: expected [R, I], [E, I, O], [E]")
-    sizes = counts.tolist()
-    outs = [xe @ w_t[e] for e, xe in enumerate(torch.split(x, sizes)) if sizes[e]]
-    return torch.cat(outs) if outs else x.new_zeros(0, w_t.shape[-1])
+    return matmul_per_group(x, w_t, counts.tolist())
 
 
 @grouped_mm_loop.register_fake

@@ -38,6 +38,7 @@ from torch.nn import functional as F
 from onboarding.errors import InputError
 from onboarding.graph.opgraph import OpGraph
 from onboarding.patching.core import _experts_bindings, _gated_experts_roles
+from onboarding.train._grouped_mm import grouped_mm_loop, matmul_per_group
 
 
 @dataclass(kw_only=True)
@@ -276,8 +277,6 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -
     of a graph break at the counts' read and data-dependent split sizes.
     """
     if torch.compiler.is_compiling():
-        from onboarding.train._grouped_mm import grouped_mm_loop
-
         if x.is_cuda and _grouped_mm_fits(x, w_t):
             offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
             return torch._grouped_mm(x, w_t, offs=offs)
@@ -288,9 +287,7 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -
             return torch._grouped_mm(x, w_t, offs=offs)
         except RuntimeError:
             pass
-    counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
-    outs = [xe @ w_t[e] for e, xe in enumerate(torch.split(x, counts)) if counts[e]]
-    return torch.cat(outs) if outs else x.new_zeros(0, w_t.shape[-1])
+    return matmul_per_group(x, w_t, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
 
 
 def _grouped_mm_fits(x: torch.Tensor, w_t: torch.Tensor) -> bool:

@@ -16,7 +16,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from onboarding.families import training_kernel
-from onboarding.generate.templating import load_module, render_to
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 from onboarding.testing.kernel_contract import check_aot_sm90
 from onboarding.testing.tolerance import rel_rms
@@ -174,7 +173,7 @@ def root(tmp_path_factory, device):
     """The kernels dir `attach_loss_kernel` renders into, with the rendered module (the same
     module object it loads: modules are cached by content) pinned to small CPU tiles."""
     root = tmp_path_factory.mktemp("loss_train")
-    mod = load_module(render_to(root / "rank0", *training_kernel(KIND), {}))
+    mod = K.load_training_variant(training_kernel(KIND), root, 0)
     if device.type == "cpu":
         mod.set_config(CPU_CONFIG)
     return root

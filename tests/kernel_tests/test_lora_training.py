@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from onboarding.bench.harness import time_fn
 from onboarding.families import training_kernel
 from onboarding.generate.templating import load_module, render_to
 from onboarding.train import kernels as K
@@ -23,7 +24,7 @@ KIND, REJECTED = K.LORA_LINEAR_KIND, f"rejected:{K.LORA_LINEAR_KIND}"
 
 def _render(root):
     """The module `attach_lora_kernels` renders and loads (the family variant serving LoRALinear)."""
-    return load_module(render_to(root / "rank0", *training_kernel(KIND), {}))
+    return K.load_training_variant(training_kernel(KIND), root, 0)
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +184,9 @@ def test_bf16_attach_cuda(tmp_path, d_in, d_out):
         y = m(x)
         gx, ga, gb = torch.autograd.grad(y, [x, m[0].lora_A.weight, m[0].lora_B.weight], dy)
         res[name] = (y, gx, ga, gb)
-        for _ in range(3):
-            torch.autograd.grad(m(x), [x, m[0].lora_A.weight, m[0].lora_B.weight], dy)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            torch.autograd.grad(m(x), [x, m[0].lora_A.weight, m[0].lora_B.weight], dy)
-        end.record()
-        torch.cuda.synchronize()
-        print(f"lora {d_in}->{d_out} r16 N16384 {name}: fwd+bwd {start.elapsed_time(end) / 20:.3f} ms")
+        ms = time_fn(lambda _, m=m: torch.autograd.grad(
+            m(x), [x, m[0].lora_A.weight, m[0].lora_B.weight], dy)).median_ms
+        print(f"lora {d_in}->{d_out} r16 N16384 {name}: fwd+bwd {ms:.3f} ms")
     for n, got, want in zip(("y", "dx", "dA", "dB"), res["fused"], res["torch"]):
         assert got.dtype == want.dtype and K._rel(got, want) <= K.CHECK_GRAD_TOL, (n, K._rel(got, want))
 

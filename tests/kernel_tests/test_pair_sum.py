@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from onboarding.bench.harness import time_fn
 from onboarding.families import training_kernel
-from onboarding.generate.templating import load_module, render_to
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 from onboarding.testing.kernel_contract import check_aot_sm90
 from onboarding.train import kernels as K
@@ -162,7 +162,7 @@ def root(tmp_path_factory, device):
     """The kernels dir `attach_pair_sum_kernels` renders into, with the rendered module (the same
     module object it loads: modules are cached by content) pinned to small CPU tiles."""
     root = tmp_path_factory.mktemp("pair_sum_train")
-    mod = load_module(render_to(root / "rank0", *training_kernel(KIND), {}))
+    mod = K.load_training_variant(training_kernel(KIND), root, 0)
     if device.type == "cpu":
         mod.set_config(CPU_CONFIG)
     return root
@@ -253,21 +253,10 @@ def test_cuda_proxy_shape_bf16_and_timing(module, device):
     assert off < 1e-3, off
     assert K.check_pair_sum_kernel(fn, d, torch.bfloat16, device) is None
 
-    def time_ms(f, reps=20):
-        for _ in range(3):
-            f()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            f()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
     bag_index = inverse.view(n, k)
-    ours = time_ms(lambda: fn(src, inverse, k))
-    torch_ms = time_ms(lambda: moe_ep._sum_pairs(src, inverse, k))
-    bag = time_ms(lambda: F.embedding_bag(bag_index, src, mode="sum"))
+    ours = time_fn(lambda _: fn(src, inverse, k)).median_ms
+    torch_ms = time_fn(lambda _: moe_ep._sum_pairs(src, inverse, k)).median_ms
+    bag = time_fn(lambda _: F.embedding_bag(bag_index, src, mode="sum")).median_ms
     moved = (n * k + n) * d * 2
     print(f"\npair sums {n}x{k} rows of {d} bf16: kernel {ours:.3f} ms "
           f"({moved / ours / 1e9:.2f} TB/s of {moved / 1e6:.0f} MB), gather + sum {torch_ms:.3f} ms "
