@@ -24,32 +24,7 @@ run() {  # name model extra timeout
   stamp "$1"
   timeout "$4" onboard train "$2" --proxy none $COMMON $3 --out "$O/$1" > "$O/$1.log" 2>&1
   echo "exit $?"; grep -B2 -A6 "tok/s" "$O/$1.log" | tail -9
-  python3 - "$O/$1" <<'PY'
-import glob, json, statistics, sys
-run = sys.argv[1]
-for f in sorted(glob.glob(run + "/train/*.jsonl")):
-    rows = [json.loads(l) for l in open(f)]
-    late = [r for r in rows if r.get("step", 0) >= 2]
-    for r in rows:
-        if "kernels" in r:
-            print("kernels", json.dumps(r["kernels"]), "rejected", json.dumps(r.get("kernels_rejected")))
-    if late:
-        print(f.rsplit("/", 1)[1], "median steps 2-6: tok/s %.0f, MFU %.1f%%, peak %.2f GiB" % (
-            statistics.median(r["tokens_per_s"] for r in late),
-            100 * statistics.median(r["mfu"] for r in late if r.get("mfu") is not None),
-            max(r["peak_mem_bytes"] for r in late) / 2**30))
-for f in sorted(glob.glob(run + "/train/profile_*.json")):
-    p = json.load(open(f))
-    print(f.rsplit("/", 1)[1], "wall %.1f ms, kernels %.1f ms" % (p["wall_ms"], p["kernel_ms"]),
-          "by phase", json.dumps(p["by_phase"]))
-    print("  by category", json.dumps(p["by_category"]))
-    nodes = sorted(p["by_autograd_node"].items(), key=lambda kv: -kv[1])[:16]
-    print("  by autograd node", "; ".join(f"{k} {v:.1f}" for k, v in nodes))
-    for k in p["top_kernels"]:
-        n = k["name"]
-        if any(s in n for s in ("copy", "Cat", "gather", "reduce_kernel", "add", "embedding", "Embedding")):
-            print(f"  {k['calls']:4d} calls {k['ms']:7.3f} ms  {n[:150]}")
-PY
+  python3 .ci/h200/run_summary.py "$O/$1" --kernels-like copy,Cat,gather,reduce_kernel,add,embedding,Embedding
 }
 case ",${ONLY:-next}," in *,next,*) run next hf:qwen3_next "$NEXT" "$(left 330)";; esac
 case ",${ONLY:-next}," in *,moe,*) run moe hf:qwen3_moe "$MOE" "$(left 230)";; esac

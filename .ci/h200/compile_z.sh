@@ -25,35 +25,7 @@ run() {  # name extra timeout
   echo "dynamo: $(grep -c 'Graph break' "$W") graph-break lines, $(grep -c 'Recompiling' "$W") recompiles"
   grep -E "Graph break in user code|Graph Break Reason|Recompiling function|guard failure|^ +- " "$W" \
     | sed -e 's/^[VWIE][0-9 :.]*[0-9]* [^]]*\] //' -e 's/^\[[0-9/]*\] \[__[a-z_]*\] //' | sort | uniq -c | sort -rn | head -12 | cut -c1-300
-  python3 - "$O/$1" <<'PY'
-import glob, json, statistics, sys
-run = sys.argv[1]
-for f in sorted(glob.glob(run + "/train/*.jsonl")):
-    rows = [json.loads(l) for l in open(f)]
-    print(f.rsplit("/", 1)[1], "compile per step", [r.get("compile") for r in rows],
-          "step s", [round(r["step_time_s"], 3) for r in rows])
-    for r in rows:
-        if "kernels" in r:
-            print("kernels", json.dumps(r["kernels"]), "rejected", json.dumps(r.get("kernels_rejected")))
-    if rows and rows[-1].get("compile_stats"):
-        print("compile stats (last step)", json.dumps(rows[-1]["compile_stats"]))
-    for lo in (2, 3):
-        late = [r for r in rows if r.get("step", 0) >= lo]
-        if late:
-            print(f"median steps {lo}-6: tok/s %.0f, MFU %.1f%%, peak %.2f GiB" % (
-                statistics.median(r["tokens_per_s"] for r in late),
-                100 * statistics.median(r["mfu"] for r in late if r.get("mfu") is not None),
-                max(r["peak_mem_bytes"] for r in late) / 2**30))
-for f in sorted(glob.glob(run + "/train/profile_*.json")):
-    p = json.load(open(f))
-    print(f.rsplit("/", 1)[1], "wall %.1f ms, kernels %.1f ms" % (p["wall_ms"], p["kernel_ms"]),
-          "by phase", json.dumps(p["by_phase"]))
-    print("  by category", json.dumps(p["by_category"]))
-    nodes = sorted(p["by_autograd_node"].items(), key=lambda kv: -kv[1])[:12]
-    print("  by autograd node", "; ".join(f"{k} {v:.1f}" for k, v in nodes))
-    for k in p["top_kernels"][:12]:
-        print(f"  {k['calls']:4d} calls {k['ms']:7.3f} ms  {k['name'][:150]}")
-PY
+  python3 .ci/h200/run_summary.py "$O/$1"
 }
 run compiled "--compile blocks" "$(left 330)"
 run eager "" "$(left 230)"
