@@ -26,10 +26,10 @@ import json, sys
 o = sys.argv[1]
 rows = lambda d: [json.loads(l) for l in open(f"{o}/{d}/train/reference.jsonl")]
 a, b, c = rows("whole"), rows("killed"), rows("whole2")
-print("step  whole loss / grad norm  | resumed run  | whole again  | resumed equal, again equal")
+print("step  whole loss / grad norm  | resumed run  | whole again  | resumed equal, again equal, resumed equal to again")
 for ra, rb, rc in zip(a, b[-len(a):] if len(b) > len(a) else b, c):
     print(ra["step"], repr(ra["loss"]), repr(ra["grad_norm"]), "|", repr(rb["loss"]), repr(rb["grad_norm"]),
-          "|", repr(rc["loss"]), repr(rc["grad_norm"]), "|", ra["loss"] == rb["loss"], ra["loss"] == rc["loss"])
+          "|", repr(rc["loss"]), repr(rc["grad_norm"]), "|", ra["loss"] == rb["loss"], ra["loss"] == rc["loss"], rb["loss"] == rc["loss"])
 PY
 fi
 if [[ $PARTS == *,sweep,* ]]; then
