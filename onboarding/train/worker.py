@@ -50,6 +50,9 @@ from onboarding.train.parallel import (
 KILL_ENV = "ONBOARD_TEST_KILL"
 STALL_ENV = "ONBOARD_TEST_STALL"  # STEP:SECONDS: sleep inside that step (tests the watchdog)
 DEFAULT_AUX_COEF = 0.01  # Switch Transformer's; used when the model's config has none
+# Measurement hook (tests/fixtures/step_host_cost.py): ``step -> context manager`` entered around
+# that step's timed work (forward, backward, optimizer); None in a normal run.
+step_context = None
 
 
 def _init(role: str, cfg: TrainConfig) -> tuple[Layout, torch.device]:
@@ -336,6 +339,8 @@ def run(cfg: TrainConfig, role: str) -> None:
             prof.__enter__()
         phase = M.phases(prof is not None, model, graph,
                          skip=tuple(compiled.paths) if compiled is not None else ())
+        measure = step_context(step) if step_context is not None else contextlib.nullcontext()
+        measure.__enter__()
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
         with failures_named(step) if compiled is not None else contextlib.nullcontext():
@@ -350,12 +355,13 @@ def run(cfg: TrainConfig, role: str) -> None:
                 loss.backward()
         with phase("optimizer"):
             finish_expert_grads(experts, layout)
-            gnorm = clip_grads(dense, experts, layout, cfg.grad_clip)
+            gnorm = clip_grads(dense, experts, layout, cfg.grad_clip)  # a device tensor: read below
             opt.step()
             opt.zero_grad(set_to_none=True)
         counts = global_counts(ep_mods, world_group) if ep_mods else None
         if counts is not None and bias_rate > 0:
             update_score_bias(model, graph, counts, bias_rate)
+        measure.__exit__(None, None, None)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -364,7 +370,7 @@ def run(cfg: TrainConfig, role: str) -> None:
         tokens = local_rows * layout.world * cfg.seq_len
         row = {"step": step, "loss": _world_mean(loss, layout), "ce": _world_mean(ce, layout),
                "aux": _world_mean(aux, layout) if aux is not None else None,
-               "grad_norm": gnorm, "lr": _lr(cfg, step), "tokens": tokens,
+               "grad_norm": float(gnorm), "lr": _lr(cfg, step), "tokens": tokens,
                "step_time_s": dt, "tokens_per_s": tokens / dt,
                "peak_mem_bytes": M.peak_memory(device)}
         routed = int(counts.sum()) if counts is not None else None
