@@ -121,25 +121,46 @@ class _PlaceRows(torch.autograd.Function):
 class _GatherPairs(torch.autograd.Function):
     """``x[order // k]``: the rows of ``x`` [n, ...] for the (token, k) pairs in the order of
     ``order``, a permutation of the ``n * k`` pairs; every row of ``x`` is taken ``k`` times.
+    Takes ``rows = order // k`` and ``inverse = _inverse(order)`` (`_PairOrder`: made once per
+    experts forward, shared by the gathers and the combine).
 
     Autograd's backward of that gather (``IndexBackward0``) is an ``index_put_`` with
     accumulate, which CUDA runs as a sort of the indices and a segment kernel. Here each row's
     ``k`` copies are found through the inverse permutation instead: ``dx`` is the sum over k of
     the gradient rows of each token (`_sum_pairs`: fp32 accumulation, one rounding; through
     ``kernel`` when one is attached), in a fixed order (deterministic), without a sort. Keeps
-    only ``order`` for the backward.
+    only ``inverse`` for the backward.
     """
 
     @staticmethod
-    def forward(ctx, x, order, k, kernel=None):
-        ctx.save_for_backward(order)
+    def forward(ctx, x, rows, inverse, k, kernel=None):
+        ctx.save_for_backward(inverse)
         ctx.k, ctx.kernel = k, kernel
-        return x.index_select(0, order // k if k > 1 else order)
+        return x.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        return _sum_pairs(grad, _inverse(order), ctx.k, ctx.kernel), None, None, None
+        (inverse,) = ctx.saved_tensors
+        return _sum_pairs(grad, inverse, ctx.k, ctx.kernel), None, None, None, None
+
+
+@dataclass(frozen=True)
+class _PairOrder:
+    """A permutation ``order`` of the ``n * k`` (token, slot) pairs with what the gathers and
+    the combine index by: ``rows = order // k`` (each pair's token row) and ``inverse`` (where
+    pair ``p`` sits in ``order``, `_inverse`). Made once per experts forward: the token gather,
+    the weights' gather and the combine share it (before, each made its own in the forward or
+    the backward: three inverse scatters and two divisions per MoE layer and step)."""
+
+    order: torch.Tensor
+    k: int
+    rows: torch.Tensor
+    inverse: torch.Tensor
+
+    @staticmethod
+    def of(order: torch.Tensor, k: int) -> _PairOrder:
+        return _PairOrder(order=order, k=k, rows=order // k if k > 1 else order,
+                          inverse=_inverse(order))
 
 
 # elements of `_sum_pairs`' gathered temporary per token block (torch path): small next to the
@@ -181,39 +202,50 @@ def _sum_pairs(src: torch.Tensor, inverse: torch.Tensor, k: int,
 
 
 class _CombinePairs(torch.autograd.Function):
-    """The experts' combine: ``y_sorted`` [pairs, ...] in the order of ``order`` (a permutation
-    of the ``n * k`` (token, slot) pairs) -> [n, ...], each token's ``k`` rows summed
-    (`_sum_pairs`, through ``kernel`` when one is attached). The same sum as placing the rows
-    back in pair order and summing over k (``_place_rows(y, order).view(n, k, -1).sum(1)``),
-    without the placed [pairs, ...] copy; the backward gathers each pair's token gradient
-    (``grad[order // k]``). Keeps ``order``."""
+    """The experts' combine: ``y_sorted`` [pairs, ...] in the order of a permutation of the
+    ``n * k`` (token, slot) pairs -> [n, ...], each token's ``k`` rows summed (`_sum_pairs`
+    through the permutation's ``inverse``, or ``kernel`` when one is attached). The same sum as
+    placing the rows back in pair order and summing over k
+    (``_place_rows(y, order).view(n, k, -1).sum(1)``), without the placed [pairs, ...] copy; the
+    backward gathers each pair's token gradient (``grad[rows]``, ``rows = order // k``). Keeps
+    ``rows``."""
 
     @staticmethod
-    def forward(ctx, y_sorted, order, k, kernel=None):
-        ctx.save_for_backward(order)
-        ctx.k = k
-        return _sum_pairs(y_sorted, _inverse(order), k, kernel)
+    def forward(ctx, y_sorted, rows, inverse, k, kernel=None):
+        ctx.save_for_backward(rows)
+        return _sum_pairs(y_sorted, inverse, k, kernel)
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        k = ctx.k
-        return grad.index_select(0, order // k if k > 1 else order), None, None, None
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None, None, None
 
 
-def _combine_pairs(y_sorted: torch.Tensor, order: torch.Tensor, k: int,
+def _pair_order(order: torch.Tensor | _PairOrder, k: int) -> _PairOrder:
+    return order if isinstance(order, _PairOrder) else _PairOrder.of(order, k)
+
+
+def _combine_pairs(y_sorted: torch.Tensor, order: torch.Tensor | _PairOrder, k: int,
                    kernel: Callable | None = None) -> torch.Tensor:
-    """Each token's ``k`` expert rows of ``y_sorted`` (pair order ``order``) summed
-    (`_CombinePairs`; ``kernel``: an attached pair-sum kernel, see `_sum_pairs`)."""
-    return _CombinePairs.apply(y_sorted, order, k, kernel)
+    """Each token's ``k`` expert rows of ``y_sorted`` (pair order ``order``, or its
+    `_PairOrder`) summed (`_CombinePairs`; ``kernel``: an attached pair-sum kernel, see
+    `_sum_pairs`)."""
+    po = _pair_order(order, k)
+    return _CombinePairs.apply(y_sorted, po.rows, po.inverse, k, kernel)
 
 
-def _gather_pairs(x: torch.Tensor, order: torch.Tensor, k: int = 1,
+def _gather_pairs(x: torch.Tensor, order: torch.Tensor | _PairOrder, k: int = 1,
                   kernel: Callable | None = None) -> torch.Tensor:
-    """``x[order // k]`` (``order`` a permutation of ``len(x) * k`` pairs) with a sort-free,
-    deterministic backward (`_GatherPairs`; ``kernel``: an attached pair-sum kernel for that
-    backward's sums, see `_sum_pairs`)."""
-    return _GatherPairs.apply(x, order, k, kernel)
+    """``x[order // k]`` (``order`` a permutation of ``len(x) * k`` pairs, or its `_PairOrder`)
+    with a sort-free, deterministic backward (`_GatherPairs`; ``kernel``: an attached pair-sum
+    kernel for that backward's sums, see `_sum_pairs`). A `_PairOrder` of any k serves a
+    k = 1 gather (the routing weights, one per pair): rows ``order``, the same ``inverse``."""
+    if isinstance(order, _PairOrder) and order.k != k:
+        if k != 1:
+            raise ValueError(f"a pair order of k={order.k} gathers k={order.k} or 1, not {k}")
+        order = _PairOrder(order=order.order, k=1, rows=order.order, inverse=order.inverse)
+    po = _pair_order(order, k)
+    return _GatherPairs.apply(x, po.rows, po.inverse, k, kernel)
 
 
 # elements of `_SwiGLUWeighted`'s backward temporaries per row block. A module constant, not a
@@ -455,9 +487,10 @@ class EPExperts(nn.Module):
         # (`_compute`), so the combine below is a plain sum that keeps nothing for the backward
         if self.ep.group is None and self.dispatch_groups > 1:
             return self._grouped_single(x, idx, w).view(n, k, -1).sum(1).to(x.dtype)
-        y_sorted = self._dispatch(_gather_pairs(x, order, k, self.pair_sum_kernel), counts, n,
-                                  _gather_pairs(w.reshape(-1), order))
-        return _combine_pairs(y_sorted, order, k, self.pair_sum_kernel).to(x.dtype)
+        po = _PairOrder.of(order, k)  # rows and inverse once, shared by the gathers and combine
+        y_sorted = self._dispatch(_gather_pairs(x, po, k, self.pair_sum_kernel), counts, n,
+                                  _gather_pairs(w.reshape(-1), po))
+        return _combine_pairs(y_sorted, po, k, self.pair_sum_kernel).to(x.dtype)
 
     def _grouped_single(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor
                         ) -> torch.Tensor:
@@ -471,9 +504,10 @@ class EPExperts(nn.Module):
                                w.chunk(self.dispatch_groups)):
             fe = ids.reshape(-1)
             o = torch.argsort(fe, stable=True)
-            ys = self._dispatch(_gather_pairs(xs, o, k, self.pair_sum_kernel),
+            po = _PairOrder.of(o, k)
+            ys = self._dispatch(_gather_pairs(xs, po, k, self.pair_sum_kernel),
                                 _bincount(fe, self.n_experts),
-                                xs.shape[0], _gather_pairs(ws.reshape(-1), o))
+                                xs.shape[0], _gather_pairs(ws.reshape(-1), po))
             outs.append(_place_rows(ys, o))
         return torch.cat(outs)
 
@@ -482,9 +516,8 @@ class EPExperts(nn.Module):
         """Rows sorted by expert [P, D] and their routing weights [P] -> the weighted expert
         outputs in the same order [P, D]."""
         ep, el = self.ep, self.n_local
-        if ep.group is None:
-            recv = torch.cat([counts, counts.new_full((1,), n_tokens)]).view(1, el + 1)
-            return self._local(x_sorted, recv, w_sorted)
+        if ep.group is None:  # one source, this rank: its counts and token count as they are
+            return self._local(x_sorted, None, w_sorted, counts=counts, tokens=n_tokens)
         # Per destination rank: counts of its local experts, plus our token count (capacity).
         send = torch.cat([counts.view(ep.size, el),
                           counts.new_full((ep.size, 1), n_tokens)], dim=1).contiguous()
@@ -498,30 +531,35 @@ class EPExperts(nn.Module):
         y_recv = self._local(x_recv, recv, w_recv)
         return all_to_all_single_autograd(y_recv, in_splits, out_splits, ep.group)
 
-    def _local(self, x_recv: torch.Tensor, recv: torch.Tensor, w_recv: torch.Tensor
-               ) -> torch.Tensor:
+    def _local(self, x_recv: torch.Tensor, recv: torch.Tensor | None, w_recv: torch.Tensor, *,
+               counts: torch.Tensor | None = None, tokens: int | None = None) -> torch.Tensor:
         """Rows received from each source (source-major, expert-sorted inside) and their routing
         weights -> weighted outputs.
 
-        ``recv [S, E_l + 1]``: rows per (source, local expert) and each source's token count.
+        ``recv [S, E_l + 1]``: rows per (source, local expert) and each source's token count;
+        None for one source (this rank's own rows), whose ``counts`` [E_l] and ``tokens`` are
+        given (no [1, E_l + 1] table to build and sum: two launches and a sum per MoE layer).
         """
         el = self.n_local
-        per = recv[:, :el]
-        counts = per.sum(0)
-        if per.shape[0] == 1:  # one source: its rows are already grouped by expert
+        if recv is None or recv.shape[0] == 1:  # one source: rows already grouped by expert
+            if recv is not None:
+                counts, tokens = recv[0, :el], recv[0, el]
             regroup, xg, wg = None, x_recv, w_recv
         else:
+            per = recv[:, :el]
+            counts, tokens = per.sum(0), recv[:, el].sum()
             local_e = torch.repeat_interleave(
-                torch.arange(el, device=x_recv.device).repeat(per.shape[0]), per.reshape(-1))
-            regroup = torch.argsort(local_e, stable=True)  # expert-major, then source, then order
-            xg, wg = _gather_pairs(x_recv, regroup), _gather_pairs(w_recv, regroup)
+                torch.arange(el, device=x_recv.device).repeat(per.shape[0]), per.reshape(-1),
+                output_size=x_recv.shape[0])  # the size known: no host read of the counts
+            regroup = _PairOrder.of(torch.argsort(local_e, stable=True), 1)  # expert-major,
+            xg, wg = _gather_pairs(x_recv, regroup), _gather_pairs(w_recv, regroup)  # then source
         keep = None
         if self.capacity_factor is not None:
             # capacity per expert over the dispatch group: ceil(cf * tokens * K / E)
-            cap = math.ceil(self.capacity_factor * int(recv[:, el].sum()) * self._k
-                            / self.n_experts)
+            cap = math.ceil(self.capacity_factor * int(tokens) * self._k / self.n_experts)
             start = torch.cumsum(counts, 0) - counts
-            pos = torch.arange(xg.shape[0], device=xg.device) - start.repeat_interleave(counts)
+            pos = torch.arange(xg.shape[0], device=xg.device) - start.repeat_interleave(
+                counts, output_size=xg.shape[0])
             keep = pos < cap
             self.last_dropped += int((~keep).sum())
             kept_counts = torch.clamp(counts, max=cap)
@@ -529,7 +567,7 @@ class EPExperts(nn.Module):
             yg = _place_rows(yk, keep.nonzero().squeeze(1), xg.shape[0])
         else:
             yg = self._compute(xg, counts, wg)
-        return yg if regroup is None else _place_rows(yg, regroup)
+        return yg if regroup is None else _place_rows(yg, regroup.order)
 
     def _compute(self, xg: torch.Tensor, counts: torch.Tensor | list[int],
                  wg: torch.Tensor | None = None) -> torch.Tensor:

@@ -189,18 +189,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _sum_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """Sum of the squared elements of ``grads`` in fp64, as one 0-dim tensor on ``device``: the
+    per-tensor norms in one foreach launch per (device, dtype) group (`torch._foreach_norm`,
+    fp64), squared and summed; no host read."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=torch.float64)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
+
+
 def grad_norm(dense: list[nn.Parameter], experts: list[nn.Parameter], layout: Layout
               ) -> torch.Tensor:
-    """Global L2 norm of all adapter gradients (dense shards over the world, experts over EP)."""
+    """Global L2 norm of all adapter gradients (dense shards over the world, experts over EP),
+    a 0-dim fp64 tensor on the parameters' device (reading it is the caller's host sync)."""
     dev = (dense or experts)[0].device if (dense or experts) else torch.device("cpu")
-    sq_dense = torch.zeros((), device=dev, dtype=torch.float64)
-    for p in dense:
-        if p.grad is not None:
-            sq_dense += _local(p.grad).double().pow(2).sum()
-    sq_exp = torch.zeros((), device=dev, dtype=torch.float64)
-    for p in experts:
-        if p.grad is not None:
-            sq_exp += p.grad.double().pow(2).sum()
+    sq_dense = _sum_squares([_local(p.grad) for p in dense if p.grad is not None], dev)
+    sq_exp = _sum_squares([p.grad for p in experts if p.grad is not None], dev)
     if layout.distributed:
         if any(hasattr(p, "to_local") for p in dense):
             dist.all_reduce(sq_dense)
@@ -212,12 +217,26 @@ def grad_norm(dense: list[nn.Parameter], experts: list[nn.Parameter], layout: La
 
 
 def clip_grads(dense: list[nn.Parameter], experts: list[nn.Parameter], layout: Layout,
-               max_norm: float) -> float:
-    """Scale every adapter gradient so the global norm is at most ``max_norm``; returns the norm."""
-    norm = float(grad_norm(dense, experts, layout))
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+               max_norm: float) -> torch.Tensor:
+    """Scale every adapter gradient so the global norm is at most ``max_norm``; returns the norm
+    before clipping as a 0-dim device tensor (`grad_norm`).
+
+    Nothing is read on the host: the step's launches keep queueing behind the backward (the
+    worker reads the norm after the step). The scale ``max_norm / (norm + 1e-6)``, computed in
+    fp64 as before, applies where the norm is finite and above ``max_norm`` and is 1 elsewhere
+    (an exact no-op), rounded to the gradients' dtype as a Python scalar was; one foreach
+    multiply per dtype."""
+    norm = grad_norm(dense, experts, layout)
+    if max_norm > 0:
+        # a true division (``max_norm / tensor`` would be a reciprocal times max_norm), and
+        # `norm != inf` for the host's isfinite (a NaN norm already fails `norm > max_norm`)
+        scale = torch.where((norm > max_norm) & (norm != math.inf),
+                            torch.full_like(norm, max_norm) / (norm + 1e-6), torch.ones_like(norm))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in (*dense, *experts):
             if p.grad is not None:
-                p.grad.mul_(scale)
+                g = _local(p.grad)
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, scale.to(dtype))
     return norm
