@@ -313,13 +313,36 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -
             offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
             return torch._grouped_mm(x, w_t, offs=offs)
         return grouped_mm_loop(x, w_t, _counts(counts, x.device))
-    if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == w_t.dtype == torch.bfloat16:
+    if _eager_grouped_mm(x, w_t):
         offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
         try:
             return torch._grouped_mm(x, w_t, offs=offs)
         except RuntimeError:
             pass
     return matmul_per_group(x, w_t, counts.tolist() if isinstance(counts, torch.Tensor) else counts)
+
+
+def _eager_grouped_mm(x: torch.Tensor, w_t: torch.Tensor) -> bool:
+    """Whether eager `_gmm` runs ``torch._grouped_mm`` (CUDA, both bf16), else the per-expert
+    loop."""
+    return x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == w_t.dtype == torch.bfloat16
+
+
+def _gmms(counts: torch.Tensor | list[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``gmm(x, w_t)``: `_gmm` over the row groups ``counts`` for one experts compute, where the
+    per-expert loops (off CUDA bf16: fp32 expert LoRA, the CPU) read the counts on the host once,
+    not once per matmul (four loops per layer with expert LoRA: four host syncs on CUDA).
+    ``torch._grouped_mm`` keeps the device counts (no host read); so does a compiled step."""
+    host: list = []
+
+    def gmm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        if isinstance(counts, torch.Tensor) and not torch.compiler.is_compiling() \
+                and not _eager_grouped_mm(x, w_t):
+            if not host:
+                host.append(counts.tolist())
+            return _gmm(x, w_t, host[0])
+        return _gmm(x, w_t, counts)
+    return gmm
 
 
 def _grouped_mm_fits(x: torch.Tensor, w_t: torch.Tensor) -> bool:
@@ -592,12 +615,13 @@ class EPExperts(nn.Module):
         if bgu is not None:
             e = torch.repeat_interleave(torch.arange(len(counts), device=xg.device),
                                         _counts(counts, xg.device))
-        h = _gmm(xg, gu.transpose(1, 2), counts)
+        gmm = _gmms(counts)  # the per-expert loops read the counts once
+        h = gmm(xg, gu.transpose(1, 2))
         if bgu is not None:
             h = h + bgu[e].to(h.dtype)
         if self.lora is not None:
-            xa = _gmm(xg.float(), self.lora_A_gate_up.transpose(1, 2), counts)
-            h = h.float() + self.scaling * _gmm(xa, self.lora_B_gate_up.transpose(1, 2), counts)
+            xa = gmm(xg.float(), self.lora_A_gate_up.transpose(1, 2))
+            h = h.float() + self.scaling * gmm(xa, self.lora_B_gate_up.transpose(1, 2))
         pre = wg is not None and bd is None  # the weight goes on the activation
         if self.plain and pre:
             a = (_SwiGLUWeighted.apply(h, wg) if self.swiglu_kernel is None
@@ -612,12 +636,12 @@ class EPExperts(nn.Module):
                 a = self.act(h)
             if pre:
                 a = a * wg.unsqueeze(-1).to(a.dtype)
-        y = _gmm(a.to(dn.dtype), dn.transpose(1, 2), counts)
+        y = gmm(a.to(dn.dtype), dn.transpose(1, 2))
         if bd is not None:
             y = y + bd[e].to(y.dtype)
         if self.lora is not None:
-            aa = _gmm(a.float(), self.lora_A_down.transpose(1, 2), counts)
-            y = y.float() + self.scaling * _gmm(aa, self.lora_B_down.transpose(1, 2), counts)
+            aa = gmm(a.float(), self.lora_A_down.transpose(1, 2))
+            y = y.float() + self.scaling * gmm(aa, self.lora_B_down.transpose(1, 2))
         if wg is not None and not pre:
             y = y * wg.unsqueeze(-1).to(y.dtype)
         return y.to(xg.dtype)
