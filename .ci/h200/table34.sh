@@ -3,7 +3,9 @@
 # profiler), first without fla, then with fla-core 0.6 on the path of both roles (the tool must
 # choose the linear-attention path itself and say so). Runs on a warm Triton cache after the first
 # pair; the numbers are medians over steps 2-8 as the report takes them.
-#   bash .ci/h200/table34.sh        (carry .whl and .whl_fla; ~560 s: each run ~130-145 s cold)
+#   bash .ci/h200/table34.sh        (carry .whl and .whl_fla; ONLY=next or ONLY=moe: one proxy)
+# On a fresh machine the 600 s of one call do not hold the four runs: the first Qwen3-Next run's
+# Triton compiles alone took over 170 s there (twenty-sixth session, call B).
 # Outputs under $OUT: table34.tgz (each run's log and jsonl, no weights) and table34.txt (the rows).
 set -o pipefail
 D=${OUT:-/tmp/out}; O=/tmp/t34; mkdir -p "$D" "$O"
@@ -20,13 +22,14 @@ run() {  # name model extra
   python3 .ci/h200/run_summary.py "$O/$1" | grep -E "^kernels|step s" | cut -c1-400
 }
 echo "--- fla absent" >> "$O/table34.txt"
-run next hf:qwen3_next "$NEXT"
-run moe hf:qwen3_moe "$MOE"
+has() { case ",${ONLY:-next,moe}," in *,$1,*) return 0;; esac; return 1; }
+has next && run next hf:qwen3_next "$NEXT"
+has moe && run moe hf:qwen3_moe "$MOE"
 if [ -n "$FLA_SITE" ]; then
   export PYTHONPATH=$FLA_SITE:$PYTHONPATH
   python3 -c "import fla; print('fla', fla.__version__, 'on the path')" | tee -a "$O/table34.txt"
-  run next_fla hf:qwen3_next "$NEXT"
-  run moe_fla hf:qwen3_moe "$MOE"
+  has next && run next_fla hf:qwen3_next "$NEXT"
+  has moe && run moe_fla hf:qwen3_moe "$MOE"
 else
   echo "fla not carried (.whl_fla): the rows with fla are missing" | tee -a "$O/table34.txt"
 fi
