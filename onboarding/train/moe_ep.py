@@ -297,7 +297,8 @@ def _counts(counts: torch.Tensor | list[int], device) -> torch.Tensor:
     return counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=device)
 
 
-def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int], *,
+         offs: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped ``x_e @ w_t[e]`` over row groups of sizes ``counts``: [R, I] x [E_l, I, O] -> [R, O].
 
     CUDA: ``torch._grouped_mm`` (one launch), its offsets from the counts on the device (no host
@@ -306,7 +307,8 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -
     the same choice without a host read: ``torch._grouped_mm`` where it takes these tensors
     (`_grouped_mm_fits`, decided from shapes and strides), else the loop as one custom op
     (`_grouped_mm.grouped_mm_loop`: the same matmuls, output [R, O] whatever the counts) instead
-    of a graph break at the counts' read and data-dependent split sizes.
+    of a graph break at the counts' read and data-dependent split sizes. ``offs``: the counts'
+    int32 cumulative sum when the caller has it (eager ``torch._grouped_mm``).
     """
     if torch.compiler.is_compiling():
         if x.is_cuda and _grouped_mm_fits(x, w_t):
@@ -314,7 +316,8 @@ def _gmm(x: torch.Tensor, w_t: torch.Tensor, counts: torch.Tensor | list[int]) -
             return torch._grouped_mm(x, w_t, offs=offs)
         return grouped_mm_loop(x, w_t, _counts(counts, x.device))
     if _eager_grouped_mm(x, w_t):
-        offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
+        if offs is None:
+            offs = torch.cumsum(_counts(counts, x.device), 0, dtype=torch.int32)
         try:
             return torch._grouped_mm(x, w_t, offs=offs)
         except RuntimeError:
@@ -331,17 +334,22 @@ def _eager_grouped_mm(x: torch.Tensor, w_t: torch.Tensor) -> bool:
 def _gmms(counts: torch.Tensor | list[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``gmm(x, w_t)``: `_gmm` over the row groups ``counts`` for one experts compute, where the
     per-expert loops (off CUDA bf16: fp32 expert LoRA, the CPU) read the counts on the host once,
-    not once per matmul (four loops per layer with expert LoRA: four host syncs on CUDA).
-    ``torch._grouped_mm`` keeps the device counts (no host read); so does a compiled step."""
+    not once per matmul (four loops per layer with expert LoRA: four host syncs on CUDA), and
+    eager ``torch._grouped_mm`` takes the device counts' offsets made once (one cumsum per
+    layer, not one per matmul; no host read). A compiled step calls `_gmm` as it is."""
     host: list = []
+    offsets: list = []
 
     def gmm(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        if isinstance(counts, torch.Tensor) and not torch.compiler.is_compiling() \
-                and not _eager_grouped_mm(x, w_t):
-            if not host:
-                host.append(counts.tolist())
-            return _gmm(x, w_t, host[0])
-        return _gmm(x, w_t, counts)
+        if not isinstance(counts, torch.Tensor) or torch.compiler.is_compiling():
+            return _gmm(x, w_t, counts)
+        if _eager_grouped_mm(x, w_t):
+            if not offsets:
+                offsets.append(torch.cumsum(counts, 0, dtype=torch.int32))
+            return _gmm(x, w_t, counts, offs=offsets[0])
+        if not host:
+            host.append(counts.tolist())
+        return _gmm(x, w_t, host[0])
     return gmm
 
 
