@@ -388,3 +388,25 @@ def test_a_gpu_kernel_library_on_cpu_tensors_is_named():
     with pytest.raises(ModelRunError) as err:
         capture.record_eager(nn.Linear(3, 2), (torch.randn(2, 4),), {})
     assert "Triton" not in str(err.value)
+
+
+def test_parse_of_a_built_model_equals_a_fresh_build(parse_model):
+    """Training's set-up hands `parse_stage` the model it built (one billion-parameter build, not
+    two): the op graph equals the one from parse_stage's own build, the weights are untouched and
+    the model's train mode comes back."""
+    import torch
+
+    from onboarding.graph.parse import parse_stage
+    from onboarding.train import setup as S
+    from onboarding.train.config import TrainConfig
+
+    cfg = TrainConfig(model="hf:qwen3_next", proxy="tiny", dtype="fp32", device="cpu")
+    info = S.model_info(cfg)
+    model = S.base_model(cfg, info).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert (S.PARSE_SEQ, cfg.seed) == (64, 0)  # parse_stage's defaults: the session's cached parse
+    fresh = parse_model("hf:qwen3_next")  # parse_stage's own build
+    given = parse_stage(info, seq=S.PARSE_SEQ, seed=cfg.seed, model=model)
+    assert json.dumps(given.to_dict(), sort_keys=True) == json.dumps(fresh.to_dict(), sort_keys=True)
+    assert model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

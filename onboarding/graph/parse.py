@@ -135,10 +135,30 @@ def by_kind_params(full: ParamCounts, blocks: list[Block]) -> dict[str, int]:
 
 def parse_stage(info: ModelInfo, *, batch: int = 1, seq: int = 64, seed: int = 0,
                 dtype: torch.dtype = torch.float32, try_export: bool = True,
-                on_step: Callable[[str], None] | None = None) -> OpGraph:
+                on_step: Callable[[str], None] | None = None,
+                model: nn.Module | None = None) -> OpGraph:
+    """The op graph of ``info``'s proxy config. ``model``: that model already built on the CPU in
+    ``dtype`` (from ``seed``, its shipped weights loaded as here), captured instead of a second
+    build (training's set-up: the build is the slow part at billions of parameters); its
+    train/eval mode is restored afterwards."""
     loaded = info.loaded
-    model = loaded.build(info.proxy_config, device="cpu", seed=seed).to(dtype).eval()
-    load_shipped_weights(model, info)
+    training = None
+    if model is None:
+        model = loaded.build(info.proxy_config, device="cpu", seed=seed).to(dtype).eval()
+        load_shipped_weights(model, info)
+    else:
+        training = model.training
+        model.eval()
+    try:
+        return _parse(info, model, batch, seq, seed, dtype, try_export, on_step)
+    finally:
+        if training is not None:
+            model.train(training)
+
+
+def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, dtype: torch.dtype,
+           try_export: bool, on_step: Callable[[str], None] | None) -> OpGraph:
+    loaded = info.loaded
     inputs, kwargs = example_inputs(model, info.proxy_config, batch, seq, seed)
     # a vision tower given a grid (`load.vision`) sizes its attention from the grid's values,
     # which torch.export cannot trace (data-dependent guards): the dispatch recording it is

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ class Built:
     info: ModelInfo
     n_experts: int | None
     tokenizer_dir: Path | None
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each set-up part: weights, graph, cast and move
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -87,7 +89,7 @@ def _graph(cfg: TrainConfig, info: ModelInfo, model: nn.Module) -> OpGraph:
             graph = None
         if graph is not None and _graph_matches(graph, info, model):
             return graph
-    graph = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed)
+    graph = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed, model=model)  # fp32, CPU: as it builds
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Several ranks may get here at once: write privately, then rename atomically.
@@ -141,11 +143,20 @@ def build(cfg: TrainConfig, *, device: torch.device | str = "cpu") -> Built:
     Weights are built in fp32 on the CPU from ``cfg.seed`` (identical in every process), the
     repo's real weights are loaded when they fit the trained config, then cast and moved.
     """
+    t = [time.perf_counter()]
+
+    def lap() -> float:
+        t.append(time.perf_counter())
+        return round(t[-1] - t[-2], 1)
+
     info = model_info(cfg)
     model = base_model(cfg, info)
+    seconds = {"weights": lap()}
     graph = _graph(cfg, info, model)
+    seconds["graph"] = lap()
     n_experts = routed_experts(model, info.proxy_config)
     cast_parameters(model, as_dtype(cfg.dtype))
     model = model.to(device=device)
+    seconds["cast and move"] = lap()
     return Built(model=model, graph=graph, info=info, n_experts=n_experts,
-                 tokenizer_dir=tokenizer_dir(info))
+                 tokenizer_dir=tokenizer_dir(info), seconds=seconds)

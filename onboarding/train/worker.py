@@ -278,7 +278,11 @@ def run(cfg: TrainConfig, role: str) -> None:
     model, graph = built.model, built.graph
     torch.manual_seed(cfg.seed)
 
+    t_prepare = time.perf_counter()
     ep_mods, patches, attached = prepare(cfg, role, built, layout, device)
+    if layout.rank == 0:  # where a run's minutes before step 1 go (a 4B proxy: about a minute)
+        parts = {**built.seconds, "adapters and kernel checks": time.perf_counter() - t_prepare}
+        print("set-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()), flush=True)
     aux_coef, bias_rate = balancing(cfg, model, graph, ep_mods) if role != "baseline" \
         else (0.0, 0.0)
     taps = RouterTaps(model, graph) if aux_coef > 0 else None
