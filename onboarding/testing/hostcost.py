@@ -153,10 +153,22 @@ def _where(frame) -> tuple[str | None, bool]:
             return None, True
         if where is None and f.f_code.co_name == "_engine_run_backward":
             where = ""  # run by autograd's engine, not by a Python backward of ours
-        if where is None and not any(s in fn for s in _SKIP):
+        if where is None and not any(s in fn for s in _SKIP) and not _passthrough(f):
             where = f"{_short(fn)}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return where or None, False
+
+
+def _passthrough(frame) -> bool:
+    """A `TorchFunctionMode` handing a call it does not serve back to torch (a patch binding's
+    intercept while its block runs, `kernel_templates/conv1d/binding.py`): the op is the
+    caller's, not the mode's."""
+    if frame.f_code.co_name != "__torch_function__":
+        return False
+    import linecache
+
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip().startswith(
+        "return func(*args")
 
 
 class HostCostMode(TorchDispatchMode):
