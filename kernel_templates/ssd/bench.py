@@ -27,8 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: template v9's `fwd` "split" at its defaults and at
-  other tiles, v8's `scan` "blocks" with STATE_N 128), forward or forward + backward; they run
+  tuning values beside the default (`SWEEP`: template v10's `split_states` "fill" and "local",
+  forward + backward), forward or forward + backward; they run
   whenever ``ours`` is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
@@ -88,9 +88,18 @@ SHAPES = (
 # ms graph in device call M). v8's other rows were dropped to keep the GPU call short (calls L and M
 # measured them: `scan` "blocks" at its defaults, uncapped, kernel chunks of 128, state chunks of
 # 8, DBC_SPLIT 2 and 4, bwd_maxnreg 0).
-SWEEP = (({"fwd": "split"}, "both"), ({"fwd": "split", "split_states": "fill"}, "bwd"), ({"fwd": "split", "FWD_K": 16}, "fwd"), ({"fwd": "split", "fwd_warps": 8}, "fwd"),
-         ({"fwd": "split", "FWD_M": 32}, "fwd"), ({"fwd": "split", "fwd_maxnreg": 0}, "fwd"),
-         ({"fwd": "split", "STATE_N": 128}, "fwd"), ({"scan": "blocks", "STATE_N": 128}, "fwd"))
+#
+# Template v10 (issue 35's backward; `fwd` "split" the P <= 64 bucket's default since c3230ba, so
+# the rows above went: device call A of the twenty-sixth session measured them): forward + backward
+# only, at most four rows (call A's compiles took 116 s before its first row): `split_states`
+# "fill" (no bars on a GPU yet), "local" (no serial pass over the 128 kernel chunks in either
+# direction, no separate dstate / fill-in launches; the sm_90 bf16 build: the backward chunk kernel
+# 213 registers uncapped, 128 + 360 spill bytes under the bucket's cap of 128; dB/dC 238, 128 + 224)
+# with the cap and without it (bwd_maxnreg 0), and with two pipelining stages in those two kernels
+# (bwd_stages 2: the chunk kernel's shared memory 131072 -> 81920 bytes, two programs per SM again;
+# 128 + 320 spill bytes capped).
+SWEEP = (({"split_states": "fill"}, "bwd"), ({"split_states": "local"}, "bwd"),
+         ({"split_states": "local", "bwd_stages": 2}, "bwd"), ({"split_states": "local", "bwd_maxnreg": 0}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

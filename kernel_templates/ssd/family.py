@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=9,
+    template_version=10,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -131,6 +131,19 @@ FAMILY = FamilySpec(
     # CHUNK tokens (a serial pass over T / CHUNK chunks); "fill" as without a backward (per split
     # chunk, T / (CHUNK * STATE_CHUNKS) pass steps), then one program per (split chunk, head, tile)
     # fills in its chunks' incoming states from its own (STATE_CHUNKS - 1 products in a loop).
+    # "local" (v10): one program per (split chunk, head, tile) walks its chunks from a zero state,
+    # storing each chunk's incoming state from the split chunk's earlier chunks alone and the split
+    # chunk's own state; the pass runs over split chunks (as without a backward), and the backward
+    # completes each chunk's incoming state inside its chunk kernels (local part + exp(decay) x the
+    # split chunk's incoming state). The backward likewise: one reverse loop per split chunk from a
+    # zero gradient (the chunks' local end-state gradients and dy's pull on the split chunk's
+    # incoming state in one kernel, replacing the dstate and fill-in kernels), the reverse pass over
+    # split chunks, and the chunk kernels complete the end-state gradients the same way. No serial
+    # pass over T / CHUNK chunks and no separate fill-in launches in either direction.
+    # bwd_stages (v10): software-pipelining stages of the backward chunk and dB/dC kernels
+    # (Triton's num_stages; 3 is its default): the sm_90 bf16 build at the P <= 64 bucket with
+    # "local" (two more [P, N] tiles per step) takes 131072 bytes of shared memory in the chunk
+    # kernel at 3 (one program per SM), 81920 at 2.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -156,7 +169,8 @@ FAMILY = FamilySpec(
         "FWD_K": (16, 32, 64, 128),
         "fwd_warps": (2, 4, 8),
         "fwd_maxnreg": (0, 128, 168),
-        "split_states": ("pass", "fill"),
+        "split_states": ("pass", "fill", "local"),
+        "bwd_stages": (3, 2),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -182,7 +196,7 @@ FAMILY = FamilySpec(
                     "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
                     "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128, "DBC_SPLIT": 1,
                     "bwd_maxnreg": 0, "fwd": "scan", "FWD_M": 64, "FWD_K": 32, "fwd_warps": 4,
-                    "fwd_maxnreg": 128, "split_states": "pass"},
+                    "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
