@@ -17,7 +17,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from onboarding.errors import InputError
 
@@ -143,13 +143,14 @@ class RunLock:
 
 @contextmanager
 def owned_dir(path: Path, *, created_here: bool, fresh: bool | None = None,
-              resumable: bool = False) -> Iterator[Path]:
+              resumable: bool | Callable[[], bool] = False) -> Iterator[Path]:
     """Create ``path`` (when ``created_here``) and hold its lock for the block.
 
     ``fresh`` (default: ``created_here``): the directory must hold nothing once locked (another
     run that began meanwhile is refused). When the block fails on bad input, or is interrupted
     and the run is not ``resumable``, what this call created is removed again; anything that
-    existed before never is.
+    existed before never is. ``resumable`` may be a function, asked at the interrupt (a run that
+    becomes resumable part-way, e.g. once its config file is written).
     """
     fresh = created_here if fresh is None else fresh
     if created_here:
@@ -176,7 +177,8 @@ def owned_dir(path: Path, *, created_here: bool, fresh: bool | None = None,
     except BaseException as exc:
         # bad input, user code that exited, or an interrupted command that cannot resume
         bad = isinstance(exc, (InputError, SystemExit)) or (
-            isinstance(exc, KeyboardInterrupt) and not resumable)
+            isinstance(exc, KeyboardInterrupt)
+            and not (resumable() if callable(resumable) else resumable))
         if bad and top is not None:
             shutil.rmtree(top, ignore_errors=True)
         elif bad and created_here and fresh:  # the folder was there, empty: empty it again

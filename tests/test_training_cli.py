@@ -77,6 +77,35 @@ def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, caps
     assert not out.exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("written", [True, False], ids=["after-train-toml", "before"])
+def test_interrupted_training_keeps_its_run_once_resumable(tmp_path, monkeypatch, capsys,
+                                                            small_data, written):
+    """Ctrl-C or SIGTERM (a preempted job) while the workers run: the run directory, with its
+    train.toml (and checkpoints, logs), stays, and the message says how to continue; interrupted
+    before train.toml exists, what the command created is removed (nothing to resume)."""
+    from onboarding.train import launch as L
+
+    def interrupted(cfg, dry, **kw):
+        if written:
+            write_config(cfg)
+            (Path(cfg.out) / "train").mkdir()
+            (Path(cfg.out) / "train" / "reference.jsonl").write_text('{"step": 1}\n')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(L, "launch", interrupted)
+    out = tmp_path / "run"
+    rc = main(["train", "hf:qwen3_moe", "--steps", "3", "--checkpoint-interval", "1",
+               "--out", str(out), "--data", str(small_data)])
+    err = capsys.readouterr().err
+    assert rc == 130
+    if written:
+        assert (out / "train.toml").is_file() and (out / "train" / "reference.jsonl").is_file()
+        assert f"onboard train --config {out / 'train.toml'}" in err
+        assert "resumes from its newest checkpoint" in err
+    else:
+        assert not out.exists() and "--config" not in err
+
+
 def test_expert_preflight_graph_reaches_the_workers(tmp_path, small_data, monkeypatch):
     """With expert LoRA, `check` replaces the experts once on the proxy (the preflight) and hands
     its op graph on; `launch` leaves it as <out>/opgraph.json, which the workers load instead of

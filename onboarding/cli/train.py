@@ -220,10 +220,23 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
         return rc
     if plan is not None:
         refuse_unfit(plan, info)  # the full size: before anything is allocated
-    with owned_dir(out, created_here=source is None):
+    # an interrupted run (Ctrl-C, SIGTERM: a preempted job) keeps its folder once its train.toml
+    # is written: its checkpoints and logs are the run; before that it is removed
+    toml = out / "train.toml"
+    with owned_dir(out, created_here=source is None, resumable=toml.is_file):
         if not (out / "model.json").exists():
             save_model_json(info, out, cfg.overrides)
-        rc = launch(cfg, False, console=console, source=source, checked=checked)
+        try:
+            rc = launch(cfg, False, console=console, source=source, checked=checked)
+        except KeyboardInterrupt:
+            if toml.is_file():
+                from onboarding.cli.common import err
+
+                how = ("resumes from its newest checkpoint" if cfg.checkpoint_interval > 0
+                       else "runs it again from step 1 (no --checkpoint-interval)")
+                err.print(f"interrupted: {out} kept; `onboard train --config {toml}` {how}",
+                          highlight=False, markup=False, soft_wrap=True)
+            raise
     _report(out, cfg, console)
     if args.json:
         print(json.dumps(outcome(out, rc), indent=1, default=str))
