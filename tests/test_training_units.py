@@ -27,7 +27,7 @@ def test_config_toml_round_trip(tmp_path):
                                                        "layer_types": ["a", "b"]},
                       out=str(tmp_path), nproc=4, ep=2, fsdp=2, steps=7, lr=3e-4,
                       lora_targets=["auto", "gate_*"], expert_lora=True, capacity_factor=1.25,
-                      data='we "quote"\\path', dtype="bf16")
+                      data='we "quote"\\path', dtype="bf16", init_device="device")
     path = cfg.to_toml(tmp_path / "train.toml")
     text = path.read_text()
     assert text.startswith("#") and "fsdp * ep" in text  # the explaining header
@@ -59,6 +59,7 @@ def test_config_toml_round_trip(tmp_path):
     ({"grad_clip": float("nan")}, None, "grad_clip=nan"),
     ({"dtype": "fp16"}, None, "dtype='fp16': expected one of fp32, bf16"),
     ({"device": "tpu"}, None, "device='tpu'"),
+    ({"init_device": "gpu"}, None, "init_device='gpu': expected one of cpu, device"),
     ({"proxy": "huge"}, None, "proxy='huge'"),
     ({"lora_targets": []}, None, "lora_targets=[]"),
     ({"out": "relative/dir"}, None, "out='relative/dir': must be an absolute path"),
@@ -198,6 +199,22 @@ def built(tmp_path_factory):
         b = cache[ref]
         return copy.deepcopy(b.model), b.graph, b
     return get
+
+
+def test_init_device_is_the_training_device_or_the_cpu():
+    """`init_device`: "cpu" builds on the CPU whatever the training device; "device" on the one
+    the model trains on (here the CPU too, so the same weights as the CPU build)."""
+    from onboarding.train.setup import base_model, init_device, model_info
+
+    cfg = TrainConfig(model="hf:qwen3_moe")
+    assert init_device(cfg, "cuda:1") == torch.device("cpu")
+    on = TrainConfig(model="hf:qwen3_moe", init_device="device")
+    assert init_device(on, "cuda:1") == torch.device("cuda:1")
+    assert init_device(on, "meta") == torch.device("meta")
+    a = base_model(cfg, model_info(cfg))
+    b = base_model(on, model_info(on), "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert next(base_model(on, model_info(on), "meta").parameters()).device.type == "meta"
 
 
 def _logits(model, ids):

@@ -11,7 +11,8 @@ from rich.console import Console
 from onboarding.cli.common import command_parser
 from onboarding.errors import InputError
 from onboarding.load.overrides import int_list
-from onboarding.train.config import BALANCE, COMPILE, PROXIES, RECOMPUTE, TrainConfig
+from onboarding.train.config import (BALANCE, COMPILE, INIT_DEVICES, PROXIES, RECOMPUTE,
+                                     TrainConfig)
 
 # option dest -> TrainConfig field (options left unset take the config defaults)
 FIELDS = {"nproc": "nproc", "ep": "ep", "fsdp": "fsdp", "steps": "steps", "seq": "seq_len",
@@ -22,7 +23,7 @@ FIELDS = {"nproc": "nproc", "ep": "ep", "fsdp": "fsdp", "steps": "steps", "seq":
           "bias_rate": "bias_rate", "checkpoint_dir": "checkpoint_dir",
           "stall_timeout": "stall_timeout", "alert_webhook": "alert_webhook",
           "checkpoint_interval": "checkpoint_interval", "seed": "seed", "dtype": "dtype",
-          "device": "device", "data": "data", "proxy": "proxy",
+          "device": "device", "init_device": "init_device", "data": "data", "proxy": "proxy",
           "trust_remote_code": "trust_remote_code", "capacity_factor": "capacity_factor",
           "profile_every": "profile_every", "kernels": "kernels", "baseline": "baseline"}
 
@@ -110,6 +111,11 @@ def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
                    help="blocks: torch.compile of each decoder layer (regional, inside recompute "
                         "and FSDP2), from the second step on (the first runs eagerly: kernel "
                         "patches calibrate there); a compile failure stops the run; default none")
+    t.add_argument("--init-device", choices=INIT_DEVICES, default=None,
+                   help="where the seed's base weights are made: cpu (default; the same weights "
+                        "on every machine, slow at billions of parameters: one CPU thread fills "
+                        "each tensor) or device (on the training device: seconds; the same "
+                        "weights on every device of one kind, not the CPU's)")
     t.add_argument("--balance", choices=BALANCE, default=None,
                    help="expert load balancing: auto (the model's own; default), none, aux-loss "
                         "(Switch loss added to the LM loss), bias (aux-loss-free score bias, "

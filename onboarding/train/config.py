@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 RECOMPUTE = ("none", "selective", "full")  # the same three as `onboard plan --recompute`
 BALANCE = ("auto", "none", "aux-loss", "bias")
 COMPILE = ("none", "blocks")  # `onboarding.train.compile`
+INIT_DEVICES = ("cpu", "device")  # where the seed's base weights are made (`train.setup`)
 
 # One line per field: the header comment of the written TOML file.
 FIELD_DOCS = {
@@ -57,6 +58,8 @@ FIELD_DOCS = {
     "seed": "seed of the proxy weights, adapters and data order",
     "dtype": "base weight dtype fp32 | bf16 (adapters and optimizer state stay fp32)",
     "device": "auto | cpu | cuda",
+    "init_device": "where the seed's base weights are made: cpu (the same on every machine) | "
+                   "device (the training device: fast; the same on every device of one kind)",
     "capacity_factor": "expert capacity factor; absent = dropless",
     "data": "JSONL (prompt/response or text), .txt file or directory; absent = built-in corpus",
     "kernels": "use onboard kernels on the GPU where they exist",
@@ -101,6 +104,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "fp32"
     device: str = "auto"
+    init_device: str = "cpu"
     capacity_factor: float | None = None
     data: str | None = None
     kernels: bool = True
@@ -162,6 +166,7 @@ class TrainConfig:
         if not 0.0 <= self.lora_dropout < 1.0:
             raise InputError(f"lora_dropout={self.lora_dropout}: must be in [0, 1)")
         for name, allowed in (("proxy", PROXIES), ("dtype", DTYPES), ("device", DEVICES),
+                              ("init_device", INIT_DEVICES),
                               ("recompute", RECOMPUTE), ("compile", COMPILE),
                               ("balance", BALANCE)):
             if getattr(self, name) not in allowed:
@@ -258,7 +263,7 @@ _TYPES = {"model": str, "overrides": dict, "trust_remote_code": bool, "proxy": s
           "lora_targets": list, "expert_lora": bool, "activation_checkpointing": bool,
           "recompute": str, "compile": str, "balance": str, "checkpoint_dir": (str, type(None)),
           "alert_webhook": (str, type(None)), "aux_loss_coef": (int, float, type(None)),
-          "dtype": str, "device": str, "data": (str, type(None)), "kernels": bool, "baseline": bool, "export": bool,
+          "dtype": str, "device": str, "init_device": str, "data": (str, type(None)), "kernels": bool, "baseline": bool, "export": bool,
           "capacity_factor": (int, float, type(None))}
 _INTS = ("nproc", "ep", "fsdp", "steps", "seq_len", "micro_batch", "warmup_steps", "lora_rank",
          "checkpoint_interval", "seed", "profile_every")

@@ -208,6 +208,7 @@ def save_base(cfg: TrainConfig, changed: dict[str, torch.Tensor], out_dir: Path
                 else model.get_buffer(name)
             target.copy_(t)
     cast_parameters(model, as_dtype(cfg.dtype))
+    model.cpu()  # built on the training device under init_device = "device": saved from the CPU
     out_dir = Path(out_dir)
     try:
         model.save_pretrained(str(out_dir))

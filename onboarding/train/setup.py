@@ -89,6 +89,8 @@ def _graph(cfg: TrainConfig, info: ModelInfo, model: nn.Module) -> OpGraph:
             graph = None
         if graph is not None and _graph_matches(graph, info, model):
             return graph
+    if next(model.parameters(), torch.empty(0)).device.type != "cpu":
+        model.cpu()  # built on the training device (`init_device`): captured on the CPU
     graph = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed, model=model)  # fp32, CPU: as it builds
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,10 +130,26 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
-def base_model(cfg: TrainConfig, info: ModelInfo) -> nn.Module:
-    """The base weights that train, in fp32 on the CPU: built from ``cfg.seed`` (the same in
-    every process and every call), the repo's weights loaded when they fit the trained config."""
-    model = info.loaded.build(info.proxy_config, device="cpu", seed=cfg.seed).float()
+def init_device(cfg: TrainConfig, device: torch.device | str | None = None) -> torch.device:
+    """Where ``cfg``'s base weights are made (`TrainConfig.init_device`): the CPU (the same
+    weights on every machine), or the training device (``device``; None: `resolve_device`, the
+    current CUDA device there). torch's CPU generator fills each tensor on one thread (a
+    1.38 B-parameter build took 20 s on this project's 2-core CI machine, `normal_` most of it);
+    a CUDA build takes seconds and gives the same weights on every GPU of one kind, not the
+    CPU's. Every role, rank and rebuild of a run (the baseline, resume, the exported base) reads
+    the same config, so all make the same weights."""
+    if cfg.init_device != "device":
+        return torch.device("cpu")
+    return torch.device(device) if device is not None else resolve_device(cfg)
+
+
+def base_model(cfg: TrainConfig, info: ModelInfo, device: torch.device | str | None = None
+               ) -> nn.Module:
+    """The base weights that train, in fp32 on `init_device`: built from ``cfg.seed`` (the same
+    in every process and every call), the repo's weights loaded when they fit the trained
+    config."""
+    model = info.loaded.build(info.proxy_config, device=init_device(cfg, device),
+                              seed=cfg.seed).float()
     if _uses_weights(info):
         load_weights(model, info.loaded.weights)
     return model
@@ -140,8 +158,8 @@ def base_model(cfg: TrainConfig, info: ModelInfo) -> nn.Module:
 def build(cfg: TrainConfig, *, device: torch.device | str = "cpu") -> Built:
     """The model to train on ``device`` with base weights in ``cfg.dtype``, its op graph and facts.
 
-    Weights are built in fp32 on the CPU from ``cfg.seed`` (identical in every process), the
-    repo's real weights are loaded when they fit the trained config, then cast and moved.
+    Weights are built in fp32 on `init_device` from ``cfg.seed`` (identical in every process),
+    the repo's real weights are loaded when they fit the trained config, then cast and moved.
     """
     t = [time.perf_counter()]
 
@@ -150,7 +168,7 @@ def build(cfg: TrainConfig, *, device: torch.device | str = "cpu") -> Built:
         return round(t[-1] - t[-2], 1)
 
     info = model_info(cfg)
-    model = base_model(cfg, info)
+    model = base_model(cfg, info, device)
     seconds = {"weights": lap()}
     graph = _graph(cfg, info, model)
     seconds["graph"] = lap()

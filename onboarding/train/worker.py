@@ -289,6 +289,9 @@ def run(cfg: TrainConfig, role: str) -> None:
     blocks = decoder_blocks(model, graph)
     apply_recompute(model, graph, blocks, cfg.recompute_mode)
     shard(model, layout, blocks, ep_mods)
+    if device.type == "cuda" and cfg.init_device == "device":
+        # the fp32 build on the GPU is set-up, not training memory: the peak counts from here
+        torch.cuda.reset_peak_memory_stats(device)
     model.train()
     # compile = "blocks": each decoder layer compiled after the first (eager) step, inside
     # recompute and FSDP2 (`onboarding.train.compile`); the baseline stays as users run it
