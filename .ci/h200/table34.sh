@@ -4,6 +4,8 @@
 # linear-attention path itself and say so). Numbers: medians over steps 2-8 as the report takes them.
 #   bash .ci/h200/table34.sh        (carry .whl, .whl_fla; ONLY=next or ONLY=moe: one proxy)
 # FLA: "both" (default: the runs without fla, then with, on one GPU), "0" or "1" (one of them).
+# EXTRA: options added to every run (e.g. EXTRA="--init-device device": the weights made on the GPU,
+# each role's set-up line shows what that saves).
 # GPUS=2 (on nvidia-h200-x2): the runs without fla on GPU 0 and those with fla on GPU 1 at the same
 # time (32 host cores for two processes; one shared Triton cache). On one GPU of a fresh machine the
 # 600 s of a call do not hold the four runs: the first Qwen3-Next run's Triton compiles alone took
@@ -15,7 +17,7 @@ OUT=$O source .ci/h200/setup.sh || exit 1
 t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 left() { local l=$(( ${BUDGET:-540} - $(date +%s) + t0 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 source .ci/h200/proxies.sh
-COMMON="$WIDTHS --nproc 1 --steps 8 --seq 2048 --micro-batch 8 --dtype bf16 --baseline"
+COMMON="$WIDTHS --nproc 1 --steps 8 --seq 2048 --micro-batch 8 --dtype bf16 --baseline ${EXTRA:-}"
 run() {  # name model extra (the run's cap: what is left, at most CAP s)
   local t; t=$(left "${CAP:-200}"); [ "$t" -lt 60 ] && { echo "skip $1: $t s left" | tee -a "$O/$1.txt"; return; }
   stamp "$1"
