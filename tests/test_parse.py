@@ -400,12 +400,12 @@ def test_parse_of_a_built_model_equals_a_fresh_build(parse_model):
     from onboarding.train import setup as S
     from onboarding.train.config import TrainConfig
 
-    cfg = TrainConfig(model="hf:qwen3_next", proxy="tiny", dtype="fp32", device="cpu")
+    cfg = TrainConfig(model="hf:qwen3_moe", proxy="tiny", dtype="fp32", device="cpu")
     info = S.model_info(cfg)
     model = S.base_model(cfg, info).train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert (S.PARSE_SEQ, cfg.seed) == (64, 0)  # parse_stage's defaults: the session's cached parse
-    fresh = parse_model("hf:qwen3_next")  # parse_stage's own build
+    fresh = parse_model("hf:qwen3_moe")  # parse_stage's own build
     given = parse_stage(info, seq=S.PARSE_SEQ, seed=cfg.seed, model=model)
     assert json.dumps(given.to_dict(), sort_keys=True) == json.dumps(fresh.to_dict(), sort_keys=True)
     assert model.training
