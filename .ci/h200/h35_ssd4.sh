@@ -1,4 +1,5 @@
-# Device call for issue 35 (H200), ssd template v9's `fwd` "split" (the forward as five launches
+# Device call for issue 35 (H200; run in the twenty-sixth session, call A: since then "split" is
+# the P <= 64 forward and its bars row is [default], so step 1 below selects nothing), ssd template v9's `fwd` "split" (the forward as five launches
 # with many small programs over chunks of 256 tokens; off by default). Self-contained: sources
 # setup.sh. Carry .whl and .anchors (mamba_ssm 2.3.2.post1's source tree and
 # .anchors/wheels/einops-*.whl, git-ignored):

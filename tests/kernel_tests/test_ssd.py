@@ -84,7 +84,7 @@ SC1 = {"STATE_CHUNKS": 1}  # the one-chunk state passes, where `pass` acts
                                  {"gstate": "input", **SC1},
                                  {"state": "input", "gstate": "input", "pass": "fused", **SC1},
                                  {"state": "input", "scan": "blocks"},
-                                 # nightly (7 s): the GPU bars' [fwd-split] row checks the 16-bit path
+                                 # nightly (7 s): the GPU bars' [default] row checks the 16-bit path (split at P <= 64)
                                  pytest.param({"state": "input", "fwd": "split"}, marks=pytest.mark.slow)],
                          ids=["fp32", "input", "input-split", "input-fused", "gstate-input-split",
                               "both-input-fused", "input-blocks", "input-fwd-split"])
