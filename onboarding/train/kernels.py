@@ -484,3 +484,24 @@ def attach_loss_kernel(model: nn.Module, root: Path, *, rank: int, torch_path,
         check=lambda m: check_loss_kernel(kernel, torch_path, vocab, dt, dev,
                                           ignore_index=ignore_index),
         attach=lambda m: setattr(m, LOSS_KERNEL_ATTR, LossKernel(kernel, vocab, dt)))
+
+
+def attach_training_kernels(model: nn.Module, graph: OpGraph, ep_mods: list, root: Path, *,
+                            rank: int, distributed: bool, torch_loss, ignore_index: int):
+    """Every onboard kernel training puts into ``model`` (the worker on CUDA, and the CPU
+    fixtures that measure a step as CUDA runs it): the op graph's blocks (`patch_kernels`), then
+    the grouped expert LoRA, the weighted SwiGLU, the pair sums, the LoRA layers and the loss
+    (``torch_loss``: the torch path the loss kernel replaces), each under its own folder of
+    ``root``. Returns (the `PatchSet`, the attached kernels' counts)."""
+    patches = patch_kernels(model, graph, root, rank=rank, distributed=distributed)
+    attached = attach_expert_kernels(ep_mods, root / "experts", rank=rank)
+    # the other plain SwiGLU experts: the routing-weighted activation in one pass each way
+    attached.update(attach_swiglu_kernels(ep_mods, root / "weighted_act", rank=rank))
+    # every experts module's pair sums (combine, gather backward): one Triton pass each
+    attached.update(attach_pair_sum_kernels(ep_mods, root / "pair_sums", rank=rank))
+    # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
+    attached.update(attach_lora_kernels(model, root / "lora_linear", rank=rank))
+    # the loss (`lm_loss`, chunked): one fused cross-entropy kernel instead of `_ChunkedCE`
+    attached.update(attach_loss_kernel(model, root / "loss", rank=rank, torch_path=torch_loss,
+                                       ignore_index=ignore_index))
+    return patches, attached

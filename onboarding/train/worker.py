@@ -151,24 +151,12 @@ def prepare(cfg: TrainConfig, role: str, built, layout: Layout, device: torch.de
                 alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, seed=cfg.seed)
     patches, attached = None, {}
     if cfg.kernels and device.type == "cuda":
-        from onboarding.train.kernels import (attach_expert_kernels, attach_lora_kernels,
-                                              attach_loss_kernel, attach_pair_sum_kernels,
-                                              attach_swiglu_kernels, patch_kernels)
+        from onboarding.train.kernels import attach_training_kernels
 
-        kdir = Path(cfg.out) / "train" / "kernels"
-        patches = patch_kernels(model, graph, kdir, rank=layout.rank,
-                                distributed=layout.distributed)
-        attached = attach_expert_kernels(ep_mods, kdir / "experts", rank=layout.rank)
-        # the other plain SwiGLU experts: the routing-weighted activation in one pass each way
-        attached.update(attach_swiglu_kernels(ep_mods, kdir / "weighted_act", rank=layout.rank))
-        # every experts module's pair sums (combine, gather backward): one Triton pass each
-        attached.update(attach_pair_sum_kernels(ep_mods, kdir / "pair_sums", rank=layout.rank))
-        # training's LoRALinear layers on the lora family's fused kernel; counts join the summary
-        attached.update(attach_lora_kernels(model, kdir / "lora_linear", rank=layout.rank))
-        # the loss (`lm_loss`, chunked): one fused cross-entropy kernel instead of `_ChunkedCE`
-        attached.update(attach_loss_kernel(model, kdir / "loss", rank=layout.rank,
-                                           torch_path=chunked_cross_entropy,
-                                           ignore_index=IGNORE_INDEX))
+        patches, attached = attach_training_kernels(
+            model, graph, ep_mods, Path(cfg.out) / "train" / "kernels", rank=layout.rank,
+            distributed=layout.distributed, torch_loss=chunked_cross_entropy,
+            ignore_index=IGNORE_INDEX)
     return ep_mods, patches, attached
 
 
