@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from onboarding.graph.opgraph import Block
-from onboarding.patching.core import PatchRecord, entry_function
+from onboarding.patching.core import PatchRecord, entry_function, swap_forward
 
 
 class _ConvIntercept(TorchFunctionMode):
@@ -78,14 +78,5 @@ def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: Pat
         with intercept:
             return original(*args, **kwargs)
 
-    had_own, previous = "forward" in owner.__dict__, owner.__dict__.get("forward")
-    owner.forward = forward
     record.binding = f"conv1d calls with {block.path}.weight inside {owner_path or 'model'}"
-
-    def undo() -> None:
-        if had_own:
-            owner.forward = previous
-        else:
-            owner.__dict__.pop("forward", None)
-
-    return undo
+    return swap_forward(owner, forward)

@@ -164,7 +164,6 @@ class CallSwapPatch:
         self.swaps = {(where, name): _Swap(fn, kernel, self, f"{where} {name}")
                       for where, name, fn in reachable(module, interface.fits)}
         self.original = module.forward
-        self.had_own = "forward" in module.__dict__
         self.calls = 0
 
     def calibrated(self, name: str, ok: bool, why: str) -> None:
@@ -195,12 +194,6 @@ class CallSwapPatch:
                 self.record.detail = self.record.detail or \
                     f"no {self.interface.what} call matched"
 
-    def undo(self) -> None:
-        if self.had_own:
-            self.module.forward = self.original
-        else:
-            self.module.__dict__.pop("forward", None)
-
 
 def install(module: nn.Module, kernel: Callable, record: Any, interface: Interface,
             none_found: str) -> Callable[[], None] | None:
@@ -210,6 +203,7 @@ def install(module: nn.Module, kernel: Callable, record: Any, interface: Interfa
     if not patch.swaps:
         record.status, record.detail = "rejected", none_found
         return None
-    module.forward = patch.forward
+    from onboarding.patching.core import swap_forward
+
     record.binding = "calibrating: " + ", ".join(s.name for s in patch.swaps.values())
-    return patch.undo
+    return swap_forward(module, patch.forward)

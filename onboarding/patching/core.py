@@ -73,6 +73,22 @@ class PatchSet:
         return [r for r in self.records if r.status == "active"]
 
 
+def swap_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
+    """Set ``module.forward`` (an instance attribute, which ``module(...)`` calls) to ``forward``;
+    returns the undo, which puts back the instance ``forward`` the module had (or none, so the
+    class's serves again)."""
+    had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+    module.forward = forward
+
+    def undo() -> None:
+        if had_own:
+            module.forward = previous
+        else:
+            module.__dict__.pop("forward", None)
+
+    return undo
+
+
 def entry_function(mod: ModuleType) -> Callable:
     """The user-facing function of a rendered module (its ``entry``, by the module contract)."""
     if callable(getattr(mod, "entry", None)):
@@ -160,14 +176,7 @@ def calibrated(module: nn.Module, record: PatchRecord, bindings: dict[str, Calla
     if not bindings:
         record.status, record.detail = "rejected", "structure does not fit the kernel"
         return None
-    had_own = "forward" in module.__dict__
-    module.forward = _Calibrated(module, record, bindings, adapt)
-
-    def undo() -> None:
-        if not had_own:
-            module.__dict__.pop("forward", None)
-
-    return undo
+    return swap_forward(module, _Calibrated(module, record, bindings, adapt))
 
 
 def _experts_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -425,14 +434,5 @@ def swap_blocks(model: nn.Module, swaps: list[BlockSwap], patches: PatchSet | No
             _record.status = "active"
             return _fn(*args, **kwargs)
 
-        had_own, previous = "forward" in module.__dict__, module.__dict__.get("forward")
-        module.forward = forward
-
-        def undo(module=module, had_own=had_own, previous=previous) -> None:
-            if had_own:
-                module.forward = previous
-            else:
-                module.__dict__.pop("forward", None)
-
-        patches._undo.append(undo)
+        patches._undo.append(swap_forward(module, forward))
     return patches

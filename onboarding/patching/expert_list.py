@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from onboarding.patching.core import PatchRecord, _matches
+from onboarding.patching.core import PatchRecord, _matches, swap_forward
 
 
 class StackedExperts:
@@ -151,17 +151,12 @@ class _ListPatch:
         self.fn = fn
         self.chosen: str | None = None
         self.checked: set[int] = set()
-        self.had_own = ["forward" in m.__dict__ for m in members]
         self.originals = [m.forward for m in members]
-        for e, m in enumerate(members):
-            m.forward = self._forward(e)
+        self._undo = [swap_forward(m, self._forward(e)) for e, m in enumerate(members)]
 
     def undo(self) -> None:
-        for m, had, orig in zip(self.members, self.had_own, self.originals):
-            if had:
-                m.forward = orig
-            else:
-                m.__dict__.pop("forward", None)
+        for undo in self._undo:
+            undo()
 
     def _reject(self, detail: str) -> None:
         self.record.status, self.record.detail = "rejected", detail[:200]

@@ -317,11 +317,6 @@ def patch_sparse_block(module: nn.Module, bindings: dict[str, tuple[Callable, in
     """Run ``module``'s forward under the intercept with ``bindings`` (see `SparseIntercept`);
     ``prefer_dense(q, k, topk, backward)`` sends a calibrated call to the block's own attention
     instead when truthy (the family's choice by shape; a str says why). Returns the undo."""
-    had_own = "forward" in module.__dict__
-    module.forward = SparseBlock(module, record, bindings, prefer_dense)
+    from onboarding.patching.core import swap_forward
 
-    def undo() -> None:
-        if not had_own:
-            module.__dict__.pop("forward", None)
-
-    return undo
+    return swap_forward(module, SparseBlock(module, record, bindings, prefer_dense))

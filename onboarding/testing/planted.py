@@ -76,7 +76,6 @@ def plant(module: nn.Module, kind: str, amount: float = 0.0, direction: str = "f
         raise ValueError(f"plant direction {direction!r}: expected 'fwd' or 'bwd'")
     if kind == "sign" and direction != "bwd" or kind == "row" and direction != "fwd":
         raise ValueError(f"a {kind!r} plant is {'backward' if kind == 'sign' else 'forward'} only")
-    had_own = "forward" in module.__dict__
     original = module.forward
 
     def forward(*args, **kwargs):
@@ -101,12 +100,6 @@ def plant(module: nn.Module, kind: str, amount: float = 0.0, direction: str = "f
             raise ValueError(f"{type(module).__name__} returned no floating tensor to plant in")
         return out
 
-    module.forward = forward
+    from onboarding.patching.core import swap_forward
 
-    def undo() -> None:
-        if had_own:
-            module.forward = original
-        else:
-            del module.forward
-
-    return undo
+    return swap_forward(module, forward)

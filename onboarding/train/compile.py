@@ -68,16 +68,13 @@ class CompiledBlocks:
     """The decoder layers whose ``forward`` is compiled, and how to give them back."""
 
     paths: list[str] = field(default_factory=list)
-    _restore: list = field(default_factory=list, repr=False)
+    _undo: list = field(default_factory=list, repr=False)
 
     def restore(self) -> None:
         """Each layer's ``forward`` as before `compile_blocks` (the eager model again)."""
-        for block, had_own, before in reversed(self._restore):
-            if had_own:
-                block.forward = before
-            else:
-                block.__dict__.pop("forward", None)
-        self._restore.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
 
 def undecided_patches(patches) -> list[str]:
@@ -101,12 +98,12 @@ def compile_blocks(blocks: list[tuple[str, nn.Module]], *, patches=None,
                             f"{', ...' if len(pending) > 4 else ''}): compile after the first step")
     _configure()
     done = CompiledBlocks()
+    from onboarding.patching.core import swap_forward
+
     for path, block in blocks:
-        had_own = "forward" in block.__dict__
-        before = block.forward
-        block.forward = torch.compile(before, backend=backend or BACKEND)
         done.paths.append(path)
-        done._restore.append((block, had_own, before))
+        done._undo.append(swap_forward(block, torch.compile(block.forward,
+                                                            backend=backend or BACKEND)))
     return done
 
 
