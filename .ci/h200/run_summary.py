@@ -1,7 +1,8 @@
 """What a device call prints of one `onboard train` run directory: per step row file the kernels'
 summary, the step times (and the compile mode and counters where the run compiled), the medians
-of tok/s and MFU and the peak memory from step 2 and from step 3 on; per profile the wall and
-kernel times by phase, category and autograd node, and its top kernels.
+of tok/s and MFU and the peak memory from step 2 and from step 3 on; per profile the wall, device
+busy and host-gap times, the kernel times by phase, category and autograd node, and its top
+kernels.
 
     python3 .ci/h200/run_summary.py RUN_DIR [--kernels-like copy,Cat,...]
 
@@ -39,7 +40,8 @@ for f in sorted(glob.glob(args.run + "/train/*.jsonl")):
                 max(r["peak_mem_bytes"] for r in late) / 2**30))
 for f in sorted(glob.glob(args.run + "/train/profile_*.json")):
     p = json.load(open(f))
-    print(f.rsplit("/", 1)[1], "wall %.1f ms, kernels %.1f ms" % (p["wall_ms"], p["kernel_ms"]),
+    print(f.rsplit("/", 1)[1], "wall %.1f ms, device busy %s ms, host gaps %s ms, kernels %.1f ms" % (
+        p["wall_ms"], p.get("device_busy_ms"), p.get("host_gap_ms"), p["kernel_ms"]),
           "by phase", json.dumps(p["by_phase"]))
     print("  by category", json.dumps(p["by_category"]))
     nodes = sorted(p["by_autograd_node"].items(), key=lambda kv: -kv[1])[:16]
