@@ -61,6 +61,20 @@ def check_match(family, block, expected: tuple[str, dict] | None) -> None:
     assert got == {"variant": variant, "params": family.FAMILY.resolve(variant, params)}
 
 
+def training_root(tmp_path_factory, device, kind: str, cpu_config: dict):
+    """A kernels dir the training stage's attach of ``kind`` renders into, with the module it
+    serves rendered there (the same module object the attach loads: modules are cached by
+    content) and, on the CPU, pinned to the test's small tiles ``cpu_config``."""
+    from onboarding.families import training_kernel
+    from onboarding.train.kernels import load_training_variant
+
+    root = tmp_path_factory.mktemp(kind.replace(".", "_"))
+    mod = load_training_variant(training_kernel(kind), root, 0)
+    if device.type == "cpu":
+        mod.set_config(cpu_config)
+    return root
+
+
 @pytest.fixture(scope="session")
 def kernel_root(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from conftest import training_root
 
 from onboarding.families import training_kernel
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
@@ -170,13 +171,8 @@ class _TinyLM(nn.Module):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, device):
-    """The kernels dir `attach_loss_kernel` renders into, with the rendered module (the same
-    module object it loads: modules are cached by content) pinned to small CPU tiles."""
-    root = tmp_path_factory.mktemp("loss_train")
-    mod = K.load_training_variant(training_kernel(KIND), root, 0)
-    if device.type == "cpu":
-        mod.set_config(CPU_CONFIG)
-    return root
+    """The kernels dir `attach_loss_kernel` renders into (`training_root`)."""
+    return training_root(tmp_path_factory, device, KIND, CPU_CONFIG)
 
 
 def _attach(model, root, **kw):

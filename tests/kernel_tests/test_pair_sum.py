@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from conftest import training_root
 
 from onboarding.bench.harness import time_fn
 from onboarding.families import training_kernel
@@ -159,13 +160,8 @@ def _experts(device, layer: int = 0, e: int = 5, d: int = 37, f: int = 13) -> EP
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, device):
-    """The kernels dir `attach_pair_sum_kernels` renders into, with the rendered module (the same
-    module object it loads: modules are cached by content) pinned to small CPU tiles."""
-    root = tmp_path_factory.mktemp("pair_sum_train")
-    mod = K.load_training_variant(training_kernel(KIND), root, 0)
-    if device.type == "cpu":
-        mod.set_config(CPU_CONFIG)
-    return root
+    """The kernels dir `attach_pair_sum_kernels` renders into (`training_root`)."""
+    return training_root(tmp_path_factory, device, KIND, CPU_CONFIG)
 
 
 def test_check_passes_the_kernel_and_rejects_wrong_ones(module, device):
