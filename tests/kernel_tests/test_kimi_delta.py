@@ -393,22 +393,26 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
     check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True, case, slow)
 
 
-# The bench's fwd+bwd sweep rows (bench.BWD_SWEEP): each within the bf16 bars on the GPU.
-@pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
-                                 for c in kimi_delta.bench.BWD_SWEEP])
-def test_bf16_vs_fp32_on_gpu_bwd_sweep(cfg):
+def _sweep_rows(sweep):
+    return [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items())) for c in sweep]
+
+
+def _sweep_row_bars(cfg):
+    """The GPU bf16 bars (`check_bf16_vs_fp32_gpu`) under one sweep row's config."""
     if DEVICE.type != "cuda":
         pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
     with pinned(load(kimi_delta.FAMILY, {"chunk_size": 64}), cfg):
         check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True)
+
+
+# The bench's fwd+bwd sweep rows (bench.BWD_SWEEP): each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.BWD_SWEEP))
+def test_bf16_vs_fp32_on_gpu_bwd_sweep(cfg):
+    _sweep_row_bars(cfg)
 
 
 # The bench's forward sweep rows (bench.FWD_SWEEP: the prepare step's alternatives): each within the
 # bf16 bars on the GPU, forward and every gradient (the backward takes the forward's Tm, M, Aqk).
-@pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
-                                 for c in kimi_delta.bench.FWD_SWEEP])
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.FWD_SWEEP))
 def test_bf16_vs_fp32_on_gpu_fwd_sweep(cfg):
-    if DEVICE.type != "cuda":
-        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
-    with pinned(load(kimi_delta.FAMILY, {"chunk_size": 64}), cfg):
-        check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True)
+    _sweep_row_bars(cfg)
