@@ -1208,3 +1208,23 @@ def test_zero_expert_slots_forward_and_gradients(parse_model, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     zero = idx >= real
     assert torch.allclose(got[2][zero], (dy[:, None, :] * x[:, None, :]).sum(-1).expand(n, k)[zero], atol=1e-4)
+
+
+def test_swap_forward_undo_puts_back_what_the_module_had():
+    """`swap_forward`'s undo restores the module's own instance ``forward`` when it had one (a
+    patch over another patch, recompute's wrapper) and the class's otherwise; twice is harmless."""
+    from torch import nn
+
+    from onboarding.patching.core import swap_forward
+
+    m = nn.Identity()
+    undo = swap_forward(m, lambda x: x + 1)
+    assert m(torch.zeros(1)).item() == 1.0
+    undo()
+    undo()
+    assert "forward" not in m.__dict__ and m(torch.zeros(1)).item() == 0.0
+    m.forward = lambda x: x * 3  # an instance forward already there
+    outer = swap_forward(m, lambda x: x - 5)
+    assert m(torch.ones(1)).item() == -4.0
+    outer()
+    assert m(torch.ones(1)).item() == 3.0
