@@ -6,7 +6,8 @@
 # 2 steps, then started again from its train.toml; the uninterrupted run a second time, to tell a
 # resume fault from a backward that is not bit-reproducible on CUDA; the loss curves and gradient
 # norms are printed side by side).
-#   bash .ci/h200/call_u.sh      (carry .whl; PARTS=resume or PARTS=sweep: one part)
+#   bash .ci/h200/call_u.sh      (carry .whl; PARTS=resume or PARTS=sweep: one part; EXTRA: options
+#   added to the sweep, e.g. EXTRA="--init-device device")
 set -o pipefail
 D=${OUT:-/tmp/out}; O=/tmp/u; mkdir -p "$D" "$O"
 OUT=$O source .ci/h200/setup.sh || exit 1
@@ -37,7 +38,7 @@ stamp seq-sweep
 source .ci/h200/proxies.sh
 timeout "$(left 480)" onboard train hf:qwen3_next --proxy none $WIDTHS $NEXT \
   --set max_position_embeddings=262144 --nproc 1 --steps 3 --micro-batch 1 --dtype bf16 \
-  --recompute "${RECOMPUTE:-full}" --seq-sweep "${LENGTHS:-4096,16384,65536}" --out "$O/sweep" > "$O/sweep.log" 2>&1
+  --recompute "${RECOMPUTE:-full}" ${EXTRA:-} --seq-sweep "${LENGTHS:-4096,16384,65536}" --out "$O/sweep" > "$O/sweep.log" 2>&1
 echo "sweep exit $?"; grep -A12 "seq " "$O/sweep.log" | head -20
 fi
 stamp end
