@@ -23,11 +23,10 @@ SHAPES = (
 # could not be named by --impl, whose list splits at commas). Rows on request only (--impl names
 # them: ours@kda_prep=split_fwd): the default bench and the nightly suite leave them (and their
 # compiles) out.
-# Then (template v23, untimed) the one-kernel prepare at 8 warps (`kda_prep_warps`), its K tile
-# 16 (`prep_bk`; sm_90 AOT bf16 K 128, registers / spill bytes: 4 warps BK 32 255 / 992, BK 16
-# 255 / 32; 8 warps BK 32 255 / 100, BK 16 255 / 0), and KDA's own form of it (`kda_prep` "fused2").
-FWD_SWEEP = ({"kda_prep": "split"}, {"kda_prep_warps": 8}, {"prep_bk": 16}, {"prep_bk": 16, "kda_prep_warps": 8},
-             {"kda_prep": "fused2"}, {"kda_prep": "fused2", "prep_bk": 16, "kda_prep_warps": 8})
+# Template v23's other forward rows (the fused prepare at 8 warps, `kda_prep_warps`; its K tile 16,
+# `prep_bk`; both; `kda_prep` "fused2", since removed) all lost to the default on the H200
+# (family.py has the numbers, `BUDGET=225 bash .ci/h200/h32_kda2.sh`): v24 dropped them.
+FWD_SWEEP = ({"kda_prep": "split"},)
 # Forward + backward rows of the backward's alternatives (family.py: `kda_qk` "serial", the tiled
 # default's K tile, the backward kernels' warps), on the same inputs as `ours`; on request only.
 # Their names join the keys with "+" (``ours@kda_qk_bk=16+kda_wy_warps=8``), so that --impl can name

@@ -9,7 +9,7 @@ with the exponent clamped at 0 inside them. So any gate is safe, including ones 
 bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step is the
 default, `kda_prep` "fused"), plus KDA's own split prepare step (`_kda_prepare.py.j2`, a tuning
 value), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
-(`kda_prep`, `kda_prep_warps`, `kda_prep_bk2`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
+(`kda_prep`, `kda_prep_warps`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_state_bwd_warps`).
 """
 
@@ -39,12 +39,19 @@ PARAMS = _base.PARAMS
 #   ours,ours_fwd,fla_fwd,ours@kda_prep=fused_fwd --profile` at v18) the forward took, wall / CUDA
 #   graph ms: T8192 split 1.383 / 1.092, fused 1.330 / 0.960 (fla 0.6 1.607 / 1.069); T32768
 #   split 4.421 / 4.158, fused 4.029 / 3.620 (fla 4.441 / 4.129): fused at both, so the default.
-#   "fused2" (template v23, untimed): `kda_prep2_fwd_kernel` (`_kda_prepare.py.j2`), the fused kernel
-#   with gl stored from the Gram pass, Tm cast once to its dot dtype and its own w/kd/qg K tile.
-# kda_prep_warps: warps of the one-kernel prepare ("fused" and "fused2"; 0: num_warps). sm_90 AOT
-#   (bf16, K 128) of the fused kernel: 4 warps 255 registers / 992 B of spills, 8 warps 255 / 100 B;
-#   at prep_bk 16: 4 warps 255 / 32 B, 8 warps 255 / 4 B. Untimed.
-# kda_prep_bk2: the K tile of "fused2"'s w/kd/qg pass (0: the Gram pass's, prep_bk or BK). Untimed.
+# kda_prep_warps: warps of the one-kernel prepare ("fused"; 0: num_warps). sm_90 AOT (bf16, K 128)
+#   of the fused kernel: 4 warps 255 registers / 992 B of spills, 8 warps 255 / 100 B; at prep_bk 16
+#   (the base family's key: the fused kernel's K tile, 0: BK): 4 warps 255 / 32 B, 8 warps 255 / 4 B.
+#   Both are plain launch / tile parameters of the fused kernel and stay tuning values, but neither
+#   beat the default on the H200 (`BUDGET=225 bash .ci/h200/h32_kda2.sh` at template v23, B1 H32
+#   D128 bf16, forward only, wall / CUDA-graph ms at T8192, then at T32768): default 1.057 / 0.936,
+#   3.915 / 3.611; kda_prep_warps 8 1.578 / 1.412, 5.875 (wall); prep_bk 16 1.426 / 1.145,
+#   4.748 / 4.418; both 2.007 / 1.692. Template v23's "fused2" (`kda_prep2_fwd_kernel`: the fused
+#   kernel with gl stored from the Gram pass, Tm cast once to its dot dtype, its own w/kd/qg K tile
+#   `kda_prep_bk2`) lost too: 1.086 / 0.949, 4.000 / 3.690; with prep_bk 16 and 8 warps
+#   1.990 / 1.703. Every row passed the accuracy bars. v24 removed "fused2" (kernel, key, tests),
+#   the bench's forward rows of these configs and the script (it timed nothing else; in git at
+#   e1f525a).
 # kda_chunk_ref 1 (split only): the split Gram kernel tries one reference per chunk (v17's
 #   chunk-wide tier) before the per-block ones; 0 (default): the tier measured no gain in the split
 #   kernel at T8192 (1.122 against 1.080-1.094 ms), so it is a tuning value. The fused kernel
@@ -61,12 +68,12 @@ PARAMS = _base.PARAMS
 # kda_qk_bk: the K tile of the "tiles" qk kernel (0: BK). kda_qk_warps, kda_wy_warps: warps of the
 #   backward's qk and wy kernels, either form (0: num_warps). kda_state_bwd_warps: warps of the
 #   reverse state pass (0: num_warps; sm_90 AOT bf16: 1228 B of spills at 4 warps, 96 at 8).
-TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "fused2"), "kda_prep_warps": (0, 4, 8),
-                "kda_prep_bk2": (0, 16, 32, 64), "kda_chunk_ref": (0, 1),
+TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_prep_warps": (0, 4, 8),
+                "kda_chunk_ref": (0, 1),
                 "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_state_bwd_warps": (0, 4, 8)}
-DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_prep_warps": 0, "kda_prep_bk2": 0,
+DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_prep_warps": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_state_bwd_warps": 0}
@@ -101,7 +108,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=23,
+    template_version=24,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -80,16 +80,15 @@ def pinned(module, config: dict):
 # The forward's prepare step: split (a reference per 16-row block, else the exact diagonal
 # blocks), split with the one-reference-per-chunk tier first, the fused kernel (the default; it
 # always has the chunk tier); the fused kernel with the serial backward (`kda_qk` "serial"; the
-# default is "tiles"); KDA's own one-kernel form (`kda_prep` "fused2", the chunk tier too) at its
-# default tiles and with a w/kd/qg K tile of 16 (two of them at K = 32) at 8 warps. The backward's
-# qk kernels (serial and tiled) always have the chunk tier.
+# default is "tiles"); the fused kernel with a K tile of 16 (`prep_bk`: two of them at K = 32) at
+# 8 warps (`kda_prep_warps`). The backward's qk kernels (serial and tiled) always have the chunk tier.
 PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
-                   "fused": {}, "fused_serial": {"kda_qk": "serial"}, "fused2": {"kda_prep": "fused2"},
-                   "fused2_bk16": {"kda_prep": "fused2", "kda_prep_bk2": 16, "kda_prep_warps": 8}}
+                   "fused": {}, "fused_serial": {"kda_qk": "serial"}, "fused_bk16": {"prep_bk": 16, "kda_prep_warps": 8}}
 BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
 
 
-@pytest.mark.parametrize("prep", list(PREPARE_CONFIGS))
+# (the configs at one prepare K tile: the spies count one Gram call per chunk)
+@pytest.mark.parametrize("prep", [p for p, c in PREPARE_CONFIGS.items() if "prep_bk" not in c])
 def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
     """Chunk 64 (four 16-row blocks), three chunks, one per path of the decayed Gram products:
     mild decays (a gc range within 80 over the chunk) take one reference per chunk where the
@@ -183,7 +182,7 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused2", "fused2_bk16"])
+@pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused_bk16"])
 def test_prepare_configs_equal_split(prep):
     """Every prepare config gives the split step's outputs (w, u, kd, qg, Aqk, gl, Tm, M; u fp32
     as the recomputing backward asks) on grouped values (HV = 2 HK), two partial-free chunks and
@@ -210,16 +209,15 @@ def test_prepare_configs_equal_split(prep):
 
 
 @pytest.mark.parametrize("prep, kernels", [("fused", ["kda_prepare_fwd_kernel"]),
-                                           ("split", ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"]),
-                                           ("fused2", ["kda_prep2_fwd_kernel"])])
+                                           ("split", ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"])])
 def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
     """The default config is the fused prepare step (H200, family.py); the forward launches the
-    fused kernel only under it, the split Gram and w/u kernels only under `kda_prep` "split", and
-    KDA's own one-kernel form only under "fused2"; the output is the naive recurrence's each way."""
+    fused kernel only under it, and the split Gram and w/u kernels only under `kda_prep` "split";
+    the output is the naive recurrence's either way."""
     assert kimi_delta.DEFAULT_CONFIG["kda_prep"] == "fused"
     module = load(kimi_delta.FAMILY)
     launched = []
-    for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel", "kda_prep2_fwd_kernel"):
+    for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel"):
         kern = getattr(module, name)
 
         class Spy:
@@ -237,7 +235,7 @@ def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("prep", ["split", "fused", "fused2"])
+@pytest.mark.parametrize("prep", ["split", "fused"])
 def test_recompute_backward_reruns_prepare(prep, monkeypatch):
     """With the param `recompute` the backward re-runs the prepare step (u kept fp32) under each
     prepare config: the forward and every gradient against the naive recurrence, and the step
@@ -349,15 +347,10 @@ def test_aot_sm90_bf16_tensor_cores():
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel"])
 
 
-@pytest.mark.parametrize("name, configs, types", [
-    ("kda_gram_fwd_kernel", [{}, {"inv_dot": "ieee"}, {"kda_chunk_ref": 1}], [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"]]),
-    ("kda_prep2_fwd_kernel", [{}, {"inv_dot": "ieee"}, {"kda_prep_warps": 8, "prep_bk": 16}],
-     [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"]])], ids=["split_gram", "fused2"])
-def test_aot_sm90_split_gram_mma(name, configs, types):
-    """The split Gram kernel's bf16 build (and KDA's one-kernel prepare, "fused2"): bf16
-    tensor-core dots for the Gram products (and w, u) and tf32 ones for Tm's block merges
-    (`inv_dot` "tf32"), only bf16 with `inv_dot` "ieee"; with the chunk tier (8 warps, K tile 16)
-    too."""
+def test_aot_sm90_split_gram_mma():
+    """The split Gram kernel's bf16 build: bf16 tensor-core dots for the Gram products and tf32
+    ones for Tm's block merges (`inv_dot` "tf32"), only bf16 with `inv_dot` "ieee"; with the
+    chunk tier too."""
     import json
     import os
     import subprocess
@@ -373,11 +366,13 @@ def test_aot_sm90_split_gram_mma(name, configs, types):
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
     source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
+    configs = [{}, {"inv_dot": "ieee"}, {"kda_chunk_ref": 1}]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path), json.dumps([[name, c] for c in configs])],
+    run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path),
+                          json.dumps([["kda_gram_fwd_kernel", c] for c in configs])],
                          capture_output=True, text=True, env=env, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.splitlines()[-1]) == types
+    assert json.loads(run.stdout.splitlines()[-1]) == [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"]]
 
 
 def test_fp16_dot_path(monkeypatch):
