@@ -1,20 +1,19 @@
-# Device call for issue 35 (H200), ssd template v10: the backward's `split_states` "local" (the
-# forward with a backward to come passes states over split chunks of 256 tokens and saves each
-# chunk's split-chunk-local state; the backward forms its chunks' end-state gradients the same
-# way, one reverse loop per split chunk, and its chunk kernels complete both: no 128-step serial
-# pass, no dstate / fill-in launches) and `bwd_stages`; off by default. Self-contained: sources
-# setup.sh. Carry .whl and .anchors (mamba_ssm's source tree and .anchors/wheels/einops-*.whl):
+# Device call for issue 35 (H200), ssd template v11: `split_states` "fill" (the forward with a
+# backward to come passes states over split chunks of 256 tokens, then fills in each split chunk's
+# chunks' incoming states; off by default) against the default ("pass"). Run at template v10
+# (commit 40401a5) it also timed v10's "local", which v11 removed (family.py has its numbers).
+# Self-contained: sources setup.sh. Carry .whl and .anchors (mamba_ssm's source tree and
+# .anchors/wheels/einops-*.whl):
 #   bash .ci/h200/h35_ssd5.sh
 # Within ${BUDGET:-240} s (setup ~30 s, bars <= 70, bench <= 110, profile <= 30):
-#  1. the bf16-vs-fp32 bars, test_bf16_vs_fp32_on_gpu [fill], [local], [local-stages2]
-#     (xfail-marked tuning values: XPASS is the pass) -> ssd_bars.txt;
+#  1. the bf16-vs-fp32 bars, test_bf16_vs_fp32_on_gpu [fill] (an xfail-marked tuning value: XPASS
+#     is the pass) -> ssd_bars.txt;
 #  2. the headline bench, B1 T8192 H128 P64 G8 N128 bf16: ours, ours_fwd (the default), mamba_ssm,
-#     mamba_ssm_fwd, then kernel_templates/ssd/bench.py's SWEEP rows (fwd+bwd):
-#     ours@split_states=fill, ours@split_states=local, ours@split_states=local,bwd_stages=2,
-#     ours@split_states=local,bwd_maxnreg=0 -> ssd_bench.txt (printed as it goes), ssd.json;
-#  3. per-kernel GPU ms (torch.profiler) of fwd+bwd at the default and with "local"
-#     -> ssd_local_profile.txt (SSD5_DRY=1 runs this step on the CPU at a tiny shape, no profile).
-# Outputs under $OUT: env.txt, ssd_bars.txt, ssd_bench.txt, ssd.json, ssd_local_profile.txt, ssd5.tgz.
+#     mamba_ssm_fwd, then kernel_templates/ssd/bench.py's SWEEP row (fwd+bwd):
+#     ours@split_states=fill -> ssd_bench.txt (printed as it goes), ssd.json;
+#  3. per-kernel GPU ms (torch.profiler) of fwd+bwd at the default and with "fill"
+#     -> ssd_profile.txt (SSD5_DRY=1 runs this step on the CPU at a tiny shape, no profile).
+# Outputs under $OUT: env.txt, ssd_bars.txt, ssd_bench.txt, ssd.json, ssd_profile.txt, ssd5.tgz.
 set -o pipefail
 cd "$(dirname "$0")/../.."
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -32,16 +31,16 @@ if [ "${SSD5_DRY:-0}" != 1 ]; then
   export ONBOARD_ANCHOR_MAMBA_SSM=$PWD/.anchors
   stamp ssd-bars
   timeout "$(left 70)" python3 -m pytest -v -p no:cacheprovider tests/kernel_tests/test_ssd.py \
-    -k "bf16_vs_fp32_on_gpu and (fill or local)" -rxXs 2>&1 | tee "$O/ssd_bars.txt" | grep -E "PASS|FAIL|XFAIL|ERROR|relative RMS|passed|failed"
+    -k "bf16_vs_fp32_on_gpu and fill" -rxXs 2>&1 | tee "$O/ssd_bars.txt" | grep -E "PASS|FAIL|XFAIL|ERROR|relative RMS|passed|failed"
   stamp ssd-bench
   # rows print as they come (Python unbuffered, grep line-buffered), blank lines dropped
   PYTHONUNBUFFERED=1 timeout "$(left 110)" onboard bench --family ssd --case '^B1T8192H128' \
     --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd --out "$O/ssd.json" 2>&1 | grep --line-buffered -v "^\s*$" \
     | tee "$O/ssd_bench.txt"
 fi
-stamp ssd-local-profile
-timeout "$(left 30)" python3 - <<'PY' 2>&1 | tee "$O/ssd_local_profile.txt"
-# per-kernel GPU ms (harness.kernel_breakdown) of fwd+bwd at the default and with `split_states` "local"
+stamp ssd-profile
+timeout "$(left 30)" python3 - <<'PY' 2>&1 | tee "$O/ssd_profile.txt"
+# per-kernel GPU ms (harness.kernel_breakdown) of fwd+bwd at the default and with `split_states` "fill"
 import os
 import torch
 from onboarding.bench.cases import config_sweep
@@ -54,7 +53,7 @@ shape = (1, 40, 4, 16, 2, 16) if dry else bench.SHAPES[0][:6]
 sets = [bench.make_inputs(*shape, dev, seed=s) for s in range(2)]
 grads = [torch.randn(*shape[:4], device=dev, dtype=torch.bfloat16)]
 mod, ours = bench._ours()
-steps = config_sweep(mod, ours, sets, grads, shape[3], [{"split_states": "pass"}, {"split_states": "local"}])
+steps = config_sweep(mod, ours, sets, grads, shape[3], [{"split_states": "pass"}, {"split_states": "fill"}])
 for name, step in steps.items():
     print(name, "(forward + backward)", flush=True)
     try:

@@ -27,8 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: template v10's `split_states` "fill" and "local",
-  forward + backward), forward or forward + backward; they run
+  tuning values beside the default (`SWEEP`: template v9's `split_states` "fill", forward +
+  backward), forward or forward + backward; they run
   whenever ``ours`` is timed.
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
@@ -91,15 +91,10 @@ SHAPES = (
 #
 # Template v10 (issue 35's backward; `fwd` "split" the P <= 64 bucket's default since c3230ba, so
 # the rows above went: device call A of the twenty-sixth session measured them): forward + backward
-# only, at most four rows (call A's compiles took 116 s before its first row): `split_states`
-# "fill" (no bars on a GPU yet), "local" (no serial pass over the 128 kernel chunks in either
-# direction, no separate dstate / fill-in launches; the sm_90 bf16 build: the backward chunk kernel
-# 213 registers uncapped, 128 + 360 spill bytes under the bucket's cap of 128; dB/dC 238, 128 + 224)
-# with the cap and without it (bwd_maxnreg 0), and with two pipelining stages in those two kernels
-# (bwd_stages 2: the chunk kernel's shared memory 131072 -> 81920 bytes, two programs per SM again;
-# 128 + 320 spill bytes capped).
-SWEEP = (({"split_states": "fill"}, "bwd"), ({"split_states": "local"}, "bwd"),
-         ({"split_states": "local", "bwd_stages": 2}, "bwd"), ({"split_states": "local", "bwd_maxnreg": 0}, "bwd"))
+# only: `split_states` "fill". v10's `split_states` "local" rows (uncapped, bwd_stages 2) went in
+# v11: slower than the default and outside the bars once on the H200 (family.py,
+# `BUDGET=230 bash .ci/h200/h35_ssd5.sh`).
+SWEEP = (({"split_states": "fill"}, "bwd"),)
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=10,
+    template_version=11,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -131,19 +131,19 @@ FAMILY = FamilySpec(
     # CHUNK tokens (a serial pass over T / CHUNK chunks); "fill" as without a backward (per split
     # chunk, T / (CHUNK * STATE_CHUNKS) pass steps), then one program per (split chunk, head, tile)
     # fills in its chunks' incoming states from its own (STATE_CHUNKS - 1 products in a loop).
-    # "local" (v10): one program per (split chunk, head, tile) walks its chunks from a zero state,
-    # storing each chunk's incoming state from the split chunk's earlier chunks alone and the split
-    # chunk's own state; the pass runs over split chunks (as without a backward), and the backward
-    # completes each chunk's incoming state inside its chunk kernels (local part + exp(decay) x the
-    # split chunk's incoming state). The backward likewise: one reverse loop per split chunk from a
-    # zero gradient (the chunks' local end-state gradients and dy's pull on the split chunk's
-    # incoming state in one kernel, replacing the dstate and fill-in kernels), the reverse pass over
-    # split chunks, and the chunk kernels complete the end-state gradients the same way. No serial
-    # pass over T / CHUNK chunks and no separate fill-in launches in either direction.
+    # Template v10's "local" (the chunks' split-chunk-local states and end-state gradients, completed
+    # in the backward's chunk kernels; no serial pass over T / CHUNK chunks) was slower and failed the
+    # bars once on the H200 (`BUDGET=230 bash .ci/h200/h35_ssd5.sh` at v10, 40401a5; B1 T8192 H128
+    # P64 G8 N128 bf16): test_ssd.py::test_bf16_vs_fp32_on_gpu [fill] XPASS, [local] XFAIL (outside
+    # the bars), [local-stages2] XPASS; forward + backward GPU time (torch.profiler, summed over
+    # kernels): default ("pass") 3.359 ms, "local" 4.227 ms (ssd_bwd_chunk_kernel 1.560 against
+    # 0.880 ms, ssd_bwd_dbc_kernel 1.221 against 0.700; both read two more [P, N] tiles per step
+    # under it). v11 removed it.
     # bwd_stages (v10): software-pipelining stages of the backward chunk and dB/dC kernels
-    # (Triton's num_stages; 3 is its default): the sm_90 bf16 build at the P <= 64 bucket with
-    # "local" (two more [P, N] tiles per step) takes 131072 bytes of shared memory in the chunk
-    # kernel at 3 (one program per SM), 81920 at 2.
+    # (Triton's num_stages; 3 is its default), a plain compile option of the default backward. The
+    # sm_90 bf16 build at the P <= 64 bucket (triton 3.9): the chunk kernel's shared memory 90144
+    # bytes at 3, 57376 at 2 (188 registers both); dB/dC 98560 and 65792 (222 and 220 registers).
+    # Not timed on its own.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -169,7 +169,7 @@ FAMILY = FamilySpec(
         "FWD_K": (16, 32, 64, 128),
         "fwd_warps": (2, 4, 8),
         "fwd_maxnreg": (0, 128, 168),
-        "split_states": ("pass", "fill", "local"),
+        "split_states": ("pass", "fill"),
         "bwd_stages": (3, 2),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
