@@ -338,6 +338,8 @@ def test_dot_mode_keeps_fp32_operands_on_cpu():
     dot_modes_on_cpu(kimi_delta.FAMILY)
 
 
+@pytest.mark.slow  # 122 s of one CI worker on a cold Triton cache (twenty-seventh session); the split
+# Gram kernel's bf16 build below stays in CI
 def test_aot_sm90_bf16_tensor_cores():
     # every kernel but the token-by-token recurrence has dots: the per-channel Gram products and
     # their backward (bwd qk) dot the blocks below the diagonal blocks
