@@ -63,16 +63,24 @@ def test_contract_opcheck_and_sample_inputs(family, load_kernel, device, opcheck
 
 
 def test_reference_is_the_gate_first_formula(family, load_kernel, device):
-    """Against the model's own code (transformers' MambaRMSNormGated), groups included."""
-    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    """Against the model's own code: the gated norm of a tiny transformers Mamba-2 mixer (its
+    ``norm``, whatever its class is named: MambaRMSNormGated up to 5.24, Mamba2RMSNormGated from
+    5.25), groups included where that norm groups (5.17's normalises whole rows)."""
+    transformers = pytest.importorskip("transformers")
 
-    module = load_kernel(NAME, "plain", {"group_size": 32})
-    norm = MambaRMSNormGated(96, group_size=32, eps=1e-5).to(device)
+    cfg = transformers.Mamba2Config(vocab_size=32, hidden_size=48, num_hidden_layers=1, num_heads=6,
+                                    head_dim=16, state_size=8, n_groups=3, expand=2, layer_norm_epsilon=1e-5)
+    norm = transformers.Mamba2Model(cfg).layers[0].mixer.norm.to(device)
+    assert norm.weight.shape == (96,)
+    group = getattr(norm, "group_size", 96)
+    assert group in (32, 96)  # intermediate 96 over n_groups=3, or whole rows
+    module = load_kernel(NAME, "plain", {"group_size": group} if group != 96 else {})
     with torch.no_grad():
         norm.weight.normal_()
+    eps = norm.variance_epsilon
     x, z = torch.randn(4, 96, device=device), torch.randn(4, 96, device=device)
-    torch.testing.assert_close(module.entry(x, z, norm.weight, 1e-5), norm(x, z), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(module.reference(x, z, norm.weight, 1e-5), norm(x, z), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module.entry(x, z, norm.weight, eps), norm(x, z), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module.reference(x, z, norm.weight, eps), norm(x, z), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_are_named(family, load_kernel):
