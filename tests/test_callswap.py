@@ -1,9 +1,12 @@
 """`CallSwapPatch` (a mixer's core served by swapping the function its forward calls) under
 activation checkpointing: the first call calibrates inside the checkpointed region, so it must
 save for the backward exactly what the region's recomputation will save, whether the kernel is
-kept or refused."""
+kept or refused. And what a block can reach: function modules and helpers, as transformers 5.25
+builds its mixers."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -59,3 +62,67 @@ def test_first_call_under_checkpoint(kernel, status):
     torch.testing.assert_close(y, ref_mod(x).detach(), rtol=1e-5, atol=1e-6)
     for p, q in zip(mod.parameters(), ref_mod.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- what a block can reach: function modules and helpers (transformers 5.25's shapes) -------
+
+def _function_module(fn):
+    """What kernels' hub decorator makes of a function (transformers >= 5.25): a stateless
+    module whose forward closes over the function and takes its arguments."""
+    class Func(nn.Module):
+        def forward(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+
+    Func.forward.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         *inspect.signature(fn).parameters.values()])
+    return Func()
+
+
+def core_plain(q, k, v):
+    a = torch.tanh(q @ k.transpose(-1, -2))
+    return torch.softmax(a, -1) @ v
+
+
+core_module = _function_module(core_plain)  # the module-level name model code calls
+
+
+def scan_forward(module, x, gate, cache):  # a helper handed the block: it calls the core
+    q, k, v = module.proj(x).chunk(3, -1)
+    return core_module(q, k, v) * gate
+
+
+helper_module = _function_module(scan_forward)
+
+
+class HelperMixer(Mixer):
+    def forward(self, x):
+        return helper_module(self, x, torch.sigmoid(x), None)
+
+
+def test_function_modules_and_helpers_are_reached():
+    """A stateless module made of a function is that function (its forward's signature); a
+    helper the forward calls (itself such a module) is followed into its module's names; the
+    helper fits the interface too, but a call handed the block passes through uncalibrated, and
+    the core it calls is served by the kernel."""
+    from onboarding.patching.callswap import as_function, reachable
+
+    assert as_function(core_module) is not None and as_function(nn.Linear(2, 2)) is None
+    assert as_function(core_module.forward) is not None and as_function(nn.Linear(2, 2).forward) is None
+    assert [(w, n) for w, n, _ in reachable(HelperMixer(), min_required(3))] == \
+        [("global", "helper_module"), ("global", "core_module")]
+    torch.manual_seed(0)
+    ref_mod, x = HelperMixer(), torch.randn(2, 5, 8)
+    mod = HelperMixer()
+    mod.load_state_dict(ref_mod.state_dict())
+    record = PatchRecord(path="mixer", kind="toy", family="toy")
+    calls = []
+    patch = CallSwapPatch(mod, lambda *a: calls.append(1) or _ours(*a), record, IFACE)
+    mod.forward = patch.forward
+    y = mod(x)
+    assert record.status == "active" and "core_module" in record.binding, record
+    assert patch.swaps[("global", "helper_module")].state == "helper"
+    assert globals()["core_module"] is core_module and globals()["helper_module"] is helper_module
+    mod(x)
+    assert len(calls) == 3  # calibration, the first call, the second call
+    torch.testing.assert_close(y, ref_mod(x), rtol=1e-5, atol=1e-6)

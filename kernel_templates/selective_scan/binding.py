@@ -3,7 +3,8 @@ its scan core to is swapped for the kernel while the mixer runs; the projections
 any B/C/dt norms stay the model's own modules (so LoRA wraps the projections as usual).
 
 Which function is not read from names: every plain function the mixer can reach (its instance
-attributes, and the module-level functions its ``forward`` names) that takes exactly five
+attributes, and the module-level functions its ``forward`` or the helpers it calls name:
+`onboarding.patching.callswap.reachable`) that takes exactly five
 required positional arguments (u, delta, A, B, C: the selective-scan interface of mamba_ssm,
 which transformers' torch fallback keeps, followed by D, z, delta_bias, delta_softplus,
 return_last_state) is wrapped. On its first call a wrapper runs the original and the kernel on

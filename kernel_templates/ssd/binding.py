@@ -6,12 +6,14 @@ modules: LoRA-able, and the conv may be served by the conv1d family) and hands t
 scan to one plain function with the chunked-scan interface (x [B, T, H, P], dt [B, T, H], A [H],
 B and C [B, T, G, N], then chunk size, D, dt bias, softplus, dt limits, initial states): a
 module-level function in transformers' models, the same name bound to a hub or package kernel
-when one is installed. Which function is not read from names: every plain function the mixer's
-``forward`` names (and its instance attributes) taking at least five required positional
-arguments is wrapped while the mixer runs; on its first call a wrapper binds the arguments by
-the function's own signature, runs our kernel on the same tensors, and keeps the swap only when
-the outputs agree with the original's within the layer tolerance of the inputs' dtype (and
-then serves that first call too, so a single patched forward and backward runs the kernel).
+when one is installed. Which function is not read from names: every function the mixer's
+``forward`` or its helpers name, and its instance attributes (`onboarding.patching.callswap.
+reachable`), taking at least five required positional arguments is wrapped while the mixer
+runs (a helper handed the mixer itself passes through); on its first call a wrapper binds the
+arguments by the function's own signature, runs our kernel on the same tensors, and keeps the
+swap only when the outputs agree with the original's within the layer tolerance of the inputs'
+dtype (and then serves that first call too, so a single patched forward and backward runs the
+kernel).
 Arguments the kernel does not take (a gate ``z``, sequence indices or offsets for packed
 sequences) keep the original function. The output is returned in the dtype the original
 returned (transformers' torch path computes and returns fp32).

@@ -7,6 +7,15 @@ in others, a hub or package kernel bound to that name when one is installed. Whi
 read from names: every function the block can reach whose signature fits the family's interface
 (`Interface.fits`) is wrapped while the block runs.
 
+What the block can reach (`reachable`): its instance attributes, the module-level names its
+``forward`` reads, and the names read by the module-level helpers it calls, two calls deep, in
+its own module (transformers 5.25's Mamba mixers hand the scan to a helper, ``*_scan_forward(self,
+...)``, which calls the scan function). A function is also what a stateless module made of one
+is (`as_function`: from transformers 5.25, kernels' hub decorator turns such functions into
+parameterless ``nn.Module`` instances): its ``forward`` takes the function's arguments. A call
+that is handed a module (the block itself, its conv) is a helper of the block, not a core: it
+runs as it is, and the functions it calls are swapped in their own right.
+
 On its first call a wrapper runs the original, then our kernel on the same arguments (each of
 the interface's variants in turn, all under no_grad), and keeps the swap when one agrees with the
 original's output within the layer tolerance. The kernel then serves that first call too, with
@@ -31,10 +40,34 @@ def forward_function(module: nn.Module) -> Callable:
     return inspect.unwrap(type(module).forward)
 
 
+def _stateless(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None \
+        and next(module.children(), None) is None
+
+
+def as_function(value: Any) -> Callable | None:
+    """``value`` as the function model code calls it as, or None: a plain function (under any
+    decorating wrappers) itself; for a stateless module (no parameters, buffers or submodules:
+    a function that a hub decorator turned into a module, as kernels' does from transformers
+    5.25 on), its bound ``forward``, which takes the function's arguments (given that forward,
+    the same)."""
+    if isinstance(value, nn.Module):
+        value = value.forward if _stateless(value) else None
+    if inspect.ismethod(value):  # only a stateless module's forward
+        owner = value.__self__
+        ok = isinstance(owner, nn.Module) and _stateless(owner) and value.__name__ == "forward" \
+            and inspect.isfunction(inspect.unwrap(value.__func__))
+        return value if ok else None
+    if isinstance(value, type) or not callable(value):
+        return None
+    return value if inspect.isfunction(inspect.unwrap(value)) else None
+
+
 def positional_counts(fn: Any) -> tuple[int, int] | None:
-    """(required, all) positional parameters of a plain function; None for anything else."""
-    if not callable(fn) or isinstance(fn, (type, nn.Module)) \
-            or not inspect.isfunction(inspect.unwrap(fn)):
+    """(required, all) positional parameters of a function (`as_function`); None for anything
+    else."""
+    fn = as_function(fn)
+    if fn is None:
         return None
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -52,14 +85,56 @@ def min_required(n: int) -> Callable[[Any], bool]:
     return fits
 
 
+def _bodies(value: Any, glob: dict) -> list[Callable]:
+    """The functions behind ``value`` that are defined in the module whose globals are ``glob``:
+    the function itself (unwrapped) and those it closes over (a function module's forward
+    closes over the function it was made of)."""
+    fn = as_function(value)
+    if fn is None:
+        return []
+    inner = inspect.unwrap(fn.__func__ if inspect.ismethod(fn) else fn)
+    found = [inner]
+    for cell in getattr(inner, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if inspect.isfunction(content):
+            found.append(inspect.unwrap(content))
+    return [f for f in found if getattr(f, "__globals__", None) is glob]
+
+
+HELPER_DEPTH = 2  # module-level helpers followed below the forward (forward -> helper -> helper)
+
+
 def reachable(module: nn.Module, fits: Callable[[Any], bool]) -> list[tuple[str, str, Callable]]:
-    """(where, name, function): the plain functions ``module`` may hand its core to: its instance
-    attributes ("attr") and the module-level names its forward reads ("global")."""
-    found = [("attr", n, v) for n, v in vars(module).items() if n != "forward" and fits(v)]
+    """(where, name, function): the functions ``module`` may hand its core to: its instance
+    attributes ("attr"), and the module-level names its forward reads or the module-level
+    helpers it calls read, `HELPER_DEPTH` calls deep within its own module ("global"). Each
+    function as `as_function` gives it (what to call, with the function's signature)."""
+    found = [("attr", n, f) for n, v in vars(module).items()
+             if n != "forward" and (f := as_function(v)) is not None and fits(f)]
     fwd = forward_function(module)
-    code, glob = getattr(fwd, "__code__", None), getattr(fwd, "__globals__", {})
-    found += [("global", n, glob[n]) for n in (code.co_names if code else ())
-              if n in glob and fits(glob[n])]
+    glob = getattr(fwd, "__globals__", {})
+    bodies, seen_code, seen_names = [fwd], set(), set()
+    for _ in range(HELPER_DEPTH + 1):
+        deeper: list[Callable] = []
+        for body in bodies:
+            code = getattr(body, "__code__", None)
+            if code is None or code in seen_code:
+                continue
+            seen_code.add(code)
+            for n in code.co_names:
+                if n not in glob or n in seen_names:
+                    continue
+                seen_names.add(n)
+                f = as_function(glob[n])
+                if f is None:
+                    continue
+                if fits(f):
+                    found.append(("global", n, f))
+                deeper += _bodies(glob[n], glob)
+        bodies = deeper
     return found
 
 
@@ -112,7 +187,7 @@ class _Swap:
 
     def __init__(self, fn: Callable, kernel: Callable, patch: CallSwapPatch, name: str):
         self.fn, self.kernel, self.patch, self.name = fn, kernel, patch, name
-        self.state = "pending"  # -> bound | kept
+        self.state = "pending"  # -> bound | kept | helper
         self.variant: Any = None
         self.dtypes: tuple = ()
 
@@ -124,6 +199,11 @@ class _Swap:
         if self.state == "bound":
             return self._ours(args, kwargs)
         if self.state != "pending":
+            return self.fn(*args, **kwargs)
+        if any(isinstance(a, nn.Module) for a in (*args, *kwargs.values())):
+            # handed a module (the block itself, its conv): a helper of the block, not a core;
+            # the functions it calls are swapped in their own right
+            self.state = "helper"
             return self.fn(*args, **kwargs)
         # the reference under no_grad: the call that serves the block (ours, or the original's
         # again when no variant agrees) is the only one that saves tensors for the backward, so

@@ -3,8 +3,9 @@
 A `linear_attention.gated_delta` / `linear_attention.kimi_delta` block computes its projections,
 conv and gates itself and hands the recurrence to one plain function: an instance attribute in
 some models, a module-level function in others, a hub kernel (fla) when one is installed. Which
-one is not read from names. While the block runs, every plain function it can reach (its
-instance attributes, and the module-level functions its ``forward`` names) whose signature takes
+one is not read from names. While the block runs, every function it can reach (its instance
+attributes, and the module-level functions its ``forward`` or its helpers name:
+`onboarding.patching.callswap.reachable`) whose signature takes
 at least five required positional arguments (q, k, v, g, beta: the delta-rule interface) is
 wrapped (`onboarding.patching.callswap`: calibrated on the first call, which the kernel then
 serves too). The wrapper binds the arguments by the function's own signature.
