@@ -81,26 +81,58 @@ def test_attention_mask_shim_matches_a_causal_padding_mask():
     assert mask[0, 0, 0, 4] < 0
 
 
-def test_without_the_layer_the_fixture_fails_at_import():
-    """The fixture really needs the shims: the installed transformers lacks what it imports."""
+MASK_MODULE = "transformers.modeling_attn_mask_utils"
+
+
+def _native(module: str, name: str | None = None) -> bool:
+    """Whether the installed transformers itself has ``module`` (and ``name`` in it), whatever
+    onboard's compatibility layer supplied in this process (a shim module is marked, a supplied
+    name is recorded in `compat._INSTALLED`)."""
+    import importlib
     import importlib.util
     import sys
 
-    if "transformers.modeling_attn_mask_utils" in sys.modules:
-        assert getattr(sys.modules["transformers.modeling_attn_mask_utils"], "__onboard_shim__")
-    else:
-        assert importlib.util.find_spec("transformers.modeling_attn_mask_utils") is None
+    from onboarding.load import compat
+
+    mod = sys.modules.get(module)
+    if mod is not None and getattr(mod, "__onboard_shim__", False):
+        return False
+    if mod is None:
+        if importlib.util.find_spec(module) is None:
+            return False
+        mod = importlib.import_module(module)
+    return name is None or (hasattr(mod, name) and (module, name) not in compat._INSTALLED)
+
+
+def test_without_the_layer_the_fixture_fails_at_import():
+    """The fixture really needs the shims: the installed transformers lacks names it imports
+    (up to 5.24 the whole attention-mask module; 5.25 brought that module back, deprecated, but
+    not `SinkCache`, `is_torch_fx_available` or `PretrainedConfig` in modeling_utils)."""
+    from onboarding.load.compat import scan_remote_code
+
+    imports = scan_remote_code(FIXTURE).imports
+    missing = sorted(f"{m}.{n}" for (m, n) in imports if m.startswith("transformers") and not _native(m, n))
+    assert missing, "the installed transformers has every name the 4.x fixture imports"
+    assert "transformers.cache_utils.SinkCache" in missing
+    if not _native(MASK_MODULE):
+        assert f"{MASK_MODULE}._prepare_4d_causal_attention_mask" in missing
 
 
 def test_v4_fixture_parses_with_its_shims_listed(tmp_path, capsys):
     out = tmp_path / "out"
     code, text = _run(capsys, "parse", str(FIXTURE), "--trust-remote-code", "--out", str(out))
     assert code == 0, text
-    assert "compatibility shims" in text and "_prepare_4d_causal_attention_mask" in text
+    assert "compatibility shims" in text
     shims = json.loads((out / "model.json").read_text())["compat_shims"]
     names = {s["name"] for s in shims}
-    assert {"transformers.modeling_attn_mask_utils._prepare_4d_causal_attention_mask",
-            "transformers.cache_utils.Cache.from_legacy_cache",
+    # the 4.x mask helpers are shimmed where the installed transformers lacks their module
+    # (up to 5.24), and the installed module serves them where it has it again (5.25)
+    mask = f"{MASK_MODULE}._prepare_4d_causal_attention_mask"
+    if _native(MASK_MODULE):
+        assert mask not in names and not any(n.startswith(MASK_MODULE) for n in names)
+    else:
+        assert mask in names and "_prepare_4d_causal_attention_mask" in text
+    assert {"transformers.cache_utils.Cache.from_legacy_cache",
             "transformers.cache_utils.Cache.get_usable_length",
             "config.rope_scaling",
             "transformers.modeling_utils.PretrainedConfig",  # moved: re-exported
@@ -146,7 +178,9 @@ def test_v4_fixture_aligns_with_shipped_weights_and_shims_in_the_report(tmp_path
     assert loaded_into and all(torch.equal(loaded_into[0][k], v) for k, v in state.items())
     report = build_report(out, title="remote v4").read_text()
     assert "compatibility shims" in report
-    assert "_prepare_4d_causal_attention_mask" in report and "config.rope_scaling" in report
+    assert "SinkCache" in report and "config.rope_scaling" in report
+    if not _native(MASK_MODULE):  # up to 5.24: the mask helpers are shims too
+        assert "_prepare_4d_causal_attention_mask" in report
 
 
 # ---------------------------------------------------------------------------------------------
