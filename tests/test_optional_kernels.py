@@ -1,7 +1,9 @@
 """Installed kernel packages never choose the model's code path (`onboarding.optional_kernels`).
 
 A fake `fla` on the path stands in for flash-linear-attention: transformers' Qwen3-Next module
-imports it and keeps its `chunk_gated_delta_rule` when it can, and must not once `hide` ran.
+imports it and keeps its `chunk_gated_delta_rule` when it can, and must not once `hide` ran. (From
+transformers 5.25 the kernel is called for tensors on its own devices only; the probe lists the
+CPU among fla's, as a GPU machine's tensors would be.)
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ PROBE = textwrap.dedent('''
         from onboarding.optional_kernels import hide
         hidden = hide()
     import torch
+    import transformers.integrations.hub_kernels as hub_kernels
+    # From transformers 5.25 a package's function only gets tensors on the devices listed for
+    # it (fla: GPUs), CPU tensors take the torch path: the probe's CPU stands in for fla's GPU
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", None)
+    if isinstance(devices, dict) and "fla" in devices:
+        devices["fla"] = (*devices["fla"], "cpu")
     from transformers.models.qwen3_next import modeling_qwen3_next as m
     fla = sys.modules.get("fla")
     q = torch.randn(1, 8, 2, 4)
