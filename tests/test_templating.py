@@ -132,13 +132,37 @@ def test_module_path_layout(tmp_path):
         templating.module_path(tmp_path, "rope", "../evil")
 
 
+def _our_kernels_modules() -> list[str]:
+    """Modules named `kernels` or `kernels.*` imported from this repo's reviewed-kernels folder."""
+    ours = (ROOT / "kernels").resolve()
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "kernels" or name.startswith("kernels.")):
+            continue
+        places = [getattr(mod, "__file__", None), *list(getattr(mod, "__path__", None) or [])]
+        if any(p and (Path(p).resolve() == ours or ours in Path(p).resolve().parents) for p in places):
+            found.append(name)
+    return found
+
+
 def test_load_module_by_path_under_private_name(tmp_path):
+    """Rendered modules load under `onboard_kernels.*`, never as `kernels`: that is the Hugging
+    Face kernel hub's package (transformers 5.25 requires it and imports it with its
+    integrations), and this repo's `kernels/` folder of reviewed modules must not stand in for
+    it nor be imported under that name."""
+    hub_before = sys.modules.get("kernels")
     path = templating.render_to(tmp_path, "swiglu", "split", {"limit": 3.0})
     module = templating.load_module(path)
     assert module.__name__.startswith("onboard_kernels.swiglu.split_")
     assert module.PARAMS == get_family("swiglu").resolve("split", {"limit": 3.0})
     assert module.TEMPLATE == "swiglu/swiglu.py.j2" and module.TEMPLATE_VERSION == 2
-    assert "kernels" not in sys.modules
+    # the loader registered no `kernels`: that entry is what it was (absent, or the hub's)
+    assert sys.modules.get("kernels") is hub_before
+    assert not _our_kernels_modules()
+    reviewed = sorted((ROOT / "kernels").glob("*/*.py"))
+    if reviewed:  # a reviewed module loads by path under the private name too
+        assert templating.load_module(reviewed[0]).__name__.startswith("onboard_kernels.")
+        assert sys.modules.get("kernels") is hub_before and not _our_kernels_modules()
     # same content (another path) -> the same module: custom ops register once per process
     copy = tmp_path / "other" / "split.py"
     templating.write_module(path.read_text(), copy)
