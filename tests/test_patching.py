@@ -1109,6 +1109,12 @@ def test_gpt_oss_experts_expert_parallel(parse_model):
 
 
 # ---- identity ("zero") experts (LongCat-Flash) -----------------------------------------------
+# Where the identity slots live is read off the experts module's weights, not the version: up to
+# transformers 5.24 the experts module holds them (gate_up over E + Z slots, down over the E real
+# ones: onboard classifies `zero_experts` Z and its binding adds those slots in torch); from 5.25
+# the experts module holds the E real experts only, and the MoE block around it adds r * x for
+# the zero slots itself and hands them to the experts as real slots of weight 0 (masked_fill:
+# no gradient through them).
 def _zero_expert_router_bias(model, e: int, bias: float = 2e-3) -> None:
     """The tiny longcat_flash proxy routes among 8 real and 256 zero experts: with its zero
     score-correction bias no slot of a 16-token input picks a real expert, so the kernel would
@@ -1122,54 +1128,95 @@ def _zero_expert_router_bias(model, e: int, bias: float = 2e-3) -> None:
                 b[:e] = bias
 
 
+def _zero_slots_in_experts(module) -> bool:
+    """Whether an experts module holds identity slots itself: 3-D weights over two expert counts
+    (gate_up [E + Z, 2F, D], down [E, D, F]); else they are over the E real experts only."""
+    return len({p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3}) == 2
+
+
 def test_zero_experts_proxy_classified_patched_and_aligned(parse_model, tmp_path):
-    """transformers' longcat_flash proxy: its experts hold gate_up [E + Z, 2F, D] and down
-    [E, D, F], and slots >= E add the token times its routing weight (identity "zero" experts).
-    Classified by those shapes and that op order as packed experts over the E real ones with
-    `zero_experts` Z, matched to `moe_experts/swiglu`, patched (real slots through the kernel,
-    zero slots in torch; checked on the first call) and aligned forward and backward against the
-    fp64 eager model with both kinds of slot in the routing."""
+    """transformers' longcat_flash proxy, whose router scores E real and Z = 256 identity
+    ("zero") experts (a zero slot adds the token times its routing weight). Where its experts
+    module holds gate_up [E + Z, 2F, D] and down [E, D, F] (up to transformers 5.24): classified
+    by those shapes and that op order as packed experts over the E real ones with `zero_experts`
+    Z, patched with real slots through the kernel and zero slots in torch. Where it holds the E
+    real experts only (5.25: the MoE block adds the zero slots): plain packed experts over E,
+    patched as such. Either way matched to `moe_experts/swiglu` and aligned forward and backward
+    against the fp64 eager model with both kinds of slot in the routing."""
     pytest.importorskip("transformers.models.longcat_flash")
-    g = parse_model("hf:longcat_flash")
+    g, model, path, _ = _proxy_experts(parse_model, "hf:longcat_flash")
     experts = g.by_kind("moe.experts")
     assert experts and not g.by_kind("moe.shared_expert")
     # the proxy keeps top-k, so its real expert count follows it (2 x top-k at least)
     real = load_stage(load_model("hf:longcat_flash")).proxy_config.n_routed_experts
+    routers = g.by_kind("moe.router")
+    assert routers and {b.attrs["n_experts"] for b in routers} == {real + 256}
+    inside = _zero_slots_in_experts(model.get_submodule(path))
     for b in experts:
         a = b.attrs
-        assert (a["n_experts"], a["zero_experts"], a["gated"], a["activation"], a["weight_layout"],
-                a["gate_up_split"]) == (real, 256, True, "silu", "out_in", "halves"), a
+        assert (a["n_experts"], a.get("zero_experts"), a["gated"], a["activation"], a["weight_layout"],
+                a["gate_up_split"]) == (real, 256 if inside else None, True, "silu", "out_in", "halves"), a
     cov = build_coverage(g)
     entries = [e for e in cov.entries if e.kind == "moe.experts"]
     assert entries and {(e.status in OURS, e.family, e.variant) for e in entries} == \
         {(True, "moe_experts", "swiglu")}
-    _experts_align(g, cov, "hf:longcat_flash", tmp_path, "256 identity (zero) experts added in torch",
+    binding = "256 identity (zero) experts added in torch" if inside else "x, topk_indices, topk_weights"
+    _experts_align(g, cov, "hf:longcat_flash", tmp_path, binding,
                    lambda model: _zero_expert_router_bias(model, real))
 
 
 def test_zero_experts_refuse_expert_parallelism_early(parse_model):
-    """Expert parallelism dispatches to real experts only: a block with identity (zero) experts
-    fails before any block is replaced, naming them, when the module is needed (ep > 1, expert
-    LoRA or a capacity); with ep=1, no expert LoRA and dropless routing the model keeps its own
-    experts module, with a warning naming why."""
+    """Expert parallelism dispatches to real experts only. Where the experts module holds
+    identity (zero) slots (up to transformers 5.24) it fails before any block is replaced,
+    naming them, when the module is needed (ep > 1, expert LoRA or a capacity); with ep=1, no
+    expert LoRA and dropless routing the model keeps its own experts module, with a warning
+    naming why. Where the MoE block adds the zero slots around experts that hold the real ones
+    only (5.25), expert parallelism serves that module: with expert LoRA (B = 0) and dropless
+    routing over both kinds of slot the model's logits are unchanged."""
+    import copy
+
     from onboarding.errors import InputError
-    from onboarding.train.moe_ep import EPGroup, ExpertLoRA, apply_expert_parallel
+    from onboarding.train.moe_ep import EPExperts, EPGroup, ExpertLoRA, apply_expert_parallel
 
     pytest.importorskip("transformers.models.longcat_flash")
     g, model, path, before = _proxy_experts(parse_model, "hf:longcat_flash")
-    for kw in ({"lora": ExpertLoRA(rank=4, alpha=8.0)}, {"capacity_factor": 1.0}):
-        with pytest.raises(InputError, match=r"zero_experts=256 \(identity experts\)"):
-            apply_expert_parallel(model, g, EPGroup(), **kw)
+    if _zero_slots_in_experts(model.get_submodule(path)):
+        for kw in ({"lora": ExpertLoRA(rank=4, alpha=8.0)}, {"capacity_factor": 1.0}):
+            with pytest.raises(InputError, match=r"zero_experts=256 \(identity experts\)"):
+                apply_expert_parallel(model, g, EPGroup(), **kw)
+            assert type(model.get_submodule(path)) is before
+        with pytest.warns(UserWarning, match=r"zero_experts=256.*keeps the model's own experts module"):
+            assert apply_expert_parallel(model, g, EPGroup()) == []
         assert type(model.get_submodule(path)) is before
-    with pytest.warns(UserWarning, match=r"zero_experts=256.*keeps the model's own experts module"):
-        assert apply_expert_parallel(model, g, EPGroup()) == []
-    assert type(model.get_submodule(path)) is before
+        return
+    assert not any(b.attrs.get("zero_experts") for b in g.by_kind("moe.experts"))
+    real = model.get_submodule(path).down_proj.shape[0]
+    _zero_expert_router_bias(model, real)
+    eager = copy.deepcopy(model)
+    assert apply_expert_parallel(copy.deepcopy(model), g, EPGroup(), capacity_factor=1.0)
+    mods = apply_expert_parallel(model, g, EPGroup(), lora=ExpertLoRA(rank=4, alpha=8.0))
+    assert mods and isinstance(model.get_submodule(path), EPExperts)
+    info = load_stage(load_model("hf:longcat_flash"))
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 16, 0)
+    with torch.no_grad():
+        want, got = eager(*inputs, **kwargs).logits, model(*inputs, **kwargs).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _routing(n: int, real: int, total: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, k] slots: two real (< real) and one zero expert per token, distinct, in random order."""
+    return torch.stack([torch.cat([torch.randperm(real, generator=gen)[:2],
+                                   real + torch.randperm(total - real, generator=gen)[:1]])
+                        [torch.randperm(k, generator=gen)] for _ in range(n)])
 
 
 def test_zero_expert_slots_forward_and_gradients(parse_model, tmp_path):
-    """The zero-expert binding on one experts module, with routing drawn at random over real and
-    zero slots: output and every gradient (x, topk_weights, gate_up, down) match the eager
-    module; a zero slot's weight gradient is <dy, x>, never the kernel's expert-0 output."""
+    """Routing drawn at random over real and zero slots, through the patched experts: output and
+    every gradient (x, topk_weights, gate_up, down) match the eager model's code; a zero slot's
+    weight gradient is <dy, x>, never the kernel's output for the slot it is handed to. Where
+    the experts module holds the zero slots (up to transformers 5.24) that is its own binding,
+    called with the routing; where the MoE block adds them (5.25), the MoE block, its router
+    giving that routing, around the experts' plain binding."""
     pytest.importorskip("transformers.models.longcat_flash")
     g = parse_model("hf:longcat_flash")
     cov = build_coverage(g)
@@ -1181,21 +1228,41 @@ def test_zero_expert_slots_forward_and_gradients(parse_model, tmp_path):
     with torch.no_grad():
         for p in (module.gate_up_proj, module.down_proj):
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    n, d, total, k = 29, module.down_proj.shape[1], module.gate_up_proj.shape[0], 3
+    n, d, k = 29, module.down_proj.shape[1], 3
     real = module.down_proj.shape[0]  # down is [E, D, F] over the real experts only
+    inside = _zero_slots_in_experts(module)
+    if inside:
+        total, run_on = module.gate_up_proj.shape[0], module
+    else:  # the MoE block around the experts, its router's slots over real and zero experts
+        (router,) = [b for b in g.by_kind("moe.router") if b.path.startswith(path.rpartition(".")[0] + ".")]
+        total, run_on = router.attrs["n_experts"], model.get_submodule(path.rpartition(".")[0])
     assert total - real == 256
     x = torch.randn(n, d, generator=gen)
-    # two real slots (< real) and one zero expert per token, distinct per token
-    idx = torch.stack([torch.cat([torch.randperm(real, generator=gen)[:2],
-                                  real + torch.randperm(total - real, generator=gen)[:1]])
-                       [torch.randperm(k, generator=gen)] for _ in range(n)])
+    idx = _routing(n, real, total, k, gen)
     w = torch.rand(n, k, generator=gen)
     dy = torch.randn(n, d, generator=gen)
+    if not inside:  # where the router's output holds the slots (integer) and their weights
+        router_mod = model.get_submodule(router.path)
+        with torch.no_grad():
+            own = tuple(router_mod(x))
+        ints = [i for i, t in enumerate(own) if not t.is_floating_point()]
+        assert len(ints) == 1, [t.shape for t in own]
+        wts = [i for i, t in enumerate(own) if t.is_floating_point() and t.shape == own[ints[0]].shape]
+        assert len(wts) == 1, [t.shape for t in own]
 
     def run():
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        module.zero_grad()
-        y = module(xs, idx, ws)
+        model.zero_grad()
+        if inside:
+            y = module(xs, idx, ws)
+        else:
+            out = list(own)
+            out[ints[0]], out[wts[0]] = idx, ws
+            router_mod.forward = lambda *a, **kw: tuple(out)
+            try:
+                y = run_on(xs)
+            finally:
+                del router_mod.forward
         (y * dy).sum().backward()
         return y.detach(), xs.grad, ws.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()
 
@@ -1203,7 +1270,8 @@ def test_zero_expert_slots_forward_and_gradients(parse_model, tmp_path):
     with patch_model(model, g, kernels_for(cov, cands), kinds={"moe.experts"}) as patches:
         got = run()
         rec = next(r for r in patches.records if r.path == path)
-        assert rec.status == "active" and "identity (zero) experts" in rec.binding, (rec.binding, rec.detail)
+        assert rec.status == "active", (rec.binding, rec.detail)
+        assert ("identity (zero) experts" in rec.binding) is inside, rec.binding
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     zero = idx >= real
