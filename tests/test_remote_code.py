@@ -84,24 +84,30 @@ def test_attention_mask_shim_matches_a_causal_padding_mask():
 MASK_MODULE = "transformers.modeling_attn_mask_utils"
 
 
-def _native(module: str, name: str | None = None) -> bool:
-    """Whether the installed transformers itself has ``module`` (and ``name`` in it), whatever
-    onboard's compatibility layer supplied in this process (a shim module is marked, a supplied
-    name is recorded in `compat._INSTALLED`)."""
+def _installed(module: str) -> bool:
+    """Whether the installed transformers ships ``module`` (its file: whatever onboard's
+    compatibility layer put in ``sys.modules``)."""
     import importlib
-    import importlib.util
-    import sys
+    import importlib.machinery
+
+    parent, _, _ = module.rpartition(".")
+    return importlib.machinery.PathFinder.find_spec(module, importlib.import_module(parent).__path__) \
+        is not None
+
+
+def _lacks(module: str, name: str) -> bool:
+    """Whether the installed transformers lacks ``module.name``: a module it does not ship, or a
+    name it does not define (what onboard supplied, recorded in `compat._INSTALLED`, does not
+    count). The attention-mask module, where shipped, defines every 4.x helper."""
+    import importlib
 
     from onboarding.load import compat
 
-    mod = sys.modules.get(module)
-    if mod is not None and getattr(mod, "__onboard_shim__", False):
+    if not _installed(module):
+        return True
+    if module == MASK_MODULE:
         return False
-    if mod is None:
-        if importlib.util.find_spec(module) is None:
-            return False
-        mod = importlib.import_module(module)
-    return name is None or (hasattr(mod, name) and (module, name) not in compat._INSTALLED)
+    return not hasattr(importlib.import_module(module), name) or (module, name) in compat._INSTALLED
 
 
 def test_without_the_layer_the_fixture_fails_at_import():
@@ -111,27 +117,22 @@ def test_without_the_layer_the_fixture_fails_at_import():
     from onboarding.load.compat import scan_remote_code
 
     imports = scan_remote_code(FIXTURE).imports
-    missing = sorted(f"{m}.{n}" for (m, n) in imports if m.startswith("transformers") and not _native(m, n))
-    assert missing, "the installed transformers has every name the 4.x fixture imports"
+    missing = sorted(f"{m}.{n}" for (m, n) in imports if m.startswith("transformers") and _lacks(m, n))
     assert "transformers.cache_utils.SinkCache" in missing
-    if not _native(MASK_MODULE):
-        assert f"{MASK_MODULE}._prepare_4d_causal_attention_mask" in missing
+    assert (f"{MASK_MODULE}._prepare_4d_causal_attention_mask" in missing) is not _installed(MASK_MODULE)
 
 
 def test_v4_fixture_parses_with_its_shims_listed(tmp_path, capsys):
     out = tmp_path / "out"
     code, text = _run(capsys, "parse", str(FIXTURE), "--trust-remote-code", "--out", str(out))
     assert code == 0, text
-    assert "compatibility shims" in text
+    assert "compatibility shims" in text and "_prepare_4d_causal_attention_mask" in text
     shims = json.loads((out / "model.json").read_text())["compat_shims"]
     names = {s["name"] for s in shims}
-    # the 4.x mask helpers are shimmed where the installed transformers lacks their module
-    # (up to 5.24), and the installed module serves them where it has it again (5.25)
-    mask = f"{MASK_MODULE}._prepare_4d_causal_attention_mask"
-    if _native(MASK_MODULE):
-        assert mask not in names and not any(n.startswith(MASK_MODULE) for n in names)
-    else:
-        assert mask in names and "_prepare_4d_causal_attention_mask" in text
+    # the 4.x mask helpers are supplied where the module is gone (up to 5.24) and where the
+    # installed one, 5.25's deprecated copy, cannot build float64 masks (the reference's dtype)
+    mask = next(s for s in shims if s["name"] == f"{MASK_MODULE}._prepare_4d_causal_attention_mask")
+    assert ("float64" in mask["why"]) is _installed(MASK_MODULE), mask
     assert {"transformers.cache_utils.Cache.from_legacy_cache",
             "transformers.cache_utils.Cache.get_usable_length",
             "config.rope_scaling",
@@ -178,9 +179,7 @@ def test_v4_fixture_aligns_with_shipped_weights_and_shims_in_the_report(tmp_path
     assert loaded_into and all(torch.equal(loaded_into[0][k], v) for k, v in state.items())
     report = build_report(out, title="remote v4").read_text()
     assert "compatibility shims" in report
-    assert "SinkCache" in report and "config.rope_scaling" in report
-    if not _native(MASK_MODULE):  # up to 5.24: the mask helpers are shims too
-        assert "_prepare_4d_causal_attention_mask" in report
+    assert "_prepare_4d_causal_attention_mask" in report and "config.rope_scaling" in report
 
 
 # ---------------------------------------------------------------------------------------------

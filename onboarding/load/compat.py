@@ -4,7 +4,8 @@ Two jobs, both for a model directory whose ``auto_map`` ships its own code:
 
 - `install_shims`: read the remote ``*.py`` files (AST only, nothing runs), find the 4.x names and
   behaviours they use that the installed transformers removed or changed, and supply those:
-  the ``transformers.modeling_attn_mask_utils`` module, ``is_*_available`` probes, the
+  the ``transformers.modeling_attn_mask_utils`` module (also where the installed one cannot build
+  float64 masks, as 5.25's deprecated copy), ``is_*_available`` probes, the
   ``<Prefix>FlashAttention2`` / ``<Prefix>SdpaAttention`` class aliases, the legacy-cache methods
   of ``Cache`` (``from_legacy_cache``, ``to_legacy_cache``, ``get_usable_length``,
   ``seen_tokens``), and ``config.rope_scaling is None`` for "no scaling". A shim goes in only when
@@ -248,6 +249,23 @@ def _missing_module(name: str) -> bool:
         return True
 
 
+def _masks_fail_in_float64(name: str) -> bool:
+    """Whether the installed 4.x mask helpers cannot build a float64 causal mask (onboard's
+    reference dtype). transformers 5.25 brought `modeling_attn_mask_utils` back, deprecated, as
+    4.x had it: its causal mask fills a float32 tensor with float64's minimum and raises."""
+    import warnings
+
+    try:
+        fn = importlib.import_module(name)._prepare_4d_causal_attention_mask
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mask = fn(None, (1, 2), torch.zeros(1, 2, 1, dtype=torch.float64), 0)
+        return not (isinstance(mask, torch.Tensor) and mask.dtype == torch.float64
+                    and bool((mask[..., 0, 1] < -1e300).all()) and bool((mask[..., 1, :] == 0).all()))
+    except Exception:  # noqa: BLE001 - whatever fails here fails in the remote code's forward
+        return True
+
+
 def _module_or_none(name: str):
     try:
         return importlib.import_module(name)
@@ -301,18 +319,26 @@ def install_shims(directory: Path) -> list[dict[str, str]]:
 
     installed = transformers.__version__
     # 1. whole modules removed in 5
+    # (5.25 has it again, deprecated, as 4.x had it: unable to build float64 masks, onboard's
+    # reference dtype; the supplied helpers replace it, transformers' own code not importing it)
     mask_mod = "transformers.modeling_attn_mask_utils"
-    if mask_mod in uses.modules and _missing_module(mask_mod):
+    missing = mask_mod in uses.modules and _missing_module(mask_mod)
+    if mask_mod in uses.modules and (missing or _masks_fail_in_float64(mask_mod)):
+        why = (f"module removed in transformers 5 (installed {installed}); 4.x mask helpers "
+               "supplied") if missing else (
+            f"transformers {installed}'s deprecated copy of the module cannot build float64 masks "
+            "(onboard's reference dtype); 4.x mask helpers supplied")
         mod = sys.modules.get(mask_mod)
         if mod is None or not getattr(mod, "__onboard_shim__", False):
             mod = _attn_mask_module()
+            mod.__onboard_why__ = why
             sys.modules[mask_mod] = mod
+        why = getattr(mod, "__onboard_why__", why)
         names = sorted(n for (m, n) in uses.imports if m == mask_mod) or ["(module)"]
         for n in names:
             if n == "(module)" or hasattr(mod, n):
-                record(f"{mask_mod}.{n}" if n != "(module)" else mask_mod,
-                       f"module removed in transformers 5 (installed {installed}); 4.x mask "
-                       "helpers supplied", uses.imports.get((mask_mod, n), uses.modules[mask_mod]))
+                record(f"{mask_mod}.{n}" if n != "(module)" else mask_mod, why,
+                       uses.imports.get((mask_mod, n), uses.modules[mask_mod]))
     # 2. names imported from modules that still exist but lost them
     for (module, name), where in sorted(uses.imports.items()):
         if not module.startswith("transformers") or module == mask_mod:
