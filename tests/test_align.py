@@ -195,6 +195,7 @@ def test_nan_fails_loudly_naming_the_block(parse_model):
     json.dumps(result.to_dict())  # non-finite numbers stay valid JSON
 
 
+@pytest.mark.slow  # 36 s in CI (warm, idle); test_align_planted's bf16 cases keep a bf16 verdict in CI
 def test_bf16_candidate_within_layer_tolerances(parse_model, kernel_dir):
     """bf16 patched candidate vs fp32 reference: the calibration run of `layer_tolerance(bf16)`.
 

@@ -83,6 +83,7 @@ def test_patched_model_matches_unpatched(parse_model, ref, kinds, tmp_path):
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.slow  # 47 s in CI (warm, idle); the GDN family's kernel tests stay in CI
 def test_delta_rule_function_given_normalised_qk(parse_model, tmp_path):
     """The built-in example l2-normalises q and k (eps inside the root, so norms slightly below 1)
     before its delta-rule function, which takes no l2norm flag: the block's op graph still shows
@@ -894,6 +895,7 @@ def _same_experts(mod_a, mod_b, e: int, d: int, gen: torch.Generator, n: int = 1
         torch.testing.assert_close(got, want, rtol=1e-4, atol=max(1e-5, 1e-6 * want.abs().max().item()))
 
 
+@pytest.mark.slow  # 20-32 s in CI; test_training_dist's EP tests stay
 def test_expert_lora_kernel_attaches_to_ep_experts(parse_model, tmp_path, monkeypatch):
     """Training: `attach_expert_kernels` gives plain SwiGLU EP experts with expert LoRA the
     grouped expert LoRA kernel (pre-sorted rows) after checking it against the module's torch
@@ -1134,6 +1136,7 @@ def _zero_slots_in_experts(module) -> bool:
     return len({p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3}) == 2
 
 
+@pytest.mark.slow  # 21-30 s in CI; test_zero_expert_slots_forward_and_gradients stays
 def test_zero_experts_proxy_classified_patched_and_aligned(parse_model, tmp_path):
     """transformers' longcat_flash proxy, whose router scores E real and Z = 256 identity
     ("zero") experts (a zero slot adds the token times its routing weight). Where its experts

@@ -274,6 +274,7 @@ def test_lora_same_adapters_from_same_seed():
 
 # ------------------------------------------------------------------------------ PEFT export
 
+@pytest.mark.slow  # 17-20 s in CI; the expert adapters' round trips below stay
 def test_peft_round_trip_dense(built, tmp_path):
     from peft import PeftModel
 

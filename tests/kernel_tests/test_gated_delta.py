@@ -351,9 +351,9 @@ def check_aot_bf16_mma(spec, kernels: list[str], tm_kernels: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # one child for all: the default-config compiles hit Triton's cache after test_aot_sm90
     prepare = [name for name in kernels if name.endswith("_prepare_fwd_kernel")]
-    assert len(prepare) == 1, kernels
+    assert len(prepare) <= 1, kernels
     jobs = ([[name, {}] for name in kernels] + [[name, {"tm_dot": "tf32"}] for name in tm_kernels]
-            + [[prepare[0], {"inv_dot": "ieee"}]])
+            + [[name, {"inv_dot": "ieee"}] for name in prepare])
     run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path), json.dumps(jobs)],
                          capture_output=True, text=True, env=env, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -609,10 +609,14 @@ def test_dot_mode_keeps_fp32_operands_on_cpu():
     dot_modes_on_cpu(gated_delta.FAMILY)
 
 
-def test_aot_sm90_bf16_tensor_cores():
-    check_aot_bf16_mma(gated_delta.FAMILY, ["gdn_prepare_fwd_kernel", "gdn_state_fwd_kernel", "gdn_output_fwd_kernel",
-                                            "gdn_state_bwd_kernel", "gdn_chunk_bwd_wy_kernel"],
-                       ["gdn_chunk_bwd_wy_kernel"])
+# The bf16 build of the kernels with Tm dots in CI (the prepare with its tf32 merges, the backward
+# WY kernel), the state and output kernels' nightly: all five took 82 s on a cold Triton cache.
+@pytest.mark.parametrize("kernels", [
+    ["gdn_prepare_fwd_kernel", "gdn_chunk_bwd_wy_kernel"],
+    pytest.param(["gdn_state_fwd_kernel", "gdn_output_fwd_kernel", "gdn_state_bwd_kernel"], marks=pytest.mark.slow)],
+    ids=["tm", "state"])
+def test_aot_sm90_bf16_tensor_cores(kernels):
+    check_aot_bf16_mma(gated_delta.FAMILY, kernels, [k for k in kernels if k == "gdn_chunk_bwd_wy_kernel"])
 
 
 def test_fp16_dot_path(monkeypatch):

@@ -305,6 +305,7 @@ def _aot_groups(load) -> dict:
             576: [load("gathered", {"layout": "mla", "d_v": 512}).__file__]}
 
 
+@pytest.mark.slow  # 34 s in CI on a cold Triton cache; the bf16 build of the same kernels below stays
 def test_aot_sm90(load):
     """Compile every kernel for sm_90 at real head dims: indexer D=128, gathered GQA D=128, MLA
     d_qk 576 / d_v 512 (128 query heads over one latent)."""
