@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=11,
+    template_version=12,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -144,6 +144,22 @@ FAMILY = FamilySpec(
     # sm_90 bf16 build at the P <= 64 bucket (triton 3.9): the chunk kernel's shared memory 90144
     # bytes at 3, 57376 at 2 (188 registers both); dB/dC 98560 and 65792 (222 and 220 registers).
     # Not timed on its own.
+    # pass "fused" with `fwd` "split" (v12): the split forward's chunk-state kernel and state pass
+    # as one launch, one program per (b, h, BLOCK_P x STATE_N tile) in one flat loop over T in
+    # steps of PASS_K tokens (software-pipelined across the chunks of CHUNK * STATE_CHUNKS tokens
+    # without a backward to come, CHUNK with one): each chunk's incoming state stored at its first
+    # step, every step's product added into the decayed carried state, the products never stored
+    # and read back (on the H200 at B1 T8192 H128 P64 G8 N128 bf16 the two launches it replaces
+    # took 0.119 + 0.097 ms of the forward's 0.574: docs/LOG.md, twenty-eighth session, call 1).
+    # Since v12 "fused" also takes the backward's one-loop dy pull and reverse pass at
+    # STATE_CHUNKS > 1 (it replaces, per tile, the dstate kernel, the pass over state chunks and
+    # the fill-in: in device call A of the twenty-sixth session 0.273 and 0.310 ms, and one of the
+    # two state passes of 0.488 together, of fwd+bwd's 3.356). The sm_90 bf16 build (triton 3.9)
+    # at the P <= 64 bucket, 4 warps: PASS_K 64 50688 bytes of shared memory, 128 registers, no
+    # spills; PASS_K 128 100352, 172; STATE_N 32 38400, 90. cb (v12): the dtype of the split
+    # forward's stored C B^T [L, L] per (chunk, group), the output kernel's largest operand (each of
+    # a group's heads reads it; fp32 or 16-bit inputs' own, summed in fp32 either way); the output
+    # kernel's build: 128 registers uncapped with it (158 without), shared memory unchanged.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -171,6 +187,8 @@ FAMILY = FamilySpec(
         "fwd_maxnreg": (0, 128, 168),
         "split_states": ("pass", "fill"),
         "bwd_stages": (3, 2),
+        "cb": ("fp32", "input"),
+        "PASS_K": (16, 32, 64, 128),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -196,7 +214,8 @@ FAMILY = FamilySpec(
                     "dbc": "group", "DBC_N": 32, "STATE_N": 64, "pass": "split", "SCAN_N": 64, "gstate": "fp32",
                     "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128, "DBC_SPLIT": 1,
                     "bwd_maxnreg": 0, "fwd": "scan", "FWD_M": 64, "FWD_K": 32, "fwd_warps": 4,
-                    "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3},
+                    "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
+                    "PASS_K": 64},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",

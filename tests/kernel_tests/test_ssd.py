@@ -85,9 +85,11 @@ SC1 = {"STATE_CHUNKS": 1}  # the one-chunk state passes, where `pass` acts
                                  {"state": "input", "gstate": "input", "pass": "fused", **SC1},
                                  {"state": "input", "scan": "blocks"},
                                  # nightly (7 s): the GPU bars' [default] row checks the 16-bit path (split at P <= 64)
-                                 pytest.param({"state": "input", "fwd": "split"}, marks=pytest.mark.slow)],
+                                 pytest.param({"state": "input", "fwd": "split"}, marks=pytest.mark.slow),
+                                 # v12: the split forward's C B^T in bf16, its fused state pass
+                                 {"state": "input", "fwd": "split", "cb": "input", "pass": "fused"}],
                          ids=["fp32", "input", "input-split", "input-fused", "gstate-input-split",
-                              "both-input-fused", "input-blocks", "input-fwd-split"])
+                              "both-input-fused", "input-blocks", "input-fwd-split", "input-split-cb-fused"])
 def test_bf16_inputs(module, device, cfg):
     """bf16 storage (loads upcast, fp32 maths; the chunks' states and the backward's end-state
     gradients fp32 or bf16; state chunks of 4 (the P <= 64 default) or split or fused one-chunk
@@ -220,7 +222,21 @@ SPLIT = [
     # its two chunks' incoming states filled in (the second partial)
     pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "split_states": "fill"},
                  (1, 23, 2, 8, 1, 16, True, True), id="sc2-fill-T23"),
+    # `pass` "fused" (v12): the chunk states and the pass in one serial loop per tile; T 41 with an
+    # initial state: two split chunks of 32 (the second 9 tokens; PASS_K 16: two dot steps each)
+    # without a backward, three chunks of 16 with one; T 45: one split chunk of 64 (one step of
+    # PASS_K 64), 2 P and 2 N blocks
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "pass": "fused", "PASS_K": 16}, T41,
+                 id="sc2-fused-T41"),
+    pytest.param({"STATE_CHUNKS": 4, "FWD_M": 32, "FWD_K": 16, "pass": "fused"},
+                 (1, 45, 2, 20, 1, 24, True, False), id="sc4-fused-T45"),
+    # "fused" under "fill" (the fused pass over split chunks of 32, then the fill-in), T 71: 2
+    # batches, 3 split chunks (the last 7 tokens), 5 chunks of 16
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "pass": "fused", "split_states": "fill"},
+                 T71, id="sc2-fused-fill-T71"),
 ]
+# the split forward's backward rows that run in CI (the others nightly)
+SPLIT_BWD_CI = ("sc2-fill-T23", "sc2-fused-T41", "sc2-fused-fill-T71")
 
 
 def _split(module, device, cfg):
@@ -253,8 +269,8 @@ def test_split_forward(module, device, cfg, shape):
 
 # T41's, T45's and T7's backward nightly (3-20 s each in the interpreter, bounds-checked): their
 # forwards run above, the backward's own kernels under every other config
-@pytest.mark.parametrize("cfg,shape", [p if p.id == "sc2-fill-T23" else pytest.param(*p.values, id=p.id,
-                                                                                marks=pytest.mark.slow)
+@pytest.mark.parametrize("cfg,shape", [p if p.id in SPLIT_BWD_CI else pytest.param(*p.values, id=p.id,
+                                                                               marks=pytest.mark.slow)
                                        for p in SPLIT])
 def test_split_forward_backward(module, device, cfg, shape):
     """`fwd` "split" with a backward to come: the states and the pass per kernel chunk (what the
@@ -434,12 +450,17 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 # Dropped in v8 (call G ran them: [v7-default], [state-chunks-2], [fused] XPASS). `split_states`
 # "fill" (v9), an xfail-marked tuning value (XPASS is the pass; it XPASSed on the H200, h35_ssd5.sh).
 # Dropped in v11 with `split_states` "local": [local] XFAIL (outside the bars), [local-stages2] XPASS.
+# v12 (xfail-marked tuning values): the split forward's `pass` "fused" (with a backward to come
+# per chunk of 64; under "fill" per split chunk) and `cb` "input" (C B^T stored in bf16).
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
                                  pytest.param({"scan": "blocks"}, id="blocks", marks=UNTIMED),
                                  pytest.param({"scan": "blocks", "STATE_CHUNKS": 8}, id="blocks-sc8", marks=UNTIMED),
                                  pytest.param({"dot": "tf32", "state": "fp32"}, id="tf32-fp32-state"),
                                  pytest.param({"fwd": "scan"}, id="fwd-scan"),
-                                 pytest.param({"split_states": "fill"}, id="fill", marks=UNTIMED)])
+                                 pytest.param({"split_states": "fill"}, id="fill", marks=UNTIMED),
+                                 pytest.param({"pass": "fused"}, id="split-fused", marks=UNTIMED),
+                                 pytest.param({"pass": "fused", "split_states": "fill", "cb": "input"},
+                                              id="split-fused-fill-cb", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -531,3 +552,26 @@ def test_binding_swaps_the_mixers_chunked_scan(module, device):
         return x
     with pytest.raises(TypeError, match="seq_idx"):
         binding._call_ours(scan, module.entry, (x, x, x, x, x, 16), {"seq_idx": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("split_states", ["pass", "fill"])
+def test_split_fused_pass_matches_split(module, device, split_states):
+    """`pass` "fused" of the split forward (v12) against its two launches ("split"): the same y,
+    final state, stored incoming states and total log decays of ssd_fwd_op (what the backward of
+    another `pass` would read), with a backward to come (states per chunk of 16, or with "fill" per
+    split chunk of 32 then filled in) and without (y and the final state); T 71 (5 chunks, 3 split chunks, the last 7
+    tokens), 2 batches, 2 P blocks, an initial state, PASS_K 16 (two steps per split chunk's chunk)."""
+    fx = mild(fixture(module, (2, 71, 2, 20, 1, 24, True, True)))
+    args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(6))
+    outs = {}
+    for pas in ("split", "fused"):
+        _split(module, device, {"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "PASS_K": 16, "pass": pas,
+                                "split_states": split_states})
+        try:
+            outs[pas] = [module.ssd_fwd_op(*args[:7], args[9], True, 0.0, math.inf, save)
+                         for save in (True, False)]
+        finally:
+            module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+    for got, want, save in zip(outs["fused"], outs["split"], (True, False)):
+        for g, w in zip(got if save else got[:2], want if save else want[:2]):  # no-save: no states, dac unwritten
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
