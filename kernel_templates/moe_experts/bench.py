@@ -28,9 +28,10 @@ D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd`` c
 (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
 (``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next (uniform and Zipf) and
 DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbwd`` cases
-(template v15's ``MOE_V15_SWEEP``, ``MOE_V15_SWEEP_SHORT``, ``MOE_V15_SWEEP_BIG``; the twentieth
-session's ``MOE_DW_SWEEP`` etc. are kept for the record), and DeepSeek-V3 N8192 its forward
-tiles in its ``fwd`` case (``MOE_FWD_SWEEP_BIG``).
+(template v17's ``MOE_V17_SWEEP``, ``MOE_V17_SWEEP_SHORT``, ``MOE_V17_SWEEP_BIG``; v15's
+``MOE_V15_SWEEP*`` and the twentieth session's ``MOE_DW_SWEEP`` etc. are kept for the record),
+and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
+v15's ``MOE_FWD_SWEEP_BIG`` kept likewise).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -138,15 +139,44 @@ MOE_V15_SWEEP_SHORT = [{"bwd_epi_split": 2}, _ROWS]
 # two programs per SM; the default 128 columns: 255 / 8 / 197 KB, one) with the down GEMM kept at
 # its 4 stages.
 MOE_FWD_SWEEP_BIG = [{"BLOCK_N": 64, "num_stages": 3, "down_stages": 4}, {"BLOCK_N": 64, "down_stages": 4}]
+# Template v17 (issue 33, helper-57): at DeepSeek-V3 N8192 the CUTLASS weight gradients took 16.78 of
+# the fwd+bwd's 45.45 kernel ms (344 TFLOP/s: torch's K-grouped `_grouped_mm` runs CUTLASS's
+# cooperative 128 x 256 x 64 schedule whenever M and N pass 128, and with ~256 rows per expert each
+# tile's four K steps sit beside an epilogue that nothing overlaps), the down backward 5.36 ms (359
+# TFLOP/s on 64 x 128 tiles of 8 warps: two warpgroups of m64n64 MMAs) and the forward down GEMM
+# 4.99 ms (385 TFLOP/s: 32 K steps per 128 x 256 tile, then an atomic epilogue, one program per
+# SM). The rows put two or three programs on an SM, so that one's epilogue runs under another's
+# MMAs (sm_90 AOT, bf16, D 7168, registers / spills / shared memory per program; the LOG has the
+# table):
+# - `_DW_TMA`: both weight gradients by the persistent kernel on slot-ordered rows loaded by TMA:
+#   128 x 128 tiles on one warpgroup (252 / 0 / 88 KB: two per SM); 64 x 128 (150 / 0 / 72 KB:
+#   three); 128 x 64 on 8 warps (119 / 0 / 72 KB: two). On 128 x 128 x 8 warps it takes 156
+#   registers (one per SM), so that tile is not offered.
+# - `_DOWN_BWD_4W`: the down backward on one warpgroup (m64n128 MMAs) with its epilogue in four
+#   slices (178 / 0 / 96 KB: two per SM), dx kept at 8 warps.
+# - `_DOWN_FWD_4W`: the forward down GEMM on 128 x 128 tiles of one warpgroup, 3 stages (254 / 0 /
+#   96 KB: two per SM; on 8 warps 138 registers, one); `h_tma`: its h rows by TMA (at the default
+#   128 x 256 x 8 warps 254 registers and 8 bytes spilled, against 254 / 0 without).
+_DW_TMA = {"dw_grouped_mm": False, "dw_persistent": 2, "dw_sorted": True, "dw_tma": True, "dw_warps": 4}
+_DOWN_BWD_4W = {"bwd_warps": 4, "dx_warps": 8, "bwd_epi_split": 4}
+_DOWN_FWD_4W = {"DOWN_BLOCK_N": 128, "down_stages": 3, "down_warps": 4}
+MOE_V17_SWEEP_BIG = [_DW_TMA, {**_DW_TMA, "dw_persistent": 3, "DW_BLOCK_M": 64},
+                     {**_DW_TMA, "dw_warps": 8, "DW_BLOCK_N": 64}, _DOWN_BWD_4W, _DOWN_FWD_4W,
+                     {**_DW_TMA, **_DOWN_BWD_4W, **_DOWN_FWD_4W}]
+MOE_V17_FWD_SWEEP_BIG = [_DOWN_FWD_4W, {**_DOWN_FWD_4W, "h_tma": True}, {"h_tma": True}]
+# Qwen3-Next (D 2048: half-height tiles on, so no h_tma; its forward is at 1.3x already): the
+# backward rows; Zipf and DeepSeek-V3 N32768 the two alone.
+MOE_V17_SWEEP_SHORT = [_DW_TMA, _DOWN_BWD_4W]
+MOE_V17_SWEEP = [*MOE_V17_SWEEP_SHORT, {**_DW_TMA, **_DOWN_BWD_4W}]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
-          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V15_SWEEP,
-          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V15_SWEEP_SHORT,
-          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V15_SWEEP_BIG,
-          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V15_SWEEP_SHORT}
+          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V17_SWEEP,
+          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V17_SWEEP_SHORT,
+          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V17_SWEEP_BIG,
+          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V17_SWEEP_SHORT}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:

@@ -265,6 +265,18 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # (each expert's rows); ahead of dw_persistent / dw_sorted. On a GPU for bf16 on sm_90+ with rows
 # of a multiple of 8 elements only (else the Triton kernels); swiglu and mlp only. The GPU buckets'
 # default (timed: see _DW_GPU).
+# h_tma: the forward down GEMM loads h [S, F] (slot order) through tensor descriptors, as `rows_tma`
+# does the backward's rows (not beside `half_tail`, whose half-height tiles need other blocks);
+# swiglu and mlp only. dw_tma: with `dw_persistent` and `dw_sorted`, the persistent weight-gradient
+# kernel loads both slot-ordered operands through tensor descriptors (no address registers, no load
+# masks; rows past an expert's end zeroed in registers), so that on one warpgroup two programs fit
+# an SM (one's epilogue under the other's MMAs: the K-grouped `torch._grouped_mm` is CUTLASS's
+# cooperative 128 x 256 x 64 schedule at these M, N, whose epilogue nothing overlaps); swiglu and
+# mlp only. dx_warps / down_warps: the dx GEMM's and the forward down GEMM's own warps (0: the
+# backward's / the forward's), so that the down backward can take 4 (one warpgroup on 64 x 128:
+# m64n128 MMAs, not two warpgroups' m64n64, whose operands take the whole shared-memory bandwidth)
+# while dx keeps 8 on its 128 x 256 tile, and the forward down GEMM can run 128 x 128 tiles two per
+# SM. All untimed (template v17; sm_90 AOT in bench.py's v17 notes).
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
                  "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),
                  "down_stages": (0, 2, 3, 4), "DW_BLOCK_M": (0, 16, 32, 64, 128),
@@ -272,12 +284,15 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "dw_stages": (0, 1, 2, 3, 4), "dw_persistent": (0, 1, 2, 3, 4), "bwd_tma": (False, True),
                  "DX_BLOCK_M": (0, 16, 32, 64, 128), "DX_BLOCK_N": (0, 16, 32, 64, 128, 256), "dx_stages": (0, 2, 3, 4),
                  "dw_sorted": (False, True), "dw_grouped_mm": (False, True), "dy_sorted": (False, True),
-                 "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4)}
+                 "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4), "h_tma": (False, True),
+                 "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
+                 "down_warps": (0, 2, 4, 8)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
                    "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False,
-                   "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1}
+                   "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
+                   "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
@@ -340,7 +355,7 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=16,
+    template_version=17,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

@@ -463,6 +463,55 @@ def test_sorted_dy_is_gathered_once(load, device, monkeypatch):
     assert counts == ([2, 2, 2, 2] if on_cpu else [0, 1, 2, 2]), counts
 
 
+# Template v17's options: `dw_tma` (the persistent weight-gradient kernel's slot-ordered operands
+# by TMA: row steps running past an expert's rows into the next's and past S, zeroed after the
+# load; output tiles partial over 2F = 40 and D = 40 in 16 x 16 tiles), `h_tma` (the forward down
+# GEMM's h rows by TMA; off beside half-height tiles), `dx_warps` / `down_warps` (dx's and the
+# forward down GEMM's own warps).
+V17_CONFIGS = {"dw_tma": {**PERSISTENT, "dw_persistent": 2, "dw_sorted": True, "dw_tma": True},
+               "dw_tma1": {**PERSISTENT, "dw_persistent": 1, "dw_sorted": True, "dw_tma": True, "dy_sorted": True},
+               "dw_tma_unsorted": {**PERSISTENT, "dw_persistent": 1, "dw_tma": True},
+               "h_tma": {"h_tma": True}, "h_tma_atomic": {"h_tma": True, "combine": "atomic", "BLOCK_M": 32},
+               "h_tma_half": {"h_tma": True, "half_tail": True, "BLOCK_M": 32},
+               "warps": {"bwd_warps": 4, "dx_warps": 2, "down_warps": 2}}
+
+
+@pytest.mark.parametrize("entry,kind,name", [
+    ("swiglu", "zipf", "dw_tma"), ("bias", "empty_experts", "dw_tma1"), ("mlp", "uniform", "dw_tma"),
+    ("swiglu", "uniform", "dw_tma_unsorted"), ("swiglu", "zipf", "h_tma"), ("mlp", "empty_experts", "h_tma_atomic"),
+    ("swiglu", "uniform", "h_tma_half"), ("swiglu", "all_to_one", "warps"),
+    pytest.param("bias", "all_to_one", "dw_tma", marks=pytest.mark.slow),
+    pytest.param("gpt_oss_bias", "zipf", "h_tma", marks=pytest.mark.slow),
+], ids=lambda v: str(v))
+def test_v17_tma_rows_and_own_warps(load, device, monkeypatch, entry, kind, name):
+    """dw_tma / h_tma / dx_warps / down_warps (V17_CONFIGS): the output and every gradient (bias
+    gradients too) match the reference on odd rows per expert (37 tokens), unused experts, one
+    expert with every token, D = 40 and F = 20 (partial tiles and row steps); the launches took
+    the paths asked for: TMA operands only with slot-ordered rows, h by TMA only without
+    half-height tiles, dx and the forward down GEMM on their own warps beside the down backward's
+    and gate/up's."""
+    variant, params = {"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
+                       "bias": ("swiglu", {"bias": True}),
+                       "gpt_oss_bias": ("swiglu", {"bias": True, **GPT_OSS})}[entry]
+    module = load(variant, params)
+    config = V17_CONFIGS[name]
+    if module.TensorDescriptor is None and (config.get("dw_tma") or config.get("h_tma")):
+        pytest.skip("this triton has no host tensor descriptors")
+    fx = (bias_fixture(module, kind, d=40) if entry in ("bias", "gpt_oss_bias")
+          else fixture(module, kind, d=40, gated=entry != "mlp"))
+    launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, **config})
+    dw = [kw for n, kw in launches if n == "moe_dw_persistent_kernel"]
+    assert len(dw) == (2 if config.get("dw_persistent") else 0)
+    assert all(kw["TMA"] == bool(config.get("dw_sorted")) for kw in dw)
+    down = [kw for n, kw in launches if n == "moe_down_fwd_kernel"]
+    assert down and all(kw["ROWS_TMA"] == (name in ("h_tma", "h_tma_atomic")) for kw in down)
+    if name == "warps":
+        warps = {n: {kw["num_warps"] for m, kw in launches if m == n}
+                 for n in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel", "moe_down_bwd_kernel", "moe_dx_kernel")}
+        assert warps == {"moe_gate_up_fwd_kernel": {module.config_for(40)["num_warps"]},
+                         "moe_down_fwd_kernel": {2}, "moe_down_bwd_kernel": {4}, "moe_dx_kernel": {2}}
+
+
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
 # 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm, also
@@ -486,9 +535,9 @@ def test_backward_configs_bf16_cuda(load):
 
 def _check_bwd_configs_bf16(module, d: int, e: int, configs: list[dict]) -> None:
     """Each of ``configs`` over the bucket of ``d`` (bf16 on a GPU, n 1531 odd, top-4 of ``e``
-    experts, two left empty): every gradient within 1e-2 of the fp32 reference and 2e-3 of the
-    first config's run (the same sums up to bf16 roundings); the empty experts' weight gradients
-    zero."""
+    experts, two left empty): the output and every gradient within 1e-2 of the fp32 reference and
+    2e-3 of the first config's run (the same sums up to bf16 roundings); the empty experts' weight
+    gradients zero."""
     n, f, k = 1531, 256, 4
     gen = torch.Generator().manual_seed(3)
     idx = routing("empty_experts", n, e, k, gen).cuda()
@@ -504,17 +553,19 @@ def _check_bwd_configs_bf16(module, d: int, e: int, configs: list[dict]) -> None
         module.set_config(None)
         module.set_config({**module.config_for(d), **extra}, bucket=bucket)
         try:
-            module.entry(lo[0], idx, *lo[1:]).backward(dy.to(torch.bfloat16))
+            y = module.entry(lo[0], idx, *lo[1:])
+            y.backward(dy.to(torch.bfloat16))
         finally:
             module.set_config(None, bucket=bucket)
             module.set_config(CPU_CONFIG)
-        runs.append([t.grad for t in lo])
-    module.reference(hi[0], idx, *hi[1:]).backward(dy)
-    for extra, grads in zip(configs, runs, strict=True):
-        for i, (g, base, ref) in enumerate(zip(grads, runs[0], [t.grad for t in hi], strict=True)):
+        runs.append([y.detach(), *[t.grad for t in lo]])
+    y_ref = module.reference(hi[0], idx, *hi[1:])
+    y_ref.backward(dy)
+    for extra, outs in zip(configs, runs, strict=True):
+        for i, (g, base, ref) in enumerate(zip(outs, runs[0], [y_ref.detach(), *[t.grad for t in hi]], strict=True)):
             assert rel(g, ref) <= 1e-2, (extra, i, rel(g, ref))
             assert rel(g, base) <= 2e-3, (extra, i, rel(g, base))
-        assert grads[2][e - 2:].abs().max() == 0 and grads[3][e - 2:].abs().max() == 0, extra
+        assert outs[3][e - 2:].abs().max() == 0 and outs[4][e - 2:].abs().max() == 0, extra
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
@@ -525,6 +576,18 @@ def test_backward_v15_configs_bf16_cuda(load, d):
     down backward) against the bucket default (`_check_bwd_configs_bf16`)."""
     bench = moe_experts.bench
     configs = [{}] + (bench.MOE_V15_SWEEP if d < 4096 else bench.MOE_V15_SWEEP_BIG)
+    _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
+@pytest.mark.parametrize("d", [7168, 2048], ids=["d_big", "d_le_4k"])  # DeepSeek-V3's first: it decides the most
+def test_v17_configs_bf16_cuda(load, d):
+    """Template v17's rows as the bench times them (bench.MOE_V17_SWEEP at D 2048; at D 7168
+    MOE_V17_SWEEP_BIG and MOE_V17_FWD_SWEEP_BIG: the persistent weight gradients on TMA rows, the
+    down backward on 4 warps, h by TMA, the down GEMM on 128 x 128) against the bucket default
+    (`_check_bwd_configs_bf16`: the output and every gradient)."""
+    bench = moe_experts.bench
+    configs = [{}] + (bench.MOE_V17_SWEEP if d < 4096 else bench.MOE_V17_SWEEP_BIG + bench.MOE_V17_FWD_SWEEP_BIG)
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
 
 
