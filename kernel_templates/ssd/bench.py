@@ -28,7 +28,7 @@ backward of y, the training step, no final state):
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
   tuning values beside the default (`SWEEP`: template v12's `pass` "fused" and `cb` "input" of the
-  split forward), forward (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
+  split forward, BLOCK_S 1024), forward (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
@@ -95,23 +95,24 @@ SHAPES = (
 # v11: slower than the default and outside the bars once on the H200 (family.py,
 # `BUDGET=230 bash .ci/h200/h35_ssd5.sh`).
 #
-# Template v12 (issue 35; `split_states` "fill"'s fwd+bwd row went: `h35_ssd5.sh` timed it): the
-# split forward's `pass` "fused" (its chunk-state kernel and state pass as one serial loop per
-# (head, BLOCK_P x STATE_N tile): 256 programs at the headline shape, 512 at STATE_N 32; PASS_K
-# tokens per dot step, 64, or 128), `cb` "input" (C B^T stored in bf16: half the output kernel's
-# largest operand), both, forward only; forward + backward, "fused" (its backward: dy's pull and
-# the reverse pass in one serial loop over the 128 chunks per tile) with the forward's states per
-# chunk of 64 (a 128-chunk loop) and with "fill" (a 32-chunk loop, then the fill-in). And BLOCK_S
-# 1024 (a tuning value since v1, no code): the state passes' grid in one wave. The sm_90 bf16 build
-# (triton 3.9) of ssd_state_pass_kernel at 4 warps: BLOCK_S 512 40 registers (12 programs per SM by
-# registers: 1584 of the forward pass's 2048 programs at the headline shape run in the first wave,
-# the rest in a second one: two serial chains back to back), 1024 47 (10 per SM, 1320 >= 1024
-# programs), 2048 72, 256 32 (4096 programs, two waves); mamba-ssm's pass took 0.050 ms against
-# our 0.099 in device call A of the twenty-sixth session.
+# Template v12 (issue 35; `split_states` "fill"'s fwd+bwd row went: `h35_ssd5.sh` timed it). Forward
+# only: the split forward's `pass` "fused" (its chunk-state kernel and state pass as one serial
+# loop per (head, BLOCK_P x STATE_N tile), 256 programs at the headline shape, PASS_K 64 tokens
+# per dot step), `cb` "input" (C B^T stored in bf16: half the output kernel's largest operand).
+# Forward + backward: "fused" with "fill" (the forward's fused loop over the 32 split chunks, then
+# the fill-in; the backward's dy pull and reverse pass as one serial loop over the 128 chunks per
+# tile). Both: BLOCK_S 1024 (a tuning value since v1, no code), the state passes' grid in one
+# wave. The sm_90 bf16 build (triton 3.9) of ssd_state_pass_kernel at 4 warps: BLOCK_S 512 40
+# registers (12 programs per SM by registers: 1584 of the forward pass's 2048 programs at the
+# headline shape run in the first wave, the rest in a second one, two serial chains back to back),
+# 1024 47 (10 per SM, 1320 >= 1024 programs), 2048 72, 256 32 (4096 programs, two waves);
+# mamba-ssm's pass took 0.050 ms against our 0.099 in device call A of the twenty-sixth session.
+# Few rows, so that the GPU call's bench fits ~100 s with its compiles (`.ci/h200/h35_ssd6.sh`);
+# left for a later call: "fused" fwd+bwd without "fill" (the forward's loop over the 128 chunks of
+# 64), "fused" at STATE_N 32 (512 programs) or PASS_K 128, "fused" with `cb` "input" together.
 # In the order of what a cut-short GPU call should keep.
-SWEEP = (({"pass": "fused"}, "fwd"), ({"BLOCK_S": 1024}, "both"), ({"pass": "fused", "cb": "input"}, "fwd"),
-         ({"cb": "input"}, "fwd"), ({"pass": "fused", "split_states": "fill"}, "bwd"), ({"pass": "fused"}, "bwd"),
-         ({"pass": "fused", "STATE_N": 32}, "fwd"), ({"pass": "fused", "PASS_K": 128}, "fwd"))
+SWEEP = (({"pass": "fused"}, "fwd"), ({"BLOCK_S": 1024}, "both"), ({"cb": "input"}, "fwd"),
+         ({"pass": "fused", "split_states": "fill"}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:
