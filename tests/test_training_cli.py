@@ -124,6 +124,44 @@ def test_expert_preflight_graph_reaches_the_workers(tmp_path, small_data, monkey
     assert OpGraph.load(out / "opgraph.json").to_dict() == checked[3].to_dict()
 
 
+@pytest.mark.parametrize("model, extra", [("hf:qwen3_moe", {"expert_lora": True}),
+                                          ("hf:qwen3_moe", {"baseline": True}),
+                                          ("hf:longcat_flash", {"baseline": True})])
+def test_preflights_build_no_seeded_weights(tmp_path, small_data, monkeypatch, model, extra):
+    """The preflights (experts, the PEFT baseline) capture a model whose weights are a fixed fill
+    (`LoadedModel.build` with init=False; the seed's CPU initialization is the slow part of a
+    build at billions of parameters): every build `check` makes is on meta or skips the
+    initialization. The op graph it hands the workers is the one the seed's weights give: a
+    torch.export capture (values never enter it); a dispatch recording (LongCat-Flash's routed
+    loops: its counts follow the routing) is handed to no worker."""
+    from onboarding.graph.parse import parse_stage
+    from onboarding.load.model import LoadedModel
+    from onboarding.train import launch as L
+    from onboarding.train.setup import PARSE_SEQ
+
+    if model == "hf:longcat_flash":
+        pytest.importorskip("transformers.models.longcat_flash")
+    builds = []
+    build = LoadedModel.build
+
+    def spy(self, config=None, *, device="cpu", init=True, **kw):
+        built = build(self, config, device=device, init=init, **kw)
+        builds.append((next(built.parameters()).device.type, init))
+        return built
+
+    monkeypatch.setattr(LoadedModel, "build", spy)
+    cfg = TrainConfig(model=model, data=str(small_data), out=str(tmp_path / "run"), **extra)
+    info, _, _, graph = L.check(cfg)
+    assert ("cpu", False) in builds
+    assert all(device == "meta" or not init for device, init in builds), builds
+    monkeypatch.undo()
+    seeded = parse_stage(info, seq=PARSE_SEQ, seed=cfg.seed)
+    if seeded.capture == "export":
+        assert graph is not None and graph.to_dict() == seeded.to_dict()
+    else:
+        assert graph is None
+
+
 def test_more_processes_than_gpus_exit_2_and_leave_nothing(tmp_path, monkeypatch, capsys):
     """On a GPU machine each process takes a GPU: asking for more fails before anything runs."""
     import torch

@@ -138,9 +138,10 @@ def parse_stage(info: ModelInfo, *, batch: int = 1, seq: int = 64, seed: int = 0
                 on_step: Callable[[str], None] | None = None,
                 model: nn.Module | None = None) -> OpGraph:
     """The op graph of ``info``'s proxy config. ``model``: that model already built on the CPU in
-    ``dtype`` (from ``seed``, its shipped weights loaded as here), captured instead of a second
-    build (training's set-up: the build is the slow part at billions of parameters); its
-    train/eval mode is restored afterwards."""
+    ``dtype`` (from ``seed``, its shipped weights loaded as here; or from a fixed fill, the
+    training preflight's `LoadedModel.build` with ``init=False``), captured instead of a second
+    build (the build is the slow part at billions of parameters); its train/eval mode is
+    restored afterwards."""
     loaded = info.loaded
     training = None
     if model is None:
