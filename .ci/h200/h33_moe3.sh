@@ -4,11 +4,12 @@
 # The rows (kernel_templates/moe_experts/bench.py, MOE_V17_*; every option off by default). Each
 # puts two or three programs on an SM so that one's epilogue runs under another's MMAs (sm_90 AOT
 # registers / shared memory in bench.py's v17 notes):
-#   dw_grouped_mm=False,dw_persistent=2,dw_sorted,dw_tma,dw_warps=4: both weight gradients by our
-#     persistent kernel on slot-ordered rows loaded by TMA, 128 x 128 on one warpgroup, instead of
-#     torch's CUTLASS (at these M, N its K-grouped schedule is cooperative 128 x 256 x 64: nothing
-#     overlaps the epilogue of a tile's four K steps); also 64 x 128 three per SM
-#     (dw_persistent=3,DW_BLOCK_M=64) and 128 x 64 on 8 warps (dw_warps=8,DW_BLOCK_N=64).
+#   dw_grouped_mm=False,dw_persistent=2,dw_sorted,dw_tma,dw_warps=4,dw_pad: both weight gradients
+#     by our persistent kernel on slot-ordered rows loaded by TMA, the gathered operand padded per
+#     expert with zero rows (both operands to the MMA from shared memory), 128 x 128 on one
+#     warpgroup, instead of torch's CUTLASS (at these M, N its K-grouped schedule is cooperative
+#     128 x 256 x 64: nothing overlaps the epilogue of a tile's four K steps); also on 8 warps x 2
+#     stages (dw_warps=8,dw_stages=2), and without the padding (a's rows masked in registers).
 #   bwd_warps=4,dx_warps=8,bwd_epi_split=4: the down backward on one warpgroup (m64n128 MMAs).
 #   DOWN_BLOCK_N=128,down_stages=3,down_warps=4: the forward down GEMM on 128 x 128, one warpgroup.
 #   h_tma (fwd case only): the forward down GEMM's h rows by TMA.
@@ -36,7 +37,9 @@
 #    is faster by more than ~1% (single medians). moe3_fwd_bench.txt likewise (goal: >= 1.3x).
 # 3. moe3_profile.txt, per row the kernel ms: for the dw_tma rows `moe_dw_persistent_kernel` (2
 #    launches) against `ours`'s CUTLASS grouped GEMM (16.8 ms today; its name starts
-#    `void cutlass::device_kernel<`): below it is a win. For bwd_warps=4, `moe_down_bwd_kernel`
+#    `void cutlass::device_kernel<`) plus what the rows add: the dw_pad rows one more dy gather
+#    and two index builds (`vectorized_gather_kernel` ~0.5 ms more than `ours`'s 0.93, the `cat`
+#    copies), the dw_tma rows none. Below 16.8 together is a win. For bwd_warps=4, `moe_down_bwd_kernel`
 #    (5.36 ms today; `moe_dx_kernel` unchanged); for down_warps=4, `moe_down_fwd_kernel` (4.99).
 # 4. Decide per bucket (_GPU_TILES_BIG for D > 4096, _GPU_TILES for D <= 4096): the keys of the
 #    fastest passing row, or of the winning pieces combined, go into the bucket (family.py,

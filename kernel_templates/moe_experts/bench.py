@@ -148,26 +148,29 @@ MOE_FWD_SWEEP_BIG = [{"BLOCK_N": 64, "num_stages": 3, "down_stages": 4}, {"BLOCK
 # SM). The rows put two or three programs on an SM, so that one's epilogue runs under another's
 # MMAs (sm_90 AOT, bf16, D 7168, registers / spills / shared memory per program; the LOG has the
 # table):
-# - `_DW_TMA`: both weight gradients by the persistent kernel on slot-ordered rows loaded by TMA:
-#   128 x 128 tiles on one warpgroup (252 / 0 / 88 KB: two per SM); 64 x 128 (150 / 0 / 72 KB:
-#   three); 128 x 64 on 8 warps (119 / 0 / 72 KB: two). On 128 x 128 x 8 warps it takes 156
-#   registers (one per SM), so that tile is not offered.
+# - `_DW_PAD`: both weight gradients by the persistent kernel on slot-ordered rows loaded by TMA,
+#   the gathered operand of each (dy[tok], x[tok]) padded per expert with zero rows to a row-step
+#   multiple, so both operands go to the MMA from shared memory: 128 x 128 on one warpgroup (196 /
+#   0 / 104 KB: two per SM); on 8 warps with 2 stages (92 / 0 / 96 KB: two). `_DW_TMA`: the same
+#   without the padding, a's rows masked in registers (252 / 0 / 88 KB on one warpgroup: two per
+#   SM; its operand passes a layout conversion each row step). On 128 x 128 x 8 warps x 3 stages
+#   the padded kernel takes 128 KB and the masked one 156 registers: one per SM, not offered.
 # - `_DOWN_BWD_4W`: the down backward on one warpgroup (m64n128 MMAs) with its epilogue in four
 #   slices (178 / 0 / 96 KB: two per SM), dx kept at 8 warps.
 # - `_DOWN_FWD_4W`: the forward down GEMM on 128 x 128 tiles of one warpgroup, 3 stages (254 / 0 /
 #   96 KB: two per SM; on 8 warps 138 registers, one); `h_tma`: its h rows by TMA (at the default
 #   128 x 256 x 8 warps 254 registers and 8 bytes spilled, against 254 / 0 without).
 _DW_TMA = {"dw_grouped_mm": False, "dw_persistent": 2, "dw_sorted": True, "dw_tma": True, "dw_warps": 4}
+_DW_PAD = {**_DW_TMA, "dw_pad": True}
 _DOWN_BWD_4W = {"bwd_warps": 4, "dx_warps": 8, "bwd_epi_split": 4}
 _DOWN_FWD_4W = {"DOWN_BLOCK_N": 128, "down_stages": 3, "down_warps": 4}
-MOE_V17_SWEEP_BIG = [_DW_TMA, {**_DW_TMA, "dw_persistent": 3, "DW_BLOCK_M": 64},
-                     {**_DW_TMA, "dw_warps": 8, "DW_BLOCK_N": 64}, _DOWN_BWD_4W, _DOWN_FWD_4W,
-                     {**_DW_TMA, **_DOWN_BWD_4W, **_DOWN_FWD_4W}]
+MOE_V17_SWEEP_BIG = [_DW_PAD, {**_DW_PAD, "dw_warps": 8, "dw_stages": 2}, _DW_TMA, _DOWN_BWD_4W, _DOWN_FWD_4W,
+                     {**_DW_PAD, **_DOWN_BWD_4W, **_DOWN_FWD_4W}]
 MOE_V17_FWD_SWEEP_BIG = [_DOWN_FWD_4W, {**_DOWN_FWD_4W, "h_tma": True}, {"h_tma": True}]
 # Qwen3-Next (D 2048: half-height tiles on, so no h_tma; its forward is at 1.3x already): the
 # backward rows; Zipf and DeepSeek-V3 N32768 the two alone.
-MOE_V17_SWEEP_SHORT = [_DW_TMA, _DOWN_BWD_4W]
-MOE_V17_SWEEP = [*MOE_V17_SWEEP_SHORT, {**_DW_TMA, **_DOWN_BWD_4W}]
+MOE_V17_SWEEP_SHORT = [_DW_PAD, _DOWN_BWD_4W]
+MOE_V17_SWEEP = [*MOE_V17_SWEEP_SHORT, {**_DW_PAD, **_DOWN_BWD_4W}]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.

@@ -272,7 +272,10 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # masks; rows past an expert's end zeroed in registers), so that on one warpgroup two programs fit
 # an SM (one's epilogue under the other's MMAs: the K-grouped `torch._grouped_mm` is CUTLASS's
 # cooperative 128 x 256 x 64 schedule at these M, N, whose epilogue nothing overlaps); swiglu and
-# mlp only. dx_warps / down_warps: the dx GEMM's and the forward down GEMM's own warps (0: the
+# mlp only. dw_pad: with `dw_tma`, each weight gradient's gathered operand (dy[tok], x[tok]) is
+# copied with zero rows padding every expert to a row-step multiple, so no row mask is needed and
+# both operands go to the MMA from shared memory (with the mask, a passes through registers and a
+# layout conversion); a second dy gather beside `dy_sorted`'s copy. dx_warps / down_warps: the dx GEMM's and the forward down GEMM's own warps (0: the
 # backward's / the forward's), so that the down backward can take 4 (one warpgroup on 64 x 128:
 # m64n128 MMAs, not two warpgroups' m64n64, whose operands take the whole shared-memory bandwidth)
 # while dx keeps 8 on its 128 x 256 tile, and the forward down GEMM can run 128 x 128 tiles two per
@@ -286,13 +289,13 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "dw_sorted": (False, True), "dw_grouped_mm": (False, True), "dy_sorted": (False, True),
                  "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4), "h_tma": (False, True),
                  "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
-                 "down_warps": (0, 2, 4, 8)}
+                 "down_warps": (0, 2, 4, 8), "dw_pad": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
                    "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False,
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
-                   "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0}
+                   "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
 # routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):

@@ -465,12 +465,16 @@ def test_sorted_dy_is_gathered_once(load, device, monkeypatch):
 
 # Template v17's options: `dw_tma` (the persistent weight-gradient kernel's slot-ordered operands
 # by TMA: row steps running past an expert's rows into the next's and past S, zeroed after the
-# load; output tiles partial over 2F = 40 and D = 40 in 16 x 16 tiles), `h_tma` (the forward down
+# load, or with `dw_pad` meeting the zero rows padding the gathered operand; output tiles partial
+# over 2F = 40 and D = 40 in 16 x 16 tiles), `h_tma` (the forward down
 # GEMM's h rows by TMA; off beside half-height tiles), `dx_warps` / `down_warps` (dx's and the
 # forward down GEMM's own warps).
 V17_CONFIGS = {"dw_tma": {**PERSISTENT, "dw_persistent": 2, "dw_sorted": True, "dw_tma": True},
                "dw_tma1": {**PERSISTENT, "dw_persistent": 1, "dw_sorted": True, "dw_tma": True, "dy_sorted": True},
                "dw_tma_unsorted": {**PERSISTENT, "dw_persistent": 1, "dw_tma": True},
+               "dw_pad": {**PERSISTENT, "dw_persistent": 2, "dw_sorted": True, "dw_tma": True, "dw_pad": True},
+               "dw_pad_dy": {**PERSISTENT, "dw_persistent": 1, "dw_sorted": True, "dw_tma": True, "dw_pad": True,
+                             "dy_sorted": True},
                "h_tma": {"h_tma": True}, "h_tma_atomic": {"h_tma": True, "combine": "atomic", "BLOCK_M": 32},
                "h_tma_half": {"h_tma": True, "half_tail": True, "BLOCK_M": 32},
                "warps": {"bwd_warps": 4, "dx_warps": 2, "down_warps": 2}}
@@ -479,12 +483,13 @@ V17_CONFIGS = {"dw_tma": {**PERSISTENT, "dw_persistent": 2, "dw_sorted": True, "
 @pytest.mark.parametrize("entry,kind,name", [
     ("swiglu", "zipf", "dw_tma"), ("bias", "empty_experts", "dw_tma1"), ("mlp", "uniform", "dw_tma"),
     ("swiglu", "uniform", "dw_tma_unsorted"), ("swiglu", "zipf", "h_tma"), ("mlp", "empty_experts", "h_tma_atomic"),
-    ("swiglu", "uniform", "h_tma_half"), ("swiglu", "all_to_one", "warps"),
+    ("swiglu", "uniform", "h_tma_half"), ("swiglu", "all_to_one", "warps"), ("swiglu", "zipf", "dw_pad"),
+    ("bias", "empty_experts", "dw_pad_dy"), pytest.param("mlp", "all_to_one", "dw_pad", marks=pytest.mark.slow),
     pytest.param("bias", "all_to_one", "dw_tma", marks=pytest.mark.slow),
     pytest.param("gpt_oss_bias", "zipf", "h_tma", marks=pytest.mark.slow),
 ], ids=lambda v: str(v))
 def test_v17_tma_rows_and_own_warps(load, device, monkeypatch, entry, kind, name):
-    """dw_tma / h_tma / dx_warps / down_warps (V17_CONFIGS): the output and every gradient (bias
+    """dw_tma / dw_pad / h_tma / dx_warps / down_warps (V17_CONFIGS): the output and every gradient (bias
     gradients too) match the reference on odd rows per expert (37 tokens), unused experts, one
     expert with every token, D = 40 and F = 20 (partial tiles and row steps); the launches took
     the paths asked for: TMA operands only with slot-ordered rows, h by TMA only without
@@ -502,7 +507,7 @@ def test_v17_tma_rows_and_own_warps(load, device, monkeypatch, entry, kind, name
     launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, **config})
     dw = [kw for n, kw in launches if n == "moe_dw_persistent_kernel"]
     assert len(dw) == (2 if config.get("dw_persistent") else 0)
-    assert all(kw["TMA"] == bool(config.get("dw_sorted")) for kw in dw)
+    assert all((kw["TMA"], kw["PAD"]) == (bool(config.get("dw_sorted")), bool(config.get("dw_pad"))) for kw in dw)
     down = [kw for n, kw in launches if n == "moe_down_fwd_kernel"]
     assert down and all(kw["ROWS_TMA"] == (name in ("h_tma", "h_tma_atomic")) for kw in down)
     if name == "warps":
