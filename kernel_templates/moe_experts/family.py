@@ -275,8 +275,8 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # mlp only. dw_pad: with `dw_tma`, each weight gradient's gathered operand (dy[tok], x[tok]) is
 # copied with zero rows padding every expert to a row-step multiple, so no row mask is needed and
 # both operands go to the MMA from shared memory (with the mask, a passes through registers and a
-# layout conversion); a second dy gather beside `dy_sorted`'s copy. dx_warps / down_warps: the dx GEMM's and the forward down GEMM's own warps (0: the
-# backward's / the forward's), so that the down backward can take 4 (one warpgroup on 64 x 128:
+# layout conversion); a second dy gather beside `dy_sorted`'s copy. dx_warps / down_warps: the
+# dx GEMM's and the forward down GEMM's own warps (0: the backward's / the forward's), so that the down backward can take 4 (one warpgroup on 64 x 128:
 # m64n128 MMAs, not two warpgroups' m64n64, whose operands take the whole shared-memory bandwidth)
 # while dx keeps 8 on its 128 x 256 tile, and the forward down GEMM can run 128 x 128 tiles two per
 # SM. All untimed (template v17; sm_90 AOT in bench.py's v17 notes).
