@@ -267,6 +267,8 @@ def test_bench_case_and_impl_selection():
     picked = select_cases(cases, ["T8192", "T32768"], ["ours", "fla"])
     assert [c.name for c in picked] == ["B1T8192", "B1T32768"]
     assert set(picked[0].setup("cpu")) == {"ours", "ours@BLOCK=64", "fla"}
+    # a sweep row named by itself runs without its "ours" row
+    assert set(select_cases(cases, ["T8192"], ["ours@BLOCK=64", "fla"])[0].setup("cpu")) == {"ours@BLOCK=64", "fla"}
     assert select_cases(cases) == cases
     with pytest.raises(InputError, match="no benchmark case matches"):
         select_cases(cases, ["T99"])

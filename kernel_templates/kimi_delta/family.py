@@ -9,7 +9,7 @@ with the exponent clamped at 0 inside them. So any gate is safe, including ones 
 bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step is the
 default, `kda_prep` "fused"), plus KDA's own split prepare step (`_kda_prepare.py.j2`, a tuning
 value), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
-(`kda_prep`, `kda_prep_warps`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
+(`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_state_bwd_warps`).
 """
 
@@ -31,7 +31,7 @@ from .tuning import problem_dims, timing_inputs
 BASE = "gated_delta"
 _base = family_module(BASE)
 PARAMS = _base.PARAMS
-# KDA's own keys (its split prepare step, kimi_delta.py.j2's `_kda_prepare.py.j2`):
+# KDA's own keys (its split and pipelined prepare steps, kimi_delta.py.j2's `_kda_prepare.py.j2`):
 # kda_prep "fused" (default): the base template's one-kernel prepare step (template v17's);
 #   "split": the Gram products and Tm = (I + A)^-1 in one kernel, w, u, kd, qg in a second one
 #   over K and V tiles (template v18's default). On the H200 (bf16, `onboard bench --family
@@ -39,7 +39,29 @@ PARAMS = _base.PARAMS
 #   ours,ours_fwd,fla_fwd,ours@kda_prep=fused_fwd --profile` at v18) the forward took, wall / CUDA
 #   graph ms: T8192 split 1.383 / 1.092, fused 1.330 / 0.960 (fla 0.6 1.607 / 1.069); T32768
 #   split 4.421 / 4.158, fused 4.029 / 3.620 (fla 4.441 / 4.129): fused at both, so the default.
-# kda_prep_warps: warps of the one-kernel prepare ("fused"; 0: num_warps). sm_90 AOT (bf16, K 128)
+#   "pipelined" (template v25, `kda_prep_pipe_fwd_kernel`): the fused kernel with its Gram pass a
+#   straight loop (the chunk tier alone, `_kda_gram_chunk`); a chunk whose gc range passes 2
+#   GRAM_SPAN in some channel is redone after it by the fused kernel's tiers. The fused kernel's
+#   per-tile tiers hold loops that keep Triton from pipelining that pass (sm_90 TTGIR: no async
+#   copies in it). Twenty-eighth session, prepare step alone on the H200 (`.ci/h200/h32_kda3_prep.py`,
+#   graph ms at T8192 / T32768, B1 H32 D128 bf16, the bench's inputs): default 0.696 / 2.645;
+#   ablations of the fused kernel (outputs wrong, timing only): the chunk tier alone 0.624 / 2.366,
+#   no Gram products 0.470 / 1.748, no solve 0.591 / 2.270, no w/kd/qg pass 0.486 / 1.888, no u
+#   0.633 / 2.453; `prep_stages` 3 0.667 / 2.571; `kda_prep_maxnreg` 168 0.723 / 2.763. A "lean"
+#   variant (Aqk moved to the w pass, k's product alone in the Gram pass) took 0.765 / 2.949 and
+#   gave NaN in w on the H200's triton 3.6 (its w pass held two dots; not in the interpreter):
+#   dropped before commit. The whole forward (`onboard bench ... --impl
+#   ours_fwd,ours@kda_prep=pipelined_fwd --profile`, same session, wall / CUDA-graph ms): T8192
+#   default 1.191 / 0.964, pipelined 1.089 / 0.885; T32768 default 3.847 / 3.614, pipelined
+#   3.687 / 3.377. fla 0.6's chunk_kda in the call before (`.ci/h200/h32_kda3.sh`'s bench step, its
+#   default row 1.112 / 0.962 and 3.819 / 3.622): 1.692 / 1.085 and 4.643 / 4.159, so pipelined is
+#   1.55x / 1.23x (T8192) and 1.26x / 1.23x (T32768) of fla, across the two calls. Its GPU bf16 bars
+#   passed (`test_bf16_vs_fp32_on_gpu_fwd_sweep[kda_prep=pipelined]`). Not yet the default: fla
+#   and the pipelined row have not run in one call. `prep_stages` 3 (the fused or the pipelined
+#   kernel) failed those bars (o 643x the fp32 run's norm, the same for both kernels; the bf16
+#   prepare outputs at T8192 equalled the default's, so likely the fp32 build at three stages on
+#   triton 3.6; not looked into).
+# kda_prep_warps: warps of the one-kernel prepare ("fused", "pipelined"; 0: num_warps). sm_90 AOT (bf16, K 128)
 #   of the fused kernel: 4 warps 255 registers / 992 B of spills, 8 warps 255 / 100 B; at prep_bk 16
 #   (the base family's key: the fused kernel's K tile, 0: BK): 4 warps 255 / 32 B, 8 warps 255 / 4 B.
 #   Both are plain launch / tile parameters of the fused kernel and stay tuning values, but neither
@@ -52,6 +74,9 @@ PARAMS = _base.PARAMS
 #   1.990 / 1.703. Every row passed the accuracy bars. v24 removed "fused2" (kernel, key, tests),
 #   the bench's forward rows of these configs and the script (it timed nothing else; in git at
 #   e1f525a).
+# kda_prep_maxnreg: a register cap on the one-kernel prepare step ("fused", "pipelined"; 0: none),
+#   for three 4-warp programs per SM at 168 (sm_90 AOT of the fused kernel: 388 B of spills): slower
+#   (above), a tuning value.
 # kda_chunk_ref 1 (split only): the split Gram kernel tries one reference per chunk (v17's
 #   chunk-wide tier) before the per-block ones; 0 (default): the tier measured no gain in the split
 #   kernel at T8192 (1.122 against 1.080-1.094 ms), so it is a tuning value. The fused kernel
@@ -68,12 +93,13 @@ PARAMS = _base.PARAMS
 # kda_qk_bk: the K tile of the "tiles" qk kernel (0: BK). kda_qk_warps, kda_wy_warps: warps of the
 #   backward's qk and wy kernels, either form (0: num_warps). kda_state_bwd_warps: warps of the
 #   reverse state pass (0: num_warps; sm_90 AOT bf16: 1228 B of spills at 4 warps, 96 at 8).
-TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused"), "kda_prep_warps": (0, 4, 8),
+TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"), "kda_prep_warps": (0, 4, 8),
+                "kda_prep_maxnreg": (0, 128, 168),
                 "kda_chunk_ref": (0, 1),
                 "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_state_bwd_warps": (0, 4, 8)}
-DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_prep_warps": 0,
+DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_state_bwd_warps": 0}
@@ -108,7 +134,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=24,
+    template_version=25,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -223,9 +223,9 @@ def select_cases(cases: list[BenchCase], names: list[str] | None = None,
                  impls: list[str] | None = None) -> list[BenchCase]:
     """Cases whose name contains one of `names` (a name may be anchored: a leading ``^`` matches
     the start of the case name, a trailing ``$`` its end, both the whole name), timing only
-    `impls` ("ours@<tiles>" rows count as "ours"); None keeps everything but the cases'
-    ``on_request`` impls, which run only when `impls` names them. Nothing left to run is an
-    InputError."""
+    `impls` ("ours@<tiles>" rows count as "ours", and each runs too when named itself); None
+    keeps everything but the cases' ``on_request`` impls, which run only when `impls` names them.
+    Nothing left to run is an InputError."""
     picked = [c for c in cases if not names or any(name_matches(n, c.name) for n in names)]
     if not picked:
         raise InputError(f"no benchmark case matches {names}; cases: {[c.name for c in cases]}")
@@ -234,7 +234,7 @@ def select_cases(cases: list[BenchCase], names: list[str] | None = None,
     keep = set(impls)
 
     def only(setup):
-        return lambda device: {k: v for k, v in setup(device).items() if k.split("@")[0] in keep}
+        return lambda device: {k: v for k, v in setup(device).items() if k in keep or k.split("@")[0] in keep}
 
     return [dataclasses.replace(c, setup=only(c.setup),
                                 on_request=tuple(i for i in c.on_request if i not in keep))

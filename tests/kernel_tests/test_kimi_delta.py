@@ -81,9 +81,12 @@ def pinned(module, config: dict):
 # blocks), split with the one-reference-per-chunk tier first, the fused kernel (the default; it
 # always has the chunk tier); the fused kernel with the serial backward (`kda_qk` "serial"; the
 # default is "tiles"); the fused kernel with a K tile of 16 (`prep_bk`: two of them at K = 32) at
-# 8 warps (`kda_prep_warps`). The backward's qk kernels (serial and tiled) always have the chunk tier.
+# 8 warps (`kda_prep_warps`); the "pipelined" kernel (its Gram pass by one reference per chunk alone, a
+# chunk too strong for that redone by the fused kernel's tiers), at the default K tile and at 16. The
+# backward's qk kernels (serial and tiled) always have the chunk tier.
 PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
-                   "fused": {}, "fused_serial": {"kda_qk": "serial"}, "fused_bk16": {"prep_bk": 16, "kda_prep_warps": 8}}
+                   "fused": {}, "fused_serial": {"kda_qk": "serial"}, "fused_bk16": {"prep_bk": 16, "kda_prep_warps": 8},
+                   "pipelined": {"kda_prep": "pipelined"}, "pipelined_bk16": {"kda_prep": "pipelined", "prep_bk": 16}}
 BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
 
 
@@ -107,7 +110,8 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
              torch.randn(1, 1, case.K, case.V, generator=gen).to(DEVICE)]
     calls = []
     if DEVICE.type == "cpu":  # interpreted: the jit helpers are plain Python through the module globals
-        for name, bc in (("_kda_gram", None), ("_kda_gram_bwd", None), ("_kda_gram_dots", 6), ("_kda_gram_bwd_dots", 9)):
+        for name, bc in (("_kda_gram", None), ("_kda_gram_bwd", None), ("_kda_gram_dots", 6), ("_kda_gram_bwd_dots", 9),
+                         ("_kda_gram_chunk", None)):
             fn = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
@@ -115,8 +119,10 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
         (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
     if DEVICE.type == "cpu":  # one K tile (BK 32): each chunk once forward, once backward
-        mild = "_kda_gram_dots/16" if prep == "split" else "_kda_gram_dots/64"
-        assert sorted(calls) == sorted(["_kda_gram", "_kda_gram_dots/16", mild, *BWD_CALLS]), calls
+        # (pipelined: every chunk's first pass by `_kda_gram_chunk`, the mild one's alone; the
+        # other two redone by the tiers)
+        mild = {"split": ["_kda_gram_dots/16"], "pipelined": ["_kda_gram_chunk"] * 3}.get(prep, ["_kda_gram_dots/64"])
+        assert sorted(calls) == sorted(["_kda_gram", "_kda_gram_dots/16", *mild, *BWD_CALLS]), calls
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
@@ -182,7 +188,7 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused_bk16"])
+@pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused_bk16", "pipelined", "pipelined_bk16"])
 def test_prepare_configs_equal_split(prep):
     """Every prepare config gives the split step's outputs (w, u, kd, qg, Aqk, gl, Tm, M; u fp32
     as the recomputing backward asks) on grouped values (HV = 2 HK), two partial-free chunks and
@@ -209,15 +215,16 @@ def test_prepare_configs_equal_split(prep):
 
 
 @pytest.mark.parametrize("prep, kernels", [("fused", ["kda_prepare_fwd_kernel"]),
-                                           ("split", ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"])])
+                                           ("split", ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"]),
+                                           ("pipelined", ["kda_prep_pipe_fwd_kernel"])])
 def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
     """The default config is the fused prepare step (H200, family.py); the forward launches the
-    fused kernel only under it, and the split Gram and w/u kernels only under `kda_prep` "split";
-    the output is the naive recurrence's either way."""
+    fused kernel only under it, the split Gram and w/u kernels only under `kda_prep` "split", the
+    "pipelined" kernel only under "pipelined"; the output is the naive recurrence's either way."""
     assert kimi_delta.DEFAULT_CONFIG["kda_prep"] == "fused"
     module = load(kimi_delta.FAMILY)
     launched = []
-    for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel"):
+    for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel", "kda_prep_pipe_fwd_kernel"):
         kern = getattr(module, name)
 
         class Spy:
@@ -235,7 +242,7 @@ def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("prep", ["split", "fused"])
+@pytest.mark.parametrize("prep", ["split", "fused", "pipelined"])
 def test_recompute_backward_reruns_prepare(prep, monkeypatch):
     """With the param `recompute` the backward re-runs the prepare step (u kept fp32) under each
     prepare config: the forward and every gradient against the naive recurrence, and the step
@@ -352,7 +359,7 @@ def test_aot_sm90_bf16_tensor_cores():
 def test_aot_sm90_split_gram_mma():
     """The split Gram kernel's bf16 build: bf16 tensor-core dots for the Gram products and tf32
     ones for Tm's block merges (`inv_dot` "tf32"), only bf16 with `inv_dot` "ieee"; with the
-    chunk tier too."""
+    chunk tier too. The "pipelined" prepare kernel's bf16 build (same child): bf16 and tf32."""
     import json
     import os
     import subprocess
@@ -370,11 +377,11 @@ def test_aot_sm90_split_gram_mma():
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
     configs = [{}, {"inv_dot": "ieee"}, {"kda_chunk_ref": 1}]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path),
-                          json.dumps([["kda_gram_fwd_kernel", c] for c in configs])],
+    jobs = [["kda_gram_fwd_kernel", c] for c in configs] + [["kda_prep_pipe_fwd_kernel", {"kda_prep": "pipelined"}]]
+    run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path), json.dumps(jobs)],
                          capture_output=True, text=True, env=env, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.splitlines()[-1]) == [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"]]
+    assert json.loads(run.stdout.splitlines()[-1]) == [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"], ["bf16", "tf32"]]
 
 
 def test_fp16_dot_path(monkeypatch):
