@@ -18,12 +18,13 @@ SHAPES = (
                              "same kernels are checked at T8192")),
 )
 
-# The forward's alternatives to the default fused prepare step (the base template's one kernel):
-# the split step (template v18's default; `kda_chunk_ref` acts on it only); the "pipelined" one-kernel
-# step (template v25, `kda_prep_pipe_fwd_kernel`: the Gram pass a straight loop Triton pipelines).
-# Rows on request only (--impl names them: ours@kda_prep=split_fwd, ours@kda_prep=pipelined_fwd):
-# the default bench and the nightly suite leave them (and their compiles) out.
-# `.ci/h200/h32_kda3.sh` times "pipelined" against the default and fla. Three prepare stages
+# The forward's alternatives to the default "pipelined" prepare step (template v26's default,
+# `kda_prep_pipe_fwd_kernel`: the fused kernel with its Gram pass a straight loop Triton
+# pipelines): the split step (template v18's default; `kda_chunk_ref` acts on it only) and the
+# fused one-kernel step (the base template's; the default of v19-v25). Rows on request only
+# (--impl names them: ours@kda_prep=split_fwd, ours@kda_prep=fused_fwd): the default bench and the
+# nightly suite leave them (and their compiles) out. `.ci/h200/h32_kda3.sh` times the default
+# against "fused" and fla. Three prepare stages
 # (`prep_stages` 3, the base family's key; the bucket has two), for the fused and the pipelined
 # kernel, were rows too for one H200 call (twenty-eighth session): both failed the bf16 bars with
 # the same error (o 643x, every gradient 225-23045x the fp32 run's norm), so they are not rows;
@@ -31,7 +32,7 @@ SHAPES = (
 # Template v23's other forward rows (the fused prepare at 8 warps, `kda_prep_warps`; its K tile 16,
 # `prep_bk`; both; `kda_prep` "fused2", since removed) all lost to the default on the H200
 # (family.py has the numbers, `BUDGET=225 bash .ci/h200/h32_kda2.sh`): v24 dropped them.
-FWD_SWEEP = ({"kda_prep": "split"}, {"kda_prep": "pipelined"})
+FWD_SWEEP = ({"kda_prep": "split"}, {"kda_prep": "fused"})
 # Forward + backward rows of the backward's alternatives (family.py: `kda_qk` "serial", the tiled
 # default's K tile, the backward kernels' warps), on the same inputs as `ours`; on request only.
 # Their names join the keys with "+" (``ours@kda_qk_bk=16+kda_wy_warps=8``), so that --impl can name

@@ -6,9 +6,9 @@ at the midpoint of its gc range, where a chunk's decays stay within that range's
 range of 80 inside a block: per-step log decays to ~-5, as fla's safe gate); otherwise by dots
 below the diagonal blocks (a reference row between i and j, both factors <= 1) and elementwise
 with the exponent clamped at 0 inside them. So any gate is safe, including ones without a lower
-bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step is the
-default, `kda_prep` "fused"), plus KDA's own split prepare step (`_kda_prepare.py.j2`, a tuning
-value), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
+bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step is
+`kda_prep` "fused"), plus KDA's own prepare steps (`_kda_prepare.py.j2`: "pipelined", the default
+from template v26, and "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_state_bwd_warps`).
 """
@@ -32,7 +32,7 @@ BASE = "gated_delta"
 _base = family_module(BASE)
 PARAMS = _base.PARAMS
 # KDA's own keys (its split and pipelined prepare steps, kimi_delta.py.j2's `_kda_prepare.py.j2`):
-# kda_prep "fused" (default): the base template's one-kernel prepare step (template v17's);
+# kda_prep "fused" (the default of templates v19-v25): the base template's one-kernel prepare step;
 #   "split": the Gram products and Tm = (I + A)^-1 in one kernel, w, u, kd, qg in a second one
 #   over K and V tiles (template v18's default). On the H200 (bf16, `onboard bench --family
 #   kimi_delta --case B1T8192H32D128 --case B1T32768H32D128 --impl
@@ -56,8 +56,10 @@ PARAMS = _base.PARAMS
 #   3.687 / 3.377. fla 0.6's chunk_kda in the call before (`.ci/h200/h32_kda3.sh`'s bench step, its
 #   default row 1.112 / 0.962 and 3.819 / 3.622): 1.692 / 1.085 and 4.643 / 4.159, so pipelined is
 #   1.55x / 1.23x (T8192) and 1.26x / 1.23x (T32768) of fla, across the two calls. Its GPU bf16 bars
-#   passed (`test_bf16_vs_fp32_on_gpu_fwd_sweep[kda_prep=pipelined]`). Not yet the default: fla
-#   and the pipelined row have not run in one call. `prep_stages` 3 (the fused or the pipelined
+#   passed (`test_bf16_vs_fp32_on_gpu_fwd_sweep[kda_prep=pipelined]`). The default from template
+#   v26 (the lead): it beat the fused default in the same call and passed the bars; fla and
+#   pipelined in one call are not measured yet (`.ci/h200/h32_kda3.sh` does that, with "fused" as
+#   the sweep row). `prep_stages` 3 (the fused or the pipelined
 #   kernel) failed those bars (o 643x the fp32 run's norm, the same for both kernels; the bf16
 #   prepare outputs at T8192 equalled the default's, so likely the fp32 build at three stages on
 #   triton 3.6; not looked into).
@@ -99,7 +101,7 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_state_bwd_warps": (0, 4, 8)}
-DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "fused", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
+DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_state_bwd_warps": 0}
@@ -134,7 +136,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=25,
+    template_version=26,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -78,15 +78,17 @@ def pinned(module, config: dict):
 
 
 # The forward's prepare step: split (a reference per 16-row block, else the exact diagonal
-# blocks), split with the one-reference-per-chunk tier first, the fused kernel (the default; it
-# always has the chunk tier); the fused kernel with the serial backward (`kda_qk` "serial"; the
+# blocks), split with the one-reference-per-chunk tier first, the fused kernel (it always has the
+# chunk tier); the fused kernel with the serial backward (`kda_qk` "serial"; the
 # default is "tiles"); the fused kernel with a K tile of 16 (`prep_bk`: two of them at K = 32) at
-# 8 warps (`kda_prep_warps`); the "pipelined" kernel (its Gram pass by one reference per chunk alone, a
-# chunk too strong for that redone by the fused kernel's tiers), at the default K tile and at 16. The
+# 8 warps (`kda_prep_warps`); the "pipelined" kernel (the default; its Gram pass by one reference per
+# chunk alone, a chunk too strong for that redone by the fused kernel's tiers), at the default K
+# tile and at 16. The
 # backward's qk kernels (serial and tiled) always have the chunk tier.
 PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
-                   "fused": {}, "fused_serial": {"kda_qk": "serial"}, "fused_bk16": {"prep_bk": 16, "kda_prep_warps": 8},
-                   "pipelined": {"kda_prep": "pipelined"}, "pipelined_bk16": {"kda_prep": "pipelined", "prep_bk": 16}}
+                   "fused": {"kda_prep": "fused"}, "fused_serial": {"kda_prep": "fused", "kda_qk": "serial"},
+                   "fused_bk16": {"kda_prep": "fused", "prep_bk": 16, "kda_prep_warps": 8},
+                   "pipelined": {}, "pipelined_bk16": {"prep_bk": 16}}
 BWD_CALLS = ["_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"]
 
 
@@ -218,10 +220,10 @@ def test_prepare_configs_equal_split(prep):
                                            ("split", ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"]),
                                            ("pipelined", ["kda_prep_pipe_fwd_kernel"])])
 def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
-    """The default config is the fused prepare step (H200, family.py); the forward launches the
-    fused kernel only under it, the split Gram and w/u kernels only under `kda_prep` "split", the
+    """The default config is the "pipelined" prepare step (H200, family.py); the forward launches
+    the fused kernel only under "fused", the split Gram and w/u kernels only under `kda_prep` "split", the
     "pipelined" kernel only under "pipelined"; the output is the naive recurrence's either way."""
-    assert kimi_delta.DEFAULT_CONFIG["kda_prep"] == "fused"
+    assert kimi_delta.DEFAULT_CONFIG["kda_prep"] == "pipelined"
     module = load(kimi_delta.FAMILY)
     launched = []
     for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel", "kda_prep_pipe_fwd_kernel"):
