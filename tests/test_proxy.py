@@ -187,6 +187,44 @@ def test_rederive_error_is_warned_naming_the_config_and_the_error():
     assert (c.hidden_size, c.half_width) == (128, 64)
 
 
+def test_layer_count_is_the_field_that_sizes_the_layer_stack():
+    """The layer count shrunk is the field whose value is the length of the full model's layer
+    stack, whatever its name: LongCat-Flash's config on transformers 5.17 holds
+    num_hidden_layers = 56 (two attention sublayers a layer) beside num_layers = 28, which sizes
+    its 28 layers; num_hidden_layers keeps its multiple. A proxy whose model still builds the
+    full stack fails clearly."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from onboarding.errors import InputError
+    from onboarding.load.proxy import _check_layer_stack, layer_count_name, shrink_config
+
+    @dataclasses.dataclass
+    class TwoCounts:
+        hidden_size: int = 4096
+        num_hidden_layers: int = 56
+        num_layers: int = 28
+
+    def stack(n):
+        model = nn.Module()
+        model.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(n))
+        return model
+
+    full = TwoCounts()
+    assert layer_count_name(full, stack(28)) == "num_layers"
+    assert layer_count_name(full, None) == "num_hidden_layers"  # no model: the first known name
+    c = shrink_config(full, "tiny", layer_count="num_layers", notes=[])
+    assert (c.num_layers, c.num_hidden_layers) == (2, 4)
+    loaded = SimpleNamespace(ref="hf:two_counts", config=full, build=lambda cfg, **kw: stack(28))
+    with pytest.raises(InputError, match=r"hf:two_counts: the tiny proxy sets num_layers=2, but "
+                                         r"the model built from it has 28 layers at layers"):
+        _check_layer_stack(loaded, c, "tiny", "num_layers", stack(28))
+    loaded.build = lambda cfg, **kw: stack(cfg.num_layers)
+    _check_layer_stack(loaded, c, "tiny", "num_layers", stack(28))
+
+
 def test_same_seed_same_model():
     info = load_stage(load_model("hf:qwen3_moe"), "tiny")
     a = info.loaded.build(info.proxy_config, seed=3).state_dict()

@@ -75,9 +75,10 @@ class ProxyWarning(UserWarning):
 
 
 EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
-# The routed experts' FFN width; a config with routed experts and none of these sizes its experts
-# with intermediate_size (Mixtral, gpt-oss, JetMoE).
-EXPERT_WIDTH_NAMES = ("moe_intermediate_size", "expert_intermediate_size")
+# The routed experts' FFN width (LongCat-Flash's: expert_ffn_hidden_size); a config with routed
+# experts and none of these sizes its experts with intermediate_size (Mixtral, gpt-oss, JetMoE).
+EXPERT_WIDTH_NAMES = ("moe_intermediate_size", "expert_intermediate_size",
+                      "expert_ffn_hidden_size")
 GROUP_COUNT_NAMES = ("n_group", "num_expert_group")
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
 
@@ -352,23 +353,44 @@ def _layer_count_name(c: Any) -> str | None:
     return next((n for n in LAYER_COUNT_NAMES if isinstance(getattr(c, n, None), int)), None)
 
 
+def layer_count_name(c: Any, model: nn.Module | None) -> str | None:
+    """The field of text config ``c`` that counts ``model``'s layer stack: of the layer-count
+    names ``c`` has (`LAYER_COUNT_NAMES`, through its attribute_map too), the first whose value
+    is the length of one of the full-size ``model``'s ``nn.ModuleList`` s; without a model or a
+    match, the first it has. LongCat-Flash's config on transformers 5.17 holds
+    num_hidden_layers = 56 (its cache's count, two attention sublayers a layer) beside
+    num_layers = 28, which sizes the 28 decoder layers."""
+    names = [n for n in LAYER_COUNT_NAMES if isinstance(getattr(c, n, None), int)]
+    lengths = {len(m) for m in model.modules() if isinstance(m, nn.ModuleList)} \
+        if model is not None else set()
+    return next((n for n in names if getattr(c, n) in lengths), names[0] if names else None)
+
+
+def _layer_stack(model: nn.Module, n_layers: int) -> str | None:
+    """The path of ``model``'s layer stack: its first ``nn.ModuleList`` of ``n_layers`` > 1."""
+    return next((p for p, m in model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) == n_layers > 1), None)
+
+
 def layer_signatures(model: nn.Module, n_layers: int) -> list[tuple] | None:
     """Per-layer structure (sub-module paths, types and parameter ranks) of the layer stack.
 
     This catches layer schedules that configs express as periods/offsets instead of lists.
     """
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) == n_layers and n_layers > 1:
-            return [tuple(sorted((LAYER_INDEX.sub(".*", name), type(m).__name__,
-                                  tuple(p.ndim for p in m.parameters(recurse=False)))
-                                 for name, m in layer.named_modules()))
-                    for layer in mod]
-    return None
+    path = _layer_stack(model, n_layers)
+    if path is None:
+        return None
+    return [tuple(sorted((LAYER_INDEX.sub(".*", name), type(m).__name__,
+                          tuple(p.ndim for p in m.parameters(recurse=False)))
+                         for name, m in layer.named_modules()))
+            for layer in model.get_submodule(path)]
 
 
-def layer_descriptors(c: Any, signatures: list[tuple] | None = None) -> list[tuple]:
-    """Per-layer type tuples: every per-layer type list in the config, plus module structure."""
-    name = _layer_count_name(c)
+def layer_descriptors(c: Any, signatures: list[tuple] | None = None,
+                      name: str | None = None) -> list[tuple]:
+    """Per-layer type tuples: every per-layer type list in the config, plus module structure.
+    ``name``: the layer-count field (`layer_count_name`; None: the first known one ``c`` has)."""
+    name = name or _layer_count_name(c)
     if name is None:
         return []
     n = getattr(c, name)
@@ -394,10 +416,9 @@ def _period(desc: list[tuple]) -> tuple[int, int]:
     return best
 
 
-def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list[int]:
-    desc = layer_descriptors(c, signatures)
-    name = _layer_count_name(c)
-    n = getattr(c, name) if name else 0
+def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None, name: str) -> list[int]:
+    desc = layer_descriptors(c, signatures, name)
+    n = getattr(c, name)
     if not desc:
         return list(range(min(n, 2 * periods)))
     prefix, period = _period(desc)
@@ -409,16 +430,17 @@ def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list
     return list(range(min(n, want)))
 
 
-def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list[int] | None:
+def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
+                   name: str | None) -> list[int] | None:
     """Keep the layers `_choose_layers` picks; returns their full-model indices (None: no layer
-    count to shrink)."""
-    name = _layer_count_name(c)
+    count to shrink). ``name``: the layer-count field (None: the first known one ``c`` has)."""
+    name = name or _layer_count_name(c)
     if name is None:
         return None
     n = getattr(c, name)
     for field in ("first_k_dense_replace",):
         _set(c, field, lambda v: min(v, 1))
-    keep = _choose_layers(c, periods, signatures)
+    keep = _choose_layers(c, periods, signatures, name)
     for k, v in list(vars(c).items()):
         if isinstance(v, (list, tuple)) and len(v) == n and n > 1:
             setattr(c, k, type(v)(v[i] for i in keep))
@@ -426,10 +448,14 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None) -> list
         v = getattr(c, k, None)
         if isinstance(v, list):
             setattr(c, k, [i for i in v if i < len(keep)])
-    # a second name for the layer count (xLSTM's num_blocks beside num_hidden_layers) follows it
+    # a second name for the layer count (xLSTM's num_blocks beside num_hidden_layers) follows it,
+    # and a count of sublayers, a multiple of it (LongCat-Flash's num_hidden_layers, two a layer),
+    # keeps its multiple
     for other in LAYER_COUNT_NAMES + ("num_blocks",):
-        if other != name and getattr(c, other, None) == n and _writable(c, other):
-            setattr(c, other, len(keep))
+        v = getattr(c, other, None)
+        if other != name and isinstance(v, int) and not isinstance(v, bool) and v > 0 \
+                and v % n == 0 and _writable(c, other):
+            setattr(c, other, v // n * len(keep))
     setattr(c, name, len(keep))
     return keep
 
@@ -531,12 +557,14 @@ def _fit_rope_sections(c: Any, before: dict[str, Any]) -> None:
 
 def shrink_config(config: Any, size: str, *, periods: int = 1,
                   signatures: list[tuple] | None = None, notes: list[str] | None = None,
-                  head_dim: int | None = None) -> Any:
+                  head_dim: int | None = None, layer_count: str | None = None) -> Any:
     """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
 
     ``signatures`` (from `layer_signatures` of the full-size model) let the layer choice see
-    layer kinds that the config does not list per layer. What the proxy caps or could not
-    re-derive is appended to ``notes``; without a list, each is warned about (`ProxyWarning`).
+    layer kinds that the config does not list per layer; ``layer_count`` (`layer_count_name`)
+    is the field that counts the layer stack (None: the first known name the config has). What
+    the proxy caps or could not re-derive is appended to ``notes``; without a list, each is
+    warned about (`ProxyWarning`).
     """
     if size not in PROXY_SIZES:
         raise InputError(f"--proxy {size!r}: expected one of {', '.join(PROXY_SIZES)}")
@@ -551,7 +579,7 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
         c.head_dim = head_dim
     _shrink_experts(c, s, found)
     _shrink_vocab(c, s)
-    keep = _shrink_layers(c, periods, signatures)
+    keep = _shrink_layers(c, periods, signatures, layer_count)
     _rederive(c, found)
     _fit_rope_sections(c, before)
     if overrides is not None:
@@ -590,27 +618,50 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
     from onboarding.load.accounting import count_parameters
 
     c = text_config(loaded.config)
-    name = _layer_count_name(c)
+    name = layer_count_name(c, full_model)
     sigs = layer_signatures(full_model, getattr(c, name)) if full_model is not None and name \
         else None
     notes: list[str] = []
-    periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs, notes=notes)
+    periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs, notes=notes,
+                                    layer_count=name)
     while s.min_params:
         n = count_parameters(loaded.build(cfg, device="meta", seed=None)).total
         if n >= s.min_params or periods >= 16:
             break
         periods += 1
         notes = []
-        cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs, notes=notes)
+        cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs, notes=notes,
+                            layer_count=name)
     if not s.min_params and loaded.probe_proxy is not None and not loaded.probe_proxy(cfg):
         full_hd = _head_dim(c)
         for hd in dict.fromkeys(x for x in (full_hd, 128, 64) if x):
-            kept = shrink_config(loaded.config, size, signatures=sigs, notes=[], head_dim=hd)
+            kept = shrink_config(loaded.config, size, signatures=sigs, notes=[], head_dim=hd,
+                                 layer_count=name)
             if loaded.probe_proxy(kept):
                 cfg = kept
                 notes.append(f"head dim {hd}: the proxy with shrunk heads does not run (a "
                              "rotary layout fixed in the model's code)")
                 break
+    _check_layer_stack(loaded, cfg, size, name, full_model)
     _warn(size, notes)
     note = f"shrunk to the {size} proxy ({periods} layer period(s))"
     return cfg, "; ".join([note] + notes)
+
+
+def _check_layer_stack(loaded, cfg: Any, size: str, name: str | None,
+                       full_model: nn.Module | None) -> None:
+    """The proxy's layer stack (on meta) has the layers its config counts: a model that sized
+    its stack from another field would otherwise build every layer of the full size."""
+    if full_model is None or name is None:
+        return
+    n = getattr(text_config(loaded.config), name)
+    path = _layer_stack(full_model, n)
+    want = getattr(text_config(cfg), name)
+    if path is None or want == n:
+        return
+    stack = dict(loaded.build(cfg, device="meta", seed=None).named_modules()).get(path)
+    if isinstance(stack, nn.ModuleList) and len(stack) != want:
+        raise InputError(f"{loaded.ref}: the {size} proxy sets {name}={want}, but the model "
+                         f"built from it has {len(stack)} layers at {path} (the full size "
+                         f"{n}): its layer count is read from a field the proxy does not set; "
+                         "use --proxy none")
