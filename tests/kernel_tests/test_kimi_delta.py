@@ -358,6 +358,7 @@ def test_aot_sm90_bf16_tensor_cores():
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel"])
 
 
+@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 50 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
 def test_aot_sm90_split_gram_mma():
     """The split Gram kernel's bf16 build: bf16 tensor-core dots for the Gram products and tf32
     ones for Tm's block merges (`inv_dot` "tf32"), only bf16 with `inv_dot` "ieee"; with the
