@@ -90,7 +90,7 @@ def test_shape_errors_name_shapes(load_kernel, device):
         module.causal_conv1d(torch.randn(1, 4, 8, device=device), torch.randn(8, 3, device=device))
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 21.7 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 21.7 s on CI's cold Triton cache (28th session)
 def test_aot_sm90(load_kernel):
     ok, why = aot.aot_available()
     if not ok:

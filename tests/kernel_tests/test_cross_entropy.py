@@ -126,7 +126,7 @@ def test_against_chunked_ce_and_errors(module, device):
         module.cross_entropy_fused(x, t.float())
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 16.8 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 16.8 s on CI's cold Triton cache (28th session)
 def test_aot_sm90(module):
     check_aot_sm90([module.__file__], size=32000)
     check_aot_sm90([module.__file__], size=151936)

@@ -600,7 +600,7 @@ def test_match_by_structure():
     assert gated_delta.match(block("linear_attention.mamba", [1, 4, 2, 64], -1, False, False)) is None
 
 
-@pytest.mark.slow  # 158 s in CI (twentieth session, 2 busy cores); the bf16 tensor-core build below stays in CI
+@pytest.mark.slow  # 158 s in CI (twentieth session, 2 busy cores)
 def test_aot_sm90():
     check_aot(gated_delta.FAMILY)
 

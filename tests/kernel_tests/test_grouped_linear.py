@@ -146,7 +146,7 @@ def test_no_host_sync_on_gpu(module):
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 10.4 + 8 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 10.4 + 8 s on CI's cold Triton cache (28th session)
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_aot_sm90(module, tmp_path, tma):
     """Every kernel compiles for sm_90 from its bf16 specs at K=2048 (the GPU bucket's tiles),

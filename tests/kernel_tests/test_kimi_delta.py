@@ -338,7 +338,7 @@ def test_match_by_structure():
     assert kimi_delta.match(block("linear_attention.gated_delta", [1, 4, 2, 64], -1, False, True)) is None
 
 
-@pytest.mark.slow  # 214 s of one CI worker (fp32 builds of every kernel); the bf16 build below stays in CI
+@pytest.mark.slow  # 214 s of one CI worker (fp32 builds of every kernel)
 def test_aot_sm90():
     check_aot(kimi_delta.FAMILY)
 
@@ -347,8 +347,7 @@ def test_dot_mode_keeps_fp32_operands_on_cpu():
     dot_modes_on_cpu(kimi_delta.FAMILY)
 
 
-@pytest.mark.slow  # 122 s of one CI worker on a cold Triton cache (twenty-seventh session); the split
-# Gram kernel's bf16 build below stays in CI
+@pytest.mark.slow  # 122 s of one CI worker on a cold Triton cache (twenty-seventh session)
 def test_aot_sm90_bf16_tensor_cores():
     # every kernel but the token-by-token recurrence has dots: the per-channel Gram products and
     # their backward (bwd qk) dot the blocks below the diagonal blocks
@@ -358,7 +357,7 @@ def test_aot_sm90_bf16_tensor_cores():
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel"])
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 50 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
 def test_aot_sm90_split_gram_mma():
     """The split Gram kernel's bf16 build: bf16 tensor-core dots for the Gram products and tf32
     ones for Tm's block merges (`inv_dot` "tf32"), only bf16 with `inv_dot` "ieee"; with the

@@ -113,12 +113,12 @@ def test_shape_errors_name_shapes(load, device, base):
         module.entry(torch.randn(3, 24), torch.randn(16, 24), torch.randn(4, 23), torch.randn(16, 4))
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 21.3 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 21.3 s on CI's cold Triton cache (28th session)
 def test_aot_sm90(load):
     check_aot_sm90([load({"base": base}).__file__ for base in BASES])
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 10.2 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 10.2 s on CI's cold Triton cache (28th session)
 @pytest.mark.parametrize("base,kernel", [("torch", "lora_lowrank_kernel"), ("triton", "lora_matmul_kernel")])
 def test_bf16_spec_compiles_to_bf16_mma(load, tmp_path, base, kernel):
     """The bf16 AOT specs take the 16-bit dot mode and compile to bf16 tensor-core instructions

@@ -738,8 +738,7 @@ def test_shape_errors_name_shapes(load, device):
                      torch.randn(5, 40, 24), torch.randn(5, 24, 19))
 
 
-@pytest.mark.slow  # 93 s of one CI worker on a cold Triton cache (twenty-seventh session); the MLP
-# variant's build and the bf16 specs' tensor-core check below stay in CI
+@pytest.mark.slow  # 93 s of one CI worker on a cold Triton cache (twenty-seventh session)
 def test_aot_sm90(load):
     check_aot_sm90([load(v, p).__file__ for v, p in CASES + LORA_CASES + BIAS_CASES[1:2]])  # + biases, clamped
 
@@ -791,7 +790,7 @@ GEMM_KERNELS = ["moe_gate_up_fwd_kernel", "moe_down_fwd_kernel", "moe_down_bwd_k
                 "moe_dwd_kernel", "moe_dwgu_kernel"]
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 24.8 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 24.8 s on CI's cold Triton cache (28th session)
 def test_bf16_specs_compile_to_bf16_mma(load, tmp_path):
     """bf16 AOT specs use the 16-bit dot mode: every grouped GEMM (and the LoRA variant's
     adapter kernels) compiles for sm_90 to bf16 tensor-core instructions."""
@@ -1222,14 +1221,14 @@ def test_mlp_capacity_all_to_one_top1(load, device, cf):
     assert (y[cap:] == 0).all() and (y[:cap].abs().sum(-1) > 0).all()
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 29.2 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 29.2 s on CI's cold Triton cache (28th session)
 def test_mlp_aot_sm90(load):
     """The non-gated epilogues with libdevice maths (erf; tanh through sigmoid) compile for sm_90
     within the shared-memory budget."""
     check_aot_sm90([load("mlp", {"activation": a}).__file__ for a in ("gelu", "gelu_tanh")])
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 12.3 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 12.3 s on CI's cold Triton cache (28th session)
 def test_mlp_bf16_specs_compile_to_bf16_mma(load, tmp_path):
     assert_bf16_mma(sm90_mma(load("mlp", {"activation": "relu2"}).__file__, GEMM_KERNELS, tmp_path), GEMM_KERNELS)
 

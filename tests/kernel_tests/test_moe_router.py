@@ -213,7 +213,7 @@ def test_shape_errors_name_shapes(load, device):
         module.entry(x, w[:6], torch.zeros(6, device=device))
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 17.2 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 17.2 s on CI's cold Triton cache (28th session)
 def test_aot_sm90(load):
     ok, why = aot.aot_available()
     if not ok:

@@ -302,7 +302,7 @@ def test_shape_errors_name_shapes(module, device):
         module.selective_scan(u, u, -torch.ones(4, 3), torch.randn(1, 3, 5), torch.randn(1, 3, 5))
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 15.1 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 15.1 s on CI's cold Triton cache (28th session)
 def test_aot_sm90(module):
     """The scan kernels compile for sm_90 (what the interpreter cannot check: the associative
     scans' lowering, loop-carried types) and fit an SM's shared memory."""

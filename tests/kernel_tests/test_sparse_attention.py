@@ -305,7 +305,7 @@ def _aot_groups(load) -> dict:
             576: [load("gathered", {"layout": "mla", "d_v": 512}).__file__]}
 
 
-@pytest.mark.slow  # 34 s in CI on a cold Triton cache; the bf16 build of the same kernels below stays
+@pytest.mark.slow  # 34 s in CI on a cold Triton cache
 def test_aot_sm90(load):
     """Compile every kernel for sm_90 at real head dims: indexer D=128, gathered GQA D=128, MLA
     d_qk 576 / d_v 512 (128 query heads over one latent)."""
@@ -313,7 +313,7 @@ def test_aot_sm90(load):
         check_aot_sm90(paths, size=size)
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 32.5 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 32.5 s on CI's cold Triton cache (28th session)
 def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
     """bf16 specs compile the fast path: every dot is a bf16 tensor-core MMA (mma.sync or wgmma
     with bf16 operands, no tf32), and the backward's dk/dv scatter-adds are relaxed reductions

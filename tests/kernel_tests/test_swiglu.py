@@ -106,7 +106,7 @@ def test_shape_errors_name_shapes(load_kernel, device):
         module.swiglu(torch.randn(4, 8, device=device), torch.randn(4, 9, device=device))
 
 
-@pytest.mark.slow  # sm_90 build: nightly (CI's cold Triton cache made the builds its slowest tests; twenty-eighth session, 14.3 s); rmsnorm's, layernorm's, rope's, pair_sum's builds stay in CI
+@pytest.mark.slow  # sm_90 build, nightly: 14.3 s on CI's cold Triton cache (28th session)
 def test_aot_sm90(load_kernel):
     ok, why = aot.aot_available()
     if not ok:
