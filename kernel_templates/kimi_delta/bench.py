@@ -31,7 +31,7 @@ SHAPES = (
 # the prepare step alone took 0.667 ms at T8192 against 0.696 at two stages (family.py).
 # Template v23's other forward rows (the fused prepare at 8 warps, `kda_prep_warps`; its K tile 16,
 # `prep_bk`; both; `kda_prep` "fused2", since removed) all lost to the default on the H200
-# (family.py has the numbers, `BUDGET=225 bash .ci/h200/h32_kda2.sh`): v24 dropped them.
+# (family.py has the numbers; the script is in git at e1f525a): v24 dropped them.
 FWD_SWEEP = ({"kda_prep": "split"}, {"kda_prep": "fused"})
 # Forward + backward rows of the backward's alternatives (family.py: `kda_qk` "serial", the tiled
 # default's K tile, the backward kernels' warps), on the same inputs as `ours`; on request only.

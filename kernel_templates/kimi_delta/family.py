@@ -67,7 +67,7 @@ PARAMS = _base.PARAMS
 #   of the fused kernel: 4 warps 255 registers / 992 B of spills, 8 warps 255 / 100 B; at prep_bk 16
 #   (the base family's key: the fused kernel's K tile, 0: BK): 4 warps 255 / 32 B, 8 warps 255 / 4 B.
 #   Both are plain launch / tile parameters of the fused kernel and stay tuning values, but neither
-#   beat the default on the H200 (`BUDGET=225 bash .ci/h200/h32_kda2.sh` at template v23, B1 H32
+#   beat the default on the H200 (`BUDGET=225 bash .ci/h200/h32_kda2.sh` at template v23, in git at e1f525a, B1 H32
 #   D128 bf16, forward only, wall / CUDA-graph ms at T8192, then at T32768): default 1.057 / 0.936,
 #   3.915 / 3.611; kda_prep_warps 8 1.578 / 1.412, 5.875 (wall); prep_bk 16 1.426 / 1.145,
 #   4.748 / 4.418; both 2.007 / 1.692. Template v23's "fused2" (`kda_prep2_fwd_kernel`: the fused
