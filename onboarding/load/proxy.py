@@ -349,11 +349,7 @@ def _shrink_vocab(c: Any, s: ProxySize) -> None:
             setattr(c, name, [min(x, c.vocab_size - 1) for x in v])
 
 
-def _layer_count_name(c: Any) -> str | None:
-    return next((n for n in LAYER_COUNT_NAMES if isinstance(getattr(c, n, None), int)), None)
-
-
-def layer_count_name(c: Any, model: nn.Module | None) -> str | None:
+def layer_count_name(c: Any, model: nn.Module | None = None) -> str | None:
     """The field of text config ``c`` that counts ``model``'s layer stack: of the layer-count
     names ``c`` has (`LAYER_COUNT_NAMES`, through its attribute_map too), the first whose value
     is the length of one of the full-size ``model``'s ``nn.ModuleList`` s; without a model or a
@@ -390,7 +386,7 @@ def layer_descriptors(c: Any, signatures: list[tuple] | None = None,
                       name: str | None = None) -> list[tuple]:
     """Per-layer type tuples: every per-layer type list in the config, plus module structure.
     ``name``: the layer-count field (`layer_count_name`; None: the first known one ``c`` has)."""
-    name = name or _layer_count_name(c)
+    name = name or layer_count_name(c)
     if name is None:
         return []
     n = getattr(c, name)
@@ -434,7 +430,7 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
                    name: str | None) -> list[int] | None:
     """Keep the layers `_choose_layers` picks; returns their full-model indices (None: no layer
     count to shrink). ``name``: the layer-count field (None: the first known one ``c`` has)."""
-    name = name or _layer_count_name(c)
+    name = name or layer_count_name(c)
     if name is None:
         return None
     n = getattr(c, name)
