@@ -158,20 +158,20 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
 
 
 # MLA forward cases also time ``ours@...`` rows: the forward under other configs of its D_QK
-# bucket (issue 33's open choices, family.py's tuning space): FWD_ROW_END (stop each row at its
-# last valid index: the early rows' padding), BLOCK_K 64 (a wider score block per step),
-# FWD_DV_SPLIT = 2 (the value columns over two programs that each recompute the scores, 128
-# heads per program) and FWD_TWO_PASS = 1 (the scores once, the probabilities through memory,
-# then the value dots), at tiles whose sm_90 build fits (the slow AOT test checks them).
+# bucket (issue 33's open choices, family.py's tuning space): FWD_SPLIT_SCORES (the score block
+# split over the two warp groups instead of computed by both, base-2 softmax), FWD_STAGES 3
+# (which with the gathered loads' index loads pipelines those a block earlier: the K tile
+# itself keeps two buffers, 230 KB of shared memory with the split) and FWD_ROW_END (stop each
+# row at its last valid index: the early rows' padding), at tiles whose sm_90 build fits (the
+# slow AOT test checks them). The value-split and two-pass forwards (FWD_DV_SPLIT 2,
+# FWD_TWO_PASS 1) were timed on the H200 and lost to the fused forward at BLOCK_K 64 (docs/LOG.md,
+# eighteenth session, call C); they stay in the tuning space, not in the sweep.
 MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
-    {"FWD_TWO_PASS": 1, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
-    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
+    {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1},
+    {"FWD_SPLIT_SCORES": 1},
+    {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3},
+    {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1},
     {"FWD_ROW_END": 1},
-    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 64, "FWD_STAGES": 1, "FWD_ROW_END": 1},
-    {"FWD_TWO_PASS": 1, "BLOCK_H": 64, "BLOCK_K": 64, "FWD_STAGES": 2, "FWD_ROW_END": 1},
-    {"FWD_TWO_PASS": 1, "BLOCK_H": 128, "BLOCK_K": 64, "FWD_STAGES": 1, "FWD_ROW_END": 1},
-    {"FWD_DV_SPLIT": 2, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2},
-    {"BLOCK_K": 64, "FWD_STAGES": 2},
 ]
 
 

@@ -112,7 +112,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=3,
+    template_version=4,
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -142,6 +142,10 @@ FAMILY = FamilySpec(
     # over the indices first): early rows (t < K) hold t + 1 picks and K - t - 1 padding slots.
     # FWD_TWO_PASS 1 (MLA only, over FWD_DV_SPLIT): the scores once, the probabilities stored
     # (B T H K elements in the dot's dtype) and replayed by a value kernel split as FWD_DV_SPLIT 2.
+    # FWD_SPLIT_SCORES 1 (the fused forward): the score block's key columns split over the warp
+    # groups instead of every warp group computing all of them (Triton lays a dot that feeds
+    # another dot out with all warps along M: at BLOCK_H 64 and 8 warps both warp groups repeat
+    # the whole score block), and the softmax in base 2 with the scale folded into log2(e).
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
@@ -156,11 +160,12 @@ FAMILY = FamilySpec(
         "FWD_DV_SPLIT": (1, 2),
         "FWD_ROW_END": (0, 1),
         "FWD_TWO_PASS": (0, 1),
+        "FWD_SPLIT_SCORES": (0, 1),
     },
     default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
                     "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
-                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0},
+                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.
     shape_buckets=(
         ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64, "BLOCK_K_BWD": 64}),

@@ -233,6 +233,47 @@ def test_mla_value_split_forward(load, H, D_QK, D_V, topk, sink, extras):
         m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
 
 
+@pytest.mark.parametrize("params,dims,topk,extra", [
+    # MLA: d_v 48 (padded to 64), rope 8, K 21 (not a multiple of BLOCK_K), a sink; row ends, 3 stages
+    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21,
+                 {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3}, id="mla-dv48-rope8-k21-row-end"),
+    pytest.param({}, (4, 2, 16, 16), 8, {"FWD_SPLIT_SCORES": 1}, id="gqa-h4-hk2-d16-k8"),
+])
+def test_split_scores_forward(load, params, dims, topk, extra):
+    """FWD_SPLIT_SCORES = 1 (the score dots split over the warp groups behind an always-taken
+    branch, the softmax in base 2): the output and the log-sum-exp equal the fused forward's
+    (so the unchanged backward, which reads o and lse, gives its gradients: the other tests
+    check those against the reference) and the output the dense reference's, on rows with fewer
+    valid picks than K, -1 holes, indices >= S and a row with none (a sink keeps it finite)."""
+    H, HK, D_QK, D_V = dims
+    mla = params.get("layout") == "mla"
+    m = load("gathered", params)
+    gen = torch.Generator().manual_seed(33)
+    S = 29
+    q = torch.randn(1, S, H, D_QK, generator=gen).to(DEVICE)
+    kvs = ([torch.randn(1, S, 1, D_QK, generator=gen)] if mla else
+           [torch.randn(1, S, HK, D_QK, generator=gen), torch.randn(1, S, HK, D_V, generator=gen)])
+    kvs = [t.to(DEVICE) for t in kvs]
+    idx = fam.causal_topk_indices(torch.randn(1, S, S, generator=gen), topk)
+    idx[:, 24:, 1] = -1
+    idx[:, 26:, 2] = S + 3
+    idx[0, 6] = -1
+    idx = idx.to(DEVICE)
+    sink = torch.randn(H, generator=gen).to(DEVICE)
+    scale = 0.3
+    base = {**CPU_CONFIG} if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    try:
+        m.set_config(base)
+        o1, lse1 = m._forward(q, *kvs, idx, sink, scale)
+        m.set_config({**base, **extra})
+        o2, lse2 = m._forward(q, *kvs, idx, sink, scale)
+        torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse2, lse1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o2, m.reference(q, *kvs, idx, sink, scale), rtol=1e-4, atol=1e-5)
+    finally:
+        m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
+
+
 def test_indexer_feeds_gathered(load):
     """End to end: kernel indices (with -1 padding) into the gathered kernel; MQA as in DSA."""
     mi, mg = load("indexer", {"topk": 8}), load("gathered", {})
@@ -345,7 +386,7 @@ def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
 # at T 8192, K 2048, 128 heads): only then does Triton pipeline the gathered loads, so only
 # then is the shared memory the GPU will ask for known.
 _SWEEP_SCRIPT = """
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -364,8 +405,10 @@ for cfg in json.loads(sys.argv[2]):
         c = triton.compile(ASTSource(fn=kernels[spec["kernel"]], signature=sig, constexprs=spec["constexprs"], attrs=attrs),
                            target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+        g = c.asm["ttgir"]
         out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared),
-                    "async": c.asm["ttgir"].count("async_copy_global_to_local")})
+                    "async": g.count("async_copy_global_to_local"),
+                    "mma_warps": sorted(set(re.findall(r"nvidia_mma<{[^}]*warpsPerCTA = (\\[[0-9, ]+\\])", g)))})
 print(json.dumps(out))
 """
 
@@ -374,7 +417,9 @@ print(json.dumps(out))
 def test_aot_sm90_mla_forward_sweep_fits_as_the_runtime_compiles_it(load):
     """Every config the MLA forward sweep times (bench.MLA_FWD_SWEEP, and the default) compiles
     for sm_90 with the runtime's specialisation within an H100/H200 SM's shared memory, and
-    with two or more stages its gathered rows load asynchronously (pipelined)."""
+    with two or more stages its gathered rows load asynchronously (pipelined); with
+    FWD_SPLIT_SCORES the score dots' warps split the key columns ([4, 2]) instead of both warp
+    groups computing the whole block (a [8, 1] layout over 64 rows)."""
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
@@ -390,6 +435,8 @@ def test_aot_sm90_mla_forward_sweep_fits_as_the_runtime_compiles_it(load):
         assert r["shared"] <= aot.H100_SHARED_BYTES, r
         stages = r["cfg"].get("FWD_STAGES", 3)
         assert stages < 2 or r["async"] > 0, r
+        if r["cfg"].get("FWD_SPLIT_SCORES"):
+            assert r["mma_warps"] == ["[4, 2]"], r
 
 
 def test_dot_mode_keeps_fp32_operands_on_cpu(load):
@@ -433,6 +480,11 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
                  {"FWD_TWO_PASS": 1, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
                  id="mla-two-pass-h128-k32-row-end"),
+    # the fused forward with its score block split over the warp groups (bench.MLA_FWD_SWEEP)
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_SPLIT_SCORES": 1},
+                 id="mla-split_scores"),
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
+                 {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1}, id="mla-split_scores-stages3-row-end"),
 ])
 def test_gpu_bf16_accuracy(load, params, dims, config):
     """bf16 kernel (16-bit dots) vs the fp32 reference on the same bf16 values, T=1024, K=256:
