@@ -216,6 +216,37 @@ def test_architectures_beyond_the_dev_set(parse_model, ref, kinds):
     assert kinds <= k and "unknown" not in k
 
 
+def test_a_loop_over_time_is_a_recurrent_mixer_not_a_gated_mlp(parse_model):
+    """Projections around a Python loop over the positions (sigmoid-gated output, products,
+    four projections from the width and back) are a recurrence, `linear_attention.other`, which
+    coverage lists as an uncovered core; before this rule the MLP rule read it as a gated SiLU
+    MLP and claimed the swiglu kernel."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/uncovered_models.py:LoopLM", seq=12)  # short: export unrolls the loop
+    mixers = [b for b in g.blocks if b.path.endswith(".mixer")]
+    assert len(mixers) == 2
+    for b in mixers:
+        assert b.kind == "linear_attention.other", (b.path, b.kind, b.evidence)
+        assert b.attrs == {"recurrence": "time_loop", "steps": 12}
+    cov = build_coverage(g)
+    core = [e for e in cov.entries if e.path.endswith(".mixer") and e.status == "uncovered"]
+    assert [e.op for e in core] == ["linear-attention recurrence"] * 2
+    assert not any(e.family == "swiglu" for e in cov.entries)
+
+
+# RWKV-4 (its WKV time mix is a loop over the positions on the CPU; its channel mix gates the
+# output, after the last projection: no gated MLP); a 10-20 s parse: nightly
+@pytest.mark.slow
+def test_rwkv_time_mix_is_a_recurrence_and_its_channel_mix_no_gated_mlp(parse_model):
+    g = parse_model("hf:rwkv")
+    by = {b.path: b for b in g.blocks}
+    mix = by["rwkv.blocks.0.attention"]
+    assert mix.kind == "linear_attention.other" and mix.attrs["recurrence"] == "time_loop"
+    ffn = by["rwkv.blocks.0.feed_forward"]
+    assert ffn.kind == "mlp.dense" and ffn.attrs["gated"] is False
+
+
 @pytest.mark.parametrize("ref,path,attrs", [
     ("hf:mamba", "backbone.layers.0.mixer", {"norm_dt": False, "norm_bc": False, "dt_rank": 48}),
     # weighted RMS norms of dt, B and C (Jamba, dt_rank 256; parsed above too), weightless ones

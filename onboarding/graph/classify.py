@@ -114,6 +114,28 @@ def _decay_cumsum(recs: list[OpRecord]) -> OpRecord | None:
         r.out_dtypes and str(r.out_dtypes[0] or "").startswith(("int", "uint", "bool")))), None)
 
 
+def _time_steps(recs: list[OpRecord], seq: int) -> int:
+    """How many positions of the sequence the block takes one at a time: the most distinct
+    indices that ``select`` takes along one dim of size ``seq`` of one tensor shape, or ``seq``
+    when an ``unbind`` splits such a dim. A block that takes every position (``seq``) runs a loop
+    over time: a sequential recurrence written in Python (RWKV's WKV, a decode-style cell)."""
+    if seq < 2:
+        return 0
+    seen: dict[tuple, set[int]] = {}
+    for r in recs:
+        shape = r.in_shapes[0] if r.in_shapes else None
+        if not shape or len(r.scalars) < 2 or not isinstance(r.scalars[1], int):
+            continue
+        dim = r.scalars[1] % len(shape)
+        if shape[dim] != seq:
+            continue
+        if r.op == "unbind" and len(r.out_shapes) == seq:
+            return seq
+        if r.op == "select" and len(r.scalars) > 2 and isinstance(r.scalars[2], int):
+            seen.setdefault((tuple(shape), dim), set()).add(r.scalars[2] % seq)
+    return max((len(v) for v in seen.values()), default=0)
+
+
 def _is_rms(recs: list[OpRecord]) -> bool:
     ops = _hist(recs)
     if ops.get("rms_norm") or ops.get("_fused_rms_norm"):
@@ -474,15 +496,26 @@ class Classifier:
             if gated and orient is not None:
                 self._packed_gated(path, recs, names3, orient, ev, attrs)
             return "moe.experts", ev, attrs
+        if mm and (steps := _time_steps(recs, ctx.seq)) == ctx.seq:
+            # projections around a loop over the positions: a recurrent mixer whatever else its
+            # ops look like (a sigmoid-gated output reads as a gated MLP's product otherwise)
+            return "linear_attention.other", [
+                f"a loop over time: each of the {steps} positions taken one at a time "
+                "(select along the sequence dim)", f"{len(mm)} projections around it"], {
+                "recurrence": "time_loop", "steps": steps}
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         if len(mm) >= 2 and weight_only and not attn and not seq_topk \
                 and (act := _activation(recs) or _mlp_activation_by_shape(recs, mm, ctx)):
             # act(gate) * up: a product, and a gate beside up (three projections, or the first
             # one twice as wide as the last one's input: gate and up fused). A written-out
             # activation multiplies too (xIELU, x * sigmoid(x)) without gating anything.
+            # The product feeds the last projection (down): a product after it gates the output
+            # (RWKV's channel mix: sigmoid(r(x)) * v(relu(k(x))^2)), not the MLP's hidden state.
             first, last = _linear_dims(mm[0], ctx), _linear_dims(mm[-1], ctx)
             fused = first is not None and last is not None and first[1] == 2 * last[0]
-            gated = ops["mul"] > 0 and (len(mm) >= 3 or fused)
+            act_at = next((r.index for r in recs if r.op in ACTIVATIONS), -1)
+            product = any(r.op in ("mul", "mul_") and act_at < r.index < mm[-1].index for r in recs)
+            gated = product and (len(mm) >= 3 or fused)
             return "mlp.dense", [f"{len(mm)} projections with {act}" +
                                  (" gating (act(gate) * up)" if gated else "")], {
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
