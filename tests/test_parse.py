@@ -309,6 +309,23 @@ def test_rms_norm_with_its_inverse_root_as_pow(parse_model):
     assert norms and all(b.kind == "norm.rms" for b in norms), {b.kind for b in norms}
 
 
+def test_rope_tables_of_several_widths_pin_no_width(parse_model):
+    """Gemma 4's rotary module makes one cos/sin table per layer type, sliding and full of
+    different widths, in the order of a Python set (hash-seeded): the block pins no width (a rope
+    kernel pinned to the first table's would refuse the other layers' calls) and lists both."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from onboarding.families.discover import match_block
+
+    if "gemma4_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma4_text")
+    ropes = [b for b in parse_model("hf:gemma4_text").blocks if b.kind == "rope"]
+    assert len(ropes) == 1
+    dims = ropes[0].attrs["rotary_dims"]
+    assert ropes[0].attrs["rotary_dim"] is None and len(dims) == 2 and dims == sorted(dims)
+    assert [(f, m["params"]["rotary_dim"]) for f, m in match_block(ropes[0])] == [("rope", None)]
+
+
 @pytest.mark.parametrize("ref, cls, act, gated", [
     ("hf:apertus1p5_text", "Apertus1p5TextMLP", "other", False),  # up -> xIELU (softplus / expm1 / where) -> down
     ("hf:minimax_m3_vl_text", "MiniMaxM3VLDenseMLP", "silu", True),  # clamped g * sigmoid(alpha g) * (up + 1)

@@ -438,9 +438,15 @@ class Classifier:
                                             for n in r.params.values())]
         # position x inv_freq may be a matmul (transformers 5.17) but never a weight projection
         if not projections and ops["cos"] and ops["sin"]:
-            cos = next(r for r in recs if r.op == "cos")
+            # one table per layer type when their widths differ (Gemma 4: sliding and full);
+            # the model may make them in set order (hash-seeded): the widths sorted, none pinned
+            dims = sorted({r.out_shapes[0][-1] for r in recs if r.op == "cos" and r.out_shapes})
+            if len(dims) > 1:
+                return "rope", ["cos and sin of position x inv_freq",
+                                f"tables of {len(dims)} widths {dims} (one per layer type)"], {
+                    "rotary_dim": None, "rotary_dims": dims}
             return "rope", ["cos and sin of position x inv_freq"], {
-                "rotary_dim": cos.out_shapes[0][-1] if cos.out_shapes else None}
+                "rotary_dim": dims[0] if dims else None}
         # Attention scores multiply two activations (q.k^T) or go through fused SDPA; a router's
         # softmax may look the same when n_experts == seq, but its logits come from a weight.
         act_mm = any(not r.params for r in mm) or any(is_sdpa(r.op) for r in recs)
