@@ -27,8 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: template v12's `pass` "fused" and `cb` "input" of the
-  split forward, BLOCK_S 1024), forward (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
+  tuning values beside the default (`SWEEP`: template v13's `bwd` "split", template v12's `pass`
+  "fused" and `cb` "input" of the split forward, BLOCK_S 1024), forward (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
@@ -110,8 +110,20 @@ SHAPES = (
 # Few rows, so that the GPU call's bench fits ~100 s with its compiles (`.ci/h200/h35_ssd6.sh`);
 # left for a later call: "fused" fwd+bwd without "fill" (the forward's loop over the 128 chunks of
 # 64), "fused" at STATE_N 32 (512 programs) or PASS_K 128, "fused" with `cb` "input" together.
-# In the order of what a cut-short GPU call should keep.
-SWEEP = (({"pass": "fused"}, "fwd"), ({"BLOCK_S": 1024}, "both"), ({"cb": "input"}, "fwd"),
+#
+# Template v13 (issue 35's backward, fwd+bwd <= 3x the forward), first since they are the call's
+# question (`.ci/h200/h35_ssd7.sh`, which also runs v12's rows above, untimed so far, after them):
+# `bwd` "split", the backward over the split chunks of 256 (the forward then keeps its states per
+# split chunk, as without a backward: no states per chunk of 64 and no 128-step pass; the
+# backward's pull, a 32-step reverse pass, dx per (head, 64 rows, chunk), dC then dB per (64 rows,
+# chunk, group), d(dt) per (chunk, 4 heads)) at its defaults (row blocks of 64, the register cap
+# 128 of its dx and dB/dC kernels: sm_90 bf16 build (triton 3.9) dx 128 registers / 4 spill bytes,
+# dC 128 / 112, dB 128 / 40; two programs of 8 warps per SM), row blocks of 32 (dx 108 / 0, dC 128
+# / 0, dB 128 / 0; half the shared memory or less), uncapped (dx 131, dC 233, dB 188 registers, no
+# spills: one program per SM), and with `pass` "fused" (the forward's state pass as one loop).
+SWEEP = (({"bwd": "split"}, "bwd"), ({"bwd": "split", "BWD_M": 32}, "bwd"),
+         ({"bwd": "split", "bwd_split_maxnreg": 0}, "bwd"), ({"bwd": "split", "pass": "fused"}, "bwd"),
+         ({"pass": "fused"}, "fwd"), ({"BLOCK_S": 1024}, "both"), ({"cb": "input"}, "fwd"),
          ({"pass": "fused", "split_states": "fill"}, "bwd"))
 
 

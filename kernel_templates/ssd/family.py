@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=12,
+    template_version=13,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -160,6 +160,22 @@ FAMILY = FamilySpec(
     # forward's stored C B^T [L, L] per (chunk, group), the output kernel's largest operand (each of
     # a group's heads reads it; fp32 or 16-bit inputs' own, summed in fp32 either way); the output
     # kernel's build: 128 registers uncapped with it (158 without), shared memory unchanged.
+    # bwd (v13): "chunk" the backward above (per CHUNK tokens: with `fwd` "split" the forward then
+    # forms and passes its states per CHUNK tokens, 128 serial steps at T 8192); "split" (only under
+    # `fwd` "split", else "chunk") the backward over the split chunks of CHUNK * STATE_CHUNKS tokens:
+    # the forward keeps its states per split chunk as without a backward, and the backward runs dy's
+    # pull per split chunk (ssd_split_state_kernel, PULL), the reverse pass over the split chunks,
+    # C B^T per group in BWD_M tiles, dx per (head, BWD_M rows, chunk) (ssd_bwd_split_dx_kernel),
+    # dC then dB per (BWD_M rows, chunk, group) (ssd_bwd_split_dbc_kernel, the group's heads summed
+    # per [BWD_M, BWD_M] block pair before one dot with B or C) and d(dt) per (chunk, 4 heads) from
+    # per-token terms (ssd_bwd_split_ddt_kernel). On the H200 (device call A of the twenty-sixth
+    # session, B1 T8192 H128 P64 G8 N128 bf16) the "chunk" path's per-64 states and their passes
+    # cost the forward 0.189 ms (state kernel, 0.119 without a backward) and most of 0.488 (two
+    # passes), its backward 2.8 ms (ssd_bwd_chunk_kernel 0.878, ssd_bwd_dbc_kernel 0.700,
+    # dstate 0.273, fill-in 0.310). bwd_split_maxnreg: the register cap of the split backward's dx
+    # and dB/dC kernels (0 none); the sm_90 bf16 build (triton 3.9) at BWD_M 64, 8 warps: dx 131
+    # registers uncapped, 128 / 4 spill bytes capped; dC 233, 128 / 112; dB 188, 128 / 40; at BWD_M
+    # 32 capped: 108, 128, 128, no spills. Not timed on a GPU (`.ci/h200/h35_ssd7.sh`).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -189,6 +205,9 @@ FAMILY = FamilySpec(
         "bwd_stages": (3, 2),
         "cb": ("fp32", "input"),
         "PASS_K": (16, 32, 64, 128),
+        "bwd": ("chunk", "split"),
+        "BWD_M": (16, 32, 64, 128),
+        "bwd_split_maxnreg": (0, 128, 168),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -215,7 +234,8 @@ FAMILY = FamilySpec(
                     "STATE_CHUNKS": 1, "scan": "carry", "scan_maxnreg": 128, "DBC_SPLIT": 1,
                     "bwd_maxnreg": 0, "fwd": "scan", "FWD_M": 64, "FWD_K": 32, "fwd_warps": 4,
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
-                    "PASS_K": 64},
+                    "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
+                    "bwd_split_maxnreg": 128},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",

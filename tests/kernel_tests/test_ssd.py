@@ -87,9 +87,14 @@ SC1 = {"STATE_CHUNKS": 1}  # the one-chunk state passes, where `pass` acts
                                  # nightly (7 s): the GPU bars' [default] row checks the 16-bit path (split at P <= 64)
                                  pytest.param({"state": "input", "fwd": "split"}, marks=pytest.mark.slow),
                                  # v12: the split forward's C B^T in bf16, its fused state pass
-                                 {"state": "input", "fwd": "split", "cb": "input", "pass": "fused"}],
+                                 {"state": "input", "fwd": "split", "cb": "input", "pass": "fused"},
+                                 # v13: `bwd` "split" (bf16 states, end-state gradients and C B^T;
+                                 # row blocks of 16: three of the four wholly past T)
+                                 {"state": "input", "gstate": "input", "fwd": "split", "cb": "input",
+                                  "bwd": "split", "BWD_M": 16}],
                          ids=["fp32", "input", "input-split", "input-fused", "gstate-input-split",
-                              "both-input-fused", "input-blocks", "input-fwd-split", "input-split-cb-fused"])
+                              "both-input-fused", "input-blocks", "input-fwd-split", "input-split-cb-fused",
+                              "input-bwd-split"])
 def test_bf16_inputs(module, device, cfg):
     """bf16 storage (loads upcast, fp32 maths; the chunks' states and the backward's end-state
     gradients fp32 or bf16; state chunks of 4 (the P <= 64 default) or split or fused one-chunk
@@ -283,6 +288,70 @@ def test_split_forward_backward(module, device, cfg, shape):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
+# `bwd` "split" (v13): the backward over the split chunks (the forward's states per split chunk, as
+# without a backward), row blocks of BWD_M
+SPLIT_BWD = [
+    # T 41, split chunks of 32: two, the second 9 tokens (its second row block wholly past T), two
+    # row blocks of 16 each (a pair below the diagonal); D, dt_bias, initial state
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, (1, 41, 2, 8, 1, 16, True, True),
+                 id="sc2-m16-T41"),
+    # 2 batches, T 23 (one split chunk, its second row block partial), 2 groups of 2 heads, dB / dC
+    # partials of one head each (DBC_SPLIT 2)
+    # partials of one head each (DBC_SPLIT 2); nightly (11 s), the two groups run under [sc2-m16-G2-T41]
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "DBC_SPLIT": 2},
+                 (2, 23, 4, 8, 2, 16, True, False), id="sc2-split2-B2T23", marks=pytest.mark.slow),
+    # T 45, one split chunk of 64 in four row blocks of 16 (three pairs below the diagonal for the
+    # first), the last partial; 2 P and 2 N blocks of the pull, P 20 and N 24 padded elsewhere
+    pytest.param({"STATE_CHUNKS": 4, "FWD_M": 32, "FWD_K": 16, "BWD_M": 16}, (1, 45, 2, 20, 1, 24, True, False),
+                 id="sc4-m16-T45"),
+    # T41: 2 groups of 2 heads, N 24; nightly (12 s)
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, T41, id="sc2-m16-G2-T41",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("cfg,shape", SPLIT_BWD)
+def test_split_backward(module, device, cfg, shape):
+    """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
+    state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
+    _split(module, device, {**cfg, "bwd": "split"})
+    try:
+        check_forward_backward(mild(fixture(module, shape)), torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+def test_split_backward_limits_no_softplus(module, device):
+    """`bwd` "split" with clamped dt (the gradient stops where a limit binds; its own dt and d dt
+    tiles) and then raw dt without softplus; T 23, split chunks of 16 (the second partial), the fixture's A."""
+    _split(module, device, {"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "bwd": "split"})
+    try:
+        check_forward_backward(fixture(module, (1, 23, 2, 8, 1, 8, True, True), dt_limit=(0.1, 1.5)),
+                               torch.float32, device)
+        fx = fixture(module, (1, 9, 2, 8, 1, 8, False, False), softplus=False)
+        make = fx.make_inputs
+        fx.make_inputs = lambda dtype, dev, gen: [a.abs() if i == 1 else a for i, a in enumerate(make(dtype, dev, gen))]
+        check_forward_backward(fx, torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+def test_split_backward_saves_split_states(module, device):
+    """`bwd` "split" keeps the forward's states per split chunk (T 33, split chunks of 32: two, not
+    three chunks of 16), what the op's fake says; opcheck's schema, autograd and fake-tensor checks
+    on both ops."""
+    _split(module, device, {"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "bwd": "split"})
+    try:
+        fx = fixture(module, (1, 33, 2, 8, 1, 16, True, True))
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(3))
+        _, _, st, dac = module.ssd_fwd_op(*args[:7], args[9], True, 0.0, math.inf, True)
+        assert st.shape[1] == 2 and dac.shape[2] == 2, (st.shape, dac.shape)
+        check_opcheck(fx, torch.float32, device, utils=("test_schema", "test_autograd_registration",
+                                                        "test_faketensor"))
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
 @pytest.mark.parametrize("cfg,shape", [({"dbc": "head"}, SHAPES[1]),
                                        ({"DBC_SPLIT": 2}, (1, 41, 8, 8, 2, 24, True, True)),
                                        ({"DBC_SPLIT": 4}, SHAPES[1])], ids=["head", "split2-hg4", "split4-hg2"])
@@ -452,6 +521,8 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 # Dropped in v11 with `split_states` "local": [local] XFAIL (outside the bars), [local-stages2] XPASS.
 # v12 (xfail-marked tuning values): the split forward's `pass` "fused" (with a backward to come
 # per chunk of 64; under "fill" per split chunk) and `cb` "input" (C B^T stored in bf16).
+# v13 (xfail-marked tuning values): `bwd` "split" (the backward over the split chunks of 256, its
+# forward keeping the states per split chunk), row blocks of 64 (the default) and of 32.
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
                                  pytest.param({"scan": "blocks"}, id="blocks", marks=UNTIMED),
                                  pytest.param({"scan": "blocks", "STATE_CHUNKS": 8}, id="blocks-sc8", marks=UNTIMED),
@@ -460,7 +531,9 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"split_states": "fill"}, id="fill", marks=UNTIMED),
                                  pytest.param({"pass": "fused"}, id="split-fused", marks=UNTIMED),
                                  pytest.param({"pass": "fused", "split_states": "fill", "cb": "input"},
-                                              id="split-fused-fill-cb", marks=UNTIMED)])
+                                              id="split-fused-fill-cb", marks=UNTIMED),
+                                 pytest.param({"bwd": "split"}, id="bwd-split", marks=UNTIMED),
+                                 pytest.param({"bwd": "split", "BWD_M": 32}, id="bwd-split-m32", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
