@@ -1,9 +1,9 @@
-# H200 call (issue 32, KDA template v26): the forward's "pipelined" prepare step (the default from
-# v26, `kda_prep_pipe_fwd_kernel`: the fused kernel with its Gram pass a straight loop that Triton
-# pipelines, chunks with strong decays redone by the fused kernel's tiers) against the former
-# default "fused" (bench row ours@kda_prep=fused_fwd) and fla 0.6's chunk_kda at the Kimi-Linear
-# layout (B1 H32 K = V = 128 bf16), T8192 and T32768. Self-contained: sources setup.sh. Carry .whl
-# and .whl_fla:
+# H200 call (issue 32, KDA template v28): the forward's "pipelined" prepare step (the default from
+# v26: `kda_prepare_fwd_kernel` with its Gram pass a straight loop that Triton pipelines, chunks
+# with strong decays redone by the tiers; one kernel with "fused" from v28, PIPE_GRAM) against the
+# former default "fused" (the tiered Gram pass, bench row ours@kda_prep=fused_fwd) and fla 0.6's
+# chunk_kda at the Kimi-Linear layout (B1 H32 K = V = 128 bf16), T8192 and T32768. Self-contained:
+# sources setup.sh. Carry .whl and .whl_fla:
 #   bash .ci/h200/h32_kda3.sh
 # Within ${BUDGET:-420} s, not the ~220 s first asked: its steps as timed on the H200 (twenty-eighth
 # session): setup ~30 s; the bench ~160 s (our first row's compiles 34 s, fla's first call 95 s

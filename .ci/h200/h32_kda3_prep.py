@@ -25,7 +25,9 @@ import torch
 from onboarding.bench.cases import kernel
 from onboarding.bench.cases_linear_attention import CHUNK, make_inputs
 
-DEFAULT_CONFIGS = [{}, {"kda_prep": "pipelined"}, {"prep_stages": 3}, {"kda_prep_maxnreg": 168}]
+# {}: the default, "pipelined" from template v26 (the twenty-eighth session's rows in family.py ran
+# before it, when {} was "fused")
+DEFAULT_CONFIGS = [{}, {"kda_prep": "fused"}, {"prep_stages": 3}, {"kda_prep_maxnreg": 168}]
 NAMES = ("w", "u", "kd", "qg", "Aqk", "gl")
 
 

@@ -18,14 +18,14 @@ SHAPES = (
                              "same kernels are checked at T8192")),
 )
 
-# The forward's alternatives to the default "pipelined" prepare step (template v26's default,
-# `kda_prep_pipe_fwd_kernel`: the fused kernel with its Gram pass a straight loop Triton
-# pipelines): the split step (template v18's default; `kda_chunk_ref` acts on it only) and the
-# fused one-kernel step (the base template's; the default of v19-v25). Rows on request only
-# (--impl names them: ours@kda_prep=split_fwd, ours@kda_prep=fused_fwd): the default bench and the
-# nightly suite leave them (and their compiles) out. `.ci/h200/h32_kda3.sh` times the default
-# against "fused" and fla. Three prepare stages
-# (`prep_stages` 3, the base family's key; the bucket has two), for the fused and the pipelined
+# The forward's alternatives to the default "pipelined" prepare step (template v26's default: the
+# one-kernel step `kda_prepare_fwd_kernel` with its Gram pass a straight loop Triton pipelines,
+# PIPE_GRAM): the split step (template v18's default; `kda_chunk_ref` acts on it only) and "fused",
+# the same kernel with its tiered Gram pass (the default of v19-v25; the pipelined pass was a
+# second kernel in v25-v27). Rows on request only (--impl names them: ours@kda_prep=split_fwd,
+# ours@kda_prep=fused_fwd): the default bench and the nightly suite leave them (and their
+# compiles) out. `.ci/h200/h32_kda3.sh` times the default against "fused" and fla. Three prepare
+# stages (`prep_stages` 3, the base family's key; the bucket has two), for the fused and the pipelined
 # kernel, were rows too for one H200 call (twenty-eighth session): both failed the bf16 bars with
 # the same error (o 643x, every gradient 225-23045x the fp32 run's norm), so they are not rows;
 # the prepare step alone took 0.667 ms at T8192 against 0.696 at two stages (family.py).

@@ -6,9 +6,10 @@ at the midpoint of its gc range, where a chunk's decays stay within that range's
 range of 80 inside a block: per-step log decays to ~-5, as fla's safe gate); otherwise by dots
 below the diagonal blocks (a reference row between i and j, both factors <= 1) and elementwise
 with the exponent clamped at 0 inside them. So any gate is safe, including ones without a lower
-bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step is
-`kda_prep` "fused"), plus KDA's own prepare steps (`_kda_prepare.py.j2`: "pipelined", the default
-from template v26, and "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
+bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepare step,
+`kda_prepare_fwd_kernel`, is `kda_prep` "pipelined", the default from template v26, and "fused":
+two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own split prepare step
+(`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_state_bwd_warps`).
 """
@@ -31,19 +32,28 @@ from .tuning import problem_dims, timing_inputs
 BASE = "gated_delta"
 _base = family_module(BASE)
 PARAMS = _base.PARAMS
-# KDA's own keys (its split and pipelined prepare steps, kimi_delta.py.j2's `_kda_prepare.py.j2`):
-# kda_prep "fused" (the default of templates v19-v25): the base template's one-kernel prepare step;
+# KDA's own keys (its split prepare step, kimi_delta.py.j2's `_kda_prepare.py.j2`, and the Gram pass of
+# the base template's one-kernel prepare step `kda_prepare_fwd_kernel`):
+# kda_prep "fused" (the default of templates v19-v25): the one-kernel prepare step with its tiered
+#   Gram pass (a tier per K tile, `_kda_gram_tiers`);
 #   "split": the Gram products and Tm = (I + A)^-1 in one kernel, w, u, kd, qg in a second one
 #   over K and V tiles (template v18's default). On the H200 (bf16, `onboard bench --family
 #   kimi_delta --case B1T8192H32D128 --case B1T32768H32D128 --impl
 #   ours,ours_fwd,fla_fwd,ours@kda_prep=fused_fwd --profile` at v18) the forward took, wall / CUDA
 #   graph ms: T8192 split 1.383 / 1.092, fused 1.330 / 0.960 (fla 0.6 1.607 / 1.069); T32768
 #   split 4.421 / 4.158, fused 4.029 / 3.620 (fla 4.441 / 4.129): fused at both, so the default.
-#   "pipelined" (template v25, `kda_prep_pipe_fwd_kernel`): the fused kernel with its Gram pass a
-#   straight loop (the chunk tier alone, `_kda_gram_chunk`); a chunk whose gc range passes 2
-#   GRAM_SPAN in some channel is redone after it by the fused kernel's tiers. The fused kernel's
-#   per-tile tiers hold loops that keep Triton from pipelining that pass (sm_90 TTGIR: no async
-#   copies in it). Twenty-eighth session, prepare step alone on the H200 (`.ci/h200/h32_kda3_prep.py`,
+#   "pipelined" (template v25): the one-kernel step with its Gram pass a straight loop (the chunk
+#   tier alone, `_kda_gram_chunk`); a chunk whose gc range passes 2 GRAM_SPAN in some channel is
+#   redone after it by the tiers. Templates v25-v27 had it as a second kernel
+#   (`kda_prep_pipe_fwd_kernel`, the fused kernel's tail copied); v28 made the two one kernel, the
+#   Gram pass by the constexpr PIPE_GRAM. sm_90 AOT (bf16 and fp32, K 128, chunk 64, the default
+#   tiles; bf16 also at prep_bk 16, the fused pass there at 8 warps): each path's TTGIR equals its
+#   v27 kernel's as a dataflow graph (up to names, locations and the order of independent ops),
+#   the same shared memory (49152 B), registers (255) and ptxas spills, but for the fused pass's
+#   4-warp builds (bf16 992 -> 988 B, fp32 9944 -> 9972 B): their PTX instructions are identical,
+#   only the debug line labels moved (ptxas on the PTX without them: the same spills before and
+#   after). The tiered pass's loops keep Triton from pipelining it (sm_90 TTGIR: no async copies
+#   in it). Twenty-eighth session, prepare step alone on the H200 (`.ci/h200/h32_kda3_prep.py`,
 #   graph ms at T8192 / T32768, B1 H32 D128 bf16, the bench's inputs): default 0.696 / 2.645;
 #   ablations of the fused kernel (outputs wrong, timing only): the chunk tier alone 0.624 / 2.366,
 #   no Gram products 0.470 / 1.748, no solve 0.591 / 2.270, no w/kd/qg pass 0.486 / 1.888, no u
@@ -136,7 +146,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=27,
+    template_version=28,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

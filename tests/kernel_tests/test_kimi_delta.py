@@ -78,12 +78,12 @@ def pinned(module, config: dict):
 
 
 # The forward's prepare step: split (a reference per 16-row block, else the exact diagonal
-# blocks), split with the one-reference-per-chunk tier first, the fused kernel (it always has the
-# chunk tier); the fused kernel with the serial backward (`kda_qk` "serial"; the
-# default is "tiles"); the fused kernel with a K tile of 16 (`prep_bk`: two of them at K = 32) at
-# 8 warps (`kda_prep_warps`); the "pipelined" kernel (the default; its Gram pass by one reference per
-# chunk alone, a chunk too strong for that redone by the fused kernel's tiers), at the default K
-# tile and at 16. The
+# blocks), split with the one-reference-per-chunk tier first, the one-kernel step with its tiered
+# Gram pass ("fused": it always has the chunk tier); "fused" with the serial backward (`kda_qk`
+# "serial"; the default is "tiles"); "fused" with a K tile of 16 (`prep_bk`: two of them at K = 32)
+# at 8 warps (`kda_prep_warps`); the same kernel with its pipelined Gram pass ("pipelined", the
+# default: one reference per chunk alone, a chunk too strong for that redone by the tiers), at the
+# default K tile and at 16. The
 # backward's qk kernels (serial and tiled) always have the chunk tier.
 PREPARE_CONFIGS = {"split": {"kda_prep": "split"}, "split_chunk_ref": {"kda_prep": "split", "kda_chunk_ref": 1},
                    "fused": {"kda_prep": "fused"}, "fused_serial": {"kda_prep": "fused", "kda_qk": "serial"},
@@ -216,23 +216,26 @@ def test_prepare_configs_equal_split(prep):
         assert Tm is None and M is None, name
 
 
-@pytest.mark.parametrize("prep, kernels", [("fused", ["kda_prepare_fwd_kernel"]),
+@pytest.mark.parametrize("prep, kernels", [("fused", ["kda_prepare_fwd_kernel/PIPE_GRAM=False"]),
                                            ("split", ["kda_gram_fwd_kernel", "kda_wu_fwd_kernel"]),
-                                           ("pipelined", ["kda_prep_pipe_fwd_kernel"])])
+                                           ("pipelined", ["kda_prepare_fwd_kernel/PIPE_GRAM=True"])])
 def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
     """The default config is the "pipelined" prepare step (H200, family.py); the forward launches
-    the fused kernel only under "fused", the split Gram and w/u kernels only under `kda_prep` "split", the
-    "pipelined" kernel only under "pipelined"; the output is the naive recurrence's either way."""
+    the one-kernel step only under "fused" (the tiered Gram pass) and "pipelined" (PIPE_GRAM),
+    the split Gram and w/u kernels only under `kda_prep` "split"; the output is the naive
+    recurrence's either way."""
     assert kimi_delta.DEFAULT_CONFIG["kda_prep"] == "pipelined"
     module = load(kimi_delta.FAMILY)
     launched = []
-    for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel", "kda_prep_pipe_fwd_kernel"):
+    for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel"):
         kern = getattr(module, name)
 
         class Spy:
             def __getitem__(self, grid, _k=kern, _n=name):
-                launched.append(_n)
-                return _k[grid]
+                def launch(*a, **kw):
+                    launched.append(f"{_n}/PIPE_GRAM={kw['PIPE_GRAM']}" if "PIPE_GRAM" in kw else _n)
+                    return _k[grid](*a, **kw)
+                return launch
 
         monkeypatch.setattr(module, name, Spy())
     case = Case(HK=1, HV=2, T=20, l2=True, h0=True)
@@ -361,7 +364,8 @@ def test_aot_sm90_bf16_tensor_cores():
 def test_aot_sm90_split_gram_mma():
     """The split Gram kernel's bf16 build: bf16 tensor-core dots for the Gram products and tf32
     ones for Tm's block merges (`inv_dot` "tf32"), only bf16 with `inv_dot` "ieee"; with the
-    chunk tier too. The "pipelined" prepare kernel's bf16 build (same child): bf16 and tf32."""
+    chunk tier too. The one-kernel prepare step's bf16 builds (same child), either Gram pass
+    ("pipelined", "fused"): bf16 and tf32."""
     import json
     import os
     import subprocess
@@ -379,11 +383,13 @@ def test_aot_sm90_split_gram_mma():
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
     configs = [{}, {"inv_dot": "ieee"}, {"kda_chunk_ref": 1}]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    jobs = [["kda_gram_fwd_kernel", c] for c in configs] + [["kda_prep_pipe_fwd_kernel", {"kda_prep": "pipelined"}]]
+    jobs = [["kda_gram_fwd_kernel", c] for c in configs] + [["kda_prepare_fwd_kernel", {"kda_prep": p}]
+                                                            for p in ("pipelined", "fused")]
     run = subprocess.run([sys.executable, "-c", _PTX_MMA_CHILD, str(path), json.dumps(jobs)],
                          capture_output=True, text=True, env=env, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.splitlines()[-1]) == [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"], ["bf16", "tf32"]]
+    assert json.loads(run.stdout.splitlines()[-1]) == [["bf16", "tf32"], ["bf16"], ["bf16", "tf32"], ["bf16", "tf32"],
+                                                       ["bf16", "tf32"]]
 
 
 def test_fp16_dot_path(monkeypatch):
