@@ -102,13 +102,26 @@ PARAMS = _base.PARAMS
 #   bars passed (twenty-first session). "serial": `kda_chunk_bwd_qk_kernel` per (chunk, key head)
 #   over the K tiles in turn, the l2norm backward in a second pass over dq and dk stored in fp32
 #   (v18: 2.140 ms of a 3.9 ms backward at T8192; sm_90 AOT bf16 255 registers, 5480 B of spills).
-# kda_qk_bk: the K tile of the "tiles" qk kernel (0: BK). kda_qk_warps, kda_wy_warps: warps of the
-#   backward's qk and wy kernels, either form (0: num_warps). kda_state_bwd_warps: warps of the
+#   "fused" (template v29, `_kda_bwd.py.j2`, off by default, untimed): `kda_chunk_bwd_fused_kernel`,
+#   one program per (chunk, value head) for the tiled pair's work. The l2norm backward's row dots
+#   are known in closed form from the V side (<q_n, dq_n> = <qg S_c, do> plus Aqk's share,
+#   <k_n, dk_n> as GDN's wy kernel has it), so each K tile is finished in one visit: no fp32 dq, dk,
+#   dg partials between two kernels ([B, T, HV, K] each, written and read back: 192 KB per chunk
+#   and value head at K = 128, 0.8 GB at B1 T8192 H32), no second read of q, k, g. With HV > HK dq,
+#   dk go to per value head fp32 slots that `kda_group_sum_kernel` sums. Its K tile is
+#   `kda_qk_bk`, its warps `kda_qk_warps`. sm_90 AOT (bf16, K 128; registers / spill bytes): BK 16
+#   8 warps 255 / 888, BK 32 8 warps 255 / 1524, BK 16 4 warps 255 / 2784, BK 32 4 warps
+#   255 / 4432 (the exact elementwise tier's share at BK 16 8 warps: ~700 B; without the Gram
+#   tiers 254 registers, no spills). Bench rows and GPU bars: `bench.BWD_SWEEP`,
+#   `.ci/h200/h32_kdabwd2.sh`.
+# kda_qk_bk: the K tile of the "tiles" qk kernel and of the "fused" kernel (0: BK). kda_qk_warps,
+#   kda_wy_warps: warps of the backward's qk and wy kernels, either form, kda_qk_warps those of the
+#   "fused" kernel (0: num_warps). kda_state_bwd_warps: warps of the
 #   reverse state pass (0: num_warps; sm_90 AOT bf16: 1228 B of spills at 4 warps, 96 at 8).
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"), "kda_prep_warps": (0, 4, 8),
                 "kda_prep_maxnreg": (0, 128, 168),
                 "kda_chunk_ref": (0, 1),
-                "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles"),
+                "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles", "fused"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_state_bwd_warps": (0, 4, 8)}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
@@ -146,7 +159,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=28,
+    template_version=29,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

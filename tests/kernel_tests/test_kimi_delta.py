@@ -161,14 +161,16 @@ def test_tiled_backward_equals_serial(bwd, l2):
 
 
 @pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
-                                          ("tiles", ["kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"])])
+                                          ("tiles", ["kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"]),
+                                          ("fused", ["kda_chunk_bwd_fused_kernel"])])
 def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
-    """The default is the tiled pair; `kda_qk` "serial" launches the serial pair only."""
+    """The default is the tiled pair; `kda_qk` "serial" launches the serial pair only, "fused" its
+    one kernel (no group sum at HV = HK)."""
     assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "tiles"
     module = load(kimi_delta.FAMILY)
     launched = []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
-                 "kda_chunk_bwd_qkt_kernel"):
+                 "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel"):
         kern = getattr(module, name)
 
         class Spy:
@@ -187,6 +189,58 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     assert launched == kernels, launched
     _, ref_grads = grads_of(module.reference, args, douts)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# The fused chunk-local backward (`kda_qk` "fused", `_kda_bwd.py.j2`: one kernel per (chunk, value
+# head), the l2norm's row dots in closed form from the V side): at K tile 16 with the l2norm and
+# mixed decays (one value head), at the default tile without the l2norm on grouped values.
+FUSED_CASES = {"bk16-l2-mixed": ({"kda_qk": "fused", "kda_qk_bk": 16}, True), "no-l2": ({"kda_qk": "fused"}, False)}
+
+
+@pytest.mark.parametrize("fused", list(FUSED_CASES))
+def test_fused_backward_vs_naive(monkeypatch, fused):
+    """`kda_qk` "fused", three chunks of 64 (the last partial), K = 48 (three K tiles at BK 16, two
+    at 32): forward and every gradient against the naive recurrence. With the l2norm the chunks'
+    decays are mild, medium and strong (as `test_gram_paths_mixed_in_one_call`), and in the
+    interpreter spies check that the fused kernel's K tiles took each Gram-backward tier; without
+    it, grouped values (HV = 2 HK: per value head slots, then `kda_group_sum_kernel`)."""
+    cfg, l2 = FUSED_CASES[fused]
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=1 if l2 else 2, T=150, l2=l2, h0=True, K=48, V=16)
+    gen = torch.Generator().manual_seed(5)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    if l2:
+        args[3] = torch.cat([args[3][:, :64], args[3][:, 64:128] * 4.0, args[3][:, 128:] * 30.0], dim=1)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    calls = []
+    if DEVICE.type == "cpu":  # interpreted: the jit helpers and kernels go through the module globals
+        for name, bc in (("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9)):
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
+                calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
+        for name in ("kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel", "kda_chunk_bwd_wyt_kernel"):
+            kern = getattr(module, name)
+
+            class Spy:
+                def __getitem__(self, grid, _k=kern, _n=name):
+                    calls.append(_n)
+                    return _k[grid]
+
+            monkeypatch.setattr(module, name, Spy())
+    with pinned(module, cfg):
+        (o, ht), grads = grads_of(module.entry, args, douts)
+    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
+    if DEVICE.type == "cpu":
+        kernels = ["kda_chunk_bwd_fused_kernel"] + ([] if l2 else ["kda_group_sum_kernel"])
+        assert [c for c in calls if c.startswith("kda_")] == kernels, calls
+        tiers = {c for c in calls if not c.startswith("kda_")}
+        assert tiers == ({"_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"} if l2
+                         else {"_kda_gram_bwd_dots/64"}), tiers
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -356,8 +410,10 @@ def test_aot_sm90_bf16_tensor_cores():
     # their backward (bwd qk) dot the blocks below the diagonal blocks
     check_aot_bf16_mma(kimi_delta.FAMILY, ["kda_prepare_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel",
                                            "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
-                                           "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"],
-                       ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel"])
+                                           "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel",
+                                           "kda_chunk_bwd_fused_kernel"],
+                       ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel",
+                        "kda_chunk_bwd_fused_kernel"])
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
