@@ -33,16 +33,23 @@ SHAPES = (
 # `prep_bk`; both; `kda_prep` "fused2", since removed) all lost to the default on the H200
 # (family.py has the numbers; the script is in git at e1f525a): v24 dropped them.
 FWD_SWEEP = ({"kda_prep": "split"}, {"kda_prep": "fused"})
-# Forward + backward rows of the backward's alternatives (family.py: `kda_qk` "serial", the tiled
-# default's K tile, the backward kernels' warps), on the same inputs as `ours`; on request only.
-# Their names join the keys with "+" (``ours@kda_qk_bk=16+kda_wy_warps=8``), so that --impl can name
-# them. sm_90 AOT (bf16, K = 128; registers / spill bytes): qkt BK 32 4 warps 255 / 1152, BK 16
-# 255 / 0, BK 32 8 warps 255 / 56; wyt 4 warps 255 / 1672, 8 warps 255 / 164; the serial wy
-# 255 / 1544 and qk 255 / 5480 at 4 warps; the state pass 255 / 1228 at 4 warps, 255 / 96 at 8.
-# Four rows keep one GPU call's bench within ~3 min beside fla's first-call autotuning.
-BWD_SWEEP = ({"kda_qk": "serial"}, {"kda_qk_bk": 16},
-             {"kda_qk_bk": 16, "kda_wy_warps": 8, "kda_state_bwd_warps": 8},
-             {"kda_wy_warps": 8, "kda_state_bwd_warps": 8})
+# Forward + backward rows of the backward's alternatives, on the same inputs as `ours`; on request
+# only. Their names join the keys with "+" (``ours@kda_qk=fused+kda_qk_bk=16+kda_qk_warps=8``), so
+# that --impl can name them. Template v29 (issue 32, fwd+bwd <= 3x the forward; none GPU-timed yet):
+# the fused chunk-local backward (`kda_qk` "fused", `kda_chunk_bwd_fused_kernel`: the tiled pair's
+# work in one kernel per (chunk, value head), no fp32 dq/dk/dg partials between two kernels) at
+# 8 warps, K tile 16 and 32; the reverse state pass with three prefetch stages (GDN's bucket value;
+# KDA's bucket keeps 1, untimed for KDA) at 8 warps; both. sm_90 AOT (bf16, K = 128; registers /
+# spill bytes): fused BK 16 8 warps 255 / 888, BK 32 8 warps 255 / 1524 (4 warps: 2784 / 4432);
+# state pass at state_bv 32 (the H200's pick at B1 H32): 1 stage 255 / 888 at 4 warps, 3 stages
+# 255 / 1660 at 4 warps, 255 / 12 at 8 (66.5 KB of shared memory); the tiled pair's wyt 255 / 1672
+# and qkt (BK 32) 255 / 1152 at 4 warps. The rows of template v20-v27 (`kda_qk` "serial"; "tiles"
+# at K tile 16; 8 warps for the wy kernel and the state pass, with and without it) all lost to the
+# tiled default on the H200 (docs/LOG.md, twentieth session, call J) and left.
+# Four rows keep one GPU call's bench within ~3 min.
+_FUSED = {"kda_qk": "fused", "kda_qk_bk": 16, "kda_qk_warps": 8}
+_STATE3 = {"state_bwd_stages": 3, "kda_state_bwd_warps": 8}
+BWD_SWEEP = (_FUSED, {"kda_qk": "fused", "kda_qk_warps": 8}, _STATE3, {**_FUSED, **_STATE3})
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)
