@@ -279,6 +279,24 @@ def test_decision_loop_with_an_injected_llm(cum_graph, tmp_path, llm, inductor, 
     assert f"| {decision} |" in section
 
 
+def test_a_loop_over_time_is_not_handed_to_inductor(parse_model, tmp_path):
+    """A recurrent mixer written as a loop over the positions (`recurrence: time_loop`) is not
+    compiled: dynamo would unroll the loop (a graph per length, growing with it). The block stays
+    uncovered with that reason, and the Inductor check is never called."""
+    from onboarding.generate.decide import decide
+    from onboarding.generate.tasks import build_tasks
+
+    ref = f"{FIXTURES / 'uncovered_models.py'}:LoopLM"
+    g = parse_model(ref, seq=12)
+    tasks = build_tasks(graph=g, coverage=build_coverage(g), full_size=False)
+    assert [t.path for t in tasks] == ["layers.0.mixer", "layers.1.mixer"]
+    check = _fake_check(True)
+    ds = decide(tasks, ModelSpec(ref=ref), tmp_path, graph=g, check=check)
+    assert [d.decision for d in ds] == ["uncovered", "uncovered"] and check.calls == []
+    ev = ds[0].evidence[-1]
+    assert (ev.option, ev.outcome) == ("inductor", "skipped") and "loop over time (12 positions" in ev.reason
+
+
 def test_decision_budget_and_nesting(cum_graph, tmp_path):
     """A spent --generate-budget leaves blocks uncovered with that reason; a block inside one
     that Inductor serves is compiled with it, not decided on its own."""

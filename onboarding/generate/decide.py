@@ -248,6 +248,15 @@ def _decide_one(d: Decision, task: KernelTask, block: Any, spec: ModelSpec, run_
         d.evidence.append(Evidence(option="inductor", outcome="skipped",
                                    reason=f"generate budget of {opts.budget_s:g} s spent"))
         return
+    if block is not None and block.attrs.get("recurrence") == "time_loop":
+        # dynamo traces a Python loop over the positions unrolled: the graph, and the compile
+        # (minutes for RWKV's 64-step proxy on a CPU), grow with T, and no graph serves
+        # training lengths (thousands of steps). The block stays eager, and says why.
+        d.evidence.append(Evidence(option="inductor", outcome="skipped", reason=(
+            f"a loop over time ({block.attrs.get('steps')} positions one at a time in the proxy): "
+            "torch.compile unrolls it, so the graph and its compile grow with the sequence "
+            "length; left eager (a scan kernel needs a family, or the LLM path: --llm)")))
+        return
     if on_step:
         on_step(f"{task.path}: torch.compile (Inductor) + block check")
     ev, v = _inductor(task, opts, run_dir, spec, rem, check)
