@@ -64,7 +64,7 @@ timeout "$(left 45)" python3 - <<'PY' 2>&1 | tee "$O/ssd_profile.txt"
 # per-kernel GPU ms (torch.profiler CUDA activity, 5 steps after 3 warm-up ones, every kernel)
 import os
 import torch
-from onboarding.bench.cases import config_sweep, fwd_only
+from onboarding.bench.cases import config_sweep, fwd_bwd, fwd_only
 from onboarding.bench.harness import aggregate_kernels
 from onboarding.families import family_module
 bench = family_module("ssd").bench
@@ -74,8 +74,8 @@ shape = (1, 40, 4, 16, 2, 16) if dry else bench.SHAPES[0][:6]
 sets = [bench.make_inputs(*shape, dev, seed=s) for s in range(2)]
 grads = [torch.randn(*shape[:4], device=dev, dtype=torch.bfloat16)]
 mod, ours = bench._ours()
-steps = {"ours_fwd (default)": fwd_only(ours, sets)}
-steps.update(config_sweep(mod, ours, sets, grads, shape[3], [{}, {"bwd": "split"}, {"bwd": "split", "BWD_M": 32}]))
+steps = {"ours_fwd (default, forward)": fwd_only(ours, sets), "ours (default)": fwd_bwd(ours, sets, grads)}
+steps.update(config_sweep(mod, ours, sets, grads, shape[3], [{"bwd": "split"}, {"bwd": "split", "BWD_M": 32}]))
 
 
 def breakdown(step, n=5):
@@ -92,7 +92,7 @@ def breakdown(step, n=5):
 
 
 for name, step in steps.items():
-    print(name if name.endswith(")") else f"{name} (forward + backward)", flush=True)
+    print(name if name.endswith("forward)") else f"{name} (forward + backward)", flush=True)
     try:
         rows = (step(0), [])[1] if dry else breakdown(step)
     except Exception as exc:  # noqa: BLE001 - the other rows stand

@@ -173,9 +173,10 @@ FAMILY = FamilySpec(
     # cost the forward 0.189 ms (state kernel, 0.119 without a backward) and most of 0.488 (two
     # passes), its backward 2.8 ms (ssd_bwd_chunk_kernel 0.878, ssd_bwd_dbc_kernel 0.700,
     # dstate 0.273, fill-in 0.310). bwd_split_maxnreg: the register cap of the split backward's dx
-    # and dB/dC kernels (0 none); the sm_90 bf16 build (triton 3.9) at BWD_M 64, 8 warps: dx 131
-    # registers uncapped, 128 / 4 spill bytes capped; dC 233, 128 / 112; dB 188, 128 / 40; at BWD_M
-    # 32 capped: 108, 128, 128, no spills. Not timed on a GPU (`.ci/h200/h35_ssd7.sh`).
+    # and dB/dC kernels (0 none); the sm_90 bf16 build (triton 3.9, P 64, N 128) at BWD_M 64, 8
+    # warps: dx 171 registers uncapped, 128 and no spills capped (81952 bytes of shared memory); dC
+    # 233, 128 / 112 spill bytes (66048); dB 188, 128 / 40 (74760); at BWD_M 32 capped: 116, 128,
+    # 128, no spills (49184, 41216, 45576). Not timed on a GPU (`.ci/h200/h35_ssd7.sh`).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),

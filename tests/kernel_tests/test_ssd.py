@@ -292,9 +292,10 @@ def test_split_forward_backward(module, device, cfg, shape):
 # without a backward), row blocks of BWD_M
 SPLIT_BWD = [
     # T 41, split chunks of 32: two, the second 9 tokens (its second row block wholly past T), two
-    # row blocks of 16 each (a pair below the diagonal); D, dt_bias, initial state
-    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, (1, 41, 2, 8, 1, 16, True, True),
-                 id="sc2-m16-T41"),
+    # row blocks of 16 each (a pair below the diagonal); 2 groups (of one head: the groups' B, C,
+    # C B^T and dB / dC rows); D, dt_bias, initial state
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, (1, 41, 2, 8, 2, 16, True, True),
+                 id="sc2-m16-G2-T41"),
     # 2 batches, T 23 (one split chunk, its second row block partial), 2 groups of 2 heads, dB / dC
     # partials of one head each (DBC_SPLIT 2)
     # partials of one head each (DBC_SPLIT 2); nightly (11 s), the two groups run under [sc2-m16-G2-T41]
@@ -305,7 +306,7 @@ SPLIT_BWD = [
     pytest.param({"STATE_CHUNKS": 4, "FWD_M": 32, "FWD_K": 16, "BWD_M": 16}, (1, 45, 2, 20, 1, 24, True, False),
                  id="sc4-m16-T45"),
     # T41: 2 groups of 2 heads, N 24; nightly (12 s)
-    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, T41, id="sc2-m16-G2-T41",
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, T41, id="sc2-m16-H4G2-T41",
                  marks=pytest.mark.slow),
 ]
 
