@@ -107,7 +107,7 @@ SHAPES = (
 # headline shape run in the first wave, the rest in a second one, two serial chains back to back),
 # 1024 47 (10 per SM, 1320 >= 1024 programs), 2048 72, 256 32 (4096 programs, two waves);
 # mamba-ssm's pass took 0.050 ms against our 0.099 in device call A of the twenty-sixth session.
-# Few rows, so that the GPU call's bench fits ~100 s with its compiles (`.ci/h200/h35_ssd6.sh`);
+# Few rows, so that the GPU call's bench fits ~100 s with its compiles (`.ci/h200/h35_ssd7.sh`);
 # left for a later call: "fused" fwd+bwd without "fill" (the forward's loop over the 128 chunks of
 # 64), "fused" at STATE_N 32 (512 programs) or PASS_K 128, "fused" with `cb` "input" together.
 #
