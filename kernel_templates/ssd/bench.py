@@ -120,8 +120,8 @@ SHAPES = (
 # 128 of its dx and dB/dC kernels: sm_90 bf16 build (triton 3.9) dx 128 registers / no spills,
 # dC 128 / 112 spill bytes, dB 128 / 40; two programs of 8 warps per SM), row blocks of 32 (dx 116 /
 # 0, dC 128 / 0, dB 128 / 0; 41-49 KB of shared memory against 66-82), uncapped (dx 171, dC 233,
-# dB 188 registers, no spills: one program per SM), and with `pass` "fused" (the forward's state
-# pass as one loop).
+# dB 188 registers, no spills: one program per SM), and with `pass` "fused" (the forward's chunk
+# states and state pass as one loop; the backward's pull and reverse pass as one reverse loop).
 SWEEP = (({"bwd": "split"}, "bwd"), ({"bwd": "split", "BWD_M": 32}, "bwd"),
          ({"bwd": "split", "bwd_split_maxnreg": 0}, "bwd"), ({"bwd": "split", "pass": "fused"}, "bwd"),
          ({"pass": "fused"}, "fwd"), ({"BLOCK_S": 1024}, "both"), ({"cb": "input"}, "fwd"),

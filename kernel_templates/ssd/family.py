@@ -168,7 +168,10 @@ FAMILY = FamilySpec(
     # C B^T per group in BWD_M tiles, dx per (head, BWD_M rows, chunk) (ssd_bwd_split_dx_kernel),
     # dC then dB per (BWD_M rows, chunk, group) (ssd_bwd_split_dbc_kernel, the group's heads summed
     # per [BWD_M, BWD_M] block pair before one dot with B or C) and d(dt) per (chunk, 4 heads) from
-    # per-token terms (ssd_bwd_split_ddt_kernel). On the H200 (device call A of the twenty-sixth
+    # per-token terms (ssd_bwd_split_ddt_kernel); with `pass` "fused" the pull and the reverse pass
+    # are one reverse loop per (head, BLOCK_P x STATE_N tile) (ssd_split_fused_pull_kernel, PASS_K
+    # tokens a step; the sm_90 bf16 build: 135 registers, 49672 bytes of shared memory, 4 warps, no
+    # spills). On the H200 (device call A of the twenty-sixth
     # session, B1 T8192 H128 P64 G8 N128 bf16) the "chunk" path's per-64 states and their passes
     # cost the forward 0.189 ms (state kernel, 0.119 without a backward) and most of 0.488 (two
     # passes), its backward 2.8 ms (ssd_bwd_chunk_kernel 0.878, ssd_bwd_dbc_kernel 0.700,

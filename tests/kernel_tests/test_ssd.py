@@ -305,6 +305,11 @@ SPLIT_BWD = [
     # first), the last partial; 2 P and 2 N blocks of the pull, P 20 and N 24 padded elsewhere
     pytest.param({"STATE_CHUNKS": 4, "FWD_M": 32, "FWD_K": 16, "BWD_M": 16}, (1, 45, 2, 20, 1, 24, True, False),
                  id="sc4-m16-T45"),
+    # `pass` "fused": dy's pull and the reverse pass in one loop (and the forward's fused pass); T 41,
+    # PASS_K 16: two steps per split chunk of 32, the last chunk's second step wholly past T; 2 P
+    # blocks (P 20, BLOCK_P 16)
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "pass": "fused", "PASS_K": 16},
+                 (1, 41, 2, 20, 1, 16, True, True), id="sc2-fused-T41"),
     # T41: 2 groups of 2 heads, N 24; nightly (12 s)
     pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, T41, id="sc2-m16-H4G2-T41",
                  marks=pytest.mark.slow),
