@@ -528,7 +528,8 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 # v12 (xfail-marked tuning values): the split forward's `pass` "fused" (with a backward to come
 # per chunk of 64; under "fill" per split chunk) and `cb` "input" (C B^T stored in bf16).
 # v13 (xfail-marked tuning values): `bwd` "split" (the backward over the split chunks of 256, its
-# forward keeping the states per split chunk), row blocks of 64 (the default) and of 32.
+# forward keeping the states per split chunk), row blocks of 64 (the default) and of 32, and with
+# `pass` "fused" (the forward's fused pass, the backward's pull and reverse pass as one loop).
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
                                  pytest.param({"scan": "blocks"}, id="blocks", marks=UNTIMED),
                                  pytest.param({"scan": "blocks", "STATE_CHUNKS": 8}, id="blocks-sc8", marks=UNTIMED),
@@ -539,7 +540,9 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"pass": "fused", "split_states": "fill", "cb": "input"},
                                               id="split-fused-fill-cb", marks=UNTIMED),
                                  pytest.param({"bwd": "split"}, id="bwd-split", marks=UNTIMED),
-                                 pytest.param({"bwd": "split", "BWD_M": 32}, id="bwd-split-m32", marks=UNTIMED)])
+                                 pytest.param({"bwd": "split", "BWD_M": 32}, id="bwd-split-m32", marks=UNTIMED),
+                                 pytest.param({"bwd": "split", "pass": "fused"}, id="bwd-split-fused",
+                                              marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
