@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import DEVICE
+from kernel_cases import DEVICE
 
 from onboarding.testing.bounds import OutOfBounds, available, bounds_checked
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DTYPES, case_id
+from kernel_cases import DTYPES, case_id
 
 from onboarding.generate import aot
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck

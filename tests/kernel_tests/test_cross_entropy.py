@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from conftest import training_root
+from kernel_cases import training_root
 
 from onboarding.families import training_kernel
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck

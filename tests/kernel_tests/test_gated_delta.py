@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, OPCHECK_SPLIT
+from kernel_cases import DEVICE, OPCHECK_SPLIT
 
 from onboarding.generate import aot
 from onboarding.generate import templating

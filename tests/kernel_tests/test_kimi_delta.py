@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE, OPCHECK_SPLIT
+from kernel_cases import DEVICE, OPCHECK_SPLIT
 from test_gated_delta import (
     CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
     check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DTYPES, case_id, check_match, check_sample_inputs_fit
+from kernel_cases import DTYPES, case_id, check_match, check_sample_inputs_fit
 from torch.nn import functional as F
 
 from onboarding.families import family_module

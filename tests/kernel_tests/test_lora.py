@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import case_id
+from kernel_cases import case_id
 from test_moe_experts import assert_bf16_mma, sm90_mma
 
 from onboarding.generate import templating

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import OPCHECK_SPLIT, case_id
+from kernel_cases import OPCHECK_SPLIT, case_id
 
 from onboarding.generate import aot
 from onboarding.errors import InputError

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import case_id
+from kernel_cases import case_id
 
 from onboarding.generate import aot
 from onboarding.families import family_module

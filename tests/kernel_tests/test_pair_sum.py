@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from conftest import training_root
+from kernel_cases import training_root
 
 from onboarding.bench.harness import time_fn
 from onboarding.families import training_kernel

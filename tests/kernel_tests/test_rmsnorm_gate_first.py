@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DTYPES, OPCHECK_SPLIT, check_match
+from kernel_cases import DTYPES, OPCHECK_SPLIT, check_match
 
 from onboarding import families
 from onboarding.families import discover

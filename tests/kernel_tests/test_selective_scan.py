@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_match, check_sample_inputs_fit
+from kernel_cases import check_match, check_sample_inputs_fit
 
 from onboarding.families import family_module
 from onboarding.graph.opgraph import Block

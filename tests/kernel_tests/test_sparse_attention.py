@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICE, OPCHECK_SPLIT
+from kernel_cases import DEVICE, OPCHECK_SPLIT
 
 from onboarding.generate import aot
 from onboarding.generate import templating

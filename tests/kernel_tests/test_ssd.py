@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import OPCHECK_SPLIT, check_match, check_sample_inputs_fit
+from kernel_cases import OPCHECK_SPLIT, check_match, check_sample_inputs_fit
 
 from onboarding.families import family_module
 from onboarding.generate import aot
