@@ -2,8 +2,9 @@
 and the Qwen3-Next layout (16 key / 32 value heads, D=128) at T=8192 and T=32768. The case
 itself (impls, check, bytes, FLOPs) is the shared delta-rule one, scalar decay, plus rows of the
 Tm dots' alternative operands (`SWEEP`: ``ours@tm_dot=tf32_fwd`` forward, ``ours@tm_dot=tf32``
-forward + backward), on request, on the same inputs, so that one call times them against the
-default and fla."""
+forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd``,
+``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``), on request, on the same inputs, so
+that one call times them against the default and fla."""
 
 from __future__ import annotations
 
@@ -23,7 +24,14 @@ SHAPES = (
 # proxy's forward has a layer where the default 16-bit Tm dots land at 1.1e-2 relative RMS of the
 # fp32 path (fla 4.2e-3, tf32 Tm dots 3.3e-3; docs/LOG.md, twentieth session); these rows time it.
 SWEEP = ({"tm_dot": "tf32"},)
-SWEEP_ROWS = sweep_rows(SWEEP, SWEEP)
+# issue 32: o from the state pass (`fwd_o` "fused", no output kernel; a forward without training
+# writes neither S_c nor v_new), alone and with 16-wide state tiles (`state_bv` 16: 256 state-pass
+# programs at B * HV = 32 instead of the auto 128, for the longer chunk step); fwd+bwd too (the
+# training forward keeps S_c and v_new)
+FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
+FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP)
+BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0])
+SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)
 
 
 # The 4B Qwen3-Next-style training proxy's call (8 x 2048 tokens, its 16 key heads repeated to the
@@ -37,7 +45,8 @@ K64_ROWS = sweep_rows((), K64_SWEEP)
 
 
 def cases() -> list[BenchCase]:
-    return [*(delta_rule_case("gated_delta", *shape, per_channel=False, fwd_sweep=SWEEP, bwd_sweep=SWEEP)
+    return [*(delta_rule_case("gated_delta", *shape, per_channel=False, fwd_sweep=FWD_SWEEP,
+                             bwd_sweep=BWD_SWEEP)
               for shape in SHAPES),
             delta_rule_case("gated_delta", *PROXY_SHAPE, per_channel=False, bwd_sweep=K64_SWEEP)]
 

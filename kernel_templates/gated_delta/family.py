@@ -72,6 +72,13 @@ TUNING_SPACE = {
 DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32",
                   "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input",
                   "inv_dot": "tf32", "prep_bk": 0, "prep_stages": 0, "bwd_bv": 0}
+# GDN's own keys (kimi_delta extends TUNING_SPACE and DEFAULT_CONFIG above, not these):
+# fwd_o, where the forward's o = qg S_c + Aqk v_new is computed: "split", the output kernel (one
+# program per V tile, chunk and head, reading S_c and v_new back); "fused", the state pass itself
+# per chunk while S_c is in registers (qg and Aqk join its prefetched loads): no output launch, and
+# a forward without training writes neither S_c nor v_new (the training forward still keeps them)
+GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused")}
+GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split"}
 SHAPE_BUCKETS = (
     # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
     # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed
@@ -141,12 +148,12 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=16,
+    template_version=17,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
-    tuning_space=TUNING_SPACE,
-    default_config=DEFAULT_CONFIG,
+    tuning_space=GDN_TUNING_SPACE,
+    default_config=GDN_DEFAULT_CONFIG,
     shape_buckets=SHAPE_BUCKETS,
     match=match,
     sample_inputs=sample_inputs,

@@ -497,6 +497,43 @@ def test_prepare_k_tile_apart_from_the_backward(prep_bk, prep_stages):
         module.set_config(base)
 
 
+# `fwd_o` "fused" (o from the state pass, no output kernel): T not a multiple of the chunk with an
+# initial state; grouped value heads at batch 2 without one; K and V over two tiles, the second V
+# tile partial (WIDE).
+@pytest.mark.parametrize("case", [*CASE_PARAMS[:2], pytest.param(WIDE, id=WIDE.id)])
+def test_fused_output(case, monkeypatch):
+    """Forward (no grad: S_c and v_new not written) and a training step (the fused forward keeps
+    them for the backward): o, the final state and every gradient against the recurrence, o as the
+    split path's, and the output kernel never launched."""
+    module = load(gated_delta.FAMILY)
+    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    args = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        split = module.entry(*args)
+    module.set_config({**base, "fwd_o": "fused"})
+    try:
+        monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
+        with torch.no_grad():
+            fused = module.entry(*args)
+        for name, a, b in zip(("o", "final state"), fused, split):
+            assert rel(a, b) < 1e-5, (name, rel(a, b))
+        check_against(module, module.reference, case, False, "naive recurrence, fwd_o fused")
+    finally:
+        module.set_config(base)
+
+
+def test_fused_output_recompute():
+    """`fwd_o` "fused" with the param `recompute`: the training forward keeps nothing (the fused
+    pass writes neither S_c nor v_new), the backward re-runs the split state pass; gradients match."""
+    module = load(gated_delta.FAMILY, {"recompute": True})
+    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    module.set_config({**base, "fwd_o": "fused"})
+    try:
+        check_against(module, module.reference, CASES[0], False, "naive recurrence, fwd_o fused, recompute")
+    finally:
+        module.set_config(base)
+
+
 def test_backward_runs_in_triton(monkeypatch):
     check_backward_is_triton(load(gated_delta.FAMILY), False, monkeypatch)
 
@@ -631,3 +668,20 @@ def test_state_tile_fills_the_gpu(monkeypatch):
 @pytest.mark.parametrize("case,slow", GPU_CASES)
 def test_bf16_vs_fp32_on_gpu(case, slow):
     check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow)
+
+
+# The bench's `fwd_o` rows (bench.FWD_O_SWEEP): each within the bf16 bars on the GPU, forward and
+# every gradient, at both GPU cases (K = 64 takes 16-wide state tiles from its own bucket's BV).
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
+                                 for c in gated_delta.bench.FWD_O_SWEEP])
+@pytest.mark.parametrize("case,slow", GPU_CASES)
+def test_bf16_vs_fp32_on_gpu_fwd_o(cfg, case, slow):
+    if DEVICE.type != "cuda":
+        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
+    module = load(gated_delta.FAMILY, {"chunk_size": 64})
+    prev = module._CONFIG_OVERRIDE
+    module.set_config({**(prev or {}), **cfg})
+    try:
+        check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow)
+    finally:
+        module.set_config(prev)
