@@ -534,6 +534,20 @@ def test_fused_output_recompute():
         module.set_config(base)
 
 
+def test_fused_output_fp16_dot_path(monkeypatch):
+    """`fwd_o` "fused" on the 16-bit dot path (fp16, which the interpreter computes right): S_c
+    and v_new round to fp16 as dot operands as they do stored by the split path; forward and every
+    gradient against the fp32 recurrence at fp16 accuracy."""
+    module = load(gated_delta.FAMILY)
+    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    module.set_config({**base, "fwd_o": "fused"})
+    monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
+    try:
+        check_fp16_dot_path(gated_delta.FAMILY, False, monkeypatch)
+    finally:
+        module.set_config(base)
+
+
 def test_backward_runs_in_triton(monkeypatch):
     check_backward_is_triton(load(gated_delta.FAMILY), False, monkeypatch)
 
