@@ -3,8 +3,9 @@ and the Qwen3-Next layout (16 key / 32 value heads, D=128) at T=8192 and T=32768
 itself (impls, check, bytes, FLOPs) is the shared delta-rule one, scalar decay, plus rows of the
 Tm dots' alternative operands (`SWEEP`: ``ours@tm_dot=tf32_fwd`` forward, ``ours@tm_dot=tf32``
 forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd``,
-``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``), on request, on the same inputs, so
-that one call times them against the default and fla."""
+``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
+(`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``), on request, on
+the same inputs, so that one call times them against the default and fla."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ SWEEP = ({"tm_dot": "tf32"},)
 # programs at B * HV = 32 instead of the auto 128, for the longer chunk step); fwd+bwd too (the
 # training forward keeps S_c and v_new)
 FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
-FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP)
+# issue 32, template v18: the prepare kernel's reordered loops (`prep_pipe` "on": g summed after the
+# Gram loop, kd and qg from a pipelined loop of their own before the inverse), alone and with the
+# fused output; forward only (the backward's re-run of prepare under `recompute` is the only other user)
+PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"})
+FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)
 BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0])
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)
 

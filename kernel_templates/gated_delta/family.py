@@ -77,8 +77,13 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 # program per V tile, chunk and head, reading S_c and v_new back); "fused", the state pass itself
 # per chunk while S_c is in registers (qg and Aqk join its prefetched loads): no output launch, and
 # a forward without training writes neither S_c nor v_new (the training forward still keeps them)
-GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused")}
-GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split"}
+# prep_pipe, the prepare kernel's order (its constexpr PIPE): "off" (default) as before; "on" sums g
+# after the Gram loop (q and k are fetched while g is) and stores kd and qg from a loop of their own
+# before the inverse, a `tl.range` without dots whose loads Triton pipelines (in the default's w loop
+# q feeds no dot and is loaded synchronously); the w loop after the inverse loads k alone. Same
+# arithmetic and outputs; untimed (template v18, see the kernel's docstring).
+GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on")}
+GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off"}
 SHAPE_BUCKETS = (
     # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
     # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed
@@ -148,7 +153,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=17,
+    template_version=18,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

@@ -548,6 +548,78 @@ def test_fused_output_fp16_dot_path(monkeypatch):
         module.set_config(base)
 
 
+# `prep_pipe` "on" (template v18: the prepare kernel with g summed after the Gram loop and kd, qg
+# stored from their own loop before the inverse): the same arithmetic, so the prepare's outputs are
+# the default's bit for bit, and the forward and every gradient match the recurrence. T not a
+# multiple of the chunk with an initial state and l2norm; grouped value heads at batch 2 without
+# one; K and V over two tiles, the second V tile partial (WIDE), also with the prepare's own K tile
+# at 16 (four tiles) and three stages.
+PREP_PIPE_CASES = [*(pytest.param(c, {}, id=c.id) for c in (CASES[0], CASES[1], WIDE)),
+                   pytest.param(WIDE, {"prep_bk": 16, "prep_stages": 3}, id=WIDE.id + "-prep_bk16")]
+
+
+@pytest.mark.parametrize(("case", "extra"), PREP_PIPE_CASES)
+def test_prepare_pipe(case, extra, monkeypatch):
+    """Prepare outputs (w, u, kd, qg, Aqk, gl, and the kept Tm, M) equal to the default's (the
+    launches seen to pass PIPE off, then on), then a training step's o, final state and all six
+    gradients against the recurrence."""
+    module = load(gated_delta.FAMILY)
+    base = {**(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}), **extra}
+    q, k, v, g, beta = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(5))[:5]
+    kernel, seen = module.gdn_prepare_fwd_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["PIPE"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(module, "gdn_prepare_fwd_kernel", Spy())
+    outs = {}
+    try:
+        for pipe in ("off", "on"):
+            module.set_config({**base, "prep_pipe": pipe})
+            outs[pipe] = [module._prepare(q, k, v, g, beta, case.K ** -0.5, case.l2, keep_tm=keep)
+                          for keep in (False, True)]
+        assert seen == [False, False, True, True], seen
+        monkeypatch.setattr(module, "gdn_prepare_fwd_kernel", kernel)
+        for keep, (a_all, b_all) in enumerate(zip(outs["off"], outs["on"])):
+            for name, a, b in zip(("w", "u", "kd", "qg", "Aqk", "gl", "Tm", "M"), a_all, b_all):
+                assert (a is None) == (b is None), (name, keep)
+                if a is not None:
+                    assert torch.equal(a, b), (name, keep, rel(b, a))
+        module.set_config({**base, "prep_pipe": "on"})
+        check_against(module, module.reference, case, False, "naive recurrence, prep_pipe on")
+    finally:
+        module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
+
+
+def test_prepare_pipe_recompute_and_fused_output(monkeypatch):
+    """`prep_pipe` "on" with the param `recompute` (the backward re-runs the prepare kernel, u kept
+    fp32) and `fwd_o` "fused" (the bench row ours@prep_pipe=on+fwd_o=fused_fwd): gradients match."""
+    module = load(gated_delta.FAMILY, {"recompute": True})
+    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    module.set_config({**base, "prep_pipe": "on", "fwd_o": "fused"})
+    monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
+    try:
+        check_against(module, module.reference, CASES[0], False, "naive recurrence, prep_pipe on, recompute")
+    finally:
+        module.set_config(base)
+
+
+def test_prepare_pipe_fp16_dot_path(monkeypatch):
+    """`prep_pipe` "on" on the 16-bit dot path (fp16, which the interpreter computes right): kd and
+    qg stored fp16 from their own loop; forward and every gradient at fp16 accuracy."""
+    module = load(gated_delta.FAMILY)
+    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    module.set_config({**base, "prep_pipe": "on"})
+    try:
+        check_fp16_dot_path(gated_delta.FAMILY, False, monkeypatch)
+    finally:
+        module.set_config(base)
+
+
 def test_backward_runs_in_triton(monkeypatch):
     check_backward_is_triton(load(gated_delta.FAMILY), False, monkeypatch)
 
@@ -684,10 +756,10 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
     check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow)
 
 
-# The bench's `fwd_o` rows (bench.FWD_O_SWEEP): each within the bf16 bars on the GPU, forward and
-# every gradient, at both GPU cases (K = 64 takes 16-wide state tiles from its own bucket's BV).
+# The bench's `fwd_o` and `prep_pipe` rows (bench.FWD_O_SWEEP, bench.PREP_SWEEP): each within the
+# bf16 bars on the GPU, forward and every gradient, at both GPU cases (K = 64 takes 16-wide state tiles from its own bucket's BV).
 @pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
-                                 for c in gated_delta.bench.FWD_O_SWEEP])
+                                 for c in (*gated_delta.bench.FWD_O_SWEEP, *gated_delta.bench.PREP_SWEEP)])
 @pytest.mark.parametrize("case,slow", GPU_CASES)
 def test_bf16_vs_fp32_on_gpu_fwd_o(cfg, case, slow):
     if DEVICE.type != "cuda":
