@@ -4,8 +4,9 @@ itself (impls, check, bytes, FLOPs) is the shared delta-rule one, scalar decay, 
 Tm dots' alternative operands (`SWEEP`: ``ours@tm_dot=tf32_fwd`` forward, ``ours@tm_dot=tf32``
 forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd``,
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
-(`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``), on request, on
-the same inputs, so that one call times them against the default and fla."""
+(`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, and both with
+``+prep_warps=8+prep_maxnreg=128``), on request, on the same inputs, so that one call times them
+against the default and fla."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ SWEEP = ({"tm_dot": "tf32"},)
 FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
 # issue 32, template v18: the prepare kernel's reordered loops (`prep_pipe` "on": g summed after the
 # Gram loop, kd and qg from a pipelined loop of their own before the inverse), alone and with the
-# fused output; forward only (the backward's re-run of prepare under `recompute` is the only other user)
-PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"})
+# fused output, and both again with the prepare at 8 warps capped at 128 registers (two 8-warp
+# programs per SM in the sm_90 build instead of two 4-warp ones; 76 B of spills); forward only
+PREP_OCC = {"prep_pipe": "on", "prep_warps": 8, "prep_maxnreg": 128}
+PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, PREP_OCC, {**PREP_OCC, "fwd_o": "fused"})
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)
 BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0])
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

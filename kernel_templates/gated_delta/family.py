@@ -82,8 +82,15 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 # before the inverse, a `tl.range` without dots whose loads Triton pipelines (in the default's w loop
 # q feeds no dot and is loaded synchronously); the w loop after the inverse loads k alone. Same
 # arithmetic and outputs; untimed (template v18, see the kernel's docstring).
-GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on")}
-GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off"}
+# prep_warps (0: num_warps) and prep_maxnreg (0: no cap; a compile option, not in the AOT specs):
+# the prepare's launch alone. sm_90 AOT with prep_pipe "on" (bf16, K = V = 128, chunk 64, the
+# k_le_128 bucket, every integer argument marked divisible by 16 as the JIT does at T8192):
+# 4 warps 248 registers, no spills (2 programs per SM by registers); 8 warps 193, none (1);
+# 8 warps capped at 128: 76 B of spills, 2 programs of 8 warps per SM (twice the warps); 4 warps
+# capped at 168: 288 B, 3 per SM. Untimed.
+GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
+                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168)}
+GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0}
 SHAPE_BUCKETS = (
     # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
     # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed

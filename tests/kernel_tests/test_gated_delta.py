@@ -553,9 +553,11 @@ def test_fused_output_fp16_dot_path(monkeypatch):
 # the default's bit for bit, and the forward and every gradient match the recurrence. T not a
 # multiple of the chunk with an initial state and l2norm; grouped value heads at batch 2 without
 # one; K and V over two tiles, the second V tile partial (WIDE), also with the prepare's own K tile
-# at 16 (four tiles) and three stages.
+# at 16 (four tiles) and three stages, and with the prepare's own launch (`prep_warps` 8,
+# `prep_maxnreg` 128: the interpreter runs it the same, the test checks the launch gets them).
 PREP_PIPE_CASES = [*(pytest.param(c, {}, id=c.id) for c in (CASES[0], CASES[1], WIDE)),
-                   pytest.param(WIDE, {"prep_bk": 16, "prep_stages": 3}, id=WIDE.id + "-prep_bk16")]
+                   pytest.param(WIDE, {"prep_bk": 16, "prep_stages": 3}, id=WIDE.id + "-prep_bk16"),
+                   pytest.param(CASES[0], {"prep_warps": 8, "prep_maxnreg": 128}, id=CASES[0].id + "-w8-r128")]
 
 
 @pytest.mark.parametrize(("case", "extra"), PREP_PIPE_CASES)
@@ -571,7 +573,7 @@ def test_prepare_pipe(case, extra, monkeypatch):
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append(kw["PIPE"])
+                seen.append((kw["PIPE"], kw["num_warps"], kw.get("maxnreg")))
                 return kernel[grid](*args, **kw)
             return launch
 
@@ -582,7 +584,8 @@ def test_prepare_pipe(case, extra, monkeypatch):
             module.set_config({**base, "prep_pipe": pipe})
             outs[pipe] = [module._prepare(q, k, v, g, beta, case.K ** -0.5, case.l2, keep_tm=keep)
                           for keep in (False, True)]
-        assert seen == [False, False, True, True], seen
+        launch = (extra.get("prep_warps") or module.config_for(case.K)["num_warps"], extra.get("prep_maxnreg"))
+        assert seen == [(False, *launch)] * 2 + [(True, *launch)] * 2, seen
         monkeypatch.setattr(module, "gdn_prepare_fwd_kernel", kernel)
         for keep, (a_all, b_all) in enumerate(zip(outs["off"], outs["on"])):
             for name, a, b in zip(("w", "u", "kd", "qg", "Aqk", "gl", "Tm", "M"), a_all, b_all):
