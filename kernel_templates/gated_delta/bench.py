@@ -4,9 +4,10 @@ itself (impls, check, bytes, FLOPs) is the shared delta-rule one, scalar decay, 
 Tm dots' alternative operands (`SWEEP`: ``ours@tm_dot=tf32_fwd`` forward, ``ours@tm_dot=tf32``
 forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd``,
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
-(`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, and both with
-``+prep_warps=8+prep_maxnreg=128``), on request, on the same inputs, so that one call times them
-against the default and fla."""
+(`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, the latter with
+``+prep_warps=8+prep_maxnreg=128``, ``ours@fwd_o=fused+fused_kq=rows_fwd`` and that with
+``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``), on request, on the same inputs, so that one call
+times them against the default and fla."""
 
 from __future__ import annotations
 
@@ -31,12 +32,16 @@ SWEEP = ({"tm_dot": "tf32"},)
 # programs at B * HV = 32 instead of the auto 128, for the longer chunk step); fwd+bwd too (the
 # training forward keeps S_c and v_new)
 FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
-# issue 32, template v18: the prepare kernel's reordered loops (`prep_pipe` "on": g summed after the
-# Gram loop, kd and qg from a pipelined loop of their own before the inverse), alone and with the
-# fused output, and both again with the prepare at 8 warps capped at 128 registers (two 8-warp
-# programs per SM in the sm_90 build instead of two 4-warp ones; 76 B of spills); forward only
+# issue 32, template v18, forward only: the prepare kernel's reordered loops (`prep_pipe` "on": g
+# summed after the Gram loop, kd and qg from a pipelined loop of their own before the inverse), alone
+# and with the fused output, and that again with the prepare at 8 warps capped at 128 registers (two
+# 8-warp programs per SM in the sm_90 build instead of two 4-warp ones; 76 B of spills); the fused
+# output with kd and qg not written (`fused_kq` "rows": row factors, the fused pass feeds raw k and q
+# to its dots), alone and with prep_pipe and the 8-warp cap
 PREP_OCC = {"prep_pipe": "on", "prep_warps": 8, "prep_maxnreg": 128}
-PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, PREP_OCC, {**PREP_OCC, "fwd_o": "fused"})
+KQ_ROWS = {"fwd_o": "fused", "fused_kq": "rows"}
+PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, {**PREP_OCC, "fwd_o": "fused"},
+              KQ_ROWS, {**KQ_ROWS, **PREP_OCC})
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)
 BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0])
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

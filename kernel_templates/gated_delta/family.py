@@ -88,9 +88,16 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 # 4 warps 248 registers, no spills (2 programs per SM by registers); 8 warps 193, none (1);
 # 8 warps capped at 128: 76 B of spills, 2 programs of 8 warps per SM (twice the warps); 4 warps
 # capped at 168: 288 B, 3 per SM. Untimed.
+# fused_kq, with fwd_o "fused" in a forward without training: "stored" (default), the prepare writes
+# kd and qg [B, HV, Tp, K]; "rows", it writes their row factors rk exp(gl - gc) and rq exp(gc) scale
+# ([B, HV, Tp] fp32) instead, and the fused state pass feeds the raw k and q rows to its dots and
+# scales rows of their operand or result instead: qg S_c = diag(fq) (q S_c), kd^T v_new =
+# k^T (diag(fk) v_new) (134 MB fewer bytes written at T8192 in the Qwen3-Next layout, and the state
+# pass reads k and q [B, T, HK, K], half of kd and qg's bytes at HV = 2 HK; arithmetic). Untimed.
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
-                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168)}
-GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0}
+                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows")}
+GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
+                      "fused_kq": "stored"}
 SHAPE_BUCKETS = (
     # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
     # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed

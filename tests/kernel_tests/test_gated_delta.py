@@ -623,6 +623,73 @@ def test_prepare_pipe_fp16_dot_path(monkeypatch):
         module.set_config(base)
 
 
+# `fused_kq` "rows" (with `fwd_o` "fused"; template v18): a forward without training writes row
+# factors instead of kd and qg and the fused state pass applies them to the raw k and q rows. T not
+# a multiple of the chunk with an initial state and l2norm; grouped value heads (HV = 2 HK) at
+# batch 2 without one; K and V over two tiles, the second V tile partial (WIDE); with `prep_pipe`.
+FUSED_KQ_CASES = [*(pytest.param(c, {}, id=c.id) for c in (CASES[0], CASES[1], WIDE)),
+                  pytest.param(CASES[2], {"prep_pipe": "on"}, id=CASES[2].id + "-prep_pipe")]
+
+
+@pytest.mark.parametrize(("case", "extra"), FUSED_KQ_CASES)
+def test_fused_output_kq_rows(case, extra, monkeypatch):
+    """The no-grad forward (row factors written, [B, HV, Tp] fp32; no output kernel) as the fused
+    forward with kd and qg stored (o, final state: rel < 1e-5) and against the recurrence; then a
+    training step (kd and qg stored for the backward: "rows" applies only without training): o,
+    final state and all six gradients against the recurrence."""
+    module = load(gated_delta.FAMILY)
+    base = {**(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}), **extra}
+    args = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(3))
+    monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
+    prepare, rows_seen = module._prepare, []
+
+    def spy(*a, **kw):
+        outs = prepare(*a, **kw)
+        rows_seen.append((kw.get("rows", False), tuple(outs[2].shape)))
+        return outs
+
+    monkeypatch.setattr(module, "_prepare", spy)
+    try:
+        module.set_config({**base, "fwd_o": "fused"})
+        with torch.no_grad():
+            stored = module.entry(*args)
+        module.set_config({**base, "fwd_o": "fused", "fused_kq": "rows"})
+        with torch.no_grad():
+            rows = module.entry(*args)
+        Tp = -(-case.T // module.CHUNK_SIZE) * module.CHUNK_SIZE
+        assert rows_seen == [(False, (case.B, case.HV, Tp, case.K)), (True, (case.B, case.HV, Tp))], rows_seen
+        for name, a, b in zip(("o", "final state"), rows, stored):
+            assert rel(a, b) < 1e-5, (name, rel(a, b))
+        check_against(module, module.reference, case, False, "naive recurrence, fused_kq rows", with_grads=False)
+        check_against(module, module.reference, case, False, "naive recurrence, fused_kq rows (training)")
+        assert rows_seen[-1][0] is False  # the training forward keeps kd and qg
+    finally:
+        module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
+
+
+def test_fused_output_kq_rows_fp16_dot_path(monkeypatch):
+    """`fused_kq` "rows" on the 16-bit dot path (fp16, which the interpreter computes right): kd and
+    qg built from fp16 k and q and the fp32 row factors, rounded to fp16 as dot operands; the
+    no-grad forward at fp16 accuracy against the fp32 recurrence (the training step is the plain
+    fused path, `test_fused_output_fp16_dot_path`)."""
+    module = load(gated_delta.FAMILY)
+    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    monkeypatch.setattr(module, "_dot_mode", lambda prec, dtype, device: "fp16" if dtype == torch.float16 else prec)
+    monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
+    case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
+    args = make_inputs(case, False, torch.float16, DEVICE, torch.Generator().manual_seed(5))
+    ref_args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+    module.set_config({**base, "fwd_o": "fused", "fused_kq": "rows"})
+    try:
+        with torch.no_grad():
+            outs = module.entry(*args)
+            ref = module.reference(*ref_args)
+        errs = {n: rel(a, b) for n, a, b in zip(("o", "final_state"), outs, ref)}
+        assert all(e < 5e-3 for e in errs.values()), errs
+    finally:
+        module.set_config(base)
+
+
 def test_backward_runs_in_triton(monkeypatch):
     check_backward_is_triton(load(gated_delta.FAMILY), False, monkeypatch)
 
