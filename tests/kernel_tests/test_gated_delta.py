@@ -598,15 +598,18 @@ def test_prepare_pipe(case, extra, monkeypatch):
         module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
 
 
-def test_prepare_pipe_recompute_and_fused_output(monkeypatch):
-    """`prep_pipe` "on" with the param `recompute` (the backward re-runs the prepare kernel, u kept
-    fp32) and `fwd_o` "fused" (the bench row ours@prep_pipe=on+fwd_o=fused_fwd): gradients match."""
+@pytest.mark.parametrize("cfg", [{"prep_pipe": "on", "fwd_o": "fused"}, {"fwd_o": "fused", "fused_kq": "rows"}],
+                         ids=["prep_pipe+fused", "fused_kq_rows"])
+def test_prepare_pipe_recompute_and_fused_output(cfg, monkeypatch):
+    """`prep_pipe` "on" and `fused_kq` "rows" with the param `recompute` (the training forward keeps
+    nothing, the backward re-runs the prepare kernel, u kept fp32) and `fwd_o` "fused": o, the final
+    state and every gradient match the recurrence."""
     module = load(gated_delta.FAMILY, {"recompute": True})
     base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    module.set_config({**base, "prep_pipe": "on", "fwd_o": "fused"})
+    module.set_config({**base, **cfg})
     monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
     try:
-        check_against(module, module.reference, CASES[0], False, "naive recurrence, prep_pipe on, recompute")
+        check_against(module, module.reference, CASES[0], False, f"naive recurrence, {cfg}, recompute")
     finally:
         module.set_config(base)
 
