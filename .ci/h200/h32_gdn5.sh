@@ -12,7 +12,7 @@
 #   bash .ci/h200/h32_gdn5.sh
 # Within ${BUDGET:-420} s (not timed on a GPU yet; the step limits below are arithmetic from the
 # KDA call h32_kda3.sh: set-up ~30 s, our first row's compiles ~35 s, fla's first call ~95 s with
-# its autotuning; v18's five rows add five prepare builds and one state build, ~10-20 s each, hence step 1's
+# its autotuning; v18's five rows add four prepare builds and one state build, ~10-20 s each, hence step 1's
 # 240 s and the 420 s default; step 3 runs only if 1 and 2 end early). Steps, each cut by
 # `timeout` to what is left:
 #  1. `onboard bench --family gated_delta --case B2T4096 --case B1T8192 --case B1T32768 --impl
