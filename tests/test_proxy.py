@@ -294,6 +294,8 @@ def _model_type_or_skip(ref: str) -> None:
     "hf:dots3_note_text",  # per-layer heads and MLA ranks; rotary table 256 x 0.25 = qk_rope 64
     "hf:xlstm",  # v_head_dim a read-only property; embedding_dim and num_blocks name the width, depth again
     "hf:zamba2",  # attention_head_dim, mamba_headdim derived in __post_init__
+    "hf:zamba",  # attention_hidden_size = 2 hidden: a field (None by default) __post_init__ fills in
+    "hf:falcon",  # head_dim a read-only property (hidden / heads)
 ])
 def test_proxy_of_configs_with_derived_and_per_layer_fields_runs(ref):
     """Each of these failed before the proxy rules knew the config pattern in its comment

@@ -221,7 +221,8 @@ def records_from_export(ep: Any) -> list[OpRecord]:
 
 # Parameters reach ops through casts and views (`weight.to(dtype)`): follow those.
 _PASSTHROUGH = {"to", "_to_copy", "alias", "view", "reshape", "squeeze", "unsqueeze", "t",
-                "transpose", "contiguous", "detach", "type_as", "_assert_tensor_metadata"}
+                "numpy_T", "transpose", "contiguous", "detach", "type_as",
+                "_assert_tensor_metadata"}  # numpy_T: `weight.T` (Falcon's x @ W.T)
 
 
 def _walk_graph(gm: Any, param_of: dict[str, str], records: list[OpRecord]) -> None:

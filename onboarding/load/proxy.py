@@ -208,7 +208,7 @@ def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
         if isinstance(kv, int) and kv > 0:
             groups = max(1, heads // kv)  # keep the GQA ratio where it fits
             c.num_key_value_heads = max(1, new_heads // min(groups, new_heads))
-        if had_head_dim:
+        if had_head_dim and _writable(c, "head_dim"):  # Falcon's is a property (hidden / heads)
             c.head_dim = min(c.head_dim, s.head_dim_cap)
     experts_use_ffn = _expert_count(c) is not None and not any(
         isinstance(getattr(c, n, None), int) for n in EXPERT_WIDTH_NAMES)
@@ -456,7 +456,28 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
     return keep
 
 
-def _rederive(c: Any, notes: list[str]) -> None:
+def _derived_fields(full: Any, c: Any, before: dict[str, Any]) -> list[str]:
+    """The scalar fields of the full config ``full`` that its ``__post_init__`` fills in when
+    they are None, their default (Zamba's attention_hidden_size = 2 hidden): set to None, a re-run
+    gives the value back. Only those the shrinking left as they were (``before``). (A default
+    other than None, Mamba's dt_rank "auto", is left alone: the proxies the tests pin keep it.)"""
+    fields = [f for f in dataclasses.fields(c) if f.default is None
+              and isinstance(before.get(f.name), (int, float, str)) and not isinstance(before.get(f.name), bool)
+              and getattr(c, f.name, None) == before.get(f.name) and _writable(c, f.name)]
+    if not fields:
+        return []
+    probe = copy.deepcopy(full)
+    try:
+        for f in fields:
+            object.__setattr__(probe, f.name, f.default)
+        probe.__post_init__()
+    except Exception:  # noqa: BLE001 - the model's own config code, whatever it raises
+        return []
+    return [f.name for f in fields if getattr(probe, f.name, None) == before[f.name]]
+
+
+def _rederive(c: Any, notes: list[str], full: Any = None, before: dict[str, Any] | None = None
+              ) -> None:
     """Recompute what a dataclass config derives in ``__post_init__`` instead of taking as an
     argument (Zamba2's attention_head_dim = 2 hidden / heads, mamba_headdim, hybrid_layer_ids)
     from the shrunk fields: ``__post_init__`` runs again on a copy, and the derived (non-field)
@@ -466,8 +487,13 @@ def _rederive(c: Any, notes: list[str]) -> None:
     if not dataclasses.is_dataclass(c) or not hasattr(c, "__post_init__"):
         return
     fields = {f.name for f in dataclasses.fields(c)}
+    # fields the full config derived from a default are derived again from the shrunk ones
+    again = _derived_fields(full, c, before) if full is not None and before is not None else []
     probe = copy.deepcopy(c)
+    defaults = {f.name: f.default for f in dataclasses.fields(c)}
     try:
+        for k in again:
+            object.__setattr__(probe, k, defaults[k])
         probe.__post_init__()
     except Exception as e:  # noqa: BLE001 - the model's own config code, whatever it raises
         derived = sorted(k for k in vars(c) if k not in fields and not k.startswith("_"))
@@ -477,7 +503,8 @@ def _rederive(c: Any, notes: list[str]) -> None:
         return
     mine = vars(c)
     for k, v in vars(probe).items():
-        if k not in fields and not k.startswith("_") and k in mine and mine[k] != v and _writable(c, k):
+        if (k not in fields or k in again) and not k.startswith("_") and k in mine and mine[k] != v \
+                and _writable(c, k):
             setattr(c, k, v)
 
 
@@ -576,7 +603,7 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     _shrink_experts(c, s, found)
     _shrink_vocab(c, s)
     keep = _shrink_layers(c, periods, signatures, layer_count)
-    _rederive(c, found)
+    _rederive(c, found, text_config(config), before)
     _fit_rope_sections(c, before)
     if overrides is not None:
         _put_back_per_layer_overrides(c, overrides, before, keep)
