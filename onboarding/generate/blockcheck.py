@@ -372,6 +372,31 @@ def _perturbed_runner(module: torch.nn.Module, args: tuple, kwargs: dict
     return run
 
 
+def judge_once(fn: Callable, module: torch.nn.Module, ref_module: torch.nn.Module,
+               args: tuple, kwargs: dict, names: list[str], draw: int, dtype: str, kind: str,
+               floor: bool = False) -> list[TensorError]:
+    """One size of the block check, as `run_check` judges it, without its skip reasons (the
+    tuner's check of each trial): ``fn`` against ``ref_module``'s forward (fp32 inputs when it is
+    not ``module``), the block's own 16-bit ``module.forward`` as the floor when ``floor``, the
+    rows whose integer picks flipped within the tolerance left out (`_exclusion`), forward and
+    every gradient under cotangents drawn from ``draw``. Raises what the calls raise."""
+    from onboarding.align.core import as_dtype
+
+    own = ref_module is module
+    ref_args = args if own else _cast(args, torch.float32)
+    ref_kw = kwargs if own else _cast(kwargs, torch.float32)
+    ref_call = _forward(ref_module.forward, ref_args, ref_kw, names)
+    floor_call = _forward(module.forward, args, kwargs, names) if floor and not own else None
+    cand_call = _forward(fn, args, kwargs, names)
+    rows = _exclusion(cand_call, ref_call, floor_call,
+                      lambda: _perturbed_runner(ref_module, ref_args, ref_kw),
+                      as_dtype(dtype), draw)
+    ref = _backward(ref_call, ref_module, draw, rows)
+    floor_out = _backward(floor_call, module, draw, rows) if floor_call is not None else None
+    cand = _backward(cand_call, module, draw, rows)
+    return _judge(cand, ref, floor_out, dtype, kind, rows)
+
+
 def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str,
            rows: RowExclusion | None = None) -> list[TensorError]:
     """Every output and gradient of ``cand`` against ``ref`` (the bar: the layer row, or

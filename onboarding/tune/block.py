@@ -13,7 +13,7 @@ then:
 
 1. checked: ``block_forward``'s outputs and every gradient (inputs and parameters) against the
    block's own forward, at the run's (batch, seq) and at an odd sequence length, through the
-   block check's comparisons (`blockcheck._judge`: the "layer" row; in bf16 against the fp32
+   block check's comparisons (`blockcheck.judge_once`: the "layer" row; in bf16 against the fp32
    block, with the bf16 block's own error as a floor where it runs). A config that fails is
    pruned with its reason;
 2. timed: forward + backward of ``block_forward`` on the block's inputs at the run's size, CUDA
@@ -89,8 +89,8 @@ def tune_block(module_path: Path | str, spec: Any, path: str, *, batch: int = 1,
     from onboarding.align.core import as_dtype
     from onboarding.backend import kernel_device
     from onboarding.bench.harness import time_fn
-    from onboarding.generate.blockcheck import (_cast, _judge, _run_once, capture_block_inputs,
-                                                default_sizes)
+    from onboarding.generate.blockcheck import (_backward, _clone, _forward, capture_block_inputs,
+                                                default_sizes, judge_once)
     from onboarding.generate.templating import load_module
     from onboarding.graph.parse import load_shipped_weights, load_stage
 
@@ -113,21 +113,19 @@ def tune_block(module_path: Path | str, spec: Any, path: str, *, batch: int = 1,
     def candidate(m: Any) -> Callable:
         return lambda *a, **k: kmod.block_forward(m, *a, **k)
 
-    refs = []  # per check size: inputs, the block's own result, the 16-bit floor
+    # per check size: its inputs and whether the block's own 16-bit forward runs (then it is
+    # the floor of each trial's check, as in the block check)
+    refs = []
     for draw, (b, t) in enumerate(check_sizes or default_sizes(batch, seq)[1::2]):
         args, kw = capture_block_inputs(model, info.proxy_config, path, b, t, seed + 11 + draw)
-        if ref_module is module:
-            ref = _run_once(module.forward, module, args, kw, draw, names)
-        else:
-            ref = _run_once(ref_module.forward, ref_module, _cast(args, torch.float32),
-                            _cast(kw, torch.float32), draw, names)
-        floor = None
-        if ref_module is not module:
+        floor = ref_module is not module
+        if floor:
             try:
-                floor = _run_once(module.forward, module, args, kw, draw, names)
+                with torch.no_grad():
+                    module(*_clone(args), **_clone(kw))
             except Exception:  # the block's own 16-bit code may not run (xLSTM's chunkwise
-                floor = None   # path): the bf16 row alone, as in the block check
-        refs.append((b, t, draw, args, kw, ref, floor))
+                floor = False  # path): the bf16 row alone, as in the block check
+        refs.append((b, t, draw, args, kw, floor))
 
     tmodel = model if check_dt == dtype else \
         copy.deepcopy(base).to(device=device, dtype=as_dtype(dtype)).eval()
@@ -135,8 +133,8 @@ def tune_block(module_path: Path | str, spec: Any, path: str, *, batch: int = 1,
     targs, tkw = capture_block_inputs(tmodel, info.proxy_config, path, batch, seq, seed + 7)
     run = candidate(tmod)
 
-    def step(i: int = 0) -> None:
-        _run_once(run, tmod, targs, tkw, 0, names)
+    def step(i: int = 0) -> None:  # one training call: forward and every gradient
+        _backward(_forward(run, targs, tkw, names), tmod, 0)
 
     def forward() -> None:
         with torch.no_grad():
@@ -163,9 +161,10 @@ def tune_block(module_path: Path | str, spec: Any, path: str, *, batch: int = 1,
             trial: dict[str, Any] = {"config": config, "ms": None, "reason": ""}
             trials.append(trial)
             try:
-                for b, t, draw, args, kw, ref, floor in refs:
-                    cand = _run_once(candidate(module), module, args, kw, draw, names)
-                    bad = [e for e in _judge(cand, ref, floor, check_dt, kind) if not e.passed]
+                for b, t, draw, args, kw, floor in refs:
+                    errors = judge_once(candidate(module), module, ref_module, args, kw, names,
+                                        draw, check_dt, kind, floor=floor)
+                    bad = [e for e in errors if not e.passed]
                     if bad:
                         trial["reason"] = f"{bad[0].message} (batch {b}, seq {t}, {check_dt})"
                         break
