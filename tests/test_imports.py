@@ -1,5 +1,5 @@
-"""Every `from onboarding... import name` in the library and the agent, at module level or inside
-a function, names something its module has.
+"""Every `from onboarding... import name` (or `agents`) in the library, the agent and the kernel
+templates' Python, at module level or inside a function, names something its module has.
 
 Function-level imports run only when their function does; a helper renamed in one module left
 `onboard tune`'s block path raising ImportError for days while CI stayed green, because the only
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("onboarding", "agents")
+PACKAGES = ("onboarding", "agents")  # what is imported from
+WALKED = PACKAGES + ("kernel_templates",)  # where the imports are read
 
 
-def _imports(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES
+def _imports(root: Path = ROOT, packages: tuple[str, ...] = WALKED
              ) -> list[tuple[str, int, str, str]]:
     """(file, line, module, name) of every `from <one of packages>... import name` in the .py
     files under root/<package>."""
