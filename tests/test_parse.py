@@ -235,6 +235,57 @@ def test_a_loop_over_time_is_a_recurrent_mixer_not_a_gated_mlp(parse_model):
     assert not any(e.family == "swiglu" for e in cov.entries)
 
 
+def test_a_gated_short_conv_is_a_token_mixer_not_an_mlp(parse_model):
+    """Projections around a causal depthwise conv over the sequence, its input and output gated
+    by elementwise products (LFM2's ShortConv, written here as our own fixture) mix tokens: a
+    `conv.gated` mixer (letter C), not a dense MLP with an unknown ("other") activation as the
+    MLP rule read it before; the conv stays its own `conv.causal1d` block, which the conv1d family
+    serves, and the mixer's projections are GEMMs (nothing uncovered, no MLP kernel claimed)."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/conv_mixer_models.py:GatedConvLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "CF CF"
+    for i in (0, 1):
+        mixer = by[f"layers.{i}.mixer"]
+        assert mixer.kind == "conv.gated", (mixer.kind, mixer.evidence)
+        assert mixer.attrs == {"conv": f"layers.{i}.mixer.conv", "channels": 16, "kernel_size": 3,
+                               "input_gate": True, "output_gate": True, "hidden": 16,
+                               "projected": 48}
+        assert by[f"layers.{i}.mixer.conv"].kind == "conv.causal1d"
+        assert by[f"layers.{i}.mlp"].kind == "mlp.dense"
+    cov = build_coverage(g)
+    mixer_entries = [e for e in cov.entries if e.path.endswith(".mixer")]
+    assert {(e.op, e.status) for e in mixer_entries} == {("projections (GEMM)", "torch_fast")}
+    assert {e.family for e in cov.entries if e.path.endswith(".mixer.conv")} == {"conv1d"}
+    assert not cov.by_status("uncovered")
+
+
+def test_an_ungated_conv_mixer_is_unknown_not_an_mlp(parse_model):
+    """The same projections and conv with no product around the conv: no rule explains it, so it
+    is one `unknown` block at the mixer (the split-out conv does not cut it into projections),
+    never a dense MLP."""
+    g = parse_model("tests/fixtures/conv_mixer_models.py:UngatedConvLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "?F ?F"
+    assert by["layers.0.mixer"].kind == "unknown"
+    assert by["layers.0.mixer.conv"].kind == "conv.causal1d"
+    assert not any(b.kind == "mlp.dense" and ".mixer" in b.path for b in g.blocks)
+
+
+def test_lfm3_short_conv_is_a_gated_conv_mixer(parse_model):
+    """LFM3's ShortConv layers (in_proj to B, C, x; B * x; a causal depthwise conv through
+    transformers' causal_conv1d_fn, whose conv op runs in the mixer's own forward; C * y;
+    out_proj): `conv.gated`, so the layer pattern shows a mixer in every layer."""
+    g = parse_model("hf:lfm3")
+    mixers = [b for b in g.blocks if b.kind == "conv.gated"]
+    assert mixers and all(b.path.endswith(".conv") for b in mixers)
+    assert all(b.attrs["input_gate"] and b.attrs["output_gate"] for b in mixers)
+    assert all(b.attrs["projected"] == 3 * b.attrs["channels"] for b in mixers)
+    assert all(tok[0] != "-" for tok in g.layer_pattern.split())  # every layer has a mixer
+    assert not any(b.kind == "mlp.dense" and b.path.endswith(".conv") for b in g.blocks)
+
+
 # RWKV-4 (its WKV time mix is a loop over the positions on the CPU; its channel mix gates the
 # output, after the last projection: no gated MLP); a 10-20 s parse: nightly
 @pytest.mark.slow

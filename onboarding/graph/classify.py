@@ -391,6 +391,7 @@ class Classifier:
         self.blocks: dict[str, Block] = {}
         self.unclaimed: dict[str, list[OpRecord]] = {}
         self.origin: dict[int, str] = {r.index: r.module for r in cap.records}
+        self._conv_at: dict[str, int] = {}  # a conv.causal1d block -> its conv record's index
 
     # -- rules ----------------------------------------------------------------------------
     def _rule(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
@@ -509,8 +510,13 @@ class Classifier:
                 f"a loop over time: each of the {steps} positions taken one at a time "
                 "(select along the sequence dim)", f"{len(mm)} projections around it"], {
                 "recurrence": "time_loop", "steps": steps}
+        if (conv := self._gated_conv(path, recs, mm)) is not None:
+            return conv
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
+        # a causal conv over the sequence inside the block mixes tokens: no MLP, whatever its
+        # projections look like (a mixer no rule explains is left to `unknown`)
         if len(mm) >= 2 and weight_only and not attn and not seq_topk \
+                and not self._free_convs(path) \
                 and (act := _activation(recs) or _mlp_activation_by_shape(recs, mm, ctx)):
             # act(gate) * up: a product, and a gate beside up (three projections, or the first
             # one twice as wide as the last one's input: gate and up fused). A written-out
@@ -527,6 +533,67 @@ class Classifier:
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
                 "hidden": first[0] if first else None, "intermediate": first[1] if first else None}
         return None
+
+    def _free_blocks(self, path: str, kinds: tuple[str, ...]) -> list[str]:
+        """The blocks of a kind starting with one of ``kinds`` below ``path`` with no other block
+        between them and it: blocks whose surrounding compute ``path`` now sees (a child's, or
+        an unclaimed descendant's)."""
+        def free(p: str) -> bool:
+            mid = p.rsplit(".", 1)[0]
+            while mid != path and mid.startswith(path + "." if path else ""):
+                if mid in self.blocks:
+                    return False
+                mid = mid.rsplit(".", 1)[0] if "." in mid else ""
+            return True
+
+        return [p for p, b in self.blocks.items() if b.kind.startswith(kinds)
+                and (p.startswith(path + ".") if path else True) and free(p)]
+
+    def _free_convs(self, path: str) -> list[str]:
+        return self._free_blocks(path, ("conv.causal1d",))
+
+    def _gated_conv(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                    ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A gated short convolution token mixer (LFM2's ShortConv, Hyena-style): weight
+        projections before and after one child causal depthwise conv over the sequence, the conv's
+        input or output multiplied elementwise by another tensor of its shape (a projected gate:
+        B * x before, C * y after), and nothing that recurs, scores or routes (no exp, cumsum,
+        softplus, softmax, fused attention or top-k). The conv itself stays its own
+        `conv.causal1d` block; this block is the projections and the gates around it."""
+        convs = self._free_convs(path)
+        if len(convs) != 1 or convs[0] not in self._conv_at or len(mm) < 2 \
+                or self._free_blocks(path, ("attention.", "sparse_attention.", "linear_attention.")) \
+                or not all(r.params for r in mm):
+            return None
+        ops = _hist(recs)
+        if any(ops[op] for op in ("exp", "cumsum", "softplus", "topk", "log", "sort")) \
+                or any(op in SOFTMAX or is_sdpa(op) for op in ops):
+            return None
+        at, conv = self._conv_at[convs[0]], self.blocks[convs[0]].attrs
+        if not mm[0].index < at < mm[-1].index:
+            return None
+        ch = conv.get("channels")
+        products = [r for r in recs if r.op in ("mul", "mul_") and len(r.in_shapes) > 1
+                    and r.in_shapes[0] and r.in_shapes[0] == r.in_shapes[1] and ch in r.in_shapes[0]]
+        pre = any(r.index < at for r in products)
+        post = any(at < r.index < mm[-1].index for r in products)
+        if not (pre or post):
+            return None
+        first, last = _linear_dims(mm[0], self.ctx), _linear_dims(mm[-1], self.ctx)
+        ev = [f"causal depthwise conv over the sequence ({convs[0]}: {ch} channels, kernel "
+              f"{conv.get('kernel_size')})",
+              f"{sum(r.index < at for r in mm)} projection(s) before it ({first[0]} -> {first[1]}), "
+              f"{sum(r.index > at for r in mm)} after it (-> {last[1]})" if first and last else
+              f"{len(mm)} projections around it"]
+        if pre:
+            ev.append("its input is an elementwise product of two tensors of its shape (gated)")
+        if post:
+            ev.append("its output is multiplied elementwise by another such tensor (gated)")
+        ev.append("no decay, scan, softmax or top-k: a gated short-convolution token mixer")
+        return "conv.gated", ev, {
+            "conv": convs[0], "channels": ch, "kernel_size": conv.get("kernel_size"),
+            "input_gate": pre, "output_gate": post,
+            "hidden": first[0] if first else None, "projected": first[1] if first else None}
 
     def _packed_gated(self, path: str, recs: list[OpRecord], names3: list[str],
                       orient: tuple[str, int], ev: list[str], attrs: dict[str, Any]) -> None:
@@ -842,6 +909,7 @@ class Classifier:
                     ev.append(f"followed by {act}")
                 # The activation after the conv is the caller's: the block itself is the plain
                 # conv (so a kernel for it is a drop-in); `followed_by` records the fusion chance.
+                self._conv_at[owner] = r.index
                 self._add(owner, "conv.causal1d" if causal else "unknown", ev,
                           {"channels": w[0], "kernel_size": k, "activation": None,
                            "followed_by": act, "causal": causal}, [r], r)
@@ -975,9 +1043,12 @@ class Classifier:
                                              else "") + " that no rule explains"], {}, group)
 
     def _origin(self, module: str) -> str:
-        """The largest subtree around ``module`` that holds no block: where leftovers came from."""
+        """The largest subtree around ``module`` that holds no block: where leftovers came from.
+        A conv split out of a module's own ops (`conv.causal1d`) does not count: the compute
+        around it (a mixer that no rule explains) is one leftover, not one per projection."""
         def has_block(p: str) -> bool:
-            return any(b == p or b.startswith(p + ".") if p else True for b in self.blocks)
+            return any((b == p or b.startswith(p + ".") if p else True)
+                       and self.blocks[b].kind != "conv.causal1d" for b in self.blocks)
 
         while module and not has_block(parent := module.rsplit(".", 1)[0] if "." in module
                                        else ""):

@@ -23,10 +23,12 @@ from onboarding.load.proxy import proxy_config, text_config
 MIXER_CODES = {"attention.full": "A", "attention.gated": "A", "attention.sliding": "W",
                "attention.mla": "M", "sparse_attention.topk": "S",
                "linear_attention.gated_delta": "D", "linear_attention.kimi_delta": "K",
-               "linear_attention.mamba": "m", "linear_attention.other": "L", "unknown": "?"}
+               "linear_attention.mamba": "m", "linear_attention.other": "L",
+               "conv.gated": "C", "unknown": "?"}
 FFN_CODES = {"moe.experts": "E", "mlp.dense": "F"}
 PATTERN_LEGEND = ("A attention, W sliding, M MLA, S top-k sparse, D gated delta, K Kimi delta, "
-                  "m mamba, L other linear attention, ? unknown; E MoE, F dense MLP")
+                  "m mamba, L other linear attention, C gated short conv, ? unknown; E MoE, "
+                  "F dense MLP")
 
 
 @dataclass(kw_only=True)

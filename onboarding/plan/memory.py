@@ -108,7 +108,7 @@ class Memory:
 def kind_group(kind: str) -> str:
     if kind.startswith("sparse_attention."):
         return "sparse attention"
-    if kind.startswith("linear_attention") or kind == "conv.causal1d":
+    if kind.startswith("linear_attention") or kind in ("conv.causal1d", "conv.gated"):
         return "linear attention"
     if kind.startswith("attention"):
         return "attention"
@@ -225,6 +225,12 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         return per, 0.0, 0.0
     if kind == "conv.causal1d":
         return 2 * BF16 * b.width, 0.0, 0.0  # its input and its activated output
+    if kind == "conv.gated":
+        # the projections' outputs but the last (the gates and the conv's operand, kept for the
+        # products' backward) and the last projection's input; the conv keeps its own (above)
+        lin_out = max(sum(o for _, _, o in b.linears) - d, 0)
+        last_in = next((i for _, i, o in reversed(b.linears) if o == d), 0)
+        return BF16 * (lin_out + last_in) + lora + (BF16 * d if full else 0), 0.0, 0.0
     return 0.0, 0.0, 0.0
 
 
