@@ -286,6 +286,71 @@ def test_lfm3_short_conv_is_a_gated_conv_mixer(parse_model):
     assert not any(b.kind == "mlp.dense" and b.path.endswith(".conv") for b in g.blocks)
 
 
+def test_headwise_weights_in_a_loop_over_time_are_no_experts(parse_model):
+    """A recurrence whose gate projection holds per-head [heads, w, w] weights (stacked like
+    packed experts, every token through every head, nothing routing) inside a loop over the
+    positions, wrapped by x / gate projections and a causal conv (Griffin's recurrent block,
+    RecurrentGemma's RG-LRU; our own fixture): one `linear_attention.other` mixer holding the
+    recurrence, not `moe.experts` inside a gelu-gated `mlp.dense` as before."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/conv_mixer_models.py:ConvRecurrentLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "LF LF"
+    mixer = by["layers.0.mixer"]
+    assert mixer.kind == "linear_attention.other", (mixer.kind, mixer.evidence)
+    assert mixer.attrs == {"recurrence": "time_loop", "steps": 12, "conv": "layers.0.mixer.conv"}
+    assert "layers.0.mixer.rec" not in by and "rec.w" in mixer.params  # taken into the mixer
+    assert mixer.op_histogram.get("bmm") == 1  # the recurrence's ops count in the mixer
+    assert not any(b.kind.startswith("moe.") for b in g.blocks)
+    cov = build_coverage(g)
+    assert [e.op for e in cov.by_status("uncovered")] == ["linear-attention recurrence"] * 2
+
+
+def test_a_gated_output_projection_is_the_attentions_not_an_mlp(parse_model):
+    """An output projection module handed the attention output and the layer input, gating the
+    first by sigmoid(gate(second)) before the out projection (Inkling 2's; our own fixture): the
+    MLP rule read D -> F, sigmoid product, F -> D as a written-out SiLU MLP (`AF` and the swiglu
+    kernel's claim); the module is given a tensor of width F, so the product gates that input,
+    and the attention takes the module in as `attention.gated`."""
+    g = parse_model("tests/fixtures/gated_out_models.py:GatedOutLM", seq=12)
+    assert g.layer_pattern == "A- A-"
+    by = {b.path: b for b in g.blocks}
+    assert by["layers.0.attn"].kind == "attention.gated", by["layers.0.attn"].evidence
+    assert not any(b.kind == "mlp.dense" for b in g.blocks)
+
+
+def test_a_router_scored_by_an_mlp_is_a_router_not_a_dense_mlp(parse_model):
+    """ZAYA's router: a down projection, then an MLP (norm, two gelu layers, a projection to the
+    experts plus a skip slot), softmax and top-k. The MLP was read as the layer's dense MLP (the
+    `F` in `A?EF`) and no router was found; the router now takes its scorer in (`scorer: mlp`),
+    which the moe_router family (one [E, D] linear) does not serve."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("hf:zaya")
+    by = {b.path: b for b in g.blocks}
+    router = by["model.layers.0.mlp.gate"]
+    assert router.kind == "moe.router" and router.attrs["scorer"] == "mlp", router.evidence
+    assert "model.layers.0.mlp.gate.router_mlp" not in by
+    assert "F" not in g.layer_pattern
+    cov = build_coverage(g)
+    entries = [e for e in cov.entries if e.path == router.path]
+    assert not any(e.family == "moe_router" for e in entries)
+    assert ("router scoring + top-k", "uncovered") in {(e.op, e.status) for e in entries}
+
+
+def test_zamba_multihead_mamba_is_a_recurrence_not_experts(parse_model):
+    """Zamba's Mamba mixer keeps per-head [H, ., .] weights (x_proj, dt_proj, A_log) and, on the
+    CPU, scans in a Python loop over the positions: it read as `moe.experts` (H "experts", no
+    router); a loop over time whose 3-D weights are used whole (no expert taken one at a time)
+    is a recurrence, `linear_attention.other`."""
+    g = parse_model("hf:zamba")
+    mixers = [b for b in g.blocks if b.path.endswith(".mamba")]
+    assert mixers and all(b.kind == "linear_attention.other" for b in mixers), \
+        [(b.path, b.kind) for b in mixers]
+    assert not any(b.kind.startswith("moe.") for b in g.blocks)
+
+
 # RWKV-4 (its WKV time mix is a loop over the positions on the CPU; its channel mix gates the
 # output, after the last projection: no gated MLP); a 10-20 s parse: nightly
 @pytest.mark.slow

@@ -42,6 +42,8 @@ def match(block: Any) -> dict[str, Any] | None:
     variant = attrs.get("scoring")
     if variant not in FAMILY.variants or not attrs.get("top_k"):
         return None
+    if attrs.get("scorer") == "mlp":  # logits from an MLP, not one [E, D] linear (ZAYA)
+        return None
     params: dict[str, Any] = {"top_k": int(attrs["top_k"]), "score_bias": bool(attrs.get("score_bias")),
                               "renormalize": bool(attrs.get("renormalize"))}
     if attrs.get("group_limited"):

@@ -474,7 +474,20 @@ class Classifier:
         sparse = any(t[2] == n_experts and (t[1] is None or t[1] < n_experts) for t in exp_topk)
         if sparse and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
             return self._router(recs, exp_topk, n_experts)
+        if sparse and (scorer := [p for p in self._free_blocks(path, ("mlp.dense",))
+                                  if (out := self.blocks[p].outputs) and out[0].shape
+                                  and out[0].shape[-1] == n_experts]):
+            # the logits come out of an MLP below the module (ZAYA's router): the MLP is the
+            # router's scorer, no feed-forward of the layer; it is taken into the router
+            kind, ev, attrs = self._router(recs, exp_topk, n_experts)
+            ev.insert(0, f"logits for {n_experts} experts from an MLP ({scorer[0]}), taken in")
+            return kind, ev, {**attrs, "scorer": "mlp", "_absorb": scorer[:1]}
         expert_params, zero = self._expert_params(path), None
+        if expert_params and mm and _time_steps(recs, ctx.seq) == ctx.seq \
+                and self._weights_used_whole(path, recs):
+            # per-head weights around a loop over the positions (Griffin's RG-LRU, Zamba's
+            # multi-head Mamba on the CPU): every token meets every slice, nothing routes
+            expert_params = None
         if expert_params is None and (split := self._zero_experts(path, recs)) is not None:
             expert_params, zero = split
         if expert_params and (mm or any("grouped_mm" in op for op in ops)):
@@ -510,6 +523,8 @@ class Classifier:
                 f"a loop over time: each of the {steps} positions taken one at a time "
                 "(select along the sequence dim)", f"{len(mm)} projections around it"], {
                 "recurrence": "time_loop", "steps": steps}
+        if (wrap := self._recurrent_wrapper(path, recs, mm)) is not None:
+            return wrap
         if (conv := self._gated_conv(path, recs, mm)) is not None:
             return conv
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
@@ -517,7 +532,8 @@ class Classifier:
         # projections look like (a mixer no rule explains is left to `unknown`)
         if len(mm) >= 2 and weight_only and not attn and not seq_topk \
                 and not self._free_convs(path) \
-                and (act := _activation(recs) or _mlp_activation_by_shape(recs, mm, ctx)):
+                and (act := _activation(recs) or (None if self._gates_an_input(path, mm) else
+                                                  _mlp_activation_by_shape(recs, mm, ctx))):
             # act(gate) * up: a product, and a gate beside up (three projections, or the first
             # one twice as wide as the last one's input: gate and up fused). A written-out
             # activation multiplies too (xIELU, x * sigmoid(x)) without gating anything.
@@ -533,6 +549,17 @@ class Classifier:
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
                 "hidden": first[0] if first else None, "intermediate": first[1] if first else None}
         return None
+
+    def _gates_an_input(self, path: str, mm: list[OpRecord]) -> bool:
+        """The module is handed a tensor as wide as its first projection's output beside the one
+        that projection reads (D -> F, and an input of width F != D): a sigmoid product there
+        gates that input (Inkling 2's gated attention output projection: sigmoid(gate(h)) * o,
+        then the out projection), it is no MLP's written-out g * sigmoid(g)."""
+        io = self.cap.module_io.get(path)
+        first = _linear_dims(mm[0], self.ctx) if mm else None
+        if not io or not first or first[0] == first[1]:
+            return False
+        return any(t.shape and t.shape[-1] == first[1] for t in io[0])
 
     def _free_blocks(self, path: str, kinds: tuple[str, ...]) -> list[str]:
         """The blocks of a kind starting with one of ``kinds`` below ``path`` with no other block
@@ -551,6 +578,44 @@ class Classifier:
 
     def _free_convs(self, path: str) -> list[str]:
         return self._free_blocks(path, ("conv.causal1d",))
+
+    def _weights_used_whole(self, path: str, recs: list[OpRecord]) -> bool:
+        """No op takes a part of one of the module's >= 3-D parameters along a dim (a select,
+        an index, a narrowed slice): an expert loop takes its experts' weights one by one, a
+        recurrence's per-head weights (RG-LRU's gates, Zamba's multi-head Mamba) are used whole."""
+        mine = set(self._3d_params(path))
+        for r in recs:
+            if not mine & set(r.params.values()):
+                continue
+            if r.op in ("select", "index", "index_select", "unbind", "gather", "embedding",
+                        "narrow", "take"):
+                return False
+            if r.op == "slice" and r.in_shapes and r.in_shapes[0]:
+                sc, shape = r.scalars, r.in_shapes[0]
+                dim = sc[1] if len(sc) > 1 and isinstance(sc[1], int) else 0
+                start = sc[2] if len(sc) > 2 and isinstance(sc[2], int) else 0
+                end = sc[3] if len(sc) > 3 and isinstance(sc[3], int) else shape[dim]
+                if start > 0 or end < shape[dim]:
+                    return False
+        return True
+
+    def _recurrent_wrapper(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                           ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """Weight projections before a causal conv and after a recurrence below the module that
+        the conv feeds (Griffin's recurrent block: x and gate projections, a conv, the RG-LRU
+        loop in a module of its own, gate, out projection): one mixer, as a Mamba mixer with its
+        scan inside is. The recurrence's block is taken into this one (`_absorb`)."""
+        convs, inner = self._free_convs(path), self._free_blocks(path, ("linear_attention.",))
+        if len(convs) != 1 or len(inner) != 1 or convs[0] not in self._conv_at or len(mm) < 2 \
+                or not all(r.params for r in mm):
+            return None
+        at = self._conv_at[convs[0]]
+        if not mm[0].index < at < mm[-1].index:
+            return None
+        child = self.blocks[inner[0]]
+        ev = [*child.evidence, f"projections around it in {path} ({len(mm)}), a causal conv "
+              f"({convs[0]}) before it: one mixer with the recurrence ({inner[0]}) inside"]
+        return child.kind, ev, {**child.attrs, "conv": convs[0], "_absorb": [inner[0]]}
 
     def _gated_conv(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
                     ) -> tuple[str, list[str], dict[str, Any]] | None:
@@ -953,7 +1018,15 @@ class Classifier:
                 self.unclaimed[path] = recs
                 continue
             kind, ev, attrs = found
+            absorbed = [self.blocks.pop(p) for p in attrs.pop("_absorb", [])]
             self._add(path, kind, ev, attrs, recs)
+            for b in absorbed:  # a block taken into this one: its ops and cost count here
+                mine = self.blocks[path]
+                hist = Counter(mine.op_histogram)
+                hist.update(b.op_histogram)
+                mine.op_histogram = dict(sorted(hist.items()))
+                mine.flops += b.flops
+                mine.bytes += b.bytes
         self._merge_expert_lists()
         self._leftovers()
         self._shared_experts()
