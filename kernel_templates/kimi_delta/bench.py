@@ -1,8 +1,9 @@
 """KDA's benchmark cases (the spec's `bench_cases`), issue 32's shapes: the Kimi-Linear layout
 (H=32, D=128) at T=8192 and T=32768. The case itself (impls, check, bytes, FLOPs) is the shared
-delta-rule one, per-channel decay, plus forward rows of the prepare step's alternative
-(`FWD_SWEEP`, rows ``ours@<cfg>_fwd``) and forward + backward rows of the backward's (`BWD_SWEEP`,
-rows ``ours@<cfg>``), on request, on the same inputs, so that one call times them against the
+delta-rule one, per-channel decay, plus forward rows of the prepare step's alternatives
+(`PREP_SWEEP`, rows ``ours@<cfg>_fwd``), forward + backward rows of the backward's (`QK_SWEEP`,
+rows ``ours@<cfg>``) and both rows of the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd``,
+``ours@fwd_o=fused``), on request, on the same inputs, so that one call times them against the
 default and fla."""
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ SHAPES = (
 # Template v23's other forward rows (the fused prepare at 8 warps, `kda_prep_warps`; its K tile 16,
 # `prep_bk`; both; `kda_prep` "fused2", since removed) all lost to the default on the H200
 # (family.py has the numbers; the script is in git at e1f525a): v24 dropped them.
-FWD_SWEEP = ({"kda_prep": "split"}, {"kda_prep": "fused"})
+PREP_SWEEP = ({"kda_prep": "split"}, {"kda_prep": "fused"})
+# Template v31 (issue 32): o from the state pass (`fwd_o` "fused", GDN's option since its v17: no
+# output kernel, and a forward without training writes neither S_c nor v_new), forward
+# (``ours@fwd_o=fused_fwd``) and forward + backward (``ours@fwd_o=fused``: the training forward keeps
+# S_c and v_new, so it saves only the output launch there). Untimed; on request only.
+FWD_O_SWEEP = ({"fwd_o": "fused"},)
+FWD_SWEEP = (*PREP_SWEEP, *FWD_O_SWEEP)
 # Forward + backward rows of the backward's alternatives, on the same inputs as `ours`; on request
 # only. Their names join the keys with "+" (``ours@kda_qk=fused+kda_qk_bk=16+kda_qk_warps=8``), so
 # that --impl can name them. Template v29 (issue 32, fwd+bwd <= 3x the forward; none GPU-timed yet):
@@ -49,7 +56,8 @@ FWD_SWEEP = ({"kda_prep": "split"}, {"kda_prep": "fused"})
 # Four rows keep one GPU call's bench within ~3 min.
 _FUSED = {"kda_qk": "fused", "kda_qk_bk": 16, "kda_qk_warps": 8}
 _STATE3 = {"state_bwd_stages": 3, "kda_state_bwd_warps": 8}
-BWD_SWEEP = (_FUSED, {"kda_qk": "fused", "kda_qk_warps": 8}, _STATE3, {**_FUSED, **_STATE3})
+QK_SWEEP = (_FUSED, {"kda_qk": "fused", "kda_qk_warps": 8}, _STATE3, {**_FUSED, **_STATE3})
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

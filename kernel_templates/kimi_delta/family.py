@@ -118,16 +118,24 @@ PARAMS = _base.PARAMS
 #   kda_wy_warps: warps of the backward's qk and wy kernels, either form, kda_qk_warps those of the
 #   "fused" kernel (0: num_warps). kda_state_bwd_warps: warps of the
 #   reverse state pass (0: num_warps; sm_90 AOT bf16: 1228 B of spills at 4 warps, 96 at 8).
+# fwd_o (template v31; GDN's key of the same name, its own since GDN v17): where the forward's
+#   o = qg S_c + Aqk v_new is computed. "split" (default): the output kernel `kda_output_fwd_kernel`
+#   (one program per V tile, chunk and head, reading S_c and v_new back). "fused": the state pass
+#   `kda_state_fwd_kernel` itself per chunk while S_c is in registers (constexprs FUSE_O and KEEP, the
+#   same kernel; qg = scale q exp(gc) and Aqk, which the prepare stores anyway, join its prefetched
+#   loads): no output launch, and a forward without training writes neither S_c nor v_new (the training
+#   forward still keeps them for the backward). Untimed (sm_90 AOT facts: docs/LOG.md, thirtieth
+#   session, helper-66; bench rows `ours@fwd_o=fused_fwd`, `ours@fwd_o=fused`).
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"), "kda_prep_warps": (0, 4, 8),
                 "kda_prep_maxnreg": (0, 128, 168),
                 "kda_chunk_ref": (0, 1),
                 "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles", "fused"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
-                "kda_state_bwd_warps": (0, 4, 8)}
+                "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
-                  "kda_state_bwd_warps": 0}
+                  "kda_state_bwd_warps": 0, "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 
@@ -159,7 +167,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=30,
+    template_version=31,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -22,6 +22,7 @@ from test_gated_delta import (
 from onboarding.families import family_module
 kimi_delta = family_module("kimi_delta")
 from onboarding.testing import check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.tolerance import rel_rms as rel
 
 CASE_PARAMS = [pytest.param(c, id=c.id) for c in CASES]
 
@@ -330,6 +331,87 @@ def test_recompute_backward_reruns_prepare(prep, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+# `fwd_o` "fused" (template v31: o = qg S_c + Aqk v_new in the state pass per chunk, no output
+# kernel; GDN's option of the same name): T not a multiple of the chunk with an initial state and
+# l2norm, also under the split prepare step; grouped value heads at batch 2 without one; K and V over
+# two tiles, the second V tile partial (WIDE).
+FUSED_O_CASES = [pytest.param(CASES[0], {}, id=CASES[0].id), pytest.param(CASES[1], {}, id=CASES[1].id),
+                 pytest.param(WIDE, {}, id=WIDE.id),
+                 pytest.param(CASES[0], {"kda_prep": "split"}, id=CASES[0].id + "-split_prep")]
+
+
+def _state_spy(module, monkeypatch) -> list:
+    """(FUSE_O, KEEP) of every `kda_state_fwd_kernel` launch, appended as it runs; the output
+    kernel's host call patched to fail."""
+    kernel, seen = module.kda_state_fwd_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["FUSE_O"], kw["KEEP"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(module, "kda_state_fwd_kernel", Spy())
+    monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
+    return seen
+
+
+@pytest.mark.parametrize(("case", "extra"), FUSED_O_CASES)
+def test_fused_output(case, extra, monkeypatch):
+    """The no-grad forward (FUSE_O, KEEP off: S_c and v_new not written) as the split path's o
+    and final state (rel < 1e-5) and against the recurrence; then a training step (KEEP on: the
+    backward reads S_c and v_new): o, the final state and every gradient against the recurrence.
+    The output kernel never launched."""
+    module = load(kimi_delta.FAMILY)
+    args = make_inputs(case, True, torch.float32, DEVICE, torch.Generator().manual_seed(3))
+    with pinned(module, extra), torch.no_grad():
+        split = module.entry(*args)
+    seen = _state_spy(module, monkeypatch)
+    with pinned(module, {**extra, "fwd_o": "fused"}):
+        with torch.no_grad():
+            fused = module.entry(*args)
+        assert seen == [(True, False)], seen
+        for name, a, b in zip(("o", "final state"), fused, split):
+            assert rel(a, b) < 1e-5, (name, rel(a, b))
+        check_against(module, module.reference, case, True, "naive recurrence, fwd_o fused", with_grads=False)
+        seen.clear()
+        check_against(module, module.reference, case, True, "naive recurrence, fwd_o fused (training)")
+        assert seen == [(True, True)], seen  # one training forward, S_c and v_new kept
+
+
+def test_fused_output_recompute(monkeypatch):
+    """`fwd_o` "fused" with the param `recompute`: the training forward keeps nothing (the fused
+    pass writes neither S_c nor v_new), the backward re-runs the split state pass; o, the final
+    state and every gradient against the recurrence."""
+    module = load(kimi_delta.FAMILY, {"recompute": True})
+    seen = _state_spy(module, monkeypatch)
+    with pinned(module, {"fwd_o": "fused"}):
+        check_against(module, module.reference, CASES[0], True, "naive recurrence, fwd_o fused, recompute")
+    assert seen == [(True, False), (False, True)], seen
+
+
+def test_fused_output_fp16_dot_path(monkeypatch):
+    """`fwd_o` "fused" on the 16-bit dot path (fp16, which the interpreter computes right): S_c
+    and v_new round to fp16 as dot operands as they do stored by the split path; a training step's
+    o, final state and every gradient against the fp32 recurrence at fp16 accuracy, then the no-grad
+    forward within 5e-3 of it too."""
+    module = load(kimi_delta.FAMILY)
+    seen = _state_spy(module, monkeypatch)
+    with pinned(module, {"fwd_o": "fused"}):
+        check_fp16_dot_path(kimi_delta.FAMILY, True, monkeypatch)
+        # (it leaves `_dot_mode` at fp32 dots): the fp16 path again, for the forward without training
+        monkeypatch.setattr(module, "_dot_mode", lambda prec, dtype, device: "fp16" if dtype == torch.float16 else prec)
+        seen.clear()
+        case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
+        args = make_inputs(case, True, torch.float16, DEVICE, torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            outs = module.entry(*args)
+            ref = module.reference(*[a.float() if isinstance(a, torch.Tensor) else a for a in args])
+        assert all(rel(a, b) < 5e-3 for a, b in zip(outs, ref)), [rel(a, b) for a, b in zip(outs, ref)]
+    assert seen == [(True, False)], seen
+
+
 def test_chunk_reference_overflow_stays_masked():
     """Chunk 64, one chunk whose gc range (79 per channel) just fits the one-reference-per-chunk
     products, with raw q, k x 1e3 (the l2norm takes the scale back out): the products above the
@@ -465,22 +547,32 @@ def _sweep_rows(sweep):
     return [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items())) for c in sweep]
 
 
-def _sweep_row_bars(cfg):
-    """The GPU bf16 bars (`check_bf16_vs_fp32_gpu`) under one sweep row's config."""
+def _sweep_row_bars(cfg, *args, **kw):
+    """The GPU bf16 bars (`check_bf16_vs_fp32_gpu`, its `case`, `slow`, `no_grad` as given) under
+    one sweep row's config."""
     if DEVICE.type != "cuda":
         pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
     with pinned(load(kimi_delta.FAMILY, {"chunk_size": 64}), cfg):
-        check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True)
+        check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True, *args, **kw)
 
 
-# The bench's fwd+bwd sweep rows (bench.BWD_SWEEP): each within the bf16 bars on the GPU.
-@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.BWD_SWEEP))
+# The bench's fwd+bwd sweep rows of the backward (bench.QK_SWEEP): each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.QK_SWEEP))
 def test_bf16_vs_fp32_on_gpu_bwd_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
-# The bench's forward sweep rows (bench.FWD_SWEEP: the prepare step's alternatives): each within the
-# bf16 bars on the GPU, forward and every gradient (the backward takes the forward's Tm, M, Aqk).
-@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.FWD_SWEEP))
+# The bench's forward sweep rows of the prepare step (bench.PREP_SWEEP): each within the bf16 bars on
+# the GPU, forward and every gradient (the backward takes the forward's Tm, M, Aqk).
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.PREP_SWEEP))
 def test_bf16_vs_fp32_on_gpu_fwd_sweep(cfg):
     _sweep_row_bars(cfg)
+
+
+# The bench's `fwd_o` rows (bench.FWD_O_SWEEP, template v31): within the bf16 bars on the GPU at both
+# GPU cases, the forward without training first (the fused pass with KEEP off: o and the final state
+# within 5e-3 of the fp32 path), then a training step (o, final state, every gradient).
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.FWD_O_SWEEP))
+@pytest.mark.parametrize("case,slow", GPU_CASES)
+def test_bf16_vs_fp32_on_gpu_fwd_o(cfg, case, slow):
+    _sweep_row_bars(cfg, case, slow, no_grad=True)
