@@ -11,7 +11,7 @@ bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepar
 two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own split prepare step
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
-`kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_state_bwd_warps`).
+`kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
 """
 
 from __future__ import annotations
@@ -124,8 +124,21 @@ PARAMS = _base.PARAMS
 #   `kda_state_fwd_kernel` itself per chunk while S_c is in registers (constexprs FUSE_O and KEEP, the
 #   same kernel; qg = scale q exp(gc) and Aqk, which the prepare stores anyway, join its prefetched
 #   loads): no output launch, and a forward without training writes neither S_c nor v_new (the training
-#   forward still keeps them for the backward). Untimed (sm_90 AOT facts: docs/LOG.md, thirtieth
-#   session, helper-66; bench rows `ours@fwd_o=fused_fwd`, `ours@fwd_o=fused`).
+#   forward still keeps them for the backward). Untimed; bench rows `ours@fwd_o=fused_fwd`,
+#   `ours@fwd_o=fused`. sm_90 AOT (bf16, K = V = 128, chunk 64, the k_le_128 bucket, BV 32 (the
+#   H200's auto tile at B1 H32), every pointer and integer marked divisible by 16 as the JIT does
+#   at T8192; registers / spill bytes / shared bytes / TTGIR async copies): split state pass
+#   126 / 0 / 128000 / 12 (v30's build the same, its PTX but for the 5 unused new parameters),
+#   output kernel 80 / 0 / 49152; fused, forward without training (KEEP off) 180 / 0 / 197632 / 18,
+#   training forward 168 / 0 / 205824 / 18; fused at BV 16 126 / 0 / 185344. Every dot wgmma (28 in
+#   the fused pass's PTX, 16 in the split one's). One program per SM either way (shared memory).
+# Spill counts above and in bench.py that came from AOT builds marking only the pointers (the specs
+#   give no integer values) describe a build the GPU does not run at these shapes. Rebuilt with every
+#   integer marked (thirtieth session, helper-66; registers / spill bytes): the reverse state pass
+#   194 / 0 at 4 warps, 1 stage (pointer marks: 255 / 888), 198 / 0 at 3 stages (1660), 150 / 0 at
+#   3 stages and 8 warps (12); `kda_chunk_bwd_fused_kernel` BK 16 8 warps 255 / 484 (888), BK 32
+#   8 warps 255 / 912 (1524); the tiled pair's wyt 255 / 348 (1672) and qkt (BK 32) 255 / 1464
+#   (1152): the chunk kernels' spills are real, the state passes' are not.
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"), "kda_prep_warps": (0, 4, 8),
                 "kda_prep_maxnreg": (0, 128, 168),
                 "kda_chunk_ref": (0, 1),
