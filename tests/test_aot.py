@@ -118,8 +118,9 @@ def test_specialisation_marks_what_the_jit_marks_and_pipelines_the_strided_load(
     for r in builds.values():
         assert r.get("ok", True), r
     off, ptrs, declared = builds["off"], builds["pointers"], builds["declared"]
-    assert (off["specialized"], off["divisible"]) == (False, [])
-    assert (ptrs["specialized"], ptrs["divisible"]) == (True, ["p_x", "p_w", "p_y"])
+    assert (off["specialized"], off["marks"], off["divisible"]) == (False, "none", [])
+    assert (ptrs["specialized"], ptrs["marks"], ptrs["divisible"]) == (True, "pointers+declared", ["p_x", "p_w", "p_y"])
+    assert (builds["all"]["specialized"], builds["all"]["marks"]) == (True, "all")
     assert declared["divisible"] == ["p_x", "p_w", "p_y", "stride"]
     assert builds["value48"]["divisible"] == ["p_x", "p_w", "p_y", "stride"]  # K 200: not a multiple
     assert builds["value24"]["divisible"] == ["p_x", "p_w", "p_y", "K"]
@@ -136,6 +137,33 @@ def test_specialize_false_is_the_old_unspecialised_build(builds):
     without attrs (same shared memory, registers and spills)."""
     off = builds["off"]
     assert {k: off[k] for k in ("shared_bytes", "n_regs", "n_spills")} == builds["old"]
+
+
+def test_marks_record_the_mode_and_old_records_still_read():
+    """`marks` tells True from "all" (`specialized` is True for both, as before); a record
+    written before `marks` existed reads back, its mode "unrecorded" when specialized."""
+    assert [aot.marks_of(m) for m in (False, True, "all")] == ["none", "pointers+declared", "all"]
+    with pytest.raises(ValueError, match="specialize"):
+        aot.marks_of("some")
+    base = dict(kernel="k", arch=90, num_warps=4, ok=True)
+    for marks, specialized in (("none", False), ("pointers+declared", True), ("all", True)):
+        r = aot.AotResult(**base, specialized=bool(specialized), marks=marks)
+        assert (r.specialized, r.marks) == (specialized, marks)
+        assert aot.AotResult(**r.as_dict()) == r  # the child process's JSON round trip
+    # `specialized` follows `marks` where both are given
+    assert aot.AotResult(**base, marks="all").specialized is True
+    old = {**base, "specialized": True, "divisible": ["p_x"]}
+    assert aot.AotResult(**old).marks == "unrecorded"
+    assert aot.AotResult(**base).marks == "none"
+    with pytest.raises(ValueError, match="marks"):
+        aot.AotResult(**base, marks="pointers")
+
+
+def test_compile_module_refuses_an_unknown_mode_before_building():
+    import types
+
+    with pytest.raises(ValueError, match="specialize"):
+        aot.compile_module(types.ModuleType("empty"), specialize="some")
 
 
 @pytest.fixture()
@@ -215,6 +243,7 @@ def test_aot_build_is_the_one_the_gpu_jit_launches(kernel, tmp_path):
     gpu = _import(_module(tmp_path, "gpu", {"values": {"K": K, "stride": stride}}))
     [ours] = aot.compile_module(gpu)
     [off] = aot.compile_module(gpu, specialize=False)
+    assert (ours.marks, off.marks) == ("pointers+declared", "none")
     assert ours.divisible == ["p_x", "p_w", "p_y", "K", "stride"]
     assert ours.shared_bytes == launched.metadata.shared, (ours, launched.metadata.shared)
     assert ours.n_regs is None or ours.n_regs == launched.n_regs, (ours, launched.n_regs)

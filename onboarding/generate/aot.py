@@ -15,8 +15,14 @@ the GPU compiles it), and its registers and spills are not the GPU's. Every poin
 (fresh torch allocations are aligned); an integer only where the spec says it is a multiple of 16
 (`"divisible": [names]`, or `"values": {name: example}`), since a spec's signature holds types,
 not values; `specialize="all"` marks every integer too (every size a multiple of 16),
-`specialize=False` is the unmarked build of before. `AotResult.specialized` and
-`AotResult.divisible` record what was marked (`divisibility_attrs`).
+`specialize=False` is the unmarked build of before. `AotResult.marks` ("none",
+"pointers+declared", "all") says which of the three a build used, `AotResult.divisible` which
+arguments were marked (`divisibility_attrs`); `AotResult.specialized` is True for either marking.
+For build facts at the shapes the GPU runs (every size a multiple of 16), use `specialize="all"`:
+True leaves an integer the spec does not declare unmarked, and a mask such as `o_k < K` then has
+alignment 1, so loads stay synchronous and ptxas may report spills the GPU's build does not have.
+Neither mode models the JIT's other integer specialisation: an argument equal to 1 is compiled as
+the constant 1 (e.g. a split count of 1), which can change registers and spills again.
 
 Triton API notes: `ASTSource(fn, signature, constexprs=..., attrs=...)` with a name-keyed
 signature in which constexprs are typed "constexpr", and attrs keyed by argument-index paths
@@ -63,9 +69,37 @@ class AotResult:
     # "all"), and the arguments that got `tt.divisibility` 16 (see `divisibility_attrs`)
     specialized: bool = False
     divisible: list[str] = field(default_factory=list)
+    # which marks the build used (`MARKS`, from `specialize`): "none" (False), "pointers+declared"
+    # (True: every pointer, the integers the spec declares or gives as multiples of 16), "all"
+    # (every pointer and integer). `specialized` stays a bool for its readers (True for either
+    # marking); a record without `marks` (written before it existed) gets "none" when not
+    # specialized, else "unrecorded" (True and "all" were not told apart then).
+    marks: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.marks:
+            self.marks = "unrecorded" if self.specialized else "none"
+        elif self.marks not in MARKS:
+            raise ValueError(f"marks={self.marks!r}: expected one of {MARKS}")
+        else:
+            self.specialized = self.marks != "none"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+MARKS = ("none", "pointers+declared", "all", "unrecorded")
+
+
+def marks_of(specialize: bool | str) -> str:
+    """`AotResult.marks` of a `specialize` value: False "none", True "pointers+declared", "all" "all"."""
+    if specialize is False:
+        return "none"
+    if specialize is True:
+        return "pointers+declared"
+    if specialize == "all":
+        return "all"
+    raise ValueError(f"specialize={specialize!r}: expected True, False or 'all'")
 
 
 def _api():
@@ -222,6 +256,7 @@ def compile_module(
     kernel of the module has no entry in `module.aot_specs()` (every kernel must be covered).
     Compile errors are caught per kernel and reported in `AotResult.error`.
     """
+    marks_of(specialize)  # refuses an unknown mode before any work
     triton, GPUTarget, ASTSource = _api()
     if not hasattr(module, "aot_specs"):
         raise ValueError(f"{module.__name__} has no aot_specs(); is it a rendered kernel module?")
@@ -236,7 +271,8 @@ def compile_module(
     for spec in specs:
         name = spec["kernel"]
         num_warps = int(spec.get("num_warps", 4))
-        res = AotResult(kernel=name, arch=arch, num_warps=num_warps, ok=False, specialized=bool(specialize))
+        res = AotResult(kernel=name, arch=arch, num_warps=num_warps, ok=False, specialized=bool(specialize),
+                        marks=marks_of(specialize))
         try:
             fn = kernels[name]
             attrs, res.divisible = divisibility_attrs(fn, spec, specialize)
