@@ -118,7 +118,9 @@ SHAPES = (
 # backward's pull, a 32-step reverse pass, dx per (head, 64 rows, chunk), dC then dB per (64 rows,
 # chunk, group), d(dt) per (chunk, 4 heads)) at its defaults (row blocks of 64, the register cap
 # 128 of its dx and dB/dC kernels: sm_90 bf16 build (triton 3.9) dx 128 registers / no spills,
-# dC 128 / 112 spill bytes, dB 128 / 40; two programs of 8 warps per SM), row blocks of 32 (dx 116 /
+# dC 128 / 112 spill bytes, dB 128 / 40 (as the JIT compiles the launch, SPLIT 1 a constant: dC
+# 104, dB none, an artifact; triton 3.6, the H200's: dx 24, dC 184, dB none; helper-68's rebuild,
+# docs/LOG.md); two programs of 8 warps per SM), row blocks of 32 (dx 116 /
 # 0, dC 128 / 0, dB 128 / 0; 41-49 KB of shared memory against 66-82), uncapped (dx 171, dC 233,
 # dB 188 registers, no spills: one program per SM), and with `pass` "fused" (the forward's chunk
 # states and state pass as one loop; the backward's pull and reverse pass as one reverse loop).

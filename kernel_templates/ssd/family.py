@@ -112,7 +112,10 @@ FAMILY = FamilySpec(
     # of the group's heads: 2048 programs of 16 heads at B1 T8192 G8 N128, DBC_N 64).
     # bwd_maxnreg (v8): a register cap for the backward chunk and dB/dC kernels (0: none); at 128
     # two programs of 8 warps fit an SM (the sm_90 bf16 build at P 64, N 128 of the P <= 64
-    # default: bwd_chunk 188 registers uncapped, 208 bytes of spills at 128; bwd_dbc 222, 208).
+    # default: bwd_chunk 188 registers uncapped, 208 bytes of spills at 128; bwd_dbc 222, 208;
+    # rebuilt with every integer marked as the JIT marks them at T8192, helper-68's
+    # /tmp/aot_audit/audit.py, docs/LOG.md: bwd_dbc 220, 224; on triton 3.6, the H200's: bwd_chunk
+    # 191, 244 (98336 bytes of shared memory), bwd_dbc 224, 216-220).
     # 128 is the P <= 64 bucket's value since the twenty-second session: on the H200 (B1 T8192
     # H128 P64 G8 N128 bf16) fwd+bwd 3.958 ms (graph 3.641) against 4.180 (3.902) uncapped, and
     # the bf16-vs-fp32 bars held (test_bf16_vs_fp32_on_gpu[default], docs/LOG.md device call M).
@@ -156,10 +159,14 @@ FAMILY = FamilySpec(
     # the fill-in: in device call A of the twenty-sixth session 0.273 and 0.310 ms, and one of the
     # two state passes of 0.488 together, of fwd+bwd's 3.356). The sm_90 bf16 build (triton 3.9)
     # at the P <= 64 bucket, 4 warps: PASS_K 64 50688 bytes of shared memory, 128 registers, no
-    # spills; PASS_K 128 100352, 172; STATE_N 32 38400, 90. cb (v12): the dtype of the split
+    # spills (triton 3.6, the H200's: 164 registers, so three programs per SM by registers, not
+    # four; helper-68's rebuild, docs/LOG.md); PASS_K 128 100352, 172; STATE_N 32 38400, 90. cb
+    # (v12): the dtype of the split
     # forward's stored C B^T [L, L] per (chunk, group), the output kernel's largest operand (each of
     # a group's heads reads it; fp32 or 16-bit inputs' own, summed in fp32 either way); the output
-    # kernel's build: 128 registers uncapped with it (158 without), shared memory unchanged.
+    # kernel's build: 128 registers uncapped with it (158 without; at the forward-only launch,
+    # whose R = 1 the JIT compiles as a constant, 133 without on triton 3.9 and 167 on 3.6, the
+    # H200's: helper-68's rebuild, docs/LOG.md), shared memory unchanged.
     # bwd (v13): "chunk" the backward above (per CHUNK tokens: with `fwd` "split" the forward then
     # forms and passes its states per CHUNK tokens, 128 serial steps at T 8192); "split" (only under
     # `fwd` "split", else "chunk") the backward over the split chunks of CHUNK * STATE_CHUNKS tokens:
@@ -179,7 +186,13 @@ FAMILY = FamilySpec(
     # and dB/dC kernels (0 none); the sm_90 bf16 build (triton 3.9, P 64, N 128) at BWD_M 64, 8
     # warps: dx 171 registers uncapped, 128 and no spills capped (81952 bytes of shared memory); dC
     # 233, 128 / 112 spill bytes (66048); dB 188, 128 / 40 (74760); at BWD_M 32 capped: 116, 128,
-    # 128, no spills (49184, 41216, 45576). Not timed on a GPU (`.ci/h200/h35_ssd7.sh`).
+    # 128, no spills (49184, 41216, 45576). Rebuilt as the JIT compiles the launch at T8192
+    # (every integer that is a multiple of 16 marked, and SPLIT, 1 at DBC_SPLIT 1, a constant;
+    # helper-68's /tmp/aot_audit/audit.py, docs/LOG.md): dB's 40 bytes were an artifact of
+    # building SPLIT as a variable (126 registers, no spills; on triton 3.6, the H200's, 128 / 0
+    # with any marks); dC spills 104 bytes (3.6: 184); dx capped spills none on 3.9, 24 bytes on
+    # 3.6 (uncapped 142 there); at BWD_M 32 on 3.6 dx 128 / 4. Shared memory and async copies the
+    # same in every build. Not timed on a GPU (`.ci/h200/h35_ssd7.sh`).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
