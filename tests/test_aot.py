@@ -99,6 +99,7 @@ def builds(tmp_path_factory):
         "value48": ({"values": {"K": 200, "stride": 48}}, True),
         "value24": ({"values": {"K": 256, "stride": 24}}, True),
         "all": ({}, "all"),
+        "one": ({"values": {"K": 256, "stride": 1}}, True),
     }
     req = [(_module(tmp, name, extra), mode) for name, (extra, mode) in cases.items()]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -130,6 +131,17 @@ def test_specialisation_marks_what_the_jit_marks_and_pipelines_the_strided_load(
     assert off["shared_bytes"] < ptrs["shared_bytes"] < declared["shared_bytes"], builds
     assert builds["value48"]["shared_bytes"] == builds["all"]["shared_bytes"] == declared["shared_bytes"]
     assert builds["value24"]["shared_bytes"] == ptrs["shared_bytes"]
+    for name, r in builds.items():
+        if name != "old":
+            assert r["constants"] == (["stride"] if name == "one" else []), r
+
+
+def test_an_integer_given_as_1_is_built_as_the_constant_the_jit_makes_it(builds):
+    """stride given as 1: compiled as the constant 1 (so not marked, and the build compiles with
+    it in the signature as a constexpr), K marked as a multiple of 16."""
+    one = builds["one"]
+    assert (one["ok"], one["marks"], one["constants"]) == (True, "pointers+declared", ["stride"]), one
+    assert one["divisible"] == ["p_x", "p_w", "p_y", "K"]
 
 
 def test_specialize_false_is_the_old_unspecialised_build(builds):
@@ -187,16 +199,21 @@ def test_divisibility_attrs_match_the_jits_own_specialisation(kernel):
         pytest.skip(f"this triton has no native_specialize_impl: {e}")
     fn, spec = kernel
     x = torch.zeros(64 * 64, dtype=torch.bfloat16)
-    for K, stride, px in ((256, 48, x), (200, 24, x[1:]), (32, 16, x)):
+    for K, stride, px in ((256, 48, x), (200, 24, x[1:]), (32, 16, x), (256, 1, x)):
         args = {"p_x": px, "p_w": x, "p_y": x.float(), "K": K, "stride": stride}
-        jit = {}
+        jit, jit_consts = {}, []
         for i, name in enumerate(fn.arg_names):
             if name in args:
                 ty, key = native_specialize_impl(BaseBackend, args[name], False, True, True)
-                assert ty != "constexpr", (name, ty)
-                if BaseBackend.parse_attr(key):
+                if ty == "constexpr":  # an int 1
+                    assert key == 1, (name, ty, key)
+                    jit_consts.append(name)
+                elif BaseBackend.parse_attr(key):
                     jit[(i,)] = BaseBackend.parse_attr(key)
-        ours, marked = aot.divisibility_attrs(fn, {**spec, "values": {"K": K, "stride": stride}})
+        vspec = {**spec, "values": {"K": K, "stride": stride}}
+        consts = aot.jit_constants(fn, vspec)
+        assert consts == jit_consts, (K, stride, consts, jit_consts)
+        ours, marked = aot.divisibility_attrs(fn, aot.with_jit_constants(vspec, consts))
         # an unaligned pointer is the exception the AOT build does not model: it marks every pointer
         if px is x:
             assert ours == jit, (K, stride, ours, jit)
@@ -217,6 +234,10 @@ def test_divisibility_attrs_refuse_unknown_names_and_modes_and_keep_do_not_speci
     # the kernel's own opt-outs hold, as at launch
     held = JITFunction(fn.fn, do_not_specialize=["stride"], do_not_specialize_on_alignment=["p_w"])
     assert aot.divisibility_attrs(held, spec, "all")[1] == ["p_x", "p_y", "K"]
+    ones = {**spec, "values": {"K": 1, "stride": 1}}
+    assert aot.jit_constants(held, ones) == ["K"]
+    assert aot.jit_constants(fn, ones, False) == []
+    assert aot.jit_constants(fn, {**spec, "values": {"K": True}}) == []  # a bool is no int 1
 
 
 def test_aot_build_is_the_one_the_gpu_jit_launches(kernel, tmp_path):

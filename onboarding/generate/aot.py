@@ -21,8 +21,10 @@ arguments were marked (`divisibility_attrs`); `AotResult.specialized` is True fo
 For build facts at the shapes the GPU runs (every size a multiple of 16), use `specialize="all"`:
 True leaves an integer the spec does not declare unmarked, and a mask such as `o_k < K` then has
 alignment 1, so loads stay synchronous and ptxas may report spills the GPU's build does not have.
-Neither mode models the JIT's other integer specialisation: an argument equal to 1 is compiled as
-the constant 1 (e.g. a split count of 1), which can change registers and spills again.
+The JIT's other integer specialisation, an argument equal to 1 compiled as the constant 1 (e.g. a
+split count of 1), can change registers and spills again (the ssd split backward's dB kernel: 40
+bytes spilled as an argument, none as the constant); no mode assumes it: a spec that gives an
+integer as 1 in `values` gets it (`jit_constants`, `AotResult.constants`).
 
 Triton API notes: `ASTSource(fn, signature, constexprs=..., attrs=...)` with a name-keyed
 signature in which constexprs are typed "constexpr", and attrs keyed by argument-index paths
@@ -75,6 +77,9 @@ class AotResult:
     # marking); a record without `marks` (written before it existed) gets "none" when not
     # specialized, else "unrecorded" (True and "all" were not told apart then).
     marks: str = ""
+    # integer arguments the spec gives as 1 (`values`), compiled as the constant 1 as the JIT
+    # compiles them (`jit_constants`)
+    constants: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.marks:
@@ -191,6 +196,27 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
 _INT_TYPES = frozenset({"i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64"})
 
 
+def jit_constants(fn: Any, spec: dict[str, Any], specialize: bool | str = True) -> list[str]:
+    """The integer arguments the spec gives as 1 (`spec["values"]`), which Triton's JIT compiles
+    as the constant 1 rather than as an argument (e.g. a split count of 1); none unmarked
+    (`specialize` False) or where the kernel declares `do_not_specialize`."""
+    if not specialize:
+        return []
+    params = {getattr(p, "name", None): p for p in getattr(fn, "params", [])}
+    sig = spec["signature"]
+    return [name for name, v in spec.get("values", {}).items()
+            if v == 1 and type(v) is int and sig.get(name) in _INT_TYPES
+            and not getattr(params.get(name), "do_not_specialize", False)]
+
+
+def with_jit_constants(spec: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """`spec` with the integer arguments `names` compiled as the constant 1 (`jit_constants`)."""
+    if not names:
+        return spec
+    return {**spec, "signature": {k: ("constexpr" if k in names else t) for k, t in spec["signature"].items()},
+            "constexprs": {**spec.get("constexprs", {}), **{k: 1 for k in names}}}
+
+
 def divisibility_attrs(fn: Any, spec: dict[str, Any], specialize: bool | str = True) -> tuple[dict, list[str]]:
     """(ASTSource `attrs`, the argument names marked): `tt.divisibility` 16 where the runtime JIT
     puts it for the common case, so the build is the one the GPU runs.
@@ -275,6 +301,8 @@ def compile_module(
                         marks=marks_of(specialize))
         try:
             fn = kernels[name]
+            res.constants = jit_constants(fn, spec, specialize)
+            spec = with_jit_constants(spec, res.constants)
             attrs, res.divisible = divisibility_attrs(fn, spec, specialize)
             src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec.get("constexprs", {}), attrs=attrs)
             options = {"num_warps": num_warps, "num_stages": int(spec.get("num_stages", 3))}
