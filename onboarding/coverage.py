@@ -145,6 +145,9 @@ def _fast_paths(b: Block) -> list[tuple[str, str]]:
     ops = b.op_histogram
     out = []
     gemms = sum(n for op, n in ops.items() if op in ("linear", "mm", "addmm", "bmm"))
+    # a weight used through `matmul` (x @ W.T, recorded so by export capture) is a GEMM too; a
+    # matmul of two activations (attention scores written with torch.matmul) is not counted
+    gemms += b.attrs.get("weight_matmuls", 0)
     if b.kind == "embedding":
         return [("embedding gather", "memory-bound gather; torch is at bandwidth")]
     if b.kind == "embedding.patch":

@@ -575,3 +575,28 @@ def test_parse_of_a_built_model_equals_a_fresh_build(parse_model):
     assert json.dumps(given.to_dict(), sort_keys=True) == json.dumps(fresh.to_dict(), sort_keys=True)
     assert model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_weight_used_through_a_transpose_is_a_gemm_for_coverage(parse_model):
+    """Projections written `x @ W.T` (Falcon's FalconLinear; our own TransposedWeightLM here) are
+    `matmul` ops in the export capture, where F.linear is `linear`: the blocks count them
+    (`weight_matmuls`) and coverage lists them as GEMMs like linears. Before, the non-gated GELU
+    MLP had no fast path ("no family, template or fast path": 2 uncovered) and the attention no
+    projections entry. The attention core (fused SDPA) is no weight matmul."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/sweep3_models.py:TransposedWeightLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "AF AF"
+    for i in (0, 1):
+        assert by[f"layers.{i}.mlp"].kind == "mlp.dense"
+        assert by[f"layers.{i}.mlp"].attrs["weight_matmuls"] == 2
+        assert by[f"layers.{i}.attn"].attrs == {"weight_matmuls": 2}  # qkv and o
+    assert "weight_matmuls" not in by["lm_head"].attrs  # F.linear
+    cov = build_coverage(g)
+    assert not cov.by_status("uncovered")
+    for i in (0, 1):
+        for part in ("mlp", "attn"):
+            assert [e.reason for e in cov.entries if e.path == f"layers.{i}.{part}"
+                    and e.op == "projections (GEMM)"] == ["2 dense GEMMs: cuBLAS"]
+

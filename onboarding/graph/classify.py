@@ -996,11 +996,22 @@ class Classifier:
         params = {n[len(path) + 1:]: s for n, s in self.ctx.param_shapes.items()
                   if n.startswith(path + ".")}
         flops, nbytes = estimate_cost(recs)
+        if n := self._weight_matmuls(recs):
+            attrs = {**attrs, "weight_matmuls": n}
         self.blocks[path] = Block(
             path=path, kind=kind, layer=layer_of(path),
             class_name=self.ctx.module_types.get(path, ""), evidence=evidence,
             op_histogram=dict(sorted(_hist(recs).items())), inputs=ins, outputs=outs,
             params=params, attrs=attrs, flops=flops, bytes=nbytes)
+
+    def _weight_matmuls(self, recs: list[OpRecord]) -> int:
+        """How many ``matmul`` ops take a 2-D parameter as an operand: a projection written
+        ``x @ W.T`` (Falcon's) or ``x @ W``, a GEMM like ``linear`` though ATen names it
+        ``matmul`` (coverage counts them with the linears)."""
+        return sum(1 for r in recs if r.op == "matmul" and any(
+            len(self.ctx.param_shapes.get(n, ())) == 2 and i < len(r.in_shapes)
+            and r.in_shapes[i] is not None and len(r.in_shapes[i]) == 2
+            for i, n in r.params.items()))
 
     def run(self) -> list[Block]:
         for path in self._post_order():
@@ -1027,6 +1038,8 @@ class Classifier:
                 mine.op_histogram = dict(sorted(hist.items()))
                 mine.flops += b.flops
                 mine.bytes += b.bytes
+                if n := b.attrs.get("weight_matmuls"):
+                    mine.attrs["weight_matmuls"] = mine.attrs.get("weight_matmuls", 0) + n
         self._merge_expert_lists()
         self._leftovers()
         self._shared_experts()
