@@ -600,3 +600,18 @@ def test_a_weight_used_through_a_transpose_is_a_gemm_for_coverage(parse_model):
             assert [e.reason for e in cov.entries if e.path == f"layers.{i}.{part}"
                     and e.op == "projections (GEMM)"] == ["2 dense GEMMs: cuBLAS"]
 
+
+def test_a_dense_squared_relu_is_named_as_the_experts_name_it(parse_model):
+    """relu(x)^2 in a dense MLP (BitNet's, Arcee's) is `relu2`, as the experts rule names it; it
+    read "relu" before."""
+    g = parse_model("tests/fixtures/sweep3_models.py:ReluSquaredLM", seq=12)
+    mlps = [b for b in g.blocks if b.kind == "mlp.dense"]
+    assert len(mlps) == 2 and {b.attrs["activation"] for b in mlps} == {"relu2"}
+    assert {b.attrs["gated"] for b in mlps} == {False}
+
+
+@pytest.mark.parametrize("ref", ["hf:bitnet", "hf:arcee"])
+def test_relu2_dense_mlps_of_transformers_models(parse_model, ref):
+    g = parse_model(ref)
+    assert {b.attrs["activation"] for b in g.blocks if b.kind == "mlp.dense"} == {"relu2"}
+

@@ -195,6 +195,16 @@ def _activation(recs: list[OpRecord]) -> str | None:
     return None
 
 
+def _relu_squared(recs: list[OpRecord]) -> bool:
+    """The first relu's next op (past views) squares it (``square``, or ``pow`` by 2): relu(x)^2."""
+    i = next((j for j, r in enumerate(recs) if r.op in ("relu", "relu_")), None)
+    if i is None:
+        return False
+    nxt = next((r for r in recs[i + 1:] if r.op not in VIEW_OPS), None)
+    return nxt is not None and (nxt.op == "square" or (nxt.op in ("pow", "pow_") and len(nxt.scalars) > 1
+                                                       and nxt.scalars[1] == 2))
+
+
 def _expert_activation(recs: list[OpRecord]) -> str | None:
     """The routed experts' activation, naming the composite forms transformers' ACT2FN writes out.
 
@@ -206,12 +216,8 @@ def _expert_activation(recs: list[OpRecord]) -> str | None:
     act = _activation(recs)
     if act == "gelu" and any(r.op == "gelu" and r.kwargs.get("approximate") == "tanh" for r in recs):
         return "gelu_tanh"
-    if act == "relu":
-        i = next(j for j, r in enumerate(recs) if r.op in ("relu", "relu_"))
-        nxt = next((r for r in recs[i + 1:] if r.op not in VIEW_OPS), None)
-        if nxt is not None and (nxt.op == "square" or (nxt.op in ("pow", "pow_") and len(nxt.scalars) > 1
-                                                       and nxt.scalars[1] == 2)):
-            return "relu2"
+    if act == "relu" and _relu_squared(recs):
+        return "relu2"
     if act == "tanh" and any(r.op in ("mul", "mul_") and any(isinstance(v, float) and abs(v - 0.044715) < 1e-9
                                                              for v in r.scalars) for r in recs):
         return "gelu_tanh"
@@ -544,6 +550,8 @@ class Classifier:
             act_at = next((r.index for r in recs if r.op in ACTIVATIONS), -1)
             product = any(r.op in ("mul", "mul_") and act_at < r.index < mm[-1].index for r in recs)
             gated = product and (len(mm) >= 3 or fused)
+            if act == "relu" and _relu_squared(recs):
+                act = "relu2"  # relu(x)^2 (squared ReLU), named as the experts rule names it
             return "mlp.dense", [f"{len(mm)} projections with {act}" +
                                  (" gating (act(gate) * up)" if gated else "")], {
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
