@@ -615,3 +615,44 @@ def test_relu2_dense_mlps_of_transformers_models(parse_model, ref):
     g = parse_model(ref)
     assert {b.attrs["activation"] for b in g.blocks if b.kind == "mlp.dense"} == {"relu2"}
 
+
+def test_a_conv_after_the_callers_left_pad_is_causal(parse_model):
+    """An unpadded depthwise conv whose input the caller padded on the left only is causal: by
+    K-1 (our own LeftPadConvLM: the gated conv mixer of GatedConvLM written with F.pad), and by
+    more, for a conv after it (ChainedPadConvLM: ZAYA's CCA pads (2-1) + (3-1) for a depthwise
+    then a grouped conv). Both were `unknown`, causal: false (`?` in the pattern). The conv1d
+    family declines `left_pad` (its binding intercepts conv1d(padding=K-1) calls only), so the
+    conv stays uncovered. A pad on both sides is no causal conv."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/sweep3_models.py:LeftPadConvLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "CF CF"  # as GatedConvLM, whose conv pads itself
+    conv = by["layers.0.mixer.conv"]
+    assert conv.kind == "conv.causal1d", conv.evidence
+    assert conv.attrs == {"channels": 16, "kernel_size": 3, "activation": None,
+                          "followed_by": None, "causal": True, "left_pad": 2}
+    assert by["layers.0.mixer"].kind == "conv.gated"
+    cov = build_coverage(g)
+    assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.mixer.conv"} == \
+        {("conv.causal1d", "uncovered")}
+
+    g = parse_model("tests/fixtures/sweep3_models.py:ChainedPadConvLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    dw = by["layers.0.mixer.depthwise"]
+    assert dw.kind == "conv.causal1d" and dw.attrs["left_pad"] == 3 and dw.attrs["kernel_size"] == 2
+
+    g = parse_model("tests/fixtures/sweep3_models.py:CenteredPadConvLM", seq=12)
+    conv = {b.path: b for b in g.blocks}["layers.0.mixer.conv"]
+    assert conv.kind == "unknown" and conv.attrs["causal"] is False and "left_pad" not in conv.attrs
+
+
+def test_zaya_cca_depthwise_conv_is_causal(parse_model):
+    """ZAYA's CCA pads the sequence for its two chained convs itself: its depthwise conv is
+    causal (`conv.causal1d`, left_pad 2 for kernels 2 and 2); its layers read `AE`, not `A?E`."""
+    g = parse_model("hf:zaya")
+    convs = [b for b in g.blocks if b.path.endswith("conv_qk_depthwise")]
+    assert convs and {b.kind for b in convs} == {"conv.causal1d"}
+    # the default config's kernels: depthwise 2, grouped 2: the pad is (2 - 1) + (2 - 1)
+    assert {(b.attrs["kernel_size"], b.attrs["left_pad"]) for b in convs} == {(2, 2)}
+    assert "?" not in g.layer_pattern

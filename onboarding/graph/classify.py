@@ -973,11 +973,22 @@ class Classifier:
                 owner = wname.rsplit(".", 1)[0]
                 k = w[-1]
                 causal = pad in ([k - 1], k - 1)
+                left = self._left_pad(r) if pad in ([0], 0) else None
                 after = [x for x in recs if x.index > r.index][:4]
                 act = next((ACTIVATIONS[x.op] for x in after if x.op in ACTIVATIONS), None)
                 ev = [f"depthwise conv1d: groups = channels = {w[0]}, kernel {k}"]
-                ev.append(f"padding {k - 1} then trimmed: causal" if causal
-                          else f"padding {pad}")
+                if left is not None and left >= k - 1:
+                    # the caller pads the sequence on the left only: no output sees a later
+                    # input. More than K-1 (ZAYA's CCA: the pad of two chained convs) leaves
+                    # the surplus to a conv after it: the output is longer than T.
+                    causal = True
+                    ev.append(f"unpadded, after a left pad of {left} by the caller"
+                              f"{' (K-1)' if left == k - 1 else f' (K-1 = {k - 1}: longer output)'}"
+                              ": causal")
+                else:
+                    left = None
+                    ev.append(f"padding {k - 1} then trimmed: causal" if causal
+                              else f"padding {pad}")
                 if act:
                     ev.append(f"followed by {act}")
                 # The activation after the conv is the caller's: the block itself is the plain
@@ -985,10 +996,25 @@ class Classifier:
                 self._conv_at[owner] = r.index
                 self._add(owner, "conv.causal1d" if causal else "unknown", ev,
                           {"channels": w[0], "kernel_size": k, "activation": None,
-                           "followed_by": act, "causal": causal}, [r], r)
+                           "followed_by": act, "causal": causal,
+                           **({"left_pad": left} if left is not None else {})}, [r], r)
             else:
                 kept.append(r)
         return kept
+
+    def _left_pad(self, conv: OpRecord) -> int | None:
+        """P when the op just before ``conv`` (past views) pads its input's last dim (the
+        sequence of a [B, C, T] conv input) by P on the left and nothing on the right: ``pad`` /
+        ``constant_pad_nd`` with [P, 0]; None otherwise."""
+        prev = next((x for x in reversed(self.cap.records[:conv.index])
+                     if x.op not in VIEW_OPS), None)
+        spec = prev.scalars[1] if prev is not None and prev.op in ("pad", "constant_pad_nd") \
+            and len(prev.scalars) > 1 else None
+        if not (isinstance(spec, list) and len(spec) >= 2 and all(isinstance(v, int) for v in spec)
+                and spec[1] == 0 and not any(spec[2:]) and spec[0] > 0
+                and prev.out_shapes and conv.in_shapes and prev.out_shapes[0] == conv.in_shapes[0]):
+            return None
+        return spec[0]
 
     def _add(self, path, kind, evidence, attrs, recs, first=None) -> None:
         io = self.cap.module_io.get(path)
