@@ -327,3 +327,26 @@ def test_per_layer_overrides_follow_their_global_field():
     dims = {kind: {layers[i].head_dim for i, k in enumerate(kinds) if k == kind} for kind in set(kinds)}
     assert dims["full_attention"] == {2 * d for d in dims["sliding_attention"]}, dims
     assert max(dims["full_attention"]) <= 2 * 32
+
+
+def test_per_layer_width_lists_shrink_as_their_largest_value():
+    """A width field held as a per-layer list (Gemma 3n's intermediate_size, one value a layer,
+    which its __post_init__ makes a list) shrinks as the int field would, each layer keeping its
+    share of the largest: the proxy kept 16384 before (the width rule took ints only)."""
+    _model_type_or_skip("hf:gemma3n_text")
+    from transformers import AutoConfig
+
+    from onboarding.load.proxy import PROXY_SIZES, shrink_config
+
+    ffn = PROXY_SIZES["tiny"].ffn
+    full = AutoConfig.for_model("gemma3n_text")
+    assert isinstance(full.intermediate_size, list) and max(full.intermediate_size) > ffn
+    c = shrink_config(full, "tiny", notes=[])
+    assert c.intermediate_size == [ffn] * c.num_hidden_layers
+    # widths that differ by layer keep their ratios (the largest becomes the proxy's width)
+    n = full.num_hidden_layers
+    mixed = AutoConfig.for_model("gemma3n_text", intermediate_size=[8192 if i % 2 else 16384
+                                                                     for i in range(n)])
+    c = shrink_config(mixed, "tiny", notes=[])
+    assert c.intermediate_size == [ffn // 2 if i % 2 else ffn for i in range(c.num_hidden_layers)]
+

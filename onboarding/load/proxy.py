@@ -95,9 +95,19 @@ def _writable(c: Any, name: str) -> bool:
 
 
 def _set(c: Any, name: str, fn) -> None:
+    """``name`` = fn(its value); a per-layer list of them (Gemma 3n's intermediate_size, one a
+    layer) is scaled as its largest value is, each layer keeping its share of it."""
     v = getattr(c, name, None)
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0 and _writable(c, name):
+    if not _writable(c, name):
+        return
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
         setattr(c, name, int(fn(v)))
+    elif isinstance(v, (list, tuple)) and v and all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
+        top = max(v)
+        new = int(fn(top))
+        if new != top:
+            setattr(c, name, type(v)(max(1, x * new // top) for x in v))
 
 
 # Head-size fields that some configs tie to each other (DeepSeek's head_dim is its rotary
