@@ -350,3 +350,15 @@ def test_per_layer_width_lists_shrink_as_their_largest_value():
     c = shrink_config(mixed, "tiny", notes=[])
     assert c.intermediate_size == [ffn // 2 if i % 2 else ffn for i in range(c.num_hidden_layers)]
 
+
+def test_a_proxy_that_shrinks_nothing_is_refused_before_its_build():
+    """BLT keeps its sizes in sub-configs and a hash-embedding vocabulary that the proxy rules do
+    not shrink: its tiny proxy was the full 4.6B model, whose build ran 180 s at 5.6 GiB with
+    no result (then the OOM killer). It is now an input error (exit 2) within seconds, naming
+    the sub-configs and the largest parameters; counted on meta, nothing is allocated."""
+    _model_type_or_skip("hf:blt")
+    from onboarding.errors import InputError
+
+    with pytest.raises(InputError, match=r"tiny proxy keeps [\d,]+ of the full model's [\d,]+ "
+                       r"parameters.*sub-configs .*global_config.*encoder_hash_tok_embedding"):
+        load_stage(load_model("hf:blt"), "tiny")

@@ -676,9 +676,47 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
                              "rotary layout fixed in the model's code)")
                 break
     _check_layer_stack(loaded, cfg, size, name, full_model)
+    _check_shrunk(loaded, cfg, size, full_params)
     _warn(size, notes)
     note = f"shrunk to the {size} proxy ({periods} layer period(s))"
     return cfg, "; ".join([note] + notes)
+
+
+# A proxy that keeps more than half the full model's parameters and more than this many times
+# the size's max_params shrank nothing that matters: its real build would take the full model's
+# memory and its weight init minutes (hf:blt: 180 s and 5.6 GiB with no result, then the OOM
+# killer), so it is refused before the build.
+UNSHRUNK_FACTOR = 10
+
+
+def _check_shrunk(loaded, cfg: Any, size: str, full_params: int | None) -> None:
+    """Raise InputError (exit 2) when the ``size`` proxy of ``loaded`` is about as big as the
+    full model (more than half its ``full_params``) and far above the size's budget
+    (`UNSHRUNK_FACTOR` x max_params): the model keeps its sizes in fields the proxy rules do
+    not shrink (BLT's sub-configs and hash-embedding vocabulary). The message names the
+    largest parameters and the config's sub-configs. Counted on meta: nothing is allocated."""
+    from onboarding.load.accounting import count_parameters
+
+    s = PROXY_SIZES[size]
+    if full_params is None or full_params <= s.max_params * UNSHRUNK_FACTOR:
+        return
+    model = loaded.build(cfg, device="meta", seed=None)
+    n = count_parameters(model).total
+    if n <= s.max_params * UNSHRUNK_FACTOR or 2 * n <= full_params:
+        return
+    big = sorted(((p.numel(), name, list(p.shape)) for name, p in model.named_parameters()),
+                 reverse=True)[:3]
+    c = text_config(cfg)
+    subs = sorted(k for k, v in vars(c).items() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
+    raise InputError(
+        f"{loaded.ref}: the {size} proxy keeps {n:,} of the full model's {full_params:,} "
+        f"parameters (the {size} budget is {s.max_params:,}): the config keeps its sizes in "
+        "fields the proxy rules do not shrink"
+        + (f" (its sub-configs {', '.join(subs)} are not shrunk)" if subs else "")
+        + f"; the largest parameters: {'; '.join(f'{nm} {sh}' for _, nm, sh in big)}. Building it "
+        f"would take about {n * 4 / 2**30:.0f} GiB in fp32: not attempted. Set smaller sizes "
+        "with --set (dotted keys reach sub-configs: --set <sub-config>.<field>=<value>), or give "
+        "a smaller config")
 
 
 def _check_layer_stack(loaded, cfg: Any, size: str, name: str | None,
