@@ -362,3 +362,38 @@ def test_a_proxy_that_shrinks_nothing_is_refused_before_its_build():
     with pytest.raises(InputError, match=r"tiny proxy keeps [\d,]+ of the full model's [\d,]+ "
                        r"parameters.*sub-configs .*global_config.*encoder_hash_tok_embedding"):
         load_stage(load_model("hf:blt"), "tiny")
+
+
+def test_runs_of_periods_tile_a_stack_with_no_short_prefix():
+    """`_runs`: from each start, the period that repeats furthest (two periods at least); a
+    layer that starts no repetition is a run of its own."""
+    from onboarding.load.proxy import _runs
+
+    a, b, c, d = "abcd"
+    assert _runs([a, a, a, a, b] * 4 + [c, c, c, c, d] * 3) == [(0, 20, 5), (20, 35, 5)]
+    assert _runs([a, b, c]) == [(0, 1, 1), (1, 2, 1), (2, 3, 1)]
+    assert _runs([a, b, a, b, c]) == [(0, 4, 2), (4, 5, 1)]
+
+
+def test_a_stack_of_period_runs_keeps_one_period_of_each_and_its_tail_count():
+    """Gemma 3n's 35 layers are a period of 5 layer types run twice over 20 layers, then 15 layers
+    that reuse other layers' KV (no k/v projections; num_kv_shared_layers = 15 counts them from
+    the end): no period after a short prefix, so the proxy kept all 35 (its parse 28-30 s). It
+    keeps one period of each run (10 layers), num_kv_shared_layers counting the kept shared ones,
+    and every distinct layer structure of the full stack; the proxy builds and runs."""
+    _model_type_or_skip("hf:gemma3n_text")
+    from onboarding.load.proxy import layer_signatures
+
+    info = load_stage(load_model("hf:gemma3n_text"), "tiny")
+    full_c = text_config(info.loaded.config)
+    c = text_config(info.proxy_config)
+    assert (full_c.num_hidden_layers, full_c.num_kv_shared_layers) == (35, 15)
+    assert (c.num_hidden_layers, c.num_kv_shared_layers) == (10, 5)
+    assert c.layer_types == full_c.layer_types[:5] * 2
+    assert c.kv_sharing_modes[5:] == ["reuse"] * 5 and "reuse" not in c.kv_sharing_modes[:5]
+    full_sigs = layer_signatures(info.loaded.build(device="meta", seed=None), 35)
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=0)
+    assert set(layer_signatures(model, 10)) == set(full_sigs)
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, c.vocab_size, (1, 16)), use_cache=False)
+    assert torch.isfinite(out.logits).all()

@@ -433,7 +433,48 @@ def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None, name: s
         first_seen.setdefault(d, i)
     cover = max(first_seen.values()) + 1
     want = max(cover, prefix + period * periods, 2)
+    if want >= n and (runs := _runs(desc)) and len(runs) > 1:
+        # no period after a short prefix: the stack is runs of periods (Gemma 3n: 10 layers of
+        # activation sparsity, 10 dense, 15 that reuse others' KV, each a period of 5 layer
+        # types): the first `periods` periods of each run
+        keep = [i for a, b, p in runs for i in range(a, min(b, a + p * periods))]
+        if len(keep) < n:
+            return keep
     return list(range(min(n, want)))
+
+
+def _runs(desc: list[tuple]) -> list[tuple[int, int, int]]:
+    """(start, end, period) runs that tile ``desc`` in order: from each start, the period whose
+    repetition reaches furthest (at least two periods; ties: the shorter period); a layer that
+    starts no repetition is a run of its own."""
+    n, i, out = len(desc), 0, []
+    while i < n:
+        best_end, best_p = i + 1, 1
+        for p in range(1, (n - i) // 2 + 1):
+            j = i
+            while j + p < n and desc[j] == desc[j + p]:
+                j += 1
+            if j + p - i >= 2 * p and j + p > best_end:
+                best_end, best_p = j + p, p
+        out.append((i, best_end, best_p))
+        i = best_end
+    return out
+
+
+def _tail_counts(c: Any, name: str, n: int, keep: list[int], signatures: list[tuple] | None
+                 ) -> None:
+    """An int field counting the stack's last layers (Gemma 3n's num_kv_shared_layers = 15: the
+    last 15 layers, which have no k/v projections) counts the kept layers among them, when the
+    layer structure changes exactly where they begin (fields named for layers only)."""
+    if signatures is None or len(signatures) != n:
+        return
+    for k, v in list(vars(c).items()):
+        if "layer" not in k or k == name or k in LAYER_COUNT_NAMES or isinstance(v, bool) \
+                or not isinstance(v, int) or not 0 < v < n or not _writable(c, k):
+            continue
+        start = n - v
+        if signatures[start - 1] != signatures[start]:
+            setattr(c, k, sum(1 for i in keep if i >= start))
 
 
 def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
@@ -453,7 +494,10 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
     for k in ("mlp_only_layers",):
         v = getattr(c, k, None)
         if isinstance(v, list):
-            setattr(c, k, [i for i in v if i < len(keep)])
+            setattr(c, k, [i for i in v if i < len(keep)] if keep == list(range(len(keep)))
+                    else [keep.index(i) for i in v if i in keep])
+    if keep != list(range(len(keep))):  # runs kept (`_runs`): layers left out between them
+        _tail_counts(c, name, n, keep, signatures)
     # a second name for the layer count (xLSTM's num_blocks beside num_hidden_layers) follows it,
     # and a count of sublayers, a multiple of it (LongCat-Flash's num_hidden_layers, two a layer),
     # keeps its multiple
