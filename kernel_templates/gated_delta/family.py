@@ -126,9 +126,15 @@ SHAPE_BUCKETS = (
     # the forward from 0.310 up to 0.351 (its output kernel): the backward alone takes 32. Re-timed
     # under the tenth session's backward (closed-form dA and l2norm row dots): BK 32, bwd_bv 32,
     # 4 warps stay best (0.886 ms at B2 T4096 H16 against 0.928 for bwd_bv 64, 1.036 for BK 64).
+    # fwd_o "fused" (o in the state pass), H200 thirtieth session, CUDA-graph ms in one call each
+    # (`bash .ci/h200/h32_gdn5.sh`, `BUDGET=500 bash .ci/h200/h32_kda3.sh`), bf16 bars passed:
+    # GDN B2 T4096 H16 0.284 -> 0.235, Qwen3-Next layout T8192 0.521 -> 0.447, T32768 2.029 ->
+    # 1.744; KDA (which inherits this bucket) Kimi-Linear layout T8192 0.901 -> 0.807, T32768
+    # 3.396 -> 3.090. A training forward keeps S_c and v_new, as the split path does.
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
                 config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 3, "prep_bk": 64,
-                        "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3, "bwd_bv": 32}),
+                        "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3, "bwd_bv": 32,
+                        "fwd_o": "fused"}),
     # Untimed, chosen from the AOT build's (sm_90, BT=64) spills and shared memory: fp32
     # [BT, 256] w and kd tiles leave no room for a second pipeline stage
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
