@@ -112,7 +112,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=5,
+    template_version=6,
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -146,6 +146,14 @@ FAMILY = FamilySpec(
     # groups instead of every warp group computing all of them (Triton lays a dot that feeds
     # another dot out with all warps along M: at BLOCK_H 64 and 8 warps both warp groups repeat
     # the whole score block), and the softmax in base 2 with the scale folded into log2(e).
+    # BWD_SPLIT 1 (MLA only; the GQA layout keeps the fused backward): the backward as two
+    # kernels. A dq kernel (per query and BLOCK_H_BWD heads, BLOCK_K_BWD keys per step, the fused
+    # backward's loop without its dkv scatter, stopping at each row's last valid index) and a dkv
+    # kernel: per query and BLOCK_K_DKV of its selected keys, all H heads walked BLOCK_H_DKV at a
+    # time, the key block's [BLOCK_K_DKV, D_QK] gradient summed in fp32 registers and added once
+    # (one fp32 reduction per query and selected key, against H / BLOCK_H_BWD in the fused
+    # backward, whose atomics bound it at T 8192: 163.6 ms, 63 TFLOP/s). Scores and dp are
+    # computed by both kernels (~40% more FLOPs). BWD_STAGES: software-pipeline stages of both.
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
@@ -161,11 +169,16 @@ FAMILY = FamilySpec(
         "FWD_ROW_END": (0, 1),
         "FWD_TWO_PASS": (0, 1),
         "FWD_SPLIT_SCORES": (0, 1),
+        "BWD_SPLIT": (0, 1),
+        "BLOCK_K_DKV": (16, 32, 64, 128),
+        "BLOCK_H_DKV": (16, 32, 64, 128),
+        "BWD_STAGES": (1, 2, 3),
     },
     default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
                     "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
-                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0},
+                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0,
+                    "BWD_SPLIT": 0, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 1},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.
     shape_buckets=(
         ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64, "BLOCK_K_BWD": 64}),
