@@ -274,6 +274,58 @@ def test_split_scores_forward(load, params, dims, topk, extra):
         m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
 
 
+@pytest.mark.parametrize("H,D_QK,D_V,topk,sink,extras", [
+    # 20 heads: a ragged last head block at BLOCK_H_DKV 16 and a masked half at 32; d_v 48 (padded
+    # to 64), rope 8 (padded to 16), K 21 (not a multiple of BLOCK_K), a sink, a row with no pick
+    pytest.param(20, 56, 48, 21, True, ({"BLOCK_K_DKV": 16, "BLOCK_H_DKV": 16},
+                                        {"BLOCK_K_DKV": 32, "BLOCK_H_DKV": 32, "BWD_STAGES": 2}),
+                 id="h20-dv48-rope8-k21-sink"),
+    # K > T: every early row's tail is padding, whole dkv key blocks of it (their programs return)
+    pytest.param(4, 40, 32, 29 + 5, False, ({"BLOCK_K_DKV": 16, "BLOCK_H_DKV": 16},), id="h4-dv32-k>T"),
+])
+def test_mla_split_backward(load, H, D_QK, D_V, topk, sink, extras):
+    """BWD_SPLIT = 1 (the dq kernel, then the dkv kernel that walks all heads of a query per key
+    block and adds its sum once): dq, dkv and dsink equal the fused backward's on the same o and
+    lse, and under the last config the dense reference's gradients (autograd through the entry);
+    rows with fewer valid picks than K (early rows, -1 padding), -1 holes, indices >= S and a row
+    with none (kept finite by the sink) are handled as there."""
+    m = load("gathered", {"layout": "mla", "d_v": D_V})
+    gen = torch.Generator().manual_seed(44)
+    B, S = 1, 29
+    q = torch.randn(B, S, H, D_QK, generator=gen).to(DEVICE)
+    kv = torch.randn(B, S, 1, D_QK, generator=gen).to(DEVICE)
+    idx = fam.causal_topk_indices(torch.randn(B, S, S, generator=gen), topk)
+    idx[:, 24:, 1] = -1  # a hole inside full rows
+    idx[:, 26:, 2] = S + 3  # past S: skipped like -1
+    if sink:
+        idx[0, 6] = -1
+    idx = idx.to(DEVICE)
+    s = torch.randn(H, generator=gen).to(DEVICE) if sink else None
+    scale = 0.3
+    base = {**CPU_CONFIG} if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
+    try:
+        m.set_config(base)
+        o, lse = m._forward(q, kv, idx, s, scale)
+        do = torch.randn(o.shape, generator=gen).to(DEVICE)
+        fused = m._backward(do, q, kv, idx, s, o, lse, scale)
+        for extra in extras:
+            m.set_config({**base, "BWD_SPLIT": 1, **extra})
+            split = m._backward(do, q, kv, idx, s, o, lse, scale)
+            for name, a, b in zip(("dq", "dkv", "dsink"), split, fused):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name} {extra}")
+        leaves = [q.clone().requires_grad_(), kv.clone().requires_grad_()] + \
+            ([s.clone().requires_grad_()] if sink else [])
+        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        o = m.entry(leaves[0], leaves[1], idx, leaves[2] if sink else None, scale)  # the last extra's config
+        ref = m.reference(ref_leaves[0], ref_leaves[1], idx, ref_leaves[2] if sink else None, scale)
+        torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+        for name, g, rg in zip(("dq", "dkv", "dsink"), torch.autograd.grad(o, leaves, do),
+                               torch.autograd.grad(ref, ref_leaves, do)):
+            torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-4, msg=name)
+    finally:
+        m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
+
+
 def test_indexer_feeds_gathered(load):
     """End to end: kernel indices (with -1 padding) into the gathered kernel; MQA as in DSA."""
     mi, mg = load("indexer", {"topk": 8}), load("gathered", {})
@@ -371,12 +423,14 @@ def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
     dot_kernels = {"sparse_topk_indexer_scores_kernel", "sparse_attention_fwd_kernel",
                    "sparse_attention_bwd_kernel", "sparse_mla_attention_fwd_kernel",
                    "sparse_mla_attention_bwd_kernel", "sparse_mla_attention_fwd_split_kernel",
-                   "sparse_mla_attention_fwd_scores_kernel", "sparse_mla_attention_fwd_values_kernel"}
+                   "sparse_mla_attention_fwd_scores_kernel", "sparse_mla_attention_fwd_values_kernel",
+                   "sparse_mla_attention_bwd_dq_kernel", "sparse_mla_attention_bwd_dkv_kernel"}
     assert dot_kernels <= set(ptx), sorted(ptx)
     for name in dot_kernels:
         mma = ptx[name]["mma"]
         assert mma and all("bf16" in ins for ins in mma), (name, mma)
-    for name in ("sparse_attention_bwd_kernel", "sparse_mla_attention_bwd_kernel"):
+    assert not [a for a in ptx["sparse_mla_attention_bwd_dq_kernel"]["atomics"] if "add" in a]  # dq: stores only
+    for name in ("sparse_attention_bwd_kernel", "sparse_mla_attention_bwd_kernel", "sparse_mla_attention_bwd_dkv_kernel"):
         adds = [a for a in ptx[name]["atomics"] if "add" in a]
         assert adds and all(a.startswith("red.") and "relaxed" in a for a in adds), (name, ptx[name]["atomics"])
 
@@ -485,6 +539,12 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
                  id="mla-split_scores"),
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
                  {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1}, id="mla-split_scores-stages3-row-end"),
+    # the split backward (BWD_SPLIT, bench.MLA_FWDBWD_SWEEP): the bucket's backward tiles, then
+    # the wgmma tiles the sweep times (dq 64 heads x 32 keys, dkv 64 keys x 32 heads)
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"BWD_SPLIT": 1}, id="mla-bwd-split"),
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
+                 {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32},
+                 id="mla-bwd-split-dq64x32-dkv64x32"),
 ])
 def test_gpu_bf16_accuracy(load, params, dims, config):
     """bf16 kernel (16-bit dots) vs the fp32 reference on the same bf16 values, T=1024, K=256:
