@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
+from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.families import NightlySpec
 from onboarding.testing.tolerance import rel_rms
@@ -175,6 +175,26 @@ MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
 ]
 
 
+# MLA forward + backward cases also time ``ours@...`` rows of the split backward (BWD_SPLIT 1,
+# family.py: a dq kernel, then a dkv kernel that sums a key block's gradient over all 128 heads
+# in registers and adds it once, against the fused backward's fp32 adds per head block, which
+# bound it: 163.6 ms of the 182.6 ms step at T 8192). The dq kernel at 64 heads x 32 keys and
+# the dkv kernel at 64 keys run wgmma with both warp groups split over the columns (sm_90 AOT
+# with the runtime's marks, triton 3.9, 8 warps, 255 registers each; 1 stage: dq 184320 B of
+# shared memory, 12 B spilled; dkv x 32 heads 155648 B, 320 B spilled, x 16 heads 131072 B,
+# 272 B; 2 stages, whose loads are cp.async: dq 217216 B / 32 B, dkv x 32 heads 225536 B /
+# 296 B); the bucket's backward tiles (32 heads x 16 keys) leave the dq kernel on mma.sync
+# (95232 B, 136 B spilled). Off by default until timed.
+MLA_FWDBWD_SWEEP = [  # most promising first: a run cut short keeps them
+    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32},
+    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 2},
+    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 16},
+    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 16, "BWD_STAGES": 2},
+    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 16, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32},
+    {"BWD_SPLIT": 1},
+]
+
+
 def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> dict[str, Step]:
     H = LAYOUTS[layout][0]
     sets = [_inputs(layout, T, H, device, seed=s) for s in range(N_SETS)]
@@ -196,7 +216,13 @@ def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> di
     grads = [torch.randn(1, T, H, D_V, device=device, dtype=torch.bfloat16)]
     # the dense baselines return [B, H, T, D_V]: their output gradient is laid out the same way
     grads_t = [g.transpose(1, 2).contiguous() for g in grads]
-    return {name: fwd_bwd(fn, sets, grads if name == "ours" else grads_t) for name, fn in fns.items()}
+    steps = {name: fwd_bwd(fn, sets, grads if name == "ours" else grads_t) for name, fn in fns.items()}
+    if layout == "mla":
+        import sys
+
+        mod = sys.modules[fns["ours"].__module__]  # the module whose config the rows pin
+        steps.update(config_sweep(mod, fns["ours"], sets, grads, LAYOUTS[layout][2], MLA_FWDBWD_SWEEP))
+    return steps
 
 
 def _attn_check(layout: str) -> Callable[[torch.device], dict[str, float]]:

@@ -451,7 +451,8 @@ kernels = aot.jit_kernels(m)
 out = []
 for cfg in json.loads(sys.argv[2]):
     m.set_config(cfg)
-    names = (("_fwd_scores_kernel", "_fwd_values_kernel") if cfg.get("FWD_TWO_PASS") else
+    names = (("_bwd_dq_kernel", "_bwd_dkv_kernel") if cfg.get("BWD_SPLIT") else
+             ("_fwd_scores_kernel", "_fwd_values_kernel") if cfg.get("FWD_TWO_PASS") else
              ("_fwd_split_kernel",) if cfg.get("FWD_DV_SPLIT", 1) == 2 else ("_fwd_kernel",))
     for spec in [s for s in m.aot_specs("bf16", 576) if s["kernel"].endswith(names)]:
         sig = spec["signature"]
@@ -460,7 +461,8 @@ for cfg in json.loads(sys.argv[2]):
                            target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
         g = c.asm["ttgir"]
-        out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared),
+        regs, spills = aot._ptxas_usage(c.asm["ptx"], 90)
+        out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared), "regs": regs, "spills": spills,
                     "async": g.count("async_copy_global_to_local"),
                     "mma_warps": sorted(set(re.findall(r"nvidia_mma<{[^}]*warpsPerCTA = (\\[[0-9, ]+\\])", g)))})
 print(json.dumps(out))
@@ -490,6 +492,31 @@ def test_aot_sm90_mla_forward_sweep_fits_as_the_runtime_compiles_it(load):
         stages = r["cfg"].get("FWD_STAGES", 3)
         assert stages < 2 or r["async"] > 0, r
         if r["cfg"].get("FWD_SPLIT_SCORES"):
+            assert r["mma_warps"] == ["[4, 2]"], r
+
+
+@pytest.mark.slow  # sm_90 builds, 6 configs x 2 kernels: 11 s on a cold Triton cache (2 cores)
+def test_aot_sm90_mla_split_backward_sweep_fits_as_the_runtime_compiles_it(load):
+    """Every config of the split backward the MLA fwd+bwd sweep times (bench.MLA_FWDBWD_SWEEP)
+    compiles its dq and dkv kernels for sm_90 with the runtime's specialisation within an
+    H100/H200 SM's shared memory; at 64-row tiles (dq: 64 heads, dkv: 64 keys) every dot is a
+    wgmma with the two warp groups split over its columns ([4, 2]), none with both computing the
+    same rows ([8, 1]: the scores, which feed further dots, without the always-taken branches)."""
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    path = load("gathered", {"layout": "mla", "d_v": 512}).__file__
+    configs = [{"dot_precision": "tf32", **c} for c in fam.bench.MLA_FWDBWD_SWEEP]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, path, json.dumps(configs)],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.splitlines()[-1])
+    assert len(rows) == 2 * len(configs)
+    for r in rows:
+        assert r["shared"] <= aot.H100_SHARED_BYTES, r
+        dq = r["kernel"].endswith("_dq_kernel")
+        if (dq and r["cfg"].get("BLOCK_H_BWD") == 64) or not dq:
             assert r["mma_warps"] == ["[4, 2]"], r
 
 
@@ -683,8 +710,9 @@ def test_bench_steps_and_check_run_small(layout, monkeypatch):
     assert res["ok"] == 1.0, res
     for backward in (False, True):
         steps = cs._attn_steps(layout, 12, backward, DEVICE)
-        sweep = [] if backward or layout != "mla" else \
-            ["ours@" + ",".join(f"{k}={v}" for k, v in c.items()) for c in cs.MLA_FWD_SWEEP]
+        sweep = [] if layout != "mla" else \
+            ["ours@" + ",".join(f"{k}={v}" for k, v in c.items())
+             for c in (cs.MLA_FWDBWD_SWEEP if backward else cs.MLA_FWD_SWEEP)]
         assert sorted(steps) == sorted(["causal_sdpa", "masked_sdpa", "ours", *sweep])
         for step in steps.values():
             step(0)
