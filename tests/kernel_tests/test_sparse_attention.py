@@ -281,7 +281,8 @@ def test_split_scores_forward(load, params, dims, topk, extra):
                                         {"BLOCK_K_DKV": 32, "BLOCK_H_DKV": 32, "BWD_STAGES": 2}),
                  id="h20-dv48-rope8-k21-sink"),
     # K > T: every early row's tail is padding, whole dkv key blocks of it (their programs return)
-    pytest.param(4, 40, 32, 29 + 5, False, ({"BLOCK_K_DKV": 16, "BLOCK_H_DKV": 16},), id="h4-dv32-k>T"),
+    pytest.param(4, 40, 32, 29 + 5, False, ({"BLOCK_K_DKV": 16, "BLOCK_H_DKV": 16},
+                                            {"BLOCK_K_DKV": 64, "BLOCK_K_BWD": 32}), id="h4-dv32-k>T"),
 ])
 def test_mla_split_backward(load, H, D_QK, D_V, topk, sink, extras):
     """BWD_SPLIT = 1 (the dq kernel, then the dkv kernel that walks all heads of a query per key
