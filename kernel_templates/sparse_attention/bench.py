@@ -180,11 +180,11 @@ MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
 # in registers and adds it once, against the fused backward's fp32 adds per head block, which
 # bound it: 163.6 ms of the 182.6 ms step at T 8192). The dq kernel at 64 heads x 32 keys and
 # the dkv kernel at 64 keys run wgmma with both warp groups split over the columns (sm_90 AOT
-# with the runtime's marks, triton 3.9, 8 warps, 255 registers each; 1 stage: dq 184320 B of
-# shared memory, 12 B spilled; dkv x 32 heads 155648 B, 320 B spilled, x 16 heads 131072 B,
-# 272 B; 2 stages, whose loads are cp.async: dq 217216 B / 32 B, dkv x 32 heads 225536 B /
-# 296 B); the bucket's backward tiles (32 heads x 16 keys) leave the dq kernel on mma.sync
-# (95232 B, 136 B spilled). Off by default until timed.
+# with the runtime's marks, 8 warps, 255 registers each; shared bytes, then B spilled under
+# triton 3.9 / the H200's 3.6. 1 stage: dq 184320, 12 / 232; dkv x 32 heads 155648, 320 / 156,
+# x 16 heads 131072, 272 / 92. 2 stages, whose loads are cp.async: dq 217216, 32 / 268; dkv x 32
+# heads 225536, 296 / 172, x 16 heads 149632, 264 / 96); the bucket's backward tiles (32 heads x
+# 16 keys) leave the dq kernel on mma.sync (95232, 136 / 124). Off by default until timed.
 MLA_FWDBWD_SWEEP = [  # most promising first: a run cut short keeps them
     {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32},
     {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 2},
