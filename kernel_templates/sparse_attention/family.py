@@ -154,6 +154,7 @@ FAMILY = FamilySpec(
     # (one fp32 reduction per query and selected key, against H / BLOCK_H_BWD in the fused
     # backward, whose atomics bound it at T 8192: 163.6 ms, 63 TFLOP/s). Scores and dp are
     # computed by both kernels (~40% more FLOPs). BWD_STAGES: software-pipeline stages of both.
+    # Its sm_90 build facts at the tiles the fwd+bwd bench sweeps: bench.py, MLA_FWDBWD_SWEEP.
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
