@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=13,
+    template_version=14,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -193,6 +193,20 @@ FAMILY = FamilySpec(
     # with any marks); dC spills 104 bytes (3.6: 184); dx capped spills none on 3.9, 24 bytes on
     # 3.6 (uncapped 142 there); at BWD_M 32 on 3.6 dx 128 / 4. Shared memory and async copies the
     # same in every build. Not timed on a GPU (`.ci/h200/h35_ssd7.sh`).
+    # v14: `bwd` "split"'s d(dt) stable. v13 took each intra-chunk term's part of dL/dcs as a row
+    # from the dC programs' fp32 products but as a column from dx's 16-bit dots (dt_s x_s . dxs_s),
+    # so the two did not cancel and the suffix sums over the split chunk of 256 kept their 16-bit
+    # residues: on the H200 (bf16, B2 T1000 H8 P64 G2 N128) test_bf16_vs_fp32_on_gpu [bwd-split],
+    # [bwd-split-m32], [bwd-split-fused] outside the bars; in the interpreter's fp16 emulation
+    # (B1 T300 H2 P64 G1 N128) dA 8.4e-3, ddt_bias 1.5e-2, ddt 9.1e-4 against the default's 1.3e-4,
+    # 4.1e-4, 3.0e-4. Now the dB programs form their block pairs as M^T (x dy^T, no transpose before
+    # the dot with C) and store the columns' parts from those products (row sums of E^T: a column
+    # reduction in the dC programs cost their build 190 more bytes of spills), dx the end-state
+    # terms alone, and the rows buffer has NB + 2 slots per token: 2.5e-5, 4.1e-4, 2.9e-4
+    # (test_fp16_vs_fp32_interpreted). The sm_90 bf16 build (triton 3.9, specialize "all", P 64,
+    # N 128, BWD_M 64, 8 warps) at bwd_split_maxnreg 128: dC 128 registers / 112 spill bytes as
+    # before, dB 128 / 192 (40 before; uncapped 240 registers, 188 before), dx unchanged; at BWD_M
+    # 32 no spills. Not timed on a GPU.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
