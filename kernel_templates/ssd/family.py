@@ -200,8 +200,8 @@ FAMILY = FamilySpec(
     # [bwd-split-m32], [bwd-split-fused] outside the bars; in the interpreter's fp16 emulation
     # (B1 T300 H2 P64 G1 N128) dA 8.4e-3, ddt_bias 1.5e-2, ddt 9.1e-4 against the default's 1.3e-4,
     # 4.1e-4, 3.0e-4. Now the dB programs form their block pairs as M^T (x dy^T, no transpose before
-    # the dot with C) and store the columns' parts from those products (row sums of E^T: a column
-    # reduction in the dC programs cost their build 190 more bytes of spills), dx the end-state
+    # the dot with C) and store the columns' parts from those products (row sums of E^T: column
+    # sums in the dC programs took their capped build from 112 to 304 spill bytes), dx the end-state
     # terms alone, and the rows buffer has NB + 2 slots per token: 2.5e-5, 4.1e-4, 2.9e-4
     # (test_fp16_vs_fp32_interpreted). The sm_90 bf16 build (triton 3.9, specialize "all", P 64,
     # N 128, BWD_M 64, 8 warps) at bwd_split_maxnreg 128: dC 128 registers / 112 spill bytes as
