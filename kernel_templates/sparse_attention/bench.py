@@ -175,23 +175,22 @@ MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
 ]
 
 
-# MLA forward + backward cases also time ``ours@...`` rows of the split backward (BWD_SPLIT 1,
-# family.py: a dq kernel, then a dkv kernel that sums a key block's gradient over all 128 heads
-# in registers and adds it once, against the fused backward's fp32 adds per head block, which
-# bound it: 163.6 ms of the 182.6 ms step at T 8192). The dq kernel at 64 heads x 32 keys and
-# the dkv kernel at 64 keys run wgmma with both warp groups split over the columns (sm_90 AOT
-# with the runtime's marks, 8 warps, 255 registers each; shared bytes, then B spilled under
-# triton 3.9 / the H200's 3.6. 1 stage: dq 184320, 12 / 232; dkv x 32 heads 155648, 320 / 156,
-# x 16 heads 131072, 272 / 92. 2 stages, whose loads are cp.async: dq 217216, 32 / 268; dkv x 32
-# heads 225536, 296 / 172, x 16 heads 149632, 264 / 96); the bucket's backward tiles (32 heads x
-# 16 keys) leave the dq kernel on mma.sync (95232, 136 / 124). Off by default until timed.
-MLA_FWDBWD_SWEEP = [  # most promising first: a run cut short keeps them
-    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32},
-    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 2},
-    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 16},
-    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 32, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 16, "BWD_STAGES": 2},
-    {"BWD_SPLIT": 1, "BLOCK_H_BWD": 64, "BLOCK_K_BWD": 16, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32},
-    {"BWD_SPLIT": 1},
+# MLA forward + backward cases also time ``ours@...`` rows beside the d_le_1024 bucket's backward,
+# the split one since template v7 (BWD_SPLIT 1, family.py: a dq kernel at 64 heads x 32 keys, then
+# a dkv kernel that sums a key block's gradient over all 128 heads in registers and adds it once;
+# 2 stages): the fused backward it replaced (BWD_SPLIT 0, 32 heads x 16 keys: 182.8 ms fwd+bwd at
+# T 8192 against 88.1 on the H200, docs/LOG.md), and the split backward at 1 stage, with 16-head
+# dkv steps, with 16-key dq steps (100.7, 103.2 and 114.8 ms at T 8192 in the same call).
+# sm_90 AOT with the runtime's marks, 8 warps, 255 registers each; shared bytes, then B spilled
+# under triton 3.9 / the H200's 3.6. 1 stage: dq 184320, 12 / 232; dkv x 32 heads 155648, 320 /
+# 156, x 16 heads 131072, 272 / 92. 2 stages, whose loads are cp.async: dq 217216, 32 / 268; dkv x
+# 32 heads 225536, 296 / 172, x 16 heads 149632, 264 / 96. The fused backward's 32 x 16 tiles
+# leave a dq kernel on mma.sync (95232, 136 / 124).
+MLA_FWDBWD_SWEEP = [
+    {"BWD_SPLIT": 0},
+    {"BWD_SPLIT": 1, "BWD_STAGES": 1},
+    {"BWD_SPLIT": 1, "BLOCK_H_DKV": 16},
+    {"BWD_SPLIT": 1, "BLOCK_K_DQ": 16},
 ]
 
 

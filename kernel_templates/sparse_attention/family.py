@@ -112,7 +112,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=6,
+    template_version=7,
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -154,6 +154,9 @@ FAMILY = FamilySpec(
     # (one fp32 reduction per query and selected key, against H / BLOCK_H_BWD in the fused
     # backward, whose atomics bound it at T 8192: 163.6 ms, 63 TFLOP/s). Scores and dp are
     # computed by both kernels (~40% more FLOPs). BWD_STAGES: software-pipeline stages of both.
+    # BLOCK_H_DQ / BLOCK_K_DQ: the dq kernel's tiles (0: BLOCK_H_BWD / BLOCK_K_BWD), its own keys
+    # so that a bucket can give it wgmma tiles (64 x 32) that the fused backward could not take
+    # (311 KB of shared memory at 64 heads), which then stays runnable with BWD_SPLIT 0.
     # Its sm_90 build facts at the tiles the fwd+bwd bench sweeps: bench.py, MLA_FWDBWD_SWEEP.
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
@@ -174,12 +177,15 @@ FAMILY = FamilySpec(
         "BLOCK_K_DKV": (16, 32, 64, 128),
         "BLOCK_H_DKV": (16, 32, 64, 128),
         "BWD_STAGES": (1, 2, 3),
+        "BLOCK_H_DQ": (0, 16, 32, 64, 128),
+        "BLOCK_K_DQ": (0, 16, 32, 64, 128),
     },
     default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
                     "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
                     "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0,
-                    "BWD_SPLIT": 0, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 1},
+                    "BWD_SPLIT": 0, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 1,
+                    "BLOCK_H_DQ": 0, "BLOCK_K_DQ": 0},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.
     shape_buckets=(
         ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64, "BLOCK_K_BWD": 64}),
@@ -207,10 +213,17 @@ FAMILY = FamilySpec(
         # .ci/h200/h33_mla.sh`, wall ms, one call): 17.694 -> 13.706 at T 8192 (the kernel alone
         # 240.7 -> 316.9 TFLOP/s), 73.071 -> 58.475 at T 32768; its GPU bf16 test (output and
         # every gradient) passed.
+        # The split backward (thirty-first session, H200, `source .ci/h200/setup.sh && BUDGET_S=230
+        # bash .ci/h200/h33_mla_bwd.sh`, one call): dq 64 heads x 32 keys, dkv 64 keys x 32 heads,
+        # 2 stages: fwd+bwd 182.8 -> 88.1 ms at T 8192 (79 -> 164 TFLOP/s; the backward's kernels
+        # 164.9 -> 69.0 ms: dkv 38.4 + dq 30.6) and 756.5 -> 412.8 ms at T 32768 (155 TFLOP/s);
+        # its GPU bf16 tests (o and every gradient, at 1 stage: stages only pipeline the loads)
+        # passed. The fused backward's tiles stay for BWD_SPLIT 0.
         ShapeBucket(name="d_le_1024", dim="D_QK", lo=257, hi=1024,
                     config={"BLOCK_K": 64, "FWD_STAGES": 3, "BLOCK_H": 64, "BLOCK_K_BWD": 16,
                             "BLOCK_H_BWD": 32, "num_warps": 8, "FWD_SPLIT_SCORES": 1,
-                            "FWD_ROW_END": 1}),
+                            "FWD_ROW_END": 1, "BWD_SPLIT": 1, "BLOCK_H_DQ": 64, "BLOCK_K_DQ": 32,
+                            "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 2}),
     ),
     check=_check,
     match=match,
