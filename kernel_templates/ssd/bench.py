@@ -27,8 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: template v13's `bwd` "split", template v12's `pass`
-  "fused" and `cb` "input" of the split forward, BLOCK_S 1024), forward (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
+  tuning values beside the default (`SWEEP`: the former default's chunk backward and two-kernel
+  pass, the split backward with that pass, its row blocks of 32, `cb` "input"), forward
+  (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
 ``check``: the bf16 kernel against the fp32 torch path on the same (bf16-representable) values,
@@ -95,39 +96,17 @@ SHAPES = (
 # v11: slower than the default and outside the bars once on the H200 (family.py,
 # `BUDGET=230 bash .ci/h200/h35_ssd5.sh`).
 #
-# Template v12 (issue 35; `split_states` "fill"'s fwd+bwd row went: `h35_ssd5.sh` timed it). Forward
-# only: the split forward's `pass` "fused" (its chunk-state kernel and state pass as one serial
-# loop per (head, BLOCK_P x STATE_N tile), 256 programs at the headline shape, PASS_K 64 tokens
-# per dot step), `cb` "input" (C B^T stored in bf16: half the output kernel's largest operand).
-# Forward + backward: "fused" with "fill" (the forward's fused loop over the 32 split chunks, then
-# the fill-in; the backward's dy pull and reverse pass as one serial loop over the 128 chunks per
-# tile). Both: BLOCK_S 1024 (a tuning value since v1, no code), the state passes' grid in one
-# wave. The sm_90 bf16 build (triton 3.9) of ssd_state_pass_kernel at 4 warps: BLOCK_S 512 40
-# registers (12 programs per SM by registers: 1584 of the forward pass's 2048 programs at the
-# headline shape run in the first wave, the rest in a second one, two serial chains back to back),
-# 1024 47 (10 per SM, 1320 >= 1024 programs), 2048 72, 256 32 (4096 programs, two waves);
-# mamba-ssm's pass took 0.050 ms against our 0.099 in device call A of the twenty-sixth session.
-# Few rows, so that the GPU call's bench fits ~100 s with its compiles (`.ci/h200/h35_ssd7.sh`);
-# left for a later call: "fused" fwd+bwd without "fill" (the forward's loop over the 128 chunks of
-# 64), "fused" at STATE_N 32 (512 programs) or PASS_K 128, "fused" with `cb` "input" together.
-#
-# Template v13 (issue 35's backward, fwd+bwd <= 3x the forward), first since they are the call's
-# question (`.ci/h200/h35_ssd7.sh`, which also runs v12's rows above, untimed so far, after them):
-# `bwd` "split", the backward over the split chunks of 256 (the forward then keeps its states per
-# split chunk, as without a backward: no states per chunk of 64 and no 128-step pass; the
-# backward's pull, a 32-step reverse pass, dx per (head, 64 rows, chunk), dC then dB per (64 rows,
-# chunk, group), d(dt) per (chunk, 4 heads)) at its defaults (row blocks of 64, the register cap
-# 128 of its dx and dB/dC kernels: sm_90 bf16 build (triton 3.9) dx 128 registers / no spills,
-# dC 128 / 112 spill bytes, dB 128 / 40 (as the JIT compiles the launch, SPLIT 1 a constant: dC
-# 104, dB none, an artifact; triton 3.6, the H200's: dx 24, dC 184, dB none; helper-68's rebuild,
-# docs/LOG.md); two programs of 8 warps per SM), row blocks of 32 (dx 116 /
-# 0, dC 128 / 0, dB 128 / 0; 41-49 KB of shared memory against 66-82), uncapped (dx 171, dC 233,
-# dB 188 registers, no spills: one program per SM), and with `pass` "fused" (the forward's chunk
-# states and state pass as one loop; the backward's pull and reverse pass as one reverse loop).
-SWEEP = (({"bwd": "split"}, "bwd"), ({"bwd": "split", "BWD_M": 32}, "bwd"),
-         ({"bwd": "split", "bwd_split_maxnreg": 0}, "bwd"), ({"bwd": "split", "pass": "fused"}, "bwd"),
-         ({"pass": "fused"}, "fwd"), ({"BLOCK_S": 1024}, "both"), ({"cb": "input"}, "fwd"),
-         ({"pass": "fused", "split_states": "fill"}, "bwd"))
+# Templates v12-v14 (issue 35): the split forward's `pass` "fused" (its chunk-state kernel and
+# state pass as one serial loop per (head, BLOCK_P x STATE_N tile)) and `bwd` "split" (the
+# backward over the split chunks of 256: dy's pull, a 32-step reverse pass, dx per (head, 64 rows,
+# chunk), dC then dB per (64 rows, chunk, group), d(dt) per (chunk, 4 heads)), timed on the H200
+# in the thirty-first session (docs/LOG.md) and the P <= 64 bucket's default since v15. Rows
+# beside it: the v14 bucket (the chunk backward, the two-kernel pass), `pass` "split" with the
+# split backward (its pull and reverse pass as two kernels), row blocks of 32 (no spills in the
+# sm_90 build; 4.211 against 2.824 ms fwd+bwd by graph in that call), and `cb` "input" (C B^T
+# stored in bf16; the forward).
+SWEEP = (({"bwd": "chunk", "pass": "split"}, "both"), ({"pass": "split"}, "bwd"),
+         ({"BWD_M": 32}, "bwd"), ({"cb": "input"}, "fwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=14,
+    template_version=15,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -207,6 +207,13 @@ FAMILY = FamilySpec(
     # N 128, BWD_M 64, 8 warps) at bwd_split_maxnreg 128: dC 128 registers / 112 spill bytes as
     # before, dB 128 / 192 (40 before; uncapped 240 registers, 188 before), dx unchanged; at BWD_M
     # 32 no spills. Not timed on a GPU.
+    # v15: the P <= 64 bucket takes `bwd` "split" and `pass` "fused". On the H200 (thirty-first
+    # session, docs/LOG.md) v14's test_bf16_vs_fp32_on_gpu [bwd-split], [bwd-split-m32],
+    # [bwd-split-fused] passed (--runxfail), and at B1 T8192 H128 P64 G8 N128 bf16 (`onboard bench
+    # --family ssd --case '^B1T8192H128' --impl ours`, CUDA-graph ms) fwd+bwd took 2.759 with both
+    # against 3.478 for v14's bucket, 2.824 with `bwd` "split" alone; the forward with `pass`
+    # "fused" 0.505 against 0.581, mamba-ssm's Triton SSD 0.580 in the same run (`--impl
+    # ours,ours_fwd,mamba_ssm,mamba_ssm_fwd` with $ONBOARD_ANCHOR_MAMBA_SSM: 1.15x).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -270,7 +277,8 @@ FAMILY = FamilySpec(
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
-                            "BLOCK_N": 64, "DBC_N": 64, "bwd_maxnreg": 128, "fwd": "split"}),
+                            "BLOCK_N": 64, "DBC_N": 64, "bwd_maxnreg": 128, "fwd": "split",
+                            "bwd": "split", "pass": "fused"}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
     match=match,

@@ -245,7 +245,9 @@ SPLIT_BWD_CI = ("sc2-fill-T23", "sc2-fused-fill-B2T41")
 
 
 def _split(module, device, cfg):
-    full = {**cfg, "fwd": "split"}
+    # the P <= 64 bucket's `bwd` "split" and `pass` "fused" (v15) only where a row asks for them:
+    # these rows cover the split forward's other paths (the chunk backward, the two-kernel pass)
+    full = {"bwd": "chunk", "pass": "split", **cfg, "fwd": "split"}
     module.set_config({**CPU_CONFIG, **full} if device.type == "cpu" else full)
 
 
@@ -530,6 +532,8 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
 # v13 (xfail-marked tuning values): `bwd` "split" (the backward over the split chunks of 256, its
 # forward keeping the states per split chunk), row blocks of 64 (the default) and of 32, and with
 # `pass` "fused" (the forward's fused pass, the backward's pull and reverse pass as one loop).
+# v15: the P <= 64 bucket's default is `bwd` "split" with `pass` "fused" ([default] runs it; v14's
+# three rows passed on the H200); [bwd-chunk] keeps the chunk backward with the two-kernel pass.
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"),
                                  pytest.param({"scan": "blocks"}, id="blocks", marks=UNTIMED),
                                  pytest.param({"scan": "blocks", "STATE_CHUNKS": 8}, id="blocks-sc8", marks=UNTIMED),
@@ -542,7 +546,8 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"bwd": "split"}, id="bwd-split", marks=UNTIMED),
                                  pytest.param({"bwd": "split", "BWD_M": 32}, id="bwd-split-m32", marks=UNTIMED),
                                  pytest.param({"bwd": "split", "pass": "fused"}, id="bwd-split-fused",
-                                              marks=UNTIMED)])
+                                              marks=UNTIMED),
+                                 pytest.param({"bwd": "chunk", "pass": "split"}, id="bwd-chunk")])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
