@@ -113,7 +113,12 @@ PARAMS = _base.PARAMS
 #   8 warps 255 / 888, BK 32 8 warps 255 / 1524, BK 16 4 warps 255 / 2784, BK 32 4 warps
 #   255 / 4432 (the exact elementwise tier's share at BK 16 8 warps: ~700 B; without the Gram
 #   tiers 254 registers, no spills). Bench rows and GPU bars: `bench.BWD_SWEEP`,
-#   `.ci/h200/h32_kdabwd2.sh`.
+#   `.ci/h200/h32_kdabwd2.sh`. v29-v32 faulted on the H200 at every shape (triton 3.6, an
+#   out-of-bounds shared read by a wgmma in the K tiles, compute-sanitizer); template v33 reads Tm^T
+#   transposed at each of its two dots instead of holding one Tm tile through both loops (its sm_90
+#   TTGIR: no shared Tm^T alive from the kernel's top, shared 61440 -> 53248 B at BK 16 8 warps;
+#   every wgmma descriptor of both builds starts inside the allocation). GPU check:
+#   `.ci/h200/h32_kdafused2.sh`.
 # kda_qk_bk: the K tile of the "tiles" qk kernel and of the "fused" kernel (0: BK). kda_qk_warps,
 #   kda_wy_warps: warps of the backward's qk and wy kernels, either form, kda_qk_warps those of the
 #   "fused" kernel (0: num_warps). kda_state_bwd_warps: warps of the
@@ -180,7 +185,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=32,
+    template_version=33,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
