@@ -114,10 +114,12 @@ PARAMS = _base.PARAMS
 #   255 / 4432 (the exact elementwise tier's share at BK 16 8 warps: ~700 B; without the Gram
 #   tiers 254 registers, no spills). Bench rows and GPU bars: `bench.BWD_SWEEP`,
 #   `.ci/h200/h32_kdabwd2.sh`. v29-v32 faulted on the H200 at every shape (triton 3.6, an
-#   out-of-bounds shared read by a wgmma in the K tiles, compute-sanitizer); template v33 reads Tm^T
-#   transposed at each of its two dots instead of holding one Tm tile through both loops (its sm_90
-#   TTGIR: no shared Tm^T alive from the kernel's top, shared 61440 -> 53248 B at BK 16 8 warps;
-#   every wgmma descriptor of both builds starts inside the allocation). GPU check:
+#   out-of-bounds shared read by a wgmma in the K tiles, compute-sanitizer); template v33 loads Tm
+#   at each of its two dots instead of holding one Tm^T tile through both loops, and takes the K
+#   tiles' dx = Tm^T dw as (dw^T Tm)^T (an M = BK mma.sync below BK 64). sm_90 AOT at BK 16 8
+#   warps (triton 3.6, the fault's shape): shared 61440 -> 53248 B, spills 760 -> 728 B, HGMMAs
+#   with a descriptor reloaded from a stack spill 8 -> 0 (the 4-warp default keeps 16, in the
+#   Gram tiers); every wgmma descriptor of both builds starts inside the allocation. GPU check:
 #   `.ci/h200/h32_kdafused2.sh`.
 # kda_qk_bk: the K tile of the "tiles" qk kernel and of the "fused" kernel (0: BK). kda_qk_warps,
 #   kda_wy_warps: warps of the backward's qk and wy kernels, either form, kda_qk_warps those of the
