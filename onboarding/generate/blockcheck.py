@@ -372,29 +372,104 @@ def _perturbed_runner(module: torch.nn.Module, args: tuple, kwargs: dict
     return run
 
 
+@dataclass
+class _SizeOutcome:
+    """What `_check_size` found at one size: the errors when every step ran, else why not."""
+
+    errors: list[TensorError] | None = None
+    skipped: str = ""  # no verdict on the replacement (the block's own code failed first)
+    failure: str = ""  # the replacement raised
+    own: str = ""  # the block's own 16-bit code failed: judged by the row alone
+    rows: RowExclusion | None = None
+    seconds: float | None = None  # the replacement's forward + backward, once it ran
+
+
+def _check_size(fn: Callable, module: torch.nn.Module, ref_module: torch.nn.Module, original: Callable,
+                args: tuple, kwargs: dict, names: list[str], dtype: str, kind: str, draw: int,
+                floor: bool, where: str = "", strict: bool = False) -> _SizeOutcome:
+    """One size of the block check: ``fn`` against the reference (``original``, the block's own
+    forward, when ``ref_module`` is ``module``; else ``ref_module``'s fp32 forward on fp32
+    inputs), with the unpatched 16-bit block (``original``) as the floor when ``floor`` and the
+    reference is not the block itself; the rows whose integer picks flipped within the tolerance
+    left out (`_exclusion`); forward and every gradient under cotangents drawn from ``draw``.
+    ``strict``: every exception propagates (the tuner's trials); else a failing step becomes the
+    outcome's reason (``where`` names the size in it)."""
+    from onboarding.align.core import as_dtype
+
+    def attempt(thunk: Callable[[], Any]) -> tuple[Any, str]:
+        if strict:
+            return thunk(), ""
+        try:
+            return thunk(), ""
+        except Exception as exc:  # noqa: BLE001 - the reason is the outcome
+            return None, _last_line(exc)
+
+    out = _SizeOutcome()
+    own_ref = ref_module is module
+    ref_args = args if own_ref else _cast(args, torch.float32)
+    ref_kw = kwargs if own_ref else _cast(kwargs, torch.float32)
+    ref_call, err = attempt(lambda: _forward(original if own_ref else ref_module.forward, ref_args, ref_kw,
+                                             names))
+    if err:
+        out.skipped = f"the block's own forward fails at {where}: {err}"
+        return out
+    floor_call = None
+    if floor and not own_ref:  # 16-bit: the unpatched block's own error sets a floor
+        floor_call, err = attempt(lambda: _forward(original, args, kwargs, names))
+        if err:  # the block's own code fails in 16 bits (xLSTM's chunkwise path: fp32 initial
+            # states @ bf16 keys): no floor, the row alone
+            out.own = f"the block's own {dtype} forward fails at {where}: {err}"
+    s0 = time.perf_counter()
+    cand_call, err = attempt(lambda: _forward(fn, args, kwargs, names))
+    if err:
+        out.seconds = round(time.perf_counter() - s0, 2)
+        _fail(out, dtype, where, err)
+        return out
+    s1 = time.perf_counter()
+    # rows whose integer picks flipped within the 16-bit tolerance (or jumped where the block
+    # itself is unstable): compared nowhere, their cotangents zeroed in every backward
+    # (onboarding.generate.flips)
+    out.rows = _exclusion(cand_call, ref_call, floor_call,
+                          lambda: _perturbed_runner(ref_module, _cast(args, torch.float32),
+                                                    _cast(kwargs, torch.float32)),
+                          as_dtype(dtype), draw)
+    ref, err = attempt(lambda: _backward(ref_call, ref_module, draw, out.rows))
+    if err:
+        out.skipped = f"the block's own backward fails at {where}: {err}"
+        return out
+    floor_out = None
+    if floor_call is not None:
+        floor_out, err = attempt(lambda: _backward(floor_call, module, draw, out.rows))
+        if err:
+            out.own = f"the block's own {dtype} backward fails at {where}: {err}"
+    s2 = time.perf_counter()
+    cand, err = attempt(lambda: _backward(cand_call, module, draw, out.rows))
+    out.seconds = round(s1 - s0 + time.perf_counter() - s2, 2)
+    if err:
+        _fail(out, dtype, where, err)
+        return out
+    out.errors = _judge(cand, ref, floor_out, dtype, kind, out.rows)
+    return out
+
+
+def _fail(out: _SizeOutcome, dtype: str, where: str, err: str) -> None:
+    """The replacement raised: a failure, or no verdict where the block's own code fails too."""
+    if out.own:
+        out.skipped = f"{out.own}; so does the replacement"
+    else:
+        out.failure = f"the replacement raised at {where}, {dtype}: {err}"
+
+
 def judge_once(fn: Callable, module: torch.nn.Module, ref_module: torch.nn.Module,
                args: tuple, kwargs: dict, names: list[str], draw: int, dtype: str, kind: str,
                floor: bool = False) -> list[TensorError]:
-    """One size of the block check, as `run_check` judges it, without its skip reasons (the
-    tuner's check of each trial): ``fn`` against ``ref_module``'s forward (fp32 inputs when it is
-    not ``module``), the block's own 16-bit ``module.forward`` as the floor when ``floor``, the
-    rows whose integer picks flipped within the tolerance left out (`_exclusion`), forward and
-    every gradient under cotangents drawn from ``draw``. Raises what the calls raise."""
-    from onboarding.align.core import as_dtype
-
-    own = ref_module is module
-    ref_args = args if own else _cast(args, torch.float32)
-    ref_kw = kwargs if own else _cast(kwargs, torch.float32)
-    ref_call = _forward(ref_module.forward, ref_args, ref_kw, names)
-    floor_call = _forward(module.forward, args, kwargs, names) if floor and not own else None
-    cand_call = _forward(fn, args, kwargs, names)
-    rows = _exclusion(cand_call, ref_call, floor_call,
-                      lambda: _perturbed_runner(ref_module, ref_args, ref_kw),
-                      as_dtype(dtype), draw)
-    ref = _backward(ref_call, ref_module, draw, rows)
-    floor_out = _backward(floor_call, module, draw, rows) if floor_call is not None else None
-    cand = _backward(cand_call, module, draw, rows)
-    return _judge(cand, ref, floor_out, dtype, kind, rows)
+    """One size of the block check as `run_check` judges it (`_check_size`), for the tuner's
+    check of each trial: the same comparisons, without skip reasons; raises what the calls
+    raise."""
+    out = _check_size(fn, module, ref_module, module.forward, args, kwargs, names, dtype, kind, draw,
+                      floor, strict=True)
+    assert out.errors is not None  # strict: every step ran or raised
+    return out.errors
 
 
 def _judge(cand: tuple, ref: tuple, floor: tuple | None, dtype: str, kind: str,
@@ -548,74 +623,23 @@ def run_check(req: dict[str, Any], make: Callable[..., Callable], label: str) ->
                 size.skipped = f"the model's own forward fails at batch {b}, seq {t}: " \
                     + _last_line(exc)
                 continue
-            try:
-                ref_call = _forward(original if ref_module is module else ref_module.forward,
-                                    _cast(args, torch.float32) if ref_module is not module
-                                    else args, _cast(kw, torch.float32)
-                                    if ref_module is not module else kw, names)
-            except Exception as exc:
-                size.skipped = f"the block's own forward fails at batch {b}, seq {t}: " \
-                    + _last_line(exc)
+            out = _check_size(fn, module, ref_module, original, args, kw, names, dtype_name, kind,
+                              size.draw, floor=True, where=f"batch {b}, seq {t}")
+            if out.seconds is not None:
+                size.seconds = out.seconds
+            if out.skipped:
+                size.skipped = out.skipped
                 continue
-            floor_call, own = None, ""
-            if ref_module is not module:  # 16-bit: the unpatched block's own error sets a floor
-                try:
-                    floor_call = _forward(original, args, kw, names)
-                except Exception as exc:  # the block's own code fails in 16 bits (xLSTM's
-                    # chunkwise path: fp32 initial states @ bf16 keys): no floor, the row alone
-                    own = f"the block's own {dtype_name} forward fails at batch {b}, seq {t}: " \
-                        + _last_line(exc)
-            s0 = time.perf_counter()
-            try:
-                cand_call = _forward(fn, args, kw, names)
-            except Exception as exc:
-                size.seconds = round(time.perf_counter() - s0, 2)
-                if own:  # failing where the block's own code fails is no verdict on it
-                    size.skipped = f"{own}; so does the replacement"
-                    continue
-                verdict.reason = f"the replacement raised at batch {b}, seq {t}, " \
-                    f"{dtype_name}: {_last_line(exc)}"
+            if out.failure:
+                verdict.reason = out.failure
                 break
-            s1 = time.perf_counter()
-            # rows whose integer picks flipped within the 16-bit tolerance (or jumped where the
-            # block itself is unstable): compared nowhere, their cotangents zeroed in every
-            # backward (onboarding.generate.flips)
-            rows = _exclusion(cand_call, ref_call, floor_call,
-                              lambda: _perturbed_runner(ref_module, _cast(args, torch.float32),
-                                                        _cast(kw, torch.float32)),
-                              dtype, size.draw)
-            try:
-                ref = _backward(ref_call, ref_module, size.draw, rows)
-            except Exception as exc:
-                size.skipped = f"the block's own backward fails at batch {b}, seq {t}: " \
-                    + _last_line(exc)
-                continue
-            floor = None
-            if floor_call is not None:
-                try:
-                    floor = _backward(floor_call, module, size.draw, rows)
-                except Exception as exc:
-                    own = f"the block's own {dtype_name} backward fails at batch {b}, " \
-                        f"seq {t}: " + _last_line(exc)
-            s2 = time.perf_counter()
-            try:
-                cand = _backward(cand_call, module, size.draw, rows)
-            except Exception as exc:
-                size.seconds = round(s1 - s0 + time.perf_counter() - s2, 2)
-                if own:
-                    size.skipped = f"{own}; so does the replacement"
-                    continue
-                verdict.reason = f"the replacement raised at batch {b}, seq {t}, " \
-                    f"{dtype_name}: {_last_line(exc)}"
-                break
-            if own:
-                verdict.notes.append(f"{own} (judged by the {dtype_name} row alone)")
-            size.seconds = round(s1 - s0 + time.perf_counter() - s2, 2)
-            if rows is not None:
-                size.excluded_rows = rows.count
+            if out.own:
+                verdict.notes.append(f"{out.own} (judged by the {dtype_name} row alone)")
+            if out.rows is not None:
+                size.excluded_rows = out.rows.count
                 verdict.notes.append(f"{dtype_name} at batch {b}, seq {t}: "
-                                     + rows.describe(dtype_name))
-            size.errors = _judge(cand, ref, floor, dtype_name, kind, rows)
+                                     + out.rows.describe(dtype_name))
+            size.errors = out.errors
             size.passed = all(e.passed for e in size.errors)
             if not size.passed:
                 bad = next(e for e in size.errors if not e.passed)
