@@ -10,6 +10,7 @@ wrong one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -35,6 +36,22 @@ DTYPES = [
 # registration and fake tensors in CI, the AOT-dispatch trace (two thirds of the time) nightly.
 OPCHECK_SPLIT = [pytest.param(OPCHECK_FAST, id="opcheck-fast"),
                  pytest.param(OPCHECK_AOT, id="opcheck-aot", marks=pytest.mark.slow)]
+
+
+@contextlib.contextmanager
+def fp16_dot_path(monkeypatch, module):
+    """`module` (a rendered kernel module) on its GPU's 16-bit path for fp16 inputs, in the
+    interpreter: `_dot_mode` returns "fp16" for 16-bit inputs as it does on a GPU ("bf16"/"fp16"),
+    so `_tiles` picks 16-bit dots and 16-bit stored intermediates, which the kernels read at launch
+    time; other dtypes keep the module's own mode. The interpreter computes fp16 right (not bf16):
+    fp16 inputs then take the GPU's 16-bit path at fp16's unit roundoff (2^-11 against bf16's
+    2^-8), so the GPU's bf16-vs-fp32 bars scaled by 2^-3 predict its outcome (fp16's narrower range
+    aside: a kernel that guards exponent ranges by mode may route differently). Undone on exit."""
+    dot_mode = module._dot_mode
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_dot_mode", lambda precision, dtype, device: "fp16" if dtype in (
+            torch.bfloat16, torch.float16) else dot_mode(precision, dtype, device))
+        yield module
 
 
 def case_id(variant: str, params: dict) -> str:

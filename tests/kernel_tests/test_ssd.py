@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import OPCHECK_SPLIT, check_match, check_sample_inputs_fit
+from kernel_cases import OPCHECK_SPLIT, check_match, check_sample_inputs_fit, fp16_dot_path
 
 from onboarding.families import family_module
 from onboarding.generate import aot
@@ -617,9 +617,6 @@ def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     final state and every gradient within the scaled bars."""
     if not interpreting():
         pytest.skip("the interpreter's emulation of the 16-bit path (on a GPU: test_bf16_vs_fp32_on_gpu)")
-    dot_mode = module._dot_mode
-    monkeypatch.setattr(module, "_dot_mode", lambda precision, dtype, dev: "fp16" if dtype in (
-        torch.bfloat16, torch.float16) else dot_mode(precision, dtype, dev))
     gen = torch.Generator().manual_seed(11)
     b, t, h, p, g, n = 1, 270, 2, 64, 1, 64
     args = [torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, h, generator=gen) - 3.0,
@@ -639,7 +636,8 @@ def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
 
     module.set_config(cfg or None)
     try:
-        got, ref = run(low), run(full)
+        with fp16_dot_path(monkeypatch, module):
+            got, ref = run(low), run(full)
     finally:
         module.set_config(CPU_CONFIG)
     names = ["y", "final_state", "dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dinitial_state"]
