@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from kernel_cases import DEVICE, OPCHECK_SPLIT
+from kernel_cases import DEVICE, OPCHECK_SPLIT, fp16_dot_path
 from test_gated_delta import (
     CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
     check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
@@ -22,6 +22,7 @@ from test_gated_delta import (
 from onboarding.families import family_module
 kimi_delta = family_module("kimi_delta")
 from onboarding.testing import check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.bounds import interpreting
 from onboarding.testing.tolerance import rel_rms as rel
 
 CASE_PARAMS = [pytest.param(c, id=c.id) for c in CASES]
@@ -541,6 +542,88 @@ def test_state_tile_fills_the_gpu(monkeypatch):
 @pytest.mark.parametrize("case,slow", GPU_CASES)
 def test_bf16_vs_fp32_on_gpu(case, slow):
     check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True, case, slow)
+
+
+# The GPU's 16-bit path on the interpreter, which computes fp16 right (not bf16): fp16 inputs with
+# `_dot_mode` forced to "fp16" (kernel_cases.fp16_dot_path) take the bf16 path's 16-bit dots and
+# 16-bit stored intermediates, against the fp32 path (exact dots) on the same fp16-representable
+# inputs and cotangents, at the GPU chunk (64) and the K <= 64 bucket's own tiles (CPU_CONFIG
+# unpinned; Tm's block merges, tf32 on the GPU, run exact: the interpreter ignores input_precision,
+# and fp16 dots there made no difference past 3 digits). Bars: the GPU bf16 bars (check_bf16_vs_fp32_gpu: 5e-3 on o and the final state, 1e-2
+# on every gradient) scaled by fp16's unit roundoff over bf16's (2^-11 / 2^-8): 6.25e-4 and
+# 1.25e-3, as ssd's test_fp16_vs_fp32_interpreted (which caught an unstable gradient that the GPU
+# bars then confirmed). Two value heads on one key head (the fused kernel's per-head slots and group
+# sum), T 100 (a full chunk and a partial one), K = V = 64 (two K tiles of BK 32, four of
+# `kda_qk_bk` 16), the l2norm on; the first head with mixed decays, the second with slow ones:
+# fp16's range (GRAM_SPAN_FP16) sends the mixed head's chunks to the exact elementwise Gram tier,
+# where bf16 on the GPU takes one reference per chunk; the slow head keeps that tier (the GPU's)
+# under fp16 too. Measured, each row: o 4.4e-4, final state 4.4e-4, dq 4.0e-4, dk <= 4.9e-4, dv
+# 4.4e-4, dg 5.2e-4, dbeta 4.8e-4, dh0 2.4e-4 (rounding the fp32 path's outputs to fp16 alone: 2.1e-4
+# each); about 2 s a row. Broken on purpose in a scratch copy (gc rounded to fp16 on the fp16 path):
+# in the fused kernel the fused rows fail (dk 1.5e-3), in the tiled backward's wy kernel the
+# default row (dk 1.5e-3), in the prepare kernel every row (o 1.0e-3, final state 1.4e-3, dv
+# 1.4e-3, dbeta 1.4e-3); Tm stored bf16 passes (dv 7.9e-4, dbeta 9.0e-4).
+@pytest.mark.parametrize("cfg", [pytest.param({}, id="default"), pytest.param({"kda_qk": "fused"}, id="fused"),
+                                 pytest.param({"kda_qk": "fused", "kda_qk_bk": 16}, id="fused-bk16")])
+def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
+    """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
+    o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
+    path's, the chunk backward launched with 16-bit dots, both Gram tiers taken."""
+    if not interpreting():
+        pytest.skip("the interpreter's emulation of the 16-bit path (on a GPU: test_bf16_vs_fp32_on_gpu)")
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=2, T=100, l2=True, h0=True, K=64, V=64)
+    gen = torch.Generator().manual_seed(6)
+    args = make_inputs(case, True, torch.float16, DEVICE, gen)
+    args[3][:, :, 1] = make_inputs(case, True, torch.float16, DEVICE, gen, slow=True)[3][:, :, 1]
+    ref_args = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a for a in args]
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).half().to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    launches, tiers = [], set()
+    for name in ("kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_qkt_kernel"):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, _LaunchSpy(kernel, lambda kw, _n=name: launches.append(
+            (_n, kw["BK"], kw["DOT_PREC"]))))
+    for name, bc in (("_kda_gram", None), ("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9)):
+        fn = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
+            tiers.add(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
+    prev = module._CONFIG_OVERRIDE
+    module.set_config(cfg or None)
+    try:
+        with fp16_dot_path(monkeypatch, module):
+            tiles = module._tiles(case.K, case.V, torch.float16, DEVICE, case.B * case.HV)
+            assert (tiles["DOT_PREC"], tiles["IDT"], tiles["BK"]) == ("fp16", torch.float16, 32), tiles
+            assert module._tiles(case.K, case.V, torch.float32, DEVICE)["DOT_PREC"] == "ieee"
+            # (fp16's overflow in the pipelined Gram pass's first try at the mixed head's chunks,
+            # which the kernel discards for the tiers: a nan or inf kept would fail the bars below)
+            with np.errstate(over="ignore", invalid="ignore"):
+                outs, grads = grads_of(module.entry, args, douts)
+            assert {launch[2] for launch in launches} == {"fp16"}, launches
+            fp16_launches, fp16_tiers = list(launches), set(tiers)
+            ref_outs, ref_grads = grads_of(module.entry, ref_args, [d.float() for d in douts])
+    finally:
+        module.set_config(prev)
+    kernel = "kda_chunk_bwd_fused_kernel" if cfg else "kda_chunk_bwd_qkt_kernel"
+    assert {launch[:2] for launch in fp16_launches} == {(kernel, cfg.get("kda_qk_bk") or 32)}, fp16_launches
+    assert fp16_tiers == {"_kda_gram", "_kda_gram_bwd", "_kda_gram_bwd_dots/64"}, fp16_tiers
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    errs = {n: rel(a.float(), b.float()) for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
+    bad = {n: e for n, e in errs.items() if not e <= (6.25e-4 if n in ("o", "final_state") else 1.25e-3)}
+    assert not bad, f"relative RMS over the bar (or nan): {bad} (all: {errs})"
+
+
+class _LaunchSpy:
+    """`kernel[grid](...)` with `record(kwargs)` first."""
+
+    def __init__(self, kernel, record):
+        self.kernel, self.record = kernel, record
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.record(kw)
+            return self.kernel[grid](*args, **kw)
+        return launch
 
 
 def _sweep_rows(sweep):
