@@ -94,10 +94,26 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 # scales rows of their operand or result instead: qg S_c = diag(fq) (q S_c), kd^T v_new =
 # k^T (diag(fk) v_new) (134 MB fewer bytes written at T8192 in the Qwen3-Next layout, and the state
 # pass reads k and q [B, T, HK, K], half of kd and qg's bytes at HV = 2 HK; arithmetic). Untimed.
+# prep_share (issue 32, template v20), the prepare kernel per (chunk, key head) instead of (chunk,
+# value head), `gdn_prepare_share_fwd_kernel`: "off" (default) as before; "on", the raw Gram products
+# k k^T, q k^T and the l2norm row scales once per key head (one pass over q and k), then for each of
+# the HV / HK value heads its decay, beta, Aqk, M, Tm, w, u (and kd, qg or ROWS' factors), with the raw
+# k k^T kept in registers across them; "scratch", that product through an fp32 [B, HK, Tp, BT]
+# scratch instead. Same outputs and per-head arithmetic; with prep_pipe, fused_kq rows and the kept Tm.
+# At HV = 2 HK (Qwen3-Next) it removes half of the Gram dots (a third of the prepare's dot FLOPs at
+# K = V = 128, BT 64, so a sixth of them) and half of the Gram pass's q and k loads (a fifth of the
+# prepare's load bytes with kd and qg stored, a quarter with fused_kq rows). sm_90 AOT (bf16, the
+# k_le_128 bucket, the forward without training, integers marked as the JIT marks them at T8192 HK16
+# HV32), registers / spilled bytes, triton 3.6 | 3.9: default prepare 4 warps 255 / 0 | 254 / 0,
+# 8 warps 179 / 0 | 200 / 0; "on" 4 warps 255 / 460 | 255 / 296, 8 warps 255 / 376 | 255 / 72;
+# "scratch" 4 warps 255 / 576 | 255 / 408, 8 warps 255 / 348 | 255 / 176 (49152 B shared in all).
+# The spills sit at the head loop's top and in the inverse (nvdisasm line map): the raw product and
+# the per-head vectors held across the loop. Untimed (bench rows SHARE_SWEEP decide).
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
-                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows")}
+                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
+                    "prep_share": ("off", "on", "scratch")}
 GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
-                      "fused_kq": "stored"}
+                      "fused_kq": "stored", "prep_share": "off"}
 SHAPE_BUCKETS = (
     # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
     # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed
@@ -173,7 +189,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=19,
+    template_version=20,  # v20: `prep_share` (the prepare per key head); kimi_delta's rendering unchanged
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
