@@ -1,17 +1,20 @@
 # H200 call (issue 32, GDN template v20): does the prepare per (chunk, key head) (`prep_share`: the
 # raw Gram products k k^T, q k^T and the l2norm row scales once per key head, then each of its
 # HV / HK value heads' decay, beta, Aqk, M, Tm, w, u, kd/qg in turn; "on" keeps the raw k k^T in
-# registers, "scratch" passes it through an fp32 [B, HK, Tp, BT] scratch) take the GDN forward
+# registers and inlines the inverse, "scratch" passes the raw k k^T through an fp32 [B, HK, Tp, 2 BT]
+# scratch and takes Tm = (I + A)^-1 by a noinline call on its second slot) take the GDN forward
 # past the default (`fwd_o` "fused") toward the issue's 1.3x of fla 0.6's chunk_gated_delta_rule?
-# Decides: whether a SHARE_SWEEP row (bench.py) becomes the k_le_128 bucket's default, and which
-# (the sm_90 AOT builds of the share kernel spill, 72-576 B by variant and triton version, see
-# family.py: this call is what says whether the saved Gram pass outweighs that). At HV = 2 HK the
-# share removes half of the Gram dots (a sixth of the prepare's dot FLOPs) and half of the Gram
-# pass's q, k loads; at B2 T4096 H16 (HV = HK) it removes nothing (a control: the same work, one
-# more loop). Rows, forward only, with the fused output: ours@prep_share=on+fwd_o=fused_fwd,
-# ours@prep_share=scratch+fwd_o=fused_fwd, ours@prep_share=on+prep_warps=8+fwd_o=fused_fwd (the
-# least-spilling build on 3.9), ours@prep_share=on+fwd_o=fused+fused_kq=rows_fwd; against ours_fwd
-# (the default) and fla_fwd, CUDA-graph ms, bf16. Self-contained: sources setup.sh. Carry .whl and .whl_fla:
+# Decides: whether a SHARE_SWEEP row (bench.py) becomes the k_le_128 bucket's default, and which.
+# sm_90 AOT (family.py): "scratch" at 8 warps builds without spills on triton 3.6 (the only such
+# build; its call serialises the kernel's wgmma pipeline at the call, a ptxas note), "on" spills at
+# 4 and 8 warps; this call says whether the saved Gram pass outweighs the spills, the scratch round
+# trips and the call. At HV = 2 HK the share removes half of the Gram dots (a sixth of the prepare's
+# dot FLOPs) and half of the Gram pass's q, k loads; at B2 T4096 H16 (HV = HK) it removes nothing
+# (a control: the same work plus the loop, the call and the scratch). Rows, forward only, with the
+# fused output: ours@prep_share=on+fwd_o=fused_fwd, ours@prep_share=scratch+prep_warps=8+fwd_o=fused_fwd,
+# ours@prep_share=on+prep_warps=8+fwd_o=fused_fwd,
+# ours@prep_share=scratch+prep_warps=8+fwd_o=fused+fused_kq=rows_fwd; against ours_fwd (the default)
+# and fla_fwd, CUDA-graph ms, bf16. Self-contained: sources setup.sh. Carry .whl and .whl_fla:
 #   bash .ci/h200/h32_gdn6.sh
 # Within ${BUDGET:-300} s (untimed; arithmetic from h32_gdn5.sh: set-up ~30 s, fla's first call ~95 s
 # with its autotuning, a prepare build ~10-20 s). Steps, each cut by `timeout` to what is left:
@@ -30,8 +33,8 @@ t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
 left() { local l=$(( ${BUDGET:-300} - 30 - $(date +%s) + t0 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 pack() { tar -czf "$O/gdn6.tgz" -C "$O" $(cd "$O" && ls | grep -v '^gdn6.tgz$') 2>/dev/null; }
 trap pack EXIT
-ROWS=ours@prep_share=on+fwd_o=fused_fwd,ours@prep_share=scratch+fwd_o=fused_fwd
-ROWS=$ROWS,ours@prep_share=on+prep_warps=8+fwd_o=fused_fwd,ours@prep_share=on+fwd_o=fused+fused_kq=rows_fwd
+ROWS=ours@prep_share=on+fwd_o=fused_fwd,ours@prep_share=scratch+prep_warps=8+fwd_o=fused_fwd
+ROWS=$ROWS,ours@prep_share=on+prep_warps=8+fwd_o=fused_fwd,ours@prep_share=scratch+prep_warps=8+fwd_o=fused+fused_kq=rows_fwd
 stamp gdn6-bars
 timeout "$(left 90)" python3 -m pytest -v -p no:cacheprovider -rxXs tests/kernel_tests/test_gated_delta.py \
   -k "bf16_vs_fp32_on_gpu_fwd_o and prep_share and k128-mixed" 2>&1 | tee "$O/gdn6_bars.txt" \

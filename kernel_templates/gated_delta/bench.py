@@ -7,8 +7,9 @@ forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd`
 (`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, the latter with
 ``+prep_warps=8+prep_maxnreg=128``, ``ours@fwd_o=fused+fused_kq=rows_fwd`` and that with
 ``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``) and the prepare per key head (`SHARE_SWEEP`:
-``ours@prep_share=on+fwd_o=fused_fwd``, ``ours@prep_share=scratch+fwd_o=fused_fwd``,
-``ours@prep_share=on+prep_warps=8+fwd_o=fused_fwd``, ``ours@prep_share=on+fwd_o=fused+fused_kq=rows_fwd``), on request, on the same inputs, so that one call
+``ours@prep_share=on+fwd_o=fused_fwd``, ``ours@prep_share=scratch+prep_warps=8+fwd_o=fused_fwd``,
+``ours@prep_share=on+prep_warps=8+fwd_o=fused_fwd``,
+``ours@prep_share=scratch+prep_warps=8+fwd_o=fused+fused_kq=rows_fwd``), on request, on the same inputs, so that one call
 times them against the default and fla."""
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ PREP_OCC = {"prep_pipe": "on", "prep_warps": 8, "prep_maxnreg": 128}
 KQ_ROWS = {"fwd_o": "fused", "fused_kq": "rows"}
 # issue 32, template v20, forward only: the prepare per (chunk, key head) (`prep_share`: the raw Gram
 # products once for the key head's value heads, two of them in the Qwen3-Next layout) with the fused
-# output: the raw k k^T in registers ("on"; sm_90 AOT at 4 warps spills, see family.py) or through an
-# fp32 scratch ("scratch"), "on" at 8 warps, and "on" with kd and qg not written (fused_kq rows)
-SHARE_SWEEP = ({"prep_share": "on", "fwd_o": "fused"}, {"prep_share": "scratch", "fwd_o": "fused"},
-               {"prep_share": "on", "prep_warps": 8, "fwd_o": "fused"}, {"prep_share": "on", **KQ_ROWS})
+# output: the raw k k^T in registers ("on", 4 and 8 warps; sm_90 AOT spills, see family.py), through
+# an fp32 scratch with the inverse a call of its own ("scratch" at 8 warps, the build without
+# spills), and that with kd and qg not written (fused_kq rows)
+PREP_SHARE_W8 = {"prep_share": "scratch", "prep_warps": 8}
+SHARE_SWEEP = ({"prep_share": "on", "fwd_o": "fused"}, {**PREP_SHARE_W8, "fwd_o": "fused"},
+               {"prep_share": "on", "prep_warps": 8, "fwd_o": "fused"}, {**PREP_SHARE_W8, **KQ_ROWS})
 PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, {**PREP_OCC, "fwd_o": "fused"},
               KQ_ROWS, {**KQ_ROWS, **PREP_OCC}, *SHARE_SWEEP)
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)

@@ -98,17 +98,23 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 # value head), `gdn_prepare_share_fwd_kernel`: "off" (default) as before; "on", the raw Gram products
 # k k^T, q k^T and the l2norm row scales once per key head (one pass over q and k), then for each of
 # the HV / HK value heads its decay, beta, Aqk, M, Tm, w, u (and kd, qg or ROWS' factors), with the raw
-# k k^T kept in registers across them; "scratch", that product through an fp32 [B, HK, Tp, BT]
-# scratch instead. Same outputs and per-head arithmetic; with prep_pipe, fused_kq rows and the kept Tm.
-# At HV = 2 HK (Qwen3-Next) it removes half of the Gram dots (a third of the prepare's dot FLOPs at
-# K = V = 128, BT 64, so a sixth of them) and half of the Gram pass's q and k loads (a fifth of the
-# prepare's load bytes with kd and qg stored, a quarter with fused_kq rows). sm_90 AOT (bf16, the
-# k_le_128 bucket, the forward without training, integers marked as the JIT marks them at T8192 HK16
-# HV32), registers / spilled bytes, triton 3.6 | 3.9: default prepare 4 warps 255 / 0 | 254 / 0,
-# 8 warps 179 / 0 | 200 / 0; "on" 4 warps 255 / 460 | 255 / 296, 8 warps 255 / 376 | 255 / 72;
-# "scratch" 4 warps 255 / 576 | 255 / 408, 8 warps 255 / 348 | 255 / 176 (49152 B shared in all).
-# The spills sit at the head loop's top and in the inverse (nvdisasm line map): the raw product and
-# the per-head vectors held across the loop. Untimed (bench rows SHARE_SWEEP decide).
+# k k^T kept in registers across them and the inverse inlined; "scratch", that product through an fp32
+# [B, HK, Tp, 2 BT] scratch and Tm = (I + A)^-1 by a noinline call on its second slot
+# (`_unit_lower_inverse_mem`). Same outputs and per-head arithmetic; with prep_pipe, fused_kq rows and
+# the kept Tm. At HV = 2 HK (Qwen3-Next) it removes half of the Gram dots (a third of the prepare's
+# dot MACs at K = V = 128, BT 64, so a sixth of them; less of its dot time, the inverse's merges being
+# tf32 and its diagonal blocks exact fp32) and half of the Gram pass's q and k loads (a fifth of the
+# prepare's load bytes with kd and qg stored, a quarter with fused_kq rows); "scratch" adds per value
+# head ~88 KB of scratch round trips (L1/L2) and a 2 x 33.5 MB buffer at T8192 HK16. sm_90 AOT (bf16,
+# the k_le_128 bucket, 3 stages, the forward without training, integers marked as the JIT marks them
+# at T8192 HK16 HV32), registers / spilled bytes, triton 3.6 | 3.9: default prepare 4 warps 255 / 0 |
+# 254 / 0, 8 warps 179 / 0 | 200 / 0; "on" 4 warps 255 / 460 | 255 / 296, 8 warps 255 / 376 | 255 / 72;
+# "scratch" 4 warps 255 / 396 | 255 / 396, 8 warps 249 / 0 | 234 / 0 (also clean with ROWS, prep_pipe
+# and the kept Tm; ptxas notes the call serialises the kernel's wgmma pipeline there); 49152 B shared
+# in all. The inlined inverse inside the head loop spills: its index and layout-conversion values are
+# hoisted out of the loop and held across it (the loop cut to one head: 151 registers, no spills, at
+# 8 warps 1 stage on 3.6, against 412 B of spills with the loop).
+# Untimed (bench rows SHARE_SWEEP, `.ci/h200/h32_gdn6.sh`).
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
                     "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
                     "prep_share": ("off", "on", "scratch")}
