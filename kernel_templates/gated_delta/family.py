@@ -195,7 +195,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=20,  # v20: `prep_share` (the prepare per key head); kimi_delta's rendering unchanged
+    template_version=21,  # v21: aot_specs lists the prep_share kernel under "off" too (v20: `prep_share`)
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
