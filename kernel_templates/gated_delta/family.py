@@ -195,7 +195,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    template_version=21,  # v21: aot_specs lists the prep_share kernel under "off" too (v20: `prep_share`)
+    # v22: `_unit_lower_inverse` is `_unit_lower_inverse_z` with z = 0 (one copy of the inverse;
+    # sm_90 PTX of gdn_prepare_fwd_kernel, the scratch share prepare and kda_prepare_fwd_kernel
+    # identical before and after under triton 3.6 and 3.9, debug lines and symbol hashes aside).
+    # v21: aot_specs lists the prep_share kernel under "off" too (v20: `prep_share`)
+    template_version=22,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
