@@ -11,6 +11,11 @@
 # scores and dp (~40% more FLOPs). Goal: fwd+bwd >= 150 TFLOP/s at T 8192 (backward <= ~65 ms).
 # The rows (kernel_templates/sparse_attention/bench.py MLA_FWDBWD_SWEEP): dq 64 heads x 32 keys
 # with dkv 64 keys x 32 or 16 heads, 1 or 2 stages; dq 64 x 16; the bucket's tiles (dq 32 x 16).
+# Run in the thirty-first session (docs/LOG.md, call 5); the winner (dq 64 x 32, dkv 64 x 32, 2
+# stages) became the bucket's default in template v7, and MLA_FWDBWD_SWEEP now holds the rows
+# beside it (the fused backward, 1 stage, 16-head dkv steps, 16-key dq steps); the test rows are
+# [mla-bwd-fused], [mla-bwd-split-1stage] and the default [mla-h128-576-512] (the adopted
+# 2-stage backward under its bars). Run again, this script times and checks those.
 # Steps, a BUDGET_S (default 240 s) from the first step:
 # (1) GPU tests, timeout 80 s: test_gpu_bf16_accuracy for the split rows (bf16 output and every
 #     gradient within 5e-3 / 1e-2 of the fp32 reference at T 1024, K 256, 128 heads x 576/512) and
@@ -39,7 +44,7 @@ left() { echo $(( ${BUDGET_S:-240} - ($(date +%s) - t0) )); }
 cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 stamp mla-bwd-tests
 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/kernel_tests/test_sparse_attention.py -rxXs \
-  -k "(gpu_bf16 and bwd-split) or test_mla_split_backward" --durations=6 2>&1 | tee "$O/mla_bwd_tests.txt" | tail -14
+  -k "(gpu_bf16 and (mla-bwd or mla-h128)) or test_mla_split_backward" --durations=6 2>&1 | tee "$O/mla_bwd_tests.txt" | tail -14
 stamp mla-fwdbwd-8k
 if [ "$(left)" -ge 30 ]; then
   timeout "$(cap 150)" onboard bench --family sparse_attention --case 'mla-T8192-fwdbwd' --impl ours --profile \
