@@ -38,6 +38,32 @@ OPCHECK_SPLIT = [pytest.param(OPCHECK_FAST, id="opcheck-fast"),
                  pytest.param(OPCHECK_AOT, id="opcheck-aot", marks=pytest.mark.slow)]
 
 
+class LaunchSpy:
+    """Stands for a Triton kernel of a rendered module (`monkeypatch.setattr(module, name,
+    LaunchSpy(kernel, record))`): each `kernel[grid](*args, **kw)` calls `record(grid, kw)`, then
+    launches the kernel."""
+
+    def __init__(self, kernel, record):
+        self.kernel, self.record = kernel, record
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.record(grid, kw)
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def assert_within_bars(errs: dict[str, float], outputs: tuple[str, ...], out_bar: float,
+                       grad_bar: float) -> None:
+    """Every relative error in `errs` within its bar: `out_bar` for the names in `outputs` (and
+    their `_`-suffixed variants, e.g. "y_no_grad"), `grad_bar` for the rest (the gradients). A NaN
+    fails (`not e <= bar`)."""
+    def bar(name: str) -> float:
+        return out_bar if any(name == o or name.startswith(o + "_") for o in outputs) else grad_bar
+    bad = {k: e for k, e in errs.items() if not e <= bar(k)}
+    assert not bad, f"relative RMS over the bar (or nan): {bad} (all: {errs})"
+
+
 @contextlib.contextmanager
 def fp16_dot_path(monkeypatch, module):
     """`module` (a rendered kernel module) on its GPU's 16-bit path for fp16 inputs, in the

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import DEVICE, OPCHECK_SPLIT
+from kernel_cases import DEVICE, OPCHECK_SPLIT, LaunchSpy, assert_within_bars, fp16_dot_path
 
 from onboarding.generate import aot
 from onboarding.generate import templating
@@ -372,15 +372,15 @@ def check_fp16_dot_path(spec, per_channel: bool, monkeypatch) -> None:
     which it computes right, by making `_dot_mode` pick "fp16" as it does on a GPU: forward and
     every gradient against the fp32 naive recurrence at fp16 accuracy."""
     module = load(spec)
-    monkeypatch.setattr(module, "_dot_mode", lambda prec, dtype, device: "fp16" if dtype == torch.float16 else prec)
-    assert module._tiles(32, 16, torch.float16, DEVICE)["IDT"] == torch.float16
     case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
     gen = torch.Generator().manual_seed(5)
     args = make_inputs(case, per_channel, torch.float16, DEVICE, gen)
     ref_args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
     douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    outs, grads = grads_of(module.entry, args, douts)
+    with fp16_dot_path(monkeypatch, module):
+        assert module._tiles(32, 16, torch.float16, DEVICE)["IDT"] == torch.float16
+        outs, grads = grads_of(module.entry, args, douts)
     ref_outs, ref_grads = grads_of(module.reference, ref_args, douts)
 
     # fp16 operands round to 2^-11 relative; products and outputs stay within ~1e-3 (RMS)
@@ -450,8 +450,7 @@ def check_bf16_vs_fp32_gpu(spec, per_channel: bool, case: Case = GPU_CASES[0].va
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
     errs = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
             for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
-    bad = {n: e for n, e in errs.items() if not e <= (5e-3 if n in ("o", "final_state") else 1e-2)}
-    assert not bad, f"relative RMS over the bar (or nan): {bad} (all: {errs})"
+    assert_within_bars(errs, ("o", "final_state"), 5e-3, 1e-2)
 
 
 # ---- GDN tests ---------------------------------------------------------------------------------
@@ -577,15 +576,8 @@ def test_prepare_pipe(case, extra, monkeypatch):
     base = {**(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}), **extra}
     q, k, v, g, beta = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(5))[:5]
     kernel, seen = module.gdn_prepare_fwd_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["PIPE"], kw["num_warps"], kw.get("maxnreg")))
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(module, "gdn_prepare_fwd_kernel", Spy())
+    monkeypatch.setattr(module, "gdn_prepare_fwd_kernel", LaunchSpy(kernel, lambda grid, kw: (
+        seen.append((kw["PIPE"], kw["num_warps"], kw.get("maxnreg"))))))
     outs = {}
     try:
         for pipe in ("off", "on"):
@@ -685,14 +677,13 @@ def test_fused_output_kq_rows_fp16_dot_path(monkeypatch):
     fused path, `test_fused_output_fp16_dot_path`)."""
     module = load(gated_delta.FAMILY)
     base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    monkeypatch.setattr(module, "_dot_mode", lambda prec, dtype, device: "fp16" if dtype == torch.float16 else prec)
     monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
     case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
     args = make_inputs(case, False, torch.float16, DEVICE, torch.Generator().manual_seed(5))
     ref_args = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
     module.set_config({**base, "fwd_o": "fused", "fused_kq": "rows"})
     try:
-        with torch.no_grad():
+        with fp16_dot_path(monkeypatch, module), torch.no_grad():
             outs = module.entry(*args)
             ref = module.reference(*ref_args)
         errs = {n: rel(a, b) for n, a, b in zip(("o", "final_state"), outs, ref)}
@@ -721,14 +712,9 @@ def test_prepare_share(case, share, extra, monkeypatch):
     module = load(gated_delta.FAMILY)
     base = {**(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}), **extra}
     q, k, v, g, beta = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(5))[:5]
-    kernel, grids = module.gdn_prepare_share_fwd_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(module, "gdn_prepare_share_fwd_kernel", Spy())
+    grids = []
+    monkeypatch.setattr(module, "gdn_prepare_share_fwd_kernel", LaunchSpy(
+        module.gdn_prepare_share_fwd_kernel, lambda grid, kw: grids.append(grid)))
     outs = {}
     try:
         for mode in ("off", share):

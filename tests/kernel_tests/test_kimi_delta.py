@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from kernel_cases import DEVICE, OPCHECK_SPLIT, fp16_dot_path
+from kernel_cases import DEVICE, OPCHECK_SPLIT, LaunchSpy, assert_within_bars, fp16_dot_path
 from test_gated_delta import (
     CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
     check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
@@ -173,14 +173,8 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     launched = []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
                  "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel"):
-        kern = getattr(module, name)
-
-        class Spy:
-            def __getitem__(self, grid, _k=kern, _n=name):
-                launched.append(_n)
-                return _k[grid]
-
-        monkeypatch.setattr(module, name, Spy())
+        monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
+                                                   lambda grid, kw, _n=name: launched.append(_n)))
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False)
     gen = torch.Generator().manual_seed(2)
     args = make_inputs(case, True, torch.float32, DEVICE, gen)
@@ -223,14 +217,8 @@ def test_fused_backward_vs_naive(monkeypatch, fused):
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
         for name in ("kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel", "kda_chunk_bwd_wyt_kernel"):
-            kern = getattr(module, name)
-
-            class Spy:
-                def __getitem__(self, grid, _k=kern, _n=name):
-                    calls.append(_n)
-                    return _k[grid]
-
-            monkeypatch.setattr(module, name, Spy())
+            monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
+                                                       lambda grid, kw, _n=name: calls.append(_n)))
     with pinned(module, cfg):
         (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
@@ -284,16 +272,8 @@ def test_prepare_runs_its_kernels(monkeypatch, prep, kernels):
     module = load(kimi_delta.FAMILY)
     launched = []
     for name in ("kda_gram_fwd_kernel", "kda_wu_fwd_kernel", "kda_prepare_fwd_kernel"):
-        kern = getattr(module, name)
-
-        class Spy:
-            def __getitem__(self, grid, _k=kern, _n=name):
-                def launch(*a, **kw):
-                    launched.append(f"{_n}/PIPE_GRAM={kw['PIPE_GRAM']}" if "PIPE_GRAM" in kw else _n)
-                    return _k[grid](*a, **kw)
-                return launch
-
-        monkeypatch.setattr(module, name, Spy())
+        monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw, _n=name: launched.append(
+            f"{_n}/PIPE_GRAM={kw['PIPE_GRAM']}" if "PIPE_GRAM" in kw else _n)))
     case = Case(HK=1, HV=2, T=20, l2=True, h0=True)
     args = make_inputs(case, True, torch.float32, DEVICE, torch.Generator().manual_seed(2))
     with torch.no_grad(), pinned(module, PREPARE_CONFIGS[prep]):
@@ -344,16 +324,9 @@ FUSED_O_CASES = [pytest.param(CASES[0], {}, id=CASES[0].id), pytest.param(CASES[
 def _state_spy(module, monkeypatch) -> list:
     """(FUSE_O, KEEP) of every `kda_state_fwd_kernel` launch, appended as it runs; the output
     kernel's host call patched to fail."""
-    kernel, seen = module.kda_state_fwd_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["FUSE_O"], kw["KEEP"]))
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(module, "kda_state_fwd_kernel", Spy())
+    seen = []
+    monkeypatch.setattr(module, "kda_state_fwd_kernel", LaunchSpy(
+        module.kda_state_fwd_kernel, lambda grid, kw: seen.append((kw["FUSE_O"], kw["KEEP"]))))
     monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
     return seen
 
@@ -402,11 +375,10 @@ def test_fused_output_fp16_dot_path(monkeypatch):
     with pinned(module, {"fwd_o": "fused"}):
         check_fp16_dot_path(kimi_delta.FAMILY, True, monkeypatch)
         # (it leaves `_dot_mode` at fp32 dots): the fp16 path again, for the forward without training
-        monkeypatch.setattr(module, "_dot_mode", lambda prec, dtype, device: "fp16" if dtype == torch.float16 else prec)
         seen.clear()
         case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
         args = make_inputs(case, True, torch.float16, DEVICE, torch.Generator().manual_seed(5))
-        with torch.no_grad():
+        with fp16_dot_path(monkeypatch, module), torch.no_grad():
             outs = module.entry(*args)
             ref = module.reference(*[a.float() if isinstance(a, torch.Tensor) else a for a in args])
         assert all(rel(a, b) < 5e-3 for a, b in zip(outs, ref)), [rel(a, b) for a, b in zip(outs, ref)]
@@ -582,7 +554,7 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     launches, tiers = [], set()
     for name in ("kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_qkt_kernel"):
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, _LaunchSpy(kernel, lambda kw, _n=name: launches.append(
+        monkeypatch.setattr(module, name, LaunchSpy(kernel, lambda grid, kw, _n=name: launches.append(
             (_n, kw["BK"], kw["DOT_PREC"]))))
     for name, bc in (("_kda_gram", None), ("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9)):
         fn = getattr(module, name)
@@ -609,21 +581,7 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     assert fp16_tiers == {"_kda_gram", "_kda_gram_bwd", "_kda_gram_bwd_dots/64"}, fp16_tiers
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
     errs = {n: rel(a.float(), b.float()) for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
-    bad = {n: e for n, e in errs.items() if not e <= (6.25e-4 if n in ("o", "final_state") else 1.25e-3)}
-    assert not bad, f"relative RMS over the bar (or nan): {bad} (all: {errs})"
-
-
-class _LaunchSpy:
-    """`kernel[grid](...)` with `record(kwargs)` first."""
-
-    def __init__(self, kernel, record):
-        self.kernel, self.record = kernel, record
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.record(kw)
-            return self.kernel[grid](*args, **kw)
-        return launch
+    assert_within_bars(errs, ("o", "final_state"), 6.25e-4, 1.25e-3)
 
 
 def _sweep_rows(sweep):
