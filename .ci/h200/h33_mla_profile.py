@@ -1,15 +1,19 @@
-"""Issue 33: per-kernel GPU times of the sparse MLA forward (128 heads, K 2048, d_qk 576 / d_v 512,
-bf16) under the bucket's config (`ours`) and each row of bench.MLA_FWD_SWEEP (the bench's --profile
-breaks down the `ours` row only), at T from argv (default 8192).
+"""Issue 33: per-kernel GPU times of the sparse MLA forward, or forward + backward with --bwd (128
+heads, K 2048, d_qk 576 / d_v 512, bf16), under the bucket's config (`ours`) and each row of the
+bench's sweep (MLA_FWD_SWEEP, or MLA_FWDBWD_SWEEP with --bwd; the bench's --profile breaks down the
+`ours` row only), at T from argv (default 8192).
 
     python3 .ci/h200/h33_mla_profile.py 8192 $OUT/mla_profile.json
+    python3 .ci/h200/h33_mla_profile.py --bwd 8192 $OUT/mla_bwd_profile.json
 
 Per row the bench's `kernel_breakdown` (torch.profiler: warm-up steps, then GPU ms per kernel and
-step), the forward kernel's TFLOP/s from its own time (the case's useful FLOPs: causal, so early
-rows with fewer than K picks count fewer) and the sum over kernels (the row-end pass, index casts);
-a JSON line per row, also written to argv[2] when given. On a CPU (TRITON_INTERPRET=1) it builds
-the same steps at a toy shape (4 heads, d_qk 40 / d_v 32, K 8, T 37) and runs each once: a smoke
-test of the script, not a timing.
+step) and the sum over every kernel. The forward: the forward kernel's time (`_fwd` in its name)
+and its TFLOP/s on the case's useful FLOPs (causal, so early rows with fewer than K picks count
+fewer). With --bwd: the backward kernels' sum (`_bwd` in the name: the fused kernel, or the dq and
+dkv kernels), its TFLOP/s on the backward's useful FLOPs (the case's fwd+bwd FLOPs less the
+forward's), and fwd+bwd TFLOP/s on the sum. A JSON line per row, also written to the path after T
+when given. On a CPU (TRITON_INTERPRET=1) it builds the same steps at a toy shape (4 heads, d_qk 40
+/ d_v 32, K 8, T 37) and runs each once: a smoke test of the script, not a timing.
 """
 
 from __future__ import annotations
@@ -22,16 +26,20 @@ import torch
 from onboarding.families import family_module
 
 
-def main() -> None:
-    t = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+def main(backward: bool = False) -> None:
+    args = sys.argv[1:]
+    if args[:1] == ["--bwd"]:
+        backward, args = True, args[1:]
+    t = int(args[0]) if args else 8192
     bench = family_module("sparse_attention").bench
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     if not gpu:
         bench.LAYOUTS["mla"], bench.TOPK, t = (4, 1, 40, 32), 8, 37
-    steps = bench._attn_steps("mla", t, False, device)
-    h, _, d_qk, d_v = bench.LAYOUTS["mla"]
-    flops = h * bench.useful_pairs(t, bench.TOPK) * 2 * (d_qk + d_v)
+    steps = bench._attn_steps("mla", t, backward, device)
+    fwd_flops = bench.attention_flops("mla", t, False)
+    all_flops = bench.attention_flops("mla", t, True) if backward else fwd_flops
+    part, part_flops = ("_bwd", all_flops - fwd_flops) if backward else ("_fwd", fwd_flops)
     rows = []
     for label in ["ours"] + [s for s in steps if s.startswith("ours@")]:
         if not gpu:
@@ -42,15 +50,17 @@ def main() -> None:
         from onboarding.bench.harness import kernel_breakdown
 
         kernels = kernel_breakdown(steps[label])
-        fwd = sum(r["ms"] for r in kernels if "_fwd" in r["kernel"])
-        rows.append({"row": label, "T": t, "kernel_ms": round(sum(r["ms"] for r in kernels), 3),
-                     "fwd_kernel_ms": round(fwd, 3),
-                     "fwd_kernel_tflops": round(flops / fwd / 1e9, 1) if fwd else None,
-                     "kernels": [{"kernel": r["kernel"][:90], "ms": round(r["ms"], 3), "calls": r["calls"]}
-                                 for r in kernels]})
+        total = sum(r["ms"] for r in kernels)
+        ms = sum(r["ms"] for r in kernels if part in r["kernel"])
+        row = {"row": label, "T": t, "kernel_ms": round(total, 3), f"{part[1:]}_kernel_ms": round(ms, 3),
+               f"{part[1:]}_kernel_tflops": round(part_flops / ms / 1e9, 1) if ms else None}
+        if backward:
+            row["fwdbwd_tflops"] = round(all_flops / total / 1e9, 1) if total else None
+        rows.append({**row, "kernels": [{"kernel": r["kernel"][:90], "ms": round(r["ms"], 3), "calls": r["calls"]}
+                                        for r in kernels]})
         print(json.dumps(rows[-1]), flush=True)
-    if len(sys.argv) > 2:
-        with open(sys.argv[2], "w") as fh:
+    if len(args) > 1:
+        with open(args[1], "w") as fh:
             json.dump(rows, fh, indent=1)
 
 

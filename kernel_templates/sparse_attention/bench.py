@@ -248,10 +248,17 @@ def _attn_check(layout: str) -> Callable[[torch.device], dict[str, float]]:
     return check
 
 
+def attention_flops(layout: str, T: int, backward: bool) -> int:
+    """Useful FLOPs of one step: per head and valid pick 2 (d_qk + d_v) forward, 8 d_qk + 6 d_v
+    forward + backward (the backward's 6 d_qk + 4 d_v: s again, dp, ds k, ds^T q, p^T do)."""
+    H, _, D_QK, D_V = LAYOUTS[layout]
+    pairs = H * useful_pairs(T, TOPK)
+    return pairs * ((8 * D_QK + 6 * D_V) if backward else 2 * (D_QK + D_V))
+
+
 def attention_case(layout: str, T: int, backward: bool) -> BenchCase:
     H, HK, D_QK, D_V = LAYOUTS[layout]
-    pairs = H * useful_pairs(T, TOPK)
-    flops = pairs * ((8 * D_QK + 6 * D_V) if backward else 2 * (D_QK + D_V))
+    flops = attention_flops(layout, T, backward)
     # bytes: q read (and dq written), o written (and do read), each selected KV row at least
     # once per KV head (the kernel reads it once per query row and group: this is the floor)
     kv_row = 2 * (D_QK if layout == "mla" else D_QK + D_V) * HK
