@@ -621,8 +621,8 @@ def test_a_conv_after_the_callers_left_pad_is_causal(parse_model):
     K-1 (our own LeftPadConvLM: the gated conv mixer of GatedConvLM written with F.pad), and by
     more, for a conv after it (ChainedPadConvLM: ZAYA's CCA pads (2-1) + (3-1) for a depthwise
     then a grouped conv). Both were `unknown`, causal: false (`?` in the pattern). The conv1d
-    family declines `left_pad` (its binding intercepts conv1d(padding=K-1) calls only), so the
-    conv stays uncovered. A pad on both sides is no causal conv."""
+    family serves `left_pad` (its binding intercepts the unpadded call too:
+    tests/kernel_tests/test_conv1d.py). A pad on both sides is no causal conv."""
     from onboarding.coverage import build_coverage
 
     g = parse_model("tests/fixtures/sweep3_models.py:LeftPadConvLM", seq=12)
@@ -635,7 +635,7 @@ def test_a_conv_after_the_callers_left_pad_is_causal(parse_model):
     assert by["layers.0.mixer"].kind == "conv.gated"
     cov = build_coverage(g)
     assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.mixer.conv"} == \
-        {("conv.causal1d", "uncovered")}
+        {("conv1d", "template")}
 
     g = parse_model("tests/fixtures/sweep3_models.py:ChainedPadConvLM", seq=12)
     by = {b.path: b for b in g.blocks}

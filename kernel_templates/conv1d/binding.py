@@ -18,7 +18,9 @@ from onboarding.patching.core import PatchRecord, entry_function, swap_forward
 
 
 class _ConvIntercept(TorchFunctionMode):
-    """Routes ``conv1d(x, w, b, padding=K-1, groups=C)`` with our weight to the kernel."""
+    """Routes ``conv1d(x, w, b, padding=P, groups=C)`` with our weight to the kernel, P = K-1 (the
+    conv pads itself, the caller keeps the first T steps) or 0 (the caller padded the sequence on
+    the left, `left_pad`: the kernel's causal conv of the given input less its first K-1 steps)."""
 
     def __init__(self, weight: torch.Tensor, fn: Callable, record: PatchRecord):
         super().__init__()
@@ -36,8 +38,14 @@ class _ConvIntercept(TorchFunctionMode):
                 pad = pad[0] if isinstance(pad, (list, tuple)) else pad
                 ones = all((v[0] if isinstance(v, (list, tuple)) else v) == 1
                            for v in (a.get("stride", 1), a.get("dilation", 1)))
-                if pad == k - 1 and ones and a.get("groups", 1) == w.shape[0] and \
-                        x.shape[-1] >= k - 1:
+                depthwise = ones and a.get("groups", 1) == w.shape[0]
+                if pad == 0 and depthwise and k > 1 and x.shape[-1] >= k:
+                    # an unpadded conv: output t reads inputs t .. t + K - 1, which is the causal
+                    # conv's output t + K - 1 (its zero left pad is never read past step K - 2)
+                    y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), a.get("bias"))
+                    self.record.status = "active"
+                    return y[:, k - 1:].transpose(1, 2)
+                if pad == k - 1 and depthwise and x.shape[-1] >= k - 1:
                     y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), a.get("bias"))
                     self.record.status = "active"
                     # conv1d with padding K-1 returns T + K - 1 steps; callers keep the first T
@@ -78,5 +86,7 @@ def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: Pat
         with intercept:
             return original(*args, **kwargs)
 
-    record.binding = f"conv1d calls with {block.path}.weight inside {owner_path or 'model'}"
+    record.binding = (f"conv1d calls with {block.path}.weight inside {owner_path or 'model'}"
+                      + (f" (unpadded, after the caller's left pad of {block.attrs['left_pad']})"
+                         if block.attrs.get("left_pad") is not None else ""))
     return swap_forward(owner, forward)

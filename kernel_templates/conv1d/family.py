@@ -24,10 +24,8 @@ def match(block: Any) -> dict[str, Any] | None:
     if block.kind != "conv.causal1d":
         return None
     attrs = block.attrs
-    if attrs.get("left_pad") is not None:
-        # the caller pads the sequence and the conv runs unpadded: the binding intercepts
-        # conv1d(padding=K-1) calls only, and past K-1 the output is not T long
-        return None
+    # `left_pad` (the caller pads the sequence, the conv runs unpadded): the binding serves the
+    # unpadded call too, as the causal conv less its first K-1 steps (T + left_pad - K + 1 long)
     activation = attrs.get("activation")
     if activation not in (None, "silu"):
         return None

@@ -150,3 +150,52 @@ def test_binding_is_a_drop_in_and_hands_back_time_major(load_kernel, device):
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-4, atol=1e-5)
     undo()
     assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("k,pad,bias", [(4, 3, True), (3, 5, False)], ids=["pad-k-1", "pad-more"])
+def test_binding_serves_an_unpadded_conv_after_the_callers_left_pad(load_kernel, device, k, pad, bias):
+    """A mixer that pads the sequence itself and runs the conv unpadded (`left_pad`: our
+    LeftPadConvLM with P = K-1; ZAYA's CCA with P past K-1, its [B, C, T + P - K + 1] output
+    trimmed by a conv after it): the binding's kernel call gives the module's own output (shape
+    and values, a view of a time-major tensor) and gradients to x, weight and bias."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    from onboarding.families import family_module
+    from onboarding.graph.opgraph import Block
+    from onboarding.patching.core import PatchRecord
+
+    module = load_kernel("conv1d", "causal", {"kernel_size": k}, CPU_CONFIG)
+    B, T, C = 2, 11, 20
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(C, C, k, groups=C, padding=0, bias=bias)
+
+        def forward(self, h):
+            out = self.conv(F.pad(h.transpose(1, 2), (pad, 0)))
+            self.seen = out
+            return out[..., out.shape[-1] - T:].transpose(1, 2)
+
+    torch.manual_seed(1)
+    ref, mine = Mixer().to(device), Mixer().to(device)
+    mine.load_state_dict(ref.state_dict())
+    model = nn.Sequential(mine)
+    rec = PatchRecord(path="0.conv", kind="conv.causal1d", family="conv1d")
+    block = Block(path="0.conv", kind="conv.causal1d", layer=0, class_name="Conv1d", attrs={"left_pad": pad})
+    undo = family_module("conv1d").FAMILY.binding(block, mine.conv, [module], rec, model)
+    assert "left pad of" in rec.binding, rec.binding
+    x = torch.randn(B, T, C, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y_ref = model(x), ref(x2)
+    assert rec.status == "active"
+    assert mine.seen.shape == ref.seen.shape == (B, C, T + pad - k + 1)
+    torch.testing.assert_close(mine.seen, ref.seen, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    for n, p in mine.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-4, atol=1e-5)
+    undo()
