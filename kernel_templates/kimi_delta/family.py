@@ -149,7 +149,7 @@ PARAMS = _base.PARAMS
 TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"), "kda_prep_warps": (0, 4, 8),
                 "kda_prep_maxnreg": (0, 128, 168),
                 "kda_chunk_ref": (0, 1),
-                "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles", "fused"),
+                "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8), "kda_qk": ("serial", "tiles", "fused", "ktiles"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
