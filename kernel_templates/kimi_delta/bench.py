@@ -57,7 +57,15 @@ FWD_SWEEP = (*PREP_SWEEP, *FWD_O_SWEEP)
 _FUSED = {"kda_qk": "fused", "kda_qk_bk": 16, "kda_qk_warps": 8}
 _STATE3 = {"state_bwd_stages": 3, "kda_state_bwd_warps": 8}
 QK_SWEEP = (_FUSED, {"kda_qk": "fused", "kda_qk_warps": 8}, _STATE3, {**_FUSED, **_STATE3})
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP)
+# Template v35 (issue 32): `kda_qk` "ktiles" (the fused kernel's V side per (chunk, value head), its K
+# tiles per (K tile, chunk, value head); untimed) at `bwd_bv` 32 (the V-side kernel builds without
+# spills at 4 warps there): the K-tile kernel at BK 16 / 8 warps (no spills on triton 3.9, 24 B on
+# 3.6), BK 32 / 8 warps, BK 16 / 4 warps (two programs per SM), and the first with the reverse state
+# pass at three stages (198 registers, no spills at 4 warps). `.ci/h200/h32_kdabwd3.sh` times them.
+_KT = {"kda_qk": "ktiles", "bwd_bv": 32}
+KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_warps": 8}, {**_KT, "kda_qk_bk": 16},
+                {**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8, "state_bwd_stages": 3})
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

@@ -121,9 +121,17 @@ PARAMS = _base.PARAMS
 #   with a descriptor reloaded from a stack spill 8 -> 0 (the 4-warp default keeps 16, in the
 #   Gram tiers); every wgmma descriptor of both builds starts inside the allocation. GPU check:
 #   `.ci/h200/h32_kdafused2.sh`.
-# kda_qk_bk: the K tile of the "tiles" qk kernel and of the "fused" kernel (0: BK). kda_qk_warps,
-#   kda_wy_warps: warps of the backward's qk and wy kernels, either form, kda_qk_warps those of the
-#   "fused" kernel (0: num_warps). kda_state_bwd_warps: warps of the
+#   "ktiles" (template v35, off by default, untimed): the fused kernel's V side per (chunk, value head)
+#   (`kda_chunk_bwd_vside_kernel`, `kda_wy_warps`) and its K tiles per (K tile, chunk, value head)
+#   (`kda_chunk_bwd_ktile_kernel`, `kda_qk_bk`, `kda_qk_warps`; dbeta's K share by atomic adds): no fp32
+#   dq/dk/dg partials, 4x (BK 32) or 8x (BK 16) the per-chunk programs for the K side. sm_90 AOT (bf16,
+#   every integer marked; registers / spill bytes, triton 3.9 | 3.6): at `bwd_bv` 32 vside 4 warps
+#   251 / 0 | 244 / 0, ktile BK 16 8 warps 246 / 0 | 255 / 24, BK 32 8 warps 255 / 52 | 255 / 336
+#   (the tiled pair: wyt 255 / 348 | 324, qkt 255 / 1464 | 1780). Rows `bench.KTILES_SWEEP`.
+# kda_qk_bk: the K tile of the "tiles" qk kernel, the "fused" kernel and the "ktiles" K-tile kernel
+#   (0: BK). kda_qk_warps, kda_wy_warps: warps of the backward's qk and wy kernels, either form,
+#   kda_qk_warps those of the "fused" and the K-tile kernel, kda_wy_warps the V-side kernel's
+#   (0: num_warps). kda_state_bwd_warps: warps of the
 #   reverse state pass (0: num_warps; sm_90 AOT bf16: 1228 B of spills at 4 warps, 96 at 8).
 # fwd_o (template v31; GDN's key of the same name, its own since GDN v17): where the forward's
 #   o = qg S_c + Aqk v_new is computed. "split" (default): the output kernel `kda_output_fwd_kernel`
@@ -187,7 +195,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=34,  # v34: the shared `_unit_lower_inverse` as gated_delta v22 (same PTX)
+    template_version=35,  # v35: `kda_qk` "ktiles" (off by default); v34: the shared `_unit_lower_inverse` as gated_delta v22 (same PTX)
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -164,15 +164,17 @@ def test_tiled_backward_equals_serial(bwd, l2):
 
 @pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
                                           ("tiles", ["kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"]),
-                                          ("fused", ["kda_chunk_bwd_fused_kernel"])])
+                                          ("fused", ["kda_chunk_bwd_fused_kernel"]),
+                                          ("ktiles", ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"])])
 def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     """The default is the tiled pair; `kda_qk` "serial" launches the serial pair only, "fused" its
-    one kernel (no group sum at HV = HK)."""
+    one kernel, "ktiles" its V-side and K-tile kernels (no group sum at HV = HK)."""
     assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "tiles"
     module = load(kimi_delta.FAMILY)
     launched = []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
-                 "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel"):
+                 "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel",
+                 "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"):
         monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
                                                    lambda grid, kw, _n=name: launched.append(_n)))
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False)
@@ -228,6 +230,56 @@ def test_fused_backward_vs_naive(monkeypatch, fused):
         tiers = {c for c in calls if not c.startswith("kda_")}
         assert tiers == ({"_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"} if l2
                          else {"_kda_gram_bwd_dots/64"}), tiers
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# The K-tiled chunk-local backward (`kda_qk` "ktiles", template v35: the fused kernel's V side per
+# (chunk, value head), `kda_chunk_bwd_vside_kernel`, then its K tiles per (K tile, chunk, value head),
+# `kda_chunk_bwd_ktile_kernel`, dbeta's K share added atomically): at K tile 16 with the l2norm and
+# mixed decays (one value head, every Gram tier), with the l2norm on grouped values and three V tiles
+# (V = 40 at `bwd_bv` 16, the last ragged), and without the l2norm on grouped values.
+KTILES_CASES = {"bk16-l2-mixed": ({"kda_qk": "ktiles", "kda_qk_bk": 16}, True, 1, 16),
+                "l2-grouped-bv16": ({"kda_qk": "ktiles", "bwd_bv": 16}, True, 2, 40),
+                "no-l2": ({"kda_qk": "ktiles"}, False, 2, 16)}
+
+
+@pytest.mark.parametrize("ktiles", list(KTILES_CASES))
+def test_ktiles_backward_vs_naive(monkeypatch, ktiles):
+    """`kda_qk` "ktiles", three chunks of 64 (the last partial), K = 48 (three K tiles at BK 16, two
+    at 32): forward and every gradient against the naive recurrence; in the interpreter spies check
+    the launches (the group sum with HV = 2 HK) and, on the mixed-decay case, that the K-tile
+    kernel took each Gram-backward tier."""
+    cfg, l2, HV, V = KTILES_CASES[ktiles]
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=HV, T=150, l2=l2, h0=True, K=48, V=V)
+    gen = torch.Generator().manual_seed(7)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    if HV == 1:
+        args[3] = torch.cat([args[3][:, :64], args[3][:, 64:128] * 4.0, args[3][:, 128:] * 30.0], dim=1)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    calls = []
+    if DEVICE.type == "cpu":  # interpreted: the jit helpers and kernels go through the module globals
+        for name, bc in (("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9)):
+            fn = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
+                calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
+        for name in ("kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_group_sum_kernel",
+                     "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel"):
+            monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
+                                                       lambda grid, kw, _n=name: calls.append(_n)))
+    with pinned(module, cfg):
+        (o, ht), grads = grads_of(module.entry, args, douts)
+    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
+    if DEVICE.type == "cpu":
+        kernels = ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"] + (["kda_group_sum_kernel"] * (HV > 1))
+        assert [c for c in calls if c.startswith("kda_")] == kernels, calls
+        tiers = {c for c in calls if not c.startswith("kda_")}
+        if HV == 1:
+            assert tiers == {"_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"}, tiers
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
@@ -536,7 +588,9 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
 # default row (dk 1.5e-3), in the prepare kernel every row (o 1.0e-3, final state 1.4e-3, dv
 # 1.4e-3, dbeta 1.4e-3); Tm stored bf16 passes (dv 7.9e-4, dbeta 9.0e-4).
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"), pytest.param({"kda_qk": "fused"}, id="fused"),
-                                 pytest.param({"kda_qk": "fused", "kda_qk_bk": 16}, id="fused-bk16")])
+                                 pytest.param({"kda_qk": "fused", "kda_qk_bk": 16}, id="fused-bk16"),
+                                 pytest.param({"kda_qk": "ktiles"}, id="ktiles"),
+                                 pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32")])
 def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
     o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
@@ -552,7 +606,7 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).half().to(DEVICE),
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     launches, tiers = [], set()
-    for name in ("kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_qkt_kernel"):
+    for name in ("kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_ktile_kernel"):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, LaunchSpy(kernel, lambda grid, kw, _n=name: launches.append(
             (_n, kw["BK"], kw["DOT_PREC"]))))
@@ -576,7 +630,8 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
             ref_outs, ref_grads = grads_of(module.entry, ref_args, [d.float() for d in douts])
     finally:
         module.set_config(prev)
-    kernel = "kda_chunk_bwd_fused_kernel" if cfg else "kda_chunk_bwd_qkt_kernel"
+    kernel = {"fused": "kda_chunk_bwd_fused_kernel", "ktiles": "kda_chunk_bwd_ktile_kernel"}.get(
+        cfg.get("kda_qk"), "kda_chunk_bwd_qkt_kernel")
     assert {launch[:2] for launch in fp16_launches} == {(kernel, cfg.get("kda_qk_bk") or 32)}, fp16_launches
     assert fp16_tiers == {"_kda_gram", "_kda_gram_bwd", "_kda_gram_bwd_dots/64"}, fp16_tiers
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
@@ -600,6 +655,12 @@ def _sweep_row_bars(cfg, *args, **kw):
 # The bench's fwd+bwd sweep rows of the backward (bench.QK_SWEEP): each within the bf16 bars on the GPU.
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.QK_SWEEP))
 def test_bf16_vs_fp32_on_gpu_bwd_sweep(cfg):
+    _sweep_row_bars(cfg)
+
+
+# The bench's "ktiles" rows (bench.KTILES_SWEEP, template v35): each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KTILES_SWEEP))
+def test_bf16_vs_fp32_on_gpu_ktiles_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
