@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=15,
+    template_version=16,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -214,6 +214,10 @@ FAMILY = FamilySpec(
     # against 3.478 for v14's bucket, 2.824 with `bwd` "split" alone; the forward with `pass`
     # "fused" 0.505 against 0.581, mamba-ssm's Triton SSD 0.580 in the same run (`--impl
     # ours,ours_fwd,mamba_ssm,mamba_ssm_fwd` with $ONBOARD_ANCHOR_MAMBA_SSM: 1.15x).
+    # v16: split_dbc "one" runs `bwd` "split"'s dC and dB as one launch (ssd_bwd_split_dbc1_kernel: each
+    # block pair's M formed once; dB's terms as fp32 partials per row block, summed by a small kernel
+    # when a split chunk has more than one row block); bwd_split_warps: the split backward's dx and
+    # dB/dC warps (0: bwd_warps). Neither is timed (`.ci/h200/h35_ssd8.sh`; docs/LOG.md has the builds).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -246,6 +250,8 @@ FAMILY = FamilySpec(
         "bwd": ("chunk", "split"),
         "BWD_M": (16, 32, 64, 128),
         "bwd_split_maxnreg": (0, 128, 168),
+        "split_dbc": ("two", "one"),
+        "bwd_split_warps": (0, 4, 8, 16),
     },
     # Chosen from the sm_90 AOT build's spills at P 64, N 128 bf16; CHUNK..dbc timed at template v3
     # (docs/LOG.md), STATE_N (v4) not yet timed on a GPU, SCAN_N 64 (v7) from the build.
@@ -273,7 +279,7 @@ FAMILY = FamilySpec(
                     "bwd_maxnreg": 0, "fwd": "scan", "FWD_M": 64, "FWD_K": 32, "fwd_warps": 4,
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
-                    "bwd_split_maxnreg": 128},
+                    "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",

@@ -318,7 +318,23 @@ SPLIT_BWD = [
 ]
 
 
-@pytest.mark.parametrize("cfg,shape", SPLIT_BWD)
+# `split_dbc` "one" (v16): dC and dB's partials in one launch; T 41 two split chunks of 32 in
+# row blocks of 16 (one pair below the diagonal, dB's partials summed), T 45 one split chunk of 64
+# in four row blocks, split chunks of one row block (no sum: NB 1), dB / dC partials (DBC_SPLIT 2)
+SPLIT_DBC1 = [
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, (1, 41, 2, 8, 2, 16, True, True),
+                 id="one-sc2-m16-G2-T41"),
+    pytest.param({"STATE_CHUNKS": 4, "FWD_M": 32, "FWD_K": 16, "BWD_M": 16}, (1, 45, 2, 20, 1, 24, True, False),
+                 id="one-sc4-m16-T45"),
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 32, "pass": "fused", "PASS_K": 16},
+                 (1, 41, 2, 20, 1, 16, True, True), id="one-nb1-fused-T41"),
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "DBC_SPLIT": 2},
+                 (2, 23, 4, 8, 2, 16, True, False), id="one-split2-B2T23", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("cfg,shape", SPLIT_BWD + [pytest.param({**p.values[0], "split_dbc": "one"}, p.values[1],
+                                                                id=p.id, marks=p.marks) for p in SPLIT_DBC1])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
@@ -617,7 +633,15 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"), pytest.param({"bwd": "split"}, id="bwd-split"),
                                  pytest.param({"bwd": "split", "BWD_M": 32}, id="bwd-split-m32",
                                               marks=pytest.mark.slow),
-                                 pytest.param({"bwd": "split", "pass": "fused"}, id="bwd-split-fused")])
+                                 pytest.param({"bwd": "split", "pass": "fused"}, id="bwd-split-fused"),
+                                 # split chunks of 128 and of 64 (the bucket's `bwd` "split", `pass` "fused")
+                                 pytest.param({"STATE_CHUNKS": 2}, id="sc2"),
+                                 pytest.param({"STATE_CHUNKS": 1}, id="sc1", marks=pytest.mark.slow),
+                                 # v16's `split_dbc` "one" at split chunks of 256, 128, 64 (4, 2, 1 row blocks)
+                                 pytest.param({"split_dbc": "one"}, id="dbc-one"),
+                                 pytest.param({"split_dbc": "one", "STATE_CHUNKS": 2}, id="dbc-one-sc2"),
+                                 pytest.param({"split_dbc": "one", "STATE_CHUNKS": 1}, id="dbc-one-sc1",
+                                              marks=pytest.mark.slow)])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
