@@ -27,7 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: the former default's chunk backward and two-kernel
+  tuning values beside the default (`SWEEP`: template v16's split chunks of 128 and 64, 16 warps
+  and `split_dbc` "one" in the split backward; the former default's chunk backward and two-kernel
   pass, the split backward with that pass, its row blocks of 32, `cb` "input"), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
@@ -105,7 +106,20 @@ SHAPES = (
 # split backward (its pull and reverse pass as two kernels), row blocks of 32 (no spills in the
 # sm_90 build; 4.211 against 2.824 ms fwd+bwd by graph in that call), and `cb` "input" (C B^T
 # stored in bf16; the forward).
-SWEEP = (({"bwd": "chunk", "pass": "split"}, "both"), ({"pass": "split"}, "bwd"),
+#
+# Template v16 (issue 35's goal fwd+bwd <= 3x the forward; not yet timed), first: split chunks of
+# 128 and of 64 (STATE_CHUNKS 2, 1: the intra-chunk block pairs per token fall from 10/4 to 3/2
+# and 1 per 64-row block; more stored states), the split backward's dx and dB/dC at 16 warps
+# uncapped (the sm_90 build: no spills, <= 128 registers, against 112-216 spill bytes at 8 warps
+# capped), `split_dbc` "one" (dC and dB in one launch, each block pair's M formed once) at 16 and
+# at 8 warps, and those with split chunks of 128 and 64. Then the v12-v14 rows (measured in the
+# thirty-first session).
+W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
+SWEEP = (({"STATE_CHUNKS": 2}, "both"), ({"STATE_CHUNKS": 1}, "both"), (W16, "bwd"),
+         ({"split_dbc": "one", **W16}, "bwd"), ({"split_dbc": "one"}, "bwd"),
+         ({"split_dbc": "one", **W16, "STATE_CHUNKS": 2}, "bwd"), ({**W16, "STATE_CHUNKS": 2}, "bwd"),
+         ({"split_dbc": "one", **W16, "STATE_CHUNKS": 1}, "bwd"),
+         ({"bwd": "chunk", "pass": "split"}, "both"), ({"pass": "split"}, "bwd"),
          ({"BWD_M": 32}, "bwd"), ({"cb": "input"}, "fwd"))
 
 
