@@ -7,6 +7,7 @@ backward's kernels alone, GPU ms per kernel and step, the bench's `aggregate_ker
 table and a JSON line per config, and writes the rows to argv[2] when given.
 
     python3 .ci/h200/h32_kdabwd_profile.py 8192 $OUT/kdabwd2_profile.json
+KDA_ROWS=<substring> keeps the default and the rows whose name holds it (`h32_kdabwd3.sh`: ktiles).
 On a CPU (TRITON_INTERPRET=1, a tiny T such as 70) it runs the same steps without the profiler,
 as a smoke test.
 """
@@ -14,6 +15,7 @@ as a smoke test.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,7 +53,8 @@ def main() -> None:
     H, D = (32, 128) if cuda else (1, 16)
     mod, entry = kernel("kimi_delta", "chunk", {"chunk_size": CHUNK, "qk_l2norm": True})
     bench = family_module("kimi_delta").bench
-    configs = [{}, *bench.BWD_SWEEP]
+    keep = os.environ.get("KDA_ROWS", "")
+    configs = [{}, *(c for c in bench.BWD_SWEEP if keep in sweep_label(c))]
     q, k, v, g, beta = make_inputs(True, 1, T, H, H, D, dev, seed=0)
     inputs = (q, k, v, g, beta)
     do = torch.randn(1, T, H, D, device=dev).to(q.dtype)

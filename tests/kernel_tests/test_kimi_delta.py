@@ -518,9 +518,10 @@ def test_aot_sm90_bf16_tensor_cores():
     check_aot_bf16_mma(kimi_delta.FAMILY, ["kda_prepare_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel",
                                            "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
                                            "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel",
-                                           "kda_chunk_bwd_fused_kernel"],
+                                           "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel",
+                                           "kda_chunk_bwd_ktile_kernel"],
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel",
-                        "kda_chunk_bwd_fused_kernel"])
+                        "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"])
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
