@@ -43,6 +43,7 @@ CORE_OPS = {
     "sparse_attention.topk": "indexer + top-k + gathered attention",
     "moe.router": "router scoring + top-k",
     "moe.experts": "permute -> grouped GEMM (SwiGLU or non-gated activation) -> unpermute",
+    "conv.noncausal1d": "depthwise conv over the sequence (not causal)",
     "unknown": "unclassified compute",
 }
 

@@ -644,7 +644,8 @@ def test_a_conv_after_the_callers_left_pad_is_causal(parse_model):
 
     g = parse_model("tests/fixtures/sweep3_models.py:CenteredPadConvLM", seq=12)
     conv = {b.path: b for b in g.blocks}["layers.0.mixer.conv"]
-    assert conv.kind == "unknown" and conv.attrs["causal"] is False and "left_pad" not in conv.attrs
+    assert conv.kind == "conv.noncausal1d" and conv.attrs["causal"] is False
+    assert "left_pad" not in conv.attrs and conv.attrs["padding"] == [1, 1]
 
 
 def test_zaya_cca_depthwise_conv_is_causal(parse_model):
@@ -656,3 +657,50 @@ def test_zaya_cca_depthwise_conv_is_causal(parse_model):
     # the default config's kernels: depthwise 2, grouped 2: the pad is (2 - 1) + (2 - 1)
     assert {(b.attrs["kernel_size"], b.attrs["left_pad"]) for b in convs} == {(2, 2)}
     assert "?" not in g.layer_pattern
+
+
+@pytest.mark.parametrize("model, padding", [("CentredConvLM", [2, 2]), ("SamePadConvLM", [1, 2])])
+def test_a_noncausal_conv_mixer_is_a_bidirectional_conv_mixer_not_an_mlp(parse_model, model,
+                                                                        padding):
+    """A gated conv mixer whose depthwise conv over the sequence pads both sides (our own
+    fixtures: a centred window, padding (K-1)/2; padding="same" with an even kernel, 1 left and
+    2 right, read off the output length as torch keeps no string among the op's scalars): every
+    output sees later positions, so the conv is `conv.noncausal1d` (uncovered: the conv1d family
+    serves causal convs only) and the module around it a `conv.gated` mixer with `causal` false.
+    Before, the conv was `unknown` and the mixer a dense MLP ("other") as the MLP rule looked
+    at causal convs only: `?FF ?FF`."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model(f"tests/fixtures/noncausal_conv_models.py:{model}", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "CF CF"
+    kernel = {"CentredConvLM": 5, "SamePadConvLM": 4}[model]
+    for i in (0, 1):
+        conv = by[f"layers.{i}.mixer.conv"]
+        assert conv.kind == "conv.noncausal1d", (conv.kind, conv.evidence)
+        assert conv.attrs == {"channels": 16, "kernel_size": kernel, "activation": None,
+                              "followed_by": None, "causal": False, "padding": padding}
+        mixer = by[f"layers.{i}.mixer"]
+        assert mixer.kind == "conv.gated", (mixer.kind, mixer.evidence)
+        assert mixer.attrs == {"conv": f"layers.{i}.mixer.conv", "channels": 16,
+                               "kernel_size": kernel, "input_gate": True, "output_gate": True,
+                               "hidden": 16, "projected": 48, "causal": False}
+        assert by[f"layers.{i}.mlp"].kind == "mlp.dense"
+    cov = build_coverage(g)
+    assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.mixer"} == \
+        {("projections (GEMM)", "torch_fast")}
+    assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.mixer.conv"} == \
+        {("depthwise conv over the sequence (not causal)", "uncovered")}
+    assert not any(e.family == "conv1d" for e in cov.entries)
+
+
+def test_an_ungated_noncausal_conv_mixer_is_unknown_not_an_mlp(parse_model):
+    """Projection, centred conv, SiLU, projection (our own fixture): a token mixer no rule
+    explains, one `unknown` block at the mixer beside its `conv.noncausal1d`, never a dense MLP
+    (the conv over the sequence mixes tokens, causal or not)."""
+    g = parse_model("tests/fixtures/noncausal_conv_models.py:UngatedCentredConvLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "?F ?F"
+    assert by["layers.0.mixer"].kind == "unknown"
+    assert by["layers.0.mixer.conv"].kind == "conv.noncausal1d"
+    assert not any(b.kind == "mlp.dense" and ".mixer" in b.path for b in g.blocks)

@@ -32,6 +32,7 @@ VIEW_OPS = {"view", "reshape", "_unsafe_view", "expand", "slice", "select", "tra
             "to", "_to_copy", "type_as", "lift_fresh_copy", "flatten", "unflatten", "lift_fresh"}
 TRIANGULAR = {"tril", "triu", "linalg_solve_triangular", "triangular_solve"}
 EXPERT_KINDS = ("moe.experts", "moe.shared_expert", "mlp.dense")  # what a router routes to
+CONV_KINDS = ("conv.causal1d", "conv.noncausal1d")  # depthwise convs over the sequence, split out
 
 _NUM = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -224,6 +225,28 @@ def _expert_activation(recs: list[OpRecord]) -> str | None:
     if act is None and any(r.op == "erf" for r in recs):
         return "gelu"
     return act
+
+
+def _conv_padding(r: OpRecord, k: int) -> list[int] | None:
+    """[left, right] of a conv op's own padding over the sequence: an int or a one-item list pads
+    both sides. A string ("same", "valid") is not kept among the recorded scalars: at stride 1
+    and dilation 1, an output as long as the input is "same" (K-1 in all, the smaller half on the
+    left: torch's rule), one K-1 shorter is "valid" (none). None when it cannot be read."""
+    pad = r.scalars[4] if len(r.scalars) > 4 else None
+    if isinstance(pad, list) and len(pad) == 1:
+        pad = pad[0]
+    if isinstance(pad, int) and not isinstance(pad, bool):
+        return [pad, pad]
+    stride = r.scalars[3] if len(r.scalars) > 3 else None
+    dilation = r.scalars[5] if len(r.scalars) > 5 else None
+    t_in = r.in_shapes[0][-1] if r.in_shapes and r.in_shapes[0] else None
+    t_out = r.out_shapes[0][-1] if r.out_shapes and r.out_shapes[0] else None
+    if pad is None and stride in (1, [1]) and dilation in (1, [1]) and t_in and t_out:
+        if t_out == t_in:
+            return [(k - 1) // 2, k - 1 - (k - 1) // 2]
+        if t_out == t_in - (k - 1):
+            return [0, 0]
+    return None
 
 
 def _expert_gating(mats: list[list[int]]) -> bool | None:
@@ -534,10 +557,10 @@ class Classifier:
         if (conv := self._gated_conv(path, recs, mm)) is not None:
             return conv
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
-        # a causal conv over the sequence inside the block mixes tokens: no MLP, whatever its
-        # projections look like (a mixer no rule explains is left to `unknown`)
+        # a conv over the sequence inside the block (causal or not) mixes tokens: no MLP,
+        # whatever its projections look like (a mixer no rule explains is left to `unknown`)
         if len(mm) >= 2 and weight_only and not attn and not seq_topk \
-                and not self._free_convs(path) \
+                and not self._free_convs(path, causal_only=False) \
                 and (act := _activation(recs) or (None if self._gates_an_input(path, mm) else
                                                   _mlp_activation_by_shape(recs, mm, ctx))):
             # act(gate) * up: a product, and a gate beside up (three projections, or the first
@@ -584,8 +607,10 @@ class Classifier:
         return [p for p, b in self.blocks.items() if b.kind.startswith(kinds)
                 and (p.startswith(path + ".") if path else True) and free(p)]
 
-    def _free_convs(self, path: str) -> list[str]:
-        return self._free_blocks(path, ("conv.causal1d",))
+    def _free_convs(self, path: str, causal_only: bool = True) -> list[str]:
+        """The conv blocks split out below ``path`` that it sees (`_free_blocks`): causal ones,
+        or any depthwise conv over the sequence (``causal_only`` False)."""
+        return self._free_blocks(path, ("conv.causal1d",) if causal_only else CONV_KINDS)
 
     def _weights_used_whole(self, path: str, recs: list[OpRecord]) -> bool:
         """No op takes a part of one of the module's >= 3-D parameters along a dim (a select,
@@ -628,12 +653,13 @@ class Classifier:
     def _gated_conv(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
                     ) -> tuple[str, list[str], dict[str, Any]] | None:
         """A gated short convolution token mixer (LFM2's ShortConv, Hyena-style): weight
-        projections before and after one child causal depthwise conv over the sequence, the conv's
+        projections before and after one child depthwise conv over the sequence (causal, or not:
+        a bidirectional mixer's centred conv, then `causal` False), the conv's
         input or output multiplied elementwise by another tensor of its shape (a projected gate:
         B * x before, C * y after), and nothing that recurs, scores or routes (no exp, cumsum,
         softplus, softmax, fused attention or top-k). The conv itself stays its own
         `conv.causal1d` block; this block is the projections and the gates around it."""
-        convs = self._free_convs(path)
+        convs = self._free_convs(path, causal_only=False)
         if len(convs) != 1 or convs[0] not in self._conv_at or len(mm) < 2 \
                 or self._free_blocks(path, ("attention.", "sparse_attention.", "linear_attention.")) \
                 or not all(r.params for r in mm):
@@ -653,8 +679,9 @@ class Classifier:
         if not (pre or post):
             return None
         first, last = _linear_dims(mm[0], self.ctx), _linear_dims(mm[-1], self.ctx)
-        ev = [f"causal depthwise conv over the sequence ({convs[0]}: {ch} channels, kernel "
-              f"{conv.get('kernel_size')})",
+        causal = bool(conv.get("causal"))
+        ev = [f"{'causal' if causal else 'non-causal'} depthwise conv over the sequence "
+              f"({convs[0]}: {ch} channels, kernel {conv.get('kernel_size')})",
               f"{sum(r.index < at for r in mm)} projection(s) before it ({first[0]} -> {first[1]}), "
               f"{sum(r.index > at for r in mm)} after it (-> {last[1]})" if first and last else
               f"{len(mm)} projections around it"]
@@ -662,11 +689,13 @@ class Classifier:
             ev.append("its input is an elementwise product of two tensors of its shape (gated)")
         if post:
             ev.append("its output is multiplied elementwise by another such tensor (gated)")
-        ev.append("no decay, scan, softmax or top-k: a gated short-convolution token mixer")
+        ev.append("no decay, scan, softmax or top-k: a gated short-convolution token mixer" +
+                  ("" if causal else " (bidirectional: outputs see later positions)"))
         return "conv.gated", ev, {
             "conv": convs[0], "channels": ch, "kernel_size": conv.get("kernel_size"),
             "input_gate": pre, "output_gate": post,
-            "hidden": first[0] if first else None, "projected": first[1] if first else None}
+            "hidden": first[0] if first else None, "projected": first[1] if first else None,
+            **({} if causal else {"causal": False})}
 
     def _packed_gated(self, path: str, recs: list[OpRecord], names3: list[str],
                       orient: tuple[str, int], ev: list[str], attrs: dict[str, Any]) -> None:
@@ -962,7 +991,8 @@ class Classifier:
         return order
 
     def _conv_blocks(self, path: str, recs: list[OpRecord]) -> list[OpRecord]:
-        """Split causal depthwise convs out as blocks named after their weight's module."""
+        """Split depthwise convs over the sequence out as blocks named after their weight's
+        module: `conv.causal1d` when no output sees a later input, else `conv.noncausal1d`."""
         kept = []
         for r in recs:
             w = r.in_shapes[1] if len(r.in_shapes) > 1 else None
@@ -973,48 +1003,61 @@ class Classifier:
                 owner = wname.rsplit(".", 1)[0]
                 k = w[-1]
                 causal = pad in ([k - 1], k - 1)
-                left = self._left_pad(r) if pad in ([0], 0) else None
+                sides = self._seq_pad(r) if pad in ([0], 0) else None
+                left = sides[0] if sides is not None and sides[1] == 0 else None
                 after = [x for x in recs if x.index > r.index][:4]
                 act = next((ACTIVATIONS[x.op] for x in after if x.op in ACTIVATIONS), None)
                 ev = [f"depthwise conv1d: groups = channels = {w[0]}, kernel {k}"]
+                extra: dict[str, Any] = {}
                 if left is not None and left >= k - 1:
                     # the caller pads the sequence on the left only: no output sees a later
                     # input. More than K-1 (ZAYA's CCA: the pad of two chained convs) leaves
                     # the surplus to a conv after it: the output is longer than T.
                     causal = True
+                    extra["left_pad"] = left
                     ev.append(f"unpadded, after a left pad of {left} by the caller"
                               f"{' (K-1)' if left == k - 1 else f' (K-1 = {k - 1}: longer output)'}"
                               ": causal")
+                elif causal:
+                    ev.append(f"padding {k - 1} then trimmed: causal")
                 else:
-                    left = None
-                    ev.append(f"padding {k - 1} then trimmed: causal" if causal
-                              else f"padding {pad}")
+                    # padding on both sides (centred, "same"), or too little on the left: an
+                    # output sees later inputs. It still mixes tokens over the sequence.
+                    extra["padding"] = list(sides) if sides is not None else _conv_padding(r, k)
+                    ev.append(f"padding {extra['padding'] or pad}" +
+                              (" by the caller" if sides is not None else "") +
+                              f": each output sees {self._lookahead(extra['padding'], k)} later "
+                              "position(s) (not causal)")
                 if act:
                     ev.append(f"followed by {act}")
                 # The activation after the conv is the caller's: the block itself is the plain
                 # conv (so a kernel for it is a drop-in); `followed_by` records the fusion chance.
                 self._conv_at[owner] = r.index
-                self._add(owner, "conv.causal1d" if causal else "unknown", ev,
+                self._add(owner, "conv.causal1d" if causal else "conv.noncausal1d", ev,
                           {"channels": w[0], "kernel_size": k, "activation": None,
-                           "followed_by": act, "causal": causal,
-                           **({"left_pad": left} if left is not None else {})}, [r], r)
+                           "followed_by": act, "causal": causal, **extra}, [r], r)
             else:
                 kept.append(r)
         return kept
 
-    def _left_pad(self, conv: OpRecord) -> int | None:
-        """P when the op just before ``conv`` (past views) pads its input's last dim (the
-        sequence of a [B, C, T] conv input) by P on the left and nothing on the right: ``pad`` /
-        ``constant_pad_nd`` with [P, 0]; None otherwise."""
+    @staticmethod
+    def _lookahead(padding: list[int] | None, k: int) -> str:
+        """How many later positions an output sees: K-1 minus the left padding ('?': unknown)."""
+        return "?" if not padding else str(max(k - 1 - padding[0], 0))
+
+    def _seq_pad(self, conv: OpRecord) -> tuple[int, int] | None:
+        """(left, right) when the op just before ``conv`` (past views) pads its input's last dim
+        (the sequence of a [B, C, T] conv input) and nothing else: ``pad`` / ``constant_pad_nd``
+        with [left, right]; None otherwise."""
         prev = next((x for x in reversed(self.cap.records[:conv.index])
                      if x.op not in VIEW_OPS), None)
         spec = prev.scalars[1] if prev is not None and prev.op in ("pad", "constant_pad_nd") \
             and len(prev.scalars) > 1 else None
         if not (isinstance(spec, list) and len(spec) >= 2 and all(isinstance(v, int) for v in spec)
-                and spec[1] == 0 and not any(spec[2:]) and spec[0] > 0
+                and not any(spec[2:]) and (spec[0] > 0 or spec[1] > 0) and min(spec[:2]) >= 0
                 and prev.out_shapes and conv.in_shapes and prev.out_shapes[0] == conv.in_shapes[0]):
             return None
-        return spec[0]
+        return spec[0], spec[1]
 
     def _add(self, path, kind, evidence, attrs, recs, first=None) -> None:
         io = self.cap.module_io.get(path)
@@ -1164,11 +1207,12 @@ class Classifier:
 
     def _origin(self, module: str) -> str:
         """The largest subtree around ``module`` that holds no block: where leftovers came from.
-        A conv split out of a module's own ops (`conv.causal1d`) does not count: the compute
-        around it (a mixer that no rule explains) is one leftover, not one per projection."""
+        A conv split out of a module's own ops (`conv.causal1d`, `conv.noncausal1d`) does not
+        count: the compute around it (a mixer that no rule explains) is one leftover, not one
+        per projection."""
         def has_block(p: str) -> bool:
             return any((b == p or b.startswith(p + ".") if p else True)
-                       and self.blocks[b].kind != "conv.causal1d" for b in self.blocks)
+                       and self.blocks[b].kind not in CONV_KINDS for b in self.blocks)
 
         while module and not has_block(parent := module.rsplit(".", 1)[0] if "." in module
                                        else ""):

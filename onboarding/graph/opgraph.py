@@ -31,6 +31,7 @@ BLOCK_KINDS = (
     "norm.rms_gated",
     "norm.layer",
     "conv.causal1d",
+    "conv.noncausal1d",
     "conv.gated",
     "rope",
     "embedding",

@@ -108,7 +108,7 @@ class Memory:
 def kind_group(kind: str) -> str:
     if kind.startswith("sparse_attention."):
         return "sparse attention"
-    if kind.startswith("linear_attention") or kind in ("conv.causal1d", "conv.gated"):
+    if kind.startswith("linear_attention") or kind in ("conv.causal1d", "conv.noncausal1d", "conv.gated"):
         return "linear attention"
     if kind.startswith("attention"):
         return "attention"
@@ -223,7 +223,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         if kind == "norm.rms_gated":
             per += (BF16 if cfg.kernels_norm else 2 * FP32 + BF16) * w
         return per, 0.0, 0.0
-    if kind == "conv.causal1d":
+    if kind in ("conv.causal1d", "conv.noncausal1d"):
         return 2 * BF16 * b.width, 0.0, 0.0  # its input and its activated output
     if kind == "conv.gated":
         # the projections' outputs but the last (the gates and the conv's operand, kept for the

@@ -193,7 +193,7 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
     """A norm's elements per token at full size, a conv's channels. A norm over heads (a q or k
     norm with a [head_dim] weight) normalises the output of one of its parent's projections:
     the proxy projection whose output has the captured per-token size names the full-size one."""
-    if b.kind == "conv.causal1d":
+    if b.kind in ("conv.causal1d", "conv.noncausal1d"):
         w = [p for p in full.parameters(recurse=False) if p.ndim == 3]
         return int(w[0].shape[0]) if w else int(b.attrs.get("channels") or 0)
     if not b.kind.startswith("norm.") or not b.inputs:
