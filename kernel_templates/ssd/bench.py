@@ -28,8 +28,7 @@ backward of y, the training step, no final state):
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
   tuning values beside the default (`SWEEP`: template v16's split chunks of 128 and 64, 16 warps
-  and `split_dbc` "one" in the split backward; the former default's chunk backward and two-kernel
-  pass, the split backward with that pass, its row blocks of 32, `cb` "input"), forward
+  and `split_dbc` "one" in the split backward), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -107,20 +106,23 @@ SHAPES = (
 # sm_90 build; 4.211 against 2.824 ms fwd+bwd by graph in that call), and `cb` "input" (C B^T
 # stored in bf16; the forward).
 #
-# Template v16 (issue 35's goal fwd+bwd <= 3x the forward; not yet timed), first: split chunks of
-# 128 and of 64 (STATE_CHUNKS 2, 1: the intra-chunk block pairs per token fall from 10/4 to 3/2
-# and 1 per 64-row block; more stored states), the split backward's dx and dB/dC at 16 warps
-# uncapped (the sm_90 build: no spills, <= 128 registers, against 112-216 spill bytes at 8 warps
-# capped), `split_dbc` "one" (dC and dB in one launch, each block pair's M formed once) at 16 and
-# at 8 warps, and those with split chunks of 128 and 64. Then the v12-v14 rows (measured in the
-# thirty-first session).
+# Template v16 (issue 35's goal fwd+bwd <= 3x the forward; not yet timed). The v12-v14 rows (the
+# v14 bucket's chunk backward and two-kernel pass, `pass` "split" and row blocks of 32 under the
+# split backward, `cb` "input") went: measured in the thirty-first session (docs/LOG.md). In the
+# order most likely to win by the head-iteration count of the split backward's dx and dB/dC
+# kernels (docs/LOG.md, helper-74's note): `split_dbc` "one" (dC and dB in one launch, each block
+# pair's M formed once) at 16 warps uncapped with split chunks of 128; split chunks of 128
+# (STATE_CHUNKS 2: the block pairs per 64-row block fall from 2.5 to 1.5; more stored states;
+# forward and backward); dx and dB/dC at 16 warps uncapped (the sm_90 build: no spills at <= 128
+# registers, against 112-216 spill bytes at 8 warps capped); "one" at 16 warps at split chunks of
+# 256; 16 warps at 128; split chunks of 64 (forward and backward) and "one" there; "one" at 8
+# warps capped (320 spill bytes); 16 warps with dx's N loop in one step of 128 (BLOCK_N 128: 164 KB
+# of shared memory, no spills; also the C B^T kernels' N step).
 W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
-SWEEP = (({"STATE_CHUNKS": 2}, "both"), ({"STATE_CHUNKS": 1}, "both"), (W16, "bwd"),
-         ({"split_dbc": "one", **W16}, "bwd"), ({"split_dbc": "one"}, "bwd"),
-         ({"split_dbc": "one", **W16, "STATE_CHUNKS": 2}, "bwd"), ({**W16, "STATE_CHUNKS": 2}, "bwd"),
-         ({"split_dbc": "one", **W16, "STATE_CHUNKS": 1}, "bwd"),
-         ({"bwd": "chunk", "pass": "split"}, "both"), ({"pass": "split"}, "bwd"),
-         ({"BWD_M": 32}, "bwd"), ({"cb": "input"}, "fwd"))
+SWEEP = (({"split_dbc": "one", **W16, "STATE_CHUNKS": 2}, "bwd"), ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"),
+         ({"split_dbc": "one", **W16}, "bwd"), ({**W16, "STATE_CHUNKS": 2}, "bwd"), ({"STATE_CHUNKS": 1}, "both"),
+         ({"split_dbc": "one", **W16, "STATE_CHUNKS": 1}, "bwd"), ({"split_dbc": "one"}, "bwd"),
+         ({**W16, "BLOCK_N": 128}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:
