@@ -58,10 +58,12 @@ _FUSED = {"kda_qk": "fused", "kda_qk_bk": 16, "kda_qk_warps": 8}
 _STATE3 = {"state_bwd_stages": 3, "kda_state_bwd_warps": 8}
 QK_SWEEP = (_FUSED, {"kda_qk": "fused", "kda_qk_warps": 8}, _STATE3, {**_FUSED, **_STATE3})
 # Template v35 (issue 32): `kda_qk` "ktiles" (the fused kernel's V side per (chunk, value head), its K
-# tiles per (K tile, chunk, value head); untimed) at `bwd_bv` 32 (the V-side kernel builds without
-# spills at 4 warps there): the K-tile kernel at BK 16 / 8 warps (no spills on triton 3.9, 24 B on
-# 3.6), BK 32 / 8 warps, BK 16 / 4 warps (two programs per SM), and the first with the reverse state
-# pass at three stages (198 registers, no spills at 4 warps). `.ci/h200/h32_kdabwd3.sh` times them.
+# tiles per (K tile, chunk, value head); untimed) at `bwd_bv` 32: the K-tile kernel at BK 16 / 8 warps,
+# BK 32 / 8 warps, BK 16 / 4 warps (two programs per SM), and the first with the reverse state pass at
+# three stages (198 registers, no spills at 4 warps). sm_90 AOT (bf16, every integer marked; registers /
+# spill bytes, triton 3.9 | 3.6): V-side kernel 4 warps 251 / 0 | 244 / 0 (BV 64: 255 / 472 | 476);
+# K-tile kernel in the row order 246 / 0 | 255 / 24, 255 / 52 | 255 / 336, 255 / 716 | 255 / 296 (the
+# tiled pair: wyt 255 / 348 | 324, qkt 255 / 1464 | 1780). `.ci/h200/h32_kdabwd3.sh` times them.
 _KT = {"kda_qk": "ktiles", "bwd_bv": 32}
 KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_warps": 8}, {**_KT, "kda_qk_bk": 16},
                 {**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8, "state_bwd_stages": 3})

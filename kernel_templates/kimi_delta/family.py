@@ -121,13 +121,9 @@ PARAMS = _base.PARAMS
 #   with a descriptor reloaded from a stack spill 8 -> 0 (the 4-warp default keeps 16, in the
 #   Gram tiers); every wgmma descriptor of both builds starts inside the allocation. GPU check:
 #   `.ci/h200/h32_kdafused2.sh`.
-#   "ktiles" (template v35, off by default, untimed): the fused kernel's V side per (chunk, value head)
-#   (`kda_chunk_bwd_vside_kernel`, `kda_wy_warps`) and its K tiles per (K tile, chunk, value head)
-#   (`kda_chunk_bwd_ktile_kernel`, `kda_qk_bk`, `kda_qk_warps`; dbeta's K share by atomic adds): no fp32
-#   dq/dk/dg partials, 4x (BK 32) or 8x (BK 16) the per-chunk programs for the K side. sm_90 AOT (bf16,
-#   every integer marked; registers / spill bytes, triton 3.9 | 3.6): at `bwd_bv` 32 vside 4 warps
-#   251 / 0 | 244 / 0, ktile BK 16 8 warps 246 / 0 | 255 / 24, BK 32 8 warps 255 / 52 | 255 / 336
-#   (the tiled pair: wyt 255 / 348 | 324, qkt 255 / 1464 | 1780). Rows `bench.KTILES_SWEEP`.
+#   "ktiles" (v35, untimed): the fused kernel's V side per (chunk, value head) (`kda_chunk_bwd_vside_kernel`)
+#   and its K tiles per (K tile, chunk, value head) (`kda_chunk_bwd_ktile_kernel`, dbeta's K share by
+#   atomic adds): no fp32 dq/dk/dg partials. Rows and sm_90 AOT facts: `bench.KTILES_SWEEP`.
 # kda_qk_bk: the K tile of the "tiles" qk kernel, the "fused" kernel and the "ktiles" K-tile kernel
 #   (0: BK). kda_qk_warps, kda_wy_warps: warps of the backward's qk and wy kernels, either form,
 #   kda_qk_warps those of the "fused" and the K-tile kernel, kda_wy_warps the V-side kernel's
@@ -195,7 +191,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=35,  # v35: `kda_qk` "ktiles" (off by default); v34: the shared `_unit_lower_inverse` as gated_delta v22 (same PTX)
+    template_version=35,  # v35: `kda_qk` "ktiles" (off by default; the default path's kernels unchanged)
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
