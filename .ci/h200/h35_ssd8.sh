@@ -9,7 +9,8 @@
 #  - split_dbc "one" (dC and dB in one launch, each block pair's M = sum_h (dy x^T) w formed once,
 #    dB's terms as fp32 partials summed by ssd_bwd_split_dbsum_kernel), at 16 warps and at 8
 #    (capped: 320 spill bytes), and with split chunks of 128 and 64;
-#  - 16 warps with BLOCK_N 128 (dx's N loop in one step; 164 KB of shared memory, no spills).
+#  - 16 warps with BLOCK_N 128 (dx's N loop in one step; 164 KB of shared memory, no spills);
+#  - the fused pass / pull (forward and backward) at STATE_N 32 and at PASS_K 128 (existing keys, untimed).
 # Self-contained: sources setup.sh. Carry .whl and .anchors (mamba_ssm's source tree and
 # .anchors/wheels/einops-*.whl):
 #   BUDGET=420 bash .ci/h200/h35_ssd8.sh        (~450 s with setup; steps 1-3, step 4 if time is left)

@@ -117,12 +117,15 @@ SHAPES = (
 # registers, against 112-216 spill bytes at 8 warps capped); "one" at 16 warps at split chunks of
 # 256; 16 warps at 128; split chunks of 64 (forward and backward) and "one" there; "one" at 8
 # warps capped (320 spill bytes); 16 warps with dx's N loop in one step of 128 (BLOCK_N 128: 164 KB
-# of shared memory, no spills; also the C B^T kernels' N step).
+# of shared memory, no spills; also the C B^T kernels' N step). Last, the serial fused pass and pull
+# (latency-bound chains of T / PASS_K steps, 256 programs of 4 warps at this shape): STATE_N 32
+# (twice the programs, 88-116 registers) and PASS_K 128 (half the steps; 172-188 registers, 100 KB
+# of shared memory, no spills), forward and forward + backward (v12's untimed variants).
 W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
 SWEEP = (({"split_dbc": "one", **W16, "STATE_CHUNKS": 2}, "bwd"), ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"),
          ({"split_dbc": "one", **W16}, "bwd"), ({**W16, "STATE_CHUNKS": 2}, "bwd"), ({"STATE_CHUNKS": 1}, "both"),
          ({"split_dbc": "one", **W16, "STATE_CHUNKS": 1}, "bwd"), ({"split_dbc": "one"}, "bwd"),
-         ({**W16, "BLOCK_N": 128}, "bwd"))
+         ({**W16, "BLOCK_N": 128}, "bwd"), ({"STATE_N": 32}, "both"), ({"PASS_K": 128}, "both"))
 
 
 def torch_path() -> tuple[str, Callable]:
