@@ -214,10 +214,9 @@ FAMILY = FamilySpec(
     # against 3.478 for v14's bucket, 2.824 with `bwd` "split" alone; the forward with `pass`
     # "fused" 0.505 against 0.581, mamba-ssm's Triton SSD 0.580 in the same run (`--impl
     # ours,ours_fwd,mamba_ssm,mamba_ssm_fwd` with $ONBOARD_ANCHOR_MAMBA_SSM: 1.15x).
-    # v16: split_dbc "one" runs `bwd` "split"'s dC and dB as one launch (ssd_bwd_split_dbc1_kernel: each
-    # block pair's M formed once; dB's terms as fp32 partials per row block, summed by a small kernel
-    # when a split chunk has more than one row block); bwd_split_warps: the split backward's dx and
-    # dB/dC warps (0: bwd_warps). Neither is timed (`.ci/h200/h35_ssd8.sh`; docs/LOG.md has the builds).
+    # v16: split_dbc "one": `bwd` "split"'s dC and dB in one launch (each block pair's M formed once, dB's
+    # terms as fp32 partials summed after); bwd_split_warps: its dx and dB/dC warps (0: bwd_warps; 16
+    # builds without spills). Untimed (`.ci/h200/h35_ssd8.sh`; docs/LOG.md, helper-74).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
