@@ -177,6 +177,10 @@ def _unserved_parts(b: Block) -> list[tuple[str, str]]:
     if (core := b.attrs.get("unfused_core")) is not None:
         out.append(("attention core", f"unfused softmax(QK^T)V: the scores {core.get('scores')} "
                     "are materialised, O(T^2) memory and traffic (fused SDPA would not)"))
+    if b.kind == "residual.streams" and b.attrs.get("role") == "mix":
+        n = b.attrs.get("streams")
+        out.append(("residual stream mixing", f"the per-token {n} x {n} mixing of the {n} "
+                    "residual streams by these coefficients: unfused torch ops, no family"))
     if (mlp := b.attrs.get("inline_mlp")) is not None:
         out.append((f"inline MLP ({mlp.get('activation')})", "an MLP in the same module as the "
                     "attention: no module of its own for an MLP kernel to replace"))

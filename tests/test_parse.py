@@ -704,3 +704,65 @@ def test_an_ungated_noncausal_conv_mixer_is_unknown_not_an_mlp(parse_model):
     assert by["layers.0.mixer"].kind == "unknown"
     assert by["layers.0.mixer.conv"].kind == "conv.noncausal1d"
     assert not any(b.kind == "mlp.dense" and ".mixer" in b.path for b in g.blocks)
+
+
+def test_a_low_rank_linear_residual_branch_is_no_mlp(parse_model):
+    """Two projections D -> r -> D with nothing between them and no activation, added back to
+    the block's input (Gemma 3n's LAuReL, written here as our own fixture): a rank-r linear map
+    on the residual path, `residual.low_rank`, no layer letter. Before, the MLP rule read it as
+    `mlp.dense` with an "other" activation, an extra F in every layer (`AFF AFF`)."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/residual_stream_models.py:LowRankResidualLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "AF AF"
+    for i in (0, 1):
+        low = by[f"layers.{i}.low_rank"]
+        assert low.kind == "residual.low_rank", (low.kind, low.evidence)
+        assert low.attrs == {"hidden": 32, "rank": 8}
+        assert by[f"layers.{i}.mlp"].kind == "mlp.dense"
+    cov = build_coverage(g)
+    assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.low_rank"} == \
+        {("projections (GEMM)", "torch_fast")}
+
+
+def test_residual_streams_mixed_by_routed_coefficients(parse_model):
+    """Several residual streams [n, B, T, D] through the layers, mixed per token by an n x n
+    matrix and n weights that a small router computes (Gemma 3n's AltUp, written here as our own
+    fixture: the mixing runs in the layer's forward, the coefficient module's methods compute
+    the coefficients), the extra streams made from the embedding by n-1 projections and folded
+    back by n-1 more: `residual.streams` blocks with roles mix / expand / collapse. Before, the
+    router was `unknown` (a `?` in every layer) and so were both projection lists."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/residual_stream_models.py:StreamLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "AF AF"
+    assert not any(b.kind == "unknown" for b in g.blocks)
+    for i in (0, 1):
+        mix = by[f"layers.{i}.streams"]
+        assert mix.kind == "residual.streams", (mix.kind, mix.evidence)
+        assert mix.attrs == {"role": "mix", "streams": 4, "stream_width": 32}
+        assert by[f"layers.{i}.low_rank"].kind == "residual.low_rank"
+    assert by["expand"].kind == by["collapse"].kind == "residual.streams"
+    assert by["expand"].attrs == {"role": "expand", "streams": 4, "stream_width": 32}
+    assert by["collapse"].attrs == {"role": "collapse", "streams": 4, "stream_width": 32}
+    cov = build_coverage(g)
+    assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.streams"} == \
+        {("projections (GEMM)", "torch_fast"), ("residual stream mixing", "uncovered")}
+    assert {(e.op, e.status) for e in cov.entries if e.path == "expand"} == \
+        {("projections (GEMM)", "torch_fast")}
+
+
+@pytest.mark.slow
+def test_gemma3n_laurel_and_altup_are_residual_blocks(parse_model):
+    """Gemma 3n's LAuReL is `residual.low_rank`, its AltUp `residual.streams` (per layer: mix;
+    the model's altup_projections / altup_unembed_projections: expand / collapse): its layers
+    read `WF` / `AF`, not `?WFF`. (About 12 s: marked slow.)"""
+    g = parse_model("hf:gemma3n_text")
+    assert "?" not in g.layer_pattern and set(g.layer_pattern.split()) == {"WF", "AF"}
+    kinds = {b.path.split(".")[-1]: b.kind for b in g.blocks if b.layer in (None, 0)}
+    assert kinds["laurel"] == "residual.low_rank" and kinds["altup"] == "residual.streams"
+    roles = {b.attrs["role"] for b in g.blocks if b.kind == "residual.streams"}
+    assert roles == {"mix", "expand", "collapse"}
+    assert not any(b.kind == "unknown" for b in g.blocks)

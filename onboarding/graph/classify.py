@@ -421,6 +421,7 @@ class Classifier:
         self.unclaimed: dict[str, list[OpRecord]] = {}
         self.origin: dict[int, str] = {r.index: r.module for r in cap.records}
         self._conv_at: dict[str, int] = {}  # a conv.causal1d block -> its conv record's index
+        self._carriers: dict[str, tuple[set[int], int, int, list[int]]] | None = None
 
     # -- rules ----------------------------------------------------------------------------
     def _rule(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
@@ -556,6 +557,12 @@ class Classifier:
             return wrap
         if (conv := self._gated_conv(path, recs, mm)) is not None:
             return conv
+        if (low := self._low_rank_residual(path, recs, mm)) is not None:
+            return low
+        if (streams := self._stream_coefficients(path, recs, mm)) is not None:
+            return streams
+        if (streams := self._stream_projections(path, recs, mm)) is not None:
+            return streams
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         # a conv over the sequence inside the block (causal or not) mixes tokens: no MLP,
         # whatever its projections look like (a mixer no rule explains is left to `unknown`)
@@ -696,6 +703,122 @@ class Classifier:
             "input_gate": pre, "output_gate": post,
             "hidden": first[0] if first else None, "projected": first[1] if first else None,
             **({} if causal else {"causal": False})}
+
+    def _low_rank_residual(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                           ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A learned low-rank residual branch (Gemma 3n's LAuReL): two weight projections
+        D -> r -> D with r < D and nothing but views between them (no activation anywhere: a
+        rank-r linear map, no MLP), then an add of two tensors of the block's [.., D] shape (the
+        branch added to the residual)."""
+        if len(mm) != 2 or not all(self._weight_2d(r) for r in mm) or _activation(recs) \
+                or any(r.op in ACTIVATIONS for r in recs):
+            return None
+        first, last = _linear_dims(mm[0], self.ctx), _linear_dims(mm[1], self.ctx)
+        if not (first and last and first[1] == last[0] and first[0] == last[1]
+                and first[1] < first[0]):
+            return None
+        d, rank = first
+        if any(mm[0].index < r.index < mm[1].index and r.op not in VIEW_OPS for r in recs):
+            return None
+        io = self.cap.module_io.get(path)
+        if not io or not io[0] or not io[1] or io[0][0].shape[-1:] != [d] \
+                or io[1][0].shape != io[0][0].shape:
+            return None
+        if not any(r.op in ("add", "add_") and r.index > mm[1].index and len(r.in_shapes) > 1
+                   and r.in_shapes[0] and r.in_shapes[0] == r.in_shapes[1]
+                   and r.in_shapes[0][-1] == d for r in recs):
+            return None
+        return "residual.low_rank", [
+            f"two projections {d} -> {rank} -> {d}, nothing between them but views and no "
+            "activation: a rank-{rank} linear map, no MLP".replace("{rank}", str(rank)),
+            "added to a tensor of the block's own shape after the second one (a learned "
+            "residual branch)"], {"hidden": d, "rank": rank}
+
+    def _weight_2d(self, r: OpRecord) -> bool:
+        return any(len(self.ctx.param_shapes.get(n, ())) == 2 for n in r.params.values())
+
+    def _stream_carriers(self) -> dict[str, tuple[set[int], int, int, list[int]]]:
+        """Modules that map several residual streams to as many: a 4-D first input, returned
+        with its shape, whose last dim is the model width (what the forward's last weight
+        projection, the head, reads) and one of whose dims is the sequence; path -> (the other
+        dims >= 2, candidate stream counts; the first and last op index under the module; the
+        shape). Cached."""
+        if self._carriers is not None:
+            return self._carriers
+        out: dict[str, tuple[set[int], int, int, list[int]]] = {}
+        head = max((r for r in self.cap.records if is_matmul(r.op) and r.params and r.in_shapes
+                    and r.in_shapes[0]), key=lambda r: r.index, default=None)
+        width = head.in_shapes[0][-1] if head is not None else self.ctx.hidden
+        for p, (ins, outs) in self.cap.module_io.items():
+            shape = ins[0].shape if ins else None
+            if not shape or len(shape) != 4 or shape[-1] != width or self.ctx.seq not in shape[:-1] \
+                    or not outs or outs[0].shape != shape:
+                continue
+            rest = list(shape[:-1])
+            rest.remove(self.ctx.seq)
+            counts = {n for n in rest if n >= 2}
+            idx = [r.index for r in self.cap.records if r.module == p or r.module.startswith(p + ".")]
+            if counts and idx:
+                out[p] = (counts, min(idx), max(idx), shape)
+        self._carriers = out
+        return out
+
+    def _stream_coefficients(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                             ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """Per-token coefficients over n residual streams (Gemma 3n's AltUp):
+        a module with children whose weight projections are n and n^2 wide, both (n weights per
+        stream and an n x n mixing matrix per token), inside (or at) a module whose input carries n streams of the
+        model width (`_stream_carriers`). The mixing may run outside the block, in the layer's
+        own forward (AltUp's predict / correct are methods the layer calls)."""
+        if not mm or not self.ctx.children.get(path) or not all(self._weight_2d(r) for r in mm):
+            return None
+        outs = {d[1] for r in mm if (d := _linear_dims(r, self.ctx))}
+        for p, (counts, _, _, shape) in self._stream_carriers().items():
+            if not (path == p or path.startswith(p + ".")):
+                continue
+            n = next((c for c in sorted(counts) if outs == {c, c * c}), None)
+            if n is None:
+                continue
+            ev = [f"{len(mm)} projections to per-token coefficients {n} and {n * n} wide: {n} "
+                  f"weights and a mixing matrix of {n} x {n}",
+                  f"{p} carries {n} residual streams of width {shape[-1]} (its input {shape})"]
+            return "residual.streams", ev, {"role": "mix", "streams": n,
+                                            "stream_width": shape[-1]}
+        return None
+
+    def _stream_projections(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                            ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """n-1 width-preserving projections, one per child module, no activation, run before
+        every module that carries n residual streams (they make streams 1..n-1 from the
+        embedding: role "expand") or after them all (they fold those streams back: "collapse")."""
+        if not mm or any(r.op in ACTIVATIONS for r in recs) \
+                or not all(self._weight_2d(r) for r in mm):
+            return None
+        mods = {r.module for r in mm}
+        if len(mods) != len(mm) or path in mods or not all(
+                m.rsplit(".", 1)[0] == path for m in mods):
+            return None
+        dims = {_linear_dims(r, self.ctx) for r in mm}
+        carriers = self._stream_carriers()
+        if len(dims) != 1 or not carriers:
+            return None
+        d_in, d_out = dims.pop() or (None, None)
+        k = len(mm)
+        inside = [p for p in carriers if path == p or path.startswith(p + ".")]
+        if inside or d_in != d_out or any(sh[-1] != d_in for _, _, _, sh in carriers.values()) \
+                or not all(k + 1 in c for c, _, _, _ in carriers.values()):
+            return None
+        first = min(a for _, a, _, _ in carriers.values())
+        last = max(b for _, _, b, _ in carriers.values())
+        lo, hi = min(r.index for r in recs), max(r.index for r in recs)
+        role = "expand" if hi < first else "collapse" if lo > last else None
+        if role is None:
+            return None
+        return "residual.streams", [
+            f"{k} projections {d_in} -> {d_in}, one per child, no activation",
+            f"{'before' if role == 'expand' else 'after'} every module that carries {k + 1} "
+            f"residual streams: they {'make streams 1..' + str(k) if role == 'expand' else 'fold streams 1..' + str(k) + ' back'}"
+        ], {"role": role, "streams": k + 1, "stream_width": d_in}
 
     def _packed_gated(self, path: str, recs: list[OpRecord], names3: list[str],
                       orient: tuple[str, int], ev: list[str], attrs: dict[str, Any]) -> None:

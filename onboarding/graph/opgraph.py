@@ -33,6 +33,8 @@ BLOCK_KINDS = (
     "conv.causal1d",
     "conv.noncausal1d",
     "conv.gated",
+    "residual.low_rank",
+    "residual.streams",
     "rope",
     "embedding",
     "embedding.patch",
