@@ -397,3 +397,27 @@ def test_a_stack_of_period_runs_keeps_one_period_of_each_and_its_tail_count():
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, c.vocab_size, (1, 16)), use_cache=False)
     assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("moe_width", [768, [768, 512] * 3])
+def test_per_layer_expert_width_lists_size_the_experts_not_the_dense_width(moe_width):
+    """An expert width field held as a per-layer list (as the width rule takes lists since
+    Gemma 3n) sizes the experts as its int form does: intermediate_size is then the dense
+    layers' width and shrinks to the dense proxy width (256 at tiny), the expert widths to the
+    expert width (64), each layer keeping its share. Before, only an int counted: with a list,
+    intermediate_size went to the experts' width (64)."""
+    from transformers import PretrainedConfig
+
+    from onboarding.load.proxy import PROXY_SIZES, shrink_config
+
+    s = PROXY_SIZES["tiny"]
+    full = PretrainedConfig(hidden_size=1024, num_attention_heads=8, num_hidden_layers=6,
+                            intermediate_size=4096, num_experts=16, num_experts_per_tok=2,
+                            moe_intermediate_size=moe_width, vocab_size=5000)
+    c = shrink_config(full, "tiny", notes=[])
+    assert c.intermediate_size == s.ffn
+    if isinstance(moe_width, int):
+        assert c.moe_intermediate_size == s.expert_ffn
+    else:  # the kept layers' entries, the largest at the expert width
+        assert c.moe_intermediate_size == [s.expert_ffn, s.expert_ffn * 512 // 768] * (
+            len(c.moe_intermediate_size) // 2)

@@ -94,16 +94,23 @@ def _writable(c: Any, name: str) -> bool:
     return not (isinstance(prop, property) and prop.fset is None)
 
 
+def _is_width(v: Any) -> bool:
+    """A width as `_set` takes it: a positive int, or a per-layer list (or tuple) of them."""
+    def one(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+    return one(v) or (isinstance(v, (list, tuple)) and bool(v) and all(one(x) for x in v))
+
+
 def _set(c: Any, name: str, fn) -> None:
     """``name`` = fn(its value); a per-layer list of them (Gemma 3n's intermediate_size, one a
     layer) is scaled as its largest value is, each layer keeping its share of it."""
     v = getattr(c, name, None)
-    if not _writable(c, name):
+    if not _writable(c, name) or not _is_width(v):
         return
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+    if isinstance(v, int):
         setattr(c, name, int(fn(v)))
-    elif isinstance(v, (list, tuple)) and v and all(
-            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v):
+    else:
         top = max(v)
         new = int(fn(top))
         if new != top:
@@ -220,8 +227,10 @@ def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
             c.num_key_value_heads = max(1, new_heads // min(groups, new_heads))
         if had_head_dim and _writable(c, "head_dim"):  # Falcon's is a property (hidden / heads)
             c.head_dim = min(c.head_dim, s.head_dim_cap)
+    # an expert width field, an int or a per-layer list, sizes the experts: intermediate_size
+    # is then the dense layers' width
     experts_use_ffn = _expert_count(c) is not None and not any(
-        isinstance(getattr(c, n, None), int) for n in EXPERT_WIDTH_NAMES)
+        _is_width(getattr(c, n, None)) for n in EXPERT_WIDTH_NAMES)
     _set(c, "intermediate_size", lambda v: min(v, s.experts_ffn if experts_use_ffn else s.ffn))
     for name in EXPERT_WIDTH_NAMES:
         _set(c, name, lambda v: min(v, s.expert_ffn))
