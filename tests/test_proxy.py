@@ -352,16 +352,51 @@ def test_per_layer_width_lists_shrink_as_their_largest_value():
 
 
 def test_a_proxy_that_shrinks_nothing_is_refused_before_its_build():
-    """BLT keeps its sizes in sub-configs and a hash-embedding vocabulary that the proxy rules do
-    not shrink: its tiny proxy was the full 4.6B model, whose build ran 180 s at 5.6 GiB with
-    no result (then the OOM killer). It is now an input error (exit 2) within seconds, naming
-    the sub-configs and the largest parameters; counted on meta, nothing is allocated."""
+    """A proxy config that keeps the full model's sizes (BLT's config before its nested
+    sub-configs were shrunk: 4.6B parameters, whose build ran 180 s at 5.6 GiB with no result,
+    then the OOM killer) is an input error (exit 2) within seconds, naming the sub-configs and
+    the largest parameters; counted on meta, nothing is allocated. BLT's own proxy now shrinks
+    (`test_nested_sub_configs_of_the_text_config_shrink_by_one_width_factor`), so the check is
+    handed the full config as the proxy."""
     _model_type_or_skip("hf:blt")
     from onboarding.errors import InputError
+    from onboarding.load.accounting import count_parameters
+    from onboarding.load.proxy import _check_shrunk
 
+    loaded = load_model("hf:blt")
+    full = count_parameters(loaded.build(device="meta", seed=None)).total
     with pytest.raises(InputError, match=r"tiny proxy keeps [\d,]+ of the full model's [\d,]+ "
                        r"parameters.*sub-configs .*global_config.*encoder_hash_tok_embedding"):
-        load_stage(load_model("hf:blt"), "tiny")
+        _check_shrunk(loaded, loaded.config, "tiny", full)
+
+
+def test_nested_sub_configs_of_the_text_config_shrink_by_one_width_factor():
+    """BLT keeps its sizes in sub-configs nested in its text config (local encoder and decoder
+    1024 wide, global transformer 2048, entropy patcher 768) and a hash-embedding vocabulary
+    (500,002): the text rules never reached them, and the tiny proxy was the full 4.6B model
+    (refused since helper-67). They shrink now by one width factor (2048 -> 128), so widths
+    tied across sub-configs stay tied (the encoder's hidden_size_global is the global width;
+    encoder width x cross_attn_k = global width); the hash vocabulary is capped. The proxy fits
+    the tiny budget, builds and runs."""
+    _model_type_or_skip("hf:blt")
+    from onboarding.load.accounting import count_parameters
+    from onboarding.load.proxy import PROXY_SIZES
+
+    s = PROXY_SIZES["tiny"]
+    info = load_stage(load_model("hf:blt"), "tiny")
+    c = info.proxy_config
+    enc, dec, glob, pat = c.encoder_config, c.decoder_config, c.global_config, c.patcher_config
+    assert glob.hidden_size == s.hidden and enc.hidden_size == dec.hidden_size == s.hidden // 2
+    assert enc.hidden_size_global == dec.hidden_size_global == glob.hidden_size
+    assert enc.hidden_size * c.cross_attn_k == glob.hidden_size
+    assert pat.hidden_size == 768 * s.hidden // 2048
+    assert max(x.num_hidden_layers for x in (enc, dec, glob, pat)) <= 2
+    assert c.encoder_hash_byte_group_vocab == s.vocab
+    model = info.loaded.build(c, device="cpu", seed=0).eval()
+    assert count_parameters(model).total <= s.max_params
+    with torch.no_grad():
+        out = model(torch.arange(16)[None] % c.vocab_size, use_cache=False)
+    assert out.logits.shape == (1, 16, c.vocab_size)
 
 
 def test_runs_of_periods_tile_a_stack_with_no_short_prefix():

@@ -523,6 +523,58 @@ def shrink_towers(full: Any, proxy: Any, s: Any) -> list[str]:
     return shrunk
 
 
+def shrink_nested(text: Any, s: Any) -> list[str]:
+    """Shrink the sub-configs nested in the text config ``text`` (BLT's local encoder, decoder,
+    global transformer and entropy patcher), which the text rules, reading the text config's own
+    fields, never reach. Only sub-configs with a width field (`TOWER_WIDTHS`) are touched, and
+    only when some width is above the size's hidden: every int field named ``*size*`` / ``*dim*``
+    (not a head dim or an FFN width) equal to one of those widths is scaled by one common factor,
+    the largest width becoming the size's hidden, so widths tied across them stay tied (BLT's
+    encoder_config.hidden_size_global is the global transformer's width; encoder width x
+    cross_attn_k is the global width); heads are capped (dividing the width); a head dim whose
+    heads filled the width still does, another is capped; FFN widths capped; layer counts capped
+    at 2. On the text config itself, a ``*_vocab`` int field above the size's vocabulary (BLT's
+    hash-embedding table, encoder_hash_byte_group_vocab) is capped to it. Returns the shrunk
+    sub-configs' dotted paths."""
+    subs = [(p, c) for p, c in sub_configs(text) if p]
+    widths = {v for _, c in subs for n in TOWER_WIDTHS if (v := _int(c, n))}
+    if not widths or max(widths) <= s.hidden:
+        return []
+    top = max(widths)
+    shrunk = []
+    for path, c in subs:
+        full = {k: v for k, v in vars(c).items() if isinstance(v, int) and not isinstance(v, bool)}
+        wname = next((n for n in TOWER_WIDTHS if _int(c, n)), None)
+        heads = _int(c, "num_attention_heads")
+        for k, v in full.items():
+            if v in widths and re.search(r"(size|dim)", k) and not k.endswith("head_dim") \
+                    and k not in TOWER_FFN:
+                _set_int(c, k, max(1, v * s.hidden // top))
+        width = _int(c, wname) if wname else None
+        for n in TOWER_HEADS:
+            if _int(c, n):
+                h = min(_int(c, n), s.heads)
+                while width and width % h:
+                    h -= 1
+                _set_int(c, n, h)
+        if _int(c, "head_dim"):
+            filled = heads and wname and full["head_dim"] * heads == full[wname]
+            _set_int(c, "head_dim", width // c.num_attention_heads if filled
+                     else min(c.head_dim, s.head_dim_cap))
+        for n in TOWER_FFN:
+            if _int(c, n):
+                _set_int(c, n, min(_int(c, n), s.ffn))
+        for n in TOWER_LAYERS:
+            if _int(c, n):
+                _set_int(c, n, min(_int(c, n), 2))
+        if {k: v for k, v in vars(c).items() if k in full} != full:
+            shrunk.append(".".join(path))
+    for k, v in list(vars(text).items()):
+        if isinstance(v, int) and not isinstance(v, bool) and k.endswith("_vocab") and v > s.vocab:
+            _set_int(text, k, s.vocab)
+    return shrunk
+
+
 def runs(loaded: Any, cfg: Any) -> bool:
     """Whether ``loaded`` builds from ``cfg`` on the CPU and runs four tokens (a vision tower:
     its synthetic pixels)."""

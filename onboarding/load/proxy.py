@@ -674,6 +674,11 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
         from onboarding.load.multimodal import shrink_towers
 
         shrink_towers(config, cfg, s)
+    from onboarding.load.multimodal import shrink_nested
+
+    if nested := shrink_nested(c, s):
+        found.append(f"sub-configs {', '.join(nested)} of the text config shrunk by one width "
+                     "factor (the largest width to the proxy's), heads, FFN and layers capped")
     if notes is None:
         _warn(size, found)
     else:
