@@ -229,57 +229,53 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 
 
 _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU clamp, slope, offset)
-# group_m: row tiles per band of the row-tiled GEMMs' launch order (`_band` in the kernels): the
-# gate/up, down, down-backward and dx GEMMs run a band's row tiles across all column tiles
-# before the next band, so gathered rows and expert weight tiles are re-read from L2, not HBM.
-# 8 row tiles x 16 column tiles (F or D = 2048 over 128) is about one wave of 132 SMs.
-# combine: how each token's K slot rows are summed, by the down GEMM (forward) and the dx GEMM
-# (backward): "rows" writes fp32 per-slot rows [S, D] that a combine pass sums per token (a fixed
-# order: bitwise reproducible); "atomic" adds them into the token's fp32 row in the GEMM's
-# epilogue (no rows round trip; the order varies run to run, so deterministic mode keeps rows).
-# swiglu and mlp only: swiglu_lora always keeps rows.
-# half_tail: the forward GEMMs run an expert's last tile at half height (BLOCK_M / 2) when it holds
-# that few rows (BLOCK_M >= 32). tma: the forward GEMMs load the expert weights through tensor
-# descriptors (TMA on Hopper) where their rows are 16-byte aligned; swiglu and mlp only.
-# DOWN_BLOCK_N / down_stages: the forward down GEMM's own column tile and pipeline depth (0: the
-# forward's BLOCK_N / num_stages; swiglu and mlp only).
-# DW_BLOCK_M / DW_BLOCK_N / DW_BLOCK_K / dw_warps / dw_stages: the weight-gradient GEMMs' own
-# output tile, row step (their reduction runs over an expert's rows, a few hundred), warps and
-# pipeline depth (0: the backward's; swiglu and mlp only). dw_persistent: programs per SM of one
-# persistent kernel that computes each weight gradient as a flat loop over (output tile, row step),
-# so that a tile's pipeline fills while the last one drains (0: one program per output tile,
-# `moe_dwd_kernel` / `moe_dwgu_kernel`; swiglu and mlp only). bwd_tma: the down backward and dx
-# GEMMs load the expert weights through tensor descriptors, as `tma` does for the forward's.
-# DX_BLOCK_M / DX_BLOCK_N / dx_stages: the dx GEMM's own tile and pipeline depth (0: the
-# backward's; its row tile gets its own tile map). swiglu and mlp only. dw_sorted: the grid
-# weight-gradient kernels read x[tok] and dy[tok] copied into slot order first ([S, D] each, one
-# gather apiece) instead of loading each row step's tokens: with that load in the loop, the
-# gathered operand keeps the software pipeline at one step of prefetch whatever the stages (sm_90
-# AOT: 66 KB shared at 3 and at 4 stages, `async_wait num = 0` at the loop's top); without it 3
-# stages prefetch two steps (98 KB, 112 registers: still two programs per SM), 4 stages three;
-# the persistent kernel on such rows likewise (4 stages: 164 KB, 152 registers, three steps).
-# dw_sorted: 51.66 ms at DeepSeek-V3 N8192 fwd+bwd, 8.10 / 8.35 at Qwen3-Next uniform / Zipf
-# (twentieth session, beside the numbers at _DW_GPU below); swiglu and mlp only. dw_grouped_mm: both weight
-# gradients (and with `bias` the bias gradients, per-expert row sums by index_add) by
-# torch._grouped_mm on slot-ordered copies of x[tok] and dy[tok], grouped over the reduction dim
-# (each expert's rows); ahead of dw_persistent / dw_sorted. On a GPU for bf16 on sm_90+ with rows
-# of a multiple of 8 elements only (else the Triton kernels); swiglu and mlp only. The GPU buckets'
-# default (timed: see _DW_GPU).
-# h_tma: the forward down GEMM loads h [S, F] (slot order) through tensor descriptors, as `rows_tma`
-# does the backward's rows (not beside `half_tail`, whose half-height tiles need other blocks);
-# swiglu and mlp only. dw_tma: with `dw_persistent` and `dw_sorted`, the persistent weight-gradient
-# kernel loads both slot-ordered operands through tensor descriptors (no address registers, no load
-# masks; rows past an expert's end zeroed in registers), so that on one warpgroup two programs fit
-# an SM (one's epilogue under the other's MMAs: the K-grouped `torch._grouped_mm` is CUTLASS's
-# cooperative 128 x 256 x 64 schedule at these M, N, whose epilogue nothing overlaps); swiglu and
-# mlp only. dw_pad: with `dw_tma`, each weight gradient's gathered operand (dy[tok], x[tok]) is
-# copied with zero rows padding every expert to a row-step multiple, so no row mask is needed and
-# both operands go to the MMA from shared memory (with the mask, a passes through registers and a
-# layout conversion); a second dy gather beside `dy_sorted`'s copy. dx_warps / down_warps: the
-# dx GEMM's and the forward down GEMM's own warps (0: the backward's / the forward's), so that the down backward can take 4 (one warpgroup on 64 x 128:
-# m64n128 MMAs, not two warpgroups' m64n64, whose operands take the whole shared-memory bandwidth)
-# while dx keeps 8 on its 128 x 256 tile, and the forward down GEMM can run 128 x 128 tiles two per
-# SM. All untimed (template v17; sm_90 AOT in bench.py's v17 notes).
+# Keys on top of the GEMM tiles (see `tuning_space` below). Every default keeps the plain grid
+# kernels: options off, 0 = the forward's or the backward's value. The D > 1k buckets take the
+# options the H200 timed faster (the notes above `_DW_TILES`). "swiglu and mlp only": swiglu_lora
+# ignores the key. History per template version: docs/LOG.md (search "moe_experts" or "MoE").
+# group_m (8): row tiles per band of the row-tiled GEMMs' launch order (`_band`). A band runs
+#   across all column tiles before the next, so gathered rows and weight tiles come from L2, not
+#   HBM. 8 row tiles x 16 column tiles (2048 / 128) is about one wave of 132 SMs.
+# combine ("rows"): how a token's K slot rows are summed by the down GEMM and by dx. "rows" writes
+#   fp32 per-slot rows that a combine pass sums in a fixed order (bitwise reproducible); "atomic"
+#   adds them in the GEMM's epilogue (order varies, so deterministic mode keeps rows). swiglu_lora
+#   always keeps rows.
+# half_tail (False): the forward GEMMs run an expert's last tile at BLOCK_M / 2 rows when it holds
+#   that few (BLOCK_M >= 32).
+# tma, bwd_tma (False): the forward GEMMs, or the down backward and dx GEMMs, load the expert
+#   weights by tensor descriptors (TMA on Hopper) where rows are 16-byte aligned. swiglu and mlp
+#   only.
+# DOWN_BLOCK_N, down_stages, down_warps (0): the forward down GEMM's own column tile, stages and
+#   warps. swiglu and mlp only.
+# DW_BLOCK_M / N / K, dw_warps, dw_stages (0): the weight-gradient GEMMs' output tile, row step
+#   (their reduction runs over an expert's rows, a few hundred), warps and stages. swiglu and mlp
+#   only.
+# dw_persistent (0): programs per SM of one persistent weight-gradient kernel, a flat loop over
+#   (output tile, row step) so one tile's pipeline fills while the last drains; 0: one program per
+#   output tile (`moe_dwd_kernel`, `moe_dwgu_kernel`). swiglu and mlp only.
+# DX_BLOCK_M / N, dx_stages, dx_warps (0): the dx GEMM's own tile, stages and warps. swiglu and
+#   mlp only.
+#   dx_warps and down_warps let the down backward take 4 warps (m64n128 MMAs on one warpgroup)
+#   while dx keeps 8 on 128 x 256, and the forward down GEMM run two 128 x 128 programs per SM.
+# dw_sorted (False): the Triton weight-gradient kernels read x[tok] and dy[tok] copied into slot
+#   order first. With the gathered load in the loop the pipeline prefetches one step at any stage
+#   count (sm_90 AOT: 66 KB shared at 3 and 4 stages); sorted, 3 stages prefetch two steps (98 KB,
+#   112 registers: still two programs per SM), 4 stages three. swiglu and mlp only.
+# dw_grouped_mm (False): both weight gradients (with `bias` the bias gradients too, by index_add)
+#   by torch._grouped_mm on slot-ordered copies of x[tok] and dy[tok], ahead of dw_persistent and
+#   dw_sorted. Runs on a GPU for bf16 on sm_90+ with rows a multiple of 8 elements only (else the
+#   Triton kernels). swiglu and mlp only.
+# dy_sorted (False): dy copied into slot order before the down backward (the weight gradients reuse
+#   the copy). rows_tma (False): the backward's slot-ordered row operands by tensor descriptors.
+#   bwd_epi_split (1): the down backward's epilogue on that many column slices.
+# h_tma (False): the forward down GEMM loads h [S, F] by tensor descriptors (not with half_tail).
+#   swiglu and mlp only.
+# dw_tma (False; with dw_persistent and dw_sorted): the persistent weight-gradient kernel loads both
+#   operands by tensor descriptors (no address registers or load masks), so two programs fit an SM
+#   on one warpgroup. dw_pad (False; with dw_tma): each gathered operand is copied with zero rows
+#   padding every expert to a row-step multiple, so no row mask is needed. swiglu and mlp only.
+# The v17 keys (h_tma, dw_tma, dw_pad, dx_warps, down_warps) beat no default on the H200
+#   (docs/LOG.md, thirtieth session, device call 3); sm_90 AOT facts in bench.py's v17 notes.
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
                  "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),
                  "down_stages": (0, 2, 3, 4), "DW_BLOCK_M": (0, 16, 32, 64, 128),
@@ -297,59 +293,39 @@ _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
-# Forward tiles measured on the H200 with the banded launch order (seventh session, bf16, uniform
-# routing, forward alone against argsort + torch._grouped_mm in the same process; docs/LOG.md):
-# at Qwen3-Next (E512 top-10 D2048 F512 N8192, ~160 rows per expert) 64-row tiles with 4 stages
-# took 2.756 ms against 3.059 for 128 x 128 / 3 stages (1.38x vs 1.24x); the anchor (E64, 1024
-# rows per expert) preferred 128 rows (1.839 ms against 1.972 for these tiles in the bench's sweep).
-# Eighth session, the bench's own sweep (one run, interleaved rounds): 128 x 64 x 64, 8 warps, 3
-# stages took 1.961 ms at the anchor (64 x 128 / 4 stages: 2.179) and 2.823 at Qwen3-Next (3.053):
-# one D bucket serves both. At DeepSeek-V3 (E256 top-8 D7168 F2048 N8192) 128-row tiles with 4
-# stages 15.49 ms against 16.54 (3 stages), and bands of 16 row tiles 15.81 against 16.54 (8).
-# Ninth session (same-process A/B, forward, uniform routing, median of three interleaved rounds):
-# combine "atomic" took the anchor to 1.671 ms from 1.891 with rows, Qwen3-Next 2.560 from 2.635,
-# DeepSeek-V3 N8192 15.53 from 15.79 and N32768 50.45 from 53.64 (Qwen3-Next Zipf: 2.619 against
-# 2.491); fwd+bwd within 3% either way; bf16 vs fp32 the same (output 4.73e-3). half_tail (same
-# A/B, call 3): Qwen3-Next (~160 rows per expert: every other tile a partial one) 2.465 ms against
-# 2.638, Zipf 2.446 against 2.547, the anchor 1.737 against 1.747; DeepSeek-V3 15.87 against 15.72
-# at N8192 and 52.44 against 52.89 at N32768 (its tails cost weight traffic, not MMA work): on
-# for D <= 4k only.
-# tma (call 6, same A/B): DeepSeek-V3 N8192 14.725 ms against 15.485 (N32768 48.47 against
-# 53.61), Qwen3-Next 2.580 against 2.670, the anchor 1.856 against 1.920. The down GEMM's own
-# 256-column tile (call 7, with tma): DeepSeek-V3 N8192 13.835 ms at 4 stages and 14.036 at 3
-# against 14.732 with gate/up's 128 (N32768 46.35 against 47.80); at Qwen3-Next 128 or 256
-# columns lost to gate/up's 64 (2.381-2.463 and 2.286 against 2.254 ms).
-# Weight-gradient GEMMs (eleventh session, `.gpu/dw.py`: fwd+bwd per DW config in one process,
-# kernel times by torch.profiler; the grid already expert-slowest): 128 x 128 x 64, 8 warps, 3
-# stages took d gate_up / d down from 0.917 / 0.423 ms to 0.685 / 0.349 at the anchor, 1.995 /
-# 0.962 to 1.624 / 0.821 at Qwen3-Next and 20.84 / 9.53 to 16.61 / 8.34 at DeepSeek-V3 N8192
-# (its step 62.1 -> 56.5 ms); 4 stages the same, 128 x 256 16.85 / 7.40, 128-row steps worse.
-# Seventeenth session (`onboard bench --family moe_experts --case deepseek_v3/...N8192/uniform/fwd
-# --profile`, one run): the persistent weight-gradient kernel (`dw_persistent` 1: one program per
-# SM, 146 registers, so no second program beside it) lost to these grid kernels (two programs per
-# SM at 118 registers): fwd+bwd 64.17 ms against 56.95 at DeepSeek-V3 N8192 (its two launches
-# 32.98 ms), 10.50 against 8.40 at Qwen3-Next. It stays an option, off.
+# Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
+# named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
+# DeepSeek-V3 E256 top-8 D7168 F2048):
+# - Forward tiles 128 x 64 x 64, 8 warps, 3 stages for D <= 4k: in the bench's interleaved sweep
+#   1.961 ms at the anchor and 2.823 at Qwen3-Next, both faster than 64 x 128 / 4 stages (eighth
+#   session). D > 4k: 128 x 128 with 4 stages (15.49 ms against 16.54 with 3) and bands of 16 row
+#   tiles (15.81 against 16.54 with 8) at DeepSeek-V3 N8192 (seventh session).
+# - combine "atomic": a faster forward at every shape but Qwen3-Next Zipf; fwd+bwd within 3%
+#   (ninth session).
+# - half_tail, D <= 4k only: it helps where half the tiles are partial (Qwen3-Next 2.465 ms against
+#   2.638) and not at DeepSeek-V3, whose tails cost weight traffic (ninth session, call 3).
+# - tma: faster at every shape (DeepSeek-V3 N8192 14.725 ms against 15.485; ninth session, call 6).
+# - DOWN_BLOCK_N 256, D > 4k only: DeepSeek-V3 N8192 13.835 ms against 14.732 (call 7). At
+#   Qwen3-Next 128 columns took 2.381-2.463 ms and 256 took 2.286, against 2.254 with 64.
+# - _DW_TILES: 128 x 128 x 64, 8 warps, 3 stages cut DeepSeek-V3 N8192's weight gradients from
+#   20.84 / 9.53 ms to 16.61 / 8.34 (eleventh session). They serve where `_grouped_mm` cannot.
+# - dw_persistent stays 0: fwd+bwd 64.17 ms against 56.95 for the grid kernels at DeepSeek-V3 N8192
+#   (one program per SM at 146 registers, against two at 118; seventeenth session, helper h33).
 _DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps": 8, "dw_stages": 3}
-# Weight gradients by torch._grouped_mm on slot-ordered rows (`dw_grouped_mm`; twentieth session,
-# `bash .ci/h200/call_j.sh`, H200, fwd+bwd, one timing per sweep row beside the interleaved
-# `ours` / `_grouped_mm` medians): DeepSeek-V3 N8192 46.76 ms against 53.28 with the grid dW
-# kernels (the anchor 51.09), Qwen3-Next uniform 7.85 against 8.21 (anchor 8.88), Zipf 8.25
-# against 8.22 (anchor 9.73); its GPU bf16 tests passed in the same call.
+# dw_grouped_mm on both GPU buckets: fwd+bwd at DeepSeek-V3 N8192 46.76 ms against 53.28 with the
+# grid kernels, Qwen3-Next 7.85 against 8.21, Zipf even; bf16 tests passed (docs/LOG.md, twentieth
+# session, device call J).
 _DW_GPU = {"dw_grouped_mm": True}
-# The down backward's epilogue on two column slices, dy read in slot order and the rows by TMA
-# (template v15's options; twenty-fifth session, `bash .ci/h200/h33_moe2.sh`, H200, fwd+bwd bf16,
-# each row's median beside the v15 default's in one run): DeepSeek-V3 N8192 46.727-47.144 ms against
-# 47.442, N32768 142.02 against 146.50, Qwen3-Next uniform 7.793 against 7.915, Zipf 8.013 against
-# 8.383 (`_grouped_mm` 51.96 / 162.53 / 8.884 / 9.713); their GPU bf16 bars passed in the same call
-# (`test_backward_v15_configs_bf16_cuda`). The GPU buckets' default since template v16.
+# bwd_epi_split 2, dy_sorted and rows_tma on both GPU buckets since v16: fwd+bwd at DeepSeek-V3
+# N8192 46.727-47.144 ms against 47.442, N32768 142.02 against 146.50; bf16 bars passed
+# (docs/LOG.md, twenty-fifth session, call moe2).
 _BWD_ROWS = {"bwd_epi_split": 2, "dy_sorted": True, "rows_tma": True}
 _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
                             _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES, **_DW_GPU,
               **_BWD_ROWS}
-# dx's own 128 x 256 tile with the backward's weights by TMA (same run, sweep rows): 61.88 ms
-# fwd+bwd at DeepSeek-V3 N8192 against 64.28 with TMA alone (TMA alone: 64.28 against 64.17, no
-# gain; dx 128 x 128: 62.09); dx took 10.12 ms of the step at 64 x 128. Measured beside the
-# persistent weight-gradient kernel; with the grid ones (the default) the sum is not yet timed.
+# dx's own 128 x 256 tile with bwd_tma, D > 4k only: fwd+bwd 61.88 ms against 64.28 with bwd_tma
+# alone at DeepSeek-V3 N8192 (docs/LOG.md, seventeenth session, helper h33). Timed beside the
+# persistent weight-gradient kernel, not beside the grid ones.
 _DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
@@ -358,7 +334,7 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=17,
+    template_version=17,  # v17: h_tma, dw_tma, dw_pad, dx_warps, down_warps (all off); history: docs/LOG.md
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
@@ -389,11 +365,11 @@ FAMILY = FamilySpec(
     tuning_space=_TUNING_SPACE,
     default_config=_DEFAULT_CONFIG,
     shape_buckets=(
+        # D <= 1k keeps the defaults. The GPU buckets' backward tiles (_BWD_TILES: 64 x 128 x
+        # 64, 8 warps, 4 stages) were the best fwd+bwd at the anchor (6.30 ms against 6.54 for
+        # 128 x 128; docs/LOG.md, third session) and waste less on many small experts (~160 rows
+        # each at Qwen3-Next). Their forward tiles and options: the notes above `_DW_TILES`.
         ShapeBucket(name="d_le_1k", dim="D", lo=1, hi=1024),
-        # Backward measured on the H200 at E64 top-8 D2048 F512 N8192 bf16 (docs/LOG.md, third
-        # session): forward + backward (one config for all kernels then) best 64 x 128 x 64, 8 warps,
-        # 4 stages (6.30 ms; 128 x 128 tiles 6.54 ms). 64-row tiles also waste less on many small
-        # experts (E=512 top-10 of 8192 tokens: ~160 rows each). Forward: see _GPU_TILES.
         ShapeBucket(name="d_le_4k", dim="D", lo=1025, hi=4096, config=_GPU_TILES),
         ShapeBucket(name="d_big", dim="D", lo=4097, hi=2**31 - 1, config=_GPU_TILES_BIG),
     ),
