@@ -72,93 +72,61 @@ TUNING_SPACE = {
 DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_precision": "tf32",
                   "state_stages": 2, "state_bwd_stages": 1, "state_bv": 0, "tm_dot": "input",
                   "inv_dot": "tf32", "prep_bk": 0, "prep_stages": 0, "bwd_bv": 0}
-# GDN's own keys (kimi_delta extends TUNING_SPACE and DEFAULT_CONFIG above, not these):
-# fwd_o, where the forward's o = qg S_c + Aqk v_new is computed: "split", the output kernel (one
-# program per V tile, chunk and head, reading S_c and v_new back); "fused", the state pass itself
-# per chunk while S_c is in registers (qg and Aqk join its prefetched loads): no output launch, and
-# a forward without training writes neither S_c nor v_new (the training forward still keeps them)
-# prep_pipe, the prepare kernel's order (its constexpr PIPE): "off" (default) as before; "on" sums g
-# after the Gram loop (q and k are fetched while g is) and stores kd and qg from a loop of their own
-# before the inverse, a `tl.range` without dots whose loads Triton pipelines (in the default's w loop
-# q feeds no dot and is loaded synchronously); the w loop after the inverse loads k alone. Same
-# arithmetic and outputs; untimed (template v18, see the kernel's docstring).
-# prep_warps (0: num_warps) and prep_maxnreg (0: no cap; a compile option, not in the AOT specs):
-# the prepare's launch alone. sm_90 AOT with prep_pipe "on" (bf16, K = V = 128, chunk 64, the
-# k_le_128 bucket, every integer argument marked divisible by 16 as the JIT does at T8192):
-# 4 warps 248 registers, no spills (2 programs per SM by registers); 8 warps 193, none (1);
-# 8 warps capped at 128: 76 B of spills, 2 programs of 8 warps per SM (twice the warps); 4 warps
-# capped at 168: 288 B, 3 per SM. Untimed.
-# fused_kq, with fwd_o "fused" in a forward without training: "stored" (default), the prepare writes
-# kd and qg [B, HV, Tp, K]; "rows", it writes their row factors rk exp(gl - gc) and rq exp(gc) scale
-# ([B, HV, Tp] fp32) instead, and the fused state pass feeds the raw k and q rows to its dots and
-# scales rows of their operand or result instead: qg S_c = diag(fq) (q S_c), kd^T v_new =
-# k^T (diag(fk) v_new) (134 MB fewer bytes written at T8192 in the Qwen3-Next layout, and the state
-# pass reads k and q [B, T, HK, K], half of kd and qg's bytes at HV = 2 HK; arithmetic). Untimed.
-# prep_share (issue 32, template v20), the prepare kernel per (chunk, key head) instead of (chunk,
-# value head), `gdn_prepare_share_fwd_kernel`: "off" (default) as before; "on", the raw Gram products
-# k k^T, q k^T and the l2norm row scales once per key head (one pass over q and k), then for each of
-# the HV / HK value heads its decay, beta, Aqk, M, Tm, w, u (and kd, qg or ROWS' factors), with the raw
-# k k^T kept in registers across them and the inverse inlined; "scratch", that product through an fp32
-# [B, HK, Tp, 2 BT] scratch and Tm = (I + A)^-1 by a noinline call on its second slot
-# (`_unit_lower_inverse_mem`). Same outputs and per-head arithmetic; with prep_pipe, fused_kq rows and
-# the kept Tm. At HV = 2 HK (Qwen3-Next) it removes half of the Gram dots (a third of the prepare's
-# dot MACs at K = V = 128, BT 64, so a sixth of them; less of its dot time, the inverse's merges being
-# tf32 and its diagonal blocks exact fp32) and half of the Gram pass's q and k loads (a fifth of the
-# prepare's load bytes with kd and qg stored, a quarter with fused_kq rows); "scratch" adds per value
-# head ~88 KB of scratch round trips (L1/L2) and a 2 x 33.5 MB buffer at T8192 HK16. sm_90 AOT (bf16,
-# the k_le_128 bucket, 3 stages, the forward without training, integers marked as the JIT marks them
-# at T8192 HK16 HV32), registers / spilled bytes, triton 3.6 | 3.9: default prepare 4 warps 255 / 0 |
-# 254 / 0, 8 warps 179 / 0 | 200 / 0; "on" 4 warps 255 / 460 | 255 / 296, 8 warps 255 / 376 | 255 / 72;
-# "scratch" 4 warps 255 / 396 | 255 / 396, 8 warps 249 / 0 | 234 / 0 (also clean with ROWS, prep_pipe
-# and the kept Tm; ptxas notes the call serialises the kernel's wgmma pipeline there); 49152 B shared
-# in all. The inlined inverse inside the head loop spills: its index and layout-conversion values are
-# hoisted out of the loop and held across it (the loop cut to one head: 151 registers, no spills, at
-# 8 warps 1 stage on 3.6, against 412 B of spills with the loop).
-# Untimed (bench rows SHARE_SWEEP, `.ci/h200/h32_gdn6.sh`).
+# GDN's own keys (kimi_delta extends TUNING_SPACE and DEFAULT_CONFIG above, not these; it has its
+# own fwd_o). Each default keeps the forward it had before the key; history: docs/LOG.md.
+# fwd_o ("split"): where the forward's o = qg S_c + Aqk v_new is computed. "split" an output kernel
+#   (one program per V tile, chunk and head, reading S_c and v_new back); "fused" the state pass
+#   itself while S_c is in registers (qg and Aqk join its prefetched loads): no output launch, and
+#   a forward without training writes neither S_c nor v_new. The k_le_128 bucket takes "fused"
+#   (below).
+# prep_pipe ("off"): "on" orders the prepare kernel (constexpr PIPE) so that Triton pipelines more
+#   of its loads: g summed after the Gram loop, kd and qg stored from a loop of their own before the
+#   inverse, the w loop loading k alone. Same arithmetic and outputs. Stays off: on the H200 it was
+#   within 4% of fwd_o "fused" alone, faster at two shapes and slower at one (docs/LOG.md, thirtieth
+#   session, device call 2).
+# prep_warps (0: num_warps), prep_maxnreg (0: no cap; a compile option the AOT specs do not carry):
+#   the prepare's launch alone. 8 warps capped at 128 fit two 8-warp programs per SM at 76 B of
+#   spills (sm_90 AOT, docs/LOG.md, helper-65); on the H200 that row was slower (same call).
+# fused_kq ("stored"; with fwd_o "fused" in a forward without training): "rows" writes the row
+#   factors of kd and qg ([B, HV, Tp] fp32) in their place, and the fused state pass scales the rows
+#   of the raw k and q dots instead (by arithmetic 134 MB fewer bytes written at T8192 in the
+#   Qwen3-Next layout, and half of kd and qg's bytes read at HV = 2 HK). Not adopted: a little
+#   slower on the H200 and its GPU bars did not run (same call).
+# prep_share ("off"; v20): the prepare per (chunk, key head) instead of per value head: the Gram
+#   products and l2norm scales once per key head, then each value head's part. "on" keeps the raw
+#   k k^T in registers (the inlined inverse then spills); "scratch" passes it through an fp32
+#   scratch buffer to a noinline inverse (no spills at 8 warps). At HV = 2 HK it removes half of
+#   the Gram dots. Untimed (bench rows SHARE_SWEEP, `.ci/h200/h32_gdn6.sh`; sm_90 AOT facts:
+#   docs/LOG.md, "GDN prepare per key head").
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
                     "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
                     "prep_share": ("off", "on", "scratch")}
 GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
                       "fused_kq": "stored", "prep_share": "off"}
 SHAPE_BUCKETS = (
-    # Timed: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64
-    # bf16, 2.36 ms against 2.51 ms for the untimed BK32 BV32 8-warp config that was here (re-timed
-    # together; docs/LOG.md, fifth session). state_bwd_stages 2 fits the backward state pass up to K=64.
-    # num_stages 2, not the grid's 1 (v16, for correctness; speed not re-timed): with one stage the
-    # H200's triton 3.6 build of the loops over N tiles of a dot with the register-held Tm gave
-    # wrong rows past the first warp's 16 (the forward's w 118% off at K=64, the backward WY kernel
-    # an illegal memory access), which the interpreter and the K=128 builds (three stages) do not
-    # show; with 2 or 3 stages test_bf16_vs_fp32_on_gpu[k64-slow] passed for both families
-    # (docs/LOG.md, twenty-second session, device calls M-R).
+    # k_le_64: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64 bf16:
+    # 2.36 ms against 2.51 for the config before, re-timed together (docs/LOG.md, fifth session).
+    # state_bwd_stages 2 fits the backward state pass up to K=64. num_stages 2, not the grid's 1,
+    # for correctness (v16; speed not re-timed): with one stage the H200's triton 3.6 build gave
+    # wrong rows at K=64 (docs/LOG.md, twenty-second session, device calls M-R).
     ShapeBucket(name="k_le_64", dim="K", lo=1, hi=64,
                 config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 2, "state_bwd_stages": 2}),
-    # Timed: the best of a 72-config grid on the H200, fwd+bwd at B2 T4096 H16 K=V=128 bf16,
-    # 2.26 ms against 3.02 ms for the spill-free BK32 BV32 8-warp config that was here (docs/LOG.md,
-    # fourth session: "Grid vs TPE"); every 4-warp config beat every 8-warp one. It spills up to
-    # 6.8 KB in the backward WY kernel and is faster all the same. prep_bk 64: the prepare kernel
-    # alone 0.189 vs 0.214 ms at B2 T4096 H16 and 1.405 vs 1.647 ms at B1 T32768 HV32 (fifth
-    # session; GDN only: kimi_delta drops it, its per-channel Gram at BK 64 is untimed).
-    # Three pipeline stages everywhere (sixth session, bf16): each forward kernel timed alone over
-    # warps x tile x stages, the state pass 0.570 vs 0.869 ms at B1 T32768 HK16 HV32 (0.076 vs
-    # 0.114 at B2 T4096 H16; best of 27 at all three shapes timed), prepare 1.198 vs 1.271 (best
-    # of 18); the whole backward over state_bwd_stages x num_stages (3 x 3): 1.080 vs 1.204 ms at
-    # B2 T4096 H16, 2.349 vs 2.624 at B1 T8192 HK16 HV32 (best at both). bwd_bv 32 (seventh
-    # session, the saving forward + backward over BK x BV x warps as CUDA graphs): BV 32 took the
-    # backward to 0.760 from 0.811 ms at B2 T4096 H16 (1.766 from 1.828 at B1 T8192 HK16 HV32) and
-    # the forward from 0.310 up to 0.351 (its output kernel): the backward alone takes 32. Re-timed
-    # under the tenth session's backward (closed-form dA and l2norm row dots): BK 32, bwd_bv 32,
-    # 4 warps stay best (0.886 ms at B2 T4096 H16 against 0.928 for bwd_bv 64, 1.036 for BK 64).
-    # fwd_o "fused" (o in the state pass), H200 thirtieth session, CUDA-graph ms in one call each
-    # (`bash .ci/h200/h32_gdn5.sh`, `BUDGET=500 bash .ci/h200/h32_kda3.sh`), bf16 bars passed:
-    # GDN B2 T4096 H16 0.284 -> 0.235, Qwen3-Next layout T8192 0.521 -> 0.447, T32768 2.029 ->
-    # 1.744; KDA (which inherits this bucket) Kimi-Linear layout T8192 0.901 -> 0.807, T32768
-    # 3.396 -> 3.090. A training forward keeps S_c and v_new, as the split path does.
+    # k_le_128: the best of a 72-config grid on the H200, fwd+bwd at B2 T4096 H16 K=V=128 bf16:
+    # 2.26 ms against 3.02 (docs/LOG.md, fourth session, "Grid vs TPE"); it spills up to 6.8 KB in
+    # the backward WY kernel and is faster all the same. prep_bk 64: the prepare alone 0.189 against
+    # 0.214 ms at B2 T4096 H16 (fifth session; GDN only: kimi_delta drops it). Three stages
+    # everywhere: the best of each kernel's grid at every shape timed (sixth session; the state pass
+    # 0.570 against 0.869 ms at B1 T32768 HK16 HV32). bwd_bv 32: the backward 0.760 ms from 0.811 at
+    # B2 T4096 H16 (1.766 from 1.828 at B1 T8192 HK16 HV32) while the forward wants BV 64 (seventh
+    # session); re-timed best in the tenth session. fwd_o "fused": the forward 0.521 -> 0.447 ms
+    # (CUDA graph) at T8192 HK16 HV32, faster at all five shapes timed for GDN and KDA (which
+    # inherits this bucket), bf16 bars passed (thirtieth session, device calls 1-2).
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
                 config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 3, "prep_bk": 64,
                         "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3, "bwd_bv": 32,
                         "fwd_o": "fused"}),
-    # Untimed, chosen from the AOT build's (sm_90, BT=64) spills and shared memory: fp32
-    # [BT, 256] w and kd tiles leave no room for a second pipeline stage
+    # k_le_256: untimed, chosen from the sm_90 build's spills and shared memory: fp32 [BT, 256] w
+    # and kd tiles leave no room for a second pipeline stage.
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
                 config={"BK": 32, "BV": 16, "num_warps": 8, "state_stages": 1}),
 )
@@ -195,10 +163,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    # v22: `_unit_lower_inverse` is `_unit_lower_inverse_z` with z = 0 (one copy of the inverse;
-    # sm_90 PTX of gdn_prepare_fwd_kernel, the scratch share prepare and kda_prepare_fwd_kernel
-    # identical before and after under triton 3.6 and 3.9, debug lines and symbol hashes aside).
-    # v21: aot_specs lists the prep_share kernel under "off" too (v20: `prep_share`)
+    # v22: one copy of the unit-lower inverse (sm_90 PTX identical before and after); history:
+    # docs/LOG.md.
     template_version=22,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
