@@ -112,7 +112,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=7,
+    template_version=7,  # v7: the MLA bucket takes the split backward; history: docs/LOG.md
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -128,36 +128,41 @@ FAMILY = FamilySpec(
         Param(name="d_v", type=int, default=512, min=16, max=1024, variants=("gathered",),
               doc="value width of the MLA latent (its first d_v columns); mla layout only"),
     ),
-    # BLOCK_K: gathered positions per step; BLOCK_H: query heads of one KV group per program
-    # (BLOCK_K_BWD / BLOCK_H_BWD: the same for the backward, whose dq, dk and dv tiles need more
-    # registers and shared memory, so it may need smaller blocks than the forward);
-    # BLOCK_T: indexer score tile; BLOCK_SEL: chunk of a row per selection pass; SEL_RADIX: bits
-    # of the threshold decided per pass (32 / SEL_RADIX passes, 2^SEL_RADIX compares per element).
-    # FWD_STAGES: software-pipeline stages of the forward kernels' gathered loads (3: Triton's
-    # default, what the forward ran with before it was a key). FWD_DV_SPLIT (MLA layout only):
-    # 1 = one program holds a head block's whole [BLOCK_H, d_v] output; 2 = the value columns
-    # split over two programs that each recompute the scores (twice the score work, half the
-    # accumulator: BLOCK_H = 128 fits, each warp group owning whole head rows of every dot).
-    # FWD_ROW_END 1: the forward stops each row after its last valid index (one [B, T] pass
-    # over the indices first): early rows (t < K) hold t + 1 picks and K - t - 1 padding slots.
-    # FWD_TWO_PASS 1 (MLA only, over FWD_DV_SPLIT): the scores once, the probabilities stored
-    # (B T H K elements in the dot's dtype) and replayed by a value kernel split as FWD_DV_SPLIT 2.
-    # FWD_SPLIT_SCORES 1 (the fused forward): the score block's key columns split over the warp
-    # groups instead of every warp group computing all of them (Triton lays a dot that feeds
-    # another dot out with all warps along M: at BLOCK_H 64 and 8 warps both warp groups repeat
-    # the whole score block), and the softmax in base 2 with the scale folded into log2(e).
-    # BWD_SPLIT 1 (MLA only; the GQA layout keeps the fused backward): the backward as two
-    # kernels. A dq kernel (per query and BLOCK_H_BWD heads, BLOCK_K_BWD keys per step, the fused
-    # backward's loop without its dkv scatter, stopping at each row's last valid index) and a dkv
-    # kernel: per query and BLOCK_K_DKV of its selected keys, all H heads walked BLOCK_H_DKV at a
-    # time, the key block's [BLOCK_K_DKV, D_QK] gradient summed in fp32 registers and added once
-    # (one fp32 reduction per query and selected key, against H / BLOCK_H_BWD in the fused
-    # backward, whose atomics bound it at T 8192: 163.6 ms, 63 TFLOP/s). Scores and dp are
-    # computed by both kernels (~40% more FLOPs). BWD_STAGES: software-pipeline stages of both.
-    # BLOCK_H_DQ / BLOCK_K_DQ: the dq kernel's tiles (0: BLOCK_H_BWD / BLOCK_K_BWD), its own keys
-    # so that a bucket can give it wgmma tiles (64 x 32) that the fused backward could not take
-    # (311 KB of shared memory at 64 heads), which then stays runnable with BWD_SPLIT 0.
-    # Its sm_90 build facts at the tiles the fwd+bwd bench sweeps: bench.py, MLA_FWDBWD_SWEEP.
+    # Keys (default in brackets; the MLA bucket d_le_1024 below sets most of them). History per
+    # template version: docs/LOG.md (search "sparse_attention").
+    # BLOCK_K, BLOCK_H (32, 16): gathered positions per step and query heads of one KV group per
+    #   forward program. BLOCK_K_BWD, BLOCK_H_BWD (32, 16): the same for the fused backward, whose
+    #   dq, dk and dv tiles need more registers and shared memory, so it may need smaller blocks.
+    # BLOCK_T (64): the indexer's score tile. BLOCK_SEL (1024): chunk of a row per selection pass.
+    #   SEL_RADIX (4): bits of the threshold decided per pass (32 / SEL_RADIX passes, 2^SEL_RADIX
+    #   compares per element).
+    # num_warps (4). dot_precision ("tf32"): operands of fp32 dots, "tf32" or exact "ieee".
+    # FWD_STAGES (3): pipeline stages of the forward's gathered loads (3: Triton's default, what the
+    #   forward ran with before it was a key).
+    # FWD_DV_SPLIT (1; MLA only): 2 splits the value columns over two programs that each recompute
+    #   the scores (twice the score work, half the accumulator: BLOCK_H 128 fits, each warp group
+    #   owning whole head rows of every dot).
+    # FWD_ROW_END (0): 1 stops each row after its last valid index (one [B, T] pass over the indices
+    #   first): early rows (t < K) hold t + 1 picks and K - t - 1 padding slots.
+    # FWD_TWO_PASS (0; MLA only, over FWD_DV_SPLIT): 1 computes the scores once, stores the
+    #   probabilities (B T H K elements in the dot's dtype) and replays them in a value kernel split
+    #   as FWD_DV_SPLIT 2.
+    # FWD_SPLIT_SCORES (0): 1 splits the score block's key columns over the warp groups. Triton lays
+    #   a dot that feeds another dot out with all warps along M, so at BLOCK_H 64 and 8 warps both
+    #   warp groups repeat the whole score block. The softmax is then in base 2, the scale folded
+    #   into log2(e).
+    # BWD_SPLIT (0; MLA only, the GQA layout keeps the fused backward): 1 runs the backward as a dq
+    #   kernel (the fused loop without its dkv scatter, stopping at each row's last valid index)
+    #   and a dkv kernel (per query and BLOCK_K_DKV of its selected keys, all heads walked
+    #   BLOCK_H_DKV at a time, the key block's gradient summed in fp32 registers and added once).
+    #   The fused backward adds H / BLOCK_H_BWD times per query and key; those atomics bound it at
+    #   T 8192 (163.6 ms, 63 TFLOP/s). Both split kernels recompute scores and dp (~40% more FLOPs).
+    # BLOCK_K_DKV, BLOCK_H_DKV (64, 32): the dkv kernel's tiles. BWD_STAGES (1): stages of both
+    #   split kernels.
+    # BLOCK_H_DQ, BLOCK_K_DQ (0: BLOCK_H_BWD, BLOCK_K_BWD): the dq kernel's own tiles, so a bucket
+    #   can give it wgmma tiles (64 x 32) that the fused backward cannot take (311 KB of shared
+    #   memory at 64 heads), and BWD_SPLIT 0 stays runnable.
+    # sm_90 build facts at the tiles the fwd+bwd bench sweeps: bench.py, MLA_FWDBWD_SWEEP.
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
@@ -191,34 +196,23 @@ FAMILY = FamilySpec(
         ShapeBucket(name="d_le_64", dim="D_QK", lo=0, hi=64, config={"BLOCK_K": 64, "BLOCK_K_BWD": 64}),
         ShapeBucket(name="d_le_128", dim="D_QK", lo=65, hi=128, config={"BLOCK_K": 32}),
         ShapeBucket(name="d_le_256", dim="D_QK", lo=129, hi=256, config={"BLOCK_K": 32, "num_warps": 8}),
-        # MLA 576/512 on sm_90 with bf16 dots (AOT, ptxas): the forward takes 64 heads per
-        # program (wgmma m64, 111 KB shared, 600 B spilled: the [64, 512] fp32 accumulator is half
-        # the register file), so 128 query heads read each gathered block twice, back to back (L2).
-        # The backward at 64 heads needs 311 KB of shared memory; at 32 heads x 16 positions it
-        # takes 102 KB (496 B spilled; 32 positions: 119 KB, 1 KB spilled).
-        # Those AOT numbers compile without the runtime's specialisation (16-byte aligned
-        # pointers, ints divisible by 16), under which no load is pipelined. With it (what the
-        # GPU runs at T 8192, K 2048, 128 heads; triton 3.9, sm_90, issue 33): the forward's
-        # gathered rows load by cp.async, 148 KB, 255 registers, 152 B spilled, its score dot
-        # m64n16 per warp group (the 32 key columns split over the two warp groups); the
-        # value-split forward (FWD_DV_SPLIT 2, 128 heads, BLOCK_K 32, 2 stages) 221 KB,
-        # 244 registers, no spill, m64n32 score and m64n256 value dots per warp group.
-        # Timed on the H200 (docs/LOG.md, eighteenth session, call C: `onboard bench --family
-        # sparse_attention --case 'mla-T8192-fwd$' --case 'mla-T32768-fwd$' --impl ours`, 128
-        # heads, K 2048): BLOCK_K 64 with 2 stages 17.69 ms at T 8192 and 73.32 at T 32768,
-        # against 28.59 / 113.38 at BLOCK_K 32 with 3 stages, the best of 9 configurations
-        # (the value-split and two-pass forwards 18.7-25 ms at T 8192).
-        # The score block split over the two warp groups, three stages, rows stopped at their end
-        # (thirtieth session, H200, `source .ci/h200/setup.sh && BUDGET_S=250 bash
-        # .ci/h200/h33_mla.sh`, wall ms, one call): 17.694 -> 13.706 at T 8192 (the kernel alone
-        # 240.7 -> 316.9 TFLOP/s), 73.071 -> 58.475 at T 32768; its GPU bf16 test (output and
-        # every gradient) passed.
-        # The split backward (thirty-first session, H200, `source .ci/h200/setup.sh && BUDGET_S=230
-        # bash .ci/h200/h33_mla_bwd.sh`, one call): dq 64 heads x 32 keys, dkv 64 keys x 32 heads,
-        # 2 stages: fwd+bwd 182.8 -> 88.1 ms at T 8192 (79 -> 164 TFLOP/s; the backward's kernels
-        # 164.9 -> 69.0 ms: dkv 38.4 + dq 30.6) and 756.5 -> 412.8 ms at T 32768 (155 TFLOP/s);
-        # its GPU bf16 tests (o and every gradient, at 1 stage: stages only pipeline the loads)
-        # passed. The fused backward's tiles stay for BWD_SPLIT 0.
+        # d_le_1024 (MLA 576/512), timed on the H200 at 128 heads, K 2048:
+        # - Forward BLOCK_H 64, BLOCK_K 64, 8 warps: 17.69 ms at T 8192 (then with 2 stages) against
+        #   28.59 for BLOCK_K 32 with 3 stages, the best of 9 configurations; the value-split and
+        #   two-pass forwards took 18.7-25 ms (docs/LOG.md, eighteenth session, call C). 64 heads is
+        #   wgmma's m64, so 128 query heads read each gathered block twice, back to back (from L2).
+        # - FWD_SPLIT_SCORES 1, FWD_STAGES 3, FWD_ROW_END 1: 17.694 -> 13.706 ms at T 8192, 73.071
+        #   -> 58.475 at T 32768, bf16 test passed (docs/LOG.md, thirtieth session, device call 4).
+        # - BWD_SPLIT 1 with dq 64 heads x 32 keys, dkv 64 keys x 32 heads, 2 stages (v7): fwd+bwd
+        #   182.8 -> 88.1 ms at T 8192, 756.5 -> 412.8 at T 32768, bf16 tests passed (docs/LOG.md,
+        #   thirty-first session, device calls 4-5).
+        # - The fused backward's tiles (32 heads x 16 positions) stay for BWD_SPLIT 0: at 64 heads
+        #   it needs 311 KB of shared memory. An sm_90 build without the runtime's integer marks
+        #   (so no load pipelined) gave: forward at 64 heads 111 KB shared, 600 B spilled (the
+        #   [64, 512] fp32 accumulator is half the register file); backward at 32 x 16 102 KB,
+        #   496 B spilled (32 positions: 119 KB, 1 KB spilled). With the marks, as the GPU runs it,
+        #   the forward takes 148 KB, 255 registers, 152 B spilled (docs/LOG.md, eighteenth
+        #   session, helper h33).
         ShapeBucket(name="d_le_1024", dim="D_QK", lo=257, hi=1024,
                     config={"BLOCK_K": 64, "FWD_STAGES": 3, "BLOCK_H": 64, "BLOCK_K_BWD": 16,
                             "BLOCK_H_BWD": 32, "num_warps": 8, "FWD_SPLIT_SCORES": 1,
