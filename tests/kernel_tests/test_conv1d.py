@@ -102,6 +102,17 @@ def test_aot_sm90(load_kernel):
             assert r.ok, f"{path}: {r.kernel}: {r.error}"
 
 
+def _assert_same_grads(y, y_ref, x, x2, mine, ref) -> None:
+    """One random cotangent through the patched and the reference mixer: dx and every parameter's
+    gradient agree."""
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    for n, p in mine.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-4, atol=1e-5)
+
+
 def test_binding_is_a_drop_in_and_hands_back_time_major(load_kernel, device):
     """The binding serves a mixer's ``conv1d(x [B, C, T], padding=K-1)[..., :T]`` (Qwen3-Next's
     use): the same output and gradients as the module's own conv, and the [B, C, T + K - 1]
@@ -142,12 +153,7 @@ def test_binding_is_a_drop_in_and_hands_back_time_major(load_kernel, device):
     assert mine.seen.shape == (B, C, T + 3) and mine.seen.transpose(1, 2).is_contiguous()
     assert y.is_contiguous()
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y_ref.backward(g)
-    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
-    for n, p in mine.named_parameters():
-        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-4, atol=1e-5)
+    _assert_same_grads(y, y_ref, x, x2, mine, ref)
     undo()
     assert "forward" not in model.__dict__
 
@@ -192,10 +198,5 @@ def test_binding_serves_an_unpadded_conv_after_the_callers_left_pad(load_kernel,
     assert rec.status == "active"
     assert mine.seen.shape == ref.seen.shape == (B, C, T + pad - k + 1)
     torch.testing.assert_close(mine.seen, ref.seen, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y_ref.backward(g)
-    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
-    for n, p in mine.named_parameters():
-        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=1e-4, atol=1e-5)
+    _assert_same_grads(y, y_ref, x, x2, mine, ref)
     undo()
