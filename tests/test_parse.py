@@ -754,6 +754,54 @@ def test_residual_streams_mixed_by_routed_coefficients(parse_model):
         {("projections (GEMM)", "torch_fast")}
 
 
+@pytest.mark.parametrize("cls,attrs", [
+    ("StaticHyperLM", {"coefficients": "static"}),
+    ("DynamicHyperLM", {"coefficients": "dynamic", "projection": "per_stream"}),
+    ("FusedHyperLM", {"coefficients": "dynamic", "projection": "flattened",
+                      "normalisation": "sinkhorn"}),
+    ("WeightsOnlyHyperLM", {"coefficients": "dynamic", "projection": "flattened",
+                            "matrix": False}),
+])
+def test_hyper_connections_are_residual_stream_blocks(parse_model, cls, attrs):
+    """Hyper-connections (our own fixtures): n = 4 residual streams [B, T, n, D]; around each
+    attention and MLP a module reads the streams into the sublayer's input and mixes them by an
+    n x n matrix, from static parameters, per-stream projections (the layer's own forward does
+    the mixing matmul) or one fused projection of the flattened streams to n^2 + 2n
+    coefficients normalised by Sinkhorn iterations, or without a matrix (2n weights: the
+    streams read and written back, never mixed; `matrix` false). Each such module is
+    `residual.streams` mix
+    (before: no block at all, the mixing silently dropped, or `unknown` where two matmuls met);
+    the attention and MLP still read `AF`; the fused model's final weighted sum of the streams is
+    `collapse`. Coverage: the coefficient GEMMs torch_fast, the mixing uncovered."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model(f"tests/fixtures/hyper_connection_models.py:{cls}", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "AF AF"
+    assert not any(b.kind == "unknown" for b in g.blocks)
+    for i in (0, 1):
+        for hc in ("attn_hc", "mlp_hc"):
+            b = by[f"layers.{i}.{hc}"]
+            assert b.kind == "residual.streams", (b.kind, b.evidence)
+            assert b.attrs == {"role": "mix", "streams": 4, "stream_width": 32, **attrs}
+        assert by[f"layers.{i}.attn"].kind == "attention.full"
+        assert by[f"layers.{i}.mlp"].kind == "mlp.dense"
+    cov = build_coverage(g)
+    gemm = {("projections (GEMM)", "torch_fast")} if attrs["coefficients"] == "dynamic" else set()
+    assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.attn_hc"} == \
+        gemm | {("residual stream mixing", "uncovered")}
+    if cls == "DynamicHyperLM":  # the layer's own mixing matmul is counted in the mix block
+        assert by["layers.0.attn_hc"].op_histogram.get("matmul") == 1
+    if cls == "FusedHyperLM":
+        assert by["head_mix"].kind == "residual.streams"
+        assert by["head_mix"].attrs == {"role": "collapse", "streams": 4, "stream_width": 32,
+                                        "coefficients": "dynamic", "projection": "flattened"}
+        assert {(e.op, e.status) for e in cov.entries if e.path == "head_mix"} == gemm
+    else:
+        assert not any(b.kind == "residual.streams" and b.attrs["role"] != "mix"
+                       for b in g.blocks)
+
+
 @pytest.mark.slow
 def test_gemma3n_laurel_and_altup_are_residual_blocks(parse_model):
     """Gemma 3n's LAuReL is `residual.low_rank`, its AltUp `residual.streams` (per layer: mix;
@@ -766,3 +814,6 @@ def test_gemma3n_laurel_and_altup_are_residual_blocks(parse_model):
     roles = {b.attrs["role"] for b in g.blocks if b.kind == "residual.streams"}
     assert roles == {"mix", "expand", "collapse"}
     assert not any(b.kind == "unknown" for b in g.blocks)
+    # the head's width is the token vocabulary, not the larger per-layer embedding table's
+    assert [b.path for b in g.blocks if b.kind == "lm_head"] == ["lm_head"]
+    assert not any(b.kind == "mlp.dense" and ".layers." not in b.path for b in g.blocks)

@@ -50,6 +50,7 @@ def layer_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+
 @dataclass(kw_only=True)
 class Context:
     seq: int
@@ -60,6 +61,9 @@ class Context:
     children: dict[str, list[str]]
     module_types: dict[str, str]
     identical_lists: dict[str, int]  # ModuleList path -> length, when children are identical
+    # every embedding table's size: the output head's width is one of them (Gemma 3n's per-layer
+    # embedding table is larger than the token vocabulary, so `vocab` is not the head's)
+    vocabs: tuple[int, ...] = ()
 
 
 def _hist(recs: list[OpRecord]) -> Counter:
@@ -419,6 +423,7 @@ class Classifier:
             self.by_module.setdefault(r.module, []).append(r)
         self.blocks: dict[str, Block] = {}
         self.unclaimed: dict[str, list[OpRecord]] = {}
+        self.stranded: dict[str, list[OpRecord]] = {}  # a stream carrier's leftovers (`run`)
         self.origin: dict[int, str] = {r.index: r.module for r in cap.records}
         self._conv_at: dict[str, int] = {}  # a conv.causal1d block -> its conv record's index
         self._carriers: dict[str, tuple[set[int], int, int, list[int]]] | None = None
@@ -434,7 +439,7 @@ class Classifier:
         if not mm and (patch := self._patch_conv(recs)) is not None:
             return patch
         if leaf and len(mm) == 1 and ctx.vocab and (d := _linear_dims(mm[0], ctx)) \
-                and d[1] == ctx.vocab and sum(n for op, n in ops.items()
+                and (d[1] == ctx.vocab or d[1] in ctx.vocabs) and sum(n for op, n in ops.items()
                                               if op not in VIEW_OPS and not is_matmul(op)) <= 2 \
                 and (why := self._output_head(path, mm[0])):
             return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)", why], {}
@@ -557,6 +562,8 @@ class Classifier:
             return wrap
         if (conv := self._gated_conv(path, recs, mm)) is not None:
             return conv
+        if (hyper := self._hyper_connection(path, recs, mm)) is not None:
+            return hyper
         if (low := self._low_rank_residual(path, recs, mm)) is not None:
             return low
         if (streams := self._stream_coefficients(path, recs, mm)) is not None:
@@ -785,6 +792,134 @@ class Classifier:
             return "residual.streams", ev, {"role": "mix", "streams": n,
                                             "stream_width": shape[-1]}
         return None
+
+    def _hyper_connection(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                          ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A hyper-connection: a module handed the n residual streams (its first input has a
+        stream carrier's shape, `_stream_carriers`) that returns, among its outputs, one tensor of
+        that shape less the stream dim (the streams read into one: a sublayer's input), with
+        coefficients that are its own parameters (static: an [n, n], [n, n + 1] or [n + 1, n]
+        matrix) or come from weight projections of each stream (D wide) or of the streams
+        flattened (nD wide), nothing wider than n^2 + 2n per token (dynamic). Role `mix` when an
+        n x n (or n x (n + 1)) mixing matrix is among them: a parameter of that shape, or an op
+        output whose last two dims are, or the module runs inside a carrier; `collapse` for a
+        weighted read alone after every carrier
+        (the streams' final sum). No attention, conv or top-k. The mixing may run in the
+        carrier's own forward (`_claim_stream_mixing`). A module inside a carrier without such
+        a matrix is `mix` too, with `matrix` false: it reads the streams into a sublayer and
+        writes its output back by per-token weights, the streams never mixed with each other."""
+        io = self.cap.module_io.get(path)
+        if not io or not io[0] or not io[1] or not io[0][0].shape:
+            return None
+        shape = io[0][0].shape
+        carriers = [(c, a, b) for c, a, b, sh in self._stream_carriers().values() if sh == shape]
+        ops = _hist(recs)
+        if not carriers or ops["topk"] or any(is_sdpa(op) or op in CONV for op in ops):
+            return None
+        d = shape[-1]
+        proj = [r for r in mm if self._weight_2d(r)]
+        dims = [_linear_dims(r, self.ctx) for r in proj]
+        own = [tuple(s) for name, s in self.ctx.param_shapes.items()
+               if name.rsplit(".", 1)[0] == path and len(s) in (1, 2)]
+        for n in sorted(set().union(*(c for c, _, _ in carriers))):
+            reads = [shape[:i] + shape[i + 1:] for i, s in enumerate(shape[:-1]) if s == n]
+            if not any(o.shape in reads for o in io[1]) or any(
+                    dd is None or dd[0] not in (d, n * d) or dd[1] > n * n + 2 * n for dd in dims):
+                continue
+            square = {(n, n), (n, n + 1), (n + 1, n)}
+            static = [s for s in own if s in square]
+            matrix = bool(static) or any(len(o) >= 3 and tuple(o[-2:]) in square
+                                         for r in recs for o in r.out_shapes)
+            if not (proj or static or (n,) in own):
+                continue  # a plain mean of the streams: no coefficients
+            lo = min(r.index for r in recs)
+            inside = any(path.startswith(p + ".") for p, (_, _, _, sh) in
+                         self._stream_carriers().items() if sh == shape)
+            role = "mix" if matrix or inside else \
+                "collapse" if lo > max(b for _, _, b in carriers) else None
+            if role is None:
+                continue
+            ev = [f"its input {shape} is the {n} residual streams of width {d} that the layers "
+                  "carry; it returns them read into one (" + "x".join(map(str, reads[0])) + ")"]
+            attrs: dict[str, Any] = {"role": role, "streams": n, "stream_width": d,
+                                     "coefficients": "dynamic" if proj else "static"}
+            if proj:
+                flat = all(dd[0] == n * d for dd in dims)
+                attrs["projection"] = "flattened" if flat else "per_stream"
+                widths = [dd[1] for dd in dims]
+                ev.append(f"{len(proj)} projection(s) of the {'flattened streams (' + str(n * d) if flat else 'each stream (' + str(d)} wide) "
+                          f"to per-token coefficients {widths} wide" +
+                          (f": one fused projection, n^2 + 2n = {n * n + 2 * n} (n input weights, "
+                           f"n output weights, the {n} x {n} matrix)" if widths == [n * n + 2 * n] else ""))
+            if static:
+                ev.append(f"a learned {'x'.join(map(str, static[0]))} parameter: the same "
+                          "coefficients for every token" + (" (plus the per-token ones)" if proj else ""))
+            if role == "mix" and not matrix:
+                attrs["matrix"] = False
+                ev.append(f"no {n} x {n} matrix: inside a layer, the streams read into its "
+                          "sublayer and its output written back, by per-token weights "
+                          "(hyper-connection without residual mixing)")
+            elif role == "mix":
+                ev.append(f"an {n} x {n} matrix mixes the streams (hyper-connection)")
+                if (rounds := self._sinkhorn_rounds(recs, n)):
+                    attrs["normalisation"] = "sinkhorn"
+                    ev.append(f"its rows and columns normalised in turn ({rounds} divisions): "
+                              "Sinkhorn iterations towards a doubly stochastic matrix")
+            else:
+                ev.append(f"after every carrier, no {n} x {n} matrix: the streams' final weighted sum")
+            return "residual.streams", ev, attrs
+        return None
+
+    @staticmethod
+    def _sinkhorn_rounds(recs: list[OpRecord], n: int) -> int:
+        """How many divisions of an [.., n, n] tensor by its sums over the last dim ([.., n, 1])
+        or the one before ([.., 1, n]) run, when both kinds do (rows and columns normalised in
+        turn); 0 otherwise."""
+        rows = cols = 0
+        for r in recs:
+            if r.op in ("div", "div_") and len(r.in_shapes) > 1 and r.in_shapes[0] \
+                    and r.in_shapes[1] and r.in_shapes[0][-2:] == [n, n]:
+                rows += r.in_shapes[1][-2:] == [n, 1]
+                cols += r.in_shapes[1][-2:] == [1, n]
+        return rows + cols if rows and cols else 0
+
+    def _claim_stream_mixing(self, path: str, recs: list[OpRecord]) -> list[OpRecord]:
+        """The matmuls in a stream carrier's own forward (a layer with no rule of its own) that
+        multiply the n streams by an n x n matrix (or n x (n + 1)): hyper-connections and AltUp
+        compute the matrix in a module of their own (a `residual.streams` mix block below the
+        carrier) and may mix in the layer. Each is counted in the last mix block below ``path``
+        that ran before it; the rest is returned (left unclaimed, as before)."""
+        if path not in self._stream_carriers():
+            return recs
+        mixes = {p: min((r.index for r in self.cap.records if r.module == p
+                         or r.module.startswith(p + ".")), default=-1)
+                 for p, b in self.blocks.items() if p.startswith(path + ".")
+                 and b.kind == "residual.streams" and b.attrs.get("role") == "mix"}
+        if not mixes:
+            return recs
+        kept = []
+        for r in recs:
+            owner = max((p for p, at in mixes.items() if 0 <= at < r.index),
+                        key=lambda p: mixes[p], default=None)
+            b = self.blocks[owner] if owner is not None else None
+            n, d = (b.attrs.get("streams"), b.attrs.get("stream_width")) if b else (None, None)
+            shapes = [s for s in r.in_shapes[:2] if s]
+            if b is None or r.module != path or not is_matmul(r.op) or r.params \
+                    or len(shapes) != 2 or not any(
+                        tuple(s[-2:]) in {(n, n), (n, n + 1), (n + 1, n)}
+                        and n in (o := shapes[1 - i]) and d in o for i, s in enumerate(shapes)):
+                kept.append(r)
+                continue
+            hist = Counter(b.op_histogram)
+            hist[r.op] += 1
+            b.op_histogram = dict(sorted(hist.items()))
+            flops, nbytes = estimate_cost([r])
+            b.flops += flops
+            b.bytes += nbytes
+            note = f"the streams mixed by its matrix in {path}'s own forward: counted here"
+            if note not in b.evidence:
+                b.evidence.append(note)
+        return kept
 
     def _stream_projections(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
                             ) -> tuple[str, list[str], dict[str, Any]] | None:
@@ -1226,7 +1361,13 @@ class Classifier:
             if found is None and recs:
                 found = self._per_call(path, recs, child_kinds)
             if found is None:
-                self.unclaimed[path] = recs
+                left = self._claim_stream_mixing(path, recs)
+                if path in self._stream_carriers():
+                    # a layer of n streams is a unit: its leftovers go to the leftover pass, never
+                    # pooled with other layers' into a rule further up (a list or the root)
+                    self.stranded[path] = left
+                else:
+                    self.unclaimed[path] = left
                 continue
             kind, ev, attrs = found
             absorbed = [self.blocks.pop(p) for p in attrs.pop("_absorb", [])]
@@ -1311,7 +1452,7 @@ class Classifier:
 
     def _leftovers(self) -> None:
         """Substantive compute nobody explained becomes `unknown` at the module that ran it."""
-        for container, recs in self.unclaimed.items():
+        for container, recs in [*self.unclaimed.items(), *self.stranded.items()]:
             by_origin: dict[str, list[OpRecord]] = {}
             for r in recs:
                 origin = self._origin(r.module)

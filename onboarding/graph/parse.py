@@ -104,7 +104,9 @@ def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
     return Context(seq=seq, vocab=emb.num_embeddings if emb else None,
                    hidden=emb.embedding_dim if emb else None, layer_hints=hints,
                    param_shapes={n: list(p.shape) for n, p in model.named_parameters()},
-                   children=children, module_types=cap.module_types, identical_lists=lists)
+                   children=children, module_types=cap.module_types, identical_lists=lists,
+                   vocabs=tuple(sorted({m.num_embeddings for m in model.modules()
+                                        if isinstance(m, nn.Embedding)})))
 
 
 def layer_pattern(blocks: list[Block]) -> tuple[str, list[list[str]]]:
