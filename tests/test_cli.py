@@ -274,6 +274,21 @@ def test_bench_case_and_impl_selection():
         select_cases(cases, ["T99"])
 
 
+def test_bench_list_names_the_cases_without_a_gpu(workdir, capsys):
+    """`onboard bench list` prints the selected cases (shape, FLOPs, anchors on request) without
+    building them: no GPU, nothing allocated; a family without cases exits 2 naming the known ones."""
+    from onboarding.bench.cases import cases_for
+
+    assert main(["bench", "list", "--family", "ssd", "--case", "H128", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    want = [c for c in cases_for(["ssd"]) if "H128" in c.name]
+    assert [r["case"] for r in rows] == [c.name for c in want] and rows
+    assert rows[0]["shape"]["H"] == 128 and rows[0]["gflop"] == round(want[0].flops / 1e9, 3)
+    assert "mamba_ssm" in rows[0]["on_request"]
+    assert main(["bench", "list", "--family", "ssd"]) == 0
+    assert "B1T8192H64" in capsys.readouterr().out.replace("\n", "").replace("│", "").replace(" ", "")
+    _bad(workdir, capsys, ["bench", "list", "--family", "nope"], "no benchmark cases for ['nope']")
+
 def test_bench_case_names_anchor_at_start_and_end():
     """`--case` is a substring; ``PAT$`` only at the name's end (``/fwd$`` leaves ``/fwdbwd``
     out), ``^PAT`` only at its start, ``^NAME$`` the whole name."""

@@ -16,9 +16,11 @@ from onboarding.errors import EXIT_OK, InputError
 def add_parser(sub) -> argparse.ArgumentParser:
     b = command_parser(sub, "bench",
                        help="kernel benchmarks vs eager, torch.compile and anchors (GPU)")
-    b.add_argument("action", nargs="?", choices=("history",),
+    b.add_argument("action", nargs="?", choices=("history", "list"),
                    help="history: list the nightly history (--history URL, --key SUBSTR) with "
-                        "its change points; no GPU needed")
+                        "its change points; list: the kernel cases --family / --case pick, with "
+                        "their shapes, FLOPs and anchors (nothing is built or timed); neither "
+                        "needs a GPU")
     b.add_argument("--suite", choices=("kernels", "nightly"), default="kernels",
                    help="kernels: the chosen families' cases (default); nightly: the regression "
                         "suite (each family's nightly cases, two proxies' training step, the "
@@ -88,6 +90,8 @@ NIGHTLY_ONLY = ("compare", "update_baseline", "yes", "no_history", "dashboard", 
 def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     if args.action == "history":
         return _history(args, console)
+    if args.action == "list":
+        return _list(args, console)
     if args.blocks and args.suite == "nightly":
         raise InputError("--blocks: not with --suite nightly")
     if args.suite == "nightly":
@@ -166,4 +170,28 @@ def _history(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(series, indent=1, default=str))
     else:
         print(format_history(series))
+    return EXIT_OK
+
+
+def _list(args: argparse.Namespace, console: Console) -> int:
+    """``onboard bench list``: the cases `--family` / `--case` select, without building them (their
+    implementation rows, sweeps included, exist only once a case is set up on a GPU)."""
+    from rich.table import Table
+
+    from onboarding.bench.cases import cases_for, select_cases
+
+    cases = select_cases(cases_for(args.family), args.case)
+    rows = [{"family": c.family, "case": c.name, "shape": c.shape, "gflop": round(c.flops / 1e9, 3),
+             "min_mb": round(c.min_bytes / 2**20, 1), "on_request": list(c.on_request), "note": c.note}
+            for c in cases]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return EXIT_OK
+    t = Table(title=f"{len(rows)} benchmark cases (onboard bench --family F --case NAME runs them on a GPU)")
+    for col in ("family", "case", "shape", "GFLOP", "min MiB", "anchors on request", "note"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(r["family"], r["case"], " ".join(f"{k}={v}" for k, v in r["shape"].items()),
+                  f"{r['gflop']:g}", f"{r['min_mb']:g}", ", ".join(r["on_request"]) or "-", r["note"])
+    console.print(t)
     return EXIT_OK
