@@ -817,3 +817,42 @@ def test_gemma3n_laurel_and_altup_are_residual_blocks(parse_model):
     # the head's width is the token vocabulary, not the larger per-layer embedding table's
     assert [b.path for b in g.blocks if b.kind == "lm_head"] == ["lm_head"]
     assert not any(b.kind == "mlp.dense" and ".layers." not in b.path for b in g.blocks)
+
+
+def test_layer_pattern_groups_layers_by_the_stack_that_holds_them(parse_model):
+    """Several layer stacks (our own fixture: an encoder, a global stack and a decoder whose
+    layers each take a cross-attention from a second list of the same module) get one pattern
+    segment each, in forward order, named after the stack's module; each block keeps its index
+    in its own list (`layer`). Before, the first number of the path was the layer whatever the
+    stack, so the stacks' layer 0 merged into one token (`AAAAF...`)."""
+    from onboarding.graph.classify import stack_of
+
+    g = parse_model("tests/fixtures/multi_stack_models.py:ThreeStackLM", seq=12)
+    assert g.layer_pattern == "encoder: AF AF | global_stack: AF AF AF | decoder: AAF AAF"
+    assert len(g.layer_kinds) == 7
+    by = {b.path: b for b in g.blocks}
+    assert by["global_stack.layers.2.mlp"].layer == 2
+    assert stack_of("decoder.cross_layers.1") == stack_of("decoder.layers.1.attn") == "decoder"
+    assert stack_of("model.layers.3.mlp") == "model" and stack_of("layers.0.attn") == ""
+    assert stack_of("lm_head") is None
+
+
+def test_layer_pattern_of_one_stack_is_unchanged():
+    """One stack (every decoder, whatever its list is called): the tokens alone, as before."""
+    from onboarding.graph.opgraph import Block
+    from onboarding.graph.parse import layer_pattern
+
+    def blk(path, kind):
+        return Block(path=path, kind=kind, layer=int(path.split(".")[2]), class_name="")
+
+    blocks = [blk("model.layers.0.self_attn", "attention.full"), blk("model.layers.0.mlp", "mlp.dense"),
+              blk("model.layers.1.mixer", "linear_attention.mamba"),
+              blk("model.layers.1.mlp.experts", "moe.experts")]
+    assert layer_pattern(blocks) == ("AF mE", [["attention.full", "mlp.dense"],
+                                               ["linear_attention.mamba", "moe.experts"]])
+    # a second stack (its list owned by another module) runs first
+    two = blocks + [Block(path="model.vision.blocks.0.attn", kind="attention.full", layer=0,
+                          class_name="")]
+    assert layer_pattern(two, {"model.vision.blocks.0.attn": 0, "model.layers.0.self_attn": 5})[0] \
+        == "vision: A- | model: AF mE"
+    assert layer_pattern(two)[0] == "model: AF mE | vision: A-"  # path order without first ops

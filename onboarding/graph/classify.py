@@ -46,9 +46,23 @@ def is_sdpa(op: str) -> bool:
 
 
 def layer_of(path: str) -> int | None:
+    """The layer index: the first numeric component of the path (its index in the layer list
+    that holds it; `stack_of` names that list's owner)."""
     m = _NUM.search(path)
     return int(m.group(1)) if m else None
 
+
+def stack_of(path: str) -> str | None:
+    """The layer stack that holds the block: the module that owns the list whose index is
+    `layer_of` (``model`` for ``model.layers.3.mlp``, ``model.local_encoder`` for both
+    ``model.local_encoder.layers.0`` and ``model.local_encoder.cross_attn_layers.0``, "" for a
+    list at the root); None without a numeric component. Several lists of one owner are one
+    stack, their layers matched by index (a layer's self- and cross-attention lists)."""
+    m = _NUM.search(path)
+    if not m:
+        return None
+    lst = path[:m.start()]
+    return lst.rsplit(".", 1)[0] if "." in lst else ""
 
 
 @dataclass(kw_only=True)

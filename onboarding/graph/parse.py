@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from torch import nn
 
 from onboarding.load.accounting import ParamCounts, _same_structure, count_parameters, path_pattern
 from onboarding.graph.capture import Capture, capture
-from onboarding.graph.classify import Classifier, Context
+from onboarding.graph.classify import Classifier, Context, stack_of
 from onboarding.errors import InputError
 from onboarding.load.model import LoadedModel
 from onboarding.load.multimodal import account
@@ -109,21 +110,55 @@ def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
                                         if isinstance(m, nn.Embedding)})))
 
 
-def layer_pattern(blocks: list[Block]) -> tuple[str, list[list[str]]]:
-    layers: dict[int, list[str]] = {}
+def layer_pattern(blocks: list[Block], first_op: dict[str, int] | None = None
+                  ) -> tuple[str, list[list[str]]]:
+    """One token per layer (mixer letters, then feed-forward letters), layers grouped by the
+    stack that holds them (`stack_of`). With one stack (a decoder's ``model.layers``), the tokens
+    alone. With several (a byte model's patcher, encoder, global and decoder stacks), one
+    ``name: tokens`` segment per stack, joined by `` | ``, in forward order (``first_op``: a
+    module path -> the index of its first recorded op; path order without it); ``name`` is the
+    stack owner's last path component (the list's path for a list at the root). ``layer_kinds``
+    follows the same order."""
+    layers: dict[tuple[str, int], list[str]] = {}
+    members: dict[str, list[str]] = {}  # stack -> its pattern blocks' paths
     for b in blocks:
+        key = (stack_of(b.path) or "", b.layer)
         if b.layer is not None and (b.kind in MIXER_CODES or b.kind in FFN_CODES):
-            layers.setdefault(b.layer, []).append(b.kind)
+            layers.setdefault(key, []).append(b.kind)
+            members.setdefault(key[0], []).append(b.path)
         if b.layer is not None and b.attrs.get("inline_mlp"):  # an MLP inside the attention module
-            layers[b.layer].append("mlp.dense")
-    pattern, kinds = [], []
-    for i in sorted(layers):
-        ks = layers[i]
-        mixer = "".join(MIXER_CODES[k] for k in ks if k in MIXER_CODES) or "-"
-        ffn = "".join(FFN_CODES[k] for k in ks if k in FFN_CODES) or "-"
-        pattern.append(mixer + ffn)
-        kinds.append(sorted(set(ks)))
-    return " ".join(pattern), kinds
+            layers.setdefault(key, []).append("mlp.dense")
+    stacks: dict[str, list[int]] = {}
+    for s, i in layers:
+        stacks.setdefault(s, []).append(i)
+    names = sorted(first_op or {})
+
+    def first(path: str) -> float:
+        """The first op index of ``path`` or a module under it."""
+        lo = bisect.bisect_left(names, path)
+        hi = bisect.bisect_left(names, path + "/")  # "/" sorts right after ".": the subtree
+        return min((first_op[m] for m in names[lo:hi] if m == path or m.startswith(path + ".")),
+                   default=float("inf"))
+
+    def order(s: str) -> tuple:
+        return (min((first(p) for p in members.get(s, [])), default=float("inf")),
+                [int(p) if p.isdigit() else p for p in s.split(".")])
+
+    segments, kinds = [], []
+    for s in sorted(stacks, key=order):
+        pattern = []
+        for i in sorted(stacks[s]):
+            ks = layers[(s, i)]
+            mixer = "".join(MIXER_CODES[k] for k in ks if k in MIXER_CODES) or "-"
+            ffn = "".join(FFN_CODES[k] for k in ks if k in FFN_CODES) or "-"
+            pattern.append(mixer + ffn)
+            kinds.append(sorted(set(ks)))
+        name = s.rsplit(".", 1)[-1] if s else next(
+            (b.path.split(".")[0] for b in blocks if stack_of(b.path) == ""), "")
+        segments.append((name, " ".join(pattern)))
+    if len(segments) == 1:
+        return segments[0][1], kinds
+    return " | ".join(f"{name}: {p}" for name, p in segments), kinds
 
 
 def by_kind_params(full: ParamCounts, blocks: list[Block]) -> dict[str, int]:
@@ -178,7 +213,10 @@ def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, d
     ctx_seq = model.tokens_per_image(batch, seq) if hasattr(model, "tokens_per_image") else seq
     ctx_cfg = model.config if hasattr(model, "tokens_per_image") else info.proxy_config
     blocks = Classifier(cap, _context(model, cap, ctx_cfg, ctx_seq)).run()
-    pattern, kinds = layer_pattern(blocks)
+    first_op: dict[str, int] = {}
+    for r in cap.records:
+        first_op.setdefault(r.module, r.index)
+    pattern, kinds = layer_pattern(blocks, first_op)
     proxy_counts = count_parameters(model, info.proxy_config)
     params = {
         "full": {k: v for k, v in info.full.to_dict().items() if k not in ("by_component",)},

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from onboarding.load.accounting import TOPK_NAMES
+from onboarding.graph.classify import stack_of
 from onboarding.graph.opgraph import OpGraph
 from onboarding.load.proxy import text_config
 from onboarding.train.lora import LoRALinear, adapter_modules, default_targets
@@ -113,7 +114,8 @@ def _prod(shape: list[int]) -> int:
 def _moe_blocks(graph: OpGraph, cfg: Any, lora_rank: int) -> list[dict[str, Any]]:
     """Routed-expert blocks from the op graph (the unsharded proxy's shapes, whatever EP did to
     the live model): path, top-k, parameters per expert, expert-LoRA parameters per expert."""
-    top_k = {b.layer: b.attrs.get("top_k") for b in graph.by_kind("moe.router")}
+    # by stack and layer: a model with several layer stacks numbers each from 0 (`stack_of`)
+    top_k = {(stack_of(b.path), b.layer): b.attrs.get("top_k") for b in graph.by_kind("moe.router")}
     default_k = _int(cfg, *TOPK_NAMES) if cfg is not None else None
     out = []
     for b in graph.by_kind("moe.experts"):
@@ -125,7 +127,7 @@ def _moe_blocks(graph: OpGraph, cfg: Any, lora_rank: int) -> list[dict[str, Any]
         # packed [E, out, in]: r (in + out) per expert; per-expert [out, in] lists: summed / E
         adapter = sum(lora_rank * (s[-1] + s[-2]) / (1 if len(s) == 3 else n) for s in shapes)
         out.append({"path": b.path, "n_experts": n, "per_expert": per_expert,
-                    "top_k": top_k.get(b.layer) or default_k or 1,
+                    "top_k": top_k.get((stack_of(b.path), b.layer)) or default_k or 1,
                     "adapter_per_expert": adapter})
     return out
 
