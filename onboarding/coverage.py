@@ -181,6 +181,9 @@ def _unserved_parts(b: Block) -> list[tuple[str, str]]:
         n = b.attrs.get("streams")
         out.append(("residual stream mixing", f"the per-token {n} x {n} mixing of the {n} "
                     "residual streams by these coefficients: unfused torch ops, no family"))
+    if b.kind == "residual.input_gate":
+        out.append((f"gated input ({b.attrs.get('activation')} x input)", "the activation and "
+                    "its product with the module's extra input: unfused torch ops, no family"))
     if (mlp := b.attrs.get("inline_mlp")) is not None:
         out.append((f"inline MLP ({mlp.get('activation')})", "an MLP in the same module as the "
                     "attention: no module of its own for an MLP kernel to replace"))

@@ -856,3 +856,62 @@ def test_layer_pattern_of_one_stack_is_unchanged():
     assert layer_pattern(two, {"model.vision.blocks.0.attn": 0, "model.layers.0.self_attn": 5})[0] \
         == "vision: A- | model: AF mE"
     assert layer_pattern(two)[0] == "model: AF mE | vision: A-"  # path order without first ops
+
+
+def test_a_gated_per_layer_input_is_a_residual_input_gate(parse_model):
+    """Each layer handed an input of its own (Gemma 3n's per-layer embedding, written here as our
+    own fixture): in the layer's forward, a projection D -> P, gelu, times that input, a
+    projection P -> D, back to the residual. Both projections are single linears, so no module
+    holds them together: the four ops become one `residual.input_gate` block, split out before
+    the layer's rules. Before, the layer itself read as a non-gated gelu `mlp.dense` (`AFF`).
+    The per-layer table is larger than the vocabulary: the lm_head is still found."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/per_layer_input_models.py:PerLayerInputLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "AF AF"
+    for i in (0, 1):
+        b = by[f"layers.{i}.input_gate"]
+        assert b.kind == "residual.input_gate", (b.kind, b.evidence)
+        assert b.attrs == {"hidden": 32, "input_width": 16, "activation": "gelu_tanh",
+                           "projection": f"layers.{i}.input_proj"}
+        assert b.outputs[0].shape == [1, 12, 32]
+        assert f"layers.{i}" not in by
+    # the per-layer table (96 rows) is larger than the vocabulary: the head is still found
+    assert by["lm_head"].kind == "lm_head"
+    cov = build_coverage(g)
+    assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.input_gate"} == \
+        {("projections (GEMM)", "torch_fast"), ("gated input (gelu_tanh x input)", "uncovered")}
+    # the dispatch capture (`onboard plan`'s) runs the projections as mm on [B*T, D] views
+    d = parse_model("tests/fixtures/per_layer_input_models.py:PerLayerInputLM", seq=12,
+                    try_export=False)
+    assert d.capture == "dispatch" and d.layer_pattern == "AF AF"
+    assert {b.path for b in d.blocks if b.kind == "residual.input_gate"} == \
+        {"layers.0.input_gate", "layers.1.input_gate"}
+    # `onboard plan` keeps the gate's output, its activation and the product: 3P bf16 per token
+    from onboarding.plan.memory import block_saved
+    from onboarding.plan.shapes import BlockShape
+
+    class Cfg:
+        mode, lora_rank = "lora", 0
+
+    class Shape:
+        hidden = 32
+
+    gate = BlockShape(pattern="layers.*.input_gate", kind="residual.input_gate", count=2,
+                      params=512, linears=[("", 32, 16)], attrs={}, ops=4, nested=False)
+    assert block_saved(gate, Shape(), Cfg(), 1) == (3 * 2 * 16, 0.0, 0.0)
+
+
+def test_gemma4_per_layer_input_gate_is_no_layer_mlp(parse_model):
+    """Gemma 4 gates its per-layer input as Gemma 3n does: the gate is `residual.input_gate`;
+    before, the decoder layer itself read as a gelu `mlp.dense` (`WFF`, a second F per layer)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "gemma4_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma4_text")
+    g = parse_model("hf:gemma4_text")
+    assert set(g.layer_pattern.split()) <= {"WF", "AF"}, g.layer_pattern
+    gates = [b for b in g.blocks if b.path.endswith(".per_layer_input_gate")]
+    assert gates and all(b.kind == "residual.input_gate" for b in gates)
+    assert not any(b.kind == "mlp.dense" and b.path.split(".")[-1].isdigit() for b in g.blocks)

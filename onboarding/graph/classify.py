@@ -935,6 +935,54 @@ class Classifier:
                 b.evidence.append(note)
         return kept
 
+    def _claim_input_gates(self, path: str, recs: list[OpRecord]) -> list[OpRecord]:
+        """A second input of the module gated into its residual (Gemma 3n's per-layer input: each
+        layer is handed an embedding of its own, P wide): in the module's own forward, past
+        views, a child projection D -> P, an activation (not a sigmoid: a sigmoid product is a
+        gate on the tensor, as on an attention's output), a product with a tensor of that shape
+        (the module has an input P wide beside its first), and a child projection P -> D. The
+        four ops become one `residual.input_gate` block named after the first projection's
+        module (each projection a single linear: no rule of its own sees them together), split
+        out before the module's own rules run (they would read the two projections and the
+        activation as an MLP); the rest is returned."""
+        io = self.cap.module_io.get(path)
+        widths = {t.shape[-1] for t in (io[0][1:] if io else []) if t.shape}
+        if not widths:
+            return recs
+        ops = [r for r in recs if r.op not in VIEW_OPS]
+        taken: set[int] = set()
+        for i in range(len(ops) - 3):
+            l1, act, mul, l2 = ops[i:i + 4]
+            if not (is_matmul(l1.op) and is_matmul(l2.op)):
+                continue
+            d1, d2 = _linear_dims(l1, self.ctx), _linear_dims(l2, self.ctx)
+            # the widths, not whole shapes: a dispatch capture's mm runs on [B*T, D] views
+            out = l1.out_shapes[0][-1:] if l1.out_shapes and l1.out_shapes[0] else None
+            if not (self._weight_2d(l1)
+                    and self._weight_2d(l2) and d1 and d2 and d1[1] in widths
+                    and d2 == (d1[1], d1[0]) and d1[0] != d1[1]
+                    and l1.module != l2.module and path not in (l1.module, l2.module)
+                    and all(m.rsplit(".", 1)[0] == path and not self.ctx.children.get(m)
+                            for m in (l1.module, l2.module))
+                    and ACTIVATIONS.get(act.op, "sigmoid") != "sigmoid"
+                    and act.out_shapes and act.out_shapes[0][-1:] == out
+                    and mul.op in ("mul", "mul_", "multiply") and len(mul.in_shapes) > 1
+                    and mul.in_shapes[0] and mul.in_shapes[0] == mul.in_shapes[1]
+                    and mul.in_shapes[0][-1:] == out):
+                continue
+            d, p = d1
+            name = _expert_activation([act]) or ACTIVATIONS[act.op]  # gelu's tanh form named
+            self._add(l1.module, "residual.input_gate", [
+                f"a projection {d} -> {p} ({l1.module}), {name}, times a tensor of that shape: "
+                f"{path} is handed an input {p} wide beside its first",
+                f"then a projection {p} -> {d} ({l2.module}): the gated input goes back to the "
+                "residual width"], {"hidden": d, "input_width": p, "activation": name,
+                                    "projection": l2.module}, [l1, act, mul, l2])
+            if (o := self.cap.module_io.get(l2.module)) and o[1]:
+                self.blocks[l1.module].outputs = list(o[1])
+            taken.update(r.index for r in (l1, act, mul, l2))
+        return [r for r in recs if r.index not in taken] if taken else recs
+
     def _stream_projections(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
                             ) -> tuple[str, list[str], dict[str, Any]] | None:
         """n-1 width-preserving projections, one per child module, no activation, run before
@@ -1370,6 +1418,7 @@ class Classifier:
             for c in kids:
                 recs.extend(self.unclaimed.pop(c, []))
             recs.sort(key=lambda r: r.index)
+            recs = self._claim_input_gates(path, recs)
             child_kinds = {c: self.blocks[c].kind for c in kids if c in self.blocks}
             found = self._rule(path, recs, child_kinds) if recs else None
             if found is None and recs:

@@ -35,6 +35,7 @@ BLOCK_KINDS = (
     "conv.gated",
     "residual.low_rank",
     "residual.streams",
+    "residual.input_gate",
     "rope",
     "embedding",
     "embedding.patch",

@@ -22,6 +22,8 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
     load imbalance (capped by a capacity factor) on an EP rank; dispatch buffers (x sorted,
     received, regrouped, and back: 4 x D per pair) are a transient of one layer;
   - dense MLP and shared experts: gate, up, activation (3F, gated);
+  - a gated per-layer input (`residual.input_gate`): the gate's output, its activation and their
+    product with the layer's input (3P, "other");
   - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast);
   - LoRA adapters: each keeps its input as it came, once per distinct input (q, k and v share
     theirs; an attention output projection's input is the core's output, already kept), and its
@@ -215,6 +217,12 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
             f = outs[0] // 2
         act = (3 if gated else 2) * f
         return BF16 * act + lora + (BF16 * (d + f) if full else 0), BF16 * act, 0.0
+    if kind == "residual.input_gate":
+        # the gate projection's output, its activation and their product with the layer's own
+        # input (P wide each: the activation's, the product's and the second projection's
+        # backward); the block is the first projection's module, whose out features are P
+        p = next((o for _, i, o in b.linears if i == d), 0)
+        return 3 * BF16 * p + lora + (BF16 * d if full else 0), 0.0, 0.0
     if kind.startswith("norm."):
         w = b.width or d
         # transformers' RMSNorm upcasts: its fp32 input is kept (a fused kernel keeps bf16);
