@@ -98,6 +98,46 @@ def test_recompute_same_loss_and_grads_fewer_saved_bytes(proxy):
     assert full < selective < none, (none, selective, full)
 
 
+def test_selective_recompute_re_runs_a_low_rank_residual_branch(parse_model):
+    """`residual.low_rank` (Gemma 3n's LAuReL, our own fixture) is among selective recompute's
+    kinds, as it was while it read as `mlp.dense`: its two rank-r GEMMs re-run in the backward
+    (same loss and gradients), and `onboard plan` counts its rank-r product as what selective
+    recompute frees."""
+    import importlib.util
+
+    from onboarding.plan.memory import block_saved
+    from onboarding.plan.shapes import BlockShape
+    from onboarding.train.parallel import SELECTIVE_KINDS, apply_recompute
+
+    assert "residual.low_rank" in SELECTIVE_KINDS
+    path = Path(__file__).parent / "fixtures" / "residual_stream_models.py"
+    spec = importlib.util.spec_from_file_location("_low_rank_fixture", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    graph = parse_model("tests/fixtures/residual_stream_models.py:LowRankResidualLM", seq=12)
+    torch.manual_seed(0)
+    ref = mod.LowRankResidualLM()
+    model = copy.deepcopy(ref)
+    done = apply_recompute(model, graph, [], "selective")
+    assert {p for p in done if "low_rank" in p} == {"layers.0.low_rank", "layers.1.low_rank"}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    for m in (ref, model):
+        m(ids).square().mean().backward()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), n
+    b = BlockShape(pattern="layers.*.low_rank", kind="residual.low_rank", count=2, params=512,
+                   linears=[("down", 32, 8), ("up", 8, 32)], attrs={}, ops=3, nested=False)
+
+    class Cfg:
+        mode, lora_rank = "lora", 0
+
+    class Shape:
+        hidden = 32
+
+    kept, selective, _ = block_saved(b, Shape(), Cfg(), 1)
+    assert kept == selective == 2 * 8  # bf16 rank-r product per token
+
+
 def test_recompute_option_and_old_flag(tmp_path):
     assert TrainConfig(model="x", activation_checkpointing=True).recompute_mode == "full"
     assert TrainConfig(model="x", recompute="selective").recompute_mode == "selective"

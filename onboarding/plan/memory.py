@@ -24,6 +24,8 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
   - dense MLP and shared experts: gate, up, activation (3F, gated);
   - a gated per-layer input (`residual.input_gate`): the gate's output, its activation and their
     product with the layer's input (3P, "other");
+  - a low-rank residual branch (`residual.low_rank`, D -> r -> D): its rank-r product (r,
+    "other"), which selective recompute re-runs;
   - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast);
   - LoRA adapters: each keeps its input as it came, once per distinct input (q, k and v share
     theirs; an attention output projection's input is the core's output, already kept), and its
@@ -34,7 +36,8 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
     gradient (2V: the chunked cross-entropy writes it there and keeps it instead of the logits,
     which are then freed) and one chunk's fp32 temporaries.
 Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
-backward; ``selective`` re-runs the MLP/expert activations (the 3F parts) and keeps the rest.
+backward; ``selective`` re-runs the MLP/expert activations (the 3F parts) and a low-rank residual
+branch's rank-r product, and keeps the rest.
 """
 
 from __future__ import annotations
@@ -217,6 +220,11 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
             f = outs[0] // 2
         act = (3 if gated else 2) * f
         return BF16 * act + lora + (BF16 * (d + f) if full else 0), BF16 * act, 0.0
+    if kind == "residual.low_rank":
+        # D -> r -> D: the rank-r product (the second projection's input) is kept, and re-run
+        # by selective recompute (train's SELECTIVE_KINDS); its norm is a block of its own
+        r_out = min((o for _, i, o in b.linears if i == d), default=0)
+        return BF16 * r_out + lora + (BF16 * d if full else 0), BF16 * r_out, 0.0
     if kind == "residual.input_gate":
         # the gate projection's output, its activation and their product with the layer's own
         # input (P wide each: the activation's, the product's and the second projection's

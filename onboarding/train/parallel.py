@@ -102,8 +102,11 @@ def _checkpoint_forward(module: nn.Module, attr: str = "forward") -> None:
     setattr(module, attr, forward)
 
 
-# what `recompute = "selective"` re-runs: the MLP sub-blocks (`onboard plan`'s selective term)
-SELECTIVE_KINDS = ("mlp.dense", "moe.shared_expert", "moe.experts")
+# what `recompute = "selective"` re-runs: the MLP sub-blocks (`onboard plan`'s selective term),
+# and a low-rank residual branch (Gemma 3n's LAuReL: two rank-r GEMMs, cheap to re-run, whose
+# rank-r product and the norm inside its module are freed; it was an `mlp.dense` before it had a
+# kind of its own)
+SELECTIVE_KINDS = ("mlp.dense", "moe.shared_expert", "moe.experts", "residual.low_rank")
 
 
 def apply_recompute(model: nn.Module, graph: OpGraph, blocks: list[tuple[str, nn.Module]],
@@ -113,6 +116,7 @@ def apply_recompute(model: nn.Module, graph: OpGraph, blocks: list[tuple[str, nn
     ``full``: every decoder layer keeps only its input and re-runs in the backward. ``selective``:
     each layer's MLP sub-blocks re-run (dense MLPs, shared experts, routed experts), which holds
     the 3F-wide gate/up/activation tensors per token: the cheap-to-recompute, memory-heavy part;
+    so does a low-rank residual branch (`residual.low_rank`: two rank-r GEMMs);
     attention (and its core's softmax statistics), norms and routers keep their activations. A
     replaced expert-parallel module re-runs only its local expert compute, after the dispatch,
     so the backward repeats no all-to-all. Both are non-reentrant `torch.utils.checkpoint`
