@@ -800,6 +800,13 @@ def test_hyper_connections_are_residual_stream_blocks(parse_model, cls, attrs):
     else:
         assert not any(b.kind == "residual.streams" and b.attrs["role"] != "mix"
                        for b in g.blocks)
+    # the dispatch capture (`onboard plan`'s) reads the same (the static einsum is a bmm there)
+    d = parse_model(f"tests/fixtures/hyper_connection_models.py:{cls}", seq=12, try_export=False)
+    assert d.capture == "dispatch" and d.layer_pattern == "AF AF"
+    assert {(b.path, b.kind, tuple(sorted(b.attrs.items()))) for b in d.blocks
+            if b.kind == "residual.streams"} == \
+        {(b.path, b.kind, tuple(sorted(b.attrs.items()))) for b in g.blocks
+         if b.kind == "residual.streams"}
 
 
 @pytest.mark.slow

@@ -831,16 +831,19 @@ class Classifier:
         if not carriers or ops["topk"] or any(is_sdpa(op) or op in CONV for op in ops):
             return None
         d = shape[-1]
-        proj = [r for r in mm if self._weight_2d(r)]
-        dims = [_linear_dims(r, self.ctx) for r in proj]
         own = [tuple(s) for name, s in self.ctx.param_shapes.items()
                if name.rsplit(".", 1)[0] == path and len(s) in (1, 2)]
         for n in sorted(set().union(*(c for c, _, _ in carriers))):
             reads = [shape[:i] + shape[i + 1:] for i, s in enumerate(shape[:-1]) if s == n]
+            square = {(n, n), (n, n + 1), (n + 1, n)}
+            # a matmul by the static matrix itself (a dispatch capture records the einsum as a
+            # bmm with it) mixes the streams: it is no coefficient projection
+            proj = [r for r in mm if self._weight_2d(r) and not all(
+                tuple(self.ctx.param_shapes.get(w, ())) in square for w in r.params.values())]
+            dims = [_linear_dims(r, self.ctx) for r in proj]
             if not any(o.shape in reads for o in io[1]) or any(
                     dd is None or dd[0] not in (d, n * d) or dd[1] > n * n + 2 * n for dd in dims):
                 continue
-            square = {(n, n), (n, n + 1), (n + 1, n)}
             static = [s for s in own if s in square]
             matrix = bool(static) or any(len(o) >= 3 and tuple(o[-2:]) in square
                                          for r in recs for o in r.out_shapes)
