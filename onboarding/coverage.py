@@ -41,6 +41,7 @@ CORE_OPS = {
     "linear_attention.mamba": "selective state-space scan",
     "linear_attention.other": "linear-attention recurrence",
     "sparse_attention.topk": "indexer + top-k + gathered attention",
+    "attention.compressed": "attention over pooled (compressed) key/value windows",
     "moe.router": "router scoring + top-k",
     "moe.experts": "permute -> grouped GEMM (SwiGLU or non-gated activation) -> unpermute",
     "conv.noncausal1d": "depthwise conv over the sequence (not causal)",

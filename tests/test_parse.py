@@ -922,3 +922,34 @@ def test_gemma4_per_layer_input_gate_is_no_layer_mlp(parse_model):
     gates = [b for b in g.blocks if b.path.endswith(".per_layer_input_gate")]
     assert gates and all(b.kind == "residual.input_gate" for b in gates)
     assert not any(b.kind == "mlp.dense" and b.path.split(".")[-1].isdigit() for b in g.blocks)
+
+
+@pytest.mark.parametrize("cls,seq,expect", [
+    ("CompressedKVLM", 12, {"compress_ratio": 4, "window": 4, "overlap": False,
+                            "compressed_keys": 3, "topk": None}),
+    ("CompressedTopkLM", 16, {"compress_ratio": 4, "window": 8, "overlap": True,
+                              "compressed_keys": 4, "topk": 2, "indexer_relu": True}),
+])
+def test_attention_over_pooled_keys_is_compressed(parse_model, cls, seq, expect):
+    """Attention whose keys are the T local keys followed by C = T // r entries pooled from
+    windows (softmax-weighted sum over the window dim) is `attention.compressed`, with the
+    window stride, width and any top-k over the pooled entries. The indexer's top-k (k < C, its
+    scores a product of queries and pooled keys) is taken in, not read as a router; coverage
+    has one uncovered core entry that says what it is. Both captures read the same."""
+    from onboarding.coverage import build_coverage
+
+    for try_export in (True, False):
+        g = parse_model(f"tests/fixtures/compressed_attention_models.py:{cls}", seq=seq,
+                        try_export=try_export)
+        assert g.layer_pattern == "PF PF", (g.capture, g.layer_pattern)
+        assert not [b.path for b in g.blocks if b.kind in ("unknown", "moe.router")]
+        for i in (0, 1):
+            b = next(b for b in g.blocks if b.path == f"layers.{i}.attn")
+            assert b.kind == "attention.compressed", (b.kind, b.evidence)
+            want = {**expect, "pooling": "softmax_weighted", "local_keys": True, "sink": True}
+            assert {k: b.attrs.get(k) for k in want} == want, b.attrs
+            assert "unfused_core" not in b.attrs
+        cov = build_coverage(g)
+        assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.attn"} == {
+            ("projections (GEMM)", "torch_fast"),
+            ("attention over pooled (compressed) key/value windows", "uncovered")}

@@ -230,3 +230,23 @@ def test_agent_plans_after_parse():
     assert NODES[:4] == ("load", "parse", "plan", "map")
     edges = {(e.source, e.target) for e in build_graph().compile().get_graph().edges}
     assert ("parse", "plan") in edges and ("plan", "map") in edges
+
+
+def test_compressed_attention_core_flops():
+    """`attention.compressed` costs the T local keys plus the pooled entries a query sees (at
+    most the config's index_topk when a top-k picks them), plus the indexer's scores."""
+    from types import SimpleNamespace
+
+    from onboarding.train.flops import _attention_core, _causal_keys
+
+    cfg = SimpleNamespace(num_attention_heads=2, head_dim=8, hidden_size=16, index_topk=4,
+                          index_n_heads=1, index_head_dim=4)
+    full = _attention_core(cfg, "attention.full", 64, {})
+    assert full == 3 * 2 * 2 * 16 * _causal_keys(64)
+    plain = _attention_core(cfg, "attention.compressed", 64,
+                            {"compress_ratio": 4, "topk": None, "local_keys": True})
+    assert plain == 3 * 2 * 2 * 16 * (_causal_keys(64) + _causal_keys(16))
+    picked = _attention_core(cfg, "attention.compressed", 64,
+                             {"compress_ratio": 4, "topk": 2, "local_keys": True})
+    assert picked == 3 * 2 * 2 * 16 * (_causal_keys(64) + _causal_keys(16, 4)) \
+        + 2 * 1 * 4 * _causal_keys(16)

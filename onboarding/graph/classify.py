@@ -111,17 +111,48 @@ def _topks(recs: list[OpRecord]) -> list[tuple[OpRecord, int, int]]:
     return out
 
 
-def _attention_softmax(recs: list[OpRecord], seq: int) -> list[str]:
+def _attention_softmax(recs: list[OpRecord], seq: int, pooled: int = 0) -> list[str]:
+    """Evidence of softmax attention: fused SDPA, or a softmax over [.., T, T] scores (one more
+    column: a sink). With ``pooled`` = C compressed entries (`_compressed_kv`), scores over the
+    T local keys and the C entries, or over the C entries alone, count too."""
     ev = []
+    keys = {seq} | ({seq + pooled, pooled} if pooled else set())
     for r in recs:
         if is_sdpa(r.op):
             ev.append(f"{r.op} (fused attention)")
         elif r.op in SOFTMAX and r.in_shapes and r.in_shapes[0] and len(r.in_shapes[0]) >= 2 \
-                and r.in_shapes[0][-1] in (seq, seq + 1) and r.in_shapes[0][-2] == seq:
-            sink = r.in_shapes[0][-1] == seq + 1  # one extra column: an attention sink
+                and r.in_shapes[0][-2] == seq and (r.in_shapes[0][-1] in keys
+                                                   or r.in_shapes[0][-1] - 1 in keys):
+            sink = r.in_shapes[0][-1] not in keys  # one extra column: an attention sink
             ev.append(f"{r.op} over [.., {seq}, {r.in_shapes[0][-1]}] scores" +
                       (" (with a sink column)" if sink else ""))
     return ev
+
+
+def _compressed_kv(recs: list[OpRecord], seq: int) -> dict[str, Any] | None:
+    """Windows of the sequence pooled into fewer key/value entries, or None: a reduction (sum or
+    mean) over dim 2 of a [B, C, w, d] tensor with 2 <= w and C = T // r for a window stride
+    r = w (disjoint windows) or r = w / 2 (each entry pools 2r slots: overlapping windows,
+    stride r). The weights are a softmax over that window dim when one ran on that shape. The
+    first such reduction counts (an indexer's own pooling comes after the attention's in a
+    module written keys-first; both pool the same windows)."""
+    for r in recs:
+        if r.op not in ("sum", "mean") or not r.in_shapes or not r.in_shapes[0] \
+                or len(r.in_shapes[0]) != 4 or len(r.scalars) < 2 \
+                or r.scalars[1] not in ([2], [-2], 2, -2):
+            continue
+        _, c, w, _ = r.in_shapes[0]
+        if not 1 <= c < seq or w < 2:
+            continue
+        ratio = next((x for x in (w, w // 2) if x >= 2 and seq // x == c), None)
+        if ratio is None:
+            continue
+        soft = any(x.op in SOFTMAX and x.index < r.index and x.in_shapes
+                   and x.in_shapes[0] == r.in_shapes[0] and len(x.scalars) > 1
+                   and x.scalars[1] in (2, -2) for x in recs)
+        return {"compress_ratio": ratio, "window": w, "overlap": w == 2 * ratio,
+                "compressed_keys": c, "pooling": "softmax_weighted" if soft else r.op}
+    return None
 
 
 def _decay_cumsum(recs: list[OpRecord]) -> OpRecord | None:
@@ -500,12 +531,14 @@ class Classifier:
         # Attention scores multiply two activations (q.k^T) or go through fused SDPA; a router's
         # softmax may look the same when n_experts == seq, but its logits come from a weight.
         act_mm = any(not r.params for r in mm) or any(is_sdpa(r.op) for r in recs)
-        attn = _attention_softmax(recs, ctx.seq) if act_mm else []
+        pooled = _compressed_kv(recs, ctx.seq) if act_mm else None
+        attn = _attention_softmax(recs, ctx.seq, pooled["compressed_keys"] if pooled else 0) \
+            if act_mm else []
         seq_topk = [t for t in _topks(recs) if t[2] == ctx.seq] if act_mm else []
         if attn and mm:
             inline = _inline_mlp(recs, ctx)
             kind, ev, attrs = self._attention(path, inline[0] if inline else recs, attn,
-                                              seq_topk, child_kinds)
+                                              seq_topk, child_kinds, pooled)
             if inline:
                 attrs["inline_mlp"] = inline[1]
                 ev.append(inline[2])
@@ -521,6 +554,12 @@ class Classifier:
         # a router keeps fewer experts than it scores: a top-k of every position (DeepSeek-V4's
         # compressed-attention indexer on a short proxy sequence) selects, it does not route
         sparse = any(t[2] == n_experts and (t[1] is None or t[1] < n_experts) for t in exp_topk)
+        # scores that a product of two per-sequence activations made as wide as the set (an
+        # indexer's queries against pooled keys [B, .., d, C]) pick positions, not experts
+        if sparse and any(not r.params and len(r.in_shapes) > 1 and r.in_shapes[1]
+                          and len(r.in_shapes[1]) >= 3 and r.out_shapes and r.out_shapes[0]
+                          and r.out_shapes[0][-1] == n_experts for r in mm):
+            sparse = False
         if sparse and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
             return self._router(recs, exp_topk, n_experts)
         if sparse and (scorer := [p for p in self._free_blocks(path, ("mlp.dense",))
@@ -1129,9 +1168,14 @@ class Classifier:
             return "no weight projection runs after it: the model's output head"
         return None
 
-    def _attention(self, path, recs, attn, seq_topk, child_kinds):
+    def _attention(self, path, recs, attn, seq_topk, child_kinds, pooled=None):
         ctx, ev, attrs = self.ctx, list(attn), {}
         mm = _matmul_recs(recs)
+        # attention over pooled keys: the scores softmax reads T + C (or C) keys, not T
+        keys = {r.in_shapes[0][-1] for r in recs if r.op in SOFTMAX and r.in_shapes
+                and r.in_shapes[0] and len(r.in_shapes[0]) >= 2 and r.in_shapes[0][-2] == ctx.seq}
+        if pooled and not any(is_sdpa(r.op) for r in recs) and not keys & {ctx.seq, ctx.seq + 1}:
+            return self._compressed_attention(path, recs, ev, pooled, keys, child_kinds)
         if not seq_topk and not any(is_sdpa(r.op) for r in recs):
             # softmax(Q K^T) V written out: the scores are a tensor in memory, O(T^2) per head
             scores = next((r.in_shapes[0] for r in recs if r.op in SOFTMAX and r.in_shapes
@@ -1176,6 +1220,34 @@ class Classifier:
             ev.append("attention output multiplied by sigmoid(gate) before the out projection")
             return "attention.gated", ev, attrs
         return "attention.full", ev, attrs
+
+    def _compressed_attention(self, path, recs, ev, pooled, keys, child_kinds):
+        """`attention.compressed`: softmax attention whose keys/values include C pooled entries
+        (`_compressed_kv`), each one window of r tokens; a top-k over those C entries (an
+        indexer's, scored apart from the attention) picks the ones a query reads."""
+        ctx, c = self.ctx, pooled["compressed_keys"]
+        attrs = dict(pooled)
+        width = max(keys)
+        sink = width - 1 in (ctx.seq + c, c)
+        attrs["local_keys"] = width - sink == ctx.seq + c
+        attrs["sink"] = sink
+        ev.append(f"{c} key/value entries pooled from windows of {pooled['window']} positions "
+                  f"(stride {pooled['compress_ratio']}" +
+                  (", overlapping" if pooled["overlap"] else "") + f"; {pooled['pooling']})")
+        ev.append("scores over the " + (f"{ctx.seq} local keys and " if attrs["local_keys"] else "")
+                  + f"{c} pooled entries" + (" and a sink column" if sink else ""))
+        sel = [t for t in _topks(recs) if t[2] == c]
+        attrs["topk"] = sel[0][1] if sel else None
+        if sel:
+            relu = any(x.op in ("relu", "relu_") for x in recs)
+            attrs["indexer_relu"] = relu
+            ev.append(f"topk k={sel[0][1]} over the {c} pooled entries" +
+                      (" of ReLU indexer scores" if relu else ""))
+        # the same layout facts as the other attention kinds (MLA latent, RoPE layout)
+        _, _, extra = self._attention(path, recs, [], [], child_kinds)
+        extra.pop("unfused_core", None)
+        attrs.update(extra)
+        return "attention.compressed", ev, attrs
 
     def _selective_scan(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
                         ) -> tuple[str, list[str], dict[str, Any]] | None:

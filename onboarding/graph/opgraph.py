@@ -18,6 +18,7 @@ BLOCK_KINDS = (
     "attention.gated",
     "attention.sliding",
     "attention.mla",
+    "attention.compressed",
     "sparse_attention.topk",
     "linear_attention.gated_delta",
     "linear_attention.kimi_delta",

@@ -22,12 +22,13 @@ from onboarding.load.proxy import proxy_config, text_config
 
 # One letter per mixer / feed-forward kind in the layer pattern string.
 MIXER_CODES = {"attention.full": "A", "attention.gated": "A", "attention.sliding": "W",
-               "attention.mla": "M", "sparse_attention.topk": "S",
+               "attention.mla": "M", "attention.compressed": "P", "sparse_attention.topk": "S",
                "linear_attention.gated_delta": "D", "linear_attention.kimi_delta": "K",
                "linear_attention.mamba": "m", "linear_attention.other": "L",
                "conv.gated": "C", "unknown": "?"}
 FFN_CODES = {"moe.experts": "E", "mlp.dense": "F"}
-PATTERN_LEGEND = ("A attention, W sliding, M MLA, S top-k sparse, D gated delta, K Kimi delta, "
+PATTERN_LEGEND = ("A attention, W sliding, M MLA, P over pooled (compressed) keys, S top-k sparse, "
+                  "D gated delta, K Kimi delta, "
                   "m mamba, L other linear attention, C gated short conv, ? unknown; E MoE, "
                   "F dense MLP")
 

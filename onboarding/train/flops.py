@@ -97,7 +97,19 @@ def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict) -> float | None:
         ih, idim = _int(cfg, "index_n_heads"), _int(cfg, "index_head_dim")
         if ih and idim:
             extra = 2 * ih * idim * _causal_keys(seq)  # indexer forward only
-    return 3 * 2 * heads * (d_qk + d_v) * _causal_keys(seq, cap) + extra
+    keys = _causal_keys(seq, cap)
+    if kind == "attention.compressed":
+        # the T local keys (their mask is built outside the block: not capped here) plus the
+        # T // r pooled entries a query sees, at most the indexer's k of the config when a top-k
+        # picks them (the proxy's k is shrunk), and the indexer's scores over every entry
+        r = int(attrs.get("compress_ratio") or 1)
+        pooled = max(seq // r, 1)
+        k = _int(cfg, "index_topk") if attrs.get("topk") else None
+        keys = (keys if attrs.get("local_keys", True) else 0) + _causal_keys(pooled, k)
+        ih, idim = _int(cfg, "index_n_heads"), _int(cfg, "index_head_dim")
+        if attrs.get("topk") and ih and idim:
+            extra = 2 * ih * idim * _causal_keys(pooled)  # indexer forward only
+    return 3 * 2 * heads * (d_qk + d_v) * keys + extra
 
 
 def _numel(p: torch.Tensor) -> int:
