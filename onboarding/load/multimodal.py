@@ -493,12 +493,7 @@ def shrink_towers(full: Any, proxy: Any, s: Any) -> list[str]:
                     and re.search(r"(hidden_size|_dim|d_model)$", k):
                 _set_int(c, k, _int(t_proxy, "hidden_size") or new_width)
                 done.add(k)
-        for n in TOWER_HEADS:
-            if _int(c, n):
-                h = min(_int(c, n), s.heads)
-                while new_width and new_width % h:
-                    h -= 1
-                _set_int(c, n, h)
+        _cap_heads(c, s.heads, new_width)
         if _int(c, "head_dim"):
             _set_int(c, "head_dim", min(c.head_dim, s.head_dim_cap))
         for n in TOWER_FFN:
@@ -521,6 +516,17 @@ def shrink_towers(full: Any, proxy: Any, s: Any) -> list[str]:
             _follow(_get(proxy, path[:p]), old_width, new_width, set())
         shrunk.append(".".join(path))
     return shrunk
+
+
+def _cap_heads(c: Any, cap: int, width: int | None) -> None:
+    """Cap ``c``'s head counts (`TOWER_HEADS`) at ``cap``, each lowered further until it divides
+    ``width`` (when known)."""
+    for n in TOWER_HEADS:
+        if _int(c, n):
+            h = min(_int(c, n), cap)
+            while width and width % h:
+                h -= 1
+            _set_int(c, n, h)
 
 
 def shrink_nested(text: Any, s: Any) -> list[str]:
@@ -551,12 +557,7 @@ def shrink_nested(text: Any, s: Any) -> list[str]:
                     and k not in TOWER_FFN:
                 _set_int(c, k, max(1, v * s.hidden // top))
         width = _int(c, wname) if wname else None
-        for n in TOWER_HEADS:
-            if _int(c, n):
-                h = min(_int(c, n), s.heads)
-                while width and width % h:
-                    h -= 1
-                _set_int(c, n, h)
+        _cap_heads(c, s.heads, width)
         if _int(c, "head_dim"):
             filled = heads and wname and full["head_dim"] * heads == full[wname]
             _set_int(c, "head_dim", width // c.num_attention_heads if filled
