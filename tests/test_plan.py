@@ -250,3 +250,23 @@ def test_compressed_attention_core_flops():
                              {"compress_ratio": 4, "topk": 2, "local_keys": True})
     assert picked == 3 * 2 * 2 * 16 * (_causal_keys(64) + _causal_keys(16, 4)) \
         + 2 * 1 * 4 * _causal_keys(16)
+
+
+def test_model_width_is_the_token_table_not_the_largest():
+    """The model width D is the token embedding's: the table a linear projects back to (the
+    output head), not a per-layer input table with more rows (Gemma 3n's: L x P wide)."""
+    from torch import nn
+
+    from onboarding.load.accounting import token_embedding
+    from onboarding.plan.shapes import _hidden
+
+    class LM(nn.Module):
+        def __init__(self, head: bool):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.embed_per_layer = nn.Embedding(96, 3 * 16)
+            self.lm_head = nn.Linear(32, 64, bias=False) if head else nn.Identity()
+
+    assert token_embedding(LM(True)) is not None and _hidden(LM(True)) == 32
+    assert _hidden(LM(False)) == 48  # no head to tell: the table with the most rows
+    assert token_embedding(nn.Linear(2, 2)) is None and _hidden(nn.Linear(2, 2)) == 0

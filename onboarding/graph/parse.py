@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from onboarding.load.accounting import ParamCounts, _same_structure, count_parameters, path_pattern
+from onboarding.load.accounting import (ParamCounts, _same_structure, count_parameters, path_pattern,
+                                         token_embedding)
 from onboarding.graph.capture import Capture, capture
 from onboarding.graph.classify import Classifier, Context, stack_of
 from onboarding.errors import InputError
@@ -96,8 +97,7 @@ def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
         if path:
             parent = path.rsplit(".", 1)[0] if "." in path else ""
             children.setdefault(parent, []).append(path)
-    emb = max((m for m in model.modules() if isinstance(m, nn.Embedding)),
-              key=lambda m: m.num_embeddings, default=None)
+    emb = token_embedding(model)
     tc = text_config(config) if config is not None else None
     types = getattr(tc, "layer_types", None) if tc is not None else None
     hints = {i: str(t) for i, t in enumerate(types)} if isinstance(types, (list, tuple)) else {}

@@ -202,3 +202,16 @@ def count_parameters(model: nn.Module, config: Any = None) -> ParamCounts:
                        embedding=embedding, lm_head=lm_head, tied_embeddings=tied,
                        routed_experts=by_category.get("moe.experts", 0),
                        by_category=by_category, by_component=by_component, moe=moe)
+
+
+def token_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The token embedding table, whose width is the model's (D): the table that a linear
+    projects back to (in_features its width, out_features its rows: the output head, tied or
+    not), else the table with the most rows. Rows alone can mislead: a per-layer input table
+    (Gemma 3n: L x P values per token) may have more rows than the vocabulary."""
+    tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not tables:
+        return None
+    heads = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    matched = [t for t in tables if (t.embedding_dim, t.num_embeddings) in heads]
+    return max(matched or tables, key=lambda m: m.num_embeddings)

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from onboarding.graph.opgraph import OpGraph
-from onboarding.load.accounting import find_moe, path_pattern
+from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names
 
@@ -220,8 +220,7 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
 
 
 def _hidden(model: nn.Module) -> int:
-    emb = max((m for m in model.modules() if isinstance(m, nn.Embedding)),
-              key=lambda m: m.num_embeddings, default=None)
+    emb = token_embedding(model)
     return int(emb.embedding_dim) if emb is not None else 0
 
 
