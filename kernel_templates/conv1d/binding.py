@@ -39,15 +39,14 @@ class _ConvIntercept(TorchFunctionMode):
                 ones = all((v[0] if isinstance(v, (list, tuple)) else v) == 1
                            for v in (a.get("stride", 1), a.get("dilation", 1)))
                 depthwise = ones and a.get("groups", 1) == w.shape[0]
-                if pad == 0 and depthwise and k > 1 and x.shape[-1] >= k:
-                    # an unpadded conv: output t reads inputs t .. t + K - 1, which is the causal
-                    # conv's output t + K - 1 (its zero left pad is never read past step K - 2)
+                unpadded = pad == 0 and k > 1 and x.shape[-1] >= k
+                if depthwise and (unpadded or (pad == k - 1 and x.shape[-1] >= k - 1)):
                     y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), a.get("bias"))
                     self.record.status = "active"
-                    return y[:, k - 1:].transpose(1, 2)
-                if pad == k - 1 and depthwise and x.shape[-1] >= k - 1:
-                    y = self.fn(x.transpose(1, 2), w.reshape(w.shape[0], k), a.get("bias"))
-                    self.record.status = "active"
+                    if unpadded:
+                        # output t reads inputs t .. t + K - 1: the causal conv's output t + K - 1
+                        # (its zero left pad is never read past step K - 2)
+                        return y[:, k - 1:].transpose(1, 2)
                     # conv1d with padding K-1 returns T + K - 1 steps; callers keep the first T
                     # (that is what makes it causal). The K - 1 trailing steps only see the last
                     # K - 1 inputs: computed exactly here, so the patch is a true drop-in.
