@@ -16,7 +16,7 @@ from typing import Any
 
 from onboarding.graph.split import split_linear
 from onboarding.graph.capture import Capture, OpRecord
-from onboarding.graph.opgraph import Block, TensorMeta
+from onboarding.graph.opgraph import CONV_KINDS, Block, TensorMeta
 
 MATMUL = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "einsum", "_grouped_mm",
           "grouped_mm"}
@@ -32,7 +32,6 @@ VIEW_OPS = {"view", "reshape", "_unsafe_view", "expand", "slice", "select", "tra
             "to", "_to_copy", "type_as", "lift_fresh_copy", "flatten", "unflatten", "lift_fresh"}
 TRIANGULAR = {"tril", "triu", "linalg_solve_triangular", "triangular_solve"}
 EXPERT_KINDS = ("moe.experts", "moe.shared_expert", "mlp.dense")  # what a router routes to
-CONV_KINDS = ("conv.causal1d", "conv.noncausal1d")  # depthwise convs over the sequence, split out
 
 _NUM = re.compile(r"\.(\d+)(?=\.|$)")
 
@@ -274,6 +273,12 @@ def _expert_activation(recs: list[OpRecord]) -> str | None:
     if act is None and any(r.op == "erf" for r in recs):
         return "gelu"
     return act
+
+
+def _mixing_shapes(n: int) -> set[tuple[int, int]]:
+    """The shapes of a hyper-connection's matrix over n residual streams: n x n, or with the
+    sublayer's input or output as an extra row or column."""
+    return {(n, n), (n, n + 1), (n + 1, n)}
 
 
 def _conv_padding(r: OpRecord, k: int) -> list[int] | None:
@@ -790,7 +795,7 @@ class Classifier:
             return None
         return "residual.low_rank", [
             f"two projections {d} -> {rank} -> {d}, nothing between them but views and no "
-            "activation: a rank-{rank} linear map, no MLP".replace("{rank}", str(rank)),
+            f"activation: a rank-{rank} linear map, no MLP",
             "added to a tensor of the block's own shape after the second one (a learned "
             "residual branch)"], {"hidden": d, "rank": rank}
 
@@ -872,9 +877,12 @@ class Classifier:
         d = shape[-1]
         own = [tuple(s) for name, s in self.ctx.param_shapes.items()
                if name.rsplit(".", 1)[0] == path and len(s) in (1, 2)]
+        inside = any(path.startswith(p + ".") for p, (_, _, _, sh) in
+                     self._stream_carriers().items() if sh == shape)
+        after_all = min(r.index for r in recs) > max(b for _, _, b in carriers)
         for n in sorted(set().union(*(c for c, _, _ in carriers))):
             reads = [shape[:i] + shape[i + 1:] for i, s in enumerate(shape[:-1]) if s == n]
-            square = {(n, n), (n, n + 1), (n + 1, n)}
+            square = _mixing_shapes(n)
             # a matmul by the static matrix itself (a dispatch capture records the einsum as a
             # bmm with it) mixes the streams: it is no coefficient projection
             proj = [r for r in mm if self._weight_2d(r) and not all(
@@ -888,11 +896,7 @@ class Classifier:
                                          for r in recs for o in r.out_shapes)
             if not (proj or static or (n,) in own):
                 continue  # a plain mean of the streams: no coefficients
-            lo = min(r.index for r in recs)
-            inside = any(path.startswith(p + ".") for p, (_, _, _, sh) in
-                         self._stream_carriers().items() if sh == shape)
-            role = "mix" if matrix or inside else \
-                "collapse" if lo > max(b for _, _, b in carriers) else None
+            role = "mix" if matrix or inside else "collapse" if after_all else None
             if role is None:
                 continue
             ev = [f"its input {shape} is the {n} residual streams of width {d} that the layers "
@@ -962,7 +966,7 @@ class Classifier:
             shapes = [s for s in r.in_shapes[:2] if s]
             if b is None or r.module != path or not is_matmul(r.op) or r.params \
                     or len(shapes) != 2 or not any(
-                        tuple(s[-2:]) in {(n, n), (n, n + 1), (n + 1, n)}
+                        tuple(s[-2:]) in _mixing_shapes(n)
                         and n in (o := shapes[1 - i]) and d in o for i, s in enumerate(shapes)):
                 kept.append(r)
                 continue

@@ -43,6 +43,8 @@ BLOCK_KINDS = (
     "lm_head",
     "unknown",
 )
+# depthwise convs over the sequence, split out of their module as blocks of their own
+CONV_KINDS = ("conv.causal1d", "conv.noncausal1d")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from onboarding.graph.opgraph import CONV_KINDS
 from onboarding.plan.config import GIB, ClusterConfig, PlanConfig
 from onboarding.plan.shapes import BlockShape, ModelShape, attention_heads, ceil_div, fsdp_shard
 
@@ -113,7 +114,7 @@ class Memory:
 def kind_group(kind: str) -> str:
     if kind.startswith("sparse_attention."):
         return "sparse attention"
-    if kind.startswith("linear_attention") or kind in ("conv.causal1d", "conv.noncausal1d", "conv.gated"):
+    if kind.startswith("linear_attention") or kind in (*CONV_KINDS, "conv.gated"):
         return "linear attention"
     if kind.startswith("attention"):
         return "attention"
@@ -239,7 +240,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         if kind == "norm.rms_gated":
             per += (BF16 if cfg.kernels_norm else 2 * FP32 + BF16) * w
         return per, 0.0, 0.0
-    if kind in ("conv.causal1d", "conv.noncausal1d"):
+    if kind in CONV_KINDS:
         return 2 * BF16 * b.width, 0.0, 0.0  # its input and its activated output
     if kind == "conv.gated":
         # the projections' outputs but the last (the gates and the conv's operand, kept for the

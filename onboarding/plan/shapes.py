@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from onboarding.graph.opgraph import OpGraph
+from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names
@@ -193,7 +193,7 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
     """A norm's elements per token at full size, a conv's channels. A norm over heads (a q or k
     norm with a [head_dim] weight) normalises the output of one of its parent's projections:
     the proxy projection whose output has the captured per-token size names the full-size one."""
-    if b.kind in ("conv.causal1d", "conv.noncausal1d"):
+    if b.kind in CONV_KINDS:
         w = [p for p in full.parameters(recurse=False) if p.ndim == 3]
         return int(w[0].shape[0]) if w else int(b.attrs.get("channels") or 0)
     if not b.kind.startswith("norm.") or not b.inputs:
