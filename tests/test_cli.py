@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from onboarding.cli.main import main
 
@@ -274,7 +275,7 @@ def test_bench_case_and_impl_selection():
         select_cases(cases, ["T99"])
 
 
-def test_bench_list_names_the_cases_without_a_gpu(workdir, capsys):
+def test_bench_list_names_the_cases_without_a_gpu(workdir, capsys, monkeypatch):
     """`onboard bench list` prints the selected cases (shape, FLOPs, anchors on request) without
     building them: no GPU, nothing allocated; a family without cases exits 2 naming the known ones."""
     from onboarding.bench.cases import cases_for
@@ -285,9 +286,59 @@ def test_bench_list_names_the_cases_without_a_gpu(workdir, capsys):
     assert [r["case"] for r in rows] == [c.name for c in want] and rows
     assert rows[0]["shape"]["H"] == 128 and rows[0]["gflop"] == round(want[0].flops / 1e9, 3)
     assert "mamba_ssm" in rows[0]["on_request"]
+    # the rows a run would time, sweeps included, named by building the case on the meta device
+    sweep = [r for r in rows[0]["rows"] if r.startswith("ours@")]
+    assert rows[0]["rows"][:2] == ["ours", "ours_fwd"] and "mamba_ssm" not in rows[0]["rows"]
+    assert len(sweep) >= 5 and all(r.count("=") >= 1 for r in sweep), rows[0]["rows"]
+    assert main(["bench", "list", "--family", "ssd", "--case", "H128", "--impl",
+                 f"ours_fwd,{sweep[0]},mamba_ssm", "--json"]) == 0
+    picked = json.loads(capsys.readouterr().out)[0]
+    assert sorted(picked["rows"]) == sorted(["ours_fwd", sweep[0], "mamba_ssm"]) and not picked["on_request"]
+    monkeypatch.setenv("COLUMNS", "240")  # the table unfolded: each name on one line
     assert main(["bench", "list", "--family", "ssd"]) == 0
-    assert "B1T8192H64" in capsys.readouterr().out.replace("\n", "").replace("│", "").replace(" ", "")
+    out = capsys.readouterr().out
+    assert "B1T8192H64P64G8N128" in out and "sweep rows" in out
+    assert all(f"ssd/{rows[0]['case']} │ {r} " in out for r in sweep), out
     _bad(workdir, capsys, ["bench", "list", "--family", "nope"], "no benchmark cases for ['nope']")
+
+
+def test_impl_list_keeps_a_sweep_rows_own_commas():
+    from onboarding.bench.cases import split_impls
+
+    assert split_impls("ours_fwd,ours@a=1,b=2,mamba_ssm,ours@c=3_fwd,eager") == [
+        "ours_fwd", "ours@a=1,b=2", "mamba_ssm", "ours@c=3_fwd", "eager"]
+    assert split_impls("ours,fla") == ["ours", "fla"] and split_impls(None) is None
+
+
+def test_bench_list_dry_rows_meta_device_and_its_limits(tmp_path, monkeypatch):
+    """`dry_rows` builds a case on the meta device: seeded generators work there, our kernels
+    render into a folder it removes, and a setup that needs data (bincount) gives no rows and
+    the reason instead of failing."""
+    import tempfile
+
+    from onboarding.bench.cases import dry_rows, kernel
+    from onboarding.bench.harness import BenchCase
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def setup(device):
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(4, 8, device=device, generator=g) * 0.5
+        assert x.device.type == "meta"
+        kernel("rmsnorm", "plain")
+        return {"ours": lambda i: x, "ours@BLOCK_N=4": lambda i: x, "eager": lambda i: x}
+
+    def needs_data(device):
+        torch.bincount(torch.zeros(4, dtype=torch.long, device=device))
+        return {"ours": lambda i: None}
+
+    case = BenchCase(family="f", name="c", shape={}, min_bytes=1, flops=0, setup=setup)
+    assert dry_rows(case) == (["ours", "ours@BLOCK_N=4", "eager"], "")
+    assert list(tmp_path.iterdir()) == []  # the rendered kernel's folder is gone
+    assert torch.Generator(device="cpu").device.type == "cpu"  # the real class is back
+    rows, why = dry_rows(BenchCase(family="f", name="d", shape={}, min_bytes=1, flops=0,
+                                   setup=needs_data))
+    assert rows is None and "bincount" in why
 
 def test_bench_case_names_anchor_at_start_and_end():
     """`--case` is a substring; ``PAT$`` only at the name's end (``/fwd$`` leaves ``/fwdbwd``

@@ -77,8 +77,13 @@ def shared_inputs(build: Callable) -> Callable:
     return wrapper
 
 
+# Where `kernel` renders (None: a new folder under the system's temp dir; `dry_rows` points it at
+# a folder it removes afterwards).
+_RENDER_DIR: str | None = None
+
+
 def kernel(family: str, variant: str, params: dict[str, Any] | None = None):
-    root = Path(tempfile.mkdtemp(prefix="onboard-bench-"))
+    root = Path(tempfile.mkdtemp(prefix="onboard-bench-", dir=_RENDER_DIR))
     mod = load_module(render_to(root, family, variant, params or {}, **_TEMPLATES))
     from onboarding.patching.core import entry_function
 
@@ -194,6 +199,41 @@ def routing(kind: str, n: int, e: int, k: int, device: torch.device,
     return idx, w / w.sum(-1, keepdim=True)
 
 
+@contextlib.contextmanager
+def _meta_generators():
+    """`torch.Generator(device="meta")` raises, and cases seed their inputs with one: while a case
+    is built on the meta device, a CPU generator stands in (a meta tensor draws nothing)."""
+    real = torch.Generator
+
+    class Generator(real):  # a type, as torch's own isinstance checks need
+        def __new__(cls, device="cpu"):
+            return real("cpu") if torch.device(device).type == "meta" else real(device)
+
+    torch.Generator = Generator
+    try:
+        yield
+    finally:
+        torch.Generator = real
+
+
+def dry_rows(case: BenchCase) -> tuple[list[str] | None, str]:
+    """The implementation rows `case.setup` returns (sweeps and anchors included, in its order),
+    found without a GPU: the case is built on PyTorch's meta device (shapes, no data, nothing
+    run; our kernels rendered into a folder removed afterwards). (None, why) when its setup
+    cannot run there (an op whose output shape depends on data, such as `bincount`)."""
+    global _RENDER_DIR
+    before = _RENDER_DIR
+    with tempfile.TemporaryDirectory(prefix="onboard-bench-list-") as tmp, _meta_generators():
+        _RENDER_DIR = tmp
+        try:
+            return list(case.setup(torch.device("meta"))), ""
+        except Exception as exc:  # noqa: BLE001 - any failure: rows known only on a GPU
+            first = (str(exc).splitlines() or [""])[0]
+            return None, f"{type(exc).__name__}: {first[:72]}{'...' if len(first) > 72 else ''}"
+        finally:
+            _RENDER_DIR = before
+
+
 def cases_for(names: list[str] | None = None) -> list[BenchCase]:
     """The benchmark cases of the families `names` (default: every family that has some), from
     each family's `bench_cases()` hook (no arguments; returns its `BenchCase` list)."""
@@ -217,6 +257,21 @@ def name_matches(pattern: str, name: str) -> bool:
     if end:
         return name.endswith(core)
     return core in name
+
+
+def split_impls(text: str | None) -> list[str] | None:
+    """`--impl`'s list: names split at commas, except that a sweep row's own ``key=value`` pairs
+    (``ours@BLOCK_M=64,num_warps=8``) stay with it: a piece with "=" and no "@" continues the
+    sweep row before it."""
+    if not text:
+        return None
+    out: list[str] = []
+    for piece in text.split(","):
+        if out and "@" in out[-1] and "=" in piece and "@" not in piece:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
 
 
 def select_cases(cases: list[BenchCase], names: list[str] | None = None,

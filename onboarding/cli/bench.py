@@ -19,8 +19,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("action", nargs="?", choices=("history", "list"),
                    help="history: list the nightly history (--history URL, --key SUBSTR) with "
                         "its change points; list: the kernel cases --family / --case pick, with "
-                        "their shapes, FLOPs and anchors (nothing is built or timed); neither "
-                        "needs a GPU")
+                        "their shapes, FLOPs and the rows each would time (--impl filters them; "
+                        "built on the meta device: nothing allocated or timed); neither needs "
+                        "a GPU")
     b.add_argument("--suite", choices=("kernels", "nightly"), default="kernels",
                    help="kernels: the chosen families' cases (default); nightly: the regression "
                         "suite (each family's nightly cases, two proxies' training step, the "
@@ -32,7 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "SUBSTR$: at the end, ^NAME$: exactly)")
     b.add_argument("--impl", default=None, metavar="A,B",
                    help="only these implementations (e.g. ours,ours_fwd,fla_fwd; tile sweeps "
-                        "'ours@...' count as 'ours')")
+                        "'ours@...' count as 'ours', and one named by itself keeps its own "
+                        "commas: ours@BLOCK_M=64,num_warps=8; `bench list` names them)")
     b.add_argument("--profile", action="store_true",
                    help="also break our steps down by kernel (torch.profiler): time, share, calls")
     b.add_argument("--against", metavar="REV",
@@ -105,11 +107,11 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
         return _blocks(args, console)
     import torch
 
-    from onboarding.bench.cases import cases_for, select_cases
+    from onboarding.bench.cases import cases_for, select_cases, split_impls
     from onboarding.bench.harness import format_table, run_cases
 
     cases = select_cases(cases_for(args.family), args.case,
-                         args.impl.split(",") if args.impl else None)
+                         split_impls(args.impl))
     if args.against:
         from onboarding.bench.revision import against, resolve
 
@@ -174,19 +176,52 @@ def _history(args: argparse.Namespace, console: Console) -> int:
 
 
 def _list(args: argparse.Namespace, console: Console) -> int:
-    """``onboard bench list``: the cases `--family` / `--case` select, without building them (their
-    implementation rows, sweeps included, exist only once a case is set up on a GPU)."""
+    """``onboard bench list``: the cases `--family` / `--case` select and the implementation rows
+    each would time (``ours@...`` sweeps included; `--impl` filters them as a run would). Cases
+    are built on the meta device to name their rows: nothing is allocated or timed, no GPU."""
     from rich.table import Table
 
-    from onboarding.bench.cases import cases_for, select_cases
+    from onboarding.bench.cases import cases_for, dry_rows, select_cases, split_impls
 
-    cases = select_cases(cases_for(args.family), args.case)
-    rows = [{"family": c.family, "case": c.name, "shape": c.shape, "gflop": round(c.flops / 1e9, 3),
-             "min_mb": round(c.min_bytes / 2**20, 1), "on_request": list(c.on_request), "note": c.note}
-            for c in cases]
+    impls = split_impls(args.impl)
+    cases = select_cases(cases_for(args.family), args.case, impls)
+    rows = []
+    for c in cases:
+        names, why = dry_rows(c)
+        rows.append({"family": c.family, "case": c.name, "shape": c.shape,
+                     "gflop": round(c.flops / 1e9, 3), "min_mb": round(c.min_bytes / 2**20, 1),
+                     "rows": None if names is None else [n for n in names if n not in c.on_request],
+                     "on_request": [n for n in c.on_request if names is None or n in names],
+                     "rows_unknown": why, "note": c.note})
     if args.json:
         print(json.dumps(rows, indent=1))
         return EXIT_OK
+    t = Table(title=f"{len(rows)} benchmark cases (onboard bench --family F --case NAME "
+                    "[--impl A,B] runs them on a GPU)")
+    for col in ("family", "case", "shape", "GFLOP", "min MiB", "rows timed", "sweep rows",
+                "on request (--impl)", "note"):
+        t.add_column(col, overflow="fold")
+    sweeps = Table(title="sweep rows (ours@<config>: our kernel at another tuning config; "
+                         "_fwd: forward only)")
+    sweeps.add_column("case", no_wrap=True)
+    sweeps.add_column("row", overflow="fold")
+    sweeps.add_column("timed", no_wrap=True)
+    for r in rows:
+        own = [n for n in r["rows"] or () if "@" not in n]
+        swept = [(n, "with ours") for n in r["rows"] or () if "@" in n]
+        swept += [(n, "on request") for n in r["on_request"] if "@" in n]
+        for n, when in swept:
+            sweeps.add_row(f"{r['family']}/{r['case']}", n, when)
+        timed = (", ".join(own) or "-") if r["rows"] is not None else \
+            "only known on a GPU: " + r["rows_unknown"]
+        asked = [n for n in r["on_request"] if "@" not in n]
+        t.add_row(r["family"], r["case"], " ".join(f"{k}={v}" for k, v in r["shape"].items()),
+                  f"{r['gflop']:g}", f"{r['min_mb']:g}", timed, str(len(swept)) if swept else "-",
+                  ", ".join(asked) or "-", r["note"])
+    console.print(t)
+    if sweeps.row_count:
+        console.print(sweeps)
+    return EXIT_OK
     t = Table(title=f"{len(rows)} benchmark cases (onboard bench --family F --case NAME runs them on a GPU)")
     for col in ("family", "case", "shape", "GFLOP", "min MiB", "anchors on request", "note"):
         t.add_column(col, overflow="fold")
