@@ -270,3 +270,90 @@ def test_model_width_is_the_token_table_not_the_largest():
     assert token_embedding(LM(True)) is not None and _hidden(LM(True)) == 32
     assert _hidden(LM(False)) == 48  # no head to tell: the table with the most rows
     assert token_embedding(nn.Linear(2, 2)) is None and _hidden(nn.Linear(2, 2)) == 0
+
+
+def test_local_window_rules():
+    """A layer's local window by the mask conventions (`onboarding.plan.shapes.local_window`):
+    layer type full_attention, the module's own sliding_window attribute, a sliding layer type,
+    a window on every layer when there are no layer types; nothing otherwise."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from onboarding.plan.shapes import local_window
+
+    typed = SimpleNamespace(sliding_window=128, layer_types=[
+        "sliding_attention", "full_attention", "compressed_sparse_attention", "local"])
+    plain, attr, none_attr = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    attr.sliding_window, none_attr.sliding_window = 96, None
+    assert local_window(typed, attr, 1) == (None, "layer_types: 'full_attention'")
+    assert local_window(typed, attr, 2) == (96, "the attention module's sliding_window attribute")
+    assert local_window(typed, none_attr, 0)[0] is None
+    assert local_window(typed, plain, 0) == (128, "config sliding_window, layer type "
+                                                  "'sliding_attention'")
+    assert local_window(typed, plain, 3)[0] == 128
+    assert local_window(typed, plain, 2) == (None, "")  # a type that names no window
+    untyped = SimpleNamespace(sliding_window=4096)
+    assert local_window(untyped, plain, 5) == (4096, "config sliding_window, no layer_types: "
+                                                     "every layer")
+    assert local_window(SimpleNamespace(), plain, 0) == (None, "")
+    assert local_window(SimpleNamespace(sliding_window=None, layer_types=None), plain, 0) \
+        == (None, "")
+
+
+def test_compressed_attention_local_keys_capped_by_window():
+    """The local keys of `attention.compressed` are capped by the layer's window (T x min(T, w)
+    causal), the pooled entries and the indexer are not; a window caps full attention's keys
+    and a top-k's candidates; the default keeps the kind's rule."""
+    from types import SimpleNamespace
+
+    from onboarding.train.flops import _attention_core, _causal_keys
+
+    cfg = SimpleNamespace(num_attention_heads=2, head_dim=8, hidden_size=16, index_topk=4,
+                          index_n_heads=1, index_head_dim=4, sliding_window=16)
+    per_key = 3 * 2 * 2 * 16
+    attrs = {"compress_ratio": 4, "topk": 2, "local_keys": True}
+    assert _attention_core(cfg, "attention.compressed", 64, attrs, 8) == per_key * (
+        _causal_keys(64, 8) + _causal_keys(16, 4)) + 2 * 1 * 4 * _causal_keys(16)
+    assert _attention_core(cfg, "attention.full", 64, {}, 8) == per_key * _causal_keys(64, 8)
+    assert _attention_core(cfg, "attention.sliding", 64, {}) == per_key * _causal_keys(64, 16)
+    assert _attention_core(cfg, "attention.sliding", 64, {}, None) == per_key * _causal_keys(64)
+    assert _attention_core(cfg, "sparse_attention.topk", 64, {}, 2) == per_key * _causal_keys(
+        64, 2) + 2 * 1 * 4 * _causal_keys(64)
+
+
+def test_sliding_and_full_layers_of_one_pattern_costed_apart():
+    """gpt_oss at full size (on meta) alternates sliding (128) and full layers whose attention
+    modules share a pattern and parameter names, so one block shape holds both: each instance
+    is costed with its own window, and the plan says where each window came from."""
+    from onboarding.graph.opgraph import Block
+    from onboarding.load.model import load_model
+    from onboarding.plan.estimate import step_flops
+    from onboarding.plan.search import build_plan
+    from onboarding.train.flops import _attention_core
+
+    loaded = load_model("hf:gpt_oss")
+    model = loaded.build(device="meta", seed=None)
+    path = "model.layers.0.self_attn"
+    attn = dict(model.named_modules())[path]
+    block = Block(path=path, kind="attention.sliding", layer=0, class_name="",
+                  params={n: list(p.shape) for n, p in attn.named_parameters()})
+    graph = _empty_graph()
+    graph.blocks.append(block)
+    shape = model_shape(model, loaded.config, graph)
+    (b,) = shape.by_kind("attention.")
+    n = len(loaded.config.layer_types)
+    assert b.count == n
+    assert {w: c for w, c, _ in b.windows} == {128: n // 2, None: n // 2}
+    cfg = PlanConfig(gpus=8, seq=4096)
+    core = step_flops(shape, cfg)[2]
+    tc = shape.config
+    assert core == pytest.approx(n // 2 * (_attention_core(tc, b.kind, 4096, {}, 128)
+                                           + _attention_core(tc, b.kind, 4096, {}, None)))
+    assert core > n * _attention_core(tc, b.kind, 4096, {})  # not every layer at 128 keys
+    plan = build_plan(shape, cfg, ClusterConfig())
+    (note,) = [x for x in plan.notes if x.startswith("attention keys")]
+    assert f"{n // 2} x window 128 (the attention module's sliding_window attribute)" in note
+    assert f"{n // 2} x full causal (layer_types: 'full_attention')" in note
+    (summary,) = [x for x in plan.shape["blocks"] if x["pattern"] == "model.layers.*.self_attn"]
+    assert {w["window"] for w in summary["windows"]} == {128, None}

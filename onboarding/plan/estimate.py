@@ -11,7 +11,8 @@ the same experts). A ring over ``world`` ranks moves (world - 1) / world of the 
 its slowest link sets its time.
 
 Step time: GEMMs at the GEMM rate (experts: at least the time to read their weights), fused
-attention cores at the attention rate, memory-bound work (4 passes over the kept activations,
+attention cores at the attention rate (each layer's keys capped at its local window,
+`onboarding.plan.shapes.local_window`), memory-bound work (4 passes over the kept activations,
 ~20 bytes per logit) at the HBM rate, and host time (ATen ops per block from the op graph's
 capture, x3 for the backward, at ``launch_us`` each) when that is longer: eager PyTorch is launch
 bound at small widths. FLOPs as `onboarding.train.flops` counts them (LoRA-correct: 4N for
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from onboarding.plan.config import ClusterConfig, PlanConfig
 from onboarding.plan.memory import BF16, FP32, Layout, Memory, expert_lora_params, \
     lora_params, pairs_per_token
-from onboarding.plan.shapes import ModelShape, ceil_div
+from onboarding.plan.shapes import BlockShape, ModelShape, ceil_div
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,9 +130,18 @@ def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]
     for b in shape.blocks:
         if b.kind.startswith(("attention.", "sparse_attention.", "linear_attention.")) \
                 and shape.config is not None:
-            per = _attention_core(shape.config, b.kind, cfg.seq, b.attrs)
-            core += b.count * (per or 0.0)
+            core += attention_core(shape, b, cfg.seq)
     return dense, experts, core
+
+
+def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
+    """Core FLOPs per token of every instance of attention block ``b``: each instance with its
+    own local window (`onboarding.plan.shapes.local_window`), else the kind's own rule."""
+    from onboarding.train.flops import BY_KIND, _attention_core
+
+    groups = [(w if src else BY_KIND, n) for w, n, src in b.windows] or [(BY_KIND, b.count)]
+    return sum(n * (_attention_core(shape.config, b.kind, seq, b.attrs, w) or 0.0)
+               for w, n in groups)
 
 
 # Host ops of `onboard train`'s step beyond the captured blocks, counted with a dispatch mode on

@@ -15,7 +15,7 @@ from onboarding.errors import InputError
 from onboarding.plan.config import GIB, OFFLOAD, RECOMPUTE, ClusterConfig, PlanConfig
 from onboarding.plan.estimate import Comm, StepTime, communication, step_time
 from onboarding.plan.memory import Layout, Memory, memory
-from onboarding.plan.shapes import ModelShape
+from onboarding.plan.shapes import BlockShape, ModelShape
 
 PLAN_FILE = "plan.json"
 
@@ -178,6 +178,7 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
     if unknown:
         notes.append("unknown blocks (their activations are not modelled): "
                      + ", ".join(unknown[:6]))
+    notes += window_notes(shape, cfg.seq)
     return Plan(model=shape.name, config=cfg, cluster=cluster, shape=shape_summary(shape),
                 chosen=chosen, fitting=fitting, rejected=rejected, notes=notes)
 
@@ -189,5 +190,29 @@ def shape_summary(shape: ModelShape) -> dict[str, Any]:
             "experts": [{"pattern": e.pattern, "layers": e.count, "n_experts": e.n_experts,
                          "top_k": e.top_k, "width": e.width, "per_expert": e.per_expert}
                         for e in shape.experts],
-            "blocks": [{"pattern": b.pattern, "kind": b.kind, "count": b.count,
-                        "params": b.params, "ops": b.ops} for b in shape.blocks]}
+            "blocks": [_block_summary(b) for b in shape.blocks]}
+
+
+def _windowed(b: BlockShape) -> bool:
+    return any(w is not None for w, _, _ in b.windows)
+
+
+def _block_summary(b: BlockShape) -> dict[str, Any]:
+    d: dict[str, Any] = {"pattern": b.pattern, "kind": b.kind, "count": b.count,
+                         "params": b.params, "ops": b.ops}
+    if _windowed(b):  # the local window of each instance, and where it came from
+        d["windows"] = [{"window": w, "count": n, "from": src} for w, n, src in b.windows]
+    return d
+
+
+def window_notes(shape: ModelShape, seq: int) -> list[str]:
+    """One line per attention pattern some of whose layers have a local window."""
+    out = []
+    for b in shape.blocks:
+        if _windowed(b):
+            parts = [f"{n} x " + (f"window {w}" if w is not None else "full causal")
+                     + (f" ({src})" if src else "")
+                     + (f", >= the {seq}-token sequence: no cap" if w and w >= seq else "")
+                     for w, n, src in b.windows]
+            out.append(f"attention keys of {b.pattern} ({b.kind}): " + "; ".join(parts))
+    return out

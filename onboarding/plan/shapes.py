@@ -6,6 +6,20 @@ model built on ``meta`` is matched to a proxy block by its path pattern (layer n
 pattern ``model.layers.*.mlp`` are told apart by what they hold, never by class names. Widths
 (linear in/out features, expert counts and widths) are read off the meta tensors; attention head
 counts from the config fields `onboarding.train.flops` reads.
+
+A softmax attention's local window is rarely in its block's structure: the sliding-window mask is
+built outside the block and passed in. `local_window` finds it for each instance (layer) by the
+conventions transformers builds those masks by, in this order:
+  1. ``layer_types[i] == "full_attention"``: no window (a module may hold the config's window
+     and pass it only on its sliding layers);
+  2. the full-size attention module's ``sliding_window`` attribute (what transformers' attention
+     modules pass their attention kernels as the window; None: none);
+  3. a layer type that names a sliding or local window: the config's ``sliding_window`` (or
+     ``sliding_window_size``, ``attention_window``);
+  4. no ``layer_types`` at all: the config's ``sliding_window``, on every layer (the mask
+     is built sliding for every layer when it is set).
+Layers of one pattern and parameters may differ (Gemma's 5 sliding : 1 full): `BlockShape.windows`
+keeps each window with its instance count and where it came from.
 """
 
 from __future__ import annotations
@@ -37,6 +51,8 @@ class BlockShape:
     # elements per token a norm normalises, or a conv's channels (0 for other kinds)
     width: int = 0
     lora_targets: list[tuple[int, int]] = field(default_factory=list)  # default LoRA (in, out)
+    # attention kinds: (local window or None, instances, where it came from) (`local_window`)
+    windows: list[tuple[int | None, int, str]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,7 +155,8 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             params=sum(p.numel() for p in first.parameters()), linears=lin, attrs=dict(b.attrs),
             ops=sum(b.op_histogram.values()), lora_targets=targets,
             nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
-            width=_width(b, first, paths[0], graph, modules)))
+            width=_width(b, first, paths[0], graph, modules),
+            windows=_windows(b.kind, paths, modules, config)))
     matched = {k[0] for k in inst}
     unmatched = sorted({path_pattern(p) for p in proxy_paths} - matched)
 
@@ -178,6 +195,56 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
                       dense_tensors=dense, experts=experts, blocks=blocks,
                       layer_dense_max=layer_dense, config=cfg, unmatched=unmatched,
                       dense_matmul=_dense_matmul(counts))
+
+
+WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window")
+SOFTMAX_PREFIXES = ("attention.", "sparse_attention.")
+
+
+def _positive_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def local_window(cfg: Any, module: nn.Module | None, layer: int | None
+                 ) -> tuple[int | None, str]:
+    """(keys a query sees at most, or None: full causal; where that came from) of the attention
+    ``module`` of decoder layer ``layer``, by the rules of the module docstring. ("" when no
+    rule applies: the block kind's own rule stands, `onboarding.train.flops._attention_core`.)"""
+    types = getattr(cfg, "layer_types", None) if cfg is not None else None
+    types = list(types) if isinstance(types, (list, tuple)) else None
+    kind = str(types[layer]) if types is not None and layer is not None \
+        and 0 <= layer < len(types) else None
+    if kind == "full_attention":
+        return None, "layer_types: 'full_attention'"
+    if module is not None and hasattr(module, "sliding_window"):
+        attr = getattr(module, "sliding_window")
+        if _positive_int(attr):
+            return attr, "the attention module's sliding_window attribute"
+        if attr is None:
+            return None, "the attention module's sliding_window attribute is None"
+    name = next((n for n in WINDOW_FIELDS if _positive_int(getattr(cfg, n, None))), None)
+    if name is None:
+        return None, ""
+    if kind is not None and ("sliding" in kind or "local" in kind):
+        return getattr(cfg, name), f"config {name}, layer type {kind!r}"
+    if types is None:
+        return getattr(cfg, name), f"config {name}, no layer_types: every layer"
+    return None, ""
+
+
+def _windows(kind: str, paths: list[str], modules: dict[str, nn.Module], config: Any
+             ) -> list[tuple[int | None, int, str]]:
+    """`local_window` of each instance of a softmax-attention block, grouped."""
+    if not kind.startswith(SOFTMAX_PREFIXES):
+        return []
+    from onboarding.graph.classify import layer_of
+
+    cfg = text_config(config) if config is not None else None
+    counts: dict[tuple[int | None, str], int] = {}
+    for p in paths:
+        key = local_window(cfg, modules.get(p), layer_of(p))
+        counts[key] = counts.get(key, 0) + 1
+    return [(w, n, src) for (w, src), n in counts.items()]
 
 
 def _dense_matmul(counts) -> int:

@@ -72,8 +72,18 @@ def _attention_widths(cfg: Any, kind: str) -> tuple[int, int, int] | None:
     return (heads, d, _int(cfg, "v_head_dim") or d) if d else None
 
 
-def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict) -> float | None:
-    """Training FLOPs per token of one attention block's core (no projections)."""
+BY_KIND = "kind"  # `_attention_core`'s window: the kind's own rule (below)
+
+
+def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict,
+                    window: int | None | str = BY_KIND) -> float | None:
+    """Training FLOPs per token of one attention block's core (no projections).
+
+    ``window``: the local keys a query sees (a sliding window whose mask is built outside the
+    block: `onboarding.plan.shapes.local_window` finds it), None for full causal attention, or
+    `BY_KIND`: ``attention.sliding`` capped at the config's ``sliding_window``, others not. It
+    caps the causal keys of softmax attention, the local keys of ``attention.compressed`` and
+    the candidates of a top-k over key positions."""
     if kind.startswith("linear_attention."):
         hv = _int(cfg, "linear_num_value_heads", "linear_num_heads")
         dk = _int(cfg, "linear_key_head_dim", "linear_head_dim")
@@ -88,20 +98,22 @@ def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict) -> float | None:
     if widths is None:
         return None
     heads, d_qk, d_v = widths
-    cap = None
-    if kind == "attention.sliding":
-        cap = _int(cfg, "sliding_window", "attention_window")
+    if window == BY_KIND:
+        window = _int(cfg, "sliding_window", "attention_window") \
+            if kind == "attention.sliding" else None
+    cap = window
     extra = 0.0
     if kind == "sparse_attention.topk":
-        cap = _int(cfg, "index_topk")
+        k = _int(cfg, "index_topk")
+        cap = min(x for x in (k, window) if x) if (k or window) else None
         ih, idim = _int(cfg, "index_n_heads"), _int(cfg, "index_head_dim")
         if ih and idim:
             extra = 2 * ih * idim * _causal_keys(seq)  # indexer forward only
     keys = _causal_keys(seq, cap)
     if kind == "attention.compressed":
-        # the T local keys (their mask is built outside the block: not capped here) plus the
-        # T // r pooled entries a query sees, at most the indexer's k of the config when a top-k
-        # picks them (the proxy's k is shrunk), and the indexer's scores over every entry
+        # the T local keys (capped at ``window``: their mask is built outside the block) plus
+        # the T // r pooled entries a query sees, at most the indexer's k of the config when a
+        # top-k picks them (the proxy's k is shrunk), and the indexer's scores over every entry
         r = int(attrs.get("compress_ratio") or 1)
         pooled = max(seq // r, 1)
         k = _int(cfg, "index_topk") if attrs.get("topk") else None
