@@ -1,0 +1,62 @@
+"""Sink-attention family: softmax attention with optional per-head sinks (an extra logit per head
+that joins each row's softmax denominator and gives no value), causal with an optional sliding
+window, grouped-query heads and an optional additive mask; FlashAttention-2-style Triton forward
+and backward (gradients to q, k, v and the sinks) against the eager path written out in torch.
+
+One variant, `attention`: q [B, H, Tq, D], k, v [B, Hk, Tk, D], sinks [H] or None.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onboarding.families import FamilySpec, ShapeBucket
+
+NAME = "sink_attention"
+
+
+def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
+                  gen: torch.Generator) -> list:
+    """q [1, 4, 19, 16], k, v [1, 2, 19, 16], sinks [4], no mask, default scale, causal, window 8:
+    the block's input [B, T, hidden] does not give the head layout, and the check needs only the
+    interface, so small fixed sizes (GQA, a partial block, a window shorter than T)."""
+    b, h, hk, t, d = 1, 4, 2, 19, 16
+    return [torch.randn(b, h, t, d, generator=gen), torch.randn(b, hk, t, d, generator=gen),
+            torch.randn(b, hk, t, d, generator=gen), torch.randn(h, generator=gen), None, None, True, 8]
+
+
+FAMILY = FamilySpec(
+    name=NAME,
+    template="sink_attention.py.j2",
+    template_version=1,
+    folder=Path(__file__).parent,
+    variants={"attention": "softmax attention with optional per-head sinks; causal, optional sliding "
+                           "window, GQA, optional additive mask; forward + backward (dq, dk, dv, dsinks)"},
+    params=(),
+    # BLOCK_M / BLOCK_N: query rows / key columns per tile of the forward; BWD_BLOCK_M /
+    # BWD_BLOCK_N: the backward's (the dK/dV kernel holds a BWD_BLOCK_N key block, the dQ kernel
+    # a BWD_BLOCK_M query block); precision: fp32 inputs' dots ("tf32" only where torch allows
+    # tf32 matmuls; 16-bit inputs dot in their own dtype on a GPU).
+    tuning_space={
+        "BLOCK_M": (16, 32, 64, 128),
+        "BLOCK_N": (16, 32, 64, 128),
+        "num_warps": (2, 4, 8),
+        "num_stages": (1, 2, 3, 4),
+        "BWD_BLOCK_M": (16, 32, 64, 128),
+        "BWD_BLOCK_N": (16, 32, 64, 128),
+        "bwd_warps": (2, 4, 8),
+        "precision": ("tf32", "ieee"),
+    },
+    # untimed: FlashAttention-2's usual tiles for a head dim of 64-128 on sm_90
+    default_config={"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+                    "BWD_BLOCK_M": 64, "BWD_BLOCK_N": 64, "bwd_warps": 4, "precision": "tf32"},
+    shape_buckets=(
+        ShapeBucket(name="d_le_64", dim="D", lo=1, hi=64),
+        ShapeBucket(name="d_big", dim="D", lo=65, hi=2**31 - 1,
+                    config={"BLOCK_M": 64, "BWD_BLOCK_M": 32, "bwd_warps": 8}),
+    ),
+    sample_inputs=sample_inputs,
+)

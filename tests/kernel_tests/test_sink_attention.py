@@ -1,0 +1,186 @@
+"""Sink attention (per-head sinks or none; causal, sliding window, GQA, additive mask): forward and
+every gradient, d(sinks) included, against the eager math written out in torch; planted bugs that
+the comparison must catch; opcheck; the sm_90 build."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import DTYPES
+
+from onboarding.generate import aot, templating
+from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.tolerance import rel_rms
+
+# small tiles: odd T crosses partial blocks and several key blocks per row
+CPU_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BWD_BLOCK_M": 16, "BWD_BLOCK_N": 16}
+# (B, H, Hk, Tq, Tk, D, sinks, window, causal, mask)
+SHAPES = [
+    (1, 4, 2, 37, 37, 16, True, 8, True, False),  # GQA 2, T > window, odd T
+    (2, 2, 2, 21, 21, 8, False, 0, True, False),  # no sink, GQA 1, full causal
+    (1, 2, 1, 19, 19, 16, True, 40, True, False),  # T < window, GQA 2
+    (1, 4, 1, 5, 23, 16, True, 12, True, False),  # decode-like: Tq < Tk (bottom-right causal)
+    (1, 4, 2, 17, 17, 12, True, 6, True, True),  # additive mask on top, head dim not a power of 2
+    (1, 2, 2, 13, 13, 16, True, 0, False, False),  # not causal
+]
+
+
+def shape_id(s) -> str:
+    B, H, Hk, Tq, Tk, D, sinks, window, causal, mask = s
+    return (f"B{B}H{H}K{Hk}T{Tq}" + (f"x{Tk}" if Tk != Tq else "") + f"D{D}" + ("-sink" if sinks else "")
+            + (f"-w{window}" if window else "") + ("" if causal else "-full") + ("-mask" if mask else ""))
+
+
+def make_inputs(shape, dtype, device, gen):
+    B, H, Hk, Tq, Tk, D, sinks, window, causal, mask = shape
+    q = torch.randn(B, H, Tq, D, generator=gen).to(device, dtype)
+    k = torch.randn(B, Hk, Tk, D, generator=gen).to(device, dtype)
+    v = torch.randn(B, Hk, Tk, D, generator=gen).to(device, dtype)
+    s = (torch.randn(H, generator=gen) + 1.0).to(device, dtype) if sinks else None
+    m = None
+    if mask:  # transformers' form: the dtype's minimum where hidden (here the first 3 keys), 0 elsewhere
+        m = 0.3 * torch.randn(B, 1, Tq, Tk, generator=gen)
+        m[..., :3] = torch.finfo(torch.float32).min
+        m = m.to(device, dtype if dtype != torch.float16 else torch.float32)
+    return [q, k, v, s, m, None, causal, window]
+
+
+def fixture(module, shape) -> KernelFixture:
+    return KernelFixture(name="sink_attention", module=module, weights=(3,), no_grad=(4,),
+                         make_inputs=lambda dtype, device, gen: make_inputs(shape, dtype, device, gen))
+
+
+@pytest.fixture(scope="module")
+def module(load_kernel):
+    return load_kernel("sink_attention", "attention", {}, CPU_CONFIG)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=shape_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_backward(module, device, dtype, shape):
+    check_forward_backward(fixture(module, shape), dtype, device)
+
+
+def _errors(mod, shape, device, seed=0):
+    """Relative RMS error of o and of every gradient (q, k, v, sinks) against the reference, fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    args = make_inputs(shape, torch.float32, device, gen)
+    leaves = [a.requires_grad_(True) for a in args[:4] if a is not None]
+    out = mod.entry(*args)
+    do = torch.randn(out.shape, generator=gen).to(device)
+    grads = torch.autograd.grad(out, leaves, do)
+    ref = mod.reference(*args)
+    ref_grads = torch.autograd.grad(ref, leaves, do)
+    names = ["o", "dq", "dk", "dv", "dsinks"]
+    return {n: rel_rms(a, b) for n, a, b in zip(names, [out, *grads], [ref, *ref_grads])}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_fp32_every_gradient(module, device, shape):
+    """o, dq, dk, dv and d(sinks) within 1e-4 relative RMS of the eager math in fp32."""
+    errs = _errors(module, shape, device)
+    assert len(errs) == 4 + shape[6]
+    bad = {n: e for n, e in errs.items() if not e <= 1e-4}
+    assert not bad, f"{shape_id(shape)}: {bad}"
+
+
+def test_sink_gradient_closed_form(module, device):
+    """d sink_h = -sum_{b, i} p_sink(b, h, i) D(b, h, i), D = rowsum(dO * o), p_sink = exp(sink -
+    logsumexp of the row with the sink): the kernel's d(sinks) matches the formula evaluated in
+    fp64 from the written-out softmax."""
+    B, H, Hk, T, D = 2, 4, 2, 23, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, n, T, D, generator=gen).to(device) for n in (H, Hk, Hk))
+    sinks = torch.randn(H, generator=gen).to(device).requires_grad_(True)
+    o = module.entry(q, k, v, sinks, None, None, True, 7)
+    do = torch.randn(o.shape, generator=gen).to(device)
+    (dsink,) = torch.autograd.grad(o, [sinks], do)
+    qd, kd, vd = q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    s = qd @ kd.transpose(-1, -2) * D ** -0.5
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    s = s.masked_fill(~((j <= i) & (j > i - 7)).to(device), float("-inf"))
+    lse = torch.logsumexp(torch.cat([s, sinks.double().detach().view(1, H, 1, 1).expand(B, H, T, 1)], -1), -1)
+    p = torch.exp(s - lse[..., None])
+    o_ref = p @ vd
+    p_sink = torch.exp(sinks.double().detach().view(1, H, 1) - lse)
+    expected = -(p_sink * (do.double() * o_ref).sum(-1)).sum(dim=(0, 2))
+    assert rel_rms(dsink, expected) < 1e-5
+
+
+# Planted bugs: the same module with one line wrong (and its own op name) must fail the checks above.
+PLANTED = {
+    "sink left out of the denominator": ("b_l = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0",
+                                         "b_l = tl.zeros([BLOCK_M], dtype=tl.float32) + 0.0"),
+    "sink gradient's sign": ("-tl.exp2(b_sink - b_lse) * b_delta", "tl.exp2(b_sink - b_lse) * b_delta"),
+    "window one key short": ("ok = ok & (o_n[None, :] > o_m[:, None] + off - WINDOW)",
+                             "ok = ok & (o_n[None, :] > o_m[:, None] + off - WINDOW + 1)"),
+    "GQA head of the dK/dV sum": ("i_h = i_hk * GROUP + g", "i_h = i_hk + g * Hk"),
+    "dq's D term dropped": ("b_ds = b_p * (b_dp - b_delta[:, None])\n        b_dq",
+                            "b_ds = b_p * b_dp\n        b_dq"),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_planted_bug_is_caught(module, device, tmp_path, bug):
+    old, new = PLANTED[bug]
+    src = Path(module.__file__).read_text()
+    assert src.count(old) == 1, f"the rendered module no longer spells {old!r} once"
+    src = src.replace(old, new).replace(module.OP_NAME, module.OP_NAME + "_planted" + str(list(PLANTED).index(bug)))
+    mutant = templating.load_module(templating.write_module(src, tmp_path / f"planted_{list(PLANTED).index(bug)}.py"))
+    mutant.set_config(CPU_CONFIG)
+    worst = max(max(_errors(mutant, s, device).values()) for s in (SHAPES[0], SHAPES[2]))
+    assert worst > 1e-2, f"planted bug {bug!r} not caught (worst relative RMS error {worst:.2e})"
+
+
+def test_bool_mask_and_broadcast_heads(module, device):
+    """A boolean mask (True: seen) over [B, H, Tq, Tk] (a head axis of its own) is the additive
+    mask with -inf where False."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=gen).to(device) for _ in range(3))
+    seen = torch.rand(1, 2, 9, 9, generator=gen).to(device) > 0.3
+    seen[..., 0] = True
+    sinks = torch.randn(2, generator=gen).to(device)
+    out = module.entry(q, k, v, sinks, seen, 0.5, False, 0)
+    add = torch.zeros(seen.shape, device=device).masked_fill(~seen, float("-inf"))
+    assert rel_rms(out, module.reference(q, k, v, sinks, add, 0.5, False, 0)) < 1e-5
+
+
+def test_strided_inputs(module, device):
+    """q, k, v as transposed views of [B, T, H, D] projections (how attention modules hand them)."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 11, 4, 16, generator=gen).to(device).transpose(1, 2)
+    k, v = (torch.randn(2, 11, 2, 16, generator=gen).to(device).transpose(1, 2) for _ in range(2))
+    sinks = torch.randn(4, generator=gen).to(device)
+    assert rel_rms(module.entry(q, k, v, sinks, None, None, True, 4),
+                   module.reference(q, k, v, sinks, None, None, True, 4)) < 1e-5
+
+
+def test_opcheck_and_contract(module, device):
+    check_module_contract(module)
+    for shape in (SHAPES[4], SHAPES[1]):
+        check_opcheck(fixture(module, shape), torch.float32, device)
+
+
+def test_shape_errors_name_shapes(module, device):
+    q = torch.randn(1, 3, 4, 8, device=device)
+    k = torch.randn(1, 2, 4, 8, device=device)
+    with pytest.raises(ValueError, match=r"k \(1, 2, 4, 8\)"):
+        module.entry(q, k, k)
+    with pytest.raises(ValueError, match=r"sinks \(2,\)"):
+        module.entry(q, q, q, torch.zeros(2, device=device))
+
+
+@pytest.mark.slow  # sm_90 build of five kernels
+def test_aot_sm90(module):
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    for size, dtype in itertools.product((64, 128), ("bf16",)):
+        [results] = aot.compile_files([Path(module.__file__)], size=size, dtype=dtype, registers=False).values()
+        assert {r.kernel for r in results} == {"sink_attn_fwd_kernel", "sink_attn_bwd_rows_kernel",
+                                               "sink_attn_bwd_dkdv_kernel", "sink_attn_bwd_dq_kernel"}
+        for r in results:
+            assert r.ok, f"D{size}: {r.kernel}: {r.error}"
