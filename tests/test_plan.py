@@ -357,3 +357,31 @@ def test_sliding_and_full_layers_of_one_pattern_costed_apart():
     assert f"{n // 2} x full causal (layer_types: 'full_attention')" in note
     (summary,) = [x for x in plan.shape["blocks"] if x["pattern"] == "model.layers.*.self_attn"]
     assert {w["window"] for w in summary["windows"]} == {128, None}
+
+
+def test_norm_width_per_token_of_either_head_layout():
+    """A norm's captured elements per token leave out the batch and the sequence dim wherever the
+    sequence dim is ([B, T, H, D] and [B, H, T, D]); a weightless norm over heads takes the full
+    width of the parent projection it normalises, not the capture's T x D."""
+    from torch import nn
+
+    from onboarding.graph.opgraph import Block, TensorMeta
+    from onboarding.plan.shapes import _per_token, _width
+
+    assert _per_token([1, 4, 64, 32], 64) == _per_token([1, 64, 4, 32], 64) == 128
+    assert _per_token([1, 64, 96], 64) == 96 and _per_token([1, 4, 256, 32], 256) == 128
+    graph = _empty_graph()
+    graph.seq = 64
+    parent = Block(path="attn", kind="attention.full", layer=None, class_name="",
+                   params={"q_a.weight": [16, 32], "q_b.weight": [128, 16]})
+    norm = Block(path="attn.q_norm", kind="norm.rms", layer=None, class_name="",
+                 inputs=[TensorMeta(shape=[1, 4, 64, 32], dtype="float32")])
+    graph.blocks += [parent, norm]
+    full = nn.Module()
+    full.q_a, full.q_b, full.q_norm = nn.Linear(512, 64), nn.Linear(64, 16 * 128), nn.Identity()
+    modules = {"attn" + (f".{n}" if n else ""): m for n, m in full.named_modules()}
+    assert _width(norm, full.q_norm, "attn.q_norm", graph, modules) == 16 * 128
+    norm.inputs = [TensorMeta(shape=[1, 4, 256, 32], dtype="float32")]  # a longer capture's
+    norm.attrs["capture_seq"] = 256
+    assert _width(norm, full.q_norm, "attn.q_norm", graph, modules) == 16 * 128
+

@@ -198,6 +198,8 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
 
 
 WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window")
+# a block's attr: the length of the capture it came from when not its graph's (`plan.capture`)
+CAPTURE_SEQ = "capture_seq"
 SOFTMAX_PREFIXES = ("attention.", "sparse_attention.")
 
 
@@ -258,8 +260,9 @@ def _dense_matmul(counts) -> int:
 def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
            modules: dict[str, nn.Module]) -> int:
     """A norm's elements per token at full size, a conv's channels. A norm over heads (a q or k
-    norm with a [head_dim] weight) normalises the output of one of its parent's projections:
-    the proxy projection whose output has the captured per-token size names the full-size one."""
+    norm with a [head_dim] weight, or none: [B, T, H, D] or [B, H, T, D] input) normalises the
+    output of one of its parent's projections: the proxy projection whose output has the captured
+    per-token size names the full-size one."""
     if b.kind in CONV_KINDS:
         w = [p for p in full.parameters(recurse=False) if p.ndim == 3]
         return int(w[0].shape[0]) if w else int(b.attrs.get("channels") or 0)
@@ -267,11 +270,11 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
         return 0
     weight = next((p for p in full.parameters(recurse=False) if p.ndim == 1), None)
     shp = b.inputs[0].shape
-    per_token = math.prod(shp[2:]) if len(shp) >= 4 else (shp[-1] if shp else 0)
+    per_token = _per_token(shp, int(b.attrs.get(CAPTURE_SEQ) or graph.seq))
     proxy_w = next((s[0] for s in b.params.values() if len(s) == 1), None)
-    if weight is None:
+    if weight is None and len(shp) < 4:
         return per_token  # weightless: the captured width (no full-size tensor to read)
-    if not proxy_w or per_token == proxy_w:
+    if weight is not None and (not proxy_w or per_token == proxy_w):
         return int(weight.numel())
     parent = max((x for x in graph.blocks if x.path and b.path.startswith(x.path + ".")),
                  key=lambda x: len(x.path), default=None)
@@ -283,7 +286,22 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
                 mod = modules.get(root + "." + name.rsplit(".", 1)[0])
                 if isinstance(mod, nn.Linear):
                     return mod.out_features // (shape[0] // per_token)
+    if weight is None:
+        return per_token  # weightless, no projection of that width: the captured width
     return int(weight.numel()) * (per_token // proxy_w)
+
+
+def _per_token(shape: list[int], seq: int) -> int:
+    """Elements per token of a captured activation: the last dim of [B, T, D]; of a 4-D one all
+    but the batch and the sequence dim ([B, T, H, D] and [B, H, T, D] alike)."""
+    if len(shape) < 4:
+        return shape[-1] if shape else 0
+    rest = list(shape[1:])
+    if seq in rest:
+        rest.remove(seq)
+    else:
+        rest.pop(0)
+    return math.prod(rest)
 
 
 def _hidden(model: nn.Module) -> int:
