@@ -385,3 +385,27 @@ def test_norm_width_per_token_of_either_head_layout():
     norm.attrs["capture_seq"] = 256
     assert _width(norm, full.q_norm, "attn.q_norm", graph, modules) == 16 * 128
 
+
+def test_plan_captures_again_where_attention_parameters_were_idle():
+    """hf:deepseek_v4's tiny proxy at T = 64: the heavily compressed layers (windows of 128) pool
+    nothing, so their compressor's position bias and norm go unread and they read as MLA; the
+    plan's capture takes those blocks from a capture at 256 (attention.compressed, r = 128) and
+    keeps the rest (the T = 64 layer 3). A model whose parameters all run (its conv weights read
+    by a functional call) is captured once."""
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.capture import plan_graph
+
+    info = load_stage(ModelSpec(ref="hf:deepseek_v4").load(), "tiny")
+    graph, notes = plan_graph(info)
+    attn = {b.layer: b for b in graph.blocks if b.path.endswith("self_attn")}
+    assert {b.kind for b in attn.values()} == {"attention.compressed"}
+    assert [attn[i].attrs["compress_ratio"] for i in sorted(attn)] == [128, 128, 128, 4, 128]
+    assert attn[0].attrs["capture_seq"] == 256 and "capture_seq" not in attn[3].attrs
+    assert graph.seq == 64 and graph.layer_pattern == "PE PE PE PE PE"
+    (note,) = notes
+    assert "4 attention blocks" in note and "compressor.position_bias" in note
+    assert "captured again at T=256" in note and "attention.mla -> attention.compressed" in note
+    info = load_stage(ModelSpec(ref="hf:qwen3_next").load(), "tiny")
+    graph, notes = plan_graph(info)
+    assert notes == [] and not any("capture_seq" in b.attrs for b in graph.blocks)

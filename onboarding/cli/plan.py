@@ -85,7 +85,7 @@ def default_gpus() -> int:
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     from onboarding.cli.common import model_spec
-    from onboarding.graph.parse import parse_stage
+    from onboarding.plan.capture import plan_graph
     from onboarding.plan.config import load_cluster, parse_gib
     from onboarding.plan.render import print_plan
     from onboarding.plan.run import run_plan
@@ -109,15 +109,16 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> int:
         if cfg.ep and cfg.ep > 1 and len(experts) == 1 and next(iter(experts)) % cfg.ep:
             raise InputError(f"--ep {cfg.ep}: does not divide the model's "
                              f"{next(iter(experts))} routed experts")
-        # the block kinds, from the tiny proxy (the dispatch capture: a second or two)
-        graph = parse_stage(info, seq=64, try_export=False)
+        # the block kinds, from the tiny proxy (the dispatch capture: a second or two; again
+        # longer where an attention block's modules did not all run: `plan.capture`)
+        graph, notes = plan_graph(info)
     if out is None:
-        plan = run_plan(info, graph, cfg, cluster)
+        plan = run_plan(info, graph, cfg, cluster, notes=notes)
     else:
         with owned_dir(out, created_here=True):
             save_model_json(info, out, spec.overrides)
             graph.save(out / "opgraph.json")
-            plan = run_plan(info, graph, cfg, cluster, out)
+            plan = run_plan(info, graph, cfg, cluster, out, notes=notes)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return EXIT_OK

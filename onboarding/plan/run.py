@@ -19,10 +19,13 @@ def shape_of(info, graph: OpGraph, *, config=None) -> ModelShape:
 
 
 def run_plan(info, graph: OpGraph, cfg: PlanConfig, cluster: ClusterConfig,
-             out_dir: Path | None = None, *, config=None) -> Plan:
+             out_dir: Path | None = None, *, config=None, notes: list[str] | None = None
+             ) -> Plan:
     """The plan of ``info``'s model (``config``: another size of it); writes ``plan.json`` and
-    its chart and its report section (``plan.png``, ``plan.md``) in ``out_dir``."""
+    its chart and its report section (``plan.png``, ``plan.md``) in ``out_dir``. ``notes``: what
+    the plan should also say (how ``graph`` was captured, `onboarding.plan.capture`)."""
     plan = build_plan(shape_of(info, graph, config=config), cfg, cluster)
+    plan.notes[:0] = notes or []
     if out_dir is not None:
         from onboarding.plan.render import MARKDOWN_FILE, PLOT_FILE, markdown, plot
         from onboarding.rundir import write_json
