@@ -456,3 +456,23 @@ def test_per_layer_expert_width_lists_size_the_experts_not_the_dense_width(moe_w
     else:  # the kept layers' entries, the largest at the expert width
         assert c.moe_intermediate_size == [s.expert_ffn, s.expert_ffn * 512 // 768] * (
             len(c.moe_intermediate_size) // 2)
+
+
+@pytest.mark.parametrize("ref,expect", [
+    ("hf:ergo", {"first_dense_intermediate_size": 256, "shared_intermediate_size": 128,
+                 "moe_intermediate_size": 64}),
+    ("hf:llama4_text", {"intermediate_size_mlp": 256, "intermediate_size": 64}),
+    ("hf:falcon", {"ffn_hidden_size": 256}),
+])
+def test_ffn_widths_named_otherwise_shrink_by_their_name(ref, expect):
+    """FFN widths under names of their own (Ergo's first dense layers' and shared expert's,
+    Llama 4's dense MLP, Falcon's ffn_hidden_size) shrink as the named ones do: a shared
+    expert's to 2 x the expert width, a dense one's to the dense width. Before, the tiny proxy
+    kept them at full size (Ergo's dense MLP 128 -> 32768 -> 128)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if ref[3:] not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"this transformers has no {ref[3:]}")
+    c = text_config(load_stage(load_model(ref), "tiny").proxy_config)
+    assert {k: getattr(c, k) for k in expect} == expect
+

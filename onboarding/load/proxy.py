@@ -202,6 +202,10 @@ def _retie_ssm_heads(c: Any, before: dict[str, Any], s: ProxySize) -> None:
         return
 
 
+# an FFN's hidden width, named (the fields `_shrink_widths` sets by name are left to it)
+_FFN_WIDTH = re.compile(r"(^|_)(intermediate_size|ffn_hidden_size|intermediate_dim)(_|$)")
+_FFN_NAMED = ("intermediate_size", "shared_expert_intermediate_size") + EXPERT_WIDTH_NAMES
+
 _WIDTH_ALIAS = re.compile(r"^(embed(ding)?_(dim|size)|d_model|model_dim|n_embd|hidden_dim)$")
 
 
@@ -235,6 +239,14 @@ def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
     for name in EXPERT_WIDTH_NAMES:
         _set(c, name, lambda v: min(v, s.expert_ffn))
     _set(c, "shared_expert_intermediate_size", lambda v: min(v, s.expert_ffn * 2))
+    # other FFN widths by their name's shape (Ergo's first_dense_intermediate_size and
+    # shared_intermediate_size, Llama 4's intermediate_size_mlp, Falcon's ffn_hidden_size):
+    # a shared expert's as the one above, a routed expert's as the expert width, else dense
+    for name in [n for n in vars(c) if _FFN_WIDTH.search(n) and n not in _FFN_NAMED]:
+        low = name.lower()
+        cap = s.expert_ffn * 2 if "shared" in low else \
+            s.expert_ffn if ("expert" in low or "moe" in low) else s.ffn
+        _set(c, name, lambda v: min(v, cap))
     # linear attention (gated delta / Kimi delta / mamba-style) widths
     lk = getattr(c, "linear_num_key_heads", None)
     lv = getattr(c, "linear_num_value_heads", None)
