@@ -476,3 +476,31 @@ def test_ffn_widths_named_otherwise_shrink_by_their_name(ref, expect):
     c = text_config(load_stage(load_model(ref), "tiny").proxy_config)
     assert {k: getattr(c, k) for k in expect} == expect
 
+
+def test_a_default_config_that_fails_its_own_validation_is_bad_input():
+    """A model type whose own default config does not build in the installed transformers
+    (gemma4_assistant in 5.25: its validator rejects its default hidden_size_per_layer_input)
+    is the user's input: an InputError naming the type and the config's message (exit 2), not
+    an internal error (before: the exception escaped, exit 1)."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from onboarding.errors import InputError
+
+    class BrokenDefaultConfig(PretrainedConfig):
+        model_type = "h81_broken_default"
+
+        def __init__(self, width=3, **kwargs):
+            if width % 2:
+                raise TypeError(f"width must be even, got {width}")
+            super().__init__(**kwargs)
+
+    AutoConfig.register("h81_broken_default", BrokenDefaultConfig)
+    try:
+        with pytest.raises(InputError, match=r"default config of model_type 'h81_broken_default'"
+                                             r" does not build .*width must be even"):
+            load_model("hf:h81_broken_default")
+    finally:
+        CONFIG_MAPPING._extra_content.pop("h81_broken_default", None)
+    with pytest.raises(InputError, match="unknown model_type 'h81_broken_default'"):
+        load_model("hf:h81_broken_default")

@@ -205,12 +205,18 @@ def load_model(ref: str | None, *, overrides: dict[str, Any] | None = None,
 def _load_hf_type(ref: str) -> LoadedModel:
     from transformers import AutoConfig
 
+    from transformers import CONFIG_MAPPING
+
     model_type = ref[3:]
+    if model_type not in CONFIG_MAPPING:
+        raise InputError(f"{ref}: unknown model_type {model_type!r} for the installed "
+                         "transformers")
     try:
         config = AutoConfig.for_model(model_type)
-    except ValueError as exc:
-        raise InputError(f"{ref}: unknown model_type {model_type!r} for the installed "
-                         "transformers") from exc
+    except Exception as exc:  # the type's own default config fails its validation: bad input
+        raise InputError(f"{ref}: the default config of model_type {model_type!r} does not "
+                         f"build in the installed transformers: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:400]}") from exc
     return LoadedModel(ref=ref, name=model_type, source="hf", config=config)
 
 
