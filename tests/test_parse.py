@@ -953,3 +953,23 @@ def test_attention_over_pooled_keys_is_compressed(parse_model, cls, seq, expect)
         assert {(e.op, e.status) for e in cov.entries if e.path == "layers.0.attn"} == {
             ("projections (GEMM)", "torch_fast"),
             ("attention over pooled (compressed) key/value windows", "uncovered")}
+
+
+SWEEP33 = "tests/fixtures/sweep33_models.py"
+
+
+def test_a_sigmoid_of_the_scores_logsumexp_is_a_sink_not_a_gate(parse_model):
+    """Attention whose output is scaled by sigmoid(logsumexp(scores) - s), s a per-head
+    parameter (Granite-SWA's sink; our own fixture): one more logit in the softmax's
+    denominator, no output gate. Before: `attention.gated` (a sigmoid before the out
+    projection). The sigmoid reads the scores' [.., T] log-normaliser, not a projection."""
+    g = parse_model(f"{SWEEP33}:SinkScaleLM", seq=12)
+    attn = [b for b in g.blocks if b.path.endswith(".attn")]
+    assert len(attn) == 2
+    for b in attn:
+        assert b.kind == "attention.full", (b.kind, b.evidence)
+        assert b.attrs.get("sink") is True
+        assert b.attrs["unfused_core"]["scores"][-2:] == [12, 12]
+    # a real output gate still reads gated (its sigmoid reads a projection of the input)
+    gated = parse_model("tests/fixtures/gated_out_models.py:GatedOutLM", seq=12)
+    assert not any(b.attrs.get("sink") for b in gated.blocks)

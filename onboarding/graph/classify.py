@@ -1214,12 +1214,24 @@ class Classifier:
             return "sparse_attention.topk", ev, attrs
         if latent:
             return "attention.mla", ev, attrs
+        # a sigmoid of logsumexp(scores) less a per-head parameter, scaling the output, is one
+        # more softmax-denominator logit (a sink), no gate: its input is the scores' [.., T]
+        # log-normaliser, not a projection of the hidden state
+        lse = [r for r in recs if r.op == "logsumexp" and r.in_shapes and r.in_shapes[0]
+               and len(r.in_shapes[0]) >= 2 and r.in_shapes[0][-2] == ctx.seq and r.out_shapes]
+        sink = [r for r in recs if r.op == "sigmoid" and r.in_shapes and any(
+            lo.index < r.index and r.in_shapes[0] == lo.out_shapes[0] for lo in lse)]
+        if sink:
+            attrs["sink"] = True
+            ev.append(f"output scaled by sigmoid(logsumexp(scores) - s): a sink (one more "
+                      f"softmax-denominator logit), no gate; the sigmoid reads the scores' "
+                      f"{sink[0].in_shapes[0]} log-normaliser")
         hint = ctx.layer_hints.get(layer_of(path) if layer_of(path) is not None else -1, "")
         if "sliding" in hint or "chunked" in hint or "local" in hint:
             ev.append(f"hint: config layer type {hint!r} (the mask is built outside the block)")
             return "attention.sliding", ev, attrs
         last_mm = mm[-1].index
-        gate = [r for r in recs if r.op == "sigmoid" and r.index < last_mm]
+        gate = [r for r in recs if r.op == "sigmoid" and r.index < last_mm and r not in sink]
         if gate:
             ev.append("attention output multiplied by sigmoid(gate) before the out projection")
             return "attention.gated", ev, attrs
