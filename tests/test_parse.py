@@ -973,3 +973,21 @@ def test_a_sigmoid_of_the_scores_logsumexp_is_a_sink_not_a_gate(parse_model):
     # a real output gate still reads gated (its sigmoid reads a projection of the input)
     gated = parse_model("tests/fixtures/gated_out_models.py:GatedOutLM", seq=12)
     assert not any(b.attrs.get("sink") for b in gated.blocks)
+
+
+def test_a_router_whose_linear_also_scores_shared_experts_is_a_router(parse_model):
+    """One linear writes E + S logits; the top-k reads the E routed experts' slice, the other
+    S weight the shared experts (Inkling's router; our own fixture). Before: `unknown` (the
+    router rule wanted a linear exactly E wide). n_experts is the routed count, `shared_logits`
+    the rest; the experts and the shared expert read as before."""
+    g = parse_model(f"{SWEEP33}:SharedLogitsMoELM", seq=12)
+    assert g.layer_pattern == "AE AE"
+    by = {b.path: b for b in g.blocks}
+    for i in (0, 1):
+        r = by[f"layers.{i}.ffn.gate"]
+        assert r.kind == "moe.router", (r.kind, r.evidence)
+        assert (r.attrs["n_experts"], r.attrs["top_k"], r.attrs["shared_logits"],
+                r.attrs["scoring"]) == (8, 2, 1, "sigmoid")
+        assert by[f"layers.{i}.ffn.experts"].attrs["n_experts"] == 8
+        assert by[f"layers.{i}.ffn.shared_expert"].kind == "moe.shared_expert"
+    assert not any(b.kind == "unknown" for b in g.blocks)

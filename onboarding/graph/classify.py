@@ -275,6 +275,27 @@ def _expert_activation(recs: list[OpRecord]) -> str | None:
     return act
 
 
+def _gathered_params(recs: list[OpRecord], ctx: Context) -> list[str]:
+    """Parameters of two or more dims taken row by row through an index op (a table read per
+    row: an expert's own scale gathered by expert id)."""
+    return sorted({n for r in recs if r.op in ("index", "index_select", "gather", "take")
+                   for n in r.params.values() if len(ctx.param_shapes.get(n, ())) >= 2})
+
+
+def _extra_logits(recs: list[OpRecord], mm: list[OpRecord], n_experts: int, ctx: Context
+                  ) -> int:
+    """S when a weight projection writes n_experts + S logits and a slice along their last dim
+    keeps n_experts of them (the routed experts' scores, the rest for shared experts); else 0."""
+    widths = {d[1] for r in mm if r.params and (d := _linear_dims(r, ctx)) and d[1] > n_experts}
+    for r in recs:
+        if r.op == "slice" and r.in_shapes and r.in_shapes[0] and r.out_shapes \
+                and r.out_shapes[0] and r.in_shapes[0][-1] in widths \
+                and r.out_shapes[0][-1] == n_experts \
+                and r.out_shapes[0][:-1] == r.in_shapes[0][:-1]:
+            return r.in_shapes[0][-1] - n_experts
+    return 0
+
+
 def _mixing_shapes(n: int) -> set[tuple[int, int]]:
     """The shapes of a hyper-connection's matrix over n residual streams: n x n, or with the
     sublayer's input or output as an extra row or column."""
@@ -567,6 +588,14 @@ class Classifier:
             sparse = False
         if sparse and any((d := _linear_dims(r, ctx)) and d[1] == n_experts for r in mm):
             return self._router(recs, exp_topk, n_experts)
+        if sparse and (extra := _extra_logits(recs, mm, n_experts, ctx)):
+            # one linear scores the routed experts and S more (shared experts' weights): the
+            # top-k reads a slice of its E + S logits
+            kind, ev, attrs = self._router(recs, exp_topk, n_experts)
+            ev.insert(0, f"linear to {n_experts + extra} logits: the top-k reads the {n_experts} "
+                      f"routed experts' slice; the other {extra} weight experts every token "
+                      "goes through (shared)")
+            return kind, ev, {**attrs, "shared_logits": extra}
         if sparse and (scorer := [p for p in self._free_blocks(path, ("mlp.dense",))
                                   if (out := self.blocks[p].outputs) and out[0].shape
                                   and out[0].shape[-1] == n_experts]):
