@@ -991,3 +991,24 @@ def test_a_router_whose_linear_also_scores_shared_experts_is_a_router(parse_mode
         assert by[f"layers.{i}.ffn.experts"].attrs["n_experts"] == 8
         assert by[f"layers.{i}.ffn.shared_expert"].kind == "moe.shared_expert"
     assert not any(b.kind == "unknown" for b in g.blocks)
+
+
+@pytest.mark.parametrize("cls,weight", [("PerExpertNormMoELM", "norm_weight"),
+                                        ("ExpertNormModuleMoELM", "post_norm.weight")])
+def test_a_norm_whose_scale_is_gathered_per_expert_is_part_of_the_experts(parse_model, cls,
+                                                                          weight):
+    """Each routed row RMS-normalised and scaled by its own expert's weight, a [E, D] table
+    gathered by expert id (Ergo's post-expert norm; our own fixture), inline or in a child
+    module called with the ids. It is part of the experts (`post_norm`, `post_norm_weight`), no
+    `norm.rms` of the hidden state (before, in a child: a norm.rms block that the rmsnorm kernel
+    would replace with one [D] weight) and no down-projection bias (before, inline: `down_bias`
+    was the norm's table)."""
+    g = parse_model(f"{SWEEP33}:{cls}", seq=12)
+    assert g.layer_pattern == "AE AE"
+    for i in (0, 1):
+        e = next(b for b in g.blocks if b.path == f"layers.{i}.ffn.experts")
+        assert e.kind == "moe.experts"
+        assert (e.attrs["post_norm"], e.attrs["post_norm_weight"]) == ("rms", weight)
+        assert e.attrs.get("down_bias") is None
+        assert not any(b.kind.startswith("norm.") and b.path.startswith(f"layers.{i}.ffn")
+                       for b in g.blocks)

@@ -516,6 +516,10 @@ class Classifier:
             return "lm_head", [f"linear {d[0]} -> {d[1]} (vocabulary size)", why], {}
         if not mm and (ops["native_layer_norm"] or ops["layer_norm"]):
             return "norm.layer", ["layer_norm op"], {}
+        if not mm and _is_rms(recs) and _gathered_params(recs, ctx):
+            # a scale taken row by row from a table (an expert's own norm weight, gathered by
+            # expert id): part of the module that routes the rows, no norm of the hidden state
+            return None
         if not mm and _is_rms(recs) and _mean_centred(recs):
             attrs = _norm_attrs(recs, ctx)
             # a second parameter beside the weight is the bias (which is which: patch calibration)
@@ -635,6 +639,11 @@ class Classifier:
                 ev.append(f"3-D weights over {e + zero[0]} and {e} experts; {zero[1]} scatter-adds of "
                           f"a token times its routing weight with no matmul: slots >= {e} are "
                           "identity (zero) experts")
+            if (post := self._post_expert_norm(path, recs, e)) is not None:
+                attrs["post_norm"], attrs["post_norm_weight"] = "rms", post
+                ev.append(f"each routed row RMS-normalised after the down projection and scaled "
+                          f"by its expert's own weight {post} [E, D] (gathered by expert id), "
+                          "before the routing weights sum them")
             if gated and orient is not None:
                 self._packed_gated(path, recs, names3, orient, ev, attrs)
             return "moe.experts", ev, attrs
@@ -1119,7 +1128,8 @@ class Classifier:
         for r in recs:
             for n in r.params.values():
                 shape = self.ctx.param_shapes.get(n, [])
-                if n.rsplit(".", 1)[0] == path and len(shape) == 2 and shape[0] == e:
+                if n.rsplit(".", 1)[0] == path and len(shape) == 2 and shape[0] == e \
+                        and n[len(path) + 1:] != attrs.get("post_norm_weight"):
                     first_use.setdefault(n, r.index)
         for key, width, before in (("gate_up_bias", two_f, True), ("down_bias", d, False)):
             fits = [n for n, at in first_use.items() if self.ctx.param_shapes[n] == [e, width]
@@ -1154,6 +1164,19 @@ class Classifier:
             f"convolution {w[1]} -> {w[0]} channels, kernel {'x'.join(map(str, w[2:]))} = stride "
             "(non-overlapping patches)", "the first such convolution of the forward (on the input)"
         ], {"in_channels": w[1], "dim": w[0], "patch": w[2:]}
+
+    def _post_expert_norm(self, path: str, recs: list[OpRecord], e: int) -> str | None:
+        """The [E, D] weight (its name under ``path``) of an RMS norm that runs on the expert
+        outputs after the last matmul and whose scale is gathered row by row from that table
+        (each routed row normalised with its expert's own weight); None without one."""
+        last = max((r.index for r in recs if is_matmul(r.op)), default=None)
+        after = [r for r in recs if last is not None and r.index > last]
+        if not after or not _is_rms(after):
+            return None
+        names = [n for n in _gathered_params(after, self.ctx)
+                 if len(self.ctx.param_shapes[n]) == 2 and self.ctx.param_shapes[n][0] == e
+                 and n.startswith(path + ".")]
+        return names[0][len(path) + 1:] if len(names) == 1 else None
 
     def _3d_params(self, path: str) -> list[str]:
         return [n for n, s in self.ctx.param_shapes.items()
