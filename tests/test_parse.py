@@ -1012,3 +1012,43 @@ def test_a_norm_whose_scale_is_gathered_per_expert_is_part_of_the_experts(parse_
         assert e.attrs.get("down_bias") is None
         assert not any(b.kind.startswith("norm.") and b.path.startswith(f"layers.{i}.ffn")
                        for b in g.blocks)
+
+
+def test_attention_over_depth_is_residual_depth_attention(parse_model):
+    """Block attention residuals (Inkling 2's; our own fixture): a learned query [D] scores the
+    stacked earlier layers' outputs and the current state [B, T, k, D] at every position, a
+    softmax over those k (not over the sequence), their weighted sum the next sublayer's input.
+    Each such module is `residual.depth_attention` (queries, states = k, width, normalised);
+    before: `unknown` (`A?F A??F`). Coverage: uncovered, no family."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model(f"{SWEEP33}:DepthAttentionLM", seq=12)
+    assert g.layer_pattern == "AF AF"
+    by = {b.path: b for b in g.blocks}
+    states = {"layers.0.mlp_input": 3, "layers.1.attn_input": 3, "layers.1.mlp_input": 4,
+              "final_input": 4}
+    for path, k in states.items():
+        b = by[path]
+        assert b.kind == "residual.depth_attention", (b.kind, b.evidence)
+        assert b.attrs == {"queries": 1, "states": k, "width": 32, "normalised": True}
+    assert "layers.0.attn_input" not in by
+    assert not any(b.kind == "unknown" for b in g.blocks)
+    cov = build_coverage(g)
+    assert {e.status for e in cov.entries if e.path in states} == {"uncovered"}
+
+
+def test_an_rms_norm_written_with_square_is_a_norm():
+    """x * rsqrt(mean(square(x)) + eps) (Inkling 2's unweighted norm writes the squares with
+    `square`): an RMS norm; before, `square` was not counted as the squares, the norm was no
+    block and its ops went to the parent."""
+    from onboarding.graph.capture import OpRecord
+    from onboarding.graph.classify import _is_rms
+
+    def rec(i, op, shapes, scalars=()):
+        return OpRecord(index=i, op=op, module="n", in_shapes=shapes, in_dtypes=[None] * len(shapes),
+                        out_shapes=shapes[:1], out_dtypes=["float32"], scalars=list(scalars))
+
+    recs = [rec(0, "square", [[1, 4, 8]]), rec(1, "mean", [[1, 4, 8]]),
+            rec(2, "add", [[1, 4, 1]], (None, 1e-6)), rec(3, "rsqrt", [[1, 4, 1]]),
+            rec(4, "mul", [[1, 4, 8], [1, 4, 1]])]
+    assert _is_rms(recs)

@@ -190,7 +190,7 @@ def _is_rms(recs: list[OpRecord]) -> bool:
     if ops.get("rms_norm") or ops.get("_fused_rms_norm"):
         return True
     inv_roots = [r for r in recs if r.op in ("pow", "pow_") and len(r.scalars) > 1 and r.scalars[1] == -0.5]
-    squares = ops["pow"] - len(inv_roots) + sum(1 for r in recs if r.op == "mul" and len(r.in_shapes) > 1
+    squares = ops["pow"] - len(inv_roots) + ops["square"] + sum(1 for r in recs if r.op == "mul" and len(r.in_shapes) > 1
                                                 and r.in_shapes[0] is not None and r.in_shapes[0] == r.in_shapes[1])
     # the inverse root as rsqrt, 1 / sqrt, or pow(., -0.5) (Gemma 4)
     return bool((ops["rsqrt"] or ops["sqrt"] or inv_roots) and ops["mean"] and squares)
@@ -565,6 +565,8 @@ class Classifier:
         attn = _attention_softmax(recs, ctx.seq, pooled["compressed_keys"] if pooled else 0) \
             if act_mm else []
         seq_topk = [t for t in _topks(recs) if t[2] == ctx.seq] if act_mm else []
+        if act_mm and (depth := self._depth_attention(path, recs, mm)) is not None:
+            return depth
         if attn and mm:
             inline = _inline_mlp(recs, ctx)
             kind, ev, attrs = self._attention(path, inline[0] if inline else recs, attn,
@@ -690,6 +692,53 @@ class Classifier:
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
                 "hidden": first[0] if first else None, "intermediate": first[1] if first else None}
         return None
+
+    def _depth_attention(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                         ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """Attention over depth (block attention residuals): at every position, q learned
+        queries (a parameter of the module, [D] or [q, D], the same for every token) score k
+        stacked states [.., T, k, D] (what earlier layers, or blocks of layers, wrote, and the
+        current partial sum), a softmax over those k, not over the sequence, and the states
+        summed by those weights: the input of the next sublayer. No weight projection, no top-k:
+        scores [.., T, q, k] written out (two matmuls of activations) or a fused SDPA whose
+        query and key lengths are q and k at T "heads"."""
+        ctx = self.ctx
+        if any(self._weight_2d(r) for r in mm) or any(r.op == "topk" for r in recs):
+            return None
+        found = None
+        for r in recs:
+            a = r.in_shapes[0] if r.in_shapes else None
+            if r.op in SOFTMAX and a and len(a) >= 3 and a[-3] == ctx.seq and a[-1] != ctx.seq:
+                found = (a[-2], a[-1], None)
+            elif is_sdpa(r.op) and len(r.in_shapes) > 1 and a and r.in_shapes[1] \
+                    and len(a) >= 3 and a[-3] == ctx.seq and r.in_shapes[1][-3] == ctx.seq \
+                    and r.in_shapes[1][-2] != ctx.seq:
+                found = (a[-2], r.in_shapes[1][-2], a[-1])
+            if found:
+                break
+        if found is None:
+            return None
+        q, k, width = found
+        if width is None:  # the weighted sum's width: [.., q, k] x [.., k, D]
+            width = next((r.out_shapes[0][-1] for r in mm if r.in_shapes and r.in_shapes[0]
+                          and r.in_shapes[0][-2:] == [q, k] and r.out_shapes and r.out_shapes[0]),
+                         None)
+        own = [n for n, sh in ctx.param_shapes.items() if n.rsplit(".", 1)[0] == path
+               and width and sh in ([width], [q, width])]
+        if not width or not own:
+            return None
+        normed = any(r.op in ("rsqrt", "rms_norm", "_fused_rms_norm") for r in recs) or any(
+            b.kind == "norm.rms" and b.inputs and len(b.inputs[0].shape) >= 3
+            and b.inputs[0].shape[-2:] == [k, width]
+            for b in (self.blocks.get(c) for c in ctx.children.get(path, [])) if b is not None)
+        ev = [f"{q} learned quer{'y' if q == 1 else 'ies'} ({own[0][len(path) + 1:]}, the same "
+              f"for every token) against {k} stacked states of width {width} at each position",
+              f"softmax over the {k} states, not over the sequence: a per-token weighted sum of "
+              "what earlier layers wrote (attention over depth)"]
+        if normed:
+            ev.append("the states RMS-normalised before they are scored")
+        return "residual.depth_attention", ev, {"queries": q, "states": k, "width": width,
+                                                "normalised": normed}
 
     def _gates_an_input(self, path: str, mm: list[OpRecord]) -> bool:
         """The module is handed a tensor as wide as its first projection's output beside the one

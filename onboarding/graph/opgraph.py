@@ -37,6 +37,7 @@ BLOCK_KINDS = (
     "residual.low_rank",
     "residual.streams",
     "residual.input_gate",
+    "residual.depth_attention",
     "rope",
     "embedding",
     "embedding.patch",
