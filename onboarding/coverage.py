@@ -197,18 +197,23 @@ def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage
     for b in graph.blocks:
         shapes, dtype = _shapes(b)
         base = {"path": b.path, "kind": b.kind, "shapes": shapes, "dtype": dtype}
-        for family, m in match_block(b):
+        matched = match_block(b)
+        for family, m in matched:
             key = (family, m["variant"], json.dumps(m["params"], sort_keys=True))
             module = reviewed.get(key)
             entries.append(CoverageEntry(
-                **base, op=family, status="kernel" if module else "template", family=family,
+                **base, op=m.get("serves") or family, status="kernel" if module else "template",
+                family=family,
                 variant=m["variant"], params=m["params"],
                 module=str(module) if module else None,
                 reason=("reviewed kernel" if module else f"template {family}/{m['variant']}")
                 + (f"; {m['note']}" if m.get("note") else "")))
         for op, reason in _fast_paths(b):
             entries.append(CoverageEntry(**base, op=op, status="torch_fast", reason=reason))
+        served = {m["serves"] for _, m in matched if m.get("serves")}
         for op, reason in _unserved_parts(b):
+            if op in served:  # a family serves this part (its entry above)
+                continue
             entries.append(CoverageEntry(**base, op=op, status="uncovered", reason=reason))
         if b.kind in CORE_OPS and not any(e.path == b.path and e.status in ("kernel", "template")
                                           for e in entries):

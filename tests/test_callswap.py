@@ -126,3 +126,52 @@ def test_function_modules_and_helpers_are_reached():
     mod(x)
     assert len(calls) == 3  # calibration, the first call, the second call
     torch.testing.assert_close(y, ref_mod(x), rtol=1e-5, atol=1e-6)
+
+
+# ---- a core handed the block itself (transformers' attention interface) ----------------------
+
+def toy_attention(module, q, k, v):  # fn(module, query, key, value) -> (output, weights)
+    w = torch.softmax(q @ k.transpose(-1, -2) * module.scale, -1)
+    return w @ v, w
+
+
+class AttentionBlock(Mixer):
+    scale = 0.5
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, -1)
+        out, _ = toy_attention(self, q, k, v)
+        return out
+
+
+def _fused(module, q, k, v):  # our kernel's reading of the call: no weights formed
+    return torch.softmax(torch.einsum("...id,...jd->...ij", q, k) * module.scale, -1) @ v, None
+
+
+@pytest.mark.parametrize("takes_block", [False, True])
+def test_core_handed_the_block(takes_block):
+    """A function handed the block itself as its first argument is a helper unless the interface
+    says its calls take the block (`takes_block`); then it calibrates, and `judged` leaves out
+    the weights the original returns and ours does not form (ours returns None there)."""
+    iface = Interface(what="toy-attention", fits=min_required(4), takes_block=takes_block,
+                      judged=lambda ref: (ref[0], None),
+                      call=lambda fn, kernel, args, kwargs, variant: kernel(*args, **kwargs))
+    torch.manual_seed(0)
+    ref_mod, x = AttentionBlock(), torch.randn(2, 5, 8)
+    mod = AttentionBlock()
+    mod.load_state_dict(ref_mod.state_dict())
+    record = PatchRecord(path="attn", kind="toy", family="toy")
+    calls = []
+    patch = CallSwapPatch(mod, lambda *a: calls.append(1) or _fused(*a), record, iface)
+    mod.forward = patch.forward
+    y = mod(x)
+    y.square().sum().backward()
+    ref_mod(x).square().sum().backward()
+    swap = patch.swaps[("global", "toy_attention")]
+    if not takes_block:
+        assert swap.state == "helper" and not calls
+        return
+    assert swap.state == "bound" and record.status == "active" and len(calls) == 2, record
+    torch.testing.assert_close(y, ref_mod(x).detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(mod.parameters(), ref_mod.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,30 @@ import torch
 
 from onboarding.families import FamilySpec, ShapeBucket
 
+from .binding import bind
+
 NAME = "sink_attention"
+# the softmax-attention kinds whose core the module hands to one function (MLA's latent layout,
+# top-k and compressed attention have cores of their own)
+KINDS = ("attention.full", "attention.sliding", "attention.gated")
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """An attention block whose core is written out (`unfused_core`: softmax over scores
+    [..., T, T], or [..., T, T + 1] with a sink column, materialised; no SDPA op), not MLA, else
+    None. Serves the block's "attention core"; the projections stay cuBLAS GEMMs."""
+    if block.kind not in KINDS or block.attrs.get("layout") == "mla":
+        return None
+    core = block.attrs.get("unfused_core")
+    if core is None:
+        return None
+    m = FAMILY.served("attention", {})
+    if m is None:
+        return None
+    scores = core.get("scores") or []
+    sink = len(scores) >= 2 and scores[-1] == scores[-2] + 1
+    return {**m, "serves": "attention core",
+            "note": "softmax(QK^T)V fused" + (", the sink column in the softmax" if sink else "")}
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
@@ -58,5 +81,7 @@ FAMILY = FamilySpec(
         ShapeBucket(name="d_big", dim="D", lo=65, hi=2**31 - 1,
                     config={"BLOCK_M": 64, "BWD_BLOCK_M": 32, "bwd_warps": 8}),
     ),
+    match=match,
     sample_inputs=sample_inputs,
+    binding=bind,
 )

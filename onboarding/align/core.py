@@ -82,6 +82,7 @@ from onboarding.align.report import plot_errors, render_markdown
 from onboarding.align.verdicts import backward_unchecked, checked_line
 from onboarding.align.stats import (
     _flat,
+    _float_slots,
     PERCENTILES,
     ErrorStats,
     _json_safe,
@@ -139,6 +140,16 @@ class _Call:
     discrete_out: list[torch.Tensor] = field(default_factory=list)
     out_grads: list[torch.Tensor | None] = field(default_factory=list)
     out_needs_grad: list[bool] = field(default_factory=list)
+    out_slots: list[int] = field(default_factory=list)  # per output: its top-level slot
+    none_slots: frozenset[int] = frozenset()  # top-level output slots that were None
+
+
+def _without_slots(call: _Call, drop: frozenset[int]) -> _Call:
+    """A copy of ``call`` without its floating outputs (and their grads) in the slots ``drop``."""
+    keep = [s not in drop for s in call.out_slots]
+    pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
+    return dataclasses.replace(call, outputs=pick(call.outputs), out_grads=pick(call.out_grads),
+                               out_needs_grad=pick(call.out_needs_grad), out_slots=pick(call.out_slots))
 
 
 class _Recorder:
@@ -206,6 +217,7 @@ class _Recorder:
             outs = list(_tensors(output))
             floats, discrete = _split(outs)
             call.outputs = [t.detach().clone() for t in floats]
+            call.out_slots, call.none_slots = _float_slots(output)
             call.discrete_out = [t.detach().clone() for t in discrete]
             call.out_grads = [None] * len(floats)
             call.out_needs_grad = [t.requires_grad for t in floats]
@@ -765,6 +777,19 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
             raise ValueError(f"{what} shapes differ: candidate {[tuple(t.shape) for t in x]}, "
                              f"reference {[tuple(t.shape) for t in y]}")
 
+    # An output the candidate returns as None where the reference returns a tensor (the
+    # attention weights that a fused attention core never forms, as transformers' own fused
+    # paths return None for them) is no part of what the block is judged on: left out of the
+    # reference's and the floor's calls and their replays.
+    drops = [c.none_slots - r.none_slots for c, r in zip(cc, rc)]
+    if not any(drops):
+        drops = [frozenset()] * len(rc)
+    else:
+        rc = [_without_slots(r, d) for r, d in zip(rc, drops)]
+        if floor is not None:
+            floor = dataclasses.replace(floor, calls=[_without_slots(f, d)
+                                                      for f, d in zip(floor.calls, drops)])
+
     # ---- forward, end to end: slot-aligned tensors (a router's top-k weights) compared in the
     # reference's slot order (our kernels list experts by score, some models in another order)
     recorded, cc = cc, _calls_in_reference_order(cc, rc)
@@ -826,10 +851,10 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
     if isolate == "always" or (isolate == "auto" and not own_code
                                and (diverged or (floor and floor.replay))):
         try:
-            local_r = [_replay(ref_mod, r, r, rdt) for r in rc]
+            local_r = [_replay(ref_mod, r, r, rdt, drop=d) for r, d in zip(rc, drops)]
             local_c = [_replay(cand_mod, r, c, cdt) for r, c in zip(rc, cc)]
             if floor is not None:
-                local_f = [_replay(floor.module, r, None, cdt) for r in rc]
+                local_f = [_replay(floor.module, r, None, cdt, drop=d) for r, d in zip(rc, drops)]
         except Exception as exc:  # noqa: BLE001 - any failure means: no isolated verdict
             fwd.message = bwd.message = f"isolated replay failed ({type(exc).__name__}: {exc})"[:200]
             local_c = []

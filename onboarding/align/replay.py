@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from onboarding.align.stats import _map, _split, _tensors
+from onboarding.align.stats import _float_slots, _map, _split, _tensors
 from onboarding.graph.torch_paths import torch_reference_paths
 
 if TYPE_CHECKING:
@@ -172,12 +172,14 @@ def _calls_in_reference_order(calls: list[_Call], ref_calls: list[_Call]) -> lis
 
 
 def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype,
-            source: str = "reference") -> _Replay:
+            source: str = "reference", drop: frozenset[int] = frozenset()) -> _Replay:
     """Run ``module`` on one recorded call's inputs, then backprop the reference's output grads.
 
     ``source="reference"``: every input tensor comes from the reference call ``ref`` (floating
     ones cast to ``dtype``; integer ones such as routing indices as they are);
     ``source="own"``: from ``own``, the model's own call (the faithfulness check).
+    ``drop``: top-level output slots whose floating outputs are left out (`_judge`: those the
+    candidate returns as None).
     """
     base = own if source == "own" else ref
     leaves: list[torch.Tensor] = []
@@ -203,6 +205,8 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
     with torch.enable_grad(), torch_reference_paths():
         out = module(*args, **kwargs)
         floats, discrete = _split(_tensors(out))
+        if drop:
+            floats = [t for t, slot in zip(floats, _float_slots(out)[0]) if slot not in drop]
         out_grads = ref.out_grads
         if source == "reference":
             out_grads = _follow_selection(out_grads, discrete, ref.discrete_out)

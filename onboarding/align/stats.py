@@ -157,6 +157,15 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(o)
 
 
+def _float_slots(obj: Any) -> tuple[list[int], frozenset[int]]:
+    """For a block's output: the top-level slot of each floating tensor of `_tensors(obj)` (the
+    index in a tuple or list output; 0 for any other output), and the slots that hold None."""
+    if not isinstance(obj, (list, tuple)):
+        return [0 for t in _tensors(obj) if t.is_floating_point()], frozenset()
+    return ([i for i, o in enumerate(obj) for t in _tensors(o) if t.is_floating_point()],
+            frozenset(i for i, o in enumerate(obj) if o is None))
+
+
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)

@@ -319,6 +319,9 @@ def match_block(block: Any) -> list[tuple[str, dict[str, Any]]]:
             # and the gathered attention); the extra ones come under "also"
             for one in (m, *m.get("also", ())):
                 # "note": what the family adds to coverage's reason (a choice it makes by shape)
+                # "serves": the part of the block it serves, when not the whole block (an
+                # attention core written out inside a block whose projections stay GEMMs)
                 out.append((name, {"variant": one["variant"], "params": one["params"],
-                                   **({"note": one["note"]} if one.get("note") else {})}))
+                                   **({"note": one["note"]} if one.get("note") else {}),
+                                   **({"serves": one["serves"]} if one.get("serves") else {})}))
     return out

@@ -180,6 +180,14 @@ class Interface:
     variants: Callable[[Callable, tuple, dict], Iterable[Any]] = lambda fn, args, kwargs: (None,)
     # judge at the inputs' dtype (True: the first tensor argument's) rather than the outputs'
     input_dtype_tolerance: bool = False
+    # the function is handed the block itself as its first argument (transformers' attention
+    # interface: fn(module, query, key, value, attention_mask, ...)): such a call is a core call,
+    # not a helper's (a call handed any other module still is)
+    takes_block: bool = False
+    # the original's output -> what ours returns in its place, the structure the first call is
+    # judged on: a None entry is an output ours does not compute (attention weights, which a
+    # fused kernel never forms, as transformers' own fused paths return None for them)
+    judged: Callable[[Any], Any] | None = None
 
 
 class _Swap:
@@ -200,7 +208,11 @@ class _Swap:
             return self._ours(args, kwargs)
         if self.state != "pending":
             return self.fn(*args, **kwargs)
-        if any(isinstance(a, nn.Module) for a in (*args, *kwargs.values())):
+        iface = self.patch.interface
+        handed = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)]
+        if iface.takes_block and args and args[0] is self.patch.module:
+            handed = handed[1:]  # the block, as the interface hands it: a core call
+        if handed:
             # handed a module (the block itself, its conv): a helper of the block, not a core;
             # the functions it calls are swapped in their own right
             self.state = "helper"
@@ -210,7 +222,7 @@ class _Swap:
         # a first call under activation checkpointing saves what its recomputation will
         with torch.no_grad():
             ref = self.fn(*args, **kwargs)
-        iface = self.patch.interface
+        judged = iface.judged(ref) if iface.judged is not None else ref
         dtype = None
         if iface.input_dtype_tolerance:
             dtype = next((a.dtype for a in (*args, *kwargs.values())
@@ -220,7 +232,7 @@ class _Swap:
             try:
                 with torch.no_grad():
                     mine = iface.call(self.fn, self.kernel, args, kwargs, variant)
-                ok, msg = outputs_agree(mine, ref, dtype)
+                ok, msg = outputs_agree(mine, judged, dtype)
             except (TypeError, ValueError, RuntimeError) as exc:
                 ok, msg = False, f"{type(exc).__name__}: {exc}"
             if ok:
@@ -232,7 +244,7 @@ class _Swap:
         if not ok:
             return self.fn(*args, **kwargs) if torch.is_grad_enabled() else ref
         self.dtypes = tuple(r.dtype if isinstance(r, torch.Tensor) else None
-                            for r in (ref if isinstance(ref, tuple) else (ref,)))
+                            for r in (judged if isinstance(judged, tuple) else (judged,)))
         return self._ours(args, kwargs)  # the first call is the kernel's too
 
 
