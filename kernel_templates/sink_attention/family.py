@@ -15,6 +15,7 @@ import torch
 
 from onboarding.families import FamilySpec, ShapeBucket
 
+from . import bench
 from .binding import bind
 
 NAME = "sink_attention"
@@ -83,5 +84,6 @@ FAMILY = FamilySpec(
     ),
     match=match,
     sample_inputs=sample_inputs,
+    bench_cases=bench.cases,
     binding=bind,
 )

@@ -1,0 +1,105 @@
+"""Sink attention's benchmark cases (the spec's `bench_cases`): gpt-oss's attention layout (64 query
+heads, 8 KV heads, head dim 64, per-head sinks; its sliding layers' window 128 and its full
+layers), bf16, forward + backward of q, k, v and the sinks.
+
+Impls per case:
+
+- ``ours``: our kernel with the band by index (causal, the window), no mask tensor;
+- ``ours_mask``: our kernel handed transformers' additive [1, 1, T, T] mask as well (what the
+  binding runs: it always passes the mask the block got), so the two rows show what reading the
+  mask costs;
+- ``eager``: transformers' eager sink attention (repeated KV heads, the scores written out plus
+  the mask, the sink concatenated as a last column, max-subtracted softmax, the column dropped);
+- ``compile``: `torch.compile` of that function.
+
+``check``: the bf16 kernel (band by index) against the fp32 eager function on the same
+bf16-representable values, at T 1024 (the eager fp32 scores at T 8192 are 17 GB a tensor):
+relative RMS error of o and of the q, k, v and sinks gradients.
+Shape legend: q [B, H, T, D], k, v [B, Hk, T, D], sinks [H].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onboarding.bench.cases import N_SETS, anchors, bf16_check, fwd_bwd, kernel, leaf
+from onboarding.bench.harness import BenchCase
+
+# (B, T, H, Hk, D, window, note)
+SHAPES = (
+    (1, 8192, 64, 8, 64, 128, "gpt-oss sliding layer (window 128)"),
+    (1, 8192, 64, 8, 64, 0, "gpt-oss full layer (causal)"),
+    (1, 4096, 64, 8, 64, 128, "gpt-oss sliding layer at T 4096"),
+)
+CHECK_T = 1024
+
+
+def additive_mask(t: int, window: int, device, dtype) -> torch.Tensor:
+    """transformers' eager mask: 0 where query i sees key j (j <= i, and j > i - window), the
+    dtype's minimum elsewhere; [1, 1, T, T]."""
+    i = torch.arange(t, device=device)[:, None]
+    j = torch.arange(t, device=device)[None, :]
+    seen = (j <= i) & ((j > i - window) if window else True)
+    return torch.zeros(t, t, device=device, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[None, None]
+
+
+def eager(q, k, v, sinks, mask):
+    """transformers' eager_attention_forward maths (gpt-oss), [B, H, T, D] out."""
+    b, h, t, d = q.shape
+    g = h // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.matmul(q, k.transpose(2, 3)) * d ** -0.5 + mask
+    s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1).to(s.dtype)], dim=-1)
+    s = s - s.max(dim=-1, keepdim=True).values
+    p = torch.softmax(s, dim=-1, dtype=s.dtype)[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def cases() -> list[BenchCase]:
+    out = []
+    for b, t, h, hk, d, window, note in SHAPES:
+        def setup(device, b=b, t=t, h=h, hk=hk, d=d, window=window):
+            _, entry = kernel("sink_attention", "attention", {})
+            gen = torch.Generator(device=device).manual_seed(0)
+            bf = torch.bfloat16
+            mask = additive_mask(t, window, device, bf)
+            sets = [(leaf(torch.randn(b, h, t, d, device=device, dtype=bf, generator=gen)),
+                     leaf(torch.randn(b, hk, t, d, device=device, dtype=bf, generator=gen)),
+                     leaf(torch.randn(b, hk, t, d, device=device, dtype=bf, generator=gen)),
+                     leaf(torch.randn(h, device=device, dtype=bf, generator=gen)), mask)
+                    for _ in range(N_SETS)]
+            grads = [torch.randn(b, h, t, d, device=device, dtype=bf, generator=gen)]
+
+            def ours(q, k, v, sinks, mask):
+                return entry(q, k, v, sinks, None, None, True, window)
+
+            def ours_mask(q, k, v, sinks, mask):
+                return entry(q, k, v, sinks, mask, None, True, window)
+
+            steps = anchors(eager, ours, sets, grads, None)
+            steps["ours_mask"] = fwd_bwd(ours_mask, sets, grads)
+            return steps
+
+        def make(dtype, b=b, h=h, hk=hk, d=d, window=window):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            return (torch.randn(b, h, CHECK_T, d, device="cuda", generator=g).to(dtype),
+                    torch.randn(b, hk, CHECK_T, d, device="cuda", generator=g).to(dtype),
+                    torch.randn(b, hk, CHECK_T, d, device="cuda", generator=g).to(dtype),
+                    torch.randn(h, device="cuda", generator=g).to(dtype))
+
+        def check(device, window=window, make=make):
+            _, entry = kernel("sink_attention", "attention", {})
+            mask = additive_mask(CHECK_T, window, device, torch.float32)
+            return bf16_check(lambda q, k, v, s: entry(q, k, v, s, None, None, True, window),
+                              lambda q, k, v, s: eager(q, k, v, s, mask), make)(device)
+
+        seen = sum(min(i + 1, window or t) for i in range(t))  # (query, key) pairs attended per head
+        out.append(BenchCase(
+            family="sink_attention", name=f"B{b}T{t}H{h}K{hk}D{d}" + (f"W{window}" if window else "causal"),
+            shape={"B": b, "T": t, "H": h, "Hk": hk, "D": d, "W": window},
+            # q, o, dO, dq (H heads) and k, v, dk, dv (Hk heads), bf16, each once
+            min_bytes=2 * (4 * b * h * t * d + 4 * b * hk * t * d),
+            # forward 2 GEMMs, backward 5, over the pairs attended: 14 flops per pair and channel
+            flops=14 * b * h * d * seen,
+            setup=setup, check=check, note=note))
+    return out
