@@ -1052,3 +1052,31 @@ def test_an_rms_norm_written_with_square_is_a_norm():
             rec(2, "add", [[1, 4, 1]], (None, 1e-6)), rec(3, "rsqrt", [[1, 4, 1]]),
             rec(4, "mul", [[1, 4, 8], [1, 4, 1]])]
     assert _is_rms(recs)
+
+
+@pytest.mark.parametrize("cls,attrs", [
+    ("FoldedStaticHyperLM", {"coefficients": "static"}),
+    ("FoldedDynamicHyperLM", {"coefficients": "dynamic", "projection": "per_stream"}),
+])
+def test_hyper_connections_with_streams_folded_into_the_batch(parse_model, cls, attrs):
+    """Hyper-connections whose n = 4 streams are folded into the batch dim, [B * n, T, D] (a
+    common library layout; our own fixture): each layer maps the folded streams to as many, and
+    around each sublayer a module unfolds them, reads the sublayer's input [B, T, D] and mixes
+    them. Each such module is `residual.streams` mix, as with [B, T, n, D] streams; before, a
+    carrier had to be 4-D and they were no block (the mixing silently dropped)."""
+    g = parse_model(f"tests/fixtures/folded_hyper_connection_models.py:{cls}", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "AF AF"
+    assert not any(b.kind == "unknown" for b in g.blocks)
+    for i in (0, 1):
+        for hc in ("attn_hc", "mlp_hc"):
+            b = by[f"layers.{i}.{hc}"]
+            assert b.kind == "residual.streams", (b.kind, b.evidence)
+            assert b.attrs == {"role": "mix", "streams": 4, "stream_width": 32, **attrs}
+    # the dispatch capture (`onboard plan`'s) reads the same
+    d = parse_model(f"tests/fixtures/folded_hyper_connection_models.py:{cls}", seq=12,
+                    try_export=False)
+    assert d.capture == "dispatch" and d.layer_pattern == "AF AF"
+    assert {(b.path, tuple(sorted(b.attrs.items()))) for b in d.blocks
+            if b.kind == "residual.streams"} == \
+        {(b.path, tuple(sorted(b.attrs.items()))) for b in g.blocks if b.kind == "residual.streams"}

@@ -892,28 +892,51 @@ class Classifier:
     def _stream_carriers(self) -> dict[str, tuple[set[int], int, int, list[int]]]:
         """Modules that map several residual streams to as many: a 4-D first input, returned
         with its shape, whose last dim is the model width (what the forward's last weight
-        projection, the head, reads) and one of whose dims is the sequence; path -> (the other
-        dims >= 2, candidate stream counts; the first and last op index under the module; the
-        shape). Cached."""
+        projection, the head, reads) and one of whose dims is the sequence, or a 3-D one
+        [B * n, T, D] whose batch dim is n >= 2 times the forward's (the streams folded into
+        the batch); path -> (the other dims >= 2, candidate stream counts, or n when folded; the
+        first and last op index under the module; the shape). Cached."""
         if self._carriers is not None:
             return self._carriers
         out: dict[str, tuple[set[int], int, int, list[int]]] = {}
         head = max((r for r in self.cap.records if is_matmul(r.op) and r.params and r.in_shapes
                     and r.in_shapes[0]), key=lambda r: r.index, default=None)
         width = head.in_shapes[0][-1] if head is not None else self.ctx.hidden
+        batch = self._batch()
         for p, (ins, outs) in self.cap.module_io.items():
             shape = ins[0].shape if ins else None
-            if not shape or len(shape) != 4 or shape[-1] != width or self.ctx.seq not in shape[:-1] \
-                    or not outs or outs[0].shape != shape:
+            if not shape or shape[-1] != width or not outs or outs[0].shape != shape:
                 continue
-            rest = list(shape[:-1])
-            rest.remove(self.ctx.seq)
-            counts = {n for n in rest if n >= 2}
+            if len(shape) == 4 and self.ctx.seq in shape[:-1]:
+                rest = list(shape[:-1])
+                rest.remove(self.ctx.seq)
+                counts = {n for n in rest if n >= 2}
+            elif len(shape) == 3 and batch and shape[1] == self.ctx.seq \
+                    and shape[0] > batch and shape[0] % batch == 0:
+                # the streams folded into the batch dim, [B * n, T, D] (a common library layout)
+                counts = {shape[0] // batch}
+            else:
+                continue
             idx = [r.index for r in self.cap.records if r.module == p or r.module.startswith(p + ".")]
             if counts and idx:
                 out[p] = (counts, min(idx), max(idx), shape)
         self._carriers = out
         return out
+
+    def _batch(self) -> int | None:
+        """The forward's batch size: the rows of the first embedding lookup's output [B, T, D]."""
+        emb = next((r for r in self.cap.records if r.op == "embedding" and r.out_shapes
+                    and r.out_shapes[0] and len(r.out_shapes[0]) == 3), None)
+        return emb.out_shapes[0][0] if emb is not None else None
+
+    @staticmethod
+    def _stream_reads(shape: list[int], n: int) -> list[list[int]]:
+        """The shapes of the n streams of a carrier's ``shape`` read into one: less the stream
+        dim ([B, T, n, D] -> [B, T, D]), or the batch dim divided by n when they are folded
+        into it ([B * n, T, D] -> [B, T, D])."""
+        if len(shape) == 3:
+            return [[shape[0] // n, *shape[1:]]] if shape[0] % n == 0 else []
+        return [shape[:i] + shape[i + 1:] for i, s in enumerate(shape[:-1]) if s == n]
 
     def _stream_coefficients(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
                              ) -> tuple[str, list[str], dict[str, Any]] | None:
@@ -968,7 +991,7 @@ class Classifier:
                      self._stream_carriers().items() if sh == shape)
         after_all = min(r.index for r in recs) > max(b for _, _, b in carriers)
         for n in sorted(set().union(*(c for c, _, _ in carriers))):
-            reads = [shape[:i] + shape[i + 1:] for i, s in enumerate(shape[:-1]) if s == n]
+            reads = self._stream_reads(shape, n)
             square = _mixing_shapes(n)
             # a matmul by the static matrix itself (a dispatch capture records the einsum as a
             # bmm with it) mixes the streams: it is no coefficient projection
