@@ -184,3 +184,98 @@ def test_aot_sm90(module):
                                                "sink_attn_bwd_dkdv_kernel", "sink_attn_bwd_dq_kernel"}
         for r in results:
             assert r.ok, f"D{size}: {r.kernel}: {r.error}"
+
+
+# ---- the binding, on transformers' own attention modules ---------------------------------------
+
+def _causal_mask(t: int, window: int | None) -> torch.Tensor:
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    seen = (j <= i) & ((j > i - window) if window else True)
+    return torch.zeros(t, t).masked_fill(~seen, torch.finfo(torch.float32).min)[None, None]
+
+
+def _attention_pair(kind: str, layer: int):
+    """(reference, candidate, call args) for one eager attention module of transformers: gpt-oss's
+    (sinks; layer 0 sliding with window 8, layer 1 full) or Llama's (no sink), T 13, GQA 2."""
+    import copy
+
+    if kind == "gpt_oss":
+        from transformers.models.gpt_oss import modeling_gpt_oss as mm
+        cfg = mm.GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              sliding_window=8, num_hidden_layers=2,
+                              layer_types=["sliding_attention", "full_attention"])
+        cls = mm.GptOssAttention
+    else:
+        from transformers.models.llama import modeling_llama as mm
+        cfg = mm.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             num_hidden_layers=2)
+        cls = mm.LlamaAttention
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref = cls(cfg, layer_idx=layer)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    cand = copy.deepcopy(ref)
+    t = 13
+    x = torch.randn(2, t, 32)
+    ang = torch.randn(2, t, 4 if kind == "gpt_oss" else 8)
+    if kind != "gpt_oss":
+        ang = torch.cat([ang[..., :4], ang[..., :4]], -1)
+    window = getattr(ref, "sliding_window", None)
+    return ref, cand, (x, (ang.cos(), ang.sin()), _causal_mask(t, window))
+
+
+def _bind(cand, kernel):
+    """The family binding's swap on ``cand`` with ``kernel`` as the entry; its patch record."""
+    import importlib
+
+    from onboarding.families import family_module
+    from onboarding.patching.callswap import install
+    from onboarding.patching.core import PatchRecord
+
+    binding = importlib.import_module(family_module("sink_attention").__package__ + ".binding")
+    record = PatchRecord(path="attn", kind="attention.full", family="sink_attention")
+    assert install(cand, kernel, record, binding.ATTENTION_CORE, "none") is not None
+    return record
+
+
+def _run(mod, args):
+    for p in mod.parameters():
+        p.grad = None
+    out, _ = mod(*args)
+    out.square().sum().backward()
+    return out, {n: p.grad for n, p in mod.named_parameters()}
+
+
+@pytest.mark.parametrize("kind,layer", [("gpt_oss", 0), ("gpt_oss", 1), ("llama", 0)],
+                         ids=["gpt_oss-sliding", "gpt_oss-full", "llama-nosink"])
+def test_binding_serves_transformers_attention(module, kind, layer):
+    """The swap serves the eager attention function transformers' module hands its core to
+    (handed the module itself): the output and every parameter gradient (projections, sinks)
+    as the unpatched module's, the second output (attention weights) None."""
+    pytest.importorskip("transformers")
+    ref, cand, args = _attention_pair(kind, layer)
+    record = _bind(cand, module.entry)
+    y, grads = _run(cand, args)
+    assert record.status == "active" and "eager_attention_forward" in record.binding, record
+    assert cand(*args)[1] is None
+    y_ref, ref_grads = _run(ref, args)
+    assert rel_rms(y, y_ref) < 1e-5
+    assert (kind == "gpt_oss") == ("sinks" in grads)
+    for n, g in ref_grads.items():
+        assert rel_rms(grads[n], g) < 1e-5, n
+
+
+def test_binding_keeps_the_original_when_the_kernel_drops_the_sink(module):
+    """A kernel that leaves the sink out (planted) disagrees with gpt-oss's eager function on the
+    first call under every reading: the swap is refused, and the block runs its own code."""
+    pytest.importorskip("transformers")
+    ref, cand, args = _attention_pair("gpt_oss", 0)
+
+    def no_sink(q, k, v, sinks, mask, scale, causal, window):
+        return module.entry(q, k, v, None, mask, scale, causal, window)
+
+    record = _bind(cand, no_sink)
+    y, _ = _run(cand, args)
+    assert record.status == "rejected", record
+    assert rel_rms(y, ref(*args)[0]) < 1e-6
