@@ -409,3 +409,23 @@ def test_plan_captures_again_where_attention_parameters_were_idle():
     info = load_stage(ModelSpec(ref="hf:qwen3_next").load(), "tiny")
     graph, notes = plan_graph(info)
     assert notes == [] and not any("capture_seq" in b.attrs for b in graph.blocks)
+
+
+def test_compressed_attention_indexer_scores_are_a_transient():
+    """Compressed attention with an indexer holds its fp32 [B, T, H_idx, T / r] scores over the
+    pooled entries for one layer (as top-k sparse attention holds [B, T, H_idx, T]); without a
+    top-k there are none."""
+    from types import SimpleNamespace
+
+    from onboarding.plan.memory import block_saved
+    from onboarding.plan.shapes import BlockShape
+
+    config = SimpleNamespace(num_attention_heads=2, head_dim=8, hidden_size=16, index_n_heads=8)
+    shape = SimpleNamespace(hidden=16, config=config)
+    cfg = PlanConfig(gpus=1, seq=4096)
+    b = BlockShape(pattern="layers.*.attn", kind="attention.compressed", count=1, params=0,
+                   linears=[("q", 16, 16), ("o", 16, 16)], attrs={"compress_ratio": 4, "topk": 16},
+                   ops=1, nested=False)
+    assert block_saved(b, shape, cfg, 1)[2] == 4 * 8 * 4096 // 4
+    b.attrs["topk"] = None
+    assert block_saved(b, shape, cfg, 1)[2] == 0.0

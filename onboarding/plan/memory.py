@@ -8,10 +8,11 @@ bytes per parameter: with the bf16 weight, the article's 16 bytes per parameter)
 
 Activations are the tensors autograd keeps for the backward, per token of one rank (N = micro
 batch x seq), by block kind, from the block's full-size widths (`onboarding.plan.shapes`):
-  - attention (full, gated, sliding, MLA, top-k sparse): its projections' outputs except the
-    one back to the residual (q, k, v or MLA's latents and up-projections), the core's output
-    (heads x d_v) and its fp32 log-sum-exp (heads); top-k sparse adds the indexer's scores
-    ``[B, T, index_heads, T]`` in fp32 as a transient (one layer at a time);
+  - attention (full, gated, sliding, MLA, compressed, top-k sparse): its projections' outputs
+    except the one back to the residual (q, k, v or MLA's latents and up-projections), the core's
+    output (heads x d_v) and its fp32 log-sum-exp (heads); top-k sparse adds the indexer's scores
+    ``[B, T, index_heads, T]`` in fp32 as a transient (one layer at a time), compressed attention
+    with an indexer its ``[B, T, index_heads, T / r]`` scores over the pooled entries;
   - linear attention: the same projections and output, plus per chunk of C tokens the fp32
     state ``heads x d_k x d_v`` and the ``C x C`` intra-chunk matrix per head; its causal conv
     keeps its activated output;
@@ -193,6 +194,12 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
 
             ih = _int(shape.config, "index_n_heads") or 1
             transient = FP32 * ih * cfg.seq  # [B, T, H_idx, T] scores: per token x T
+        elif kind == "attention.compressed" and b.attrs.get("topk"):
+            from onboarding.train.flops import _int
+
+            # the indexer's [B, T, H_idx, C] scores over the C = T / r pooled entries
+            ih = _int(shape.config, "index_n_heads") or 1
+            transient = FP32 * ih * max(cfg.seq // int(b.attrs.get("compress_ratio") or 1), 1)
         return kept, 0.0, transient
     if kind == "moe.router":
         e = shape.n_experts or 1

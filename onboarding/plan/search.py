@@ -214,5 +214,7 @@ def window_notes(shape: ModelShape, seq: int) -> list[str]:
                      + (f" ({src})" if src else "")
                      + (f", >= the {seq}-token sequence: no cap" if w and w >= seq else "")
                      for w, n, src in b.windows]
-            out.append(f"attention keys of {b.pattern} ({b.kind}): " + "; ".join(parts))
+            r = b.attrs.get("compress_ratio")
+            what = b.kind + (f", pooled windows of r = {r}" if r else "")
+            out.append(f"attention keys of {b.pattern} ({what}): " + "; ".join(parts))
     return out
