@@ -74,13 +74,19 @@ FAMILY = FamilySpec(
         "bwd_warps": (2, 4, 8),
         "precision": ("tf32", "ieee"),
     },
-    # untimed: FlashAttention-2's usual tiles for a head dim of 64-128 on sm_90
-    default_config={"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
-                    "BWD_BLOCK_M": 64, "BWD_BLOCK_N": 64, "bwd_warps": 4, "precision": "tf32"},
+    # Untimed (no GPU yet): FlashAttention-2's usual tiles, warps from the sm_90 build (bf16,
+    # D 64; ptxas registers / spill bytes): forward 128 x 64 at 4 warps 255 / 0, at 8 warps
+    # 166 / 0; backward 64 x 64 at 4 warps dK/dV 255 / 160, dQ 255 / 52, at 8 warps 198 / 0 and
+    # 169 / 0. The masked forward (an additive mask tile per block) spills at every tried
+    # config: 128 x 64 at 4 warps 3400 bytes, at 8 warps 460, 64 x 64 at 4 warps 564.
+    default_config={"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
+                    "BWD_BLOCK_M": 64, "BWD_BLOCK_N": 64, "bwd_warps": 8, "precision": "tf32"},
     shape_buckets=(
         ShapeBucket(name="d_le_64", dim="D", lo=1, hi=64),
+        # D 128 at BLOCK_M 64, 4 warps, backward 32 x 64 at 8 warps: forward 198 / 0, dK/dV
+        # 246 / 0, dQ 225 / 0 (the masked forward 255 / 1084)
         ShapeBucket(name="d_big", dim="D", lo=65, hi=2**31 - 1,
-                    config={"BLOCK_M": 64, "BWD_BLOCK_M": 32, "bwd_warps": 8}),
+                    config={"BLOCK_M": 64, "num_warps": 4, "BWD_BLOCK_M": 32}),
     ),
     match=match,
     sample_inputs=sample_inputs,
