@@ -84,21 +84,22 @@ def measure(case: Case, runs: Path, steps: int, timeout: float) -> dict:
 
 def predict(case: Case, rates=None) -> dict:
     """The plan's peak (allocated) bytes and step time for ``case`` on one GPU."""
-    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.graph.parse import load_stage
     from onboarding.load.overrides import parse_assignments
     from onboarding.load.spec import ModelSpec
+    from onboarding.plan.capture import plan_graph
     from onboarding.plan.config import ClusterConfig, PlanConfig
     from onboarding.plan.run import run_plan
 
     loaded = ModelSpec(ref=case.model, overrides=parse_assignments(case.sets)).load()
     info = load_stage(loaded, case.proxy)
-    graph = parse_stage(load_stage(loaded, "tiny"), seq=64, try_export=False)
+    graph, notes = plan_graph(load_stage(loaded, "tiny"))  # the block kinds as `onboard plan`
     cluster = ClusterConfig()
     if rates is not None:
         cluster.rates = rates
     cfg = PlanConfig(gpus=1, ep=1, seq=case.seq, micro_batch=case.micro_batch,
                      recompute=case.recompute, offload="none")
-    plan = run_plan(info, graph, cfg, cluster, config=info.proxy_config)
+    plan = run_plan(info, graph, cfg, cluster, config=info.proxy_config, notes=notes)
     c = plan.chosen
     return {"allocated": c.memory.allocated, "components": c.memory.components(),
             "step_s": c.time.overlap_s, "host_s": c.time.host_s, "gpu_parts_s": {
