@@ -504,3 +504,20 @@ def test_a_default_config_that_fails_its_own_validation_is_bad_input():
         CONFIG_MAPPING._extra_content.pop("h81_broken_default", None)
     with pytest.raises(InputError, match="unknown model_type 'h81_broken_default'"):
         load_model("hf:h81_broken_default")
+
+
+def test_a_shared_layer_count_that_is_every_layer_stays_every_layer():
+    """Gemma 4's unified assistant shares every layer's KV with its target model
+    (num_kv_shared_layers = num_hidden_layers = 30). The proxy keeps that (every kept layer
+    shared); before, 30 stayed while the layers shrank and the build failed ("The set of layer
+    types producing a cache is different than the set of layer types using them"). Its forward
+    needs the target's KV (shared_kv_states): it is no standalone decoder, only the build is
+    checked."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "gemma4_unified_assistant" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma4_unified_assistant")
+    info = load_stage(load_model("hf:gemma4_unified_assistant"), "tiny")
+    c = text_config(info.proxy_config)
+    assert c.num_kv_shared_layers == c.num_hidden_layers < 30
+    info.loaded.build(info.proxy_config, device="meta", seed=None)

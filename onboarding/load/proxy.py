@@ -519,6 +519,12 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
                     else [keep.index(i) for i in v if i in keep])
     if keep != list(range(len(keep))):  # runs kept (`_runs`): layers left out between them
         _tail_counts(c, name, n, keep, signatures)
+    # a count of shared layers that is every layer (Gemma 4's assistant: num_kv_shared_layers =
+    # the layer count, every layer reads the target model's KV) stays every layer
+    for k, v in list(vars(c).items()):
+        if "layer" in k and "shared" in k and isinstance(v, int) and not isinstance(v, bool) \
+                and v == n and n > 1 and _writable(c, k):
+            setattr(c, k, len(keep))
     # a second name for the layer count (xLSTM's num_blocks beside num_hidden_layers) follows it,
     # and a count of sublayers, a multiple of it (LongCat-Flash's num_hidden_layers, two a layer),
     # keeps its multiple
