@@ -116,7 +116,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=36,  # v36: the V side in one jit helper (the same sm_90 PTX); history: docs/LOG.md
+    template_version=37,  # v37: the K-tile body in one Jinja macro (the same sm_90 SASS); history: docs/LOG.md
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
