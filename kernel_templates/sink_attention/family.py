@@ -17,6 +17,7 @@ from onboarding.families import FamilySpec, ShapeBucket
 
 from . import bench
 from .binding import bind
+from .tuning import problem_dims, timing_inputs
 
 NAME = "sink_attention"
 # the softmax-attention kinds whose core the module hands to one function (MLA's latent layout,
@@ -90,6 +91,9 @@ FAMILY = FamilySpec(
     ),
     match=match,
     sample_inputs=sample_inputs,
+    problem_dims=problem_dims,
+    timing_dims=("B", "T", "H", "Hk", "D"),
+    timing_inputs=timing_inputs,
     bench_cases=bench.cases,
     binding=bind,
 )

@@ -279,3 +279,28 @@ def test_binding_keeps_the_original_when_the_kernel_drops_the_sink(module):
     y, _ = _run(cand, args)
     assert record.status == "rejected", record
     assert rel_rms(y, ref(*args)[0]) < 1e-6
+
+
+def test_problem_dims_and_timing_inputs(parse_model, module):
+    """The tuning hooks read gpt-oss's attention layout off the parsed proxy (B, T off the input,
+    H off the scores, D and Hk off the projections' shapes, the sink parameter), and the timing
+    inputs at those dims run the kernel."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from onboarding.families import families
+
+    spec = families()["sink_attention"]
+    g = parse_model("hf:gpt_oss")
+    blocks = [b for b in g.blocks if spec.match(b) is not None]
+    assert {b.kind for b in blocks} == {"attention.sliding", "attention.full"}
+    for b in blocks:
+        dims = spec.problem_dims(SimpleNamespace(shapes=[t.shape for t in b.inputs]), b)
+        assert dims is not None and dims["H"] == b.attrs["unfused_core"]["scores"][1] and dims["S"] == 1, dims
+        q_rows = max(s[0] for s in b.params.values() if len(s) == 2)
+        assert dims["H"] * dims["D"] == q_rows and dims["H"] % dims["Hk"] == 0, (dims, b.params)
+    gen = torch.Generator().manual_seed(0)
+    args = spec.timing_inputs("attention", {}, {**dims, "T": 9, "W": 4}, torch.float32, gen)
+    out = module.entry(*args)
+    assert out.shape == (dims["B"], dims["H"], 9, dims["D"])
+    assert rel_rms(out, module.reference(*args)) < 1e-5
