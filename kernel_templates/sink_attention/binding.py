@@ -17,10 +17,13 @@ attention weights (the scores are never formed), as transformers' fused paths do
 What the function does beyond q, k, v and the mask is tried, not read from names:
 - the sink: each 1-D parameter of the block (its own, not its children's) with one entry per
   query head, then each such tensor among the call's arguments, then no sink;
-- the band the kernel may skip to: causal with each positive integer argument of the call as a
-  sliding window (transformers passes the layer's window so), then causal, then not causal.
+- the band the kernel may skip to: causal with the call's ``sliding_window`` argument as the
+  window when it is a positive integer (the attention interface's keyword: transformers' fused
+  paths read the layer's window from it), then causal, then not causal.
 The mask itself is always handed to the kernel, so the band only saves work: a band wider than
-the mask's is exact, a narrower one fails the first call's check.
+the mask's is exact, a narrower one fails the first call's check when the call is longer than
+the window (any integer argument was tried before: one that is no window and larger than the
+first call's length would have passed that check and cut later, longer calls).
 The call's scaling and dropout arguments are read by the interface's names (``scaling`` None:
 head_dim ** -0.5); a dropout that is on in training, or any other named argument set (a logit
 soft-cap), keeps the original function.
@@ -80,7 +83,8 @@ def _variants(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, bool, 
     sinks += [("arg", n) for n, t in values.items()
               if isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == heads]
     sinks.append(None)
-    windows = sorted({w for w in values.values() if isinstance(w, int) and not isinstance(w, bool) and w > 0})
+    w = values.get("sliding_window")
+    windows = [w] if isinstance(w, int) and not isinstance(w, bool) and w > 0 else []
     bands = [(True, w) for w in windows] + [(True, 0), (False, 0)]
     return [(s, c, w) for s in sinks for c, w in bands]
 

@@ -255,9 +255,18 @@ def test_binding_serves_transformers_attention(module, kind, layer):
     as the unpatched module's, the second output (attention weights) None."""
     pytest.importorskip("transformers")
     ref, cand, args = _attention_pair(kind, layer)
-    record = _bind(cand, module.entry)
+    calls = []
+
+    def kernel(q, k, v, sinks, mask, scale, causal, window):
+        calls.append((sinks, causal, window))
+        return module.entry(q, k, v, sinks, mask, scale, causal, window)
+
+    record = _bind(cand, kernel)
     y, grads = _run(cand, args)
     assert record.status == "active" and "eager_attention_forward" in record.binding, record
+    # the reading kept: the block's sink parameter (gpt-oss), the layer's window as the band
+    sinks, causal, window = calls[-1]
+    assert sinks is getattr(cand, "sinks", None) and causal and window == (getattr(cand, "sliding_window", None) or 0)
     assert cand(*args)[1] is None
     y_ref, ref_grads = _run(ref, args)
     assert rel_rms(y, y_ref) < 1e-5
