@@ -429,3 +429,38 @@ def test_compressed_attention_indexer_scores_are_a_transient():
     assert block_saved(b, shape, cfg, 1)[2] == 4 * 8 * 4096 // 4
     b.attrs["topk"] = None
     assert block_saved(b, shape, cfg, 1)[2] == 0.0
+
+
+def test_heterogeneous_config_widths_per_layer():
+    """transformers' heterogeneous configs (per-layer overrides: Gemma 4's 512-wide heads on its
+    full-attention layers) refuse a global read of an overridden field; the plan reads each
+    layer's own value, and the largest where no layer is given, instead of failing."""
+    from transformers import AutoConfig
+
+    from onboarding.plan.estimate import attention_core
+    from onboarding.plan.shapes import BlockShape
+    from onboarding.train.flops import _attention_core, _attention_widths, config_field
+
+    cfg = AutoConfig.for_model("gemma4_text")
+    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    with pytest.raises(Exception, match="per-layer"):
+        cfg.head_dim  # noqa: B018 - the global read these configs refuse
+    base = vars(cfg)["head_dim"]
+    wide = config_field(cfg, "head_dim", full[0])
+    assert wide > base and config_field(cfg, "head_dim") == wide
+    assert config_field(cfg, "head_dim", 0) == base and config_field(cfg, "num_attention_heads") \
+        == vars(cfg)["num_attention_heads"]
+    h = vars(cfg)["num_attention_heads"]
+    assert _attention_widths(cfg, "attention.full", full[0]) == (h, wide, wide)
+    assert _attention_widths(cfg, "attention.full", 0) == (h, base, base)
+    b = BlockShape(pattern="model.layers.*.self_attn", kind="attention.sliding", count=2, params=0,
+                   linears=[], attrs={}, ops=0, nested=False,
+                   instances=[(0, 512, "module"), (full[0], None, "layer_types")])
+    shape = ModelShape(name="g4", hidden=2, vocab=2, n_layers=2, total=0, routed=0,
+                       dense_tensors=[], experts=[], blocks=[b], layer_dense_max=0,
+                       dense_matmul=0, config=cfg)
+    want = _attention_core(cfg, b.kind, 4096, {}, 512, layer=0) \
+        + _attention_core(cfg, b.kind, 4096, {}, None, layer=full[0])
+    assert attention_core(shape, b, 4096) == pytest.approx(want)
+    assert want < 2 * _attention_core(cfg, b.kind, 4096, {}, None)  # not the widest at every layer
+    assert b.windows == [(512, 1, "module"), (None, 1, "layer_types")]

@@ -115,8 +115,6 @@ def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
 
 def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]:
     """(GEMM FLOPs, expert GEMM FLOPs, attention-core FLOPs) per token of one training step."""
-    from onboarding.train.flops import _attention_core
-
     routed = sum(e.count * e.top_k * e.per_expert for e in shape.experts)
     if cfg.mode != "full":
         adapters = lora_params(shape, cfg)[0]
@@ -136,12 +134,17 @@ def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]
 
 def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
     """Core FLOPs per token of every instance of attention block ``b``: each instance with its
-    own local window (`onboarding.plan.shapes.local_window`), else the kind's own rule."""
-    from onboarding.train.flops import BY_KIND, _attention_core
+    own local window (`onboarding.plan.shapes.local_window`), else the kind's own rule, and its
+    own layer's widths where the config overrides them per layer (`flops.config_field`)."""
+    from onboarding.train.flops import BY_KIND, _attention_core, per_layer_overrides
 
-    groups = [(w if src else BY_KIND, n) for w, n, src in b.windows] or [(BY_KIND, b.count)]
-    return sum(n * (_attention_core(shape.config, b.kind, seq, b.attrs, w) or 0.0)
-               for w, n in groups)
+    per_layer = bool(per_layer_overrides(shape.config))
+    groups: dict[tuple, int] = {}
+    for layer, w, src in b.instances or [(None, None, "")] * b.count:
+        key = (layer if per_layer else None, w if src else BY_KIND)
+        groups[key] = groups.get(key, 0) + 1
+    return sum(n * (_attention_core(shape.config, b.kind, seq, b.attrs, w, layer=layer) or 0.0)
+               for (layer, w), n in groups.items())
 
 
 # Host ops of `onboard train`'s step beyond the captured blocks, counted with a dispatch mode on

@@ -51,8 +51,17 @@ class BlockShape:
     # elements per token a norm normalises, or a conv's channels (0 for other kinds)
     width: int = 0
     lora_targets: list[tuple[int, int]] = field(default_factory=list)  # default LoRA (in, out)
-    # attention kinds: (local window or None, instances, where it came from) (`local_window`)
-    windows: list[tuple[int | None, int, str]] = field(default_factory=list)
+    # attention kinds, per instance: (decoder layer or None, local window or None, where the
+    # window came from) (`local_window`)
+    instances: list[tuple[int | None, int | None, str]] = field(default_factory=list)
+
+    @property
+    def windows(self) -> list[tuple[int | None, int, str]]:
+        """`instances` by window: (local window or None, instances, where it came from)."""
+        counts: dict[tuple[int | None, str], int] = {}
+        for _, w, src in self.instances:
+            counts[(w, src)] = counts.get((w, src), 0) + 1
+        return [(w, n, src) for (w, src), n in counts.items()]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,7 +165,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             ops=sum(b.op_histogram.values()), lora_targets=targets,
             nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
             width=_width(b, first, paths[0], graph, modules),
-            windows=_windows(b.kind, paths, modules, config)))
+            instances=_instances(b.kind, paths, modules, config)))
     matched = {k[0] for k in inst}
     unmatched = sorted({path_pattern(p) for p in proxy_paths} - matched)
 
@@ -224,29 +233,27 @@ def local_window(cfg: Any, module: nn.Module | None, layer: int | None
             return attr, "the attention module's sliding_window attribute"
         if attr is None:
             return None, "the attention module's sliding_window attribute is None"
-    name = next((n for n in WINDOW_FIELDS if _positive_int(getattr(cfg, n, None))), None)
+    from onboarding.train.flops import config_field
+
+    name = next((n for n in WINDOW_FIELDS if _positive_int(config_field(cfg, n, layer))), None)
     if name is None:
         return None, ""
     if kind is not None and ("sliding" in kind or "local" in kind):
-        return getattr(cfg, name), f"config {name}, layer type {kind!r}"
+        return config_field(cfg, name, layer), f"config {name}, layer type {kind!r}"
     if types is None:
-        return getattr(cfg, name), f"config {name}, no layer_types: every layer"
+        return config_field(cfg, name, layer), f"config {name}, no layer_types: every layer"
     return None, ""
 
 
-def _windows(kind: str, paths: list[str], modules: dict[str, nn.Module], config: Any
-             ) -> list[tuple[int | None, int, str]]:
-    """`local_window` of each instance of a softmax-attention block, grouped."""
+def _instances(kind: str, paths: list[str], modules: dict[str, nn.Module], config: Any
+               ) -> list[tuple[int | None, int | None, str]]:
+    """(decoder layer, `local_window`) of each instance of a softmax-attention block."""
     if not kind.startswith(SOFTMAX_PREFIXES):
         return []
     from onboarding.graph.classify import layer_of
 
     cfg = text_config(config) if config is not None else None
-    counts: dict[tuple[int | None, str], int] = {}
-    for p in paths:
-        key = local_window(cfg, modules.get(p), layer_of(p))
-        counts[key] = counts.get(key, 0) + 1
-    return [(w, n, src) for (w, src), n in counts.items()]
+    return [(layer_of(p), *local_window(cfg, modules.get(p), layer_of(p))) for p in paths]
 
 
 def _dense_matmul(counts) -> int:

@@ -51,32 +51,60 @@ def _causal_keys(seq: int, cap: int | None = None) -> float:
     return (cap * (cap + 1) / 2 + (seq - cap) * cap) / seq
 
 
-def _int(cfg: Any, *names: str) -> int | None:
+def per_layer_overrides(cfg: Any) -> dict[int, dict[str, Any]]:
+    """{layer: {field: value}} of a heterogeneous config (transformers' per-layer overrides), {}
+    for others."""
+    spec = vars(cfg).get("_heterogeneity_spec") if hasattr(cfg, "__dict__") else None
+    return getattr(spec, "per_layer_overrides", None) or {}
+
+
+def config_field(cfg: Any, name: str, layer: int | None = None) -> Any:
+    """``cfg.<name>`` (None when absent), also on a heterogeneous config: transformers' per-layer
+    overrides (Gemma 4's 512-wide heads on its full-attention layers, dots3's wider MLA layers)
+    make such a config refuse a global read of a field some layers override. There, layer
+    ``layer``'s value; with no layer, the largest of the global and per-layer integer values (an
+    estimate holds the widest layer)."""
+    overrides = per_layer_overrides(cfg)
+    if not any(name in o for o in overrides.values()):
+        return getattr(cfg, name, None)
+    base = vars(cfg).get(name)
+    if layer is not None:
+        return overrides.get(layer, {}).get(name, base)
+    ints = [v for v in (base, *(o.get(name) for o in overrides.values()))
+            if isinstance(v, int) and not isinstance(v, bool)]
+    return max(ints) if ints else base
+
+
+def _int(cfg: Any, *names: str, layer: int | None = None) -> int | None:
     for n in names:
-        v = getattr(cfg, n, None)
+        v = config_field(cfg, n, layer)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
 
 
-def _attention_widths(cfg: Any, kind: str) -> tuple[int, int, int] | None:
-    """(heads, d_qk, d_v) of a softmax-attention block from config fields."""
-    heads = _int(cfg, "num_attention_heads", "n_head", "num_heads")
+def _attention_widths(cfg: Any, kind: str, layer: int | None = None) -> tuple[int, int, int] | None:
+    """(heads, d_qk, d_v) of a softmax-attention block from config fields (of decoder layer
+    ``layer`` where a heterogeneous config overrides them per layer: `config_field`)."""
+    def read(*names: str) -> int | None:
+        return _int(cfg, *names, layer=layer)
+
+    heads = read("num_attention_heads", "n_head", "num_heads")
     if heads is None:
         return None
-    if kind in ("attention.mla", "sparse_attention.topk") and _int(cfg, "qk_rope_head_dim"):
-        d_qk = (_int(cfg, "qk_nope_head_dim") or 0) + _int(cfg, "qk_rope_head_dim")
-        return heads, d_qk, _int(cfg, "v_head_dim") or d_qk
-    hidden = _int(cfg, "hidden_size", "d_model")
-    d = _int(cfg, "head_dim") or (hidden // heads if hidden else None)
-    return (heads, d, _int(cfg, "v_head_dim") or d) if d else None
+    if kind in ("attention.mla", "sparse_attention.topk") and read("qk_rope_head_dim"):
+        d_qk = (read("qk_nope_head_dim") or 0) + read("qk_rope_head_dim")
+        return heads, d_qk, read("v_head_dim") or d_qk
+    hidden = read("hidden_size", "d_model")
+    d = read("head_dim") or (hidden // heads if hidden else None)
+    return (heads, d, read("v_head_dim") or d) if d else None
 
 
 BY_KIND = "kind"  # `_attention_core`'s window: the kind's own rule (below)
 
 
 def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict,
-                    window: int | None | str = BY_KIND) -> float | None:
+                    window: int | None | str = BY_KIND, layer: int | None = None) -> float | None:
     """Training FLOPs per token of one attention block's core (no projections).
 
     ``window``: the local keys a query sees (a sliding window whose mask is built outside the
@@ -94,7 +122,7 @@ def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict,
         intra = 2 * c * (2 * dk + dv) / 2  # causal half of C x C products, per token
         state = 3 * 2 * dk * dv
         return 3 * hv * (intra + state)
-    widths = _attention_widths(cfg, kind)
+    widths = _attention_widths(cfg, kind, layer)
     if widths is None:
         return None
     heads, d_qk, d_v = widths
