@@ -319,3 +319,4 @@ def test_sink_attention_proxy_aligns(parse_model, kernel_dir):
         b = result.block(p["path"])
         assert b.fwd.verdict == "pass" and b.fwd.output.rel_rms < 1e-5 and b.fwd.local.rel_rms < 1e-5, b.fwd
         assert b.bwd.verdict == "pass" and b.bwd.output.rel_rms < 1e-5 and b.bwd.local.rel_rms < 1e-5, b.bwd
+        assert b.unjudged_outputs == [1]  # the attention weights, listed as not judged

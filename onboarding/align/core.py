@@ -353,6 +353,9 @@ class BlockAlignment:
     # with a noise floor: the floor's rel_rms and the max_rel_rms derived from it, per quantity
     floor: dict[str, float] = field(default_factory=dict)
     bounds: dict[str, float] = field(default_factory=dict)
+    # top-level output slots (never the first) the candidate returned as None where the
+    # reference returned a tensor: not judged (`_judge`)
+    unjudged_outputs: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -780,8 +783,10 @@ def _judge(b: Block, rc: list[_Call], cc: list[_Call], ref_run: _Run, cand_run: 
     # An output the candidate returns as None where the reference returns a tensor (the
     # attention weights that a fused attention core never forms, as transformers' own fused
     # paths return None for them) is no part of what the block is judged on: left out of the
-    # reference's and the floor's calls and their replays.
-    drops = [c.none_slots - r.none_slots for c, r in zip(cc, rc)]
+    # reference's and the floor's calls and their replays, and listed in the result. Never the
+    # first slot (the block's output proper): a None there fails on the shapes below.
+    drops = [frozenset(s for s in c.none_slots - r.none_slots if s > 0) for c, r in zip(cc, rc)]
+    res.unjudged_outputs = sorted(set().union(*drops)) if drops else []
     if not any(drops):
         drops = [frozenset()] * len(rc)
     else:
