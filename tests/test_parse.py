@@ -991,6 +991,10 @@ def test_a_router_whose_linear_also_scores_shared_experts_is_a_router(parse_mode
         assert by[f"layers.{i}.ffn.experts"].attrs["n_experts"] == 8
         assert by[f"layers.{i}.ffn.shared_expert"].kind == "moe.shared_expert"
     assert not any(b.kind == "unknown" for b in g.blocks)
+    # the router kernel's one [E, D] weight and top-k normalisation do not fit: not claimed
+    from onboarding.families import family_module
+
+    assert family_module("moe_router").match(by["layers.0.ffn.gate"]) is None
 
 
 @pytest.mark.parametrize("cls,weight", [("PerExpertNormMoELM", "norm_weight"),

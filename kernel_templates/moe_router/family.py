@@ -44,6 +44,8 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
     if attrs.get("scorer") == "mlp":  # logits from an MLP, not one [E, D] linear (ZAYA)
         return None
+    if attrs.get("shared_logits"):  # one linear scores E routed + S shared experts (Inkling):
+        return None  # the kernel's [E, D] weight and its normalisation over the top k do not fit
     params: dict[str, Any] = {"top_k": int(attrs["top_k"]), "score_bias": bool(attrs.get("score_bias")),
                               "renormalize": bool(attrs.get("renormalize"))}
     if attrs.get("group_limited"):
