@@ -1084,3 +1084,16 @@ def test_hyper_connections_with_streams_folded_into_the_batch(parse_model, cls, 
     assert {(b.path, tuple(sorted(b.attrs.items()))) for b in d.blocks
             if b.kind == "residual.streams"} == \
         {(b.path, tuple(sorted(b.attrs.items()))) for b in g.blocks if b.kind == "residual.streams"}
+
+
+def test_the_eps_of_a_fused_rms_norm_op_is_read():
+    """F.rms_norm(x, shape, w, eps) records one `rms_norm` op whose eps is an argument, no add
+    (Ergo: eps 1e-12): `eps` is that argument. Before it was None, and the rmsnorm kernel's
+    default eps made Ergo's norms miss the block check at T = 32 (rel RMS 1.3e-3)."""
+    from onboarding.graph.capture import OpRecord
+    from onboarding.graph.classify import _norm_attrs
+
+    r = OpRecord(index=0, op="rms_norm", module="n", in_shapes=[[1, 4, 8], None, [8], None],
+                 in_dtypes=["float32", None, "float32", None], out_shapes=[[1, 4, 8]],
+                 out_dtypes=["float32"], scalars=[None, [8], None, 1e-12], params={2: "n.weight"})
+    assert _norm_attrs([r], None)["eps"] == 1e-12

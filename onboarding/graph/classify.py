@@ -209,6 +209,9 @@ def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
                 and 0 < r.scalars[1] < 1e-2:
             eps = r.scalars[1]
             break
+    if eps is None:  # the fused op's own eps argument (F.rms_norm(x, shape, w, eps))
+        eps = next((x for r in recs if r.op in ("rms_norm", "_fused_rms_norm")
+                    for x in r.scalars[2:] if isinstance(x, float) and 0 < x < 1e-2), None)
     weighted = [name for r in recs for name in r.params.values()]
     unit_offset = any(r.op == "add" and r.params and len(r.scalars) > 1
                       and r.scalars[1] in (1, 1.0) for r in recs)
