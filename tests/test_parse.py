@@ -1097,3 +1097,22 @@ def test_the_eps_of_a_fused_rms_norm_op_is_read():
                  in_dtypes=["float32", None, "float32", None], out_shapes=[[1, 4, 8]],
                  out_dtypes=["float32"], scalars=[None, [8], None, 1e-12], params={2: "n.weight"})
     assert _norm_attrs([r], None)["eps"] == 1e-12
+
+
+def test_an_input_gates_second_projection_counts_under_its_kind(parse_model):
+    """The full-size parameters per kind (`full_by_kind`) count an input gate's second
+    projection (P -> D, a sibling module: attrs `projection`) under `residual.input_gate`, as
+    its first; before, only the first projection's module was joined and the second went to
+    the layer's leftovers ("other")."""
+    from onboarding.graph.parse import by_kind_params
+    from onboarding.load.accounting import count_parameters
+    from onboarding.load.model import load_model
+
+    ref = "tests/fixtures/per_layer_input_models.py:PerLayerInputLM"
+    g = parse_model(ref, seq=12)
+    model = load_model(ref).build(None, device="meta", seed=None)
+    full = count_parameters(model)
+    gates = {n: p.numel() for n, p in model.named_parameters()
+             if n.split(".")[-2] in ("input_gate", "input_proj")}
+    assert len(gates) == 4  # two layers, a D -> P and a P -> D weight each
+    assert by_kind_params(full, g.blocks)["residual.input_gate"] == sum(gates.values())

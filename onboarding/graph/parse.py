@@ -163,9 +163,13 @@ def layer_pattern(blocks: list[Block], first_op: dict[str, int] | None = None
 
 
 def by_kind_params(full: ParamCounts, blocks: list[Block]) -> dict[str, int]:
-    """Full-size parameters per block kind, joining full-size modules to proxy blocks by path."""
-    patterns = sorted(((path_pattern(b.path), b.kind) for b in blocks),
-                      key=lambda t: -len(t[0]))
+    """Full-size parameters per block kind, joining full-size modules to proxy blocks by path.
+    A block whose compute runs in a sibling module too (`residual.input_gate`: its second
+    projection, attrs `projection`) joins that module as well."""
+    pairs = [(path_pattern(b.path), b.kind) for b in blocks]
+    pairs += [(path_pattern(b.attrs["projection"]), b.kind) for b in blocks
+              if b.kind == "residual.input_gate" and isinstance(b.attrs.get("projection"), str)]
+    patterns = sorted(pairs, key=lambda t: -len(t[0]))
     out: Counter = Counter()
     for comp, n in full.by_component.items():
         kind = next((k for p, k in patterns if comp == p or comp.startswith(p + ".")), None)
