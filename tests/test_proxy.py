@@ -521,3 +521,19 @@ def test_a_shared_layer_count_that_is_every_layer_stays_every_layer():
     c = text_config(info.proxy_config)
     assert c.num_kv_shared_layers == c.num_hidden_layers < 30
     info.loaded.build(info.proxy_config, device="meta", seed=None)
+
+
+def test_sparse_selection_budgets_fit_under_the_proxy_lengths():
+    """Kolibri 1.1's indexed attention keeps index_num_local_tokens (128) and
+    index_num_sink_tokens (8) besides its index_topk, and selects from a pool of
+    index_pool_size (16384): a query selects only when it sees more keys than that budget. The
+    tiny proxy caps them all below its 32-64 tokens, so the selection runs (the layers read
+    sparse_attention.topk); before, only index_topk was capped, the budget stayed 152 and the
+    layers read attention.full."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "kolibri1_1" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no kolibri1_1")
+    c = text_config(load_stage(load_model("hf:kolibri1_1"), "tiny").proxy_config)
+    assert c.index_topk + c.index_num_local_tokens + c.index_num_sink_tokens < 32
+    assert c.index_pool_size < 64

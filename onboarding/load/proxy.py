@@ -266,6 +266,12 @@ def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
     _set(c, "index_n_heads", lambda v: min(v, s.heads))
     index_topk = getattr(c, "index_topk", None)
     _set(c, "index_topk", lambda v: min(v, s.index_topk))
+    # the sparse selection's other budgets (Kolibri's always-kept local and sink tokens, its
+    # candidate pool): below the proxy's lengths too, else no query sees more keys than the
+    # budget and the selection never runs
+    for name in [n for n in vars(c) if n.startswith("index_") and n.endswith("_tokens")]:
+        _set(c, name, lambda v: min(v, max(1, s.index_topk // 4)))
+    _set(c, "index_pool_size", lambda v: min(v, 2 * s.index_topk))
     if isinstance(index_topk, int) and getattr(c, "index_topk") != index_topk:
         notes.append(f"index_topk {index_topk} -> {c.index_topk}: sparse attention keeps fewer "
                      f"keys per query, below the proxy's sequence lengths (with K >= T the top-k "
