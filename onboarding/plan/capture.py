@@ -26,7 +26,7 @@ from onboarding.graph.opgraph import Block, OpGraph
 from onboarding.plan.shapes import CAPTURE_SEQ
 
 if TYPE_CHECKING:
-    from onboarding.load.model import ModelInfo
+    from onboarding.graph.parse import ModelInfo
 
 SHORT_SEQ = 64  # the plan's capture length (`onboard plan`)
 MAX_SEQ = 1024  # the longest re-capture (about 10x the short one's time on the tiny proxy)
