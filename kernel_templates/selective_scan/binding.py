@@ -17,7 +17,6 @@ only pick between torch algorithms for the same maths (a bool that is off, or a 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from onboarding.graph.opgraph import Block
-from onboarding.patching.callswap import Interface, install, positional_counts
+from onboarding.patching.callswap import Interface, bound_arguments, install, positional_counts
 from onboarding.patching.core import PatchRecord, entry_function
 
 # mamba_ssm's selective_scan_fn order after the five tensors; the kernel's keywords
@@ -39,16 +38,7 @@ def _scan_like(fn: Any) -> bool:
 
 def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict) -> Any:
     """``kernel`` on ``fn``'s arguments (bound by ``fn``'s own signature, mapped by position)."""
-    sig = inspect.signature(fn)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    named = dict(bound.arguments)
-    extra: dict[str, Any] = {}
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            extra = named.pop(p.name, {})
-        elif p.kind is p.VAR_POSITIONAL and named.pop(p.name, ()):
-            raise TypeError("extra positional arguments")
+    named, extra = bound_arguments(fn, args, kwargs)
     names = list(named)
     pos = [named.pop(n) for n in names[:5]]
     kw = {ours: named.pop(theirs) for ours, theirs in zip(TAIL, names[5:5 + len(TAIL)])}

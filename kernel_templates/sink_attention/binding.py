@@ -31,7 +31,6 @@ soft-cap), keeps the original function.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -40,23 +39,14 @@ import torch
 from torch import nn
 
 from onboarding.graph.opgraph import Block
-from onboarding.patching.callswap import Interface, install, min_required
+from onboarding.patching.callswap import Interface, bound_arguments, install, min_required
 from onboarding.patching.core import PatchRecord, entry_function
 
 
 def _arguments(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, ...]:
     """(block, q, k, v, mask, named, extra): ``fn``'s arguments bound by its own signature; the
     first five positional ones, its other named parameters, and what its ``**kwargs`` took."""
-    sig = inspect.signature(fn)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    named = dict(bound.arguments)
-    extra: dict[str, Any] = {}
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            extra = dict(named.pop(p.name, {}) or {})
-        elif p.kind is p.VAR_POSITIONAL and named.pop(p.name, ()):
-            raise TypeError("extra positional arguments")
+    named, extra = bound_arguments(fn, args, kwargs)
     names = list(named)
     if len(names) < 5:
         raise TypeError("fewer than five arguments")

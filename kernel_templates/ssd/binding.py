@@ -21,7 +21,6 @@ returned (transformers' torch path computes and returns fp32).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from onboarding.graph.opgraph import Block
-from onboarding.patching.callswap import Interface, install, min_required
+from onboarding.patching.callswap import Interface, bound_arguments, install, min_required
 from onboarding.patching.core import PatchRecord, entry_function
 
 # the chunked-scan interface's keywords -> ours (None: accepted and dropped: it changes rounding only)
@@ -40,15 +39,7 @@ KWARGS = {"D": "D", "dt_bias": "dt_bias", "dt_softplus": "dt_softplus", "dt_limi
 
 def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict) -> Any:
     """``kernel`` on ``fn``'s arguments (the first five positional ones are x, dt, A, B, C)."""
-    sig = inspect.signature(fn)
-    bound = sig.bind(*args, **kwargs)
-    named = dict(bound.arguments)
-    catch_all: dict = {}
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            catch_all = named.pop(p.name, {}) or {}
-        elif p.kind is p.VAR_POSITIONAL and named.pop(p.name, ()):
-            raise TypeError("extra positional arguments")
+    named, catch_all = bound_arguments(fn, args, kwargs, defaults=False)
     if len(named) < 5:
         raise TypeError("fewer than five arguments")
     pos = [named.pop(n) for n in list(named)[:5]]

@@ -77,6 +77,25 @@ def positional_counts(fn: Any) -> tuple[int, int] | None:
     return sum(p.default is inspect.Parameter.empty for p in positional), len(positional)
 
 
+def bound_arguments(fn: Callable, args: tuple, kwargs: dict, *, defaults: bool = True
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``fn``'s arguments bound by its own signature: (its named parameters in order, with their
+    defaults when ``defaults``; what its ``**kwargs`` took). TypeError for an argument it does
+    not take, and for extra positional ones (a ``*args`` that took some)."""
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+    if defaults:
+        bound.apply_defaults()
+    named = dict(bound.arguments)
+    extra: dict[str, Any] = {}
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            extra = dict(named.pop(p.name, {}) or {})
+        elif p.kind is p.VAR_POSITIONAL and named.pop(p.name, ()):
+            raise TypeError("extra positional arguments")
+    return named, extra
+
+
 def min_required(n: int) -> Callable[[Any], bool]:
     """`Interface.fits` for functions taking at least ``n`` required positional arguments."""
     def fits(fn: Any) -> bool:
