@@ -320,3 +320,29 @@ def test_sink_attention_proxy_aligns(parse_model, kernel_dir):
         assert b.fwd.verdict == "pass" and b.fwd.output.rel_rms < 1e-5 and b.fwd.local.rel_rms < 1e-5, b.fwd
         assert b.bwd.verdict == "pass" and b.bwd.output.rel_rms < 1e-5 and b.bwd.local.rel_rms < 1e-5, b.bwd
         assert b.unjudged_outputs == [1]  # the attention weights, listed as not judged
+
+
+def test_fp64_reference_keeps_fp64_through_the_models_fp32_upcasts():
+    """A model that upcasts with `.float()` / `.to(torch.float32)` (Inkling 2's router) or makes
+    fp32 accumulators (its experts) would mix fp32 with fp64 weights in the fp64 reference;
+    inside `keep_float64` fp32 casts and requests give fp64. Other runs, casts that also move,
+    and other dtypes are untouched."""
+    from torch.nn import functional as F
+
+    from onboarding.align.fp64 import keep_float64
+
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="dtype"):
+        F.linear(x.float(), w)
+    with keep_float64(torch.float64):
+        assert F.linear(x.float(), w).dtype == torch.float64
+        assert x.to(torch.float32).dtype == x.type(torch.float32).dtype == torch.float64
+        assert x.to(dtype=torch.float32).dtype == torch.float64
+        assert x.to(torch.bfloat16).dtype == torch.bfloat16  # not an fp32 cast
+        assert x.to("cpu", torch.float32).dtype == torch.float32  # more than a dtype: left alone
+        assert torch.randn(2, dtype=torch.float16).float().dtype == torch.float64
+        acc = torch.zeros_like(x, dtype=torch.float32)  # an fp32 accumulator the model makes
+        assert acc.dtype == torch.float64 and acc.index_add_(0, torch.tensor([0]), x[:1]).dtype == torch.float64
+        assert torch.arange(3).dtype == torch.int64  # other dtypes as they are
+    with keep_float64(torch.float32):
+        assert x.float().dtype == torch.float32

@@ -95,6 +95,7 @@ from onboarding.align.stats import (
     error_stats,
     within,
 )
+from onboarding.align.fp64 import keep_float64
 from onboarding.graph.torch_paths import torch_reference_paths
 from onboarding.dtypes import DTYPES, as_dtype
 from onboarding.dtypes import dtype_name as _dtype_name
@@ -310,7 +311,7 @@ def _run(model: nn.Module, graph: OpGraph, inputs: tuple, kwargs: dict, seed: in
     rec = _Recorder(model, graph.blocks)
     try:
         # the reference is the model's own torch code, never an optional kernel library it picked
-        with torch.enable_grad(), torch_reference_paths():
+        with torch.enable_grad(), torch_reference_paths(), keep_float64(dtype):
             args = _map(tuple(inputs), lambda t: t.to(dtype) if t.is_floating_point() else t)
             out = model(*args, **kwargs)
             logits = _logits(out)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from onboarding.align.stats import _float_slots, _map, _split, _tensors
+from onboarding.align.fp64 import keep_float64
 from onboarding.graph.torch_paths import torch_reference_paths
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
 
     args, kwargs = _map(base.args, build)
     params = [p for p in module.parameters() if p.requires_grad]
-    with torch.enable_grad(), torch_reference_paths():
+    with torch.enable_grad(), torch_reference_paths(), keep_float64(dtype):
         out = module(*args, **kwargs)
         floats, discrete = _split(_tensors(out))
         if drop:
