@@ -325,8 +325,8 @@ def test_sink_attention_proxy_aligns(parse_model, kernel_dir):
 def test_fp64_reference_keeps_fp64_through_the_models_fp32_upcasts():
     """A model that upcasts with `.float()` / `.to(torch.float32)` (Inkling 2's router) or makes
     fp32 accumulators (its experts) would mix fp32 with fp64 weights in the fp64 reference;
-    inside `keep_float64` fp32 casts and requests give fp64. Other runs, casts that also move,
-    and other dtypes are untouched."""
+    inside `keep_float64` every fp32 handed to torch is fp64 (Qwen3-Next's gated delta rule casts
+    with a memory format too). Other runs and other dtypes are untouched."""
     from torch.nn import functional as F
 
     from onboarding.align.fp64 import keep_float64
@@ -339,7 +339,8 @@ def test_fp64_reference_keeps_fp64_through_the_models_fp32_upcasts():
         assert x.to(torch.float32).dtype == x.type(torch.float32).dtype == torch.float64
         assert x.to(dtype=torch.float32).dtype == torch.float64
         assert x.to(torch.bfloat16).dtype == torch.bfloat16  # not an fp32 cast
-        assert x.to("cpu", torch.float32).dtype == torch.float32  # more than a dtype: left alone
+        assert x.to("cpu", torch.float32).dtype == torch.float64
+        assert x.to(torch.float32, memory_format=torch.contiguous_format).dtype == torch.float64
         assert torch.randn(2, dtype=torch.float16).float().dtype == torch.float64
         acc = torch.zeros_like(x, dtype=torch.float32)  # an fp32 accumulator the model makes
         assert acc.dtype == torch.float64 and acc.index_add_(0, torch.tensor([0]), x[:1]).dtype == torch.float64

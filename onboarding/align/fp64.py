@@ -6,9 +6,10 @@ dtype=torch.float32)``): in a bf16 or fp32 model that is a step up or a no-op. I
 reference it would be a step *down*, and the model's fp32 islands then meet fp64 weights and
 tensors: Inkling 2's router (``F.linear`` of its ``hidden_states.float()`` and an fp64 weight)
 and its experts (``index_add_`` of fp64 outputs into an fp32 buffer) stopped the reference run.
-Inside `keep_float64` a cast of a floating tensor to fp32 gives fp64, and a call asked for
-``dtype=torch.float32`` gets fp64, so the reference computes in fp64 throughout. Casts to other
-dtypes (bf16, integers), and casts that also move or copy, are left alone.
+Inside `keep_float64` every fp32 a torch function is handed (``.to(torch.float32, ...)``,
+``dtype=torch.float32``) is fp64 and ``.float()`` is ``.double()``, so the reference computes in
+fp64 throughout, its fp32 islands included (before, Qwen3-Next's torch gated delta rule, which
+casts its inputs to fp32, ran in fp32 inside the fp64 reference). Other dtypes are left alone.
 """
 
 from __future__ import annotations
@@ -20,35 +21,27 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_CASTS = {torch.Tensor.float, torch.Tensor.to, torch.Tensor.type}
 
-
-def _to_float32(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether this call only casts its floating tensor to fp32 (no device or copy option)."""
-    if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
-        return False
-    if func is torch.Tensor.float:
-        return len(args) == 1 and not kwargs
-    rest = [*args[1:], *kwargs.values()]
-    if func is torch.Tensor.type:
-        return len(rest) == 1 and rest[0] in (torch.float32, "torch.FloatTensor")
-    # Tensor.to(dtype) / .to(dtype=...); .to(device, dtype) and copy/non_blocking do more
-    return len(rest) == 1 and rest[0] is torch.float32
+def _swap(v: Any) -> Any:
+    return torch.float64 if v is torch.float32 else v
 
 
 class _Float32IsFloat64(TorchFunctionMode):
+    """Every torch.float32 handed to a torch function (a cast's dtype, a factory's ``dtype=``)
+    becomes torch.float64, and ``Tensor.float()`` is ``Tensor.double()``."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _CASTS and _to_float32(func, args, kwargs):
-            return args[0].to(torch.float64)
-        if kwargs.get("dtype") is torch.float32:
-            kwargs = {**kwargs, "dtype": torch.float64}
+        if func is torch.Tensor.float:
+            return torch.Tensor.to(args[0], torch.float64, **kwargs)
+        args = tuple(_swap(a) for a in args)
+        kwargs = {k: _swap(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def keep_float64(dtype: torch.dtype) -> Iterator[None]:
-    """Inside: fp32 casts and fp32 requests give fp64, when ``dtype`` (the run's) is fp64."""
+    """Inside: fp32 is fp64 (`_Float32IsFloat64`), when ``dtype`` (the run's) is fp64."""
     if dtype != torch.float64:
         yield
         return
