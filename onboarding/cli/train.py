@@ -266,12 +266,14 @@ def outcome(out: Path, rc: int) -> dict:
 
 def train_plan(cfg: TrainConfig, info):
     """The plan of the model as it will train (the proxy, or the full size with proxy none) in
-    this run's layout: built on meta from its config, block kinds from the tiny proxy."""
-    from onboarding.graph.parse import load_stage, parse_stage
+    this run's layout: built on meta from its config, block kinds from the tiny proxy captured
+    as `onboard plan` captures it (`onboarding.plan.capture.plan_graph`)."""
+    from onboarding.graph.parse import load_stage
     from onboarding.plan import PlanConfig, load_cluster, run_plan
+    from onboarding.plan.capture import plan_graph
     from onboarding.train.setup import resolve_device
 
-    graph = parse_stage(load_stage(info.loaded, "tiny"), seq=64, try_export=False)
+    graph, notes = plan_graph(load_stage(info.loaded, "tiny"))
     pc = PlanConfig(gpus=cfg.nproc, ep=cfg.ep, seq=cfg.seq_len, micro_batch=cfg.micro_batch,
                     lora_rank=cfg.lora_rank, expert_lora=cfg.expert_lora,
                     recompute=cfg.recompute_mode,
@@ -279,7 +281,7 @@ def train_plan(cfg: TrainConfig, info):
     cluster = load_cluster()
     if resolve_device(cfg).type == "cpu":  # gloo on the CPU: the host's memory per process
         cluster.gpu_mem_gib, cluster.gpu_mem_source = _host_gib() / cfg.nproc, "host memory"
-    return run_plan(info, graph, pc, cluster, config=info.proxy_config)
+    return run_plan(info, graph, pc, cluster, config=info.proxy_config, notes=notes)
 
 
 def _host_gib() -> float:
