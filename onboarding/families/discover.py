@@ -322,6 +322,5 @@ def match_block(block: Any) -> list[tuple[str, dict[str, Any]]]:
                 # "serves": the part of the block it serves, when not the whole block (an
                 # attention core written out inside a block whose projections stay GEMMs)
                 out.append((name, {"variant": one["variant"], "params": one["params"],
-                                   **({"note": one["note"]} if one.get("note") else {}),
-                                   **({"serves": one["serves"]} if one.get("serves") else {})}))
+                                   **{k: one[k] for k in ("note", "serves") if one.get(k)}}))
     return out

@@ -189,17 +189,14 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
             kept += FP32 * h  # log-sum-exp
             if kind == "attention.gated":
                 kept += 2 * BF16 * h * dv  # the sigmoid gate and the output it multiplies
-        if kind == "sparse_attention.topk":
+        if kind == "sparse_attention.topk" or (kind == "attention.compressed"
+                                               and b.attrs.get("topk")):
             from onboarding.train.flops import _int
 
-            ih = _int(shape.config, "index_n_heads") or 1
-            transient = FP32 * ih * cfg.seq  # [B, T, H_idx, T] scores: per token x T
-        elif kind == "attention.compressed" and b.attrs.get("topk"):
-            from onboarding.train.flops import _int
-
-            # the indexer's [B, T, H_idx, C] scores over the C = T / r pooled entries
-            ih = _int(shape.config, "index_n_heads") or 1
-            transient = FP32 * ih * max(cfg.seq // int(b.attrs.get("compress_ratio") or 1), 1)
+            # the indexer's fp32 scores, per token: [B, T, H_idx, T] over every key, or
+            # [B, T, H_idx, T / r] over compressed attention's pooled entries
+            r = int(b.attrs.get("compress_ratio") or 1) if kind == "attention.compressed" else 1
+            transient = FP32 * (_int(shape.config, "index_n_heads") or 1) * max(cfg.seq // r, 1)
         return kept, 0.0, transient
     if kind == "moe.router":
         e = shape.n_experts or 1
