@@ -754,6 +754,16 @@ def test_residual_streams_mixed_by_routed_coefficients(parse_model):
         {("projections (GEMM)", "torch_fast")}
 
 
+def _assert_stream_mixes(by: dict, attrs: dict) -> None:
+    """Both layers' hyper-connection modules around attention and MLP read `residual.streams`
+    mix over 4 streams of width 32, with ``attrs``."""
+    for i in (0, 1):
+        for hc in ("attn_hc", "mlp_hc"):
+            b = by[f"layers.{i}.{hc}"]
+            assert b.kind == "residual.streams", (b.kind, b.evidence)
+            assert b.attrs == {"role": "mix", "streams": 4, "stream_width": 32, **attrs}
+
+
 @pytest.mark.parametrize("cls,attrs", [
     ("StaticHyperLM", {"coefficients": "static"}),
     ("DynamicHyperLM", {"coefficients": "dynamic", "projection": "per_stream"}),
@@ -779,11 +789,8 @@ def test_hyper_connections_are_residual_stream_blocks(parse_model, cls, attrs):
     by = {b.path: b for b in g.blocks}
     assert g.layer_pattern == "AF AF"
     assert not any(b.kind == "unknown" for b in g.blocks)
+    _assert_stream_mixes(by, attrs)
     for i in (0, 1):
-        for hc in ("attn_hc", "mlp_hc"):
-            b = by[f"layers.{i}.{hc}"]
-            assert b.kind == "residual.streams", (b.kind, b.evidence)
-            assert b.attrs == {"role": "mix", "streams": 4, "stream_width": 32, **attrs}
         assert by[f"layers.{i}.attn"].kind == "attention.full"
         assert by[f"layers.{i}.mlp"].kind == "mlp.dense"
     cov = build_coverage(g)
@@ -1072,11 +1079,7 @@ def test_hyper_connections_with_streams_folded_into_the_batch(parse_model, cls, 
     by = {b.path: b for b in g.blocks}
     assert g.layer_pattern == "AF AF"
     assert not any(b.kind == "unknown" for b in g.blocks)
-    for i in (0, 1):
-        for hc in ("attn_hc", "mlp_hc"):
-            b = by[f"layers.{i}.{hc}"]
-            assert b.kind == "residual.streams", (b.kind, b.evidence)
-            assert b.attrs == {"role": "mix", "streams": 4, "stream_width": 32, **attrs}
+    _assert_stream_mixes(by, attrs)
     # the dispatch capture (`onboard plan`'s) reads the same
     d = parse_model(f"tests/fixtures/folded_hyper_connection_models.py:{cls}", seq=12,
                     try_export=False)
