@@ -614,6 +614,13 @@ def test_bf16_vs_fp32_on_gpu(module, device, cfg):
 _BAR_NAMES = ["y", "final_state", "dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dinitial_state"]
 
 
+def _outputs_and_grads(module, inputs, dy, dht) -> list:
+    """y, the final state and every input's gradient of one scan (initial state: inputs[7])."""
+    inputs = [a.clone().requires_grad_() for a in inputs]
+    y, ht = module.ssd_scan(*inputs[:7], initial_state=inputs[7], return_final_state=True)
+    return [y, ht, *torch.autograd.grad((y, ht), inputs, (dy.to(y.dtype), dht))]
+
+
 def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list, torch.Tensor, torch.Tensor]:
     """The bars tests' inputs at (b, t, h, p, g, n), seed 11: x, dt, A, B, C, D, dt_bias and the
     initial state in `dtype` (A and the state fp32, as in the models), the same values in fp32,
@@ -670,15 +677,10 @@ def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
         pytest.skip("the interpreter's emulation of the 16-bit path (on a GPU: test_bf16_vs_fp32_on_gpu)")
     low, full, dy, dht = _low_and_full((1, 270, 2, 64, 1, 64), torch.float16, device)
 
-    def run(inputs):
-        inputs = [a.clone().requires_grad_() for a in inputs]
-        y, ht = module.ssd_scan(*inputs[:7], initial_state=inputs[7], return_final_state=True)
-        return [y, ht, *torch.autograd.grad((y, ht), inputs, (dy.to(y.dtype), dht))]
-
     module.set_config(cfg or None)
     try:
         with fp16_dot_path(monkeypatch, module):
-            got, ref = run(low), run(full)
+            got, ref = _outputs_and_grads(module, low, dy, dht), _outputs_and_grads(module, full, dy, dht)
     finally:
         module.set_config(CPU_CONFIG)
     errs = {k: ((a.float() - r.float()).norm() / r.float().norm()).item() for k, a, r in zip(_BAR_NAMES, got, ref)}
@@ -699,15 +701,10 @@ def test_fp16_ddt_bias_long_t(module, device, monkeypatch):
         pytest.skip("the interpreter's emulation of the 16-bit path (on a GPU: test_bf16_vs_fp32_on_gpu)")
     low, full, dy, dht = _low_and_full((1, 1000, 2, 64, 1, 64), torch.float16, device)
 
-    def run(inputs):
-        inputs = [a.clone().requires_grad_() for a in inputs]
-        y, ht = module.ssd_scan(*inputs[:7], initial_state=inputs[7], return_final_state=True)
-        return [y, ht, *torch.autograd.grad((y, ht), inputs, (dy.to(y.dtype), dht))]
-
     module.set_config(None)
     try:
         with fp16_dot_path(monkeypatch, module):
-            got, ref = run(low), run(full)
+            got, ref = _outputs_and_grads(module, low, dy, dht), _outputs_and_grads(module, full, dy, dht)
     finally:
         module.set_config(CPU_CONFIG)
     errs = {k: ((a.float() - r.float()).norm() / r.float().norm()).item() for k, a, r in zip(_BAR_NAMES, got, ref)}
