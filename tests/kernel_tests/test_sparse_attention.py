@@ -459,11 +459,12 @@ for cfg in json.loads(sys.argv[2]):
     for spec in [s for s in m.aot_specs("bf16", 576) if s["kernel"].endswith(names)]:
         sig = spec["signature"]
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or sig[n] == "i32"}
-        c = triton.compile(ASTSource(fn=kernels[spec["kernel"]], signature=sig, constexprs=spec["constexprs"], attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+        with aot._triton_ptxas_log() as log:  # the build's own registers and spills
+            c = triton.compile(ASTSource(fn=kernels[spec["kernel"]], signature=sig, constexprs=spec["constexprs"], attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
         g = c.asm["ttgir"]
-        regs, spills = aot._ptxas_usage(c.asm["ptx"], 90)
+        regs, spills = aot._usage_in_log(log.getvalue())
         out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared), "regs": regs, "spills": spills,
                     "async": g.count("async_copy_global_to_local"),
                     "mma_warps": sorted(set(re.findall(r"nvidia_mma<{[^}]*warpsPerCTA = (\\[[0-9, ]+\\])", g)))})
