@@ -76,8 +76,13 @@ def parse_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]
 
 def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     """Memory per GPU, communication and step time of the full-size model (on meta) for its
-    FSDP x EP layouts (`onboarding.plan`); writes plan.json, plan.md and plan.png."""
+    FSDP x EP layouts (`onboarding.plan`); writes plan.json, plan.md and plan.png. The block
+    kinds come from the tiny proxy captured as `onboard plan` captures it
+    (`onboarding.plan.capture.plan_graph`: again longer where an attention block's parameters
+    sat idle at T = 64), not from the run's own graph; the capture's notes join the plan's."""
+    from onboarding.graph.parse import load_stage
     from onboarding.plan import PlanConfig, load_cluster, run_plan
+    from onboarding.plan.capture import plan_graph
 
     step = _progress("plan")
     run_dir, c = node_run_dir(state, config), state.config
@@ -87,8 +92,12 @@ def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     gpus = c.plan_gpus or torch.cuda.device_count() or 8
     step(f"planning the full-size model on {gpus} GPUs at {c.plan_seq} tokens")
     try:
-        plan = run_plan(run_load(c.model), OpGraph.load(run_dir / "opgraph.json"),
-                        PlanConfig(gpus=gpus, seq=c.plan_seq), load_cluster(), run_dir)
+        info = run_load(c.model)
+        step("block kinds from the tiny proxy, as onboard plan captures it")
+        graph, notes = plan_graph(info if info.proxy_size == "tiny"
+                                  else load_stage(info.loaded, "tiny"))
+        plan = run_plan(info, graph, PlanConfig(gpus=gpus, seq=c.plan_seq), load_cluster(),
+                        run_dir, notes=notes)
     except Exception as exc:  # a plan is advice: its failure is recorded, onboarding goes on
         why = f"plan failed: {type(exc).__name__}: {exc}"
         append_event(run_dir, {"node": "plan", "event": "error", "error": why})

@@ -464,3 +464,39 @@ def test_heterogeneous_config_widths_per_layer():
     assert attention_core(shape, b, 4096) == pytest.approx(want)
     assert want < 2 * _attention_core(cfg, b.kind, 4096, {}, None)  # not the widest at every layer
     assert b.windows == [(512, 1, "module"), (None, 1, "layer_types")]
+
+
+def test_agent_plan_node_takes_the_plans_own_capture(tmp_path):
+    """The agent's plan node plans from `plan.capture.plan_graph` as `onboard plan` does, not from
+    the run's T = 64 graph: hf:deepseek_v4's length-gated HCA layers read
+    `attention.compressed` in its plan.json and the capture's note is in its notes; a failure
+    is recorded, onboarding goes on (a plan is advice)."""
+    from agents.nodes import plan_node
+    from agents.state import RunConfig, RunState
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+
+    from transformers import AutoConfig
+
+    v4 = AutoConfig.for_model("deepseek_v4")  # five layers, 16 experts: the full size builds fast
+    spec = ModelSpec(ref="hf:deepseek_v4", overrides={
+        "num_hidden_layers": 5, "layer_types": v4.layer_types[:5],
+        "mlp_layer_types": v4.mlp_layer_types[:5], "n_routed_experts": 16})
+    info = load_stage(spec.load(), "tiny")
+    run_graph = parse_stage(info, seq=64, try_export=False)  # the run's own: HCA reads as MLA
+    assert any(b.kind == "attention.mla" for b in run_graph.blocks)
+    run_graph.save(tmp_path / "opgraph.json")
+    state = RunState(config=RunConfig(model=spec, plan_gpus=8), run_dir=str(tmp_path))
+    update = plan_node(state)
+    assert update["artifacts"]["plan"] == "plan.json"
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    kinds = {b["kind"] for b in plan["shape"]["blocks"] if b["pattern"].endswith("self_attn")}
+    assert kinds == {"attention.compressed"}
+    assert any("captured again at T=256" in n and "attention.mla -> attention.compressed" in n
+               for n in plan["notes"])
+    assert "captured again at T=256" in (tmp_path / "plan.md").read_text()
+    broken = RunState(config=RunConfig(model=ModelSpec(
+        ref="hf:deepseek_v4", overrides={**spec.overrides, "hidden_size": 0}), plan_gpus=8),
+        run_dir=str(tmp_path))
+    update = plan_node(broken)
+    assert update["summary"]["plan"].startswith("plan failed: ") and "plan" in update["completed"]
