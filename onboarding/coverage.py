@@ -26,7 +26,7 @@ from typing import Any
 
 from onboarding.errors import InputError
 from onboarding.graph.opgraph import Block, OpGraph
-from onboarding.families import get_family, match_block
+from onboarding.families import get_family, match_block, refused_by
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 # more folders of reviewed modules, os.pathsep-separated (searched after KERNELS_DIR)
@@ -191,6 +191,14 @@ def _unserved_parts(b: Block) -> list[tuple[str, str]]:
     return out
 
 
+def _refused(family: str, refusal: dict[str, Any]) -> str:
+    """Coverage's reason for a part a family's kind serves but its binding would not take
+    (`FamilySpec.refusal`): what patching would do instead."""
+    return (f"{family} serves this kind but its binding would leave this block unpatched "
+            f"({refusal['reason']}): the block's own code runs it unless the generate stage's "
+            "fallback (an LLM-written family, torch.compile) passes its check")
+
+
 def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage:
     reviewed = reviewed_kernels(kernels_root)
     entries: list[CoverageEntry] = []
@@ -211,14 +219,18 @@ def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage
         for op, reason in _fast_paths(b):
             entries.append(CoverageEntry(**base, op=op, status="torch_fast", reason=reason))
         served = {m["serves"] for _, m in matched if m.get("serves")}
+        refused = refused_by(b)
         for op, reason in _unserved_parts(b):
             if op in served:  # a family serves this part (its entry above)
                 continue
-            entries.append(CoverageEntry(**base, op=op, status="uncovered", reason=reason))
+            why = [_refused(f, r) for f, r in refused if r["serves"] == op]
+            entries.append(CoverageEntry(**base, op=op, status="uncovered",
+                                         reason="; ".join([reason, *why])))
         if b.kind in CORE_OPS and not any(e.path == b.path and e.status in ("kernel", "template")
                                           for e in entries):
+            why = [_refused(f, r) for f, r in refused if not r["serves"]]
             entries.append(CoverageEntry(**base, op=CORE_OPS[b.kind], status="uncovered",
-                                         reason="no family matches this block yet"))
+                                         reason="; ".join(why) or "no family matches this block yet"))
         if not any(e.path == b.path for e in entries):
             entries.append(CoverageEntry(**base, op=b.kind, status="uncovered",
                                          reason="no family, template or fast path matches"))

@@ -26,7 +26,12 @@ the window (any integer argument was tried before: one that is no window and lar
 first call's length would have passed that check and cut later, longer calls).
 The call's scaling and dropout arguments are read by the interface's names (``scaling`` None:
 head_dim ** -0.5); a dropout that is on in training, or any other named argument set (a logit
-soft-cap), keeps the original function.
+soft-cap, a position bias), keeps the original function.
+
+The tests on a call's arguments (`structure_problem`, `readings`, `unknown_arguments`) read them
+as `callswap.describe` writes them, so `refusal` runs the same tests on the calls the parse stage
+recorded (`callswap.record_core_calls`, the family's `probe`): coverage then says what this
+binding will do with the block (the family's `refusal` and `match`).
 """
 
 from __future__ import annotations
@@ -39,44 +44,93 @@ import torch
 from torch import nn
 
 from onboarding.graph.opgraph import Block
-from onboarding.patching.callswap import Interface, bound_arguments, install, min_required
+from onboarding.patching.callswap import (Interface, bound_arguments, describe, install,
+                                          is_tensor, min_required)
 from onboarding.patching.core import PatchRecord, entry_function
+
+
+NONE_FOUND = ("the block calls no attention-interface-like function (module, query, key, value, "
+              "attention_mask, ...); its core runs inline")
+
+
+def structure_problem(args: dict[str, Any]) -> str | None:
+    """Why a call's bound named arguments (described, `callswap.describe`) are not the attention
+    interface's (block, query, key, value, attention_mask, ...), or None."""
+    names = list(args)
+    if len(names) < 5:
+        return "fewer than five arguments"
+    if not all(is_tensor(args[n], 4) for n in names[1:4]):
+        return "query, key and value are not [B, H, T, D] tensors"
+    if args[names[4]] is not None and not is_tensor(args[names[4]]):
+        return "the mask is not a tensor"
+    return None
 
 
 def _arguments(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, ...]:
     """(block, q, k, v, mask, named, extra): ``fn``'s arguments bound by its own signature; the
     first five positional ones, its other named parameters, and what its ``**kwargs`` took."""
     named, extra = bound_arguments(fn, args, kwargs)
+    problem = structure_problem({n: describe(v) for n, v in named.items()})
+    if problem:
+        raise TypeError(problem)
     names = list(named)
-    if len(names) < 5:
-        raise TypeError("fewer than five arguments")
     block, q, k, v, mask = (named.pop(n) for n in names[:5])
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        raise TypeError("query, key and value are not [B, H, T, D] tensors")
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        raise TypeError("the mask is not a tensor")
     return block, q, k, v, mask, named, extra
 
 
-def _variants(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, bool, int]]:
-    """(sink source, causal, window) readings to try, in order (the module docstring)."""
-    try:
-        block, q, _, _, _, named, extra = _arguments(fn, args, kwargs)
-    except TypeError:
-        return [(None, True, 0)]  # the call itself says why
-    heads = q.shape[1]
-    sinks: list[Any] = []
-    if isinstance(block, nn.Module):
-        sinks += [("param", n) for n, p in block.named_parameters(recurse=False)
-                  if p.dim() == 1 and p.numel() == heads]
-    values = {**named, **extra}
-    sinks += [("arg", n) for n, t in values.items()
-              if isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == heads]
+def readings(args: dict[str, Any], kwargs: dict[str, Any], vectors: dict[str, int]
+             ) -> list[tuple[Any, bool, int]]:
+    """(sink source, causal, window) readings to try, in order (the module docstring), from a
+    call's described arguments (`callswap.describe`: ``args`` its named parameters, the first five
+    the interface's, ``kwargs`` what its ``**kwargs`` took) and the block's own 1-D parameters
+    (``vectors``: name -> entries)."""
+    names = list(args)
+    heads = args[names[1]]["tensor"][1]
+    sinks: list[Any] = [("param", n) for n, size in vectors.items() if size == heads]
+    values = {**{n: args[n] for n in names[5:]}, **kwargs}
+    sinks += [("arg", n) for n, d in values.items() if is_tensor(d, 1) and d["tensor"][0] == heads]
     sinks.append(None)
     w = values.get("sliding_window")
     windows = [w] if isinstance(w, int) and not isinstance(w, bool) and w > 0 else []
     bands = [(True, w) for w in windows] + [(True, 0), (False, 0)]
     return [(s, c, w) for s in sinks for c, w in bands]
+
+
+def unknown_arguments(named: dict[str, Any], variant: tuple[Any, bool, int]) -> list[str]:
+    """The function's own named arguments past the first five (described), other than scaling
+    and dropout, that may change the maths under ``variant`` and that the kernel does not take:
+    a tensor other than the reading's sink, a non-zero number other than its window, any other
+    set value. The swap keeps the original function when there are any (`_call`)."""
+    source, _, window = variant
+
+    def is_set(name: str, val: Any) -> bool:
+        if val is None or val is False:
+            return False
+        if is_tensor(val):
+            return source != ("arg", name)
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return val != 0 and not (isinstance(val, int) and val == window)
+        return True
+
+    return [n for n, val in named.items() if n not in ("scaling", "dropout") and is_set(n, val)]
+
+
+def _vectors(block: Any) -> dict[str, int]:
+    """The block's own 1-D parameters (name -> entries): the sink candidates."""
+    if not isinstance(block, nn.Module):
+        return {}
+    return {n: p.numel() for n, p in block.named_parameters(recurse=False) if p.dim() == 1}
+
+
+def _variants(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, bool, int]]:
+    """(sink source, causal, window) readings to try, in order (the module docstring)."""
+    try:
+        block = _arguments(fn, args, kwargs)[0]
+        named, extra = bound_arguments(fn, args, kwargs)
+    except TypeError:
+        return [(None, True, 0)]  # the call itself says why
+    return readings({n: describe(v) for n, v in named.items()},
+                    {n: describe(v) for n, v in extra.items()}, _vectors(block))
 
 
 def _call(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, variant: Any) -> Any:
@@ -87,17 +141,7 @@ def _call(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, variant: An
     dropout = named.pop("dropout", extra.pop("dropout", 0.0))
     if dropout and getattr(block, "training", False):
         raise TypeError(f"attention dropout {dropout} in training: the kernel does not drop")
-
-    def is_set(name: str, val: Any) -> bool:  # an argument that may change the maths
-        if val is None or val is False:
-            return False
-        if isinstance(val, torch.Tensor):
-            return source != ("arg", name)
-        if isinstance(val, (int, float)) and not isinstance(val, bool):
-            return val != 0 and not (isinstance(val, int) and val == window)
-        return True
-
-    unknown = [n for n, val in named.items() if is_set(n, val)]
+    unknown = unknown_arguments({n: describe(val) for n, val in named.items()}, variant)
     if unknown:
         raise TypeError(f"arguments the kernel does not take: {unknown}")
     sinks = None
@@ -106,6 +150,48 @@ def _call(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, variant: An
         sinks = getattr(block, name) if where == "param" else {**named, **extra}[name]
     o = kernel(q, k, v, sinks, mask, None if scale is None else float(scale), causal, window)
     return o.transpose(1, 2).contiguous(), None
+
+
+def call_refusal(call: dict[str, Any], vectors: dict[str, int]) -> str | None:
+    """Why the swap would keep the original function at this recorded core call
+    (`callswap.record_core_calls`; ``vectors``: the block's own 1-D parameters), by the same
+    tests its calls run (`structure_problem`, `readings`, `unknown_arguments`), or None when some
+    reading takes its arguments (calibration then judges the numbers). Not read here: dropout in
+    training (the probe runs in eval mode) and the numbers themselves."""
+    if "error" in call:
+        return call["error"]
+    args, kwargs = call["args"], call["kwargs"]
+    problem = structure_problem(args)
+    if problem:
+        return f"TypeError: {problem}"
+    rest = {n: args[n] for n in list(args)[5:]}
+    first = None
+    for variant in readings(args, kwargs, vectors):
+        unknown = unknown_arguments(rest, variant)
+        if not unknown:
+            return None
+        first = first or unknown
+    return f"TypeError: arguments the kernel does not take: {first}"
+
+
+def refusal(found: dict[str, Any], vectors: dict[str, int]) -> str | None:
+    """Why `bind` would leave the block unpatched, read off what the parse stage recorded of its
+    calls (``found``: `callswap.record_core_calls`'s entry for `ATTENTION_CORE`), or None when a
+    call's arguments fit. The same outcomes as `install` and the swaps' first calls: no reachable
+    function (`NONE_FOUND`), none called as a core, or every call's arguments refused (the first
+    reading's reason, as the record says)."""
+    if not found.get("reachable"):
+        return NONE_FOUND
+    calls = found.get("calls") or []
+    if not calls:
+        return f"no {ATTENTION_CORE.what} call matched"
+    whys = []
+    for call in calls:
+        why = call_refusal(call, vectors)
+        if why is None:
+            return None
+        whys.append(f"{call['function']}: {why}")
+    return "; ".join(whys)
 
 
 def _judged(ref: Any) -> Any:
@@ -122,6 +208,4 @@ ATTENTION_CORE = Interface(what="attention-core", fits=min_required(5), call=_ca
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
     """The `binding` hook (`onboarding.patching.core.patch_model`)."""
-    return install(module, entry_function(kernels[0]), record, ATTENTION_CORE,
-                   "the block calls no attention-interface-like function "
-                   "(module, query, key, value, attention_mask, ...); its core runs inline")
+    return install(module, entry_function(kernels[0]), record, ATTENTION_CORE, NONE_FOUND)

@@ -16,7 +16,8 @@ import torch
 from onboarding.families import FamilySpec, ShapeBucket
 
 from . import bench
-from .binding import bind
+from .binding import ATTENTION_CORE, bind
+from .binding import refusal as binding_refusal
 from .tuning import problem_dims, timing_inputs
 
 NAME = "sink_attention"
@@ -25,10 +26,8 @@ NAME = "sink_attention"
 KINDS = ("attention.full", "attention.sliding", "attention.gated")
 
 
-def match(block: Any) -> dict[str, Any] | None:
-    """An attention block whose core is written out (`unfused_core`: softmax over scores
-    [..., T, T], or [..., T, T + 1] with a sink column, materialised; no SDPA op), not MLA, else
-    None. Serves the block's "attention core"; the projections stay cuBLAS GEMMs."""
+def _claims(block: Any) -> dict[str, Any] | None:
+    """What `match` serves of an attention block by its kind and core alone (`match`)."""
     if block.kind not in KINDS or block.attrs.get("layout") == "mla":
         return None
     core = block.attrs.get("unfused_core")
@@ -41,6 +40,30 @@ def match(block: Any) -> dict[str, Any] | None:
     sink = len(scores) >= 2 and scores[-1] == scores[-2] + 1
     return {**m, "serves": "attention core",
             "note": "softmax(QK^T)V fused" + (", the sink column in the softmax" if sink else "")}
+
+
+def refusal(block: Any) -> dict[str, str] | None:
+    """For a block of the kinds `match` serves: why the binding would leave it unpatched, by its
+    own acceptance test (`binding.refusal`) on the core calls the parse stage recorded
+    (attrs ``core_calls``, `FAMILY.probe`), as {"serves", "reason"}; None when it would take the
+    block or nothing was recorded (a graph not probed: the match stands)."""
+    if _claims(block) is None:
+        return None
+    found = (block.attrs.get("core_calls") or {}).get(ATTENTION_CORE.what)
+    if found is None:
+        return None
+    vectors = {n: shape[0] for n, shape in block.params.items() if "." not in n and len(shape) == 1}
+    why = binding_refusal(found, vectors)
+    return None if why is None else {"serves": "attention core", "reason": why}
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """An attention block whose core is written out (`unfused_core`: softmax over scores
+    [..., T, T], or [..., T, T + 1] with a sink column, materialised; no SDPA op), not MLA, and
+    that the binding can take (no `refusal`), else None. Serves the block's "attention core"; the
+    projections stay cuBLAS GEMMs."""
+    m = _claims(block)
+    return None if m is None or refusal(block) is not None else m
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
@@ -96,4 +119,6 @@ FAMILY = FamilySpec(
     timing_inputs=timing_inputs,
     bench_cases=bench.cases,
     binding=bind,
+    probe=ATTENTION_CORE,
+    refusal=refusal,
 )

@@ -21,6 +21,7 @@ import torch
 
 from onboarding.errors import InputError
 from onboarding.families import FamilySpec, Param, ShapeBucket
+from onboarding.patching.sparse import selection_refusal
 
 from . import bench, crossover
 from .binding import bind
@@ -62,12 +63,24 @@ def match_all(block: Any) -> list[dict[str, Any]]:
     return out
 
 
+def refusal(block: Any) -> dict[str, Any] | None:
+    """For a `sparse_attention.topk` block: why the binding's intercept would find no selection to
+    read, by its own test (`patching.sparse.selection_refusal`) on the top-ks over key positions
+    the op graph recorded (attrs ``topk_inputs``), as {"serves": None (the block's core),
+    "reason"}; None when one fits or none was recorded (an older graph: the match stands)."""
+    if block.kind != "sparse_attention.topk" or block.attrs.get("topk_inputs") is None:
+        return None
+    why = selection_refusal(block.attrs["topk_inputs"])
+    return None if why is None else {"serves": None, "reason": why}
+
+
 def match(block: Any) -> dict[str, Any] | None:
-    """The `gathered` variant for a `sparse_attention.topk` block, with the indexer in "also" and,
-    as "note" (coverage's reason), when the patching runs the kernel and when the block's own
-    dense attention by the measured crossover (`crossover.summary`)."""
+    """The `gathered` variant for a `sparse_attention.topk` block the binding can take (no
+    `refusal`), with the indexer in "also" and, as "note" (coverage's reason), when the patching
+    runs the kernel and when the block's own dense attention by the measured crossover
+    (`crossover.summary`)."""
     found = match_all(block)
-    if not found:
+    if not found or refusal(block) is not None:
         return None
     layout = found[0]["params"].get("layout", "mha")
     return {**found[0], "also": found[1:],
@@ -225,4 +238,5 @@ FAMILY = FamilySpec(
     bench_cases=bench.cases,
     bench_nightly=bench.NIGHTLY,
     binding=bind,
+    refusal=refusal,
 )

@@ -5,9 +5,10 @@ folders found (built-in `kernel_templates/<family>/`, `--families DIR`, `ONBOARD
 
 from onboarding.families.discover import (ENV_VAR, Family, FamilyWarning, Skipped, add_dirs,
                                           families, family_module, get_family, training_kernel,
-                                          match_block, registry, reset, skipped, subprocess_env)
+                                          match_block, refused_by, registry, reset, skipped,
+                                          subprocess_env)
 from onboarding.families.spec import FamilySpec, NightlySpec, Param, ShapeBucket
 
 __all__ = ["ENV_VAR", "Family", "FamilySpec", "FamilyWarning", "Param", "ShapeBucket", "Skipped",
            "add_dirs", "families", "family_module", "get_family", "training_kernel",
-           "match_block", "NightlySpec", "registry", "reset", "skipped", "subprocess_env"]
+           "match_block", "NightlySpec", "refused_by", "registry", "reset", "skipped", "subprocess_env"]

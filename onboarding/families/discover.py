@@ -310,6 +310,17 @@ def training_kernel(kind: str) -> tuple[str, str] | None:
     return None
 
 
+def refused_by(block: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Every family whose `refusal` says its binding would leave ``block`` unpatched, as (family
+    name, {"serves": the part or None for the block's core, "reason"}); such a family's `match`
+    does not accept the block."""
+    out = []
+    for name, spec in families().items():
+        if spec.refusal is not None and (r := spec.refusal(block)) is not None:
+            out.append((name, {"serves": r.get("serves"), "reason": str(r.get("reason", ""))}))
+    return out
+
+
 def match_block(block: Any) -> list[tuple[str, dict[str, Any]]]:
     """Every family whose `match` accepts `block`, as (family name, {"variant", "params"})."""
     out = []

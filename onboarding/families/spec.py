@@ -143,6 +143,16 @@ class FamilySpec:
     # modules for the block, the one keyed (path, family) first); returns the patch's undo, or
     # None with `record` rejected and saying why (see `onboarding.patching.core.patch_model`).
     binding: Callable[..., Callable[[], None] | None] | None = field(default=None, compare=False)
+    # probe: the `onboarding.patching.callswap.Interface` the binding swaps by; the parse stage
+    # records, for each block `match` accepts, what a swap by it would find and be handed
+    # (`callswap.record_core_calls`), as ``block.attrs["core_calls"][interface.what]``, so that
+    # `refusal` can run the binding's own acceptance test on the op graph.
+    probe: Any = field(default=None, compare=False)
+    # refusal(block) -> {"serves": the part (None: the block's core), "reason"} | None: why the
+    # binding would leave a block of the kinds `match` serves unpatched, read off the op graph by
+    # the binding's own acceptance test (`match` returns None for such a block; coverage says
+    # the reason instead of "template").
+    refusal: Callable[[Any], dict[str, Any] | None] | None = field(default=None, compare=False)
     # tune: problem_dims(entry, block) -> {dim: size} | None, the real problem dims of one
     # coverage entry (`.shapes` its block's input shapes, `.variant`, `.params`) and its
     # `opgraph.Block` (None when the graph lacks it), read off input shapes, weights and attrs.

@@ -110,6 +110,16 @@ def _topks(recs: list[OpRecord]) -> list[tuple[OpRecord, int, int]]:
     return out
 
 
+def _topk_input(r: OpRecord) -> dict[str, Any]:
+    """What a top-k selects over: its input's shape and dtype, the dim, and whether it takes the
+    largest (a binding that reads the selection tests these: `patching.sparse.selects_keys`)."""
+    def arg(i: int, name: str, default: Any) -> Any:
+        v = r.scalars[i] if len(r.scalars) > i and r.scalars[i] is not None else r.kwargs.get(name)
+        return default if v is None else v
+    return {"shape": r.in_shapes[0], "dtype": r.in_dtypes[0] if r.in_dtypes else None,
+            "dim": arg(2, "dim", -1), "largest": bool(arg(3, "largest", True))}
+
+
 def _attention_softmax(recs: list[OpRecord], seq: int, pooled: int = 0) -> list[str]:
     """Evidence of softmax attention: fused SDPA, or a softmax over [.., T, T] scores (one more
     column: a sink). With ``pooled`` = C compressed entries (`_compressed_kv`), scores over the
@@ -1337,7 +1347,7 @@ class Classifier:
             relu = any(x.op in ("relu", "relu_") for x in recs)
             ev.append(f"topk k={k} over {n} key positions" + (" of ReLU indexer scores"
                                                                if relu else ""))
-            attrs.update(topk=k, indexer_relu=relu)
+            attrs.update(topk=k, indexer_relu=relu, topk_inputs=[_topk_input(t) for t, _, _ in seq_topk])
             return "sparse_attention.topk", ev, attrs
         if latent:
             return "attention.mla", ev, attrs

@@ -218,6 +218,13 @@ def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, d
     ctx_seq = model.tokens_per_image(batch, seq) if hasattr(model, "tokens_per_image") else seq
     ctx_cfg = model.config if hasattr(model, "tokens_per_image") else info.proxy_config
     blocks = Classifier(cap, _context(model, cap, ctx_cfg, ctx_seq)).run()
+    # what the call-swapping bindings would find in the blocks their families match (one more
+    # forward): coverage runs each binding's acceptance test on it (`onboarding.patching.probe`)
+    from onboarding.patching.probe import probe_core_calls
+
+    probe_note = probe_core_calls(model, blocks, lambda: model(*inputs, **kwargs))
+    if probe_note:
+        cap.note = f"{cap.note}; {probe_note}" if cap.note else probe_note
     first_op: dict[str, int] = {}
     for r in cap.records:
         first_op.setdefault(r.module, r.index)

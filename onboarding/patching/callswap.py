@@ -208,6 +208,37 @@ class Interface:
     # fused kernel never forms, as transformers' own fused paths return None for them)
     judged: Callable[[Any], Any] | None = None
 
+    def core_call(self, block: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether a call of a reachable function is a core call (the swap calibrates on it)
+        rather than a helper's: it is handed no module, or, with `takes_block`, the block itself
+        first and no other module. The swap (`_Swap`) and the parse stage's probe
+        (`record_core_calls`) both decide by this."""
+        handed = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)]
+        if self.takes_block and args and args[0] is block:
+            handed = handed[1:]  # the block, as the interface hands it: a core call
+        return not handed
+
+
+def describe(value: Any) -> Any:
+    """An argument's structure as JSON (what the op graph records of a core call and a binding's
+    acceptance test reads, `record_core_calls`): a tensor {"tensor": shape, "dtype": ...}, a
+    module {"module": its class}, None / bool / int / float / str themselves, a tuple or list
+    element by element, anything else {"object": its type}."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    if isinstance(value, nn.Module):
+        return {"module": type(value).__name__}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [describe(v) for v in value]
+    return {"object": type(value).__name__}
+
+
+def is_tensor(desc: Any, dim: int | None = None) -> bool:
+    """A described argument (`describe`) is a tensor (of ``dim`` dims when given)."""
+    return isinstance(desc, dict) and "tensor" in desc and (dim is None or len(desc["tensor"]) == dim)
+
 
 class _Swap:
     """Wraps one reachable function of the block; calibrates on its first call."""
@@ -228,10 +259,7 @@ class _Swap:
         if self.state != "pending":
             return self.fn(*args, **kwargs)
         iface = self.patch.interface
-        handed = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)]
-        if iface.takes_block and args and args[0] is self.patch.module:
-            handed = handed[1:]  # the block, as the interface hands it: a core call
-        if handed:
+        if not iface.core_call(self.patch.module, args, kwargs):
             # handed a module (the block itself, its conv): a helper of the block, not a core;
             # the functions it calls are swapped in their own right
             self.state = "helper"
@@ -267,6 +295,26 @@ class _Swap:
         return self._ours(args, kwargs)  # the first call is the kernel's too
 
 
+def _run_swapped(module: nn.Module, original: Callable, wrappers: dict[tuple[str, str], Callable],
+                 args: tuple, kwargs: dict) -> Any:
+    """``original(*args, **kwargs)`` with each (where, name) of ``module`` (an instance attribute,
+    or a global of its forward's module) replaced by its wrapper for the call's duration."""
+    glob = forward_function(module).__globals__
+    saved_attr, saved_glob = {}, {}
+    for (where, name), wrapper in wrappers.items():
+        if where == "attr":
+            saved_attr[name] = module.__dict__[name]
+            module.__dict__[name] = wrapper
+        else:
+            saved_glob[name] = glob[name]
+            glob[name] = wrapper
+    try:
+        return original(*args, **kwargs)
+    finally:
+        module.__dict__.update(saved_attr)
+        glob.update(saved_glob)
+
+
 class CallSwapPatch:
     """The swaps of one block, installed for the duration of each of its forward calls."""
 
@@ -285,20 +333,9 @@ class CallSwapPatch:
             self.record.detail = f"{name}: {why}"[:200]
 
     def forward(self, *args, **kwargs):
-        glob = forward_function(self.module).__globals__
-        saved_attr, saved_glob = {}, {}
-        for (where, name), swap in self.swaps.items():
-            if where == "attr":
-                saved_attr[name] = self.module.__dict__[name]
-                self.module.__dict__[name] = swap
-            else:
-                saved_glob[name] = glob[name]
-                glob[name] = swap
         try:
-            return self.original(*args, **kwargs)
+            return _run_swapped(self.module, self.original, self.swaps, args, kwargs)
         finally:
-            self.module.__dict__.update(saved_attr)
-            glob.update(saved_glob)
             self.calls += 1
             if self.calls == 1 and self.record.status == "pending":
                 self.record.status = "rejected"
@@ -318,3 +355,67 @@ def install(module: nn.Module, kernel: Callable, record: Any, interface: Interfa
 
     record.binding = "calibrating: " + ", ".join(s.name for s in patch.swaps.values())
     return swap_forward(module, patch.forward)
+
+
+class _Probe:
+    """Wraps one reachable function of a probed block: records its first call when that is a
+    core call (`Interface.core_call`, as the swap decides), then always runs the original."""
+
+    def __init__(self, fn: Callable, module: nn.Module, interface: Interface, name: str,
+                 calls: list[dict[str, Any]]):
+        self.fn, self.module, self.interface, self.name, self.calls = fn, module, interface, name, calls
+        self.seen = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.seen:
+            self.seen = True
+            if self.interface.core_call(self.module, args, kwargs):
+                try:
+                    named, extra = bound_arguments(self.fn, args, kwargs)
+                    record: dict[str, Any] = {
+                        "function": self.name,
+                        "args": {n: describe(v) for n, v in named.items()},
+                        "kwargs": {n: describe(v) for n, v in extra.items()}}
+                except TypeError as exc:  # the swap's call raises the same on these arguments
+                    record = {"function": self.name, "error": f"TypeError: {exc}"}
+                self.calls.append(record)
+        return self.fn(*args, **kwargs)
+
+
+def record_core_calls(targets: list[tuple[nn.Module, Interface]], run: Callable[[], Any]
+                      ) -> list[dict[str, Any]]:
+    """What a swap with each (module, interface) of ``targets`` would find and be handed, read
+    off one ``run`` (a forward of the model holding the modules; under no_grad, the swaps' own
+    original calls, nothing calibrated): per target, ``{"reachable": [names], "calls": [{"function",
+    "args": {name: described}, "kwargs": {...}}]}``, the first core call of each reachable
+    function that fits (`reachable`, `Interface.core_call`, `describe`), in call order. A
+    binding's acceptance test reads this from the op graph (coverage: `FamilySpec.refusal`).
+    The functions are wrapped only while their module runs, as the swaps are."""
+    from onboarding.patching.core import swap_forward
+
+    out: list[dict[str, Any]] = []
+    undos: list[Callable[[], None]] = []
+    for module, interface in targets:
+        calls: list[dict[str, Any]] = []
+        probes = {(where, name): _Probe(fn, module, interface, f"{where} {name}", calls)
+                  for where, name, fn in reachable(module, interface.fits)}
+        out.append({"reachable": [p.name for p in probes.values()], "calls": calls})
+        if not probes:
+            continue
+        undos.append(swap_forward(module, _probing_forward(module, probes)))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for undo in reversed(undos):
+            undo()
+    return out
+
+
+def _probing_forward(module: nn.Module, probes: dict[tuple[str, str], _Probe]) -> Callable:
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        return _run_swapped(module, original, probes, args, kwargs)
+
+    return forward

@@ -90,6 +90,25 @@ def mask_indices(masks: list[torch.Tensor], is_causal: bool, B: int, T: int, S: 
     return idx
 
 
+def selects_keys(dims: int, dim: Any, floating: bool, largest: Any) -> bool:
+    """Whether a top-k is the selection the intercept reads (`SparseIntercept`): the largest
+    entries over the last dim of a float [B, T, S] tensor (each query row's key positions). The
+    family's `refusal` asks the same of the top-ks the op graph recorded (attrs ``topk_inputs``)."""
+    return bool(floating) and dims == 3 and dim in (-1, 2) and bool(largest)
+
+
+def selection_refusal(topks: list[dict[str, Any]]) -> str | None:
+    """Why the intercept would find no selection among a block's recorded top-ks over key
+    positions (each {"shape", "dtype", "dim", "largest"}, `classify._topk_input`), or None."""
+    if any(selects_keys(len(t.get("shape") or []), t.get("dim", -1),
+                        str(t.get("dtype") or "").startswith(("float", "bfloat")), t.get("largest", True))
+           for t in topks):
+        return None
+    shapes = ", ".join(f"{t.get('shape')} over dim {t.get('dim', -1)}" for t in topks)
+    return (f"no top-k over the key positions of a float [B, T, S] tensor (the block's: {shapes}), "
+            "so no selection for the gathered kernel to read")
+
+
 _MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 _PASS = {"float", "to", "type_as", "contiguous", "dropout", "clone"}
 _SCALE = {"mul", "__mul__", "__rmul__", "mul_", "div", "__truediv__", "div_"}
@@ -245,11 +264,9 @@ class SparseIntercept(TorchFunctionMode):
     def _topk(self, func, args, kwargs):
         x = args[0]
         dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-        over_keys = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 3 \
-            and dim in (-1, 2)
         out = func(*args, **kwargs)
         largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-        if over_keys and largest:
+        if isinstance(x, torch.Tensor) and selects_keys(x.dim(), dim, x.is_floating_point(), largest):
             self.indices = out[1]
         return out
 

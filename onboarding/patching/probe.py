@@ -1,0 +1,59 @@
+"""What the call-swapping bindings would find in each block, recorded in the op graph at parse.
+
+A family whose binding swaps a function the block hands its core to declares the swap's
+interface (`FamilySpec.probe`). For each block its `match` accepts, one forward of the proxy
+(the capture's inputs, no grad) records what a swap by that interface would find: the
+reachable functions that fit, and the first core call of each with its arguments described
+(`onboarding.patching.callswap.record_core_calls`). It lands in ``block.attrs["core_calls"]``
+keyed by the interface's name, and the family's `refusal` runs the binding's own acceptance
+test on it, so coverage says what patching will do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from onboarding.graph.opgraph import Block
+
+
+def probe_core_calls(model: nn.Module, blocks: list[Block], run: Callable[[], Any]) -> str:
+    """Record ``attrs["core_calls"]`` on the blocks of ``model`` that a family with a `probe`
+    matches (one ``run`` of the model for all of them); returns a note when the run failed
+    (the blocks then stay unprobed, and their matches stand), else ""."""
+    from onboarding.families import families
+    from onboarding.patching.callswap import record_core_calls
+
+    modules = dict(model.named_modules())
+    targets: list[tuple[Block, nn.Module, Any]] = []
+    for b in blocks:
+        module = modules.get(b.path)
+        if module is None:
+            continue
+        seen: set[str] = set()
+        for spec in families().values():
+            iface = spec.probe
+            if iface is None or spec.match is None or iface.what in seen:
+                continue
+            if spec.match(b) is not None:
+                seen.add(iface.what)
+                targets.append((b, module, iface))
+    # one interface per module: the probes wrap the module's forward (a second interface on the
+    # same module waits for the next run)
+    pending = targets
+    while pending:
+        taken: set[int] = set()
+        batch, rest = [], []
+        for t in pending:
+            (batch if id(t[1]) not in taken else rest).append(t)
+            taken.add(id(t[1]))
+        try:
+            found = record_core_calls([(m, iface) for _, m, iface in batch], run)
+        except Exception as exc:  # the model's own forward failing here leaves matches as they were
+            return f"core-call probe not recorded: {type(exc).__name__}: {exc}"[:300]
+        for (b, _, iface), f in zip(batch, found):
+            b.attrs.setdefault("core_calls", {})[iface.what] = f
+        pending = rest
+    return ""

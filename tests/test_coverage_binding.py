@@ -1,0 +1,125 @@
+"""Coverage says what patching will do for the attention families: a block `onboard map` marks
+as served by sink_attention or sparse_attention (template or reviewed kernel) is one their
+bindings take, and a block their bindings refuse is not marked so (its entry says why and what
+runs instead). The decision is the bindings' own acceptance test, run on what the parse stage
+recorded (`onboarding.patching.probe`, the top-k's input in attrs ``topk_inputs``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onboarding.coverage import build_coverage
+from onboarding.families import families, family_module
+from onboarding.generate.templating import load_module, render_to
+from onboarding.graph.parse import example_inputs, load_stage
+from onboarding.load.model import load_model
+from onboarding.patching.core import patch_model
+
+FIX = "tests/fixtures/coverage_binding_models.py"
+INTERFACE, BIASED = f"{FIX}:InterfaceLM", f"{FIX}:BiasedInterfaceLM"
+TOPK, ROW_TOPK = f"{FIX}:TopkSparseLM", f"{FIX}:RowTopkSparseLM"
+INLINE = "tests/fixtures/handwritten.py:VocabWideLM"
+ATTENTION = ("sink_attention", "sparse_attention")
+SEQ = 16  # the patched forward runs the kernels in the Triton interpreter
+REFUSED = "its binding would leave this block unpatched"
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+def _attention_entries(graph):
+    """Coverage's entries for the attention blocks' cores, by path."""
+    cores = ("attention core", "sparse_attention", "indexer + top-k + gathered attention")
+    return {e.path: e for e in build_coverage(graph).entries
+            if e.op in cores and (e.family in (None, *ATTENTION))}
+
+
+def test_inline_core_is_not_claimed(parse_model):
+    """A core written inline in the block's forward (no function of the attention interface to
+    swap): sink_attention's binding rejects it, so coverage leaves it uncovered and says why.
+    Before: "template sink_attention/attention", then "patch rejected ... its core runs inline"."""
+    g = parse_model(INLINE)
+    for path in ("layers.0.attn", "layers.1.attn", "layers.2.attn"):
+        e = _attention_entries(g)[path]
+        assert e.status == "uncovered" and e.family is None, e
+        assert "O(T^2)" in e.reason and REFUSED in e.reason and "its core runs inline" in e.reason, e.reason
+        calls = next(b for b in g.blocks if b.path == path).attrs["core_calls"]["attention-core"]
+        assert calls == {"reachable": [], "calls": []}
+
+
+def test_extra_interface_argument_is_not_claimed(parse_model):
+    """The attention interface handed a tensor the kernel does not take (Inkling 2's
+    position_bias): the binding keeps the original function, coverage says so; the same
+    interface without it stays the family's template, its call recorded with the sink and
+    window the binding reads."""
+    for path, e in _attention_entries(parse_model(BIASED)).items():
+        assert e.status == "uncovered", e
+        assert REFUSED in e.reason and "arguments the kernel does not take: ['position_bias']" in e.reason
+    g = parse_model(INTERFACE)
+    entries = _attention_entries(g)
+    assert {e.status for e in entries.values()} == {"template"} and len(entries) == 2
+    found = g.blocks[[b.path for b in g.blocks].index("layers.0.attn")].attrs["core_calls"]["attention-core"]
+    assert found["reachable"] == ["global attend"] and len(found["calls"]) == 1
+    call = found["calls"][0]
+    assert call["args"]["query"] == {"tensor": [1, 4, g.seq, 8], "dtype": "float32"}
+    assert call["args"]["position_bias"] is None and call["kwargs"]["sliding_window"] == 8
+
+
+def test_row_topk_selection_is_not_claimed(parse_model):
+    """A selection taken per batch entry over a [T, S] score matrix (Kolibri 1.1's weightless
+    indexer): the sparse intercept reads only a top-k over a [B, T, S] tensor, so the binding
+    finds no selection; coverage says so. The [B, T, S] form stays served."""
+    g = parse_model(ROW_TOPK)
+    for b in g.by_kind("sparse_attention.topk"):
+        assert b.attrs["topk_inputs"] == [{"shape": [g.seq, g.seq], "dtype": "float32", "dim": -1,
+                                           "largest": True}] * g.batch
+    entries = _attention_entries(g)
+    assert len(entries) == 2 and {e.status for e in entries.values()} == {"uncovered"}
+    assert all(REFUSED in e.reason and "[B, T, S]" in e.reason for e in entries.values())
+    served = [e for e in build_coverage(parse_model(TOPK)).entries if e.family == "sparse_attention"]
+    assert len(served) == 4 and {e.status for e in served} <= {"kernel", "template"}
+
+
+def _forced(block) -> list[tuple[str, str, dict]]:
+    """(family, variant, params) the attention families would render for ``block`` were they to
+    claim it anyway (their kind tests alone)."""
+    sink, sparse = family_module("sink_attention"), family_module("sparse_attention")
+    out = []
+    if block.kind in sink.KINDS and block.attrs.get("unfused_core") is not None:
+        m = sink.FAMILY.served("attention", {})
+        out.append(("sink_attention", m["variant"], m["params"]))
+    out += [("sparse_attention", m["variant"], m["params"]) for m in sparse.match_all(block)]
+    return out
+
+
+@pytest.mark.parametrize("ref", [INTERFACE, BIASED, TOPK, ROW_TOPK, INLINE])
+def test_coverage_predicts_the_bindings(ref, parse_model, kernel_dir):
+    """Every attention block coverage serves by a template or reviewed kernel is taken by its
+    binding on the patched proxy's first forward; every block coverage says the binding would
+    leave is rejected by it when its kernel is bound anyway."""
+    graph = parse_model(ref)
+    entries = _attention_entries(graph)
+    claimed = {p for p, e in entries.items() if e.status in ("template", "kernel")}
+    refused = {p for p, e in entries.items() if e.status == "uncovered" and REFUSED in e.reason}
+    assert claimed or refused
+    blocks = {b.path: b for b in graph.blocks}
+    kernels = {}
+    for path in sorted(claimed | refused):
+        for family, variant, params in _forced(blocks[path]):
+            mod = load_module(render_to(kernel_dir, family, variant, params, overwrite=True))
+            key = (path, family)
+            kernels[key if key not in kernels else (path, f"{family}:{variant}")] = mod
+    info = load_stage(load_model(ref, trust_remote_code=True))
+    model = info.loaded.build(info.proxy_config, seed=0).eval()
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, SEQ, 0)
+    with patch_model(model, graph, kernels) as patches, torch.no_grad():
+        model(*inputs, **kwargs)
+        status = {r.path: (r.status, r.detail) for r in patches.records}
+    assert all(families()[f.partition(":")[0]].binding is not None for _, f in kernels)
+    for path in claimed:
+        assert status[path][0] in ("active", "dense_by_shape"), (path, status[path])
+    for path in refused:
+        assert status[path][0] == "rejected", (path, status[path])
