@@ -500,3 +500,62 @@ def test_agent_plan_node_takes_the_plans_own_capture(tmp_path):
         run_dir=str(tmp_path))
     update = plan_node(broken)
     assert update["summary"]["plan"].startswith("plan failed: ") and "plan" in update["completed"]
+
+
+def test_chunked_attention_keys_and_rule():
+    """A chunked layer type (Llama 4's ``chunked_attention``) takes the config's
+    ``attention_chunk_size`` as a `Chunk`: query i sees the (i mod c) + 1 keys of its own chunk
+    (fewer than a window of c: min(i + 1, c)); a chunk and a window of one size are costed
+    apart in one block, and the plan's notes and JSON say chunks."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from onboarding.plan.estimate import attention_core
+    from onboarding.plan.search import _block_summary, window_notes
+    from onboarding.plan.shapes import BlockShape, local_window
+    from onboarding.train.flops import Chunk, _attention_core, _causal_keys
+
+    assert _causal_keys(16, Chunk(8)) == 2 * (8 * 9 / 2) / 16 < _causal_keys(16, 8)
+    assert _causal_keys(10, Chunk(4)) == (2 * 10 + 3) / 10  # chunks 4, 4 and a partial 2
+    assert _causal_keys(16, Chunk(16)) == _causal_keys(16, Chunk(64)) == _causal_keys(16)
+    cfg = SimpleNamespace(attention_chunk_size=8, num_attention_heads=2, head_dim=8,
+                          hidden_size=16, layer_types=["chunked_attention", "full_attention"])
+    w, src = local_window(cfg, nn.Linear(2, 2), 0)
+    assert isinstance(w, Chunk) and w == 8 and "attention_chunk_size" in src
+    assert local_window(cfg, nn.Linear(2, 2), 1)[0] is None
+    per_key = 3 * 2 * 2 * 16
+    assert _attention_core(cfg, "attention.sliding", 16, {}, w) == per_key * 4.5
+    b = BlockShape(pattern="layers.*.attn", kind="attention.sliding", count=3, params=0,
+                   linears=[], attrs={}, ops=0, nested=False,
+                   instances=[(0, Chunk(8), src), (1, 8, "module"), (2, None, "full")])
+    shape = SimpleNamespace(config=cfg)
+    assert attention_core(shape, b, 16) == per_key * (4.5 + _causal_keys(16, 8) + 8.5)
+    (note,) = window_notes(SimpleNamespace(blocks=[b]), 16)
+    assert "1 x chunks of 8 (config attention_chunk_size" in note and "1 x window 8" in note
+    assert json.loads(json.dumps(_block_summary(b)))["windows"][0] == {
+        "window": 8, "count": 1, "from": src, "chunked": True}
+
+
+def test_training_flop_count_caps_each_layer_at_its_window():
+    """`onboard train`'s MFU count (`train.flops.step_flops`) costs each attention layer at its
+    own local window as the plan does (`plan.shapes.local_window`): hf:llama4_text's tiny proxy
+    at 16384 tokens has three chunked layers (chunks of 8192, classified attention.sliding with
+    no sliding_window in the config) and one full layer; before, all four were full causal."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.train.flops import Chunk, _attention_core, step_flops
+
+    info = load_stage(ModelSpec(ref="hf:llama4_text").load(), "tiny")
+    cfg = info.proxy_config
+    assert cfg.layer_types == ["chunked_attention"] * 3 + ["full_attention"]
+    graph = parse_stage(info, seq=64, try_export=False)
+    model = info.loaded.build(cfg, device="meta", seed=None)
+    t = 16384
+    parts = step_flops(graph, model, tokens=t, seq_len=t, lora_rank=8, expert_lora=False)
+    kinds = [b.kind for b in graph.blocks if b.path.endswith("self_attn")]
+    assert kinds == ["attention.sliding"] * 3 + ["attention.full"]
+    chunked = _attention_core(cfg, "attention.sliding", t, {}, Chunk(cfg.attention_chunk_size))
+    full = _attention_core(cfg, "attention.full", t, {}, None)
+    assert parts["attention"] == pytest.approx(t * (3 * chunked + full))
+    assert chunked < 0.51 * full

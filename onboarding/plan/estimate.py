@@ -136,15 +136,16 @@ def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
     """Core FLOPs per token of every instance of attention block ``b``: each instance with its
     own local window (`onboarding.plan.shapes.local_window`), else the kind's own rule, and its
     own layer's widths where the config overrides them per layer (`flops.config_field`)."""
-    from onboarding.train.flops import BY_KIND, _attention_core, per_layer_overrides
+    from onboarding.train.flops import BY_KIND, Chunk, _attention_core, per_layer_overrides
 
     per_layer = bool(per_layer_overrides(shape.config))
     groups: dict[tuple, int] = {}
     for layer, w, src in b.instances or [(None, None, "")] * b.count:
-        key = (layer if per_layer else None, w if src else BY_KIND)
+        # a chunk of c and a window of c are equal ints: the key tells them apart
+        key = (layer if per_layer else None, w if src else BY_KIND, isinstance(w, Chunk))
         groups[key] = groups.get(key, 0) + 1
     return sum(n * (_attention_core(shape.config, b.kind, seq, b.attrs, w, layer=layer) or 0.0)
-               for (layer, w), n in groups.items())
+               for (layer, w, _), n in groups.items())
 
 
 # Host ops of `onboard train`'s step beyond the captured blocks, counted with a dispatch mode on

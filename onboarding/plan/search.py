@@ -16,6 +16,7 @@ from onboarding.plan.config import GIB, OFFLOAD, RECOMPUTE, ClusterConfig, PlanC
 from onboarding.plan.estimate import Comm, StepTime, communication, step_time
 from onboarding.plan.memory import Layout, Memory, memory
 from onboarding.plan.shapes import BlockShape, ModelShape
+from onboarding.train.flops import Chunk
 
 PLAN_FILE = "plan.json"
 
@@ -201,7 +202,9 @@ def _block_summary(b: BlockShape) -> dict[str, Any]:
     d: dict[str, Any] = {"pattern": b.pattern, "kind": b.kind, "count": b.count,
                          "params": b.params, "ops": b.ops}
     if _windowed(b):  # the local window of each instance, and where it came from
-        d["windows"] = [{"window": w, "count": n, "from": src} for w, n, src in b.windows]
+        d["windows"] = [{"window": w, "count": n, "from": src,
+                         **({"chunked": True} if isinstance(w, Chunk) else {})}
+                        for w, n, src in b.windows]
     return d
 
 
@@ -210,7 +213,8 @@ def window_notes(shape: ModelShape, seq: int) -> list[str]:
     out = []
     for b in shape.blocks:
         if _windowed(b):
-            parts = [f"{n} x " + (f"window {w}" if w is not None else "full causal")
+            parts = [f"{n} x " + ("full causal" if w is None else f"chunks of {w}"
+                                  if isinstance(w, Chunk) else f"window {w}")
                      + (f" ({src})" if src else "")
                      + (f", >= the {seq}-token sequence: no cap" if w and w >= seq else "")
                      for w, n, src in b.windows]

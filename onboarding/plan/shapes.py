@@ -14,8 +14,10 @@ conventions transformers builds those masks by, in this order:
      and pass it only on its sliding layers);
   2. the full-size attention module's ``sliding_window`` attribute (what transformers' attention
      modules pass their attention kernels as the window; None: none);
-  3. a layer type that names a sliding or local window: the config's ``sliding_window`` (or
-     ``sliding_window_size``, ``attention_window``);
+  3. a layer type that names chunks (``chunked_attention``): the config's
+     ``attention_chunk_size``, as a `Chunk` (query i sees the (i mod c) + 1 keys of its own
+     chunk: transformers' chunked causal mask); a layer type that names a sliding or local
+     window: the config's ``sliding_window`` (or ``sliding_window_size``, ``attention_window``);
   4. no ``layer_types`` at all: the config's ``sliding_window``, on every layer (the mask
      is built sliding for every layer when it is set).
 Layers of one pattern and parameters may differ (Gemma's 5 sliding : 1 full): `BlockShape.windows`
@@ -33,6 +35,7 @@ from torch import nn
 from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
+from onboarding.train.flops import Chunk
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names
 
 
@@ -207,6 +210,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
 
 
 WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window")
+CHUNK_FIELD = "attention_chunk_size"  # the chunk of a chunked layer type (Llama 4's)
 # a block's attr: the length of the capture it came from when not its graph's (`plan.capture`)
 CAPTURE_SEQ = "capture_seq"
 SOFTMAX_PREFIXES = ("attention.", "sparse_attention.")
@@ -235,6 +239,10 @@ def local_window(cfg: Any, module: nn.Module | None, layer: int | None
             return None, "the attention module's sliding_window attribute is None"
     from onboarding.train.flops import config_field
 
+    if kind is not None and "chunk" in kind:
+        chunk = _positive_int(config_field(cfg, CHUNK_FIELD, layer))
+        if chunk:  # the mask of a chunked layer type: transformers' create_chunked_causal_mask
+            return Chunk(chunk), f"config {CHUNK_FIELD}, layer type {kind!r}"
     name = next((n for n in WINDOW_FIELDS if _positive_int(config_field(cfg, n, layer))), None)
     if name is None:
         return None, ""

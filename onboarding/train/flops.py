@@ -6,7 +6,9 @@ Per token, with N the matmul parameters a token passes through:
   - adapters: forward, input gradient and weight gradient, 6 x adapter parameters (expert adapters
     per routed token-expert pair);
   - attention cores (no parameters): forward ``2 H (d_qk + d_v)`` per query-key pair, causal
-    (query i sees i + 1 keys; ``min(i + 1, window)`` sliding, ``min(i + 1, K)`` top-k sparse), and
+    (query i sees i + 1 keys; ``min(i + 1, window)`` sliding, ``(i mod c) + 1`` in chunks of c,
+    ``min(i + 1, K)`` top-k sparse; each layer's window or chunk by the mask conventions of
+    `onboarding.plan.shapes.local_window`, as the plan counts them), and
     the backward twice the forward; the top-k indexer forward only (the selection passes no
     gradient to it);
   - chunked linear attention (chunk C, per value head): intra-chunk ``Q K^T``, ``K K^T`` (the
@@ -44,8 +46,24 @@ def peak_flops(device: Any) -> float | None:
     return next((f for key, f in PEAK_BF16 if key in name), None)
 
 
+class Chunk(int):
+    """A chunked-attention cap (Llama 4's ``chunked_attention`` layers): the sequence is cut
+    into chunks of this many tokens and a query sees the causal keys of its own chunk only,
+    (i mod c) + 1 of them, where a sliding window of c would show min(i + 1, c)."""
+
+    def __repr__(self) -> str:
+        return f"Chunk({int(self)})"
+
+    def __str__(self) -> str:  # the number, as a window's (notes, JSON)
+        return str(int(self))
+
+
 def _causal_keys(seq: int, cap: int | None = None) -> float:
-    """Mean keys a query sees in a causal sequence of ``seq`` tokens (capped at ``cap``)."""
+    """Mean keys a query sees in a causal sequence of ``seq`` tokens (capped at ``cap``: a
+    sliding window, or the chunks of a `Chunk`)."""
+    if isinstance(cap, Chunk) and 0 < cap < seq:
+        whole, rest = divmod(seq, int(cap))
+        return (whole * cap * (cap + 1) / 2 + rest * (rest + 1) / 2) / seq
     cap = seq if cap is None or cap <= 0 else min(cap, seq)
     # queries 0..cap-1 see i + 1 keys; the rest see cap keys
     return (cap * (cap + 1) / 2 + (seq - cap) * cap) / seq
@@ -101,6 +119,21 @@ def _attention_widths(cfg: Any, kind: str, layer: int | None = None) -> tuple[in
 
 
 BY_KIND = "kind"  # `_attention_core`'s window: the kind's own rule (below)
+
+
+def block_window(cfg: Any, block, module: nn.Module | None
+                 ) -> tuple[int | None | str, int | None]:
+    """(``window`` for `_attention_core`, decoder layer) of attention block ``block`` (a
+    captured block; ``module``: the model's module at its path): the layer's local window by
+    `onboarding.plan.shapes.local_window`, `BY_KIND` where no rule applies."""
+    from onboarding.graph.classify import layer_of
+    from onboarding.plan.shapes import SOFTMAX_PREFIXES, local_window
+
+    layer = layer_of(block.path) if block.path else None
+    if not block.kind.startswith(SOFTMAX_PREFIXES):
+        return BY_KIND, layer
+    w, src = local_window(cfg, module, layer)
+    return (w if src else BY_KIND), layer
 
 
 def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict,
@@ -242,7 +275,10 @@ def step_flops(graph: OpGraph, model: nn.Module, *, tokens: int, seq_len: int, l
         for b in graph.blocks:
             if not b.kind.startswith(kind_prefix):
                 continue
-            per_token = _attention_core(cfg, b.kind, seq_len, b.attrs) if cfg is not None else None
+            per_token = None
+            if cfg is not None:  # each layer's keys capped at its local window, as the plan's
+                window, layer = block_window(cfg, b, modules.get(b.path))
+                per_token = _attention_core(cfg, b.kind, seq_len, b.attrs, window, layer=layer)
             if per_token is None:
                 uncounted += 1
                 continue
