@@ -191,6 +191,17 @@ def _unserved_parts(b: Block) -> list[tuple[str, str]]:
     return out
 
 
+def _unbound(family: str) -> str:
+    """What coverage adds for a family with no patch binding: generate renders and checks its
+    kernel, nothing patches it into the model (alignment lists the block as not checked)."""
+    try:
+        bound = get_family(family).binding is not None
+    except InputError:
+        return ""
+    return "" if bound else ("; no patch binding: generate renders and checks the kernel, "
+                             "the model keeps its own code (alignment does not check the block)")
+
+
 def _refused(family: str, refusal: dict[str, Any]) -> str:
     """Coverage's reason for a part a family's kind serves but its binding would not take
     (`FamilySpec.refusal`): what patching would do instead."""
@@ -215,7 +226,7 @@ def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage
                 variant=m["variant"], params=m["params"],
                 module=str(module) if module else None,
                 reason=("reviewed kernel" if module else f"template {family}/{m['variant']}")
-                + (f"; {m['note']}" if m.get("note") else "")))
+                + (f"; {m['note']}" if m.get("note") else "") + _unbound(family)))
         for op, reason in _fast_paths(b):
             entries.append(CoverageEntry(**base, op=op, status="torch_fast", reason=reason))
         served = {m["serves"] for _, m in matched if m.get("serves")}

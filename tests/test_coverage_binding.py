@@ -123,3 +123,19 @@ def test_coverage_predicts_the_bindings(ref, parse_model, kernel_dir):
         assert status[path][0] in ("active", "dense_by_shape"), (path, status[path])
     for path in refused:
         assert status[path][0] == "rejected", (path, status[path])
+
+
+def test_family_without_binding_says_nothing_patches_it():
+    """The rope family has no patch binding (the built-in example's one coverable block that
+    alignment never checks): coverage keeps its kernel entry and says the model keeps its own
+    code; a family with a binding says nothing of the kind."""
+    from onboarding.graph.opgraph import Block, OpGraph
+
+    blocks = [Block(path="rotary", kind="rope", layer=None, class_name="", attrs={"layout": "half"}),
+              Block(path="norm", kind="norm.rms", layer=None, class_name="", attrs={"eps": 1e-6})]
+    graph = OpGraph(model="m", capture="export", capture_note="", batch=1, seq=8, dtype="float32",
+                    blocks=blocks, layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
+    entries = {e.path: e for e in build_coverage(graph).entries if e.family}
+    assert families()["rope"].binding is None and families()["rmsnorm"].binding is not None
+    assert entries["rotary"].family == "rope" and "no patch binding" in entries["rotary"].reason
+    assert entries["norm"].family == "rmsnorm" and "no patch binding" not in entries["norm"].reason
