@@ -559,3 +559,23 @@ def test_training_flop_count_caps_each_layer_at_its_window():
     full = _attention_core(cfg, "attention.full", t, {}, None)
     assert parts["attention"] == pytest.approx(t * (3 * chunked + full))
     assert chunked < 0.51 * full
+
+
+def test_input_gate_second_projection_is_the_blocks():
+    """A gated per-layer input (`residual.input_gate`: D -> P, an activation, times the layer's
+    own P-wide input, P -> D) is one block named after its first projection; the second
+    projection, a module beside it (attrs ``projection``), is in the plan's block too: its
+    linear and its parameters (before: the first projection's alone)."""
+    from pathlib import Path
+
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.run import shape_of
+
+    ref = f"{Path(__file__).parent / 'fixtures' / 'per_layer_input_models.py'}:PerLayerInputLM"
+    info = load_stage(ModelSpec(ref=ref).load(), "tiny")
+    graph = parse_stage(info, seq=12, try_export=False)
+    (b,) = [b for b in shape_of(info, graph).blocks if b.kind == "residual.input_gate"]
+    assert b.pattern == "layers.*.input_gate" and b.count == 2
+    assert b.linears == [("", 32, 16), ("../input_proj", 16, 32)]
+    assert b.params == 2 * 32 * 16 and b.lora_targets == []

@@ -46,8 +46,10 @@ class BlockShape:
     pattern: str
     kind: str
     count: int  # instances in the full model
-    params: int  # parameters per instance
-    linears: list[tuple[str, int, int]]  # (path under the block, in, out) of its nn.Linear
+    params: int  # parameters per instance (a `sibling_module`'s included)
+    # (path under the block, in, out) of its nn.Linear; ``../<name>...`` for those of a module
+    # beside it that its compute runs in too (`sibling_module`)
+    linears: list[tuple[str, int, int]]
     attrs: dict[str, Any]
     ops: int  # ATen ops per call in the proxy capture (launch count)
     nested: bool  # inside another block (a norm inside attention, a linear attention's conv)
@@ -162,9 +164,19 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         targets = [(i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES)
                    and n not in mixer_out
                    and not any(_inside(f"{paths[0]}.{n}", e) for e in excluded)]
+        n_params = sum(p.numel() for p in first.parameters())
+        # a module beside the block that its compute runs in too: its linears and parameters
+        # are the block's (the proxy block's own params, by which the full-size modules were
+        # matched, are its first module's)
+        sibling = sibling_module(b)
+        side = modules.get(f"{paths[0].rsplit('.', 1)[0]}.{sibling}") if sibling else None
+        if side is not None:
+            lin += [(f"../{sibling}" + (f".{n}" if n else ""), m.in_features, m.out_features)
+                    for n, m in side.named_modules() if isinstance(m, nn.Linear)]
+            n_params += sum(p.numel() for p in side.parameters())
         blocks.append(BlockShape(
             pattern=key[0], kind=b.kind, count=len(paths),
-            params=sum(p.numel() for p in first.parameters()), linears=lin, attrs=dict(b.attrs),
+            params=n_params, linears=lin, attrs=dict(b.attrs),
             ops=sum(b.op_histogram.values()), lora_targets=targets,
             nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
             width=_width(b, first, paths[0], graph, modules),
@@ -207,6 +219,18 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
                       dense_tensors=dense, experts=experts, blocks=blocks,
                       layer_dense_max=layer_dense, config=cfg, unmatched=unmatched,
                       dense_matmul=_dense_matmul(counts))
+
+
+def sibling_module(b) -> str | None:
+    """The name of a module beside block ``b``'s own (same parent) that its compute also runs
+    in, as the classifier found it: attrs ``projection`` naming a module path (a gated
+    per-layer input's second projection, P -> D, `residual.input_gate`: the block is named
+    after the first projection, whose parameters alone are its ``params``)."""
+    p = b.attrs.get("projection")
+    if not (isinstance(p, str) and b.path and "." in p and p != b.path):
+        return None
+    parent, name = p.rsplit(".", 1)
+    return name if parent == b.path.rsplit(".", 1)[0] else None
 
 
 WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window")
