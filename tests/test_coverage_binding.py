@@ -6,6 +6,8 @@ recorded (`onboarding.patching.probe`, the top-k's input in attrs ``topk_inputs`
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -139,3 +141,35 @@ def test_family_without_binding_says_nothing_patches_it():
     assert families()["rope"].binding is None and families()["rmsnorm"].binding is not None
     assert entries["rotary"].family == "rope" and "no patch binding" in entries["rotary"].reason
     assert entries["norm"].family == "rmsnorm" and "no patch binding" not in entries["norm"].reason
+
+
+def test_sink_refusal_reads_the_recorded_calls_as_the_swap_reads_its_arguments():
+    """`binding.refusal` on hand-written records: a sink handed as an argument (gpt-oss's s_aux)
+    with its window is taken; a second tensor, a soft-cap or a 3-D query is refused with the
+    swap's own reason; a function found but never called as a core says so."""
+    family = family_module("sink_attention")
+    binding = importlib.import_module(family.__package__ + ".binding")
+
+    def call(extra_named=None, query=(1, 4, 8, 16), **kwargs):
+        args = {"module": {"module": "Attn"}, "query": {"tensor": list(query), "dtype": "float32"},
+                "key": {"tensor": [1, 2, 8, 16], "dtype": "float32"},
+                "value": {"tensor": [1, 2, 8, 16], "dtype": "float32"},
+                "attention_mask": {"tensor": [1, 1, 8, 8], "dtype": "float32"},
+                "scaling": 0.25, "dropout": 0.0, **(extra_named or {})}
+        return {"function": "global attend", "args": args, "kwargs": kwargs}
+
+    sink = {"tensor": [4], "dtype": "float32"}
+    take = {"reachable": ["global attend"], "calls": [call(s_aux=sink, sliding_window=4)]}
+    assert binding.refusal(take, {}) is None
+    assert binding.refusal({"reachable": ["global attend"], "calls": [call({"s_aux": sink})]}, {}) is None
+    bias = {"reachable": ["global attend"], "calls": [call({"bias": {"tensor": [4, 8, 8], "dtype": "float32"}})]}
+    assert binding.refusal(bias, {"sinks": 4}) == \
+        "global attend: TypeError: arguments the kernel does not take: ['bias']"
+    assert "['softcap']" in binding.refusal({"reachable": ["global attend"], "calls": [call({"softcap": 30.0})]}, {})
+    assert binding.refusal({"reachable": ["global attend"], "calls": [call(query=(1, 8, 16))]}, {}) == \
+        "global attend: TypeError: query, key and value are not [B, H, T, D] tensors"
+    assert binding.refusal({"reachable": ["global attend"], "calls": []}, {}) == "no attention-core call matched"
+    assert binding.refusal({"reachable": [], "calls": []}, {}) == binding.NONE_FOUND
+    # the window the reading takes is the call's sliding_window, any other integer is refused
+    assert binding.readings(call()["args"], {"sliding_window": 4}, {"sinks": 4})[0] == (("param", "sinks"), True, 4)
+    assert "['chunk']" in binding.refusal({"reachable": ["x"], "calls": [call({"chunk": 4})]}, {})
