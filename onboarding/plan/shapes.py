@@ -8,8 +8,9 @@ pattern ``model.layers.*.mlp`` are told apart by what they hold, never by class 
 counts from the config fields `onboarding.train.flops` reads.
 
 A softmax attention's local window is rarely in its block's structure: the sliding-window mask is
-built outside the block and passed in. `local_window` finds it for each instance (layer) by the
-conventions transformers builds those masks by, in this order:
+built outside the block and passed in. `local_window` (in `onboarding.train.flops`, whose MFU
+count takes the same windows) finds it for each instance (layer) by the conventions transformers
+builds those masks by, in this order:
   1. ``layer_types[i] == "full_attention"``: no window (a module may hold the config's window
      and pass it only on its sliding layers);
   2. the full-size attention module's ``sliding_window`` attribute (what transformers' attention
@@ -35,7 +36,7 @@ from torch import nn
 from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
-from onboarding.train.flops import Chunk
+from onboarding.train.flops import SOFTMAX_PREFIXES, Chunk, local_window  # noqa: F401
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names
 
 
@@ -233,48 +234,8 @@ def sibling_module(b) -> str | None:
     return name if parent == b.path.rsplit(".", 1)[0] else None
 
 
-WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window")
-CHUNK_FIELD = "attention_chunk_size"  # the chunk of a chunked layer type (Llama 4's)
 # a block's attr: the length of the capture it came from when not its graph's (`plan.capture`)
 CAPTURE_SEQ = "capture_seq"
-SOFTMAX_PREFIXES = ("attention.", "sparse_attention.")
-
-
-def _positive_int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-
-def local_window(cfg: Any, module: nn.Module | None, layer: int | None
-                 ) -> tuple[int | None, str]:
-    """(keys a query sees at most, or None: full causal; where that came from) of the attention
-    ``module`` of decoder layer ``layer``, by the rules of the module docstring. ("" when no
-    rule applies: the block kind's own rule stands, `onboarding.train.flops._attention_core`.)"""
-    types = getattr(cfg, "layer_types", None) if cfg is not None else None
-    types = list(types) if isinstance(types, (list, tuple)) else None
-    kind = str(types[layer]) if types is not None and layer is not None \
-        and 0 <= layer < len(types) else None
-    if kind == "full_attention":
-        return None, "layer_types: 'full_attention'"
-    if module is not None and hasattr(module, "sliding_window"):
-        attr = getattr(module, "sliding_window")
-        if _positive_int(attr):
-            return attr, "the attention module's sliding_window attribute"
-        if attr is None:
-            return None, "the attention module's sliding_window attribute is None"
-    from onboarding.train.flops import config_field
-
-    if kind is not None and "chunk" in kind:
-        chunk = _positive_int(config_field(cfg, CHUNK_FIELD, layer))
-        if chunk:  # the mask of a chunked layer type: transformers' create_chunked_causal_mask
-            return Chunk(chunk), f"config {CHUNK_FIELD}, layer type {kind!r}"
-    name = next((n for n in WINDOW_FIELDS if _positive_int(config_field(cfg, n, layer))), None)
-    if name is None:
-        return None, ""
-    if kind is not None and ("sliding" in kind or "local" in kind):
-        return config_field(cfg, name, layer), f"config {name}, layer type {kind!r}"
-    if types is None:
-        return config_field(cfg, name, layer), f"config {name}, no layer_types: every layer"
-    return None, ""
 
 
 def _instances(kind: str, paths: list[str], modules: dict[str, nn.Module], config: Any

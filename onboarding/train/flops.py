@@ -8,7 +8,7 @@ Per token, with N the matmul parameters a token passes through:
   - attention cores (no parameters): forward ``2 H (d_qk + d_v)`` per query-key pair, causal
     (query i sees i + 1 keys; ``min(i + 1, window)`` sliding, ``(i mod c) + 1`` in chunks of c,
     ``min(i + 1, K)`` top-k sparse; each layer's window or chunk by the mask conventions of
-    `onboarding.plan.shapes.local_window`, as the plan counts them), and
+    `local_window`, which the plan shares), and
     the backward twice the forward; the top-k indexer forward only (the selection passes no
     gradient to it);
   - chunked linear attention (chunk C, per value head): intra-chunk ``Q K^T``, ``K K^T`` (the
@@ -121,13 +121,53 @@ def _attention_widths(cfg: Any, kind: str, layer: int | None = None) -> tuple[in
 BY_KIND = "kind"  # `_attention_core`'s window: the kind's own rule (below)
 
 
+WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window")
+CHUNK_FIELD = "attention_chunk_size"  # the chunk of a chunked layer type (Llama 4's)
+SOFTMAX_PREFIXES = ("attention.", "sparse_attention.")
+
+
+def _positive_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def local_window(cfg: Any, module: nn.Module | None, layer: int | None
+                 ) -> tuple[int | None, str]:
+    """(keys a query sees at most, or None: full causal; where that came from) of the attention
+    ``module`` of decoder layer ``layer``, by the rules of `onboarding.plan.shapes`' docstring
+    (the plan's and this module's count share them). ("" when no rule applies: the block
+    kind's own rule stands, `_attention_core`.)"""
+    types = getattr(cfg, "layer_types", None) if cfg is not None else None
+    types = list(types) if isinstance(types, (list, tuple)) else None
+    kind = str(types[layer]) if types is not None and layer is not None \
+        and 0 <= layer < len(types) else None
+    if kind == "full_attention":
+        return None, "layer_types: 'full_attention'"
+    if module is not None and hasattr(module, "sliding_window"):
+        attr = getattr(module, "sliding_window")
+        if _positive_int(attr):
+            return attr, "the attention module's sliding_window attribute"
+        if attr is None:
+            return None, "the attention module's sliding_window attribute is None"
+    if kind is not None and "chunk" in kind:
+        chunk = _positive_int(config_field(cfg, CHUNK_FIELD, layer))
+        if chunk:  # the mask of a chunked layer type: transformers' create_chunked_causal_mask
+            return Chunk(chunk), f"config {CHUNK_FIELD}, layer type {kind!r}"
+    name = next((n for n in WINDOW_FIELDS if _positive_int(config_field(cfg, n, layer))), None)
+    if name is None:
+        return None, ""
+    if kind is not None and ("sliding" in kind or "local" in kind):
+        return config_field(cfg, name, layer), f"config {name}, layer type {kind!r}"
+    if types is None:
+        return config_field(cfg, name, layer), f"config {name}, no layer_types: every layer"
+    return None, ""
+
+
 def block_window(cfg: Any, block, module: nn.Module | None
                  ) -> tuple[int | None | str, int | None]:
     """(``window`` for `_attention_core`, decoder layer) of attention block ``block`` (a
     captured block; ``module``: the model's module at its path): the layer's local window by
-    `onboarding.plan.shapes.local_window`, `BY_KIND` where no rule applies."""
+    `local_window`, `BY_KIND` where no rule applies."""
     from onboarding.graph.classify import layer_of
-    from onboarding.plan.shapes import SOFTMAX_PREFIXES, local_window
 
     layer = layer_of(block.path) if block.path else None
     if not block.kind.startswith(SOFTMAX_PREFIXES):
@@ -141,7 +181,7 @@ def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict,
     """Training FLOPs per token of one attention block's core (no projections).
 
     ``window``: the local keys a query sees (a sliding window whose mask is built outside the
-    block: `onboarding.plan.shapes.local_window` finds it), None for full causal attention, or
+    block: `local_window` finds it), None for full causal attention, or
     `BY_KIND`: ``attention.sliding`` capped at the config's ``sliding_window``, others not. It
     caps the causal keys of softmax attention, the local keys of ``attention.compressed`` and
     the candidates of a top-k over key positions."""
