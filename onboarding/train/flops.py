@@ -180,8 +180,8 @@ def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict,
                     window: int | None | str = BY_KIND, layer: int | None = None) -> float | None:
     """Training FLOPs per token of one attention block's core (no projections).
 
-    ``window``: the local keys a query sees (a sliding window whose mask is built outside the
-    block: `local_window` finds it), None for full causal attention, or
+    ``window``: the local keys a query sees (a sliding window, or the chunks of a `Chunk`, whose
+    mask is built outside the block: `local_window` finds it), None for full causal attention, or
     `BY_KIND`: ``attention.sliding`` capped at the config's ``sliding_window``, others not. It
     caps the causal keys of softmax attention, the local keys of ``attention.compressed`` and
     the candidates of a top-k over key positions."""
