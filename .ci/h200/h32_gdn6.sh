@@ -1,3 +1,5 @@
+# Run in the thirty-fourth session (on an H100): every prep_share row slower than the default;
+# gated_delta v23 removed prep_share, so its rows no longer run. Kept for the record.
 # H200 call (issue 32, GDN template v20): does the prepare per (chunk, key head) (`prep_share`: the
 # raw Gram products k k^T, q k^T and the l2norm row scales once per key head, then each of its
 # HV / HK value heads' decay, beta, Aqk, M, Tm, w, u, kd/qg in turn; "on" keeps the raw k k^T in

@@ -6,10 +6,7 @@ forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd`
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
 (`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, the latter with
 ``+prep_warps=8+prep_maxnreg=128``, ``ours@fwd_o=fused+fused_kq=rows_fwd`` and that with
-``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``) and the prepare per key head (`SHARE_SWEEP`:
-``ours@prep_share=on+fwd_o=fused_fwd``, ``ours@prep_share=scratch+prep_warps=8+fwd_o=fused_fwd``,
-``ours@prep_share=on+prep_warps=8+fwd_o=fused_fwd``,
-``ours@prep_share=scratch+prep_warps=8+fwd_o=fused+fused_kq=rows_fwd``), on request, on the same inputs, so that one call
+``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``), on request, on the same inputs, so that one call
 times them against the default and fla."""
 
 from __future__ import annotations
@@ -43,16 +40,10 @@ FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
 # to its dots), alone and with prep_pipe and the 8-warp cap
 PREP_OCC = {"prep_pipe": "on", "prep_warps": 8, "prep_maxnreg": 128}
 KQ_ROWS = {"fwd_o": "fused", "fused_kq": "rows"}
-# issue 32, template v20, forward only: the prepare per (chunk, key head) (`prep_share`: the raw Gram
-# products once for the key head's value heads, two of them in the Qwen3-Next layout) with the fused
-# output: the raw k k^T in registers ("on", 4 and 8 warps; sm_90 AOT spills, see family.py), through
-# an fp32 scratch with the inverse a call of its own ("scratch" at 8 warps, the build without
-# spills), and that with kd and qg not written (fused_kq rows)
-PREP_SHARE_W8 = {"prep_share": "scratch", "prep_warps": 8}
-SHARE_SWEEP = ({"prep_share": "on", "fwd_o": "fused"}, {**PREP_SHARE_W8, "fwd_o": "fused"},
-               {"prep_share": "on", "prep_warps": 8, "fwd_o": "fused"}, {**PREP_SHARE_W8, **KQ_ROWS})
+# (v20's SHARE_SWEEP, the prepare per key head `prep_share`, went with the key in v23: every row
+# slower than the default forward on an H100, .ci/h200/h32_gdn6.sh; family.py)
 PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, {**PREP_OCC, "fwd_o": "fused"},
-              KQ_ROWS, {**KQ_ROWS, **PREP_OCC}, *SHARE_SWEEP)
+              KQ_ROWS, {**KQ_ROWS, **PREP_OCC})
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)
 BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0])
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

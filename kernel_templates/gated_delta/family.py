@@ -92,17 +92,14 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 #   of the raw k and q dots instead (by arithmetic 134 MB fewer bytes written at T8192 in the
 #   Qwen3-Next layout, and half of kd and qg's bytes read at HV = 2 HK). Not adopted: a little
 #   slower on the H200 and its GPU bars did not run (same call).
-# prep_share ("off"; v20): the prepare per (chunk, key head) instead of per value head: the Gram
-#   products and l2norm scales once per key head, then each value head's part. "on" keeps the raw
-#   k k^T in registers (the inlined inverse then spills); "scratch" passes it through an fp32
-#   scratch buffer to a noinline inverse (no spills at 8 warps). At HV = 2 HK it removes half of
-#   the Gram dots. Untimed (bench rows SHARE_SWEEP, `.ci/h200/h32_gdn6.sh`; sm_90 AOT facts:
-#   docs/LOG.md, "GDN prepare per key head").
+# A removed key: v20's prep_share (the prepare per (chunk, key head): "on", "scratch") was slower
+#   than the default forward in every row at both shapes timed on an H100 (`.ci/h200/h32_gdn6.sh`,
+#   CUDA graph, B2 T4096 H16 D128: 0.310-0.408 ms against 0.243; B1 T8192 HK16 HV32 D128:
+#   0.576-0.733 against 0.455); v23 removed it (docs/LOG.md, "prep_share").
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
-                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
-                    "prep_share": ("off", "on", "scratch")}
+                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows")}
 GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
-                      "fused_kq": "stored", "prep_share": "off"}
+                      "fused_kq": "stored"}
 SHAPE_BUCKETS = (
     # k_le_64: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64 bf16:
     # 2.36 ms against 2.51 for the config before, re-timed together (docs/LOG.md, fifth session).
@@ -163,9 +160,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    # v22: one copy of the unit-lower inverse (sm_90 PTX identical before and after); history:
-    # docs/LOG.md.
-    template_version=22,
+    # v23: prep_share and its kernel removed (slower on an H100, h32_gdn6); the default's kernels
+    # unchanged. History: docs/LOG.md.
+    template_version=23,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

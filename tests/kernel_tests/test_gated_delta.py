@@ -692,96 +692,6 @@ def test_fused_output_kq_rows_fp16_dot_path(monkeypatch):
         module.set_config(base)
 
 
-# `prep_share` "on" / "scratch" (template v20: the prepare kernel per (chunk, key head), the raw Gram
-# products once for its value heads): every prepare output as the default's (the same fp32 arithmetic
-# per value head), then o, the final state and every gradient against the recurrence. Grouped value
-# heads (HV = 2 HK) at batch 2; T not a multiple of the chunk with an initial state and l2norm at
-# HV = 2 HK (WIDE: K and V over two tiles, the second V tile partial); with `prep_pipe`; HV = HK.
-SHARE_CASES = [pytest.param(CASES[1], "on", {}, id=CASES[1].id + "-on"),
-               pytest.param(WIDE, "on", {}, id=WIDE.id + "-on"),
-               pytest.param(WIDE, "scratch", {"prep_pipe": "on"}, id=WIDE.id + "-scratch-prep_pipe"),
-               pytest.param(CASES[2], "on", {"prep_pipe": "on"}, id=CASES[2].id + "-on-prep_pipe"),
-               pytest.param(CASES[0], "scratch", {}, id=CASES[0].id + "-scratch")]
-
-
-@pytest.mark.parametrize(("case", "share", "extra"), SHARE_CASES)
-def test_prepare_share(case, share, extra, monkeypatch):
-    """Prepare outputs (w, u, kd, qg, Aqk, gl, the kept Tm and M, and ROWS' row factors) as the
-    default's (rel < 1e-6; the share kernel launched over B * HK key heads), then a training step
-    against the recurrence."""
-    module = load(gated_delta.FAMILY)
-    base = {**(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}), **extra}
-    q, k, v, g, beta = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(5))[:5]
-    grids = []
-    monkeypatch.setattr(module, "gdn_prepare_share_fwd_kernel", LaunchSpy(
-        module.gdn_prepare_share_fwd_kernel, lambda grid, kw: grids.append(grid)))
-    outs = {}
-    try:
-        for mode in ("off", share):
-            module.set_config({**base, "prep_share": mode})
-            outs[mode] = [module._prepare(q, k, v, g, beta, case.K ** -0.5, case.l2, keep_tm=keep, rows=rows)
-                          for keep, rows in ((False, False), (True, False), (False, True))]
-        NT = -(-case.T // module.CHUNK_SIZE)
-        assert grids == [(NT, case.B * case.HK)] * 3, grids
-        for i, (a_all, b_all) in enumerate(zip(outs["off"], outs[share])):
-            for name, a, b in zip(("w", "u", "kd", "qg", "Aqk", "gl", "Tm", "M"), a_all, b_all):
-                assert (a is None) == (b is None), (name, i)
-                if a is not None:
-                    assert rel(b, a) < 1e-6, (name, i, rel(b, a))
-        module.set_config({**base, "prep_share": share})
-        check_against(module, module.reference, case, False, f"naive recurrence, prep_share {share}")
-    finally:
-        module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
-
-
-@pytest.mark.parametrize("cfg", [{"prep_share": "on", "fwd_o": "fused", "fused_kq": "rows"},
-                                 {"prep_share": "scratch", "fwd_o": "fused", "prep_pipe": "on"}],
-                         ids=["on+fused_kq_rows", "scratch+prep_pipe+fused"])
-def test_prepare_share_fused_and_recompute(cfg, monkeypatch):
-    """`prep_share` with the fused output: the no-grad forward (with `fused_kq` "rows": row factors
-    from the share kernel) against the recurrence at grouped values, odd T and an initial state;
-    then with the param `recompute` (the backward re-runs the share kernel, Tm kept, u fp32) o, the
-    final state and every gradient."""
-    case = Case(HK=1, HV=2, T=37, l2=True, h0=True, B=2)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    monkeypatch.setattr(module := load(gated_delta.FAMILY), "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
-    module.set_config({**base, **cfg})
-    try:
-        check_against(module, module.reference, case, False, f"naive recurrence, {cfg}", with_grads=False)
-    finally:
-        module.set_config(base)
-    rec = load(gated_delta.FAMILY, {"recompute": True})
-    rec.set_config({**base, **cfg})
-    try:
-        check_against(rec, rec.reference, case, False, f"naive recurrence, {cfg}, recompute")
-    finally:
-        rec.set_config(base)
-
-
-def test_prepare_share_fp16_dot_path(monkeypatch):
-    """`prep_share` "on" on the 16-bit dot path (fp16, which the interpreter computes right): forward
-    and every gradient at fp16 accuracy against the fp32 recurrence (grouped values, odd T, h0)."""
-    module = load(gated_delta.FAMILY)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    module.set_config({**base, "prep_share": "on"})
-    try:
-        check_fp16_dot_path(gated_delta.FAMILY, False, monkeypatch)
-    finally:
-        module.set_config(base)
-
-
-def test_prepare_share_refuses_unknown_modes():
-    module = load(gated_delta.FAMILY)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    q, k, v, g, beta = make_inputs(CASES[1], False, torch.float32, DEVICE, torch.Generator().manual_seed(5))[:5]
-    module._CONFIG_OVERRIDE, prev = {**base, "prep_share": "both"}, module._CONFIG_OVERRIDE
-    try:
-        with pytest.raises(ValueError, match="prep_share"):
-            module._prepare(q, k, v, g, beta, 1.0, False)
-    finally:
-        module._CONFIG_OVERRIDE = prev
-
-
 def test_backward_runs_in_triton(monkeypatch):
     check_backward_is_triton(load(gated_delta.FAMILY), False, monkeypatch)
 
@@ -918,8 +828,7 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
     check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow)
 
 
-# The bench's `fwd_o`, `prep_pipe` and `prep_share` rows (bench.FWD_O_SWEEP, bench.PREP_SWEEP with its
-# SHARE_SWEEP): each within the
+# The bench's `fwd_o` and `prep_pipe` rows (bench.FWD_O_SWEEP, bench.PREP_SWEEP): each within the
 # bf16 bars on the GPU, forward and every gradient, at both GPU cases (K = 64 takes 16-wide state tiles from its own bucket's BV).
 @pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
                                  for c in (*gated_delta.bench.FWD_O_SWEEP, *gated_delta.bench.PREP_SWEEP)])
