@@ -15,9 +15,12 @@ are checked as the interpreter lowers them (masked to the descriptor's shape, as
 pads out-of-range boxes). Compiled GPU launches are untouched: this is the CPU's way to catch,
 before a GPU run, what the GPU would fault on.
 
+Atomics (``create_atomic_rmw``, ``create_atomic_cas``: tl.atomic_add and the rest) are checked as
+loads and stores are (masked-off lanes excluded).
+
 The patch is written against the interpreter of triton 3.9 (the CPU machines'):
 ``GridExecutor._init_args_hst`` and ``__call__``, the builder's ``create_masked_load`` /
-``create_masked_store``. `available()` says whether this triton has them, and `bounds_checked()`
+``create_masked_store``, ``create_atomic_rmw`` and ``create_atomic_cas``. `available()` says whether this triton has them, and `bounds_checked()`
 raises `RuntimeError` when it does not rather than check nothing.
 """
 
@@ -55,7 +58,9 @@ def available() -> tuple[bool, str]:
         return False, f"triton's interpreter does not import: {type(exc).__name__}: {exc}"
     missing = [f"{cls}.{name}" for cls, name in (("GridExecutor", "_init_args_hst"),
                                                  ("InterpreterBuilder", "create_masked_load"),
-                                                 ("InterpreterBuilder", "create_masked_store"))
+                                                 ("InterpreterBuilder", "create_masked_store"),
+                                                 ("InterpreterBuilder", "create_atomic_rmw"),
+                                                 ("InterpreterBuilder", "create_atomic_cas"))
                if not hasattr(getattr(interp, cls, None), name)]
     if not hasattr(interp, "_get_np_dtype"):
         missing.append("_get_np_dtype")
@@ -122,6 +127,7 @@ def _patch() -> None:
     interp = _interp()
     ge, builder = interp.GridExecutor, interp.InterpreterBuilder
     init, call, load, store = ge._init_args_hst, ge.__call__, builder.create_masked_load, builder.create_masked_store
+    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
     np_dtype = interp._get_np_dtype
 
     def init_args(self, args_dev, kwargs):
@@ -152,12 +158,23 @@ def _patch() -> None:
         _check(ptrs, mask, "store", width(ptrs))
         return store(self, ptrs, value, mask, *rest, **kwargs)
 
+    def atomic_rmw(self, op, ptrs, value, mask, *rest, **kwargs):
+        _check(ptrs, mask, "atomic", width(ptrs))
+        return rmw(self, op, ptrs, value, mask, *rest, **kwargs)
+
+    def atomic_cas(self, ptrs, *rest, **kwargs):
+        _check(ptrs, None, "atomic", width(ptrs))
+        return cas(self, ptrs, *rest, **kwargs)
+
     _SAVED[:] = [(ge, "_init_args_hst", init), (ge, "__call__", call), (builder, "create_masked_load", load),
-                 (builder, "create_masked_store", store)]
+                 (builder, "create_masked_store", store), (builder, "create_atomic_rmw", rmw),
+                 (builder, "create_atomic_cas", cas)]
     ge._init_args_hst = init_args
     ge.__call__ = launch
     builder.create_masked_load = masked_load
     builder.create_masked_store = masked_store
+    builder.create_atomic_rmw = atomic_rmw
+    builder.create_atomic_cas = atomic_cas
 
 
 @contextlib.contextmanager

@@ -1,0 +1,111 @@
+"""kimi_delta's K-tiled chunk-local backward (`kda_qk` "ktiles") under the interpreter's bounds check
+(`onboarding.testing.bounds`): every load, store and atomic of the forward and backward inside the
+launch's tensor arguments, at the bench's KTILES_SWEEP rows.
+
+Why: on an H100 (triton 3.6) every "ktiles" row raised "an illegal memory access" (docs/LOG.md,
+thirty-fourth session, call 2). These tests pin what the CPU can rule out: no address of ours
+(masked-in lane of a load, store or atomic) leaves its tensor, on the GPU's 16-bit path (16-bit dots
+and stored intermediates, the bucket's own tiles: `kernel_cases.fp16_dot_path`) and on the fp32 path,
+with a partial last chunk, several K and V tiles, per value head slots (HV = 2 HK) and final dq, dk
+(HV = HK). The device's fault is therefore in the build, not in the kernels' indexing, unless a
+test here fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from kernel_cases import DEVICE, fp16_dot_path
+from test_gated_delta import Case, grads_of, load, make_inputs
+
+from onboarding.families import family_module
+from onboarding.testing.bounds import OutOfBounds, bounds_checked, interpreting
+
+kimi_delta = family_module("kimi_delta")
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu" or not interpreting(),
+                                reason="checks the interpreter (TRITON_INTERPRET=1 on the CPU)")
+
+
+@triton.jit
+def _atomic_rows(p_x, p_y, n, MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    if MASKED:
+        tl.atomic_add(p_y + o, tl.load(p_x + o, mask=o < n, other=0.0), mask=o < n, sem="relaxed")
+    else:
+        tl.atomic_add(p_y + o, tl.load(p_x + o, mask=o < n, other=0.0), sem="relaxed")
+
+
+def test_atomics_are_checked():
+    """The ktiles K-tile kernel adds dbeta's share with tl.atomic_add: the check covers atomics
+    (masked-off lanes excluded), as it does loads and stores."""
+    x, y = torch.randn(16), torch.zeros(12)
+    with bounds_checked():
+        _atomic_rows[(1,)](x, y, 12, MASKED=True, BLOCK=16)
+        torch.testing.assert_close(y, x[:12])
+        with pytest.raises(OutOfBounds, match=r"atomic in Triton kernel _atomic_rows: 4 of 16 "):
+            _atomic_rows[(1,)](x, y, 12, MASKED=False, BLOCK=16)
+
+
+# (row of bench.KTILES_SWEEP, HK, HV, K = V): HV = 2 HK takes the fp32 per value head slots and the
+# group sum, HV = HK (the bench's Kimi-Linear layout) writes dq, dk final from the K-tile kernel.
+# T 100: a full chunk and a partial one (36 rows). K = V = 64: four K tiles at BK 16, two at 32, two
+# V tiles at bwd_bv 32; K = V = 128 (the faulting shapes' head dims) is the slow row.
+ROWS = kimi_delta.bench.KTILES_SWEEP
+# The fp16 path takes 9-21 s a row on 2 cores (fp32 3-9 s): one fp16 row in the fast set.
+SLOW = pytest.mark.slow
+CASES = [
+    pytest.param("fp16", ROWS[0], 1, 2, 64, id="fp16-bk16-w8-grouped"),
+    pytest.param("fp32", ROWS[0], 2, 2, 64, id="fp32-bk16-w8-hv=hk"),
+    pytest.param("fp32", ROWS[1], 1, 2, 64, id="fp32-bk32-w8-grouped"),
+    pytest.param("fp16", ROWS[0], 2, 2, 64, id="fp16-bk16-w8-hv=hk", marks=SLOW),
+    pytest.param("fp16", ROWS[1], 2, 2, 64, id="fp16-bk32-w8-hv=hk", marks=SLOW),
+    pytest.param("fp16", ROWS[3], 1, 2, 64, id="fp16-bk16-w8-state3-grouped", marks=SLOW),
+    pytest.param("fp16", ROWS[0], 1, 2, 128, id="fp16-bk16-w8-grouped-k128", marks=SLOW),
+    pytest.param("fp32", ROWS[0], 1, 2, 128, id="fp32-bk16-w8-grouped-k128", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("path,cfg,HK,HV,D", CASES)
+def test_ktiles_forward_backward_in_bounds(monkeypatch, path, cfg, HK, HV, D):
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=HK, HV=HV, T=100, l2=True, h0=True, K=D, V=D)
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    args = make_inputs(case, True, dtype, DEVICE, gen)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE, dtype),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    launched = []
+    for name in ("kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, _Spy(kernel, lambda kw, _n=name: launched.append((_n, kw["BK"], kw["BV"]))))
+    prev = module._CONFIG_OVERRIDE
+    # the fp16 path: the bucket's own tiles (CPU_CONFIG unpinned) as on the GPU; fp32: the test pin
+    module.set_config(cfg if path == "fp16" else {**(prev or {}), **cfg})
+    try:
+        if path == "fp16":
+            with fp16_dot_path(monkeypatch, module), bounds_checked(), np.errstate(over="ignore", invalid="ignore"):
+                outs, grads = grads_of(module.entry, args, douts)
+        else:
+            with bounds_checked():
+                outs, grads = grads_of(module.entry, args, douts)
+    finally:
+        module.set_config(prev)
+    bk = cfg.get("kda_qk_bk") or 32
+    assert launched == [("kda_chunk_bwd_vside_kernel", 32, 32), ("kda_chunk_bwd_ktile_kernel", bk, 32)], launched
+    for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
+        assert torch.isfinite(x).all(), name
+
+
+class _Spy:
+    def __init__(self, kernel, record):
+        self.kernel, self.record = kernel, record
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.record(kw)
+            return self.kernel[grid](*args, **kw)
+        return launch
