@@ -6,8 +6,13 @@ Impls per case:
 
 - ``ours``: our kernel with the band by index (causal, the window), no mask tensor;
 - ``ours_mask``: our kernel handed transformers' additive [1, 1, T, T] mask as well (what the
-  binding runs: it always passes the mask the block got), so the two rows show what reading the
-  mask costs;
+  binding ran for every mask until it learnt to leave out one that adds nothing to the band, and
+  what it still runs for a padded batch), so the two rows show what reading the mask costs;
+- ``ours_guard``: the binding's path for this mask: `band_mask.MaskGuard.needed` with a fresh
+  guard each step (so the mask's values are read every step, as on the first layer of each kind
+  per forward: one [T, T] comparison and a host sync), then the kernel without the mask. Its wall
+  ms is the kernel plus that check; while a CUDA graph is captured the guard cannot read values
+  and keeps the mask, so its graph ms is ``ours_mask``'s, not the binding's;
 - ``eager``: transformers' eager sink attention (repeated KV heads, the scores written out plus
   the mask, the sink concatenated as a last column, max-subtracted softmax, the column dropped);
 - ``compile``: `torch.compile` of that function.
@@ -24,6 +29,8 @@ import torch
 
 from onboarding.bench.cases import N_SETS, anchors, bf16_check, fwd_bwd, kernel, leaf
 from onboarding.bench.harness import BenchCase
+
+from .band_mask import MaskGuard
 
 # (B, T, H, Hk, D, window, note)
 SHAPES = (
@@ -76,8 +83,12 @@ def cases() -> list[BenchCase]:
             def ours_mask(q, k, v, sinks, mask):
                 return entry(q, k, v, sinks, mask, None, True, window)
 
+            def ours_guard(q, k, v, sinks, mask):
+                return entry(q, k, v, sinks, MaskGuard().needed(mask, q, k, True, window), None, True, window)
+
             steps = anchors(eager, ours, sets, grads, None)
             steps["ours_mask"] = fwd_bwd(ours_mask, sets, grads)
+            steps["ours_guard"] = fwd_bwd(ours_guard, sets, grads)
             return steps
 
         def make(dtype, b=b, h=h, hk=hk, d=d, window=window):

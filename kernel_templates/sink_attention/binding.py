@@ -20,10 +20,14 @@ What the function does beyond q, k, v and the mask is tried, not read from names
 - the band the kernel may skip to: causal with the call's ``sliding_window`` argument as the
   window when it is a positive integer (the attention interface's keyword: transformers' fused
   paths read the layer's window from it), then causal, then not causal.
-The mask itself is always handed to the kernel, so the band only saves work: a band wider than
-the mask's is exact, a narrower one fails the first call's check when the call is longer than
-the window (any integer argument was tried before: one that is no window and larger than the
-first call's length would have passed that check and cut later, longer calls).
+The mask is handed to the kernel unless it adds nothing to the reading's band (`band_mask`: its
+values are 0 / True at every (query, key) the band lets through, read once per mask object and
+re-read when the object, its shapes or its contents change): transformers' pure causal and
+sliding-window masks are left out (on the H100 reading them cost 1.6-2.1x the band alone), a
+mask with padding or any other information is kept. The band only saves work then: a band wider
+than the mask's is exact, a narrower one fails the first call's check when the call is longer
+than the window (any integer argument was tried before: one that is no window and larger than
+the first call's length would have passed that check and cut later, longer calls).
 The call's scaling and dropout arguments are read by the interface's names (``scaling`` None:
 head_dim ** -0.5); a dropout that is on in training, or any other named argument set (a logit
 soft-cap, a position bias), keeps the original function.
@@ -48,6 +52,12 @@ from onboarding.patching.callswap import (Interface, bound_arguments, describe, 
                                           is_tensor, min_required)
 from onboarding.patching.core import PatchRecord, entry_function
 
+from .band_mask import MaskGuard
+
+
+# verdicts on the masks the swaps are handed (`band_mask.MaskGuard`; keyed by the mask object,
+# its version, shapes and the band, so one guard serves every bound block)
+MASKS = MaskGuard()
 
 NONE_FOUND = ("the block calls no attention-interface-like function (module, query, key, value, "
               "attention_mask, ...); its core runs inline")
@@ -148,6 +158,7 @@ def _call(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, variant: An
     if source is not None:
         where, name = source
         sinks = getattr(block, name) if where == "param" else {**named, **extra}[name]
+    mask = MASKS.needed(mask, q, k, causal, window)
     o = kernel(q, k, v, sinks, mask, None if scale is None else float(scale), causal, window)
     return o.transpose(1, 2).contiguous(), None
 

@@ -79,7 +79,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sink_attention.py.j2",
-    template_version=1,
+    template_version=2,
     folder=Path(__file__).parent,
     variants={"attention": "softmax attention with optional per-head sinks; causal, optional sliding "
                            "window, GQA, optional additive mask; forward + backward (dq, dk, dv, dsinks)"},
