@@ -127,18 +127,28 @@ def test_coverage_predicts_the_bindings(ref, parse_model, kernel_dir):
         assert status[path][0] == "rejected", (path, status[path])
 
 
-def test_family_without_binding_says_nothing_patches_it():
-    """The rope family has no patch binding (the built-in example's one coverable block that
-    alignment never checks): coverage keeps its kernel entry and says the model keeps its own
-    code; a family with a binding says nothing of the kind."""
+def test_family_without_binding_says_nothing_patches_it(monkeypatch):
+    """A family with no patch binding (rope had none until its binding: the built-in example's
+    one coverable block that alignment never checked; here its spec without it): coverage keeps
+    its kernel entry and says the model keeps its own code; a family with a binding says nothing
+    of the kind, rope's own now included."""
+    import dataclasses
+
+    import onboarding.coverage as coverage
     from onboarding.graph.opgraph import Block, OpGraph
 
     blocks = [Block(path="rotary", kind="rope", layer=None, class_name="", attrs={"layout": "half"}),
               Block(path="norm", kind="norm.rms", layer=None, class_name="", attrs={"eps": 1e-6})]
     graph = OpGraph(model="m", capture="export", capture_note="", batch=1, seq=8, dtype="float32",
                     blocks=blocks, layer_pattern="", layer_kinds=[], param_counts={}, total_flops=0)
+    bound = {e.path: e for e in build_coverage(graph).entries if e.family}
+    assert families()["rope"].binding is not None
+    assert bound["rotary"].family == "rope" and "no patch binding" not in bound["rotary"].reason
+    real = coverage.get_family
+    monkeypatch.setattr(coverage, "get_family", lambda name: dataclasses.replace(
+        real(name), binding=None) if name == "rope" else real(name))
     entries = {e.path: e for e in build_coverage(graph).entries if e.family}
-    assert families()["rope"].binding is None and families()["rmsnorm"].binding is not None
+    assert coverage.get_family("rope").binding is None and families()["rmsnorm"].binding is not None
     assert entries["rotary"].family == "rope" and "no patch binding" in entries["rotary"].reason
     assert entries["norm"].family == "rmsnorm" and "no patch binding" not in entries["norm"].reason
 

@@ -532,7 +532,10 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
         floor_run = _run(floor, graph, inputs, kwargs, seed)
     ref_mods, cand_mods = dict(reference.named_modules()), dict(candidate.named_modules())
     floor_mods = dict(floor.named_modules()) if floor is not None else {}
-    patched = {r.path for r in getattr(patches, "records", []) if r.status == "active"}
+    # the blocks that run our kernels: an active patch's block, and the blocks its kernel ran in
+    # when those are others (`PatchRecord.sites`: a rope block's kernel runs in the attention)
+    patched = {p for r in getattr(patches, "records", []) if r.status == "active"
+               for p in (r.path, *getattr(r, "sites", ()))}
     floor_min = tolerance_for(cdt if cdt != torch.float64 else torch.float32).max_rel_rms
 
     def ok(cand: list[torch.Tensor], ref: list[torch.Tensor], tol: Tolerance, name: str
@@ -616,7 +619,8 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
                 "floor_rel_rms": logits_floor},
         floor_dtype=_dtype_name(cdt) if floor_run is not None else None,
         patches=[{"path": r.path, "kind": r.kind, "family": r.family, "status": r.status,
-                  "binding": r.binding, "detail": r.detail, "calls": dict(r.calls)}
+                  "binding": r.binding, "detail": r.detail, "calls": dict(r.calls),
+                  **({"sites": list(r.sites)} if getattr(r, "sites", None) else {})}
                  for r in getattr(patches, "records", [])] if patches is not None else [])
     multi = [r.path for r in results if r.calls > 1]
     if multi:

@@ -92,6 +92,15 @@ def backward_unchecked(result: Any, records: Iterable[Any], modules: dict[str, A
     by_path = {b.path: b for b in result.blocks}
     out = []
     for r in records:
+        sites = [by_path[p] for p in getattr(r, "sites", ()) if p in by_path]
+        if r.status == "active" and sites:
+            # the kernel ran in other blocks (a rope block's, in the attention that rotates q/k
+            # with its tables): its backward is checked where a gradient flowed through them
+            if all(s.bwd.verdict in ("no_grad", "not_called", "skipped") for s in sites):
+                out.append({"path": r.path, "kind": r.kind, "family": r.family,
+                            "reason": "no gradient flows through the blocks it runs in ("
+                                      + ", ".join(s.path for s in sites) + ")"})
+            continue
         b = by_path.get(r.path)
         if r.status != "active" or b is None or b.bwd.verdict in ("not_called", "skipped"):
             continue

@@ -48,6 +48,10 @@ class PatchRecord:
     # calls served per path, for a patch that routes each call by shape (the sparse intercept):
     # {"kernel": n, "dense": m}; empty for patches that always run their kernel
     calls: dict[str, int] = field(default_factory=dict)
+    # the blocks where the patch's kernel ran, when not the block's own code: a rope block makes
+    # the cos/sin tables, and its kernel rotates q/k inside the attention blocks that use them;
+    # alignment judges the kernel there (empty for patches that run inside their own block)
+    sites: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

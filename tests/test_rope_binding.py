@@ -1,0 +1,382 @@
+"""The rope family's patch binding (kernel_templates/rope/binding.py): the rotary-application
+function the attention blocks hand q/k and the rope block's cos/sin tables to is swapped for the
+Triton kernel (run in the interpreter here), checked against the original on its first call.
+
+Tiny models written here, each with its own rotation function; none is named like
+transformers' (the binding finds the function by the tables it is handed)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from torch import nn
+
+from onboarding.families import families, family_module
+from onboarding.generate import templating
+from onboarding.graph.opgraph import Block
+from onboarding.patching.core import PatchRecord
+
+binding = family_module("rope").binding if hasattr(family_module("rope"), "binding") else None
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """kernel(variant, **params) -> the rendered rope module, loaded."""
+    root, cache = tmp_path_factory.mktemp("rope_kernels"), {}
+
+    def load(variant: str, **params):
+        key = (variant, tuple(sorted(params.items())))
+        if key not in cache:
+            name = "_".join([variant, *(f"{k}{v}" for k, v in sorted(params.items()))])
+            path = templating.write_module(templating.render("rope", variant, params),
+                                           root / "rope" / f"{name}.py")
+            cache[key] = templating.load_module(path)
+        return cache[key]
+
+    return load
+
+
+# --- rotation functions, as models write them ---------------------------------------------
+
+def _half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _pairs(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotate_qk(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):  # q/k [B, H, T, D]
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _half(q) * sin, k * cos + _half(k) * sin
+
+
+def rotate_qk_partial(q, k, cos, sin):  # the first cos.shape[-1] dims rotate, the rest pass
+    r = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+
+    def one(x):
+        xr, xp = x[..., :r], x[..., r:]
+        return torch.cat((xr * cos + _half(xr) * sin, xp), dim=-1)
+
+    return one(q), one(k)
+
+
+def rotate_qk_pairs(q, k, cos, sin):  # interleaved pairs; tables hold each frequency twice
+    cos, sin = cos[:, None], sin[:, None]
+    return q * cos + _pairs(q) * sin, k * cos + _pairs(k) * sin
+
+
+def rotate_qk_made_up(q, k, cos, sin):  # no rotation: a reversal of the head, scaled
+    cos, sin = cos[:, None], sin[:, None]
+    return q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+
+
+def rotate_one(x, cos, sin):  # one tensor [B, T, H, D] at a time (the built-in example's form)
+    return x * cos[:, :, None] + _half(x) * sin[:, :, None]
+
+
+class Tables(nn.Module):
+    """The rope block: cos/sin [B, T, R], each frequency twice (half-split or interleaved)."""
+
+    def __init__(self, rotary: int, interleaved: bool = False, theta: float = 10000.0):
+        super().__init__()
+        self.rotary, self.interleaved, self.theta = rotary, interleaved, theta
+
+    def forward(self, x, pos):
+        inv = 1.0 / self.theta ** (torch.arange(0, self.rotary, 2, dtype=torch.float32) / self.rotary)
+        f = pos.float()[..., None] * inv
+        e = f.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((f, f), dim=-1)
+        return e.cos().to(x.dtype), e.sin().to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int, rotate, one: bool):
+        super().__init__()
+        self.h, self.hk, self.d, self.one = heads, kv_heads, head_dim, one
+        self.rotate = rotate  # an instance attribute: reachable as the block's own function
+        self.q = nn.Linear(width, heads * head_dim, bias=False)
+        self.k = nn.Linear(width, kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(width, kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, width, bias=False)
+
+    def forward(self, x, tables):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.h, self.d)
+        k = self.k(x).view(B, T, self.hk, self.d)
+        v = self.v(x).view(B, T, self.hk, self.d).transpose(1, 2)
+        cos, sin = tables
+        if self.one:
+            q, k = self.rotate(q, cos, sin).transpose(1, 2), self.rotate(k, cos, sin).transpose(1, 2)
+        else:
+            q, k = self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        g = self.h // self.hk
+        o = nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
+        return self.o(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, rotate, head_dim=8, rotary=8, interleaved=False, one=False, layers=2):
+        super().__init__()
+        width, self.vocab = 16, 40
+        self.embed = nn.Embedding(self.vocab, width)
+        self.rotary_emb = Tables(rotary, interleaved)
+        self.layers = nn.ModuleList(Attention(width, 4, 2, head_dim, rotate, one) for _ in range(layers))
+        self.head = nn.Linear(width, self.vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+        tables = self.rotary_emb(x, pos)
+        for layer in self.layers:
+            x = x + layer(x, tables)
+        return self.head(x)
+
+
+def _block(path="rotary_emb") -> Block:
+    return Block(path=path, kind="rope", layer=None, class_name="Tables", attrs={})
+
+
+class _Counting:
+    """Counts the kernel module's forward (entry) and backward (rope_bwd_op) launches."""
+
+    def __init__(self, mod, monkeypatch):
+        self.fwd = self.bwd = 0
+        entry, bwd = mod.entry, mod.rope_bwd_op
+
+        def fwd_(*a):
+            self.fwd += 1
+            return entry(*a)
+
+        def bwd_(*a):
+            self.bwd += 1
+            return bwd(*a)
+
+        monkeypatch.setattr(mod, "entry", fwd_)
+        monkeypatch.setattr(mod, "rope_bwd_op", bwd_)
+
+
+def _run(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _bound(model, mods):
+    record = PatchRecord(path="rotary_emb", kind="rope", family="rope")
+    undo = binding.bind(_block(), model.rotary_emb, mods, record, model)
+    return record, undo
+
+
+def _assert_same(a, b, tol=1e-5):
+    (oa, ga), (ob, gb) = a, b
+    torch.testing.assert_close(oa, ob, atol=tol, rtol=tol)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=tol, rtol=tol, msg=n)
+
+
+def test_the_family_declares_its_binding():
+    assert families()["rope"].binding is not None
+
+
+@pytest.mark.parametrize("rotate, one", [(rotate_qk, False), (rotate_one, True)],
+                         ids=["q_k_BHTD", "one_tensor_BTHD"])
+def test_patches_a_llama_like_model(kernel, monkeypatch, rotate, one):
+    """The function handed the tables is swapped in every attention block: the record is
+    active and names them, the kernel runs forward and backward (per layer one call for q and k
+    together, or one each), and the logits and every gradient match the unpatched model's."""
+    torch.manual_seed(0)
+    model, ids = TinyLM(rotate, one=one), torch.randint(0, 40, (2, 7))
+    ref = _run(model, ids)
+    mod = kernel("half")
+    count = _Counting(mod, monkeypatch)
+    record, undo = _bound(model, [mod])
+    assert undo is not None and record.status == "pending"
+    got = _run(model, ids)
+    assert record.status == "active", record
+    assert record.sites == ["layers.0", "layers.1"]
+    assert "rotate" in record.binding and "half" in record.binding
+    # the first call also ran the readings under no_grad: count the serving calls after it
+    count.fwd = count.bwd = 0
+    got = _run(model, ids)
+    calls = 4 if one else 2
+    assert count.fwd == calls and count.bwd == calls, (count.fwd, count.bwd)
+    _assert_same(got, ref)
+    undo()
+    count.fwd = 0
+    _assert_same(_run(model, ids), ref)
+    assert count.fwd == 0  # restored: the model's own function again
+    assert "forward" not in vars(model.rotary_emb) and "forward" not in vars(model.layers[0])
+
+
+def test_partial_rotary_dim(kernel, monkeypatch):
+    """Tables over R = 8 of a 16-wide head: the kernel rotates those, the rest passes through."""
+    torch.manual_seed(1)
+    model, ids = TinyLM(rotate_qk_partial, head_dim=16, rotary=8), torch.randint(0, 40, (2, 6))
+    ref = _run(model, ids)
+    mod = kernel("half", rotary_dim=8)
+    count = _Counting(mod, monkeypatch)
+    record, undo = _bound(model, [mod])
+    _run(model, ids)
+    count.fwd = count.bwd = 0
+    got = _run(model, ids)
+    assert record.status == "active" and "rotary dim 8" in record.binding, record
+    assert count.fwd == 2 and count.bwd == 2
+    _assert_same(got, ref)
+    undo()
+
+
+def test_interleaved_pairs_take_the_interleaved_variant(kernel):
+    """A model rotating interleaved pairs: the half-split kernel alone is refused (calibration
+    says why), with both variants given the interleaved one is kept."""
+    torch.manual_seed(2)
+    model, ids = TinyLM(rotate_qk_pairs, interleaved=True), torch.randint(0, 40, (1, 5))
+    ref = _run(model, ids)
+    record, undo = _bound(model, [kernel("half")])
+    _assert_same(_run(model, ids), ref, tol=0)
+    assert record.status == "rejected" and "calibration" in record.detail, record
+    undo()
+    record, undo = _bound(model, [kernel("half"), kernel("interleaved")])
+    got = _run(model, ids)
+    assert record.status == "active" and "interleaved" in record.binding, record
+    _assert_same(got, ref)
+    undo()
+
+
+def test_a_made_up_rotation_is_refused_and_left_unpatched(kernel, monkeypatch):
+    """A function handed the tables that no reading of the kernel reproduces keeps the
+    original: the record is rejected with the reason, the outputs are the model's own (exactly),
+    and later calls never reach the kernel."""
+    torch.manual_seed(3)
+    model, ids = TinyLM(rotate_qk_made_up), torch.randint(0, 40, (2, 5))
+    ref = _run(model, ids)
+    mod = kernel("half")
+    count = _Counting(mod, monkeypatch)
+    record, undo = _bound(model, [mod, kernel("interleaved")])
+    got = _run(model, ids)
+    assert record.status == "rejected", record
+    assert "no reading of the kernel reproduced it (calibration)" in record.detail
+    assert "layers.0" in record.detail and "rotate" in record.detail and record.sites == []
+    _assert_same(got, ref, tol=0)
+    count.fwd = count.bwd = 0
+    _assert_same(_run(model, ids), ref, tol=0)
+    assert count.fwd == 0 and count.bwd == 0
+    undo()
+
+
+def _sum3(a, b, c):  # a three-argument helper that is never handed the tables
+    return a + b + c
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["nothing_reachable", "never_handed"])
+def test_inline_rotation_is_rejected_with_the_reason(kernel, helper):
+    """Attention that rotates inline: with no function of three arguments reachable the bind
+    is refused at once; with one that is never handed the tables, after the first forward. The
+    record says the rotation runs inline; the model's outputs are its own."""
+
+    class Inline(Attention):
+        def forward(self, x, tables):
+            B, T, _ = x.shape
+            q = self.q(x).view(B, T, self.h, self.d)
+            cos, sin = tables
+            q = q * cos[:, :, None] + _half(q) * sin[:, :, None]
+            if self.one:
+                q = self.mix(q, q, q)
+            return self.o(q.reshape(B, T, -1))
+
+    torch.manual_seed(4)
+    model, ids = TinyLM(rotate_qk), torch.randint(0, 40, (1, 4))
+    model.layers = nn.ModuleList(Inline(16, 4, 2, 8, None, helper) for _ in range(2))
+    for layer in model.layers:
+        layer.mix = _sum3 if helper else None
+    ref = _run(model, ids)
+    record, undo = _bound(model, [kernel("half")])
+    assert (undo is not None) == helper
+    if helper:
+        assert record.status == "pending"
+        _assert_same(_run(model, ids), ref, tol=0)
+        undo()
+    assert record.status == "rejected" and "the rotation runs inline" in record.detail, record
+
+
+def test_two_rope_blocks_each_serve_their_own_tables(kernel):
+    """Two table modules (local / global layers) handing their tables to the same function:
+    each patch serves its own tables' calls, with its own kernel (a rotary dim pinned per
+    block), and neither takes the other's."""
+
+    class TwoTables(TinyLM):
+        def __init__(self):
+            super().__init__(rotate_qk, head_dim=8, rotary=8)
+            self.rotary_local = Tables(8, theta=100.0)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+            glob, local = self.rotary_emb(x, pos), self.rotary_local(x, pos)
+            for i, layer in enumerate(self.layers):
+                x = x + layer(x, local if i % 2 else glob)
+            return self.head(x)
+
+    torch.manual_seed(5)
+    model, ids = TwoTables(), torch.randint(0, 40, (2, 5))
+    ref = _run(model, ids)
+    ra, undo_a = _bound(model, [kernel("half")])
+    rb = PatchRecord(path="rotary_local", kind="rope", family="rope")
+    undo_b = binding.bind(_block("rotary_local"), model.rotary_local, [kernel("half")], rb, model)
+    got = _run(model, ids)
+    assert ra.status == rb.status == "active", (ra, rb)
+    assert ra.sites == ["layers.0"] and rb.sites == ["layers.1"], (ra.sites, rb.sites)
+    _assert_same(got, ref)
+    _assert_same(_run(model, ids), ref)
+    undo_b()
+    undo_a()
+
+
+def test_backward_is_judged_where_the_kernel_ran():
+    """`verdicts.backward_unchecked`: a patch whose kernel ran in other blocks (`sites`) has
+    its backward judged there: checked when a gradient flowed through them, listed when none
+    did; the rope block's own no-gradient tables do not decide it."""
+    from types import SimpleNamespace as NS
+
+    from onboarding.align.verdicts import backward_unchecked
+
+    def blk(path, bwd):
+        return NS(path=path, bwd=NS(verdict=bwd))
+
+    rec = PatchRecord(path="rotary_emb", kind="rope", family="rope", status="active",
+                      sites=["layers.0"])
+    result = NS(blocks=[blk("rotary_emb", "no_grad"), blk("layers.0", "pass")])
+    assert backward_unchecked(result, [rec], {}, {}) == []
+    result = NS(blocks=[blk("rotary_emb", "no_grad"), blk("layers.0", "no_grad")])
+    out = backward_unchecked(result, [rec], {}, {})
+    assert [x["path"] for x in out] == ["rotary_emb"] and "layers.0" in out[0]["reason"]
+    # without sites, as before: the rope block's own backward (no gradient) is what is judged
+    rec.sites = []
+    out = backward_unchecked(NS(blocks=[blk("rotary_emb", "no_grad")]), [rec], {}, {})
+    assert out and out[0]["reason"] == "no gradient flows through it"
+
+
+def test_example_rope_blocks_are_patched_and_checked(tmp_path, monkeypatch):
+    """`onboard align --kernels rope` on the built-in example: every rope block's patch is
+    active, its kernel ran in the attention (sites), none of the rope blocks is listed as not
+    checked, and the alignment passes."""
+    from onboarding.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["align", "--out", "a", "--seq", "16", "--kernels", "rope"]) == 0
+    res = json.loads((tmp_path / "a" / "alignment.json").read_text())
+    rope = [p for p in res["patches"] if p["family"] == "rope"]
+    assert len(rope) == 3 and all(p["status"] == "active" and p.get("sites") for p in rope), rope
+    assert {s for p in rope for s in p["sites"]} >= {"model.layers.3.self_attn",
+                                                     "model.layers.7.self_attn"}
+    assert not [x for x in res["not_checked"] if x["family"] == "rope"], res["not_checked"]
+    assert not [x for x in res["backward_not_checked"] if x["family"] == "rope"]
