@@ -15,8 +15,10 @@ A verdict is kept for the mask object it was computed on (a weak reference, its 
 every in-place write bumps, and the shapes, dtype, band it was judged against) and reused only on
 that same unchanged object; any change re-reads the values. transformers builds one mask per
 forward per layer kind and hands it to every layer of that kind, so the values are read once per
-forward and kind (one host sync). While a CUDA graph is captured or torch.compile traces, no
-values can be read: a kept verdict still applies, anything else keeps the mask (always exact).
+forward and kind (one host sync). An inference tensor (made under `torch.inference_mode`) has
+no version counter, so an in-place write could not be seen: its values are read on every call.
+While a CUDA graph is captured or torch.compile traces, no values can be read: a kept verdict
+still applies, anything else keeps the mask (always exact).
 """
 
 from __future__ import annotations
@@ -61,10 +63,14 @@ def adds_nothing(mask: torch.Tensor, tq: int, tk: int, causal: bool, window: int
     return not bool(bad)
 
 
-def _capturing_or_tracing(mask: torch.Tensor) -> bool:
+def _tracing(mask: torch.Tensor) -> bool:
+    """torch.compile traces (fake tensors: no values, no data pointer) or the mask has no data."""
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if compiling is not None and compiling():
-        return True
+    return (compiling is not None and compiling()) or mask.device.type == "meta"
+
+
+def _capturing(mask: torch.Tensor) -> bool:
+    """A CUDA graph is being captured (a host sync would break it)."""
     return mask.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -84,6 +90,8 @@ class MaskGuard:
                 tuple(q.shape), tuple(k.shape), bool(causal), int(window))
 
     def _lookup(self, mask: torch.Tensor, key: tuple) -> bool | None:
+        if mask.is_inference():  # no version counter: never reused
+            return None
         for ref, version, k, verdict in self._kept:
             if ref() is mask and version == mask._version and k == key:
                 return verdict
@@ -95,13 +103,17 @@ class MaskGuard:
         [B, H, Tq, D] and k [B, Hk, Tk, D]."""
         if mask is None:
             return None
+        if _tracing(mask):
+            return mask
         key = self._key(mask, q, k, causal, window)
         verdict = self._lookup(mask, key)
         if verdict is None:
-            if _capturing_or_tracing(mask):
+            if _capturing(mask):
                 return mask
             self.reads += 1
             verdict = adds_nothing(mask, q.shape[2], k.shape[2], bool(causal), int(window))
+            if mask.is_inference():
+                return None if verdict else mask
             alive = [e for e in self._kept if e[0]() is not None]
             self._kept = alive[max(0, len(alive) - self.slots + 1):] if self.slots > 1 else []
             self._kept.append((weakref.ref(mask), mask._version, key, verdict))

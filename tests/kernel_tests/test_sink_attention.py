@@ -433,6 +433,11 @@ def test_mask_guard_rereads_a_changed_mask(device):
     fresh = _causal_mask(t, None).to(device)
     assert guard.needed(fresh, q, q, True, 0) is None and guard.reads == 4
     assert guard.needed(None, q, q, True, 0) is None
+    with torch.inference_mode():  # no version counter: read on every call
+        frozen = _causal_mask(t, None).to(device)
+        assert guard.needed(frozen, q, q, True, 0) is None and guard.reads == 5
+        frozen[..., 6, 1] = torch.finfo(torch.float32).min
+        assert guard.needed(frozen, q, q, True, 0) is frozen and guard.reads == 6
 
 
 def test_problem_dims_and_timing_inputs(parse_model, module, device):
