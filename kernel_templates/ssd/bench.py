@@ -27,8 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: template v16's split chunks of 128 and 64, 16 warps
-  and `split_dbc` "one" in the split backward), forward
+  tuning values beside the default (`SWEEP`: the P <= 64 bucket's former split chunks of 256
+  (STATE_CHUNKS 4, v18's change) and of 128, 16 warps in the split backward, the fused pass's
+  tiles), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -121,11 +122,18 @@ SHAPES = (
 # (latency-bound chains of T / PASS_K steps, 256 programs of 4 warps at this shape): STATE_N 32
 # (twice the programs, 88-116 registers) and PASS_K 128 (half the steps; 172-188 registers, 100 KB
 # of shared memory, no spills), forward and forward + backward (v12's untimed variants).
+# Template v18: the P <= 64 bucket's STATE_CHUNKS is 1 (split chunks of 64). h35_ssd8's H100 call
+# (triton 3.6, one run, fwd+bwd by CUDA graph against v16's default of 4: 2.953 ms) gave 1: 2.224,
+# 2: 2.412, 16 warps 3.594, "one" at 16 warps 3.351 (at chunks of 128 2.865, of 64 2.666), 16
+# warps at 128 3.041, "one" at 8 warps 3.111, 16 warps with BLOCK_N 128 5.046 (no graph time;
+# wall 5.046 against 3.969), STATE_N 32 2.909, PASS_K 128 2.797; the rows that lost to their
+# own split chunk's plain row went. Kept: the former default (STATE_CHUNKS 4) and split chunks of
+# 128, forward and backward, so that a call times them beside the new default; 16 warps (untimed
+# at chunks of 64); and the fused pass's STATE_N 32 and PASS_K 128 (each faster by graph than v16's
+# default; at chunks of 64 the pass has four times the chunks).
 W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
-SWEEP = (({"split_dbc": "one", **W16, "STATE_CHUNKS": 2}, "bwd"), ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"),
-         ({"split_dbc": "one", **W16}, "bwd"), ({**W16, "STATE_CHUNKS": 2}, "bwd"), ({"STATE_CHUNKS": 1}, "both"),
-         ({"split_dbc": "one", **W16, "STATE_CHUNKS": 1}, "bwd"), ({"split_dbc": "one"}, "bwd"),
-         ({**W16, "BLOCK_N": 128}, "bwd"), ({"STATE_N": 32}, "both"), ({"PASS_K": 128}, "both"))
+SWEEP = (({"STATE_CHUNKS": 4}, "both"), ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"), ({"PASS_K": 128}, "both"),
+         ({"STATE_N": 32}, "both"))
 
 
 def torch_path() -> tuple[str, Callable]:

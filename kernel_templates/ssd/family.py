@@ -67,7 +67,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=17,  # v17: the split dB/dC kernels' prologue in one Jinja macro (the render unchanged)
+    template_version=18,  # v18: the P <= 64 bucket's STATE_CHUNKS 4 -> 1 (split chunks of 64; H100, h35_ssd8)
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -187,6 +187,10 @@ FAMILY = FamilySpec(
     #   call A).
     # - bwd "split", pass "fused" (v15): fwd+bwd 2.759 ms (CUDA graph) against 3.478 (docs/LOG.md,
     #   thirty-first session, calls 4-5).
+    # - STATE_CHUNKS 1 (v18; split chunks of 64 under `fwd`/`bwd` "split"): on an H100 (triton 3.6,
+    #   .ci/h200/h35_ssd8.sh, one run) fwd+bwd 2.224 ms by CUDA graph against 2.953 at STATE_CHUNKS
+    #   4 (wall 3.590 / 3.969), forward 0.474 against 0.532 (wall 0.907 / 0.944); its bf16 bars
+    #   row [v16-sc1] passed. STATE_CHUNKS 4 stays a SWEEP row (bench.py).
     # The P > 64 bucket names BLOCK_P 64, the default's value; it has no timing of its own.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
@@ -198,7 +202,7 @@ FAMILY = FamilySpec(
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
-                    config={"dot": "input", "state": "input", "STATE_CHUNKS": 4, "gstate": "input",
+                    config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",
                             "BLOCK_N": 64, "DBC_N": 64, "bwd_maxnreg": 128, "fwd": "split",
                             "bwd": "split", "pass": "fused"}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
