@@ -20,7 +20,8 @@ loads and stores are (masked-off lanes excluded).
 
 The patch is written against the interpreter of triton 3.9 (the CPU machines'):
 ``GridExecutor._init_args_hst`` and ``__call__``, the builder's ``create_masked_load`` /
-``create_masked_store``, ``create_atomic_rmw`` and ``create_atomic_cas``. `available()` says whether this triton has them, and `bounds_checked()`
+``create_masked_store``, ``create_atomic_rmw`` and ``create_atomic_cas``. `available()` says whether
+this triton has them, and `bounds_checked()`
 raises `RuntimeError` when it does not rather than check nothing.
 """
 
