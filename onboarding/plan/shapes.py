@@ -36,7 +36,7 @@ from torch import nn
 from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
-from onboarding.train.flops import SOFTMAX_PREFIXES, Chunk, local_window  # noqa: F401
+from onboarding.train.flops import SOFTMAX_PREFIXES, local_window
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names
 
 
