@@ -7,6 +7,7 @@ transformers' (the binding finds the function by the tables it is handed)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -339,6 +340,61 @@ def test_two_rope_blocks_each_serve_their_own_tables(kernel):
     _assert_same(_run(model, ids), ref)
     undo_b()
     undo_a()
+
+
+def _function_module(fn):
+    """What kernels' hub decorator makes of a function (transformers >= 5.25): a stateless
+    module whose forward closes over the function and takes its arguments."""
+    class Func(nn.Module):
+        def forward(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+
+    Func.forward.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         *inspect.signature(fn).parameters.values()])
+    return Func()
+
+
+rotate_hub = _function_module(rotate_qk)  # the module-level name the attention below calls
+
+
+class HubAttention(Attention):
+    def forward(self, x, tables):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.h, self.d).transpose(1, 2)
+        k = self.k(x).view(B, T, self.hk, self.d).transpose(1, 2)
+        cos, sin = tables
+        q, k = rotate_hub(q, k, cos, sin)
+        s = q @ k.repeat_interleave(self.h // self.hk, 1).transpose(-1, -2)
+        return self.o((s.softmax(-1) @ q).transpose(1, 2).reshape(B, T, -1))
+
+
+def test_hub_function_and_one_table_module_per_layer_type(kernel):
+    """Transformers 5.25's shapes: the rotation is a hub-decorated function (a stateless
+    module: each access to its forward is a new bound method), and one table module is called
+    once per layer type (Gemma 3's sliding and full tables): every layer is served, with
+    either call's tables."""
+
+    class PerType(TinyLM):
+        def forward(self, ids):
+            x = self.embed(ids)
+            pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+            tables = [self.rotary_emb(x, pos), self.rotary_emb(x, pos * 2)]
+            for i, layer in enumerate(self.layers):
+                x = x + layer(x, tables[i == len(self.layers) - 1])
+            return self.head(x)
+
+    torch.manual_seed(6)
+    model, ids = PerType(None, layers=3), torch.randint(0, 40, (2, 5))
+    model.layers = nn.ModuleList(HubAttention(16, 4, 2, 8, None, False) for _ in range(3))
+    ref = _run(model, ids)
+    record, undo = _bound(model, [kernel("half")])
+    got = _run(model, ids)
+    assert record.status == "active", record
+    assert record.sites == ["layers.0", "layers.1", "layers.2"], record.sites
+    _assert_same(got, ref)
+    _assert_same(_run(model, ids), ref)
+    undo()
 
 
 def test_backward_is_judged_where_the_kernel_ran():

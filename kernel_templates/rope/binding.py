@@ -7,7 +7,7 @@ attention modules call a module-level ``apply_rotary_pos_emb(q, k, cos, sin, ...
 remote-code models their own copies, some on one tensor at a time (``fn(x, cos, sin)``). Which
 function, and where, is not read from names:
 
-- the rope module's forward is wrapped to keep its latest outputs (the tables);
+- the rope module's forward is wrapped to keep its outputs (the tables) of its last `KEEP` calls;
 - every module under the rope module's parent (its siblings' subtrees: the layers that receive
   the tables; the parent itself too) that can reach a function with three or more required
   positional arguments (`onboarding.patching.callswap.reachable`) has those functions wrapped
@@ -29,7 +29,7 @@ passes through); a model that rotates a slice of each head itself hands the func
 
 After calibration the swap serves every call of that function with the same argument structure
 (the same table argument positions, the same non-tensor arguments, shapes the kernel takes), also
-tables that are not this block's latest outputs (alignment replays a block on copies of its
+tables that are not this block's recent outputs (alignment replays a block on copies of its
 inputs), but never tables another live rope patch made (a model with a second rope block for
 local layers). Other calls run the original; the record's detail counts them.
 
@@ -59,6 +59,9 @@ NOT_CALLED = ("no function the blocks beside it called was handed this block's c
               "the rotation runs inline")
 
 _FITS = min_required(3)
+# the rope module's calls whose tables are recognised (one forward may call it once per layer
+# type: Gemma 3 makes its sliding and full tables with one module)
+KEEP = 8
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the installed rope patches (tables' owners)
 
 
@@ -188,8 +191,8 @@ class _Swap:
                 p.passed.setdefault(f"{self.name} in {self.site}", problem)
                 return self._fallback(args, kwargs)
             return p.calibrate(self, call, args, kwargs)
-        if p.state == "bound" and p.fn is self.fn:
-            if not call.table_names:  # tables that are not this block's latest: read by place
+        if p.state == "bound" and p.fn == self.fn:  # (a hub-decorated function: bound methods)
+            if not call.table_names:  # tables that are not this block's recent ones: read by place
                 call = _Call(self.fn, args, kwargs, _tables_at(self.fn, args, kwargs, p.key))
                 if not call.table_names or p.foreign(call):
                     return self._fallback(args, kwargs)
@@ -223,7 +226,7 @@ class RopePatch:
         self.fn: Callable | None = None
         self.reading: tuple[int, int, bool] | None = None
         self.key: tuple | None = None
-        self.outputs: list[torch.Tensor] = []
+        self.outputs: list[list[torch.Tensor]] = []  # the tables of its last `KEEP` calls
         self.sites: dict[str, int] = {}
         self.originals: dict[str, int] = {}
         self.passed: dict[str, str] = {}  # calls handed the tables that the kernel cannot take
@@ -237,10 +240,10 @@ class RopePatch:
 
     # the tables
     def tables(self) -> set:
-        return {_storage(t) for t in self.outputs}
+        return {_storage(t) for call in self.outputs for t in call}
 
     def foreign(self, call: _Call) -> bool:
-        """The call's tables are another live rope patch's latest outputs."""
+        """The call's tables are another live rope patch's recent outputs."""
         mine = {_storage(call.values[n]) for n in call.table_names}
         return any(other is not self and mine & other.tables() for other in list(_LIVE))
 
@@ -248,7 +251,7 @@ class RopePatch:
         def forward(*args, **kwargs):
             out = original(*args, **kwargs)
             flat = out if isinstance(out, (tuple, list)) else (out,)
-            self.outputs = [t for t in flat if isinstance(t, torch.Tensor)]
+            self.outputs = [*self.outputs[-(KEEP - 1):], [t for t in flat if isinstance(t, torch.Tensor)]]
             return out
         return forward
 
@@ -346,7 +349,7 @@ class RopePatch:
 
     def _describe(self) -> None:
         name = next((s.name for _, swaps in self.consumers.values() for s in swaps.values()
-                     if s.fn is self.fn), "?")
+                     if s.fn == self.fn), "?")
         sites = self.record.sites
         shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
         self.record.binding = (f"rotary call {name} in {shown or '?'} -> kernel "
