@@ -253,6 +253,42 @@ def test_interleaved_pairs_take_the_interleaved_variant(kernel):
     undo()
 
 
+def rotate_qk_once(q, k, cos, sin):  # tables of each frequency once, [.., D/2] (gpt-oss)
+    cos, sin = cos[:, None], sin[:, None]
+
+    def one(x):
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+    return one(q), one(k)
+
+
+class HalfTables(Tables):
+    def forward(self, x, pos):
+        cos, sin = super().forward(x, pos)
+        return cos[..., : self.rotary // 2], sin[..., : self.rotary // 2]
+
+
+def test_tables_of_each_frequency_once(kernel):
+    """Tables [.., D/2] that rotate the whole head (gpt-oss's form): the kernel takes them
+    doubled; a kernel rendered for rotary dim D/2 (the tables' width) is refused, saying why."""
+    torch.manual_seed(7)
+    model, ids = TinyLM(rotate_qk_once), torch.randint(0, 40, (2, 5))
+    model.rotary_emb = HalfTables(8)
+    ref = _run(model, ids)
+    record, undo = _bound(model, [kernel("half")])
+    got = _run(model, ids)
+    assert record.status == "active" and "each frequency once" in record.binding, record
+    _assert_same(got, ref)
+    undo()
+    record, undo = _bound(model, [kernel("half", rotary_dim=4)])
+    _assert_same(_run(model, ids), ref, tol=0)
+    assert record.status == "rejected" and "calibration" in record.detail, record
+    assert "each frequency once (doubled): ValueError: rope: rendered for rotary_dim=4" in \
+        record.detail, record.detail
+    undo()
+
+
 def test_a_made_up_rotation_is_refused_and_left_unpatched(kernel, monkeypatch):
     """A function handed the tables that no reading of the kernel reproduces keeps the
     original: the record is rejected with the reason, the outputs are the model's own (exactly),

@@ -18,10 +18,11 @@ function, and where, is not read from names:
   argument (a ``position_ids`` that indexes the tables) keeps the original.
 
 On the first rotation call the kernel runs on the same tensors under each reading (`_readings`:
-the kernel modules given for the block, i.e. its variants (half-split / interleaved pairs), the
-head axis of the inputs (``[B, T, H, D]`` or ``[B, H, T, D]``) and which table is cos), under
-no_grad; the first reading whose outputs agree with the original's within the layer tolerance is
-kept and the kernel then serves that call too (forward and backward through the kernel's own
+the kernel modules given for the block, i.e. its variants (half-split / interleaved pairs), whether
+the tables hold each frequency twice (transformers' default) or once (gpt-oss: doubled for the
+kernel), the head axis of the inputs (``[B, T, H, D]`` or ``[B, H, T, D]``) and which table is
+cos), under no_grad; the first reading whose outputs agree with the original's within the layer
+tolerance is kept and the kernel then serves that call too (forward and backward through the kernel's own
 autograd: the rendered module's backward kernel applies the transposed rotation). No reading
 agreeing keeps the original function, and the record is rejected with the first reading's
 reason. The partial rotary dim is the kernel's own (R = cos.shape[-1] < D: the rest of each head
@@ -119,24 +120,31 @@ def _table(c: torch.Tensor, B: int, T: int) -> torch.Tensor:
     return c
 
 
-def _readings(kernels: list[ModuleType]) -> list[tuple[int, int, bool]]:
-    """(kernel index, head axis of the rotated tensors, tables swapped) in the order tried."""
-    return [(i, axis, swapped) for i in range(len(kernels)) for axis in (2, 1)
-            for swapped in (False, True)]
+def _readings(kernels: list[ModuleType]) -> list[tuple[int, int, bool, bool]]:
+    """(kernel index, head axis of the rotated tensors, tables swapped, tables hold each
+    frequency once) in the order tried."""
+    return [(i, axis, swapped, once) for i in range(len(kernels)) for once in (False, True)
+            for axis in (2, 1) for swapped in (False, True)]
 
 
-def _reading_name(kernels: list[ModuleType], reading: tuple[int, int, bool]) -> str:
-    i, axis, swapped = reading
+def _reading_name(kernels: list[ModuleType], reading: tuple[int, int, bool, bool]) -> str:
+    i, axis, swapped, once = reading
     layout = "[B, T, H, D]" if axis == 2 else "[B, H, T, D]"
     return (f"{getattr(kernels[i], 'VARIANT', '?')} (rotary dim "
             f"{getattr(kernels[i], 'ROTARY_DIM', None) or 'any'}), {layout}"
-            + (", tables swapped" if swapped else ""))
+            + (", tables swapped" if swapped else "")
+            + (", tables of each frequency once (doubled)" if once else ""))
 
 
-def _ours(kernels: list[ModuleType], reading: tuple[int, int, bool], call: _Call) -> Any:
+def _twice(t: torch.Tensor, variant: str) -> torch.Tensor:
+    """A table of each frequency once ([.., R/2]: gpt-oss) as the kernel takes it, each twice."""
+    return t.repeat_interleave(2, dim=-1) if variant == "interleaved" else torch.cat((t, t), dim=-1)
+
+
+def _ours(kernels: list[ModuleType], reading: tuple[int, int, bool, bool], call: _Call) -> Any:
     """The kernel on a call's tensors under ``reading``: the rotated tensors, in the call's
     structure (one tensor, or a tuple of two)."""
-    i, axis, swapped = reading
+    i, axis, swapped, once = reading
     kernel = entry_function(kernels[i])
     xs = [call.values[n] for n in call.inputs]
     cos, sin = (call.values[n] for n in call.table_names)
@@ -145,6 +153,9 @@ def _ours(kernels: list[ModuleType], reading: tuple[int, int, bool], call: _Call
     xs = [x if axis == 2 else x.transpose(1, 2) for x in xs]  # -> [B, T, H, D]
     B, T = xs[0].shape[:2]
     cos, sin = _table(cos, B, T), _table(sin, B, T)
+    if once:
+        variant = getattr(kernels[i], "VARIANT", "half")
+        cos, sin = _twice(cos, variant), _twice(sin, variant)
     if len(xs) == 2:
         q, k = kernel(xs[0], xs[1], cos, sin)
         outs = [q, k]
@@ -224,7 +235,7 @@ class RopePatch:
         self.path, self.module, self.kernels, self.record = block_path, module, kernels, record
         self.state = "pending"  # -> bound | kept
         self.fn: Callable | None = None
-        self.reading: tuple[int, int, bool] | None = None
+        self.reading: tuple[int, int, bool, bool] | None = None
         self.key: tuple | None = None
         self.outputs: list[list[torch.Tensor]] = []  # the tables of its last `KEEP` calls
         self.sites: dict[str, int] = {}
@@ -328,12 +339,16 @@ class RopePatch:
                 self.served(swap.site)
                 return _cast(_ours(self.kernels, reading, call), self.dtypes)
             whys.append((ran, f"{_reading_name(self.kernels, reading)}: {msg}"))
-        # the first reading the kernel ran on (a wrong head axis does not fit the tables)
-        why = next((w for ran, w in whys if ran), whys[0][1] if whys else "no kernel")
+        # the first reading the kernel ran on (a wrong head axis does not fit the tables), and
+        # the first the kernel refused for another reason (a rotary dim it was rendered for)
+        why = next((w for ran, w in whys if ran), whys[0][1] if whys else "no kernel")[:120]
+        refused = next((w for ran, w in whys if not ran and "table of shape" not in w), None)
+        if refused:
+            why += f"; {refused}"
         self.state = "kept"
         self.record.status = "rejected"
         self.record.detail = (f"{swap.name} in {swap.site} was handed the tables, but no reading "
-                              f"of the kernel reproduced it (calibration): {why}")[:300]
+                              f"of the kernel reproduced it (calibration): {why}")[:400]
         return swap._fallback(args, kwargs) if torch.is_grad_enabled() else ref
 
     def served(self, site: str) -> None:
