@@ -113,6 +113,8 @@ def _table(c: torch.Tensor, B: int, T: int) -> torch.Tensor:
         if not one:
             raise ValueError(f"table of shape {tuple(c.shape)}")
         c = c.squeeze(one[-1])
+    if c.dim() < 2:
+        raise ValueError(f"table of shape {tuple(c.shape)}: no position dim")
     if c.dim() == 3 and c.shape[0] == 1 and B != 1:
         c = c[0]
     if c.shape[-2] != T:
