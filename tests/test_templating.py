@@ -13,7 +13,7 @@ import torch
 
 from onboarding.generate import templating
 from onboarding.errors import InputError
-from onboarding.families import families, get_family, match_block
+from onboarding.families import families, family_module, get_family, match_block
 from onboarding.graph.opgraph import Block
 from onboarding.testing import Tolerance, compare, tolerance_for
 
@@ -233,7 +233,8 @@ MATCHES = [
      "swiglu", {"variant": "fused", "params": {"alpha": 1.702, "clamp_style": "pre_act", "layout": "interleaved",
                                                "limit": 7.0, "up_offset": 1.0}}),
     (_block("rope", {"layout": "half", "rotary_dim": 32, "head_dim": 64}),
-     "rope", {"variant": "half", "params": {"head_dim": 64, "rotary_dim": 32}}),
+     "rope", {"variant": "half", "params": {"head_dim": 64, "rotary_dim": 32},
+              "note": family_module("rope").NOTE}),
     (_block("rope", {"layout": "yarn-2d", "rotary_dim": 32, "head_dim": 64}), "rope", None),
     (_block("conv.causal1d", {"channels": 96, "kernel_size": 4, "activation": "silu"}),
      "conv1d", {"variant": "causal", "params": {"activation": "silu", "kernel_size": 4}}),
