@@ -17,21 +17,44 @@ import torch
 from onboarding.families import FamilySpec, ShapeBucket
 
 from . import bench
-from .binding import bind
+from .binding import SELECTIVE_SCAN, bind
+from .binding import refusal as binding_refusal
 
 NAME = "selective_scan"
 
 
-def match(block: Any) -> dict[str, Any] | None:
-    """A `linear_attention.mamba` block whose classification read a Mamba-1 mixer off its
-    structure (`scan: selective`: a [inner, state] decay exponentiated per channel and state,
-    softplus time step, x_proj to dt_rank + 2 state, dt_proj, depthwise causal conv), else None.
-    Normed B/C/dt (Falcon-Mamba, Jamba) change the mixer around the scan, not the scan."""
+def _claims(block: Any) -> dict[str, Any] | None:
+    """What `match` serves of a block by its structure alone (`match`)."""
     if block.kind != "linear_attention.mamba" or block.attrs.get("scan") != "selective":
         return None
     if not block.attrs.get("inner") or not block.attrs.get("state"):
         return None
     return FAMILY.served("scan", {})
+
+
+def refusal(block: Any) -> dict[str, str] | None:
+    """For a block `match` would serve by its structure: why the binding would leave it unpatched,
+    by its own acceptance test (`binding.refusal`) on the core calls the parse stage recorded
+    (attrs ``core_calls``, `FAMILY.probe`), as {"serves": None (the block's core), "reason"};
+    None when it would take the block or nothing was recorded (a graph not probed: the match
+    stands)."""
+    if _claims(block) is None:
+        return None
+    found = (block.attrs.get("core_calls") or {}).get(SELECTIVE_SCAN.what)
+    if found is None:
+        return None
+    why = binding_refusal(found)
+    return None if why is None else {"serves": None, "reason": why}
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """A `linear_attention.mamba` block whose classification read a Mamba-1 mixer off its
+    structure (`scan: selective`: a [inner, state] decay exponentiated per channel and state,
+    softplus time step, x_proj to dt_rank + 2 state, dt_proj, depthwise causal conv) and that the
+    binding can take (no `refusal`), else None. Normed B/C/dt (Falcon-Mamba, Jamba) change the
+    mixer around the scan, not the scan."""
+    m = _claims(block)
+    return None if m is None or refusal(block) is not None else m
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
@@ -133,4 +156,6 @@ FAMILY = FamilySpec(
     bench_cases=bench.cases,
     bench_nightly=bench.NIGHTLY,
     binding=bind,
+    probe=SELECTIVE_SCAN,
+    refusal=refusal,
 )

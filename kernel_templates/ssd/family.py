@@ -19,7 +19,8 @@ import torch
 from onboarding.families import FamilySpec, Param, ShapeBucket
 
 from . import bench
-from .binding import bind
+from .binding import CHUNKED_SCAN, bind
+from .binding import refusal as binding_refusal
 
 NAME = "ssd"
 CHUNK_SIZES = (8, 16, 32, 64, 128, 256)
@@ -36,11 +37,8 @@ def heads(block: Any) -> int | None:
     return h if len(per_head) >= 2 else None
 
 
-def match(block: Any) -> dict[str, Any] | None:
-    """Render params for a Mamba-2 (SSD) mixer core, by structure: a `linear_attention.mamba`
-    block (softplus time step, exp + cumsum decay, no delta-rule beta) whose decay is a scalar
-    per head (cumsum over the last dim of [b, h, chunks, chunk], with per-head parameters of
-    that h) and that runs the chunked form (tril segment sums)."""
+def _claims(block: Any) -> dict[str, Any] | None:
+    """What `match` serves of a block by its structure alone (`match`)."""
     if block.kind != "linear_attention.mamba" or block.attrs.get("per_channel_decay", False):
         return None
     hist = block.op_histogram or {}
@@ -48,6 +46,31 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
     chunk = block.attrs.get("chunk")
     return FAMILY.served("scan", {"chunk_size": chunk if chunk in CHUNK_SIZES else 64})
+
+
+def refusal(block: Any) -> dict[str, str] | None:
+    """For a block `match` would serve by its structure: why the binding would leave it unpatched,
+    by its own acceptance test (`binding.refusal`) on the core calls the parse stage recorded
+    (attrs ``core_calls``, `FAMILY.probe`), as {"serves": None (the block's core), "reason"};
+    None when it would take the block or nothing was recorded (a graph not probed: the match
+    stands)."""
+    if _claims(block) is None:
+        return None
+    found = (block.attrs.get("core_calls") or {}).get(CHUNKED_SCAN.what)
+    if found is None:
+        return None
+    why = binding_refusal(found)
+    return None if why is None else {"serves": None, "reason": why}
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Render params for a Mamba-2 (SSD) mixer core, by structure: a `linear_attention.mamba`
+    block (softplus time step, exp + cumsum decay, no delta-rule beta) whose decay is a scalar
+    per head (cumsum over the last dim of [b, h, chunks, chunk], with per-head parameters of
+    that h) and that runs the chunked form (tril segment sums), and that the binding can take
+    (no `refusal`)."""
+    m = _claims(block)
+    return None if m is None or refusal(block) is not None else m
 
 
 def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
@@ -212,4 +235,6 @@ FAMILY = FamilySpec(
     bench_cases=bench.cases,
     bench_nightly=bench.NIGHTLY,
     binding=bind,
+    probe=CHUNKED_SCAN,
+    refusal=refusal,
 )

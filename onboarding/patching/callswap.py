@@ -372,10 +372,14 @@ class _Probe:
             if self.interface.core_call(self.module, args, kwargs):
                 try:
                     named, extra = bound_arguments(self.fn, args, kwargs)
+                    given = bound_arguments(self.fn, args, kwargs, defaults=False)[0]
                     record: dict[str, Any] = {
                         "function": self.name,
                         "args": {n: describe(v) for n, v in named.items()},
-                        "kwargs": {n: describe(v) for n, v in extra.items()}}
+                        "kwargs": {n: describe(v) for n, v in extra.items()},
+                        # named parameters the call left at their defaults (a binding that binds
+                        # without defaults, as ssd's does, reads only the others)
+                        "defaulted": [n for n in named if n not in given]}
                 except TypeError as exc:  # the swap's call raises the same on these arguments
                     record = {"function": self.name, "error": f"TypeError: {exc}"}
                 self.calls.append(record)
@@ -387,7 +391,8 @@ def record_core_calls(targets: list[tuple[nn.Module, Interface]], run: Callable[
     """What a swap with each (module, interface) of ``targets`` would find and be handed, read
     off one ``run`` (a forward of the model holding the modules; under no_grad, the swaps' own
     original calls, nothing calibrated): per target, ``{"reachable": [names], "calls": [{"function",
-    "args": {name: described}, "kwargs": {...}}]}``, the first core call of each reachable
+    "args": {name: described}, "kwargs": {...},
+    "defaulted": [names left at their defaults]}]}``, the first core call of each reachable
     function that fits (`reachable`, `Interface.core_call`, `describe`), in call order. A
     binding's acceptance test reads this from the op graph (coverage: `FamilySpec.refusal`).
     The functions are wrapped only while their module runs, as the swaps are."""
@@ -410,6 +415,28 @@ def record_core_calls(targets: list[tuple[nn.Module, Interface]], run: Callable[
         for undo in reversed(undos):
             undo()
     return out
+
+
+def recorded_refusal(found: dict[str, Any], interface: Interface, none_found: str,
+                     call_refusal: Callable[[dict[str, Any]], str | None]) -> str | None:
+    """Why `install` and the swaps' first calls would leave a block unpatched, read off what
+    `record_core_calls` recorded for ``interface`` (``found``), or None when some call's
+    arguments fit: no reachable function (``none_found``, as `install` says), none called as a
+    core ("no <what> call matched", as `CallSwapPatch` says), or each call's reason
+    (``call_refusal``: the binding's own test on one recorded call; a recorded "error" is the
+    TypeError its call raises on those arguments)."""
+    if not found.get("reachable"):
+        return none_found
+    calls = found.get("calls") or []
+    if not calls:
+        return f"no {interface.what} call matched"
+    whys = []
+    for call in calls:
+        why = call["error"] if "error" in call else call_refusal(call)
+        if why is None:
+            return None
+        whys.append(f"{call['function']}: {why}")
+    return "; ".join(whys)
 
 
 def _probing_forward(module: nn.Module, probes: dict[tuple[str, str], _Probe]) -> Callable:
