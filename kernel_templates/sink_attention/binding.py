@@ -44,12 +44,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-import torch
 from torch import nn
 
 from onboarding.graph.opgraph import Block
 from onboarding.patching.callswap import (Interface, bound_arguments, describe, install,
-                                          is_tensor, min_required)
+                                          is_tensor, min_required, recorded_refusal)
 from onboarding.patching.core import PatchRecord, entry_function
 
 from .band_mask import MaskGuard
@@ -188,21 +187,9 @@ def call_refusal(call: dict[str, Any], vectors: dict[str, int]) -> str | None:
 def refusal(found: dict[str, Any], vectors: dict[str, int]) -> str | None:
     """Why `bind` would leave the block unpatched, read off what the parse stage recorded of its
     calls (``found``: `callswap.record_core_calls`'s entry for `ATTENTION_CORE`), or None when a
-    call's arguments fit. The same outcomes as `install` and the swaps' first calls: no reachable
-    function (`NONE_FOUND`), none called as a core, or every call's arguments refused (the first
-    reading's reason, as the record says)."""
-    if not found.get("reachable"):
-        return NONE_FOUND
-    calls = found.get("calls") or []
-    if not calls:
-        return f"no {ATTENTION_CORE.what} call matched"
-    whys = []
-    for call in calls:
-        why = call_refusal(call, vectors)
-        if why is None:
-            return None
-        whys.append(f"{call['function']}: {why}")
-    return "; ".join(whys)
+    call's arguments fit: `callswap.recorded_refusal` with this binding's `call_refusal` (the
+    same outcomes as `install` and the swaps' first calls)."""
+    return recorded_refusal(found, ATTENTION_CORE, NONE_FOUND, lambda call: call_refusal(call, vectors))
 
 
 def _judged(ref: Any) -> Any:
