@@ -51,7 +51,7 @@ from torch import nn
 
 from onboarding.graph.opgraph import Block
 from onboarding.patching.callswap import (bound_arguments, forward_function, min_required,
-                                          outputs_agree, reachable)
+                                          outputs_agree, reachable, run_swapped)
 from onboarding.patching.core import PatchRecord, entry_function, swap_forward
 
 NONE_FOUND = ("no module beside the rope block reaches a function of three or more arguments "
@@ -272,21 +272,11 @@ class RopePatch:
         glob = forward_function(module).__globals__
 
         def forward(*args, **kwargs):
-            saved_attr, saved_glob = {}, {}
-            for (where, name), swap in swaps.items():
-                if where == "attr":
-                    saved_attr[name] = module.__dict__[name]
-                    swap.outer.append(saved_attr[name])
-                    module.__dict__[name] = swap
-                else:
-                    saved_glob[name] = glob[name]
-                    swap.outer.append(saved_glob[name])
-                    glob[name] = swap
+            for (where, name), swap in swaps.items():  # what the swap stands in for, this call
+                swap.outer.append(module.__dict__[name] if where == "attr" else glob[name])
             try:
-                return original(*args, **kwargs)
+                return run_swapped(module, original, swaps, args, kwargs)
             finally:
-                module.__dict__.update(saved_attr)
-                glob.update(saved_glob)
                 for swap in swaps.values():
                     swap.outer.pop()
 

@@ -295,7 +295,7 @@ class _Swap:
         return self._ours(args, kwargs)  # the first call is the kernel's too
 
 
-def _run_swapped(module: nn.Module, original: Callable, wrappers: dict[tuple[str, str], Callable],
+def run_swapped(module: nn.Module, original: Callable, wrappers: dict[tuple[str, str], Callable],
                  args: tuple, kwargs: dict) -> Any:
     """``original(*args, **kwargs)`` with each (where, name) of ``module`` (an instance attribute,
     or a global of its forward's module) replaced by its wrapper for the call's duration."""
@@ -334,7 +334,7 @@ class CallSwapPatch:
 
     def forward(self, *args, **kwargs):
         try:
-            return _run_swapped(self.module, self.original, self.swaps, args, kwargs)
+            return run_swapped(self.module, self.original, self.swaps, args, kwargs)
         finally:
             self.calls += 1
             if self.calls == 1 and self.record.status == "pending":
@@ -443,6 +443,6 @@ def _probing_forward(module: nn.Module, probes: dict[tuple[str, str], _Probe]) -
     original = module.forward
 
     def forward(*args, **kwargs):
-        return _run_swapped(module, original, probes, args, kwargs)
+        return run_swapped(module, original, probes, args, kwargs)
 
     return forward
