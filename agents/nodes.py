@@ -80,7 +80,6 @@ def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     kinds come from the tiny proxy captured as `onboard plan` captures it
     (`onboarding.plan.capture.plan_graph`: again longer where an attention block's parameters
     sat idle at T = 64), not from the run's own graph; the capture's notes join the plan's."""
-    from onboarding.graph.parse import load_stage
     from onboarding.plan import PlanConfig, load_cluster, run_plan
     from onboarding.plan.capture import plan_graph
 
@@ -94,8 +93,7 @@ def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     try:
         info = run_load(c.model)
         step("block kinds from the tiny proxy, as onboard plan captures it")
-        graph, notes = plan_graph(info if info.proxy_size == "tiny"
-                                  else load_stage(info.loaded, "tiny"))
+        graph, notes = plan_graph(info)
         plan = run_plan(info, graph, PlanConfig(gpus=gpus, seq=c.plan_seq), load_cluster(),
                         run_dir, notes=notes)
     except Exception as exc:  # a plan is advice: its failure is recorded, onboarding goes on

@@ -268,12 +268,11 @@ def train_plan(cfg: TrainConfig, info):
     """The plan of the model as it will train (the proxy, or the full size with proxy none) in
     this run's layout: built on meta from its config, block kinds from the tiny proxy captured
     as `onboard plan` captures it (`onboarding.plan.capture.plan_graph`)."""
-    from onboarding.graph.parse import load_stage
     from onboarding.plan import PlanConfig, load_cluster, run_plan
     from onboarding.plan.capture import plan_graph
     from onboarding.train.setup import resolve_device
 
-    graph, notes = plan_graph(load_stage(info.loaded, "tiny"))
+    graph, notes = plan_graph(info)
     pc = PlanConfig(gpus=cfg.nproc, ep=cfg.ep, seq=cfg.seq_len, micro_batch=cfg.micro_batch,
                     lora_rank=cfg.lora_rank, expert_lora=cfg.expert_lora,
                     recompute=cfg.recompute_mode,

@@ -120,9 +120,13 @@ def merge(short: OpGraph, long: OpGraph, roots: list[str]) -> OpGraph:
 
 def plan_graph(info: ModelInfo, *, seq: int = SHORT_SEQ, max_seq: int = MAX_SEQ
                ) -> tuple[OpGraph, list[str]]:
-    """The op graph of ``info``'s proxy for the plan (module docstring), and what the plan should
-    say about a longer capture (no line when none was needed)."""
-    from onboarding.graph.parse import load_shipped_weights
+    """The op graph of ``info``'s model's tiny proxy for the plan (module docstring; ``info``
+    itself when its proxy is the tiny one), and what the plan should say about a longer capture
+    (no line when none was needed)."""
+    from onboarding.graph.parse import load_shipped_weights, load_stage
+
+    if info.proxy_size != "tiny":
+        info = load_stage(info.loaded, "tiny")
 
     model = info.loaded.build(info.proxy_config, device="cpu", seed=0).to(torch.float32).eval()
     load_shipped_weights(model, info)

@@ -93,7 +93,7 @@ def predict(case: Case, rates=None) -> dict:
 
     loaded = ModelSpec(ref=case.model, overrides=parse_assignments(case.sets)).load()
     info = load_stage(loaded, case.proxy)
-    graph, notes = plan_graph(load_stage(loaded, "tiny"))  # the block kinds as `onboard plan`
+    graph, notes = plan_graph(info)  # the block kinds as `onboard plan`: the tiny proxy's
     cluster = ClusterConfig()
     if rates is not None:
         cluster.rates = rates
