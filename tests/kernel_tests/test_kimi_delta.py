@@ -136,7 +136,10 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
 # The chunk-local backward's second half: the tiled qk kernel (`_kda_bwd.py.j2`, the default) or
 # the serial one, the tiled at the default K tile and at 16 (K = 48: three tiles, the GPU's form of
 # several K tiles per row), with and without the in-kernel l2norm.
-BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16}}
+# "ksplit" (template v38): the wy kernel's V side and K tiles as two kernels, a row-sum kernel, then
+# the same qkt kernel; at the pinned tiles (BK 32: two K tiles, the second ragged) and at BK 16 (three).
+BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16},
+               "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16}}
 
 
 @pytest.mark.parametrize("l2", [True, False], ids=["l2", "no-l2"])
@@ -162,19 +165,25 @@ def test_tiled_backward_equals_serial(bwd, l2):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name} vs naive: {m}")
 
 
+KSPLIT_KERNELS = ["kda_chunk_bwd_wyv_kernel", "kda_chunk_bwd_wyk_kernel", "kda_chunk_bwd_rowsum_kernel",
+                  "kda_chunk_bwd_qkt_kernel"]
+
+
 @pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
                                           ("tiles", ["kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel"]),
                                           ("fused", ["kda_chunk_bwd_fused_kernel"]),
-                                          ("ktiles", ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"])])
+                                          ("ktiles", ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"]),
+                                          ("ksplit", KSPLIT_KERNELS)])
 def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     """The default is the tiled pair; `kda_qk` "serial" launches the serial pair only, "fused" its
-    one kernel, "ktiles" its V-side and K-tile kernels (no group sum at HV = HK)."""
+    one kernel, "ktiles" its V-side and K-tile kernels (no group sum at HV = HK), "ksplit" the wy
+    kernel's V side, its K tiles, the row sums and the tiled pair's qkt kernel."""
     assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "tiles"
     module = load(kimi_delta.FAMILY)
     launched = []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
                  "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel",
-                 "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"):
+                 "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", *KSPLIT_KERNELS[:3]):
         monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
                                                    lambda grid, kw, _n=name: launched.append(_n)))
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False)
@@ -196,7 +205,8 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
 # The chunk-local backward's alternatives to the tiled pair: `kda_qk` "fused" (one kernel per (chunk,
 # head), its K tiles in a loop; faulted on the H200 at v32, see docs/LOG.md) and "ktiles" (template
 # v35: the V side per (chunk, value head), `kda_chunk_bwd_vside_kernel`, then the K tiles per (K tile,
-# chunk, value head), `kda_chunk_bwd_ktile_kernel`, dbeta's K share added atomically). Cases: config,
+# chunk, value head), `kda_chunk_bwd_ktile_kernel`, dbeta's K share added atomically) and "ksplit" (v38:
+# the tiled pair's wy kernel as a V-side and a K-tile kernel, a row-sum kernel, the same qkt). Cases: config,
 # l2norm, HV (HK is 1), V, T, seed. "mixed" cases (one value head, the l2norm) scale the chunks'
 # decays mild / medium / strong so the spies see every Gram-backward tier; "grouped" ones take per
 # value head slots, then `kda_group_sum_kernel`; bv16-odd-t has three V tiles (V 40 at `bwd_bv` 16,
@@ -207,18 +217,24 @@ CHUNK_LOCAL_CASES = {
     "ktiles-bk16-l2-mixed": ({"kda_qk": "ktiles", "kda_qk_bk": 16}, True, 1, 16, 150, 7),
     "ktiles-l2-grouped-bv16-odd-t": ({"kda_qk": "ktiles", "bwd_bv": 16}, True, 2, 40, 149, 7),
     "ktiles-no-l2": ({"kda_qk": "ktiles"}, False, 2, 16, 150, 7),
+    "ksplit-bk16-l2-mixed": ({"kda_qk": "ksplit", "BK": 16}, True, 1, 16, 150, 7),
+    "ksplit-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "bwd_bv": 16}, True, 2, 40, 149, 7),
+    "ksplit-no-l2": ({"kda_qk": "ksplit"}, False, 2, 16, 150, 7),
 }
+# (ksplit's qkt kernel sums a key head's value heads itself: no group sum)
 CHUNK_LOCAL_KERNELS = {"fused": ["kda_chunk_bwd_fused_kernel"],
-                       "ktiles": ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"]}
+                       "ktiles": ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"],
+                       "ksplit": KSPLIT_KERNELS}
 
 
 @pytest.mark.parametrize("case_id", list(CHUNK_LOCAL_CASES))
 def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
-    """`kda_qk` "fused" / "ktiles", three chunks of 64 (the last partial, 21 or 22 rows), K = 48
-    (three K tiles at BK 16, two at 32), an initial state: forward and every gradient against the
-    naive recurrence. In the interpreter spies check the launches (the path's kernels, then the
-    group sum when HV = 2 HK) and the Gram-backward tiers its K tiles took: all three on the mixed
-    decays, the dots over the whole chunk without the l2norm."""
+    """`kda_qk` "fused" / "ktiles" / "ksplit", three chunks of 64 (the last partial, 21 or 22 rows),
+    K = 48 (three K tiles at BK 16, two at 32), an initial state: forward and every gradient against
+    the naive recurrence. In the interpreter spies check the launches (the path's kernels, then the
+    group sum when HV = 2 HK but for "ksplit", whose qkt kernel sums the group) and the Gram-backward
+    tiers its K tiles took: all three on the mixed decays, the dots over the whole chunk without the
+    l2norm."""
     cfg, l2, HV, V, T, seed = CHUNK_LOCAL_CASES[case_id]
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=HV, T=T, l2=l2, h0=True, K=48, V=V)
@@ -236,14 +252,14 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
         for name in ("kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_group_sum_kernel",
-                     "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel"):
+                     "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel", *KSPLIT_KERNELS):
             monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
                                                        lambda grid, kw, _n=name: calls.append(_n)))
     with pinned(module, cfg):
         (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
     if DEVICE.type == "cpu":
-        kernels = CHUNK_LOCAL_KERNELS[cfg["kda_qk"]] + ["kda_group_sum_kernel"] * (HV > 1)
+        kernels = CHUNK_LOCAL_KERNELS[cfg["kda_qk"]] + ["kda_group_sum_kernel"] * (HV > 1 and cfg["kda_qk"] != "ksplit")
         assert [c for c in calls if c.startswith("kda_")] == kernels, calls
         tiers = {c for c in calls if not c.startswith("kda_")}
         if mixed:
@@ -489,9 +505,11 @@ def test_aot_sm90_bf16_tensor_cores():
                                            "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
                                            "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel",
                                            "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel",
-                                           "kda_chunk_bwd_ktile_kernel"],
+                                           "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyv_kernel",
+                                           "kda_chunk_bwd_wyk_kernel"],
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel",
-                        "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"])
+                        "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel",
+                        "kda_chunk_bwd_wyv_kernel", "kda_chunk_bwd_wyk_kernel"])
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
@@ -561,7 +579,8 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
 @pytest.mark.parametrize("cfg", [pytest.param({}, id="default"), pytest.param({"kda_qk": "fused"}, id="fused"),
                                  pytest.param({"kda_qk": "fused", "kda_qk_bk": 16}, id="fused-bk16"),
                                  pytest.param({"kda_qk": "ktiles"}, id="ktiles"),
-                                 pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32")])
+                                 pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32"),
+                                 pytest.param({"kda_qk": "ksplit"}, id="ksplit")])
 def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
     o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
@@ -632,6 +651,12 @@ def test_bf16_vs_fp32_on_gpu_bwd_sweep(cfg):
 # The bench's "ktiles" rows (bench.KTILES_SWEEP, template v35): each within the bf16 bars on the GPU.
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KTILES_SWEEP))
 def test_bf16_vs_fp32_on_gpu_ktiles_sweep(cfg):
+    _sweep_row_bars(cfg)
+
+
+# The bench's "ksplit" rows (bench.KSPLIT_SWEEP, template v38): each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KSPLIT_SWEEP))
+def test_bf16_vs_fp32_on_gpu_ksplit_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
