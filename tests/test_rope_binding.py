@@ -284,7 +284,9 @@ def test_tables_of_each_frequency_once(kernel):
     record, undo = _bound(model, [kernel("half", rotary_dim=4)])
     _assert_same(_run(model, ids), ref, tol=0)
     assert record.status == "rejected" and "calibration" in record.detail, record
-    assert "each frequency once (doubled): ValueError: rope: rendered for rotary_dim=4" in \
+    assert "rotary dim 8, [B, H, T, D], tables of each frequency once (doubled) (probe)" in \
+        record.detail, record.detail
+    assert "half kernel (rotary dim 4): ValueError: rope: rendered for rotary_dim=4" in \
         record.detail, record.detail
     undo()
 
@@ -301,7 +303,7 @@ def test_a_made_up_rotation_is_refused_and_left_unpatched(kernel, monkeypatch):
     record, undo = _bound(model, [mod, kernel("interleaved")])
     got = _run(model, ids)
     assert record.status == "rejected", record
-    assert "no reading of the kernel reproduced it (calibration)" in record.detail
+    assert "no candidate layout reproduced it (probe)" in record.detail
     assert "layers.0" in record.detail and "rotate" in record.detail and record.sites == []
     _assert_same(got, ref, tol=0)
     count.fwd = count.bwd = 0
@@ -483,3 +485,176 @@ def test_example_rope_blocks_are_patched_and_checked(tmp_path, monkeypatch):
     unchecked_bwd = {x["path"]: x["reason"] for x in res["backward_not_checked"]}
     assert "model.rotary_emb" not in unchecked_bwd
     assert unchecked_bwd.get("model.layers.3.self_attn.indexer.rotary") == "no gradient flows through it"
+
+
+# --- the layout found by probing the function; coverage predicts what the binding does ---------
+
+def _written_out(rotation: str, columns: str, axis: int, swapped: bool):
+    """A rotation function of the given layout, written as models write theirs (not the
+    binding's code): q, k [B, T, H, D] (axis 2) or [B, H, T, D] (axis 1), tables [B, T, W]."""
+    def fn(q, k, cos, sin):
+        if swapped:
+            cos, sin = sin, cos
+        w = cos.shape[-1]
+        if columns == "first pairs":
+            cos, sin = cos[..., : w // 2], sin[..., : w // 2]
+        if columns != "each":
+            if rotation == "interleaved":
+                cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+            else:
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        r = cos.shape[-1]
+        cos, sin = cos.unsqueeze(axis), sin.unsqueeze(axis)
+
+        def one(x):
+            xr = x[..., :r]
+            rot = _pairs(xr) if rotation == "interleaved" else _half(xr)
+            return torch.cat((xr * cos + rot * sin, x[..., r:]), dim=-1)
+
+        return one(q), one(k)
+
+    return fn
+
+
+def test_detect_finds_each_layout_by_probing():
+    """Every candidate layout, written out as a model would: probing the function with known
+    inputs finds that layout and no other (random tables: no two layouts agree by chance)."""
+    B, T, H, Hk, D, W = 2, 5, 3, 1, 16, 8
+    for layout in binding._layouts():
+        fn = _written_out(layout.rotation, layout.columns, layout.head_axis, layout.swapped)
+        shape = (B, T) if layout.head_axis == 2 else (B,)
+        q = torch.randn(*shape, H, *(() if layout.head_axis == 2 else (T,)), D)
+        k = torch.randn(*shape, Hk, *(() if layout.head_axis == 2 else (T,)), D)
+        cos, sin = torch.randn(B, T, W), torch.randn(B, T, W)
+        call = binding._Call(fn, (q, k, cos, sin), {}, {binding._storage(cos), binding._storage(sin)})
+        found, why = binding.detect(fn, call, (q, k, cos, sin), {})
+        assert found == [layout], (layout, found, why)
+        assert found[0].rotary_dim(W) == (2 * W if layout.columns == "pairs" else W)
+
+
+def rotate_qk_glm(q, k, cos, sin):  # GLM's: interleaved pairs, angles from the doubled table's first half
+    cos, sin = cos[:, None], sin[:, None]
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    r = cos.shape[-1]
+
+    def one(x):
+        xr, xp = x[..., :r], x[..., r:]
+        return torch.cat((xr * cos + _pairs(xr) * sin, xp), dim=-1)
+
+    return one(q), one(k)
+
+
+def test_interleaved_rotation_of_a_doubled_table(kernel, monkeypatch):
+    """GLM's form: half-split tables of R = 8 of a 16-wide head, the function reading their
+    first half per interleaved pair: the probe finds it, the interleaved kernel (rotary dim 8)
+    serves it forward and backward, the half-split kernel given alone is refused saying which
+    layout was found."""
+    torch.manual_seed(8)
+    model, ids = TinyLM(rotate_qk_glm, head_dim=16, rotary=8), torch.randint(0, 40, (2, 6))
+    ref = _run(model, ids)
+    record, undo = _bound(model, [kernel("half", rotary_dim=8)])
+    _assert_same(_run(model, ids), ref, tol=0)
+    assert record.status == "rejected" and "interleaved, rotary dim 8" in record.detail, record
+    assert "no kernel of its rotation was given (given: half kernel (rotary dim 8))" in record.detail
+    undo()
+    mod = kernel("interleaved", rotary_dim=8)
+    count = _Counting(mod, monkeypatch)
+    record, undo = _bound(model, [kernel("half", rotary_dim=8), mod])
+    _run(model, ids)
+    assert record.status == "active" and "tables read by pair from their first half" in record.binding
+    count.fwd = count.bwd = 0
+    got = _run(model, ids)
+    assert count.fwd == 2 and count.bwd == 2, (count.fwd, count.bwd)
+    _assert_same(got, ref)
+    undo()
+
+
+HF_LAYOUTS = {  # transformers' tiny proxies: (variant, rotary dim / the tables' width, columns)
+    "hf:llama": ("half", 1, "each"),
+    "hf:glm": ("interleaved", 1, "first pairs"),
+    "hf:gpt_oss": ("half", 2, "pairs"),
+}
+
+
+@pytest.mark.parametrize("ref", list(HF_LAYOUTS))
+def test_coverage_renders_the_layout_the_probe_found(ref, parse_model, kernel):
+    """The parse stage's probe records the rotation call and its layout; coverage renders that
+    layout's kernel (GLM: interleaved; gpt-oss: rotary dim twice its tables' width, not the
+    width), and the binding takes the proxy with it."""
+    from onboarding.coverage import build_coverage
+    from onboarding.graph.parse import example_inputs, load_stage
+    from onboarding.load.model import load_model
+    from onboarding.patching.core import patch_model
+
+    pytest.importorskip("transformers")
+    variant, times, columns = HF_LAYOUTS[ref]
+    g = parse_model(ref)
+    block = next(b for b in g.blocks if b.kind == "rope")
+    found = block.attrs["core_calls"]["rotary"]
+    width = found["calls"][0]["width"]
+    assert found["calls"][0]["layouts"][0]["columns"] == columns, found
+    entry = next(e for e in build_coverage(g).entries if e.path == block.path and e.family == "rope")
+    assert entry.status in ("template", "kernel") and entry.variant == variant, entry
+    assert entry.params["rotary_dim"] == times * width, entry
+    info = load_stage(load_model(ref))
+    model = info.loaded.build(info.proxy_config, seed=0).eval()
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 8, 0)
+    mods = {(block.path, "rope"): kernel(variant, rotary_dim=times * width)}
+    with patch_model(model, g, mods, kinds={"rope"}) as patches, torch.no_grad():
+        model(*inputs, **kwargs)
+        assert [r.status for r in patches.records] == ["active"], patches.records
+
+
+def rotate_varargs(*args):  # a rotation the binding cannot swap: no three required arguments
+    q, k, cos, sin = args[:4]
+    return rotate_qk(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("fn, why", [
+    (rotate_qk_made_up, "no candidate layout reproduced it (probe)"),
+    (rotate_varargs, "the rotation runs inline"),
+], ids=["made_up", "not_swappable"])
+def test_coverage_says_the_binding_would_refuse(fn, why, monkeypatch, kernel):
+    """A transformers proxy (llama) whose rotation no layout reproduces, or whose function the
+    binding cannot swap: coverage no longer counts the rope block covered, its entry says the
+    binding's reason; the binding bound anyway rejects it with the same reason."""
+    from onboarding.coverage import build_coverage
+    from onboarding.graph.parse import example_inputs, load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.patching.core import patch_model
+
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", fn)
+    info = load_stage(load_model("hf:llama"))
+    g = parse_stage(info, seq=8, try_export=False)
+    block = next(b for b in g.blocks if b.kind == "rope")
+    assert families()["rope"].match(block) is None
+    entries = [e for e in build_coverage(g).entries if e.path == block.path]
+    assert not any(e.status in ("template", "kernel") for e in entries), entries
+    refused = [e for e in entries if e.status == "uncovered"]
+    assert len(refused) == 1 and "its binding would leave this block unpatched" in refused[0].reason
+    assert why in refused[0].reason, refused[0].reason
+    model = info.loaded.build(info.proxy_config, seed=0).eval()
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 8, 0)
+    with patch_model(model, g, {(block.path, "rope"): kernel("half")}) as patches, torch.no_grad():
+        model(*inputs, **kwargs)
+        (record,) = patches.records
+    assert record.status == "rejected" and why in record.detail, record
+
+
+@pytest.mark.slow  # 8 s (gpt_oss), 4 s (glm) on 2 shared cores: parse, generate, alignment
+@pytest.mark.parametrize("model", ["glm", "gpt_oss"])
+def test_transformers_rope_layouts_align(model, tmp_path, monkeypatch):
+    """`onboard align hf:<model> --kernels rope`: GLM's interleaved rotation and gpt-oss's
+    tables of each frequency once are patched (before: refused) and the alignment passes."""
+    from onboarding.cli.main import main
+
+    pytest.importorskip(f"transformers.models.{model}")
+    monkeypatch.chdir(tmp_path)
+    assert main(["align", f"hf:{model}", "--out", "a", "--seq", "16", "--kernels", "rope",
+                 "--llm", "off", "-q"]) == 0
+    res = json.loads((tmp_path / "a" / "alignment.json").read_text())
+    rope = [p for p in res["patches"] if p["family"] == "rope"]
+    assert [p["status"] for p in rope] == ["active"] and len(rope[0]["sites"]) == 2, rope
+    assert res["passed"], res["culprit"]

@@ -17,16 +17,29 @@ function, and where, is not read from names:
   among its other arguments are the rotated inputs (one, x, or two, q and k); any other tensor
   argument (a ``position_ids`` that indexes the tables) keeps the original.
 
-On the first rotation call the kernel runs on the same tensors under each reading (`_readings`:
-the kernel modules given for the block, i.e. its variants (half-split / interleaved pairs), whether
-the tables hold each frequency twice (transformers' default) or once (gpt-oss: doubled for the
-kernel), the head axis of the inputs (``[B, T, H, D]`` or ``[B, H, T, D]``) and which table is
-cos), under no_grad; the first reading whose outputs agree with the original's within the layer
-tolerance is kept and the kernel then serves that call too (forward and backward through the kernel's own
-autograd: the rendered module's backward kernel applies the transposed rotation). No reading
-agreeing keeps the original function, and the record is rejected with the first reading's
-reason. The partial rotary dim is the kernel's own (R = cos.shape[-1] < D: the rest of each head
-passes through); a model that rotates a slice of each head itself hands the function that slice.
+What the function computes is found by probing it (`detect`), not read from its code or the
+classifier: on the first rotation call it runs again, under no_grad, on known inputs of the
+call's shapes (its first batch entry; random q/k and random cos/sin tables, unrelated to each
+other, so every candidate computes something else), and its output is compared with each
+candidate `Layout` computed in torch: the rotation's pairs (half-split (i, i + R/2), transformers'
+default, or interleaved (2i, 2i + 1), GLM / GPT-J), the table columns each pair reads (one per
+rotated element: R = the tables' width, each frequency twice as transformers makes them; one per
+pair: R = twice the width, gpt-oss's tables of each frequency once; one per pair from the first
+half: R = the width, GLM's function reading half of a doubled table), the head axis of the inputs
+(``[B, T, H, D]`` or ``[B, H, T, D]``) and which table is cos. The kernel modules given for the
+block are then tried in the layouts that matched (a module of the layout's rotation; tables of a
+column per pair are doubled for it) on the call itself, and the first whose outputs agree with the
+original's within the layer tolerance is kept (calibration); the kernel then serves that call too
+(forward and backward through the kernel's own autograd: the rendered module's backward kernel
+applies the transposed rotation). No layout matching, or no kernel given agreeing, keeps the
+original function, and the record is rejected with the reason. The partial rotary dim is the
+kernel's own (R < D: the rest of each head passes through); a model that rotates a slice of each
+head itself hands the function that slice.
+
+The parse stage runs the same probe (`ROTARY`, the family's `probe`: `record_calls`), so the op
+graph holds what this binding would find (the rotation call and its layouts, or why not), and
+`refusal` (the family's `refusal` and `match`) reads it: coverage says what patching will do, and
+renders the kernel of the layout found (its rotation, its rotary dim).
 
 After calibration the swap serves every call of that function with the same argument structure
 (the same table argument positions, the same non-tensor arguments, shapes the kernel takes), also
@@ -41,8 +54,10 @@ tables, are the model's code, and no gradient flows through them).
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from types import ModuleType
 from typing import Any
 
@@ -122,49 +137,178 @@ def _table(c: torch.Tensor, B: int, T: int) -> torch.Tensor:
     return c
 
 
-def _readings(kernels: list[ModuleType]) -> list[tuple[int, int, bool, bool]]:
-    """(kernel index, head axis of the rotated tensors, tables swapped, tables hold each
-    frequency once) in the order tried."""
-    return [(i, axis, swapped, once) for i in range(len(kernels)) for once in (False, True)
+ROTATIONS = ("half", "interleaved")
+# the table columns a rotation pair reads: "each" rotated element its own column (R = the tables'
+# width W), "pairs" one column per pair (R = 2W), "first pairs" one per pair from the first half
+# (R = W: the function reads half of a doubled table)
+COLUMNS = ("each", "pairs", "first pairs")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a rotation function computes, relative to the tables it is handed (`detect`)."""
+
+    rotation: str  # "half" (pairs (i, i + R/2)) or "interleaved" (pairs (2i, 2i + 1))
+    columns: str  # `COLUMNS`
+    head_axis: int  # 2: inputs [B, T, H, D]; 1: [B, H, T, D]
+    swapped: bool  # the first table argument is sin
+
+    def rotary_dim(self, width: int) -> int:
+        return 2 * width if self.columns == "pairs" else width
+
+    def name(self, width: int | None = None) -> str:
+        r = f", rotary dim {self.rotary_dim(width)}" if width else ""
+        tables = {"each": "", "pairs": ", tables of each frequency once (doubled)",
+                  "first pairs": ", tables read by pair from their first half (doubled)"}[self.columns]
+        return (f"{self.rotation}{r}, {'[B, T, H, D]' if self.head_axis == 2 else '[B, H, T, D]'}"
+                + (", tables swapped" if self.swapped else "") + tables)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Layout:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+def _layouts() -> list[Layout]:
+    """The candidates, in the order preferred when several match (a table of one pair)."""
+    return [Layout(rot, cols, axis, swapped) for cols in COLUMNS for rot in ROTATIONS
             for axis in (2, 1) for swapped in (False, True)]
 
 
-def _reading_name(kernels: list[ModuleType], reading: tuple[int, int, bool, bool]) -> str:
-    i, axis, swapped, once = reading
-    layout = "[B, T, H, D]" if axis == 2 else "[B, H, T, D]"
-    return (f"{getattr(kernels[i], 'VARIANT', '?')} (rotary dim "
-            f"{getattr(kernels[i], 'ROTARY_DIM', None) or 'any'}), {layout}"
-            + (", tables swapped" if swapped else "")
-            + (", tables of each frequency once (doubled)" if once else ""))
+def _kernel_name(kernel: ModuleType) -> str:
+    return (f"{getattr(kernel, 'VARIANT', '?')} kernel (rotary dim "
+            f"{getattr(kernel, 'ROTARY_DIM', None) or 'any'})")
 
 
-def _twice(t: torch.Tensor, variant: str) -> torch.Tensor:
-    """A table of each frequency once ([.., R/2]: gpt-oss) as the kernel takes it, each twice."""
-    return t.repeat_interleave(2, dim=-1) if variant == "interleaved" else torch.cat((t, t), dim=-1)
+def _kernel_tables(layout: Layout, cos: torch.Tensor, sin: torch.Tensor, B: int, T: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's tables as the kernel of ``layout.rotation`` takes them: [T, R] or [B, T, R], a
+    column per rotated element (a table of a column per pair doubled: repeated for interleaved
+    pairs, concatenated for half-split ones)."""
+    if layout.swapped:
+        cos, sin = sin, cos
+    cos, sin = _table(cos, B, T), _table(sin, B, T)
+    if layout.columns == "each":
+        return cos, sin
+    w = cos.shape[-1]
+    if layout.columns == "first pairs":
+        if w % 2:
+            raise ValueError(f"table of odd width {w} read by pair from its first half")
+        cos, sin = cos[..., : w // 2], sin[..., : w // 2]
+
+    def twice(t):
+        return t.repeat_interleave(2, dim=-1) if layout.rotation == "interleaved" else torch.cat((t, t), dim=-1)
+
+    return twice(cos), twice(sin)
 
 
-def _ours(kernels: list[ModuleType], reading: tuple[int, int, bool, bool], call: _Call) -> Any:
-    """The kernel on a call's tensors under ``reading``: the rotated tensors, in the call's
-    structure (one tensor, or a tuple of two)."""
-    i, axis, swapped, once = reading
-    kernel = entry_function(kernels[i])
+def _rot(x: torch.Tensor, rotation: str) -> torch.Tensor:
+    if rotation == "interleaved":
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _apply(layout: Layout, call: _Call, rotate: Callable) -> Any:
+    """``rotate(xs [B, T, H, D], cos, sin [T, R] or [B, T, R]) -> outputs`` on a call's tensors
+    under ``layout``, in the call's structure (one tensor, or a tuple of two)."""
     xs = [call.values[n] for n in call.inputs]
     cos, sin = (call.values[n] for n in call.table_names)
-    if swapped:
-        cos, sin = sin, cos
-    xs = [x if axis == 2 else x.transpose(1, 2) for x in xs]  # -> [B, T, H, D]
+    xs = [x if layout.head_axis == 2 else x.transpose(1, 2) for x in xs]  # -> [B, T, H, D]
     B, T = xs[0].shape[:2]
-    cos, sin = _table(cos, B, T), _table(sin, B, T)
-    if once:
-        variant = getattr(kernels[i], "VARIANT", "half")
-        cos, sin = _twice(cos, variant), _twice(sin, variant)
-    if len(xs) == 2:
-        q, k = kernel(xs[0], xs[1], cos, sin)
-        outs = [q, k]
-    else:  # one tensor: k is an empty head slice of it (the kernel skips it)
-        outs = [kernel(xs[0], xs[0][:, :, :0], cos, sin)[0]]
-    outs = [o if axis == 2 else o.transpose(1, 2) for o in outs]
+    cos, sin = _kernel_tables(layout, cos, sin, B, T)
+    outs = [o if layout.head_axis == 2 else o.transpose(1, 2) for o in rotate(xs, cos, sin)]
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _torch_rotation(rotation: str) -> Callable:
+    """The rotation in fp32 torch (the candidates `detect` compares the function with)."""
+    def rotate(xs, cos, sin):
+        R, D = cos.shape[-1], xs[0].shape[-1]
+        if R % 2 or R > D or R == 0:
+            raise ValueError(f"rotary dim {R} for a head of {D}")
+        c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)
+        return [torch.cat((x[..., :R].float() * c + _rot(x[..., :R].float(), rotation) * s,
+                           x[..., R:].float()), dim=-1) for x in xs]
+    return rotate
+
+
+def _kernel_rotation(kernel: ModuleType) -> Callable:
+    entry = entry_function(kernel)
+
+    def rotate(xs, cos, sin):
+        if len(xs) == 2:
+            return list(entry(xs[0], xs[1], cos, sin))
+        return [entry(xs[0], xs[0][:, :, :0], cos, sin)[0]]  # one tensor: k an empty head slice
+    return rotate
+
+
+def _ours(kernel: ModuleType, layout: Layout, call: _Call) -> Any:
+    """The kernel on a call's tensors under ``layout``: the rotated tensors, in the call's
+    structure (one tensor, or a tuple of two)."""
+    return _apply(layout, call, _kernel_rotation(kernel))
+
+
+def _replaced(fn: Callable, args: tuple, kwargs: dict, new: dict[str, Any]) -> tuple[tuple, dict]:
+    """``fn``'s call arguments with the named ones (bound by its signature, or taken by its
+    ``**kwargs``) replaced."""
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    for n, v in new.items():
+        if n in bound.arguments and n != var_kw:
+            bound.arguments[n] = v
+        else:
+            bound.arguments[var_kw] = {**bound.arguments.get(var_kw, {}), n: v}
+    return bound.args, bound.kwargs
+
+
+def detect(fn: Callable, call: _Call, args: tuple, kwargs: dict) -> tuple[list[Layout], str]:
+    """The layouts ``fn`` computes on this call's structure, found by probing: ``fn`` runs on
+    known inputs of the call's shapes and dtypes (its first batch entry; q/k, cos and sin each
+    drawn at random, so no two candidates agree by chance), and each candidate (`_layouts`) is
+    computed in torch from the same inputs and compared with its output (the layer tolerance of
+    its dtype). Returns (the layouts that agree, in `_layouts`'s order; why none did: the
+    function's error on the probe, else the first candidate that ran and disagreed)."""
+    gen = torch.Generator().manual_seed(0)
+    B = call.values[call.inputs[0]].shape[0]
+
+    def known(t: torch.Tensor, batched: bool) -> torch.Tensor:
+        shape = list(t.shape)
+        if batched and shape and shape[0] == B:
+            shape[0] = 1  # the first batch entry: the probe's cost is one entry's
+        return torch.randn(shape, generator=gen).to(device=t.device, dtype=t.dtype)
+
+    failed = ""
+    for one in ((True, False) if B > 1 else (False,)):  # one batch entry, else the call's
+        probe = {n: known(call.values[n], one) for n in call.inputs}
+        probe.update({n: known(call.values[n], one and call.values[n].dim() >= 3)
+                      for n in call.table_names})
+        try:
+            p_args, p_kwargs = _replaced(fn, args, kwargs, probe)
+            with torch.no_grad():
+                ref = fn(*p_args, **p_kwargs)
+            break
+        except Exception as exc:  # the model's function on inputs it was not written for
+            failed = f"the function failed on the probe's inputs: {type(exc).__name__}: {exc}"[:200]
+    else:
+        return [], failed
+    probed = _Call(fn, p_args, p_kwargs, {_storage(probe[n]) for n in call.table_names})
+    found, why = [], ""
+    for layout in _layouts():
+        try:
+            with torch.no_grad():
+                mine = _apply(layout, probed, _torch_rotation(layout.rotation))
+        except (TypeError, ValueError, RuntimeError):
+            continue  # does not fit the shapes (a head axis, a rotary dim wider than the head)
+        ok, msg = outputs_agree(mine, ref)
+        if ok:
+            found.append(layout)
+        elif not why:
+            why = f"{layout.name()}: {msg}"
+    return found, (why or "no candidate layout fits the shapes")[:200]
 
 
 def _dtypes(ref: Any) -> tuple:
@@ -181,7 +325,7 @@ def _cast(out: Any, dtypes: tuple) -> Any:
 class _Swap:
     """One reachable function of one consumer module, wrapped while that module runs; the state
     (pending -> bound | kept) is the patch's, shared by every consumer: one function, one
-    reading."""
+    layout, one kernel."""
 
     def __init__(self, patch: RopePatch, fn: Callable, name: str, site: str):
         self.patch, self.fn, self.name, self.site = patch, fn, name, site
@@ -211,7 +355,7 @@ class _Swap:
                     return self._fallback(args, kwargs)
             if call.key() == p.key and call.problem() is None:
                 try:
-                    out = _ours(p.kernels, p.reading, call)
+                    out = _ours(p.kernel, p.layout, call)
                 except (TypeError, ValueError, RuntimeError) as exc:
                     p.original_call(f"{type(exc).__name__}: {exc}")
                     return self._fallback(args, kwargs)
@@ -237,7 +381,8 @@ class RopePatch:
         self.path, self.module, self.kernels, self.record = block_path, module, kernels, record
         self.state = "pending"  # -> bound | kept
         self.fn: Callable | None = None
-        self.reading: tuple[int, int, bool, bool] | None = None
+        self.layout: Layout | None = None
+        self.kernel: ModuleType | None = None
         self.key: tuple | None = None
         self.outputs: list[list[torch.Tensor]] = []  # the tables of its last `KEEP` calls
         self.sites: dict[str, int] = {}
@@ -311,36 +456,47 @@ class RopePatch:
         return undo
 
     # calibration and serving
-    def calibrate(self, swap: _Swap, call: _Call, args: tuple, kwargs: dict) -> Any:
-        with torch.no_grad():
-            ref = swap._fallback(args, kwargs)
-        whys: list[tuple[bool, str]] = []  # (the kernel ran, why it disagreed) per reading
-        for reading in _readings(self.kernels):
-            ran = False
-            try:
-                with torch.no_grad():
-                    mine = _ours(self.kernels, reading, call)
-                ran = True
-                ok, msg = outputs_agree(mine, ref)
-            except (TypeError, ValueError, RuntimeError) as exc:
-                ok, msg = False, f"{type(exc).__name__}: {exc}"
-            if ok:
-                self.state, self.fn, self.reading, self.key = "bound", swap.fn, reading, call.key()
-                self.dtypes = _dtypes(ref)
-                self.record.status = "active"
-                self.served(swap.site)
-                return _cast(_ours(self.kernels, reading, call), self.dtypes)
-            whys.append((ran, f"{_reading_name(self.kernels, reading)}: {msg}"))
-        # the first reading the kernel ran on (a wrong head axis does not fit the tables), and
-        # the first the kernel refused for another reason (a rotary dim it was rendered for)
-        why = next((w for ran, w in whys if ran), whys[0][1] if whys else "no kernel")[:120]
-        refused = next((w for ran, w in whys if not ran and "table of shape" not in w), None)
-        if refused:
-            why += f"; {refused}"
+    def reject(self, why: str) -> None:
         self.state = "kept"
         self.record.status = "rejected"
-        self.record.detail = (f"{swap.name} in {swap.site} was handed the tables, but no reading "
-                              f"of the kernel reproduced it (calibration): {why}")[:400]
+        self.record.detail = why[:400]
+
+    def calibrate(self, swap: _Swap, call: _Call, args: tuple, kwargs: dict) -> Any:
+        """The first rotation call: its layouts (`detect`), then each kernel of a layout's
+        rotation on the call itself against the original's output; the first that agrees is
+        bound and serves this call."""
+        with torch.no_grad():
+            ref = swap._fallback(args, kwargs)
+        where = f"{swap.name} in {swap.site} was handed the tables, but"
+        layouts, why = detect(swap.fn, call, args, kwargs)
+        if not layouts:
+            self.reject(f"{where} no candidate layout reproduced it (probe): {why}")
+            return swap._fallback(args, kwargs) if torch.is_grad_enabled() else ref
+        width = call.values[call.table_names[0]].shape[-1]
+        tried: list[str] = []
+        for layout in layouts:
+            for kernel in self.kernels:
+                if getattr(kernel, "VARIANT", "half") != layout.rotation:
+                    continue
+                try:
+                    with torch.no_grad():
+                        mine = _ours(kernel, layout, call)
+                    ok, msg = outputs_agree(mine, ref)
+                except (TypeError, ValueError, RuntimeError) as exc:
+                    ok, msg = False, f"{type(exc).__name__}: {exc}"
+                if ok:
+                    self.state, self.fn, self.key = "bound", swap.fn, call.key()
+                    self.layout, self.kernel = layout, kernel
+                    self.dtypes = _dtypes(ref)
+                    self.record.status = "active"
+                    self.served(swap.site)
+                    return _cast(_ours(kernel, layout, call), self.dtypes)
+                tried.append(f"{_kernel_name(kernel)}: {msg}"[:160])
+        given = ", ".join(_kernel_name(k) for k in self.kernels) or "none"
+        self.reject(f"{where} no kernel given reproduced its layout (calibration): "
+                    f"{layouts[0].name(width)} (probe); "
+                    + ("; ".join(tried) if tried else
+                       f"no kernel of its rotation was given (given: {given})"))
         return swap._fallback(args, kwargs) if torch.is_grad_enabled() else ref
 
     def served(self, site: str) -> None:
@@ -359,8 +515,8 @@ class RopePatch:
                      if s.fn == self.fn), "?")
         sites = self.record.sites
         shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
-        self.record.binding = (f"rotary call {name} in {shown or '?'} -> kernel "
-                               f"{_reading_name(self.kernels, self.reading)}")
+        self.record.binding = (f"rotary call {name} in {shown or '?'} -> "
+                               f"{_kernel_name(self.kernel)}, layout {self.layout.name()}")
 
 
 def _parent(model: nn.Module, path: str) -> tuple[str, nn.Module]:
@@ -368,17 +524,23 @@ def _parent(model: nn.Module, path: str) -> tuple[str, nn.Module]:
     return parent, (model.get_submodule(parent) if parent else model)
 
 
+def _consumers(model: nn.Module, block_path: str, module: nn.Module) -> tuple[nn.Module, dict]:
+    """(the rope block's parent, {path: module} of the modules under it outside the block)."""
+    parent_path, parent = _parent(model, block_path)
+    consumers = {}
+    for name, m in parent.named_modules():
+        path = ".".join(p for p in (parent_path, name) if p)
+        if m is module or path == block_path or path.startswith(block_path + "."):
+            continue
+        consumers[path] = m
+    return parent, consumers
+
+
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
     """The `binding` hook (`onboarding.patching.core.patch_model`): ``module`` is the rope
     block's table module; the swaps sit in the modules beside it (the module docstring)."""
-    parent_path, parent = _parent(model, block.path)
-    consumers = {}
-    for name, m in parent.named_modules():
-        path = ".".join(p for p in (parent_path, name) if p)
-        if m is module or path == block.path or path.startswith(block.path + "."):
-            continue
-        consumers[path] = m
+    parent, consumers = _consumers(model, block.path, module)
     patch = RopePatch(block.path, module, consumers, kernels, record)
     if not patch.consumers:
         record.status, record.detail = "rejected", NONE_FOUND
@@ -387,3 +549,89 @@ def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: Pat
         {s.name for _, swaps in patch.consumers.values() for s in swaps.values()}))[:200] + \
         f" of {len(patch.consumers)} modules beside {block.path}"
     return patch.install(parent)
+
+
+# --- what coverage predicts: the same probe at parse, the same acceptance test on its record ---
+
+class _Probing(RopePatch):
+    """A `RopePatch` that binds nothing: its first rotation call's layouts (`detect`) are
+    recorded, every call runs the original."""
+
+    def __init__(self, block_path: str, module: nn.Module, consumers: dict[str, nn.Module]):
+        super().__init__(block_path, module, consumers, [],
+                         PatchRecord(path=block_path, kind="rope", family="rope"))
+        self.calls: list[dict[str, Any]] = []
+
+    def calibrate(self, swap: _Swap, call: _Call, args: tuple, kwargs: dict) -> Any:
+        layouts, why = detect(swap.fn, call, args, kwargs)
+        width = call.values[call.table_names[0]].shape[-1]
+        found: dict[str, Any] = {"function": swap.name, "site": swap.site, "width": int(width)}
+        if layouts:
+            found["layouts"] = [x.to_json() for x in layouts]
+            found["rotary_dim"] = layouts[0].rotary_dim(int(width))
+        else:
+            found["why"] = why
+        self.calls.append(found)
+        self.state = "kept"  # the binding calibrates on this call alone
+        return swap._fallback(args, kwargs)
+
+    def found(self) -> dict[str, Any]:
+        return {"reachable": sorted({s.name for _, swaps in self.consumers.values()
+                                     for s in swaps.values()}),
+                "calls": self.calls, "handed": dict(self.passed)}
+
+
+class RotaryProbe:
+    """The rope family's `probe` (`onboarding.patching.probe.probe_core_calls`): what `bind`
+    would find for each rope block, recorded by one run of the model with `_Probing` patches
+    (no kernel): ``{"reachable": [the consumers' functions], "calls": [{"function", "site",
+    "width": the tables' width, "layouts": [`Layout.to_json`] and "rotary_dim", or "why"}],
+    "handed": {function in site: why the kernel cannot take a call handed the tables}}``."""
+
+    what = "rotary"
+
+    def record_calls(self, model: nn.Module, targets: list[tuple[Block, nn.Module]],
+                     run: Callable[[], Any]) -> list[dict[str, Any]]:
+        probes, undos = [], []
+        for block, module in targets:
+            parent, consumers = _consumers(model, block.path, module)
+            probe = _Probing(block.path, module, consumers)
+            probes.append(probe)
+            if probe.consumers:
+                undos.append(probe.install(parent))
+        try:
+            with torch.no_grad():
+                run()
+        finally:
+            for undo in reversed(undos):
+                undo()
+        return [p.found() for p in probes]
+
+
+ROTARY = RotaryProbe()
+
+
+def refusal(found: dict[str, Any]) -> str | None:
+    """Why `bind` would leave a rope block unpatched, read off what `ROTARY` recorded for it
+    (``found``), or None when its rotation call has a layout the kernel computes: the same
+    outcomes as `bind` (no function reachable), the parent's first forward (no function handed
+    the tables in a form the kernel takes) and `RopePatch.calibrate` (no layout reproduced it)."""
+    if not found.get("reachable"):
+        return NONE_FOUND
+    calls = found.get("calls") or []
+    if not calls:
+        seen = "; ".join(f"{n}: {w}" for n, w in (found.get("handed") or {}).items())
+        return (NOT_CALLED + (f" (handed them: {seen})" if seen else ""))[:300]
+    call = calls[0]
+    if "why" in call:
+        return (f"{call['function']} in {call['site']} was handed the tables, but no candidate "
+                f"layout reproduced it (probe): {call['why']}")[:400]
+    return None
+
+
+def probed_layout(found: dict[str, Any]) -> tuple[Layout, int] | None:
+    """(the first layout, the rotary dim) of the rotation call `ROTARY` recorded, or None."""
+    calls = found.get("calls") or []
+    if not calls or not calls[0].get("layouts"):
+        return None
+    return Layout.from_json(calls[0]["layouts"][0]), int(calls[0]["rotary_dim"])

@@ -30,15 +30,39 @@ def _check(variant: str, params: dict[str, Any]) -> None:
         raise InputError(f"rope: parameter 'rotary_dim' ({r}) must be <= 'head_dim' ({d})")
 
 
-def match(block: Any) -> dict[str, Any] | None:
-    """Render params for a `rope` block (attrs layout, rotary_dim, head_dim), else None."""
+def refusal(block: Any) -> dict[str, str] | None:
+    """For a `rope` block: why the binding would leave it unpatched, by its own acceptance test
+    (`binding.refusal`) on what the parse stage's probe recorded (attrs ``core_calls``,
+    `FAMILY.probe`: the rotation call its tables are handed to and the layouts it computes), as
+    {"serves": None, "reason"}; None when it would take the block or nothing was recorded (a
+    graph not probed: the classifier's attrs stand)."""
     if block.kind != "rope":
+        return None
+    found = (block.attrs.get("core_calls") or {}).get(binding.ROTARY.what)
+    if found is None:
+        return None
+    why = binding.refusal(found)
+    return None if why is None else {"serves": None, "reason": why}
+
+
+def match(block: Any) -> dict[str, Any] | None:
+    """Render params for a `rope` block, else None. Probed (attrs ``core_calls``): the layout
+    the binding found its rotation function computes, its rotation the variant and its rotary
+    dim pinned (left open for a block whose tables have several widths, one per layer type);
+    None when the binding would refuse the block (`refusal`). Unprobed: the classifier's attrs
+    (layout, default half; rotary_dim, head_dim)."""
+    if block.kind != "rope" or refusal(block) is not None:
         return None
     attrs = block.attrs
     layout = attrs.get("layout", "half")
+    params = {"head_dim": attrs.get("head_dim"), "rotary_dim": attrs.get("rotary_dim")}
+    probed = binding.probed_layout((attrs.get("core_calls") or {}).get(binding.ROTARY.what) or {})
+    if probed is not None:
+        layout = probed[0].rotation
+        if not attrs.get("rotary_dims"):
+            params["rotary_dim"] = probed[1]
     if layout not in ("half", "interleaved"):
         return None
-    params = {"head_dim": attrs.get("head_dim"), "rotary_dim": attrs.get("rotary_dim")}
     served = FAMILY.served(layout, params)
     if served is not None:
         served["note"] = NOTE
@@ -91,6 +115,8 @@ FAMILY = FamilySpec(
     check=_check,
     match=match,
     binding=binding.bind,
+    probe=binding.ROTARY,
+    refusal=refusal,
     sample_inputs=sample_inputs,
     problem_dims=problem_dims,
     bench_cases=bench.cases,

@@ -146,7 +146,9 @@ class FamilySpec:
     # probe: the `onboarding.patching.callswap.Interface` the binding swaps by; the parse stage
     # records, for each block `match` accepts, what a swap by it would find and be handed
     # (`callswap.record_core_calls`), as ``block.attrs["core_calls"][interface.what]``, so that
-    # `refusal` can run the binding's own acceptance test on the op graph.
+    # `refusal` can run the binding's own acceptance test on the op graph. A probe with a
+    # ``record_calls(model, [(block, module)], run)`` method records by its own means instead
+    # (rope's: its swaps sit beside the block; `onboarding.patching.probe`).
     probe: Any = field(default=None, compare=False)
     # refusal(block) -> {"serves": the part (None: the block's core), "reason"} | None: why the
     # binding would leave a block of the kinds `match` serves unpatched, read off the op graph by

@@ -6,7 +6,8 @@ interface (`FamilySpec.probe`). For each block its `match` accepts, one forward 
 reachable functions that fit, and the first core call of each with its arguments described
 (`onboarding.patching.callswap.record_core_calls`). It lands in ``block.attrs["core_calls"]``
 keyed by the interface's name, and the family's `refusal` runs the binding's own acceptance
-test on it, so coverage says what patching will do.
+test on it, so coverage says what patching will do. A probe may record by its own means
+(``record_calls``: rope's binding swaps functions in the modules beside its block, not in it).
 """
 
 from __future__ import annotations
@@ -40,9 +41,25 @@ def probe_core_calls(model: nn.Module, blocks: list[Block], run: Callable[[], An
             if spec.match(b) is not None:
                 seen.add(iface.what)
                 targets.append((b, module, iface))
+    # a probe with its own recorder (`record_calls(model, [(block, module)], run) -> [found]`:
+    # rope's, whose swaps sit in the modules beside the block) runs the model once for its blocks
+    own: dict[int, list[tuple[Block, nn.Module, Any]]] = {}
+    for t in targets:
+        if callable(getattr(t[2], "record_calls", None)):
+            own.setdefault(id(t[2]), []).append(t)
+    note = ""
+    for group in own.values():
+        iface = group[0][2]
+        try:
+            found = iface.record_calls(model, [(b, m) for b, m, _ in group], run)
+        except Exception as exc:  # as below: its blocks stay unprobed (the others are probed)
+            note = note or f"core-call probe not recorded: {type(exc).__name__}: {exc}"[:300]
+            continue
+        for (b, _, _), f in zip(group, found):
+            b.attrs.setdefault("core_calls", {})[iface.what] = f
     # one interface per module: the probes wrap the module's forward (a second interface on the
     # same module waits for the next run)
-    pending = targets
+    pending = [t for t in targets if not callable(getattr(t[2], "record_calls", None))]
     while pending:
         taken: set[int] = set()
         batch, rest = [], []
@@ -56,4 +73,4 @@ def probe_core_calls(model: nn.Module, blocks: list[Block], run: Callable[[], An
         for (b, _, iface), f in zip(batch, found):
             b.attrs.setdefault("core_calls", {})[iface.what] = f
         pending = rest
-    return ""
+    return note
