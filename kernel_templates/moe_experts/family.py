@@ -267,7 +267,8 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   Triton kernels). swiglu and mlp only.
 # dy_sorted (False): dy copied into slot order before the down backward (the weight gradients reuse
 #   the copy). rows_tma (False): the backward's slot-ordered row operands by tensor descriptors.
-#   bwd_epi_split (1): the down backward's epilogue on that many column slices.
+#   bwd_epi_split (1): the down backward's epilogue on that many column slices (8: for its
+#   128 x 256 tile, bench.py's v18 notes).
 # h_tma (False): the forward down GEMM loads h [S, F] by tensor descriptors (not with half_tail).
 #   swiglu and mlp only.
 # dw_tma (False; with dw_persistent and dw_sorted): the persistent weight-gradient kernel loads both
@@ -283,7 +284,7 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "dw_stages": (0, 1, 2, 3, 4), "dw_persistent": (0, 1, 2, 3, 4), "bwd_tma": (False, True),
                  "DX_BLOCK_M": (0, 16, 32, 64, 128), "DX_BLOCK_N": (0, 16, 32, 64, 128, 256), "dx_stages": (0, 2, 3, 4),
                  "dw_sorted": (False, True), "dw_grouped_mm": (False, True), "dy_sorted": (False, True),
-                 "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4), "h_tma": (False, True),
+                 "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4, 8), "h_tma": (False, True),
                  "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
@@ -334,7 +335,7 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=17,  # v17: h_tma, dw_tma, dw_pad, dx_warps, down_warps (all off); history: docs/LOG.md
+    template_version=18,  # v18: bwd_epi_split 8 (off); grouped_mm dw off a GPU: 16-byte rows. History: docs/LOG.md
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

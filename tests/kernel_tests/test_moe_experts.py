@@ -397,7 +397,15 @@ ROWS_CONFIGS = {"dy_sorted": {"dy_sorted": True}, "rows_tma": {"dy_sorted": True
                 "dx_rows_tma": {"rows_tma": True, "DX_BLOCK_M": 32, "DX_BLOCK_N": 16},
                 "split2": {"bwd_epi_split": 2}, "split4": {"bwd_epi_split": 4},
                 "all_gmm": {"dy_sorted": True, "rows_tma": True, "bwd_epi_split": 2, "dw_grouped_mm": True},
-                "all_sorted_dw": {"dy_sorted": True, "bwd_epi_split": 4, "dw_sorted": True}}
+                "all_sorted_dw": {"dy_sorted": True, "bwd_epi_split": 4, "dw_sorted": True},
+                # template v18: eight prefetched epilogue slices. Of 32-column tiles (4 columns each): at
+                # F = 38 the first tile's eight slices are full (a slice's mix-up shows), the second's
+                # first full, then a partial one, then six all-masked; of a 64-column tile (8 each)
+                # at F = 20 two full, one partial, five masked.
+                "split8": {"bwd_epi_split": 8, "BWD_BLOCK_M": 32},
+                "split8_wide": {"bwd_epi_split": 8, "BWD_BLOCK_M": 32, "BWD_BLOCK_N": 64},
+                "split8_rows": {"dy_sorted": True, "rows_tma": True, "bwd_epi_split": 8, "BWD_BLOCK_M": 32,
+                                "dw_grouped_mm": True}}
 
 
 @pytest.mark.parametrize("entry,kind,name,f", [
@@ -409,6 +417,10 @@ ROWS_CONFIGS = {"dy_sorted": {"dy_sorted": True}, "rows_tma": {"dy_sorted": True
     pytest.param("swiglu", "zipf", "split2", 40, marks=pytest.mark.slow),
     pytest.param("swiglu", "zipf", "rows_tma", 40, marks=pytest.mark.slow),
     pytest.param("mlp", "uniform", "all_gmm", 20, marks=pytest.mark.slow),
+    ("swiglu", "zipf", "split8", 38), ("gpt_oss_bias", "empty_experts", "split8_rows", 38),
+    ("mlp", "empty_experts", "split8", 38), ("swiglu", "uniform", "split8_wide", 20),
+    pytest.param("swiglu", "all_to_one", "split8_rows", 38, marks=pytest.mark.slow),
+    pytest.param("bias", "zipf", "split8", 38, marks=pytest.mark.slow),
 ], ids=lambda v: str(v))
 def test_backward_sorted_rows_and_split_epilogue(load, device, monkeypatch, entry, kind, name, f):
     """dy_sorted / rows_tma / bwd_epi_split (ROWS_CONFIGS): the output and every gradient (bias
@@ -597,6 +609,17 @@ def test_v17_configs_bf16_cuda(load, d):
     (`_check_bwd_configs_bf16`: the output and every gradient)."""
     bench = moe_experts.bench
     configs = [{}] + (bench.MOE_V17_SWEEP if d < 4096 else bench.MOE_V17_SWEEP_BIG + bench.MOE_V17_FWD_SWEEP_BIG)
+    _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
+@pytest.mark.parametrize("d", [7168, 2048], ids=["d_big", "d_le_4k"])  # DeepSeek-V3's first: it decides the most
+def test_v18_configs_bf16_cuda(load, d):
+    """Template v18's rows as the bench times them (bench.MOE_V18_SWEEP at D 2048, MOE_V18_SWEEP_BIG
+    at D 7168: the down backward on 128 x 256 / 64 x 256 tiles with its epilogue on eight prefetched
+    slices) against the bucket default (`_check_bwd_configs_bf16`: the output and every gradient)."""
+    bench = moe_experts.bench
+    configs = [{}] + (bench.MOE_V18_SWEEP if d < 4096 else bench.MOE_V18_SWEEP_BIG)
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
 
 
@@ -1169,6 +1192,9 @@ def test_bench_cases_construct_and_baselines_agree(load):
         assert len({tuple(cfg.items()) for cfg in sweep}) == len(sweep)
     assert {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3} in MOE_FWD_SWEEP
     assert {"BWD_BLOCK_M": 64, "BWD_BLOCK_N": 128, "BWD_BLOCK_K": 64, "bwd_warps": 8, "bwd_stages": 4} in MOE_BWD_SWEEP
+    # every sweep row is a valid config of the family (v18's bwd_epi_split 8 included)
+    for sweep in bench.SWEEPS.values():
+        assert all(moe_experts.FAMILY.check_config(cfg) == cfg for cfg in sweep), sweep
 
     module = load("swiglu", {})
     gen = torch.Generator().manual_seed(0)
