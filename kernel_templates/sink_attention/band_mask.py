@@ -50,17 +50,40 @@ def implied_seen(tq: int, tk: int, causal: bool, window: int, device: Any, rows:
 def adds_nothing(mask: torch.Tensor, tq: int, tk: int, causal: bool, window: int) -> bool:
     """True when ``mask`` (broadcastable to [..., Tq, Tk]; additive float or bool, True = seen)
     is 0 / True at every (query, key) the band lets through, so that the kernel's output is the
-    same without it. One host sync."""
+    same without it. One host sync. A causal band reads only its own entries (a causal window
+    W: Tq x W gathered entries; full causal: the lower triangle), anything else the whole mask."""
     if mask.dim() < 2 or mask.shape[-1] not in (1, tk) or mask.shape[-2] not in (1, tq):
         return False
+    if causal and 0 < window < tk:
+        return not bool(_window_band_info(mask, tq, tk, window).any())
     bad = torch.zeros((), dtype=torch.bool, device=mask.device)
     for r0 in range(0, tq, ROWS_PER_CHUNK):
         rows = slice(r0, min(r0 + ROWS_PER_CHUNK, tq))
-        seen = implied_seen(tq, tk, causal, window, mask.device, rows)
         part = mask if mask.shape[-2] == 1 else mask[..., rows, :]
-        info = ~part if mask.dtype == torch.bool else part != 0  # NaN != 0: kept
-        bad |= (info & seen).any()
+        if causal:  # the lower triangle of these rows, bottom-right aligned (`implied_seen`)
+            part = part.expand(*part.shape[:-2], rows.stop - r0, tk)
+            bad |= torch.tril(_info(part), diagonal=tk - tq + r0).any()
+        else:
+            seen = implied_seen(tq, tk, causal, window, mask.device, rows)
+            bad |= (_info(part) & seen).any()
     return not bool(bad)
+
+
+def _info(part: torch.Tensor) -> torch.Tensor:
+    """Where the mask says something the band does not: a hidden key (bool False), a non-zero
+    additive value (NaN != 0 counts)."""
+    return ~part if part.dtype == torch.bool else part != 0
+
+
+def _window_band_info(mask: torch.Tensor, tq: int, tk: int, window: int) -> torch.Tensor:
+    """`_info` at the causal window's own entries only: query i's keys i' - window + 1 .. i'
+    (i' = i + Tk - Tq), gathered as [..., Tq, window]; entries left of key 0 are not in the band."""
+    full = mask.expand(*mask.shape[:-2], tq, tk)
+    top = torch.arange(tq, device=mask.device)[:, None] + (tk - tq)
+    cols = top - window + 1 + torch.arange(window, device=mask.device)[None, :]
+    valid = (cols >= 0) & (cols <= top)
+    idx = cols.clamp(0, tk - 1).expand(*full.shape[:-2], tq, window)
+    return _info(full.gather(-1, idx)) & valid
 
 
 def _tracing(mask: torch.Tensor) -> bool:

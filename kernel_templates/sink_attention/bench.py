@@ -10,7 +10,7 @@ Impls per case:
   what it still runs for a padded batch), so the two rows show what reading the mask costs;
 - ``ours_guard``: the binding's path for this mask: `band_mask.MaskGuard.needed` with a fresh
   guard each step (so the mask's values are read every step, as on the first layer of each kind
-  per forward: one [T, T] comparison and a host sync), then the kernel without the mask. Its wall
+  per forward: the band's entries compared and a host sync), then the kernel without the mask. Its wall
   ms is the kernel plus that check; while a CUDA graph is captured the guard cannot read values
   and keeps the mask, so its graph ms is ``ours_mask``'s, not the binding's;
 - ``eager``: transformers' eager sink attention (repeated KV heads, the scores written out plus

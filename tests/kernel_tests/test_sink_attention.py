@@ -416,6 +416,39 @@ def test_band_mask_verdicts(device):
         bm.ROWS_PER_CHUNK = old
 
 
+def test_band_mask_reads_only_the_band(device):
+    """The causal paths read only the band's entries (a window's Tq x W gathered entries, the
+    lower triangle): their verdicts equal the dense one (every entry against `implied_seen`) on
+    random masks with one planted entry in or out of the band, at square, decode-like (Tq < Tk),
+    query-broadcast and batch-broadcast shapes, float and bool."""
+    bm = _band_mask_module()
+    gen = torch.Generator().manual_seed(0)
+
+    def dense(mask, tq, tk, causal, window):
+        seen = bm.implied_seen(tq, tk, causal, window, mask.device)
+        info = ~mask if mask.dtype == torch.bool else mask != 0
+        return not bool((info & seen).any())
+
+    checked = {True: 0, False: 0}
+    for tq, tk, lead, qrows in ((13, 13, (1, 1), 13), (3, 11, (2, 1), 3), (9, 9, (1, 1), 1),
+                                (16, 21, (2, 3), 16)):
+        for window in (0, 1, 4, tk - 1, tk + 2):
+            for trial in range(6):
+                seen = bm.implied_seen(qrows if qrows == tq else 1, tk, True, window, "cpu") \
+                    if qrows == tq else torch.ones(1, tk, dtype=torch.bool)
+                mask = torch.zeros(*lead, qrows, tk)
+                mask = mask.masked_fill(~seen, float("-inf")) if trial % 2 else mask
+                r = int(torch.randint(qrows, (1,), generator=gen))
+                c = int(torch.randint(tk, (1,), generator=gen))
+                mask[..., r, c] = (0.5, float("-inf"), float("nan"), 0.0)[trial % 4]
+                for m in (mask, mask == 0):
+                    m = m.to(device)
+                    want = dense(m, tq, tk, True, window)
+                    assert bm.adds_nothing(m, tq, tk, True, window) == want, (tq, tk, lead, window, trial)
+                    checked[want] += 1
+    assert checked[True] > 10 and checked[False] > 10, checked  # both verdicts exercised
+
+
 def test_mask_guard_rereads_a_changed_mask(device):
     """`MaskGuard.needed` reads the values once per mask object and reuses the verdict while the
     object is unchanged; an in-place write (its version), another object, another band or shape
