@@ -1,0 +1,101 @@
+# Device call for issue 35 (H200), ssd template v19: `split_dbc` "fused", the split backward's dx, dC
+# and dB in one launch per (split chunk of 64, group), toward fwd+bwd <= 3x the forward (v18's
+# default on an H100: 2.224 / 0.474 ms by CUDA graph, 4.7x, at B1 T8192 H128 P64 G8 N128 bf16).
+# The new option loads each head's x, dy, incoming state and end-state gradient once (the split
+# dx and dC / dB kernels each load them: about 2.3 GB of loads fall to about 1.0 GB, by count;
+# helper-93's note in docs/LOG.md). Rows: "fused" at 16 warps uncapped (sm_90 build: 128
+# registers, 348 / 584 spill bytes on triton 3.9 / 3.6), and with DBC_SPLIT 2 (two programs of 8
+# heads per group, dB / dC as fp32 partials the host sums).
+# Self-contained: sources setup.sh. Carry .whl:
+#   BUDGET=280 bash .ci/h200/h35_ssd9.sh        (~310 s with setup; steps 1-2, then 3 if time is left)
+#   SSD9_DRY=1 TRITON_INTERPRET=1 bash .ci/h200/h35_ssd9.sh   (step 3 on the CPU at a tiny shape)
+# Within ${BUDGET:-280} s after setup (~30 s), 20 s of them kept in reserve:
+#  1. (<= 100 s) the bf16-vs-fp32 bars with --runxfail: test_bf16_vs_fp32_on_gpu [default],
+#     [v19-fused-w16], [v19-fused-w16-split2] (PASSED is within the bars; a FAILED row prints its
+#     errors; its compiles are the bench's too) -> ssd_bars.txt;
+#  2. (<= 130 s) the bench, `--impl ours,ours_fwd --profile`: ours, ours_fwd (each with its
+#     per-kernel breakdown), then kernel_templates/ssd/bench.py's SWEEP in its order, the two
+#     "fused" rows first (forward + backward only: the option leaves the forward as it is) ->
+#     ssd_bench.txt (rows printed as they finish: a cut keeps the first), ssd.json (only if the
+#     case finishes);
+#  3. (only when >= 40 s are left) per-kernel GPU ms (torch.profiler, 5 steps) of fwd+bwd: the
+#     default and the two "fused" rows -> ssd_profile.txt.
+# How to decide (graph ms: the `graph` column, ssd.json "graph_ms"):
+#  - the goal: fwd+bwd <= 3 x ours_fwd by graph (about 1.42 ms at v18's forward). A "fused" row
+#    faster than `ours` in this run whose bars row PASSED can become the P <= 64 bucket's value
+#    (family.py shape_buckets: split_dbc "fused", bwd_split_warps 16, bwd_split_maxnreg 0, and
+#    DBC_SPLIT 2 for the second row).
+#  - ssd_profile.txt: under "fused" expect ssd_bwd_split_fused_kernel x1 in place of
+#    ssd_bwd_split_dx_kernel x1 and ssd_bwd_split_dbc_kernel x2 (the default's); the expectation
+#    by arithmetic is that it takes less than their sum (one launch, about 1.0 GB of loads
+#    against about 2.3 GB). If it takes more, its spills (above) are the first suspect.
+# Outputs under $OUT: env.txt, ssd_bars.txt, ssd_bench.txt, ssd.json, ssd_profile.txt, ssd9.tgz.
+set -o pipefail
+cd "$(dirname "$0")/../.."
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+if [ "${SSD9_DRY:-0}" != 1 ]; then
+  OUT=$O source .ci/h200/setup.sh || exit 1
+fi
+t0=$(date +%s); stamp() { echo "=== $1 at +$(( $(date +%s) - t0 )) s"; }
+left() { local l=$(( ${BUDGET:-280} - 20 - $(date +%s) + t0 )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+pack() { tar -czf "$O/ssd9.tgz" -C "$O" $(cd "$O" && ls | grep -v '^ssd9.tgz$') 2>/dev/null; }
+trap pack EXIT
+if [ "${SSD9_DRY:-0}" != 1 ]; then
+  stamp ssd-bars
+  timeout "$(left 100)" python3 -m pytest -v -p no:cacheprovider tests/kernel_tests/test_ssd.py --runxfail \
+    -k "bf16_vs_fp32_on_gpu and (default or v19)" -rfs 2>&1 | tee "$O/ssd_bars.txt" \
+    | grep -E "PASSED|FAILED|ERROR|relative RMS|passed|failed"
+  stamp ssd-bench
+  # rows print as they come (Python unbuffered, grep line-buffered), blank lines dropped
+  PYTHONUNBUFFERED=1 timeout "$(left 130)" onboard bench --family ssd --case '^B1T8192H128' \
+    --impl ours,ours_fwd --profile --out "$O/ssd.json" 2>&1 | grep --line-buffered -v "^\s*$" \
+    | tee "$O/ssd_bench.txt"
+fi
+stamp ssd-profile
+if [ "${SSD9_DRY:-0}" = 1 ] || [ "$(left 1000)" -ge 40 ]; then
+  timeout "$(left 1000)" python3 - <<'PY' 2>&1 | tee "$O/ssd_profile.txt"
+# per-kernel GPU ms (torch.profiler CUDA activity, 5 steps after 3 warm-up ones, every kernel)
+import os
+import torch
+from onboarding.bench.cases import config_sweep, fwd_bwd
+from onboarding.bench.harness import aggregate_kernels
+from onboarding.families import family_module
+bench = family_module("ssd").bench
+dry = os.environ.get("SSD9_DRY") == "1"
+dev = torch.device("cpu" if dry else "cuda")
+shape = (1, 300, 4, 16, 2, 16) if dry else bench.SHAPES[0][:6]
+sets = [bench.make_inputs(*shape, dev, seed=s) for s in range(2)]
+grads = [torch.randn(*shape[:4], device=dev, dtype=torch.bfloat16)]
+mod, ours = bench._ours()
+steps = {"ours (default)": fwd_bwd(ours, sets, grads)}
+steps.update(config_sweep(mod, ours, sets, grads, shape[3], [bench.FUSED, {**bench.FUSED, "DBC_SPLIT": 2}]))
+
+
+def breakdown(step, n=5):
+    from torch.profiler import ProfilerActivity, profile
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(i)
+        torch.cuda.synchronize()
+    return aggregate_kernels([(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                              if e.self_device_time_total > 0], n, top=40)
+
+
+for name, step in steps.items():
+    print(f"{name} (forward + backward)", flush=True)
+    try:
+        rows = (step(0), [])[1] if dry else breakdown(step)
+    except Exception as exc:  # noqa: BLE001 - the other rows stand
+        print(f"  failed: {type(exc).__name__}: {str(exc)[:300]}")
+        continue
+    for r in rows:
+        print(f"  {r['kernel'][:70]:70s} {r['ms']:.3f} ms x{r['calls']:g}")
+    print(f"  total {sum(r['ms'] for r in rows):.3f} ms", flush=True)
+PY
+else
+  echo "step 3 skipped: $(left 1000) s left" | tee "$O/ssd_profile.txt"
+fi
+stamp end
