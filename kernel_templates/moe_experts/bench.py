@@ -178,22 +178,33 @@ MOE_V17_SWEEP = [*MOE_V17_SWEEP_SHORT, {**_DW_PAD, **_DOWN_BWD_4W}]
 # GEMM shape over 2F, takes 8.31 ms (463) on 128 x 256: per 64-row step a 64 x 128 tile loads
 # (64 + 128) x 64 operands for 64 x 128 x 64 MACs (43 FLOP/B), 128 x 256 loads 2x for 4x the MACs
 # (85 FLOP/B), and its warpgroups issue m64n256 MMAs, not m64n64. The epilogue runs on eight
-# 32-column slices (`bwd_epi_split` 8; 4 spill: 255 registers, 288 B) with each slice's gate/up
-# pre-activations loaded before the previous slice's stores, so their latency overlaps its math
-# (PTX order ld0 ld1 st0 ld2 st1 ...; splits 1, 2, 4 keep their order). sm_90 AOT, bf16, D 7168:
-# 128 x 256 x 3 stages 231 registers / 0 spills / 144 KB (4 stages 229 / 0 / 192 KB); 64 x 256 140 /
-# 0 / 120 KB at 3 stages; the default 64 x 128 x 4 stages 128 / 0 / 96 KB. Expected by arithmetic, at
-# dx's rate: 5.36 -> ~4.2 ms (-1.2 ms of fwd+bwd's 47.3), less the 3% tail of 4096 tiles over 132
-# SMs (31.03 waves). At Qwen3-Next (160 rows per expert, F 512) 128-row tiles waste a third of their
-# rows, so its rows are 64 x 256 (D 2048: 164 / 0 / 160 KB at 4 stages) and the 128 x 256 one, dx
-# kept on its 64 x 128 tile either way.
+# 32-column slices (`bwd_epi_split` 8) with each slice's gate/up pre-activations loaded before the
+# previous slice's stores, so their latency overlaps its math (PTX order ld0 ld1 st0 ld2 st1 ...;
+# splits 1, 2, 4 keep their order). sm_90 AOT by triton 3.6 (the
+# H200's), bf16, D 7168: 128 x 256 x 3 stages 230 registers / 0 spills / 144 KB (4 stages 230 / 0 /
+# 192 KB; 4 slices spill); 64 x 256 168 / 0 / 120 KB at 3 stages; the default 64 x 128 x 4 stages
+# with two slices 126 / 0 / 96 KB. Expected by arithmetic: dx (64 K steps a tile) and the forward
+# down GEMM (32), both 128 x 256 over the same tile count, fit ~0.96 us a K step (~580 TFLOP/s)
+# plus ~15 us a tile; the down backward's 112 steps then take ~122 us a tile, 4096 tiles in 32
+# waves of 132 (the last of 4): ~4.0-4.2 ms against 5.36 (-1.2 ms of fwd+bwd's 47.3), if its
+# heavier epilogue (gate/up loads, three stores) costs no more than dx's atomics. At Qwen3-Next (160
+# rows per expert, F 512) 128-row tiles waste a third of their rows, so its rows are 64 x 256 (D
+# 2048: 142 / 0 / 160 KB at 4 stages) and the 128 x 256 one, dx kept on its 64 x 128 tile either
+# way. The eight slices also shrink the default 64 x 128 tile's
+# epilogue: 70 registers against 126 with two slices, and at 3 stages 72 KB, so three programs fit
+# an SM (`_DOWN_BWD_3PS`; two at 96 KB with 4 stages): two run their MMAs while one is in its
+# epilogue (triton 3.6 sm_90 AOT as above; the numbers: docs/LOG.md, helper-95).
 _DOWN_BWD_WIDE = {"BWD_BLOCK_M": 128, "BWD_BLOCK_N": 256, "bwd_stages": 3, "bwd_epi_split": 8}
 _DOWN_BWD_64x256 = {"BWD_BLOCK_N": 256, "bwd_epi_split": 8}
-MOE_V18_SWEEP_BIG = [_DOWN_BWD_WIDE, {**_DOWN_BWD_WIDE, "bwd_stages": 4}, {**_DOWN_BWD_64x256, "bwd_stages": 3}]
+_DOWN_BWD_3PS = {"bwd_epi_split": 8, "bwd_stages": 3}
+MOE_V18_SWEEP_BIG = [_DOWN_BWD_WIDE, {**_DOWN_BWD_WIDE, "bwd_stages": 4}, {**_DOWN_BWD_64x256, "bwd_stages": 3},
+                     {"bwd_epi_split": 8}, _DOWN_BWD_3PS]
+# (D 2048: dx runs on the backward tiles unless pinned; the rows keep it on 64 x 128 x 4 stages)
 MOE_V18_SWEEP = [{**_DOWN_BWD_64x256, "DX_BLOCK_N": 128},
-                 {**_DOWN_BWD_WIDE, "DX_BLOCK_M": 64, "DX_BLOCK_N": 128, "dx_stages": 4}]
-MOE_V18_SWEEP_SHORT_BIG = [_DOWN_BWD_WIDE]
-MOE_V18_SWEEP_SHORT = MOE_V18_SWEEP[:1]
+                 {**_DOWN_BWD_WIDE, "DX_BLOCK_M": 64, "DX_BLOCK_N": 128, "dx_stages": 4},
+                 {**_DOWN_BWD_3PS, "dx_stages": 4}]
+MOE_V18_SWEEP_SHORT_BIG = [_DOWN_BWD_WIDE, _DOWN_BWD_3PS]
+MOE_V18_SWEEP_SHORT = [MOE_V18_SWEEP[0], MOE_V18_SWEEP[2]]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.
