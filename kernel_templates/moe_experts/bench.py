@@ -186,8 +186,9 @@ MOE_V17_SWEEP = [*MOE_V17_SWEEP_SHORT, {**_DW_PAD, **_DOWN_BWD_4W}]
 # with two slices 126 / 0 / 96 KB. Expected by arithmetic: dx (64 K steps a tile) and the forward
 # down GEMM (32), both 128 x 256 over the same tile count, fit ~0.96 us a K step (~580 TFLOP/s)
 # plus ~15 us a tile; the down backward's 112 steps then take ~122 us a tile, 4096 tiles in 32
-# waves of 132 (the last of 4): ~4.0-4.2 ms against 5.36 (-1.2 ms of fwd+bwd's 47.3), if its
-# heavier epilogue (gate/up loads, three stores) costs no more than dx's atomics. At Qwen3-Next (160
+# waves of 132 (the last of 4): ~3.9 ms; with an epilogue as heavy as gate/up's (whose 112-step
+# tiles take ~134 us: 8.29 ms over 62 waves) ~4.3 ms. Against 5.36: -1.1 to -1.4 ms of fwd+bwd's
+# 47.3. At Qwen3-Next (160
 # rows per expert, F 512) 128-row tiles waste a third of their rows, so its rows are 64 x 256 (D
 # 2048: 142 / 0 / 160 KB at 4 stages) and the 128 x 256 one, dx kept on its 64 x 128 tile either
 # way. The eight slices also shrink the default 64 x 128 tile's
