@@ -14,7 +14,8 @@
 #   bwd_epi_split=8,bwd_stages=3 (64 x 128)                         (70 / 0 / 72 KB: 3 per SM)
 #   (the default: 64 x 128 x 4 stages, two slices, 126 / 0 / 96 KB; AOT by triton 3.6, the GPU's)
 #   Qwen3-Next (D 2048, 160 rows per expert): 64 x 256 with dx kept on 64 x 128, the 128 x 256
-#   row with dx kept likewise, and the three-per-SM row.
+#   row with dx kept likewise, the three-per-SM row, and that row with dx at 3 stages too (dx 71 /
+#   0 / 72 KB: three per SM).
 # Expected by arithmetic (not measured): at dx's rate the DeepSeek-V3 down backward takes ~3.9-4.3 ms,
 # -1.1 to -1.4 ms of fwd+bwd's ~47.3 (the 1.2x goal needs ~4 ms; this is a part of it, not all).
 # Steps: (1) `test_v18_configs_bf16_cuda` (every row at D 7168 and D 2048: the output and every
@@ -23,7 +24,8 @@
 # DeepSeek-V3 N8192 uniform fwd+bwd (ours, the 5 rows, grouped_mm), timeout 75 s. (3) per-kernel
 # GPU ms of `ours` and each row at N8192 (torch.profiler via the bench's kernel_breakdown; the
 # bench's --profile breaks down `ours` only), timeout 50 s. (4) Qwen3-Next uniform fwd+bwd
-# (MOE_V18_SWEEP) with what is left of BUDGET (skipped under 20 s left, or with QWEN=0).
+# (MOE_V18_SWEEP, 4 rows) with what is left of BUDGET (skipped under 20 s left, or with QWEN=0; a
+# case cut by its timeout writes no JSON: if (1)-(3) ran long, rerun with BUDGET=300).
 # Expected ~4.5 min with setup: (1)-(3) at most 80 + 75 + 50 = 205 s, (4) the rest of 250 s; setup
 # ~30 s on top. Outputs under $OUT, and again as $OUT/h33_moe4.tgz: env.txt (setup),
 # moe4_tests.txt, moe4.json / moe4_bench.txt, moe4_profile.json / moe4_profile.txt, moe4_qwen.json /

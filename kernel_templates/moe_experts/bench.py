@@ -200,10 +200,11 @@ _DOWN_BWD_64x256 = {"BWD_BLOCK_N": 256, "bwd_epi_split": 8}
 _DOWN_BWD_3PS = {"bwd_epi_split": 8, "bwd_stages": 3}
 MOE_V18_SWEEP_BIG = [_DOWN_BWD_WIDE, {**_DOWN_BWD_WIDE, "bwd_stages": 4}, {**_DOWN_BWD_64x256, "bwd_stages": 3},
                      {"bwd_epi_split": 8}, _DOWN_BWD_3PS]
-# (D 2048: dx runs on the backward tiles unless pinned; the rows keep it on 64 x 128 x 4 stages)
+# (D 2048: dx runs on the backward tiles unless pinned; the first three rows keep it on 64 x 128 x 4
+# stages, the last lets it follow to 3 stages: 71 / 0 / 72 KB, three per SM too)
 MOE_V18_SWEEP = [{**_DOWN_BWD_64x256, "DX_BLOCK_N": 128},
                  {**_DOWN_BWD_WIDE, "DX_BLOCK_M": 64, "DX_BLOCK_N": 128, "dx_stages": 4},
-                 {**_DOWN_BWD_3PS, "dx_stages": 4}]
+                 {**_DOWN_BWD_3PS, "dx_stages": 4}, _DOWN_BWD_3PS]
 MOE_V18_SWEEP_SHORT_BIG = [_DOWN_BWD_WIDE, _DOWN_BWD_3PS]
 MOE_V18_SWEEP_SHORT = [MOE_V18_SWEEP[0], MOE_V18_SWEEP[2]]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
