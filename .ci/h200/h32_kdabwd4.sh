@@ -1,24 +1,30 @@
-# H200/H100 call (issue 32, KDA template v38+: fwd+bwd <= 3x the forward): `kda_qk` "ksplit", the tiled
-# default with its wy kernel's K tiles in programs of their own (`kda_chunk_bwd_wyv_kernel` per (chunk,
-# value head), `kda_chunk_bwd_wyk_kernel` per (K tile, chunk, value head), `kda_chunk_bwd_rowsum_kernel`,
-# then the default's `kda_chunk_bwd_qkt_kernel`), against the default at the Kimi-Linear layout (B1
-# T8192 H32 K = V = 128 bf16): the three rows of kernel_templates/kimi_delta/bench.py's KSPLIT_SWEEP
-# (bucket tiles; wyk at 8 warps capped at 128 registers; wyk at 4 warps capped at 168). Self-contained
-# (sources setup.sh); carry .whl (fla is not asked for):
-#   BUDGET=240 bash .ci/h200/h32_kdabwd4.sh
-# What it decides: whether splitting the wy kernel's serial K loop (the default's largest backward kernel,
-# 1.329 ms of 2.898 on the H100 in the thirty-fourth session) into 4x the programs, at two or more
-# programs per SM, lowers the backward; a row is a default candidate only with its bars passed and
-# a lower fwd+bwd than `ours` in the same run. "ksplit" leaves out what the faulting "fused" and
+# H200/H100 call (issue 32, KDA template v38+: fwd+bwd <= 3x the forward): the two levers of v38 on the
+# tiled default's backward, against the default at the Kimi-Linear layout (B1 T8192 H32 K = V = 128 bf16):
+#   `kda_qk` "ksplit": the wy kernel (`kda_chunk_bwd_wyt_kernel`, 1.329 of the backward's 2.898 ms per step
+#     on the H100 in the thirty-fourth session) split into `kda_chunk_bwd_wyv_kernel` per (chunk, value
+#     head), `kda_chunk_bwd_wyk_kernel` per (K tile, chunk, value head) and `kda_chunk_bwd_rowsum_kernel`:
+#     4x the programs for its K loop, and with `kda_wyk_warps` 8 / `kda_wyk_maxnreg` 128 two 8-warp
+#     programs per SM (the wyt kernel: two 4-warp ones);
+#   `kda_qk_tiers` "split": the qkt kernel (1.033 ms) as its chunk tier alone (`kda_chunk_bwd_qkc_kernel`,
+#     no spills; qkt spills 1780 B in the triton 3.6 build, ~750 B of it after the tier branch, which every
+#     tile runs) and the redo of the tiles it flags (`kda_chunk_bwd_qkx_kernel`: none at the bench's gates).
+# The four rows of kernel_templates/kimi_delta/bench.py's KSPLIT_SWEEP: ksplit; ksplit with wyk at 8 warps
+# capped at 128; that with the tier split; that at `kda_qk_bk` 16. Self-contained (sources setup.sh);
+# carry .whl (fla is not asked for):
+#   BUDGET=240 bash .ci/h200/h32_kdabwd4.sh        (BUDGET=400 runs every step in full)
+# What it decides: whether either lever lowers the backward's kernels (the profile: wyv + wyk + rowsum
+# against wyt, qkc + qkx against qkt) and fwd+bwd; a row is a default candidate only with its bars passed
+# and a lower fwd+bwd than `ours` in the same run. Neither lever has what the faulting "fused" and
 # "ktiles" kernels share and the default lacks (docs/LOG.md, helper-94): no Gram backward next to the
-# V-tile dots, no atomics, no transposed Tm load, no CTA barrier; the CPU bounds check passes
-# (tests/kernel_tests/test_kimi_delta_bounds.py -k ksplit). Still, a fault is first localised.
+# V-tile dots, no atomics, no transposed Tm load, no CTA barrier, no qg S_c loop; the CPU bounds check
+# passes (tests/kernel_tests/test_kimi_delta_bounds.py -k ksplit). Still, a fault is first localised.
 # Within ${BUDGET:-240} s (20 s kept for packing), per-step limits:
-#  1. Localise (<= 70 s for the first variant, which compiles, 25 s for each other): each row in its own
-#     process, CUDA_LAUNCH_BLOCKING=1, a synchronise after every kernel launch of the module (prints each
-#     kernel, grid and tiles, then OK with the bf16-vs-fp32 relative errors, or FAIL naming the kernel)
-#     -> kdabwd4_diag.txt. At the bars' shape (HK2 HV4 T1000 K = V = 128 B2, l2norm) the three rows, and
-#     the first at HV = HK (the bench's layout). A row that fails is left out of steps 2-3.
+#  1. Localise (<= 70 s for the first variant, which compiles, 30 s for each other; skipped once the step
+#     has used 120 s): each row in its own process, CUDA_LAUNCH_BLOCKING=1, a synchronise after every kernel
+#     launch of the module (prints each kernel, grid and tiles, then OK with the bf16-vs-fp32 relative
+#     errors, or FAIL naming the kernel) -> kdabwd4_diag.txt. At the bars' shape (HK2 HV4 T1000 K = V =
+#     128 B2, l2norm): row 3 (the most new kernels) first, then rows 1, 2, 4, then row 3 at HV = HK (the
+#     bench's layout). A row that failed or did not run is left out of steps 2-3.
 #  2. The GPU bars (<= 60 s): `test_bf16_vs_fp32_on_gpu_ksplit_sweep` (the clean rows) and
 #     `test_bf16_vs_fp32_on_gpu[k128-mixed]` (the default): o 5e-3, every gradient 1e-2 relative RMS
 #     -> kdabwd4_bars.txt.
@@ -28,8 +34,8 @@
 #     backward's kernels alone -> kdabwd4_profile.txt, kdabwd4_profile.json (only when every row ran
 #     clean in 1: its rows share one process).
 # Read: 1's OK / FAIL lines; 2's pass / fail per row; 3's row / `ours_fwd` (graph) against 3.0 and
-# against `ours` / `ours_fwd`, and in the profile wyv + wyk + rowsum against `kda_chunk_bwd_wyt_kernel`
-# (qkt is the same kernel in both). Say which card gave the numbers.
+# against `ours` / `ours_fwd`, and in the profile the kernels above against the default's. Say which
+# card gave the numbers.
 # Outputs under $OUT: env.txt, kdabwd4_diag.txt, kdabwd4_bars.txt, kdabwd4_bench.txt, kdabwd4.json,
 # kdabwd4_profile.txt, kdabwd4_profile.json; kdabwd4.tgz (all of them).
 set -o pipefail
@@ -94,19 +100,18 @@ except Exception as e:  # noqa: BLE001
     sys.exit(1)
 PY
 stamp kdabwd4-diag
-GOOD=()
 {
-n=0
-while read -r cfg; do
-  for shape in "2 4 1000 128 128 2 1" $([ $n = 0 ] && echo "2_2_1000_128_128_2_1"); do
-    shape=${shape//_/ }
-    # the first child compiles the family's kernels (the cache serves the rest)
-    lim=$(left $([ $n = 0 ] && echo 70 || echo 25)); n=$((n + 1))
-    [ "$lim" -lt 10 ] && { echo "SKIP (budget) $cfg $shape"; continue; }
-    CUDA_LAUNCH_BLOCKING=1 timeout "$lim" python3 $D "$cfg" $shape 2>&1 | grep -vE "^\s*$|Warning|warn" | tail -12
-    echo "rc $? for $cfg $shape"
-  done
-done < /tmp/kdabwd4_rows.txt
+n=0; d0=$(date +%s)
+# (row number in KSPLIT_SWEEP, HK HV T K V B L2)
+for run in "3|2 4 1000 128 128 2 1" "1|2 4 1000 128 128 2 1" "2|2 4 1000 128 128 2 1" "4|2 4 1000 128 128 2 1" \
+           "3|2 2 1000 128 128 2 1"; do
+  cfg=$(sed -n "${run%%|*}p" /tmp/kdabwd4_rows.txt); shape=${run#*|}
+  # the first child compiles the family's kernels (the cache serves the rest)
+  lim=$(left $([ $n = 0 ] && echo 70 || echo 30)); n=$((n + 1))
+  if [ "$lim" -lt 10 ] || [ $(( $(date +%s) - d0 )) -gt 120 ]; then echo "SKIP (budget) $cfg $shape"; continue; fi
+  CUDA_LAUNCH_BLOCKING=1 timeout "$lim" python3 $D "$cfg" $shape 2>&1 | grep -vE "^\s*$|Warning|warn" | tail -12
+  echo "rc $? for $cfg $shape"
+done
 } 2>&1 | tee "$O/kdabwd4_diag.txt"
 # the rows whose every variant printed OK (a FAIL or a timeout leaves a row out of the bars and the bench)
 ROWS=$(python3 - "$O/kdabwd4_diag.txt" <<'PY'
@@ -117,7 +122,7 @@ rcs = [l for l in lines if l.startswith("rc ")]
 good = []
 for row in open("/tmp/kdabwd4_rows.txt").read().split("\n"):
     if row.strip():
-        mine = [l for l in rcs if l.split(" for ", 1)[1].startswith(row)]
+        mine = [l for l in rcs if l.split(" for ", 1)[1].startswith(row + " ")]
         if mine and all(l.startswith("rc 0 ") for l in mine):
             good.append(sweep_label(json.loads(row)))
 print(",".join(good))
