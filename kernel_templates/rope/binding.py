@@ -22,12 +22,14 @@ classifier: on the first rotation call it runs again, under no_grad, on known in
 call's shapes (its first batch entry; random q/k and random cos/sin tables, unrelated to each
 other, so every candidate computes something else), and its output is compared with each
 candidate `Layout` computed in torch: the rotation's pairs (half-split (i, i + R/2), transformers'
-default, or interleaved (2i, 2i + 1), GLM / GPT-J), the table columns each pair reads (one per
+default; interleaved (2i, 2i + 1), GLM / GPT-J; or deinterleaved: pairs (2i, 2i + 1) moved to
+(i, i + R/2), then half-split, the output left so, DeepSeek-V3's, served by the half-split kernel
+after the same move made by torch), the table columns each pair reads (one per
 rotated element: R = the tables' width, each frequency twice as transformers makes them; one per
 pair: R = twice the width, gpt-oss's tables of each frequency once; one per pair from the first
 half: R = the width, GLM's function reading half of a doubled table), the head axis of the inputs
 (``[B, T, H, D]`` or ``[B, H, T, D]``) and which table is cos. The kernel modules given for the
-block are then tried in the layouts that matched (a module of the layout's rotation; tables of a
+block are then tried in the layouts that matched (a module of the layout's variant; tables of a
 column per pair are doubled for it) on the call itself, and the first whose outputs agree with the
 original's within the layer tolerance is kept (calibration); the kernel then serves that call too
 (forward and backward through the kernel's own autograd: the rendered module's backward kernel
@@ -137,7 +139,10 @@ def _table(c: torch.Tensor, B: int, T: int) -> torch.Tensor:
     return c
 
 
-ROTATIONS = ("half", "interleaved")
+# "deinterleaved": pairs (2i, 2i + 1) moved to (i, i + R/2) first, then rotated half-split, the
+# output left in that order (DeepSeek-V3's `rope_interleave`); the half-split kernel serves it
+# after the same move, made by torch
+ROTATIONS = ("half", "interleaved", "deinterleaved")
 # the table columns a rotation pair reads: "each" rotated element its own column (R = the tables'
 # width W), "pairs" one column per pair (R = 2W), "first pairs" one per pair from the first half
 # (R = W: the function reads half of a doubled table)
@@ -148,10 +153,15 @@ COLUMNS = ("each", "pairs", "first pairs")
 class Layout:
     """What a rotation function computes, relative to the tables it is handed (`detect`)."""
 
-    rotation: str  # "half" (pairs (i, i + R/2)) or "interleaved" (pairs (2i, 2i + 1))
+    rotation: str  # "half" (pairs (i, i + R/2)), "interleaved" (pairs (2i, 2i + 1)), "deinterleaved"
     columns: str  # `COLUMNS`
     head_axis: int  # 2: inputs [B, T, H, D]; 1: [B, H, T, D]
     swapped: bool  # the first table argument is sin
+
+    @property
+    def variant(self) -> str:
+        """The kernel variant that computes it."""
+        return "half" if self.rotation == "deinterleaved" else self.rotation
 
     def rotary_dim(self, width: int) -> int:
         return 2 * width if self.columns == "pairs" else width
@@ -160,7 +170,9 @@ class Layout:
         r = f", rotary dim {self.rotary_dim(width)}" if width else ""
         tables = {"each": "", "pairs": ", tables of each frequency once (doubled)",
                   "first pairs": ", tables read by pair from their first half (doubled)"}[self.columns]
-        return (f"{self.rotation}{r}, {'[B, T, H, D]' if self.head_axis == 2 else '[B, H, T, D]'}"
+        rotation = ("deinterleaved (pairs (2i, 2i + 1) moved to (i, i + R/2)), then half"
+                    if self.rotation == "deinterleaved" else self.rotation)
+        return (f"{rotation}{r}, {'[B, T, H, D]' if self.head_axis == 2 else '[B, H, T, D]'}"
                 + (", tables swapped" if self.swapped else "") + tables)
 
     def to_json(self) -> dict[str, Any]:
@@ -184,7 +196,7 @@ def _kernel_name(kernel: ModuleType) -> str:
 
 def _kernel_tables(layout: Layout, cos: torch.Tensor, sin: torch.Tensor, B: int, T: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The call's tables as the kernel of ``layout.rotation`` takes them: [T, R] or [B, T, R], a
+    """The call's tables as the kernel of ``layout.variant`` takes them: [T, R] or [B, T, R], a
     column per rotated element (a table of a column per pair doubled: repeated for interleaved
     pairs, concatenated for half-split ones)."""
     if layout.swapped:
@@ -219,8 +231,18 @@ def _apply(layout: Layout, call: _Call, rotate: Callable) -> Any:
     xs = [x if layout.head_axis == 2 else x.transpose(1, 2) for x in xs]  # -> [B, T, H, D]
     B, T = xs[0].shape[:2]
     cos, sin = _kernel_tables(layout, cos, sin, B, T)
+    if layout.rotation == "deinterleaved":
+        xs = [_deinterleave(x, cos.shape[-1]) for x in xs]
     outs = [o if layout.head_axis == 2 else o.transpose(1, 2) for o in rotate(xs, cos, sin)]
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _deinterleave(x: torch.Tensor, r: int) -> torch.Tensor:
+    """``x`` with its first ``r`` dims' pairs (2i, 2i + 1) moved to (i, i + r/2) (a copy)."""
+    if r % 2 or r > x.shape[-1]:
+        raise ValueError(f"rotary dim {r} for a head of {x.shape[-1]}")
+    moved = x[..., :r].unflatten(-1, (r // 2, 2)).transpose(-1, -2).flatten(-2)
+    return torch.cat((moved, x[..., r:]), dim=-1) if r < x.shape[-1] else moved
 
 
 def _torch_rotation(rotation: str) -> Callable:
@@ -300,7 +322,7 @@ def detect(fn: Callable, call: _Call, args: tuple, kwargs: dict) -> tuple[list[L
     for layout in _layouts():
         try:
             with torch.no_grad():
-                mine = _apply(layout, probed, _torch_rotation(layout.rotation))
+                mine = _apply(layout, probed, _torch_rotation(layout.variant))
         except (TypeError, ValueError, RuntimeError):
             continue  # does not fit the shapes (a head axis, a rotary dim wider than the head)
         ok, msg = outputs_agree(mine, ref)
@@ -476,7 +498,7 @@ class RopePatch:
         tried: list[str] = []
         for layout in layouts:
             for kernel in self.kernels:
-                if getattr(kernel, "VARIANT", "half") != layout.rotation:
+                if getattr(kernel, "VARIANT", "half") != layout.variant:
                     continue
                 try:
                     with torch.no_grad():

@@ -58,7 +58,7 @@ def match(block: Any) -> dict[str, Any] | None:
     params = {"head_dim": attrs.get("head_dim"), "rotary_dim": attrs.get("rotary_dim")}
     probed = binding.probed_layout((attrs.get("core_calls") or {}).get(binding.ROTARY.what) or {})
     if probed is not None:
-        layout = probed[0].rotation
+        layout = probed[0].variant
         if not attrs.get("rotary_dims"):
             params["rotary_dim"] = probed[1]
     if layout not in ("half", "interleaved"):
