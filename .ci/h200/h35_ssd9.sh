@@ -1,34 +1,36 @@
-# Device call for issue 35 (H200), ssd template v19: `split_dbc` "fused", the split backward's dx, dC
-# and dB in one launch per (split chunk of 64, group), toward fwd+bwd <= 3x the forward (v18's
-# default on an H100: 2.224 / 0.474 ms by CUDA graph, 4.7x, at B1 T8192 H128 P64 G8 N128 bf16).
-# The new option loads each head's x, dy, incoming state and end-state gradient once (the split
-# dx and dC / dB kernels each load them: about 2.3 GB of loads fall to about 1.0 GB, by count;
-# helper-93's note in docs/LOG.md). Rows: "fused" at 16 warps uncapped (sm_90 build: 128
-# registers, 348 / 584 spill bytes on triton 3.9 / 3.6), and with DBC_SPLIT 2 (two programs of 8
-# heads per group, dB / dC as fp32 partials the host sums).
+# Device call for issue 35 (H200), ssd template v19: `split_dbc` "paired" and "fused", the split
+# backward's dx, dC and dB in one launch per (split chunk of 64, group), toward fwd+bwd <= 3x the
+# forward (v18's default on an H100: 2.224 / 0.474 ms by CUDA graph, 4.7x, at B1 T8192 H128 P64 G8
+# N128 bf16). Each head's x, dy, incoming state and end-state gradient come from HBM once (the
+# split dx and dC / dB kernels read x and dy three times, the states twice: about 2.0 GB of HBM
+# reads fall to about 0.84 GB, by count; helper-93's note in docs/LOG.md). "fused": one program
+# per (chunk, group) does every term; "paired": two, next to each other in the grid (a dx program,
+# a dC / dB program: fewer live registers, the second reading the inputs from L2). sm_90 builds,
+# registers / spill bytes on triton 3.6 (this image's): "paired" 16 warps 128 / 184, 8 warps 255 /
+# 168; "fused" 16 warps 128 / 556.
 # Self-contained: sources setup.sh. Carry .whl:
 #   BUDGET=280 bash .ci/h200/h35_ssd9.sh        (~310 s with setup; steps 1-2, then 3 if time is left)
 #   SSD9_DRY=1 TRITON_INTERPRET=1 bash .ci/h200/h35_ssd9.sh   (step 3 on the CPU at a tiny shape)
 # Within ${BUDGET:-280} s after setup (~30 s), 20 s of them kept in reserve:
-#  1. (<= 100 s) the bf16-vs-fp32 bars with --runxfail: test_bf16_vs_fp32_on_gpu [default],
-#     [v19-fused-w16], [v19-fused-w16-split2] (PASSED is within the bars; a FAILED row prints its
-#     errors; its compiles are the bench's too) -> ssd_bars.txt;
-#  2. (<= 130 s) the bench, `--impl ours,ours_fwd --profile`: ours, ours_fwd (each with its
-#     per-kernel breakdown), then kernel_templates/ssd/bench.py's SWEEP in its order, the two
-#     "fused" rows first (forward + backward only: the option leaves the forward as it is) ->
-#     ssd_bench.txt (rows printed as they finish: a cut keeps the first), ssd.json (only if the
-#     case finishes);
+#  1. (<= 110 s) the bf16-vs-fp32 bars with --runxfail: test_bf16_vs_fp32_on_gpu [default],
+#     [v19-fused-w16], [v19-paired-w16], [v19-paired-w8] (PASSED is within the bars; a FAILED row
+#     prints its errors; its compiles are the bench's too) -> ssd_bars.txt;
+#  2. (<= 100 s) the bench, `--impl ours,ours_fwd --profile`: ours, ours_fwd (each with its
+#     per-kernel breakdown), then kernel_templates/ssd/bench.py's SWEEP in its order, the three
+#     v19 rows first ("paired" at 16 warps, "fused" at 16 warps, "paired" at 8 warps; forward +
+#     backward only: the option leaves the forward as it is) -> ssd_bench.txt (rows printed as
+#     they finish: a cut keeps the first), ssd.json (only if the case finishes);
 #  3. (only when >= 40 s are left) per-kernel GPU ms (torch.profiler, 5 steps) of fwd+bwd: the
-#     default and the two "fused" rows -> ssd_profile.txt.
+#     default, "paired" and "fused" at 16 warps -> ssd_profile.txt.
 # How to decide (graph ms: the `graph` column, ssd.json "graph_ms"):
-#  - the goal: fwd+bwd <= 3 x ours_fwd by graph (about 1.42 ms at v18's forward). A "fused" row
+#  - the goal: fwd+bwd <= 3 x ours_fwd by graph (about 1.42 ms at v18's forward). A v19 row
 #    faster than `ours` in this run whose bars row PASSED can become the P <= 64 bucket's value
-#    (family.py shape_buckets: split_dbc "fused", bwd_split_warps 16, bwd_split_maxnreg 0, and
-#    DBC_SPLIT 2 for the second row).
-#  - ssd_profile.txt: under "fused" expect ssd_bwd_split_fused_kernel x1 in place of
-#    ssd_bwd_split_dx_kernel x1 and ssd_bwd_split_dbc_kernel x2 (the default's); the expectation
-#    by arithmetic is that it takes less than their sum (one launch, about 1.0 GB of loads
-#    against about 2.3 GB). If it takes more, its spills (above) are the first suspect.
+#    (family.py shape_buckets: its row's keys: split_dbc, bwd_split_warps, bwd_split_maxnreg).
+#  - ssd_profile.txt: under "paired" / "fused" expect ssd_bwd_split_fused_kernel x1 in place of
+#    the default's ssd_bwd_split_dx_kernel x1 and ssd_bwd_split_dbc_kernel x2; by arithmetic it
+#    should take less than their sum (one launch, about 0.84 GB of HBM reads against about 2.0
+#    GB). "fused" slower than "paired": its spills; both slower than the default: the loop over
+#    the group's 16 heads is latency-bound (1024 or 2048 programs, one per SM at 16 warps).
 # Outputs under $OUT: env.txt, ssd_bars.txt, ssd_bench.txt, ssd.json, ssd_profile.txt, ssd9.tgz.
 set -o pipefail
 cd "$(dirname "$0")/../.."
@@ -42,12 +44,12 @@ pack() { tar -czf "$O/ssd9.tgz" -C "$O" $(cd "$O" && ls | grep -v '^ssd9.tgz$') 
 trap pack EXIT
 if [ "${SSD9_DRY:-0}" != 1 ]; then
   stamp ssd-bars
-  timeout "$(left 100)" python3 -m pytest -v -p no:cacheprovider tests/kernel_tests/test_ssd.py --runxfail \
+  timeout "$(left 110)" python3 -m pytest -v -p no:cacheprovider tests/kernel_tests/test_ssd.py --runxfail \
     -k "bf16_vs_fp32_on_gpu and (default or v19)" -rfs 2>&1 | tee "$O/ssd_bars.txt" \
     | grep -E "PASSED|FAILED|ERROR|relative RMS|passed|failed"
   stamp ssd-bench
   # rows print as they come (Python unbuffered, grep line-buffered), blank lines dropped
-  PYTHONUNBUFFERED=1 timeout "$(left 130)" onboard bench --family ssd --case '^B1T8192H128' \
+  PYTHONUNBUFFERED=1 timeout "$(left 100)" onboard bench --family ssd --case '^B1T8192H128' \
     --impl ours,ours_fwd --profile --out "$O/ssd.json" 2>&1 | grep --line-buffered -v "^\s*$" \
     | tee "$O/ssd_bench.txt"
 fi
@@ -68,7 +70,7 @@ sets = [bench.make_inputs(*shape, dev, seed=s) for s in range(2)]
 grads = [torch.randn(*shape[:4], device=dev, dtype=torch.bfloat16)]
 mod, ours = bench._ours()
 steps = {"ours (default)": fwd_bwd(ours, sets, grads)}
-steps.update(config_sweep(mod, ours, sets, grads, shape[3], [bench.FUSED, {**bench.FUSED, "DBC_SPLIT": 2}]))
+steps.update(config_sweep(mod, ours, sets, grads, shape[3], [bench.PAIRED, bench.FUSED]))
 
 
 def breakdown(step, n=5):

@@ -27,9 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v19's `split_dbc` "fused", the P <= 64 bucket's
-  former split chunks of 256 (STATE_CHUNKS 4, v18's change) and of 128, 16 warps in the split
-  backward, the fused pass's tiles), forward
+  tuning values beside the default (`SWEEP`: v19's `split_dbc` "paired" and "fused", the P <= 64
+  bucket's former split chunks of 256 (STATE_CHUNKS 4, v18's change) and of 128, 16 warps in the
+  split backward, the fused pass's tiles), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -131,16 +131,20 @@ SHAPES = (
 # 128, forward and backward, so that a call times them beside the new default; 16 warps (untimed
 # at chunks of 64); and the fused pass's STATE_N 32 and PASS_K 128 (each faster by graph than v16's
 # default; at chunks of 64 the pass has four times the chunks).
-# Template v19 (not yet timed): `split_dbc` "fused", dx, dC and dB in one launch per (split chunk of
-# 64, group), each head's x, dy and two states loaded once (docs/LOG.md, helper-93's note: the split
-# kernels' 2.3 GB of loads fall to about 1.0 GB), at 16 warps uncapped (the sm_90 build: 128
-# registers, 348 / 584 spill bytes on triton 3.9 / 3.6; 8 warps: 255 and 392 / 942) and with
-# DBC_SPLIT 2 (two programs of 8 heads per group, 2048 programs, dB / dC as fp32 partials). First
-# in SWEEP: the rows a cut call should keep.
+# Template v19 (not yet timed): `split_dbc` "fused" and "paired", dx, dC and dB in one launch per
+# (split chunk of 64, group), each head's x, dy and two states loaded from HBM once (docs/LOG.md,
+# helper-93's note: about 2.0 GB of the split kernels' HBM reads fall to about 0.84 GB), one
+# program per (chunk, group) or two ("paired": a dx program and a dC / dB program next to each
+# other in the grid, the second reading the inputs from L2). sm_90 builds, registers / spill bytes
+# on triton 3.9 and 3.6: "paired" at 16 warps 128 / 16 and 184, at 8 warps 254-255 / 0 and 168;
+# "fused" at 16 warps 128 / 332 and 556 (8 warps 255 / 412 and 896: no row). The likeliest winner
+# first: the rows a cut call should keep.
 W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
+PAIRED = {"split_dbc": "paired", **W16}
 FUSED = {"split_dbc": "fused", **W16}
-SWEEP = ((FUSED, "bwd"), ({**FUSED, "DBC_SPLIT": 2}, "bwd"), ({"STATE_CHUNKS": 4}, "both"),
-         ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"), ({"PASS_K": 128}, "both"), ({"STATE_N": 32}, "both"))
+SWEEP = ((PAIRED, "bwd"), (FUSED, "bwd"), ({"split_dbc": "paired", "bwd_split_maxnreg": 0}, "bwd"),
+         ({"STATE_CHUNKS": 4}, "both"), ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"), ({"PASS_K": 128}, "both"),
+         ({"STATE_N": 32}, "both"))
 
 
 def torch_path() -> tuple[str, Callable]:

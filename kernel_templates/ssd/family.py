@@ -90,7 +90,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=19,  # v19: `split_dbc` "fused" (dx, dC, dB in one launch; untimed, not the default)
+    template_version=19,  # v19: `split_dbc` "fused" and "paired" (dx, dC, dB in one launch; untimed, not the default)
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -159,9 +159,11 @@ FAMILY = FamilySpec(
     #   dC and dB spill 100-200 bytes (docs/LOG.md, helper-68 and thirty-first session, v14).
     # split_dbc ("two"): the split backward's dC and dB in two launches, or "one" launch that forms
     #   each block pair's matrix once (timed on an H100, h35_ssd8: slower than "two"), or "fused"
-    #   (v19; split chunks of one row block, CHUNK * STATE_CHUNKS <= BWD_M, else "two"): dx, dC, dB
-    #   and C B^T in one launch per (split chunk, group), each head's x, dy and two states loaded
-    #   once. Untimed (`.ci/h200/h35_ssd9.sh`).
+    #   (v19; split chunks of one row block, CHUNK * STATE_CHUNKS <= BWD_M, else "two"): dx, dC and
+    #   dB in one launch per (split chunk, group), each head's x, dy and two states loaded once; or
+    #   "paired" (v19, the same condition): that launch with two programs per (split chunk, group),
+    #   next to each other in the grid, one for dx, one for dC and dB (fewer live registers; the
+    #   second reads the inputs from L2). Untimed (`.ci/h200/h35_ssd9.sh`).
     # bwd_split_warps (0): warps of the split backward's dx and dB/dC kernels (0: bwd_warps; 16
     #   builds without spills). Untimed.
     # A removed option: v10's `split_states` "local" was slower and failed the bf16 bars on the
@@ -198,7 +200,7 @@ FAMILY = FamilySpec(
         "bwd": ("chunk", "split"),
         "BWD_M": (16, 32, 64, 128),
         "bwd_split_maxnreg": (0, 128, 168),
-        "split_dbc": ("two", "one", "fused"),
+        "split_dbc": ("two", "one", "fused", "paired"),
         "bwd_split_warps": (0, 4, 8, 16),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc

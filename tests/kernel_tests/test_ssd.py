@@ -340,8 +340,8 @@ SPLIT_DBC1 = [
 ]
 
 
-# `split_dbc` "fused" (v19; split chunks of one row block): dx, dC, dB and C B^T in one launch per
-# (split chunk, group). T 41 three split chunks of 16 (the last 9 tokens), 2 groups of 2 heads, N 24
+# `split_dbc` "fused" and "paired" (v19; split chunks of one row block): dx, dC and dB in one launch,
+# one program or two per (split chunk, group). T 41 three split chunks of 16 (the last 9 tokens), 2 groups of 2 heads, N 24
 # padded to 32, D, dt_bias, initial state; split chunks of 32 in one row block of 32 with the fused
 # pass and pull, P 20 padded; 2 batches, T 23, dB / dC partials of one head each (DBC_SPLIT 2); a
 # split chunk of two row blocks (BWD_M 16 under 32: "fused" does not apply and "two" runs)
@@ -358,8 +358,8 @@ SPLIT_FUSED = [
 
 @pytest.mark.parametrize("cfg,shape", SPLIT_BWD + [pytest.param({**p.values[0], "split_dbc": "one"}, p.values[1],
                                                                 id=p.id, marks=p.marks) for p in SPLIT_DBC1]
-                         + [pytest.param({**p.values[0], "split_dbc": "fused"}, p.values[1], id=p.id, marks=p.marks)
-                            for p in SPLIT_FUSED])
+                         + [pytest.param({**p.values[0], "split_dbc": dbc}, p.values[1], id=p.id.replace("fused", dbc, 1),
+                                         marks=p.marks) for dbc in ("fused", "paired") for p in SPLIT_FUSED])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
@@ -370,11 +370,12 @@ def test_split_backward(module, device, cfg, shape):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
-@pytest.mark.parametrize("dbc", ["two", "fused"])
+@pytest.mark.parametrize("dbc", ["two", "fused", "paired"])
 def test_split_backward_limits_no_softplus(module, device, dbc):
     """`bwd` "split" with clamped dt (the gradient stops where a limit binds; its own dt and d dt
     tiles) and then raw dt without softplus (no D, dt_bias or initial state); T 23, split chunks of
-    16 (the second partial), the fixture's A; `split_dbc` "two" and "fused" (split chunks of one row block)."""
+    16 (the second partial), the fixture's A; `split_dbc` "two", "fused" and "paired" (split chunks
+    of one row block)."""
     _split(module, device, {"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "bwd": "split", "split_dbc": dbc})
     try:
         check_forward_backward(fixture(module, (1, 23, 2, 8, 1, 8, True, True), dt_limit=(0.1, 1.5)),
@@ -612,12 +613,15 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # H100, h35_ssd8.sh; [default] runs it now); [sc4] keeps v17's default
                                  pytest.param({"STATE_CHUNKS": 4}, id="sc4", marks=UNTIMED),
                                  # v19 (`.ci/h200/h35_ssd9.sh`): `split_dbc` "fused" (dx, dC and dB in one
-                                 # launch per split chunk of 64 and group) at 16 warps uncapped, and with
-                                 # each group's heads in two programs (DBC_SPLIT 2: fp32 partials)
+                                 # launch per split chunk of 64 and group) at 16 warps uncapped; "paired"
+                                 # (a dx and a dC / dB program per chunk and group) at 16 warps and at 8,
+                                 # both uncapped
                                  pytest.param({"split_dbc": "fused", "bwd_split_warps": 16, "bwd_split_maxnreg": 0},
                                               id="v19-fused-w16", marks=UNTIMED),
-                                 pytest.param({"split_dbc": "fused", "bwd_split_warps": 16, "bwd_split_maxnreg": 0,
-                                               "DBC_SPLIT": 2}, id="v19-fused-w16-split2", marks=UNTIMED)])
+                                 pytest.param({"split_dbc": "paired", "bwd_split_warps": 16, "bwd_split_maxnreg": 0},
+                                              id="v19-paired-w16", marks=UNTIMED),
+                                 pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0}, id="v19-paired-w8",
+                                              marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -706,7 +710,8 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                               marks=pytest.mark.slow),
                                  # v19's `split_dbc` "fused" (dx, dC, dB in one launch) at the bucket's split
                                  # chunks of 64 (one row block)
-                                 pytest.param({"split_dbc": "fused"}, id="dbc-fused")])
+                                 pytest.param({"split_dbc": "fused"}, id="dbc-fused"),
+                                 pytest.param({"split_dbc": "paired"}, id="dbc-paired")])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
