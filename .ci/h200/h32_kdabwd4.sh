@@ -19,12 +19,13 @@
 # V-tile dots, no atomics, no transposed Tm load, no CTA barrier, no qg S_c loop; the CPU bounds check
 # passes (tests/kernel_tests/test_kimi_delta_bounds.py -k ksplit). Still, a fault is first localised.
 # Within ${BUDGET:-240} s (20 s kept for packing), per-step limits:
-#  1. Localise (<= 70 s for the first variant, which compiles, 30 s for each other; skipped once the step
-#     has used 120 s): each row in its own process, CUDA_LAUNCH_BLOCKING=1, a synchronise after every kernel
-#     launch of the module (prints each kernel, grid and tiles, then OK with the bf16-vs-fp32 relative
-#     errors, or FAIL naming the kernel) -> kdabwd4_diag.txt. At the bars' shape (HK2 HV4 T1000 K = V =
-#     128 B2, l2norm): row 3 (the most new kernels) first, then rows 1, 2, 4, then row 3 at HV = HK (the
-#     bench's layout). A row that failed or did not run is left out of steps 2-3.
+#  1. Localise (<= 70 s for the first variant, which compiles, 30 s for each other; none started after the
+#     step's first 110 s): each variant in its own process, CUDA_LAUNCH_BLOCKING=1, a synchronise after
+#     every kernel launch of the module (prints each kernel, grid and tiles, then OK with the bf16-vs-fp32
+#     relative errors, or FAIL naming the kernel) -> kdabwd4_diag.txt. At the bars' shape (HK2 HV4 T1000
+#     K = V = 128 B2, l2norm): row 3 (every new kernel) first, then rows 1 and 4, then row 3 at HV = HK
+#     (the bench's layout); row 2's builds are rows 1 and 3's. A row that failed or did not run is left
+#     out of steps 2-3.
 #  2. The GPU bars (<= 60 s): `test_bf16_vs_fp32_on_gpu_ksplit_sweep` (the clean rows) and
 #     `test_bf16_vs_fp32_on_gpu[k128-mixed]` (the default): o 5e-3, every gradient 1e-2 relative RMS
 #     -> kdabwd4_bars.txt.
@@ -103,40 +104,44 @@ stamp kdabwd4-diag
 {
 n=0; d0=$(date +%s)
 # (row number in KSPLIT_SWEEP, HK HV T K V B L2)
-for run in "3|2 4 1000 128 128 2 1" "1|2 4 1000 128 128 2 1" "2|2 4 1000 128 128 2 1" "4|2 4 1000 128 128 2 1" \
-           "3|2 2 1000 128 128 2 1"; do
+# (row 2's builds are rows 1 and 3's: wyv at 4 warps and qkt from row 1, wyk at 8 warps / 128 from row 3)
+for run in "3|2 4 1000 128 128 2 1" "1|2 4 1000 128 128 2 1" "4|2 4 1000 128 128 2 1" "3|2 2 1000 128 128 2 1"; do
   cfg=$(sed -n "${run%%|*}p" /tmp/kdabwd4_rows.txt); shape=${run#*|}
   # the first child compiles the family's kernels (the cache serves the rest)
   lim=$(left $([ $n = 0 ] && echo 70 || echo 30)); n=$((n + 1))
-  if [ "$lim" -lt 10 ] || [ $(( $(date +%s) - d0 )) -gt 120 ]; then echo "SKIP (budget) $cfg $shape"; continue; fi
+  if [ "$lim" -lt 10 ] || [ $(( $(date +%s) - d0 )) -gt 110 ]; then echo "SKIP (budget) $cfg $shape"; continue; fi
   CUDA_LAUNCH_BLOCKING=1 timeout "$lim" python3 $D "$cfg" $shape 2>&1 | grep -vE "^\s*$|Warning|warn" | tail -12
   echo "rc $? for $cfg $shape"
 done
 } 2>&1 | tee "$O/kdabwd4_diag.txt"
-# the rows whose every variant printed OK (a FAIL or a timeout leaves a row out of the bars and the bench)
+# the rows whose every variant printed OK (a FAIL or a timeout leaves a row out of the bars and the bench);
+# row 2 is clean when rows 1 and 3 are (its builds are theirs)
 ROWS=$(python3 - "$O/kdabwd4_diag.txt" <<'PY'
 import json, sys
 from onboarding.bench.cases_linear_attention import sweep_label
 lines = open(sys.argv[1]).read().splitlines()
 rcs = [l for l in lines if l.startswith("rc ")]
-good = []
-for row in open("/tmp/kdabwd4_rows.txt").read().split("\n"):
-    if row.strip():
-        mine = [l for l in rcs if l.split(" for ", 1)[1].startswith(row + " ")]
-        if mine and all(l.startswith("rc 0 ") for l in mine):
-            good.append(sweep_label(json.loads(row)))
-print(",".join(good))
+rows = [r for r in open("/tmp/kdabwd4_rows.txt").read().split("\n") if r.strip()]
+clean = {}
+for i, row in enumerate(rows, 1):
+    mine = [l for l in rcs if l.split(" for ", 1)[1].startswith(row + " ")]
+    clean[i] = bool(mine) and all(l.startswith("rc 0 ") for l in mine)
+clean[2] = clean[1] and clean[3]
+print(",".join(sweep_label(json.loads(row)) for i, row in enumerate(rows, 1) if clean[i]))
 PY
 )
 echo "rows that ran clean: ${ROWS:-none}"
+# (`timeout 0` would not limit: a step with under 10 s left is skipped)
 stamp kdabwd4-bars
-timeout "$(left 60)" python3 -m pytest -v -p no:cacheprovider -rxXs \
+lim=$(left 60); [ "$lim" -lt 10 ] && { stamp "end: no time left for the bars"; exit 1; }
+timeout "$lim" python3 -m pytest -v -p no:cacheprovider -rxXs \
   "tests/kernel_tests/test_kimi_delta.py::test_bf16_vs_fp32_on_gpu[k128-mixed]" \
   $(for r in ${ROWS//,/ }; do echo "tests/kernel_tests/test_kimi_delta.py::test_bf16_vs_fp32_on_gpu_ksplit_sweep[${r#ours@}]" | tr '+' ','; done) \
   2>&1 | tee "$O/kdabwd4_bars.txt" | grep -E "PASS|FAIL|ERROR|relative RMS|passed|failed"
 [ -z "$ROWS" ] && { stamp "end: no ksplit row ran clean; bench skipped"; exit 1; }
 stamp kdabwd4-bench
-PYTHONUNBUFFERED=1 timeout "$(left 60)" onboard bench --family kimi_delta --case B1T8192H32D128 \
+lim=$(left 60); [ "$lim" -lt 10 ] && { stamp "end: no time left for the bench"; exit 1; }
+PYTHONUNBUFFERED=1 timeout "$lim" onboard bench --family kimi_delta --case B1T8192H32D128 \
   --impl "ours,ours_fwd,$ROWS" --profile --out "$O/kdabwd4.json" 2>&1 \
   | grep --line-buffered -v "^\s*$" | tee "$O/kdabwd4_bench.txt"
 stamp kdabwd4-profile
