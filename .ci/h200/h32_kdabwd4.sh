@@ -6,8 +6,9 @@
 #     4x the programs for its K loop, and with `kda_wyk_warps` 8 / `kda_wyk_maxnreg` 128 two 8-warp
 #     programs per SM (the wyt kernel: two 4-warp ones);
 #   `kda_qk_tiers` "split": the qkt kernel (1.033 ms) as its chunk tier alone (`kda_chunk_bwd_qkc_kernel`,
-#     no spills; qkt spills 1780 B in the triton 3.6 build, ~750 B of it after the tier branch, which every
-#     tile runs) and the redo of the tiles it flags (`kda_chunk_bwd_qkx_kernel`: none at the bench's gates).
+#     no spills; qkt's triton 3.6 build spills 1780 B, and its SASS has 92 spill stores and 65 loads, ~760 B
+#     a thread, on the lines after the tier branch, which every tile runs) and the redo of the tiles it
+#     flags (`kda_chunk_bwd_qkx_kernel`: none expected at the bench's gates).
 # The four rows of kernel_templates/kimi_delta/bench.py's KSPLIT_SWEEP: ksplit; ksplit with wyk at 8 warps
 # capped at 128; that with the tier split; that at `kda_qk_bk` 16. Self-contained (sources setup.sh);
 # carry .whl (fla is not asked for):
