@@ -6,8 +6,8 @@
 # reads fall to about 0.84 GB, by count; helper-93's note in docs/LOG.md). "fused": one program
 # per (chunk, group) does every term; "paired": two, next to each other in the grid (a dx program,
 # a dC / dB program: fewer live registers, the second reading the inputs from L2). sm_90 builds,
-# registers / spill bytes on triton 3.6 (this image's): "paired" 16 warps 128 / 184, 8 warps 255 /
-# 168; "fused" 16 warps 128 / 556.
+# registers / spill bytes on triton 3.6 (this image's): "paired" 16 warps 128 / 132, 8 warps 255 /
+# 16; "fused" 16 warps 128 / 556.
 # Self-contained: sources setup.sh. Carry .whl:
 #   BUDGET=280 bash .ci/h200/h35_ssd9.sh        (~310 s with setup; steps 1-2, then 3 if time is left)
 #   SSD9_DRY=1 TRITON_INTERPRET=1 bash .ci/h200/h35_ssd9.sh   (step 3 on the CPU at a tiny shape)

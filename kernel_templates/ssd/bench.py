@@ -136,7 +136,7 @@ SHAPES = (
 # helper-93's note: about 2.0 GB of the split kernels' HBM reads fall to about 0.84 GB), one
 # program per (chunk, group) or two ("paired": a dx program and a dC / dB program next to each
 # other in the grid, the second reading the inputs from L2). sm_90 builds, registers / spill bytes
-# on triton 3.9 and 3.6: "paired" at 16 warps 128 / 16 and 184, at 8 warps 254-255 / 0 and 168;
+# on triton 3.9 and 3.6: "paired" at 16 warps 128 / 4 and 132, at 8 warps 254-255 / 0 and 16;
 # "fused" at 16 warps 128 / 332 and 556 (8 warps 255 / 412 and 896: no row). The likeliest winner
 # first: the rows a cut call should keep.
 W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
