@@ -159,9 +159,10 @@ FAMILY = FamilySpec(
     #   dC and dB spill 100-200 bytes (docs/LOG.md, helper-68 and thirty-first session, v14).
     # split_dbc ("two"): the split backward's dC and dB in two launches, or "one" launch that forms
     #   each block pair's matrix once (timed on an H100, h35_ssd8: slower than "two"), or "fused"
-    #   (v19; split chunks of one row block, CHUNK * STATE_CHUNKS <= BWD_M, else "two"): dx, dC and
-    #   dB in one launch per (split chunk, group), each head's x, dy and two states loaded once; or
-    #   "paired" (v19, the same condition): that launch with two programs per (split chunk, group),
+    #   (v19; where a split chunk is one row block, CHUNK * STATE_CHUNKS <= BWD_M, and a head's x,
+    #   dy and two state tiles take <= 48 KB: 16-bit at P 64, N 128, not fp32; else "two"): dx, dC
+    #   and dB in one launch per (split chunk, group), each head's x, dy and two states loaded once;
+    #   or "paired" (v19, the same condition): that launch with two programs per (split chunk, group),
     #   next to each other in the grid, one for dx, one for dC and dB (fewer live registers; the
     #   second reads the inputs from L2). Untimed (`.ci/h200/h35_ssd9.sh`).
     # bwd_split_warps (0): warps of the split backward's dx and dB/dC kernels (0: bwd_warps; 16

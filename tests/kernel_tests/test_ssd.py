@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import OPCHECK_SPLIT, assert_within_bars, check_match, check_sample_inputs_fit, fp16_dot_path
+from kernel_cases import (
+    OPCHECK_SPLIT,
+    LaunchSpy,
+    assert_within_bars,
+    check_match,
+    check_sample_inputs_fit,
+    fp16_dot_path,
+)
 
 from onboarding.families import family_module
 from onboarding.generate import aot
@@ -386,6 +393,37 @@ def test_split_backward_limits_no_softplus(module, device, dbc):
         check_forward_backward(fx, torch.float32, device)
     finally:
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+@pytest.mark.parametrize("dbc", ["fused", "paired"])
+def test_split_fused_launches(module, device, monkeypatch, dbc):
+    """`split_dbc` "fused" / "paired" at the P <= 64 bucket's tiles (split chunks of 64, one row
+    block): ssd_bwd_split_fused_kernel with one or two programs per split chunk and group, in
+    place of the split dx and dC / dB kernels, for 16-bit inputs at P 64, N 128 (a head's tiles
+    48 KB); "two"'s kernels for fp32 inputs there (96 KB: the build would not fit an SM's shared
+    memory) and at two row blocks (BWD_M 32)."""
+    launched = []
+    for name in ("ssd_bwd_split_fused_kernel", "ssd_bwd_split_dx_kernel", "ssd_bwd_split_dbc_kernel"):
+        monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
+                                                    lambda grid, kw, _n=name: launched.append((_n, grid[0]))))
+    gen = torch.Generator().manual_seed(6)
+    b, t, h, p, g, n = 1, 8, 2, 64, 1, 128
+    base = [torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, h, generator=gen) - 3.0,
+            -torch.exp(torch.rand(h, generator=gen)), 0.3 * torch.randn(b, t, g, n, generator=gen),
+            0.3 * torch.randn(b, t, g, n, generator=gen)]
+    def split(nb):  # (kernel, its grid's first dim: B * H; row blocks)
+        return [("ssd_bwd_split_dx_kernel", h), ("ssd_bwd_split_dbc_kernel", nb), ("ssd_bwd_split_dbc_kernel", nb)]
+    for dtype, cfg, want in ((torch.float16, {}, [("ssd_bwd_split_fused_kernel", 2 if dbc == "paired" else 1)]),
+                             (torch.float32, {}, split(1)), (torch.float16, {"BWD_M": 32}, split(2))):
+        module.set_config({"split_dbc": dbc, **cfg})
+        launched.clear()
+        try:
+            args = [a.to(device, dtype if i != 2 else torch.float32).requires_grad_() for i, a in enumerate(base)]
+            y = module.ssd_scan(*args)
+            torch.autograd.grad(y, args, torch.ones_like(y))
+        finally:
+            module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+        assert launched == want, (dtype, cfg, launched)
 
 
 def test_split_backward_saves_split_states(module, device):
