@@ -22,12 +22,14 @@
 # Within ${BUDGET:-240} s (20 s kept for packing), per-step limits:
 #  1. Localise (<= 70 s for the first variant, which compiles, 30 s for each other; none started after the
 #     step's first 110 s): each variant in its own process, CUDA_LAUNCH_BLOCKING=1, a synchronise after
-#     every kernel launch of the module (prints each kernel, grid and tiles, then OK with the bf16-vs-fp32
-#     relative errors, or FAIL naming the kernel) -> kdabwd4_diag.txt. At the bars' shape (HK2 HV4 T1000
+#     every kernel launch of the module (prints each kernel, grid and tiles, then OK once the bf16
+#     fwd + bwd ran, or FAIL naming the kernel; KDA_DIAG_FP32=1 adds the fp32 pass and its relative
+#     errors: it recompiles every kernel, which the thirty-fifth session's H100 call did not fit in
+#     these limits, every row timing out after its bf16 pass had run clean) -> kdabwd4_diag.txt. At the bars' shape (HK2 HV4 T1000
 #     K = V = 128 B2, l2norm): row 3 (every new kernel) first, then rows 1 and 4, then row 3 at HV = HK
 #     (the bench's layout); row 2's builds are rows 1 and 3's. A row that failed or did not run is left
 #     out of steps 2-3.
-#  2. The GPU bars (<= 60 s): `test_bf16_vs_fp32_on_gpu_ksplit_sweep` (the clean rows) and
+#  2. The GPU bars (<= 120 s; each build twice, bf16 and fp32): `test_bf16_vs_fp32_on_gpu_ksplit_sweep` (the clean rows) and
 #     `test_bf16_vs_fp32_on_gpu[k128-mixed]` (the default): o 5e-3, every gradient 1e-2 relative RMS
 #     -> kdabwd4_bars.txt.
 #  3. `onboard bench --family kimi_delta --case B1T8192H32D128 --impl ours,ours_fwd,<rows> --profile`
@@ -90,6 +92,12 @@ douts = [torch.randn(B, T, HV, V, generator=gen).to(dev), torch.randn(B, HV, K, 
 try:
     with pinned(module, cfg):
         outs, grads = grads_of(module.entry, args, [douts[0].bfloat16(), douts[1]])
+        if not int(__import__("os").environ.get("KDA_DIAG_FP32", "0")):
+            # the fault check only: every kernel of the bf16 fwd + bwd ran, each synchronised
+            # (the fp32 comparison recompiles every kernel: the bars step measures accuracy)
+            torch.cuda.synchronize() if dev == "cuda" else None
+            print("OK", cfg, sys.argv[2:9], "bf16 fwd+bwd ran, every launch synchronised", flush=True)
+            sys.exit(0)
         state["stage"] = "fp32"
         ref_outs, ref_grads = grads_of(module.entry, [a.float() if isinstance(a, torch.Tensor) else a for a in args], douts)
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -134,7 +142,7 @@ PY
 echo "rows that ran clean: ${ROWS:-none}"
 # (`timeout 0` would not limit: a step with under 10 s left is skipped)
 stamp kdabwd4-bars
-lim=$(left 60); [ "$lim" -lt 10 ] && { stamp "end: no time left for the bars"; exit 1; }
+lim=$(left 120); [ "$lim" -lt 10 ] && { stamp "end: no time left for the bars"; exit 1; }
 timeout "$lim" python3 -m pytest -v -p no:cacheprovider -rxXs \
   "tests/kernel_tests/test_kimi_delta.py::test_bf16_vs_fp32_on_gpu[k128-mixed]" \
   $(for r in ${ROWS//,/ }; do echo "tests/kernel_tests/test_kimi_delta.py::test_bf16_vs_fp32_on_gpu_ksplit_sweep[${r#ours@}]" | tr '+' ','; done) \
