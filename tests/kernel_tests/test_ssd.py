@@ -348,10 +348,11 @@ SPLIT_DBC1 = [
 
 
 # `split_dbc` "fused" and "paired" (v19; split chunks of one row block): dx, dC and dB in one launch,
-# one program or two per (split chunk, group). T 41 three split chunks of 16 (the last 9 tokens), 2 groups of 2 heads, N 24
-# padded to 32, D, dt_bias, initial state; split chunks of 32 in one row block of 32 with the fused
-# pass and pull, P 20 padded; 2 batches, T 23, dB / dC partials of one head each (DBC_SPLIT 2); a
-# split chunk of two row blocks (BWD_M 16 under 32: "fused" does not apply and "two" runs)
+# one program or two per (split chunk, group). T 41 three split chunks of 16 (the last 9 tokens), 2
+# groups of 2 heads, N 24 padded to 32, D, dt_bias, initial state; split chunks of 32 in one row
+# block of 32 with the fused pass and pull, P 20 padded; 2 batches, T 23, dB / dC partials of one
+# head each (DBC_SPLIT 2); a split chunk of two row blocks (BWD_M 16 under 32: neither applies and
+# "two" runs)
 SPLIT_FUSED = [
     pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, T41, id="fused-sc1-H4G2-T41"),
     pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 32, "pass": "fused", "PASS_K": 16},
@@ -365,8 +366,9 @@ SPLIT_FUSED = [
 
 @pytest.mark.parametrize("cfg,shape", SPLIT_BWD + [pytest.param({**p.values[0], "split_dbc": "one"}, p.values[1],
                                                                 id=p.id, marks=p.marks) for p in SPLIT_DBC1]
-                         + [pytest.param({**p.values[0], "split_dbc": dbc}, p.values[1], id=p.id.replace("fused", dbc, 1),
-                                         marks=p.marks) for dbc in ("fused", "paired") for p in SPLIT_FUSED])
+                         + [pytest.param({**p.values[0], "split_dbc": dbc}, p.values[1],
+                                         id=p.id.replace("fused", dbc, 1), marks=p.marks)
+                            for dbc in ("fused", "paired") for p in SPLIT_FUSED])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
