@@ -166,7 +166,12 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
 # slow AOT test checks them). The value-split and two-pass forwards (FWD_DV_SPLIT 2,
 # FWD_TWO_PASS 1) were timed on the H200 and lost to the fused forward at BLOCK_K 64 (docs/LOG.md,
 # eighteenth session, call C); they stay in the tuning space, not in the sweep.
+# FWD_LAZY_RESCALE 1 (template v8, on the bucket's split / 3-stage / row-end forward): the [64, 512]
+# fp32 output's rescale (32768 multiplies per key block, ~256 of the SM's cycles at 128 per cycle,
+# between the score and the value dots) skipped unless a row's max grew by more than 2^8; the
+# rows below it predate v5, whose default is the first of them.
 MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
+    {"FWD_LAZY_RESCALE": 1},
     {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1},
     {"FWD_SPLIT_SCORES": 1},
     {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3},

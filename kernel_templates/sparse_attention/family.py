@@ -125,7 +125,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=7,  # v7: the MLA bucket takes the split backward; history: docs/LOG.md
+    template_version=8,  # v8: FWD_LAZY_RESCALE (off); history: docs/LOG.md
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -164,6 +164,10 @@ FAMILY = FamilySpec(
     #   a dot that feeds another dot out with all warps along M, so at BLOCK_H 64 and 8 warps both
     #   warp groups repeat the whole score block. The softmax is then in base 2, the scale folded
     #   into log2(e).
+    # FWD_LAZY_RESCALE (0): 1 moves the max the forward's probabilities, sum and [BLOCK_H, D_V]
+    #   fp32 output are scaled to only when a row's block max exceeds it by more than 2^8 (one
+    #   program-wide test per key block), so the output's rescale between the score and the value
+    #   dots runs in a row's first valid block and then rarely, not every step; p <= 256 otherwise.
     # BWD_SPLIT (0; MLA only, the GQA layout keeps the fused backward): 1 runs the backward as a dq
     #   kernel (the fused loop without its dkv scatter, stopping at each row's last valid index)
     #   and a dkv kernel (per query and BLOCK_K_DKV of its selected keys, all heads walked
@@ -191,6 +195,7 @@ FAMILY = FamilySpec(
         "FWD_ROW_END": (0, 1),
         "FWD_TWO_PASS": (0, 1),
         "FWD_SPLIT_SCORES": (0, 1),
+        "FWD_LAZY_RESCALE": (0, 1),
         "BWD_SPLIT": (0, 1),
         "BLOCK_K_DKV": (16, 32, 64, 128),
         "BLOCK_H_DKV": (16, 32, 64, 128),
@@ -201,7 +206,7 @@ FAMILY = FamilySpec(
     default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
                     "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
-                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0,
+                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0, "FWD_LAZY_RESCALE": 0,
                     "BWD_SPLIT": 0, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 1,
                     "BLOCK_H_DQ": 0, "BLOCK_K_DQ": 0},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.

@@ -233,15 +233,27 @@ def test_mla_value_split_forward(load, H, D_QK, D_V, topk, sink, extras):
         m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
 
 
-@pytest.mark.parametrize("params,dims,topk,extra", [
+_LAZY = {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3, "FWD_LAZY_RESCALE": 1}
+
+
+@pytest.mark.parametrize("params,dims,topk,extra,scale", [
     # MLA: d_v 48 (padded to 64), rope 8, K 21 (not a multiple of BLOCK_K), a sink; row ends, 3 stages
     pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21,
-                 {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3}, id="mla-dv48-rope8-k21-row-end"),
-    pytest.param({}, (4, 2, 16, 16), 8, {"FWD_SPLIT_SCORES": 1}, id="gqa-h4-hk2-d16-k8"),
+                 {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3}, 0.3, id="mla-dv48-rope8-k21-row-end"),
+    pytest.param({}, (4, 2, 16, 16), 8, {"FWD_SPLIT_SCORES": 1}, 0.3, id="gqa-h4-hk2-d16-k8"),
+    # FWD_LAZY_RESCALE: at scale 0.3 a row's later blocks rarely move its max by 8 (log2) units, so
+    # p > 1 on the kept max; at scale 3 they do (the rescale branch taken mid-row); also without
+    # the split (natural-log units) and on the GQA layout
+    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21, _LAZY, 0.3, id="mla-dv48-k21-lazy"),
+    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21, _LAZY, 3.0, id="mla-dv48-k21-lazy-scale3"),
+    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21, {"FWD_LAZY_RESCALE": 1}, 3.0,
+                 id="mla-dv48-k21-lazy-fused-scale3"),
+    pytest.param({}, (4, 2, 16, 16), 8, {"FWD_SPLIT_SCORES": 1, "FWD_LAZY_RESCALE": 1}, 3.0, id="gqa-lazy-scale3"),
 ])
-def test_split_scores_forward(load, params, dims, topk, extra):
+def test_split_scores_forward(load, params, dims, topk, extra, scale):
     """FWD_SPLIT_SCORES = 1 (the score dots split over the warp groups behind an always-taken
-    branch, the softmax in base 2): the output and the log-sum-exp equal the fused forward's
+    branch, the softmax in base 2) and FWD_LAZY_RESCALE = 1 (the max moved only when it grows by
+    more than 2^8): the output and the log-sum-exp equal the fused forward's
     (so the unchanged backward, which reads o and lse, gives its gradients: the other tests
     check those against the reference) and the output the dense reference's, on rows with fewer
     valid picks than K, -1 holes, indices >= S and a row with none (a sink keeps it finite)."""
@@ -260,7 +272,6 @@ def test_split_scores_forward(load, params, dims, topk, extra):
     idx[0, 6] = -1
     idx = idx.to(DEVICE)
     sink = torch.randn(H, generator=gen).to(DEVICE)
-    scale = 0.3
     base = {**CPU_CONFIG} if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
     try:
         m.set_config(base)
@@ -569,6 +580,8 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
                  id="mla-split_scores"),
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
                  {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1}, id="mla-split_scores-stages3-row-end"),
+    # the bucket's forward with the lazy rescale (bench.MLA_FWD_SWEEP's first row)
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_LAZY_RESCALE": 1}, id="mla-lazy-rescale"),
     # the backward rows of bench.MLA_FWDBWD_SWEEP beside the bucket's (the split backward at dq
     # 64 heads x 32 keys, dkv 64 keys x 32 heads, 2 stages: the row above): the fused backward it
     # replaced, and the split one at 1 stage
