@@ -428,6 +428,48 @@ def test_split_fused_launches(module, device, monkeypatch, dbc):
         assert launched == want, (dtype, cfg, launched)
 
 
+@pytest.mark.parametrize("bwd", ["split", "chunk"])
+def test_backward_fills_no_unused_grads(module, device, bwd):
+    """The chunk states and log decays the forward returns for the backward have no gradient: the
+    backward gets None for them (autograd's zeros of st's shape were the largest fill of the
+    fwd+bwd, v20), and for an unused final state. Gradients of y alone, bit for bit the same as of
+    (y, final state) with a zero d(final state); no aten zeros of st's or dac's shape during the
+    backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Zeros(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.zeros_like, torch.ops.aten.new_zeros,
+                                       torch.ops.aten.fill_, torch.ops.aten.zero_):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    _split(module, device, {"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "bwd": bwd})
+    try:
+        fx = fixture(module, (1, 23, 2, 8, 1, 16, True, True))
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(5))
+        leaves = [args[i] for i in (0, 1, 2, 3, 4, 5, 6, 9)]
+        _, _, st, dac = module.ssd_fwd_op(*args[:7], args[9], True, 0.0, math.inf, True)
+        dy = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(6)).to(device)
+        grads = []
+        for with_ht in (False, True):
+            ins = [a.clone().requires_grad_() for a in leaves]
+            y, ht = module.ssd_scan(*ins[:7], initial_state=ins[7], return_final_state=True)
+            with Zeros() as rec:
+                grads.append(torch.autograd.grad((y, ht) if with_ht else y, ins,
+                                                 (dy, torch.zeros_like(ht)) if with_ht else dy))
+            assert tuple(st.shape) not in rec.shapes and tuple(dac.shape) not in rec.shapes, rec.shapes
+        for a, b in zip(*grads, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
 def test_split_backward_saves_split_states(module, device):
     """`bwd` "split" keeps the forward's states per split chunk (T 33, split chunks of 32: two, not
     three chunks of 16), what the op's fake says; opcheck's schema, autograd and fake-tensor checks
