@@ -27,9 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v19's `split_dbc` "paired" and "fused", the P <= 64
-  bucket's former split chunks of 256 (STATE_CHUNKS 4, v18's change) and of 128, 16 warps in the
-  split backward, the fused pass's tiles), forward
+  tuning values beside the default (`SWEEP`: v19's `split_dbc` "paired" at 8 warps uncapped and
+  rows around it, "paired" at 16 warps, split chunks of 128, 16 warps in the split backward, the
+  fused pass's state tile), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -139,12 +139,29 @@ SHAPES = (
 # on triton 3.9 and 3.6: "paired" at 16 warps 128 / 4 and 132, at 8 warps 254-255 / 0 and 16;
 # "fused" at 16 warps 128 / 332 and 556 (8 warps 255 / 412 and 896: no row). The likeliest winner
 # first: the rows a cut call should keep.
+#
+# Template v20 (the backward no longer gets autograd's zeros of the chunk states: the 0.081 ms bf16
+# fill of the H100 profile, thirty-fifth session's call 3). Call 3 timed v19's rows (ms by CUDA
+# graph, H100): the default 2.372, "paired" at 16 warps 2.049, "fused" at 16 warps 3.064, "paired"
+# at 8 warps uncapped 1.804 (3.75x its forward, 0.481), STATE_CHUNKS 4 2.857, 2 2.405, PASS_K 128
+# 2.233, STATE_N 32 2.255. Gone: "fused" (slowest, spills), STATE_CHUNKS 4 (timed against 1 twice)
+# and PASS_K 128 (at split chunks of 64 the pass's step is min(PASS_K, 64): the default's build;
+# its 2.233 against 2.372 is this call's row-to-row spread). First, "paired" at 8 warps uncapped
+# (P8, the best of call 3), then rows around it, each by its sm_90 build (bf16 at this shape;
+# registers / spill bytes / shared memory on triton 3.6, then 3.9): P8 is 255 / 36 / 173 KB (254 /
+# 0), one program per SM by its registers; num_stages 2 (bwd_stages) 255 / 16 / 123 KB (254 / 0):
+# still one program per SM, less prefetch, fewer spills; STATE_N 32 halves the fused pull's (and
+# the forward's fused pass's) tile per step and doubles their programs (512 of 4 warps), the two
+# serial chains of 128 steps that take 0.42 ms of call 3's profile. Not rows: capped at 128 spills
+# 1656-2080 bytes at 2-3 stages (1008-1120 on 3.9; two programs per SM only at one stage, 90 KB:
+# 1412); at 168 still one program, 696 spill bytes; 4 warps uncapped 2088 (/tmp/h99/build.py in
+# helper-99's note, docs/LOG.md).
 W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
 PAIRED = {"split_dbc": "paired", **W16}
 FUSED = {"split_dbc": "fused", **W16}
-SWEEP = ((PAIRED, "bwd"), (FUSED, "bwd"), ({"split_dbc": "paired", "bwd_split_maxnreg": 0}, "bwd"),
-         ({"STATE_CHUNKS": 4}, "both"), ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"), ({"PASS_K": 128}, "both"),
-         ({"STATE_N": 32}, "both"))
+P8 = {"split_dbc": "paired", "bwd_split_maxnreg": 0}
+SWEEP = ((P8, "bwd"), ({**P8, "bwd_stages": 2}, "bwd"), ({**P8, "STATE_N": 32}, "both"), (PAIRED, "bwd"),
+         ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"), ({"STATE_N": 32}, "both"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -703,7 +703,13 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"split_dbc": "paired", "bwd_split_warps": 16, "bwd_split_maxnreg": 0},
                                               id="v19-paired-w16", marks=UNTIMED),
                                  pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0}, id="v19-paired-w8",
-                                              marks=UNTIMED)])
+                                              marks=UNTIMED),
+                                 # v20 (`.ci/h200/h35_ssd10.sh`): rows around "paired" at 8 warps uncapped
+                                 # (bench.py's SWEEP): num_stages 2, the fused pull's STATE_N 32
+                                 pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0, "bwd_stages": 2},
+                                              id="v20-paired-w8-st2", marks=UNTIMED),
+                                 pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0, "STATE_N": 32},
+                                              id="v20-paired-w8-sn32", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
