@@ -169,7 +169,12 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
 # FWD_LAZY_RESCALE 1 (template v8, on the bucket's split / 3-stage / row-end forward): the [64, 512]
 # fp32 output's rescale (32768 multiplies per key block, ~256 of the SM's cycles at 128 per cycle,
 # between the score and the value dots) skipped unless a row's max grew by more than 2^8; the
-# rows below it predate v5, whose default is the first of them.
+# rows below it predate v5, whose default is the first of them. sm_90 AOT with the runtime's marks
+# (d_qk 576, d_v 512, 64 heads x 64 keys, 8 warps, 3 stages; 230144 B shared, [4, 2], 40 wgmma
+# in both): the default 247 registers / 0 B spilled on triton 3.9, 255 / 24 on the H200's 3.6
+# (outside the loop); this row 255 / 24 and 255 / 212, on 3.6 with ~50 local loads / stores in
+# the loop body (SASS): the program-wide "did any row grow" reduction is what costs them (the
+# same row without it: 24). Whether the skipped multiplies outweigh the spills is the GPU's call.
 MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
     {"FWD_LAZY_RESCALE": 1},
     {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1},
