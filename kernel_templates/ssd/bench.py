@@ -155,12 +155,15 @@ SHAPES = (
 # serial chains of 128 steps that take 0.42 ms of call 3's profile. Not rows: capped at 128 spills
 # 1656-2080 bytes at 2-3 stages (1008-1120 on 3.9; two programs per SM only at one stage, 90 KB:
 # 1412); at 168 still one program, 696 spill bytes; 4 warps uncapped 2088 (/tmp/h99/build.py in
-# helper-99's note, docs/LOG.md).
+# helper-99's note, docs/LOG.md). Then `bwd_sums` "kernel" (dA, dD, dt bias's gradient summed in one
+# launch, d(dt) stored in bf16 by its kernel: call 3's three reductions took 0.026 ms, plus d(dt)'s
+# cast; expected gain about 0.02-0.03 ms, under this call's row-to-row spread).
 W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
 PAIRED = {"split_dbc": "paired", **W16}
 FUSED = {"split_dbc": "fused", **W16}
 P8 = {"split_dbc": "paired", "bwd_split_maxnreg": 0}
-SWEEP = ((P8, "bwd"), ({**P8, "bwd_stages": 2}, "bwd"), ({**P8, "STATE_N": 32}, "both"), (PAIRED, "bwd"),
+SWEEP = ((P8, "bwd"), ({**P8, "bwd_stages": 2}, "bwd"), ({**P8, "STATE_N": 32}, "both"),
+         ({**P8, "bwd_sums": "kernel"}, "bwd"), (PAIRED, "bwd"),
          ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"), ({"STATE_N": 32}, "both"))
 
 

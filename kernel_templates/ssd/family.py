@@ -90,8 +90,10 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    template_version=20,  # v20: the backward gets None, not autograd's zeros, for the outputs without a gradient
-    # (v19: `split_dbc` "fused" and "paired", dx, dC, dB in one launch; timed on an H100, not the default)
+    # v20: the backward gets None, not autograd's zeros, for the outputs without a gradient; `bwd_sums`
+    # (untimed). v19: `split_dbc` "fused" and "paired" (dx, dC, dB in one launch; timed on an H100, not
+    # the default: their bars rows have not run on a GPU)
+    template_version=20,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -165,9 +167,16 @@ FAMILY = FamilySpec(
     #   and dB in one launch per (split chunk, group), each head's x, dy and two states loaded once;
     #   or "paired" (v19, the same condition): that launch with two programs per (split chunk, group),
     #   next to each other in the grid, one for dx, one for dC and dB (fewer live registers; the
-    #   second reads the inputs from L2). Untimed (`.ci/h200/h35_ssd9.sh`).
+    #   second reads the inputs from L2). On an H100 (docs/LOG.md, thirty-fifth session's call 3, CUDA
+    #   graph, fwd+bwd): "two" 2.372 ms, "paired" 8 warps uncapped 1.804, 16 warps 2.049, "fused" 16
+    #   warps 3.064; bars not yet run (`.ci/h200/h35_ssd10.sh`).
     # bwd_split_warps (0): warps of the split backward's dx and dB/dC kernels (0: bwd_warps; 16
     #   builds without spills). Untimed.
+    # bwd_sums ("host"; v20): the split backward's dA, dD and dt-bias gradients as the host's three
+    #   reductions of the kernels' fp32 partials (and d(dt)'s cast to dt's dtype), or "kernel": d(dt)
+    #   stored in dt's dtype with its per-chunk sums, then one launch sums all three (fp32, another
+    #   order: within fp32 rounding of "host"). Call 3's H100 profile: the reductions 0.026 ms in all.
+    #   Untimed.
     # A removed option: v10's `split_states` "local" was slower and failed the bf16 bars on the
     #   H200 (docs/LOG.md, twenty-seventh session); v11 removed it.
     tuning_space={
@@ -204,6 +213,7 @@ FAMILY = FamilySpec(
         "bwd_split_maxnreg": (0, 128, 168),
         "split_dbc": ("two", "one", "fused", "paired"),
         "bwd_split_warps": (0, 4, 8, 16),
+        "bwd_sums": ("host", "kernel"),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -229,7 +239,8 @@ FAMILY = FamilySpec(
                     "bwd_maxnreg": 0, "fwd": "scan", "FWD_M": 64, "FWD_K": 32, "fwd_warps": 4,
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
-                    "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0},
+                    "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
+                    "bwd_sums": "host"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

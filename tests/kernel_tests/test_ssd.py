@@ -379,6 +379,43 @@ def test_split_backward(module, device, cfg, shape):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
+# `bwd_sums` "kernel" (v20): d(dt) in dt's dtype with its per-chunk sums, dA, dD and dt bias's
+# gradient summed by one launch. T 41 split chunks of 16 (three, the last 9 tokens), 2 groups of 2
+# heads, D, dt_bias, initial state, under "two" (one row block) and "paired"; split chunks of 32 in
+# two row blocks (dD's partials per row block); 2 batches, T 23, no D / dt_bias
+@pytest.mark.parametrize("cfg,shape", [
+    pytest.param({"STATE_CHUNKS": 1}, T41, id="two-T41"),
+    pytest.param({"STATE_CHUNKS": 1, "split_dbc": "paired"}, T41, id="paired-T41"),
+    pytest.param({"STATE_CHUNKS": 2}, (1, 41, 2, 8, 2, 16, True, True), id="nb2-T41"),
+    pytest.param({"STATE_CHUNKS": 1, "split_dbc": "paired"}, (2, 23, 4, 8, 2, 16, False, False), id="paired-B2-noD"),
+])
+def test_split_backward_sums(module, device, cfg, shape):
+    """`bwd_sums` "kernel": every gradient against the reference (outputs poisoned, loads
+    bounds-checked); then against "host" on the same inputs: d(dt) and all but dA, dD, dt bias's
+    bit for bit, those three within fp32 rounding (another summation order)."""
+    base = {"FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "bwd": "split", **cfg}
+    _split(module, device, {**base, "bwd_sums": "kernel"})
+    try:
+        check_forward_backward(mild(fixture(module, shape)), torch.float32, device)
+        fx = fixture(module, shape)
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(4))
+        got = []
+        for sums in ("kernel", "host"):
+            _split(module, device, {**base, "bwd_sums": sums})
+            ins = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+            y = module.ssd_scan(*ins[:7], initial_state=ins[9], return_final_state=False)
+            named = [(n, ins[i]) for n, i in zip(("x", "dt", "A", "B", "C", "D", "dt_bias", "h0"),
+                                                 (0, 1, 2, 3, 4, 5, 6, 9)) if ins[i] is not None]
+            got.append(torch.autograd.grad(y, [a for _, a in named], torch.ones_like(y)))
+        for (name, _), a, b in zip(named, *got, strict=True):
+            if name in ("A", "D", "dt_bias"):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(a, b), name
+    finally:
+        module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
 @pytest.mark.parametrize("dbc", ["two", "fused", "paired"])
 def test_split_backward_limits_no_softplus(module, device, dbc):
     """`bwd` "split" with clamped dt (the gradient stops where a limit binds; its own dt and d dt
@@ -705,11 +742,14 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0}, id="v19-paired-w8",
                                               marks=UNTIMED),
                                  # v20 (`.ci/h200/h35_ssd10.sh`): rows around "paired" at 8 warps uncapped
-                                 # (bench.py's SWEEP): num_stages 2, the fused pull's STATE_N 32
+                                 # (bench.py's SWEEP): num_stages 2, the fused pull's STATE_N 32, `bwd_sums`
+                                 # "kernel"
                                  pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0, "bwd_stages": 2},
                                               id="v20-paired-w8-st2", marks=UNTIMED),
                                  pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0, "STATE_N": 32},
-                                              id="v20-paired-w8-sn32", marks=UNTIMED)])
+                                              id="v20-paired-w8-sn32", marks=UNTIMED),
+                                 pytest.param({"split_dbc": "paired", "bwd_split_maxnreg": 0, "bwd_sums": "kernel"},
+                                              id="v20-paired-w8-sums", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
