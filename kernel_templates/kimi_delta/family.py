@@ -134,7 +134,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=38,  # v38: kda_qk "ksplit", kda_qk_tiers "split"; history: docs/LOG.md
+    template_version=39,  # v39: the base's `_backward_state` replaces the copied host lines; history: docs/LOG.md
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
