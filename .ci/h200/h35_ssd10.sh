@@ -26,7 +26,8 @@
 #    keys split_dbc, bwd_split_maxnreg, and bwd_stages / STATE_N where its row wins).
 #  - ssd_profile.txt: no bf16 FillFunctor of ~0.08 ms under either row (v20); under "paired"
 #    ssd_bwd_split_fused_kernel x1 in place of the default's split dx x1 and dB/dC x2 (call 3 at
-#    16 warps: 1.139 ms against 1.337; at 8 warps expected about 0.9 by call 3's 1.804 total).
+#    16 warps: 1.139 ms against 1.337; at 8 warps about 0.9 by arithmetic: call 3's 1.804 ms less
+#    the other kernels' ~0.9 ms in the default's profile; unmeasured).
 #    What is left above 3x: that kernel, the fused pull (0.233 ms), the recomputed C B^T and dt
 #    (ssd_split_cb_kernel, ssd_split_dt_kernel: the second of each x2 pair) and the reduces.
 # Outputs under $OUT: env.txt, ssd_bars.txt, ssd_bench.txt, ssd.json, ssd_profile.txt, ssd10.tgz.
