@@ -24,12 +24,14 @@
 #  - the goal: fwd+bwd <= 3 x ours_fwd by graph. A "paired" row faster than `ours` in this run
 #    whose bars row PASSED can become the P <= 64 bucket's value (family.py shape_buckets: its
 #    keys split_dbc, bwd_split_maxnreg, and bwd_stages / STATE_N where its row wins).
-#  - ssd_profile.txt: no bf16 FillFunctor of ~0.08 ms under either row (v20); under "paired"
+#  - step 2's --profile breakdown (the default) and ssd_profile.txt ("paired" at 8 warps): no
+#    bf16 FillFunctor of ~0.08 ms in either (v20); under "paired"
 #    ssd_bwd_split_fused_kernel x1 in place of the default's split dx x1 and dB/dC x2 (call 3 at
 #    16 warps: 1.139 ms against 1.337; at 8 warps about 0.9 by arithmetic: call 3's 1.804 ms less
 #    the other kernels' ~0.9 ms in the default's profile; unmeasured).
-#    What is left above 3x: that kernel, the fused pull (0.233 ms), the recomputed C B^T and dt
-#    (ssd_split_cb_kernel, ssd_split_dt_kernel: the second of each x2 pair) and the reduces.
+#    What is left above 3x: that kernel and the fused pull (0.233 ms); the backward's recomputed
+#    C B^T and dt are small (call 3: 0.042 and 0.011 ms for both launches of each), the host
+#    reductions 0.026 in all (`bwd_sums` "kernel" row).
 # Outputs under $OUT: env.txt, ssd_bars.txt, ssd_bench.txt, ssd.json, ssd_profile.txt, ssd10.tgz.
 set -o pipefail
 cd "$(dirname "$0")/../.."
