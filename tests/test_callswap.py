@@ -6,7 +6,6 @@ builds its mixers."""
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from onboarding.patching.callswap import CallSwapPatch, Interface, min_required
 from onboarding.patching.core import PatchRecord
+from fixtures.hub_function import function_module
 
 
 def core(q, k, v):  # the mixer's plain core function (module-level: the forward reads it)
@@ -66,25 +66,12 @@ def test_first_call_under_checkpoint(kernel, status):
 
 # ---- what a block can reach: function modules and helpers (transformers 5.25's shapes) -------
 
-def _function_module(fn):
-    """What kernels' hub decorator makes of a function (transformers >= 5.25): a stateless
-    module whose forward closes over the function and takes its arguments."""
-    class Func(nn.Module):
-        def forward(self, *args, **kwargs):
-            return fn(*args, **kwargs)
-
-    Func.forward.__signature__ = inspect.Signature(
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-         *inspect.signature(fn).parameters.values()])
-    return Func()
-
-
 def core_plain(q, k, v):
     a = torch.tanh(q @ k.transpose(-1, -2))
     return torch.softmax(a, -1) @ v
 
 
-core_module = _function_module(core_plain)  # the module-level name model code calls
+core_module = function_module(core_plain)  # the module-level name model code calls
 
 
 def scan_forward(module, x, gate, cache):  # a helper handed the block: it calls the core
@@ -92,7 +79,7 @@ def scan_forward(module, x, gate, cache):  # a helper handed the block: it calls
     return core_module(q, k, v) * gate
 
 
-helper_module = _function_module(scan_forward)
+helper_module = function_module(scan_forward)
 
 
 class HelperMixer(Mixer):

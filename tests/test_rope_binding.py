@@ -7,7 +7,6 @@ transformers' (the binding finds the function by the tables it is handed)."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 
@@ -21,6 +20,7 @@ from onboarding.families import families, family_module
 from onboarding.generate import templating
 from onboarding.graph.opgraph import Block
 from onboarding.patching.core import PatchRecord
+from fixtures.hub_function import function_module
 
 binding = family_module("rope").binding if hasattr(family_module("rope"), "binding") else None
 
@@ -380,20 +380,7 @@ def test_two_rope_blocks_each_serve_their_own_tables(kernel):
     undo_a()
 
 
-def _function_module(fn):
-    """What kernels' hub decorator makes of a function (transformers >= 5.25): a stateless
-    module whose forward closes over the function and takes its arguments."""
-    class Func(nn.Module):
-        def forward(self, *args, **kwargs):
-            return fn(*args, **kwargs)
-
-    Func.forward.__signature__ = inspect.Signature(
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-         *inspect.signature(fn).parameters.values()])
-    return Func()
-
-
-rotate_hub = _function_module(rotate_qk)  # the module-level name the attention below calls
+rotate_hub = function_module(rotate_qk)  # the module-level name the attention below calls
 
 
 class HubAttention(Attention):
