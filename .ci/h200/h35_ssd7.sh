@@ -74,7 +74,7 @@ timeout "$(left 60)" python3 - <<'PY' 2>&1 | tee "$O/ssd_profile.txt"
 import os
 import torch
 from onboarding.bench.cases import config_sweep, fwd_bwd, fwd_only, fwd_sweep
-from onboarding.bench.harness import aggregate_kernels
+from onboarding.bench.harness import kernel_breakdown
 from onboarding.families import family_module
 bench = family_module("ssd").bench
 dry = os.environ.get("SSD7_DRY") == "1"
@@ -91,23 +91,11 @@ steps.update({f"{k}_fwd (forward)": v for k, v in fwd_sweep(mod, ours, sets, sha
 steps.update(config_sweep(mod, ours, sets, grads, shape[3], [{"pass": "fused", "split_states": "fill"}]))
 
 
-def breakdown(step, n=5):
-    from torch.profiler import ProfilerActivity, profile
-    for i in range(3):
-        step(i)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(n):
-            step(i)
-        torch.cuda.synchronize()
-    return aggregate_kernels([(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-                              if e.self_device_time_total > 0], n, top=40)
-
 
 for name, step in steps.items():
     print(name if name.endswith("forward)") else f"{name} (forward + backward)", flush=True)
     try:
-        rows = (step(0), [])[1] if dry else breakdown(step)
+        rows = (step(0), [])[1] if dry else kernel_breakdown(step, top=40)
     except Exception as exc:  # noqa: BLE001 - the other rows stand
         print(f"  failed: {type(exc).__name__}: {str(exc)[:300]}")
         continue

@@ -124,8 +124,10 @@ def aggregate_kernels(events: list[tuple[str, float, int]], steps: int,
     return rows
 
 
-def kernel_breakdown(step: Step, steps: int = PROFILE_STEPS) -> list[dict[str, Any]]:
-    """GPU time per kernel of `step` (torch.profiler, CUDA activity), after a warm-up."""
+def kernel_breakdown(step: Step, steps: int = PROFILE_STEPS,
+                     top: int = PROFILE_TOP) -> list[dict[str, Any]]:
+    """GPU time per kernel of `step` (torch.profiler, CUDA activity), after a warm-up; the
+    `top` slowest kernels, the rest folded into one row (`aggregate_kernels`)."""
     from torch.profiler import ProfilerActivity, profile
 
     for i in range(3):
@@ -137,7 +139,7 @@ def kernel_breakdown(step: Step, steps: int = PROFILE_STEPS) -> list[dict[str, A
         torch.cuda.synchronize()
     return aggregate_kernels([(e.key, e.self_device_time_total, e.count)
                               for e in prof.key_averages() if e.self_device_time_total > 0],
-                             steps)
+                             steps, top)
 
 
 def time_fn(step: Step, *, warmup: int = 5, repeats: int = 50, n_sets: int = 4,
