@@ -1,7 +1,7 @@
 """Issue 33: per-kernel GPU times of the sparse MLA forward, or forward + backward with --bwd (128
-heads, K 2048, d_qk 576 / d_v 512, bf16), under the bucket's config (`ours`) and each row of the
-bench's sweep (MLA_FWD_SWEEP, or MLA_FWDBWD_SWEEP with --bwd; the bench's --profile breaks down the
-`ours` row only), at T from argv (default 8192).
+heads, K 2048, d_qk 576 / d_v 512, bf16), under the bucket's config (`ours`) and, with --bwd, each
+row of the bench's MLA_FWDBWD_SWEEP (the bench's --profile breaks down the `ours` row only), at T
+from argv (default 8192).
 
     python3 .ci/h200/h33_mla_profile.py 8192 $OUT/mla_profile.json
     python3 .ci/h200/h33_mla_profile.py --bwd 8192 $OUT/mla_bwd_profile.json

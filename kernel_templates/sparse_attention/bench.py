@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
+from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.families import NightlySpec
 from onboarding.testing.tolerance import rel_rms
@@ -157,32 +157,15 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
     return 3 * T * T + expand
 
 
-# MLA forward cases also time ``ours@...`` rows: the forward under other configs of its D_QK
-# bucket (issue 33's open choices, family.py's tuning space): FWD_SPLIT_SCORES (the score block
-# split over the two warp groups instead of computed by both, base-2 softmax), FWD_STAGES 3
-# (which with the gathered loads' index loads pipelines those a block earlier: the K tile
-# itself keeps two buffers, 230 KB of shared memory with the split) and FWD_ROW_END (stop each
-# row at its last valid index: the early rows' padding), at tiles whose sm_90 build fits (the
-# slow AOT test checks them). The value-split and two-pass forwards (FWD_DV_SPLIT 2,
-# FWD_TWO_PASS 1) were timed on the H200 and lost to the fused forward at BLOCK_K 64 (docs/LOG.md,
-# eighteenth session, call C); they stay in the tuning space, not in the sweep.
-# FWD_LAZY_RESCALE 1 (template v8, on the bucket's split / 3-stage / row-end forward): the [64, 512]
-# fp32 output's rescale (32768 multiplies per key block, ~256 of the SM's cycles at 128 per cycle,
-# between the score and the value dots) skipped unless a row's max grew by more than 2^8; the
-# rows below it predate v5, whose default is the first of them. sm_90 AOT with the runtime's marks
-# (d_qk 576, d_v 512, 64 heads x 64 keys, 8 warps, 3 stages; 230144 B shared, [4, 2], 40 wgmma
-# in both): the default 247 registers / 0 B spilled on triton 3.9, 255 / 24 on the H200's 3.6
-# (outside the loop); this row 255 / 24 and 255 / 212, on 3.6 with ~50 local loads / stores in
-# the loop body (SASS): the program-wide "did any row grow" reduction is what costs them (the
-# same row without it: 24). Whether the skipped multiplies outweigh the spills is the GPU's call.
-MLA_FWD_SWEEP = [  # most promising first: a run cut short keeps them
-    {"FWD_LAZY_RESCALE": 1},
-    {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1},
-    {"FWD_SPLIT_SCORES": 1},
-    {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3},
-    {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1},
-    {"FWD_ROW_END": 1},
-]
+# MLA forward cases time ``ours`` alone. The forward sweep's rows were FWD_SPLIT_SCORES,
+# FWD_STAGES 3 and FWD_ROW_END in combinations that since template v5 all equal the d_le_1024
+# bucket's forward (within 0.5% of it on an H100, docs/LOG.md, thirty-sixth session), and
+# FWD_LAZY_RESCALE 1, which lost and was removed in v9 (family.py). The value-split and two-pass
+# forwards (FWD_DV_SPLIT 2, FWD_TWO_PASS 1) lost to the fused forward at BLOCK_K 64 on the H200
+# (docs/LOG.md, eighteenth session, call C); they stay in the tuning space. The bucket's forward
+# built for sm_90 with the runtime's marks (d_qk 576, d_v 512, 64 heads x 64 keys, 8 warps, 3
+# stages): 230144 B shared, [4, 2], 40 wgmma per warp group and key block; 247 registers / 0 B
+# spilled on triton 3.9, 255 / 24 on the H200's 3.6 (outside the loop).
 
 
 # MLA forward + backward cases also time ``ours@...`` rows beside the d_le_1024 bucket's backward,
@@ -214,13 +197,7 @@ def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> di
     if dense:
         fns["causal_sdpa"] = _dense(layout, masked=False)
     if not backward:
-        steps = {name: fwd_only(fn, sets) for name, fn in fns.items()}
-        if layout == "mla":
-            import sys
-
-            mod = sys.modules[fns["ours"].__module__]  # the module whose config the rows pin
-            steps.update(fwd_sweep(mod, fns["ours"], sets, LAYOUTS[layout][2], MLA_FWD_SWEEP))
-        return steps
+        return {name: fwd_only(fn, sets) for name, fn in fns.items()}
     D_V = LAYOUTS[layout][3]
     grads = [torch.randn(1, T, H, D_V, device=device, dtype=torch.bfloat16)]
     # the dense baselines return [B, H, T, D_V]: their output gradient is laid out the same way

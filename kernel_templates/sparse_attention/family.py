@@ -125,7 +125,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=8,  # v8: FWD_LAZY_RESCALE (off); history: docs/LOG.md
+    template_version=9,  # v9: FWD_LAZY_RESCALE removed (v8 added it); history: docs/LOG.md
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -164,10 +164,6 @@ FAMILY = FamilySpec(
     #   a dot that feeds another dot out with all warps along M, so at BLOCK_H 64 and 8 warps both
     #   warp groups repeat the whole score block. The softmax is then in base 2, the scale folded
     #   into log2(e).
-    # FWD_LAZY_RESCALE (0): 1 moves the max the forward's probabilities, sum and [BLOCK_H, D_V]
-    #   fp32 output are scaled to only when a row's block max exceeds it by more than 2^8 (one
-    #   program-wide test per key block), so the output's rescale between the score and the value
-    #   dots runs in a row's first valid block and then rarely, not every step; p <= 256 otherwise.
     # BWD_SPLIT (0; MLA only, the GQA layout keeps the fused backward): 1 runs the backward as a dq
     #   kernel (the fused loop without its dkv scatter, stopping at each row's last valid index)
     #   and a dkv kernel (per query and BLOCK_K_DKV of its selected keys, all heads walked
@@ -180,6 +176,12 @@ FAMILY = FamilySpec(
     #   can give it wgmma tiles (64 x 32) that the fused backward cannot take (311 KB of shared
     #   memory at 64 heads), and BWD_SPLIT 0 stays runnable.
     # sm_90 build facts at the tiles the fwd+bwd bench sweeps: bench.py, MLA_FWDBWD_SWEEP.
+    # A removed option: v8's FWD_LAZY_RESCALE 1 (the forward's max, and so its [BLOCK_H, D_V] fp32
+    #   output's rescale, moved only when a row's block max grew by more than 2^8, one program-wide
+    #   test per key block) lost on an H100 (torch 2.11, triton 3.6; `source .ci/h200/setup.sh &&
+    #   bash .ci/h200/h33_mla6.sh` at 047b72b, its bf16 test passed): MLA forward wall 13.485 ->
+    #   15.936 ms at T 8192, 57.782 -> 69.293 at T 32768, on the d_le_1024 bucket's forward; its
+    #   triton 3.6 build spills 212 B in the loop (the program-wide test). v9 removed it.
     tuning_space={
         "BLOCK_K": (16, 32, 64, 128),
         "BLOCK_H": (16, 32, 64, 128),
@@ -195,7 +197,6 @@ FAMILY = FamilySpec(
         "FWD_ROW_END": (0, 1),
         "FWD_TWO_PASS": (0, 1),
         "FWD_SPLIT_SCORES": (0, 1),
-        "FWD_LAZY_RESCALE": (0, 1),
         "BWD_SPLIT": (0, 1),
         "BLOCK_K_DKV": (16, 32, 64, 128),
         "BLOCK_H_DKV": (16, 32, 64, 128),
@@ -206,7 +207,7 @@ FAMILY = FamilySpec(
     default_config={"BLOCK_K": 32, "BLOCK_H": 16, "BLOCK_K_BWD": 32, "BLOCK_H_BWD": 16, "BLOCK_T": 64, "BLOCK_SEL": 1024, "SEL_RADIX": 4,
                     "num_warps": 4,
                     "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
-                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0, "FWD_LAZY_RESCALE": 0,
+                    "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0,
                     "BWD_SPLIT": 0, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 1,
                     "BLOCK_H_DQ": 0, "BLOCK_K_DQ": 0},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.

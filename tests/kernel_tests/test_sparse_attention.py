@@ -233,27 +233,15 @@ def test_mla_value_split_forward(load, H, D_QK, D_V, topk, sink, extras):
         m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
 
 
-_LAZY = {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3, "FWD_LAZY_RESCALE": 1}
-
-
 @pytest.mark.parametrize("params,dims,topk,extra,scale", [
     # MLA: d_v 48 (padded to 64), rope 8, K 21 (not a multiple of BLOCK_K), a sink; row ends, 3 stages
     pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21,
                  {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3}, 0.3, id="mla-dv48-rope8-k21-row-end"),
     pytest.param({}, (4, 2, 16, 16), 8, {"FWD_SPLIT_SCORES": 1}, 0.3, id="gqa-h4-hk2-d16-k8"),
-    # FWD_LAZY_RESCALE: at scale 0.3 a row's later blocks rarely move its max by 8 (log2) units, so
-    # p > 1 on the kept max; at scale 3 they do (the rescale branch taken mid-row); also without
-    # the split (natural-log units) and on the GQA layout
-    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21, _LAZY, 0.3, id="mla-dv48-k21-lazy"),
-    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21, _LAZY, 3.0, id="mla-dv48-k21-lazy-scale3"),
-    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21, {"FWD_LAZY_RESCALE": 1}, 3.0,
-                 id="mla-dv48-k21-lazy-fused-scale3"),
-    pytest.param({}, (4, 2, 16, 16), 8, {"FWD_SPLIT_SCORES": 1, "FWD_LAZY_RESCALE": 1}, 3.0, id="gqa-lazy-scale3"),
 ])
 def test_split_scores_forward(load, params, dims, topk, extra, scale):
     """FWD_SPLIT_SCORES = 1 (the score dots split over the warp groups behind an always-taken
-    branch, the softmax in base 2) and FWD_LAZY_RESCALE = 1 (the max moved only when it grows by
-    more than 2^8): the output and the log-sum-exp equal the fused forward's
+    branch, the softmax in base 2): the output and the log-sum-exp equal the fused forward's
     (so the unchanged backward, which reads o and lse, gives its gradients: the other tests
     check those against the reference) and the output the dense reference's, on rows with fewer
     valid picks than K, -1 holes, indices >= S and a row with none (a sink keeps it finite)."""
@@ -448,10 +436,10 @@ def test_aot_sm90_bf16_tensor_cores_and_relaxed_atomics(load):
         assert adds and all(a.startswith("red.") and "relaxed" in a for a in adds), (name, ptx[name]["atomics"])
 
 
-# Child process: the MLA forward kernels at every MLA_FWD_SWEEP config, compiled for sm_90 as the
-# runtime JIT specialises them (16-byte aligned pointers and i32 arguments divisible by 16, as
-# at T 8192, K 2048, 128 heads): only then does Triton pipeline the gathered loads, so only
-# then is the shared memory the GPU will ask for known.
+# Child process: the MLA kernels each config runs (the forward, or the split backward's dq and
+# dkv kernels), compiled for sm_90 as the runtime JIT specialises them (16-byte aligned pointers
+# and i32 arguments divisible by 16, as at T 8192, K 2048, 128 heads): only then does Triton
+# pipeline the gathered loads, so only then is the shared memory the GPU will ask for known.
 _SWEEP_SCRIPT = """
 import json, re, sys
 import triton
@@ -484,29 +472,26 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-def test_aot_sm90_mla_forward_sweep_fits_as_the_runtime_compiles_it(load):
-    """Every config the MLA forward sweep times (bench.MLA_FWD_SWEEP, and the default) compiles
-    for sm_90 with the runtime's specialisation within an H100/H200 SM's shared memory, and
-    with two or more stages its gathered rows load asynchronously (pipelined); with
+def test_aot_sm90_mla_forward_fits_as_the_runtime_compiles_it(load):
+    """The MLA forward at the d_le_1024 bucket's config (what the bench's forward cases time)
+    compiles for sm_90 with the runtime's specialisation within an H100/H200 SM's shared memory,
+    with its 3 stages its gathered rows load asynchronously (pipelined), and with
     FWD_SPLIT_SCORES the score dots' warps split the key columns ([4, 2]) instead of both warp
     groups computing the whole block (a [8, 1] layout over 64 rows)."""
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    path = load("gathered", {"layout": "mla", "d_v": 512}).__file__
-    configs = [{"dot_precision": "tf32"}] + [{"dot_precision": "tf32", **c} for c in fam.bench.MLA_FWD_SWEEP]
+    m = load("gathered", {"layout": "mla", "d_v": 512})
+    bucket = m.config_for(576)
+    assert bucket["FWD_STAGES"] == 3 and bucket["FWD_SPLIT_SCORES"] == 1, bucket
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, path, json.dumps(configs)],
+    run = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, m.__file__, json.dumps([{"dot_precision": "tf32"}])],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(run.stdout.splitlines()[-1])
-    assert len(rows) == len(configs) + sum(1 for c in configs if c.get("FWD_TWO_PASS"))
-    for r in rows:
-        assert r["shared"] <= aot.H100_SHARED_BYTES, r
-        stages = r["cfg"].get("FWD_STAGES", 3)
-        assert stages < 2 or r["async"] > 0, r
-        if r["cfg"].get("FWD_SPLIT_SCORES"):
-            assert r["mma_warps"] == ["[4, 2]"], r
+    (r,) = json.loads(run.stdout.splitlines()[-1])
+    assert r["shared"] <= aot.H100_SHARED_BYTES, r
+    assert r["async"] > 0, r
+    assert r["mma_warps"] == ["[4, 2]"], r
 
 
 @pytest.mark.slow  # sm_90 builds, 6 configs x 2 kernels: 11 s on a cold Triton cache (2 cores)
@@ -575,13 +560,6 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
                  {"FWD_TWO_PASS": 1, "BLOCK_H": 128, "BLOCK_K": 32, "FWD_STAGES": 2, "FWD_ROW_END": 1},
                  id="mla-two-pass-h128-k32-row-end"),
-    # the fused forward with its score block split over the warp groups (bench.MLA_FWD_SWEEP)
-    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_SPLIT_SCORES": 1},
-                 id="mla-split_scores"),
-    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512),
-                 {"FWD_SPLIT_SCORES": 1, "FWD_STAGES": 3, "FWD_ROW_END": 1}, id="mla-split_scores-stages3-row-end"),
-    # the bucket's forward with the lazy rescale (bench.MLA_FWD_SWEEP's first row)
-    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_LAZY_RESCALE": 1}, id="mla-lazy-rescale"),
     # the backward rows of bench.MLA_FWDBWD_SWEEP beside the bucket's (the split backward at dq
     # 64 heads x 32 keys, dkv 64 keys x 32 heads, 2 stages: the row above): the fused backward it
     # replaced, and the split one at 1 stage
@@ -726,9 +704,8 @@ def test_bench_steps_and_check_run_small(layout, monkeypatch):
     assert res["ok"] == 1.0, res
     for backward in (False, True):
         steps = cs._attn_steps(layout, 12, backward, DEVICE)
-        sweep = [] if layout != "mla" else \
-            ["ours@" + ",".join(f"{k}={v}" for k, v in c.items())
-             for c in (cs.MLA_FWDBWD_SWEEP if backward else cs.MLA_FWD_SWEEP)]
+        sweep = [] if layout != "mla" or not backward else \
+            ["ours@" + ",".join(f"{k}={v}" for k, v in c.items()) for c in cs.MLA_FWDBWD_SWEEP]
         assert sorted(steps) == sorted(["causal_sdpa", "masked_sdpa", "ours", *sweep])
         for step in steps.values():
             step(0)
