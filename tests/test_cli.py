@@ -289,7 +289,7 @@ def test_bench_list_names_the_cases_without_a_gpu(workdir, capsys, monkeypatch):
     # the rows a run would time, sweeps included, named by building the case on the meta device
     sweep = [r for r in rows[0]["rows"] if r.startswith("ours@")]
     assert rows[0]["rows"][:2] == ["ours", "ours_fwd"] and "mamba_ssm" not in rows[0]["rows"]
-    assert len(sweep) >= 5 and all(r.count("=") >= 1 for r in sweep), rows[0]["rows"]
+    assert sweep and all(r.count("=") >= 1 for r in sweep), rows[0]["rows"]
     assert main(["bench", "list", "--family", "ssd", "--case", "H128", "--impl",
                  f"ours_fwd,{sweep[0]},mamba_ssm", "--json"]) == 0
     picked = json.loads(capsys.readouterr().out)[0]

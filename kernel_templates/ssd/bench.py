@@ -27,9 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v19's `split_dbc` "paired" at 8 warps uncapped and
-  rows around it, "paired" at 16 warps, split chunks of 128, 16 warps in the split backward, the
-  fused pass's state tile), forward
+  tuning values beside the default (`SWEEP`: v20's default, `split_dbc` "two" capped at 128 with
+  the host's sums), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -158,13 +157,18 @@ SHAPES = (
 # helper-99's note, docs/LOG.md). Then `bwd_sums` "kernel" (dA, dD, dt bias's gradient summed in one
 # launch, d(dt) stored in bf16 by its kernel: call 3's three reductions took 0.026 ms, plus d(dt)'s
 # cast; expected gain about 0.02-0.03 ms, under this call's row-to-row spread).
-W16 = {"bwd_split_warps": 16, "bwd_split_maxnreg": 0}
-PAIRED = {"split_dbc": "paired", **W16}
-FUSED = {"split_dbc": "fused", **W16}
-P8 = {"split_dbc": "paired", "bwd_split_maxnreg": 0}
-SWEEP = ((P8, "bwd"), ({**P8, "bwd_stages": 2}, "bwd"), ({**P8, "STATE_N": 32}, "both"),
-         ({**P8, "bwd_sums": "kernel"}, "bwd"), (PAIRED, "bwd"),
-         ({"STATE_CHUNKS": 2}, "both"), (W16, "bwd"), ({"STATE_N": 32}, "both"))
+#
+# The thirty-sixth session's H100 call (triton 3.6, `BUDGET=260 bash .ci/h200/h35_ssd10.sh` at 047b72b,
+# ms by CUDA graph): the default 2.292 (forward 0.470), P8 1.755, with num_stages 2 1.810, with
+# STATE_N 32 1.759 (its forward 0.504), with `bwd_sums` "kernel" 1.732 (3.69x the forward), "paired"
+# at 16 warps 1.935, STATE_CHUNKS 2 2.398, 16 warps 2.723, STATE_N 32 2.166. P8 with `bwd_sums`
+# "kernel" became the P <= 64 bucket's default; v20's default ("two" capped at 128, host sums) stays
+# the row to compare with. Gone: the rows that lost to P8 (num_stages 2, "paired" at 16 warps,
+# STATE_CHUNKS 2, 16 warps) and STATE_N 32, which slowed the forward (0.504 against 0.470) and gained
+# the backward about 0.03 ms (1.759 - 0.504 against 1.755 - 0.470, within a run's row-to-row spread).
+TWO = {"split_dbc": "two", "bwd_split_maxnreg": 128, "bwd_sums": "host"}
+P8 = {"split_dbc": "paired", "bwd_split_maxnreg": 0}  # the bucket's split_dbc and register cap (h35_ssd10.sh)
+SWEEP = ((TWO, "bwd"),)
 
 
 def torch_path() -> tuple[str, Callable]:

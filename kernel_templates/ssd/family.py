@@ -159,7 +159,8 @@ FAMILY = FamilySpec(
     # BWD_M (64): row tile of the split backward.
     # bwd_split_maxnreg (128): register cap of the split backward's dx and dB/dC kernels (0 none).
     #   128 fits two 8-warp programs per SM (uncapped dx 171, dC 233, dB 240 registers); capped,
-    #   dC and dB spill 100-200 bytes (docs/LOG.md, helper-68 and thirty-first session, v14).
+    #   dC and dB spill 100-200 bytes (docs/LOG.md, helper-68 and thirty-first session, v14). The
+    #   P <= 64 bucket: 0 (its "paired" kernel, 255 registers: below).
     # split_dbc ("two"): the split backward's dC and dB in two launches, or "one" launch that forms
     #   each block pair's matrix once (timed on an H100, h35_ssd8: slower than "two"), or "fused"
     #   (v19; where a split chunk is one row block, CHUNK * STATE_CHUNKS <= BWD_M, and a head's x,
@@ -169,14 +170,15 @@ FAMILY = FamilySpec(
     #   next to each other in the grid, one for dx, one for dC and dB (fewer live registers; the
     #   second reads the inputs from L2). On an H100 (docs/LOG.md, thirty-fifth session's call 3, CUDA
     #   graph, fwd+bwd): "two" 2.372 ms, "paired" 8 warps uncapped 1.804, 16 warps 2.049, "fused" 16
-    #   warps 3.064; bars not yet run (`.ci/h200/h35_ssd10.sh`).
+    #   warps 3.064. "paired" is the P <= 64 bucket's value since the thirty-sixth session (below).
     # bwd_split_warps (0): warps of the split backward's dx and dB/dC kernels (0: bwd_warps; 16
     #   builds without spills). Untimed.
     # bwd_sums ("host"; v20): the split backward's dA, dD and dt-bias gradients as the host's three
     #   reductions of the kernels' fp32 partials (and d(dt)'s cast to dt's dtype), or "kernel": d(dt)
     #   stored in dt's dtype with its per-chunk sums, then one launch sums all three (fp32, another
     #   order: within fp32 rounding of "host"). Call 3's H100 profile: the reductions 0.026 ms in all.
-    #   Untimed.
+    #   The P <= 64 bucket's value (below): 1.732 ms against 1.755 under "paired" uncapped, within a
+    #   run's row-to-row spread, and its bars row passed.
     # A removed option: v10's `split_states` "local" was slower and failed the bf16 bars on the
     #   H200 (docs/LOG.md, twenty-seventh session); v11 removed it.
     tuning_space={
@@ -231,6 +233,12 @@ FAMILY = FamilySpec(
     #   .ci/h200/h35_ssd8.sh, one run) fwd+bwd 2.224 ms by CUDA graph against 2.953 at STATE_CHUNKS
     #   4 (wall 3.590 / 3.969), forward 0.474 against 0.532 (wall 0.907 / 0.944); its bf16 bars
     #   row [v16-sc1] passed. STATE_CHUNKS 4 stays a SWEEP row (bench.py).
+    # - split_dbc "paired", bwd_split_maxnreg 0, bwd_sums "kernel" (v20; 8 warps, bwd_warps): on an
+    #   H100 (triton 3.6, thirty-sixth session, `BUDGET=260 bash .ci/h200/h35_ssd10.sh` at 047b72b,
+    #   one run) fwd+bwd 1.732 ms by CUDA graph against 2.292 for "two" capped at 128 with host sums
+    #   (wall 2.872 / 3.114), 3.69x its forward (0.470); "paired" uncapped with host sums 1.755. The
+    #   bars rows [v19-paired-w8] and [v20-paired-w8-sums] passed. fp32 inputs at P 64, N 128 run
+    #   "two" (`_split_backward`: their tiles do not fit shared memory), uncapped under this bucket.
     # The P > 64 bucket names BLOCK_P 64, the default's value; it has no timing of its own.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
@@ -245,7 +253,8 @@ FAMILY = FamilySpec(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",
                             "BLOCK_N": 64, "DBC_N": 64, "bwd_maxnreg": 128, "fwd": "split",
-                            "bwd": "split", "pass": "fused"}),
+                            "bwd": "split", "pass": "fused", "split_dbc": "paired", "bwd_split_maxnreg": 0,
+                            "bwd_sums": "kernel"}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
     match=match,
