@@ -173,7 +173,7 @@ def test_shape_errors_name_shapes(module, device):
         module.entry(q, q, q, torch.zeros(2, device=device))
 
 
-@pytest.mark.slow  # sm_90 build of five kernels
+@pytest.mark.slow  # sm_90 builds of seven kernel specs (the masked forward, dK/dV and dQ too)
 def test_aot_sm90(module):
     ok, why = aot.aot_available()
     if not ok:
@@ -209,12 +209,15 @@ def _aot_failures(module, tmp_path, runs, pin=None):
 def test_aot_sm90_small_head_dim(module, tmp_path):
     """Every kernel builds for sm_90 at head dim 8 in bf16 (the default tiles): tl.dot on a GPU
     needs each dimension >= 16 (K >= 16 for 16-bit operands), which the interpreter does not ask;
-    the head-dim tile was D's power of two (8) and 10 of the H100's 30 tests failed to compile."""
+    the head-dim tile was D's power of two (8) and 10 of the H100's 30 tests failed to compile.
+    The builds include every kernel that reads the additive mask with it (forward, dK/dV, dQ)."""
+    masked = {s["kernel"] for s in module.aot_specs("bf16", 8) if s["constexprs"].get("HAS_MASK")}
+    assert masked == {"sink_attn_fwd_kernel", "sink_attn_bwd_dkdv_kernel", "sink_attn_bwd_dq_kernel"}
     bad = _aot_failures(module, tmp_path, [(8, "bf16")])
     assert not bad, bad
 
 
-@pytest.mark.slow  # three more sm_90 builds of five kernels (~30 s)
+@pytest.mark.slow  # three more sm_90 builds of seven kernel specs
 def test_aot_sm90_small_head_dims_every_tile(module, tmp_path):
     """Head dims 8 and 12 in bf16, and 8 in fp32 (the config's "tf32" dots; triton 3.6 asks
     K >= 16 of fp32 dots too, 3.9 only 8), at the smallest tiles the tuning space holds (16
