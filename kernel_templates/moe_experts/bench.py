@@ -28,9 +28,9 @@ D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd`` c
 (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
 (``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next (uniform and Zipf) and
 DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbwd`` cases
-(template v18's ``MOE_V18_SWEEP``, ``MOE_V18_SWEEP_SHORT``, ``MOE_V18_SWEEP_BIG``,
-``MOE_V18_SWEEP_SHORT_BIG``; v17's ``MOE_V17_SWEEP*``, v15's ``MOE_V15_SWEEP*`` and the twentieth
-session's ``MOE_DW_SWEEP`` etc. are kept for the record),
+(template v18's ``MOE_V18_SWEEP`` and ``MOE_V18_SWEEP_SHORT``, v19's ``MOE_V19_SWEEP_BIG`` and
+``MOE_V19_SWEEP_SHORT_BIG``; v18's ``MOE_V18_SWEEP_BIG`` etc., v17's ``MOE_V17_SWEEP*``, v15's
+``MOE_V15_SWEEP*`` and the twentieth session's ``MOE_DW_SWEEP`` etc. are kept for the record),
 and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
 v15's ``MOE_FWD_SWEEP_BIG`` kept likewise).
 
@@ -207,17 +207,27 @@ MOE_V18_SWEEP = [{**_DOWN_BWD_64x256, "DX_BLOCK_N": 128},
                  {**_DOWN_BWD_3PS, "dx_stages": 4}, _DOWN_BWD_3PS]
 MOE_V18_SWEEP_SHORT_BIG = [_DOWN_BWD_WIDE, _DOWN_BWD_3PS]
 MOE_V18_SWEEP_SHORT = [MOE_V18_SWEEP[0], MOE_V18_SWEEP[2]]
+# Template v19 (thirty-sixth session): the first row, _DOWN_BWD_WIDE, is d_big's default since, by
+# the down backward's own keys DOWN_BWD_* (48.579 ms fwd+bwd against 49.779 at DeepSeek-V3 N8192 on
+# an H100: family.py's note above _DOWN_BWD_TILES_BIG). On top of it the v18 rows above set BWD_*,
+# which no longer reach the down backward there. DeepSeek-V3 times against it the v18 default's
+# down backward (`_DOWN_BWD_V18`: the backward's 64 x 128 x 4 stages, two slices; dx keeps its
+# 128-row tile on its own tile map, as then) and the two runners-up of that call (4 stages:
+# 49.012; 64 x 256 x 3 stages: 49.272).
+_DOWN_BWD_V18 = {"DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "bwd_epi_split": 2}
+MOE_V19_SWEEP_BIG = [_DOWN_BWD_V18, {"down_bwd_stages": 4}, {"DOWN_BWD_BLOCK_M": 64}]
+MOE_V19_SWEEP_SHORT_BIG = [_DOWN_BWD_V18]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.
 # (The v17 lists above lost to the default on the H200, docs/LOG.md thirtieth session: kept for the
-# record; the backward cases now time v18's rows.)
+# record; Qwen3-Next's backward cases time v18's rows, DeepSeek-V3's v19's.)
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V18_SWEEP,
           ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V18_SWEEP_SHORT,
           ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V18_SWEEP_BIG,
-          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V18_SWEEP_SHORT_BIG}
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V19_SWEEP_BIG,
+          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V19_SWEEP_SHORT_BIG}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:

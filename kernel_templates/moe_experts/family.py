@@ -257,6 +257,9 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   mlp only.
 #   dx_warps and down_warps let the down backward take 4 warps (m64n128 MMAs on one warpgroup)
 #   while dx keeps 8 on 128 x 256, and the forward down GEMM run two 128 x 128 programs per SM.
+# DOWN_BWD_BLOCK_M / N, down_bwd_stages (0): the down backward's own tile and stages; its row tiles
+#   route the slots, so dx shares them unless DX_BLOCK_M differs. swiglu and mlp only (swiglu_lora's
+#   down backward stays on BWD_*).
 # dw_sorted (False): the Triton weight-gradient kernels read x[tok] and dy[tok] copied into slot
 #   order first. With the gathered load in the loop the pipeline prefetches one step at any stage
 #   count (sm_90 AOT: 66 KB shared at 3 and 4 stages); sorted, 3 stages prefetch two steps (98 KB,
@@ -286,13 +289,15 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "dw_sorted": (False, True), "dw_grouped_mm": (False, True), "dy_sorted": (False, True),
                  "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4, 8), "h_tma": (False, True),
                  "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
-                 "down_warps": (0, 2, 4, 8), "dw_pad": (False, True)}
+                 "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
+                 "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
                    "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False,
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
-                   "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False}
+                   "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
+                   "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -328,14 +333,27 @@ _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_
 # alone at DeepSeek-V3 N8192 (docs/LOG.md, seventeenth session, helper h33). Timed beside the
 # persistent weight-gradient kernel, not beside the grid ones.
 _DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stages": 3}
+# The down backward on 128 x 256 x 64 tiles, 3 stages, its epilogue on eight column slices, D > 4k
+# only (v18's row `BWD_BLOCK_M=128,BWD_BLOCK_N=256,bwd_stages=3,bwd_epi_split=8`, by its own keys
+# since v19; dx keeps its own tile, the same 128 x 256, and now shares the down backward's row
+# tiles): fwd+bwd at DeepSeek-V3 N8192 48.579 ms against 49.779 with _BWD_TILES and two slices
+# (grouped_mm 54.121; 4 stages 49.012, 64 x 256 x 3 stages 49.272, 64 x 128 with eight slices
+# 49.937 / 49.722 at 3 stages), moe_down_bwd_kernel 5.045 ms against 6.289 (H100 80GB HBM3, torch
+# 2.11, triton 3.6, commit 047b72b: `BUDGET=230 bash .ci/h200/h33_moe4.sh`, one median per row;
+# docs/LOG.md, thirty-sixth session). Qwen3-Next (D 2048): no row beat the default (9.269-9.436 ms
+# against 9.316), so d_le_4k keeps the down backward on _BWD_TILES. By DOWN_BWD_* and not BWD_*:
+# swiglu_lora's backward kernels run on BWD_* (and keep their whole-tile epilogue), and at
+# 128 x 256 x 3 stages its down backward and dx spill (sm_90 AOT by triton 3.9, bf16, D 7168: 255
+# registers, 4036 / 1820 bytes spilled, against 170 / 0 and 124 / 0 on _BWD_TILES).
+_DOWN_BWD_TILES_BIG = {"DOWN_BWD_BLOCK_M": 128, "DOWN_BWD_BLOCK_N": 256, "down_bwd_stages": 3, "bwd_epi_split": 8}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
-                  **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU, **_BWD_ROWS}
+                  **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU, **_BWD_ROWS, **_DOWN_BWD_TILES_BIG}
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=18,  # v18: bwd_epi_split 8 (off); grouped_mm dw off a GPU: 16-byte rows. History: docs/LOG.md
+    template_version=19,  # v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
@@ -366,10 +384,11 @@ FAMILY = FamilySpec(
     tuning_space=_TUNING_SPACE,
     default_config=_DEFAULT_CONFIG,
     shape_buckets=(
-        # D <= 1k keeps the defaults. The GPU buckets' backward tiles (_BWD_TILES: 64 x 128 x
-        # 64, 8 warps, 4 stages) were the best fwd+bwd at the anchor (6.30 ms against 6.54 for
-        # 128 x 128; docs/LOG.md, third session) and waste less on many small experts (~160 rows
-        # each at Qwen3-Next). Their forward tiles and options: the notes above `_DW_TILES`.
+        # D <= 1k keeps the defaults. d_le_4k's backward tiles (_BWD_TILES: 64 x 128 x 64, 8
+        # warps, 4 stages) were the best fwd+bwd at the anchor (6.30 ms against 6.54 for 128 x
+        # 128; docs/LOG.md, third session) and waste less on many small experts (~160 rows each
+        # at Qwen3-Next); d_big's down backward tile (_DOWN_BWD_TILES_BIG) and both buckets'
+        # forward tiles and options: the notes above `_DW_TILES`.
         ShapeBucket(name="d_le_1k", dim="D", lo=1, hi=1024),
         ShapeBucket(name="d_le_4k", dim="D", lo=1025, hi=4096, config=_GPU_TILES),
         ShapeBucket(name="d_big", dim="D", lo=4097, hi=2**31 - 1, config=_GPU_TILES_BIG),

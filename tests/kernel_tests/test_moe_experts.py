@@ -405,7 +405,14 @@ ROWS_CONFIGS = {"dy_sorted": {"dy_sorted": True}, "rows_tma": {"dy_sorted": True
                 "split8": {"bwd_epi_split": 8, "BWD_BLOCK_M": 32},
                 "split8_wide": {"bwd_epi_split": 8, "BWD_BLOCK_M": 32, "BWD_BLOCK_N": 64},
                 "split8_rows": {"dy_sorted": True, "rows_tma": True, "bwd_epi_split": 8, "BWD_BLOCK_M": 32,
-                                "dw_grouped_mm": True}}
+                                "dw_grouped_mm": True},
+                # template v19: the down backward on its own tile (DOWN_BWD_*), whose row tiles route
+                # the slots: dx on the backward's 16-row tiles takes its own tile map, or (DX_BLOCK_M
+                # 32) shares the down backward's, with both row operands by TMA in 32-row blocks
+                "own_tile": {"DOWN_BWD_BLOCK_M": 32, "DOWN_BWD_BLOCK_N": 64, "down_bwd_stages": 2,
+                             "bwd_epi_split": 8},
+                "own_tile_rows": {"DOWN_BWD_BLOCK_M": 32, "DX_BLOCK_M": 32, "dy_sorted": True, "rows_tma": True,
+                                  "bwd_epi_split": 8, "dw_grouped_mm": True}}
 
 
 @pytest.mark.parametrize("entry,kind,name,f", [
@@ -421,11 +428,14 @@ ROWS_CONFIGS = {"dy_sorted": {"dy_sorted": True}, "rows_tma": {"dy_sorted": True
     ("mlp", "empty_experts", "split8", 38), ("swiglu", "uniform", "split8_wide", 20),
     pytest.param("swiglu", "all_to_one", "split8_rows", 38, marks=pytest.mark.slow),
     pytest.param("bias", "zipf", "split8", 38, marks=pytest.mark.slow),
+    ("swiglu", "zipf", "own_tile", 38), ("mlp", "empty_experts", "own_tile_rows", 20),
+    pytest.param("gpt_oss_bias", "all_to_one", "own_tile_rows", 20, marks=pytest.mark.slow),
 ], ids=lambda v: str(v))
 def test_backward_sorted_rows_and_split_epilogue(load, device, monkeypatch, entry, kind, name, f):
-    """dy_sorted / rows_tma / bwd_epi_split (ROWS_CONFIGS): the output and every gradient (bias
-    gradients too) match the reference on odd rows per expert, unused experts and one expert with
-    every token; the down backward and dx launches took the paths asked for."""
+    """dy_sorted / rows_tma / bwd_epi_split / DOWN_BWD_* (ROWS_CONFIGS): the output and every
+    gradient (bias gradients too) match the reference on odd rows per expert, unused experts and
+    one expert with every token; the down backward and dx launches took the paths and tiles asked
+    for."""
     variant, params = {"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
                        "bias": ("swiglu", {"bias": True}),
                        "gpt_oss_bias": ("swiglu", {"bias": True, **GPT_OSS})}[entry]
@@ -439,9 +449,11 @@ def test_backward_sorted_rows_and_split_epilogue(load, device, monkeypatch, entr
     down = [kw for n, kw in launches if n == "moe_down_bwd_kernel"]
     dx = [kw for n, kw in launches if n == "moe_dx_kernel"]
     sorted_dy, rows = bool(config.get("dy_sorted")), bool(config.get("rows_tma"))
-    assert down and all((kw["DY_SORTED"], kw["ROWS_TMA"], kw["EPI_SPLIT"]) ==
-                        (sorted_dy, rows and sorted_dy, config.get("bwd_epi_split", 1)) for kw in down)
-    assert dx and all(kw["ROWS_TMA"] == rows for kw in dx)
+    bwd = {k: config.get(f"BWD_{k}", CPU_CONFIG[f"BWD_{k}"]) for k in ("BLOCK_M", "BLOCK_N")}
+    tile = tuple(config.get(f"DOWN_BWD_{k}") or bwd[k] for k in bwd)
+    assert down and all((kw["DY_SORTED"], kw["ROWS_TMA"], kw["EPI_SPLIT"], kw["BLOCK_M"], kw["BLOCK_N"]) ==
+                        (sorted_dy, rows and sorted_dy, config.get("bwd_epi_split", 1), *tile) for kw in down)
+    assert dx and all(kw["ROWS_TMA"] == rows and kw["BLOCK_M"] == config.get("DX_BLOCK_M", bwd["BLOCK_M"]) for kw in dx)
 
 
 def test_sorted_dy_is_gathered_once(load, device, monkeypatch):
@@ -615,11 +627,13 @@ def test_v17_configs_bf16_cuda(load, d):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
 @pytest.mark.parametrize("d", [7168, 2048], ids=["d_big", "d_le_4k"])  # DeepSeek-V3's first: it decides the most
 def test_v18_configs_bf16_cuda(load, d):
-    """Template v18's rows as the bench times them (bench.MOE_V18_SWEEP at D 2048, MOE_V18_SWEEP_BIG
-    at D 7168: the down backward on 128 x 256 / 64 x 256 tiles with its epilogue on eight prefetched
-    slices) against the bucket default (`_check_bwd_configs_bf16`: the output and every gradient)."""
+    """Template v18's rows as the bench times them (bench.MOE_V18_SWEEP at D 2048: the down backward
+    on 128 x 256 / 64 x 256 tiles with its epilogue on eight prefetched slices) and v19's at D 7168
+    (MOE_V19_SWEEP_BIG: d_big's down backward is on v18's 128 x 256 row since; the v18 default's
+    down backward tile, 4 stages, 64 x 256) against the bucket default (`_check_bwd_configs_bf16`:
+    the output and every gradient)."""
     bench = moe_experts.bench
-    configs = [{}] + (bench.MOE_V18_SWEEP if d < 4096 else bench.MOE_V18_SWEEP_BIG)
+    configs = [{}] + (bench.MOE_V18_SWEEP if d < 4096 else bench.MOE_V19_SWEEP_BIG)
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
 
 
@@ -952,8 +966,9 @@ def test_backward_tile_keys_in_space_config_and_tuner(load):
 def test_aot_specs_split_forward_and_backward_tiles(load):
     """At D=7168 (bucket d_big) the bf16 specs carry the measured GPU tiles: forward kernels
     128 x 128 x 64, 8 warps, 4 stages, the plain variant's down GEMM 256 columns wide; backward
-    kernels 64 x 128 x 64, 8 warps, 4 stages, the plain variant's dx 128 x 256, 3 stages, with the
-    down backward's and dx's weights by TMA, the weight-gradient GEMMs 128 x 128 x 64, 3 stages."""
+    kernels 64 x 128 x 64, 8 warps, 4 stages, the plain variant's down backward and dx 128 x 256, 3
+    stages (DOWN_BWD_*, DX_*), with their weights by TMA, the weight-gradient GEMMs 128 x 128 x 64,
+    3 stages."""
     fwd = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     bwd = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     for variant in ("swiglu", "swiglu_lora"):
@@ -972,11 +987,13 @@ def test_aot_specs_split_forward_and_backward_tiles(load):
         assert got["moe_gate_up_fwd_kernel"] == [fwd], (variant, got["moe_gate_up_fwd_kernel"])
         down = {**fwd, "BLOCK_N": 256 if variant == "swiglu" else 128}  # DOWN_BLOCK_N: not with LoRA
         assert got["moe_down_fwd_kernel"] == [down], (variant, got["moe_down_fwd_kernel"])
-        dx = {**bwd, "BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3}  # DX_*: not with LoRA
+        wide = {**bwd, "BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3}  # DOWN_BWD_*, DX_*: not with LoRA
         for name in ("moe_down_bwd_kernel", "moe_dx_kernel"):
-            want = dx if name == "moe_dx_kernel" and variant == "swiglu" else bwd
+            want = wide if variant == "swiglu" else bwd
             assert got.get(name, [want]) == [want], (variant, name, got[name])
             assert [s["constexprs"]["TMA"] for s in specs if s["kernel"] == name] == [variant == "swiglu"]
+        assert [s["constexprs"]["EPI_SPLIT"] for s in specs if s["kernel"] == "moe_down_bwd_kernel"] == \
+            [8 if variant == "swiglu" else 1]
         dw = {**bwd, "BLOCK_M": 128, "num_stages": 3}  # DW_*: the weight-gradient GEMMs' own tile
         for name in ("moe_dwd_kernel", "moe_dwgu_kernel"):
             assert got.get(name, [dw]) == [dw], (variant, name, got[name])
