@@ -6,9 +6,8 @@ forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd`
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
 (`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, the latter with
 ``+prep_warps=8+prep_maxnreg=128``, ``ours@fwd_o=fused+fused_kq=rows_fwd`` and that with
-``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``) and the split chunk-local backward (`SPLIT_SWEEP`:
-``ours@bwd_split=vk``, ``ours@bwd_split=vk+bwd_split_warps=8``), on request, on the same inputs, so
-that one call times them against the default and fla."""
+``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``), on request, on the same inputs, so that one call
+times them against the default and fla."""
 
 from __future__ import annotations
 
@@ -45,13 +44,10 @@ KQ_ROWS = {"fwd_o": "fused", "fused_kq": "rows"}
 # slower than the default forward on an H100, .ci/h200/h32_gdn6.sh; family.py)
 PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, {**PREP_OCC, "fwd_o": "fused"},
               KQ_ROWS, {**KQ_ROWS, **PREP_OCC})
-# issue 32, template v24, fwd+bwd: the chunk-local backward split in a V-side launch and one program
-# per K tile (`bwd_split` "vk"), with the K tiles' launch at the bucket's 4 warps and at 8 (sm_90 AOT:
-# 180 and 126 registers, no spills: two programs per SM either way, 8 or 16 warps; the one-kernel
-# default 255 registers with 112 B spilled at 4 warps)
-SPLIT_SWEEP = ({"bwd_split": "vk"}, {"bwd_split": "vk", "bwd_split_warps": 8})
+# (v24's SPLIT_SWEEP, the chunk-local backward split per K tile `bwd_split` "vk", went with the key in
+# v25: both rows slower than the default fwd+bwd on an H100, .ci/h200/h32_gdn7.sh, in git at 047b72b; family.py)
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)
-BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0], *SPLIT_SWEEP)
+BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0])
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)
 
 

@@ -96,18 +96,15 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 #   than the default forward in every row at both shapes timed on an H100 (`.ci/h200/h32_gdn6.sh`,
 #   CUDA graph, B2 T4096 H16 D128: 0.310-0.408 ms against 0.243; B1 T8192 HK16 HV32 D128:
 #   0.576-0.733 against 0.455); v23 removed it (docs/LOG.md, "prep_share").
-# bwd_split ("one"): the backward's chunk-local kernel. "one" one program per (chunk, value head)
-#   does the V side and every K tile (sm_90 AOT: 255 registers at 4 warps, two programs per SM).
-#   "vk" three launches of the same code (`gdn_chunk_bwd_part_kernel`): the V side per (chunk, value
-#   head), writing the [BT, BT] dot operands P, Pq (IDT) and the dk row dots; then one program per
-#   (K tile, chunk, value head); then a row sum of their dbeta / dq row dot / dg shares. Untimed
-#   (v24; docs/LOG.md, helper-97). bwd_split_warps (0: num_warps): the K tiles' launch alone (sm_90
-#   AOT at K = V = 128, bf16: 176 registers at 4 warps, 122 at 8, i.e. 8 or 16 warps per SM).
+# Removed keys: v24's bwd_split "vk" (the chunk-local backward as a V-side launch, one program per
+#   K tile and a row sum of their shares; bwd_split_warps the K tiles' warps) lost to the one-kernel
+#   default at both shapes timed on an H100 (`.ci/h200/h32_gdn7.sh`, in git at 047b72b; CUDA graph, fwd+bwd ms: B2
+#   T4096 H16 D128 0.808 default, 0.940 vk, 1.005 vk at 8 warps; B1 T8192 HK16 HV32 D128 1.590,
+#   1.925, 2.035; bars passed); v25 removed it (docs/LOG.md, thirty-sixth session).
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
-                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
-                    "bwd_split": ("one", "vk"), "bwd_split_warps": (0, 4, 8)}
+                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows")}
 GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
-                      "fused_kq": "stored", "bwd_split": "one", "bwd_split_warps": 0}
+                      "fused_kq": "stored"}
 SHAPE_BUCKETS = (
     # k_le_64: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64 bf16:
     # 2.36 ms against 2.51 for the config before, re-timed together (docs/LOG.md, fifth session).
@@ -168,9 +165,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    # v24: bwd_split "vk" (the chunk-local backward in a V-side and a per-K-tile launch, an
-    # option); the default's kernels unchanged. History: docs/LOG.md.
-    template_version=24,
+    # v25: bwd_split "vk" removed (it lost; see above); the default's kernels unchanged. History:
+    # docs/LOG.md.
+    template_version=25,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

@@ -11,7 +11,7 @@ bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepar
 two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own split prepare step
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
-`kda_qk`, `kda_qk_tiers`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`,
+`kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`,
 `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
 """
 
@@ -61,24 +61,27 @@ PARAMS = _base.PARAMS
 #   kernels. Default "tiles": fwd+bwd 3.872 ms against 5.003 for "serial" at T8192 (docs/LOG.md,
 #   twentieth session, call J); "fused" and "ktiles" untimed (`bench.BWD_SWEEP`,
 #   `bench.KTILES_SWEEP`). "ksplit" (v38) the tiled pair with the wy kernel's K tiles in programs of
-#   their own (`kda_chunk_bwd_wyv_kernel` per (chunk, value head), `kda_chunk_bwd_wyk_kernel` per (K
-#   tile, chunk, value head), a row-sum kernel, then the same qkt kernel); untimed (`bench.KSPLIT_SWEEP`).
-# kda_qk_tiers ("one"; with "tiles" and "ksplit"): "one" the qkt kernel with the forward's three Gram
-#   tiers in it; "split" (v38) `kda_chunk_bwd_qkc_kernel` with the chunk tier alone, then
-#   `kda_chunk_bwd_qkx_kernel` (the qkt kernel's body) for the tiles whose decays do not fit it, flagged by
-#   qkc (the others end at once). The cold tiers' registers no longer spill in the hot one: sm_90 AOT
-#   (bf16, BK 32, 4 warps, triton 3.9 | 3.6) qkt 255 registers / 1464 | 1780 B of spills, qkc 255 / 0 (BK
-#   16: 150 | 141 / 0, three programs per SM). Untimed.
-# kda_qk_bk (0: BK): the K tile of the "tiles" qk kernel (and of qkc, qkx), the "fused" kernel and the
-#   "ktiles" K-tile kernel.
+#   their own (`kda_chunk_bwd_wyp_kernel`, the wyt kernel's body `_kda_wy_head` by its PART: the V side
+#   per (chunk, value head), then the K tiles per (K tile, chunk, value head); a row-sum kernel, then the
+#   same qkt kernel): on an H100 fwd+bwd 4.163 ms against the default's 4.266 at B1 T8192 H32 D128
+#   (`.ci/h200/h32_kdabwd4.sh`, in git at 047b72b, thirty-sixth session; bars passed).
+# A removed key: v38's kda_qk_tiers "split" (the qkt kernel as its chunk tier, `kda_chunk_bwd_qkc_kernel`,
+#   then the redo of the tiles it flagged) faulted on an H100 (triton 3.6, "an illegal memory access" in
+#   qkc) at one value head per key head (HV = HK: the bench's layout and HK = HV = 2 at T 1000) and ran
+#   clean at HV = 2 HK; the interpreter's bounds check at the faulting shape found every access in
+#   bounds, so the fault is in the build; v40 removed it (docs/LOG.md, thirty-sixth session).
+# kda_qk_bk (0: BK): the K tile of the "tiles" qk kernel, the "fused" kernel and the "ktiles" K-tile
+#   kernel.
 # kda_qk_warps, kda_wy_warps (0: num_warps): warps of the backward's qk and wy kernels;
 #   kda_qk_warps also sizes the "fused" and K-tile kernels, kda_wy_warps the V-side kernel and
-#   "ksplit"'s wyv kernel.
+#   "ksplit"'s V-side launch (PART 1).
 # kda_wyk_warps (0: kda_wy_warps, else num_warps), kda_wyk_maxnreg (0: no cap): warps and register cap of
-#   "ksplit"'s wyk kernel. sm_90 AOT at the bench shape (bf16, JIT marks; registers, triton 3.9 | 3.6): 4
-#   warps 204 | 229, 8 warps 124 | 139, no spills: on 3.6 two 4-warp or one 8-warp program per SM, as the
-#   wyt kernel's 255; 128 at 8 warps (two per SM, no spills) and 168 at 4 (three; 36 | 56 B of spills)
-#   are the caps that add programs.
+#   "ksplit"'s K-tile launch (PART 2; v38-v39 a kernel of its own, wyk). sm_90 AOT at the bench shape
+#   (bf16, JIT marks; registers, triton 3.9 | 3.6, v39's wyk): 4 warps 204 | 229, 8 warps 124 | 139, no
+#   spills: on 3.6 two 4-warp or one 8-warp program per SM, as the wyt kernel's 255; 128 at 8 warps (two
+#   per SM, no spills) and 168 at 4 (three; 36 | 56 B of spills) are the caps that add programs. v40's
+#   PART 2 (triton 3.6, same marks): 242 registers at 4 warps, no spills; 128 with 16 B of spills at 8
+#   warps capped at 128; its PART 1 244, no spills (v39's wyv 247).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -94,14 +97,14 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_prep_maxnreg": (0, 128, 168),
                 "kda_chunk_ref": (0, 1),
                 "kda_gram_warps": (0, 4, 8), "kda_wu_warps": (0, 4, 8),
-                "kda_qk": ("serial", "tiles", "fused", "ktiles", "ksplit"), "kda_qk_tiers": ("one", "split"),
+                "kda_qk": ("serial", "tiles", "fused", "ktiles", "ksplit"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
-                  "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_qk_tiers": "one",
+                  "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0,
                   "kda_state_bwd_warps": 0, "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
@@ -134,7 +137,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    template_version=39,  # v39: the base's `_backward_state` replaces the copied host lines; history: docs/LOG.md
+    # v40: "ksplit"'s wy kernels one (`_kda_wy_head` by PART), `kda_qk_tiers` removed (it faulted), the base's
+    # `bwd_split` with it; the default's kernels unchanged. History: docs/LOG.md
+    template_version=40,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

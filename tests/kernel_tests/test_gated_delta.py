@@ -804,59 +804,6 @@ def test_dot_mode_keeps_fp32_operands_on_cpu():
     dot_modes_on_cpu(gated_delta.FAMILY)
 
 
-# `bwd_split` "vk" (the chunk-local backward as a V-side launch, one per K tile, and a row sum):
-# T = 37 (odd, not a multiple of the chunk) with an initial state and the l2norm; grouped value heads
-# (HV = 2 HK) at batch 2 without either; K over two K tiles and V over two V tiles, the second partial
-# (WIDE, so two K-tile programs per chunk share the row sums); K < V with HV = 2 HK at T a multiple
-# of the chunk. With fp16 or bf16 q, k, v the IDT scratch is exercised by test_bwd_split_fp16_dot_path.
-@pytest.mark.parametrize("case", [*CASE_PARAMS, pytest.param(WIDE, id=WIDE.id)])
-def test_bwd_split(case, monkeypatch):
-    """Every gradient (q, k, v, g, beta, initial state) against the naive recurrence and against the
-    one-kernel path of the same module (same fp32 arithmetic: within 1e-5); the one-kernel WY
-    kernel never launched, the part kernel launched once per part with the K tiles' grid."""
-    module = load(gated_delta.FAMILY)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    gen = torch.Generator().manual_seed(4)
-    args = make_inputs(case, False, torch.float32, DEVICE, gen)
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    one = grads_of(module.entry, args, douts)
-    grids = []
-    module.set_config({**base, "bwd_split": "vk"})
-    try:
-        monkeypatch.setattr(module, "gdn_chunk_bwd_wy_kernel", None)  # a launch would fail
-        monkeypatch.setattr(module, "gdn_chunk_bwd_part_kernel",
-                            LaunchSpy(module.gdn_chunk_bwd_part_kernel, lambda grid, kw: grids.append((grid, kw["PART"]))))
-        vk = grads_of(module.entry, args, douts)
-        NT, NK = -(-case.T // CHUNK), -(-case.K // module._tiles(case.K, case.V)["BK"])
-        assert grids == [((NT, case.B * case.HV), 1), ((NK, NT, case.B * case.HV), 2)], grids
-        names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
-        for name, a, b in zip(names, [*vk[0], *vk[1]], [*one[0], *one[1]]):
-            assert (a is None) == (b is None), name
-            if a is not None:
-                assert rel(a, b) < 1e-5, (case.id, name, rel(a, b))
-        grids.clear()
-        check_against(module, module.reference, case, False, "naive recurrence, bwd_split vk")
-        assert [p for _, p in grids] == [1, 2]
-    finally:
-        module.set_config(base)
-
-
-def test_bwd_split_fp16_dot_path(monkeypatch):
-    """The fp16 dot path (16-bit IDT scratch P, Pq as on a GPU) with `bwd_split` "vk"."""
-    module = load(gated_delta.FAMILY)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    module.set_config({**base, "bwd_split": "vk"})
-    parts = []
-    monkeypatch.setattr(module, "gdn_chunk_bwd_part_kernel",
-                        LaunchSpy(module.gdn_chunk_bwd_part_kernel, lambda grid, kw: parts.append(kw["PART"])))
-    try:
-        check_fp16_dot_path(gated_delta.FAMILY, False, monkeypatch)
-        assert parts == [1, 2], parts
-    finally:
-        module.set_config(base)
-
-
 # The bf16 build in two parts (the kernels with Tm dots: the prepare with its tf32 merges and the
 # backward WY kernel; then the state and output kernels), both nightly: on a cold Triton cache in
 # CI the first took 72.5 s, all five 82 s.
@@ -894,22 +841,5 @@ def test_bf16_vs_fp32_on_gpu_fwd_o(cfg, case, slow):
     module.set_config({**(prev or {}), **cfg})
     try:
         check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow, no_grad=True)
-    finally:
-        module.set_config(prev)
-
-
-# The bench's `bwd_split` rows (bench.SPLIT_SWEEP): each within the bf16 bars on the GPU, every gradient,
-# at both GPU cases (the split's scratch P, Pq in bf16).
-@pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
-                                 for c in gated_delta.bench.SPLIT_SWEEP])
-@pytest.mark.parametrize("case,slow", GPU_CASES)
-def test_bf16_vs_fp32_on_gpu_bwd_split(cfg, case, slow):
-    if DEVICE.type != "cuda":
-        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
-    module = load(gated_delta.FAMILY, {"chunk_size": 64})
-    prev = module._CONFIG_OVERRIDE
-    module.set_config({**(prev or {}), **cfg})
-    try:
-        check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow)
     finally:
         module.set_config(prev)

@@ -136,13 +136,11 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
 # The chunk-local backward's second half: the tiled qk kernel (`_kda_bwd.py.j2`, the default) or
 # the serial one, the tiled at the default K tile and at 16 (K = 48: three tiles, the GPU's form of
 # several K tiles per row), with and without the in-kernel l2norm.
-# "ksplit" (template v38): the wy kernel's V side and K tiles as two kernels, a row-sum kernel, then
-# the same qkt kernel; at the pinned tiles (BK 32: two K tiles, the second ragged) and at BK 16 (three);
-# `kda_qk_tiers` "split" (v38): the qkt kernel as its chunk tier, then a redo of the flagged tiles.
+# "ksplit" (template v38; one kernel for both parts since v40): the wy kernel's V side and K tiles as two
+# launches, a row-sum kernel, then the same qkt kernel; at the pinned tiles (BK 32: two K tiles, the
+# second ragged) and at BK 16 (three).
 BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16},
-               "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16},
-               "tiles_tiers": {"kda_qk": "tiles", "kda_qk_tiers": "split"},
-               "ksplit_tiers": {"kda_qk": "ksplit", "kda_qk_tiers": "split"}}
+               "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16}}
 
 
 @pytest.mark.parametrize("l2", [True, False], ids=["l2", "no-l2"])
@@ -168,7 +166,8 @@ def test_tiled_backward_equals_serial(bwd, l2):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name} vs naive: {m}")
 
 
-KSPLIT_KERNELS = ["kda_chunk_bwd_wyv_kernel", "kda_chunk_bwd_wyk_kernel", "kda_chunk_bwd_rowsum_kernel",
+# "ksplit"'s launches: the wy kernel's two parts (PART 1, then 2), the row sums, the qkt kernel
+KSPLIT_KERNELS = ["kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_rowsum_kernel",
                   "kda_chunk_bwd_qkt_kernel"]
 
 
@@ -180,15 +179,17 @@ KSPLIT_KERNELS = ["kda_chunk_bwd_wyv_kernel", "kda_chunk_bwd_wyk_kernel", "kda_c
 def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     """The default is the tiled pair; `kda_qk` "serial" launches the serial pair only, "fused" its
     one kernel, "ktiles" its V-side and K-tile kernels (no group sum at HV = HK), "ksplit" the wy
-    kernel's V side, its K tiles, the row sums and the tiled pair's qkt kernel."""
+    kernel's V side (PART 1, per (chunk, head)), its K tiles (PART 2, per (K tile, chunk, head)), the
+    row sums and the tiled pair's qkt kernel."""
     assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "tiles"
     module = load(kimi_delta.FAMILY)
-    launched = []
+    launched, parts = [], []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
                  "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel",
-                 "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", *KSPLIT_KERNELS[:3]):
-        monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
-                                                   lambda grid, kw, _n=name: launched.append(_n)))
+                 "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyp_kernel",
+                 "kda_chunk_bwd_rowsum_kernel"):
+        monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw, _n=name: (
+            launched.append(_n), parts.append((kw["PART"], len(grid))) if "PART" in kw else None)))
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False)
     gen = torch.Generator().manual_seed(2)
     args = make_inputs(case, True, torch.float32, DEVICE, gen)
@@ -197,6 +198,7 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     with pinned(module, {"kda_qk": bwd}):
         _, grads = grads_of(module.entry, args, douts)
     assert launched == kernels, launched
+    assert parts == ([(1, 2), (2, 3)] if bwd == "ksplit" else []), parts
     _, ref_grads = grads_of(module.reference, args, douts)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
@@ -209,7 +211,7 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
 # head), its K tiles in a loop; faulted on the H200 at v32, see docs/LOG.md) and "ktiles" (template
 # v35: the V side per (chunk, value head), `kda_chunk_bwd_vside_kernel`, then the K tiles per (K tile,
 # chunk, value head), `kda_chunk_bwd_ktile_kernel`, dbeta's K share added atomically) and "ksplit" (v38:
-# the tiled pair's wy kernel as a V-side and a K-tile kernel, a row-sum kernel, the same qkt). Cases: config,
+# the tiled pair's wy kernel as a V-side and a K-tile launch, a row-sum kernel, the same qkt). Cases: config,
 # l2norm, HV (HK is 1), V, T, seed. "mixed" cases (one value head, the l2norm) scale the chunks'
 # decays mild / medium / strong so the spies see every Gram-backward tier; "grouped" ones take per
 # value head slots, then `kda_group_sum_kernel`; bv16-odd-t has three V tiles (V 40 at `bwd_bv` 16,
@@ -255,7 +257,7 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
         for name in ("kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_group_sum_kernel",
-                     "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel", *KSPLIT_KERNELS):
+                     "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel", *dict.fromkeys(KSPLIT_KERNELS)):
             monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
                                                        lambda grid, kw, _n=name: calls.append(_n)))
     with pinned(module, cfg):
@@ -269,73 +271,6 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
             assert tiers == {"_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"}, tiers
         elif not l2:
             assert tiers == {"_kda_gram_bwd_dots/64"}, tiers
-    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
-    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
-
-
-# `kda_qk_tiers` "split" (template v38): `kda_chunk_bwd_qkc_kernel` (the chunk tier alone) flags the
-# (K tile, chunk, key head) tiles whose decays do not fit it, `kda_chunk_bwd_qkx_kernel` redoes them with
-# every tier. Cases: config, HV (HK 1), strong decays on (head 1 | chunks 2-3). "heads": in the last
-# chunk, of a key head's two value heads the first fits and the second does not, so qkc writes the
-# first's dg and no dq, dk, and qkx redoes the tile from the untouched partials; "chunks": one value head, chunk 1 mild (qkc
-# alone), chunk 2 medium, chunk 3 strong (redone: the 16-row and the exact tier).
-TIER_CASES = {
-    "tiles-heads": ({"kda_qk": "tiles", "kda_qk_tiers": "split"}, 2, "heads"),
-    "ksplit-chunks-bk16": ({"kda_qk": "ksplit", "kda_qk_tiers": "split", "BK": 16}, 1, "chunks"),
-    "ksplit-heads-no-l2": ({"kda_qk": "ksplit", "kda_qk_tiers": "split"}, 2, "heads"),
-}
-
-
-@pytest.mark.parametrize("case_id", list(TIER_CASES))
-def test_qk_tiers_split_vs_naive(monkeypatch, case_id):
-    """T 150 (the last chunk partial), K 48, an initial state: forward and every gradient against the
-    naive recurrence; in the interpreter the launches, the redo flags (some set, some not) and the
-    tiers taken."""
-    cfg, HV, where = TIER_CASES[case_id]
-    l2 = "no-l2" not in case_id
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=1, HV=HV, T=150, l2=l2, h0=True, K=48, V=16)
-    gen = torch.Generator().manual_seed(8)
-    args = make_inputs(case, True, torch.float32, DEVICE, gen)
-    if where == "heads":  # head 1 strong in the last chunk only
-        args[3] = args[3].clone()
-        args[3][:, 128:, 1:] *= 30.0
-    else:
-        args[3] = torch.cat([args[3][:, :64], args[3][:, 64:128] * 4.0, args[3][:, 128:] * 30.0], dim=1)
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    calls, flags = [], []
-    if DEVICE.type == "cpu":
-        for name, bc in (("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9)):
-            fn = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
-                calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
-        for name in ("kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel", *KSPLIT_KERNELS[:3],
-                     "kda_chunk_bwd_qkc_kernel"):
-            monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
-                                                       lambda grid, kw, _n=name: calls.append(_n)))
-        qkx = module.kda_chunk_bwd_qkx_kernel
-
-        class _Redo:  # records the flags qkc left, then launches
-            def __getitem__(self, grid):
-                def launch(*a, **kw):
-                    calls.append("kda_chunk_bwd_qkx_kernel")
-                    flags.extend(a[15].tolist())
-                    return qkx[grid](*a, **kw)
-                return launch
-        monkeypatch.setattr(module, "kda_chunk_bwd_qkx_kernel", _Redo())
-    with pinned(module, cfg):
-        (o, ht), grads = grads_of(module.entry, args, douts)
-    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
-    if DEVICE.type == "cpu":
-        wy = ["kda_chunk_bwd_wyt_kernel"] if cfg["kda_qk"] == "tiles" else KSPLIT_KERNELS[:3]
-        assert [c for c in calls if c.startswith("kda_")] == [*wy, "kda_chunk_bwd_qkc_kernel",
-                                                               "kda_chunk_bwd_qkx_kernel"], calls
-        assert 0 in flags and any(flags), flags
-        tiers = {c for c in calls if not c.startswith("kda_")}
-        assert "_kda_gram_bwd_dots/64" in tiers and ("_kda_gram_bwd" in tiers or "_kda_gram_bwd_dots/16" in tiers), tiers
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
@@ -575,12 +510,10 @@ def test_aot_sm90_bf16_tensor_cores():
                                            "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
                                            "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel",
                                            "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel",
-                                           "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyv_kernel",
-                                           "kda_chunk_bwd_wyk_kernel", "kda_chunk_bwd_qkc_kernel",
-                                           "kda_chunk_bwd_qkx_kernel"],
+                                           "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyp_kernel"],
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel",
                         "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel",
-                        "kda_chunk_bwd_wyv_kernel", "kda_chunk_bwd_wyk_kernel"])
+                        "kda_chunk_bwd_wyp_kernel"])
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
@@ -651,8 +584,7 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
                                  pytest.param({"kda_qk": "fused", "kda_qk_bk": 16}, id="fused-bk16"),
                                  pytest.param({"kda_qk": "ktiles"}, id="ktiles"),
                                  pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32"),
-                                 pytest.param({"kda_qk": "ksplit"}, id="ksplit"),
-                                 pytest.param({"kda_qk": "ksplit", "kda_qk_tiers": "split"}, id="ksplit-tiers")])
+                                 pytest.param({"kda_qk": "ksplit"}, id="ksplit")])
 def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
     o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
@@ -668,8 +600,7 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).half().to(DEVICE),
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     launches, tiers = [], set()
-    for name in ("kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_ktile_kernel",
-                 "kda_chunk_bwd_qkc_kernel"):
+    for name in ("kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_ktile_kernel"):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, LaunchSpy(kernel, lambda grid, kw, _n=name: launches.append(
             (_n, kw["BK"], kw["DOT_PREC"]))))
@@ -694,7 +625,7 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     finally:
         module.set_config(prev)
     kernel = {"fused": "kda_chunk_bwd_fused_kernel", "ktiles": "kda_chunk_bwd_ktile_kernel"}.get(
-        cfg.get("kda_qk"), "kda_chunk_bwd_qkc_kernel" if cfg.get("kda_qk_tiers") == "split" else "kda_chunk_bwd_qkt_kernel")
+        cfg.get("kda_qk"), "kda_chunk_bwd_qkt_kernel")
     assert {launch[:2] for launch in fp16_launches} == {(kernel, cfg.get("kda_qk_bk") or 32)}, fp16_launches
     assert fp16_tiers == {"_kda_gram", "_kda_gram_bwd", "_kda_gram_bwd_dots/64"}, fp16_tiers
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
