@@ -27,8 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v20's default, `split_dbc` "two" capped at 128 with
-  the host's sums), forward
+  tuning values beside the default (`SWEEP`: v21's `split_dbc` "triple" at 8 and 16 warps, v20's
+  default, "two" capped at 128 with the host's sums), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -166,9 +166,20 @@ SHAPES = (
 # the row to compare with. Gone: the rows that lost to P8 (num_stages 2, "paired" at 16 warps,
 # STATE_CHUNKS 2, 16 warps) and STATE_N 32, which slowed the forward (0.504 against 0.470) and gained
 # the backward about 0.03 ms (1.759 - 0.504 against 1.755 - 0.470, within a run's row-to-row spread).
+#
+# Template v21 (not yet timed): `split_dbc` "triple", "paired"'s dC / dB program split in two (dC
+# with the block pairs' terms of dL/dcs; dB, forming each head's M again): three programs per
+# (chunk, group). The paired kernel (0.963 ms of the default's 1.72 ms of kernels in that call's
+# profile) moves about 1 GB through HBM and does about 88 GFLOP (0.33 ms and 0.1 ms at the H100's
+# rates): it is latency-bound, one 8-warp program per SM (255 registers) whose head loops wait on
+# 31-33 barriers each (sm_90 SASS, triton 3.6). "triple" at 8 warps builds without spills (36 bytes
+# under "paired") in 133 KB of shared memory (173), its dC / dB loops 24 and 13 barriers against 31,
+# for 1.5x the programs; at 16 warps 128 registers / 20 spill bytes ("paired": 132). First "triple"
+# at 8 and at 16 warps, then v20's default.
 TWO = {"split_dbc": "two", "bwd_split_maxnreg": 128, "bwd_sums": "host"}
 P8 = {"split_dbc": "paired", "bwd_split_maxnreg": 0}  # the bucket's split_dbc and register cap (h35_ssd10.sh)
-SWEEP = ((TWO, "bwd"),)
+TRIPLE = {"split_dbc": "triple"}
+SWEEP = ((TRIPLE, "bwd"), ({**TRIPLE, "bwd_split_warps": 16}, "bwd"), (TWO, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -90,10 +90,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v20: the backward gets None, not autograd's zeros, for the outputs without a gradient; `bwd_sums`
+    # v21: `split_dbc` "triple" (untimed). v20: the backward gets None, not autograd's zeros, for the
+    # outputs without a gradient; `bwd_sums`
     # (untimed). v19: `split_dbc` "fused" and "paired" (dx, dC, dB in one launch; timed on an H100, not
     # the default: their bars rows have not run on a GPU)
-    template_version=20,
+    template_version=21,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -171,6 +172,11 @@ FAMILY = FamilySpec(
     #   second reads the inputs from L2). On an H100 (docs/LOG.md, thirty-fifth session's call 3, CUDA
     #   graph, fwd+bwd): "two" 2.372 ms, "paired" 8 warps uncapped 1.804, 16 warps 2.049, "fused" 16
     #   warps 3.064. "paired" is the P <= 64 bucket's value since the thirty-sixth session (below).
+    #   Or "triple" (v21, where "paired" applies): "paired"'s dC / dB program split in two, one for
+    #   dC and the block pairs' terms of dL/dcs, one for dB (forming each head's M again): at most one
+    #   [N, L] accumulator and fewer staged operands per program (sm_90 build, 8 warps, triton 3.6:
+    #   255 registers, no spills, 133 KB of shared memory, against "paired"'s 36 spill bytes and 173
+    #   KB; at 16 warps 128 / 20, against 132), for a third program per (chunk, group). Untimed.
     # bwd_split_warps (0): warps of the split backward's dx and dB/dC kernels (0: bwd_warps; 16
     #   builds without spills). Untimed.
     # bwd_sums ("host"; v20): the split backward's dA, dD and dt-bias gradients as the host's three
@@ -213,7 +219,7 @@ FAMILY = FamilySpec(
         "bwd": ("chunk", "split"),
         "BWD_M": (16, 32, 64, 128),
         "bwd_split_maxnreg": (0, 128, 168),
-        "split_dbc": ("two", "one", "fused", "paired"),
+        "split_dbc": ("two", "one", "fused", "paired", "triple"),
         "bwd_split_warps": (0, 4, 8, 16),
         "bwd_sums": ("host", "kernel"),
     },

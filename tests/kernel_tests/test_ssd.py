@@ -349,7 +349,7 @@ SPLIT_DBC1 = [
 
 
 # `split_dbc` "fused" and "paired" (v19; split chunks of one row block): dx, dC and dB in one launch,
-# one program or two per (split chunk, group). T 41 three split chunks of 16 (the last 9 tokens), 2
+# one program or two per (split chunk, group); "triple" (v21) three. T 41 three split chunks of 16 (the last 9 tokens), 2
 # groups of 2 heads, N 24 padded to 32, D, dt_bias, initial state; split chunks of 32 in one row
 # block of 32 with the fused pass and pull, P 20 padded; 2 batches, T 23, dB / dC partials of one
 # head each (DBC_SPLIT 2); a split chunk of two row blocks (BWD_M 16 under 32: neither applies and
@@ -369,7 +369,7 @@ SPLIT_FUSED = [
                                                                 id=p.id, marks=p.marks) for p in SPLIT_DBC1]
                          + [pytest.param({**p.values[0], "split_dbc": dbc}, p.values[1],
                                          id=p.id.replace("fused", dbc, 1), marks=p.marks)
-                            for dbc in ("fused", "paired") for p in SPLIT_FUSED])
+                            for dbc in ("fused", "paired", "triple") for p in SPLIT_FUSED])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
@@ -382,13 +382,14 @@ def test_split_backward(module, device, cfg, shape):
 
 # `bwd_sums` "kernel" (v20): d(dt) in dt's dtype with its per-chunk sums, dA, dD and dt bias's
 # gradient summed by one launch. T 41 split chunks of 16 (three, the last 9 tokens), 2 groups of 2
-# heads, D, dt_bias, initial state, under "two" (one row block) and "paired"; split chunks of 32 in
+# heads, D, dt_bias, initial state, under "two" (one row block), "paired" and "triple"; split chunks of 32 in
 # two row blocks (dD's partials per row block); 2 batches, T 23, no D / dt_bias
 @pytest.mark.parametrize("cfg,shape", [
     pytest.param({"STATE_CHUNKS": 1, "split_dbc": "two"}, T41, id="two-T41"),
     pytest.param({"STATE_CHUNKS": 1, "split_dbc": "paired"}, T41, id="paired-T41"),
     pytest.param({"STATE_CHUNKS": 2}, (1, 41, 2, 8, 2, 16, True, True), id="nb2-T41"),
     pytest.param({"STATE_CHUNKS": 1, "split_dbc": "paired"}, (2, 23, 4, 8, 2, 16, False, False), id="paired-B2-noD"),
+    pytest.param({"STATE_CHUNKS": 1, "split_dbc": "triple"}, T41, id="triple-T41"),
 ])
 def test_split_backward_sums(module, device, cfg, shape):
     """`bwd_sums` "kernel": every gradient against the reference (outputs poisoned, loads
@@ -417,12 +418,12 @@ def test_split_backward_sums(module, device, cfg, shape):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
-@pytest.mark.parametrize("dbc", ["two", "fused", "paired"])
+@pytest.mark.parametrize("dbc", ["two", "fused", "paired", "triple"])
 def test_split_backward_limits_no_softplus(module, device, dbc):
     """`bwd` "split" with clamped dt (the gradient stops where a limit binds; its own dt and d dt
     tiles) and then raw dt without softplus (no D, dt_bias or initial state); T 23, split chunks of
-    16 (the second partial), the fixture's A; `split_dbc` "two", "fused" and "paired" (split chunks
-    of one row block)."""
+    16 (the second partial), the fixture's A; `split_dbc` "two", "fused", "paired" and "triple"
+    (split chunks of one row block)."""
     _split(module, device, {"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "bwd": "split", "split_dbc": dbc})
     try:
         check_forward_backward(fixture(module, (1, 23, 2, 8, 1, 8, True, True), dt_limit=(0.1, 1.5)),
@@ -435,10 +436,10 @@ def test_split_backward_limits_no_softplus(module, device, dbc):
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
 
 
-@pytest.mark.parametrize("dbc", ["fused", "paired"])
+@pytest.mark.parametrize("dbc", ["fused", "paired", "triple"])
 def test_split_fused_launches(module, device, monkeypatch, dbc):
-    """`split_dbc` "fused" / "paired" at the P <= 64 bucket's tiles (split chunks of 64, one row
-    block): ssd_bwd_split_fused_kernel with one or two programs per split chunk and group, in
+    """`split_dbc` "fused" / "paired" / "triple" at the P <= 64 bucket's tiles (split chunks of 64,
+    one row block): ssd_bwd_split_fused_kernel with one, two or three programs per split chunk and group, in
     place of the split dx and dC / dB kernels, for 16-bit inputs at P 64, N 128 (a head's tiles
     48 KB); "two"'s kernels for fp32 inputs there (96 KB: the build would not fit an SM's shared
     memory) and at two row blocks (BWD_M 32)."""
@@ -453,7 +454,8 @@ def test_split_fused_launches(module, device, monkeypatch, dbc):
             0.3 * torch.randn(b, t, g, n, generator=gen)]
     def split(nb):  # (kernel, its grid's first dim: B * H; row blocks)
         return [("ssd_bwd_split_dx_kernel", h), ("ssd_bwd_split_dbc_kernel", nb), ("ssd_bwd_split_dbc_kernel", nb)]
-    for dtype, cfg, want in ((torch.float16, {}, [("ssd_bwd_split_fused_kernel", 2 if dbc == "paired" else 1)]),
+    roles = {"fused": 1, "paired": 2, "triple": 3}[dbc]
+    for dtype, cfg, want in ((torch.float16, {}, [("ssd_bwd_split_fused_kernel", roles)]),
                              (torch.float32, {}, split(1)), (torch.float16, {"BWD_M": 32}, split(2))):
         module.set_config({"split_dbc": dbc, **cfg})
         launched.clear()
@@ -745,7 +747,11 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # 2 and STATE_N 32 passed (dropped: bench.py's SWEEP says why). [v20-two] is v20's
                                  # default ("two" capped at 128, host sums)
                                  pytest.param({"split_dbc": "two", "bwd_split_maxnreg": 128, "bwd_sums": "host"},
-                                              id="v20-two", marks=UNTIMED)])
+                                              id="v20-two", marks=UNTIMED),
+                                 # v21 (`.ci/h200/h36_ssd11.sh`): `split_dbc` "triple" at 8 and 16 warps
+                                 pytest.param({"split_dbc": "triple"}, id="v21-triple-w8", marks=UNTIMED),
+                                 pytest.param({"split_dbc": "triple", "bwd_split_warps": 16}, id="v21-triple-w16",
+                                              marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -836,7 +842,9 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  # chunks of 64 (one row block)
                                  pytest.param({"split_dbc": "fused"}, id="dbc-fused"),
                                  # v20's default ("paired" with `bwd_sums` "kernel" since: [default])
-                                 pytest.param({"split_dbc": "two", "bwd_sums": "host"}, id="dbc-two")])
+                                 pytest.param({"split_dbc": "two", "bwd_sums": "host"}, id="dbc-two"),
+                                 # v21's "triple" (dx, dC, dB in three programs per chunk and group)
+                                 pytest.param({"split_dbc": "triple"}, id="dbc-triple")])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
