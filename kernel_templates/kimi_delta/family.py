@@ -137,8 +137,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    # v40: "ksplit"'s wy kernels one (`_kda_wy_head` by PART), `kda_qk_tiers` removed (it faulted), the base's
-    # `bwd_split` with it; the default's kernels unchanged. History: docs/LOG.md
+    # v40: "ksplit"'s wy kernels one (`_kda_wy_head` by PART), `kda_qk_tiers` removed (it faulted), with the
+    # base's v25 (`bwd_split` removed); the default's kernels unchanged. History: docs/LOG.md
     template_version=40,
     folder=Path(__file__).parent,
     extends=BASE,
