@@ -6,27 +6,32 @@
 # v21 adds `split_dbc` "triple" (the dC / dB program split in two: dC with the block pairs' terms,
 # dB forming M again; three programs per chunk and group): no spills at 8 warps on triton 3.6 (36
 # bytes under "paired"), 133 KB of shared memory (173), fewer barriers in the dC / dB loops (24
-# and 13 against 31), 1.5x the programs. Expected by arithmetic only; nothing of it is timed.
+# and 13 against 31), 1.5x the programs; and PULL_N, the backward's pull over state tiles of 32
+# or 16 columns (512 or 1024 programs; the forward keeps STATE_N 64). Expected by arithmetic only;
+# nothing of v21 is timed.
 # Self-contained: sources setup.sh. Carry .whl:
 #   BUDGET=260 bash .ci/h200/h36_ssd11.sh        (~290 s with setup; steps 1-2, then 3 if time is left)
 #   SSD11_DRY=1 TRITON_INTERPRET=1 bash .ci/h200/h36_ssd11.sh   (step 3 on the CPU at a tiny shape)
 # Within ${BUDGET:-260} s after setup (~30 s), 20 s of them kept in reserve:
 #  1. (<= 100 s) the bf16-vs-fp32 bars with --runxfail: test_bf16_vs_fp32_on_gpu [default] (now
-#     "paired" with `bwd_sums` "kernel"), [v21-triple-w8], [v21-triple-w16], [v20-two] (PASSED is
-#     within the bars; a FAILED row prints its errors) -> ssd_bars.txt;
+#     "paired" with `bwd_sums` "kernel"), [v21-triple-w8], [v21-triple-w16], [v21-pull32],
+#     [v21-pull16], [v20-two] (PASSED is within the bars; a FAILED row prints its errors)
+#     -> ssd_bars.txt;
 #  2. (<= 95 s) the bench, `--impl ours,ours_fwd --profile`: ours, ours_fwd (each with its
 #     per-kernel breakdown: the default's, with no reduce_kernel left by `bwd_sums` "kernel"), then
-#     bench.py's SWEEP in its order: "triple" at 8 warps, at 16 warps, v20's default ("two"
-#     capped at 128, host sums) -> ssd_bench.txt (rows printed as they finish: a cut keeps the
+#     bench.py's SWEEP in its order: "triple" at 8 warps, at 16 warps, PULL_N 32, 16, v20's
+#     default ("two" capped at 128, host sums) -> ssd_bench.txt (rows printed as they finish: a cut keeps the
 #     first), ssd.json;
 #  3. (only when >= 30 s are left; its builds are step 2's) per-kernel GPU ms (torch.profiler, 5
-#     steps) of fwd+bwd at "triple", 8 warps -> ssd_profile.txt.
+#     steps) of fwd+bwd at "triple", 8 warps, then at PULL_N 32 -> ssd_profile.txt.
 # How to decide (graph ms: the `graph` column, ssd.json "graph_ms"):
 #  - the goal: fwd+bwd <= 3 x ours_fwd by graph. A "triple" row faster than `ours` in this run (by
 #    more than the ~6% row-to-row spread) whose bars row PASSED can become the P <= 64 bucket's
-#    `split_dbc` (family.py shape_buckets; with bwd_split_warps 16 where that row wins).
+#    `split_dbc` (family.py shape_buckets; with bwd_split_warps 16 where that row wins); likewise
+#    a PULL_N row (the bucket's PULL_N).
 #  - ssd_profile.txt against step 2's breakdown of `ours`: ssd_bwd_split_fused_kernel (x1: the
-#    three programs' launch) against the default's 0.963 ms ("paired"); the other kernels the same.
+#    three programs' launch) against the default's 0.963 ms ("paired"); ssd_split_fused_pull_kernel
+#    at PULL_N 32 against the default's 0.234; the other kernels the same.
 # Outputs under $OUT: env.txt, ssd_bars.txt, ssd_bench.txt, ssd.json, ssd_profile.txt, ssd11.tgz.
 set -o pipefail
 cd "$(dirname "$0")/../.."
@@ -65,7 +70,7 @@ shape = (1, 300, 4, 16, 2, 16) if dry else bench.SHAPES[0][:6]
 sets = [bench.make_inputs(*shape, dev, seed=s) for s in range(2)]
 grads = [torch.randn(*shape[:4], device=dev, dtype=torch.bfloat16)]
 mod, ours = bench._ours()
-steps = config_sweep(mod, ours, sets, grads, shape[3], [bench.TRIPLE])
+steps = config_sweep(mod, ours, sets, grads, shape[3], [bench.TRIPLE, {"PULL_N": 32}])
 
 
 def breakdown(step, n=5):

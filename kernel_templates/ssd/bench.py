@@ -27,8 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v21's `split_dbc` "triple" at 8 and 16 warps, v20's
-  default, "two" capped at 128 with the host's sums), forward
+  tuning values beside the default (`SWEEP`: v21's `split_dbc` "triple" at 8 and 16 warps, its
+  PULL_N 32 and 16, v20's default, "two" capped at 128 with the host's sums), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -174,12 +174,16 @@ SHAPES = (
 # rates): it is latency-bound, one 8-warp program per SM (255 registers) whose head loops wait on
 # 31-33 barriers each (sm_90 SASS, triton 3.6). "triple" at 8 warps builds without spills (36 bytes
 # under "paired") in 133 KB of shared memory (173), its dC / dB loops 24 and 13 barriers against 31,
-# for 1.5x the programs; at 16 warps 128 registers / 20 spill bytes ("paired": 132). First "triple"
-# at 8 and at 16 warps, then v20's default.
+# for 1.5x the programs; at 16 warps 128 registers / 20 spill bytes ("paired": 132). And PULL_N, the
+# backward's pull over state tiles of 32 or 16 columns (512 or 1024 programs of 4 warps, 108 or 62
+# registers, no spills on triton 3.6; the forward keeps STATE_N 64): the pull took 0.234 ms of that
+# profile and moves about 0.42 GB (0.13 ms at HBM speed). First "triple" at 8 and at 16 warps, then
+# PULL_N 32 and 16, then v20's default.
 TWO = {"split_dbc": "two", "bwd_split_maxnreg": 128, "bwd_sums": "host"}
 P8 = {"split_dbc": "paired", "bwd_split_maxnreg": 0}  # the bucket's split_dbc and register cap (h35_ssd10.sh)
 TRIPLE = {"split_dbc": "triple"}
-SWEEP = ((TRIPLE, "bwd"), ({**TRIPLE, "bwd_split_warps": 16}, "bwd"), (TWO, "bwd"))
+SWEEP = ((TRIPLE, "bwd"), ({**TRIPLE, "bwd_split_warps": 16}, "bwd"), ({"PULL_N": 32}, "bwd"),
+         ({"PULL_N": 16}, "bwd"), (TWO, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

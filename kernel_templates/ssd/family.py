@@ -90,8 +90,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v21: `split_dbc` "triple" (untimed). v20: the backward gets None, not autograd's zeros, for the
-    # outputs without a gradient; `bwd_sums`
+    # v21: `split_dbc` "triple", PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
+    # for the outputs without a gradient; `bwd_sums`
     # (untimed). v19: `split_dbc` "fused" and "paired" (dx, dC, dB in one launch; timed on an H100, not
     # the default: their bars rows have not run on a GPU)
     template_version=21,
@@ -185,6 +185,12 @@ FAMILY = FamilySpec(
     #   order: within fp32 rounding of "host"). Call 3's H100 profile: the reductions 0.026 ms in all.
     #   The P <= 64 bucket's value (below): 1.732 ms against 1.755 under "paired" uncapped, within a
     #   run's row-to-row spread, and its bars row passed.
+    # PULL_N (0; v21): state columns per program of the backward's pull (dy's pull on the chunks'
+    #   incoming states and the reverse pass; 0: STATE_N, the forward's). At the bench shape the
+    #   fused pull runs 256 programs of 4 warps over 128 chunks (0.234 ms in the H100 profile of
+    #   the thirty-sixth session) moving about 0.42 GB (dy read, bf16 gs written: 0.13 ms at HBM
+    #   speed); 32 and 16 give 512 and 1024 programs. STATE_N 32 for both passes gained the
+    #   backward about 0.03 ms and cost the forward 0.034 (bench.py). Untimed alone.
     # A removed option: v10's `split_states` "local" was slower and failed the bf16 bars on the
     #   H200 (docs/LOG.md, twenty-seventh session); v11 removed it.
     tuning_space={
@@ -222,6 +228,7 @@ FAMILY = FamilySpec(
         "split_dbc": ("two", "one", "fused", "paired", "triple"),
         "bwd_split_warps": (0, 4, 8, 16),
         "bwd_sums": ("host", "kernel"),
+        "PULL_N": (0, 16, 32, 64, 128),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -254,7 +261,7 @@ FAMILY = FamilySpec(
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
-                    "bwd_sums": "host"},
+                    "bwd_sums": "host", "PULL_N": 0},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

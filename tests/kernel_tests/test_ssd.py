@@ -327,6 +327,13 @@ SPLIT_BWD = [
     # tiles: T 41, three split chunks of 16 (the last 9 tokens), PASS_K 16
     pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "pass": "fused", "PASS_K": 16},
                  (1, 41, 2, 20, 1, 16, True, True), id="sc1-fused-T41"),
+    # PULL_N (v21): the backward's pull over state tiles of 32 (N 24: one block, padded) beside the
+    # forward's STATE_N 16 (two blocks, the second partial); the fused pull, then the split pull and
+    # reverse pass (split chunks of 32, 2 groups)
+    pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "pass": "fused", "PASS_K": 16,
+                  "PULL_N": 32}, (1, 41, 2, 20, 1, 24, True, True), id="sc1-fused-pull32-T41"),
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "PULL_N": 32},
+                 (1, 41, 2, 8, 2, 24, True, True), id="sc2-pull32-G2-T41"),
     # T41: 2 groups of 2 heads, N 24; nightly (12 s)
     pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, T41, id="sc2-m16-H4G2-T41",
                  marks=pytest.mark.slow),
@@ -541,13 +548,15 @@ def test_dbc_partials(module, device, cfg, shape):
 
 
 @pytest.mark.parametrize("tiles", [{"DBC_N": 32, "STATE_N": 32, "SCAN_N": 32}, {"DBC_N": 16, "STATE_N": 32, "BLOCK_S": 512},
-                                   {"pass": "fused", **SC1}, {"pass": "fused", "STATE_N": 32, **SC1}],
-                         ids=["n32", "dbc16-state32", "fused", "fused-state32"])
+                                   {"pass": "fused", **SC1}, {"pass": "fused", "STATE_N": 32, **SC1},
+                                   {"pass": "split", "PULL_N": 32}, {"pass": "fused", "PULL_N": 32, **SC1}],
+                         ids=["n32", "dbc16-state32", "fused", "fused-state32", "pull32", "fused-pull32"])
 def test_n_tiles_three_chunks(module, device, tiles):
     """The dB/dC, chunk-state and chunk output kernels at other N tiles (one block over N 24, padded; or two),
     three kernel chunks (the state passes' one-step-ahead loads over a chain, the last partial),
     2 groups of 2 heads summed in the dB/dC kernel, D, dt_bias and an initial state; `pass`
-    "fused" (chunk states and state passes in one serial loop, forward and backward)."""
+    "fused" (chunk states and state passes in one serial loop, forward and backward); PULL_N 32
+    (the backward's pull and reverse pass over one N block, the forward's over two)."""
     module.set_config({**CPU_CONFIG, **tiles} if device.type == "cpu" else tiles)
     try:
         check_forward_backward(fixture(module, (1, 41, 4, 8, 2, 24, True, True)), torch.float32, device)
@@ -751,7 +760,10 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # v21 (`.ci/h200/h36_ssd11.sh`): `split_dbc` "triple" at 8 and 16 warps
                                  pytest.param({"split_dbc": "triple"}, id="v21-triple-w8", marks=UNTIMED),
                                  pytest.param({"split_dbc": "triple", "bwd_split_warps": 16}, id="v21-triple-w16",
-                                              marks=UNTIMED)])
+                                              marks=UNTIMED),
+                                 # and the backward's pull over state tiles of 32 and 16 (PULL_N)
+                                 pytest.param({"PULL_N": 32}, id="v21-pull32", marks=UNTIMED),
+                                 pytest.param({"PULL_N": 16}, id="v21-pull16", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
