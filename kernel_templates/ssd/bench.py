@@ -169,10 +169,10 @@ SHAPES = (
 #
 # Template v21 (not yet timed): `split_dbc` "triple", "paired"'s dC / dB program split in two (dC
 # with the block pairs' terms of dL/dcs; dB, forming each head's M again): three programs per
-# (chunk, group). The paired kernel (0.963 ms of the default's 1.72 ms of kernels in that call's
-# profile) moves about 1 GB through HBM and does about 88 GFLOP (0.33 ms and 0.1 ms at the H100's
-# rates): it is latency-bound, one 8-warp program per SM (255 registers) whose head loops wait on
-# 31-33 barriers each (sm_90 SASS, triton 3.6). "triple" at 8 warps builds without spills (36 bytes
+# (chunk, group). The paired kernel (0.963 ms of the 1.72 ms of kernels in that call's P8 profile)
+# reads and writes about 1.05 GB of HBM and does about 88 GFLOP by arithmetic (0.31 and 0.09 ms at
+# the H100's peaks); its build runs one 8-warp program per SM (255 registers) whose head loops wait
+# on 31-33 barriers each (sm_90 SASS, triton 3.6): latency-bound by this reasoning, not profiled. "triple" at 8 warps builds without spills (36 bytes
 # under "paired") in 133 KB of shared memory (173), its dC / dB loops 24 and 13 barriers against 31,
 # for 1.5x the programs; at 16 warps 128 registers / 20 spill bytes ("paired": 132). And PULL_N, the
 # backward's pull over state tiles of 32 or 16 columns (512 or 1024 programs of 4 warps, 108 or 62
