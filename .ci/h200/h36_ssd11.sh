@@ -61,7 +61,7 @@ if [ "${SSD11_DRY:-0}" = 1 ] || [ "$(left 1000)" -ge 30 ]; then
 import os
 import torch
 from onboarding.bench.cases import config_sweep
-from onboarding.bench.harness import aggregate_kernels
+from onboarding.bench.harness import kernel_breakdown
 from onboarding.families import family_module
 bench = family_module("ssd").bench
 dry = os.environ.get("SSD11_DRY") == "1"
@@ -73,23 +73,11 @@ mod, ours = bench._ours()
 steps = config_sweep(mod, ours, sets, grads, shape[3], [bench.TRIPLE, {"PULL_N": 32}])
 
 
-def breakdown(step, n=5):
-    from torch.profiler import ProfilerActivity, profile
-    for i in range(3):
-        step(i)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(n):
-            step(i)
-        torch.cuda.synchronize()
-    return aggregate_kernels([(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-                              if e.self_device_time_total > 0], n, top=40)
-
 
 for name, step in steps.items():
     print(f"{name} (forward + backward)", flush=True)
     try:
-        rows = (step(0), [])[1] if dry else breakdown(step)
+        rows = (step(0), [])[1] if dry else kernel_breakdown(step, top=40)
     except Exception as exc:  # noqa: BLE001 - the other rows stand
         print(f"  failed: {type(exc).__name__}: {str(exc)[:300]}")
         continue
