@@ -91,9 +91,8 @@ FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
     # v21: `split_dbc` "triple", PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
-    # for the outputs without a gradient; `bwd_sums`
-    # (untimed). v19: `split_dbc` "fused" and "paired" (dx, dC, dB in one launch; timed on an H100, not
-    # the default: their bars rows have not run on a GPU)
+    # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
+    # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
     template_version=21,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
