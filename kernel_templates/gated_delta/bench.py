@@ -6,8 +6,9 @@ forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd`
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
 (`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, the latter with
 ``+prep_warps=8+prep_maxnreg=128``, ``ours@fwd_o=fused+fused_kq=rows_fwd`` and that with
-``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``), on request, on the same inputs, so that one call
-times them against the default and fla."""
+``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``, then the prepare's 4 warps capped at 168
+registers: ``ours@prep_maxnreg=168_fwd`` and ``ours@fwd_o=fused+fused_kq=rows+prep_maxnreg=168_fwd``),
+on request, on the same inputs, so that one call times them against the default and fla."""
 
 from __future__ import annotations
 
@@ -42,8 +43,14 @@ PREP_OCC = {"prep_pipe": "on", "prep_warps": 8, "prep_maxnreg": 128}
 KQ_ROWS = {"fwd_o": "fused", "fused_kq": "rows"}
 # (v20's SHARE_SWEEP, the prepare per key head `prep_share`, went with the key in v23: every row
 # slower than the default forward on an H100, .ci/h200/h32_gdn6.sh; family.py)
+# issue 32, thirty-sixth session: the prepare at its 4 warps capped at 168 registers, alone (the
+# bucket's fused output) and with kd and qg not written. Three independent programs per SM instead
+# of two (168 x 128 threads x 3 <= 64K registers; 3 x 48 KB shared), where the 8-warp cap above
+# keeps two programs, each split over more warps. sm_90 build at T8192 HK16 HV32 (triton 3.6 / 3.9):
+# 272 / 364 B of spills (ROWS 164 / 240), one-off outside the loops but for a few reloads per w tile
+PREP_C168 = {"prep_maxnreg": 168}
 PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, {**PREP_OCC, "fwd_o": "fused"},
-              KQ_ROWS, {**KQ_ROWS, **PREP_OCC})
+              KQ_ROWS, {**KQ_ROWS, **PREP_OCC}, PREP_C168, {**KQ_ROWS, **PREP_C168})
 # (v24's SPLIT_SWEEP, the chunk-local backward split per K tile `bwd_split` "vk", went with the key in
 # v25: both rows slower than the default fwd+bwd on an H100, .ci/h200/h32_gdn7.sh, in git at 047b72b; family.py)
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)

@@ -561,10 +561,13 @@ def test_fused_output_fp16_dot_path(monkeypatch):
 # multiple of the chunk with an initial state and l2norm; grouped value heads at batch 2 without
 # one; K and V over two tiles, the second V tile partial (WIDE), also with the prepare's own K tile
 # at 16 (four tiles) and three stages, and with the prepare's own launch (`prep_warps` 8,
-# `prep_maxnreg` 128: the interpreter runs it the same, the test checks the launch gets them).
+# `prep_maxnreg` 128: the interpreter runs it the same, the test checks the launch gets them), and
+# the bench's 4-warp cap of 168 (bench.PREP_C168) with grouped value heads and with T not a multiple
+# of the chunk.
 PREP_PIPE_CASES = [*(pytest.param(c, {}, id=c.id) for c in (CASES[0], CASES[1], WIDE)),
                    pytest.param(WIDE, {"prep_bk": 16, "prep_stages": 3}, id=WIDE.id + "-prep_bk16"),
-                   pytest.param(CASES[0], {"prep_warps": 8, "prep_maxnreg": 128}, id=CASES[0].id + "-w8-r128")]
+                   pytest.param(CASES[0], {"prep_warps": 8, "prep_maxnreg": 128}, id=CASES[0].id + "-w8-r128"),
+                   *(pytest.param(c, gated_delta.bench.PREP_C168, id=c.id + "-r168") for c in (CASES[0], CASES[1]))]
 
 
 @pytest.mark.parametrize(("case", "extra"), PREP_PIPE_CASES)
@@ -629,9 +632,11 @@ def test_prepare_pipe_fp16_dot_path(monkeypatch):
 # `fused_kq` "rows" (with `fwd_o` "fused"; template v18): a forward without training writes row
 # factors instead of kd and qg and the fused state pass applies them to the raw k and q rows. T not
 # a multiple of the chunk with an initial state and l2norm; grouped value heads (HV = 2 HK) at
-# batch 2 without one; K and V over two tiles, the second V tile partial (WIDE); with `prep_pipe`.
+# batch 2 without one; K and V over two tiles, the second V tile partial (WIDE); with `prep_pipe`;
+# grouped values with the prepare's 4-warp cap of 168 (bench.PREP_C168; the interpreter drops the cap).
 FUSED_KQ_CASES = [*(pytest.param(c, {}, id=c.id) for c in (CASES[0], CASES[1], WIDE)),
-                  pytest.param(CASES[2], {"prep_pipe": "on"}, id=CASES[2].id + "-prep_pipe")]
+                  pytest.param(CASES[2], {"prep_pipe": "on"}, id=CASES[2].id + "-prep_pipe"),
+                  pytest.param(CASES[1], gated_delta.bench.PREP_C168, id=CASES[1].id + "-r168")]
 
 
 @pytest.mark.parametrize(("case", "extra"), FUSED_KQ_CASES)
