@@ -7,13 +7,14 @@
 # prepare moves ~436 MB there (0.13 ms at 3.35 TB/s) and ~27 GFLOP of dots: neither bounds it; it is
 # latency bound, 4096 programs at 2 per SM (255 registers x 4 warps): 15.5 waves of one long serial
 # chain (Gram loop, six exact-fp32 [4, 16, 16] dots and four tf32 64^3 merges of the inverse, the w
-# and u loops). At 168 registers (sm_90 build: 272 B of spills on triton 3.6, 364 on 3.9, one-off
-# outside the loops but for a few reloads per w tile) 3 programs fit an SM (10.3 waves). Expected,
+# and u loops). At 168 registers (sm_90 build with the forward's bf16 u: 320 B of spills on triton
+# 3.6, 384 on 3.9, most in the inverse once per program, a few reloads per w tile) 3 programs fit an
+# SM (10.3 waves). Expected,
 # by arithmetic only: the prepare 0.286 -> 0.20-0.25 ms at T8192 if the third program overlaps the
 # others' serial phases; nothing, or slower, if the spills or the shared bandwidth eat it. (The
 # 8-warp cap of 128, `PREP_OCC`, was slower on the H200: it keeps two programs per SM, each split
 # over more warps.) Rows (bench.PREP_C168): ours@prep_maxnreg=168_fwd (the bucket's fused output)
-# and ours@fwd_o=fused+fused_kq=rows+prep_maxnreg=168_fwd (kd and qg not written; 164 B spills).
+# and ours@fwd_o=fused+fused_kq=rows+prep_maxnreg=168_fwd (kd and qg not written; 176 B spills).
 # Decides: whether `prep_maxnreg` 168 becomes the k_le_128 bucket's (family.py shape_buckets; a
 # render change: bump template_version and re-review kernels/gated_delta).
 # Self-contained: sources setup.sh. Carry .whl (and .whl_fla with GDN8_FLA=1: fla's anchor row,

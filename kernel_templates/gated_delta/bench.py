@@ -46,8 +46,9 @@ KQ_ROWS = {"fwd_o": "fused", "fused_kq": "rows"}
 # issue 32, thirty-sixth session: the prepare at its 4 warps capped at 168 registers, alone (the
 # bucket's fused output) and with kd and qg not written. Three independent programs per SM instead
 # of two (168 x 128 threads x 3 <= 64K registers; 3 x 48 KB shared), where the 8-warp cap above
-# keeps two programs, each split over more warps. sm_90 build at T8192 HK16 HV32 (triton 3.6 / 3.9):
-# 272 / 364 B of spills (ROWS 164 / 240), one-off outside the loops but for a few reloads per w tile
+# keeps two programs, each split over more warps. sm_90 build at T8192 HK16 HV32 with the forward's
+# bf16 u (triton 3.6 / 3.9): 320 / 384 B of spills (ROWS 176 / 212), most of them in the inverse,
+# once per program, and a few reloads per w tile
 PREP_C168 = {"prep_maxnreg": 168}
 PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, {**PREP_OCC, "fwd_o": "fused"},
               KQ_ROWS, {**KQ_ROWS, **PREP_OCC}, PREP_C168, {**KQ_ROWS, **PREP_C168})
