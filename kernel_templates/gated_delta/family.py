@@ -165,9 +165,10 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    # v25: bwd_split "vk" removed (it lost; see above); the default's kernels unchanged. History:
-    # docs/LOG.md.
-    template_version=25,
+    # v26: the AOT specs type u as the runtime allocates it (the forward's IDT; the recomputing
+    # backward's fp32 as specs of their own), dead host lines removed; the default's kernels
+    # unchanged. History: docs/LOG.md.
+    template_version=26,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

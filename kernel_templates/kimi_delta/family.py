@@ -137,9 +137,10 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    # v40: "ksplit"'s wy kernels one (`_kda_wy_head` by PART), `kda_qk_tiers` removed (it faulted), with the
-    # base's v25 (`bwd_split` removed); the default's kernels unchanged. History: docs/LOG.md
-    template_version=40,
+    # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
+    # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
+    # unchanged. History: docs/LOG.md
+    template_version=41,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -296,6 +296,44 @@ def check_aot(spec) -> None:
 
 
 # Child process (no TRITON_INTERPRET: the interpreter patches triton.language in-process) that
+class ArgSpy(LaunchSpy):
+    """A `LaunchSpy` whose `record(grid, kw)` gets the positional arguments too, by name."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.record(grid, {**dict(zip(self.kernel.arg_names, args)), **kw})
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def check_aot_u_types(spec, per_channel: bool, monkeypatch) -> None:
+    """The AOT specs type u as the runtime allocates it: on the GPU's 16-bit path (fp16, emulated),
+    the u types the prepare's and the state pass's specs declare are the ones their launches get over
+    a no-grad forward, a training step (u fp16) and a recomputing one (param `recompute`: u fp32), so
+    the sm_90 builds compile the kernels the runtime runs."""
+    case = Case(HK=1, HV=2, T=20, l2=True, h0=True)
+    gen = torch.Generator().manual_seed(7)
+    args = make_inputs(case, per_channel, torch.float16, DEVICE, gen)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    types = {torch.float16: "*fp16", torch.float32: "*fp32"}
+    seen: dict[str, set] = {}
+    for params in ({}, {"recompute": True}):
+        module = load(spec, params)
+        names = [n for n in vars(module) if n.endswith(("_prepare_fwd_kernel", "_state_fwd_kernel"))]
+        assert len(names) == 2, names
+        for name in names:
+            monkeypatch.setattr(module, name, ArgSpy(getattr(module, name), lambda grid, kw, name=name: seen.setdefault(
+                name, set()).add(types[kw["p_u"].dtype])))
+        with fp16_dot_path(monkeypatch, module):
+            with torch.no_grad():
+                module.entry(*args)
+            grads_of(module.entry, args, douts)
+    specs = module.aot_specs("fp16", case.K)
+    declared = {name: {s["signature"]["p_u"] for s in specs if s["kernel"] == name} for name in names}
+    assert declared == seen == {name: {"*fp16", "*fp32"} for name in names}, (declared, seen)
+
+
 # compiles kernels of a rendered module for sm_90 from its bf16 aot_specs, each under a config
 # ([kernel, config] jobs in argv[2]), and reports which mma operand types their PTX uses.
 _PTX_MMA_CHILD = """
@@ -798,6 +836,11 @@ def test_match_by_structure():
     assert m is not None and m["params"] == {"chunk_size": 64, "qk_l2norm": False, "recompute": False}  # odd chunk: ours
     assert gated_delta.match(block("linear_attention.kimi_delta", [1, 4, 2, 64, 32], 3, True, True)) is None
     assert gated_delta.match(block("linear_attention.mamba", [1, 4, 2, 64], -1, False, False)) is None
+
+
+def test_aot_specs_type_u_as_the_runtime(monkeypatch):
+    """The prepare's and state pass's AOT specs type u as the runtime allocates it."""
+    check_aot_u_types(gated_delta.FAMILY, False, monkeypatch)
 
 
 @pytest.mark.slow  # 158 s in CI (twentieth session, 2 busy cores)

@@ -14,9 +14,10 @@ import pytest
 import torch
 from kernel_cases import DEVICE, OPCHECK_SPLIT, LaunchSpy, assert_within_bars, fp16_dot_path
 from test_gated_delta import (
-    CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_backward_is_triton,
-    check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path, check_prepare_vs_torch, check_state_bv_fills_gpu,
-    dot_modes_on_cpu, fixture, grads_of, load, make_inputs, transformers_fns,
+    CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_aot_u_types,
+    check_backward_is_triton, check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path,
+    check_prepare_vs_torch, check_state_bv_fills_gpu, dot_modes_on_cpu, fixture, grads_of, load, make_inputs,
+    transformers_fns,
 )
 
 from onboarding.families import family_module
@@ -491,6 +492,11 @@ def test_match_by_structure():
     m = kimi_delta.match(block("linear_attention.kimi_delta", [1, 4, 2, 32, 16], 3, True, True))
     assert m == {"variant": "chunk", "params": {"chunk_size": 32, "qk_l2norm": True, "recompute": False}}
     assert kimi_delta.match(block("linear_attention.gated_delta", [1, 4, 2, 64], -1, False, True)) is None
+
+
+def test_aot_specs_type_u_as_the_runtime(monkeypatch):
+    """The prepare's and state pass's AOT specs type u as the runtime allocates it (base template)."""
+    check_aot_u_types(kimi_delta.FAMILY, True, monkeypatch)
 
 
 @pytest.mark.slow  # 214 s of one CI worker (fp32 builds of every kernel)
