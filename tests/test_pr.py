@@ -266,6 +266,31 @@ def test_reject_deletes_the_branch_and_keeps_why(run_dir, tmp_path, capsys):
     assert rc == 2 and "already rejected" in out
 
 
+def test_modules_rendered_from_uncommitted_templates_are_refused(run_dir, tmp_path, capsys):
+    """A proposed module must be what the base branch's templates render: an uncommitted change
+    under the proposed family's template folder (or the shared partials) refuses the PR, naming
+    the file, and leaves the repository as it was; a change under another family's folder does
+    not."""
+    repo = make_repo(tmp_path / "repo")
+    for rel in ("kernel_templates/rmsnorm/rmsnorm.py.j2", "kernel_templates/_common/part.py.j2",
+                "kernel_templates/ssd/ssd.py.j2"):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text("committed\n")
+        git(repo, "add", rel)
+    git(repo, "commit", "-q", "-m", "templates")
+    for rel in ("kernel_templates/rmsnorm/rmsnorm.py.j2", "kernel_templates/_common/part.py.j2"):
+        (repo / rel).write_text("edited, not committed\n")
+        before = repo_state(repo)
+        rc, out = onboard(capsys, "pr", "create", run_dir, "--repo", repo)
+        assert rc == 2 and "render templates with uncommitted changes" in out and rel in out, out
+        assert repo_state(repo) == before and not (run_dir / "pr.json").exists()
+        git(repo, "checkout", "--", rel)
+    # another family's template edited: not this PR's business
+    (repo / "kernel_templates" / "ssd" / "ssd.py.j2").write_text("edited\n")
+    rc, out = onboard(capsys, "pr", "create", run_dir, "--repo", repo, "--branch", "onboard/t")
+    assert rc == 0, out
+
+
 def test_bad_input_exit_2_and_the_repo_unchanged(run_dir, tmp_path, capsys, monkeypatch):
     repo = make_repo(tmp_path / "repo")
     plain = tmp_path / "plain"

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.errors import InputError
+from onboarding.families.discover import families
 from onboarding.pr.body import build_body
 from onboarding.pr.collect import FamilyChange, Proposal, check_run_dir, collect
 from onboarding.pr.git import Git
@@ -112,6 +113,32 @@ def _refuse_dirty(git: Git, paths: list[str]) -> None:
                          "was changed)")
 
 
+def _template_paths(prop: Proposal) -> list[str]:
+    """The repository folders the proposal's template families render from: each family's own,
+    the one it extends, and the shared partials. A family the run generated has no folder in
+    the repository yet (the PR writes it) and adds none."""
+    names = {fam.family for fam in prop.families if fam.folder is None}
+    loaded = families()
+    out = set()
+    for name in names & loaded.keys():
+        out.add(f"{TEMPLATES_DIR}/{name}")
+        if loaded[name].extends:
+            out.add(f"{TEMPLATES_DIR}/{loaded[name].extends}")
+    return sorted(out | {f"{TEMPLATES_DIR}/_common"}) if out else []
+
+
+def _refuse_uncommitted_templates(git: Git, prop: Proposal) -> None:
+    """A reviewed module must be what the base branch's templates render (the reviewed-kernel
+    tests check it): refuse modules rendered while their templates had uncommitted changes in
+    this work tree (say, another change in progress that the run picked up)."""
+    lines = git.dirty(_template_paths(prop))
+    if lines:
+        shown = "; ".join(ln.strip() for ln in lines[:3]) + (" ..." if len(lines) > 3 else "")
+        raise InputError(f"{git.root}: the proposed modules render templates with uncommitted "
+                         f"changes ({len(lines)}: {shown}); commit the template change first, "
+                         "or run `onboard run` from a clean checkout (nothing was changed)")
+
+
 def _family_files(fam: FamilyChange, prop: Proposal) -> dict[str, bytes]:
     """Repository path -> content of one family's commit."""
     files: dict[str, bytes] = {HARNESS_PATH: HARNESS.encode()}
@@ -178,6 +205,7 @@ def create_pr(run_dir: Path | str, repo: Path | str, *, base: str | None = None,
     if not prop.modules:
         why = "; ".join(f"{label}: {w}" for label, w in prop.left_out[:4]) or "no candidates"
         raise InputError(f"{run_dir}: no passing candidate to propose ({why})")
+    _refuse_uncommitted_templates(git, prop)
     branch = branch or branch_name(prop.model)
     if not git.ok("check-ref-format", "--branch", branch):
         raise InputError(f"{branch!r} is not a valid branch name")
