@@ -12,8 +12,10 @@
 # path at these tiles, so the fault is the build's; steps 1-2 localise it.
 # Within ${BUDGET:-560} s (30 s kept for setup and packing), per-step limits:
 #  1. Localise (<= 90 s for the first variant, which compiles, 40 s for each other; ~250 s in all): each variant in its own process, CUDA_LAUNCH_BLOCKING=1, a synchronise
-#     after every kernel launch of the module (prints each kernel, its grid and tiles, then OK with
-#     the bf16-vs-fp32 relative errors, or FAIL naming the kernel that faulted) -> kdabwd3_diag.txt.
+#     after every kernel launch of the module (`.ci/h200/kda_launch_diag.py`: prints each kernel, its
+#     grid and tiles, then OK once the bf16 fwd+bwd ran, or FAIL naming the kernel that faulted; until
+#     the thirty-sixth session this script's own copy also ran an fp32 pass for errors, which step 3's
+#     bars measure, and which timed out in h32_kdabwd4.sh's copy) -> kdabwd3_diag.txt.
 #     Variants at the bars' shape (HK2 HV4 T1000 K = V = 128 B2, l2norm): the four rows; HV = HK (the
 #     bench's layout: dq, dk final, no group sum); "ktiles" at the bucket's tiles (BK 32, BV 64, 4
 #     warps); the first row with the V-side kernel at 8 warps, with one pipeline stage everywhere, with
@@ -47,53 +49,8 @@ trap pack EXIT
 ROWS=$(python3 -c "from onboarding.families import family_module as f; from onboarding.bench.cases_linear_attention import sweep_label; print(','.join(sweep_label(c) for c in f('kimi_delta').bench.KTILES_SWEEP))")
 echo "rows: $ROWS"
 # one forward + backward in its own process, every kernel launch of the module synchronised
-D=/tmp/kda_ktiles_diag.py
-cat > $D <<'PY'
-import json, sys, traceback
-sys.path.insert(0, "tests/kernel_tests")
-import torch
-from test_gated_delta import Case, grads_of, load, make_inputs
-from test_kimi_delta import pinned
-from onboarding.families import family_module
-cfg = json.loads(sys.argv[1]); HK, HV, T, K, V, B, L2 = (int(x) for x in sys.argv[2:9])
-module = load(family_module("kimi_delta").FAMILY, {"chunk_size": 64})
-dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: an interpreter smoke test of this script
-state = {"last": None, "stage": "bf16"}
-class Synced:
-    def __init__(self, name, kernel): self.name, self.kernel = name, kernel
-    def __getitem__(self, grid):
-        def launch(*a, **kw):
-            state["last"] = self.name
-            out = self.kernel[grid](*a, **kw)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            if state["stage"] == "bf16":
-                tiles = {k: kw[k] for k in ("BK", "BV", "SLOTS", "USE_L2", "num_warps", "num_stages") if k in kw}
-                print("  ran", self.name, tuple(grid), tiles, flush=True)
-            return out
-        return launch
-for name in dir(module):
-    obj = getattr(module, name)
-    if name.endswith("_kernel") and hasattr(obj, "run"):
-        setattr(module, name, Synced(name, obj))
-case = Case(HK=HK, HV=HV, T=T, l2=bool(L2), h0=True, K=K, V=V, B=B)
-gen = torch.Generator().manual_seed(6)
-args = make_inputs(case, True, torch.bfloat16, torch.device(dev), gen)
-douts = [torch.randn(B, T, HV, V, generator=gen).to(dev), torch.randn(B, HV, K, V, generator=gen).to(dev)]
-try:
-    with pinned(module, cfg):
-        outs, grads = grads_of(module.entry, args, [douts[0].bfloat16(), douts[1]])
-        state["stage"] = "fp32"
-        ref_outs, ref_grads = grads_of(module.entry, [a.float() if isinstance(a, torch.Tensor) else a for a in args], douts)
-    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    errs = {n: round(((a.float() - b.float()).norm() / b.float().norm()).item(), 5)
-            for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
-    print("OK", cfg, sys.argv[2:9], errs)
-except Exception as e:  # noqa: BLE001
-    print("FAIL", cfg, sys.argv[2:9], f"in {state['last']} ({state['stage']} pass):", type(e).__name__, str(e)[:160])
-    print("".join(traceback.format_exc().splitlines(True)[-6:]))
-    sys.exit(1)
-PY
+# (.ci/h200/kda_launch_diag.py; the bars of step 3 measure the accuracy)
+D=.ci/h200/kda_launch_diag.py
 R1='"kda_qk": "ktiles", "bwd_bv": 32, "kda_qk_bk": 16, "kda_qk_warps": 8'
 stamp kdabwd3-diag
 {

@@ -1,7 +1,7 @@
 """One KDA forward + backward (bf16) in this process with every kernel launch of the module synchronised:
 prints each kernel, its grid and tiles, then OK once the fwd + bwd ran, or FAIL naming the kernel whose
 launch raised (with CUDA_LAUNCH_BLOCKING=1 the fault is the last launch's). A fault check, not an accuracy
-one (the GPU bars measure that). From h32_kdabwd4.sh's diag (in git at 047b72b).
+one (the GPU bars measure that). Used by h36_kda5.sh and h32_kdabwd3.sh.
 
     CUDA_LAUNCH_BLOCKING=1 python3 .ci/h200/kda_launch_diag.py '{"kda_qk": "ksplit"}' HK HV T K V B L2
 On a CPU (TRITON_INTERPRET=1, small sizes) it runs the same steps, as a smoke test of this script.
@@ -35,8 +35,8 @@ class Synced:
             out = self.kernel[grid](*a, **kw)
             if dev == "cuda":
                 torch.cuda.synchronize()
-            tiles = {k: kw[k] for k in ("BK", "BV", "G", "PART", "USE_L2", "num_warps", "num_stages", "maxnreg")
-                     if k in kw}
+            tiles = {k: kw[k] for k in ("BK", "BV", "G", "PART", "SLOTS", "USE_L2", "num_warps", "num_stages",
+                                        "maxnreg") if k in kw}
             print("  ran", self.name, tuple(grid), tiles, flush=True)
             return out
         return launch
