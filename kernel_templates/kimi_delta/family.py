@@ -58,7 +58,7 @@ PARAMS = _base.PARAMS
 #   qk kernel per (chunk, key head) over the K tiles in turn, then a second l2norm pass. "fused"
 #   (v29) one program per (chunk, value head), no fp32 dq/dk/dg partials; v33 fixed its fault on
 #   the H200 (triton 3.6). "ktiles" (v35) the fused kernel's V side and its K tiles as two
-#   kernels. Default "tiles": fwd+bwd 3.872 ms against 5.003 for "serial" at T8192 (docs/LOG.md,
+#   kernels. Default "tiles" (k_le_128: "ksplit", below): fwd+bwd 3.872 ms against 5.003 for "serial" at T8192 (docs/LOG.md,
 #   twentieth session, call J); "fused" and "ktiles" untimed (`bench.BWD_SWEEP`,
 #   `bench.KTILES_SWEEP`). "ksplit" (v38) the tiled pair with the wy kernel's K tiles in programs of
 #   their own (`kda_chunk_bwd_wyp_kernel`, the wyt kernel's body `_kda_wy_head` by its PART: the V side
@@ -112,13 +112,15 @@ SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.bl
 NAME = "kimi_delta"
 # GDN's buckets less what was timed on GDN's kernels only: the prepare kernel's K tile and stages
 # (KDA's per-channel Gram differs), the backward WY kernel's V tile, and k_le_128's three-stage
-# chunk kernels (KDA's keep the stages they had: _KDA_STAGES). The state passes are one kernel for
+# chunk kernels (KDA's keep the stages they had: _KDA_BUCKET). The state passes are one kernel for
 # both (but for KDA's [K] gate load), so KDA takes their stages: its forward went 3.342 -> 3.075 ms
-# (B1 T8192 H32 D128; docs/LOG.md, sixth session).
+# (B1 T8192 H32 D128; docs/LOG.md, sixth session). k_le_128 also takes `kda_qk` "ksplit" (v42): on
+# an H100 fwd+bwd 3.887 ms wall / 3.643 by CUDA graph against "tiles"' 3.965 / 3.760 at B1 T8192 H32
+# D128, its bf16 bars passed (`.ci/h200/h36_kda5.sh`; docs/LOG.md, thirty-seventh session).
 _GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv")
-_KDA_STAGES = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1}}
+_KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit"}}
 KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
-                                                   **_KDA_STAGES.get(b.name, {})})
+                                                   **_KDA_BUCKET.get(b.name, {})})
                     for b in SHAPE_BUCKETS)
 
 
@@ -137,10 +139,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v42: the k_le_128 bucket takes `kda_qk` "ksplit" (above); the template is unchanged.
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=41,
+    template_version=42,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -178,12 +178,13 @@ KSPLIT_KERNELS = ["kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wyp_kernel", "kda_c
                                           ("ktiles", ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"]),
                                           ("ksplit", KSPLIT_KERNELS)])
 def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
-    """The default is the tiled pair; `kda_qk` "serial" launches the serial pair only, "fused" its
-    one kernel, "ktiles" its V-side and K-tile kernels (no group sum at HV = HK), "ksplit" the wy
-    kernel's V side (PART 1, per (chunk, head)), its K tiles (PART 2, per (K tile, chunk, head)), the
-    row sums and the tiled pair's qkt kernel."""
+    """The family default is the tiled pair and the k_le_128 bucket's "ksplit" (v42); `kda_qk`
+    "serial" launches the serial pair only, "fused" its one kernel, "ktiles" its V-side and K-tile
+    kernels (no group sum at HV = HK), "ksplit" the wy kernel's V side (PART 1, per (chunk, head)),
+    its K tiles (PART 2, per (K tile, chunk, head)), the row sums and the tiled pair's qkt kernel."""
     assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "tiles"
     module = load(kimi_delta.FAMILY)
+    assert [module.config_for(k)["kda_qk"] for k in (32, 64, 128, 256)] == ["tiles", "tiles", "ksplit", "tiles"]
     launched, parts = [], []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
                  "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel",
