@@ -1,0 +1,86 @@
+""".ci/h200/ncu_step.py (the driver h37_ncu.sh runs under Nsight Compute): its summaries of ncu's csv
+pages, on made-up pages in the layouts ncu exports, and its run mode at a tiny case of each profiled
+bucket under the interpreter, which must launch the kernel the script profiles."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("ncu_step", ROOT / ".ci" / "h200" / "ncu_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _csv(*rows):
+    return "".join(",".join(f'"{c}"' for c in r) + "\n" for r in rows)
+
+
+STALLED = "smsp__pcsamp_warps_issue_stalled_"
+SOURCE_CSV = _csv(
+    ("Kernel Name", "ssd_bwd_split_fused_kernel"),
+    ("# Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+     STALLED + "barrier", STALLED + "long_scoreboard", STALLED + "barrier_not_issued"),
+    ("0x7f00", "      BAR.SYNC.DEFER_BLOCKING 0x0 ", "1,200", "1,100", "1,000", "0", "900"),
+    ("0x7f10", "      LDG.E.128 R4, desc[UR4][R2.64] ", "600", "500", "0", "550", "0"),
+    ("0x7f20", "  @P0 HMMA.16816.F32.BF16 R8, R12, R16, R8 ", "200", "20", "0", "0", "0"))
+
+AVG = "smsp__average_warps_issue_stalled_"
+RAW_CSV = _csv(
+    ("ID", "Process ID", "Kernel Name", "gpu__time_duration.sum", "launch__registers_per_thread",
+     AVG + "barrier_per_issue_active.ratio", AVG + "long_scoreboard_per_issue_active.ratio", STALLED + "barrier"),
+    ("", "", "", "ms", "register/thread", "ratio", "ratio", ""),
+    ("0", "123", "ssd_bwd_split_fused_kernel", "1.02", "255", "6.5", "1.5", "1,000"))
+
+
+def test_summarize_source_ranks_reasons_opcodes_and_lines(tmp_path):
+    path = tmp_path / "sass.csv"
+    path.write_text(SOURCE_CSV)
+    text = _driver().summarize_source(str(path), top=2)
+    assert "3 rows, 2000 samples" in text
+    # the reasons' shares exclude the *_not_issued columns: 1000 barrier, 550 long_scoreboard
+    assert "by reason: barrier 64.5%, long_scoreboard 35.5%" in text
+    # opcodes by samples, a predicate (@P0) skipped
+    assert "by opcode: BAR 60.0%, LDG 30.0%, HMMA 10.0%" in text
+    lines = text.splitlines()
+    top = lines.index("top 2 rows by samples (%, top reasons, address, source):")
+    assert "BAR.SYNC.DEFER_BLOCKING" in lines[top + 1] and "barrier:83%" in lines[top + 1]
+    assert "LDG.E.128" in lines[top + 2] and len(lines) == top + 3
+
+
+def test_summarize_source_without_a_header_says_so(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("==ERROR== nothing\n")
+    assert "no source-page header" in _driver().summarize_source(str(path))
+
+
+def test_summarize_raw_prints_key_metrics_and_stalls(tmp_path):
+    path = tmp_path / "raw.csv"
+    path.write_text(RAW_CSV)
+    text = _driver().summarize_raw(str(path))
+    assert "kernel ssd_bwd_split_fused_kernel" in text
+    assert "gpu__time_duration.sum" in text and "1.02 ms" in " ".join(text.split())
+    assert "barrier" in text and "81.2%" in text  # 6.5 of 8.0 cycles per issued instruction
+    assert "warp samples" in text
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the --cpu mode runs under the interpreter")
+@pytest.mark.parametrize("family, mode, kernel", [
+    ("ssd", "fwdbwd", "ssd_bwd_split_fused_kernel"),
+    ("kimi_delta", "fwdbwd", "kda_chunk_bwd_wy[pt]_kernel"),
+    ("gated_delta", "fwd", "gdn_prepare_fwd_kernel"),
+])
+def test_cpu_run_launches_the_profiled_kernel(family, mode, kernel, capsys):
+    """h37_ncu.sh's rows: the bench's default module at a tiny case of the bench case's bucket launches
+    the kernel its ncu regex names (the count per step is its --launch-count)."""
+    rc = _driver().main(["--cpu", "--family", family, "--mode", mode, "--steps", "2", "--profile-from", "1",
+                         "--expect", kernel])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "step 1 (profiled)" in out and "EXPECT OK" in out
