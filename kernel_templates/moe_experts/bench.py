@@ -28,8 +28,8 @@ D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd`` c
 (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
 (``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next (uniform and Zipf) and
 DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbwd`` cases
-(template v18's ``MOE_V18_SWEEP`` and ``MOE_V18_SWEEP_SHORT``, v19's ``MOE_V19_SWEEP_BIG`` and
-``MOE_V19_SWEEP_SHORT_BIG``; v18's ``MOE_V18_SWEEP_BIG`` etc., v17's ``MOE_V17_SWEEP*``, v15's
+(template v20's ``MOE_V20_SWEEP``, ``MOE_V20_SWEEP_SHORT``, ``MOE_V20_SWEEP_BIG`` and
+``MOE_V20_SWEEP_SHORT_BIG``; v19's ``MOE_V19_SWEEP*``, v18's ``MOE_V18_SWEEP*``, v17's ``MOE_V17_SWEEP*``, v15's
 ``MOE_V15_SWEEP*`` and the twentieth session's ``MOE_DW_SWEEP`` etc. are kept for the record),
 and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
 v15's ``MOE_FWD_SWEEP_BIG`` kept likewise).
@@ -217,17 +217,42 @@ MOE_V18_SWEEP_SHORT = [MOE_V18_SWEEP[0], MOE_V18_SWEEP[2]]
 _DOWN_BWD_V18 = {"DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "bwd_epi_split": 2}
 MOE_V19_SWEEP_BIG = [_DOWN_BWD_V18, {"down_bwd_stages": 4}, {"DOWN_BWD_BLOCK_M": 64}]
 MOE_V19_SWEEP_SHORT_BIG = [_DOWN_BWD_V18]
+# Template v20 (thirty-seventh session, helper moe37): half-height tails beside TMA rows. At
+# DeepSeek-V3 N8192 uniform routing (the bench's experts hold 206-300 rows) the 128-row tile map has
+# 635 row tiles where 512 would hold the rows; the 123 third tiles of experts past 256 rows hold
+# 1-44 rows (~13). Per-kernel ms against balanced routing (every expert 256 rows, no partial tile;
+# H100, h36_moe5.sh, v19): dx 9.147 / 8.270, down backward 4.907 / 4.439, gate/up 8.832 / 8.599,
+# down forward 4.939 / 4.739. The v9 forward `half_tail` (gate/up and down forward at half height)
+# took gate/up to 10.164 there (8.586 balanced, where no tile is half height: so its half-height
+# tiles themselves cost, not the full ones) while the down forward gained (4.694). Not the TMA path:
+# at d_big h_tma is off and gate/up's weights stay on TMA either way, and sm_90 AOT (triton 3.6 and
+# 3.9, bf16, D 7168) gives gate/up the same 255 registers / 0-8 spilled bytes / 192 KB with both
+# loops pipelined (wgmma, TMA weights) as without it. So the rows keep gate/up at full height:
+# `half_tail_bwd` (the down backward and dx on half-height tails; their rows by their own
+# [64, 64] descriptors beside rows_tma), then with `half_tail_down` (the forward down GEMM alone),
+# then with its h rows by TMA (`h_tma`, now allowed beside half-height tiles). sm_90 AOT (specialize
+# "all", bf16, D 7168), registers / spilled bytes / shared memory, triton 3.6 (the device's): dx 252 / 0
+# / 144 KB (238 without the half tiles), down backward 229 / 0 / 144 KB (230), down forward 239 / 0 /
+# 192 KB (237), with h_tma 254 / 0; triton 3.9: dx 254 / 0, down backward 231 / 0, down forward 255
+# / 0, with h_tma 254 / 8 (as h_tma alone). Qwen3-Next (d_le_4k: half_tail on, BWD_BLOCK_M 64, ~160
+# rows per expert: a third of the backward's tiles hold <= 32 rows) times half_tail_bwd, then with
+# h_tma beside its half-height forward tiles.
+MOE_V20_SWEEP_BIG = [{"half_tail_bwd": True}, {"half_tail_bwd": True, "half_tail_down": True},
+                     {"half_tail_bwd": True, "half_tail_down": True, "h_tma": True}]
+MOE_V20_SWEEP_SHORT_BIG = [{"half_tail_bwd": True, "half_tail_down": True}]
+MOE_V20_SWEEP = [{"half_tail_bwd": True}, {"half_tail_bwd": True, "h_tma": True}]
+MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.
 # (The v17 lists above lost to the default on the H200, docs/LOG.md thirtieth session: kept for the
-# record; Qwen3-Next's backward cases time v18's rows, DeepSeek-V3's v19's.)
+# record, as v18's and v19's, decided in the thirty-sixth session; the backward cases time v20's rows.)
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
-          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V18_SWEEP,
-          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V18_SWEEP_SHORT,
+          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V20_SWEEP,
+          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V20_SWEEP_SHORT,
           ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V19_SWEEP_BIG,
-          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V19_SWEEP_SHORT_BIG}
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V20_SWEEP_BIG,
+          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V20_SWEEP_SHORT_BIG}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:

@@ -242,6 +242,10 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   always keeps rows.
 # half_tail (False): the forward GEMMs run an expert's last tile at BLOCK_M / 2 rows when it holds
 #   that few (BLOCK_M >= 32).
+# half_tail_down, half_tail_bwd (False): the same for the forward down GEMM alone (gate/up keeps
+#   full-height tiles), or for the down backward and dx (each on its own row tile). Beside h_tma /
+#   rows_tma the half-height tiles load their rows by their own [BLOCK_M / 2, BLOCK_K] tensor
+#   descriptors. swiglu and mlp only.
 # tma, bwd_tma (False): the forward GEMMs, or the down backward and dx GEMMs, load the expert
 #   weights by tensor descriptors (TMA on Hopper) where rows are 16-byte aligned. swiglu and mlp
 #   only.
@@ -272,8 +276,8 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   the copy). rows_tma (False): the backward's slot-ordered row operands by tensor descriptors.
 #   bwd_epi_split (1): the down backward's epilogue on that many column slices (8: for its
 #   128 x 256 tile, bench.py's v18 notes).
-# h_tma (False): the forward down GEMM loads h [S, F] by tensor descriptors (not with half_tail).
-#   swiglu and mlp only.
+# h_tma (False): the forward down GEMM loads h [S, F] by tensor descriptors (with half_tail or
+#   half_tail_down since v20: the half-height tiles by their own). swiglu and mlp only.
 # dw_tma (False; with dw_persistent and dw_sorted): the persistent weight-gradient kernel loads both
 #   operands by tensor descriptors (no address registers or load masks), so two programs fit an SM
 #   on one warpgroup. dw_pad (False; with dw_tma): each gathered operand is copied with zero rows
@@ -290,14 +294,16 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "rows_tma": (False, True), "bwd_epi_split": (1, 2, 4, 8), "h_tma": (False, True),
                  "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
-                 "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4)}
+                 "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4),
+                 "half_tail_down": (False, True), "half_tail_bwd": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
                    "DX_BLOCK_M": 0, "DX_BLOCK_N": 0, "dx_stages": 0, "dw_sorted": False,
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
-                   "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0}
+                   "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "half_tail_down": False,
+                   "half_tail_bwd": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -353,7 +359,9 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    template_version=19,  # v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
+    # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
+    # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
+    template_version=20,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

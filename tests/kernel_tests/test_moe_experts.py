@@ -491,7 +491,7 @@ def test_sorted_dy_is_gathered_once(load, device, monkeypatch):
 # by TMA: row steps running past an expert's rows into the next's and past S, zeroed after the
 # load, or with `dw_pad` meeting the zero rows padding the gathered operand; output tiles partial
 # over 2F = 40 and D = 40 in 16 x 16 tiles), `h_tma` (the forward down
-# GEMM's h rows by TMA; off beside half-height tiles), `dx_warps` / `down_warps` (dx's and the
+# GEMM's h rows by TMA; beside half-height tiles by their own descriptor since v20), `dx_warps` / `down_warps` (dx's and the
 # forward down GEMM's own warps).
 V17_CONFIGS = {"dw_tma": {**PERSISTENT, "dw_persistent": 2, "dw_sorted": True, "dw_tma": True},
                "dw_tma1": {**PERSISTENT, "dw_persistent": 1, "dw_sorted": True, "dw_tma": True, "dy_sorted": True},
@@ -520,9 +520,9 @@ def test_v17_tma_rows_and_own_warps(load, device, monkeypatch, entry, kind, name
     """dw_tma / dw_pad / h_tma / dx_warps / down_warps (V17_CONFIGS): the output and every gradient (bias
     gradients too) match the reference on odd rows per expert (37 tokens), unused experts, one
     expert with every token, D = 40 and F = 20 (partial tiles and row steps); the launches took
-    the paths asked for: TMA operands only with slot-ordered rows, h by TMA only without
-    half-height tiles, dx and the forward down GEMM on their own warps beside the down backward's
-    and gate/up's."""
+    the paths asked for: TMA operands only with slot-ordered rows, h by TMA (beside half-height
+    tiles too since v20: their own descriptor), dx and the forward down GEMM on their own warps
+    beside the down backward's and gate/up's."""
     variant, params = {"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
                        "bias": ("swiglu", {"bias": True}),
                        "gpt_oss_bias": ("swiglu", {"bias": True, **GPT_OSS})}[entry]
@@ -537,12 +537,124 @@ def test_v17_tma_rows_and_own_warps(load, device, monkeypatch, entry, kind, name
     assert len(dw) == (2 if config.get("dw_persistent") else 0)
     assert all((kw["TMA"], kw["PAD"]) == (bool(config.get("dw_sorted")), bool(config.get("dw_pad"))) for kw in dw)
     down = [kw for n, kw in launches if n == "moe_down_fwd_kernel"]
-    assert down and all(kw["ROWS_TMA"] == (name in ("h_tma", "h_tma_atomic")) for kw in down)
+    assert down and all(kw["ROWS_TMA"] == (name in ("h_tma", "h_tma_atomic", "h_tma_half")) for kw in down)
     if name == "warps":
         warps = {n: {kw["num_warps"] for m, kw in launches if m == n}
                  for n in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel", "moe_down_bwd_kernel", "moe_dx_kernel")}
         assert warps == {"moe_gate_up_fwd_kernel": {module.config_for(40)["num_warps"]},
                          "moe_down_fwd_kernel": {2}, "moe_down_bwd_kernel": {4}, "moe_dx_kernel": {2}}
+
+
+# Template v20: half-height tails beside TMA rows. `half_tail_bwd` runs the down backward's and
+# dx's last tile of an expert at BLOCK_M / 2 rows when it holds that few, `half_tail_down` the
+# forward down GEMM's (gate/up kept at full height); with `rows_tma` / `h_tma` those tiles load
+# their rows through their own [BLOCK_M / 2, BLOCK_K] descriptors. Expert loads over 32-row tiles
+# (half: 16) with remainders 1, 16 (BLOCK_M / 2), 17, 0 and 15, an empty expert and a one-row one:
+# both kinds of last tile, and the rows a half-height descriptor block reads past its expert's
+# end (the next expert's, or past S) masked at every store.
+TAIL_COUNTS = [33, 16, 49, 64, 0, 47, 1]
+_TAIL_BASE = {"BLOCK_M": 32, "BWD_BLOCK_M": 32}
+TAIL_CONFIGS = {
+    "bwd": {**_TAIL_BASE, "half_tail_bwd": True},  # pointer rows
+    "bwd_rows": {**_TAIL_BASE, "half_tail_bwd": True, "dy_sorted": True, "rows_tma": True},
+    # the bucket-like stack: every row operand by TMA, weights by TMA, atomic combine, eight
+    # epilogue slices, the down backward and dx on their own 32-row tiles (one tile map)
+    "all_rows": {**_TAIL_BASE, "half_tail_bwd": True, "half_tail_down": True, "h_tma": True, "dy_sorted": True,
+                 "rows_tma": True, "tma": True, "bwd_tma": True, "combine": "atomic", "bwd_epi_split": 8,
+                 "DOWN_BWD_BLOCK_M": 32, "DOWN_BWD_BLOCK_N": 64, "DX_BLOCK_M": 32, "dw_grouped_mm": True},
+    # dx on its own 64-row tiles (own tile map, half: 32 rows) beside the 32-row down backward
+    "dx_own": {**_TAIL_BASE, "half_tail_bwd": True, "rows_tma": True, "DX_BLOCK_M": 64, "DX_BLOCK_N": 16},
+    "down": {**_TAIL_BASE, "half_tail_down": True, "h_tma": True},
+    "down_ptrs": {**_TAIL_BASE, "half_tail_down": True},
+    "fwd_h_tma": {**_TAIL_BASE, "half_tail": True, "h_tma": True},  # the v19 key, h by TMA since v20
+}
+
+
+def tail_routing(counts: list[int], gen: torch.Generator) -> torch.Tensor:
+    """[sum(counts) / 2, 2] top-2 routing with exactly counts[e] slots on expert e: the slots sorted
+    by expert, token t taking positions t and t + n (distinct experts while no count passes n),
+    the tokens shuffled."""
+    seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    n = seq.numel() // 2
+    idx = torch.stack([seq[:n], seq[n:]], 1)
+    assert seq.numel() == 2 * n and (idx[:, 0] != idx[:, 1]).all()
+    return idx[torch.randperm(n, generator=gen)]
+
+
+def tail_fixture(module, entry: str, d=40, f=20) -> KernelFixture:
+    """x [n, d] routed by `tail_routing(TAIL_COUNTS)`; gate_up [E, 2F, D] (mlp: up [E, F, D]), down
+    [E, D, F]; "bias": gpt-oss's clamped SwiGLU with both biases."""
+    e, gated, bias = len(TAIL_COUNTS), entry != "mlp", entry == "bias"
+    n = sum(TAIL_COUNTS) // 2
+
+    def make_inputs(dtype, device, gen):
+        x = torch.randn(n, d, generator=gen)
+        idx = tail_routing(TAIL_COUNTS, gen)
+        w = torch.rand(n, 2, generator=gen) + 0.1
+        gate_up = torch.randn(e, (2 if gated else 1) * f, d, generator=gen) / d ** 0.5
+        down = torch.randn(e, d, f, generator=gen) / f ** 0.5
+        args = [x, idx, w, gate_up, down]
+        if bias:
+            args += [torch.randn(e, 2 * f, generator=gen) / 2, torch.randn(e, d, generator=gen) / 2]
+        return [a.to(device) if i == 1 else a.to(device, dtype) for i, a in enumerate(args)]
+
+    return KernelFixture(name=f"moe_experts/tails/{entry}", module=module, make_inputs=make_inputs,
+                         weights=(2, 3, 4, 5, 6) if bias else (2, 3, 4))
+
+
+def test_tail_routing_leaves_every_remainder(load):
+    """TAIL_COUNTS over 32-row tiles: last tiles of 1, 16 and 15 rows (half height), 17 and 32 rows
+    (full height), and the route's tile map holds exactly them."""
+    module = load("swiglu", {})
+    idx = tail_routing(TAIL_COUNTS, torch.Generator().manual_seed(0))
+    assert torch.bincount(idx.flatten(), minlength=len(TAIL_COUNTS)).tolist() == TAIL_COUNTS
+    rt = module.route(idx, len(TAIL_COUNTS), 32)
+    real = rt["tile_expert"] < len(TAIL_COUNTS)
+    ends = rt["offsets"][rt["tile_expert"].clamp(max=len(TAIL_COUNTS) - 1) + 1]
+    heights = (torch.minimum(ends, rt["tile_start"] + 32) - rt["tile_start"])[real]
+    assert sorted(heights.tolist()) == sorted([32, 1, 16, 32, 17, 32, 32, 32, 15, 1])
+
+
+@pytest.mark.parametrize("entry,name", [
+    ("swiglu", "bwd"), ("swiglu", "bwd_rows"), ("swiglu", "all_rows"), ("mlp", "all_rows"), ("bias", "all_rows"),
+    ("swiglu", "dx_own"), ("swiglu", "down"), ("mlp", "down_ptrs"), ("swiglu", "fwd_h_tma"),
+    pytest.param("mlp", "bwd_rows", marks=pytest.mark.slow), pytest.param("bias", "bwd", marks=pytest.mark.slow),
+    pytest.param("bias", "down", marks=pytest.mark.slow),
+], ids=lambda v: str(v))
+def test_half_tail_tma_rows(load, device, monkeypatch, entry, name):
+    """half_tail_bwd / half_tail_down / half_tail beside TMA rows (TAIL_CONFIGS): the output and
+    every gradient (dx, d topk_weights, d gate_up, d down; with biases theirs too) match the fp32
+    reference on experts whose last tile holds 1, 15, 16, 17 or 32 rows; the launches took the
+    half-height tiles and, where the config asks for TMA rows, a half-height descriptor beside the
+    full-height one (gate/up's tiles stay full height with half_tail_down)."""
+    module = load(*{"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
+                    "bias": ("swiglu", {"bias": True, **GPT_OSS})}[entry])
+    config = TAIL_CONFIGS[name]
+    if module.TensorDescriptor is None and any(config.get(k) for k in ("rows_tma", "h_tma", "tma", "bwd_tma")):
+        pytest.skip("this triton has no host tensor descriptors")
+    halves, real = [], module._half_rows
+
+    def spy(rows, t, block_m, block_k, half):
+        out = real(rows, t, block_m, block_k, half)
+        halves.append(None if out is None else list(out.block_shape))
+        return out
+    monkeypatch.setattr(module, "_half_rows", spy)
+    launches = _checked_launches(tail_fixture(module, entry), device, monkeypatch, {**CPU_CONFIG, **config})
+    by = {n: [kw for m, kw in launches if m == n]
+          for n in ("moe_gate_up_fwd_kernel", "moe_down_fwd_kernel", "moe_down_bwd_kernel", "moe_dx_kernel")}
+    bwd, down = bool(config.get("half_tail_bwd")), bool(config.get("half_tail_down") or config.get("half_tail"))
+    assert all(by.values()), by
+    assert all(kw["HALF_TAIL"] == bool(config.get("half_tail")) for kw in by["moe_gate_up_fwd_kernel"])
+    assert all((kw["HALF_TAIL"], kw["ROWS_TMA"]) == (down, bool(config.get("h_tma"))) for kw in by["moe_down_fwd_kernel"])
+    assert all(kw["HALF_TAIL"] == bwd for kw in by["moe_down_bwd_kernel"] + by["moe_dx_kernel"])
+    # the last forward + backward's half-height operands (down forward, down backward, dx): a
+    # descriptor of half-height blocks where that kernel's rows come by TMA, else none
+    bk = {"fwd": config.get("BLOCK_K", CPU_CONFIG["BLOCK_K"]), "bwd": CPU_CONFIG["BWD_BLOCK_K"]}
+    dx_m = config.get("DX_BLOCK_M") or config["BWD_BLOCK_M"]
+    want = [[16, bk["fwd"]] if down and config.get("h_tma") else None,
+            [16, bk["bwd"]] if bwd and config.get("rows_tma") and config.get("dy_sorted") else None,
+            [dx_m // 2, bk["bwd"]] if bwd and config.get("rows_tma") else None]
+    assert halves[-3:] == want, (halves[-3:], want)
 
 
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
@@ -634,6 +746,20 @@ def test_v18_configs_bf16_cuda(load, d):
     the output and every gradient)."""
     bench = moe_experts.bench
     configs = [{}] + (bench.MOE_V18_SWEEP if d < 4096 else bench.MOE_V19_SWEEP_BIG)
+    _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
+@pytest.mark.parametrize("d", [7168, 2048], ids=["d_big", "d_le_4k"])  # DeepSeek-V3's first: it decides the most
+def test_v20_configs_bf16_cuda(load, d):
+    """Template v20's rows as the bench times them (bench.MOE_V20_SWEEP_BIG at D 7168, MOE_V20_SWEEP
+    at D 2048: half-height tails in the down backward and dx, and in the forward down GEMM, with
+    their rows by their own half-height descriptors) against the bucket default
+    (`_check_bwd_configs_bf16`: the output and every gradient). Its routing leaves half-height last
+    tiles: at D 7168 experts of 1027 and 1061 rows over 128-row tiles (3 and 37 rows), at D 2048
+    three of 413-452 rows over the backward's 64-row tiles (29, 29 and 4)."""
+    bench = moe_experts.bench
+    configs = [{}] + (bench.MOE_V20_SWEEP if d < 4096 else bench.MOE_V20_SWEEP_BIG)
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
 
 
