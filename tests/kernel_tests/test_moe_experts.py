@@ -953,6 +953,63 @@ GEMM_KERNELS = ["moe_gate_up_fwd_kernel", "moe_down_fwd_kernel", "moe_down_bwd_k
                 "moe_dwd_kernel", "moe_dwgu_kernel"]
 
 
+# Compiles every kernel of a rendered module for sm_90 from its bf16 `aot_specs` at D = argv[3]
+# under the config pin argv[2] (JSON) and prints {kernel: [registers, spilled bytes, shared bytes,
+# HALF_TAIL]} of the named ones (argv[4]); like _PTX_MMA, without the interpreter.
+_AOT_USAGE = r"""
+import json, sys
+from onboarding.generate import aot
+from onboarding.generate import templating
+
+mod = templating.load_module(sys.argv[1])
+mod.set_config(json.loads(sys.argv[2]))
+specs = {s["kernel"]: s for s in mod.aot_specs("bf16", int(sys.argv[3]))}
+out = {}
+for r in aot.compile_module(mod, size=int(sys.argv[3]), specialize="all"):
+    if r.kernel in sys.argv[4].split(","):
+        assert r.ok, (r.kernel, r.error)
+        out[r.kernel] = [r.n_regs, r.n_spills, r.shared_bytes, specs[r.kernel]["constexprs"].get("HALF_TAIL")]
+print(json.dumps(out))
+"""
+HALF_TAIL_KERNELS = ["moe_down_fwd_kernel", "moe_down_bwd_kernel", "moe_dx_kernel"]
+
+
+def sm90_usage(path, config: dict, size: int, cwd) -> dict[str, list]:
+    """{kernel: [registers, spilled bytes, shared bytes, HALF_TAIL]} of HALF_TAIL_KERNELS compiled
+    for sm_90 (bf16, specialize="all") under `config` at D = `size`."""
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _AOT_USAGE, str(path), json.dumps(config), str(size),
+                          ",".join(HALF_TAIL_KERNELS)], capture_output=True, text=True, env=env, cwd=cwd,
+                         timeout=900, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # sm_90 builds of every kernel, three times: 39 s on 2 cores (37th session)
+def test_half_tail_tma_rows_aot_sm90(load, tmp_path):
+    """Template v20's half-height tails beside TMA rows (the bench's MOE_V20 rows, all keys on)
+    compile for sm_90 at both GPU buckets' D (7168: DeepSeek-V3's 128 x 256 down backward and dx,
+    the forward down GEMM's 128 x 256 with h by TMA; 2048: the backward's 64-row tiles, half: 32)
+    within an SM's shared memory, with HALF_TAIL on in the three kernels, no spilled byte in the
+    down backward or dx, and the forward down GEMM spilling no more than with h_tma alone (the
+    half-height loop adds none). Prints each build's registers / spills / shared bytes."""
+    path = load("swiglu", {}).__file__
+    rows = {"half_tail_bwd": True, "half_tail_down": True, "h_tma": True, "rows_tma": True, "dy_sorted": True}
+    for size in (7168, 2048):
+        got = sm90_usage(path, rows, size, tmp_path)
+        print(f"D {size}: {got}")
+        assert all(half for *_, half in got.values()), got
+        assert all(smem <= aot.H100_SHARED_BYTES for _, _, smem, _ in got.values()), got
+        assert got["moe_down_bwd_kernel"][1] == 0 and got["moe_dx_kernel"][1] == 0, got
+        if size == 7168:
+            alone = sm90_usage(path, {"h_tma": True}, size, tmp_path)
+            print(f"D {size}, h_tma alone: {alone}")
+            assert got["moe_down_fwd_kernel"][1] <= alone["moe_down_fwd_kernel"][1], (got, alone)
+
+
 @pytest.mark.slow  # sm_90 build, nightly: 24.8 s on CI's cold Triton cache (28th session)
 def test_bf16_specs_compile_to_bf16_mma(load, tmp_path):
     """bf16 AOT specs use the 16-bit dot mode: every grouped GEMM (and the LoRA variant's
