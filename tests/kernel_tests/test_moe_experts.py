@@ -615,6 +615,25 @@ def test_tail_routing_leaves_every_remainder(load):
     assert sorted(heights.tolist()) == sorted([32, 1, 16, 32, 17, 32, 32, 32, 15, 1])
 
 
+def test_half_tail_keys_off_by_default(load):
+    """Template v20's keys are off in every bucket: the AOT specs (the GPU builds) of the down
+    backward and dx take no half-height tiles and no half-height operand, and the forward down GEMM
+    only d_le_4k's half_tail (h by pointers there)."""
+    module = load("swiglu", {})
+    module.set_config(None)
+    try:
+        for size in (512, 2048, 7168):
+            cfg = module.config_for(size)
+            assert not cfg["half_tail_bwd"] and not cfg["half_tail_down"], size
+            specs = {s["kernel"]: s["constexprs"] for s in module.aot_specs("bf16", size)}
+            for name, arg in (("moe_down_bwd_kernel", "p_dy_half"), ("moe_dx_kernel", "p_dgu_half")):
+                assert specs[name]["HALF_TAIL"] is False and specs[name][arg] is None, (size, name)
+            down = specs["moe_down_fwd_kernel"]
+            assert (down["HALF_TAIL"], down["ROWS_TMA"], down["p_h_half"]) == (cfg["half_tail"], False, None), size
+    finally:
+        module.set_config(CPU_CONFIG)
+
+
 @pytest.mark.parametrize("entry,name", [
     ("swiglu", "bwd"), ("swiglu", "bwd_rows"), ("swiglu", "all_rows"), ("mlp", "all_rows"), ("bias", "all_rows"),
     ("swiglu", "dx_own"), ("swiglu", "down"), ("mlp", "down_ptrs"), ("swiglu", "fwd_h_tma"),
