@@ -490,9 +490,9 @@ def test_sorted_dy_is_gathered_once(load, device, monkeypatch):
 # Template v17's options: `dw_tma` (the persistent weight-gradient kernel's slot-ordered operands
 # by TMA: row steps running past an expert's rows into the next's and past S, zeroed after the
 # load, or with `dw_pad` meeting the zero rows padding the gathered operand; output tiles partial
-# over 2F = 40 and D = 40 in 16 x 16 tiles), `h_tma` (the forward down
-# GEMM's h rows by TMA; beside half-height tiles by their own descriptor since v20), `dx_warps` / `down_warps` (dx's and the
-# forward down GEMM's own warps).
+# over 2F = 40 and D = 40 in 16 x 16 tiles), `h_tma` (the forward down GEMM's h rows by TMA;
+# beside half-height tiles by their own descriptor since v20), `dx_warps` / `down_warps` (dx's
+# and the forward down GEMM's own warps).
 V17_CONFIGS = {"dw_tma": {**PERSISTENT, "dw_persistent": 2, "dw_sorted": True, "dw_tma": True},
                "dw_tma1": {**PERSISTENT, "dw_persistent": 1, "dw_sorted": True, "dw_tma": True, "dy_sorted": True},
                "dw_tma_unsorted": {**PERSISTENT, "dw_persistent": 1, "dw_tma": True},
@@ -664,7 +664,8 @@ def test_half_tail_tma_rows(load, device, monkeypatch, entry, name):
     bwd, down = bool(config.get("half_tail_bwd")), bool(config.get("half_tail_down") or config.get("half_tail"))
     assert all(by.values()), by
     assert all(kw["HALF_TAIL"] == bool(config.get("half_tail")) for kw in by["moe_gate_up_fwd_kernel"])
-    assert all((kw["HALF_TAIL"], kw["ROWS_TMA"]) == (down, bool(config.get("h_tma"))) for kw in by["moe_down_fwd_kernel"])
+    assert all((kw["HALF_TAIL"], kw["ROWS_TMA"]) == (down, bool(config.get("h_tma")))
+               for kw in by["moe_down_fwd_kernel"])
     assert all(kw["HALF_TAIL"] == bwd for kw in by["moe_down_bwd_kernel"] + by["moe_dx_kernel"])
     # the last forward + backward's half-height operands (down forward, down backward, dx): a
     # descriptor of half-height blocks where that kernel's rows come by TMA, else none
