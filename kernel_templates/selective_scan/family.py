@@ -92,7 +92,8 @@ def timing_inputs(variant: str, params: dict[str, Any], dims: dict[str, int], dt
 FAMILY = FamilySpec(
     name=NAME,
     template="selective_scan.py.j2",
-    template_version=4,
+    # v5: the backward gets None, not autograd's zeros, for outputs without a gradient
+    template_version=5,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-1 selective scan: per-channel decay exp(dt A), (grouped) B/C, D skip, "
                       "silu(z) gate, delta bias + softplus, initial/final state; decode step"},

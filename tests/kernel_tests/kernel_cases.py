@@ -117,3 +117,14 @@ def training_root(tmp_path_factory, device, kind: str, cpu_config: dict):
     if device.type == "cpu":
         mod.set_config(cpu_config)
     return root
+
+
+def zero_fill_shapes(loss: torch.Tensor) -> list[list[int]]:
+    """The shapes of the tensors zero-filled while `loss.backward()` runs (aten zero_ / fill_ /
+    zeros_like on the CPU profiler's records): where autograd materializes a zero gradient for an
+    output the loss does not use, a [*shape] zero_ appears here."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        loss.backward()
+    return [list(ev.input_shapes[0]) for ev in prof.events()
+            if ev.name in ("aten::zero_", "aten::fill_", "aten::zeros_like") and ev.input_shapes and ev.input_shapes[0]]
+

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import OPCHECK_SPLIT, case_id
+from kernel_cases import OPCHECK_SPLIT, case_id, zero_fill_shapes
 
 from onboarding.generate import aot
 from onboarding.errors import InputError
@@ -1143,6 +1143,26 @@ def test_backward_kernels_use_backward_tiles(load, device, monkeypatch, entry):
     assert_tiles(bwd, BWD_TILES)
     assert {n for n, _ in bwd} >= {"moe_down_bwd_kernel", "moe_dx_kernel"}
     assert not {n for n, _ in fwd} & {"moe_down_bwd_kernel", "moe_dx_kernel", "moe_dwd_kernel", "moe_dwgu_kernel"}
+
+
+@pytest.mark.parametrize("entry", ["swiglu", "mlp", "swiglu_lora", "swiglu_lora_sorted"])
+def test_backward_fills_no_zero_gradient_for_saved_outputs(load, device, entry):
+    """The op's saved intermediates (gate/up pre-activations; LoRA's row products too) are outputs
+    without a gradient: the backward gets None for them (v21), not an autograd-filled zero tensor
+    the size of each ([S, 2F]: 537 MB of bf16 at DeepSeek-V3 N8192). The gradients still match."""
+    module = load("swiglu_lora" if entry.startswith("swiglu_lora") else entry,
+                  {"activation": "relu2"} if entry == "mlp" else {})
+    fx = {"swiglu": fixture, "mlp": lambda m, k: fixture(m, k, gated=False), "swiglu_lora": lora_fixture,
+          "swiglu_lora_sorted": sorted_fixture}[entry](module, "zipf")
+    args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(3))
+    leaves = [a.requires_grad_() if isinstance(a, torch.Tensor) and (i in fx.weights or i == 0) else a
+              for i, a in enumerate(args)]
+    y = fx.module.entry(*leaves)
+    fills = zero_fill_shapes((y * torch.randn_like(y)).sum())
+    S = args[0].shape[0] if entry == "swiglu_lora_sorted" else args[1].numel()  # (sorted: padding rows too)
+    F = args[4].shape[2] if entry != "swiglu_lora_sorted" else args[3].shape[2]
+    assert not [s for s in fills if s and s[0] == S and s[-1] in (F, 2 * F)], fills
+    check_forward_backward(fx, torch.float32, device)
 
 
 def test_backward_tile_keys_in_space_config_and_tuner(load):

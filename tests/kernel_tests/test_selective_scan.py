@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import check_match, check_sample_inputs_fit
+from kernel_cases import check_match, check_sample_inputs_fit, zero_fill_shapes
 
 from onboarding.families import family_module
 from onboarding.graph.opgraph import Block
@@ -131,6 +131,23 @@ def test_nt_chunks_and_channel_blocks(module, device, cfg):
         assert ck.shape == (2, 6, -(-40 // cfg["BWD_BLOCK_T"]), 3)
     finally:
         undo()
+
+
+def test_backward_fills_no_zero_gradient_for_unused_outputs(module, device):
+    """The stored states reach the backward as None (v5), not as zeros autograd fills: no fill of
+    their shape while it runs (the final state's zero gradient, which the kernel reads, is the
+    backward's own, once); the gradients still match."""
+    shape = (1, 16, 40, 4, 0, True, True)
+    args = make(shape)(torch.float32, device, torch.Generator().manual_seed(5))
+    args[9] = True  # return_last_state: the final state is an output the loss leaves unused
+    u, delta, A, B, C, D, z, bias, softplus, _, h0 = args
+    states = module.selective_scan_fwd_op(u, delta, A, B, C, D, z, bias, h0, softplus)[2]
+    leaves = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    y, _ = module.entry(*leaves)
+    fills = zero_fill_shapes((y * torch.randn_like(y)).sum())
+    assert list(states.shape) not in fills, (list(states.shape), fills)
+    assert [s for s in fills if s == [1, 16, 4]] in ([[1, 16, 4]], [[1, 16, 4]] * 2), fills  # zero_ (+ its fill_)
+    check_forward_backward(fixture(module, shape), torch.float32, device)
 
 
 def test_backward_refuses_states_of_another_spacing(module, device):
