@@ -282,6 +282,15 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   operands by tensor descriptors (no address registers or load masks), so two programs fit an SM
 #   on one warpgroup. dw_pad (False; with dw_tma): each gathered operand is copied with zero rows
 #   padding every expert to a row-step multiple, so no row mask is needed. swiglu and mlp only.
+# ws (False): the dx GEMM (with bwd_tma and rows_tma: every load of its K loop a tensor
+#   descriptor) runs that loop under triton's automatic warp specialization (`tl.range(...,
+#   warp_specialize=True)`; Hopper: a producer warp group issues the TMA loads, two consumer warp
+#   groups the MMAs; its launch takes num_warps 4, per group) and writes per-slot rows for the
+#   combine pass even with combine "atomic". Ignored elsewhere: gate/up gathers x by pointers; the
+#   down backward's epilogue (atomics, column slices) fails in the warp specializer. Compiled runs
+#   refuse it for now (NotImplementedError): the pass splits the rows' load between its consumers
+#   under the host descriptor's 128-row block (triton 3.6 builds a corrupt kernel, 3.9 refuses
+#   it); the interpreter tests keep the plumbing. swiglu and mlp only. bench.py's v22 notes.
 # The v17 keys (h_tma, dw_tma, dw_pad, dx_warps, down_warps) beat no default on the H200
 #   (docs/LOG.md, thirtieth session, device call 3); sm_90 AOT facts in bench.py's v17 notes.
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
@@ -295,7 +304,7 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
                  "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4),
-                 "half_tail_down": (False, True), "half_tail_bwd": (False, True)}
+                 "half_tail_down": (False, True), "half_tail_bwd": (False, True), "ws": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
@@ -303,7 +312,7 @@ _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
                    "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "half_tail_down": False,
-                   "half_tail_bwd": False}
+                   "half_tail_bwd": False, "ws": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -359,10 +368,12 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
+    # v22: config `ws` (off in every bucket; refused in compiled runs): dx's all-TMA K loop warp-specialized
+    # by triton (tl.range warp_specialize), on per-slot rows; the default's kernels unchanged (sm_90 PTX).
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=21,
+    template_version=22,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
