@@ -285,12 +285,11 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # ws (False): the dx GEMM (with bwd_tma and rows_tma: every load of its K loop a tensor
 #   descriptor) runs that loop under triton's automatic warp specialization (`tl.range(...,
 #   warp_specialize=True)`; Hopper: a producer warp group issues the TMA loads, two consumer warp
-#   groups the MMAs; its launch takes num_warps 4, per group) and writes per-slot rows for the
-#   combine pass even with combine "atomic". Ignored elsewhere: gate/up gathers x by pointers; the
-#   down backward's epilogue (atomics, column slices) fails in the warp specializer. Compiled runs
-#   refuse it for now (NotImplementedError): the pass splits the rows' load between its consumers
-#   under the host descriptor's 128-row block (triton 3.6 builds a corrupt kernel, 3.9 refuses
-#   it); the interpreter tests keep the plumbing. swiglu and mlp only. bench.py's v22 notes.
+#   groups the MMAs; its launch takes num_warps 4, per group), on descriptors it makes itself (the
+#   pass re-blocks those), writing per-slot rows for the combine pass even with combine "atomic",
+#   at full height beside half_tail_bwd. Ignored elsewhere: gate/up gathers x by pointers; the down
+#   backward's epilogue (atomics, column slices) fails in the warp specializer. swiglu and mlp
+#   only. sm_90 AOT facts: bench.py's v22 notes.
 # The v17 keys (h_tma, dw_tma, dw_pad, dx_warps, down_warps) beat no default on the H200
 #   (docs/LOG.md, thirtieth session, device call 3); sm_90 AOT facts in bench.py's v17 notes.
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
@@ -368,8 +367,8 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    # v22: config `ws` (off in every bucket; refused in compiled runs): dx's all-TMA K loop warp-specialized
-    # by triton (tl.range warp_specialize), on per-slot rows; the default's kernels unchanged (sm_90 PTX).
+    # v22: config `ws` (off in every bucket): dx's all-TMA K loop warp-specialized by triton (tl.range
+    # warp_specialize), on in-kernel descriptors and per-slot rows; the default's kernels unchanged (sm_90 PTX).
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
