@@ -84,3 +84,33 @@ def test_cpu_run_launches_the_profiled_kernel(family, mode, kernel, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "step 1 (profiled)" in out and "EXPECT OK" in out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel runs under the interpreter")
+def test_launches_counts_by_name_leaves_warmups_out_and_restores_run():
+    """ncu_step's launch counts (onboarding.testing.launches, shared with the runtime Monitor): each
+    launch by kernel name, a warm-up (compile only) not counted, nested uses (Launches inside the
+    Monitor) both see the launch, and run is the original again afterwards."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from onboarding.generate.llm.runtime import Monitor
+    from onboarding.testing.launches import Launches, _classes
+
+    @triton.jit
+    def _twice(p_x, p_y, N, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(p_y + o, 2.0 * tl.load(p_x + o, mask=o < N), mask=o < N)
+
+    before = {cls: cls.__dict__["run"] for cls in _classes()}
+    x = torch.randn(10)
+    y = torch.zeros(10)
+    with Monitor(poison=False) as mon, Launches() as launches:
+        _twice[(1,)](x, y, 10, BLOCK=16)
+        _twice[(1,)](x, y, 10, BLOCK=16)
+        _twice.warmup(x, y, 10, BLOCK=16, grid=(1,))
+        assert launches.take() == {"_twice": 2} and not launches.counts
+    assert torch.equal(y, 2 * x)
+    assert mon.record.kernels == ["_twice"] * 3  # the Monitor counts every run call, a warm-up too
+    assert {cls: cls.__dict__["run"] for cls in _classes()} == before

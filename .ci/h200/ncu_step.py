@@ -69,52 +69,6 @@ def pick_case(family: str, pattern: str | None, impl: str, cpu: bool):
     return picked[0]
 
 
-class Launches:
-    """Counts Triton kernel launches by name (the JIT's and the interpreter's `run`)."""
-
-    def __init__(self):
-        self.counts: collections.Counter = collections.Counter()
-        self._undo = []
-
-    def __enter__(self):
-        classes = []
-        try:
-            from triton.runtime.jit import JITFunction
-
-            classes.append(JITFunction)
-        except ImportError:
-            pass
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            classes.append(InterpretedFunction)
-        except ImportError:
-            pass
-        for cls in classes:
-            orig = cls.__dict__.get("run")
-            if orig is None:
-                continue
-
-            def run(self_, *args, _orig=orig, **kwargs):
-                if not kwargs.get("warmup", False):
-                    fn = getattr(self_, "fn", None)
-                    self.counts[getattr(fn, "__name__", None) or getattr(self_, "__name__", "?")] += 1
-                return _orig(self_, *args, **kwargs)
-
-            cls.run = run
-            self._undo.append((cls, orig))
-        return self
-
-    def __exit__(self, *exc):
-        for cls, orig in self._undo:
-            cls.run = orig
-        return False
-
-    def take(self) -> collections.Counter:
-        out, self.counts = self.counts, collections.Counter()
-        return out
-
-
 def run(args) -> int:
     impl = IMPL[args.mode]
     if args.dry_run:
@@ -125,6 +79,8 @@ def run(args) -> int:
         print(f"{args.family}: cases {names}; {args.case!r} picks {hits[:1]} (row {impl}, {args.steps} steps)")
         return 0 if hits else 2
     import torch
+
+    from onboarding.testing.launches import Launches  # kernel name -> launches (warm-ups not counted)
 
     device = torch.device("cpu" if args.cpu else "cuda")
     case = pick_case(args.family, args.case, impl, args.cpu)

@@ -2,7 +2,8 @@
 
 `Monitor` is a context manager that, while active:
 - counts Triton kernel launches (``JITFunction.run`` and the interpreter's
-  ``InterpretedFunction.run``, patched at class level) and records the kernels' names;
+  ``InterpretedFunction.run``, patched at class level by `onboarding.testing.launches.watching`)
+  and records the kernels' names;
 - records every ATen op that reaches the dispatcher outside a launch (a `TorchDispatchMode`;
   a custom op is followed into its Python implementation, so work cannot hide in one) and
   flags each op that is not allocation or layout glue (`GLUE`);
@@ -29,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from onboarding.testing.bounds import checked_when_interpreted
+from onboarding.testing.launches import watching
 
 # ATen ops a kernel wrapper may run in torch: allocation, layout, dtype moves, views
 GLUE = frozenset({
@@ -116,38 +118,26 @@ class Monitor:
         self._bounds: Any = None
         self.record = RunRecord()
         self._local = threading.local()
-        self._saved: list[tuple[type, Any]] = []
+        self._launches: Any = None
         self._mode: _Recorder | None = None
 
     def in_launch(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
 
-    def _wrap(self, cls: type) -> None:
-        original = cls.run
-        mon = self
-
-        def run(fn_self, *args, **kwargs):
-            mon.record.launches += 1
-            mon.record.kernels.append(getattr(getattr(fn_self, "fn", None), "__name__", "?"))
-            mon._local.depth = getattr(mon._local, "depth", 0) + 1
-            try:
-                return original(fn_self, *args, **kwargs)
-            finally:
-                mon._local.depth -= 1
-
-        self._saved.append((cls, original))
-        cls.run = run
+    def _around(self, name: str, warmup: bool, call: Any) -> Any:
+        """Each Triton launch (`onboarding.testing.launches.watching`): counted and named; the
+        ATen ops it runs are its own (`in_launch`)."""
+        self.record.launches += 1
+        self.record.kernels.append(name)
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            return call()
+        finally:
+            self._local.depth -= 1
 
     def __enter__(self) -> Monitor:
-        from triton.runtime.jit import JITFunction
-
-        self._wrap(JITFunction)
-        try:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            self._wrap(InterpretedFunction)
-        except ImportError:  # pragma: no cover
-            pass
+        self._launches = watching(self._around)
+        self._launches.__enter__()
         self._mode = _Recorder(self)
         self._mode.__enter__()
         self._bounds = checked_when_interpreted()
@@ -160,9 +150,9 @@ class Monitor:
             self._bounds = None
         if self._mode is not None:
             self._mode.__exit__(*exc)
-        for cls, original in reversed(self._saved):
-            cls.run = original
-        self._saved.clear()
+        if self._launches is not None:
+            self._launches.__exit__(*exc)
+            self._launches = None
 
 
 def _fingerprint(value: Any) -> Any:
