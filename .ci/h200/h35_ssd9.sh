@@ -1,3 +1,5 @@
+# NOT RUNNABLE since 0b4e2d4: it names kernel_templates/ssd/bench.py's PAIRED and FUSED (its config_sweep line),
+# which that commit removed; the script is kept as the record of the run docs/LOG.md reports.
 # Device call for issue 35 (H200), ssd template v19: `split_dbc` "paired" and "fused", the split
 # backward's dx, dC and dB in one launch per (split chunk of 64, group), toward fwd+bwd <= 3x the
 # forward (v18's default on an H100: 2.224 / 0.474 ms by CUDA graph, 4.7x, at B1 T8192 H128 P64 G8
