@@ -35,7 +35,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="cross_entropy.py.j2",
-    template_version=1,
+    # v2: the op's own autograd gets None, not autograd's [N, V] zeros, for the stored gradient
+    # (set_materialize_grads(False)); the entry's CrossEntropyFunction (one output) unchanged.
+    template_version=2,
     folder=Path(__file__).parent,
     variants={
         "fused": "cross_entropy_fused(logits [N, V], targets [N]): the mean loss over N (fp32), "

@@ -43,7 +43,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="lora.py.j2",
-    template_version=5,
+    # v6: the backward gets None, not autograd's [N, r] zeros, for the saved xa (set_materialize_grads(False)).
+    template_version=6,
     folder=Path(__file__).parent,
     variants={"linear": "x W^T + scaling * (x A^T) B^T, frozen W; grads to x, A, B"},
     params=(

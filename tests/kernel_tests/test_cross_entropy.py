@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from kernel_cases import training_root
+from kernel_cases import training_root, zero_fill_shapes
 
 from onboarding.families import training_kernel
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
@@ -80,6 +80,18 @@ def test_op_autograd_per_row(module, device):
     d = torch.randn(11, generator=gen).to(device)
     torch.testing.assert_close(torch.autograd.grad(losses, xa, d)[0],
                                torch.autograd.grad(ref, xb, d)[0], rtol=1e-5, atol=1e-7)
+
+
+def test_op_backward_fills_no_zeros_for_the_stored_gradient(module, device):
+    """The op's second output (the stored [N, V] gradient) is marked non-differentiable: its own
+    autograd takes None for it (set_materialize_grads(False)), not an [N, V] tensor of zeros
+    autograd fills first."""
+    x, t = _inputs(11, 300, torch.float32, device, torch.Generator().manual_seed(5))
+    x.requires_grad_()
+    losses, _ = module.cross_entropy_fused_fwd_op(x, t, 0.25)
+    fills = zero_fill_shapes((losses * torch.randn_like(losses)).sum())
+    assert [11, 300] not in fills, fills
+    assert x.grad is not None and x.grad.shape == (11, 300)
 
 
 @pytest.mark.parametrize("n,v,ignore_every", [(37, 1000, 0), (37, 1000, 4), (9, 37, 1)],

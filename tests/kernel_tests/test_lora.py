@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import case_id
+from kernel_cases import case_id, zero_fill_shapes
 from test_moe_experts import assert_bf16_mma, sm90_mma
 
 from onboarding.generate import templating
@@ -97,6 +97,21 @@ def test_frozen_weight_gets_no_grad(load, device, base):
     torch.testing.assert_close(y, module.reference(x, w, a, b, 0.5))
     y.sum().backward()
     assert w.grad is None and x.grad is not None and a.grad is not None and b.grad is not None
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_backward_fills_no_zeros_for_xa(load, device, base):
+    """xa = x A^T, the op's second output, is saved for the backward and gets no gradient: the
+    backward takes None for it (set_materialize_grads(False)), not an [N, r] fp32 tensor of zeros
+    autograd fills first."""
+    module = load({"base": base})
+    gen = torch.Generator().manual_seed(4)
+    x, w, a, b, s = fixture(module, (7, 24), 16, 5).make_inputs(torch.float32, device, gen)
+    leaves = [t.requires_grad_() for t in (x, a, b)]
+    y = module.entry(leaves[0], w, leaves[1], leaves[2], s)
+    fills = zero_fill_shapes((y * torch.randn_like(y)).sum())
+    assert [7, 5] not in fills, fills
+    assert all(t.grad is not None for t in leaves)
 
 
 @pytest.mark.parametrize("base", BASES)
