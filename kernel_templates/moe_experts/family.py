@@ -367,12 +367,13 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
+    # v23: no behaviour change (de-duplication): one call per half-height tail, one dx call with or without WS.
     # v22: config `ws` (off in every bucket): dx's all-TMA K loop warp-specialized by triton (tl.range
     # warp_specialize), on in-kernel descriptors and per-slot rows; the default's kernels unchanged (sm_90 PTX).
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=22,
+    template_version=23,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
