@@ -111,13 +111,14 @@ SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.bl
 
 NAME = "kimi_delta"
 # GDN's buckets less what was timed on GDN's kernels only: the prepare kernel's K tile and stages
-# (KDA's per-channel Gram differs), the backward WY kernel's V tile, and k_le_128's three-stage
+# (KDA's per-channel Gram differs), the backward WY kernel's V tile, GDN's row-factor forward
+# (`fused_kq`, `rows_maxnreg`: keys KDA's own prepare does not have), and k_le_128's three-stage
 # chunk kernels (KDA's keep the stages they had: _KDA_BUCKET). The state passes are one kernel for
 # both (but for KDA's [K] gate load), so KDA takes their stages: its forward went 3.342 -> 3.075 ms
 # (B1 T8192 H32 D128; docs/LOG.md, sixth session). k_le_128 also takes `kda_qk` "ksplit" (v42): on
 # an H100 fwd+bwd 3.887 ms wall / 3.643 by CUDA graph against "tiles"' 3.965 / 3.760 at B1 T8192 H32
 # D128, its bf16 bars passed (`.ci/h200/h36_kda5.sh`; docs/LOG.md, thirty-seventh session).
-_GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv")
+_GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv", "fused_kq", "rows_maxnreg")
 _KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit"}}
 KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
                                                    **_KDA_BUCKET.get(b.name, {})})
