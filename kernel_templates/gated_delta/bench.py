@@ -4,10 +4,9 @@ itself (impls, check, bytes, FLOPs) is the shared delta-rule one, scalar decay, 
 Tm dots' alternative operands (`SWEEP`: ``ours@tm_dot=tf32_fwd`` forward, ``ours@tm_dot=tf32``
 forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd``,
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
-(`PREP_SWEEP`: ``ours@prep_pipe=on_fwd``, ``ours@prep_pipe=on+fwd_o=fused_fwd``, the latter with
-``+prep_warps=8+prep_maxnreg=128``, ``ours@fwd_o=fused+fused_kq=rows_fwd`` and that with
-``+prep_pipe=on+prep_warps=8+prep_maxnreg=128``, then the prepare's 4 warps capped at 168
-registers: ``ours@prep_maxnreg=168_fwd`` and ``ours@fwd_o=fused+fused_kq=rows+prep_maxnreg=168_fwd``),
+(`PREP_SWEEP`: ``ours@prep_pipe=on_fwd`` and, against v27's forward without training (`fused_kq`
+"rows" with the prepare capped at 168 registers), ``ours@fused_kq=stored_fwd`` (v26's) and
+``ours@rows_maxnreg=0_fwd`` (rows uncapped)),
 on request, on the same inputs, so that one call times them against the default and fla."""
 
 from __future__ import annotations
@@ -34,24 +33,15 @@ SWEEP = ({"tm_dot": "tf32"},)
 # training forward keeps S_c and v_new)
 FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
 # issue 32, template v18, forward only: the prepare kernel's reordered loops (`prep_pipe` "on": g
-# summed after the Gram loop, kd and qg from a pipelined loop of their own before the inverse), alone
-# and with the fused output, and that again with the prepare at 8 warps capped at 128 registers (two
-# 8-warp programs per SM in the sm_90 build instead of two 4-warp ones; 76 B of spills); the fused
-# output with kd and qg not written (`fused_kq` "rows": row factors, the fused pass feeds raw k and q
-# to its dots), alone and with prep_pipe and the 8-warp cap
-PREP_OCC = {"prep_pipe": "on", "prep_warps": 8, "prep_maxnreg": 128}
-KQ_ROWS = {"fwd_o": "fused", "fused_kq": "rows"}
+# summed after the Gram loop, kd and qg from a pipelined loop of their own before the inverse).
+# v27's forward without training (the k_le_128 bucket: `fused_kq` "rows", kd and qg not written, the
+# fused pass scaling the raw k and q rows, with the prepare capped at 168 registers) against v26's
+# (`fused_kq` "stored") and against rows uncapped. Rows that lost and went (docs/LOG.md): the prepare
+# at 8 warps capped at 128 (with and without rows), and the 168 cap on every prepare (`prep_maxnreg`
+# 168: 0.465 against 0.456 ms on an H100, `.ci/h200/h36_gdn8.sh`).
 # (v20's SHARE_SWEEP, the prepare per key head `prep_share`, went with the key in v23: every row
 # slower than the default forward on an H100, .ci/h200/h32_gdn6.sh; family.py)
-# issue 32, thirty-sixth session: the prepare at its 4 warps capped at 168 registers, alone (the
-# bucket's fused output) and with kd and qg not written. Three independent programs per SM instead
-# of two (168 x 128 threads x 3 <= 64K registers; 3 x 48 KB shared), where the 8-warp cap above
-# keeps two programs, each split over more warps. sm_90 build at T8192 HK16 HV32 with the forward's
-# bf16 u (triton 3.6 / 3.9): 320 / 384 B of spills (ROWS 176 / 212), most of them in the inverse,
-# once per program, and a few reloads per w tile
-PREP_C168 = {"prep_maxnreg": 168}
-PREP_SWEEP = ({"prep_pipe": "on"}, {"prep_pipe": "on", "fwd_o": "fused"}, {**PREP_OCC, "fwd_o": "fused"},
-              KQ_ROWS, {**KQ_ROWS, **PREP_OCC}, PREP_C168, {**KQ_ROWS, **PREP_C168})
+PREP_SWEEP = ({"prep_pipe": "on"}, {"fused_kq": "stored"}, {"rows_maxnreg": 0})
 # (v24's SPLIT_SWEEP, the chunk-local backward split per K tile `bwd_split` "vk", went with the key in
 # v25: both rows slower than the default fwd+bwd on an H100, .ci/h200/h32_gdn7.sh, in git at 047b72b; family.py)
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)

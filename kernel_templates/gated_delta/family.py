@@ -90,8 +90,14 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 # fused_kq ("stored"; with fwd_o "fused" in a forward without training): "rows" writes the row
 #   factors of kd and qg ([B, HV, Tp] fp32) in their place, and the fused state pass scales the rows
 #   of the raw k and q dots instead (by arithmetic 134 MB fewer bytes written at T8192 in the
-#   Qwen3-Next layout, and half of kd and qg's bytes read at HV = 2 HK). Not adopted: a little
-#   slower on the H200 and its GPU bars did not run (same call).
+#   Qwen3-Next layout, and half of kd and qg's bytes read at HV = 2 HK). Alone it was a little
+#   slower on the H200 (same call) and level on an H100; with `rows_maxnreg` 168 the k_le_128
+#   bucket takes it (v27, below).
+# rows_maxnreg (0: prep_maxnreg's): the prepare's register cap when it writes row factors (`fused_kq`
+#   "rows", a forward without training), where it keeps neither kd and qg tiles nor Tm and M. 168 fits
+#   three 4-warp programs per SM. `prep_maxnreg` 168, the same cap on every prepare, lost on an H100
+#   (0.465 against 0.456 ms at B1 T8192 HK16 HV32; docs/LOG.md, thirty-seventh session): the training
+#   prepare keeps its uncapped build.
 # A removed key: v20's prep_share (the prepare per (chunk, key head): "on", "scratch") was slower
 #   than the default forward in every row at both shapes timed on an H100 (`.ci/h200/h32_gdn6.sh`,
 #   CUDA graph, B2 T4096 H16 D128: 0.310-0.408 ms against 0.243; B1 T8192 HK16 HV32 D128:
@@ -102,9 +108,10 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 #   T4096 H16 D128 0.808 default, 0.940 vk, 1.005 vk at 8 warps; B1 T8192 HK16 HV32 D128 1.590,
 #   1.925, 2.035; bars passed); v25 removed it (docs/LOG.md, thirty-sixth session).
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
-                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows")}
+                    "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
+                    "rows_maxnreg": (0, 168)}
 GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
-                      "fused_kq": "stored"}
+                      "fused_kq": "stored", "rows_maxnreg": 0}
 SHAPE_BUCKETS = (
     # k_le_64: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64 bf16:
     # 2.36 ms against 2.51 for the config before, re-timed together (docs/LOG.md, fifth session).
@@ -122,11 +129,16 @@ SHAPE_BUCKETS = (
     # B2 T4096 H16 (1.766 from 1.828 at B1 T8192 HK16 HV32) while the forward wants BV 64 (seventh
     # session); re-timed best in the tenth session. fwd_o "fused": the forward 0.521 -> 0.447 ms
     # (CUDA graph) at T8192 HK16 HV32, faster at all five shapes timed for GDN and KDA (which
-    # inherits this bucket), bf16 bars passed (thirtieth session, device calls 1-2).
+    # inherits this bucket), bf16 bars passed (thirtieth session, device calls 1-2). `fused_kq` "rows"
+    # with `rows_maxnreg` 168 (v27; the forward without training only): on an H100, by CUDA graph,
+    # 0.439 / 0.229 / 1.733 ms against 0.456 / 0.240 / 1.757 at B1 T8192 HK16 HV32 / B2 T4096 H16 /
+    # B1 T32768 HK16 HV32 (`.ci/h200/h36_gdn8.sh`), again 0.438 / 0.231 / 1.736 against 0.453 /
+    # 0.241 / 1.748 in a second call (`.ci/h200/h37_gdn9.sh`, where "rows" uncapped was 0.455 /
+    # 0.240 / 1.777); bf16 bars passed (docs/LOG.md, thirty-seventh and thirty-eighth sessions).
     ShapeBucket(name="k_le_128", dim="K", lo=65, hi=128,
                 config={"BK": 32, "BV": 64, "num_warps": 4, "num_stages": 3, "prep_bk": 64,
                         "prep_stages": 3, "state_stages": 3, "state_bwd_stages": 3, "bwd_bv": 32,
-                        "fwd_o": "fused"}),
+                        "fwd_o": "fused", "fused_kq": "rows", "rows_maxnreg": 168}),
     # k_le_256: untimed, chosen from the sm_90 build's spills and shared memory: fp32 [BT, 256] w
     # and kd tiles leave no room for a second pipeline stage.
     ShapeBucket(name="k_le_256", dim="K", lo=129, hi=256,
@@ -165,10 +177,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
-    # v26: the AOT specs type u as the runtime allocates it (the forward's IDT; the recomputing
-    # backward's fp32 as specs of their own), dead host lines removed; the default's kernels
-    # unchanged. History: docs/LOG.md.
-    template_version=26,
+    # v27: config `rows_maxnreg` (the prepare's register cap when it writes row factors); k_le_128
+    # takes `fused_kq` "rows" with it (the forward without training). History: docs/LOG.md.
+    template_version=27,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

@@ -600,12 +600,12 @@ def test_fused_output_fp16_dot_path(monkeypatch):
 # one; K and V over two tiles, the second V tile partial (WIDE), also with the prepare's own K tile
 # at 16 (four tiles) and three stages, and with the prepare's own launch (`prep_warps` 8,
 # `prep_maxnreg` 128: the interpreter runs it the same, the test checks the launch gets them), and
-# the bench's 4-warp cap of 168 (bench.PREP_C168) with grouped value heads and with T not a multiple
-# of the chunk.
+# the 4-warp cap of 168 on every prepare with grouped value heads and with T not a multiple of the
+# chunk.
 PREP_PIPE_CASES = [*(pytest.param(c, {}, id=c.id) for c in (CASES[0], CASES[1], WIDE)),
                    pytest.param(WIDE, {"prep_bk": 16, "prep_stages": 3}, id=WIDE.id + "-prep_bk16"),
                    pytest.param(CASES[0], {"prep_warps": 8, "prep_maxnreg": 128}, id=CASES[0].id + "-w8-r128"),
-                   *(pytest.param(c, gated_delta.bench.PREP_C168, id=c.id + "-r168") for c in (CASES[0], CASES[1]))]
+                   *(pytest.param(c, {"prep_maxnreg": 168}, id=c.id + "-r168") for c in (CASES[0], CASES[1]))]
 
 
 @pytest.mark.parametrize(("case", "extra"), PREP_PIPE_CASES)
@@ -671,10 +671,12 @@ def test_prepare_pipe_fp16_dot_path(monkeypatch):
 # factors instead of kd and qg and the fused state pass applies them to the raw k and q rows. T not
 # a multiple of the chunk with an initial state and l2norm; grouped value heads (HV = 2 HK) at
 # batch 2 without one; K and V over two tiles, the second V tile partial (WIDE); with `prep_pipe`;
-# grouped values with the prepare's 4-warp cap of 168 (bench.PREP_C168; the interpreter drops the cap).
+# grouped values with the prepare's 4-warp cap of 168 in the rows path (`rows_maxnreg`, the k_le_128
+# bucket's since v27) and on every prepare (`prep_maxnreg`); the interpreter drops the cap.
 FUSED_KQ_CASES = [*(pytest.param(c, {}, id=c.id) for c in (CASES[0], CASES[1], WIDE)),
                   pytest.param(CASES[2], {"prep_pipe": "on"}, id=CASES[2].id + "-prep_pipe"),
-                  pytest.param(CASES[1], gated_delta.bench.PREP_C168, id=CASES[1].id + "-r168")]
+                  pytest.param(CASES[1], {"rows_maxnreg": 168}, id=CASES[1].id + "-rows168"),
+                  pytest.param(CASES[1], {"prep_maxnreg": 168}, id=CASES[1].id + "-r168")]
 
 
 @pytest.mark.parametrize(("case", "extra"), FUSED_KQ_CASES)
@@ -709,6 +711,33 @@ def test_fused_output_kq_rows(case, extra, monkeypatch):
         check_against(module, module.reference, case, False, "naive recurrence, fused_kq rows", with_grads=False)
         check_against(module, module.reference, case, False, "naive recurrence, fused_kq rows (training)")
         assert rows_seen[-1][0] is False  # the training forward keeps kd and qg
+    finally:
+        module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
+
+
+@pytest.mark.parametrize(("extra", "caps"), [({"rows_maxnreg": 168}, (168, None)),
+                                             ({"rows_maxnreg": 168, "prep_maxnreg": 128}, (168, 128)),
+                                             ({"prep_maxnreg": 128}, (128, 128))],
+                         ids=["rows168", "rows168-prep128", "prep128"])
+def test_rows_maxnreg_caps_the_row_factor_prepare_only(extra, caps, monkeypatch):
+    """`rows_maxnreg` (v27) is the prepare's register cap when it writes row factors (a fused forward
+    without training); a training forward's prepare takes `prep_maxnreg` (none by default)."""
+    module = load(gated_delta.FAMILY)
+    base = {**(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}), "fwd_o": "fused",
+            "fused_kq": "rows", **extra}
+    case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
+    args = make_inputs(case, False, torch.float32, DEVICE, torch.Generator().manual_seed(5))
+    kernel, seen = module.gdn_prepare_fwd_kernel, []
+    monkeypatch.setattr(module, "gdn_prepare_fwd_kernel", LaunchSpy(kernel, lambda grid, kw: (
+        seen.append((kw["ROWS"], kw.get("maxnreg"))))))
+    module.set_config(base)
+    try:
+        with torch.no_grad():
+            module.entry(*args)
+        train = [a.detach().requires_grad_() if i < 3 else a for i, a in enumerate(args)]
+        module.entry(*train)[0].sum().backward()
+        assert train[0].grad is not None
+        assert seen == [(True, caps[0]), (False, caps[1])], seen
     finally:
         module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
 
