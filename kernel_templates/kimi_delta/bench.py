@@ -78,7 +78,17 @@ KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_war
 _KS = {"kda_qk": "ksplit"}
 _KS8 = {**_KS, "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
 KSPLIT_SWEEP = (_KS, _KS8)
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP)
+# Template v43 (issue 32): `kda_wyk_pre` ("ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel`, the epilogue's
+# q, k, g, Tm loads issued before the V loop; PART 2 left them after it, each waited on alone at two
+# programs per SM: 871 us, 45% long-scoreboard stalls on an H100, thirty-eighth session's Nsight Compute
+# profile), at the bucket's tiles (BV 64), and at BV 32 capped at 168 registers (three 4-warp programs per
+# SM), the latter also at three stages. sm_90 AOT (bf16, every integer marked; registers / spill bytes /
+# shared memory, triton 3.6 | 3.9): 226 / 0 / 64 KB | 222 / 0 / 56 KB (PART 2: 242 / 0 / 56 KB on 3.6);
+# 168 / 0 / 36 KB | 168 / 0 / 28 KB; 168 / 0 / 52 KB on 3.6. Untimed: `.ci/h200/h38_kda6.sh` times them.
+_KSP = {**_KS, "kda_wyk_pre": 1}
+_KSP3 = {**_KSP, "kda_wyk_bv": 32, "kda_wyk_maxnreg": 168}
+KSPLIT_PRE_SWEEP = (_KSP, _KSP3, {**_KSP3, "kda_wyk_stages": 3})
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *KSPLIT_PRE_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

@@ -11,8 +11,8 @@ bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepar
 two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own split prepare step
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
-`kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`,
-`kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
+`kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`, `kda_wyk_pre`,
+`kda_wyk_stages`, `kda_wyk_bv`, `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
 """
 
 from __future__ import annotations
@@ -82,6 +82,15 @@ PARAMS = _base.PARAMS
 #   per SM, no spills) and 168 at 4 (three; 36 | 56 B of spills) are the caps that add programs. v40's
 #   PART 2 (triton 3.6, same marks): 242 registers at 4 warps, no spills; 128 with 16 B of spills at 8
 #   warps capped at 128; its PART 1 244, no spills (v39's wyv 247).
+# kda_wyk_pre (0), kda_wyk_stages (0: num_stages), kda_wyk_bv (0: bwd_BV): 1 runs "ksplit"'s K tiles by
+#   `kda_chunk_bwd_wykp_kernel` (v43), PART 2 with the epilogue's q, k, g, Tm (and beta, the row scales)
+#   loaded before the V loop, which is a `tl.range` at kda_wyk_stages over V tiles of kda_wyk_bv; it takes
+#   kda_wyk_warps and kda_wyk_maxnreg as PART 2 does. Why: on an H100 PART 2 took 871 us at 242 registers,
+#   45% of its warp samples long-scoreboard stalls: the loop's loads are cp.async, the epilogue's are plain
+#   loads each waited on (global -> registers -> shared, a barrier) after the loop (Nsight Compute,
+#   `.ci/h200/h37_ncu.sh`, thirty-eighth session). sm_90 AOT (bf16, every integer marked; triton 3.6):
+#   226 registers, no spills at BV 64; BV 32 capped at 168 (three programs per SM) no spills (36 KB of
+#   shared memory; 3 stages 52 KB); PART 2 capped at 168 spills 96 B. Untimed (bench.KSPLIT_PRE_SWEEP).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -100,11 +109,12 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_qk": ("serial", "tiles", "fused", "ktiles", "ksplit"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
+                "kda_wyk_pre": (0, 1), "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
-                  "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0,
+                  "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_wyk_pre": 0, "kda_wyk_stages": 0, "kda_wyk_bv": 0,
                   "kda_state_bwd_warps": 0, "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
@@ -140,11 +150,13 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v43: `kda_wyk_pre` (off): "ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel`, their epilogue's loads
+    # before the V loop; the default's kernels unchanged.
     # v42: the k_le_128 bucket takes `kda_qk` "ksplit" (above); the template is unchanged.
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=42,
+    template_version=43,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -140,8 +140,12 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
 # "ksplit" (template v38; one kernel for both parts since v40): the wy kernel's V side and K tiles as two
 # launches, a row-sum kernel, then the same qkt kernel; at the pinned tiles (BK 32: two K tiles, the
 # second ragged) and at BK 16 (three).
+# `kda_wyk_pre` (template v43): "ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel` (the epilogue's loads
+# before the V loop), at two V tiles' stages of 3 (V 16: one V tile; BK 16: three K tiles).
 BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16},
-               "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16}}
+               "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16},
+               "ksplit_pre": {"kda_qk": "ksplit", "kda_wyk_pre": 1},
+               "ksplit_pre_bk16_s3": {"kda_qk": "ksplit", "BK": 16, "kda_wyk_pre": 1, "kda_wyk_stages": 3}}
 
 
 @pytest.mark.parametrize("l2", [True, False], ids=["l2", "no-l2"])
@@ -170,6 +174,9 @@ def test_tiled_backward_equals_serial(bwd, l2):
 # "ksplit"'s launches: the wy kernel's two parts (PART 1, then 2), the row sums, the qkt kernel
 KSPLIT_KERNELS = ["kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_rowsum_kernel",
                   "kda_chunk_bwd_qkt_kernel"]
+# with `kda_wyk_pre`: the wyp kernel's PART 1, then the K tiles by the wykp kernel
+KSPLIT_PRE_KERNELS = ["kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_rowsum_kernel",
+                      "kda_chunk_bwd_qkt_kernel"]
 
 
 @pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
@@ -227,11 +234,17 @@ CHUNK_LOCAL_CASES = {
     "ksplit-bk16-l2-mixed": ({"kda_qk": "ksplit", "BK": 16}, True, 1, 16, 150, 7),
     "ksplit-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "bwd_bv": 16}, True, 2, 40, 149, 7),
     "ksplit-no-l2": ({"kda_qk": "ksplit"}, False, 2, 16, 150, 7),
+    # `kda_wyk_pre` (v43): the K tiles' epilogue loads before their V loop (`kda_chunk_bwd_wykp_kernel`);
+    # its own V tile (`kda_wyk_bv` 16: three V tiles at V 40, the last ragged) at three stages
+    "ksplit-pre-bk16-l2-mixed": ({"kda_qk": "ksplit", "BK": 16, "kda_wyk_pre": 1}, True, 1, 16, 150, 7),
+    "ksplit-pre-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "kda_wyk_pre": 1, "kda_wyk_bv": 16,
+                                          "kda_wyk_stages": 3}, True, 2, 40, 149, 7),
+    "ksplit-pre-no-l2": ({"kda_qk": "ksplit", "kda_wyk_pre": 1}, False, 2, 16, 150, 7),
 }
 # (ksplit's qkt kernel sums a key head's value heads itself: no group sum)
 CHUNK_LOCAL_KERNELS = {"fused": ["kda_chunk_bwd_fused_kernel"],
                        "ktiles": ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"],
-                       "ksplit": KSPLIT_KERNELS}
+                       "ksplit": KSPLIT_KERNELS, "ksplit-pre": KSPLIT_PRE_KERNELS}
 
 
 @pytest.mark.parametrize("case_id", list(CHUNK_LOCAL_CASES))
@@ -259,14 +272,16 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
         for name in ("kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_group_sum_kernel",
-                     "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel", *dict.fromkeys(KSPLIT_KERNELS)):
+                     "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel",
+                     *dict.fromkeys(KSPLIT_KERNELS + KSPLIT_PRE_KERNELS)):
             monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
                                                        lambda grid, kw, _n=name: calls.append(_n)))
     with pinned(module, cfg):
         (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
     if DEVICE.type == "cpu":
-        kernels = CHUNK_LOCAL_KERNELS[cfg["kda_qk"]] + ["kda_group_sum_kernel"] * (HV > 1 and cfg["kda_qk"] != "ksplit")
+        path = cfg["kda_qk"] + ("-pre" if cfg.get("kda_wyk_pre") else "")
+        kernels = CHUNK_LOCAL_KERNELS[path] + ["kda_group_sum_kernel"] * (HV > 1 and cfg["kda_qk"] != "ksplit")
         assert [c for c in calls if c.startswith("kda_")] == kernels, calls
         tiers = {c for c in calls if not c.startswith("kda_")}
         if mixed:
@@ -517,10 +532,11 @@ def test_aot_sm90_bf16_tensor_cores():
                                            "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
                                            "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel",
                                            "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel",
-                                           "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyp_kernel"],
+                                           "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyp_kernel",
+                                           "kda_chunk_bwd_wykp_kernel"],
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel",
                         "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel",
-                        "kda_chunk_bwd_wyp_kernel"])
+                        "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wykp_kernel"])
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
@@ -591,7 +607,8 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
                                  pytest.param({"kda_qk": "fused", "kda_qk_bk": 16}, id="fused-bk16"),
                                  pytest.param({"kda_qk": "ktiles"}, id="ktiles"),
                                  pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32"),
-                                 pytest.param({"kda_qk": "ksplit"}, id="ksplit")])
+                                 pytest.param({"kda_qk": "ksplit"}, id="ksplit"),
+                                 pytest.param({"kda_qk": "ksplit", "kda_wyk_pre": 1}, id="ksplit-pre")])
 def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
     o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
@@ -668,6 +685,12 @@ def test_bf16_vs_fp32_on_gpu_ktiles_sweep(cfg):
 # The bench's "ksplit" rows (bench.KSPLIT_SWEEP, template v38): each within the bf16 bars on the GPU.
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KSPLIT_SWEEP))
 def test_bf16_vs_fp32_on_gpu_ksplit_sweep(cfg):
+    _sweep_row_bars(cfg)
+
+
+# The bench's `kda_wyk_pre` rows (bench.KSPLIT_PRE_SWEEP, template v43): each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KSPLIT_PRE_SWEEP))
+def test_bf16_vs_fp32_on_gpu_ksplit_pre_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
