@@ -27,8 +27,7 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v21's `split_dbc` "triple" at 8 and 16 warps, its
-  PULL_N 32 and 16, v20's default, "two" capped at 128 with the host's sums), forward
+  tuning values beside the default (`SWEEP`: v22's `bwd_exp` "exp2", `bwd_prefetch`, both), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -182,8 +181,19 @@ SHAPES = (
 TWO = {"split_dbc": "two", "bwd_split_maxnreg": 128, "bwd_sums": "host"}
 P8 = {"split_dbc": "paired", "bwd_split_maxnreg": 0}  # the bucket's split_dbc and register cap (h35_ssd10.sh)
 TRIPLE = {"split_dbc": "triple"}
-SWEEP = ((TRIPLE, "bwd"), ({**TRIPLE, "bwd_split_warps": 16}, "bwd"), ({"PULL_N": 32}, "bwd"),
-         ({"PULL_N": 16}, "bwd"), (TWO, "bwd"))
+#
+# Timed in the thirty-seventh session (H100, triton 3.6, h36_ssd11.sh, graph ms): the default 1.753
+# (forward 0.462, 3.79x), "triple" 1.902 and 1.825 at 16 warps, PULL_N 32 1.683 (wall 2% slower:
+# not adopted), PULL_N 16 1.882, v20's default 2.098. Those rows are gone from SWEEP.
+#
+# Template v22 (not yet timed), from the thirty-eighth session's ncu profile of "paired"'s
+# ssd_bwd_split_fused_kernel (0.94 ms: one 8-warp program per SM, issue active 36%, FMUL / FADD
+# the most issued opcodes; the top sampled instruction, cs_last - cs at each head's start, waits on
+# that head's cs load): `bwd_exp` "exp2" (each exponential one MUFU.EX2 of cs in log2 units, not
+# tl.exp's five instructions; head loops 823 / 1151 instructions against 914 / 1253 on triton
+# 3.9), `bwd_prefetch` (each head's cs and dt loaded one head ahead) and both.
+EXP2 = {"bwd_exp": "exp2"}
+SWEEP = ((EXP2, "bwd"), ({"bwd_prefetch": True}, "bwd"), ({**EXP2, "bwd_prefetch": True}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

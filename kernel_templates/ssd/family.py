@@ -90,10 +90,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v21: `split_dbc` "triple", PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
+    # v22: `bwd_exp`, `bwd_prefetch` (the fused backward kernel's; untimed). v21: `split_dbc` "triple",
+    # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=21,
+    template_version=22,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -190,6 +191,20 @@ FAMILY = FamilySpec(
     #   the thirty-sixth session) moving about 0.42 GB (dy read, bf16 gs written: 0.13 ms at HBM
     #   speed); 32 and 16 give 512 and 1024 programs. STATE_N 32 for both passes gained the
     #   backward about 0.03 ms and cost the forward 0.034 (bench.py). Untimed alone.
+    # bwd_exp ("exp"; v22): ssd_bwd_split_fused_kernel's exponentials (the [L, L] decays W, exp(cs),
+    #   exp(cs_last - cs)) as tl.exp, or "exp2": exp2 of cs scaled by log2(e) once per head. tl.exp
+    #   lowers to a multiply, a range check, MUFU.EX2 and a fix-up multiply per element; exp2 to
+    #   MUFU.EX2 alone (results below 2^-126 flush to zero). The H100 profile of "paired" (thirty-
+    #   eighth session, ncu) is latency-bound at one 8-warp program per SM with FMUL / FADD the most
+    #   issued and sampled opcodes. sm_90 bf16 build at the bench shape (triton 3.9): head loops 823
+    #   (dC / dB) and 1151 (dx) instructions against 914 / 1253, 246 registers against 254, no
+    #   spills. Untimed.
+    # bwd_prefetch (False; v22): that kernel's per-head cs and dt rows (and cs_last) loaded one head
+    #   ahead (the loop's registers carry the next head's), so the head's first exponentials no longer
+    #   wait on those loads (the profile's most-sampled instruction, FADD cs_last - cs, 8% of the dx
+    #   loop's samples, waits on them: long scoreboard). Build (triton 3.9): 255 registers, no spills
+    #   (with "exp2": 255, 16 bytes of stack outside the loops); head loops 898 / 1257 (with "exp2"
+    #   811 / 1125). Untimed.
     # A removed option: v10's `split_states` "local" was slower and failed the bf16 bars on the
     #   H200 (docs/LOG.md, twenty-seventh session); v11 removed it.
     tuning_space={
@@ -228,6 +243,8 @@ FAMILY = FamilySpec(
         "bwd_split_warps": (0, 4, 8, 16),
         "bwd_sums": ("host", "kernel"),
         "PULL_N": (0, 16, 32, 64, 128),
+        "bwd_exp": ("exp", "exp2"),
+        "bwd_prefetch": (False, True),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -260,7 +277,8 @@ FAMILY = FamilySpec(
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
-                    "bwd_sums": "host", "PULL_N": 0},
+                    "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp",
+                    "bwd_prefetch": False},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",
