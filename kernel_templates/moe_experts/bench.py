@@ -28,7 +28,7 @@ D bucket, for picking them. The anchor sweeps the forward tiles in its ``fwd`` c
 (``MOE_FWD_SWEEP``) and the backward kernels' own tiles in its ``fwdbwd`` case
 (``MOE_BWD_SWEEP``, forward tiles left at the bucket's); Qwen3-Next (uniform and Zipf) and
 DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbwd`` cases
-(template v22's ``MOE_V22_SWEEP_BIG`` beside v20's ``MOE_V20_SWEEP``, ``MOE_V20_SWEEP_SHORT``, ``MOE_V20_SWEEP_BIG`` and
+(template v20's ``MOE_V20_SWEEP``, ``MOE_V20_SWEEP_SHORT``, ``MOE_V20_SWEEP_BIG`` and
 ``MOE_V20_SWEEP_SHORT_BIG``; v19's ``MOE_V19_SWEEP*``, v18's ``MOE_V18_SWEEP*``, v17's ``MOE_V17_SWEEP*``, v15's
 ``MOE_V15_SWEEP*`` and the twentieth session's ``MOE_DW_SWEEP`` etc. are kept for the record),
 and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
@@ -242,45 +242,35 @@ MOE_V20_SWEEP_BIG = [{"half_tail_bwd": True}, {"half_tail_bwd": True, "half_tail
 MOE_V20_SWEEP_SHORT_BIG = [{"half_tail_bwd": True, "half_tail_down": True}]
 MOE_V20_SWEEP = [{"half_tail_bwd": True}, {"half_tail_bwd": True, "h_tma": True}]
 MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
-# Template v22 (thirty-seventh session, helper moe38): config `ws`, dx's K loop under triton's
-# automatic warp specialization (`tl.range(..., warp_specialize=True)`). At d_big dx (bwd_tma +
-# rows_tma: d(gate|up) rows and weights both by TMA) ran at ~400 TFLOP/s (9.15 ms, H100, h36)
-# against ~787 for a dense bf16 matmul there. What triton's Hopper pass (3.6 and 3.9) takes: a
+# Template v22 (thirty-seventh session, helper moe38) added config `ws`, dx's K loop under triton's
+# automatic warp specialization (`tl.range(..., warp_specialize=True)`); v24 removed it (it lost on
+# an H100: family.py's note). What triton's Hopper pass (3.6 and 3.9) took, for a later try: a
 # loop only at num_warps 4 (at 8 it silently leaves the kernel alone), only in structured control
-# flow (the padding tiles' early return trips an assertion in TaskIdPropagation: under WS
-# moe_dx_kernel skips them by an `if`), no atomics in the partitioned code ("Unexpected
-# asyncTaskIds.size()"), and descriptors it may re-block: it splits the 128-row loads between two
-# consumer groups, and a host descriptor keeps its [128, 64] block (triton 3.6 then built 64-row
-# buffers under 128-row copies, a corrupt kernel; 3.9 refused it: "descriptor block and tensor
-# must have the same number of elements"). So under `ws` dx launches at 4 warps per group (a TMA
-# producer group + two consumer groups of 64 x 256: 12 warps), makes its two descriptors in the
-# kernel (tl.make_tensor_descriptor from the plain tensors; triton's scratch allocator, set by the
-# module where none is), writes per-slot rows for the combine pass instead of atomics, and keeps
-# full-height tiles (with half_tail_bwd's two loops the pass leaves the kernel alone: 4 warps, 255
-# registers, 2092 bytes spilled, triton 3.6). sm_90 AOT (specialize "all", bf16, D 7168, d_big,
-# registers / spilled bytes / shared memory): dx with ws, triton 3.6 (the device's) 168 / 0 /
-# 180576 B, triton 3.9 168 / 0 / 180704 B, both 12 warps, setmaxnreg producer 40 / consumers 232,
-# TTGIR one ttg.warp_specialize (default partition: the TMA copies, rows in [64, 64] blocks into
-# [64, 64] buffers; partitions 0 and 1: one warp_group_dot each); without ws 238 / 0 / 147480
-# (3.6). The down backward stays as it was: its loop is all TMA too, but the pass fails on its
-# epilogue (triton 3.6: "unsupported op type" with eight slices, "Unexpected asyncTaskIds.size()"
-# with one: the dr atomics; 3.9 likewise); the forward down GEMM's atomic epilogue would too, and
-# gate/up gathers x by pointers. Costs against the gain: dx's per-slot rows and their combine
-# (S x D bf16 written and read, ~1.9 GB at N8192: ~0.6 ms at H100 bandwidth) and two descriptors
-# made per program. Rows: `ws` on d_big's default, and with half_tail_bwd (the down backward's
-# half-height tails; dx at full height).
-MOE_V22_SWEEP_BIG = [{"ws": True}, {"ws": True, "half_tail_bwd": True}]
+# flow (the padding tiles' early return trips an assertion in TaskIdPropagation), no atomics in the
+# partitioned code ("Unexpected asyncTaskIds.size()"), and descriptors it may re-block: it splits
+# the 128-row loads between two consumer groups, and a host descriptor keeps its [128, 64] block
+# (triton 3.6 then built 64-row buffers under 128-row copies, a corrupt kernel; 3.9 refused it:
+# "descriptor block and tensor must have the same number of elements"). So under `ws` dx launched
+# at 4 warps per group (a TMA producer group + two consumer groups of 64 x 256: 12 warps), made its
+# two descriptors in the kernel (tl.make_tensor_descriptor; triton's scratch allocator), wrote
+# per-slot rows for the combine pass instead of atomics, and kept full-height tiles (with
+# half_tail_bwd's two loops the pass leaves the kernel alone: 4 warps, 255 registers, 2092 bytes
+# spilled, triton 3.6). sm_90 AOT (specialize "all", bf16, D 7168, d_big, registers / spilled
+# bytes / shared memory): dx with ws, triton 3.6 168 / 0 / 180576 B, triton 3.9 168 / 0 / 180704
+# B, setmaxnreg producer 40 / consumers 232; without ws 238 / 0 / 147480 (3.6). The down backward's
+# epilogue fails in the pass (triton 3.6: "unsupported op type" with eight slices, "Unexpected
+# asyncTaskIds.size()" with one: the dr atomics; 3.9 likewise).
 # Which cases sweep: (label, N, routing, mode) -> configs (`fwd` forward tiles, `fwdbwd` the
 # backward's). The anchor keeps the full tile sweeps; the larger shapes time only what is being
 # decided, so that every case of the family runs in under a minute.
 # (The v17 lists above lost to the default on the H200, docs/LOG.md thirtieth session: kept for the
 # record, as v18's and v19's, decided in the thirty-sixth session; the backward cases time v20's rows,
-# DeepSeek-V3 N8192 two of them (not v20's h_tma row) and v22's.)
+# DeepSeek-V3 N8192 two of them (not v20's h_tma row).)
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V20_SWEEP,
           ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V20_SWEEP_SHORT,
           ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V20_SWEEP_BIG[:2] + MOE_V22_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V20_SWEEP_BIG[:2],
           ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V20_SWEEP_SHORT_BIG}
 
 

@@ -677,87 +677,6 @@ def test_half_tail_tma_rows(load, device, monkeypatch, entry, name):
     assert halves[-3:] == want, (halves[-3:], want)
 
 
-# Template v22's `ws`: dx's K loop warp-specialized where both its operands are tensor descriptors
-# (bwd_tma + rows_tma), on per-slot rows (not the atomic epilogue), at full height, 4 warps per
-# warp group. The interpreter ignores warp_specialize: these check the plumbing (launch flags,
-# the rows epilogue, the tile heights) and every gradient through the WS=True launches.
-WS_CONFIGS = {
-    # the bucket-like stack (TAIL_CONFIGS' all_rows: atomic combine, every row operand by TMA) + ws
-    "all_rows": {**TAIL_CONFIGS["all_rows"], "half_tail_bwd": False, "ws": True},
-    # + v20's half_tail_bwd: the down backward's half-height tails, dx at full height
-    "half_tail_bwd": {**TAIL_CONFIGS["all_rows"], "ws": True},
-    # dx on its own 64-row tiles (own tile map, half_tail_bwd on), combine by rows
-    "dx_own": {**TAIL_CONFIGS["dx_own"], "bwd_tma": True, "ws": True},
-    # dx's rows by pointers (no rows_tma): ws ignored, dx keeps the atomic epilogue and its warps
-    "ignored": {**_TAIL_BASE, "bwd_tma": True, "combine": "atomic", "dw_grouped_mm": True, "ws": True},
-}
-
-
-@pytest.mark.parametrize("entry,name", [
-    ("swiglu", "all_rows"), ("mlp", "all_rows"), ("bias", "all_rows"), ("swiglu", "half_tail_bwd"),
-    ("swiglu", "dx_own"), ("swiglu", "ignored"), pytest.param("mlp", "half_tail_bwd", marks=pytest.mark.slow),
-], ids=lambda v: str(v))
-def test_ws_dx(load, device, monkeypatch, entry, name):
-    """Config `ws` (WS_CONFIGS): the output and every gradient match the fp32 reference (the tail
-    routing: last tiles of 1 to 32 rows); dx's launches take WS, per-slot rows and 4 warps where its
-    rows and weights are descriptors, full-height tiles beside the down backward's half-height
-    ones; elsewhere (dx's rows by pointers) nothing changes; no other kernel takes WS."""
-    module = load(*{"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
-                    "bias": ("swiglu", {"bias": True, **GPT_OSS})}[entry])
-    if module.TensorDescriptor is None:
-        pytest.skip("this triton has no host tensor descriptors")
-    config = {**CPU_CONFIG, **WS_CONFIGS[name]}
-    launches = _checked_launches(tail_fixture(module, entry), device, monkeypatch, config)
-    dx = [kw for n, kw in launches if n == "moe_dx_kernel"]
-    ws = name != "ignored"
-    assert dx and all(kw["WS"] == ws for kw in dx), dx
-    atomic = config.get("combine") == "atomic" and not torch.are_deterministic_algorithms_enabled()
-    assert all(kw["ATOMIC"] == (atomic and not ws) for kw in dx), dx
-    assert not ws or all(kw["num_warps"] == 4 for kw in dx), dx
-    assert all(kw["HALF_TAIL"] == (bool(config.get("half_tail_bwd")) and not ws) for kw in dx), dx
-    db = [kw for n, kw in launches if n == "moe_down_bwd_kernel"]
-    assert db and all(kw["HALF_TAIL"] == bool(config.get("half_tail_bwd")) for kw in db), db
-    assert all("WS" not in kw for n, kw in launches if n != "moe_dx_kernel"), launches
-    # a per-slot rows epilogue needs its combine pass: one in the forward (rows) or none (atomic), one for dx
-    combines = sum(n == "moe_combine_kernel" for n, _ in launches)
-    assert combines == (0 if atomic else 1) + (0 if atomic and not ws else 1), launches
-
-
-def test_ws_key_off_by_default(load):
-    """Template v22's `ws` is off in every bucket: the AOT specs (the GPU builds) of dx take WS
-    False, the bucket's warps and its epilogue (atomic at D > 1k); pinned on at d_big, the dx spec
-    takes WS, 4 warps, per-slot rows in the bf16 intermediate, full-height tiles (with
-    half_tail_bwd too) and plain tensors for its two operands, and no other spec changes."""
-    module = load("swiglu", {})
-    module.set_config(None)
-    try:
-        for size in (512, 2048, 7168):
-            cfg = module.config_for(size)
-            assert cfg["ws"] is False and not module._ws_dx(cfg), size
-            dx = next(s for s in module.aot_specs("bf16", size) if s["kernel"] == "moe_dx_kernel")
-            assert dx["constexprs"]["WS"] is False, size
-            assert dx["constexprs"]["ATOMIC"] == module._atomic(cfg), size
-            assert dx["num_warps"] == (cfg["dx_warps"] or cfg["bwd_warps"]), size
-        base = {s["kernel"]: s for s in module.aot_specs("bf16", 7168)}
-        bucket = module.shape_bucket(7168)
-        for extra in ({"ws": True}, {"ws": True, "half_tail_bwd": True}):
-            module.set_config({**module.config_for(7168), **extra}, bucket=bucket)
-            try:
-                on = {s["kernel"]: s for s in module.aot_specs("bf16", 7168)}
-            finally:
-                module.set_config(None, bucket=bucket)
-            dx = on["moe_dx_kernel"]
-            assert (dx["constexprs"]["WS"], dx["constexprs"]["ATOMIC"], dx["constexprs"]["HALF_TAIL"],
-                    dx["num_warps"], dx["signature"]["p_dxs"]) == (True, False, False, 4, "*bf16"), dx
-            # plain tensors: the kernel makes its descriptors (the warp specializer re-blocks them)
-            assert (dx["signature"]["p_dgu"], dx["signature"]["p_wgu"]) == ("*bf16", "*bf16"), dx
-            same = [k for k in base if k not in ("moe_dx_kernel", "moe_down_bwd_kernel")]
-            assert all(on[k] == base[k] for k in same), extra
-            assert on["moe_down_bwd_kernel"]["constexprs"]["HALF_TAIL"] == bool(extra.get("half_tail_bwd"))
-    finally:
-        module.set_config(CPU_CONFIG)
-
-
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
 # 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm, also
@@ -862,16 +781,6 @@ def test_v20_configs_bf16_cuda(load, d):
     bench = moe_experts.bench
     configs = [{}] + (bench.MOE_V20_SWEEP if d < 4096 else bench.MOE_V20_SWEEP_BIG)
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
-def test_v22_configs_bf16_cuda(load):
-    """Template v22's rows as the bench times them (bench.MOE_V22_SWEEP_BIG at D 7168: dx's K loop
-    warp-specialized on per-slot rows, alone and beside half_tail_bwd) against the d_big default
-    (`_check_bwd_configs_bf16`: the output and every gradient; its routing leaves partial and
-    half-height last tiles, see test_v20_configs_bf16_cuda)."""
-    configs = [{}] + moe_experts.bench.MOE_V22_SWEEP_BIG
-    _check_bwd_configs_bf16(load("swiglu", {}), 7168, 8, configs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._grouped_mm's bf16 grouped GEMM runs on a GPU only")
@@ -1119,68 +1028,6 @@ def test_half_tail_tma_rows_aot_sm90(load, tmp_path):
             alone = sm90_usage(path, {"h_tma": True}, size, tmp_path)
             print(f"D {size}, h_tma alone: {alone}")
             assert got["moe_down_fwd_kernel"][1] <= alone["moe_down_fwd_kernel"][1], (got, alone)
-
-
-# Compiles moe_dx_kernel of a rendered module for sm_90 from its bf16 `aot_specs` at D = argv[3]
-# under the config pin argv[2] (JSON, specialize "all" as the GPU's JIT) and prints triton's
-# version with either the build's error or {registers, spilled bytes, shared bytes, warps, the
-# TTGIR's ttg.warp_specialize ops, the PTX's setmaxnreg counts}.
-_AOT_WS = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from onboarding.generate import aot
-from onboarding.generate import templating
-
-mod = templating.load_module(sys.argv[1])
-mod.set_config(json.loads(sys.argv[2]))
-spec = next(s for s in mod.aot_specs("bf16", int(sys.argv[3])) if s["kernel"] == "moe_dx_kernel")
-fn = aot.jit_kernels(mod)["moe_dx_kernel"]
-spec = aot.with_jit_constants(spec, aot.jit_constants(fn, spec, "all"))
-attrs, _ = aot.divisibility_attrs(fn, spec, "all")
-src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
-out = {"triton": triton.__version__, "WS": spec["constexprs"]["WS"]}
-try:
-    with aot._triton_ptxas_log() as log:
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
-except Exception as e:  # the build's error, for the test to judge
-    out["error"] = f"{type(e).__name__}: {e}"[:1500]
-else:
-    regs, spills = aot._usage_in_log(log.getvalue())
-    # (descriptor block, destination buffer) of every TMA copy of the rows (p_dgu) in the TTGIR
-    copies = re.findall(r"async_tma_copy_global_to_local %p_dgu\S*.*?tensordesc<(?:tensor<)?(\d+x\d+)xbf16.*?"
-                        r"-> !ttg[.]memdesc<(\d+x\d+)xbf16", c.asm["ttgir"])
-    out.update(regs=regs, spills=spills, shared=c.metadata.shared, warps=c.metadata.num_warps,
-               rows_copies=sorted({"|".join(p) for p in copies}),
-               warp_specialize=c.asm["ttgir"].count("ttg.warp_specialize("),
-               setmaxnreg=sorted(set(re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", c.asm["ptx"]))))
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow  # one sm_90 build: ~10 s
-def test_ws_dx_aot_sm90(load, tmp_path):
-    """Template v22's `ws` at d_big (D 7168, bf16): dx builds with one warp-specialized loop
-    (ttg.warp_specialize; 4 warps per group, 12 in all), no spilled byte, within an SM's shared
-    memory, and every TMA copy of its rows fills a buffer of its descriptor's block (the pass splits
-    the row loads between its two consumer groups; with host descriptors, which keep their
-    [128, 64] block, triton 3.6 built 64-row buffers under 128-row copies and 3.9 refused the
-    build). Triton 3.6: 168 registers, 180576 B; 3.9: 168, 180704 B."""
-    ok, why = aot.aot_available()
-    if not ok:
-        pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _AOT_WS, str(load("swiglu", {}).__file__), json.dumps({"ws": True}),
-                          "7168"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.splitlines()[-1])
-    print(got)
-    assert got["WS"] is True and "error" not in got, (got, run.stderr[-3000:])
-    assert got["warp_specialize"] == 1 and got["warps"] == 12, got
-    assert got["spills"] == 0 and got["shared"] <= aot.H100_SHARED_BYTES, got
-    assert got["rows_copies"] == ["64x64|64x64"], got  # two consumers' halves of the 128-row tile
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 24.8 s on CI's cold Triton cache (28th session)
