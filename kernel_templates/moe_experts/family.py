@@ -245,7 +245,10 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 # half_tail_down, half_tail_bwd (False): the same for the forward down GEMM alone (gate/up keeps
 #   full-height tiles), or for the down backward and dx (each on its own row tile). Beside h_tma /
 #   rows_tma the half-height tiles load their rows by their own [BLOCK_M / 2, BLOCK_K] tensor
-#   descriptors. swiglu and mlp only.
+#   descriptors. swiglu and mlp only. Inconclusive on an H100 (fwd+bwd ms against the default, bars
+#   passed; docs/LOG.md, thirty-eighth session): DeepSeek-V3 N8192 half_tail_bwd 45.815 against
+#   46.109 (+ half_tail_down 45.753), within the spread; Qwen3-Next uniform 7.973 against 7.902,
+#   Zipf 8.481 against 8.612.
 # tma, bwd_tma (False): the forward GEMMs, or the down backward and dx GEMMs, load the expert
 #   weights by tensor descriptors (TMA on Hopper) where rows are 16-byte aligned. swiglu and mlp
 #   only.
@@ -282,16 +285,16 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   operands by tensor descriptors (no address registers or load masks), so two programs fit an SM
 #   on one warpgroup. dw_pad (False; with dw_tma): each gathered operand is copied with zero rows
 #   padding every expert to a row-step multiple, so no row mask is needed. swiglu and mlp only.
-# ws (False): the dx GEMM (with bwd_tma and rows_tma: every load of its K loop a tensor
-#   descriptor) runs that loop under triton's automatic warp specialization (`tl.range(...,
-#   warp_specialize=True)`; Hopper: a producer warp group issues the TMA loads, two consumer warp
-#   groups the MMAs; its launch takes num_warps 4, per group), on descriptors it makes itself (the
-#   pass re-blocks those), writing per-slot rows for the combine pass even with combine "atomic",
-#   at full height beside half_tail_bwd. Ignored elsewhere: gate/up gathers x by pointers; the down
-#   backward's epilogue (atomics, column slices) fails in the warp specializer. swiglu and mlp
-#   only. sm_90 AOT facts: bench.py's v22 notes.
 # The v17 keys (h_tma, dw_tma, dw_pad, dx_warps, down_warps) beat no default on the H200
 #   (docs/LOG.md, thirtieth session, device call 3); sm_90 AOT facts in bench.py's v17 notes.
+# A removed key: v22's ws (dx's K loop under triton's automatic warp specialization, on per-slot
+#   bf16 rows for the combine pass) won nothing beyond the spread at DeepSeek-V3 N8192 uniform on an
+#   H100 (`source .ci/h200/setup.sh && BUDGET=200 bash .ci/h200/h37_moe6.sh` at 45c8bba; fwd+bwd
+#   46.109 ms default, 45.744 ws, 47.140 ws + half_tail_bwd, grouped_mm 53.120; kernel sums 44.28
+#   against 45.025: dx 8.675 against 9.129, the combine pass and the rest more) and failed the
+#   same-sums bar (dx at 2.69e-3 relative RMS of the default's run, bar 2e-3: its bf16 per-slot
+#   rows against the default's fp32 atomics); v24 removed it (docs/LOG.md, thirty-eighth session;
+#   what triton's pass took: bench.py's v22 notes).
 _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine": ("rows", "atomic"),
                  "half_tail": (False, True), "tma": (False, True), "DOWN_BLOCK_N": (0, 64, 128, 256),
                  "down_stages": (0, 2, 3, 4), "DW_BLOCK_M": (0, 16, 32, 64, 128),
@@ -303,7 +306,7 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
                  "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4),
-                 "half_tail_down": (False, True), "half_tail_bwd": (False, True), "ws": (False, True)}
+                 "half_tail_down": (False, True), "half_tail_bwd": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
@@ -311,7 +314,7 @@ _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
                    "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "half_tail_down": False,
-                   "half_tail_bwd": False, "ws": False}
+                   "half_tail_bwd": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -367,13 +370,14 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
+    # v24: config `ws` removed (it lost on an H100: the note above _TUNING_SPACE); the default's kernels unchanged.
     # v23: no behaviour change (de-duplication): one call per half-height tail, one dx call with or without WS.
     # v22: config `ws` (off in every bucket): dx's all-TMA K loop warp-specialized by triton (tl.range
     # warp_specialize), on in-kernel descriptors and per-slot rows; the default's kernels unchanged (sm_90 PTX).
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=23,
+    template_version=24,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
