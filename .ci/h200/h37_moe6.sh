@@ -1,3 +1,4 @@
+# NOT RUNNABLE since moe_experts v24 (config `ws` removed: bench.MOE_V22_SWEEP_BIG, test_v22_configs_bf16_cuda); kept as the record of its run in docs/LOG.md.
 # Device call (thirty-seventh session, helper moe37): moe_experts template v20's half-height tails
 # beside TMA rows (issue 33: fwd+bwd >= 1.2x torch._grouped_mm at DeepSeek-V3, E256 K8 D7168 F2048
 # N8192, uniform routing; v19 stood at 46.314 ms against 53.691, 1.14x, H100, h36_moe5.sh).
