@@ -78,16 +78,19 @@ KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_war
 _KS = {"kda_qk": "ksplit"}
 _KS8 = {**_KS, "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
 KSPLIT_SWEEP = (_KS, _KS8)
-# Template v43 (issue 32): `kda_wyk_pre` ("ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel`, the epilogue's
-# q, k, g, Tm loads issued before the V loop; PART 2 left them after it, each waited on alone at two
-# programs per SM: 871 us, 45% long-scoreboard stalls on an H100, thirty-eighth session's Nsight Compute
-# profile), at the bucket's tiles (BV 64), and at BV 32 capped at 168 registers (three 4-warp programs per
-# SM), the latter also at three stages. sm_90 AOT (bf16, every integer marked; registers / spill bytes /
-# shared memory, triton 3.6 | 3.9): 226 / 0 / 64 KB | 222 / 0 / 56 KB (PART 2: 242 / 0 / 56 KB on 3.6);
-# 168 / 0 / 36 KB | 168 / 0 / 28 KB; 168 / 0 / 52 KB on 3.6. Untimed: `.ci/h200/h38_kda6.sh` times them.
-_KSP = {**_KS, "kda_wyk_pre": 1}
-_KSP3 = {**_KSP, "kda_wyk_bv": 32, "kda_wyk_maxnreg": 168}
-KSPLIT_PRE_SWEEP = (_KSP, _KSP3, {**_KSP3, "kda_wyk_stages": 3})
+# Template v43 (issue 32), from the thirty-eighth session's Nsight Compute profile of "ksplit" on an H100
+# (PART 1 329 us, 61% long-scoreboard stalls; PART 2 871 us, 45%; both two 4-warp programs per SM by
+# registers): `kda_wyk_pre` (the K tiles by `kda_chunk_bwd_wykp_kernel`: the epilogue's q, k, g, Tm loads
+# issued before the V loop, where PART 2 waited on each after it) and `kda_wyv_pre` (the V side by
+# `kda_chunk_bwd_wyvp_kernel`: the row norms' q, k loads unrolled and issued together first, where PART 1
+# waited on them tile by tile after its V loop). Rows, most likely first (the script benches the rows that
+# pass the bars in time): K tiles at BV 32 capped at 168 registers (three programs per SM); that with the V
+# side's; the K tiles at the bucket's BV 64; the V side's alone. sm_90 AOT (bf16, every integer marked;
+# registers / spill bytes / shared memory, triton 3.6 | 3.9): wykp BV 32 capped 168: 168 / 0 / 36 KB | 168 /
+# 0 / 28 KB (uncapped 236 | 181); wykp BV 64: 226 / 0 / 64 KB | 222 / 0 / 56 KB (PART 2 242 / 0 / 56 KB on
+# 3.6); wyvp 243 / 0 / 64 KB on 3.6 (PART 1 244 / 0 / 64 KB). Untimed: `.ci/h200/h38_kda6.sh` times them.
+_KSP3 = {**_KS, "kda_wyk_pre": 1, "kda_wyk_bv": 32, "kda_wyk_maxnreg": 168}
+KSPLIT_PRE_SWEEP = (_KSP3, {**_KSP3, "kda_wyv_pre": 1}, {**_KS, "kda_wyk_pre": 1}, {**_KS, "kda_wyv_pre": 1})
 BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *KSPLIT_PRE_SWEEP)
 
 

@@ -12,7 +12,7 @@ two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own sp
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`, `kda_wyk_pre`,
-`kda_wyk_stages`, `kda_wyk_bv`, `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
+`kda_wyk_stages`, `kda_wyk_bv`, `kda_wyv_pre`, `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ PARAMS = _base.PARAMS
 #   `.ci/h200/h37_ncu.sh`, thirty-eighth session). sm_90 AOT (bf16, every integer marked; triton 3.6):
 #   226 registers, no spills at BV 64; BV 32 capped at 168 (three programs per SM) no spills (36 KB of
 #   shared memory; 3 stages 52 KB); PART 2 capped at 168 spills 96 B. Untimed (bench.KSPLIT_PRE_SWEEP).
+# kda_wyv_pre (0): 1 runs "ksplit"'s V side by `kda_chunk_bwd_wyvp_kernel` (v43), PART 1 with the l2norm's
+#   row norms first, its q, k loads over the K tiles unrolled (issued together, beside the V loop's first
+#   cp.async copies), where PART 1 walks them tile by tile after its V loop (329 us on the H100, 61%
+#   long-scoreboard stalls; its hottest SASS rows bf16 unpacks waiting on those loads). sm_90 AOT (triton
+#   3.6): 243 registers, no spills, 64 KB (PART 1 244, 0, 64 KB). Untimed (bench.KSPLIT_PRE_SWEEP).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -109,12 +114,13 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_qk": ("serial", "tiles", "fused", "ktiles", "ksplit"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
-                "kda_wyk_pre": (0, 1), "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
+                "kda_wyk_pre": (0, 1), "kda_wyv_pre": (0, 1), "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_wyk_pre": 0, "kda_wyk_stages": 0, "kda_wyk_bv": 0,
+                  "kda_wyv_pre": 0,
                   "kda_state_bwd_warps": 0, "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
@@ -150,8 +156,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
-    # v43: `kda_wyk_pre` (off): "ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel`, their epilogue's loads
-    # before the V loop; the default's kernels unchanged.
+    # v43: `kda_wyk_pre`, `kda_wyv_pre` (off): "ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel` (their
+    # epilogue's loads before the V loop), its V side by `kda_chunk_bwd_wyvp_kernel` (the row norms' loads
+    # first, together); the default's kernels unchanged.
     # v42: the k_le_128 bucket takes `kda_qk` "ksplit" (above); the template is unchanged.
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels

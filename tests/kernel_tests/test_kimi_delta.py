@@ -141,11 +141,14 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
 # launches, a row-sum kernel, then the same qkt kernel; at the pinned tiles (BK 32: two K tiles, the
 # second ragged) and at BK 16 (three).
 # `kda_wyk_pre` (template v43): "ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel` (the epilogue's loads
-# before the V loop), at two V tiles' stages of 3 (V 16: one V tile; BK 16: three K tiles).
+# before the V loop), also at 3 stages (V 16: one V tile; BK 16: three K tiles); `kda_wyv_pre`: its V side
+# by `kda_chunk_bwd_wyvp_kernel` (the row norms' loads first, unrolled), alone and with `kda_wyk_pre`.
 BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16},
                "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16},
                "ksplit_pre": {"kda_qk": "ksplit", "kda_wyk_pre": 1},
-               "ksplit_pre_bk16_s3": {"kda_qk": "ksplit", "BK": 16, "kda_wyk_pre": 1, "kda_wyk_stages": 3}}
+               "ksplit_pre_bk16_s3": {"kda_qk": "ksplit", "BK": 16, "kda_wyk_pre": 1, "kda_wyk_stages": 3},
+               "ksplit_vpre": {"kda_qk": "ksplit", "kda_wyv_pre": 1},
+               "ksplit_vpre_pre_bk16": {"kda_qk": "ksplit", "BK": 16, "kda_wyv_pre": 1, "kda_wyk_pre": 1}}
 
 
 @pytest.mark.parametrize("l2", [True, False], ids=["l2", "no-l2"])
@@ -174,9 +177,14 @@ def test_tiled_backward_equals_serial(bwd, l2):
 # "ksplit"'s launches: the wy kernel's two parts (PART 1, then 2), the row sums, the qkt kernel
 KSPLIT_KERNELS = ["kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_rowsum_kernel",
                   "kda_chunk_bwd_qkt_kernel"]
-# with `kda_wyk_pre`: the wyp kernel's PART 1, then the K tiles by the wykp kernel
-KSPLIT_PRE_KERNELS = ["kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_rowsum_kernel",
-                      "kda_chunk_bwd_qkt_kernel"]
+# with `kda_wyv_pre` the V side by the wyvp kernel, with `kda_wyk_pre` the K tiles by the wykp kernel
+KSPLIT_PRE_KERNELS = ["kda_chunk_bwd_wyvp_kernel", "kda_chunk_bwd_wykp_kernel"]
+
+
+def ksplit_kernels(cfg: dict) -> list[str]:
+    """The "ksplit" launches under `cfg`'s `kda_wyv_pre` / `kda_wyk_pre`."""
+    return [KSPLIT_PRE_KERNELS[0] if cfg.get("kda_wyv_pre") else KSPLIT_KERNELS[0],
+            KSPLIT_PRE_KERNELS[1] if cfg.get("kda_wyk_pre") else KSPLIT_KERNELS[1], *KSPLIT_KERNELS[2:]]
 
 
 @pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
@@ -240,11 +248,17 @@ CHUNK_LOCAL_CASES = {
     "ksplit-pre-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "kda_wyk_pre": 1, "kda_wyk_bv": 16,
                                           "kda_wyk_stages": 3}, True, 2, 40, 149, 7),
     "ksplit-pre-no-l2": ({"kda_qk": "ksplit", "kda_wyk_pre": 1}, False, 2, 16, 150, 7),
+    # `kda_wyv_pre` (v43): the V side with the row norms first (`kda_chunk_bwd_wyvp_kernel`), with and
+    # without `kda_wyk_pre`
+    "ksplit-vpre-bk16-l2-mixed": ({"kda_qk": "ksplit", "BK": 16, "kda_wyv_pre": 1}, True, 1, 16, 150, 7),
+    "ksplit-vpre-pre-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "kda_wyv_pre": 1, "kda_wyk_pre": 1,
+                                               "bwd_bv": 16}, True, 2, 40, 149, 7),
+    "ksplit-vpre-no-l2": ({"kda_qk": "ksplit", "kda_wyv_pre": 1}, False, 2, 16, 150, 7),
 }
 # (ksplit's qkt kernel sums a key head's value heads itself: no group sum)
 CHUNK_LOCAL_KERNELS = {"fused": ["kda_chunk_bwd_fused_kernel"],
                        "ktiles": ["kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"],
-                       "ksplit": KSPLIT_KERNELS, "ksplit-pre": KSPLIT_PRE_KERNELS}
+                       "ksplit": KSPLIT_KERNELS}
 
 
 @pytest.mark.parametrize("case_id", list(CHUNK_LOCAL_CASES))
@@ -280,8 +294,8 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
         (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
     if DEVICE.type == "cpu":
-        path = cfg["kda_qk"] + ("-pre" if cfg.get("kda_wyk_pre") else "")
-        kernels = CHUNK_LOCAL_KERNELS[path] + ["kda_group_sum_kernel"] * (HV > 1 and cfg["kda_qk"] != "ksplit")
+        kernels = (ksplit_kernels(cfg) if cfg["kda_qk"] == "ksplit" else CHUNK_LOCAL_KERNELS[cfg["kda_qk"]]
+                   + ["kda_group_sum_kernel"] * (HV > 1))
         assert [c for c in calls if c.startswith("kda_")] == kernels, calls
         tiers = {c for c in calls if not c.startswith("kda_")}
         if mixed:
@@ -533,10 +547,10 @@ def test_aot_sm90_bf16_tensor_cores():
                                            "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel",
                                            "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel",
                                            "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyp_kernel",
-                                           "kda_chunk_bwd_wykp_kernel"],
+                                           "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_wyvp_kernel"],
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel",
                         "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel",
-                        "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wykp_kernel"])
+                        "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_wyvp_kernel"])
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
@@ -608,7 +622,8 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
                                  pytest.param({"kda_qk": "ktiles"}, id="ktiles"),
                                  pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32"),
                                  pytest.param({"kda_qk": "ksplit"}, id="ksplit"),
-                                 pytest.param({"kda_qk": "ksplit", "kda_wyk_pre": 1}, id="ksplit-pre")])
+                                 pytest.param({"kda_qk": "ksplit", "kda_wyk_pre": 1}, id="ksplit-pre"),
+                                 pytest.param({"kda_qk": "ksplit", "kda_wyv_pre": 1}, id="ksplit-vpre")])
 def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
     o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
