@@ -178,8 +178,11 @@ FAMILY = FamilySpec(
     name=NAME,
     template="gated_delta.py.j2",
     # v27: config `rows_maxnreg` (the prepare's register cap when it writes row factors); k_le_128
-    # takes `fused_kq` "rows" with it (the forward without training). History: docs/LOG.md.
-    template_version=27,
+    # takes `fused_kq` "rows" with it (the forward without training). v28: `aot_specs` also holds the
+    # forward without training as it launches (the prepare without Tm and M, with row factors; the
+    # fused state pass keeping nothing), and the state spec the training launch; kernels unchanged.
+    # History: docs/LOG.md.
+    template_version=28,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

@@ -306,32 +306,53 @@ class ArgSpy(LaunchSpy):
         return launch
 
 
-def check_aot_u_types(spec, per_channel: bool, monkeypatch) -> None:
-    """The AOT specs type u as the runtime allocates it: on the GPU's 16-bit path (fp16, emulated),
-    the u types the prepare's and the state pass's specs declare are the ones their launches get over
-    a no-grad forward, a training step (u fp16) and a recomputing one (param `recompute`: u fp32), so
-    the sm_90 builds compile the kernels the runtime runs."""
+# the launch arguments an AOT spec must match: the mode constexprs of the prepare and state pass
+_AOT_MODES = ("KEEP_TM", "ROWS", "FUSE_O", "KEEP")
+
+
+def _aot_key(name: str, pointers: dict, modes: dict) -> tuple:
+    """(kernel, pointer types, mode constexprs) of a launch or a spec. Left out: g's (the test's
+    inputs are all fp16; models pass an fp32 log decay, as the specs type it) and o's when the state
+    pass does not write o (a placeholder then)."""
+    skip = {"p_g"} | ({"p_o"} if not modes.get("FUSE_O", True) else set())
+    return (name, tuple(sorted((k, v) for k, v in pointers.items() if k not in skip)),
+            tuple((k, bool(modes[k])) for k in _AOT_MODES if k in modes))
+
+
+def check_aot_u_types(spec, per_channel: bool, monkeypatch, config: dict | None = None) -> None:
+    """The AOT specs of the prepare and the state pass are the launches the runtime makes: on the
+    GPU's 16-bit path (fp16, emulated), over a no-grad forward, a training step (u fp16) and a
+    recomputing one (param `recompute`: u fp32), every launch's pointer types and mode constexprs
+    (`_AOT_MODES`) equal one spec's, and every spec is launched, under the module's config with
+    `config` on top, so the sm_90 builds compile the kernels the runtime runs."""
     case = Case(HK=1, HV=2, T=20, l2=True, h0=True)
     gen = torch.Generator().manual_seed(7)
     args = make_inputs(case, per_channel, torch.float16, DEVICE, gen)
     douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     types = {torch.float16: "*fp16", torch.float32: "*fp32"}
-    seen: dict[str, set] = {}
+    seen, declared = set(), set()
     for params in ({}, {"recompute": True}):
         module = load(spec, params)
+        prev = module._CONFIG_OVERRIDE
+        module.set_config({**(prev or {}), **(config or {})})
         names = [n for n in vars(module) if n.endswith(("_prepare_fwd_kernel", "_state_fwd_kernel"))]
         assert len(names) == 2, names
         for name in names:
-            monkeypatch.setattr(module, name, ArgSpy(getattr(module, name), lambda grid, kw, name=name: seen.setdefault(
-                name, set()).add(types[kw["p_u"].dtype])))
-        with fp16_dot_path(monkeypatch, module):
-            with torch.no_grad():
-                module.entry(*args)
-            grads_of(module.entry, args, douts)
-    specs = module.aot_specs("fp16", case.K)
-    declared = {name: {s["signature"]["p_u"] for s in specs if s["kernel"] == name} for name in names}
-    assert declared == seen == {name: {"*fp16", "*fp32"} for name in names}, (declared, seen)
+            monkeypatch.setattr(module, name, ArgSpy(getattr(module, name), lambda grid, kw, name=name: seen.add(
+                _aot_key(name, {k: types[v.dtype] for k, v in kw.items()
+                                if k.startswith("p_") and isinstance(v, torch.Tensor)}, kw))))
+        try:
+            with fp16_dot_path(monkeypatch, module):
+                with torch.no_grad():
+                    module.entry(*args)
+                grads_of(module.entry, args, douts)
+            declared |= {_aot_key(s["kernel"], {k: v for k, v in s["signature"].items() if k.startswith("p_")},
+                                  s["constexprs"]) for s in module.aot_specs("fp16", case.K) if s["kernel"] in names}
+        finally:
+            module.set_config(prev)
+    assert seen == declared, (sorted(seen - declared), sorted(declared - seen))
+    assert {dict(key[1])["p_u"] for key in seen} == {"*fp16", "*fp32"}, sorted(seen)
 
 
 # compiles kernels of a rendered module for sm_90 from its bf16 aot_specs, each under a config
@@ -867,9 +888,13 @@ def test_match_by_structure():
     assert gated_delta.match(block("linear_attention.mamba", [1, 4, 2, 64], -1, False, False)) is None
 
 
-def test_aot_specs_type_u_as_the_runtime(monkeypatch):
-    """The prepare's and state pass's AOT specs type u as the runtime allocates it."""
-    check_aot_u_types(gated_delta.FAMILY, False, monkeypatch)
+@pytest.mark.parametrize("config", [{}, {"fwd_o": "fused"}, {"fwd_o": "fused", "fused_kq": "rows"}],
+                         ids=["split", "fused", "fused-rows"])
+def test_aot_specs_type_u_as_the_runtime(config, monkeypatch):
+    """The prepare's and state pass's AOT specs are the runtime's launches (u's type included), under
+    the split output, the fused one and the fused one with row factors (the k_le_128 bucket's no-grad
+    forward since v27)."""
+    check_aot_u_types(gated_delta.FAMILY, False, monkeypatch, config)
 
 
 @pytest.mark.slow  # 158 s in CI (twentieth session, 2 busy cores)
