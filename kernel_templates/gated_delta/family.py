@@ -181,8 +181,10 @@ FAMILY = FamilySpec(
     # takes `fused_kq` "rows" with it (the forward without training). v28: `aot_specs` also holds the
     # forward without training as it launches (the prepare without Tm and M, with row factors; the
     # fused state pass keeping nothing), and the state spec the training launch; kernels unchanged.
-    # History: docs/LOG.md.
-    template_version=28,
+    # v29: the fused state pass's raw q and k rows (`fused_kq` "rows") are fp32 dot operands under a
+    # 32-bit dot mode (16-bit inputs in the interpreter failed "Both operands must be same dtype"); the
+    # 16-bit path unchanged. History: docs/LOG.md.
+    template_version=29,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

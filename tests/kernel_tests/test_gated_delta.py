@@ -763,6 +763,29 @@ def test_rows_maxnreg_caps_the_row_factor_prepare_only(extra, caps, monkeypatch)
         module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_output_kq_rows_16bit_inputs_with_32bit_dots(dtype, monkeypatch):
+    """`fused_kq` "rows" with 16-bit inputs and 32-bit dots (the interpreter's mode, `dot_modes_on_cpu`):
+    the raw q and k rows the fused state pass reads are fp32 dot operands like the stored kd and qg,
+    so the no-grad forward equals the one with kd and qg stored (rel < 1e-5)."""
+    if DEVICE.type != "cpu":
+        pytest.skip("a GPU takes 16-bit dots for 16-bit inputs")
+    module = load(gated_delta.FAMILY)
+    monkeypatch.setattr(module, "_output", lambda *a, **kw: pytest.fail("output kernel launched"))
+    case = Case(HK=1, HV=2, T=37, l2=True, h0=True)
+    args = make_inputs(case, False, dtype, DEVICE, torch.Generator().manual_seed(5))
+    outs = {}
+    try:
+        for kq in ("stored", "rows"):
+            module.set_config({**CPU_CONFIG, "fwd_o": "fused", "fused_kq": kq})
+            with torch.no_grad():
+                outs[kq] = module.entry(*args)
+    finally:
+        module.set_config(CPU_CONFIG)
+    for name, a, b in zip(("o", "final state"), outs["rows"], outs["stored"]):
+        assert rel(a.float(), b.float()) < 1e-5, (name, rel(a.float(), b.float()))
+
+
 def test_fused_output_kq_rows_fp16_dot_path(monkeypatch):
     """`fused_kq` "rows" on the 16-bit dot path (fp16, which the interpreter computes right): kd and
     qg built from fp16 k and q and the fp32 row factors, rounded to fp16 as dot operands; the
