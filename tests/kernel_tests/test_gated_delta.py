@@ -319,7 +319,7 @@ def _aot_key(name: str, pointers: dict, modes: dict) -> tuple:
             tuple((k, bool(modes[k])) for k in _AOT_MODES if k in modes))
 
 
-def check_aot_u_types(spec, per_channel: bool, monkeypatch, config: dict | None = None) -> None:
+def check_aot_specs_are_the_launches(spec, per_channel: bool, monkeypatch, config: dict | None = None) -> None:
     """The AOT specs of the prepare and the state pass are the launches the runtime makes: on the
     GPU's 16-bit path (fp16, emulated), over a no-grad forward, a training step (u fp16) and a
     recomputing one (param `recompute`: u fp32), every launch's pointer types and mode constexprs
@@ -913,11 +913,11 @@ def test_match_by_structure():
 
 @pytest.mark.parametrize("config", [{}, {"fwd_o": "fused"}, {"fwd_o": "fused", "fused_kq": "rows"}],
                          ids=["split", "fused", "fused-rows"])
-def test_aot_specs_type_u_as_the_runtime(config, monkeypatch):
+def test_aot_specs_are_the_runtime_launches(config, monkeypatch):
     """The prepare's and state pass's AOT specs are the runtime's launches (u's type included), under
     the split output, the fused one and the fused one with row factors (the k_le_128 bucket's no-grad
     forward since v27)."""
-    check_aot_u_types(gated_delta.FAMILY, False, monkeypatch, config)
+    check_aot_specs_are_the_launches(gated_delta.FAMILY, False, monkeypatch, config)
 
 
 @pytest.mark.slow  # 158 s in CI (twentieth session, 2 busy cores)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, OPCHECK_SPLIT, LaunchSpy, assert_within_bars, fp16_dot_path
 from test_gated_delta import (
-    CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_aot_u_types,
+    CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_aot_specs_are_the_launches,
     check_backward_is_triton, check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path,
     check_prepare_vs_torch, check_state_bv_fills_gpu, dot_modes_on_cpu, fixture, grads_of, load, make_inputs,
     transformers_fns,
@@ -524,9 +524,11 @@ def test_match_by_structure():
     assert kimi_delta.match(block("linear_attention.gated_delta", [1, 4, 2, 64], -1, False, True)) is None
 
 
-def test_aot_specs_type_u_as_the_runtime(monkeypatch):
-    """The prepare's and state pass's AOT specs type u as the runtime allocates it (base template)."""
-    check_aot_u_types(kimi_delta.FAMILY, True, monkeypatch)
+@pytest.mark.parametrize("config", [{"fwd_o": "split"}, {"fwd_o": "fused"}], ids=["split", "fused"])
+def test_aot_specs_are_the_runtime_launches(config, monkeypatch):
+    """The prepare's and state pass's AOT specs are the runtime's launches (u's type included), with
+    the split output and the fused one (the k_le_128 bucket's)."""
+    check_aot_specs_are_the_launches(kimi_delta.FAMILY, True, monkeypatch, config)
 
 
 @pytest.mark.slow  # 214 s of one CI worker (fp32 builds of every kernel)
