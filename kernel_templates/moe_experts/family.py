@@ -370,6 +370,8 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
+    # v25: no behaviour change: moe_dx_kernel's one-caller helper _dx_rows inlined; aot_specs' gate_up
+    # signature without its repeated "p_wgu" key (same specs; default sm_90 PTX identical to v24).
     # v24: config `ws` removed (it lost on an H100: the note above _TUNING_SPACE); the default's kernels unchanged.
     # v23: no behaviour change (de-duplication): one call per half-height tail, one dx call with or without WS.
     # v22: config `ws` (off in every bucket): dx's all-TMA K loop warp-specialized by triton (tl.range
@@ -377,7 +379,7 @@ FAMILY = FamilySpec(
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=24,
+    template_version=25,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
