@@ -183,8 +183,10 @@ FAMILY = FamilySpec(
     # fused state pass keeping nothing), and the state spec the training launch; kernels unchanged.
     # v29: the fused state pass's raw q and k rows (`fused_kq` "rows") are fp32 dot operands under a
     # 32-bit dot mode (16-bit inputs in the interpreter failed "Both operands must be same dtype"); the
-    # 16-bit path unchanged. History: docs/LOG.md.
-    template_version=29,
+    # 16-bit path unchanged. v30: `aot_specs` builds its variant specs (the no-grad forward's, the
+    # recomputing backward's wide u) with one helper, the same specs; a comment reworded; kernels
+    # unchanged. History: docs/LOG.md.
+    template_version=30,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

@@ -156,6 +156,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v45: with the base's v30, `aot_specs` builds its variant specs with one helper (the same specs);
+    # kernels unchanged.
     # v44: with the base's v28, `aot_specs` also holds the forward without training as it launches (the
     # prepare without Tm and M, the fused state pass keeping nothing) and the state spec is the training
     # launch; the default's kernels unchanged.
@@ -166,7 +168,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=44,
+    template_version=45,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
