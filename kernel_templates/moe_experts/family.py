@@ -370,6 +370,10 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
+    # v26: no host sync: route counts by a scatter-add (expert_counts; CUDA's bincount read the largest id back)
+    # and, with capacity dropping, keeps S = n_rows rows (a bound; dropped slots after the kept) instead of a
+    # boolean-mask index (the saved rows after the kept ones zero-filled); kernels unchanged, outputs and gradients
+    # the same.
     # v25: no behaviour change: moe_dx_kernel's one-caller helper _dx_rows inlined; aot_specs' gate_up
     # signature without its repeated "p_wgu" key (same specs; default sm_90 PTX identical to v24).
     # v24: config `ws` removed (it lost on an H100: the note above _TUNING_SPACE); the default's kernels unchanged.
@@ -379,7 +383,7 @@ FAMILY = FamilySpec(
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=25,
+    template_version=26,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

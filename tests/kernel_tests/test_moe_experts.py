@@ -133,7 +133,10 @@ def test_capacity_drops_slots(load, device):
     idx[:, 1] = 1
     rt = module.route(idx, 5, 16)
     cap = module.capacity(74, 5)
-    assert rt["S"] == 2 * cap and (rt["pos"][cap:] == -1).all() and (rt["pos"][:cap] >= 0).all()
+    # 2 * cap kept slots; S, the rows, is the bound min(N K, E cap) a host knows without a sync
+    assert rt["offsets"][-1] == 2 * cap and rt["S"] == module.n_rows(74, 5) == min(74, 5 * cap)
+    assert (rt["pos"][cap:] == -1).all() and (rt["pos"][:cap] >= 0).all()
+    assert sorted(rt["pos"][rt["pos"] >= 0].tolist()) == list(range(2 * cap))
     dropless = load("swiglu", {})
     assert dropless.capacity(74, 5) is None and dropless.route(idx, 5, 16)["S"] == 74
 
@@ -347,7 +350,12 @@ def test_grouped_mm_weight_gradients(load, device, monkeypatch, entry, kind):
     # the last two calls are the checked forward + backward's: d down_proj [D, S] x [S, F], then d up [GU, S] x [S, D]
     (a2, b2, offs2), (a1, b1, offs1) = calls[-2:]
     assert (a2[0], b2[1], a1[0], b1[1]) == (d, f, gu, d) and offs1 == offs2 and len(offs1) == 5
-    assert offs1[-1] == a2[1] == b1[0]  # the groups cover every kept slot (capacity: fewer than N * K)
+    # the groups cover every kept slot: all S rows dropless, with capacity dropping the kept ones
+    # (fewer than N * K), the rows after them (dropped slots) in no group
+    if module.CAPACITY_FACTOR is None:
+        assert offs1[-1] == a2[1] == b1[0]
+    else:
+        assert offs1[-1] < a2[1] == b1[0]
 
 
 @pytest.mark.slow  # 21 s on 2 cores (opcheck runs each op several times)
@@ -1822,3 +1830,198 @@ def test_packed_layouts_match_swiglu(attrs, params, expect):
 ])
 def test_unreadable_packed_layouts_stay_uncovered(attrs, params):
     assert moe_experts.match(_experts_block(attrs, params)) is None
+
+
+# ---- no host sync: route's counts and every host op of forward and backward ------------------
+def _route_by_bincount(idx: torch.Tensor, e: int, cap: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept slots' flat indices sorted by expert, kept slots per expert): route before v26, by
+    torch.bincount and a boolean mask (both read device values on the host on CUDA)."""
+    flat = idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    if cap is not None:
+        start = torch.cumsum(counts, 0) - counts
+        order = order[torch.arange(order.numel()) - start[flat[order]] < cap]
+        counts = counts.clamp(max=cap)
+    return order, counts
+
+
+def _edge_routings(gen: torch.Generator) -> dict:
+    """[N, K] expert ids over E = 5: random, one expert left empty, every token on expert 3 (top-1),
+    one token, no token."""
+    return {"random": torch.randint(0, 5, (41, 3), generator=gen),
+            "empty_expert": torch.randint(0, 4, (33, 2), generator=gen),
+            "all_on_one": torch.full((29, 1), 3, dtype=torch.int64),
+            "one_token": torch.tensor([[4, 1]]), "no_token": torch.zeros(0, 2, dtype=torch.int64)}
+
+
+@pytest.mark.parametrize("params", [{}, {"capacity_factor": 0.75}, {"capacity_factor": 1.5}],
+                         ids=["dropless", "cf0.75", "cf1.5"])
+def test_route_matches_bincount_route(load, params):
+    """expert_counts equals torch.bincount (values and int64 dtype), and route (scatter-add counts;
+    with capacity dropping a stable partition of kept and dropped slots into S = n_rows rows, a
+    bound) gives the bincount-and-mask route's kept slots, offsets, positions and tiles, int32 ids
+    too; the rows after the kept ones hold the dropped slots, -1 in pos, and no tile runs them."""
+    module = load("swiglu", params)
+    gen = torch.Generator().manual_seed(7)
+    for name, idx in _edge_routings(gen).items():
+        for ids in (idx, idx.to(torch.int32)):
+            counts = module.expert_counts(ids.reshape(-1), 5)
+            want = torch.bincount(ids.reshape(-1), minlength=5)
+            assert counts.dtype == want.dtype == torch.int64 and torch.equal(counts, want), name
+            N, K = ids.shape
+            cap = module.capacity(N * K, 5)
+            order, kept = _route_by_bincount(ids, 5, cap)
+            rt = module.route(ids, 5, 16)
+            S, n = rt["S"], order.numel()
+            assert S == module.n_rows(N * K, 5) >= n and rt["order"].shape == rt["tok"].shape == (S,), name
+            assert (S == N * K) if cap is None else (S == min(N * K, 5 * cap)), name
+            assert torch.equal(rt["order"][:n], order) and torch.equal(rt["tok"], rt["order"] // K), name
+            assert torch.equal(rt["offsets"], torch.cat([kept.new_zeros(1), kept.cumsum(0)])), name
+            pos = torch.full((N * K,), -1, dtype=torch.int64)
+            pos[order] = torch.arange(n)
+            assert torch.equal(rt["pos"].reshape(-1), pos), name
+            # the dropped slots fill the rows after the kept ones, in expert order, as many as fit
+            kept_slots = set(order.tolist())
+            dropped = [s for s in torch.argsort(ids.reshape(-1), stable=True).tolist() if s not in kept_slots]
+            assert rt["order"][n:].tolist() == dropped[:S - n], name
+            old = module.tile_map(kept, n, 16)
+            T = old["tile_expert"].numel()
+            assert torch.equal(rt["tile_expert"][:T], old["tile_expert"]), name
+            assert (rt["tile_expert"][T:] == 5).all(), name  # more padding tiles: none runs a row
+            real = old["tile_expert"] < 5
+            assert torch.equal(rt["tile_start"][:T][real], old["tile_start"][real]), name
+    if params:  # every token on one expert keeps exactly cap slots
+        rt = module.route(torch.full((29, 1), 3, dtype=torch.int64), 5, 16)
+        assert rt["offsets"].diff().tolist() == [0, 0, 0, module.capacity(29, 5), 0]
+
+
+@pytest.mark.parametrize("params", [{}, {"capacity_factor": 0.75}], ids=["dropless", "cf0.75"])
+def test_route_tile_map_padded_rows_run_on_meta(load, params):
+    """route, tile_map and _padded_rows on 'meta' tensors: an op whose output shape depends on
+    the values (bincount, nonzero, a boolean-mask index, .item()) has no meta kernel, so these
+    host steps of the forward and the backward read nothing back from the device. Shapes as on
+    real inputs."""
+    module = load("swiglu", params)
+    idx = torch.empty(37, 2, dtype=torch.int64, device="meta")
+    S = module.n_rows(74, 5)
+    rt = module.route(idx, 5, 16)
+    assert rt["S"] == S and rt["order"].shape == rt["tok"].shape == (S,) and rt["pos"].shape == (37, 2)
+    assert rt["offsets"].shape == (6,) and rt["tile_expert"].shape == rt["tile_start"].shape == (-(-S // 16) + 5,)
+    assert module.expert_counts(idx.reshape(-1), 5).shape == (5,)
+    tm = module.tile_map(rt["offsets"].diff(), S, 32)
+    assert tm["tile_expert"].shape == (-(-S // 32) + 5,)
+    rows, poff = module._padded_rows(torch.empty(37, 24, device="meta"), rt, 16, torch.bfloat16)
+    assert rows.shape == (S + 5 * 15, 24) and rows.dtype == torch.bfloat16 and poff.shape == (6,)
+
+
+@pytest.mark.parametrize("variant", ["swiglu", "swiglu_lora"])
+def test_capacity_rows_after_the_kept_are_defined(load, variant):
+    """With capacity dropping S = n_rows rows run only up to the kept count (offsets[E]): every
+    element of the forward op's outputs (y and the saved pre-activations; LoRA's row projections)
+    is still written, none left as the allocator had it (poisoned to NaN here), so the op's
+    outputs are a function of its inputs (opcheck compares eager and traced runs)."""
+    from onboarding.testing import poisoned
+
+    module = load(variant, {"capacity_factor": 0.75})
+    fx = (lora_fixture if variant == "swiglu_lora" else fixture)(module, "all_to_one")
+    args = fx.make_inputs(torch.float32, torch.device("cpu"), torch.Generator().manual_seed(3))
+    rt = module.route(args[1], 5, 16)
+    assert rt["offsets"][-1] < rt["S"]  # rows after the kept ones exist
+    with poisoned(module):
+        outs = module._forward(*args)
+    for i, t in enumerate(outs):
+        assert t.shape[0] in (args[0].shape[0], rt["S"]) and not t.isnan().any(), i
+
+
+NO_SYNC_CONFIGS = {"rows": {}, "atomic": {"combine": "atomic"},
+                   "dx_tiles_dw_pad": {**PERSISTENT, "DX_BLOCK_M": 32, "dw_persistent": 1, "dw_sorted": True,
+                                       "dw_tma": True, "dw_pad": True, "dy_sorted": True},
+                   "grid_dw_sorted": {"dw_sorted": True}}
+
+
+@pytest.mark.parametrize("entry", ["swiglu", "swiglu_cf", "bias_cf", "mlp", "swiglu_lora", "swiglu_lora_cf",
+                                   "swiglu_lora_sorted"])
+def test_forward_backward_read_nothing_on_the_host(load, entry):
+    """One forward + backward of each entry (routed dropless, capacity dropping, biases, non-gated,
+    grouped LoRA routed and pre-sorted) under several configs, counted by
+    `onboarding.testing.hostcost`: no op that reads a device value on the host on CUDA (bincount,
+    nonzero, a boolean-mask index, .item(), .tolist(), ...) in the module's host code (Triton
+    kernels run by the interpreter). Before v26 route's bincount (and with capacity its mask)
+    counted here."""
+    from onboarding.testing.hostcost import counting
+
+    variant, params = {"swiglu": ("swiglu", {}), "swiglu_cf": ("swiglu", {"capacity_factor": 0.75}),
+                       "bias_cf": ("swiglu", {"bias": True, "capacity_factor": 0.75}),
+                       "mlp": ("mlp", {"activation": "relu2"}), "swiglu_lora": ("swiglu_lora", {}),
+                       "swiglu_lora_cf": ("swiglu_lora", {"capacity_factor": 0.75}),
+                       "swiglu_lora_sorted": ("swiglu_lora", {})}[entry]
+    module = load(variant, params)
+    lora = variant == "swiglu_lora"
+    fx = (sorted_fixture(module, "zipf") if entry.endswith("sorted") else lora_fixture(module, "zipf") if lora
+          else bias_fixture(module, "empty_experts") if params.get("bias")
+          else fixture(module, "all_to_one" if "capacity_factor" in params else "zipf", gated=variant != "mlp"))
+    args = fx.make_inputs(torch.float32, torch.device("cpu"), torch.Generator().manual_seed(4))
+    configs = {"rows": {}} if lora else NO_SYNC_CONFIGS
+    for name, extra in configs.items():
+        module.set_config({**CPU_CONFIG, **extra})
+        try:
+            leaves = [a.detach().clone().requires_grad_(i == 0 or i in fx.weights)
+                      if isinstance(a, torch.Tensor) and a.is_floating_point() else a for i, a in enumerate(args)]
+            with counting() as mode:
+                y = fx.module.entry(*leaves)
+                y.backward(torch.ones_like(y))
+        finally:
+            module.set_config(CPU_CONFIG)
+        assert not mode.cost.syncs, (name, dict(mode.cost.syncs))
+        assert sum(mode.cost.triton.values()) >= 4, (name, dict(mode.cost.triton))  # the kernels ran
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode runs on a GPU only")
+@pytest.mark.parametrize("entry", ["swiglu", "swiglu_cf", "bias_cf", "mlp", "swiglu_lora", "swiglu_lora_sorted"])
+def test_no_host_sync_cuda(load, entry):
+    """bf16 forward + backward with the GPU bucket's config (D = 2048) under
+    torch.cuda.set_sync_debug_mode("error"): any op that waits for the device raises (CUDA's
+    bincount read its largest index back before v26: two syncs per MoE layer's forward + backward,
+    and no CUDA-graph capture). One warm-up run first (Triton compiles)."""
+    variant, params = {"swiglu": ("swiglu", {}), "swiglu_cf": ("swiglu", {"capacity_factor": 0.75}),
+                       "bias_cf": ("swiglu", {"bias": True, "capacity_factor": 0.75}),
+                       "mlp": ("mlp", {"activation": "relu2"}), "swiglu_lora": ("swiglu_lora", {}),
+                       "swiglu_lora_sorted": ("swiglu_lora", {})}[entry]
+    module = load(variant, params)
+    n, d, e, f, k = 300, 2048, 8, 256, 2
+    lora = variant == "swiglu_lora"
+    fx = (sorted_fixture(module, "zipf", n=n, d=d, e=e, f=f, k=k) if entry.endswith("sorted")
+          else lora_fixture(module, "zipf", n=n, d=d, e=e, f=f, k=k) if lora
+          else bias_fixture(module, "empty_experts", n=n, d=d, e=e, f=f, k=k) if params.get("bias")
+          else fixture(module, "zipf", n=n, d=d, e=e, f=f, k=k, gated=variant != "mlp"))
+    args = fx.make_inputs(torch.bfloat16, torch.device("cuda"), torch.Generator().manual_seed(0))
+
+    # on the device before the checked run: a host-to-device copy waits for the stream
+    dy = torch.randn(args[0].shape[0], d, generator=torch.Generator().manual_seed(1)).cuda()
+
+    def run(inputs, fn):
+        leaves = [a.detach().clone().requires_grad_(i == 0 or i in fx.weights)
+                  if isinstance(a, torch.Tensor) and a.is_floating_point() else a for i, a in enumerate(inputs)]
+        y = fn(*leaves)
+        y.backward(dy.to(y.dtype))
+        return [y, *[a.grad for a in leaves if isinstance(a, torch.Tensor) and a.grad is not None]]
+
+    module.set_config(None)  # the GPU bucket's tiles
+    try:
+        warm = run(args, fx.module.entry)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = run(args, fx.module.entry)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    finally:
+        module.set_config(CPU_CONFIG)
+    # and right (capacity dropping: rows after the kept ones in no group of torch._grouped_mm):
+    # the fp32 reference on the same values, within twice the bf16 acceptance bar
+    refs = run([a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args],
+               fx.module.reference)
+    for i, (a, b, ref) in enumerate(zip(outs, warm, refs, strict=True)):
+        assert torch.isfinite(a.float()).all() and rel(a, b) <= 1e-2, i
+        assert rel(a, ref) <= 2e-2, (i, rel(a, ref))

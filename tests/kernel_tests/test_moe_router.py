@@ -213,6 +213,56 @@ def test_shape_errors_name_shapes(load, device):
         module.entry(x, w[:6], torch.zeros(6, device=device))
 
 
+@pytest.mark.parametrize("variant,params,n_experts", CASE_PARAMS)
+def test_forward_backward_read_nothing_on_the_host(load, variant, params, n_experts):
+    """The op's forward (top-k weights, indices, and the counts [E] int64, added up by the forward
+    kernel's atomics: no bincount) and backward, counted by `onboarding.testing.hostcost`: no op
+    that reads a device value on the host on CUDA (bincount, nonzero, .item(), .tolist(), ...)
+    in the module's host code; the counts equal bincount's (the reference keeps bincount)."""
+    from onboarding.testing.hostcost import counting
+
+    module = load(variant, params)
+    x, w, b = inputs(params, n_experts)
+    with counting() as mode:
+        _, tw, ti, cnt = module.entry(x, w, b)
+        tw.backward(torch.ones_like(tw))
+    assert not mode.cost.syncs, dict(mode.cost.syncs)
+    assert sum(mode.cost.triton.values()) == 2, dict(mode.cost.triton)  # forward and backward kernels
+    want = torch.bincount(ti.flatten(), minlength=n_experts)
+    assert cnt.dtype == want.dtype == torch.int64 and torch.equal(cnt, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode runs on a GPU only")
+@pytest.mark.parametrize("variant,params,n_experts", [CASE_PARAMS[1], CASE_PARAMS[2]])
+def test_no_host_sync_cuda(load, variant, params, n_experts):
+    """bf16 router forward + backward (counts included) with the module's GPU config under
+    torch.cuda.set_sync_debug_mode("error"): any op that waits for the device raises. One warm-up
+    run first (Triton compiles)."""
+    module = load(variant, params)
+    x, w, b = inputs(params, n_experts, n=1000, d=256, device="cuda")
+    x, w = x.detach().to(torch.bfloat16), w.detach().to(torch.bfloat16)
+
+    def run():
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        _, tw, ti, cnt = module.entry(xl, wl, b)
+        tw.backward(torch.ones_like(tw))
+        return ti, cnt, xl.grad, wl.grad
+
+    module.set_config(None)  # the GPU config
+    try:
+        warm = run()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ti, cnt, gx, gw = run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    finally:
+        module.set_config(CPU_CONFIG)
+    assert torch.equal(ti, warm[0]) and torch.equal(cnt, torch.bincount(ti.flatten(), minlength=n_experts))
+    assert torch.isfinite(gx.float()).all() and torch.isfinite(gw.float()).all()
+
+
 @pytest.mark.slow  # sm_90 build, nightly: 17.2 s on CI's cold Triton cache (28th session)
 def test_aot_sm90(load):
     ok, why = aot.aot_available()
