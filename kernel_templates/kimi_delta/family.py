@@ -90,12 +90,13 @@ PARAMS = _base.PARAMS
 #   loads each waited on (global -> registers -> shared, a barrier) after the loop (Nsight Compute,
 #   `.ci/h200/h37_ncu.sh`, thirty-eighth session). sm_90 AOT (bf16, every integer marked; triton 3.6):
 #   226 registers, no spills at BV 64; BV 32 capped at 168 (three programs per SM) no spills (36 KB of
-#   shared memory; 3 stages 52 KB); PART 2 capped at 168 spills 96 B. Untimed (bench.KSPLIT_PRE_SWEEP).
+#   shared memory; 3 stages 52 KB); PART 2 capped at 168 spills 96 B. The k_le_128 bucket's (v46, with
+#   BV 32 and the cap 168; numbers at `_KDA_BUCKET`).
 # kda_wyv_pre (0): 1 runs "ksplit"'s V side by `kda_chunk_bwd_wyvp_kernel` (v43), PART 1 with the l2norm's
 #   row norms first, its q, k loads over the K tiles unrolled (issued together, beside the V loop's first
 #   cp.async copies), where PART 1 walks them tile by tile after its V loop (329 us on the H100, 61%
 #   long-scoreboard stalls; its hottest SASS rows bf16 unpacks waiting on those loads). sm_90 AOT (triton
-#   3.6): 243 registers, no spills, 64 KB (PART 1 244, 0, 64 KB). Untimed (bench.KSPLIT_PRE_SWEEP).
+#   3.6): 243 registers, no spills, 64 KB (PART 1 244, 0, 64 KB). The k_le_128 bucket's (v46).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -133,9 +134,15 @@ NAME = "kimi_delta"
 # both (but for KDA's [K] gate load), so KDA takes their stages: its forward went 3.342 -> 3.075 ms
 # (B1 T8192 H32 D128; docs/LOG.md, sixth session). k_le_128 also takes `kda_qk` "ksplit" (v42): on
 # an H100 fwd+bwd 3.887 ms wall / 3.643 by CUDA graph against "tiles"' 3.965 / 3.760 at B1 T8192 H32
-# D128, its bf16 bars passed (`.ci/h200/h36_kda5.sh`; docs/LOG.md, thirty-seventh session).
+# D128, its bf16 bars passed (`.ci/h200/h36_kda5.sh`; docs/LOG.md, thirty-seventh session). And (v46)
+# `kda_wyk_pre` 1 at `kda_wyk_bv` 32 capped at 168 registers with `kda_wyv_pre` 1: on an H100 (torch 2.11,
+# triton 3.6; `BUDGET=200 bash .ci/h200/h38_kda6.sh` at 7b365a2, thirty-ninth session) fwd+bwd 3.774 ms wall /
+# 3.475 by CUDA graph against "ksplit"'s 3.917 / 3.646 (graph -4.7%, wall -3.7%; the K tiles' row alone
+# 3.820 / 3.508) at B1 T8192 H32 D128, ours_fwd 0.907 / 0.810, both rows' bf16 bars passed; fwd+bwd over fwd
+# by graph 4.29x (was 4.50x; goal 3x).
 _GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv", "fused_kq", "rows_maxnreg")
-_KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit"}}
+_KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit", "kda_wyk_pre": 1,
+                            "kda_wyk_bv": 32, "kda_wyk_maxnreg": 168, "kda_wyv_pre": 1}}
 KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
                                                    **_KDA_BUCKET.get(b.name, {})})
                     for b in SHAPE_BUCKETS)
@@ -156,6 +163,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v46: the k_le_128 bucket takes `kda_wyk_pre` 1 (`kda_wyk_bv` 32, `kda_wyk_maxnreg` 168) and `kda_wyv_pre`
+    # 1 (above); the template is unchanged.
     # v45: with the base's v30, `aot_specs` builds its variant specs with one helper (the same specs);
     # kernels unchanged.
     # v44: with the base's v28, `aot_specs` also holds the forward without training as it launches (the
@@ -168,7 +177,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=45,
+    template_version=46,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
