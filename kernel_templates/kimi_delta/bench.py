@@ -68,30 +68,23 @@ _KT = {"kda_qk": "ktiles", "bwd_bv": 32}
 KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_warps": 8}, {**_KT, "kda_qk_bk": 16},
                 {**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8, "state_bwd_stages": 3})
 # Template v38 (issue 32): `kda_qk` "ksplit" (the tiled pair with the wy kernel's K tiles in programs of
-# their own: since v40 `kda_chunk_bwd_wyp_kernel` launched per (chunk, value head) for the V side, then
-# per (K tile, chunk, value head) for the K tiles; the row sums, then the same qkt kernel) at the bucket's
-# tiles (BK 32, BV 64, 4 warps), and with the K tiles' launch at 8 warps capped at 128 registers (two
-# 8-warp programs per SM). On an H100 (`.ci/h200/h32_kdabwd4.sh`, in git at 047b72b) the first took
-# 4.163 ms fwd+bwd against the default's 4.266 at B1 T8192 H32 D128, both rows passed the bars; v38's
-# rows with `kda_qk_tiers` "split" faulted and left with the key (v40, family.py).
-# `.ci/h200/h36_kda5.sh` times them.
-_KS = {"kda_qk": "ksplit"}
-_KS8 = {**_KS, "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
-KSPLIT_SWEEP = (_KS, _KS8)
-# Template v43 (issue 32), from the thirty-eighth session's Nsight Compute profile of "ksplit" on an H100
-# (PART 1 329 us, 61% long-scoreboard stalls; PART 2 871 us, 45%; both two 4-warp programs per SM by
-# registers): `kda_wyk_pre` (the K tiles by `kda_chunk_bwd_wykp_kernel`: the epilogue's q, k, g, Tm loads
-# issued before the V loop, where PART 2 waited on each after it) and `kda_wyv_pre` (the V side by
-# `kda_chunk_bwd_wyvp_kernel`: the row norms' q, k loads unrolled and issued together first, where PART 1
-# waited on them tile by tile after its V loop). Rows, most likely first (the script benches the rows that
-# pass the bars in time): K tiles at BV 32 capped at 168 registers (three programs per SM); that with the V
-# side's; the K tiles at the bucket's BV 64; the V side's alone. sm_90 AOT (bf16, every integer marked;
-# registers / spill bytes / shared memory, triton 3.6 | 3.9): wykp BV 32 capped 168: 168 / 0 / 36 KB | 168 /
-# 0 / 28 KB (uncapped 236 | 181); wykp BV 64: 226 / 0 / 64 KB | 222 / 0 / 56 KB (PART 2 242 / 0 / 56 KB on
-# 3.6); wyvp 243 / 0 / 64 KB on 3.6 (PART 1 244 / 0 / 64 KB). Untimed: `.ci/h200/h38_kda6.sh` times them.
-_KSP3 = {**_KS, "kda_wyk_pre": 1, "kda_wyk_bv": 32, "kda_wyk_maxnreg": 168}
-KSPLIT_PRE_SWEEP = (_KSP3, {**_KSP3, "kda_wyv_pre": 1}, {**_KS, "kda_wyk_pre": 1}, {**_KS, "kda_wyv_pre": 1})
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *KSPLIT_PRE_SWEEP)
+# their own: v40-v46 `kda_chunk_bwd_wyp_kernel` launched per (chunk, value head) for the V side, then per
+# (K tile, chunk, value head) for the K tiles; the row sums, then the same qkt kernel), the k_le_128 bucket's
+# since v42. On an H100 (`.ci/h200/h32_kdabwd4.sh`, in git at 047b72b) it took 4.163 ms fwd+bwd against the
+# then default's 4.266 at B1 T8192 H32 D128; with the K tiles' launch at 8 warps capped at 128 registers (two
+# 8-warp programs per SM) 3.942 / 3.691 ms (wall / CUDA graph) against 3.887 / 3.643 at 4 warps
+# (`.ci/h200/h36_kda5.sh`, thirty-seventh session); both passed the bars.
+# Template v43 (issue 32), from the thirty-eighth session's Nsight Compute profile of "ksplit" on an H100:
+# `kda_wyk_pre` (the K tiles by `kda_chunk_bwd_wykp_kernel`, their epilogue's loads before the V loop) and
+# `kda_wyv_pre` (the V side by `kda_chunk_bwd_wyvp_kernel`, the row norms' loads first). On an H100
+# (`BUDGET=200 bash .ci/h200/h38_kda6.sh` at 7b365a2, in git there, thirty-ninth session) both at the K
+# tiles' BV 32 capped at 168 registers took 3.774 / 3.475 ms against "ksplit"'s 3.917 / 3.646 (the K tiles'
+# alone 3.820 / 3.508), bars passed: v46 made them the k_le_128 bucket's, v47 "ksplit"'s only kernels (the
+# keys and their rows left). The one row left: the K tiles (now wykp, BV 32) at 8 warps capped at 128
+# registers (two 8-warp programs per SM, against the default's three 4-warp ones); untimed in this form.
+_KS8 = {"kda_qk": "ksplit", "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
+KSPLIT_SWEEP = (_KS8,)
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

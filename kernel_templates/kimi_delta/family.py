@@ -11,8 +11,8 @@ bound. The kernels, API and tuning space of `gated_delta` (its one-kernel prepar
 two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own split prepare step
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
-`kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`, `kda_wyk_pre`,
-`kda_wyk_stages`, `kda_wyk_bv`, `kda_wyv_pre`, `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
+`kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`,
+`kda_wyk_stages`, `kda_wyk_bv`, `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
 """
 
 from __future__ import annotations
@@ -61,10 +61,12 @@ PARAMS = _base.PARAMS
 #   kernels. Default "tiles" (k_le_128: "ksplit", below): fwd+bwd 3.872 ms against 5.003 for "serial" at T8192 (docs/LOG.md,
 #   twentieth session, call J); "fused" and "ktiles" untimed (`bench.BWD_SWEEP`,
 #   `bench.KTILES_SWEEP`). "ksplit" (v38) the tiled pair with the wy kernel's K tiles in programs of
-#   their own (`kda_chunk_bwd_wyp_kernel`, the wyt kernel's body `_kda_wy_head` by its PART: the V side
-#   per (chunk, value head), then the K tiles per (K tile, chunk, value head); a row-sum kernel, then the
-#   same qkt kernel): on an H100 fwd+bwd 4.163 ms against the default's 4.266 at B1 T8192 H32 D128
-#   (`.ci/h200/h32_kdabwd4.sh`, in git at 047b72b, thirty-sixth session; bars passed).
+#   their own (the wyt kernel's body `_kda_wy_head` in two kernels: since v47 the V side per (chunk, value
+#   head) by `kda_chunk_bwd_wyvp_kernel`, then the K tiles per (K tile, chunk, value head) by
+#   `kda_chunk_bwd_wykp_kernel`; a row-sum kernel, then the same qkt kernel): on an H100 (v38-v42, the two
+#   parts as launches of one kernel by the head's PART, `kda_chunk_bwd_wyp_kernel`) fwd+bwd 4.163 ms against
+#   the default's 4.266 at B1 T8192 H32 D128 (`.ci/h200/h32_kdabwd4.sh`, in git at 047b72b, thirty-sixth
+#   session; bars passed).
 # A removed key: v38's kda_qk_tiers "split" (the qkt kernel as its chunk tier, `kda_chunk_bwd_qkc_kernel`,
 #   then the redo of the tiles it flagged) faulted on an H100 (triton 3.6, "an illegal memory access" in
 #   qkc) at one value head per key head (HV = HK: the bench's layout and HK = HV = 2 at T 1000) and ran
@@ -74,29 +76,30 @@ PARAMS = _base.PARAMS
 #   kernel.
 # kda_qk_warps, kda_wy_warps (0: num_warps): warps of the backward's qk and wy kernels;
 #   kda_qk_warps also sizes the "fused" and K-tile kernels, kda_wy_warps the V-side kernel and
-#   "ksplit"'s V-side launch (PART 1).
+#   "ksplit"'s V side (`kda_chunk_bwd_wyvp_kernel`).
 # kda_wyk_warps (0: kda_wy_warps, else num_warps), kda_wyk_maxnreg (0: no cap): warps and register cap of
-#   "ksplit"'s K-tile launch (PART 2; v38-v39 a kernel of its own, wyk). sm_90 AOT at the bench shape
-#   (bf16, JIT marks; registers, triton 3.9 | 3.6, v39's wyk): 4 warps 204 | 229, 8 warps 124 | 139, no
-#   spills: on 3.6 two 4-warp or one 8-warp program per SM, as the wyt kernel's 255; 128 at 8 warps (two
+#   "ksplit"'s K tiles (`kda_chunk_bwd_wykp_kernel`; v38-v39 wyk, v40-v46 the wyp kernel's PART 2). sm_90
+#   AOT at the bench shape (bf16, JIT marks; registers, triton 3.9 | 3.6, v39's wyk): 4 warps 204 | 229, 8
+#   warps 124 | 139, no spills: on 3.6 two 4-warp or one 8-warp program per SM, as the wyt kernel's 255; 128 at 8 warps (two
 #   per SM, no spills) and 168 at 4 (three; 36 | 56 B of spills) are the caps that add programs. v40's
 #   PART 2 (triton 3.6, same marks): 242 registers at 4 warps, no spills; 128 with 16 B of spills at 8
 #   warps capped at 128; its PART 1 244, no spills (v39's wyv 247).
-# kda_wyk_pre (0), kda_wyk_stages (0: num_stages), kda_wyk_bv (0: bwd_BV): 1 runs "ksplit"'s K tiles by
-#   `kda_chunk_bwd_wykp_kernel` (v43), PART 2 with the epilogue's q, k, g, Tm (and beta, the row scales)
-#   loaded before the V loop, which is a `tl.range` at kda_wyk_stages over V tiles of kda_wyk_bv; it takes
-#   kda_wyk_warps and kda_wyk_maxnreg as PART 2 does. Why: on an H100 PART 2 took 871 us at 242 registers,
-#   45% of its warp samples long-scoreboard stalls: the loop's loads are cp.async, the epilogue's are plain
-#   loads each waited on (global -> registers -> shared, a barrier) after the loop (Nsight Compute,
-#   `.ci/h200/h37_ncu.sh`, thirty-eighth session). sm_90 AOT (bf16, every integer marked; triton 3.6):
-#   226 registers, no spills at BV 64; BV 32 capped at 168 (three programs per SM) no spills (36 KB of
-#   shared memory; 3 stages 52 KB); PART 2 capped at 168 spills 96 B. The k_le_128 bucket's (v46, with
-#   BV 32 and the cap 168; numbers at `_KDA_BUCKET`).
-# kda_wyv_pre (0): 1 runs "ksplit"'s V side by `kda_chunk_bwd_wyvp_kernel` (v43), PART 1 with the l2norm's
+# kda_wyk_stages (0: num_stages), kda_wyk_bv (0: bwd_BV): the stages and V tile of the V loop of "ksplit"'s
+#   K tiles, `kda_chunk_bwd_wykp_kernel` (v43): the head's K tile (PART 2 of v40-v46's wyp kernel) with the
+#   epilogue's q, k, g, Tm (and beta, the row scales) loaded before the V loop, a `tl.range`. Why: on an
+#   H100 PART 2 took 871 us at 242 registers, 45% of its warp samples long-scoreboard stalls: the loop's
+#   loads are cp.async, the epilogue's were plain loads each waited on (global -> registers -> shared, a
+#   barrier) after the loop (Nsight Compute, `.ci/h200/h37_ncu.sh`, thirty-eighth session). sm_90 AOT (bf16,
+#   every integer marked; triton 3.6): 226 registers, no spills at BV 64; BV 32 capped at 168 (three
+#   programs per SM) no spills (36 KB of shared memory; 3 stages 52 KB); PART 2 capped at 168 spilled 96 B.
+#   "ksplit"'s V side, `kda_chunk_bwd_wyvp_kernel` (v43), is the head's V side (PART 1) with the l2norm's
 #   row norms first, its q, k loads over the K tiles unrolled (issued together, beside the V loop's first
-#   cp.async copies), where PART 1 walks them tile by tile after its V loop (329 us on the H100, 61%
+#   cp.async copies), where PART 1 walked them tile by tile after its V loop (329 us on the H100, 61%
 #   long-scoreboard stalls; its hottest SASS rows bf16 unpacks waiting on those loads). sm_90 AOT (triton
-#   3.6): 243 registers, no spills, 64 KB (PART 1 244, 0, 64 KB). The k_le_128 bucket's (v46).
+#   3.6): 243 registers, no spills, 64 KB (PART 1 244, 0, 64 KB). v43-v46 had them as options (keys
+#   `kda_wyk_pre`, `kda_wyv_pre`); v46 made both the k_le_128 bucket's, with BV 32 and the cap 168 (numbers
+#   at `_KDA_BUCKET`); v47 removed the wyp kernel and the two keys (the bucket's kernels' sm_90 PTX the
+#   same; docs/LOG.md, thirty-ninth session).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -115,13 +118,12 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_qk": ("serial", "tiles", "fused", "ktiles", "ksplit"),
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
-                "kda_wyk_pre": (0, 1), "kda_wyv_pre": (0, 1), "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
+                "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
-                  "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_wyk_pre": 0, "kda_wyk_stages": 0, "kda_wyk_bv": 0,
-                  "kda_wyv_pre": 0,
+                  "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_wyk_stages": 0, "kda_wyk_bv": 0,
                   "kda_state_bwd_warps": 0, "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
@@ -135,14 +137,15 @@ NAME = "kimi_delta"
 # (B1 T8192 H32 D128; docs/LOG.md, sixth session). k_le_128 also takes `kda_qk` "ksplit" (v42): on
 # an H100 fwd+bwd 3.887 ms wall / 3.643 by CUDA graph against "tiles"' 3.965 / 3.760 at B1 T8192 H32
 # D128, its bf16 bars passed (`.ci/h200/h36_kda5.sh`; docs/LOG.md, thirty-seventh session). And (v46)
-# `kda_wyk_pre` 1 at `kda_wyk_bv` 32 capped at 168 registers with `kda_wyv_pre` 1: on an H100 (torch 2.11,
+# `kda_wyk_pre` 1 at `kda_wyk_bv` 32 capped at 168 registers with `kda_wyv_pre` 1 (the wykp and wyvp kernels,
+# since v47 "ksplit"'s only ones: the bucket keeps the V tile and the cap): on an H100 (torch 2.11,
 # triton 3.6; `BUDGET=200 bash .ci/h200/h38_kda6.sh` at 7b365a2, thirty-ninth session) fwd+bwd 3.774 ms wall /
 # 3.475 by CUDA graph against "ksplit"'s 3.917 / 3.646 (graph -4.7%, wall -3.7%; the K tiles' row alone
 # 3.820 / 3.508) at B1 T8192 H32 D128, ours_fwd 0.907 / 0.810, both rows' bf16 bars passed; fwd+bwd over fwd
 # by graph 4.29x (was 4.50x; goal 3x).
 _GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv", "fused_kq", "rows_maxnreg")
-_KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit", "kda_wyk_pre": 1,
-                            "kda_wyk_bv": 32, "kda_wyk_maxnreg": 168, "kda_wyv_pre": 1}}
+_KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit", "kda_wyk_bv": 32,
+                            "kda_wyk_maxnreg": 168}}
 KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
                                                    **_KDA_BUCKET.get(b.name, {})})
                     for b in SHAPE_BUCKETS)
@@ -163,6 +166,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v47: "ksplit" runs its V side by `kda_chunk_bwd_wyvp_kernel` and its K tiles by `kda_chunk_bwd_wykp_kernel`
+    # always: the wyp kernel (the head's PART 1 and 2) and the keys `kda_wyk_pre`, `kda_wyv_pre` are gone; the
+    # k_le_128 bucket's kernels' sm_90 PTX unchanged (docs/LOG.md, thirty-ninth session).
     # v46: the k_le_128 bucket takes `kda_wyk_pre` 1 (`kda_wyk_bv` 32, `kda_wyk_maxnreg` 168) and `kda_wyv_pre`
     # 1 (above); the template is unchanged.
     # v45: with the base's v30, `aot_specs` builds its variant specs with one helper (the same specs);
@@ -177,7 +183,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=46,
+    template_version=47,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -137,18 +137,14 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
 # The chunk-local backward's second half: the tiled qk kernel (`_kda_bwd.py.j2`, the default) or
 # the serial one, the tiled at the default K tile and at 16 (K = 48: three tiles, the GPU's form of
 # several K tiles per row), with and without the in-kernel l2norm.
-# "ksplit" (template v38; one kernel for both parts since v40): the wy kernel's V side and K tiles as two
-# launches, a row-sum kernel, then the same qkt kernel; at the pinned tiles (BK 32: two K tiles, the
-# second ragged) and at BK 16 (three).
-# `kda_wyk_pre` (template v43): "ksplit"'s K tiles by `kda_chunk_bwd_wykp_kernel` (the epilogue's loads
-# before the V loop), also at 3 stages (V 16: one V tile; BK 16: three K tiles); `kda_wyv_pre`: its V side
-# by `kda_chunk_bwd_wyvp_kernel` (the row norms' loads first, unrolled), alone and with `kda_wyk_pre`.
+# "ksplit" (template v38; since v47 its V side by `kda_chunk_bwd_wyvp_kernel`, the row norms' loads first,
+# unrolled, and its K tiles by `kda_chunk_bwd_wykp_kernel`, the epilogue's loads before the V loop): the wy
+# kernel's V side and K tiles as two kernels, a row-sum kernel, then the same qkt kernel; at the pinned
+# tiles (BK 32: two K tiles, the second ragged), at BK 16 (three), and at BK 16 with the K tiles' V loop at
+# 3 stages (V 16: one V tile).
 BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16},
                "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16},
-               "ksplit_pre": {"kda_qk": "ksplit", "kda_wyk_pre": 1},
-               "ksplit_pre_bk16_s3": {"kda_qk": "ksplit", "BK": 16, "kda_wyk_pre": 1, "kda_wyk_stages": 3},
-               "ksplit_vpre": {"kda_qk": "ksplit", "kda_wyv_pre": 1},
-               "ksplit_vpre_pre_bk16": {"kda_qk": "ksplit", "BK": 16, "kda_wyv_pre": 1, "kda_wyk_pre": 1}}
+               "ksplit_bk16_s3": {"kda_qk": "ksplit", "BK": 16, "kda_wyk_stages": 3}}
 
 
 @pytest.mark.parametrize("l2", [True, False], ids=["l2", "no-l2"])
@@ -174,17 +170,9 @@ def test_tiled_backward_equals_serial(bwd, l2):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name} vs naive: {m}")
 
 
-# "ksplit"'s launches: the wy kernel's two parts (PART 1, then 2), the row sums, the qkt kernel
-KSPLIT_KERNELS = ["kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_rowsum_kernel",
+# "ksplit"'s launches: the wy kernel's V side, its K tiles, the row sums, the qkt kernel
+KSPLIT_KERNELS = ["kda_chunk_bwd_wyvp_kernel", "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_rowsum_kernel",
                   "kda_chunk_bwd_qkt_kernel"]
-# with `kda_wyv_pre` the V side by the wyvp kernel, with `kda_wyk_pre` the K tiles by the wykp kernel
-KSPLIT_PRE_KERNELS = ["kda_chunk_bwd_wyvp_kernel", "kda_chunk_bwd_wykp_kernel"]
-
-
-def ksplit_kernels(cfg: dict) -> list[str]:
-    """The "ksplit" launches under `cfg`'s `kda_wyv_pre` / `kda_wyk_pre`."""
-    return [KSPLIT_PRE_KERNELS[0] if cfg.get("kda_wyv_pre") else KSPLIT_KERNELS[0],
-            KSPLIT_PRE_KERNELS[1] if cfg.get("kda_wyk_pre") else KSPLIT_KERNELS[1], *KSPLIT_KERNELS[2:]]
 
 
 @pytest.mark.parametrize("bwd, kernels", [("serial", ["kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel"]),
@@ -195,18 +183,18 @@ def ksplit_kernels(cfg: dict) -> list[str]:
 def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     """The family default is the tiled pair and the k_le_128 bucket's "ksplit" (v42); `kda_qk`
     "serial" launches the serial pair only, "fused" its one kernel, "ktiles" its V-side and K-tile
-    kernels (no group sum at HV = HK), "ksplit" the wy kernel's V side (PART 1, per (chunk, head)),
-    its K tiles (PART 2, per (K tile, chunk, head)), the row sums and the tiled pair's qkt kernel."""
+    kernels (no group sum at HV = HK), "ksplit" the wy kernel's V side (wyvp, per (chunk, head)),
+    its K tiles (wykp, per (K tile, chunk, head)), the row sums and the tiled pair's qkt kernel."""
     assert kimi_delta.DEFAULT_CONFIG["kda_qk"] == "tiles"
     module = load(kimi_delta.FAMILY)
     assert [module.config_for(k)["kda_qk"] for k in (32, 64, 128, 256)] == ["tiles", "tiles", "ksplit", "tiles"]
     launched, parts = [], []
     for name in ("kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel", "kda_chunk_bwd_wyt_kernel",
                  "kda_chunk_bwd_qkt_kernel", "kda_chunk_bwd_fused_kernel", "kda_group_sum_kernel",
-                 "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyp_kernel",
-                 "kda_chunk_bwd_rowsum_kernel"):
+                 "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyvp_kernel",
+                 "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_rowsum_kernel"):
         monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw, _n=name: (
-            launched.append(_n), parts.append((kw["PART"], len(grid))) if "PART" in kw else None)))
+            launched.append(_n), parts.append((_n, len(grid))) if _n in KSPLIT_KERNELS[:2] else None)))
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False)
     gen = torch.Generator().manual_seed(2)
     args = make_inputs(case, True, torch.float32, DEVICE, gen)
@@ -215,7 +203,7 @@ def test_backward_runs_its_kernels(monkeypatch, bwd, kernels):
     with pinned(module, {"kda_qk": bwd}):
         _, grads = grads_of(module.entry, args, douts)
     assert launched == kernels, launched
-    assert parts == ([(1, 2), (2, 3)] if bwd == "ksplit" else []), parts
+    assert parts == ([(KSPLIT_KERNELS[0], 2), (KSPLIT_KERNELS[1], 3)] if bwd == "ksplit" else []), parts
     _, ref_grads = grads_of(module.reference, args, douts)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
@@ -242,18 +230,9 @@ CHUNK_LOCAL_CASES = {
     "ksplit-bk16-l2-mixed": ({"kda_qk": "ksplit", "BK": 16}, True, 1, 16, 150, 7),
     "ksplit-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "bwd_bv": 16}, True, 2, 40, 149, 7),
     "ksplit-no-l2": ({"kda_qk": "ksplit"}, False, 2, 16, 150, 7),
-    # `kda_wyk_pre` (v43): the K tiles' epilogue loads before their V loop (`kda_chunk_bwd_wykp_kernel`);
-    # its own V tile (`kda_wyk_bv` 16: three V tiles at V 40, the last ragged) at three stages
-    "ksplit-pre-bk16-l2-mixed": ({"kda_qk": "ksplit", "BK": 16, "kda_wyk_pre": 1}, True, 1, 16, 150, 7),
-    "ksplit-pre-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "kda_wyk_pre": 1, "kda_wyk_bv": 16,
-                                          "kda_wyk_stages": 3}, True, 2, 40, 149, 7),
-    "ksplit-pre-no-l2": ({"kda_qk": "ksplit", "kda_wyk_pre": 1}, False, 2, 16, 150, 7),
-    # `kda_wyv_pre` (v43): the V side with the row norms first (`kda_chunk_bwd_wyvp_kernel`), with and
-    # without `kda_wyk_pre`
-    "ksplit-vpre-bk16-l2-mixed": ({"kda_qk": "ksplit", "BK": 16, "kda_wyv_pre": 1}, True, 1, 16, 150, 7),
-    "ksplit-vpre-pre-l2-grouped-bv16-odd-t": ({"kda_qk": "ksplit", "kda_wyv_pre": 1, "kda_wyk_pre": 1,
-                                               "bwd_bv": 16}, True, 2, 40, 149, 7),
-    "ksplit-vpre-no-l2": ({"kda_qk": "ksplit", "kda_wyv_pre": 1}, False, 2, 16, 150, 7),
+    # the K tiles' own V tile (`kda_wyk_bv` 16: three V tiles at V 40, the last ragged) at three stages
+    "ksplit-l2-grouped-wykbv16-s3-odd-t": ({"kda_qk": "ksplit", "kda_wyk_bv": 16, "kda_wyk_stages": 3}, True, 2,
+                                           40, 149, 7),
 }
 # (ksplit's qkt kernel sums a key head's value heads itself: no group sum)
 CHUNK_LOCAL_KERNELS = {"fused": ["kda_chunk_bwd_fused_kernel"],
@@ -287,15 +266,15 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
         for name in ("kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel", "kda_group_sum_kernel",
                      "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_fused_kernel",
-                     *dict.fromkeys(KSPLIT_KERNELS + KSPLIT_PRE_KERNELS)):
+                     *dict.fromkeys(KSPLIT_KERNELS)):
             monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name),
                                                        lambda grid, kw, _n=name: calls.append(_n)))
     with pinned(module, cfg):
         (o, ht), grads = grads_of(module.entry, args, douts)
     (ro, rht), ref_grads = grads_of(module.reference, args, douts)
     if DEVICE.type == "cpu":
-        kernels = (ksplit_kernels(cfg) if cfg["kda_qk"] == "ksplit" else CHUNK_LOCAL_KERNELS[cfg["kda_qk"]]
-                   + ["kda_group_sum_kernel"] * (HV > 1))
+        kernels = (CHUNK_LOCAL_KERNELS[cfg["kda_qk"]]
+                   + ["kda_group_sum_kernel"] * (HV > 1 and cfg["kda_qk"] != "ksplit"))
         assert [c for c in calls if c.startswith("kda_")] == kernels, calls
         tiers = {c for c in calls if not c.startswith("kda_")}
         if mixed:
@@ -548,11 +527,11 @@ def test_aot_sm90_bf16_tensor_cores():
                                            "kda_state_bwd_kernel", "kda_chunk_bwd_wy_kernel", "kda_chunk_bwd_qk_kernel",
                                            "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel", "kda_chunk_bwd_qkt_kernel",
                                            "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel",
-                                           "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wyp_kernel",
-                                           "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_wyvp_kernel"],
+                                           "kda_chunk_bwd_ktile_kernel", "kda_chunk_bwd_wykp_kernel",
+                                           "kda_chunk_bwd_wyvp_kernel"],
                        ["kda_chunk_bwd_wy_kernel", "kda_wu_fwd_kernel", "kda_chunk_bwd_wyt_kernel",
                         "kda_chunk_bwd_fused_kernel", "kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel",
-                        "kda_chunk_bwd_wyp_kernel", "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_wyvp_kernel"])
+                        "kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_wyvp_kernel"])
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 50 s on CI's cold Triton cache (28th session)
@@ -624,8 +603,7 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
                                  pytest.param({"kda_qk": "ktiles"}, id="ktiles"),
                                  pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32"),
                                  pytest.param({"kda_qk": "ksplit"}, id="ksplit"),
-                                 pytest.param({"kda_qk": "ksplit", "kda_wyk_pre": 1}, id="ksplit-pre"),
-                                 pytest.param({"kda_qk": "ksplit", "kda_wyv_pre": 1}, id="ksplit-vpre")])
+                                 pytest.param({"kda_qk": "ksplit", "kda_wyk_bv": 32}, id="ksplit-wykbv32")])
 def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
     o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
@@ -699,15 +677,10 @@ def test_bf16_vs_fp32_on_gpu_ktiles_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
-# The bench's "ksplit" rows (bench.KSPLIT_SWEEP, template v38): each within the bf16 bars on the GPU.
+# The bench's "ksplit" rows (bench.KSPLIT_SWEEP, template v38; since v47 the K tiles at 8 warps capped at 128):
+# each within the bf16 bars on the GPU.
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KSPLIT_SWEEP))
 def test_bf16_vs_fp32_on_gpu_ksplit_sweep(cfg):
-    _sweep_row_bars(cfg)
-
-
-# The bench's `kda_wyk_pre` rows (bench.KSPLIT_PRE_SWEEP, template v43): each within the bf16 bars on the GPU.
-@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KSPLIT_PRE_SWEEP))
-def test_bf16_vs_fp32_on_gpu_ksplit_pre_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
