@@ -6,9 +6,11 @@
 #     kernels (thirty-sixth session's H100 profile) against 0.31 ms for its bytes at HBM speed; by
 #     its SASS (31-33 barriers per head loop, one 8-warp program per SM) suspected barrier-bound;
 #  2. kimi_delta B1T8192H32D128 fwd+bwd, the wy kernel of the default backward: since v42 the
-#     k_le_128 bucket's `kda_qk` "ksplit" launches kda_chunk_bwd_wyp_kernel twice a step (PART 1,
+#     k_le_128 bucket's `kda_qk` "ksplit" launched kda_chunk_bwd_wyp_kernel twice a step (PART 1,
 #     the V side per (chunk, head); PART 2, the K tiles): 1.206 ms together ("tiles"' single
-#     kda_chunk_bwd_wyt_kernel took 1.322); both launches are profiled (the regex takes wyt too);
+#     kda_chunk_bwd_wyt_kernel took 1.322); both launches are profiled (the regex takes wyt too;
+#     since kimi_delta v47 the two launches are kda_chunk_bwd_wyvp_kernel and _wykp_kernel, which
+#     the regex takes as well);
 #  3. gdn_prepare_fwd_kernel, gated_delta B1T8192H16/32D128 forward without grad: 0.288 of 0.452 ms.
 # What it decides: which of barrier / long-scoreboard (global memory) / short-scoreboard (shared
 # memory) / MIO / math-pipe stalls each kernel waits on, where in its SASS (top lines by warp-stall
@@ -25,7 +27,7 @@
 #     launches and checks that the profiled one is among them -> ncu_summary.txt (head);
 #  1-3. per kernel (<= 45 s each, in the order above; a row with < 15 s left is skipped): ncu over the
 #     driver's 3 steps, profiling only step 3 (--profile-from-start off; the driver brackets it with
-#     cudaProfilerStart / Stop), --launch-count 1 (2 for KDA's two wyp launches), sections LaunchStats,
+#     cudaProfilerStart / Stop), --launch-count 1 (2 for KDA's two wy launches), sections LaunchStats,
 #     Occupancy, SpeedOfLight, WarpStateStats, SchedulerStats, MemoryWorkloadAnalysis,
 #     ComputeWorkloadAnalysis, SourceCounters; then from the report: the details page (text, every
 #     section's body) -> <row>_details.txt; the raw page's key metrics and per-reason stalls, the
@@ -67,7 +69,7 @@ else
 fi
 # row | family | case | mode | ncu kernel regex (the driver's --expect too) | launches profiled
 ROWS=("ssd_bwd|ssd|^B1T8192H128P64|fwdbwd|ssd_bwd_split_fused_kernel|1"
-      "kda_wy|kimi_delta|^B1T8192H32D128|fwdbwd|kda_chunk_bwd_wy[pt]_kernel|2"
+      "kda_wy|kimi_delta|^B1T8192H32D128|fwdbwd|kda_chunk_bwd_wy[tvk]p?_kernel|2"
       "gdn_prep|gated_delta|^B1T8192H16/32D128|fwd|gdn_prepare_fwd_kernel|1")
 SECTIONS="--section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \
 --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters"
