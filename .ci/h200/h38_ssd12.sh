@@ -1,3 +1,8 @@
+# Ran once (thirty-ninth session's call 1, H100, at bccc7ae): the three bars rows passed; "exp2"
+# won by both clocks and is the P <= 64 bucket's `bwd_exp` since ssd v23, which removed
+# `bwd_prefetch` (kernel_templates/ssd/family.py has the numbers). Since v23 its rows are gone:
+# the bars' -k "v22" selects [v22-exp] (the former default), and --impl names rows that no longer
+# exist (bench.py's SWEEP is `ours@bwd_exp=exp`). Not to be run again as it is.
 # Device call for issue 35 (H200, or an H100: the last calls got one), ssd template v22 toward
 # fwd+bwd <= 3x the forward at B1 T8192 H128 P64 G8 N128 bf16. The thirty-seventh session's call 1
 # (H100, triton 3.6, h36_ssd11.sh, CUDA graph): the default ("paired", `bwd_sums` "kernel") 1.753 ms,

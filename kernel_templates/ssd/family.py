@@ -90,11 +90,12 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v22: `bwd_exp`, `bwd_prefetch` (the fused backward kernel's; untimed). v21: `split_dbc` "triple",
+    # v23: `bwd_exp` "exp2" the P <= 64 bucket's, `bwd_prefetch` removed (timed: below). v22:
+    # `bwd_exp`, `bwd_prefetch` (the fused backward kernel's; untimed). v21: `split_dbc` "triple",
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=22,
+    template_version=23,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -198,15 +199,13 @@ FAMILY = FamilySpec(
     #   eighth session, ncu) is latency-bound at one 8-warp program per SM with FMUL / FADD the most
     #   issued and sampled opcodes. sm_90 bf16 build at the bench shape (triton 3.9): head loops 823
     #   (dC / dB) and 1151 (dx) instructions against 914 / 1253, 246 registers against 254, no
-    #   spills. Untimed.
-    # bwd_prefetch (False; v22): that kernel's per-head cs and dt rows (and cs_last) loaded one head
-    #   ahead (the loop's registers carry the next head's), so the head's first exponentials no longer
-    #   wait on those loads (the profile's most-sampled instruction, FADD cs_last - cs, 8% of the dx
-    #   loop's samples, waits on them: long scoreboard). Build (triton 3.9): 255 registers, no spills
-    #   (with "exp2": 255, 16 bytes of stack outside the loops); head loops 898 / 1257 (with "exp2"
-    #   811 / 1125). Untimed.
-    # A removed option: v10's `split_states` "local" was slower and failed the bf16 bars on the
-    #   H200 (docs/LOG.md, twenty-seventh session); v11 removed it.
+    #   spills. "exp2" is the P <= 64 bucket's value since v23 (timed: below); the default's "exp"
+    #   runs nowhere by default (the fused kernel runs only under that bucket's `split_dbc`): it
+    #   stays the bench's SWEEP row, the former default, to time against on another card.
+    # Removed options: v10's `split_states` "local" was slower and failed the bf16 bars on the
+    #   H200 (docs/LOG.md, twenty-seventh session); v11 removed it. v22's `bwd_prefetch` (the fused
+    #   kernel's per-head cs, dt and cs_last loaded one head ahead) won in neither of its rows on an
+    #   H100 (below): v23 removed it.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -244,7 +243,6 @@ FAMILY = FamilySpec(
         "bwd_sums": ("host", "kernel"),
         "PULL_N": (0, 16, 32, 64, 128),
         "bwd_exp": ("exp", "exp2"),
-        "bwd_prefetch": (False, True),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -268,6 +266,14 @@ FAMILY = FamilySpec(
     #   (wall 2.872 / 3.114), 3.69x its forward (0.470); "paired" uncapped with host sums 1.755. The
     #   bars rows [v19-paired-w8] and [v20-paired-w8-sums] passed. fp32 inputs at P 64, N 128 run
     #   "two" (`_split_backward`: their tiles do not fit shared memory), uncapped under this bucket.
+    # - bwd_exp "exp2" (v23): on an H100 (NVIDIA H100 80GB HBM3, torch 2.11, triton 3.6, thirty-ninth
+    #   session's call 1, `BUDGET=170 bash .ci/h200/h38_ssd12.sh` at bccc7ae, one run) fwd+bwd 1.596
+    #   ms by CUDA graph against 1.778 for v22's default ("exp"), wall 1.954 / 2.015 (graph -10%,
+    #   wall -3%); forward 0.463 (wall 0.609): 3.45x by graph. Its bars row [v22-exp2] passed. In
+    #   the same run `bwd_prefetch` lost alone (1.739 by graph, wall 2.141: +6%) and with "exp2" the
+    #   clocks disagreed (1.536 by graph, -3.8%, wall 1.973, +1%): not adopted, removed in v23 (its
+    #   bars rows [v22-pre], [v22-exp2-pre] passed). The fused kernel at this bucket's config builds
+    #   to the PTX of v22's "exp2" row but for debug info (triton 3.9).
     # The P > 64 bucket names BLOCK_P 64, the default's value; it has no timing of its own.
     default_config={"CHUNK": 64, "BLOCK_P": 64, "BLOCK_N": 16, "BLOCK_S": 512, "num_warps": 8, "bwd_warps": 8,
                     "dot": "tf32", "state": "fp32",
@@ -277,14 +283,13 @@ FAMILY = FamilySpec(
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
-                    "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp",
-                    "bwd_prefetch": False},
+                    "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",
                             "BLOCK_N": 64, "DBC_N": 64, "bwd_maxnreg": 128, "fwd": "split",
                             "bwd": "split", "pass": "fused", "split_dbc": "paired", "bwd_split_maxnreg": 0,
-                            "bwd_sums": "kernel"}),
+                            "bwd_sums": "kernel", "bwd_exp": "exp2"}),
         ShapeBucket(name="p_big", dim="P", lo=65, hi=2**31 - 1, config={"BLOCK_P": 64}),
     ),
     match=match,

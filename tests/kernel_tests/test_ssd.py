@@ -372,9 +372,9 @@ SPLIT_FUSED = [
 ]
 
 
-# v22's options of the fused kernel (`split_dbc` "fused" / "paired" / "triple"), alone and together
-V22 = [("exp2", {"bwd_exp": "exp2"}), ("pre", {"bwd_prefetch": True}),
-       ("exp2-pre", {"bwd_exp": "exp2", "bwd_prefetch": True})]
+# The fused kernel's (`split_dbc` "fused" / "paired" / "triple") `bwd_exp` "exp" (tl.exp; v22's
+# default): the rows above run the P <= 64 bucket's "exp2" (v23)
+EXP = {"bwd_exp": "exp"}
 
 
 @pytest.mark.parametrize("cfg,shape", SPLIT_BWD + [pytest.param({**p.values[0], "split_dbc": "one"}, p.values[1],
@@ -382,17 +382,15 @@ V22 = [("exp2", {"bwd_exp": "exp2"}), ("pre", {"bwd_prefetch": True}),
                          + [pytest.param({**p.values[0], "split_dbc": dbc}, p.values[1],
                                          id=p.id.replace("fused", dbc, 1), marks=p.marks)
                             for dbc in ("fused", "paired", "triple") for p in SPLIT_FUSED]
-                         # v22, the fused kernel's options: `bwd_exp` "exp2" (its exponentials as exp2 of cs
-                         # in log2 units) and `bwd_prefetch` (each head's cs and dt loaded one head ahead),
-                         # under "paired" each alone and both (the non-slow rows: odd T with partial chunks,
-                         # D, dt_bias, initial state; P 20 padded; 2 batches, DBC_SPLIT 2: one head per
-                         # program, the prefetch's last head at once), and both at T 41 under "fused" and
-                         # "triple" (ROLES 1 and 3)
-                         + [pytest.param({**p.values[0], "split_dbc": "paired", **opt}, p.values[1],
-                                         id=p.id.replace("fused", f"{tag}-paired", 1), marks=p.marks)
-                            for tag, opt in V22 for p in SPLIT_FUSED]
-                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **V22[2][1]},
-                                         SPLIT_FUSED[0].values[1], id=f"exp2-pre-{dbc}-sc1-H4G2-T41")
+                         # the fused kernel's `bwd_exp` "exp" (the rows above: the bucket's "exp2") under
+                         # "paired" (the non-slow rows: odd T with partial chunks, D, dt_bias, initial
+                         # state; P 20 padded; 2 batches, DBC_SPLIT 2: one head per program), and at T 41
+                         # under "fused" and "triple" (ROLES 1 and 3)
+                         + [pytest.param({**p.values[0], "split_dbc": "paired", **EXP}, p.values[1],
+                                         id=p.id.replace("fused", "exp-paired", 1), marks=p.marks)
+                            for p in SPLIT_FUSED]
+                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **EXP},
+                                         SPLIT_FUSED[0].values[1], id=f"exp-{dbc}-sc1-H4G2-T41")
                             for dbc in ("fused", "triple")])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
@@ -781,13 +779,11 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # and the backward's pull over state tiles of 32 and 16 (PULL_N)
                                  pytest.param({"PULL_N": 32}, id="v21-pull32", marks=UNTIMED),
                                  pytest.param({"PULL_N": 16}, id="v21-pull16", marks=UNTIMED),
-                                 # v22 (`.ci/h200/h38_ssd12.sh`): the fused backward's exponentials as
-                                 # exp2 of cs in log2 units (`bwd_exp` "exp2"), its heads' cs and dt
-                                 # loaded one head ahead (`bwd_prefetch`), both
-                                 pytest.param({"bwd_exp": "exp2"}, id="v22-exp2", marks=UNTIMED),
-                                 pytest.param({"bwd_prefetch": True}, id="v22-pre", marks=UNTIMED),
-                                 pytest.param({"bwd_exp": "exp2", "bwd_prefetch": True}, id="v22-exp2-pre",
-                                              marks=UNTIMED)])
+                                 # v22 (`.ci/h200/h38_ssd12.sh`, H100): [v22-exp2] (now [default]: the
+                                 # fused backward's exponentials as exp2 of cs in log2 units, `bwd_exp`
+                                 # "exp2"), [v22-pre] and [v22-exp2-pre] (`bwd_prefetch`, removed in v23)
+                                 # passed. [v22-exp] is v22's default (tl.exp)
+                                 pytest.param({"bwd_exp": "exp"}, id="v22-exp", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -881,8 +877,8 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  pytest.param({"split_dbc": "two", "bwd_sums": "host"}, id="dbc-two"),
                                  # v21's "triple" (dx, dC, dB in three programs per chunk and group)
                                  pytest.param({"split_dbc": "triple"}, id="dbc-triple"),
-                                 # v22's `bwd_exp` "exp2" and `bwd_prefetch` under the default "paired"
-                                 pytest.param({"bwd_exp": "exp2", "bwd_prefetch": True}, id="paired-exp2-pre")])
+                                 # `bwd_exp` "exp" (v22's default; "exp2" since v23: [default]) under "paired"
+                                 pytest.param({"bwd_exp": "exp"}, id="paired-exp")])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
