@@ -73,7 +73,7 @@ def test_summarize_raw_prints_key_metrics_and_stalls(tmp_path):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the --cpu mode runs under the interpreter")
 @pytest.mark.parametrize("family, mode, kernel", [
     ("ssd", "fwdbwd", "ssd_bwd_split_fused_kernel"),
-    ("kimi_delta", "fwdbwd", "kda_chunk_bwd_wy[pt]_kernel"),
+    ("kimi_delta", "fwdbwd", "kda_chunk_bwd_wy[tvk]p?_kernel"),
     ("gated_delta", "fwd", "gdn_prepare_fwd_kernel"),
 ])
 def test_cpu_run_launches_the_profiled_kernel(family, mode, kernel, capsys):

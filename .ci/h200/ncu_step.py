@@ -11,7 +11,7 @@ launched (name x count: the count per step sets ncu's --launch-count / --launch-
 
     python3 .ci/h200/ncu_step.py --family ssd --case '^B1T8192H128' --mode fwdbwd --steps 3 --profile-from 2
     TRITON_INTERPRET=1 python3 .ci/h200/ncu_step.py --cpu --family kimi_delta --mode fwdbwd --steps 2 \
-        --expect 'kda_chunk_bwd_wy[pt]_kernel'    (a tiny case of the same bucket on the CPU)
+        --expect 'kda_chunk_bwd_wy[tvk]p?_kernel'    (a tiny case of the same bucket on the CPU)
     python3 .ci/h200/ncu_step.py --family ssd --case '^B1T8192H128' --dry-run   (the case picked; nothing built)
 
 `--expect REGEX`: exit 3 when the last step launched no Triton kernel whose name REGEX finds (re.search,
