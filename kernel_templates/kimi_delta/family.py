@@ -166,6 +166,10 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v48: the base's `_kda_wy_head` (KDA regions only; GDN's render unchanged) loses what only the wyp kernel
+    # reached: the PART constexpr's V-side-only and K-tile-only branches and the i_kp, R arguments; its callers
+    # (the "serial" wy kernel, ROW_DOTS off; the wyt kernel, ROW_DOTS on) updated; the kernels' sm_90 PTX
+    # unchanged (docs/LOG.md, thirty-ninth session).
     # v47: "ksplit" runs its V side by `kda_chunk_bwd_wyvp_kernel` and its K tiles by `kda_chunk_bwd_wykp_kernel`
     # always: the wyp kernel (the head's PART 1 and 2) and the keys `kda_wyk_pre`, `kda_wyv_pre` are gone; the
     # k_le_128 bucket's kernels' sm_90 PTX unchanged (docs/LOG.md, thirty-ninth session).
@@ -183,7 +187,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=47,
+    template_version=48,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
