@@ -20,6 +20,7 @@
 # Self-contained: sources setup.sh. Carry .whl:
 #   BUDGET=150 bash .ci/h200/h37_ncu.sh        (~180 s with setup)
 #   NCU37_DRY=1 TRITON_INTERPRET=1 PY=/tmp/venv/bin/python bash .ci/h200/h37_ncu.sh
+#   NCU_SET=bwd39 BUDGET=200 bash .ci/h200/h37_ncu.sh   (another set of rows: see ROWS below)
 #        (CPU: each row's driver at a tiny case of its bucket, ncu's command lines echoed, not run)
 # Within ${BUDGET:-150} s after setup, 10 s of them kept in reserve:
 #  0. (<= 60 s) the three rows' drivers at once without ncu (3 steps each): Triton compiles every
@@ -71,6 +72,16 @@ fi
 ROWS=("ssd_bwd|ssd|^B1T8192H128P64|fwdbwd|ssd_bwd_split_fused_kernel|1"
       "kda_wy|kimi_delta|^B1T8192H32D128|fwdbwd|kda_chunk_bwd_wy[tvk]p?_kernel|2"
       "gdn_prep|gated_delta|^B1T8192H16/32D128|fwd|gdn_prepare_fwd_kernel|1")
+# NCU_SET=bwd39 (thirty-ninth session): the backward kernels the fwd+bwd goals wait on now instead:
+# KDA's qkt kernel (never profiled), v47's wyvp / wykp (the loads issued early), ssd's fused backward
+# at v23's `bwd_exp` "exp2"
+case "${NCU_SET:-h37}" in
+  h37) ;;
+  bwd39) ROWS=("kda_qkt|kimi_delta|^B1T8192H32D128|fwdbwd|kda_chunk_bwd_qkt_kernel|1"
+               "kda_wy|kimi_delta|^B1T8192H32D128|fwdbwd|kda_chunk_bwd_wy[tvk]p?_kernel|2"
+               "ssd_bwd|ssd|^B1T8192H128P64|fwdbwd|ssd_bwd_split_fused_kernel|1") ;;
+  *) echo "NCU_SET: h37 or bwd39, not '$NCU_SET'" >&2; exit 2 ;;
+esac
 SECTIONS="--section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \
 --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SourceCounters"
 
