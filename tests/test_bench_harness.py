@@ -69,6 +69,26 @@ def test_frozen_experts_cases_leave_the_expert_weights_without_gradients():
     assert [a.requires_grad for a in trained] == [True, False, True, True, True]
 
 
+def test_moe_expert_weights_are_drawn_a_few_experts_at_a_time(monkeypatch):
+    """The bench's expert weights: bf16 [E, rows, cols], N(0, 1 / cols), drawn in fp32
+    WEIGHT_DRAW_EXPERTS experts at a time (one draw of DeepSeek-V3's gate_up was a 28 GiB fp32
+    transient that put its N32768 fwd+bwd case out of an 80 GB card's memory), every expert filled."""
+    import torch
+
+    from onboarding.families import family_module
+
+    bench = family_module("moe_experts").bench
+    monkeypatch.setattr(bench, "WEIGHT_DRAW_EXPERTS", 4)
+    draws, randn = [], torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: draws.append(a[0]) or randn(*a, **k))
+    w = bench._expert_weights(11, 24, 400, torch.device("cpu"), torch.Generator().manual_seed(1))
+    assert draws == [4, 4, 3]
+    assert w.shape == (11, 24, 400) and w.dtype == torch.bfloat16
+    std = w.float().std(dim=(1, 2))
+    assert ((std - 400 ** -0.5).abs() < 0.1 * 400 ** -0.5).all(), std  # each expert drawn, at the scale
+    assert not torch.equal(w[0], w[4])  # the draws differ
+
+
 def test_non_gated_moe_cases_and_their_anchors_agree_with_the_kernel():
     """`anchor_mlp` times the `mlp` experts (relu^2) against anchors that compute what it does:
     the per-expert loop and argsort + `_grouped_mm` with up [E, F, D] (fp32, tiny shapes)."""

@@ -330,6 +330,22 @@ def grouped_mm_mlp(x, topk_indices, topk_weights, up_proj, down_proj):
     return _grouped(x, topk_indices, topk_weights, up_proj, down_proj, _relu2)
 
 
+# experts drawn per fp32 draw in `_expert_weights`: DeepSeek-V3's gate_up in one fp32 draw was a
+# 28 GiB transient beside the 22.5 GB of bf16 weights, and put its N32768 fwd+bwd case out of an
+# 80 GB card's memory at setup (thirty-eighth session); 16 experts at a time are 1.9 GB
+WEIGHT_DRAW_EXPERTS = 16
+
+
+def _expert_weights(E: int, rows: int, cols: int, device, gen: torch.Generator) -> torch.Tensor:
+    """[E, rows, cols] bf16 expert weights, N(0, 1 / cols) (unit-scale outputs for unit inputs),
+    drawn WEIGHT_DRAW_EXPERTS experts at a time so that the fp32 draw stays small."""
+    w = torch.empty(E, rows, cols, dtype=torch.bfloat16, device=device)
+    for e in range(0, E, WEIGHT_DRAW_EXPERTS):
+        n = min(WEIGHT_DRAW_EXPERTS, E - e)
+        w[e:e + n] = torch.randn(n, rows, cols, device=device, generator=gen) / cols ** 0.5
+    return w
+
+
 @shared_inputs
 def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True, frozen: bool = False) -> list[tuple]:
     """N_SETS token sets (x, indices, weights) sharing one set of expert weights: the weights
@@ -337,8 +353,8 @@ def _moe_sets(E, K, D, Fw, N, kind, device, grad: bool, gated: bool = True, froz
     x, the routing weights and (unless `frozen`) the expert weights require gradients."""
     gen = torch.Generator(device=device).manual_seed(0)
     bf16 = torch.bfloat16
-    gate_up = (torch.randn(E, (2 if gated else 1) * Fw, D, device=device, generator=gen) / D ** 0.5).to(bf16)
-    down = (torch.randn(E, D, Fw, device=device, generator=gen) / Fw ** 0.5).to(bf16)
+    gate_up = _expert_weights(E, (2 if gated else 1) * Fw, D, device, gen)
+    down = _expert_weights(E, D, Fw, device, gen)
     if grad and not frozen:
         gate_up, down = leaf(gate_up), leaf(down)
     sets = []
