@@ -84,7 +84,14 @@ KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_war
 # registers (two 8-warp programs per SM, against the default's three 4-warp ones); untimed in this form.
 _KS8 = {"kda_qk": "ksplit", "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
 KSPLIT_SWEEP = (_KS8,)
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP)
+# Template v49 (issue 32): `kda_qkt_cold` "call" ("ksplit"'s qkt kernel runs the chunk tier inline and the
+# two other Gram tiers, which the bench's gates never reach, in a called function), at the default K tile
+# (BK 32: 255 registers, two programs per SM; the entry's spills 8 / 4 B stored / loaded against the
+# default's 1280 / 1652) and at BK 16 capped at 168 registers (`kda_qkt_maxnreg`: three programs per SM,
+# the entry 4 / 0 B). sm_90 AOT, triton 3.9 (docs/LOG.md, thirty-ninth session, helper kda42). Untimed.
+_COLD = {"kda_qk": "ksplit", "kda_qkt_cold": "call"}
+QKT_COLD_SWEEP = (_COLD, {**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

@@ -12,7 +12,8 @@ two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own sp
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`,
-`kda_wyk_stages`, `kda_wyk_bv`, `kda_state_bwd_warps`), and GDN's `fwd_o` as a key of its own.
+`kda_wyk_stages`, `kda_wyk_bv`, `kda_qkt_cold`, `kda_qkt_maxnreg`, `kda_state_bwd_warps`), and GDN's `fwd_o`
+as a key of its own.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ PARAMS = _base.PARAMS
 #   `kda_wyk_pre`, `kda_wyv_pre`); v46 made both the k_le_128 bucket's, with BV 32 and the cap 168 (numbers
 #   at `_KDA_BUCKET`); v47 removed the wyp kernel and the two keys (the bucket's kernels' sm_90 PTX the
 #   same; docs/LOG.md, thirty-ninth session).
+# kda_qkt_cold ("inline"), kda_qkt_maxnreg (0: no cap): "ksplit"'s qkt kernel (only that launch: the
+#   "tiles" one is the base template's). "call" (v49) runs a tile whose decays fit the chunk tier (every
+#   tile of the bench's gates and of fla's safe gate) by that tier inline and any other by the three tiers
+#   in `_kda_qkt_cold`, a function the kernel calls (Triton `noinline`, scalar arguments only: it reloads
+#   its tile), so that the tiers the hot path never takes no longer set its registers. sm_90 AOT at the
+#   bench shape (bf16, every integer marked; triton 3.9; the kernel's entry function / the called one):
+#   BK 32 4 warps 255 registers, spills 8 / 4 B stored / loaded (the default's 1280 / 1652 B), the call
+#   732 / 1100; BK 16 capped at 168 (three programs per SM) the entry 4 / 0 B, 1594 SASS instructions
+#   (the chunk tier alone inline: 1576, 140 registers); ptxas serialises the entry's 16 wgmma (a call in
+#   the function). The qkt kernel's bound at B1 T8192 H32 D128 (H100): 0.99 GB, 0.30 ms at 3.35 TB/s,
+#   17 GFLOP; measured 1.021 ms (docs/LOG.md, thirty-ninth session, helper kda42). Untimed.
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -119,12 +131,13 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
                 "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
+                "kda_qkt_cold": ("inline", "call"), "kda_qkt_maxnreg": (0, 128, 168),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_wyk_stages": 0, "kda_wyk_bv": 0,
-                  "kda_state_bwd_warps": 0, "fwd_o": "split"}
+                  "kda_qkt_cold": "inline", "kda_qkt_maxnreg": 0, "kda_state_bwd_warps": 0, "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 
@@ -166,6 +179,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v49: `kda_qkt_cold` "call" and `kda_qkt_maxnreg` (off; above): the qkt kernel's body is `_kda_qkt_tile`
+    # (its sm_90 PTX unchanged but for debug labels), its cold tiers callable; untimed.
     # v48: the base's `_kda_wy_head` (KDA regions only; GDN's render unchanged) loses what only the wyp kernel
     # reached: the PART constexpr's V-side-only and K-tile-only branches and the i_kp, R arguments; its callers
     # (the "serial" wy kernel, ROW_DOTS off; the wyt kernel, ROW_DOTS on) updated; the kernels' sm_90 PTX
@@ -187,7 +202,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=48,
+    template_version=49,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -144,7 +144,11 @@ def test_gram_paths_mixed_in_one_call(monkeypatch, prep):
 # 3 stages (V 16: one V tile).
 BWD_CONFIGS = {"tiles": {"kda_qk": "tiles"}, "tiles_bk16": {"kda_qk": "tiles", "kda_qk_bk": 16},
                "ksplit": {"kda_qk": "ksplit"}, "ksplit_bk16": {"kda_qk": "ksplit", "BK": 16},
-               "ksplit_bk16_s3": {"kda_qk": "ksplit", "BK": 16, "kda_wyk_stages": 3}}
+               "ksplit_bk16_s3": {"kda_qk": "ksplit", "BK": 16, "kda_wyk_stages": 3},
+               # v49's `kda_qkt_cold` "call" (untimed): the qkt kernel's chunk tier inline, the others called
+               "ksplit_cold": {"kda_qk": "ksplit", "kda_qkt_cold": "call"},
+               "ksplit_cold_bk16": {"kda_qk": "ksplit", "kda_qk_bk": 16, "kda_qkt_cold": "call",
+                                    "kda_qkt_maxnreg": 168}}
 
 
 @pytest.mark.parametrize("l2", [True, False], ids=["l2", "no-l2"])
@@ -233,6 +237,9 @@ CHUNK_LOCAL_CASES = {
     # the K tiles' own V tile (`kda_wyk_bv` 16: three V tiles at V 40, the last ragged) at three stages
     "ksplit-l2-grouped-wykbv16-s3-odd-t": ({"kda_qk": "ksplit", "kda_wyk_bv": 16, "kda_wyk_stages": 3}, True, 2,
                                            40, 149, 7),
+    # v49's `kda_qkt_cold` "call": the mixed decays take the called tiers too
+    "ksplit-cold-qkbk16-l2-mixed": ({"kda_qk": "ksplit", "kda_qk_bk": 16, "kda_qkt_cold": "call"}, True, 1, 16, 150, 7),
+    "ksplit-cold-l2-grouped-odd-t": ({"kda_qk": "ksplit", "kda_qkt_cold": "call"}, True, 2, 40, 149, 7),
 }
 # (ksplit's qkt kernel sums a key head's value heads itself: no group sum)
 CHUNK_LOCAL_KERNELS = {"fused": ["kda_chunk_bwd_fused_kernel"],
@@ -285,6 +292,88 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# `kda_qkt_cold` "call" (template v49) against "ksplit"'s qkt kernel as it is ("inline"): cases HV (HK is 1),
+# V, T, the qkt K tile, and which (chunk, value head) pairs get strong decays (the called tiers). Grouped
+# (HV 2): one head strong in the middle chunk, so its key head's tile there is called as a whole; odd T.
+QKT_COLD_CASES = {
+    "l2-mixed-qkbk16": (True, 1, 16, 150, 16, ((1, 0, 4.0), (2, 0, 30.0))),
+    "l2-grouped-odd-t": (True, 2, 40, 149, 0, ((1, 1, 30.0),)),
+    "no-l2-grouped": (False, 2, 16, 150, 0, ((2, 0, 30.0),)),
+}
+
+
+@pytest.mark.parametrize("case_id", list(QKT_COLD_CASES))
+def test_qkt_cold_call_equals_inline(monkeypatch, case_id):
+    """The qkt kernel with its cold tiers called (COLD) gives the inline kernel's forward and every
+    gradient, equal in the interpreter (the same operations), K 48 (three K tiles at 16, two at 32). Spies:
+    the launch's COLD follows the key; with it the called function runs for the strong tiles only (some
+    programs call it, some do not), without it never."""
+    l2, HV, V, T, bk, strong = QKT_COLD_CASES[case_id]
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=HV, T=T, l2=l2, h0=True, K=48, V=V)
+    gen = torch.Generator().manual_seed(9)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    g = args[3].clone()
+    for chunk, head, f in strong:
+        g[:, 64 * chunk:64 * (chunk + 1), head] *= f
+    args[3] = g
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    launches, called = [], []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: launches.append(
+        (grid, kw["BK"], kw["COLD"], kw.get("maxnreg")))))
+    if DEVICE.type == "cpu":  # interpreted: the jit helpers go through the module globals
+        fn = module._kda_qkt_cold
+        monkeypatch.setattr(module, "_kda_qkt_cold", lambda *a, **kw: (
+            called.append(tuple(int(x) for x in a[:3])), fn(*a, **kw))[1])
+    base = {"kda_qk": "ksplit", "kda_qk_bk": bk}
+    with pinned(module, base):
+        (o0, ht0), grads0 = grads_of(module.entry, args, douts)
+    assert not called, called
+    with pinned(module, {**base, "kda_qkt_cold": "call", "kda_qkt_maxnreg": 168}):
+        (o1, ht1), grads1 = grads_of(module.entry, args, douts)
+    nk = -(-case.K // (bk or 32))
+    grid = (nk, -(-T // 64), case.B * case.HK)
+    assert launches == [(grid, bk or 32, False, None), (grid, bk or 32, True, 168)], launches
+    if DEVICE.type == "cpu":
+        assert called and len(set(called)) == len(called) < nk * grid[1] * grid[2], called
+        # the strong chunks' tiles (medium and strong decays: the 16-row and the exact tier)
+        assert {c[1] for c in called} == {c for c, _, _ in strong}, called
+    torch.testing.assert_close(o1, o0, rtol=0, atol=0)
+    torch.testing.assert_close(ht1, ht0, rtol=0, atol=0)
+    for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads1, grads0):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    (ro, _), ref_grads = grads_of(module.reference, args, douts)
+    torch.testing.assert_close(o1, ro, rtol=1e-4, atol=1e-5)
+    for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads1, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
+
+
+@pytest.mark.parametrize("cfg", [{}, {"kda_qkt_cold": "call"}, {"kda_qkt_cold": "call", "kda_qk_bk": 16}],
+                         ids=["inline", "call", "call-bk16"])
+def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
+    """The qkt kernel's AOT spec (fp32, K 128: the k_le_128 bucket's "ksplit") has the constexprs of its
+    launch at K = V = 128 with one value head per key head, COLD included, under the key and without."""
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
+    gen = torch.Generator().manual_seed(4)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    seen = []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: seen.append(kw)))
+    with pinned(module, cfg):
+        assert module.config_for(128)["kda_qk"] == "ksplit"
+        grads_of(module.entry, args, douts)
+        spec = next(s for s in module.aot_specs("fp32", 128) if s["kernel"] == name)
+    assert len(seen) == 1, seen
+    assert spec["constexprs"]["COLD"] is (cfg.get("kda_qkt_cold") == "call")
+    assert {k: seen[0][k] for k in spec["constexprs"]} == spec["constexprs"], (seen[0], spec)
+    assert seen[0]["num_warps"] == spec["num_warps"]
 
 
 @pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused_bk16", "pipelined", "pipelined_bk16"])
@@ -566,6 +655,62 @@ def test_aot_sm90_split_gram_mma():
                                                        ["bf16", "tf32"]]
 
 
+# sm_90 builds of the qkt kernel under `kda_qkt_cold` "call" (bench.QKT_COLD_SWEEP's rows, the launches'
+# register caps): bf16 wgmma only, a call to the cold tiers in the PTX, ptxas's registers within the cap.
+_QKT_COLD_CHILD = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from onboarding.generate import aot, templating
+module = templating.load_module(sys.argv[1])
+kernels = aot.jit_kernels(module)
+out = []
+for config in json.loads(sys.argv[2]):
+    module.set_config(config)
+    spec = next(s for s in module.aot_specs("bf16", 128) if s["kernel"] == "kda_chunk_bwd_qkt_kernel")
+    fn = kernels[spec["kernel"]]
+    s = aot.with_jit_constants(spec, aot.jit_constants(fn, spec, "all"))
+    attrs, _ = aot.divisibility_attrs(fn, s, "all")
+    src = ASTSource(fn=fn, signature=s["signature"], constexprs=s["constexprs"], attrs=attrs)
+    opts = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+    if module.config_for(128).get("kda_qkt_maxnreg"):
+        opts["maxnreg"] = module.config_for(128)["kda_qkt_maxnreg"]
+    with aot._triton_ptxas_log() as log:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    mmas = re.findall(r"\\b(?:wgmma\\.mma_async|mma\\.sync)\\S*", ptx)
+    types = sorted({t for m in mmas for t in ("bf16", "f16", "tf32") if "." + t + "." in m + "."})
+    out.append([spec["constexprs"]["COLD"], types,
+                bool(re.search(r"\\bcall(\\.uni)?\\b", ptx)), aot._usage_in_log(log.getvalue())[0]])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # sm_90 builds (three, ~20 s on a cold Triton cache)
+def test_aot_sm90_qkt_cold():
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from onboarding.generate import aot, templating
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
+    path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    configs = [{}, *kimi_delta.bench.QKT_COLD_SWEEP]
+    run = subprocess.run([sys.executable, "-c", _QKT_COLD_CHILD, str(path), json.dumps(configs)],
+                         capture_output=True, text=True, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert [g[:3] for g in got] == [[False, ["bf16"], False], [True, ["bf16"], True], [True, ["bf16"], True]], got
+    assert got[2][3] <= 168, got
+
+
 def test_fp16_dot_path(monkeypatch):
     check_fp16_dot_path(kimi_delta.FAMILY, True, monkeypatch)
 
@@ -603,7 +748,8 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
                                  pytest.param({"kda_qk": "ktiles"}, id="ktiles"),
                                  pytest.param({"kda_qk": "ktiles", "kda_qk_bk": 16, "bwd_bv": 32}, id="ktiles-bk16-bv32"),
                                  pytest.param({"kda_qk": "ksplit"}, id="ksplit"),
-                                 pytest.param({"kda_qk": "ksplit", "kda_wyk_bv": 32}, id="ksplit-wykbv32")])
+                                 pytest.param({"kda_qk": "ksplit", "kda_wyk_bv": 32}, id="ksplit-wykbv32"),
+                                 pytest.param({"kda_qk": "ksplit", "kda_qkt_cold": "call"}, id="ksplit-qkt-cold")])
 def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu and its sweeps run the real bf16 path):
     o, the final state and every gradient of the fp16 path within the scaled bars of the fp32
@@ -681,6 +827,12 @@ def test_bf16_vs_fp32_on_gpu_ktiles_sweep(cfg):
 # each within the bf16 bars on the GPU.
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.KSPLIT_SWEEP))
 def test_bf16_vs_fp32_on_gpu_ksplit_sweep(cfg):
+    _sweep_row_bars(cfg)
+
+
+# The bench's `kda_qkt_cold` rows (bench.QKT_COLD_SWEEP, template v49): each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.QKT_COLD_SWEEP))
+def test_bf16_vs_fp32_on_gpu_qkt_cold_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
