@@ -109,6 +109,7 @@ def builds(tmp_path_factory):
         "value24": ({"values": {"K": 256, "stride": 24}}, True),
         "all": ({}, "all"),
         "one": ({"values": {"K": 256, "stride": 1}}, True),
+        "capped": ({"maxnreg": 60}, True),  # wgmma needs >= 58 (ptxas C7602 below)
     }
     req = [(_module(tmp, name, extra), mode) for name, (extra, mode) in cases.items()]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -168,6 +169,18 @@ def test_registers_are_the_builds_own(builds):
         pytest.skip("no cuobjdump beside Triton's ptxas")
     assert builds["off"]["n_regs"] == builds["old"]["n_regs"] == builds["cubin_regs"], builds
     assert builds["off"]["n_spills"] is not None
+
+
+def test_a_specs_register_cap_is_built_as_the_launch_caps_it(builds):
+    """A spec's `maxnreg` (a launch's `maxnreg=`, e.g. kimi_delta's wykp at 168) reaches the
+    build: the capped build holds at most that many registers, the same spec without it more."""
+    capped, free = builds["capped"], builds["pointers"]
+    assert capped["ok"] and free["ok"], (capped, free)
+    if free["n_regs"] is None:
+        pytest.skip("no ptxas register report on this host")
+    if free["n_regs"] <= 60:
+        pytest.skip(f"the uncapped build holds {free['n_regs']} registers: the cap changes nothing to tell apart")
+    assert capped["n_regs"] <= 60 < free["n_regs"], (capped, free)
 
 
 def test_marks_record_the_mode_and_old_records_still_read():

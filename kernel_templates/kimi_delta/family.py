@@ -179,6 +179,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v50: aot_specs carry the launches' register caps (`kda_wyk_maxnreg`, `kda_qkt_maxnreg` under "ksplit"),
+    # which `aot.compile_module` now builds with: the k_le_128 bucket's wykp is checked at 168, as it runs.
     # v49: `kda_qkt_cold` "call" and `kda_qkt_maxnreg` (off; above): the qkt kernel's body is `_kda_qkt_tile`
     # (its sm_90 PTX unchanged but for debug labels), its cold tiers callable; untimed.
     # v48: the base's `_kda_wy_head` (KDA regions only; GDN's render unchanged) loses what only the wyp kernel
@@ -202,7 +204,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=49,
+    template_version=50,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -2,7 +2,8 @@
 
 `compile_module(module)` compiles every `@triton.jit` kernel of a rendered module (see
 `onboarding.generate.templating`) for `GPUTarget("cuda", 90, 32)` (H100/H200) with `triton.compile` and an
-`ASTSource`, using the signatures and constexprs from the module's `aot_specs()`; no GPU needed.
+`ASTSource`, using the signatures and constexprs from the module's `aot_specs()` (and a spec's
+`num_warps`, `num_stages` and, where its launch caps registers, `maxnreg`); no GPU needed.
 It catches compile errors early and reports shared memory, and registers/spills from the
 `ptxas -v` log of Triton's own ptxas run (its flags: line info, and on triton 3.9
 `--regAllocOptLevel=2`; a second `ptxas -v` with default flags allocated differently: the
@@ -333,6 +334,8 @@ def compile_module(
             attrs, res.divisible = divisibility_attrs(fn, spec, specialize)
             src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec.get("constexprs", {}), attrs=attrs)
             options = {"num_warps": num_warps, "num_stages": int(spec.get("num_stages", 3))}
+            if spec.get("maxnreg"):  # a launch's register cap (`maxnreg=` at the launch): built as launched
+                options["maxnreg"] = int(spec["maxnreg"])
             with _triton_ptxas_log() if registers else contextlib.nullcontext() as log:
                 compiled = triton.compile(src, target=target, options=options)
             res.shared_bytes = int(compiled.metadata.shared)

@@ -599,6 +599,34 @@ def test_aot_specs_are_the_runtime_launches(config, monkeypatch):
     check_aot_specs_are_the_launches(kimi_delta.FAMILY, True, monkeypatch, config)
 
 
+def test_aot_specs_carry_the_launches_register_caps():
+    """The register caps "ksplit" launches with (`kda_wyk_maxnreg`: the k_le_128 bucket's 168;
+    `kda_qkt_maxnreg` where asked) are in the AOT specs, so `aot.compile_module` builds the kernels
+    as they run; qkt's spec carries no cap where "tiles" launches it (the base template's launch)."""
+    import tempfile
+    from pathlib import Path
+
+    from onboarding.generate import templating
+
+    source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
+    mod = templating.load_module(templating.write_module(
+        source, Path(tempfile.mkdtemp(prefix="onboard-caps-")) / "kimi_delta" / "chunk.py"))
+
+    def caps(cfg):
+        mod.set_config(cfg)
+        try:
+            return {s["kernel"]: s.get("maxnreg") for s in mod.aot_specs("bf16", 128)
+                    if s["kernel"] in ("kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_qkt_kernel")}
+        finally:
+            mod.set_config(None)
+
+    bucket = mod.config_for(128)
+    assert bucket["kda_qk"] == "ksplit" and bucket["kda_wyk_maxnreg"] == 168, bucket
+    assert caps(None) == {"kda_chunk_bwd_wykp_kernel": 168, "kda_chunk_bwd_qkt_kernel": None}
+    assert caps({"kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == 168
+    assert caps({"kda_qk": "tiles", "kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] is None
+
+
 @pytest.mark.slow  # 214 s of one CI worker (fp32 builds of every kernel)
 def test_aot_sm90():
     check_aot(kimi_delta.FAMILY)
