@@ -185,8 +185,10 @@ FAMILY = FamilySpec(
     # 32-bit dot mode (16-bit inputs in the interpreter failed "Both operands must be same dtype"); the
     # 16-bit path unchanged. v30: `aot_specs` builds its variant specs (the no-grad forward's, the
     # recomputing backward's wide u) with one helper, the same specs; a comment reworded; kernels
-    # unchanged. History: docs/LOG.md.
-    template_version=30,
+    # unchanged. v31: `aot_specs` declares the prepare's register caps as `_prepare` launches it
+    # (`prep_maxnreg`; `rows_maxnreg` for the no-grad row-factor prepare, k_le_128's 168), which the AOT
+    # build now takes; GDN only, kernels unchanged. History: docs/LOG.md.
+    template_version=31,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

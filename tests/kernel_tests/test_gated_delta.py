@@ -920,6 +920,30 @@ def test_aot_specs_are_the_runtime_launches(config, monkeypatch):
     check_aot_specs_are_the_launches(gated_delta.FAMILY, False, monkeypatch, config)
 
 
+def test_aot_specs_carry_the_prepares_register_caps(tmp_path):
+    """The prepare's AOT specs carry its launches' register caps (a spec's `maxnreg` reaches the
+    build): the k_le_128 bucket's no-grad row-factor prepare `rows_maxnreg` (168), no cap on the
+    training prepare by default, `prep_maxnreg` on every prepare where asked and the row-factor one's
+    own cap over it, as `_prepare` launches them."""
+    source = templating.render(gated_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
+    mod = templating.load_module(templating.write_module(source, tmp_path / "gated_delta" / "chunk.py"))
+
+    def caps(cfg):
+        mod.set_config(cfg)
+        try:
+            return [(s["constexprs"]["KEEP_TM"], s["constexprs"]["ROWS"], s.get("maxnreg"))
+                    for s in mod.aot_specs("bf16", 128) if s["kernel"] == "gdn_prepare_fwd_kernel"]
+        finally:
+            mod.set_config(None)
+
+    bucket = mod.config_for(128)
+    assert bucket.get("fused_kq") == "rows" and bucket.get("rows_maxnreg") == 168, bucket
+    # training prepare, its recompute (wide u) twin, the no-grad row-factor prepare
+    assert caps(None) == [(True, False, None), (True, False, None), (False, True, 168)]
+    assert caps({"prep_maxnreg": 128}) == [(True, False, 128), (True, False, 128), (False, True, 168)]
+    assert caps({"rows_maxnreg": 0, "prep_maxnreg": 128})[-1] == (False, True, 128)
+
+
 @pytest.mark.slow  # 158 s in CI (twentieth session, 2 busy cores)
 def test_aot_sm90():
     check_aot(gated_delta.FAMILY)
