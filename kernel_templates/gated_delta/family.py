@@ -187,8 +187,9 @@ FAMILY = FamilySpec(
     # recomputing backward's wide u) with one helper, the same specs; a comment reworded; kernels
     # unchanged. v31: `aot_specs` declares the prepare's register caps as `_prepare` launches it
     # (`prep_maxnreg`; `rows_maxnreg` for the no-grad row-factor prepare, k_le_128's 168), which the AOT
-    # build now takes; GDN only, kernels unchanged. History: docs/LOG.md.
-    template_version=31,
+    # build now takes; GDN only, kernels unchanged. v32: that cap rule is one helper, `_prep_maxnreg`,
+    # for the launch and the specs (the same caps). History: docs/LOG.md.
+    template_version=32,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
