@@ -27,7 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: `bwd_exp` "exp", the default until v23), forward
+  tuning values beside the default (`SWEEP`: `bwd_exp` "exp", the default until v23; v24's pull
+  rows, `PULL_P` 32 and `pull_scale` "dy"), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -199,7 +200,16 @@ TRIPLE = {"split_dbc": "triple"}
 # bucket's value since v23; `bwd_prefetch` (slower by wall alone and with "exp2") was removed in v23.
 # Kept: "exp", the former default, to time the change on another card (the issue's goal is stated
 # for the H200).
-SWEEP = (({"bwd_exp": "exp"}, "bwd"),)
+#
+# Template v24 (not yet timed): the split backward's pull (0.231 ms of the thirty-seventh session's
+# 1.686 ms profile; about 0.42 GB moved, 0.13 ms at HBM speed) runs 256 programs of 4 warps at the
+# bench shape, two 128-step serial chains per SM. `PULL_P` 32 splits P instead of N: 512 programs
+# (four per SM, one wave), each reading its own rows of dy (PULL_N 32 read all of dy per program).
+# `pull_scale` "dy" puts the step's weights on dy's columns (the dot's register operand) rather than on
+# C's rows (scaled in registers and stored back to shared memory): its sm_90 loop (triton 3.6, PULL_P
+# 32) 381 instructions against 475. Rows: both, PULL_P 32 alone, "dy" alone.
+SWEEP = (({"bwd_exp": "exp"}, "bwd"), ({"PULL_P": 32, "pull_scale": "dy"}, "bwd"), ({"PULL_P": 32}, "bwd"),
+         ({"pull_scale": "dy"}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -90,12 +90,13 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v23: `bwd_exp` "exp2" the P <= 64 bucket's, `bwd_prefetch` removed (timed: below). v22:
+    # v24: `PULL_P`, `pull_scale` (the split backward's pull; untimed). v23: `bwd_exp` "exp2" the
+    # P <= 64 bucket's, `bwd_prefetch` removed (timed: below). v22:
     # `bwd_exp`, `bwd_prefetch` (the fused backward kernel's; untimed). v21: `split_dbc` "triple",
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=23,
+    template_version=24,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -192,6 +193,17 @@ FAMILY = FamilySpec(
     #   the thirty-sixth session) moving about 0.42 GB (dy read, bf16 gs written: 0.13 ms at HBM
     #   speed); 32 and 16 give 512 and 1024 programs. STATE_N 32 for both passes gained the
     #   backward about 0.03 ms and cost the forward 0.034 (bench.py). Untimed alone.
+    # PULL_P (0; v24): head-dim rows per program of the split backward's pull (`bwd` "split": the fused
+    #   pull, or the split pull before its reverse pass; 0: BLOCK_P, the forward's). At the bench shape
+    #   the fused pull's 256 programs of 4 warps (BLOCK_P 64, STATE_N 64) put two 128-step serial chains
+    #   on each of the H100's 132 SMs; 32 gives 512 (four per SM, one wave: 128 / 120 registers on
+    #   triton 3.6 / 3.9, 33 KB of shared memory), each reading its own rows of dy (PULL_N splits N
+    #   instead, and each of its programs reads all of dy's rows: PULL_N 32 read dy twice). Untimed.
+    # pull_scale ("C"; v24): the fused pull's weights exp(cs_t - cs_0) on C's rows (the [BLOCK_K, N tile]
+    #   operand, scaled in registers and stored back to shared memory for the dot) or "dy" on dy's
+    #   columns (the [PULL_P, BLOCK_K] operand, the dot's first, from registers; C read by the dot as
+    #   loaded): fewer elements scaled where PULL_P < the N tile. sm_90 bf16 (PULL_P 32, N tile 64):
+    #   110 registers on triton 3.6 (C: 128), its loop 381 instructions (475). Untimed.
     # bwd_exp ("exp"; v22): ssd_bwd_split_fused_kernel's exponentials (the [L, L] decays W, exp(cs),
     #   exp(cs_last - cs)) as tl.exp, or "exp2": exp2 of cs scaled by log2(e) once per head. tl.exp
     #   lowers to a multiply, a range check, MUFU.EX2 and a fix-up multiply per element; exp2 to
@@ -243,6 +255,8 @@ FAMILY = FamilySpec(
         "bwd_sums": ("host", "kernel"),
         "PULL_N": (0, 16, 32, 64, 128),
         "bwd_exp": ("exp", "exp2"),
+        "PULL_P": (0, 16, 32, 64),
+        "pull_scale": ("C", "dy"),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -283,7 +297,7 @@ FAMILY = FamilySpec(
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
-                    "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp"},
+                    "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp", "PULL_P": 0, "pull_scale": "C"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

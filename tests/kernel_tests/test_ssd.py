@@ -334,6 +334,18 @@ SPLIT_BWD = [
                   "PULL_N": 32}, (1, 41, 2, 20, 1, 24, True, True), id="sc1-fused-pull32-T41"),
     pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "PULL_N": 32},
                  (1, 41, 2, 8, 2, 24, True, True), id="sc2-pull32-G2-T41"),
+    # PULL_P and `pull_scale` (v24): the split backward's pull over P tiles of 32 (P 20: one block,
+    # padded) beside the forward's BLOCK_P 16 (two blocks, the second partial), its weights on C's
+    # rows and on dy's columns ("dy"), and "dy" at the forward's P tiles (two blocks); the split pull
+    # and reverse pass at P tiles of 32 (split chunks of 32, 2 groups)
+    pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "pass": "fused", "PASS_K": 16,
+                  "PULL_P": 32}, (1, 41, 2, 20, 1, 24, True, True), id="sc1-fused-pullp32-T41"),
+    pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "pass": "fused", "PASS_K": 16,
+                  "PULL_P": 32, "pull_scale": "dy"}, (1, 41, 2, 20, 1, 24, True, True), id="sc1-fused-pullp32-dy-T41"),
+    pytest.param({"STATE_CHUNKS": 1, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "pass": "fused", "PASS_K": 16,
+                  "pull_scale": "dy"}, (1, 41, 2, 20, 1, 24, True, True), id="sc1-fused-dy-T41"),
+    pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16, "PULL_P": 32},
+                 (1, 41, 2, 20, 2, 24, True, True), id="sc2-pullp32-G2-T41"),
     # T41: 2 groups of 2 heads, N 24; nightly (12 s)
     pytest.param({"STATE_CHUNKS": 2, "FWD_M": 16, "FWD_K": 16, "BWD_M": 16}, T41, id="sc2-m16-H4G2-T41",
                  marks=pytest.mark.slow),
@@ -783,7 +795,13 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # fused backward's exponentials as exp2 of cs in log2 units, `bwd_exp`
                                  # "exp2"), [v22-pre] and [v22-exp2-pre] (`bwd_prefetch`, removed in v23)
                                  # passed. [v22-exp] is v22's default (tl.exp)
-                                 pytest.param({"bwd_exp": "exp"}, id="v22-exp", marks=UNTIMED)])
+                                 pytest.param({"bwd_exp": "exp"}, id="v22-exp", marks=UNTIMED),
+                                 # v24: the split backward's pull over P tiles of 32 (512 programs at the
+                                 # bench shape), with its weights on dy's columns, and those weights alone
+                                 pytest.param({"PULL_P": 32}, id="v24-pullp32", marks=UNTIMED),
+                                 pytest.param({"PULL_P": 32, "pull_scale": "dy"}, id="v24-pullp32-dy",
+                                              marks=UNTIMED),
+                                 pytest.param({"pull_scale": "dy"}, id="v24-pull-dy", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -878,7 +896,11 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  # v21's "triple" (dx, dC, dB in three programs per chunk and group)
                                  pytest.param({"split_dbc": "triple"}, id="dbc-triple"),
                                  # `bwd_exp` "exp" (v22's default; "exp2" since v23: [default]) under "paired"
-                                 pytest.param({"bwd_exp": "exp"}, id="paired-exp")])
+                                 pytest.param({"bwd_exp": "exp"}, id="paired-exp"),
+                                 # v24: the pull over P tiles of 32 (two here), its weights on C's rows and
+                                 # on dy's columns (`pull_scale` "dy": dy rounded to 16 bits after its weight)
+                                 pytest.param({"PULL_P": 32}, id="pullp32"),
+                                 pytest.param({"PULL_P": 32, "pull_scale": "dy"}, id="pullp32-dy")])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
