@@ -28,7 +28,7 @@ backward of y, the training step, no final state):
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
   tuning values beside the default (`SWEEP`: `bwd_exp` "exp", the default until v23; v24's pull
-  rows, `PULL_P` 32 and `pull_scale` "dy"), forward
+  rows, `PULL_P` 32 and `pull_scale` "dy", and `bwd_qd` "dot"), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -207,9 +207,12 @@ TRIPLE = {"split_dbc": "triple"}
 # (four per SM, one wave), each reading its own rows of dy (PULL_N 32 read all of dy per program).
 # `pull_scale` "dy" puts the step's weights on dy's columns (the dot's register operand) rather than on
 # C's rows (scaled in registers and stored back to shared memory): its sm_90 loop (triton 3.6, PULL_P
-# 32) 381 instructions against 475. Rows: both, PULL_P 32 alone, "dy" alone.
+# 32) 381 instructions against 475. Rows: both, PULL_P 32 alone, "dy" alone. And `bwd_qd` "dot", the
+# fused backward's per-head sums <Gs, S_in> (q) and sum(dy x) (dD) as traces of tensor-core products
+# rather than elementwise over upcast 16-bit tiles: "paired"'s head loops 1060 + 927 instructions
+# against 1243 + 828 on triton 3.6, no spills (20 bytes).
 SWEEP = (({"bwd_exp": "exp"}, "bwd"), ({"PULL_P": 32, "pull_scale": "dy"}, "bwd"), ({"PULL_P": 32}, "bwd"),
-         ({"pull_scale": "dy"}, "bwd"))
+         ({"pull_scale": "dy"}, "bwd"), ({"bwd_qd": "dot"}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -90,8 +90,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v24: `PULL_P`, `pull_scale` (the split backward's pull; untimed). v23: `bwd_exp` "exp2" the
-    # P <= 64 bucket's, `bwd_prefetch` removed (timed: below). v22:
+    # v24: `PULL_P`, `pull_scale` (the split backward's pull), `bwd_qd` (its fused kernel; untimed).
+    # v23: `bwd_exp` "exp2" the P <= 64 bucket's, `bwd_prefetch` removed (timed: below). v22:
     # `bwd_exp`, `bwd_prefetch` (the fused backward kernel's; untimed). v21: `split_dbc` "triple",
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
@@ -204,6 +204,14 @@ FAMILY = FamilySpec(
     #   columns (the [PULL_P, BLOCK_K] operand, the dot's first, from registers; C read by the dot as
     #   loaded): fewer elements scaled where PULL_P < the N tile. sm_90 bf16 (PULL_P 32, N tile 64):
     #   110 registers on triton 3.6 (C: 128), its loop 381 instructions (475). Untimed.
+    # bwd_qd ("elem"; v24): ssd_bwd_split_fused_kernel's per-head sums <Gs, S_in> (q's end-state term) and
+    #   sum(dy x) (dD's partial) from elementwise products of the upcast 16-bit tiles in the dx program,
+    #   or "dot": as the traces of Gs S_in^T (a [P, P] wgmma in the dx program, which then reads S_in
+    #   only as a dot operand) and of dy x^T (the product the block pairs' program forms for M_h; dD
+    #   stored there). Removing both sums cut the dx loop from 1243 to 852 instructions (triton 3.6;
+    #   a cost probe, not a kernel); "dot" keeps them at 1060 (dx) + 927 (dC / dB, +99) against 1243 +
+    #   828 ("paired", bf16 at the bench shape; triton 3.9: 928 + 874 against 1151 + 823), 255 / 254
+    #   registers, no spills (3.6: 20 bytes under "elem"), shared memory unchanged (173 KB). Untimed.
     # bwd_exp ("exp"; v22): ssd_bwd_split_fused_kernel's exponentials (the [L, L] decays W, exp(cs),
     #   exp(cs_last - cs)) as tl.exp, or "exp2": exp2 of cs scaled by log2(e) once per head. tl.exp
     #   lowers to a multiply, a range check, MUFU.EX2 and a fix-up multiply per element; exp2 to
@@ -257,6 +265,7 @@ FAMILY = FamilySpec(
         "bwd_exp": ("exp", "exp2"),
         "PULL_P": (0, 16, 32, 64),
         "pull_scale": ("C", "dy"),
+        "bwd_qd": ("elem", "dot"),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -297,7 +306,8 @@ FAMILY = FamilySpec(
                     "fwd_maxnreg": 128, "split_states": "pass", "bwd_stages": 3, "cb": "fp32",
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
-                    "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp", "PULL_P": 0, "pull_scale": "C"},
+                    "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp", "PULL_P": 0, "pull_scale": "C",
+                    "bwd_qd": "elem"},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

@@ -387,6 +387,8 @@ SPLIT_FUSED = [
 # The fused kernel's (`split_dbc` "fused" / "paired" / "triple") `bwd_exp` "exp" (tl.exp; v22's
 # default): the rows above run the P <= 64 bucket's "exp2" (v23)
 EXP = {"bwd_exp": "exp"}
+# and its `bwd_qd` "dot" (v24): q's <Gs, S_in> and dD's sum(dy x) as the traces of tensor-core products
+QD = {"bwd_qd": "dot"}
 
 
 @pytest.mark.parametrize("cfg,shape", SPLIT_BWD + [pytest.param({**p.values[0], "split_dbc": "one"}, p.values[1],
@@ -403,6 +405,14 @@ EXP = {"bwd_exp": "exp"}
                             for p in SPLIT_FUSED]
                          + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **EXP},
                                          SPLIT_FUSED[0].values[1], id=f"exp-{dbc}-sc1-H4G2-T41")
+                            for dbc in ("fused", "triple")]
+                         # `bwd_qd` "dot" the same way: every SPLIT_FUSED row under "paired" (the last
+                         # runs "two": the option does not apply), T 41 under "fused" and "triple"
+                         + [pytest.param({**p.values[0], "split_dbc": "paired", **QD}, p.values[1],
+                                         id=p.id.replace("fused", "qd-paired", 1), marks=p.marks)
+                            for p in SPLIT_FUSED]
+                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **QD},
+                                         SPLIT_FUSED[0].values[1], id=f"qd-{dbc}-sc1-H4G2-T41")
                             for dbc in ("fused", "triple")])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
@@ -801,7 +811,9 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"PULL_P": 32}, id="v24-pullp32", marks=UNTIMED),
                                  pytest.param({"PULL_P": 32, "pull_scale": "dy"}, id="v24-pullp32-dy",
                                               marks=UNTIMED),
-                                 pytest.param({"pull_scale": "dy"}, id="v24-pull-dy", marks=UNTIMED)])
+                                 pytest.param({"pull_scale": "dy"}, id="v24-pull-dy", marks=UNTIMED),
+                                 # and the fused backward's q and dD sums from tensor-core products
+                                 pytest.param({"bwd_qd": "dot"}, id="v24-qd", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -900,7 +912,11 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  # v24: the pull over P tiles of 32 (two here), its weights on C's rows and
                                  # on dy's columns (`pull_scale` "dy": dy rounded to 16 bits after its weight)
                                  pytest.param({"PULL_P": 32}, id="pullp32"),
-                                 pytest.param({"PULL_P": 32, "pull_scale": "dy"}, id="pullp32-dy")])
+                                 pytest.param({"PULL_P": 32, "pull_scale": "dy"}, id="pullp32-dy"),
+                                 # and `bwd_qd` "dot" (q's and dD's sums from tensor-core products) under
+                                 # "paired" and "triple"
+                                 pytest.param({"bwd_qd": "dot"}, id="paired-qd"),
+                                 pytest.param({"bwd_qd": "dot", "split_dbc": "triple"}, id="triple-qd")])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
