@@ -370,6 +370,10 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
+    # v27: the pre-sorted LoRA entry's saved gu / xa / ha (and the routed one's with capacity dropping) are zero
+    # in the rows past offsets[E], written by the padding tiles of the kernels that write them (moe_gate_up_fwd_kernel,
+    # moe_lora_proj_kernel: a row bound S each) instead of left unwritten (or, routed with capacity, zero-filled
+    # whole); swiglu_lora only (the other variants' renders differ by the version line alone).
     # v26: no host sync: route counts by a scatter-add (expert_counts; CUDA's bincount read the largest id back)
     # and, with capacity dropping, keeps S = n_rows rows (a bound; dropped slots after the kept) instead of a
     # boolean-mask index (the saved rows after the kept ones zero-filled); kernels unchanged, outputs and gradients
@@ -383,7 +387,7 @@ FAMILY = FamilySpec(
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=26,
+    template_version=27,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

@@ -1396,6 +1396,59 @@ def test_lora_sorted_matches_routed(load, device):
     torch.testing.assert_close(y, module.entry(x, idx, w, gate_up, down, *lora, s), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["zipf", "empty_experts", "none"])
+@pytest.mark.parametrize("pad", [3, 40], ids=["pad3", "pad40"])
+def test_lora_sorted_padding_rows_are_zero(load, device, kind, pad):
+    """x_sorted's rows past sum(counts) (expert parallelism's receive buffer) run in no tile, yet
+    every [S, *] tensor the pre-sorted op returns (y_sorted and the saved gu, xa, ha) is zero there,
+    none left as the allocator had it (poisoned to NaN here; before v27 gu, xa and ha were): the
+    op's outputs are a function of its inputs. Padding of 3 rows (inside the last expert's last
+    16-row tile) and 40 (past it, over padding tiles); `empty_experts`: the last two experts get
+    no rows; `none`: every row is padding. Forward and gradients still match the reference."""
+    from onboarding.testing import poisoned
+
+    module = load("swiglu_lora", {})
+    fx = sorted_fixture(module, "zipf" if kind == "none" else kind, pad=pad)
+    if kind == "none":
+        make = fx.make_inputs
+        fx = dataclasses.replace(fx, make_inputs=lambda *a: [(x := make(*a))[0], torch.zeros_like(x[1]), *x[2:]])
+    args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(6))
+    kept, S = int(args[1].sum()), args[0].shape[0]
+    assert S == 37 * 2 + pad and kept == (0 if kind == "none" else 37 * 2)  # the routed slots (n * k) + pad
+    with poisoned(module):
+        outs = module.grouped_experts_lora_op(*args)
+    assert len(outs) == 4  # y_sorted, gu, xa, ha
+    for i, t in enumerate(outs):
+        assert t.shape[0] == S and not t.isnan().any(), i
+        assert (t[kept:] == 0).all(), (i, t[kept:].abs().amax(1))
+    check_forward_backward(fx, torch.float32, device)
+
+
+def test_padding_tiles_zero_each_row_past_the_kept_once(load):
+    """The rule of the kernels' `_pad_rows` (padding tile t zeroes rows tile_start[t] - BLOCK_M ..
+    tile_start[t] within [offsets[E], S)) on `tile_map`'s padding tiles hands every row past
+    sum(counts) to exactly one of them, whatever the counts (empty experts, tile multiples, none
+    at all) and the slack S - sum(counts): the kernels' zeros cover those rows without two
+    programs writing one row."""
+    module = load("swiglu_lora", {})
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(400):
+        e = int(torch.randint(1, 9, (1,), generator=gen))
+        bm = (16, 32, 64, 128)[trial % 4]
+        counts = torch.randint(0, 3 * bm, (e,), generator=gen) * (torch.rand(e, generator=gen) > 0.3)
+        if trial % 5 == 0:
+            counts = counts // bm * bm  # every expert's last tile full
+        if trial % 7 == 0:
+            counts[-1] = 0  # the last expert empty
+        S = int(counts.sum()) + int(torch.randint(0, 4 * bm, (1,), generator=gen))
+        tm = module.tile_map(counts, S, bm)
+        starts = tm["tile_start"][tm["tile_expert"] >= e]
+        rows = (starts[:, None] - bm + torch.arange(bm)).flatten()
+        kept = int(tm["offsets"][-1])
+        rows = rows[(rows >= kept) & (rows < S)]
+        assert sorted(rows.tolist()) == list(range(kept, S)), (counts.tolist(), S, bm)
+
+
 @pytest.mark.parametrize("opcheck_utils", OPCHECK_SPLIT)
 def test_lora_opcheck_contract_and_errors(load, device, opcheck_utils):
     module = load("swiglu_lora", {})
