@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, kernel, shared_inputs
+from onboarding.bench.cases import N_SETS, config_sweep, fwd_bwd, fwd_only, fwd_sweep, kernel, shared_inputs
 from onboarding.bench.harness import BenchCase, Step
 from onboarding.families import NightlySpec
 from onboarding.testing.tolerance import rel_rms
@@ -166,6 +166,18 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
 # built for sm_90 with the runtime's marks (d_qk 576, d_v 512, 64 heads x 64 keys, 8 warps, 3
 # stages): 230144 B shared, [4, 2], 40 wgmma per warp group and key block; 247 registers / 0 B
 # spilled on triton 3.9, 255 / 24 on the H200's 3.6 (outside the loop).
+# Since template v10 the MLA forward cases time ``ours@...`` rows again (MLA_FWD_SWEEP): the
+# bucket's forward with FWD_EARLY_GATHER 1 (the next key block's gather issued right after the
+# score dots instead of after the value dot: family.py), at its 3 stages and at 2. Their sm_90
+# builds (the same marks; triton 3.9 / the H200's 3.6): 3 stages 229888 B shared, 255 / 255
+# registers, 76 / 32 B spilled, none inside the loop (nvdisasm), [4, 2], 10 async copies (the
+# mask's index load is a plain load at the loop's end); 2 stages 229376 B, 255 / 255, 4 / 0 B,
+# 4 async copies (the gather's index loads plain too). The default's build is unchanged by v10
+# (TTGIR and SASS identical on both).
+MLA_FWD_SWEEP = [
+    {"FWD_EARLY_GATHER": 1},
+    {"FWD_EARLY_GATHER": 1, "FWD_STAGES": 2},
+]
 
 
 # MLA forward + backward cases also time ``ours@...`` rows beside the d_le_1024 bucket's backward,
@@ -197,7 +209,13 @@ def _attn_steps(layout: str, T: int, backward: bool, device: torch.device) -> di
     if dense:
         fns["causal_sdpa"] = _dense(layout, masked=False)
     if not backward:
-        return {name: fwd_only(fn, sets) for name, fn in fns.items()}
+        steps = {name: fwd_only(fn, sets) for name, fn in fns.items()}
+        if layout == "mla":
+            import sys
+
+            mod = sys.modules[fns["ours"].__module__]  # the module whose config the rows pin
+            steps.update(fwd_sweep(mod, fns["ours"], sets, LAYOUTS[layout][2], MLA_FWD_SWEEP))
+        return steps
     D_V = LAYOUTS[layout][3]
     grads = [torch.randn(1, T, H, D_V, device=device, dtype=torch.bfloat16)]
     # the dense baselines return [B, H, T, D_V]: their output gradient is laid out the same way

@@ -125,7 +125,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=9,  # v9: FWD_LAZY_RESCALE removed (v8 added it); history: docs/LOG.md
+    template_version=10,  # v10: FWD_EARLY_GATHER (off); history: docs/LOG.md
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -164,6 +164,13 @@ FAMILY = FamilySpec(
     #   a dot that feeds another dot out with all warps along M, so at BLOCK_H 64 and 8 warps both
     #   warp groups repeat the whole score block. The softmax is then in base 2, the scale folded
     #   into log2(e).
+    # FWD_EARLY_GATHER (0; the fused forward): 1 puts the value dot in an always-taken branch, so
+    #   Triton's loop scheduler issues the next key block's gather right after this block's score
+    #   dots (it overlaps the softmax and the value dot) instead of after the value dot (it
+    #   overlaps the value dot only); without FWD_SPLIT_SCORES (whose softmax sits in a branch
+    #   too) right after the softmax. The value dot is then waited in its branch, the mask's index
+    #   load is a plain load. sm_90 build at the MLA bucket (d_qk 576, d_v 512,
+    #   64 x 64, 8 warps, 3 stages): bench.py, MLA forward comment. Not timed on a GPU yet.
     # BWD_SPLIT (0; MLA only, the GQA layout keeps the fused backward): 1 runs the backward as a dq
     #   kernel (the fused loop without its dkv scatter, stopping at each row's last valid index)
     #   and a dkv kernel (per query and BLOCK_K_DKV of its selected keys, all heads walked
@@ -197,6 +204,7 @@ FAMILY = FamilySpec(
         "FWD_ROW_END": (0, 1),
         "FWD_TWO_PASS": (0, 1),
         "FWD_SPLIT_SCORES": (0, 1),
+        "FWD_EARLY_GATHER": (0, 1),
         "BWD_SPLIT": (0, 1),
         "BLOCK_K_DKV": (16, 32, 64, 128),
         "BLOCK_H_DKV": (16, 32, 64, 128),
@@ -208,6 +216,7 @@ FAMILY = FamilySpec(
                     "num_warps": 4,
                     "dot_precision": "tf32", "FWD_STAGES": 3, "FWD_DV_SPLIT": 1,
                     "FWD_ROW_END": 0, "FWD_TWO_PASS": 0, "FWD_SPLIT_SCORES": 0,
+                    "FWD_EARLY_GATHER": 0,
                     "BWD_SPLIT": 0, "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 1,
                     "BLOCK_H_DQ": 0, "BLOCK_K_DQ": 0},
     # Over D_QK (the index head dim for the indexer); wide heads get smaller gathered blocks.

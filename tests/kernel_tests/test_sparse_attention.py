@@ -238,13 +238,26 @@ def test_mla_value_split_forward(load, H, D_QK, D_V, topk, sink, extras):
     pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21,
                  {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3}, 0.3, id="mla-dv48-rope8-k21-row-end"),
     pytest.param({}, (4, 2, 16, 16), 8, {"FWD_SPLIT_SCORES": 1}, 0.3, id="gqa-h4-hk2-d16-k8"),
+    # FWD_EARLY_GATHER (the value dot behind its own always-taken branch; with split scores the mask
+    # applied before the softmax's branch): the rows above, then 20 heads (two head blocks, the last
+    # ragged) with K > T (every early row's tail is -1 padding) at scale 3, then the fused path
+    # (no split) on GQA. These rows also check the gradients through the entry against the reference.
+    pytest.param({"layout": "mla", "d_v": 48}, (3, 1, 56, 48), 21,
+                 {"FWD_SPLIT_SCORES": 1, "FWD_ROW_END": 1, "FWD_STAGES": 3, "FWD_EARLY_GATHER": 1}, 0.3,
+                 id="mla-dv48-rope8-k21-row-end-early-gather"),
+    pytest.param({"layout": "mla", "d_v": 32}, (20, 1, 40, 32), 29 + 5,
+                 {"FWD_SPLIT_SCORES": 1, "FWD_EARLY_GATHER": 1}, 3.0, id="mla-h20-dv32-k>T-early-gather"),
+    pytest.param({}, (4, 2, 16, 16), 8, {"FWD_EARLY_GATHER": 1}, 0.3, id="gqa-h4-hk2-d16-k8-early-gather"),
 ])
 def test_split_scores_forward(load, params, dims, topk, extra, scale):
     """FWD_SPLIT_SCORES = 1 (the score dots split over the warp groups behind an always-taken
     branch, the softmax in base 2): the output and the log-sum-exp equal the fused forward's
     (so the unchanged backward, which reads o and lse, gives its gradients: the other tests
     check those against the reference) and the output the dense reference's, on rows with fewer
-    valid picks than K, -1 holes, indices >= S and a row with none (a sink keeps it finite)."""
+    valid picks than K, -1 holes, indices >= S and a row with none (a sink keeps it finite).
+    FWD_EARLY_GATHER rows (its own branch around the value dot) also take the gradients of q,
+    k / v (the latent) and the sink through the entry against the reference's: the backward
+    reads the option's o and lse."""
     H, HK, D_QK, D_V = dims
     mla = params.get("layout") == "mla"
     m = load("gathered", params)
@@ -269,6 +282,15 @@ def test_split_scores_forward(load, params, dims, topk, extra, scale):
         torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse2, lse1, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(o2, m.reference(q, *kvs, idx, sink, scale), rtol=1e-4, atol=1e-5)
+        if extra.get("FWD_EARLY_GATHER"):
+            leaves = [t.clone().requires_grad_() for t in (q, *kvs, sink)]
+            ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+            o = m.entry(*leaves[:-1], idx, leaves[-1], scale)
+            ref = m.reference(*ref_leaves[:-1], idx, ref_leaves[-1], scale)
+            torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+            do = torch.randn(o.shape, generator=gen).to(DEVICE)
+            for i, (g, rg) in enumerate(zip(torch.autograd.grad(o, leaves, do), torch.autograd.grad(ref, ref_leaves, do))):
+                torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-4, msg=f"grad {i}")
     finally:
         m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
 
@@ -464,8 +486,10 @@ for cfg in json.loads(sys.argv[2]):
                                options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
         g = c.asm["ttgir"]
         regs, spills = aot._usage_in_log(log.getvalue())
+        body = g[g.find("scf.for"):]  # the (first) loop: is a gathered load issued before the first exp2?
+        copy, exp2 = body.find("async_copy_global_to_local"), body.find("math.exp2")
         out.append({"cfg": cfg, "kernel": spec["kernel"], "shared": int(c.metadata.shared), "regs": regs, "spills": spills,
-                    "async": g.count("async_copy_global_to_local"),
+                    "async": g.count("async_copy_global_to_local"), "gather_first": 0 <= copy < exp2,
                     "mma_warps": sorted(set(re.findall(r"nvidia_mma<{[^}]*warpsPerCTA = (\\[[0-9, ]+\\])", g)))})
 print(json.dumps(out))
 """
@@ -477,7 +501,9 @@ def test_aot_sm90_mla_forward_fits_as_the_runtime_compiles_it(load):
     compiles for sm_90 with the runtime's specialisation within an H100/H200 SM's shared memory,
     with its 3 stages its gathered rows load asynchronously (pipelined), and with
     FWD_SPLIT_SCORES the score dots' warps split the key columns ([4, 2]) instead of both warp
-    groups computing the whole block (a [8, 1] layout over 64 rows)."""
+    groups computing the whole block (a [8, 1] layout over 64 rows). The same for the rows
+    bench.MLA_FWD_SWEEP times (FWD_EARLY_GATHER 1 at 3 and 2 stages), whose loop issues the next
+    block's gathered loads before the softmax's exp2, where the default's issues them after."""
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
@@ -485,13 +511,17 @@ def test_aot_sm90_mla_forward_fits_as_the_runtime_compiles_it(load):
     bucket = m.config_for(576)
     assert bucket["FWD_STAGES"] == 3 and bucket["FWD_SPLIT_SCORES"] == 1, bucket
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, m.__file__, json.dumps([{"dot_precision": "tf32"}])],
+    configs = [{"dot_precision": "tf32"}] + [{"dot_precision": "tf32", **c} for c in fam.bench.MLA_FWD_SWEEP]
+    run = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, m.__file__, json.dumps(configs)],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    (r,) = json.loads(run.stdout.splitlines()[-1])
-    assert r["shared"] <= aot.H100_SHARED_BYTES, r
-    assert r["async"] > 0, r
-    assert r["mma_warps"] == ["[4, 2]"], r
+    rows = json.loads(run.stdout.splitlines()[-1])
+    assert len(rows) == len(configs), rows
+    for r in rows:
+        assert r["shared"] <= aot.H100_SHARED_BYTES, r
+        assert r["async"] > 0, r
+        assert r["mma_warps"] == ["[4, 2]"], r
+        assert r["gather_first"] == bool(r["cfg"].get("FWD_EARLY_GATHER")), r
 
 
 @pytest.mark.slow  # sm_90 builds, 6 configs x 2 kernels: 11 s on a cold Triton cache (2 cores)
@@ -566,6 +596,11 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"BWD_SPLIT": 0}, id="mla-bwd-fused"),
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"BWD_SPLIT": 1, "BWD_STAGES": 1},
                  id="mla-bwd-split-1stage"),
+    # FWD_EARLY_GATHER on the bucket's forward (template v10), at its 3 stages and at 2
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_EARLY_GATHER": 1},
+                 id="mla-early-gather"),
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_EARLY_GATHER": 1, "FWD_STAGES": 2},
+                 id="mla-early-gather-stages2"),
 ])
 def test_gpu_bf16_accuracy(load, params, dims, config):
     """bf16 kernel (16-bit dots) vs the fp32 reference on the same bf16 values, T=1024, K=256:
@@ -704,8 +739,9 @@ def test_bench_steps_and_check_run_small(layout, monkeypatch):
     assert res["ok"] == 1.0, res
     for backward in (False, True):
         steps = cs._attn_steps(layout, 12, backward, DEVICE)
-        sweep = [] if layout != "mla" or not backward else \
-            ["ours@" + ",".join(f"{k}={v}" for k, v in c.items()) for c in cs.MLA_FWDBWD_SWEEP]
+        sweep = [] if layout != "mla" else \
+            ["ours@" + ",".join(f"{k}={v}" for k, v in c.items())
+             for c in (cs.MLA_FWDBWD_SWEEP if backward else cs.MLA_FWD_SWEEP)]
         assert sorted(steps) == sorted(["causal_sdpa", "masked_sdpa", "ours", *sweep])
         for step in steps.values():
             step(0)
