@@ -207,12 +207,14 @@ TRIPLE = {"split_dbc": "triple"}
 # (four per SM, one wave), each reading its own rows of dy (PULL_N 32 read all of dy per program).
 # `pull_scale` "dy" puts the step's weights on dy's columns (the dot's register operand) rather than on
 # C's rows (scaled in registers and stored back to shared memory): its sm_90 loop (triton 3.6, PULL_P
-# 32) 381 instructions against 475. Rows: both, PULL_P 32 alone, "dy" alone. And `bwd_qd` "dot", the
-# fused backward's per-head sums <Gs, S_in> (q) and sum(dy x) (dD) as traces of tensor-core products
-# rather than elementwise over upcast 16-bit tiles: "paired"'s head loops 1060 + 927 instructions
-# against 1243 + 828 on triton 3.6, no spills (20 bytes).
-SWEEP = (({"bwd_exp": "exp"}, "bwd"), ({"PULL_P": 32, "pull_scale": "dy"}, "bwd"), ({"PULL_P": 32}, "bwd"),
-         ({"pull_scale": "dy"}, "bwd"), ({"bwd_qd": "dot"}, "bwd"))
+# 32) 381 instructions against 475 ("dy" at the default's P tiles of 64 scales as many elements as
+# "C": no row). And `bwd_qd` "dot", the fused backward's per-head sums <Gs, S_in> (q) and sum(dy x)
+# (dD) as traces of tensor-core products rather than elementwise over upcast 16-bit tiles: "paired"'s
+# head loops 1060 + 927 instructions against 1243 + 828 on triton 3.6, no spills (20 bytes). Rows:
+# the pull's two together, PULL_P 32 alone, `bwd_qd` "dot" alone, all three.
+PULL = {"PULL_P": 32, "pull_scale": "dy"}
+SWEEP = (({"bwd_exp": "exp"}, "bwd"), (PULL, "bwd"), ({"PULL_P": 32}, "bwd"), ({"bwd_qd": "dot"}, "bwd"),
+         ({**PULL, "bwd_qd": "dot"}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:

@@ -807,13 +807,14 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # passed. [v22-exp] is v22's default (tl.exp)
                                  pytest.param({"bwd_exp": "exp"}, id="v22-exp", marks=UNTIMED),
                                  # v24: the split backward's pull over P tiles of 32 (512 programs at the
-                                 # bench shape), with its weights on dy's columns, and those weights alone
+                                 # bench shape), with its weights on dy's columns; the fused backward's q
+                                 # and dD sums from tensor-core products; all three
                                  pytest.param({"PULL_P": 32}, id="v24-pullp32", marks=UNTIMED),
                                  pytest.param({"PULL_P": 32, "pull_scale": "dy"}, id="v24-pullp32-dy",
                                               marks=UNTIMED),
-                                 pytest.param({"pull_scale": "dy"}, id="v24-pull-dy", marks=UNTIMED),
-                                 # and the fused backward's q and dD sums from tensor-core products
-                                 pytest.param({"bwd_qd": "dot"}, id="v24-qd", marks=UNTIMED)])
+                                 pytest.param({"bwd_qd": "dot"}, id="v24-qd", marks=UNTIMED),
+                                 pytest.param({"PULL_P": 32, "pull_scale": "dy", "bwd_qd": "dot"}, id="v24-all",
+                                              marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
