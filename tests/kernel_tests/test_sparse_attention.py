@@ -295,6 +295,36 @@ def test_split_scores_forward(load, params, dims, topk, extra, scale):
         m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="fp32 tiles at d 576 exceed shared memory; the GPU has its bf16 row")
+def test_early_gather_forward_at_the_mla_bucket_tiles(load):
+    """FWD_EARLY_GATHER at the d_le_1024 bucket's own forward (64 heads x 64 keys, d_qk 576 / d_v 512,
+    split scores, row ends; 128 heads = two head blocks, K 128 = two key blocks, early rows padded,
+    -1 holes, a sink): o and lse equal the default's, o the reference's (interpreter, ~8 s)."""
+    m = load("gathered", {"layout": "mla", "d_v": 512})
+    gen = torch.Generator().manual_seed(3)
+    T_, H, K, scale = 150, 128, 128, 0.1
+    q = torch.randn(1, T_, H, 576, generator=gen).to(DEVICE)
+    kv = torch.randn(1, T_, 1, 576, generator=gen).to(DEVICE)
+    idx = fam.causal_topk_indices(torch.randn(1, T_, T_, generator=gen), K)
+    idx[:, 100:, 5] = -1
+    idx = idx.to(DEVICE)
+    sink = torch.randn(H, generator=gen).to(DEVICE)
+    try:
+        m.set_config(None)  # the bucket's tiles (the CPU tests otherwise pin small ones)
+        assert m.config_for(576)["BLOCK_K"] == 64 and m.config_for(576)["FWD_SPLIT_SCORES"] == 1
+        out = []
+        for early in (0, 1):
+            m.set_config({"dot_precision": "ieee", "FWD_EARLY_GATHER": early}, bucket="d_le_1024")
+            out.append(m._forward(q, kv, idx, sink, scale))
+        (o1, lse1), (o2, lse2) = out
+        torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse2, lse1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o2, m.reference(q, kv, idx, sink, scale), rtol=1e-4, atol=1e-5)
+    finally:
+        m.set_config(None, bucket="d_le_1024")
+        m.set_config(CPU_CONFIG if DEVICE.type == "cpu" else None)
+
+
 @pytest.mark.parametrize("H,D_QK,D_V,topk,sink,extras", [
     # 20 heads: a ragged last head block at BLOCK_H_DKV 16 and a masked half at 32; d_v 48 (padded
     # to 64), rope 8 (padded to 16), K 21 (not a multiple of BLOCK_K), a sink, a row with no pick
