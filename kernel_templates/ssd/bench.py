@@ -211,10 +211,11 @@ TRIPLE = {"split_dbc": "triple"}
 # "C": no row). And `bwd_qd` "dot", the fused backward's per-head sums <Gs, S_in> (q) and sum(dy x)
 # (dD) as traces of tensor-core products rather than elementwise over upcast 16-bit tiles: "paired"'s
 # head loops 1060 + 927 instructions against 1243 + 828 on triton 3.6, no spills (20 bytes). Rows:
-# the pull's two together, PULL_P 32 alone, `bwd_qd` "dot" alone, all three.
+# all three, the pull's two, `bwd_qd` "dot" alone, PULL_P 32 alone (the likeliest winner first: a run cut
+# short keeps the first rows), then "exp".
 PULL = {"PULL_P": 32, "pull_scale": "dy"}
-SWEEP = (({"bwd_exp": "exp"}, "bwd"), (PULL, "bwd"), ({"PULL_P": 32}, "bwd"), ({"bwd_qd": "dot"}, "bwd"),
-         ({**PULL, "bwd_qd": "dot"}, "bwd"))
+SWEEP = (({**PULL, "bwd_qd": "dot"}, "bwd"), (PULL, "bwd"), ({"bwd_qd": "dot"}, "bwd"), ({"PULL_P": 32}, "bwd"),
+         ({"bwd_exp": "exp"}, "bwd"))
 
 
 def torch_path() -> tuple[str, Callable]:
