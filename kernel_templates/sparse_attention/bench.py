@@ -174,9 +174,11 @@ def masked_sdpa_bytes(layout: str, T: int) -> int:
 # mask's index load is a plain load at the loop's end); 2 stages 229376 B, 255 / 255, 4 / 0 B,
 # 4 async copies (the gather's index loads plain too). The default's build is unchanged by v10
 # (TTGIR and SASS identical on both).
+# Since v11 FWD_EARLY_GATHER 1 is the bucket's own (faster on an H100 in two runs: family.py,
+# d_le_1024), so the sweep times the forward it replaced (FWD_EARLY_GATHER 0); the 2-stage row lost
+# in both runs (10% slower at T 8192) and is gone.
 MLA_FWD_SWEEP = [
-    {"FWD_EARLY_GATHER": 1},
-    {"FWD_EARLY_GATHER": 1, "FWD_STAGES": 2},
+    {"FWD_EARLY_GATHER": 0},
 ]
 
 

@@ -125,7 +125,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sparse_attention.py.j2",
-    template_version=10,  # v10: FWD_EARLY_GATHER (off); history: docs/LOG.md
+    template_version=11,  # v11: FWD_EARLY_GATHER 1 in d_le_1024; history: docs/LOG.md
     folder=Path(__file__).parent,
     variants={
         "indexer": "DSA indexer scores (sum_h w * relu(q.k)) + causal top-k indices; no gradient",
@@ -170,7 +170,7 @@ FAMILY = FamilySpec(
     #   overlaps the value dot only); without FWD_SPLIT_SCORES (whose softmax sits in a branch
     #   too) right after the softmax. The value dot is then waited in its branch, the mask's index
     #   load is a plain load. sm_90 build at the MLA bucket (d_qk 576, d_v 512,
-    #   64 x 64, 8 warps, 3 stages): bench.py, MLA forward comment. Not timed on a GPU yet.
+    #   64 x 64, 8 warps, 3 stages): bench.py, MLA forward comment. On since v11 in d_le_1024 (below).
     # BWD_SPLIT (0; MLA only, the GQA layout keeps the fused backward): 1 runs the backward as a dq
     #   kernel (the fused loop without its dkv scatter, stopping at each row's last valid index)
     #   and a dkv kernel (per query and BLOCK_K_DKV of its selected keys, all heads walked
@@ -234,6 +234,10 @@ FAMILY = FamilySpec(
         # - BWD_SPLIT 1 with dq 64 heads x 32 keys, dkv 64 keys x 32 heads, 2 stages (v7): fwd+bwd
         #   182.8 -> 88.1 ms at T 8192, 756.5 -> 412.8 at T 32768, bf16 tests passed (docs/LOG.md,
         #   thirty-first session, device calls 4-5).
+        # - FWD_EARLY_GATHER 1 (v11), H100 (torch 2.11, triton 3.6), two runs in one warm session,
+        #   bf16 tests passed: T 8192 12.974 -> 12.926 and 12.966 -> 12.851 ms, T 32768 57.786 ->
+        #   56.048 and 57.670 -> 55.958 (with 2 stages 14.09-14.25 and 61.1-61.5: slower); docs/LOG.md,
+        #   fortieth session.
         # - The fused backward's tiles (32 heads x 16 positions) stay for BWD_SPLIT 0: at 64 heads
         #   it needs 311 KB of shared memory. An sm_90 build without the runtime's integer marks
         #   (so no load pipelined) gave: forward at 64 heads 111 KB shared, 600 B spilled (the
@@ -244,7 +248,7 @@ FAMILY = FamilySpec(
         ShapeBucket(name="d_le_1024", dim="D_QK", lo=257, hi=1024,
                     config={"BLOCK_K": 64, "FWD_STAGES": 3, "BLOCK_H": 64, "BLOCK_K_BWD": 16,
                             "BLOCK_H_BWD": 32, "num_warps": 8, "FWD_SPLIT_SCORES": 1,
-                            "FWD_ROW_END": 1, "BWD_SPLIT": 1, "BLOCK_H_DQ": 64, "BLOCK_K_DQ": 32,
+                            "FWD_ROW_END": 1, "FWD_EARLY_GATHER": 1, "BWD_SPLIT": 1, "BLOCK_H_DQ": 64, "BLOCK_K_DQ": 32,
                             "BLOCK_K_DKV": 64, "BLOCK_H_DKV": 32, "BWD_STAGES": 2}),
     ),
     check=_check,

@@ -532,14 +532,15 @@ def test_aot_sm90_mla_forward_fits_as_the_runtime_compiles_it(load):
     with its 3 stages its gathered rows load asynchronously (pipelined), and with
     FWD_SPLIT_SCORES the score dots' warps split the key columns ([4, 2]) instead of both warp
     groups computing the whole block (a [8, 1] layout over 64 rows). The same for the rows
-    bench.MLA_FWD_SWEEP times (FWD_EARLY_GATHER 1 at 3 and 2 stages), whose loop issues the next
-    block's gathered loads before the softmax's exp2, where the default's issues them after."""
+    bench.MLA_FWD_SWEEP times. With FWD_EARLY_GATHER 1 (the bucket's since v11) the loop issues the
+    next block's gathered loads before the softmax's exp2; the sweep's FWD_EARLY_GATHER 0 row
+    issues them after."""
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
     m = load("gathered", {"layout": "mla", "d_v": 512})
     bucket = m.config_for(576)
-    assert bucket["FWD_STAGES"] == 3 and bucket["FWD_SPLIT_SCORES"] == 1, bucket
+    assert bucket["FWD_STAGES"] == 3 and bucket["FWD_SPLIT_SCORES"] == 1 and bucket["FWD_EARLY_GATHER"] == 1, bucket
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     configs = [{"dot_precision": "tf32"}] + [{"dot_precision": "tf32", **c} for c in fam.bench.MLA_FWD_SWEEP]
     run = subprocess.run([sys.executable, "-c", _SWEEP_SCRIPT, m.__file__, json.dumps(configs)],
@@ -551,7 +552,7 @@ def test_aot_sm90_mla_forward_fits_as_the_runtime_compiles_it(load):
         assert r["shared"] <= aot.H100_SHARED_BYTES, r
         assert r["async"] > 0, r
         assert r["mma_warps"] == ["[4, 2]"], r
-        assert r["gather_first"] == bool(r["cfg"].get("FWD_EARLY_GATHER")), r
+        assert r["gather_first"] == bool({**bucket, **r["cfg"]}["FWD_EARLY_GATHER"]), r
 
 
 @pytest.mark.slow  # sm_90 builds, 6 configs x 2 kernels: 11 s on a cold Triton cache (2 cores)
@@ -626,11 +627,9 @@ def test_dot_mode_keeps_fp32_operands_on_cpu(load):
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"BWD_SPLIT": 0}, id="mla-bwd-fused"),
     pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"BWD_SPLIT": 1, "BWD_STAGES": 1},
                  id="mla-bwd-split-1stage"),
-    # FWD_EARLY_GATHER on the bucket's forward (template v10), at its 3 stages and at 2
-    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_EARLY_GATHER": 1},
-                 id="mla-early-gather"),
-    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_EARLY_GATHER": 1, "FWD_STAGES": 2},
-                 id="mla-early-gather-stages2"),
+    # the forward FWD_EARLY_GATHER 1 replaced in the bucket (v11): the gather after the value dot
+    pytest.param({"layout": "mla", "d_v": 512}, (128, 1, 576, 512), {"FWD_EARLY_GATHER": 0},
+                 id="mla-gather-after-value-dot"),
 ])
 def test_gpu_bf16_accuracy(load, params, dims, config):
     """bf16 kernel (16-bit dots) vs the fp32 reference on the same bf16 values, T=1024, K=256:
