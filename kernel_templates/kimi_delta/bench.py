@@ -84,12 +84,14 @@ KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_war
 # registers (two 8-warp programs per SM, against the default's three 4-warp ones); untimed in this form.
 _KS8 = {"kda_qk": "ksplit", "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
 KSPLIT_SWEEP = (_KS8,)
-# Template v49 (issue 32): `kda_qkt_cold` "call" ("ksplit"'s qkt kernel runs the chunk tier inline and the
-# two other Gram tiers, which the bench's gates never reach, in a called function), at the default K tile
-# (BK 32: 255 registers, two programs per SM; the entry's spills 8 / 4 B stored / loaded against the
-# default's 1280 / 1652) and at BK 16 capped at 168 registers (`kda_qkt_maxnreg`: three programs per SM,
-# the entry 4 / 0 B). sm_90 AOT, triton 3.9 (docs/LOG.md, thirty-ninth session, helper kda42). Untimed.
-_COLD = {"kda_qk": "ksplit", "kda_qkt_cold": "call"}
+# Template v51 (issue 32): `kda_qkt_cold` "split" ("ksplit"'s qkt kernel in two launches: the chunk tier alone,
+# which flags the tiles whose decays do not fit it, then every tier for the flagged tiles; the bench's gates flag
+# none), at the default K tile (BK 32) and at BK 16 capped at 168 registers (`kda_qkt_maxnreg`, the hot launch
+# only: three programs per SM). sm_90 AOT, triton 3.6: the hot launch 237 registers, no spills (the default's
+# 255, 1052 / 1780 B stored / loaded) and 151, no spills (family.py; docs/LOG.md, fortieth session, helper
+# kda43). Untimed. v49's rows were "call" (its cold tiers in a noinline function): 3.828 / 3.235 ms against the
+# default's 4.008 / 3.507 on an H100, but its GPU bars faulted where tiles took the call; v51 replaced it.
+_COLD = {"kda_qk": "ksplit", "kda_qkt_cold": "split"}
 QKT_COLD_SWEEP = (_COLD, {**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})
 BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP)
 

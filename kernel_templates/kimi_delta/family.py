@@ -102,16 +102,26 @@ PARAMS = _base.PARAMS
 #   at `_KDA_BUCKET`); v47 removed the wyp kernel and the two keys (the bucket's kernels' sm_90 PTX the
 #   same; docs/LOG.md, thirty-ninth session).
 # kda_qkt_cold ("inline"), kda_qkt_maxnreg (0: no cap): "ksplit"'s qkt kernel (only that launch: the
-#   "tiles" one is the base template's). "call" (v49) runs a tile whose decays fit the chunk tier (every
-#   tile of the bench's gates and of fla's safe gate) by that tier inline and any other by the three tiers
-#   in `_kda_qkt_cold`, a function the kernel calls (Triton `noinline`, scalar arguments only: it reloads
-#   its tile), so that the tiers the hot path never takes no longer set its registers. sm_90 AOT at the
-#   bench shape (bf16, every integer marked; triton 3.9; the kernel's entry function / the called one):
-#   BK 32 4 warps 255 registers, spills 8 / 4 B stored / loaded (the default's 1280 / 1652 B), the call
-#   732 / 1100; BK 16 capped at 168 (three programs per SM) the entry 4 / 0 B, 1594 SASS instructions
-#   (the chunk tier alone inline: 1576, 140 registers); ptxas serialises the entry's 16 wgmma (a call in
-#   the function). The qkt kernel's bound at B1 T8192 H32 D128 (H100): 0.99 GB, 0.30 ms at 3.35 TB/s,
-#   17 GFLOP; measured 1.021 ms (docs/LOG.md, thirty-ninth session, helper kda42). Untimed.
+#   "tiles" one is the base template's). "split" (v51) launches it twice, with no host read between: the hot
+#   launch (SPLIT 1) runs the chunk tier alone for a tile whose decays fit it (every tile of the bench's gates
+#   and of fla's safe gate; `_kda_qkt_fits`) and writes its flag (an int32 per (K tile, chunk, key head)) 0;
+#   any other tile writes its flag 1 and nothing else; the cold launch (SPLIT 2) runs the three tiers for the
+#   flagged tiles (the others read their flag and end). Every tile is written once, its dg partials read
+#   intact. So the tiers the hot path never takes no longer set its registers, and no build has a call.
+#   `kda_qkt_maxnreg` caps the hot launch only. sm_90 AOT at the bench shape (bf16, every integer marked;
+#   registers, spill bytes stored / loaded, shared memory; triton 3.6, the GPU image's | 3.9): hot BK 32 237,
+#   0 / 0, 20 KB | 255, 8 / 8; hot BK 16 136, 0 / 0, 18 KB | 140, 0 / 0 (three programs per SM, uncapped);
+#   capped at 168 151 | 148, 0 / 0; the cold builds are the default's under their flag (BK 32 255, 1064 /
+#   1796, 36 KB | 1308 / 1684; BK 16 255, 0 / 0); the one-launch default BK 32 255, 1052 / 1780 | 1280 / 1652.
+#   Untimed (docs/LOG.md, fortieth session, helper kda43).
+# A removed value: v49-v50's "call" (the chunk tier inline, any other tile's three tiers in `_kda_qkt_cold`, a
+#   Triton `noinline` function the kernel called): on an H100 (torch 2.11, triton 3.6; fortieth session) fwd+bwd
+#   3.828 ms wall / 3.235 by CUDA graph against the default's 4.008 / 3.507 at B1 T8192 H32 D128 (the bench's
+#   gates fit: the call never ran), but the GPU bars (gates with tiles that do not fit) faulted ("an illegal
+#   memory access") at the qkt launch, grid (4, 16, 4), where tiles took the call; v51 replaced it by "split".
+#   v38-v39's `kda_qk_tiers` "split" was a two-kernel form of the same partition and faulted on an H100 at HV =
+#   HK (above); its chunk-tier kernel masked its stores by a count of unfit heads, where "split"'s hot launch
+#   has the whole tile under one `if fits`, as "call"'s hot path, which ran clean at the bench.
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -131,7 +141,7 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
                 "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
-                "kda_qkt_cold": ("inline", "call"), "kda_qkt_maxnreg": (0, 128, 168),
+                "kda_qkt_cold": ("inline", "split"), "kda_qkt_maxnreg": (0, 128, 168),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
@@ -179,6 +189,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v51: `kda_qkt_cold` "split" (off; above) replaces "call": the qkt kernel's chunk-tier launch flags the
+    # tiles that do not fit it, a second launch runs those with every tier (SPLIT, p_flag: the base template's
+    # "tiles" launch and the default's build unchanged, sm_90 PTX equal but for debug sections); untimed.
     # v50: aot_specs carry the launches' register caps (`kda_wyk_maxnreg`, `kda_qkt_maxnreg` under "ksplit"),
     # which `aot.compile_module` now builds with: the k_le_128 bucket's wykp is checked at 168, as it runs.
     # v49: `kda_qkt_cold` "call" and `kda_qkt_maxnreg` (off; above): the qkt kernel's body is `_kda_qkt_tile`
@@ -204,7 +217,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=50,
+    template_version=51,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

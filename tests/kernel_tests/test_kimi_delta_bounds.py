@@ -157,3 +157,49 @@ def test_ksplit_forward_backward_in_bounds(monkeypatch, path, row, HK, HV, D):
     assert launched == list(KSPLIT_KERNELS), launched
     for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
         assert torch.isfinite(x).all(), name
+
+
+# `kda_qkt_cold` "split" (template v51: "ksplit"'s qkt kernel as a chunk-tier launch that flags the tiles whose
+# decays do not fit that tier, then a launch of every tier for the flagged ones; bench.QKT_COLD_SWEEP's rows)
+# under the same check, with slow decays (about -0.05 a step: the chunk tier's, fp16's range included) but in
+# the middle chunk of the first value head (x 100: the exact tier), so that both launches write tiles: HV = HK
+# and HV = 2 HK (a key head's tile flagged by one of its heads), T 150 (a partial chunk), K = V = 64, the fp16
+# path at the bucket's tiles and fp32 at the test pin.
+QKT_SPLIT_CASES = [
+    pytest.param("fp16", 0, 2, 2, id="fp16-hv=hk"),
+    pytest.param("fp16", 1, 1, 2, id="fp16-bk16-cap-grouped"),
+    pytest.param("fp32", 0, 1, 2, id="fp32-grouped"),
+    pytest.param("fp32", 1, 2, 2, id="fp32-bk16-cap-hv=hk"),
+]
+
+
+@pytest.mark.parametrize("path,row,HK,HV", QKT_SPLIT_CASES)
+def test_qkt_split_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=HK, HV=HV, T=150, l2=True, h0=True, K=64, V=64)
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    args = make_inputs(case, True, dtype, DEVICE, gen)
+    args[3] = make_inputs(case, True, dtype, DEVICE, gen, slow=True)[3]  # (fit fp16's range too)
+    args[3][:, 64:128, 0] *= 100.0
+    cfg = kimi_delta.bench.QKT_COLD_SWEEP[row]
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE, dtype),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    flags = []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, name, _Spy(getattr(module, name), lambda kw: flags.append(kw.get("p_flag"))))
+    prev = module._CONFIG_OVERRIDE
+    module.set_config(cfg if path == "fp16" else {**(prev or {}), **cfg})
+    try:
+        if path == "fp16":
+            with fp16_dot_path(monkeypatch, module), bounds_checked(), np.errstate(over="ignore", invalid="ignore"):
+                outs, grads = grads_of(module.entry, args, douts)
+        else:
+            with bounds_checked():
+                outs, grads = grads_of(module.entry, args, douts)
+    finally:
+        module.set_config(prev)
+    assert len(flags) == 2 and flags[0] is flags[1], flags
+    assert 0 < int(flags[0].sum()) < flags[0].numel(), flags  # both launches wrote tiles
+    for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
+        assert torch.isfinite(x).all(), name
