@@ -912,6 +912,50 @@ def test_bf16_vs_fp32_on_gpu_qkt_cold_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
+# The gates of the bars' cases flag no qkt tile (every chunk's decays fit the chunk tier: the interpreter's
+# flags at GPU_CASES[0], fp32 path, are 0 of 256), so the rows above run "split"'s cold launch on no tile. Here
+# each row on the GPU with the cold launch at work: GPU_CASES[0]'s shape at one and two value heads per key
+# head, the gates of chunk 5 of the first value head x 30 (the exact tier) and of chunk 10 of the last head of
+# the second sequence x 4 (the 16-row tier): the hot launch flags some tiles and not others; bf16 and fp32,
+# o, the final state and every gradient within 5e-3 of "ksplit"'s one launch (the same operations, two
+# builds; a tile lost or written twice is off by far more).
+@pytest.mark.parametrize("HV", [2, 4], ids=["hv=hk", "grouped"])
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.QKT_COLD_SWEEP))
+def test_qkt_split_cold_tiles_on_gpu(monkeypatch, cfg, HV):
+    if DEVICE.type != "cuda":
+        pytest.skip("the GPU's builds of the two launches (the interpreter's: test_qkt_cold_split_equals_inline)")
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=2, HV=HV, T=1000, l2=True, h0=True, K=128, V=128, B=2)
+    gen = torch.Generator().manual_seed(6)
+    args = make_inputs(case, True, torch.bfloat16, DEVICE, gen)
+    g = args[3].clone()
+    g[:, 320:384, 0] *= 30.0
+    g[1, 640:704, HV - 1] *= 4.0
+    args[3] = g
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    flags = []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: flags.append(kw.get("p_flag"))))
+    inline = {k: v for k, v in cfg.items() if k != "kda_qkt_cold"}
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        ds = [douts[0].to(dtype), douts[1]]
+        with pinned(module, inline):
+            ref_outs, ref_grads = grads_of(module.entry, xs, ds)
+        flags.clear()
+        with pinned(module, cfg):
+            outs, grads = grads_of(module.entry, xs, ds)
+        torch.cuda.synchronize()
+        assert len(flags) == 2 and flags[0] is flags[1], flags
+        n = int(flags[0].sum())
+        assert 0 < n < flags[0].numel(), (dtype, n)
+        errs = {k: ((a.float() - b.float()).norm() / b.float().norm()).item()
+                for k, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
+        assert all(e <= 5e-3 for e in errs.values()), (dtype, n, errs)
+
+
 # The bench's forward sweep rows of the prepare step (bench.PREP_SWEEP): each within the bf16 bars on
 # the GPU, forward and every gradient (the backward takes the forward's Tm, M, Aqk).
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.PREP_SWEEP))
