@@ -90,7 +90,7 @@ KSPLIT_SWEEP = (_KS8,)
 # only: three programs per SM). sm_90 AOT, triton 3.6: the hot launch 237 registers, no spills (the default's
 # 255, 1052 / 1780 B stored / loaded) and 151, no spills (family.py; docs/LOG.md, fortieth session, helper
 # kda43). Untimed. v49's rows were "call" (its cold tiers in a noinline function): 3.828 / 3.235 ms against the
-# default's 4.008 / 3.507 on an H100, but its GPU bars faulted where tiles took the call; v51 replaced it.
+# default's 4.008 / 3.507 on an H100, but its GPU bars row faulted (at HV = 2 HK, no tile calling); v51 replaced it.
 _COLD = {"kda_qk": "ksplit", "kda_qkt_cold": "split"}
 QKT_COLD_SWEEP = (_COLD, {**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})
 BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP)

@@ -116,12 +116,16 @@ PARAMS = _base.PARAMS
 #   Untimed (docs/LOG.md, fortieth session, helper kda43).
 # A removed value: v49-v50's "call" (the chunk tier inline, any other tile's three tiers in `_kda_qkt_cold`, a
 #   Triton `noinline` function the kernel called): on an H100 (torch 2.11, triton 3.6; fortieth session) fwd+bwd
-#   3.828 ms wall / 3.235 by CUDA graph against the default's 4.008 / 3.507 at B1 T8192 H32 D128 (the bench's
-#   gates fit: the call never ran), but the GPU bars (gates with tiles that do not fit) faulted ("an illegal
-#   memory access") at the qkt launch, grid (4, 16, 4), where tiles took the call; v51 replaced it by "split".
+#   3.828 ms wall / 3.235 by CUDA graph against the default's 4.008 / 3.507 at B1 T8192 H32 D128 (HV = HK; the
+#   bench's gates fit: the call never ran), but its GPU bars row faulted ("an illegal memory access") at the qkt
+#   launch, grid (4, 16, 4): HV = 2 HK, and there too every tile fits (the interpreter flags none of the 256 at
+#   that case; its widest chunk's gc span 44 against the limit 80), so the fault came from that build at G 2
+#   with no tile calling, not from the called tiers; v51 replaced it by "split" (no call in any build).
 #   v38-v39's `kda_qk_tiers` "split" was a two-kernel form of the same partition and faulted on an H100 at HV =
-#   HK (above); its chunk-tier kernel masked its stores by a count of unfit heads, where "split"'s hot launch
-#   has the whole tile under one `if fits`, as "call"'s hot path, which ran clean at the bench.
+#   HK (above), ran clean at HV = 2 HK; its chunk-tier kernel masked its stores by a count of unfit heads, where
+#   "split"'s hot launch has the whole tile under one `if fits` (as "call"'s hot path). sm_90 AOT at G 2 (triton
+#   3.6; spill bytes loaded): the hot launch BK 32 255 registers, 244 B; BK 16 capped 168, 172 B (the default 255,
+#   4716 B). `test_qkt_split_cold_tiles_on_gpu` runs both launches on the GPU at G 1 and 2 with tiles flagged.
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
