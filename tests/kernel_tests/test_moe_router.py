@@ -213,6 +213,8 @@ def test_shape_errors_name_shapes(load, device):
         module.entry(x, w[:6], torch.zeros(6, device=device))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the Triton interpreter's launches on CPU tensors; "
+                    "on a GPU test_no_host_sync_cuda checks the same under CUDA's sync debug mode")
 @pytest.mark.parametrize("variant,params,n_experts", CASE_PARAMS)
 def test_forward_backward_read_nothing_on_the_host(load, variant, params, n_experts):
     """The op's forward (top-k weights, indices, and the counts [E] int64, added up by the forward
