@@ -113,7 +113,11 @@ PARAMS = _base.PARAMS
 #   0 / 0, 20 KB | 255, 8 / 8; hot BK 16 136, 0 / 0, 18 KB | 140, 0 / 0 (three programs per SM, uncapped);
 #   capped at 168 151 | 148, 0 / 0; the cold builds are the default's under their flag (BK 32 255, 1064 /
 #   1796, 36 KB | 1308 / 1684; BK 16 255, 0 / 0); the one-launch default BK 32 255, 1052 / 1780 | 1280 / 1652.
-#   Untimed (docs/LOG.md, fortieth session, helper kda43).
+#   **It faults on an H100** (torch 2.11, triton 3.6; fortieth session, call 5): both bench rows
+#   (`ours@kda_qk=ksplit+kda_qkt_cold=split`, and with `kda_qk_bk` 16 + `kda_qkt_maxnreg` 168) raised "an illegal
+#   memory access" at B1 T8192 H32 D128, HV = HK, where "call" had run; the cause is unknown (the CPU bounds
+#   check passes both launches). Off, kept for a compute-sanitizer run (.ci/h200/README.md); never a default
+#   before its GPU bars pass.
 # A removed value: v49-v50's "call" (the chunk tier inline, any other tile's three tiers in `_kda_qkt_cold`, a
 #   Triton `noinline` function the kernel called): on an H100 (torch 2.11, triton 3.6; fortieth session) fwd+bwd
 #   3.828 ms wall / 3.235 by CUDA graph against the default's 4.008 / 3.507 at B1 T8192 H32 D128 (HV = HK; the
@@ -195,7 +199,8 @@ FAMILY = FamilySpec(
     template="kimi_delta.py.j2",
     # v51: `kda_qkt_cold` "split" (off; above) replaces "call": the qkt kernel's chunk-tier launch flags the
     # tiles that do not fit it, a second launch runs those with every tier (SPLIT, p_flag: the base template's
-    # "tiles" launch and the default's build unchanged, sm_90 PTX equal but for debug sections); untimed.
+    # "tiles" launch and the default's build unchanged, sm_90 PTX equal but for debug sections); it faults on
+    # an H100 (above).
     # v50: aot_specs carry the launches' register caps (`kda_wyk_maxnreg`, `kda_qkt_maxnreg` under "ksplit"),
     # which `aot.compile_module` now builds with: the k_le_128 bucket's wykp is checked at 168, as it runs.
     # v49: `kda_qkt_cold` "call" and `kda_qkt_maxnreg` (off; above): the qkt kernel's body is `_kda_qkt_tile`
