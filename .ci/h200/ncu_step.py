@@ -70,7 +70,7 @@ def pick_case(family: str, pattern: str | None, impl: str, cpu: bool):
 
 
 def run(args) -> int:
-    impl = IMPL[args.mode]
+    impl = args.row or IMPL[args.mode]
     if args.dry_run:
         from onboarding.bench.cases import cases_for, name_matches
 
@@ -234,6 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--family")
     ap.add_argument("--case", help="a bench case name pattern (^ and $ anchor it, as onboard bench --case)")
     ap.add_argument("--mode", choices=sorted(IMPL), default="fwdbwd")
+    ap.add_argument("--row", default=None,
+                    help="a bench row other than the mode's (e.g. a sweep row 'ours@kda_qk=ksplit+kda_qkt_cold=split')")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--profile-from", type=int, default=None,
                     help="steps from this one on run between cudaProfilerStart and Stop")
