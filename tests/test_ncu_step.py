@@ -114,3 +114,31 @@ def test_launches_counts_by_name_leaves_warmups_out_and_restores_run():
     assert torch.equal(y, 2 * x)
     assert mon.record.kernels == ["_twice"] * 3  # the Monitor counts every run call, a warm-up too
     assert {cls: cls.__dict__["run"] for cls in _classes()} == before
+
+
+def _host_step():
+    import sys
+
+    sys.path.insert(0, str(ROOT / ".ci" / "h200"))  # host_step imports ncu_step's tiny cases
+    try:
+        spec = importlib.util.spec_from_file_location("host_step", ROOT / ".ci" / "h200" / "host_step.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / ".ci" / "h200"))
+    return mod
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels run under the interpreter")
+def test_host_step_reports_each_row_and_refuses_an_unknown_one(capsys):
+    """.ci/h200/host_step.py (is a bench row's wall its host's or its kernels'?): at ssd's tiny case on the
+    CPU it prints one line per row with host / gpu / wall ms (gpu nan off CUDA), and a row the case lacks
+    is exit code 2 naming it, not a silent skip."""
+    hs = _host_step()
+    rc = hs.main(["--cpu", "--family", "ssd", "--impl", "ours", "--steps", "1", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    row = [ln.split() for ln in out.splitlines() if ln.startswith("ours ")]
+    assert len(row) == 1 and float(row[0][1]) > 0 and row[0][2] == "nan" and float(row[0][3]) > 0, out
+    rc = hs.main(["--cpu", "--family", "ssd", "--impl", "ours,ours@no_such_key=1", "--steps", "1", "--rounds", "1"])
+    assert rc == 2 and "ours@no_such_key=1" in capsys.readouterr().err
