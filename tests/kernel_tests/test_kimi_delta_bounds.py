@@ -30,6 +30,21 @@ pytestmark = pytest.mark.skipif(DEVICE.type != "cpu" or not interpreting(),
                                 reason="checks the interpreter (TRITON_INTERPRET=1 on the CPU)")
 
 
+def _grads_pinned(monkeypatch, module, cfg, path, args, douts):
+    """The entry's outputs and gradients under `bounds_checked`, `cfg` pinned for all shapes: the fp16
+    path with the bucket's own tiles (CPU_CONFIG unpinned) as on the GPU, fp32 over the test pin."""
+    prev = module._CONFIG_OVERRIDE
+    module.set_config(cfg if path == "fp16" else {**(prev or {}), **cfg})
+    try:
+        if path == "fp16":
+            with fp16_dot_path(monkeypatch, module), bounds_checked(), np.errstate(over="ignore", invalid="ignore"):
+                return grads_of(module.entry, args, douts)
+        with bounds_checked():
+            return grads_of(module.entry, args, douts)
+    finally:
+        module.set_config(prev)
+
+
 @triton.jit
 def _atomic_rows(p_x, p_y, n, MASKED: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.arange(0, BLOCK)
@@ -82,18 +97,7 @@ def test_ktiles_forward_backward_in_bounds(monkeypatch, path, cfg, HK, HV, D):
     for name in ("kda_chunk_bwd_vside_kernel", "kda_chunk_bwd_ktile_kernel"):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, _Spy(kernel, lambda kw, _n=name: launched.append((_n, kw["BK"], kw["BV"]))))
-    prev = module._CONFIG_OVERRIDE
-    # the fp16 path: the bucket's own tiles (CPU_CONFIG unpinned) as on the GPU; fp32: the test pin
-    module.set_config(cfg if path == "fp16" else {**(prev or {}), **cfg})
-    try:
-        if path == "fp16":
-            with fp16_dot_path(monkeypatch, module), bounds_checked(), np.errstate(over="ignore", invalid="ignore"):
-                outs, grads = grads_of(module.entry, args, douts)
-        else:
-            with bounds_checked():
-                outs, grads = grads_of(module.entry, args, douts)
-    finally:
-        module.set_config(prev)
+    outs, grads = _grads_pinned(monkeypatch, module, cfg, path, args, douts)
     bk = cfg.get("kda_qk_bk") or 32
     assert launched == [("kda_chunk_bwd_vside_kernel", 32, 32), ("kda_chunk_bwd_ktile_kernel", bk, 32)], launched
     for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
@@ -143,17 +147,7 @@ def test_ksplit_forward_backward_in_bounds(monkeypatch, path, row, HK, HV, D):
     for name in KSPLIT_KERNELS:
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, _Spy(kernel, lambda kw, _n=name: launched.append(_n)))
-    prev = module._CONFIG_OVERRIDE
-    module.set_config(cfg if path == "fp16" else {**(prev or {}), **cfg})
-    try:
-        if path == "fp16":
-            with fp16_dot_path(monkeypatch, module), bounds_checked(), np.errstate(over="ignore", invalid="ignore"):
-                outs, grads = grads_of(module.entry, args, douts)
-        else:
-            with bounds_checked():
-                outs, grads = grads_of(module.entry, args, douts)
-    finally:
-        module.set_config(prev)
+    outs, grads = _grads_pinned(monkeypatch, module, cfg, path, args, douts)
     assert launched == list(KSPLIT_KERNELS), launched
     for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
         assert torch.isfinite(x).all(), name
@@ -188,17 +182,7 @@ def test_qkt_split_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
     flags = []
     name = "kda_chunk_bwd_qkt_kernel"
     monkeypatch.setattr(module, name, _Spy(getattr(module, name), lambda kw: flags.append(kw.get("p_flag"))))
-    prev = module._CONFIG_OVERRIDE
-    module.set_config(cfg if path == "fp16" else {**(prev or {}), **cfg})
-    try:
-        if path == "fp16":
-            with fp16_dot_path(monkeypatch, module), bounds_checked(), np.errstate(over="ignore", invalid="ignore"):
-                outs, grads = grads_of(module.entry, args, douts)
-        else:
-            with bounds_checked():
-                outs, grads = grads_of(module.entry, args, douts)
-    finally:
-        module.set_config(prev)
+    outs, grads = _grads_pinned(monkeypatch, module, cfg, path, args, douts)
     assert len(flags) == 2 and flags[0] is flags[1], flags
     assert 0 < int(flags[0].sum()) < flags[0].numel(), flags  # both launches wrote tiles
     for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
