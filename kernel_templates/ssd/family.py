@@ -90,7 +90,12 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v24: `PULL_P`, `pull_scale` (the split backward's pull), `bwd_qd` (its fused kernel; untimed).
+    # v24: `PULL_P`, `pull_scale` (the split backward's pull), `bwd_qd` (its fused kernel); timed on an H100
+    # (fortieth session, bars passed), CUDA-graph / wall ms of fwd+bwd against the default's 1.663 / 2.085
+    # and 1.667 / 1.926 in two runs: PULL_P 32 + "dy" 1.567 / 2.172 and 1.573 / 1.991, PULL_P 32 1.631 /
+    # 2.216 and 1.622 / 1.925, "dot" 1.628 / 2.377 and 1.630 / 2.013, all three 1.623 / 2.329 and 1.616 /
+    # 1.960; none adopted (the pair faster by graph, slower by wall while the step is host-bound:
+    # docs/families.md, ssd).
     # v23: `bwd_exp` "exp2" the P <= 64 bucket's, `bwd_prefetch` removed (timed: below). v22:
     # `bwd_exp`, `bwd_prefetch` (the fused backward kernel's; untimed). v21: `split_dbc` "triple",
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
