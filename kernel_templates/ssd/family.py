@@ -203,12 +203,12 @@ FAMILY = FamilySpec(
     #   the fused pull's 256 programs of 4 warps (BLOCK_P 64, STATE_N 64) put two 128-step serial chains
     #   on each of the H100's 132 SMs; 32 gives 512 (four per SM, one wave: 128 / 120 registers on
     #   triton 3.6 / 3.9, 33 KB of shared memory), each reading its own rows of dy (PULL_N splits N
-    #   instead, and each of its programs reads all of dy's rows: PULL_N 32 read dy twice). Untimed.
+    #   instead, and each of its programs reads all of dy's rows: PULL_N 32 read dy twice). H100 times: v24 note.
     # pull_scale ("C"; v24): the fused pull's weights exp(cs_t - cs_0) on C's rows (the [BLOCK_K, N tile]
     #   operand, scaled in registers and stored back to shared memory for the dot) or "dy" on dy's
     #   columns (the [PULL_P, BLOCK_K] operand, the dot's first, from registers; C read by the dot as
     #   loaded): fewer elements scaled where PULL_P < the N tile. sm_90 bf16 (PULL_P 32, N tile 64):
-    #   110 registers on triton 3.6 (C: 128), its loop 381 instructions (475). Untimed.
+    #   110 registers on triton 3.6 (C: 128), its loop 381 instructions (475). H100 times: v24 note.
     # bwd_qd ("elem"; v24): ssd_bwd_split_fused_kernel's per-head sums <Gs, S_in> (q's end-state term) and
     #   sum(dy x) (dD's partial) from elementwise products of the upcast 16-bit tiles in the dx program,
     #   or "dot": as the traces of Gs S_in^T (a [P, P] wgmma in the dx program, which then reads S_in
@@ -216,7 +216,7 @@ FAMILY = FamilySpec(
     #   stored there). Removing both sums cut the dx loop from 1243 to 852 instructions (triton 3.6;
     #   a cost probe, not a kernel); "dot" keeps them at 1060 (dx) + 927 (dC / dB, +99) against 1243 +
     #   828 ("paired", bf16 at the bench shape; triton 3.9: 928 + 874 against 1151 + 823), 255 / 254
-    #   registers, no spills (3.6: 20 bytes under "elem"), shared memory unchanged (173 KB). Untimed.
+    #   registers, no spills (3.6: 20 bytes under "elem"), shared memory unchanged (173 KB). H100 times: v24 note.
     # bwd_exp ("exp"; v22): ssd_bwd_split_fused_kernel's exponentials (the [L, L] decays W, exp(cs),
     #   exp(cs_last - cs)) as tl.exp, or "exp2": exp2 of cs scaled by log2(e) once per head. tl.exp
     #   lowers to a multiply, a range check, MUFU.EX2 and a fix-up multiply per element; exp2 to
