@@ -1040,3 +1040,62 @@ def test_split_fused_pass_matches_split(module, device, split_states):
     for got, want, save in zip(outs["fused"], outs["split"], (True, False)):
         for g, w in zip(got if save else got[:2], want if save else want[:2]):  # no-save: no states, dac unwritten
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# Host cost of one training step (forward + backward of y, no final-state gradient) at the
+# P <= 64 bucket's own config (the bench's `ours` row: `fwd` and `bwd` "split", `pass` "fused",
+# `split_dbc` "paired", `bwd_sums` "kernel"), counted by `onboarding.testing.hostcost`: Triton
+# launches, aten ops that would launch on a GPU, allocations. v25: 10 launches, no aten launch (v24
+# filled a zero d(final state) with torch.zeros when y alone had a gradient), 25 allocations
+# (v24: 27, two of the split forward's unused).
+STEP_TRITON, STEP_ATEN_LAUNCHES, STEP_EMPTY = 10, 0, 25
+
+
+def _counted_step(module, dtype=torch.bfloat16):
+    from onboarding.testing.hostcost import counting
+
+    gen = torch.Generator().manual_seed(11)
+    b, t, h, p, g, n = 1, 40, 4, 16, 2, 16
+    def r(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=gen)).to(dtype)
+    leaves = [r(b, t, h, p), r(b, t, h, scale=0.5), -torch.exp(torch.rand(h, generator=gen)), r(b, t, g, n),
+              r(b, t, g, n), r(h), r(h)]
+    leaves = [x.requires_grad_() for x in leaves]
+    dy = r(b, t, h, p)
+    with counting() as mode:
+        y = module.ssd_scan(*leaves)
+        torch.autograd.grad(y, leaves, dy)
+    return mode.cost
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not interpreting(),
+                    reason="counts the Triton interpreter's launches on CPU tensors")
+def test_training_step_host_cost(module):
+    """The bucket's training step issues STEP_TRITON Triton launches, STEP_ATEN_LAUNCHES aten ops
+    that launch on a GPU (no zeros fill for an unused final state: the split backward's pull
+    starts from zero, HAS_DHT False), at most STEP_EMPTY allocations and no host sync. Then a
+    bucket pin made after that warm step changes the next step's launches (`split_dbc` "two": the
+    split dx kernel and two dC / dB launches in place of the fused kernel), and clearing it
+    restores them: nothing per shape is kept across a `set_config`."""
+    module.set_config(None)  # the bucket's own config, not the CPU tests' all-shapes pin
+    bucket = module.shape_bucket(16)
+    try:
+        cost = _counted_step(module)
+        summary = cost.summary()
+        empties = sum(c for (kind, _, _, op), c in cost.ops.items() if op in ("empty", "empty_strided"))
+        assert summary["triton_launches"] == STEP_TRITON, dict(cost.triton)
+        assert summary["aten_launch_ops"] == STEP_ATEN_LAUNCHES, cost.by_line()
+        assert empties <= STEP_EMPTY, cost.by_line(kind="view")
+        assert summary["syncs"] == 0, summary["sync_lines"]
+        fused = [w for w in cost.triton if "ssd_bwd_split_fused_kernel" in w or "_split_backward" in w]
+        assert fused, dict(cost.triton)
+        module.set_config({"split_dbc": "two"}, bucket=bucket)
+        pinned = _counted_step(module)
+        names = " ".join(pinned.triton)
+        assert sum(pinned.triton.values()) == STEP_TRITON + 2, dict(pinned.triton)
+        module.set_config(None, bucket=bucket)
+        again = _counted_step(module)
+        assert sum(again.triton.values()) == STEP_TRITON and dict(again.triton) == dict(cost.triton), names
+    finally:
+        module.set_config(None, bucket=bucket)
+        module.set_config(CPU_CONFIG)
