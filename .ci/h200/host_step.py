@@ -20,11 +20,18 @@ show there. Rows run interleaved, round by round, so drift hits every row alike.
         --impl 'ours,ours@PULL_P=32,pull_scale=dy' --steps 20 --rounds 5
     TRITON_INTERPRET=1 python3 .ci/h200/host_step.py --cpu --family ssd --impl ours --steps 2 --rounds 1
         (a tiny case of the same bucket on the CPU: the script's own check, no meaning as a timing)
+
+`--cprofile N`: then N more steps of the first row under cProfile, enqueued with no synchronize, and
+the functions with the most own time and the most cumulative time (where the host's ms go: our
+wrappers, torch's dispatch and autograd, Triton's launcher), `--top` rows each.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -73,6 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cpu", action="store_true", help="a tiny case on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="N steps of the first row under cProfile")
+    ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
     import torch
 
@@ -103,6 +112,19 @@ def main(argv=None) -> int:
         host, gpu, wall = (statistics.median(x[k] for x in got[r]) for k in range(3))
         bound = "-" if not cuda else ("host" if host >= 0.9 * gpu else "gpu")
         print(f"{r:48s} {host:9.3f} {gpu:9.3f} {wall:9.3f}  {bound}")
+    if args.cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(args.cprofile):
+            steps[impls[0]](i)
+        prof.disable()
+        if cuda:
+            torch.cuda.synchronize()
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
+            print(f"--- {impls[0]}: {args.cprofile} steps under cProfile, by {key}")
+            print(out.getvalue().split("\n", 4)[-1] if "function calls" in out.getvalue() else out.getvalue())
     return 0
 
 
