@@ -316,3 +316,41 @@ def test_bench_check_rejects_a_kernel_that_returns_fewer_outputs():
     assert set(full) == {"out0", "out1", "grad0", "grad1"} and max(full.values()) < 1e-2
     with pytest.raises(AssertionError, match="returned 1 outputs, the reference 2"):
         _check(lambda q, k: q * 2, ref, make)(torch.device("cpu"))
+
+
+def test_sweep_rows_put_a_tuned_bucket_pin_back(tmp_path):
+    """A sweep row (`config_sweep` / `fwd_sweep`) pins its config for the case's bucket while it runs;
+    a pin the bucket had before (a tuned config, `apply_tuned`) is back after each step, so the
+    rows timed later (``ours`` among them, interleaved) run the tuned config, not the bucket's
+    default; with no pin before, none is left."""
+    import torch
+
+    from onboarding.bench.cases import config_sweep, fwd_sweep
+    from onboarding.generate import templating
+
+    mod = templating.load_module(templating.write_module(templating.render("rmsnorm", "plain", {}),
+                                                         tmp_path / "rmsnorm_plain.py"))
+    size = 64
+    bucket = mod.shape_bucket(size)
+    key = next(k for k, vals in mod.TUNING_SPACE.items() if len(vals) > 1)
+    own = mod.config_for(size)[key]
+    other = next(v for v in mod.TUNING_SPACE[key] if v != own)
+    seen = []
+
+    def fn(*args):
+        seen.append(mod.config_for(size)[key])
+        return args[0] * 2
+
+    x = torch.randn(3, size, requires_grad=True)
+    sets, grads = [(x,)], [torch.ones(3, size)]
+    for tuned in (None, {key: other}):
+        mod.set_config(tuned, bucket=bucket)
+        before = mod.config_for(size)
+        steps = {**config_sweep(mod, fn, sets, grads, size, [{key: own}, {key: other}]),
+                 **fwd_sweep(mod, fn, sets, size, [{key: own}])}
+        for step in steps.values():
+            step(0)
+            assert mod.config_for(size) == before, (tuned, step)
+        assert mod._TUNED.get(bucket) == tuned
+    assert seen[:3] == [own, other, own]  # each row ran its own pin
+    mod.set_config(None, bucket=bucket)

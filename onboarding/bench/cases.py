@@ -132,26 +132,27 @@ def bf16_check(ours: Callable, ref: Callable, make: Callable[[torch.dtype], tupl
     return check
 
 
+def _pinned(mod, bucket: str, full: dict, step: Step) -> Step:
+    """`step` with `full` pinned for `bucket` while it runs. The bucket's own pin from before (a
+    tuned config `apply_tuned` set) is put back after, not cleared: `set_config(None, bucket)`
+    alone would drop it for every row timed later."""
+    def run(i: int):
+        prev = mod._TUNED.get(bucket)
+        mod.set_config(full, bucket=bucket)
+        try:
+            return step(i)
+        finally:
+            mod.set_config(prev, bucket=bucket)
+    return run
+
+
 def config_sweep(mod, fn: Callable, sets, grads, size: int, configs: list[dict[str, int]]
                  ) -> dict[str, Callable]:
     """Extra ``ours@cfg`` steps, one per config (keys from the module's TUNING_SPACE, the rest
     from its bucket's config); each pins its config for the size's bucket while it runs."""
-    bucket = mod.shape_bucket(size)
-    base = mod.config_for(size)
-    steps = {}
-    for cfg in configs:
-        full = {**base, **cfg}
-        label = "ours@" + ",".join(f"{k}={v}" for k, v in cfg.items())
-
-        def step(i, full=full):
-            mod.set_config(full, bucket=bucket)
-            try:
-                return fwd_bwd(fn, sets, grads)(i)
-            finally:
-                mod.set_config(None, bucket=bucket)
-
-        steps[label] = step
-    return steps
+    bucket, base = mod.shape_bucket(size), mod.config_for(size)
+    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()):
+            _pinned(mod, bucket, {**base, **cfg}, fwd_bwd(fn, sets, grads)) for cfg in configs}
 
 
 def anchors(eager: Callable, ours: Callable, sets, grads, liger: Callable | None):
@@ -173,16 +174,8 @@ def fwd_only(fn: Callable, sets: list[tuple]) -> Step:
 def fwd_sweep(mod, fn: Callable, sets, size: int, configs: list[dict]) -> dict[str, Step]:
     """Forward-only ``ours@cfg`` steps, each pinning its config for the size's bucket while it runs."""
     bucket, base = mod.shape_bucket(size), mod.config_for(size)
-    def pinned(full: dict) -> Step:
-        def step(i: int):
-            mod.set_config(full, bucket=bucket)
-            try:
-                return fwd_only(fn, sets)(i)
-            finally:
-                mod.set_config(None, bucket=bucket)
-        return step
-
-    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()): pinned({**base, **cfg}) for cfg in configs}
+    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()):
+            _pinned(mod, bucket, {**base, **cfg}, fwd_only(fn, sets)) for cfg in configs}
 
 
 def routing(kind: str, n: int, e: int, k: int, device: torch.device,
