@@ -145,3 +145,17 @@ def test_tiny_step_our_code_reads_nothing_on_the_host(tmp_path, monkeypatch):
                   if op == "cumsum" and "moe_ep.py" in line)
     assert cumsums == 2, cost.by_line(owner="onboarding")
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in res["rows"])
+
+
+def test_host_cost_counts_allocations_apart_from_launches_and_views():
+    """`HostCost.allocations`: tensors allocated without a fill (no device launch, but a call into
+    the caching allocator on the host), counted among the view ops and by themselves."""
+    with counting() as mode:
+        a = torch.empty(3, 4)
+        b = torch.empty_like(a)
+        a.new_empty(2)
+        a.view(4, 3).t()
+        b.fill_(1.0)
+    cost = mode.cost
+    assert cost.allocations == cost.summary()["allocations"] == 3, dict(cost.ops)
+    assert cost.total("launch") == 1 and cost.total("view") >= 5, dict(cost.ops)

@@ -40,6 +40,9 @@ VIEW_OPS = frozenset((
     "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_neg_view", "_conj",
     "set_", "resize_", "is_same_size", "_has_compatible_shallow_copy_type", "sym_size",
     "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size", "stride", "numel"))
+# the "view" ops that allocate: no device launch, but each one is a call into the CUDA caching
+# allocator on the host (counted by `HostCost.allocations`)
+ALLOC_OPS = frozenset(("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
 # ops that return an input (or a view of it) when nothing needs converting: a launch only when
 # their output has a storage of its own
 MAYBE_VIEW_OPS = frozenset(("to", "contiguous", "reshape", "flatten", "type_as"))
@@ -117,6 +120,11 @@ class HostCost:
         """Device launches a GPU would see: non-view aten ops plus Triton kernels."""
         return self.total("launch") + sum(self.triton.values())
 
+    @property
+    def allocations(self) -> int:
+        """Tensors allocated without a fill (`ALLOC_OPS`): no launch, but host time in the allocator."""
+        return sum(n for (_, _, _, op), n in self.ops.items() if op in ALLOC_OPS)
+
     def by_owner(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
         for (kind, owner, *_), n in self.ops.items():
@@ -137,7 +145,8 @@ class HostCost:
 
     def summary(self) -> dict:
         return {"launches": self.launches, "aten_launch_ops": self.total("launch"),
-                "view_ops": self.total("view"), "triton_launches": sum(self.triton.values()),
+                "view_ops": self.total("view"), "allocations": self.allocations,
+                "triton_launches": sum(self.triton.values()),
                 "syncs": sum(self.syncs.values()), "by_owner": self.by_owner(),
                 "sync_lines": {f"{line} {what}": n for (line, what), n in self.syncs.items()}}
 
