@@ -36,16 +36,7 @@ import statistics
 import sys
 import time
 
-from ncu_step import tiny_case  # the same tiny cases as the Nsight Compute driver
-
-
-
-def pick(family: str, pattern: str | None, impls: list[str], cpu: bool):
-    from onboarding.bench.cases import cases_for, select_cases
-
-    cases = [tiny_case(family)] if cpu else cases_for([family])
-    picked = select_cases(cases, [pattern] if pattern and not cpu else None, impls)
-    return picked[0]
+from ncu_step import pick_case  # the same case picking (and tiny CPU cases) as the Nsight Compute driver
 
 
 def measure(step, steps: int, cuda: bool, torch) -> tuple[float, float, float]:
@@ -89,7 +80,7 @@ def main(argv=None) -> int:
 
     impls = split_impls(args.impl)
     device = torch.device("cpu" if args.cpu else "cuda")
-    case = pick(args.family, args.case, impls, args.cpu)
+    case = pick_case(args.family, args.case, impls, args.cpu)
     steps = case.setup(device)
     missing = [r for r in impls if r not in steps]
     if missing:

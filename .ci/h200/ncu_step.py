@@ -59,11 +59,12 @@ def tiny_case(family: str):
     raise SystemExit(f"--cpu knows {sorted(TINY)}, not {family}")
 
 
-def pick_case(family: str, pattern: str | None, impl: str, cpu: bool):
+def pick_case(family: str, pattern: str | None, impls: list[str], cpu: bool):
+    """The first bench case of `family` that `pattern` picks and that times `impls` (host_step.py too)."""
     from onboarding.bench.cases import cases_for, select_cases
 
     cases = [tiny_case(family)] if cpu else cases_for([family])
-    picked = select_cases(cases, [pattern] if pattern and not cpu else None, [impl])
+    picked = select_cases(cases, [pattern] if pattern and not cpu else None, impls)
     if len(picked) > 1:
         print(f"{len(picked)} cases match {pattern!r}: {[c.name for c in picked]}; the first runs")
     return picked[0]
@@ -83,7 +84,7 @@ def run(args) -> int:
     from onboarding.testing.launches import Launches  # kernel name -> launches (warm-ups not counted)
 
     device = torch.device("cpu" if args.cpu else "cuda")
-    case = pick_case(args.family, args.case, impl, args.cpu)
+    case = pick_case(args.family, args.case, [impl], args.cpu)
     steps = case.setup(device)
     if impl not in steps:
         print(f"{case.name}: no row {impl}; rows {sorted(steps)}")

@@ -146,13 +146,18 @@ def _pinned(mod, bucket: str, full: dict, step: Step) -> Step:
     return run
 
 
+def _sweep(mod, size: int, configs: list[dict], step: Step) -> dict[str, Step]:
+    """``ours@cfg`` rows of `step`, one per config (keys from the module's TUNING_SPACE, the rest
+    from the size's bucket), each pinning its config for that bucket while it runs (`_pinned`)."""
+    bucket, base = mod.shape_bucket(size), mod.config_for(size)
+    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()): _pinned(mod, bucket, {**base, **cfg}, step)
+            for cfg in configs}
+
+
 def config_sweep(mod, fn: Callable, sets, grads, size: int, configs: list[dict[str, int]]
                  ) -> dict[str, Callable]:
-    """Extra ``ours@cfg`` steps, one per config (keys from the module's TUNING_SPACE, the rest
-    from its bucket's config); each pins its config for the size's bucket while it runs."""
-    bucket, base = mod.shape_bucket(size), mod.config_for(size)
-    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()):
-            _pinned(mod, bucket, {**base, **cfg}, fwd_bwd(fn, sets, grads)) for cfg in configs}
+    """Extra forward + backward ``ours@cfg`` steps (`_sweep`)."""
+    return _sweep(mod, size, configs, fwd_bwd(fn, sets, grads))
 
 
 def anchors(eager: Callable, ours: Callable, sets, grads, liger: Callable | None):
@@ -172,10 +177,8 @@ def fwd_only(fn: Callable, sets: list[tuple]) -> Step:
 
 
 def fwd_sweep(mod, fn: Callable, sets, size: int, configs: list[dict]) -> dict[str, Step]:
-    """Forward-only ``ours@cfg`` steps, each pinning its config for the size's bucket while it runs."""
-    bucket, base = mod.shape_bucket(size), mod.config_for(size)
-    return {"ours@" + ",".join(f"{k}={v}" for k, v in cfg.items()):
-            _pinned(mod, bucket, {**base, **cfg}, fwd_only(fn, sets)) for cfg in configs}
+    """Forward-only ``ours@cfg`` steps (`_sweep`)."""
+    return _sweep(mod, size, configs, fwd_only(fn, sets))
 
 
 def routing(kind: str, n: int, e: int, k: int, device: torch.device,
