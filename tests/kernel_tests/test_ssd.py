@@ -851,6 +851,29 @@ def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     assert_within_bars(errs, ("y", "final_state"), 5e-3, 1e-2)
 
 
+def test_bf16_vs_fp32_on_gpu_no_final_state_grad(module, device):
+    """GPU, the default tiles, the training step whose final state gets no gradient (v25's pull
+    without `HAS_DHT`: no d(final state) tensor, no fill): the same Mamba-2 head, T 1000 and
+    initial state as test_bf16_vs_fp32_on_gpu, y alone back-propagated, both with the final state
+    not asked for and asked for and left out of the loss. Same bars."""
+    if device.type != "cuda":
+        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
+    low, full, dy, _ = _low_and_full((2, 1000, 8, 64, 2, 128), torch.bfloat16, device)
+
+    def run(inputs, final: bool):
+        inputs = [a.clone().requires_grad_() for a in inputs]
+        out = module.ssd_scan(*inputs[:7], initial_state=inputs[7], return_final_state=final)
+        y = out[0] if final else out
+        return [y, *torch.autograd.grad(y, inputs, dy.to(y.dtype))]
+
+    names = ["y", *_BAR_NAMES[2:]]
+    for final in (False, True):
+        got, ref = run(low, final), run(full, final)
+        errs = {f"{k}_final{int(final)}": ((a.float() - r.float()).norm() / r.float().norm()).item()
+                for k, a, r in zip(names, got, ref)}
+        assert_within_bars(errs, ("y",), 5e-3, 1e-2)
+
+
 _BAR_NAMES = ["y", "final_state", "dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dinitial_state"]
 
 
