@@ -53,7 +53,6 @@ def main() -> None:
            "    i = tl.program_id(0)\n"
            "    if i < 0:\n"
            "        tl.store(p0 + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32) + n0)\n")
-    ns = {"tl": tl, "triton": triton}
     path = f"/tmp/launch_cost_{a.args}.py"
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\n\n@triton.jit\n" + src)
