@@ -188,8 +188,16 @@ FAMILY = FamilySpec(
     # unchanged. v31: `aot_specs` declares the prepare's register caps as `_prepare` launches it
     # (`prep_maxnreg`; `rows_maxnreg` for the no-grad row-factor prepare, k_le_128's 168), which the AOT
     # build now takes; GDN only, kernels unchanged. v32: that cap rule is one helper, `_prep_maxnreg`,
-    # for the launch and the specs (the same caps). History: docs/LOG.md.
-    template_version=32,
+    # for the launch and the specs (the same caps). v33 (host cost of the training step; the kernels' maths
+    # unchanged): the reverse state pass takes HAS_DHT, so an unused final state needs no torch.zeros
+    # d(final state) (the bwd op's dht is Optional; AOT specs both builds, the training step's False);
+    # the wy kernel stores dbeta in beta's dtype (each once: no cast launch after); host grids and
+    # powers of two by plain helpers (`_cdiv`, `_npow2`: triton's are constexpr functions, ~1.5-2 us a
+    # host call); `_tiles` cached per (shape, dtype, device, mode) and the pins it was computed under,
+    # with the config in it (`cfg`, read there in place of `config_for`) (test_training_step_host_cost;
+    # KDA shares all but the dbeta store, which its "ksplit" row sums take too).
+    # History: docs/LOG.md.
+    template_version=33,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

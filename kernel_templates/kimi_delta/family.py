@@ -197,6 +197,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v52 (with the base's v33; host cost of the training step, the kernels' maths unchanged): no torch.zeros
+    # d(final state) when the final state has no gradient (the reverse state pass's HAS_DHT), `_cdiv` / `_npow2`
+    # on the host, `_tiles` cached (a pin still applies: test_training_step_host_cost); "ksplit"'s row-sum
+    # kernel stores dbeta in beta's dtype (no cast launch after; "tiles", "serial", "fused" and "ktiles" keep
+    # it fp32 and cast: "ktiles" adds K tiles' shares by atomics).
     # v51: `kda_qkt_cold` "split" (off; above) replaces "call": the qkt kernel's chunk-tier launch flags the
     # tiles that do not fit it, a second launch runs those with every tier (SPLIT, p_flag: the base template's
     # "tiles" launch and the default's build unchanged, sm_90 PTX equal but for debug sections); it faults on
@@ -226,7 +231,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=51,
+    template_version=52,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
