@@ -21,6 +21,7 @@ from onboarding.families import family_module
 gated_delta = family_module("gated_delta")
 from onboarding.graph.opgraph import Block
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
+from onboarding.testing.bounds import interpreting
 from onboarding.testing.tolerance import assert_close, tolerance_for
 from onboarding.testing.tolerance import rel_rms as rel
 
@@ -992,3 +993,73 @@ def test_bf16_vs_fp32_on_gpu_fwd_o(cfg, case, slow):
         check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow, no_grad=True)
     finally:
         module.set_config(prev)
+
+
+# Host cost of one training step (forward + backward of o alone, no final-state gradient), counted by
+# `onboarding.testing.hostcost` on the interpreter: Triton launches, aten ops that would launch on a
+# GPU, allocations, host syncs. The bench's inputs (bf16 q, k, v, beta, an fp32 log decay g, the
+# in-kernel l2norm) at B1 T37 HK1 HV2 K=V=32 (the K <= 64 bucket's own config) and the CPU chunk.
+# Template v33 (GDN) / v52 (KDA): no aten launch (v32 / v51 filled a zero d(final state) by
+# torch.zeros, and GDN cast dbeta to beta's dtype after the wy kernel; KDA still casts, below).
+HOST_CASE = Case(HK=1, HV=2, T=37, l2=True, h0=False)
+
+
+def _counted_step(module, per_channel: bool, case: Case = HOST_CASE):
+    from onboarding.testing.hostcost import counting
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta, *_ = make_inputs(case, per_channel, torch.float32, DEVICE, gen)
+    leaves = [x.to(torch.bfloat16) if x is not g else x for x in (q, k, v, g, beta)]
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    do = torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(torch.bfloat16)
+    with counting() as mode:
+        o, _ = module.entry(*leaves, None, None, False, case.l2)
+        torch.autograd.grad(o, leaves, do)
+    return mode.cost
+
+
+def check_training_step_host_cost(spec, per_channel: bool, triton: int, aten: int, allocations: int,
+                                  pin: dict, pinned_triton: int, pinned_aten: int | None = None) -> None:
+    """The bucket's training step issues `triton` Triton launches, `aten` aten ops that launch on a
+    GPU, at most `allocations` allocations and no host sync. Then a bucket pin made after that warm
+    step (`pin`) changes the next step (`pinned_triton` launches, `pinned_aten` aten launches when
+    given) and the tiles `_tiles` returns, and clearing it restores both: the tiles kept per shape
+    (`_tiles`' cache) follow `set_config`."""
+    module = load(spec)
+    K, V = HOST_CASE.K, HOST_CASE.V
+    module.set_config(None)  # the bucket's own config, not the CPU tests' all-shapes pin
+    bucket = module.shape_bucket(K)
+    try:
+        cost = _counted_step(module, per_channel)
+        summary = cost.summary()
+        assert summary["triton_launches"] == triton, dict(cost.triton)
+        assert summary["aten_launch_ops"] == aten, cost.by_line()
+        assert summary["allocations"] <= allocations, (summary["allocations"], cost.by_line(kind="view"))
+        assert summary["syncs"] == 0, summary["sync_lines"]
+        tiles = dict(module._tiles(K, V, torch.bfloat16, DEVICE))
+        module.set_config(pin, bucket=bucket)
+        pinned = _counted_step(module, per_channel)
+        assert summary["triton_launches"] != pinned_triton
+        assert pinned.summary()["triton_launches"] == pinned_triton, dict(pinned.triton)
+        assert pinned_aten is None or pinned.summary()["aten_launch_ops"] == pinned_aten, pinned.by_line()
+        assert pinned.summary()["syncs"] == 0, pinned.summary()["sync_lines"]
+        assert {key: module._tiles(K, V, torch.bfloat16, DEVICE)["cfg"][key] for key in pin} == pin
+        module.set_config(None, bucket=bucket)
+        again = _counted_step(module, per_channel)
+        assert dict(again.triton) == dict(cost.triton), (dict(again.triton), dict(cost.triton))
+        assert dict(module._tiles(K, V, torch.bfloat16, DEVICE)) == tiles
+    finally:
+        module.set_config(None, bucket=bucket)
+        module.set_config(CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"})
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda" or not interpreting(),
+                    reason="counts the Triton interpreter's launches on CPU tensors")
+def test_training_step_host_cost():
+    """GDN at the K <= 64 bucket (`fwd_o` "split"): prepare, state pass, output, reverse state pass,
+    wy kernel, group sum: 6 launches; no aten launch (v32: the zeros d(final state) and dbeta's cast);
+    24 allocations (the prepare's 8 outputs, S_c, v_new, the final state, o; the backward's dS, du, d
+    initial state, dv, dg, dbeta, dq, dk, two per-value-head slots, the l2norm's row dots; and the
+    empty d initial state returned). Pinning `fwd_o` "fused" drops the output launch."""
+    check_training_step_host_cost(gated_delta.FAMILY, False, triton=6, aten=0, allocations=24,
+                                  pin={"fwd_o": "fused"}, pinned_triton=5)

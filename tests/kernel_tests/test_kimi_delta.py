@@ -16,8 +16,8 @@ from kernel_cases import DEVICE, OPCHECK_SPLIT, LaunchSpy, assert_within_bars, f
 from test_gated_delta import (
     CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_aot_specs_are_the_launches,
     check_backward_is_triton, check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path,
-    check_prepare_vs_torch, check_state_bv_fills_gpu, dot_modes_on_cpu, fixture, grads_of, load, make_inputs,
-    transformers_fns,
+    check_prepare_vs_torch, check_state_bv_fills_gpu, check_training_step_host_cost, dot_modes_on_cpu, fixture,
+    grads_of, load, make_inputs, transformers_fns,
 )
 
 from onboarding.families import family_module
@@ -269,7 +269,7 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     calls = []
     if DEVICE.type == "cpu":  # interpreted: the jit helpers and kernels go through the module globals
-        for name, bc in (("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9)):
+        for name, bc in (("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9), ("_kda_qkt_chunk_dots", None)):
             fn = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
@@ -287,8 +287,9 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
                    + ["kda_chunk_bwd_qkt_kernel"] * (cfg.get("kda_qkt_cold") == "split"))  # its cold launch
         assert [c for c in calls if c.startswith("kda_")] == kernels, calls
         tiers = {c for c in calls if not c.startswith("kda_")}
-        if mixed:
-            assert tiers == {"_kda_gram_bwd", "_kda_gram_bwd_dots/16", "_kda_gram_bwd_dots/64"}, tiers
+        if mixed:  # under "split" the hot launch's chunk tier is its own (`_kda_qkt_chunk_dots`: v53)
+            chunk = "_kda_qkt_chunk_dots" if cfg.get("kda_qkt_cold") == "split" else "_kda_gram_bwd_dots/64"
+            assert tiers == {"_kda_gram_bwd", "_kda_gram_bwd_dots/16", chunk}, tiers
         elif not l2:
             assert tiers == {"_kda_gram_bwd_dots/64"}, tiers
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
@@ -970,3 +971,16 @@ def test_bf16_vs_fp32_on_gpu_fwd_sweep(cfg):
 @pytest.mark.parametrize("case,slow", GPU_CASES)
 def test_bf16_vs_fp32_on_gpu_fwd_o(cfg, case, slow):
     _sweep_row_bars(cfg, case, slow, no_grad=True)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda" or not interpreting(),
+                    reason="counts the Triton interpreter's launches on CPU tensors")
+def test_training_step_host_cost():
+    """KDA's training step at the K <= 64 bucket (`kda_qk` "tiles", `fwd_o` "split"; the bench's inputs,
+    `test_gated_delta.HOST_CASE`): prepare, state pass, output, reverse state pass, wyt and qkt kernels: 6
+    launches; one aten launch, dbeta's cast to beta's dtype ("tiles" keeps dbeta fp32; v51 also filled a
+    zeros d(final state)); at most 29 allocations, no sync. Then the k_le_128 bucket's backward pinned
+    (`kda_qk` "ksplit": the wyvp, wykp, row-sum and qkt kernels) after that warm step: 8 launches and no
+    aten launch (its row sums store dbeta in beta's dtype); cleared, the step is the bucket's again."""
+    check_training_step_host_cost(kimi_delta.FAMILY, True, triton=6, aten=1, allocations=29,
+                                  pin={"kda_qk": "ksplit"}, pinned_triton=8, pinned_aten=0)
