@@ -113,11 +113,24 @@ PARAMS = _base.PARAMS
 #   0 / 0, 20 KB | 255, 8 / 8; hot BK 16 136, 0 / 0, 18 KB | 140, 0 / 0 (three programs per SM, uncapped);
 #   capped at 168 151 | 148, 0 / 0; the cold builds are the default's under their flag (BK 32 255, 1064 /
 #   1796, 36 KB | 1308 / 1684; BK 16 255, 0 / 0); the one-launch default BK 32 255, 1052 / 1780 | 1280 / 1652.
-#   **It faults on an H100** (torch 2.11, triton 3.6; fortieth session, call 5): both bench rows
+#   **v51 faulted on an H100** (torch 2.11, triton 3.6; fortieth session, call 5): both bench rows
 #   (`ours@kda_qk=ksplit+kda_qkt_cold=split`, and with `kda_qk_bk` 16 + `kda_qkt_maxnreg` 168) raised "an illegal
-#   memory access" at B1 T8192 H32 D128, HV = HK, where "call" had run; the cause is unknown (the CPU bounds
-#   check passes both launches). Off, kept for a compute-sanitizer run (.ci/h200/README.md); never a default
-#   before its GPU bars pass.
+#   memory access" at B1 T8192 H32 D128, HV = HK, where "call" had run (the CPU bounds check passes both
+#   launches). compute-sanitizer (forty-first session): "Out-of-range shared or local address" at
+#   kda_chunk_bwd_qkt_kernel+0x64b0, `_dot`'s bf16 line. The cause (helper kda41, sm_90 builds with triton 3.6
+#   on the CPU): the hot launch's build, a ptxas 12.8 miscompile. Its PTX is right (20480 B of shared: dM at 0,
+#   dQ at 8192, a B operand at 16384), but the chunk tier's fourth dot (dQ^T (q e)) takes its B operand at
+#   offset 0, where the dead dM's A operand was, and ptxas builds that wgmma's K steps 2-4 (SASS 0x64b0, 0x6500,
+#   0x6730) with B descriptors from the shared base register (low word base + 0x40, high word base +
+#   0x80000020: stride 16896 B for 512), so they read past the CTA's shared memory: 0x64b0 is the
+#   sanitizer's address. Also at BK 16 (stride 16640 for 256) and at G 2; the default's and the cold launch's
+#   builds are right (their allocation differs); ptxas 12.9 (triton 3.9) builds the same PTX right.
+#   v52-v53 (`_kda_qkt_chunk_dots`, the hot launch's own chunk tier, the same values: the column side's dots
+#   first, so no B operand takes dM's or dQ's memory): every wgmma descriptor of the qkt builds read back from
+#   the SASS is right (tests/kernel_tests/sass_hgmma.py; test_aot_sm90_qkt_wgmma_descriptors fails on v51 with
+#   triton 3.6); triton 3.6 | 3.9: hot BK 32 247 | 239 registers, 0 spills, 20 KB; capped BK 16 147 | 139; the
+#   default's and cold builds' SASS unchanged. Untimed and not yet run on a GPU: off, never a default before
+#   .ci/h200/kda_split_check.sh (memcheck, GPU bars, bench) passes.
 # A removed value: v49-v50's "call" (the chunk tier inline, any other tile's three tiers in `_kda_qkt_cold`, a
 #   Triton `noinline` function the kernel called): on an H100 (torch 2.11, triton 3.6; fortieth session) fwd+bwd
 #   3.828 ms wall / 3.235 by CUDA graph against the default's 4.008 / 3.507 at B1 T8192 H32 D128 (HV = HK; the
@@ -197,11 +210,18 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v53 (its notes and tests; the render is v52's, whose commit took this change from the shared working
+    # tree): the hot launch of `kda_qkt_cold` "split" (SPLIT 1) runs its chunk tier by `_kda_qkt_chunk_dots`
+    # (`_kda_gram_bwd_dots` at BC = BT, its dots reordered: v51's build by ptxas 12.8 read shared memory out
+    # of range, above); the default's and the cold launch's builds unchanged (sm_90 SASS equal, triton 3.6).
     # v52 (with the base's v33; host cost of the training step, the kernels' maths unchanged): no torch.zeros
     # d(final state) when the final state has no gradient (the reverse state pass's HAS_DHT), `_cdiv` / `_npow2`
     # on the host, `_tiles` cached (a pin still applies: test_training_step_host_cost); "ksplit"'s row-sum
     # kernel stores dbeta in beta's dtype (no cast launch after; "tiles", "serial", "fused" and "ktiles" keep
-    # it fp32 and cast: "ktiles" adds K tiles' shares by atomics).
+    # it fp32 and cast: "ktiles" adds K tiles' shares by atomics). At the bench's B1 T8192 H32 D128 step: 7 Triton
+    # launches, aten launches 2 -> 0, 32 allocations; host time per fwd+bwd on a CPU (CPU tensors, Triton's
+    # JITFunction.run stubbed, medians of 7 interleaved rounds of 200 steps, v51 against v52): 0.743 -> 0.514 ms
+    # (v51's includes the CPU's own 4 MB zeros fill, a launch on a GPU). Untimed on a GPU.
     # v51: `kda_qkt_cold` "split" (off; above) replaces "call": the qkt kernel's chunk-tier launch flags the
     # tiles that do not fit it, a second launch runs those with every tier (SPLIT, p_flag: the base template's
     # "tiles" launch and the default's build unchanged, sm_90 PTX equal but for debug sections); it faults on
@@ -231,7 +251,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=52,
+    template_version=53,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
