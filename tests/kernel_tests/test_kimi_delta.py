@@ -760,8 +760,8 @@ print(json.dumps(out))
 def test_aot_sm90_qkt_cold():
     """The default's qkt build and both rows of bench.QKT_COLD_SWEEP ("split" at BK 32; at BK 16 with the hot
     launch capped at 168): bf16 wgmma only, no call in any build; the hot launch (SPLIT 1) has the chunk tier's
-    dots alone (a sixth of the three tiers' wgmma), the capped one within 168 registers and no spills (triton
-    3.6: 151; 3.9: 148), the cold launch (SPLIT 2) the default's dots."""
+    dots alone (a sixth of the three tiers' wgmma), the capped one within 168 registers and no spills (v53,
+    triton 3.6: 147; 3.9: 139), the cold launch (SPLIT 2) the default's dots."""
     import json
     import os
     import subprocess
@@ -785,6 +785,44 @@ def test_aot_sm90_qkt_cold():
                                     [1, ["bf16"], False], [2, ["bf16"], False]], got
     assert got[2][3] == got[0][3] and got[1][3] * 6 == got[0][3] and got[3][3] == got[1][3], got
     assert got[3][4] <= 168 and got[3][5] == [0, 0], got
+
+
+@pytest.mark.slow  # sm_90 builds (twelve, ~60 s on a cold Triton cache)
+def test_aot_sm90_qkt_wgmma_descriptors():
+    """The qkt kernel's sm_90 builds (the default's and both rows of bench.QKT_COLD_SWEEP, G 1 and 2) address
+    shared memory as their PTX says: every wgmma's descriptors read back from the SASS (`sass_hgmma`) start
+    inside the allocation with a stride and swizzle the PTX builds, and the hot launch's (SPLIT 1) at G 1 are
+    all decoded. v51's hot launch failed it with triton 3.6 (ptxas 12.8): its chunk tier's fourth dot took its K
+    steps' B descriptors from the shared base register (stride 16896 B), the wgmma that compute-sanitizer
+    found reading out of range on an H100; v53's `_kda_qkt_chunk_dots` order builds right (triton 3.9 built
+    v51 right too)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import sass_hgmma
+
+    from onboarding.generate import aot, templating
+    ok, why = aot.aot_available()
+    if not ok:
+        pytest.skip(f"triton cannot compile ahead of time here: {why}")
+    source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
+    path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    configs = [{}, *kimi_delta.bench.QKT_COLD_SWEEP]
+    run = subprocess.run([sys.executable, sass_hgmma.__file__, "--aot", str(path), "kda_chunk_bwd_qkt_kernel",
+                          json.dumps(configs), json.dumps([{}, {"G": 2}])],
+                         capture_output=True, text=True, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert [g["SPLIT"] for g in got] == [0, 0, 1, 2, 1, 2, 1, 2, 1, 2], got
+    assert all(g["hgmma"] > 0 and not g["flags"] for g in got), [(g["SPLIT"], g["override"], g["flags"]) for g in got]
+    # not vacuous: the hot launch's descriptors at G 1 all decoded (at G 2 triton 3.9 moves some A descriptors
+    # through vector registers, which the straight-line evaluation does not follow)
+    assert all(not g["unknown"] for g in got if g["SPLIT"] == 1 and not g["override"]), got
 
 
 def test_fp16_dot_path(monkeypatch):
