@@ -484,12 +484,14 @@ GPU_CASES = [pytest.param(Case(HK=2, HV=4, T=1000, l2=True, h0=True, K=128, V=12
 
 
 def check_bf16_vs_fp32_gpu(spec, per_channel: bool, case: Case = GPU_CASES[0].values[0], slow: bool = False,
-                           no_grad: bool = False) -> None:
+                           no_grad: bool = False, final_grad: bool = True) -> None:
     """GPU: the bf16 kernels (16-bit dots) against the fp32 kernels (exact fp32 dots, themselves
     checked against the naive recurrence) on the same bf16-representable inputs (`case`, `slow`
     decays: GPU_CASES) and the GPU chunk: relative RMS <= 5e-3 on o and the final state, <= 1e-2
     on every gradient. `no_grad`: first the forward without training too (o and the final state;
-    GDN's `fwd_o` "fused" and `fused_kq` "rows" take other paths there)."""
+    GDN's `fwd_o` "fused" and `fused_kq` "rows" take other paths there). `final_grad` False: o alone
+    back-propagated (the final state returned, left out of the loss: the reverse state pass without
+    a d(final state), `HAS_DHT` False since GDN v33 / KDA v52)."""
     if DEVICE.type != "cuda":
         pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
     module = load(spec, {"chunk_size": 64})
@@ -505,9 +507,16 @@ def check_bf16_vs_fp32_gpu(spec, per_channel: bool, case: Case = GPU_CASES[0].va
         errs = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
                 for n, a, b in zip(("o", "final_state"), outs, ref_outs)}
         assert all(e <= 5e-3 for e in errs.values()), f"forward without training over the bar: {errs}"
-    outs, grads = grads_of(module.entry, args, [douts[0].bfloat16(), douts[1]])
-    ref_outs, ref_grads = grads_of(module.entry, ref_args, douts)
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    if final_grad:
+        outs, grads = grads_of(module.entry, args, [douts[0].bfloat16(), douts[1]])
+        ref_outs, ref_grads = grads_of(module.entry, ref_args, douts)
+    else:
+        def o_only(*a):
+            return module.entry(*a)[:1]
+        outs, grads = grads_of(o_only, args, [douts[0].bfloat16()])
+        ref_outs, ref_grads = grads_of(o_only, ref_args, douts[:1])
+        names.remove("final_state")
     errs = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
             for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
     assert_within_bars(errs, ("o", "final_state"), 5e-3, 1e-2)
@@ -976,6 +985,10 @@ def test_state_tile_fills_the_gpu(monkeypatch):
 @pytest.mark.parametrize("case,slow", GPU_CASES)
 def test_bf16_vs_fp32_on_gpu(case, slow):
     check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow)
+
+
+def test_bf16_vs_fp32_on_gpu_no_final_state_grad():
+    check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, final_grad=False)
 
 
 # The bench's `fwd_o` and `prep_pipe` rows (bench.FWD_O_SWEEP, bench.PREP_SWEEP): each within the

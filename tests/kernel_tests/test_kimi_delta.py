@@ -838,6 +838,10 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
     check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True, case, slow)
 
 
+def test_bf16_vs_fp32_on_gpu_no_final_state_grad():
+    check_bf16_vs_fp32_gpu(kimi_delta.FAMILY, True, final_grad=False)
+
+
 # The GPU's 16-bit path on the interpreter, which computes fp16 right (not bf16): fp16 inputs with
 # `_dot_mode` forced to "fp16" (kernel_cases.fp16_dot_path) take the bf16 path's 16-bit dots and
 # 16-bit stored intermediates, against the fp32 path (exact dots) on the same fp16-representable
