@@ -201,6 +201,9 @@ FAMILY = FamilySpec(
     # of 200 steps, v32 against v33 in one process): 0.650 -> 0.452 ms, again 0.915 -> 0.443 (a loaded
     # CPU); ~80 us of v32's is the CPU's own 4 MB zeros fill, a launch on a GPU. Untimed on a GPU; the
     # H100 measured the step host-bound at v32 (host 1.772 ms, GPU 1.795; `.ci/h200/host_step.py`).
+    # sm_90 builds (bf16, K = V = 128, every integer marked; registers / spill bytes, triton 3.6 | 3.9):
+    # the reverse state pass at HAS_DHT False 255 / 0 | 255 / 20 (True, v32's build: 255 / 24 | 255 / 124),
+    # the same 216 KB of shared memory; the wy kernel with a bf16 dbeta 255 / 76 | 255 / 128 (v32 76 | 112).
     # History: docs/LOG.md.
     template_version=33,
     folder=Path(__file__).parent,
