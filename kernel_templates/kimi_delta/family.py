@@ -222,8 +222,9 @@ FAMILY = FamilySpec(
     # launches, aten launches 2 -> 0, 32 allocations; host time per fwd+bwd on a CPU (CPU tensors, Triton's
     # JITFunction.run stubbed, medians of 7 interleaved rounds of 200 steps, v51 against v52): 0.743 -> 0.514 ms
     # (v51's includes the CPU's own 4 MB zeros fill, a launch on a GPU). Untimed on a GPU. sm_90 builds (bf16,
-    # K = V = 128, every integer marked; triton 3.6 | 3.9): the reverse state pass 248 | 250 registers at either
-    # HAS_DHT, no spills; the row sums with a bf16 dbeta 62 registers (v51 56), 4 KB of shared memory (v51 0).
+    # K = V = 128, every integer marked; triton 3.6 | 3.9): the reverse state pass at HAS_DHT False 250 | 250
+    # registers, True (v51's build) 248 | 250, no spills; the row sums with a bf16 dbeta 62 registers (v51 56), 4 KB
+    # of shared memory (v51 0).
     # v51: `kda_qkt_cold` "split" (off; above) replaces "call": the qkt kernel's chunk-tier launch flags the
     # tiles that do not fit it, a second launch runs those with every tier (SPLIT, p_flag: the base template's
     # "tiles" launch and the default's build unchanged, sm_90 PTX equal but for debug sections); it faults on
