@@ -204,8 +204,13 @@ FAMILY = FamilySpec(
     # sm_90 builds (bf16, K = V = 128, every integer marked; registers / spill bytes, triton 3.6 | 3.9):
     # the reverse state pass at HAS_DHT False 255 / 0 | 255 / 20 (True, v32's build: 255 / 24 | 255 / 124),
     # the same 216 KB of shared memory; the wy kernel with a bf16 dbeta 255 / 76 | 255 / 128 (v32 76 | 112).
-    # History: docs/LOG.md.
-    template_version=33,
+    # On an H100 (`host_step.py --family gated_delta --case '^B1T8192' --impl ours --steps 20 --rounds 5`,
+    # forty-first session) v33's step: host 0.768 ms, GPU 1.590, synced wall 1.779 (v32, an earlier
+    # machine of the same kind: 1.772 / 1.795 / 2.349, host-bound): GPU-bound now; GPU bars passed.
+    # v34: a `_tiles` hit also takes equal pins set again (a bench sweep row pins a new dict of the same
+    # values before each step: v33 recomputed its tiles every step, so option rows paid host time the
+    # default row did not). History: docs/LOG.md.
+    template_version=34,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

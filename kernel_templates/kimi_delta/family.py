@@ -210,6 +210,10 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v54 (with the base's v34): a `_tiles` hit also takes equal pins set again (bench sweep rows). On an H100
+    # (forty-first session, `host_step.py`) v52's step: host 1.108 ms, GPU 3.466, wall 3.639 (v51: 1.490 /
+    # 3.511 / 3.860); v53's "split" ran memcheck-clean and 6.9% faster by graph in two runs (docs/LOG.md);
+    # its cold-tier GPU test has not finished inside a call yet, so it stays off.
     # v53 (its notes and tests; the render is v52's, whose commit took this change from the shared working
     # tree): the hot launch of `kda_qkt_cold` "split" (SPLIT 1) runs its chunk tier by `_kda_qkt_chunk_dots`
     # (`_kda_gram_bwd_dots` at BC = BT, its dots reordered: v51's build by ptxas 12.8 read shared memory out
@@ -254,7 +258,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=53,
+    template_version=54,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

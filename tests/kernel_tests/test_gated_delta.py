@@ -1068,6 +1068,43 @@ def check_training_step_host_cost(spec, per_channel: bool, triton: int, aten: in
 
 @pytest.mark.skipif(DEVICE.type == "cuda" or not interpreting(),
                     reason="counts the Triton interpreter's launches on CPU tensors")
+def check_tiles_kept_across_equal_pins(spec, monkeypatch) -> None:
+    """`_tiles` computes once per shape while the pins stay equal: a pin of the same values set
+    again as a new dict (a bench sweep row pins before each step) hits the cache (v33 recomputed
+    on every step there); a pin of other values misses, and so does clearing it."""
+    module = load(spec)
+    K, V = HOST_CASE.K, HOST_CASE.V
+    bucket = module.shape_bucket(K)
+    calls = []
+    real = module._tiles_for
+    monkeypatch.setattr(module, "_tiles_for", lambda *a, **k: calls.append(a) or real(*a, **k))
+    prev, prev_all = module._TUNED.get(bucket), module._CONFIG_OVERRIDE
+    module.set_config(None)  # the bucket's pin alone decides (not the CPU tests' all-shapes pin)
+    warps = module.config_for(K)["num_warps"]
+    pin, other = {"num_warps": 2 if warps != 2 else 4}, {"num_warps": 8 if warps != 8 else 4}
+    try:
+        module._TILES_CACHE.clear()
+        module.set_config(dict(pin), bucket=bucket)
+        first = module._tiles(K, V, torch.float32, DEVICE)
+        assert len(calls) == 1 and first["num_warps"] == pin["num_warps"]
+        for _ in range(3):
+            module.set_config(dict(pin), bucket=bucket)  # equal values, a new dict each time
+            assert module._tiles(K, V, torch.float32, DEVICE) is first
+        assert len(calls) == 1, calls
+        module.set_config(other, bucket=bucket)
+        assert module._tiles(K, V, torch.float32, DEVICE)["num_warps"] == other["num_warps"]
+        module.set_config(None, bucket=bucket)
+        assert module._tiles(K, V, torch.float32, DEVICE)["num_warps"] == module.config_for(K)["num_warps"]
+        assert len(calls) == 3, calls
+    finally:
+        module.set_config(prev, bucket=bucket)
+        module.set_config(prev_all)
+
+
+def test_tiles_kept_across_equal_pins(monkeypatch):
+    check_tiles_kept_across_equal_pins(gated_delta.FAMILY, monkeypatch)
+
+
 def test_training_step_host_cost():
     """GDN at the K <= 64 bucket (`fwd_o` "split"): prepare, state pass, output, reverse state pass,
     wy kernel, group sum: 6 launches; no aten launch (v32: the zeros d(final state) and dbeta's cast);

@@ -16,7 +16,7 @@ from kernel_cases import DEVICE, OPCHECK_SPLIT, LaunchSpy, assert_within_bars, f
 from test_gated_delta import (
     CASES, GPU_CASES, WIDE, Case, block, check_against, check_aot, check_aot_bf16_mma, check_aot_specs_are_the_launches,
     check_backward_is_triton, check_bf16_vs_fp32_gpu, check_blockwise_inverse, check_decode, check_fp16_dot_path,
-    check_prepare_vs_torch, check_state_bv_fills_gpu, check_training_step_host_cost, dot_modes_on_cpu, fixture,
+    check_prepare_vs_torch, check_state_bv_fills_gpu, check_tiles_kept_across_equal_pins, check_training_step_host_cost, dot_modes_on_cpu, fixture,
     grads_of, load, make_inputs, transformers_fns,
 )
 
@@ -963,7 +963,8 @@ def test_bf16_vs_fp32_on_gpu_qkt_cold_sweep(cfg):
 # o, the final state and every gradient within 5e-3 of "ksplit"'s one launch (the same operations, two
 # builds; a tile lost or written twice is off by far more).
 @pytest.mark.parametrize("HV", [2, 4], ids=["hv=hk", "grouped"])
-@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.QKT_COLD_SWEEP))
+@pytest.mark.parametrize("cfg", _sweep_rows(tuple(c for c in kimi_delta.bench.QKT_COLD_SWEEP
+                                                   if c.get("kda_qkt_cold") == "split")))
 def test_qkt_split_cold_tiles_on_gpu(monkeypatch, cfg, HV):
     if DEVICE.type != "cuda":
         pytest.skip("the GPU's builds of the two launches (the interpreter's: test_qkt_cold_split_equals_inline)")
@@ -980,7 +981,7 @@ def test_qkt_split_cold_tiles_on_gpu(monkeypatch, cfg, HV):
     flags = []
     name = "kda_chunk_bwd_qkt_kernel"
     monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: flags.append(kw.get("p_flag"))))
-    inline = {k: v for k, v in cfg.items() if k not in ("kda_qkt_cold", "kda_qkt_maxnreg")}  # ("ksplit" as it runs)
+    inline = {**{k: v for k, v in cfg.items() if k != "kda_qkt_maxnreg"}, "kda_qkt_cold": "inline"}  # one launch
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
     for dtype in (torch.bfloat16, torch.float32):
         xs = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
@@ -1026,3 +1027,7 @@ def test_training_step_host_cost():
     aten launch (its row sums store dbeta in beta's dtype); cleared, the step is the bucket's again."""
     check_training_step_host_cost(kimi_delta.FAMILY, True, triton=6, aten=1, allocations=29,
                                   pin={"kda_qk": "ksplit"}, pinned_triton=8, pinned_aten=0)
+
+
+def test_tiles_kept_across_equal_pins(monkeypatch):
+    check_tiles_kept_across_equal_pins(kimi_delta.FAMILY, monkeypatch)
