@@ -756,16 +756,10 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # sm_90 builds (five, ~30 s on a cold Triton cache)
-def test_aot_sm90_qkt_cold():
-    """The default's qkt build and both rows of bench.QKT_COLD_SWEEP ("split" at BK 32; at BK 16 with the hot
-    launch capped at 168): bf16 wgmma only, no call in any build; the hot launch (SPLIT 1) has the chunk tier's
-    dots alone (a sixth of the three tiers' wgmma), the capped one within 168 registers and no spills (v53,
-    triton 3.6: 147; 3.9: 139), the cold launch (SPLIT 2) the default's dots."""
-    import json
+def _qkt_aot_module() -> tuple:
+    """(the rendered chunk module's path, the child's environment, the qkt configs: the default's and
+    bench.QKT_COLD_SWEEP's) for the sm_90 builds of the qkt kernel, or a skip without AOT."""
     import os
-    import subprocess
-    import sys
     import tempfile
     from pathlib import Path
 
@@ -776,7 +770,20 @@ def test_aot_sm90_qkt_cold():
     source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    configs = [{}, *kimi_delta.bench.QKT_COLD_SWEEP]
+    return path, env, [{}, *kimi_delta.bench.QKT_COLD_SWEEP]
+
+
+@pytest.mark.slow  # sm_90 builds (five, ~30 s on a cold Triton cache)
+def test_aot_sm90_qkt_cold():
+    """The default's qkt build and both rows of bench.QKT_COLD_SWEEP ("split" at BK 32; at BK 16 with the hot
+    launch capped at 168): bf16 wgmma only, no call in any build; the hot launch (SPLIT 1) has the chunk tier's
+    dots alone (a sixth of the three tiers' wgmma), the capped one within 168 registers and no spills (v53,
+    triton 3.6: 147; 3.9: 139), the cold launch (SPLIT 2) the default's dots."""
+    import json
+    import subprocess
+    import sys
+
+    path, env, configs = _qkt_aot_module()
     run = subprocess.run([sys.executable, "-c", _QKT_COLD_CHILD, str(path), json.dumps(configs)],
                          capture_output=True, text=True, env=env, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -797,22 +804,12 @@ def test_aot_sm90_qkt_wgmma_descriptors():
     found reading out of range on an H100; v53's `_kda_qkt_chunk_dots` order builds right (triton 3.9 built
     v51 right too)."""
     import json
-    import os
     import subprocess
     import sys
-    import tempfile
-    from pathlib import Path
 
     import sass_hgmma
 
-    from onboarding.generate import aot, templating
-    ok, why = aot.aot_available()
-    if not ok:
-        pytest.skip(f"triton cannot compile ahead of time here: {why}")
-    source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
-    path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    configs = [{}, *kimi_delta.bench.QKT_COLD_SWEEP]
+    path, env, configs = _qkt_aot_module()
     run = subprocess.run([sys.executable, sass_hgmma.__file__, "--aot", str(path), "kda_chunk_bwd_qkt_kernel",
                           json.dumps(configs), json.dumps([{}, {"G": 2}])],
                          capture_output=True, text=True, env=env, check=False)
