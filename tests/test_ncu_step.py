@@ -142,3 +142,16 @@ def test_host_step_reports_each_row_and_refuses_an_unknown_one(capsys):
     assert len(row) == 1 and float(row[0][1]) > 0 and row[0][2] == "nan" and float(row[0][3]) > 0, out
     rc = hs.main(["--cpu", "--family", "ssd", "--impl", "ours,ours@no_such_key=1", "--steps", "1", "--rounds", "1"])
     assert rc == 2 and "ours@no_such_key=1" in capsys.readouterr().err
+
+
+def test_launch_cost_times_every_piece():
+    """.ci/h200/launch_cost.py (the host pieces of a kernel call, bare): on the CPU (the interpreter) it
+    times the Triton launch, torch.empty, a custom op with autograd and an autograd.Function, each a
+    positive number of microseconds (the compiled-launcher row is GPU only)."""
+    spec = importlib.util.spec_from_file_location("launch_cost", ROOT / ".ci" / "h200" / "launch_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--cpu", "--n", "3", "--rounds", "1", "--args", "2"])
+    assert set(rows) == {"triton launch, JIT path", "torch.empty (1 MiB)", "custom op with autograd (no-op body)",
+                         "autograd.Function (no-op body)", "plain empty_like (the body alone)"}, rows
+    assert all(v > 0 for v in rows.values()), rows

@@ -16,6 +16,7 @@ Rows, microseconds per call (median of `--rounds`, each `--n` calls back to back
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -33,18 +34,17 @@ def per_call_us(fn, n: int, rounds: int, sync) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv=None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--args", type=int, default=12, help="tensor arguments (as many int arguments besides)")
     ap.add_argument("--cpu", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     global torch
     import torch
     import triton
-    import triton.language as tl
 
     dev = "cpu" if a.cpu else "cuda"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -53,7 +53,8 @@ def main() -> None:
            "    i = tl.program_id(0)\n"
            "    if i < 0:\n"
            "        tl.store(p0 + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32) + n0)\n")
-    path = f"/tmp/launch_cost_{a.args}.py"
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="launch-cost-"), f"nop_{a.args}.py")
     with open(path, "w") as f:
         f.write("import triton\nimport triton.language as tl\n\n@triton.jit\n" + src)
     import importlib.util
@@ -104,6 +105,7 @@ def main() -> None:
     print(f"torch {torch.__version__} triton {triton.__version__} on {dev}; {a.args} tensor + {a.args} int args")
     for k, v in rows.items():
         print(f"{k:45s} {v:8.2f} us")
+    return rows
 
 
 if __name__ == "__main__":
