@@ -8,12 +8,12 @@ it right, so only the SASS of a triton 3.6 build shows it. For each family with 
 default config of a bench-like render at the size the family's sm_90 AOT tests use, bf16; `--sweep` adds
 kimi_delta's bench sweep rows), this builds every spec for sm_90 as the GPU's JIT specialises it
 (`aot.divisibility_attrs` "all", the spec's warps, stages and register cap) with THIS process's triton, and
-runs tests/kernel_tests/sass_hgmma.py's `check_sass` on each build: every HGMMA's A / B descriptor decoded
+runs tests/kernel_tests/sass_hgmma.py's `check_cubin` (its `check_sass`, corrected as below) on each build: every HGMMA's A / B descriptor decoded
 from the SASS, flagged when its start lies outside the kernel's shared allocation or its high word (stride,
 swizzle) is none the PTX builds. Descriptors the straight-line evaluation cannot follow are counted as "not
 decoded" (loop-carried ones of pipelined K loops, ones computed in vector registers: there the check says
 nothing; each line gives how many starts and high words were decoded). Corrections to check_sass's reading
-(each removed false flags on clean builds, ptxas 12.8 and 13.4 alike): an HGMMA with A in registers (RS form)
+(in sass_hgmma since; each removed false flags on clean builds, ptxas 12.8 and 13.4 alike): an HGMMA with A in registers (RS form)
 has no A descriptor, so its A slot is not checked; a `UIADD3.64` with a register pair as second source is
 split into its two 32-bit adds (`wide_adds_split`); descriptors moved through vector registers by MOV / R2UR
 are followed (`vector_moves`). None hides v51's miscompile: on kimi_delta v51 (git 5c76f00) `--only kimi_delta
@@ -122,124 +122,24 @@ def source_lines(cubin: bytes, offsets: list[int]) -> dict[int, str]:
     return out
 
 
-def wide_adds_split(sass: str) -> str:
-    """`UIADD3.64 URd, URa, URb, URZ` with a register pair URb (not an immediate) rewritten as the 32-bit add with
-    a carry out and the high words' add with it (`UIADD3 URd, UP9, URa, URb, URZ` + `UIADD3.X URd+1, URa+1,
-    URb+1, URZ, UP9, !UPT`): sass_hgmma.check_sass reads a .64 add's second source as one 32-bit register, so
-    a descriptor built as base + (0x40000040:offset) in a register pair (ssd's split kernels, ptxas 12.8) came
-    out with a high word 0 (its false "high word 0x0" flag). Left as is where URd overlaps a source's high
-    register (the order of the two halves would matter)."""
-    def split(m):
-        addr, d, a, b = m.group(1), *(int(m.group(i)) for i in (2, 3, 4))
-        if d in (a + 1, b + 1):
-            return m.group(0)
-        return (f"        /*{addr}*/ UIADD3 UR{d}, UP9, UR{a}, UR{b}, URZ ;\n"
-                f"        /*{addr}*/ UIADD3.X UR{d + 1}, UR{a + 1}, UR{b + 1}, URZ, UP9, !UPT ;")
-
-    return re.sub(r"^\s+/\*([0-9a-f]{4,})\*/\s+UIADD3\.64 UR(\d+), UR(\d+), UR(\d+), URZ\s*;.*$", split, sass,
-                  flags=re.M)
-
-
-FAKE = 1000  # vector register Rx is followed as the uniform register UR(FAKE + x)
-
-
-def vector_moves(sass: str) -> str:
-    """Descriptors that ptxas parks in vector registers (`MOV Rx, URy` ... `R2UR URz, Rx`, e.g. sparse_attention's
-    MLA kernels under register pressure) followed through them: an unpredicated `MOV Rx, URy|imm` (or
-    `IMAD.MOV.U32 Rx, RZ, RZ, URy|imm`) becomes `UMOV UR(FAKE+x), ...`, an unpredicated `R2UR URz, Rx` becomes
-    `UMOV URz, UR(FAKE+x)`, and every other instruction writing a vector register also forgets the followed
-    copies it may overwrite (Rx .. Rx+3; Rx .. Rx+127 for an MMA's accumulators); a predicated move forgets."""
-    out = []
-    for line in sass.splitlines():
-        m = re.match(r"(\s+/\*[0-9a-f]{4,}\*/\s+)(.*?)\s*;", line)
-        if not m:
-            out.append(line)
-            continue
-        pre, t = m.groups()
-        pred = re.match(r"@!?P\w+\s+", t)
-        op, _, rest = t[pred.end() if pred else 0:].partition(" ")
-        a = [x.strip() for x in rest.split(",")] if rest else []
-        src = r"UR\d+|URZ|-?0x[0-9a-f]+|-?\d+"
-        if not pred and op == "MOV" and len(a) == 2 and re.fullmatch(r"R\d+", a[0]) and re.fullmatch(src, a[1]):
-            out.append(f"{pre}UMOV UR{FAKE + int(a[0][1:])}, {a[1]} ;")
-        elif (not pred and op == "IMAD.MOV.U32" and len(a) == 4 and re.fullmatch(r"R\d+", a[0])
-              and a[1] == a[2] == "RZ" and re.fullmatch(src, a[3])):
-            out.append(f"{pre}UMOV UR{FAKE + int(a[0][1:])}, {a[3]} ;")
-        elif not pred and op == "R2UR" and len(a) == 2 and re.fullmatch(r"UR\d+", a[0]) and re.fullmatch(r"R\d+", a[1]):
-            out.append(f"{pre}UMOV {a[0]}, UR{FAKE + int(a[1][1:])} ;")
-        else:
-            out.append(line)
-            if a and re.fullmatch(r"R\d+", a[0]) and a[0] != "RZ":
-                x = int(a[0][1:])
-                width = 128 if re.match(r"[HIDQ]?[GM]?MMA|HGMMA|HMMA|IMMA", op) else 4
-                out += [f"{pre}UFORGET UR{FAKE + i} ;" for i in range(x, x + width)]
-    return "\n".join(out)
-
-
 def build_and_check(module, fn, spec: dict) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from onboarding.generate import aot
-
-    s = aot.with_jit_constants(spec, aot.jit_constants(fn, spec, "all"))
-    attrs, _ = aot.divisibility_attrs(fn, s, "all")
-    opts = {"num_warps": int(spec.get("num_warps", 4)), "num_stages": int(spec.get("num_stages", 3))}
-    if spec.get("maxnreg"):
-        opts["maxnreg"] = int(spec["maxnreg"])
-    with aot._triton_ptxas_log() as log:
-        k = triton.compile(ASTSource(fn=fn, signature=s["signature"], constexprs=s.get("constexprs", {}),
-                                     attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    rec = check_cubin(k.asm["cubin"], int(k.metadata.shared), k.asm["ptx"])
-    rec["regs"] = aot._usage_in_log(log.getvalue())[0]
+    """One spec built for sm_90 as the GPU's JIT specialises it (`sass_hgmma.build_spec`) and checked
+    (`sass_hgmma.check_cubin`, the corrected reading); a flagged build's offsets mapped to source lines
+    (the cubin's line info) and to the PTX's call sites."""
+    k, regs = sass_hgmma.build_spec(fn, spec)
+    rec = sass_hgmma.check_cubin(k.asm["cubin"], int(k.metadata.shared), k.asm["ptx"])
+    rec["regs"] = regs
+    if rec["flags"]:
+        rec["lines"] = describe(k.asm["cubin"], k.asm["ptx"], rec["flags"])
     return rec
 
 
-def check_cubin(cubin: bytes, shared: int, ptx: str | None) -> dict:
-    """check_sass on a cubin's SASS (corrected as above), the A slots of RS-form HGMMAs left out; a record."""
-    sass = vector_moves(wide_adds_split(sass_hgmma.cubin_sass(cubin)))
-    n, flags, unknown = sass_hgmma.check_sass(sass, shared, ptx)
-    # which parts were decoded at all: the same walk against an empty allocation and no PTX high word flags
-    # every operand whose start (resp. high word) it followed
-    _, probe, _ = sass_hgmma.check_sass(sass, 0, "")
-    # an HGMMA with A in registers (`HGMMA... Rd, Ra, gdesc[URr]`, wgmma's RS form) has no A descriptor: the
-    # hardware reads B's at URr+2 only, and URr..URr+1 hold whatever they held (garbage for check_sass)
-    rs = {m.group(1) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?HGMMA\S*\s+R\w+,\s*R\d+,\s*gdesc",
-                                           sass)}
-    rs = {f"{int(a, 16):#06x} A" for a in rs}
-    flags = [f for f in flags if f.split(":")[0] not in rs]
-    unknown = [u for u in unknown if u not in rs]
-    probe = [f for f in probe if f.split(":")[0] not in rs]
-    rec = {"hgmma": n, "rs_form": len(rs), "flags": flags, "unknown": unknown, "shared": shared,
-           "start_decoded": sum("start " in f for f in probe), "high_decoded": sum("high word " in f for f in probe)}
-    if flags:
-        offs = [int(f.split()[0], 16) for f in flags]
-        lines = source_lines(cubin, offs)
-        calls = ptx_call_sites(sass, ptx) if ptx else {}
-        rec["lines"] = {hex(o): lines.get(o, "?") + (f"; PTX (by order) {calls[o]}" if o in calls else "")
-                        for o in offs}
-    return rec
-
-
-def check_cache(cache: Path) -> int:
-    """Every cubin of a Triton cache dir (what a run's JIT built), checked as the AOT builds are; one line each
-    (the kernel's cache dir, name, constexprs SPLIT / BK / BV / G if the metadata has them); the number flagged."""
-    bad = 0
-    for cubin in sorted(cache.rglob("*.cubin")):
-        meta = json.loads(cubin.with_suffix(".json").read_text())
-        ptx = cubin.with_suffix(".ptx")
-        r = check_cubin(cubin.read_bytes(), int(meta["shared"]), ptx.read_text() if ptx.exists() else None)
-        consts = meta.get("constants") if isinstance(meta.get("constants"), dict) else {}
-        consts = {k: v for k, v in consts.items() if k in ("SPLIT", "BK", "BV", "G")}
-        print(f"{cubin.parent.name[:12]} {cubin.stem} {consts} w {meta.get('num_warps')} shared {r['shared']}: "
-              f"{r['hgmma']} HGMMA ({r['rs_form']} with A in registers), {len(r['flags'])} flagged, "
-              f"{len(r['unknown'])} descriptors not decoded")
-        for f in r["flags"]:
-            print(f"    FLAG {f}  [source {r['lines'].get(f.split()[0], '?')}]")
-        bad += bool(r["flags"])
-    print(f"# {bad} flagged")
-    return bad
+def describe(cubin: bytes, ptx: str | None, flags: list[str]) -> dict[str, str]:
+    """Each flagged descriptor's SASS offset -> its source line, and the PTX call site by order."""
+    offs = [int(f.split()[0], 16) for f in flags]
+    lines = source_lines(cubin, offs)
+    calls = ptx_call_sites(sass_hgmma.cubin_sass(cubin), ptx) if ptx else {}
+    return {hex(o): lines.get(o, "?") + (f"; PTX (by order) {calls[o]}" if o in calls else "") for o in offs}
 
 
 def ptx_call_sites(sass: str, ptx: str) -> dict[int, str]:
@@ -330,7 +230,7 @@ def main() -> int:
     ap.add_argument("--cache", default="", help="check a Triton cache dir's cubins instead (no build)")
     a = ap.parse_args()
     if a.cache:
-        return 1 if check_cache(Path(a.cache)) else 0
+        return 1 if sass_hgmma.check_cache(Path(a.cache), describe=describe) else 0
 
     import triton
 

@@ -14,7 +14,11 @@ its start lies outside [shared base, base + shared) or its high word (stride, sw
 words the PTX puts into its descriptors (`or.b64` / `add.s64` of a constant with bit 62 or 63 set). An
 operand the straight-line evaluation cannot follow (a loop-carried descriptor, one moved from a vector
 register; a high word after an unknown carry, flagged only when neither candidate is the PTX's) is counted
-in `unknown`. Use: `python sass_hgmma.py CACHE_DIR [KERNEL_NAME]` checks
+in `unknown`. `check_cubin` runs it on a cubin's SASS with three corrections to that reading (found by
+.ci/h200/sass_audit.py's audit of every family; each removed false flags on clean builds, and v51's miscompile
+is still flagged): an HGMMA with A in registers (RS form) has no A descriptor, so its A slot is not checked;
+a `UIADD3.64` with a register pair is split into its two 32-bit adds (`wide_adds_split`); descriptors moved
+through vector registers are followed (`vector_moves`). Use: `python sass_hgmma.py CACHE_DIR [KERNEL_NAME]` checks
 every cubin of a Triton cache (what the JIT ran), exit 1 on a flag; `python sass_hgmma.py --aot ...` builds a
 rendered module's specs for sm_90 and checks them (`check_aot`, tests/kernel_tests/test_kimi_delta.py).
 """
@@ -172,23 +176,122 @@ def cubin_sass(cubin: bytes) -> str:
                               check=True).stdout
 
 
-def check_cache(cache: Path, kernel: str = "") -> int:
-    """Check every cubin under a Triton cache dir (`kernel`: only those of that name); prints one line per
-    cubin; the number flagged."""
+def wide_adds_split(sass: str) -> str:
+    """`UIADD3.64 URd, URa, URb, URZ` with a register pair URb (not an immediate) rewritten as the 32-bit add with
+    a carry out and the high words' add with it (`UIADD3 URd, UP9, URa, URb, URZ` + `UIADD3.X URd+1, URa+1,
+    URb+1, URZ, UP9, !UPT`): check_sass reads a .64 add's second source as one 32-bit register, so
+    a descriptor built as base + (0x40000040:offset) in a register pair (ssd's split kernels, ptxas 12.8) came
+    out with a high word 0 (its false "high word 0x0" flag). Left as is where URd overlaps a source's high
+    register (the order of the two halves would matter)."""
+    def split(m):
+        addr, d, a, b = m.group(1), *(int(m.group(i)) for i in (2, 3, 4))
+        if d in (a + 1, b + 1):
+            return m.group(0)
+        return (f"        /*{addr}*/ UIADD3 UR{d}, UP9, UR{a}, UR{b}, URZ ;\n"
+                f"        /*{addr}*/ UIADD3.X UR{d + 1}, UR{a + 1}, UR{b + 1}, URZ, UP9, !UPT ;")
+
+    return re.sub(r"^\s+/\*([0-9a-f]{4,})\*/\s+UIADD3\.64 UR(\d+), UR(\d+), UR(\d+), URZ\s*;.*$", split, sass,
+                  flags=re.M)
+
+
+FAKE = 1000  # vector register Rx is followed as the uniform register UR(FAKE + x)
+
+
+def vector_moves(sass: str) -> str:
+    """Descriptors that ptxas parks in vector registers (`MOV Rx, URy` ... `R2UR URz, Rx`, e.g. sparse_attention's
+    MLA kernels under register pressure) followed through them: an unpredicated `MOV Rx, URy|imm` (or
+    `IMAD.MOV.U32 Rx, RZ, RZ, URy|imm`) becomes `UMOV UR(FAKE+x), ...`, an unpredicated `R2UR URz, Rx` becomes
+    `UMOV URz, UR(FAKE+x)`, and every other instruction writing a vector register also forgets the followed
+    copies it may overwrite (Rx .. Rx+3; Rx .. Rx+127 for an MMA's accumulators); a predicated move forgets."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"(\s+/\*[0-9a-f]{4,}\*/\s+)(.*?)\s*;", line)
+        if not m:
+            out.append(line)
+            continue
+        pre, t = m.groups()
+        pred = re.match(r"@!?P\w+\s+", t)
+        op, _, rest = t[pred.end() if pred else 0:].partition(" ")
+        a = [x.strip() for x in rest.split(",")] if rest else []
+        src = r"UR\d+|URZ|-?0x[0-9a-f]+|-?\d+"
+        if not pred and op == "MOV" and len(a) == 2 and re.fullmatch(r"R\d+", a[0]) and re.fullmatch(src, a[1]):
+            out.append(f"{pre}UMOV UR{FAKE + int(a[0][1:])}, {a[1]} ;")
+        elif (not pred and op == "IMAD.MOV.U32" and len(a) == 4 and re.fullmatch(r"R\d+", a[0])
+              and a[1] == a[2] == "RZ" and re.fullmatch(src, a[3])):
+            out.append(f"{pre}UMOV UR{FAKE + int(a[0][1:])}, {a[3]} ;")
+        elif not pred and op == "R2UR" and len(a) == 2 and re.fullmatch(r"UR\d+", a[0]) and re.fullmatch(r"R\d+", a[1]):
+            out.append(f"{pre}UMOV {a[0]}, UR{FAKE + int(a[1][1:])} ;")
+        else:
+            out.append(line)
+            if a and re.fullmatch(r"R\d+", a[0]) and a[0] != "RZ":
+                x = int(a[0][1:])
+                width = 128 if re.match(r"[HIDQ]?[GM]?MMA|HGMMA|HMMA|IMMA", op) else 4
+                out += [f"{pre}UFORGET UR{FAKE + i} ;" for i in range(x, x + width)]
+    return "\n".join(out)
+
+
+def check_cubin(cubin: bytes, shared: int, ptx: str | None) -> dict:
+    """check_sass on a cubin's SASS, corrected as above (`wide_adds_split`, `vector_moves`), the A slots of
+    RS-form HGMMAs left out: a record (hgmma, rs_form, flags, unknown, shared, start_decoded, high_decoded)."""
+    sass = vector_moves(wide_adds_split(cubin_sass(cubin)))
+    n, flags, unknown = check_sass(sass, shared, ptx)
+    # which parts were decoded at all: the same walk against an empty allocation and no PTX high word flags
+    # every operand whose start (resp. high word) it followed
+    _, probe, _ = check_sass(sass, 0, "")
+    # an HGMMA with A in registers (`HGMMA... Rd, Ra, gdesc[URr]`, wgmma's RS form) has no A descriptor: the
+    # hardware reads B's at URr+2 only, and URr..URr+1 hold whatever they held (garbage for check_sass)
+    rs = {m.group(1) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?HGMMA\S*\s+R\w+,\s*R\d+,\s*gdesc",
+                                           sass)}
+    rs = {f"{int(a, 16):#06x} A" for a in rs}
+    flags = [f for f in flags if f.split(":")[0] not in rs]
+    unknown = [u for u in unknown if u not in rs]
+    probe = [f for f in probe if f.split(":")[0] not in rs]
+    return {"hgmma": n, "rs_form": len(rs), "flags": flags, "unknown": unknown, "shared": shared,
+            "start_decoded": sum("start " in f for f in probe), "high_decoded": sum("high word " in f for f in probe)}
+
+
+def check_cache(cache: Path, kernel: str = "", describe=None) -> int:
+    """Every cubin under a Triton cache dir (what a run's JIT built; `kernel`: only those of that name),
+    checked by `check_cubin`; one line each (the cache dir, name, constexprs SPLIT / BK / BV / G when the
+    metadata has them); `describe(cubin, ptx, flags)` -> {offset: where} adds a flag's source line. The
+    number flagged."""
     bad = 0
     for cubin in sorted(cache.rglob(f"{kernel or '*'}.cubin")):
         meta = json.loads(cubin.with_suffix(".json").read_text())
         ptx = cubin.with_suffix(".ptx")
-        n, flags, unknown = check_sass(cubin_sass(cubin.read_bytes()), int(meta["shared"]),
-                                       ptx.read_text() if ptx.exists() else None)
-        consts = {k: v for k, v in (meta.get("constants") or {}).items() if k in ("SPLIT", "BK", "G")} \
-            if isinstance(meta.get("constants"), dict) else ""
-        print(f"{cubin.parent.name[:12]} {cubin.stem} {consts} shared {meta['shared']}: {n} HGMMA, "
-              f"{len(flags)} flagged, {len(unknown)} operands not decoded")
-        for f in flags:
-            print("   ", f)
-        bad += bool(flags)
+        ptx = ptx.read_text() if ptx.exists() else None
+        r = check_cubin(cubin.read_bytes(), int(meta["shared"]), ptx)
+        consts = meta.get("constants") if isinstance(meta.get("constants"), dict) else {}
+        consts = {k: v for k, v in consts.items() if k in ("SPLIT", "BK", "BV", "G")}
+        print(f"{cubin.parent.name[:12]} {cubin.stem} {consts} w {meta.get('num_warps')} shared {r['shared']}: "
+              f"{r['hgmma']} HGMMA ({r['rs_form']} with A in registers), {len(r['flags'])} flagged, "
+              f"{len(r['unknown'])} descriptors not decoded")
+        where = describe(cubin.read_bytes(), ptx, r["flags"]) if describe and r["flags"] else {}
+        for f in r["flags"]:
+            print(f"    FLAG {f}" + (f"  [source {where.get(hex(int(f.split()[0], 16)), '?')}]" if where else ""))
+        bad += bool(r["flags"])
+    print(f"# {bad} flagged")
     return bad
+
+
+def build_spec(fn, spec: dict):
+    """(the compiled kernel, its registers) of one AOT spec built for sm_90 as the GPU's JIT specialises it
+    (`aot.divisibility_attrs` "all"; the spec's warps, stages and register cap)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onboarding.generate import aot
+
+    s = aot.with_jit_constants(spec, aot.jit_constants(fn, spec, "all"))
+    attrs, _ = aot.divisibility_attrs(fn, s, "all")
+    opts = {"num_warps": int(spec.get("num_warps", 4)), "num_stages": int(spec.get("num_stages", 3))}
+    if spec.get("maxnreg"):
+        opts["maxnreg"] = int(spec["maxnreg"])
+    with aot._triton_ptxas_log() as log:
+        k = triton.compile(ASTSource(fn=fn, signature=s["signature"], constexprs=s.get("constexprs", {}),
+                                     attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    return k, aot._usage_in_log(log.getvalue())[0]
 
 
 def check_aot(path: str, kernel: str, configs: list[dict], overrides: list[dict], dtype: str = "bf16",
@@ -198,8 +301,6 @@ def check_aot(path: str, kernel: str, configs: list[dict], overrides: list[dict]
     descriptor checks: one record per build (config, override, SPLIT, HGMMA count, flags, unknown, shared,
     registers). Run without TRITON_INTERPRET (a child process of the tests)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from onboarding.generate import aot, templating
 
@@ -211,18 +312,11 @@ def check_aot(path: str, kernel: str, configs: list[dict], overrides: list[dict]
         for over in overrides:
             for spec in [s for s in module.aot_specs(dtype, size) if s["kernel"] == kernel]:
                 spec = {**spec, "constexprs": {**spec["constexprs"], **over}}
-                s = aot.with_jit_constants(spec, aot.jit_constants(fn, spec, "all"))
-                attrs, _ = aot.divisibility_attrs(fn, s, "all")
-                opts = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
-                if spec.get("maxnreg"):
-                    opts["maxnreg"] = spec["maxnreg"]
-                with aot._triton_ptxas_log() as log:
-                    k = triton.compile(ASTSource(fn=fn, signature=s["signature"], constexprs=s["constexprs"],
-                                                 attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-                n, flags, unknown = check_sass(cubin_sass(k.asm["cubin"]), int(k.metadata.shared), k.asm["ptx"])
+                k, regs = build_spec(fn, spec)
+                r = check_cubin(k.asm["cubin"], int(k.metadata.shared), k.asm["ptx"])
                 out.append({"config": config, "override": over, "SPLIT": spec["constexprs"].get("SPLIT"),
-                            "hgmma": n, "flags": flags, "unknown": unknown, "shared": int(k.metadata.shared),
-                            "regs": aot._usage_in_log(log.getvalue())[0], "triton": triton.__version__})
+                            "hgmma": r["hgmma"], "flags": r["flags"], "unknown": r["unknown"], "shared": r["shared"],
+                            "regs": regs, "triton": triton.__version__})
     module.set_config(None)
     return out
 
