@@ -210,6 +210,16 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v55: the ktiles K-tile kernel (`kda_chunk_bwd_ktile_kernel`) builds right with ptxas 12.8 (triton 3.6, the
+    # GPU image's): v54's 8-warp builds (bench KTILES_SWEEP rows at 8 warps, BK 16 and 32) took the K steps of
+    # the dot dx = Tm^T dw with B descriptors from an unrelated uniform register (the shared base: stride
+    # 16640 B for 256, or starts outside the window), v51's miscompile, and the 4-warp BK 16 build at bwd_bv 64
+    # its 16-row Gram tier's (`_kda_gram_bwd_dots`) likewise. v55: dx after dq, and below BK 32 as the fused
+    # kernel's (dw^T Tm)^T (an mma.sync; the same products, fp32 sums in another order); the Gram tiers by
+    # `_kda_ktile_gram_dots` (the base's dots to the same accumulators, in another order: the same values).
+    # The fused kernel's render and every other kernel unchanged. `OMP_NUM_THREADS=1 PYTHONPATH=/work/main
+    # /tmp/t36/bin/python .ci/h200/sass_audit.py --only kimi_delta --kernel ktile --sweep` (triton 3.6.0, ptxas
+    # 12.8): v54 5 of 7 builds flagged (20 descriptors), v55 0 of 7. Untimed; not yet run on a GPU.
     # v54 (with the base's v34): a `_tiles` hit also takes equal pins set again (bench sweep rows). On an H100
     # (forty-first session, `host_step.py`) v52's step: host 1.108 ms, GPU 3.466, wall 3.639 (v51: 1.490 /
     # 3.511 / 3.860); v53's "split" ran memcheck-clean and 6.9% faster by graph in two runs (docs/LOG.md);
@@ -258,7 +268,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=54,
+    template_version=55,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -269,7 +269,8 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     calls = []
     if DEVICE.type == "cpu":  # interpreted: the jit helpers and kernels go through the module globals
-        for name, bc in (("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9), ("_kda_qkt_chunk_dots", None)):
+        for name, bc in (("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9), ("_kda_ktile_gram_dots", 9),
+                         ("_kda_qkt_chunk_dots", None)):
             fn = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
                 calls.append(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
@@ -287,11 +288,13 @@ def test_chunk_local_backward_vs_naive(monkeypatch, case_id):
                    + ["kda_chunk_bwd_qkt_kernel"] * (cfg.get("kda_qkt_cold") == "split"))  # its cold launch
         assert [c for c in calls if c.startswith("kda_")] == kernels, calls
         tiers = {c for c in calls if not c.startswith("kda_")}
+        # "ktiles"' K tiles take the dot tiers by their own order (`_kda_ktile_gram_dots`: v55)
+        dots = "_kda_ktile_gram_dots" if cfg["kda_qk"] == "ktiles" else "_kda_gram_bwd_dots"
         if mixed:  # under "split" the hot launch's chunk tier is its own (`_kda_qkt_chunk_dots`: v53)
-            chunk = "_kda_qkt_chunk_dots" if cfg.get("kda_qkt_cold") == "split" else "_kda_gram_bwd_dots/64"
-            assert tiers == {"_kda_gram_bwd", "_kda_gram_bwd_dots/16", chunk}, tiers
+            chunk = "_kda_qkt_chunk_dots" if cfg.get("kda_qkt_cold") == "split" else f"{dots}/64"
+            assert tiers == {"_kda_gram_bwd", f"{dots}/16", chunk}, tiers
         elif not l2:
-            assert tiers == {"_kda_gram_bwd_dots/64"}, tiers
+            assert tiers == {f"{dots}/64"}, tiers
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ht, rht, rtol=1e-4, atol=1e-5)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads, ref_grads):
@@ -822,6 +825,36 @@ def test_aot_sm90_qkt_wgmma_descriptors():
     assert all(not g["unknown"] for g in got if g["SPLIT"] == 1 and not g["override"]), got
 
 
+
+@pytest.mark.slow  # sm_90 builds (seven, ~25 s on a warm Triton cache)
+def test_aot_sm90_ktile_wgmma_descriptors():
+    """The ktiles K-tile kernel's sm_90 builds (the default's spec and every bench sweep row's that differs:
+    KTILES_SWEEP's 8-warp BK 16 / 32 and 4-warp BK 16 at bwd_bv 32, the 8-warp and 4-warp BK 16 specs at the
+    default bwd_bv) address shared memory as their PTX says (`sass_hgmma`, as the qkt test). It discriminates
+    only under triton 3.6 (ptxas 12.8): v54 failed it there (5 of 7 builds: dx = Tm^T dw at 8 warps and the
+    16-row Gram tier at 4 warps BK 16, B descriptors from stale uniform registers), v55 passes (checked by
+    running these builds with /tmp/t36's triton 3.6, `.ci/h200/sass_audit.py --only kimi_delta --kernel ktile
+    --sweep`); triton 3.9 built v54 right too."""
+    import json
+    import subprocess
+    import sys
+
+    import sass_hgmma
+
+    path, env, _ = _qkt_aot_module()
+    bench = kimi_delta.bench
+    configs = [{}, *[dict(c) for c in (*bench.QK_SWEEP, *bench.KTILES_SWEEP, *bench.KSPLIT_SWEEP,
+                                      *bench.QKT_COLD_SWEEP)]]
+    run = subprocess.run([sys.executable, sass_hgmma.__file__, "--aot", str(path), "kda_chunk_bwd_ktile_kernel",
+                          json.dumps(configs), json.dumps([{}])],
+                         capture_output=True, text=True, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    builds = {(g["config"].get("kda_qk_warps") or 4, g["config"].get("kda_qk_bk") or 32,
+               g["config"].get("bwd_bv") or 64) for g in got}
+    assert {(8, 16, 32), (8, 32, 32), (4, 16, 32), (8, 16, 64), (4, 16, 64), (4, 32, 64)} <= builds, builds
+    assert all(g["hgmma"] > 0 and not g["flags"] for g in got), [(g["config"], g["flags"]) for g in got]
+
 def test_fp16_dot_path(monkeypatch):
     check_fp16_dot_path(kimi_delta.FAMILY, True, monkeypatch)
 
@@ -884,7 +917,8 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, LaunchSpy(kernel, lambda grid, kw, _n=name: launches.append(
             (_n, kw["BK"], kw["DOT_PREC"]))))
-    for name, bc in (("_kda_gram", None), ("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9)):
+    for name, bc in (("_kda_gram", None), ("_kda_gram_bwd", None), ("_kda_gram_bwd_dots", 9),
+                     ("_kda_ktile_gram_dots", 9)):
         fn = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=fn, _n=name, _bc=bc, **kw: (
             tiers.add(_n if _bc is None else f"{_n}/{a[_bc]}"), _f(*a, **kw))[1])
@@ -907,7 +941,8 @@ def test_fp16_vs_fp32_interpreted(monkeypatch, cfg):
     kernel = {"fused": "kda_chunk_bwd_fused_kernel", "ktiles": "kda_chunk_bwd_ktile_kernel"}.get(
         cfg.get("kda_qk"), "kda_chunk_bwd_qkt_kernel")
     assert {launch[:2] for launch in fp16_launches} == {(kernel, cfg.get("kda_qk_bk") or 32)}, fp16_launches
-    assert fp16_tiers == {"_kda_gram", "_kda_gram_bwd", "_kda_gram_bwd_dots/64"}, fp16_tiers
+    dots = "_kda_ktile_gram_dots" if cfg.get("kda_qk") == "ktiles" else "_kda_gram_bwd_dots"  # v55
+    assert fp16_tiers == {"_kda_gram", "_kda_gram_bwd", f"{dots}/64"}, fp16_tiers
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
     errs = {n: rel(a.float(), b.float()) for n, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
     assert_within_bars(errs, ("o", "final_state"), 6.25e-4, 1.25e-3)
