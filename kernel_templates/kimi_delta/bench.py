@@ -83,7 +83,8 @@ KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_war
 # keys and their rows left). The one row left: the K tiles (now wykp, BV 32) at 8 warps capped at 128
 # registers (two 8-warp programs per SM, against the default's three 4-warp ones); untimed in this form.
 _KS8 = {"kda_qk": "ksplit", "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
-KSPLIT_SWEEP = (_KS8,)
+# v56: "ksplit"'s qkt kernel in one launch, the k_le_128 bucket's before "split" became its default
+KSPLIT_SWEEP = (_KS8, {"kda_qk": "ksplit", "kda_qkt_cold": "inline"})
 # Template v51 (issue 32): `kda_qkt_cold` "split" ("ksplit"'s qkt kernel in two launches: the chunk tier alone,
 # which flags the tiles whose decays do not fit it, then every tier for the flagged tiles; the bench's gates flag
 # none), at the default K tile (BK 32) and at BK 16 capped at 168 registers (`kda_qkt_maxnreg`, the hot launch

@@ -129,8 +129,9 @@ PARAMS = _base.PARAMS
 #   first, so no B operand takes dM's or dQ's memory): every wgmma descriptor of the qkt builds read back from
 #   the SASS is right (tests/kernel_tests/sass_hgmma.py; test_aot_sm90_qkt_wgmma_descriptors fails on v51 with
 #   triton 3.6); triton 3.6 | 3.9: hot BK 32 247 | 239 registers, 0 spills, 20 KB; capped BK 16 147 | 139; the
-#   default's and cold builds' SASS unchanged. Untimed and not yet run on a GPU: off, never a default before
-#   .ci/h200/kda_split_check.sh (memcheck, GPU bars, bench) passes.
+#   default's and cold builds' SASS unchanged. On an H100 (forty-first session) memcheck clean, 6.9% faster
+#   by graph; its cold launch's 4-warp build wrong at G 2 (forty-second session), at 8 warps since v56, the
+#   k_le_128 bucket's default (below).
 # A removed value: v49-v50's "call" (the chunk tier inline, any other tile's three tiers in `_kda_qkt_cold`, a
 #   Triton `noinline` function the kernel called): on an H100 (torch 2.11, triton 3.6; fortieth session) fwd+bwd
 #   3.828 ms wall / 3.235 by CUDA graph against the default's 4.008 / 3.507 at B1 T8192 H32 D128 (HV = HK; the
@@ -186,10 +187,14 @@ NAME = "kimi_delta"
 # triton 3.6; `BUDGET=200 bash .ci/h200/h38_kda6.sh` at 7b365a2, thirty-ninth session) fwd+bwd 3.774 ms wall /
 # 3.475 by CUDA graph against "ksplit"'s 3.917 / 3.646 (graph -4.7%, wall -3.7%; the K tiles' row alone
 # 3.820 / 3.508) at B1 T8192 H32 D128, ours_fwd 0.907 / 0.810, both rows' bf16 bars passed; fwd+bwd over fwd
-# by graph 4.29x (was 4.50x; goal 3x).
+# by graph 4.29x (was 4.50x; goal 3x). And (v56) `kda_qkt_cold` "split" (its cold launch at 8 warps, v56): on
+# an H100 (v53, forty-first session, `.ci/h200/kda_split_check.sh` and its calls 4-5) fwd+bwd 3.481 / 3.212 and
+# 3.619 / 3.218 ms (wall / CUDA graph) against "inline"'s 3.728 / 3.450 and 3.813 / 3.450 at B1 T8192 H32 D128
+# (graph -6.9%; fwd+bwd over fwd 3.97x from 4.26x), memcheck clean; the forty-second session's GPU checks of
+# the cold launch at both head layouts (docs/LOG.md).
 _GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv", "fused_kq", "rows_maxnreg")
 _KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit", "kda_wyk_bv": 32,
-                            "kda_wyk_maxnreg": 168}}
+                            "kda_wyk_maxnreg": 168, "kda_qkt_cold": "split"}}
 KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
                                                    **_KDA_BUCKET.get(b.name, {})})
                     for b in SHAPE_BUCKETS)
@@ -210,6 +215,13 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v56: `kda_qkt_cold` "split" is the k_le_128 bucket's (bench KSPLIT_SWEEP keeps "inline" beside it), its
+    # cold launch (SPLIT 2) at 8 warps (`QKT_COLD_WARPS`): on an H100 (forty-second session) the 4-warp cold
+    # build at two value heads per key head gave wrong bf16 dq / dg on the tiles it ran (a ptxas 12.8 build
+    # the SASS checker finds nothing in: fp32 right, the one-launch build's TTGIR the same but the flag branch);
+    # the 8-warp build passed the cold-tier test at both head layouts. Every other build unchanged.
+    # v55 GPU check (H100, forty-second session): memcheck of both 8-warp "ktiles" bench rows 0 errors; the
+    # bars passed at BK 16 (4 and 8 warps) but not at BK 32, 8 warps (NaN dk, dg, dbeta); untimed still.
     # v55: the ktiles K-tile kernel (`kda_chunk_bwd_ktile_kernel`) builds right with ptxas 12.8 (triton 3.6, the
     # GPU image's): v54's 8-warp builds (bench KTILES_SWEEP rows at 8 warps, BK 16 and 32) took the K steps of
     # the dot dx = Tm^T dw with B descriptors from an unrelated uniform register (the shared base: stride
@@ -268,7 +280,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=55,
+    template_version=56,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -377,14 +377,15 @@ def test_qkt_cold_split_equals_inline(monkeypatch, case_id):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
 
 
-@pytest.mark.parametrize("cfg", [{}, {"kda_qkt_cold": "split"},
+@pytest.mark.parametrize("cfg", [{}, {"kda_qkt_cold": "inline"}, {"kda_qkt_cold": "split"},
                                  {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168}],
-                         ids=["inline", "split", "split-bk16-cap"])
+                         ids=["default", "inline", "split", "split-bk16-cap"])
 def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     """The qkt kernel's AOT specs (fp32, K 128: the k_le_128 bucket's "ksplit") are its launches at K = V = 128
     with one value head per key head, in order: the constexprs (SPLIT included; p_flag None where the launch
     passes no flag buffer, else an int32 pointer), warps and register cap; one spec and launch without
-    `kda_qkt_cold` "split", two with it (the hot launch capped, the cold one not)."""
+    `kda_qkt_cold` "split" (the bucket's default since v56), two with it (the hot launch capped, the cold one
+    not, at `QKT_COLD_WARPS`)."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
     gen = torch.Generator().manual_seed(4)
@@ -399,7 +400,7 @@ def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
         assert module.config_for(128)["kda_qk"] == "ksplit"
         grads_of(module.entry, args, douts)
         specs = [s for s in module.aot_specs("fp32", 128) if s["kernel"] == name]
-    split = cfg.get("kda_qkt_cold") == "split"
+    split = cfg.get("kda_qkt_cold", "split") == "split"
     assert len(seen) == len(specs) == 1 + split, (seen, specs)
     assert [s["constexprs"]["SPLIT"] for s in specs] == ([1, 2] if split else [0])
     for kw, spec in zip(seen, specs):
@@ -409,6 +410,8 @@ def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
             assert kw["p_flag"].dtype == torch.int32
         assert (kw["num_warps"], kw.get("maxnreg")) == (spec["num_warps"], spec.get("maxnreg")), (kw, spec)
     assert [s.get("maxnreg") for s in specs] == ([cfg.get("kda_qkt_maxnreg"), None] if split else [None])
+    if split:
+        assert specs[1]["num_warps"] == module.QKT_COLD_WARPS == 8 != specs[0]["num_warps"], specs
 
 
 @pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused_bk16", "pipelined", "pipelined_bk16"])
@@ -647,19 +650,24 @@ def test_aot_specs_carry_the_launches_register_caps():
     mod = templating.load_module(templating.write_module(
         source, Path(tempfile.mkdtemp(prefix="onboard-caps-")) / "kimi_delta" / "chunk.py"))
 
-    def caps(cfg):
+    def caps(cfg):  # kernel -> the caps of its specs, in launch order
         mod.set_config(cfg)
         try:
-            return {s["kernel"]: s.get("maxnreg") for s in mod.aot_specs("bf16", 128)
-                    if s["kernel"] in ("kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_qkt_kernel")}
+            out = {}
+            for s in mod.aot_specs("bf16", 128):
+                if s["kernel"] in ("kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_qkt_kernel"):
+                    out.setdefault(s["kernel"], []).append(s.get("maxnreg"))
+            return out
         finally:
             mod.set_config(None)
 
     bucket = mod.config_for(128)
     assert bucket["kda_qk"] == "ksplit" and bucket["kda_wyk_maxnreg"] == 168, bucket
-    assert caps(None) == {"kda_chunk_bwd_wykp_kernel": 168, "kda_chunk_bwd_qkt_kernel": None}
-    assert caps({"kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == 168
-    assert caps({"kda_qk": "tiles", "kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] is None
+    assert bucket["kda_qkt_cold"] == "split", bucket  # v56: the hot launch and the cold one
+    assert caps(None) == {"kda_chunk_bwd_wykp_kernel": [168], "kda_chunk_bwd_qkt_kernel": [None, None]}
+    assert caps({"kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == [168, None]
+    assert caps({"kda_qkt_cold": "inline", "kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == [168]
+    assert caps({"kda_qk": "tiles", "kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == [None]
     # `kda_qkt_cold` "split": two qkt specs, the hot launch's capped, the cold one's not
     mod.set_config({"kda_qkt_cold": "split", "kda_qkt_maxnreg": 168})
     try:
