@@ -94,7 +94,13 @@ KSPLIT_SWEEP = (_KS8, {"kda_qk": "ksplit", "kda_qkt_cold": "inline"})
 # default's 4.008 / 3.507 on an H100, but its GPU bars row faulted (at HV = 2 HK, no tile calling); v51 replaced it.
 _COLD = {"kda_qk": "ksplit", "kda_qkt_cold": "split"}
 QKT_COLD_SWEEP = (_COLD, {**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP)
+# v56 (issue 32): more programs per SM for "split"'s hot launch, which waits on its loads (Nsight Compute,
+# thirty-ninth session: long scoreboard 50% of the one-launch build's stalls at two programs per SM). At BK 16
+# it needs 131 registers uncapped (three programs per SM) and 128 capped at 128 (four), no spills either way
+# (BK 32: 247, two; capped at 168 it spills 384 B); sm_90 AOT, triton 3.6, forty-second session. BK 16 doubles
+# the K tiles that read a chunk's dM and dQ, neighbours in the grid (K tile fastest), so mostly from L2.
+HOT_SWEEP = ({**_COLD, "kda_qk_bk": 16}, {**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 128})
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

@@ -1003,6 +1003,13 @@ def test_bf16_vs_fp32_on_gpu_qkt_cold_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
+# The bench's rows of "split"'s hot launch at BK 16 (bench.HOT_SWEEP, v56: three and four programs per SM):
+# each within the bf16 bars on the GPU.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.HOT_SWEEP))
+def test_bf16_vs_fp32_on_gpu_hot_sweep(cfg):
+    _sweep_row_bars(cfg)
+
+
 # The gates of the bars' cases flag no qkt tile (every chunk's decays fit the chunk tier: the interpreter's
 # flags at GPU_CASES[0], fp32 path, are 0 of 256), so the rows above run "split"'s cold launch on no tile. Here
 # each row on the GPU with the cold launch at work: GPU_CASES[0]'s shape at one and two value heads per key
