@@ -1003,7 +1003,7 @@ def test_bf16_vs_fp32_on_gpu_qkt_cold_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
-# The bench's rows of "split"'s hot launch at BK 16 (bench.HOT_SWEEP, v56: three and four programs per SM):
+# The bench's row of "split"'s hot launch at BK 16 capped at 128 registers (bench.HOT_SWEEP: four programs per SM):
 # each within the bf16 bars on the GPU.
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.HOT_SWEEP))
 def test_bf16_vs_fp32_on_gpu_hot_sweep(cfg):
