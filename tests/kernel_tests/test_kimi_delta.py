@@ -377,15 +377,95 @@ def test_qkt_cold_split_equals_inline(monkeypatch, case_id):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
 
 
+# `kda_qkt_chunks` (template v57: "split"'s hot launch loops over C chunks a program, `kda_qkt_stages` stages) against
+# the one-chunk hot launch: cases l2norm, HV (HK is 1), V, T, the qkt K tile, C, stages and the scaled (chunk, value
+# head, factor; both sequences) as QKT_COLD_CASES, B 2 (the flags' key-head rows, NT apart): T odd and even, NT (T / 64
+# rounded up) not a multiple of C (the last program's chunks past NT masked) and below C, tiles flagged (a whole
+# chunk) and none; HV = 2 HK (grouped: the host keeps the one-chunk hot launch there).
+QKT_CHUNKS_CASES = {
+    "l2-odd-t-c2-s3-mixed": (True, 1, 16, 149, 0, 2, 3, ((1, 0, 30.0),)),
+    "no-l2-c4-qkbk16-s2-mixed": (False, 1, 16, 300, 16, 4, 2, ((0, 0, 30.0), (3, 0, 4.0))),
+    "l2-c4-odd-t-s3-mixed": (True, 1, 40, 279, 16, 4, 3, ((1, 0, 4.0), (4, 0, 30.0))),
+    "no-l2-c4-qkbk16-s3-fit": (False, 1, 16, 149, 16, 4, 3, ()),
+    "l2-grouped-c2-odd-t-mixed": (True, 2, 40, 279, 0, 2, 2, ((2, 0, 30.0), (3, 1, 4.0))),
+}
+
+
+@pytest.mark.parametrize("case_id", list(QKT_CHUNKS_CASES))
+def test_qkt_chunks_equals_one_chunk(monkeypatch, case_id):
+    """"split"'s hot launch over C chunks a program (`kda_qkt_chunks`, grid (NK, cdiv(NT, C), B HK), its chunk loop
+    a `tl.range` of `kda_qkt_stages` stages with no branch: every chunk runs the chunk tier, its stores masked by
+    its flag) gives the one-chunk hot launch's forward and every gradient, equal in the interpreter (the same
+    operations), and the naive recurrence's; K 48. Spies: the launches (the hot one at the loop's grid with
+    CHUNKS, STAGES; the cold one at (NK, NT, B HK) without them, one flag buffer); in the interpreter the flags
+    equal the one-chunk launch's (1 exactly on the scaled chunks' tiles, none written past NT: the buffer holds NK
+    NT B HK), the hot loop ran the chunk tier on every chunk of its programs (past NT included, masked) and the
+    cold launch every tier on the flagged tiles. Grouped (HV = 2 HK): the one-chunk hot launch, the same values."""
+    l2, HV, V, T, bk, chunks, stages, scaled = QKT_CHUNKS_CASES[case_id]
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=HV, T=T, l2=l2, h0=True, K=48, V=V, B=2)
+    gen = torch.Generator().manual_seed(10)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    g = args[3].clone()
+    for chunk, head, f in scaled:
+        g[:, 64 * chunk:64 * (chunk + 1), head] *= f
+    args[3] = g
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    launches, flags, tiles = [], [], []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: (launches.append(
+        (tuple(grid), kw.get("SPLIT", 0), kw.get("CHUNKS"), kw.get("STAGES"))), flags.append(kw.get("p_flag")))))
+    if DEVICE.type == "cpu":  # interpreted: the jit helpers go through the module globals
+        fn = module._kda_qkt_tile
+        monkeypatch.setattr(module, "_kda_qkt_tile", lambda *a, **kw: (
+            tiles.append((*(int(x) for x in a[:3]), bool(a[28]), len(a) > 30 and bool(a[30]))), fn(*a, **kw))[1])
+    base = {"kda_qk": "ksplit", "kda_qk_bk": bk, "kda_qkt_cold": "split"}
+    with pinned(module, base):
+        (o0, ht0), grads0 = grads_of(module.entry, args, douts)
+    flags0 = flags[0].clone()
+    nk, nt = -(-case.K // (bk or 32)), -(-T // 64)
+    grid = (nk, nt, case.B * case.HK)
+    loop = HV == case.HK
+    hot = (nk, -(-nt // chunks), case.B * case.HK) if loop else grid
+    assert nt % chunks or nt < chunks, "a case for a partial last program"
+    launches.clear(), flags.clear(), tiles.clear()
+    with pinned(module, {**base, "kda_qkt_chunks": chunks, "kda_qkt_stages": stages}):
+        (o1, ht1), grads1 = grads_of(module.entry, args, douts)
+    assert launches == [(hot, 1, *((chunks, stages) if loop else (None, None))), (grid, 2, None, None)], launches
+    assert flags[0] is flags[1] and flags[0].dtype == torch.int32 and flags[0].numel() == nk * nt * grid[2], flags
+    if DEVICE.type == "cpu":
+        flagged = {c for c, _, _ in scaled}
+        want = torch.tensor([int(t in flagged) for b in range(grid[2]) for t in range(nt) for _ in range(nk)],
+                            dtype=torch.int32)
+        assert torch.equal(flags0.cpu(), want) and torch.equal(flags[0].cpu(), want), (flags0, flags[0], want)
+        every = [(i, t, b) for i in range(nk) for t in range(hot[1] * (chunks if loop else 1)) for b in range(grid[2])]
+        assert sorted(tiles) == sorted([(i, t, b, False, loop) for i, t, b in every if loop or t not in flagged]
+                                       + [(i, t, b, True, False) for i, t, b in every if t in flagged]), tiles
+    torch.testing.assert_close(o1, o0, rtol=0, atol=0)
+    torch.testing.assert_close(ht1, ht0, rtol=0, atol=0)
+    for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads1, grads0):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
+    torch.testing.assert_close(o1, ro, rtol=1e-4, atol=1e-5)
+    for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads1, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
+
+
 @pytest.mark.parametrize("cfg", [{}, {"kda_qkt_cold": "inline"}, {"kda_qkt_cold": "split"},
-                                 {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168}],
-                         ids=["default", "inline", "split", "split-bk16-cap"])
+                                 {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168},
+                                 {"kda_qkt_chunks": 2, "kda_qkt_stages": 3},
+                                 {"kda_qk_bk": 16, "kda_qkt_chunks": 4, "kda_qkt_stages": 3, "kda_qkt_maxnreg": 168},
+                                 {"kda_qkt_cold": "inline", "kda_qkt_chunks": 2}],
+                         ids=["default", "inline", "split", "split-bk16-cap", "chunks2-s3", "bk16-chunks4-s3-cap",
+                              "inline-chunks2"])
 def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     """The qkt kernel's AOT specs (fp32, K 128: the k_le_128 bucket's "ksplit") are its launches at K = V = 128
     with one value head per key head, in order: the constexprs (SPLIT included; p_flag None where the launch
     passes no flag buffer, else an int32 pointer), warps and register cap; one spec and launch without
     `kda_qkt_cold` "split" (the bucket's default since v56), two with it (the hot launch capped, the cold one
-    not, at `QKT_COLD_WARPS`)."""
+    not, at `QKT_COLD_WARPS`); `kda_qkt_chunks` C > 1 (v57) the hot launch's CHUNKS and STAGES (`kda_qkt_stages`),
+    which the other launches leave at the kernel's defaults (1, 2), as their specs; "inline" ignores it."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
     gen = torch.Generator().manual_seed(4)
@@ -395,7 +475,7 @@ def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     seen = []
     name = "kda_chunk_bwd_qkt_kernel"
     monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: seen.append(
-        {"SPLIT": 0, "p_flag": None, **kw})))
+        {"SPLIT": 0, "p_flag": None, "CHUNKS": 1, "STAGES": 2, **kw})))
     with pinned(module, cfg):
         assert module.config_for(128)["kda_qk"] == "ksplit"
         grads_of(module.entry, args, douts)
@@ -412,6 +492,10 @@ def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     assert [s.get("maxnreg") for s in specs] == ([cfg.get("kda_qkt_maxnreg"), None] if split else [None])
     if split:
         assert specs[1]["num_warps"] == module.QKT_COLD_WARPS == 8 != specs[0]["num_warps"], specs
+    chunks = cfg.get("kda_qkt_chunks", 1) if split else 1
+    assert [s["constexprs"]["CHUNKS"] for s in specs] == [chunks, 1][:len(specs)], specs
+    assert [s["constexprs"]["STAGES"] for s in specs] == [cfg.get("kda_qkt_stages", 2) if chunks > 1 else 2, 2][
+        :len(specs)], specs
 
 
 @pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused_bk16", "pipelined", "pipelined_bk16"])
@@ -1008,6 +1092,24 @@ def test_bf16_vs_fp32_on_gpu_qkt_cold_sweep(cfg):
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.HOT_SWEEP))
 def test_bf16_vs_fp32_on_gpu_hot_sweep(cfg):
     _sweep_row_bars(cfg)
+
+
+# The bench's rows of "split"'s hot launch over C chunks a program (bench.LOOP_SWEEP, template v57: `kda_qkt_chunks`,
+# `kda_qkt_stages`): within the bf16 bars on the GPU at GPU_CASES[0]'s shape with one value head per key head (HV =
+# HK = 4: the layout the loop runs at; a grouped one keeps the one-chunk hot launch) and T 1100 (NT 18: at C 4 the
+# last program's chunks past NT masked), bf16 and fp32; the hot launch ran the loop (CHUNKS, grid spied) in both.
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.LOOP_SWEEP))
+def test_bf16_vs_fp32_on_gpu_loop_sweep(monkeypatch, cfg):
+    if DEVICE.type != "cuda":
+        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    chunks = []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: chunks.append(
+        (kw.get("SPLIT"), kw.get("CHUNKS"), tuple(grid)))))
+    _sweep_row_bars(cfg, Case(HK=4, HV=4, T=1100, l2=True, h0=True, K=128, V=128, B=2))
+    hot = [c for c in chunks if c[0] == 1]
+    assert len(hot) == 2 and all(c[1] == cfg["kda_qkt_chunks"] and c[2][1] == -(-18 // c[1]) for c in hot), chunks
 
 
 # The gates of the bars' cases flag no qkt tile (every chunk's decays fit the chunk tier: the interpreter's

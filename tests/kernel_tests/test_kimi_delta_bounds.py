@@ -187,3 +187,41 @@ def test_qkt_split_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
     assert 0 < int(flags[0].sum()) < flags[0].numel(), flags  # both launches wrote tiles
     for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
         assert torch.isfinite(x).all(), name
+
+
+# `kda_qkt_chunks` (template v57: "split"'s hot launch over C chunks a program, bench.LOOP_SWEEP's rows) under the
+# same check and gates as above: T 150 (NT 3: a partial chunk, and the last program's chunks past NT, C 2 and 4),
+# HV = HK (the loop's layout: a grouped one runs the one-chunk launch), the fp16 path at the bucket's tiles and
+# fp32 at the test pin; outputs poisoned (NaN; the flags -1): every flag written, both launches write tiles, every
+# output finite.
+QKT_LOOP_CASES = [
+    pytest.param("fp16", 0, id="fp16-c4-s3"),
+    pytest.param("fp32", 1, id="fp32-c2-s3"),
+    pytest.param("fp32", 0, id="fp32-c4-s3"),
+]
+
+
+@pytest.mark.parametrize("path,row", QKT_LOOP_CASES)
+def test_qkt_chunks_forward_backward_in_bounds(monkeypatch, path, row):
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=2, HV=2, T=150, l2=True, h0=True, K=64, V=64)
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    args = make_inputs(case, True, dtype, DEVICE, gen)
+    args[3] = make_inputs(case, True, dtype, DEVICE, gen, slow=True)[3]  # (fit fp16's range too)
+    args[3][:, 64:128, 0] *= 100.0
+    cfg = kimi_delta.bench.LOOP_SWEEP[row]
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE, dtype),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    launches = []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, "_POISON_OUTPUTS", True)  # outputs (and the flags: -1) start unwritten
+    monkeypatch.setattr(module, name, _Spy(getattr(module, name), lambda kw: launches.append(
+        (kw["SPLIT"], kw.get("CHUNKS"), kw["p_flag"]))))
+    outs, grads = _grads_pinned(monkeypatch, module, cfg, path, args, douts)
+    assert [x[:2] for x in launches] == [(1, cfg["kda_qkt_chunks"]), (2, None)], launches
+    flags = launches[0][2]
+    assert flags is launches[1][2] and 0 < int(flags.sum()) < flags.numel(), flags  # both launches wrote tiles
+    assert bool((flags >= 0).all()), flags  # every flag written (poisoned -1 before)
+    for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
+        assert torch.isfinite(x).all(), name
