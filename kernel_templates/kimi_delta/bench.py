@@ -106,9 +106,10 @@ HOT_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 128},)
 # `kda_qkt_stages` stages, so that the next chunk's loads fly under this one's dots (the one-chunk launch waits on
 # them: long scoreboard 50% of its stalls). sm_90 AOT, triton 3.6 (forty-second session; registers, spill bytes,
 # shared memory): every load of the loop becomes a cp.async copy; at 3 stages the wait keeps the next chunk's 14
-# copies in flight (at 2 it waits for all: no overlap inside a program). BK 16, C 4, 3 stages: 241, 0, 97 KB (two
-# programs per SM); C 2, 3 stages: 190, 0, 97 KB (two; the same shared memory). BK 32 at 3 stages takes 142 KB
-# (one program per SM); the one-chunk hot launch BK 32 247, 0, 20 KB, BK 16 131, 0, 18 KB. Untimed on a GPU.
+# copies in flight (at 2 it waits for all: no overlap inside a program). BK 16, C 4, 3 stages: 186, 0, 97 KB (two
+# programs per SM, by shared memory); C 2, 3 stages: 190, 0, 97 KB. BK 32 at 3 stages takes 142 KB (one program
+# per SM) and spills; the one-chunk hot launch BK 32 247, 0, 20 KB, BK 16 131, 0, 18 KB. At HV = HK only (the
+# bench's layout). Untimed on a GPU.
 LOOP_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_chunks": 4, "kda_qkt_stages": 3},
               {**_COLD, "kda_qk_bk": 16, "kda_qkt_chunks": 2, "kda_qkt_stages": 3})
 BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP, *LOOP_SWEEP)

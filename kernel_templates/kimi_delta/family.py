@@ -152,17 +152,20 @@ PARAMS = _base.PARAMS
 #   the cold launch's layout. Why: the one-chunk launch waits on its loads (Nsight Compute on an H100, thirty-ninth
 #   session: long scoreboard 50% of the stalls at two programs per SM; ~30% of the bandwidth bound by a traffic
 #   model), and a loop lets Triton's pipeliner issue the next chunk's loads under this chunk's dots. sm_90 AOT of the
-#   hot launch (bf16, every integer marked, G 1; triton 3.6; registers, spill bytes, shared memory): every one of the
-#   loop's 14 loads becomes a cp.async copy (28 or 42 `ttg.async_copy_global_to_local` with the prologue's, no plain
-#   load, no scf.if); at 2 stages the copies of chunk i + 1 are issued after chunk i's stores and waited for at once
-#   (async_wait 0: no overlap inside a program), at 3 stages the wait leaves the next chunk's 14 in flight. BK 32: C 2
-#   / 2 stages 255, 0, 83 KB; C 2 / 3 142 KB (one program per SM), 12 B; C 4 / 2 128 B of spills; C 4 / 3 168 B,
-#   142 KB. BK 16: C 2 / 2 183, 0, 58 KB; C 2 / 3 190, 0, 97 KB; C 4 / 2 233, 0, 58 KB; C 4 / 3 241, 0, 97 KB (two
-#   programs per SM); capped at 128 it spills (68 / 72 B). The one-chunk launch: BK 32 247, 0, 20 KB; BK 16 131, 0,
-#   18 KB. The loop keeps each value head's tiles per stage: at G 2 BK 16 C 4 / 3 stages 188 KB bf16, 233 KB fp32
-#   (past an H100's 227 KB: no launch), BK 32 C 2 / 3 274 KB; so the host runs it at G 1 only. BK 64 at 3 stages (G
-#   1): bf16 232448 B, fp32 298 KB. `sass_audit.py --only kimi_delta --kernel qkt` on the builds above: 0 flagged,
-#   but half the loop builds' descriptors (16 of 32, the A operands in the pipelined buffers) not decoded.
+#   hot launch (bf16, every integer marked, G 1; triton 3.6; registers, spill bytes (the larger of stored and
+#   loaded), shared memory): every one of the loop's 14 loads
+#   becomes a cp.async copy (28 or 42 `ttg.async_copy_global_to_local` with the prologue's; no plain load, no
+#   scf.if); at 2 stages chunk i + 1's copies are issued after chunk i's stores and waited for at once (async_wait
+#   0: no overlap inside a program), at 3 stages the wait (async_wait 14) leaves the next chunk's 14 in flight under
+#   this chunk's dots. BK 32: C 2 / 2 stages 255, 0, 83 KB; C 2 / 3 255, 20, 142 KB (one program per SM); C 4 / 2
+#   255, 132, 83 KB; C 4 / 3 255, 168, 142 KB. BK 16: C 2 / 2 183, 0, 58 KB; C 2 / 3 190, 0, 97 KB; C 4 / 2 233, 0,
+#   58 KB; C 4 / 3 186, 0, 97 KB (two programs per SM by shared memory; capped at 168 no spills, still two); C 2 / 3
+#   capped at 128 spills 76 B. The one-chunk launch: BK 32 247, 0, 20 KB; BK 16 131, 0, 18 KB. The loop keeps each
+#   value head's tiles per stage: at G 2, BK 16 at 3 stages takes 188 KB bf16 (one program per SM) and 233 KB fp32
+#   (past an H100's 227 KB: no launch), BK 32 C 2 / 3 274 KB; so the host runs the loop at G 1 only. At G 1 BK 64 /
+#   3 stages takes 232448 B bf16 and 298 KB fp32 (no launch). `.ci/h200/sass_audit.py --only kimi_delta --kernel qkt
+#   --sweep` (triton 3.6, ptxas 12.8): 0 flagged of 11 builds, but in the loop builds 16 of 32 wgmma descriptors
+#   (the A operands, in the pipelined buffers: loop-carried) not decoded, so the check says less there.
 #   Untimed on a GPU (bench.LOOP_SWEEP: BK 16, C 4 and C 2, 3 stages).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
