@@ -889,6 +889,66 @@ def test_aot_sm90_qkt_cold():
     assert got[3][4] <= 168 and got[3][5] == [0, 0], got
 
 
+# sm_90 builds of the hot launch (SPLIT 1) of bench.LOOP_SWEEP's rows (`kda_qkt_chunks`, template v57) and of the
+# one-chunk hot launch: per build CHUNKS, STAGES, the TTGIR's scf.for / scf.if / plain tt.load / async copy counts,
+# the chunk loop's first async_wait's count, wgmma count, ptxas's registers, spill bytes and shared memory.
+_QKT_LOOP_CHILD = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from onboarding.generate import aot, templating
+module = templating.load_module(sys.argv[1])
+fn = aot.jit_kernels(module)["kda_chunk_bwd_qkt_kernel"]
+out = []
+for config in json.loads(sys.argv[2]):
+    module.set_config(config)
+    for spec in [s for s in module.aot_specs("bf16", 128)
+                 if s["kernel"] == "kda_chunk_bwd_qkt_kernel" and s["constexprs"]["SPLIT"] == 1]:
+        s = aot.with_jit_constants(spec, aot.jit_constants(fn, spec, "all"))
+        attrs, _ = aot.divisibility_attrs(fn, s, "all")
+        src = ASTSource(fn=fn, signature=s["signature"], constexprs=s["constexprs"], attrs=attrs)
+        opts = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
+        with aot._triton_ptxas_log() as log:
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        ir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        loop = ir[ir.index("scf.for"):] if "scf.for" in ir else ""
+        wait = re.search(r"ttg\\.async_wait .*\\{num = (\\d+)", loop)
+        spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", log.getvalue())
+        out.append({"CHUNKS": spec["constexprs"]["CHUNKS"], "STAGES": spec["constexprs"]["STAGES"],
+                    "for": ir.count("scf.for"), "if": ir.count("scf.if"), "load": len(re.findall(r"= tt\\.load", ir)),
+                    "copies": ir.count("ttg.async_copy_global_to_local"), "wait": int(wait[1]) if wait else None,
+                    "wgmma": len(re.findall(r"wgmma\\.mma_async", ptx)), "regs": aot._usage_in_log(log.getvalue())[0],
+                    "spills": [int(spills[1]), int(spills[2])], "shared": k.metadata.shared})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # sm_90 builds (three, ~15 s on a cold Triton cache)
+def test_aot_sm90_qkt_loop_pipelined():
+    """bench.LOOP_SWEEP's hot launches (BK 16, C 4 and 2 chunks a program, 3 stages) build as v57 means them: one
+    loop with no branch in it (no scf.if: the stores masked), every load of the loop an async copy (no plain
+    tt.load left; 14 a chunk: the prologue's two chunks and the loop's next), the loop's wait leaving the next
+    chunk's copies in flight (async_wait 14, not 0), the one-chunk launch's 16 wgmma, no spills and two programs'
+    shared memory per SM (97 KB each with triton 3.6; 186 / 190 registers, 3.9: 213 / 166). The one-chunk launch
+    (BK 16) has none of it: plain loads, one scf.if."""
+    import json
+    import subprocess
+    import sys
+
+    path, env, _ = _qkt_aot_module()
+    rows = [{"kda_qk_bk": 16}, *kimi_delta.bench.LOOP_SWEEP]
+    run = subprocess.run([sys.executable, "-c", _QKT_LOOP_CHILD, str(path), json.dumps(rows)],
+                         capture_output=True, text=True, env=env, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, *loops = json.loads(run.stdout.splitlines()[-1])
+    assert (one["CHUNKS"], one["for"], one["if"], one["load"], one["copies"]) == (1, 0, 1, 14, 0), one
+    assert [(g["CHUNKS"], g["STAGES"]) for g in loops] == [(4, 3), (2, 3)], loops
+    for g in loops:
+        assert (g["for"], g["if"], g["load"], g["copies"], g["wait"]) == (1, 0, 0, 3 * 14, 14), g
+        assert g["wgmma"] == one["wgmma"] == 16 and g["spills"] == [0, 0] and 2 * g["shared"] <= 228 * 1024, g
+
+
 @pytest.mark.slow  # sm_90 builds (twelve, ~60 s on a cold Triton cache)
 def test_aot_sm90_qkt_wgmma_descriptors():
     """The qkt kernel's sm_90 builds (the default's and both rows of bench.QKT_COLD_SWEEP, G 1 and 2) address
