@@ -165,7 +165,9 @@ PARAMS = _base.PARAMS
 #   (past an H100's 227 KB: no launch), BK 32 C 2 / 3 274 KB; so the host runs the loop at G 1 only. At G 1 BK 64 /
 #   3 stages takes 232448 B bf16 and 298 KB fp32 (no launch). `.ci/h200/sass_audit.py --only kimi_delta --kernel qkt
 #   --sweep` (triton 3.6, ptxas 12.8): 0 flagged of 11 builds, but in the loop builds 16 of 32 wgmma descriptors
-#   (the A operands, in the pipelined buffers: loop-carried) not decoded, so the check says less there.
+#   (the A operands, in the pipelined buffers: loop-carried) not decoded, so the check says less there. At 8 warps
+#   (`kda_qk_warps` 8, the hot launch's): BK 32 C 2 / 3 211, 0, 142 KB (one 8-warp program per SM, BK 32's dM and dQ
+#   reads), BK 16 C 4 / 3 203, 0, 99 KB; 0 flagged but 33 and 37 of their 40 descriptors not decoded; not rows.
 #   Untimed on a GPU (bench.LOOP_SWEEP: BK 16, C 4 and C 2, 3 stages).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
