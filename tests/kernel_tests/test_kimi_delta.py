@@ -1217,6 +1217,48 @@ def test_qkt_split_cold_tiles_on_gpu(monkeypatch, cfg, HV):
         assert all(e <= 5e-3 for e in errs.values()), (dtype, n, errs)
 
 
+# The loop's masks on the GPU (bench.LOOP_SWEEP, template v57): the bars' gates flag no tile, so here the gates of
+# chunk 5 of the first head x 30 (the exact tier) and of chunk 10 of the second sequence's last head x 4 (the 16-row
+# tier), HV = HK = 2 (the loop's layout), T 1100 (NT 18: at C 4 the last program's chunks past NT); bf16 and fp32,
+# o, the final state and every gradient within 5e-3 of the same row with the one-chunk hot launch (the same
+# operations, two builds; a tile lost, written twice or written by the hot loop where flagged is off by far more).
+@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.LOOP_SWEEP))
+def test_qkt_chunks_cold_tiles_on_gpu(monkeypatch, cfg):
+    if DEVICE.type != "cuda":
+        pytest.skip("the GPU's build of the loop (the interpreter's: test_qkt_chunks_equals_one_chunk)")
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=2, HV=2, T=1100, l2=True, h0=True, K=128, V=128, B=2)
+    gen = torch.Generator().manual_seed(6)
+    args = make_inputs(case, True, torch.bfloat16, DEVICE, gen)
+    g = args[3].clone()
+    g[:, 320:384, 0] *= 30.0
+    g[1, 640:704, 1] *= 4.0
+    args[3] = g
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    launches = []
+    name = "kda_chunk_bwd_qkt_kernel"
+    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: launches.append(
+        (kw.get("SPLIT"), kw.get("CHUNKS"), kw.get("p_flag")))))
+    one = {k: v for k, v in cfg.items() if k not in ("kda_qkt_chunks", "kda_qkt_stages")}
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    for dtype in (torch.bfloat16, torch.float32):
+        xs = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        ds = [douts[0].to(dtype), douts[1]]
+        launches.clear()
+        with pinned(module, one):
+            ref_outs, ref_grads = grads_of(module.entry, xs, ds)
+        with pinned(module, cfg):
+            outs, grads = grads_of(module.entry, xs, ds)
+        torch.cuda.synchronize()
+        assert [x[:2] for x in launches] == [(1, None), (2, None), (1, cfg["kda_qkt_chunks"]), (2, None)], launches
+        f0, f1 = launches[0][2], launches[2][2]
+        assert torch.equal(f0, f1) and 0 < int(f1.sum()) < f1.numel(), (dtype, int(f0.sum()), int(f1.sum()))
+        errs = {k: ((a.float() - b.float()).norm() / b.float().norm()).item()
+                for k, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
+        assert all(e <= 5e-3 for e in errs.values()), (dtype, errs)
+
+
 # The bench's forward sweep rows of the prepare step (bench.PREP_SWEEP): each within the bf16 bars on
 # the GPU, forward and every gradient (the backward takes the forward's Tm, M, Aqk).
 @pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.PREP_SWEEP))
