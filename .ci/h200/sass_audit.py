@@ -44,7 +44,7 @@ give it that run's Triton cache (no build; the same corrections):
 Output: a header (triton version, ptxas path and version), then one line per build:
   FAMILY VARIANT PARAMS size SIZE CONFIG KERNEL [SPLIT=..] w WARPS s STAGES [maxnreg R]: N HGMMA (k with A in
   registers), F flagged, U operands not decoded (of D descriptors; starts decoded S, high words H), shared B,
-  regs R (seconds)
+  regs R, spills P B (ptxas's spill bytes, the larger of stores and loads) (seconds)
 then, for a flagged build, each flagged descriptor `FLAG 0xOFFS A|B: why  [source FILE:LINE; PTX (by order)
 ...]`; then a per-family / kernel summary table (builds, HGMMA, flagged, not decoded, starts / high words
 decoded), the builds not built (compile errors, past --budget), `# FLAGGED:` lines, and a count line. Exit
@@ -126,9 +126,10 @@ def build_and_check(module, fn, spec: dict) -> dict:
     """One spec built for sm_90 as the GPU's JIT specialises it (`sass_hgmma.build_spec`) and checked
     (`sass_hgmma.check_cubin`, the corrected reading); a flagged build's offsets mapped to source lines
     (the cubin's line info) and to the PTX's call sites."""
-    k, regs = sass_hgmma.build_spec(fn, spec)
+    usage: dict = {}
+    k, regs = sass_hgmma.build_spec(fn, spec, usage)
     rec = sass_hgmma.check_cubin(k.asm["cubin"], int(k.metadata.shared), k.asm["ptx"])
-    rec["regs"] = regs
+    rec["regs"], rec["spills"] = regs, usage.get("spills")
     if rec["flags"]:
         rec["lines"] = describe(k.asm["cubin"], k.asm["ptx"], rec["flags"])
     return rec
@@ -213,7 +214,7 @@ def line_of(r: dict) -> str:
     s = (f"{head}: {r['hgmma']} HGMMA ({r['rs_form']} with A in registers), {len(r['flags'])} flagged, "
          f"{len(r['unknown'])} operands not decoded (of {2 * r['hgmma'] - r['rs_form']} descriptors; starts "
          f"decoded {r['start_decoded']}, high words {r['high_decoded']}), "
-         f"shared {r['shared']}, regs {r['regs']} ({r['seconds']} s)")
+         f"shared {r['shared']}, regs {r['regs']}, spills {r.get('spills') or 0} B ({r['seconds']} s)")
     for f in r["flags"]:
         s += f"\n    FLAG {f}  [source {r['lines'].get(f.split()[0], '?')}]"
     return s

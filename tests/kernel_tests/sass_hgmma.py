@@ -274,9 +274,10 @@ def check_cache(cache: Path, kernel: str = "", describe=None) -> int:
     return bad
 
 
-def build_spec(fn, spec: dict):
+def build_spec(fn, spec: dict, usage: dict | None = None):
     """(the compiled kernel, its registers) of one AOT spec built for sm_90 as the GPU's JIT specialises it
-    (`aot.divisibility_attrs` "all"; the spec's warps, stages and register cap)."""
+    (`aot.divisibility_attrs` "all"; the spec's warps, stages and register cap). `usage`, when given, gets
+    ptxas's "regs" and "spills" (bytes: the larger of stores and loads; None when ptxas printed none)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -291,7 +292,10 @@ def build_spec(fn, spec: dict):
     with aot._triton_ptxas_log() as log:
         k = triton.compile(ASTSource(fn=fn, signature=s["signature"], constexprs=s.get("constexprs", {}),
                                      attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    return k, aot._usage_in_log(log.getvalue())[0]
+    regs, spills = aot._usage_in_log(log.getvalue())
+    if usage is not None:
+        usage.update(regs=regs, spills=spills)
+    return k, regs
 
 
 def check_aot(path: str, kernel: str, configs: list[dict], overrides: list[dict], dtype: str = "bf16",
