@@ -249,7 +249,7 @@ FAMILY = FamilySpec(
     # sm_90 build, triton 3.6: 247 registers, 0 spills, 20 KB, as v56). Untimed on a GPU (bench.LOOP_SWEEP).
     # v56: `kda_qkt_cold` "split" is the k_le_128 bucket's (bench KSPLIT_SWEEP keeps "inline" beside it), its
     # cold launch (SPLIT 2) at 8 warps (`QKT_COLD_WARPS`): on an H100 (forty-second session) the 4-warp cold
-    # build at two value heads per key head gave wrong bf16 dq / dg on the tiles it ran (a ptxas 12.8 build
+    # build at two value heads per key head gave wrong bf16 dq / dg on the tiles it ran (triton 3.6 / ptxas 12.8; a build
     # the SASS checker finds nothing in: fp32 right, the one-launch build's TTGIR the same but the flag branch);
     # the 8-warp build passed the cold-tier test at both head layouts. Every other build unchanged.
     # v55 GPU check (H100, forty-second session): memcheck of both 8-warp "ktiles" bench rows 0 errors; the
