@@ -126,10 +126,9 @@ def build_and_check(module, fn, spec: dict) -> dict:
     """One spec built for sm_90 as the GPU's JIT specialises it (`sass_hgmma.build_spec`) and checked
     (`sass_hgmma.check_cubin`, the corrected reading); a flagged build's offsets mapped to source lines
     (the cubin's line info) and to the PTX's call sites."""
-    usage: dict = {}
-    k, regs = sass_hgmma.build_spec(fn, spec, usage)
+    k, regs, spills = sass_hgmma.build_spec(fn, spec)
     rec = sass_hgmma.check_cubin(k.asm["cubin"], int(k.metadata.shared), k.asm["ptx"])
-    rec["regs"], rec["spills"] = regs, usage.get("spills")
+    rec["regs"], rec["spills"] = regs, spills
     if rec["flags"]:
         rec["lines"] = describe(k.asm["cubin"], k.asm["ptx"], rec["flags"])
     return rec

@@ -274,10 +274,10 @@ def check_cache(cache: Path, kernel: str = "", describe=None) -> int:
     return bad
 
 
-def build_spec(fn, spec: dict, usage: dict | None = None):
-    """(the compiled kernel, its registers) of one AOT spec built for sm_90 as the GPU's JIT specialises it
-    (`aot.divisibility_attrs` "all"; the spec's warps, stages and register cap). `usage`, when given, gets
-    ptxas's "regs" and "spills" (bytes: the larger of stores and loads; None when ptxas printed none)."""
+def build_spec(fn, spec: dict):
+    """(the compiled kernel, its registers, its spill bytes) of one AOT spec built for sm_90 as the GPU's JIT
+    specialises it (`aot.divisibility_attrs` "all"; the spec's warps, stages and register cap); registers and
+    spills from ptxas's log (spills the larger of stores and loads; None when ptxas printed none)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -292,10 +292,7 @@ def build_spec(fn, spec: dict, usage: dict | None = None):
     with aot._triton_ptxas_log() as log:
         k = triton.compile(ASTSource(fn=fn, signature=s["signature"], constexprs=s.get("constexprs", {}),
                                      attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    regs, spills = aot._usage_in_log(log.getvalue())
-    if usage is not None:
-        usage.update(regs=regs, spills=spills)
-    return k, regs
+    return (k, *aot._usage_in_log(log.getvalue()))
 
 
 def check_aot(path: str, kernel: str, configs: list[dict], overrides: list[dict], dtype: str = "bf16",
@@ -316,7 +313,7 @@ def check_aot(path: str, kernel: str, configs: list[dict], overrides: list[dict]
         for over in overrides:
             for spec in [s for s in module.aot_specs(dtype, size) if s["kernel"] == kernel]:
                 spec = {**spec, "constexprs": {**spec["constexprs"], **over}}
-                k, regs = build_spec(fn, spec)
+                k, regs, _ = build_spec(fn, spec)
                 r = check_cubin(k.asm["cubin"], int(k.metadata.shared), k.asm["ptx"])
                 out.append({"config": config, "override": over, "SPLIT": spec["constexprs"].get("SPLIT"),
                             "hgmma": r["hgmma"], "flags": r["flags"], "unknown": r["unknown"], "shared": r["shared"],
