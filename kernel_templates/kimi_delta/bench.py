@@ -102,17 +102,11 @@ QKT_COLD_SWEEP = (_COLD, {**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})
 # H100 (forty-second session, call 5; bars passed) wall / graph ms: the default 3.530 / 3.321, BK 16 capped at
 # 128 3.551 / 3.263 (-1.7% by graph, +0.6% by wall: not adopted), BK 16 uncapped 3.645 / 3.396 (dropped since).
 HOT_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 128},)
-# v57 (issue 32): "split"'s hot launch over C chunks a program (`kda_qkt_chunks`), its chunk loop a `tl.range` of
-# `kda_qkt_stages` stages, so that the next chunk's loads fly under this one's dots (the one-chunk launch waits on
-# them: long scoreboard 50% of its stalls). sm_90 AOT, triton 3.6 (forty-second session; registers, spill bytes,
-# shared memory): every load of the loop becomes a cp.async copy; at 3 stages the wait keeps the next chunk's 14
-# copies in flight (at 2 it waits for all: no overlap inside a program). BK 16, C 4, 3 stages: 186, 0, 97 KB (two
-# programs per SM, by shared memory); C 2, 3 stages: 190, 0, 97 KB. BK 32 at 3 stages takes 142 KB (one program
-# per SM) and spills; the one-chunk hot launch BK 32 247, 0, 20 KB, BK 16 131, 0, 18 KB. At HV = HK only (the
-# bench's layout). Untimed on a GPU.
-LOOP_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_chunks": 4, "kda_qkt_stages": 3},
-              {**_COLD, "kda_qk_bk": 16, "kda_qkt_chunks": 2, "kda_qkt_stages": 3})
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP, *LOOP_SWEEP)
+# v57's LOOP_SWEEP (issue 32: "split"'s hot launch over C chunks a program in a pipelined `tl.range`, BK 16, C 4 and
+# C 2 at 3 stages; sm_90 AOT, triton 3.6: 186 / 190 registers, no spills, 97 KB) lost on an H100 (forty-third
+# session, call 1; bars and memcheck clean) wall / graph ms: the default 3.612 / 3.246, C 4 3.725 / 3.403, C 2
+# 3.915 / 3.469 (slower by both clocks); dropped with its keys in template v58.
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

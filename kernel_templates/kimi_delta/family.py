@@ -12,8 +12,7 @@ two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own sp
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`,
-`kda_wyk_stages`, `kda_wyk_bv`, `kda_qkt_cold`, `kda_qkt_maxnreg`, `kda_qkt_chunks`, `kda_qkt_stages`,
-`kda_state_bwd_warps`), and GDN's `fwd_o`
+`kda_wyk_stages`, `kda_wyk_bv`, `kda_qkt_cold`, `kda_qkt_maxnreg`, `kda_state_bwd_warps`), and GDN's `fwd_o`
 as a key of its own.
 """
 
@@ -145,30 +144,12 @@ PARAMS = _base.PARAMS
 #   "split"'s hot launch has the whole tile under one `if fits` (as "call"'s hot path). sm_90 AOT at G 2 (triton
 #   3.6; spill bytes loaded): the hot launch BK 32 255 registers, 244 B; BK 16 capped 168, 172 B (the default 255,
 #   4716 B). `test_qkt_split_cold_tiles_on_gpu` runs both launches on the GPU at G 1 and 2 with tiles flagged.
-# kda_qkt_chunks (1), kda_qkt_stages (0: num_stages): "split"'s hot launch (SPLIT 1) over C chunks a program (v57;
-#   "ksplit" + "split" only, and only at one value head per key head, HV = HK: a grouped layout keeps the one-chunk
-#   launch): grid (NK, cdiv(NT, C), B HK), its chunk loop a `tl.range` of `kda_qkt_stages` stages whose body has no
-#   branch (every chunk runs the chunk tier; its flag, dg, dq, dk stores masked by its fit and by NT), the flags in
-#   the cold launch's layout. Why: the one-chunk launch waits on its loads (Nsight Compute on an H100, thirty-ninth
-#   session: long scoreboard 50% of the stalls at two programs per SM; ~30% of the bandwidth bound by a traffic
-#   model), and a loop lets Triton's pipeliner issue the next chunk's loads under this chunk's dots. sm_90 AOT of the
-#   hot launch (bf16, every integer marked, G 1; triton 3.6; registers, spill bytes (the larger of stored and
-#   loaded), shared memory): every one of the loop's 14 loads
-#   becomes a cp.async copy (28 or 42 `ttg.async_copy_global_to_local` with the prologue's; no plain load, no
-#   scf.if); at 2 stages chunk i + 1's copies are issued after chunk i's stores and waited for at once (async_wait
-#   0: no overlap inside a program), at 3 stages the wait (async_wait 14) leaves the next chunk's 14 in flight under
-#   this chunk's dots. BK 32: C 2 / 2 stages 255, 0, 83 KB; C 2 / 3 255, 20, 142 KB (one program per SM); C 4 / 2
-#   255, 132, 83 KB; C 4 / 3 255, 168, 142 KB. BK 16: C 2 / 2 183, 0, 58 KB; C 2 / 3 190, 0, 97 KB; C 4 / 2 233, 0,
-#   58 KB; C 4 / 3 186, 0, 97 KB (two programs per SM by shared memory; capped at 168 no spills, still two); C 2 / 3
-#   capped at 128 spills 76 B. The one-chunk launch: BK 32 247, 0, 20 KB; BK 16 131, 0, 18 KB. The loop keeps each
-#   value head's tiles per stage: at G 2, BK 16 at 3 stages takes 188 KB bf16 (one program per SM) and 233 KB fp32
-#   (past an H100's 227 KB: no launch), BK 32 C 2 / 3 274 KB; so the host runs the loop at G 1 only. At G 1 BK 64 /
-#   3 stages takes 232448 B bf16 and 298 KB fp32 (no launch). `.ci/h200/sass_audit.py --only kimi_delta --kernel qkt
-#   --sweep` (triton 3.6, ptxas 12.8): 0 flagged of 11 builds, but in the loop builds 16 of 32 wgmma descriptors
-#   (the A operands, in the pipelined buffers: loop-carried) not decoded, so the check says less there. At 8 warps
-#   (`kda_qk_warps` 8, the hot launch's): BK 32 C 2 / 3 211, 0, 142 KB (one 8-warp program per SM, BK 32's dM and dQ
-#   reads), BK 16 C 4 / 3 203, 0, 99 KB; 0 flagged but 33 and 37 of their 40 descriptors not decoded; not rows.
-#   Untimed on a GPU (bench.LOOP_SWEEP: BK 16, C 4 and C 2, 3 stages).
+# Removed keys: v57's `kda_qkt_chunks` (1, 2, 4) and `kda_qkt_stages` (0, 2, 3), "split"'s hot launch over C
+#   chunks a program in a pipelined `tl.range` (HV = HK only; every load a cp.async copy, at 3 stages the next
+#   chunk's in flight under this one's dots; sm_90 AOT, triton 3.6: BK 16 C 4 / 3 stages 186 registers, no spills,
+#   97 KB, two programs per SM). On an H100 (forty-third session, call 1; bars, flagged-tile test and memcheck
+#   clean) wall / graph ms: the default 3.612 / 3.246, BK 16 C 4 / 3 stages 3.725 / 3.403, C 2 / 3 stages
+#   3.915 / 3.469: slower by both clocks; removed in v58.
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -189,14 +170,12 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
                 "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
                 "kda_qkt_cold": ("inline", "split"), "kda_qkt_maxnreg": (0, 128, 168),
-                "kda_qkt_chunks": (1, 2, 4), "kda_qkt_stages": (0, 2, 3),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_wyk_stages": 0, "kda_wyk_bv": 0,
-                  "kda_qkt_cold": "inline", "kda_qkt_maxnreg": 0, "kda_qkt_chunks": 1, "kda_qkt_stages": 0,
-                  "kda_state_bwd_warps": 0, "fwd_o": "split"}
+                  "kda_qkt_cold": "inline", "kda_qkt_maxnreg": 0, "kda_state_bwd_warps": 0, "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 
@@ -242,6 +221,11 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v58: v57's hot-launch chunk loop removed (`kda_qkt_chunks`, `kda_qkt_stages`, the kernel's CHUNKS / STAGES,
+    # `_kda_qkt_tile`'s LOOP / m_run, the host's `_qkt_loop`, bench.LOOP_SWEEP): slower than the default on an H100
+    # by both clocks (above). The template's qkt kernel is v56's text again; the default's qkt builds unchanged
+    # (sm_90, triton 3.6: PTX and TTGIR equal to v57's but for debug lines; the hot launch 247 registers, 0
+    # spills, 20 KB).
     # v57: `kda_qkt_chunks`, `kda_qkt_stages` (off; above): "split"'s hot launch over C chunks a program in a
     # pipelined `tl.range` (`kda_chunk_bwd_qkt_kernel`'s CHUNKS, STAGES; `_kda_qkt_tile`'s LOOP: dM's and dQ's loads
     # masked past the last chunk, every store by the tile's fit), at HV = HK only; the qkt specs name CHUNKS 1 and
@@ -312,7 +296,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=57,
+    template_version=58,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

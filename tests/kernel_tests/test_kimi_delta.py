@@ -377,95 +377,15 @@ def test_qkt_cold_split_equals_inline(monkeypatch, case_id):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
 
 
-# `kda_qkt_chunks` (template v57: "split"'s hot launch loops over C chunks a program, `kda_qkt_stages` stages) against
-# the one-chunk hot launch: cases l2norm, HV (HK is 1), V, T, the qkt K tile, C, stages and the scaled (chunk, value
-# head, factor; both sequences) as QKT_COLD_CASES, B 2 (the flags' key-head rows, NT apart): T odd and even, NT (T / 64
-# rounded up) not a multiple of C (the last program's chunks past NT masked) and below C, tiles flagged (a whole
-# chunk) and none; HV = 2 HK (grouped: the host keeps the one-chunk hot launch there).
-QKT_CHUNKS_CASES = {
-    "l2-odd-t-c2-s3-mixed": (True, 1, 16, 149, 0, 2, 3, ((1, 0, 30.0),)),
-    "no-l2-c4-qkbk16-s2-mixed": (False, 1, 16, 300, 16, 4, 2, ((0, 0, 30.0), (3, 0, 4.0))),
-    "l2-c4-odd-t-s3-mixed": (True, 1, 40, 279, 16, 4, 3, ((1, 0, 4.0), (4, 0, 30.0))),
-    "no-l2-c4-qkbk16-s3-fit": (False, 1, 16, 149, 16, 4, 3, ()),
-    "l2-grouped-c2-odd-t-mixed": (True, 2, 40, 279, 0, 2, 2, ((2, 0, 30.0), (3, 1, 4.0))),
-}
-
-
-@pytest.mark.parametrize("case_id", list(QKT_CHUNKS_CASES))
-def test_qkt_chunks_equals_one_chunk(monkeypatch, case_id):
-    """"split"'s hot launch over C chunks a program (`kda_qkt_chunks`, grid (NK, cdiv(NT, C), B HK), its chunk loop
-    a `tl.range` of `kda_qkt_stages` stages with no branch: every chunk runs the chunk tier, its stores masked by
-    its flag) gives the one-chunk hot launch's forward and every gradient, equal in the interpreter (the same
-    operations), and the naive recurrence's; K 48. Spies: the launches (the hot one at the loop's grid with
-    CHUNKS, STAGES; the cold one at (NK, NT, B HK) without them, one flag buffer); in the interpreter the flags
-    equal the one-chunk launch's (1 exactly on the scaled chunks' tiles, none written past NT: the buffer holds NK
-    NT B HK), the hot loop ran the chunk tier on every chunk of its programs (past NT included, masked) and the
-    cold launch every tier on the flagged tiles. Grouped (HV = 2 HK): the one-chunk hot launch, the same values."""
-    l2, HV, V, T, bk, chunks, stages, scaled = QKT_CHUNKS_CASES[case_id]
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=1, HV=HV, T=T, l2=l2, h0=True, K=48, V=V, B=2)
-    gen = torch.Generator().manual_seed(10)
-    args = make_inputs(case, True, torch.float32, DEVICE, gen)
-    g = args[3].clone()
-    for chunk, head, f in scaled:
-        g[:, 64 * chunk:64 * (chunk + 1), head] *= f
-    args[3] = g
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    launches, flags, tiles = [], [], []
-    name = "kda_chunk_bwd_qkt_kernel"
-    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: (launches.append(
-        (tuple(grid), kw.get("SPLIT", 0), kw.get("CHUNKS"), kw.get("STAGES"))), flags.append(kw.get("p_flag")))))
-    if DEVICE.type == "cpu":  # interpreted: the jit helpers go through the module globals
-        fn = module._kda_qkt_tile
-        monkeypatch.setattr(module, "_kda_qkt_tile", lambda *a, **kw: (
-            tiles.append((*(int(x) for x in a[:3]), bool(a[28]), len(a) > 30 and bool(a[30]))), fn(*a, **kw))[1])
-    base = {"kda_qk": "ksplit", "kda_qk_bk": bk, "kda_qkt_cold": "split"}
-    with pinned(module, base):
-        (o0, ht0), grads0 = grads_of(module.entry, args, douts)
-    flags0 = flags[0].clone()
-    nk, nt = -(-case.K // (bk or 32)), -(-T // 64)
-    grid = (nk, nt, case.B * case.HK)
-    loop = HV == case.HK
-    hot = (nk, -(-nt // chunks), case.B * case.HK) if loop else grid
-    assert nt % chunks or nt < chunks, "a case for a partial last program"
-    launches.clear(), flags.clear(), tiles.clear()
-    with pinned(module, {**base, "kda_qkt_chunks": chunks, "kda_qkt_stages": stages}):
-        (o1, ht1), grads1 = grads_of(module.entry, args, douts)
-    assert launches == [(hot, 1, *((chunks, stages) if loop else (None, None))), (grid, 2, None, None)], launches
-    assert flags[0] is flags[1] and flags[0].dtype == torch.int32 and flags[0].numel() == nk * nt * grid[2], flags
-    if DEVICE.type == "cpu":
-        flagged = {c for c, _, _ in scaled}
-        want = torch.tensor([int(t in flagged) for b in range(grid[2]) for t in range(nt) for _ in range(nk)],
-                            dtype=torch.int32)
-        assert torch.equal(flags0.cpu(), want) and torch.equal(flags[0].cpu(), want), (flags0, flags[0], want)
-        every = [(i, t, b) for i in range(nk) for t in range(hot[1] * (chunks if loop else 1)) for b in range(grid[2])]
-        assert sorted(tiles) == sorted([(i, t, b, False, loop) for i, t, b in every if loop or t not in flagged]
-                                       + [(i, t, b, True, False) for i, t, b in every if t in flagged]), tiles
-    torch.testing.assert_close(o1, o0, rtol=0, atol=0)
-    torch.testing.assert_close(ht1, ht0, rtol=0, atol=0)
-    for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads1, grads0):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
-    (ro, rht), ref_grads = grads_of(module.reference, args, douts)
-    torch.testing.assert_close(o1, ro, rtol=1e-4, atol=1e-5)
-    for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], grads1, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
-
-
 @pytest.mark.parametrize("cfg", [{}, {"kda_qkt_cold": "inline"}, {"kda_qkt_cold": "split"},
-                                 {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168},
-                                 {"kda_qkt_chunks": 2, "kda_qkt_stages": 3},
-                                 {"kda_qk_bk": 16, "kda_qkt_chunks": 4, "kda_qkt_stages": 3, "kda_qkt_maxnreg": 168},
-                                 {"kda_qkt_cold": "inline", "kda_qkt_chunks": 2}],
-                         ids=["default", "inline", "split", "split-bk16-cap", "chunks2-s3", "bk16-chunks4-s3-cap",
-                              "inline-chunks2"])
+                                 {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168}],
+                         ids=["default", "inline", "split", "split-bk16-cap"])
 def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     """The qkt kernel's AOT specs (fp32, K 128: the k_le_128 bucket's "ksplit") are its launches at K = V = 128
     with one value head per key head, in order: the constexprs (SPLIT included; p_flag None where the launch
     passes no flag buffer, else an int32 pointer), warps and register cap; one spec and launch without
     `kda_qkt_cold` "split" (the bucket's default since v56), two with it (the hot launch capped, the cold one
-    not, at `QKT_COLD_WARPS`); `kda_qkt_chunks` C > 1 (v57) the hot launch's CHUNKS and STAGES (`kda_qkt_stages`),
-    which the other launches leave at the kernel's defaults (1, 2), as their specs; "inline" ignores it."""
+    not, at `QKT_COLD_WARPS`)."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
     gen = torch.Generator().manual_seed(4)
@@ -475,7 +395,7 @@ def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     seen = []
     name = "kda_chunk_bwd_qkt_kernel"
     monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: seen.append(
-        {"SPLIT": 0, "p_flag": None, "CHUNKS": 1, "STAGES": 2, **kw})))
+        {"SPLIT": 0, "p_flag": None, **kw})))
     with pinned(module, cfg):
         assert module.config_for(128)["kda_qk"] == "ksplit"
         grads_of(module.entry, args, douts)
@@ -492,10 +412,6 @@ def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     assert [s.get("maxnreg") for s in specs] == ([cfg.get("kda_qkt_maxnreg"), None] if split else [None])
     if split:
         assert specs[1]["num_warps"] == module.QKT_COLD_WARPS == 8 != specs[0]["num_warps"], specs
-    chunks = cfg.get("kda_qkt_chunks", 1) if split else 1
-    assert [s["constexprs"]["CHUNKS"] for s in specs] == [chunks, 1][:len(specs)], specs
-    assert [s["constexprs"]["STAGES"] for s in specs] == [cfg.get("kda_qkt_stages", 2) if chunks > 1 else 2, 2][
-        :len(specs)], specs
 
 
 @pytest.mark.parametrize("prep", ["split_chunk_ref", "fused", "fused_bk16", "pipelined", "pipelined_bk16"])
@@ -892,66 +808,6 @@ def test_aot_sm90_qkt_cold():
     assert got[3][4] <= 168 and got[3][5] == [0, 0], got
 
 
-# sm_90 builds of the hot launch (SPLIT 1) of bench.LOOP_SWEEP's rows (`kda_qkt_chunks`, template v57) and of the
-# one-chunk hot launch: per build CHUNKS, STAGES, the TTGIR's scf.for / scf.if / plain tt.load / async copy counts,
-# the chunk loop's first async_wait's count, wgmma count, ptxas's registers, spill bytes and shared memory.
-_QKT_LOOP_CHILD = """
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from onboarding.generate import aot, templating
-module = templating.load_module(sys.argv[1])
-fn = aot.jit_kernels(module)["kda_chunk_bwd_qkt_kernel"]
-out = []
-for config in json.loads(sys.argv[2]):
-    module.set_config(config)
-    for spec in [s for s in module.aot_specs("bf16", 128)
-                 if s["kernel"] == "kda_chunk_bwd_qkt_kernel" and s["constexprs"]["SPLIT"] == 1]:
-        s = aot.with_jit_constants(spec, aot.jit_constants(fn, spec, "all"))
-        attrs, _ = aot.divisibility_attrs(fn, s, "all")
-        src = ASTSource(fn=fn, signature=s["signature"], constexprs=s["constexprs"], attrs=attrs)
-        opts = {"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]}
-        with aot._triton_ptxas_log() as log:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-        ir, ptx = k.asm["ttgir"], k.asm["ptx"]
-        loop = ir[ir.index("scf.for"):] if "scf.for" in ir else ""
-        wait = re.search(r"ttg\\.async_wait .*\\{num = (\\d+)", loop)
-        spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", log.getvalue())
-        out.append({"CHUNKS": spec["constexprs"]["CHUNKS"], "STAGES": spec["constexprs"]["STAGES"],
-                    "for": ir.count("scf.for"), "if": ir.count("scf.if"), "load": len(re.findall(r"= tt\\.load", ir)),
-                    "copies": ir.count("ttg.async_copy_global_to_local"), "wait": int(wait[1]) if wait else None,
-                    "wgmma": len(re.findall(r"wgmma\\.mma_async", ptx)), "regs": aot._usage_in_log(log.getvalue())[0],
-                    "spills": [int(spills[1]), int(spills[2])], "shared": k.metadata.shared})
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.slow  # sm_90 builds (three, ~15 s on a cold Triton cache)
-def test_aot_sm90_qkt_loop_pipelined():
-    """bench.LOOP_SWEEP's hot launches (BK 16, C 4 and 2 chunks a program, 3 stages) build as v57 means them: one
-    loop with no branch in it (no scf.if: the stores masked), every load of the loop an async copy (no plain
-    tt.load left; 14 a chunk: the prologue's two chunks and the loop's next), the loop's wait leaving the next
-    chunk's copies in flight (async_wait 14, not 0), the one-chunk launch's 16 wgmma, no spills and two programs'
-    shared memory per SM (97 KB each with triton 3.6; 186 / 190 registers, 3.9: 213 / 166). The one-chunk launch
-    (BK 16) has none of it: plain loads, one scf.if."""
-    import json
-    import subprocess
-    import sys
-
-    path, env, _ = _qkt_aot_module()
-    rows = [{"kda_qk_bk": 16}, *kimi_delta.bench.LOOP_SWEEP]
-    run = subprocess.run([sys.executable, "-c", _QKT_LOOP_CHILD, str(path), json.dumps(rows)],
-                         capture_output=True, text=True, env=env, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    one, *loops = json.loads(run.stdout.splitlines()[-1])
-    assert (one["CHUNKS"], one["for"], one["if"], one["load"], one["copies"]) == (1, 0, 1, 14, 0), one
-    assert [(g["CHUNKS"], g["STAGES"]) for g in loops] == [(4, 3), (2, 3)], loops
-    for g in loops:
-        assert (g["for"], g["if"], g["load"], g["copies"], g["wait"]) == (1, 0, 0, 3 * 14, 14), g
-        assert g["wgmma"] == one["wgmma"] == 16 and g["spills"] == [0, 0] and 2 * g["shared"] <= 228 * 1024, g
-
-
 @pytest.mark.slow  # sm_90 builds (twelve, ~60 s on a cold Triton cache)
 def test_aot_sm90_qkt_wgmma_descriptors():
     """The qkt kernel's sm_90 builds (the default's and both rows of bench.QKT_COLD_SWEEP, G 1 and 2) address
@@ -1157,24 +1013,6 @@ def test_bf16_vs_fp32_on_gpu_hot_sweep(cfg):
     _sweep_row_bars(cfg)
 
 
-# The bench's rows of "split"'s hot launch over C chunks a program (bench.LOOP_SWEEP, template v57: `kda_qkt_chunks`,
-# `kda_qkt_stages`): within the bf16 bars on the GPU at GPU_CASES[0]'s shape with one value head per key head (HV =
-# HK = 4: the layout the loop runs at; a grouped one keeps the one-chunk hot launch) and T 1100 (NT 18: at C 4 the
-# last program's chunks past NT masked), bf16 and fp32; the hot launch ran the loop (CHUNKS, grid spied) in both.
-@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.LOOP_SWEEP))
-def test_bf16_vs_fp32_on_gpu_loop_sweep(monkeypatch, cfg):
-    if DEVICE.type != "cuda":
-        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    chunks = []
-    name = "kda_chunk_bwd_qkt_kernel"
-    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: chunks.append(
-        (kw.get("SPLIT"), kw.get("CHUNKS"), tuple(grid)))))
-    _sweep_row_bars(cfg, Case(HK=4, HV=4, T=1100, l2=True, h0=True, K=128, V=128, B=2))
-    hot = [c for c in chunks if c[0] == 1]
-    assert len(hot) == 2 and all(c[1] == cfg["kda_qkt_chunks"] and c[2][1] == -(-18 // c[1]) for c in hot), chunks
-
-
 # The gates of the bars' cases flag no qkt tile (every chunk's decays fit the chunk tier: the interpreter's
 # flags at GPU_CASES[0], fp32 path, are 0 of 256), so the rows above run "split"'s cold launch on no tile. Here
 # each row on the GPU with the cold launch at work: GPU_CASES[0]'s shape at one and two value heads per key
@@ -1218,48 +1056,6 @@ def test_qkt_split_cold_tiles_on_gpu(monkeypatch, cfg, HV):
         errs = {k: ((a.float() - b.float()).norm() / b.float().norm()).item()
                 for k, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
         assert all(e <= 5e-3 for e in errs.values()), (dtype, n, errs)
-
-
-# The loop's masks on the GPU (bench.LOOP_SWEEP, template v57): the bars' gates flag no tile, so here the gates of
-# chunk 5 of the first head x 30 (the exact tier) and of chunk 10 of the second sequence's last head x 4 (the 16-row
-# tier), HV = HK = 2 (the loop's layout), T 1100 (NT 18: at C 4 the last program's chunks past NT); bf16 and fp32,
-# o, the final state and every gradient within 5e-3 of the same row with the one-chunk hot launch (the same
-# operations, two builds; a tile lost, written twice or written by the hot loop where flagged is off by far more).
-@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.LOOP_SWEEP))
-def test_qkt_chunks_cold_tiles_on_gpu(monkeypatch, cfg):
-    if DEVICE.type != "cuda":
-        pytest.skip("the GPU's build of the loop (the interpreter's: test_qkt_chunks_equals_one_chunk)")
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=2, HV=2, T=1100, l2=True, h0=True, K=128, V=128, B=2)
-    gen = torch.Generator().manual_seed(6)
-    args = make_inputs(case, True, torch.bfloat16, DEVICE, gen)
-    g = args[3].clone()
-    g[:, 320:384, 0] *= 30.0
-    g[1, 640:704, 1] *= 4.0
-    args[3] = g
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    launches = []
-    name = "kda_chunk_bwd_qkt_kernel"
-    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: launches.append(
-        (kw.get("SPLIT"), kw.get("CHUNKS"), kw.get("p_flag")))))
-    one = {k: v for k, v in cfg.items() if k not in ("kda_qkt_chunks", "kda_qkt_stages")}
-    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
-    for dtype in (torch.bfloat16, torch.float32):
-        xs = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-        ds = [douts[0].to(dtype), douts[1]]
-        launches.clear()
-        with pinned(module, one):
-            ref_outs, ref_grads = grads_of(module.entry, xs, ds)
-        with pinned(module, cfg):
-            outs, grads = grads_of(module.entry, xs, ds)
-        torch.cuda.synchronize()
-        assert [x[:2] for x in launches] == [(1, None), (2, None), (1, cfg["kda_qkt_chunks"]), (2, None)], launches
-        f0, f1 = launches[0][2], launches[2][2]
-        assert torch.equal(f0, f1) and 0 < int(f1.sum()) < f1.numel(), (dtype, int(f0.sum()), int(f1.sum()))
-        errs = {k: ((a.float() - b.float()).norm() / b.float().norm()).item()
-                for k, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
-        assert all(e <= 5e-3 for e in errs.values()), (dtype, errs)
 
 
 # The bench's forward sweep rows of the prepare step (bench.PREP_SWEEP): each within the bf16 bars on
