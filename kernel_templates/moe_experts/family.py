@@ -287,6 +287,16 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   padding every expert to a row-step multiple, so no row mask is needed. swiglu and mlp only.
 # The v17 keys (h_tma, dw_tma, dw_pad, dx_warps, down_warps) beat no default on the H200
 #   (docs/LOG.md, thirtieth session, device call 3); sm_90 AOT facts in bench.py's v17 notes.
+# dx_grouped_mm (False): dx's GEMM (d(gate|up) [S, 2F] by each expert's packed weight) by
+#   torch._grouped_mm into per-slot rows in the dot dtype that the combine pass sums per token in fp32
+#   (never atomics). down_bwd_grouped_mm (False; not with `bias`): the down backward's GEMM G =
+#   dy[tok] down_proj[e] by torch._grouped_mm into per-slot rows, then its epilogue (the activation's
+#   backward, r * h, the routing-weight gradient) as a pass of its own (`moe_act_bwd_kernel`). Both on
+#   a GPU for bf16 on sm_90+ with rows a multiple of 8 elements only (as dw_grouped_mm). Why: in the
+#   same H100 runs the anchor's CUTLASS grouped GEMMs of this shape class (rows by expert, K over D or
+#   2F) ran at about 470 TFLOP/s against 372-417 for ours (docs/LOG.md, thirty-seventh session: the
+#   anchor's 39.6 CUTLASS ms less our two weight gradients' 15.0 over its four other GEMMs' 1.16e13
+#   FLOPs). swiglu and mlp only.
 # A removed key: v22's ws (dx's K loop under triton's automatic warp specialization, on per-slot
 #   bf16 rows for the combine pass) won nothing beyond the spread at DeepSeek-V3 N8192 uniform on an
 #   H100 (`source .ci/h200/setup.sh && BUDGET=200 bash .ci/h200/h37_moe6.sh` at 45c8bba; fwd+bwd
@@ -306,7 +316,8 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "dw_tma": (False, True), "dx_warps": (0, 2, 4, 8),
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
                  "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4),
-                 "half_tail_down": (False, True), "half_tail_bwd": (False, True)}
+                 "half_tail_down": (False, True), "half_tail_bwd": (False, True),
+                 "dx_grouped_mm": (False, True), "down_bwd_grouped_mm": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
@@ -314,7 +325,7 @@ _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
                    "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "half_tail_down": False,
-                   "half_tail_bwd": False}
+                   "half_tail_bwd": False, "dx_grouped_mm": False, "down_bwd_grouped_mm": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -370,6 +381,9 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
+    # v28: configs `dx_grouped_mm` and `down_bwd_grouped_mm` (off in every bucket; the note above _TUNING_SPACE):
+    # dx's GEMM and the down backward's by torch._grouped_mm, the latter's epilogue in a new moe_act_bwd_kernel.
+    # The default's kernels unchanged.
     # v27: the pre-sorted LoRA entry's saved gu / xa / ha (and the routed one's with capacity dropping) are zero
     # in the rows past offsets[E], written by the padding tiles of the kernels that write them (moe_gate_up_fwd_kernel,
     # moe_lora_proj_kernel: a row bound S each) instead of left unwritten (or, routed with capacity, zero-filled
@@ -387,7 +401,7 @@ FAMILY = FamilySpec(
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=27,
+    template_version=28,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
