@@ -265,8 +265,7 @@ MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 # decided, so that every case of the family runs in under a minute.
 # (The v17 lists above lost to the default on the H200, docs/LOG.md thirtieth session: kept for the
 # record, as v18's and v19's, decided in the thirty-sixth session, and v20's, inconclusive on an H100 in
-# the thirty-eighth; the backward cases time v28's rows at DeepSeek-V3 N8192 and Qwen3-Next uniform,
-# v20's elsewhere.)
+# the thirty-eighth; the backward cases time v28's rows but at the anchor.)
 # Template v28 (forty-third session): dx's GEMM and the down backward's by torch._grouped_mm (configs
 # `dx_grouped_mm`, `down_bwd_grouped_mm`; the down backward's epilogue then a pass of its own,
 # moe_act_bwd_kernel). Why: family.py's note (the anchor's CUTLASS grouped GEMMs of this shape
@@ -276,12 +275,13 @@ MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 MOE_V28_SWEEP_BIG = [{"dx_grouped_mm": True}, {"down_bwd_grouped_mm": True},
                      {"dx_grouped_mm": True, "down_bwd_grouped_mm": True}]
 MOE_V28_SWEEP = [{"dx_grouped_mm": True}, {"dx_grouped_mm": True, "down_bwd_grouped_mm": True}]
+MOE_V28_SWEEP_SHORT_BIG = [{"dx_grouped_mm": True}]  # DeepSeek-V3 N32768: 135 ms a step
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
-          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V20_SWEEP_SHORT,
+          ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V28_SWEEP,
           ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
           ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP_BIG,
-          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V20_SWEEP_SHORT_BIG}
+          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V28_SWEEP_SHORT_BIG}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:
