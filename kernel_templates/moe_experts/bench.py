@@ -265,23 +265,23 @@ MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 # decided, so that every case of the family runs in under a minute.
 # (The v17 lists above lost to the default on the H200, docs/LOG.md thirtieth session: kept for the
 # record, as v18's and v19's, decided in the thirty-sixth session, and v20's, inconclusive on an H100 in
-# the thirty-eighth; the backward cases time v28's rows but at the anchor.)
+# the thirty-eighth; the backward cases time v28's row, the anchor its tile sweep too.)
 # Template v28 (forty-third session): dx's GEMM and the down backward's by torch._grouped_mm (configs
-# `dx_grouped_mm`, `down_bwd_grouped_mm`; the down backward's epilogue then a pass of its own,
-# moe_act_bwd_kernel). Why: family.py's note (the anchor's CUTLASS grouped GEMMs of this shape
-# class ran at about 470 TFLOP/s on an H100, ours at 372-417). Expected by arithmetic at DeepSeek-V3
-# N8192, not measured: dx (3.85e12 FLOPs) ~8.2 ms against 9.1-9.6, plus the combine pass over its
-# bf16 rows (~0.9 GB read); the down backward ~4.1 ms + a ~1.6 GB epilogue pass against 4.9-5.1.
-MOE_V28_SWEEP_BIG = [{"dx_grouped_mm": True}, {"down_bwd_grouped_mm": True},
-                     {"dx_grouped_mm": True, "down_bwd_grouped_mm": True}]
-MOE_V28_SWEEP = [{"dx_grouped_mm": True}, {"dx_grouped_mm": True, "down_bwd_grouped_mm": True}]
-MOE_V28_SWEEP_SHORT_BIG = [{"dx_grouped_mm": True}]  # DeepSeek-V3 N32768: 135 ms a step
-SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP, ("anchor", 8192, "uniform", "fwdbwd"): MOE_BWD_SWEEP,
+# `dx_grouped_mm`, `down_bwd_grouped_mm`). Why: family.py's note above _TUNING_SPACE. Expected by
+# arithmetic at DeepSeek-V3 N8192: dx (3.85e12 FLOPs) ~8.2 ms against 9.1-9.6, plus the combine pass
+# over its bf16 rows (~0.9 GB read); the down backward ~4.1 ms + a ~1.6 GB epilogue pass against
+# 4.9-5.1. Measured (H100): dx faster at every shape, adopted in v29 (family.py's note above
+# _DX_GPU); the down backward's row slower on top of it, removed. The rows now time the default
+# against dx by Triton (`_DX_TRITON`: the v28 default's dx, its atomics and tiles as the bucket has them).
+_DX_TRITON = {"dx_grouped_mm": False}
+MOE_V28_SWEEP = [_DX_TRITON]
+SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP,
+          ("anchor", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V28_SWEEP,
           ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP_BIG,
-          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V28_SWEEP_SHORT_BIG}
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
+          ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V28_SWEEP}
 
 
 def _swiglu(gu: torch.Tensor) -> torch.Tensor:

@@ -287,16 +287,14 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   padding every expert to a row-step multiple, so no row mask is needed. swiglu and mlp only.
 # The v17 keys (h_tma, dw_tma, dw_pad, dx_warps, down_warps) beat no default on the H200
 #   (docs/LOG.md, thirtieth session, device call 3); sm_90 AOT facts in bench.py's v17 notes.
-# dx_grouped_mm (False): dx's GEMM (d(gate|up) [S, 2F] by each expert's packed weight) by
-#   torch._grouped_mm into per-slot rows in the dot dtype that the combine pass sums per token in fp32
-#   (never atomics). down_bwd_grouped_mm (False; not with `bias`): the down backward's GEMM G =
-#   dy[tok] down_proj[e] by torch._grouped_mm into per-slot rows, then its epilogue (the activation's
-#   backward, r * h, the routing-weight gradient) as a pass of its own (`moe_act_bwd_kernel`). Both on
-#   a GPU for bf16 on sm_90+ with rows a multiple of 8 elements only (as dw_grouped_mm). Why: in the
-#   same H100 runs the anchor's CUTLASS grouped GEMMs of this shape class (rows by expert, K over D or
-#   2F) ran at about 470 TFLOP/s against 372-417 for ours (docs/LOG.md, thirty-seventh session: the
-#   anchor's 39.6 CUTLASS ms less our two weight gradients' 15.0 over its four other GEMMs' 1.16e13
-#   FLOPs). swiglu and mlp only.
+# dx_grouped_mm (False; True in both GPU buckets since v29): dx's GEMM (d(gate|up) [S, 2F] by each
+#   expert's packed weight) by torch._grouped_mm into per-slot rows in the dot dtype, which the
+#   combine pass sums per token in fp32 (never atomics). On a GPU for bf16 on sm_90+ with rows a
+#   multiple of 8 elements only (as dw_grouped_mm; else the Triton dx kernel on the DX_* tiles). Why
+#   it was tried: in the same H100 runs the anchor's CUTLASS grouped GEMMs of this shape class (rows
+#   by expert, K over D or 2F) ran at about 470 TFLOP/s, ours at 372-417 (docs/LOG.md, thirty-seventh
+#   session: the anchor's 39.6 CUTLASS ms less our two weight gradients' 15.0, over its four other
+#   GEMMs' 1.16e13 FLOPs). swiglu and mlp only.
 # A removed key: v22's ws (dx's K loop under triton's automatic warp specialization, on per-slot
 #   bf16 rows for the combine pass) won nothing beyond the spread at DeepSeek-V3 N8192 uniform on an
 #   H100 (`source .ci/h200/setup.sh && BUDGET=200 bash .ci/h200/h37_moe6.sh` at 45c8bba; fwd+bwd
@@ -317,7 +315,7 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
                  "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4),
                  "half_tail_down": (False, True), "half_tail_bwd": (False, True),
-                 "dx_grouped_mm": (False, True), "down_bwd_grouped_mm": (False, True)}
+                 "dx_grouped_mm": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
@@ -325,7 +323,7 @@ _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
                    "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "half_tail_down": False,
-                   "half_tail_bwd": False, "dx_grouped_mm": False, "down_bwd_grouped_mm": False}
+                   "half_tail_bwd": False, "dx_grouped_mm": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -350,13 +348,21 @@ _DW_TILES = {"DW_BLOCK_M": 128, "DW_BLOCK_N": 128, "DW_BLOCK_K": 64, "dw_warps":
 # grid kernels, Qwen3-Next 7.85 against 8.21, Zipf even; bf16 tests passed (docs/LOG.md, twentieth
 # session, device call J).
 _DW_GPU = {"dw_grouped_mm": True}
+# dx_grouped_mm on both GPU buckets since v29: fwd+bwd wall ms against the default in the same run,
+# H100 80GB HBM3 (torch 2.11, triton 3.6; docs/LOG.md, forty-third session, calls 2-3): DeepSeek-V3
+# N8192 45.479 / 46.387 and 45.986 / 46.663, Qwen3-Next uniform 7.694 / 7.949 and 7.576 / 7.958, Zipf
+# 8.078 / 8.194, DeepSeek-V3 N32768 134.780 / 134.878; bf16 bars passed at d_big and d_le_4k. The v28
+# key down_bwd_grouped_mm (the down backward's GEMM by torch._grouped_mm, its epilogue a pass of its
+# own) was slower on top of it in three of four comparisons (DeepSeek-V3 46.892 and 46.204, Qwen3-Next
+# Zipf 8.225, uniform 7.662 against dx alone's 7.576) and was removed in v29.
+_DX_GPU = {"dx_grouped_mm": True}
 # bwd_epi_split 2, dy_sorted and rows_tma on both GPU buckets since v16: fwd+bwd at DeepSeek-V3
 # N8192 46.727-47.144 ms against 47.442, N32768 142.02 against 146.50; bf16 bars passed
 # (docs/LOG.md, twenty-fifth session, call moe2).
 _BWD_ROWS = {"bwd_epi_split": 2, "dy_sorted": True, "rows_tma": True}
 _GPU_TILES = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
                             _BWD_TILES), "combine": "atomic", "half_tail": True, "tma": True, **_DW_TILES, **_DW_GPU,
-              **_BWD_ROWS}
+              **_DX_GPU, **_BWD_ROWS}
 # dx's own 128 x 256 tile with bwd_tma, D > 4k only: fwd+bwd 61.88 ms against 64.28 with bwd_tma
 # alone at DeepSeek-V3 N8192 (docs/LOG.md, seventeenth session, helper h33). Timed beside the
 # persistent weight-gradient kernel, not beside the grid ones.
@@ -376,14 +382,16 @@ _DX_TILES_BIG = {"bwd_tma": True, "DX_BLOCK_M": 128, "DX_BLOCK_N": 256, "dx_stag
 _DOWN_BWD_TILES_BIG = {"DOWN_BWD_BLOCK_M": 128, "DOWN_BWD_BLOCK_N": 256, "down_bwd_stages": 3, "bwd_epi_split": 8}
 _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4},
                                 _BWD_TILES), "group_m": 16, "combine": "atomic", "tma": True, "DOWN_BLOCK_N": 256,
-                  **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU, **_BWD_ROWS, **_DOWN_BWD_TILES_BIG}
+                  **_DW_TILES, **_DX_TILES_BIG, **_DW_GPU, **_DX_GPU, **_BWD_ROWS,
+                  **_DOWN_BWD_TILES_BIG}
 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    # v28: configs `dx_grouped_mm` and `down_bwd_grouped_mm` (off in every bucket; the note above _TUNING_SPACE):
-    # dx's GEMM and the down backward's by torch._grouped_mm, the latter's epilogue in a new moe_act_bwd_kernel.
-    # The default's kernels unchanged.
+    # v29: dx_grouped_mm on in both GPU buckets (the note above _DX_GPU); down_bwd_grouped_mm and its
+    # moe_act_bwd_kernel removed (slower on top of it on an H100).
+    # v28: configs `dx_grouped_mm` and `down_bwd_grouped_mm` (off in every bucket): dx's GEMM and the down
+    # backward's by torch._grouped_mm, the latter's epilogue in a new moe_act_bwd_kernel.
     # v27: the pre-sorted LoRA entry's saved gu / xa / ha (and the routed one's with capacity dropping) are zero
     # in the rows past offsets[E], written by the padding tiles of the kernels that write them (moe_gate_up_fwd_kernel,
     # moe_lora_proj_kernel: a row bound S each) instead of left unwritten (or, routed with capacity, zero-filled
@@ -401,7 +409,7 @@ FAMILY = FamilySpec(
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=28,
+    template_version=29,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

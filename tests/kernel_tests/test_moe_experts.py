@@ -358,49 +358,40 @@ def test_grouped_mm_weight_gradients(load, device, monkeypatch, entry, kind):
         assert offs1[-1] < a2[1] == b1[0]
 
 
-# Template v28: dx's GEMM (`dx_grouped_mm`) and the down backward's (`down_bwd_grouped_mm`, its epilogue
-# then moe_act_bwd_kernel) by torch._grouped_mm, alone, together and beside the weight gradients'.
-GMM_BWD = {"dx": {"dx_grouped_mm": True}, "down": {"down_bwd_grouped_mm": True},
-           "both": {"dx_grouped_mm": True, "down_bwd_grouped_mm": True, "dw_grouped_mm": True, "dy_sorted": True}}
+# Template v28: dx's GEMM by torch._grouped_mm (`dx_grouped_mm`), alone and beside the weight gradients'.
+GMM_DX = {"dx": {"dx_grouped_mm": True}, "all": {"dx_grouped_mm": True, "dw_grouped_mm": True, "dy_sorted": True}}
 
 
 @pytest.mark.parametrize("entry,kind,name", [
-    ("swiglu", "zipf", "both"), ("mlp", "empty_experts", "both"), ("swiglu_cf", "all_to_one", "both"),
-    ("gpt_oss", "uniform", "down"), ("bias", "empty_experts", "both"),
-    ("swiglu", "uniform", "dx"), ("mlp", "zipf", "down")])
-def test_grouped_mm_dx_and_down_backward(load, device, monkeypatch, entry, kind, name):
-    """dx_grouped_mm / down_bwd_grouped_mm: the output and every gradient match the reference on odd
-    rows per expert, unused experts, capacity dropping (rows past the kept slots: unwritten G and
-    d(gate|up) rows that no group and no combine may read) and the clamped gpt-oss SwiGLU. Off a GPU
-    the Triton GEMM each replaces does not launch (with `bias` the down backward stays fused: its
-    routing-weight gradient has the bias term), dx's rows go through the combine pass (no atomics),
-    and torch._grouped_mm's groups are each expert's end row; on a GPU (fp32 here) the Triton kernels
-    keep both GEMMs."""
+    ("swiglu", "zipf", "all"), ("mlp", "empty_experts", "all"), ("swiglu_cf", "all_to_one", "all"),
+    ("gpt_oss", "uniform", "dx"), ("bias", "empty_experts", "all"), ("swiglu", "uniform", "dx")])
+def test_grouped_mm_dx(load, device, monkeypatch, entry, kind, name):
+    """dx_grouped_mm: the output and every gradient match the reference on odd rows per expert,
+    unused experts, capacity dropping (rows past the kept slots: d(gate|up) rows that no group and
+    no combine may read), biases and the clamped gpt-oss SwiGLU. Off a GPU the Triton dx kernel does
+    not launch, dx's rows go through the combine pass (no atomics under `combine` "atomic"), and
+    torch._grouped_mm's groups are each expert's end row; on a GPU (fp32 here) the Triton kernel
+    keeps dx."""
     variant, params = {"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
                        "swiglu_cf": ("swiglu", {"capacity_factor": 0.75}), "bias": ("swiglu", {"bias": True}),
                        "gpt_oss": ("swiglu", GPT_OSS)}[entry]
     module = load(variant, params)
     fx = bias_fixture(module, kind) if entry == "bias" else fixture(module, kind, gated=entry != "mlp")
     calls = _count_grouped_mm(monkeypatch)
-    config = {**CPU_CONFIG, "combine": "atomic", **GMM_BWD[name]}
+    config = {**CPU_CONFIG, "combine": "atomic", **GMM_DX[name]}
     names = [n for n, _ in _checked_launches(fx, device, monkeypatch, config)]
+    assert "moe_down_bwd_kernel" in names
     if device.type == "cuda":
-        assert "moe_dx_kernel" in names and "moe_down_bwd_kernel" in names and "moe_act_bwd_kernel" not in names
+        assert "moe_dx_kernel" in names and "moe_combine_kernel" not in names
         return
-    gx, gd = "dx_grouped_mm" in config, "down_bwd_grouped_mm" in config and entry != "bias"
-    assert ("moe_dx_kernel" in names) != gx
-    assert ("moe_down_bwd_kernel" in names) != gd and ("moe_act_bwd_kernel" in names) == gd
-    assert names.count("moe_combine_kernel") == (1 if gx else 0)  # "atomic": only dx's rows with gx combine
-    d, f = 24, 20
-    gu = f if variant == "mlp" else 2 * f
-    mine = [c for c in calls if len(c[1]) == 3]  # 2-D x 3-D: dx's ([S, GU] x [E, GU, D]) and G's ([S, D] x [E, D, F])
-    want = ([((d,), (d, f))] if gd else []) + ([((gu,), (gu, d))] if gx else [])
-    last = mine[-len(want):]  # the last forward + backward's (the checked runs before it drew other routings)
-    assert [((a[1],), b[1:]) for a, b, _ in last] == want
-    offs = {tuple(o) for _, _, o in last}
-    assert len(offs) == 1 and len(next(iter(offs))) == 5
-    if module.CAPACITY_FACTOR is not None:
-        assert next(iter(offs))[-1] < last[-1][0][0]  # the dropped rows are in no group
+    assert "moe_dx_kernel" not in names
+    assert names.count("moe_combine_kernel") == 1  # "atomic": the forward adds its rows itself, dx's combine
+    gu = 20 if variant == "mlp" else 40
+    # the last forward + backward's 2-D x 3-D call ([S, GU] x [E, GU, D]; the checked runs before it
+    # drew other routings)
+    a, b, offs = [c for c in calls if len(c[1]) == 3][-1]
+    assert (a[1], b[1:]) == (gu, (gu, 24)) and len(offs) == 5
+    assert (offs[-1] < a[0]) == (module.CAPACITY_FACTOR is not None)  # dropped rows are in no group
 
 
 @pytest.mark.slow  # 21 s on 2 cores (opcheck runs each op several times)
@@ -746,14 +737,12 @@ BF16_BWD_CONFIGS = [{"dw_persistent": 0}, {"dw_persistent": 1}, {"dw_sorted": Tr
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
 @pytest.mark.parametrize("d", [7168, 2048], ids=["d_big", "d_le_4k"])
 def test_v28_grouped_mm_backward_bf16_cuda(load, d):
-    """Template v28's rows as the bench times them (bench.MOE_V28_SWEEP_BIG at D 7168, MOE_V28_SWEEP
-    at D 2048: dx's GEMM and the down backward's by torch._grouped_mm) against the bucket default
-    (`_check_bwd_configs_bf16`). Against the default's run the bar is 4e-3, not 2e-3: torch's grouped
-    GEMM writes bf16 per-slot rows (dx's before the combine pass, G before the epilogue pass) where the
-    default keeps fp32 in registers and atomics, one more bf16 rounding (~1.1e-3 relative RMS each)
+    """The bucket default (dx by torch._grouped_mm since v29) against the Triton dx kernel the bench
+    times beside it (bench.MOE_V28_SWEEP) through `_check_bwd_configs_bf16`. Between the two runs the
+    bar is 4e-3, not 2e-3: torch's grouped GEMM writes bf16 per-slot dx rows for the combine pass
+    where the Triton kernel adds fp32 rows by atomics, one more bf16 rounding (~1.1e-3 relative RMS)
     on every row; against the fp32 reference the bar stays 1e-2."""
-    bench = moe_experts.bench
-    configs = [{}] + (bench.MOE_V28_SWEEP if d < 4096 else bench.MOE_V28_SWEEP_BIG)
+    configs = [{}] + moe_experts.bench.MOE_V28_SWEEP
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs, same=4e-3)
 
 
