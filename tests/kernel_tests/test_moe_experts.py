@@ -845,7 +845,9 @@ def test_grouped_mm_weight_gradients_bf16_cuda(load, monkeypatch, entry):
     """dw_grouped_mm in bf16 at D = 2048 (a GPU bucket), odd token count, two experts left empty,
     non-gated experts (GU = F) and per-expert biases: torch._grouped_mm runs twice, every
     gradient is within 2e-3 of the Triton kernels' run and 1e-2 of the fp32 reference, and the
-    empty experts' weight (and bias) gradients are zero."""
+    empty experts' weight (and bias) gradients are zero. dx stays on the Triton kernel in both runs
+    (`dx_grouped_mm` off; the bucket's default since v29 is on, test_v28_grouped_mm_backward_bf16_cuda
+    checks it), so that only the weight gradients differ."""
     module = load(*{"mlp": ("mlp", {"activation": "relu2"}), "bias": ("swiglu", {"bias": True})}[entry])
     n, d, e, f, k = 1531, 2048, 16, 256, 4
     gu = f if entry == "mlp" else 2 * f
@@ -864,7 +866,7 @@ def test_grouped_mm_weight_gradients_bf16_cuda(load, monkeypatch, entry):
     for gmm in (False, True):
         lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in hi]
         module.set_config(None)
-        module.set_config({**module.config_for(d), "dw_grouped_mm": gmm}, bucket=bucket)
+        module.set_config({**module.config_for(d), "dw_grouped_mm": gmm, "dx_grouped_mm": False}, bucket=bucket)
         try:
             module.entry(lo[0], idx, *lo[1:]).backward(dy.to(torch.bfloat16))
         finally:
