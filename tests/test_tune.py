@@ -308,6 +308,28 @@ def test_tune_buckets_end_to_end_writes_and_applies_tuned_json(tmp_path):
         mod.set_config(None, "d_le_512")
 
 
+def test_studies_of_one_run_share_their_worker_subprocesses(tmp_path, monkeypatch):
+    """`tune_buckets` (as `tune_run`) runs its studies on one pool of worker subprocesses: two
+    buckets' studies in isolated workers start the trial worker once, not once per study (a start
+    imports torch: on a GPU host it was most of a study's budget share), every trial completes in
+    both, and the pool's workers end with the run."""
+    from onboarding.tune import worker as tune_worker
+
+    path = render_to(tmp_path / "k", "rmsnorm", "plain")
+    started, real_start = [], tune_worker.Worker._start
+
+    def start(self):
+        real_start(self)
+        started.append(self)
+    monkeypatch.setattr(tune_worker.Worker, "_start", start)
+    cfg = _cfg(tmp_path, n_trials=2, isolate=True, space=FWD_ONLY)
+    res = tune.tune_buckets(path, [64, 600], config=cfg, timer=_fake_timer)
+    assert [r.bucket for r in res] == ["d_le_512", "d_le_2k"]
+    assert all(r.n_complete == 2 for r in res), [(r.n_complete, r.prune_reasons) for r in res]
+    assert len(started) == 1  # aot=False: no AOT worker; one trial worker for both studies
+    assert all(w.proc is None for w in started)  # closed when the run ended
+
+
 def test_search_space_restriction_keeps_the_default_and_rejects_bad_values(rms_path):
     mod = load_module(rms_path)
     space = tune.search_space(mod, "d_le_512", {"BLOCK_N": [16, 32], "num_warps": [1],

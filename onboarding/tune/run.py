@@ -162,7 +162,7 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
 
     import optuna
 
-    from onboarding.tune.search import gpu_name, progress_text
+    from onboarding.tune.search import gpu_name, progress_text, shared_workers
 
     run_dir = Path(run_dir)
     if config.storage is None and config.storage_dir is None:
@@ -175,31 +175,32 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
     if prog:
         prog.start()
     try:
-        for i, job in enumerate(jobs):
-            label = f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})"
-            share = config.budget_s
-            if budget_s is not None:
-                left = max(0.0, budget_s - (time.monotonic() - start)) / (len(jobs) - i)
-                share = left if share is None else min(share, left)
-            if on_step:
-                on_step(label + (f", {share:.0f} s budget" if share is not None else ""))
-
-            def on_trial(info: dict[str, Any], label: str = label) -> None:
+        with shared_workers():  # every study of the run on the same worker subprocesses
+            for i, job in enumerate(jobs):
+                label = f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})"
+                share = config.budget_s
+                if budget_s is not None:
+                    left = max(0.0, budget_s - (time.monotonic() - start)) / (len(jobs) - i)
+                    share = left if share is None else min(share, left)
                 if on_step:
-                    on_step(f"{label}: trial {info['done']}/{info['total']}, best "
-                            + progress_text(info["best_ms"], info["default_ms"], info["left_s"]))
+                    on_step(label + (f", {share:.0f} s budget" if share is not None else ""))
 
-            if job.level == "block":
-                for r in _tune_block_job(run_dir, job, config, timer, share):
-                    results.append((replace(job, bucket=r.bucket), r))
-                continue
-            r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
-                            config=replace(config, progress=False, budget_s=share), timer=timer,
-                            progress=prog, on_trial=on_trial)
-            if r.best_config is not None:
-                write_tuned(job.module, [r], dtype=config.dtype,
-                            timing="injected timer" if timer else None)
-            results.append((job, r))
+                def on_trial(info: dict[str, Any], label: str = label) -> None:
+                    if on_step:
+                        on_step(f"{label}: trial {info['done']}/{info['total']}, best "
+                                + progress_text(info["best_ms"], info["default_ms"], info["left_s"]))
+
+                if job.level == "block":
+                    for r in _tune_block_job(run_dir, job, config, timer, share):
+                        results.append((replace(job, bucket=r.bucket), r))
+                    continue
+                r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
+                                config=replace(config, progress=False, budget_s=share), timer=timer,
+                                progress=prog, on_trial=on_trial)
+                if r.best_config is not None:
+                    write_tuned(job.module, [r], dtype=config.dtype,
+                                timing="injected timer" if timer else None)
+                results.append((job, r))
     finally:
         if prog:
             prog.stop()

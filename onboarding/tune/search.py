@@ -56,7 +56,7 @@ from onboarding.tune.store import (TUNED_SUFFIX, BucketResult, apply_tuned,  # n
                                     markdown_table, module_meta, plot_history, result_dict,
                                     result_from_dict, tuned_path, warm_start_configs,
                                     write_tuned)
-from onboarding.tune.worker import Worker, WorkerDied, WorkerTimeout, handle
+from onboarding.tune.worker import Worker, WorkerDied, WorkerPool, WorkerTimeout, handle
 from onboarding.backend import interpreting
 from onboarding.errors import InputError
 
@@ -290,8 +290,27 @@ def aot_usage(kernels: list[dict[str, Any]]) -> tuple[dict[str, list], int | Non
     return usage, (max(spills) if ok else None)
 
 
+# Set by `shared_workers`: the pool the objectives of the studies inside it take their workers from.
+_POOL: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("tune_worker_pool", default=None)
+
+
+@contextlib.contextmanager
+def shared_workers():
+    """Within it, every study (`tune_module`, its re-timing) takes its worker subprocesses from one
+    `WorkerPool` and gives them back when done, so a run of many studies starts each kind of worker
+    once per worker thread instead of once per study; the pool's workers end with the block."""
+    pool = WorkerPool()
+    token = _POOL.set(pool)
+    try:
+        yield pool
+    finally:
+        _POOL.reset(token)
+        pool.close()
+
+
 class _Objective:
-    """One per worker thread: owns a trial worker and an AOT worker subprocess."""
+    """One per worker thread: holds a trial worker and an AOT worker subprocess (its own, or taken
+    from the `shared_workers` pool and given back by `close`)."""
 
     def __init__(self, *, path: str, module: ModuleType, size: int, shapes: list,
                  dims: dict[str, int] | None, space: dict[str, list], cfg: TuneConfig,
@@ -302,13 +321,19 @@ class _Objective:
         self.meta = module_meta(module)
         self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
         interp = interpreting()
-        self.trial_worker = Worker(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
-        self.aot_worker = Worker(interpret=False if interp else None,
-                                 startup_timeout_s=cfg.startup_timeout_s)
+        self.pool = _POOL.get()
+        make = self.pool.take if self.pool is not None else Worker
+        self.trial_worker = make(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
+        self.aot_worker = make(interpret=False if interp else None, startup_timeout_s=cfg.startup_timeout_s)
 
-    def close(self) -> None:
-        self.trial_worker.close()
-        self.aot_worker.close()
+    def close(self, keep: bool = True) -> None:
+        """Ends the workers, or with `keep` gives them back to the pool they came from (an
+        interrupt passes keep=False: their trials in flight must die)."""
+        for w in (self.trial_worker, self.aot_worker):
+            if keep and self.pool is not None:
+                self.pool.give(w)
+            else:
+                w.close()
 
     def _run(self, worker: Worker, op: str, args: dict, timeout: float) -> dict[str, Any]:
         if not self.cfg.isolate:
@@ -618,7 +643,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
             stop.set()
             with lock:
                 for obj in objectives:
-                    obj.close()
+                    obj.close(keep=False)
             raise
         final_study = _load_study(name, url, cfg.seed, space, sampler)
         result = summarize(final_study, module, bucket)
@@ -778,12 +803,13 @@ def tune_buckets(module_path: Path | str, sizes: Iterable[int], *,
     for s in sizes:
         by_bucket.setdefault(module.shape_bucket(s), s)
     out = []
-    for s in by_bucket.values():
-        r = tune_module(module_path, size=s, shapes=shapes_for(s) if shapes_for else None,
-                        dims=dims_for(s) if dims_for else None, config=cfg, timer=timer,
-                        progress=progress)
-        out.append(r)
-        if write and r.best_config is not None:
-            write_tuned(module_path, [r], dtype=cfg.dtype, timing="injected timer" if timer
-                        else None)
+    with shared_workers() if _POOL.get() is None else contextlib.nullcontext():
+        for s in by_bucket.values():
+            r = tune_module(module_path, size=s, shapes=shapes_for(s) if shapes_for else None,
+                            dims=dims_for(s) if dims_for else None, config=cfg, timer=timer,
+                            progress=progress)
+            out.append(r)
+            if write and r.best_config is not None:
+                write_tuned(module_path, [r], dtype=cfg.dtype, timing="injected timer" if timer
+                            else None)
     return out

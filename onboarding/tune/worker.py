@@ -101,6 +101,41 @@ class Worker:
             self.proc = None
 
 
+class WorkerPool:
+    """Idle workers kept for the next study of a tuning run (`search.shared_workers`): each start
+    imports torch and, on a GPU, makes a CUDA context, seconds that a study's share of the run's
+    budget would otherwise spend on it. On an H100 host the README's main command gave each of
+    its 11 studies ~3.6 s of the 40 s budget, and each study started two workers of its own: one
+    trial per study, or none (docs/LOG.md, forty-third session, call 5). Workers are kept by the
+    interpreter mode they start in; one whose child died or was killed (a timeout) restarts on
+    its next call, as within a study."""
+
+    def __init__(self) -> None:
+        self._idle: dict[bool | None, list[Worker]] = {}
+        self._lock = threading.Lock()
+        self.started = 0  # workers this pool made (the rest of its takes were reuses)
+
+    def take(self, *, interpret: bool | None, startup_timeout_s: float) -> Worker:
+        with self._lock:
+            idle = self._idle.get(interpret)
+            if idle:
+                w = idle.pop()
+                w.startup_timeout_s = startup_timeout_s
+                return w
+            self.started += 1
+        return Worker(interpret=interpret, startup_timeout_s=startup_timeout_s)
+
+    def give(self, w: Worker) -> None:
+        with self._lock:
+            self._idle.setdefault(w.interpret, []).append(w)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = [w for ws in self._idle.values() for w in ws], {}
+        for w in idle:
+            w.close()
+
+
 def worker_main() -> int:
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything the kernels print goes to stderr, not into the protocol
