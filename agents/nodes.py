@@ -18,7 +18,7 @@ from onboarding.graph.opgraph import OpGraph
 from onboarding.coverage import Coverage
 from onboarding.generate.candidates import load_candidates
 from onboarding.policy import (next_exclusions, train_budget, train_plan, tune_budget,
-                               tune_seconds, tune_workers)
+                               tune_seconds)
 from onboarding.stages import run_align, run_generate, run_load, run_map, run_parse
 
 
@@ -239,11 +239,9 @@ def tune_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
                      tune_attempts=[*state.tune_attempts, {**attempt, "skipped": budget.skipped}],
                      summary={"tuned_studies": 0})
     seconds = tune_seconds(c.tune_budget_s)
-    workers = tune_workers(c.tune_workers, gpu=gpu_name())
     step(f"tuning with {trials} trials per study"
-         + (f" within {seconds:.0f} s" if seconds is not None else "")
-         + f", {workers} worker{'s' if workers > 1 else ''} per study")
-    cfg = TuneConfig(n_trials=trials, n_workers=workers, aot=c.tune_aot, seed=c.seed,
+         + (f" within {seconds:.0f} s" if seconds is not None else ""))
+    cfg = TuneConfig(n_trials=trials, n_workers=c.tune_workers, aot=c.tune_aot, seed=c.seed,
                      progress=False, storage_dir=run_dir)
     data = tune_run(run_dir, cfg, families=c.tune_kernels if c.tune_kernels is not None
                     else c.align_kernels, on_step=lambda s: step(f"tuning {s}"),
@@ -253,7 +251,7 @@ def tune_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
              "trials": s["result"]["n_trials"], "complete": s["result"]["n_complete"],
              "stopped": s["result"].get("stopped"), "seconds": s["result"].get("seconds")}
             for s in data["studies"]]
-    attempt.update(studies=len(best), best=best, notes=data["notes"], budget_s=seconds, workers=workers,
+    attempt.update(studies=len(best), best=best, notes=data["notes"], budget_s=seconds,
                    seconds=data.get("seconds"))
     return _done(state, "tune", config, artifacts={"tune": RESULTS_FILE},
                  tune_attempts=[*state.tune_attempts, attempt],

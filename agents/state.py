@@ -32,8 +32,7 @@ class RunConfig(BaseModel):
     # default (`onboarding.policy.DEFAULT_TUNE_BUDGET_S`); 0: no time limit
     tune_budget_s: float | None = Field(None, ge=0)
     tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
-    # worker threads per study; None: `onboarding.policy.tune_workers` (1 on the CPU, up to 4 on a GPU host)
-    tune_workers: int | None = Field(None, ge=1)
+    tune_workers: int = Field(1, ge=1)
     tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
     # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs
     # (None: this machine's, 8 without a GPU) at plan_seq tokens per sequence, LoRA

@@ -5,7 +5,6 @@ how training splits over processes, and what alignment leaves out on its next at
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -19,7 +18,6 @@ DEFAULT_GPU_TRAIN_STEPS = 20
 # keeps the built-in example's `onboard run` under 3 minutes on one H200 (docs/LOG.md,
 # fifteenth session); 20 trials per study without it ran past 340 s there.
 DEFAULT_TUNE_BUDGET_S = 40.0
-MAX_GPU_TUNE_WORKERS = 4  # `tune_workers`' default on a GPU host: a quarter of its cores, at most this
 # what `onboarding.tune.search.gpu_name` says without a GPU (timings from the Triton interpreter)
 _NO_GPU = "cpu-interpreter"
 
@@ -44,20 +42,6 @@ def tune_budget(trials: int | None, *, gpu: str) -> Budget:
     return Budget(n, "skipped: no GPU, and Triton-interpreter timings mean nothing (set "
                      "tune_trials, `onboard run --tune-trials N`, to tune anyway)" if not on_gpu
                   else "skipped: tune_trials is 0")
-
-
-def tune_workers(workers: int | None, *, gpu: str, cpus: int | None = None) -> int:
-    """Worker threads per study (each with its own check and AOT subprocesses; checks and compiles
-    run side by side, timings one at a time). None: on a GPU a quarter of the host's cores, at
-    most `MAX_GPU_TUNE_WORKERS` (a trial's AOT compile and JIT check are CPU-bound: 16 cores hold
-    four at once); one on the CPU, whose interpreter trials contend for the same cores."""
-    if workers is not None:
-        if workers < 1:
-            raise ValueError(f"tune workers {workers}: expected at least 1")
-        return workers
-    if gpu == _NO_GPU:
-        return 1
-    return max(1, min(MAX_GPU_TUNE_WORKERS, (cpus if cpus is not None else os.cpu_count() or 1) // 4))
 
 
 def tune_seconds(budget_s: float | None) -> float | None:

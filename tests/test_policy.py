@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 from onboarding.policy import (Budget, TrainPlan, next_exclusions, train_budget, train_layout,
-                               train_plan, tune_budget, tune_workers)
+                               train_plan, tune_budget)
 
 
 def test_budgets_default_on_a_gpu_and_skip_on_the_cpu_saying_why():
@@ -18,15 +16,6 @@ def test_budgets_default_on_a_gpu_and_skip_on_the_cpu_saying_why():
     assert train_budget(None, gpus=8) == Budget(20) and train_budget(2, gpus=0) == Budget(2)
     assert "gloo" in train_budget(None, gpus=0).skipped
     assert train_budget(0, gpus=1).skipped == "skipped: train_steps is 0"
-
-
-def test_tune_workers_default_to_a_quarter_of_a_gpu_hosts_cores():
-    assert tune_workers(None, gpu="NVIDIA H100 80GB HBM3", cpus=16) == 4
-    assert tune_workers(None, gpu="NVIDIA H200", cpus=128) == 4 and tune_workers(None, gpu="NVIDIA H200", cpus=6) == 1
-    assert tune_workers(None, gpu="cpu-interpreter", cpus=16) == 1
-    assert tune_workers(3, gpu="cpu-interpreter") == 3
-    with pytest.raises(ValueError, match="at least 1"):
-        tune_workers(0, gpu="NVIDIA H200")
 
 
 def test_train_layout_splits_experts_over_the_largest_common_divisor():
