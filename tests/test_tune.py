@@ -419,6 +419,7 @@ def test_plan_jobs_reads_buckets_and_timing_dims_off_the_op_graph(tmp_path, pars
     from onboarding.tune.worker import timing_inputs
     from onboarding.generate.candidates import render_candidates, save_candidates
     from onboarding.stages import run_map
+    from onboarding.tune import run as tune_run_mod
     from onboarding.tune.run import plan_jobs
 
     graph = parse_model("onboard_hybrid")
@@ -438,6 +439,13 @@ def test_plan_jobs_reads_buckets_and_timing_dims_off_the_op_graph(tmp_path, pars
     assert by["moe_router", "softmax"].size == 16  # E from the block's n_experts
     assert ("conv1d", "causal") not in by and any("conv1d" in n and "failed" in n for n in notes)
     assert len({(j.module, j.bucket) for j in jobs}) == len(jobs)  # one study per bucket
+    # Heaviest first, by the roofline seconds of the blocks each serves: the MoE experts (8 blocks
+    # of 202 MFLOP) before the gated delta rule (6 of 47 MFLOP), every norm last.
+    blocks = {b.path: b for b in graph.blocks}
+    assert [j.weight_s for j in jobs] == sorted((j.weight_s for j in jobs), reverse=True)
+    assert jobs[0] is moe and moe.weight_s == pytest.approx(sum(tune_run_mod.block_seconds(blocks[p])
+                                                                for p in moe.blocks))
+    assert jobs.index(gdn) < min(i for i, j in enumerate(jobs) if j.family == "rmsnorm")
     # Timing inputs at those dims are valid arguments of the family's reference.
     gen = torch.Generator().manual_seed(0)
     for job in (moe, gdn):

@@ -46,6 +46,8 @@ class TuneJob:
     # module exporting block_forward, tuned on the block itself (`onboarding.tune.block`)
     level: str = "kernel"
     kind: str = ""
+    # roofline seconds of `blocks` at the run's shapes (`block_seconds`): the order studies run in
+    weight_s: float = 0.0
 
 
 def block_dims(family: str, entry, block) -> dict[str, int] | None:
@@ -78,6 +80,18 @@ def bucket_size(spec, entry, block, dims: dict[str, int] | None) -> tuple[int | 
     return None, ""
 
 
+def block_seconds(block) -> float:
+    """A block's roofline time at the op graph's shapes: its FLOPs at the planner's dense GEMM
+    rate or its bytes at its HBM bandwidth (`onboarding.plan.config.Rates`), whichever is longer;
+    0 for a block the graph does not have."""
+    from onboarding.plan.config import Rates
+
+    if block is None:
+        return 0.0
+    r = Rates()
+    return max(block.flops / (r.gemm_tflops * 1e12), block.bytes / (r.hbm_tbps * 1e12))
+
+
 def timing_dims(spec, dims: dict[str, int] | None) -> dict[str, int] | None:
     """`dims` when they hold every dim of the family's real-shape timing inputs, else None
     (timed at the sample shapes)."""
@@ -88,8 +102,9 @@ def timing_dims(spec, dims: dict[str, int] | None) -> dict[str, int] | None:
 
 def plan_jobs(run_dir: Path, families: list[str] | None = None
               ) -> tuple[list[TuneJob], list[str]]:
-    """Jobs for every passing candidate of the run, one per shape bucket; and notes on what
-    is not tuned (reviewed kernels, failed candidates, blocks whose size is unknown)."""
+    """Jobs for every passing candidate of the run, one per shape bucket, heaviest first (the
+    roofline seconds of the blocks each serves, `block_seconds`); and notes on what is not tuned
+    (reviewed kernels, failed candidates, blocks whose size is unknown)."""
     from onboarding.generate.candidates import load_candidates
     from onboarding.graph.opgraph import OpGraph
     from onboarding.coverage import Coverage
@@ -133,6 +148,7 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
                     size_source="the buckets block_forward looks up on the block",
                     shapes=e.shapes, dims=None, level="block", kind=e.kind))
                 job.blocks.append(e.path)
+                job.weight_s += block_seconds(block)
                 continue
             if size is None:
                 notes.append(f"{c.family}/{c.variant} at {e.path}: bucketed dimension "
@@ -143,7 +159,10 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
                 family=c.family, variant=c.variant, module=path, bucket=bucket, size=size,
                 size_source=source, shapes=e.shapes, dims=dims))
             job.blocks.append(e.path)
-    return list(jobs.values()), notes
+            job.weight_s += block_seconds(block)
+    # heaviest first: a tune budget too short for every study (the README's main command on a GPU
+    # tunes two or so of eleven) goes to the kernels that take most of the model's step
+    return sorted(jobs.values(), key=lambda j: -j.weight_s), notes
 
 
 def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = None,
