@@ -297,6 +297,30 @@ def test_a_row_whose_check_raised_or_failed_is_not_timed_and_says_why():
                for t in table)
 
 
+def test_profile_breaks_down_our_rows_and_sweep_rows_not_the_anchors(monkeypatch):
+    """`--profile` (run_cases' ``profile``): ours, ours_fwd and the sweep rows (``ours@...``) get
+    their kernel breakdown, the anchors none (a sweep row's breakdown is where a config's time goes
+    against the default's)."""
+    import torch
+
+    from onboarding.bench import harness
+
+    seen = []
+
+    def breakdown(step):
+        seen.append(step.name)
+        return [{"kernel": "k", "ms": step.cost, "calls": 1, "share": 1.0}]
+    monkeypatch.setattr(harness, "kernel_breakdown", breakdown)
+    timer = CountingTimer()
+    result = harness.run_cases([_fake_case("p", lambda device: {"o": 1e-3, "ok": 1.0})], torch.device("cpu"),
+                               log=lambda line: None, profile=True, timer=timer, round_timer=timer.rounds,
+                               graph_timer=None, ceilings={"copy_tb_s": 4.0})
+    assert sorted(seen) == ["p:ours", "p:ours@BLOCK=64", "p:ours_fwd"]
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert rows["ours@BLOCK=64"]["kernels"][0]["ms"] == 1.1 and not rows["eager"].get("kernels")
+    assert harness.profiled("rev:abc123") and harness.profiled("tpl:x") and not harness.profiled("eager_fwd")
+
+
 def test_bench_check_rejects_a_kernel_that_returns_fewer_outputs():
     """`cases.bf16_check` pairs our outputs with the reference's: one output short is an error that
     names both counts (zip alone would judge the one output both have)."""

@@ -93,7 +93,7 @@ class Row:
     graph_ms: float | None = None
     graph_roofline_frac: float | None = None
     graph_ratios: dict[str, float] = field(default_factory=dict)
-    # per-kernel GPU time of one step (`--profile`; the ours and ours_fwd rows): where time goes
+    # per-kernel GPU time of one step (`--profile`; our rows, `profiled`): where time goes
     kernels: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -122,6 +122,13 @@ def aggregate_kernels(events: list[tuple[str, float, int]], steps: int,
                                   "calls": sum(r["calls"] for r in rest),
                                   "share": sum(r["share"] for r in rest)}]
     return rows
+
+
+def profiled(impl: str) -> bool:
+    """Whether `--profile` breaks a row down by kernel: ours and ours_fwd, their sweep rows
+    (``ours@...``: where a config's time goes against the default's) and `--against`'s rows
+    (``rev:...``, ``tpl:...``); not the anchors."""
+    return impl.split("@")[0] in ("ours", "ours_fwd") or impl.startswith(("rev:", "tpl:"))
 
 
 def kernel_breakdown(step: Step, steps: int = PROFILE_STEPS,
@@ -348,7 +355,7 @@ def run_cases(cases: list[BenchCase], device: torch.device | None = None,
             except Exception as exc:
                 timing = None
                 row.status, row.error = "error", f"{type(exc).__name__}: {exc}"[:300]
-            if profile and timing and impl in ("ours", "ours_fwd"):
+            if profile and timing and profiled(impl):
                 try:
                     row.kernels = kernel_breakdown(step)
                 except Exception as exc:  # noqa: BLE001 - the timing stands without it

@@ -36,7 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "'ours@...' count as 'ours', and one named by itself keeps its own "
                         "commas: ours@BLOCK_M=64,num_warps=8; `bench list` names them)")
     b.add_argument("--profile", action="store_true",
-                   help="also break our steps down by kernel (torch.profiler): time, share, calls")
+                   help="also break our steps down by kernel (torch.profiler): time, share, calls; "
+                        "ours, ours_fwd, their sweep rows (ours@...) and --against's rows")
     b.add_argument("--against", metavar="REV",
                    help="also time our kernels as the templates of git revision REV render them "
                         "(rows rev:<sha>, rev:<sha>_fwd; their ratio > 1: the tree is faster); "
