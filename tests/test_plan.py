@@ -93,6 +93,8 @@ def test_search_reasons_and_ranking():
     plan = build_plan(shape, PlanConfig(gpus=8, seq=4096, offload="optimizer"), cluster)
     assert plan.chosen is None and not plan.fitting
     assert "does not fit on 8 GPUs of 141 GiB in any layout" in plan.verdict
+    one = build_plan(shape, PlanConfig(gpus=1, seq=4096, offload="optimizer"), cluster)
+    assert one.verdict.startswith("does not fit on 1 GPU of 141 GiB")  # one GPU, not "1 GPUs"
     # 58 x 256 experts x 44M parameters x 2 bytes = 1.31 TB; / 8 = 152 GiB
     assert plan.rejected[-1].layout.ep == 8
     assert plan.rejected[-1].reason == "experts 1.31 TB / EP 8 = 152 GiB per GPU > 141 GiB"

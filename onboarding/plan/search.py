@@ -74,13 +74,13 @@ class Plan:
     @property
     def verdict(self) -> str:
         cap = f"{self.cluster.gpu_mem_gib:.4g} GiB"
-        n = self.config.gpus
+        n = f"{self.config.gpus} GPU{'' if self.config.gpus == 1 else 's'}"
         if self.chosen is None:
-            return f"does not fit on {n} GPUs of {cap} in any layout searched"
+            return f"does not fit on {n} of {cap} in any layout searched"
         c = self.chosen
         if not c.fits:
-            return f"{c.layout.name} does not fit on {n} GPUs of {cap}: {c.reason}"
-        return (f"fits on {n} GPUs of {cap}: {c.layout.name}, {gib(c.memory.total)} per GPU, "
+            return f"{c.layout.name} does not fit on {n} of {cap}: {c.reason}"
+        return (f"fits on {n} of {cap}: {c.layout.name}, {gib(c.memory.total)} per GPU, "
                 f"step {_secs(c.time.overlap_s)} with overlap "
                 f"({_secs(c.time.serial_s)} without), MFU {c.time.mfu:.1%}")
 
