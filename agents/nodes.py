@@ -284,7 +284,7 @@ def train_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]
     nproc, ep, fsdp = plan.nproc, plan.ep, plan.fsdp
     cfg = TrainConfig.for_model(c.model, out=str(run_dir.resolve()), nproc=nproc, ep=ep, fsdp=fsdp, steps=steps,
                       seq_len=c.seq, seed=c.seed, dtype=plan.dtype, device=plan.device)
-    step(f"training {steps} steps on {nproc} processes (fsdp {fsdp} x ep {ep})")
+    step(f"training {steps} steps on {nproc} process{'' if nproc == 1 else 'es'} (fsdp {fsdp} x ep {ep})")
     # `onboard -q` sets the onboarding logger above INFO: the launcher's lines stay quiet too
     rc = launch(cfg, console=Console(stderr=True,
                                      quiet=logging.getLogger("onboarding").level > logging.INFO))

@@ -551,9 +551,9 @@ def test_run_summary_screen_has_one_verdict_line_per_stage(tmp_path):
     assert "map:      coverage: kernel 0, template 20, torch_fast 9, uncovered 1" in text
     assert ("align:    passed (attempt 1); 19 of 20 coverable blocks checked; not checked: "
             "model.norm (not selected) [12.5 s]") in text
-    assert ("tune:     1 studies within 60 s: rmsnorm d_le_512 0.5 ms vs default 1 ms (2.00x), "
+    assert ("tune:     1 study within 60 s: rmsnorm d_le_512 0.5 ms vs default 1 ms (2.00x), "
             "3 trials (stopped at budget)") in text
-    assert "train:    20 steps on 1 processes: 12,346 tok/s, MFU 12.3%; loss matches" in text
+    assert "train:    20 steps on 1 process: 12,346 tok/s, MFU 12.3%; loss matches" in text
     assert f"report:   {tmp_path / 'report.md'}" in text and f"run dir:  {tmp_path}" in text
     # skips say why
     state.tune_attempts = [{"attempt": 1, "skipped": "skipped: no GPU"}]

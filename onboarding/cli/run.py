@@ -428,6 +428,11 @@ def stage_seconds(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def _count(n: object, one: str, many: str | None = None) -> str:
+    """``n`` and the noun in its number: "1 study", "11 studies", "- trials" (unknown)."""
+    return f"{'-' if n is None else n} {one if n == 1 else (many or one + 's')}"
+
+
 def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
     """(stage, verdict) per stage of a finished run: coverage counts, the alignment verdict with
     what it did not check, tuning's best against the default, training's tok/s, MFU and loss
@@ -488,13 +493,13 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
                         if b.get("best_ms") and b.get("default_ms") else "")
                 fmt = (lambda v: "-" if v is None else f"{v:.4g} ms")
                 parts.append(f"{b['family']} {b['bucket']} {fmt(b.get('best_ms'))} vs default "
-                             f"{fmt(b.get('default_ms'))}{gain}, {b.get('trials')} trials"
+                             f"{fmt(b.get('default_ms'))}{gain}, {_count(b.get('trials'), 'trial')}"
                              + (" (stopped at budget)" if "stopped at budget" in
                                 (b.get("stopped") or "") else "")
                              + (", not re-timed" if "not re-timed" in (b.get("stopped") or "")
                                 else ""))
             budget = (f" within {t['budget_s']:.0f} s" if t.get("budget_s") else "")
-            add("tune", f"{t.get('studies', 0)} studies{budget}"
+            add("tune", f"{_count(t.get('studies', 0), 'study', 'studies')}{budget}"
                         + (": " + "; ".join(parts) if parts else ""))
     if state.train_attempts:
         t = state.train_attempts[-1]
@@ -517,7 +522,7 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
                     "loss matches its reference" if t.get("passed") else
                     "loss check FAILED" + (f": {t['summary']}" if t.get("summary") else
                                            f" (exit code {t.get('exit_code')})"))
-            add("train", f"{t.get('steps')} steps on {t.get('nproc')} processes: "
+            add("train", f"{_count(t.get('steps'), 'step')} on {_count(t.get('nproc'), 'process', 'processes')}: "
                          + (f"{tps:,.0f} tok/s" if tps else "tok/s -") + ", MFU "
                          + (f"{100 * mfu:.1f}%" if mfu is not None else "-") + f"; {loss}")
     r = state.review
