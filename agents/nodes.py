@@ -89,7 +89,7 @@ def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     import torch
 
     gpus = c.plan_gpus or torch.cuda.device_count() or 8
-    step(f"planning the full-size model on {gpus} GPUs at {c.plan_seq} tokens")
+    step(f"planning the full-size model on {gpus} GPU{'' if gpus == 1 else 's'} at {c.plan_seq} tokens")
     try:
         info = run_load(c.model)
         step("block kinds from the tiny proxy, as onboard plan captures it")
