@@ -16,6 +16,7 @@ from onboarding.rundir import append_event
 from onboarding.report import TRAIN_SKIPPED_FILE, build_report
 from onboarding.graph.opgraph import OpGraph
 from onboarding.coverage import Coverage
+from onboarding.formatting import count
 from onboarding.generate.candidates import load_candidates
 from onboarding.policy import (next_exclusions, train_budget, train_plan, tune_budget,
                                tune_seconds)
@@ -89,7 +90,7 @@ def plan_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     import torch
 
     gpus = c.plan_gpus or torch.cuda.device_count() or 8
-    step(f"planning the full-size model on {gpus} GPU{'' if gpus == 1 else 's'} at {c.plan_seq} tokens")
+    step(f"planning the full-size model on {count(gpus, 'GPU')} at {c.plan_seq} tokens")
     try:
         info = run_load(c.model)
         step("block kinds from the tiny proxy, as onboard plan captures it")
@@ -284,7 +285,7 @@ def train_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]
     nproc, ep, fsdp = plan.nproc, plan.ep, plan.fsdp
     cfg = TrainConfig.for_model(c.model, out=str(run_dir.resolve()), nproc=nproc, ep=ep, fsdp=fsdp, steps=steps,
                       seq_len=c.seq, seed=c.seed, dtype=plan.dtype, device=plan.device)
-    step(f"training {steps} steps on {nproc} process{'' if nproc == 1 else 'es'} (fsdp {fsdp} x ep {ep})")
+    step(f"training {steps} steps on {count(nproc, 'process', 'processes')} (fsdp {fsdp} x ep {ep})")
     # `onboard -q` sets the onboarding logger above INFO: the launcher's lines stay quiet too
     rc = launch(cfg, console=Console(stderr=True,
                                      quiet=logging.getLogger("onboarding").level > logging.INFO))

@@ -13,6 +13,11 @@ def human(n: float) -> str:
     return f"{n:.0f}"
 
 
+def count(n: Any, one: str, many: str | None = None) -> str:
+    """``n`` and the noun in its number: "1 study", "11 studies", "- trials" (None: unknown)."""
+    return f"{'-' if n is None else n} {one if n == 1 else (many or one + 's')}"
+
+
 def or_dash(v: Any, fmt: str) -> str:
     """``v`` formatted with ``fmt``, or an em dash for a value that was not measured (None)."""
     return "\u2014" if v is None else format(v, fmt)

@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from onboarding.cli.common import command_parser, model_options, model_spec, selected_kernels
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
+from onboarding.formatting import count
 from onboarding.load.overrides import nonneg_int, positive_int
 
 
@@ -305,7 +306,7 @@ def _resume_point(app, cfg: dict, run_dir: Path) -> tuple[list[str], str]:
         state = RunState.model_validate(snap.values)
     except ValidationError as exc:
         raise InputError(f"--resume {run_dir}: checkpoint unreadable: the run state does not "
-                         f"validate ({exc.error_count()} errors, first: "
+                         f"validate ({exc.errorcount()} errors, first: "
                          f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']})") from None
     except Exception as exc:  # noqa: BLE001 - sqlite, msgpack, ...: the file is not a checkpoint
         first = (str(exc).strip().splitlines() or [""])[0]
@@ -428,11 +429,6 @@ def stage_seconds(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def _count(n: object, one: str, many: str | None = None) -> str:
-    """``n`` and the noun in its number: "1 study", "11 studies", "- trials" (unknown)."""
-    return f"{'-' if n is None else n} {one if n == 1 else (many or one + 's')}"
-
-
 def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
     """(stage, verdict) per stage of a finished run: coverage counts, the alignment verdict with
     what it did not check, tuning's best against the default, training's tok/s, MFU and loss
@@ -493,13 +489,13 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
                         if b.get("best_ms") and b.get("default_ms") else "")
                 fmt = (lambda v: "-" if v is None else f"{v:.4g} ms")
                 parts.append(f"{b['family']} {b['bucket']} {fmt(b.get('best_ms'))} vs default "
-                             f"{fmt(b.get('default_ms'))}{gain}, {_count(b.get('trials'), 'trial')}"
+                             f"{fmt(b.get('default_ms'))}{gain}, {count(b.get('trials'), 'trial')}"
                              + (" (stopped at budget)" if "stopped at budget" in
                                 (b.get("stopped") or "") else "")
                              + (", not re-timed" if "not re-timed" in (b.get("stopped") or "")
                                 else ""))
             budget = (f" within {t['budget_s']:.0f} s" if t.get("budget_s") else "")
-            add("tune", f"{_count(t.get('studies', 0), 'study', 'studies')}{budget}"
+            add("tune", f"{count(t.get('studies', 0), 'study', 'studies')}{budget}"
                         + (": " + "; ".join(parts) if parts else ""))
     if state.train_attempts:
         t = state.train_attempts[-1]
@@ -522,7 +518,7 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
                     "loss matches its reference" if t.get("passed") else
                     "loss check FAILED" + (f": {t['summary']}" if t.get("summary") else
                                            f" (exit code {t.get('exit_code')})"))
-            add("train", f"{_count(t.get('steps'), 'step')} on {_count(t.get('nproc'), 'process', 'processes')}: "
+            add("train", f"{count(t.get('steps'), 'step')} on {count(t.get('nproc'), 'process', 'processes')}: "
                          + (f"{tps:,.0f} tok/s" if tps else "tok/s -") + ", MFU "
                          + (f"{100 * mfu:.1f}%" if mfu is not None else "-") + f"; {loss}")
     r = state.review

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from onboarding.errors import InputError
+from onboarding.formatting import count
 from onboarding.plan.config import GIB, OFFLOAD, RECOMPUTE, ClusterConfig, PlanConfig
 from onboarding.plan.estimate import Comm, StepTime, communication, step_time
 from onboarding.plan.memory import Layout, Memory, memory
@@ -74,7 +75,7 @@ class Plan:
     @property
     def verdict(self) -> str:
         cap = f"{self.cluster.gpu_mem_gib:.4g} GiB"
-        n = f"{self.config.gpus} GPU{'' if self.config.gpus == 1 else 's'}"
+        n = count(self.config.gpus, "GPU")
         if self.chosen is None:
             return f"does not fit on {n} of {cap} in any layout searched"
         c = self.chosen
