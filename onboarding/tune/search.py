@@ -298,7 +298,12 @@ _POOL: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("tune_
 def shared_workers():
     """Within it, every study (`tune_module`, its re-timing) takes its worker subprocesses from one
     `WorkerPool` and gives them back when done, so a run of many studies starts each kind of worker
-    once per worker thread instead of once per study; the pool's workers end with the block."""
+    once per worker thread instead of once per study; the pool's workers end with the outermost
+    block (an inner one, e.g. `tune_buckets` called inside a run's, keeps the outer pool)."""
+    outer = _POOL.get()
+    if outer is not None:
+        yield outer
+        return
     pool = WorkerPool()
     token = _POOL.set(pool)
     try:
@@ -803,7 +808,7 @@ def tune_buckets(module_path: Path | str, sizes: Iterable[int], *,
     for s in sizes:
         by_bucket.setdefault(module.shape_bucket(s), s)
     out = []
-    with shared_workers() if _POOL.get() is None else contextlib.nullcontext():
+    with shared_workers():
         for s in by_bucket.values():
             r = tune_module(module_path, size=s, shapes=shapes_for(s) if shapes_for else None,
                             dims=dims_for(s) if dims_for else None, config=cfg, timer=timer,
