@@ -762,3 +762,144 @@ def test_a_spent_budget_skips_the_re_timing(tmp_path, rms_path):
     assert res.trials_run == 1 and res.final == {}
     assert res.stopped == ("stopped at budget (1 s) after 1 of 10 trials; finalists not "
                            "re-timed (budget spent)")
+
+
+def test_study_slots_and_shares():
+    """Studies at once: as asked, else one per two cores on a GPU host and one on the CPU, never
+    more than the jobs; a study's share of what is left grows with the studies beside it."""
+    from onboarding.tune.run import study_share, study_slots
+
+    assert study_slots(11, None, on_gpu=True, cpus=16) == 8
+    assert study_slots(3, None, on_gpu=True, cpus=16) == 3
+    assert study_slots(11, None, on_gpu=True, cpus=1) == 1
+    assert study_slots(11, None, on_gpu=False, cpus=16) == 1
+    assert study_slots(11, 4, on_gpu=False, cpus=2) == 4
+    assert study_slots(0, None, on_gpu=True, cpus=16) == 1
+    with pytest.raises(InputError, match="parallel studies 0"):
+        study_slots(3, 0, on_gpu=True)
+    assert study_share(40.0, 10, 1) == pytest.approx(4.0)  # one at a time: an equal share
+    assert study_share(40.0, 10, 5) == pytest.approx(20.0)
+    assert study_share(40.0, 3, 8) == pytest.approx(40.0)  # all the rest start now: all of it
+    assert study_share(40.0, 3, 2, running=1) == pytest.approx(20.0)  # one started beside it
+    assert study_share(-1.0, 3, 1) == 0.0
+
+
+def _fake_jobs(n):
+    from onboarding.tune.run import TuneJob
+
+    return [TuneJob(family="f", variant=f"v{i}", module=f"/m{i}.py", bucket="b", size=8,
+                    size_source="D", shapes=[[8]], dims=None, weight_s=float(n - i)) for i in range(n)]
+
+
+def test_tune_run_runs_studies_at_once_in_job_order(tmp_path, monkeypatch):
+    """With parallel_studies 2 two studies overlap in time (each on its own thread), the results
+    keep the heaviest-first job order, and each study's budget is its share when it starts
+    (`study_share`): the first two get half of the 40 s budget each (2 slots, 4 jobs); a study
+    that raises cancels the run's worker pool and its error reaches the caller."""
+    import threading
+    import time
+
+    from onboarding.tune import run as tune_run_mod
+    from onboarding.tune.store import BucketResult
+
+    spans, budgets, threads = {}, {}, set()
+
+    def fake_tune_module(module, *, config, **kw):
+        t0 = time.monotonic()
+        budgets[module] = config.budget_s
+        threads.add(threading.get_ident())
+        time.sleep({"/m1.py": 0.6, "/m2.py": 0.1}.get(module, 0.3))
+        spans[module] = (t0, time.monotonic())
+        return BucketResult(bucket="b", study_name=module, best_config=None, best_ms=None,
+                            default_ms=None, n_trials=0, n_complete=0, pruned={}, history=[])
+
+    monkeypatch.setattr(tune_run_mod, "plan_jobs", lambda run_dir, families: (_fake_jobs(4), []))
+    monkeypatch.setattr(tune_run_mod, "tune_module", fake_tune_module)
+    monkeypatch.setattr(tune_run_mod, "plot_history", lambda *a, **k: None)
+    cfg = _cfg(tmp_path, parallel_studies=2)
+    data = tune_run_mod.tune_run(tmp_path, cfg, budget_s=40.0)
+    assert data["parallel_studies"] == 2 and len(threads) == 2
+    assert [s["variant"] for s in data["studies"]] == ["v0", "v1", "v2", "v3"]
+    (a0, a1), (b0, b1) = spans["/m0.py"], spans["/m1.py"]
+    assert a0 < b1 and b0 < a1  # the first two ran at the same time
+    assert budgets["/m0.py"] == pytest.approx(20.0, abs=0.5)
+    assert budgets["/m1.py"] == pytest.approx(20.0, abs=0.5)
+    # m2 starts when m0 ends (0.3 s in) beside m1: 2 slots over 3 studies; m3 when m2 ends
+    # (0.4 s in), m1 still running: all that is left
+    assert budgets["/m2.py"] == pytest.approx(39.7 * 2 / 3, abs=0.3)
+    assert budgets["/m3.py"] == pytest.approx(39.6, abs=0.3)
+    # one at a time (the CPU's default): the same order, an equal share of what is left
+    budgets.clear()
+    data = tune_run_mod.tune_run(tmp_path, _cfg(tmp_path), budget_s=40.0)
+    assert data["parallel_studies"] == 1 and budgets["/m0.py"] == pytest.approx(10.0, abs=0.5)
+
+    def failing(module, **kw):
+        if module == "/m1.py":
+            raise RuntimeError("study m1 broke")
+        return fake_tune_module(module, **kw)
+    monkeypatch.setattr(tune_run_mod, "tune_module", failing)
+    cancelled = []
+    real_cancel = tune.WorkerPool.cancel
+    monkeypatch.setattr(tune.WorkerPool, "cancel", lambda self: (cancelled.append(1), real_cancel(self)))
+    with pytest.raises(RuntimeError, match="study m1 broke"):
+        tune_run_mod.tune_run(tmp_path, cfg, budget_s=40.0)
+    assert cancelled
+
+
+def test_a_cancelled_pool_stops_a_study_without_recording_its_trial(tmp_path, rms_path):
+    """Within `shared_workers`, an interrupt heard by another thread cancels the pool
+    (`WorkerPool.cancel`): the study in flight ends with `Cancelled`, its trial not told (it stays
+    RUNNING, as after Ctrl-C), and the pool refuses new workers."""
+    from onboarding.tune.worker import Cancelled
+
+    cfg = _cfg(tmp_path, n_trials=3, isolate=False, space={"BLOCK_N": [16, 32], "num_warps": [1, 2],
+                                                            **FWD_ONLY})
+    with tune.shared_workers() as pool:
+        def timer(config, result):
+            pool.cancel()
+            return 1.0
+        with pytest.raises(Cancelled):
+            tune.tune_module(rms_path, size=64, config=cfg, timer=timer)
+        with pytest.raises(Cancelled):
+            pool.take(interpret=None, startup_timeout_s=1)
+    study = optuna.load_study(study_name=tune.study_name(load_module(rms_path), "d_le_512", "bf16",
+                                                         space=tune.search_space(load_module(rms_path), "d_le_512", cfg.space)),
+                              storage=f"sqlite:///{tmp_path / 'studies' / 'tune.db'}")
+    states = [t.state for t in study.get_trials()]
+    assert states == [optuna.trial.TrialState.RUNNING], states
+
+
+def test_two_real_studies_at_once_in_isolated_workers(tmp_path, parse_model):
+    """The example's two RMSNorm studies (plain, gated) at once on real worker subprocesses: both
+    complete their trials into the one SQLite file, each writes its tuned.json, and the run's pool
+    started one trial worker per study thread (two), ended with the run."""
+    from onboarding.generate.candidates import render_candidates, save_candidates
+    from onboarding.stages import run_map
+    from onboarding.tune import worker as tune_worker
+    from onboarding.tune.run import tune_run
+
+    graph = parse_model("onboard_hybrid")
+    graph.save(tmp_path / "opgraph.json")
+    cands = render_candidates(run_map(graph, tmp_path), tmp_path / "candidates")
+    for c in cands:
+        c.status = "passed"
+    save_candidates(cands, tmp_path / "candidates.json")
+    started = []
+    real_start = tune_worker.Worker._start
+
+    def start(self):
+        real_start(self)
+        started.append(self)
+    import unittest.mock
+    with unittest.mock.patch.object(tune_worker.Worker, "_start", start):
+        data = tune_run(tmp_path, _cfg(tmp_path, n_trials=2, isolate=True, parallel_studies=2,
+                                       storage_dir=None, space=FWD_ONLY),
+                        families=["rmsnorm"], timer=_fake_timer)
+    assert data["parallel_studies"] == 2
+    studies = data["studies"]
+    assert sorted(s["variant"] for s in studies) == ["gated", "plain"]
+    assert all(s["result"]["n_complete"] == 2 for s in studies), [s["result"] for s in studies]
+    assert (tmp_path / "tune.db").is_file()
+    for s in studies:
+        assert tune.tuned_path(tmp_path / s["module"]).is_file()
+    assert len(started) == 2 and all(w.proc is None for w in started)

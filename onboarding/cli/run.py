@@ -37,6 +37,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for the whole tune stage, split over its studies (kernel x "
                         "shape bucket); no trial starts once a study's share is spent (default "
                         "40; 0: no time limit, --tune-trials alone)")
+    r.add_argument("--tune-parallel", type=positive_int, default=None, metavar="N",
+                   help="studies tuned at once, each compiling on its own workers while the "
+                        "timings take the GPU in turn (default: one per two cores on a GPU "
+                        "host, one on the CPU)")
     r.add_argument("--train-steps", type=nonneg_int, default=None, metavar="N",
                    help="LoRA training steps of the FSDP2 x EP setup and its reference "
                         "(default: 20 on a GPU; skipped on the CPU unless this is given)")
@@ -138,6 +142,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             strict=args.strict, llm=llm_url(args), llm_model=args.llm_model,
             llm_attempts=args.llm_attempts, generate_budget_s=args.generate_budget,
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
+            tune_parallel=args.tune_parallel,
             # the vision tower alone is not trained (training takes the language model)
             train_steps=0 if spec.part == "vision" else args.train_steps,
             train_nproc=args.train_nproc,

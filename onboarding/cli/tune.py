@@ -40,6 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for all of this command's tuning, split over its studies "
                         "(kernel x shape bucket; time one leaves passes on); no trial starts "
                         "once a study's share is spent (default: no time limit)")
+    t.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="studies of a model's run tuned at once, each on its own workers "
+                        "(default: one per two cores on a GPU host, one on the CPU)")
     t.add_argument("--workers", type=int, default=1,
                    help="worker processes that check/compile concurrently (timing is serial; "
                         "default 1)")
@@ -98,8 +101,10 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
 
     if args.tpe_fraction <= 0 or args.tpe_fraction > 1:
         raise InputError(f"--tpe-fraction {args.tpe_fraction}: must be in (0, 1]")
-    if args.trials < 1 or args.workers < 1 or args.repeats < 1 or args.final_rounds < 0:
-        raise InputError("--trials, --workers and --repeats must be >= 1, --final-rounds >= 0")
+    if (args.trials < 1 or args.workers < 1 or args.repeats < 1 or args.final_rounds < 0
+            or (args.parallel is not None and args.parallel < 1)):
+        raise InputError("--trials, --workers, --parallel and --repeats must be >= 1, "
+                         "--final-rounds >= 0")
     if args.tune_budget is not None and args.tune_budget <= 0:
         raise InputError(f"--tune-budget {args.tune_budget}: expected seconds > 0")
     if args.space_only and not args.space:
@@ -110,7 +115,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
                      aot=not args.no_aot, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
-                     seed=args.seed)
+                     seed=args.seed, parallel_studies=args.parallel)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:

@@ -165,18 +165,44 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
     return sorted(jobs.values(), key=lambda j: -j.weight_s), notes
 
 
+def study_slots(n_jobs: int, asked: int | None, *, on_gpu: bool, cpus: int | None = None) -> int:
+    """How many of a run's `n_jobs` studies run at once: `asked` when given; else, on a GPU host,
+    one per two cores (a study's trial is mostly CPU work, the AOT build then the JIT compile of
+    its config, on its own worker subprocesses; the timings still take the GPU one at a time),
+    and one on the CPU, whose interpreter trials use every core."""
+    import os
+
+    if asked is not None:
+        if asked < 1:
+            raise InputError(f"tune: parallel studies {asked}: expected at least 1")
+        n = asked
+    else:
+        n = max(1, (cpus if cpus is not None else os.cpu_count() or 1) // 2) if on_gpu else 1
+    return max(1, min(n, n_jobs))
+
+
+def study_share(left_s: float, remaining: int, slots: int, running: int = 0) -> float:
+    """A study's seconds when it starts: what is left of the run's budget over the studies not yet
+    started (this one included) and those still `running`, times the studies that run at once, at
+    most all that is left. One at a time this is an equal share of what is left, so time a study
+    does not use passes on."""
+    return max(0.0, left_s) * min(1.0, slots / max(1, remaining + running))
+
+
 def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = None,
              timer: Timer | None = None, on_step: Callable[[str], None] | None = None,
              progress: bool = False, budget_s: float | None = None) -> dict[str, Any]:
     """Tune every job of `run_dir`; writes tuned.json files, `tune.json` and `tune_best.png`.
 
-    `budget_s`: seconds for the whole run's tuning. Each study gets an equal share of what is
-    left when it starts (time a study does not use passes to the next ones), capped by
-    `config.budget_s` (a per-kernel budget) when that is set; `on_step` hears each trial
-    (trials done, best so far vs the default, time left).
+    `budget_s`: seconds for the whole run's tuning. A study gets its `study_share` of what is
+    left when it starts, capped by `config.budget_s` (a per-kernel budget) when that is set.
+    Several studies run at once on a GPU host (`study_slots`, `config.parallel_studies`),
+    heaviest first; `on_step` hears each study start and each trial (trials done, best so far vs
+    the default, time left).
 
     Studies live in `config.storage` or, by default, `run_dir/tune.db` (a resumed run continues
     them). Returns the `tune.json` content."""
+    import threading
     import time
 
     import optuna
@@ -188,51 +214,114 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
         config = replace(config, storage_dir=run_dir)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     jobs, notes = plan_jobs(run_dir, families)
+    slots = study_slots(len(jobs), config.parallel_studies,
+                        on_gpu=gpu_name() != "cpu-interpreter")
     prog = progress_bar() if progress else None
-    results: list[tuple[TuneJob, BucketResult]] = []
-    start = time.monotonic()
+    results: dict[int, list[tuple[TuneJob, BucketResult]]] = {}
+    start, lock, running = time.monotonic(), threading.Lock(), [0]
+
+    def run_job(i: int) -> None:
+        with lock:  # the share counts the studies started before this one and still running
+            share = config.budget_s
+            if budget_s is not None:
+                left = study_share(budget_s - (time.monotonic() - start), len(jobs) - i, slots,
+                                   running[0])
+                share = left if share is None else min(share, left)
+            running[0] += 1
+        try:
+            _run_job(i, share)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    def _run_job(i: int, share: float | None) -> None:
+        job = jobs[i]
+        label = f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})"
+        if on_step:
+            on_step(label + (f", {share:.0f} s budget" if share is not None else ""))
+
+        def on_trial(info: dict[str, Any]) -> None:
+            if on_step:
+                on_step(f"{label}: trial {info['done']}/{info['total']}, best "
+                        + progress_text(info["best_ms"], info["default_ms"], info["left_s"]))
+
+        if job.level == "block":
+            results[i] = [(replace(job, bucket=r.bucket), r)
+                          for r in _tune_block_job(run_dir, job, config, timer, share)]
+            return
+        r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
+                        config=replace(config, progress=False, budget_s=share), timer=timer,
+                        progress=prog, on_trial=on_trial)
+        if r.best_config is not None:
+            write_tuned(job.module, [r], dtype=config.dtype,
+                        timing="injected timer" if timer else None)
+        results[i] = [(job, r)]
+
     if prog:
         prog.start()
     try:
-        with shared_workers():  # every study of the run on the same worker subprocesses
-            for i, job in enumerate(jobs):
-                label = f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})"
-                share = config.budget_s
-                if budget_s is not None:
-                    left = max(0.0, budget_s - (time.monotonic() - start)) / (len(jobs) - i)
-                    share = left if share is None else min(share, left)
-                if on_step:
-                    on_step(label + (f", {share:.0f} s budget" if share is not None else ""))
-
-                def on_trial(info: dict[str, Any], label: str = label) -> None:
-                    if on_step:
-                        on_step(f"{label}: trial {info['done']}/{info['total']}, best "
-                                + progress_text(info["best_ms"], info["default_ms"], info["left_s"]))
-
-                if job.level == "block":
-                    for r in _tune_block_job(run_dir, job, config, timer, share):
-                        results.append((replace(job, bucket=r.bucket), r))
-                    continue
-                r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
-                                config=replace(config, progress=False, budget_s=share), timer=timer,
-                                progress=prog, on_trial=on_trial)
-                if r.best_config is not None:
-                    write_tuned(job.module, [r], dtype=config.dtype,
-                                timing="injected timer" if timer else None)
-                results.append((job, r))
+        with shared_workers() as pool:  # every study of the run on the same worker subprocesses
+            if slots == 1:
+                for i in range(len(jobs)):
+                    run_job(i)
+            else:
+                _run_at_once(run_job, len(jobs), slots, pool)
     finally:
         if prog:
             prog.stop()
+    done = [pair for i in sorted(results) for pair in results[i]]
     data = {"gpu": gpu_name(), "dtype": config.dtype, "trials_per_study": config.n_trials,
-            "budget_s": budget_s, "study_budget_s": config.budget_s,
+            "budget_s": budget_s, "study_budget_s": config.budget_s, "parallel_studies": slots,
             "seconds": round(time.monotonic() - start, 2), "notes": notes,
             "studies": [{**asdict(job), "module": _relative(job.module, run_dir),
-                         "result": result_dict(r)} for job, r in results]}
+                         "result": result_dict(r)} for job, r in done]}
     write_json(run_dir / RESULTS_FILE, data)
-    if results:  # one line per study, labelled family/variant bucket
+    if done:  # one line per study, labelled family/variant bucket
         plot_history([replace(r, bucket=f"{j.family}/{j.variant} {j.bucket}")
-                      for j, r in results], run_dir / PLOT_FILE)
+                      for j, r in done], run_dir / PLOT_FILE)
     return data
+
+
+def _run_at_once(run_job: Callable[[int], None], n_jobs: int, slots: int, pool) -> None:
+    """`run_job(i)` for every i < n_jobs, in order, on `slots` daemon threads at once. Each thread
+    runs in a copy of this context (the worker pool, LangGraph's stream writer). Ctrl-C here
+    cancels the pool (every study's workers die, no trial in flight is recorded) and propagates
+    at once; a study that fails cancels the others and its error is raised here."""
+    import contextvars
+    import threading
+
+    from onboarding.tune.worker import Cancelled
+
+    lock, nxt, errors = threading.Lock(), [0], []
+
+    def loop() -> None:
+        while True:
+            with lock:
+                if errors or pool.cancelled.is_set() or nxt[0] >= n_jobs:
+                    return
+                i, nxt[0] = nxt[0], nxt[0] + 1
+            try:
+                run_job(i)
+            except Cancelled:
+                return
+            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+                with lock:
+                    errors.append(e)
+                pool.cancel()
+                return
+
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(loop,), daemon=True)
+               for _ in range(slots)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:
+        pool.cancel()
+        raise
+    if errors:
+        raise errors[0]
 
 
 def _tune_block_job(run_dir: Path, job: TuneJob, config: TuneConfig, timer: Timer | None,

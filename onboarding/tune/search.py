@@ -56,7 +56,7 @@ from onboarding.tune.store import (TUNED_SUFFIX, BucketResult, apply_tuned,  # n
                                     markdown_table, module_meta, plot_history, result_dict,
                                     result_from_dict, tuned_path, warm_start_configs,
                                     write_tuned)
-from onboarding.tune.worker import Worker, WorkerDied, WorkerPool, WorkerTimeout, handle
+from onboarding.tune.worker import Cancelled, Worker, WorkerDied, WorkerPool, WorkerTimeout, handle
 from onboarding.backend import interpreting
 from onboarding.errors import InputError
 
@@ -156,6 +156,10 @@ class TuneConfig:
     # trials in flight finish) and the result says "stopped at budget"; the re-timing runs one
     # round, then more only while time is left. None: no time limit (n_trials alone).
     budget_s: float | None = None
+    # Studies of one run (`tune_run`) at once, each on its own thread and workers: their compiles
+    # run on cores of their own while timings still take the GPU one at a time (`_GpuGate`).
+    # None: `study_slots`' choice (one per two cores on a GPU host, one on the CPU).
+    parallel_studies: int | None = None
 
 
 # ---- keys, spaces and storage -----------------------------------------------------------------
@@ -234,12 +238,18 @@ def _sampler(kind: str, space: Mapping[str, Sequence], seed: int):
                                           n_startup_trials=min(8, space_size(space) // 4 + 1))
 
 
+# One thread at a time opens a study: two studies of a run started at once on a new SQLite file
+# both tried to create its tables ("table studies already exists").
+_OPEN = threading.Lock()
+
+
 def create_study(name: str, storage: str, space: Mapping[str, Sequence], seed: int = 0,
                  sampler: str = "tpe"):
     """Create (or load) the study once, in this process, before any worker starts."""
     optuna = _optuna()
-    study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
-                                sampler=_sampler(sampler, space, seed), load_if_exists=True)
+    with _OPEN:
+        study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                    sampler=_sampler(sampler, space, seed), load_if_exists=True)
     study.set_user_attr("tuning_space", {k: list(v) for k, v in space.items()})
     study.set_user_attr("sampler", sampler)
     return study
@@ -247,8 +257,9 @@ def create_study(name: str, storage: str, space: Mapping[str, Sequence], seed: i
 
 def _load_study(name: str, storage: str, seed: int, space: Mapping[str, Sequence],
                 sampler: str = "tpe"):
-    return _optuna().load_study(study_name=name, storage=storage,
-                                sampler=_sampler(sampler, space, seed))
+    with _OPEN:
+        return _optuna().load_study(study_name=name, storage=storage,
+                                    sampler=_sampler(sampler, space, seed))
 
 
 # ---- the objective ----------------------------------------------------------------------------
@@ -564,7 +575,11 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         ws = [c for c in warm_start_configs(module, path, bucket, cfg.warm_start_dirs)
               if all(v in space[k] for k, v in c.items())]
         enqueue_warm_start(study, ws)
-    aot, lock, claimed, stop, objectives = _Aot(), threading.Lock(), [0], threading.Event(), []
+    # `stop`: set by an interrupt; within a run's `shared_workers`, the pool's, so that an
+    # interrupt heard by another thread (studies run at once, `tune_run`) stops this study too
+    pool = _POOL.get()
+    stop = pool.cancelled if pool is not None else threading.Event()
+    aot, lock, claimed, objectives = _Aot(), threading.Lock(), [0], []
     started = time.monotonic()
     deadline = None if cfg.budget_s is None else started + cfg.budget_s
     # the search leaves a quarter of the budget to the re-timing that follows it
@@ -612,8 +627,11 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     def work(wid: int) -> None:
         st = study if cfg.n_workers == 1 else _load_study(name, url, cfg.seed + wid, space,
                                                           sampler)
-        obj = _Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
-                         space=space, cfg=cfg, timer=timer, aot=aot)
+        try:
+            obj = _Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
+                             space=space, cfg=cfg, timer=timer, aot=aot)
+        except Cancelled:  # the run's pool was cancelled before this worker took its own
+            return
         with lock:
             objectives.append(obj)
             stopped = stop.is_set()  # interrupted before this worker's objective was listed
@@ -649,7 +667,11 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
             with lock:
                 for obj in objectives:
                     obj.close(keep=False)
+            if pool is not None:
+                pool.cancel()
             raise
+        if stop.is_set():  # interrupted in another thread (`WorkerPool.cancel`): no result
+            raise Cancelled("the tuning run was interrupted")
         final_study = _load_study(name, url, cfg.seed, space, sampler)
         result = summarize(final_study, module, bucket)
         if at_budget.is_set():

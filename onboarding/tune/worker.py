@@ -44,6 +44,11 @@ class WorkerTimeout(RuntimeError):
     pass
 
 
+class Cancelled(Exception):
+    """The tuning run was interrupted (`WorkerPool.cancel`): a study on a thread of its own stops
+    without recording its trials in flight."""
+
+
 class Worker:
     """A long-lived child speaking JSON lines. Kernel prints go to stderr (kept in a temp file
     whose tail explains a crash); the protocol uses a duplicate of the child's original stdout."""
@@ -112,18 +117,34 @@ class WorkerPool:
 
     def __init__(self) -> None:
         self._idle: dict[bool | None, list[Worker]] = {}
+        self._made: list[Worker] = []  # every worker this pool made, idle or taken
         self._lock = threading.Lock()
         self.started = 0  # workers this pool made (the rest of its takes were reuses)
+        # set by `cancel` (an interrupt of the run): the studies that share the pool stop
+        self.cancelled = threading.Event()
 
     def take(self, *, interpret: bool | None, startup_timeout_s: float) -> Worker:
         with self._lock:
+            if self.cancelled.is_set():
+                raise Cancelled("the tuning run was interrupted")
             idle = self._idle.get(interpret)
             if idle:
                 w = idle.pop()
                 w.startup_timeout_s = startup_timeout_s
                 return w
             self.started += 1
-        return Worker(interpret=interpret, startup_timeout_s=startup_timeout_s)
+            w = Worker(interpret=interpret, startup_timeout_s=startup_timeout_s)
+            self._made.append(w)
+        return w
+
+    def cancel(self) -> None:
+        """Ends every worker the pool made, taken ones too (their trials in flight die), and
+        refuses new takes: an interrupt heard by one thread stops the studies of all the others."""
+        with self._lock:
+            self.cancelled.set()
+            made, self._made, self._idle = self._made, [], {}
+        for w in made:
+            w.close()
 
     def give(self, w: Worker) -> None:
         with self._lock:
@@ -132,6 +153,7 @@ class WorkerPool:
     def close(self) -> None:
         with self._lock:
             idle, self._idle = [w for ws in self._idle.values() for w in ws], {}
+            self._made = [w for w in self._made if w not in idle]
         for w in idle:
             w.close()
 
