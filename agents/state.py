@@ -33,7 +33,7 @@ class RunConfig(BaseModel):
     tune_budget_s: float | None = Field(None, ge=0)
     tune_kernels: list[str] | None = None  # families to tune (None: those patched for align)
     tune_workers: int = Field(1, ge=1)
-    # studies tuned at once (None: one per two cores on a GPU host, one on the CPU)
+    # studies tuned at once (None: three per four cores on a GPU host, one on the CPU)
     tune_parallel: int | None = Field(None, ge=1)
     tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
     # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs

@@ -124,6 +124,8 @@ def test_aot_gate_prunes_config_over_the_limits(tmp_path, rms_path):
     assert set(usage) == {s["kernel"] for s in load_module(rms_path).aot_specs("bf16", 64)}
     assert all(0 < regs <= 255 and shared >= 0 for regs, _, shared in usage.values()), usage
     assert t.user_attrs["spill_bytes"] == max(spill for _, spill, _ in usage.values())
+    # the gate's build is the pruned trial's only phase, and the study's sum says so
+    assert set(t.user_attrs["seconds"]) == {"aot"} and res.phase_s["aot"] > 0
 
 
 def _aot(**kw):
@@ -326,6 +328,8 @@ def test_studies_of_one_run_share_their_worker_subprocesses(tmp_path, monkeypatc
     res = tune.tune_buckets(path, [64, 600], config=cfg, timer=_fake_timer)
     assert [r.bucket for r in res] == ["d_le_512", "d_le_2k"]
     assert all(r.n_complete == 2 for r in res), [(r.n_complete, r.prune_reasons) for r in res]
+    # where each study's time went, per phase (no AOT gate here)
+    assert all(set(r.phase_s) == {"wait", "check", "time"} and r.phase_s["check"] > 0 for r in res)
     assert len(started) == 1  # aot=False: no AOT worker; one trial worker for both studies
     assert all(w.proc is None for w in started)  # closed when the run ended
 
@@ -765,11 +769,12 @@ def test_a_spent_budget_skips_the_re_timing(tmp_path, rms_path):
 
 
 def test_study_slots_and_shares():
-    """Studies at once: as asked, else one per two cores on a GPU host and one on the CPU, never
+    """Studies at once: as asked, else three per four cores on a GPU host and one on the CPU, never
     more than the jobs; a study's share of what is left grows with the studies beside it."""
     from onboarding.tune.run import study_share, study_slots
 
-    assert study_slots(11, None, on_gpu=True, cpus=16) == 8
+    assert study_slots(11, None, on_gpu=True, cpus=16) == 11  # 12 slots, 11 studies
+    assert study_slots(20, None, on_gpu=True, cpus=16) == 12
     assert study_slots(3, None, on_gpu=True, cpus=16) == 3
     assert study_slots(11, None, on_gpu=True, cpus=1) == 1
     assert study_slots(11, None, on_gpu=False, cpus=16) == 1

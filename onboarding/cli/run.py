@@ -34,13 +34,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="Optuna trials per kernel and shape bucket (default: 20 on a GPU; "
                         "tuning is skipped on the CPU unless this is given)")
     r.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
-                   help="seconds for the whole tune stage, split over its studies (kernel x "
+                   help="seconds for the whole tune stage, shared by its studies (kernel x "
                         "shape bucket); no trial starts once a study's share is spent (default "
-                        "40; 0: no time limit, --tune-trials alone)")
+                        "90; 0: no time limit, --tune-trials alone)")
     r.add_argument("--tune-parallel", type=positive_int, default=None, metavar="N",
                    help="studies tuned at once, each compiling on its own workers while the "
-                        "timings take the GPU in turn (default: one per two cores on a GPU "
-                        "host, one on the CPU)")
+                        "timings take the GPU in turn (default: three per four cores on a "
+                        "GPU host, one on the CPU)")
     r.add_argument("--train-steps", type=nonneg_int, default=None, metavar="N",
                    help="LoRA training steps of the FSDP2 x EP setup and its reference "
                         "(default: 20 on a GPU; skipped on the CPU unless this is given)")

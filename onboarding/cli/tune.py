@@ -42,7 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "once a study's share is spent (default: no time limit)")
     t.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="studies of a model's run tuned at once, each on its own workers "
-                        "(default: one per two cores on a GPU host, one on the CPU)")
+                        "(default: three per four cores on a GPU host, one on the CPU)")
     t.add_argument("--workers", type=int, default=1,
                    help="worker processes that check/compile concurrently (timing is serial; "
                         "default 1)")

@@ -167,9 +167,11 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
 
 def study_slots(n_jobs: int, asked: int | None, *, on_gpu: bool, cpus: int | None = None) -> int:
     """How many of a run's `n_jobs` studies run at once: `asked` when given; else, on a GPU host,
-    one per two cores (a study's trial is mostly CPU work, the AOT build then the JIT compile of
-    its config, on its own worker subprocesses; the timings still take the GPU one at a time),
-    and one on the CPU, whose interpreter trials use every core."""
+    three per four cores (a study's trial is mostly CPU work, the AOT build then the JIT compile
+    of its config, one after the other on its own worker subprocesses; the timings still take the
+    GPU one at a time), and one on the CPU, whose interpreter trials use every core. On a 16-core
+    H100 host with 8 at once, the README example's first eight studies each took ~45 s for their
+    first trial and the other three waited (docs/LOG.md, forty-fourth session)."""
     import os
 
     if asked is not None:
@@ -177,7 +179,7 @@ def study_slots(n_jobs: int, asked: int | None, *, on_gpu: bool, cpus: int | Non
             raise InputError(f"tune: parallel studies {asked}: expected at least 1")
         n = asked
     else:
-        n = max(1, (cpus if cpus is not None else os.cpu_count() or 1) // 2) if on_gpu else 1
+        n = max(1, 3 * (cpus if cpus is not None else os.cpu_count() or 1) // 4) if on_gpu else 1
     return max(1, min(n, n_jobs))
 
 

@@ -158,7 +158,7 @@ class TuneConfig:
     budget_s: float | None = None
     # Studies of one run (`tune_run`) at once, each on its own thread and workers: their compiles
     # run on cores of their own while timings still take the GPU one at a time (`_GpuGate`).
-    # None: `study_slots`' choice (one per two cores on a GPU host, one on the CPU).
+    # None: `study_slots`' choice (three per four cores on a GPU host, one on the CPU).
     parallel_studies: int | None = None
 
 
@@ -381,17 +381,28 @@ class _Objective:
             trial.set_user_attr("spill_bytes", spill)
         return check_limits(hit["kernels"], self.cfg.limits)
 
-    def _check_and_time(self, config: dict, seed: int) -> dict[str, Any]:
+    def _check_and_time(self, config: dict, seed: int,
+                        seconds: dict[str, float] | None = None) -> dict[str, Any]:
+        """The worker's check (with the JIT compile) then its timing; `seconds` gets each one's
+        wall time and the time spent waiting for the GPU gate ("wait")."""
+        seconds = {} if seconds is None else seconds
+        t0 = time.monotonic()
         with _GPU.shared():
+            t1 = time.monotonic()
             res = self._run(self.trial_worker, "check", {
                 "path": self.path, "config": config, "family": self.meta["family"],
                 "variant": self.meta["variant"], "params": self.meta["params"],
                 "shapes": self.shapes, "seed": seed, "dtype": self.cfg.dtype, "dims": self.dims,
                 "default": self.default}, self.cfg.trial_timeout_s)
+        t2 = time.monotonic()
+        seconds["wait"], seconds["check"] = t1 - t0, t2 - t1
         if res["ok"]:
             with _GPU.exclusive():
+                t3 = time.monotonic()
                 res = self._run(self.trial_worker, "time", {"repeats": self.cfg.repeats},
                                 self.cfg.trial_timeout_s)
+            seconds["wait"] += t3 - t2
+            seconds["time"] = time.monotonic() - t3
         return res
 
     def measure(self, config: dict, seed: int) -> float | None:
@@ -420,17 +431,38 @@ class _Objective:
                     return float(t.value)
                 raise self._prune(trial, t.user_attrs.get("stage", ""),
                                   t.user_attrs.get("reason", "duplicate of a pruned trial"))
+        # each phase's wall seconds (`phase_seconds` sums them per study)
+        seconds: dict[str, float] = {}
         if self.cfg.aot:
+            t0 = time.monotonic()
             why = self._aot_reason(config, trial)
+            seconds["aot"] = time.monotonic() - t0
             if why:
+                trial.set_user_attr("seconds", _rounded(seconds))
                 raise self._prune(trial, "aot", why)
-        res = self._check_and_time(config, self.cfg.seed * 100003 + trial.number)
+        res = self._check_and_time(config, self.cfg.seed * 100003 + trial.number, seconds)
+        trial.set_user_attr("seconds", _rounded(seconds))
         trial.set_user_attr("stage", res["stage"])
         if not res["ok"]:
             raise self._prune(trial, res["stage"], res["reason"])
         trial.set_user_attr("measured_ms", res["time_ms"])
         trial.set_user_attr("timing", "injected timer" if self.timer else res["timing"])
         return float(self.timer(config, res)) if self.timer else float(res["time_ms"])
+
+
+def _rounded(seconds: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in seconds.items()}
+
+
+def phase_seconds(trials) -> dict[str, float]:
+    """Seconds a study's trials spent per phase (aot: the AOT gate's build; wait: for the GPU
+    gate; check: the worker's check with its JIT compile; time: the timing), summed: where a
+    tuning budget goes."""
+    out: dict[str, float] = {}
+    for t in trials:
+        for k, v in (t.user_attrs.get("seconds") or {}).items():
+            out[k] = round(out.get(k, 0.0) + v, 2)
+    return out
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -710,7 +742,8 @@ def summarize(study, module: ModuleType, bucket: str) -> BucketResult:
         n_trials=len(hist), n_complete=sum(t.state == optuna.trial.TrialState.COMPLETE
                                            for t in trials),
         pruned=pruned, history=hist, prune_reasons=reasons,
-        spill_bytes=spills_of(trials, module, [best_config, default]))
+        spill_bytes=spills_of(trials, module, [best_config, default]),
+        phase_s=phase_seconds(trials))
 
 
 def spills_of(trials, module: ModuleType, configs: Sequence[dict | None]) -> list[int | None]:

@@ -41,6 +41,8 @@ class BucketResult:
     trials_run: int | None = None  # trials this call ran (n_trials counts a resumed study's too)
     budget_s: float | None = None  # the study's time budget (None: none)
     seconds: float | None = None  # the study's wall time, search and re-timing
+    # seconds its trials spent per phase, summed (`search.phase_seconds`: aot, wait, check, time)
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 def gpu_name() -> str:
