@@ -2,7 +2,7 @@
 # README's main command on the GPU with the tune stage's studies run at once (forty-fourth session):
 # the default 40 s budget, then 120 s; each run's tune.json summarized per study (trials, complete,
 # best against the default). carry: .whl (and a .snap/head.tgz when run on a snapshot). BUDGET ~500 s.
-# Usage: bash .ci/h200/h44_tune.sh [EXTRA onboard run flags for both runs]
+# Usage: [BUDGETS="40 120"] bash .ci/h200/h44_tune.sh [EXTRA onboard run flags for every run]
 set -u
 source .ci/h200/setup.sh > /dev/null || exit 1
 OUT=${OUT:-/tmp/out}
@@ -16,10 +16,11 @@ for s in d.get("studies", []):
     r = s["result"]
     print(f"  {s['family']}/{s['variant']} {s['bucket']}: trials {r['n_trials']} complete "
           f"{r['n_complete']} best {r['best_ms']} default {r['default_ms']} "
-          f"budget {r.get('budget_s')} s took {r.get('seconds')} s; {r.get('stopped') or ''}")
+          f"budget {r.get('budget_s')} s took {r.get('seconds')} s; phases {r.get('phase_s')}; "
+          f"{r.get('stopped') or ''}")
 PY
 }
-for b in 40 120; do
+for b in ${BUDGETS:-40 120}; do
   d=/tmp/r$b-$RANDOM
   start=$(date +%s)
   onboard run --out "$d" --tune-budget $b "$@" > "$OUT/run$b.log" 2>&1
