@@ -846,6 +846,24 @@ def test_x_sorted_copy_is_gathered_once(load, device, monkeypatch, extra):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("entry", ["bias", pytest.param("swiglu", marks=pytest.mark.slow)])
+def test_x_sorted_opcheck(load, device, entry):
+    """torch.library.opcheck of both ops with x_sorted on: the forward's third output (the copy) in
+    its fake's shape, and the backward op taking it (`op_samples` adds that sample when the copy is
+    made)."""
+    module = load("swiglu", {"bias": True} if entry == "bias" else {})
+    if module.TensorDescriptor is None:
+        pytest.skip("this triton has no host tensor descriptors")
+    module.set_config({**CPU_CONFIG, "x_sorted": True})
+    try:
+        fx = bias_fixture(module, "empty_experts", n=9) if entry == "bias" else fixture(module, "zipf", n=9)
+        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(0))
+        assert len(module.op_samples(*args)) == 4
+        check_opcheck(fx, torch.float32, device)
+    finally:
+        module.set_config(CPU_CONFIG)
+
+
 def test_x_sorted_off_by_default(load):
     """Template v30's key is off in every bucket: gate/up's AOT specs (the GPU builds) take x by
     pointers; set, x by a [BLOCK_M, BLOCK_K] descriptor (d_le_4k's half_tail: the half-height tiles by
