@@ -285,18 +285,17 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
 
 
 def _run_at_once(run_job: Callable[[int], None], n_jobs: int, slots: int, pool) -> None:
-    """`run_job(i)` for every i < n_jobs, in order, on `slots` daemon threads at once. Each thread
-    runs in a copy of this context (the worker pool, LangGraph's stream writer). Ctrl-C here
-    cancels the pool (every study's workers die, no trial in flight is recorded) and propagates
-    at once; a study that fails cancels the others and its error is raised here."""
-    import contextvars
+    """`run_job(i)` for every i < n_jobs, in order, on `slots` threads at once (`run_threads`).
+    Ctrl-C here cancels the pool (every study's workers die, no trial in flight is recorded) and
+    propagates at once; a study that fails cancels the others and its error is raised here."""
     import threading
 
+    from onboarding.tune.search import run_threads
     from onboarding.tune.worker import Cancelled
 
     lock, nxt, errors = threading.Lock(), [0], []
 
-    def loop() -> None:
+    def loop(_slot: int) -> None:
         while True:
             with lock:
                 if errors or pool.cancelled.is_set() or nxt[0] >= n_jobs:
@@ -312,16 +311,7 @@ def _run_at_once(run_job: Callable[[int], None], n_jobs: int, slots: int, pool) 
                 pool.cancel()
                 return
 
-    threads = [threading.Thread(target=contextvars.copy_context().run, args=(loop,), daemon=True)
-               for _ in range(slots)]
-    for t in threads:
-        t.start()
-    try:
-        for t in threads:
-            t.join()
-    except KeyboardInterrupt:
-        pool.cancel()
-        raise
+    run_threads(loop, range(slots), pool.cancel)
     if errors:
         raise errors[0]
 

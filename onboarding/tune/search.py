@@ -682,26 +682,18 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     if own:
         prog.start()
     try:
-        # Daemon threads, joined here: on Ctrl-C / SIGINT no new trial starts, the worker
-        # subprocesses are killed (their trials stay RUNNING: a resumed grid queues them again)
-        # and the interrupt propagates instead of waiting for the trials in flight.
-        # Each thread runs in a copy of this context, so a callback that reads context
-        # variables (LangGraph's stream writer, in the agent's tune node) works from it.
-        threads = [threading.Thread(target=contextvars.copy_context().run, args=(work, w),
-                                    daemon=True) for w in range(cfg.n_workers)]
-        for t in threads:
-            t.start()
-        try:
-            for t in threads:
-                t.join()
-        except KeyboardInterrupt:
+        # On Ctrl-C / SIGINT no new trial starts, the worker subprocesses are killed (their
+        # trials stay RUNNING: a resumed grid queues them again) and the interrupt propagates
+        # instead of waiting for the trials in flight.
+        def interrupted() -> None:
             stop.set()
             with lock:
                 for obj in objectives:
                     obj.close(keep=False)
             if pool is not None:
                 pool.cancel()
-            raise
+
+        run_threads(work, range(cfg.n_workers), interrupted)
         if stop.is_set():  # interrupted in another thread (`WorkerPool.cancel`): no result
             raise Cancelled("the tuning run was interrupted")
         final_study = _load_study(name, url, cfg.seed, space, sampler)
@@ -717,6 +709,24 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     finally:
         if own:
             prog.stop()
+
+
+def run_threads(target: Callable[[Any], None], args: Iterable[Any],
+                interrupted: Callable[[], None]) -> None:
+    """`target(a)` for each of `args` on daemon threads, joined here. Each runs in a copy of this
+    context, so a callback that reads context variables (LangGraph's stream writer, in the agent's
+    tune node; the run's worker pool) works from it. On Ctrl-C `interrupted()` runs and the
+    interrupt propagates at once, without waiting for the threads."""
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(target, a), daemon=True)
+               for a in args]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:
+        interrupted()
+        raise
 
 
 def summarize(study, module: ModuleType, bucket: str) -> BucketResult:
