@@ -35,7 +35,9 @@ class RunConfig(BaseModel):
     tune_workers: int = Field(1, ge=1)
     # studies tuned at once (None: three per four cores on a GPU host, one on the CPU)
     tune_parallel: int | None = Field(None, ge=1)
-    tune_aot: bool = True  # prune configs that cannot compile for sm_90 before running them
+    # prune configs that cannot compile for sm_90 before running them; None: where kernels run in
+    # the interpreter (on a GPU host the check's own builds are judged instead)
+    tune_aot: bool | None = None
     # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs
     # (None: this machine's, 8 without a GPU) at plan_seq tokens per sequence, LoRA
     plan_gpus: int | None = Field(None, ge=1)

@@ -908,3 +908,91 @@ def test_two_real_studies_at_once_in_isolated_workers(tmp_path, parse_model):
     for s in studies:
         assert tune.tuned_path(tmp_path / s["module"]).is_file()
     assert len(started) == 2 and all(w.proc is None for w in started)
+
+
+def test_without_the_aot_gate_the_checks_own_builds_are_judged_before_timing(tmp_path, monkeypatch):
+    """On a GPU host (no AOT gate) the worker's check returns its JIT builds' usage: a config whose
+    build spills over the bound is pruned at stage "limits" and never timed; the others record
+    their usage from the JIT build, and the default's spills reach the result."""
+    bound = tune.Limits().max_spill_bytes
+    spills = {8: 0, 16: 64, 32: bound + 8}  # by BLOCK_N; 8 is the bucket default
+    real, timed = tune.handle, []
+
+    def with_jit_usage(req):
+        out = real(req)
+        if req["op"] == "check" and out["ok"]:
+            n = spills[req["args"]["config"]["BLOCK_N"]]
+            out["kernels"] = [{"kernel": "fwd", "ok": True, "n_regs": 90, "n_spills": n,
+                               "shared_bytes": 512, "source": "jit"}]
+        if req["op"] == "time":
+            timed.append(1)
+        return out
+
+    monkeypatch.setattr(tune, "handle", with_jit_usage)
+    path = render_to(tmp_path / "k", "rmsnorm", "plain")
+    cfg = _cfg(tmp_path, n_trials=3, isolate=False, aot=False,
+               space={"BLOCK_N": [16, 32], "num_warps": [4], **FWD_ONLY}, space_only=True)
+    res = tune.tune_module(path, size=64, config=cfg, timer=_fake_timer, sampler="grid")
+    by_bn = {t.params["BLOCK_N"]: t for t in _trials(res, tmp_path / "studies")}
+    assert by_bn[32].state == optuna.trial.TrialState.PRUNED
+    assert by_bn[32].user_attrs["stage"] == "limits"
+    assert f"fwd: spills {bound + 8} bytes per thread > {bound}" in by_bn[32].user_attrs["reason"]
+    assert len(timed) == 2  # BLOCK_N 8 and 16; 32 was not timed
+    assert by_bn[16].user_attrs["usage_from"] == "jit" and by_bn[16].user_attrs["spill_bytes"] == 64
+    assert by_bn[16].user_attrs["aot_kernels"] == {"fwd": [90, 64, 512]}
+    assert res.spill_bytes[1] == 0  # the default's, from its JIT build
+
+
+def test_aot_gate_default_follows_the_interpreter(tmp_path, rms_path, monkeypatch):
+    """TuneConfig.aot None: the gate runs where kernels run in the interpreter and not on a GPU
+    host, which then starts no AOT worker; True / False are taken as asked."""
+    mod = load_module(rms_path)
+
+    def objective(aot, interp):
+        monkeypatch.setattr(tune, "interpreting", lambda: interp)
+        return tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
+                               space={}, cfg=_cfg(tmp_path, aot=aot), timer=None, aot=tune._Aot())
+
+    for aot, interp, want in ((None, True, True), (None, False, False), (True, False, True),
+                              (False, True, False)):
+        obj = objective(aot, interp)
+        try:
+            assert obj.use_aot is want and (obj.aot_worker is not None) is want, (aot, interp)
+        finally:
+            obj.close()
+
+
+def test_jit_usage_reads_the_builds_that_ran():
+    """`worker.jit_usage`: per kernel the largest registers, local bytes and shared memory of its
+    builds on the device; a build never loaded (no registers yet) and helpers without builds are
+    left out."""
+    from types import ModuleType, SimpleNamespace
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    from onboarding.tune.worker import jit_usage
+
+    def kern(x):
+        tl.store(x, 1.0)
+
+    def helper(x):
+        tl.store(x, 2.0)
+
+    # JITFunction itself: under TRITON_INTERPRET `triton.jit` gives an interpreted function
+    kern, helper = triton.runtime.jit.JITFunction(kern), triton.runtime.jit.JITFunction(helper)
+
+    def build(regs, spills, shared):
+        return SimpleNamespace(n_regs=regs, n_spills=spills, metadata=SimpleNamespace(shared=shared))
+
+    kern.device_caches = {0: ({"a": build(40, 0, 1024), "b": build(96, 16, 512),
+                               "c": SimpleNamespace(metadata=None)}, {}, None, None, None)}
+    helper.device_caches = {}
+    mod = ModuleType("m")
+    mod.kern, mod.helper, mod.other = kern, helper, 3
+    mod.tuned = SimpleNamespace(fn=kern)  # as an autotuner wraps a kernel
+    want = {"ok": True, "n_regs": 96, "n_spills": 16, "shared_bytes": 1024, "source": "jit"}
+    assert jit_usage(mod, torch.device("cuda", 0)) == [{"kernel": "kern", **want},
+                                                       {"kernel": "tuned", **want}]
+    assert jit_usage(mod, torch.device("cuda", 1)) == []

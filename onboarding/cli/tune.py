@@ -56,7 +56,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "(GPU only; 0: off)")
     t.add_argument("--timeout", type=float, default=120.0,
                    help="seconds per trial request (default 120)")
-    t.add_argument("--no-aot", action="store_true", help="skip the sm_90 ahead-of-time gate")
+    t.add_argument("--no-aot", action="store_true",
+                   help="skip the sm_90 ahead-of-time gate (on a GPU host it is off anyway: the "
+                        "check's own builds are judged by the same limits)")
     t.add_argument("--compare-grid", action="store_true",
                    help="instead of --trials: run the exhaustive grid of the space and a "
                         "TPE study with --tpe-fraction of the grid's trials (separate, "
@@ -113,7 +115,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
         _check_storage(args.storage)
     cfg = TuneConfig(n_trials=args.trials, n_workers=args.workers, storage=args.storage,
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
-                     aot=not args.no_aot, space=_space(args.space) or None,
+                     aot=False if args.no_aot else None, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
                      seed=args.seed, parallel_studies=args.parallel)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)

@@ -6,11 +6,13 @@ accepted), so optuna-dashboard reads it. The study is created once, before worke
 workers racing to create one SQLite study hit a UNIQUE constraint (docs/design.md).
 
 Every trial, in order:
-1. AOT gate: the config is compiled for sm_90 on the host (`onboarding.generate.aot`, no GPU) and pruned
-   when a kernel fails to compile, needs more shared memory than the limit, or spills more than
+1. AOT gate (where kernels run in the interpreter; `TuneConfig.aot`): the config is compiled for
+   sm_90 on the host (`onboarding.generate.aot`, no GPU) and pruned when a kernel fails to
+   compile, needs more shared memory than the limit, or spills more than
    `Limits.max_spill_bytes` (a large bound: spilled configs can still be the fastest; see
    `Limits`). Each kernel's registers and spills are recorded on the trial. Results are cached
-   per config.
+   per config. On a GPU host the check's own JIT builds (step 2) are judged by the same limits
+   before the timing instead, from the driver's counts (`worker.jit_usage`).
 2. In a worker subprocess (`onboarding.tune.worker`, kept alive across trials, killed and
    restarted on a timeout or a crash) the module is loaded, the config pinned, and forward +
    every gradient checked in the tuned dtype against `reference` on fresh random inputs (the
@@ -136,7 +138,11 @@ class TuneConfig:
     storage_dir: Path | None = None
     trial_timeout_s: float = 120.0
     startup_timeout_s: float = 120.0
-    aot: bool = True
+    # the AOT gate (step 1 of the module docstring). None: on where kernels run in the interpreter
+    # (no other sm_90 build to judge a config by), off on a GPU host, where the check's JIT build is
+    # the GPU's own and its usage (`worker.jit_usage`) is judged by the same limits instead: the
+    # gate's build of every trial's config was a second compile on the GPU host's cores
+    aot: bool | None = None
     aot_timeout_s: float = 300.0
     limits: Limits = field(default_factory=Limits)
     dtype: str = "bf16"  # timing dtype, and the check's (emulated in the interpreter)
@@ -337,15 +343,19 @@ class _Objective:
         self.meta = module_meta(module)
         self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
         interp = interpreting()
+        self.use_aot = cfg.aot if cfg.aot is not None else interp
         self.pool = _POOL.get()
         make = self.pool.take if self.pool is not None else Worker
         self.trial_worker = make(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
-        self.aot_worker = make(interpret=False if interp else None, startup_timeout_s=cfg.startup_timeout_s)
+        self.aot_worker = (make(interpret=False if interp else None, startup_timeout_s=cfg.startup_timeout_s)
+                           if self.use_aot else None)
 
     def close(self, keep: bool = True) -> None:
         """Ends the workers, or with `keep` gives them back to the pool they came from (an
         interrupt passes keep=False: their trials in flight must die)."""
         for w in (self.trial_worker, self.aot_worker):
+            if w is None:
+                continue
             if keep and self.pool is not None:
                 self.pool.give(w)
             else:
@@ -379,12 +389,15 @@ class _Objective:
             usage, spill = aot_usage(hit["kernels"])
             trial.set_user_attr("aot_kernels", usage)
             trial.set_user_attr("spill_bytes", spill)
+            trial.set_user_attr("usage_from", "aot")
         return check_limits(hit["kernels"], self.cfg.limits)
 
-    def _check_and_time(self, config: dict, seed: int,
-                        seconds: dict[str, float] | None = None) -> dict[str, Any]:
+    def _check_and_time(self, config: dict, seed: int, seconds: dict[str, float] | None = None,
+                        trial=None) -> dict[str, Any]:
         """The worker's check (with the JIT compile) then its timing; `seconds` gets each one's
-        wall time and the time spent waiting for the GPU gate ("wait")."""
+        wall time and the time spent waiting for the GPU gate ("wait"). Without the AOT gate, the
+        check's own builds (on a GPU) are recorded on `trial` and judged by the limits before the
+        timing (stage "limits")."""
         seconds = {} if seconds is None else seconds
         t0 = time.monotonic()
         with _GPU.shared():
@@ -396,6 +409,14 @@ class _Objective:
                 "default": self.default}, self.cfg.trial_timeout_s)
         t2 = time.monotonic()
         seconds["wait"], seconds["check"] = t1 - t0, t2 - t1
+        if res["ok"] and res.get("kernels") and trial is not None and not self.use_aot:
+            usage, spill = aot_usage(res["kernels"])
+            trial.set_user_attr("aot_kernels", usage)
+            trial.set_user_attr("spill_bytes", spill)
+            trial.set_user_attr("usage_from", "jit")
+            why = check_limits(res["kernels"], self.cfg.limits)
+            if why:
+                return {"ok": False, "stage": "limits", "reason": why}
         if res["ok"]:
             with _GPU.exclusive():
                 t3 = time.monotonic()
@@ -433,14 +454,14 @@ class _Objective:
                                   t.user_attrs.get("reason", "duplicate of a pruned trial"))
         # each phase's wall seconds (`phase_seconds` sums them per study)
         seconds: dict[str, float] = {}
-        if self.cfg.aot:
+        if self.use_aot:
             t0 = time.monotonic()
             why = self._aot_reason(config, trial)
             seconds["aot"] = time.monotonic() - t0
             if why:
                 trial.set_user_attr("seconds", _rounded(seconds))
                 raise self._prune(trial, "aot", why)
-        res = self._check_and_time(config, self.cfg.seed * 100003 + trial.number, seconds)
+        res = self._check_and_time(config, self.cfg.seed * 100003 + trial.number, seconds, trial)
         trial.set_user_attr("seconds", _rounded(seconds))
         trial.set_user_attr("stage", res["stage"])
         if not res["ok"]:

@@ -312,9 +312,42 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     cot = [torch.randn_like(o) for o in outs]
     _PREPARED.update(entry=entry, xs=xs, cot=cot, device=device)
     _step(entry, xs, cot)  # compile the timed shapes outside the timed region
+    out = {"ok": True, "stage": "checked", "checks": len(checks), "timing_shapes": shapes_note}
     if on_gpu:
         torch.cuda.synchronize()
-    return {"ok": True, "stage": "checked", "checks": len(checks), "timing_shapes": shapes_note}
+        out["kernels"] = jit_usage(mod, device)
+    return out
+
+
+def jit_usage(mod, device) -> list[dict[str, Any]]:
+    """Registers, local memory and shared memory of every build the module's Triton kernels made
+    on `device` (this GPU's own builds, the ones that ran), in `aot_one`'s per-kernel form; the
+    largest of each when a kernel has several builds. `n_spills` is the driver's local memory per
+    thread (spills and stack), which ptxas's spill count does not exceed. Empty when this Triton
+    keeps its builds where this does not look (`JITFunction.device_caches`)."""
+    import triton
+
+    out: dict[str, dict[str, Any]] = {}
+    jit = triton.runtime.jit.JITFunction
+    for name, fn in vars(mod).items():
+        if not isinstance(fn, jit):  # an autotuner / heuristics wrapper holds one as `fn`
+            fn = getattr(fn, "fn", None)
+        if not isinstance(fn, jit):
+            continue
+        caches = getattr(fn, "device_caches", None)  # .get: a defaultdict must not make one
+        entry = caches.get(device.index or 0) if isinstance(caches, dict) else None
+        builds = list(entry[0].values()) if isinstance(entry, tuple) and isinstance(entry[0], dict) else []
+        for k in builds:
+            regs, spills = getattr(k, "n_regs", None), getattr(k, "n_spills", None)
+            shared = getattr(getattr(k, "metadata", None), "shared", None)
+            if regs is None:
+                continue
+            cur = out.setdefault(name, {"kernel": name, "ok": True, "n_regs": 0, "n_spills": 0,
+                                        "shared_bytes": 0, "source": "jit"})
+            cur["n_regs"] = max(cur["n_regs"], int(regs))
+            cur["n_spills"] = max(cur["n_spills"], int(spills or 0))
+            cur["shared_bytes"] = max(cur["shared_bytes"], int(shared or 0))
+    return list(out.values())
 
 
 # The 16-bit gate (`_check_at`). Its bound is `tolerance_for(dtype, "reduction")`
