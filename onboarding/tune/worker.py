@@ -315,7 +315,10 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     out = {"ok": True, "stage": "checked", "checks": len(checks), "timing_shapes": shapes_note}
     if on_gpu:
         torch.cuda.synchronize()
-        out["kernels"] = jit_usage(mod, device)
+        try:  # usage is a record, not a verdict: a Triton that keeps its builds elsewhere gives none
+            out["kernels"] = jit_usage(mod, device)
+        except Exception as e:  # noqa: BLE001
+            out["kernels_error"] = f"{type(e).__name__}: {e}"[:300]
     return out
 
 
