@@ -32,9 +32,7 @@ DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbw
 ``MOE_V20_SWEEP_SHORT_BIG``; v19's ``MOE_V19_SWEEP*``, v18's ``MOE_V18_SWEEP*``, v17's ``MOE_V17_SWEEP*``, v15's
 ``MOE_V15_SWEEP*`` and the twentieth session's ``MOE_DW_SWEEP`` etc. are kept for the record),
 and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
-v15's ``MOE_FWD_SWEEP_BIG`` kept likewise). Template v30's ``MOE_V30_SWEEP`` (x's rows for the gate/up
-GEMM from a slot-ordered copy by TMA) adds a row to the anchor's and DeepSeek-V3 N8192's ``fwd``
-cases and to DeepSeek-V3 N8192's and Qwen3-Next's (uniform) ``fwdbwd`` cases.
+v15's ``MOE_FWD_SWEEP_BIG`` kept likewise).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -277,20 +275,12 @@ MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 # against dx by Triton (`_DX_TRITON`: the v28 default's dx, its atomics and tiles as the bucket has them).
 _DX_TRITON = {"dx_grouped_mm": False}
 MOE_V28_SWEEP = [_DX_TRITON]
-# Template v30 (forty-fourth session, helper moe44): config `x_sorted`, the gate/up GEMM's x rows
-# from a slot-ordered copy x[tok] by TMA (as the down backward's dy with dy_sorted + rows_tma)
-# instead of gathered by pointers in its K loop; the backward's weight gradient of gate_up reuses
-# the copy (S * D more bytes held from the forward to the backward). Why: in an H100 profile of
-# DeepSeek-V3 N8192 fwd+bwd (46 ms) moe_gate_up_fwd_kernel took ~9.2 ms at ~420 TFLOP/s, its A
-# operand the only one still gathered by pointers. Off in every bucket; the rows time it against
-# the bucket default.
-MOE_V30_SWEEP = [{"x_sorted": True}]
-SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP + MOE_V30_SWEEP,
+SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP,
           ("anchor", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_BWD_SWEEP,
-          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_V30_SWEEP,
+          ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V28_SWEEP,
-          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG + MOE_V30_SWEEP,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_V30_SWEEP,
+          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V28_SWEEP}
 
 

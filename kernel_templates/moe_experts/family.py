@@ -295,17 +295,6 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   by expert, K over D or 2F) ran at about 470 TFLOP/s, ours at 372-417 (docs/LOG.md, thirty-seventh
 #   session: the anchor's 39.6 CUTLASS ms less our two weight gradients' 15.0, over its four other
 #   GEMMs' 1.16e13 FLOPs). swiglu and mlp only.
-# x_sorted (False): the forward copies x's rows into slot order (x[tok], [S, D] in x's dtype) and the
-#   gate/up GEMM loads its A blocks from the copy by a tensor descriptor (TMA on Hopper; with
-#   half_tail the half-height tiles by their own), no gathered addresses in its K loop, as dy_sorted
-#   + rows_tma do for the down backward; where descriptors exist and x's rows are 16-byte aligned,
-#   else a no-op. The copy is an output of the forward op, saved for the backward (when gate_up
-#   needs a gradient) and taken by its weight gradient where it would gather x again
-#   (dw_grouped_mm, or the Triton kernels with dw_sorted): S * D * 2 bytes of bf16 held from the
-#   forward to the backward (0.94 GB at DeepSeek-V3 N8192: S = 65536, D = 7168), beside gu's S * 2F.
-#   Why tried: in an H100 profile of DeepSeek-V3 N8192 fwd+bwd (46 ms) moe_gate_up_fwd_kernel took
-#   ~9.2 ms at ~420 TFLOP/s with x gathered by pointers. swiglu and mlp only (swiglu_lora ignores
-#   the key: its gate/up GEMM keeps the pointer gather).
 # A removed key: v22's ws (dx's K loop under triton's automatic warp specialization, on per-slot
 #   bf16 rows for the combine pass) won nothing beyond the spread at DeepSeek-V3 N8192 uniform on an
 #   H100 (`source .ci/h200/setup.sh && BUDGET=200 bash .ci/h200/h37_moe6.sh` at 45c8bba; fwd+bwd
@@ -326,7 +315,7 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
                  "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4),
                  "half_tail_down": (False, True), "half_tail_bwd": (False, True),
-                 "dx_grouped_mm": (False, True), "x_sorted": (False, True)}
+                 "dx_grouped_mm": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
@@ -334,7 +323,7 @@ _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
                    "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "half_tail_down": False,
-                   "half_tail_bwd": False, "dx_grouped_mm": False, "x_sorted": False}
+                   "half_tail_bwd": False, "dx_grouped_mm": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -399,8 +388,11 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    # v30: config `x_sorted` (off in every bucket): the gate/up GEMM loads x's rows by TMA from a slot-ordered copy,
-    # which the backward's gate_up weight gradient reuses; the forward op returns the copy (empty when off).
+    # v31: v30's config `x_sorted` removed (the template is v29's again): the gate/up GEMM's x rows by TMA from a
+    # slot-ordered copy x[tok] lost on an H100 80GB HBM3 (torch 2.11, triton 3.6; docs/LOG.md, forty-fourth session,
+    # call 2): DeepSeek-V3 E256 K8 D7168 F2048 N8192 forward 15.835 ms against the default's 14.413, fwd+bwd 46.646
+    # against 45.942; the gate/up kernel itself 10.575 against 10.599 ms (forward) and 9.870 against 9.294 (fwd+bwd),
+    # so the pointer-gathered x rows were not what held the GEMM back, and the copy (0.63 ms) came on top.
     # v29: dx_grouped_mm on in both GPU buckets (the note above _DX_GPU); down_bwd_grouped_mm and its
     # moe_act_bwd_kernel removed (slower on top of it on an H100).
     # v28: configs `dx_grouped_mm` and `down_bwd_grouped_mm` (off in every bucket): dx's GEMM and the down
@@ -422,7 +414,7 @@ FAMILY = FamilySpec(
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=30,
+    template_version=31,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",

@@ -721,177 +721,6 @@ def test_half_tail_tma_rows(load, device, monkeypatch, entry, name):
     assert halves[-3:] == want, (halves[-3:], want)
 
 
-# Template v30: `x_sorted`, the gate/up GEMM's x rows from a copy x[tok] in slot order by TMA, its
-# [BLOCK_M, BLOCK_K] blocks running past an expert's rows into the next's and past S; with half_tail
-# the half-height tiles by their own [BLOCK_M / 2, BLOCK_K] descriptor; the backward's gate_up weight
-# gradient takes the copy where it would gather x (dw_grouped_mm, dw_sorted). Beside weights by TMA,
-# atomic combine, the backward's TMA rows, capacity dropping (the copy's rows past the kept slots
-# hold dropped slots' tokens, which no tile and no group reads) and biases.
-X_SORTED_CONFIGS = {
-    "x_sorted": {"x_sorted": True},
-    "tma": {"x_sorted": True, "tma": True, "combine": "atomic"},
-    "gmm": {"x_sorted": True, "dw_grouped_mm": True, "dy_sorted": True, "rows_tma": True},
-    "dw_sorted": {"x_sorted": True, "dw_sorted": True},
-    "persistent": {**PERSISTENT, "x_sorted": True, "dw_persistent": 1, "dw_sorted": True, "dw_tma": True},
-    "half": {**_TAIL_BASE, "x_sorted": True, "half_tail": True, "h_tma": True},
-    "half_gmm": {**_TAIL_BASE, "x_sorted": True, "half_tail": True, "tma": True, "dw_grouped_mm": True,
-                 "dx_grouped_mm": True, "combine": "atomic"},
-}
-
-
-@pytest.mark.parametrize("entry,kind,name", [
-    ("swiglu", "zipf", "x_sorted"), ("mlp", "empty_experts", "tma"), ("bias", "empty_experts", "gmm"),
-    ("swiglu_cf", "all_to_one", "gmm"), ("gpt_oss_bias", "uniform", "dw_sorted"), ("mlp_cf", "zipf", "dw_sorted"),
-    ("swiglu", "tails", "half"), ("mlp", "tails", "half_gmm"), ("bias", "tails", "half"),
-    pytest.param("swiglu", "uniform", "persistent", marks=pytest.mark.slow),
-    pytest.param("swiglu_cf", "empty_experts", "tma", marks=pytest.mark.slow),
-    pytest.param("swiglu", "tails", "half_gmm", marks=pytest.mark.slow),
-], ids=lambda v: str(v))
-def test_v30_x_sorted(load, device, monkeypatch, entry, kind, name):
-    """x_sorted (X_SORTED_CONFIGS): the output and every gradient (bias gradients too) match the fp32
-    reference on odd rows per expert, unused experts, one expert with every token, capacity dropping
-    and (`tails`) experts whose last 32-row tile holds 1, 15, 16, 17 or 32 rows; gate/up took its x
-    rows by TMA, and with half_tail a half-height descriptor of the copy beside the full-height one."""
-    variant, params = {"swiglu": ("swiglu", {}), "mlp": ("mlp", {"activation": "relu2"}),
-                       "swiglu_cf": ("swiglu", {"capacity_factor": 0.75}),
-                       "mlp_cf": ("mlp", {"activation": "relu2", "capacity_factor": 0.75}),
-                       "bias": ("swiglu", {"bias": True, **GPT_OSS} if kind == "tails" else {"bias": True}),
-                       "gpt_oss_bias": ("swiglu", {"bias": True, **GPT_OSS})}[entry]
-    module = load(variant, params)
-    if module.TensorDescriptor is None:
-        pytest.skip("this triton has no host tensor descriptors")
-    config = {**CPU_CONFIG, **X_SORTED_CONFIGS[name]}
-    if kind == "tails":
-        fx = tail_fixture(module, "bias" if entry == "bias" else entry)
-    elif entry in ("bias", "gpt_oss_bias"):
-        fx = bias_fixture(module, kind, d=40)
-    else:
-        fx = fixture(module, kind, d=40, gated=not entry.startswith("mlp"))
-    launches = _checked_launches(fx, device, monkeypatch, config)
-    gate_up = [kw for n, kw in launches if n == "moe_gate_up_fwd_kernel"]
-    half = bool(config.get("half_tail"))
-    assert gate_up and all((kw["X_TMA"], kw["HALF_TAIL"]) == (True, half) for kw in gate_up), gate_up
-    # one more forward: its first half-height operand is gate/up's (x's copy), then the down GEMM's
-    halves, real = [], module._half_rows
-
-    def spy(rows, t, block_m, block_k, h):
-        out = real(rows, t, block_m, block_k, h)
-        halves.append(None if out is None else (list(out.block_shape), tuple(t.shape)))
-        return out
-    monkeypatch.setattr(module, "_half_rows", spy)
-    args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(2))
-    module.set_config(config)
-    try:
-        with torch.no_grad():
-            module.entry(*args)
-    finally:
-        module.set_config(CPU_CONFIG)
-    S = module.n_rows(args[1].numel(), args[3].shape[0])
-    assert halves[0] == (([16, config["BLOCK_K"]], (S, args[0].shape[1])) if half else None), halves
-
-
-def _x_gathers(module, args, config, monkeypatch, frozen=()) -> tuple[int, list, list]:
-    """(index_selects of x's storage, gradients of x, topk_weights and the unfrozen weights, shapes of
-    the tensors autograd saved) of one forward + backward under `config`."""
-    real, calls, saved = torch.Tensor.index_select, [], []
-    x = args[0].clone().requires_grad_()
-
-    def spy(t, dim, index, *a, **k):
-        calls.append(t.data_ptr() == x.data_ptr())
-        return real(t, dim, index, *a, **k)
-    module.set_config({**CPU_CONFIG, **config})
-    monkeypatch.setattr(torch.Tensor, "index_select", spy)
-    try:
-        leaves = [x] + [a.clone().requires_grad_(i not in frozen) if a.is_floating_point() else a
-                        for i, a in enumerate(args) if i > 0]
-        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(x.device)
-        wanted = [t for t in leaves if t.requires_grad]
-
-        def pack(t):
-            saved.append(tuple(t.shape))
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = module.entry(*leaves)
-        grads = torch.autograd.grad(y, wanted, dy)
-    finally:
-        monkeypatch.undo()
-        module.set_config(CPU_CONFIG)
-    return sum(calls), list(grads), saved
-
-
-@pytest.mark.parametrize("extra", [{"dw_grouped_mm": True}, {"dw_sorted": True}], ids=["gmm", "dw_sorted"])
-def test_x_sorted_copy_is_gathered_once(load, device, monkeypatch, extra):
-    """With x_sorted the backward takes the forward's x[tok] copy where it would gather x again
-    (grouped_mm weight gradients; the Triton ones on slot-ordered rows): one gather of x per forward
-    + backward either way, the same gradients; with gate_up frozen the copy is not kept for the
-    backward (no gradient reads it) and dx, d topk_weights and d down match the full backward's."""
-    module = load("swiglu", {})
-    if module.TensorDescriptor is None:
-        pytest.skip("this triton has no host tensor descriptors")
-    # D 40, 2F 48: the copy [S, D] and gu [S, 2F] tell apart by shape among the saved tensors
-    args = fixture(module, "zipf", d=40, f=24).make_inputs(torch.float32, device, torch.Generator().manual_seed(2))
-    n_off, g_off, _ = _x_gathers(module, args, extra, monkeypatch)
-    n_on, g_on, saved = _x_gathers(module, args, {**extra, "x_sorted": True}, monkeypatch)
-    copy = (args[1].numel(), 40)
-    # off a GPU both weight-gradient paths gather x in the backward; on one (fp32 here) grouped_mm
-    # falls back to the grid kernels on x by token (no gather), and x_sorted's copy is the forward's
-    gathers_off = 0 if device.type == "cuda" and "dw_grouped_mm" in extra else 1
-    assert (n_off, n_on) == (gathers_off, 1)
-    for a, b in zip(g_off, g_on, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    assert copy in saved and (args[1].numel(), 48) in saved, saved
-    _, g_frozen, saved_frozen = _x_gathers(module, args, {**extra, "x_sorted": True}, monkeypatch, frozen=(3,))
-    assert copy not in saved_frozen and (args[1].numel(), 48) in saved_frozen, saved_frozen
-    for a, b in zip(g_frozen, [g_on[i] for i in (0, 1, 3)], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("entry", ["bias", pytest.param("swiglu", marks=pytest.mark.slow)])
-def test_x_sorted_opcheck(load, device, entry):
-    """torch.library.opcheck of both ops with x_sorted on: the forward's third output (the copy) in
-    its fake's shape, and the backward op taking it (`op_samples` adds that sample when the copy is
-    made)."""
-    module = load("swiglu", {"bias": True} if entry == "bias" else {})
-    if module.TensorDescriptor is None:
-        pytest.skip("this triton has no host tensor descriptors")
-    module.set_config({**CPU_CONFIG, "x_sorted": True})
-    try:
-        fx = bias_fixture(module, "empty_experts", n=9) if entry == "bias" else fixture(module, "zipf", n=9)
-        args = fx.make_inputs(torch.float32, device, torch.Generator().manual_seed(0))
-        assert len(module.op_samples(*args)) == 4
-        check_opcheck(fx, torch.float32, device)
-    finally:
-        module.set_config(CPU_CONFIG)
-
-
-def test_x_sorted_off_by_default(load):
-    """Template v30's key is off in every bucket: gate/up's AOT specs (the GPU builds) take x by
-    pointers; set, x by a [BLOCK_M, BLOCK_K] descriptor (d_le_4k's half_tail: the half-height tiles by
-    their own); the LoRA variant ignores it (x by pointers whatever the config)."""
-    for variant in ("swiglu", "mlp", "swiglu_lora"):
-        module = load(variant, {"activation": "relu2"} if variant == "mlp" else {})
-        module.set_config(None)
-        try:
-            for size in (512, 2048, 7168):
-                cfg = module.config_for(size)
-                assert cfg["x_sorted"] is False, (variant, size)
-                for on in (False, True):
-                    module.set_config({**cfg, "x_sorted": on}, bucket=module.shape_bucket(size))
-                    spec = next(s for s in module.aot_specs("bf16", size) if s["kernel"] == "moe_gate_up_fwd_kernel")
-                    module.set_config(None, bucket=module.shape_bucket(size))
-                    bm, bk = spec["constexprs"]["BLOCK_M"], spec["constexprs"]["BLOCK_K"]
-                    tma = on and variant != "swiglu_lora" and module.TensorDescriptor is not None
-                    half = tma and spec["constexprs"]["HALF_TAIL"]
-                    assert spec["constexprs"]["X_TMA"] is tma, (variant, size, on)
-                    assert spec["signature"]["p_x"] == (f"tensordesc<bf16[{bm}, {bk}]>" if tma else "*bf16")
-                    assert spec["signature"]["p_x_half"] == (f"tensordesc<bf16[{bm // 2}, {bk}]>" if half
-                                                             else "constexpr")
-                    assert half == (tma and size == 2048), (variant, size, on)  # d_le_4k's half_tail
-        finally:
-            module.set_config(None)
-            module.set_config(CPU_CONFIG)
-
-
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
 # 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm, also
@@ -915,16 +744,6 @@ def test_v28_grouped_mm_backward_bf16_cuda(load, d):
     on every row; against the fp32 reference the bar stays 1e-2."""
     configs = [{}] + moe_experts.bench.MOE_V28_SWEEP
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs, same=4e-3)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
-@pytest.mark.parametrize("d", [7168, 2048], ids=["d_big", "d_le_4k"])
-def test_v30_x_sorted_bf16_cuda(load, d):
-    """x_sorted (bench.MOE_V30_SWEEP) against the bucket default through `_check_bwd_configs_bf16`:
-    the output and every gradient within 1e-2 of the fp32 reference and 2e-3 of the default's run
-    (the same bf16 operands by TMA in place of pointer loads, the same sums)."""
-    configs = [{}] + moe_experts.bench.MOE_V30_SWEEP
-    _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
@@ -1094,8 +913,8 @@ def test_forward_without_grad_skips_gu(load, device, monkeypatch):
     y1 = module.entry(x, *args[1:])
     assert [kw["SAVE_GU"] for n, kw in log.take() if n == "moe_gate_up_fwd_kernel"] == [True]
     torch.testing.assert_close(y0, y1.detach(), rtol=0, atol=0)
-    y, gu, x_s = module.moe_experts_op(x, *args[1:], False)
-    assert gu.shape[0] == 0 and x_s.shape[0] == 0
+    y, gu = module.moe_experts_op(x, *args[1:], False)
+    assert gu.shape[0] == 0
     with pytest.raises(RuntimeError, match="keep_gu=False"):
         y.sum().backward()
 
@@ -1233,15 +1052,15 @@ print(json.dumps(out))
 HALF_TAIL_KERNELS = ["moe_down_fwd_kernel", "moe_down_bwd_kernel", "moe_dx_kernel"]
 
 
-def sm90_usage(path, config: dict, size: int, cwd, kernels: list[str] = HALF_TAIL_KERNELS) -> dict[str, list]:
-    """{kernel: [registers, spilled bytes, shared bytes, HALF_TAIL]} of `kernels` compiled for sm_90
-    (bf16, specialize="all") under `config` at D = `size`."""
+def sm90_usage(path, config: dict, size: int, cwd) -> dict[str, list]:
+    """{kernel: [registers, spilled bytes, shared bytes, HALF_TAIL]} of HALF_TAIL_KERNELS compiled
+    for sm_90 (bf16, specialize="all") under `config` at D = `size`."""
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _AOT_USAGE, str(path), json.dumps(config), str(size),
-                          ",".join(kernels)], capture_output=True, text=True, env=env, cwd=cwd,
+                          ",".join(HALF_TAIL_KERNELS)], capture_output=True, text=True, env=env, cwd=cwd,
                          timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
@@ -1267,25 +1086,6 @@ def test_half_tail_tma_rows_aot_sm90(load, tmp_path):
             alone = sm90_usage(path, {"h_tma": True}, size, tmp_path)
             print(f"D {size}, h_tma alone: {alone}")
             assert got["moe_down_fwd_kernel"][1] <= alone["moe_down_fwd_kernel"][1], (got, alone)
-
-
-@pytest.mark.slow  # sm_90 builds of every kernel, six times
-def test_x_sorted_aot_sm90(load, tmp_path):
-    """Template v30's x_sorted compiles for sm_90 at both GPU buckets' D (7168: gate/up on 128 x 128
-    x 64 tiles, 4 stages; 2048: 128 x 64 x 64 with half_tail, the half-height tiles on their own
-    descriptor), for swiglu, mlp and the biased clamped SwiGLU: within an SM's shared memory, no
-    more than the default's shared bytes, no spilled byte at D 2048 and at most 64 at D 7168 (sm_90
-    AOT, forty-fourth session: 32 with triton 3.9, 0 with 3.6; 8 and 0 without x_sorted). Prints
-    gate/up's registers / spills / shared bytes with and without it."""
-    gate_up = ["moe_gate_up_fwd_kernel"]
-    for variant, params in (("swiglu", {}), ("mlp", {"activation": "relu2"}), ("swiglu", {"bias": True, **GPT_OSS})):
-        path = load(variant, params).__file__
-        for size in ((7168, 2048) if params == {} else (2048,)):
-            on = sm90_usage(path, {"x_sorted": True}, size, tmp_path, gate_up)["moe_gate_up_fwd_kernel"]
-            off = sm90_usage(path, {}, size, tmp_path, gate_up)["moe_gate_up_fwd_kernel"]
-            print(f"{variant} {params} D {size}: x_sorted {on}, default {off}")
-            assert on[3] == (size == 2048) and on[2] <= min(off[2], aot.H100_SHARED_BYTES), (on, off)
-            assert on[1] <= (64 if size == 7168 else 0), (on, off)
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 24.8 s on CI's cold Triton cache (28th session)
@@ -2234,9 +2034,6 @@ def test_capacity_rows_after_the_kept_are_defined(load, device, variant):
     with poisoned(module):
         outs = module._forward(*args)
     for i, t in enumerate(outs):
-        if variant == "swiglu" and i == 2:  # x's rows in slot order: empty, config `x_sorted` off
-            assert t.shape[0] == 0
-            continue
         assert t.shape[0] in (args[0].shape[0], rt["S"]) and not t.isnan().any(), i
 
 
