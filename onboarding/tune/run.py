@@ -167,11 +167,11 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
 
 def study_slots(n_jobs: int, asked: int | None, *, on_gpu: bool, cpus: int | None = None) -> int:
     """How many of a run's `n_jobs` studies run at once: `asked` when given; else, on a GPU host,
-    three per four cores (a study's trial is mostly CPU work, the AOT build then the JIT compile
-    of its config, one after the other on its own worker subprocesses; the timings still take the
-    GPU one at a time), and one on the CPU, whose interpreter trials use every core. On a 16-core
-    H100 host with 8 at once, the README example's first eight studies each took ~45 s for their
-    first trial and the other three waited (docs/LOG.md, forty-fourth session)."""
+    three per four cores (a study's trial is mostly CPU work, the JIT compile of its config on its
+    own worker subprocess; the timings still take the GPU one at a time), and one on the CPU, whose
+    interpreter trials use every core. On a 16-core H100 host with 8 at once, the README example's
+    first eight studies each took ~45 s for their first trial and the other three waited
+    (docs/LOG.md, forty-fourth session)."""
     import os
 
     if asked is not None:
@@ -231,12 +231,12 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
                 share = left if share is None else min(share, left)
             running[0] += 1
         try:
-            _run_job(i, share)
+            tune_job(i, share)
         finally:
             with lock:
                 running[0] -= 1
 
-    def _run_job(i: int, share: float | None) -> None:
+    def tune_job(i: int, share: float | None) -> None:
         job = jobs[i]
         label = f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})"
         if on_step:
