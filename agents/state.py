@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -35,6 +35,8 @@ class RunConfig(BaseModel):
     tune_workers: int = Field(1, ge=1)
     # studies tuned at once (None: three per four cores on a GPU host, one on the CPU)
     tune_parallel: int | None = Field(None, ge=1)
+    # how the tune stage's checks and timings share the GPU (`TuneConfig.gpu_gate`)
+    tune_gpu_gate: Literal["strict", "overlap"] = "strict"
     # prune configs that cannot compile for sm_90 before running them; None: where kernels run in
     # the interpreter (on a GPU host the check's own builds are judged instead)
     tune_aot: bool | None = None

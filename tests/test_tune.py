@@ -996,3 +996,52 @@ def test_jit_usage_reads_the_builds_that_ran():
     assert jit_usage(mod, torch.device("cuda", 0)) == [{"kernel": "kern", **want},
                                                        {"kernel": "tuned", **want}]
     assert jit_usage(mod, torch.device("cuda", 1)) == []
+
+
+@pytest.mark.parametrize("gate", ["strict", "overlap"])
+def test_gpu_gate_strict_keeps_checks_off_a_timing_and_overlap_lets_them_run_beside_it(
+        tmp_path, rms_path, monkeypatch, gate):
+    """Two objectives on threads: one times (0.4 s) while the other starts a check. "strict":
+    the check waits until the timing ends; "overlap": it runs beside it. Timings stay exclusive
+    among themselves either way."""
+    import threading
+    import time
+
+    spans = {}
+
+    def fake(req):
+        t0 = time.monotonic()
+        time.sleep(0.4 if req["op"] == "time" else 0.05)
+        spans.setdefault(req["op"], []).append((t0, time.monotonic()))
+        return ({"ok": True, "stage": "timed", "time_ms": 1.0, "timing": "fake"} if req["op"] == "time"
+                else {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"})
+
+    monkeypatch.setattr(tune, "handle", fake)
+    mod = load_module(rms_path)
+    cfg = _cfg(tmp_path, isolate=False, gpu_gate=gate)
+    objs = [tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
+                            space={}, cfg=cfg, timer=None, aot=tune._Aot()) for _ in range(3)]
+    try:
+        timer = threading.Thread(target=objs[0]._check_and_time, args=({}, 0))
+        timer.start()
+        time.sleep(0.15)  # the first objective's check is done, its timing under way
+        checker = threading.Thread(target=objs[1]._check_and_time, args=({}, 1))
+        checker.start()
+        time.sleep(0.1)  # the second objective's check done (overlap) or waiting (strict)
+        third = threading.Thread(target=objs[2]._check_and_time, args=({}, 2))
+        third.start()
+        for t in (timer, checker, third):
+            t.join()
+    finally:
+        for o in objs:
+            o.close()
+    first_time = min(spans["time"])
+    second_check = sorted(spans["check"])[1]
+    if gate == "strict":
+        assert second_check[0] >= first_time[1] - 0.01  # after the timing ended
+    else:
+        assert second_check[1] <= first_time[1]  # done while the timing ran
+    times = sorted(spans["time"])
+    assert all(a[1] <= b[0] + 0.01 for a, b in zip(times, times[1:]))  # timings never overlap
+    with pytest.raises(InputError, match="GPU gate 'loose'"):
+        tune.tune_module(rms_path, size=64, config=_cfg(tmp_path, gpu_gate="loose"))

@@ -37,6 +37,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for the whole tune stage, shared by its studies (kernel x "
                         "shape bucket); no trial starts once a study's share is spent (default "
                         "90; 0: no time limit, --tune-trials alone)")
+    r.add_argument("--tune-gpu-gate", choices=("strict", "overlap"), default="strict",
+                   help="how tuning's checks and timings share the GPU: strict (a timing has it "
+                        "alone; checks wait, their compiles included) or overlap (timings alone "
+                        "among themselves, checks beside them; the finalists are re-timed after "
+                        "every search); default strict")
     r.add_argument("--tune-parallel", type=positive_int, default=None, metavar="N",
                    help="studies tuned at once, each compiling on its own workers while the "
                         "timings take the GPU in turn (default: three per four cores on a "
@@ -142,7 +147,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             strict=args.strict, llm=llm_url(args), llm_model=args.llm_model,
             llm_attempts=args.llm_attempts, generate_budget_s=args.generate_budget,
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
-            tune_parallel=args.tune_parallel,
+            tune_parallel=args.tune_parallel, tune_gpu_gate=args.tune_gpu_gate,
             # the vision tower alone is not trained (training takes the language model)
             train_steps=0 if spec.part == "vision" else args.train_steps,
             train_nproc=args.train_nproc,

@@ -40,6 +40,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for all of this command's tuning, split over its studies "
                         "(kernel x shape bucket; time one leaves passes on); no trial starts "
                         "once a study's share is spent (default: no time limit)")
+    t.add_argument("--gpu-gate", choices=("strict", "overlap"), default="strict",
+                   help="how checks and timings share the GPU: strict (a timing has it alone) or "
+                        "overlap (timings alone among themselves, checks beside them); default strict")
     t.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="studies of a model's run tuned at once, each on its own workers "
                         "(default: three per four cores on a GPU host, one on the CPU)")
@@ -117,7 +120,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
                      aot=False if args.no_aot else None, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
-                     seed=args.seed, parallel_studies=args.parallel)
+                     seed=args.seed, parallel_studies=args.parallel, gpu_gate=args.gpu_gate)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:

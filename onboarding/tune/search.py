@@ -102,6 +102,9 @@ class _GpuGate:
 
 
 _GPU = _GpuGate()  # one process's trials: timings never share the GPU with other work
+# `TuneConfig.gpu_gate` "overlap": timings exclusive among themselves only; checks run beside them
+_TIMING = threading.Lock()
+GPU_GATES = ("strict", "overlap")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -166,6 +169,14 @@ class TuneConfig:
     # run on cores of their own while timings still take the GPU one at a time (`_GpuGate`).
     # None: `study_slots`' choice (three per four cores on a GPU host, one on the CPU).
     parallel_studies: int | None = None
+    # How checks and timings share the GPU (`GPU_GATES`). "strict": a timing has it alone, and a
+    # check holds it through its JIT compile, so with studies at once every timing waits for the
+    # slowest compile in flight (the main command at 90 s on an H100: 45-61 s of a study's ~76 s
+    # waiting; docs/LOG.md, forty-fourth session). "overlap": timings exclusive among themselves
+    # only, checks (tiny kernels at sample shapes, mostly CPU compile) beside them: more trials,
+    # noisier search timings; the finalists' re-timing, after every study's search has ended,
+    # picks the best. Not yet measured on a GPU, so not the default.
+    gpu_gate: str = "strict"
 
 
 # ---- keys, spaces and storage -----------------------------------------------------------------
@@ -399,8 +410,9 @@ class _Objective:
         check's own builds (on a GPU) are recorded on `trial` and judged by the limits before the
         timing (stage "limits")."""
         seconds = {} if seconds is None else seconds
+        strict = self.cfg.gpu_gate == "strict"
         t0 = time.monotonic()
-        with _GPU.shared():
+        with _GPU.shared() if strict else contextlib.nullcontext():
             t1 = time.monotonic()
             res = self._run(self.trial_worker, "check", {
                 "path": self.path, "config": config, "family": self.meta["family"],
@@ -418,7 +430,7 @@ class _Objective:
             if why:
                 return {"ok": False, "stage": "limits", "reason": why}
         if res["ok"]:
-            with _GPU.exclusive():
+            with _GPU.exclusive() if strict else _TIMING:
                 t3 = time.monotonic()
                 res = self._run(self.trial_worker, "time", {"repeats": self.cfg.repeats},
                                 self.cfg.trial_timeout_s)
@@ -614,6 +626,8 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     from onboarding.generate.templating import load_module
 
     cfg = config or TuneConfig()
+    if cfg.gpu_gate not in GPU_GATES:
+        raise InputError(f"tune: GPU gate {cfg.gpu_gate!r}: expected one of {', '.join(GPU_GATES)}")
     path = str(Path(module_path).resolve())
     module = load_module(path)
     bucket = module.shape_bucket(size)
