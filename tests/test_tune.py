@@ -330,6 +330,8 @@ def test_studies_of_one_run_share_their_worker_subprocesses(tmp_path, monkeypatc
     assert all(r.n_complete == 2 for r in res), [(r.n_complete, r.prune_reasons) for r in res]
     # where each study's time went, per phase (no AOT gate here)
     assert all(set(r.phase_s) == {"wait", "check", "time"} and r.phase_s["check"] > 0 for r in res)
+    assert f"- `d_le_512`, trials' seconds by phase: wait {res[0].phase_s['wait']:.1f}, check " \
+        in tune.markdown_table(res)
     assert len(started) == 1  # aot=False: no AOT worker; one trial worker for both studies
     assert all(w.proc is None for w in started)  # closed when the run ended
 

@@ -231,6 +231,10 @@ def markdown_table(results: Iterable[BucketResult]) -> str:
                     f"`{json.dumps(r.best_config, sort_keys=True)}` | {fmt(r.best_ms)} | "
                     f"{fmt(r.default_ms)} | {gain} | {spills} |")
     notes = [f"- `{r.bucket}`: {r.stopped}" for r in results if r.stopped]
+    for r in results:  # where the study's time went (`search.phase_seconds`)
+        if r.phase_s:
+            notes.append(f"- `{r.bucket}`, trials' seconds by phase: "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in r.phase_s.items()))
     for r in results:
         timed = sorted((ms, c) for c, ms in r.final.items() if ms is not None)
         if timed:  # best and default ms above come from these
