@@ -926,6 +926,8 @@ def test_without_the_aot_gate_the_checks_own_builds_are_judged_before_timing(tmp
             n = spills[req["args"]["config"]["BLOCK_N"]]
             out["kernels"] = [{"kernel": "fwd", "ok": True, "n_regs": 90, "n_spills": n,
                                "shared_bytes": 512, "source": "jit"}]
+            if n == 64:  # a kernel whose usage could not be read: recorded on the trial
+                out["kernels_error"] = "AttributeError: no device_caches"
         if req["op"] == "time":
             timed.append(1)
         return out
@@ -942,6 +944,8 @@ def test_without_the_aot_gate_the_checks_own_builds_are_judged_before_timing(tmp
     assert len(timed) == 2  # BLOCK_N 8 and 16; 32 was not timed
     assert by_bn[16].user_attrs["usage_from"] == "jit" and by_bn[16].user_attrs["spill_bytes"] == 64
     assert by_bn[16].user_attrs["aot_kernels"] == {"fwd": [90, 64, 512]}
+    assert by_bn[16].user_attrs["usage_error"].startswith("AttributeError")
+    assert "usage_error" not in by_bn[32].user_attrs
     assert res.spill_bytes[1] == 0  # the default's, from its JIT build
 
 

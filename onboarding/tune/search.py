@@ -421,6 +421,8 @@ class _Objective:
                 "default": self.default}, self.cfg.trial_timeout_s)
         t2 = time.monotonic()
         seconds["wait"], seconds["check"] = t1 - t0, t2 - t1
+        if trial is not None and res.get("kernels_error"):  # the JIT builds' usage unread
+            trial.set_user_attr("usage_error", res["kernels_error"])
         if res["ok"] and res.get("kernels") and trial is not None and not self.use_aot:
             usage, spill = aot_usage(res["kernels"])
             trial.set_user_attr("aot_kernels", usage)

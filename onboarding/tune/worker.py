@@ -326,8 +326,8 @@ def jit_usage(mod, device) -> list[dict[str, Any]]:
     """Registers, local memory and shared memory of every build the module's Triton kernels made
     on `device` (this GPU's own builds, the ones that ran), in `aot_one`'s per-kernel form; the
     largest of each when a kernel has several builds. `n_spills` is the driver's local memory per
-    thread (spills and stack), which ptxas's spill count does not exceed. Empty when this Triton
-    keeps its builds where this does not look (`JITFunction.device_caches`)."""
+    thread (spilled registers and any stack), not ptxas's spill count. Empty when this Triton keeps
+    its builds where this does not look (`JITFunction.device_caches`)."""
     import triton
 
     out: dict[str, dict[str, Any]] = {}
