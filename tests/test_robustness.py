@@ -549,3 +549,18 @@ def test_a_stopped_alignment_judges_only_the_blocks_it_had_not(tmp_path, parse_m
     assert BlockProgress(kept, key).get(first) is not None  # the lines before a torn one count
     assert BlockProgress(kept, "another setup").get(first) is None  # and it starts the file over
     assert kept.read_text() == json.dumps({"key": "another setup"}) + "\n"
+
+
+def test_a_checkpoint_whose_state_does_not_validate_is_refused(tmp_path):
+    """A checkpoint whose run state fails validation is bad input naming the first error (the
+    message once called a ValidationError method that does not exist, an internal error)."""
+    from types import SimpleNamespace
+
+    from onboarding.cli.run import _resume_point
+    from onboarding.errors import InputError
+
+    snap = SimpleNamespace(values={"config": {"tune_parallel": 0}}, next=())
+    app = SimpleNamespace(get_state=lambda cfg: snap)
+    with pytest.raises(InputError, match=r"checkpoint unreadable: the run state does not validate "
+                                         r"\(2 errors, first: \('config', 'tune_parallel'\)"):
+        _resume_point(app, {}, tmp_path)

@@ -316,7 +316,7 @@ def _resume_point(app, cfg: dict, run_dir: Path) -> tuple[list[str], str]:
         state = RunState.model_validate(snap.values)
     except ValidationError as exc:
         raise InputError(f"--resume {run_dir}: checkpoint unreadable: the run state does not "
-                         f"validate ({exc.errorcount()} errors, first: "
+                         f"validate ({exc.error_count()} errors, first: "
                          f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']})") from None
     except Exception as exc:  # noqa: BLE001 - sqlite, msgpack, ...: the file is not a checkpoint
         first = (str(exc).strip().splitlines() or [""])[0]
