@@ -18,6 +18,7 @@ from onboarding.cli.common import command_parser, model_options, model_spec, sel
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
 from onboarding.formatting import count
 from onboarding.load.overrides import nonneg_int, positive_int
+from onboarding.tune.search import GPU_GATES
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -37,7 +38,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for the whole tune stage, shared by its studies (kernel x "
                         "shape bucket); no trial starts once a study's share is spent (default "
                         "90; 0: no time limit, --tune-trials alone)")
-    r.add_argument("--tune-gpu-gate", choices=("strict", "overlap"), default="strict",
+    r.add_argument("--tune-gpu-gate", choices=GPU_GATES, default="strict",
                    help="how tuning's checks and timings share the GPU: strict (a timing has it "
                         "alone; checks wait, their compiles included) or overlap (timings alone "
                         "among themselves, checks beside them; the finalists are re-timed after "

@@ -13,6 +13,7 @@ from onboarding.cli.common import command_parser, model_options, model_spec, tor
 from onboarding.errors import EXIT_OK, InputError
 from onboarding.rundir import RUN_FILE, check_out, owned_dir, write_json
 from onboarding.load.overrides import positive_int_list
+from onboarding.tune.search import GPU_GATES
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for all of this command's tuning, split over its studies "
                         "(kernel x shape bucket; time one leaves passes on); no trial starts "
                         "once a study's share is spent (default: no time limit)")
-    t.add_argument("--gpu-gate", choices=("strict", "overlap"), default="strict",
+    t.add_argument("--gpu-gate", choices=GPU_GATES, default="strict",
                    help="how checks and timings share the GPU: strict (a timing has it alone) or "
                         "overlap (timings alone among themselves, checks beside them); default strict")
     t.add_argument("--parallel", type=int, default=None, metavar="N",
