@@ -90,6 +90,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
+    # v26 (no kernel change): `_cdiv` / `_npow2` are `_common/_host_ints.py.j2`'s, the gated delta rule's
+    # text (their docstrings; `_npow2` hands a non-int size, as a fake impl's symbolic one, to triton's).
     # v25 (host cost; kernels' maths unchanged): the split backward's pull takes HAS_DHT (no zeros
     # tensor for an unused final state: one aten fill and its 4 MB write gone from each training step
     # at the bench shape), host grids by a plain ceil division (triton 3.9's `triton.cdiv` is a
@@ -109,7 +111,7 @@ FAMILY = FamilySpec(
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=25,
+    template_version=26,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
