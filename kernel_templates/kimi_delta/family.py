@@ -221,6 +221,9 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="kimi_delta.py.j2",
+    # v59: the qkt kernel's flag index ((key head * NT + chunk) * NK + K tile, the hot launch's store and the cold
+    # one's load) is one `@triton.jit` helper, `_kda_qkt_flag`; its sm_90 builds unchanged (PTX equal but for
+    # debug lines, triton 3.9: the inline and both `QKT_COLD_SWEEP` rows, G 1 and 2).
     # v58: v57's hot-launch chunk loop removed (`kda_qkt_chunks`, `kda_qkt_stages`, the kernel's CHUNKS / STAGES,
     # `_kda_qkt_tile`'s LOOP / m_run, the host's `_qkt_loop`, bench.LOOP_SWEEP): slower than the default on an H100
     # by both clocks (above). The template's qkt kernel is v56's text again; the default's qkt builds unchanged
@@ -296,7 +299,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=58,
+    template_version=59,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
