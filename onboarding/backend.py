@@ -18,6 +18,13 @@ def interpreting() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def on_gpu() -> bool:
+    """Whether Triton kernels run compiled on a GPU in this process: a CUDA device and no
+    interpreter. The one reading of "a GPU host" for the tune stage (its AOT gate, builds ahead
+    of checks, studies at once, real timings)."""
+    return torch.cuda.is_available() and not interpreting()
+
+
 def kernel_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -949,21 +949,29 @@ def test_without_the_aot_gate_the_checks_own_builds_are_judged_before_timing(tmp
     assert res.spill_bytes[1] == 0  # the default's, from its JIT build
 
 
-def test_aot_gate_default_follows_the_interpreter(tmp_path, rms_path, monkeypatch):
+def test_aot_gate_and_builds_ahead_default_follow_the_interpreter(tmp_path, rms_path, monkeypatch):
     """TuneConfig.aot None: the gate runs where kernels run in the interpreter and not on a GPU
-    host, which then starts no AOT worker; True / False are taken as asked."""
+    host, which then starts no AOT worker; compile_ahead None: the other way round (a GPU host
+    builds a config's kernels before its check); True / False are taken as asked."""
     mod = load_module(rms_path)
 
-    def objective(aot, interp):
-        monkeypatch.setattr(tune, "interpreting", lambda: interp)
+    def objective(interp, **kw):
+        monkeypatch.setattr(tune, "on_gpu", lambda: not interp)
         return tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                               space={}, cfg=_cfg(tmp_path, aot=aot), timer=None, aot=tune._Aot())
+                               space={}, cfg=_cfg(tmp_path, **kw), timer=None, aot=tune._Aot())
 
     for aot, interp, want in ((None, True, True), (None, False, False), (True, False, True),
                               (False, True, False)):
-        obj = objective(aot, interp)
+        obj = objective(interp, aot=aot)
         try:
             assert obj.use_aot is want and (obj.aot_worker is not None) is want, (aot, interp)
+        finally:
+            obj.close()
+    for ahead, interp, want in ((None, True, False), (None, False, True), (True, True, True),
+                                (False, False, False)):
+        obj = objective(interp, aot=False, compile_ahead=ahead)
+        try:
+            assert obj.compile_first is want, (ahead, interp)
         finally:
             obj.close()
 
@@ -1051,3 +1059,172 @@ def test_gpu_gate_strict_keeps_checks_off_a_timing_and_overlap_lets_them_run_bes
     assert all(a[1] <= b[0] + 0.01 for a, b in zip(times, times[1:]))  # timings never overlap
     with pytest.raises(InputError, match="GPU gate 'loose'"):
         tune.tune_module(rms_path, size=64, config=_cfg(tmp_path, gpu_gate="loose"))
+
+
+def test_compile_only_turns_launches_into_warmups_and_puts_them_back():
+    """Within `compile_only` a `kernel[grid](...)` is Triton's warmup (build, no launch); after
+    it, or after an error in it, launches are launches again. Threads > 1 run the builds under
+    Triton's AsyncCompileMode."""
+    from triton.runtime._async_compile import active_mode
+    from triton.runtime.jit import KernelInterface
+
+    from onboarding.tune import worker
+
+    calls, modes = [], []
+
+    class Fake(KernelInterface):
+        def run(self, *args, grid, warmup, **kwargs):
+            calls.append((args, warmup))
+            modes.append(active_mode.get())
+
+    k = Fake()
+    with worker.compile_only(threads=1, jit_cls=Fake) as seen:
+        k[(2,)](1, 2)
+        k[(1, 1)](3)
+    k[(1,)](4)
+    assert calls == [((1, 2), True), ((3,), True), ((4,), False)]
+    assert seen == {"calls": 2, "threads": 1} and modes == [None, None, None]
+    with pytest.raises(ValueError), worker.compile_only(jit_cls=Fake):
+        raise ValueError("the block fails")
+    k[(1,)](5)
+    assert calls[-1] == ((5,), False)
+    with worker.compile_only(threads=2, jit_cls=Fake) as seen:
+        k[(1,)](6)
+    assert calls[-1] == ((6,), True) and modes[-1] is not None and seen["threads"] == 2
+    assert active_mode.get() is None
+    k[(1,)](7)
+    assert calls[-1] == ((7,), False) and modes[-1] is None
+
+
+def test_compile_ahead_builds_nothing_without_a_gpu(rms_path):
+    from onboarding.tune import worker
+
+    res = worker.handle({"op": "compile", "args": {
+        "path": str(rms_path), "config": {}, "family": "rmsnorm", "variant": "plain", "params": {},
+        "shapes": [[64]], "seed": 0, "dtype": "bf16"}})
+    assert res == {"ok": True, "stage": "compiled", "calls": 0, "skipped": "no GPU"}
+
+
+def _gate_spans(monkeypatch, answers: dict | None = None):
+    """A fake worker whose requests sleep (compile 0.1 s, check 0.05, time 0.4) and record their
+    spans by op; `answers` replaces an op's answer."""
+    import time
+
+    spans: dict[str, list] = {}
+
+    def fake(req):
+        t0 = time.monotonic()
+        time.sleep({"compile": 0.1, "time": 0.4}.get(req["op"], 0.05))
+        spans.setdefault(req["op"], []).append((t0, time.monotonic()))
+        if answers and req["op"] in answers:
+            return answers[req["op"]]
+        return {"time": {"ok": True, "stage": "timed", "time_ms": 1.0, "timing": "fake"},
+                "compile": {"ok": True, "stage": "compiled", "calls": 3}}.get(
+            req["op"], {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"})
+
+    monkeypatch.setattr(tune, "handle", fake)
+    return spans
+
+
+def test_compile_ahead_builds_beside_a_timing_and_the_check_still_waits(tmp_path, rms_path,
+                                                                         monkeypatch):
+    """With `compile_ahead` under the strict gate, a second objective's build runs while the
+    first one's timing holds the GPU; its check waits for that timing to end; its seconds
+    say so ("compile")."""
+    import threading
+    import time
+
+    spans = _gate_spans(monkeypatch)
+    mod = load_module(rms_path)
+    cfg = _cfg(tmp_path, isolate=False, compile_ahead=True)
+    objs = [tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
+                            space={}, cfg=cfg, timer=None, aot=tune._Aot()) for _ in range(2)]
+    seconds: list[dict] = [{}, {}]
+    try:
+        first = threading.Thread(target=objs[0]._check_and_time, args=({}, 0, seconds[0]))
+        first.start()
+        time.sleep(0.25)  # its compile and check done, its timing under way
+        second = threading.Thread(target=objs[1]._check_and_time, args=({}, 1, seconds[1]))
+        second.start()
+        for t in (first, second):
+            t.join()
+    finally:
+        for o in objs:
+            o.close()
+    timing = min(spans["time"])
+    build, check = sorted(spans["compile"])[1], sorted(spans["check"])[1]
+    assert timing[0] <= build[0] and build[1] <= timing[1]  # built while the timing ran
+    assert check[0] >= timing[1] - 0.01  # checked after it
+    assert set(seconds[1]) == {"compile", "wait", "check", "time"} and seconds[1]["compile"] >= 0.1
+    assert seconds[1]["wait"] >= 0.05
+
+
+def test_a_build_ahead_that_dies_ends_the_trial_and_one_that_errs_leaves_it_to_the_check(
+        tmp_path, rms_path, monkeypatch):
+    mod = load_module(rms_path)
+    cfg = _cfg(tmp_path, isolate=False, compile_ahead=True)
+    died = {"ok": False, "stage": "crash", "reason": "compile: the worker died"}
+    spans = _gate_spans(monkeypatch, {"compile": died})
+    obj = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
+                          space={}, cfg=cfg, timer=None, aot=tune._Aot())
+    try:
+        assert obj._check_and_time({}, 0) == died
+        assert "check" not in spans and "time" not in spans
+        spans = _gate_spans(monkeypatch, {"compile": {"ok": False, "stage": "error",
+                                                      "reason": "KeyError: 'x'"}})
+        assert obj._check_and_time({}, 0)["stage"] == "timed"
+        assert [len(spans[k]) for k in ("compile", "check", "time")] == [1, 1, 1]
+    finally:
+        obj.close()
+    off = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
+                          space={}, cfg=_cfg(tmp_path, isolate=False), timer=None, aot=tune._Aot())
+    try:  # the default off a GPU: no build ahead (the interpreter builds nothing)
+        spans = _gate_spans(monkeypatch)
+        off._check_and_time({}, 0)
+        assert "compile" not in spans
+    finally:
+        off.close()
+
+
+def _n_builds(mod) -> int:
+    """Builds in this process's kernel caches, over the module's Triton kernels."""
+    import triton
+
+    n = 0
+    for fn in vars(mod).values():
+        fn = fn if isinstance(fn, triton.runtime.jit.JITFunction) else getattr(fn, "fn", None)
+        if isinstance(fn, triton.runtime.jit.JITFunction):
+            n += sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
+    return n
+
+
+@pytest.mark.parametrize("family,variant,dims", [
+    ("rmsnorm", "plain", {"N": 4096, "D": 2048}),
+    ("gated_delta", "chunk", {"B": 1, "T": 1024, "HK": 4, "K": 128}),
+])
+def test_compile_ahead_builds_every_kernel_the_check_launches_on_a_gpu(tmp_path, family, variant,
+                                                                       dims):
+    """On a GPU: the worker's ``compile`` builds the kernels and launches none; the check and
+    timing step that follow (sample and real shapes) build nothing more, and pass."""
+    import torch
+
+    from onboarding.backend import on_gpu
+    from onboarding.tune import worker
+
+    if not on_gpu():
+        pytest.skip("builds Triton kernels for a GPU")
+    path = render_to(tmp_path, family, variant)
+    mod = load_module(path)
+    args = {"path": str(path), "config": {}, "family": family, "variant": variant, "params": {},
+            "shapes": [[64]], "seed": 3, "dtype": "bf16", "dims": dims}
+    before = _n_builds(mod)
+    torch.cuda.synchronize()
+    res = worker.handle({"op": "compile", "args": args})
+    assert res["ok"] and res["calls"] > 0 and not res.get("errors"), res
+    built = _n_builds(mod)
+    assert built > before
+    res = worker.handle({"op": "check", "args": args})
+    assert res["ok"], res
+    assert _n_builds(mod) == built  # the check and the timing step's step found them built
+    res = worker.handle({"op": "time", "args": {"repeats": 3}})
+    assert res["ok"] and res["time_ms"] > 0

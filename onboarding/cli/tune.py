@@ -63,6 +63,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--no-aot", action="store_true",
                    help="skip the sm_90 ahead-of-time gate (on a GPU host it is off anyway: the "
                         "check's own builds are judged by the same limits)")
+    t.add_argument("--no-compile-ahead", action="store_true",
+                   help="on a GPU host, let each check JIT-compile its config's kernels while it "
+                        "holds the GPU gate, instead of building them first outside it")
     t.add_argument("--compare-grid", action="store_true",
                    help="instead of --trials: run the exhaustive grid of the space and a "
                         "TPE study with --tpe-fraction of the grid's trials (separate, "
@@ -121,7 +124,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
                      aot=False if args.no_aot else None, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
-                     seed=args.seed, parallel_studies=args.parallel, gpu_gate=args.gpu_gate)
+                     seed=args.seed, parallel_studies=args.parallel, gpu_gate=args.gpu_gate,
+                     compile_ahead=False if args.no_compile_ahead else None)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:

@@ -209,6 +209,7 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
 
     import optuna
 
+    from onboarding.backend import on_gpu
     from onboarding.tune.search import gpu_name, progress_text, shared_workers
 
     run_dir = Path(run_dir)
@@ -216,8 +217,7 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
         config = replace(config, storage_dir=run_dir)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     jobs, notes = plan_jobs(run_dir, families)
-    slots = study_slots(len(jobs), config.parallel_studies,
-                        on_gpu=gpu_name() != "cpu-interpreter")
+    slots = study_slots(len(jobs), config.parallel_studies, on_gpu=on_gpu())
     prog = progress_bar() if progress else None
     results: dict[int, list[tuple[TuneJob, BucketResult]]] = {}
     start, lock, running = time.monotonic(), threading.Lock(), [0]

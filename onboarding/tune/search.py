@@ -18,7 +18,9 @@ Every trial, in order:
    every gradient checked in the tuned dtype against `reference` on fresh random inputs (the
    16-bit gate: `_tune_worker._check_at`, bounds from `onboarding.testing.tolerance`). A failing
    config is pruned with its reason in the trial's user_attrs. Workers check and compile
-   concurrently.
+   concurrently. On a GPU host the worker first builds the config's kernels with no launch
+   (`worker.compile_ahead`, `TuneConfig.compile_ahead`) outside the GPU gate, so a check holds
+   the gate for its kernels' runs, not its JIT compile.
 3. Only then is it timed, alone on the GPU (`_GpuGate`: no other timing or check runs): median of
    event-timed fwd+bwd steps at the real shapes given as `dims` (the family's `timing_inputs`);
    on the CPU interpreter the wall-clock time is meaningless, so `timer(config, result)` (run in
@@ -59,7 +61,7 @@ from onboarding.tune.store import (TUNED_SUFFIX, BucketResult, apply_tuned,  # n
                                     result_from_dict, tuned_path, warm_start_configs,
                                     write_tuned)
 from onboarding.tune.worker import Cancelled, Worker, WorkerDied, WorkerPool, WorkerTimeout, handle
-from onboarding.backend import interpreting
+from onboarding.backend import on_gpu
 from onboarding.errors import InputError
 
 Timer = Callable[[dict[str, Any], dict[str, Any]], float]  # (config, worker result) -> ms
@@ -170,13 +172,18 @@ class TuneConfig:
     # None: `study_slots`' choice (three per four cores on a GPU host, one on the CPU).
     parallel_studies: int | None = None
     # How checks and timings share the GPU (`GPU_GATES`). "strict": a timing has it alone, and a
-    # check holds it through its JIT compile, so with studies at once every timing waits for the
-    # slowest compile in flight (the main command at 90 s on an H100: 45-61 s of a study's ~76 s
-    # waiting; docs/LOG.md, forty-fourth session). "overlap": timings exclusive among themselves
+    # check holds it through its run (and its JIT compile, without `compile_ahead`: then every
+    # timing waits for the slowest compile in flight, the main command at 90 s on an H100 spending
+    # 45-61 s of a study's ~76 s waiting; docs/LOG.md, forty-fourth session). "overlap": timings exclusive among themselves
     # only, checks (tiny kernels at sample shapes, mostly CPU compile) beside them: more trials,
     # noisier search timings; the finalists' re-timing, after every study's search has ended,
     # picks the best. Not yet measured on a GPU, so not the default.
     gpu_gate: str = "strict"
+    # Build a config's kernels before its check takes its place at the GPU gate (the worker's
+    # ``compile``: every launch a compile-only warmup, the builds on threads), so the gate is held
+    # for the check's kernels, not its JIT compile. None: on a GPU host (no builds in the
+    # interpreter).
+    compile_ahead: bool | None = None
 
 
 # ---- keys, spaces and storage -----------------------------------------------------------------
@@ -353,8 +360,9 @@ class _Objective:
         self.cfg, self.timer, self.aot = cfg, timer, aot
         self.meta = module_meta(module)
         self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
-        interp = interpreting()
+        interp = not on_gpu()
         self.use_aot = cfg.aot if cfg.aot is not None else interp
+        self.compile_first = cfg.compile_ahead if cfg.compile_ahead is not None else not interp
         self.pool = _POOL.get()
         make = self.pool.take if self.pool is not None else Worker
         self.trial_worker = make(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
@@ -405,20 +413,29 @@ class _Objective:
 
     def _check_and_time(self, config: dict, seed: int, seconds: dict[str, float] | None = None,
                         trial=None) -> dict[str, Any]:
-        """The worker's check (with the JIT compile) then its timing; `seconds` gets each one's
-        wall time and the time spent waiting for the GPU gate ("wait"). Without the AOT gate, the
-        check's own builds (on a GPU) are recorded on `trial` and judged by the limits before the
-        timing (stage "limits")."""
+        """The worker's check then its timing; `seconds` gets each one's wall time and the time
+        spent waiting for the GPU gate ("wait"). With `compile_first` the kernels are built first,
+        outside the gate ("compile"); else the check's JIT compile runs inside it. Without the AOT
+        gate, the check's own builds (on a GPU) are recorded on `trial` and judged by the limits
+        before the timing (stage "limits")."""
         seconds = {} if seconds is None else seconds
         strict = self.cfg.gpu_gate == "strict"
+        args = {"path": self.path, "config": config, "family": self.meta["family"],
+                "variant": self.meta["variant"], "params": self.meta["params"],
+                "shapes": self.shapes, "seed": seed, "dtype": self.cfg.dtype, "dims": self.dims}
+        if self.compile_first:
+            tc = time.monotonic()
+            pre = self._run(self.trial_worker, "compile", args, self.cfg.trial_timeout_s)
+            seconds["compile"] = time.monotonic() - tc
+            if pre["stage"] in ("timeout", "crash"):  # the check would meet the same build
+                return pre
+            if trial is not None and (not pre["ok"] or pre.get("errors")):  # left to the check
+                trial.set_user_attr("compile_ahead", (pre.get("reason") or "; ".join(pre["errors"]))[:500])
         t0 = time.monotonic()
         with _GPU.shared() if strict else contextlib.nullcontext():
             t1 = time.monotonic()
-            res = self._run(self.trial_worker, "check", {
-                "path": self.path, "config": config, "family": self.meta["family"],
-                "variant": self.meta["variant"], "params": self.meta["params"],
-                "shapes": self.shapes, "seed": seed, "dtype": self.cfg.dtype, "dims": self.dims,
-                "default": self.default}, self.cfg.trial_timeout_s)
+            res = self._run(self.trial_worker, "check", {**args, "default": self.default},
+                            self.cfg.trial_timeout_s)
         t2 = time.monotonic()
         seconds["wait"], seconds["check"] = t1 - t0, t2 - t1
         if trial is not None and res.get("kernels_error"):  # the JIT builds' usage unread
@@ -490,9 +507,9 @@ def _rounded(seconds: dict[str, float]) -> dict[str, float]:
 
 
 def phase_seconds(trials) -> dict[str, float]:
-    """Seconds a study's trials spent per phase (aot: the AOT gate's build; wait: for the GPU
-    gate; check: the worker's check with its JIT compile; time: the timing), summed: where a
-    tuning budget goes."""
+    """Seconds a study's trials spent per phase (aot: the AOT gate's build; compile: the kernels'
+    builds ahead of the check; wait: for the GPU gate; check: the worker's check, with the JIT
+    compile when not built ahead; time: the timing), summed: where a tuning budget goes."""
     out: dict[str, float] = {}
     for t in trials:
         for k, v in (t.user_attrs.get("seconds") or {}).items():
@@ -866,7 +883,7 @@ def finalists(study, module: ModuleType, bucket: str, n: int = FINALISTS) -> lis
 
 def timing_is_real(timer: Timer | None) -> bool:
     """Re-timing means something with an injected timer or on a GPU, not in the interpreter."""
-    return timer is not None or gpu_name() != "cpu-interpreter"
+    return timer is not None or on_gpu()
 
 
 def _finalize(result: BucketResult, study, module: ModuleType, module_path, *, size: int,

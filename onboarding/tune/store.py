@@ -48,11 +48,9 @@ class BucketResult:
 def gpu_name() -> str:
     import torch
 
-    from onboarding.backend import interpreting
+    from onboarding.backend import on_gpu
 
-    if torch.cuda.is_available() and not interpreting():
-        return torch.cuda.get_device_name(0)
-    return "cpu-interpreter"
+    return torch.cuda.get_device_name(0) if on_gpu() else "cpu-interpreter"
 
 
 def module_meta(module: ModuleType) -> dict[str, Any]:

@@ -14,7 +14,11 @@ timing runs alone on the GPU (the parent's `tune._GpuGate` admits one `time` and
   the Triton JIT compiles outside the timed region;
 - ``time``: the median of event-timed forward + backward steps on the prepared inputs.
 
-``aot`` compiles the module for sm_90 on the host (no GPU), for the AOT gate.
+``aot`` compiles the module for sm_90 on the host (no GPU), for the AOT gate. ``compile``
+(a GPU host, before the check takes its place at the GPU gate) runs the check's and the timing
+step's calls with every Triton launch turned into a compile-only warmup, the builds spread over
+threads: the check that follows finds them built, so no study waits at the gate behind another
+study's compile (`compile_ahead`).
 """
 
 from __future__ import annotations
@@ -177,7 +181,8 @@ def worker_main() -> int:
 
 def handle(req: dict[str, Any]) -> dict[str, Any]:
     """Answer one request; an exception becomes an ``error`` result, never a dead worker."""
-    ops = {"aot": aot_one, "check": check_one, "time": time_prepared, "trial": trial_one}
+    ops = {"aot": aot_one, "check": check_one, "compile": compile_ahead, "time": time_prepared,
+           "trial": trial_one}
     try:
         return ops[req["op"]](**req.get("args", {}))
     except Exception as e:
@@ -240,6 +245,103 @@ def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int],
     seed = int(torch.randint(0, 2**62, (1,), generator=gen))
     dgen = torch.Generator(device=device).manual_seed(seed)
     return spec.timing_inputs(variant, params, dims, dtype, dgen)
+
+
+# ---- compile ahead ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def compile_only(threads: int = 1, jit_cls=None):
+    """Within it, every `kernel[grid](...)` of a `jit_cls` kernel (Triton's JITFunction) compiles
+    its build, if not built yet, and launches nothing: Triton's own warmup path, forced. With
+    `threads` > 1 the builds run on that many threads (Triton's AsyncCompileMode, where this
+    Triton has it) and are all done when the block ends. Yields a dict whose "calls" counts the
+    launches turned into warmups. Kernels write nothing in the block, so whatever the host code
+    computes from their outputs there is garbage: run only code whose builds are wanted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if jit_cls is None:
+        from triton.runtime.jit import JITFunction as jit_cls
+    seen = {"calls": 0, "threads": 1}
+    orig = jit_cls.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        seen["calls"] += 1
+        return orig(self, *args, grid=grid, warmup=True, **kwargs)
+
+    mode, pool = contextlib.nullcontext(), None
+    if threads > 1:
+        try:
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:  # an older Triton: the builds run one after another
+            AsyncCompileMode = None
+        if AsyncCompileMode is not None:
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="compile-ahead")
+            mode, seen["threads"] = AsyncCompileMode(pool, ignore_errors=True), threads
+    jit_cls.run = run
+    try:
+        with mode:  # its exit waits for the builds submitted
+            yield seen
+    finally:
+        jit_cls.run = orig
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def compile_ahead(path: str, config: dict, family: str, variant: str, params: dict,
+                  shapes: list, seed: int, dtype: str, dims: dict | None = None,
+                  threads: int = 0) -> dict[str, Any]:
+    """Build (JIT-compile) the kernels `check_one` and the timing step will launch for `config`,
+    launching none of them (`compile_only`): forward + backward on the family's sample inputs
+    and on the timing inputs at `dims`, in the tuned dtype. The builds land in this process's
+    kernel caches and Triton's cache directory. Not a verdict: whatever fails here (host code
+    fed by kernels that did not run, a build that does not compile) is left to the check,
+    which meets it again and says why. `threads`: build threads (0: up to 8, the cores')."""
+    import torch
+
+    from onboarding.backend import kernel_device
+    from onboarding.dtypes import as_dtype
+    from onboarding.families import get_family
+    from onboarding.generate.templating import load_module
+    from onboarding.patching.core import entry_function
+
+    device = kernel_device()
+    if device.type != "cuda":  # the interpreter builds nothing
+        return {"ok": True, "stage": "compiled", "calls": 0, "skipped": "no GPU"}
+    _release()
+    mod = load_module(path)
+    spec = get_family(family)
+    if spec.sample_inputs is None:
+        raise InputError(f"family {family} declares no sample_inputs")
+    tdt = as_dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    sets = [[a.to(device) if isinstance(a, torch.Tensor) else a
+             for a in spec.sample_inputs(variant, params, shapes, gen)]]
+    errors: list[str] = []
+    t0 = time.monotonic()
+    mod.set_config(config)
+    try:
+        if dims:
+            sets.append(timing_inputs(family, variant, params, dims, tdt, device, gen))
+        entry = entry_function(mod)
+        with compile_only(threads or min(8, os.cpu_count() or 1)) as seen:
+            for xs in sets:
+                xs = [a.detach().to(tdt).requires_grad_(True) if _is_float(a) else a for a in xs]
+                try:  # as `_forward_backward` and `_step`: every float input a leaf
+                    ys = _grad_outputs(entry(*xs))
+                    leaves = [a for a in xs if _is_float(a)]
+                    if ys and leaves:
+                        torch.autograd.grad(ys, leaves, [torch.randn_like(y) for y in ys],
+                                            allow_unused=True)
+                except Exception as e:  # noqa: BLE001 (the check meets it again)
+                    errors.append(f"{type(e).__name__}: {e}"[:300])
+    finally:
+        mod.set_config(None)
+        del sets
+    out = {"ok": True, "stage": "compiled", "calls": seen["calls"], "threads": seen["threads"],
+           "seconds": round(time.monotonic() - t0, 3)}
+    if errors:
+        out["errors"] = errors
+    return out
 
 
 # ---- check and time ---------------------------------------------------------------------------
