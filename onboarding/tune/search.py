@@ -181,8 +181,10 @@ class TuneConfig:
     gpu_gate: str = "strict"
     # Build a config's kernels before its check takes its place at the GPU gate (the worker's
     # ``compile``: every launch a compile-only warmup, the builds on threads), so the gate is held
-    # for the check's kernels, not its JIT compile. None: on a GPU host (no builds in the
-    # interpreter).
+    # for the check's kernels, not its JIT compile. The pass still runs the module's torch ops
+    # (routing, allocations, a torch GEMM it calls) at the timing shapes, beside whatever timing
+    # holds the gate: search timings can be that much noisier, and the finalists' re-timing
+    # picks the best. None: on a GPU host (no builds in the interpreter).
     compile_ahead: bool | None = None
 
 
