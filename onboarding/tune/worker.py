@@ -298,15 +298,15 @@ def compile_ahead(path: str, config: dict, family: str, variant: str, params: di
     which meets it again and says why. `threads`: build threads (0: up to 8, the cores')."""
     import torch
 
-    from onboarding.backend import kernel_device
+    from onboarding.backend import kernel_device, on_gpu
     from onboarding.dtypes import as_dtype
     from onboarding.families import get_family
     from onboarding.generate.templating import load_module
     from onboarding.patching.core import entry_function
 
-    device = kernel_device()
-    if device.type != "cuda":  # the interpreter builds nothing
+    if not on_gpu():  # the interpreter builds nothing (and would run every kernel here)
         return {"ok": True, "stage": "compiled", "calls": 0, "skipped": "no GPU"}
+    device = kernel_device()
     _release()
     mod = load_module(path)
     spec = get_family(family)
