@@ -1159,21 +1159,29 @@ def test_compile_ahead_builds_beside_a_timing_and_the_check_still_waits(tmp_path
     assert seconds[1]["wait"] >= 0.05
 
 
-def test_a_build_ahead_that_dies_ends_the_trial_and_one_that_errs_leaves_it_to_the_check(
-        tmp_path, rms_path, monkeypatch):
+def test_a_build_pass_that_errs_or_dies_leaves_the_trial_to_the_check(tmp_path, rms_path,
+                                                                        monkeypatch):
+    """A pass that raises: the check goes on. One whose worker dies or times out: the check goes
+    on too (it builds one kernel at a time, as without the pass), and the objective makes no more
+    passes."""
     mod = load_module(rms_path)
     cfg = _cfg(tmp_path, isolate=False, compile_ahead=True)
-    died = {"ok": False, "stage": "crash", "reason": "compile: the worker died"}
-    spans = _gate_spans(monkeypatch, {"compile": died})
     obj = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
                           space={}, cfg=cfg, timer=None, aot=tune._Aot())
     try:
-        assert obj._check_and_time({}, 0) == died
-        assert "check" not in spans and "time" not in spans
         spans = _gate_spans(monkeypatch, {"compile": {"ok": False, "stage": "error",
                                                       "reason": "KeyError: 'x'"}})
         assert obj._check_and_time({}, 0)["stage"] == "timed"
         assert [len(spans[k]) for k in ("compile", "check", "time")] == [1, 1, 1]
+        assert obj.compile_first
+        died = {"ok": False, "stage": "crash", "reason": "compile: the worker died"}
+        spans = _gate_spans(monkeypatch, {"compile": died})
+        assert obj._check_and_time({}, 1)["stage"] == "timed"
+        assert [len(spans[k]) for k in ("compile", "check", "time")] == [1, 1, 1]
+        assert not obj.compile_first
+        spans = _gate_spans(monkeypatch)
+        assert obj._check_and_time({}, 2)["stage"] == "timed"
+        assert "compile" not in spans and len(spans["check"]) == 1
     finally:
         obj.close()
     off = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
