@@ -40,6 +40,9 @@ class RunConfig(BaseModel):
     # prune configs that cannot compile for sm_90 before running them; None: where kernels run in
     # the interpreter (on a GPU host the check's own builds are judged instead)
     tune_aot: bool | None = None
+    # build a trial's kernels before its check, outside the GPU gate (`TuneConfig.compile_ahead`);
+    # None: on a GPU host
+    tune_compile_ahead: bool | None = None
     # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs
     # (None: this machine's, 8 without a GPU) at plan_seq tokens per sequence, LoRA
     plan_gpus: int | None = Field(None, ge=1)

@@ -563,3 +563,31 @@ def test_run_summary_screen_has_one_verdict_line_per_stage(tmp_path):
     text = console.export_text()
     assert "tune:     not run (skipped: no GPU)" in text
     assert "train:    not run (skipped: no GPU (set ...))" in text
+
+
+@pytest.mark.parametrize("flags,gate,ahead", [([], "strict", None),
+                                               (["--tune-gpu-gate", "overlap",
+                                                 "--tune-no-compile-ahead"], "overlap", False)])
+def test_run_hands_its_gpu_sharing_choices_to_the_tune_stage(workdir, monkeypatch, flags, gate,
+                                                             ahead):
+    """`onboard run --tune-gpu-gate / --tune-no-compile-ahead` reach the RunConfig, and the tune
+    node gives them to TuneConfig (the tune stage itself faked: no GPU here)."""
+    from onboarding.cli.main import build_parser
+    from onboarding.tune import run as tune_run_mod
+
+    args = build_parser().parse_args(["run", *flags])
+    assert (args.tune_gpu_gate, args.tune_no_compile_ahead) == (gate, ahead is False)
+    from agents.nodes import tune_node
+    from agents.state import RunConfig, RunState
+
+    seen = {}
+
+    def fake(run_dir, cfg, **kw):
+        seen["cfg"] = cfg
+        return {"studies": [], "notes": [], "seconds": 0.0}
+
+    monkeypatch.setattr(tune_run_mod, "tune_run", fake)
+    (workdir / "r").mkdir()
+    tune_node(RunState(config=RunConfig(tune_trials=1, tune_gpu_gate=gate, tune_compile_ahead=ahead),
+                       run_dir="r"))
+    assert (seen["cfg"].gpu_gate, seen["cfg"].compile_ahead) == (gate, ahead)

@@ -40,9 +40,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "90; 0: no time limit, --tune-trials alone)")
     r.add_argument("--tune-gpu-gate", choices=GPU_GATES, default="strict",
                    help="how tuning's checks and timings share the GPU: strict (a timing has it "
-                        "alone; checks wait, their compiles included) or overlap (timings alone "
+                        "alone; checks wait) or overlap (timings alone "
                         "among themselves, checks beside them; the finalists are re-timed after "
                         "every search); default strict")
+    r.add_argument("--tune-no-compile-ahead", action="store_true",
+                   help="on a GPU host, let each tuning check JIT-compile its config's kernels "
+                        "while it holds the GPU, instead of building them first outside it")
     r.add_argument("--tune-parallel", type=positive_int, default=None, metavar="N",
                    help="studies tuned at once, each compiling on its own workers while the "
                         "timings take the GPU in turn (default: three per four cores on a "
@@ -149,6 +152,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             llm_attempts=args.llm_attempts, generate_budget_s=args.generate_budget,
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
             tune_parallel=args.tune_parallel, tune_gpu_gate=args.tune_gpu_gate,
+            tune_compile_ahead=False if args.tune_no_compile_ahead else None,
             # the vision tower alone is not trained (training takes the language model)
             train_steps=0 if spec.part == "vision" else args.train_steps,
             train_nproc=args.train_nproc,
