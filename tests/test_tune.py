@@ -1196,14 +1196,10 @@ def test_a_build_pass_that_errs_or_dies_leaves_the_trial_to_the_check(tmp_path, 
 
 def _n_builds(mod) -> int:
     """Builds in this process's kernel caches, over the module's Triton kernels."""
-    import triton
+    from onboarding.tune.worker import jit_kernels
 
-    n = 0
-    for fn in vars(mod).values():
-        fn = fn if isinstance(fn, triton.runtime.jit.JITFunction) else getattr(fn, "fn", None)
-        if isinstance(fn, triton.runtime.jit.JITFunction):
-            n += sum(len(c[0]) for c in getattr(fn, "device_caches", {}).values())
-    return n
+    return sum(len(c[0]) for _, fn in jit_kernels(mod)
+               for c in getattr(fn, "device_caches", {}).values())
 
 
 @pytest.mark.parametrize("family,variant,dims", [

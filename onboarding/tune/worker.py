@@ -247,6 +247,29 @@ def timing_inputs(family: str, variant: str, params: dict, dims: dict[str, int],
     return spec.timing_inputs(variant, params, dims, dtype, dgen)
 
 
+def _sampled(path: str, family: str, variant: str, params: dict, shapes: list, seed: int):
+    """What `check_one` and `compile_ahead` start from, alike so that the pass builds what the
+    check launches: any prepared module released, the module loaded, the kernel device, the
+    seeded host generator (the timing inputs draw from it next) and the family's sample inputs
+    on that device."""
+    import torch
+
+    from onboarding.backend import kernel_device
+    from onboarding.families import get_family
+    from onboarding.generate.templating import load_module
+
+    _release()
+    mod = load_module(path)
+    spec = get_family(family)
+    if spec.sample_inputs is None:
+        raise InputError(f"family {family} declares no sample_inputs")
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(seed)
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a
+            for a in spec.sample_inputs(variant, params, shapes, gen)]
+    return mod, device, gen, args
+
+
 # ---- compile ahead ----------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -298,24 +321,15 @@ def compile_ahead(path: str, config: dict, family: str, variant: str, params: di
     which meets it again and says why. `threads`: build threads (0: up to 8, the cores')."""
     import torch
 
-    from onboarding.backend import kernel_device, on_gpu
+    from onboarding.backend import on_gpu
     from onboarding.dtypes import as_dtype
-    from onboarding.families import get_family
-    from onboarding.generate.templating import load_module
     from onboarding.patching.core import entry_function
 
     if not on_gpu():  # the interpreter builds nothing (and would run every kernel here)
         return {"ok": True, "stage": "compiled", "calls": 0, "skipped": "no GPU"}
-    device = kernel_device()
-    _release()
-    mod = load_module(path)
-    spec = get_family(family)
-    if spec.sample_inputs is None:
-        raise InputError(f"family {family} declares no sample_inputs")
+    mod, device, gen, args = _sampled(path, family, variant, params, shapes, seed)
     tdt = as_dtype(dtype)
-    gen = torch.Generator().manual_seed(seed)
-    sets = [[a.to(device) if isinstance(a, torch.Tensor) else a
-             for a in spec.sample_inputs(variant, params, shapes, gen)]]
+    sets = [args]
     errors: list[str] = []
     t0 = time.monotonic()
     mod.set_config(config)
@@ -356,23 +370,12 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     `default`: the bucket's default config, the yardstick of a 16-bit check (`_check_at`)."""
     import torch
 
-    from onboarding.backend import kernel_device
     from onboarding.generate.candidates import _check_one
     from onboarding.patching.core import entry_function
-    from onboarding.families import get_family
-    from onboarding.generate.templating import load_module
 
-    _release()
-    mod = load_module(path)
-    spec = get_family(family)
-    if spec.sample_inputs is None:
-        raise InputError(f"family {family} declares no sample_inputs")
-    device = kernel_device()
+    mod, device, gen, args = _sampled(path, family, variant, params, shapes, seed)
     mod.set_config(config)
     _PREPARED["module"] = mod  # pinned until `time` or the next check releases it
-    gen = torch.Generator().manual_seed(seed)
-    args = [a.to(device) if isinstance(a, torch.Tensor) else a
-            for a in spec.sample_inputs(variant, params, shapes, gen)]
     entry = entry_function(mod)
     on_gpu = device.type == "cuda"
     # The config is checked at the precision it is tuned for (a tf32 dot is right for bf16
@@ -424,21 +427,27 @@ def check_one(path: str, config: dict, family: str, variant: str, params: dict,
     return out
 
 
+def jit_kernels(mod):
+    """(name, JITFunction) of each Triton kernel the module holds, by itself or inside an
+    autotuner / heuristics wrapper (as its `fn`)."""
+    import triton
+
+    jit = triton.runtime.jit.JITFunction
+    for name, fn in vars(mod).items():
+        if not isinstance(fn, jit):
+            fn = getattr(fn, "fn", None)
+        if isinstance(fn, jit):
+            yield name, fn
+
+
 def jit_usage(mod, device) -> list[dict[str, Any]]:
     """Registers, local memory and shared memory of every build the module's Triton kernels made
     on `device` (this GPU's own builds, the ones that ran), in `aot_one`'s per-kernel form; the
     largest of each when a kernel has several builds. `n_spills` is the driver's local memory per
     thread (spilled registers and any stack), not ptxas's spill count. Empty when this Triton keeps
     its builds where this does not look (`JITFunction.device_caches`)."""
-    import triton
-
     out: dict[str, dict[str, Any]] = {}
-    jit = triton.runtime.jit.JITFunction
-    for name, fn in vars(mod).items():
-        if not isinstance(fn, jit):  # an autotuner / heuristics wrapper holds one as `fn`
-            fn = getattr(fn, "fn", None)
-        if not isinstance(fn, jit):
-            continue
+    for name, fn in jit_kernels(mod):
         caches = getattr(fn, "device_caches", None)  # .get: a defaultdict must not make one
         entry = caches.get(device.index or 0) if isinstance(caches, dict) else None
         builds = list(entry[0].values()) if isinstance(entry, tuple) and isinstance(entry[0], dict) else []
