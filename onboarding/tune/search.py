@@ -174,8 +174,8 @@ class TuneConfig:
     # How checks and timings share the GPU (`GPU_GATES`). "strict": a timing has it alone, and a
     # check holds it through its run (and its JIT compile, without `compile_ahead`: then every
     # timing waits for the slowest compile in flight, the main command at 90 s on an H100 spending
-    # 45-61 s of a study's ~76 s waiting; docs/LOG.md, forty-fourth session). "overlap": timings exclusive among themselves
-    # only, checks (tiny kernels at sample shapes, mostly CPU compile) beside them: more trials,
+    # 45-61 s of a study's ~76 s waiting; docs/LOG.md, forty-fourth session). "overlap": timings
+    # exclusive among themselves only, checks (tiny kernels at sample shapes) beside them: more trials,
     # noisier search timings; the finalists' re-timing, after every study's search has ended,
     # picks the best. Not yet measured on a GPU, so not the default.
     gpu_gate: str = "strict"
@@ -364,13 +364,13 @@ class _Objective:
         self.cfg, self.timer, self.aot = cfg, timer, aot
         self.meta = module_meta(module)
         self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
-        interp = not on_gpu()
-        self.use_aot = cfg.aot if cfg.aot is not None else interp
-        self.compile_first = cfg.compile_ahead if cfg.compile_ahead is not None else not interp
+        gpu = on_gpu()
+        self.use_aot = cfg.aot if cfg.aot is not None else not gpu
+        self.compile_first = cfg.compile_ahead if cfg.compile_ahead is not None else gpu
         self.pool = _POOL.get()
         make = self.pool.take if self.pool is not None else Worker
         self.trial_worker = make(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
-        self.aot_worker = (make(interpret=False if interp else None, startup_timeout_s=cfg.startup_timeout_s)
+        self.aot_worker = (make(interpret=None if gpu else False, startup_timeout_s=cfg.startup_timeout_s)
                            if self.use_aot else None)
 
     def close(self, keep: bool = True) -> None:
@@ -409,10 +409,7 @@ class _Objective:
         if not hit["ok"]:
             return f"aot {hit['stage']}: {hit['reason']}"
         if trial is not None:
-            usage, spill = aot_usage(hit["kernels"])
-            trial.set_user_attr("aot_kernels", usage)
-            trial.set_user_attr("spill_bytes", spill)
-            trial.set_user_attr("usage_from", "aot")
+            _record_usage(trial, hit["kernels"], "aot")
         return check_limits(hit["kernels"], self.cfg.limits)
 
     def _check_and_time(self, config: dict, seed: int, seconds: dict[str, float] | None = None,
@@ -447,10 +444,7 @@ class _Objective:
         if trial is not None and res.get("kernels_error"):  # the JIT builds' usage unread
             trial.set_user_attr("usage_error", res["kernels_error"])
         if res["ok"] and res.get("kernels") and trial is not None and not self.use_aot:
-            usage, spill = aot_usage(res["kernels"])
-            trial.set_user_attr("aot_kernels", usage)
-            trial.set_user_attr("spill_bytes", spill)
-            trial.set_user_attr("usage_from", "jit")
+            _record_usage(trial, res["kernels"], "jit")
             why = check_limits(res["kernels"], self.cfg.limits)
             if why:
                 return {"ok": False, "stage": "limits", "reason": why}
@@ -506,6 +500,15 @@ class _Objective:
         trial.set_user_attr("measured_ms", res["time_ms"])
         trial.set_user_attr("timing", "injected timer" if self.timer else res["timing"])
         return float(self.timer(config, res)) if self.timer else float(res["time_ms"])
+
+
+def _record_usage(trial, kernels: list[dict], source: str) -> None:
+    """Each kernel's registers, spills and shared memory on `trial`, from the AOT gate's builds
+    or the check's JIT builds (`source`)."""
+    usage, spill = aot_usage(kernels)
+    trial.set_user_attr("aot_kernels", usage)
+    trial.set_user_attr("spill_bytes", spill)
+    trial.set_user_attr("usage_from", source)
 
 
 def _rounded(seconds: dict[str, float]) -> dict[str, float]:
