@@ -1276,6 +1276,45 @@ def test_a_build_pass_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkey
         obj.close()
 
 
+def test_compile_ahead_passes_the_inputs_the_check_makes(tmp_path, monkeypatch):
+    """The pass calls the entry with the check's inputs: the sample rounded to the tuned dtype,
+    the timing inputs in the dtypes the family gives (GDN's gate stays fp32). Casting the
+    timing inputs too built other specializations, and on an H100 the check then built two
+    kernels the pass had not (forty-sixth session)."""
+    import contextlib
+
+    import torch
+
+    import onboarding.backend
+    import onboarding.patching.core
+    from onboarding.tune import worker
+
+    path = render_to(tmp_path, "gated_delta", "chunk")
+    dims = {"B": 1, "T": 128, "HK": 2, "K": 32}
+    calls = []
+
+    def entry(*xs):
+        calls.append([x.dtype for x in xs if isinstance(x, torch.Tensor)])
+        return sum(x.float().sum() for x in xs if isinstance(x, torch.Tensor) and x.is_floating_point())
+
+    @contextlib.contextmanager
+    def no_builds(threads):
+        yield {"calls": 0, "threads": threads}
+
+    monkeypatch.setattr(onboarding.backend, "on_gpu", lambda: True)
+    monkeypatch.setattr(onboarding.patching.core, "entry_function", lambda mod: entry)
+    monkeypatch.setattr(worker, "compile_only", no_builds)
+    res = worker.compile_ahead(str(path), {}, "gated_delta", "chunk", {}, [[64]], 3, "bf16", dims)
+    assert res["ok"] and not res.get("errors"), res
+    sample, timing = calls
+    assert set(sample) == {torch.bfloat16}
+    gen = torch.Generator().manual_seed(0)
+    want = [x.dtype for x in worker.timing_inputs("gated_delta", "chunk", {}, dims, torch.bfloat16,
+                                                  torch.device("cpu"), gen)
+            if isinstance(x, torch.Tensor)]
+    assert timing == want and torch.float32 in timing
+
+
 def _n_builds(mod) -> int:
     """Builds in this process's kernel caches, over the module's Triton kernels."""
     from onboarding.tune.worker import jit_kernels
