@@ -12,7 +12,7 @@ from rich.console import Console
 from onboarding.cli.common import command_parser, model_options, model_spec, torch_cuda_available
 from onboarding.errors import EXIT_OK, InputError
 from onboarding.rundir import RUN_FILE, check_out, owned_dir, write_json
-from onboarding.load.overrides import nonneg_int, positive_int_list
+from onboarding.load.overrides import positive_int_list
 from onboarding.tune.search import GPU_GATES
 
 
@@ -66,9 +66,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--no-compile-ahead", action="store_true",
                    help="on a GPU host, let each check JIT-compile its config's kernels while it "
                         "holds the GPU gate, instead of building them first outside it")
-    t.add_argument("--compile-slots", type=nonneg_int, default=None, metavar="N",
-                   help="compile passes at once over all studies, each on the cores over N "
-                        "threads (default: one per 4 cores; 0: no limit, each up to 8 threads)")
     t.add_argument("--compare-grid", action="store_true",
                    help="instead of --trials: run the exhaustive grid of the space and a "
                         "TPE study with --tpe-fraction of the grid's trials (separate, "
@@ -128,8 +125,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      aot=False if args.no_aot else None, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
                      seed=args.seed, parallel_studies=args.parallel, gpu_gate=args.gpu_gate,
-                     compile_ahead=False if args.no_compile_ahead else None,
-                     compile_slots=args.compile_slots)
+                     compile_ahead=False if args.no_compile_ahead else None)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:

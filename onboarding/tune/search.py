@@ -103,62 +103,7 @@ class _GpuGate:
                 self.cond.notify_all()
 
 
-class _BuildSlots:
-    """The host's cores shared by the studies' compile passes (`TuneConfig.compile_slots`): at
-    most `limit` passes build at once, FIFO, each on `threads_for(limit)` threads. Without it
-    every study's pass took up to 8 build threads at once: at the main command's 90 s on an H100
-    (11 studies, 16 cores) moe_experts' pass took 35 s a trial against ~6 s for its whole check
-    when builds ran one at a time, and its third trial ended 24 s past the study's budget
-    (docs/LOG.md, forty-sixth session)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.active = 0
-        self.queue: list[object] = []
-
-    @staticmethod
-    def cores() -> int:
-        import os
-
-        return os.cpu_count() or 1
-
-    def limit_for(self, slots: int | None) -> int:
-        """None: a pass per 4 cores (at least one); 0 (or less): no limit."""
-        return max(1, self.cores() // 4) if slots is None else slots
-
-    def threads_for(self, slots: int | None) -> int:
-        """Build threads of one pass: the cores over the passes at once, 1 to 8 (8 with no limit)."""
-        limit = self.limit_for(slots)
-        return 8 if limit <= 0 else max(1, min(8, self.cores() // limit))
-
-    @contextlib.contextmanager
-    def slot(self, slots: int | None, deadline: float | None = None):
-        """Yields True once a slot is held, or False when `deadline` (time.monotonic()) passes
-        first (nothing held then)."""
-        limit = self.limit_for(slots)
-        if limit <= 0:
-            yield True
-            return
-        me = object()
-        with self.cond:
-            self.queue.append(me)
-            ok = self.cond.wait_for(lambda: self.queue[0] is me and self.active < limit,
-                                    None if deadline is None else max(0.0, deadline - time.monotonic()))
-            self.queue.remove(me)
-            if ok:
-                self.active += 1
-            self.cond.notify_all()
-        try:
-            yield ok
-        finally:
-            if ok:
-                with self.cond:
-                    self.active -= 1
-                    self.cond.notify_all()
-
-
 _GPU = _GpuGate()  # one process's trials: timings never share the GPU with other work
-_BUILDS = _BuildSlots()  # one process's compile passes (`compile_ahead`): the host's cores
 # `TuneConfig.gpu_gate` "overlap": timings exclusive among themselves only; checks run beside them
 _TIMING = threading.Lock()
 GPU_GATES = ("strict", "overlap")
@@ -242,11 +187,11 @@ class TuneConfig:
     # picks the best. A pass whose worker dies or times out turns passes off for that objective
     # (the check then builds as before). None: on a GPU host (no builds in the interpreter).
     # Each pass is bounded by the study's budget: one that would end past it is stopped and its
-    # trial pruned ("budget"). Timed in docs/LOG.md, forty-sixth session.
+    # trial pruned ("budget"). Every study's pass builds at once, on up to 8 threads each: on an
+    # H100 (16 cores, 11 studies, `onboard tune --tune-budget 90`) that gave 30 of 30 trials to
+    # nine studies where the check's JIT build under the gate gave 3, and limiting the passes to
+    # four at once (4 threads each) gave 9-16 (docs/LOG.md, forty-sixth session).
     compile_ahead: bool | None = None
-    # Compile passes at once over all of a run's studies (`_BuildSlots`), each on the cores over
-    # that many threads. None: one per 4 cores; 0: no limit (every pass up to 8 threads).
-    compile_slots: int | None = None
 
 
 # ---- keys, spaces and storage -----------------------------------------------------------------
@@ -518,24 +463,18 @@ class _Objective:
         return res
 
     def _compile(self, args: dict, seconds: dict[str, float]) -> dict[str, Any]:
-        """The worker's compile pass, once a build slot is free (seconds "slot"), within the
-        study's budget: a pass that cannot start or end before `deadline` gives stage "budget"
-        (its worker is stopped and restarted, as at any timeout)."""
-        ts = time.monotonic()
-        with _BUILDS.slot(self.cfg.compile_slots, self.deadline) as held:
-            tc = time.monotonic()
-            seconds["slot"] = tc - ts
-            if not held:
-                return {"ok": False, "stage": "budget", "reason": "the study's budget ran out "
-                        "before a build slot was free"}
-            timeout = self.cfg.trial_timeout_s
-            left = None if self.deadline is None else self.deadline - tc
-            if left is not None and left < timeout:
-                timeout = max(left, 0.0)
-            threads = _BUILDS.threads_for(self.cfg.compile_slots)
-            pre = self._run(self.trial_worker, "compile", {**args, "threads": threads}, timeout)
-            seconds["compile"] = time.monotonic() - tc
-        if pre["stage"] == "timeout" and left is not None and timeout < self.cfg.trial_timeout_s:
+        """The worker's compile pass within the study's budget: one that cannot end before
+        `deadline` gives stage "budget" (its worker is stopped and restarted, as at any
+        timeout). Without the bound, the first GPU run's moe_experts pass (~35 s) ended its
+        study 24 s past the budget (docs/LOG.md, forty-sixth session)."""
+        tc = time.monotonic()
+        timeout = self.cfg.trial_timeout_s
+        left = None if self.deadline is None else self.deadline - tc
+        if left is not None and left < timeout:
+            timeout = max(left, 0.0)
+        pre = self._run(self.trial_worker, "compile", args, timeout)
+        seconds["compile"] = time.monotonic() - tc
+        if pre["stage"] == "timeout" and timeout < self.cfg.trial_timeout_s:
             return {"ok": False, "stage": "budget",
                     "reason": f"the study's budget ran out during the compile pass ({timeout:.1f} s left)"}
         return pre
@@ -599,10 +538,9 @@ def _rounded(seconds: dict[str, float]) -> dict[str, float]:
 
 
 def phase_seconds(trials) -> dict[str, float]:
-    """Seconds a study's trials spent per phase (aot: the AOT gate's build; slot: waiting for a
-    build slot; compile: the kernels' builds ahead of the check; wait: for the GPU gate; check:
-    the worker's check, with the JIT compile when not built ahead; time: the timing), summed:
-    where a tuning budget goes."""
+    """Seconds a study's trials spent per phase (aot: the AOT gate's build; compile: the
+    kernels' builds ahead of the check; wait: for the GPU gate; check: the worker's check, with
+    the JIT compile when not built ahead; time: the timing), summed: where a tuning budget goes."""
     out: dict[str, float] = {}
     for t in trials:
         for k, v in (t.user_attrs.get("seconds") or {}).items():
