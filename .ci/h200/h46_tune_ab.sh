@@ -8,6 +8,8 @@
 #   C: the default (compile ahead, build slots: one pass per 4 cores);
 #   B: --no-compile-ahead (each check JIT-compiles under the GPU gate: the forty-fourth session's);
 #   A: --compile-slots 0 (compile ahead without slots: the forty-fifth session's default).
+# Ran at 208d23f (forty-sixth session, in git there); A won, and the slots and their flag were
+# removed after it: from then on C is A (the default) and this script runs C and B.
 # Read per study: trials, default_ms (the same config in every run: how much the run's own load
 # moves a timing), best/default, phase_s, and the tune stage's seconds against its 90 s budget.
 # Before them: the GPU test that the pass builds every kernel the check launches. carry: .whl
@@ -22,7 +24,7 @@ TRITON_CACHE_DIR=$(mktemp -d) timeout 90 python3 -m pytest -q -p no:cacheprovide
 echo "gpu test rc $? +$(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/pytest.txt")" | tee -a "$OUT/summary.txt"
 TRITON_CACHE_DIR=$(mktemp -d) timeout 150 onboard generate --out /tmp/g46 > "$OUT/generate.log" 2>&1
 echo "generate rc $? +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
-for run in "C" "B --no-compile-ahead" "A --compile-slots 0"; do
+for run in "C" "B --no-compile-ahead"; do
   set -- $run; label=$1; shift
   [ "$(left)" -lt 130 ] && { echo "$label: skipped, $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
   rm -rf /tmp/t46$label && cp -r /tmp/g46 /tmp/t46$label
