@@ -329,3 +329,35 @@ def test_generate_fails_a_candidate_that_returns_fewer_outputs(tmp_path, monkeyp
     assert short.status == "failed" and short.error == ""
     assert short.checks == [{"name": "sample.outputs", "passed": False,
                              "message": "candidate returned 3 outputs, the reference 4"}]
+
+
+def test_one_source_loaded_by_two_threads_at_once_is_one_module(tmp_path, monkeypatch):
+    """A run's studies start at once and load their modules on their own threads: two loads of
+    one source in flight together give one module (before, both missed the cache, and the
+    second's custom op registration destroyed the first's). The import is slowed so that the
+    two loads overlap whatever the scheduler does."""
+    import importlib.util
+    import threading
+    import time
+
+    path = templating.render_to(tmp_path, "rmsnorm", "plain")
+    path.write_text(path.read_text() + "\n# a source no other test loads\n")
+    real = importlib.util.module_from_spec
+
+    def slow(spec):
+        time.sleep(0.2)
+        return real(spec)
+
+    monkeypatch.setattr(importlib.util, "module_from_spec", slow)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(templating.load_module(path)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 2 and got[0] is got[1]
+    from onboarding.patching.core import entry_function
+
+    x, w = torch.randn(3, 8), torch.rand(8) + 0.5  # its custom op alive and right
+    torch.testing.assert_close(entry_function(got[0])(x, w), got[0].reference(x, w))

@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
@@ -91,6 +92,9 @@ def write_module(source: str, path: Path | str, *, overwrite: bool = False) -> P
 _LOADED: dict[str, ModuleType] = {}
 _OP_OWNERS: dict[str, str] = {}  # custom op name -> sha of the source that registered it
 _OP_NAME_LINE = re.compile(r'^OP_NAME = "([^"]+)"$', re.M)
+# one load at a time: two threads loading one source at once (a run's studies start together)
+# both missed the cache, and the second registration destroyed the first's custom op
+_LOAD_LOCK = threading.RLock()
 
 
 def load_module(path: Path | str) -> ModuleType:
@@ -103,6 +107,11 @@ def load_module(path: Path | str) -> ModuleType:
     if not path.is_file():
         raise InputError(f"no rendered module at {path}")
     data = path.read_bytes()
+    with _LOAD_LOCK:
+        return _load(path, data)
+
+
+def _load(path: Path, data: bytes) -> ModuleType:
     sha = hashlib.sha256(data).hexdigest()[:12]
     if sha in _LOADED:
         return _LOADED[sha]
