@@ -43,6 +43,9 @@ class RunConfig(BaseModel):
     # build a trial's kernels before its check, outside the GPU gate (`TuneConfig.compile_ahead`);
     # None: on a GPU host
     tune_compile_ahead: bool | None = None
+    # a study thread with no study left to start joins the searches still running
+    # (`TuneConfig.join_studies`)
+    tune_join_studies: bool = True
     # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs
     # (None: this machine's, 8 without a GPU) at plan_seq tokens per sequence, LoRA
     plan_gpus: int | None = Field(None, ge=1)

@@ -567,16 +567,20 @@ def test_run_summary_screen_has_one_verdict_line_per_stage(tmp_path):
 
 @pytest.mark.parametrize("flags,gate,ahead", [([], "strict", None),
                                                (["--tune-gpu-gate", "overlap",
-                                                 "--tune-no-compile-ahead"], "overlap", False)])
+                                                 "--tune-no-compile-ahead",
+                                                 "--tune-no-join-studies"], "overlap", False)])
 def test_run_hands_its_gpu_sharing_choices_to_the_tune_stage(workdir, monkeypatch, flags, gate,
                                                              ahead):
-    """`onboard run --tune-gpu-gate / --tune-no-compile-ahead` reach the RunConfig, and the tune
-    node gives them to TuneConfig (the tune stage itself faked: no GPU here)."""
+    """`onboard run --tune-gpu-gate / --tune-no-compile-ahead / --tune-no-join-studies` reach the
+    RunConfig, and the tune node gives them to TuneConfig (the tune stage itself faked: no GPU
+    here)."""
     from onboarding.cli.main import build_parser
     from onboarding.tune import run as tune_run_mod
 
     args = build_parser().parse_args(["run", *flags])
     assert (args.tune_gpu_gate, args.tune_no_compile_ahead) == (gate, ahead is False)
+    join = not args.tune_no_join_studies
+    assert join is (ahead is None)
     from agents.nodes import tune_node
     from agents.state import RunConfig, RunState
 
@@ -588,6 +592,26 @@ def test_run_hands_its_gpu_sharing_choices_to_the_tune_stage(workdir, monkeypatc
 
     monkeypatch.setattr(tune_run_mod, "tune_run", fake)
     (workdir / "r").mkdir()
-    tune_node(RunState(config=RunConfig(tune_trials=1, tune_gpu_gate=gate, tune_compile_ahead=ahead),
-                       run_dir="r"))
-    assert (seen["cfg"].gpu_gate, seen["cfg"].compile_ahead) == (gate, ahead)
+    tune_node(RunState(config=RunConfig(tune_trials=1, tune_gpu_gate=gate, tune_compile_ahead=ahead,
+                                        tune_join_studies=join), run_dir="r"))
+    assert (seen["cfg"].gpu_gate, seen["cfg"].compile_ahead, seen["cfg"].join_studies) == \
+        (gate, ahead, join)
+
+
+@pytest.mark.parametrize("flags,ahead,join", [([], None, True),
+                                              (["--no-compile-ahead", "--no-join-studies"], False,
+                                               False)])
+def test_tune_hands_its_gpu_sharing_choices_to_tune_config(tmp_path, monkeypatch, flags, ahead,
+                                                           join):
+    """`onboard tune --no-compile-ahead / --no-join-studies` reach TuneConfig (the model's
+    tuning itself faked)."""
+    from rich.console import Console
+
+    from onboarding.cli import tune as tune_cli
+    from onboarding.cli.main import build_parser
+
+    seen = {}
+    monkeypatch.setattr(tune_cli, "_tune_model", lambda args, cfg, console: seen.setdefault("cfg", cfg) and 0)
+    args = build_parser().parse_args(["tune", "--out", str(tmp_path / "r"), *flags])
+    tune_cli.cmd_tune(args, Console(record=True))
+    assert (seen["cfg"].compile_ahead, seen["cfg"].join_studies) == (ahead, join)

@@ -853,6 +853,71 @@ def test_tune_run_runs_studies_at_once_in_job_order(tmp_path, monkeypatch):
     assert cancelled
 
 
+def test_a_study_thread_with_nothing_left_helps_the_searches_still_running(tmp_path, rms_path,
+                                                                             monkeypatch):
+    """Two studies on two slots (`_run_at_once`): a short one and a long one whose trials take
+    0.15 s each. Once the short one ends, its thread joins the long one as a second worker: two
+    of the long study's trials run at the same time, and it still runs its 8 trials and no
+    more. With `join_studies` off the trials never overlap."""
+    import threading
+    import time
+
+    from onboarding.tune.run import _run_at_once
+
+    monkeypatch.setattr(tune, "handle", lambda req: (
+        {"ok": True, "stage": "timed", "time_ms": 1.0, "timing": "fake"} if req["op"] == "time"
+        else {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"}))
+
+    def run(join: bool) -> tuple[list, list]:
+        spans, lock, results = [], threading.Lock(), []
+
+        def timer(config, result):  # the long study's trials are slow
+            t0 = time.monotonic()
+            time.sleep(0.15)
+            with lock:
+                spans.append((t0, time.monotonic()))
+            return 1.0 + config["BLOCK_N"] / 64
+
+        def job(i: int) -> None:
+            cfg = _cfg(tmp_path / f"j{join}", n_trials=(8, 2)[i], isolate=False,
+                       join_studies=join, space={"BLOCK_N": [1, 2, 4, 8, 16, 32],
+                                                 "num_warps": [1, 2, 4, 8], **FWD_ONLY})
+            results.append(tune.tune_module(rms_path, size=(64, 4096)[i], config=cfg,
+                                            timer=timer if i == 0 else _fake_timer))
+
+        with tune.shared_workers() as pool:
+            _run_at_once(job, 2, 2, pool)
+        return spans, results
+
+    spans, results = run(True)  # (a config TPE proposes again is answered without a run)
+    assert sorted(r.n_trials for r in results) == [2, 8] and 4 <= len(spans) <= 8
+    spans.sort()
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans  # two at once
+    spans, results = run(False)
+    spans.sort()
+    assert sorted(r.n_trials for r in results) == [2, 8] and 4 <= len(spans) <= 8
+    assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_open_searches_pick_the_least_helped_and_close_what_has_nothing_left():
+    """`OpenSearches.help`: a helper joins the open search with the fewest helpers, then the
+    fewest trials; one that answers 0 trials is closed and not joined again; at most
+    MAX_HELPERS at once in one search; `help` ends when none is open."""
+    board = tune.OpenSearches()
+    calls = []
+    a = tune._Search("a", lambda: calls.append("a") or (1 if calls.count("a") < 3 else 0))
+    b = tune._Search("b", lambda: calls.append("b") or 0)
+    b.trials = 5
+    board.add(a)
+    board.add(b)
+    assert board.help() == 2 and calls == ["a", "a", "a", "b"] and not board.open
+    assert a.done and b.done and a.helpers == b.helpers == 0
+    full = tune._Search("c", lambda: 1)
+    full.helpers = tune.OpenSearches.MAX_HELPERS
+    board.add(full)
+    assert board.help() == 0  # no room in it
+
+
 def test_a_cancelled_pool_stops_a_study_without_recording_its_trial(tmp_path, rms_path):
     """Within `shared_workers`, an interrupt heard by another thread cancels the pool
     (`WorkerPool.cancel`): the study in flight ends with `Cancelled`, its trial not told (it stays

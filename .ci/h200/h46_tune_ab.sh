@@ -9,11 +9,14 @@
 #   B: --no-compile-ahead (each check JIT-compiles under the GPU gate: the forty-fourth session's);
 #   A: --compile-slots 0 (compile ahead without slots: the forty-fifth session's default).
 # Ran at 208d23f (forty-sixth session, in git there); A won, and the slots and their flag were
-# removed after it: from then on C is A (the default) and this script runs C and B.
+# removed after it: from then on C is A (the default). Later commits add to the default that a
+# study thread with no study left to start joins the searches still running (`OpenSearches`), and
+# this script runs C (the default), J (--no-join-studies: A as it ran) and B.
 # Read per study: trials, default_ms (the same config in every run: how much the run's own load
 # moves a timing), best/default, phase_s, and the tune stage's seconds against its 90 s budget.
 # Before them: the GPU test that the pass builds every kernel the check launches. carry: .whl
-# (and .snap/head.tgz when run on a snapshot). ~470 s: LIMIT (default 540) cuts the last run.
+# (and .snap/head.tgz when run on a snapshot). ~470 s: LIMIT (default 540) cuts the last run
+# (B, the slowest, last).
 set -u
 source .ci/h200/setup.sh > /dev/null || exit 1
 OUT=${OUT:-/tmp/out}; T0=$(date +%s)
@@ -24,7 +27,7 @@ TRITON_CACHE_DIR=$(mktemp -d) timeout 90 python3 -m pytest -q -p no:cacheprovide
 echo "gpu test rc $? +$(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/pytest.txt")" | tee -a "$OUT/summary.txt"
 TRITON_CACHE_DIR=$(mktemp -d) timeout 150 onboard generate --out /tmp/g46 > "$OUT/generate.log" 2>&1
 echo "generate rc $? +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
-for run in "C" "B --no-compile-ahead"; do
+for run in "C" "J --no-join-studies" "B --no-compile-ahead"; do
   set -- $run; label=$1; shift
   [ "$(left)" -lt 130 ] && { echo "$label: skipped, $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
   rm -rf /tmp/t46$label && cp -r /tmp/g46 /tmp/t46$label

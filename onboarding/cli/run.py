@@ -46,6 +46,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--tune-no-compile-ahead", action="store_true",
                    help="on a GPU host, let each tuning check JIT-compile its config's kernels "
                         "while it holds the GPU, instead of building them first outside it")
+    r.add_argument("--tune-no-join-studies", action="store_true",
+                   help="with studies at once (a GPU host), keep each study to its own worker "
+                        "instead of letting a study thread with none left to start join the "
+                        "searches still running")
     r.add_argument("--tune-parallel", type=positive_int, default=None, metavar="N",
                    help="studies tuned at once, each compiling on its own workers while the "
                         "timings take the GPU in turn (default: three per four cores on a "
@@ -153,6 +157,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
             tune_parallel=args.tune_parallel, tune_gpu_gate=args.tune_gpu_gate,
             tune_compile_ahead=False if args.tune_no_compile_ahead else None,
+            tune_join_studies=not args.tune_no_join_studies,
             # the vision tower alone is not trained (training takes the language model)
             train_steps=0 if spec.part == "vision" else args.train_steps,
             train_nproc=args.train_nproc,

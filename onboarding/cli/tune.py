@@ -66,6 +66,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--no-compile-ahead", action="store_true",
                    help="on a GPU host, let each check JIT-compile its config's kernels while it "
                         "holds the GPU gate, instead of building them first outside it")
+    t.add_argument("--no-join-studies", action="store_true",
+                   help="with studies at once (a GPU host), keep each study to its own worker: "
+                        "by default a study thread with no study left to start joins the "
+                        "searches still running")
     t.add_argument("--compare-grid", action="store_true",
                    help="instead of --trials: run the exhaustive grid of the space and a "
                         "TPE study with --tpe-fraction of the grid's trials (separate, "
@@ -125,7 +129,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      aot=False if args.no_aot else None, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
                      seed=args.seed, parallel_studies=args.parallel, gpu_gate=args.gpu_gate,
-                     compile_ahead=False if args.no_compile_ahead else None)
+                     compile_ahead=False if args.no_compile_ahead else None,
+                     join_studies=not args.no_join_studies)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:

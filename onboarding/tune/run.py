@@ -285,31 +285,46 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
 
 
 def _run_at_once(run_job: Callable[[int], None], n_jobs: int, slots: int, pool) -> None:
-    """`run_job(i)` for every i < n_jobs, in order, on `slots` threads at once (`run_threads`).
+    """`run_job(i)` for every i < n_jobs, in order, on `slots` threads at once (`run_threads`);
+    a thread with no job left to start helps the searches still running (`OpenSearches`).
     Ctrl-C here cancels the pool (every study's workers die, no trial in flight is recorded) and
     propagates at once; a study that fails cancels the others and its error is raised here."""
     import threading
 
-    from onboarding.tune.search import run_threads
+    from onboarding.tune.search import open_searches, run_threads
     from onboarding.tune.worker import Cancelled
 
     lock, nxt, errors = threading.Lock(), [0], []
+    board = open_searches()
+
+    def fail(e: BaseException) -> None:
+        with lock:
+            errors.append(e)
+        pool.cancel()
 
     def loop(_slot: int) -> None:
         while True:
             with lock:
-                if errors or pool.cancelled.is_set() or nxt[0] >= n_jobs:
+                if errors or pool.cancelled.is_set():
                     return
+                if nxt[0] >= n_jobs:
+                    break
                 i, nxt[0] = nxt[0], nxt[0] + 1
             try:
                 run_job(i)
             except Cancelled:
                 return
             except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
-                with lock:
-                    errors.append(e)
-                pool.cancel()
+                fail(e)
                 return
+        if board is None:
+            return
+        try:  # no study left to start: one more worker of those still searching
+            board.help(pool.cancelled)
+        except Cancelled:
+            return
+        except BaseException as e:  # noqa: BLE001
+            fail(e)
 
     run_threads(loop, range(slots), pool.cancel)
     if errors:

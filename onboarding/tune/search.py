@@ -192,6 +192,10 @@ class TuneConfig:
     # nine studies where the check's JIT build under the gate gave 3, and limiting the passes to
     # four at once (4 threads each) gave 9-16 (docs/LOG.md, forty-sixth session).
     compile_ahead: bool | None = None
+    # A run's study threads with no study left to start join the searches still running as one
+    # more worker each (`OpenSearches`; at most 3 a search): the heaviest studies get the cores
+    # the light ones leave. Not yet timed on a GPU.
+    join_studies: bool = True
 
 
 # ---- keys, spaces and storage -----------------------------------------------------------------
@@ -337,6 +341,71 @@ def aot_usage(kernels: list[dict[str, Any]]) -> tuple[dict[str, list], int | Non
 _POOL: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("tune_worker_pool", default=None)
 
 
+class _Search:
+    """A study's search in flight, as helpers see it (`OpenSearches`)."""
+
+    def __init__(self, name: str, join: Callable[[], int]) -> None:
+        self.name, self.join = name, join
+        self.helpers = 0  # helper threads in it now
+        self.trials = 0  # trials its helpers and own workers ran
+        self.done = False  # nothing more to claim, or its own workers ended
+
+
+class OpenSearches:
+    """The searches of a run's studies still claiming trials. A study thread with no study left
+    to start (`tune_run`'s slots) joins one as one more worker (`help`), so the heavy studies,
+    whose trials each build for tens of seconds, get the cores the light ones leave when they
+    end: on an H100 nine of the example's eleven studies ran their 30 trials in 33-65 s of a 90 s
+    budget while moe_experts and gated_delta ran 3 and 4 (docs/LOG.md, forty-sixth session)."""
+
+    MAX_HELPERS = 3  # per search: each helper's worker holds its own timing inputs on the GPU
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: list[_Search] = []
+
+    def add(self, search: _Search) -> None:
+        with self.lock:
+            self.open.append(search)
+
+    def close(self, search: _Search) -> None:
+        with self.lock:
+            search.done = True
+            if search in self.open:
+                self.open.remove(search)
+
+    def _pick(self) -> _Search | None:
+        """The open search with the fewest helpers, then the fewest trials run."""
+        with self.lock:
+            live = [x for x in self.open if not x.done and x.helpers < self.MAX_HELPERS]
+            if not live:
+                return None
+            pick = min(live, key=lambda x: (x.helpers, x.trials))
+            pick.helpers += 1
+            return pick
+
+    def help(self, stop: threading.Event | None = None) -> int:
+        """Join open searches, one after another, until none takes a helper; the trials run."""
+        ran = 0
+        while stop is None or not stop.is_set():
+            pick = self._pick()
+            if pick is None:
+                return ran
+            try:
+                n = pick.join()
+            finally:
+                with self.lock:
+                    pick.helpers -= 1
+            ran += n
+            if n == 0:  # nothing left to claim there
+                self.close(pick)
+        return ran
+
+
+_SEARCHES: contextvars.ContextVar[OpenSearches | None] = contextvars.ContextVar(
+    "tune_open_searches", default=None)
+
+
 @contextlib.contextmanager
 def shared_workers():
     """Within it, every study (`tune_module`, its re-timing) takes its worker subprocesses from one
@@ -348,12 +417,18 @@ def shared_workers():
         yield outer
         return
     pool = WorkerPool()
-    token = _POOL.set(pool)
+    token, board = _POOL.set(pool), _SEARCHES.set(OpenSearches())
     try:
         yield pool
     finally:
+        _SEARCHES.reset(board)
         _POOL.reset(token)
         pool.close()
+
+
+def open_searches() -> OpenSearches | None:
+    """The run's open searches (within `shared_workers`), for `tune_run`'s idle study threads."""
+    return _SEARCHES.get()
 
 
 class _Objective:
@@ -741,27 +816,54 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
             except Exception as e:  # noqa: BLE001
                 warnings.warn(f"tune progress callback failed: {type(e).__name__}: {e}")
 
-    def work(wid: int) -> None:
-        st = study if cfg.n_workers == 1 else _load_study(name, url, cfg.seed + wid, space,
-                                                          sampler)
+    def work(wid: int) -> int:
+        """One worker's trials, until `claim` says no more; the count. Workers past the first
+        (`n_workers`, or helpers) sample from their own seeded study object."""
+        st = study if wid == 0 else _load_study(name, url, cfg.seed + wid, space, sampler)
         try:
             obj = _Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
                              space=space, cfg=cfg, timer=timer, aot=aot)
         except Cancelled:  # the run's pool was cancelled before this worker took its own
-            return
+            return 0
         obj.deadline = deadline
         with lock:
             objectives.append(obj)
             stopped = stop.is_set()  # interrupted before this worker's objective was listed
         if stopped:
             obj.close()
-            return
+            return 0
+        ran = 0
         try:
             while claim():
                 _one_trial(st, obj, stop)
                 on_done(st)
+                ran += 1
+                if search is not None:
+                    with board.lock:
+                        search.trials += 1
         finally:
             obj.close()
+        return ran
+
+    # Helpers (`OpenSearches`): one more worker each, while this study's own workers run; the
+    # study waits for them before its result. Without a run's board (one study alone) none come.
+    board, helpers = _SEARCHES.get(), threading.Condition(lock)
+    n_helpers, next_wid = [0], [cfg.n_workers]
+
+    def join() -> int:
+        with lock:
+            if search is None or search.done or stop.is_set():
+                return 0
+            n_helpers[0] += 1
+            wid, next_wid[0] = next_wid[0], next_wid[0] + 1
+        try:
+            return work(wid)
+        finally:
+            with lock:
+                n_helpers[0] -= 1
+                helpers.notify_all()
+
+    search = _Search(name, join) if board is not None and cfg.join_studies else None
 
     optuna = _optuna()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -779,7 +881,15 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
             if pool is not None:
                 pool.cancel()
 
-        run_threads(work, range(cfg.n_workers), interrupted)
+        if search is not None:
+            board.add(search)
+        try:
+            run_threads(work, range(cfg.n_workers), interrupted)
+        finally:
+            if search is not None:
+                board.close(search)  # no new helper; those in flight end their trials
+                with lock:
+                    helpers.wait_for(lambda: n_helpers[0] == 0)
         if stop.is_set():  # interrupted in another thread (`WorkerPool.cancel`): no result
             raise Cancelled("the tuning run was interrupted")
         final_study = _load_study(name, url, cfg.seed, space, sampler)
