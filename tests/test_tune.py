@@ -891,11 +891,15 @@ def test_a_study_thread_with_nothing_left_helps_the_searches_still_running(tmp_p
 
     spans, results = run(True)  # (a config TPE proposes again is answered without a run)
     assert sorted(r.n_trials for r in results) == [2, 8] and 4 <= len(spans) <= 8
+    long = next(r for r in results if r.n_trials == 8)
+    assert 1 <= long.helper_trials < 8 and all(r.helper_trials == 0 for r in results if r is not long)
+    assert f"{long.helper_trials} of its trials run by helpers" in tune.markdown_table([long])
     spans.sort()
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans  # two at once
     spans, results = run(False)
     spans.sort()
     assert sorted(r.n_trials for r in results) == [2, 8] and 4 <= len(spans) <= 8
+    assert all(r.helper_trials == 0 for r in results)
     assert all(b[0] >= a[1] for a, b in zip(spans, spans[1:])), spans
 
 

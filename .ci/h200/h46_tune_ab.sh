@@ -45,7 +45,8 @@ for s in d.get("studies", []):
     b, df = r.get("best_ms"), r.get("default_ms")
     print(f"  {s['family']}/{s['variant']} {s['bucket']}: trials {r['n_trials']} complete {r['n_complete']} "
           f"default {df and round(df, 4)} best {b and round(b, 4)} ({(df / b) if b and df else 0:.2f}x) "
-          f"took {r.get('seconds')} s; {r.get('phase_s')}; {r.get('stopped') or ''}")
+          f"took {r.get('seconds')} s; helpers ran {r.get('helper_trials', 0)}; {r.get('phase_s')}; "
+          f"{r.get('stopped') or ''}")
 PY
 done
 echo "done +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"

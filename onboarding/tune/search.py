@@ -848,7 +848,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     # Helpers (`OpenSearches`): one more worker each, while this study's own workers run; the
     # study waits for them before its result. Without a run's board (one study alone) none come.
     board, helpers = _SEARCHES.get(), threading.Condition(lock)
-    n_helpers, next_wid = [0], [cfg.n_workers]
+    n_helpers, next_wid, helped = [0], [cfg.n_workers], [0]
 
     def join() -> int:
         with lock:
@@ -856,11 +856,14 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                 return 0
             n_helpers[0] += 1
             wid, next_wid[0] = next_wid[0], next_wid[0] + 1
+        n = 0
         try:
-            return work(wid)
+            n = work(wid)
+            return n
         finally:
             with lock:
                 n_helpers[0] -= 1
+                helped[0] += n
                 helpers.notify_all()
 
     search = _Search(name, join) if board is not None and cfg.join_studies else None
@@ -901,7 +904,8 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         result = _finalize(result, final_study, module, path, size=size, shapes=shapes,
                            dims=dims, cfg=cfg, timer=timer, progress=prog, deadline=deadline)
         return dataclasses.replace(result, trials_run=finished[0], budget_s=cfg.budget_s,
-                                   seconds=round(time.monotonic() - started, 2))
+                                   seconds=round(time.monotonic() - started, 2),
+                                   helper_trials=helped[0])
     finally:
         if own:
             prog.stop()

@@ -43,6 +43,8 @@ class BucketResult:
     seconds: float | None = None  # the study's wall time, search and re-timing
     # seconds its trials spent per phase, summed (`search.phase_seconds`: aot, wait, check, time)
     phase_s: dict[str, float] = field(default_factory=dict)
+    # trials of `trials_run` that helpers ran (other studies' threads: `search.OpenSearches`)
+    helper_trials: int = 0
 
 
 def gpu_name() -> str:
@@ -229,6 +231,8 @@ def markdown_table(results: Iterable[BucketResult]) -> str:
                     f"`{json.dumps(r.best_config, sort_keys=True)}` | {fmt(r.best_ms)} | "
                     f"{fmt(r.default_ms)} | {gain} | {spills} |")
     notes = [f"- `{r.bucket}`: {r.stopped}" for r in results if r.stopped]
+    notes += [f"- `{r.bucket}`: {r.helper_trials} of its trials run by helpers (other studies' "
+              f"threads)" for r in results if r.helper_trials]
     for r in results:  # where the study's time went (`search.phase_seconds`)
         if r.phase_s:
             notes.append(f"- `{r.bucket}`, trials' seconds by phase: "
