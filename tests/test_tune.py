@@ -1339,6 +1339,52 @@ def test_compile_ahead_passes_the_inputs_the_check_makes(tmp_path, monkeypatch):
     assert timing == want and torch.float32 in timing
 
 
+def test_a_study_times_by_graph_until_a_capture_fails_then_by_events(tmp_path, rms_path,
+                                                                      monkeypatch):
+    """`TuneConfig.timing` "graph": the worker is asked for graph timings until one answers that
+    its capture failed; from then on the study's objectives ask for events, and its re-timing,
+    when a capture fails there, times every round again by events (no median mixes the two).
+    The result says how it timed; an unknown timing is bad input."""
+    calls = []
+
+    def fake(req):
+        if req["op"] == "time":
+            graph = req["args"]["graph"]
+            calls.append(graph)
+            out = {"ok": True, "stage": "timed", "time_ms": 1.0 if graph else 2.0,
+                   "timing": "cuda-graph" if graph else "cuda-events"}
+            if graph and len(calls) >= 3:
+                out.update(time_ms=2.0, timing="cuda-events", graph_error="RuntimeError: capture")
+            return out
+        return {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"}
+
+    monkeypatch.setattr(tune, "handle", fake)
+    mod = load_module(rms_path)
+    cfg = _cfg(tmp_path, isolate=False, timing="graph")
+    mode = tune._TimingMode("graph")
+    objs = [tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
+                            space={}, cfg=cfg, timer=None, aot=tune._Aot(), timing=mode)
+            for _ in range(2)]
+    try:
+        for i in range(5):
+            objs[i % 2]._check_and_time({}, i)
+    finally:
+        for o in objs:
+            o.close()
+    assert calls == [True, True, True, False, False]  # both workers follow the study's mode
+    assert mode.describe() == "cuda-events (graph capture failed: RuntimeError: capture)"
+    calls.clear()
+    mode = tune._TimingMode("graph")
+    ms = tune.retime(rms_path, [{"BLOCK_N": 8}, {"BLOCK_N": 16}], size=64, config=cfg,
+                     rounds=2, timing=mode)
+    # two configs x two rounds: by graph until the third timing failed, the fourth by events,
+    # then both rounds again by events
+    assert calls == [True, True, True, False] + [False] * 4 and ms == [2.0, 2.0]
+    assert tune._TimingMode("events").describe() == "cuda-events"
+    with pytest.raises(InputError, match="timing 'wall'"):
+        tune.tune_module(rms_path, size=64, config=_cfg(tmp_path, timing="wall"))
+
+
 def _n_builds(mod) -> int:
     """Builds in this process's kernel caches, over the module's Triton kernels."""
     from onboarding.tune.worker import jit_kernels
@@ -1380,4 +1426,11 @@ def test_compile_ahead_builds_every_kernel_the_check_launches_on_a_gpu(tmp_path,
     assert res["ok"], res
     assert _n_builds(mod) == built  # the check and the timing step's step found them built
     res = worker.handle({"op": "time", "args": {"repeats": 3}})
-    assert res["ok"] and res["time_ms"] > 0
+    assert res["ok"] and res["time_ms"] > 0 and res["timing"] == "cuda-events"
+    assert worker.handle({"op": "check", "args": check})["ok"]
+    res = worker.handle({"op": "time", "args": {"repeats": 3, "graph": True}})
+    assert res["ok"] and res["time_ms"] > 0, res
+    if family == "rmsnorm":  # no host sync in its step: it is captured
+        assert res["timing"] == "cuda-graph", res
+    else:
+        assert res["timing"] == "cuda-graph" or res.get("graph_error"), res

@@ -11,12 +11,14 @@
 # Ran at 208d23f (forty-sixth session, in git there); A won, and the slots and their flag were
 # removed after it: from then on C is A (the default). Later commits add to the default that a
 # study thread with no study left to start joins the searches still running (`OpenSearches`), and
-# this script runs C (the default), J (--no-join-studies: A as it ran) and B.
+# an opt-in timing by CUDA graph (`--timing graph`); this script now runs C (the default), J
+# (--no-join-studies: A as it ran) and G (--timing graph). B is in the table already.
 # Read per study: trials, default_ms (the same config in every run: how much the run's own load
 # moves a timing), best/default, phase_s, and the tune stage's seconds against its 90 s budget.
 # Before them: the GPU test that the pass builds every kernel the check launches. carry: .whl
 # (and .snap/head.tgz when run on a snapshot). ~470 s: LIMIT (default 540) cuts the last run
-# (B, the slowest, last).
+# (G last). Per study it prints the finalists' re-timed medians too: with graph timing they
+# should sit closer to the search's own values than with events.
 set -u
 source .ci/h200/setup.sh > /dev/null || exit 1
 OUT=${OUT:-/tmp/out}; T0=$(date +%s)
@@ -27,7 +29,7 @@ TRITON_CACHE_DIR=$(mktemp -d) timeout 90 python3 -m pytest -q -p no:cacheprovide
 echo "gpu test rc $? +$(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/pytest.txt")" | tee -a "$OUT/summary.txt"
 TRITON_CACHE_DIR=$(mktemp -d) timeout 150 onboard generate --out /tmp/g46 > "$OUT/generate.log" 2>&1
 echo "generate rc $? +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
-for run in "C" "J --no-join-studies" "B --no-compile-ahead"; do
+for run in "C" "J --no-join-studies" "G --timing graph"; do
   set -- $run; label=$1; shift
   [ "$(left)" -lt 130 ] && { echo "$label: skipped, $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
   rm -rf /tmp/t46$label && cp -r /tmp/g46 /tmp/t46$label
@@ -46,7 +48,9 @@ for s in d.get("studies", []):
     print(f"  {s['family']}/{s['variant']} {s['bucket']}: trials {r['n_trials']} complete {r['n_complete']} "
           f"default {df and round(df, 4)} best {b and round(b, 4)} ({(df / b) if b and df else 0:.2f}x) "
           f"took {r.get('seconds')} s; helpers ran {r.get('helper_trials', 0)}; {r.get('phase_s')}; "
-          f"{r.get('stopped') or ''}")
+          f"{r.get('stopped') or ''}; timing {r.get('timing')}")
+    if r.get("final"):
+        print("    re-timed: " + ", ".join(f"{v:.4g}" if v else "-" for v in r["final"].values()))
 PY
 done
 echo "done +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"

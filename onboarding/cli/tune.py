@@ -13,7 +13,7 @@ from onboarding.cli.common import command_parser, model_options, model_spec, tor
 from onboarding.errors import EXIT_OK, InputError
 from onboarding.rundir import RUN_FILE, check_out, owned_dir, write_json
 from onboarding.load.overrides import positive_int_list
-from onboarding.tune.search import GPU_GATES
+from onboarding.tune.search import GPU_GATES, TIMINGS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -66,6 +66,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--no-compile-ahead", action="store_true",
                    help="on a GPU host, let each check JIT-compile its config's kernels while it "
                         "holds the GPU gate, instead of building them first outside it")
+    t.add_argument("--timing", choices=TIMINGS, default="events",
+                   help="how a trial is timed on a GPU: events (CUDA events around launched "
+                        "steps, Python and launch time included; default) or graph (the step "
+                        "replayed as a CUDA graph: kernels only; a step that cannot be captured "
+                        "falls back to events)")
     t.add_argument("--no-join-studies", action="store_true",
                    help="with studies at once (a GPU host), keep each study to its own worker: "
                         "by default a study thread with no study left to start joins the "
@@ -130,7 +135,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      space_only=args.space_only, final_rounds=args.final_rounds,
                      seed=args.seed, parallel_studies=args.parallel, gpu_gate=args.gpu_gate,
                      compile_ahead=False if args.no_compile_ahead else None,
-                     join_studies=not args.no_join_studies)
+                     join_studies=not args.no_join_studies, timing=args.timing)
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:

@@ -107,6 +107,25 @@ _GPU = _GpuGate()  # one process's trials: timings never share the GPU with othe
 # `TuneConfig.gpu_gate` "overlap": timings exclusive among themselves only; checks run beside them
 _TIMING = threading.Lock()
 GPU_GATES = ("strict", "overlap")
+TIMINGS = ("events", "graph")
+
+
+class _TimingMode:
+    """A study's way of timing, shared by its workers and its re-timing: "graph" until a step
+    cannot be captured, then "events" for the rest of the study (`why` says what failed)."""
+
+    def __init__(self, kind: str) -> None:
+        self.graph = kind == "graph"
+        self.why: str | None = None
+
+    def fell_back(self, why: str) -> None:
+        if self.graph:
+            self.graph, self.why = False, why
+
+    def describe(self) -> str:
+        if self.graph:
+            return "cuda-graph"
+        return f"cuda-events (graph capture failed: {self.why})" if self.why else "cuda-events"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -192,6 +211,13 @@ class TuneConfig:
     # nine studies where the check's JIT build under the gate gave 3, and limiting the passes to
     # four at once (4 threads each) gave 9-16 (docs/LOG.md, forty-sixth session).
     compile_ahead: bool | None = None
+    # How a trial is timed on a GPU (`TIMINGS`): "events", CUDA events around each launched
+    # forward + backward step (Python and launch time included); "graph", the step replayed as a
+    # CUDA graph (kernels only). A study whose step cannot be captured times by events from then
+    # on, and its result says why (`BucketResult.timing`). The forty-sixth session's runs on one
+    # H100 timed one default config at 0.376-0.584 ms (events) in three runs. Not yet timed on a
+    # GPU, so not the default.
+    timing: str = "events"
     # A run's study threads with no study left to start join the searches still running as one
     # more worker each (`OpenSearches`; at most 3 a search): the heaviest studies get the cores
     # the light ones leave. Not yet timed on a GPU.
@@ -437,10 +463,11 @@ class _Objective:
 
     def __init__(self, *, path: str, module: ModuleType, size: int, shapes: list,
                  dims: dict[str, int] | None, space: dict[str, list], cfg: TuneConfig,
-                 timer: Timer | None, aot: _Aot):
+                 timer: Timer | None, aot: _Aot, timing: _TimingMode | None = None):
         self.path, self.module, self.size, self.shapes = path, module, size, shapes
         self.dims, self.space = dims, space
         self.cfg, self.timer, self.aot = cfg, timer, aot
+        self.timing = timing or _TimingMode(cfg.timing)
         self.meta = module_meta(module)
         self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
         gpu = on_gpu()
@@ -531,8 +558,11 @@ class _Objective:
         if res["ok"]:
             with _GPU.exclusive() if strict else _TIMING:
                 t3 = time.monotonic()
-                res = self._run(self.trial_worker, "time", {"repeats": self.cfg.repeats},
+                res = self._run(self.trial_worker, "time",
+                                {"repeats": self.cfg.repeats, "graph": self.timing.graph},
                                 self.cfg.trial_timeout_s)
+            if res.get("graph_error"):
+                self.timing.fell_back(res["graph_error"])
             seconds["wait"] += t3 - t2
             seconds["time"] = time.monotonic() - t3
         return res
@@ -753,6 +783,8 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     cfg = config or TuneConfig()
     if cfg.gpu_gate not in GPU_GATES:
         raise InputError(f"tune: GPU gate {cfg.gpu_gate!r}: expected one of {', '.join(GPU_GATES)}")
+    if cfg.timing not in TIMINGS:
+        raise InputError(f"tune: timing {cfg.timing!r}: expected one of {', '.join(TIMINGS)}")
     path = str(Path(module_path).resolve())
     module = load_module(path)
     bucket = module.shape_bucket(size)
@@ -772,6 +804,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     pool = _POOL.get()
     stop = pool.cancelled if pool is not None else threading.Event()
     aot, lock, claimed, objectives = _Aot(), threading.Lock(), [0], []
+    mode = _TimingMode(cfg.timing)  # the study's: its workers', helpers' and re-timing's
     started = time.monotonic()
     deadline = None if cfg.budget_s is None else started + cfg.budget_s
     # the search leaves a quarter of the budget to the re-timing that follows it
@@ -822,7 +855,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         st = study if wid == 0 else _load_study(name, url, cfg.seed + wid, space, sampler)
         try:
             obj = _Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
-                             space=space, cfg=cfg, timer=timer, aot=aot)
+                             space=space, cfg=cfg, timer=timer, aot=aot, timing=mode)
         except Cancelled:  # the run's pool was cancelled before this worker took its own
             return 0
         obj.deadline = deadline
@@ -902,10 +935,12 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                 result, stopped=f"stopped at budget ({cfg.budget_s:.0f} s) after "
                                 f"{finished[0]} of {cfg.n_trials} trials")
         result = _finalize(result, final_study, module, path, size=size, shapes=shapes,
-                           dims=dims, cfg=cfg, timer=timer, progress=prog, deadline=deadline)
+                           dims=dims, cfg=cfg, timer=timer, progress=prog, deadline=deadline,
+                           timing=mode)
         return dataclasses.replace(result, trials_run=finished[0], budget_s=cfg.budget_s,
                                    seconds=round(time.monotonic() - started, 2),
-                                   helper_trials=helped[0])
+                                   helper_trials=helped[0],
+                                   timing=mode.describe() if timing_is_real(timer) else None)
     finally:
         if own:
             prog.stop()
@@ -974,12 +1009,15 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
            shapes: list[list[int]] | None = None, dims: dict[str, int] | None = None,
            config: TuneConfig | None = None, timer: Timer | None = None,
            rounds: int | None = None, progress=None,
-           deadline: float | None = None) -> list[float | None]:
+           deadline: float | None = None, timing: _TimingMode | None = None
+           ) -> list[float | None]:
     """Median ms of each config over `rounds` interleaved rounds (the order rotates each round),
     on one worker after the search, when no check or compile competes for the machine. A search
     times each config once, amid other workers' compiles: one config timed 6.51 and 6.03 ms in
     two studies of one run (docs/LOG.md, fourth session). None: the config failed every round.
-    `deadline` (time.monotonic()): after the first round, no round starts once it has passed."""
+    `deadline` (time.monotonic()): after the first round, no round starts once it has passed.
+    `timing`: the study's way of timing; if a graph capture fails here, the rounds are timed
+    again by events, so that no median mixes the two."""
     import statistics
 
     from onboarding.generate.templating import load_module
@@ -989,26 +1027,36 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
     path = str(Path(module_path).resolve())
     module = load_module(path)
     obj = _Objective(path=path, module=module, size=size, shapes=shapes or [[size]], dims=dims,
-                     space={}, cfg=cfg, timer=timer, aot=_Aot())
-    times: list[list[float]] = [[] for _ in configs]
-    task = progress.add_task(f"re-timing {len(configs)} configs x {rounds} rounds",
-                             total=rounds * len(configs), best="-") if progress else None
+                     space={}, cfg=cfg, timer=timer, aot=_Aot(), timing=timing)
     try:
-        for r in range(rounds):
-            if r and deadline is not None and time.monotonic() >= deadline:
-                break
-            for j in range(len(configs)):
-                i = (j + r) % len(configs)
-                ms = obj.measure(dict(configs[i]), seed=cfg.seed * 100003 + 7919 * (r + 1) + i)
-                if ms is not None:
-                    times[i].append(ms)
-                if task is not None:
-                    done = [statistics.median(t) for t in times if t]
-                    progress.update(task, advance=1,
-                                    best=f"{min(done):.4g} ms" if done else "-")
+        graph = obj.timing.graph
+        times = _retime_rounds(obj, configs, cfg, rounds, progress, deadline)
+        if graph and not obj.timing.graph:  # a capture failed in these rounds: events for all
+            times = _retime_rounds(obj, configs, cfg, rounds, progress, deadline)
     finally:
         obj.close()
     return [statistics.median(t) if t else None for t in times]
+
+
+def _retime_rounds(obj: _Objective, configs: Sequence[dict[str, Any]], cfg: TuneConfig,
+                   rounds: int, progress, deadline: float | None) -> list[list[float]]:
+    import statistics
+
+    times: list[list[float]] = [[] for _ in configs]
+    task = progress.add_task(f"re-timing {len(configs)} configs x {rounds} rounds",
+                             total=rounds * len(configs), best="-") if progress else None
+    for r in range(rounds):
+        if r and deadline is not None and time.monotonic() >= deadline:
+            break
+        for j in range(len(configs)):
+            i = (j + r) % len(configs)
+            ms = obj.measure(dict(configs[i]), seed=cfg.seed * 100003 + 7919 * (r + 1) + i)
+            if ms is not None:
+                times[i].append(ms)
+            if task is not None:
+                done = [statistics.median(t) for t in times if t]
+                progress.update(task, advance=1, best=f"{min(done):.4g} ms" if done else "-")
+    return times
 
 
 def finalists(study, module: ModuleType, bucket: str, n: int = FINALISTS) -> list[dict]:
@@ -1034,7 +1082,7 @@ def timing_is_real(timer: Timer | None) -> bool:
 
 def _finalize(result: BucketResult, study, module: ModuleType, module_path, *, size: int,
               shapes, dims, cfg: TuneConfig, timer: Timer | None, progress=None,
-              deadline: float | None = None) -> BucketResult:
+              deadline: float | None = None, timing: _TimingMode | None = None) -> BucketResult:
     """Re-time the finalists with the default; the best and the default's time come from it.
     Past `deadline` (the study's budget spent) there is no re-timing: the search's timings
     stand, and `result.stopped` says so."""
@@ -1046,7 +1094,7 @@ def _finalize(result: BucketResult, study, module: ModuleType, module_path, *, s
                                    else why)
     configs = finalists(study, module, result.bucket)
     ms = retime(module_path, configs, size=size, shapes=shapes, dims=dims, config=cfg,
-                timer=timer, progress=progress, deadline=deadline)
+                timer=timer, progress=progress, deadline=deadline, timing=timing)
     final = {json.dumps(c, sort_keys=True): m for c, m in zip(configs, ms)}
     timed = [(m, c) for c, m in zip(configs, ms) if m is not None]
     if not timed:

@@ -45,6 +45,9 @@ class BucketResult:
     phase_s: dict[str, float] = field(default_factory=dict)
     # trials of `trials_run` that helpers ran (other studies' threads: `search.OpenSearches`)
     helper_trials: int = 0
+    # how its GPU timings were taken (`TuneConfig.timing`): "cuda-events", "cuda-graph", or
+    # events after a failed capture (and why); None where timing is not real (the interpreter)
+    timing: str | None = None
 
 
 def gpu_name() -> str:
@@ -233,6 +236,8 @@ def markdown_table(results: Iterable[BucketResult]) -> str:
     notes = [f"- `{r.bucket}`: {r.stopped}" for r in results if r.stopped]
     notes += [f"- `{r.bucket}`: {r.helper_trials} of its trials run by helpers (other studies' "
               f"threads)" for r in results if r.helper_trials]
+    notes += [f"- `{r.bucket}`: timed by {r.timing}" for r in results
+              if r.timing and r.timing != "cuda-events"]
     for r in results:  # where the study's time went (`search.phase_seconds`)
         if r.phase_s:
             notes.append(f"- `{r.bucket}`, trials' seconds by phase: "

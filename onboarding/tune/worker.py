@@ -682,9 +682,11 @@ def _step(entry, xs: list, cot: list) -> None:
         torch.autograd.grad(ys, leaves, cot[: len(ys)], allow_unused=True)
 
 
-def time_prepared(repeats: int) -> dict[str, Any]:
+def time_prepared(repeats: int, graph: bool = False) -> dict[str, Any]:
     """Median ms of forward + backward on the prepared inputs: CUDA events on a GPU, wall clock
-    (meaningless, kept short) in the interpreter."""
+    (meaningless, kept short) in the interpreter. `graph`: on a GPU, the step replayed as a CUDA
+    graph (kernels only: no Python or launch time, which other studies' builds on the host's
+    cores move); a step that cannot be captured is timed by events and `graph_error` says why."""
     import statistics
 
     if "entry" not in _PREPARED:
@@ -692,11 +694,23 @@ def time_prepared(repeats: int) -> dict[str, Any]:
     entry, xs, cot, device = (_PREPARED[k] for k in ("entry", "xs", "cot", "device"))
     try:
         if device.type == "cuda":
-            from onboarding.bench.harness import time_fn
+            from onboarding.bench.harness import graph_time, time_fn
 
-            ms = time_fn(lambda i: _step(entry, xs, cot), warmup=3, repeats=repeats,
-                         n_sets=1).median_ms
-            return {"ok": True, "stage": "timed", "time_ms": ms, "timing": "cuda-events"}
+            def step(i):
+                _step(entry, xs, cot)
+
+            why = None
+            if graph:
+                try:
+                    ms = graph_time(step, repeats=repeats).median_ms
+                    return {"ok": True, "stage": "timed", "time_ms": ms, "timing": "cuda-graph"}
+                except Exception as e:  # noqa: BLE001 (a host sync, or GPU values steering the host)
+                    why = f"{type(e).__name__}: {e}"[:300]
+            ms = time_fn(step, warmup=3, repeats=repeats, n_sets=1).median_ms
+            out = {"ok": True, "stage": "timed", "time_ms": ms, "timing": "cuda-events"}
+            if why:
+                out["graph_error"] = why
+            return out
         times = []
         for _ in range(min(repeats, 2)):
             t0 = time.perf_counter()
