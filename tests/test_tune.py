@@ -905,17 +905,25 @@ def test_a_study_thread_with_nothing_left_helps_the_searches_still_running(tmp_p
 
 def test_open_searches_pick_the_least_helped_and_close_what_has_nothing_left():
     """`OpenSearches.help`: a helper joins the open search with the fewest helpers, then the
-    fewest trials; one that answers 0 trials is closed and not joined again; at most
-    MAX_HELPERS at once in one search; `help` ends when none is open."""
+    first opened (the heaviest study); one that answers 0 trials is closed and not joined again;
+    at most MAX_HELPERS at once in one search; `help` ends when none is open."""
     board = tune.OpenSearches()
     calls = []
     a = tune._Search("a", lambda: calls.append("a") or (1 if calls.count("a") < 3 else 0))
     b = tune._Search("b", lambda: calls.append("b") or 0)
-    b.trials = 5
     board.add(a)
     board.add(b)
     assert board.help() == 2 and calls == ["a", "a", "a", "b"] and not board.open
     assert a.done and b.done and a.helpers == b.helpers == 0
+    calls.clear()
+    first, second = (tune._Search(n, lambda n=n: calls.append(n) or 0) for n in ("first", "second"))
+    board.add(first)
+    board.add(second)
+    second.helpers = 1
+    busy = tune._Search("busy", lambda: calls.append("busy") or 0)
+    board.open.insert(0, busy)
+    busy.helpers = 2  # opened first, but more helped than the others
+    assert board.help() == 0 and calls == ["first", "second", "busy"]
     full = tune._Search("c", lambda: 1)
     full.helpers = tune.OpenSearches.MAX_HELPERS
     board.add(full)

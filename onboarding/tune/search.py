@@ -374,7 +374,6 @@ class _Search:
     def __init__(self, name: str, join: Callable[[], int]) -> None:
         self.name, self.join = name, join
         self.helpers = 0  # helper threads in it now
-        self.trials = 0  # trials its helpers and own workers ran
         self.done = False  # nothing more to claim, or its own workers ended
 
 
@@ -402,12 +401,15 @@ class OpenSearches:
                 self.open.remove(search)
 
     def _pick(self) -> _Search | None:
-        """The open search with the fewest helpers, then the fewest trials run."""
+        """The open search with the fewest helpers, then the first opened: `tune_run` starts its
+        studies heaviest first (by the roofline time of the blocks each serves), and a light
+        study that started late ends soon without help. (By fewest trials run, helpers went to
+        the last, lightest study of the CPU's `onboard tune --parallel 6 --trials 3`.)"""
         with self.lock:
             live = [x for x in self.open if not x.done and x.helpers < self.MAX_HELPERS]
             if not live:
                 return None
-            pick = min(live, key=lambda x: (x.helpers, x.trials))
+            pick = min(live, key=lambda x: (x.helpers, self.open.index(x)))
             pick.helpers += 1
             return pick
 
@@ -872,9 +874,6 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                 _one_trial(st, obj, stop)
                 on_done(st)
                 ran += 1
-                if search is not None:
-                    with board.lock:
-                        search.trials += 1
         finally:
             obj.close()
         return ran
