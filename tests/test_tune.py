@@ -1308,6 +1308,35 @@ def test_a_build_pass_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkey
         obj.close()
 
 
+def test_an_aot_build_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkeypatch):
+    """The AOT gate's build gets at most what is left of the study's budget; one cut by it
+    raises `_OutOfBudget` (the trial is pruned as "budget") and is not cached, so the config is
+    built again later. Without a deadline a timeout is the gate's verdict on the config, cached."""
+    import time
+
+    mod = load_module(rms_path)
+    cfg = _cfg(tmp_path, isolate=False, aot=True, aot_timeout_s=50)
+    obj = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
+                          space={}, cfg=cfg, timer=None, aot=tune._Aot())
+    timeouts = []
+
+    def run(worker, op, args, timeout):
+        timeouts.append(timeout)
+        return {"ok": False, "stage": "timeout", "reason": "aot: timed out"}
+
+    monkeypatch.setattr(obj, "_run", run)
+    try:
+        obj.deadline = time.monotonic() + 5
+        with pytest.raises(tune._OutOfBudget, match="during the AOT build"):
+            obj._aot_reason({"BLOCK_N": 8})
+        assert 4 < timeouts[-1] <= 5 and not obj.aot.cache
+        obj.deadline = None
+        assert obj._aot_reason({"BLOCK_N": 8}) == "aot timeout: aot: timed out"
+        assert timeouts[-1] == 50 and len(obj.aot.cache) == 1
+    finally:
+        obj.close()
+
+
 def test_compile_ahead_passes_the_inputs_the_check_makes(tmp_path, monkeypatch):
     """The pass calls the entry with the check's inputs: the sample rounded to the tuned dtype,
     the timing inputs in the dtypes the family gives (GDN's gate stays fp32). Casting the

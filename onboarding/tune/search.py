@@ -460,6 +460,10 @@ def open_searches() -> OpenSearches | None:
     return _SEARCHES.get()
 
 
+class _OutOfBudget(Exception):
+    """A trial's build was cut by its study's budget: pruned as "budget", nothing cached."""
+
+
 class _Objective:
     """One per worker thread: holds a trial worker and an AOT worker subprocess (its own, or taken
     from the `shared_workers` pool and given back by `close`)."""
@@ -504,16 +508,27 @@ class _Objective:
         except WorkerDied as e:
             return {"ok": False, "stage": "crash", "reason": f"{op}: {e}"}
 
+    def _within_budget(self, timeout: float) -> float:
+        """`timeout`, or what is left of the study's budget (`deadline`) when that is less."""
+        if self.deadline is None:
+            return timeout
+        return max(0.0, min(timeout, self.deadline - time.monotonic()))
+
     def _aot_reason(self, config: dict, trial=None) -> str:
         """Why the AOT gate prunes `config` ("": kept); records its registers and spills on
-        `trial`."""
+        `trial`. A build cut by the study's budget raises `_OutOfBudget` (and is not cached:
+        the config is not wrong)."""
         key = self.aot.key(self.path, config, self.cfg.dtype, self.size)
         with self.aot.lock:
             hit = self.aot.cache.get(key)
         if hit is None:
+            timeout = self._within_budget(self.cfg.aot_timeout_s)
             hit = self._run(self.aot_worker, "aot", {"path": self.path, "config": config,
                                                      "dtype": self.cfg.dtype, "size": self.size},
-                            self.cfg.aot_timeout_s)
+                            timeout)
+            if hit.get("stage") == "timeout" and timeout < self.cfg.aot_timeout_s:
+                raise _OutOfBudget(f"the study's budget ran out during the AOT build "
+                                   f"({timeout:.1f} s left)")
             with self.aot.lock:
                 self.aot.cache[key] = hit
         if not hit["ok"]:
@@ -576,10 +591,7 @@ class _Objective:
         timeout). Without the bound, the first GPU run's moe_experts pass (~35 s) ended its
         study 24 s past the budget (docs/LOG.md, forty-sixth session)."""
         tc = time.monotonic()
-        timeout = self.cfg.trial_timeout_s
-        left = None if self.deadline is None else self.deadline - tc
-        if left is not None and left < timeout:
-            timeout = max(left, 0.0)
+        timeout = self._within_budget(self.cfg.trial_timeout_s)
         pre = self._run(self.trial_worker, "compile", args, timeout)
         seconds["compile"] = time.monotonic() - tc
         if pre["stage"] == "timeout" and timeout < self.cfg.trial_timeout_s:
@@ -617,11 +629,14 @@ class _Objective:
         seconds: dict[str, float] = {}
         if self.use_aot:
             t0 = time.monotonic()
-            why = self._aot_reason(config, trial)
+            try:
+                why, stage = self._aot_reason(config, trial), "aot"
+            except _OutOfBudget as e:
+                why, stage = str(e), "budget"
             seconds["aot"] = time.monotonic() - t0
             if why:
                 trial.set_user_attr("seconds", _rounded(seconds))
-                raise self._prune(trial, "aot", why)
+                raise self._prune(trial, stage, why)
         res = self._check_and_time(config, self.cfg.seed * 100003 + trial.number, seconds, trial)
         trial.set_user_attr("seconds", _rounded(seconds))
         trial.set_user_attr("stage", res["stage"])
