@@ -166,7 +166,8 @@ class TuneConfig:
     # the AOT gate (step 1 of the module docstring). None: on where kernels run in the interpreter
     # (no other sm_90 build to judge a config by), off on a GPU host, where the check's JIT build is
     # the GPU's own and its usage (`worker.jit_usage`) is judged by the same limits instead: the
-    # gate's build of every trial's config was a second compile on the GPU host's cores
+    # gate's build of every trial's config was a second compile on the GPU host's cores. A build
+    # gets at most what is left of the study's budget (then its trial is pruned as "budget").
     aot: bool | None = None
     aot_timeout_s: float = 300.0
     limits: Limits = field(default_factory=Limits)
