@@ -73,6 +73,13 @@ def rms_path(tmp_path_factory):
     return render_to(tmp_path_factory.mktemp("kernels"), "rmsnorm", "plain")
 
 
+def _rms_objective(rms_path, cfg, **kw):
+    """One worker's objective over the rendered RMSNorm module at size 64 (its own AOT cache)."""
+    return tune._Objective(path=str(rms_path), module=load_module(rms_path), size=64,
+                           shapes=[[64]], dims=None, space={}, cfg=cfg, timer=None,
+                           aot=tune._Aot(), **kw)
+
+
 def _cfg(tmp_path, **kw):
     base = dict(storage_dir=tmp_path / "studies", aot=False, progress=False, repeats=1,
                 trial_timeout_s=20, warm_start=False, final_rounds=0)
@@ -1030,12 +1037,10 @@ def test_aot_gate_and_builds_ahead_default_follow_the_interpreter(tmp_path, rms_
     """TuneConfig.aot None: the gate runs where kernels run in the interpreter and not on a GPU
     host, which then starts no AOT worker; compile_ahead None: the other way round (a GPU host
     builds a config's kernels before its check); True / False are taken as asked."""
-    mod = load_module(rms_path)
 
     def objective(interp, **kw):
         monkeypatch.setattr(tune, "on_gpu", lambda: not interp)
-        return tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                               space={}, cfg=_cfg(tmp_path, **kw), timer=None, aot=tune._Aot())
+        return _rms_objective(rms_path, _cfg(tmp_path, **kw))
 
     for aot, interp, want in ((None, True, True), (None, False, False), (True, False, True),
                               (False, True, False)):
@@ -1108,10 +1113,8 @@ def test_gpu_gate_strict_keeps_checks_off_a_timing_and_overlap_lets_them_run_bes
                 else {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"})
 
     monkeypatch.setattr(tune, "handle", fake)
-    mod = load_module(rms_path)
     cfg = _cfg(tmp_path, isolate=False, gpu_gate=gate)
-    objs = [tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                            space={}, cfg=cfg, timer=None, aot=tune._Aot()) for _ in range(3)]
+    objs = [_rms_objective(rms_path, cfg) for _ in range(3)]
     try:
         timer = threading.Thread(target=objs[0]._check_and_time, args=({}, 0))
         timer.start()
@@ -1212,10 +1215,8 @@ def test_compile_ahead_builds_beside_a_timing_and_the_check_still_waits(tmp_path
     import time
 
     spans = _gate_spans(monkeypatch)
-    mod = load_module(rms_path)
     cfg = _cfg(tmp_path, isolate=False, compile_ahead=True)
-    objs = [tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                            space={}, cfg=cfg, timer=None, aot=tune._Aot()) for _ in range(2)]
+    objs = [_rms_objective(rms_path, cfg) for _ in range(2)]
     seconds: list[dict] = [{}, {}]
     try:
         first = threading.Thread(target=objs[0]._check_and_time, args=({}, 0, seconds[0]))
@@ -1241,10 +1242,8 @@ def test_a_build_pass_that_errs_or_dies_leaves_the_trial_to_the_check(tmp_path, 
     """A pass that raises: the check goes on. One whose worker dies or times out: the check goes
     on too (it builds one kernel at a time, as without the pass), and the objective makes no more
     passes."""
-    mod = load_module(rms_path)
     cfg = _cfg(tmp_path, isolate=False, compile_ahead=True)
-    obj = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                          space={}, cfg=cfg, timer=None, aot=tune._Aot())
+    obj = _rms_objective(rms_path, cfg)
     try:
         spans = _gate_spans(monkeypatch, {"compile": {"ok": False, "stage": "error",
                                                       "reason": "KeyError: 'x'"}})
@@ -1261,8 +1260,7 @@ def test_a_build_pass_that_errs_or_dies_leaves_the_trial_to_the_check(tmp_path, 
         assert "compile" not in spans and len(spans["check"]) == 1
     finally:
         obj.close()
-    off = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                          space={}, cfg=_cfg(tmp_path, isolate=False), timer=None, aot=tune._Aot())
+    off = _rms_objective(rms_path, _cfg(tmp_path, isolate=False))
     try:  # the default off a GPU: no build ahead (the interpreter builds nothing)
         spans = _gate_spans(monkeypatch)
         off._check_and_time({}, 0)
@@ -1278,10 +1276,8 @@ def test_a_build_pass_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkey
     goes on and the passes stop, as before."""
     import time
 
-    mod = load_module(rms_path)
     cfg = _cfg(tmp_path, isolate=False, compile_ahead=True, trial_timeout_s=50)
-    obj = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                          space={}, cfg=cfg, timer=None, aot=tune._Aot())
+    obj = _rms_objective(rms_path, cfg)
     calls = []
 
     def run(worker, op, args, timeout):
@@ -1314,10 +1310,8 @@ def test_an_aot_build_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkey
     built again later. Without a deadline a timeout is the gate's verdict on the config, cached."""
     import time
 
-    mod = load_module(rms_path)
     cfg = _cfg(tmp_path, isolate=False, aot=True, aot_timeout_s=50)
-    obj = tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                          space={}, cfg=cfg, timer=None, aot=tune._Aot())
+    obj = _rms_objective(rms_path, cfg)
     timeouts = []
 
     def run(worker, op, args, timeout):
@@ -1396,12 +1390,9 @@ def test_a_study_times_by_graph_until_a_capture_fails_then_by_events(tmp_path, r
         return {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"}
 
     monkeypatch.setattr(tune, "handle", fake)
-    mod = load_module(rms_path)
     cfg = _cfg(tmp_path, isolate=False, timing="graph")
     mode = tune._TimingMode("graph")
-    objs = [tune._Objective(path=str(rms_path), module=mod, size=64, shapes=[[64]], dims=None,
-                            space={}, cfg=cfg, timer=None, aot=tune._Aot(), timing=mode)
-            for _ in range(2)]
+    objs = [_rms_objective(rms_path, cfg, timing=mode) for _ in range(2)]
     try:
         for i in range(5):
             objs[i % 2]._check_and_time({}, i)
