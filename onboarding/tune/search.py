@@ -217,7 +217,7 @@ class TuneConfig:
     # forward + backward step (Python and launch time included); "graph", the step replayed as a
     # CUDA graph (kernels only). A study whose step cannot be captured times by events from then
     # on, and its result says why (`BucketResult.timing`). The forty-sixth session's runs on one
-    # H100 timed one default config at 0.376-0.584 ms (events) in three runs. Not yet timed on a
+    # H100 timed one default config at 0.376-0.582 ms (events) in three runs. Not yet timed on a
     # GPU, so not the default.
     timing: str = "events"
     # A run's study threads with no study left to start join the searches still running as one
