@@ -509,11 +509,17 @@ class _Objective:
         except WorkerDied as e:
             return {"ok": False, "stage": "crash", "reason": f"{op}: {e}"}
 
-    def _within_budget(self, timeout: float) -> float:
-        """`timeout`, or what is left of the study's budget (`deadline`) when that is less."""
-        if self.deadline is None:
-            return timeout
-        return max(0.0, min(timeout, self.deadline - time.monotonic()))
+    def _run_in_budget(self, worker: Worker, op: str, args: dict, limit: float, what: str
+                       ) -> tuple[dict[str, Any], str | None]:
+        """`_run` with `limit`, or what is left of the study's budget (`deadline`) when that is
+        less, as its timeout. The second value is why, when the budget and not `limit` cut it
+        (`what`: the build it cut)."""
+        timeout = limit if self.deadline is None else \
+            max(0.0, min(limit, self.deadline - time.monotonic()))
+        res = self._run(worker, op, args, timeout)
+        if res.get("stage") == "timeout" and timeout < limit:
+            return res, f"the study's budget ran out during the {what} ({timeout:.1f} s left)"
+        return res, None
 
     def _aot_reason(self, config: dict, trial=None) -> str:
         """Why the AOT gate prunes `config` ("": kept); records its registers and spills on
@@ -523,13 +529,12 @@ class _Objective:
         with self.aot.lock:
             hit = self.aot.cache.get(key)
         if hit is None:
-            timeout = self._within_budget(self.cfg.aot_timeout_s)
-            hit = self._run(self.aot_worker, "aot", {"path": self.path, "config": config,
-                                                     "dtype": self.cfg.dtype, "size": self.size},
-                            timeout)
-            if hit.get("stage") == "timeout" and timeout < self.cfg.aot_timeout_s:
-                raise _OutOfBudget(f"the study's budget ran out during the AOT build "
-                                   f"({timeout:.1f} s left)")
+            hit, cut = self._run_in_budget(
+                self.aot_worker, "aot", {"path": self.path, "config": config,
+                                         "dtype": self.cfg.dtype, "size": self.size},
+                self.cfg.aot_timeout_s, "AOT build")
+            if cut:
+                raise _OutOfBudget(cut)
             with self.aot.lock:
                 self.aot.cache[key] = hit
         if not hit["ok"]:
@@ -592,13 +597,10 @@ class _Objective:
         timeout). Without the bound, the first GPU run's moe_experts pass (~35 s) ended its
         study 24 s past the budget (docs/LOG.md, forty-sixth session)."""
         tc = time.monotonic()
-        timeout = self._within_budget(self.cfg.trial_timeout_s)
-        pre = self._run(self.trial_worker, "compile", args, timeout)
+        pre, cut = self._run_in_budget(self.trial_worker, "compile", args,
+                                       self.cfg.trial_timeout_s, "compile pass")
         seconds["compile"] = time.monotonic() - tc
-        if pre["stage"] == "timeout" and timeout < self.cfg.trial_timeout_s:
-            return {"ok": False, "stage": "budget",
-                    "reason": f"the study's budget ran out during the compile pass ({timeout:.1f} s left)"}
-        return pre
+        return {"ok": False, "stage": "budget", "reason": cut} if cut else pre
 
     def measure(self, config: dict, seed: int) -> float | None:
         """Check and time one config outside any trial; None when it fails either."""
