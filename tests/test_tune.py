@@ -916,22 +916,22 @@ def test_open_searches_pick_the_least_helped_and_close_what_has_nothing_left():
     at most MAX_HELPERS at once in one search; `help` ends when none is open."""
     board = tune.OpenSearches()
     calls = []
-    a = tune._Search("a", lambda: calls.append("a") or (1 if calls.count("a") < 3 else 0))
-    b = tune._Search("b", lambda: calls.append("b") or 0)
+    a = tune._Search(lambda: calls.append("a") or (1 if calls.count("a") < 3 else 0))
+    b = tune._Search(lambda: calls.append("b") or 0)
     board.add(a)
     board.add(b)
     assert board.help() == 2 and calls == ["a", "a", "a", "b"] and not board.open
     assert a.done and b.done and a.helpers == b.helpers == 0
     calls.clear()
-    first, second = (tune._Search(n, lambda n=n: calls.append(n) or 0) for n in ("first", "second"))
+    first, second = (tune._Search(lambda n=n: calls.append(n) or 0) for n in ("first", "second"))
     board.add(first)
     board.add(second)
     second.helpers = 1
-    busy = tune._Search("busy", lambda: calls.append("busy") or 0)
+    busy = tune._Search(lambda: calls.append("busy") or 0)
     board.open.insert(0, busy)
     busy.helpers = 2  # opened first, but more helped than the others
     assert board.help() == 0 and calls == ["first", "second", "busy"]
-    full = tune._Search("c", lambda: 1)
+    full = tune._Search(lambda: 1)
     full.helpers = tune.OpenSearches.MAX_HELPERS
     board.add(full)
     assert board.help() == 0  # no room in it

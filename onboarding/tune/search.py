@@ -372,8 +372,8 @@ _POOL: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("tune_
 class _Search:
     """A study's search in flight, as helpers see it (`OpenSearches`)."""
 
-    def __init__(self, name: str, join: Callable[[], int]) -> None:
-        self.name, self.join = name, join
+    def __init__(self, join: Callable[[], int]) -> None:
+        self.join = join
         self.helpers = 0  # helper threads in it now
         self.done = False  # nothing more to claim, or its own workers ended
 
@@ -407,7 +407,7 @@ class OpenSearches:
         study that started late ends soon without help. (By fewest trials run, helpers went to
         the last, lightest study of the CPU's `onboard tune --parallel 6 --trials 3`.)"""
         with self.lock:
-            live = [x for x in self.open if not x.done and x.helpers < self.MAX_HELPERS]
+            live = [x for x in self.open if x.helpers < self.MAX_HELPERS]  # (closed: not there)
             if not live:
                 return None
             pick = min(live, key=lambda x: (x.helpers, self.open.index(x)))
@@ -917,7 +917,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                 helped[0] += n
                 helpers.notify_all()
 
-    search = _Search(name, join) if board is not None and cfg.join_studies else None
+    search = _Search(join) if board is not None and cfg.join_studies else None
 
     optuna = _optuna()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
