@@ -601,13 +601,14 @@ def test_run_hands_its_gpu_sharing_choices_to_the_tune_stage(workdir, monkeypatc
         (gate, ahead, join)
 
 
-@pytest.mark.parametrize("flags,ahead,join,timing", [
-    ([], None, True, "events"),
-    (["--no-compile-ahead", "--no-join-studies", "--timing", "graph"], False, False, "graph")])
-def test_tune_hands_its_gpu_sharing_choices_to_tune_config(tmp_path, monkeypatch, flags, ahead,
-                                                           join, timing):
-    """`onboard tune --no-compile-ahead / --no-join-studies / --timing` reach TuneConfig (the
-    model's tuning itself faked)."""
+@pytest.mark.parametrize("flags,gate,ahead,join,timing", [
+    ([], "strict", None, True, "events"),
+    (["--gpu-gate", "overlap", "--no-compile-ahead", "--no-join-studies", "--timing", "graph"],
+     "overlap", False, False, "graph")])
+def test_tune_hands_its_gpu_sharing_choices_to_tune_config(tmp_path, monkeypatch, flags, gate,
+                                                           ahead, join, timing):
+    """`onboard tune --gpu-gate / --no-compile-ahead / --no-join-studies / --timing` reach
+    TuneConfig (the model's tuning itself faked)."""
     from rich.console import Console
 
     from onboarding.cli import tune as tune_cli
@@ -617,5 +618,6 @@ def test_tune_hands_its_gpu_sharing_choices_to_tune_config(tmp_path, monkeypatch
     monkeypatch.setattr(tune_cli, "_tune_model", lambda args, cfg, console: seen.setdefault("cfg", cfg) and 0)
     args = build_parser().parse_args(["tune", "--out", str(tmp_path / "r"), *flags])
     tune_cli.cmd_tune(args, Console(record=True))
-    assert (seen["cfg"].compile_ahead, seen["cfg"].join_studies, seen["cfg"].timing) == \
-        (ahead, join, timing)
+    cfg = seen["cfg"]
+    assert (cfg.gpu_gate, cfg.compile_ahead, cfg.join_studies, cfg.timing) == \
+        (gate, ahead, join, timing)

@@ -62,6 +62,33 @@ def verbosity_options(p: argparse.ArgumentParser, default=0) -> None:
                    help="errors only: no progress, tables or summaries (--json still prints)")
 
 
+def gpu_sharing_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """How tuning shares a GPU host (`TuneConfig.gpu_gate`, `compile_ahead`, `join_studies`):
+    the same flags for `onboard tune` and, as `--tune-...`, for `onboard run`."""
+    from onboarding.tune.search import GPU_GATES
+
+    p.add_argument(f"--{prefix}gpu-gate", choices=GPU_GATES, default="strict",
+                   help="how tuning's checks and timings share the GPU: strict (a timing has it "
+                        "alone; checks wait) or overlap (timings alone among themselves, checks "
+                        "beside them; the finalists are re-timed after every search); default "
+                        "strict")
+    p.add_argument(f"--{prefix}no-compile-ahead", action="store_true",
+                   help="on a GPU host, let each tuning check JIT-compile its config's kernels "
+                        "while it holds the GPU, instead of building them first outside it")
+    p.add_argument(f"--{prefix}no-join-studies", action="store_true",
+                   help="with studies at once (a GPU host), keep each study to its own worker "
+                        "instead of letting a study thread with none left to start join the "
+                        "searches still running")
+
+
+def gpu_sharing(args: argparse.Namespace, prefix: str = "") -> dict:
+    """`gpu_sharing_options`' values as TuneConfig's keyword arguments."""
+    a = prefix.replace("-", "_")
+    return {"gpu_gate": getattr(args, f"{a}gpu_gate"),
+            "compile_ahead": False if getattr(args, f"{a}no_compile_ahead") else None,
+            "join_studies": not getattr(args, f"{a}no_join_studies")}
+
+
 def command_parser(sub, name: str, **kw) -> argparse.ArgumentParser:
     """A subcommand's parser. It takes `--families`, `-v` and `-q` too (`onboard map X
     --families DIR -q`); SUPPRESS keeps a value given before the command when none comes after

@@ -14,11 +14,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from onboarding.cli.common import command_parser, model_options, model_spec, selected_kernels
+from onboarding.cli.common import (command_parser, gpu_sharing, gpu_sharing_options, model_options,
+                                   model_spec, selected_kernels)
 from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError
 from onboarding.formatting import count
 from onboarding.load.overrides import nonneg_int, positive_int
-from onboarding.tune.search import GPU_GATES
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -38,18 +38,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for the whole tune stage, shared by its studies (kernel x "
                         "shape bucket); no trial starts once a study's share is spent (default "
                         "90; 0: no time limit, --tune-trials alone)")
-    r.add_argument("--tune-gpu-gate", choices=GPU_GATES, default="strict",
-                   help="how tuning's checks and timings share the GPU: strict (a timing has it "
-                        "alone; checks wait) or overlap (timings alone "
-                        "among themselves, checks beside them; the finalists are re-timed after "
-                        "every search); default strict")
-    r.add_argument("--tune-no-compile-ahead", action="store_true",
-                   help="on a GPU host, let each tuning check JIT-compile its config's kernels "
-                        "while it holds the GPU, instead of building them first outside it")
-    r.add_argument("--tune-no-join-studies", action="store_true",
-                   help="with studies at once (a GPU host), keep each study to its own worker "
-                        "instead of letting a study thread with none left to start join the "
-                        "searches still running")
+    gpu_sharing_options(r, "tune-")
     r.add_argument("--tune-parallel", type=positive_int, default=None, metavar="N",
                    help="studies tuned at once, each compiling on its own workers while the "
                         "timings take the GPU in turn (default: three per four cores on a "
@@ -155,9 +144,8 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
             strict=args.strict, llm=llm_url(args), llm_model=args.llm_model,
             llm_attempts=args.llm_attempts, generate_budget_s=args.generate_budget,
             tune_trials=args.tune_trials, tune_budget_s=args.tune_budget,
-            tune_parallel=args.tune_parallel, tune_gpu_gate=args.tune_gpu_gate,
-            tune_compile_ahead=False if args.tune_no_compile_ahead else None,
-            tune_join_studies=not args.tune_no_join_studies,
+            tune_parallel=args.tune_parallel,
+            **{f"tune_{k}": v for k, v in gpu_sharing(args, "tune-").items()},
             # the vision tower alone is not trained (training takes the language model)
             train_steps=0 if spec.part == "vision" else args.train_steps,
             train_nproc=args.train_nproc,

@@ -9,11 +9,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from onboarding.cli.common import command_parser, model_options, model_spec, torch_cuda_available
+from onboarding.cli.common import (command_parser, gpu_sharing, gpu_sharing_options, model_options,
+                                   model_spec, torch_cuda_available)
 from onboarding.errors import EXIT_OK, InputError
 from onboarding.rundir import RUN_FILE, check_out, owned_dir, write_json
 from onboarding.load.overrides import positive_int_list
-from onboarding.tune.search import GPU_GATES, TIMINGS
+from onboarding.tune.search import TIMINGS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -41,9 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="seconds for all of this command's tuning, split over its studies "
                         "(kernel x shape bucket; time one leaves passes on); no trial starts "
                         "once a study's share is spent (default: no time limit)")
-    t.add_argument("--gpu-gate", choices=GPU_GATES, default="strict",
-                   help="how checks and timings share the GPU: strict (a timing has it alone) or "
-                        "overlap (timings alone among themselves, checks beside them); default strict")
+    gpu_sharing_options(t)
     t.add_argument("--parallel", type=int, default=None, metavar="N",
                    help="studies of a model's run tuned at once, each on its own workers "
                         "(default: three per four cores on a GPU host, one on the CPU)")
@@ -63,18 +62,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--no-aot", action="store_true",
                    help="skip the sm_90 ahead-of-time gate (on a GPU host it is off anyway: the "
                         "check's own builds are judged by the same limits)")
-    t.add_argument("--no-compile-ahead", action="store_true",
-                   help="on a GPU host, let each check JIT-compile its config's kernels while it "
-                        "holds the GPU gate, instead of building them first outside it")
     t.add_argument("--timing", choices=TIMINGS, default="events",
                    help="how a trial is timed on a GPU: events (CUDA events around launched "
                         "steps, Python and launch time included; default) or graph (the step "
                         "replayed as a CUDA graph: kernels only; a step that cannot be captured "
                         "falls back to events)")
-    t.add_argument("--no-join-studies", action="store_true",
-                   help="with studies at once (a GPU host), keep each study to its own worker: "
-                        "by default a study thread with no study left to start joins the "
-                        "searches still running")
     t.add_argument("--compare-grid", action="store_true",
                    help="instead of --trials: run the exhaustive grid of the space and a "
                         "TPE study with --tpe-fraction of the grid's trials (separate, "
@@ -133,9 +125,8 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
                      aot=False if args.no_aot else None, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
-                     seed=args.seed, parallel_studies=args.parallel, gpu_gate=args.gpu_gate,
-                     compile_ahead=False if args.no_compile_ahead else None,
-                     join_studies=not args.no_join_studies, timing=args.timing)
+                     seed=args.seed, parallel_studies=args.parallel, timing=args.timing,
+                     **gpu_sharing(args))
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:
         if args.shapes or args.dims or args.compare_grid:
