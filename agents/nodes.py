@@ -245,7 +245,7 @@ def tune_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
     cfg = TuneConfig(n_trials=trials, n_workers=c.tune_workers, aot=c.tune_aot, seed=c.seed,
                      progress=False, storage_dir=run_dir, parallel_studies=c.tune_parallel,
                      gpu_gate=c.tune_gpu_gate, compile_ahead=c.tune_compile_ahead,
-                     join_studies=c.tune_join_studies)
+                     join_studies=c.tune_join_studies, timing=c.tune_timing)
     data = tune_run(run_dir, cfg, families=c.tune_kernels if c.tune_kernels is not None
                     else c.align_kernels, on_step=lambda s: step(f"tuning {s}"),
                     budget_s=seconds)

@@ -46,6 +46,8 @@ class RunConfig(BaseModel):
     # a study thread with no study left to start joins the searches still running
     # (`TuneConfig.join_studies`)
     tune_join_studies: bool = True
+    # how the tune stage times a trial on a GPU (`TuneConfig.timing`)
+    tune_timing: Literal["events", "graph"] = "graph"
     # plan node: the full-size model's memory, communication and step time on plan_gpus GPUs
     # (None: this machine's, 8 without a GPU) at plan_seq tokens per sequence, LoRA
     plan_gpus: int | None = Field(None, ge=1)

@@ -568,25 +568,21 @@ def test_run_summary_screen_has_one_verdict_line_per_stage(tmp_path):
     assert "train:    not run (skipped: no GPU (set ...))" in text
 
 
-@pytest.mark.parametrize("flags,gate,ahead", [([], "strict", None),
-                                               (["--tune-gpu-gate", "overlap",
-                                                 "--tune-no-compile-ahead",
-                                                 "--tune-no-join-studies"], "overlap", False)])
-def test_run_hands_its_gpu_sharing_choices_to_the_tune_stage(workdir, monkeypatch, flags, gate,
-                                                             ahead):
-    """`onboard run --tune-gpu-gate / --tune-no-compile-ahead / --tune-no-join-studies` reach the
-    RunConfig, and the tune node gives them to TuneConfig (the tune stage itself faked: no GPU
-    here)."""
+@pytest.mark.parametrize("flags,want", [
+    ([], ("strict", None, True, "graph")),
+    (["--tune-gpu-gate", "overlap", "--tune-no-compile-ahead", "--tune-no-join-studies",
+      "--tune-timing", "events"], ("overlap", False, False, "events"))])
+def test_run_hands_its_gpu_sharing_choices_to_the_tune_stage(workdir, monkeypatch, flags, want):
+    """`onboard run --tune-gpu-gate / --tune-no-compile-ahead / --tune-no-join-studies /
+    --tune-timing` reach the RunConfig as `onboard run` builds it, and the tune node gives them to
+    TuneConfig (the tune stage itself faked: no GPU here)."""
+    from agents.nodes import tune_node
+    from agents.state import RunConfig, RunState
+    from onboarding.cli.common import gpu_sharing
     from onboarding.cli.main import build_parser
     from onboarding.tune import run as tune_run_mod
 
     args = build_parser().parse_args(["run", *flags])
-    assert (args.tune_gpu_gate, args.tune_no_compile_ahead) == (gate, ahead is False)
-    join = not args.tune_no_join_studies
-    assert join is (ahead is None)
-    from agents.nodes import tune_node
-    from agents.state import RunConfig, RunState
-
     seen = {}
 
     def fake(run_dir, cfg, **kw):
@@ -595,16 +591,16 @@ def test_run_hands_its_gpu_sharing_choices_to_the_tune_stage(workdir, monkeypatc
 
     monkeypatch.setattr(tune_run_mod, "tune_run", fake)
     (workdir / "r").mkdir()
-    tune_node(RunState(config=RunConfig(tune_trials=1, tune_gpu_gate=gate, tune_compile_ahead=ahead,
-                                        tune_join_studies=join), run_dir="r"))
-    assert (seen["cfg"].gpu_gate, seen["cfg"].compile_ahead, seen["cfg"].join_studies) == \
-        (gate, ahead, join)
+    config = RunConfig(tune_trials=1, **{f"tune_{k}": v for k, v in gpu_sharing(args, "tune-").items()})
+    tune_node(RunState(config=config, run_dir="r"))
+    cfg = seen["cfg"]
+    assert (cfg.gpu_gate, cfg.compile_ahead, cfg.join_studies, cfg.timing) == want
 
 
 @pytest.mark.parametrize("flags,gate,ahead,join,timing", [
-    ([], "strict", None, True, "events"),
-    (["--gpu-gate", "overlap", "--no-compile-ahead", "--no-join-studies", "--timing", "graph"],
-     "overlap", False, False, "graph")])
+    ([], "strict", None, True, "graph"),
+    (["--gpu-gate", "overlap", "--no-compile-ahead", "--no-join-studies", "--timing", "events"],
+     "overlap", False, False, "events")])
 def test_tune_hands_its_gpu_sharing_choices_to_tune_config(tmp_path, monkeypatch, flags, gate,
                                                            ahead, join, timing):
     """`onboard tune --gpu-gate / --no-compile-ahead / --no-join-studies / --timing` reach

@@ -238,7 +238,8 @@ def test_tuned_json_round_trip_and_dispatch(tmp_path):
                           best_ms=1.0, default_ms=2.0, n_trials=5, n_complete=5, pruned={}, history=[]),
         tune.BucketResult(bucket="d_le_4k", study_name="s2", best_config={"BLOCK_N": 2, "num_warps": 16},
                           best_ms=1.0, default_ms=1.5, n_trials=5, n_complete=4,
-                          pruned={"aot": 1}, history=[]),
+                          pruned={"aot": 1}, history=[],
+                          timing="cuda-events (graph capture failed: RuntimeError: capture)"),
     ]
     out = tune.write_tuned(path, results[:1], dtype="bf16")
     tune.write_tuned(path, results[1:], dtype="bf16")  # merges, keeps d_le_512
@@ -248,6 +249,12 @@ def test_tuned_json_round_trip_and_dispatch(tmp_path):
     entry = data["buckets"]["d_le_4k"]
     for key in ("gpu", "torch", "triton", "date", "trials", "study", "dtype"):
         assert key in entry
+    # each bucket says how its study timed it; a result without one, how this host times
+    assert entry["timing"] == "cuda-events (graph capture failed: RuntimeError: capture)"
+    assert data["buckets"]["d_le_512"]["timing"] == "cpu-wallclock (meaningless)"
+    notes = tune.markdown_table(results)
+    assert "`d_le_4k`: timed by cuda-events (graph capture failed" in notes
+    assert "`d_le_512`: timed by" not in notes
     mod = load_module(path)
     def own(name):  # keys a tuned.json leaves out keep the bucket's own values
         return {**mod.DEFAULT_CONFIG, **next(b["config"] for b in mod.SHAPE_BUCKETS

@@ -63,9 +63,9 @@ def verbosity_options(p: argparse.ArgumentParser, default=0) -> None:
 
 
 def gpu_sharing_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
-    """How tuning shares a GPU host (`TuneConfig.gpu_gate`, `compile_ahead`, `join_studies`):
-    the same flags for `onboard tune` and, as `--tune-...`, for `onboard run`."""
-    from onboarding.tune.search import GPU_GATES
+    """How tuning shares a GPU host (`TuneConfig.gpu_gate`, `compile_ahead`, `join_studies`,
+    `timing`): the same flags for `onboard tune` and, as `--tune-...`, for `onboard run`."""
+    from onboarding.tune.search import GPU_GATES, TIMINGS
 
     p.add_argument(f"--{prefix}gpu-gate", choices=GPU_GATES, default="strict",
                    help="how tuning's checks and timings share the GPU: strict (a timing has it "
@@ -79,6 +79,11 @@ def gpu_sharing_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help="with studies at once (a GPU host), keep each study to its own worker "
                         "instead of letting a study thread with none left to start join the "
                         "searches still running")
+    p.add_argument(f"--{prefix}timing", choices=TIMINGS, default="graph",
+                   help="how a trial is timed on a GPU: graph (the step replayed as a CUDA graph: "
+                        "its kernels only; a step that cannot be captured falls back to events; "
+                        "default) or events (CUDA events around launched steps: the host's "
+                        "Python and launch time included, which the other studies' builds move)")
 
 
 def gpu_sharing(args: argparse.Namespace, prefix: str = "") -> dict:
@@ -86,7 +91,8 @@ def gpu_sharing(args: argparse.Namespace, prefix: str = "") -> dict:
     a = prefix.replace("-", "_")
     return {"gpu_gate": getattr(args, f"{a}gpu_gate"),
             "compile_ahead": False if getattr(args, f"{a}no_compile_ahead") else None,
-            "join_studies": not getattr(args, f"{a}no_join_studies")}
+            "join_studies": not getattr(args, f"{a}no_join_studies"),
+            "timing": getattr(args, f"{a}timing")}
 
 
 def command_parser(sub, name: str, **kw) -> argparse.ArgumentParser:

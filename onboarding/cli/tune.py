@@ -14,7 +14,6 @@ from onboarding.cli.common import (command_parser, gpu_sharing, gpu_sharing_opti
 from onboarding.errors import EXIT_OK, InputError
 from onboarding.rundir import RUN_FILE, check_out, owned_dir, write_json
 from onboarding.load.overrides import positive_int_list
-from onboarding.tune.search import TIMINGS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -62,11 +61,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--no-aot", action="store_true",
                    help="skip the sm_90 ahead-of-time gate (on a GPU host it is off anyway: the "
                         "check's own builds are judged by the same limits)")
-    t.add_argument("--timing", choices=TIMINGS, default="events",
-                   help="how a trial is timed on a GPU: events (CUDA events around launched "
-                        "steps, Python and launch time included; default) or graph (the step "
-                        "replayed as a CUDA graph: kernels only; a step that cannot be captured "
-                        "falls back to events)")
     t.add_argument("--compare-grid", action="store_true",
                    help="instead of --trials: run the exhaustive grid of the space and a "
                         "TPE study with --tpe-fraction of the grid's trials (separate, "
@@ -125,7 +119,7 @@ def cmd_tune(args: argparse.Namespace, console: Console) -> int:
                      dtype=args.dtype, repeats=args.repeats, trial_timeout_s=args.timeout,
                      aot=False if args.no_aot else None, space=_space(args.space) or None,
                      space_only=args.space_only, final_rounds=args.final_rounds,
-                     seed=args.seed, parallel_studies=args.parallel, timing=args.timing,
+                     seed=args.seed, parallel_studies=args.parallel,
                      **gpu_sharing(args))
     model_mode = args.model is not None or (args.kernel is None and args.out is not None)
     if model_mode:

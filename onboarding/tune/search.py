@@ -213,16 +213,21 @@ class TuneConfig:
     # nine studies where the check's JIT build under the gate gave 3, and limiting the passes to
     # four at once (4 threads each) gave 9-16 (docs/LOG.md, forty-sixth session).
     compile_ahead: bool | None = None
-    # How a trial is timed on a GPU (`TIMINGS`): "events", CUDA events around each launched
-    # forward + backward step (Python and launch time included); "graph", the step replayed as a
-    # CUDA graph (kernels only). A study whose step cannot be captured times by events from then
-    # on, and its result says why (`BucketResult.timing`). The forty-sixth session's runs on one
-    # H100 timed one default config at 0.376-0.582 ms (events) in three runs. Not yet timed on a
-    # GPU, so not the default.
-    timing: str = "events"
+    # How a trial is timed on a GPU (`TIMINGS`): "graph", the step replayed as a CUDA graph
+    # (kernels only); "events", CUDA events around each launched forward + backward step (Python
+    # and launch time included). A study whose step cannot be captured times by events from then
+    # on, and its result says why (`BucketResult.timing`). On one H100 with the example's eleven
+    # studies at once (`onboard tune --tune-budget 90`), graph captured every study's step and
+    # timed its kernels at 0.010-0.17 ms; events timed the same steps at 0.11-2.5 ms, set by the
+    # other studies' builds on the host's cores, not by the config: one default config took
+    # 0.114 and 0.233 ms in two runs (docs/LOG.md, forty-seventh session).
+    timing: str = "graph"
     # A run's study threads with no study left to start join the searches still running as one
     # more worker each (`OpenSearches`; at most 3 a search): the heaviest studies get the cores
-    # the light ones leave. Not yet timed on a GPU.
+    # the light ones leave. On one H100 (`onboard tune --tune-budget 90`, the example's eleven
+    # studies) moe_experts ran 8 trials with helpers and 3 without, gated_delta 10 and 7; two
+    # light studies helped in turn ended at 21 and 28 trials instead of 30 (docs/LOG.md,
+    # forty-seventh session).
     join_studies: bool = True
 
 
@@ -958,7 +963,8 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         return dataclasses.replace(result, trials_run=finished[0], budget_s=cfg.budget_s,
                                    seconds=round(time.monotonic() - started, 2),
                                    helper_trials=helped[0],
-                                   timing=mode.describe() if timing_is_real(timer) else None)
+                                   timing="injected timer" if timer
+                                   else mode.describe() if on_gpu() else None)
     finally:
         if own:
             prog.stop()

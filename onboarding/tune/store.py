@@ -151,8 +151,8 @@ def write_tuned(module_path: Path | str, results: Iterable[BucketResult], *, dty
             "trials": r.n_trials, "complete": r.n_complete, "pruned": r.pruned,
             "study": r.study_name, "dtype": dtype, "gpu": gpu or gpu_name(),
             "spill_bytes": r.spill_bytes[0],
-            "timing": timing or ("cuda-events" if gpu_name() != "cpu-interpreter"
-                                 else "cpu-wallclock (meaningless)"),
+            "timing": timing or r.timing or ("cuda-events" if gpu_name() != "cpu-interpreter"
+                                             else "cpu-wallclock (meaningless)"),
             "torch": torch.__version__, "triton": triton.__version__,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
@@ -237,7 +237,7 @@ def markdown_table(results: Iterable[BucketResult]) -> str:
     notes += [f"- `{r.bucket}`: {r.helper_trials} of its trials run by helpers (other studies' "
               f"threads)" for r in results if r.helper_trials]
     notes += [f"- `{r.bucket}`: timed by {r.timing}" for r in results
-              if r.timing and r.timing != "cuda-events"]
+              if r.timing and r.timing != "cuda-graph"]
     for r in results:  # where the study's time went (`search.phase_seconds`)
         if r.phase_s:
             notes.append(f"- `{r.bucket}`, trials' seconds by phase: "
