@@ -825,9 +825,10 @@ def test_tune_run_runs_studies_at_once_in_job_order(tmp_path, monkeypatch):
 
     spans, budgets, threads = {}, {}, set()
 
-    def fake_tune_module(module, *, config, **kw):
+    def fake_tune_module(module, *, config, budget_from, **kw):
         t0 = time.monotonic()
         budgets[module] = config.budget_s
+        assert budget_from <= t0  # the budget counts from its grant, before this call
         threads.add(threading.get_ident())
         time.sleep({"/m1.py": 0.6, "/m2.py": 0.1}.get(module, 0.3))
         spans[module] = (t0, time.monotonic())
@@ -1469,3 +1470,19 @@ def test_compile_ahead_builds_every_kernel_the_check_launches_on_a_gpu(tmp_path,
         assert res["timing"] == "cuda-graph", res
     else:
         assert res["timing"] == "cuda-graph" or res.get("graph_error"), res
+
+
+def test_a_study_budget_counts_from_when_it_was_granted(tmp_path, rms_path):
+    """`budget_from`: a study's set-up before its search (module load, study creation: seconds
+    when a run's studies start at once) is spent from its budget, not added after it."""
+    import time
+
+    cfg = _cfg(tmp_path, n_trials=10, isolate=False, budget_s=2.0, space=FWD_ONLY)
+    res = tune.tune_module(rms_path, size=64, config=cfg, timer=_fake_timer,
+                           budget_from=time.monotonic() - 2.5)
+    assert res.trials_run == 0 and res.stopped.startswith("stopped at budget (2 s) after 0 of 10")
+    assert res.seconds >= 2.5
+    cfg = _cfg(tmp_path / "b", n_trials=2, isolate=False, budget_s=2.0, space=FWD_ONLY)
+    res = tune.tune_module(rms_path, size=64, config=cfg, timer=_fake_timer,
+                           budget_from=time.monotonic())
+    assert res.trials_run == 2 and not res.stopped

@@ -224,19 +224,19 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
 
     def run_job(i: int) -> None:
         with lock:  # the share counts the studies started before this one and still running
-            share = config.budget_s
+            granted, share = time.monotonic(), config.budget_s
             if budget_s is not None:
-                left = study_share(budget_s - (time.monotonic() - start), len(jobs) - i, slots,
+                left = study_share(budget_s - (granted - start), len(jobs) - i, slots,
                                    running[0])
                 share = left if share is None else min(share, left)
             running[0] += 1
         try:
-            tune_job(i, share)
+            tune_job(i, share, granted)
         finally:
             with lock:
                 running[0] -= 1
 
-    def tune_job(i: int, share: float | None) -> None:
+    def tune_job(i: int, share: float | None, granted: float) -> None:
         job = jobs[i]
         label = f"{job.family}/{job.variant} {job.bucket} ({i + 1}/{len(jobs)})"
         if on_step:
@@ -253,7 +253,7 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
             return
         r = tune_module(job.module, size=job.size, shapes=job.shapes, dims=job.dims,
                         config=replace(config, progress=False, budget_s=share), timer=timer,
-                        progress=prog, on_trial=on_trial)
+                        progress=prog, on_trial=on_trial, budget_from=granted)
         if r.best_config is not None:
             write_tuned(job.module, [r], dtype=config.dtype,
                         timing="injected timer" if timer else None)

@@ -789,8 +789,8 @@ def progress_text(best_ms: float | None, default_ms: float | None,
 def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] | None = None,
                 dims: dict[str, int] | None = None, config: TuneConfig | None = None,
                 timer: Timer | None = None, sampler: str = "tpe", suffix: str = "",
-                progress=None, on_trial: Callable[[dict[str, Any]], None] | None = None
-                ) -> BucketResult:
+                progress=None, on_trial: Callable[[dict[str, Any]], None] | None = None,
+                budget_from: float | None = None) -> BucketResult:
     """Tune the bucket of a rendered module that holds `size` (its bucketed dimension, e.g. D).
 
     `shapes` are the block's input shapes, handed to the family's `sample_inputs` for the
@@ -800,7 +800,9 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     runs `config.n_trials` more trials over `config.n_workers` threads and returns the bucket's
     result. `progress`: a `progress_bar()` to add a row to (default: its own, if enabled).
     `config.budget_s` bounds the study's time: no trial starts once it is spent, and the result
-    says so (`BucketResult.stopped`). `on_trial(info)` is called after each trial with done,
+    says so (`BucketResult.stopped`); it counts from `budget_from` (time.monotonic(), when the
+    budget was granted: the study's set-up is in it) or, without one, from the search's start.
+    `on_trial(info)` is called after each trial with done,
     total, best_ms, default_ms and left_s (None without a budget).
     Does not write tuned.json: call `write_tuned` with the results.
     """
@@ -831,7 +833,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
     stop = pool.cancelled if pool is not None else threading.Event()
     aot, lock, claimed, objectives = _Aot(), threading.Lock(), [0], []
     mode = _TimingMode(cfg.timing)  # the study's: its workers', helpers' and re-timing's
-    started = time.monotonic()
+    started = time.monotonic() if budget_from is None else budget_from
     deadline = None if cfg.budget_s is None else started + cfg.budget_s
     # the search leaves a quarter of the budget to the re-timing that follows it
     retimes = bool(cfg.final_rounds) and timing_is_real(timer)
