@@ -11,14 +11,15 @@
 # Ran at 208d23f (forty-sixth session, in git there); A won, and the slots and their flag were
 # removed after it: from then on C is A (the default). Later commits add to the default that a
 # study thread with no study left to start joins the searches still running (`OpenSearches`), and
-# an opt-in timing by CUDA graph (`--timing graph`); this script now runs C (the default), J
-# (--no-join-studies: A as it ran) and G (--timing graph). B is in the table already.
+# an opt-in timing by CUDA graph (`--timing graph`); this script ran C (the default), J
+# (--no-join-studies: A as it ran) and G (--timing graph) at 9dda448 (forty-seventh session,
+# docs/LOG.md), and graph timing became the default after it: it now runs C (the default: graph),
+# J (--no-join-studies) and E (--timing events). B is in the table already.
 # Read per study: trials, default_ms (the same config in every run: how much the run's own load
 # moves a timing), best/default, phase_s, and the tune stage's seconds against its 90 s budget.
 # Before them: the GPU test that the pass builds every kernel the check launches. carry: .whl
 # (and .snap/head.tgz when run on a snapshot). ~470 s: LIMIT (default 540) cuts the last run
-# (G last). Per study it prints the finalists' re-timed medians too: with graph timing they
-# should sit closer to the search's own values than with events.
+# (E last). Per study it prints the finalists' re-timed medians too.
 set -u
 source .ci/h200/setup.sh > /dev/null || exit 1
 OUT=${OUT:-/tmp/out}; T0=$(date +%s)
@@ -29,7 +30,7 @@ TRITON_CACHE_DIR=$(mktemp -d) timeout 90 python3 -m pytest -q -p no:cacheprovide
 echo "gpu test rc $? +$(( $(date +%s) - T0 )) s: $(tail -1 "$OUT/pytest.txt")" | tee -a "$OUT/summary.txt"
 TRITON_CACHE_DIR=$(mktemp -d) timeout 150 onboard generate --out /tmp/g46 > "$OUT/generate.log" 2>&1
 echo "generate rc $? +$(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
-for run in "C" "J --no-join-studies" "G --timing graph"; do
+for run in "C" "J --no-join-studies" "E --timing events"; do
   set -- $run; label=$1; shift
   [ "$(left)" -lt 130 ] && { echo "$label: skipped, $(left) s left" | tee -a "$OUT/summary.txt"; continue; }
   rm -rf /tmp/t46$label && cp -r /tmp/g46 /tmp/t46$label
