@@ -17,8 +17,11 @@ then:
    block, with the bf16 block's own error as a floor where it runs). A config that fails is
    pruned with its reason;
 2. timed: forward + backward of ``block_forward`` on the block's inputs at the run's size, CUDA
-   events on a GPU (`onboarding.bench.harness.time_fn`); on the CPU interpreter one call's wall
-   time (meaningless, as the kernel worker's there) unless a ``timer`` is injected (tests).
+   events on a GPU (`onboarding.bench.harness.time_fn`), not `TuneConfig.timing`'s graph replay
+   that kernel jobs use: the block's step runs in this process, not in a worker subprocess, so a
+   capture that fails (a whole block's host syncs) would not be isolated; on the CPU
+   interpreter one call's wall time (meaningless, as the kernel worker's there) unless a
+   ``timer`` is injected (tests).
 
 The best config is written to ``<module>.tuned.json`` for every bucket the block used (the
 alignment stage's `kernels_for` loads it with `load_tuned`), with the default's time beside it.

@@ -22,8 +22,8 @@ Every trial, in order:
    (`worker.compile_ahead`, `TuneConfig.compile_ahead`) outside the GPU gate, so a check holds
    the gate for its kernels' runs, not its JIT compile.
 3. Only then is it timed, alone on the GPU (`_GpuGate`: no other timing or check runs): median of
-   event-timed fwd+bwd steps (or of their CUDA-graph replays, `TuneConfig.timing`) at the real
-   shapes given as `dims` (the family's `timing_inputs`);
+   fwd+bwd steps replayed as a CUDA graph (or timed by CUDA events, `TuneConfig.timing`) at the
+   real shapes given as `dims` (the family's `timing_inputs`);
    on the CPU interpreter the wall-clock time is meaningless, so `timer(config, result)` (run in
    the parent) may replace it; tests use a deterministic fake one.
 

@@ -12,7 +12,8 @@ timing runs alone on the GPU (the parent's `tune._GpuGate` admits one `time` and
   fp32 reference: `_check_at`, emulated in the interpreter), then build the timing inputs
   (real shapes from ``dims`` on a GPU, see `timing_inputs`) and run one untimed step so that
   the Triton JIT compiles outside the timed region;
-- ``time``: the median of event-timed forward + backward steps on the prepared inputs.
+- ``time``: the median of forward + backward steps on the prepared inputs, replayed as a CUDA
+  graph (``graph``, the default) or timed by CUDA events around launched steps.
 
 ``aot`` compiles the module for sm_90 on the host (no GPU), for the AOT gate. ``compile``
 (a GPU host, before the check takes its place at the GPU gate) runs the check's and the timing
