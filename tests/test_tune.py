@@ -9,7 +9,9 @@ import math
 import optuna
 import pytest
 
+from onboarding.tune import _objective, _searches
 from onboarding.tune import search as tune
+from onboarding.tune.worker import WorkerPool
 from onboarding.errors import InputError
 from onboarding.generate.templating import load_module, render_to
 
@@ -75,9 +77,9 @@ def rms_path(tmp_path_factory):
 
 def _rms_objective(rms_path, cfg, **kw):
     """One worker's objective over the rendered RMSNorm module at size 64 (its own AOT cache)."""
-    return tune._Objective(path=str(rms_path), module=load_module(rms_path), size=64,
+    return _objective.Objective(path=str(rms_path), module=load_module(rms_path), size=64,
                            shapes=[[64]], dims=None, space={}, cfg=cfg, timer=None,
-                           aot=tune._Aot(), **kw)
+                           aot=_objective.AotCache(), **kw)
 
 
 def _cfg(tmp_path, **kw):
@@ -179,7 +181,7 @@ def test_spills_prune_only_over_the_bound_and_show_in_the_results(tmp_path, monk
     best's and the default's spills reach the result, the table and tuned.json."""
     bound = tune.Limits().max_spill_bytes
     spills = {8: 544, 16: 6800, 32: bound + 1}  # by BLOCK_N; 8 is the bucket default
-    real = tune.handle
+    real = _objective.handle
 
     def fake_aot(req):
         if req["op"] != "aot":
@@ -188,7 +190,7 @@ def test_spills_prune_only_over_the_bound_and_show_in_the_results(tmp_path, monk
         return {"ok": True, "kernels": [_aot(kernel="fwd", n_regs=96), _aot(
             kernel="bwd", n_regs=255, n_spills=n)]}
 
-    monkeypatch.setattr(tune, "handle", fake_aot)
+    monkeypatch.setattr(_objective, "handle", fake_aot)
     path = render_to(tmp_path / "k", "rmsnorm", "plain")
     cfg = _cfg(tmp_path, n_trials=3, isolate=False, aot=True,
                space={"BLOCK_N": [16, 32], "num_warps": [4], **FWD_ONLY}, space_only=True)
@@ -483,7 +485,7 @@ def test_gpu_gate_times_alone():
     import threading
     import time
 
-    gate, log = tune._GpuGate(), []
+    gate, log = _objective.GpuGate(), []
 
     def check(i):
         with gate.shared():
@@ -861,8 +863,8 @@ def test_tune_run_runs_studies_at_once_in_job_order(tmp_path, monkeypatch):
         return fake_tune_module(module, **kw)
     monkeypatch.setattr(tune_run_mod, "tune_module", failing)
     cancelled = []
-    real_cancel = tune.WorkerPool.cancel
-    monkeypatch.setattr(tune.WorkerPool, "cancel", lambda self: (cancelled.append(1), real_cancel(self)))
+    real_cancel = WorkerPool.cancel
+    monkeypatch.setattr(WorkerPool, "cancel", lambda self: (cancelled.append(1), real_cancel(self)))
     with pytest.raises(RuntimeError, match="study m1 broke"):
         tune_run_mod.tune_run(tmp_path, cfg, budget_s=40.0)
     assert cancelled
@@ -879,7 +881,7 @@ def test_a_study_thread_with_nothing_left_helps_the_searches_still_running(tmp_p
 
     from onboarding.tune.run import _run_at_once
 
-    monkeypatch.setattr(tune, "handle", lambda req: (
+    monkeypatch.setattr(_objective, "handle", lambda req: (
         {"ok": True, "stage": "timed", "time_ms": 1.0, "timing": "fake"} if req["op"] == "time"
         else {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"}))
 
@@ -922,25 +924,25 @@ def test_open_searches_pick_the_least_helped_and_close_what_has_nothing_left():
     """`OpenSearches.help`: a helper joins the open search with the fewest helpers, then the
     first opened (the heaviest study); one that answers 0 trials is closed and not joined again;
     at most MAX_HELPERS at once in one search; `help` ends when none is open."""
-    board = tune.OpenSearches()
+    board = _searches.OpenSearches()
     calls = []
-    a = tune._Search(lambda: calls.append("a") or (1 if calls.count("a") < 3 else 0))
-    b = tune._Search(lambda: calls.append("b") or 0)
+    a = _searches.Search(lambda: calls.append("a") or (1 if calls.count("a") < 3 else 0))
+    b = _searches.Search(lambda: calls.append("b") or 0)
     board.add(a)
     board.add(b)
     assert board.help() == 2 and calls == ["a", "a", "a", "b"] and not board.open
     assert a.done and b.done and a.helpers == b.helpers == 0
     calls.clear()
-    first, second = (tune._Search(lambda n=n: calls.append(n) or 0) for n in ("first", "second"))
+    first, second = (_searches.Search(lambda n=n: calls.append(n) or 0) for n in ("first", "second"))
     board.add(first)
     board.add(second)
     second.helpers = 1
-    busy = tune._Search(lambda: calls.append("busy") or 0)
+    busy = _searches.Search(lambda: calls.append("busy") or 0)
     board.open.insert(0, busy)
     busy.helpers = 2  # opened first, but more helped than the others
     assert board.help() == 0 and calls == ["first", "second", "busy"]
-    full = tune._Search(lambda: 1)
-    full.helpers = tune.OpenSearches.MAX_HELPERS
+    full = _searches.Search(lambda: 1)
+    full.helpers = _searches.OpenSearches.MAX_HELPERS
     board.add(full)
     assert board.help() == 0  # no room in it
 
@@ -1010,7 +1012,7 @@ def test_without_the_aot_gate_the_checks_own_builds_are_judged_before_timing(tmp
     their usage from the JIT build, and the default's spills reach the result."""
     bound = tune.Limits().max_spill_bytes
     spills = {8: 0, 16: 64, 32: bound + 8}  # by BLOCK_N; 8 is the bucket default
-    real, timed = tune.handle, []
+    real, timed = _objective.handle, []
 
     def with_jit_usage(req):
         out = real(req)
@@ -1024,7 +1026,7 @@ def test_without_the_aot_gate_the_checks_own_builds_are_judged_before_timing(tmp
             timed.append(1)
         return out
 
-    monkeypatch.setattr(tune, "handle", with_jit_usage)
+    monkeypatch.setattr(_objective, "handle", with_jit_usage)
     path = render_to(tmp_path / "k", "rmsnorm", "plain")
     cfg = _cfg(tmp_path, n_trials=3, isolate=False, aot=False,
                space={"BLOCK_N": [16, 32], "num_warps": [4], **FWD_ONLY}, space_only=True)
@@ -1047,7 +1049,7 @@ def test_aot_gate_and_builds_ahead_default_follow_the_interpreter(tmp_path, rms_
     builds a config's kernels before its check); True / False are taken as asked."""
 
     def objective(interp, **kw):
-        monkeypatch.setattr(tune, "on_gpu", lambda: not interp)
+        monkeypatch.setattr(_objective, "on_gpu", lambda: not interp)
         return _rms_objective(rms_path, _cfg(tmp_path, **kw))
 
     for aot, interp, want in ((None, True, True), (None, False, False), (True, False, True),
@@ -1120,7 +1122,7 @@ def test_gpu_gate_strict_keeps_checks_off_a_timing_and_overlap_lets_them_run_bes
         return ({"ok": True, "stage": "timed", "time_ms": 1.0, "timing": "fake"} if req["op"] == "time"
                 else {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"})
 
-    monkeypatch.setattr(tune, "handle", fake)
+    monkeypatch.setattr(_objective, "handle", fake)
     cfg = _cfg(tmp_path, isolate=False, gpu_gate=gate)
     objs = [_rms_objective(rms_path, cfg) for _ in range(3)]
     try:
@@ -1210,7 +1212,7 @@ def _gate_spans(monkeypatch, answers: dict | None = None):
                 "compile": {"ok": True, "stage": "compiled", "calls": 3}}.get(
             req["op"], {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"})
 
-    monkeypatch.setattr(tune, "handle", fake)
+    monkeypatch.setattr(_objective, "handle", fake)
     return spans
 
 
@@ -1314,7 +1316,7 @@ def test_a_build_pass_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkey
 
 def test_an_aot_build_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkeypatch):
     """The AOT gate's build gets at most what is left of the study's budget; one cut by it
-    raises `_OutOfBudget` (the trial is pruned as "budget") and is not cached, so the config is
+    raises `OutOfBudget` (the trial is pruned as "budget") and is not cached, so the config is
     built again later. Without a deadline a timeout is the gate's verdict on the config, cached."""
     import time
 
@@ -1329,7 +1331,7 @@ def test_an_aot_build_is_bounded_by_the_studys_budget(tmp_path, rms_path, monkey
     monkeypatch.setattr(obj, "_run", run)
     try:
         obj.deadline = time.monotonic() + 5
-        with pytest.raises(tune._OutOfBudget, match="during the AOT build"):
+        with pytest.raises(_objective.OutOfBudget, match="during the AOT build"):
             obj._aot_reason({"BLOCK_N": 8})
         assert 4 < timeouts[-1] <= 5 and not obj.aot.cache
         obj.deadline = None
@@ -1397,9 +1399,9 @@ def test_a_study_times_by_graph_until_a_capture_fails_then_by_events(tmp_path, r
             return out
         return {"ok": True, "stage": "checked", "checks": 1, "timing_shapes": "sample"}
 
-    monkeypatch.setattr(tune, "handle", fake)
+    monkeypatch.setattr(_objective, "handle", fake)
     cfg = _cfg(tmp_path, isolate=False, timing="graph")
-    mode = tune._TimingMode("graph")
+    mode = _objective.TimingMode("graph")
     objs = [_rms_objective(rms_path, cfg, timing=mode) for _ in range(2)]
     try:
         for i in range(5):
@@ -1410,13 +1412,13 @@ def test_a_study_times_by_graph_until_a_capture_fails_then_by_events(tmp_path, r
     assert calls == [True, True, True, False, False]  # both workers follow the study's mode
     assert mode.describe() == "cuda-events (graph capture failed: RuntimeError: capture)"
     calls.clear()
-    mode = tune._TimingMode("graph")
+    mode = _objective.TimingMode("graph")
     ms = tune.retime(rms_path, [{"BLOCK_N": 8}, {"BLOCK_N": 16}], size=64, config=cfg,
                      rounds=2, timing=mode)
     # two configs x two rounds: by graph until the third timing failed, the fourth by events,
     # then both rounds again by events
     assert calls == [True, True, True, False] + [False] * 4 and ms == [2.0, 2.0]
-    assert tune._TimingMode("events").describe() == "cuda-events"
+    assert _objective.TimingMode("events").describe() == "cuda-events"
     with pytest.raises(InputError, match="timing 'wall'"):
         tune.tune_module(rms_path, size=64, config=_cfg(tmp_path, timing="wall"))
 

@@ -16,12 +16,12 @@ Every trial, in order:
 2. In a worker subprocess (`onboarding.tune.worker`, kept alive across trials, killed and
    restarted on a timeout or a crash) the module is loaded, the config pinned, and forward +
    every gradient checked in the tuned dtype against `reference` on fresh random inputs (the
-   16-bit gate: `_tune_worker._check_at`, bounds from `onboarding.testing.tolerance`). A failing
+   16-bit gate: `worker._check_at`, bounds from `onboarding.testing.tolerance`). A failing
    config is pruned with its reason in the trial's user_attrs. Workers check and compile
    concurrently. On a GPU host the worker first builds the config's kernels with no launch
    (`worker.compile_ahead`, `TuneConfig.compile_ahead`) outside the GPU gate, so a check holds
    the gate for its kernels' runs, not its JIT compile.
-3. Only then is it timed, alone on the GPU (`_GpuGate`: no other timing or check runs): median of
+3. Only then is it timed, alone on the GPU (`GpuGate`: no other timing or check runs): median of
    fwd+bwd steps replayed as a CUDA graph (or timed by CUDA events, `TuneConfig.timing`) at the
    real shapes given as `dims` (the family's `timing_inputs`);
    on the CPU interpreter the wall-clock time is meaningless, so `timer(config, result)` (run in
@@ -32,15 +32,16 @@ interleaved rounds (`TuneConfig.final_rounds`, `retime`): a single timing amid o
 compiles carries several percent of spread, and the best and the gain over the default are
 chosen from these medians.
 
-Best configs are written to `<module>.tuned.json` beside the module (`_tune_store`);
+Best configs are written to `<module>.tuned.json` beside the module (`store`);
 `apply_tuned` pins them per bucket so kernels dispatch to the nearest bucket at run time.
 Entry points: `tune_module` (one bucket), `tune_buckets` (several), `compare_grid` (exhaustive
-grid vs TPE on the same space, `_tune_grid`); `onboarding.tune.run` tunes a whole run.
+grid vs TPE on the same space, `grid`); `onboarding.tune.run` tunes a whole run. A trial's
+steps 1-3 are `_objective.Objective`; the workers and open searches a run's studies share are
+`_searches`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -61,72 +62,17 @@ from onboarding.tune.store import (TUNED_SUFFIX, BucketResult, apply_tuned,  # n
                                     markdown_table, module_meta, plot_history, result_dict,
                                     result_from_dict, tuned_path, warm_start_configs,
                                     write_tuned)
-from onboarding.tune.worker import Cancelled, Worker, WorkerDied, WorkerPool, WorkerTimeout, handle
+from onboarding.tune.worker import Cancelled
 from onboarding.backend import on_gpu
 from onboarding.errors import InputError
+from onboarding.tune._objective import (GPU_GATES, TIMINGS, AotCache, Objective,  # noqa: F401
+                                        TimingMode, _optuna, aot_usage, check_limits,
+                                        phase_seconds)  # (re-exported: the tune API)
+from onboarding.tune._searches import Search, current_pool, open_searches, shared_workers
 
 Timer = Callable[[dict[str, Any], dict[str, Any]], float]  # (config, worker result) -> ms
 
 
-class _GpuGate:
-    """Checks (which run kernels too) share the GPU; a timing has it alone. Writer-preferring:
-    once a timing waits, no new check starts, so timings are not starved."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.readers = self.waiting = 0
-        self.writing = False
-
-    @contextlib.contextmanager
-    def shared(self):
-        with self.cond:
-            self.cond.wait_for(lambda: not self.writing and not self.waiting)
-            self.readers += 1
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.readers -= 1
-                self.cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self):
-        with self.cond:
-            self.waiting += 1
-            self.cond.wait_for(lambda: not self.writing and not self.readers)
-            self.waiting -= 1
-            self.writing = True
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.writing = False
-                self.cond.notify_all()
-
-
-_GPU = _GpuGate()  # one process's trials: timings never share the GPU with other work
-# `TuneConfig.gpu_gate` "overlap": timings exclusive among themselves only; checks run beside them
-_TIMING = threading.Lock()
-GPU_GATES = ("strict", "overlap")
-TIMINGS = ("events", "graph")
-
-
-class _TimingMode:
-    """A study's way of timing, shared by its workers and its re-timing: "graph" until a step
-    cannot be captured, then "events" for the rest of the study (`why` says what failed)."""
-
-    def __init__(self, kind: str) -> None:
-        self.graph = kind == "graph"
-        self.why: str | None = None
-
-    def fell_back(self, why: str) -> None:
-        if self.graph:
-            self.graph, self.why = False, why
-
-    def describe(self) -> str:
-        if self.graph:
-            return "cuda-graph"
-        return f"cuda-events (graph capture failed: {self.why})" if self.why else "cuda-events"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,7 +135,7 @@ class TuneConfig:
     # round, then more only while time is left. None: no time limit (n_trials alone).
     budget_s: float | None = None
     # Studies of one run (`tune_run`) at once, each on its own thread and workers: their compiles
-    # run on cores of their own while timings still take the GPU one at a time (`_GpuGate`).
+    # run on cores of their own while timings still take the GPU one at a time (`GpuGate`).
     # None: `study_slots`' choice (three per four cores on a GPU host, one on the CPU).
     parallel_studies: int | None = None
     # How checks and timings share the GPU (`GPU_GATES`). "strict": a timing has it alone, and a
@@ -287,14 +233,6 @@ def storage_url(cfg: TuneConfig) -> str:
     return f"sqlite:///{Path(cfg.storage_dir).resolve() / 'tune.db'}"
 
 
-def _optuna():
-    try:
-        import optuna
-    except ImportError as e:  # pragma: no cover
-        raise InputError("the tune stage needs optuna: pip install optuna") from e
-    return optuna
-
-
 def _sampler(kind: str, space: Mapping[str, Sequence], seed: int):
     optuna = _optuna()
     if kind == "grid":
@@ -331,360 +269,12 @@ def _load_study(name: str, storage: str, seed: int, space: Mapping[str, Sequence
                                     sampler=_sampler(sampler, space, seed))
 
 
-# ---- the objective ----------------------------------------------------------------------------
-
-class _Aot:
-    """AOT results per (module sha, config, dtype, size), shared by worker threads."""
-
-    def __init__(self) -> None:
-        self.cache: dict[str, dict[str, Any]] = {}
-        self.lock = threading.Lock()
-
-    def key(self, path: str, config: Mapping, dtype: str, size: int) -> str:
-        sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
-        return json.dumps([sha, dict(sorted(config.items())), dtype, size])
-
-
-def check_limits(kernels: list[dict[str, Any]], limits: Limits) -> str:
-    """Why a config is impossible on the target, or not worth timing ("" when it is kept)."""
-    for k in kernels:
-        if not k["ok"]:
-            return f"{k['kernel']}: compile error: {k['error'][:300]}"
-        if k.get("shared_bytes") is not None and k["shared_bytes"] > limits.max_shared_bytes:
-            return f"{k['kernel']}: shared memory {k['shared_bytes']} > {limits.max_shared_bytes}"
-        if (limits.max_spill_bytes is not None and k.get("n_spills") is not None
-                and k["n_spills"] > limits.max_spill_bytes):
-            return (f"{k['kernel']}: spills {k['n_spills']} bytes per thread > "
-                    f"{limits.max_spill_bytes} ({k.get('n_regs')} registers, "
-                    f"{k.get('num_warps')} warps)")
-    return ""
-
-
-def aot_usage(kernels: list[dict[str, Any]]) -> tuple[dict[str, list], int | None]:
-    """Per kernel [registers, spill bytes, shared bytes] of an AOT result, and the largest spill
-    (None when ptxas reported none: no ptxas, or a kernel did not compile)."""
-    usage = {k["kernel"]: [k.get("n_regs"), k.get("n_spills"), k.get("shared_bytes")]
-             for k in kernels if k.get("ok")}
-    spills = [u[1] for u in usage.values()]
-    ok = bool(usage) and len(usage) == len(kernels) and all(v is not None for v in spills)
-    return usage, (max(spills) if ok else None)
-
-
-# Set by `shared_workers`: the pool the objectives of the studies inside it take their workers from.
-_POOL: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("tune_worker_pool", default=None)
-
-
-class _Search:
-    """A study's search in flight, as helpers see it (`OpenSearches`)."""
-
-    def __init__(self, join: Callable[[], int]) -> None:
-        self.join = join
-        self.helpers = 0  # helper threads in it now
-        self.done = False  # nothing more to claim, or its own workers ended
-
-
-class OpenSearches:
-    """The searches of a run's studies still claiming trials. A study thread with no study left
-    to start (`tune_run`'s slots) joins one as one more worker (`help`), so the heavy studies,
-    whose trials each build for tens of seconds, get the cores the light ones leave when they
-    end: on an H100 nine of the example's eleven studies ran their 30 trials in 33-65 s of a 90 s
-    budget while moe_experts and gated_delta ran 3 and 4 (docs/LOG.md, forty-sixth session)."""
-
-    MAX_HELPERS = 3  # per search: each helper's worker holds its own timing inputs on the GPU
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.open: list[_Search] = []
-
-    def add(self, search: _Search) -> None:
-        with self.lock:
-            self.open.append(search)
-
-    def close(self, search: _Search) -> None:
-        with self.lock:
-            search.done = True
-            if search in self.open:
-                self.open.remove(search)
-
-    def _pick(self) -> _Search | None:
-        """The open search with the fewest helpers, then the first opened: `tune_run` starts its
-        studies heaviest first (by the roofline time of the blocks each serves), and a light
-        study that started late ends soon without help. (By fewest trials run, helpers went to
-        the last, lightest study of the CPU's `onboard tune --parallel 6 --trials 3`.)"""
-        with self.lock:
-            live = [x for x in self.open if x.helpers < self.MAX_HELPERS]  # (closed: not there)
-            if not live:
-                return None
-            pick = min(live, key=lambda x: (x.helpers, self.open.index(x)))
-            pick.helpers += 1
-            return pick
-
-    def help(self, stop: threading.Event | None = None) -> int:
-        """Join open searches, one after another, until none takes a helper; the trials run."""
-        ran = 0
-        while stop is None or not stop.is_set():
-            pick = self._pick()
-            if pick is None:
-                return ran
-            try:
-                n = pick.join()
-            finally:
-                with self.lock:
-                    pick.helpers -= 1
-            ran += n
-            if n == 0:  # nothing left to claim there
-                self.close(pick)
-        return ran
-
-
-_SEARCHES: contextvars.ContextVar[OpenSearches | None] = contextvars.ContextVar(
-    "tune_open_searches", default=None)
-
-
-@contextlib.contextmanager
-def shared_workers():
-    """Within it, every study (`tune_module`, its re-timing) takes its worker subprocesses from one
-    `WorkerPool` and gives them back when done, so a run of many studies starts each kind of worker
-    once per worker thread instead of once per study; the pool's workers end with the outermost
-    block (an inner one, e.g. `tune_buckets` called inside a run's, keeps the outer pool)."""
-    outer = _POOL.get()
-    if outer is not None:
-        yield outer
-        return
-    pool = WorkerPool()
-    token, board = _POOL.set(pool), _SEARCHES.set(OpenSearches())
-    try:
-        yield pool
-    finally:
-        _SEARCHES.reset(board)
-        _POOL.reset(token)
-        pool.close()
-
-
-def open_searches() -> OpenSearches | None:
-    """The run's open searches (within `shared_workers`), for `tune_run`'s idle study threads."""
-    return _SEARCHES.get()
-
-
-class _OutOfBudget(Exception):
-    """A trial's build was cut by its study's budget: pruned as "budget", nothing cached."""
-
-
-class _Objective:
-    """One per worker thread: holds a trial worker and an AOT worker subprocess (its own, or taken
-    from the `shared_workers` pool and given back by `close`)."""
-
-    def __init__(self, *, path: str, module: ModuleType, size: int, shapes: list,
-                 dims: dict[str, int] | None, space: dict[str, list], cfg: TuneConfig,
-                 timer: Timer | None, aot: _Aot, timing: _TimingMode | None = None):
-        self.path, self.module, self.size, self.shapes = path, module, size, shapes
-        self.dims, self.space = dims, space
-        self.cfg, self.timer, self.aot = cfg, timer, aot
-        self.timing = timing or _TimingMode(cfg.timing)
-        self.meta = module_meta(module)
-        self.default = bucket_default(module, module.shape_bucket(size))  # the check's yardstick
-        gpu = on_gpu()
-        self.use_aot = cfg.aot if cfg.aot is not None else not gpu
-        self.compile_first = cfg.compile_ahead if cfg.compile_ahead is not None else gpu
-        self.deadline: float | None = None  # the study's budget end (time.monotonic()): bounds a pass
-        self.pool = _POOL.get()
-        make = self.pool.take if self.pool is not None else Worker
-        self.trial_worker = make(interpret=None, startup_timeout_s=cfg.startup_timeout_s)
-        self.aot_worker = (make(interpret=None if gpu else False, startup_timeout_s=cfg.startup_timeout_s)
-                           if self.use_aot else None)
-
-    def close(self, keep: bool = True) -> None:
-        """Ends the workers, or with `keep` gives them back to the pool they came from (an
-        interrupt passes keep=False: their trials in flight must die)."""
-        for w in (self.trial_worker, self.aot_worker):
-            if w is None:
-                continue
-            if keep and self.pool is not None:
-                self.pool.give(w)
-            else:
-                w.close()
-
-    def _run(self, worker: Worker, op: str, args: dict, timeout: float) -> dict[str, Any]:
-        if not self.cfg.isolate:
-            return handle({"op": op, "args": args})
-        try:
-            return worker.call({"op": op, "args": args}, timeout)
-        except WorkerTimeout as e:
-            return {"ok": False, "stage": "timeout", "reason": f"{op}: {e}"}
-        except WorkerDied as e:
-            return {"ok": False, "stage": "crash", "reason": f"{op}: {e}"}
-
-    def _run_in_budget(self, worker: Worker, op: str, args: dict, limit: float, what: str
-                       ) -> tuple[dict[str, Any], str | None]:
-        """`_run` with `limit`, or what is left of the study's budget (`deadline`) when that is
-        less, as its timeout. The second value is why, when the budget and not `limit` cut it
-        (`what`: the build it cut)."""
-        timeout = limit if self.deadline is None else \
-            max(0.0, min(limit, self.deadline - time.monotonic()))
-        res = self._run(worker, op, args, timeout)
-        if res.get("stage") == "timeout" and timeout < limit:
-            return res, f"the study's budget ran out during the {what} ({timeout:.1f} s left)"
-        return res, None
-
-    def _aot_reason(self, config: dict, trial=None) -> str:
-        """Why the AOT gate prunes `config` ("": kept); records its registers and spills on
-        `trial`. A build cut by the study's budget raises `_OutOfBudget` (and is not cached:
-        the config is not wrong)."""
-        key = self.aot.key(self.path, config, self.cfg.dtype, self.size)
-        with self.aot.lock:
-            hit = self.aot.cache.get(key)
-        if hit is None:
-            hit, cut = self._run_in_budget(
-                self.aot_worker, "aot", {"path": self.path, "config": config,
-                                         "dtype": self.cfg.dtype, "size": self.size},
-                self.cfg.aot_timeout_s, "AOT build")
-            if cut:
-                raise _OutOfBudget(cut)
-            with self.aot.lock:
-                self.aot.cache[key] = hit
-        if not hit["ok"]:
-            return f"aot {hit['stage']}: {hit['reason']}"
-        if trial is not None:
-            _record_usage(trial, hit["kernels"], "aot")
-        return check_limits(hit["kernels"], self.cfg.limits)
-
-    def _check_and_time(self, config: dict, seed: int, seconds: dict[str, float] | None = None,
-                        trial=None) -> dict[str, Any]:
-        """The worker's check then its timing; `seconds` gets each one's wall time and the time
-        spent waiting for the GPU gate ("wait"). With `compile_first` the kernels are built first,
-        outside the gate ("compile"); else the check's JIT compile runs inside it. Without the AOT
-        gate, the check's own builds (on a GPU) are recorded on `trial` and judged by the limits
-        before the timing (stage "limits")."""
-        seconds = {} if seconds is None else seconds
-        strict = self.cfg.gpu_gate == "strict"
-        args = {"path": self.path, "config": config, "family": self.meta["family"],
-                "variant": self.meta["variant"], "params": self.meta["params"],
-                "shapes": self.shapes, "seed": seed, "dtype": self.cfg.dtype, "dims": self.dims}
-        if self.compile_first:
-            pre = self._compile(args, seconds)
-            if pre["stage"] == "budget":
-                return pre
-            if pre["stage"] in ("timeout", "crash"):
-                # the worker is restarted; the check builds one at a time, as without the pass,
-                # and meets a build that really fails itself. No more passes for this objective.
-                self.compile_first = False
-            if trial is not None and (not pre["ok"] or pre.get("errors")):  # left to the check
-                trial.set_user_attr("compile_ahead", (pre.get("reason") or "; ".join(pre["errors"]))[:500])
-        t0 = time.monotonic()
-        with _GPU.shared() if strict else contextlib.nullcontext():
-            t1 = time.monotonic()
-            res = self._run(self.trial_worker, "check", {**args, "default": self.default},
-                            self.cfg.trial_timeout_s)
-        t2 = time.monotonic()
-        seconds["wait"], seconds["check"] = t1 - t0, t2 - t1
-        if trial is not None and res.get("kernels_error"):  # the JIT builds' usage unread
-            trial.set_user_attr("usage_error", res["kernels_error"])
-        if res["ok"] and res.get("kernels") and trial is not None and not self.use_aot:
-            _record_usage(trial, res["kernels"], "jit")
-            why = check_limits(res["kernels"], self.cfg.limits)
-            if why:
-                return {"ok": False, "stage": "limits", "reason": why}
-        if res["ok"]:
-            with _GPU.exclusive() if strict else _TIMING:
-                t3 = time.monotonic()
-                res = self._run(self.trial_worker, "time",
-                                {"repeats": self.cfg.repeats, "graph": self.timing.graph},
-                                self.cfg.trial_timeout_s)
-            if res.get("graph_error"):
-                self.timing.fell_back(res["graph_error"])
-            seconds["wait"] += t3 - t2
-            seconds["time"] = time.monotonic() - t3
-        return res
-
-    def _compile(self, args: dict, seconds: dict[str, float]) -> dict[str, Any]:
-        """The worker's compile pass within the study's budget: one that cannot end before
-        `deadline` gives stage "budget" (its worker is stopped and restarted, as at any
-        timeout). Without the bound, the first GPU run's moe_experts pass (~35 s) ended its
-        study 24 s past the budget (docs/LOG.md, forty-sixth session)."""
-        tc = time.monotonic()
-        pre, cut = self._run_in_budget(self.trial_worker, "compile", args,
-                                       self.cfg.trial_timeout_s, "compile pass")
-        seconds["compile"] = time.monotonic() - tc
-        return {"ok": False, "stage": "budget", "reason": cut} if cut else pre
-
-    def measure(self, config: dict, seed: int) -> float | None:
-        """Check and time one config outside any trial; None when it fails either."""
-        res = self._check_and_time(config, seed)
-        if not res["ok"]:
-            return None
-        return float(self.timer(config, res)) if self.timer else float(res["time_ms"])
-
-    def _prune(self, trial, stage: str, why: str):
-        trial.set_user_attr("stage", stage)
-        trial.set_user_attr("reason", why[:1000])
-        return _optuna().TrialPruned(why[:200])
-
-    def __call__(self, trial) -> float:
-        optuna = _optuna()
-        config = {k: trial.suggest_categorical(k, v) for k, v in self.space.items()}
-        # TPE re-proposes configs; a finished twin answers without re-running.
-        for t in trial.study.get_trials(deepcopy=False):
-            if t.number != trial.number and t.params == config and t.state.is_finished():
-                trial.set_user_attr("duplicate_of", t.number)
-                for k in ("aot_kernels", "spill_bytes"):
-                    if k in t.user_attrs:
-                        trial.set_user_attr(k, t.user_attrs[k])
-                if t.state == optuna.trial.TrialState.COMPLETE:
-                    return float(t.value)
-                raise self._prune(trial, t.user_attrs.get("stage", ""),
-                                  t.user_attrs.get("reason", "duplicate of a pruned trial"))
-        # each phase's wall seconds (`phase_seconds` sums them per study)
-        seconds: dict[str, float] = {}
-        if self.use_aot:
-            t0 = time.monotonic()
-            try:
-                why, stage = self._aot_reason(config, trial), "aot"
-            except _OutOfBudget as e:
-                why, stage = str(e), "budget"
-            seconds["aot"] = time.monotonic() - t0
-            if why:
-                trial.set_user_attr("seconds", _rounded(seconds))
-                raise self._prune(trial, stage, why)
-        res = self._check_and_time(config, self.cfg.seed * 100003 + trial.number, seconds, trial)
-        trial.set_user_attr("seconds", _rounded(seconds))
-        trial.set_user_attr("stage", res["stage"])
-        if not res["ok"]:
-            raise self._prune(trial, res["stage"], res["reason"])
-        trial.set_user_attr("measured_ms", res["time_ms"])
-        trial.set_user_attr("timing", "injected timer" if self.timer else res["timing"])
-        return float(self.timer(config, res)) if self.timer else float(res["time_ms"])
-
-
-def _record_usage(trial, kernels: list[dict], source: str) -> None:
-    """Each kernel's registers, spills and shared memory on `trial`, from the AOT gate's builds
-    or the check's JIT builds (`source`)."""
-    usage, spill = aot_usage(kernels)
-    trial.set_user_attr("aot_kernels", usage)
-    trial.set_user_attr("spill_bytes", spill)
-    trial.set_user_attr("usage_from", source)
-
-
-def _rounded(seconds: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 2) for k, v in seconds.items()}
-
-
-def phase_seconds(trials) -> dict[str, float]:
-    """Seconds a study's trials spent per phase (aot: the AOT gate's build; compile: the
-    kernels' builds ahead of the check; wait: for the GPU gate; check: the worker's check, with
-    the JIT compile when not built ahead; time: the timing), summed: where a tuning budget goes."""
-    out: dict[str, float] = {}
-    for t in trials:
-        for k, v in (t.user_attrs.get("seconds") or {}).items():
-            out[k] = round(out.get(k, 0.0) + v, 2)
-    return out
-
-
 # ---- running ----------------------------------------------------------------------------------
 
 _ASK = threading.Lock()
 
 
-def _one_trial(study, objective: _Objective, stop: threading.Event) -> None:
+def _one_trial(study, objective: Objective, stop: threading.Event) -> None:
     """Ask, evaluate, tell. `ask` is serialized in this process: two threads popping the queued
     (warm-start, grid) trials of one SQLite study at once can take the same trial. Once `stop`
     is set (an interrupt killed the workers), the outcome is not told: the trial stays RUNNING
@@ -829,10 +419,10 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         enqueue_warm_start(study, ws)
     # `stop`: set by an interrupt; within a run's `shared_workers`, the pool's, so that an
     # interrupt heard by another thread (studies run at once, `tune_run`) stops this study too
-    pool = _POOL.get()
+    pool = current_pool()
     stop = pool.cancelled if pool is not None else threading.Event()
-    aot, lock, claimed, objectives = _Aot(), threading.Lock(), [0], []
-    mode = _TimingMode(cfg.timing)  # the study's: its workers', helpers' and re-timing's
+    aot, lock, claimed, objectives = AotCache(), threading.Lock(), [0], []
+    mode = TimingMode(cfg.timing)  # the study's: its workers', helpers' and re-timing's
     started = time.monotonic() if budget_from is None else budget_from
     deadline = None if cfg.budget_s is None else started + cfg.budget_s
     # the search leaves a quarter of the budget to the re-timing that follows it
@@ -882,7 +472,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
         (`n_workers`, or helpers) sample from their own seeded study object."""
         st = study if wid == 0 else _load_study(name, url, cfg.seed + wid, space, sampler)
         try:
-            obj = _Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
+            obj = Objective(path=path, module=module, size=size, shapes=shapes, dims=dims,
                              space=space, cfg=cfg, timer=timer, aot=aot, timing=mode)
         except Cancelled:  # the run's pool was cancelled before this worker took its own
             return 0
@@ -905,7 +495,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
 
     # Helpers (`OpenSearches`): one more worker each, while this study's own workers run; the
     # study waits for them before its result. Without a run's board (one study alone) none come.
-    board, helpers = _SEARCHES.get(), threading.Condition(lock)
+    board, helpers = open_searches(), threading.Condition(lock)
     n_helpers, next_wid, helped = [0], [cfg.n_workers], [0]
 
     def join() -> int:
@@ -924,7 +514,7 @@ def tune_module(module_path: Path | str, *, size: int, shapes: list[list[int]] |
                 helped[0] += n
                 helpers.notify_all()
 
-    search = _Search(join) if board is not None and cfg.join_studies else None
+    search = Search(join) if board is not None and cfg.join_studies else None
 
     optuna = _optuna()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -1035,7 +625,7 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
            shapes: list[list[int]] | None = None, dims: dict[str, int] | None = None,
            config: TuneConfig | None = None, timer: Timer | None = None,
            rounds: int | None = None, progress=None,
-           deadline: float | None = None, timing: _TimingMode | None = None
+           deadline: float | None = None, timing: TimingMode | None = None
            ) -> list[float | None]:
     """Median ms of each config over `rounds` interleaved rounds (the order rotates each round),
     on one worker after the search, when no check or compile competes for the machine. A search
@@ -1052,8 +642,8 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
     rounds = cfg.final_rounds if rounds is None else rounds
     path = str(Path(module_path).resolve())
     module = load_module(path)
-    obj = _Objective(path=path, module=module, size=size, shapes=shapes or [[size]], dims=dims,
-                     space={}, cfg=cfg, timer=timer, aot=_Aot(), timing=timing)
+    obj = Objective(path=path, module=module, size=size, shapes=shapes or [[size]], dims=dims,
+                     space={}, cfg=cfg, timer=timer, aot=AotCache(), timing=timing)
     try:
         graph = obj.timing.graph
         times = _retime_rounds(obj, configs, cfg, rounds, progress, deadline)
@@ -1064,7 +654,7 @@ def retime(module_path: Path | str, configs: Sequence[dict[str, Any]], *, size: 
     return [statistics.median(t) if t else None for t in times]
 
 
-def _retime_rounds(obj: _Objective, configs: Sequence[dict[str, Any]], cfg: TuneConfig,
+def _retime_rounds(obj: Objective, configs: Sequence[dict[str, Any]], cfg: TuneConfig,
                    rounds: int, progress, deadline: float | None) -> list[list[float]]:
     import statistics
 
@@ -1108,7 +698,7 @@ def timing_is_real(timer: Timer | None) -> bool:
 
 def _finalize(result: BucketResult, study, module: ModuleType, module_path, *, size: int,
               shapes, dims, cfg: TuneConfig, timer: Timer | None, progress=None,
-              deadline: float | None = None, timing: _TimingMode | None = None) -> BucketResult:
+              deadline: float | None = None, timing: TimingMode | None = None) -> BucketResult:
     """Re-time the finalists with the default; the best and the default's time come from it.
     Past `deadline` (the study's budget spent) there is no re-timing: the search's timings
     stand, and `result.stopped` says so."""

@@ -5,7 +5,7 @@ Importing torch + triton costs seconds, so one child serves many trials; it is k
 restarted after a timeout or a crash (`WorkerTimeout`, `WorkerDied`), and the study goes on.
 
 A trial has two requests, so that compiling and checking can run in many workers at once while
-timing runs alone on the GPU (the parent's `tune._GpuGate` admits one `time` and no `check`):
+timing runs alone on the GPU (the parent's `_objective.GpuGate` admits one `time` and no `check`):
 
 - ``check``: load the module, pin the config, compare forward + every gradient with `reference`
   on the family's small `sample_inputs` (fresh random values, in the timing dtype against the
