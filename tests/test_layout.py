@@ -19,6 +19,7 @@ CENTRAL = sorted([*(ROOT / "onboarding").rglob("*.py"), *(ROOT / "agents").rglob
 # Literals that equal a family's name but mean something else, each with the reason.
 NOT_A_FAMILY = {
     ("onboarding/graph/classify.py", "conv1d"): "the ATen op aten.conv1d, which the classifier matches",
+    ("onboarding/graph/_records.py", "conv1d"): "the ATen op aten.conv1d, which the classifier matches",
     ("onboarding/cli/train.py", "lora"): "the LoRA adapters being trained (--lora-rank, "
                                             "--expert-lora, ...), not the kernel family",
     ("onboarding/train/flops.py", "lora"): "PEFT's adapter parameter names (lora_A, lora_B)",
