@@ -64,7 +64,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,18 +78,18 @@ from onboarding.align.replay import (
     _replay,
     _selection_flips,
 )
+from onboarding.align._capture import _Call, _Recorder, _without_slots
+from onboarding.align._results import (FAILING, AlignmentError, AlignmentResult, BlockAlignment,
+                                       Direction)
 from onboarding.align.report import plot_errors, render_markdown
-from onboarding.align.verdicts import backward_unchecked, checked_line
+from onboarding.align.verdicts import backward_unchecked
 from onboarding.align.stats import (
     _flat,
-    _float_slots,
     PERCENTILES,
     ErrorStats,
-    _json_safe,
     _logit_stats,
     _map,
     _pair_grads,
-    _split,
     _tensors,
     _ulp_stats,
     error_stats,
@@ -111,7 +111,6 @@ __all__ = [
 
 MODES = ("percentile", "bitwise")
 ISOLATE = ("auto", "always", "never")
-FAILING = ("fail", "nonfinite", "amplified")
 # 16-bit candidates are judged against the unpatched model in their own dtype, run in the same
 # alignment (the noise floor): a block's own error (replayed in isolation) may be at most
 # FLOOR_FACTOR times the unpatched block's, its end-to-end error FLOOR_FACTOR_E2E times the
@@ -121,117 +120,6 @@ FAILING = ("fail", "nonfinite", "amplified")
 # f exceeds 2f while f < 1.15e-2, which every block kind measured stays under.
 FLOOR_FACTOR = 2.0
 FLOOR_FACTOR_E2E = 3.0
-
-
-class AlignmentError(RuntimeError):
-    """Raised by `AlignmentResult.check()` (and for a reference that is itself non-finite)."""
-
-
-# ---- capture -------------------------------------------------------------------------------------
-
-@dataclass
-class _Call:
-    args: Any = None  # (args, kwargs) with tensors detached and cloned; requires_grad kept aside
-    grad_flags: list[bool] = field(default_factory=list)  # per tensor in _tensors(args)
-    inputs: list[torch.Tensor] = field(default_factory=list)  # floating inputs (all)
-    discrete_in: list[torch.Tensor] = field(default_factory=list)
-    taps: list[torch.Tensor | None] = field(default_factory=list)  # grads w.r.t. tapped inputs
-    n_taps: int = 0
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    discrete_out: list[torch.Tensor] = field(default_factory=list)
-    out_grads: list[torch.Tensor | None] = field(default_factory=list)
-    out_needs_grad: list[bool] = field(default_factory=list)
-    out_slots: list[int] = field(default_factory=list)  # per output: its top-level slot
-    none_slots: frozenset[int] = frozenset()  # top-level output slots that were None
-
-
-def _without_slots(call: _Call, drop: frozenset[int]) -> _Call:
-    """A copy of ``call`` without its floating outputs (and their grads) in the slots ``drop``."""
-    keep = [s not in drop for s in call.out_slots]
-    pick = lambda xs: [x for x, k in zip(xs, keep) if k]  # noqa: E731
-    return dataclasses.replace(call, outputs=pick(call.outputs), out_grads=pick(call.out_grads),
-                               out_needs_grad=pick(call.out_needs_grad), out_slots=pick(call.out_slots))
-
-
-class _Recorder:
-    """Forward pre/post hooks on the blocks of one model; see the module docstring."""
-
-    def __init__(self, model: nn.Module, blocks: list[Block]):
-        self.modules = dict(model.named_modules())
-        self.calls: dict[str, list[_Call]] = {b.path: [] for b in blocks}
-        self.start: list[str] = []
-        self.end: list[str] = []
-        self.active = True
-        self._stack: dict[str, list[_Call]] = {}
-        self._handles = []
-        for b in blocks:
-            m = self.modules.get(b.path)
-            if m is None:
-                continue
-            self._handles.append(m.register_forward_pre_hook(self._pre(b.path), with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post(b.path), with_kwargs=True))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _pre(self, path: str):
-        def hook(module, args, kwargs):
-            if not self.active:
-                return None
-            call = _Call()
-            ts = list(_tensors((args, kwargs)))
-            call.grad_flags = [t.requires_grad for t in ts]
-            call.args = _map((args, kwargs), lambda t: t.detach().clone())
-            call.inputs, call.discrete_in = _split(t.detach().clone() for t in ts)
-            if not torch.is_grad_enabled():
-                self._begin(path, call)
-                return None
-
-            def tap(t: torch.Tensor) -> torch.Tensor:
-                # A private clone: its gradient is this block's share only (the original may
-                # feed a residual too). Only top-level and tuple-nested tensors are tapped.
-                if not (t.is_floating_point() and t.requires_grad):
-                    return t
-                k = call.n_taps
-                call.n_taps += 1
-                call.taps.append(None)
-                c = t.clone()
-                c.register_hook(lambda g, k=k: call.taps.__setitem__(k, g.detach().clone()))
-                return c
-
-            new_args, new_kwargs = _map((args, kwargs), tap)
-            self._begin(path, call)
-            return new_args, new_kwargs
-        return hook
-
-    def _begin(self, path: str, call: _Call) -> None:
-        self._stack.setdefault(path, []).append(call)
-        self.start.append(path)
-
-    def _post(self, path: str):
-        def hook(module, args, kwargs, output):
-            if not self.active or not self._stack.get(path):
-                return None
-            call = self._stack[path].pop()
-            outs = list(_tensors(output))
-            floats, discrete = _split(outs)
-            call.outputs = [t.detach().clone() for t in floats]
-            call.out_slots, call.none_slots = _float_slots(output)
-            call.discrete_out = [t.detach().clone() for t in discrete]
-            call.out_grads = [None] * len(floats)
-            call.out_needs_grad = [t.requires_grad for t in floats]
-            for k, t in enumerate(floats):
-                if t.requires_grad:
-                    # an output no loss reaches gets None when it comes out of an autograd
-                    # Function whose other outputs are used (a kernel's final states): as unset
-                    t.register_hook(lambda g, k=k: None if g is None else
-                                    call.out_grads.__setitem__(k, g.detach().clone()))
-            self.calls[path].append(call)
-            self.end.append(path)
-            return None
-        return hook
 
 
 # ---- the pair of models ---------------------------------------------------------------------------
@@ -321,155 +209,6 @@ def _run(model: nn.Module, graph: OpGraph, inputs: tuple, kwargs: dict, seed: in
     grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
              for n, p in model.named_parameters()}
     return _Run(rec=rec, logits=logits.detach(), param_grads=grads)
-
-
-# ---- results -----------------------------------------------------------------------------------
-
-@dataclass(kw_only=True, slots=True)
-class Direction:
-    """One direction (forward or backward) of one block."""
-
-    verdict: str = "pass"
-    output: ErrorStats | None = None  # fwd: block outputs; bwd: gradients w.r.t. its inputs
-    input: ErrorStats | None = None  # fwd: block inputs; bwd: gradients reaching its outputs
-    params: ErrorStats | None = None  # bwd only: gradients of the block's parameters
-    local: ErrorStats | None = None  # the isolated replay on the reference's inputs
-    local_params: ErrorStats | None = None
-    output_ok: bool = True
-    input_ok: bool = True
-    local_ok: bool | None = None
-    source: str | None = None  # for "propagated" from a contained culprit
-    message: str = ""
-
-
-@dataclass(kw_only=True, slots=True)
-class BlockAlignment:
-    path: str
-    kind: str
-    layer: int | None
-    calls: int
-    tolerance: dict[str, float]
-    fwd: Direction
-    bwd: Direction
-    # with a noise floor: the floor's rel_rms and the max_rel_rms derived from it, per quantity
-    floor: dict[str, float] = field(default_factory=dict)
-    bounds: dict[str, float] = field(default_factory=dict)
-    # top-level output slots (never the first) the candidate returned as None where the
-    # reference returned a tensor: not judged (`_judge`)
-    unjudged_outputs: list[int] = field(default_factory=list)
-
-
-@dataclass(kw_only=True)
-class AlignmentResult:
-    model: str
-    mode: str
-    reference_dtype: str
-    candidate_dtype: str
-    seed: int
-    input_shapes: list[list[int]]
-    blocks: list[BlockAlignment]
-    forward_order: list[str]
-    backward_order: list[str]
-    logits: dict[str, Any]
-    patches: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    floor_dtype: str | None = None  # the unpatched model's dtype when bounds come from it
-    # what was not checked (`onboarding.align.verdicts`): the coverable blocks (None: not known,
-    # no coverage given), those left unpatched {path, kind, family, reason}, patched blocks whose
-    # backward was not exercised; ``strict``: an unpatched coverable block fails the verdict
-    coverable: int | None = None
-    not_checked: list[dict[str, Any]] = field(default_factory=list)
-    backward_not_checked: list[dict[str, Any]] = field(default_factory=list)
-    strict: bool = False
-
-    def block(self, path: str) -> BlockAlignment:
-        for b in self.blocks:
-            if b.path == path:
-                return b
-        raise KeyError(path)
-
-    def culprits(self, direction: str = "fwd") -> list[BlockAlignment]:
-        """Failing blocks in that direction's execution order (first = the culprit)."""
-        order = self.forward_order if direction == "fwd" else self.backward_order
-        rank = {p: i for i, p in enumerate(order)}
-        bad = [b for b in self.blocks if getattr(b, direction).verdict in FAILING]
-        return sorted(bad, key=lambda b: rank.get(b.path, len(rank)))
-
-    @property
-    def culprit(self) -> BlockAlignment | None:
-        """The first failing block, forward first, else backward."""
-        c = self.culprits("fwd") or self.culprits("bwd")
-        return c[0] if c else None
-
-    @property
-    def passed(self) -> bool:
-        return (not self.culprits("fwd") and not self.culprits("bwd")
-                and self.logits.get("passed", True))
-
-    @property
-    def strict_failed(self) -> bool:
-        """Under ``strict``, a coverable block was left unpatched (not checked)."""
-        return self.strict and bool(self.not_checked)
-
-    @property
-    def verdict_passed(self) -> bool:
-        """The checks passed and, under ``strict``, every coverable block was patched."""
-        return self.passed and not self.strict_failed
-
-    def checked(self) -> str:
-        """What was checked: "18 of 20 coverable blocks patched; not checked: ..." ("" when the
-        coverable blocks are not known)."""
-        return checked_line(self)
-
-    def summary(self) -> str:
-        floor = " (bounds from the unpatched model's own error)" if self.floor_dtype else ""
-        what = self.checked()
-        if self.passed:
-            stats = (f"{len(self.blocks)} blocks, {self.candidate_dtype} vs "
-                     f"{self.reference_dtype}{floor}, logits rel_rms "
-                     f"{self.logits['stats']['rel_rms']:.2e}, KL {self.logits['kl']:.2e}, top-1 "
-                     f"{self.logits['top1_agreement']:.3f}")
-            if self.strict_failed:
-                return f"alignment FAILED under --strict \u2014 {what}. {stats}"
-            if self.not_checked or self.backward_not_checked:
-                # never a plain pass when something coverable was not checked
-                return f"alignment PASS \u2014 {what}. {stats}"
-            return f"alignment passed: {what + '; ' if what else ''}{stats}"
-        lines = []
-        for d, name in (("fwd", "forward"), ("bwd", "backward")):
-            for b in self.culprits(d):
-                lines.append(f"{name}: {b.path} ({b.kind}) {getattr(b, d).verdict}: "
-                             f"{getattr(b, d).message}")
-        if not self.logits.get("passed", True):
-            lines.append(f"logits: {self.logits.get('message', '')}")
-        if what:
-            lines.append(what)
-        return f"alignment FAILED{floor}\n  " + "\n  ".join(lines)
-
-    def check(self) -> AlignmentResult:
-        """Raise `AlignmentError` naming the culprit blocks unless the alignment passed (and,
-        under ``strict``, every coverable block was patched)."""
-        if not self.verdict_passed:
-            raise AlignmentError(self.summary())
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["passed"] = self.passed
-        d["verdict_passed"] = self.verdict_passed
-        d["culprit"] = {k: [b.path for b in self.culprits(k)] for k in ("fwd", "bwd")}
-        return _json_safe(d)
-
-    def save(self, path: Path | str) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        return path
-
-    def to_markdown(self, *, only_failing: bool = False) -> str:
-        return render_markdown(self, only_failing=only_failing)
-
-    def plot(self, path: Path | str) -> Path:
-        return plot_errors(self, Path(path))
 
 
 # ---- the alignment ---------------------------------------------------------------------------------
