@@ -84,11 +84,18 @@ def test_patched_proxy_aligns(ref, parse_model, kernel_dir, tmp_path):
     for b in result.blocks:
         assert b.fwd.verdict in ("pass", "inline", "not_called"), (b.path, b.fwd.message)
         assert b.bwd.verdict in ("pass", "inline", "no_grad", "not_called"), (b.path, b.bwd.message)
-    # every patched block was compared, forward and backward
+    # every patched block was compared, forward and backward; a rope block is the module that
+    # makes the cos/sin tables, and no gradient flows through it: the patched rotation's backward
+    # runs inside the attention blocks that call it, each compared backward below
     for p in active:
         if p["kind"] != "conv.causal1d":
             b = result.block(p["path"])
             assert b.fwd.verdict == "pass" and b.fwd.output.rel_rms < 1e-5, b.fwd
+            if p["kind"] == "rope" and b.bwd.verdict == "no_grad":
+                attn = [a for a in result.blocks if "attention" in a.kind.split(".")[0]]
+                assert attn and all(a.bwd.verdict == "pass" for a in attn), \
+                    [(a.path, a.bwd.verdict) for a in attn]
+                continue
             assert b.bwd.verdict == "pass" and b.bwd.output.rel_rms < 1e-5, b.bwd
     assert result.logits["top1_agreement"] == 1.0 and result.logits["kl"] < 1e-9
 
