@@ -58,8 +58,7 @@ def test_layer_norm_is_a_fused_torch_path(parse_model):
 
 @pytest.mark.slow  # 80-90 s each on 2 cores; tests/test_align.py aligns both models in CI
 @pytest.mark.parametrize("ref,kinds", [
-    # rope since the rope binding probes the rotation's layout (4001f10): Qwen3-Next's
-    # partial rotary, half-split
+    # rope: the rope binding patches Qwen3-Next's rotation (partial rotary, half-split)
     ("hf:qwen3_next", {"norm.rms", "norm.rms_gated", "conv.causal1d", "moe.shared_expert",
                        "moe.experts", "moe.router", "linear_attention.gated_delta", "rope"}),
     # Kimi's output norm is gated by sigmoid: `rmsnorm/gated` with activation=sigmoid.
