@@ -537,3 +537,19 @@ def test_sparse_selection_budgets_fit_under_the_proxy_lengths():
     c = text_config(load_stage(load_model("hf:kolibri1_1"), "tiny").proxy_config)
     assert c.index_topk + c.index_num_local_tokens + c.index_num_sink_tokens < 32
     assert c.index_pool_size < 64
+
+
+def test_layer_counts_that_split_the_stack_split_the_kept_layers():
+    """Dory runs n_input_layers once, loops n_recurrent_layers, then runs n_output_layers once;
+    the three sum to num_hidden_layers (8 + 20 + 8 = 36). The tiny proxy keeps 4 layers and
+    splits them the same way (1 + 2 + 1); before, 8 and 8 stayed, the derived recurrent count
+    became -12 and the looped section never ran."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "dory" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no dory")
+    info = load_stage(load_model("hf:dory"), "tiny")
+    c = text_config(info.proxy_config)
+    parts = (c.n_input_layers, c.n_recurrent_layers, c.n_output_layers)
+    assert min(parts) >= 1 and sum(parts) == c.num_hidden_layers < 36, parts
+    info.loaded.build(info.proxy_config, device="meta", seed=None)

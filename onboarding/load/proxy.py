@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import re
 import warnings
@@ -504,6 +505,31 @@ def _tail_counts(c: Any, name: str, n: int, keep: list[int], signatures: list[tu
             setattr(c, k, sum(1 for i in keep if i >= start))
 
 
+def _partition_counts(c: Any, name: str, n: int, m: int) -> None:
+    """Int fields named for layers that split the stack into consecutive sections (Dory's
+    n_input_layers + n_recurrent_layers + n_output_layers = num_hidden_layers: layers run once,
+    then looped, then once) split the ``m`` kept layers the same way, each section keeping at
+    least one and its share of the rest. Before, they stayed as they were over fewer layers and
+    the derived one went negative (8 + -12 + 8 = 4: the looped section never ran). The largest
+    set of two or more such fields whose values sum to the layer count ``n`` is the split."""
+    fields = [k for k, v in vars(c).items() if "layers" in k and k != name
+              and k not in LAYER_COUNT_NAMES and isinstance(v, int) and not isinstance(v, bool)
+              and 0 < v < n and _writable(c, k)]
+    parts = next((combo for size in range(min(len(fields), 6), 1, -1)
+                  for combo in itertools.combinations(fields, size)
+                  if sum(getattr(c, k) for k in combo) == n), None)
+    if parts is None or m < len(parts) or m == n:
+        return
+    new = {k: max(1, getattr(c, k) * m // n) for k in parts}
+    order = sorted(parts, key=lambda k: -getattr(c, k))  # the largest sections give or take
+    while sum(new.values()) != m:
+        step = 1 if sum(new.values()) < m else -1
+        k = next(k for k in order if step > 0 or new[k] > 1)
+        new[k] += step
+    for k, v in new.items():
+        setattr(c, k, v)
+
+
 def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
                    name: str | None) -> list[int] | None:
     """Keep the layers `_choose_layers` picks; returns their full-model indices (None: no layer
@@ -525,6 +551,7 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
                     else [keep.index(i) for i in v if i in keep])
     if keep != list(range(len(keep))):  # runs kept (`_runs`): layers left out between them
         _tail_counts(c, name, n, keep, signatures)
+    _partition_counts(c, name, n, len(keep))
     # a count of shared layers that is every layer (Gemma 4's assistant: num_kv_shared_layers =
     # the layer count, every layer reads the target model's KV) stays every layer
     for k, v in list(vars(c).items()):
