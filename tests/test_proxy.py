@@ -553,3 +553,22 @@ def test_layer_counts_that_split_the_stack_split_the_kept_layers():
     parts = (c.n_input_layers, c.n_recurrent_layers, c.n_output_layers)
     assert min(parts) >= 1 and sum(parts) == c.num_hidden_layers < 36, parts
     info.loaded.build(info.proxy_config, device="meta", seed=None)
+
+
+def test_a_period_that_fits_once_is_no_period():
+    """Flint's 49 layers: 2 dense full-attention layers, then (sliding x 3, full) repeated, but
+    the stack ends sliding, sliding, full. Prefix 3 and "period" 43 matched that (43 layers
+    apart agree), and the tiny proxy kept 46 of the 49 layers. A period must repeat at least
+    twice; without one, the stack is runs, and the proxy keeps one period of each run."""
+    _model_type_or_skip("hf:flint")
+    from transformers import AutoConfig
+
+    from onboarding.load.proxy import _period, shrink_config
+
+    assert _period(list("AABBBABBBABBBABBA")) == (0, 17)
+    assert _period(list("AABBBABBBABBBABBBA")) == (1, 4)
+    full = AutoConfig.for_model("flint")
+    c = shrink_config(full, "tiny")
+    assert c.num_hidden_layers <= 8, c.num_hidden_layers
+    assert set(c.layer_types) == set(full.layer_types)
+    assert c.mlp_only_layers and c.num_hidden_layers > max(c.mlp_only_layers) + 1

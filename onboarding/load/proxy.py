@@ -438,11 +438,14 @@ def layer_descriptors(c: Any, signatures: list[tuple] | None = None,
 
 
 def _period(desc: list[tuple]) -> tuple[int, int]:
-    """Smallest (prefix, period) with desc[i] == desc[i + period] for all i >= prefix."""
+    """Smallest (prefix, period) with desc[i] == desc[i + period] for all i >= prefix, the
+    period repeating at least twice after the prefix; (0, n) without one. A "period" that fits
+    once (Flint's 49 layers: 2 dense, then sliding x 3 + full, but the last three layers sliding,
+    sliding, full: prefix 3 and period 43 matched) is none: the stack is runs (`_runs`)."""
     n = len(desc)
     best = (0, max(n, 1))
     for s in range(0, min(4, n)):
-        for p in range(1, n - s + 1):
+        for p in range(1, (n - s) // 2 + 1):
             if all(desc[i] == desc[i + p] for i in range(s, n - p)):
                 if s + p < sum(best):
                     best = (s, p)
