@@ -873,7 +873,8 @@ def test_tune_run_runs_studies_at_once_in_job_order(tmp_path, monkeypatch):
 def test_a_study_thread_with_nothing_left_helps_the_searches_still_running(tmp_path, rms_path,
                                                                              monkeypatch):
     """Two studies on two slots (`_run_at_once`): a short one and a long one whose trials take
-    0.15 s each. Once the short one ends, its thread joins the long one as a second worker: two
+    0.4 s each (at 0.15 s a loaded 2-core host ran the helper's trial between, not beside, the
+    study's own). Once the short one ends, its thread joins the long one as a second worker: two
     of the long study's trials run at the same time, and it still runs its 8 trials and no
     more. With `join_studies` off the trials never overlap."""
     import threading
@@ -890,7 +891,7 @@ def test_a_study_thread_with_nothing_left_helps_the_searches_still_running(tmp_p
 
         def timer(config, result):  # the long study's trials are slow
             t0 = time.monotonic()
-            time.sleep(0.15)
+            time.sleep(0.4)
             with lock:
                 spans.append((t0, time.monotonic()))
             return 1.0 + config["BLOCK_N"] / 64
@@ -1484,7 +1485,42 @@ def test_a_study_budget_counts_from_when_it_was_granted(tmp_path, rms_path):
                            budget_from=time.monotonic() - 2.5)
     assert res.trials_run == 0 and res.stopped.startswith("stopped at budget (2 s) after 0 of 10")
     assert res.seconds >= 2.5
-    cfg = _cfg(tmp_path / "b", n_trials=2, isolate=False, budget_s=2.0, space=FWD_ONLY)
+    # a fresh grant runs its trials (a budget wide enough for a loaded 2-core host's interpreter)
+    cfg = _cfg(tmp_path / "b", n_trials=2, isolate=False, budget_s=120.0, space=FWD_ONLY)
     res = tune.tune_module(rms_path, size=64, config=cfg, timer=_fake_timer,
                            budget_from=time.monotonic())
     assert res.trials_run == 2 and not res.stopped
+
+
+def test_closing_workers_kills_every_child_before_waiting_for_any():
+    """`WorkerPool.close` and `cancel` end their workers' children all at once (`close_all`):
+    every kill before the first wait, so that the exits overlap rather than queue at the end of a
+    run whose pool holds a dozen GPU workers."""
+    from onboarding.tune.worker import Worker
+
+    events = []
+
+    class Proc:
+        def __init__(self, i):
+            self.i = i
+
+        def kill(self):
+            events.append(("kill", self.i))
+
+        def wait(self):
+            events.append(("wait", self.i))
+
+    for end in ("close", "cancel"):
+        events.clear()
+        pool = WorkerPool()
+        workers = [pool.take(interpret=True, startup_timeout_s=1.0) for _ in range(3)]
+        for i, w in enumerate(workers):
+            w.proc = Proc(i)
+        for w in workers[:2] if end == "close" else []:
+            pool.give(w)  # close ends the idle workers only; cancel every worker made
+        getattr(pool, end)()
+        n = 2 if end == "close" else 3
+        assert sorted(events) == sorted([("kill", i) for i in range(n)] + [("wait", i) for i in range(n)])
+        assert [e for e, _ in events] == ["kill"] * n + ["wait"] * n, events
+        assert all(w.proc is None for w in workers[:n])
+        assert isinstance(workers[0], Worker)

@@ -23,7 +23,7 @@ from onboarding.backend import on_gpu
 from onboarding.errors import InputError
 from onboarding.tune._searches import current_pool
 from onboarding.tune.store import bucket_default, module_meta
-from onboarding.tune.worker import Worker, WorkerDied, WorkerTimeout, handle
+from onboarding.tune.worker import Worker, WorkerDied, WorkerTimeout, close_all, handle
 
 if TYPE_CHECKING:
     from onboarding.tune.search import Limits, Timer, TuneConfig
@@ -165,13 +165,12 @@ class Objective:
     def close(self, keep: bool = True) -> None:
         """Ends the workers, or with `keep` gives them back to the pool they came from (an
         interrupt passes keep=False: their trials in flight must die)."""
-        for w in (self.trial_worker, self.aot_worker):
-            if w is None:
-                continue
-            if keep and self.pool is not None:
+        workers = [w for w in (self.trial_worker, self.aot_worker) if w is not None]
+        if keep and self.pool is not None:
+            for w in workers:
                 self.pool.give(w)
-            else:
-                w.close()
+        else:
+            close_all(workers)
 
     def _run(self, worker: Worker, op: str, args: dict, timeout: float) -> dict[str, Any]:
         if not self.cfg.isolate:
