@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One call that uses whichever card comes: on an H200 the goals (`h47_goals.sh`), on any other
-# card the per-kernel profiles (`h48_profile.sh`). carry: .whl .whl_fla .anchors. Packs $OUT.
+# card the per-kernel profiles (`h48_profile.sh`) unless PROFILE=0 (the forty-eighth session ran
+# them on an H100 once; docs/LOG.md). carry: .whl .whl_fla .anchors. Packs $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$GPU" in
   *H200*) LIMIT=${LIMIT:-555} bash .ci/h200/h47_goals.sh ;;
-  *) echo "gpu: $GPU" > $OUT/gpu.txt; bash .ci/h200/h48_profile.sh ;;
+  *) echo "gpu: $GPU" | tee $OUT/gpu.txt; [ "${PROFILE:-1}" = 1 ] && bash .ci/h200/h48_profile.sh ;;
 esac
 rc=$?
 cd $OUT && tar czf /tmp/all.tgz . && find . -type f -delete && mv /tmp/all.tgz $OUT/
