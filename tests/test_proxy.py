@@ -572,3 +572,20 @@ def test_a_period_that_fits_once_is_no_period():
     assert c.num_hidden_layers <= 8, c.num_hidden_layers
     assert set(c.layer_types) == set(full.layer_types)
     assert c.mlp_only_layers and c.num_hidden_layers > max(c.mlp_only_layers) + 1
+
+
+def test_a_per_layer_head_count_list_follows_the_head_count():
+    """Laguna sizes each layer's attention by num_attention_heads_per_layer (48 a layer). The
+    tiny proxy cut num_attention_heads to 4 and left the list at 48: q_proj 48 x 32 = 1536 wide
+    at hidden 128, GQA 48:1. The list now follows the global count (4), and the proxy runs."""
+    _model_type_or_skip("hf:laguna")
+    info = load_stage(load_model("hf:laguna"), "tiny")
+    c = text_config(info.proxy_config)
+    assert max(c.num_attention_heads_per_layer) == c.num_attention_heads <= 4
+    assert all(h % c.num_key_value_heads == 0 for h in c.num_attention_heads_per_layer)
+    model = info.loaded.build(info.proxy_config, device="cpu", seed=0)
+    q = model.get_submodule("model.layers.0.self_attn.q_proj").weight
+    assert q.shape[0] == c.num_attention_heads * c.head_dim
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, c.vocab_size, (1, 16)), use_cache=False)
+    assert torch.isfinite(out.logits).all()

@@ -232,6 +232,16 @@ def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
             c.num_key_value_heads = max(1, new_heads // min(groups, new_heads))
         if had_head_dim and _writable(c, "head_dim"):  # Falcon's is a property (hidden / heads)
             c.head_dim = min(c.head_dim, s.head_dim_cap)
+        # a per-layer list of head counts (Laguna's num_attention_heads_per_layer, 48 a layer)
+        # whose largest is the global count follows it, each layer keeping its share and a
+        # multiple of the key/value heads; before, 48 stayed beside num_attention_heads 4
+        kv_new = getattr(c, "num_key_value_heads", None)
+        step = kv_new if isinstance(kv_new, int) and kv_new > 0 else 1
+        for name, v in list(vars(c).items()):
+            if "heads" in name and isinstance(v, (list, tuple)) and _is_width(v) \
+                    and max(v) == heads and heads != new_heads and _writable(c, name):
+                setattr(c, name, type(v)(max(step, x * new_heads // heads // step * step)
+                                         for x in v))
     # an expert width field, an int or a per-layer list, sizes the experts: intermediate_size
     # is then the dense layers' width
     experts_use_ffn = _expert_count(c) is not None and not any(
