@@ -1119,3 +1119,22 @@ def test_an_input_gates_second_projection_counts_under_its_kind(parse_model):
              if n.split(".")[-2] in ("input_gate", "input_proj")}
     assert len(gates) == 4  # two layers, a D -> P and a P -> D weight each
     assert by_kind_params(full, g.blocks)["residual.input_gate"] == sum(gates.values())
+
+
+SWEEP133 = "tests/fixtures/sweep133_models.py"
+
+
+def test_linear_attention_read_off_its_state_is_linear_attention(parse_model):
+    """Linear attention whose decay is fixed per head and made once as buffers (MiniMax's
+    lightning attention; our own fixture, in block form): no softmax and no decay cumsum, so
+    no rule matched and the mixer was `unknown` ("8 matmuls that no rule explains"). K^T V
+    into a [d, d] state per head and the queries' read-out of it make it
+    `linear_attention.other` (recurrence "state")."""
+    g = parse_model(f"{SWEEP133}:BlockDecayLinearAttentionLM", seq=12)
+    assert g.layer_pattern == "LF LF"
+    for b in (b for b in g.blocks if b.path.endswith(".attn")):
+        assert b.kind == "linear_attention.other", (b.kind, b.evidence)
+        assert b.attrs == {"recurrence": "state", "state": [8, 8], "state_decay": True}
+    # softmax attention written out, and fused attention, stay attention
+    g = parse_model(f"{SWEEP33}:SinkScaleLM", seq=12)
+    assert g.layer_pattern == "AF AF"

@@ -201,6 +201,41 @@ class MixerRules:
             "dt_rank": rank, "conv_width": convs[0].get("kernel_size"), "norm_dt": norm_dt,
             "norm_bc": norm_bc, "has_d": has_d, "gate": gate}
 
+    def _state_linear_attention(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
+                                ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """Linear attention read off its state (MiniMax's lightning attention: a fixed per-head
+        decay made once as buffers, so no decay cumsum): weight projections, no softmax, fused
+        attention or top-k, and two products of activations, neither a weight: K^T V, keys
+        against values over positions, into a [.., a, b] state (a, b not the sequence), and a
+        read-out of a state of that shape by the queries (Q S, [.., n, a] x [.., a, b]). The
+        scores Q K^T, if any, are never normalised over the keys."""
+        ctx, ops = self.ctx, _hist(recs)
+        if not any(r.params for r in mm) or any(op in SOFTMAX or is_sdpa(op) for op in ops) \
+                or ops["topk"]:
+            return None
+        two = [r for r in mm if not r.params and len(r.in_shapes) > 1 and r.in_shapes[0]
+               and r.in_shapes[1] and len(r.in_shapes[0]) >= 2 and len(r.in_shapes[1]) >= 2
+               and r.out_shapes and r.out_shapes[0]]
+        # K^T V: [.., a, n] x [.., n, b] over n positions (a, b not the sequence); Q S: the
+        # queries of as many positions, [.., n, a], against a state of that [a, b] shape
+        pairs = [(st, rd) for st in two for rd in two if rd is not st
+                 and st.in_shapes[0][-1] == st.in_shapes[1][-2] > 1
+                 and st.out_shapes[0][-2:] == [st.in_shapes[0][-2], st.in_shapes[1][-1]]
+                 and ctx.seq not in st.out_shapes[0][-2:]
+                 and rd.in_shapes[1][-2:] == st.out_shapes[0][-2:]
+                 and rd.in_shapes[0][-2:] == [st.in_shapes[0][-1], st.in_shapes[0][-2]]]
+        if not pairs:
+            return None
+        a, b = pairs[0][0].out_shapes[0][-2:]
+        decayed = any(r.op in ("mul", "mul_") and r.in_shapes and r.in_shapes[0]
+                      and r.in_shapes[0][-2:] == [a, b] for r in recs)
+        ev = [f"K^T V over positions into a [{a}, {b}] state, read out by the queries (Q S)",
+              "no softmax, fused attention or top-k: linear attention"]
+        if decayed:
+            ev.append("the state is scaled before it takes the next keys and values (a decay)")
+        return "linear_attention.other", ev, {"recurrence": "state", "state": [a, b],
+                                              "state_decay": decayed}
+
     def _linear_attention(self, recs, decay, tri):
         ops = _hist(recs)
         ev = ["exp + cumsum: cumulative decay in log space"]

@@ -215,6 +215,8 @@ class Classifier(MixerRules, MoeRules, StreamRules):
             return streams
         if (streams := self._stream_projections(path, recs, mm)) is not None:
             return streams
+        if (state := self._state_linear_attention(path, recs, mm)) is not None:
+            return state
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         # a conv over the sequence inside the block (causal or not) mixes tokens: no MLP,
         # whatever its projections look like (a mixer no rule explains is left to `unknown`)
