@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from onboarding.train.moe_ep import EPExperts, EPGroup, _gather_pairs, _SwiGLUWeighted
+from onboarding.train._moe_ep_ops import _gather_pairs, _SwiGLUWeighted
+from onboarding.train.moe_ep import EPExperts, EPGroup
 from onboarding.bench.harness import time_fn
 from onboarding.families import training_kernel
 from onboarding.train.kernels import (WEIGHTED_ACT_KIND, attach_swiglu_kernels, check_swiglu_kernel,
@@ -42,9 +43,9 @@ def test_gather_pairs_equals_indexing_without_index_backward(n, k, d, monkeypatc
     """Same rows and the same d x as ``x[order // k]`` (fp64: exactly the same sums), through
     `_GatherPairs`'s backward, not autograd's IndexBackward0 (a sort + index_put on CUDA); its
     token blocks of 2 tokens here (the last one partial)."""
-    from onboarding.train import moe_ep
+    from onboarding.train import _moe_ep_ops
 
-    monkeypatch.setattr(moe_ep, "PAIR_BLOCK_ELEMENTS", 2 * k * d)
+    monkeypatch.setattr(_moe_ep_ops, "PAIR_BLOCK_ELEMENTS", 2 * k * d)
     gen = torch.Generator().manual_seed(n * 10 + k)
     x = torch.randn(n, d, dtype=torch.float64, generator=gen, requires_grad=True)
     order = torch.randperm(n * k, generator=gen)
@@ -65,17 +66,17 @@ def test_combine_pairs_is_place_rows_then_sum(n, k, d, monkeypatch):
     .sum(1)``), forward and gradient, exactly in fp64, through `_sum_pairs`' torch path (the
     blocked gather + sum, in token blocks of 2 here), and `_GatherPairs`'s backward (the same
     `_sum_pairs`) too. Keeps only the order."""
-    from onboarding.train import moe_ep
+    from onboarding.train import _moe_ep_ops
 
-    monkeypatch.setattr(moe_ep, "PAIR_BLOCK_ELEMENTS", 2 * k * d)
+    monkeypatch.setattr(_moe_ep_ops, "PAIR_BLOCK_ELEMENTS", 2 * k * d)
     gen = torch.Generator().manual_seed(n * 10 + k)
     y = torch.randn(n * k, d, dtype=torch.float64, generator=gen, requires_grad=True)
     order = torch.randperm(n * k, generator=gen)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = moe_ep._combine_pairs(y, order, k)
+        out = _moe_ep_ops._combine_pairs(y, order, k)
     assert all(not t.is_floating_point() for t in saved)
-    ref = moe_ep._place_rows(y, order).view(n, k, d).sum(1)
+    ref = _moe_ep_ops._place_rows(y, order).view(n, k, d).sum(1)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     dy = torch.randn(n, d, dtype=torch.float64, generator=gen)
     (got,), (want,) = torch.autograd.grad(out, [y], dy), torch.autograd.grad(ref, [y], dy)
@@ -249,23 +250,23 @@ def test_cuda_pair_sums_by_embedding_bag_proxy_shape_and_timing():
     one fp32 sum rounded once: equal but for the order of fp32 adds (1 bf16 ulp at most, on few
     elements); each one's time printed (run with -s). The pair-sum kernel's own timing is in
     tests/kernel_tests/test_pair_sum.py."""
-    from onboarding.train import moe_ep
+    from onboarding.train import _moe_ep_ops
 
     n, k, d = 16384, 8, 2048
     gen = torch.Generator(device=DEV).manual_seed(0)
     src = torch.randn(n * k, d, device=DEV, generator=gen).to(torch.bfloat16)
     order = torch.argsort(torch.randint(0, 64, (n * k,), device=DEV, generator=gen), stable=True)
-    inverse = moe_ep._inverse(order)
+    inverse = _moe_ep_ops._inverse(order)
     bag_index = inverse.view(n, k)
     bag = F.embedding_bag(bag_index, src, mode="sum")
-    plain = moe_ep._sum_pairs(src, inverse, k)
+    plain = _moe_ep_ops._sum_pairs(src, inverse, k)
     ref = src.float().index_select(0, inverse).view(n, k, d).sum(1)
     off = (bag != plain).float().mean().item()
     assert off < 1e-3, off
     torch.testing.assert_close(bag.float(), ref, rtol=4e-3, atol=1e-5)
     torch.testing.assert_close(plain.float(), ref, rtol=4e-3, atol=1e-5)
 
-    b = time_fn(lambda _: moe_ep._sum_pairs(src, inverse, k)).median_ms
+    b = time_fn(lambda _: _moe_ep_ops._sum_pairs(src, inverse, k)).median_ms
     a = time_fn(lambda _: F.embedding_bag(bag_index, src, mode="sum")).median_ms
     print(f"\npair sums {n}x{k} rows of {d} bf16: embedding_bag {a:.3f} ms, gather + sum "
           f"{b:.3f} ms ({b / a:.2f}x); elements differing {off:.2e}")

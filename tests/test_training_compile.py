@@ -79,7 +79,7 @@ def test_grouped_mm_loop_op_matches_the_loop():
     """The experts' per-expert loop as one custom op (what `_gmm` runs while compiling): the
     same numbers and gradients as the plain loop, with an empty expert; `opcheck` passes."""
     from onboarding.train._grouped_mm import grouped_mm_loop
-    from onboarding.train.moe_ep import _gmm
+    from onboarding.train._moe_ep_ops import _gmm
 
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 5, 1])

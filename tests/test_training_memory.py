@@ -79,7 +79,7 @@ def test_lora_delta_same_numbers_as_the_plain_expression():
 
 
 def test_place_rows_is_index_copy_keeping_only_the_index():
-    from onboarding.train.moe_ep import _place_rows
+    from onboarding.train._moe_ep_ops import _place_rows
 
     g = torch.Generator().manual_seed(0)
     y = torch.randn(6, 3, generator=g, requires_grad=True)
@@ -127,10 +127,10 @@ def test_step_breakdown_by_phase_and_block(proxy):
 
 
 def test_weighted_swiglu_grads_in_row_blocks(monkeypatch):
-    from onboarding.train import moe_ep
-    from onboarding.train.moe_ep import _SwiGLUWeighted
+    from onboarding.train import _moe_ep_ops
+    from onboarding.train._moe_ep_ops import _SwiGLUWeighted
 
-    monkeypatch.setattr(moe_ep, "SWIGLU_BLOCK_ELEMENTS", 24)  # 4-row blocks of F = 6
+    monkeypatch.setattr(_moe_ep_ops, "SWIGLU_BLOCK_ELEMENTS", 24)  # 4-row blocks of F = 6
     g = torch.Generator().manual_seed(0)
     h = torch.randn(11, 12, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.rand(11, generator=g, dtype=torch.float64, requires_grad=True)

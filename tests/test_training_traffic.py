@@ -17,6 +17,8 @@ from torch.nn import functional as F
 from onboarding.train.config import TrainConfig
 
 REF = "hf:qwen3_moe"
+# where expert parallelism's ops run: the experts module and its tensor ops
+EP_FILES = ("onboarding/train/moe_ep.py", "onboarding/train/_moe_ep_ops.py")
 TOKENS = (2, 64)
 
 
@@ -31,7 +33,7 @@ def step():
     """(traffic, the experts' pairs P, hidden width D, MoE layers) of one step of our role."""
     from fixtures.bf16_proxy import bf16_proxy
 
-    from onboarding.train import moe_ep
+    from onboarding.train import _moe_ep_ops
     from onboarding.train.parallel import single_layout
     from onboarding.testing.traffic import counting
     from onboarding.train.worker import lm_loss, prepare
@@ -46,14 +48,14 @@ def step():
     for m in ep_mods:  # CUDA's path: the pair-sum kernel attached
         m.use_pair_sum_kernel(pair_sum_standin)
     mp = pytest.MonkeyPatch()
-    plain_gmm = moe_ep._gmm
+    plain_gmm = _moe_ep_ops._gmm
 
     def gmm(x, w_t, counts):  # CUDA's grouped GEMM (the CPU's loop would cat per expert)
         if x.dtype == w_t.dtype == torch.bfloat16:
-            offs = torch.cumsum(moe_ep._counts(counts, x.device), 0, dtype=torch.int32)
+            offs = torch.cumsum(_moe_ep_ops._counts(counts, x.device), 0, dtype=torch.int32)
             return torch._grouped_mm(x, w_t, offs=offs)
         return plain_gmm(x, w_t, counts)
-    mp.setattr(moe_ep, "_gmm", gmm)
+    mp.setattr(_moe_ep_ops, "_gmm", gmm)
     try:
         with counting() as mode:
             loss = lm_loss(built.model, ids, chunked=True)
@@ -68,7 +70,7 @@ def step():
 
 def test_experts_combine_and_gather_backward_copy_no_pair_rows(step):
     """The experts' combine and the pair gather's backward sum each token's k rows in one pass
-    (`moe_ep._sum_pairs` through the attached pair-sum kernel, one per layer each way): no
+    (`_moe_ep_ops._sum_pairs` through the attached pair-sum kernel, one per layer each way): no
     [pairs, D] rows are placed back or gathered only to be summed, and no separate sum runs. The experts' data movement per MoE layer is then the pair gather
     forward (2 P D: its rows, read and written), the combine's bag sum (P D read, N D written),
     the combine's backward gather (2 P D) and the gather's backward bag sum (P D + N D), plus
@@ -77,7 +79,7 @@ def test_experts_combine_and_gather_backward_copy_no_pair_rows(step):
     traffic, pairs, d, layers = step
     # the weighted SwiGLU's torch path (a Triton kernel on CUDA) is not the combine's business
     rows = [(k, n, b) for k, n, b in traffic.by("phase", "category", "op", "line", "node")
-            if (k[3].startswith("onboarding/train/moe_ep.py") or "(pair_sum_standin)" in k[3])
+            if (k[3].startswith(EP_FILES) or "(pair_sum_standin)" in k[3])
             and k[4] != "_SwiGLUWeightedBackward"]
     assert not [r for r in rows if r[0][1] == "sum" and r[2] >= pairs * d], rows
     moved = sum(b for k, n, b in rows if k[1] in ("gather", "copy", "cat"))

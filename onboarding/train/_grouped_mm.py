@@ -1,6 +1,6 @@
 """``onboard::grouped_mm_loop``: the experts' per-expert matmul loop as one opaque custom op.
 
-`moe_ep._gmm` multiplies row groups by their expert's weight. Off CUDA bf16 it loops over the
+`_moe_ep_ops._gmm` multiplies row groups by their expert's weight. Off CUDA bf16 it loops over the
 experts in Python, splitting the rows by the counts it reads on the host; traced by
 ``torch.compile`` (`compile = "blocks"`) that read is a graph break per call and the split sizes
 are data-dependent. This op runs the same loop (the same matmuls, so the same numbers) behind a
@@ -19,7 +19,8 @@ from torch import Tensor
 
 def matmul_per_group(x: Tensor, w_t: Tensor, sizes: list[int]) -> Tensor:
     """``x`` [R, I] in row groups of ``sizes`` (host ints) times ``w_t[e]`` [I, O] per group ->
-    [R, O]: one matmul per non-empty group (`moe_ep._gmm`'s eager fallback and this op's body)."""
+    [R, O]: one matmul per non-empty group (`_moe_ep_ops._gmm`'s eager fallback and this op's
+    body)."""
     outs = [xe @ w_t[e] for e, xe in enumerate(torch.split(x, sizes)) if sizes[e]]
     return torch.cat(outs) if outs else x.new_zeros(0, w_t.shape[-1])
 

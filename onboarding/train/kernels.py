@@ -285,7 +285,7 @@ def attach_lora_kernels(model: nn.Module, root: Path, *, rank: int, kernel=None,
         check=lambda m: check_lora_kernel(m, kernel), attach=lambda m: m.use_kernel(kernel))
 
 
-# What the experts' routing-weighted activation (`moe_ep._SwiGLUWeighted`, silu(g) * u * w per
+# What the experts' routing-weighted activation (`_moe_ep_ops._SwiGLUWeighted`, silu(g) * u * w per
 # row of h = [g | u]) is to the families: the kind a family's `training_variants` serves it under
 # (the swiglu family's `weighted`: one Triton pass each way, dw summed over the row in fp32 in the
 # kernel), and the key of its counts. Not an op-graph block kind: expert parallelism's own op.
@@ -297,7 +297,7 @@ def check_swiglu_kernel(kernel, f: int, dtype: torch.dtype, device, *, w_dtype=N
     """None when ``kernel(h [rows, 2F], w [rows])`` agrees with `_SwiGLUWeighted` on random
     inputs at width ``f``: the output, dh and dw (`compare_paths`); else what differed, or the error the kernel raised. Draws from its own
     generator."""
-    from onboarding.train.moe_ep import _SwiGLUWeighted
+    from onboarding.train._moe_ep_ops import _SwiGLUWeighted
 
     gen = torch.Generator(device=device).manual_seed(0)
     h = (2 * torch.randn(rows, 2 * f, device=device, generator=gen)).to(dtype).requires_grad_()
@@ -345,7 +345,7 @@ def attach_swiglu_kernels(ep_mods: list, root: Path, *, rank: int, kernel=None,
         attach=lambda m: m.use_swiglu_kernel(kernel))
 
 
-# What expert parallelism's pair sums (`moe_ep._sum_pairs`: each token's k rows summed, in the
+# What expert parallelism's pair sums (`_moe_ep_ops._sum_pairs`: each token's k rows summed, in the
 # combine and in the backward of the token-row gather) are to the families: the kind a family's
 # `training_variants` serves them under (one Triton pass that reads each pair row once and writes
 # each sum once, where the torch path gathers the rows into a temporary and sums it), and the key
@@ -360,7 +360,7 @@ def check_pair_sum_kernel(kernel, d: int, dtype: torch.dtype, device, *, tokens:
     `_sum_pairs`' torch path (`compare_paths`) on random rows in ``dtype`` gathered through a
     random permutation, for each k of ``ks``; else what differed at which k, or the error the
     kernel raised. Draws from its own generator."""
-    from onboarding.train.moe_ep import _sum_pairs
+    from onboarding.train._moe_ep_ops import _sum_pairs
 
     gen = torch.Generator(device=device).manual_seed(0)
     for k in ks:

@@ -1,8 +1,8 @@
 """Pair-sum family (`gather`, training only): each token's k gathered rows summed in fp32 and
-rounded once, against an fp64 reference and expert parallelism's torch path (`moe_ep._sum_pairs`);
-attached to every `EPExperts` by `attach_pair_sum_kernels` (a wrong kernel is rejected, counted
-and warned). CPU: the interpreter (the kernel loads then casts to fp32, so bf16 runs too); the
-proxy's shape and timings need CUDA (run with -s)."""
+rounded once, against an fp64 reference and expert parallelism's torch path
+(`_moe_ep_ops._sum_pairs`); attached to every `EPExperts` by `attach_pair_sum_kernels` (a wrong
+kernel is rejected, counted and warned). CPU: the interpreter (the kernel loads then casts to
+fp32, so bf16 runs too); the proxy's shape and timings need CUDA (run with -s)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from onboarding.families import training_kernel
 from onboarding.testing import KernelFixture, check_forward_backward, check_module_contract, check_opcheck
 from onboarding.testing.kernel_contract import check_aot_sm90
 from onboarding.train import kernels as K
-from onboarding.train import moe_ep
+from onboarding.train import _moe_ep_ops
 from onboarding.train.moe_ep import EPExperts, EPGroup
 
 CUDA = torch.cuda.is_available()
@@ -82,7 +82,7 @@ def test_bf16_is_one_rounding_of_the_fp32_sum(module, device, d, k):
     assert out.dtype == torch.bfloat16
     exact = _exact(src, index, k)
     torch.testing.assert_close(out.float(), exact, **BF16_ONE_CAST)
-    torch.testing.assert_close(moe_ep._sum_pairs(src, index, k).float(), exact, **BF16_ONE_ROUNDING)
+    torch.testing.assert_close(_moe_ep_ops._sum_pairs(src, index, k).float(), exact, **BF16_ONE_ROUNDING)
 
 
 @pytest.mark.parametrize("shape", [(0, 4, 130, 0), (0, 4, 130, 5), (3, 2, 0, 6)],
@@ -219,7 +219,7 @@ def test_wrong_kernel_rejected_and_counted(root, device):
     """A kernel off by 10% is rejected for every module of the failing key (one warning),
     counted, and nothing is attached; modules of another width get their own check."""
     mods = [_experts(device, 0), _experts(device, 1), _experts(device, 2, d=40)]
-    bad = lambda s, i, k: 1.1 * moe_ep._sum_pairs(s, i, k)  # noqa: E731
+    bad = lambda s, i, k: 1.1 * _moe_ep_ops._sum_pairs(s, i, k)  # noqa: E731
     with pytest.warns(UserWarning, match="keep the torch path") as seen:
         assert K.attach_pair_sum_kernels(mods, root, rank=0, kernel=bad) == {KIND: 0, REJECTED: 3}
     assert len([w for w in seen if "pair-sum" in str(w.message)]) == 2  # D 37 and D 40
@@ -238,20 +238,20 @@ def test_cuda_proxy_shape_bf16_and_timing(module, device):
     gen = torch.Generator(device=device).manual_seed(0)
     src = torch.randn(n * k, d, device=device, generator=gen).to(torch.bfloat16)
     order = torch.argsort(torch.randint(0, 64, (n * k,), device=device, generator=gen), stable=True)
-    inverse = moe_ep._inverse(order)
+    inverse = _moe_ep_ops._inverse(order)
     fn = module.pair_sum_gather
     out = fn(src, inverse, k)
     ref = src.float().index_select(0, inverse).view(n, k, d).sum(1)
     torch.testing.assert_close(out.float(), ref, **BF16_ONE_ROUNDING)
     assert torch.equal(out, fn(src, inverse, k))
-    plain = moe_ep._sum_pairs(src, inverse, k)
+    plain = _moe_ep_ops._sum_pairs(src, inverse, k)
     off = (out != plain).float().mean().item()
     assert off < 1e-3, off
     assert K.check_pair_sum_kernel(fn, d, torch.bfloat16, device) is None
 
     bag_index = inverse.view(n, k)
     ours = time_fn(lambda _: fn(src, inverse, k)).median_ms
-    torch_ms = time_fn(lambda _: moe_ep._sum_pairs(src, inverse, k)).median_ms
+    torch_ms = time_fn(lambda _: _moe_ep_ops._sum_pairs(src, inverse, k)).median_ms
     bag = time_fn(lambda _: F.embedding_bag(bag_index, src, mode="sum")).median_ms
     moved = (n * k + n) * d * 2
     print(f"\npair sums {n}x{k} rows of {d} bf16: kernel {ours:.3f} ms "
