@@ -185,6 +185,10 @@ def _unserved_parts(b: Block) -> list[tuple[str, str]]:
     if b.kind == "residual.input_gate":
         out.append((f"gated input ({b.attrs.get('activation')} x input)", "the activation and "
                     "its product with the module's extra input: unfused torch ops, no family"))
+    if b.kind == "norm.rms_gated" and b.attrs.get("gate") == "mlp":
+        out.append(("gate (sigmoid(mlp(y)) x y)", "the gate's activation and its product with "
+                    "the normalised output (the norm and the MLP's GEMMs listed apart): unfused "
+                    "torch ops, no family"))
     if (mlp := b.attrs.get("inline_mlp")) is not None:
         out.append((f"inline MLP ({mlp.get('activation')})", "an MLP in the same module as the "
                     "attention: no module of its own for an MLP kernel to replace"))

@@ -1138,3 +1138,30 @@ def test_linear_attention_read_off_its_state_is_linear_attention(parse_model):
     # softmax attention written out, and fused attention, stay attention
     g = parse_model(f"{SWEEP33}:SinkScaleLM", seq=12)
     assert g.layer_pattern == "AF AF"
+
+
+def test_a_norm_gated_by_an_mlp_of_its_output_is_a_gated_norm(parse_model):
+    """A pre-norm whose output y is scaled by sigmoid(mlp(y)), mlp a low-rank D -> r -> D MLP
+    (AXK2's GatedRMSNorm; our own fixture). Before, that MLP was an `mlp.dense` of the layer:
+    AXK2 read `SFF SFEF`, here `AFFF AFFF`. The module is now `norm.rms_gated` (gate "mlp",
+    the MLP taken in), its child norm stays `norm.rms`; the rmsnorm family's gated variant
+    (which needs z before the norm) does not claim it, and coverage lists the gate product."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model(f"{SWEEP133}:GatedNormLM", seq=12)
+    assert g.layer_pattern == "AF AF"
+    by = {b.path: b for b in g.blocks}
+    for i in (0, 1):
+        for n in ("norm1", "norm2"):
+            b = by[f"layers.{i}.{n}"]
+            assert b.kind == "norm.rms_gated", (b.kind, b.evidence)
+            assert (b.attrs["gate"], b.attrs["gate_rank"], b.attrs["gate_activation"]) == (
+                "mlp", 8, "sigmoid")
+            assert f"layers.{i}.{n}.mlp" not in by
+            assert by[f"layers.{i}.{n}.norm"].kind == "norm.rms"
+    cov = build_coverage(g)
+    gated = [e for e in cov.entries if e.kind == "norm.rms_gated"]
+    assert not any(e.status in ("kernel", "template") for e in gated)
+    assert any(e.status == "uncovered" and e.op.startswith("gate") for e in gated)
+    # a plain pre-norm and a dense MLP beside it stay as they were
+    assert parse_model(f"{SWEEP33}:SinkScaleLM", seq=12).layer_pattern == "AF AF"

@@ -43,7 +43,8 @@ def match(block: Any) -> dict[str, Any] | None:
     `norm.rms_gated` -> `gated` with the gate's `activation` (attrs `activation` /
     `gate_activation`: silu or sigmoid; both must agree where both are given); the template
     computes norm, weight, then gate, so a block that says it gates first
-    (`norm_before_gate=False`), has no weight, or another activation -> None.
+    (`norm_before_gate=False`), has no weight, or another activation -> None, and so does one
+    whose gate is an MLP of its own normalised output (`gate == "mlp"`: z needs the norm first).
     """
     attrs = block.attrs
     if attrs.get("group_size"):
@@ -66,6 +67,8 @@ def match(block: Any) -> dict[str, Any] | None:
             return None
     elif block.kind == "norm.rms_gated":
         if not attrs.get("has_weight", True) or attrs.get("norm_before_gate", True) is False:
+            return None
+        if attrs.get("gate") == "mlp":  # z = mlp(norm(x)): there is no z before the norm runs
             return None
         acts = {a for a in (attrs.get("activation"), attrs.get("gate_activation")) if a is not None}
         if len(acts) > 1:

@@ -92,6 +92,8 @@ class Classifier(MixerRules, MoeRules, StreamRules):
                     return "norm.rms_gated", ev + [f"input gated by {gate}(z) before the norm"], attrs
                 return "norm.rms_gated", ev + [f"output gated by {gate}(z)"], attrs
             return "norm.rms", ev, attrs
+        if not mm and (gated := self._mlp_gated_norm(path, recs, child_kinds)) is not None:
+            return gated
         projections = [r for r in mm if any(len(ctx.param_shapes.get(n, ())) == 2
                                             for n in r.params.values())]
         # position x inv_freq may be a matmul (transformers 5.17) but never a weight projection
@@ -241,6 +243,42 @@ class Classifier(MixerRules, MoeRules, StreamRules):
                 "activation": act, "gated": gated, "clamp": _clamp(recs), **_clamp_style(recs),
                 "hidden": first[0] if first else None, "intermediate": first[1] if first else None}
         return None
+
+    def _mlp_gated_norm(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
+                        ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A norm gated by a low-rank MLP of its own output (AXK2's GatedRMSNorm: y = RMSNorm(x),
+        then y * sigmoid(mlp(y)), mlp D -> r -> D with r < D): a module whose children are one
+        `norm.rms` and one non-gated `mlp.dense` that reads the norm's output, and whose own ops
+        are a sigmoid of the MLP's output and a product. The MLP is the norm's gate, no
+        feed-forward of the layer: it is taken into this block (`norm.rms_gated`, gate "mlp");
+        the norm stays its own block (a plain RMSNorm module)."""
+        kids = [c for c in child_kinds if c in self.blocks]
+        norms = [c for c in kids if child_kinds[c] == "norm.rms"]
+        mlps = [c for c in kids if child_kinds[c] == "mlp.dense"]
+        if len(kids) != 2 or len(norms) != 1 or len(mlps) != 1:
+            return None
+        norm, mlp = self.blocks[norms[0]], self.blocks[mlps[0]]
+        a = mlp.attrs
+        if a.get("gated") or not a.get("hidden") or not a.get("intermediate") \
+                or a["intermediate"] >= a["hidden"] or not norm.outputs or not mlp.inputs \
+                or not mlp.outputs or mlp.inputs[0].shape != norm.outputs[0].shape \
+                or mlp.outputs[0].shape != norm.outputs[0].shape:
+            return None
+        width = norm.outputs[0].shape
+        sig = [r for r in recs if r.op == "sigmoid" and r.in_shapes and r.in_shapes[0] == width]
+        prod = [r for r in recs if r.op in ("mul", "mul_") and sig and r.index > sig[0].index
+                and r.out_shapes and r.out_shapes[0] == width]
+        io = self.cap.module_io.get(path)
+        if not sig or not prod or not io or not io[1] or io[1][0].shape != width:
+            return None
+        ev = [f"{norms[0]} normalises, then its output is scaled by sigmoid of a low-rank MLP of "
+              f"itself ({mlps[0]}: {a['hidden']} -> {a['intermediate']} -> {a['hidden']}, "
+              f"{a.get('activation')}): a gated norm, the MLP its gate, no feed-forward"]
+        attrs = {**{k: norm.attrs.get(k) for k in ("dim", "eps", "unit_offset", "has_weight")},
+                 "gate_activation": "sigmoid", "activation": "sigmoid", "gate": "mlp",
+                 "gate_rank": a["intermediate"], "gate_mlp_activation": a.get("activation"),
+                 "norm": norms[0], "_absorb": [mlps[0]]}
+        return "norm.rms_gated", ev, attrs
 
     def _gates_an_input(self, path: str, mm: list[OpRecord]) -> bool:
         """The module is handed a tensor as wide as its first projection's output beside the one
