@@ -1165,3 +1165,21 @@ def test_a_norm_gated_by_an_mlp_of_its_output_is_a_gated_norm(parse_model):
     assert any(e.status == "uncovered" and e.op.startswith("gate") for e in gated)
     # a plain pre-norm and a dense MLP beside it stay as they were
     assert parse_model(f"{SWEEP33}:SinkScaleLM", seq=12).layer_pattern == "AF AF"
+
+
+def test_a_norm_that_sums_the_squares_is_an_l2_norm(parse_model):
+    """x * rsqrt(sum(x^2) + eps), no weight (nGPT's norms, Dory's ten a layer; our own
+    fixture): before, no rule took it (the RMS rule wanted a mean of squares), so no block, and
+    coverage never listed it. Now `norm.rms` with reduction "sum", which the rmsnorm family
+    serves as its l2norm variant. A mean of squares still has no `reduction`."""
+    from onboarding.families import match_block
+
+    g = parse_model(f"{SWEEP133}:L2NormLM", seq=12)
+    by = {b.path: b for b in g.blocks}
+    for i in (0, 1):
+        for n in ("norm1", "norm2"):
+            b = by[f"layers.{i}.{n}"]
+            assert b.kind == "norm.rms", (b.kind, b.evidence)
+            assert (b.attrs["reduction"], b.attrs["has_weight"], b.attrs["dim"]) == ("sum", False, 32)
+            assert [(f, m["variant"]) for f, m in match_block(b)] == [("rmsnorm", "l2norm")]
+    assert "reduction" not in by["norm"].attrs  # the final norm: a mean of squares, weighted

@@ -195,8 +195,17 @@ def _is_rms(recs: list[OpRecord]) -> bool:
     inv_roots = [r for r in recs if r.op in ("pow", "pow_") and len(r.scalars) > 1 and r.scalars[1] == -0.5]
     squares = ops["pow"] - len(inv_roots) + ops["square"] + sum(1 for r in recs if r.op == "mul" and len(r.in_shapes) > 1
                                                 and r.in_shapes[0] is not None and r.in_shapes[0] == r.in_shapes[1])
-    # the inverse root as rsqrt, 1 / sqrt, or pow(., -0.5) (Gemma 4)
-    return bool((ops["rsqrt"] or ops["sqrt"] or inv_roots) and ops["mean"] and squares)
+    # the inverse root as rsqrt, 1 / sqrt, or pow(., -0.5) (Gemma 4); the squares averaged, or
+    # summed over the row (an L2 norm: Dory's nGPT norms, x * rsqrt(sum(x^2) + eps))
+    return bool((ops["rsqrt"] or ops["sqrt"] or inv_roots) and (ops["mean"] or _row_sums(recs))
+                and squares)
+
+
+def _row_sums(recs: list[OpRecord]) -> list[OpRecord]:
+    """`sum` ops that reduce the last dim to 1 (keepdim): a sum over each row."""
+    return [r for r in recs if r.op == "sum" and r.in_shapes and r.in_shapes[0] and r.out_shapes
+            and r.out_shapes[0] and len(r.out_shapes[0]) == len(r.in_shapes[0])
+            and r.out_shapes[0][-1] == 1 and r.in_shapes[0][-1] > 1]
 
 
 def _mean_centred(recs: list[OpRecord]) -> bool:
@@ -221,6 +230,9 @@ def _norm_attrs(recs: list[OpRecord], ctx: Context) -> dict[str, Any]:
     first = next((r for r in recs if r.in_shapes and r.in_shapes[0]), None)
     dim = first.in_shapes[0][-1] if first else None
     attrs = {"dim": dim, "eps": eps, "unit_offset": unit_offset, "has_weight": bool(weighted)}
+    if not any(r.op == "mean" for r in recs) and _row_sums(recs) and not any(
+            r.op in ("rms_norm", "_fused_rms_norm") for r in recs):
+        attrs["reduction"] = "sum"  # squares summed, not averaged: an L2 norm of the row
     # a mean of squares over a narrower last dim than the row: normalised per group of the row
     # (Mamba-2's gated norm with n_groups > 1), another function than one norm over the row
     mean = next((r for r in recs if r.op == "mean" and r.in_shapes and r.in_shapes[0]), None)
