@@ -36,8 +36,34 @@ def _check(variant: str, params: dict[str, Any]) -> None:
         raise InputError(f"swiglu: parameter 'limit' must be > 0, got {params['limit']!r}")
 
 
+def _foreign_params(block: Any) -> list[str]:
+    """The block's parameters that are neither a projection's 2-D weight nor the 1-D bias beside
+    one (``X.bias`` with an ``X.weight``): per-channel scales, a nested norm's weight, ... that
+    the kernel (``down(swiglu(gate(x), up(x)))`` over the block's linears) never reads."""
+    weights = {n.rpartition(".")[0] for n, s in block.params.items()
+               if len(s) == 2 and n.endswith(".weight")}
+    return [n for n, s in block.params.items()
+            if len(s) != 2 and not (n.endswith(".bias") and n.rpartition(".")[0] in weights)]
+
+
+def refusal(block: Any) -> dict[str, str] | None:
+    """For a gated-SiLU `mlp.dense` / `moe.shared_expert` block: why the binding would leave it
+    unpatched, read off its parameters: one the kernel does not take (Dory's MLP scales gate and
+    up by the vectors ``suv_gate``/``suv_up`` before the activation) changes the block's output,
+    so no binding could match it and calibration would reject the patch. None otherwise."""
+    if block.kind not in ("mlp.dense", "moe.shared_expert"):
+        return None
+    if block.attrs.get("activation") != "silu" or not block.attrs.get("gated", False):
+        return None
+    if foreign := _foreign_params(block):
+        return {"serves": None, "reason": "parameters the swiglu kernel does not take "
+                f"({', '.join(foreign)}): the block computes more than down(swiglu(gate, up))"}
+    return None
+
+
 def match(block: Any) -> dict[str, Any] | None:
-    """Render params for a gated-SiLU `mlp.dense` / `moe.shared_expert` block, else None.
+    """Render params for a gated-SiLU `mlp.dense` / `moe.shared_expert` block, else None (also
+    when the binding would refuse it: `refusal`).
 
     A fused gate_up projection (two 2-D weights, one twice as wide as the other's input) selects
     `fused`. A clamp (`attrs["clamp"]`) needs its style from attrs (`clamp_style`, `alpha`,
@@ -47,6 +73,8 @@ def match(block: Any) -> dict[str, Any] | None:
         return None
     attrs = block.attrs
     if attrs.get("activation") != "silu" or not attrs.get("gated", False):
+        return None
+    if refusal(block) is not None:
         return None
     weights = [shape for shape in block.params.values() if len(shape) == 2]
     fused = len(weights) == 2 and any(
@@ -121,6 +149,7 @@ FAMILY = FamilySpec(
     bench_cases=bench.cases,
     bench_nightly=bench.NIGHTLY,
     binding=bind,
+    refusal=refusal,
     # "moe.experts.weighted_act": expert parallelism's routing-weighted SwiGLU of frozen experts
     # inside the LoRA training step (no op-graph block: `match` never picks `weighted`), which
     # `onboarding.train.kernels.attach_swiglu_kernels` serves with this variant at its
