@@ -1134,10 +1134,15 @@ def test_linear_attention_read_off_its_state_is_linear_attention(parse_model):
     assert g.layer_pattern == "LF LF"
     for b in (b for b in g.blocks if b.path.endswith(".attn")):
         assert b.kind == "linear_attention.other", (b.kind, b.evidence)
-        assert b.attrs == {"recurrence": "state", "state": [8, 8], "state_decay": True}
+        assert b.attrs == {"recurrence": "state", "state": [16, 16], "state_decay": True}
     # softmax attention written out, and fused attention, stay attention
     g = parse_model(f"{SWEEP33}:SinkScaleLM", seq=12)
     assert g.layer_pattern == "AF AF"
+    # products of activations over something else than positions (4 residual streams mixed
+    # by per-token 4 x 4 weights, as DeepSeek-V4's layers do) are no state: the first version
+    # of this rule (a938ff4) read those layers as linear attention (`LAF`, DeepSeek-V4 `LME`)
+    g = parse_model(f"{SWEEP133}:StreamMixLM", seq=12)
+    assert not any(b.kind == "linear_attention.other" for b in g.blocks)
 
 
 def test_a_norm_gated_by_an_mlp_of_its_output_is_a_gated_norm(parse_model):

@@ -206,9 +206,10 @@ class MixerRules:
         """Linear attention read off its state (MiniMax's lightning attention: a fixed per-head
         decay made once as buffers, so no decay cumsum): weight projections, no softmax, fused
         attention or top-k, and two products of activations, neither a weight: K^T V, keys
-        against values over positions, into a [.., a, b] state (a, b not the sequence), and a
-        read-out of a state of that shape by the queries (Q S, [.., n, a] x [.., a, b]). The
-        scores Q K^T, if any, are never normalised over the keys."""
+        against values over positions, into a [.., a, b] state (a, b not the sequence; over the
+        whole sequence or block by block, the blocks' positions summing to T), and a read-out of
+        a state of that shape by the queries of as many positions (Q S, [.., n, a] x [.., a, b]).
+        The scores Q K^T, if any, are never normalised over the keys."""
         ctx, ops = self.ctx, _hist(recs)
         if not any(r.params for r in mm) or any(op in SOFTMAX or is_sdpa(op) for op in ops) \
                 or ops["topk"]:
@@ -216,17 +217,21 @@ class MixerRules:
         two = [r for r in mm if not r.params and len(r.in_shapes) > 1 and r.in_shapes[0]
                and r.in_shapes[1] and len(r.in_shapes[0]) >= 2 and len(r.in_shapes[1]) >= 2
                and r.out_shapes and r.out_shapes[0]]
-        # K^T V: [.., a, n] x [.., n, b] over n positions (a, b not the sequence); Q S: the
-        # queries of as many positions, [.., n, a], against a state of that [a, b] shape
-        pairs = [(st, rd) for st in two for rd in two if rd is not st
-                 and st.in_shapes[0][-1] == st.in_shapes[1][-2] > 1
-                 and st.out_shapes[0][-2:] == [st.in_shapes[0][-2], st.in_shapes[1][-1]]
-                 and ctx.seq not in st.out_shapes[0][-2:]
-                 and rd.in_shapes[1][-2:] == st.out_shapes[0][-2:]
-                 and rd.in_shapes[0][-2:] == [st.in_shapes[0][-1], st.in_shapes[0][-2]]]
-        if not pairs:
+        # K^T V: [.., a, n] x [.., n, b] over n positions into an [a, b] state (a, b not the
+        # sequence), once over the whole sequence or once a block, the blocks' n summing to T
+        # (a product over anything else, hyper-connections' streams, sums to something else);
+        # Q S: the queries of n positions, [.., n, a], against a state of that shape
+        by_state: dict[tuple[int, int], list[int]] = {}
+        for r in two:
+            (a, n), (n2, b) = r.in_shapes[0][-2:], r.in_shapes[1][-2:]
+            if n == n2 > 1 and r.out_shapes[0][-2:] == [a, b] and ctx.seq not in (a, b):
+                by_state.setdefault((a, b), []).append(n)
+        found = next(((a, b) for (a, b), ns in by_state.items() if sum(ns) == ctx.seq and any(
+            r.in_shapes[1][-2:] == [a, b] and r.in_shapes[0][-1] == a and r.in_shapes[0][-2] in ns
+            for r in two)), None)
+        if found is None:
             return None
-        a, b = pairs[0][0].out_shapes[0][-2:]
+        a, b = found
         decayed = any(r.op in ("mul", "mul_") and r.in_shapes and r.in_shapes[0]
                       and r.in_shapes[0][-2:] == [a, b] for r in recs)
         ev = [f"K^T V over positions into a [{a}, {b}] state, read out by the queries (Q S)",
