@@ -68,7 +68,8 @@ class _Recorder:
             call = _Call()
             ts = list(_tensors((args, kwargs)))
             call.grad_flags = [t.requires_grad for t in ts]
-            call.args = _map((args, kwargs), lambda t: t.detach().clone())
+            snap = lambda t: t.detach().clone()  # noqa: E731
+            call.args = _map((args, kwargs), snap, inner=snap)  # a shared mapping: as it was now
             call.inputs, call.discrete_in = _split(t.detach().clone() for t in ts)
             if not torch.is_grad_enabled():
                 self._begin(path, call)

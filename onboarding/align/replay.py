@@ -187,21 +187,27 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
     i = iter(range(len(base.grad_flags)))
     finfo = torch.finfo(dtype)
 
-    def build(t: torch.Tensor) -> torch.Tensor:
-        k = next(i)
+    def cast(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():
             return t
         # Masks hold finfo(fp64).min, which would round to -inf in fp32/bf16: clamp finite
         # values into the target range first (as the model itself does in its own dtype).
         if torch.finfo(t.dtype).max > finfo.max:
             t = torch.where(torch.isfinite(t), t.clamp(finfo.min, finfo.max), t)
-        x = t.to(dtype)
+        return t.to(dtype)
+
+    def build(t: torch.Tensor) -> torch.Tensor:
+        k = next(i)
+        if not t.is_floating_point():
+            return t
+        x = cast(t)
         if base.grad_flags[k]:
             x = x.detach().requires_grad_(True)
             leaves.append(x)
         return x
 
-    args, kwargs = _map(base.args, build)
+    # a shared mapping's tensors (`_map`): a private copy in this dtype, held constant
+    args, kwargs = _map(base.args, build, inner=lambda t: cast(t).detach())
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.enable_grad(), torch_reference_paths(), keep_float64(dtype):
         out = module(*args, **kwargs)

@@ -7,8 +7,9 @@ from `onboarding.align.core`.
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -166,15 +167,34 @@ def _float_slots(obj: Any) -> tuple[list[int], frozenset[int]]:
             frozenset(i for i, o in enumerate(obj) if o is None))
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def _map(obj: Any, fn: Callable[[torch.Tensor], Any],
+         inner: Callable[[torch.Tensor], Any] | None = None) -> Any:
+    """``obj`` with each tensor of `_tensors(obj)` (same order) replaced by ``fn(tensor)``.
+
+    A mapping that is no plain dict (transformers' ``KVSharingDict``, a ``UserDict`` the model
+    hands its attention layers and *writes* into: Gemma-3n's KV-sharing layers store their keys
+    and values there, later layers read them) is passed through as the same object unless
+    ``inner`` is given: then it is copied, its tensors through ``inner`` (they are none of
+    `_tensors`'s, so a counter in ``fn`` stays aligned). The capture snapshots such a mapping
+    that way and the replay runs on a private copy in the replay's dtype: kept live, a replay
+    wrote its own keys and values into the reference run's mapping, and the next layer's replay
+    met fp32 keys beside fp64 queries (Gemma-3n: every attention replay failed)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map(o, fn) for o in obj))
+        return type(obj)(*(_map(o, fn, inner) for o in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(o, fn) for o in obj)
+        return type(obj)(_map(o, fn, inner) for o in obj)
     if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _map(v, fn) for k, v in obj.items()}
+        return {k: _map(v, fn, inner) for k, v in obj.items()}
+    if inner is not None and isinstance(obj, MutableMapping) and not isinstance(obj, dict):
+        try:
+            new = copy.copy(obj)
+            for k in list(obj.keys()):
+                new[k] = _map(obj[k], inner, inner)
+            return new
+        except Exception:  # noqa: BLE001 - a mapping that cannot be copied stays as it is
+            return obj
     return obj
 
 
