@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from onboarding.align.stats import _float_slots, _map, _split, _tensors
+from onboarding.align.stats import (_at, _containers, _float_slots, _items, _map, _put,
+                                    _same_containers, _split, _tensors)
 from onboarding.graph.opgraph import Block
 
 
@@ -28,6 +29,19 @@ class _Call:
     out_needs_grad: list[bool] = field(default_factory=list)
     out_slots: list[int] = field(default_factory=list)  # per output: its top-level slot
     none_slots: frozenset[int] = frozenset()  # top-level output slots that were None
+    # the floating tensors the block wrote into a container it was handed (`WRITTEN`), each
+    # (container path in `args` as `_at` follows it, key, index among the value's floats);
+    # they are the last outputs, slot `WRITTEN`, in this order
+    written: list[tuple[tuple, Any, int]] = field(default_factory=list)
+
+
+# The out_slot of a tensor the block wrote into a list, dict or other mutable mapping it was
+# handed (Gemma-3n's KV-store attention puts its keys and values into the ``KVSharingDict`` that
+# later layers read): an output of the block like the ones it returns. Its forward is compared
+# with the reference's, and its gradient (what the later readers send back) is recorded and
+# backpropagated in the replay with the returned outputs' (`replay._replay`): without it no
+# replay could reproduce the block's real parameter and input gradients.
+WRITTEN = -1
 
 
 def _without_slots(call: _Call, drop: frozenset[int]) -> _Call:
@@ -48,6 +62,7 @@ class _Recorder:
         self.end: list[str] = []
         self.active = True
         self._stack: dict[str, list[_Call]] = {}
+        self._views: dict[int, list] = {}  # id(call) -> the containers it was handed
         self._handles = []
         for b in blocks:
             m = self.modules.get(b.path)
@@ -72,6 +87,7 @@ class _Recorder:
             call.args = _map((args, kwargs), snap, inner=snap)  # a shared mapping: as it was now
             call.inputs, call.discrete_in = _split(t.detach().clone() for t in ts)
             if not torch.is_grad_enabled():
+                self._views[id(call)] = [(p, c, c, _items(c)) for p, c in _containers((args, kwargs))]
                 self._begin(path, call)
                 return None
 
@@ -87,9 +103,13 @@ class _Recorder:
                 c.register_hook(lambda g, k=k: call.taps.__setitem__(k, g.detach().clone()))
                 return c
 
-            new_args, new_kwargs = _map((args, kwargs), tap)
+            # containers tapping left unchanged stay the model's own (a block writes into them)
+            new = _same_containers((args, kwargs), _map((args, kwargs), tap))
+            # (path, the container the block sees, the model's, its entries now): `_written`
+            self._views[id(call)] = [(p, c, _at((args, kwargs), p), _items(c))
+                                     for p, c in _containers(new)]
             self._begin(path, call)
-            return new_args, new_kwargs
+            return new
         return hook
 
     def _begin(self, path: str, call: _Call) -> None:
@@ -114,7 +134,46 @@ class _Recorder:
                     # Function whose other outputs are used (a kernel's final states): as unset
                     t.register_hook(lambda g, k=k: None if g is None else
                                     call.out_grads.__setitem__(k, g.detach().clone()))
+            self._written(call, self._views.pop(id(call), []))
             self.calls[path].append(call)
             self.end.append(path)
             return None
         return hook
+
+    def _written(self, call: _Call, views: list) -> None:
+        """The floating tensors ``call``'s block wrote into the containers it was handed (entries
+        new or replaced since its call), appended to its outputs (`WRITTEN`). Each one that
+        requires grad is put back as a private clone whose gradient is recorded: later blocks
+        read the clone, so its gradient is their share only, apart from the block's own use of
+        the tensor. A container the tap had copied (it held a tapped tensor) gets the entry
+        written through to the model's own."""
+        for path, view, orig, before in views:
+            for key, value in _items(view).items():
+                if key in before and before[key] is value:
+                    continue
+                j = 0
+
+                def out(t: torch.Tensor) -> torch.Tensor:
+                    nonlocal j
+                    if not t.is_floating_point():
+                        return t
+                    k = len(call.outputs)
+                    call.outputs.append(t.detach().clone())
+                    call.out_slots.append(WRITTEN)
+                    call.out_grads.append(None)
+                    call.out_needs_grad.append(t.requires_grad)
+                    call.written.append((path, key, j))
+                    j += 1
+                    if not (t.requires_grad and torch.is_grad_enabled()):
+                        return t
+                    c = t.clone()
+                    c.register_hook(lambda g, k=k: None if g is None else
+                                    call.out_grads.__setitem__(k, g.detach().clone()))
+                    return c
+
+                new = _map(value, out)
+                if any(a is not b for a, b in zip(_tensors(new), _tensors(value))):
+                    _put(view, key, new)
+                if orig is not view:
+                    _put(orig, key, new)
+

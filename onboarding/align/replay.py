@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from onboarding.align.stats import _float_slots, _map, _split, _tensors
+from onboarding.align.stats import _at, _float_slots, _items, _map, _split, _tensors
 from onboarding.align.fp64 import keep_float64
 from onboarding.graph.torch_paths import torch_reference_paths
 
@@ -207,13 +207,17 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
         return x
 
     # a shared mapping's tensors (`_map`): a private copy in this dtype, held constant
-    args, kwargs = _map(base.args, build, inner=lambda t: cast(t).detach())
+    built = _map(base.args, build, inner=lambda t: cast(t).detach())
+    args, kwargs = built
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.enable_grad(), torch_reference_paths(), keep_float64(dtype):
         out = module(*args, **kwargs)
         floats, discrete = _split(_tensors(out))
         if drop:
             floats = [t for t, slot in zip(floats, _float_slots(out)[0]) if slot not in drop]
+        # what the block wrote into its private copies of the containers it was handed: the
+        # last outputs, their recorded gradients those later blocks sent back (`WRITTEN`)
+        floats += _written(built, ref.written)
         out_grads = ref.out_grads
         if source == "reference":
             out_grads = _follow_selection(out_grads, discrete, ref.discrete_out)
@@ -231,3 +235,16 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
                    input_grads=[g.detach() if g is not None else None for g in grads[:len(leaves)]],
                    param_grads=[g.detach() if g is not None else None
                                 for g in grads[len(leaves):]])
+
+
+def _written(built, written: list[tuple[tuple, object, int]]) -> list[torch.Tensor]:
+    """The tensors a replay wrote where the recorded call wrote its (`_Call.written`)."""
+    out = []
+    for path, key, j in written:
+        value = _items(_at(built, path)).get(key)
+        floats = [t for t in _tensors(value) if t.is_floating_point()]
+        if j >= len(floats):
+            raise ValueError(f"the replay wrote no tensor {j} at {key!r} of the container "
+                             f"at {path}, where the recorded call did")
+        out.append(floats[j])
+    return out

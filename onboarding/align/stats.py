@@ -198,6 +198,64 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], Any],
     return obj
 
 
+def _is_shared(obj: Any) -> bool:
+    """A mutable container a block may write into for later blocks to read: a list, a plain
+    dict, or any other mutable mapping (transformers' ``KVSharingDict``, a ``UserDict``)."""
+    return isinstance(obj, list) or type(obj) is dict or \
+        (isinstance(obj, MutableMapping) and not isinstance(obj, dict))
+
+
+def _containers(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(path, container) for each `_is_shared` container in a call's ``(args, kwargs)``, the path
+    as `_at` follows it; the call's own kwargs dict (path ``(1,)``) is none. `_map` keeps the
+    structure, so the same path finds a snapshot's (or a replay's) copy of the container."""
+    if _is_shared(obj) and path != (1,):
+        yield path, obj
+    if isinstance(obj, (list, tuple)):
+        for i, o in enumerate(obj):
+            yield from _containers(o, (*path, i))
+    elif type(obj) is dict:
+        for k, o in obj.items():
+            yield from _containers(o, (*path, k))
+
+
+def _at(obj: Any, path: tuple) -> Any:
+    for p in path:
+        obj = obj[p]
+    return obj
+
+
+def _items(container: Any) -> dict[Any, Any]:
+    """A container's entries as they are now, by key (a list's by index)."""
+    return dict(enumerate(container)) if isinstance(container, list) else dict(container.items())
+
+
+def _put(container: Any, key: Any, value: Any) -> None:
+    if isinstance(container, list) and key >= len(container):
+        container.extend([None] * (key + 1 - len(container)))
+    container[key] = value
+
+
+def _same_containers(orig: Any, new: Any) -> Any:
+    """``new`` (``orig`` through `_map`) with each `_is_shared` container that `_map` copied but
+    left unchanged (no tensor in it replaced) put back as the very object of ``orig``: a block
+    that writes into a dict or list it was handed must write into the model's, not a copy."""
+    if isinstance(orig, tuple) and type(new) is type(orig) and len(new) == len(orig):
+        items = [_same_containers(o, n) for o, n in zip(orig, new)]
+        if all(i is n for i, n in zip(items, new)):
+            return new
+        return type(orig)(*items) if hasattr(orig, "_fields") else type(orig)(items)
+    if (isinstance(orig, list) or type(orig) is dict) and type(new) is type(orig) \
+            and len(new) == len(orig):
+        keys = range(len(orig)) if isinstance(orig, list) else list(orig)
+        items = {k: _same_containers(orig[k], new[k]) for k in keys}
+        if all(items[k] is orig[k] for k in keys):
+            return orig
+        for k in keys:
+            new[k] = items[k]
+    return new
+
+
 def _split(ts: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     ts = list(ts)
     return [t for t in ts if t.is_floating_point()], [t for t in ts if not t.is_floating_point()]
