@@ -589,3 +589,16 @@ def test_a_per_layer_head_count_list_follows_the_head_count():
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, c.vocab_size, (1, 16)), use_cache=False)
     assert torch.isfinite(out.logits).all()
+
+
+def test_a_vocabulary_over_part_of_the_vocabulary_is_cut_to_the_proxy_vocabulary():
+    """Gemma 3n's per-layer input embeddings cover the first vocab_size_per_layer_input tokens
+    (262,144 of 262,400). Only a field equal to vocab_size followed it, so the tiny proxy kept a
+    262,144 x 2,560 table, 674M parameters: `onboard align hf:gemma3n_text` was killed for memory.
+    The field is now cut to the proxy's vocabulary, and the proxy is a few million again."""
+    _model_type_or_skip("hf:gemma3n_text")
+    info = load_stage(load_model("hf:gemma3n_text"), "tiny")
+    c = text_config(info.proxy_config)
+    assert c.vocab_size_per_layer_input == c.vocab_size <= 2048
+    model = info.loaded.build(info.proxy_config, device="meta", seed=None)
+    assert count_parameters(model).total < 10e6
