@@ -87,7 +87,8 @@ class _Recorder:
             call.args = _map((args, kwargs), snap, inner=snap)  # a shared mapping: as it was now
             call.inputs, call.discrete_in = _split(t.detach().clone() for t in ts)
             if not torch.is_grad_enabled():
-                self._views[id(call)] = [(p, c, c, _items(c)) for p, c in _containers((args, kwargs))]
+                self._views[id(call)] = [(p, c, c, _items(c))
+                                         for p, c in _containers((args, kwargs))]
                 self._begin(path, call)
                 return None
 

@@ -4,8 +4,11 @@ Both models get the same weights and the same seeded inputs. Hooks on every clas
 (`OpGraph.blocks`) capture, per call, the block's inputs and forward outputs, the gradient that
 reaches each output (the backward's input) and the gradient w.r.t. each of the block's floating
 inputs (the backward's output, taken on a private clone of the input so that only this block's
-share is seen); parameter gradients are read after the backward. The loss is a fixed, seeded
-projection of the logits whose values are exact in every dtype, so both backwards start from
+share is seen); parameter gradients are read after the backward. A tensor a block writes into a
+list, dict or other mapping it was handed, for later blocks to read (Gemma-3n's KV-store
+attention), is one of its outputs too (`_capture.WRITTEN`): compared forward, and the gradient
+those later blocks send back through it is part of its replay's backward. The loss is a fixed,
+seeded projection of the logits whose values are exact in every dtype, so both backwards start from
 identical gradients.
 
 Verdicts, per block and direction (forward in completion order, backward in reverse start
