@@ -385,13 +385,13 @@ def _shrink_vocab(c: Any, s: ProxySize) -> None:
     if not isinstance(vocab, int):
         return
     c.vocab_size = min(vocab, s.vocab)
-    # other tables over the same vocabulary (Gemma 4's per-layer input embeddings) follow it,
-    # and one over a part of it (Gemma 3n's vocab_size_per_layer_input, 262,144 of 262,400) is
-    # cut to it: left whole, Gemma 3n's tiny proxy held a 262,144 x 2,560 table and 674M
-    # parameters, and its alignment was killed for memory
+    # other tables over the vocabulary, the same (Gemma 4's per-layer input embeddings) or a part
+    # of it (Gemma 3n's vocab_size_per_layer_input, 262,144 of 262,400), are cut to it: left
+    # whole, Gemma 3n's tiny proxy held a 262,144 x 2,560 table and 674M parameters, and its
+    # alignment was killed for memory
     for name, v in list(vars(c).items()):
-        if name != "vocab_size" and "vocab" in name and isinstance(v, int) and not isinstance(v, bool) \
-                and (v == vocab or vocab > v > c.vocab_size):
+        if name != "vocab_size" and "vocab" in name and isinstance(v, int) \
+                and c.vocab_size < v <= vocab:
             _set(c, name, lambda _: c.vocab_size)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         v = getattr(c, name, None)
