@@ -388,6 +388,32 @@ def test_norm_width_per_token_of_either_head_layout():
     assert _width(norm, full.q_norm, "attn.q_norm", graph, modules) == 16 * 128
 
 
+def test_gated_norm_around_a_norm_module_has_the_full_width():
+    """A gated norm whose module holds no weight of its own, only its RMSNorm and gate MLP
+    (AXK2's GatedRMSNorm), normalises its inner norm's full-size width; before, it took the
+    proxy's captured width (hf:axk2: 128 for a 2048-wide model)."""
+    from torch import nn
+
+    from onboarding.graph.opgraph import Block, TensorMeta
+    from onboarding.plan.shapes import _width
+
+    graph = _empty_graph()
+    graph.seq = 12
+    x = [TensorMeta(shape=[1, 12, 32], dtype="float32")]
+    gated = Block(path="layers.0.norm1", kind="norm.rms_gated", layer=0, class_name="",
+                  params={"norm.weight": [32], "mlp.fc1.weight": [8, 32],
+                          "mlp.fc2.weight": [32, 8]}, inputs=x)
+    inner = Block(path="layers.0.norm1.norm", kind="norm.rms", layer=0, class_name="",
+                  params={"weight": [32]}, inputs=x)
+    graph.blocks += [gated, inner]
+    full = nn.Module()
+    full.norm, full.mlp = nn.Module(), nn.Sequential(nn.Linear(512, 8), nn.Linear(8, 512))
+    full.norm.weight = nn.Parameter(torch.ones(512))
+    modules = {"layers.3.norm1" + (f".{n}" if n else ""): m for n, m in full.named_modules()}
+    assert _width(gated, full, "layers.3.norm1", graph, modules) == 512
+    assert _width(inner, full.norm, "layers.3.norm1.norm", graph, modules) == 512
+
+
 def test_plan_captures_again_where_attention_parameters_were_idle():
     """hf:deepseek_v4's tiny proxy at T = 64: the heavily compressed layers (windows of 128) pool
     nothing, so their compressor's position bias and norm go unread and they read as MLA; the
@@ -581,3 +607,25 @@ def test_input_gate_second_projection_is_the_blocks():
     assert b.pattern == "layers.*.input_gate" and b.count == 2
     assert b.linears == [("", 32, 16), ("../input_proj", 16, 32)]
     assert b.params == 2 * 32 * 16 and b.lora_targets == []
+
+
+def test_a_norm_inside_a_gated_norm_is_counted_once():
+    """A gated norm whose module holds its own RMSNorm (y = norm(x), y * sigmoid(mlp(y)): AXK2's
+    GatedRMSNorm; our own fixture, D = 32, two such norms a layer) keeps the norm's fp32 input
+    (4D per token) and its gate's fp32 activation and product and bf16 gate (10D); the final
+    norm 4D. Before, the child `norm.rms` block was charged again (4D more per gated norm)."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.run import shape_of
+
+    info = load_stage(ModelSpec(ref="tests/fixtures/sweep133_models.py:GatedNormLM").load(),
+                      "tiny")
+    shape = shape_of(info, parse_stage(info, seq=12, try_export=False))
+    assert {b.pattern for b in shape.blocks if b.kind == "norm.rms"} == {
+        "layers.*.norm1.norm", "layers.*.norm2.norm", "norm"}
+    d, layers, tokens = shape.hidden, shape.n_layers, 16
+    assert (d, layers) == (32, 2)
+    mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=tokens, micro_batch=1),
+                 Layout(ep=1, fsdp=1, recompute="none", offload="none"), ClusterConfig())
+    per_layer = (mem.activations["norms"] / tokens - 4 * d) / layers
+    assert per_layer == 2 * (4 + 10) * d

@@ -27,7 +27,9 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
     product with the layer's input (3P, "other");
   - a low-rank residual branch (`residual.low_rank`, D -> r -> D): its rank-r product (r,
     "other"), which selective recompute re-runs;
-  - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast);
+  - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast), once: a norm
+    module inside another norm block (a gated norm's own RMSNorm, AXK2's) is counted in the
+    outer block's bytes, which keep the normalised input already;
   - LoRA adapters: each keeps its input as it came, once per distinct input (q, k and v share
     theirs; an attention output projection's input is the core's output, already kept), and its
     rank-r product in fp32;
@@ -47,7 +49,8 @@ from dataclasses import dataclass, field
 
 from onboarding.graph.opgraph import CONV_KINDS
 from onboarding.plan.config import GIB, ClusterConfig, PlanConfig
-from onboarding.plan.shapes import BlockShape, ModelShape, attention_heads, ceil_div, fsdp_shard
+from onboarding.plan.shapes import (BlockShape, ModelShape, _inside, attention_heads, ceil_div,
+                                   fsdp_shard)
 
 BF16, FP32 = 2, 4
 CE_CHUNK_ELEMENTS = 1 << 26  # onboarding.train.worker's loss chunk (fp32 elements)
@@ -158,6 +161,15 @@ def _lora_saved(b: BlockShape, r: int) -> float:
     """Per token: each distinct adapter input once in bf16 (q, k and v share theirs), and every
     adapter's fp32 rank-r product."""
     return sum(BF16 * i for i in {i for i, _ in b.lora_targets}) + FP32 * r * len(b.lora_targets)
+
+
+def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
+    """The blocks whose activations count: all but a norm inside another norm block's module (a
+    gated norm's own RMSNorm: the outer block's bytes count its input already), found by their
+    path patterns (layer numbers as ``*``), so a norm inside attention still counts."""
+    norms = [b.pattern for b in shape.blocks if b.kind.startswith("norm.")]
+    return [b for b in shape.blocks if not (b.kind.startswith("norm.") and any(
+        p != b.pattern and _inside(b.pattern, p) for p in norms))]
 
 
 def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
@@ -297,7 +309,7 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
     # activations
     acts: dict[str, float] = {}
     trans_layer = 0.0
-    for b in shape.blocks:
+    for b in _counted_blocks(shape):
         kept, selective, trans = block_saved(b, shape, cfg, ep)
         if lay.recompute == "selective":
             kept -= selective
@@ -333,7 +345,7 @@ def _per_layer_max(shape: ModelShape, cfg: PlanConfig, ep: int, tokens: int) -> 
     """About what one decoder layer keeps (recompute full re-runs one layer at a time): the
     largest block of each kind group (mixer, feed-forward, norms) summed."""
     by_group: dict[str, float] = {}
-    for b in shape.blocks:
+    for b in _counted_blocks(shape):
         g = kind_group(b.kind)
         by_group[g] = max(by_group.get(g, 0.0), block_saved(b, shape, cfg, ep)[0] * tokens)
     return sum(by_group.values())

@@ -262,7 +262,8 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
     """A norm's elements per token at full size, a conv's channels. A norm over heads (a q or k
     norm with a [head_dim] weight, or none: [B, T, H, D] or [B, H, T, D] input) normalises the
     output of one of its parent's projections: the proxy projection whose output has the captured
-    per-token size names the full-size one."""
+    per-token size names the full-size one. A norm with no weight of its own around a norm
+    block (a gated norm wrapping its RMSNorm module) has that block's width."""
     if b.kind in CONV_KINDS:
         w = [p for p in full.parameters(recurse=False) if p.ndim == 3]
         return int(w[0].shape[0]) if w else int(b.attrs.get("channels") or 0)
@@ -272,6 +273,13 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
     shp = b.inputs[0].shape
     per_token = _per_token(shp, int(b.attrs.get(CAPTURE_SEQ) or graph.seq))
     proxy_w = next((s[0] for s in b.params.values() if len(s) == 1), None)
+    inner = min((x for x in graph.blocks if x.kind.startswith("norm.") and x.path
+                 and x.path.startswith(b.path + ".")), key=lambda x: len(x.path), default=None)
+    if weight is None and inner is not None and (
+            mod := modules.get(full_path + inner.path[len(b.path):])) is not None:
+        # a norm module whose weight is a norm module's inside it (a gated norm wrapping its
+        # RMSNorm): that norm's width, not the proxy's captured one
+        return _width(inner, mod, full_path + inner.path[len(b.path):], graph, modules)
     if weight is None and len(shp) < 4:
         return per_token  # weightless: the captured width (no full-size tensor to read)
     if weight is not None and (not proxy_w or per_token == proxy_w):
