@@ -52,7 +52,8 @@ MOE = [("hf:qwen3_next", {}), ("hf:qwen3_moe", {}), ("hf:deepseek_v3", {}),
 
 def _routing(c):
     """(experts, {top-k field: k}, groups, topk_group) of a config, by the proxy's field names."""
-    from onboarding.load.proxy import GROUP_COUNT_NAMES, _expert_count, _topk_names
+    from onboarding.load._proxy_cuts import _expert_count, _topk_names
+    from onboarding.load.proxy import GROUP_COUNT_NAMES
 
     groups = next((getattr(c, n) for n in GROUP_COUNT_NAMES if isinstance(getattr(c, n, None), int)), 1)
     return (_expert_count(c), {n: getattr(c, n) for n in _topk_names(c)}, groups,
@@ -269,7 +270,7 @@ def test_shipped_weights_are_loaded_into_the_parsed_model(monkeypatch):
 def test_ssm_proxy_keeps_heads_times_head_dim_equal_to_the_inner_width(ref, heads, dim):
     """Mamba-2 style mixers reshape their inner width into heads: a proxy that shrank the
     hidden size and the heads apart failed in its first forward (a reshape error)."""
-    from onboarding.load.proxy import _ssm_inner
+    from onboarding.load._proxy_cuts import _ssm_inner
 
     info = load_stage(load_model(ref), "tiny")
     c = text_config(info.proxy_config)
