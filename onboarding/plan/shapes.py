@@ -37,7 +37,7 @@ from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
 from onboarding.train.flops import SOFTMAX_PREFIXES, local_window
-from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names
+from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names, no_gradient_names
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,10 +160,12 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
                if isinstance(m, nn.Linear)]
         # the default LoRA targets (`onboarding.train.lora.default_targets`): the linears of
         # every attention-kind block, except those inside a router or experts nested in it and
-        # a selective state-space mixer's output projection (`mixer_output_names`)
+        # a selective state-space mixer's output projection (`mixer_output_names`) and the
+        # linears of a module that passes no gradient out (`no_gradient_names`)
         mixer_out = mixer_output_names(b)
+        silent = no_gradient_names(b)
         targets = [(i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES)
-                   and n not in mixer_out
+                   and n not in mixer_out and not any(_inside(n, s) for s in silent)
                    and not any(_inside(f"{paths[0]}.{n}", e) for e in excluded)]
         n_params = sum(p.numel() for p in first.parameters())
         # a module beside the block that its compute runs in too: its linears and parameters

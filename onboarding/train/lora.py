@@ -3,9 +3,10 @@
 `LoRALinear` computes ``y = base(x) + scaling * B(A(dropout(x)))`` with ``scaling = alpha / r``;
 A is Kaiming-uniform, B zeros (the wrapped model equals the original at init), both fp32 whatever
 the base dtype. Default targets are found from the op graph's block kinds (every attention kind:
-full, gated, sliding, MLA, top-k sparse with its indexer, and linear attention's in/out
-projections; a selective state-space mixer's projections except its output one), never from
-class names. Routers, experts and the LM head are left out.
+full, gated, sliding, MLA, top-k sparse, and linear attention's in/out projections; a selective
+state-space mixer's projections except its output one), never from class names. Routers,
+experts and the LM head are left out, and so are the linears of a module that passes no gradient
+out (a top-k indexer returning positions: `no_gradient_names`).
 
 On CUDA with ``kernels``, the training stage gives each `LoRALinear` the lora family's fused
 kernel (`onboarding.train.kernels.attach_lora_kernels`, after a check against the torch path per
@@ -206,13 +207,24 @@ def scan_mixer_outputs(graph: OpGraph, linears: dict[str, nn.Linear]) -> set[str
             if (p := f"{b.path}.{n}" if b.path else n) in linears}
 
 
+def no_gradient_names(block) -> list[str]:
+    """Modules, relative to ``block``, that pass no gradient out: every output the capture saw
+    is an integer tensor (``integer_output_modules``, read by the classifier: a top-k indexer
+    handing back the positions it picked). A LoRA adapter on a linear inside one would never
+    train (its B gets no gradient), so none is a default target."""
+    return list(block.attrs.get("integer_output_modules", ()))
+
+
 def default_targets(model: nn.Module, graph: OpGraph) -> list[str]:
     """Paths of the ``nn.Linear`` modules inside every attention-kind block of ``graph``, less
-    the output projections of selective state-space mixers (`scan_mixer_outputs`)."""
+    the output projections of selective state-space mixers (`scan_mixer_outputs`) and the
+    linears of modules that pass no gradient out (`no_gradient_names`)."""
     linears = _linear_paths(model)
     attn = [b.path for b in graph.blocks if b.kind.startswith(ATTENTION_PREFIXES)]
     # Nested blocks of excluded kinds (a router inside an attention wrapper...) stay out.
     excluded = [b.path for b in graph.blocks if b.kind in EXCLUDED_KINDS]
+    excluded += [f"{b.path}.{n}" if b.path else n for b in graph.blocks
+                 for n in no_gradient_names(b)]
     mixer_outputs = scan_mixer_outputs(graph, linears)
     out = []
     for path in linears:
