@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from onboarding.graph._records import (ACTIVATIONS, SOFTMAX, _hist, _linear_dims, _matmul_recs,
-                                       _topk_input, _topks, is_matmul, is_sdpa, layer_of)
+from onboarding.graph._records import (ACTIVATIONS, GATE_ACTIVATIONS, SOFTMAX, _hist, _linear_dims,
+                                       _matmul_recs, _topk_input, _topks, is_matmul, is_sdpa,
+                                       layer_of)
 from onboarding.graph.capture import OpRecord
 
 
@@ -114,16 +116,63 @@ class MixerRules:
             ev.append(f"output scaled by sigmoid(logsumexp(scores) - s): a sink (one more "
                       f"softmax-denominator logit), no gate; the sigmoid reads the scores' "
                       f"{sink[0].in_shapes[0]} log-normaliser")
+        gate = self._output_gate(recs, mm, sink)
+        if gate is not None:
+            act, per_head = gate
+            attrs.update(gate_activation=act, gate_per_head=per_head)
+            ev.append(f"attention output multiplied by {act}(a projection of the hidden state"
+                      f"{', one value per head' if per_head else ''}) before the out projection")
         hint = ctx.layer_hints.get(layer_of(path) if layer_of(path) is not None else -1, "")
         if "sliding" in hint or "chunked" in hint or "local" in hint:
             ev.append(f"hint: config layer type {hint!r} (the mask is built outside the block)")
             return "attention.sliding", ev, attrs
-        last_mm = mm[-1].index
-        gate = [r for r in recs if r.op == "sigmoid" and r.index < last_mm and r not in sink]
-        if gate:
-            ev.append("attention output multiplied by sigmoid(gate) before the out projection")
-            return "attention.gated", ev, attrs
-        return "attention.full", ev, attrs
+        return ("attention.full" if gate is None else "attention.gated"), ev, attrs
+
+    def _output_gate(self, recs: list[OpRecord], mm: list[OpRecord], sink: list[OpRecord]
+                     ) -> tuple[str, bool] | None:
+        """The attention output's gate as (the activation's name, whether it is one value per
+        head: fewer elements per token than the output it scales), or None. Read by structure:
+        an elementwise activation (`GATE_ACTIVATIONS`: sigmoid, softplus, silu, ...) of a
+        token-major [B, T, ..] tensor of n elements per token, run after a weight projection of
+        the hidden state whose width is a multiple of n (the gate's own projection, or a part of
+        one it shares with the queries), and a product after the attention core and before the
+        out projection of a tensor with the activation's elements and the attention output (the
+        out projection's input width per token). The records carry no data flow, so shapes and
+        order stand for it: a sink's sigmoid (``sink``) reads the scores' [.., T] log-normaliser
+        and a logit soft-cap's tanh the [.., T, T] scores, neither token-major; a gate on the
+        queries multiplies before the core."""
+        ctx, last = self.ctx, mm[-1] if mm else None
+        core = next((r.index for r in recs if is_sdpa(r.op) or r.op in SOFTMAX), None)
+        if last is None or core is None or not last.in_shapes or not last.in_shapes[0]:
+            return None
+        width = last.in_shapes[0][-1]
+
+        def per_token(shape: list[int] | None) -> int | None:
+            if shape and len(shape) >= 3 and shape[1] == ctx.seq and ctx.seq not in shape[2:]:
+                return math.prod(shape[2:])
+            return None
+
+        # the hidden state's width: the embedding's, or what the block's first projection reads
+        first = next((d for r in mm if self._weight_2d(r) and (d := _linear_dims(r, ctx))), None)
+        hidden = {ctx.hidden, first[0] if first else None} - {None}
+        projs = [(r.index, d[1]) for r in mm if self._weight_2d(r)
+                 and (d := _linear_dims(r, ctx)) and d[0] in hidden]
+        for a in recs:
+            n = per_token(a.in_shapes[0]) if a.in_shapes else None
+            if a.op not in GATE_ACTIVATIONS or a in sink or a.index >= last.index or not n \
+                    or not a.out_shapes or not any(i < a.index and w % n == 0 for i, w in projs):
+                continue
+            size = math.prod(a.out_shapes[0])
+            for x in recs:
+                if x.op not in ("mul", "mul_") or not max(a.index, core) < x.index < last.index \
+                        or len(x.in_shapes) < 2 or not x.in_shapes[0] or not x.in_shapes[1] \
+                        or not x.out_shapes or per_token(x.out_shapes[0]) != width:
+                    continue
+                g, o = x.in_shapes[0], x.in_shapes[1]
+                if (math.prod(g) == size and per_token(o) == width) or \
+                        (math.prod(o) == size and per_token(g) == width):
+                    return GATE_ACTIVATIONS[a.op], n < width
+        return None
 
     def _compressed_attention(self, path, recs, ev, pooled, keys, child_kinds):
         """`attention.compressed`: softmax attention whose keys/values include C pooled entries

@@ -19,6 +19,9 @@ SOFTMAX = {"softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax"
 CONV = {"conv1d", "convolution", "_convolution", "conv2d", "conv3d"}
 ACTIVATIONS = {"silu": "silu", "silu_": "silu", "gelu": "gelu", "relu": "relu", "relu_": "relu",
                "sigmoid": "sigmoid", "tanh": "tanh"}
+# what an attention output gate may apply to its projection: the MLP activations and softplus
+# (Laguna's per-head gate), which no MLP rule reads as an activation
+GATE_ACTIVATIONS = {**ACTIVATIONS, "softplus": "softplus"}
 VIEW_OPS = {"view", "reshape", "_unsafe_view", "expand", "slice", "select", "transpose", "t",
             "permute", "unsqueeze", "squeeze", "alias", "getitem", "contiguous", "clone",
             "split", "split_with_sizes", "chunk", "unbind", "detach", "_assert_tensor_metadata",

@@ -10,9 +10,11 @@ Activations are the tensors autograd keeps for the backward, per token of one ra
 batch x seq), by block kind, from the block's full-size widths (`onboarding.plan.shapes`):
   - attention (full, gated, sliding, MLA, compressed, top-k sparse): its projections' outputs
     except the one back to the residual (q, k, v or MLA's latents and up-projections), the core's
-    output (heads x d_v) and its fp32 log-sum-exp (heads); top-k sparse adds the indexer's scores
-    ``[B, T, index_heads, T]`` in fp32 as a transient (one layer at a time), compressed attention
-    with an indexer its ``[B, T, index_heads, T / r]`` scores over the pooled entries;
+    output (heads x d_v) and its fp32 log-sum-exp (heads); an output gate (`gate_activation`)
+    adds the output it gates and the gate (heads x d_v, or heads: one value per head); top-k
+    sparse adds the indexer's scores ``[B, T, index_heads, T]`` in fp32 as a transient (one
+    layer at a time), compressed attention with an indexer its ``[B, T, index_heads, T / r]``
+    scores over the pooled entries;
   - linear attention: the same projections and output, plus per chunk of C tokens the fp32
     state ``heads x d_k x d_v`` and the ``C x C`` intra-chunk matrix per head; its causal conv
     keeps its activated output;
@@ -199,8 +201,12 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
             kept += FP32 * (8 * h * dv + 4 * h * c) + FP32 * h * dqk * dv / c
         else:
             kept += FP32 * h  # log-sum-exp
-            if kind == "attention.gated":
-                kept += 2 * BF16 * h * dv  # the sigmoid gate and the output it multiplies
+            if kind == "attention.gated" or b.attrs.get("gate_activation"):
+                # the product keeps the output it gates and the activated gate (one value per
+                # head, or per channel); an activation that differentiates from its input
+                # (softplus, silu) reads the gate projection's output, counted in `lin_out`
+                gate = h if b.attrs.get("gate_per_head") else h * dv
+                kept += BF16 * (h * dv + gate)
         if kind == "sparse_attention.topk" or (kind == "attention.compressed"
                                                and b.attrs.get("topk")):
             from onboarding.train.flops import _int
