@@ -339,6 +339,7 @@ def test_a_router_scored_by_an_mlp_is_a_router_not_a_dense_mlp(parse_model):
     assert ("router scoring + top-k", "uncovered") in {(e.op, e.status) for e in entries}
 
 
+@pytest.mark.slow  # 50.6 s under -n 2 on a 2-core host (forty-ninth session, --durations)
 def test_zamba_multihead_mamba_is_a_recurrence_not_experts(parse_model):
     """Zamba's Mamba mixer keeps per-head [H, ., .] weights (x_proj, dt_proj, A_log) and, on the
     CPU, scans in a Python loop over the positions: it read as `moe.experts` (H "experts", no
