@@ -51,9 +51,20 @@ def environment() -> dict[str, Any]:
 
 
 def _config_dict(config: Any) -> dict[str, Any] | None:
-    if config is None:
+    """The text config as a dict, every nested mapping's keys sorted: some configs build a field
+    from a set (Dory's `rope_parameters`), whose order follows the hash seed, and ``model.json``
+    should not change from run to run."""
+    if config is None or not hasattr(config, "to_dict"):
         return None
-    return text_config(config).to_dict() if hasattr(config, "to_dict") else None
+    return _keys_sorted(text_config(config).to_dict())
+
+
+def _keys_sorted(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _keys_sorted(v[k]) for k in sorted(v, key=str)}
+    if isinstance(v, (list, tuple)):
+        return [_keys_sorted(x) for x in v]
+    return v
 
 
 def run_load(spec: ModelSpec, out_dir: Path | None = None) -> ModelInfo:
