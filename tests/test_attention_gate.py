@@ -1,11 +1,14 @@
 """The attention output gate, read by structure: an activation of a projection of the hidden state
 that multiplies the attention output before the out projection (`attention.gated`, attrs
-`gate_activation` and `gate_per_head`), whatever the activation; and what the memory planner
-counts for it."""
+`gate_activation` and `gate_per_head`; MLA and top-k sparse blocks keep their kinds and record the
+same attrs), whatever the activation; and what the memory planner counts for it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
+
+import pytest
 
 GATED = "tests/fixtures/gated_out_models.py"
 
@@ -76,3 +79,58 @@ def test_the_memory_plan_counts_a_per_head_gate_at_its_size():
     assert kept("attention.gated", gate_activation="softplus", gate_per_head=True) - plain == 2 * (32 + 4)
     assert kept("attention.sliding", gate_activation="softplus", gate_per_head=True) \
         - kept("attention.sliding") == 2 * (32 + 4)
+
+
+UNGATED_ATTRS = {
+    # the latent (MLA) fixture: its two normed latents; the top-k fixture: its indexer's selection
+    "LatentLM": {"layout": "mla", "kv_latent": [10, 12]},
+    "TopkLM": {"topk": 4, "indexer_relu": True, "topk_inputs": [
+        {"shape": [1, 12, 12], "dtype": "float32", "dim": -1, "largest": True}]},
+}
+
+
+@pytest.mark.parametrize("plain,gated,kind,gate", [
+    ("LatentLM", "GatedLatentLM", "attention.mla", {"gate_activation": "sigmoid",
+                                                     "gate_per_head": True}),
+    ("TopkLM", "GatedTopkLM", "sparse_attention.topk", {"gate_activation": "sigmoid",
+                                                         "gate_per_head": False}),
+])
+def test_an_mla_or_top_k_block_records_its_output_gate(parse_model, plain, gated, kind, gate):
+    """MLA (queries through a low-rank pair, the out projection reading heads x d_v, d_v != d_qk)
+    and top-k sparse attention keep their kinds and record an output gate as the other kinds do;
+    without one their attrs are what they were. Before: both kinds returned before the gate was
+    read, so a gated MLA (Ling 3's, one sigmoid per head) recorded no gate."""
+    without = _attn(parse_model(f"{GATED}:{plain}", seq=12))
+    with_gate = _attn(parse_model(f"{GATED}:{gated}", seq=12))
+    assert len(without) == len(with_gate) == 2
+    for b in without:
+        assert b.kind == kind and b.attrs == UNGATED_ATTRS[plain], (b.kind, b.attrs, b.evidence)
+    for b in with_gate:
+        assert b.kind == kind, (b.kind, b.evidence)
+        assert b.attrs == {**UNGATED_ATTRS[plain], **gate}, b.attrs
+        assert any("before the out projection" in e for e in b.evidence)
+
+
+@pytest.mark.parametrize("ref,config,gate", [
+    # MLA's widths from its config fields: d_qk = 8 + 4, d_v = 6; the gate one value per head
+    ("GatedLatentLM", dict(qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6), 4 * 6 + 4),
+    ("GatedTopkLM", dict(head_dim=8), 2 * 4 * 8),  # one gate value per channel
+])
+def test_the_memory_plan_counts_an_mla_or_top_k_gate_once(parse_model, ref, config, gate):
+    """The planner keeps a gated MLA or top-k block's gated output and gate (heads x d_v, and
+    heads or heads x d_v) once: the kind is not `attention.gated`, so only `gate_activation`
+    adds it. The block comes from the fixture's parse at full size (`model_shape`); before, the
+    parse recorded no gate on these kinds and the plan kept nothing for it."""
+    from onboarding.load.model import load_model
+    from onboarding.plan.config import PlanConfig
+    from onboarding.plan.memory import block_saved
+    from onboarding.plan.shapes import model_shape
+
+    cfg = SimpleNamespace(num_attention_heads=4, hidden_size=16, **config)
+    model = load_model(f"{GATED}:{ref}").build(None, seed=0)
+    shape = model_shape(model, cfg, parse_model(f"{GATED}:{ref}", seq=12))
+    (b,) = [x for x in shape.blocks if x.pattern == "attns.*"]
+    assert b.attrs.get("gate_activation") == "sigmoid", b.attrs
+    plain = replace(b, attrs={k: v for k, v in b.attrs.items() if not k.startswith("gate_")})
+    plan = PlanConfig(gpus=1, seq=64)
+    assert block_saved(b, shape, plan, 1)[0] - block_saved(plain, shape, plan, 1)[0] == 2 * gate

@@ -95,6 +95,21 @@ class MixerRules:
             attrs["rope_layout"] = "interleaved"
         elif any(r.op == "neg" for r in recs):
             attrs["rope_layout"] = "half"
+        # a sigmoid of logsumexp(scores) less a per-head parameter, scaling the output, is one
+        # more softmax-denominator logit (a sink), no gate: its input is the scores' [.., T]
+        # log-normaliser, not a projection of the hidden state
+        lse = [r for r in recs if r.op == "logsumexp" and r.in_shapes and r.in_shapes[0]
+               and len(r.in_shapes[0]) >= 2 and r.in_shapes[0][-2] == ctx.seq and r.out_shapes]
+        sink = [r for r in recs if r.op == "sigmoid" and r.in_shapes and any(
+            lo.index < r.index and r.in_shapes[0] == lo.out_shapes[0] for lo in lse)]
+        # the output gate is read before the kinds that return early: an MLA or top-k block
+        # gates its output the same way (Ling 3's MLA, one sigmoid per head)
+        gate = self._output_gate(recs, mm, sink)
+        if gate is not None:
+            act, per_head = gate
+            attrs.update(gate_activation=act, gate_per_head=per_head)
+            ev.append(f"attention output multiplied by {act}(a projection of the hidden state"
+                      f"{', one value per head' if per_head else ''}) before the out projection")
         if seq_topk:
             r, k, n = seq_topk[0]
             relu = any(x.op in ("relu", "relu_") for x in recs)
@@ -104,24 +119,11 @@ class MixerRules:
             return "sparse_attention.topk", ev, attrs
         if latent:
             return "attention.mla", ev, attrs
-        # a sigmoid of logsumexp(scores) less a per-head parameter, scaling the output, is one
-        # more softmax-denominator logit (a sink), no gate: its input is the scores' [.., T]
-        # log-normaliser, not a projection of the hidden state
-        lse = [r for r in recs if r.op == "logsumexp" and r.in_shapes and r.in_shapes[0]
-               and len(r.in_shapes[0]) >= 2 and r.in_shapes[0][-2] == ctx.seq and r.out_shapes]
-        sink = [r for r in recs if r.op == "sigmoid" and r.in_shapes and any(
-            lo.index < r.index and r.in_shapes[0] == lo.out_shapes[0] for lo in lse)]
         if sink:
             attrs["sink"] = True
             ev.append(f"output scaled by sigmoid(logsumexp(scores) - s): a sink (one more "
                       f"softmax-denominator logit), no gate; the sigmoid reads the scores' "
                       f"{sink[0].in_shapes[0]} log-normaliser")
-        gate = self._output_gate(recs, mm, sink)
-        if gate is not None:
-            act, per_head = gate
-            attrs.update(gate_activation=act, gate_per_head=per_head)
-            ev.append(f"attention output multiplied by {act}(a projection of the hidden state"
-                      f"{', one value per head' if per_head else ''}) before the out projection")
         hint = ctx.layer_hints.get(layer_of(path) if layer_of(path) is not None else -1, "")
         if "sliding" in hint or "chunked" in hint or "local" in hint:
             ev.append(f"hint: config layer type {hint!r} (the mask is built outside the block)")
