@@ -275,13 +275,14 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
     shp = b.inputs[0].shape
     per_token = _per_token(shp, int(b.attrs.get(CAPTURE_SEQ) or graph.seq))
     proxy_w = next((s[0] for s in b.params.values() if len(s) == 1), None)
-    inner = min((x for x in graph.blocks if x.kind.startswith("norm.") and x.path
-                 and x.path.startswith(b.path + ".")), key=lambda x: len(x.path), default=None)
-    if weight is None and inner is not None and (
-            mod := modules.get(full_path + inner.path[len(b.path):])) is not None:
+    if weight is None:
         # a norm module whose weight is a norm module's inside it (a gated norm wrapping its
         # RMSNorm): that norm's width, not the proxy's captured one
-        return _width(inner, mod, full_path + inner.path[len(b.path):], graph, modules)
+        inner = min((x for x in graph.blocks if x.kind.startswith("norm.") and x.path
+                     and x.path.startswith(b.path + ".")), key=lambda x: len(x.path), default=None)
+        if inner is not None and (mod := modules.get(
+                sub := full_path + inner.path[len(b.path):])) is not None:
+            return _width(inner, mod, sub, graph, modules)
     if weight is None and len(shp) < 4:
         return per_token  # weightless: the captured width (no full-size tensor to read)
     if weight is not None and (not proxy_w or per_token == proxy_w):
