@@ -15,19 +15,19 @@ from onboarding.errors import EXIT_CHECK_FAILED, EXIT_OK
 
 def add_parser(sub) -> None:
     p = command_parser(sub, "parse", help="capture the proxy and classify its blocks")
-    model_options(p, optional=True)
+    model_options(p)
     p.add_argument("--out", help="write model.json and opgraph.json here")
     p.add_argument("--json", action="store_true", help="print opgraph.json to stdout")
     p.set_defaults(func=cmd_analyse)
 
     m = command_parser(sub, "map", help="coverage: which ops have kernels, templates, fast paths")
-    model_options(m, optional=True)
+    model_options(m)
     m.add_argument("--out", help="write model.json, opgraph.json and coverage.json here")
     m.add_argument("--json", action="store_true", help="print coverage.json to stdout")
     m.set_defaults(func=cmd_analyse)
 
     g = command_parser(sub, "generate", help="render and check candidate kernels for coverable ops")
-    model_options(g, optional=True)
+    model_options(g)
     g.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     g.add_argument("--promote", action="store_true",
                    help="copy candidates that pass their checks into kernels/")
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
 
     a = command_parser(sub, "align", help="layer-by-layer fwd+bwd check of the patched proxy "
                                            "against the eager reference")
-    model_options(a, optional=True)
+    model_options(a)
     a.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     a.add_argument("--kernels", default="all",
                    help="comma-separated kernel families to patch, 'all' or 'none' "

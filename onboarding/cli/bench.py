@@ -11,6 +11,7 @@ from rich.console import Console
 from onboarding.cli.common import progress, command_parser
 from onboarding.cli.nightly import DEFAULT
 from onboarding.errors import EXIT_OK, InputError
+from onboarding.load.model import model_forms
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -45,8 +46,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--out", help="write the result rows as JSON here")
     u = b.add_argument_group("uncovered blocks (--blocks): the Inductor fallback against eager")
     u.add_argument("--blocks", action="append", default=None, metavar="MODEL",
-                   help="time MODEL's distinct uncovered blocks (MODEL: a reference or a run "
-                        "directory; MODEL@PATH[,PATH]: those blocks, covered or not), "
+                   help=f"time MODEL's distinct uncovered blocks (MODEL: {model_forms()}, or "
+                        "a run directory; MODEL@PATH[,PATH]: those blocks, covered or not), "
                         "torch.compile as the fallback compiles it against the block's own "
                         "code, forward and forward + backward (repeatable; one process each)")
     u.add_argument("--proxy", choices=("tiny", "small"), default=None,

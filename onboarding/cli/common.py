@@ -9,7 +9,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from onboarding.errors import InputError
-from onboarding.load.model import DEFAULT_EXAMPLE
+from onboarding.load.model import DEFAULT_EXAMPLE, model_forms
 from onboarding.load.overrides import parse_assignments, positive_int
 from onboarding.load.spec import ModelSpec
 
@@ -25,10 +25,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def model_options(p: argparse.ArgumentParser, optional: bool = False) -> None:
-    p.add_argument("model", nargs="?" if optional else None, default=None,
-                   help="model directory, hf:<model_type>, file.py:Name, module:Name, or a "
-                        f"built-in example (default: {DEFAULT_EXAMPLE})")
+def model_argument(p: argparse.ArgumentParser, without: str | None = None) -> None:
+    """The MODEL positional of every command that takes one, its help `model_forms()` (what
+    `load_model` accepts), so that no command's help lists a form the resolver refuses.
+    ``without``: what the command does when MODEL is left out (None: runs the default
+    example)."""
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help=f"{model_forms()}; {without or f'default: {DEFAULT_EXAMPLE}'}")
+
+
+def model_options(p: argparse.ArgumentParser, without: str | None = None) -> None:
+    """MODEL (`model_argument`) and how to build its proxy."""
+    model_argument(p, without)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (JSON value); repeatable")
     p.add_argument("--trust-remote-code", action="store_true",

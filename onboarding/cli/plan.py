@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from onboarding.cli.common import command_parser
+from onboarding.cli.common import command_parser, model_argument
 from onboarding.errors import EXIT_OK, InputError
 
 
@@ -18,8 +18,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
     p = command_parser(sub, "plan", help="memory per GPU, all-to-all bytes and step time of the "
                                          "full-size model for FSDP x EP layouts")
-    p.add_argument("model", nargs="?", default=None,
-                   help="model directory, hf:<model_type>, file.py:Name, module:Name or example")
+    model_argument(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (JSON value); repeatable")
     p.add_argument("--trust-remote-code", action="store_true")

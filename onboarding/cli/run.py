@@ -23,7 +23,7 @@ from onboarding.load.overrides import nonneg_int, positive_int
 
 def add_parser(sub) -> argparse.ArgumentParser:
     r = command_parser(sub, "run", help="run the agent pipeline on MODEL")
-    model_options(r, optional=True)
+    model_options(r)
     r.add_argument("--out", help="run directory (default runs/<model>-<timestamp>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run")
     r.add_argument("--kernels", default="all",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from onboarding.cli.common import command_parser
+from onboarding.cli.common import command_parser, model_argument
 from onboarding.errors import InputError
 from onboarding.load.overrides import int_list
 from onboarding.train.config import (BALANCE, COMPILE, INIT_DEVICES, PROXIES, RECOMPUTE,
@@ -68,8 +68,7 @@ def add_scale_parser(sub) -> argparse.ArgumentParser:
 def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
     """The model and training options `train` and `scale` share (`layout`: --nproc/--ep/--fsdp)."""
     d = TrainConfig(model="")
-    t.add_argument("model", nargs="?", default=None,
-                   help="model directory, hf:<model_type>, file.py:Name, module:Name or example")
+    model_argument(t, "required unless --config TRAIN_TOML" if layout else "required")
     t.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
                    help="override a model config field (JSON value); repeatable")
     t.add_argument("--trust-remote-code", action="store_true", default=None,
@@ -157,7 +156,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from onboarding.load.spec import ModelSpec
 
     if args.model is None:
-        raise InputError("onboard train: give a MODEL or --config train.toml")
+        command = getattr(args, "command", "train")
+        raise InputError(f"onboard {command}: give a MODEL"
+                         + (" or --config train.toml" if command == "train" else ""))
     values = {f: getattr(args, k, None) for k, f in FIELDS.items()
               if getattr(args, k, None) is not None}
     # Fill the one layout degree left out: --ep 2 alone means 2 processes, --nproc 4 --ep 2

@@ -19,7 +19,8 @@ from onboarding.load.overrides import positive_int_list
 def add_parser(sub) -> argparse.ArgumentParser:
     t = command_parser(sub, "tune", help="Optuna tile search: every kernel of MODEL at its "
                                           "op-graph shapes, or one family (--kernel F --shapes N)")
-    model_options(t, optional=True)
+    model_options(t, without="no default: without it, --kernel FAMILY --shapes N tunes one "
+                             "family, or --out RUN the kernels of a generated run")
     t.add_argument("--kernel", metavar="FAMILY",
                    help="one family: alone with --shapes, or with MODEL to tune only that family")
     t.add_argument("--variant", help="family variant (default: the first)")

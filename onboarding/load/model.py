@@ -4,7 +4,7 @@ MODEL forms (docs/design.md):
   - a directory in the Hugging Face layout (config.json, optional remote code and weights);
   - ``hf:<model_type>`` with the default config of an architecture transformers knows;
   - ``path/to/file.py:Name`` or ``package.module:Name`` (an nn.Module class or a factory);
-  - the name of a built-in example under ``examples/``.
+  - the name of a built-in example under ``examples/`` (``example``: the default one).
 
 Nothing here allocates weights: `LoadedModel.build` takes a device, and the full-size model is
 built on ``meta``.
@@ -33,12 +33,28 @@ from onboarding.load.multimodal import build_language_model, has_causal_lm
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_EXAMPLE = "onboard_hybrid"
+EXAMPLE_ALIAS = "example"  # names the default example, as the commands' help long promised
 
 
 def list_examples() -> list[str]:
     if not EXAMPLES_DIR.is_dir():
         return []
     return sorted(p.name for p in EXAMPLES_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def builtin_example(ref: str) -> str | None:
+    """The built-in example ``ref`` names (`EXAMPLE_ALIAS`: the default one), None if none."""
+    name = DEFAULT_EXAMPLE if ref == EXAMPLE_ALIAS else ref
+    return name if "/" not in name and name in list_examples() else None
+
+
+def model_forms() -> str:
+    """The MODEL forms `load_model` resolves, in words, the built-in examples by name: the one
+    text of every command's help, the train.toml header and the error for a MODEL that is none
+    of them, so that none of them promises a form the resolver refuses."""
+    return ("a model directory, hf:<model_type>, file.py:Name, module:Name, or a built-in "
+            f"example: {', '.join(list_examples()) or 'none'} "
+            f"({EXAMPLE_ALIAS} = {DEFAULT_EXAMPLE})")
 
 
 @dataclass(kw_only=True)
@@ -181,15 +197,14 @@ def load_model(ref: str | None, *, overrides: dict[str, Any] | None = None,
         loaded = _load_python_ref(ref, m.group("mod"), m.group("name"))
     elif Path(ref).is_dir():
         loaded = _load_directory(ref, Path(ref), "directory", trust_remote_code, impl)
-    elif "/" not in ref and ref in list_examples():
-        # Built-in examples are our own code: running them needs no flag.
-        loaded = _load_directory(ref, EXAMPLES_DIR / ref, "example", True)
+    elif (example := builtin_example(ref)) is not None:
+        # Built-in examples are our own code: running them needs no flag. The alias is only a
+        # spelling: what is recorded (model.json's ref, the run's name) is the example's name.
+        loaded = _load_directory(example, EXAMPLES_DIR / example, "example", True)
     elif Path(ref).exists():
         raise InputError(f"{ref}: not a model directory (expected a directory with config.json)")
     else:
-        hint = ", ".join(list_examples()) or "none"
-        raise InputError(f"{ref}: no such path, example (built-in: {hint}), "
-                         "hf:<model_type>, or module:Name")
+        raise InputError(f"{ref}: no such path; MODEL is {model_forms()}")
     if overrides:
         if loaded.config is not None and loaded._factory is None:
             apply_overrides(loaded.config, overrides)

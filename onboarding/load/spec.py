@@ -18,7 +18,7 @@ class ModelSpec:
     """MODEL and how to build it.
 
     `ref`: a model directory, `hf:<model_type>`, `file.py:Name`, `module:Name` or a built-in
-    example (None: the default example); `overrides`: config fields set before building
+    example (`load.model.model_forms`; None: the default example); `overrides`: config fields set before building
     (`--set key=value`); `trust_remote_code`: run the repo's own modeling code;
     `proxy`: the size of the model that really runs (tiny on a CPU, small on one GPU, none for
     the full-size config); `part`: which part of a multimodal model runs (`load.vision`).
@@ -33,8 +33,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.ref is not None and not self.ref.strip():  # `onboard parse ''`: not the default
-            raise InputError("MODEL is empty: give a model directory, hf:<model_type>, "
-                             "file.py:Name, module:Name or an example (or leave it out)")
+            from onboarding.load.model import model_forms
+
+            raise InputError(f"MODEL is empty: give {model_forms()} (or leave it out)")
         if self.proxy not in PROXIES:
             raise InputError(f"proxy {self.proxy!r}: expected one of {', '.join(PROXIES)}")
         if self.impl not in IMPLS:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.errors import InputError, read_toml
+from onboarding.load.model import model_forms
 from onboarding.load.spec import ModelSpec
 
 PROXIES = ("tiny", "small", "none")
@@ -25,7 +26,7 @@ INIT_DEVICES = ("cpu", "device")  # where the seed's base weights are made (`tra
 
 # One line per field: the header comment of the written TOML file.
 FIELD_DOCS = {
-    "model": "MODEL: model directory, hf:<model_type>, file.py:Name, module:Name or example",
+    "model": f"MODEL: {model_forms()}",
     "overrides": "config overrides (--set KEY=VALUE), applied before the proxy is made",
     "trust_remote_code": "run the model repo's own modeling_*.py",
     "proxy": "tiny (CPU) | small (one GPU) | none (the full config as given)",
