@@ -180,43 +180,74 @@ def test_cli_example_writes_plan(tmp_path, capsys):
     assert not (tmp_path / "q").exists()
 
 
-def test_activations_match_a_training_step():
-    """The memory model's kept bytes per token against what autograd really keeps in a LoRA
-    training step of hf:qwen3_moe's tiny proxy on the CPU (the EP module, adapters, eager
-    norms): saved tensors counted once per storage, parameters left out."""
-    from onboarding.graph.parse import load_stage
+def _lora_step_kept(ref: str, t: int) -> dict[str, int]:
+    """Bytes autograd keeps in a LoRA training step of ``ref``'s tiny proxy on the CPU (the EP
+    module, adapters, eager norms), one sequence of ``t`` tokens, by the innermost module running
+    when each storage was first saved ("" outside every module): saved tensors counted once per
+    storage, parameters and buffers left out."""
     from onboarding.load.spec import ModelSpec
-    from onboarding.plan.memory import BF16, FP32
-    from onboarding.plan.run import shape_of
     from onboarding.train.config import TrainConfig
     from onboarding.train.lora import inject_lora
     from onboarding.train.moe_ep import EPGroup, apply_expert_parallel
     from onboarding.train.setup import build
     from onboarding.train.worker import lm_loss
-    from onboarding.graph.parse import parse_stage
 
-    t = 256
-    cfg = TrainConfig.for_model(ModelSpec(ref="hf:qwen3_moe"), out="", seq_len=t, dtype="bf16",
+    cfg = TrainConfig.for_model(ModelSpec(ref=ref), out="", seq_len=t, dtype="bf16",
                                 device="cpu", micro_batch=1)
     b = build(cfg, device="cpu")
     apply_expert_parallel(b.model, b.graph, EPGroup(), lora=None, capacity_factor=None, seed=0)
     inject_lora(b.model, b.graph, targets=["auto"], rank=16, alpha=32, dropout=0.0, seed=0)
     params = {p.untyped_storage().data_ptr() for p in b.model.parameters()} | {
         x.untyped_storage().data_ptr() for x in b.model.buffers()}
-    kept: dict[int, int] = {}
+    stack, first = [""], {}
+
+    def leave(module, args, out) -> None:
+        stack.pop()
+
+    hooks = [h for name, mod in b.model.named_modules() for h in (
+        mod.register_forward_pre_hook(lambda m, a, n=name: stack.append(n)),
+        mod.register_forward_hook(leave))]
 
     def pack(x):
         ptr = x.untyped_storage().data_ptr()
-        if ptr not in params:
-            kept[ptr] = x.untyped_storage().nbytes()
+        if ptr not in params and ptr not in first:
+            first[ptr] = (stack[-1], x.untyped_storage().nbytes())
         return x
 
     ids = torch.randint(0, 1000, (1, t + 1), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        lm_loss(b.model, ids, chunked=True)  # the loss as the training step computes it
-    measured = sum(kept.values()) / t
-    info = load_stage(ModelSpec(ref="hf:qwen3_moe").load(), "tiny")
-    shape = shape_of(info, parse_stage(info, seq=64, try_export=False), config=info.proxy_config)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            lm_loss(b.model, ids, chunked=True)  # the loss as the training step computes it
+    finally:
+        for h in hooks:
+            h.remove()
+    kept: dict[str, int] = {}
+    for path, n in first.values():
+        kept[path] = kept.get(path, 0) + n
+    return kept
+
+
+def _proxy_shape(ref: str):
+    """The plan's shapes of ``ref``'s tiny proxy (the size `_lora_step_kept` trains), and the op
+    graph they were joined to."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.run import shape_of
+
+    info = load_stage(ModelSpec(ref=ref).load(), "tiny")
+    graph = parse_stage(info, seq=64, try_export=False)
+    return shape_of(info, graph, config=info.proxy_config), graph
+
+
+def test_activations_match_a_training_step():
+    """The memory model's kept bytes per token against what autograd really keeps in a LoRA
+    training step of hf:qwen3_moe's tiny proxy on the CPU (the EP module, adapters, eager
+    norms): saved tensors counted once per storage, parameters left out."""
+    from onboarding.plan.memory import BF16, FP32
+
+    t = 256
+    measured = sum(_lora_step_kept("hf:qwen3_moe", t).values()) / t
+    shape, _ = _proxy_shape("hf:qwen3_moe")
     mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=t, micro_batch=1),
                  Layout(ep=1, fsdp=1, recompute="none", offload="none"), ClusterConfig())
     # kept by autograd: the layers and the logits' bf16 gradient (the chunked loss keeps it, not an
@@ -224,6 +255,36 @@ def test_activations_match_a_training_step():
     predicted = sum(mem.activations.values()) / t
     assert BF16 * shape.vocab < measured < FP32 * shape.vocab + predicted
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ref", ["hf:axk2", "hf:zamba2"])
+def test_gated_norm_keeps_what_autograd_keeps(ref):
+    """A gated norm's kept bytes per token (`memory._gate_saved`, its inner norm and gate MLP
+    included) against what autograd keeps for each of its instances in a LoRA step of the tiny
+    proxy, within the tolerance of the whole-model count above: hf:axk2's y * sigmoid(mlp(y))
+    (10 w + 2 r: its sigmoid keeps only its output, the MLP its rank-r hidden) and hf:zamba2's
+    x * silu(z) before the norm (16 w: the fp32 input and product both). Before, 14 w for both:
+    1,792 against 1,316 measured for axk2, 3,584 against 4,100 for zamba2 (w = 128, 256). The
+    first layer's input norm, which no gradient reaches (frozen embedding), keeps nothing and
+    is left out."""
+    from onboarding.load.accounting import path_pattern
+    from onboarding.plan.memory import block_saved
+
+    t = 64
+    kept = _lora_step_kept(ref, t)
+    shape, graph = _proxy_shape(ref)
+    gated = [b for b in shape.blocks if b.kind == "norm.rms_gated"]
+    assert gated
+    for b in gated:
+        predicted = block_saved(b, shape, PlanConfig(gpus=1, ep=1, seq=t, micro_batch=1), 1)[0]
+        # the instances: the graph's gated norms of this pattern (a plain norm may share it)
+        measured = [sum(n for path, n in kept.items() if path == x.path
+                        or path.startswith(x.path + ".")) / t for x in graph.blocks
+                    if x.kind == b.kind and path_pattern(x.path) == b.pattern]
+        assert any(measured), (b.pattern, measured)
+        for m in filter(None, measured):
+            assert predicted == pytest.approx(m, rel=0.10), (b.pattern, predicted, measured)
 
 
 def test_agent_plans_after_parse():
@@ -611,9 +672,10 @@ def test_input_gate_second_projection_is_the_blocks():
 
 def test_a_norm_inside_a_gated_norm_is_counted_once():
     """A gated norm whose module holds its own RMSNorm (y = norm(x), y * sigmoid(mlp(y)): AXK2's
-    GatedRMSNorm; our own fixture, D = 32, two such norms a layer) keeps the norm's fp32 input
-    (4D per token) and its gate's fp32 activation and product and bf16 gate (10D); the final
-    norm 4D. Before, the child `norm.rms` block was charged again (4D more per gated norm)."""
+    GatedRMSNorm; our own fixture, D = 32, gate rank 8, two such norms a layer) keeps the norm's
+    fp32 input (4D per token), the bf16 normalised output and fp32 sigmoid the product reads
+    (6D) and the gate MLP's bf16 rank-8 hidden; the final norm 4D. Before, the child `norm.rms`
+    block was charged again (4D more per gated norm)."""
     from onboarding.graph.parse import load_stage, parse_stage
     from onboarding.load.spec import ModelSpec
     from onboarding.plan.run import shape_of
@@ -628,4 +690,38 @@ def test_a_norm_inside_a_gated_norm_is_counted_once():
     mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=tokens, micro_batch=1),
                  Layout(ep=1, fsdp=1, recompute="none", offload="none"), ClusterConfig())
     per_layer = (mem.activations["norms"] / tokens - 4 * d) / layers
-    assert per_layer == 2 * (4 + 10) * d
+    assert per_layer == 2 * ((4 + 6) * d + 2 * 8)
+
+
+def test_gated_norm_bytes_by_its_ops():
+    """What a gated norm keeps beyond its fp32 input (4w) by the ops it runs (`_gate_saved`): a
+    sigmoid keeps only its output (which the product keeps anyway), silu its input too; gated
+    before the norm, the product's other operand is the fp32 input, not the bf16 normalised
+    output; an MLP gate adds its rank-r hidden (its output too for full training). Before: 14w
+    whatever the ops, the MLP's hidden not counted."""
+    from dataclasses import replace
+
+    from onboarding.plan.memory import block_saved
+    from onboarding.plan.shapes import BlockShape
+
+    w, r = 64, 8
+    shape = ModelShape(name="m", hidden=w, vocab=0, n_layers=1, total=0, routed=0,
+                       dense_tensors=[], experts=[], blocks=[], layer_dense_max=0,
+                       dense_matmul=0, config=None)
+    gated = BlockShape(pattern="layers.*.norm", kind="norm.rms_gated", count=1, params=0,
+                       linears=[], attrs={}, ops=1, nested=False, width=w)
+    mlp = replace(gated, linears=[("mlp.fc1", w, r), ("mlp.fc2", r, w)],
+                  attrs={"gate": "mlp", "gate_activation": "sigmoid"})
+
+    def kept(b, **cfg):
+        return block_saved(b, shape, PlanConfig(gpus=1, seq=64, **cfg), 1)[0]
+
+    assert kept(mlp) == (4 + 2 + 4) * w + 2 * r  # hf:axk2's
+    assert kept(mlp, mode="full") == (4 + 2 + 4) * w + 2 * 2 * r
+    assert kept(replace(gated, attrs={"gate_activation": "silu"})) == 14 * w  # hf:qwen3_next's
+    assert kept(replace(gated, attrs={"gate_activation": "silu", "norm_before_gate": False})) \
+        == 16 * w  # hf:zamba2's
+    assert kept(gated) == 14 * w  # no activation recorded: as before
+    # a fused kernel keeps the bf16 input and gate; an MLP gate's product stays in torch
+    assert kept(replace(gated, attrs={"gate_activation": "silu"}), kernels_norm=True) == 4 * w
+    assert kept(mlp, kernels_norm=True) == (2 + 2 + 4) * w + 2 * r

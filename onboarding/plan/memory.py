@@ -31,7 +31,9 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
     "other"), which selective recompute re-runs;
   - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast), once: a norm
     module inside another norm block (a gated norm's own RMSNorm, AXK2's) is counted in the
-    outer block's bytes, which keep the normalised input already;
+    outer block's bytes, which keep the normalised input already; a gated norm adds its gate's
+    tensors by the ops it runs (`_gate_saved`: 6D and the gate MLP's rank-r hidden for AXK2's
+    sigmoid(mlp(y)) * y, 10D for a silu gate after the norm, 12D before it);
   - LoRA adapters: each keeps its input as it came, once per distinct input (q, k and v share
     theirs; an attention output projection's input is the core's output, already kept), and its
     rank-r product in fp32;
@@ -174,6 +176,45 @@ def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
         p != b.pattern and _inside(b.pattern, p) for p in norms))]
 
 
+# activations whose backward reads their output, which the gate's product keeps anyway (so
+# nothing more); the others (silu, gelu, softplus) read their input, one more tensor
+BACKWARD_READS_OUTPUT = frozenset({"sigmoid", "tanh", "relu"})
+
+
+def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig) -> float:
+    """Per token, what a gated norm keeps beyond its norm's input, by the ops it runs (as
+    transformers writes them: the gate cast to fp32, activated, and the product in fp32):
+      - the product's other operand: the bf16 normalised output (gated after the norm; an MLP
+        gate's reads its norm module's output, in the model's dtype, and Qwen3-Next's casts it
+        back before the weight) or, gated before it (``norm_before_gate`` false, Mamba-2's),
+        the fp32 input, the norm's input then being the product. An implementation that keeps
+        the normalised output in fp32 (the weight applied in fp32: bailing_hybrid's) keeps 2w
+        more, which the fp32 capture cannot tell apart;
+      - the fp32 activated gate, and the fp32 gate it was computed from when the activation's
+        backward reads its input (`BACKWARD_READS_OUTPUT`);
+      - a gate that is a low-rank MLP of the normalised output (gate "mlp", AXK2's: D -> r -> D)
+        keeps its rank-r hidden, the activation's input (and, for full training, its output:
+        the second projection's weight gradient reads it); its projections' input is the
+        normalised output, kept already.
+    A fused gated-norm kernel keeps the bf16 gate; an MLP gate's product is no kernel's (coverage
+    lists it as unfused) and runs in torch either way.
+    In all, the norm's input included: 10 w + 2 r for hf:axk2's (sigmoid after the norm, an MLP
+    gate), 14 w for hf:qwen3_next's (silu after), 16 w for hf:zamba2's (silu before), as
+    `saved_tensors_hooks` counts them in a LoRA step of the tiny proxies (axk2's and zamba2's:
+    tests/test_plan.py)."""
+    mlp = b.attrs.get("gate") == "mlp"
+    if cfg.kernels_norm and not mlp:
+        return BF16 * w
+    other = BF16 * w if b.attrs.get("norm_before_gate", True) else FP32 * w
+    act = b.attrs.get("gate_activation") or b.attrs.get("activation")
+    gate = FP32 * w * (1 if act in BACKWARD_READS_OUTPUT else 2)
+    hidden = 0.0
+    if mlp:
+        r = min((o for _, i, o in b.linears if i == w), default=0)
+        hidden = BF16 * r * (2 if cfg.mode == "full" else 1)
+    return other + gate + hidden
+
+
 def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
                 ) -> tuple[float, float, float]:
     """(bytes kept per token, of which selective recompute re-runs, transient bytes per token of
@@ -256,11 +297,10 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         return 3 * BF16 * p + lora + (BF16 * d if full else 0), 0.0, 0.0
     if kind.startswith("norm."):
         w = b.width or d
-        # transformers' RMSNorm upcasts: its fp32 input is kept (a fused kernel keeps bf16);
-        # a gated norm also keeps its fp32 activated gate and product
+        # transformers' RMSNorm upcasts: its fp32 input is kept (a fused kernel keeps bf16)
         per = BF16 * w if cfg.kernels_norm else FP32 * w
         if kind == "norm.rms_gated":
-            per += (BF16 if cfg.kernels_norm else 2 * FP32 + BF16) * w
+            per += _gate_saved(b, w, cfg)
         return per, 0.0, 0.0
     if kind in CONV_KINDS:
         return 2 * BF16 * b.width, 0.0, 0.0  # its input and its activated output
