@@ -29,6 +29,9 @@ def test_a_softplus_output_gate_per_head_is_a_gated_attention(parse_model):
         assert b.attrs["gate_activation"] == "softplus" and b.attrs["gate_per_head"] is True
         assert any("softplus" in e and "one value per head" in e for e in b.evidence)
     assert g.layer_pattern == "A- A-"
+    # the gate's own projection (4 heads, one value each): what tells the heads at full size
+    assert all((b.attrs["gate_projection"], b.attrs["gate_width"]) == ("g_proj.weight", 4)
+               for b in attn)
 
 
 def test_a_sigmoid_output_gate_keeps_its_kind_and_names_its_activation(parse_model):
@@ -41,6 +44,7 @@ def test_a_sigmoid_output_gate_keeps_its_kind_and_names_its_activation(parse_mod
         for b in attn:
             assert b.kind == "attention.gated", (ref, b.kind, b.evidence)
             assert b.attrs["gate_activation"] == "sigmoid" and b.attrs["gate_per_head"] is False
+            assert "gate_projection" not in b.attrs  # a gate per channel needs no head count
 
 
 def test_a_query_gate_and_a_soft_cap_are_no_output_gate(parse_model):
@@ -91,7 +95,9 @@ UNGATED_ATTRS = {
 
 @pytest.mark.parametrize("plain,gated,kind,gate", [
     ("LatentLM", "GatedLatentLM", "attention.mla", {"gate_activation": "sigmoid",
-                                                     "gate_per_head": True}),
+                                                     "gate_per_head": True,
+                                                     "gate_projection": "g_proj.weight",
+                                                     "gate_width": 4}),
     ("TopkLM", "GatedTopkLM", "sparse_attention.topk", {"gate_activation": "sigmoid",
                                                          "gate_per_head": False}),
 ])
@@ -134,3 +140,45 @@ def test_the_memory_plan_counts_an_mla_or_top_k_gate_once(parse_model, ref, conf
     plain = replace(b, attrs={k: v for k, v in b.attrs.items() if not k.startswith("gate_")})
     plan = PlanConfig(gpus=1, seq=64)
     assert block_saved(b, shape, plan, 1)[0] - block_saved(plain, shape, plan, 1)[0] == 2 * gate
+
+
+def test_the_memory_plan_reads_a_per_head_gates_heads_off_its_projection(parse_model):
+    """With no head count in the config, a per-head gate's heads are its projection's output
+    width at full size: the fixture captured with 4 heads of 8, planned with 8 heads of 4, keeps
+    a gate of 8 values per token and 8 fp32 log-sum-exps, and the plan notes where the count came
+    from; with no projection to read, one head, and the plan says so. Before: one head, silently
+    (1 gate value and 1 log-sum-exp per token)."""
+    from onboarding.load.model import load_model
+    from onboarding.plan.config import PlanConfig
+    from onboarding.plan.memory import block_heads, block_saved
+    from onboarding.plan.search import head_notes
+    from onboarding.plan.shapes import model_shape
+
+    from fixtures.gated_out_models import HeadGatedAttention
+
+    graph = parse_model(f"{GATED}:SoftplusHeadGateLM", seq=12)
+    model = load_model(f"{GATED}:SoftplusHeadGateLM").build(None, seed=0)
+    for i in range(len(model.attns)):
+        model.attns[i] = HeadGatedAttention(16, heads=8, head_dim=4)
+    shape = model_shape(model, None, graph)
+    (b,) = [x for x in shape.blocks if x.pattern == "attns.*"]
+    assert b.gate_heads == 8 and block_heads(b, shape) == (8, 0, 4, "gate projection")
+    plan = PlanConfig(gpus=1, seq=64)
+
+    def kept(x):
+        return block_saved(x, shape, plan, 1)[0]
+
+    ungated = replace(b, kind="attention.full",
+                      attrs={k: v for k, v in b.attrs.items() if not k.startswith("gate_")})
+    assert kept(b) - kept(ungated) == 2 * (8 * 4 + 8)  # the gated output and 8 gate values
+    one = replace(b, gate_heads=0)  # no projection read: one head
+    assert block_heads(one, shape) == (1, 0, 32, "")
+    assert kept(b) - kept(one) == (4 + 2) * (8 - 1)  # fp32 log-sum-exp and gate, per head
+    (note,) = head_notes(shape)
+    assert "attns.*" in note and "none in the config; 8" in note and "g_proj.weight" in note
+    shape.blocks = [one if x is b else x for x in shape.blocks]
+    (note,) = head_notes(shape)
+    assert "counted as one head" in note and "undercounted" in note
+    # a config that names the heads: its count, no note
+    shape.config = SimpleNamespace(num_attention_heads=8, head_dim=4, hidden_size=16)
+    assert block_heads(one, shape) == (8, 4, 4, "config") and head_notes(shape) == []

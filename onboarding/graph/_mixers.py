@@ -104,10 +104,12 @@ class MixerRules:
             lo.index < r.index and r.in_shapes[0] == lo.out_shapes[0] for lo in lse)]
         # the output gate is read before the kinds that return early: an MLA or top-k block
         # gates its output the same way (Ling 3's MLA, one sigmoid per head)
-        gate = self._output_gate(recs, mm, sink)
+        gate = self._output_gate(path, recs, mm, sink)
         if gate is not None:
-            act, per_head = gate
+            act, per_head, source = gate
             attrs.update(gate_activation=act, gate_per_head=per_head)
+            if per_head and source is not None:
+                attrs.update(gate_projection=source[0], gate_width=source[1])
             ev.append(f"attention output multiplied by {act}(a projection of the hidden state"
                       f"{', one value per head' if per_head else ''}) before the out projection")
         if seq_topk:
@@ -130,10 +132,15 @@ class MixerRules:
             return "attention.sliding", ev, attrs
         return ("attention.full" if gate is None else "attention.gated"), ev, attrs
 
-    def _output_gate(self, recs: list[OpRecord], mm: list[OpRecord], sink: list[OpRecord]
-                     ) -> tuple[str, bool] | None:
+    def _output_gate(self, path: str, recs: list[OpRecord], mm: list[OpRecord],
+                     sink: list[OpRecord]) -> tuple[str, bool, tuple[str, int] | None] | None:
         """The attention output's gate as (the activation's name, whether it is one value per
-        head: fewer elements per token than the output it scales), or None. Read by structure:
+        head: fewer elements per token than the output it scales, its source), or None. The
+        source: (the weight, named under ``path``, of the projection the gate is read from, one
+        as wide as the gate, else the last before it whose width is a multiple of the gate's;
+        the gate's elements per token), or None for a weight outside the block. A per-head
+        gate's projection tells its head count at another size (the plan's, where the config
+        gives none: `onboarding.plan.shapes.gate_heads`). Read by structure:
         an elementwise activation (`GATE_ACTIVATIONS`: sigmoid, softplus, silu, ...) of a
         token-major [B, T, ..] tensor of n elements per token, run after a weight projection of
         the hidden state whose width is a multiple of n (the gate's own projection, or a part of
@@ -157,13 +164,18 @@ class MixerRules:
         # the hidden state's width: the embedding's, or what the block's first projection reads
         first = next((d for r in mm if self._weight_2d(r) and (d := _linear_dims(r, ctx))), None)
         hidden = {ctx.hidden, first[0] if first else None} - {None}
-        projs = [(r.index, d[1]) for r in mm if self._weight_2d(r)
-                 and (d := _linear_dims(r, ctx)) and d[0] in hidden]
+        projs = [(r.index, d[1], next(n for n in r.params.values()
+                                      if len(ctx.param_shapes.get(n, ())) == 2))
+                 for r in mm if self._weight_2d(r) and (d := _linear_dims(r, ctx))
+                 and d[0] in hidden]
         for a in recs:
             n = per_token(a.in_shapes[0]) if a.in_shapes else None
+            src = [(w, name) for i, w, name in projs if n and i < a.index and w % n == 0]
             if a.op not in GATE_ACTIVATIONS or a in sink or a.index >= last.index or not n \
-                    or not a.out_shapes or not any(i < a.index and w % n == 0 for i, w in projs):
+                    or not a.out_shapes or not src:
                 continue
+            _, name = ([x for x in src if x[0] == n] or src)[-1]
+            source = (name[len(path) + 1:], n) if name.startswith(path + ".") else None
             size = math.prod(a.out_shapes[0])
             for x in recs:
                 if x.op not in ("mul", "mul_") or not max(a.index, core) < x.index < last.index \
@@ -173,7 +185,7 @@ class MixerRules:
                 g, o = x.in_shapes[0], x.in_shapes[1]
                 if (math.prod(g) == size and per_token(o) == width) or \
                         (math.prod(o) == size and per_token(g) == width):
-                    return GATE_ACTIVATIONS[a.op], n < width
+                    return GATE_ACTIVATIONS[a.op], n < width, source
         return None
 
     def _compressed_attention(self, path, recs, ev, pooled, keys, child_kinds):

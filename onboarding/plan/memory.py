@@ -11,10 +11,11 @@ batch x seq), by block kind, from the block's full-size widths (`onboarding.plan
   - attention (full, gated, sliding, MLA, compressed, top-k sparse): its projections' outputs
     except the one back to the residual (q, k, v or MLA's latents and up-projections), the core's
     output (heads x d_v) and its fp32 log-sum-exp (heads); an output gate (`gate_activation`)
-    adds the output it gates and the gate (heads x d_v, or heads: one value per head); top-k
-    sparse adds the indexer's scores ``[B, T, index_heads, T]`` in fp32 as a transient (one
-    layer at a time), compressed attention with an indexer its ``[B, T, index_heads, T / r]``
-    scores over the pooled entries;
+    adds the output it gates and the gate (heads x d_v, or heads: one value per head; the heads
+    the config's, else a per-head gate's projection's: `block_heads`); top-k sparse adds the
+    indexer's scores ``[B, T, index_heads, T]`` in fp32 as a transient (one layer at a time),
+    compressed attention with an indexer its ``[B, T, index_heads, T / r]`` scores over the
+    pooled entries;
   - linear attention: the same projections and output, plus per chunk of C tokens the fp32
     state ``heads x d_k x d_v`` and the ``C x C`` intra-chunk matrix per head; its causal conv
     keeps its activated output;
@@ -176,6 +177,20 @@ def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
         p != b.pattern and _inside(b.pattern, p) for p in norms))]
 
 
+def block_heads(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, str]:
+    """(heads, d_qk, d_v, where the head count came from) of attention block ``b``: the config's
+    fields ("config", `attention_heads`); without them the output projection's input stands for
+    the core's output (heads x d_v), over the heads a per-head output gate's projection gives
+    at full size ("gate projection", `shapes.gate_heads`), else over one head (""), which
+    undercounts a per-head gate and the log-sum-exp (the plan notes it: `search.head_notes`)."""
+    heads = attention_heads(shape.config, b.kind)
+    if heads is not None:
+        return (*heads, "config")
+    out_in = next((i for _, i, o in b.linears if o == shape.hidden), shape.hidden)
+    h = b.gate_heads if b.gate_heads and out_in % b.gate_heads == 0 else 0
+    return (h, 0, out_in // h, "gate projection") if h else (1, 0, out_in, "")
+
+
 # activations whose backward reads their output, which the gate's product keeps anyway (so
 # nothing more); the others (silu, gelu, softplus) read their input, one more tensor
 BACKWARD_READS_OUTPUT = frozenset({"sigmoid", "tanh", "relu"})
@@ -225,11 +240,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
     lora = 0.0 if full else _lora_saved(b, r)
     if kind.startswith(("attention.", "sparse_attention.", "linear_attention.")):
         lin_out = max(sum(o for _, _, o in b.linears) - d, 0)
-        heads = attention_heads(shape.config, kind)
-        if heads is not None:
-            h, dqk, dv = heads
-        else:  # widths unknown: the output projection's input stands for the core's output
-            h, dqk, dv = 1, 0, next((i for _, i, o in b.linears if o == d), d)
+        h, dqk, dv, _ = block_heads(b, shape)
         if not full and not kind.startswith("linear_attention."):
             lora -= BF16 * h * dv * any(i == h * dv for i, _ in b.lora_targets)  # the core's output
         kept = BF16 * (lin_out + h * dv) + lora + (BF16 * d if full else 0)

@@ -15,7 +15,7 @@ from onboarding.errors import InputError
 from onboarding.formatting import count
 from onboarding.plan.config import GIB, OFFLOAD, RECOMPUTE, ClusterConfig, PlanConfig
 from onboarding.plan.estimate import Comm, StepTime, communication, step_time
-from onboarding.plan.memory import Layout, Memory, memory
+from onboarding.plan.memory import Layout, Memory, block_heads, memory
 from onboarding.plan.shapes import BlockShape, ModelShape
 from onboarding.train.flops import Chunk
 
@@ -181,6 +181,7 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
         notes.append("unknown blocks (their activations are not modelled): "
                      + ", ".join(unknown[:6]))
     notes += window_notes(shape, cfg.seq)
+    notes += head_notes(shape)
     return Plan(model=shape.name, config=cfg, cluster=cluster, shape=shape_summary(shape),
                 chosen=chosen, fitting=fitting, rejected=rejected, notes=notes)
 
@@ -222,4 +223,26 @@ def window_notes(shape: ModelShape, seq: int) -> list[str]:
             r = b.attrs.get("compress_ratio")
             what = b.kind + (f", pooled windows of r = {r}" if r else "")
             out.append(f"attention keys of {b.pattern} ({what}): " + "; ".join(parts))
+    return out
+
+
+def head_notes(shape: ModelShape) -> list[str]:
+    """One line per attention pattern with a per-head output gate (one value per head) whose
+    head count the config does not give: the count read off the gate's projection, or, where
+    none could be, the one head its activations are then counted with (`memory.block_heads`)."""
+    out = []
+    for b in shape.blocks:
+        if not b.attrs.get("gate_per_head") or b.kind.startswith("linear_attention."):
+            continue
+        h, _, _, src = block_heads(b, shape)
+        if src == "config":
+            continue
+        what = f"attention heads of {b.pattern} ({b.kind}, a per-head output gate): none in " \
+               "the config; "
+        if src:
+            out.append(what + f"{h}, the full-size output width of its gate's projection "
+                       f"{b.attrs.get('gate_projection')}")
+        else:
+            out.append(what + "none read off its gate's projection either: counted as one "
+                       "head, so its gate and log-sum-exp are undercounted")
     return out

@@ -60,6 +60,9 @@ class BlockShape:
     # attention kinds, per instance: (decoder layer or None, local window or None, where the
     # window came from) (`local_window`)
     instances: list[tuple[int | None, int | None, str]] = field(default_factory=list)
+    # an attention with a per-head output gate: its heads at full size, read off the gate's
+    # projection (`gate_heads`; 0: no such gate, or its projection not found)
+    gate_heads: int = 0
 
     @property
     def windows(self) -> list[tuple[int | None, int, str]]:
@@ -183,7 +186,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             ops=sum(b.op_histogram.values()), lora_targets=targets,
             nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
             width=_width(b, first, paths[0], graph, modules),
-            instances=_instances(b.kind, paths, modules, config)))
+            instances=_instances(b.kind, paths, modules, config), gate_heads=gate_heads(b, first)))
     matched = {k[0] for k in inst}
     unmatched = sorted({path_pattern(p) for p in proxy_paths} - matched)
 
@@ -249,6 +252,27 @@ def _instances(kind: str, paths: list[str], modules: dict[str, nn.Module], confi
 
     cfg = text_config(config) if config is not None else None
     return [(layer_of(p), *local_window(cfg, modules.get(p), layer_of(p))) for p in paths]
+
+
+def gate_heads(b, full: nn.Module) -> int:
+    """The heads of attention block ``b`` (the proxy's) at full size (``full``, its first
+    instance) from its per-head output gate, one value per head: the full-size weight of the
+    projection the gate was read from (attrs ``gate_projection``, ``gate_width``: the gate's
+    values per token in the capture), its output dim (the proxy weight's dim as wide as the
+    gate, else a multiple of it) over the share the gate took of it (1: the gate's own). 0
+    without such a gate or weight. What the plan takes where the config names no head count."""
+    name, n = b.attrs.get("gate_projection"), b.attrs.get("gate_width")
+    proxy = b.params.get(name) if b.attrs.get("gate_per_head") and name else None
+    if not (proxy and len(proxy) == 2 and isinstance(n, int) and n > 0):
+        return 0
+    try:
+        weight = full.get_parameter(name)
+    except AttributeError:
+        return 0
+    dim = next((i for i in (0, 1) if proxy[i] == n), None)
+    if dim is None:
+        dim = next((i for i in (0, 1) if proxy[i] % n == 0), None)
+    return int(weight.shape[dim]) * n // proxy[dim] if dim is not None and weight.ndim == 2 else 0
 
 
 def _dense_matmul(counts) -> int:
