@@ -7,7 +7,8 @@ Both paths produce the same `OpRecord` list, so classification does not care whi
     the module stack. It needs no whole-graph trace, so data-dependent shapes are fine.
 
 An eager forward with hooks always runs first: it checks the model runs at all and records every
-module's input/output shapes.
+module's input/output shapes. One more forward, with autograd on, finds the modules whose outputs
+carry no gradient back to their own parameters (`no_gradient_probe`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class Capture:
     module_io: dict[str, tuple[list[TensorMeta], list[TensorMeta]]]
     module_types: dict[str, str]
     exported: Any = None  # the ExportedProgram when export worked
+    # modules whose outputs reach none of their own parameters (`no_gradient_probe`); None when
+    # that forward was not run or failed
+    no_gradient: set[str] | None = None
 
 
 def canonical_op(target: Any) -> str:
@@ -210,6 +214,78 @@ def record_eager(model: nn.Module, inputs: tuple, kwargs: dict) -> Capture:
                    module_types=types)
 
 
+def no_gradient_probe(model: nn.Module, inputs: tuple, kwargs: dict) -> set[str] | None:
+    """Modules holding floating-point parameters whose outputs, in every call, reach none of
+    those parameters in autograd's graph: one forward with autograd on (every such parameter
+    requiring a gradient meanwhile), and at each module's return a walk back from its outputs
+    that stops at the graph nodes of its inputs. An integer output (top-k positions), a float
+    made only by ops with no gradient path (a mask scattered or filled with constants at those
+    positions, a comparison), a ``.detach()`` or a ``no_grad`` region all leave the walk short
+    of the parameters: a loss on the model's output can never train them. A module that handed
+    out no element (empty tensors: a compressor with no full window at this length) shows
+    nothing and is not listed. None when that forward raised (the model needs autograd off)."""
+    owned = {path: {id(p) for p in m.parameters() if p.is_floating_point()}
+             for path, m in model.named_modules()}
+    owned = {path: ids for path, ids in owned.items() if ids}
+    frontiers: dict[str, list[set]] = {}
+    shown: set[str] = set()  # handed out a non-empty tensor
+    reached: set[str] = set()
+
+    def pre(m, args, kw, path):
+        frontiers.setdefault(path, []).append(
+            {t.grad_fn for t in tree_flatten((args, kw))[0]
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None})
+
+    def post(m, args, kw, out, path):
+        stop = frontiers[path].pop()
+        if any(isinstance(t, torch.Tensor) and t.numel() for t in tree_flatten(out)[0]):
+            shown.add(path)
+        if path not in reached and _reaches(out, owned[path], stop):
+            reached.add(path)
+
+    modules = dict(model.named_modules())
+    handles = [h for path in owned for h in (
+        modules[path].register_forward_pre_hook(
+            lambda m, a, k, path=path: pre(m, a, k, path), with_kwargs=True),
+        modules[path].register_forward_hook(
+            lambda m, a, k, o, path=path: post(m, a, k, o, path), with_kwargs=True))]
+    frozen = [p for p in model.parameters() if p.is_floating_point() and not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        with torch.enable_grad(), torch_reference_paths():
+            model(*inputs, **kwargs)
+    except Exception:  # noqa: BLE001 - the capture stands without it (`Capture.no_gradient`)
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        for p in frozen:
+            p.requires_grad_(False)
+    return shown - reached
+
+
+def _reaches(out: Any, params: set[int], stop: set) -> bool:
+    """Whether autograd's graph leads from a tensor in ``out`` to a parameter whose id is in
+    ``params`` without passing a node in ``stop`` (the module's inputs: what came before)."""
+    todo, seen = [], set()
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            if t.grad_fn is None and id(t) in params:  # a parameter handed out as it is
+                return True
+            if t.grad_fn is not None:
+                todo.append(t.grad_fn)
+    while todo:
+        node = todo.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in params:  # AccumulateGrad of a parameter
+            return True
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
 def records_from_export(ep: Any) -> list[OpRecord]:
     sig = ep.graph_signature
     param_of = dict(sig.inputs_to_parameters)
@@ -289,6 +365,8 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool =
     step = on_step or (lambda s: None)
     step("eager forward (module shapes, dispatch record)")
     eager = record_eager(model, inputs, kwargs)
+    step("forward with autograd (modules that pass no gradient to their parameters)")
+    eager.no_gradient = no_gradient_probe(model, inputs, kwargs)
     if not try_export:
         eager.note = "export not attempted"
         return eager
@@ -311,4 +389,4 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool =
         return eager
     return Capture(method="export", note="torch.export.export(strict=False) succeeded",
                    records=records, module_io=eager.module_io,
-                   module_types=eager.module_types, exported=ep)
+                   module_types=eager.module_types, exported=ep, no_gradient=eager.no_gradient)

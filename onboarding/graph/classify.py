@@ -45,7 +45,7 @@ class Classifier(MixerRules, MoeRules, StreamRules):
         self.origin: dict[int, str] = {r.index: r.module for r in cap.records}
         self._conv_at: dict[str, int] = {}  # a conv.causal1d block -> its conv record's index
         self._carriers: dict[str, tuple[set[int], int, int, list[int]]] | None = None
-        self._integer_out: list[str] | None = None  # `_integer_output_modules`' candidates
+        self._no_grad: list[str] | None = None  # `_no_gradient_modules`' candidates
 
     # -- rules ----------------------------------------------------------------------------
     def _rule(self, path: str, recs: list[OpRecord], child_kinds: dict[str, str]
@@ -562,28 +562,36 @@ class Classifier(MixerRules, MoeRules, StreamRules):
         flops, nbytes = estimate_cost(recs)
         if n := self._weight_matmuls(recs):
             attrs = {**attrs, "weight_matmuls": n}
-        if inner := self._integer_output_modules(path):
-            attrs = {**attrs, "integer_output_modules": inner}
+        if inner := self._no_gradient_modules(path):
+            attrs = {**attrs, "no_gradient_modules": inner}
         self.blocks[path] = Block(
             path=path, kind=kind, layer=layer_of(path),
             class_name=self.ctx.module_types.get(path, ""), evidence=evidence,
             op_histogram=dict(sorted(_hist(recs).items())), inputs=ins, outputs=outs,
             params=params, attrs=attrs, flops=flops, bytes=nbytes)
 
-    def _integer_output_modules(self, path: str) -> list[str]:
+    def _no_gradient_modules(self, path: str) -> list[str]:
         """Modules below ``path`` (names relative to it, the outermost of nested ones) that hold
-        parameters and whose every output the capture saw is an integer or boolean tensor: a
-        top-k indexer handing back the positions it picked. No gradient leaves such a module,
-        so its parameters cannot train on the model's loss (training's default LoRA targets
-        leave its linears out: `onboarding.train.lora.default_targets`)."""
-        if self._integer_out is None:
+        parameters and pass no gradient out to them: every output the capture saw is an integer
+        or boolean tensor (a top-k indexer handing back the positions it picked), or an op read
+        some of its parameters and no output reaches them in autograd's graph
+        (`capture.no_gradient_probe`: an indexer that turns its picks into a float mask itself).
+        Parameters no op read at this sequence length (a compressor idle until a longer T) are
+        no evidence either way: such a module is listed by its outputs' dtypes alone. Its
+        parameters cannot train on the model's loss (training's default LoRA targets leave its
+        linears out: `onboarding.train.lora.default_targets`)."""
+        if self._no_grad is None:
             owners = {n.rsplit(".", i)[0] for n in self.ctx.param_shapes
                       for i in range(1, n.count(".") + 1)}
-            self._integer_out = [
+            ran = {n.rsplit(".", i)[0] for r in self.cap.records for n in r.params.values()
+                   if n in self.ctx.param_shapes for i in range(1, n.count(".") + 1)}
+            probed = self.cap.no_gradient or set()
+            self._no_grad = [
                 p for p, (_, outs) in self.cap.module_io.items() if p in owners and outs
-                and not any(o.dtype.startswith(("float", "bfloat", "complex")) for o in outs)]
+                and (not any(o.dtype.startswith(("float", "bfloat", "complex")) for o in outs)
+                     or (p in probed and p in ran))]
         pre = f"{path}." if path else ""
-        inner = [p for p in self._integer_out if p.startswith(pre)]
+        inner = [p for p in self._no_grad if p.startswith(pre)]
         return sorted(p[len(pre):] for p in inner if not any(p.startswith(f"{q}.") for q in inner))
 
     def _weight_matmuls(self, recs: list[OpRecord]) -> int:

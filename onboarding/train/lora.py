@@ -6,7 +6,7 @@ the base dtype. Default targets are found from the op graph's block kinds (every
 full, gated, sliding, MLA, top-k sparse, and linear attention's in/out projections; a selective
 state-space mixer's projections except its output one), never from class names. Routers,
 experts and the LM head are left out, and so are the linears of a module that passes no gradient
-out (a top-k indexer returning positions: `no_gradient_names`).
+out (a top-k indexer returning positions, or a mask built from them: `no_gradient_names`).
 
 On CUDA with ``kernels``, the training stage gives each `LoRALinear` the lora family's fused
 kernel (`onboarding.train.kernels.attach_lora_kernels`, after a check against the torch path per
@@ -208,11 +208,11 @@ def scan_mixer_outputs(graph: OpGraph, linears: dict[str, nn.Linear]) -> set[str
 
 
 def no_gradient_names(block) -> list[str]:
-    """Modules, relative to ``block``, that pass no gradient out: every output the capture saw
-    is an integer tensor (``integer_output_modules``, read by the classifier: a top-k indexer
-    handing back the positions it picked). A LoRA adapter on a linear inside one would never
-    train (its B gets no gradient), so none is a default target."""
-    return list(block.attrs.get("integer_output_modules", ()))
+    """Modules, relative to ``block``, that pass no gradient out to their parameters
+    (``no_gradient_modules``, read by the classifier: a top-k indexer handing back the positions
+    it picked, or a float mask it built from them). A LoRA adapter on a linear inside one would
+    never train (its B gets no gradient), so none is a default target."""
+    return list(block.attrs.get("no_gradient_modules", ()))
 
 
 def default_targets(model: nn.Module, graph: OpGraph) -> list[str]:
