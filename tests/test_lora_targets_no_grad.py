@@ -109,3 +109,25 @@ def test_parameters_no_op_read_are_no_evidence_and_a_detached_output_is(parse_mo
     targets = default_targets(load_model(fixture).build(None, seed=0), graph)
     assert {t.split(".", 3)[-1] for t in targets} == {
         "q_proj", "k_proj", "v_proj", "o_proj", "late.proj"}, targets
+
+
+def test_a_forward_that_refuses_autograd_is_noted_not_silent():
+    """A model whose forward cannot run with autograd on still captures; its note says the probe
+    did not run and that only integer outputs mark a module passing no gradient."""
+    from onboarding.graph.capture import capture
+
+    class NoGrad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if torch.is_grad_enabled():
+                raise RuntimeError("this model runs under no_grad only")
+            return self.proj(x)
+
+    cap = capture(NoGrad().eval(), (torch.randn(2, 4),), {}, try_export=False)
+    assert cap.no_gradient is None
+    assert "RuntimeError: this model runs under no_grad only" in cap.no_gradient_note
+    assert "integer outputs only" in cap.no_gradient_note
+    assert cap.records  # the capture itself stands

@@ -57,8 +57,9 @@ class Capture:
     module_types: dict[str, str]
     exported: Any = None  # the ExportedProgram when export worked
     # modules whose outputs reach none of their own parameters (`no_gradient_probe`); None when
-    # that forward was not run or failed
+    # that forward was not run or failed (`no_gradient_note` then says why)
     no_gradient: set[str] | None = None
+    no_gradient_note: str = ""
 
 
 def canonical_op(target: Any) -> str:
@@ -223,7 +224,8 @@ def no_gradient_probe(model: nn.Module, inputs: tuple, kwargs: dict) -> set[str]
     positions, a comparison), a ``.detach()`` or a ``no_grad`` region all leave the walk short
     of the parameters: a loss on the model's output can never train them. A module that handed
     out no element (empty tensors: a compressor with no full window at this length) shows
-    nothing and is not listed. None when that forward raised (the model needs autograd off)."""
+    nothing and is not listed. Raises what that forward raised (a model that needs autograd off):
+    `capture` notes it and goes on without the probe."""
     owned = {path: {id(p) for p in m.parameters() if p.is_floating_point()}
              for path, m in model.named_modules()}
     owned = {path: ids for path, ids in owned.items() if ids}
@@ -255,8 +257,6 @@ def no_gradient_probe(model: nn.Module, inputs: tuple, kwargs: dict) -> set[str]
     try:
         with torch.enable_grad(), torch_reference_paths():
             model(*inputs, **kwargs)
-    except Exception:  # noqa: BLE001 - the capture stands without it (`Capture.no_gradient`)
-        return None
     finally:
         for h in handles:
             h.remove()
@@ -366,7 +366,13 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool =
     step("eager forward (module shapes, dispatch record)")
     eager = record_eager(model, inputs, kwargs)
     step("forward with autograd (modules that pass no gradient to their parameters)")
-    eager.no_gradient = no_gradient_probe(model, inputs, kwargs)
+    try:
+        eager.no_gradient = no_gradient_probe(model, inputs, kwargs)
+    except Exception as exc:  # noqa: BLE001 - the capture stands without it, said in its note
+        lines = str(exc).strip().splitlines()
+        eager.no_gradient_note = (
+            f"the forward with autograd raised {type(exc).__name__}: {lines[0][:200] if lines else ''}; "
+            "modules passing no gradient are found by integer outputs only")
     if not try_export:
         eager.note = "export not attempted"
         return eager
@@ -389,4 +395,5 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool =
         return eager
     return Capture(method="export", note="torch.export.export(strict=False) succeeded",
                    records=records, module_io=eager.module_io,
-                   module_types=eager.module_types, exported=ep, no_gradient=eager.no_gradient)
+                   module_types=eager.module_types, exported=ep, no_gradient=eager.no_gradient,
+                   no_gradient_note=eager.no_gradient_note)

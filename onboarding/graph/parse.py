@@ -223,8 +223,9 @@ def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, d
     from onboarding.patching.probe import probe_core_calls
 
     probe_note = probe_core_calls(model, blocks, lambda: model(*inputs, **kwargs))
-    if probe_note:
-        cap.note = f"{cap.note}; {probe_note}" if cap.note else probe_note
+    for note in (cap.no_gradient_note, probe_note):
+        if note:
+            cap.note = f"{cap.note}; {note}" if cap.note else note
     first_op: dict[str, int] = {}
     for r in cap.records:
         first_op.setdefault(r.module, r.index)
