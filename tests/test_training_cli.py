@@ -18,6 +18,9 @@ from onboarding.train.config import TrainConfig
 from onboarding.train.launch import plan, write_config
 
 WORKER = Path(__file__).resolve().parent.parent / "onboarding" / "train" / "worker.py"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# a plain nn.Module class (no transformers config): embedding 64 x 32 unless --set vocab=...
+CONFIG_LESS = f"{FIXTURES / 'compressed_attention_models.py'}:CompressedTopkMaskLM"
 
 
 @pytest.fixture
@@ -58,6 +61,13 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, s
     (["hf:qwen3_moe", "--seq", "0"], "seq_len=0: must be positive"),
     (["hf:qwen3_moe", "--seq", "10000000"], "longer than the model's max_position_embeddings"),
     (["hf:no_such_arch"], "unknown model_type 'no_such_arch'"),
+    # a config-less model: what the workers read of a config, found by structure, or said here
+    ([CONFIG_LESS], "vocab_size=64: the byte-level tokenizer needs at least 256 ids; give the "
+     "model a tokenizer.json or a larger vocabulary (its 64 are the rows of its token embedding "
+     "`embed` (64 x 32): --set the argument of CompressedTopkMaskLM that sizes it; it takes "
+     "vocab, d, n_layers)"),
+    ([f"{FIXTURES / 'sweep3_models.py'}:LeftPadConvMixer", "--set", "d=8"],
+     "LeftPadConvMixer: no vocabulary to train on"),
     ([], "give a MODEL or --config"),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v)[:40])
 def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, capsys, argv,
@@ -272,6 +282,26 @@ def test_end_to_end_two_ranks_match_reference(tmp_path, small_data, capsys):
     for role in ("reference", "parallel"):
         row = next(line for line in table.splitlines() if role in line)
         assert re.search(r"\d", row.split(role, 1)[1]), row
+
+
+@pytest.mark.slow  # two launches of fresh processes: about 30 s on 2 busy cores
+def test_config_less_model_trains_with_its_baseline(tmp_path, monkeypatch, capsys):
+    """MODEL as file.py:Name, a plain nn.Module with no transformers config: ours and the PEFT
+    baseline train on it (vocabulary from its embedding, logits from its tensor output), and the
+    adapters export with a note on how to rebuild the base (no save_pretrained)."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    rc = main(["train", CONFIG_LESS, "--set", "vocab=256", "--nproc", "1", "--steps", "2",
+               "--seq", "16", "--lora-rank", "4", "--device", "cpu", "--baseline",
+               "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out[-3000:] + printed.err[-3000:]
+    for role in ("reference", "baseline"):
+        rows = [json.loads(x) for x in (out / "train" / f"{role}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows), rows
+    note = json.loads((out / "train" / "adapter" / "onboard_adapter.json").read_text())
+    assert note["target_modules"] > 0 and note["base"]["saved"] is False
+    assert "rebuild" in note["base"]
 
 
 @pytest.mark.slow

@@ -427,3 +427,98 @@ def test_cpu_peak_memory_is_in_bytes_and_covers_what_the_process_holds():
     assert before <= after and 0.95 * rss_held <= after <= page * os.sysconf("SC_PHYS_PAGES"), \
         (before, rss_held, after)
     del held
+
+
+# ------------------------------------------------------------------------ config-less models
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _plain(name: str, file: str = "compressed_attention_models.py", **kw) -> nn.Module:
+    """``file.py:name`` as `onboard train` loads it: a plain nn.Module class, no config."""
+    from onboarding.load.model import load_model
+
+    loaded = load_model(f"{FIXTURES / file}:{name}", overrides=kw)
+    assert loaded.config is None
+    return loaded.build(seed=0)
+
+
+def test_config_less_model_facts_and_loss_by_structure():
+    """A plain nn.Module (no transformers config) trains: its vocabulary is its token
+    embedding's rows, no context limit or router coefficient is made up, and the loss calls it
+    as its forward names the ids (``input_ids`` here, ``ids`` positionally below) and takes its
+    tensor output as the logits. Before: ``model.config`` (AttributeError) in the worker."""
+    from onboarding.train.lm import lm_facts, lm_logits
+    from onboarding.train.worker import lm_loss
+
+    model = _plain("CompressedTopkMaskLM", vocab=256)
+    facts = lm_facts(model)
+    assert (facts.vocab_size, facts.max_positions, facts.router_aux_loss_coef,
+            facts.text_config) == (256, None, 0.0, None)
+    assert "token embedding `embed` (256 x 32)" in facts.source
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for chunked in (False, True):  # the baseline's loss and ours
+        loss = lm_loss(model, ids, chunked=chunked)
+        loss.backward()
+        assert torch.isfinite(loss) and model.embed.weight.grad is not None
+    positional = _plain("SelectiveScanLM", file="user_models.py")  # forward(self, ids)
+    assert lm_logits(positional, ids[:, :8] % 97).shape == (2, 8, 97)
+
+
+def test_transformers_call_and_output_forms():
+    """A forward that names ``input_ids`` and ``use_cache`` is called as transformers' models
+    are; ``.logits`` and a tuple's first tensor are the logits; anything else, or logits that
+    are not [B, T, V] for ids [B, T], is bad input naming what came back."""
+    from types import SimpleNamespace
+
+    from onboarding.train.lm import lm_logits
+
+    class HFLike(nn.Module):
+        def forward(self, input_ids=None, use_cache=None):
+            assert use_cache is False
+            return SimpleNamespace(logits=torch.zeros(*input_ids.shape, 5))
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return torch.zeros(*x.shape, 5), None
+
+    class Hidden(nn.Module):
+        def forward(self, x):
+            return {"logits": torch.zeros(*x.shape, 5)}
+
+    class Flat(nn.Module):
+        def forward(self, x):
+            return torch.zeros(x.numel(), 5)
+
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    assert lm_logits(HFLike(), ids).shape == lm_logits(Pair(), ids).shape == (2, 3, 5)
+    with pytest.raises(InputError, match=r"logits \[B, T, V\].*returned a dict"):
+        lm_logits(Hidden(), ids)
+    with pytest.raises(InputError, match=r"for token ids \[2, 3\] it returned shape \[6, 5\]"):
+        lm_logits(Flat(), ids)
+
+
+def test_config_less_model_without_a_vocabulary_or_full_logits_is_bad_input():
+    """What structure cannot give is said: no config vocab_size and no nn.Embedding (no ids to
+    draw), or logits narrower than the ids the model embeds (`check_logits`, on meta)."""
+    from onboarding.train.lm import check_logits, lm_facts
+
+    class NoEmbedding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+    class Narrow(nn.Module):  # returns its hidden states, not logits over its 300 ids
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(300, 16)
+
+        def forward(self, input_ids):
+            return self.embed(input_ids)
+
+    with pytest.raises(InputError, match="no vocabulary to train on.*nn.Embedding"):
+        lm_facts(NoEmbedding())
+    with torch.device("meta"):
+        narrow = Narrow()
+    with pytest.raises(InputError, match="16 entries per token, fewer than the 300 token ids"):
+        check_logits(narrow, lm_facts(narrow))

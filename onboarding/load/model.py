@@ -78,6 +78,16 @@ class LoadedModel:
     def is_hf(self) -> bool:
         return self.config is not None and self._factory is None
 
+    def factory_arguments(self) -> list[str] | None:
+        """The names ``--set`` gives a factory (a class's constructor arguments); None for a
+        model built from its config."""
+        if self.is_hf or self._factory is None:
+            return None
+        try:
+            return list(inspect.signature(self._factory).parameters)
+        except (TypeError, ValueError):  # a builtin or extension callable: no signature
+            return []
+
     @property
     def probe_proxy(self) -> Callable[[Any], bool] | None:
         """For a model taken out of a multimodal one: whether a (small) config builds and runs a

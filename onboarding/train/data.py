@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from onboarding.errors import InputError
+from onboarding.train.lm import VOCAB_RESIZE
 
 BUILTIN_CORPUS = Path(__file__).resolve().parent.parent / "data" / "stdlib_pairs.jsonl"
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -40,11 +41,11 @@ class ByteTokenizer:
 
     name = "bytes"
 
-    def __init__(self, model_vocab: int) -> None:
+    def __init__(self, model_vocab: int, resize: str = VOCAB_RESIZE) -> None:
         if model_vocab < 256:
             raise InputError(f"vocab_size={model_vocab}: the byte-level tokenizer needs at "
                              "least 256 ids; give the model a tokenizer.json or a larger "
-                             "vocabulary (--set vocab_size=...)")
+                             f"vocabulary ({resize})")
         self.vocab_size = 256
         self.eos_id = 0
 
@@ -86,11 +87,13 @@ def _eos_token(model_dir: Path, tok) -> int | None:
     return None
 
 
-def load_tokenizer(model_dir: Path | None, vocab_size: int) -> Tokenizer:
+def load_tokenizer(model_dir: Path | None, vocab_size: int,
+                   resize: str = VOCAB_RESIZE) -> Tokenizer:
     """The repo's tokenizer when present and fitting ``vocab_size``, else `ByteTokenizer`.
 
     A repo tokenizer whose ids exceed the model's embedding (e.g. a shrunk proxy vocabulary)
-    or that has no EOS token cannot be used as is: the byte tokenizer takes over.
+    or that has no EOS token cannot be used as is: the byte tokenizer takes over. ``resize``:
+    how the model's vocabulary grows, for the byte tokenizer's refusal (`lm.vocab_resize`).
     """
     path = model_dir / "tokenizer.json" if model_dir is not None else None
     if path is not None and path.is_file():
@@ -103,7 +106,7 @@ def load_tokenizer(model_dir: Path | None, vocab_size: int) -> Tokenizer:
         eos = _eos_token(model_dir, tok)
         if eos is not None and tok.get_vocab_size(with_added_tokens=True) <= vocab_size:
             return HFTokenizer(path, eos)
-    return ByteTokenizer(vocab_size)
+    return ByteTokenizer(vocab_size, resize)
 
 
 def _jsonl_texts(path: Path | str, text: str | None = None) -> list[str]:

@@ -29,7 +29,7 @@ from torch import nn
 from onboarding.load.accounting import TOPK_NAMES
 from onboarding.graph.classify import stack_of
 from onboarding.graph.opgraph import OpGraph
-from onboarding.load.proxy import text_config
+from onboarding.train.lm import model_text_config
 from onboarding.train.lora import LoRALinear, adapter_modules, default_targets
 
 # Dense bf16 tensor-core peaks from the vendor datasheets (FLOP/s, no sparsity).
@@ -266,7 +266,7 @@ def step_flops(graph: OpGraph, model: nn.Module, *, tokens: int, seq_len: int, l
     ``total_6n`` is the naive ``6 x active parameters`` count, for comparison. Expert shapes and
     top-k come from ``graph`` (the unsharded proxy), so an expert-parallel model counts right.
     """
-    cfg = text_config(model.config) if getattr(model, "config", None) is not None else None
+    cfg = model_text_config(model)  # None for a config-less model: its attention is uncounted
     moe = _moe_blocks(graph, cfg, lora_rank)
     modules = dict(model.named_modules())
     expert_ids: set[int] = set()

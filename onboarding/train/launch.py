@@ -47,19 +47,23 @@ def check(cfg: TrainConfig):
     """Validate ``cfg`` against the model (meta build) and the data; returns (`ModelInfo`, routed
     expert count, tokenizer, the op graph a preflight (experts, the PEFT baseline) parsed when
     torch.export captured it, else None)."""
-    from onboarding.load.proxy import text_config
     from onboarding.train.data import PackedData, load_texts, load_tokenizer
-    from onboarding.train.setup import meta_experts, resolve_device, tokenizer_dir
+    from onboarding.train.lm import CONFIG_VOCAB, check_logits, lm_facts, vocab_resize
+    from onboarding.train.setup import model_info, resolve_device, routed_experts, tokenizer_dir
 
     cfg.validate_fields()  # field checks first: cheap, and clear before the model is loaded
-    info, n_experts = meta_experts(cfg)
+    info = model_info(cfg)
+    meta = info.loaded.build(info.proxy_config, device="meta", seed=None)  # the model that trains
+    n_experts = routed_experts(meta, info.proxy_config)
     cfg.validate(n_experts=n_experts)
+    facts = lm_facts(meta)  # what the workers read of its config, or of its structure
+    if facts.source != CONFIG_VOCAB:  # a config-less model: its forward's interface, on meta
+        check_logits(meta, facts)
     patterns = [t for t in cfg.lora_targets if t != "auto"]
     if patterns:  # a pattern that matches no linear fails here, not in a worker in the run dir
         from onboarding.train.lora import resolve_targets
 
-        resolve_targets(info.loaded.build(info.proxy_config, device="meta", seed=None), None,
-                        patterns)
+        resolve_targets(meta, None, patterns)
     if resolve_device(cfg).type == "cuda":  # one GPU per process
         import torch
 
@@ -67,16 +71,13 @@ def check(cfg: TrainConfig):
         if cfg.nproc > n_gpus:
             raise InputError(f"nproc={cfg.nproc}: one GPU per process, and this machine has "
                              f"{n_gpus}; use fewer processes, or --device cpu (gloo)")
-    tc = text_config(info.proxy_config) if info.proxy_config is not None else None
-    vocab = getattr(tc, "vocab_size", None)
-    max_pos = getattr(tc, "max_position_embeddings", None)
-    if isinstance(max_pos, int) and cfg.seq_len > max_pos:
+    if facts.max_positions is not None and cfg.seq_len > facts.max_positions:
         raise InputError(f"seq_len={cfg.seq_len}: longer than the model's "
-                         f"max_position_embeddings={max_pos}")
+                         f"max_position_embeddings={facts.max_positions}")
     from onboarding.load.weights import check_shipped
 
     check_shipped(info)  # shipped safetensors that do not fit: before any directory exists
-    tok = load_tokenizer(tokenizer_dir(info), vocab or 256)
+    tok = load_tokenizer(tokenizer_dir(info), facts.vocab_size, vocab_resize(info.loaded, facts))
     data = PackedData(load_texts(cfg.data), tok, cfg.seq_len, cfg.seed)
     if len(data) < cfg.global_batch:
         raise InputError(f"the data packs into {len(data)} rows of seq_len + 1 = "

@@ -33,6 +33,7 @@ from torch import nn
 
 from onboarding.errors import InputError
 from onboarding.train.config import TrainConfig
+from onboarding.train.lm import lm_logits
 from onboarding.train.lora import LoRALinear, adapter_modules
 
 # Path segments that wrappers (activation checkpointing, compile) insert into module paths.
@@ -173,7 +174,7 @@ def probe_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     was = model.training
     model.eval()
     try:
-        logits = model(input_ids=ids, use_cache=False).logits
+        logits = lm_logits(model, ids)
     finally:
         model.train(was)
     return full_tensor(logits)

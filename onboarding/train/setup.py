@@ -69,13 +69,6 @@ def routed_experts(model: nn.Module, config=None) -> int | None:
     return counts.pop()
 
 
-def meta_experts(cfg: TrainConfig) -> tuple[ModelInfo, int | None]:
-    """The routed expert count of the model that will train, from a meta-device build."""
-    info = model_info(cfg)
-    model = info.loaded.build(info.proxy_config, device="meta", seed=None)
-    return info, routed_experts(model, info.proxy_config)
-
-
 def _uses_weights(info: ModelInfo) -> bool:
     return bool(info.loaded.weights) and info.proxy_note.startswith("full size")
 

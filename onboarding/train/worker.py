@@ -40,6 +40,7 @@ from onboarding.train.checkpoint import Checkpointer
 from onboarding.train.compile import (CompileFailed, compile_blocks, compile_stats,
                                       failures_named)
 from onboarding.train.config import TrainConfig
+from onboarding.train.lm import lm_logits
 from onboarding.train.moe_ep import (
     ExpertLoRA, RouterTaps, aux_loss, apply_expert_parallel, check_bias_balancing, global_counts,
     score_bias_tensors, update_score_bias)
@@ -116,7 +117,9 @@ def balancing(cfg: TrainConfig, model, graph, ep_mods) -> tuple[float, float]:
             raise InputError(f"balance={cfg.balance!r}: the experts kept the model's own module "
                              "(see the warning above), so the per-expert load is not counted")
         return 0.0, 0.0
-    own = float(getattr(_text_cfg(model), "router_aux_loss_coef", 0) or 0)
+    from onboarding.train.lm import lm_facts
+
+    own = lm_facts(model).router_aux_loss_coef
     e = ep_mods[0].n_experts
     if cfg.balance == "auto":
         return (cfg.aux_loss_coef if cfg.aux_loss_coef is not None else own), \
@@ -169,7 +172,8 @@ def _adamw(params: list, cfg: TrainConfig, *, fused: bool) -> torch.optim.AdamW:
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor, *, chunked: bool = False) -> torch.Tensor:
-    """Next-token cross-entropy of ``ids`` [B, T + 1], in fp32 over the full-vocabulary logits.
+    """Next-token cross-entropy of ``ids`` [B, T + 1], in fp32 over the full-vocabulary logits
+    (the model called as `lm.lm_logits` calls it: a config-less ``nn.Module`` too).
 
     ``chunked`` (ours): `chunked_cross_entropy`, through the loss kernel `prepare` attached to
     ``model`` where there is one (`kernels.attach_loss_kernel`); else (the baseline, as
@@ -177,7 +181,7 @@ def lm_loss(model: nn.Module, ids: torch.Tensor, *, chunked: bool = False) -> to
     for the backward."""
     # on the CPU, model code takes its torch path, never a GPU kernel library it found
     with torch_reference_paths() if ids.device.type == "cpu" else contextlib.nullcontext():
-        logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+        logits = lm_logits(model, ids[:, :-1])
     flat, targets = logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
     if chunked:
         from onboarding.train.kernels import LOSS_KERNEL_ATTR
@@ -257,6 +261,7 @@ def _world_sum(values: list[float], layout: Layout, device) -> list[float]:
 def run(cfg: TrainConfig, role: str) -> None:
     from onboarding.train import data as D
     from onboarding.train.flops import peak_flops, step_flops
+    from onboarding.train.lm import lm_facts
     from onboarding.train.lora import lora_parameters
     from onboarding.train.setup import build
 
@@ -312,7 +317,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     alerts = Alerts(out, rank=layout.rank, stall_timeout=cfg.stall_timeout,
                     webhook=cfg.alert_webhook, run=f"{cfg.out} ({role})")
 
-    tok = D.load_tokenizer(built.tokenizer_dir, _text_cfg(model).vocab_size)
+    tok = D.load_tokenizer(built.tokenizer_dir, lm_facts(model).vocab_size)
     packed = D.PackedData(D.load_texts(cfg.data), tok, cfg.seq_len, cfg.seed)
     n_rows = cfg.global_batch
     lo, hi = layout.rank * cfg.micro_batch, (layout.rank + 1) * cfg.micro_batch
@@ -455,12 +460,6 @@ def _peft(model, graph, cfg: TrainConfig) -> None:
         p.requires_grad_("lora_" in name)
         if p.requires_grad:
             p.data = p.data.float()  # adapters in fp32, as ours
-
-
-def _text_cfg(model):
-    from onboarding.load.proxy import text_config
-
-    return text_config(model.config)
 
 
 def main(argv: list[str] | None = None) -> int:
