@@ -169,3 +169,33 @@ def test_tied_embeddings_counted_once():
     assert tied.total == V * H + 2 * per_layer + 5 * H == 535842816
     assert (tied.embedding, tied.lm_head) == (V * H, 0)
     assert untied.total == tied.total + V * H and untied.lm_head == V * H
+
+
+def test_a_layer_stack_at_the_root_is_not_routed_by_a_projection_inside_its_layers():
+    """A root-level ModuleList of 2 identical layers whose attention holds a Linear with 2
+    outputs (a per-head weight): the router search skips the stack's own modules, also when the
+    stack's parent is the model itself (its paths were joined as ".layers.0..." and escaped the
+    skip, so the layers read as 2 experts with that Linear as their router)."""
+    from torch import nn
+
+    from onboarding.load.accounting import find_moe
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.head_weights = nn.Linear(8, 2)
+
+    class Stack(nn.Module):
+        def __init__(self, router: bool):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(2))
+            if router:
+                self.gate = nn.Linear(8, 2)
+
+    assert find_moe(Stack(router=False)) == []
+    counts = count_parameters(Stack(router=False))
+    assert counts.routed_experts == 0 and counts.active == counts.total
+    # a real router beside the stack is still found, at the root too
+    (moe,) = find_moe(Stack(router=True))
+    assert (moe.experts_path, moe.router_path, moe.n_experts) == ("layers", "gate", 2)

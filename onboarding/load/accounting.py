@@ -81,7 +81,7 @@ def _same_structure(mods: list[nn.Module]) -> bool:
 def _router_in(parent: nn.Module, parent_path: str, n_experts: int,
                skip: str) -> str | None:
     for name, mod in parent.named_modules():
-        path = f"{parent_path}.{name}" if name else parent_path
+        path = f"{parent_path}.{name}" if name and parent_path else name or parent_path
         if path == skip or path.startswith(skip + "."):
             continue
         for pname, p in mod.named_parameters(recurse=False):
