@@ -13,6 +13,9 @@ from onboarding.plan import ClusterConfig, PlanConfig, build_plan, parse_gib
 from onboarding.plan.memory import Layout, memory
 from onboarding.plan.shapes import ExpertShape, ModelShape, model_shape
 
+from fixtures.lora_step import lora_step_kept as _lora_step_kept
+from fixtures.lora_step import proxy_shape as _proxy_shape
+
 
 def _empty_graph():
     from onboarding.graph.opgraph import OpGraph
@@ -180,75 +183,17 @@ def test_cli_example_writes_plan(tmp_path, capsys):
     assert not (tmp_path / "q").exists()
 
 
-def _lora_step_kept(ref: str, t: int) -> dict[str, int]:
-    """Bytes autograd keeps in a LoRA training step of ``ref``'s tiny proxy on the CPU (the EP
-    module, adapters, eager norms), one sequence of ``t`` tokens, by the innermost module running
-    when each storage was first saved ("" outside every module): saved tensors counted once per
-    storage, parameters and buffers left out."""
-    from onboarding.load.spec import ModelSpec
-    from onboarding.train.config import TrainConfig
-    from onboarding.train.lora import inject_lora
-    from onboarding.train.moe_ep import EPGroup, apply_expert_parallel
-    from onboarding.train.setup import build
-    from onboarding.train.worker import lm_loss
-
-    cfg = TrainConfig.for_model(ModelSpec(ref=ref), out="", seq_len=t, dtype="bf16",
-                                device="cpu", micro_batch=1)
-    b = build(cfg, device="cpu")
-    apply_expert_parallel(b.model, b.graph, EPGroup(), lora=None, capacity_factor=None, seed=0)
-    inject_lora(b.model, b.graph, targets=["auto"], rank=16, alpha=32, dropout=0.0, seed=0)
-    params = {p.untyped_storage().data_ptr() for p in b.model.parameters()} | {
-        x.untyped_storage().data_ptr() for x in b.model.buffers()}
-    stack, first = [""], {}
-
-    def leave(module, args, out) -> None:
-        stack.pop()
-
-    hooks = [h for name, mod in b.model.named_modules() for h in (
-        mod.register_forward_pre_hook(lambda m, a, n=name: stack.append(n)),
-        mod.register_forward_hook(leave))]
-
-    def pack(x):
-        ptr = x.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in first:
-            first[ptr] = (stack[-1], x.untyped_storage().nbytes())
-        return x
-
-    ids = torch.randint(0, 1000, (1, t + 1), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            lm_loss(b.model, ids, chunked=True)  # the loss as the training step computes it
-    finally:
-        for h in hooks:
-            h.remove()
-    kept: dict[str, int] = {}
-    for path, n in first.values():
-        kept[path] = kept.get(path, 0) + n
-    return kept
-
-
-def _proxy_shape(ref: str):
-    """The plan's shapes of ``ref``'s tiny proxy (the size `_lora_step_kept` trains), and the op
-    graph they were joined to."""
-    from onboarding.graph.parse import load_stage, parse_stage
-    from onboarding.load.spec import ModelSpec
-    from onboarding.plan.run import shape_of
-
-    info = load_stage(ModelSpec(ref=ref).load(), "tiny")
-    graph = parse_stage(info, seq=64, try_export=False)
-    return shape_of(info, graph, config=info.proxy_config), graph
-
-
 def test_activations_match_a_training_step():
     """The memory model's kept bytes per token against what autograd really keeps in a LoRA
     training step of hf:qwen3_moe's tiny proxy on the CPU (the EP module, adapters, eager
-    norms): saved tensors counted once per storage, parameters left out."""
+    norms; planned without our kernels, as the CPU runs it): saved tensors counted once per
+    storage, parameters left out."""
     from onboarding.plan.memory import BF16, FP32
 
     t = 256
     measured = sum(_lora_step_kept("hf:qwen3_moe", t).values()) / t
     shape, _ = _proxy_shape("hf:qwen3_moe")
-    mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=t, micro_batch=1),
+    mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=t, micro_batch=1, kernels=False),
                  Layout(ep=1, fsdp=1, recompute="none", offload="none"), ClusterConfig())
     # kept by autograd: the layers and the logits' bf16 gradient (the chunked loss keeps it, not an
     # fp32 log-softmax)
@@ -277,7 +222,8 @@ def test_gated_norm_keeps_what_autograd_keeps(ref):
     gated = [b for b in shape.blocks if b.kind == "norm.rms_gated"]
     assert gated
     for b in gated:
-        predicted = block_saved(b, shape, PlanConfig(gpus=1, ep=1, seq=t, micro_batch=1), 1)[0]
+        predicted = block_saved(b, shape, PlanConfig(gpus=1, ep=1, seq=t, micro_batch=1,
+                                                     kernels=False), 1)[0]
         # the instances: the graph's gated norms of this pattern (a plain norm may share it)
         measured = [sum(n for path, n in kept.items() if path == x.path
                         or path.startswith(x.path + ".")) / t for x in graph.blocks
@@ -687,7 +633,7 @@ def test_a_norm_inside_a_gated_norm_is_counted_once():
         "layers.*.norm1.norm", "layers.*.norm2.norm", "norm"}
     d, layers, tokens = shape.hidden, shape.n_layers, 16
     assert (d, layers) == (32, 2)
-    mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=tokens, micro_batch=1),
+    mem = memory(shape, PlanConfig(gpus=1, ep=1, seq=tokens, micro_batch=1, kernels=False),
                  Layout(ep=1, fsdp=1, recompute="none", offload="none"), ClusterConfig())
     per_layer = (mem.activations["norms"] / tokens - 4 * d) / layers
     assert per_layer == 2 * ((4 + 6) * d + 2 * 8)
@@ -722,6 +668,9 @@ def test_gated_norm_bytes_by_its_ops():
     assert kept(replace(gated, attrs={"gate_activation": "silu", "norm_before_gate": False})) \
         == 16 * w  # hf:zamba2's
     assert kept(gated) == 14 * w  # no activation recorded: as before
-    # a fused kernel keeps the bf16 input and gate; an MLP gate's product stays in torch
-    assert kept(replace(gated, attrs={"gate_activation": "silu"}), kernels_norm=True) == 4 * w
-    assert kept(mlp, kernels_norm=True) == (2 + 2 + 4) * w + 2 * r
+    # onboard's kernel keeps the bf16 input and gate; an MLP gate's product stays in torch
+    fused = {"rmsnorm": {}}
+    assert kept(replace(gated, attrs={"gate_activation": "silu"}, kernels=fused)) == 4 * w
+    assert kept(replace(mlp, kernels=fused)) == (2 + 2 + 4) * w + 2 * r
+    assert kept(replace(gated, attrs={"gate_activation": "silu"}, kernels=fused),
+                kernels=False) == 14 * w  # a run without our kernels

@@ -38,6 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.set_defaults(mode="lora")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--expert-lora", action="store_true", help="also LoRA on the routed experts")
+    p.add_argument("--no-kernels", dest="kernels", action="store_false",
+                   help="plan every block's torch path, as `onboard train --no-kernels` (or a CPU "
+                        "run) trains it (default: onboard's kernels where a family matches)")
     p.add_argument("--recompute", choices=RECOMPUTE, default=None,
                    help="activation recomputation (default: search all)")
     p.add_argument("--offload", choices=OFFLOAD, default=None,
@@ -69,7 +72,8 @@ def plan_config(args: argparse.Namespace):
     cfg = PlanConfig(gpus=gpus, seq=args.seq, micro_batch=args.micro_batch, mode=args.mode,
                      lora_rank=args.lora_rank, expert_lora=args.expert_lora,
                      recompute=args.recompute, offload=args.offload, ep=args.ep, fsdp=args.fsdp,
-                     capacity_factor=args.capacity_factor, imbalance=args.imbalance)
+                     capacity_factor=args.capacity_factor, imbalance=args.imbalance,
+                     kernels=args.kernels)
     if cfg.expert_lora and cfg.mode == "full":
         raise InputError("--expert-lora: only with --lora (full training trains the experts)")
     cfg.validate()

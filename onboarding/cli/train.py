@@ -274,12 +274,14 @@ def train_plan(cfg: TrainConfig, info):
     from onboarding.train.setup import resolve_device
 
     graph, notes = plan_graph(info)
+    cuda = resolve_device(cfg).type == "cuda"
     pc = PlanConfig(gpus=cfg.nproc, ep=cfg.ep, seq=cfg.seq_len, micro_batch=cfg.micro_batch,
                     lora_rank=cfg.lora_rank, expert_lora=cfg.expert_lora,
                     recompute=cfg.recompute_mode,
-                    offload="none", capacity_factor=cfg.capacity_factor, dtype=cfg.dtype)
+                    offload="none", capacity_factor=cfg.capacity_factor, dtype=cfg.dtype,
+                    kernels=cfg.kernels and cuda)  # the worker patches kernels on CUDA alone
     cluster = load_cluster()
-    if resolve_device(cfg).type == "cpu":  # gloo on the CPU: the host's memory per process
+    if not cuda:  # gloo on the CPU: the host's memory per process
         cluster.gpu_mem_gib, cluster.gpu_mem_source = _host_gib() / cfg.nproc, "host memory"
     return run_plan(info, graph, pc, cluster, config=info.proxy_config, notes=notes)
 

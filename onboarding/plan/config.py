@@ -107,7 +107,10 @@ class PlanConfig:
     capacity_factor: float | None = None  # None: dropless
     imbalance: float = 1.25  # expected max/mean tokens per EP rank (assumption)
     dtype: str = "bf16"  # base weights (activations are modelled in bf16 either way)
-    kernels_norm: bool = False  # True: norms run a fused kernel (keep bf16 x, no fp32 copy)
+    # onboard's kernels patched into every block a family of them matches, as `onboard train`
+    # patches them on a GPU (its default): those blocks keep what the kernels' autograd keeps.
+    # False: every block's own torch path (a CPU run, or ``--no-kernels``)
+    kernels: bool = True
 
     def validate(self) -> None:
         for name in ("gpus", "seq", "micro_batch", "lora_rank"):

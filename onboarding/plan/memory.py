@@ -7,37 +7,44 @@ parameter), or for full training bf16 gradients, an fp32 master copy and Adam mo
 bytes per parameter: with the bf16 weight, the article's 16 bytes per parameter).
 
 Activations are the tensors autograd keeps for the backward, per token of one rank (N = micro
-batch x seq), by block kind, from the block's full-size widths (`onboarding.plan.shapes`):
+batch x seq), by block kind, from the block's full-size widths (`onboarding.plan.shapes`), in the
+step `onboard train` runs: on a GPU with onboard's kernels patched into every block a family of
+them matches (`PlanConfig.kernels`, `BlockShape.kernels`), where such a block keeps what the
+kernel's autograd keeps; else (a CPU run, ``--no-kernels``) every block's own torch path:
   - attention (full, gated, sliding, MLA, compressed, top-k sparse): its projections' outputs
-    except the one back to the residual (q, k, v or MLA's latents and up-projections), the core's
-    output (heads x d_v) and its fp32 log-sum-exp (heads); an output gate (`gate_activation`)
-    adds the output it gates and the gate (heads x d_v, or heads: one value per head; the heads
-    the config's, else a per-head gate's projection's: `block_heads`); top-k sparse adds the
-    indexer's scores ``[B, T, index_heads, T]`` in fp32 as a transient (one layer at a time),
-    compressed attention with an indexer its ``[B, T, index_heads, T / r]`` scores over the
-    pooled entries;
-  - linear attention: the same projections and output, plus per chunk of C tokens the fp32
-    state ``heads x d_k x d_v`` and the ``C x C`` intra-chunk matrix per head; its causal conv
-    keeps its activated output;
+    except the one back to the residual and those of a module that passes no gradient out (a
+    top-k indexer), the core's output (heads x d_v) and its fp32 log-sum-exp (heads); an output
+    gate (`gate_activation`) adds the output it gates and the gate (heads x d_v, or heads: one
+    value per head; the heads the config's, else a per-head gate's projection's:
+    `block_heads`); top-k sparse adds the indexer's scores ``[B, T, index_heads, T]`` in fp32
+    as a transient (one layer at a time), compressed attention with an indexer its
+    ``[B, T, index_heads, T / r]`` scores over the pooled entries. With onboard's gathered
+    top-k kernel (`_topk_kernel`: not MLA's layout under an adapter on its latents) the
+    kernel's q, k and v and the int32 top-k positions instead of the projections
+    (`_topk_kernel_saved`);
+  - linear attention with onboard's delta-rule kernel: its 16-bit intermediates, inputs and
+    the decay's tensors (`delta_rule_kernel_saved`); on the torch path the chunked form's fp32
+    copies, C x C matrices and states (`_delta_rule_torch_saved`); its causal conv keeps its
+    input and its activation's, its gated norm is a norm (below);
   - MoE: the router's fp32 scores (2 x E), per routed (token, expert) pair the expert's gate and
     up outputs (2F; the routing weight scales the activation, whose silu the backward
     recomputes), the pair's routing weight and two int64 indices; with expert LoRA on the torch
     path the fp32 forms its adapters need (D + 3F); pairs per token are top-k x the expected
     load imbalance (capped by a capacity factor) on an EP rank; dispatch buffers (x sorted,
     received, regrouped, and back: 4 x D per pair) are a transient of one layer;
-  - dense MLP and shared experts: gate, up, activation (3F, gated);
+  - dense MLP and shared experts: gate, up, activation (3F, gated; onboard's SwiGLU 2F);
   - a gated per-layer input (`residual.input_gate`): the gate's output, its activation and their
     product with the layer's input (3P, "other");
   - a low-rank residual branch (`residual.low_rank`, D -> r -> D): its rank-r product (r,
     "other"), which selective recompute re-runs;
-  - norms: their input (2D with a fused kernel, 4D for transformers' fp32 upcast), once: a norm
+  - norms: their input (2D with onboard's kernel, 4D for transformers' fp32 upcast), once: a norm
     module inside another norm block (a gated norm's own RMSNorm, AXK2's) is counted in the
     outer block's bytes, which keep the normalised input already; a gated norm adds its gate's
     tensors by the ops it runs (`_gate_saved`: 6D and the gate MLP's rank-r hidden for AXK2's
     sigmoid(mlp(y)) * y, 10D for a silu gate after the norm, 12D before it);
-  - LoRA adapters: each keeps its input as it came, once per distinct input (q, k and v share
-    theirs; an attention output projection's input is the core's output, already kept), and its
-    rank-r product in fp32;
+  - LoRA adapters: each keeps its input as it came, the block's input once for all that read it
+    (q, k and v), every other adapter's its own (a softmax attention's output projection reads
+    the core's output, already kept), and its rank-r product in fp32 (`_lora_saved`);
   - full training adds each block's input (2D) and the expert/MLP inputs the weight gradients
     need (2 (D + F));
   - the loss: the bf16 logits (2V per token), plus, at the end of the forward, their bf16
@@ -140,7 +147,7 @@ def lora_params(shape: ModelShape, cfg: PlanConfig) -> tuple[int, int]:
     """(dense adapter parameters in the whole model, expert adapter parameters per expert-layer
     per expert) at the default targets."""
     r = cfg.lora_rank
-    dense = sum(b.count * sum(r * (i + o) for i, o in b.lora_targets) for b in shape.blocks
+    dense = sum(b.count * sum(r * (i + o) for _, i, o in b.lora_targets) for b in shape.blocks
                 if not b.nested)
     return dense, 0
 
@@ -162,10 +169,26 @@ def pairs_per_token(shape: ModelShape, cfg: PlanConfig, ep: int, top_k: int) -> 
     return top_k * load
 
 
-def _lora_saved(b: BlockShape, r: int) -> float:
-    """Per token: each distinct adapter input once in bf16 (q, k and v share theirs), and every
-    adapter's fp32 rank-r product."""
-    return sum(BF16 * i for i in {i for i, _ in b.lora_targets}) + FP32 * r * len(b.lora_targets)
+def output_projection(b: BlockShape, d: int) -> str | None:
+    """The path of block ``b``'s output projection: its last linear back to the model width."""
+    return next((n for n, _, o in reversed(b.linears) if o == d), None)
+
+
+def _lora_saved(b: BlockShape, d: int, r: int, *, output_input: bool = True) -> float:
+    """Per token: each adapter's input in bf16, the block's own input once for all adapters
+    that read it (q, k, v and the gates: D wide, the output projection aside), every other
+    adapter's its own (the output projection's, the second half of a low-rank pair, MLA's
+    up-projections of its latents), even where two are as wide (widths alone merged the
+    output projection's input with the block's where H x d_v = D: the example's); less the
+    output projection's where the caller counts that tensor already (``output_input`` False:
+    a softmax core's output, which its backward keeps); and every adapter's fp32 rank-r
+    product."""
+    out = output_projection(b, d)
+    own = [i for n, i, _ in b.lora_targets if i != d or n == out]
+    if not output_input:
+        own = [i for n, i, _ in b.lora_targets if i != d and n != out]
+    shared = any(i == d and n != out for n, i, _ in b.lora_targets)
+    return BF16 * (d * shared + sum(own)) + FP32 * r * len(b.lora_targets)
 
 
 def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
@@ -196,7 +219,10 @@ def block_heads(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, str]:
 BACKWARD_READS_OUTPUT = frozenset({"sigmoid", "tanh", "relu"})
 
 
-def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig) -> float:
+NORM_FAMILIES = ("rmsnorm", "layernorm")  # onboard's norm kernels: each keeps its bf16 input
+
+
+def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig, *, fused: bool = False) -> float:
     """Per token, what a gated norm keeps beyond its norm's input, by the ops it runs (as
     transformers writes them: the gate cast to fp32, activated, and the product in fp32):
       - the product's other operand: the bf16 normalised output (gated after the norm; an MLP
@@ -211,14 +237,16 @@ def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig) -> float:
         keeps its rank-r hidden, the activation's input (and, for full training, its output:
         the second projection's weight gradient reads it); its projections' input is the
         normalised output, kept already.
-    A fused gated-norm kernel keeps the bf16 gate; an MLP gate's product is no kernel's (coverage
-    lists it as unfused) and runs in torch either way.
+    With onboard's gated-norm kernel patched in (``fused``) the bf16 gate beside the bf16 input
+    (4 w in all, as the hooks count the example's, hf:qwen3_next's, hf:kimi_linear's and
+    hf:bailing_hybrid's with the kernels patched); an MLP gate's product is no kernel's
+    (coverage lists it as unfused) and runs in torch either way.
     In all, the norm's input included: 10 w + 2 r for hf:axk2's (sigmoid after the norm, an MLP
     gate), 14 w for hf:qwen3_next's (silu after), 16 w for hf:zamba2's (silu before), as
     `saved_tensors_hooks` counts them in a LoRA step of the tiny proxies (axk2's and zamba2's:
     tests/test_plan.py)."""
     mlp = b.attrs.get("gate") == "mlp"
-    if cfg.kernels_norm and not mlp:
+    if fused and not mlp:
         return BF16 * w
     other = BF16 * w if b.attrs.get("norm_before_gate", True) else FP32 * w
     act = b.attrs.get("gate_activation") or b.attrs.get("activation")
@@ -230,6 +258,107 @@ def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig) -> float:
     return other + gate + hidden
 
 
+DELTA_RULE_FAMILIES = ("gated_delta", "kimi_delta")  # onboard's chunked delta-rule kernels
+
+
+def _delta_rule_widths(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, int, int]:
+    """(key heads, value heads, d_k, d_v, decay values per token: the value heads, x d_k for a
+    per-channel decay) of linear-attention block ``b``; key heads from the config's
+    ``linear_num_key_heads`` (``linear_num_heads``), else as many as the value heads."""
+    from onboarding.train.flops import _int
+
+    hv, dk, dv, _ = block_heads(b, shape)
+    dk = dk or dv
+    hk = _int(shape.config, "linear_num_key_heads", "linear_num_heads") if shape.config else None
+    per_channel = b.attrs.get("per_channel_decay") or b.kind == "linear_attention.kimi_delta"
+    return hk or hv, hv, dk, dv, hv * dk if per_channel else hv
+
+
+def delta_rule_intermediates(b: BlockShape, shape: ModelShape, params: dict
+                             ) -> tuple[float, float]:
+    """(16-bit elements, fp32 bytes) per token that onboard's delta-rule kernel keeps from its
+    training forward for the backward (`saved_shapes` in
+    kernel_templates/gated_delta/_gated_delta_host.py.j2, one chunk of BT tokens, the family's
+    ``chunk_size``): per value head w, kd and qg (3 d_k), v_new (d_v), the Aqk, Tm and M
+    matrices (3 BT), the state entering each chunk (d_k d_v / BT), all in the inputs' 16-bit
+    dtype where the dots are 16-bit (a GPU; the CPU runs them, and keeps these, in fp32); and
+    the fp32 log decay at each chunk's end."""
+    _, hv, dk, dv, g = _delta_rule_widths(b, shape)
+    bt = int(params.get("chunk_size") or 64)
+    return hv * (3 * dk + dv + 3 * bt + dk * dv / bt), FP32 * g / bt
+
+
+def delta_rule_kernel_saved(b: BlockShape, shape: ModelShape, params: dict) -> float:
+    """Per token, what a linear-attention block keeps with onboard's delta-rule kernel patched
+    in (`DELTA_RULE_FAMILIES`), its adapters aside: the kernel's intermediates
+    (`delta_rule_intermediates`, 16-bit), the q, k and v it was handed (bf16: 2 H_k d_k + H_v d_v;
+    the kernel keeps its inputs), the decay and its torch activation's tensors (three fp32 of
+    its width: the activation's input and output and the decay) and beta; where the block
+    normalises q and k itself (``qk_l2norm_in_torch``: the function it calls takes no l2 flag)
+    their fp32 copies. The conv before it and the gated norm after it are blocks of their own.
+    Measured with `saved_tensors_hooks` over a LoRA step of the tiny proxies with the kernels
+    patched in (CPU, Triton's interpreter: tests/test_plan_kept.py)."""
+    hk, hv, dk, dv, g = _delta_rule_widths(b, shape)
+    sixteen, fp32 = delta_rule_intermediates(b, shape, params)
+    l2 = FP32 * 2 * hk * dk if params.get("qk_l2norm_in_torch") else 0
+    return BF16 * sixteen + fp32 + BF16 * (2 * hk * dk + hv * dv) + FP32 * (3 * g + hv) + l2
+
+
+def _delta_rule_torch_saved(b: BlockShape, shape: ModelShape) -> float:
+    """Per token, what a linear-attention block keeps running the chunked delta rule in torch
+    (no kernel: a CPU run, or no family for it), its adapters aside: per value head the fp32
+    copies and products of q, k and v the chunked form keeps (6 d_k + 6 d_v), five C x C
+    intra-chunk matrices and three states (d_k d_v) per chunk; a per-channel decay (Kimi's)
+    adds its [C, C, d_k] pairwise decays (three per chunk) and the per-row products of the
+    intra-chunk loop (C^2 / 3 a head). The projections' outputs are what the conv (q, k, v)
+    and the gated norm (the gate, and the core's output) keep, blocks of their own. Within 3%
+    of what `saved_tensors_hooks` counts over a LoRA step of the tiny proxies of hf:kimi_linear
+    and hf:bailing_hybrid (transformers' torch forms) and the example's, 6% over hf:qwen3_next's
+    (the layer with its conv and gated norm). Before: 4 C x C matrices, 8 d_v and one state,
+    the projections counted besides the conv: 20% and 22% under the example's and
+    hf:qwen3_next's layers, a tenth of Kimi's."""
+    hv, dk, dv = _delta_rule_widths(b, shape)[1:4]
+    c = int(b.attrs.get("chunk") or 64)
+    kept = FP32 * hv * (6 * dk + 6 * dv + 5 * c) + 3 * FP32 * hv * dk * dv / c
+    if b.attrs.get("per_channel_decay") or b.kind == "linear_attention.kimi_delta":
+        kept += FP32 * hv * (3 * c * dk + c * c / 3)
+    return kept
+
+
+def _topk_kernel(b: BlockShape, patched: dict, cfg: PlanConfig) -> bool:
+    """Whether onboard's gathered top-k kernel serves top-k block ``b``: its family binds it,
+    except the MLA layout under LoRA with an adapter on the latents' up-projection, which the
+    absorbed form multiplies by itself and so refuses wrapped (kernel_templates/
+    sparse_attention/binding.py, `_check_plain_projection`): the block's own attention runs."""
+    if "sparse_attention" not in patched:
+        return False
+    if b.attrs.get("layout") != "mla" or cfg.mode == "full":
+        return True
+    latent = b.attrs.get("kv_latent")
+    latent = latent[0] if isinstance(latent, (list, tuple)) and latent else latent
+    return not any(i == latent for _, i, _ in b.lora_targets)
+
+
+def _topk_kernel_saved(b: BlockShape, shape: ModelShape, h: int, dqk: int, dv: int) -> float:
+    """Per token, what the gathered top-k kernel keeps (kernel_templates/sparse_attention): the
+    q, k and v it is handed, bf16 (k and v at the query heads, as the model repeats them for its
+    own attention; MLA's absorbed layout one latent head of the latent plus its rope part, the
+    queries over that width), the selected positions (int32, top-k), the output and its fp32
+    log-sum-exp. The projections' outputs before (normed, roped) are what the q/k norms keep,
+    blocks of their own."""
+    from onboarding.train.flops import _int
+
+    topk = int(b.attrs.get("topk") or _int(shape.config, "index_topk") or 0)
+    if b.attrs.get("layout") == "mla":
+        latent = b.attrs.get("kv_latent") or [dv]
+        width = int(latent[0] if isinstance(latent, (list, tuple)) else latent) \
+            + (_int(shape.config, "qk_rope_head_dim") or 0)
+        qkv = h * width + width
+    else:
+        qkv = h * (dqk or dv) * 2 + h * dv
+    return BF16 * (qkv + h * dv) + 4 * topk + FP32 * h
+
+
 def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
                 ) -> tuple[float, float, float]:
     """(bytes kept per token, of which selective recompute re-runs, transient bytes per token of
@@ -237,28 +366,35 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
     d, r = shape.hidden, cfg.lora_rank
     full = cfg.mode == "full"
     kind = b.kind
-    lora = 0.0 if full else _lora_saved(b, r)
-    if kind.startswith(("attention.", "sparse_attention.", "linear_attention.")):
-        lin_out = max(sum(o for _, _, o in b.linears) - d, 0)
+    # the kernels `onboard train` patches into this block (none when the run keeps torch paths;
+    # `getattr`: callers that pass a bare config of their own)
+    patched = b.kernels if b.kernels and getattr(cfg, "kernels", True) else {}
+    lora = 0.0 if full else _lora_saved(b, d, r)
+    if kind.startswith("linear_attention."):
+        kept = lora + (BF16 * d if full else 0)
+        family = next((f for f in DELTA_RULE_FAMILIES if f in patched), None)
+        if family is not None:
+            return kept + delta_rule_kernel_saved(b, shape, patched[family]), 0.0, 0.0
+        return kept + _delta_rule_torch_saved(b, shape), 0.0, 0.0
+    if kind.startswith(("attention.", "sparse_attention.")):
         h, dqk, dv, _ = block_heads(b, shape)
-        if not full and not kind.startswith("linear_attention."):
-            lora -= BF16 * h * dv * any(i == h * dv for i, _ in b.lora_targets)  # the core's output
-        kept = BF16 * (lin_out + h * dv) + lora + (BF16 * d if full else 0)
-        transient = 0.0
-        if kind.startswith("linear_attention."):
-            # the chunked delta rule as transformers' torch form runs it: fp32 copies of q, k,
-            # v, beta-weighted k and v, w, u and the output (8 x heads x d_v), the C x C
-            # intra-chunk matrices (4 per head) and the state entering each chunk
-            c = int(b.attrs.get("chunk") or 64)
-            kept += FP32 * (8 * h * dv + 4 * h * c) + FP32 * h * dqk * dv / c
+        silent = b.attrs.get("no_gradient_modules") or ()
+        # what a module that passes no gradient out computes (a top-k indexer) keeps nothing
+        lin_out = max(sum(o for n, _, o in b.linears
+                          if not any(n == x or n.startswith(x + ".") for x in silent)) - d, 0)
+        lora = 0.0 if full else _lora_saved(b, d, r, output_input=False)
+        kept = lora + (BF16 * d if full else 0)
+        if kind == "sparse_attention.topk" and _topk_kernel(b, patched, cfg):
+            kept += _topk_kernel_saved(b, shape, h, dqk, dv)
         else:
-            kept += FP32 * h  # log-sum-exp
-            if kind == "attention.gated" or b.attrs.get("gate_activation"):
-                # the product keeps the output it gates and the activated gate (one value per
-                # head, or per channel); an activation that differentiates from its input
-                # (softplus, silu) reads the gate projection's output, counted in `lin_out`
-                gate = h if b.attrs.get("gate_per_head") else h * dv
-                kept += BF16 * (h * dv + gate)
+            kept += BF16 * (lin_out + h * dv) + FP32 * h  # projections, core output, LSE
+        if kind == "attention.gated" or b.attrs.get("gate_activation"):
+            # the product keeps the output it gates and the activated gate (one value per
+            # head, or per channel); an activation that differentiates from its input
+            # (softplus, silu) reads the gate projection's output, counted in `lin_out`
+            gate = h if b.attrs.get("gate_per_head") else h * dv
+            kept += BF16 * (h * dv + gate)
+        transient = 0.0
         if kind == "sparse_attention.topk" or (kind == "attention.compressed"
                                                and b.attrs.get("topk")):
             from onboarding.train.flops import _int
@@ -293,7 +429,9 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         gated = len(outs) >= 2 or (outs and max(outs) == 2 * min(outs))
         if len(outs) == 1 and gated:
             f = outs[0] // 2
-        act = (3 if gated else 2) * f
+        # gate, up and the activation; onboard's fused SwiGLU keeps gate and up alone (its
+        # backward recomputes the activation)
+        act = (2 if "swiglu" in patched else 3 if gated else 2) * f
         return BF16 * act + lora + (BF16 * (d + f) if full else 0), BF16 * act, 0.0
     if kind == "residual.low_rank":
         # D -> r -> D: the rank-r product (the second projection's input) is kept, and re-run
@@ -308,10 +446,11 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         return 3 * BF16 * p + lora + (BF16 * d if full else 0), 0.0, 0.0
     if kind.startswith("norm."):
         w = b.width or d
-        # transformers' RMSNorm upcasts: its fp32 input is kept (a fused kernel keeps bf16)
-        per = BF16 * w if cfg.kernels_norm else FP32 * w
+        # transformers' RMSNorm upcasts: its fp32 input is kept (onboard's kernel keeps bf16)
+        fused = any(f in patched for f in NORM_FAMILIES)
+        per = BF16 * w if fused else FP32 * w
         if kind == "norm.rms_gated":
-            per += _gate_saved(b, w, cfg)
+            per += _gate_saved(b, w, cfg, fused=fused)
         return per, 0.0, 0.0
     if kind in CONV_KINDS:
         return 2 * BF16 * b.width, 0.0, 0.0  # its input and its activated output

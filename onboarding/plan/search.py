@@ -182,6 +182,11 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
                      + ", ".join(unknown[:6]))
     notes += window_notes(shape, cfg.seq)
     notes += head_notes(shape)
+    families = sorted({f for b in shape.blocks for f in b.kernels})
+    if cfg.kernels and families:
+        notes.append("activations: onboard's kernels (" + ", ".join(families) + ") keep what "
+                     "they keep in the blocks they match, as `onboard train` patches them on a "
+                     "GPU where each passes its check there (--no-kernels: the torch paths)")
     return Plan(model=shape.name, config=cfg, cluster=cluster, shape=shape_summary(shape),
                 chosen=chosen, fitting=fitting, rejected=rejected, notes=notes)
 
@@ -203,6 +208,8 @@ def _windowed(b: BlockShape) -> bool:
 def _block_summary(b: BlockShape) -> dict[str, Any]:
     d: dict[str, Any] = {"pattern": b.pattern, "kind": b.kind, "count": b.count,
                          "params": b.params, "ops": b.ops}
+    if b.kernels:  # the onboard kernel families `onboard train` patches into it on a GPU
+        d["kernels"] = sorted(b.kernels)
     if _windowed(b):  # the local window of each instance, and where it came from
         d["windows"] = [{"window": w, "count": n, "from": src,
                          **({"chunked": True} if isinstance(w, Chunk) else {})}

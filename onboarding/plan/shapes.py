@@ -56,13 +56,18 @@ class BlockShape:
     nested: bool  # inside another block (a norm inside attention, a linear attention's conv)
     # elements per token a norm normalises, or a conv's channels (0 for other kinds)
     width: int = 0
-    lora_targets: list[tuple[int, int]] = field(default_factory=list)  # default LoRA (in, out)
+    # default LoRA targets: (path under the block, in, out)
+    lora_targets: list[tuple[str, int, int]] = field(default_factory=list)
     # attention kinds, per instance: (decoder layer or None, local window or None, where the
     # window came from) (`local_window`)
     instances: list[tuple[int | None, int | None, str]] = field(default_factory=list)
     # an attention with a per-head output gate: its heads at full size, read off the gate's
     # projection (`gate_heads`; 0: no such gate, or its projection not found)
     gate_heads: int = 0
+    # the onboard kernel families `onboard train` patches into the block on a GPU, each with
+    # the params it renders (`kernel_families`); a delta-rule family's also say whether the
+    # model normalises q and k in torch before handing them over (`qk_l2norm_in_torch`)
+    kernels: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def windows(self) -> list[tuple[int | None, int, str]]:
@@ -167,7 +172,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         # linears of a module that passes no gradient out (`no_gradient_names`)
         mixer_out = mixer_output_names(b)
         silent = no_gradient_names(b)
-        targets = [(i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES)
+        targets = [(n, i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES)
                    and n not in mixer_out and not any(_inside(n, s) for s in silent)
                    and not any(_inside(f"{paths[0]}.{n}", e) for e in excluded)]
         n_params = sum(p.numel() for p in first.parameters())
@@ -186,7 +191,8 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             ops=sum(b.op_histogram.values()), lora_targets=targets,
             nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
             width=_width(b, first, paths[0], graph, modules),
-            instances=_instances(b.kind, paths, modules, config), gate_heads=gate_heads(b, first)))
+            instances=_instances(b.kind, paths, modules, config), gate_heads=gate_heads(b, first),
+            kernels=kernel_families(b, first)))
     matched = {k[0] for k in inst}
     unmatched = sorted({path_pattern(p) for p in proxy_paths} - matched)
 
@@ -275,6 +281,47 @@ def gate_heads(b, full: nn.Module) -> int:
     return int(weight.shape[dim]) * n // proxy[dim] if dim is not None and weight.ndim == 2 else 0
 
 
+def kernel_families(b, full: nn.Module) -> dict[str, dict[str, Any]]:
+    """{family: render params} of the onboard kernel families `onboard train` patches into block
+    ``b`` (the proxy's; ``full`` its first full-size instance) on a GPU: every family whose
+    `match` takes the block and that has a patch binding (`onboarding.train.kernels`: blocks
+    that expert parallelism owns are its own, experts written as a list of MLPs aside). A family
+    that refuses a block, or a kernel that fails its check on the device, leaves the block's own
+    code: the plan cannot know the latter and takes the kernel. A delta-rule family's params
+    add ``qk_l2norm_in_torch``: the block normalises q and k itself before the call when the
+    function it hands them to takes no ``use_qk_l2norm_in_kernel`` flag (with one, the kernel
+    does: `onboarding.patching.linear_attention`)."""
+    from onboarding.families import get_family, match_block
+    from onboarding.train.kernels import EP_OWNED, _member_experts
+
+    if b.kind in EP_OWNED and not _member_experts(b):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for family, m in match_block(b):
+        if get_family(family).binding is not None and family not in out:
+            out[family] = dict(m.get("params") or {})
+    for params in out.values():
+        if params.get("qk_l2norm"):
+            params["qk_l2norm_in_torch"] = not _delta_rule_takes_l2_flag(full)
+    return out
+
+
+def _delta_rule_takes_l2_flag(module: nn.Module) -> bool:
+    """Whether a function ``module`` hands its delta rule to (at least five required positional
+    arguments: q, k, v, g, beta) takes a ``use_qk_l2norm_in_kernel`` flag."""
+    import inspect
+
+    from onboarding.patching.callswap import min_required, reachable
+    from onboarding.patching.linear_attention import L2_FLAG
+
+    def takes(fn) -> bool:
+        try:
+            return L2_FLAG in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return False
+    return any(takes(f) for _, _, f in reachable(module, min_required(5)))
+
+
 def _dense_matmul(counts) -> int:
     """Dense GEMM parameters per token: dense, shared experts, routers and the output head (the
     input embedding is a lookup; tied, it is the head)."""
@@ -297,7 +344,7 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
         return 0
     weight = next((p for p in full.parameters(recurse=False) if p.ndim == 1), None)
     shp = b.inputs[0].shape
-    per_token = _per_token(shp, int(b.attrs.get(CAPTURE_SEQ) or graph.seq))
+    per_token = _per_token(shp, int(b.attrs.get(CAPTURE_SEQ) or graph.seq), graph.batch)
     proxy_w = next((s[0] for s in b.params.values() if len(s) == 1), None)
     if weight is None:
         # a norm module whose weight is a norm module's inside it (a gated norm wrapping its
@@ -316,19 +363,31 @@ def _width(b, full: nn.Module, full_path: str, graph: OpGraph,
     if parent is not None:
         suffix = b.path[len(parent.path):]  # ".q_norm"
         root = full_path[: len(full_path) - len(suffix)]
-        for name, shape in parent.params.items():
-            if len(shape) == 2 and shape[0] in (per_token, 2 * per_token):
-                mod = modules.get(root + "." + name.rsplit(".", 1)[0])
-                if isinstance(mod, nn.Linear):
-                    return mod.out_features // (shape[0] // per_token)
+        linears = [(shape, mod) for name, shape in parent.params.items() if len(shape) == 2
+                   and isinstance(mod := modules.get(root + "." + name.rsplit(".", 1)[0]),
+                                  nn.Linear)]
+        # the output projection, the last back to the parent's input width: a norm over the
+        # value heads (a linear attention's gated norm) normalises its input, the core's
+        # output, never its output
+        d = parent.inputs[0].shape[-1] if parent.inputs and parent.inputs[0].shape else None
+        out = next((x for x in reversed(linears) if x[0][0] == d), None)
+        for shape, mod in linears:
+            if shape[0] in (per_token, 2 * per_token) and (out is None or mod is not out[1]):
+                return mod.out_features // (shape[0] // per_token)
+        if out is not None and out[0][1] == per_token:
+            return out[1].in_features
     if weight is None:
         return per_token  # weightless, no projection of that width: the captured width
     return int(weight.numel()) * (per_token // proxy_w)
 
 
-def _per_token(shape: list[int], seq: int) -> int:
+def _per_token(shape: list[int], seq: int, batch: int = 1) -> int:
     """Elements per token of a captured activation: the last dim of [B, T, D]; of a 4-D one all
-    but the batch and the sequence dim ([B, T, H, D] and [B, H, T, D] alike)."""
+    but the batch and the sequence dim ([B, T, H, D] and [B, H, T, D] alike); of a 2-D one whose
+    rows are a multiple of the B x T tokens, those rows per token times the last dim (a norm
+    over heads run on [B * T * H, d], Qwen3-Next's gated norm: H x d, not d)."""
+    if len(shape) == 2 and shape[0] > batch * seq and shape[0] % (batch * seq) == 0:
+        return shape[0] // (batch * seq) * shape[1]
     if len(shape) < 4:
         return shape[-1] if shape else 0
     rest = list(shape[1:])
