@@ -10,11 +10,14 @@ import pytest
 
 from onboarding.load.accounting import path_pattern
 from onboarding.plan import PlanConfig
-from onboarding.plan.memory import (BF16, _counted_blocks, block_saved, delta_rule_intermediates,
-                                    DELTA_RULE_FAMILIES)
+from onboarding.families import families, get_family
+from onboarding.plan.memory import BF16, _counted_blocks, block_saved, delta_rule_intermediates
 from onboarding.plan.shapes import BlockShape, ModelShape
 
 from fixtures.lora_step import lora_step_kept, proxy_shape
+
+# the families whose kernel keeps the chunked delta rule's intermediates
+DELTA_RULE_FAMILIES = tuple(f for f in sorted(families()) if get_family(f).plan_saves == "delta_rule")
 
 LINEAR = ["example", "hf:qwen3_next", "hf:kimi_linear", "hf:bailing_hybrid"]
 # the blocks of a linear-attention layer whose kernels a GPU run patches

@@ -175,6 +175,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 
 
 FAMILY = FamilySpec(
+    plan_saves="delta_rule",
     name=NAME,
     template="gated_delta.py.j2",
     # v27: config `rows_maxnreg` (the prepare's register cap when it writes row factors); k_le_128

@@ -219,6 +219,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 
 
 FAMILY = FamilySpec(
+    plan_saves="delta_rule",
     name=NAME,
     template="kimi_delta.py.j2",
     # v59: the qkt kernel's flag index ((key head * NT + chunk) * NK + K tile, the hot launch's store and the cold

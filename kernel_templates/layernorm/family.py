@@ -64,6 +64,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 
 
 FAMILY = FamilySpec(
+    plan_saves="norm_input",
     name=NAME,
     template="layernorm.py.j2",
     template_version=1,

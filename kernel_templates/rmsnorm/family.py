@@ -95,6 +95,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     return [*args, params.get("eps", 1e-6)]
 
 FAMILY = FamilySpec(
+    plan_saves="norm_input",
     name=NAME,
     template="rmsnorm.py.j2",
     template_version=3,

@@ -123,6 +123,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 
 
 FAMILY = FamilySpec(
+    plan_saves="topk_positions",
     name=NAME,
     template="sparse_attention.py.j2",
     template_version=11,  # v11: FWD_EARLY_GATHER 1 in d_le_1024; history: docs/LOG.md

@@ -107,6 +107,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
     return [3 * torch.randn(37, width, generator=gen) for _ in range(2)]
 
 FAMILY = FamilySpec(
+    plan_saves="gate_and_up",
     name=NAME,
     template="swiglu.py.j2",
     template_version=2,

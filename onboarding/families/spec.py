@@ -177,6 +177,13 @@ class FamilySpec:
     # op graph, so `match` never picks them; training asks `families.training_kernel(kind)` for the
     # (family, variant) to render.
     training_variants: Mapping[str, str] = field(default_factory=dict)
+    # plan: what the family's kernel keeps for its backward, in the memory planner's terms
+    # (`onboarding.plan.memory`): "norm_input" (its 16-bit input alone), "delta_rule" (the chunked
+    # delta rule's intermediates, `memory.delta_rule_kernel_saved` from the render params),
+    # "topk_positions" (the picked int32 positions and the gathered keys and values),
+    # "gate_and_up" (a fused gated MLP: gate and up, the activation recomputed). None: the
+    # planner counts the block's own torch path.
+    plan_saves: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.shape_buckets:

@@ -219,7 +219,11 @@ def block_heads(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, str]:
 BACKWARD_READS_OUTPUT = frozenset({"sigmoid", "tanh", "relu"})
 
 
-NORM_FAMILIES = ("rmsnorm", "layernorm")  # onboard's norm kernels: each keeps its bf16 input
+def _saving(patched: dict, what: str) -> list[str]:
+    """The families patched into a block whose kernel keeps ``what`` (`FamilySpec.plan_saves`)."""
+    from onboarding.families import get_family
+
+    return [f for f in patched if get_family(f).plan_saves == what]
 
 
 def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig, *, fused: bool = False) -> float:
@@ -258,9 +262,6 @@ def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig, *, fused: bool = False) 
     return other + gate + hidden
 
 
-DELTA_RULE_FAMILIES = ("gated_delta", "kimi_delta")  # onboard's chunked delta-rule kernels
-
-
 def _delta_rule_widths(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, int, int]:
     """(key heads, value heads, d_k, d_v, decay values per token: the value heads, x d_k for a
     per-channel decay) of linear-attention block ``b``; key heads from the config's
@@ -290,7 +291,7 @@ def delta_rule_intermediates(b: BlockShape, shape: ModelShape, params: dict
 
 def delta_rule_kernel_saved(b: BlockShape, shape: ModelShape, params: dict) -> float:
     """Per token, what a linear-attention block keeps with onboard's delta-rule kernel patched
-    in (`DELTA_RULE_FAMILIES`), its adapters aside: the kernel's intermediates
+    in (a family whose `plan_saves` is "delta_rule"), its adapters aside: the kernel's intermediates
     (`delta_rule_intermediates`, 16-bit), the q, k and v it was handed (bf16: 2 H_k d_k + H_v d_v;
     the kernel keeps its inputs), the decay and its torch activation's tensors (three fp32 of
     its width: the activation's input and output and the decay) and beta; where the block
@@ -330,7 +331,7 @@ def _topk_kernel(b: BlockShape, patched: dict, cfg: PlanConfig) -> bool:
     except the MLA layout under LoRA with an adapter on the latents' up-projection, which the
     absorbed form multiplies by itself and so refuses wrapped (kernel_templates/
     sparse_attention/binding.py, `_check_plain_projection`): the block's own attention runs."""
-    if "sparse_attention" not in patched:
+    if not _saving(patched, "topk_positions"):
         return False
     if b.attrs.get("layout") != "mla" or cfg.mode == "full":
         return True
@@ -372,7 +373,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
     lora = 0.0 if full else _lora_saved(b, d, r)
     if kind.startswith("linear_attention."):
         kept = lora + (BF16 * d if full else 0)
-        family = next((f for f in DELTA_RULE_FAMILIES if f in patched), None)
+        family = next(iter(_saving(patched, "delta_rule")), None)
         if family is not None:
             return kept + delta_rule_kernel_saved(b, shape, patched[family]), 0.0, 0.0
         return kept + _delta_rule_torch_saved(b, shape), 0.0, 0.0
@@ -431,7 +432,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
             f = outs[0] // 2
         # gate, up and the activation; onboard's fused SwiGLU keeps gate and up alone (its
         # backward recomputes the activation)
-        act = (2 if "swiglu" in patched else 3 if gated else 2) * f
+        act = (2 if _saving(patched, "gate_and_up") else 3 if gated else 2) * f
         return BF16 * act + lora + (BF16 * (d + f) if full else 0), BF16 * act, 0.0
     if kind == "residual.low_rank":
         # D -> r -> D: the rank-r product (the second projection's input) is kept, and re-run
@@ -447,7 +448,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
     if kind.startswith("norm."):
         w = b.width or d
         # transformers' RMSNorm upcasts: its fp32 input is kept (onboard's kernel keeps bf16)
-        fused = any(f in patched for f in NORM_FAMILIES)
+        fused = bool(_saving(patched, "norm_input"))
         per = BF16 * w if fused else FP32 * w
         if kind == "norm.rms_gated":
             per += _gate_saved(b, w, cfg, fused=fused)
