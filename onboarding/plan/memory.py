@@ -184,9 +184,7 @@ def _lora_saved(b: BlockShape, d: int, r: int, *, output_input: bool = True) -> 
     a softmax core's output, which its backward keeps); and every adapter's fp32 rank-r
     product."""
     out = output_projection(b, d)
-    own = [i for n, i, _ in b.lora_targets if i != d or n == out]
-    if not output_input:
-        own = [i for n, i, _ in b.lora_targets if i != d and n != out]
+    own = [i for n, i, _ in b.lora_targets if (i != d or n == out) and (output_input or n != out)]
     shared = any(i == d and n != out for n, i, _ in b.lora_targets)
     return BF16 * (d * shared + sum(own)) + FP32 * r * len(b.lora_targets)
 
@@ -262,6 +260,17 @@ def _gate_saved(b: BlockShape, w: int, cfg: PlanConfig, *, fused: bool = False) 
     return other + gate + hidden
 
 
+def _per_channel_decay(b: BlockShape) -> bool:
+    """Whether linear-attention block ``b`` decays per key channel (Kimi's), not per head."""
+    return bool(b.attrs.get("per_channel_decay")) or b.kind == "linear_attention.kimi_delta"
+
+
+def _kv_latent(b: BlockShape) -> int | None:
+    """MLA's latent width (attrs ``kv_latent``, recorded as a width or a list of them)."""
+    latent = b.attrs.get("kv_latent")
+    return latent[0] if isinstance(latent, (list, tuple)) and latent else latent
+
+
 def _delta_rule_widths(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, int, int]:
     """(key heads, value heads, d_k, d_v, decay values per token: the value heads, x d_k for a
     per-channel decay) of linear-attention block ``b``; key heads from the config's
@@ -271,8 +280,7 @@ def _delta_rule_widths(b: BlockShape, shape: ModelShape) -> tuple[int, int, int,
     hv, dk, dv, _ = block_heads(b, shape)
     dk = dk or dv
     hk = _int(shape.config, "linear_num_key_heads", "linear_num_heads") if shape.config else None
-    per_channel = b.attrs.get("per_channel_decay") or b.kind == "linear_attention.kimi_delta"
-    return hk or hv, hv, dk, dv, hv * dk if per_channel else hv
+    return hk or hv, hv, dk, dv, hv * dk if _per_channel_decay(b) else hv
 
 
 def delta_rule_intermediates(b: BlockShape, shape: ModelShape, params: dict
@@ -321,7 +329,7 @@ def _delta_rule_torch_saved(b: BlockShape, shape: ModelShape) -> float:
     hv, dk, dv = _delta_rule_widths(b, shape)[1:4]
     c = int(b.attrs.get("chunk") or 64)
     kept = FP32 * hv * (6 * dk + 6 * dv + 5 * c) + 3 * FP32 * hv * dk * dv / c
-    if b.attrs.get("per_channel_decay") or b.kind == "linear_attention.kimi_delta":
+    if _per_channel_decay(b):
         kept += FP32 * hv * (3 * c * dk + c * c / 3)
     return kept
 
@@ -335,8 +343,7 @@ def _topk_kernel(b: BlockShape, patched: dict, cfg: PlanConfig) -> bool:
         return False
     if b.attrs.get("layout") != "mla" or cfg.mode == "full":
         return True
-    latent = b.attrs.get("kv_latent")
-    latent = latent[0] if isinstance(latent, (list, tuple)) and latent else latent
+    latent = _kv_latent(b)
     return not any(i == latent for _, i, _ in b.lora_targets)
 
 
@@ -351,9 +358,7 @@ def _topk_kernel_saved(b: BlockShape, shape: ModelShape, h: int, dqk: int, dv: i
 
     topk = int(b.attrs.get("topk") or _int(shape.config, "index_topk") or 0)
     if b.attrs.get("layout") == "mla":
-        latent = b.attrs.get("kv_latent") or [dv]
-        width = int(latent[0] if isinstance(latent, (list, tuple)) else latent) \
-            + (_int(shape.config, "qk_rope_head_dim") or 0)
+        width = int(_kv_latent(b) or dv) + (_int(shape.config, "qk_rope_head_dim") or 0)
         qkv = h * width + width
     else:
         qkv = h * (dqk or dv) * 2 + h * dv
