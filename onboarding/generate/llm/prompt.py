@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +60,46 @@ def system_prompt() -> str:
     return SYSTEM + json.dumps(answer_schema(), indent=None)
 
 
+# a line that is one `{% include "name" %}` (the templates' own form of an include)
+_INCLUDE = re.compile(r'^[ \t]*\{%-?\s*include\s+"([^"]+)"\s*-?%\}[ \t]*$', re.M)
+# the partial every answer includes itself (the system prompt says what it gives)
+_COMMON_INCLUDE = "_common.py.j2"
+
+
+def _expand_includes(text: str, search: tuple[Path, ...], seen: tuple[str, ...] = ()) -> str:
+    """`text` with each included partial written out where it is included (between Jinja
+    comments naming it), as the renderer would find it on `search`: the model sees the code
+    rather than the name of a file it cannot read. `_common.py.j2` stays an include, as the
+    answer's own template writes it; an include found nowhere, or one already being expanded
+    (a cycle), stays as written."""
+    def written_out(m: re.Match) -> str:
+        name = m.group(1)
+        if name == _COMMON_INCLUDE or name in seen:
+            return m.group(0)
+        for folder in search:
+            p = Path(folder) / name
+            if p.is_file():
+                body = _expand_includes(p.read_text(), search, (*seen, name)).rstrip("\n")
+                return f"{{#- {name}, included here: -#}}\n{body}\n{{#- end of {name} -#}}"
+        return m.group(0)
+
+    return _INCLUDE.sub(written_out, text)
+
+
 def _example(name: str) -> str:
     from onboarding.families import get_family
+    from onboarding.families.render import search_path
 
     spec = get_family(name)
     folder = Path(spec.folder)
+    search = search_path(spec, get_family(spec.extends) if spec.extends else None, None)
     parts = [f"### worked example: family `{name}` (folder {folder.name}/)"]
     for fname in ("family.py", spec.template, "binding.py"):
         p = folder / fname
         if p.is_file():
             text = p.read_text()
+            if fname == spec.template:
+                text = _expand_includes(text, search)
             if len(text) > MAX_EXAMPLE_CHARS:
                 text = text[:MAX_EXAMPLE_CHARS] + f"\n# ... ({len(text) - MAX_EXAMPLE_CHARS} more characters)\n"
             parts.append(f"--- {fname}\n{text}")
