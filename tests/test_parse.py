@@ -32,6 +32,9 @@ def test_kimi_linear(parse_model):
     assert {"linear_attention.kimi_delta", "attention.mla", "moe.router", "moe.experts",
             "moe.shared_expert", "mlp.dense", "norm.rms_gated", "conv.causal1d"} <= k
     assert "linear_attention.gated_delta" not in k and "unknown" not in k
+    # the forget gate's low-rank projection (f_b(f_a(x)), no activation between) is the
+    # attention's, no MLP: before, `KFF KEF KEF KEF ME`
+    assert g.layer_pattern == "KF KE KE KE ME"
     kda = g.by_kind("linear_attention.kimi_delta")[0]
     assert kda.attrs["per_channel_decay"] is True
     assert g.by_kind("norm.rms_gated")[0].attrs["gate_activation"] == "sigmoid"
@@ -1189,3 +1192,42 @@ def test_a_norm_that_sums_the_squares_is_an_l2_norm(parse_model):
             assert (b.attrs["reduction"], b.attrs["has_weight"], b.attrs["dim"]) == ("sum", False, 32)
             assert [(f, m["variant"]) for f, m in match_block(b)] == [("rmsnorm", "l2norm")]
     assert "reduction" not in by["norm"].attrs  # the final norm: a mean of squares, weighted
+
+
+LOW_RANK_GATES = "tests/fixtures/low_rank_gate_models.py"
+
+
+@pytest.mark.parametrize("cls,pattern,kind,gate,linears", [
+    ("LowRankForgetGateLM", "LF LF", "linear_attention.other", "attn.forget_gate", ("f_a", "f_b")),
+    ("LowRankOutputGateLM", "AF AF", "attention.gated", "attn.gate", ("g_a", "g_b"))])
+def test_a_low_rank_gate_projection_in_an_attention_block_is_no_mlp(parse_model, cls, pattern,
+                                                                    kind, gate, linears):
+    """A module inside an attention block running two linears D -> r -> D chained with nothing
+    between them, its nonlinearity after the second (Kimi Delta Attention's forget gate: a
+    softplus decay of f_b(f_a(x)); a low-rank sigmoid output gate; our own fixtures): a rank-r
+    linear map of the hidden state, the attention's projection, no MLP. Before, the MLP rule
+    read it as `mlp.dense` by its D -> r -> D shape (`LFF LFF`, `AFF AFF`; Kimi Linear read
+    `KFF KEF ..`); now it is no block and its ops are the attention's. Its linears stay default
+    LoRA targets (they are inside the attention block)."""
+    from onboarding.load.model import load_model
+    from onboarding.train.lora import default_targets
+
+    ref = f"{LOW_RANK_GATES}:{cls}"
+    g = parse_model(ref, seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == pattern
+    for i in (0, 1):
+        assert by[f"layers.{i}.attn"].kind == kind, by[f"layers.{i}.attn"].evidence
+        assert f"layers.{i}.{gate}" not in by
+        assert by[f"layers.{i}.ffn"].kind == "mlp.dense"
+    targets = default_targets(load_model(ref).build(None, seed=0), g)
+    assert {f"layers.{i}.{gate}.{n}" for i in (0, 1) for n in linears} <= set(targets)
+
+
+def test_a_bottleneck_mlp_with_an_activation_between_its_linears_is_an_mlp(parse_model):
+    """The control: D -> r -> D (r < D) with a GELU between the two linears is an MLP however
+    narrow, `mlp.dense`; only a chain with nothing nonlinear between its linears is no MLP."""
+    g = parse_model(f"{LOW_RANK_GATES}:BottleneckMLPLM", seq=12)
+    ffn = {b.path: b for b in g.blocks}["layers.0.ffn"]
+    assert g.layer_pattern == "AF AF"
+    assert (ffn.kind, ffn.attrs["activation"], ffn.attrs["intermediate"]) == ("mlp.dense", "gelu", 8)

@@ -258,6 +258,22 @@ def _mlp_activation_by_shape(recs: list[OpRecord], mm: list[OpRecord], ctx: Cont
     return "silu" if _hist(recs)["sigmoid"] else "other"
 
 
+def _linear_chain(recs: list[OpRecord], mm: list[OpRecord]) -> bool:
+    """Nothing but views, weight projections and affine steps (a parameter or a number added or
+    multiplied: a bias, a scale) runs between the first and the last of the projections ``mm``
+    (a low-rank projection D -> r -> N, the second linear reading the first's output): a linear
+    map, whatever runs after it (Kimi Delta Attention's forget gate: a softplus decay of
+    f_b(f_a(x)); a low-rank output gate: a sigmoid of it). An MLP's hidden state goes through its
+    activation (or a written-out one, or a product of two activations) before the last
+    projection."""
+    def linear(r: OpRecord) -> bool:
+        if r.op in VIEW_OPS or (is_matmul(r.op) and r.params):
+            return True
+        return r.op in ("add", "add_", "sub", "mul", "mul_", "div") and (
+            bool(r.params) or len(r.in_shapes) < 2 or r.in_shapes[1] is None)
+    return len(mm) >= 2 and all(linear(r) for r in recs if mm[0].index < r.index < mm[-1].index)
+
+
 def _activation(recs: list[OpRecord]) -> str | None:
     for r in recs:
         if r.op in ACTIVATIONS and ACTIVATIONS[r.op] != "sigmoid":

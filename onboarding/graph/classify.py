@@ -17,8 +17,9 @@ from onboarding.graph._records import (ACTIVATIONS, CONV, Context, SOFTMAX, TRIA
                                        _activation, _attention_softmax, _clamp, _clamp_style,
                                        _compressed_kv, _conv_padding, _decay_cumsum,
                                        _expert_activation, _expert_gating, _extra_logits,
-                                       _gathered_params, _hist, _inline_mlp, _is_rms, _linear_dims,
-                                       _matmul_recs, _mean_centred, _mlp_activation_by_shape,
+                                       _gathered_params, _hist, _inline_mlp, _is_rms, _linear_chain,
+                                       _linear_dims, _matmul_recs, _mean_centred,
+                                       _mlp_activation_by_shape,
                                        _norm_attrs, _relu_squared, _time_steps, _topks,
                                        estimate_cost, is_matmul, is_sdpa, layer_of,
                                        packed_orientation, stack_of)  # stack_of: re-exported
@@ -222,9 +223,11 @@ class Classifier(MixerRules, MoeRules, StreamRules):
             return state
         weight_only = all(r.params for r in mm)  # an MLP multiplies by weights only
         # a conv over the sequence inside the block (causal or not) mixes tokens: no MLP,
-        # whatever its projections look like (a mixer no rule explains is left to `unknown`)
+        # whatever its projections look like (a mixer no rule explains is left to `unknown`);
+        # projections chained with no nonlinearity between them are a low-rank linear map (a
+        # gate's or a decay's projection inside a mixer): no MLP, their ops are the parent's
         if len(mm) >= 2 and weight_only and not attn and not seq_topk \
-                and not self._free_convs(path, causal_only=False) \
+                and not self._free_convs(path, causal_only=False) and not _linear_chain(recs, mm) \
                 and (act := _activation(recs) or (None if self._gates_an_input(path, mm) else
                                                   _mlp_activation_by_shape(recs, mm, ctx))):
             # act(gate) * up: a product, and a gate beside up (three projections, or the first
