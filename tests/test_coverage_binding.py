@@ -21,6 +21,7 @@ from onboarding.patching.core import patch_model
 FIX = "tests/fixtures/coverage_binding_models.py"
 INTERFACE, BIASED = f"{FIX}:InterfaceLM", f"{FIX}:BiasedInterfaceLM"
 TOPK, ROW_TOPK = f"{FIX}:TopkSparseLM", f"{FIX}:RowTopkSparseLM"
+SOFTCAP, INLINE_CAP = f"{FIX}:SoftcapInterfaceLM", f"{FIX}:InlineCapInterfaceLM"
 INLINE = "tests/fixtures/handwritten.py:VocabWideLM"
 ATTENTION = ("sink_attention", "sparse_attention")
 SEQ = 16  # the patched forward runs the kernels in the Triton interpreter
@@ -70,6 +71,27 @@ def test_extra_interface_argument_is_not_claimed(parse_model):
     assert call["args"]["position_bias"] is None and call["kwargs"]["sliding_window"] == 8
 
 
+def test_softcap_is_read_from_the_call(parse_model):
+    """A core whose scores pass through a tanh (a logit soft-cap) is marked so at parse
+    (``unfused_core["softcap"]``); handed its cap as the interface's ``softcap`` it is the family's
+    template, the cap in its recorded call; with the cap written into the function (no argument
+    to read it from) the binding would keep the original function, and coverage says why. A core
+    without a tanh carries no mark."""
+    g = parse_model(SOFTCAP)
+    entries = _attention_entries(g)
+    assert {e.status for e in entries.values()} == {"template"} and len(entries) == 2
+    assert all("soft-capped" in e.reason for e in entries.values()), entries
+    for b in g.blocks:
+        if b.path in entries:
+            assert b.attrs["unfused_core"]["softcap"] is True
+            assert b.attrs["core_calls"]["attention-core"]["calls"][0]["args"]["softcap"] == 2.0
+    g = parse_model(INLINE_CAP)
+    entries = _attention_entries(g)
+    assert len(entries) == 2 and {e.status for e in entries.values()} == {"uncovered"}
+    assert all(REFUSED in e.reason and "names no softcap" in e.reason for e in entries.values()), entries
+    assert all("softcap" not in b.attrs.get("unfused_core", {}) for b in parse_model(INTERFACE).blocks)
+
+
 def test_row_topk_selection_is_not_claimed(parse_model):
     """A selection taken per batch entry over a [T, S] score matrix (Kolibri 1.1's weightless
     indexer): the sparse intercept reads only a top-k over a [B, T, S] tensor, so the binding
@@ -97,7 +119,7 @@ def _forced(block) -> list[tuple[str, str, dict]]:
     return out
 
 
-@pytest.mark.parametrize("ref", [INTERFACE, BIASED, TOPK, ROW_TOPK, INLINE])
+@pytest.mark.parametrize("ref", [INTERFACE, BIASED, SOFTCAP, INLINE_CAP, TOPK, ROW_TOPK, INLINE])
 def test_coverage_predicts_the_bindings(ref, parse_model, kernel_dir):
     """Every attention block coverage serves by a template or reviewed kernel is taken by its
     binding on the patched proxy's first forward; every block coverage says the binding would
@@ -155,8 +177,11 @@ def test_family_without_binding_says_nothing_patches_it(monkeypatch):
 
 def test_sink_refusal_reads_the_recorded_calls_as_the_swap_reads_its_arguments():
     """`binding.refusal` on hand-written records: a sink handed as an argument (gpt-oss's s_aux)
-    with its window is taken; a second tensor, a soft-cap or a 3-D query is refused with the
-    swap's own reason; a function found but never called as a core says so."""
+    with its window is taken; a second tensor or a 3-D query is refused with the swap's own
+    reason; a function found but never called as a core says so. The soft-cap: a positive number
+    as the call's ``softcap`` is taken (named or in ``**kwargs``); a core whose scores pass
+    through a tanh (``capped``) is refused without one the kernel can read, and an uncapped core
+    handed one as a named parameter is refused (the kernel would cap what the core does not)."""
     family = family_module("sink_attention")
     binding = importlib.import_module(family.__package__ + ".binding")
 
@@ -175,11 +200,25 @@ def test_sink_refusal_reads_the_recorded_calls_as_the_swap_reads_its_arguments()
     bias = {"reachable": ["global attend"], "calls": [call({"bias": {"tensor": [4, 8, 8], "dtype": "float32"}})]}
     assert binding.refusal(bias, {"sinks": 4}) == \
         "global attend: TypeError: arguments the kernel does not take: ['bias']"
-    assert "['softcap']" in binding.refusal({"reachable": ["global attend"], "calls": [call({"softcap": 30.0})]}, {})
+    capped = {"reachable": ["global attend"], "calls": [call({"softcap": 30.0})]}
+    assert binding.refusal(capped, {}) is None and binding.refusal(capped, {}, capped=True) is None
+    assert binding.refusal({"reachable": ["g"], "calls": [call(softcap=30.0)]}, {}, capped=True) is None
+    assert "['softcap']" in binding.refusal(capped, {}, capped=False)
+    assert binding.refusal({"reachable": ["global attend"], "calls": [call()]}, {}, capped=True) == \
+        f"global attend: TypeError: {binding.CAPPED_UNREAD}"
+    for bad in (-1.0, 0, {"tensor": [4], "dtype": "float32"}, True):
+        why = binding.refusal({"reachable": ["global attend"], "calls": [call({"softcap": bad})]}, {}, capped=True)
+        assert why.startswith("global attend: TypeError: softcap ") and "positive finite" in why, (bad, why)
+    # the cap the readings take is the call's, first; without the graph's word, none after it
+    caps = [r[3] for r in binding.readings(call({"softcap": 30.0})["args"], {}, {})]
+    assert caps[0] == 30.0 and caps[-1] == 0.0 and set(caps) == {30.0, 0.0}
+    assert {r[3] for r in binding.readings(call({"softcap": 30.0})["args"], {}, {}, capped=True)} == {30.0}
+    assert {r[3] for r in binding.readings(call({"softcap": 30.0})["args"], {}, {}, capped=False)} == {0.0}
     assert binding.refusal({"reachable": ["global attend"], "calls": [call(query=(1, 8, 16))]}, {}) == \
         "global attend: TypeError: query, key and value are not [B, H, T, D] tensors"
     assert binding.refusal({"reachable": ["global attend"], "calls": []}, {}) == "no attention-core call matched"
     assert binding.refusal({"reachable": [], "calls": []}, {}) == binding.NONE_FOUND
     # the window the reading takes is the call's sliding_window, any other integer is refused
-    assert binding.readings(call()["args"], {"sliding_window": 4}, {"sinks": 4})[0] == (("param", "sinks"), True, 4)
+    assert binding.readings(call()["args"], {"sliding_window": 4}, {"sinks": 4})[0] == \
+        (("param", "sinks"), True, 4, 0.0)
     assert "['chunk']" in binding.refusal({"reachable": ["x"], "calls": [call({"chunk": 4})]}, {})

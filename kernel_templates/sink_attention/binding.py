@@ -29,10 +29,25 @@ than the mask's is exact, a narrower one fails the first call's check when the c
 than the window (any integer argument was tried before: one that is no window and larger than
 the first call's length would have passed that check and cut later, longer calls).
 The call's scaling and dropout arguments are read by the interface's names (``scaling`` None:
-head_dim ** -0.5); a dropout that is on in training, or any other named argument set (a logit
-soft-cap, a position bias), keeps the original function.
+head_dim ** -0.5); a dropout that is on in training, or any other named argument set (a position
+bias), keeps the original function.
 
-The tests on a call's arguments (`structure_problem`, `readings`, `unknown_arguments`) read them
+The logit soft-cap, s -> c tanh(s / c) after the scaling and before the mask (Gemma 2's
+attn_logit_softcapping), is read from the call too, by the interface's keyword ``softcap`` (a
+named parameter of the function or one its ``**kwargs`` took; transformers' fused paths read it
+there), never from the model: a positive finite number is the kernel's cap, None (or no such
+argument) none. Whether the core caps its scores is structure the parse stage saw
+(``unfused_core["softcap"]``: a tanh over the [.., T, T] scores), and it decides the readings
+(`cap_readings`), since the first call's check cannot: tanh(s / c) is nearly linear while the
+scores are small against c (a fresh proxy's), so a kernel with the cap and one without can both
+agree with it. A capped core is tried only with the call's cap and is refused when the call
+names none the kernel can take (`cap_problem`: a cap written into the function, a tensor, a
+negative number); an uncapped one only without a cap (a ``softcap`` parameter it was handed then
+counts as an argument the kernel does not take); with no graph to say (a swap installed by
+hand), the call's cap first, then none.
+
+The tests on a call's arguments (`structure_problem`, `cap_problem`, `readings`,
+`unknown_arguments`) read them
 as `callswap.describe` writes them, so `refusal` runs the same tests on the calls the parse stage
 recorded (`callswap.record_core_calls`, the family's `probe`): coverage then says what this
 binding will do with the block (the family's `refusal` and `match`).
@@ -41,6 +56,8 @@ binding will do with the block (the family's `refusal` and `match`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -87,30 +104,68 @@ def _arguments(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, ...]:
     return block, q, k, v, mask, named, extra
 
 
-def readings(args: dict[str, Any], kwargs: dict[str, Any], vectors: dict[str, int]
-             ) -> list[tuple[Any, bool, int]]:
-    """(sink source, causal, window) readings to try, in order (the module docstring), from a
-    call's described arguments (`callswap.describe`: ``args`` its named parameters, the first five
-    the interface's, ``kwargs`` what its ``**kwargs`` took) and the block's own 1-D parameters
-    (``vectors``: name -> entries)."""
+SOFTCAP = "softcap"  # the attention interface's keyword for the logit soft-cap
+CAPPED_UNREAD = ("the scores pass through a tanh (a logit soft-cap) but the call names no softcap the "
+                 "kernel can take")
+
+
+def _call_values(args: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments past the interface's first five: its named ones, then its ``**kwargs``."""
+    return {**{n: args[n] for n in list(args)[5:]}, **kwargs}
+
+
+def _is_cap(val: Any) -> bool:
+    return isinstance(val, (int, float)) and not isinstance(val, bool) and 0 < val < float("inf")
+
+
+def cap_problem(values: dict[str, Any], capped: bool | None) -> str | None:
+    """Why a call's soft-cap (``values``: its described arguments past the first five,
+    `_call_values`) cannot be the kernel's on a core that caps its scores (``capped``, the graph's
+    ``unfused_core["softcap"]``; None: not known), or None."""
+    val = values.get(SOFTCAP)
+    if val is not None and not _is_cap(val):
+        return f"softcap {val!r}: the kernel's cap is a positive finite number c (c tanh(s / c))"
+    if capped and val is None:
+        return CAPPED_UNREAD
+    return None
+
+
+def cap_readings(values: dict[str, Any], capped: bool | None) -> list[float]:
+    """The soft-caps to try (0.0: none), in order (the module docstring): the call's own where it
+    is one (`_is_cap`) and the core may cap (``capped`` True or None), then none where the core
+    may be uncapped (``capped`` False or None)."""
+    val = values.get(SOFTCAP)
+    caps = [float(val)] if capped is not False and _is_cap(val) else []
+    return caps + ([0.0] if capped is not True else [])
+
+
+def readings(args: dict[str, Any], kwargs: dict[str, Any], vectors: dict[str, int],
+             capped: bool | None = None) -> list[tuple[Any, bool, int, float]]:
+    """(sink source, causal, window, softcap) readings to try, in order (the module docstring),
+    from a call's described arguments (`callswap.describe`: ``args`` its named parameters, the
+    first five the interface's, ``kwargs`` what its ``**kwargs`` took), the block's own 1-D
+    parameters (``vectors``: name -> entries) and whether its core caps its scores (``capped``,
+    `cap_readings`)."""
     names = list(args)
     heads = args[names[1]]["tensor"][1]
     sinks: list[Any] = [("param", n) for n, size in vectors.items() if size == heads]
-    values = {**{n: args[n] for n in names[5:]}, **kwargs}
+    values = _call_values(args, kwargs)
     sinks += [("arg", n) for n, d in values.items() if is_tensor(d, 1) and d["tensor"][0] == heads]
     sinks.append(None)
     w = values.get("sliding_window")
     windows = [w] if isinstance(w, int) and not isinstance(w, bool) and w > 0 else []
     bands = [(True, w) for w in windows] + [(True, 0), (False, 0)]
-    return [(s, c, w) for s in sinks for c, w in bands]
+    caps = cap_readings(values, capped)
+    return [(s, c, w, cap) for cap in caps for s in sinks for c, w in bands]
 
 
-def unknown_arguments(named: dict[str, Any], variant: tuple[Any, bool, int]) -> list[str]:
+def unknown_arguments(named: dict[str, Any], variant: tuple[Any, bool, int, float]) -> list[str]:
     """The function's own named arguments past the first five (described), other than scaling
     and dropout, that may change the maths under ``variant`` and that the kernel does not take:
-    a tensor other than the reading's sink, a non-zero number other than its window, any other
-    set value. The swap keeps the original function when there are any (`_call`)."""
-    source, _, window = variant
+    a tensor other than the reading's sink, a non-zero number other than its window and its
+    soft-cap (``softcap``), any other set value. The swap keeps the original function when there
+    are any (`_call`)."""
+    source, _, window, softcap = variant
 
     def is_set(name: str, val: Any) -> bool:
         if val is None or val is False:
@@ -118,6 +173,8 @@ def unknown_arguments(named: dict[str, Any], variant: tuple[Any, bool, int]) -> 
         if is_tensor(val):
             return source != ("arg", name)
         if isinstance(val, (int, float)) and not isinstance(val, bool):
+            if name == SOFTCAP and softcap and val == softcap:
+                return False
             return val != 0 and not (isinstance(val, int) and val == window)
         return True
 
@@ -131,21 +188,29 @@ def _vectors(block: Any) -> dict[str, int]:
     return {n: p.numel() for n, p in block.named_parameters(recurse=False) if p.dim() == 1}
 
 
-def _variants(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, bool, int]]:
-    """(sink source, causal, window) readings to try, in order (the module docstring)."""
+def _variants(fn: Callable, args: tuple, kwargs: dict, capped: bool | None = None
+              ) -> list[tuple[Any, bool, int, float]]:
+    """(sink source, causal, window, softcap) readings to try, in order (the module docstring)."""
     try:
         block = _arguments(fn, args, kwargs)[0]
         named, extra = bound_arguments(fn, args, kwargs)
     except TypeError:
-        return [(None, True, 0)]  # the call itself says why
-    return readings({n: describe(v) for n, v in named.items()},
-                    {n: describe(v) for n, v in extra.items()}, _vectors(block))
+        return [(None, True, 0, 0.0)]  # the call itself says why
+    found = readings({n: describe(v) for n, v in named.items()},
+                     {n: describe(v) for n, v in extra.items()}, _vectors(block), capped)
+    return found or [(None, True, 0, 0.0)]  # no cap to read: the call says why (`cap_problem`)
 
 
-def _call(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, variant: Any) -> Any:
-    """``kernel`` on ``fn``'s arguments under one reading ``variant``: (output [B, Tq, H, D], None)."""
+def _call(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, variant: Any,
+          capped: bool | None = None) -> Any:
+    """``kernel`` on ``fn``'s arguments under one reading ``variant``: (output [B, Tq, H, D],
+    None); ``capped``: whether the core caps its scores (`cap_problem`). The soft-cap is handed to
+    the kernel only when the reading has one (an entry without the argument serves the rest)."""
     block, q, k, v, mask, named, extra = _arguments(fn, args, kwargs)
-    source, causal, window = variant
+    problem = cap_problem({n: describe(val) for n, val in {**named, **extra}.items()}, capped)
+    if problem:
+        raise TypeError(problem)
+    source, causal, window, softcap = variant
     scale = named.pop("scaling", extra.pop("scaling", None))
     dropout = named.pop("dropout", extra.pop("dropout", 0.0))
     if dropout and getattr(block, "training", False):
@@ -158,25 +223,27 @@ def _call(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, variant: An
         where, name = source
         sinks = getattr(block, name) if where == "param" else {**named, **extra}[name]
     mask = MASKS.needed(mask, q, k, causal, window)
-    o = kernel(q, k, v, sinks, mask, None if scale is None else float(scale), causal, window)
+    o = kernel(q, k, v, sinks, mask, None if scale is None else float(scale), causal, window,
+               *((softcap,) if softcap else ()))
     return o.transpose(1, 2).contiguous(), None
 
 
-def call_refusal(call: dict[str, Any], vectors: dict[str, int]) -> str | None:
+def call_refusal(call: dict[str, Any], vectors: dict[str, int], capped: bool | None = None) -> str | None:
     """Why the swap would keep the original function at this recorded core call
-    (`callswap.record_core_calls`; ``vectors``: the block's own 1-D parameters), by the same
-    tests its calls run (`structure_problem`, `readings`, `unknown_arguments`), or None when some
-    reading takes its arguments (calibration then judges the numbers). Not read here: dropout in
-    training (the probe runs in eval mode) and the numbers themselves."""
+    (`callswap.record_core_calls`; ``vectors``: the block's own 1-D parameters; ``capped``: whether
+    the core caps its scores), by the same tests its calls run (`structure_problem`,
+    `cap_problem`, `readings`, `unknown_arguments`), or None when some reading takes its arguments
+    (calibration then judges the numbers). Not read here: dropout in training (the probe runs in
+    eval mode) and the numbers themselves."""
     if "error" in call:
         return call["error"]
     args, kwargs = call["args"], call["kwargs"]
-    problem = structure_problem(args)
+    problem = structure_problem(args) or cap_problem(_call_values(args, kwargs), capped)
     if problem:
         return f"TypeError: {problem}"
     rest = {n: args[n] for n in list(args)[5:]}
     first = None
-    for variant in readings(args, kwargs, vectors):
+    for variant in readings(args, kwargs, vectors, capped):
         unknown = unknown_arguments(rest, variant)
         if not unknown:
             return None
@@ -184,12 +251,13 @@ def call_refusal(call: dict[str, Any], vectors: dict[str, int]) -> str | None:
     return f"TypeError: arguments the kernel does not take: {first}"
 
 
-def refusal(found: dict[str, Any], vectors: dict[str, int]) -> str | None:
+def refusal(found: dict[str, Any], vectors: dict[str, int], capped: bool | None = None) -> str | None:
     """Why `bind` would leave the block unpatched, read off what the parse stage recorded of its
     calls (``found``: `callswap.record_core_calls`'s entry for `ATTENTION_CORE`), or None when a
     call's arguments fit: `callswap.recorded_refusal` with this binding's `call_refusal` (the
-    same outcomes as `install` and the swaps' first calls)."""
-    return recorded_refusal(found, ATTENTION_CORE, NONE_FOUND, lambda call: call_refusal(call, vectors))
+    same outcomes as `install` and the swaps' first calls; ``capped`` as `bind` reads it)."""
+    return recorded_refusal(found, ATTENTION_CORE, NONE_FOUND,
+                            lambda call: call_refusal(call, vectors, capped))
 
 
 def _judged(ref: Any) -> Any:
@@ -203,7 +271,22 @@ ATTENTION_CORE = Interface(what="attention-core", fits=min_required(5), call=_ca
                            takes_block=True, judged=_judged)
 
 
+def capped(block: Any) -> bool | None:
+    """Whether the block's core caps its scores, as the parse stage saw it (``unfused_core``'s
+    ``softcap``: a tanh over the [.., T, T] scores); None without a written-out core recorded."""
+    core = block.attrs.get("unfused_core")
+    return None if core is None else bool(core.get("softcap"))
+
+
+def interface(cap: bool | None) -> Interface:
+    """`ATTENTION_CORE` with its readings and calls for a core that caps its scores or not
+    (``cap``, `capped`)."""
+    if cap is None:
+        return ATTENTION_CORE
+    return replace(ATTENTION_CORE, call=partial(_call, capped=cap), variants=partial(_variants, capped=cap))
+
+
 def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: PatchRecord,
          model: nn.Module) -> Callable[[], None] | None:
     """The `binding` hook (`onboarding.patching.core.patch_model`)."""
-    return install(module, entry_function(kernels[0]), record, ATTENTION_CORE, NONE_FOUND)
+    return install(module, entry_function(kernels[0]), record, interface(capped(block)), NONE_FOUND)

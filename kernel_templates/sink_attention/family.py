@@ -1,9 +1,11 @@
 """Sink-attention family: softmax attention with optional per-head sinks (an extra logit per head
 that joins each row's softmax denominator and gives no value), causal with an optional sliding
-window, grouped-query heads and an optional additive mask; FlashAttention-2-style Triton forward
-and backward (gradients to q, k, v and the sinks) against the eager path written out in torch.
+window, grouped-query heads, an optional additive mask and an optional logit soft-cap (c tanh(s /
+c), Gemma 2's); FlashAttention-2-style Triton forward and backward (gradients to q, k, v and the
+sinks) against the eager path written out in torch.
 
-One variant, `attention`: q [B, H, Tq, D], k, v [B, Hk, Tk, D], sinks [H] or None.
+One variant, `attention`: q [B, H, Tq, D], k, v [B, Hk, Tk, D], sinks [H] or None; the soft-cap is
+a runtime argument (the call's, read by the binding), not a render parameter.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from onboarding.families import FamilySpec, ShapeBucket
 
 from . import bench
-from .binding import ATTENTION_CORE, bind
+from .binding import ATTENTION_CORE, bind, capped
 from .binding import refusal as binding_refusal
 from .tuning import problem_dims, timing_inputs
 
@@ -39,7 +41,8 @@ def _claims(block: Any) -> dict[str, Any] | None:
     scores = core.get("scores") or []
     sink = len(scores) >= 2 and scores[-1] == scores[-2] + 1
     return {**m, "serves": "attention core",
-            "note": "softmax(QK^T)V fused" + (", the sink column in the softmax" if sink else "")}
+            "note": "softmax(QK^T)V fused" + (", the sink column in the softmax" if sink else "")
+            + (", the logits soft-capped (the call's softcap)" if core.get("softcap") else "")}
 
 
 def refusal(block: Any) -> dict[str, str] | None:
@@ -53,7 +56,7 @@ def refusal(block: Any) -> dict[str, str] | None:
     if found is None:
         return None
     vectors = {n: shape[0] for n, shape in block.params.items() if "." not in n and len(shape) == 1}
-    why = binding_refusal(found, vectors)
+    why = binding_refusal(found, vectors, capped(block))
     return None if why is None else {"serves": "attention core", "reason": why}
 
 
@@ -79,7 +82,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sink_attention.py.j2",
-    template_version=3,  # v3: aot_specs builds the masked backward (dK/dV, dQ) too
+    template_version=4,  # v3: aot_specs builds the masked backward (dK/dV, dQ) too; v4: the logit soft-cap
     folder=Path(__file__).parent,
     variants={"attention": "softmax attention with optional per-head sinks; causal, optional sliding "
                            "window, GQA, optional additive mask; forward + backward (dq, dk, dv, dsinks)"},
@@ -104,7 +107,9 @@ FAMILY = FamilySpec(
     # 169 / 0. The masked forward (an additive mask tile per block) spills at every tried
     # config: 128 x 64 at 4 warps 3400 bytes, at 8 warps 460, 64 x 64 at 4 warps 564. The masked
     # backward (in aot_specs since v3; triton 3.9 with the runtime's marks, bf16, these defaults):
-    # dK/dV 232 / 0 and dQ 232 / 0 at D 64, 252 / 0 and 239 / 0 at D 128.
+    # dK/dV 232 / 0 and dQ 232 / 0 at D 64, 252 / 0 and 239 / 0 at D 128. The soft-capped kernels
+    # (in aot_specs since v4; no mask; the uncapped builds unchanged by v4): forward, dK/dV, dQ
+    # 172 / 0, 236 / 0, 225 / 0 at D 64, 198 / 0, 250 / 0, 214 / 0 at D 128.
     default_config={"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
                     "BWD_BLOCK_M": 64, "BWD_BLOCK_N": 64, "bwd_warps": 8, "precision": "tf32"},
     shape_buckets=(

@@ -72,13 +72,21 @@ class MixerRules:
             return self._compressed_attention(path, recs, ev, pooled, keys, child_kinds)
         if not seq_topk and not any(is_sdpa(r.op) for r in recs):
             # softmax(Q K^T) V written out: the scores are a tensor in memory, O(T^2) per head
-            scores = next((r.in_shapes[0] for r in recs if r.op in SOFTMAX and r.in_shapes
-                           and r.in_shapes[0] and r.in_shapes[0][-2:] in ([ctx.seq, ctx.seq],
-                                                                          [ctx.seq, ctx.seq + 1])),
-                          None)
+            soft = next((r for r in recs if r.op in SOFTMAX and r.in_shapes
+                         and r.in_shapes[0] and r.in_shapes[0][-2:] in ([ctx.seq, ctx.seq],
+                                                                        [ctx.seq, ctx.seq + 1])),
+                        None)
+            scores = soft.in_shapes[0] if soft is not None else None
             attrs["unfused_core"] = {"scores": scores, "score_gemms": sum(
                 1 for r in mm if not r.params and r.op in ("mm", "bmm"))}
             ev.append(f"unfused: the scores {scores} are materialised, O(T^2) memory and traffic")
+            # a logit soft-cap (c tanh(s / c), Gemma 2's): a tanh over the [.., T, T] scores
+            # before their softmax; the key only where there is one
+            if soft is not None and any(r.op in ("tanh", "tanh_") and r.index < soft.index and r.in_shapes
+                                        and r.in_shapes[0] and r.in_shapes[0][-2:] == [ctx.seq, ctx.seq]
+                                        for r in recs):
+                attrs["unfused_core"]["softcap"] = True
+                ev.append("the scores soft-capped before the softmax: a tanh over them (c tanh(s / c))")
         # MLA: a low-rank latent that a child norm normalises and a projection expands again.
         # Per-head q/k norms see [B, T, H, D]; a latent norm sees [B, T, r] straight from a
         # projection.

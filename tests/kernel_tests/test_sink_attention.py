@@ -1,6 +1,6 @@
-"""Sink attention (per-head sinks or none; causal, sliding window, GQA, additive mask): forward and
-every gradient, d(sinks) included, against the eager math written out in torch; planted bugs that
-the comparison must catch; opcheck; the sm_90 build."""
+"""Sink attention (per-head sinks or none; causal, sliding window, GQA, additive mask, logit
+soft-cap): forward and every gradient, d(sinks) included, against the eager math written out in
+torch; planted bugs that the comparison must catch; opcheck; the sm_90 build."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def shape_id(s) -> str:
             + (f"-w{window}" if window else "") + ("" if causal else "-full") + ("-mask" if mask else ""))
 
 
-def make_inputs(shape, dtype, device, gen):
+def make_inputs(shape, dtype, device, gen, softcap=None):
+    """The entry's arguments for ``shape``; with ``softcap`` that too (a ninth argument)."""
     B, H, Hk, Tq, Tk, D, sinks, window, causal, mask = shape
     q = torch.randn(B, H, Tq, D, generator=gen).to(device, dtype)
     k = torch.randn(B, Hk, Tk, D, generator=gen).to(device, dtype)
@@ -45,12 +46,12 @@ def make_inputs(shape, dtype, device, gen):
         m = 0.3 * torch.randn(B, 1, Tq, Tk, generator=gen)
         m[..., :3] = torch.finfo(torch.float32).min
         m = m.to(device, dtype if dtype != torch.float16 else torch.float32)
-    return [q, k, v, s, m, None, causal, window]
+    return [q, k, v, s, m, None, causal, window] + ([softcap] if softcap is not None else [])
 
 
-def fixture(module, shape) -> KernelFixture:
+def fixture(module, shape, softcap=None) -> KernelFixture:
     return KernelFixture(name="sink_attention", module=module, weights=(3,), no_grad=(4,),
-                         make_inputs=lambda dtype, device, gen: make_inputs(shape, dtype, device, gen))
+                         make_inputs=lambda dtype, device, gen: make_inputs(shape, dtype, device, gen, softcap))
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +65,10 @@ def test_forward_backward(module, device, dtype, shape):
     check_forward_backward(fixture(module, shape), dtype, device)
 
 
-def _errors(mod, shape, device, seed=0):
+def _errors(mod, shape, device, seed=0, softcap=None):
     """Relative RMS error of o and of every gradient (q, k, v, sinks) against the reference, fp32."""
     gen = torch.Generator().manual_seed(seed)
-    args = make_inputs(shape, torch.float32, device, gen)
+    args = make_inputs(shape, torch.float32, device, gen, softcap)
     leaves = [a.requires_grad_(True) for a in args[:4] if a is not None]
     out = mod.entry(*args)
     do = torch.randn(out.shape, generator=gen).to(device)
@@ -118,20 +119,89 @@ PLANTED = {
     "window one key short": ("ok = ok & (o_n[None, :] > o_m[:, None] + off - WINDOW)",
                              "ok = ok & (o_n[None, :] > o_m[:, None] + off - WINDOW + 1)"),
     "GQA head of the dK/dV sum": ("i_h = i_hk * GROUP + g", "i_h = i_hk + g * Hk"),
-    "dq's D term dropped": ("b_ds = b_p * (b_dp - b_delta[:, None])\n        b_dq",
-                            "b_ds = b_p * b_dp\n        b_dq"),
+    "dq's D term dropped": ("b_ds = b_p * (b_dp - b_delta[:, None])\n        if SOFTCAP",
+                            "b_ds = b_p * b_dp\n        if SOFTCAP"),
 }
+
+
+def _mutant(module, tmp_path, old: str, new: str, tag: str):
+    """The module with ``old`` (spelled once) replaced by ``new``, under its own op name."""
+    src = Path(module.__file__).read_text()
+    assert src.count(old) == 1, f"the rendered module no longer spells {old!r} once"
+    src = src.replace(old, new).replace(module.OP_NAME, module.OP_NAME + "_planted_" + tag)
+    mutant = templating.load_module(templating.write_module(src, tmp_path / f"planted_{tag}.py"))
+    mutant.set_config(CPU_CONFIG)
+    return mutant
 
 
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_bug_is_caught(module, device, tmp_path, bug):
-    old, new = PLANTED[bug]
-    src = Path(module.__file__).read_text()
-    assert src.count(old) == 1, f"the rendered module no longer spells {old!r} once"
-    src = src.replace(old, new).replace(module.OP_NAME, module.OP_NAME + "_planted" + str(list(PLANTED).index(bug)))
-    mutant = templating.load_module(templating.write_module(src, tmp_path / f"planted_{list(PLANTED).index(bug)}.py"))
-    mutant.set_config(CPU_CONFIG)
+    mutant = _mutant(module, tmp_path, *PLANTED[bug], str(list(PLANTED).index(bug)))
     worst = max(max(_errors(mutant, s, device).values()) for s in (SHAPES[0], SHAPES[2]))
+    assert worst > 1e-2, f"planted bug {bug!r} not caught (worst relative RMS error {worst:.2e})"
+
+
+# ---- the logit soft-cap: s -> c tanh(s / c) after the scaling, before the mask (Gemma 2's) -------
+
+# (shape, c): caps that bend the scores (scale q k^T is about N(0, 1) here, so tanh(s / c) is far
+# from linear), odd T, GQA, a window and an additive mask
+CAPPED = [
+    ((1, 4, 2, 21, 21, 16, True, 8, True, True), 1.5),  # sinks, window 8, mask, GQA 2
+    ((1, 4, 1, 7, 19, 12, False, 0, True, True), 1.0),  # decode-like Tq < Tk, no sink, mask, D 12, GQA 4
+]
+TINY_CAPPED = ((1, 2, 1, 9, 9, 8, True, 4, True, True), 1.0)  # opcheck's and the None / 0 test's
+
+
+def capped_id(case) -> str:
+    return f"{shape_id(case[0])}-cap{case[1]}"
+
+
+@pytest.mark.parametrize("case", CAPPED, ids=capped_id)
+def test_softcap_every_gradient(module, device, case):
+    """With a soft-cap: o, dq, dk, dv and d(sinks) within 1e-4 relative RMS of the eager math in
+    fp32 (transformers' order: scaled, capped, masked); the cap changes the reference's output
+    by far more than that, so the comparison sees it."""
+    shape, cap = case
+    errs = _errors(module, shape, device, softcap=cap)
+    assert len(errs) == 4 + shape[6]
+    bad = {n: e for n, e in errs.items() if not e <= 1e-4}
+    assert not bad, f"{capped_id(case)}: {bad}"
+    args = make_inputs(shape, torch.float32, device, torch.Generator().manual_seed(0))
+    assert rel_rms(module.reference(*args, cap), module.reference(*args)) > 0.05
+
+
+def test_softcap_none_or_zero_is_the_uncapped_kernel(module, device):
+    """softcap None or 0 runs the uncapped kernels: the output and every gradient bit for bit
+    those of the call without the argument; a negative or non-finite cap is refused."""
+    args = make_inputs(TINY_CAPPED[0], torch.float32, device, torch.Generator().manual_seed(1))
+    leaves = [a.requires_grad_(True) for a in args[:4]]
+    results = []
+    for extra in ([], [None], [0.0]):
+        out = module.entry(*args, *extra)
+        results.append([out, *torch.autograd.grad(out, leaves, torch.ones_like(out))])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            module.entry(*args, bad)
+
+
+# Planted soft-cap bugs: each must fail the capped comparison (the uncapped kernels are not affected).
+PLANTED_CAP = {
+    "dK/dV without the cap's slope (1 - tanh^2)": (
+        "            if SOFTCAP:\n                b_ds = b_ds * _cap_slope(b_x, softcap)\n", ""),
+    "dQ without the cap's slope (1 - tanh^2)": (
+        "        if SOFTCAP:\n            b_ds = b_ds * _cap_slope(b_x, softcap)\n", ""),
+    "the scale applied after the cap": ("return scale / softcap, softcap * LOG2E",
+                                        "return 1.0 / softcap, softcap * scale * LOG2E"),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED_CAP))
+def test_planted_softcap_bug_is_caught(module, device, tmp_path, bug):
+    mutant = _mutant(module, tmp_path, *PLANTED_CAP[bug], f"cap{list(PLANTED_CAP).index(bug)}")
+    shape, cap = CAPPED[0]
+    worst = max(_errors(mutant, shape, device, softcap=cap).values())
     assert worst > 1e-2, f"planted bug {bug!r} not caught (worst relative RMS error {worst:.2e})"
 
 
@@ -162,6 +232,7 @@ def test_opcheck_and_contract(module, device):
     check_module_contract(module)
     for shape in (SHAPES[4], SHAPES[1]):
         check_opcheck(fixture(module, shape), torch.float32, device)
+    check_opcheck(fixture(module, *TINY_CAPPED), torch.float32, device)
 
 
 def test_shape_errors_name_shapes(module, device):
@@ -173,7 +244,7 @@ def test_shape_errors_name_shapes(module, device):
         module.entry(q, q, q, torch.zeros(2, device=device))
 
 
-@pytest.mark.slow  # sm_90 builds of seven kernel specs (the masked forward, dK/dV and dQ too)
+@pytest.mark.slow  # sm_90 builds of ten kernel specs (the masked and the soft-capped forward, dK/dV and dQ too)
 def test_aot_sm90(module):
     ok, why = aot.aot_available()
     if not ok:
@@ -210,14 +281,16 @@ def test_aot_sm90_small_head_dim(module, tmp_path):
     """Every kernel builds for sm_90 at head dim 8 in bf16 (the default tiles): tl.dot on a GPU
     needs each dimension >= 16 (K >= 16 for 16-bit operands), which the interpreter does not ask;
     the head-dim tile was D's power of two (8) and 10 of the H100's 30 tests failed to compile.
-    The builds include every kernel that reads the additive mask with it (forward, dK/dV, dQ)."""
-    masked = {s["kernel"] for s in module.aot_specs("bf16", 8) if s["constexprs"].get("HAS_MASK")}
-    assert masked == {"sink_attn_fwd_kernel", "sink_attn_bwd_dkdv_kernel", "sink_attn_bwd_dq_kernel"}
+    The builds include every kernel that reads the additive mask with it (forward, dK/dV, dQ),
+    and every kernel that applies the soft-cap with it."""
+    for flag in ("HAS_MASK", "SOFTCAP"):
+        built = {s["kernel"] for s in module.aot_specs("bf16", 8) if s["constexprs"].get(flag)}
+        assert built == {"sink_attn_fwd_kernel", "sink_attn_bwd_dkdv_kernel", "sink_attn_bwd_dq_kernel"}, flag
     bad = _aot_failures(module, tmp_path, [(8, "bf16")])
     assert not bad, bad
 
 
-@pytest.mark.slow  # three more sm_90 builds of seven kernel specs
+@pytest.mark.slow  # three more sm_90 builds of ten kernel specs
 def test_aot_sm90_small_head_dims_every_tile(module, tmp_path):
     """Head dims 8 and 12 in bf16, and 8 in fp32 (the config's "tf32" dots; triton 3.6 asks
     K >= 16 of fp32 dots too, 3.9 only 8), at the smallest tiles the tuning space holds (16
@@ -248,11 +321,18 @@ def _causal_mask(t: int, window: int | None) -> torch.Tensor:
 
 def _attention_pair(kind: str, layer: int, device=torch.device("cpu")):
     """(reference, candidate, call args) for one eager attention module of transformers: gpt-oss's
-    (sinks; layer 0 sliding with window 8, layer 1 full) or Llama's (no sink), T 13, GQA 2, on
+    (sinks; layer 0 sliding with window 8, layer 1 full), Gemma 2's (a logit soft-cap of 2.0, small
+    enough to bend these scores; layers as gpt-oss's) or Llama's (no sink), T 13, GQA 2, on
     ``device`` (the kernel's: a GPU when there is one)."""
     import copy
 
-    if kind == "gpt_oss":
+    if kind == "gemma2":
+        from transformers.models.gemma2 import modeling_gemma2 as mm
+        cfg = mm.Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              sliding_window=8, num_hidden_layers=2, query_pre_attn_scalar=8,
+                              attn_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"])
+        cls = mm.Gemma2Attention
+    elif kind == "gpt_oss":
         from transformers.models.gpt_oss import modeling_gpt_oss as mm
         cfg = mm.GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                               sliding_window=8, num_hidden_layers=2,
@@ -280,8 +360,9 @@ def _attention_pair(kind: str, layer: int, device=torch.device("cpu")):
                        _causal_mask(t, window).to(device))
 
 
-def _bind(cand, kernel):
-    """The family binding's swap on ``cand`` with ``kernel`` as the entry; its patch record."""
+def _bind(cand, kernel, capped=None):
+    """The family binding's swap on ``cand`` with ``kernel`` as the entry, for a core that caps its
+    scores or not (``capped``, as `bind` reads the graph; None: not known); its patch record."""
     import importlib
 
     from onboarding.families import family_module
@@ -290,7 +371,7 @@ def _bind(cand, kernel):
 
     binding = importlib.import_module(family_module("sink_attention").__package__ + ".binding")
     record = PatchRecord(path="attn", kind="attention.full", family="sink_attention")
-    assert install(cand, kernel, record, binding.ATTENTION_CORE, "none") is not None
+    assert install(cand, kernel, record, binding.interface(capped), "none") is not None
     return record
 
 
@@ -345,6 +426,46 @@ def test_binding_keeps_the_original_when_the_kernel_drops_the_sink(module, devic
     record = _bind(cand, no_sink)
     y, _ = _run(cand, args)
     assert record.status == "rejected", record
+    assert rel_rms(y, ref(*args)[0]) < 1e-6
+
+
+@pytest.mark.parametrize("layer,capped", [(0, True), (1, True), (0, None)],
+                         ids=["sliding", "full", "sliding-graph-unknown"])
+def test_binding_serves_a_softcapped_core(module, device, layer, capped):
+    """Gemma 2's eager attention function, handed its logit soft-cap as ``softcap``: the swap keeps
+    the reading with the call's cap (told by the graph that the core caps its scores, or not told:
+    the call's cap is tried first), and the output and every parameter gradient are the unpatched
+    module's."""
+    pytest.importorskip("transformers")
+    ref, cand, args = _attention_pair("gemma2", layer, device)
+    calls = []
+
+    def kernel(q, k, v, sinks, mask, scale, causal, window, softcap=None):
+        calls.append((sinks, causal, window, softcap))
+        return module.entry(q, k, v, sinks, mask, scale, causal, window, softcap)
+
+    record = _bind(cand, kernel, capped)
+    y, grads = _run(cand, args)
+    assert record.status == "active" and "eager_attention_forward" in record.binding, record
+    assert calls[-1] == (None, True, cand.sliding_window or 0, 2.0), calls[-1]
+    y_ref, ref_grads = _run(ref, args)
+    assert rel_rms(y, y_ref) < 1e-5
+    for n, g in ref_grads.items():
+        assert rel_rms(grads[n], g) < 1e-5, n
+
+
+def test_binding_keeps_the_original_when_the_kernel_drops_the_softcap(module, device):
+    """A kernel that ignores the soft-cap (planted: the entry as it was before it took one) is
+    refused on the first call (these scores are bent by the cap): the block runs its own code."""
+    pytest.importorskip("transformers")
+    ref, cand, args = _attention_pair("gemma2", 0, device)
+
+    def no_cap(q, k, v, sinks, mask, scale, causal, window, softcap=None):
+        return module.entry(q, k, v, sinks, mask, scale, causal, window)
+
+    record = _bind(cand, no_cap, capped=True)
+    y, _ = _run(cand, args)
+    assert record.status == "rejected" and "output" in record.detail, record
     assert rel_rms(y, ref(*args)[0]) < 1e-6
 
 
