@@ -622,3 +622,24 @@ def test_problem_dims_and_timing_inputs(parse_model, module, device):
     out = module.entry(*args)
     assert out.shape == (dims["B"], dims["H"], 9, dims["D"])
     assert rel_rms(out, module.reference(*args)) < 1e-5
+    assert dims["C"] == 0 and args[-1] is None
+
+
+def test_problem_dims_time_the_softcapped_kernels(module, device):
+    """A block whose core soft-caps its scores (the graph's ``unfused_core.softcap``) is timed with
+    a cap (C 1); without the mark, with none."""
+    from types import SimpleNamespace
+
+    from onboarding.families import families
+
+    spec = families()["sink_attention"]
+    params = {"q.weight": [32, 32], "k.weight": [16, 32], "v.weight": [16, 32], "o.weight": [32, 32]}
+    entry = SimpleNamespace(shapes=[[1, 9, 32]])
+    for capped in (True, False):
+        core = {"scores": [1, 4, 9, 9], "score_gemms": 0, **({"softcap": True} if capped else {})}
+        block = SimpleNamespace(attrs={"unfused_core": core}, params=params)
+        dims = spec.problem_dims(entry, block)
+        assert dims == {"B": 1, "T": 9, "H": 4, "Hk": 2, "D": 8, "S": 0, "C": int(capped)}, dims
+        args = spec.timing_inputs("attention", {}, dims, torch.float32, torch.Generator(device=device).manual_seed(0))
+        assert (args[-1] == 50.0) if capped else (args[-1] is None)
+    assert rel_rms(module.entry(*args[:-1], 2.0), module.reference(*args[:-1], 2.0)) < 1e-5
