@@ -204,9 +204,11 @@ def test_sink_refusal_reads_the_recorded_calls_as_the_swap_reads_its_arguments()
     assert binding.refusal(capped, {}) is None and binding.refusal(capped, {}, capped=True) is None
     assert binding.refusal({"reachable": ["g"], "calls": [call(softcap=30.0)]}, {}, capped=True) is None
     assert "['softcap']" in binding.refusal(capped, {}, capped=False)
-    assert binding.refusal({"reachable": ["global attend"], "calls": [call()]}, {}, capped=True) == \
-        f"global attend: TypeError: {binding.CAPPED_UNREAD}"
-    for bad in (-1.0, 0, {"tensor": [4], "dtype": "float32"}, True):
+    for none in ({}, {"softcap": None}, {"softcap": 0.0}):  # no cap to read: an uncapped core takes it
+        assert binding.refusal({"reachable": ["global attend"], "calls": [call(none)]}, {}, capped=True) == \
+            f"global attend: TypeError: {binding.CAPPED_UNREAD}"
+        assert binding.refusal({"reachable": ["global attend"], "calls": [call(none)]}, {}, capped=False) is None
+    for bad in (-1.0, float("inf"), {"tensor": [4], "dtype": "float32"}, True):
         why = binding.refusal({"reachable": ["global attend"], "calls": [call({"softcap": bad})]}, {}, capped=True)
         assert why.startswith("global attend: TypeError: softcap ") and "positive finite" in why, (bad, why)
     # the cap the readings take is the call's, first; without the graph's word, none after it

@@ -36,7 +36,7 @@ The logit soft-cap, s -> c tanh(s / c) after the scaling and before the mask (Ge
 attn_logit_softcapping), is read from the call too, by the interface's keyword ``softcap`` (a
 named parameter of the function or one its ``**kwargs`` took; transformers' fused paths read it
 there), never from the model: a positive finite number is the kernel's cap, None (or no such
-argument) none. Whether the core caps its scores is structure the parse stage saw
+argument, or 0) none. Whether the core caps its scores is structure the parse stage saw
 (``unfused_core["softcap"]``: a tanh over the [.., T, T] scores), and it decides the readings
 (`cap_readings`), since the first call's check cannot: tanh(s / c) is nearly linear while the
 scores are small against c (a fresh proxy's), so a kernel with the cap and one without can both
@@ -118,14 +118,19 @@ def _is_cap(val: Any) -> bool:
     return isinstance(val, (int, float)) and not isinstance(val, bool) and 0 < val < float("inf")
 
 
+def _no_cap(val: Any) -> bool:
+    """None, or 0 (flash-attn's softcap=0.0: no soft-cap)."""
+    return val is None or (isinstance(val, (int, float)) and not isinstance(val, bool) and val == 0)
+
+
 def cap_problem(values: dict[str, Any], capped: bool | None) -> str | None:
     """Why a call's soft-cap (``values``: its described arguments past the first five,
-    `_call_values`) cannot be the kernel's on a core that caps its scores (``capped``, the graph's
-    ``unfused_core["softcap"]``; None: not known), or None."""
+    `_call_values`) cannot be the kernel's, on a core that caps its scores or may (``capped``, the
+    graph's ``unfused_core["softcap"]``; None: not known), or None."""
     val = values.get(SOFTCAP)
-    if val is not None and not _is_cap(val):
+    if not _no_cap(val) and not _is_cap(val):
         return f"softcap {val!r}: the kernel's cap is a positive finite number c (c tanh(s / c))"
-    if capped and val is None:
+    if capped and not _is_cap(val):
         return CAPPED_UNREAD
     return None
 
