@@ -603,3 +603,65 @@ def test_a_vocabulary_over_part_of_the_vocabulary_is_cut_to_the_proxy_vocabulary
     assert c.vocab_size_per_layer_input == c.vocab_size <= 2048
     model = info.loaded.build(info.proxy_config, device="meta", seed=None)
     assert count_parameters(model).total < 10e6
+
+
+class _DepthStack(torch.nn.Module):
+    """A stack of full- and linear-attention layers; each linear layer holds a decay buffer, scaled by
+    its depth as MiniMax scales its slopes (``depth``), constant, random or left uninitialised."""
+
+    def __init__(self, cfg, decay: str):
+        super().__init__()
+        n = cfg.num_hidden_layers
+        self.layers = torch.nn.ModuleList()
+        for i, kind in enumerate(cfg.layer_types):
+            layer = torch.nn.Module()
+            layer.proj = torch.nn.Linear(cfg.hidden_size, cfg.hidden_size)
+            if kind == "linear_attention":
+                layer.gate = torch.nn.Linear(cfg.hidden_size, 2)
+                f = 1 - i / (n - 1 + 1e-5) + 1e-5 if decay == "depth" else 1.0
+                layer.register_buffer("slope", torch.empty(2) if decay == "uninitialised"
+                                      else torch.rand(2) if decay == "random"
+                                      else torch.tensor([0.5 * f, 0.25 * f]))
+            self.layers.append(layer)
+
+
+@pytest.mark.parametrize("decay, kept", [
+    ("depth", ["full_attention", "linear_attention", "full_attention"]),
+    ("constant", ["full_attention", "linear_attention"]),
+    ("random", ["full_attention", "linear_attention"]),
+    ("uninitialised", ["full_attention", "linear_attention"]),
+])
+def test_a_kind_whose_constants_depend_on_the_depth_is_not_only_the_last_layer(decay, kept):
+    """MiniMax scales its linear layers' decay slopes by 1 - layer_idx / (L - 1 + 1e-5) + 1e-5.
+    Its tiny proxy kept one period, full then linear: the one linear layer was the last, its
+    slopes about 2e-5 of the model's, and a lightning-attention kernel with a wrong decay passed
+    the gate there. A kind kept only as the proxy's last layer whose buffers change with the
+    layer count gets the next layer after it; constant, random or uninitialised buffers change
+    nothing, and the caller's random numbers are as they were."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+
+    from onboarding.load.proxy import proxy_config
+
+    full = PretrainedConfig(hidden_size=1024, num_attention_heads=8, num_hidden_layers=8,
+                            layer_types=["full_attention", "linear_attention"] * 4, vocab_size=5000)
+
+    def build(cfg=None, *, device="cpu", seed=None):  # as LoadedModel.build
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.device(device):
+            return _DepthStack(cfg or full, decay)
+
+    loaded = SimpleNamespace(ref=f"test:depth_stack_{decay}", part="language", config=full,
+                             is_hf=True, probe_proxy=None, build=build)
+    meta = build(device="meta")
+    torch.manual_seed(3)
+    want = torch.rand(2)
+    torch.manual_seed(3)
+    cfg, _ = proxy_config(loaded, "tiny", meta)
+    assert torch.equal(torch.rand(2), want)
+    assert cfg.layer_types == kept and cfg.num_hidden_layers == len(kept)
+    if decay == "depth":  # the linear layer's slopes are the model's, halved
+        slope = build(cfg).layers[1].slope
+        assert torch.allclose(slope, torch.tensor([0.25, 0.125]), rtol=1e-4)

@@ -21,6 +21,7 @@ the sizes, the layer choice, the re-derivation of derived fields and the checks 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -28,6 +29,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from onboarding.load.accounting import LAYER_INDEX
@@ -152,11 +154,34 @@ def _period(desc: list[tuple]) -> tuple[int, int]:
     return best
 
 
-def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None, name: str) -> list[int]:
+def _choose_layers(c: Any, periods: int, signatures: list[tuple] | None, name: str,
+                   depth_kinds: frozenset[tuple] = frozenset()) -> list[int]:
+    """The full-model indices of the layers to keep: ``periods`` periods of the layer schedule
+    (every distinct layer kind), one more layer where the last kept one is alone of its kind and
+    in ``depth_kinds`` (`_depth_dependent_kinds`)."""
     desc = layer_descriptors(c, signatures, name)
     n = getattr(c, name)
     if not desc:
         return list(range(min(n, 2 * periods)))
+    keep = _schedule_layers(desc, periods)
+    if _alone_last(desc, keep) in depth_kinds:
+        keep.append(keep[-1] + 1)
+    return keep
+
+
+def _alone_last(desc: list[tuple], keep: list[int]) -> tuple | None:
+    """The descriptor of the last kept layer where no other kept layer has it and the full
+    stack has a layer after it: a layer kind that would only be seen as the proxy's last."""
+    if not keep or keep[-1] + 1 >= len(desc):
+        return None
+    d = desc[keep[-1]]
+    return d if sum(desc[i] == d for i in keep) == 1 else None
+
+
+def _schedule_layers(desc: list[tuple], periods: int) -> list[int]:
+    """``periods`` periods of the layer schedule ``desc`` after its prefix, every distinct
+    kind included; a stack of runs: the first ``periods`` periods of each run."""
+    n = len(desc)
     prefix, period = _period(desc)
     first_seen: dict[tuple, int] = {}
     for i, d in enumerate(desc):
@@ -233,7 +258,8 @@ def _partition_counts(c: Any, name: str, n: int, m: int) -> None:
 
 
 def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
-                   name: str | None) -> list[int] | None:
+                   name: str | None, depth_kinds: frozenset[tuple] = frozenset()
+                   ) -> list[int] | None:
     """Keep the layers `_choose_layers` picks; returns their full-model indices (None: no layer
     count to shrink). ``name``: the layer-count field (None: the first known one ``c`` has)."""
     name = name or layer_count_name(c)
@@ -242,7 +268,7 @@ def _shrink_layers(c: Any, periods: int, signatures: list[tuple] | None,
     n = getattr(c, name)
     for field in ("first_k_dense_replace",):
         _set(c, field, lambda v: min(v, 1))
-    keep = _choose_layers(c, periods, signatures, name)
+    keep = _choose_layers(c, periods, signatures, name, depth_kinds)
     for k, v in list(vars(c).items()):
         if isinstance(v, (list, tuple)) and len(v) == n and n > 1:
             setattr(c, k, type(v)(v[i] for i in keep))
@@ -396,12 +422,15 @@ def _fit_rope_sections(c: Any, before: dict[str, Any]) -> None:
 
 def shrink_config(config: Any, size: str, *, periods: int = 1,
                   signatures: list[tuple] | None = None, notes: list[str] | None = None,
-                  head_dim: int | None = None, layer_count: str | None = None) -> Any:
+                  head_dim: int | None = None, layer_count: str | None = None,
+                  depth_kinds: frozenset[tuple] = frozenset()) -> Any:
     """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
 
     ``signatures`` (from `layer_signatures` of the full-size model) let the layer choice see
     layer kinds that the config does not list per layer; ``layer_count`` (`layer_count_name`)
-    is the field that counts the layer stack (None: the first known name the config has). What
+    is the field that counts the layer stack (None: the first known name the config has);
+    ``depth_kinds`` the layer descriptors whose constants depend on the layer count
+    (`_depth_dependent_kinds`): such a kind is not kept as the proxy's last layer alone. What
     the proxy caps or could not re-derive is appended to ``notes``; without a list, each is
     warned about (`ProxyWarning`).
     """
@@ -418,7 +447,7 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
         c.head_dim = head_dim
     _shrink_experts(c, s, found)
     _shrink_vocab(c, s)
-    keep = _shrink_layers(c, periods, signatures, layer_count)
+    keep = _shrink_layers(c, periods, signatures, layer_count, depth_kinds)
     _rederive(c, found, text_config(config), before)
     _fit_rope_sections(c, before)
     if overrides is not None:
@@ -465,9 +494,10 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
     name = layer_count_name(c, full_model)
     sigs = layer_signatures(full_model, getattr(c, name)) if full_model is not None and name \
         else None
+    depth = _depth_dependent_kinds(loaded, sigs, name, full_model)
     notes: list[str] = []
     periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs, notes=notes,
-                                    layer_count=name)
+                                    layer_count=name, depth_kinds=depth)
     while s.min_params:
         n = count_parameters(loaded.build(cfg, device="meta", seed=None)).total
         if n >= s.min_params or periods >= 16:
@@ -475,12 +505,12 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
         periods += 1
         notes = []
         cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs, notes=notes,
-                            layer_count=name)
+                            layer_count=name, depth_kinds=depth)
     if not s.min_params and loaded.probe_proxy is not None and not loaded.probe_proxy(cfg):
         full_hd = _head_dim(c)
         for hd in dict.fromkeys(x for x in (full_hd, 128, 64) if x):
             kept = shrink_config(loaded.config, size, signatures=sigs, notes=[], head_dim=hd,
-                                 layer_count=name)
+                                 layer_count=name, depth_kinds=depth)
             if loaded.probe_proxy(kept):
                 cfg = kept
                 notes.append(f"head dim {hd}: the proxy with shrunk heads does not run (a "
@@ -491,6 +521,94 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
     _warn(size, notes)
     note = f"shrunk to the {size} proxy ({periods} layer period(s))"
     return cfg, "; ".join([note] + notes)
+
+
+def _depth_dependent_kinds(loaded, signatures: list[tuple] | None, name: str | None,
+                           full_model: nn.Module | None) -> frozenset[tuple]:
+    """The kind (layer descriptor) of the tiny proxy's last layer when no other kept layer is of
+    that kind and its constants depend on the layer count; empty otherwise.
+
+    A layer may compute constants from its depth, ``layer_idx / (num_layers - 1)``: MiniMax
+    scales its linear-attention layers' decay slopes by ``1 - layer_idx / (L - 1 + 1e-5) +
+    1e-5``, about 2e-5 at the last layer. A proxy whose only layer of that kind is its last
+    sees no decay, and a kernel that gets the decay wrong passes there. Found by building the
+    tiny proxy with and without one more layer after it (on the CPU, weights left
+    uninitialised: the constructors' buffers are what is read, uninitialised memory filled
+    with NaN, torch's deterministic fill) and comparing that layer's buffers and float
+    attributes. Kept per model and config for the process: every proxy of the model asks
+    again (tiny and small, each run's stages)."""
+    if full_model is None or name is None:
+        return frozenset()
+    key = (loaded.ref, loaded.part, repr(loaded.config))
+    if key not in _DEPTH_KINDS:
+        _DEPTH_KINDS[key] = _probe_depth_kinds(loaded, signatures, name, full_model)
+    return _DEPTH_KINDS[key]
+
+
+_DEPTH_KINDS: dict[tuple[str, str, str], frozenset[tuple]] = {}
+
+
+def _probe_depth_kinds(loaded, signatures: list[tuple] | None, name: str,
+                       full_model: nn.Module) -> frozenset[tuple]:
+    c = text_config(loaded.config)
+    desc, stack = layer_descriptors(c, signatures, name), _layer_stack(full_model, getattr(c, name))
+    keep = _choose_layers(c, 1, signatures, name) if desc else []
+    last = _alone_last(desc, keep)
+    if last is None or stack is None:
+        return frozenset()
+    from transformers.initialization import no_init_weights
+
+    seen = []
+    for depth in (frozenset(), frozenset({last})):
+        cfg = shrink_config(loaded.config, "tiny", signatures=signatures, notes=[],
+                            layer_count=name, depth_kinds=depth)
+        try:
+            # one seed for both builds (random buffers agree), the caller's RNG left as it was
+            with no_init_weights(), _filled_empty(), torch.random.fork_rng(devices=[]):
+                model = loaded.build(cfg, device="cpu", seed=0)
+        except InputError:  # a proxy that does not build: the checks after the shrink say so
+            return frozenset()
+        seen.append(_constants(model.get_submodule(stack)[len(keep) - 1]))
+    alone, followed = seen
+    return frozenset({last}) if alone.keys() != followed.keys() or not all(
+        _equal(v, followed[k]) for k, v in alone.items()) else frozenset()
+
+
+@contextlib.contextmanager
+def _filled_empty():
+    """torch.empty filled (floats NaN, integers their maximum) while inside: an uninitialised
+    buffer reads the same in every build."""
+    import torch.utils.deterministic as det
+
+    was = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        det.fill_uninitialized_memory = was[2]
+
+
+def _constants(layer: nn.Module) -> dict[str, Any]:
+    """A layer's buffers and float attributes, by sub-module path and name."""
+    out: dict[str, Any] = {}
+    for path, m in layer.named_modules():
+        for k, b in m.named_buffers(recurse=False):
+            out[f"{path}.{k}"] = b
+        out.update({f"{path}.{k}": v for k, v in vars(m).items() if isinstance(v, float)})
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Two constants are the same: tensors of one shape and dtype, equal or both NaN at each
+    position (`_filled_empty`), or equal values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) \
+            and torch.equal(a.nan_to_num(), b.nan_to_num())
+    return a == b or a != a and b != b  # NaN floats: the same unset value
 
 
 # A proxy that keeps more than half the full model's parameters and more than this many times
