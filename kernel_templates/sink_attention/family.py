@@ -82,7 +82,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="sink_attention.py.j2",
-    template_version=4,  # v3: aot_specs builds the masked backward (dK/dV, dQ) too; v4: the logit soft-cap
+    template_version=5,  # v3: aot_specs builds the masked backward (dK/dV, dQ) too; v4: the logit soft-cap; v5: a D > 128 bucket
     folder=Path(__file__).parent,
     variants={"attention": "softmax attention with optional per-head sinks; causal, optional sliding "
                            "window, GQA, optional additive mask; forward + backward (dq, dk, dv, dsinks)"},
@@ -116,8 +116,16 @@ FAMILY = FamilySpec(
         ShapeBucket(name="d_le_64", dim="D", lo=1, hi=64),
         # D 128 at BLOCK_M 64, 4 warps, backward 32 x 64 at 8 warps: forward 198 / 0, dK/dV
         # 246 / 0, dQ 225 / 0 (the masked forward 255 / 1084)
-        ShapeBucket(name="d_big", dim="D", lo=65, hi=2**31 - 1,
+        ShapeBucket(name="d_le_128", dim="D", lo=65, hi=128,
                     config={"BLOCK_M": 64, "num_warps": 4, "BWD_BLOCK_M": 32}),
+        # D 256 (Gemma 2's heads; the head-dim tile is 256 from D 129 on): d_le_128's tiles spill
+        # there (forward 255 / 956, dK/dV 255 / 116, dQ 255 / 144). Of six tile sets built for
+        # sm_90 (bf16), this one spills nowhere unmasked and uncapped: forward 64 x 32 at 8
+        # warps 255 / 0, backward 32 x 32 at 8 warps dK/dV 187 / 0, dQ 240 / 0; capped 255 / 16,
+        # 206 / 0, 240 / 0; masked 255 / 212, 255 / 8, 255 / 0. Untimed.
+        ShapeBucket(name="d_big", dim="D", lo=129, hi=2**31 - 1,
+                    config={"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "BWD_BLOCK_M": 32,
+                            "BWD_BLOCK_N": 32}),
     ),
     match=match,
     sample_inputs=sample_inputs,
