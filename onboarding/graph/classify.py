@@ -29,6 +29,9 @@ from onboarding.graph._streams import StreamRules
 from onboarding.graph.capture import Capture, OpRecord
 from onboarding.graph.opgraph import CONV_KINDS, Block, TensorMeta
 
+# the block kinds of sequence mixers that mix tokens by scores or a recurrence
+MIXER_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
+
 
 class Classifier(MixerRules, MoeRules, StreamRules):
     """Blocks of a capture, children first (module docstring). The rules of each block family
@@ -42,7 +45,8 @@ class Classifier(MixerRules, MoeRules, StreamRules):
             self.by_module.setdefault(r.module, []).append(r)
         self.blocks: dict[str, Block] = {}
         self.unclaimed: dict[str, list[OpRecord]] = {}
-        self.stranded: dict[str, list[OpRecord]] = {}  # a stream carrier's leftovers (`run`)
+        # a stream carrier's leftovers, or a mixer's projections around it (`run`)
+        self.stranded: dict[str, list[OpRecord]] = {}
         self.origin: dict[int, str] = {r.index: r.module for r in cap.records}
         self._conv_at: dict[str, int] = {}  # a conv.causal1d block -> its conv record's index
         self._carriers: dict[str, tuple[set[int], int, int, list[int]]] | None = None
@@ -225,9 +229,11 @@ class Classifier(MixerRules, MoeRules, StreamRules):
         # a conv over the sequence inside the block (causal or not) mixes tokens: no MLP,
         # whatever its projections look like (a mixer no rule explains is left to `unknown`);
         # projections chained with no nonlinearity between them are a low-rank linear map (a
-        # gate's or a decay's projection inside a mixer): no MLP, their ops are the parent's
+        # gate's or a decay's projection inside a mixer): no MLP, their ops are the parent's;
+        # projections around a sequence mixer block below the module are that mixer's
         if len(mm) >= 2 and weight_only and not attn and not seq_topk \
                 and not self._free_convs(path, causal_only=False) and not _linear_chain(recs, mm) \
+                and not self._mixer_between(path, mm) \
                 and (act := _activation(recs) or (None if self._gates_an_input(path, mm) else
                                                   _mlp_activation_by_shape(recs, mm, ctx))):
             # act(gate) * up: a product, and a gate beside up (three projections, or the first
@@ -315,6 +321,26 @@ class Classifier(MixerRules, MoeRules, StreamRules):
         or any depthwise conv over the sequence (``causal_only`` False)."""
         return self._free_blocks(path, ("conv.causal1d",) if causal_only else CONV_KINDS)
 
+    def _mixer_between(self, path: str, mm: list[OpRecord]) -> list[str]:
+        """The sequence mixer blocks below ``path`` that it sees (`_free_blocks`: attention,
+        sparse or linear attention) whose ops run between its first projection and its last:
+        projections that feed a mixer and read its output are that mixer's (xLSTM's mLSTM layer:
+        q, k, v and gate projections, the recurrence in a child module, the output gate and
+        projection), as attention's q, k, v and o are, never an MLP's, whatever activation the
+        gates use. A mixer before the first projection or after the last one is a sublayer
+        beside it (a decoder layer whose MLP runs in the layer's own forward)."""
+        lo, hi = mm[0].index, mm[-1].index
+        return [p for p in self._free_blocks(path, MIXER_PREFIXES) if any(
+            lo < r.index < hi for m, rs in self.by_module.items()
+            if m == p or m.startswith(p + ".") for r in rs)]
+
+    def _mixer_projections(self, path: str, recs: list[OpRecord]) -> bool:
+        """Two or more weight projections among ``recs`` with a sequence mixer block's ops
+        between the first and the last (`_mixer_between`): the mixer's projections, that no
+        rule of a module above may read as its own."""
+        mm = [r for r in _matmul_recs(recs) if r.params]
+        return len(mm) >= 2 and bool(self._mixer_between(path, mm))
+
     def _weights_used_whole(self, path: str, recs: list[OpRecord]) -> bool:
         """No op takes a part of one of the module's >= 3-D parameters along a dim (a select,
         an index, a narrowed slice): an expert loop takes its experts' weights one by one, a
@@ -364,7 +390,7 @@ class Classifier(MixerRules, MoeRules, StreamRules):
         `conv.causal1d` block; this block is the projections and the gates around it."""
         convs = self._free_convs(path, causal_only=False)
         if len(convs) != 1 or convs[0] not in self._conv_at or len(mm) < 2 \
-                or self._free_blocks(path, ("attention.", "sparse_attention.", "linear_attention.")) \
+                or self._free_blocks(path, MIXER_PREFIXES) \
                 or not all(r.params for r in mm):
             return None
         ops = _hist(recs)
@@ -621,9 +647,10 @@ class Classifier(MixerRules, MoeRules, StreamRules):
                 found = self._per_call(path, recs, child_kinds)
             if found is None:
                 left = self._claim_stream_mixing(path, recs)
-                if path in self._stream_carriers():
+                if path in self._stream_carriers() or self._mixer_projections(path, left):
                     # a layer of n streams is a unit: its leftovers go to the leftover pass, never
-                    # pooled with other layers' into a rule further up (a list or the root)
+                    # pooled with other layers' into a rule further up (a list or the root); so
+                    # are a mixer's projections around it (a layer's own MLP is no mixer's)
                     self.stranded[path] = left
                 else:
                     self.unclaimed[path] = left
