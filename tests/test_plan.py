@@ -3,6 +3,7 @@ training step really keeps, the layout search's reasons and its bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -616,19 +617,26 @@ def test_input_gate_second_projection_is_the_blocks():
     assert b.params == 2 * 32 * 16 and b.lora_targets == []
 
 
-def test_a_norm_inside_a_gated_norm_is_counted_once():
-    """A gated norm whose module holds its own RMSNorm (y = norm(x), y * sigmoid(mlp(y)): AXK2's
-    GatedRMSNorm; our own fixture, D = 32, gate rank 8, two such norms a layer) keeps the norm's
-    fp32 input (4D per token), the bf16 normalised output and fp32 sigmoid the product reads
-    (6D) and the gate MLP's bf16 rank-8 hidden; the final norm 4D. Before, the child `norm.rms`
-    block was charged again (4D more per gated norm)."""
+@functools.cache
+def _gated_norm_lm():
+    """(op graph, plan shape) of `GatedNormLM` (tests/fixtures/sweep133_models.py), parsed once."""
     from onboarding.graph.parse import load_stage, parse_stage
     from onboarding.load.spec import ModelSpec
     from onboarding.plan.run import shape_of
 
     info = load_stage(ModelSpec(ref="tests/fixtures/sweep133_models.py:GatedNormLM").load(),
                       "tiny")
-    shape = shape_of(info, parse_stage(info, seq=12, try_export=False))
+    graph = parse_stage(info, seq=12, try_export=False)
+    return graph, shape_of(info, graph)
+
+
+def test_a_norm_inside_a_gated_norm_is_counted_once():
+    """A gated norm whose module holds its own RMSNorm (y = norm(x), y * sigmoid(mlp(y)): AXK2's
+    GatedRMSNorm; our own fixture, D = 32, gate rank 8, two such norms a layer) keeps the norm's
+    fp32 input (4D per token), the bf16 normalised output and fp32 sigmoid the product reads
+    (6D) and the gate MLP's bf16 rank-8 hidden; the final norm 4D. Before, the child `norm.rms`
+    block was charged again (4D more per gated norm)."""
+    shape = _gated_norm_lm()[1]
     assert {b.pattern for b in shape.blocks if b.kind == "norm.rms"} == {
         "layers.*.norm1.norm", "layers.*.norm2.norm", "norm"}
     d, layers, tokens = shape.hidden, shape.n_layers, 16
@@ -674,3 +682,20 @@ def test_gated_norm_bytes_by_its_ops():
     assert kept(replace(mlp, kernels=fused)) == (2 + 2 + 4) * w + 2 * r
     assert kept(replace(gated, attrs={"gate_activation": "silu"}, kernels=fused),
                 kernels=False) == 14 * w  # a run without our kernels
+
+
+def test_host_launches_count_every_blocks_ops_once():
+    """The step estimate's forward launches (`forward_ops`) are every block's own ops: a block's
+    op histogram holds none of the ops of the blocks inside it, so a nested block's (a norm
+    inside a gated norm: `GatedNormLM`, our own fixture, two a layer) add to its parent's and
+    none is counted twice. Full training, no experts: the count is exactly the graph's ops
+    (every full-size module is a proxy one). Before, nested blocks' ops were left out."""
+    from onboarding.plan.estimate import forward_ops
+
+    graph, shape = _gated_norm_lm()
+    nested = [b for b in shape.blocks if b.nested]
+    assert [(b.pattern, b.count) for b in nested] == [
+        ("layers.*.norm1.norm", 2), ("layers.*.norm2.norm", 2)]
+    assert all(b.ops for b in nested)
+    assert forward_ops(shape, PlanConfig(gpus=1, seq=12, mode="full")) == sum(
+        sum(b.op_histogram.values()) for b in graph.blocks)

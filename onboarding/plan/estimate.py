@@ -157,8 +157,13 @@ ADAPTER_OPS, EP_OPS, ADAM_OPS, BACKWARD_OPS = 8, 60, 10, 1.26
 
 
 def forward_ops(shape: ModelShape, cfg: PlanConfig) -> float:
-    """ATen ops of one forward: the op graph's blocks (outermost only), adapters, EP modules."""
-    blocks = sum(b.count * b.ops for b in shape.blocks if not b.nested)
+    """ATen ops of one forward: the op graph's blocks, adapters, EP modules. Every block's,
+    nested ones too: a block's op histogram holds none of the ops of the blocks inside it (a
+    child that became a block claimed its own; one taken in was removed), so a norm inside
+    attention or a linear attention's conv adds its own launches. Adapters: the outermost
+    blocks' LoRA targets (`model_shape` lists every linear under a block's module, those of the
+    blocks inside it too)."""
+    blocks = sum(b.count * b.ops for b in shape.blocks)
     adapters = 0 if cfg.mode == "full" else ADAPTER_OPS * sum(
         b.count * len(b.lora_targets) for b in shape.blocks if not b.nested)
     return blocks + adapters + EP_OPS * sum(e.count for e in shape.experts)
