@@ -72,6 +72,18 @@ class Coverage:
     def by_status(self, status: str) -> list[CoverageEntry]:
         return [e for e in self.entries if e.status == status]
 
+    def served(self) -> list[CoverageEntry]:
+        """The entries that bind a family to a block, the first of each (path, family, variant,
+        params): a family that runs a block's whole module (an LLM-written family's
+        ``block_forward``) has an entry for each op of the block it serves, and is one kernel
+        for the block."""
+        out: dict[tuple[str, str, str, str], CoverageEntry] = {}
+        for e in self.entries:
+            if e.family:
+                key = (e.path, e.family, e.variant or "", json.dumps(e.params, sort_keys=True))
+                out.setdefault(key, e)
+        return list(out.values())
+
     def candidates(self) -> dict[tuple[str, str, str], CoverageEntry]:
         """Distinct (family, variant, params) that a template can render, first entry each."""
         out: dict[tuple[str, str, str], CoverageEntry] = {}

@@ -318,6 +318,55 @@ def test_decision_budget_and_nesting(cum_graph, tmp_path):
     assert "generate budget of 0 s spent" in ds[0].why()
 
 
+def test_a_generated_family_serves_every_op_of_its_block(monkeypatch):
+    """An LLM-written family's block_forward runs the whole module: the block's projections,
+    which map lists as cuBLAS GEMMs of the torch path, run inside it. Coverage kept them
+    torch_fast beside the generated core (hf:minimax's lightning attention: "projections (GEMM):
+    3 dense GEMMs: cuBLAS"). They are the family's now, saying what the module's own code did;
+    the entries of other paths and of a block Inductor serves keep theirs, and the family is
+    still one kernel for its block (`Coverage.served`, `kernels_for`)."""
+    import onboarding.tune.store as store
+    from onboarding.coverage import Coverage, CoverageEntry
+    from onboarding.generate.candidates import Candidate, kernels_for
+    from onboarding.generate.decide import Decision, Evidence, apply_to_coverage
+
+    core, gemm = "linear-attention recurrence", "projections (GEMM)"
+
+    def entry(path, op, status, reason, **kw):
+        return CoverageEntry(path=path, kind="linear_attention.other", op=op, status=status,
+                             shapes=[[1, 16, 16]], dtype="float32", reason=reason, **kw)
+
+    def decision(path, decision, family=None):
+        return Decision(path=path, kind="linear_attention.other", op=core, key="k",
+                        decision=decision, family=family, variant="plain" if family else None,
+                        evidence=[Evidence(option="llm", outcome="accepted", reason="passed")])
+
+    cov = Coverage(model="m", entries=[
+        entry("layers.0.mixer", gemm, "torch_fast", "3 dense GEMMs: cuBLAS"),
+        entry("layers.0.mixer", core, "uncovered", "no family matches this block yet"),
+        entry("layers.0.norm", "rmsnorm", "template", "template rmsnorm/plain", family="rmsnorm",
+              variant="plain"),
+        entry("layers.1.mixer", gemm, "torch_fast", "3 dense GEMMs: cuBLAS"),
+        entry("layers.1.mixer", core, "uncovered", "no family matches this block yet")])
+    apply_to_coverage(cov, [decision("layers.0.mixer", "generated", "cum_mixer"),
+                            decision("layers.1.mixer", "inductor")])
+    mixer = [e for e in cov.entries if e.path == "layers.0.mixer"]
+    assert [(e.op, e.status, e.family, e.variant) for e in mixer] == [
+        (gemm, "generated", "cum_mixer", "plain"), (core, "generated", "cum_mixer", "plain")]
+    assert mixer[0].reason == ("inside cum_mixer's block_forward, which runs the whole module "
+                               "(the module's own code: 3 dense GEMMs: cuBLAS)")
+    assert [(e.status, e.family, e.reason) for e in cov.entries[2:4]] == [
+        ("template", "rmsnorm", "template rmsnorm/plain"),
+        ("torch_fast", None, "3 dense GEMMs: cuBLAS")]
+    assert [(e.path, e.family) for e in cov.served()] == [("layers.0.mixer", "cum_mixer"),
+                                                          ("layers.0.norm", "rmsnorm")]
+    monkeypatch.setattr(store, "load_tuned", lambda path: path)
+    passed = [Candidate(family=f, variant="plain", params={}, path=f"{f}.py", status="passed")
+              for f in ("cum_mixer", "rmsnorm")]
+    assert kernels_for(cov, passed) == {("layers.0.mixer", "cum_mixer"): "cum_mixer.py",
+                                        ("layers.0.norm", "rmsnorm"): "rmsnorm.py"}
+
+
 # -- the Inductor fallback, for real -----------------------------------------------------------
 
 @pytest.mark.slow

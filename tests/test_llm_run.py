@@ -40,7 +40,7 @@ def test_run_serves_the_mlstm_cell_with_the_generated_family(tmp_path):
     decision = next(d for d in json.loads((run / "decisions.json").read_text()) if d["path"] == PATH)
     assert decision["decision"] == "generated" and decision["family"] == "mlstm_recurrent"
     cov = [e for e in json.loads((run / "coverage.json").read_text())["entries"] if e["path"] == PATH]
-    assert cov and all(e["status"] == "generated" for e in cov)
+    assert cov and all((e["status"], e["family"]) == ("generated", "mlstm_recurrent") for e in cov)
     align = json.loads((run / "alignment.json").read_text())
     patch = next(p for p in align["patches"] if p["path"] == PATH)
     assert patch["family"] == "mlstm_recurrent" and patch["status"] == "active"

@@ -56,8 +56,8 @@ def render_candidates(coverage: Coverage, root: Path) -> list[Candidate]:
     """Render every distinct (family, variant, params) that coverage marks coverable; each
     candidate keeps the input shapes of the first block that needs it."""
     out: dict[str, Candidate] = {}
-    for e in coverage.entries:
-        if e.status not in ("template", "kernel", "generated") or not e.family:
+    for e in coverage.served():
+        if e.status not in ("template", "kernel", "generated"):
             continue
         name = candidate_name(e.family, e.variant, e.params)
         path = root / e.family / f"{name}.py"
@@ -183,9 +183,7 @@ def kernels_for(coverage: Coverage, candidates: list[Candidate]
         key = (e.path, e.family)
         out[key if key not in out else (e.path, f"{e.family}:{e.variant}")] = module
 
-    for e in coverage.entries:
-        if not e.family:
-            continue
+    for e in coverage.served():
         if e.status == "kernel" and e.module:
             put(e, load_tuned(e.module))
             continue

@@ -273,8 +273,10 @@ def _decide_one(d: Decision, task: KernelTask, block: Any, spec: ModelSpec, run_
 def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage:
     """The uncovered entries of decided blocks take the decision's status (``template``,
     ``generated``, ``inductor``) with its reason; ``uncovered`` ones get the evidence as reason.
-    A block decided after its family failed alignment gets an entry of its own beside the
-    family's (which alignment then leaves out)."""
+    An LLM-written family's ``block_forward`` runs the whole module: the block's fast-torch-path
+    entries (its projections' GEMMs) run inside it now, and are the family's too. A block
+    decided after its family failed alignment gets an entry of its own beside the family's
+    (which alignment then leaves out)."""
     by_path = {d.path: d for d in decisions}
     for d in decisions:  # a block whose family failed alignment: a new entry beside the family's
         if d.failed_family and d.decision not in ("uncovered", "template") and not any(
@@ -295,6 +297,12 @@ def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage
         e.status = d.decision
         e.family, e.variant, e.params = d.family, d.variant, dict(d.params)
         e.reason = d.why()
+    for e in coverage.entries:
+        d = by_path.get(e.path)
+        if d is not None and d.decision == "generated" and e.status == "torch_fast":
+            e.status, e.family, e.variant, e.params = "generated", d.family, d.variant, dict(d.params)
+            e.reason = (f"inside {d.family}'s block_forward, which runs the whole module "
+                        f"(the module's own code: {e.reason})")
     return coverage
 
 

@@ -134,7 +134,7 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
             continue
         path = c.path  # this folder's copy, as rendered (`load_candidates` checks)
         spec, module = get_family(c.family), load_module(path)
-        for e in coverage.entries:
+        for e in coverage.served():
             if (e.family, e.variant, e.params) != (c.family, c.variant, c.params):
                 continue
             block = blocks.get(e.path)
