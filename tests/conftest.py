@@ -23,6 +23,13 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.e
     except ImportError:
         pass
 
+# The interpreter's per-launch re-patch of triton.language, cached (what it patches unchanged):
+# see tests/fixtures/interpreter_patch_cache.py.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from fixtures.interpreter_patch_cache import install as _install_interpreter_cache
+
+    _install_interpreter_cache()
+
 # Under pytest-xdist each worker gets an equal share of the cores: torch's default (all cores per
 # process) oversubscribes the CPU when the workers run interpreter-heavy tests side by side.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):

@@ -1,0 +1,58 @@
+"""tests/fixtures/interpreter_patch_cache.py patches exactly what Triton's interpreter patches, and
+a kernel calling a `@triton.jit` helper runs under it with triton.language restored after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+interp = pytest.importorskip("triton.runtime.interpreter")
+if not getattr(interp, "_cached_by_tests", False):
+    pytest.skip("the cache is installed where Triton runs in the interpreter", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+class _Recorder:
+    def __init__(self):
+        self.names = []
+
+    def set_attr(self, obj, name, value):
+        self.names.append((id(obj), name))
+
+
+def test_builtins_patched_are_the_interpreters_own_in_its_order():
+    uncached, _ = interp._uncached
+    for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+        want, got = _Recorder(), _Recorder()
+        uncached(pkg, None, want)
+        for _ in range(2):  # the first call scans, the second reads the kept names
+            got.names.clear()
+            interp._patch_builtin(pkg, None, got)
+            assert got.names == want.names and want.names, pkg
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _twice(tl.load(x_ptr + offs)) + tl.sum(tl.load(x_ptr + offs), axis=0))
+
+
+def test_a_kernel_with_a_helper_runs_and_triton_language_is_restored():
+    before = {n: getattr(tl, n) for n in ("load", "store", "sum", "arange", "range", "reduce")}
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty_like(x)
+    _kernel[(1,)](x, out, N=8)
+    torch.testing.assert_close(out, x * 2 + x.sum())
+    assert {n: getattr(tl, n) for n in before} == before
+    # inside no launch, a helper's patch is the interpreter's own, restorable
+    scope = interp._patch_lang(_twice.fn)
+    assert not tl.core.is_builtin(tl.load)
+    scope.restore()
+    assert tl.load is before["load"]
