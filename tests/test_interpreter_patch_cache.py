@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fixtures import interpreter_patch_cache as cache  # noqa: E402
+
 interp = pytest.importorskip("triton.runtime.interpreter")
-if not getattr(interp, "_cached_by_tests", False):
+if cache.UNCACHED is None:
     pytest.skip("the cache is installed where Triton runs in the interpreter", allow_module_level=True)
 
 import triton  # noqa: E402
@@ -23,7 +25,7 @@ class _Recorder:
 
 
 def test_builtins_patched_are_the_interpreters_own_in_its_order():
-    uncached, _ = interp._uncached
+    uncached, _ = cache.UNCACHED
     for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
         want, got = _Recorder(), _Recorder()
         uncached(pkg, None, want)
