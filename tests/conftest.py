@@ -72,6 +72,19 @@ def parse_model():
     return parsed
 
 
+@pytest.fixture
+def families(monkeypatch):
+    """The family registry with the built-in families alone (no extra folders), reset again
+    after the test: a run or test that registers generated families leaves it as found."""
+    from onboarding import families as fam
+    from onboarding.families import discover
+
+    monkeypatch.setattr(discover, "_EXTRA_DIRS", [])
+    fam.reset()
+    yield fam
+    fam.reset()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _restore_tile_pins():
     """`load_module` shares one module per rendered source across tests, so a test module that

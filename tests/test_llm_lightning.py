@@ -152,20 +152,8 @@ def test_decay_one_position_short_is_visible_at_a_real_slope(tmp_path):
     assert _rel(got, want) > 1e-3
 
 
-@pytest.fixture
-def _fresh_registry(monkeypatch):
-    """The run registers its generated families in this process: leave the registry as found."""
-    from onboarding import families as fam
-    from onboarding.families import discover
-
-    monkeypatch.setattr(discover, "_EXTRA_DIRS", [])
-    fam.reset()
-    yield
-    fam.reset()
-
-
 @pytest.mark.slow
-def test_run_serves_the_lightning_attention_with_the_generated_family(tmp_path, _fresh_registry):
+def test_run_serves_the_lightning_attention_with_the_generated_family(tmp_path, families):
     """`onboard run hf:minimax --llm URL` on the default proxy (full, linear, full: visible
     decay): the cassette is chosen by the real prompt, the family passes the gate (the block
     check in its subprocess at every size, the runtime record, the sm_90 compile), serves the

@@ -19,16 +19,9 @@ TINY = ["--set", "num_heads=2", "--set", "hidden_size=32", "--set", "embedding_d
 PATH = "backbone.blocks.0.mlstm_layer.mlstm_backend"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_registry(monkeypatch):
-    """The run registers its generated families in this process: leave the registry as found."""
-    from onboarding import families as fam
-    from onboarding.families import discover
-
-    monkeypatch.setattr(discover, "_EXTRA_DIRS", [])
-    fam.reset()
-    yield
-    fam.reset()
+# the run registers its generated families in this process: conftest's `families` leaves the
+# registry as found
+pytestmark = pytest.mark.usefixtures("families")
 
 
 @pytest.mark.slow

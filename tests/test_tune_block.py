@@ -21,17 +21,6 @@ CASSETTE = Path(__file__).parent / "fixtures" / "llm_cassettes" / "families" / "
 SPACE = {"num_warps": [2, 4], "BLOCK_H": [1, 2]}
 
 
-@pytest.fixture
-def families(monkeypatch):
-    from onboarding import families as fam
-    from onboarding.families import discover
-
-    monkeypatch.setattr(discover, "_EXTRA_DIRS", [])
-    fam.reset()
-    yield fam
-    fam.reset()
-
-
 def _run_dir(tmp_path, fam) -> Path:
     """A run folder as generate leaves it for one accepted family: its folder registered, the
     block's coverage entry, the rendered candidate (passed), the op graph's capture size."""
