@@ -125,22 +125,23 @@ def generate_node(state: RunState, config: RunnableConfig = None) -> dict[str, A
         decisions = _decide(state, run_dir, step)
         updates["generate_decisions"] = [asdict(d) for d in decisions]
     else:
+        from onboarding.generate.decide import Decision, retry_blocks
         from onboarding.stages import use_generated_families
 
         use_generated_families(run_dir)
         # a retry after a failed alignment: a block whose family was left out is a kernel task
         # now (the LLM, then Inductor); swaps that failed are not decided again
-        decided = {d["path"] for d in state.generate_decisions}
-        failed = {p: f"{fam}: left out after alignment attempt {len(state.align_attempts)}"
-                  for p, fam in state.excluded_kernels
-                  if fam not in ("inductor", "generated") and p not in decided}
+        failed = retry_blocks([Decision.from_dict(d) for d in state.generate_decisions],
+                              state.excluded_kernels, len(state.align_attempts))
         if failed:
             decisions = _decide(state, run_dir, step, failed=failed)
             updates["generate_decisions"] = [asdict(d) for d in decisions]
     step("rendering candidates")
     cands = run_generate(Coverage.load(run_dir / "coverage.json"), run_dir, on_step=step)
     passed = sum(c.status == "passed" for c in cands)
-    decided = updates.get("generate_decisions", state.generate_decisions)
+    # each block's last decision (a retry decides a block again after its family was left out)
+    decided = list({d["path"]: d for d in updates.get("generate_decisions",
+                                                      state.generate_decisions)}.values())
     served = {k: sum(d["decision"] == k for d in decided) for k in ("generated", "inductor")}
     return _done(state, "generate", config, artifacts={"candidates": "candidates.json"},
                  summary={"candidates": len(cands), "candidates_passed": passed,

@@ -166,14 +166,20 @@ def _decisions_section(run_dir: Path) -> str | None:
     if f.exists():
         for b in json.loads(f.read_text()).get("blocks", []):
             verdicts[b["path"]] = f"fwd {b['fwd']['verdict']}, bwd {b['bwd']['verdict']}"
+    # a retry decides a block again after its family failed alignment: the last decision holds,
+    # and the block's alignment verdict is that decision's
+    last = {d.path: d for d in decisions}
     groups: dict[tuple, list] = {}
     for d in decisions:
-        groups.setdefault((d.key, d.decision, d.inside is not None), []).append(d)
+        groups.setdefault((d.key, d.decision, d.inside is not None, last[d.path] is not d),
+                          []).append(d)
     rows = []
-    for (_, decision, _), ds in groups.items():
+    for (_, decision, _, replaced), ds in groups.items():
         first = ds[0]
         paths = f"`{first.path}`" + (f" and {len(ds) - 1} more like it" if len(ds) > 1 else "")
         where = ", ".join(sorted({verdicts[d.path] for d in ds if d.path in verdicts}))
+        if replaced:
+            decision, where = f"{decision}, left out", "failed alignment (decided again)"
         if not where and first.inside:  # judged with the block it is compiled in
             outer = sorted({verdicts[d.inside] for d in ds if d.inside in verdicts})
             where = f"{', '.join(outer)} (with the enclosing block)" if outer else ""
@@ -183,10 +189,10 @@ def _decisions_section(run_dir: Path) -> str | None:
             Path(first.code_dir).is_relative_to(run_dir) else "-"
         rows.append([paths, f"`{first.kind}`", first.op, decision,
                      first.why().replace("|", "/"), f"{secs:.1f}", code, where])
-    served = sum(d.decision != "uncovered" for d in decisions)
+    served = sum(d.decision != "uncovered" for d in last.values())
     return "\n".join([
         "## Why this kernel", "",
-        f"{served} of {len(decisions)} blocks that no family served are now served "
+        f"{served} of {len(last)} blocks that no family served are now served "
         "(template, then the LLM with --llm, then torch.compile with Inductor, each gated by "
         "the block check: forward and every gradient against the block's own eager forward at "
         "the captured and odd sizes); the rest stay in the model's own code.", "",

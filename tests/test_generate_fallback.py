@@ -367,6 +367,64 @@ def test_a_generated_family_serves_every_op_of_its_block(monkeypatch):
                                         ("layers.0.norm", "rmsnorm"): "rmsnorm.py"}
 
 
+@pytest.mark.parametrize("retry, family, gemm_after", [
+    ("inductor", None, ("torch_fast", None, "3 dense GEMMs: cuBLAS")),
+    ("uncovered", None, ("torch_fast", None, "3 dense GEMMs: cuBLAS")),
+    ("generated", "cum_mixer_2", ("generated", "cum_mixer_2",
+                                  "inside cum_mixer_2's block_forward, which runs the whole "
+                                  "module (the module's own code: 3 dense GEMMs: cuBLAS)"))])
+def test_a_generated_family_left_out_gives_its_block_back(tmp_path, retry, family, gemm_after):
+    """The LLM-written family of a whole module failed alignment: the retry decides the block
+    again (`retry_blocks`; the first-pass decision kept it out) and the projections' GEMMs it
+    had taken over name what serves them now: the torch path's cuBLAS GEMMs under Inductor
+    (which compiles the module's own code) or the module's own code, or the new family. Before,
+    they kept naming the left-out family in coverage.json and the report."""
+    from onboarding.coverage import Coverage, CoverageEntry
+    from onboarding.generate.decide import (DECISIONS_FILE, Decision, Evidence, apply_to_coverage,
+                                            retry_blocks, save_decisions)
+    from onboarding.report import _coverage_section, _decisions_section
+
+    core, gemm, path = "linear-attention recurrence", "projections (GEMM)", "layers.0.mixer"
+    first = Decision(path=path, kind="linear_attention.other", op=core, key="k",
+                     decision="generated", family="cum_mixer", variant="plain",
+                     evidence=[Evidence(option="llm", outcome="accepted", reason="passed")])
+    cov = Coverage(model="m", entries=[
+        CoverageEntry(path=path, kind="linear_attention.other", op=gemm, status="torch_fast",
+                      reason="3 dense GEMMs: cuBLAS"),
+        CoverageEntry(path=path, kind="linear_attention.other", op=core, status="uncovered",
+                      reason="no family matches this block yet")])
+    apply_to_coverage(cov, [first]).save(tmp_path / "coverage.json")
+    excluded = [[path, "cum_mixer"], ["layers.1.mixer", "inductor"], ["layers.0.norm", "rmsnorm"]]
+    assert retry_blocks([first], excluded, 1) == {
+        path: "cum_mixer: left out after alignment attempt 1",
+        "layers.0.norm": "rmsnorm: left out after alignment attempt 1"}
+    again = Decision(path=path, kind="linear_attention.other", op="linear_attention.other",
+                     key="k", decision=retry, family=family, variant="plain" if family else None,
+                     failed_family="cum_mixer",
+                     evidence=[Evidence(option=retry, outcome="accepted", reason="passed")])
+    decisions = [first, again]
+    assert retry_blocks(decisions, excluded, 2) == {  # decided again once
+        "layers.0.norm": "rmsnorm: left out after alignment attempt 2"}
+    # the retry applies every decision to the coverage the first pass wrote (`run_decide`)
+    cov = apply_to_coverage(Coverage.load(tmp_path / "coverage.json"), decisions)
+    apply_to_coverage(cov, decisions).save(tmp_path / "coverage.json")  # twice: no change
+    got = [(e.op, e.status, e.family, e.reason) for e in cov.entries]
+    assert got[0] == (gemm, *gemm_after)
+    assert got[1][:3] == (core, "generated", "cum_mixer")  # the family's, which alignment left out
+    assert [g[1:3] for g in got[2:]] == ([] if retry == "uncovered" else [(retry, family)])
+    assert {(e.path, e.family) for e in cov.served()} == {(path, "cum_mixer")} | (
+        {(path, family)} if family else set())
+    section = _coverage_section(tmp_path)
+    assert ("| torch_fast | projections (GEMM) |" in section) == (retry != "generated")
+    save_decisions(decisions, tmp_path / DECISIONS_FILE)
+    (tmp_path / "alignment.json").write_text(json.dumps({"blocks": [
+        {"path": path, "fwd": {"verdict": "pass"}, "bwd": {"verdict": "pass"}}]}))
+    section = _decisions_section(tmp_path)
+    assert f"{int(retry != 'uncovered')} of 1 blocks" in section
+    assert "| generated, left out |" in section and "| failed alignment (decided again) |" in section
+    assert f"| {retry} |" in section and section.count("fwd pass, bwd pass") == 1
+
+
 # -- the Inductor fallback, for real -----------------------------------------------------------
 
 @pytest.mark.slow

@@ -276,11 +276,14 @@ def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage
     An LLM-written family's ``block_forward`` runs the whole module: the block's fast-torch-path
     entries (its projections' GEMMs) run inside it now, and are the family's too. A block
     decided after its family failed alignment gets an entry of its own beside the family's
-    (which alignment then leaves out)."""
+    (which alignment then leaves out); the entries a left-out family took from the torch path
+    are the torch path's again (Inductor compiles the module's own code, and uncovered runs it).
+    ``decisions`` in the order they were made: a block's last decision is the one that holds."""
     by_path = {d.path: d for d in decisions}
     for d in decisions:  # a block whose family failed alignment: a new entry beside the family's
         if d.failed_family and d.decision not in ("uncovered", "template") and not any(
-                e.path == d.path and e.status == d.decision for e in coverage.entries):
+                e.path == d.path and (e.status, e.family) == (d.decision, d.family)
+                for e in coverage.entries):
             first = next((e for e in coverage.entries if e.path == d.path), None)
             coverage.entries.append(CoverageEntry(
                 path=d.path, kind=d.kind, op=d.op, status=d.decision, family=d.family,
@@ -299,11 +302,39 @@ def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage
         e.reason = d.why()
     for e in coverage.entries:
         d = by_path.get(e.path)
-        if d is not None and d.decision == "generated" and e.status == "torch_fast":
+        if d is None:
+            continue
+        if d.failed_family and e.status == "generated" and e.family == d.failed_family and \
+                (own := _own_code(e)) is not None:  # the left-out family's, from the torch path
+            e.status, e.family, e.variant, e.params, e.reason = "torch_fast", None, None, {}, own
+        if d.decision == "generated" and e.status == "torch_fast":
             e.status, e.family, e.variant, e.params = "generated", d.family, d.variant, dict(d.params)
-            e.reason = (f"inside {d.family}'s block_forward, which runs the whole module "
-                        f"(the module's own code: {e.reason})")
+            e.reason = _INSIDE.format(family=d.family) + e.reason + ")"
     return coverage
+
+
+# the reason of a fast-torch-path entry a whole-module family took over; the torch path's own
+# reason closes it, so `_own_code` gives it back when that family is left out
+_INSIDE = "inside {family}'s block_forward, which runs the whole module (the module's own code: "
+
+
+def _own_code(e: CoverageEntry) -> str | None:
+    """The torch path's reason of an entry its family took over (`_INSIDE`), else None."""
+    head = _INSIDE.format(family=e.family)
+    return e.reason[len(head):-1] if e.reason.startswith(head) and e.reason.endswith(")") \
+        else None
+
+
+def retry_blocks(decisions: list[Decision], excluded: list[list[str]], attempt: int
+                 ) -> dict[str, str]:
+    """The blocks a retry after failed alignment ``attempt`` decides again (block path ->
+    "family: why", `tasks.build_tasks`'s ``failed``): those whose family ``excluded`` left out
+    and that were not decided since, or whose last decision was that family, written by the LLM
+    (the LLM is asked again, then Inductor). A left-out swap is not decided again."""
+    last = {d.path: d for d in decisions}
+    return {p: f"{fam}: left out after alignment attempt {attempt}" for p, fam in excluded
+            if fam not in ("inductor", "generated") and (
+                p not in last or (last[p].decision == "generated" and last[p].family == fam))}
 
 
 def swaps(decisions: list[Decision]) -> list[Any]:
