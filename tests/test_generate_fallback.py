@@ -61,6 +61,61 @@ def test_full_size_shapes_by_dim_map_when_meta_cannot_run():
     assert amb == {8}
 
 
+def test_full_size_shapes_map_the_head_dim_the_module_computes():
+    """hf:minimax's lightning attention: the meta forward cannot run and the head dim
+    (hidden_size / num_attention_heads) has no config field, so the full-size state and cos/sin
+    kept the proxy's 32 (128 at full size). The block module's integer attributes, name by name,
+    map it."""
+    import types
+
+    import torch
+
+    from onboarding.generate.tasks import KernelTask, _full_shapes
+
+    class Heads(torch.nn.Module):
+        """Its head dim is computed from the config (no field of its own), and its forward
+        reads a value (no meta forward)."""
+
+        def __init__(self, hidden: int, heads: int):
+            super().__init__()
+            self.heads, self.head_dim = heads, hidden // heads
+            self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+
+        def forward(self, x):
+            q = self.qkv(x)[..., : x.shape[-1]].unflatten(-1, (self.heads, self.head_dim))
+            return torch.einsum("bthd,bthe->bhde", q, q) * x.abs().max().item()
+
+    proxy_cfg, full_cfg = {"hidden_size": 24, "num_heads": 4}, {"hidden_size": 64, "num_heads": 8}
+    with torch.device("meta"):
+        proxy, full = (torch.nn.ModuleDict({"attn": Heads(c["hidden_size"], c["num_heads"])})
+                       for c in (proxy_cfg, full_cfg))
+    t = KernelTask(path="attn", kind="unknown", reason="", op="", params={"qkv.weight": [72, 24]},
+                   inputs=[{"shape": [1, 16, 24], "dtype": "float32"}],
+                   outputs=[{"shape": [1, 4, 6, 6], "dtype": "float32"}], batch=1, seq=16)
+    _full_shapes(t, full, (torch.empty(1, 16, 64, device="meta"),), {}, proxy_cfg, full_cfg,
+                 types.SimpleNamespace(batch=1, seq=16), proxy["attn"])
+    assert "meta forward of the full-size model failed" in t.full_note and "6->8" in t.full_note
+    assert t.params_full == {"qkv.weight": [192, 64]}
+    assert [m["shape"] for m in t.inputs_full + t.outputs_full] == [[1, 16, 64], [1, 8, 8, 8]]
+
+
+@pytest.mark.slow
+def test_minimax_full_size_shapes_have_its_head_dim():
+    """The prompt's full-size shapes of hf:minimax's lightning attention (no meta forward): the
+    state [batch, heads, head_dim, head_dim] and cos/sin at head dim 128, not the proxy's 32."""
+    from onboarding.coverage import build_coverage
+    from onboarding.generate.tasks import build_tasks
+    from onboarding.graph.parse import load_stage, parse_stage
+
+    spec = ModelSpec(ref="hf:minimax")
+    graph = parse_stage(load_stage(spec.load(), spec.proxy))
+    (t,) = [t for t in build_tasks(graph=graph, coverage=build_coverage(graph), spec=spec)
+            if t.kind == "linear_attention.other"]
+    assert t.outputs[1]["shape"] == [1, 4, 32, 32]
+    assert [m["shape"] for m in t.inputs_full[:3]] == [[1, 64, 4096], [1, 64, 128], [1, 64, 128]]
+    assert t.outputs_full[1]["shape"] == [1, 32, 128, 128]
+
+
 def test_worked_examples_by_structure():
     """A router-like block (selection, softmax, integer indices out) gets the family that serves
     routers; any block gets the simplest norm family; names come from the registry."""

@@ -14,9 +14,10 @@ registered family's `match`, so no family is named here.
 Full-size shapes come from a forward of the full-size model on the ``meta`` device (no memory,
 no compute) at the capture's batch and sequence length, read by hooks on the block. Where that
 forward cannot run (data-dependent routing calls ``.item()``), each dim of the proxy shapes that
-a parameter of the block (same name, full-size model) or an integer config field scales
-unambiguously is mapped to its full-size value; batch and sequence stay. ``full_note`` says
-which of the two it was.
+a parameter of the block (same name, full-size model), an integer config field or an integer
+attribute of the block's module (a head dim it computes from the config) scales unambiguously
+is mapped to its full-size value; batch and sequence stay. ``full_note`` says which of the two
+it was.
 """
 
 from __future__ import annotations
@@ -262,10 +263,14 @@ def meta_boundary(model: nn.Module, path: str, inputs: tuple, kwargs: dict
 
 
 def dim_map(proxy_params: dict[str, list[int]], full_params: dict[str, list[int]],
-            proxy_cfg: dict[str, Any] | None, full_cfg: dict[str, Any] | None
+            proxy_cfg: dict[str, Any] | None, full_cfg: dict[str, Any] | None,
+            proxy_attrs: dict[str, Any] | None = None, full_attrs: dict[str, Any] | None = None
             ) -> tuple[dict[int, int], set[int]]:
     """(proxy dim -> full dim, ambiguous proxy dims): from the block's parameter shapes, name by
-    name, then integer config fields for dims no parameter decides."""
+    name, then, for dims no parameter decides, integer config fields and the integer attributes
+    of the block's module (``vars``, name by name): a head dim the module computes from the
+    config has no field of its own (hf:minimax's lightning attention: hidden_size /
+    num_attention_heads, kept at the proxy's 32 in the full-size shapes, 128 there)."""
     pairs: dict[int, set[int]] = {}
     for name, ps in proxy_params.items():
         fs = full_params.get(name)
@@ -273,11 +278,12 @@ def dim_map(proxy_params: dict[str, list[int]], full_params: dict[str, list[int]
             for p, f in zip(ps, fs):
                 pairs.setdefault(p, set()).add(f)
     from_params = set(pairs)
-    for k, p in (proxy_cfg or {}).items():
-        f = (full_cfg or {}).get(k)
-        if isinstance(p, int) and isinstance(f, int) and not isinstance(p, bool) \
-                and p > 1 and p not in from_params:
-            pairs.setdefault(p, set()).add(f)
+    for proxy, full in ((proxy_cfg, full_cfg), (proxy_attrs, full_attrs)):
+        for k, p in (proxy or {}).items():
+            f = (full or {}).get(k)
+            if isinstance(p, int) and isinstance(f, int) and not isinstance(p, bool) \
+                    and not isinstance(f, bool) and p > 1 and p not in from_params:
+                pairs.setdefault(p, set()).add(f)
     mapping = {p: next(iter(fs)) for p, fs in pairs.items() if len(fs) == 1}
     return mapping, {p for p, fs in pairs.items() if len(fs) > 1}
 
@@ -395,7 +401,8 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
             t.source_note = note_model or f"no module at {block.path} (an op group): " \
                 "the source of its owner is not included"
         if full_model is not None:
-            _full_shapes(t, full_model, full_inputs, full_kwargs, proxy_cfg, full_cfg, graph)
+            _full_shapes(t, full_model, full_inputs, full_kwargs, proxy_cfg, full_cfg, graph,
+                         mod)
         elif not t.full_note:
             t.full_note = note_model or "full-size shapes not asked for"
         t.examples, t.examples_note = worked_examples(block)
@@ -413,7 +420,10 @@ def _cfg_dict(cfg: Any) -> dict[str, Any] | None:
 
 
 def _full_shapes(t: KernelTask, full: nn.Module, inputs: tuple, kwargs: dict,
-                 proxy_cfg: dict | None, full_cfg: dict | None, graph: OpGraph) -> None:
+                 proxy_cfg: dict | None, full_cfg: dict | None, graph: OpGraph,
+                 proxy_mod: nn.Module | None = None) -> None:
+    """The task's full-size shapes: read during a meta forward of ``full``, else the proxy's
+    mapped (`dim_map`) through ``proxy_mod`` (the block's proxy module) and its full-size twin."""
     fmod = dict(full.named_modules()).get(t.path)
     if fmod is not None:
         prefix = t.path + "."
@@ -425,13 +435,16 @@ def _full_shapes(t: KernelTask, full: nn.Module, inputs: tuple, kwargs: dict,
         t.full_note = (f"read by hooks on {t.path} during a forward of the full-size model on "
                        f"meta at batch {graph.batch}, seq {graph.seq}")
         return
-    mapping, ambiguous = dim_map(t.params, t.params_full, proxy_cfg, full_cfg)
+    mapping, ambiguous = dim_map(t.params, t.params_full, proxy_cfg, full_cfg,
+                                 vars(proxy_mod) if proxy_mod is not None else None,
+                                 vars(fmod) if fmod is not None else None)
     keep = {graph.batch, graph.seq}
     t.inputs_full = scale_shapes(t.inputs, mapping, keep | ambiguous)
     t.outputs_full = scale_shapes(t.outputs, mapping, keep | ambiguous)
     scaled = sorted(f"{p}->{f}" for p, f in mapping.items() if p not in keep and p != f)
-    t.full_note = (f"{got}; proxy dims mapped through the block's parameter shapes and integer "
-                   f"config fields ({', '.join(scaled[:8]) or 'none changed'}); batch "
+    t.full_note = (f"{got}; proxy dims mapped through the block's parameter shapes, integer "
+                   f"config fields and its module's integer attributes "
+                   f"({', '.join(scaled[:8]) or 'none changed'}); batch "
                    f"{graph.batch} and seq {graph.seq} kept")
     if ambiguous:
         t.full_note += f"; ambiguous dims left at proxy size: {sorted(ambiguous)}"
