@@ -480,6 +480,38 @@ def test_a_generated_family_left_out_gives_its_block_back(tmp_path, retry, famil
     assert f"| {retry} |" in section and section.count("fwd pass, bwd pass") == 1
 
 
+def test_the_retry_node_decides_a_left_out_generated_family_again(tmp_path, monkeypatch):
+    """The agent's generate node on a retry: the block whose LLM-written family alignment left
+    out goes back to the decision loop (it was skipped: the block had a first-pass decision),
+    and the node's summary counts each block's last decision."""
+    from dataclasses import asdict
+
+    import agents.nodes as nodes
+    from agents.state import RunConfig, RunState
+    from onboarding.generate.decide import Decision
+
+    path = "layers.0.mixer"
+    first = Decision(path=path, kind="unknown", op="unclassified compute", key="k",
+                     decision="generated", family="cum_mixer", variant="plain")
+    again = Decision(path=path, kind="unknown", op="unknown", key="k", decision="inductor",
+                     failed_family="cum_mixer")
+    asked = []
+
+    def decide(state, run_dir, step, failed=None):
+        asked.append(failed)
+        return [first, again]
+
+    monkeypatch.setattr(nodes, "_decide", decide)
+    monkeypatch.setattr(nodes, "run_generate", lambda *a, **k: [])
+    monkeypatch.setattr(nodes.Coverage, "load", staticmethod(lambda path: None))
+    state = RunState(config=RunConfig(), run_dir=str(tmp_path), completed=["generate", "align"],
+                     generate_decisions=[asdict(first)], excluded_kernels=[[path, "cum_mixer"]],
+                     align_attempts=[{"attempt": 1, "passed": False}])
+    out = nodes.generate_node(state)
+    assert asked == [{path: "cum_mixer: left out after alignment attempt 1"}]
+    assert out["summary"]["generated"] == 0 and out["summary"]["inductor"] == 1
+
+
 # -- the Inductor fallback, for real -----------------------------------------------------------
 
 @pytest.mark.slow
