@@ -478,6 +478,18 @@ def test_a_generated_family_left_out_gives_its_block_back(tmp_path, retry, famil
     assert f"{int(retry != 'uncovered')} of 1 blocks" in section
     assert "| generated, left out |" in section and "| failed alignment (decided again) |" in section
     assert f"| {retry} |" in section and section.count("fwd pass, bwd pass") == 1
+    # the left-out family is no kernel-PR candidate, though the block passed with what replaced it
+    from onboarding.generate.llm.review import pr_candidates
+
+    (tmp_path / "alignment.json").write_text(json.dumps({"blocks": [
+        {"path": path, "fwd": {"verdict": "pass"}, "bwd": {"verdict": "pass"}}], "patches": [
+        {"path": path, "family": family or retry, "status": "active"}][:retry != "uncovered"]}))
+    first.folder = str(tmp_path / "cum_mixer")
+    again.folder = str(tmp_path / family) if family else None
+    save_decisions(decisions, tmp_path / DECISIONS_FILE)
+    (left,) = [c for c in pr_candidates(tmp_path) if c["family"] == "cum_mixer"]
+    assert left["status"] == f"alignment failed: {path}"
+    assert left["blocks"][0]["patched"] == "left out"
 
 
 def test_the_retry_node_decides_a_left_out_generated_family_again(tmp_path, monkeypatch):

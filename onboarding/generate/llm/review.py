@@ -4,9 +4,10 @@ reads it) and the report's section on LLM-written families.
 A generated family is a PR candidate when the gate accepted it and alignment then ran the model
 with it patched in and passed each block it serves, forward and backward. Every accepted family
 is listed, with its status: ``candidate``, or why not yet (``not aligned``: no alignment ran;
-``alignment failed``: a block it serves failed, named). The decisions come from the generate
-stage's ``decisions.json``, the gate's record from the family folder's ``gate.json``, the LLM
-attempts from ``generated/llm/<block>/summary.json``.
+``alignment failed``: a block it serves failed, or was left out after failing and decided
+again, named). The decisions come from the generate stage's ``decisions.json``, the gate's record
+from the family folder's ``gate.json``, the LLM attempts from
+``generated/llm/<block>/summary.json``.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def pr_candidates(run_dir: Path) -> list[dict[str, Any]]:
     decisions = _json(run_dir / "decisions.json") or []
     align = _json(run_dir / "alignment.json") or {}
     rows = {b["path"]: b for b in align.get("blocks", [])}
-    patches = {p["path"]: p for p in align.get("patches", [])}
+    # the family's own patch at a block: after it failed and was left out, the alignment that
+    # followed patched the block with what the retry chose (an Inductor swap), or not at all
+    patches = {(p["path"], p["family"]): p for p in align.get("patches", [])}
     out: dict[str, dict[str, Any]] = {}
-    for d in decisions:
+    for i, d in enumerate(decisions):
         if d.get("decision") != "generated" or not d.get("folder"):
             continue
         folder = Path(d["folder"])
@@ -54,10 +57,12 @@ def pr_candidates(run_dir: Path) -> list[dict[str, Any]]:
                             "accepted_prompt_hash": next((a["prompt_hash"] for a in summary["attempts"]
                                                           if a["verdict"] == "accepted"), None),
                             "summary": str(Path("generated") / "llm" / _slug(d["same_as"] or d["path"]) / "summary.json")}
-        row, patch = rows.get(d["path"]), patches.get(d["path"])
+        row, patch = rows.get(d["path"]), patches.get((d["path"], d.get("family")))
+        left_out = any(later["path"] == d["path"] and later.get("failed_family") == d.get("family")
+                       for later in decisions[i + 1:])
         entry["blocks"].append({
             "path": d["path"], "same_as": d.get("same_as"),
-            "patched": patch.get("status") if patch else None,
+            "patched": "left out" if left_out else patch.get("status") if patch else None,
             "fwd": row["fwd"]["verdict"] if row else None, "bwd": row["bwd"]["verdict"] if row else None})
     for e in out.values():
         e["status"] = _status(e, bool(align))
