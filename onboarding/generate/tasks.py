@@ -282,7 +282,7 @@ def dim_map(proxy_params: dict[str, list[int]], full_params: dict[str, list[int]
         for k, p in (proxy or {}).items():
             f = (full or {}).get(k)
             if isinstance(p, int) and isinstance(f, int) and not isinstance(p, bool) \
-                    and not isinstance(f, bool) and p > 1 and p not in from_params:
+                    and p > 1 and p not in from_params:
                 pairs.setdefault(p, set()).add(f)
     mapping = {p: next(iter(fs)) for p, fs in pairs.items() if len(fs) == 1}
     return mapping, {p for p, fs in pairs.items() if len(fs) > 1}
