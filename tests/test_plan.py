@@ -122,6 +122,69 @@ def test_search_reasons_and_ranking():
     assert c.time.serial_s > c.time.overlap_s > 0 and 0 < c.time.mfu < 1
 
 
+def _ranked(times: dict[str, float], shift: float = 1.0, tolerance: float = 0.01) -> list[str]:
+    """`rank` over synthetic fitting layouts named ``recompute/offload/ep``: step time x
+    ``shift``, memory less for the heavier savers."""
+    from types import SimpleNamespace
+
+    from onboarding.plan.search import Candidate, rank
+
+    cands = []
+    for name, t in times.items():
+        rc, off, ep = name.split("/")
+        mem = 10.0 - {"none": 0, "selective": 1, "full": 3}[rc] - {"none": 0, "optimizer": 1,
+                                                                  "params": 2}[off] + int(ep)
+        cands.append(Candidate(layout=Layout(ep=int(ep), fsdp=8 // int(ep), recompute=rc,
+                                             offload=off),
+                               memory=SimpleNamespace(total=mem), comm=None,
+                               time=SimpleNamespace(overlap_s=t * shift), fits=True))
+    return [f"{c.layout.recompute}/{c.layout.offload}/{c.layout.ep}"
+            for c in rank(cands, tolerance)]
+
+
+def test_ranking_stable_under_a_common_shift():
+    """Step times 0.3% apart that straddled an edge of the old fixed 1% steps (1.01^100.4 s and
+    0.3% more: steps 100 and 101; x1.004: both step 101) chose selective recompute or none
+    by where the edge fell. Against the fastest, both are within 1%: no recompute first (the
+    lighter saver), whatever common factor; a layout 5% slower or full recompute 30% slower
+    follow by time, and a saver that buys more than 1% is chosen."""
+    base = 1.01 ** 100.4
+    times = {"selective/none/8": base, "none/none/8": base * 1.003,
+             "none/none/1": base * 1.05, "full/none/8": base * 1.3}
+    orders = {s: _ranked(times, s) for s in (1.0, 1.004, 1.008)}
+    assert orders[1.0] == ["none/none/8", "selective/none/8", "none/none/1", "full/none/8"]
+    assert orders[1.004] == orders[1.0] and orders[1.008] == orders[1.0]
+    # within the tier: lighter savers, then less memory (EP 1 here), then time
+    assert _ranked({"none/optimizer/1": 1.0, "none/none/8": 1.009, "none/none/1": 1.005}) \
+        == ["none/none/1", "none/none/8", "none/optimizer/1"]
+    assert _ranked({"selective/none/8": 1.0, "none/none/8": 1.011})[0] == "selective/none/8"
+    assert _ranked({"selective/none/8": 1.0, "none/none/8": 1.003}, tolerance=0.0)[0] \
+        == "selective/none/8"
+
+
+def test_tolerance_note_and_bad_tolerance():
+    """The plan says when its choice is not the fastest layout, and why; a tolerance outside
+    [0, 1) is bad input."""
+    from types import SimpleNamespace
+
+    from onboarding.plan.search import Candidate, tolerance_note
+
+    def cand(rc, t, mem):
+        return Candidate(layout=Layout(ep=8, fsdp=1, recompute=rc, offload="none"),
+                         memory=SimpleNamespace(total=mem), comm=None,
+                         time=SimpleNamespace(overlap_s=t), fits=True)
+
+    (note,) = tolerance_note([cand("none", 0.1006, 2.0), cand("selective", 0.1, 1.0)], 0.01)
+    assert note == ("layout: EP 8 x FSDP 1, recompute selective, offload none is 0.60% faster "
+                    "by the estimate, within the 1% it cannot tell apart "
+                    "(PlanConfig.time_tolerance): EP 8 x FSDP 1, recompute none, offload none "
+                    "is chosen for its lighter memory savers")
+    assert tolerance_note([cand("none", 0.1, 2.0), cand("selective", 0.1, 1.0)], 0.01) == []
+    for bad in (-0.01, 1.0, float("nan")):
+        with pytest.raises(InputError, match="time_tolerance"):
+            PlanConfig(time_tolerance=bad).validate()
+
+
 def test_full_training_bytes_per_parameter():
     """Full training: bf16 weight + bf16 grad + fp32 master + Adam = 16 bytes per parameter."""
     shape = _shape()

@@ -111,6 +111,9 @@ class PlanConfig:
     # patches them on a GPU (its default): those blocks keep what the kernels' autograd keeps.
     # False: every block's own torch path (a CPU run, or ``--no-kernels``)
     kernels: bool = True
+    # step times within this fraction of the fastest fitting layout count as equally fast, and
+    # the lighter memory savers win among them (`onboarding.plan.search.rank` says why 1%)
+    time_tolerance: float = 0.01
 
     def validate(self) -> None:
         for name in ("gpus", "seq", "micro_batch", "lora_rank"):
@@ -142,6 +145,9 @@ class PlanConfig:
             raise InputError(f"--capacity-factor {self.capacity_factor}: must be > 0")
         if not (self.imbalance >= 1 and math.isfinite(self.imbalance)):
             raise InputError(f"--imbalance {self.imbalance}: must be >= 1 (max over mean)")
+        if not (0 <= self.time_tolerance < 1):
+            raise InputError(f"time_tolerance {self.time_tolerance}: must be in [0, 1) (a "
+                             "fraction of the fastest step time)")
 
 
 def parse_gib(text: str | float | None) -> float | None:

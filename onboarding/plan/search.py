@@ -1,5 +1,6 @@
 """The plan: every FSDP x EP x recompute x offload layout of a GPU count, checked against the GPU's
-memory, the ones that fit ranked by estimated step time, the others with the reason and numbers.
+memory, the ones that fit ranked by estimated step time (those within 1% of the fastest: the
+lightest memory savers first, `rank`), the others with the reason and numbers.
 
 A layout the user fixed (``--ep``, ``--fsdp``, ``--recompute``, ``--offload``) narrows the search;
 a model that fits no layout is a plan that says so, not an error.
@@ -7,7 +8,6 @@ a model that fits no layout is a plan that says so, not an error.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -116,12 +116,53 @@ def _reason(shape: ModelShape, cand: Candidate, cluster: ClusterConfig, cfg: Pla
             f"+ workspace {gib(m.workspace)} over weights and state {gib(static)}")
 
 
-def _rank(c: Candidate) -> tuple:
-    """Step time in 1% steps, then the fewer memory savers (recompute, offload), then memory:
-    a saver that buys no time is not chosen."""
-    lay = c.layout
-    return (round(math.log(max(c.time.overlap_s, 1e-9)) / math.log(1.01)),
-            RECOMPUTE.index(lay.recompute), OFFLOAD.index(lay.offload), c.memory.total)
+def _savers(c: Candidate) -> tuple[int, int]:
+    """How heavy its memory savers are: recompute, then offload, each in its order of cost."""
+    return RECOMPUTE.index(c.layout.recompute), OFFLOAD.index(c.layout.offload)
+
+
+def rank(cands: list[Candidate], tolerance: float) -> list[Candidate]:
+    """Fitting layouts best first. Those whose step time is within ``tolerance`` of the fastest
+    one's (`PlanConfig.time_tolerance`, 1%) count as equally fast and come first, the lighter
+    memory savers first (recompute, then offload, each in its order of cost), then the less
+    memory, then the faster; the rest follow by step time. A saver that buys less than the
+    tolerance is not chosen.
+
+    Why 1%: that is about what the estimate can tell apart between two layouts of one model.
+    Their rates and host model are shared, so those errors mostly cancel, but the terms a saver
+    changes are coarse: selective recompute only lowers the memory-bound term (4 passes over
+    the kept bytes) and its re-run is not charged, so the estimate puts it ahead of no recompute
+    by up to about that much (0.8% for hf:kimi_linear: `onboard plan hf:kimi_linear --all`)
+    though it does more work. Layouts further apart (full recompute's extra forward, all-to-all and
+    FSDP traffic) keep their order by time, as under the 1% steps this replaced.
+
+    Against the fastest, not fixed steps: two times 0.3% apart fell in one step or in two
+    depending on where a step's edge fell, so a small change anywhere in the estimate flipped
+    the choice. A common factor on every time now changes no order."""
+    if not cands:
+        return []
+    bound = min(c.time.overlap_s for c in cands) * (1 + tolerance)
+
+    def key(c: Candidate) -> tuple:
+        if c.time.overlap_s <= bound:
+            return (0, *_savers(c), c.memory.total, c.time.overlap_s)
+        return (1, c.time.overlap_s, *_savers(c), c.memory.total)
+
+    return sorted(cands, key=key)
+
+
+def tolerance_note(fitting: list[Candidate], tolerance: float) -> list[str]:
+    """One line where the first layout is not the fastest: which is, by how much, and why."""
+    if not fitting:
+        return []
+    first, fastest = fitting[0], min(fitting, key=lambda c: c.time.overlap_s)
+    gain = 1 - fastest.time.overlap_s / first.time.overlap_s
+    if gain <= 0:
+        return []
+    why = "lighter memory savers" if _savers(first) < _savers(fastest) else "less memory per GPU"
+    return [f"layout: {fastest.layout.name} is {gain:.2%} faster by the estimate, within the "
+            f"{tolerance * 100:g}% it cannot tell apart (PlanConfig.time_tolerance): "
+            f"{first.layout.name} is chosen for its {why}"]
 
 
 def _ep_choices(shape: ModelShape, cfg: PlanConfig) -> list[int]:
@@ -163,7 +204,7 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
                 if not c.fits:
                     c.reason = _reason(shape, c, cluster, cfg)
                 cands.append(c)
-    fitting = sorted((c for c in cands if c.fits), key=_rank)
+    fitting = rank([c for c in cands if c.fits], cfg.time_tolerance)
     rejected = [c for c in cands if not c.fits]
     fixed = cfg.ep is not None or cfg.fsdp is not None
     if fitting:
@@ -172,7 +213,7 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
         chosen = cands[0]  # the one layout asked for: shown with why it does not fit
     else:
         chosen = None
-    notes = []
+    notes = tolerance_note(fitting, cfg.time_tolerance)
     if shape.unmatched:
         notes.append("op-graph blocks not found in the full model (not in the activation "
                      "estimate): " + ", ".join(shape.unmatched[:6]))
