@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from onboarding.graph._records import (ACTIVATIONS, GATE_ACTIVATIONS, SOFTMAX, _hist, _linear_dims,
-                                       _matmul_recs, _topk_input, _topks, is_matmul, is_sdpa,
-                                       layer_of)
+from onboarding.graph._records import (ACTIVATIONS, GATE_ACTIVATIONS, SOFTMAX, _core_widths,
+                                       _hist, _linear_dims, _matmul_recs, _topk_input, _topks,
+                                       is_matmul, is_sdpa, layer_of)
 from onboarding.graph.capture import OpRecord
 
 
@@ -70,6 +70,8 @@ class MixerRules:
                 and r.in_shapes[0] and len(r.in_shapes[0]) >= 2 and r.in_shapes[0][-2] == ctx.seq}
         if pooled and not any(is_sdpa(r.op) for r in recs) and not keys & {ctx.seq, ctx.seq + 1}:
             return self._compressed_attention(path, recs, ev, pooled, keys, child_kinds)
+        if core := _core_widths(recs, ctx.seq):  # heads and widths, config-free (training FLOPs)
+            attrs["core_widths"] = core
         if not seq_topk and not any(is_sdpa(r.op) for r in recs):
             # softmax(Q K^T) V written out: the scores are a tensor in memory, O(T^2) per head
             soft = next((r for r in recs if r.op in SOFTMAX and r.in_shapes
@@ -146,12 +148,14 @@ class MixerRules:
         head: fewer elements per token than the output it scales, its source), or None. The
         source: (the weight, named under ``path``, of the projection the gate is read from, one
         as wide as the gate, else the last before it whose width is a multiple of the gate's;
-        the gate's elements per token), or None for a weight outside the block. A per-head
+        the gate's elements per token), or None for a weight outside the block. A projection of
+        the hidden state or one chained onto it (a low-rank gate's up projection, g_b in
+        g_b(g_a(x)), the one that makes the gate). A per-head
         gate's projection tells its head count at another size (the plan's, where the config
         gives none: `onboarding.plan.shapes.gate_heads`). Read by structure:
         an elementwise activation (`GATE_ACTIVATIONS`: sigmoid, softplus, silu, ...) of a
         token-major [B, T, ..] tensor of n elements per token, run after a weight projection of
-        the hidden state whose width is a multiple of n (the gate's own projection, or a part of
+        the hidden state (or one chained onto it) whose width is a multiple of n (the gate's own projection, or a part of
         one it shares with the queries), and a product after the attention core and before the
         out projection of a tensor with the activation's elements and the attention output (the
         out projection's input width per token). The records carry no data flow, so shapes and
@@ -172,10 +176,14 @@ class MixerRules:
         # the hidden state's width: the embedding's, or what the block's first projection reads
         first = next((d for r in mm if self._weight_2d(r) and (d := _linear_dims(r, ctx))), None)
         hidden = {ctx.hidden, first[0] if first else None} - {None}
-        projs = [(r.index, d[1], next(n for n in r.params.values()
-                                      if len(ctx.param_shapes.get(n, ())) == 2))
-                 for r in mm if self._weight_2d(r) and (d := _linear_dims(r, ctx))
-                 and d[0] in hidden]
+        # projections of the hidden state, and those chained onto one (reading a width an earlier
+        # one wrote): a low-rank gate's is its second, g_b of g_b(g_a(x)), D -> r -> n
+        projs: list[tuple[int, int, str]] = []
+        for r in mm:
+            if self._weight_2d(r) and (d := _linear_dims(r, ctx)) \
+                    and (d[0] in hidden or any(w == d[0] for _, w, _ in projs)):
+                projs.append((r.index, d[1], next(n for n in r.params.values()
+                                                  if len(ctx.param_shapes.get(n, ())) == 2)))
         for a in recs:
             n = per_token(a.in_shapes[0]) if a.in_shapes else None
             src = [(w, name) for i, w, name in projs if n and i < a.index and w % n == 0]
