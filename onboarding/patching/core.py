@@ -15,7 +15,9 @@ delta-rule call swap (`onboarding.patching.linear_attention`) and the top-k atte
 Where a binding has a choice the structure leaves open (which linear is the gate, which argument
 is the gate), the patch *calibrates* on its first call: it runs the original and each candidate
 binding on the same input and keeps the one that matches within tolerance. A block with no
-matching binding is restored and reported, never silently wrong.
+matching binding is restored and reported, never silently wrong. A block whose own code cannot
+run in the call's 16-bit dtype is calibrated against itself run in float32 (`_upcast_reference`),
+and its record says so.
 """
 
 from __future__ import annotations
@@ -141,7 +143,11 @@ class _Calibrated:
     def __call__(self, *args, **kwargs):
         if self.chosen is None:
             with torch.no_grad():
-                ref = self.original(*args, **kwargs)
+                upcast = ""
+                try:
+                    ref = self.original(*args, **kwargs)
+                except RuntimeError as exc:  # e.g. the block's own code mixes float32 into bf16 maths
+                    ref, upcast = _upcast_reference(self.module, self.original, args, kwargs, exc)
                 for name, fn in self.bindings.items():
                     try:
                         out = fn(*args, **kwargs)
@@ -154,6 +160,7 @@ class _Calibrated:
                         self.chosen = _converted(fn, convert)
                         self.record.binding = name + (f" -> {how}" if how else "")
                         self.record.status = "active"
+                        self.record.detail = upcast
                         break
                     self.record.detail = f"{name}: {_mismatch(out, ref)}"[:300]
             if self.chosen is None:
@@ -164,6 +171,60 @@ class _Calibrated:
                 return self.original(*args, **kwargs)
         out = self.chosen(*args, **kwargs)
         return out
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _cast(obj: Any, src: torch.dtype, dst: torch.dtype) -> Any:
+    """``obj`` with its ``src`` tensors (in tuples, lists, dicts) cast to ``dst``; the rest as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dst) if obj.dtype == src else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast(o, src, dst) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, src, dst) for k, v in obj.items()}
+    return obj
+
+
+def _upcast_reference(module: nn.Module, original: Callable, args: tuple, kwargs: dict,
+                      exc: RuntimeError) -> tuple[Any, str]:
+    """The original's output when it fails in the call's 16-bit dtype (a block whose own code
+    mixes a float32 tensor into its bf16 maths cannot run in bf16 at all, while a kernel that
+    replaces it can): computed again in float32, with the block's 16-bit parameters and buffers
+    widened for the call and put back after (bit-exact: every 16-bit value is a float32), then
+    cast back to the call's dtype for the comparison. Raises ``exc`` when the call has no one
+    16-bit dtype, the parameters are distributed (DTensor), or float32 fails too."""
+    low = {t.dtype for t in _tensors_in((args, kwargs)) if t.dtype in _LOW}
+    if len(low) != 1:
+        raise exc
+    dtype = low.pop()
+    held = [t for t in (*module.parameters(), *module.buffers()) if t.dtype == dtype]
+    if any(type(t.data) is not torch.Tensor for t in held):  # DTensor shards: not widened in place
+        raise exc
+    saved = [t.data for t in held]
+    try:
+        for t, d in zip(held, saved):
+            t.data = d.float()
+        ref = original(*_cast(args, dtype, torch.float32), **_cast(kwargs, dtype, torch.float32))
+    except RuntimeError:
+        raise exc from None
+    finally:
+        for t, d in zip(held, saved):
+            t.data = d
+    return _cast(ref, torch.float32, dtype), (
+        f"the block's own code fails in {str(dtype).removeprefix('torch.')} "
+        f"({type(exc).__name__}: {str(exc)[:120]}); calibrated against it in float32")
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors_in(o)]
+    return []
 
 
 def _converted(fn: Callable, convert: Callable[[Any], Any]) -> Callable:
