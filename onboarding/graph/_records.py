@@ -4,6 +4,7 @@ the classifier's `Context`, and module-path helpers (`layer_of`, `stack_of`)."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -132,6 +133,48 @@ def _attention_softmax(recs: list[OpRecord], seq: int, pooled: int = 0) -> list[
             ev.append(f"{r.op} over [.., {seq}, {r.in_shapes[0][-1]}] scores" +
                       (" (with a sink column)" if sink else ""))
     return ev
+
+
+def _core_widths(recs: list[OpRecord], seq: int) -> dict[str, int] | None:
+    """The widths of a softmax-attention core, read off its ops: ``heads`` (query heads),
+    ``d_qk`` (a query's and key's width), ``d_v`` (a value's), or None where they cannot be
+    read. A fused SDPA's q [.., H, T, d_qk] and v [.., S, d_v]; else the score GEMM (a matmul of
+    two activations with a [.., T, S] output) whose S keys a later matmul of two activations
+    reads as [.., T, S] probabilities (a softmax over rows of T queries between them): the
+    query's last dim is d_qk, that product's output's is d_v, the scores' leading dims the batch
+    times H (per-head, or folded into one dim as a dispatch capture's bmm has them). The batch:
+    the token rows of the first weight projection's input ([B, T, D], or [B T, D] as a dispatch
+    capture's mm reads it; addmm's second operand, after its bias) over T. Config-free, so a
+    model without a config still has its attention FLOPs counted (`onboarding.train.flops`)."""
+    xs = [r.in_shapes[r.op in ("addmm", "baddbmm")] for r in recs if is_matmul(r.op) and r.params
+          and len(r.in_shapes) > 1]
+    rows = next((math.prod(x[:-1]) for x in xs if x and len(x) >= 2), 0)
+    batch = rows // seq if rows and seq and rows % seq == 0 else None
+
+    def widths(lead: list[int], d_qk: int, d_v: int) -> dict[str, int] | None:
+        if not batch or not math.prod(lead) or math.prod(lead) % batch:
+            return None
+        return {"heads": math.prod(lead) // batch, "d_qk": d_qk, "d_v": d_v}
+
+    for r in recs:
+        if r.op.startswith(("scaled_dot_product_attention", "_scaled_dot_product")) \
+                and len(r.in_shapes) >= 3 and all(s and len(s) >= 3 for s in r.in_shapes[:3]) \
+                and r.in_shapes[0][-2] == seq:
+            q, _, v = r.in_shapes[:3]
+            return widths(q[:-2], q[-1], v[-1])
+    pair = [r for r in recs if r.op in ("matmul", "bmm") and not r.params and len(r.in_shapes) >= 2
+            and r.in_shapes[0] and r.out_shapes and len(r.out_shapes[0]) >= 3]
+    for s in pair:
+        scores = s.out_shapes[0]
+        if scores[-2] != seq:
+            continue
+        soft = next((x.index for x in recs if x.op in SOFTMAX and x.index > s.index
+                     and x.in_shapes and x.in_shapes[0] and x.in_shapes[0][-2] == seq), None)
+        pv = next((x for x in pair if soft is not None and x.index > soft
+                   and x.in_shapes[0][-2:] == scores[-2:]), None)
+        if pv is not None:
+            return widths(scores[:-2], s.in_shapes[0][-1], pv.out_shapes[0][-1])
+    return None
 
 
 def _compressed_kv(recs: list[OpRecord], seq: int) -> dict[str, Any] | None:
