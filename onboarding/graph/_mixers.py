@@ -150,13 +150,13 @@ class MixerRules:
         as wide as the gate, else the last before it whose width is a multiple of the gate's;
         the gate's elements per token), or None for a weight outside the block. A projection of
         the hidden state or one chained onto it (a low-rank gate's up projection, g_b in
-        g_b(g_a(x)), the one that makes the gate). A per-head
-        gate's projection tells its head count at another size (the plan's, where the config
-        gives none: `onboarding.plan.shapes.gate_heads`). Read by structure:
-        an elementwise activation (`GATE_ACTIVATIONS`: sigmoid, softplus, silu, ...) of a
-        token-major [B, T, ..] tensor of n elements per token, run after a weight projection of
-        the hidden state (or one chained onto it) whose width is a multiple of n (the gate's own projection, or a part of
-        one it shares with the queries), and a product after the attention core and before the
+        g_b(g_a(x)), the one that makes the gate). A per-head gate's projection tells its head
+        count at another size (the plan's, where the config gives none:
+        `onboarding.plan.shapes.gate_heads`). Read by structure: an elementwise activation
+        (`GATE_ACTIVATIONS`: sigmoid, softplus, silu, ...) of a token-major [B, T, ..] tensor of
+        n elements per token, run after a weight projection of the hidden state (or one chained
+        onto it) whose width is a multiple of n (the gate's own projection, or a part of one it
+        shares with the queries), and a product after the attention core and before the
         out projection of a tensor with the activation's elements and the attention output (the
         out projection's input width per token). The records carry no data flow, so shapes and
         order stand for it: a sink's sigmoid (``sink``) reads the scores' [.., T] log-normaliser
