@@ -86,10 +86,13 @@ def test_the_memory_plan_counts_a_per_head_gate_at_its_size():
 
 
 UNGATED_ATTRS = {
-    # the latent (MLA) fixture: its two normed latents; the top-k fixture: its indexer's selection
-    "LatentLM": {"layout": "mla", "kv_latent": [10, 12]},
+    # the latent (MLA) fixture: its two normed latents; the top-k fixture: its indexer's selection;
+    # both: the heads and widths of the SDPA core (MLA's d_qk = 8 nope + 4 rope, d_v = 6)
+    "LatentLM": {"layout": "mla", "kv_latent": [10, 12],
+                 "core_widths": {"heads": 4, "d_qk": 12, "d_v": 6}},
     "TopkLM": {"topk": 4, "indexer_relu": True, "topk_inputs": [
-        {"shape": [1, 12, 12], "dtype": "float32", "dim": -1, "largest": True}]},
+        {"shape": [1, 12, 12], "dtype": "float32", "dim": -1, "largest": True}],
+        "core_widths": {"heads": 4, "d_qk": 8, "d_v": 8}},
 }
 
 

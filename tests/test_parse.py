@@ -595,7 +595,8 @@ def test_a_weight_used_through_a_transpose_is_a_gemm_for_coverage(parse_model):
     for i in (0, 1):
         assert by[f"layers.{i}.mlp"].kind == "mlp.dense"
         assert by[f"layers.{i}.mlp"].attrs["weight_matmuls"] == 2
-        assert by[f"layers.{i}.attn"].attrs == {"weight_matmuls": 2}  # qkv and o
+        assert by[f"layers.{i}.attn"].attrs == {  # qkv and o; the SDPA core's heads, widths
+            "weight_matmuls": 2, "core_widths": {"heads": 2, "d_qk": 8, "d_v": 8}}
     assert "weight_matmuls" not in by["lm_head"].attrs  # F.linear
     cov = build_coverage(g)
     assert not cov.by_status("uncovered")
@@ -957,7 +958,8 @@ def test_attention_over_pooled_keys_is_compressed(parse_model, cls, seq, expect)
         for i in (0, 1):
             b = next(b for b in g.blocks if b.path == f"layers.{i}.attn")
             assert b.kind == "attention.compressed", (b.kind, b.evidence)
-            want = {**expect, "pooling": "softmax_weighted", "local_keys": True, "sink": True}
+            want = {**expect, "pooling": "softmax_weighted", "local_keys": True, "sink": True,
+                    "core_widths": {"heads": 2, "d_qk": 16, "d_v": 16}}  # one K = V head
             assert {k: b.attrs.get(k) for k in want} == want, b.attrs
             assert "unfused_core" not in b.attrs
         cov = build_coverage(g)
