@@ -1234,3 +1234,41 @@ def test_a_bottleneck_mlp_with_an_activation_between_its_linears_is_an_mlp(parse
     assert g.layer_pattern == "AF AF"
     assert (ffn.kind, ffn.attrs["activation"], ffn.attrs["intermediate"]) == ("mlp.dense", "gelu", 8)
 
+
+RECURRENT_CELL = "tests/fixtures/recurrent_cell_models.py"
+
+
+@pytest.mark.parametrize("cls,mlp,evidence", [
+    ("RecurrentCellLM", "layers.{i}.ffn", "3 projections with silu gating (act(gate) * up)"),
+    ("LayerMLPLM", "layers.{i}", "2 projections with gelu")])
+def test_projections_around_a_child_recurrence_are_no_mlp(parse_model, cls, mlp, evidence):
+    """A mixer module whose recurrence runs in a child module (xLSTM's mLSTM layer: q, k, v and
+    soft-capped gate projections, the weightless cell, a sigmoid output gate and the out
+    projection; our own fixture): its projections feed the cell and read its output, they are
+    the mixer's, no MLP, whatever activation its gates use. Before, the module read as a gated
+    tanh `mlp.dense` beside the cell's `linear_attention.other` (`LFF LFF`). The control
+    (`LayerMLPLM`): a layer that runs that mixer, then an MLP's projections in its own forward
+    is still an MLP (the cell runs before its projections), and the mixer's projections are not
+    read as part of it."""
+    g = parse_model(f"{RECURRENT_CELL}:{cls}", seq=12)
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "LF LF"
+    for i in (0, 1):
+        assert by[f"layers.{i}.mixer.cell"].kind == "linear_attention.other"
+        assert f"layers.{i}.mixer" not in by
+        assert [p for p, b in by.items() if b.layer == i and b.kind == "mlp.dense"] == \
+            [mlp.format(i=i)]
+        assert by[mlp.format(i=i)].evidence == [evidence]  # the mixer's 7 projections not in it
+
+
+# xLSTM (transformers' own): a ~3 s parse of the proxy: nightly
+@pytest.mark.slow
+def test_xlstm_mlstm_layer_is_no_mlp(parse_model):
+    """hf:xlstm's mLSTM layer (projections around the mLSTM cell, `mlstm_backend`) is no
+    `mlp.dense`: one feed-forward per block, its `ffn` (before: `LFF LFF`)."""
+    g = parse_model("hf:xlstm")
+    by = {b.path: b for b in g.blocks}
+    assert g.layer_pattern == "LF LF"
+    assert by["backbone.blocks.0.mlstm_layer.mlstm_backend"].kind == "linear_attention.other"
+    assert "backbone.blocks.0.mlstm_layer" not in by
+    assert by["backbone.blocks.0.ffn"].kind == "mlp.dense"
