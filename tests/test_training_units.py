@@ -373,6 +373,27 @@ def test_flops_linear_attention_counted(built):
     assert peak_flops("cpu") is None
 
 
+def test_flops_attention_of_a_config_model_unchanged_and_the_same_from_the_graph(built,
+                                                                               monkeypatch):
+    """A config model's attention FLOPs are the config's widths at the training length (causal:
+    a query sees i + 1 keys); the op graph's ``core_widths`` give the same count where no config
+    is read (a config-less model's route, `flops.CapturedCore`). Before: none counted there."""
+    from onboarding.train import flops
+
+    model, graph, b = built("hf:qwen3_moe")
+    cfg = b.info.proxy_config
+    kw = dict(tokens=512, seq_len=64, lora_rank=8, expert_lora=False)
+    f = step_flops(graph, model, **kw)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers = len(graph.by_kind("attention.full"))
+    assert layers == cfg.num_hidden_layers
+    want = layers * 3 * 2 * cfg.num_attention_heads * (d + d) * (65 / 2) * 512
+    assert f["attention"] == pytest.approx(want) and f["uncounted_blocks"] == 0
+    monkeypatch.setattr(flops, "model_text_config", lambda m: None)
+    hidden = step_flops(graph, model, **kw)
+    assert hidden["attention"] == pytest.approx(want) and hidden["uncounted_blocks"] == 0
+
+
 def test_flops_unchanged_when_experts_are_sharded(built):
     """Expert-parallel ranks hold E/ep experts (+ expert adapters) at the same path: the count
     comes from the op graph, so it neither drops the experts nor counts them as dense."""
@@ -522,3 +543,21 @@ def test_config_less_model_without_a_vocabulary_or_full_logits_is_bad_input():
         narrow = Narrow()
     with pytest.raises(InputError, match="16 entries per token, fewer than the 300 token ids"):
         check_logits(narrow, lm_facts(narrow))
+
+
+def test_flops_of_a_config_less_model_count_its_attention_from_the_graph(parse_model):
+    """A plain nn.Module (no config) has its attention counted from the op graph the run parsed:
+    heads and widths of each captured core (2 heads x 16 here) and its top-k's k (2), at the
+    training length (32, not the capture's 16): T causal local keys plus the pooled entries a
+    query sees (T // 4, at most k). Before: no attention counted, 2 blocks uncounted."""
+    from onboarding.load.model import load_model
+    from onboarding.train.flops import _causal_keys
+
+    fixture = f"{FIXTURES / 'compressed_attention_models.py'}:CompressedTopkMaskLM"
+    graph = parse_model(fixture, seq=16, try_export=False)  # as test_lora_targets_no_grad's
+    model = load_model(fixture).build(None, seed=0)
+    f = step_flops(graph, model, tokens=128, seq_len=32, lora_rank=4, expert_lora=False)
+    per_token = 3 * 2 * 2 * (16 + 16) * (_causal_keys(32) + _causal_keys(32 // 4, 2))
+    assert per_token == 7056  # 384 x (16.5 + 1.875)
+    assert f["attention"] == pytest.approx(2 * per_token * 128)
+    assert f["uncounted_blocks"] == 0

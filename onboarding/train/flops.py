@@ -15,12 +15,19 @@ Per token, with N the matmul parameters a token passes through:
     delta rule's triangular transform) and ``A V``, plus three state products per token
     (``q S``, ``w S``, ``k^T v``), backward twice the forward.
 Embedding lookups, norms and elementwise ops are not counted (MFU convention).
-Attention widths come from the model's config fields; blocks whose widths are unknown are listed
-in ``uncounted_blocks``.
+Attention widths come from the model's config fields. A model without a config (``file.py:Name``,
+a plain ``nn.Module``) has them from the op graph the run already parsed: each softmax-attention
+block's ``core_widths`` (its heads, query/key and value widths, read off the captured core's ops:
+fused SDPA, or the score and value matmuls around a softmax) and its top-k's k, the model's own
+(such a model's capture is the model that trains), counted at the training sequence length by the
+rules above (`CapturedCore`). What that leaves out, linear attention's widths (its heads and
+state widths are config fields) and a top-k indexer's scores, is not counted; blocks whose
+widths are unknown are listed in ``uncounted_blocks``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -225,6 +232,30 @@ def _attention_core(cfg: Any, kind: str, seq: int, attrs: dict,
     return 3 * 2 * heads * (d_qk + d_v) * keys + extra
 
 
+@dataclass(frozen=True)
+class CapturedCore:
+    """The config fields `_attention_core` reads, for a block of a model without a config: the
+    heads and widths of its captured softmax-attention core (the op graph's ``core_widths``)
+    and, for a top-k over keys or pooled entries, the k the capture ran (``topk``). No indexer
+    widths: a top-k indexer's scores stay uncounted."""
+
+    num_attention_heads: int
+    head_dim: int
+    v_head_dim: int
+    index_topk: int | None = None
+
+    @classmethod
+    def of(cls, block) -> CapturedCore | None:
+        """``block``'s, or None where the capture read no widths (no softmax core, or an op
+        graph written before ``core_widths`` existed)."""
+        w = block.attrs.get("core_widths")
+        if not isinstance(w, dict) or not all(_positive_int(w.get(k)) for k in
+                                              ("heads", "d_qk", "d_v")):
+            return None
+        return cls(num_attention_heads=w["heads"], head_dim=w["d_qk"], v_head_dim=w["d_v"],
+                   index_topk=_positive_int(block.attrs.get("topk")))
+
+
 def _numel(p: torch.Tensor) -> int:
     return int(p.numel())
 
@@ -266,7 +297,7 @@ def step_flops(graph: OpGraph, model: nn.Module, *, tokens: int, seq_len: int, l
     ``total_6n`` is the naive ``6 x active parameters`` count, for comparison. Expert shapes and
     top-k come from ``graph`` (the unsharded proxy), so an expert-parallel model counts right.
     """
-    cfg = model_text_config(model)  # None for a config-less model: its attention is uncounted
+    cfg = model_text_config(model)  # None for a config-less model: widths from the graph
     moe = _moe_blocks(graph, cfg, lora_rank)
     modules = dict(model.named_modules())
     expert_ids: set[int] = set()
@@ -316,9 +347,10 @@ def step_flops(graph: OpGraph, model: nn.Module, *, tokens: int, seq_len: int, l
             if not b.kind.startswith(kind_prefix):
                 continue
             per_token = None
-            if cfg is not None:  # each layer's keys capped at its local window, as the plan's
-                window, layer = block_window(cfg, b, modules.get(b.path))
-                per_token = _attention_core(cfg, b.kind, seq_len, b.attrs, window, layer=layer)
+            fields = cfg if cfg is not None else CapturedCore.of(b)
+            if fields is not None:  # each layer's keys capped at its local window, as the plan's
+                window, layer = block_window(fields, b, modules.get(b.path))
+                per_token = _attention_core(fields, b.kind, seq_len, b.attrs, window, layer=layer)
             if per_token is None:
                 uncounted += 1
                 continue
