@@ -12,22 +12,25 @@ its slowest link sets its time.
 
 Step time: GEMMs at the GEMM rate (experts: at least the time to read their weights), fused
 attention cores at the attention rate (each layer's keys capped at its local window,
-`onboarding.plan.shapes.local_window`), memory-bound work (4 passes over the kept activations,
-~20 bytes per logit) at the HBM rate, and host time (ATen ops per block from the op graph's
-capture, x3 for the backward, at ``launch_us`` each) when that is longer: eager PyTorch is launch
-bound at small widths. FLOPs as `onboarding.train.flops` counts them (LoRA-correct: 4N for
-frozen GEMMs, 6 x adapters). With overlap the step is max(compute, communication); without, the
-sum.
+`onboarding.plan.shapes.local_window`), memory-bound work (4 passes over the activations the
+forward writes, kept or not, ~20 bytes per logit) at the HBM rate, and host time (ATen ops per
+block from the op graph's capture, x3 for the backward, at ``launch_us`` each) when that is
+longer: eager PyTorch is launch bound at small widths. FLOPs as `onboarding.train.flops` counts
+them (LoRA-correct: 4N for frozen GEMMs, 6 x adapters). Recompute adds one more forward of what
+it re-runs (`rerun`): a third of those blocks' GEMM, attention and memory-bound time (the
+forward of a forward + 2 x backward step) and their forward's ops; ``full`` the whole forward,
+``selective`` its blocks (`memory.recompute_blocks`). With overlap the step is max(compute,
+communication); without, the sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onboarding.plan.config import ClusterConfig, PlanConfig
+from onboarding.plan.config import ClusterConfig, PlanConfig, Rates
 from onboarding.plan.memory import BF16, FP32, Layout, Memory, expert_lora_params, \
-    lora_params, pairs_per_token
-from onboarding.plan.shapes import BlockShape, ModelShape, ceil_div
+    lora_params, pairs_per_token, recompute_blocks
+from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape, ceil_div
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,6 +56,7 @@ class StepTime:
     attn_s: float
     memory_s: float
     host_s: float
+    rerun_s: float  # GPU time of the recompute's extra forward (in compute_s, not in the above)
     compute_s: float
     overlap_s: float  # step with communication hidden behind compute
     serial_s: float  # step with no overlap
@@ -113,23 +117,48 @@ def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
                 offload_bytes=offload, offload_s=offload / (cluster.pcie_gbps * 1e9))
 
 
+def _gemm_flops(cfg: PlanConfig, matmul: float, adapters: float, experts: list[ExpertShape]
+                ) -> tuple[float, float]:
+    """(dense, expert) GEMM FLOPs per token of a step over ``matmul`` dense GEMM parameters,
+    ``adapters`` dense adapter parameters and the routed ``experts``."""
+    routed = sum(e.count * e.top_k * e.per_expert for e in experts)
+    if cfg.mode == "full":
+        return 6.0 * matmul, 6.0 * routed
+    exp_adapters = sum(e.count * e.top_k * sum(cfg.lora_rank * (i + o) for i, o in e.matrices)
+                       for e in experts) if cfg.expert_lora else 0
+    return 4.0 * matmul + 6.0 * adapters, 4.0 * routed + 6.0 * exp_adapters
+
+
+def _core_flops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape]) -> float:
+    if shape.config is None:
+        return 0.0
+    return sum(attention_core(shape, b, cfg.seq) for b in blocks
+               if b.kind.startswith(("attention.", "sparse_attention.", "linear_attention.")))
+
+
 def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]:
     """(GEMM FLOPs, expert GEMM FLOPs, attention-core FLOPs) per token of one training step."""
-    routed = sum(e.count * e.top_k * e.per_expert for e in shape.experts)
-    if cfg.mode != "full":
-        adapters = lora_params(shape, cfg)[0]
-        exp_adapters = sum(e.count * e.top_k * sum(cfg.lora_rank * (i + o) for i, o in e.matrices)
-                           for e in shape.experts) if cfg.expert_lora else 0
-        dense = 4.0 * shape.dense_matmul + 6.0 * adapters
-        experts = 4.0 * routed + 6.0 * exp_adapters
-    else:
-        dense, experts = 6.0 * shape.dense_matmul, 6.0 * routed
-    core = 0.0
-    for b in shape.blocks:
-        if b.kind.startswith(("attention.", "sparse_attention.", "linear_attention.")) \
-                and shape.config is not None:
-            core += attention_core(shape, b, cfg.seq)
-    return dense, experts, core
+    dense, experts = _gemm_flops(cfg, shape.dense_matmul, lora_params(shape, cfg)[0],
+                                 shape.experts)
+    return dense, experts, _core_flops(shape, cfg, shape.blocks)
+
+
+def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
+                ) -> tuple[float, float, float]:
+    """`step_flops` of the blocks ``recompute`` runs again (`recompute_blocks`): the whole
+    step's for ``full``; for ``selective`` its blocks' linears and their adapters, the routed
+    experts of an experts block (its own linears aside: a list of experts lists every one) and
+    the attention cores among them (none: attention keeps its activations)."""
+    if recompute == "full":
+        return step_flops(shape, cfg)
+    blocks = recompute_blocks(shape, recompute)
+    linear = [b for b in blocks if b.kind != "moe.experts"]
+    matmul = sum(b.count * sum(i * o for _, i, o in b.linears) for b in linear)
+    adapters = sum(b.count * sum(cfg.lora_rank * (i + o) for _, i, o in b.lora_targets)
+                   for b in linear) if cfg.mode != "full" else 0
+    experts = [e for e in shape.experts if any(b.kind == "moe.experts" and b.pattern == e.pattern
+                                               for b in blocks)]
+    return (*_gemm_flops(cfg, matmul, adapters, experts), _core_flops(shape, cfg, blocks))
 
 
 def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
@@ -156,17 +185,21 @@ def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
 ADAPTER_OPS, EP_OPS, ADAM_OPS, BACKWARD_OPS = 8, 60, 10, 1.26
 
 
-def forward_ops(shape: ModelShape, cfg: PlanConfig) -> float:
+def forward_ops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape] | None = None
+                ) -> float:
     """ATen ops of one forward: the op graph's blocks, adapters, EP modules. Every block's,
     nested ones too: a block's op histogram holds none of the ops of the blocks inside it (a
     child that became a block claimed its own; one taken in was removed), so a norm inside
     attention or a linear attention's conv adds its own launches. Adapters: the outermost
     blocks' LoRA targets (`model_shape` lists every linear under a block's module, those of the
-    blocks inside it too)."""
-    blocks = sum(b.count * b.ops for b in shape.blocks)
+    blocks inside it too). ``blocks``: those blocks' ops and adapters alone (what selective
+    recompute re-runs: the EP module re-runs its expert compute, not its dispatch)."""
+    whole = blocks is None
+    blocks = shape.blocks if blocks is None else blocks
+    ops = sum(b.count * b.ops for b in blocks)
     adapters = 0 if cfg.mode == "full" else ADAPTER_OPS * sum(
-        b.count * len(b.lora_targets) for b in shape.blocks if not b.nested)
-    return blocks + adapters + EP_OPS * sum(e.count for e in shape.experts)
+        b.count * len(b.lora_targets) for b in blocks if not b.nested)
+    return ops + adapters + (EP_OPS * sum(e.count for e in shape.experts) if whole else 0)
 
 
 def host_ops(shape: ModelShape, cfg: PlanConfig) -> float:
@@ -178,28 +211,48 @@ def host_ops(shape: ModelShape, cfg: PlanConfig) -> float:
     return forward_ops(shape, cfg) * (1 + BACKWARD_OPS) + ADAM_OPS * tensors
 
 
+def _gemm_attn_s(flops: tuple[float, float, float], expert_weights: float, cfg: PlanConfig,
+                 r: Rates) -> tuple[float, float]:
+    """(GEMM, attention-core) seconds of a step's ``flops`` (`step_flops`) per token."""
+    tokens = cfg.micro_batch * cfg.seq
+    dense_f, exp_f, core_f = flops
+    gemm_rate = r.gemm_tflops * 1e12
+    # experts with few tokens each are bound by reading their weights (fwd + bwd, + wgrad)
+    passes = 3 if cfg.mode == "full" else 2
+    expert_read = passes * expert_weights / (r.hbm_tbps * 1e12)
+    gemm_s = dense_f * tokens / gemm_rate + max(exp_f * tokens / gemm_rate, expert_read)
+    return gemm_s, core_f * tokens / (r.attn_tflops * 1e12)
+
+
+def rerun(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, r: Rates
+          ) -> tuple[float, float]:
+    """(GPU seconds, host ops) of the forward that ``lay``'s recompute runs again in the
+    backward: a third of the step's GEMM and attention time over what it re-runs
+    (`rerun_flops`; the expert weights read in the share of expert FLOPs re-run) and of the
+    memory passes over what it writes again (`Memory.recomputed`), and its blocks' forward ops
+    (`forward_ops`; ``full``: the whole forward's, EP modules included)."""
+    if lay.recompute == "none":
+        return 0.0, 0.0
+    flops = rerun_flops(shape, cfg, lay.recompute)
+    step_exp = step_flops(shape, cfg)[1]
+    gemm_s, attn_s = _gemm_attn_s(flops, mem.weights_experts * flops[1] / step_exp
+                                  if step_exp else 0.0, cfg, r)
+    memory_s = 4 * mem.recomputed / (r.hbm_tbps * 1e12)
+    ops = forward_ops(shape, cfg, None if lay.recompute == "full"
+                      else recompute_blocks(shape, lay.recompute))
+    return (gemm_s + attn_s + memory_s) / 3, ops
+
+
 def step_time(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, comm: Comm,
               cluster: ClusterConfig) -> StepTime:
     r = cluster.rates
     tokens = cfg.micro_batch * cfg.seq
     dense_f, exp_f, core_f = step_flops(shape, cfg)
-    gemm_rate = r.gemm_tflops * 1e12
-    expert_s = exp_f * tokens / gemm_rate
-    # experts with few tokens each are bound by reading their weights (fwd + bwd, + wgrad)
-    passes = 3 if cfg.mode == "full" else 2
-    expert_read = passes * mem.weights_experts / (r.hbm_tbps * 1e12) if mem.weights_experts \
-        else 0.0
-    gemm_s = dense_f * tokens / gemm_rate + max(expert_s, expert_read)
-    attn_s = core_f * tokens / (r.attn_tflops * 1e12)
-    kept = sum(mem.activations.values())
-    memory_s = (4 * kept + 20 * shape.vocab * tokens) / (r.hbm_tbps * 1e12)
-    ops = host_ops(shape, cfg)
-    if lay.recompute == "full":
-        ops += forward_ops(shape, cfg)  # the forward again
-    host_s = ops * r.launch_us * 1e-6
-    gpu_s = gemm_s + attn_s + memory_s
-    if lay.recompute == "full":
-        gpu_s += (gemm_s + attn_s + memory_s) / 3  # one more forward
+    gemm_s, attn_s = _gemm_attn_s((dense_f, exp_f, core_f), mem.weights_experts, cfg, r)
+    memory_s = (4 * mem.produced + 20 * shape.vocab * tokens) / (r.hbm_tbps * 1e12)
+    rerun_s, rerun_ops = rerun(shape, cfg, lay, mem, r)
+    host_s = (host_ops(shape, cfg) + rerun_ops) * r.launch_us * 1e-6
+    gpu_s = gemm_s + attn_s + memory_s + rerun_s
     # the EP module reads its split sizes on the host (.tolist()) in every MoE layer: the host
     # cannot run ahead of the GPU, so host and device time add up; without MoE they overlap
     compute_s = gpu_s + host_s if shape.experts else max(gpu_s, host_s)
@@ -208,5 +261,5 @@ def step_time(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, comm
     flops = (dense_f + exp_f + core_f) * tokens
     mfu = flops / overlap / (r.peak_tflops * 1e12) if overlap else 0.0
     return StepTime(flops=flops, gemm_s=gemm_s, attn_s=attn_s, memory_s=memory_s,
-                    host_s=host_s, compute_s=compute_s, overlap_s=overlap, serial_s=serial,
-                    mfu=mfu, tokens_per_s=tokens * lay.world / overlap if overlap else 0.0)
+                    host_s=host_s, rerun_s=rerun_s, compute_s=compute_s, overlap_s=overlap,
+                    serial_s=serial, mfu=mfu, tokens_per_s=tokens * lay.world / overlap if overlap else 0.0)

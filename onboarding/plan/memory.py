@@ -52,7 +52,9 @@ kernel's autograd keeps; else (a CPU run, ``--no-kernels``) every block's own to
     which are then freed) and one chunk's fp32 temporaries.
 Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
 backward; ``selective`` re-runs the MLP/expert activations (the 3F parts) and a low-rank residual
-branch's rank-r product, and keeps the rest.
+branch's rank-r product, and keeps the rest (`recompute_blocks`).
+`Memory.produced` and `Memory.recomputed` say what the forward writes and what the backward
+writes again, for the step time (`onboarding.plan.estimate`).
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ class Memory:
     reserved: float
     host_weights: float  # bytes per device offloaded to host memory: weights
     host_optimizer: float  # and optimizer state
+    # activation bytes per device the forward writes for the backward (what no recompute keeps,
+    # the logits included), and of them what the layout's recompute frees and writes again in
+    # the backward: its memory-bound work is done whatever is kept
+    produced: float
+    recomputed: float
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -196,6 +203,20 @@ def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
     norms = [b.pattern for b in shape.blocks if b.kind.startswith("norm.")]
     return [b for b in shape.blocks if not (b.kind.startswith("norm.") and any(
         p != b.pattern and _inside(b.pattern, p) for p in norms))]
+
+
+def recompute_blocks(shape: ModelShape, recompute: str) -> list[BlockShape]:
+    """The blocks whose forward the backward runs again: every one for ``full``; for
+    ``selective`` those of the kinds `onboard train` checkpoints (`SELECTIVE_KINDS`: MLPs, shared
+    and routed experts, a low-rank residual branch), whose `block_saved` re-run part it frees;
+    none for ``none``."""
+    from onboarding.train.parallel import SELECTIVE_KINDS
+
+    if recompute == "full":
+        return list(shape.blocks)
+    if recompute != "selective":
+        return []
+    return [b for b in shape.blocks if b.kind in SELECTIVE_KINDS]
 
 
 def block_heads(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, str]:
@@ -510,16 +531,20 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
         trainable["Adam moments (fp32)"] = adam
     # activations
     acts: dict[str, float] = {}
-    trans_layer = 0.0
+    trans_layer = produced = recomputed = 0.0
+    rerun = {id(b) for b in recompute_blocks(shape, lay.recompute)}
     for b in _counted_blocks(shape):
         kept, selective, trans = block_saved(b, shape, cfg, ep)
-        if lay.recompute == "selective":
+        produced += b.count * kept * tokens
+        if lay.recompute == "selective" and id(b) in rerun:
             kept -= selective
+            recomputed += b.count * selective * tokens
         g = kind_group(b.kind)
         acts[g] = acts.get(g, 0.0) + b.count * kept * tokens
         trans_layer = max(trans_layer, trans * tokens)
     layer_ws, layer_what = trans_layer, "one layer's dispatch / indexer buffers"
     if lay.recompute == "full":
+        recomputed = produced
         acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers}
         layer_ws += _per_layer_max(shape, cfg, ep, tokens)
         layer_what = "one layer recomputed"
@@ -527,6 +552,7 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
     # fp32 temporaries) or a layer's backward (that layer's workspace).
     v = shape.vocab
     acts["logits (bf16)"] = BF16 * v * tokens
+    produced += acts["logits (bf16)"]
     loss_ws = BF16 * v * tokens + 3 * FP32 * min(CE_CHUNK_ELEMENTS, v * tokens)
     if loss_ws >= layer_ws:
         workspace, what = loss_ws, "loss (the logits and their gradient, one chunk in fp32)"
@@ -540,7 +566,8 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
                   trainable=trainable, activations=acts, workspace=workspace,
                   workspace_what=what, slack=cluster.slack * dynamic,
                   reserved=cluster.reserved_gib * GIB, host_weights=host_w,
-                  host_optimizer=host_opt, notes=notes)
+                  host_optimizer=host_opt, produced=produced, recomputed=recomputed,
+                  notes=notes)
 
 
 def _per_layer_max(shape: ModelShape, cfg: PlanConfig, ep: int, tokens: int) -> float:

@@ -57,6 +57,7 @@ def time_rows(c: Candidate) -> list[list[str]]:
     t = c.time
     return [["GEMMs / attention / memory-bound",
              f"{_ms(t.gemm_s)} / {_ms(t.attn_s)} / {_ms(t.memory_s)}"],
+            *([["recompute: the forward again (GPU)", _ms(t.rerun_s)]] if t.rerun_s else []),
             ["host (op launches)", _ms(t.host_s)],
             ["compute", _ms(t.compute_s)], ["communication", _ms(c.comm.seconds)],
             ["step, with overlap", _ms(t.overlap_s)], ["step, no overlap", _ms(t.serial_s)],

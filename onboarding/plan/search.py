@@ -130,11 +130,12 @@ def rank(cands: list[Candidate], tolerance: float) -> list[Candidate]:
 
     Why 1%: that is about what the estimate can tell apart between two layouts of one model.
     Their rates and host model are shared, so those errors mostly cancel, but the terms a saver
-    changes are coarse: selective recompute only lowers the memory-bound term (4 passes over
-    the kept bytes) and its re-run is not charged, so the estimate puts it ahead of no recompute
-    by up to about that much (0.8% for hf:kimi_linear: `onboard plan hf:kimi_linear --all`)
-    though it does more work. Layouts further apart (full recompute's extra forward, all-to-all and
-    FSDP traffic) keep their order by time, as under the 1% steps this replaced.
+    changes are coarse: a recompute's re-run is a third of its blocks' step time plus their
+    forward's launches (`estimate.rerun`). Layouts further apart (all-to-all and FSDP traffic)
+    keep their order by time, as under the 1% steps this replaced. (Before the re-run was
+    charged, selective recompute only lowered the memory-bound term and looked 0.8% faster
+    than none for hf:kimi_linear; charged, it is 3.4% slower: `onboard plan hf:kimi_linear
+    --all`, EP 8.)
 
     Against the fastest, not fixed steps: two times 0.3% apart fell in one step or in two
     depending on where a step's edge fell, so a small change anywhere in the estimate flipped

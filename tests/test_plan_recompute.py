@@ -1,0 +1,84 @@
+"""The plan's step time under activation recompute (`onboarding.plan.estimate`): what a layout's
+recompute frees it runs again in the backward, and the estimate charges that re-run."""
+
+from __future__ import annotations
+
+import pytest
+
+from onboarding.plan import ClusterConfig, PlanConfig
+from onboarding.plan.estimate import communication, forward_ops, step_time
+from onboarding.plan.memory import Layout, block_saved, memory
+from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape
+
+D, F, FE, V, LAYERS = 256, 1024, 512, 4096, 4
+
+
+def _block(pattern: str, kind: str, linears: list[tuple[str, int, int]], ops: int,
+           **kw) -> BlockShape:
+    return BlockShape(pattern=pattern, kind=kind, count=kw.pop("count", LAYERS),
+                      params=sum(i * o for _, i, o in linears), linears=linears, attrs={},
+                      ops=ops, nested=False, **kw)
+
+
+def _moe_shape(*, mlp: bool = True) -> ModelShape:
+    """A small MoE decoder: attention (adapters on q, k, v, o), a norm, a router, 8 routed
+    experts (top-2) and a shared expert per layer, and (``mlp``) a dense MLP in each layer;
+    without ``mlp``, none of the blocks selective recompute re-runs and no experts."""
+    attn = [("q_proj", D, D), ("k_proj", D, D), ("v_proj", D, D), ("o_proj", D, D)]
+    shared = [("gate_proj", D, F), ("up_proj", D, F), ("down_proj", F, D)]
+    blocks = [_block("layers.*.attn", "attention.full", attn, 40, lora_targets=attn),
+              _block("layers.*.norm", "norm.rms", [], 6, width=D),
+              _block("layers.*.mlp.gate", "moe.router", [("weight", D, 8)], 8)]
+    experts = []
+    if mlp:
+        blocks += [_block("layers.*.mlp.experts", "moe.experts", [], 200),
+                   _block("layers.*.mlp.shared_expert", "moe.shared_expert", shared, 9),
+                   _block("layers.*.ffn", "mlp.dense", shared, 7)]
+        experts = [ExpertShape(pattern="layers.*.mlp.experts", count=LAYERS, n_experts=8,
+                               top_k=2, per_expert=3 * D * FE, hidden=D, width=FE, gated=True,
+                               matrices=[(D, 2 * FE), (FE, D)])]
+    matmul = sum(b.count * b.params for b in blocks if b.kind != "moe.experts") + D * V
+    routed = sum(e.count * e.n_experts * e.per_expert for e in experts)
+    return ModelShape(name="synthetic-moe", hidden=D, vocab=V, n_layers=LAYERS,
+                      total=matmul + routed + D * V, routed=routed,
+                      dense_tensors=[(D, matmul // D + V)], experts=experts, blocks=blocks,
+                      layer_dense_max=matmul // LAYERS, dense_matmul=matmul, config=None)
+
+
+def _time(shape: ModelShape, cfg: PlanConfig, recompute: str):
+    cluster = ClusterConfig(gpu_mem_gib=141.0)
+    lay = Layout(ep=1, fsdp=1, recompute=recompute, offload="none")
+    mem = memory(shape, cfg, lay, cluster)
+    return step_time(shape, cfg, lay, mem, communication(shape, cfg, lay, mem, cluster),
+                     cluster)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_selective_recompute_pays_for_what_it_runs_again(mode):
+    """Selective recompute frees the MLP and expert activations (`block_saved`'s re-run part)
+    and runs those blocks' forward again in the backward: its step is no recompute's plus that
+    forward (its blocks' launches, the passes over the bytes it writes again, a third of their
+    fwd + 2 x bwd GEMM time, read off the step estimate without them), and full recompute, which
+    re-runs every block, costs more. Before, selective only lowered the memory-bound term and
+    looked faster than no recompute."""
+    cfg = PlanConfig(gpus=1, ep=1, seq=1024, mode=mode)
+    shape = _moe_shape()
+    r = ClusterConfig().rates
+    none, sel, full = (_time(shape, cfg, rc) for rc in ("none", "selective", "full"))
+    rerun = [b for b in shape.blocks if b.kind in ("moe.experts", "moe.shared_expert",
+                                                  "mlp.dense")]
+    tokens = cfg.micro_batch * cfg.seq
+    launches = sum(b.count * b.ops for b in rerun) * r.launch_us * 1e-6
+    written = sum(b.count * block_saved(b, shape, cfg, 1)[1] for b in rerun) * tokens
+    passes = 4 / 3 * written / (r.hbm_tbps * 1e12)  # a third of a step's 4 passes
+    # the step's GEMM time of those blocks: the step's less the same model's without them
+    bare = _moe_shape(mlp=False)
+    gemm = (none.gemm_s - _time(bare, cfg, "none").gemm_s) / 3
+    assert written > 0 and launches > 0 and gemm > 0
+    assert sel.memory_s == pytest.approx(none.memory_s)  # the forward writes them all the same
+    # a MoE step: host and GPU time add up (no communication on one GPU)
+    assert sel.overlap_s - none.overlap_s == pytest.approx(launches + passes + gemm, rel=1e-9)
+    assert sel.rerun_s == pytest.approx(passes + gemm, rel=1e-9)
+    assert full.overlap_s > sel.overlap_s > none.overlap_s
+    assert full.host_s - none.host_s == pytest.approx(
+        forward_ops(shape, cfg) * r.launch_us * 1e-6)
