@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from onboarding.graph.classify import packed_orientation
 from onboarding.families import families
@@ -177,14 +178,8 @@ _LOW = (torch.bfloat16, torch.float16)
 
 
 def _cast(obj: Any, src: torch.dtype, dst: torch.dtype) -> Any:
-    """``obj`` with its ``src`` tensors (in tuples, lists, dicts) cast to ``dst``; the rest as is."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dst) if obj.dtype == src else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast(o, src, dst) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, src, dst) for k, v in obj.items()}
-    return obj
+    """``obj`` (a pytree: tuples, lists, dicts) with its ``src`` tensors cast to ``dst``."""
+    return tree_map_only(torch.Tensor, lambda t: t.to(dst) if t.dtype == src else t, obj)
 
 
 def _upcast_reference(module: nn.Module, original: Callable, args: tuple, kwargs: dict,
@@ -195,7 +190,7 @@ def _upcast_reference(module: nn.Module, original: Callable, args: tuple, kwargs
     widened for the call and put back after (bit-exact: every 16-bit value is a float32), then
     cast back to the call's dtype for the comparison. Raises ``exc`` when the call has no one
     16-bit dtype, the parameters are distributed (DTensor), or float32 fails too."""
-    low = {t.dtype for t in _tensors_in((args, kwargs)) if t.dtype in _LOW}
+    low = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dtype in _LOW}
     if len(low) != 1:
         raise exc
     dtype = low.pop()
@@ -215,16 +210,6 @@ def _upcast_reference(module: nn.Module, original: Callable, args: tuple, kwargs
     return _cast(ref, torch.float32, dtype), (
         f"the block's own code fails in {str(dtype).removeprefix('torch.')} "
         f"({type(exc).__name__}: {str(exc)[:120]}); calibrated against it in float32")
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors_in(o)]
-    return []
 
 
 def _converted(fn: Callable, convert: Callable[[Any], Any]) -> Callable:
