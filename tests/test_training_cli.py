@@ -68,6 +68,13 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, s
      "vocab, d, n_layers)"),
     ([f"{FIXTURES / 'sweep3_models.py'}:LeftPadConvMixer", "--set", "d=8"],
      "LeftPadConvMixer: no vocabulary to train on"),
+    # a config-less model's context limit, by structure: a position table's rows, a table
+    # sliced to the sequence (before: an index or shape error inside the workers' run)
+    ([f"{FIXTURES / 'position_table_models.py'}:LearnedPositionLM", "--seq", "128"],
+     "seq_len=128: longer than the 96 positions the model takes: its position table "
+     "`pos.weight` (96 rows, looked up with positions); use --seq 96 or less"),
+    ([f"{FIXTURES / 'position_table_models.py'}:SlicedTableLM", "--seq", "128"],
+     "seq_len=128: longer than the 80 positions the model takes: its `pos` [1, 80, 16], sliced"),
     ([], "give a MODEL or --config"),
 ], ids=lambda v: v if isinstance(v, str) else " ".join(v)[:40])
 def test_bad_configurations_exit_2_and_leave_nothing(tmp_path, monkeypatch, capsys, argv,

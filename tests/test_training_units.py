@@ -561,3 +561,26 @@ def test_flops_of_a_config_less_model_count_its_attention_from_the_graph(parse_m
     assert per_token == 7056  # 384 x (16.5 + 1.875)
     assert f["attention"] == pytest.approx(2 * per_token * 128)
     assert f["uncounted_blocks"] == 0
+
+
+def test_position_limit_by_structure():
+    """A config-less model's context limit, where a fixed-size table bounds its positions: an
+    nn.Embedding looked up with arange positions (its rows), a learned table sliced to the
+    sequence along a shorter dim (read at the Python slice: past the end ATen runs none).
+    Relative positions clamped into a small table bound nothing; neither does attention over
+    pooled keys. One forward on meta at the training length."""
+    from onboarding.load.model import load_model
+    from onboarding.train.lm import position_limit
+
+    def meta(name: str, file: str = "position_table_models.py") -> nn.Module:
+        return load_model(f"{FIXTURES / file}:{name}").build(device="meta", seed=None)
+
+    learned = position_limit(meta("LearnedPositionLM"), 128)
+    assert learned.limit == 96 and "`pos.weight` (96 rows" in learned.what
+    assert position_limit(meta("LearnedPositionLM"), 64).limit == 96  # seen, not exceeded
+    sliced = position_limit(meta("SlicedTableLM"), 128)
+    assert sliced.limit == 80 and "`pos` [1, 80, 16]" in sliced.what and "dim 1" in sliced.what
+    assert position_limit(meta("SlicedTableLM"), 80) is None  # a slice that fits: no bound seen
+    assert position_limit(meta("RelativeBiasLM"), 128) is None
+    assert position_limit(meta("CompressedTopkMaskLM", "compressed_attention_models.py"),
+                          64) is None

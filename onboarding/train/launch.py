@@ -48,7 +48,8 @@ def check(cfg: TrainConfig):
     expert count, tokenizer, the op graph a preflight (experts, the PEFT baseline) parsed when
     torch.export captured it, else None)."""
     from onboarding.train.data import PackedData, load_texts, load_tokenizer
-    from onboarding.train.lm import CONFIG_VOCAB, check_logits, lm_facts, vocab_resize
+    from onboarding.train.lm import (CONFIG_VOCAB, check_logits, lm_facts, position_limit,
+                                     vocab_resize)
     from onboarding.train.setup import model_info, resolve_device, routed_experts, tokenizer_dir
 
     cfg.validate_fields()  # field checks first: cheap, and clear before the model is loaded
@@ -74,6 +75,12 @@ def check(cfg: TrainConfig):
     if facts.max_positions is not None and cfg.seq_len > facts.max_positions:
         raise InputError(f"seq_len={cfg.seq_len}: longer than the model's "
                          f"max_position_embeddings={facts.max_positions}")
+    if facts.text_config is None:  # no config to name a limit: a fixed-size table's, on meta
+        bound = position_limit(meta, cfg.seq_len)
+        if bound is not None and cfg.seq_len > bound.limit:
+            raise InputError(f"seq_len={cfg.seq_len}: longer than the {bound.limit} positions "
+                             f"the model takes: its {bound.what}; use --seq {bound.limit} or "
+                             "less")
     from onboarding.load.weights import check_shipped
 
     check_shipped(info)  # shipped safetensors that do not fit: before any directory exists
