@@ -324,6 +324,17 @@ def train_metrics(run_dir: Path) -> tuple[list[str], list[list]]:
     return TRAIN_METRICS_HEADER, rows
 
 
+def baseline_runs(run_dir: Path) -> str | None:
+    """What the run directory's ``--baseline`` ran, as its rows say (`lm.baseline_label`:
+    transformers + PEFT, or the eager model + PEFT for a plain nn.Module); None without a
+    baseline or from a run whose rows do not say."""
+    from onboarding.train.compare import read_rows
+
+    path = run_dir / "train" / "baseline.jsonl"
+    rows = read_rows(path).values() if path.exists() else []
+    return next((r["runs"] for r in rows if isinstance(r.get("runs"), str)), None)
+
+
 def _train_section(run_dir: Path) -> str | None:
     """Setup, loss comparison (parallel vs single-process reference) and per-step metrics."""
     train = run_dir / "train"
@@ -355,6 +366,10 @@ def _train_section(run_dir: Path) -> str | None:
         out += ["Single-process run only (no parallel run to compare).", ""]
     out += ["Per-step metrics (medians, first step left out; MFU with LoRA-correct FLOPs):", "",
             table(*train_metrics(run_dir))]
+    if runs := baseline_runs(run_dir):
+        out += ["", f"The baseline ran the {runs}: the model's own forward as it stands (no "
+                "onboard kernels, no expert parallelism) with PEFT's LoRA on the same targets, "
+                "one device."]
     if (train / "metrics.png").exists():
         out += ["", "![training metrics](train/metrics.png)"]
     trained = train / ("parallel.jsonl" if (train / "parallel.jsonl").exists()

@@ -270,6 +270,26 @@ def test_compare_verdicts_plots_and_report(tmp_path):
     assert "- `model.layers.4.linear_attn`: output: FAIL rel_rms=1.70e-02" in report
 
 
+def test_the_report_says_what_the_baseline_ran(tmp_path):
+    """The report (and the terminal table's caption, `--json`'s ``baseline``) says what the
+    baseline ran, as its rows say: transformers + PEFT, or the eager model + PEFT for a plain
+    nn.Module; rows that say nothing (an older run) give no line. Before: the CLI called every
+    baseline transformers + PEFT and the report said nothing."""
+    from onboarding.cli.train import outcome
+    from onboarding.report import _train_section, baseline_runs
+
+    train = tmp_path / "train"
+    _rows(train / "reference.jsonl", [7.5, 7.25])
+    _rows(train / "baseline.jsonl", [7.5, 7.3], runs="eager model + PEFT")
+    assert baseline_runs(tmp_path) == "eager model + PEFT"
+    assert "The baseline ran the eager model + PEFT: the model's own forward" in \
+        _train_section(tmp_path)
+    assert outcome(tmp_path, 0)["baseline"] == "eager model + PEFT"
+    assert [m["run"] for m in outcome(tmp_path, 0)["metrics"]] == ["reference", "baseline"]
+    _rows(train / "baseline.jsonl", [7.5, 7.3])
+    assert baseline_runs(tmp_path) is None and "baseline ran" not in _train_section(tmp_path)
+
+
 @pytest.mark.slow  # two launches of fresh processes: ~40-70 s on 2 busy cores
 @pytest.mark.skipif(not WORKER.exists(), reason="the distributed worker is not built yet")
 def test_end_to_end_two_ranks_match_reference(tmp_path, small_data, capsys):
@@ -306,6 +326,9 @@ def test_config_less_model_trains_with_its_baseline(tmp_path, monkeypatch, capsy
     for role in ("reference", "baseline"):
         rows = [json.loads(x) for x in (out / "train" / f"{role}.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 for r in rows), rows
+    # what the baseline ran: no transformers code here, its own eager forward with PEFT
+    assert all(r["runs"] == "eager model + PEFT" for r in rows), rows
+    assert "baseline: eager model + PEFT" in printed.out  # the table's caption
     note = json.loads((out / "train" / "adapter" / "onboard_adapter.json").read_text())
     assert note["target_modules"] > 0 and note["base"]["saved"] is False
     assert "rebuild" in note["base"]

@@ -584,3 +584,22 @@ def test_position_limit_by_structure():
     assert position_limit(meta("RelativeBiasLM"), 128) is None
     assert position_limit(meta("CompressedTopkMaskLM", "compressed_attention_models.py"),
                           64) is None
+
+
+def test_baseline_label_follows_what_runs():
+    """``--baseline`` runs the model's own forward with PEFT: transformers' code for a
+    transformers model, a plain module's eager code otherwise; the run log says which."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from onboarding.train.lm import baseline_label
+    from onboarding.train.worker import _compile_note
+
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16,
+                                          num_hidden_layers=1, num_attention_heads=2))
+    assert baseline_label(hf) == "transformers + PEFT"
+    plain = _plain("CompressedTopkMaskLM")
+    assert baseline_label(plain) == "eager model + PEFT"
+    cfg = TrainConfig(model="m", compile="blocks")
+    assert _compile_note(cfg, "baseline", 2, baseline_label(plain)) == (
+        "none (eager; compile = blocks applies to ours, not to the eager model + PEFT baseline)")

@@ -137,7 +137,9 @@ def _train_options(t: argparse.ArgumentParser, *, layout: bool) -> None:
     t.add_argument("--no-kernels", dest="kernels", action="store_false", default=None,
                    help="use the torch paths even where onboard kernels exist (a baseline)")
     t.add_argument("--baseline", action="store_true", default=None,
-                   help="also time transformers + PEFT (no onboard kernels, no EP) on one device")
+                   help="also time the model as it stands with PEFT's LoRA (transformers + "
+                        "PEFT; a plain nn.Module: its eager forward + PEFT), no onboard kernels, "
+                        "no EP, on one device")
     t.add_argument("--data", default=None,
                    help="JSONL (prompt/response or text), .txt or directory (default: built-in)")
 
@@ -253,13 +255,13 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
 def outcome(out: Path, rc: int) -> dict:
     """What `onboard train --json` prints: the run, its metrics as the terminal table shows
     them, the loss comparison and the adapter's folder (when written)."""
-    from onboarding.report import train_metrics
+    from onboarding.report import baseline_runs, train_metrics
 
     train = out / "train"
     header, rows = train_metrics(out) if train.is_dir() else ([], [])
     cmp_file = train / "compare.json"
     return {"run_dir": str(out), "exit": rc, "config": str(out / "train.toml"),
-            "metrics": [dict(zip(header, r)) for r in rows],
+            "metrics": [dict(zip(header, r)) for r in rows], "baseline": baseline_runs(out),
             "compare": json.loads(cmp_file.read_text()) if cmp_file.is_file() else None,
             "adapter": str(train / "adapter") if (train / "adapter").is_dir() else None,
             "report": str(out / "report.md") if (out / "report.md").is_file() else None}
@@ -408,12 +410,14 @@ def cmd_scale(args: argparse.Namespace, console: Console) -> int:
 def _report(out: Path, cfg: TrainConfig, console: Console) -> None:
     from rich.table import Table
 
-    from onboarding.report import build_report, train_metrics
+    from onboarding.report import baseline_runs, build_report, train_metrics
 
     if (out / "train").is_dir():
         _, rows = train_metrics(out)
         if rows:  # the report's columns, headed short enough for an 80-column terminal
+            runs = baseline_runs(out)
             t = Table(title="training (medians over the steps after the first)",
+                      caption=f"baseline: {runs}" if runs else None,
                       box=None, padding=(0, 1), pad_edge=False)
             t.add_column("run", no_wrap=True)
             for h in ("tok/s", "step ms", "MFU", "a2a", "a2a exp", "peak GiB", "imbalance",

@@ -65,7 +65,9 @@ FIELD_DOCS = {
     "data": "JSONL (prompt/response or text), .txt file or directory; absent = built-in corpus",
     "kernels": "use onboard kernels on the GPU where they exist",
     "profile_every": "profile every N-th step (all-to-all share, train/profile_<role>_step<N>.json); 0 = off",
-    "baseline": "also time transformers + PEFT on one device with one rank's batch share",
+    "baseline": "also time the model as it stands with PEFT's LoRA (transformers + PEFT; a "
+                "plain nn.Module: its eager forward + PEFT) on one device with one rank's batch "
+                "share",
     "export": "write the adapters and the base they trained on at the end (a sweep does not)",
 }
 

@@ -29,7 +29,7 @@ def config_path(cfg: TrainConfig) -> Path:
 
 def plan(cfg: TrainConfig) -> list[list[str]]:
     """Commands to run, in order: the reference, then (nproc > 1) the parallel run, then (when
-    asked) the transformers + PEFT baseline."""
+    asked) the PEFT baseline (the model as it stands: `lm.baseline_label`)."""
     if not cfg.out:
         raise InputError("out: the run directory is not set")
     toml = str(config_path(cfg))

@@ -127,6 +127,16 @@ def check_logits(model: nn.Module, facts: LMFacts, seq: int = 8) -> None:
                          f"({facts.source}): training needs a logit for every id")
 
 
+def baseline_label(model: nn.Module) -> str:
+    """What ``--baseline`` runs on ``model``, for the report and the run log: the model's own
+    forward as it stands (no onboard kernels, no compile) with PEFT's LoRA. That forward is
+    transformers' code for a transformers model, the module's own eager code for any other
+    (``file.py:Name``, a plain ``nn.Module``)."""
+    from transformers import PreTrainedModel
+
+    return "transformers + PEFT" if isinstance(model, PreTrainedModel) else "eager model + PEFT"
+
+
 def vocab_resize(loaded, facts: LMFacts) -> str:
     """How ``loaded``'s (a `LoadedModel`) vocabulary grows, for the byte tokenizer's refusal:
     the config's ``--set vocab_size=...``; for a config-less factory, where its count came from

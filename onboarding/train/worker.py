@@ -3,9 +3,10 @@
 ``--role parallel`` runs under torchrun (gloo on the CPU, nccl on CUDA) with the FSDP2 x EP
 layout of the config; ``--role reference`` is the same model, data and seed in one process
 without sharding (experts computed by the same module with every expert local). ``--role
-baseline`` is what users get today, for speed comparisons on one device: the transformers model
-as it stands (its own experts, no onboard kernels) with PEFT LoRA on the same targets, fed one
-rank's share of each batch. Each writes ``<out>/train/<role>.jsonl``; the parallel role (the
+baseline`` is what users get today, for speed comparisons on one device: the model as it stands
+(its own experts, no onboard kernels: transformers' code, or a plain module's own eager forward,
+`lm.baseline_label`) with PEFT LoRA on the same targets, fed one rank's share of each batch.
+Each writes ``<out>/train/<role>.jsonl``; the parallel role (the
 reference when it is the only process) exports the adapters to ``<out>/train/adapter/`` and the
 base they trained on to ``<out>/train/base/`` (`onboarding.train.peft_export.export_run`). On
 CUDA with ``kernels = true`` the reference and parallel roles patch the onboard kernels that
@@ -261,7 +262,7 @@ def _world_sum(values: list[float], layout: Layout, device) -> list[float]:
 def run(cfg: TrainConfig, role: str) -> None:
     from onboarding.train import data as D
     from onboarding.train.flops import peak_flops, step_flops
-    from onboarding.train.lm import lm_facts
+    from onboarding.train.lm import baseline_label, lm_facts
     from onboarding.train.lora import lora_parameters
     from onboarding.train.setup import build
 
@@ -269,6 +270,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     built = build(cfg, device=device)
     cfg.validate(n_experts=built.n_experts)
     model, graph = built.model, built.graph
+    baseline = baseline_label(model)  # what the baseline role runs: its rows and log say it
     torch.manual_seed(cfg.seed)
 
     t_prepare = time.perf_counter()
@@ -291,7 +293,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     compiling = cfg.compile == "blocks" and role != "baseline"
     compiled = None
     if layout.rank == 0:
-        print(f"compile: {_compile_note(cfg, role, len(blocks))}", flush=True)
+        print(f"compile: {_compile_note(cfg, role, len(blocks), baseline)}", flush=True)
 
     params = lora_parameters(model) if role != "baseline" else \
         [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -373,6 +375,8 @@ def run(cfg: TrainConfig, role: str) -> None:
                "grad_norm": float(gnorm), "lr": _lr(cfg, step), "tokens": tokens,
                "step_time_s": dt, "tokens_per_s": tokens / dt,
                "peak_mem_bytes": M.peak_memory(device)}
+        if role == "baseline":
+            row["runs"] = baseline  # what ran, for the report (`report.baseline_runs`)
         routed = int(counts.sum()) if counts is not None else None
         flops = step_flops(graph, model, tokens=tokens, seq_len=cfg.seq_len,
                            lora_rank=cfg.lora_rank, expert_lora=cfg.expert_lora,
@@ -435,12 +439,13 @@ def run(cfg: TrainConfig, role: str) -> None:
                    packed.global_batch(0, 1)[:, :PROBE_TOKENS].to(device), out)
 
 
-def _compile_note(cfg: TrainConfig, role: str, n_blocks: int) -> str:
-    """The run log's line on `compile` (which mode runs)."""
+def _compile_note(cfg: TrainConfig, role: str, n_blocks: int, baseline: str) -> str:
+    """The run log's line on `compile` (which mode runs); ``baseline``: what the baseline runs
+    (`lm.baseline_label`)."""
     if cfg.compile != "blocks":
         return "none (eager)"
     if role == "baseline":
-        return "none (eager; compile = blocks applies to ours, not to the transformers + PEFT baseline)"
+        return f"none (eager; compile = blocks applies to ours, not to the {baseline} baseline)"
     return (f"blocks (torch.compile of each of the {n_blocks} decoder layers from the second "
             "step on; the first step runs eagerly while kernel patches calibrate; a compile "
             "failure stops the run)")
