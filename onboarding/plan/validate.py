@@ -11,6 +11,11 @@ time the median ``step_time_s`` after the first step. The plan is computed for t
 (the proxy built on ``meta``, EP 1, no recompute, no offload) with the rates measured on the GPU
 (`onboarding.plan.calibrate`) and compared with the plan's *allocated* bytes (no slack: the
 allocator's peak is what was measured). Targets: memory within 10%, step time within 25%.
+
+The plan models the training step of the code it runs with; measurements are of the step of the
+commit they were taken at (``meta.json``). ``--measured`` says how many commits have changed the
+training step since then: a comparison with a step that has changed since validates nothing
+about the plan (it models the newer step) and needs measuring again (``--out``).
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MEM_TARGET, TIME_TARGET = 0.10, 0.25
+REPO = Path(__file__).resolve().parents[2]
+# the code a training step's memory and time come from (the plan models the one at HEAD)
+STEP_PATHS = ("onboarding/train", "onboarding/patching", "kernel_templates")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,14 +41,38 @@ class Case:
     seq: int
     micro_batch: int = 2
     proxy: str = "small"
-    recompute: str = "none"  # full: --activation-checkpointing
+    recompute: str = "none"
+    # onboard's kernels where a family matches (onboard train's default on a GPU); False:
+    # --no-kernels, the torch paths. Cases stored before this field ran the default.
+    kernels: bool = True
+    dtype: str = "bf16"
     sets: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         extra = "".join("_" + s.split("=")[0].split(".")[-1] + s.split("=")[1] for s in self.sets)
         return f"{self.model.removeprefix('hf:')}-{self.proxy}-T{self.seq}-B{self.micro_batch}" \
-            + ("-ckpt" if self.recompute == "full" else "") + extra
+            + {"full": "-ckpt", "selective": "-selective"}.get(self.recompute, "") \
+            + ("" if self.kernels else "-torch") \
+            + ("" if self.dtype == "bf16" else "-" + self.dtype) + extra
+
+    def train_args(self) -> list[str]:
+        """``onboard train``'s options for this case on one GPU (the measured side)."""
+        args = [self.model, "--proxy", self.proxy, "--seq", str(self.seq), "--micro-batch",
+                str(self.micro_batch), "--nproc", "1", "--dtype", self.dtype, "--device", "cuda",
+                "--recompute", self.recompute]
+        for s in self.sets:
+            args += ["--set", s]
+        return args + ([] if self.kernels else ["--no-kernels"])
+
+    def plan_config(self):
+        """The plan of the same step (the predicted side): every setting `train_args` passes
+        that changes what the step keeps or runs, so the two sides compare like with like."""
+        from onboarding.plan.config import PlanConfig
+
+        return PlanConfig(gpus=1, ep=1, seq=self.seq, micro_batch=self.micro_batch,
+                          recompute=self.recompute, offload="none", kernels=self.kernels,
+                          dtype=self.dtype)
 
 
 CASES = [Case(model="hf:qwen3_moe", seq=2048), Case(model="hf:qwen3_moe", seq=8192),
@@ -53,13 +86,8 @@ def measure(case: Case, runs: Path, steps: int, timeout: float) -> dict:
     """Train ``case`` for ``steps`` steps in ``runs``; the peak and median step time of its
     rows."""
     run = runs / case.name
-    cmd = [sys.executable, "-m", "onboarding", "train", case.model, "--proxy", case.proxy,
-           "--seq", str(case.seq), "--micro-batch", str(case.micro_batch), "--steps", str(steps),
-           "--nproc", "1", "--dtype", "bf16", "--device", "cuda", "--out", str(run)]
-    for s in case.sets:
-        cmd += ["--set", s]
-    if case.recompute == "full":
-        cmd.append("--activation-checkpointing")
+    cmd = [sys.executable, "-m", "onboarding", "train", *case.train_args(), "--steps", str(steps),
+           "--out", str(run)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rc, tail = p.returncode, (p.stdout + p.stderr)[-600:]
@@ -88,7 +116,7 @@ def predict(case: Case, rates=None) -> dict:
     from onboarding.load.overrides import parse_assignments
     from onboarding.load.spec import ModelSpec
     from onboarding.plan.capture import plan_graph
-    from onboarding.plan.config import ClusterConfig, PlanConfig
+    from onboarding.plan.config import ClusterConfig
     from onboarding.plan.run import run_plan
 
     loaded = ModelSpec(ref=case.model, overrides=parse_assignments(case.sets)).load()
@@ -97,14 +125,49 @@ def predict(case: Case, rates=None) -> dict:
     cluster = ClusterConfig()
     if rates is not None:
         cluster.rates = rates
-    cfg = PlanConfig(gpus=1, ep=1, seq=case.seq, micro_batch=case.micro_batch,
-                     recompute=case.recompute, offload="none")
-    plan = run_plan(info, graph, cfg, cluster, config=info.proxy_config, notes=notes)
+    plan = run_plan(info, graph, case.plan_config(), cluster, config=info.proxy_config,
+                    notes=notes)
     c = plan.chosen
     return {"allocated": c.memory.allocated, "components": c.memory.components(),
             "step_s": c.time.overlap_s, "host_s": c.time.host_s, "gpu_parts_s": {
                 "gemm": c.time.gemm_s, "attn": c.time.attn_s, "memory": c.time.memory_s},
             "params": plan.shape["total_params"]}
+
+
+def _git(*args: str, repo: Path = REPO) -> str | None:
+    try:
+        p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def provenance(src: Path, repo: Path = REPO) -> list[str]:
+    """What the measurements in ``src`` are (its meta.json) and whether the training step they
+    measured is still the one the plan models: the commits since theirs that changed
+    `STEP_PATHS`, where git knows their commit. The plan at 458972e followed issue 34's leaner
+    step while these H200 numbers stayed those of 83f63f6's, and the validation went on
+    comparing the two for days without saying so (-37% to -66% on memory)."""
+    meta_file = src / "meta.json"
+    if not meta_file.is_file():
+        return [f"measurements: {src} has no meta.json (which code they measured is unknown)"]
+    meta = json.loads(meta_file.read_text())
+    commit = (meta.get("commit") or "").split(" ")[0]
+    lines = [f"measurements: {meta.get('what', '?')}; {meta.get('device', '?')}; "
+             f"commit {commit or '?'}; {meta.get('date', '?')}"]
+    head = _git("rev-parse", "--short", "HEAD", repo=repo)
+    changed = _git("rev-list", "--count", f"{commit}..HEAD", "--", *STEP_PATHS, repo=repo) \
+        if commit and head else None
+    if changed is None:
+        lines.append(f"the plan's code: git does not know {commit or 'their commit'} here: "
+                     "whether the training step has changed since is unknown")
+    elif int(changed):
+        lines.append(f"STALE: {changed} commits to {', '.join(STEP_PATHS)} between {commit} and "
+                     f"the plan's code ({head}): the plan models today's training step, these "
+                     "numbers an older one; measure again (--out) before reading the memory and "
+                     "time errors as the plan's")
+    return lines
 
 
 def table(results: list[dict]) -> str:
@@ -144,8 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from onboarding.plan.calibrate import calibrate
 
+        import torch
+
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        (out / "meta.json").write_text(json.dumps({
+            "what": "python -m onboarding.plan.validate " + " ".join(argv or sys.argv[1:]),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "commit": _git("rev-parse", "--short", "HEAD") or "?",
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}, indent=1))
         rates = calibrate(seq=4096)
         (out / "rates.json").write_text(json.dumps(asdict(rates), indent=1))
         print("rates:", asdict(rates), flush=True)
@@ -163,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             r["predicted"] = None
             r["error"] = f"prediction failed: {type(exc).__name__}: {exc}"
     print(f"rates: {asdict(rates)}")
+    for line in provenance(Path(args.measured or args.out)):
+        print(line)
     print(table(results))
     if args.out:
         (Path(args.out) / "validation.json").write_text(json.dumps(results, indent=1,
