@@ -16,6 +16,12 @@ its mixer) is compiled with it (``inside``) and not decided on its own. ``budget
 uncovered with that reason. The decisions go to ``decisions.json``, coverage (statuses
 ``generated`` and ``inductor``), the patches alignment applies (`swaps`), ``events.jsonl`` and the
 report's "why this kernel" table.
+
+A decision is keyed by its opgraph block's path (``path``: coverage, alignment, retries and the
+report read it so). A task at a block's weightless core module
+(`onboarding.generate.tasks.core_path`) records that module too (``core``): the kernel, the
+Inductor swap and the block check are the core's, and the block's other entries (its
+projections' GEMMs) stay on the torch path.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ class Evidence:
 
 @dataclass(kw_only=True)
 class Decision:
-    path: str
+    path: str  # the opgraph block's
+    core: str | None = None  # the module the kernel replaces, when not the block's own
     kind: str
     op: str
     key: str
@@ -69,7 +76,8 @@ class Decision:
         parts = [f"{e.option}: {e.reason}" for e in self.evidence if e.outcome != "accepted"]
         won = next((e for e in self.evidence if e.outcome == "accepted"), None)
         head = f"{won.option}: {won.reason}" if won else "nothing passed"
-        return head + ("; " + "; ".join(parts) if parts else "") + \
+        return head + (f" (for {self.core}, the block's recurrence)" if self.core else "") + \
+            ("; " + "; ".join(parts) if parts else "") + \
             (f" (as {self.same_as})" if self.same_as else "")
 
     @classmethod
@@ -191,10 +199,10 @@ def decide(tasks: list[KernelTask], spec: ModelSpec, run_dir: Path, *, graph: An
     # enclosing blocks first, so a block inside one served by Inductor is compiled with it
     order = sorted(tasks, key=lambda t: (t.path.count("."), t.path))
     for task in order:
-        base = dict(path=task.path, kind=task.kind, op=task.op, key=task.key,
-                    failed_family=task.failed_family)
+        base = dict(path=task.block_path, core=task.path if task.path != task.block_path else None,
+                    kind=task.kind, op=task.op, key=task.key, failed_family=task.failed_family)
         parent = next((d for d in out if d.decision == "inductor" and not d.inside
-                       and task.path.startswith(d.path + ".")), None)
+                       and task.path.startswith((d.core or d.path) + ".")), None)
         if parent is not None:
             d = Decision(**base, decision="inductor", inside=parent.path,
                          code_dir=parent.code_dir, verdict=parent.verdict,
@@ -212,13 +220,13 @@ def decide(tasks: list[KernelTask], spec: ModelSpec, run_dir: Path, *, graph: An
                                            reason=f"generate budget of {opts.budget_s:g} s "
                                            "spent before this block"))
             else:
-                _decide_one(d, task, blocks.get(task.path), spec, run_dir, opts, client,
+                _decide_one(d, task, blocks.get(task.block_path), spec, run_dir, opts, client,
                             propose, check, t0, on_step)
             decided[task.key] = d
         out.append(d)
         if on_decision:
             on_decision(d)
-    rank = {t.path: i for i, t in enumerate(tasks)}
+    rank = {t.block_path: i for i, t in enumerate(tasks)}
     return sorted(out, key=lambda d: rank[d.path])
 
 
@@ -274,11 +282,13 @@ def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage
     """The uncovered entries of decided blocks take the decision's status (``template``,
     ``generated``, ``inductor``) with its reason; ``uncovered`` ones get the evidence as reason.
     An LLM-written family's ``block_forward`` runs the whole module: the block's fast-torch-path
-    entries (its projections' GEMMs) run inside it now, and are the family's too. A block
-    decided after its family failed alignment gets an entry of its own beside the family's
-    (which alignment then leaves out); the entries a left-out family took from the torch path
-    are the torch path's again (Inductor compiles the module's own code, and uncovered runs it).
-    ``decisions`` in the order they were made: a block's last decision is the one that holds."""
+    entries (its projections' GEMMs) run inside it now, and are the family's too; not when it
+    replaces the block's core module (``core``): the projections run outside it, on the torch
+    path. A block decided after its family failed alignment gets an entry of its own beside the
+    family's (which alignment then leaves out); the entries a left-out family took from the torch
+    path are the torch path's again (Inductor compiles the module's own code, and uncovered runs
+    it). ``decisions`` in the order they were made: a block's last decision is the one that
+    holds."""
     by_path = {d.path: d for d in decisions}
     for d in decisions:  # a block whose family failed alignment: a new entry beside the family's
         if d.failed_family and d.decision not in ("uncovered", "template") and not any(
@@ -307,7 +317,7 @@ def apply_to_coverage(coverage: Coverage, decisions: list[Decision]) -> Coverage
         if d.failed_family and e.status == "generated" and e.family == d.failed_family and \
                 (own := _own_code(e)) is not None:  # the left-out family's, from the torch path
             e.status, e.family, e.variant, e.params, e.reason = "torch_fast", None, None, {}, own
-        if d.decision == "generated" and e.status == "torch_fast":
+        if d.decision == "generated" and e.status == "torch_fast" and not d.core:
             e.status, e.family, e.variant, e.params = "generated", d.family, d.variant, dict(d.params)
             e.reason = _INSIDE.format(family=d.family) + e.reason + ")"
     return coverage
@@ -339,7 +349,7 @@ def retry_blocks(decisions: list[Decision], excluded: list[list[str]], attempt: 
 
 def swaps(decisions: list[Decision]) -> list[Any]:
     """The block swaps alignment installs: every block Inductor serves on its own (not those
-    compiled as part of an enclosing block)."""
+    compiled as part of an enclosing block), at its core module when it has one."""
     from onboarding.generate.blockcheck import Replacement
     from onboarding.generate.inductor import TARGET, ladder_kwargs
     from onboarding.patching.core import BlockSwap
@@ -348,8 +358,8 @@ def swaps(decisions: list[Decision]) -> list[Any]:
     for d in decisions:
         if d.decision == "inductor" and not d.inside:  # from where the check's ladder ended
             make = Replacement(target=TARGET, kwargs=ladder_kwargs(d.code_dir)).load()
-            out.append(BlockSwap(path=d.path, kind=d.kind, label="inductor", make=make,
-                                 detail=d.verdict))
+            out.append(BlockSwap(path=d.path, module=d.core or "", kind=d.kind, label="inductor",
+                                 make=make, detail=d.verdict))
     return out
 
 

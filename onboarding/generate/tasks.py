@@ -18,6 +18,13 @@ a parameter of the block (same name, full-size model), an integer config field o
 attribute of the block's module (a head dim it computes from the config) scales unambiguously
 is mapped to its full-size value; batch and sequence stay. ``full_note`` says which of the two
 it was.
+
+A block whose recurrence is a weightless module of its own (``core_module`` in its attrs: xLSTM's
+mLSTM cell inside the layer that holds its projections) gets its task at that module (`core_path`):
+a kernel replaces the recurrence, the block's weight projections stay on the torch path (cuBLAS)
+and out of the kernel writer's hands. The task's module fields (path, class, source, parameters,
+boundary shapes) are the core module's; its structure fields (kind, attrs, op histogram, key) stay
+the block's, since the block is what the opgraph lists and what a written family's `match` sees.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ STATIC_OPS = ("embedding", "lm_head")  # kinds a fast torch path serves whole: n
 class KernelTask:
     """Everything a kernel writer needs for one block (JSON-serialisable: `to_dict`)."""
 
-    path: str
+    path: str  # the module a kernel replaces: the block's, or its core module's (`core_path`)
+    block: str = ""  # the opgraph block the task is for (coverage and decisions are keyed by it)
     kind: str
     reason: str  # why it is a task: the coverage entry's reason, or the failed family's verdict
     op: str  # the uncovered op (coverage's `op`): "selective state-space scan", ...
@@ -75,6 +83,11 @@ class KernelTask:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def block_path(self) -> str:
+        """The opgraph block's path (``block``; a task saved before it existed: ``path``)."""
+        return self.block or self.path
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KernelTask:
         return cls(**d)
@@ -94,6 +107,13 @@ def structure_key(block: Block) -> str:
 
 
 # -- which blocks are tasks --------------------------------------------------------------------
+
+def core_path(block: Block) -> str:
+    """The module a kernel for ``block`` replaces: its weightless recurrence's module when the
+    classifier recorded one (``core_module``, relative to the block), else the block's own."""
+    core = block.attrs.get("core_module")
+    return f"{block.path}.{core}" if core else block.path
+
 
 def task_blocks(graph: OpGraph, coverage: Coverage,
                 failed: dict[str, str] | None = None) -> list[tuple[Block, str, str, str | None]]:
@@ -228,13 +248,14 @@ class _Stop(Exception):
     pass
 
 
-def meta_boundary(model: nn.Module, path: str, inputs: tuple, kwargs: dict
+def meta_boundary(model: nn.Module, path: str, inputs: tuple, kwargs: dict,
+                  what: str = "meta forward of the full-size model"
                   ) -> tuple[list[dict], list[dict]] | str:
     """(inputs, outputs) of the module at ``path`` on its first call during a forward of
-    ``model`` (on meta), or the reason it could not be read."""
+    ``model`` (on meta; ``what`` names it in the reason), or the reason it could not be read."""
     mod = dict(model.named_modules()).get(path)
     if mod is None:
-        return f"no module {path} in the full-size model"
+        return f"no module {path} in the model of the {what}"
     seen: dict[str, list[dict]] = {}
 
     def pre(m, args, kw):
@@ -253,12 +274,12 @@ def meta_boundary(model: nn.Module, path: str, inputs: tuple, kwargs: dict
         pass
     except Exception as exc:  # data-dependent ops do not run on meta
         line = (str(exc).strip().splitlines() or [""])[0][:160]
-        return f"meta forward of the full-size model failed ({type(exc).__name__}: {line})"
+        return f"{what} failed ({type(exc).__name__}: {line})"
     finally:
         for h in handles:
             h.remove()
     if "out" not in seen:
-        return f"{path} was not called by the full-size model's forward"
+        return f"{path} was not called by the {what}"
     return seen["in"], seen["out"]
 
 
@@ -367,6 +388,7 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
     if not picked:
         return []
     proxy_mods: dict[str, nn.Module] = {}
+    run_proxy = None  # (proxy on the CPU, its inputs, kwargs): a core module's proxy shapes
     full_model = None
     full_inputs: tuple = ()
     full_kwargs: dict = {}
@@ -378,6 +400,12 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
         info = load_stage(spec.load(), spec.proxy)
         proxy = info.loaded.build(info.proxy_config, device="meta", seed=None)
         proxy_mods = dict(proxy.named_modules())
+        if any(core_path(b) != b.path for b, *_ in picked):
+            # the opgraph has the block's boundary, not its core module's: read by hooks during a
+            # forward of the proxy (small by design) on the CPU; meta fails where the model's code
+            # makes CPU tensors (a causal mask)
+            cpu = info.loaded.build(info.proxy_config, seed=0).eval()
+            run_proxy = (cpu, *example_inputs(cpu, info.proxy_config, graph.batch, graph.seq, 0))
         if full_size:
             full_model = info.loaded.build(device="meta", seed=None)
             args, full_kwargs = example_inputs(full_model, info.loaded.config, graph.batch,
@@ -388,18 +416,20 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
         note_model = "no model spec given: source and full-size shapes unavailable"
     tasks: list[KernelTask] = []
     for block, op, reason, failed_family in picked:
-        t = KernelTask(path=block.path, kind=block.kind, reason=reason, op=op,
-                       attrs=dict(block.attrs), class_name=block.class_name,
+        t = KernelTask(path=core_path(block), block=block.path, kind=block.kind, reason=reason,
+                       op=op, attrs=dict(block.attrs), class_name=block.class_name,
                        op_histogram=dict(block.op_histogram), evidence=list(block.evidence),
                        params=dict(block.params), inputs=_metas(block.inputs),
                        outputs=_metas(block.outputs), batch=graph.batch, seq=graph.seq,
                        failed_family=failed_family, key=structure_key(block))
-        mod = proxy_mods.get(block.path)
+        mod = proxy_mods.get(t.path)
         if mod is not None:
             t.source, t.functions, t.source_note = module_source(mod)
         else:
-            t.source_note = note_model or f"no module at {block.path} (an op group): " \
+            t.source_note = note_model or f"no module at {t.path} (an op group): " \
                 "the source of its owner is not included"
+        if t.path != block.path:
+            _core_fields(t, mod, run_proxy)
         if full_model is not None:
             _full_shapes(t, full_model, full_inputs, full_kwargs, proxy_cfg, full_cfg, graph,
                          mod)
@@ -408,6 +438,25 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
         t.examples, t.examples_note = worked_examples(block)
         tasks.append(t)
     return tasks
+
+
+def _core_fields(t: KernelTask, mod: nn.Module | None, run_proxy: tuple | None) -> None:
+    """A core module's task: its class, parameters and proxy boundary shapes (``run_proxy``:
+    the proxy on the CPU, its inputs and kwargs), not the enclosing block's."""
+    t.evidence.append(f"the task is {t.path}, the weightless recurrence of {t.block} (its "
+                      "core_module): the block's projections stay on the torch path")
+    t.inputs, t.outputs, t.params, t.class_name = [], [], {}, ""
+    if mod is None or run_proxy is None:
+        return
+    t.class_name = type(mod).__name__
+    t.params = {n: list(p.shape) for n, p in mod.named_parameters()}
+    model, args, kwargs = run_proxy
+    with torch.no_grad():
+        got = meta_boundary(model, t.path, args, kwargs, what="forward of the proxy")
+    if isinstance(got, str):
+        t.source_note += f"; proxy boundary shapes unavailable ({got})"
+    else:
+        t.inputs, t.outputs = got
 
 
 def _cfg_dict(cfg: Any) -> dict[str, Any] | None:

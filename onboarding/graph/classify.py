@@ -363,21 +363,37 @@ class Classifier(MixerRules, MoeRules, StreamRules):
 
     def _recurrent_wrapper(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
                            ) -> tuple[str, list[str], dict[str, Any]] | None:
-        """Weight projections before a causal conv and after a recurrence below the module that
-        the conv feeds (Griffin's recurrent block: x and gate projections, a conv, the RG-LRU
-        loop in a module of its own, gate, out projection): one mixer, as a Mamba mixer with its
-        scan inside is. The recurrence's block is taken into this one (`_absorb`)."""
-        convs, inner = self._free_convs(path), self._free_blocks(path, ("linear_attention.",))
-        if len(convs) != 1 or len(inner) != 1 or convs[0] not in self._conv_at or len(mm) < 2 \
-                or not all(r.params for r in mm):
+        """Weight projections around a recurrence in a module of its own below the module: one
+        mixer, as a Mamba mixer with its scan inside is and as gated delta's q, k, v and gate
+        projections are its block's. Either a causal conv the projections feed runs before the
+        recurrence (Griffin's recurrent block: x and gate projections, a conv, the RG-LRU loop in
+        a module of its own, gate, out projection), or the recurrence is weightless and its ops
+        run between the first projection and the last (`_mixer_between`; xLSTM's mLSTM layer: q,
+        k, v and gate projections make the inputs of the mLSTM cell, a module with no parameters,
+        the output gate and projection read its output). The recurrence's block is taken into
+        this one (`_absorb`): the projections are the block's, its default LoRA targets among
+        them (`onboarding.train.lora.default_targets`: the linears inside attention-kind
+        blocks). A weightless recurrence's module is recorded relative to the block
+        (``core_module``, the same in every layer, so the layers stay one structure): a kernel
+        replaces that module, the projections stay on the torch path."""
+        inner = self._free_blocks(path, ("linear_attention.",))
+        if len(inner) != 1 or len(mm) < 2 or not all(r.params for r in mm):
             return None
-        at = self._conv_at[convs[0]]
-        if not mm[0].index < at < mm[-1].index:
+        child, convs = self.blocks[inner[0]], self._free_convs(path)
+        if convs:
+            if len(convs) != 1 or convs[0] not in self._conv_at \
+                    or not mm[0].index < self._conv_at[convs[0]] < mm[-1].index:
+                return None
+            how, extra = f"a causal conv ({convs[0]}) before it", {"conv": convs[0]}
+        elif child.params or inner[0] not in self._mixer_between(path, mm):
             return None
-        child = self.blocks[inner[0]]
-        ev = [*child.evidence, f"projections around it in {path} ({len(mm)}), a causal conv "
-              f"({convs[0]}) before it: one mixer with the recurrence ({inner[0]}) inside"]
-        return child.kind, ev, {**child.attrs, "conv": convs[0], "_absorb": [inner[0]]}
+        else:  # the weightless module is the kernel's target (`onboarding.generate.tasks`)
+            how, extra = ("the recurrence has no weights, its ops run between the first and the "
+                          "last (they make its inputs and read its output)"), \
+                {"core_module": inner[0][len(path) + 1:]}
+        ev = [*child.evidence, f"projections around it in {path} ({len(mm)}), {how}: one mixer "
+              f"with the recurrence ({inner[0]}) inside"]
+        return child.kind, ev, {**child.attrs, **extra, "_absorb": [inner[0]]}
 
     def _gated_conv(self, path: str, recs: list[OpRecord], mm: list[OpRecord]
                     ) -> tuple[str, list[str], dict[str, Any]] | None:

@@ -450,9 +450,12 @@ class BlockSwap:
     gets the module and returns the new forward. The replacement was gated by the block check
     (`onboarding.generate.blockcheck`) on the block's own code, so `run_align` leaves out the
     family patches at or inside a swapped block (what runs is what was checked); there is no
-    first-call calibration, and alignment compares the block as usual."""
+    first-call calibration, and alignment compares the block as usual. ``module``: the module
+    whose forward is replaced when not the block's own (its weightless core module,
+    `onboarding.generate.tasks.core_path`); the record stays the block's."""
 
     path: str
+    module: str = ""
     kind: str = ""
     label: str
     make: Callable[[nn.Module], Callable]
@@ -470,9 +473,9 @@ def swap_blocks(model: nn.Module, swaps: list[BlockSwap], patches: PatchSet | No
         record = PatchRecord(path=s.path, kind=s.kind, family=s.label, binding=s.label,
                              detail=s.detail)
         patches.records.append(record)
-        module = modules.get(s.path)
+        module = modules.get(s.module or s.path)
         if module is None:
-            record.status, record.detail = "rejected", "no module at this path"
+            record.status, record.detail = "rejected", f"no module at {s.module or 'this path'}"
             continue
         try:
             fn = s.make(module)

@@ -334,13 +334,17 @@ def _run_at_once(run_job: Callable[[int], None], n_jobs: int, slots: int, pool) 
 def _tune_block_job(run_dir: Path, job: TuneJob, config: TuneConfig, timer: Timer | None,
                     budget_s: float | None) -> list[BucketResult]:
     """A block-level job (`onboarding.tune.block`) on the run's proxy at its capture size, the
-    first block it serves; writes the tuned.json like a kernel job."""
-    from onboarding.generate.tasks import spec_from_run
+    first block it serves, at the module its family replaces (the block's weightless core module
+    when it has one: `onboarding.generate.tasks.core_path`); writes the tuned.json like a kernel
+    job."""
+    from onboarding.generate.tasks import core_path, spec_from_run
     from onboarding.graph.opgraph import OpGraph
     from onboarding.tune.block import tune_block
 
     graph = OpGraph.load(run_dir / "opgraph.json")
-    rs = tune_block(job.module, spec_from_run(run_dir), job.blocks[0], batch=graph.batch or 1,
+    block = next((b for b in graph.blocks if b.path == job.blocks[0]), None)
+    path = core_path(block) if block is not None else job.blocks[0]
+    rs = tune_block(job.module, spec_from_run(run_dir), path, batch=graph.batch or 1,
                     seq=graph.seq or 64, dtype=config.dtype, kind=job.kind,
                     n_trials=config.n_trials,
                     space={k: list(v) for k, v in config.space.items()} if config.space else None,

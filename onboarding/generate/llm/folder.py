@@ -11,7 +11,10 @@ The family serves blocks of the task's structure: the same kind, the same set of
 same non-numeric attrs (sizes differ between the proxy and the full model; nothing is decided by a
 class name). Binding swaps the block module's forward for ``block_forward(module, ...)`` of the
 rendered module, checked against the module's own output on its first call
-(`onboarding.patching.core.calibrated`, every output tensor compared).
+(`onboarding.patching.core.calibrated`, every output tensor compared). A block with a weightless
+core module (``core_module``: its task was that module's, `onboarding.generate.tasks.core_path`)
+has that module's forward swapped: the family was written for it, and its ``core_module`` attr is
+part of what the family serves.
 """
 
 from __future__ import annotations
@@ -136,6 +139,9 @@ def bind_block_forward(block: Any, module: Any, kernels: list, record: Any, mode
     """The `binding` hook of a generated family: see the module docstring."""
     from onboarding.patching.core import calibrated
 
+    core = block.attrs.get("core_module")
+    if core:
+        module = module.get_submodule(core)
     fn = getattr(kernels[0], "block_forward", None)
     if fn is None:
         return calibrated(module, record, {})
@@ -143,7 +149,8 @@ def bind_block_forward(block: Any, module: Any, kernels: list, record: Any, mode
     def run(*args, **kwargs):
         return fn(module, *args, **kwargs)
 
-    return calibrated(module, record, {"block_forward(module, *args, **kwargs)": run}, adapt=_same_tree)
+    name = f"block_forward(module{'.' + core if core else ''}, *args, **kwargs)"
+    return calibrated(module, record, {name: run}, adapt=_same_tree)
 
 
 def rendered_module(folder: Path) -> Path:

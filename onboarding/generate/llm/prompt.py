@@ -120,6 +120,10 @@ def task_prompt(task: Any) -> str:
         "inputs (full size)": task.inputs_full, "outputs (full size)": task.outputs_full,
         "full-size shapes": task.full_note, "captured at batch, seq": [task.batch, task.seq],
     }
+    if getattr(task, "block", "") and task.block != task.path:  # a block's weightless core module
+        facts["inside block"] = (f"{task.block}: its weight projections stay on the torch path; "
+                                 f"block_forward replaces {task.path} alone (kind, attrs and ATen "
+                                 "ops above are the whole block's)")
     examples = "\n\n".join(_example(n) for n in task.examples) if task.examples else "(none)"
     return (f"Write a kernel family for this block.\n\n## The block\n{json.dumps(facts, indent=1, default=str)}\n\n"
             f"## Its source ({task.source_note})\n```python\n{source}\n```\n\n"

@@ -51,12 +51,15 @@ def pr_candidates(run_dir: Path) -> list[dict[str, Any]]:
                          "check": (gate.get("details") or {}).get("summary") or check.get("reason"),
                          "aot_sm90": [{k: r.get(k) for k in ("kernel", "ok", "n_regs", "n_spills", "shared_bytes")}
                                       for r in (gate.get("details") or {}).get("aot", [])]}
-        summary = _json(run_dir / "generated" / "llm" / _slug(d["same_as"] or d["path"]) / "summary.json")
+        # the LLM was asked for the first block of this structure, at its task's module
+        first = next((x for x in decisions if x["path"] == d["same_as"]), d) if d.get("same_as") else d
+        asked = first.get("core") or first["path"]
+        summary = _json(run_dir / "generated" / "llm" / _slug(asked) / "summary.json")
         if summary:
             entry["llm"] = {"attempts": len(summary.get("attempts", [])),
                             "accepted_prompt_hash": next((a["prompt_hash"] for a in summary["attempts"]
                                                           if a["verdict"] == "accepted"), None),
-                            "summary": str(Path("generated") / "llm" / _slug(d["same_as"] or d["path"]) / "summary.json")}
+                            "summary": str(Path("generated") / "llm" / _slug(asked) / "summary.json")}
         row, patch = rows.get(d["path"]), patches.get((d["path"], d.get("family")))
         left_out = any(later["path"] == d["path"] and later.get("failed_family") == d.get("family")
                        for later in decisions[i + 1:])
