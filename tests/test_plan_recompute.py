@@ -82,3 +82,32 @@ def test_selective_recompute_pays_for_what_it_runs_again(mode):
     assert full.overlap_s > sel.overlap_s > none.overlap_s
     assert full.host_s - none.host_s == pytest.approx(
         forward_ops(shape, cfg) * r.launch_us * 1e-6)
+
+
+@pytest.mark.parametrize("ep", [4, 16])
+def test_full_recompute_repeats_the_expert_all_to_all(ep):
+    """`onboard train`'s full recompute re-runs each whole decoder layer in the backward, the EP
+    module's dispatch and combine with it: 6 all-to-all transfers of each MoE layer's rows a
+    step (forward and backward dispatch + combine, and the re-run's). Selective checkpoints only
+    the expert compute after the dispatch (`apply_recompute`: the EP module's `_compute`), so it
+    moves what no recompute moves. Before, every recompute was charged 4 transfers. EP 16 spans
+    two nodes of 8 (the inter-node link); the step without overlap adds the whole of it."""
+    cfg = PlanConfig(gpus=ep, ep=ep, seq=1024, imbalance=1.25)
+    cluster = ClusterConfig(gpu_mem_gib=141.0)
+    shape = _moe_shape()
+    e = shape.experts[0]
+    # one transfer of one MoE layer: each token's top-k rows of D bf16 values, the share for the
+    # other EP ranks, the busiest rank's load
+    one = cfg.micro_batch * cfg.seq * e.top_k * 1.25 * D * 2 * (ep - 1) / ep
+    comms, times = {}, {}
+    for rc, transfers in (("none", 4), ("selective", 4), ("full", 6)):
+        lay = Layout(ep=ep, fsdp=1, recompute=rc, offload="none")
+        mem = memory(shape, cfg, lay, cluster)
+        comms[rc] = communication(shape, cfg, lay, mem, cluster)
+        times[rc] = step_time(shape, cfg, lay, mem, comms[rc], cluster)
+        assert comms[rc].a2a_layer_bytes == pytest.approx(transfers * one, rel=1e-12)
+        assert comms[rc].a2a_bytes == pytest.approx(LAYERS * transfers * one, rel=1e-12)
+        assert times[rc].serial_s == pytest.approx(times[rc].compute_s + comms[rc].seconds)
+    assert comms["full"].a2a_s == pytest.approx(1.5 * comms["none"].a2a_s, rel=1e-12)
+    assert comms["selective"].a2a_s == pytest.approx(comms["none"].a2a_s, rel=1e-12)
+    assert comms["none"].a2a_s > 0

@@ -603,3 +603,47 @@ def test_baseline_label_follows_what_runs():
     cfg = TrainConfig(model="m", compile="blocks")
     assert _compile_note(cfg, "baseline", 2, baseline_label(plain)) == (
         "none (eager; compile = blocks applies to ours, not to the eager model + PEFT baseline)")
+
+
+def test_attention_widths_of_a_split_head_and_of_a_partial_rotary_head():
+    """MLA's query/key head is its position-free plus rotary parts (DeepSeek V3, whose
+    ``head_dim`` is the rotary part alone; GLM-5-Next's rotary part is 0); a rotary width with
+    no position-free part is a share of ``head_dim`` (DeepSeek V4's partial rotary), so the head
+    is ``head_dim`` wide. Before: V4's MLA layers read 4 wide (the rotary share) instead of 32,
+    a split head with no rotary part hidden / heads (32) instead of its 64."""
+    from types import SimpleNamespace
+
+    from transformers import DeepseekV3Config, DeepseekV4Config
+
+    from onboarding.train.flops import _attention_widths
+
+    v4 = DeepseekV4Config(num_attention_heads=4, num_key_value_heads=4, hidden_size=128,
+                          head_dim=32, qk_rope_head_dim=4)
+    assert v4.qk_rope_head_dim == 4 and getattr(v4, "qk_nope_head_dim", None) is None
+    assert _attention_widths(v4, "attention.mla") == (4, 32, 32)
+    v3 = DeepseekV3Config(num_attention_heads=4, hidden_size=128, qk_nope_head_dim=32,
+                          qk_rope_head_dim=16, v_head_dim=32)
+    assert v3.head_dim == 16 and _attention_widths(v3, "attention.mla") == (4, 48, 32)
+    assert _attention_widths(v3, "sparse_attention.topk") == (4, 48, 32)
+    no_rope = SimpleNamespace(num_attention_heads=4, hidden_size=128, head_dim=0,
+                              qk_nope_head_dim=64, qk_rope_head_dim=0, v_head_dim=64)
+    assert _attention_widths(no_rope, "attention.mla") == (4, 64, 64)
+
+
+@pytest.mark.slow
+def test_attention_widths_of_deepseek_v4_are_what_its_capture_runs(parse_model):
+    """hf:deepseek_v4's tiny proxy: every softmax-attention block's config widths (what the
+    FLOPs count) equal the widths its captured core ran (``core_widths``). Before: its MLA
+    layers read (4, 4, 4) against the capture's (4, 32, 32)."""
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.load.proxy import text_config
+    from onboarding.train.flops import _attention_widths
+
+    cfg = text_config(load_stage(load_model("hf:deepseek_v4"), "tiny").proxy_config)
+    graph = parse_model("hf:deepseek_v4", seq=64, try_export=False)
+    blocks = [b for b in graph.blocks if b.kind.startswith(("attention.", "sparse_attention."))]
+    assert "attention.mla" in {b.kind for b in blocks}
+    for b in blocks:
+        w = b.attrs["core_widths"]
+        assert _attention_widths(cfg, b.kind, b.layer) == (w["heads"], w["d_qk"], w["d_v"]), b.path

@@ -2,7 +2,8 @@
 
 All-to-all per MoE layer and step, per rank: its N tokens x top-k rows of D bf16 values leave for
 the other EP ranks ((ep - 1) / ep of them) in the dispatch and come back in the combine, forward
-and backward (4 transfers), times the expected load imbalance (the busiest rank sets the pace).
+and backward (4 transfers; 6 with recompute ``full``, `a2a_transfers`), times the expected load
+imbalance (the busiest rank sets the pace).
 An EP group is ``ep`` consecutive ranks, so past one node its traffic to the other nodes goes over
 the inter-node links. FSDP all-gathers the bf16 dense weights twice a step (forward, and again in
 the backward: reshard after forward) and reduce-scatters the gradients (LoRA: the fp32 adapter
@@ -35,7 +36,7 @@ from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape, ceil_div
 
 @dataclass(kw_only=True, slots=True)
 class Comm:
-    a2a_layer_bytes: float  # per MoE layer per step, per rank (dispatch + combine, fwd + bwd)
+    a2a_layer_bytes: float  # per MoE layer per step, per rank (`a2a_transfers` of them)
     a2a_bytes: float  # all MoE layers
     a2a_s: float
     fsdp_gather_bytes: float
@@ -83,15 +84,26 @@ def _ring_time(nbytes: float, world: int, cluster: ClusterConfig) -> float:
     return nbytes / (bw * 1e9)
 
 
+def a2a_transfers(recompute: str) -> int:
+    """All-to-all transfers of each MoE layer's rows in a step: dispatch and combine, forward and
+    backward, and with recompute ``full`` the re-run's dispatch and combine again: `onboard
+    train` re-runs each whole decoder layer, its EP module's forward included, at least up to
+    the combine (which keeps the pair order for its backward). ``selective`` re-runs only the
+    expert compute after the dispatch (`onboarding.train.parallel.apply_recompute`): no
+    all-to-all."""
+    return 6 if recompute == "full" else 4
+
+
 def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
                   cluster: ClusterConfig) -> Comm:
     world, ep = lay.world, lay.ep
     tokens = cfg.micro_batch * cfg.seq
     a2a_layer = a2a = 0.0
     if ep > 1:
+        transfers = a2a_transfers(lay.recompute)
         for e in shape.experts:
-            per = 4 * tokens * pairs_per_token(shape, cfg, ep, e.top_k) * e.hidden * BF16 \
-                * (ep - 1) / ep
+            per = transfers * tokens * pairs_per_token(shape, cfg, ep, e.top_k) * e.hidden \
+                * BF16 * (ep - 1) / ep
             a2a_layer = max(a2a_layer, per)
             a2a += e.count * per
     frac = (world - 1) / world if world > 1 else 0.0

@@ -40,7 +40,8 @@ def comm_rows(plan: Plan, c: Candidate) -> list[list[str]]:
         e = ex[0]
         rows.append(["all-to-all per MoE layer", f"{size(cm.a2a_layer_bytes)} per GPU per step "
                      f"({cfg.micro_batch * cfg.seq} tokens x top-{e['top_k']} x "
-                     f"{plan.shape['hidden']} x bf16, dispatch + combine, fwd + bwd, "
+                     f"{plan.shape['hidden']} x bf16, dispatch + combine, fwd + bwd"
+                     f"{' + recompute fwd' if c.layout.recompute == 'full' else ''}, "
                      f"(EP-1)/EP leave, x{cfg.imbalance:g} imbalance)"])
         rows.append(["all-to-all, all layers", f"{size(cm.a2a_bytes)}: {_ms(cm.a2a_s)}"])
     elif ex:

@@ -110,15 +110,26 @@ def _int(cfg: Any, *names: str, layer: int | None = None) -> int | None:
 
 def _attention_widths(cfg: Any, kind: str, layer: int | None = None) -> tuple[int, int, int] | None:
     """(heads, d_qk, d_v) of a softmax-attention block from config fields (of decoder layer
-    ``layer`` where a heterogeneous config overrides them per layer: `config_field`)."""
+    ``layer`` where a heterogeneous config overrides them per layer: `config_field`).
+
+    A query/key head split into a position-free part and a rotary part (MLA: DeepSeek V2/V3's
+    ``qk_nope_head_dim`` + ``qk_rope_head_dim``; GLM-5-Next's rotary part is 0) is as wide as
+    the two together; such configs' ``head_dim`` may name the rotary part alone (transformers'
+    DeepSeek V3 and GLM-5-Next set it so), so the split wins there. A ``qk_rope_head_dim``
+    without a position-free part is the rotary share of a whole head (DeepSeek V4: ``head_dim``
+    x ``partial_rotary_factor``), not its width: the head is ``head_dim`` (else hidden / heads)
+    as for any attention. The widths are the config's, not the op graph's ``core_widths``: the
+    graph is captured on a proxy whose heads and head widths may be shrunk, while the config is
+    the size that trains or is planned."""
     def read(*names: str) -> int | None:
         return _int(cfg, *names, layer=layer)
 
     heads = read("num_attention_heads", "n_head", "num_heads")
     if heads is None:
         return None
-    if kind in ("attention.mla", "sparse_attention.topk") and read("qk_rope_head_dim"):
-        d_qk = (read("qk_nope_head_dim") or 0) + read("qk_rope_head_dim")
+    nope = read("qk_nope_head_dim")
+    if kind in ("attention.mla", "sparse_attention.topk") and nope:
+        d_qk = nope + (read("qk_rope_head_dim") or 0)
         return heads, d_qk, read("v_head_dim") or d_qk
     hidden = read("hidden_size", "d_model")
     d = read("head_dim") or (hidden // heads if hidden else None)
