@@ -762,3 +762,21 @@ def test_host_launches_count_every_blocks_ops_once():
     assert all(b.ops for b in nested)
     assert forward_ops(shape, PlanConfig(gpus=1, seq=12, mode="full")) == sum(
         sum(b.op_histogram.values()) for b in graph.blocks)
+
+
+def test_plan_costs_the_captured_attention_widths_of_a_model_without_a_config():
+    """Without a config the plan's attention cores are costed from the widths the capture read
+    (``core_widths``: 2 heads, d_qk 16, d_v 8 here), causal at the plan's length, each instance;
+    a block whose capture read none costs nothing. Before: nothing without a config."""
+    from types import SimpleNamespace
+
+    from onboarding.plan.estimate import attention_core
+    from onboarding.plan.shapes import BlockShape
+    from onboarding.train.flops import _causal_keys
+
+    b = BlockShape(pattern="layers.*.attn", kind="attention.full", count=3, params=0, linears=[],
+                   attrs={"core_widths": {"heads": 2, "d_qk": 16, "d_v": 8}}, ops=1, nested=False)
+    shape = SimpleNamespace(config=None)
+    assert attention_core(shape, b, 32) == pytest.approx(3 * 3 * 2 * 2 * 24 * _causal_keys(32))
+    b.attrs = {}
+    assert attention_core(shape, b, 32) == 0.0

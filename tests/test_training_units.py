@@ -605,6 +605,28 @@ def test_baseline_label_follows_what_runs():
         "none (eager; compile = blocks applies to ours, not to the eager model + PEFT baseline)")
 
 
+@pytest.mark.slow
+def test_plan_counts_a_config_less_models_attention_as_training_does(parse_model):
+    """A model without a config (``file.py:Name``) has its attention cores costed by the plan
+    from the widths its capture read (`flops.CapturedCore`), the count `onboard train` makes of
+    the same graph at the same length: 2 blocks of 2 heads x 16 at T = 32. Before: none (no
+    config, no core FLOPs), so the plan gave its attention no time."""
+    from onboarding.load.model import load_model
+    from onboarding.plan import ClusterConfig, PlanConfig, build_plan
+    from onboarding.plan.estimate import step_flops as plan_flops
+    from onboarding.plan.shapes import model_shape
+
+    fixture = f"{FIXTURES / 'compressed_attention_models.py'}:CompressedTopkMaskLM"
+    graph = parse_model(fixture, seq=16, try_export=False)
+    model = load_model(fixture).build(None, seed=0)
+    shape = model_shape(model, None, graph)
+    cfg = PlanConfig(gpus=1, seq=32)
+    core = plan_flops(shape, cfg)[2]
+    trained = step_flops(graph, model, tokens=128, seq_len=32, lora_rank=4, expert_lora=False)
+    assert core == 2 * 7056 and core * 128 == pytest.approx(trained["attention"])
+    assert build_plan(shape, cfg, ClusterConfig()).chosen.time.attn_s > 0
+
+
 def test_attention_widths_of_a_split_head_and_of_a_partial_rotary_head():
     """MLA's query/key head is its position-free plus rotary parts (DeepSeek V3, whose
     ``head_dim`` is the rotary part alone; GLM-5-Next's rotary part is 0); a rotary width with

@@ -142,8 +142,6 @@ def _gemm_flops(cfg: PlanConfig, matmul: float, adapters: float, experts: list[E
 
 
 def _core_flops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape]) -> float:
-    if shape.config is None:
-        return 0.0
     return sum(attention_core(shape, b, cfg.seq) for b in blocks
                if b.kind.startswith(("attention.", "sparse_attention.", "linear_attention.")))
 
@@ -176,16 +174,23 @@ def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
 def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
     """Core FLOPs per token of every instance of attention block ``b``: each instance with its
     own local window (`onboarding.plan.shapes.local_window`), else the kind's own rule, and its
-    own layer's widths where the config overrides them per layer (`flops.config_field`)."""
-    from onboarding.train.flops import BY_KIND, Chunk, _attention_core, per_layer_overrides
+    own layer's widths where the config overrides them per layer (`flops.config_field`). A model
+    without a config has each block's captured widths (`flops.CapturedCore`, as `onboard train`
+    counts them: such a model's capture is the model itself); a block without them (linear
+    attention, no softmax core captured) counts none."""
+    from onboarding.train.flops import BY_KIND, CapturedCore, Chunk, _attention_core, \
+        per_layer_overrides
 
-    per_layer = bool(per_layer_overrides(shape.config))
+    fields = shape.config if shape.config is not None else CapturedCore.of(b)
+    if fields is None:
+        return 0.0
+    per_layer = bool(per_layer_overrides(fields))
     groups: dict[tuple, int] = {}
     for layer, w, src in b.instances or [(None, None, "")] * b.count:
         # a chunk of c and a window of c are equal ints: the key tells them apart
         key = (layer if per_layer else None, w if src else BY_KIND, isinstance(w, Chunk))
         groups[key] = groups.get(key, 0) + 1
-    return sum(n * (_attention_core(shape.config, b.kind, seq, b.attrs, w, layer=layer) or 0.0)
+    return sum(n * (_attention_core(fields, b.kind, seq, b.attrs, w, layer=layer) or 0.0)
                for (layer, w, _), n in groups.items())
 
 
