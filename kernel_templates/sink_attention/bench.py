@@ -88,7 +88,11 @@ def cases() -> list[BenchCase]:
     out = []
     for b, t, h, hk, d, window, cap, has_sinks, note in SHAPES:
         caps = (cap,) if cap else ()
-        # the sinks ride in each input set as a tensor or as None (a case without them)
+        # the reference a case's maths has: gpt-oss's (sinks, no cap) or Gemma 2's (a cap, no
+        # sinks); the sinks ride in each input set as a tensor or as None (a case without them)
+        if has_sinks == bool(cap):
+            raise ValueError(f"sink_attention bench case {note!r}: a reference exists for sinks "
+                             "without a soft-cap (gpt-oss) or a soft-cap without sinks (Gemma 2)")
         ref = eager if has_sinks else (lambda q, k, v, sinks, mask, cap=cap: eager_capped(q, k, v, mask, cap))
 
         def setup(device, b=b, t=t, h=h, hk=hk, d=d, window=window, caps=caps, has_sinks=has_sinks, ref=ref):
