@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from onboarding.plan import ClusterConfig, PlanConfig
-from onboarding.plan.estimate import communication, forward_ops, step_time
-from onboarding.plan.memory import Layout, block_saved, memory
+from onboarding.plan.estimate import communication, forward_ops, rerun, rerun_flops, \
+    step_flops, step_time
+from onboarding.plan.memory import Layout, block_saved, lora_params, memory
 from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape
 
 D, F, FE, V, LAYERS = 256, 1024, 512, 4096, 4
@@ -57,10 +58,12 @@ def _time(shape: ModelShape, cfg: PlanConfig, recompute: str):
 def test_selective_recompute_pays_for_what_it_runs_again(mode):
     """Selective recompute frees the MLP and expert activations (`block_saved`'s re-run part)
     and runs those blocks' forward again in the backward: its step is no recompute's plus that
-    forward (its blocks' launches, the passes over the bytes it writes again, a third of their
-    fwd + 2 x bwd GEMM time, read off the step estimate without them), and full recompute, which
-    re-runs every block, costs more. Before, selective only lowered the memory-bound term and
-    looked faster than no recompute."""
+    forward (its blocks' launches, a third of the passes over the bytes it writes again, and the
+    forward's share of their GEMM time, read off the step estimate without them: a third of full
+    training's forward + input and weight gradients, half a LoRA step's forward + input
+    gradient, these blocks having no adapters), and full recompute, which re-runs every block,
+    costs more. Before, selective only lowered the memory-bound term and looked faster than no
+    recompute; then a LoRA re-run was charged a third of its blocks' GEMM time."""
     cfg = PlanConfig(gpus=1, ep=1, seq=1024, mode=mode)
     shape = _moe_shape()
     r = ClusterConfig().rates
@@ -73,7 +76,7 @@ def test_selective_recompute_pays_for_what_it_runs_again(mode):
     passes = 4 / 3 * written / (r.hbm_tbps * 1e12)  # a third of a step's 4 passes
     # the step's GEMM time of those blocks: the step's less the same model's without them
     bare = _moe_shape(mlp=False)
-    gemm = (none.gemm_s - _time(bare, cfg, "none").gemm_s) / 3
+    gemm = (none.gemm_s - _time(bare, cfg, "none").gemm_s) * {"lora": 1 / 2, "full": 1 / 3}[mode]
     assert written > 0 and launches > 0 and gemm > 0
     assert sel.memory_s == pytest.approx(none.memory_s)  # the forward writes them all the same
     # a MoE step: host and GPU time add up (no communication on one GPU)
@@ -82,6 +85,43 @@ def test_selective_recompute_pays_for_what_it_runs_again(mode):
     assert full.overlap_s > sel.overlap_s > none.overlap_s
     assert full.host_s - none.host_s == pytest.approx(
         forward_ops(shape, cfg) * r.launch_us * 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_a_re_run_costs_the_forward_of_its_gemms(mode):
+    """The forward a recompute runs again costs 2 FLOPs per weight and token, frozen or
+    trained, adapters included: half of a LoRA step's frozen GEMMs (forward + input gradient,
+    no weight gradient) and a bit less of its adapters' (6 per parameter), a third of full
+    training's. Here the dense MLP carries adapters; selective re-runs it, the shared expert and
+    the routed experts, full the whole forward (every dense GEMM, the head included, and every
+    adapter). Before, both modes were charged a third of the step's GEMMs: 4N / 3 for LoRA."""
+    cfg = PlanConfig(gpus=1, ep=1, seq=1024, mode=mode, lora_rank=8)
+    shape = _moe_shape()
+    ffn = next(b for b in shape.blocks if b.kind == "mlp.dense")
+    ffn.lora_targets = list(ffn.linears)
+    lora = mode == "lora"
+    rerun_blocks = [b for b in shape.blocks if b.kind in ("mlp.dense", "moe.shared_expert")]
+    n = sum(b.count * sum(i * o for _, i, o in b.linears) for b in rerun_blocks)
+    a = LAYERS * sum(cfg.lora_rank * (i + o) for _, i, o in ffn.linears) if lora else 0
+    e = shape.experts[0]
+    routed = e.count * e.top_k * e.per_expert
+    assert rerun_flops(shape, cfg, "selective") == (2 * (n + a), 2 * routed, 0.0)
+    adapters = lora_params(shape, cfg)[0] if lora else 0
+    assert adapters >= a > 0 if lora else adapters == 0
+    assert rerun_flops(shape, cfg, "full") == (
+        2 * (shape.dense_matmul + adapters), 2 * routed, step_flops(shape, cfg)[2] / 3)
+    # the re-run's GPU time: those FLOPs at the GEMM rate (the experts at least one read of
+    # their weights), a third of the 4 memory passes over the bytes written again
+    cluster = ClusterConfig(gpu_mem_gib=141.0)
+    r = cluster.rates
+    lay = Layout(ep=1, fsdp=1, recompute="selective", offload="none")
+    mem = memory(shape, cfg, lay, cluster)
+    tokens = cfg.micro_batch * cfg.seq
+    gemm = (2 * (n + a) * tokens + max(2 * routed * tokens,
+                                       mem.weights_experts / (r.hbm_tbps * 1e12)
+                                       * r.gemm_tflops * 1e12)) / (r.gemm_tflops * 1e12)
+    passes = 4 / 3 * mem.recomputed / (r.hbm_tbps * 1e12)
+    assert rerun(shape, cfg, lay, mem, r)[0] == pytest.approx(gemm + passes, rel=1e-12)
 
 
 @pytest.mark.parametrize("ep", [4, 16])

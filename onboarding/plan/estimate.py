@@ -18,10 +18,12 @@ forward writes, kept or not, ~20 bytes per logit) at the HBM rate, and host time
 block from the op graph's capture, x3 for the backward, at ``launch_us`` each) when that is
 longer: eager PyTorch is launch bound at small widths. FLOPs as `onboarding.train.flops` counts
 them (LoRA-correct: 4N for frozen GEMMs, 6 x adapters). Recompute adds one more forward of what
-it re-runs (`rerun`): a third of those blocks' GEMM, attention and memory-bound time (the
-forward of a forward + 2 x backward step) and their forward's ops; ``full`` the whole forward,
-``selective`` its blocks (`memory.recompute_blocks`). With overlap the step is max(compute,
-communication); without, the sum.
+it re-runs (`rerun`): those blocks' forward GEMMs (2 FLOPs per weight, frozen or trained: half
+of a LoRA step's 4N for frozen weights, a third of full training's 6N), a third of their
+attention-core and memory-bound time (a forward and a backward of twice its work, whatever
+trains) and their forward's ops; ``full`` the whole forward, ``selective`` its blocks
+(`memory.recompute_blocks`). With overlap the step is max(compute, communication); without, the
+sum.
 """
 
 from __future__ import annotations
@@ -129,16 +131,29 @@ def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
                 offload_bytes=offload, offload_s=offload / (cluster.pcie_gbps * 1e9))
 
 
-def _gemm_flops(cfg: PlanConfig, matmul: float, adapters: float, experts: list[ExpertShape]
-                ) -> tuple[float, float]:
+# GEMM FLOPs per weight and token in each pass of a step: the forward, the input gradient (every
+# weight a gradient passes through, frozen or trained) and the weight gradient (trained weights
+# alone): 6 per trained weight, 4 per frozen one, as `onboarding.train.flops` counts them
+FORWARD, INPUT_GRAD, WEIGHT_GRAD = 2.0, 2.0, 2.0
+
+
+def _gemm_flops(cfg: PlanConfig, matmul: float, adapters: float, experts: list[ExpertShape],
+                *, forward_only: bool = False) -> tuple[float, float]:
     """(dense, expert) GEMM FLOPs per token of a step over ``matmul`` dense GEMM parameters,
-    ``adapters`` dense adapter parameters and the routed ``experts``."""
+    ``adapters`` dense adapter parameters and the routed ``experts``; ``forward_only``: of its
+    forward alone (what a recompute runs again). Full training trains every weight; LoRA the
+    adapters (the experts' with ``expert_lora``), the base weights frozen."""
     routed = sum(e.count * e.top_k * e.per_expert for e in experts)
     if cfg.mode == "full":
-        return 6.0 * matmul, 6.0 * routed
-    exp_adapters = sum(e.count * e.top_k * sum(cfg.lora_rank * (i + o) for i, o in e.matrices)
-                       for e in experts) if cfg.expert_lora else 0
-    return 4.0 * matmul + 6.0 * adapters, 4.0 * routed + 6.0 * exp_adapters
+        frozen, trained = (0.0, 0.0), (matmul, routed)
+    else:
+        exp_adapters = sum(e.count * e.top_k * sum(cfg.lora_rank * (i + o) for i, o in e.matrices)
+                           for e in experts) if cfg.expert_lora else 0
+        frozen, trained = (matmul, routed), (adapters, exp_adapters)
+    per_frozen, per_trained = (FORWARD, FORWARD) if forward_only else \
+        (FORWARD + INPUT_GRAD, FORWARD + INPUT_GRAD + WEIGHT_GRAD)
+    dense, expert = (per_frozen * f + per_trained * t for f, t in zip(frozen, trained))
+    return dense, expert
 
 
 def _core_flops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape]) -> float:
@@ -153,14 +168,24 @@ def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]
     return dense, experts, _core_flops(shape, cfg, shape.blocks)
 
 
+# a step's work in units of its forward where the backward does twice the forward's, whatever
+# trains (the input gradient flows through under LoRA too): an attention core's, as
+# `onboarding.train.flops._attention_core` counts it, and the memory-bound passes' (assumed)
+FWD_BWD_PASSES = 3
+
+
 def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
                 ) -> tuple[float, float, float]:
-    """`step_flops` of the blocks ``recompute`` runs again (`recompute_blocks`): the whole
-    step's for ``full``; for ``selective`` its blocks' linears and their adapters, the routed
-    experts of an experts block (its own linears aside: a list of experts lists every one) and
-    the attention cores among them (none: attention keeps its activations)."""
+    """(GEMM, expert GEMM, attention-core) FLOPs per token of the forward ``recompute`` runs again
+    in the backward (`recompute_blocks`): the whole forward for ``full``; for ``selective`` its
+    blocks' linears and their adapters, the routed experts of an experts block (its own linears
+    aside: a list of experts lists every one) and the attention cores among them (none:
+    attention keeps its activations). The GEMMs' forward share of the step is what trains:
+    half a LoRA step's frozen GEMMs, a third of full training's."""
     if recompute == "full":
-        return step_flops(shape, cfg)
+        dense, experts = _gemm_flops(cfg, shape.dense_matmul, lora_params(shape, cfg)[0],
+                                     shape.experts, forward_only=True)
+        return dense, experts, _core_flops(shape, cfg, shape.blocks) / FWD_BWD_PASSES
     blocks = recompute_blocks(shape, recompute)
     linear = [b for b in blocks if b.kind != "moe.experts"]
     matmul = sum(b.count * sum(i * o for _, i, o in b.linears) for b in linear)
@@ -168,7 +193,8 @@ def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
                    for b in linear) if cfg.mode != "full" else 0
     experts = [e for e in shape.experts if any(b.kind == "moe.experts" and b.pattern == e.pattern
                                                for b in blocks)]
-    return (*_gemm_flops(cfg, matmul, adapters, experts), _core_flops(shape, cfg, blocks))
+    return (*_gemm_flops(cfg, matmul, adapters, experts, forward_only=True),
+            _core_flops(shape, cfg, blocks) / FWD_BWD_PASSES)
 
 
 def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
@@ -229,13 +255,16 @@ def host_ops(shape: ModelShape, cfg: PlanConfig) -> float:
 
 
 def _gemm_attn_s(flops: tuple[float, float, float], expert_weights: float, cfg: PlanConfig,
-                 r: Rates) -> tuple[float, float]:
-    """(GEMM, attention-core) seconds of a step's ``flops`` (`step_flops`) per token."""
+                 r: Rates, *, forward_only: bool = False) -> tuple[float, float]:
+    """(GEMM, attention-core) seconds of ``flops`` per token: a step's (`step_flops`), or with
+    ``forward_only`` a re-run forward's (`rerun_flops`), over ``expert_weights`` bytes of
+    routed experts."""
     tokens = cfg.micro_batch * cfg.seq
     dense_f, exp_f, core_f = flops
     gemm_rate = r.gemm_tflops * 1e12
-    # experts with few tokens each are bound by reading their weights (fwd + bwd, + wgrad)
-    passes = 3 if cfg.mode == "full" else 2
+    # experts with few tokens each are bound by reading their weights once per pass over them:
+    # the forward, the input gradient, and the weight gradient when they train
+    passes = 1 if forward_only else 3 if cfg.mode == "full" else 2
     expert_read = passes * expert_weights / (r.hbm_tbps * 1e12)
     gemm_s = dense_f * tokens / gemm_rate + max(exp_f * tokens / gemm_rate, expert_read)
     return gemm_s, core_f * tokens / (r.attn_tflops * 1e12)
@@ -244,20 +273,21 @@ def _gemm_attn_s(flops: tuple[float, float, float], expert_weights: float, cfg: 
 def rerun(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, r: Rates
           ) -> tuple[float, float]:
     """(GPU seconds, host ops) of the forward that ``lay``'s recompute runs again in the
-    backward: a third of the step's GEMM and attention time over what it re-runs
-    (`rerun_flops`; the expert weights read in the share of expert FLOPs re-run) and of the
-    memory passes over what it writes again (`Memory.recomputed`), and its blocks' forward ops
-    (`forward_ops`; ``full``: the whole forward's, EP modules included)."""
+    backward: the GEMM and attention time of that forward's FLOPs (`rerun_flops`; the expert
+    weights read once, in the share of the forward's expert FLOPs re-run), a third of the
+    memory passes over what it writes again (`Memory.recomputed`: the step's 4 passes are a
+    forward's and a backward's, whatever trains), and its blocks' forward ops (`forward_ops`;
+    ``full``: the whole forward's, EP modules included)."""
     if lay.recompute == "none":
         return 0.0, 0.0
     flops = rerun_flops(shape, cfg, lay.recompute)
-    step_exp = step_flops(shape, cfg)[1]
-    gemm_s, attn_s = _gemm_attn_s(flops, mem.weights_experts * flops[1] / step_exp
-                                  if step_exp else 0.0, cfg, r)
-    memory_s = 4 * mem.recomputed / (r.hbm_tbps * 1e12)
+    forward_exp = rerun_flops(shape, cfg, "full")[1]
+    gemm_s, attn_s = _gemm_attn_s(flops, mem.weights_experts * flops[1] / forward_exp
+                                  if forward_exp else 0.0, cfg, r, forward_only=True)
+    memory_s = 4 * mem.recomputed / (r.hbm_tbps * 1e12) / FWD_BWD_PASSES
     ops = forward_ops(shape, cfg, None if lay.recompute == "full"
                       else recompute_blocks(shape, lay.recompute))
-    return (gemm_s + attn_s + memory_s) / 3, ops
+    return gemm_s + attn_s + memory_s, ops
 
 
 def step_time(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, comm: Comm,
