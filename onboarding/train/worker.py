@@ -25,6 +25,7 @@ import contextlib
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from onboarding.graph.torch_paths import torch_reference_paths
-from onboarding.errors import InputError
+from onboarding.errors import EXIT_BAD_INPUT, InputError
 from onboarding.optional_kernels import hide as hide_kernel_packages
 from onboarding.train import metrics as M
 from onboarding.train.alerts import Alerts
@@ -473,12 +474,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--role", choices=("reference", "parallel", "baseline"), default="parallel")
     args = ap.parse_args(argv)
     hide_kernel_packages()  # every role runs the model's torch path plus onboard's kernels
+    cfg = None
     try:
         cfg = TrainConfig.from_toml(args.config)
         run(cfg, args.role)
     except (InputError, CompileFailed) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         os._exit(exc.exit_code)
+    except (RuntimeError, TypeError) as exc:  # the model's own code failing in bf16 is named
+        from onboarding.train.dtype_safety import dtype_failure
+
+        note = dtype_failure(exc, cfg.dtype, args.role) if cfg is not None else None
+        if note is None:
+            raise
+        traceback.print_exc()
+        print(f"error: {note}", file=sys.stderr, flush=True)
+        os._exit(EXIT_BAD_INPUT)
     if dist.is_initialized():
         dist.barrier()  # then skip interpreter teardown (docs/design.md: torchrun shutdown aborts)
     sys.stdout.flush()
