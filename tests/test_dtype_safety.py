@@ -4,7 +4,6 @@ training is named as the model's, with what to do; anything else is left as it i
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
