@@ -4,10 +4,12 @@ recompute frees it runs again in the backward, and the estimate charges that re-
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from onboarding.plan import ClusterConfig, PlanConfig
-from onboarding.plan.estimate import communication, forward_ops, rerun, rerun_flops, \
-    step_flops, step_time
+from onboarding.plan.estimate import a2a_transfers, communication, forward_ops, rerun, \
+    rerun_flops, step_flops, step_time
 from onboarding.plan.memory import Layout, block_saved, lora_params, memory
 from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape
 
@@ -151,3 +153,111 @@ def test_full_recompute_repeats_the_expert_all_to_all(ep):
     assert comms["full"].a2a_s == pytest.approx(1.5 * comms["none"].a2a_s, rel=1e-12)
     assert comms["selective"].a2a_s == pytest.approx(comms["none"].a2a_s, rel=1e-12)
     assert comms["none"].a2a_s > 0
+
+
+class _Exchange(torch.autograd.Function):
+    """One process's stand-in for the EP module's autograd all-to-all
+    (``all_to_all_single_autograd``: its backward is the reverse all-to-all, and it keeps no
+    tensor, only the splits): the identity, each pass's rows recorded in ``log``."""
+
+    @staticmethod
+    def forward(ctx, x, log):
+        ctx.log = log
+        log.append(("forward", x.shape[-1]))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(("backward", grad.shape[-1]))
+        return grad.clone(), None
+
+
+def _ep_layer(monkeypatch, log: list, d: int):
+    """A decoder layer's MoE half around `onboard train`'s EP module (``x + experts(x)``: the
+    residual add keeps nothing), its exchanges through `_Exchange` over a group of one that
+    takes the all-to-all path (``group`` set)."""
+    from onboarding.train import moe_ep
+
+    monkeypatch.setattr(moe_ep, "all_to_all_single_autograd",
+                        lambda x, out_splits, in_splits, group: _Exchange.apply(x, log))
+    monkeypatch.setattr(moe_ep.dist, "all_to_all_single",
+                        lambda recv, send, group=None: recv.copy_(send))
+
+    class Packed(nn.Module):
+        def __init__(self, e: int = 4, f: int = 6):
+            super().__init__()
+            gen = torch.Generator().manual_seed(0)
+            self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * f, d, generator=gen))
+            self.down_proj = nn.Parameter(torch.randn(e, d, f, generator=gen))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = moe_ep.EPExperts(
+                Packed(), path="layers.0.mlp.experts", layer=0,
+                ep=moe_ep.EPGroup(group=object(), rank=0, size=1), width=d, act=nn.functional.silu)
+
+        def forward(self, x, idx, w):
+            return x + self.experts(x, idx, w)
+
+    return Layer()
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_expert_all_to_alls_a_recompute_repeats(monkeypatch, recompute):
+    """`a2a_transfers` counts what `onboard train`'s EP module exchanges: the rows go out and come
+    back in the forward and again, reversed, in the backward (4); selective recompute
+    checkpoints only the expert compute after the dispatch (`apply_recompute`: `_compute`), no
+    exchange; full re-runs the layer, and torch's non-reentrant checkpoint re-runs it only as
+    far as the last tensor its backward needs. That tensor is the combine's (`_CombinePairs`
+    keeps each pair's token row, ``rows``, for its backward's gather, which exchanges nothing):
+    after the rows come back, so the re-run repeats both exchanges (6). Were the combine to keep
+    nothing, the re-run would stop at the expert compute, before the rows come back (5): the
+    assertions below break with the plan's count when what it keeps changes."""
+    from onboarding.train import _moe_ep_ops
+    from onboarding.train.parallel import _checkpoint_forward, apply_activation_checkpointing
+
+    d, n, k = 8, 5, 2
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(n, d, generator=gen, requires_grad=True)
+    idx = torch.randint(0, 4, (n, k), generator=gen)
+    w = torch.rand(n, k, generator=gen, requires_grad=True)
+
+    def rows_exchanged(layer, log) -> int:
+        layer(x, idx, w).square().sum().backward()
+        return sum(1 for _, width in log if width == d)  # the routing weights travel apart
+
+    log: list = []
+    layer = _ep_layer(monkeypatch, log, d)
+    if recompute == "full":
+        apply_activation_checkpointing([("layers.0", layer)])
+    elif recompute == "selective":
+        _checkpoint_forward(layer.experts, "_compute")
+    assert rows_exchanged(layer, log) == a2a_transfers(recompute)
+    # the combine keeps the rows alone, and its backward exchanges nothing
+    log.clear()
+    po = _moe_ep_ops._PairOrder.of(torch.argsort(idx.reshape(-1), stable=True), k)
+    y = torch.randn(n * k, d, requires_grad=True)
+    out = _moe_ep_ops._combine_pairs(y, po, k)
+    (kept,) = out.grad_fn.saved_tensors
+    assert torch.equal(kept, po.rows)
+    out.sum().backward()
+    assert log == [] and torch.equal(y.grad, torch.ones(n * k, d))
+    if recompute != "full":
+        return
+
+    class KeepsNothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y_sorted, rows, inverse, k, kernel=None):
+            ctx.rows = rows  # on the context, not saved: no re-run brings it back
+            return _moe_ep_ops._sum_pairs(y_sorted, inverse, k, kernel)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.index_select(0, ctx.rows), None, None, None, None
+
+    monkeypatch.setattr(_moe_ep_ops, "_CombinePairs", KeepsNothing)
+    log.clear()
+    layer = _ep_layer(monkeypatch, log, d)
+    apply_activation_checkpointing([("layers.0", layer)])
+    assert rows_exchanged(layer, log) == 5
