@@ -167,14 +167,20 @@ def run_decide(spec: ModelSpec, graph: OpGraph, coverage: Coverage, out_dir: Pat
     each with its evidence (``decisions.json``); coverage takes the decisions (rewrites
     ``coverage.json``). Families the LLM path wrote are registered for this process.
     ``earlier``: decisions of an earlier pass (a retry after a failed alignment decides the
-    blocks in ``failed`` only, and keeps those)."""
+    blocks in ``failed`` only, and keeps those; their tasks carry what that alignment,
+    ``alignment.json``, measured at them)."""
+    import json
+
     from onboarding.generate.decide import (DECISIONS_FILE, apply_to_coverage, decide,
                                             save_decisions)
     from onboarding.generate.tasks import build_tasks, save_tasks
 
     if on_step:
         on_step("kernel tasks for the uncovered blocks")
-    tasks = build_tasks(graph=graph, coverage=coverage, spec=spec, failed=failed)
+    aligned = out_dir / "alignment.json"
+    tasks = build_tasks(graph=graph, coverage=coverage, spec=spec, failed=failed,
+                        alignment=json.loads(aligned.read_text())
+                        if failed and aligned.is_file() else None)
     if earlier is not None:
         tasks = [t for t in tasks if t.failed_family]
     save_tasks(tasks, out_dir / ("tasks.json" if earlier is None else "tasks.retry.json"))

@@ -78,6 +78,9 @@ class KernelTask:
     examples: list[str] = field(default_factory=list)  # built-in families shown as examples
     examples_note: str = ""
     failed_family: str | None = None  # set for a block whose family failed alignment
+    # for such a block: what that alignment measured there (`onboarding.generate.retry`), so the
+    # retry's prompt says how the family failed, not only that it did
+    alignment_failure: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # blocks with the same key are the same problem (one check serves them all)
 
     def to_dict(self) -> dict[str, Any]:
@@ -372,11 +375,15 @@ def spec_from_run(run_dir: Path) -> ModelSpec:
 
 def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
                 coverage: Coverage | None = None, spec: ModelSpec | None = None,
-                failed: dict[str, str] | None = None, full_size: bool = True
-                ) -> list[KernelTask]:
+                failed: dict[str, str] | None = None, full_size: bool = True,
+                alignment: dict[str, Any] | None = None) -> list[KernelTask]:
     """The kernel tasks of a run directory (``opgraph.json``, ``coverage.json``, ``model.json``)
     or of (graph, coverage, spec). ``failed``: block path -> "family: reason" for blocks whose
-    family failed alignment. ``full_size`` False skips the full-size shapes (no full build)."""
+    family failed alignment; ``alignment``: that alignment's results (``alignment.json``), whose
+    measurements at each such block its task carries (`retry.alignment_failure`). ``full_size``
+    False skips the full-size shapes (no full build)."""
+    from onboarding.generate.retry import alignment_failure
+
     if run_dir is not None:
         run_dir = Path(run_dir)
         graph = graph or OpGraph.load(run_dir / "opgraph.json")
@@ -414,6 +421,8 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
             proxy_cfg, full_cfg = _cfg_dict(info.proxy_config), _cfg_dict(info.loaded.config)
     else:
         note_model = "no model spec given: source and full-size shapes unavailable"
+    block_shapes = {b.path: {"inputs": _metas(b.inputs), "outputs": _metas(b.outputs)}
+                    for b in graph.blocks} if alignment else {}
     tasks: list[KernelTask] = []
     for block, op, reason, failed_family in picked:
         t = KernelTask(path=core_path(block), block=block.path, kind=block.kind, reason=reason,
@@ -422,6 +431,9 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
                        params=dict(block.params), inputs=_metas(block.inputs),
                        outputs=_metas(block.outputs), batch=graph.batch, seq=graph.seq,
                        failed_family=failed_family, key=structure_key(block))
+        if failed_family:
+            t.alignment_failure = alignment_failure(alignment, block.path, failed_family,
+                                                    block_shapes)
         mod = proxy_mods.get(t.path)
         if mod is not None:
             t.source, t.functions, t.source_note = module_source(mod)

@@ -1,5 +1,7 @@
 """What the model is told: the contract and rules (system), the kernel task with one or two
-worked example families (user), and after a failed attempt, the reason it failed."""
+worked example families (user), and after a failed attempt, the reason it failed. A task asked
+again after alignment left its family out also carries what alignment measured there
+(`onboarding.generate.retry`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.generate.llm.contract import answer_schema
+from onboarding.generate.retry import prompt_lines
 
 MAX_EXAMPLE_CHARS = 14_000
 MAX_SOURCE_CHARS = 30_000
@@ -125,8 +128,11 @@ def task_prompt(task: Any) -> str:
                                  f"block_forward replaces {task.path} alone (kind, attrs and ATen "
                                  "ops above are the whole block's)")
     examples = "\n\n".join(_example(n) for n in task.examples) if task.examples else "(none)"
+    failure = prompt_lines(getattr(task, "alignment_failure", None) or {}, task.failed_family)
+    again = ("## How the family that served it failed alignment\n" + "\n".join(failure)
+             + "\n\n") if failure else ""
     return (f"Write a kernel family for this block.\n\n## The block\n{json.dumps(facts, indent=1, default=str)}\n\n"
-            f"## Its source ({task.source_note})\n```python\n{source}\n```\n\n"
+            f"{again}## Its source ({task.source_note})\n```python\n{source}\n```\n\n"
             f"## Worked examples in the family layout ({task.examples_note or 'built-in families'}); "
             f"yours differs: it exports block_forward(module, *args, **kwargs) instead of an entry "
             f"function and a binding\n{examples}\n")
