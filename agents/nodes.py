@@ -137,7 +137,9 @@ def generate_node(state: RunState, config: RunnableConfig = None) -> dict[str, A
             decisions = _decide(state, run_dir, step, failed=failed)
             updates["generate_decisions"] = [asdict(d) for d in decisions]
     step("rendering candidates")
-    cands = run_generate(Coverage.load(run_dir / "coverage.json"), run_dir, on_step=step)
+    # a kernel alignment left out at every block it serves is rendered, never checked again
+    cands = run_generate(Coverage.load(run_dir / "coverage.json"), run_dir, on_step=step,
+                         exclude=state.excluded_kernels)
     passed = sum(c.status == "passed" for c in cands)
     # each block's last decision (a retry decides a block again after its family was left out)
     decided = list({d["path"]: d for d in updates.get("generate_decisions",
@@ -247,9 +249,11 @@ def tune_node(state: RunState, config: RunnableConfig = None) -> dict[str, Any]:
                      progress=False, storage_dir=run_dir, parallel_studies=c.tune_parallel,
                      gpu_gate=c.tune_gpu_gate, compile_ahead=c.tune_compile_ahead,
                      join_studies=c.tune_join_studies, timing=c.tune_timing)
+    # the kernels a failed alignment left out run nowhere: no study is spent on them, and the
+    # notes say so (tune.json, the report, the run's summary)
     data = tune_run(run_dir, cfg, families=c.tune_kernels if c.tune_kernels is not None
                     else c.align_kernels, on_step=lambda s: step(f"tuning {s}"),
-                    budget_s=seconds)
+                    budget_s=seconds, exclude=state.excluded_kernels)
     best = [{"family": s["family"], "variant": s["variant"], "bucket": s["bucket"],
              "best_ms": s["result"]["best_ms"], "default_ms": s["result"]["default_ms"],
              "trials": s["result"]["n_trials"], "complete": s["result"]["n_complete"],

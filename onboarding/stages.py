@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -109,18 +109,24 @@ def run_map(graph: OpGraph, out_dir: Path | None) -> Coverage:
 
 
 def run_generate(coverage: Coverage, out_dir: Path, *, promote_passing: bool = False,
-                 on_step: Callable[[str], None] | None = None) -> list[Candidate]:
+                 on_step: Callable[[str], None] | None = None,
+                 exclude: Iterable[tuple[str, str]] = ()) -> list[Candidate]:
     """Render candidates into ``out_dir/candidates``, check each; writes ``candidates.json``.
 
     Each verdict is kept as it comes (``candidates.progress.json``): a stage that was stopped
     (a killed run resumed) checks only what it had not, reusing a verdict only for the same
-    rendered source (its sha256)."""
-    cands = render_candidates(coverage, out_dir / "candidates")
+    rendered source (its sha256). ``exclude``: the (block path, family) pairs a failed alignment
+    left out; a candidate left out at every block it serves is not checked
+    (`render_candidates`)."""
+    cands = render_candidates(coverage, out_dir / "candidates", exclude)
     progress = out_dir / GENERATE_PROGRESS
     before = _checked_before(progress)
     for i, cand in enumerate(cands):
         prev = before.get((cand.family, cand.variant, cand.sha256))
-        if prev is not None:
+        if cand.status == "left_out":
+            if on_step:
+                on_step(f"{cand.family}/{cand.variant}: {cand.error}")
+        elif prev is not None:
             cand.status, cand.checks, cand.error, cand.seconds = (
                 prev.status, prev.checks, prev.error, prev.seconds)
         else:

@@ -1,5 +1,6 @@
 """After alignment leaves a family out: the retry's prompt says how it failed (the measured errors,
-their bars, the shapes and dtypes: `onboarding.generate.retry`).
+their bars, the shapes and dtypes: `onboarding.generate.retry`), and the later stages spend
+nothing on the left-out kernel (not checked again, not tuned) and say so.
 
 The alignment failure is recorded (`tests/fixtures/alignment_failure.json`: its ``recorded`` key
 says how): the tiny CumLM's norms patched with the rmsnorm kernel, one of them made 5% wrong."""
@@ -109,3 +110,91 @@ def test_a_retry_task_reads_the_runs_alignment(tmp_path, monkeypatch):
                failed={NORM: "rmsnorm: left out after alignment attempt 1"})
     (task,) = seen
     assert task.alignment_failure["failing"][0]["block"] == NORM
+
+
+# -- 2. a left-out kernel is neither checked again nor tuned -------------------------------------
+
+def _run_dir(tmp_path: Path, paths: list[str], exclude=()) -> list:
+    from onboarding.generate.candidates import render_candidates, save_candidates
+
+    _graph(paths).save(tmp_path / "opgraph.json")
+    cov = _coverage(paths)
+    cov.save(tmp_path / "coverage.json")
+    cands = render_candidates(cov, tmp_path / "candidates", exclude)
+    for c in cands:  # plan_jobs reads only the verdict of generate's checks
+        c.status = "passed" if c.status == "rendered" else c.status
+    save_candidates(cands, tmp_path / "candidates.json")
+    return cands
+
+
+def test_a_left_out_kernel_is_not_in_the_tune_stages_work_list(tmp_path):
+    """Alignment left rmsnorm out at one of the two norms it serves: the study tunes it for the
+    other, and the notes say which was left out and not tuned. Before, the left-out block was
+    in the study (and with every block left out, the kernel was still tuned)."""
+    from onboarding.tune.run import LEFT_OUT_NOTE, plan_jobs
+
+    paths = [NORM, "layers.1.norm"]
+    _run_dir(tmp_path, paths)
+    (job,) = plan_jobs(tmp_path)[0]
+    assert job.blocks == paths
+    (job,), notes = plan_jobs(tmp_path, exclude=[[NORM, "rmsnorm"]])
+    assert job.blocks == ["layers.1.norm"]
+    assert f"rmsnorm/plain at {NORM}: {LEFT_OUT_NOTE}" in notes
+    jobs, notes = plan_jobs(tmp_path, exclude=[[p, "rmsnorm"] for p in paths])
+    assert jobs == [] and f"rmsnorm/plain at {NORM}, layers.1.norm: {LEFT_OUT_NOTE}" in notes
+
+
+def test_a_kernel_left_out_everywhere_is_not_checked_again_nor_tuned(tmp_path, monkeypatch):
+    """The retry's generate stage renders a kernel left out at every block it serves but does not
+    check it ("left_out"); the tune stage, even without the exclusions, skips it with a note, and
+    the kernel PR does not propose it."""
+    import onboarding.stages as stages
+    from onboarding.tune.run import LEFT_OUT_NOTE, plan_jobs
+
+    paths = [NORM, "layers.1.norm"]
+    checked = []
+    monkeypatch.setattr(stages, "check_candidate", lambda c, shapes: checked.append(c) or c)
+    (cand,) = stages.run_generate(_coverage(paths), tmp_path,
+                                  exclude=[[p, "rmsnorm"] for p in paths])
+    assert checked == [] and cand.status == "left_out" and cand.blocks == paths
+    assert Path(cand.path).is_file()  # rendered: the run's record of what was left out
+    _graph(paths).save(tmp_path / "opgraph.json")
+    _coverage(paths).save(tmp_path / "coverage.json")
+    jobs, notes = plan_jobs(tmp_path)
+    assert jobs == [] and any(n.endswith(LEFT_OUT_NOTE) for n in notes)
+    assert not any("candidate left_out" in n for n in notes)
+    # and `onboard pr` proposes nothing of it, saying why (not "failed its correctness check")
+    from onboarding.pr.collect import collect
+
+    proposal = collect(tmp_path)
+    assert proposal.modules == []
+    (why,) = [w for label, w in proposal.left_out if label.startswith("rmsnorm/")]
+    assert why.startswith("left out after alignment") and NORM in why
+
+
+def test_the_tune_node_leaves_out_what_alignment_left_out_and_says_so(tmp_path, monkeypatch):
+    """The agent's tune node hands the run's exclusions to the tune stage; the run's summary
+    line names the kernel left out and not tuned."""
+    import onboarding.tune.run as tune_run_mod
+    from agents.nodes import tune_node
+    from agents.state import RunConfig, RunState
+    from onboarding.cli.run import summary_lines
+    from onboarding.tune.run import LEFT_OUT_NOTE, plan_jobs
+
+    paths = [NORM, "layers.1.norm"]
+    _run_dir(tmp_path, paths)
+    planned = []
+
+    def tune_run(run_dir, cfg, *, families=None, exclude=(), **kw):
+        jobs, notes = plan_jobs(run_dir, families, exclude)
+        planned.extend(jobs)
+        return {"studies": [], "notes": notes, "seconds": 0.0}
+
+    monkeypatch.setattr(tune_run_mod, "tune_run", tune_run)
+    state = RunState(config=RunConfig(tune_trials=1), run_dir=str(tmp_path),
+                     excluded_kernels=[[NORM, "rmsnorm"]])
+    out = tune_node(state)
+    assert [j.blocks for j in planned] == [["layers.1.norm"]]
+    values = {**state.model_dump(), **out}
+    (line,) = [t for s, t in summary_lines(values, tmp_path) if s == "tune"]
+    assert f"rmsnorm/plain at {NORM}: {LEFT_OUT_NOTE}" in line

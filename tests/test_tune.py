@@ -837,7 +837,7 @@ def test_tune_run_runs_studies_at_once_in_job_order(tmp_path, monkeypatch):
         return BucketResult(bucket="b", study_name=module, best_config=None, best_ms=None,
                             default_ms=None, n_trials=0, n_complete=0, pruned={}, history=[])
 
-    monkeypatch.setattr(tune_run_mod, "plan_jobs", lambda run_dir, families: (_fake_jobs(4), []))
+    monkeypatch.setattr(tune_run_mod, "plan_jobs", lambda run_dir, families, exclude: (_fake_jobs(4), []))
     monkeypatch.setattr(tune_run_mod, "tune_module", fake_tune_module)
     monkeypatch.setattr(tune_run_mod, "plot_history", lambda *a, **k: None)
     cfg = _cfg(tmp_path, parallel_studies=2)

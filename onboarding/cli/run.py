@@ -443,6 +443,7 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
     verdict, each skip with its reason; then the report and the run directory."""
     from agents.state import RunState
     from onboarding.formatting import human
+    from onboarding.tune.run import LEFT_OUT_NOTE
 
     state = RunState.model_validate(values)
     secs = stage_seconds(run_dir)
@@ -503,8 +504,10 @@ def summary_lines(values: dict, run_dir: Path) -> list[tuple[str, str]]:
                              + (", not re-timed" if "not re-timed" in (b.get("stopped") or "")
                                 else ""))
             budget = (f" within {t['budget_s']:.0f} s" if t.get("budget_s") else "")
+            left = [n for n in t.get("notes", []) if n.endswith(LEFT_OUT_NOTE)]
             add("tune", f"{count(t.get('studies', 0), 'study', 'studies')}{budget}"
-                        + (": " + "; ".join(parts) if parts else ""))
+                        + (": " + "; ".join(parts) if parts else "")
+                        + ("; " + "; ".join(left) if left else ""))
     if state.train_attempts:
         t = state.train_attempts[-1]
         if t.get("skipped"):

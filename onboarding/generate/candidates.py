@@ -14,6 +14,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -39,7 +40,9 @@ class Candidate:
     path: str
     blocks: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
-    status: str = "rendered"  # rendered -> passed | failed
+    # rendered -> passed | failed; left_out: alignment left it out at every block it serves, so
+    # it is not checked (nor tuned, nor proposed); `blocks` are those blocks then
+    status: str = "rendered"
     checks: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
     seconds: float = 0.0
@@ -52,22 +55,39 @@ def candidate_name(family: str, variant: str, params: dict[str, Any]) -> str:
     return f"{variant}_{params_hash(family, variant, spec.template_version, params)[:8]}"
 
 
-def render_candidates(coverage: Coverage, root: Path) -> list[Candidate]:
+LEFT_OUT = "left out after alignment: not checked, not tuned"
+
+
+def render_candidates(coverage: Coverage, root: Path,
+                      exclude: Iterable[tuple[str, str]] = ()) -> list[Candidate]:
     """Render every distinct (family, variant, params) that coverage marks coverable; each
-    candidate keeps the input shapes of the first block that needs it."""
+    candidate keeps the input shapes of the first block that needs it. ``exclude``: the (block
+    path, family) pairs a failed alignment left out (`RunState.excluded_kernels`): those blocks
+    are not the candidate's, and a candidate left with none is ``left_out`` (its check would be
+    spent on a kernel nothing runs)."""
+    exclude = {tuple(x) for x in exclude}
     out: dict[str, Candidate] = {}
+    left: dict[str, list[str]] = {}
     for e in coverage.served():
         if e.status not in ("template", "kernel", "generated"):
             continue
         name = candidate_name(e.family, e.variant, e.params)
         path = root / e.family / f"{name}.py"
         key = str(path)
+        if (e.path, e.family) in exclude:
+            left.setdefault(key, []).append(e.path)
         if key not in out:
             source = render(e.family, e.variant, e.params)
             write_module(source, path)
             out[key] = Candidate(family=e.family, variant=e.variant, params=e.params,
-                                 path=str(path), shapes=e.shapes, sha256=_sha256(source))
-        out[key].blocks.append(e.path)
+                                 path=str(path), sha256=_sha256(source))
+        if (e.path, e.family) not in exclude:
+            if not out[key].blocks:  # the first block it serves
+                out[key].shapes = e.shapes
+            out[key].blocks.append(e.path)
+    for key, c in out.items():
+        if not c.blocks:
+            c.blocks, c.status, c.error = left[key], "left_out", LEFT_OUT
     return list(out.values())
 
 

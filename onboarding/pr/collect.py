@@ -223,6 +223,9 @@ def collect(run_dir: Path, reviewed: Callable[[str], str | None] | None = None) 
         if not src.is_absolute() or not src.is_file():  # a moved run dir: same relative place
             src = run_dir / "candidates" / c["family"] / Path(c["path"]).name
         label = f"{c['family']}/{src.stem}"
+        if c.get("status") == "left_out":  # alignment left it out at every block it serves
+            left_out.append((label, f"{c['error']} ({', '.join(c.get('blocks', [])[:3])})"))
+            continue
         if c.get("status") != "passed":
             left_out.append((label, f"failed its correctness check ({c.get('status')}"
                              + (f": {c['error'][:120]}" if c.get("error") else "") + ")"))

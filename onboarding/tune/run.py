@@ -16,7 +16,7 @@ dimension no rule reads is tuned on its block instead (`onboarding.tune.block`, 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -100,11 +100,12 @@ def timing_dims(spec, dims: dict[str, int] | None) -> dict[str, int] | None:
     return dims
 
 
-def plan_jobs(run_dir: Path, families: list[str] | None = None
-              ) -> tuple[list[TuneJob], list[str]]:
+def plan_jobs(run_dir: Path, families: list[str] | None = None,
+              exclude: Iterable[tuple[str, str]] = ()) -> tuple[list[TuneJob], list[str]]:
     """Jobs for every passing candidate of the run, one per shape bucket, heaviest first (the
     roofline seconds of the blocks each serves, `block_seconds`); and notes on what is not tuned
-    (reviewed kernels, failed candidates, blocks whose size is unknown)."""
+    (reviewed kernels, failed candidates, blocks whose size is unknown, and the (block path,
+    family) pairs in ``exclude``: left out after a failed alignment, no block runs them)."""
     from onboarding.generate.candidates import load_candidates
     from onboarding.graph.opgraph import OpGraph
     from onboarding.coverage import Coverage
@@ -123,11 +124,19 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
     if families is not None and "generated" in families:  # --kernels generated: LLM families
         families = [*families, *{e.family for e in coverage.entries
                                  if e.status == "generated" and e.family}]
+    exclude = {tuple(x) for x in exclude}
     jobs: dict[tuple[str, str], TuneJob] = {}
     notes = [f"reviewed kernel {e.family} at {e.path}: not tuned here" for e in coverage.entries
              if e.status == "kernel" and (families is None or e.family in families)]
     for c in cands:
         if families is not None and c.family not in families:
+            continue
+        left = [e.path for e in coverage.served() if (e.path, e.family) in exclude
+                and (e.family, e.variant, e.params) == (c.family, c.variant, c.params)]
+        if left or c.status == "left_out":
+            notes.append(f"{c.family}/{c.variant} at {_paths(left or c.blocks)}: "
+                         f"{LEFT_OUT_NOTE}")
+        if c.status == "left_out":
             continue
         if c.status != "passed":
             notes.append(f"{c.family}/{c.variant}: candidate {c.status}, not tuned")
@@ -135,7 +144,8 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
         path = c.path  # this folder's copy, as rendered (`load_candidates` checks)
         spec, module = get_family(c.family), load_module(path)
         for e in coverage.served():
-            if (e.family, e.variant, e.params) != (c.family, c.variant, c.params):
+            if (e.family, e.variant, e.params) != (c.family, c.variant, c.params) or \
+                    (e.path, e.family) in exclude:
                 continue
             block = blocks.get(e.path)
             dims = block_dims(c.family, e, block)
@@ -163,6 +173,14 @@ def plan_jobs(run_dir: Path, families: list[str] | None = None
     # heaviest first: a tune budget too short for every study (the README's main command on a GPU
     # tunes two or so of eleven) goes to the kernels that take most of the model's step
     return sorted(jobs.values(), key=lambda j: -j.weight_s), notes
+
+
+LEFT_OUT_NOTE = "left out after alignment: not tuned"
+
+
+def _paths(paths: list[str], limit: int = 4) -> str:
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(paths[:limit]) + more
 
 
 def study_slots(n_jobs: int, asked: int | None, *, on_gpu: bool, cpus: int | None = None) -> int:
@@ -193,8 +211,10 @@ def study_share(left_s: float, remaining: int, slots: int, running: int = 0) -> 
 
 def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = None,
              timer: Timer | None = None, on_step: Callable[[str], None] | None = None,
-             progress: bool = False, budget_s: float | None = None) -> dict[str, Any]:
+             progress: bool = False, budget_s: float | None = None,
+             exclude: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
     """Tune every job of `run_dir`; writes tuned.json files, `tune.json` and `tune_best.png`.
+    ``exclude``: (block path, family) pairs a failed alignment left out, not tuned (`plan_jobs`).
 
     `budget_s`: seconds for the whole run's tuning. A study gets its `study_share` of what is
     left when it starts, capped by `config.budget_s` (a per-kernel budget) when that is set.
@@ -216,7 +236,7 @@ def tune_run(run_dir: Path, config: TuneConfig, *, families: list[str] | None = 
     if config.storage is None and config.storage_dir is None:
         config = replace(config, storage_dir=run_dir)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    jobs, notes = plan_jobs(run_dir, families)
+    jobs, notes = plan_jobs(run_dir, families, exclude)
     slots = study_slots(len(jobs), config.parallel_studies, on_gpu=on_gpu())
     prog = progress_bar() if progress else None
     results: dict[int, list[tuple[TuneJob, BucketResult]]] = {}
