@@ -3,6 +3,8 @@ recompute frees it runs again in the backward, and the estimate charges that re-
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,7 @@ from torch import nn
 from onboarding.plan import ClusterConfig, PlanConfig
 from onboarding.plan.estimate import a2a_transfers, communication, forward_ops, rerun, \
     rerun_flops, step_flops, step_time
-from onboarding.plan.memory import Layout, block_saved, lora_params, memory
+from onboarding.plan.memory import Layout, block_saved, lora_params, memory, recompute_blocks
 from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape
 
 D, F, FE, V, LAYERS = 256, 1024, 512, 4096, 4
@@ -154,6 +156,92 @@ def test_full_recompute_repeats_the_expert_all_to_all(ep):
     assert comms["selective"].a2a_s == pytest.approx(comms["none"].a2a_s, rel=1e-12)
     assert comms["none"].a2a_s > 0
 
+
+
+def _selective_frees(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float]:
+    """(activation bytes selective recompute frees, bytes it writes again) of ``shape``."""
+    cluster = ClusterConfig(gpu_mem_gib=141.0)
+    none, sel = (memory(shape, cfg, Layout(ep=1, fsdp=1, recompute=rc, offload="none"), cluster)
+                 for rc in ("none", "selective"))
+    return sum(none.activations.values()) - sum(sel.activations.values()), sel.recomputed
+
+
+def test_selective_recompute_re_runs_the_norm_inside_a_low_rank_branch(parse_model):
+    """Selective recompute checkpoints a low-rank residual branch's whole module
+    (`apply_recompute`; Gemma 3n's LAuReL, here our own fixture: D -> r -> D, then an RMSNorm
+    inside the module), so `onboard train` runs the norm inside it again in the backward, and
+    the norm keeps nothing. The plan frees what the norm keeps and charges its re-run (its ops,
+    a third of the memory passes over its bytes; no linears: the branch lists its two already),
+    as it does the branch's rank-r product. Before, the norm's input stayed kept and its re-run
+    was not charged."""
+    import importlib.util
+
+    from onboarding.plan.shapes import model_shape
+    from onboarding.train.parallel import apply_recompute
+
+    ref = Path(__file__).parent / "fixtures" / "residual_stream_models.py"
+    spec = importlib.util.spec_from_file_location("_low_rank_fixture", ref)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    graph = parse_model("tests/fixtures/residual_stream_models.py:LowRankResidualLM", seq=12)
+    torch.manual_seed(0)
+    model = mod.LowRankResidualLM()
+    shape = model_shape(model, None, graph)
+    (low,) = [b for b in shape.blocks if b.kind == "residual.low_rank"]
+    (norm,) = [b for b in shape.blocks if b.pattern == "layers.*.low_rank.norm"]
+    assert norm.kind.startswith("norm.") and norm.nested
+    # onboard train: the norm inside the checkpointed branch runs again in the backward (a
+    # pre-hook: the re-run stops inside the norm, at the last tensor the backward needs, before
+    # a forward hook would see it)
+    calls = []
+    model.layers[0]["low_rank"].norm.register_forward_pre_hook(lambda *a: calls.append(1))
+    apply_recompute(model, graph, [], "selective")
+    loss = model(torch.randint(0, 64, (1, 9))).square().mean()
+    assert len(calls) == 1
+    loss.backward()
+    assert len(calls) == 2
+    # the plan
+    cfg = PlanConfig(gpus=1, ep=1, seq=1024)
+    tokens = cfg.micro_batch * cfg.seq
+    blocks = recompute_blocks(shape, "selective")
+    outer = [b for b in blocks if b is not norm]
+    assert any(b is norm for b in blocks) and any(b is low for b in outer)
+    norm_kept = norm.count * block_saved(norm, shape, cfg, 1)[0] * tokens
+    outer_part = sum(b.count * block_saved(b, shape, cfg, 1)[1] for b in outer) * tokens
+    assert norm_kept > 0
+    assert _selective_frees(shape, cfg) == pytest.approx((outer_part + norm_kept,) * 2)
+    assert forward_ops(shape, cfg, blocks) == sum(b.count * b.ops for b in outer) \
+        + norm.count * norm.ops
+    assert rerun_flops(shape, cfg, "selective")[0] == 2 * sum(
+        b.count * sum(i * o for _, i, o in b.linears) for b in outer)
+
+
+@pytest.mark.slow
+def test_gemma3n_selective_recompute_frees_the_laurel_norm():
+    """hf:gemma3n_text's full-size plan: its LAuReL branch (`residual.low_rank`, found by
+    structure) holds a norm, ``post_laurel_norm``, that selective recompute re-runs with the
+    branch: the plan frees what it keeps, one norm input per layer (transformers' RMSNorm keeps
+    its fp32 input on the torch path: 4 x 2048 bytes a token)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.plan.capture import plan_graph
+    from onboarding.plan.run import shape_of
+
+    if "gemma3n_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma3n_text")
+    info = load_stage(load_model("hf:gemma3n_text"), "tiny")
+    shape = shape_of(info, plan_graph(info)[0])
+    (low,) = [b for b in shape.blocks if b.kind == "residual.low_rank"]
+    inside = [b for b in shape.blocks if b.pattern.startswith(low.pattern + ".")]
+    assert [b.kind for b in inside] == ["norm.rms"] and inside[0].width == shape.hidden == 2048
+    assert any(b is inside[0] for b in recompute_blocks(shape, "selective"))
+    cfg = PlanConfig(gpus=1, ep=1, seq=1024, kernels=False)
+    freed, _ = _selective_frees(shape, cfg)
+    outer = sum(b.count * block_saved(b, shape, cfg, 1)[1] for b in shape.blocks
+                if b.kind in ("mlp.dense", "moe.shared_expert", "residual.low_rank"))
+    assert freed - outer * cfg.seq == pytest.approx(low.count * 4 * 2048 * cfg.seq)
 
 class _Exchange(torch.autograd.Function):
     """One process's stand-in for the EP module's autograd all-to-all

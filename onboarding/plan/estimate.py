@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from onboarding.plan.config import ClusterConfig, PlanConfig, Rates
 from onboarding.plan.memory import BF16, FP32, Layout, Memory, expert_lora_params, \
-    lora_params, pairs_per_token, recompute_blocks
+    inner_blocks, lora_params, pairs_per_token, recompute_blocks
 from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape, ceil_div
 
 
@@ -178,7 +178,8 @@ def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
                 ) -> tuple[float, float, float]:
     """(GEMM, expert GEMM, attention-core) FLOPs per token of the forward ``recompute`` runs again
     in the backward (`recompute_blocks`): the whole forward for ``full``; for ``selective`` its
-    blocks' linears and their adapters, the routed experts of an experts block (its own linears
+    blocks' linears and their adapters (a block inside another's module, `inner_blocks`, adds
+    none: the outer block lists them), the routed experts of an experts block (its own linears
     aside: a list of experts lists every one) and the attention cores among them (none:
     attention keeps its activations). The GEMMs' forward share of the step is what trains:
     half a LoRA step's frozen GEMMs, a third of full training's."""
@@ -187,7 +188,8 @@ def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
                                      shape.experts, forward_only=True)
         return dense, experts, _core_flops(shape, cfg, shape.blocks) / FWD_BWD_PASSES
     blocks = recompute_blocks(shape, recompute)
-    linear = [b for b in blocks if b.kind != "moe.experts"]
+    inner = {id(b) for b in inner_blocks(blocks)}  # their linears are the outer block's
+    linear = [b for b in blocks if b.kind != "moe.experts" and id(b) not in inner]
     matmul = sum(b.count * sum(i * o for _, i, o in b.linears) for b in linear)
     adapters = sum(b.count * sum(cfg.lora_rank * (i + o) for _, i, o in b.lora_targets)
                    for b in linear) if cfg.mode != "full" else 0

@@ -51,8 +51,9 @@ kernel's autograd keeps; else (a CPU run, ``--no-kernels``) every block's own to
     gradient (2V: the chunked cross-entropy writes it there and keeps it instead of the logits,
     which are then freed) and one chunk's fp32 temporaries.
 Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
-backward; ``selective`` re-runs the MLP/expert activations (the 3F parts) and a low-rank residual
-branch's rank-r product, and keeps the rest (`recompute_blocks`).
+backward; ``selective`` re-runs the MLP/expert activations (the 3F parts), a low-rank residual
+branch's rank-r product and whatever the blocks inside those modules keep (a norm inside the
+low-rank branch), and keeps the rest (`recompute_blocks`).
 `Memory.produced` and `Memory.recomputed` say what the forward writes and what the backward
 writes again, for the step time (`onboarding.plan.estimate`).
 """
@@ -208,7 +209,9 @@ def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
 def recompute_blocks(shape: ModelShape, recompute: str) -> list[BlockShape]:
     """The blocks whose forward the backward runs again: every one for ``full``; for
     ``selective`` those of the kinds `onboard train` checkpoints (`SELECTIVE_KINDS`: MLPs, shared
-    and routed experts, a low-rank residual branch), whose `block_saved` re-run part it frees;
+    and routed experts, a low-rank residual branch), whose `block_saved` re-run part it frees,
+    and the blocks inside their modules (`inner_blocks`: a low-rank branch's norm, Gemma 3n's
+    ``laurel.post_laurel_norm``), which the checkpoint around the module runs again whole;
     none for ``none``."""
     from onboarding.train.parallel import SELECTIVE_KINDS
 
@@ -216,7 +219,16 @@ def recompute_blocks(shape: ModelShape, recompute: str) -> list[BlockShape]:
         return list(shape.blocks)
     if recompute != "selective":
         return []
-    return [b for b in shape.blocks if b.kind in SELECTIVE_KINDS]
+    outer = [b for b in shape.blocks if b.kind in SELECTIVE_KINDS]
+    return outer + [b for b in shape.blocks if b.kind not in SELECTIVE_KINDS
+                    and any(_inside(b.pattern, o.pattern) for o in outer)]
+
+
+def inner_blocks(blocks: list[BlockShape]) -> list[BlockShape]:
+    """Those of ``blocks`` inside another one's module (by path pattern): re-running the outer
+    module runs them whole (all they keep is freed), and its linears list theirs already."""
+    return [b for b in blocks if any(o.pattern != b.pattern and _inside(b.pattern, o.pattern)
+                                     for o in blocks)]
 
 
 def block_heads(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, str]:
@@ -532,13 +544,16 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
     # activations
     acts: dict[str, float] = {}
     trans_layer = produced = recomputed = 0.0
-    rerun = {id(b) for b in recompute_blocks(shape, lay.recompute)}
+    rerun_blocks = recompute_blocks(shape, lay.recompute)
+    rerun = {id(b) for b in rerun_blocks}
+    whole = {id(b) for b in inner_blocks(rerun_blocks)}
     for b in _counted_blocks(shape):
         kept, selective, trans = block_saved(b, shape, cfg, ep)
         produced += b.count * kept * tokens
         if lay.recompute == "selective" and id(b) in rerun:
-            kept -= selective
-            recomputed += b.count * selective * tokens
+            freed = kept if id(b) in whole else selective
+            kept -= freed
+            recomputed += b.count * freed * tokens
         g = kind_group(b.kind)
         acts[g] = acts.get(g, 0.0) + b.count * kept * tokens
         trans_layer = max(trans_layer, trans * tokens)
