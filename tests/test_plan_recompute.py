@@ -12,7 +12,8 @@ from torch import nn
 from onboarding.plan import ClusterConfig, PlanConfig
 from onboarding.plan.estimate import a2a_transfers, communication, forward_ops, rerun, \
     rerun_flops, step_flops, step_time
-from onboarding.plan.memory import Layout, block_saved, lora_params, memory, recompute_blocks
+from onboarding.plan.memory import Layout, block_saved, inner_blocks, lora_params, memory, \
+    recompute_blocks
 from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape
 
 D, F, FE, V, LAYERS = 256, 1024, 512, 4096, 4
@@ -190,6 +191,7 @@ def test_selective_recompute_re_runs_the_norm_inside_a_low_rank_branch(parse_mod
     (low,) = [b for b in shape.blocks if b.kind == "residual.low_rank"]
     (norm,) = [b for b in shape.blocks if b.pattern == "layers.*.low_rank.norm"]
     assert norm.kind.startswith("norm.") and norm.nested
+    assert norm.parents == [(low.pattern, low.kind)]
     # onboard train: the norm inside the checkpointed branch runs again in the backward (a
     # pre-hook: the re-run stops inside the norm, at the last tensor the backward needs, before
     # a forward hook would see it)
@@ -215,6 +217,18 @@ def test_selective_recompute_re_runs_the_norm_inside_a_low_rank_branch(parse_mod
     assert rerun_flops(shape, cfg, "selective")[0] == 2 * sum(
         b.count * sum(i * o for _, i, o in b.linears) for b in outer)
 
+
+
+def test_a_shared_path_pattern_nests_nothing():
+    """A block is inside another's module by their paths (`BlockShape.parents`), not their
+    patterns: DeepSeek-V3's first layers hold a dense MLP at ``model.layers.*.mlp``, the later
+    ones an MoE wrapper (no block) there, whose router and experts are inside no dense MLP, so
+    selective recompute re-runs the experts' part and the router keeps its scores."""
+    shape = _moe_shape()
+    shape.blocks.append(_block("layers.*.mlp", "mlp.dense", [("up", D, F), ("down", F, D)], 5,
+                               count=1))
+    blocks = recompute_blocks(shape, "selective")
+    assert inner_blocks(blocks) == [] and not any(b.kind == "moe.router" for b in blocks)
 
 @pytest.mark.slow
 def test_gemma3n_selective_recompute_frees_the_laurel_norm():

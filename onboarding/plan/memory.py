@@ -220,15 +220,17 @@ def recompute_blocks(shape: ModelShape, recompute: str) -> list[BlockShape]:
     if recompute != "selective":
         return []
     outer = [b for b in shape.blocks if b.kind in SELECTIVE_KINDS]
-    return outer + [b for b in shape.blocks if b.kind not in SELECTIVE_KINDS
-                    and any(_inside(b.pattern, o.pattern) for o in outer)]
+    return outer + inner_blocks(shape.blocks, outer)
 
 
-def inner_blocks(blocks: list[BlockShape]) -> list[BlockShape]:
-    """Those of ``blocks`` inside another one's module (by path pattern): re-running the outer
-    module runs them whole (all they keep is freed), and its linears list theirs already."""
-    return [b for b in blocks if any(o.pattern != b.pattern and _inside(b.pattern, o.pattern)
-                                     for o in blocks)]
+def inner_blocks(blocks: list[BlockShape], outer: list[BlockShape] | None = None
+                 ) -> list[BlockShape]:
+    """Those of ``blocks`` inside the module of one of ``outer`` (default: of ``blocks``), by
+    their paths (`BlockShape.parents`): re-running the outer module runs them whole (all they
+    keep is freed), and its linears list theirs already."""
+    held = {(o.pattern, o.kind) for o in (blocks if outer is None else outer)}
+    return [b for b in blocks if held.intersection(b.parents)
+            and (outer is None or not any(b is o for o in outer))]
 
 
 def block_heads(b: BlockShape, shape: ModelShape) -> tuple[int, int, int, str]:

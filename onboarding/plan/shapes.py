@@ -54,6 +54,9 @@ class BlockShape:
     attrs: dict[str, Any]
     ops: int  # ATen ops per call in the proxy capture (launch count)
     nested: bool  # inside another block (a norm inside attention, a linear attention's conv)
+    # (pattern, kind) of the blocks whose modules hold its instances, by their paths (a pattern
+    # alone may name a dense MLP in one layer and an MoE wrapper in the next)
+    parents: list[tuple[str, str]] = field(default_factory=list)
     # elements per token a norm normalises, or a conv's channels (0 for other kinds)
     width: int = 0
     # default LoRA targets: (path under the block, in, out)
@@ -161,6 +164,10 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
     all_paths = [p for ps in inst.values() for p in ps]
     excluded = [p for key, ps in inst.items() if proxy[key].kind in ("moe.router", "moe.experts")
                 for p in ps]
+    parents = {key: sorted({(k[0], proxy[k].kind) for k, ps in inst.items()
+                            if k != key and _inside(key[0], k[0])
+                            and any(p != q and _inside(p, q) for p in paths for q in ps)})
+               for key, paths in inst.items()}
     for key, paths in inst.items():
         b = proxy[key]
         first = modules[paths[0]]
@@ -190,6 +197,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             params=n_params, linears=lin, attrs=dict(b.attrs),
             ops=sum(b.op_histogram.values()), lora_targets=targets,
             nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
+            parents=parents[key],
             width=_width(b, first, paths[0], graph, modules),
             instances=_instances(b.kind, paths, modules, config), gate_heads=gate_heads(b, first),
             kernels=kernel_families(b, first)))
