@@ -27,8 +27,8 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: `bwd_exp` "exp", the default until v23; v24's pull
-  rows, `PULL_P` 32 and `pull_scale` "dy", and `bwd_qd` "dot"), forward
+  tuning values beside the default (`SWEEP`: v27's `bwd_ahead` rows; `bwd_exp` "exp", the default
+  until v23; v24's pull rows, `PULL_P` 32 and `pull_scale` "dy", and `bwd_qd` "dot"), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -214,7 +214,14 @@ TRIPLE = {"split_dbc": "triple"}
 # all three, the pull's two, `bwd_qd` "dot" alone, PULL_P 32 alone (the likeliest winner first: a run cut
 # short keeps the first rows), then "exp".
 PULL = {"PULL_P": 32, "pull_scale": "dy"}
-SWEEP = (({**PULL, "bwd_qd": "dot"}, "bwd"), (PULL, "bwd"), ({"bwd_qd": "dot"}, "bwd"), ({"PULL_P": 32}, "bwd"),
+#
+# Template v27 (not yet timed): `bwd_ahead`, the fused backward kernel with no synchronous global load
+# in its head loops (the dx program of "paired" waited each head on x, S_in, cs, dt, cs_last and D; the
+# dC / dB program on cs, dt, cs_last: Triton stages only dot operands). Rows first: under "paired"
+# (sm_90, triton 3.9: 52 spill bytes), with `bwd_qd` "dot" (116), under "triple" (no spills).
+AHEAD = {"bwd_ahead": True}
+SWEEP = ((AHEAD, "bwd"), ({**AHEAD, "bwd_qd": "dot"}, "bwd"), ({**AHEAD, "split_dbc": "triple"}, "bwd"),
+         ({**PULL, "bwd_qd": "dot"}, "bwd"), (PULL, "bwd"), ({"bwd_qd": "dot"}, "bwd"), ({"PULL_P": 32}, "bwd"),
          ({"bwd_exp": "exp"}, "bwd"))
 
 

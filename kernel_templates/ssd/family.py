@@ -90,6 +90,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
+    # v27: `bwd_ahead` (the fused backward kernel's per-head loads one head ahead or staged; untimed).
     # v26 (no kernel change): `_cdiv` / `_npow2` are `_common/_host_ints.py.j2`'s, the gated delta rule's
     # text (their docstrings; `_npow2` hands a non-int size, as a fake impl's symbolic one, to triton's).
     # v25 (host cost; kernels' maths unchanged): the split backward's pull takes HAS_DHT (no zeros
@@ -111,7 +112,7 @@ FAMILY = FamilySpec(
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=26,
+    template_version=27,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -241,6 +242,16 @@ FAMILY = FamilySpec(
     #   H200 (docs/LOG.md, twenty-seventh session); v11 removed it. v22's `bwd_prefetch` (the fused
     #   kernel's per-head cs, dt and cs_last loaded one head ahead) won in neither of its rows on an
     #   H100 (below): v23 removed it.
+    # bwd_ahead (False; v27): ssd_bwd_split_fused_kernel with no synchronous global load in its head loops
+    #   (sm_90 TTGIR of "paired" at the bench's config, triton 3.9: the dx program waits each head on plain
+    #   loads of x [64, 64], S_in [64, 128], cs, dt, cs_last and D; the dC / dB program on cs, dt, cs_last;
+    #   Triton stages only dot operands). True: cs, dt, cs_last and D loaded one head ahead into
+    #   registers, x a dot operand in the dx program (dD's partial the trace of x^T dy) and q's
+    #   exp(cs_last) <Gs, S_in> formed in the block pairs' program (which stages S_in) on its chunk's last
+    #   row of dL/dcs. sm_90 bf16 builds at the bench shape (triton 3.9, 8 warps, `bwd_exp` "exp2"):
+    #   "paired" 255 registers, 52 spill bytes, 139 KB of shared memory (default: 246, none, 173 KB),
+    #   with `bwd_qd` "dot" 255 / 116 / 172 KB; "triple" 255 / none / 131 KB (default 235 / none / 133
+    #   KB), with "dot" 252 / none / 180 KB; "fused" (ROLES 1) 255 / 704. Untimed.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -281,6 +292,7 @@ FAMILY = FamilySpec(
         "PULL_P": (0, 16, 32, 64),
         "pull_scale": ("C", "dy"),
         "bwd_qd": ("elem", "dot"),
+        "bwd_ahead": (False, True),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -322,7 +334,7 @@ FAMILY = FamilySpec(
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
                     "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp", "PULL_P": 0, "pull_scale": "C",
-                    "bwd_qd": "elem"},
+                    "bwd_qd": "elem", "bwd_ahead": False},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

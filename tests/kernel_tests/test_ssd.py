@@ -389,6 +389,10 @@ SPLIT_FUSED = [
 EXP = {"bwd_exp": "exp"}
 # and its `bwd_qd` "dot" (v24): q's <Gs, S_in> and dD's sum(dy x) as the traces of tensor-core products
 QD = {"bwd_qd": "dot"}
+# and its `bwd_ahead` (v27): cs, dt, cs_last and D one head ahead in registers, x and S_in staged as dot
+# operands (dD the trace of x^T dy in the dx program, q's <Gs, S_in> term on the block pairs' program's
+# last row of the chunk)
+AHEAD = {"bwd_ahead": True}
 
 
 @pytest.mark.parametrize("cfg,shape", SPLIT_BWD + [pytest.param({**p.values[0], "split_dbc": "one"}, p.values[1],
@@ -413,7 +417,23 @@ QD = {"bwd_qd": "dot"}
                             for p in SPLIT_FUSED]
                          + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **QD},
                                          SPLIT_FUSED[0].values[1], id=f"qd-{dbc}-sc1-H4G2-T41")
-                            for dbc in ("fused", "triple")])
+                            for dbc in ("fused", "triple")]
+                         # `bwd_ahead` the same way (every SPLIT_FUSED row under "paired", T 41 under
+                         # "fused" and "triple"), and with `bwd_qd` "dot" (its trace of Gs S_in^T moves to
+                         # the block pairs' program) under "paired" and "triple" at T 41
+                         + [pytest.param({**p.values[0], "split_dbc": "paired", **AHEAD}, p.values[1],
+                                         id=p.id.replace("fused", "ahead-paired", 1), marks=p.marks)
+                            for p in SPLIT_FUSED]
+                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **AHEAD},
+                                         SPLIT_FUSED[0].values[1], id=f"ahead-{dbc}-sc1-H4G2-T41")
+                            for dbc in ("fused", "triple")]
+                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **AHEAD, **QD},
+                                         SPLIT_FUSED[0].values[1], id=f"ahead-qd-{dbc}-sc1-H4G2-T41")
+                            for dbc in ("paired", "triple")]
+                         # four heads in one program's loop (one group): the loads of heads 1..3 made
+                         # during the head before, the last one's again at the last head; T 23
+                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": "paired", **AHEAD},
+                                         (1, 23, 4, 8, 1, 16, True, True), id="ahead-paired-H4G1-T23")])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
@@ -814,6 +834,13 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                               marks=UNTIMED),
                                  pytest.param({"bwd_qd": "dot"}, id="v24-qd", marks=UNTIMED),
                                  pytest.param({"PULL_P": 32, "pull_scale": "dy", "bwd_qd": "dot"}, id="v24-all",
+                                              marks=UNTIMED),
+                                 # v27: the fused backward's per-head loads one head ahead or staged
+                                 # (`bwd_ahead`), under "paired" (the bench's rows, alone and with
+                                 # `bwd_qd` "dot") and "triple"
+                                 pytest.param({"bwd_ahead": True}, id="v27-ahead", marks=UNTIMED),
+                                 pytest.param({"bwd_ahead": True, "bwd_qd": "dot"}, id="v27-ahead-qd", marks=UNTIMED),
+                                 pytest.param({"bwd_ahead": True, "split_dbc": "triple"}, id="v27-ahead-triple",
                                               marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
@@ -940,7 +967,10 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  # and `bwd_qd` "dot" (q's and dD's sums from tensor-core products) under
                                  # "paired" and "triple"
                                  pytest.param({"bwd_qd": "dot"}, id="paired-qd"),
-                                 pytest.param({"bwd_qd": "dot", "split_dbc": "triple"}, id="triple-qd")])
+                                 pytest.param({"bwd_qd": "dot", "split_dbc": "triple"}, id="triple-qd"),
+                                 # v27's `bwd_ahead` under "paired" and "triple"
+                                 pytest.param({"bwd_ahead": True}, id="paired-ahead"),
+                                 pytest.param({"bwd_ahead": True, "split_dbc": "triple"}, id="triple-ahead")])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
