@@ -112,8 +112,9 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 #   own V loop is then skipped: one sweep of do, v_new and du fewer per (chunk, value head) (48 KB of
 #   the ~456 KB each program loads at K = V = 128, BK = bwd_bv = 32, in bf16), and the V side's dots
 #   interleaved with K tile 0's. Same dots in the same order (the CPU tests match the default within
-#   1e-5). sm_90 AOT (bf16, K = V = 128, triton 3.9, 4 warps): 255 registers / 276 B spilled against
-#   the default's 255 / 128, shared memory 53,248 B both. Untimed: the bench row `ours@bwd_fold=on`.
+#   1e-5). sm_90 AOT (bf16, triton 3.9, each bucket's config; registers / spill bytes, default -> "on"):
+#   K = 128 (4 warps) 255 / 128 -> 255 / 276, shared 53,248 B both; K = 64 (BV 64, 2 stages) 255 / 812
+#   -> 255 / 1,740; K = 256 (8 warps) 204 / 0 -> 232 / 0. Untimed: the bench row `ours@bwd_fold=on`.
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
                     "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
                     "rows_maxnreg": (0, 168), "bwd_fold": ("off", "on")}
