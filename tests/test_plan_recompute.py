@@ -98,8 +98,9 @@ def test_a_re_run_costs_the_forward_of_its_gemms(mode):
     trained, adapters included: half of a LoRA step's frozen GEMMs (forward + input gradient,
     no weight gradient) and a bit less of its adapters' (6 per parameter), a third of full
     training's. Here the dense MLP carries adapters; selective re-runs it, the shared expert and
-    the routed experts, full the whole forward (every dense GEMM, the head included, and every
-    adapter). Before, both modes were charged a third of the step's GEMMs: 4N / 3 for LoRA."""
+    the routed experts, full the whole forward (every dense GEMM and adapter: the head's GEMM is
+    no block here, so it counts as re-run). Before, both modes were charged a third of the
+    step's GEMMs: 4N / 3 for LoRA."""
     cfg = PlanConfig(gpus=1, ep=1, seq=1024, mode=mode, lora_rank=8)
     shape = _moe_shape()
     ffn = next(b for b in shape.blocks if b.kind == "mlp.dense")
@@ -128,6 +129,35 @@ def test_a_re_run_costs_the_forward_of_its_gemms(mode):
     passes = 4 / 3 * mem.recomputed / (r.hbm_tbps * 1e12)
     assert rerun(shape, cfg, lay, mem, r)[0] == pytest.approx(gemm + passes, rel=1e-12)
 
+
+
+def test_full_recompute_re_runs_the_decoder_layers_alone():
+    """`onboard train`'s full recompute checkpoints the decoder layers (`decoder_blocks`, the
+    items of the layer list): the embedding, the final norm and the head run once. The plan's
+    re-run is the blocks inside the layers (a ``*`` in their pattern): its GEMMs lack the
+    head's D x V, its ops the blocks outside, and the final norm keeps its input as it does
+    without recompute. Before, full recompute re-ran the whole forward, the head included, and
+    freed the final norm's bytes."""
+    cfg = PlanConfig(gpus=1, ep=1, seq=1024)
+    shape = _moe_shape()
+    layers = list(shape.blocks)
+    outside = [_block("embed", "embedding", [], 1, count=1),
+               _block("norm", "norm.rms", [], 6, count=1, width=D),
+               _block("lm_head", "lm_head", [("", D, V)], 4, count=1)]
+    shape.blocks += outside
+    assert recompute_blocks(shape, "full") == layers
+    e = shape.experts[0]
+    assert rerun_flops(shape, cfg, "full")[:2] == (
+        2 * (shape.dense_matmul - D * V + lora_params(shape, cfg)[0]),
+        2 * e.count * e.top_k * e.per_expert)
+    cluster = ClusterConfig(gpu_mem_gib=141.0)
+    lay = Layout(ep=1, fsdp=1, recompute="full", offload="none")
+    mem = memory(shape, cfg, lay, cluster)
+    norm = block_saved(outside[1], shape, cfg, 1)[0] * cfg.micro_batch * cfg.seq
+    assert norm > 0 and mem.activations["norms"] == norm
+    assert mem.recomputed == pytest.approx(mem.produced - norm - mem.activations["logits (bf16)"])
+    assert rerun(shape, cfg, lay, mem, cluster.rates)[1] == forward_ops(shape, cfg) - sum(
+        b.count * b.ops for b in outside)
 
 @pytest.mark.parametrize("ep", [4, 16])
 def test_full_recompute_repeats_the_expert_all_to_all(ep):

@@ -21,9 +21,9 @@ them (LoRA-correct: 4N for frozen GEMMs, 6 x adapters). Recompute adds one more 
 it re-runs (`rerun`): those blocks' forward GEMMs (2 FLOPs per weight, frozen or trained: half
 of a LoRA step's 4N for frozen weights, a third of full training's 6N), a third of their
 attention-core and memory-bound time (a forward and a backward of twice its work, whatever
-trains) and their forward's ops; ``full`` the whole forward, ``selective`` its blocks
-(`memory.recompute_blocks`). With overlap the step is max(compute, communication); without, the
-sum.
+trains) and their forward's ops; ``full`` the decoder layers' forward (not the head's),
+``selective`` its blocks (`memory.recompute_blocks`). With overlap the step is max(compute,
+communication); without, the sum.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from onboarding.plan.config import ClusterConfig, PlanConfig, Rates
 from onboarding.plan.memory import BF16, FP32, Layout, Memory, expert_lora_params, \
-    inner_blocks, lora_params, pairs_per_token, recompute_blocks
+    in_layer, inner_blocks, lora_params, pairs_per_token, recompute_blocks
 from onboarding.plan.shapes import BlockShape, ExpertShape, ModelShape, ceil_div
 
 
@@ -177,17 +177,25 @@ FWD_BWD_PASSES = 3
 def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
                 ) -> tuple[float, float, float]:
     """(GEMM, expert GEMM, attention-core) FLOPs per token of the forward ``recompute`` runs again
-    in the backward (`recompute_blocks`): the whole forward for ``full``; for ``selective`` its
-    blocks' linears and their adapters (a block inside another's module, `inner_blocks`, adds
-    none: the outer block lists them), the routed experts of an experts block (its own linears
+    in the backward (`recompute_blocks`): for ``full`` the decoder layers' (the whole forward
+    but the blocks outside the layers: the head); for ``selective`` its blocks' linears and
+    their adapters (a block inside another's module, `inner_blocks`, adds none: the outer block
+    lists them), the routed experts of an experts block (its own linears
     aside: a list of experts lists every one) and the attention cores among them (none:
     attention keeps its activations). The GEMMs' forward share of the step is what trains:
     half a LoRA step's frozen GEMMs, a third of full training's."""
-    if recompute == "full":
-        dense, experts = _gemm_flops(cfg, shape.dense_matmul, lora_params(shape, cfg)[0],
-                                     shape.experts, forward_only=True)
-        return dense, experts, _core_flops(shape, cfg, shape.blocks) / FWD_BWD_PASSES
     blocks = recompute_blocks(shape, recompute)
+    if recompute == "full":
+        # the model's dense GEMMs and adapters less those of the blocks outside the layers
+        # (the head), which the re-run does not run: what no block holds counts as re-run
+        outside = [b for b in shape.blocks if not b.nested and not in_layer(b)]
+        matmul = shape.dense_matmul - sum(b.count * sum(i * o for _, i, o in b.linears)
+                                          for b in outside)
+        adapters = lora_params(shape, cfg)[0] - sum(
+            b.count * sum(cfg.lora_rank * (i + o) for _, i, o in b.lora_targets)
+            for b in outside)
+        dense, experts = _gemm_flops(cfg, matmul, adapters, shape.experts, forward_only=True)
+        return dense, experts, _core_flops(shape, cfg, blocks) / FWD_BWD_PASSES
     inner = {id(b) for b in inner_blocks(blocks)}  # their linears are the outer block's
     linear = [b for b in blocks if b.kind != "moe.experts" and id(b) not in inner]
     matmul = sum(b.count * sum(i * o for _, i, o in b.linears) for b in linear)
@@ -230,21 +238,23 @@ def attention_core(shape: ModelShape, b: BlockShape, seq: int) -> float:
 ADAPTER_OPS, EP_OPS, ADAM_OPS, BACKWARD_OPS = 8, 60, 10, 1.26
 
 
-def forward_ops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape] | None = None
-                ) -> float:
+def forward_ops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape] | None = None,
+                *, ep_modules: bool | None = None) -> float:
     """ATen ops of one forward: the op graph's blocks, adapters, EP modules. Every block's,
     nested ones too: a block's op histogram holds none of the ops of the blocks inside it (a
     child that became a block claimed its own; one taken in was removed), so a norm inside
     attention or a linear attention's conv adds its own launches. Adapters: the outermost
     blocks' LoRA targets (`model_shape` lists every linear under a block's module, those of the
-    blocks inside it too). ``blocks``: those blocks' ops and adapters alone (what selective
-    recompute re-runs: the EP module re-runs its expert compute, not its dispatch)."""
-    whole = blocks is None
+    blocks inside it too). ``blocks``: those blocks' ops and adapters alone (what a recompute
+    re-runs), with the EP modules' where ``ep_modules`` (default: all blocks'; full recompute
+    re-runs them, selective only their expert compute, not the dispatch)."""
+    if ep_modules is None:
+        ep_modules = blocks is None
     blocks = shape.blocks if blocks is None else blocks
     ops = sum(b.count * b.ops for b in blocks)
     adapters = 0 if cfg.mode == "full" else ADAPTER_OPS * sum(
         b.count * len(b.lora_targets) for b in blocks if not b.nested)
-    return ops + adapters + (EP_OPS * sum(e.count for e in shape.experts) if whole else 0)
+    return ops + adapters + (EP_OPS * sum(e.count for e in shape.experts) if ep_modules else 0)
 
 
 def host_ops(shape: ModelShape, cfg: PlanConfig) -> float:
@@ -279,7 +289,7 @@ def rerun(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, r: Rates
     weights read once, in the share of the forward's expert FLOPs re-run), a third of the
     memory passes over what it writes again (`Memory.recomputed`: the step's 4 passes are a
     forward's and a backward's, whatever trains), and its blocks' forward ops (`forward_ops`;
-    ``full``: the whole forward's, EP modules included)."""
+    ``full``: the decoder layers', EP modules included)."""
     if lay.recompute == "none":
         return 0.0, 0.0
     flops = rerun_flops(shape, cfg, lay.recompute)
@@ -287,8 +297,8 @@ def rerun(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory, r: Rates
     gemm_s, attn_s = _gemm_attn_s(flops, mem.weights_experts * flops[1] / forward_exp
                                   if forward_exp else 0.0, cfg, r, forward_only=True)
     memory_s = 4 * mem.recomputed / (r.hbm_tbps * 1e12) / FWD_BWD_PASSES
-    ops = forward_ops(shape, cfg, None if lay.recompute == "full"
-                      else recompute_blocks(shape, lay.recompute))
+    ops = forward_ops(shape, cfg, recompute_blocks(shape, lay.recompute),
+                      ep_modules=lay.recompute == "full")
     return gemm_s + attn_s + memory_s, ops
 
 

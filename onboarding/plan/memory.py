@@ -51,9 +51,10 @@ kernel's autograd keeps; else (a CPU run, ``--no-kernels``) every block's own to
     gradient (2V: the chunked cross-entropy writes it there and keeps it instead of the logits,
     which are then freed) and one chunk's fp32 temporaries.
 Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
-backward; ``selective`` re-runs the MLP/expert activations (the 3F parts), a low-rank residual
-branch's rank-r product and whatever the blocks inside those modules keep (a norm inside the
-low-rank branch), and keeps the rest (`recompute_blocks`).
+backward (the blocks outside the layers, the final norm, keep theirs); ``selective`` re-runs the
+MLP/expert activations (the 3F parts), a low-rank residual branch's rank-r product and whatever
+the blocks inside those modules keep (a norm inside the low-rank branch), and keeps the rest
+(`recompute_blocks`).
 `Memory.produced` and `Memory.recomputed` say what the forward writes and what the backward
 writes again, for the step time (`onboarding.plan.estimate`).
 """
@@ -206,17 +207,25 @@ def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
         p != b.pattern and _inside(b.pattern, p) for p in norms))]
 
 
+def in_layer(b: BlockShape) -> bool:
+    """Whether block ``b`` is inside a decoder layer: an item of a layer list (a ``*`` in its
+    pattern), what `onboard train`'s full recompute checkpoints (`parallel.decoder_blocks`);
+    not the embedding, the final norm, the rotary table or the head, which run once."""
+    return "*" in b.pattern.split(".")
+
+
 def recompute_blocks(shape: ModelShape, recompute: str) -> list[BlockShape]:
-    """The blocks whose forward the backward runs again: every one for ``full``; for
-    ``selective`` those of the kinds `onboard train` checkpoints (`SELECTIVE_KINDS`: MLPs, shared
-    and routed experts, a low-rank residual branch), whose `block_saved` re-run part it frees,
+    """The blocks whose forward the backward runs again: for ``full`` every one inside a
+    decoder layer (`in_layer`), which keeps nothing but the layer's input; for ``selective``
+    those of the kinds `onboard train` checkpoints (`SELECTIVE_KINDS`: MLPs, shared and routed
+    experts, a low-rank residual branch), whose `block_saved` re-run part it frees,
     and the blocks inside their modules (`inner_blocks`: a low-rank branch's norm, Gemma 3n's
     ``laurel.post_laurel_norm``), which the checkpoint around the module runs again whole;
     none for ``none``."""
     from onboarding.train.parallel import SELECTIVE_KINDS
 
     if recompute == "full":
-        return list(shape.blocks)
+        return [b for b in shape.blocks if in_layer(b)]
     if recompute != "selective":
         return []
     outer = [b for b in shape.blocks if b.kind in SELECTIVE_KINDS]
@@ -552,8 +561,8 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
     for b in _counted_blocks(shape):
         kept, selective, trans = block_saved(b, shape, cfg, ep)
         produced += b.count * kept * tokens
-        if lay.recompute == "selective" and id(b) in rerun:
-            freed = kept if id(b) in whole else selective
+        if id(b) in rerun:
+            freed = kept if lay.recompute == "full" or id(b) in whole else selective
             kept -= freed
             recomputed += b.count * freed * tokens
         g = kind_group(b.kind)
@@ -561,8 +570,9 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
         trans_layer = max(trans_layer, trans * tokens)
     layer_ws, layer_what = trans_layer, "one layer's dispatch / indexer buffers"
     if lay.recompute == "full":
-        recomputed = produced
-        acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers}
+        # the layers keep their inputs; the blocks outside them (the final norm) their own
+        acts = {"layer inputs (checkpoints)": BF16 * shape.hidden * tokens * shape.n_layers,
+                **{g: v for g, v in acts.items() if v}}
         layer_ws += _per_layer_max(shape, cfg, ep, tokens)
         layer_what = "one layer recomputed"
     # The peak is the end of the forward (the logits and their gradient, one loss chunk's
