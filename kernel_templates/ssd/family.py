@@ -248,10 +248,11 @@ FAMILY = FamilySpec(
     #   Triton stages only dot operands). True: cs, dt, cs_last and D loaded one head ahead into
     #   registers, x a dot operand in the dx program (dD's partial the trace of x^T dy) and q's
     #   exp(cs_last) <Gs, S_in> formed in the block pairs' program (which stages S_in) on its chunk's last
-    #   row of dL/dcs. sm_90 bf16 builds at the bench shape (triton 3.9, 8 warps, `bwd_exp` "exp2"):
-    #   "paired" 255 registers, 52 spill bytes, 139 KB of shared memory (default: 246, none, 173 KB),
-    #   with `bwd_qd` "dot" 255 / 116 / 172 KB; "triple" 255 / none / 131 KB (default 235 / none / 133
-    #   KB), with "dot" 252 / none / 180 KB; "fused" (ROLES 1) 255 / 704. Untimed.
+    #   row of dL/dcs; `bwd_qd` has no effect under it. sm_90 bf16 builds at the bench shape (triton 3.9, 8
+    #   warps, `bwd_exp` "exp2"): "paired" 252 registers, no spills, 139 KB of shared memory (default 246,
+    #   none, 173 KB), head loops 886 (dx) + 1031 (dC / dB) SASS instructions against 1151 + 823;
+    #   "triple" 251 / none / 131 KB (default 240 / none / 133 KB); "fused" (ROLES 1) 255 / 592 spill
+    #   bytes (default 588). Untimed.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
