@@ -427,9 +427,10 @@ AHEAD = {"bwd_ahead": True}
                                          SPLIT_FUSED[0].values[1], id=f"ahead-{dbc}-sc1-H4G2-T41")
                             for dbc in ("fused", "triple")]
                          # four heads in one program's loop (one group): the loads of heads 1..3 made
-                         # during the head before, the last one's again at the last head; T 23
+                         # during the head before, the last one's again at the last head; T 23, no D or
+                         # dt_bias (the rows above have them)
                          + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": "paired", **AHEAD},
-                                         (1, 23, 4, 8, 1, 16, True, True), id="ahead-paired-H4G1-T23")])
+                                         (1, 23, 4, 8, 1, 16, False, True), id="ahead-paired-H4G1-noD-T23")])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
