@@ -218,9 +218,10 @@ PULL = {"PULL_P": 32, "pull_scale": "dy"}
 # Template v27 (not yet timed): `bwd_ahead`, the fused backward kernel with no synchronous global load
 # in its head loops (the dx program of "paired" waited each head on x, S_in, cs, dt, cs_last and D; the
 # dC / dB program on cs, dt, cs_last: Triton stages only dot operands). Rows first: under "paired",
-# then under "triple" (sm_90, triton 3.9: neither spills).
+# with v24's pull pair (PULL, the fastest v24 row by graph), under "triple" (sm_90, triton 3.9: none
+# of the three spills).
 AHEAD = {"bwd_ahead": True}
-SWEEP = ((AHEAD, "bwd"), ({**AHEAD, "split_dbc": "triple"}, "bwd"),
+SWEEP = ((AHEAD, "bwd"), ({**AHEAD, **PULL}, "bwd"), ({**AHEAD, "split_dbc": "triple"}, "bwd"),
          ({**PULL, "bwd_qd": "dot"}, "bwd"), (PULL, "bwd"), ({"bwd_qd": "dot"}, "bwd"), ({"PULL_P": 32}, "bwd"),
          ({"bwd_exp": "exp"}, "bwd"))
 

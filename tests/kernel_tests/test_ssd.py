@@ -833,8 +833,11 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"PULL_P": 32, "pull_scale": "dy", "bwd_qd": "dot"}, id="v24-all",
                                               marks=UNTIMED),
                                  # v27: the fused backward's per-head loads one head ahead or staged
-                                 # (`bwd_ahead`), under "paired" and "triple" (the bench's rows)
+                                 # (`bwd_ahead`), under "paired" (alone and with v24's pull pair) and
+                                 # "triple" (the bench's rows)
                                  pytest.param({"bwd_ahead": True}, id="v27-ahead", marks=UNTIMED),
+                                 pytest.param({"bwd_ahead": True, "PULL_P": 32, "pull_scale": "dy"},
+                                              id="v27-ahead-pull", marks=UNTIMED),
                                  pytest.param({"bwd_ahead": True, "split_dbc": "triple"}, id="v27-ahead-triple",
                                               marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
