@@ -307,10 +307,17 @@ MOE_V28_SWEEP = [_DX_TRITON]
 #   output would keep the 0.94 GB write and add a pointer gather. sm_90 AOT (triton 3.9): gate/up
 #   255 / 0 / 176 KB (x's buffer at 3 stages, the weights' at 4). Costs memory: the rows are held from
 #   the forward to the backward, S * D * 2 bytes (0.94 GB a layer here).
+# - `half_tail_down` (v20's key, never timed in the forward case): the down GEMM's 123 tail tiles at
+#   64 rows. In the thirty-seventh session's profile v9's `half_tail` took the down forward from 4.939
+#   to 4.694 ms (gate/up, also at half height there, lost); on top of half_tail_bwd in fwd+bwd the
+#   key was within the spread (45.753 ms against 45.815, thirty-eighth session); in the 14.3 ms
+#   forward 0.25 ms would be 1.7%.
 # Not offered: BLOCK_K 128 (256-byte weight rows per TMA box) fits 192 KB only at 2 stages (gate/up
 # 254 / 24), where 3 stages lost 7% to 4 (seventh session); v30's x_sorted (lost, family.py).
-MOE_V32_FWD_SWEEP_BIG = [{"gate_up_one_dot": True}]
-MOE_V32_SWEEP_BIG = [{"x_sorted_out": True}, {"gate_up_one_dot": True}, {"x_sorted_out": True, "gate_up_one_dot": True}]
+_ONE_DOT = {"gate_up_one_dot": True}
+MOE_V32_FWD_SWEEP_BIG = [_ONE_DOT, {"half_tail_down": True}, {**_ONE_DOT, "half_tail_down": True}]
+MOE_V32_SWEEP_BIG = [{"x_sorted_out": True}, _ONE_DOT, {"x_sorted_out": True, **_ONE_DOT},
+                     {"x_sorted_out": True, **_ONE_DOT, "half_tail_down": True}]
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP,
           ("anchor", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
