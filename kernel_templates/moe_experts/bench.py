@@ -297,16 +297,17 @@ MOE_V28_SWEEP = [_DX_TRITON]
 #   128 x 256 dot per K step: one m64n256k16 MMA chain per warpgroup instead of two m64n128k16 chains
 #   (each reads the x tile from shared memory: 16 KB less shared-memory read a K step, one MMA group
 #   per step instead of two); as vLLM's interleaved W13 rows, but on the weights as stored.
-#   sm_90 AOT (triton 3.9): 254 registers / 24 spilled bytes (three 8-byte stores after the K loop) /
-#   192 KB.
+#   sm_90 AOT: triton 3.9 254 registers / 24 spilled bytes / 192 KB, triton 3.6 (the H100's) 254 / 40
+#   (the default 255 / 8 and 255 / 0); every spill store and load sits after the K loop (cuobjdump).
 # - `x_sorted_out` (fwd+bwd): gate/up writes the x rows it gathers (x[tok], 0.94 GB of bf16) as a
 #   side output, so the backward's x gather (0.94 GB read, 0.94 GB written: about half of the profile's
 #   two row gathers, 1.17 ms) goes; the write is spread over each row tile's 16 column programs (7 of
 #   112 K blocks each). Not for dy: only the backward has dy, and the down backward's dy rows come
 #   from the same slot-ordered copy the weight gradient reads (dy_sorted + rows_tma), so a side
-#   output would keep the 0.94 GB write and add a pointer gather. sm_90 AOT (triton 3.9): gate/up
-#   255 / 0 / 176 KB (x's buffer at 3 stages, the weights' at 4). Costs memory: the rows are held from
-#   the forward to the backward, S * D * 2 bytes (0.94 GB a layer here).
+#   output would keep the 0.94 GB write and add a pointer gather. sm_90 AOT: gate/up 255 / 0 / 176 KB
+#   on triton 3.9 and 3.6 (x's buffer at 3 stages, the weights' at 4); at D 2048 triton 3.6 gives it
+#   137 registers (the default 128), one program per SM there instead of two. Costs memory: the rows
+#   are held from the forward to the backward, S * D * 2 bytes (0.94 GB a layer here).
 # - `half_tail_down` (v20's key, never timed in the forward case): the down GEMM's 123 tail tiles at
 #   64 rows. In the thirty-seventh session's profile v9's `half_tail` took the down forward from 4.939
 #   to 4.694 ms (gate/up, also at half height there, lost); on top of half_tail_bwd in fwd+bwd the
