@@ -302,10 +302,16 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   for the backward when that weight needs a gradient: S * D more elements held from the forward to
 #   the backward (0.94 GB of bf16 at DeepSeek-V3 N8192, S = 65536, D = 7168, beside gu's 0.54 GB).
 #   Why: at DeepSeek-V3 N8192 the backward's x gather reads S rows of x (0.94 GB; x is 0.12 GB but
-#   each row is read K times and the L2 holds 50 MB) and writes 0.94 GB, ~0.59 ms of an H100 profile
-#   (the two row gathers 1.17 ms); the side output writes the same 0.94 GB from rows the GEMM holds
-#   anyway, under its MMAs. v30's `x_sorted` (a copy before the forward, loaded by TMA) lost: the copy
-#   cost as much and gate/up was no faster. swiglu and mlp only (swiglu_lora ignores the key).
+#   each row is read K times and the L2 holds 50 MB) and writes 0.94 GB, about half of the two row
+#   gathers' 1.17 ms in an H100 profile (forty-fourth session); the side output writes the same
+#   0.94 GB from rows the GEMM holds anyway, which may hide under its MMAs (untimed). v30's `x_sorted`
+#   (a copy before the forward, loaded by TMA) lost: the copy cost as much and gate/up was no faster.
+#   swiglu and mlp only (swiglu_lora ignores the key).
+# gate_up_one_dot (False; swiglu with `tma`): the gate/up GEMM loads a column tile's gate rows and up
+#   rows as one [2, BLOCK_N, BLOCK_K] block of a tensor descriptor of gate_up viewed [E * 2, F, D] and
+#   runs one [BLOCK_M, 2 * BLOCK_N] dot per K step (at d_big m64n256k16 MMAs, not two m64n128k16
+#   chains that each read the x tile from shared memory), split into gate and up after the loop.
+#   Why and its sm_90 builds: bench.py's v32 notes. mlp (no gate half) and swiglu_lora ignore it.
 # A removed key: v22's ws (dx's K loop under triton's automatic warp specialization, on per-slot
 #   bf16 rows for the combine pass) won nothing beyond the spread at DeepSeek-V3 N8192 uniform on an
 #   H100 (`source .ci/h200/setup.sh && BUDGET=200 bash .ci/h200/h37_moe6.sh` at 45c8bba; fwd+bwd
