@@ -277,7 +277,7 @@ MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 # against dx by Triton (`_DX_TRITON`: the v28 default's dx, its atomics and tiles as the bucket has them).
 _DX_TRITON = {"dx_grouped_mm": False}
 MOE_V28_SWEEP = [_DX_TRITON]
-# Template v32 (forty-fifth session, helper-166; issue 33: DeepSeek-V3 N8192 forward >= 1.3x
+# Template v32 (fifty-third session, helper-166; issue 33: DeepSeek-V3 N8192 forward >= 1.3x
 # `_grouped_mm`, fwd+bwd >= 1.2x). The d_big forward: gate/up on 128 x (2 x 128) x 64 tiles, 8 warps,
 # 4 stages, weights by TMA, x rows gathered by pointers (cp.async), bands of 16 row tiles; down on
 # 128 x 256 x 64, atomics into fp32 token rows. Both take one program per SM (sm_90 AOT, triton 3.9:
