@@ -124,6 +124,21 @@ def test_a_family_name_taken_by_another_block_goes_back(tmp_path):
     assert out.attempts[0].stage == "folder" and "taken by the generated family for model.mixer" in out.reason
 
 
+def test_the_name_alignment_left_out_goes_back(tmp_path, monkeypatch):
+    """A retry's answer named as the family alignment left out at this block goes back before
+    the gate: alignment's exclusions go by (block, family name), so it would be left out too."""
+    import dataclasses
+
+    import onboarding.generate.llm.attempts as attempts_mod
+
+    monkeypatch.setattr(attempts_mod, "gate", lambda *a, **k: pytest.fail("gated"))
+    task = dataclasses.replace(TASK, failed_family="mlstm_recurrent")
+    with ReplayServer(["mlstm_correct"]) as server:
+        out = propose(task, _client(server), attempts=1, run_dir=tmp_path, spec=SPEC)
+    assert out.attempts[0].stage == "folder"
+    assert "'mlstm_recurrent' is the family alignment left out at this block" in out.reason
+
+
 def test_static_check_rejects_a_call_of_the_eager_block(tmp_path):
     out, _ = _propose(tmp_path, "mlstm_calls_eager")
     assert not out.accepted and out.attempts[0].stage == "static"

@@ -119,8 +119,11 @@ def propose(task: Any, client: LLMClient, *, attempts: int = 3, budget_s: float 
             continue
         att.family = answer.family
         other = _taken_by(run_dir / "generated" / "families" / answer.family, task)
-        if other:
-            why = f"family name {answer.family!r} is taken by the generated family for {other}: choose another"
+        if other or answer.family == getattr(task, "failed_family", None):
+            # alignment's exclusions go by (block, family name): the left-out name stays out
+            why = (f"family name {answer.family!r} is taken by the generated family for {other}"
+                   if other else f"family name {answer.family!r} is the family alignment left "
+                   "out at this block") + ": choose another"
             att.verdict, att.stage, att.reason = "rejected", "folder", why
             _finish(att, adir, a0)
             messages = messages + [{"role": "assistant", "content": reply.text[:20000]},
