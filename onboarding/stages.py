@@ -174,7 +174,8 @@ def run_decide(spec: ModelSpec, graph: OpGraph, coverage: Coverage, out_dir: Pat
     ``coverage.json``). Families the LLM path wrote are registered for this process.
     ``earlier``: decisions of an earlier pass (a retry after a failed alignment decides the
     blocks in ``failed`` only, and keeps those; their tasks carry what that alignment,
-    ``alignment.json``, measured at them)."""
+    ``alignment.json``, measured at them, and the code of a left-out family the LLM path wrote,
+    ``generated/families``)."""
     import json
 
     from onboarding.generate.decide import (DECISIONS_FILE, apply_to_coverage, decide,
@@ -186,7 +187,8 @@ def run_decide(spec: ModelSpec, graph: OpGraph, coverage: Coverage, out_dir: Pat
     aligned = out_dir / "alignment.json"
     tasks = build_tasks(graph=graph, coverage=coverage, spec=spec, failed=failed,
                         alignment=json.loads(aligned.read_text())
-                        if failed and aligned.is_file() else None)
+                        if failed and aligned.is_file() else None,
+                        generated=out_dir / "generated" / "families")
     if earlier is not None:
         tasks = [t for t in tasks if t.failed_family]
     save_tasks(tasks, out_dir / ("tasks.json" if earlier is None else "tasks.retry.json"))

@@ -112,6 +112,116 @@ def test_a_retry_task_reads_the_runs_alignment(tmp_path, monkeypatch):
     assert task.alignment_failure["failing"][0]["block"] == NORM
 
 
+# -- 1b. and the code of the left-out family, when the LLM path wrote it ------------------------
+
+LEFT_OUT = "sparsemixer_router"  # a recorded LLM answer (tests/fixtures/llm_cassettes/families)
+
+
+def _left_out_family(run_dir: Path) -> tuple[Path, str]:
+    """The run's folder of LLM-written families, holding LEFT_OUT as the LLM path writes an
+    accepted answer (`folder.write_folder`), and the answer's template."""
+    from fixtures.llm_replay import answer_from_folder
+    from onboarding.generate.llm import parse_answer
+    from onboarding.generate.llm.folder import write_folder
+    from onboarding.generate.tasks import KernelTask
+
+    answer = parse_answer(answer_from_folder(f"families/{LEFT_OUT}"))
+    root = run_dir / "generated" / "families"
+    write_folder(answer, KernelTask(path=NORM, kind="norm.rms", reason="", op="rmsnorm"), root)
+    return root, answer.template
+
+
+def _retry_prompt(rec: dict, generated: Path) -> tuple[object, str]:
+    from onboarding.generate.llm.prompt import task_prompt
+    from onboarding.generate.tasks import build_tasks
+
+    (task,) = build_tasks(graph=_graph([NORM]), coverage=_coverage([NORM]), full_size=False,
+                          failed={NORM: f"{LEFT_OUT}: left out after alignment attempt 1"},
+                          alignment=rec, generated=generated)
+    return task, task_prompt(task)
+
+
+def test_the_retry_prompt_shows_the_left_out_familys_code_and_asks_for_a_fix(tmp_path):
+    """The family the LLM wrote and alignment left out is in the run: the retry's prompt shows
+    its template, reference and spec fields after the failure's numbers, and since the block
+    alone, on the reference's inputs, misses its bar (the recorded failure), asks for a fix
+    rather than a new start, under a new name. Before, the prompt had no code of it: the model
+    wrote the family again from nothing."""
+    generated, template = _left_out_family(tmp_path)
+    task, prompt = _retry_prompt(_recorded(), generated)
+    assert [f["name"] for f in task.previous_family["files"]] == \
+        [f"{LEFT_OUT}.py.j2", "reference.py", "spec.json"]
+    head = "## The left-out family's code"
+    assert prompt.index("## How the family that served it failed alignment") < \
+        prompt.index(head) < prompt.index("## Its source")
+    section = prompt[prompt.index(head):prompt.index("## Its source")]
+    assert template.strip() in section  # whole: under the cap
+    ref = (generated / LEFT_OUT / "reference.py").read_text()
+    assert ref.strip() in section and '"written_for"' not in section
+    assert json.dumps(json.loads((generated / LEFT_OUT / "spec.json").read_text())["summary"]) \
+        in section
+    assert f"misses a bar at `{NORM}` forward" in section and "rather than starting over" in section
+    assert f"under a new family name: alignment leaves `{LEFT_OUT}` out" in section
+    assert "the rest is cut" not in section
+
+
+def test_the_left_out_code_is_cut_with_a_note_and_a_fix_is_asked_only_for_a_local_error(
+        tmp_path, monkeypatch):
+    """A template over the cap is cut, and its header says how much is shown; where the block
+    alone, on the reference's inputs, stays within its bars (the error reached it from the blocks
+    before it), the prompt does not ask to fix this code."""
+    import onboarding.generate.retry as retry
+
+    generated, template = _left_out_family(tmp_path)
+    monkeypatch.setattr(retry, "MAX_TEMPLATE", 500)
+    rec = _recorded()
+    row = next(b for b in rec["blocks"] if b["path"] == NORM)
+    for d in ("fwd", "bwd"):
+        for q in ("local", "local_params"):
+            if row[d].get(q):
+                row[d][q]["rel_rms"] = 0.0
+    _, prompt = _retry_prompt(rec, generated)
+    section = prompt[prompt.index("## The left-out family's code"):prompt.index("## Its source")]
+    assert f"--- {LEFT_OUT}.py.j2 (the first 500 of its {len(template)} characters; the rest " \
+        "is cut)" in section
+    assert template[:500].rstrip() in section and template[:501] not in section
+    assert "rather than starting over" not in section
+    assert "do not put the error in this code" in section
+
+
+def test_a_first_pass_prompt_is_unchanged_by_the_runs_generated_families(tmp_path):
+    """A first-pass task (no family left out) carries no earlier code even where the run holds
+    LLM-written families, and its prompt is the one built without them: the recorded cassettes,
+    which select a conversation by substrings of the first prompt, still select it."""
+    from onboarding.generate.llm.prompt import task_prompt
+    from onboarding.generate.tasks import build_tasks
+
+    generated, _ = _left_out_family(tmp_path)
+    cov = Coverage(model="m", entries=[
+        CoverageEntry(path=NORM, kind="norm.rms", op="rmsnorm", status="uncovered")])
+    (first,) = build_tasks(graph=_graph([NORM]), coverage=cov, full_size=False,
+                           generated=generated)
+    (bare,) = build_tasks(graph=_graph([NORM]), coverage=cov, full_size=False)
+    assert first.previous_family == {} and task_prompt(first) == task_prompt(bare)
+    assert "## The left-out family's code" not in task_prompt(first)
+
+
+def test_a_retry_task_reads_the_runs_left_out_family(tmp_path, monkeypatch):
+    """`run_decide` on a retry gives its task the code of the left-out family the run's LLM path
+    wrote (``generated/families``)."""
+    import onboarding.generate.decide as decide_mod
+    from onboarding.stages import run_decide
+
+    _left_out_family(tmp_path)
+    (tmp_path / "alignment.json").write_text(json.dumps(_recorded()))
+    seen = []
+    monkeypatch.setattr(decide_mod, "decide", lambda tasks, *a, **k: seen.extend(tasks) or [])
+    run_decide(None, _graph([NORM]), _coverage([NORM]), tmp_path, earlier=[],
+               failed={NORM: f"{LEFT_OUT}: left out after alignment attempt 1"})
+    (task,) = seen
+    assert task.previous_family["family"] == LEFT_OUT
+
+
 # -- 2. a left-out kernel is neither checked again nor tuned -------------------------------------
 
 def _run_dir(tmp_path: Path, paths: list[str], exclude=()) -> list:

@@ -10,16 +10,28 @@ measured quantity's relative RMS error against its bar, the block's shapes, the 
 verdict's message and any error the patch recorded; `prompt_lines` writes them into the retry's
 prompt (`onboarding.generate.llm.prompt.task_prompt`). Bounded: `MAX_BLOCKS` blocks, messages cut
 at `MAX_MESSAGE` characters.
+
+A family the LLM path wrote left out this way is in the run (``generated/families/<name>/``, as
+`onboarding.generate.llm.folder.write_folder` wrote the answer): `previous_family` reads its
+template, reference and spec fields, so the model asked again sees the code it sent and can fix
+it instead of writing from nothing. `local_errors` says where the numbers put the error in that
+code (its block, replayed alone on the reference's inputs, misses a bar): only then does the
+prompt ask for a fix rather than a new start (`code_lines`). Bounded: each file cut at its cap
+(`MAX_TEMPLATE`, `MAX_FILE`), the cut said in the prompt.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from onboarding.align._results import FAILING
 
 MAX_BLOCKS = 4  # failing blocks listed, culprit first; the others are counted
 MAX_MESSAGE = 300  # characters of one verdict message or patch error
+MAX_TEMPLATE = 30_000  # characters of the left-out family's template shown (as the block's source)
+MAX_FILE = 6_000  # characters of its reference, and of its spec fields
 
 # per direction: (the `Direction` field, what it measures, the key of its bar in the block's
 # ``bounds``); a backward's "output" is the gradient w.r.t. the block's inputs
@@ -70,7 +82,8 @@ def alignment_failure(alignment: dict[str, Any] | None, path: str, family: str |
                 s = row.get(field)
                 if not s:
                     continue
-                m = {"of": what, "metric": "rel_rms", "value": _num(s.get("rel_rms")),
+                m = {"of": what, "quantity": field, "metric": "rel_rms",
+                     "value": _num(s.get("rel_rms")),
                      "bar": _num(bounds.get(q, tol)), "max_abs": _num(s.get("max_abs"))}
                 if s.get("nonfinite"):
                     m["nonfinite"] = int(s["nonfinite"])
@@ -143,4 +156,82 @@ def prompt_lines(failure: dict[str, Any], family: str | None) -> list[str]:
                      f"{_fmt(lg.get('bar'))} ({'passed' if lg.get('passed') else 'failed'})")
     if failure.get("patch_error"):
         lines.append(f"- its patch recorded: {failure['patch_error']}")
+    return lines
+
+
+# -- the left-out family's own code -----------------------------------------------------------
+
+# what onboard adds to the answer's spec fields in spec.json (`folder.spec_dict`): not the model's
+_OURS = ("serves", "written_for")
+
+
+def _capped(name: str, text: str, cap: int, lang: str) -> dict[str, Any]:
+    return {"name": name, "lang": lang, "text": text[:cap], "chars": len(text)}
+
+
+def previous_family(folder: Path) -> dict[str, Any]:
+    """The left-out LLM-written family at ``folder`` as its answer had it (module docstring):
+    ``{"family", "folder", "files": [{name, lang, text, chars}]}``, each file's ``text`` cut at its
+    cap and ``chars`` its whole length. Empty where ``folder`` holds no answer's spec.json naming
+    it (a registered family's folder: the model did not write it)."""
+    folder = Path(folder)
+    try:
+        spec = json.loads((folder / "spec.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    name = spec.get("family") if isinstance(spec, dict) else None
+    template = folder / f"{name}.py.j2"
+    if name != folder.name or not template.is_file():
+        return {}
+    files = [_capped(template.name, template.read_text(), MAX_TEMPLATE, "jinja")]
+    if (folder / "reference.py").is_file():
+        files.append(_capped("reference.py", (folder / "reference.py").read_text(), MAX_FILE,
+                             "python"))
+    fields = {k: v for k, v in spec.items() if k not in _OURS}
+    files.append(_capped("spec.json", json.dumps(fields), MAX_FILE, "json"))
+    return {"family": name, "folder": str(folder), "files": files}
+
+
+def local_errors(failure: dict[str, Any], path: str) -> list[str]:
+    """Where ``failure`` (`alignment_failure`) puts the error in the code of the family that
+    served the block ``path``: each failing direction of a block at or inside it whose replay
+    alone, on the reference's inputs, misses its bar or has non-finite elements (the family's
+    code computes those from correct inputs; an error only in what reaches the block is not
+    shown to be the code's)."""
+    out = []
+    for f in (failure or {}).get("failing", []):
+        if not (f["block"] == path or f["block"].startswith(path + ".")):
+            continue
+        for d in f.get("directions", []):
+            bad = [m["of"] for m in d.get("measured", [])
+                   if str(m.get("quantity", "")).startswith("local") and (m.get("nonfinite") or (
+                       m.get("value") is not None and m.get("bar") is not None
+                       and m["value"] > m["bar"]))]
+            if bad:
+                out.append(f"`{f['block']}` {d['direction']} ({'; '.join(bad)})")
+    return out
+
+
+def code_lines(previous: dict[str, Any], failure: dict[str, Any], path: str) -> list[str]:
+    """The retry prompt's section with the left-out family's code (`previous_family`): what to
+    do with it (fix it only where `local_errors` finds the error in it), then each file, a cut
+    one saying how much of it is shown."""
+    if not previous:
+        return []
+    name = previous["family"]
+    where = local_errors(failure, path)
+    if where:
+        what = ("The numbers above put the error in this code: replayed alone on the reference's "
+                f"inputs, its block misses a bar at {', '.join(where)}. Fix the code where it "
+                "goes wrong rather than starting over, and keep what holds.")
+    else:
+        what = ("The numbers above do not put the error in this code (no block of it, replayed "
+                "alone on the reference's inputs, misses a bar); it is what was tried.")
+    lines = [f"The earlier answer for this block, the family `{name}` that alignment left out "
+             f"(its folder {name}/ as it was sent). {what} Send a whole answer under a new family "
+             f"name: alignment leaves `{name}` out at this block."]
+    for f in previous["files"]:
+        cut = (f" (the first {len(f['text'])} of its {f['chars']} characters; the rest is cut)"
+               if f["chars"] > len(f["text"]) else "")
+        lines += [f"--- {f['name']}{cut}", f"```{f['lang']}", f["text"].rstrip("\n"), "```"]
     return lines

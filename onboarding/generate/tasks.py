@@ -81,6 +81,9 @@ class KernelTask:
     # for such a block: what that alignment measured there (`onboarding.generate.retry`), so the
     # retry's prompt says how the family failed, not only that it did
     alignment_failure: dict[str, Any] = field(default_factory=dict)
+    # and, when the LLM path wrote that family, its files as the answer had them
+    # (`retry.previous_family`), so the retry can fix that code rather than start over
+    previous_family: dict[str, Any] = field(default_factory=dict)
     key: str = ""  # blocks with the same key are the same problem (one check serves them all)
 
     def to_dict(self) -> dict[str, Any]:
@@ -376,16 +379,21 @@ def spec_from_run(run_dir: Path) -> ModelSpec:
 def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
                 coverage: Coverage | None = None, spec: ModelSpec | None = None,
                 failed: dict[str, str] | None = None, full_size: bool = True,
-                alignment: dict[str, Any] | None = None) -> list[KernelTask]:
+                alignment: dict[str, Any] | None = None,
+                generated: Path | None = None) -> list[KernelTask]:
     """The kernel tasks of a run directory (``opgraph.json``, ``coverage.json``, ``model.json``)
     or of (graph, coverage, spec). ``failed``: block path -> "family: reason" for blocks whose
     family failed alignment; ``alignment``: that alignment's results (``alignment.json``), whose
-    measurements at each such block its task carries (`retry.alignment_failure`). ``full_size``
-    False skips the full-size shapes (no full build)."""
-    from onboarding.generate.retry import alignment_failure
+    measurements at each such block its task carries (`retry.alignment_failure`);
+    ``generated``: the folder of the run's LLM-written families (default with a run directory:
+    its ``generated/families``), where such a block's family, when the LLM path wrote it, gives
+    its task its code (`retry.previous_family`). ``full_size`` False skips the full-size shapes
+    (no full build)."""
+    from onboarding.generate.retry import alignment_failure, previous_family
 
     if run_dir is not None:
         run_dir = Path(run_dir)
+        generated = generated or run_dir / "generated" / "families"
         graph = graph or OpGraph.load(run_dir / "opgraph.json")
         coverage = coverage or Coverage.load(run_dir / "coverage.json")
         spec = spec or spec_from_run(run_dir)
@@ -434,6 +442,8 @@ def build_tasks(run_dir: Path | None = None, *, graph: OpGraph | None = None,
         if failed_family:
             t.alignment_failure = alignment_failure(alignment, block.path, failed_family,
                                                     block_shapes)
+            if generated is not None:
+                t.previous_family = previous_family(Path(generated) / failed_family)
         mod = proxy_mods.get(t.path)
         if mod is not None:
             t.source, t.functions, t.source_note = module_source(mod)

@@ -1,7 +1,7 @@
 """What the model is told: the contract and rules (system), the kernel task with one or two
 worked example families (user), and after a failed attempt, the reason it failed. A task asked
 again after alignment left its family out also carries what alignment measured there
-(`onboarding.generate.retry`)."""
+(`onboarding.generate.retry`) and, when the LLM path wrote that family, its code."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.generate.llm.contract import answer_schema
-from onboarding.generate.retry import prompt_lines
+from onboarding.generate.retry import code_lines, prompt_lines
 
 MAX_EXAMPLE_CHARS = 14_000
 MAX_SOURCE_CHARS = 30_000
@@ -131,6 +131,10 @@ def task_prompt(task: Any) -> str:
     failure = prompt_lines(getattr(task, "alignment_failure", None) or {}, task.failed_family)
     again = ("## How the family that served it failed alignment\n" + "\n".join(failure)
              + "\n\n") if failure else ""
+    code = code_lines(getattr(task, "previous_family", None) or {},
+                      getattr(task, "alignment_failure", None) or {}, task.block_path)
+    if code:  # a first-pass task has none: its prompt is as before, byte for byte
+        again += "## The left-out family's code\n" + "\n".join(code) + "\n\n"
     return (f"Write a kernel family for this block.\n\n## The block\n{json.dumps(facts, indent=1, default=str)}\n\n"
             f"{again}## Its source ({task.source_note})\n```python\n{source}\n```\n\n"
             f"## Worked examples in the family layout ({task.examples_note or 'built-in families'}); "
