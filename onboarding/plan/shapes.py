@@ -36,7 +36,7 @@ from torch import nn
 from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
-from onboarding.train.flops import SOFTMAX_PREFIXES, local_window
+from onboarding.train.flops import SOFTMAX_PREFIXES, local_window, lookup_tables
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names, no_gradient_names
 
 
@@ -238,7 +238,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
                       n_layers=n_layers, total=counts.total, routed=counts.routed_experts,
                       dense_tensors=dense, experts=experts, blocks=blocks,
                       layer_dense_max=layer_dense, config=cfg, unmatched=unmatched,
-                      dense_matmul=_dense_matmul(counts))
+                      dense_matmul=_dense_matmul(model, counts, graph))
 
 
 def sibling_module(b) -> str | None:
@@ -330,12 +330,16 @@ def _delta_rule_takes_l2_flag(module: nn.Module) -> bool:
     return any(takes(f) for _, _, f in reachable(module, min_required(5)))
 
 
-def _dense_matmul(counts) -> int:
-    """Dense GEMM parameters per token: dense, shared experts, routers and the output head (the
-    input embedding is a lookup; tied, it is the head)."""
+def _dense_matmul(model: nn.Module, counts, graph: OpGraph) -> int:
+    """Dense GEMM parameters per token: dense, shared experts, routers, the output head and
+    the embedding tables, less the tables a token only reads by index (`lookup_tables`, which
+    `onboard train`'s MFU count skips too: the input embedding, per-layer input and position
+    tables, wherever they sit; tied to the head, the token table is the head's GEMM)."""
     c = counts.by_category
-    head = counts.lm_head or (counts.embedding if counts.tied_embeddings else 0)
-    return c.get("dense", 0) + c.get("moe.shared_expert", 0) + c.get("moe.router", 0) + head
+    lookups = lookup_tables(model, graph)
+    tables = sum(p.numel() for p in model.parameters() if id(p) in lookups)
+    return sum(c.get(k, 0) for k in ("dense", "moe.shared_expert", "moe.router", "embedding",
+                                     "lm_head")) - tables
 
 
 def _width(b, full: nn.Module, full_path: str, graph: OpGraph,

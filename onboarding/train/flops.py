@@ -14,7 +14,8 @@ Per token, with N the matmul parameters a token passes through:
   - chunked linear attention (chunk C, per value head): intra-chunk ``Q K^T``, ``K K^T`` (the
     delta rule's triangular transform) and ``A V``, plus three state products per token
     (``q S``, ``w S``, ``k^T v``), backward twice the forward.
-Embedding lookups, norms and elementwise ops are not counted (MFU convention).
+Embedding lookups (every table a token reads by index and no GEMM multiplies: `lookup_tables`),
+norms and elementwise ops are not counted (MFU convention).
 Attention widths come from the model's config fields. A model without a config (``file.py:Name``,
 a plain ``nn.Module``) has them from the op graph the run already parsed: each softmax-attention
 block's ``core_widths`` (its heads, query/key and value widths, read off the captured core's ops:
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from onboarding.load.accounting import TOPK_NAMES
+from onboarding.load.accounting import TOPK_NAMES, path_pattern
 from onboarding.graph.classify import stack_of
 from onboarding.graph.opgraph import OpGraph
 from onboarding.train.lm import model_text_config
@@ -278,6 +279,30 @@ def _prod(shape: list[int]) -> int:
     return n
 
 
+def lookup_tables(model: nn.Module, graph: OpGraph | None = None) -> set[int]:
+    """ids of the parameters of ``model`` that a token only reads by index, no GEMM: the weight
+    of every ``nn.Embedding`` and the 2-D (or wider) parameters of ``graph``'s ``embedding``
+    blocks (an ``aten.embedding`` and no matmul: a table read with ``F.embedding`` off a bare
+    parameter; matched by path pattern, as a proxy's layers are fewer), wherever they sit: the
+    token table, a per-layer input table (Gemma 3n's, L x P values per token), a position table.
+    Less the tables a GEMM multiplies too, which stay GEMM weights: one an ``nn.Linear`` holds
+    (a head tied to the token table, by its weight's identity) or the output embeddings'
+    (transformers' ``get_output_embeddings``). The plan's count (`plan.shapes`) and this
+    module's share it: parameters counted by size would take every table for a GEMM."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    if graph is not None:
+        names = {path_pattern(f"{b.path}.{n}" if b.path else n)
+                 for b in graph.by_kind("embedding") for n in b.params}
+        tables |= {id(p) for n, p in model.named_parameters()
+                   if p.ndim >= 2 and path_pattern(n) in names}
+    gemm = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(out_emb, nn.Module) and isinstance(getattr(out_emb, "weight", None),
+                                                     torch.Tensor):
+        gemm.add(id(out_emb.weight))
+    return tables - gemm
+
+
 def _moe_blocks(graph: OpGraph, cfg: Any, lora_rank: int) -> list[dict[str, Any]]:
     """Routed-expert blocks from the op graph (the unsharded proxy's shapes, whatever EP did to
     the live model): path, top-k, parameters per expert, expert-LoRA parameters per expert."""
@@ -317,17 +342,13 @@ def step_flops(graph: OpGraph, model: nn.Module, *, tokens: int, seq_len: int, l
             expert_ids.update(id(p) for p in modules[m["path"]].parameters())
     adapter_ids = {id(p) for mod in adapter_modules(model).values() for n, p in
                    mod.named_parameters() if "lora" in n}
-    embeds = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head = {id(out_emb.weight)} if isinstance(out_emb, nn.Module) and hasattr(
-        out_emb, "weight") else set()
+    lookups = lookup_tables(model, graph)
     dense_n, seen = 0, set()
     for p in model.parameters():  # DTensor numel is the global (unsharded) size
-        if id(p) in seen or p.ndim < 2 or id(p) in expert_ids or id(p) in adapter_ids:
+        if id(p) in seen or p.ndim < 2 or id(p) in expert_ids or id(p) in adapter_ids \
+                or id(p) in lookups:
             continue
         seen.add(id(p))
-        if id(p) in embeds and id(p) not in head:
-            continue  # an input embedding is a lookup, not a GEMM
         dense_n += _numel(p)
     parts: dict[str, float] = {"base_dense": 4.0 * dense_n * tokens}
 

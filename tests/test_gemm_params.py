@@ -1,0 +1,73 @@
+"""The dense GEMM parameters a token passes through, as the plan's step FLOPs
+(`plan.shapes.ModelShape.dense_matmul`) and `onboard train`'s MFU count (`train.flops.step_flops`)
+take them: a table a token reads by index is no GEMM wherever it sits, the head that multiplies
+by a tied table is one (`train.flops.lookup_tables`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+FIXTURE = Path(__file__).parent / "fixtures" / "per_layer_input_models.py"
+
+
+def _linear_weights(model: nn.Module) -> int:
+    """Elements of the distinct ``nn.Linear`` weights: every GEMM weight of these models."""
+    return sum(w.numel() for w in {id(m.weight): m.weight for m in model.modules()
+                                   if isinstance(m, nn.Linear)}.values())
+
+
+@pytest.mark.parametrize("name", ["PerLayerInputLM", "TiedPerLayerInputLM",
+                                  "IndexedTablePerLayerInputLM"])
+def test_lookup_tables_are_no_gemm_and_a_tied_head_is(name):
+    """A per-layer input table (L x P values per token, read by token id) and the token table
+    count no GEMM in either count; the head does, tied or not. Before: with the head tied and
+    ``get_output_embeddings`` (Gemma 3n's layout) the plan took every ``nn.Embedding`` for the
+    head, the per-layer table included (hf:gemma3n_text: its 2.35e9-parameter table counted as
+    GEMMs); with a plain tie and the per-layer table a bare parameter read with
+    ``F.embedding``, both counts took the table for a GEMM and missed the tied head."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.run import shape_of
+    from onboarding.train.flops import step_flops
+
+    info = load_stage(ModelSpec(ref=f"{FIXTURE}:{name}").load(), "tiny")
+    graph = parse_stage(info, seq=12, try_export=False)
+    model = info.loaded.build(info.proxy_config, device="meta", seed=None)
+    gemm = _linear_weights(model)
+    assert gemm == 2 * 11264 + 64 * 32  # two layers' seven linears and the head
+    assert shape_of(info, graph).dense_matmul == gemm
+    tokens = 24
+    parts = step_flops(graph, model, tokens=tokens, seq_len=12, lora_rank=4, expert_lora=False)
+    assert parts["base_dense"] == 4 * gemm * tokens
+
+
+@pytest.mark.slow
+def test_gemma3n_gemm_params_are_its_linears():
+    """hf:gemma3n_text at full size: the plan's and training's GEMM parameters are its linears'
+    (the head tied to the token table among them), not its per-layer input table (262144 rows x
+    35 layers x 256). The plan's count also holds the 1-D scales its parameter categories call
+    dense (a scale on a module with children: AltUp's ``correct_output_scale``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+    from onboarding.plan.capture import plan_graph
+    from onboarding.plan.run import shape_of
+    from onboarding.train.flops import step_flops
+
+    if "gemma3n_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no gemma3n_text")
+    info = load_stage(load_model("hf:gemma3n_text"), "tiny")
+    graph = plan_graph(info)[0]
+    model = info.loaded.build(None, device="meta", seed=None)
+    gemm = _linear_weights(model)
+    per_layer = model.get_submodule("model.embed_tokens_per_layer").weight
+    assert per_layer.numel() == 262144 * 35 * 256
+    scales = sum(p.numel() for n, p in model.named_parameters()
+                 if p.ndim == 1 and n.endswith("correct_output_scale"))
+    assert shape_of(info, graph).dense_matmul == gemm + scales
+    parts = step_flops(graph, model, tokens=1, seq_len=1, lora_rank=4, expert_lora=False)
+    assert parts["base_dense"] == 4 * gemm
