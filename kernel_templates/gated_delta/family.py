@@ -107,19 +107,11 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 #   default at both shapes timed on an H100 (`.ci/h200/h32_gdn7.sh`, in git at 047b72b; CUDA graph, fwd+bwd ms: B2
 #   T4096 H16 D128 0.808 default, 0.940 vk, 1.005 vk at 8 warps; B1 T8192 HK16 HV32 D128 1.590,
 #   1.925, 2.035; bars passed); v25 removed it (docs/LOG.md, thirty-sixth session).
-# bwd_fold ("off"; v35): "on" has the WY kernel's V side (its loop over V tiles of do, v_new, du) also
-#   load K tile 0's S_c and dS tiles and take that tile's sums over V (dqg, dw, dkd, <S_c, dS>), whose
-#   own V loop is then skipped: one sweep of do, v_new and du fewer per (chunk, value head) (48 KB of
-#   the ~456 KB each program loads at K = V = 128, BK = bwd_bv = 32, in bf16), and the V side's dots
-#   interleaved with K tile 0's. Same dots in the same order (the CPU tests match the default within
-#   1e-5). sm_90 AOT (bf16, triton 3.9, each bucket's config; registers / spill bytes, default -> "on"):
-#   K = 128 (4 warps) 255 / 128 -> 255 / 276, shared 53,248 B both; K = 64 (BV 64, 2 stages) 255 / 812
-#   -> 255 / 1,740; K = 256 (8 warps) 204 / 0 -> 232 / 0. Untimed: the bench row `ours@bwd_fold=on`.
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
                     "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
-                    "rows_maxnreg": (0, 168), "bwd_fold": ("off", "on")}
+                    "rows_maxnreg": (0, 168)}
 GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
-                      "fused_kq": "stored", "rows_maxnreg": 0, "bwd_fold": "off"}
+                      "fused_kq": "stored", "rows_maxnreg": 0}
 SHAPE_BUCKETS = (
     # k_le_64: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64 bf16:
     # 2.36 ms against 2.51 for the config before, re-timed together (docs/LOG.md, fifth session).
@@ -218,10 +210,8 @@ FAMILY = FamilySpec(
     # machine of the same kind: 1.772 / 1.795 / 2.349, host-bound): GPU-bound now; GPU bars passed.
     # v34: a `_tiles` hit also takes equal pins set again (a bench sweep row pins a new dict of the same
     # values before each step: v33 recomputed its tiles every step, so option rows paid host time the
-    # default row did not). v35: config `bwd_fold` (the WY kernel's constexpr FOLD; default "off", its
-    # build unchanged: 255 registers / 128 B spilled before and after, sm_90 bf16, triton 3.9).
-    # History: docs/LOG.md.
-    template_version=35,
+    # default row did not). History: docs/LOG.md.
+    template_version=34,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,

@@ -32,9 +32,7 @@ DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbw
 ``MOE_V20_SWEEP_SHORT_BIG``; v19's ``MOE_V19_SWEEP*``, v18's ``MOE_V18_SWEEP*``, v17's ``MOE_V17_SWEEP*``, v15's
 ``MOE_V15_SWEEP*`` and the twentieth session's ``MOE_DW_SWEEP`` etc. are kept for the record),
 and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
-v15's ``MOE_FWD_SWEEP_BIG`` kept likewise). Template v32's rows (``MOE_V32_FWD_SWEEP_BIG``,
-``MOE_V32_SWEEP_BIG``: gate/up on one 256-wide dot, x's gathered rows as a side output for the
-backward) replace those in DeepSeek-V3 N8192's ``fwd`` and ``fwdbwd`` cases.
+v15's ``MOE_FWD_SWEEP_BIG`` kept likewise).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -277,54 +275,12 @@ MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 # against dx by Triton (`_DX_TRITON`: the v28 default's dx, its atomics and tiles as the bucket has them).
 _DX_TRITON = {"dx_grouped_mm": False}
 MOE_V28_SWEEP = [_DX_TRITON]
-# Template v32 (fifty-third session, helper-166; issue 33: DeepSeek-V3 N8192 forward >= 1.3x
-# `_grouped_mm`, fwd+bwd >= 1.2x). The d_big forward: gate/up on 128 x (2 x 128) x 64 tiles, 8 warps,
-# 4 stages, weights by TMA, x rows gathered by pointers (cp.async), bands of 16 row tiles; down on
-# 128 x 256 x 64, atomics into fp32 token rows. Both take one program per SM (sm_90 AOT, triton 3.9:
-# gate/up 255 registers / 8 spilled bytes / 192 KB, down 255 / 0 / 192 KB). Uniform routing gives the
-# experts 206-300 rows: 635 row tiles of 128 where 512 would hold the rows, 123 of them an expert's
-# third tile with ~13 rows. gate/up runs 635 x 16 = 10160 programs (77 waves of 132 SMs; 2128 more
-# padding programs exit at once), down 635 x 28 = 17780 (135 waves), so ~19% of each GEMM's MMA work
-# falls on mostly masked tail tiles. A K step of either loads 16 KB of rows and 32 KB of weights for
-# a 128 x 256 x 64 MMA (4.2 MFLOP): 85 FLOP per byte through L2 into shared memory. From HBM the
-# forward reads the weights once (band order keeps an expert's row tiles of one column tile in
-# flight together): 15.0 GB gate_up + 7.5 GB down, 6.7 ms at the H100's 3.35 TB/s (spec), against
-# 5.8e12 FLOPs (5.8 ms at its 989 TFLOP/s dense bf16 peak, spec); the H100 profile had the forward at
-# 14.3 ms. An earlier H100 profile (thirty-seventh session) had gate/up at 8.83 ms with uniform routing
-# and 8.60 with every expert at 256 rows (no tail tiles): 19% fewer programs, 2.6% less time, so
-# per-program MMA work is not all that holds gate/up. Rows:
-# - `gate_up_one_dot`: the tile's gate and up weight rows in one [2, 128, 64] TMA block and one
-#   128 x 256 dot per K step: one m64n256k16 MMA chain per warpgroup instead of two m64n128k16 chains
-#   (each reads the x tile from shared memory: 16 KB less shared-memory read a K step, one MMA group
-#   per step instead of two); as vLLM's interleaved W13 rows, but on the weights as stored.
-#   sm_90 AOT: triton 3.9 254 registers / 24 spilled bytes / 192 KB, triton 3.6 (the H100's) 254 / 40
-#   (the default 255 / 8 and 255 / 0); every spill store and load sits after the K loop (cuobjdump).
-# - `x_sorted_out` (fwd+bwd): gate/up writes the x rows it gathers (x[tok], 0.94 GB of bf16) as a
-#   side output, so the backward's x gather (0.94 GB read, 0.94 GB written: about half of the profile's
-#   two row gathers, 1.17 ms) goes; the write is spread over each row tile's 16 column programs (7 of
-#   112 K blocks each). Not for dy: only the backward has dy, and the down backward's dy rows come
-#   from the same slot-ordered copy the weight gradient reads (dy_sorted + rows_tma), so a side
-#   output would keep the 0.94 GB write and add a pointer gather. sm_90 AOT: gate/up 255 / 0 / 176 KB
-#   on triton 3.9 and 3.6 (x's buffer at 3 stages, the weights' at 4); at D 2048 triton 3.6 gives it
-#   137 registers (the default 128), one program per SM there instead of two. Costs memory: the rows
-#   are held from the forward to the backward, S * D * 2 bytes (0.94 GB a layer here).
-# - `half_tail_down` (v20's key, never timed in the forward case): the down GEMM's 123 tail tiles at
-#   64 rows. In the thirty-seventh session's profile v9's `half_tail` took the down forward from 4.939
-#   to 4.694 ms (gate/up, also at half height there, lost); on top of half_tail_bwd in fwd+bwd the
-#   key was within the spread (45.753 ms against 45.815, thirty-eighth session); in the 14.3 ms
-#   forward 0.25 ms would be 1.7%.
-# Not offered: BLOCK_K 128 (256-byte weight rows per TMA box) fits 192 KB only at 2 stages (gate/up
-# 254 / 24), where 3 stages lost 7% to 4 (seventh session); v30's x_sorted (lost, family.py).
-_ONE_DOT = {"gate_up_one_dot": True}
-MOE_V32_FWD_SWEEP_BIG = [_ONE_DOT, {"half_tail_down": True}, {**_ONE_DOT, "half_tail_down": True}]
-MOE_V32_SWEEP_BIG = [{"x_sorted_out": True}, _ONE_DOT, {"x_sorted_out": True, **_ONE_DOT},
-                     {"x_sorted_out": True, **_ONE_DOT, "half_tail_down": True}]
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP,
           ("anchor", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V28_SWEEP,
-          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V32_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V32_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V28_SWEEP}
 
 

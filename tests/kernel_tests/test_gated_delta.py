@@ -624,78 +624,6 @@ def test_fused_output_fp16_dot_path(monkeypatch):
         module.set_config(base)
 
 
-# `bwd_fold` "on" (template v35: the WY kernel's V side also takes K tile 0's sums over V, from
-# the same do, v_new, du tiles). Fast: G = 2, T not a multiple of the chunk, with an initial
-# state and l2norm (FOLD_CASE). Slow: T not a multiple of the chunk with an initial state and
-# l2norm (G = 1); grouped value heads at batch 2 without either; G = 2 with both, T a multiple of
-# the chunk, K < V; K and V over two tiles, the second V tile partial (WIDE: tile 0 folded, tile 1
-# not); the 16-bit dot path.
-FOLD_CASE = Case(HK=1, HV=2, T=20, l2=True, h0=True)
-
-
-def _fold_spy(module, monkeypatch) -> list:
-    """The FOLD constexpr of each WY kernel launch of `module`, in order."""
-    folds = []
-    kernel = module.gdn_chunk_bwd_wy_kernel
-    monkeypatch.setattr(module, "gdn_chunk_bwd_wy_kernel", LaunchSpy(kernel, lambda grid, kw: folds.append(kw["FOLD"])))
-    return folds
-
-
-def test_bwd_fold(monkeypatch):
-    """o, the final state and every gradient against the recurrence; the WY kernel launched with FOLD."""
-    module = load(gated_delta.FAMILY)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    folds = _fold_spy(module, monkeypatch)
-    module.set_config({**base, "bwd_fold": "on"})
-    try:
-        check_against(module, module.reference, FOLD_CASE, False, "naive recurrence, bwd_fold on")
-    finally:
-        module.set_config(base)
-    assert folds == [True], folds
-
-
-@pytest.mark.slow  # ~20 s a case on a CPU (three training steps in the interpreter)
-@pytest.mark.parametrize("case", [*CASE_PARAMS, pytest.param(WIDE, id=WIDE.id)])
-def test_bwd_fold_matches_default(case, monkeypatch):
-    """Every gradient as the default's (same dots, same order: within 1e-5), and o, the final state
-    and every gradient against the recurrence."""
-    module = load(gated_delta.FAMILY)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    gen = torch.Generator().manual_seed(5)
-    args = make_inputs(case, False, torch.float32, DEVICE, gen)
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    folds = _fold_spy(module, monkeypatch)
-    _, default = grads_of(module.entry, args, douts)
-    module.set_config({**base, "bwd_fold": "on"})
-    try:
-        _, folded = grads_of(module.entry, args, douts)
-        for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], folded, default):
-            assert (a is None) == (b is None), name
-            if a is not None:
-                assert rel(a, b) < 1e-5, (name, rel(a, b))
-        check_against(module, module.reference, case, False, "naive recurrence, bwd_fold on")
-    finally:
-        module.set_config(base)
-    assert folds == [False, True, True], folds
-
-
-@pytest.mark.slow  # ~15 s on a CPU
-def test_bwd_fold_fp16_dot_path(monkeypatch):
-    """`bwd_fold` "on" on the 16-bit dot path (fp16, which the interpreter computes right; S_c, dS,
-    v_new and du stored fp16 as on a GPU): forward and every gradient against the fp32 recurrence
-    at fp16 accuracy."""
-    module = load(gated_delta.FAMILY)
-    base = CPU_CONFIG if DEVICE.type == "cpu" else {"dot_precision": "ieee"}
-    folds = _fold_spy(module, monkeypatch)
-    module.set_config({**base, "bwd_fold": "on"})
-    try:
-        check_fp16_dot_path(gated_delta.FAMILY, False, monkeypatch)
-    finally:
-        module.set_config(base)
-    assert folds and all(folds), folds
-
-
 # `prep_pipe` "on" (template v18: the prepare kernel with g summed after the Gram loop and kd, qg
 # stored from their own loop before the inverse): the same arithmetic, so the prepare's outputs are
 # the default's bit for bit, and the forward and every gradient match the recurrence. T not a
@@ -1061,23 +989,6 @@ def test_bf16_vs_fp32_on_gpu(case, slow):
 
 def test_bf16_vs_fp32_on_gpu_no_final_state_grad():
     check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, final_grad=False)
-
-
-# The bench's `bwd_fold` row (bench.FOLD_SWEEP): within the bf16 bars on the GPU, o and every
-# gradient, at both GPU cases.
-@pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
-                                 for c in gated_delta.bench.FOLD_SWEEP])
-@pytest.mark.parametrize("case,slow", GPU_CASES)
-def test_bf16_vs_fp32_on_gpu_bwd_fold(cfg, case, slow):
-    if DEVICE.type != "cuda":
-        pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
-    module = load(gated_delta.FAMILY, {"chunk_size": 64})
-    prev = module._CONFIG_OVERRIDE
-    module.set_config({**(prev or {}), **cfg})
-    try:
-        check_bf16_vs_fp32_gpu(gated_delta.FAMILY, False, case, slow)
-    finally:
-        module.set_config(prev)
 
 
 # The bench's `fwd_o` and `prep_pipe` rows (bench.FWD_O_SWEEP, bench.PREP_SWEEP): each within the

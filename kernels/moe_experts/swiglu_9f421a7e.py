@@ -1,4 +1,4 @@
-# Rendered by onboard from kernel_templates/moe_experts/moe_experts.py.j2 (template version 32). Do not edit.
+# Rendered by onboard from kernel_templates/moe_experts/moe_experts.py.j2 (template version 31). Do not edit.
 # family: moe_experts  variant: swiglu
 # params: {"activation": "silu", "alpha": 1.0, "bias": false, "capacity_factor": null, "limit": null, "up_offset": 0.0}
 """moe_experts: routed SwiGLU experts as permute -> grouped GEMM -> unpermute, forward and backward.
@@ -37,13 +37,13 @@ except ImportError:  # older triton: the weights load through pointers
     TensorDescriptor = None
 
 TEMPLATE = 'moe_experts/moe_experts.py.j2'
-TEMPLATE_VERSION = 32
+TEMPLATE_VERSION = 31
 FAMILY = 'moe_experts'
 VARIANT = 'swiglu'
 PARAMS = {'activation': 'silu', 'alpha': 1.0, 'bias': False, 'capacity_factor': None, 'limit': None, 'up_offset': 0.0}
-OP_NAME = "onboard::moe_experts_swiglu_9d70f6e3"
-TUNING_SPACE = {'BLOCK_K': [16, 32, 64, 128], 'BLOCK_M': [16, 32, 64, 128], 'BLOCK_N': [16, 32, 64, 128, 256], 'BWD_BLOCK_K': [16, 32, 64, 128], 'BWD_BLOCK_M': [16, 32, 64, 128], 'BWD_BLOCK_N': [16, 32, 64, 128, 256], 'DOWN_BLOCK_N': [0, 64, 128, 256], 'DOWN_BWD_BLOCK_M': [0, 16, 32, 64, 128], 'DOWN_BWD_BLOCK_N': [0, 16, 32, 64, 128, 256], 'DW_BLOCK_K': [0, 16, 32, 64, 128], 'DW_BLOCK_M': [0, 16, 32, 64, 128], 'DW_BLOCK_N': [0, 16, 32, 64, 128, 256], 'DX_BLOCK_M': [0, 16, 32, 64, 128], 'DX_BLOCK_N': [0, 16, 32, 64, 128, 256], 'bwd_epi_split': [1, 2, 4, 8], 'bwd_stages': [1, 2, 3, 4], 'bwd_tma': [False, True], 'bwd_warps': [2, 4, 8], 'combine': ['rows', 'atomic'], 'dot_precision': ['tf32', 'ieee'], 'down_bwd_stages': [0, 2, 3, 4], 'down_stages': [0, 2, 3, 4], 'down_warps': [0, 2, 4, 8], 'dw_grouped_mm': [False, True], 'dw_pad': [False, True], 'dw_persistent': [0, 1, 2, 3, 4], 'dw_sorted': [False, True], 'dw_stages': [0, 1, 2, 3, 4], 'dw_tma': [False, True], 'dw_warps': [0, 2, 4, 8], 'dx_grouped_mm': [False, True], 'dx_stages': [0, 2, 3, 4], 'dx_warps': [0, 2, 4, 8], 'dy_sorted': [False, True], 'gate_up_one_dot': [False, True], 'group_m': [1, 4, 8, 16], 'h_tma': [False, True], 'half_tail': [False, True], 'half_tail_bwd': [False, True], 'half_tail_down': [False, True], 'num_stages': [1, 2, 3, 4], 'num_warps': [2, 4, 8], 'rows_tma': [False, True], 'tma': [False, True], 'x_sorted_out': [False, True]}
-DEFAULT_CONFIG = {'BLOCK_K': 64, 'BLOCK_M': 64, 'BLOCK_N': 64, 'BWD_BLOCK_K': 64, 'BWD_BLOCK_M': 64, 'BWD_BLOCK_N': 64, 'DOWN_BLOCK_N': 0, 'DOWN_BWD_BLOCK_M': 0, 'DOWN_BWD_BLOCK_N': 0, 'DW_BLOCK_K': 0, 'DW_BLOCK_M': 0, 'DW_BLOCK_N': 0, 'DX_BLOCK_M': 0, 'DX_BLOCK_N': 0, 'bwd_epi_split': 1, 'bwd_stages': 3, 'bwd_tma': False, 'bwd_warps': 4, 'combine': 'rows', 'dot_precision': 'tf32', 'down_bwd_stages': 0, 'down_stages': 0, 'down_warps': 0, 'dw_grouped_mm': False, 'dw_pad': False, 'dw_persistent': 0, 'dw_sorted': False, 'dw_stages': 0, 'dw_tma': False, 'dw_warps': 0, 'dx_grouped_mm': False, 'dx_stages': 0, 'dx_warps': 0, 'dy_sorted': False, 'gate_up_one_dot': False, 'group_m': 8, 'h_tma': False, 'half_tail': False, 'half_tail_bwd': False, 'half_tail_down': False, 'num_stages': 3, 'num_warps': 4, 'rows_tma': False, 'tma': False, 'x_sorted_out': False}
+OP_NAME = "onboard::moe_experts_swiglu_9f421a7e"
+TUNING_SPACE = {'BLOCK_K': [16, 32, 64, 128], 'BLOCK_M': [16, 32, 64, 128], 'BLOCK_N': [16, 32, 64, 128, 256], 'BWD_BLOCK_K': [16, 32, 64, 128], 'BWD_BLOCK_M': [16, 32, 64, 128], 'BWD_BLOCK_N': [16, 32, 64, 128, 256], 'DOWN_BLOCK_N': [0, 64, 128, 256], 'DOWN_BWD_BLOCK_M': [0, 16, 32, 64, 128], 'DOWN_BWD_BLOCK_N': [0, 16, 32, 64, 128, 256], 'DW_BLOCK_K': [0, 16, 32, 64, 128], 'DW_BLOCK_M': [0, 16, 32, 64, 128], 'DW_BLOCK_N': [0, 16, 32, 64, 128, 256], 'DX_BLOCK_M': [0, 16, 32, 64, 128], 'DX_BLOCK_N': [0, 16, 32, 64, 128, 256], 'bwd_epi_split': [1, 2, 4, 8], 'bwd_stages': [1, 2, 3, 4], 'bwd_tma': [False, True], 'bwd_warps': [2, 4, 8], 'combine': ['rows', 'atomic'], 'dot_precision': ['tf32', 'ieee'], 'down_bwd_stages': [0, 2, 3, 4], 'down_stages': [0, 2, 3, 4], 'down_warps': [0, 2, 4, 8], 'dw_grouped_mm': [False, True], 'dw_pad': [False, True], 'dw_persistent': [0, 1, 2, 3, 4], 'dw_sorted': [False, True], 'dw_stages': [0, 1, 2, 3, 4], 'dw_tma': [False, True], 'dw_warps': [0, 2, 4, 8], 'dx_grouped_mm': [False, True], 'dx_stages': [0, 2, 3, 4], 'dx_warps': [0, 2, 4, 8], 'dy_sorted': [False, True], 'group_m': [1, 4, 8, 16], 'h_tma': [False, True], 'half_tail': [False, True], 'half_tail_bwd': [False, True], 'half_tail_down': [False, True], 'num_stages': [1, 2, 3, 4], 'num_warps': [2, 4, 8], 'rows_tma': [False, True], 'tma': [False, True]}
+DEFAULT_CONFIG = {'BLOCK_K': 64, 'BLOCK_M': 64, 'BLOCK_N': 64, 'BWD_BLOCK_K': 64, 'BWD_BLOCK_M': 64, 'BWD_BLOCK_N': 64, 'DOWN_BLOCK_N': 0, 'DOWN_BWD_BLOCK_M': 0, 'DOWN_BWD_BLOCK_N': 0, 'DW_BLOCK_K': 0, 'DW_BLOCK_M': 0, 'DW_BLOCK_N': 0, 'DX_BLOCK_M': 0, 'DX_BLOCK_N': 0, 'bwd_epi_split': 1, 'bwd_stages': 3, 'bwd_tma': False, 'bwd_warps': 4, 'combine': 'rows', 'dot_precision': 'tf32', 'down_bwd_stages': 0, 'down_stages': 0, 'down_warps': 0, 'dw_grouped_mm': False, 'dw_pad': False, 'dw_persistent': 0, 'dw_sorted': False, 'dw_stages': 0, 'dw_tma': False, 'dw_warps': 0, 'dx_grouped_mm': False, 'dx_stages': 0, 'dx_warps': 0, 'dy_sorted': False, 'group_m': 8, 'h_tma': False, 'half_tail': False, 'half_tail_bwd': False, 'half_tail_down': False, 'num_stages': 3, 'num_warps': 4, 'rows_tma': False, 'tma': False}
 # Buckets over D (the hidden width).
 SHAPE_BUCKETS = [{'config': {}, 'dim': 'D', 'hi': 1024, 'lo': 1, 'name': 'd_le_1k'}, {'config': {'BLOCK_K': 64, 'BLOCK_M': 128, 'BLOCK_N': 64, 'BWD_BLOCK_K': 64, 'BWD_BLOCK_M': 64, 'BWD_BLOCK_N': 128, 'DW_BLOCK_K': 64, 'DW_BLOCK_M': 128, 'DW_BLOCK_N': 128, 'bwd_epi_split': 2, 'bwd_stages': 4, 'bwd_warps': 8, 'combine': 'atomic', 'dw_grouped_mm': True, 'dw_stages': 3, 'dw_warps': 8, 'dx_grouped_mm': True, 'dy_sorted': True, 'half_tail': True, 'num_stages': 3, 'num_warps': 8, 'rows_tma': True, 'tma': True}, 'dim': 'D', 'hi': 4096, 'lo': 1025, 'name': 'd_le_4k'}, {'config': {'BLOCK_K': 64, 'BLOCK_M': 128, 'BLOCK_N': 128, 'BWD_BLOCK_K': 64, 'BWD_BLOCK_M': 64, 'BWD_BLOCK_N': 128, 'DOWN_BLOCK_N': 256, 'DOWN_BWD_BLOCK_M': 128, 'DOWN_BWD_BLOCK_N': 256, 'DW_BLOCK_K': 64, 'DW_BLOCK_M': 128, 'DW_BLOCK_N': 128, 'DX_BLOCK_M': 128, 'DX_BLOCK_N': 256, 'bwd_epi_split': 8, 'bwd_stages': 4, 'bwd_tma': True, 'bwd_warps': 8, 'combine': 'atomic', 'down_bwd_stages': 3, 'dw_grouped_mm': True, 'dw_stages': 3, 'dw_warps': 8, 'dx_grouped_mm': True, 'dx_stages': 3, 'dy_sorted': True, 'group_m': 16, 'num_stages': 4, 'num_warps': 8, 'rows_tma': True, 'tma': True}, 'dim': 'D', 'hi': 2147483647, 'lo': 4097, 'name': 'd_big'}]
 CAPACITY_FACTOR = None
@@ -246,7 +246,6 @@ def moe_gate_up_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr,
     SAVE_GU: tl.constexpr = True, HALF_TAIL: tl.constexpr = False, TMA: tl.constexpr = False,
-    X_OUT: tl.constexpr = False, p_xs=None, ONE_DOT: tl.constexpr = False,
 ):
     # gu[m] = x[tok[m]] gate_up_proj[e]^T (both halves), h[m] = swiglu(gate, up); rows sorted by expert.
     # gu is only stored for the backward (SAVE_GU); a forward without gradients writes h alone.
@@ -254,14 +253,6 @@ def moe_gate_up_fwd_kernel(
     # GEMM at half height, half the MMA work of a mostly masked full-height tile. TMA: p_wgu is a
     # tensor descriptor of the weight as [E * 2 * F, D] in [BLOCK_N, BLOCK_K] blocks (the Hopper
     # tensor memory accelerator loads them; blocks past an expert's rows feed masked columns only).
-    # X_OUT (config `x_sorted_out`): the x rows the K loop gathers are also written to p_xs [S, D]
-    # (x[tok] in slot order, for the backward's weight gradient of the first weight, which gathers
-    # them otherwise); each of a row tile's column programs writes every NF-th of its K blocks, so
-    # the row tile's NF = cdiv(F, BLOCK_N) programs write each block once between them.
-    # ONE_DOT (config `gate_up_one_dot`, with TMA): p_wgu is a tensor descriptor of the weight as
-    # [E * 2, F, D] in [2, BLOCK_N, BLOCK_K] blocks, the tile's gate rows and its up rows in one
-    # block, so each K step runs one [BLOCK_M, 2 * BLOCK_N] dot (m64n256 MMAs at BLOCK_N 128) in
-    # place of two [BLOCK_M, BLOCK_N] ones; the accumulator is split into gate and up afterwards.
     i_t, i_f = _band(NT, tl.cdiv(F, BLOCK_N), GROUP_M)
     if tl.load(p_te + i_t) >= E:  # a padding tile (past the last expert's rows): no work
         return
@@ -269,11 +260,11 @@ def moe_gate_up_fwd_kernel(
     if HALF_TAIL and end - start <= BLOCK_M // 2:
         _gate_up_tile(p_x, p_tok, p_wgu, p_gu, p_h,
                       i_e, start, end, i_f, D, F, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, SAVE_GU,
-                      TMA, X_OUT, p_xs, ONE_DOT)
+                      TMA)
     else:
         _gate_up_tile(p_x, p_tok, p_wgu, p_gu, p_h,
                       i_e, start, end, i_f, D, F, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, SAVE_GU,
-                      TMA, X_OUT, p_xs, ONE_DOT)
+                      TMA)
 
 
 @triton.jit
@@ -281,7 +272,7 @@ def _gate_up_tile(
     p_x, p_tok, p_wgu, p_gu, p_h,
     i_e, start, end, i_f, D, F,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SAVE_GU: tl.constexpr, TMA: tl.constexpr, X_OUT: tl.constexpr, p_xs, ONE_DOT: tl.constexpr,
+    SAVE_GU: tl.constexpr, TMA: tl.constexpr,
 ):
     # moe_gate_up_fwd_kernel's GEMM and epilogue on rows start .. min(start + BLOCK_M, end) of expert i_e
     o_m = start + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -292,36 +283,21 @@ def _gate_up_tile(
     row = (i_e * 2 * F + i_f * BLOCK_N).to(tl.int32)  # the tile's first weight row (TMA)
     if not TMA:
         p_w = p_wgu + i_e * 2 * F * D
-    if ONE_DOT:
-        b_gu = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
-    else:
-        b_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        b_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    b_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    b_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m_k = o_k < D
-        m_mk = m_m[:, None] & m_k[None, :]
-        b_xr = tl.load(p_x + b_tok[:, None] * D + o_k[None, :], mask=m_mk, other=0.0)
-        if X_OUT:
-            if (k0 // BLOCK_K) % tl.cdiv(F, BLOCK_N) == i_f:
-                tl.store(p_xs + o_m[:, None] * D + o_k[None, :], b_xr, mask=m_mk)
-        b_x = _operand(b_xr, DOT_PRECISION)
-        if ONE_DOT:
-            b_w = p_wgu.load([(2 * i_e).to(tl.int32), (i_f * BLOCK_N).to(tl.int32), k0])
-            b_gu += _dot(b_x, _operand(tl.reshape(b_w, [2 * BLOCK_N, BLOCK_K]).T, DOT_PRECISION), DOT_PRECISION)
+        b_x = _operand(tl.load(p_x + b_tok[:, None] * D + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0), DOT_PRECISION)
+        if TMA:
+            b_wg = _operand(p_wgu.load([row, k0]).T, DOT_PRECISION)
+            b_wu = _operand(p_wgu.load([row + F, k0]).T, DOT_PRECISION)
         else:
-            if TMA:
-                b_wg = _operand(p_wgu.load([row, k0]).T, DOT_PRECISION)
-                b_wu = _operand(p_wgu.load([row + F, k0]).T, DOT_PRECISION)
-            else:
-                m_kf = m_k[:, None] & m_f[None, :]
-                b_wg = _operand(tl.load(p_w + o_f[None, :] * D + o_k[:, None], mask=m_kf, other=0.0), DOT_PRECISION)
-                b_wu = _operand(tl.load(p_w + (F + o_f[None, :]) * D + o_k[:, None], mask=m_kf, other=0.0),
-                                DOT_PRECISION)
-            b_g += _dot(b_x, b_wg, DOT_PRECISION)
-            b_u += _dot(b_x, b_wu, DOT_PRECISION)
-    if ONE_DOT:  # columns [0, BLOCK_N) of the accumulator are the gate's, [BLOCK_N, 2 BLOCK_N) the up's
-        b_g, b_u = tl.split(tl.permute(tl.reshape(b_gu, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+            m_kf = m_k[:, None] & m_f[None, :]
+            b_wg = _operand(tl.load(p_w + o_f[None, :] * D + o_k[:, None], mask=m_kf, other=0.0), DOT_PRECISION)
+            b_wu = _operand(tl.load(p_w + (F + o_f[None, :]) * D + o_k[:, None], mask=m_kf, other=0.0), DOT_PRECISION)
+        b_g += _dot(b_x, b_wg, DOT_PRECISION)
+        b_u += _dot(b_x, b_wu, DOT_PRECISION)
     m_mf = m_m[:, None] & m_f[None, :]
     if SAVE_GU:
         tl.store(p_gu + o_m[:, None] * 2 * F + o_f[None, :], b_g.to(p_gu.dtype.element_ty), mask=m_mf)
@@ -1040,18 +1016,6 @@ def _weights(w: torch.Tensor, block_n: int, block_k: int, use: bool) -> tuple[ob
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), block_shape=[block_n, block_k]), True
 
 
-def _gate_up_weights(w: torch.Tensor, block_n: int, block_k: int, cfg: dict) -> tuple[object, bool, bool]:
-    """(operand, TMA, ONE_DOT) for the gate/up GEMM's weight w [E, 2F, D]: with config
-    `gate_up_one_dot` where `_weights` takes TMA (config `tma`), a tensor descriptor of w as
-    [E * 2, F, D] in [2, block_n, block_k] blocks, a column tile's gate rows and up rows in one
-    block; else `_weights`'s operand."""
-    w1, tma = _weights(w, block_n, block_k, cfg["tma"])
-    if not (tma and cfg["gate_up_one_dot"]):
-        return w1, tma, False
-    E, F2, D = w.shape
-    return TensorDescriptor.from_tensor(w.view(E * 2, F2 // 2, D), block_shape=[2, block_n, block_k]), True, True
-
-
 def _rows(t: torch.Tensor, block_m: int, block_k: int, use: bool) -> tuple[object, bool]:
     """(operand, TMA) for a GEMM's slot-ordered row operand t [S, cols]: with `use` (configs
     `rows_tma`, `h_tma`, `dw_tma`) a tensor descriptor of t in [block_m, block_k] blocks where TMA can take it
@@ -1106,19 +1070,6 @@ def _grouped_mm_ok(key: str, cfg: dict, mid: torch.dtype, device: torch.device, 
             and all(w % 8 == 0 for w in widths))
 
 
-def _x_sorted_out(cfg: dict, keep_gu: bool) -> bool:
-    """Whether the gate/up GEMM writes x's rows in slot order as it gathers them (config
-    `x_sorted_out`), for a backward (`keep_gu`) to read where it would gather x again. Config and
-    flag only, so that the op's fake agrees."""
-    return bool(cfg["x_sorted_out"]) and keep_gu
-
-
-def _sorted_x(x: torch.Tensor, x_s: torch.Tensor | None, tok: torch.Tensor) -> torch.Tensor:
-    """x[tok] in slot order for the weight gradient of the first weight: the forward's copy when
-    `x_sorted_out` made one, else a gather now."""
-    return x.index_select(0, tok) if x_s is None else x_s
-
-
 def _sorted_dy(dy: torch.Tensor, dy_s: torch.Tensor | None, tok: torch.Tensor) -> torch.Tensor:
     """dy[tok] in slot order for the weight-gradient kernels: the down backward's copy when
     `dy_sorted` made one, else a gather now."""
@@ -1135,10 +1086,7 @@ def _mid_dtype(x: torch.Tensor, mode: str) -> torch.dtype:
 
 
 def _forward(x, topk_indices, topk_weights, gate_up_proj, down_proj, keep_gu: bool = True):
-    """(y, gu, x_s): gu, the pre-activation rows the backward needs, is empty unless `keep_gu`; x_s,
-    x's rows in slot order [S, D] that the gate/up GEMM writes beside its own outputs (config
-    `x_sorted_out`) for the backward's weight gradient of gate_up_proj, is empty unless `keep_gu` with the
-    config on."""
+    """(y, gu): gu, the pre-activation rows the backward needs, is empty unless `keep_gu`."""
     _check(x, topk_indices, topk_weights, gate_up_proj, down_proj)
     x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
     N, D = x.shape
@@ -1153,22 +1101,17 @@ def _forward(x, topk_indices, topk_weights, gate_up_proj, down_proj, keep_gu: bo
     # so that this output is defined (not the allocator's leftovers)
     gu = (_empty if CAPACITY_FACTOR is None else torch.zeros)((S if keep_gu else 0, 2 * F), dtype=x.dtype,
                                                               device=x.device)
-    # x[tok] written by the gate/up GEMM as it gathers (config `x_sorted_out`), zeros past the kept
-    # slots likewise
-    x_s = (_empty if CAPACITY_FACTOR is None else torch.zeros)((S if _x_sorted_out(cfg, keep_gu) else 0, D),
-                                                               dtype=x.dtype, device=x.device)
     h = _empty((S, F), x.dtype, x.device)
     atomic = _atomic(cfg)
     # fp32 either way: 16-bit per-slot rows put the bf16 output at 5.0e-3 rel RMS
     o = torch.zeros((N, D), dtype=torch.float32, device=x.device) if atomic else _empty((S, D), torch.float32, x.device)
     n_tiles = rt["tile_expert"].numel()
     if S > 0:
-        w1, tma1, one_dot = _gate_up_weights(gate_up_proj, BN, kw["BLOCK_K"], cfg)
+        w1, tma1 = _weights(gate_up_proj, BN, kw["BLOCK_K"], cfg["tma"])
         half_down = _half_tail_down(cfg, BM)
         moe_gate_up_fwd_kernel[_band_grid(n_tiles, F, BN)](
             x, rt["tok"], w1, gu, h, rt["tile_expert"], rt["tile_start"], rt["offsets"], D, F, E,
-            n_tiles, GROUP_M=cfg["group_m"], SAVE_GU=keep_gu, HALF_TAIL=_half_tail(cfg, BM), TMA=tma1,
-            X_OUT=x_s.shape[0] > 0, p_xs=x_s if x_s.shape[0] else None, ONE_DOT=one_dot, **kw)
+            n_tiles, GROUP_M=cfg["group_m"], SAVE_GU=keep_gu, HALF_TAIL=_half_tail(cfg, BM), TMA=tma1, **kw)
         kd = _down_launch(cfg, kw)
         w2, tma2 = _weights(down_proj, kd["BLOCK_N"], kd["BLOCK_K"], cfg["tma"])
         # h's rows by TMA (config `h_tma`); half-height tiles take their own descriptor
@@ -1178,20 +1121,19 @@ def _forward(x, topk_indices, topk_weights, gate_up_proj, down_proj, keep_gu: bo
             n_tiles, GROUP_M=cfg["group_m"], ATOMIC=atomic, HALF_TAIL=half_down, TMA=tma2, ROWS_TMA=tma_h,
             p_h_half=_half_rows(ho, h, BM, kd["BLOCK_K"], half_down), **kd)
     if atomic:
-        return o.to(x.dtype), gu, x_s
+        return o.to(x.dtype), gu
     y = _empty((N, D), x.dtype, x.device)
     if N > 0:
         moe_combine_kernel[(triton.cdiv(N, 16), triton.cdiv(D, BN))](
             o, rt["pos"], y, N, D, topk_indices.shape[1], BLOCK_N=16, BLOCK_D=BN, num_warps=kw["num_warps"])
-    return y, gu, x_s
+    return y, gu
 
 
 def _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, grad_w1: bool = True,
-              grad_w2: bool = True, x_s=None):
+              grad_w2: bool = True):
     """dx, d topk_weights, then the gradients of gate_up_proj when `grad_w1` and of
     down_proj when `grad_w2`, else empty tensors: frozen experts (LoRA elsewhere)
-    skip both weight-gradient GEMMs, about half of the backward's work. x_s: the forward's x[tok] in
-    slot order (config `x_sorted_out`; None or empty: none), taken where x would be gathered."""
+    skip both weight-gradient GEMMs, about half of the backward's work."""
     x, gate_up_proj, down_proj, dy = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous(), dy.contiguous()
     N, D = x.shape
     K = topk_indices.shape[1]
@@ -1202,7 +1144,6 @@ def _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, gr
     BM, BN = kb["BLOCK_M"], kb["BLOCK_N"]
     rt = route(topk_indices, E, BM)
     S = rt["S"]
-    x_s = x_s if x_s is not None and S > 0 and x_s.shape[0] == S else None
     r = topk_weights.reshape(-1)[rt["order"]].float().contiguous()
     meta = (rt["tile_expert"], rt["tile_start"], rt["offsets"])
     n_tiles = rt["tile_expert"].numel()
@@ -1272,7 +1213,7 @@ def _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, gr
             dwd = torch._grouped_mm(dy_s.t(), hr, offs=offs).to(down_proj.dtype)
             del dy_s
         if grad_w1:  # d gate_up_proj[e] [2 * F, D] = d(gate|up)^T x[tok] over e's rows
-            dwgu = torch._grouped_mm(dgu.t(), _sorted_x(x, x_s, rt["tok"]).to(mid), offs=offs).to(gate_up_proj.dtype)
+            dwgu = torch._grouped_mm(dgu.t(), x.index_select(0, rt["tok"]).to(mid), offs=offs).to(gate_up_proj.dtype)
     else:  # the Triton kernels
         # dw_pad: the gathered operands padded per expert (TMA only: the pointer path reads slot rows)
         pad = (sorted_rows and cfg["dw_tma"] and cfg["dw_pad"] and TensorDescriptor is not None
@@ -1298,7 +1239,7 @@ def _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, gr
             if pad:
                 b, poff = _padded_rows(x, rt, kw_dw["BLOCK_K"], x.dtype)
             else:
-                b = _sorted_x(x, x_s, rt["tok"]) if sorted_rows else x
+                b = x.index_select(0, rt["tok"]) if sorted_rows else x
             a, b, tma_w = _dw_operands(dgu, b, kw_dw, sorted_rows and cfg["dw_tma"])
             assert tma_w or not pad, "dw_pad: padded rows need the TMA path"
             moe_dw_persistent_kernel[(_dw_programs(E, 2 * F, D, kw_dw, per_sm, x.device),)](
@@ -1307,7 +1248,7 @@ def _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, gr
                 WEIGHTED=False, SORTED=sorted_rows, TMA=tma_w, PAD=pad, **kw_dw)
         elif grad_w1:
             moe_dwgu_kernel[(triton.cdiv(2 * F, kw_dw["BLOCK_M"]), triton.cdiv(D, kw_dw["BLOCK_N"]), E)](
-                _sorted_x(x, x_s, rt["tok"]) if sorted_rows else x, rt["tok"], dgu, dwgu, rt["offsets"],
+                x.index_select(0, rt["tok"]) if sorted_rows else x, rt["tok"], dgu, dwgu, rt["offsets"],
                 D, F, SORTED=sorted_rows, **kw_dw)
     dw = torch.zeros(N * K, dtype=torch.float32, device=x.device)
     dw[rt["order"]] = dr
@@ -1316,8 +1257,7 @@ def _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, gr
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def moe_experts_op(x: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor,
-                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor, keep_gu: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor, keep_gu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(x, topk_indices, topk_weights, gate_up_proj, down_proj, keep_gu)
 
 
@@ -1326,20 +1266,18 @@ def _(x, topk_indices, topk_weights, gate_up_proj, down_proj, keep_gu=True):
     _check(x, topk_indices, topk_weights, gate_up_proj, down_proj)
     N, K = topk_indices.shape
     S = n_rows(N * K, gate_up_proj.shape[0]) if keep_gu else 0
-    S_x = S if _x_sorted_out(_cfg(x.shape[1]), keep_gu) else 0  # x[tok] (config `x_sorted_out`)
-    return x.new_empty(x.shape), x.new_empty((S, gate_up_proj.shape[1])), x.new_empty((S_x, x.shape[1]))
+    return x.new_empty(x.shape), x.new_empty((S, gate_up_proj.shape[1]))
 
 
 @torch.library.custom_op(OP_NAME + "_bwd", mutates_args=())
 def moe_experts_bwd_op(dy: torch.Tensor, x: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor,
                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gu: torch.Tensor, grad_w1: bool = True,
-                       grad_w2: bool = True, x_s: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, grad_w1, grad_w2, x_s)
+                       grad_w2: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, grad_w1, grad_w2)
 
 
 @moe_experts_bwd_op.register_fake
-def _(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, grad_w1=True, grad_w2=True, x_s=None):
+def _(dy, x, topk_indices, topk_weights, gate_up_proj, down_proj, gu, grad_w1=True, grad_w2=True):
     def grad(p, wanted):
         return p.new_empty(p.shape if wanted else (0,))
     return (x.new_empty(x.shape), topk_weights.new_empty(topk_weights.shape), grad(gate_up_proj, grad_w1),
@@ -1353,19 +1291,15 @@ class MoeExpertsFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         *tensors, keep_gu = inputs
         ctx.keep_gu = keep_gu
-        # x[tok] (config `x_sorted_out`; empty otherwise), kept only for a gradient of gate_up_proj
-        # (its weight-gradient GEMM reads it): S * D elements of x's dtype held until the backward
-        need = ctx.needs_input_grad
-        x_s = output[2] if output[2].shape[0] and (need[3]) else None
-        ctx.save_for_backward(*tensors, output[1], x_s)
-        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.save_for_backward(*tensors, output[1])
+        ctx.mark_non_differentiable(output[1])
         # the saved pre-activations reach `backward` as None, not as zeros autograd would fill: an
         # [S, 2 * F] fill (537 MB of bf16 at DeepSeek-V3 N8192; an H100 profile of fwd+bwd there
         # had a 0.163 ms bf16 fill, that size at its write speed)
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, dy, dgu, dxs):
+    def backward(ctx, dy, dgu):
         if not ctx.keep_gu:
             raise RuntimeError(f"{OP_NAME}: backward through a forward run with keep_gu=False (no saved "
                                "pre-activations); call `moe_experts`, which keeps them whenever a gradient is needed")
@@ -1374,8 +1308,8 @@ class MoeExpertsFunction(torch.autograd.Function):
         # weight gradients only for weights that need them (frozen experts: neither GEMM runs)
         need = ctx.needs_input_grad
         grad_w1, grad_w2 = need[3], need[4]
-        x, idx, w, wgu, wd, gu, x_s = ctx.saved_tensors
-        dx, dw, dwgu, dwd = moe_experts_bwd_op(dy, x, idx, w, wgu, wd, gu, grad_w1, grad_w2, x_s)
+        x, idx, w, wgu, wd, gu = ctx.saved_tensors
+        dx, dw, dwgu, dwd = moe_experts_bwd_op(dy, x, idx, w, wgu, wd, gu, grad_w1, grad_w2)
         return dx, None, dw, dwgu if grad_w1 else None, dwd if grad_w2 else None, None
 
 
@@ -1417,11 +1351,10 @@ OPS = (moe_experts_op, moe_experts_bwd_op)
 def op_samples(x, topk_indices, topk_weights, gate_up_proj, down_proj) -> list:
     """(op, args) pairs exercising every custom op of this module, for torch.library.opcheck."""
     plain = [t.detach() for t in (x, topk_indices, topk_weights, gate_up_proj, down_proj)]
-    _, gu, x_s = _forward(*plain)
+    _, gu = _forward(*plain)
     dy = torch.randn_like(plain[0])
     return [(moe_experts_op, (x, topk_indices, topk_weights, gate_up_proj, down_proj)),
-            (moe_experts_bwd_op, (dy, *plain, gu)), (moe_experts_bwd_op, (dy, *plain, gu, False, False))] + (
-        [(moe_experts_bwd_op, (dy, *plain, gu, True, True, x_s))] if x_s.shape[0] else [])  # config `x_sorted_out`
+            (moe_experts_bwd_op, (dy, *plain, gu)), (moe_experts_bwd_op, (dy, *plain, gu, False, False))]
 
 
 def aot_specs(dtype: str = "bf16", size: int = 2048) -> list[dict]:
@@ -1435,11 +1368,8 @@ def aot_specs(dtype: str = "bf16", size: int = 2048) -> list[dict]:
     mid = ptr if _is16(mode) else "*fp32"  # d(gate|up) and r * h, as `_mid_dtype`
     half = _half_tail(cfg, fwd["BLOCK_M"])
     tma = bool(cfg["tma"]) and TensorDescriptor is not None  # the forward's weights by TMA
-    # gate/up's gate and up rows in one descriptor block, one dot (gated, not LoRA: config gate_up_one_dot)
-    one_dot = tma and bool(cfg["gate_up_one_dot"])
     down = _down_launch(cfg, fwd)  # the forward down GEMM's tiles
-    wdesc = (f"tensordesc<{dtype}[2, {fwd['BLOCK_N']}, {fwd['BLOCK_K']}]>" if one_dot
-             else f"tensordesc<{dtype}[{fwd['BLOCK_N']}, {fwd['BLOCK_K']}]>" if tma else ptr)
+    wdesc = f"tensordesc<{dtype}[{fwd['BLOCK_N']}, {fwd['BLOCK_K']}]>" if tma else ptr
     ddesc = f"tensordesc<{dtype}[{down['BLOCK_N']}, {down['BLOCK_K']}]>" if tma else ptr
     atomic = _atomic(cfg)  # the slots' rows summed by atomics
     # the down backward's and dx's weights by TMA, and dx's own tiles (configs bwd_tma, DX_*)
@@ -1473,9 +1403,6 @@ def aot_specs(dtype: str = "bf16", size: int = 2048) -> list[dict]:
             return {name: f"tensordesc<{kind}[{kw['BLOCK_M'] // 2}, {kw['BLOCK_K']}]>"}, {}
         return {name: "constexpr"}, {name: None}
     h_half = half_rows("p_h_half", dtype, down, h_tma and half_down)
-    # gate/up writes the x rows it gathers in slot order (config x_sorted_out; unused: None)
-    x_out = bool(cfg["x_sorted_out"])
-    xs = ({"p_xs": ptr}, {}) if x_out else ({"p_xs": "constexpr"}, {"p_xs": None})
     dy_half = half_rows("p_dy_half", mid[1:], db, half_db and rows_tma and dy_sorted)
     dgu_half = half_rows("p_dgu_half", mid[1:], dx, half_dx and rows_tma)
     tiles = {"p_te": "*i64", "p_ts": "*i64", "p_off": "*i64"}
@@ -1513,10 +1440,8 @@ def aot_specs(dtype: str = "bf16", size: int = 2048) -> list[dict]:
         {"kernel": "moe_gate_up_fwd_kernel", "signature": {"p_x": ptr, "p_tok": "*i64", "p_wgu": wdesc, "p_gu": ptr,
                                                            "p_h": ptr, **tiles, **bias("p_bgu"), **lora("p_xa", "p_lb"),
                                                            **dims, **band, **gemm, "SAVE_GU": "constexpr",
-                                                           "HALF_TAIL": "constexpr", "TMA": "constexpr",
-                                                           "X_OUT": "constexpr", **xs[0], "ONE_DOT": "constexpr"},
-         **with_consts(launch(fwd, banded=True), SAVE_GU=True, HALF_TAIL=half, TMA=tma, X_OUT=x_out, **xs[1],
-                       ONE_DOT=one_dot)},
+                                                           "HALF_TAIL": "constexpr", "TMA": "constexpr"},
+         **with_consts(launch(fwd, banded=True), SAVE_GU=True, HALF_TAIL=half, TMA=tma)},
         {"kernel": "moe_down_fwd_kernel", "signature": {"p_h": hdesc, "p_wd": ddesc, "p_r": "*fp32", "p_o": "*fp32",
                                                         "p_tok": "*i64", **tiles, **bias("p_bd"), **lora("p_ha", "p_lb"),
                                                         **dims, **band, **gemm, "ATOMIC": "constexpr",

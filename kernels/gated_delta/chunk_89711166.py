@@ -1,4 +1,4 @@
-# Rendered by onboard from kernel_templates/gated_delta/gated_delta.py.j2 (template version 35). Do not edit.
+# Rendered by onboard from kernel_templates/gated_delta/gated_delta.py.j2 (template version 34). Do not edit.
 # family: gated_delta  variant: chunk
 # params: {"chunk_size": 64, "qk_l2norm": true, "recompute": false}
 """gated_delta: chunked gated delta rule with a scalar decay per head (GDN).
@@ -54,13 +54,13 @@ import triton
 import triton.language as tl
 
 TEMPLATE = 'gated_delta/gated_delta.py.j2'
-TEMPLATE_VERSION = 35
+TEMPLATE_VERSION = 34
 FAMILY = 'gated_delta'
 VARIANT = 'chunk'
 PARAMS = {'chunk_size': 64, 'qk_l2norm': True, 'recompute': False}
-OP_NAME = "onboard::gated_delta_chunk_04fde1a8"
-TUNING_SPACE = {'BK': [16, 32, 64, 128], 'BV': [16, 32, 64, 128], 'bwd_bv': [0, 16, 32, 64, 128], 'bwd_fold': ['off', 'on'], 'dot_precision': ['tf32', 'ieee'], 'fused_kq': ['stored', 'rows'], 'fwd_o': ['split', 'fused'], 'inv_dot': ['tf32', 'ieee'], 'num_stages': [1, 2, 3], 'num_warps': [1, 2, 4, 8], 'prep_bk': [0, 16, 32, 64, 128], 'prep_maxnreg': [0, 128, 168], 'prep_pipe': ['off', 'on'], 'prep_stages': [0, 1, 2, 3], 'prep_warps': [0, 4, 8], 'rows_maxnreg': [0, 168], 'state_bv': [0, 16, 32, 64, 128], 'state_bwd_stages': [1, 2, 3], 'state_stages': [1, 2, 3], 'tm_dot': ['input', 'tf32']}
-DEFAULT_CONFIG = {'BK': 64, 'BV': 32, 'bwd_bv': 0, 'bwd_fold': 'off', 'dot_precision': 'tf32', 'fused_kq': 'stored', 'fwd_o': 'split', 'inv_dot': 'tf32', 'num_stages': 1, 'num_warps': 4, 'prep_bk': 0, 'prep_maxnreg': 0, 'prep_pipe': 'off', 'prep_stages': 0, 'prep_warps': 0, 'rows_maxnreg': 0, 'state_bv': 0, 'state_bwd_stages': 1, 'state_stages': 2, 'tm_dot': 'input'}
+OP_NAME = "onboard::gated_delta_chunk_89711166"
+TUNING_SPACE = {'BK': [16, 32, 64, 128], 'BV': [16, 32, 64, 128], 'bwd_bv': [0, 16, 32, 64, 128], 'dot_precision': ['tf32', 'ieee'], 'fused_kq': ['stored', 'rows'], 'fwd_o': ['split', 'fused'], 'inv_dot': ['tf32', 'ieee'], 'num_stages': [1, 2, 3], 'num_warps': [1, 2, 4, 8], 'prep_bk': [0, 16, 32, 64, 128], 'prep_maxnreg': [0, 128, 168], 'prep_pipe': ['off', 'on'], 'prep_stages': [0, 1, 2, 3], 'prep_warps': [0, 4, 8], 'rows_maxnreg': [0, 168], 'state_bv': [0, 16, 32, 64, 128], 'state_bwd_stages': [1, 2, 3], 'state_stages': [1, 2, 3], 'tm_dot': ['input', 'tf32']}
+DEFAULT_CONFIG = {'BK': 64, 'BV': 32, 'bwd_bv': 0, 'dot_precision': 'tf32', 'fused_kq': 'stored', 'fwd_o': 'split', 'inv_dot': 'tf32', 'num_stages': 1, 'num_warps': 4, 'prep_bk': 0, 'prep_maxnreg': 0, 'prep_pipe': 'off', 'prep_stages': 0, 'prep_warps': 0, 'rows_maxnreg': 0, 'state_bv': 0, 'state_bwd_stages': 1, 'state_stages': 2, 'tm_dot': 'input'}
 # Buckets over K (the key head dim): it decides the state tile [K, BV] and so BV / num_warps.
 SHAPE_BUCKETS = [{'config': {'BK': 32, 'BV': 64, 'num_stages': 2, 'num_warps': 4, 'state_bwd_stages': 2}, 'dim': 'K', 'hi': 64, 'lo': 1, 'name': 'k_le_64'}, {'config': {'BK': 32, 'BV': 64, 'bwd_bv': 32, 'fused_kq': 'rows', 'fwd_o': 'fused', 'num_stages': 3, 'num_warps': 4, 'prep_bk': 64, 'prep_stages': 3, 'rows_maxnreg': 168, 'state_bwd_stages': 3, 'state_stages': 3}, 'dim': 'K', 'hi': 128, 'lo': 65, 'name': 'k_le_128'}, {'config': {'BK': 32, 'BV': 16, 'num_warps': 8, 'state_stages': 1}, 'dim': 'K', 'hi': 256, 'lo': 129, 'name': 'k_le_256'}]
 CHUNK_SIZE = 64
@@ -1075,7 +1075,6 @@ def _gdn_wy_head(
     DOT_PREC: tl.constexpr,
     TM_PREC: tl.constexpr,
     G: tl.constexpr,
-    FOLD: tl.constexpr,
 ):
     # Chunk-local backward of one (chunk, value head), K and V in tiles (shared memory stays
     # bounded at K = 256). The V side gives dv, dAqk and dA (dA = -strict_tril(dY v_new^T), see
@@ -1134,13 +1133,6 @@ def _gdn_wy_head(
     # tiles, and `gdn_group_sum_kernel` finishes dq with it.
     b_sdq = tl.zeros([BT], dtype=tl.float32)
     b_sdk = tl.zeros([BT], dtype=tl.float32)
-    # K tile 0's sums over V (`bwd_fold` "on": taken here, from the same do, v_new, du tiles)
-    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dgls = tl.zeros([BK], dtype=tl.float32)  # <S_c, dS> spread over BK slots
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -1156,14 +1148,6 @@ def _gdn_wy_head(
         b_dbeta += b_dyv
         if USE_L2:
             b_sdk += tl.sum((b_dY + b_du.to(tl.float32)) * b_vn.to(tl.float32), axis=1) - b_beta * b_dyv
-        if FOLD:
-            m_kv = m_k[:, None] & m_v[None, :]
-            b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_dqg += _dot(b_do, tl.trans(b_h), DOT_PREC)
-            b_dw -= _dot(b_du, tl.trans(b_h), DOT_PREC)
-            b_dkd += _dot(b_vn, tl.trans(b_dh), DOT_PREC)
-            b_dgls += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         tl.store(p_dv + o_vr[:, None] + o_v[None, :], (b_dY * b_beta[:, None]).to(p_dv.dtype.element_ty), mask=m_tv)
     b_dAqk = tl.where(m_causal, b_dAqk, 0.0)  # cotangent of the stored Aqk (scale included)
     b_dA = tl.where(m_lower, b_dA, 0.0)  # A's support
@@ -1194,6 +1178,7 @@ def _gdn_wy_head(
     b_eg = tl.exp(b_gc)
     b_ed = tl.exp(b_gl - b_gc)
     b_tdr = tl.zeros([BT], dtype=tl.float32)  # sum_k dkd * k per row
+    b_dgls = tl.zeros([BK], dtype=tl.float32)  # <S_c, dS> spread over BK slots
     # each decayed product c_ij with cotangent dc_ij gives gc_i +dc c and gc_j -dc c, except where
     # the forward's exponent clamp is active; M and Aqk are those products (Aqk with its scale)
     b_Aqk = tl.load(p_A + o_tt).to(tl.float32)
@@ -1213,13 +1198,10 @@ def _gdn_wy_head(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        # the accumulators enter zeroed (reset at the end of each tile), or with K tile 0's sums
-        # from the V side (FOLD), whose V loop is then empty
-        v_lo = 0
-        if FOLD:
-            if i_k == 0:
-                v_lo = tl.cdiv(V, BV)
-        for i_v in range(v_lo, tl.cdiv(V, BV)):
+        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
             m_kv = m_k[:, None] & m_v[None, :]
@@ -1257,9 +1239,6 @@ def _gdn_wy_head(
             tl.store(p_dk + o_dqk, b_dk.to(p_dk.dtype.element_ty), mask=m_tk)
         else:
             tl.store(p_dko + o_in, b_dk.to(p_dko.dtype.element_ty), mask=m_tk)
-        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
     b_td = b_tdr * b_ed
     b_dgl = tl.sum(b_dgls, axis=0) * tl.exp(b_gl) + tl.sum(b_td, axis=0)
     b_dgc += tl.where(m_last, b_dgl, 0.0) - b_td
@@ -1310,7 +1289,6 @@ def gdn_chunk_bwd_wy_kernel(
     DOT_PREC: tl.constexpr,
     TM_PREC: tl.constexpr,
     G: tl.constexpr,
-    FOLD: tl.constexpr,
 ):
     # The whole chunk-local backward per (chunk, value head): `_gdn_wy_head`. With one value
     # head per key head dq, dk end in q's dtype ([B, T, HK, K], like q and k); with G > 1 each
@@ -1327,7 +1305,7 @@ def gdn_chunk_bwd_wy_kernel(
     _gdn_wy_head(
         p_q, p_k, p_v, p_g, p_beta, p_Tm, p_M, p_A, p_h, p_dh, p_vn, p_du, p_do, p_dq, p_dk, p_dv, p_dg, p_dbeta,
         p_sdq, p_dqo, p_dko, i_t, i_b, i_h, i_h // G, T, Tp, NT, HK, HV, K, V, scale, BT, BK, BV, USE_L2, DOT_PREC,
-        TM_PREC, G, FOLD)
+        TM_PREC, G)
 
 
 @triton.jit
@@ -1436,7 +1414,7 @@ def _backward(do, dht, q, k, v, g, beta, initial_state, scale: float, use_l2: bo
     sdq = _empty((B, T, HV), torch.float32, dev) if use_l2 else dg  # (unwritten without the l2norm; fp32 as dg)
     gdn_chunk_bwd_wy_kernel[(NT, B * HV)](
         q, k, v, g, beta, Tm, M, A, h, dh, vn, du, do, dq, dk, dv, dg, dbeta, sdq, dqo, dko, T, Tp, NT, HK, HV,
-        K, V, scale, G=G, FOLD=c["cfg"].get("bwd_fold", "off") == "on", **chunk)
+        K, V, scale, G=G, **chunk)
     if G > 1 or use_l2:
         R = B * T * HK
         gdn_group_sum_kernel[(_cdiv(R, GROUP_SUM_ROWS),)](
@@ -1757,10 +1735,9 @@ def aot_specs(dtype: str = "bf16", size: int = 128) -> list[dict]:
                        "p_sdq": f32, "p_dqo": ptr, "p_dko": ptr,
                        "T": "i32", "Tp": "i32", "NT": "i32", "HK": "i32", "HV": "i32", "K": "i32", "V": "i32",
                        "scale": "fp32", "BT": "constexpr", "BK": "constexpr", "BV": "constexpr", "USE_L2": "constexpr",
-                       "DOT_PREC": "constexpr", "TM_PREC": "constexpr", "G": "constexpr", "FOLD": "constexpr"},
+                       "DOT_PREC": "constexpr", "TM_PREC": "constexpr", "G": "constexpr"},
          "constexprs": {"BT": CHUNK_SIZE, "BK": c["BK"], "BV": c["bwd_BV"], "USE_L2": True, "DOT_PREC": prec,
-                        "TM_PREC": tm_prec, "G": 2,
-                        "FOLD": config_for(size).get("bwd_fold", "off") == "on"},  # G 2: Qwen3-Next's two value heads per key head
+                        "TM_PREC": tm_prec, "G": 2},  # G 2: Qwen3-Next's two value heads per key head
          "num_warps": nw, "num_stages": ns},
         {"kernel": "gdn_group_sum_kernel",
          "signature": {"p_dq": ist, "p_dk": ist, "p_q": ptr, "p_sdq": f32, "p_dqo": ptr, "p_dko": ptr, "R": "i32",
