@@ -4,7 +4,9 @@
 # Mamba-2 layout, fwd+bwd over forward (issue 35: <= 3x); 2. gated_delta v35's `bwd_fold` row at the
 # Qwen3-Next layout (issue 32: <= 2.6x); 3. moe_experts v32's DeepSeek-V3 N8192 rows (`gate_up_one_dot`,
 # `x_sorted_out`) against `_grouped_mm` (issue 33: fwd >= 1.3x, fwd+bwd >= 1.2x); 4. with what is left,
-# the bf16 bars of those options. carry: .whl. Usage: LIMIT=520 bash .ci/h200/h53b.sh
+# the bf16 bars of those options. Run once (docs/LOG.md, fifty-third session): gated_delta v35 and
+# moe_experts v32 were reverted after it, ssd's `bwd_ahead` became v28's default; run again, it times
+# the current sweep rows. carry: .whl. Usage: LIMIT=520 bash .ci/h200/h53b.sh
 set -u
 OUT=${OUT:-/tmp/out}
 T0=$(date +%s)
