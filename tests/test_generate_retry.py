@@ -206,9 +206,11 @@ def test_a_first_pass_prompt_is_unchanged_by_the_runs_generated_families(tmp_pat
     assert "## The left-out family's code" not in task_prompt(first)
 
 
-def test_a_retry_task_reads_the_runs_left_out_family(tmp_path, monkeypatch):
+def test_a_retry_task_reads_the_runs_left_out_family(tmp_path, monkeypatch, families):
     """`run_decide` on a retry gives its task the code of the left-out family the run's LLM path
-    wrote (``generated/families``)."""
+    wrote (``generated/families``). `run_decide` registers the run's generated families for the
+    process: the `families` fixture puts the registry back, or the written family would claim
+    other tests' norm blocks in the same worker."""
     import onboarding.generate.decide as decide_mod
     from onboarding.stages import run_decide
 
