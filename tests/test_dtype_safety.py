@@ -25,11 +25,13 @@ def other(scores):
 '''
 
 
-def _load(tmp_path: Path, subdir: str):
+def _load(tmp_path: Path, subdir: str, name: str = "modeling_toy"):
+    """MODEL_CODE at ``tmp_path/subdir``, imported as module ``name`` (what tells onboard's code
+    from the model's is the module a frame runs in, not the file's folder)."""
     path = tmp_path / subdir / "modeling_toy.py"
     path.parent.mkdir(parents=True)
     path.write_text(MODEL_CODE)
-    spec = importlib.util.spec_from_file_location(f"toy_{subdir.replace('/', '_')}", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod, path
@@ -59,9 +61,19 @@ def test_other_failures_are_left_as_they_are(tmp_path):
     assert dtype_failure(ValueError("same dtype"), "bf16", "baseline") is None
 
 
-def test_a_mismatch_raised_in_onboards_code_is_not_blamed_on_the_model(tmp_path):
-    mod, _ = _load(tmp_path, "onboarding/patching")  # a frame under onboarding/: a patch's
+@pytest.mark.parametrize("name", ["onboarding.patching.toy", "onboard_kernels.toy.plain_0123",
+                                  "onboard_families.toy.binding"])
+def test_a_mismatch_raised_in_onboards_code_is_not_blamed_on_the_model(tmp_path, name):
+    """onboard's library, a rendered kernel module (run folders, kernels/) and a family folder's
+    code are onboard's wherever their files sit."""
+    mod, _ = _load(tmp_path, "run/candidates", name)
     assert dtype_failure(_raised(mod.attention), "bf16", "reference") is None
+
+
+def test_a_model_in_a_folder_named_onboarding_is_the_models(tmp_path):
+    mod, path = _load(tmp_path, "onboarding/models")  # e.g. a checkout of this repository
+    note = dtype_failure(_raised(mod.attention), "bf16", "baseline")
+    assert note is not None and str(path) in note
 
 
 @pytest.mark.slow  # one `onboard train` launch: about 40 s on 2 busy cores

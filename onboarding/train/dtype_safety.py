@@ -14,32 +14,42 @@ from __future__ import annotations
 
 import re
 import traceback
+from types import TracebackType
 
 # what torch says when the operands of one op disagree in dtype (matched on the first line)
-_MISMATCH = re.compile(
-    r"expected (scalar type|both vectors to have same dtype|mat1 and mat2 to have the same dtype"
-    r"|m1 and m2 to have the same dtype|self and mat2 to have the same dtype)"
-    r"|must have the same dtype|same dtype|Input type \(.*\) and (weight|bias) type"
-    r"|found dtype \w+ but expected|is not the same as|dtype mismatch", re.IGNORECASE)
-# frames of these packages are the machinery, never the model's own code
-_MACHINERY = ("/torch/", "/triton/", "/peft/", "/onboarding/", "/accelerate/")
+_MISMATCH = re.compile(r"expected scalar type|same dtype|Input type \(.*\) and (weight|bias) type"
+                       r"|found dtype \w+ but expected|is not the same as|dtype mismatch",
+                       re.IGNORECASE)
+# top-level packages of the frames that are machinery, never the model's own code, by the module
+# a frame runs in (not its file's path: a checkout may sit in a folder of any name)
+_LIBRARIES = ("torch", "triton", "peft", "accelerate")
+# onboard's own code: the library, its rendered kernel modules (`templating.MODULE_PREFIX`) and the
+# family folders it imports (`families.discover.PACKAGE`: built-in, plugins, LLM-written)
+_ONBOARD = ("onboarding", "onboard_kernels", "onboard_families")
 
 
-def _where(exc: BaseException) -> traceback.FrameSummary | None:
-    """The deepest frame of the traceback outside the machinery: the code that called the op."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not any(m in f.filename.replace("\\", "/") for m in _MACHINERY)]
-    return frames[-1] if frames else None
+def _frames(exc: BaseException) -> list[tuple[str, traceback.FrameSummary]]:
+    """The traceback's frames, outermost first, each with the top-level package of its module."""
+    out, tb = [], exc.__traceback__
+    while isinstance(tb, TracebackType):
+        name = tb.tb_frame.f_globals.get("__name__") or ""
+        out.append((name.split(".")[0], traceback.FrameSummary(
+            tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name,
+            lookup_line=False)))
+        tb = tb.tb_next
+    return out
 
 
-def _from_onboard(exc: BaseException) -> bool:
+def _where(frames: list[tuple[str, traceback.FrameSummary]]) -> traceback.FrameSummary | None:
+    """The deepest frame outside the libraries and onboard: the model's code that called the op."""
+    inside = [f for top, f in frames if top not in _LIBRARIES + _ONBOARD]
+    return inside[-1] if inside else None
+
+
+def _from_onboard(frames: list[tuple[str, traceback.FrameSummary]]) -> bool:
     """Whether the deepest frame outside torch and triton is onboard's own (a patch, a kernel)."""
-    for f in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = f.filename.replace("\\", "/")
-        if "/torch/" in path or "/triton/" in path:
-            continue
-        return "/onboarding/" in path or "/kernel_templates/" in path
-    return False
+    top = next((t for t, _ in reversed(frames) if t not in ("torch", "triton")), None)
+    return top in _ONBOARD
 
 
 def dtype_failure(exc: BaseException, dtype: str, role: str) -> str | None:
@@ -49,9 +59,10 @@ def dtype_failure(exc: BaseException, dtype: str, role: str) -> str | None:
         return None
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else ""
-    if not _MISMATCH.search(first) or _from_onboard(exc):
+    frames = _frames(exc)
+    if not _MISMATCH.search(first) or _from_onboard(frames):
         return None
-    frame = _where(exc)
+    frame = _where(frames)
     if frame is None:
         return None
     where = (f"{frame.filename}:{frame.lineno} (in {frame.name}) raised {type(exc).__name__}: "
