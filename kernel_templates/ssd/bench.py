@@ -27,8 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v27's default, `bwd_ahead` False; v24's pull rows,
-  `PULL_P` 32 and `pull_scale` "dy"; "triple"; `bwd_exp` "exp", the default until v23), forward
+  tuning values beside the default (`SWEEP`: v29's `pull_ahead`; v27's default, `bwd_ahead` False;
+  v24's pull rows, `PULL_P` 32 and `pull_scale` "dy"; "triple"; `bwd_exp` "exp", the default until
+  v23), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -222,7 +223,15 @@ PULL = {"PULL_P": 32, "pull_scale": "dy"}
 # "triple" 1.645 (family.py). Rows: v27's default (`bwd_ahead` False) first, to time against on another
 # card, then the pull pair and "triple" under the new default, PULL_P 32 alone and "exp". `bwd_qd`
 # "dot" has no effect under `bwd_ahead`: its rows are gone.
-SWEEP = (({"bwd_ahead": False}, "bwd"), (PULL, "bwd"), ({"split_dbc": "triple"}, "bwd"), ({"PULL_P": 32}, "bwd"),
+#
+# Template v29: `pull_ahead`, the split backward's fused pull (0.210 ms of the forty-eighth session's H100
+# profile: 256 programs of 4 warps, each a 128-step serial chain, 1.64 us a step, against 0.43-0.56 GB
+# of HBM traffic, 0.13-0.17 ms at 3.35 TB/s) with each step's loads issued one step ahead into
+# registers. Its sm_90 TTGIR without it (triton 3.6 and 3.9) waits each step on a plain load of the
+# step's cs row (loaded a second time, in the layout of cs_e's sum; the other loads are async copies).
+# Untimed: the first row (family.py has the count and the build's registers).
+SWEEP = (({"pull_ahead": True}, "bwd"), ({"bwd_ahead": False}, "bwd"),
+         (PULL, "bwd"), ({"split_dbc": "triple"}, "bwd"), ({"PULL_P": 32}, "bwd"),
          ({"bwd_exp": "exp"}, "bwd"))
 
 

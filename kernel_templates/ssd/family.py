@@ -90,6 +90,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
+    # v29: `pull_ahead` (the split backward's fused pull with its step loads one step ahead; untimed, off).
     # v28: `bwd_ahead` True in the P <= 64 bucket (timed on the H200, fifty-third session, below).
     # v27: `bwd_ahead` (the fused backward kernel's per-head loads one head ahead or staged; untimed).
     # v26 (no kernel change): `_cdiv` / `_npow2` are `_common/_host_ints.py.j2`'s, the gated delta rule's
@@ -113,7 +114,7 @@ FAMILY = FamilySpec(
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=28,
+    template_version=29,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -258,6 +259,20 @@ FAMILY = FamilySpec(
     #   forward 0.450; with v24's pull pair 1.529, under "triple" 1.645; its bf16 bars rows passed
     #   (v27-ahead, -pull, -triple XPASS). v28 makes it the P <= 64 bucket's; v27's default stays the
     #   bench's first SWEEP row.
+    # pull_ahead (False; v29): ssd_split_fused_pull_kernel (`bwd` "split", `pass` "fused") with each step's
+    #   loads (its cs row, dy and C tiles) issued one step ahead into registers and cs_0 from the next
+    #   step's row: no plain load waited on inside the serial chain. Without it Triton's pipeline copies
+    #   cs, cs_0, dy and C ahead (async copies, 49.7 KB of shared memory) but loads the step's cs row a
+    #   second time, in another layout (cs_e's sum), as a plain load each step waits on (sm_90 TTGIR,
+    #   triton 3.6 and 3.9). At the bench shape the pull is 256 programs of 4 warps (at most two per
+    #   SM), each a 128-step chain: 0.210 ms in the forty-eighth session's H100 profile, 1.64 us a step,
+    #   for 17 GFLOP and 0.43 GB of HBM traffic (dy read 134 MB, gs written in bf16 268 MB, C, cs, dh0;
+    #   0.56 GB if the second N tile's programs read dy from HBM again): 0.13-0.17 ms at the H100's
+    #   3.35 TB/s, 0.09-0.12 at the H200's 4.8. sm_90 bf16 builds at the bench's tiles (BLOCK_P 64,
+    #   STATE_N 64, PASS_K 64): 145 -> 208 registers on triton 3.6 (132 -> 179 on 3.9), no spills,
+    #   16.9 KB of shared memory; with v24's pull pair (PULL_P 32, "dy") 92 -> 159 (84 -> 138), no
+    #   spills (three programs per SM by registers, where the 512 programs want four). Untimed (off
+    #   in every bucket; the bench's first SWEEP row).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -299,6 +314,7 @@ FAMILY = FamilySpec(
         "pull_scale": ("C", "dy"),
         "bwd_qd": ("elem", "dot"),
         "bwd_ahead": (False, True),
+        "pull_ahead": (False, True),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -340,7 +356,7 @@ FAMILY = FamilySpec(
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
                     "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp", "PULL_P": 0, "pull_scale": "C",
-                    "bwd_qd": "elem", "bwd_ahead": False},
+                    "bwd_qd": "elem", "bwd_ahead": False, "pull_ahead": False},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

@@ -430,7 +430,15 @@ AHEAD = {"bwd_ahead": True}
                          # during the head before, the last one's again at the last head; T 23, no D or
                          # dt_bias (the rows above have them)
                          + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": "paired", **AHEAD},
-                                         (1, 23, 4, 8, 1, 16, False, True), id="ahead-paired-H4G1-noD-T23")])
+                                         (1, 23, 4, 8, 1, 16, False, True), id="ahead-paired-H4G1-noD-T23")]
+                         # `pull_ahead` (v29): the fused pull's step loads one step ahead, at T 41 with PASS_K
+                         # 16 (two steps per split chunk of 32, the last chunk's second step wholly past T;
+                         # 2 P blocks; D, dt_bias, initial state) and with its weights on dy's columns
+                         # (PULL_P 32, split chunks of 16: one step per chunk)
+                         # (the first nightly, 8 s: test_pull_ahead_matches_pull checks the pull alone)
+                         + [pytest.param({**p.values[0], "pull_ahead": True}, p.values[1], id=f"pullahead-{p.id}",
+                                         marks=[pytest.mark.slow] if p.id == "sc2-fused-T41" else [])
+                            for p in SPLIT_BWD if p.id in ("sc2-fused-T41", "sc1-fused-pullp32-dy-T41")])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
@@ -439,6 +447,65 @@ def test_split_backward(module, device, cfg, shape):
         check_forward_backward(mild(fixture(module, shape)), torch.float32, device)
     finally:
         module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+
+
+@pytest.mark.parametrize("scale_dy", [False, True], ids=["scale-C", "scale-dy"])
+def test_pull_ahead_matches_pull(module, device, scale_dy):
+    """ssd_split_fused_pull_kernel with `pull_ahead` (v29, AHEAD) and without, launched alone, against
+    the pull's recurrence in fp64 (per split chunk from the last: gs[c] = G, then G <- exp(cs_last) G
+    + sum_t exp(cs_t) dy_t^T C_t, cs cumulative within the chunk), with a final-state gradient and
+    without (HAS_DHT False, the training step's): T 41 in split chunks of 32 of two PASS_K steps
+    (cs_0 from the next step's row inside a chunk, 0 at a chunk's start; the last chunk's second step
+    wholly past T), 2 P and 2 N blocks, the weights on C's rows or on dy's columns. Under the
+    interpreter the two are also equal bit for bit (the same values in the same sums)."""
+    gen = torch.Generator().manual_seed(8)
+    b, t, h, p, g, n, lc, k = 1, 41, 1, 20, 1, 24, 32, 16
+    nc = -(-t // lc)
+    dy, C = torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, g, n, generator=gen)
+    cs = (-0.05 * torch.rand(b, h, nc, lc, generator=gen)).cumsum(-1).reshape(b, h, nc * lc)
+    dht = torch.randn(b, h, p, n, generator=gen)
+    for has_dht in (True, False):
+        want = torch.zeros(b, nc, h, p, n, dtype=torch.float64)
+        G = dht.double() if has_dht else torch.zeros(b, h, p, n, dtype=torch.float64)
+        for c in reversed(range(nc)):
+            want[:, c] = G
+            w = cs[:, :, c * lc:min(t, (c + 1) * lc)].double().exp()  # [b, h, tokens]
+            G = cs[:, :, c * lc + lc - 1, None, None].double().exp() * G + torch.einsum(
+                "bthp,bht,btn->bhpn", dy[:, c * lc:(c + 1) * lc].double(), w, C[:, c * lc:(c + 1) * lc, 0].double())
+        got = {}
+        for ahead in (False, True):
+            gs = torch.full((b, nc, h, p, n), float("nan"), device=device)
+            dh0 = torch.full((b, h, p, n), float("nan"), device=device)
+            module.ssd_split_fused_pull_kernel[(b * h, 2 * 2)](
+                dy.to(device), C.to(device), cs.to(device), dht.to(device), gs, dh0, t, nc * lc, h, g, p, n, nc,
+                LC=lc, BLOCK_P=16, BLOCK_N=16, BLOCK_K=k, MODE="ieee", SCALE_DY=scale_dy, HAS_DHT=has_dht,
+                AHEAD=ahead, num_warps=4)
+            got[ahead] = (gs.cpu(), dh0.cpu())
+            torch.testing.assert_close(got[ahead][0].double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[ahead][1].double(), G, rtol=1e-5, atol=1e-5)
+        if interpreting():
+            for a, r in zip(got[True], got[False]):
+                torch.testing.assert_close(a, r, rtol=0, atol=0)
+
+
+def test_pull_ahead_reaches_the_pull(module, device, monkeypatch):
+    """`pull_ahead` is the fused pull's AHEAD in the P <= 64 bucket's backward (off by default)."""
+    seen = []
+    monkeypatch.setattr(module, "ssd_split_fused_pull_kernel", LaunchSpy(
+        module.ssd_split_fused_pull_kernel, lambda grid, kw: seen.append(kw["AHEAD"])))
+    gen = torch.Generator().manual_seed(6)
+    args = [torch.randn(1, 8, 1, 16, generator=gen), torch.randn(1, 8, 1, generator=gen) - 3.0,
+            -torch.exp(torch.rand(1, generator=gen)), torch.randn(1, 8, 1, 16, generator=gen),
+            torch.randn(1, 8, 1, 16, generator=gen)]
+    for cfg in ({}, {"pull_ahead": True}):
+        module.set_config(cfg or None)
+        try:
+            ins = [a.to(device).requires_grad_() for a in args]
+            y = module.ssd_scan(*ins)
+            torch.autograd.grad(y, ins, torch.ones_like(y))
+        finally:
+            module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+    assert seen == [False, True]
 
 
 # `bwd_sums` "kernel" (v20): d(dt) in dt's dtype with its per-chunk sums, dA, dD and dt bias's
@@ -836,7 +903,12 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # staged) is the P <= 64 bucket's from v28 (its rows v27-ahead, -pull,
                                  # -triple XPASSed on the H200): v27's default beside it, and "triple"
                                  pytest.param({"bwd_ahead": False}, id="v27-default", marks=UNTIMED),
-                                 pytest.param({"split_dbc": "triple"}, id="v28-triple", marks=UNTIMED)])
+                                 pytest.param({"split_dbc": "triple"}, id="v28-triple", marks=UNTIMED),
+                                 # v29's `pull_ahead` (the fused pull's step loads one step ahead), alone and
+                                 # with v24's pull pair
+                                 pytest.param({"pull_ahead": True}, id="v29-pull-ahead", marks=UNTIMED),
+                                 pytest.param({"pull_ahead": True, "PULL_P": 32, "pull_scale": "dy"},
+                                              id="v29-pull-ahead-pull", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -965,7 +1037,9 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  pytest.param({"bwd_qd": "dot", "split_dbc": "triple"}, id="triple-qd"),
                                  # v27's `bwd_ahead` under "paired" and "triple"
                                  pytest.param({"bwd_ahead": True}, id="paired-ahead"),
-                                 pytest.param({"bwd_ahead": True, "split_dbc": "triple"}, id="triple-ahead")])
+                                 pytest.param({"bwd_ahead": True, "split_dbc": "triple"}, id="triple-ahead"),
+                                 # v29's `pull_ahead` (nightly: test_pull_ahead_matches_pull checks its pull)
+                                 pytest.param({"pull_ahead": True}, id="pull-ahead", marks=pytest.mark.slow)])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
     """Interpreter only (on a GPU test_bf16_vs_fp32_on_gpu runs the real bf16 path; 3 s a row
     here): the P <= 64 bucket's 16-bit path (16-bit dots, stored states and end-state gradients,
