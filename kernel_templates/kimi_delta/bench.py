@@ -106,7 +106,14 @@ HOT_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 128},)
 # C 2 at 3 stages; sm_90 AOT, triton 3.6: 186 / 190 registers, no spills, 97 KB) lost on an H100 (forty-third
 # session, call 1; bars and memcheck clean) wall / graph ms: the default 3.612 / 3.246, C 4 3.725 / 3.403, C 2
 # 3.915 / 3.469 (slower by both clocks); dropped with its keys in template v58.
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP)
+# Template v60 (issue 32): `kda_wykq` 1, "ksplit"'s K tiles and the qkt kernel's hot launch as one kernel per (K tile,
+# chunk, key head) (`kda_chunk_bwd_wykq_kernel`; the V side writes the l2norm's row dots whole, so no fp32 dq, dk, dg
+# partials go between two kernels and q, k, g are read once). Untimed. sm_90 AOT (bf16, every integer marked, triton
+# 3.9; registers / spill bytes): at 4 warps the V side with FULL 255 / 24 (the default's V side 255 / 12) and the fused
+# kernel 255 / 12 (the default's K tiles capped at 168: 168 / 0, its qkt hot launch 239 / 0); with `kda_wy_warps` 8
+# (both kernels at 8 warps) 230 / 0 and 178 / 0.
+WYKQ_SWEEP = ({"kda_qk": "ksplit", "kda_wykq": 1}, {"kda_qk": "ksplit", "kda_wykq": 1, "kda_wy_warps": 8})
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP, *WYKQ_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

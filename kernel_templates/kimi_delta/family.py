@@ -12,7 +12,7 @@ two Gram passes by its switch PIPE_GRAM, one kernel from v28), plus KDA's own sp
 (`_kda_prepare.py.j2`, "split"), its tiled chunk-local backward (`_kda_bwd.py.j2`, a tuning value) and its tuning keys
 (`kda_prep`, `kda_prep_warps`, `kda_prep_maxnreg`, `kda_chunk_ref`, `kda_gram_warps`, `kda_wu_warps`,
 `kda_qk`, `kda_qk_bk`, `kda_qk_warps`, `kda_wy_warps`, `kda_wyk_warps`, `kda_wyk_maxnreg`,
-`kda_wyk_stages`, `kda_wyk_bv`, `kda_qkt_cold`, `kda_qkt_maxnreg`, `kda_state_bwd_warps`), and GDN's `fwd_o`
+`kda_wyk_stages`, `kda_wyk_bv`, `kda_qkt_cold`, `kda_qkt_maxnreg`, `kda_wykq`, `kda_state_bwd_warps`), and GDN's `fwd_o`
 as a key of its own.
 """
 
@@ -150,6 +150,13 @@ PARAMS = _base.PARAMS
 #   97 KB, two programs per SM). On an H100 (forty-third session, call 1; bars, flagged-tile test and memcheck
 #   clean) wall / graph ms: the default 3.612 / 3.246, BK 16 C 4 / 3 stages 3.725 / 3.403, C 2 / 3 stages
 #   3.915 / 3.469: slower by both clocks; removed in v58.
+# kda_wykq (0): 1 (v60, under "ksplit") runs "ksplit"'s K tiles and the qkt kernel's hot launch as one kernel
+#   per (K tile, chunk, key head), `kda_chunk_bwd_wykq_kernel` (`_kda_bwd_wykq.py.j2`): the V side
+#   (`kda_chunk_bwd_wyvp_kernel`, FULL) writes the l2norm's row dots whole in the fused kernel's closed form, so
+#   each K tile finishes its dq, dk, dg in one visit, with no fp32 dq, dk, dg partials written and read back
+#   and one read of q, k, g; a tile whose decays do not fit the chunk tier writes its partials and its flag,
+#   and the qkt kernel's cold launch (SPLIT 2) runs it (the K tiles' BK; `kda_qk_bk` has no effect). Its warps
+#   and V loop are the K tiles' (`kda_wyk_warps`, `kda_wyk_bv`, `kda_wyk_stages`), uncapped. Untimed.
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -169,13 +176,14 @@ TUNING_SPACE = {**_base.TUNING_SPACE, "kda_prep": ("split", "fused", "pipelined"
                 "kda_qk_bk": (0, 16, 32, 64), "kda_qk_warps": (0, 4, 8), "kda_wy_warps": (0, 4, 8),
                 "kda_wyk_warps": (0, 4, 8), "kda_wyk_maxnreg": (0, 128, 168),
                 "kda_wyk_stages": (0, 2, 3), "kda_wyk_bv": (0, 16, 32, 64, 128),
-                "kda_qkt_cold": ("inline", "split"), "kda_qkt_maxnreg": (0, 128, 168),
+                "kda_qkt_cold": ("inline", "split"), "kda_qkt_maxnreg": (0, 128, 168), "kda_wykq": (0, 1),
                 "kda_state_bwd_warps": (0, 4, 8), "fwd_o": ("split", "fused")}
 DEFAULT_CONFIG = {**_base.DEFAULT_CONFIG, "kda_prep": "pipelined", "kda_prep_warps": 0, "kda_prep_maxnreg": 0,
                   "kda_chunk_ref": 0, "kda_gram_warps": 0,
                   "kda_wu_warps": 8, "kda_qk": "tiles", "kda_qk_bk": 0, "kda_qk_warps": 0, "kda_wy_warps": 0,
                   "kda_wyk_warps": 0, "kda_wyk_maxnreg": 0, "kda_wyk_stages": 0, "kda_wyk_bv": 0,
-                  "kda_qkt_cold": "inline", "kda_qkt_maxnreg": 0, "kda_state_bwd_warps": 0, "fwd_o": "split"}
+                  "kda_qkt_cold": "inline", "kda_qkt_maxnreg": 0, "kda_wykq": 0, "kda_state_bwd_warps": 0,
+                  "fwd_o": "split"}
 SHAPE_BUCKETS, block_params, delta_rule_samples = (_base.SHAPE_BUCKETS, _base.block_params,
                                                    _base.delta_rule_samples)
 
@@ -222,6 +230,8 @@ FAMILY = FamilySpec(
     plan_saves="delta_rule",
     name=NAME,
     template="kimi_delta.py.j2",
+    # v60: `kda_wykq` 1 (off; above): `kda_chunk_bwd_wykq_kernel` (`_kda_bwd_wykq.py.j2`), the V side's FULL
+    # (p_qg, p_h: the row dots whole) and `_backward_wykq`; the default's launches and kernels' code paths unchanged.
     # v59: the qkt kernel's flag index ((key head * NT + chunk) * NK + K tile, the hot launch's store and the cold
     # one's load) is one `@triton.jit` helper, `_kda_qkt_flag`; its sm_90 builds unchanged (PTX equal but for
     # debug lines, triton 3.9: the inline and both `QKT_COLD_SWEEP` rows, G 1 and 2).
@@ -300,7 +310,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=59,
+    template_version=60,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

@@ -190,3 +190,39 @@ def test_qkt_split_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
     assert 0 < int(flags[0].sum()) < flags[0].numel(), flags  # both launches wrote tiles
     for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
         assert torch.isfinite(x).all(), name
+
+
+# `kda_wykq` 1 (template v60: the V side with the row dots whole, "ksplit"'s K tiles and the qkt kernel's chunk tier
+# as one kernel per (K tile, chunk, key head), the row sums of dbeta, the qkt kernel's cold launch for the tiles that
+# kernel flagged; bench.WYKQ_SWEEP's rows) under the same check, on QKT_SPLIT_CASES' gates (both the fused kernel and
+# the cold launch write tiles): HV = HK and HV = 2 HK, T 150, K = V = 64, the fp16 path at the bucket's tiles and fp32
+# at the test pin (slow: 17-31 s each on two busy cores; test_kimi_delta_wykq.py's fast case checks the values).
+WYKQ_CASES = [
+    pytest.param("fp16", 0, 2, 2, id="fp16-hv=hk", marks=SLOW),
+    pytest.param("fp32", 1, 1, 2, id="fp32-wy8-grouped", marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("path,row,HK,HV", WYKQ_CASES)
+def test_wykq_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=HK, HV=HV, T=150, l2=True, h0=True, K=64, V=64)
+    gen = torch.Generator().manual_seed(12)
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    args = make_inputs(case, True, dtype, DEVICE, gen)
+    args[3] = make_inputs(case, True, dtype, DEVICE, gen, slow=True)[3]  # (fit fp16's range too)
+    args[3][:, 64:128, 0] *= 100.0
+    cfg = kimi_delta.bench.WYKQ_SWEEP[row]
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE, dtype),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    launched, flags = [], []
+    for name in ("kda_chunk_bwd_wyvp_kernel", "kda_chunk_bwd_wykq_kernel", "kda_chunk_bwd_rowsum_kernel",
+                 "kda_chunk_bwd_qkt_kernel"):
+        monkeypatch.setattr(module, name, _Spy(getattr(module, name), lambda kw, _n=name: (
+            launched.append(_n), flags.append(kw.get("p_flag")) if _n.endswith("qkt_kernel") else None)))
+    outs, grads = _grads_pinned(monkeypatch, module, cfg, path, args, douts)
+    assert launched == ["kda_chunk_bwd_wyvp_kernel", "kda_chunk_bwd_wykq_kernel", "kda_chunk_bwd_rowsum_kernel",
+                        "kda_chunk_bwd_qkt_kernel"], launched
+    assert 0 < int(flags[0].sum()) < flags[0].numel(), flags  # both kernels wrote tiles
+    for name, x in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], [*outs, *grads]):
+        assert torch.isfinite(x).all(), name
