@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from onboarding.modpath import related
+
 if TYPE_CHECKING:
     from onboarding.align.core import AlignmentResult
     from onboarding.graph.opgraph import OpGraph
@@ -122,7 +124,7 @@ def next_exclusions(result: AlignmentResult, excluded: list[list[str]]) -> NextA
     for r in result.patches:
         p = r["path"]
         if r.get("status") == "active" and [p, r["family"]] not in new and any(
-                p == c or p.startswith(c + ".") or c.startswith(p + ".") for c in culprits):
+                related(p, c) for c in culprits):
             new.append([p, r["family"]])
     if len(new) > len(excluded):
         return NextAlignment(new, None)

@@ -20,6 +20,7 @@ from onboarding.graph.opgraph import OpGraph
 from onboarding.graph.parse import ModelInfo, load_shipped_weights, load_stage, parse_stage
 from onboarding.load.proxy import text_config
 from onboarding.coverage import Coverage, build_coverage
+from onboarding.modpath import inside
 from onboarding.rundir import write_json
 
 
@@ -287,10 +288,10 @@ def run_align(info: ModelInfo, graph: OpGraph, coverage: Coverage, candidates: l
     # a swapped block runs what the block check checked: its own code, children included, so
     # family patches at or inside it (the conv1d intercept on a Mamba mixer) are left out; the
     # swap's record names them (they count as checked inside the active swap)
-    inner = {s.path: sorted({f"{f}@{p}" for p, f in kernels if p == s.path
-                             or p.startswith(s.path + ".")}) for s in swaps}
+    inner = {s.path: sorted({f"{f}@{p}" for p, f in kernels
+                             if inside(p, s.path)}) for s in swaps}
     kernels = {(p, f): m for (p, f), m in kernels.items()
-               if not any(p == s.path or p.startswith(s.path + ".") for s in swaps)}
+               if not any(inside(p, s.path) for s in swaps)}
     for s in swaps:
         if inner[s.path]:
             s.detail += "; compiled with the code of " + ", ".join(inner[s.path]) + \

@@ -103,6 +103,7 @@ from onboarding.graph.torch_paths import torch_reference_paths
 from onboarding.dtypes import DTYPES, as_dtype
 from onboarding.dtypes import dtype_name as _dtype_name
 from onboarding.graph.opgraph import Block, OpGraph
+from onboarding.modpath import inside, related
 from onboarding.testing.tolerance import Tolerance, layer_tolerance, tolerance_for
 
 __all__ = [
@@ -325,12 +326,12 @@ def align(reference: nn.Module, candidate: nn.Module, graph: OpGraph, inputs: tu
         fb = None
         # without a PatchSet, which blocks run our kernels is unknown: judge every one as ours
         runs_ours = patches is None or any(
-            b.path == p or b.path.startswith(p + ".") or p.startswith(b.path + ".") for p in patched)
+            related(b.path, p) for p in patched)
         if floor_run is not None and b.path in floor_mods and \
                 len(floor_run.rec.calls.get(b.path, [])) == len(rc):
             fb = _FloorBlock(module=floor_mods[b.path], calls=floor_run.rec.calls[b.path],
                              run=floor_run, minimum=floor_min,
-                             replay=any(b.path == p or b.path.startswith(p + ".")
+                             replay=any(inside(b.path, p)
                                         for p in patched))
         try:
             _judge(b, rc, cc, ref_run, cand_run, ref_mods[b.path], cand_mods[b.path], rdt, cdt,

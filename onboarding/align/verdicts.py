@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from onboarding.modpath import inside
+
 # how many paths one reason lists on the verdict line before "and N more"
 _LINE_PATHS = 4
 
@@ -50,7 +52,7 @@ def unchecked_blocks(coverage: Any, records: Iterable[Any], *, available: Iterab
                 s["families"].append(fam)
     out = []
     for path, s in served.items():
-        if path in active or any(path.startswith(p + ".") for p in active):
+        if any(inside(path, p) for p in active):
             continue
         fams = s["families"]
         fam, reason = _reason(path, fams, recs.get(path, []), available, bindable, families,

@@ -37,6 +37,7 @@ from typing import Any
 from onboarding.errors import InputError
 from onboarding.families.render import render_source
 from onboarding.families.spec import FamilySpec
+from onboarding.modpath import inside
 
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "kernel_templates"
 ENV_VAR = "ONBOARD_FAMILIES"
@@ -209,7 +210,7 @@ def _package(name: str, folder: Path) -> None:
 
 def _forget(name: str) -> None:
     prefix = f"{PACKAGE}.{name}"
-    for key in [k for k in sys.modules if k == prefix or k.startswith(prefix + ".")]:
+    for key in [k for k in sys.modules if inside(k, prefix)]:
         del sys.modules[key]
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.align._results import FAILING
+from onboarding.modpath import inside, related
 
 MAX_BLOCKS = 4  # failing blocks listed, culprit first; the others are counted
 MAX_MESSAGE = 300  # characters of one verdict message or patch error
@@ -52,10 +53,6 @@ def _num(v: Any) -> float | None:
     return None if v is None else float(f"{float(v):.3g}")
 
 
-def _related(a: str, b: str) -> bool:
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
-
-
 def alignment_failure(alignment: dict[str, Any] | None, path: str, family: str | None = None,
                       shapes: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """What the failed alignment ``alignment`` (``alignment.json``'s content) measured at the
@@ -66,7 +63,7 @@ def alignment_failure(alignment: dict[str, Any] | None, path: str, family: str |
         return {}
     shapes = shapes or {}
     rank = {p: i for i, p in enumerate(alignment.get("forward_order") or [])}
-    bad = sorted((b for b in alignment.get("blocks", []) if _related(b["path"], path) and any(
+    bad = sorted((b for b in alignment.get("blocks", []) if related(b["path"], path) and any(
         (b.get(d) or {}).get("verdict") in FAILING for d in _QUANTITIES)),
         key=lambda b: rank.get(b["path"], len(rank)))
     blocks = []
@@ -200,7 +197,7 @@ def local_errors(failure: dict[str, Any], path: str) -> list[str]:
     shown to be the code's)."""
     out = []
     for f in (failure or {}).get("failing", []):
-        if not (f["block"] == path or f["block"].startswith(path + ".")):
+        if not inside(f["block"], path):
             continue
         for d in f.get("directions", []):
             bad = [m["of"] for m in d.get("measured", [])

@@ -12,6 +12,7 @@ from onboarding.graph._records import (ACTIVATIONS, EXPERT_KINDS, SOFTMAX, _acti
                                        is_matmul, layer_of)
 from onboarding.graph.capture import OpRecord
 from onboarding.graph.opgraph import Block
+from onboarding.modpath import inside
 
 
 class MoeRules:
@@ -168,14 +169,14 @@ class MoeRules:
                        and p[len(lst) + 1:].split(".")[0].isdigit()]
             parent = lst.rsplit(".", 1)[0] if "." in lst else ""
             routers = [b for p, b in self.blocks.items() if b.kind == "moe.router" and
-                       (p == parent or p.startswith(parent + ".")) and
+                       inside(p, parent) and
                        b.attrs.get("n_experts") == n]
             if not members or not routers:
                 continue
             first = self.blocks[members[0]]
             # the first expert's own records and 2-D weights: its activation and gating
             first_recs = [r for r in self.cap.records
-                          if r.module == members[0] or r.module.startswith(members[0] + ".")]
+                          if inside(r.module, members[0])]
             gated = _expert_gating([s for n2, s in self.ctx.param_shapes.items()
                                     if n2.startswith(members[0] + ".") and len(s) == 2])
             flops = sum(self.blocks[m].flops for m in members)

@@ -10,6 +10,7 @@ from onboarding.graph._records import (ACTIVATIONS, CONV, VIEW_OPS, _expert_acti
                                        _linear_dims, _mixing_shapes, estimate_cost, is_matmul,
                                        is_sdpa)
 from onboarding.graph.capture import OpRecord
+from onboarding.modpath import inside
 
 
 class StreamRules:
@@ -46,7 +47,7 @@ class StreamRules:
                 counts = {shape[0] // batch}
             else:
                 continue
-            idx = [r.index for r in self.cap.records if r.module == p or r.module.startswith(p + ".")]
+            idx = [r.index for r in self.cap.records if inside(r.module, p)]
             if counts and idx:
                 out[p] = (counts, min(idx), max(idx), shape)
         self._carriers = out
@@ -78,7 +79,7 @@ class StreamRules:
             return None
         outs = {d[1] for r in mm if (d := _linear_dims(r, self.ctx))}
         for p, (counts, _, _, shape) in self._stream_carriers().items():
-            if not (path == p or path.startswith(p + ".")):
+            if not inside(path, p):
                 continue
             n = next((c for c in sorted(counts) if outs == {c, c * c}), None)
             if n is None:
@@ -116,8 +117,8 @@ class StreamRules:
         d = shape[-1]
         own = [tuple(s) for name, s in self.ctx.param_shapes.items()
                if name.rsplit(".", 1)[0] == path and len(s) in (1, 2)]
-        inside = any(path.startswith(p + ".") for p, (_, _, _, sh) in
-                     self._stream_carriers().items() if sh == shape)
+        in_carrier = any(path.startswith(p + ".") for p, (_, _, _, sh) in
+                         self._stream_carriers().items() if sh == shape)
         after_all = min(r.index for r in recs) > max(b for _, _, b in carriers)
         for n in sorted(set().union(*(c for c, _, _ in carriers))):
             reads = self._stream_reads(shape, n)
@@ -135,7 +136,7 @@ class StreamRules:
                                          for r in recs for o in r.out_shapes)
             if not (proj or static or (n,) in own):
                 continue  # a plain mean of the streams: no coefficients
-            role = "mix" if matrix or inside else "collapse" if after_all else None
+            role = "mix" if matrix or in_carrier else "collapse" if after_all else None
             if role is None:
                 continue
             ev = [f"its input {shape} is the {n} residual streams of width {d} that the layers "
@@ -190,8 +191,8 @@ class StreamRules:
         that ran before it; the rest is returned (left unclaimed, as before)."""
         if path not in self._stream_carriers():
             return recs
-        mixes = {p: min((r.index for r in self.cap.records if r.module == p
-                         or r.module.startswith(p + ".")), default=-1)
+        mixes = {p: min((r.index for r in self.cap.records
+                         if inside(r.module, p)), default=-1)
                  for p, b in self.blocks.items() if p.startswith(path + ".")
                  and b.kind == "residual.streams" and b.attrs.get("role") == "mix"}
         if not mixes:
@@ -286,8 +287,8 @@ class StreamRules:
             return None
         d_in, d_out = dims.pop() or (None, None)
         k = len(mm)
-        inside = [p for p in carriers if path == p or path.startswith(p + ".")]
-        if inside or d_in != d_out or any(sh[-1] != d_in for _, _, _, sh in carriers.values()) \
+        if any(inside(path, p) for p in carriers) or d_in != d_out \
+                or any(sh[-1] != d_in for _, _, _, sh in carriers.values()) \
                 or not all(k + 1 in c for c, _, _, _ in carriers.values()):
             return None
         first = min(a for _, a, _, _ in carriers.values())

@@ -28,6 +28,7 @@ from onboarding.graph._moe import MoeRules
 from onboarding.graph._streams import StreamRules
 from onboarding.graph.capture import Capture, OpRecord
 from onboarding.graph.opgraph import CONV_KINDS, Block, TensorMeta
+from onboarding.modpath import inside
 
 # the block kinds of sequence mixers that mix tokens by scores or a recurrence
 MIXER_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
@@ -332,7 +333,7 @@ class Classifier(MixerRules, MoeRules, StreamRules):
         lo, hi = mm[0].index, mm[-1].index
         return [p for p in self._free_blocks(path, MIXER_PREFIXES) if any(
             lo < r.index < hi for m, rs in self.by_module.items()
-            if m == p or m.startswith(p + ".") for r in rs)]
+            if inside(m, p) for r in rs)]
 
     def _mixer_projections(self, path: str, recs: list[OpRecord]) -> bool:
         """Two or more weight projections among ``recs`` with a sequence mixer block's ops
@@ -728,7 +729,7 @@ class Classifier(MixerRules, MoeRules, StreamRules):
         count: the compute around it (a mixer that no rule explains) is one leftover, not one
         per projection."""
         def has_block(p: str) -> bool:
-            return any((b == p or b.startswith(p + ".") if p else True)
+            return any(inside(b, p)
                        and self.blocks[b].kind not in CONV_KINDS for b in self.blocks)
 
         while module and not has_block(parent := module.rsplit(".", 1)[0] if "." in module

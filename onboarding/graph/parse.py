@@ -20,6 +20,7 @@ from onboarding.load.model import LoadedModel
 from onboarding.load.multimodal import account
 from onboarding.graph.opgraph import Block, OpGraph
 from onboarding.load.proxy import proxy_config, text_config
+from onboarding.modpath import inside
 
 # One letter per mixer / feed-forward kind in the layer pattern string.
 MIXER_CODES = {"attention.full": "A", "attention.gated": "A", "attention.sliding": "W",
@@ -138,7 +139,7 @@ def layer_pattern(blocks: list[Block], first_op: dict[str, int] | None = None
         """The first op index of ``path`` or a module under it."""
         lo = bisect.bisect_left(names, path)
         hi = bisect.bisect_left(names, path + "/")  # "/" sorts right after ".": the subtree
-        return min((first_op[m] for m in names[lo:hi] if m == path or m.startswith(path + ".")),
+        return min((first_op[m] for m in names[lo:hi] if inside(m, path)),
                    default=float("inf"))
 
     def order(s: str) -> tuple:
@@ -172,7 +173,7 @@ def by_kind_params(full: ParamCounts, blocks: list[Block]) -> dict[str, int]:
     patterns = sorted(pairs, key=lambda t: -len(t[0]))
     out: Counter = Counter()
     for comp, n in full.by_component.items():
-        kind = next((k for p, k in patterns if comp == p or comp.startswith(p + ".")), None)
+        kind = next((k for p, k in patterns if inside(comp, p)), None)
         out[kind or "other"] += n
     return dict(out.most_common())
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from onboarding.modpath import inside
+
 # Config / module attribute names that hold the number of experts a token is routed to.
 TOPK_NAMES = ("num_experts_per_tok", "top_k", "topk", "moe_topk", "num_selected_experts",
               "experts_per_token", "moe_k")
@@ -82,7 +84,7 @@ def _router_in(parent: nn.Module, parent_path: str, n_experts: int,
                skip: str) -> str | None:
     for name, mod in parent.named_modules():
         path = f"{parent_path}.{name}" if name and parent_path else name or parent_path
-        if path == skip or path.startswith(skip + "."):
+        if inside(path, skip):
             continue
         for pname, p in mod.named_parameters(recurse=False):
             if p.ndim == 2 and p.shape[0] == n_experts:
@@ -122,7 +124,7 @@ def find_moe(model: nn.Module, config: Any = None) -> list[MoEInfo]:
             block_path = path  # packed experts with a router held elsewhere: count anyway
         else:
             block_path = parent_path
-        if any(f.experts_path == path or path.startswith(f.experts_path + ".") for f in found):
+        if any(inside(path, f.experts_path) for f in found):
             continue
         top_k, src = _top_k(modules[block_path], modules.get(router) if router else None,
                             config)
@@ -161,11 +163,11 @@ def count_parameters(model: nn.Module, config: Any = None) -> ParamCounts:
         if pid in head_ids:
             return "lm_head"
         for info in moe:
-            if owner == info.experts_path or owner.startswith(info.experts_path + "."):
+            if inside(owner, info.experts_path):
                 return "moe.experts"
             if info.router_path and owner == info.router_path:
                 return "moe.router"
-            if any(owner == s or owner.startswith(s + ".") for s in info.shared_paths):
+            if any(inside(owner, s) for s in info.shared_paths):
                 return "moe.shared_expert"
         mod = modules.get(owner)
         if mod is not None and not list(mod.children()) and all(
@@ -190,8 +192,7 @@ def count_parameters(model: nn.Module, config: Any = None) -> ParamCounts:
         elif cat == "lm_head":
             lm_head += n
         if cat == "moe.experts":
-            info = next(i for i in moe if owner == i.experts_path
-                        or owner.startswith(i.experts_path + "."))
+            info = next(i for i in moe if inside(owner, i.experts_path))
             frac = (info.top_k / info.n_experts) if info.top_k else 1.0
             active += n * frac
         else:

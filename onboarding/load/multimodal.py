@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from onboarding.errors import InputError
+from onboarding.modpath import inside
 
 LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
 # Auto classes tried in order for the whole model: the ones with a language-model head first.
@@ -186,8 +187,8 @@ def find_lm_head(model: nn.Module, decoder_path: str, text_cfg: Any) -> nn.Linea
     if isinstance(head, nn.Linear) and head.out_features == vocab:
         return head
     for path, mod in model.named_modules():
-        inside = decoder_path and (path == decoder_path or path.startswith(decoder_path + "."))
-        if isinstance(mod, nn.Linear) and mod.out_features == vocab and not inside:
+        in_decoder = decoder_path and inside(path, decoder_path)
+        if isinstance(mod, nn.Linear) and mod.out_features == vocab and not in_decoder:
             return mod
     return None
 
@@ -354,7 +355,7 @@ def component_params(lay: Layout, cfg: Any) -> dict[str, int]:
         comp = wanted.get(id(getattr(mod, "config", None)))
         if comp is None or not path:
             continue
-        if any(path == r or path.startswith(r + ".") for r in roots):
+        if any(inside(path, r) for r in roots):
             continue
         roots[path] = comp
     roots[lay.decoder_path] = "language"
@@ -371,10 +372,10 @@ def component_params(lay: Layout, cfg: Any) -> dict[str, int]:
         owner = name.rsplit(".", 1)[0] if "." in name else ""
         if id(p) in head_ids:
             comp = "language"
-        elif any(owner == q or owner.startswith(q + ".") for q in projector):
+        elif any(inside(owner, q) for q in projector):
             comp = "projector"
         else:
-            root = max((r for r in roots if r == "" or owner == r or owner.startswith(r + ".")),
+            root = max((r for r in roots if inside(owner, r)),
                        key=len, default=None)
             if root is not None:
                 comp = roots[root]

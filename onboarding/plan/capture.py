@@ -23,6 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from onboarding.graph.opgraph import Block, OpGraph
+from onboarding.modpath import inside
 from onboarding.plan.shapes import CAPTURE_SEQ
 
 if TYPE_CHECKING:
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
 SHORT_SEQ = 64  # the plan's capture length (`onboard plan`)
 MAX_SEQ = 1024  # the longest re-capture (about 10x the short one's time on the tiny proxy)
 MIXER_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root + ".")
 
 
 class _ParamReads(TorchFunctionMode):
@@ -102,13 +99,13 @@ def merge(short: OpGraph, long: OpGraph, roots: list[str]) -> OpGraph:
     blocks: list[Block] = []
     done: set[str] = set()
     for b in short.blocks:
-        root = next((r for r in roots if b.path and _inside(b.path, r)), None)
+        root = next((r for r in roots if b.path and inside(b.path, r)), None)
         if root is None:
             blocks.append(b)
         elif root not in done:
             done.add(root)
             for x in long.blocks:
-                if x.path and _inside(x.path, root):
+                if x.path and inside(x.path, root):
                     x.attrs[CAPTURE_SEQ] = long.seq  # its shapes' T (`shapes._width`)
                     blocks.append(x)
     pattern, kinds = layer_pattern(blocks)

@@ -64,8 +64,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from onboarding.graph.opgraph import CONV_KINDS
+from onboarding.modpath import inside
 from onboarding.plan.config import GIB, ClusterConfig, PlanConfig
-from onboarding.plan.shapes import (BlockShape, ModelShape, _inside, attention_heads, ceil_div,
+from onboarding.plan.shapes import (BlockShape, ModelShape, attention_heads, ceil_div,
                                    fsdp_shard)
 
 BF16, FP32 = 2, 4
@@ -204,7 +205,7 @@ def _counted_blocks(shape: ModelShape) -> list[BlockShape]:
     path patterns (layer numbers as ``*``), so a norm inside attention still counts."""
     norms = [b.pattern for b in shape.blocks if b.kind.startswith("norm.")]
     return [b for b in shape.blocks if not (b.kind.startswith("norm.") and any(
-        p != b.pattern and _inside(b.pattern, p) for p in norms))]
+        p != b.pattern and inside(b.pattern, p) for p in norms))]
 
 
 def in_layer(b: BlockShape) -> bool:
@@ -431,7 +432,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         silent = b.attrs.get("no_gradient_modules") or ()
         # what a module that passes no gradient out computes (a top-k indexer) keeps nothing
         lin_out = max(sum(o for n, _, o in b.linears
-                          if not any(n == x or n.startswith(x + ".") for x in silent)) - d, 0)
+                          if not any(inside(n, x) for x in silent)) - d, 0)
         lora = 0.0 if full else _lora_saved(b, d, r, output_input=False)
         kept = lora + (BF16 * d if full else 0)
         if kind == "sparse_attention.topk" and _topk_kernel(b, patched, cfg):

@@ -36,6 +36,7 @@ from torch import nn
 from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
+from onboarding.modpath import inside
 from onboarding.train.flops import SOFTMAX_PREFIXES, local_window, lookup_tables
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names, no_gradient_names
 
@@ -129,10 +130,6 @@ def _params_signature(mod: nn.Module) -> frozenset[str]:
     return frozenset(n for n, _ in mod.named_parameters())
 
 
-def _inside(path: str, parent: str) -> bool:
-    return path == parent or path.startswith(parent + ".")
-
-
 def _decoder_layers(model: nn.Module) -> int:
     """Length of the longest ModuleList whose members are all called ``<list>.<i>``: the layers."""
     return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)), default=1)
@@ -165,8 +162,8 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
     excluded = [p for key, ps in inst.items() if proxy[key].kind in ("moe.router", "moe.experts")
                 for p in ps]
     parents = {key: sorted({(k[0], proxy[k].kind) for k, ps in inst.items()
-                            if k != key and _inside(key[0], k[0])
-                            and any(p != q and _inside(p, q) for p in paths for q in ps)})
+                            if k != key and inside(key[0], k[0])
+                            and any(p != q and inside(p, q) for p in paths for q in ps)})
                for key, paths in inst.items()}
     for key, paths in inst.items():
         b = proxy[key]
@@ -180,8 +177,8 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         mixer_out = mixer_output_names(b)
         silent = no_gradient_names(b)
         targets = [(n, i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES)
-                   and n not in mixer_out and not any(_inside(n, s) for s in silent)
-                   and not any(_inside(f"{paths[0]}.{n}", e) for e in excluded)]
+                   and n not in mixer_out and not any(inside(n, s) for s in silent)
+                   and not any(inside(f"{paths[0]}.{n}", e) for e in excluded)]
         n_params = sum(p.numel() for p in first.parameters())
         # a module beside the block that its compute runs in too: its linears and parameters
         # are the block's (the proxy block's own params, by which the full-size modules were
@@ -196,7 +193,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             pattern=key[0], kind=b.kind, count=len(paths),
             params=n_params, linears=lin, attrs=dict(b.attrs),
             ops=sum(b.op_histogram.values()), lora_targets=targets,
-            nested=any(p != paths[0] and _inside(paths[0], p) for p in all_paths),
+            nested=any(p != paths[0] and inside(paths[0], p) for p in all_paths),
             parents=parents[key],
             width=_width(b, first, paths[0], graph, modules),
             instances=_instances(b.kind, paths, modules, config), gate_heads=gate_heads(b, first),
@@ -225,7 +222,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
     dense, seen = [], set()
     for pname, p in model.named_parameters():
         owner = pname.rsplit(".", 1)[0] if "." in pname else ""
-        if id(p) in seen or any(_inside(owner, e) for e in expert_paths):
+        if id(p) in seen or any(inside(owner, e) for e in expert_paths):
             continue
         seen.add(id(p))
         d0 = p.shape[0] if p.ndim else 1
@@ -437,7 +434,7 @@ def _layer_dense_max(model: nn.Module, expert_paths: list[str]) -> int:
             n = 0
             for pname, p in layer.named_parameters():
                 full = f"{path}.{i}.{pname}".rsplit(".", 1)[0]
-                if not any(_inside(full, e) for e in expert_paths):
+                if not any(inside(full, e) for e in expert_paths):
                     n += p.numel()
             best = max(best, n)
     return best

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from onboarding.errors import InputError
 from onboarding.graph.opgraph import OpGraph
+from onboarding.modpath import inside
 
 ATTENTION_PREFIXES = ("attention.", "sparse_attention.", "linear_attention.")
 # selective state-space mixers (classified by structure): their output projection is no default
@@ -181,10 +182,6 @@ def _linear_paths(model: nn.Module) -> dict[str, nn.Linear]:
             if isinstance(m, nn.Linear) and not any(p.startswith(w + ".") for w in wrapped)}
 
 
-def _inside(path: str, block_path: str) -> bool:
-    return block_path == "" or path == block_path or path.startswith(block_path + ".")
-
-
 def mixer_output_names(block) -> set[str]:
     """Module names, relative to ``block``, of a selective state-space mixer's output projections
     (``SCAN_MIXER_KINDS``; empty for other kinds): a 2-D weight that maps another width back to
@@ -228,7 +225,7 @@ def default_targets(model: nn.Module, graph: OpGraph) -> list[str]:
     mixer_outputs = scan_mixer_outputs(graph, linears)
     out = []
     for path in linears:
-        if any(_inside(path, a) for a in attn) and not any(_inside(path, e) for e in excluded) \
+        if any(inside(path, a) for a in attn) and not any(inside(path, e) for e in excluded) \
                 and path not in mixer_outputs:
             out.append(path)
     return sorted(out, key=_path_key)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from onboarding.graph.opgraph import OpGraph
+from onboarding.modpath import inside
 
 MODEL = "(model)"  # outside every block of the graph: embedding, loss
 
@@ -35,7 +36,7 @@ def _owner(graph: OpGraph) -> Callable[[str], str]:
     blocks = sorted((b for b in graph.blocks if b.path), key=lambda b: -len(b.path))
 
     def kind(path: str) -> str:
-        return next((b.kind for b in blocks if path == b.path or path.startswith(b.path + ".")),
+        return next((b.kind for b in blocks if inside(path, b.path)),
                     MODEL)
     return kind
 
