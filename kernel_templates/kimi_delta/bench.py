@@ -108,10 +108,12 @@ HOT_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 128},)
 # 3.915 / 3.469 (slower by both clocks); dropped with its keys in template v58.
 # Template v60 (issue 32): `kda_wykq` 1, "ksplit"'s K tiles and the qkt kernel's hot launch as one kernel per (K tile,
 # chunk, key head) (`kda_chunk_bwd_wykq_kernel`; the V side writes the l2norm's row dots whole, so no fp32 dq, dk, dg
-# partials go between two kernels and q, k, g are read once). Untimed. sm_90 AOT (bf16, every integer marked, triton
-# 3.9; registers / spill bytes): at 4 warps the V side with FULL 255 / 24 (the default's V side 255 / 12) and the fused
-# kernel 255 / 12 (the default's K tiles capped at 168: 168 / 0, its qkt hot launch 239 / 0); with `kda_wy_warps` 8
-# (both kernels at 8 warps) 230 / 0 and 178 / 0.
+# partials go between two kernels and q, k, g are read once). Untimed. sm_90 AOT (bf16, every integer marked; registers
+# / spill bytes, triton 3.6 (the GPU image's) | 3.9): at 4 warps the V side with FULL 250 / 0 | 255 / 24 (the default's
+# V side 243 / 0 | 255 / 12) and the fused kernel 255 / 0 | 255 / 12 (the default's K tiles capped at 168: 168 / 0, its
+# qkt hot launch 247 / 0 | 239 / 0); with `kda_wy_warps` 8 (both kernels at 8 warps) 206 / 0 | 230 / 0 and 183 / 0 |
+# 178 / 0. Capped, the fused kernel spills (triton 3.6: 4 warps at 168 684 B, 8 warps at 128 124 B): no row.
+# `.ci/h200/sass_audit.py --only kimi_delta --kernel wy` with these configs (triton 3.6): 0 of 11 builds flagged.
 WYKQ_SWEEP = ({"kda_qk": "ksplit", "kda_wykq": 1}, {"kda_qk": "ksplit", "kda_wykq": 1, "kda_wy_warps": 8})
 BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP, *WYKQ_SWEEP)
 
