@@ -230,6 +230,7 @@ FAMILY = FamilySpec(
     plan_saves="delta_rule",
     name=NAME,
     template="kimi_delta.py.j2",
+    # v61: `_kda_bwd_wykq.py.j2`'s byte counts corrected (a comment; the kernels unchanged).
     # v60: `kda_wykq` 1 (off; above): `kda_chunk_bwd_wykq_kernel` (`_kda_bwd_wykq.py.j2`), the V side's FULL
     # (p_qg, p_h: the row dots whole) and `_backward_wykq`; the default's launches and kernels' code paths unchanged.
     # v59: the qkt kernel's flag index ((key head * NT + chunk) * NK + K tile, the hot launch's store and the cold
@@ -310,7 +311,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=60,
+    template_version=61,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},
