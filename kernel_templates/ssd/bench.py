@@ -226,9 +226,9 @@ PULL = {"PULL_P": 32, "pull_scale": "dy"}
 #
 # Template v29: `pull_ahead`, the split backward's fused pull (0.210 ms of the forty-eighth session's H100
 # profile: 256 programs of 4 warps, each a 128-step serial chain, 1.64 us a step, against 0.43-0.56 GB
-# of HBM traffic, 0.13-0.17 ms at 3.35 TB/s) with each step's loads issued one step ahead into
-# registers. Its sm_90 TTGIR without it (triton 3.6 and 3.9) waits each step on a plain load of the
-# step's cs row (loaded a second time, in the layout of cs_e's sum; the other loads are async copies).
+# of HBM traffic, 0.13-0.17 ms at 3.35 TB/s) with each step's cs row loaded one step ahead. Its sm_90
+# TTGIR without it (triton 3.6 and 3.9) waits each step on a plain load of the step's cs row (loaded a
+# second time, in the layout of cs_e's sum; the other loads are async copies).
 # Untimed: the first row (family.py has the count and the build's registers).
 SWEEP = (({"pull_ahead": True}, "bwd"), ({"bwd_ahead": False}, "bwd"),
          (PULL, "bwd"), ({"split_dbc": "triple"}, "bwd"), ({"PULL_P": 32}, "bwd"),

@@ -90,7 +90,7 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v29: `pull_ahead` (the split backward's fused pull with its step loads one step ahead; untimed, off).
+    # v29: `pull_ahead` (the split backward's fused pull with its cs rows one step ahead; untimed, off).
     # v28: `bwd_ahead` True in the P <= 64 bucket (timed on the H200, fifty-third session, below).
     # v27: `bwd_ahead` (the fused backward kernel's per-head loads one head ahead or staged; untimed).
     # v26 (no kernel change): `_cdiv` / `_npow2` are `_common/_host_ints.py.j2`'s, the gated delta rule's
@@ -260,19 +260,20 @@ FAMILY = FamilySpec(
     #   (v27-ahead, -pull, -triple XPASS). v28 makes it the P <= 64 bucket's; v27's default stays the
     #   bench's first SWEEP row.
     # pull_ahead (False; v29): ssd_split_fused_pull_kernel (`bwd` "split", `pass` "fused") with each step's
-    #   loads (its cs row, dy and C tiles) issued one step ahead into registers and cs_0 from the next
-    #   step's row: no plain load waited on inside the serial chain. Without it Triton's pipeline copies
-    #   cs, cs_0, dy and C ahead (async copies, 49.7 KB of shared memory) but loads the step's cs row a
-    #   second time, in another layout (cs_e's sum), as a plain load each step waits on (sm_90 TTGIR,
-    #   triton 3.6 and 3.9). At the bench shape the pull is 256 programs of 4 warps (at most two per
-    #   SM), each a 128-step chain: 0.210 ms in the forty-eighth session's H100 profile, 1.64 us a step,
-    #   for 17 GFLOP and 0.43 GB of HBM traffic (dy read 134 MB, gs written in bf16 268 MB, C, cs, dh0;
-    #   0.56 GB if the second N tile's programs read dy from HBM again): 0.13-0.17 ms at the H100's
-    #   3.35 TB/s, 0.09-0.12 at the H200's 4.8. sm_90 bf16 builds at the bench's tiles (BLOCK_P 64,
-    #   STATE_N 64, PASS_K 64): 145 -> 208 registers on triton 3.6 (132 -> 179 on 3.9), no spills,
-    #   16.9 KB of shared memory; with v24's pull pair (PULL_P 32, "dy") 92 -> 159 (84 -> 138), no
-    #   spills (three programs per SM by registers, where the 512 programs want four). Untimed (off
-    #   in every bucket; the bench's first SWEEP row).
+    #   cs row loaded one step ahead (carried in registers) and cs_0 from the next step's row: no plain
+    #   load waited on inside the serial chain. Without it Triton's pipeline copies cs, cs_0, dy and C
+    #   ahead (async copies) but loads the step's cs row a second time, in another layout (cs_e's sum),
+    #   as a plain load each step waits on (sm_90 TTGIR, triton 3.6 and 3.9). At the bench shape the
+    #   pull is 256 programs of 4 warps (at most two per SM), each a 128-step chain: 0.210 ms in the
+    #   forty-eighth session's H100 profile, 1.64 us a step, for 17 GFLOP and 0.43 GB of HBM traffic
+    #   (dy read 134 MB, gs written in bf16 268 MB, C, cs, dh0; 0.56 GB if the second N tile's programs
+    #   read dy from HBM again): 0.13-0.17 ms at the H100's 3.35 TB/s, 0.09-0.12 at the H200's 4.8, so
+    #   at most about 0.04-0.08 ms to gain on the H100. sm_90 bf16 builds at the bench's tiles (BLOCK_P
+    #   64, STATE_N 64, PASS_K 64), triton 3.6: 145 -> 144 registers, no spills, 49.7 KB of shared
+    #   memory either way, the loop 518 -> 535 SASS instructions and 7 -> 10 barriers (the carried row
+    #   converted through shared memory for the two sums), one plain load waited on -> none; triton
+    #   3.9: 132 -> 166 registers. With v24's pull pair (PULL_P 32, "dy"): 92 -> 108 (3.9: 84 -> 96).
+    #   Untimed (off in every bucket; the bench's first SWEEP row).
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),

@@ -431,7 +431,7 @@ AHEAD = {"bwd_ahead": True}
                          # dt_bias (the rows above have them)
                          + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": "paired", **AHEAD},
                                          (1, 23, 4, 8, 1, 16, False, True), id="ahead-paired-H4G1-noD-T23")]
-                         # `pull_ahead` (v29): the fused pull's step loads one step ahead, at T 41 with PASS_K
+                         # `pull_ahead` (v29): the fused pull's cs rows one step ahead, at T 41 with PASS_K
                          # 16 (two steps per split chunk of 32, the last chunk's second step wholly past T;
                          # 2 P blocks; D, dt_bias, initial state) and with its weights on dy's columns
                          # (PULL_P 32, split chunks of 16: one step per chunk)
@@ -904,7 +904,7 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # -triple XPASSed on the H200): v27's default beside it, and "triple"
                                  pytest.param({"bwd_ahead": False}, id="v27-default", marks=UNTIMED),
                                  pytest.param({"split_dbc": "triple"}, id="v28-triple", marks=UNTIMED),
-                                 # v29's `pull_ahead` (the fused pull's step loads one step ahead), alone and
+                                 # v29's `pull_ahead` (the fused pull's cs rows one step ahead), alone and
                                  # with v24's pull pair
                                  pytest.param({"pull_ahead": True}, id="v29-pull-ahead", marks=UNTIMED),
                                  pytest.param({"pull_ahead": True, "PULL_P": 32, "pull_scale": "dy"},
