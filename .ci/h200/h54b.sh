@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The fifty-fourth session's second call (~560 s), each step cut to what is left of LIMIT:
+#   pv   the plan validation's re-measurement (`python -m onboarding.plan.validate --out`): the
+#        stored runs (reference_runs/plan_validation) predate 434 commits to the training step;
+#   kda  kimi_delta v60's `kda_wykq` rows beside the default at the Kimi-Linear layout T8192
+#        (issue 32: fwd+bwd <= 3x its own forward), with `state_bwd_stages=3`'s never-timed row;
+#   ssd  ssd v29's `pull_ahead` sweep row beside the default (issue 35: <= 3x);
+#   moe  moe_experts v32's `gate_up_one_dot` rows at DeepSeek-V3 N8192 (issue 33).
+# carry: .whl. Usage: LIMIT=560 STEPS="pv kda" bash .ci/h200/h54b.sh
+set -u
+OUT=${OUT:-/tmp/out}
+T0=$(date +%s)
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
+source .ci/h200/setup.sh > /dev/null || exit 1
+step() {  # name timeout command... (the timeout shrinks to what is left of LIMIT)
+  local name=$1 t=$2; shift 2
+  local left=$(( ${LIMIT:-560} - $(date +%s) + T0 - 10 ))
+  [ $left -lt $t ] && t=$left
+  [ $t -lt 30 ] && { echo "$name: skipped, ${left} s left" | tee -a $OUT/summary.txt; return; }
+  timeout $t "$@" > $OUT/$name.log 2>&1
+  echo "$name rc $? +$(( $(date +%s) - T0 )) s" | tee -a $OUT/summary.txt
+  grep -vE "falling back|^\s*$" $OUT/$name.log | grep -E "^(ssd|kimi_delta|moe_experts)|ratio|passed|failed|^\||STALE|rates|error" | tail -40
+}
+D='deepseek_v3/E256K8D7168F2048N8192/uniform'
+for s in ${STEPS:-pv kda ssd moe}; do
+  case $s in
+    pv) step pv 420 python3 -m onboarding.plan.validate --out $OUT/pv --runs /tmp/vruns --steps 4 --timeout 70 ;;
+    kda) step kda 200 onboard bench --family kimi_delta --case B1T8192H32D128 --impl \
+           'ours,ours_fwd,ours@kda_qk=ksplit+kda_wykq=1,ours@kda_qk=ksplit+kda_wykq=1+kda_wy_warps=8,ours@state_bwd_stages=3+kda_state_bwd_warps=8' \
+           --out $OUT/kda.json ;;
+    ssd) step ssd 150 onboard bench --family ssd --case '^B1T8192H128P64G8N128$' --impl ours,ours_fwd --out $OUT/ssd.json ;;
+    moe) step moe 150 onboard bench --family moe_experts --case "$D/fwd\$" --case "$D/fwdbwd\$" --impl ours,grouped_mm \
+           --out $OUT/moe.json ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
