@@ -34,7 +34,8 @@ DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbw
 and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
 v15's ``MOE_FWD_SWEEP_BIG`` kept likewise). Template v32's rows (``MOE_V32_FWD_SWEEP_BIG``,
 ``MOE_V32_SWEEP_BIG``: gate/up on one 256-wide dot) replace those in DeepSeek-V3 N8192's ``fwd``
-and ``fwdbwd`` cases.
+and ``fwdbwd`` cases; v33's ``MOE_V33_SWEEP_BIG`` (the weight gradients with each output slice's
+a^T held) follows v32's in ``fwdbwd``.
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -309,12 +310,39 @@ MOE_V28_SWEEP = [_DX_TRITON]
 _ONE_DOT = {"gate_up_one_dot": True}
 MOE_V32_FWD_SWEEP_BIG = [_ONE_DOT, {**_ONE_DOT, "half_tail_down": True}]
 MOE_V32_SWEEP_BIG = [_ONE_DOT]
+# Template v33 (fifty-fourth session, helper-172; issue 33): `dw_held`, both weight gradients by
+# moe_dw_held_kernel in place of torch._grouped_mm (the d_big default, `dw_grouped_mm`). Counts at
+# DeepSeek-V3 N8192 uniform (S = 65,536 slots, 206-300 rows an expert; arithmetic, not measured):
+# - The two weight gradients: 5.77e12 FLOPs (d down 1.92e12, d gate_up 3.85e12; 5.83 ms at 989
+#   TFLOP/s dense bf16), 22.5 GB of bf16 gradients written (15.0 + 7.5; 4.70 ms at the H200's 4.8
+#   TB/s), ~2 GB of operands read from HBM. Either floor is ~40% of the ~15 ms they take (docs/LOG.md:
+#   CUTLASS 15.04-15.8 ms on the H200, 16.8-17.1 on H100s).
+# - torch._grouped_mm runs them as CUTLASS's cooperative 128 x 256 x 64 kernel with 2 x 1 clusters
+#   (aten GroupMM.cu: "small" only when a side is <= 128), so per MMA FLOP it moves (128 + 256 / 2) /
+#   (128 * 256) = 1/128 byte of operand from L2 (the 256-wide operand multicast over the cluster).
+#   moe_dw_held_kernel (DW_BLOCK_M 128, column tile 64, 8 warps, 3 stages) holds a^T [128, rows] of
+#   its output slice in shared memory and loads only b per column tile: also 1/128 byte a FLOP, plus
+#   a^T once per slice (S (2F + D) 2 B = 1.48 GB in all). The MMA work is the same (both round an
+#   expert's rows up to 64: ~288 of ~256 rows). So by count the GEMM part is even at best.
+# - What it removes: the x[tok] copy (`x.index_select`: 0.94 GB written, 0.12-0.94 GB read) that
+#   the grouped GEMM needs and its 0.94 GB read back: b is x itself, rows by token, the expert's
+#   row indices loaded once per program. That gather is half of the two row gathers' 1.173 ms in the
+#   forty-eighth session's H100 profile: ~0.5 ms; ~0.4 at the H200's bandwidth.
+# - What may cost: one program per SM (221 KB of shared memory; sm_90 AOT by triton 3.9: 152 / 139
+#   registers for d down / d gate_up, no spills), no warp specialization, so each column tile's
+#   16 KB store follows a wait on its MMA chain (one chain of 16 m64n64k16 MMAs per warpgroup for an
+#   expert of <= 256 rows, a second of 4 for <= 320); CUTLASS overlaps its stores (TMA, warp
+#   specialized). Programs: 8,192 (d gate_up) + 14,336 (d down), 62 + 109 waves of 132. Column tile
+#   128 does not fit (2 stages: 272 KB).
+# Expected: -0.4 ms if the GEMM part keeps CUTLASS's rate, which no count here can say; the earlier
+# Triton weight gradients ran 3% behind CUTLASS (thirty-third session: 16.218 ms against 15.68).
+MOE_V33_SWEEP_BIG = [{"dw_held": 64}, {"dw_held": 64, **_ONE_DOT}]
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP,
           ("anchor", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V28_SWEEP,
           ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V32_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V32_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V32_SWEEP_BIG + MOE_V33_SWEEP_BIG,
           ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V28_SWEEP}
 
 

@@ -625,15 +625,15 @@ def tail_routing(counts: list[int], gen: torch.Generator) -> torch.Tensor:
     return idx[torch.randperm(n, generator=gen)]
 
 
-def tail_fixture(module, entry: str, d=40, f=20) -> KernelFixture:
-    """x [n, d] routed by `tail_routing(TAIL_COUNTS)`; gate_up [E, 2F, D] (mlp: up [E, F, D]), down
+def tail_fixture(module, entry: str, d=40, f=20, counts: list[int] = TAIL_COUNTS) -> KernelFixture:
+    """x [n, d] routed by `tail_routing(counts)`; gate_up [E, 2F, D] (mlp: up [E, F, D]), down
     [E, D, F]; "bias": gpt-oss's clamped SwiGLU with both biases."""
-    e, gated, bias = len(TAIL_COUNTS), entry != "mlp", entry == "bias"
-    n = sum(TAIL_COUNTS) // 2
+    e, gated, bias = len(counts), entry != "mlp", entry == "bias"
+    n = sum(counts) // 2
 
     def make_inputs(dtype, device, gen):
         x = torch.randn(n, d, generator=gen)
-        idx = tail_routing(TAIL_COUNTS, gen)
+        idx = tail_routing(counts, gen)
         w = torch.rand(n, 2, generator=gen) + 0.1
         gate_up = torch.randn(e, (2 if gated else 1) * f, d, generator=gen) / d ** 0.5
         down = torch.randn(e, d, f, generator=gen) / f ** 0.5
@@ -824,6 +824,80 @@ def test_gate_up_one_dot_off_by_default(load):
             module.set_config(CPU_CONFIG)
 
 
+# Template v33: `dw_held`, both weight gradients by moe_dw_held_kernel (a program per output row
+# slice of an expert; a^T held across the column tiles where the expert's rows fit in 5 row steps).
+# HELD_COUNTS over the CPU's 16-row steps: experts of 2, 0, 4, 5, 6, 5, 1 and 1 steps, so the
+# held loop with 4 steps (partial and full last steps, an empty expert: zeros), with 5, and the
+# plain K loop (81 rows) all run, on partial row slices and column tiles (D 24, F 12 over 16).
+HELD_COUNTS = [17, 0, 64, 65, 81, 80, 7, 2]
+HELD = {"dw_held": 16}
+
+
+@pytest.mark.parametrize("entry,kind", [
+    ("swiglu", "held"),
+    *[pytest.param(*p, marks=pytest.mark.slow) for p in (
+        ("mlp", "zipf"), ("bias", "held"), ("swiglu_cf", "all_to_one"), ("gpt_oss_bias", "empty_experts"), ("mlp", "held"))],
+], ids=lambda v: str(v))
+def test_v33_dw_held(load, device, monkeypatch, entry, kind):
+    """dw_held: the output and every gradient (bias gradients too) match the fp32 reference, with
+    `dw_grouped_mm` set beside it (dw_held goes first), and both weight gradients ran on
+    moe_dw_held_kernel at its own column tile, no other weight-gradient kernel."""
+    variant, params = _v32_params(entry, kind)
+    module = load(variant, params)
+    if kind == "held":
+        fx = tail_fixture(module, "bias" if entry == "bias" else entry, d=24, f=12, counts=HELD_COUNTS)
+    else:
+        fx = _v32_fixture(module, entry, kind)
+    launches = _checked_launches(fx, device, monkeypatch, {**CPU_CONFIG, **HELD, "dw_grouped_mm": True})
+    held = [kw for n, kw in launches if n == "moe_dw_held_kernel"]
+    assert len(held) == 2 and all(kw["BLOCK_N"] == 16 and kw["BLOCK_K"] == 16 for kw in held), held
+    assert not DW_KERNELS & {n for n, _ in launches}
+
+
+@pytest.mark.slow  # four forward + backward runs on 158 tokens in the interpreter
+def test_dw_held_frozen_weights(load, device):
+    """With gate_up frozen only d down_proj runs (one launch) and matches the default's; with both
+    frozen none runs, and dx and d topk_weights still match."""
+    module = load("swiglu", {})
+    args = tail_fixture(module, "swiglu", counts=HELD_COUNTS).make_inputs(torch.float32, device,
+                                                                          torch.Generator().manual_seed(3))
+    dy = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(4)).to(device)
+
+    def grads(config, wanted):
+        module.set_config({**CPU_CONFIG, **config})
+        try:
+            leaves = [a.clone().requires_grad_(i in wanted) if a.is_floating_point() else a for i, a in enumerate(args)]
+            return torch.autograd.grad(module.entry(*leaves), [leaves[i] for i in wanted], dy)
+        finally:
+            module.set_config(CPU_CONFIG)
+    for wanted in ((0, 2, 4), (0, 2)):
+        for a, b in zip(grads({}, wanted), grads(HELD, wanted), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dw_held_off_by_default(load):
+    """Template v33's key is 0 in every bucket, and the AOT specs then hold no moe_dw_held_kernel
+    (at the DW tile's 128 columns it would pass an SM's shared memory); set, both weight gradients'
+    builds at the key's column tile."""
+    for variant in ("swiglu", "mlp"):
+        module = load(variant, {"activation": "relu2"} if variant == "mlp" else {})
+        module.set_config(None)
+        try:
+            for size in (512, 2048, 7168):
+                cfg = module.config_for(size)
+                assert cfg["dw_held"] == 0, (variant, size)
+                for held in (0, 64):
+                    module.set_config({**cfg, "dw_held": held}, bucket=module.shape_bucket(size))
+                    specs = [s for s in module.aot_specs("bf16", size) if s["kernel"] == "moe_dw_held_kernel"]
+                    module.set_config(None, bucket=module.shape_bucket(size))
+                    assert [s["constexprs"]["WEIGHTED"] for s in specs] == ([True, False] if held else []), specs
+                    assert [s["constexprs"]["GATHER_B"] for s in specs] == ([False, True] if held else []), specs
+                    assert all(s["constexprs"]["BLOCK_N"] == held for s in specs), specs
+        finally:
+            module.set_config(None)
+            module.set_config(CPU_CONFIG)
+
+
 # GPU-bucket configs checked against each other in bf16: the grid weight-gradient kernels (the
 # reference point), the persistent kernel, the grid ones on slot-ordered rows, and the backward's weights by TMA and dx's own
 # 128 x 128 and 128 x 256 tiles (the bench's DeepSeek-V3 sweep); the weight gradients by torch._grouped_mm, also
@@ -857,6 +931,19 @@ def test_v32_configs_bf16_cuda(load, d):
     fp32 reference and 2e-3 of the default's run (the same bf16 operands and sums)."""
     configs = [{}] + moe_experts.bench.MOE_V32_SWEEP_BIG
     _check_bwd_configs_bf16(load("swiglu", {}), d, 16 if d < 4096 else 8, configs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
+@pytest.mark.parametrize("d,e", [(7168, 32), (7168, 8), (2048, 32), (2048, 16)],
+                         ids=["d_big-held", "d_big-loop", "d_le_4k-held", "d_le_4k-loop"])
+def test_v33_configs_bf16_cuda(load, d, e):
+    """Template v33's rows (bench.MOE_V33_SWEEP_BIG: dw_held, with gate_up_one_dot) against the
+    bucket default (torch._grouped_mm's weight gradients) through `_check_bwd_configs_bf16`: 32
+    experts take ~204 rows each (the held loops), 8 or 16 take 400-1000 (the plain K loop); every
+    gradient within 1e-2 of the fp32 reference and 4e-3 of the default's (other fp32 sums, one bf16
+    rounding each)."""
+    configs = [{}] + moe_experts.bench.MOE_V33_SWEEP_BIG
+    _check_bwd_configs_bf16(load("swiglu", {}), d, e, configs, same=4e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU buckets' tiles and bf16 dots run on a GPU only")
@@ -1224,6 +1311,19 @@ def test_v32_gate_up_aot_sm90(load, tmp_path):
     assert wide == [["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"]], wide
     assert sm90_mma(path, gate_up, tmp_path, {}, 7168)["moe_gate_up_fwd_kernel"] == [
         ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"]]
+
+
+@pytest.mark.slow  # sm_90 builds of every kernel, twice
+def test_v33_dw_held_aot_sm90(load, tmp_path):
+    """Template v33's bench row (dw_held 64 at D 7168: DW_BLOCK_M 128, 8 warps, 3 stages) compiles
+    moe_dw_held_kernel for sm_90 within an SM's shared memory and without spilling, for swiglu
+    and the biased clamped SwiGLU (sm_90 AOT by triton 3.9: 139-152 registers, 221184 shared
+    bytes, one program per SM). Prints registers / spills / shared bytes."""
+    for params in ({}, {"bias": True, **GPT_OSS}):
+        got = sm90_usage(load("swiglu", params).__file__, {"dw_held": 64}, 7168, tmp_path,
+                         ["moe_dw_held_kernel"])["moe_dw_held_kernel"]
+        print(f"{params}: {got}")
+        assert got[1] == 0 and got[2] <= aot.H100_SHARED_BYTES, got
 
 
 @pytest.mark.slow  # sm_90 build, nightly: 24.8 s on CI's cold Triton cache (28th session)
