@@ -329,7 +329,8 @@ MOE_V32_SWEEP_BIG = [_ONE_DOT]
 #   row indices loaded once per program. That gather is half of the two row gathers' 1.173 ms in the
 #   forty-eighth session's H100 profile: ~0.5 ms; ~0.4 at the H200's bandwidth.
 # - What may cost: one program per SM (221 KB of shared memory; sm_90 AOT by triton 3.9: 152 / 139
-#   registers for d down / d gate_up, no spills), no warp specialization, so each column tile's
+#   registers for d down / d gate_up, 3.6 (the GPU image's): 152 / 124, no spills, the same 221184
+#   bytes of shared memory), no warp specialization, so each column tile's
 #   16 KB store follows a wait on its MMA chain (one chain of 16 m64n64k16 MMAs per warpgroup for an
 #   expert of <= 256 rows, a second of 4 for <= 320); CUTLASS overlaps its stores (TMA, warp
 #   specialized). Programs: 8,192 (d gate_up) + 14,336 (d down), 62 + 109 waves of 132. Column tile
