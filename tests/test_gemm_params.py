@@ -44,6 +44,30 @@ def test_lookup_tables_are_no_gemm_and_a_tied_head_is(name):
     assert parts["base_dense"] == 4 * gemm * tokens
 
 
+@pytest.mark.parametrize("name", ["TiedPerLayerInputLM", "IndexedTablePerLayerInputLM"])
+def test_tied_head_is_a_block_of_the_full_model(name):
+    """A head tied to the token table is matched to its op-graph block (whose params the graph
+    names once, under the table): no unmatched pattern, its ops counted, and recompute ``full``
+    leaves its GEMM out of the re-run forward (it runs once, outside the layers). Before: the
+    full-size head module listed the weight, the proxy block none; ``lm_head`` was unmatched,
+    and the re-run forward charged the tied head's 64 x 32 GEMM."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan import PlanConfig
+    from onboarding.plan.estimate import FORWARD, rerun_flops
+    from onboarding.plan.run import shape_of
+
+    info = load_stage(ModelSpec(ref=f"{FIXTURE}:{name}").load(), "tiny")
+    graph = parse_stage(info, seq=12, try_export=False)
+    shape = shape_of(info, graph)
+    assert shape.unmatched == []
+    head = [b for b in shape.blocks if b.pattern == "lm_head"]
+    ops = sum(graph.by_kind("lm_head")[0].op_histogram.values())
+    assert [(b.kind, b.linears, b.ops) for b in head] == [("lm_head", [("", 32, 64)], ops)]
+    cfg = PlanConfig(gpus=1, seq=12, mode="full")
+    assert rerun_flops(shape, cfg, "full")[0] == FORWARD * (shape.dense_matmul - 64 * 32)
+
+
 @pytest.mark.slow
 def test_gemma3n_gemm_params_are_its_linears():
     """hf:gemma3n_text at full size: the plan's and training's GEMM parameters are its linears'

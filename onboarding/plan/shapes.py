@@ -126,8 +126,17 @@ class ModelShape:
         return [b for b in self.blocks if b.kind.startswith(prefix)]
 
 
-def _params_signature(mod: nn.Module) -> frozenset[str]:
-    return frozenset(n for n, _ in mod.named_parameters())
+def _params_signatures(model: nn.Module) -> dict[str, frozenset[str]]:
+    """Module path -> the names, under it, of the parameters ``model.named_parameters()`` lists
+    under it: as the op graph names a block's params (`Context.param_shapes`), a tensor held
+    twice under its first holder alone, so a head tied to the token table holds none there and
+    here alike (its own module lists the weight: the match missed the head)."""
+    out: dict[str, set[str]] = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            out.setdefault(".".join(parts[:i]), set()).add(".".join(parts[i:]))
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 def _decoder_layers(model: nn.Module) -> int:
@@ -151,10 +160,11 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
     proxy_paths = [b.path for b in graph.blocks if b.path]
     # instances: full modules whose (pattern, parameter names) a proxy block has
     inst: dict[tuple[str, frozenset], list[str]] = {}
-    for path, mod in modules.items():
+    signatures = _params_signatures(model)
+    for path in modules:
         if not path:
             continue
-        key = (path_pattern(path), _params_signature(mod))
+        key = (path_pattern(path), signatures.get(path, frozenset()))
         if key in proxy:
             inst.setdefault(key, []).append(path)
     blocks: list[BlockShape] = []
