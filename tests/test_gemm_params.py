@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 FIXTURE = Path(__file__).parent / "fixtures" / "per_layer_input_models.py"
@@ -66,6 +67,54 @@ def test_tied_head_is_a_block_of_the_full_model(name):
     assert [(b.kind, b.linears, b.ops) for b in head] == [("lm_head", [("", 32, 64)], ops)]
     cfg = PlanConfig(gpus=1, seq=12, mode="full")
     assert rerun_flops(shape, cfg, "full")[0] == FORWARD * (shape.dense_matmul - 64 * 32)
+
+
+@pytest.mark.parametrize("export", [False, True])
+def test_sliced_position_table_is_no_gemm(export):
+    """A learned position table held as a bare [1, max_len, d] parameter and sliced to the
+    sequence (`SlicedTableLM`) is read, not multiplied: neither count takes it for GEMM
+    weights, under either capture. Before: both counted its 80 x 16 values."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.run import shape_of
+    from onboarding.train.flops import step_flops
+
+    ref = f"{Path(__file__).parent / 'fixtures' / 'position_table_models.py'}:SlicedTableLM"
+    info = load_stage(ModelSpec(ref=ref).load(), "tiny")
+    graph = parse_stage(info, seq=12, try_export=export)
+    assert graph.sliced_tables == ["pos"]
+    model = info.loaded.build(info.proxy_config, device="meta", seed=None)
+    gemm = _linear_weights(model)
+    assert gemm == 16 * 48 + 16 * 16 + 16 * 256  # qkv, out, head
+    assert shape_of(info, graph).dense_matmul == gemm
+    parts = step_flops(graph, model, tokens=12, seq_len=12, lora_rank=4, expert_lora=False)
+    assert parts["base_dense"] == 4 * gemm * 12
+
+
+class _SlicedReads(nn.Module):
+    """A position table sliced and added, a packed weight sliced into a linear, an expert
+    weight selected into a matmul, a 1-D scale sliced: only the first is a table."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(32, d))
+        self.packed = nn.Parameter(torch.randn(2 * d, d))
+        self.experts = nn.Parameter(torch.randn(2, d, d))
+        self.scale = nn.Parameter(torch.ones(2 * d))
+
+    def forward(self, x):
+        t, d = x.shape[1], x.shape[2]
+        x = x + self.pos[:t]
+        x = nn.functional.linear(x, self.packed[:d]) * self.scale[:d]
+        return x @ self.experts[1]
+
+
+def test_sliced_tables_by_what_reads_the_slice():
+    from onboarding.graph.capture import record_eager
+
+    model = _SlicedReads()
+    cap = record_eager(model, (torch.randn(1, 5, 8),), {})
+    assert cap.sliced_tables == ["pos"]
 
 
 @pytest.mark.slow

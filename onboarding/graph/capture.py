@@ -60,6 +60,8 @@ class Capture:
     # that forward was not run or failed (`no_gradient_note` then says why)
     no_gradient: set[str] | None = None
     no_gradient_note: str = ""
+    # parameters of two or more dims read by slices and by no matmul or conv (`sliced_tables`)
+    sliced_tables: list[str] = field(default_factory=list)
 
 
 def canonical_op(target: Any) -> str:
@@ -212,7 +214,26 @@ def record_eager(model: nn.Module, inputs: tuple, kwargs: dict) -> Capture:
             h.remove()
     types = {p: type(m).__name__ for p, m in model.named_modules()}
     return Capture(method="dispatch", note="", records=recorder.records, module_io=io,
-                   module_types=types)
+                   module_types=types, sliced_tables=sliced_tables(model, recorder.records))
+
+
+# ops that read part of a tensor in place: a slice of it is a view (the same storage)
+SLICE_OPS = {"slice", "select", "narrow"}
+
+
+def sliced_tables(model: nn.Module, records: list[OpRecord]) -> list[str]:
+    """The parameters of two or more dims that ``records`` (an eager forward's, `_Recorder`:
+    an op reads a parameter when it reads its storage, so a view of it too) read by a slice and
+    no matmul or conv reads: a learned position table ``pos[:T]`` added to the embeddings is
+    read, not multiplied (`onboarding.train.flops.lookup_tables`). A weight sliced into a
+    matmul (a packed projection's rows, an expert's ``W[e]``) is read by that matmul too.
+    The export's records cannot tell: its matmul reads the slice's node, not the parameter."""
+    from onboarding.graph._records import CONV, is_matmul
+
+    dims = {n: p.ndim for n, p in model.named_parameters()}
+    sliced = {n for r in records if r.op in SLICE_OPS for n in r.params.values()}
+    gemm = {n for r in records if is_matmul(r.op) or r.op in CONV for n in r.params.values()}
+    return sorted(n for n in sliced - gemm if dims.get(n, 0) >= 2)
 
 
 def no_gradient_probe(model: nn.Module, inputs: tuple, kwargs: dict) -> set[str] | None:
@@ -396,4 +417,4 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict, *, try_export: bool =
     return Capture(method="export", note="torch.export.export(strict=False) succeeded",
                    records=records, module_io=eager.module_io,
                    module_types=eager.module_types, exported=ep, no_gradient=eager.no_gradient,
-                   no_gradient_note=eager.no_gradient_note)
+                   no_gradient_note=eager.no_gradient_note, sliced_tables=eager.sliced_tables)

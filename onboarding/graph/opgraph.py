@@ -100,6 +100,9 @@ class OpGraph:
     layer_kinds: list[list[str]]
     param_counts: dict[str, Any]
     total_flops: int
+    # parameters (proxy names) read by slices and no matmul: tables, no GEMM weights
+    # (`capture.sliced_tables`, `onboarding.train.flops.lookup_tables`)
+    sliced_tables: list[str] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def by_kind(self, kind: str) -> list[Block]:

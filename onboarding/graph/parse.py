@@ -241,4 +241,4 @@ def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, d
     return OpGraph(model=loaded.name, capture=cap.method, capture_note=cap.note, batch=batch,
                    seq=seq, dtype=str(dtype).replace("torch.", ""), blocks=blocks,
                    layer_pattern=pattern, layer_kinds=kinds, param_counts=params,
-                   total_flops=sum(b.flops for b in blocks))
+                   total_flops=sum(b.flops for b in blocks), sliced_tables=cap.sliced_tables)

@@ -112,7 +112,7 @@ def merge(short: OpGraph, long: OpGraph, roots: list[str]) -> OpGraph:
     return OpGraph(model=short.model, capture=short.capture, capture_note=short.capture_note,
                    batch=short.batch, seq=short.seq, dtype=short.dtype, blocks=blocks,
                    layer_pattern=pattern, layer_kinds=kinds, param_counts=short.param_counts,
-                   total_flops=sum(b.flops for b in blocks))
+                   total_flops=sum(b.flops for b in blocks), sliced_tables=short.sliced_tables)
 
 
 def plan_graph(info: ModelInfo, *, seq: int = SHORT_SEQ, max_seq: int = MAX_SEQ

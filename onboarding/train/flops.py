@@ -281,10 +281,12 @@ def _prod(shape: list[int]) -> int:
 
 def lookup_tables(model: nn.Module, graph: OpGraph | None = None) -> set[int]:
     """ids of the parameters of ``model`` that a token only reads by index, no GEMM: the weight
-    of every ``nn.Embedding`` and the 2-D (or wider) parameters of ``graph``'s ``embedding``
+    of every ``nn.Embedding``, the 2-D (or wider) parameters of ``graph``'s ``embedding``
     blocks (an ``aten.embedding`` and no matmul: a table read with ``F.embedding`` off a bare
-    parameter; matched by path pattern, as a proxy's layers are fewer), wherever they sit: the
-    token table, a per-layer input table (Gemma 3n's, L x P values per token), a position table.
+    parameter) and those its forward read by slices and no matmul (``graph.sliced_tables``: a
+    learned position table ``pos[:T]`` held as a bare parameter), both matched by path pattern,
+    as a proxy's layers are fewer; wherever they sit: the token table, a per-layer input table
+    (Gemma 3n's, L x P values per token), a position table.
     Less the tables a GEMM multiplies too, which stay GEMM weights: one an ``nn.Linear`` holds
     (a head tied to the token table, by its weight's identity) or the output embeddings'
     (transformers' ``get_output_embeddings``). The plan's count (`plan.shapes`) and this
@@ -293,6 +295,7 @@ def lookup_tables(model: nn.Module, graph: OpGraph | None = None) -> set[int]:
     if graph is not None:
         names = {path_pattern(f"{b.path}.{n}" if b.path else n)
                  for b in graph.by_kind("embedding") for n in b.params}
+        names |= {path_pattern(n) for n in graph.sliced_tables}
         tables |= {id(p) for n, p in model.named_parameters()
                    if p.ndim >= 2 and path_pattern(n) in names}
     gemm = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
