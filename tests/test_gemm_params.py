@@ -91,6 +91,28 @@ def test_sliced_position_table_is_no_gemm(export):
     assert parts["base_dense"] == 4 * gemm * 12
 
 
+def test_one_d_parameters_are_no_gemm_in_either_count():
+    """hf:gpt2's tiny proxy: the plan's dense GEMM parameters and training's are one count, its
+    2-D weights less the position table (`flops.dense_gemm_params`); its biases and LayerNorm
+    weights, 1-D, are elementwise work in both. Before: the plan counted the biases (its
+    parameter categories call them dense), training did not."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.plan.run import shape_of
+    from onboarding.train.flops import step_flops
+
+    info = load_stage(load_model("hf:gpt2"), "tiny")
+    graph = parse_stage(info, seq=12, try_export=False)
+    model = info.loaded.build(info.proxy_config, device="meta", seed=None)
+    two_d = {id(p): p for p in model.parameters() if p.ndim >= 2}
+    biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
+    assert biases > 0
+    gemm = sum(p.numel() for p in two_d.values()) - model.transformer.wpe.weight.numel()
+    assert shape_of(info, graph, config=info.proxy_config).dense_matmul == gemm
+    parts = step_flops(graph, model, tokens=12, seq_len=12, lora_rank=4, expert_lora=False)
+    assert parts["base_dense"] == 4 * gemm * 12
+
+
 class _SlicedReads(nn.Module):
     """A position table sliced and added, a packed weight sliced into a linear, an expert
     weight selected into a matmul, a 1-D scale sliced: only the first is a table."""
@@ -121,8 +143,8 @@ def test_sliced_tables_by_what_reads_the_slice():
 def test_gemma3n_gemm_params_are_its_linears():
     """hf:gemma3n_text at full size: the plan's and training's GEMM parameters are its linears'
     (the head tied to the token table among them), not its per-layer input table (262144 rows x
-    35 layers x 256). The plan's count also holds the 1-D scales its parameter categories call
-    dense (a scale on a module with children: AltUp's ``correct_output_scale``)."""
+    35 layers x 256), and neither holds a 1-D parameter (a scale on a module with children,
+    AltUp's ``correct_output_scale``, which the plan's count held before)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from onboarding.graph.parse import load_stage
@@ -139,8 +161,6 @@ def test_gemma3n_gemm_params_are_its_linears():
     gemm = _linear_weights(model)
     per_layer = model.get_submodule("model.embed_tokens_per_layer").weight
     assert per_layer.numel() == 262144 * 35 * 256
-    scales = sum(p.numel() for n, p in model.named_parameters()
-                 if p.ndim == 1 and n.endswith("correct_output_scale"))
-    assert shape_of(info, graph).dense_matmul == gemm + scales
+    assert shape_of(info, graph).dense_matmul == gemm
     parts = step_flops(graph, model, tokens=1, seq_len=1, lora_rank=4, expert_lora=False)
     assert parts["base_dense"] == 4 * gemm

@@ -37,7 +37,7 @@ from onboarding.graph.opgraph import CONV_KINDS, OpGraph
 from onboarding.load.accounting import find_moe, path_pattern, token_embedding
 from onboarding.load.proxy import text_config
 from onboarding.modpath import inside
-from onboarding.train.flops import SOFTMAX_PREFIXES, local_window, lookup_tables
+from onboarding.train.flops import SOFTMAX_PREFIXES, dense_gemm_params, local_window
 from onboarding.train.lora import ATTENTION_PREFIXES, mixer_output_names, no_gradient_names
 
 
@@ -338,15 +338,14 @@ def _delta_rule_takes_l2_flag(module: nn.Module) -> bool:
 
 
 def _dense_matmul(model: nn.Module, counts, graph: OpGraph) -> int:
-    """Dense GEMM parameters per token: dense, shared experts, routers, the output head and
-    the embedding tables, less the tables a token only reads by index (`lookup_tables`, which
-    `onboard train`'s MFU count skips too: the input embedding, per-layer input and position
-    tables, wherever they sit; tied to the head, the token table is the head's GEMM)."""
-    c = counts.by_category
-    lookups = lookup_tables(model, graph)
-    tables = sum(p.numel() for p in model.parameters() if id(p) in lookups)
-    return sum(c.get(k, 0) for k in ("dense", "moe.shared_expert", "moe.router", "embedding",
-                                     "lm_head")) - tables
+    """Dense GEMM parameters per token, as `onboard train`'s MFU count takes them
+    (`dense_gemm_params`: no 1-D parameter, no table a token only reads, the input embedding,
+    per-layer input and position tables wherever they sit; tied to the head, the token table
+    is the head's GEMM), less the routed experts (``counts.moe``)."""
+    modules = dict(model.named_modules())
+    experts = {id(p) for m in counts.moe if m.experts_path in modules
+               for p in modules[m.experts_path].parameters()}
+    return dense_gemm_params(model, graph, experts)
 
 
 def _width(b, full: nn.Module, full_path: str, graph: OpGraph,

@@ -306,6 +306,24 @@ def lookup_tables(model: nn.Module, graph: OpGraph | None = None) -> set[int]:
     return tables - gemm
 
 
+def dense_gemm_params(model: nn.Module, graph: OpGraph | None, skip: set[int]) -> int:
+    """The dense GEMM parameters a token passes through, N of the frozen 4N (full: 6N), by one
+    rule for the plan (`plan.shapes.ModelShape.dense_matmul`) and this module's count: every
+    distinct parameter of two or more dims, less the tables a token only reads
+    (`lookup_tables`) and ``skip`` (ids: routed experts and adapters, counted apart). A 1-D
+    parameter (a norm's weight, a bias, a per-channel scale anywhere) multiplies no matrix:
+    elementwise work, uncounted (the MFU convention) wherever it sits; the plan had counted
+    those its parameter categories call dense (biases, a scale on a module with children)."""
+    skip = skip | lookup_tables(model, graph)
+    n, seen = 0, set()
+    for p in model.parameters():  # DTensor numel is the global (unsharded) size
+        if id(p) in seen or p.ndim < 2 or id(p) in skip:
+            continue
+        seen.add(id(p))
+        n += _numel(p)
+    return n
+
+
 def _moe_blocks(graph: OpGraph, cfg: Any, lora_rank: int) -> list[dict[str, Any]]:
     """Routed-expert blocks from the op graph (the unsharded proxy's shapes, whatever EP did to
     the live model): path, top-k, parameters per expert, expert-LoRA parameters per expert."""
@@ -345,14 +363,7 @@ def step_flops(graph: OpGraph, model: nn.Module, *, tokens: int, seq_len: int, l
             expert_ids.update(id(p) for p in modules[m["path"]].parameters())
     adapter_ids = {id(p) for mod in adapter_modules(model).values() for n, p in
                    mod.named_parameters() if "lora" in n}
-    lookups = lookup_tables(model, graph)
-    dense_n, seen = 0, set()
-    for p in model.parameters():  # DTensor numel is the global (unsharded) size
-        if id(p) in seen or p.ndim < 2 or id(p) in expert_ids or id(p) in adapter_ids \
-                or id(p) in lookups:
-            continue
-        seen.add(id(p))
-        dense_n += _numel(p)
+    dense_n = dense_gemm_params(model, graph, expert_ids | adapter_ids)
     parts: dict[str, float] = {"base_dense": 4.0 * dense_n * tokens}
 
     # routed experts: per-expert parameters x actual (or expected) routed token count
