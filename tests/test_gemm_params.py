@@ -115,20 +115,23 @@ def test_one_d_parameters_are_no_gemm_in_either_count():
 
 class _SlicedReads(nn.Module):
     """A position table sliced and added, a packed weight sliced into a linear, an expert
-    weight selected into a matmul, a 1-D scale sliced: only the first is a table."""
+    weight selected into a matmul, a weight sliced into an einsum (which copies the strided
+    slice before its bmm), a 1-D scale sliced: only the first is a table."""
 
     def __init__(self, d: int = 8):
         super().__init__()
         self.pos = nn.Parameter(torch.randn(32, d))
         self.packed = nn.Parameter(torch.randn(2 * d, d))
         self.experts = nn.Parameter(torch.randn(2, d, d))
+        self.heads = nn.Parameter(torch.randn(2, d, 2 * d))
         self.scale = nn.Parameter(torch.ones(2 * d))
 
     def forward(self, x):
         t, d = x.shape[1], x.shape[2]
         x = x + self.pos[:t]
         x = nn.functional.linear(x, self.packed[:d]) * self.scale[:d]
-        return x @ self.experts[1]
+        y = torch.einsum("btd,hde->bthe", x, self.heads[:, :, :d])
+        return x @ self.experts[1] + y.sum(2)
 
 
 def test_sliced_tables_by_what_reads_the_slice():

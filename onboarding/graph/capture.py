@@ -219,21 +219,25 @@ def record_eager(model: nn.Module, inputs: tuple, kwargs: dict) -> Capture:
 
 # ops that read part of a tensor in place: a slice of it is a view (the same storage)
 SLICE_OPS = {"slice", "select", "narrow"}
+# what else a table's reads may be: other views of it, and sums and products with activations
+_TABLE_READS = SLICE_OPS | {"view", "_reshape_alias", "expand", "transpose", "t", "permute",
+                            "unsqueeze", "squeeze", "alias", "detach", "unbind", "split",
+                            "split_with_sizes", "chunk", "add", "sub", "rsub", "mul", "div"}
 
 
 def sliced_tables(model: nn.Module, records: list[OpRecord]) -> list[str]:
     """The parameters of two or more dims that ``records`` (an eager forward's, `_Recorder`:
     an op reads a parameter when it reads its storage, so a view of it too) read by a slice and
-    no matmul or conv reads: a learned position table ``pos[:T]`` added to the embeddings is
-    read, not multiplied (`onboarding.train.flops.lookup_tables`). A weight sliced into a
-    matmul (a packed projection's rows, an expert's ``W[e]``) is read by that matmul too.
-    The export's records cannot tell: its matmul reads the slice's node, not the parameter."""
-    from onboarding.graph._records import CONV, is_matmul
-
+    otherwise only by views, sums and products: a learned position table ``pos[:T]`` added to
+    the embeddings is read, not multiplied (`onboarding.train.flops.lookup_tables`). A weight
+    sliced into a matmul (a packed projection's rows, an expert's ``W[e]``) has the matmul among
+    its readers; one read by any other op too (a copy, which hides what reads it next: an
+    einsum copies a strided slice before its bmm) is no table here either. The export's records
+    cannot tell: its matmul reads the slice's node, not the parameter."""
     dims = {n: p.ndim for n, p in model.named_parameters()}
     sliced = {n for r in records if r.op in SLICE_OPS for n in r.params.values()}
-    gemm = {n for r in records if is_matmul(r.op) or r.op in CONV for n in r.params.values()}
-    return sorted(n for n in sliced - gemm if dims.get(n, 0) >= 2)
+    other = {n for r in records if r.op not in _TABLE_READS for n in r.params.values()}
+    return sorted(n for n in sliced - other if dims.get(n, 0) >= 2)
 
 
 def no_gradient_probe(model: nn.Module, inputs: tuple, kwargs: dict) -> set[str] | None:
