@@ -58,3 +58,26 @@ def test_a_kernel_with_a_helper_runs_and_triton_language_is_restored():
     assert not tl.core.is_builtin(tl.load)
     scope.restore()
     assert tl.load is before["load"]
+
+
+
+@triton.jit
+def _three_standard_helpers(out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    acc = tl.zeros((N,), tl.float32) + tl.cdiv(N, 4)
+    acc += tl.zeros((N,), tl.float32) + tl.sum(tl.full((N,), 1.0, tl.float32), axis=0)
+    tl.store(out_ptr + offs, acc)
+
+
+def test_a_launch_patches_for_its_standard_helpers_once(monkeypatch):
+    """Triton's standard helpers (tl.zeros, tl.cdiv, tl.sum) see triton.language.core, which the
+    launch's patch (the kernel sees triton.language) leaves out: the first helper's call patches,
+    and its patch covers the launch's later helpers; before, each of the four helper calls
+    re-patched (five patches in all)."""
+    scopes = []  # each patch's scope, kept alive (distinct ids: one per patch)
+    core = interp._patch_lang_core
+    monkeypatch.setattr(interp, "_patch_lang_core", lambda lang, scope: (scopes.append(scope), core(lang, scope)))
+    out = torch.empty(8)
+    _three_standard_helpers[(1,)](out, N=8)
+    torch.testing.assert_close(out, torch.full((8,), 2.0 + 8.0))
+    assert len({id(s) for s in scopes}) == 2  # the launch's and the first helper's
