@@ -32,10 +32,7 @@ DeepSeek-V3 (N8192 and N32768) time the backward's open choices in their ``fwdbw
 ``MOE_V20_SWEEP_SHORT_BIG``; v19's ``MOE_V19_SWEEP*``, v18's ``MOE_V18_SWEEP*``, v17's ``MOE_V17_SWEEP*``, v15's
 ``MOE_V15_SWEEP*`` and the twentieth session's ``MOE_DW_SWEEP`` etc. are kept for the record),
 and DeepSeek-V3 N8192 its forward down GEMM in its ``fwd`` case (``MOE_V17_FWD_SWEEP_BIG``;
-v15's ``MOE_FWD_SWEEP_BIG`` kept likewise). Template v32's rows (``MOE_V32_FWD_SWEEP_BIG``,
-``MOE_V32_SWEEP_BIG``: gate/up on one 256-wide dot) replace those in DeepSeek-V3 N8192's ``fwd``
-and ``fwdbwd`` cases; v33's ``MOE_V33_SWEEP_BIG`` (the weight gradients with each output slice's
-a^T held) follows v32's in ``fwdbwd``.
+v15's ``MOE_FWD_SWEEP_BIG`` kept likewise).
 
 Shape legend: x [N, D]; topk [N, K]; gate_up [E, 2F, D] (non-gated up [E, F, D]); down [E, D, F].
 """
@@ -278,72 +275,12 @@ MOE_V20_SWEEP_SHORT = [{"half_tail_bwd": True}]
 # against dx by Triton (`_DX_TRITON`: the v28 default's dx, its atomics and tiles as the bucket has them).
 _DX_TRITON = {"dx_grouped_mm": False}
 MOE_V28_SWEEP = [_DX_TRITON]
-# Template v32 (fifty-third session, helper-166; re-added alone in the fifty-fourth, helper-172;
-# issue 33: DeepSeek-V3 N8192 forward >= 1.3x `_grouped_mm`, fwd+bwd >= 1.2x). The d_big forward: gate/up on 128 x (2 x 128) x 64 tiles, 8 warps,
-# 4 stages, weights by TMA, x rows gathered by pointers (cp.async), bands of 16 row tiles; down on
-# 128 x 256 x 64, atomics into fp32 token rows. Both take one program per SM (sm_90 AOT, triton 3.9:
-# gate/up 255 registers / 8 spilled bytes / 192 KB, down 255 / 0 / 192 KB). Uniform routing gives the
-# experts 206-300 rows: 635 row tiles of 128 where 512 would hold the rows, 123 of them an expert's
-# third tile with ~13 rows. gate/up runs 635 x 16 = 10160 programs (77 waves of 132 SMs; 2128 more
-# padding programs exit at once), down 635 x 28 = 17780 (135 waves), so ~19% of each GEMM's MMA work
-# falls on mostly masked tail tiles. A K step of either loads 16 KB of rows and 32 KB of weights for
-# a 128 x 256 x 64 MMA (4.2 MFLOP): 85 FLOP per byte through L2 into shared memory. From HBM the
-# forward reads the weights once (band order keeps an expert's row tiles of one column tile in
-# flight together): 15.0 GB gate_up + 7.5 GB down, 6.7 ms at the H100's 3.35 TB/s (spec), against
-# 5.8e12 FLOPs (5.8 ms at its 989 TFLOP/s dense bf16 peak, spec); the H100 profile had the forward at
-# 14.3 ms. An earlier H100 profile (thirty-seventh session) had gate/up at 8.83 ms with uniform routing
-# and 8.60 with every expert at 256 rows (no tail tiles): 19% fewer programs, 2.6% less time, so
-# per-program MMA work is not all that holds gate/up. Rows:
-# - `gate_up_one_dot`: the tile's gate and up weight rows in one [2, 128, 64] TMA block and one
-#   128 x 256 dot per K step: one m64n256k16 MMA chain per warpgroup instead of two m64n128k16 chains
-#   (each reads the x tile from shared memory: 16 KB less shared-memory read a K step, one MMA group
-#   per step instead of two); as vLLM's interleaved W13 rows, but on the weights as stored.
-#   sm_90 AOT: triton 3.9 254 registers / 24 spilled bytes / 192 KB, triton 3.6 (the H100's) 254 / 40
-#   (the default 255 / 8 and 255 / 0); every spill store and load sits after the K loop (cuobjdump).
-# - `half_tail_down` (v20's key): the down GEMM's 123 tail tiles at 64 rows.
-# The fifty-third session's H200 call (docs/LOG.md; `.ci/h200/h53b.sh`) timed these rows beside the
-# default (14.147 ms forward, 44.939 fwd+bwd): forward `gate_up_one_dot` 13.924, `half_tail_down`
-# 14.057, both 13.910; fwd+bwd `gate_up_one_dot` 44.831. Its bars rows (test_v32_configs_bf16_cuda)
-# were not reached there; `x_sorted_out`, timed beside it, lost and is gone.
-# Not offered: BLOCK_K 128 (256-byte weight rows per TMA box) fits 192 KB only at 2 stages (gate/up
-# 254 / 24), where 3 stages lost 7% to 4 (seventh session); v30's x_sorted (lost, family.py).
-_ONE_DOT = {"gate_up_one_dot": True}
-MOE_V32_FWD_SWEEP_BIG = [_ONE_DOT, {**_ONE_DOT, "half_tail_down": True}]
-MOE_V32_SWEEP_BIG = [_ONE_DOT]
-# Template v33 (fifty-fourth session, helper-172; issue 33): `dw_held`, both weight gradients by
-# moe_dw_held_kernel in place of torch._grouped_mm (the d_big default, `dw_grouped_mm`). Counts at
-# DeepSeek-V3 N8192 uniform (S = 65,536 slots, 206-300 rows an expert; arithmetic, not measured):
-# - The two weight gradients: 5.77e12 FLOPs (d down 1.92e12, d gate_up 3.85e12; 5.83 ms at 989
-#   TFLOP/s dense bf16), 22.5 GB of bf16 gradients written (15.0 + 7.5; 4.70 ms at the H200's 4.8
-#   TB/s), ~2 GB of operands read from HBM. Either floor is ~40% of the ~15 ms they take (docs/LOG.md:
-#   CUTLASS 15.04-15.8 ms on the H200, 16.8-17.1 on H100s).
-# - torch._grouped_mm runs them as CUTLASS's cooperative 128 x 256 x 64 kernel with 2 x 1 clusters
-#   (aten GroupMM.cu: "small" only when a side is <= 128), so per MMA FLOP it moves (128 + 256 / 2) /
-#   (128 * 256) = 1/128 byte of operand from L2 (the 256-wide operand multicast over the cluster).
-#   moe_dw_held_kernel (DW_BLOCK_M 128, column tile 64, 8 warps, 3 stages) holds a^T [128, rows] of
-#   its output slice in shared memory and loads only b per column tile: also 1/128 byte a FLOP, plus
-#   a^T once per slice (S (2F + D) 2 B = 1.48 GB in all). The MMA work is the same (both round an
-#   expert's rows up to 64: ~288 of ~256 rows). So by count the GEMM part is even at best.
-# - What it removes: the x[tok] copy (`x.index_select`: 0.94 GB written, 0.12-0.94 GB read) that
-#   the grouped GEMM needs and its 0.94 GB read back: b is x itself, rows by token, the expert's
-#   row indices loaded once per program. That gather is half of the two row gathers' 1.173 ms in the
-#   forty-eighth session's H100 profile: ~0.5 ms; ~0.4 at the H200's bandwidth.
-# - What may cost: one program per SM (221 KB of shared memory; sm_90 AOT by triton 3.9: 152 / 139
-#   registers for d down / d gate_up, 3.6 (the GPU image's): 152 / 124, no spills, the same 221184
-#   bytes of shared memory), no warp specialization, so each column tile's
-#   16 KB store follows a wait on its MMA chain (one chain of 16 m64n64k16 MMAs per warpgroup for an
-#   expert of <= 256 rows, a second of 4 for <= 320); CUTLASS overlaps its stores (TMA, warp
-#   specialized). Programs: 8,192 (d gate_up) + 14,336 (d down), 62 + 109 waves of 132. Column tile
-#   128 does not fit (2 stages: 272 KB).
-# Expected: -0.4 ms if the GEMM part keeps CUTLASS's rate, which no count here can say; the earlier
-# Triton weight gradients ran 3% behind CUTLASS (thirty-third session: 16.218 ms against 15.68).
-MOE_V33_SWEEP_BIG = [{"dw_held": 64}, {"dw_held": 64, **_ONE_DOT}]
 SWEEPS = {("anchor", 8192, "uniform", "fwd"): MOE_FWD_SWEEP,
           ("anchor", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP + MOE_BWD_SWEEP,
           ("qwen3_next", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("qwen3_next", 8192, "zipf", "fwdbwd"): MOE_V28_SWEEP,
-          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V32_FWD_SWEEP_BIG,
-          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V32_SWEEP_BIG + MOE_V33_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwd"): MOE_V17_FWD_SWEEP_BIG,
+          ("deepseek_v3", 8192, "uniform", "fwdbwd"): MOE_V28_SWEEP,
           ("deepseek_v3", 32768, "uniform", "fwdbwd"): MOE_V28_SWEEP}
 
 

@@ -295,21 +295,6 @@ _GATED = ("swiglu", "swiglu_lora")  # the variants with a gate product (SwiGLU c
 #   by expert, K over D or 2F) ran at about 470 TFLOP/s, ours at 372-417 (docs/LOG.md, thirty-seventh
 #   session: the anchor's 39.6 CUTLASS ms less our two weight gradients' 15.0, over its four other
 #   GEMMs' 1.16e13 FLOPs). swiglu and mlp only.
-# gate_up_one_dot (False; swiglu with `tma`): the gate/up GEMM loads a column tile's gate rows and up
-#   rows as one [2, BLOCK_N, BLOCK_K] block of a tensor descriptor of gate_up viewed [E * 2, F, D] and
-#   runs one [BLOCK_M, 2 * BLOCK_N] dot per K step (at d_big m64n256k16 MMAs, not two m64n128k16
-#   chains that each read the x tile from shared memory), split into gate and up after the loop.
-#   Why and its sm_90 builds: bench.py's v32 notes. mlp (no gate half) and swiglu_lora ignore it.
-# dw_held (0; else the column tile width, 16 to 128): both weight gradients by moe_dw_held_kernel,
-#   before `dw_grouped_mm` and the other Triton weight-gradient kernels where set. A program owns a
-#   DW_BLOCK_M slice of one expert's output rows and walks every column tile of it; where the
-#   expert's rows fit in 5 row steps (320 at DW_BLOCK_K 64) it loads that slice's a^T once and
-#   holds it in shared memory, so each column tile loads only b's rows (1/DW_BLOCK_M byte a FLOP,
-#   as CUTLASS's 128 x 256 tiles with the 256-wide operand multicast over a 2 x 1 cluster). b of d
-#   gate_up is x itself, rows by token: no x[tok] copy (the gather `dw_grouped_mm` needs, ~0.5 ms
-#   of an H100 profile at DeepSeek-V3 N8192). Counts: bench.py's v33 notes. At DW_BLOCK_M 128 the
-#   column tile 128 passes an SM's shared memory (272 KB at 2 stages); the AOT specs hold the
-#   kernel only where the key is set. swiglu and mlp (swiglu_lora ignores it).
 # A removed key: v22's ws (dx's K loop under triton's automatic warp specialization, on per-slot
 #   bf16 rows for the combine pass) won nothing beyond the spread at DeepSeek-V3 N8192 uniform on an
 #   H100 (`source .ci/h200/setup.sh && BUDGET=200 bash .ci/h200/h37_moe6.sh` at 45c8bba; fwd+bwd
@@ -330,8 +315,7 @@ _TUNING_SPACE = {**GEMM_FWD_BWD_TUNING_SPACE, "group_m": (1, 4, 8, 16), "combine
                  "down_warps": (0, 2, 4, 8), "dw_pad": (False, True), "DOWN_BWD_BLOCK_M": (0, 16, 32, 64, 128),
                  "DOWN_BWD_BLOCK_N": (0, 16, 32, 64, 128, 256), "down_bwd_stages": (0, 2, 3, 4),
                  "half_tail_down": (False, True), "half_tail_bwd": (False, True),
-                 "dx_grouped_mm": (False, True), "gate_up_one_dot": (False, True),
-                 "dw_held": (0, 16, 32, 64, 128)}
+                 "dx_grouped_mm": (False, True)}
 _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows", "half_tail": False,
                    "tma": False, "DOWN_BLOCK_N": 0, "down_stages": 0, "DW_BLOCK_M": 0, "DW_BLOCK_N": 0,
                    "DW_BLOCK_K": 0, "dw_warps": 0, "dw_stages": 0, "dw_persistent": 0, "bwd_tma": False,
@@ -339,7 +323,7 @@ _DEFAULT_CONFIG = {**GEMM_FWD_BWD_DEFAULT_CONFIG, "group_m": 8, "combine": "rows
                    "dw_grouped_mm": False, "dy_sorted": False, "rows_tma": False, "bwd_epi_split": 1,
                    "h_tma": False, "dw_tma": False, "dx_warps": 0, "down_warps": 0, "dw_pad": False,
                    "DOWN_BWD_BLOCK_M": 0, "DOWN_BWD_BLOCK_N": 0, "down_bwd_stages": 0, "half_tail_down": False,
-                   "half_tail_bwd": False, "dx_grouped_mm": False, "gate_up_one_dot": False, "dw_held": 0}
+                   "half_tail_bwd": False, "dx_grouped_mm": False}
 _BWD_TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 # Why the GPU buckets' values (H200, bf16, uniform routing unless named; docs/LOG.md, the session
 # named; "the anchor" is E64 top-8 D2048 F512 N8192, Qwen3-Next E512 top-10 D2048 F512 N8192,
@@ -404,11 +388,6 @@ _GPU_TILES_BIG = {**split_tiles({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, 
 FAMILY = FamilySpec(
     name=NAME,
     template="moe_experts.py.j2",
-    # v33: config `dw_held` (0 in every bucket): both weight gradients by moe_dw_held_kernel, which holds each
-    # output slice's a^T across its column tiles (the note above _TUNING_SPACE); before `dw_grouped_mm` where set.
-    # v32: config `gate_up_one_dot` (off in every bucket; the note above _TUNING_SPACE), alone: the fifty-third
-    # session's v32 also had `x_sorted_out` (gate/up writing x[tok] as a side output for the backward), slower on the
-    # H200 (fwd+bwd 45.982 ms against 44.939) and 0.307 rel. RMS from fp32 at D 7168 there; not brought back.
     # v31: v30's config `x_sorted` removed (the template is v29's again): the gate/up GEMM's x rows by TMA from a
     # slot-ordered copy x[tok] lost on an H100 80GB HBM3 (torch 2.11, triton 3.6; docs/LOG.md, forty-fourth session,
     # call 2): DeepSeek-V3 E256 K8 D7168 F2048 N8192 forward 15.835 ms against the default's 14.413, fwd+bwd 46.646
@@ -435,7 +414,7 @@ FAMILY = FamilySpec(
     # v21: the backward gets None, not autograd's zeros, for the saved pre-activations (swiglu, mlp, LoRA).
     # v20: half-height tails beside TMA rows (half_tail_down, half_tail_bwd; h_tma with half_tail); all off, defaults
     # unchanged. v19: the down backward's own tile (DOWN_BWD_*; d_big: 128 x 256). History: docs/LOG.md
-    template_version=33,
+    template_version=31,
     folder=Path(__file__).parent,
     variants={"swiglu": "routed SwiGLU experts, packed [E, 2F, D] / [E, D, F] weights (+ optional per-expert "
                         "biases), fwd + bwd",
