@@ -25,7 +25,7 @@ class _Recorder:
 
 
 def test_builtins_patched_are_the_interpreters_own_in_its_order():
-    uncached, _ = cache.UNCACHED
+    uncached, _, _ = cache.UNCACHED
     for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
         want, got = _Recorder(), _Recorder()
         uncached(pkg, None, want)
@@ -76,8 +76,23 @@ def test_a_launch_patches_for_its_standard_helpers_once(monkeypatch):
     re-patched (five patches in all)."""
     scopes = []  # each patch's scope, kept alive (distinct ids: one per patch)
     core = interp._patch_lang_core
-    monkeypatch.setattr(interp, "_patch_lang_core", lambda lang, scope: (scopes.append(scope), core(lang, scope)))
+    monkeypatch.setattr(interp, "_patch_lang_core",
+                        lambda lang, scope: (scopes.append(scope), core(lang, scope)))
     out = torch.empty(8)
     _three_standard_helpers[(1,)](out, N=8)
     torch.testing.assert_close(out, torch.full((8,), 2.0 + 8.0))
     assert len({id(s) for s in scopes}) == 2  # the launch's and the first helper's
+
+
+def test_numpy_dtypes_are_the_interpreters_own():
+    _, _, uncached = cache.UNCACHED
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
+               tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5,
+               tl.float8e4nv]
+    kinds = [*scalars, *(tl.block_type(t, [4, 2]) for t in scalars), tl.pointer_type(tl.float32),
+             tl.block_type(tl.pointer_type(tl.bfloat16), [8])]
+    for _ in range(2):  # the first ask fills the table, the second reads it
+        for t in kinds:
+            assert interp._get_np_dtype(t) == uncached(t), t
+    with pytest.raises(KeyError):  # a type the interpreter has no numpy dtype for
+        interp._get_np_dtype(tl.void)
