@@ -114,7 +114,11 @@ HOT_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 128},)
 # qkt hot launch 247 / 0 | 239 / 0); with `kda_wy_warps` 8 (both kernels at 8 warps) 206 / 0 | 230 / 0 and 183 / 0 |
 # 178 / 0. Capped, the fused kernel spills (triton 3.6: 4 warps at 168 684 B, 8 warps at 128 124 B): no row.
 # `.ci/h200/sass_audit.py --only kimi_delta --kernel wy` with these configs (triton 3.6): 0 of 11 builds flagged.
-WYKQ_SWEEP = ({"kda_qk": "ksplit", "kda_wykq": 1}, {"kda_qk": "ksplit", "kda_wykq": 1, "kda_wy_warps": 8})
+# On an H100 (fifty-fourth session, `.ci/h200/h54b.sh` call 5; B1 T8192 H32 D128, wall / graph ms): the default
+# 3.669 / 3.257, `kda_wykq` 3.351 / 2.936 (-9.9% by graph; its two sweep bars rows passed), at 8 warps 4.456 /
+# 4.037, and `_STATE3` alone 3.374 / 2.981 (-8.5%): the last row is the two together, untimed.
+WYKQ_SWEEP = ({"kda_qk": "ksplit", "kda_wykq": 1}, {"kda_qk": "ksplit", "kda_wykq": 1, "kda_wy_warps": 8},
+              {"kda_qk": "ksplit", "kda_wykq": 1, **_STATE3})
 BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP, *WYKQ_SWEEP)
 
 
