@@ -12,15 +12,7 @@ OUT=${OUT:-/tmp/out}
 T0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
 source .ci/h200/setup.sh > /dev/null || exit 1
-step() {  # name timeout command... (the timeout shrinks to what is left of LIMIT)
-  local name=$1 t=$2; shift 2
-  local left=$(( ${LIMIT:-520} - $(date +%s) + T0 - 10 ))
-  [ $left -lt $t ] && t=$left
-  [ $t -lt 30 ] && { echo "$name: skipped, ${left} s left" | tee -a $OUT/summary.txt; return; }
-  timeout $t "$@" > $OUT/$name.log 2>&1
-  echo "$name rc $? +$(( $(date +%s) - T0 )) s" | tee -a $OUT/summary.txt
-  grep -E "^(ssd|gated_delta|moe_experts)|ratio|passed|failed" $OUT/$name.log | tail -40
-}
+source .ci/h200/step.sh
 step ssd 150 onboard bench --family ssd --case '^B1T8192H128P64G8N128$' --impl ours,ours_fwd --out $OUT/ssd.json
 D='deepseek_v3/E256K8D7168F2048N8192/uniform'
 step moe 150 onboard bench --family moe_experts --case "$D/fwd\$" --case "$D/fwdbwd\$" --impl ours,grouped_mm --out $OUT/moe.json

@@ -17,15 +17,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
 source .ci/h200/setup.sh > /dev/null || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_anchor \
   .anchors/wheels/*.whl > /dev/null 2>&1 || echo "einops wheel not carried: no mamba_ssm rows"
-step() {  # name timeout command... (the timeout shrinks to what is left of LIMIT)
-  local name=$1 t=$2; shift 2
-  local left=$(( ${LIMIT:-560} - $(date +%s) + T0 - 10 ))
-  [ $left -lt $t ] && t=$left
-  [ $t -lt 30 ] && { echo "$name: skipped, ${left} s left" | tee -a $OUT/summary.txt; return; }
-  timeout $t "$@" > $OUT/$name.log 2>&1
-  echo "$name rc $? +$(( $(date +%s) - T0 )) s" | tee -a $OUT/summary.txt
-  grep -E "^(ssd|gated_delta|kimi_delta|sparse_attention)|ratio|passed|failed" $OUT/$name.log | tail -40
-}
+source .ci/h200/step.sh
 for s in ${STEPS:-kda gdn ssd mla}; do
   case $s in
     kda) PYTHONPATH=$FLA_SITE:$PYTHONPATH step kda 240 onboard bench --family kimi_delta --case B1T8192H32D128 \

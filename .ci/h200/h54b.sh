@@ -13,15 +13,8 @@ OUT=${OUT:-/tmp/out}
 T0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
 source .ci/h200/setup.sh > /dev/null || exit 1
-step() {  # name timeout command... (the timeout shrinks to what is left of LIMIT)
-  local name=$1 t=$2; shift 2
-  local left=$(( ${LIMIT:-560} - $(date +%s) + T0 - 10 ))
-  [ $left -lt $t ] && t=$left
-  [ $t -lt 30 ] && { echo "$name: skipped, ${left} s left" | tee -a $OUT/summary.txt; return; }
-  timeout $t "$@" > $OUT/$name.log 2>&1
-  echo "$name rc $? +$(( $(date +%s) - T0 )) s" | tee -a $OUT/summary.txt
-  grep -vE "falling back|^\s*$" $OUT/$name.log | grep -E "^(ssd|kimi_delta|moe_experts)|ratio|passed|failed|^\||STALE|rates|error" | tail -40
-}
+STEP_GREP="^[a-z_]+/|ratio|passed|failed|^\||STALE|rates|error"
+source .ci/h200/step.sh
 D='deepseek_v3/E256K8D7168F2048N8192/uniform'
 for s in ${STEPS:-pv kda ssd moe}; do
   case $s in
