@@ -24,13 +24,22 @@ from onboarding.modpath import inside
 from onboarding.rundir import write_json
 
 
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
+def git_commit(where: Path = Path(__file__).parent) -> str | None:
+    """The short HEAD of the checkout onboard runs from, with "-dirty" when its tracked files
+    differ from HEAD: a benchmark or a run of an uncommitted tree is not that commit's (a copy
+    of a working tree whose .git lags behind said a commit it did not run). None outside git."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=where,
+                                 timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
         return None
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def environment() -> dict[str, Any]:
