@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from onboarding.errors import InputError
+from onboarding.gitinfo import git
 from onboarding.rundir import write_json
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference_runs"
@@ -311,23 +311,14 @@ def reference_dir(name: str, root: Path | None = None) -> Path:
     return (root or REFERENCE_DIR) / name
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
 def metadata(*, command: str, run_command: str | None = None) -> dict[str, Any]:
     """Where and how the golden was made: commit (and the tracked files modified on top of it),
     date, versions, GPU, and the exact commands."""
     from onboarding.stages import environment
 
     env = environment()
-    env["commit"] = (_git("rev-parse", "HEAD") or "").strip() or None
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    env["commit"] = (git("rev-parse", "HEAD") or "").strip() or None
+    dirty = git("status", "--porcelain", "--untracked-files=no")
     env["modified_files"] = [line[3:] for line in dirty.splitlines()] if dirty else []
     env["device"] = env["gpu"] or "cpu (Triton interpreter)"
     return {**env, "command": command, "run_command": run_command}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import subprocess
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -20,26 +19,20 @@ from onboarding.graph.opgraph import OpGraph
 from onboarding.graph.parse import ModelInfo, load_shipped_weights, load_stage, parse_stage
 from onboarding.load.proxy import text_config
 from onboarding.coverage import Coverage, build_coverage
+from onboarding.gitinfo import HERE, git
 from onboarding.modpath import inside
 from onboarding.rundir import write_json
 
 
-def git_commit(where: Path = Path(__file__).parent) -> str | None:
+def git_commit(where: Path = HERE) -> str | None:
     """The short HEAD of the checkout onboard runs from, with "-dirty" when its tracked files
     differ from HEAD: a benchmark or a run of an uncommitted tree is not that commit's (a copy
     of a working tree whose .git lags behind said a commit it did not run). None outside git."""
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=where,
-                                 timeout=5)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    head = git("rev-parse", "--short", "HEAD")
+    head = (git("rev-parse", "--short", "HEAD", cwd=where, timeout=5) or "").strip()
     if not head:
         return None
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    dirty = git("status", "--porcelain", "--untracked-files=no", cwd=where, timeout=5)
+    return head + ("-dirty" if (dirty or "").strip() else "")
 
 
 def environment() -> dict[str, Any]:

@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from onboarding.gitinfo import git
+
 MEM_TARGET, TIME_TARGET = 0.10, 0.25
 REPO = Path(__file__).resolve().parents[2]
 # the code a training step's memory and time come from (the plan models the one at HEAD)
@@ -135,12 +137,8 @@ def predict(case: Case, rates=None) -> dict:
 
 
 def _git(*args: str, repo: Path = REPO) -> str | None:
-    try:
-        p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
-                           timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return p.stdout.strip() if p.returncode == 0 else None
+    out = git(*args, cwd=repo, timeout=30)
+    return None if out is None else out.strip()
 
 
 def provenance(src: Path, repo: Path = REPO) -> list[str]:
