@@ -16,6 +16,9 @@ import re
 import traceback
 from types import TracebackType
 
+from onboarding.families.discover import PACKAGE
+from onboarding.generate.templating import MODULE_PREFIX
+
 # what torch says when the operands of one op disagree in dtype (matched on the first line)
 _MISMATCH = re.compile(r"expected scalar type|same dtype|Input type \(.*\) and (weight|bias) type"
                        r"|found dtype \w+ but expected|is not the same as|dtype mismatch",
@@ -23,9 +26,9 @@ _MISMATCH = re.compile(r"expected scalar type|same dtype|Input type \(.*\) and (
 # top-level packages of the frames that are machinery, never the model's own code, by the module
 # a frame runs in (not its file's path: a checkout may sit in a folder of any name)
 _LIBRARIES = ("torch", "triton", "peft", "accelerate")
-# onboard's own code: the library, its rendered kernel modules (`templating.MODULE_PREFIX`) and the
-# family folders it imports (`families.discover.PACKAGE`: built-in, plugins, LLM-written)
-_ONBOARD = ("onboarding", "onboard_kernels", "onboard_families")
+# onboard's own code: the library, its rendered kernel modules and the family folders it imports
+# (built-in, plugins, LLM-written)
+_ONBOARD = ("onboarding", MODULE_PREFIX, PACKAGE)
 
 
 def _frames(exc: BaseException) -> list[tuple[str, traceback.FrameSummary]]:
@@ -42,8 +45,8 @@ def _frames(exc: BaseException) -> list[tuple[str, traceback.FrameSummary]]:
 
 def _where(frames: list[tuple[str, traceback.FrameSummary]]) -> traceback.FrameSummary | None:
     """The deepest frame outside the libraries and onboard: the model's code that called the op."""
-    inside = [f for top, f in frames if top not in _LIBRARIES + _ONBOARD]
-    return inside[-1] if inside else None
+    model = [f for top, f in frames if top not in _LIBRARIES + _ONBOARD]
+    return model[-1] if model else None
 
 
 def _from_onboard(frames: list[tuple[str, traceback.FrameSummary]]) -> bool:
