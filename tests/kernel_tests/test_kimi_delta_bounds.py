@@ -170,8 +170,9 @@ QKT_SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path,row,HK,HV", QKT_SPLIT_CASES)
-def test_qkt_split_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
+def _cold_tier_case(path, HK, HV):
+    """QKT_SPLIT_CASES' inputs: T 150, K = V = 64, l2norm and an initial state, the gates of the first value
+    head's second chunk x 100 (past the chunk tier: flagged for the cold launch), in the path's dtype."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=HK, HV=HV, T=150, l2=True, h0=True, K=64, V=64)
     gen = torch.Generator().manual_seed(12)
@@ -179,9 +180,15 @@ def test_qkt_split_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
     args = make_inputs(case, True, dtype, DEVICE, gen)
     args[3] = make_inputs(case, True, dtype, DEVICE, gen, slow=True)[3]  # (fit fp16's range too)
     args[3][:, 64:128, 0] *= 100.0
-    cfg = kimi_delta.bench.QKT_COLD_SWEEP[row]
     douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE, dtype),
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    return module, args, douts
+
+
+@pytest.mark.parametrize("path,row,HK,HV", QKT_SPLIT_CASES)
+def test_qkt_split_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
+    module, args, douts = _cold_tier_case(path, HK, HV)
+    cfg = kimi_delta.bench.QKT_COLD_SWEEP[row]
     flags = []
     name = "kda_chunk_bwd_qkt_kernel"
     monkeypatch.setattr(module, name, _Spy(getattr(module, name), lambda kw: flags.append(kw.get("p_flag"))))
@@ -205,16 +212,8 @@ WYKQ_CASES = [
 
 @pytest.mark.parametrize("path,row,HK,HV", WYKQ_CASES)
 def test_wykq_forward_backward_in_bounds(monkeypatch, path, row, HK, HV):
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=HK, HV=HV, T=150, l2=True, h0=True, K=64, V=64)
-    gen = torch.Generator().manual_seed(12)
-    dtype = torch.float16 if path == "fp16" else torch.float32
-    args = make_inputs(case, True, dtype, DEVICE, gen)
-    args[3] = make_inputs(case, True, dtype, DEVICE, gen, slow=True)[3]  # (fit fp16's range too)
-    args[3][:, 64:128, 0] *= 100.0
+    module, args, douts = _cold_tier_case(path, HK, HV)
     cfg = kimi_delta.bench.WYKQ_SWEEP[row]
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE, dtype),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     launched, flags = [], []
     for name in ("kda_chunk_bwd_wyvp_kernel", "kda_chunk_bwd_wykq_kernel", "kda_chunk_bwd_rowsum_kernel",
                  "kda_chunk_bwd_qkt_kernel"):

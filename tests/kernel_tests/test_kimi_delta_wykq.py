@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, LaunchSpy
 from test_gated_delta import Case, grads_of, load, make_inputs
-from test_kimi_delta import KSPLIT_KERNELS, _sweep_row_bars, _sweep_rows, pinned
+from test_kimi_delta import KSPLIT_KERNELS, _sweep_row_bars, _sweep_rows, cold_tiles_against_inline, pinned
 
 from onboarding.families import family_module
 
@@ -122,33 +122,4 @@ def test_bf16_vs_fp32_on_gpu_wykq_sweep(cfg):
 def test_wykq_cold_tiles_on_gpu(monkeypatch, cfg, HV):
     if DEVICE.type != "cuda":
         pytest.skip("the GPU's builds (the interpreter's: test_wykq_vs_naive)")
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=2, HV=HV, T=1000, l2=True, h0=True, K=128, V=128, B=2)
-    gen = torch.Generator().manual_seed(6)
-    args = make_inputs(case, True, torch.bfloat16, DEVICE, gen)
-    g = args[3].clone()
-    g[:, 320:384, 0] *= 30.0
-    g[1, 640:704, HV - 1] *= 4.0
-    args[3] = g
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
-    flags = []
-    name = "kda_chunk_bwd_qkt_kernel"
-    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: flags.append(kw.get("p_flag"))))
-    inline = {"kda_qk": "ksplit", "kda_qkt_cold": "inline"}  # one qkt launch
-    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
-    for dtype in (torch.bfloat16, torch.float32):
-        xs = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-        ds = [douts[0].to(dtype), douts[1]]
-        with pinned(module, inline):
-            ref_outs, ref_grads = grads_of(module.entry, xs, ds)
-        flags.clear()
-        with pinned(module, cfg):
-            outs, grads = grads_of(module.entry, xs, ds)
-        torch.cuda.synchronize()
-        assert len(flags) == 1 and flags[0] is not None, flags
-        n = int(flags[0].sum())
-        assert 0 < n < flags[0].numel(), (dtype, n)
-        errs = {k: ((a.float() - b.float()).norm() / b.float().norm()).item()
-                for k, a, b in zip(names, [*outs, *grads], [*ref_outs, *ref_grads])}
-        assert all(e <= 5e-3 for e in errs.values()), (dtype, n, errs)
+    cold_tiles_against_inline(monkeypatch, cfg, {"kda_qk": "ksplit", "kda_qkt_cold": "inline"}, HV, qkt_launches=1)
