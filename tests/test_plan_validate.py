@@ -1,9 +1,9 @@
 """`python -m onboarding.plan.validate`: the plan compares like with like against measured runs.
 
-The stored H200 measurements (reference_runs/plan_validation, commit 83f63f6) predate issue 34's
-leaner training step, which the plan has modelled since 458972e: the validation went on
-comparing the two (-37% to -66% on memory) without saying so. These tests keep the two sides'
-settings one and the same, and the staleness said."""
+The H200 measurements stored before (commit 83f63f6) predated issue 34's leaner training step,
+which the plan had modelled since 458972e: the validation went on comparing the two (-37% to
+-66% on memory) without saying so. Those in reference_runs/plan_validation now are of one H100
+at 9f358db. These tests keep the two sides' settings one and the same, and the staleness said."""
 
 from __future__ import annotations
 
