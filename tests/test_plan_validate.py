@@ -89,3 +89,44 @@ def test_provenance_says_when_the_measured_step_changed(tmp_path):
     assert provenance(src, repo)[1].startswith("STALE: 1 commits")
     (src / "meta.json").write_text(json.dumps({"commit": "0123abc"}))
     assert "unknown" in provenance(src, repo)[1]
+
+
+def _fake_train(monkeypatch, rc: int, output: str, steps: int, *, timeout: bool = False):
+    """`validate.measure`'s `onboard train` replaced by one that writes ``steps`` rows (with a
+    kernels summary) into its ``--out`` and then exits ``rc`` after printing ``output``, or runs
+    past its timeout with ``output`` printed."""
+    import onboarding.plan.validate as V
+
+    def run(cmd, **kw):
+        out = Path(cmd[cmd.index("--out") + 1]) / "train"
+        out.mkdir(parents=True)
+        (out / "reference.jsonl").write_text("".join(json.dumps({
+            "step": s, "step_time_s": 0.5 if s == 1 else 0.1, "tokens_per_s": 10.0,
+            "peak_mem_bytes": 2**30 + s, "kernels": {"gated_delta": 3, "rejected:rmsnorm": 1}})
+            + "\n" for s in range(1, steps + 1)))
+        if timeout:
+            raise subprocess.TimeoutExpired(cmd, kw["timeout"], output=output, stderr="")
+        return subprocess.CompletedProcess(cmd, rc, stdout=output, stderr="")
+
+    monkeypatch.setattr(V.subprocess, "run", run)
+    return V.measure
+
+
+def test_a_failed_run_keeps_its_output_with_its_rows(monkeypatch, tmp_path):
+    """A run that wrote its steps and then exited non-zero keeps the end of its output (before:
+    only a run without rows did, and qwen3_next T16384's exit 1 on the H100 said nothing); its
+    rows' numbers and the kernels its last row names are kept too. A clean exit has no error; a
+    timeout keeps what the run had printed, the timeout last (the table's line)."""
+    case = Case(model="hf:qwen3_next", seq=64, micro_batch=1)
+    res = _fake_train(monkeypatch, 1, "step 4 ...\nRuntimeError: export failed\n", 4)(
+        case, tmp_path / "a", 4, 9.0)
+    assert res["exit_code"] == 1 and res["steps"] == 4 and res["peak_bytes"] == 2**30 + 4
+    assert "RuntimeError: export failed" in res["error"]
+    assert res["kernels"] == {"gated_delta": 3, "rejected:rmsnorm": 1}
+    res = _fake_train(monkeypatch, 0, "done\n", 2)(case, tmp_path / "b", 2, 9.0)
+    assert "error" not in res and res["step_s"] == 0.1
+    res = _fake_train(monkeypatch, 0, "compiling gated_delta\n", 0, timeout=True)(
+        case, tmp_path / "c", 2, 9.0)
+    assert res["exit_code"] == 124 and "peak_bytes" not in res
+    assert res["error"].startswith("compiling gated_delta")
+    assert res["error"].splitlines()[-1] == "timed out after 9 s"

@@ -86,15 +86,20 @@ CASES = [Case(model="hf:qwen3_moe", seq=2048), Case(model="hf:qwen3_moe", seq=81
 
 def measure(case: Case, runs: Path, steps: int, timeout: float) -> dict:
     """Train ``case`` for ``steps`` steps in ``runs``; the peak and median step time of its
-    rows."""
+    rows, the kernels its last row says ran (``kernels``: which blocks had onboard's kernels,
+    which were rejected: what the plan's kernel path assumed), and where the run did not exit 0,
+    the end of its output (``error``), rows or not: a run that wrote its steps and then failed
+    says why."""
     run = runs / case.name
     cmd = [sys.executable, "-m", "onboarding", "train", *case.train_args(), "--steps", str(steps),
            "--out", str(run)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        rc, tail = p.returncode, (p.stdout + p.stderr)[-600:]
-    except subprocess.TimeoutExpired:
-        rc, tail = 124, f"timed out after {timeout:.0f} s"
+        rc, tail = p.returncode, (p.stdout + p.stderr)[-1500:]
+    except subprocess.TimeoutExpired as exc:  # what it had printed, then the timeout (last)
+        said = "".join(x if isinstance(x, str) else x.decode(errors="replace")
+                       for x in (exc.stdout, exc.stderr) if x)
+        rc, tail = 124, (said[-1200:] + "\n" if said else "") + f"timed out after {timeout:.0f} s"
     rows_file = run / "train" / "reference.jsonl"
     rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()] \
         if rows_file.exists() else []
@@ -107,7 +112,9 @@ def measure(case: Case, runs: Path, steps: int, timeout: float) -> dict:
         res["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in rows[1:] or rows)
         res["rows"] = [{"step": r["step"], "step_time_s": r["step_time_s"],
                         "peak_mem_bytes": r["peak_mem_bytes"]} for r in rows]
-    else:
+        if rows[-1].get("kernels") is not None:
+            res["kernels"] = rows[-1]["kernels"]
+    if rc != 0 or not rows:
         res["error"] = tail
     return res
 
