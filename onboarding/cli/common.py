@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from rich.console import Console
 
+from onboarding.cli.logs import verbosity_options
 from onboarding.errors import InputError
 from onboarding.load.model import DEFAULT_EXAMPLE, model_forms
 from onboarding.load.overrides import parse_assignments, positive_int
@@ -60,14 +61,6 @@ def model_options(p: argparse.ArgumentParser, without: str | None = None) -> Non
 FAMILIES_HELP = ("a folder of kernel families (or one family folder) to use beside the built-in "
                  "ones; repeatable. Also: the ONBOARD_FAMILIES path list and installed packages' "
                  "onboard.families entry points")
-
-
-def verbosity_options(p: argparse.ArgumentParser, default=0) -> None:
-    """-v / -q, counted (`onboarding.cli.logs`)."""
-    p.add_argument("-v", "--verbose", action="count", default=default,
-                   help="debug log level: the progress steps as timed lines on a terminal too")
-    p.add_argument("-q", "--quiet", action="count", default=default,
-                   help="errors only: no progress, tables or summaries (--json still prints)")
 
 
 def gpu_sharing_options(p: argparse.ArgumentParser, prefix: str = "") -> None:

@@ -9,6 +9,7 @@ environment variable never overrides what the command line says.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -20,6 +21,14 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
           "error": logging.ERROR}
 
 log = logging.getLogger(LOGGER)
+
+
+def verbosity_options(p: argparse.ArgumentParser, default=0) -> None:
+    """-v / -q, counted (`level_from`)."""
+    p.add_argument("-v", "--verbose", action="count", default=default,
+                   help="debug log level: the progress steps as timed lines on a terminal too")
+    p.add_argument("-q", "--quiet", action="count", default=default,
+                   help="errors only: no progress, tables or summaries (--json still prints)")
 
 
 def level_from(verbose: int, quiet: int, env: str | None) -> int:

@@ -12,25 +12,29 @@ import signal
 import sys
 import traceback
 
-from rich.console import Console
-from rich.markup import escape
-
 from onboarding import __version__
-from onboarding.backend import ensure_triton_backend
-from onboarding.cli import analyse, bench, plan, pr, regress, run, train, tune
 from onboarding.cli import logs
-from onboarding.cli.common import FAMILIES_HELP, Parser, err, verbosity_options
 from onboarding.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, InputError
-from onboarding.load.modules_cache import use_private_modules_cache
-from onboarding.optional_kernels import hide as hide_kernel_packages
+
+# The commands (and through them torch, ~2 s) are imported by `build_parser` and `main`, not
+# here: `onboard --version` answers without them (`_version_only`).
+
+
+def _top_level_options(ap: argparse.ArgumentParser, families_help: str | None = None) -> None:
+    """The options before a command: the full parser's and `_version_only`'s (the same option
+    strings, so that an abbreviation such as ``--vers`` means the same in both)."""
+    ap.add_argument("--debug", action="store_true", help="print tracebacks")
+    ap.add_argument("--version", action="version", version=f"onboard {__version__}")
+    ap.add_argument("--families", action="append", default=[], metavar="DIR", help=families_help)
+    logs.verbosity_options(ap)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from onboarding.cli import analyse, bench, plan, pr, regress, run, train, tune
+    from onboarding.cli.common import FAMILIES_HELP, Parser
+
     ap = Parser(prog="onboard", description=__doc__)
-    ap.add_argument("--debug", action="store_true", help="print tracebacks")
-    ap.add_argument("--version", action="version", version=f"onboard {__version__}")
-    ap.add_argument("--families", action="append", default=[], metavar="DIR", help=FAMILIES_HELP)
-    verbosity_options(ap)
+    _top_level_options(ap, FAMILIES_HELP)
     sub = ap.add_subparsers(dest="command", required=True)
     for command in (analyse, plan, tune, bench, run, pr, regress, train):  # the order --help lists
         command.add_parser(sub)
@@ -42,6 +46,9 @@ def _load_families(dirs: list[str]) -> None:
     broken is reported once, here, with its path and reason (the run goes on without it)."""
     import warnings
 
+    from rich.markup import escape
+
+    from onboarding.cli.common import err
     from onboarding.families import FamilyWarning, add_dirs, registry
 
     add_dirs(dirs)
@@ -56,11 +63,52 @@ def _load_families(dirs: list[str]) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
+class _FullParserAnswers(Exception):
+    """`_version_only` met what only the full parser answers: --help, a bad option."""
+
+
+class _VersionParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _FullParserAnswers
+
+
+class _Help(argparse.Action):
+    def __call__(self, *args, **kwargs):
+        raise _FullParserAnswers
+
+
+def _version_only(argv: list[str]) -> None:
+    """Print the version and exit (SystemExit 0, as argparse's version action does) where the
+    options before the command ask it, without importing the commands; return otherwise.
+    Parsed by argparse with the full parser's top-level options, so it fires exactly where that
+    one would: `--version` (or an abbreviation) before any command, unless `--help` or an
+    option error comes first."""
+    if not any(len(a) > 3 and "--version".startswith(a) for a in argv):
+        return
+    ap = _VersionParser(prog="onboard", add_help=False)
+    ap.add_argument("-h", "--help", nargs=0, action=_Help)
+    _top_level_options(ap)
+    ap.add_argument("rest", nargs=argparse.REMAINDER)  # the command and its arguments
+    try:
+        ap.parse_known_args(argv)
+    except _FullParserAnswers:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
+        _version_only(sys.argv[1:] if argv is None else argv)
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a bad option (said in one line)
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    from rich.console import Console
+    from rich.markup import escape
+
+    from onboarding.backend import ensure_triton_backend
+    from onboarding.cli.common import err
+    from onboarding.load.modules_cache import use_private_modules_cache
+    from onboarding.optional_kernels import hide as hide_kernel_packages
+
     try:
         level = logs.level_from(args.verbose, args.quiet, os.environ.get(logs.ENV))
     except InputError as exc:
