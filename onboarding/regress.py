@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.errors import InputError
-from onboarding.gitinfo import git
 from onboarding.rundir import write_json
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference_runs"
@@ -314,12 +313,12 @@ def reference_dir(name: str, root: Path | None = None) -> Path:
 def metadata(*, command: str, run_command: str | None = None) -> dict[str, Any]:
     """Where and how the golden was made: commit (and the tracked files modified on top of it),
     date, versions, GPU, and the exact commands."""
-    from onboarding.stages import environment
+    from onboarding.stages import environment, git_state
 
-    env = environment()
-    env["commit"] = (git("rev-parse", "HEAD") or "").strip() or None
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    env["modified_files"] = [line[3:] for line in dirty.splitlines()] if dirty else []
+    checkout = git_state()  # asked once: environment's short commit is made from it too
+    env = environment(checkout)
+    env["commit"] = checkout.head if checkout is not None else None
+    env["modified_files"] = checkout.modified if checkout is not None else []
     env["device"] = env["gpu"] or "cpu (Triton interpreter)"
     return {**env, "command": command, "run_command": run_command}
 

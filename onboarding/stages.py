@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,19 +24,49 @@ from onboarding.modpath import inside
 from onboarding.rundir import write_json
 
 
+class GitState(NamedTuple):
+    """A checkout's HEAD (full and git's short form) and its tracked files modified on top of
+    it (`git status --porcelain`'s paths; untracked files are not the run's code)."""
+
+    head: str
+    short: str
+    modified: list[str]
+
+    @property
+    def commit(self) -> str:
+        """The short HEAD, with "-dirty" when tracked files differ from it."""
+        return self.short + ("-dirty" if self.modified else "")
+
+
+def git_state(where: Path = HERE) -> GitState | None:
+    """`GitState` of the checkout at ``where`` (onboard's own by default) in two git calls;
+    None outside git or before the first commit."""
+    heads = (git("rev-parse", "HEAD", "--short", "HEAD", cwd=where, timeout=5) or "").split()
+    if len(heads) != 2:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no", cwd=where, timeout=5)
+    return GitState(heads[0], heads[1],
+                    [line[3:] for line in (dirty or "").splitlines() if line.strip()])
+
+
 def git_commit(where: Path = HERE) -> str | None:
     """The short HEAD of the checkout onboard runs from, with "-dirty" when its tracked files
     differ from HEAD: a benchmark or a run of an uncommitted tree is not that commit's (a copy
     of a working tree whose .git lags behind said a commit it did not run). None outside git."""
-    head = (git("rev-parse", "--short", "HEAD", cwd=where, timeout=5) or "").strip()
-    if not head:
-        return None
-    dirty = git("status", "--porcelain", "--untracked-files=no", cwd=where, timeout=5)
-    return head + ("-dirty" if (dirty or "").strip() else "")
+    state = git_state(where)
+    return state.commit if state is not None else None
 
 
-def environment() -> dict[str, Any]:
+_ASK = object()
+
+
+def environment(checkout: GitState | None | object = _ASK) -> dict[str, Any]:
+    """Versions, GPU, date and commit of this process. ``checkout``: the `git_state` a caller
+    already has (None: not in git), so that git is not asked twice; by default it is asked."""
     import transformers
+
+    if checkout is _ASK:
+        checkout = git_state()
 
     try:
         import triton
@@ -44,7 +74,9 @@ def environment() -> dict[str, Any]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"onboard": __version__, "commit": git_commit(), "torch": torch.__version__,
+    return {"onboard": __version__,
+            "commit": checkout.commit if isinstance(checkout, GitState) else None,
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": triton_version,
             "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
