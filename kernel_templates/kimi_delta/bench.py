@@ -53,10 +53,10 @@ FWD_SWEEP = (*PREP_SWEEP, *FWD_O_SWEEP)
 # and qkt (BK 32) 255 / 1152 at 4 warps. The rows of template v20-v27 (`kda_qk` "serial"; "tiles"
 # at K tile 16; 8 warps for the wy kernel and the state pass, with and without it) all lost to the
 # tiled default on the H200 (docs/LOG.md, twentieth session, call J) and left.
-# Four rows keep one GPU call's bench within ~3 min.
+# Since v62 the reverse state pass at three stages and 8 warps is the k_le_128 bucket's, so its rows (alone and with
+# `_FUSED`) left: the fused rows now run it.
 _FUSED = {"kda_qk": "fused", "kda_qk_bk": 16, "kda_qk_warps": 8}
-_STATE3 = {"state_bwd_stages": 3, "kda_state_bwd_warps": 8}
-QK_SWEEP = (_FUSED, {"kda_qk": "fused", "kda_qk_warps": 8}, _STATE3, {**_FUSED, **_STATE3})
+QK_SWEEP = (_FUSED, {"kda_qk": "fused", "kda_qk_warps": 8})
 # Template v35 (issue 32): `kda_qk` "ktiles" (the fused kernel's V side per (chunk, value head), its K
 # tiles per (K tile, chunk, value head); untimed) at `bwd_bv` 32: the K-tile kernel at BK 16 / 8 warps,
 # BK 32 / 8 warps, BK 16 / 4 warps (two programs per SM), and the first with the reverse state pass at
@@ -82,9 +82,11 @@ KTILES_SWEEP = ({**_KT, "kda_qk_bk": 16, "kda_qk_warps": 8}, {**_KT, "kda_qk_war
 # alone 3.820 / 3.508), bars passed: v46 made them the k_le_128 bucket's, v47 "ksplit"'s only kernels (the
 # keys and their rows left). The one row left: the K tiles (now wykp, BV 32) at 8 warps capped at 128
 # registers (two 8-warp programs per SM, against the default's three 4-warp ones); untimed in this form.
-_KS8 = {"kda_qk": "ksplit", "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128}
+_KS8 = {"kda_qk": "ksplit", "kda_wyk_warps": 8, "kda_wyk_maxnreg": 128, "kda_wykq": 0}
 # v56: "ksplit"'s qkt kernel in one launch, the k_le_128 bucket's before "split" became its default
-KSPLIT_SWEEP = (_KS8, {"kda_qk": "ksplit", "kda_qkt_cold": "inline"})
+# Since v62 (the bucket's `kda_wykq` 1) these rows and the qkt rows below pin `kda_wykq` 0: the K tiles and the qkt
+# kernel's hot launch as two kernels, as they were timed.
+KSPLIT_SWEEP = (_KS8, {"kda_qk": "ksplit", "kda_qkt_cold": "inline", "kda_wykq": 0})
 # Template v51 (issue 32): `kda_qkt_cold` "split" ("ksplit"'s qkt kernel in two launches: the chunk tier alone,
 # which flags the tiles whose decays do not fit it, then every tier for the flagged tiles; the bench's gates flag
 # none), at the default K tile (BK 32) and at BK 16 capped at 168 registers (`kda_qkt_maxnreg`, the hot launch
@@ -92,7 +94,7 @@ KSPLIT_SWEEP = (_KS8, {"kda_qk": "ksplit", "kda_qkt_cold": "inline"})
 # 255, 1052 / 1780 B stored / loaded) and 151, no spills (family.py; docs/LOG.md, fortieth session, helper
 # kda43). Untimed. v49's rows were "call" (its cold tiers in a noinline function): 3.828 / 3.235 ms against the
 # default's 4.008 / 3.507 on an H100, but its GPU bars row faulted (at HV = 2 HK, no tile calling); v51 replaced it.
-_COLD = {"kda_qk": "ksplit", "kda_qkt_cold": "split"}
+_COLD = {"kda_qk": "ksplit", "kda_qkt_cold": "split", "kda_wykq": 0}
 QKT_COLD_SWEEP = (_COLD, {**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})
 # v56 (issue 32): more programs per SM for "split"'s hot launch, which waits on its loads (Nsight Compute,
 # thirty-ninth session: long scoreboard 50% of the one-launch build's stalls at two programs per SM). At BK 16
@@ -116,10 +118,16 @@ HOT_SWEEP = ({**_COLD, "kda_qk_bk": 16, "kda_qkt_maxnreg": 128},)
 # `.ci/h200/sass_audit.py --only kimi_delta --kernel wy` with these configs (triton 3.6): 0 of 11 builds flagged.
 # On an H100 (fifty-fourth session, `.ci/h200/h54b.sh` call 5; B1 T8192 H32 D128, wall / graph ms): the default
 # 3.669 / 3.257, `kda_wykq` 3.351 / 2.936 (-9.9% by graph; its two sweep bars rows passed), at 8 warps 4.456 /
-# 4.037, and `_STATE3` alone 3.374 / 2.981 (-8.5%): the last row is the two together, untimed.
-WYKQ_SWEEP = ({"kda_qk": "ksplit", "kda_wykq": 1}, {"kda_qk": "ksplit", "kda_wykq": 1, "kda_wy_warps": 8},
-              {"kda_qk": "ksplit", "kda_wykq": 1, **_STATE3})
-BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP, *WYKQ_SWEEP)
+# 4.037, and the state pass's row alone (`state_bwd_stages` 3, `kda_state_bwd_warps` 8) 3.374 / 2.981 (-8.5%). The two together (fifty-fifth session, `.ci/h200/h55.sh`)
+# 3.093 / 2.693 against the default's 3.638 / 3.265: v62 made them the k_le_128 bucket's. The rows are `kda_wykq`
+# with v61's reverse state pass and at 8 warps (the bucket's state pass).
+_STATE1 = {"state_bwd_stages": 1, "kda_state_bwd_warps": 0}
+WYKQ_SWEEP = ({"kda_qk": "ksplit", "kda_wykq": 1, **_STATE1}, {"kda_qk": "ksplit", "kda_wykq": 1, "kda_wy_warps": 8})
+# v61's default (the k_le_128 bucket's before v62): the K tiles and the qkt kernel's hot launch apart, the reverse
+# state pass at 1 stage and num_warps.
+PREV_SWEEP = ({"kda_wykq": 0, **_STATE1},)
+BWD_SWEEP = (*QK_SWEEP, *FWD_O_SWEEP, *KTILES_SWEEP, *KSPLIT_SWEEP, *QKT_COLD_SWEEP, *HOT_SWEEP, *WYKQ_SWEEP,
+             *PREV_SWEEP)
 
 
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)

@@ -156,7 +156,8 @@ PARAMS = _base.PARAMS
 #   each K tile finishes its dq, dk, dg in one visit, with no fp32 dq, dk, dg partials written and read back
 #   and one read of q, k, g; a tile whose decays do not fit the chunk tier writes its partials and its flag,
 #   and the qkt kernel's cold launch (SPLIT 2) runs it (the K tiles' BK; `kda_qk_bk` has no effect). Its warps
-#   and V loop are the K tiles' (`kda_wyk_warps`, `kda_wyk_bv`, `kda_wyk_stages`), uncapped. Untimed.
+#   and V loop are the K tiles' (`kda_wyk_warps`, `kda_wyk_bv`, `kda_wyk_stages`), uncapped. The k_le_128
+#   bucket's since v62 (below).
 # kda_state_bwd_warps (0: num_warps): warps of the reverse state pass. Its spills at 4 warps came
 #   from builds that marked only the pointers; with every integer marked it has none (194
 #   registers; docs/LOG.md, thirtieth session, helper-66).
@@ -205,10 +206,16 @@ NAME = "kimi_delta"
 # an H100 (v53, forty-first session, `.ci/h200/kda_split_check.sh` and its calls 4-5) fwd+bwd 3.481 / 3.212 and
 # 3.619 / 3.218 ms (wall / CUDA graph) against "inline"'s 3.728 / 3.450 and 3.813 / 3.450 at B1 T8192 H32 D128
 # (graph -6.9%; fwd+bwd over fwd 3.97x from 4.26x), memcheck clean; the forty-second session's GPU checks of
-# the cold launch at both head layouts (docs/LOG.md).
+# the cold launch at both head layouts (docs/LOG.md). And (v62) `kda_wykq` 1 with the reverse state pass at 3
+# stages and 8 warps (`state_bwd_stages` 3, `kda_state_bwd_warps` 8): on an H100 (fifty-fifth session,
+# `LIMIT=575 STEPS="kda wykq" bash .ci/h200/h55.sh`, one run) fwd+bwd 3.093 / 2.693 ms (wall / CUDA graph)
+# against v61's 3.638 / 3.265 (graph -17.5%) and `kda_wykq` alone 3.292 / 2.950 at B1 T8192 H32 D128, the
+# forward 0.928 / 0.804 (fla's 1.951 / 1.248): fwd+bwd over fwd 3.35x by graph (v61 4.06x); the three rows'
+# bf16 bars and the cold-tile check at HV = HK passed on that H100.
 _GDN_ONLY = ("prep_bk", "prep_stages", "bwd_bv", "fused_kq", "rows_maxnreg")
-_KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 1, "kda_qk": "ksplit", "kda_wyk_bv": 32,
-                            "kda_wyk_maxnreg": 168, "kda_qkt_cold": "split"}}
+_KDA_BUCKET = {"k_le_128": {"num_stages": 2, "state_bwd_stages": 3, "kda_qk": "ksplit", "kda_wyk_bv": 32,
+                            "kda_wyk_maxnreg": 168, "kda_qkt_cold": "split", "kda_wykq": 1,
+                            "kda_state_bwd_warps": 8}}
 KDA_BUCKETS = tuple(dataclasses.replace(b, config={**{k: v for k, v in b.config.items() if k not in _GDN_ONLY},
                                                    **_KDA_BUCKET.get(b.name, {})})
                     for b in SHAPE_BUCKETS)
@@ -230,6 +237,11 @@ FAMILY = FamilySpec(
     plan_saves="delta_rule",
     name=NAME,
     template="kimi_delta.py.j2",
+    # v62: the k_le_128 bucket takes `kda_wykq` 1, `state_bwd_stages` 3 and `kda_state_bwd_warps` 8 (above); the
+    # template is unchanged. bench.PREV_SWEEP keeps v61's default beside it; the "ksplit" rows that describe the
+    # K tiles and the qkt kernel apart (KSPLIT_SWEEP, QKT_COLD_SWEEP, HOT_SWEEP) pin `kda_wykq` 0. The reverse state
+    # pass's AOT spec takes `kda_state_bwd_warps` as its launch does (the base template, KDA regions only: GDN's
+    # render unchanged); before, it said num_warps, so the AOT check built a state pass the GPU did not run.
     # v61: `_kda_bwd_wykq.py.j2`'s byte counts corrected (a comment; the kernels unchanged).
     # v60: `kda_wykq` 1 (off; above): `kda_chunk_bwd_wykq_kernel` (`_kda_bwd_wykq.py.j2`), the V side's FULL
     # (p_qg, p_h: the row dots whole) and `_backward_wykq`; the default's launches and kernels' code paths unchanged.
@@ -311,7 +323,7 @@ FAMILY = FamilySpec(
     # v41: with the base's v26 (the AOT specs type u as the runtime allocates it; the base's `_prepare`
     # no longer rendered beside KDA's own), the split prepare's wu spec u in IDT; the default's kernels
     # unchanged. History: docs/LOG.md
-    template_version=61,
+    template_version=62,
     folder=Path(__file__).parent,
     extends=BASE,
     variants={"chunk": "chunked delta rule, per-channel decay; fwd, bwd, recurrent decode"},

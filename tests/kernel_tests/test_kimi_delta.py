@@ -377,15 +377,17 @@ def test_qkt_cold_split_equals_inline(monkeypatch, case_id):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
 
 
-@pytest.mark.parametrize("cfg", [{}, {"kda_qkt_cold": "inline"}, {"kda_qkt_cold": "split"},
-                                 {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168}],
+@pytest.mark.parametrize("cfg", [{"kda_wykq": 0, **c} for c in (
+    {}, {"kda_qkt_cold": "inline"}, {"kda_qkt_cold": "split"},
+    {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})],
                          ids=["default", "inline", "split", "split-bk16-cap"])
 def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
-    """The qkt kernel's AOT specs (fp32, K 128: the k_le_128 bucket's "ksplit") are its launches at K = V = 128
-    with one value head per key head, in order: the constexprs (SPLIT included; p_flag None where the launch
-    passes no flag buffer, else an int32 pointer), warps and register cap; one spec and launch without
-    `kda_qkt_cold` "split" (the bucket's default since v56), two with it (the hot launch capped, the cold one
-    not, at `QKT_COLD_WARPS`)."""
+    """The qkt kernel's AOT specs (fp32, K 128: the k_le_128 bucket's "ksplit", with `kda_wykq` 0: the K tiles and
+    the qkt kernel's hot launch apart, the bucket's before v62; test_kimi_delta_wykq.py checks the bucket's own) are
+    its launches at K = V = 128 with one value head per key head, in order: the constexprs (SPLIT included; p_flag
+    None where the launch passes no flag buffer, else an int32 pointer), warps and register cap; one spec and launch
+    without `kda_qkt_cold` "split" (the bucket's since v56), two with it (the hot launch capped, the cold one not, at
+    `QKT_COLD_WARPS`)."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
     gen = torch.Generator().manual_seed(4)
@@ -637,10 +639,39 @@ def test_aot_specs_are_the_runtime_launches(config, monkeypatch):
     check_aot_specs_are_the_launches(kimi_delta.FAMILY, True, monkeypatch, config)
 
 
+@pytest.mark.parametrize("cfg", [{}, {"state_bwd_stages": 1, "kda_state_bwd_warps": 0}], ids=["bucket", "v61"])
+def test_state_bwd_aot_spec_is_the_launch(monkeypatch, cfg):
+    """The reverse state pass's AOT spec (fp32, K 128) is its launch: STAGES, warps (`kda_state_bwd_warps`, else
+    num_warps) and stages; the k_le_128 bucket's (v62) bf16 spec at 3 stages and 8 warps. Before, the spec took num_warps
+    whatever `kda_state_bwd_warps` said, so the AOT check built a kernel the GPU does not run."""
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
+    gen = torch.Generator().manual_seed(4)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    seen = []
+    name = "kda_state_bwd_kernel"
+    monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: seen.append(kw)))
+    with pinned(module, cfg):
+        grads_of(module.entry, args, douts)
+        specs = [s for s in module.aot_specs("fp32", 128) if s["kernel"] == name and s["constexprs"]["HAS_DHT"]]
+    assert len(seen) == len(specs) == 1, (seen, specs)
+    kw, spec = seen[0], specs[0]
+    assert {k: kw[k] for k in spec["constexprs"]} == spec["constexprs"], (kw, spec)
+    assert (kw["num_warps"], kw["num_stages"]) == (spec["num_warps"], spec["num_stages"]), (kw, spec)
+    assert spec["num_warps"] == (8 if not cfg else 4), spec
+    with pinned(module, cfg):  # bf16 (the GPU's): the bucket's 3 stages (fp32's shared memory caps them at 1)
+        bf16 = [s for s in module.aot_specs("bf16", 128) if s["kernel"] == name]
+    assert {(s["constexprs"]["STAGES"], s["num_warps"]) for s in bf16} == {(3, 8) if not cfg else (1, 4)}, bf16
+
+
 def test_aot_specs_carry_the_launches_register_caps():
-    """The register caps "ksplit" launches with (`kda_wyk_maxnreg`: the k_le_128 bucket's 168;
-    `kda_qkt_maxnreg` where asked, under `kda_qkt_cold` "split" on its hot launch only) are in the AOT specs, so `aot.compile_module` builds the kernels
-    as they run; qkt's spec carries no cap where "tiles" launches it (the base template's launch)."""
+    """The register caps "ksplit" launches with, the K tiles and the qkt kernel's hot launch apart (`kda_wykq` 0:
+    `kda_wyk_maxnreg`, the k_le_128 bucket's 168; `kda_qkt_maxnreg` where asked, under `kda_qkt_cold` "split" on
+    its hot launch only) are in the AOT specs, so `aot.compile_module` builds the kernels as they run; qkt's spec
+    carries no cap where "tiles" launches it (the base template's launch); the bucket's own `kda_wykq` 1 builds its
+    fused K tiles uncapped."""
     import tempfile
     from pathlib import Path
 
@@ -650,12 +681,13 @@ def test_aot_specs_carry_the_launches_register_caps():
     mod = templating.load_module(templating.write_module(
         source, Path(tempfile.mkdtemp(prefix="onboard-caps-")) / "kimi_delta" / "chunk.py"))
 
-    def caps(cfg):  # kernel -> the caps of its specs, in launch order
-        mod.set_config(cfg)
+    def caps(cfg, apart=True):  # kernel -> the caps of its specs, in launch order
+        mod.set_config({"kda_wykq": 0, **(cfg or {})} if apart else cfg)
         try:
             out = {}
             for s in mod.aot_specs("bf16", 128):
-                if s["kernel"] in ("kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_qkt_kernel"):
+                if s["kernel"] in ("kda_chunk_bwd_wykp_kernel", "kda_chunk_bwd_qkt_kernel",
+                                   "kda_chunk_bwd_wykq_kernel"):
                     out.setdefault(s["kernel"], []).append(s.get("maxnreg"))
             return out
         finally:
@@ -664,12 +696,14 @@ def test_aot_specs_carry_the_launches_register_caps():
     bucket = mod.config_for(128)
     assert bucket["kda_qk"] == "ksplit" and bucket["kda_wyk_maxnreg"] == 168, bucket
     assert bucket["kda_qkt_cold"] == "split", bucket  # v56: the hot launch and the cold one
+    assert bucket["kda_wykq"] == 1, bucket  # v62
+    assert caps(None, apart=False)["kda_chunk_bwd_wykq_kernel"] == [None]
     assert caps(None) == {"kda_chunk_bwd_wykp_kernel": [168], "kda_chunk_bwd_qkt_kernel": [None, None]}
     assert caps({"kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == [168, None]
     assert caps({"kda_qkt_cold": "inline", "kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == [168]
     assert caps({"kda_qk": "tiles", "kda_qkt_maxnreg": 168})["kda_chunk_bwd_qkt_kernel"] == [None]
     # `kda_qkt_cold` "split": two qkt specs, the hot launch's capped, the cold one's not
-    mod.set_config({"kda_qkt_cold": "split", "kda_qkt_maxnreg": 168})
+    mod.set_config({"kda_qkt_cold": "split", "kda_qkt_maxnreg": 168, "kda_wykq": 0})
     try:
         split = [(s["constexprs"]["SPLIT"], s.get("maxnreg")) for s in mod.aot_specs("bf16", 128)
                  if s["kernel"] == "kda_chunk_bwd_qkt_kernel"]

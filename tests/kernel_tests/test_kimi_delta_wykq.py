@@ -79,8 +79,9 @@ def test_wykq_vs_naive(monkeypatch, case_id):
 
 def test_wykq_aot_specs_are_the_launches(monkeypatch):
     """`kda_wykq` 1's AOT specs (fp32, K 128, one value head per key head) are its launches: the V side with FULL,
-    the fused K tiles and the qkt kernel's cold launch at their BK (constexprs, warps, no register cap), and the
-    default's specs hold none of them (the V side's FULL off, p_qg, p_h None as launched)."""
+    the fused K tiles and the qkt kernel's cold launch at their BK (constexprs, warps, no register cap); the k_le_128
+    bucket takes it (v62), and `kda_wykq` 0's specs hold none of them (the V side's FULL off, p_qg, p_h None as
+    launched)."""
     module = load(kimi_delta.FAMILY, {"chunk_size": 64})
     case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
     gen = torch.Generator().manual_seed(4)
@@ -92,8 +93,10 @@ def test_wykq_aot_specs_are_the_launches(monkeypatch):
     for name in names:
         monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw, _n=name: seen.append(
             (_n, kw))))
-    default = [s for s in module.aot_specs("fp32", 128) if s["kernel"] in names[:2]]
-    assert [(s["kernel"], s["constexprs"]["FULL"]) for s in default] == [(names[0], False)], default
+    assert module.config_for(128)["kda_wykq"] == 1  # the k_le_128 bucket's since v62
+    with pinned(module, {"kda_wykq": 0}):
+        apart = [s for s in module.aot_specs("fp32", 128) if s["kernel"] in names[:2]]
+    assert [(s["kernel"], s["constexprs"]["FULL"]) for s in apart] == [(names[0], False)], apart
     with pinned(module, {"kda_wykq": 1}):
         assert module.config_for(128)["kda_qk"] == "ksplit"
         grads_of(module.entry, args, douts)
