@@ -120,9 +120,11 @@ def test_bf16_vs_fp32_on_gpu_wykq_sweep(cfg):
 # The same row on the GPU with the qkt kernel's cold launch at work, on test_qkt_split_cold_tiles_on_gpu's case and
 # gates (one and two value heads per key head; some tiles flagged, others not): bf16 and fp32, o, the final state
 # and every gradient within 5e-3 of "ksplit"'s one qkt launch (the same operations but the row dots' closed form).
+# The k_le_128 bucket's own (`kda_wykq` 1 since v62) first.
 @pytest.mark.parametrize("HV", [2, 4], ids=["hv=hk", "grouped"])
-@pytest.mark.parametrize("cfg", _sweep_rows(kimi_delta.bench.WYKQ_SWEEP))
+@pytest.mark.parametrize("cfg", _sweep_rows(({"kda_wykq": 1}, *kimi_delta.bench.WYKQ_SWEEP)))
 def test_wykq_cold_tiles_on_gpu(monkeypatch, cfg, HV):
     if DEVICE.type != "cuda":
         pytest.skip("the GPU's builds (the interpreter's: test_wykq_vs_naive)")
-    cold_tiles_against_inline(monkeypatch, cfg, {"kda_qk": "ksplit", "kda_qkt_cold": "inline"}, HV, qkt_launches=1)
+    inline = {"kda_qk": "ksplit", "kda_qkt_cold": "inline", "kda_wykq": 0}  # the two kernels, qkt in one launch
+    cold_tiles_against_inline(monkeypatch, cfg, inline, HV, qkt_launches=1)
