@@ -47,9 +47,12 @@ kernel's autograd keeps; else (a CPU run, ``--no-kernels``) every block's own to
     the core's output, already kept), and its rank-r product in fp32 (`_lora_saved`);
   - full training adds each block's input (2D) and the expert/MLP inputs the weight gradients
     need (2 (D + F));
-  - the loss: the bf16 logits (2V per token), plus, at the end of the forward, their bf16
-    gradient (2V: the chunked cross-entropy writes it there and keeps it instead of the logits,
-    which are then freed) and one chunk's fp32 temporaries.
+  - the loss: the logits' gradient (2V per token in bf16: the loss writes it in its forward
+    and autograd keeps it instead of the logits), plus, at the end of the forward, the logits
+    themselves (2V) and the loss's own temporaries: with onboard's loss kernel (a GPU run) its
+    fp32 loss per token, on the torch path `_ChunkedCE`'s fp32 chunks
+    (`chunked_ce_temporaries`). The head's backward frees the gradient before any layer's
+    backward runs, so a layer's workspace is not counted on top of it (`loss_workspace`).
 Recompute ``full`` keeps each decoder layer's input (2D) and re-runs one layer at a time in the
 backward (the blocks outside the layers, the final norm, keep theirs); ``selective`` re-runs the
 MLP/expert activations (the 3F parts), a low-rank residual branch's rank-r product and whatever
@@ -576,16 +579,19 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
                 **{g: v for g, v in acts.items() if v}}
         layer_ws += _per_layer_max(shape, cfg, ep, tokens)
         layer_what = "one layer recomputed"
-    # The peak is the end of the forward (the logits and their gradient, one loss chunk's
-    # fp32 temporaries) or a layer's backward (that layer's workspace).
-    v = shape.vocab
-    acts["logits (bf16)"] = BF16 * v * tokens
-    produced += acts["logits (bf16)"]
-    loss_ws = BF16 * v * tokens + 3 * FP32 * min(CE_CHUNK_ELEMENTS, v * tokens)
-    if loss_ws >= layer_ws:
-        workspace, what = loss_ws, "loss (the logits and their gradient, one chunk in fp32)"
+    # The peak is the end of the forward (the logits, their gradient and the loss's own
+    # temporaries) or a layer's forward or backward (that layer's workspace), when the logits
+    # are not there yet or no longer: the head's backward, before any layer's, frees the
+    # gradient autograd kept for it (`logits_key`'s bytes, counted with the activations).
+    logits = wb * shape.vocab * tokens
+    acts[logits_key(cfg)] = logits
+    produced += logits
+    loss_ws, loss_what = loss_workspace(shape, cfg, tokens)
+    if loss_ws >= layer_ws - logits:
+        workspace, what = loss_ws, loss_what
     else:
-        workspace, what = layer_ws, layer_what
+        workspace = layer_ws - logits
+        what = f"{layer_what}, less the logits' gradient the head's backward freed"
     if cfg.mode == "full":
         notes.append("full training: gradients are reduce-scattered per layer; the peak "
                      "counts every shard's gradient at once")
@@ -596,6 +602,42 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
                   reserved=cluster.reserved_gib * GIB, host_weights=host_w,
                   host_optimizer=host_opt, produced=produced, recomputed=recomputed,
                   notes=notes)
+
+
+def logits_key(cfg: PlanConfig) -> str:
+    """The activations' entry of the bytes the loss keeps for the backward: the logits'
+    gradient, written by the loss's forward in the logits' dtype (the model's: bf16, or fp32)."""
+    return f"logits ({'fp32' if cfg.dtype == 'fp32' else 'bf16'})"
+
+
+def chunked_ce_temporaries(tokens: int, vocab: int) -> int:
+    """fp32 elements `onboarding.train.worker._ChunkedCE`'s forward holds at once besides the
+    logits and their gradient, over ``tokens`` rows of ``vocab`` logits in chunks of
+    `CE_CHUNK_ELEMENTS // vocab` rows: in the first chunk its log-softmax, the one-hot gradient
+    and the gradient of the log-softmax (3 chunks; the fp32 copy of the logits is freed by
+    then); from the second on, the previous chunk's log-softmax and one-hot gradient are still
+    held (their names are rebound only after) while the next chunk's fp32 copy and
+    log-softmax are made (2 + 2). Counted from the op outputs of the CPU's run
+    (tests/test_plan_loss.py)."""
+    step = max(1, CE_CHUNK_ELEMENTS // max(vocab, 1))
+    first = min(step, tokens) * vocab
+    second = min(step, max(0, tokens - step)) * vocab
+    return max(3 * first, 2 * first + 2 * second) if second else 3 * first
+
+
+def loss_workspace(shape: ModelShape, cfg: PlanConfig, tokens: int) -> tuple[float, str]:
+    """(bytes, what) the loss holds at the end of the forward besides the gradient autograd
+    keeps (`logits_key`): the logits themselves, and with onboard's loss kernel on a GPU
+    (`ModelShape.loss_kernel`, `PlanConfig.kernels`) its fp32 loss per row (it writes the
+    gradient in the forward, one pass, no other buffer); on the torch path (`_ChunkedCE`: a
+    CPU run, ``--no-kernels``, no family serving the loss) the fp32 temporaries of its chunks
+    (`chunked_ce_temporaries`)."""
+    logits = (FP32 if cfg.dtype == "fp32" else BF16) * shape.vocab * tokens
+    if cfg.kernels and shape.loss_kernel:
+        return logits + FP32 * tokens, \
+            f"loss (the logits, and {shape.loss_kernel}'s fp32 loss per token)"
+    return logits + FP32 * chunked_ce_temporaries(tokens, shape.vocab), \
+        "loss (the logits, and the chunked cross-entropy's fp32 temporaries)"
 
 
 def _per_layer_max(shape: ModelShape, cfg: PlanConfig, ep: int, tokens: int) -> float:

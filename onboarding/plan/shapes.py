@@ -112,6 +112,9 @@ class ModelShape:
     dense_matmul: int  # parameters of dense GEMMs a token passes through (lm_head included)
     config: Any
     unmatched: list[str] = field(default_factory=list)  # proxy block patterns not found
+    # the kernel family whose training variant `onboard train` attaches on a GPU as the loss
+    # over the model's output embedding (`loss_kernel_family`); "": none, `_ChunkedCE` runs
+    loss_kernel: str = ""
 
     @property
     def dense(self) -> int:
@@ -245,7 +248,25 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
                       n_layers=n_layers, total=counts.total, routed=counts.routed_experts,
                       dense_tensors=dense, experts=experts, blocks=blocks,
                       layer_dense_max=layer_dense, config=cfg, unmatched=unmatched,
-                      dense_matmul=_dense_matmul(model, counts, graph))
+                      dense_matmul=_dense_matmul(model, counts, graph),
+                      loss_kernel=loss_kernel_family(model))
+
+
+def loss_kernel_family(model: nn.Module) -> str:
+    """The family `onboarding.train.kernels.attach_loss_kernel` gives the training loss of
+    ``model`` on a GPU (the first whose `training_variants` serve its `LOSS_KIND`), or "" where
+    it attaches none: no such family, or no 2-D output embedding weight (the vocabulary it is
+    checked at). A kernel that fails its check on the device leaves `_ChunkedCE`: the plan
+    cannot know that and takes the kernel, as for the blocks (`kernel_families`)."""
+    from onboarding.families import training_kernel
+    from onboarding.train.kernels import LOSS_KIND
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    served = training_kernel(LOSS_KIND)
+    if served is None or weight is None or weight.dim() != 2:
+        return ""
+    return served[0]
 
 
 def sibling_module(b) -> str | None:
