@@ -27,9 +27,9 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v29's default, `pull_ahead` False; v27's default, `bwd_ahead` False;
-  v24's pull rows, `PULL_P` 32 and `pull_scale` "dy"; "triple"; `bwd_exp` "exp", the default until
-  v23), forward
+  tuning values beside the default (`SWEEP`: v31's `bwd_dbc_ln`; v29's default, `pull_ahead` False; v27's
+  default, `bwd_ahead` False; v24's pull rows, `PULL_P` 32 and `pull_scale` "dy"; "triple"; `bwd_exp`
+  "exp", the default until v23), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
   whenever ``ours`` is timed (``--impl ours,...``: an ``ours_fwd`` alone does not keep them).
 
@@ -232,7 +232,12 @@ PULL = {"PULL_P": 32, "pull_scale": "dy"}
 # Timed on an H100 (fifty-fourth session): 1.510 ms by graph against 1.602, so v30 makes it the
 # P <= 64 bucket's (family.py has the count, the build's registers and the rows); v29's default
 # (`pull_ahead` False) is the first row, to time against on another card.
-SWEEP = (({"pull_ahead": False}, "bwd"), ({"bwd_ahead": False}, "bwd"),
+#
+# Template v31 (not yet timed): `bwd_dbc_ln`, the fused backward's dC and dB accumulated as [L, N], each
+# head's row-scaled dy and x the state terms' register operand: the two state-term wgmmas of a head stay in
+# flight behind the block pair's work instead of being waited on at once (family.py has the count and the
+# build). Its row is first (a run cut short keeps it), then v29's default and the rest.
+SWEEP = (({"bwd_dbc_ln": True}, "bwd"), ({"pull_ahead": False}, "bwd"), ({"bwd_ahead": False}, "bwd"),
          (PULL, "bwd"), ({"split_dbc": "triple"}, "bwd"), ({"PULL_P": 32}, "bwd"),
          ({"bwd_exp": "exp"}, "bwd"))
 

@@ -90,6 +90,8 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
+    # v31: `bwd_dbc_ln` (the fused backward's dC / dB accumulated as [L, N], the scaled rows a register
+    # operand; untimed, off).
     # v30: `pull_ahead` True in the P <= 64 bucket (timed on an H100, fifty-fourth session, below).
     # v29: `pull_ahead` (the split backward's fused pull with its cs rows one step ahead; untimed, off).
     # v28: `bwd_ahead` True in the P <= 64 bucket (timed on the H200, fifty-third session, below).
@@ -115,7 +117,7 @@ FAMILY = FamilySpec(
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=30,
+    template_version=31,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -280,6 +282,23 @@ FAMILY = FamilySpec(
     #   (v29-pull-ahead, -pull-ahead-pull XPASS). v30 makes it the P <= 64 bucket's; v29's default
     #   is the bench's first SWEEP row.
     #   Untimed (off in every bucket; the bench's first SWEEP row).
+    # bwd_dbc_ln (False; v31): ssd_bwd_split_fused_kernel's dC and dB accumulated as [L, N] (DBC_LN), not
+    #   transposed [N, L]: each head's state terms (dy exp(cs)) S_in and (x dt exp(cs_last - cs)) Gs with the
+    #   row-scaled 16-bit tile as the wgmma's first operand, read from registers, and the staged S_in / Gs
+    #   as the second; at the end M B and M^T C the same way. Count at B1 T8192 H128 P64 G8 N128 ("paired",
+    #   8 warps, 2,048 programs of 16 heads, one per SM at a time): the dC / dB program's head loop forms
+    #   four products a head (the two state terms, m64n128k64 each; dy x^T; C S_in^T) and, transposed, waits
+    #   on each as soon as it is issued (sm_90 TTGIR, triton 3.9: four warp_group_dot_wait with pendings 0
+    #   a head); [L, N] leaves the two state terms in flight behind the block pair's dot and its elementwise
+    #   work (two waits a head). That loop's SASS: 1,031 -> 1,028 instructions, 4 -> 2 WARPGROUP.DEPBAR, 32
+    #   -> 29 instructions naming a barrier; the dx program's loop 886 -> 882; the kernel 3,512 -> 3,448. The
+    #   scaled rows still pass through shared memory (Triton converts them to the operand layout there), and
+    #   the same products and fp32 sums are formed (the dots' order of accumulation aside). sm_90 bf16
+    #   builds (triton 3.9, .ci/h200/sass_audit.py): "paired" 255 registers / 20 spill bytes / 139,264 B of
+    #   shared memory against 252 / 0 / 139,264; without `bwd_ahead` 244 / 0 (246 / 0); "triple" 254 / 0
+    #   (251 / 0); ROLES 1 512 spill bytes (592). "paired"'s 20 bytes are stored before the head loops and
+    #   loaded after them (no local memory access inside either loop). Untimed (off in every bucket); a
+    #   SWEEP row and a bars row.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -322,6 +341,7 @@ FAMILY = FamilySpec(
         "bwd_qd": ("elem", "dot"),
         "bwd_ahead": (False, True),
         "pull_ahead": (False, True),
+        "bwd_dbc_ln": (False, True),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -363,7 +383,7 @@ FAMILY = FamilySpec(
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
                     "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp", "PULL_P": 0, "pull_scale": "C",
-                    "bwd_qd": "elem", "bwd_ahead": False, "pull_ahead": False},
+                    "bwd_qd": "elem", "bwd_ahead": False, "pull_ahead": False, "bwd_dbc_ln": False},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

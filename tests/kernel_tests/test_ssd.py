@@ -393,6 +393,9 @@ QD = {"bwd_qd": "dot"}
 # program (dD the trace of x^T dy there), q's <Gs, S_in> term in the block pairs' program (on the chunk's
 # last row of dL/dcs)
 AHEAD = {"bwd_ahead": True}
+# and its `bwd_dbc_ln` (v31): dC and dB accumulated as [L, N], the row-scaled dy and x the state terms' first
+# (register) operands
+DBC_LN = {"bwd_dbc_ln": True}
 
 
 @pytest.mark.parametrize("cfg,shape", SPLIT_BWD + [pytest.param({**p.values[0], "split_dbc": "one"}, p.values[1],
@@ -438,7 +441,21 @@ AHEAD = {"bwd_ahead": True}
                          # (the first nightly, 8 s: test_pull_ahead_matches_pull checks the pull alone)
                          + [pytest.param({**p.values[0], "pull_ahead": True}, p.values[1], id=f"pullahead-{p.id}",
                                          marks=[pytest.mark.slow] if p.id == "sc2-fused-T41" else [])
-                            for p in SPLIT_BWD if p.id in ("sc2-fused-T41", "sc1-fused-pullp32-dy-T41")])
+                            for p in SPLIT_BWD if p.id in ("sc2-fused-T41", "sc1-fused-pullp32-dy-T41")]
+                         # `bwd_dbc_ln` (v31) under "paired" at the bucket's `bwd_ahead` (every SPLIT_FUSED row: odd
+                         # T with partial chunks, 2 groups, D, dt_bias, initial state, N 24 padded, P 20 padded,
+                         # 2 batches with DBC_SPLIT 2), at T 41 under "fused" and "triple" (ROLES 1 and 3: their
+                         # own dC / dB stores), and under "paired" without `bwd_ahead`
+                         + [pytest.param({**p.values[0], "split_dbc": "paired", **DBC_LN}, p.values[1],
+                                         id=p.id.replace("fused", "ln-paired", 1), marks=p.marks)
+                            for p in SPLIT_FUSED]
+                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": dbc, **DBC_LN},
+                                         SPLIT_FUSED[0].values[1], id=f"ln-{dbc}-sc1-H4G2-T41",
+                                         marks=pytest.mark.slow)  # (test_bwd_dbc_ln_matches_default runs both)
+                            for dbc in ("fused", "triple")]
+                         + [pytest.param({**SPLIT_FUSED[0].values[0], "split_dbc": "paired", **DBC_LN,
+                                          "bwd_ahead": False}, SPLIT_FUSED[0].values[1],
+                                         id="ln-noahead-paired-sc1-H4G2-T41")])
 def test_split_backward(module, device, cfg, shape):
     """`bwd` "split": y, the final state and every gradient (x, dt, A, B, C, D, dt_bias, initial
     state) against the reference, outputs poisoned and loads bounds-checked (A mild)."""
@@ -507,6 +524,36 @@ def test_pull_ahead_reaches_the_pull(module, device, monkeypatch):
         finally:
             module.set_config(CPU_CONFIG if device.type == "cpu" else None)
     assert seen == [False, True]
+
+
+@pytest.mark.parametrize("dbc", ["fused", "paired", "triple"])
+def test_bwd_dbc_ln_matches_default(module, device, monkeypatch, dbc):
+    """`bwd_dbc_ln` (v31) reaches ssd_bwd_split_fused_kernel (DBC_LN) and gives the default's y, final state
+    and every gradient within fp32 rounding (the same products and sums; dC and dB accumulated as [L, N],
+    not [N, L]), fp32 at the bucket's fused tiles: T 41 (split chunks of 16, the last 9 tokens), 2 groups
+    of 2 heads, N 24 padded, D, dt_bias, initial state, A mild (the earlier chunks' state terms weigh in)."""
+    seen = []
+    monkeypatch.setattr(module, "ssd_bwd_split_fused_kernel", LaunchSpy(
+        module.ssd_bwd_split_fused_kernel, lambda grid, kw: seen.append(kw["DBC_LN"])))
+    gen = torch.Generator().manual_seed(5)
+    b, t, h, p, g, n = T41[:6]
+    args = [torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, h, generator=gen) - 1.0,
+            -0.02 * torch.exp(torch.rand(h, generator=gen)), 0.5 * torch.randn(b, t, g, n, generator=gen),
+            0.5 * torch.randn(b, t, g, n, generator=gen), torch.randn(h, generator=gen),
+            torch.randn(h, generator=gen), 0.3 * torch.randn(b, h, p, n, generator=gen)]
+    args = [a.to(device) for a in args]
+    dy = torch.randn(b, t, h, p, generator=gen).to(device)
+    dht = torch.randn(b, h, p, n, generator=gen).to(device)
+    got = {}
+    for ln in (False, True):
+        _split(module, device, {**SPLIT_FUSED[0].values[0], "bwd": "split", "split_dbc": dbc, "bwd_dbc_ln": ln})
+        try:
+            got[ln] = _outputs_and_grads(module, args, dy, dht)
+        finally:
+            module.set_config(CPU_CONFIG if device.type == "cpu" else None)
+    assert seen == [False, True]
+    for name, a, r in zip(_BAR_NAMES, got[True], got[False]):
+        torch.testing.assert_close(a, r, rtol=2e-5, atol=2e-5 * r.abs().max().item(), msg=name)
 
 
 # `bwd_sums` "kernel" (v20): d(dt) in dt's dtype with its per-chunk sums, dA, dD and dt bias's
@@ -910,7 +957,9 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  # v29's default beside it, and the pull pair under it
                                  pytest.param({"pull_ahead": False}, id="v29-default", marks=UNTIMED),
                                  pytest.param({"pull_ahead": True, "PULL_P": 32, "pull_scale": "dy"},
-                                              id="v29-pull-ahead-pull", marks=UNTIMED)])
+                                              id="v29-pull-ahead-pull", marks=UNTIMED),
+                                 # v31's `bwd_dbc_ln` (the fused backward's dC and dB accumulated as [L, N]), untimed
+                                 pytest.param({"bwd_dbc_ln": True}, id="v31-dbc-ln", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
@@ -1040,6 +1089,8 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  # v27's `bwd_ahead` under "paired" and "triple"
                                  pytest.param({"bwd_ahead": True}, id="paired-ahead"),
                                  pytest.param({"bwd_ahead": True, "split_dbc": "triple"}, id="triple-ahead"),
+                                 # v31's `bwd_dbc_ln` under "paired" (the bucket's `bwd_ahead`)
+                                 pytest.param({"bwd_dbc_ln": True}, id="paired-dbc-ln"),
                                  # v29's `pull_ahead` (nightly: test_pull_ahead_matches_pull checks its pull)
                                  pytest.param({"pull_ahead": True}, id="pull-ahead", marks=pytest.mark.slow)])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
