@@ -381,6 +381,76 @@ def test_stalled_step_in_a_run_alerts(proxy, tmp_path, webhook, monkeypatch):
     assert alert["alert"] == "stall" and alert["step"] == 2 and got == [alert]
 
 
+def test_each_row_reports_its_own_steps_peak(proxy, tmp_path, monkeypatch):
+    """A step row's ``peak_mem_bytes`` is that step's own peak (the counter reset as the step
+    starts; on the CPU the peak resident set) and ``run_peak_mem_bytes`` the run's so far: 256 MiB
+    touched in step 1 only shows in step 1's row and in every row's run peak. Before, no step
+    reset the counter, so every row read the run's peak so far (qwen3_next's four rows on the
+    H100 one and the same number, step 1's)."""
+    import contextlib
+
+    from onboarding.train import worker
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("the CPU's peak is reset through /proc/self/clear_refs (Linux)")
+    big = 256 * 2**20
+
+    @contextlib.contextmanager
+    def step_context(step):
+        if step == 1:
+            assert float(torch.ones(big // 4).sum()) == big // 4  # written, so resident
+        yield
+    monkeypatch.setattr(worker, "step_context", step_context)
+    cfg = TrainConfig(model=REF, out=str(tmp_path), steps=3, seq_len=16, micro_batch=2,
+                      lora_rank=4)
+    _run_worker(cfg, proxy[1])
+    rows = [json.loads(x) for x in (tmp_path / "train" / "reference.jsonl").read_text()
+            .splitlines()]
+    peaks = [r["peak_mem_bytes"] for r in rows]
+    assert peaks[0] >= max(peaks[1:]) + big * 3 // 4, peaks
+    runs = [r["run_peak_mem_bytes"] for r in rows]
+    assert runs == sorted(runs), runs
+    assert all(r["run_peak_mem_bytes"] >= max(peaks[:i + 1]) for i, r in enumerate(rows))
+    from onboarding.train.compare import summarize
+
+    assert summarize({r["step"]: r for r in rows})["peak_mem_bytes"] == \
+        rows[-1]["run_peak_mem_bytes"]
+
+
+def test_step_peaks_reset_the_cuda_counter_each_step(monkeypatch):
+    """On CUDA, `StepPeaks` reads `torch.cuda.max_memory_allocated` and resets it with
+    `reset_peak_memory_stats` as each step starts (a fake allocator here): a step's peak is its
+    own, the run's keeps the set-up's and every step's; without /proc the CPU says it cannot
+    reset."""
+    from onboarding.train import metrics as M
+
+    dev = torch.device("cuda", 0)
+    state = {"peak": 0, "now": 0}
+
+    def alloc(n):
+        state["now"] += n
+        state["peak"] = max(state["peak"], state["now"])
+
+    def reset(device):
+        assert device == dev
+        state["peak"] = state["now"]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    peaks = M.StepPeaks(dev)
+    alloc(1000), alloc(-600)  # set-up: 1000 at its peak, 400 kept
+    got = []
+    for transient in (500, 50, 50):
+        peaks.start()
+        alloc(transient), alloc(-transient)
+        got.append(peaks.step())
+    assert got == [(900, 1000), (450, 1000), (450, 1000)]
+    alloc(2000), alloc(-2000)  # between steps (an export, a checkpoint): the run's, not a step's
+    peaks.start()
+    assert peaks.step() == (400, 2400)
+    monkeypatch.setattr(M, "_CLEAR_REFS", "/nonexistent/clear_refs")
+    assert M.reset_peak_memory(torch.device("cpu")) is False
+
+
 def test_launcher_reports_an_alert_as_exit_4(tmp_path, capsys):
     """A worker (or torchrun, whose own exit code is 1) that stopped on an alert: exit 4."""
     from rich.console import Console

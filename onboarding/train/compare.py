@@ -77,7 +77,9 @@ def summarize(rows: dict[int, dict]) -> dict[str, Any]:
     steady = [r for s, r in rows.items() if s != min(rows)] if len(rows) > 1 else \
         list(rows.values())
     out = {m: _median([r.get(m) for r in steady]) for m in METRICS}
-    out["peak_mem_bytes"] = max((r.get("peak_mem_bytes") or 0 for r in rows.values()),
+    # the run's peak: a row's own step's peak, and since per-step peaks, the run's up to it
+    out["peak_mem_bytes"] = max((max(r.get("peak_mem_bytes") or 0,
+                                     r.get("run_peak_mem_bytes") or 0) for r in rows.values()),
                                 default=None) or None
     imb = [_imbalance(r.get("expert_load")) for r in rows.values()]
     out["expert_max_imbalance"] = max((x for x in imb if x is not None), default=None)

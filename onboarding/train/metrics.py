@@ -268,12 +268,67 @@ def profiler(device: torch.device):
                    on_trace_ready=(lambda prof: [f(prof) for f in sinks]) if sinks else None)
 
 
+# Linux: the process's peak resident set (VmHWM), which writing "5" to clear_refs resets
+_STATUS, _CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open(_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA allocator peak on a GPU, the process's max RSS on the CPU."""
+    """Peak bytes since the last `reset_peak_memory` (else since the process began): the CUDA
+    allocator's peak on a GPU; on the CPU the process's peak resident set (Linux's VmHWM; the
+    max RSS of ``getrusage`` where there is no /proc, which nothing resets)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = _vm_hwm()
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new `peak_memory` from what is allocated now (CUDA: the allocator's peak stats;
+    the CPU: the peak resident set, by clear_refs). False where it cannot be reset (a CPU
+    without /proc): `peak_memory` then stays the process's peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _vm_hwm() is not None
+
+
+class StepPeaks:
+    """Each step's own peak, and the run's: `start` before a step's work reads the peak since the
+    last reset into the run's (the set-up before step 1, whatever ran between steps) and resets
+    it; `step` after the step's work returns (the step's peak, the run's peak so far). A step's
+    row reported the run's peak before (the counter was never reset between steps), so a peak
+    set in step 1 (kernel calibration, compiles) read the same in every row."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.run = device, 0
+
+    def start(self) -> None:
+        self.run = max(self.run, peak_memory(self.device))
+        reset_peak_memory(self.device)
+
+    def step(self) -> tuple[int, int]:
+        peak = peak_memory(self.device)
+        self.run = max(self.run, peak)
+        return peak, self.run
 
 
 class JsonlWriter:

@@ -330,6 +330,7 @@ def run(cfg: TrainConfig, role: str) -> None:
     paths = [m.path for m in ep_mods]
 
     alerts.start()  # the stall clock runs from here: the first step's set-up counts too
+    peaks = M.StepPeaks(device)
     for step in range(start + 1, cfg.steps + 1):
         rows = packed.global_batch(step - 1, n_rows)
         ids = (rows if role == "reference" else rows[lo:hi]).to(device)
@@ -337,6 +338,7 @@ def run(cfg: TrainConfig, role: str) -> None:
             else None
         if device.type == "cuda":
             torch.cuda.synchronize()
+        peaks.start()  # each row's peak is its own step's (the run's goes in run_peak_mem_bytes)
         t0 = time.perf_counter()
         if prof is not None:
             prof.__enter__()
@@ -371,11 +373,12 @@ def run(cfg: TrainConfig, role: str) -> None:
         if prof is not None:
             prof.__exit__(None, None, None)
         tokens = local_rows * layout.world * cfg.seq_len
+        step_peak, run_peak = peaks.step()
         row = {"step": step, "loss": _world_mean(loss, layout), "ce": _world_mean(ce, layout),
                "aux": _world_mean(aux, layout) if aux is not None else None,
                "grad_norm": float(gnorm), "lr": _lr(cfg, step), "tokens": tokens,
                "step_time_s": dt, "tokens_per_s": tokens / dt,
-               "peak_mem_bytes": M.peak_memory(device)}
+               "peak_mem_bytes": step_peak, "run_peak_mem_bytes": run_peak}
         if role == "baseline":
             row["runs"] = baseline  # what ran, for the report (`report.baseline_runs`)
         routed = int(counts.sum()) if counts is not None else None
