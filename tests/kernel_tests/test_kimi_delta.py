@@ -377,6 +377,18 @@ def test_qkt_cold_split_equals_inline(monkeypatch, case_id):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
 
 
+def spec_case():
+    """The AOT spec tests' step: the k_le_128 bucket's module, fp32 inputs at K = V = 128, one value head per key
+    head, T 20, and the gradients of o and the final state."""
+    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
+    case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
+    gen = torch.Generator().manual_seed(4)
+    args = make_inputs(case, True, torch.float32, DEVICE, gen)
+    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
+             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    return module, args, douts
+
+
 @pytest.mark.parametrize("cfg", [{"kda_wykq": 0, **c} for c in (
     {}, {"kda_qkt_cold": "inline"}, {"kda_qkt_cold": "split"},
     {"kda_qkt_cold": "split", "kda_qk_bk": 16, "kda_qkt_maxnreg": 168})],
@@ -388,12 +400,7 @@ def test_qkt_aot_spec_is_the_launch(monkeypatch, cfg):
     None where the launch passes no flag buffer, else an int32 pointer), warps and register cap; one spec and launch
     without `kda_qkt_cold` "split" (the bucket's since v56), two with it (the hot launch capped, the cold one not, at
     `QKT_COLD_WARPS`)."""
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
-    gen = torch.Generator().manual_seed(4)
-    args = make_inputs(case, True, torch.float32, DEVICE, gen)
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    module, args, douts = spec_case()
     seen = []
     name = "kda_chunk_bwd_qkt_kernel"
     monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: seen.append(
@@ -644,12 +651,7 @@ def test_state_bwd_aot_spec_is_the_launch(monkeypatch, cfg):
     """The reverse state pass's AOT spec (fp32, K 128) is its launch: STAGES, warps (`kda_state_bwd_warps`, else
     num_warps) and stages; the k_le_128 bucket's (v62) bf16 spec at 3 stages and 8 warps. Before, the spec took num_warps
     whatever `kda_state_bwd_warps` said, so the AOT check built a kernel the GPU does not run."""
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
-    gen = torch.Generator().manual_seed(4)
-    args = make_inputs(case, True, torch.float32, DEVICE, gen)
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    module, args, douts = spec_case()
     seen = []
     name = "kda_state_bwd_kernel"
     monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw: seen.append(kw)))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, LaunchSpy
 from test_gated_delta import Case, grads_of, load, make_inputs
-from test_kimi_delta import KSPLIT_KERNELS, _sweep_row_bars, _sweep_rows, cold_tiles_against_inline, pinned
+from test_kimi_delta import (KSPLIT_KERNELS, _sweep_row_bars, _sweep_rows, cold_tiles_against_inline, pinned,
+                             spec_case)
 
 from onboarding.families import family_module
 
@@ -82,12 +83,7 @@ def test_wykq_aot_specs_are_the_launches(monkeypatch):
     the fused K tiles and the qkt kernel's cold launch at their BK (constexprs, warps, no register cap); the k_le_128
     bucket takes it (v62), and `kda_wykq` 0's specs hold none of them (the V side's FULL off, p_qg, p_h None as
     launched)."""
-    module = load(kimi_delta.FAMILY, {"chunk_size": 64})
-    case = Case(HK=1, HV=1, T=20, l2=True, h0=False, K=128, V=128)
-    gen = torch.Generator().manual_seed(4)
-    args = make_inputs(case, True, torch.float32, DEVICE, gen)
-    douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
-             torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
+    module, args, douts = spec_case()
     names = ("kda_chunk_bwd_wyvp_kernel", "kda_chunk_bwd_wykq_kernel", "kda_chunk_bwd_qkt_kernel")
     seen = []
     for name in names:
