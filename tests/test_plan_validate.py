@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,117 @@ def test_a_failed_run_keeps_its_output_with_its_rows(monkeypatch, tmp_path):
     assert res["exit_code"] == 124 and "peak_bytes" not in res
     assert res["error"].startswith("compiling gated_delta")
     assert res["error"].splitlines()[-1] == "timed out after 9 s"
+
+
+def test_the_plan_is_compared_with_the_steady_steps_peak(monkeypatch, tmp_path):
+    """Rows with per-step peaks (`onboard train` since aee64d8): the plan is compared with the
+    largest step's own peak after step 1, and the run's peak (here step 1's calibration
+    transient, 3 GiB) is kept beside it and shown in the table, not hidden. The kernels summary,
+    which the worker writes in step 1's row only, is kept (before: read from the last row, so a
+    run of more than one step never recorded it). Rows before per-step peaks (each row the
+    run's peak so far) give the run's peak for both, and the table says so."""
+    import onboarding.plan.validate as V
+
+    def run(cmd, **kw):
+        out = Path(cmd[cmd.index("--out") + 1]) / "train"
+        out.mkdir(parents=True)
+        rows = [{"step": s, "step_time_s": 0.1, "tokens_per_s": 10.0,
+                 "peak_mem_bytes": (3 if s == 1 else 2) * 2**30 + s,
+                 "run_peak_mem_bytes": 3 * 2**30 + 1} for s in range(1, 5)]
+        rows[0].update(kernels={"linear_attention.gated_delta": 3, "rejected:norm.rms": 1},
+                       kernels_rejected={"layers.0.norm": "output 3e-2"})
+        out.joinpath("reference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+    monkeypatch.setattr(V.subprocess, "run", run)
+    res = V.measure(Case(model="hf:qwen3_next", seq=64), tmp_path, 4, 9.0)
+    assert res["peak_bytes"] == 2 * 2**30 + 4 and res["run_peak_bytes"] == 3 * 2**30 + 1
+    assert res["peak_of"] == "steps 2-4" and res["rows"][0]["run_peak_mem_bytes"] == 3 * 2**30 + 1
+    assert res["kernels"] == {"linear_attention.gated_delta": 3, "rejected:norm.rms": 1}
+    assert res["kernels_rejected"] == {"layers.0.norm": "output 3e-2"}
+    res["predicted"] = {"allocated": 2 * 2**30, "step_s": 0.1, "params": 5e8}
+    row, *notes = V.table([res]).splitlines()[2:]
+    assert row.split(" | ")[3:6] == ["2.00", "3.00", "-0.0%"] and not notes
+    assert V.peaks(res["rows"][:1])["peak_of"] == "step 1 (the only step)"
+    old = V.peaks([{"step": s, "peak_mem_bytes": 2**30 + s} for s in (1, 2)])
+    assert old == {"peak_bytes": 2**30 + 2, "run_peak_bytes": 2**30 + 2,
+                   "peak_of": "the run's (rows before per-step peaks)"}
+    res.update(old)
+    assert V.table([res]).splitlines()[-1].endswith("measured GiB is the run's (rows before "
+                                                    "per-step peaks)")
+
+
+def test_stale_counts_only_the_kernel_families_the_runs_used(tmp_path):
+    """The STALE check counts commits to onboarding/train, onboarding/patching and the folders of
+    the kernel families the measured runs used (their ``kernels`` summaries: a block kind by the
+    families `match` gives it in the case's graph, a training kind by `training_kernel`, each
+    family's base: kimi_delta extends gated_delta), and names them. Before, every commit under
+    kernel_templates counted (4b6ad16 to kimi_delta made the H100 numbers STALE, a family
+    neither proxy uses). A case without a summary, or a kind no family is known to serve,
+    counts every family, as before; rejected kinds and --no-kernels cases count none."""
+    from onboarding.plan.validate import step_paths
+
+    repo, src = tmp_path / "repo", tmp_path / "measured"
+    src.mkdir()
+    for d in ("onboarding/train", "kernel_templates/gated_delta", "kernel_templates/kimi_delta",
+              "kernel_templates/swiglu", "kernel_templates/rmsnorm"):
+        (repo / d).mkdir(parents=True)
+        (repo / d / "f.py").write_text("v = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "measured here")
+    (src / "meta.json").write_text(json.dumps({"commit": _git(repo, "rev-parse", "HEAD")}))
+    case = asdict(Case(model="hf:qwen3_next", seq=64))
+    used = {"case": case, "predicted": {"kind_families": {
+        "linear_attention.gated_delta": ["kimi_delta"], "norm.rms": ["rmsnorm"]}},
+        "kernels": {"linear_attention.gated_delta": 3, "rejected:norm.rms": 4,
+                    "moe.experts.weighted_act": 2, "lora.linear": 0}}
+    paths = step_paths([used])
+    assert paths == ("onboarding/train", "onboarding/patching", "kernel_templates/_common",
+                     "kernel_templates/gated_delta", "kernel_templates/kimi_delta",
+                     "kernel_templates/swiglu")
+    assert step_paths([used, {"case": {**case, "kernels": False}}]) == paths
+    assert step_paths([used, {"case": case}]) == STEP_PATHS  # no summary: every family
+    assert step_paths([{**used, "kernels": {"new.kind": 1}}]) == STEP_PATHS
+    assert step_paths() == STEP_PATHS
+    assert provenance(src, repo, [used])[0].endswith(", ".join(paths))
+    for d in ("kernel_templates/rmsnorm", "kernel_templates/lora"):  # rejected, attached none
+        (repo / d).mkdir(exist_ok=True)
+        (repo / d / "f.py").write_text("v = 2\n")
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", d)
+    assert len(provenance(src, repo, [used])) == 1
+    assert provenance(src, repo, [used, {"case": case}])[1].startswith(
+        "STALE: 2 commits to onboarding/train, onboarding/patching, kernel_templates between")
+    (repo / "kernel_templates/gated_delta/f.py").write_text("v = 2\n")
+    _git(repo, "commit", "-q", "-am", "the base of kimi_delta")
+    assert provenance(src, repo, [used])[1].startswith(
+        f"STALE: 1 commits to {', '.join(paths)} between")
+
+
+def test_the_first_case_of_each_model_gets_the_compile_allowance(monkeypatch, tmp_path, capsys):
+    """`measure_cases`: the first case of each model (its kernels' first compiles: qwen3_moe
+    T2048 ran past 70 s after writing its rows, qwen3_next T4096 timed out before its first step)
+    runs under ``first_timeout``, every later case of that model under ``timeout``; the
+    allowance is never shorter than ``timeout``, and each result says which it ran under."""
+    import onboarding.plan.validate as V
+
+    got = []
+
+    def run(cmd, **kw):
+        got.append((cmd[cmd.index("train") + 1], kw["timeout"]))
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+    monkeypatch.setattr(V.subprocess, "run", run)
+    cases = [Case(model="hf:qwen3_moe", seq=64), Case(model="hf:qwen3_moe", seq=128),
+             Case(model="hf:qwen3_next", seq=64), Case(model="hf:qwen3_moe", seq=256),
+             Case(model="hf:qwen3_next", seq=128)]
+    res = list(V.measure_cases(cases, tmp_path, 2, 70.0, 500.0))
+    assert got == [("hf:qwen3_moe", 500.0), ("hf:qwen3_moe", 70.0), ("hf:qwen3_next", 500.0),
+                   ("hf:qwen3_moe", 70.0), ("hf:qwen3_next", 70.0)]
+    assert [r["timeout_s"] for r in res] == [t for _, t in got]
+    got.clear()
+    list(V.measure_cases(cases[:2], tmp_path, 2, 70.0, 30.0))
+    assert got == [("hf:qwen3_moe", 70.0)] * 2
+    with pytest.raises(SystemExit):
+        V.main(["--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--first-timeout" in said and "compiles its kernels" in said
