@@ -300,7 +300,7 @@ def table(results: list[dict]) -> str:
         of = m.get("peak_of", "the run's (rows before per-step peaks)")
         if not of.startswith("steps "):
             notes.append(f"{r['name']}: measured GiB is {of}")
-    return "\n".join(lines + notes)
+    return "\n".join(lines + ([""] + notes if notes else []))  # a blank line ends the table
 
 
 def main(argv: list[str] | None = None) -> int:
