@@ -233,10 +233,13 @@ PULL = {"PULL_P": 32, "pull_scale": "dy"}
 # P <= 64 bucket's (family.py has the count, the build's registers and the rows); v29's default
 # (`pull_ahead` False) is the first row, to time against on another card.
 #
-# Template v31 (not yet timed): `bwd_dbc_ln`, the fused backward's dC and dB accumulated as [L, N], each
-# head's row-scaled dy and x the state terms' register operand: the two state-term wgmmas of a head stay in
-# flight behind the block pair's work instead of being waited on at once (family.py has the count and the
-# build). Its row is first (a run cut short keeps it), then v29's default and the rest.
+# Template v31: `bwd_dbc_ln`, the fused backward's dC and dB accumulated as [L, N], each head's row-scaled dy
+# and x the state terms' register operand: the two state-term wgmmas of a head stay in flight behind the block
+# pair's work instead of being waited on at once (family.py has the count and the build). Its row is first (a
+# run cut short keeps it), then v29's default and the rest. On an H100 (fifty-fifth session, `.ci/h200/h55b.sh`,
+# one run; wall / graph ms) the default 2.036 / 1.568, `bwd_dbc_ln` 2.151 / 1.533 (graph -2.2%, wall +5.6%),
+# `pull_ahead` False 2.026 / 1.513 (v29's default, 3.5% under v30's by graph in this run, 5.7% over it in the
+# fifty-fourth session's): differences of this size are within run-to-run spread here; none adopted.
 SWEEP = (({"bwd_dbc_ln": True}, "bwd"), ({"pull_ahead": False}, "bwd"), ({"bwd_ahead": False}, "bwd"),
          (PULL, "bwd"), ({"split_dbc": "triple"}, "bwd"), ({"PULL_P": 32}, "bwd"),
          ({"bwd_exp": "exp"}, "bwd"))

@@ -297,8 +297,9 @@ FAMILY = FamilySpec(
     #   builds (triton 3.9, .ci/h200/sass_audit.py): "paired" 255 registers / 20 spill bytes / 139,264 B of
     #   shared memory against 252 / 0 / 139,264; without `bwd_ahead` 244 / 0 (246 / 0); "triple" 254 / 0
     #   (251 / 0); ROLES 1 512 spill bytes (592). "paired"'s 20 bytes are stored before the head loops and
-    #   loaded after them (no local memory access inside either loop). Untimed (off in every bucket); a
-    #   SWEEP row and a bars row.
+    #   loaded after them (no local memory access inside either loop). Off in every bucket; a SWEEP row and
+    #   a bars row (XPASS on an H100). Timed once on an H100 (bench.py): graph -2.2%, wall +5.6%, within the
+    #   spread of one run; not adopted.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
