@@ -817,8 +817,9 @@ def _qkt_aot_module() -> tuple:
     source = templating.render(kimi_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
     path = templating.write_module(source, Path(tempfile.mkdtemp(prefix="onboard-ptx-")) / "kimi_delta" / "chunk.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the one-launch build first: "inline" (the k_le_128 bucket's default until v56, whose default is "split")
-    return path, env, [{"kda_qkt_cold": "inline"}, *kimi_delta.bench.QKT_COLD_SWEEP]
+    # the one-launch build first: "inline" (the k_le_128 bucket's default until v56, whose default is "split"), the
+    # K tiles and the qkt kernel apart (`kda_wykq` 0, as QKT_COLD_SWEEP's rows: the bucket's since v62 is 1)
+    return path, env, [{"kda_qkt_cold": "inline", "kda_wykq": 0}, *kimi_delta.bench.QKT_COLD_SWEEP]
 
 
 @pytest.mark.slow  # sm_90 builds (five, ~30 s on a cold Triton cache)

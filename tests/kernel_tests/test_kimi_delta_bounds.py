@@ -121,7 +121,8 @@ class _Spy:
 # row (the K tiles at 8 warps capped at 128 registers: on the CPU the same launches), T 100 (a partial
 # chunk), the fp16 path at the bucket's tiles and fp32 at the test pin, HV = 2 HK and HV = HK, K = V = 64
 # (two K tiles of 32: three slots) and 128 (slow).
-KSPLIT_ROWS = ({"kda_qk": "ksplit"}, *kimi_delta.bench.KSPLIT_SWEEP)
+# (`kda_wykq` 0: the K tiles apart, as timed; since v62 the k_le_128 bucket fuses them with the qkt hot launch.)
+KSPLIT_ROWS = ({"kda_qk": "ksplit", "kda_wykq": 0}, *kimi_delta.bench.KSPLIT_SWEEP)
 KSPLIT_CASES = [
     pytest.param("fp16", 0, 1, 2, 64, id="fp16-grouped"),
     pytest.param("fp32", 0, 2, 2, 64, id="fp32-hv=hk"),
