@@ -98,13 +98,14 @@ def peaks(rows: list[dict]) -> dict:
     ``run_peak_bytes``, the run's (step 1's calibrations and compiles, the set-up); ``peak_of``,
     what ``peak_bytes`` is. Rows without ``run_peak_mem_bytes`` predate per-step peaks (each row
     the run's peak so far): their peak is the run's for both."""
+    from onboarding.train.compare import run_peak
+
+    run = run_peak(rows)
     if not all("run_peak_mem_bytes" in r for r in rows):
-        peak = max(r["peak_mem_bytes"] for r in rows)
-        return {"peak_bytes": peak, "run_peak_bytes": peak,
+        return {"peak_bytes": run, "run_peak_bytes": run,
                 "peak_of": "the run's (rows before per-step peaks)"}
     later = rows[1:] or rows
-    return {"peak_bytes": max(r["peak_mem_bytes"] for r in later),
-            "run_peak_bytes": max(max(r["run_peak_mem_bytes"], r["peak_mem_bytes"]) for r in rows),
+    return {"peak_bytes": max(r["peak_mem_bytes"] for r in later), "run_peak_bytes": run,
             "peak_of": f"steps {rows[1]['step']}-{rows[-1]['step']}" if len(rows) > 1
             else f"step {rows[0]['step']} (the only step)"}
 

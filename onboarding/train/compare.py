@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +73,19 @@ def _imbalance(load: Any) -> float | None:
     return max(vals) if vals else None
 
 
+def run_peak(rows: Iterable[dict]) -> int | None:
+    """The run's peak memory from its step rows: each row's own step's peak and, since per-step
+    peaks, the run's up to it (``run_peak_mem_bytes``); None without either."""
+    return max((max(r.get("peak_mem_bytes") or 0, r.get("run_peak_mem_bytes") or 0)
+                for r in rows), default=None) or None
+
+
 def summarize(rows: dict[int, dict]) -> dict[str, Any]:
     """Medians of the per-step metrics, the first step (compilation, warm-up) left out."""
     steady = [r for s, r in rows.items() if s != min(rows)] if len(rows) > 1 else \
         list(rows.values())
     out = {m: _median([r.get(m) for r in steady]) for m in METRICS}
-    # the run's peak: a row's own step's peak, and since per-step peaks, the run's up to it
-    out["peak_mem_bytes"] = max((max(r.get("peak_mem_bytes") or 0,
-                                     r.get("run_peak_mem_bytes") or 0) for r in rows.values()),
-                                default=None) or None
+    out["peak_mem_bytes"] = run_peak(rows.values())
     imb = [_imbalance(r.get("expert_load")) for r in rows.values()]
     out["expert_max_imbalance"] = max((x for x in imb if x is not None), default=None)
     dropped = [r["dropped_tokens"] for r in rows.values()
