@@ -11,13 +11,10 @@
 #        (issue 33: >= 350 TFLOP/s).
 # carry: .whl .whl_fla .anchors. Usage: LIMIT=560 STEPS="kda gdn" bash .ci/h200/h54.sh
 set -u
-OUT=${OUT:-/tmp/out}
-T0=$(date +%s)
-nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
-source .ci/h200/setup.sh > /dev/null || exit 1
+source .ci/h200/step.sh
+begin || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_anchor \
   .anchors/wheels/*.whl > /dev/null 2>&1 || echo "einops wheel not carried: no mamba_ssm rows"
-source .ci/h200/step.sh
 for s in ${STEPS:-kda gdn ssd mla}; do
   case $s in
     kda) PYTHONPATH=$FLA_SITE:$PYTHONPATH step kda 240 onboard bench --family kimi_delta --case B1T8192H32D128 \

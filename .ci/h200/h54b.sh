@@ -9,12 +9,9 @@
 #   bars the GPU bf16 bars of those options.
 # carry: .whl. Usage: LIMIT=560 STEPS="pv kda" bash .ci/h200/h54b.sh
 set -u
-OUT=${OUT:-/tmp/out}
-T0=$(date +%s)
-nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
-source .ci/h200/setup.sh > /dev/null || exit 1
 STEP_GREP="^[a-z_]+/|ratio|passed|failed|^\||STALE|rates|error"
 source .ci/h200/step.sh
+begin || exit 1
 D='deepseek_v3/E256K8D7168F2048N8192/uniform'
 for s in ${STEPS:-pv kda ssd moe}; do
   case $s in

@@ -7,12 +7,9 @@
 #   pv     the plan validation's re-measurement (`python -m onboarding.plan.validate --out`).
 # carry: .whl .whl_fla. Usage: LIMIT=570 STEPS="kda wykq" bash .ci/h200/h55.sh
 set -u
-OUT=${OUT:-/tmp/out}
-T0=$(date +%s)
-nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
-source .ci/h200/setup.sh > /dev/null || exit 1
 STEP_GREP="^[a-z_]+/|ratio|passed|failed|^\||STALE|rates|error|Error"
 source .ci/h200/step.sh
+begin || exit 1
 W='ours@kda_qk=ksplit+kda_wykq=1'
 for s in ${STEPS:-kda wykq}; do
   case $s in

@@ -9,12 +9,9 @@
 #   kprof  the per-kernel profile of KDA's new default fwd+bwd (`onboard bench --profile`).
 # carry: .whl. Usage: LIMIT=560 STEPS="kdat ssd qn kprof" bash .ci/h200/h55b.sh
 set -u
-OUT=${OUT:-/tmp/out}
-T0=$(date +%s)
-nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
-source .ci/h200/setup.sh > /dev/null || exit 1
 STEP_GREP="^[a-z_]+/|ratio|passed|failed|^\||error|Error|kernel|rc "
 source .ci/h200/step.sh
+begin || exit 1
 K=tests/kernel_tests
 par_kda() {  # three pytest processes at once, then their summaries
   local py="python3 -m pytest -q -p no:cacheprovider -p no:randomly"

@@ -1,8 +1,15 @@
-# Source after setting T0=$(date +%s) in a device script: `step NAME TIMEOUT COMMAND...` runs COMMAND
+# Source from a device script, then call `begin` (OUT defaults to /tmp/out, T0 = now, the card's name to
+# $OUT/gpu.txt, .ci/h200/setup.sh sourced; non-zero when set-up fails). `step NAME TIMEOUT COMMAND...` runs COMMAND
 # with its timeout shrunk to what is left of ${LIMIT} (10 s kept), writes $OUT/NAME.log, appends
 # "NAME rc N +S s" to $OUT/summary.txt and prints the log's lines matching $STEP_GREP (bench rows,
 # ratios, pytest's summary); a step with under 30 s left is skipped and says so.
 STEP_GREP=${STEP_GREP:-"^[a-z_]+/|ratio|passed|failed"}
+begin() {
+  OUT=${OUT:-/tmp/out}
+  T0=$(date +%s)
+  nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tee "$OUT/gpu.txt"
+  source .ci/h200/setup.sh > /dev/null
+}
 step() {
   local name=$1 t=$2; shift 2
   local left=$(( ${LIMIT:-540} - $(date +%s) + T0 - 10 ))
