@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from onboarding.align.stats import (_at, _containers, _float_slots, _items, _map, _put,
-                                    _same_containers, _split, _tensors)
+                                    _readable, _same_containers, _split, _tensors)
 from onboarding.graph.opgraph import Block
 
 
@@ -33,6 +33,10 @@ class _Call:
     # (container path in `args` as `_at` follows it, key, index among the value's floats);
     # they are the last outputs, slot `WRITTEN`, in this order
     written: list[tuple[tuple, Any, int]] = field(default_factory=list)
+    # per tensor in the entries of the mappings it was handed (`stats._readable`, in its order):
+    # floating and requiring grad. Those are inputs too: their floats follow `_tensors`'s in
+    # ``inputs``, their gradients follow in ``taps``, and the replay makes them leaves
+    read_flags: list[bool] = field(default_factory=list)
 
 
 # The out_slot of a tensor the block wrote into a list, dict or other mutable mapping it was
@@ -63,6 +67,7 @@ class _Recorder:
         self.active = True
         self._stack: dict[str, list[_Call]] = {}
         self._views: dict[int, list] = {}  # id(call) -> the containers it was handed
+        self._reads: dict[int, list] = {}  # id(call) -> the mapping entries it tapped
         self._handles = []
         for b in blocks:
             m = self.modules.get(b.path)
@@ -86,6 +91,15 @@ class _Recorder:
             snap = lambda t: t.detach().clone()  # noqa: E731
             call.args = _map((args, kwargs), snap, inner=snap)  # a shared mapping: as it was now
             call.inputs, call.discrete_in = _split(t.detach().clone() for t in ts)
+
+            def note(t: torch.Tensor) -> torch.Tensor:
+                call.read_flags.append(t.is_floating_point() and t.requires_grad)
+                if t.is_floating_point():
+                    call.inputs.append(t.detach().clone())
+                return t
+
+            for _, _, _, value in _readable((args, kwargs)):
+                _map(value, note)
             if not torch.is_grad_enabled():
                 self._views[id(call)] = [(p, c, c, _items(c))
                                          for p, c in _containers((args, kwargs))]
@@ -106,6 +120,15 @@ class _Recorder:
 
             # containers tapping left unchanged stay the model's own (a block writes into them)
             new = _same_containers((args, kwargs), _map((args, kwargs), tap))
+            # a mapping's entries (what the block may read, `_readable`): tapped in place, the
+            # model's own entries put back after the call (`_post`) where the block left them
+            reads = []
+            for _, mapping, key, value in _readable(new):
+                tapped = _map(value, tap)
+                if any(a is not b for a, b in zip(_tensors(tapped), _tensors(value))):
+                    mapping[key] = tapped
+                    reads.append((mapping, key, value, tapped))
+            self._reads[id(call)] = reads
             # (path, the container the block sees, the model's, its entries now): `_written`
             self._views[id(call)] = [(p, c, _at((args, kwargs), p), _items(c))
                                      for p, c in _containers(new)]
@@ -136,6 +159,9 @@ class _Recorder:
                     t.register_hook(lambda g, k=k: None if g is None else
                                     call.out_grads.__setitem__(k, g.detach().clone()))
             self._written(call, self._views.pop(id(call), []))
+            for mapping, key, value, tapped in self._reads.pop(id(call), []):
+                if key in mapping and mapping[key] is tapped:  # the block did not replace it
+                    mapping[key] = value
             self.calls[path].append(call)
             self.end.append(path)
             return None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from onboarding.align.stats import _at, _float_slots, _items, _map, _split, _tensors
+from onboarding.align.stats import _at, _float_slots, _items, _map, _readable, _split, _tensors
 from onboarding.align.fp64 import keep_float64
 from onboarding.graph.torch_paths import torch_reference_paths
 
@@ -206,8 +206,24 @@ def _replay(module: nn.Module, ref: _Call, own: _Call | None, dtype: torch.dtype
             leaves.append(x)
         return x
 
-    # a shared mapping's tensors (`_map`): a private copy in this dtype, held constant
+    # a shared mapping's tensors (`_map`): a private copy in this dtype; those that required
+    # grad in the recorded call are leaves after `_tensors`'s (`stats._readable`), as its taps
     built = _map(base.args, build, inner=lambda t: cast(t).detach())
+    flags = iter(base.read_flags)
+
+    def read(t: torch.Tensor, private: bool) -> torch.Tensor:
+        if not (next(flags, False) and private):
+            return t
+        x = t.detach().requires_grad_(True)
+        leaves.append(x)
+        return x
+
+    for path, mapping, key, value in _readable(built):
+        # a mapping `_map` could not copy is the recorded one: read, never written into
+        private = mapping is not _at(base.args, path)
+        new = _map(value, lambda t: read(t, private))
+        if private:
+            mapping[key] = new
     args, kwargs = built
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.enable_grad(), torch_reference_paths(), keep_float64(dtype):

@@ -187,7 +187,7 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], Any],
         return type(obj)(_map(o, fn, inner) for o in obj)
     if isinstance(obj, dict) and type(obj) is dict:
         return {k: _map(v, fn, inner) for k, v in obj.items()}
-    if inner is not None and isinstance(obj, MutableMapping) and not isinstance(obj, dict):
+    if inner is not None and _is_mapping(obj):
         try:
             new = copy.copy(obj)
             for k in list(obj.keys()):
@@ -201,8 +201,26 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], Any],
 def _is_shared(obj: Any) -> bool:
     """A mutable container a block may write into for later blocks to read: a list, a plain
     dict, or any other mutable mapping (transformers' ``KVSharingDict``, a ``UserDict``)."""
-    return isinstance(obj, list) or type(obj) is dict or \
-        (isinstance(obj, MutableMapping) and not isinstance(obj, dict))
+    return isinstance(obj, list) or type(obj) is dict or _is_mapping(obj)
+
+
+def _is_mapping(obj: Any) -> bool:
+    """A mutable mapping that is no plain dict (transformers' ``KVSharingDict``, a ``UserDict``):
+    `_tensors` does not look inside it and `_map` passes it through as the same object."""
+    return isinstance(obj, MutableMapping) and not isinstance(obj, dict)
+
+
+def _readable(obj: Any) -> Iterator[tuple[tuple, Any, Any, Any]]:
+    """(path, mapping, key, value) for each entry of each `_is_mapping` container of a call's
+    ``(args, kwargs)`` (found as `_containers` finds them). Its tensors are inputs of the block
+    beside `_tensors`'s: a block reads what an earlier block stored there (Gemma-3n's KV-reuse
+    attention reads the store layer's keys and values from ``KVSharingDict``), and its gradient
+    with respect to them is one the block computes. The capture taps them and the replay makes
+    them leaves, after `_tensors`'s, in this order (each value's tensors as `_map` visits them)."""
+    for path, c in _containers(obj):
+        if _is_mapping(c):
+            for key, value in list(_items(c).items()):
+                yield path, c, key, value
 
 
 def _containers(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
