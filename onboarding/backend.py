@@ -1,10 +1,15 @@
-"""Where Triton kernels run: the GPU when there is one, else Triton's CPU interpreter."""
+"""Where Triton kernels run: the GPU when there is one, else Triton's CPU interpreter.
+
+torch is imported inside the functions: the command line's parser reads `onboarding.tune.search`
+(which imports this) without torch."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def interpreting() -> bool:
@@ -22,10 +27,14 @@ def on_gpu() -> bool:
     """Whether Triton kernels run compiled on a GPU in this process: a CUDA device and no
     interpreter. The one reading of "a GPU host" for the tune stage (its AOT gate, builds ahead
     of checks, studies at once, real timings)."""
+    import torch
+
     return torch.cuda.is_available() and not interpreting()
 
 
 def kernel_device() -> torch.device:
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -35,6 +44,8 @@ def ensure_triton_backend() -> str:
     `TRITON_INTERPRET` is read when `@triton.jit` runs, so this must happen before any rendered
     module is imported (docs/design.md). A user's explicit TRITON_INTERPRET is left alone.
     """
+    import torch
+
     if torch.cuda.is_available():
         return "interpreter" if interpreting() else "gpu"
     os.environ.setdefault("TRITON_INTERPRET", "1")

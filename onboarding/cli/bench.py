@@ -11,7 +11,7 @@ from rich.console import Console
 from onboarding.cli.common import progress, command_parser
 from onboarding.cli.nightly import DEFAULT
 from onboarding.errors import EXIT_OK, InputError
-from onboarding.load.model import model_forms
+from onboarding.load.examples import model_forms
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

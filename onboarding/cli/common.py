@@ -10,7 +10,7 @@ from rich.console import Console
 
 from onboarding.cli.logs import verbosity_options
 from onboarding.errors import InputError
-from onboarding.load.model import DEFAULT_EXAMPLE, model_forms
+from onboarding.load.examples import DEFAULT_EXAMPLE, model_forms
 from onboarding.load.overrides import parse_assignments, positive_int
 from onboarding.load.spec import ModelSpec
 

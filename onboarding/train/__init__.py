@@ -1,14 +1,18 @@
 """The train stage: FSDP2 + expert-parallel LoRA training of a model's proxy, checked against a
-single-process reference (``onboard train``)."""
+single-process reference (``onboard train``).
 
-from onboarding.train.config import TrainConfig
-from onboarding.train.data import (ByteTokenizer, PackedData, Tokenizer, load_texts,
-                                      load_tokenizer)
-from onboarding.train.flops import peak_flops, step_flops
-from onboarding.train.lora import LoRALinear, default_targets, inject_lora, lora_parameters
-from onboarding.train.peft_export import export_peft
-from onboarding.train.setup import Built, build
+The names below are imported at first use (`onboarding.lazy`): `onboard train --help` reads
+`train.config` without torch."""
 
-__all__ = ["Built", "ByteTokenizer", "LoRALinear", "PackedData", "Tokenizer", "TrainConfig",
-           "build", "default_targets", "export_peft", "inject_lora", "load_texts",
-           "load_tokenizer", "lora_parameters", "peak_flops", "step_flops"]
+from onboarding.lazy import lazy_exports
+
+_EXPORTS = {
+    "onboarding.train.config": ["TrainConfig"],
+    "onboarding.train.data": ["ByteTokenizer", "PackedData", "Tokenizer", "load_texts",
+                              "load_tokenizer"],
+    "onboarding.train.flops": ["peak_flops", "step_flops"],
+    "onboarding.train.lora": ["LoRALinear", "default_targets", "inject_lora", "lora_parameters"],
+    "onboarding.train.peft_export": ["export_peft"],
+    "onboarding.train.setup": ["Built", "build"]}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from onboarding.errors import InputError, read_toml
-from onboarding.load.model import model_forms
+from onboarding.load.examples import model_forms
 from onboarding.load.spec import ModelSpec
 
 PROXIES = ("tiny", "small", "none")
