@@ -7,7 +7,9 @@ inputs (the backward's output, taken on a private clone of the input so that onl
 share is seen); parameter gradients are read after the backward. A tensor a block writes into a
 list, dict or other mapping it was handed, for later blocks to read (Gemma-3n's KV-store
 attention), is one of its outputs too (`_capture.WRITTEN`): compared forward, and the gradient
-those later blocks send back through it is part of its replay's backward. The loss is a fixed,
+those later blocks send back through it is part of its replay's backward. A tensor it reads from a
+mapping it was handed is one of its inputs (`stats._readable`; a plain dict's or list's are
+already): its gradient is tapped and the replay's leaves include it. The loss is a fixed,
 seeded projection of the logits whose values are exact in every dtype, so both backwards start from
 identical gradients.
 
