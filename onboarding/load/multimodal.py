@@ -168,6 +168,12 @@ def find_decoder(model: nn.Module, text_cfg: Any) -> tuple[str, nn.Module]:
     """The shallowest module with an embedding over the vocabulary and a ModuleList of the text
     layer count among its children."""
     vocab, n_layers = _int(text_cfg, "vocab_size"), _layers(text_cfg)
+    if getattr(text_cfg, "is_encoder_decoder", False) is True:
+        # an encoder and a decoder stack over one vocabulary: the shallowest match would be the
+        # (bidirectional) encoder, run as if it were a causal decoder
+        raise InputError(f"{type(text_cfg).__name__}: the language model is an encoder-decoder "
+                         "(its config's is_encoder_decoder): onboard takes a decoder-only "
+                         "language model")
     found = []
     for path, mod in model.named_modules():
         kids = list(mod.children())
