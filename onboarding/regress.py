@@ -310,6 +310,19 @@ def reference_dir(name: str, root: Path | None = None) -> Path:
     return (root or REFERENCE_DIR) / name
 
 
+def device() -> str:
+    """This process's device as a golden's metadata names it (`metadata`'s "device"): the GPU's
+    name, or the CPU's Triton interpreter. No git call, no versions: what a comparison reads."""
+    import torch
+
+    return device_name(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def device_name(gpu: str | None) -> str:
+    """A golden's "device" from the environment's "gpu" (None: no GPU)."""
+    return gpu or "cpu (Triton interpreter)"
+
+
 def metadata(*, command: str, run_command: str | None = None) -> dict[str, Any]:
     """Where and how the golden was made: commit (and the tracked files modified on top of it),
     date, versions, GPU, and the exact commands."""
@@ -319,7 +332,7 @@ def metadata(*, command: str, run_command: str | None = None) -> dict[str, Any]:
     env = environment(checkout)
     env["commit"] = checkout.head if checkout is not None else None
     env["modified_files"] = checkout.modified if checkout is not None else []
-    env["device"] = env["gpu"] or "cpu (Triton interpreter)"
+    env["device"] = device_name(env["gpu"])
     return {**env, "command": command, "run_command": run_command}
 
 

@@ -425,6 +425,37 @@ def test_cli_without_run_dir_runs_the_example(run, refs, monkeypatch, capsys):
     assert main(["regress"]) == 0
 
 
+@pytest.mark.parametrize("gpu", [None, "NVIDIA H100 80GB HBM3"])
+def test_device_is_the_metadatas_device(gpu, monkeypatch):
+    """`regress.device()` (what a comparison reads, no git) names the device as `metadata`
+    does, with a GPU and without."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    assert regress.device() == regress.metadata(command="")["device"] \
+        == (gpu or "cpu (Triton interpreter)")
+
+
+def test_cli_compare_reads_the_device_without_the_metadata(run, refs, monkeypatch, capsys):
+    """Comparing against a golden asks `regress.device()` for this run's device; the whole
+    `metadata` (git, versions) is made only for --update."""
+    assert main(["regress", str(run), "--update"]) == 0
+    gold = refs / "example" / "golden.json"
+    data = json.loads(gold.read_text())
+    data["metadata"]["device"] = "another GPU"
+    gold.write_text(json.dumps(data))
+    capsys.readouterr()
+
+    def no_metadata(**kw):
+        raise AssertionError("metadata() made for a comparison")
+
+    monkeypatch.setattr(regress, "metadata", no_metadata)
+    assert main(["regress", str(run)]) == 0
+    out, _ = _out(capsys)
+    assert f"the golden was made on another GPU, this run is on {regress.device()}" in out, out
+
+
 def test_rows_mark_ok_changed_and_new(run):
     g = regress.golden(run)
     c = {**g, "opgraph.capture": "dispatch",

@@ -84,7 +84,7 @@ def cmd_regress(args: argparse.Namespace, console: Console) -> int:
         made = f"made at commit {(meta.get('commit') or '?')[:10]}, {meta.get('date')}"
         print_regression(regress.rows(old["facts"], facts, findings), console,
                          title=f"{run_dir} vs {ref_file} ({made})")
-        here = regress.metadata(command="", run_command=None)["device"]
+        here = regress.device()
         if meta.get("device") and meta["device"] != here:
             console.print(f"[yellow]the golden was made on {meta['device']}, this run is on "
                           f"{here}: error metrics compare within their tolerances[/yellow]")
