@@ -34,3 +34,10 @@ def test_encoder_decoder_through_the_cli_exits_2(tmp_path, capsys):
     assert main(["map", str(d), "--out", str(out)]) == 2
     assert "encoder-decoder" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_head_narrower_than_the_embedding_is_the_lm_head(parse_model):
+    """Mllama's embedding holds 8 image-token rows past the vocabulary its head predicts: the
+    head was matched against the embedding's rows only, and left out of the graph."""
+    g = parse_model("tests/fixtures/multimodal_structure_models.py:padded")
+    assert [b.path for b in g.by_kind("lm_head")] == ["lm_head"]

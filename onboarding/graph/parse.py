@@ -104,12 +104,22 @@ def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
     hints = {i: str(t) for i, t in enumerate(types)} if isinstance(types, (list, tuple)) else {}
     lists = {p: len(m) for p, m in model.named_modules()
              if isinstance(m, nn.ModuleList) and _same_structure(list(m))}
+    vocabs = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    # the output head may predict fewer rows than the embedding holds (Mllama's table has 8
+    # image-token rows past the vocabulary): its own width and the config's vocabulary count too
+    try:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    except Exception:  # noqa: BLE001 - the model's own accessor, whatever it raises
+        head = None
+    if isinstance(head, nn.Linear):
+        vocabs.add(head.out_features)
+    if isinstance(v := getattr(tc, "vocab_size", None), int) and not isinstance(v, bool) and v > 0:
+        vocabs.add(v)
     return Context(seq=seq, vocab=emb.num_embeddings if emb else None,
                    hidden=emb.embedding_dim if emb else None, layer_hints=hints,
                    param_shapes={n: list(p.shape) for n, p in model.named_parameters()},
                    children=children, module_types=cap.module_types, identical_lists=lists,
-                   vocabs=tuple(sorted({m.num_embeddings for m in model.modules()
-                                        if isinstance(m, nn.Embedding)})))
+                   vocabs=tuple(sorted(vocabs)))
 
 
 def layer_pattern(blocks: list[Block], first_op: dict[str, int] | None = None
