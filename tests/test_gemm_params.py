@@ -70,16 +70,20 @@ def test_tied_head_is_a_block_of_the_full_model(name):
 
 
 @pytest.mark.parametrize("export", [False, True])
-def test_sliced_position_table_is_no_gemm(export):
-    """A learned position table held as a bare [1, max_len, d] parameter and sliced to the
-    sequence (`SlicedTableLM`) is read, not multiplied: neither count takes it for GEMM
-    weights, under either capture. Before: both counted its 80 x 16 values."""
+@pytest.mark.parametrize("name", ["SlicedTableLM", "IndexedTableLM", "CopiedSliceLM"])
+def test_sliced_position_table_is_no_gemm(name, export):
+    """A learned position table held as a bare parameter, sliced to the sequence
+    (`SlicedTableLM`), read by tensor index (`IndexedTableLM`: ``pos[position_ids]``) or sliced
+    and copied before it is added (`CopiedSliceLM`), is read, not multiplied: neither count takes
+    it for GEMM weights, under either capture. Before: both counted its 80 x 16 values (the
+    indexed and the copied tables until the tables were followed through index reads and
+    copies)."""
     from onboarding.graph.parse import load_stage, parse_stage
     from onboarding.load.spec import ModelSpec
     from onboarding.plan.run import shape_of
     from onboarding.train.flops import step_flops
 
-    ref = f"{Path(__file__).parent / 'fixtures' / 'position_table_models.py'}:SlicedTableLM"
+    ref = f"{Path(__file__).parent / 'fixtures' / 'position_table_models.py'}:{name}"
     info = load_stage(ModelSpec(ref=ref).load(), "tiny")
     graph = parse_stage(info, seq=12, try_export=export)
     assert graph.sliced_tables == ["pos"]
@@ -140,6 +144,43 @@ def test_sliced_tables_by_what_reads_the_slice():
     model = _SlicedReads()
     cap = record_eager(model, (torch.randn(1, 5, 8),), {})
     assert cap.sliced_tables == ["pos"]
+
+
+class _IndexedReads(nn.Module):
+    """Tables read by tensor index or copied before they are added (``pos``, ``rows``,
+    ``copied``), and their controls, which a matmul reads after the same index or copy: expert
+    weights gathered per token into a bmm, a weight sliced and copied into a matmul, a weight
+    cast before its linear."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(32, d))
+        self.rows = nn.Parameter(torch.randn(32, d))
+        self.copied = nn.Parameter(torch.randn(1, 32, d))
+        self.experts = nn.Parameter(torch.randn(4, d, d))
+        self.packed = nn.Parameter(torch.randn(d, 2 * d))
+        self.cast = nn.Parameter(torch.randn(d, d, dtype=torch.float64))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        ids = torch.arange(t)[None]
+        x = x + self.pos[ids] + self.rows.index_select(0, ids[0])
+        x = x + self.copied[:, :t].expand(b, -1, -1).contiguous() + self.copied[0, :t].clone()
+        w = self.experts[ids % 4]  # [1, t, d, d]: a weight per token
+        y = torch.matmul(x.unsqueeze(-2), w).squeeze(-2)
+        y = y @ self.packed[:, :d].clone() + nn.functional.linear(y, self.cast.to(y.dtype))
+        return y
+
+
+def test_tables_read_by_index_or_copied_are_tables():
+    """A parameter read by tensor index (``pos[ids]``, ``index_select``) or sliced and copied
+    before it is added is a table; a weight that reaches a matmul through the same index or copy
+    is none. Before: only ``pos[:T]`` read in place counted (an index or a copy hid the reader)."""
+    from onboarding.graph.capture import record_eager
+
+    model = _IndexedReads()
+    cap = record_eager(model, (torch.randn(2, 5, 8),), {})
+    assert cap.sliced_tables == ["copied", "pos", "rows"]
 
 
 @pytest.mark.slow

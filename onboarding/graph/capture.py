@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,9 @@ class OpRecord:
     out_dtypes: list[str]
     scalars: list[Any]  # non-tensor positional args (ints, floats, int lists), else None
     params: dict[int, str] = field(default_factory=dict)  # arg position -> parameter name
+    # arg position -> the parameter whose copy the arg holds (`COPY_OPS`: a clone, a cast, a
+    # gather of its rows, and views of those), in an eager recording only (`sliced_tables`)
+    copies: dict[int, str] = field(default_factory=dict)
     # keyword args that are scalars or strings (gelu's approximate="tanh", softmax's dim=...)
     kwargs: dict[str, Any] = field(default_factory=dict)
     # which call of ``module`` in the forward ran the op (0: the first; a module called more than
@@ -131,24 +135,36 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.stack, self.param_ptrs, self.records = stack, param_ptrs, []
         self.calls = calls if calls is not None else {}
+        # storage -> the parameter a `COPY_OPS` output copied, while that output lives (a view
+        # keeps its base alive, so a storage is forgotten only when nothing can read it)
+        self.copy_ptrs: dict[int, str] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        params = {}
+        params, copies = {}, {}
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.device.type != "meta":
-                name = self.param_ptrs.get(a.untyped_storage().data_ptr())
-                if name is not None:
+                ptr = a.untyped_storage().data_ptr()
+                if (name := self.param_ptrs.get(ptr)) is not None:
                     params[i] = name
+                elif (name := self.copy_ptrs.get(ptr)) is not None:
+                    copies[i] = name
+        op = canonical_op(func)
+        if op in COPY_OPS and (read := params.get(0) or copies.get(0)) is not None:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel():
+                    ptr = t.untyped_storage().data_ptr()
+                    self.copy_ptrs[ptr] = read
+                    weakref.finalize(t, self.copy_ptrs.pop, ptr, None)
         outs = [t for t in map(_meta, tree_flatten(out)[0]) if t is not None]
         metas = [_meta(a) for a in args]
         self.records.append(OpRecord(
             index=len(self.records), module=self.stack[-1] if self.stack else "",
-            op=canonical_op(func), in_shapes=[m.shape if m else None for m in metas],
+            op=op, in_shapes=[m.shape if m else None for m in metas],
             in_dtypes=[m.dtype if m else None for m in metas],
             out_shapes=[o.shape for o in outs], out_dtypes=[o.dtype for o in outs],
             scalars=[None if isinstance(a, torch.Tensor) else _scalar(a) for a in args],
-            params=params, kwargs=_scalar_kwargs(kwargs),
+            params=params, copies=copies, kwargs=_scalar_kwargs(kwargs),
             call=self.calls.get(self.stack[-1], 0) if self.stack else 0))
         return out
 
@@ -219,25 +235,38 @@ def record_eager(model: nn.Module, inputs: tuple, kwargs: dict) -> Capture:
 
 # ops that read part of a tensor in place: a slice of it is a view (the same storage)
 SLICE_OPS = {"slice", "select", "narrow"}
+# ops that read a tensor's rows by a tensor of indices (into a new tensor: a copy of those rows);
+# ``embedding``'s tables are the embedding blocks' and nn.Embedding's (`lookup_tables`)
+INDEX_OPS = {"index", "index_select", "gather"}
+# ops whose output holds (some of) their first argument's values in a storage of its own: what
+# reads the output reads a copy of the parameter (`_Recorder.copy_ptrs`)
+COPY_OPS = INDEX_OPS | {"clone", "_to_copy", "repeat", "expand_copy", "_reshape_copy"}
 # what else a table's reads may be: other views of it, and sums and products with activations
-_TABLE_READS = SLICE_OPS | {"view", "_reshape_alias", "expand", "transpose", "t", "permute",
-                            "unsqueeze", "squeeze", "alias", "detach", "unbind", "split",
-                            "split_with_sizes", "chunk", "add", "sub", "rsub", "mul", "div"}
+_TABLE_READS = SLICE_OPS | COPY_OPS | {
+    "view", "_reshape_alias", "expand", "transpose", "t", "permute", "unsqueeze", "squeeze",
+    "alias", "detach", "unbind", "split", "split_with_sizes", "chunk", "add", "sub", "rsub",
+    "mul", "div"}
 
 
 def sliced_tables(model: nn.Module, records: list[OpRecord]) -> list[str]:
     """The parameters of two or more dims that ``records`` (an eager forward's, `_Recorder`:
-    an op reads a parameter when it reads its storage, so a view of it too) read by a slice and
-    otherwise only by views, sums and products: a learned position table ``pos[:T]`` added to
-    the embeddings is read, not multiplied (`onboarding.train.flops.lookup_tables`). A weight
-    sliced into a matmul (a packed projection's rows, an expert's ``W[e]``) has the matmul among
-    its readers; one read by any other op too (a copy, which hides what reads it next: an
-    einsum copies a strided slice before its bmm) is no table here either. The export's records
+    an op reads a parameter when it reads its storage, so a view of it too, and a copy of it
+    when it reads one that `COPY_OPS` made) read by a slice or a tensor index and otherwise only
+    by views, copies, sums and products: a learned position table ``pos[:T]`` or
+    ``pos[position_ids]`` added to the embeddings, copied on its way or not, is read, not
+    multiplied (`onboarding.train.flops.lookup_tables`). A weight sliced or gathered into a
+    matmul (a packed projection's rows, an expert's ``W[e]``, a weight per token ``W[ids]``)
+    has the matmul among the readers of it or of its copy (an einsum copies a strided slice
+    before its bmm); one read by any other op is no table here either. The export's records
     cannot tell: its matmul reads the slice's node, not the parameter."""
     dims = {n: p.ndim for n, p in model.named_parameters()}
-    sliced = {n for r in records if r.op in SLICE_OPS for n in r.params.values()}
-    other = {n for r in records if r.op not in _TABLE_READS for n in r.params.values()}
-    return sorted(n for n in sliced - other if dims.get(n, 0) >= 2)
+
+    def reads(r: OpRecord) -> set[str]:
+        return {*r.params.values(), *r.copies.values()}
+
+    indexed = {n for r in records if r.op in SLICE_OPS | INDEX_OPS for n in reads(r)}
+    other = {n for r in records if r.op not in _TABLE_READS for n in reads(r)}
+    return sorted(n for n in indexed - other if dims.get(n, 0) >= 2)
 
 
 def no_gradient_probe(model: nn.Module, inputs: tuple, kwargs: dict) -> set[str] | None:
