@@ -69,6 +69,27 @@ def test_tied_head_is_a_block_of_the_full_model(name):
     assert rerun_flops(shape, cfg, "full")[0] == FORWARD * (shape.dense_matmul - 64 * 32)
 
 
+@pytest.mark.parametrize("name", ["PerLayerInputLM", "TiedPerLayerInputLM"])
+def test_tied_head_shows_the_table_once(name):
+    """The plan's block summary shows the token table's V x D parameters once: on the embedding,
+    a head tied to it holding none and marked ``tied_to`` it, so that the blocks' parameters sum
+    to the model's total, tied or not. Before: the tied head showed the table's 64 x 32 too (the
+    blocks summed to 29920 against a total of 27872)."""
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.spec import ModelSpec
+    from onboarding.plan.run import shape_of
+    from onboarding.plan.search import shape_summary
+
+    info = load_stage(ModelSpec(ref=f"{FIXTURE}:{name}").load(), "tiny")
+    summary = shape_summary(shape_of(info, parse_stage(info, seq=12, try_export=False)))
+    blocks = {b["pattern"]: b for b in summary["blocks"]}
+    assert sum(b["params"] * b["count"] for b in summary["blocks"]) == summary["total_params"]
+    tied = name.startswith("Tied")
+    assert blocks["embed"]["params"] == 64 * 32 and "tied_to" not in blocks["embed"]
+    assert blocks["lm_head"]["params"] == (0 if tied else 64 * 32)
+    assert blocks["lm_head"].get("tied_to") == (["embed"] if tied else None)
+
+
 @pytest.mark.parametrize("export", [False, True])
 @pytest.mark.parametrize("name", ["SlicedTableLM", "IndexedTableLM", "CopiedSliceLM"])
 def test_sliced_position_table_is_no_gemm(name, export):

@@ -250,6 +250,8 @@ def _windowed(b: BlockShape) -> bool:
 def _block_summary(b: BlockShape) -> dict[str, Any]:
     d: dict[str, Any] = {"pattern": b.pattern, "kind": b.kind, "count": b.count,
                          "params": b.params, "ops": b.ops}
+    if b.tied:  # parameters shared with these blocks, counted there (a tied head's table)
+        d["tied_to"] = b.tied
     if b.kernels:  # the onboard kernel families `onboard train` patches into it on a GPU
         d["kernels"] = sorted(b.kernels)
     if _windowed(b):  # the local window of each instance, and where it came from

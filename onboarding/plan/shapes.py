@@ -58,6 +58,9 @@ class BlockShape:
     # (pattern, kind) of the blocks whose modules hold its instances, by their paths (a pattern
     # alone may name a dense MLP in one layer and an MoE wrapper in the next)
     parents: list[tuple[str, str]] = field(default_factory=list)
+    # patterns of the modules that hold parameters it shares (a head tied to the token table):
+    # `params` leaves those out, counted once, on their holder (`_own_params`)
+    tied: list[str] = field(default_factory=list)
     # elements per token a norm normalises, or a conv's channels (0 for other kinds)
     width: int = 0
     # default LoRA targets: (path under the block, in, out)
@@ -142,6 +145,21 @@ def _params_signatures(model: nn.Module) -> dict[str, frozenset[str]]:
     return {k: frozenset(v) for k, v in out.items()}
 
 
+def _own_params(module: nn.Module, path: str, holders: dict[int, str]) -> tuple[int, set[str]]:
+    """The parameters of ``module`` (at ``path``) that the model lists under it, and the path
+    patterns of the modules that hold the others: a tensor held twice is counted once, under its
+    first holder, as the model's totals count it (a head tied to the token table holds no
+    parameter of its own; the table's V x D are the embedding's)."""
+    own, tied = 0, set()
+    for name, p in module.named_parameters(prefix=path):
+        holder = holders.get(id(p), name)
+        if holder == name:
+            own += p.numel()
+        else:
+            tied.add(path_pattern(holder.rsplit(".", 1)[0] if "." in holder else ""))
+    return own, tied
+
+
 def _decoder_layers(model: nn.Module) -> int:
     """Length of the longest ModuleList whose members are all called ``<list>.<i>``: the layers."""
     return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)), default=1)
@@ -171,6 +189,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         if key in proxy:
             inst.setdefault(key, []).append(path)
     blocks: list[BlockShape] = []
+    holders = {id(p): n for n, p in model.named_parameters()}  # a shared tensor: its first holder
     all_paths = [p for ps in inst.values() for p in ps]
     excluded = [p for key, ps in inst.items() if proxy[key].kind in ("moe.router", "moe.experts")
                 for p in ps]
@@ -192,7 +211,7 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         targets = [(n, i, o) for n, i, o in lin if b.kind.startswith(ATTENTION_PREFIXES)
                    and n not in mixer_out and not any(inside(n, s) for s in silent)
                    and not any(inside(f"{paths[0]}.{n}", e) for e in excluded)]
-        n_params = sum(p.numel() for p in first.parameters())
+        n_params, tied = _own_params(first, paths[0], holders)
         # a module beside the block that its compute runs in too: its linears and parameters
         # are the block's (the proxy block's own params, by which the full-size modules were
         # matched, are its first module's)
@@ -201,10 +220,12 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         if side is not None:
             lin += [(f"../{sibling}" + (f".{n}" if n else ""), m.in_features, m.out_features)
                     for n, m in side.named_modules() if isinstance(m, nn.Linear)]
-            n_params += sum(p.numel() for p in side.parameters())
+            side_params, side_tied = _own_params(side, f"{paths[0].rsplit('.', 1)[0]}.{sibling}",
+                                                 holders)
+            n_params, tied = n_params + side_params, tied | side_tied
         blocks.append(BlockShape(
             pattern=key[0], kind=b.kind, count=len(paths),
-            params=n_params, linears=lin, attrs=dict(b.attrs),
+            params=n_params, tied=sorted(tied), linears=lin, attrs=dict(b.attrs),
             ops=sum(b.op_histogram.values()), lora_targets=targets,
             nested=any(p != paths[0] and inside(paths[0], p) for p in all_paths),
             parents=parents[key],
