@@ -41,3 +41,25 @@ def test_a_head_narrower_than_the_embedding_is_the_lm_head(parse_model):
     head was matched against the embedding's rows only, and left out of the graph."""
     g = parse_model("tests/fixtures/multimodal_structure_models.py:padded")
     assert [b.path for b in g.by_kind("lm_head")] == ["lm_head"]
+
+
+def test_proxy_keeps_the_head_dim_of_a_rotary_layout_fixed_in_code():
+    """Qwen2-VL's attention takes its head dim as hidden / heads (no head_dim field) and its
+    M-RoPE sections ([16, 24, 24], a rotary half of 64) are a default of its code: setting a
+    head_dim on the proxy's config did not reach the attention, and the tiny proxy's forward
+    raised (split_with_sizes). The head count is now cut so that hidden / heads is the head dim."""
+    from transformers import CONFIG_MAPPING
+
+    from onboarding.graph.parse import load_stage
+    from onboarding.load.model import load_model
+
+    if "qwen2_vl" not in CONFIG_MAPPING:
+        pytest.skip("qwen2_vl is not in the installed transformers")
+    small = {"text_config.num_hidden_layers": 2, "text_config.hidden_size": 512,
+             "text_config.intermediate_size": 512, "text_config.num_attention_heads": 4,
+             "text_config.num_key_value_heads": 2, "vision_config.depth": 1}
+    info = load_stage(load_model("hf:qwen2_vl", overrides=small), "tiny")
+    text = info.proxy_config.text_config
+    assert text.hidden_size // text.num_attention_heads == 128, info.proxy_note
+    assert text.num_attention_heads % text.num_key_value_heads == 0
+    assert "head dim 128" in info.proxy_note

@@ -393,6 +393,25 @@ def _head_dim(c: Any) -> int | None:
     return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 else None
 
 
+def _head_dim_of_heads(c: Any) -> int | None:
+    h, n = getattr(c, "hidden_size", None), getattr(c, "num_attention_heads", None)
+    return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 and h % n == 0 else None
+
+
+def _fit_heads(c: Any, head_dim: int) -> None:
+    """Cut the attention head count so that hidden / heads is ``head_dim`` (the key/value head
+    count to the largest divisor of it that is no larger than before); nothing when the width
+    does not hold a whole head of that dim."""
+    h, n = getattr(c, "hidden_size", None), getattr(c, "num_attention_heads", None)
+    if not (isinstance(h, int) and isinstance(n, int)) or h < head_dim or h % head_dim:
+        return
+    heads = h // head_dim
+    c.num_attention_heads = heads
+    kv = getattr(c, "num_key_value_heads", None)
+    if isinstance(kv, int) and not isinstance(kv, bool) and kv > 0:
+        c.num_key_value_heads = max(d for d in range(1, min(kv, heads) + 1) if heads % d == 0)
+
+
 def _fit_rope_sections(c: Any, before: dict[str, Any]) -> None:
     """Rotary sections over the head (multimodal RoPE's per-axis split of the rotary half,
     ``rope_parameters["mrope_section"]``-style lists of ints) scale with the head dim, their sum
@@ -422,7 +441,8 @@ def _fit_rope_sections(c: Any, before: dict[str, Any]) -> None:
 
 def shrink_config(config: Any, size: str, *, periods: int = 1,
                   signatures: list[tuple] | None = None, notes: list[str] | None = None,
-                  head_dim: int | None = None, layer_count: str | None = None,
+                  head_dim: int | None = None, fit_heads: bool = False,
+                  layer_count: str | None = None,
                   depth_kinds: frozenset[tuple] = frozenset()) -> Any:
     """A deep copy of ``config`` shrunk to the proxy ``size`` (its text config if multimodal).
 
@@ -445,6 +465,8 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     _shrink_widths(c, s, found)
     if head_dim:  # a rotary layout fixed in the model's code needs this head dim
         c.head_dim = head_dim
+        if fit_heads:
+            _fit_heads(c, head_dim)
     _shrink_experts(c, s, found)
     _shrink_vocab(c, s)
     keep = _shrink_layers(c, periods, signatures, layer_count, depth_kinds)
@@ -508,13 +530,22 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
                             layer_count=name, depth_kinds=depth)
     if not s.min_params and loaded.probe_proxy is not None and not loaded.probe_proxy(cfg):
         full_hd = _head_dim(c)
-        for hd in dict.fromkeys(x for x in (full_hd, 128, 64) if x):
+        # an attention that derives its head dim as hidden / heads ignores a head_dim field:
+        # the head count is then cut so that the quotient is the head dim (Qwen2-VL's M-RoPE
+        # sections, [16, 24, 24] in its code, need a rotary half of 64)
+        tries = [(hd, fit) for hd in dict.fromkeys(x for x in (full_hd, 128, 64) if x)
+                 for fit in (False, True)]
+        for hd, fit in tries:
             kept = shrink_config(loaded.config, size, signatures=sigs, notes=[], head_dim=hd,
-                                 layer_count=name, depth_kinds=depth)
+                                 fit_heads=fit, layer_count=name, depth_kinds=depth)
+            if fit and _head_dim_of_heads(text_config(kept)) != hd:
+                continue  # the width does not hold whole heads of this dim
             if loaded.probe_proxy(kept):
                 cfg = kept
-                notes.append(f"head dim {hd}: the proxy with shrunk heads does not run (a "
-                             "rotary layout fixed in the model's code)")
+                fitted = (f", {text_config(kept).num_attention_heads} head(s) of the width "
+                          f"{text_config(kept).hidden_size}") if fit else ""
+                notes.append(f"head dim {hd}{fitted}: the proxy with shrunk heads does not run "
+                             "(a rotary layout fixed in the model's code)")
                 break
     _check_layer_stack(loaded, cfg, size, name, full_model)
     _check_shrunk(loaded, cfg, size, full_params)
