@@ -257,7 +257,8 @@ def build_coverage(graph: OpGraph, kernels_root: Path | None = None) -> Coverage
                                           for e in entries):
             why = [_refused(f, r) for f, r in refused if not r["serves"]]
             entries.append(CoverageEntry(**base, op=CORE_OPS[b.kind], status="uncovered",
-                                         reason="; ".join(why) or "no family matches this block yet"))
+                                         reason="; ".join(why) or b.attrs.get("not_run")
+                                         or "no family matches this block yet"))
         if not any(e.path == b.path and e.status in ("kernel", "template") for e in entries) \
                 and b.kind not in CORE_OPS and (why := [_refused(f, r) for f, r in refused
                                                         if not r["serves"]]):

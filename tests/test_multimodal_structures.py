@@ -63,3 +63,20 @@ def test_proxy_keeps_the_head_dim_of_a_rotary_layout_fixed_in_code():
     assert text.hidden_size // text.num_attention_heads == 128, info.proxy_note
     assert text.num_attention_heads % text.num_key_value_heads == 0
     assert "head dim 128" in info.proxy_note
+
+
+def test_a_layer_that_never_runs_is_an_uncovered_block(parse_model):
+    """Mllama's cross-attention layers are skipped without image states: the proxy's layer 3
+    ran no op and was missing from the graph, the layer pattern and coverage (uncovered 0)."""
+    from onboarding.coverage import build_coverage
+
+    g = parse_model("tests/fixtures/multimodal_structure_models.py:skipped")
+    unknown = g.by_kind("unknown")
+    assert [(b.path, b.layer) for b in unknown] == [("layers.1", 1)]
+    assert "ran no op" in unknown[0].attrs["not_run"]
+    assert g.layer_pattern.split()[1].startswith("?")
+    why = [e.reason for e in build_coverage(g).entries
+           if e.path == "layers.1" and e.status == "uncovered"]
+    assert len(why) == 1 and "ran no op" in why[0]
+    # the layers that ran are classified as before
+    assert {b.path for b in g.by_kind("attention.full")} == {"layers.0.attn", "layers.2.attn"}

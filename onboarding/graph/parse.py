@@ -15,6 +15,7 @@ from onboarding.load.accounting import (ParamCounts, _same_structure, count_para
                                          token_embedding)
 from onboarding.graph.capture import Capture, capture
 from onboarding.graph.classify import Classifier, Context, stack_of
+from onboarding.graph._records import layer_of
 from onboarding.errors import InputError
 from onboarding.load.model import LoadedModel
 from onboarding.load.multimodal import account
@@ -120,6 +121,34 @@ def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
                    param_shapes={n: list(p.shape) for n, p in model.named_parameters()},
                    children=children, module_types=cap.module_types, identical_lists=lists,
                    vocabs=tuple(sorted(vocabs)))
+
+
+def unrun_layers(model: nn.Module, cap: Capture) -> list[Block]:
+    """An `unknown` block for each layer of a layer list that ran no op in the forward while
+    another layer of the list did: a layer the model skips without inputs the language model
+    alone is not given (Mllama's cross-attention layers without image states). Left out, its
+    blocks were missing from the graph, the layer pattern and coverage, unsaid."""
+    ran = {r.module for r in cap.records}
+    out: list[Block] = []
+    for path, mod in model.named_modules():
+        # a layer stack: a list outside every layer (an expert list inside a layer may leave
+        # an expert without tokens)
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2 or layer_of(path) is not None:
+            continue
+        items = [(f"{path}.{i}" if path else str(i), m) for i, m in enumerate(mod)]
+        live = [p for p, _ in items if any(inside(r, p) for r in ran)]
+        if not live:
+            continue
+        for p, m in items:
+            params = {n: list(t.shape) for n, t in m.named_parameters()}
+            if p in live or not params:
+                continue
+            why = (f"ran no op in the proxy's forward while {len(live)} of the {len(items)} layers "
+                   f"of {path or 'the model'} did: a layer the model skips without inputs it was "
+                   "not given (states of another modality?); not captured, not checked")
+            out.append(Block(path=p, kind="unknown", layer=layer_of(p), class_name=type(m).__name__,
+                             evidence=[why], params=params, attrs={"not_run": why}))
+    return out
 
 
 def layer_pattern(blocks: list[Block], first_op: dict[str, int] | None = None
@@ -229,6 +258,7 @@ def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, d
     ctx_seq = model.tokens_per_image(batch, seq) if hasattr(model, "tokens_per_image") else seq
     ctx_cfg = model.config if hasattr(model, "tokens_per_image") else info.proxy_config
     blocks = Classifier(cap, _context(model, cap, ctx_cfg, ctx_seq)).run()
+    blocks += unrun_layers(model, cap)
     # what the call-swapping bindings would find in the blocks their families match (one more
     # forward): coverage runs each binding's acceptance test on it (`onboarding.patching.probe`)
     from onboarding.patching.probe import probe_core_calls
