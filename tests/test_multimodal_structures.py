@@ -80,3 +80,29 @@ def test_a_layer_that_never_runs_is_an_uncovered_block(parse_model):
     assert len(why) == 1 and "ran no op" in why[0]
     # the layers that ran are classified as before
     assert {b.path for b in g.by_kind("attention.full")} == {"layers.0.attn", "layers.2.attn"}
+
+
+def _tiny_mllama():
+    from transformers import CONFIG_MAPPING
+
+    if "mllama" not in CONFIG_MAPPING:
+        pytest.skip("mllama is not in the installed transformers")
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "cross_attention_layers": [1],
+            "pad_token_id": 0}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_global_layers": 1, "attention_heads": 2, "image_size": 28, "patch_size": 14,
+              "vision_output_dim": 64, "intermediate_layers_indices": [0]}
+    return CONFIG_MAPPING["mllama"](text_config=text, vision_config=vision)
+
+
+def test_the_whole_model_is_the_class_that_builds_the_towers():
+    """Mllama's config maps a causal LM that builds the text model alone, and its embedding
+    holds 8 rows past the vocabulary: the whole model was that causal LM, the decoder was not
+    found in it ("no module holds an embedding of the text vocabulary"), and --part vision
+    found no tower. The class that builds every sub-config's module is the whole model."""
+    cfg = _tiny_mllama()
+    lay = layout(cfg, False)
+    assert any(getattr(m, "config", None) is cfg.vision_config for m in lay.whole.modules())
+    assert lay.decoder.embed_tokens.num_embeddings == 64 + 8
+    assert len(lay.decoder.layers) == 3

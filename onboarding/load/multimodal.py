@@ -142,21 +142,39 @@ def build_whole(cfg: Any, trust_remote_code: bool) -> tuple[nn.Module, tuple[str
     for depth in range(len(text_path) + 1):
         node_path = text_path[:depth]
         node = _get(cfg, node_path)
-        for what, build in _builders(node, trust_remote_code):
+        partial: nn.Module | None = None
+        builders = _builders(node, trust_remote_code)
+        for i, (what, build) in enumerate(builders):
             try:
                 model = build(node)
             except Exception as exc:  # noqa: BLE001 - the model's own code, whatever it raises
                 errors.append(f"{what}: {type(exc).__name__}: {_first_line(exc)}")
                 continue
             if isinstance(model, nn.Module) and any(True for _ in model.parameters()):
+                # a class that builds the text part alone (Mllama's causal LM beside its
+                # conditional-generation model): a later class may build the towers too
+                if (missing := _unbuilt_parts(model, node, text_path[depth:])) and i + 1 < len(builders):
+                    errors.append(f"{what}: builds no module from {', '.join(missing)}")
+                    partial = partial or model
+                    continue
                 if node_path:
                     skipped = [".".join(p) for p, _ in sub_configs(cfg)
                                if len(p) == 1 and p[0] != node_path[0]]
                     notes.append(f"built from {'.'.join(node_path)} ({errors[0] if errors else 'the root has no model class'}); "
                                  f"not built: {', '.join(skipped) or 'none'}")
                 return model, node_path, notes
+        if partial is not None:
+            return partial, node_path, notes
     detail = errors[0] if errors else "no model class is registered for the config"
     raise InputError(f"building the model failed: {detail}")
+
+
+def _unbuilt_parts(model: nn.Module, node: Any, text_rest: tuple[str, ...]) -> list[str]:
+    """The sub-configs of ``node`` (one level down, not the one on the way to the text config)
+    from which no module of ``model`` is built (``module.config is sub``)."""
+    built = {id(getattr(m, "config", None)) for m in model.modules()}
+    return [k for k, v in vars(node).items() if _is_config(v) and not k.startswith("_")
+            and (not text_rest or k != text_rest[0]) and id(v) not in built]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -177,13 +195,16 @@ def find_decoder(model: nn.Module, text_cfg: Any) -> tuple[str, nn.Module]:
     found = []
     for path, mod in model.named_modules():
         kids = list(mod.children())
-        if any(isinstance(k, nn.Embedding) and k.num_embeddings == vocab for k in kids) and \
+        if any(isinstance(k, nn.Embedding) and k.num_embeddings >= vocab for k in kids) and \
                 any(isinstance(k, nn.ModuleList) and len(k) == n_layers for k in kids):
-            found.append((path.count(".") + bool(path), path, mod))
+            exact = any(isinstance(k, nn.Embedding) and k.num_embeddings == vocab for k in kids)
+            found.append((not exact, path.count(".") + bool(path), path, mod))
     if not found:
         raise InputError(f"{type(model).__name__}: no module holds an embedding of the text "
                          f"vocabulary ({vocab}) and {n_layers} layers: the text part cannot be found")
-    _, path, mod = min(found, key=lambda t: t[0])
+    # an embedding of exactly the vocabulary first; else one with rows past it (Mllama's
+    # image-token rows)
+    _, _, path, mod = min(found, key=lambda t: t[:2])
     return path, mod
 
 
@@ -212,8 +233,9 @@ class LanguageModelForCausalLM(nn.Module):
 
     def get_input_embeddings(self) -> nn.Embedding:
         vocab = self.lm_head.out_features
-        return next(m for m in self.model.children()
-                    if isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
+        tables = [m for m in self.model.children()
+                  if isinstance(m, nn.Embedding) and m.num_embeddings >= vocab]
+        return min(tables, key=lambda m: m.num_embeddings != vocab)  # exact rows first
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
