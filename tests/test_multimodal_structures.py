@@ -106,3 +106,26 @@ def test_the_whole_model_is_the_class_that_builds_the_towers():
     assert any(getattr(m, "config", None) is cfg.vision_config for m in lay.whole.modules())
     assert lay.decoder.embed_tokens.num_embeddings == 64 + 8
     assert len(lay.decoder.layers) == 3
+
+
+def test_a_tower_that_did_not_build_names_why(monkeypatch):
+    """FastVLM's and PerceptionLM's towers are timm models: without timm the root does not
+    build and the text config's model is the whole. --part vision said 'the model has no vision
+    part'; it now says the tower was not built and why (the missing package)."""
+    from onboarding.load import multimodal
+    from onboarding.load.vision import build_vision_part
+
+    cfg = _tiny_mllama()
+    real = multimodal._builders
+
+    def builders(node, trust_remote_code):
+        if node is not cfg:
+            return real(node, trust_remote_code)
+
+        def fail(c):
+            raise ImportError("TowerModel requires the timm library but it was not found")
+        return [("AutoModelForImageTextToText", fail)]
+
+    monkeypatch.setattr(multimodal, "_builders", builders)
+    with pytest.raises(InputError, match="vision tower was not built.*requires the timm library"):
+        build_vision_part(cfg, False, "meta", "hf:tiny")

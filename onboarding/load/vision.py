@@ -186,6 +186,9 @@ def build_vision_part(cfg: Any, trust_remote_code: bool, device: str | torch.dev
     lay = layout(cfg, trust_remote_code)  # the whole model on meta
     found = find_tower(lay.whole, vcfg)
     if found is None:
+        if lay.node_path:  # the root did not build (a missing package, the model's own error)
+            raise InputError(f"{ref}: --part vision: the vision tower was not built: the whole "
+                             f"model was {'; '.join(lay.notes)}")
         raise no_vision(ref, "no module of the model is built from its vision_config")
     tpath, meta_tower = found
     name = tpath.rsplit(".", 1)[-1]
