@@ -129,3 +129,26 @@ def test_a_tower_that_did_not_build_names_why(monkeypatch):
     monkeypatch.setattr(multimodal, "_builders", builders)
     with pytest.raises(InputError, match="vision tower was not built.*requires the timm library"):
         build_vision_part(cfg, False, "meta", "hf:tiny")
+
+
+def test_parts_left_out_of_the_totals_are_warned_about(monkeypatch):
+    """The language map of such a model exits 0 with the tower left out of the totals: the
+    reason was only in model.json's parts_note; it is now a warning on the terminal too."""
+    from onboarding.load import multimodal
+
+    cfg = _tiny_mllama()
+    real = multimodal._builders
+
+    def builders(node, trust_remote_code):
+        if node is not cfg:
+            return real(node, trust_remote_code)
+
+        def fail(c):
+            raise ImportError("TowerModel requires the timm library but it was not found")
+        return [("AutoModelForImageTextToText", fail)]
+
+    monkeypatch.setattr(multimodal, "_builders", builders)
+    lm = multimodal.build_language_model(cfg, False, "meta")
+    with pytest.warns(UserWarning, match="not built: vision_config"):
+        counts = multimodal.account(lm, cfg)
+    assert "vision" not in counts.by_part

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -459,7 +460,15 @@ def account(model: nn.Module, config: Any):
     counts.active_without_embeddings += extra
     counts.by_part = parts
     counts.parts_note = "; ".join(lay.notes)
+    if lay.notes:  # parts the totals leave out: said on the terminal too, not only in model.json
+        warnings.warn(f"parameter totals: the whole model was {counts.parts_note}",
+                      ComponentsWarning, stacklevel=2)
     return counts
+
+
+class ComponentsWarning(UserWarning):
+    """A multimodal model whose root did not build: its totals and ``by_part`` leave the parts
+    that were not built out (``parts_note`` in ``model.json`` says the same)."""
 
 
 # -- proxy ------------------------------------------------------------------------------------
