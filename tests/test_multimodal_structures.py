@@ -87,7 +87,7 @@ def _tiny_mllama():
 
     if "mllama" not in CONFIG_MAPPING:
         pytest.skip("mllama is not in the installed transformers")
-    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+    text = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
             "num_attention_heads": 2, "num_key_value_heads": 1, "cross_attention_layers": [1],
             "pad_token_id": 0}
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -104,7 +104,7 @@ def test_the_whole_model_is_the_class_that_builds_the_towers():
     cfg = _tiny_mllama()
     lay = layout(cfg, False)
     assert any(getattr(m, "config", None) is cfg.vision_config for m in lay.whole.modules())
-    assert lay.decoder.embed_tokens.num_embeddings == 64 + 8
+    assert lay.decoder.embed_tokens.num_embeddings == 96 + 8
     assert len(lay.decoder.layers) == 3
 
 
@@ -152,3 +152,28 @@ def test_parts_left_out_of_the_totals_are_warned_about(monkeypatch):
     with pytest.warns(UserWarning, match="not built: vision_config"):
         counts = multimodal.account(lm, cfg)
     assert "vision" not in counts.by_part
+
+
+def test_a_bare_decoder_built_alone_keeps_the_note(monkeypatch):
+    """Granite4Vision's root does not build in the installed transformers and its text config
+    builds a bare decoder (no lm_head): the accounting returned early there and dropped the
+    note (parts_note empty, no warning), so nothing said the tower was left out."""
+    from transformers.models.mllama.modeling_mllama import MllamaTextModel
+
+    from onboarding.load import multimodal
+
+    cfg = _tiny_mllama()
+
+    def builders(node, trust_remote_code):
+        def fail(c):
+            raise TypeError("object of type 'NoneType' has no len()")
+        if node is cfg:
+            return [("AutoModelForImageTextToText", fail)]
+        return [("MllamaTextModel", MllamaTextModel)]
+
+    monkeypatch.setattr(multimodal, "_builders", builders)
+    lm = multimodal.build_language_model(cfg, False, "meta")
+    with pytest.warns(UserWarning, match="not built: vision_config"):
+        counts = multimodal.account(lm, cfg)
+    assert counts.by_part == {"language": counts.total}
+    assert "not built: vision_config" in counts.parts_note

@@ -439,6 +439,10 @@ def account(model: nn.Module, config: Any):
     lay = getattr(model, "whole_model", None)
     if not isinstance(lay, Layout):
         return counts
+    counts.parts_note = "; ".join(lay.notes)
+    if lay.notes:  # parts the totals leave out: said on the terminal too, not only in model.json
+        warnings.warn(f"parameter totals: the whole model was {counts.parts_note}",
+                      ComponentsWarning, stacklevel=2)
     if lay.lm_head is None and lay.decoder is lay.whole:  # a bare decoder: all of it is language
         counts.by_part = {"language": counts.total}
         return counts
@@ -459,10 +463,6 @@ def account(model: nn.Module, config: Any):
     counts.active += extra
     counts.active_without_embeddings += extra
     counts.by_part = parts
-    counts.parts_note = "; ".join(lay.notes)
-    if lay.notes:  # parts the totals leave out: said on the terminal too, not only in model.json
-        warnings.warn(f"parameter totals: the whole model was {counts.parts_note}",
-                      ComponentsWarning, stacklevel=2)
     return counts
 
 
