@@ -177,3 +177,75 @@ def test_a_bare_decoder_built_alone_keeps_the_note(monkeypatch):
         counts = multimodal.account(lm, cfg)
     assert counts.by_part == {"language": counts.total}
     assert "not built: vision_config" in counts.parts_note
+
+
+def _meta_lm(cfg):
+    from onboarding.load.model import LoadedModel
+
+    return LoadedModel(ref="tiny", name="tiny", source="hf", config=cfg).build(device="meta",
+                                                                               seed=None)
+
+
+def _unique_params(m):
+    return sum({id(p): p.numel() for p in m.parameters()}.values())
+
+
+def test_towers_beside_a_text_only_causal_lm_are_in_the_totals():
+    """Mllama's config maps a causal LM over its text config alone: the multimodal accounting was
+    never used, and the totals (onboard map hf:mllama: 9.78B) left out the vision tower and the
+    projector (0.87B) without a word. The language model is still the causal LM; the totals and
+    by_part count the whole model built beside it."""
+    from onboarding.load.accounting import count_parameters
+    from onboarding.load.multimodal import account
+
+    cfg = _tiny_mllama()
+    lm = _meta_lm(cfg)
+    assert not any(getattr(m, "config", None) is cfg.vision_config for m in lm.modules())
+    counts = account(lm, cfg)
+    whole = layout(cfg, False).whole
+    assert counts.total == _unique_params(whole) > count_parameters(lm, cfg).total
+    assert counts.by_part["language"] == _unique_params(lm)
+    assert {"vision", "projector"} <= set(counts.by_part)
+    assert sum(counts.by_part.values()) == counts.total
+
+
+def _tiny_gemma3():
+    from transformers import CONFIG_MAPPING
+
+    if "gemma3" not in CONFIG_MAPPING:
+        pytest.skip("gemma3 is not in the installed transformers")
+    text = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}
+    return CONFIG_MAPPING["gemma3"](text_config=text, vision_config=vision, mm_tokens_per_image=4)
+
+
+def test_a_causal_lm_that_holds_the_towers_is_split_by_part():
+    """Gemma 3's config maps a causal LM that builds the whole model (its tower too): the totals
+    counted it all, but by_part was empty. Now by_part splits it, the totals unchanged."""
+    from onboarding.load.accounting import count_parameters
+    from onboarding.load.multimodal import account
+
+    cfg = _tiny_gemma3()
+    lm = _meta_lm(cfg)
+    counts = account(lm, cfg)
+    assert counts.total == count_parameters(lm, cfg).total == _unique_params(lm)
+    assert "vision" in counts.by_part and "language" in counts.by_part
+    assert sum(counts.by_part.values()) == counts.total
+
+
+def test_towers_no_class_builds_are_warned_about(monkeypatch):
+    """Emu3's causal LM is text-only and no class of its config builds from the hub config: the
+    totals leave the tower out, and now say so (ComponentsWarning)."""
+    from onboarding.load import multimodal
+
+    cfg = _tiny_mllama()
+    lm = _meta_lm(cfg)
+
+    def fail(c):
+        raise ValueError("a vocabulary map is needed")
+    monkeypatch.setattr(multimodal, "_builders", lambda node, trc: [("AutoModel", fail)])
+    with pytest.warns(multimodal.ComponentsWarning, match="vision_config"):
+        counts = multimodal.account(lm, cfg)
+    assert counts.total == _unique_params(lm)

@@ -13,6 +13,7 @@ built on ``meta``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -31,7 +32,7 @@ from onboarding.errors import InputError
 from onboarding.load.examples import (DEFAULT_EXAMPLE, EXAMPLE_ALIAS, EXAMPLES_DIR,  # noqa: F401
                                       builtin_example, list_examples, model_forms)  # (re-exported)
 from onboarding.load.overrides import apply_overrides, type_matches
-from onboarding.load.multimodal import build_language_model, has_causal_lm
+from onboarding.load.multimodal import build_language_model, has_causal_lm, whole_of_causal_lm
 
 
 @dataclass(kw_only=True)
@@ -112,6 +113,9 @@ class LoadedModel:
                     if dtype is not None:
                         kwargs["dtype"] = dtype
                     model = AutoModelForCausalLM.from_config(cfg, **kwargs)
+                    if torch.device(device).type == "meta":  # its towers, for the accounting
+                        object.__setattr__(model, "whole_model", functools.partial(
+                            whole_of_causal_lm, model, cfg, self.trust_remote_code))
         except InputError:
             raise
         except Exception as exc:  # the user's model code failed: report it as their input

@@ -221,6 +221,64 @@ def find_lm_head(model: nn.Module, decoder_path: str, text_cfg: Any) -> nn.Linea
     return None
 
 
+def whole_of_causal_lm(model: nn.Module, cfg: Any, trust_remote_code: bool) -> Layout | None:
+    """For a causal LM built from a config whose text model is a sub-config beside others (the
+    towers: Mllama's and Llama 4's causal LM over the text config alone; Gemma 3's, which holds
+    the whole): the layout of the whole model, for the accounting. The whole is ``model`` when it
+    builds a module from every sub-config, else the first of the config's own classes (on
+    ``meta``) that does, kept only when its language part (decoder and lm_head) has the
+    parameters ``model`` has. None where the text config is the root; where no class builds the
+    towers (or its language part differs), None and a ComponentsWarning: the totals leave them
+    out."""
+    try:
+        text_path = text_config_path(cfg)
+    except InputError:
+        return None
+    if not text_path:
+        return None  # the text model is the root: a language model alone
+    text_cfg = _get(cfg, text_path)
+    missing = _unbuilt_parts(model, cfg, text_path)
+    whole: nn.Module | None = None if missing else model
+    errors: list[str] = []
+    if whole is None:
+        for what, build in _builders(cfg, trust_remote_code):
+            try:
+                with torch.device("meta"), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    candidate = build(cfg)
+            except Exception as exc:  # noqa: BLE001 - the model's own code, whatever it raises
+                errors.append(f"{what}: {type(exc).__name__}: {_first_line(exc)}")
+                continue
+            if isinstance(candidate, nn.Module) and not _unbuilt_parts(candidate, cfg, text_path):
+                whole = candidate
+                break
+    if whole is None:
+        warnings.warn(f"parameter totals: the language model alone ({type(model).__name__}); "
+                      f"no class of the config built {', '.join(missing)} "
+                      f"({errors[0] if errors else 'none builds them'}): left out",
+                      ComponentsWarning, stacklevel=3)
+        return None
+    try:
+        dec_path, dec = find_decoder(whole, text_cfg)
+    except InputError:
+        return None
+    head = find_lm_head(whole, dec_path, text_cfg)
+    if whole is not model:
+        lang = {id(p): p.numel() for p in dec.parameters()}
+        if head is not None:
+            lang.update({id(p): p.numel() for p in head.parameters()})
+        own = {id(p): p.numel() for p in model.parameters()}
+        if sum(lang.values()) != sum(own.values()):
+            warnings.warn(f"parameter totals: the language model alone ({type(model).__name__}); "
+                          f"the language part of {type(whole).__name__}, which builds "
+                          f"{', '.join(missing)}, has {sum(lang.values()):,} parameters, not "
+                          f"{sum(own.values()):,}: its other parts are left out",
+                          ComponentsWarning, stacklevel=3)
+            return None
+    return Layout(whole=whole, node_path=(), text_path=text_path, decoder_path=dec_path,
+                  decoder=dec, lm_head=head, notes=[])
+
+
 class LanguageModelForCausalLM(nn.Module):
     """A decoder stack and its lm_head as a causal LM: ``forward(input_ids)`` returns logits."""
 
@@ -437,6 +495,8 @@ def account(model: nn.Module, config: Any):
                                        "own, by_part is the whole model's", *whole.notes])
         return counts
     lay = getattr(model, "whole_model", None)
+    if callable(lay):  # a causal LM of a config with towers (`whole_of_causal_lm`), found late
+        lay = lay()
     if not isinstance(lay, Layout):
         return counts
     counts.parts_note = "; ".join(lay.notes)
@@ -447,7 +507,13 @@ def account(model: nn.Module, config: Any):
         counts.by_part = {"language": counts.total}
         return counts
     parts = component_params(lay, config)
-    mine = {id(p) for p in model.parameters()}
+    if lay.whole is model:  # the causal LM holds the whole: the totals count it already
+        counts.by_part = parts
+        return counts
+    # the language model's parameters: its own (on meta it shares the whole's modules), and the
+    # whole's decoder and lm_head where the whole was built beside it
+    mine = {id(p) for m in (model, lay.decoder, lay.lm_head) if m is not None
+            for p in m.parameters()}
     extra = 0
     for name, p in lay.whole.named_parameters():
         if id(p) in mine:
