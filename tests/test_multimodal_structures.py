@@ -249,3 +249,28 @@ def test_towers_no_class_builds_are_warned_about(monkeypatch):
     with pytest.warns(multimodal.ComponentsWarning, match="vision_config"):
         counts = multimodal.account(lm, cfg)
     assert counts.total == _unique_params(lm)
+
+
+def test_a_bare_decoders_mlp_as_wide_as_the_vocabulary_is_no_lm_head():
+    """find_lm_head skipped its "inside the decoder" guard where the decoder is the whole model
+    (path ""): a tiny proxy's MLP whose width equals the vocabulary was taken as the lm_head."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from fixtures.multimodal_structure_models import Layer
+    from onboarding.load.multimodal import find_decoder, find_lm_head
+
+    class BareDecoder(nn.Module):
+        def __init__(self, vocab=64, d=32):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(vocab, d)
+            self.layers = nn.ModuleList(Layer(d, 2) for _ in range(2))  # MLP width 2 * d = vocab
+
+    cfg = SimpleNamespace(vocab_size=64, num_hidden_layers=2, hidden_size=32)
+    with torch.device("meta"):
+        model = BareDecoder()
+    path, _ = find_decoder(model, cfg)
+    assert path == ""
+    assert find_lm_head(model, path, cfg) is None

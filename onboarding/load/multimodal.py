@@ -215,8 +215,10 @@ def find_lm_head(model: nn.Module, decoder_path: str, text_cfg: Any) -> nn.Linea
     if isinstance(head, nn.Linear) and head.out_features == vocab:
         return head
     for path, mod in model.named_modules():
-        in_decoder = decoder_path and inside(path, decoder_path)
-        if isinstance(mod, nn.Linear) and mod.out_features == vocab and not in_decoder:
+        # not inside the decoder (at "", the whole model: a bare decoder has no head of its own),
+        # where an MLP as wide as the vocabulary is no head
+        if isinstance(mod, nn.Linear) and mod.out_features == vocab and \
+                not inside(path, decoder_path):
             return mod
     return None
 
