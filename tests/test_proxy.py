@@ -665,3 +665,25 @@ def test_a_kind_whose_constants_depend_on_the_depth_is_not_only_the_last_layer(d
     if decay == "depth":  # the linear layer's slopes are the model's, halved
         slope = build(cfg).layers[1].slope
         assert torch.allclose(slope, torch.tensor([0.25, 0.125]), rtol=1e-4)
+
+
+def test_the_experts_own_model_width_shrinks_as_the_hidden_does():
+    """An MoE block that projects the hidden state into a width of the experts' own and back
+    (MuseSpark's moe_hidden_size, 4096) kept that width in the tiny proxy (55.3M parameters,
+    experts 4096 wide around a hidden of 128): it is a model width, capped as hidden_size is;
+    the experts' FFN width and the dense FFN keep their own caps."""
+    from transformers import PretrainedConfig
+
+    from onboarding.load.proxy import PROXY_SIZES, shrink_config
+
+    s = PROXY_SIZES["tiny"]
+    full = PretrainedConfig(hidden_size=1024, num_attention_heads=8, num_hidden_layers=4,
+                            intermediate_size=4096, num_local_experts=16, num_experts_per_tok=2,
+                            moe_intermediate_size=512, moe_hidden_size=512, vocab_size=5000)
+    c = shrink_config(full, "tiny", notes=[])
+    assert c.moe_hidden_size == s.hidden
+    assert c.moe_intermediate_size == s.expert_ffn
+    assert c.intermediate_size == s.ffn
+    small = PretrainedConfig(hidden_size=1024, num_attention_heads=8, num_hidden_layers=4,
+                             num_local_experts=16, moe_hidden_size=64, vocab_size=5000)
+    assert shrink_config(small, "tiny", notes=[]).moe_hidden_size == 64  # below the cap: kept

@@ -144,6 +144,10 @@ def _retie_ssm_heads(c: Any, before: dict[str, Any], s: ProxySize) -> None:
 _FFN_WIDTH = re.compile(r"(^|_)(intermediate_size|ffn_hidden_size|intermediate_dim)(_|$)")
 _FFN_NAMED = ("intermediate_size", "shared_expert_intermediate_size") + EXPERT_WIDTH_NAMES
 
+# the routed experts' own model width, where the MoE block projects the hidden state into one
+# and back (MuseSpark's moe_hidden_size, Nemotron-H's moe_latent_size): a model width, not an FFN's
+_EXPERT_MODEL_WIDTH = re.compile(r"(^|_)(moe|experts?)_(hidden|latent)_(size|dim)$")
+
 _WIDTH_ALIAS = re.compile(r"^(embed(ding)?_(dim|size)|d_model|model_dim|n_embd|hidden_dim)$")
 
 
@@ -195,6 +199,10 @@ def _shrink_widths(c: Any, s: ProxySize, notes: list[str]) -> None:
         cap = s.expert_ffn * 2 if "shared" in low else \
             s.expert_ffn if ("expert" in low or "moe" in low) else s.ffn
         _set(c, name, lambda v: min(v, cap))
+    # the experts' own model width is capped as the model width is (MuseSpark's tiny proxy kept
+    # moe_hidden_size 4096: 55.3M parameters, its experts 4096 wide around a hidden of 128)
+    for name in [n for n in vars(c) if _EXPERT_MODEL_WIDTH.search(n) and n not in _FFN_NAMED]:
+        _set(c, name, lambda v: min(v, s.hidden))
     # linear attention (gated delta / Kimi delta / mamba-style) widths
     lk = getattr(c, "linear_num_key_heads", None)
     lv = getattr(c, "linear_num_value_heads", None)
