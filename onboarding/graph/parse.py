@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,6 +152,49 @@ def unrun_layers(model: nn.Module, cap: Capture) -> list[Block]:
     return out
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)\d+(?=\.|$)")
+
+
+def unrun_branches(model: nn.Module, cap: Capture, skip: list[Block]) -> list[Block]:
+    """An `unknown` block for each module inside a layer that ran no op and read none of its
+    parameters while a sibling of its class (same parent) did: a branch another modality's
+    tokens take (ERNIE 4.5 VL's vision_moe beside text_moe). Left out, its parameters (half the
+    routed experts there) were in no block, and coverage and alignment said nothing of them.
+    Modules inside a list within the layer (experts without tokens) and inside a layer
+    `unrun_layers` already reported (``skip``) are not judged."""
+    ran = {r.module for r in cap.records}
+    read = {n for r in cap.records for n in r.params.values()}
+    mods = dict(model.named_modules())
+
+    def live(path: str) -> bool:  # an op ran in it, or an op read one of its parameters
+        return (any(inside(r, path) for r in ran)
+                or any(inside(n.rpartition(".")[0], path) for n in read))
+
+    out: list[Block] = []
+    for path, mod in mods.items():
+        if layer_of(path) is None or any(inside(path, b.path) for b in skip + out):
+            continue
+        # below a layer only, and not in a list inside it (an index past the layer's own)
+        rest = path[_LAYER_INDEX.search(path).end():]
+        if not rest or _LAYER_INDEX.search(rest):
+            continue
+        parent, _, name = path.rpartition(".")
+        params = {n: list(t.shape) for n, t in mod.named_parameters()}
+        if not params or live(path):
+            continue
+        sibs = [n for n, m in mods[parent].named_children()
+                if n != name and type(m) is type(mod) and live(f"{parent}.{n}")]
+        if not sibs:
+            continue
+        why = (f"ran no op in the proxy's forward while its sibling {sibs[0]} (the same class, "
+               f"in the same {parent}) did: a branch the model takes for inputs it was not given "
+               "(another modality's tokens?); not captured, not checked")
+        out.append(Block(path=path, kind="unknown", layer=layer_of(path),
+                         class_name=type(mod).__name__, evidence=[why], params=params,
+                         attrs={"not_run": why}))
+    return out
+
+
 def layer_pattern(blocks: list[Block], first_op: dict[str, int] | None = None
                   ) -> tuple[str, list[list[str]]]:
     """One token per layer (mixer letters, then feed-forward letters), layers grouped by the
@@ -259,6 +303,7 @@ def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, d
     ctx_cfg = model.config if hasattr(model, "tokens_per_image") else info.proxy_config
     blocks = Classifier(cap, _context(model, cap, ctx_cfg, ctx_seq)).run()
     blocks += unrun_layers(model, cap)
+    blocks += unrun_branches(model, cap, [b for b in blocks if b.attrs.get("not_run")])
     # what the call-swapping bindings would find in the blocks their families match (one more
     # forward): coverage runs each binding's acceptance test on it (`onboarding.patching.probe`)
     from onboarding.patching.probe import probe_core_calls
