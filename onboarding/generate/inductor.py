@@ -336,6 +336,14 @@ def _runner(gm: Any, segs: list[_Segment]) -> Callable:
     return run
 
 
+# dynamo cache entries allowed per code object while a compiled block runs (`compiled`)
+RECOMPILE_LIMIT = 4096
+
+
+def _limit(name: str) -> int:
+    return int(getattr(torch._dynamo.config, f"{name}_limit"))
+
+
 def compiled(module: nn.Module, *, code_dir: str | None = None, dynamic: bool | None = False,
              forward: Callable | None = None, start: str = "default",
              eager: list[str] | None = None,
@@ -350,8 +358,14 @@ def compiled(module: nn.Module, *, code_dir: str | None = None, dynamic: bool | 
 
     def call(*args, **kwargs):
         # past the recompile limit dynamo would quietly run the block's own code instead: a
-        # block recorded as served by Inductor must raise then, never fall back unseen
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        # block recorded as served by Inductor must raise then, never fall back unseen. Every
+        # block of one class compiled here is one more entry of its forward's code (its own
+        # backend, a guard no other entry passes), besides a check's sizes and dtypes: dynamo's
+        # limit of 8 entries ended a run whose proxy had more such blocks (hy_v4_vl)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True,
+                                        recompile_limit=max(RECOMPILE_LIMIT, _limit("recompile")),
+                                        accumulated_recompile_limit=max(
+                                            RECOMPILE_LIMIT, _limit("accumulated_recompile"))):
             return fn(*args, **kwargs)
 
     def finish() -> dict[str, Any]:
