@@ -18,6 +18,26 @@ def shape_of(info, graph: OpGraph, *, config=None) -> ModelShape:
     return model_shape(model, cfg, graph, name=info.loaded.name)
 
 
+def parts_left_out(info) -> list[str]:
+    """What a multimodal model's plan leaves out: the plan is of the part that is onboarded and
+    trained (the language model), while the report's totals count every part. The plan's
+    memory rows said "the full-size model" with the towers' weights and activations in none."""
+    full = info.full
+    parts = dict(getattr(full, "by_part", None) or {})
+    planned = getattr(info.loaded, "part", None) or "language"
+    if len(parts) < 2 or planned not in parts:
+        return []
+    from onboarding.formatting import human
+
+    rest = {k: v for k, v in parts.items() if k != planned}
+    return [f"the plan is of the {planned} part ({human(parts[planned])} of the model's "
+            f"{human(sum(parts.values()))} parameters), the part that is onboarded and trained; "
+            "not in its memory, communication or step time: "
+            + ", ".join(f"{k} {human(v)}" for k, v in rest.items())
+            + f" ({sum(rest.values()) * 2 / 2**30:.2f} GiB of weights in bf16, unsharded) and "
+            "their activations"]
+
+
 def run_plan(info, graph: OpGraph, cfg: PlanConfig, cluster: ClusterConfig,
              out_dir: Path | None = None, *, config=None, notes: list[str] | None = None
              ) -> Plan:
@@ -25,7 +45,7 @@ def run_plan(info, graph: OpGraph, cfg: PlanConfig, cluster: ClusterConfig,
     its chart and its report section (``plan.png``, ``plan.md``) in ``out_dir``. ``notes``: what
     the plan should also say (how ``graph`` was captured, `onboarding.plan.capture`)."""
     plan = build_plan(shape_of(info, graph, config=config), cfg, cluster)
-    plan.notes[:0] = notes or []
+    plan.notes[:0] = (notes or []) + ([] if config is not None else parts_left_out(info))
     if out_dir is not None:
         from onboarding.plan.render import MARKDOWN_FILE, PLOT_FILE, markdown, plot
         from onboarding.rundir import write_json
