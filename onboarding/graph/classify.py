@@ -74,6 +74,10 @@ class Classifier(MixerRules, MoeRules, StreamRules):
             # a scale taken row by row from a table (an expert's own norm weight, gathered by
             # expert id): part of the module that routes the rows, no norm of the hidden state
             return None
+        if not mm and _is_rms(recs) and self._row_statistic(path):
+            # the inverse RMS alone, [..., 1] (HY V4's unweighted norm that scales another
+            # projection): no normalised tensor for a norm kernel to return; its parent's ops
+            return None
         if not mm and _is_rms(recs) and _mean_centred(recs):
             attrs = _norm_attrs(recs, ctx)
             # a second parameter beside the weight is the bias (which is which: patch calibration)
@@ -290,6 +294,16 @@ class Classifier(MixerRules, MoeRules, StreamRules):
                  "gate_rank": a["intermediate"], "gate_mlp_activation": a.get("activation"),
                  "norm": norms[0], "_absorb": [mlps[0]]}
         return "norm.rms_gated", ev, attrs
+
+    def _row_statistic(self, path: str) -> bool:
+        """The module returns one value per row of its input (last dim 1 where its input's is
+        wider): a statistic of the row, not the row normalised."""
+        io = self.cap.module_io.get(path)
+        if not io or not io[0] or not io[1]:
+            return False
+        ins = [t.shape for t in io[0] if t.shape]
+        outs = [t.shape for t in io[1] if t.shape]
+        return bool(ins and outs and ins[0][-1] > 1 and all(o[-1] == 1 for o in outs))
 
     def _gates_an_input(self, path: str, mm: list[OpRecord]) -> bool:
         """The module is handed a tensor as wide as its first projection's output beside the one
