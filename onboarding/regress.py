@@ -228,6 +228,19 @@ def _fmt(v: Any) -> str:
     return repr(v)
 
 
+def other_model(golden: dict[str, Any], current: dict[str, Any]) -> tuple[str, str] | None:
+    """(the golden's model, this run's) when the two runs are of different models (name and
+    source in ``run.config``): their facts do not compare. None when they are of one model."""
+    def which(facts: dict[str, Any]) -> tuple[Any, Any]:
+        cfg = facts.get("run.config") or {}
+        return cfg.get("model"), cfg.get("source")
+
+    g, c = which(golden), which(current)
+    if g == c or None in g:
+        return None
+    return tuple(f"{name} ({source})" for name, source in (g, c))  # type: ignore[return-value]
+
+
 def _one(fact: str, key: str | None, g: Any, c: Any) -> Finding | None:
     name = fact if key is None else f"{fact}[{key}]"
     tol = TOLERANCES.get(fact)

@@ -465,3 +465,18 @@ def test_rows_mark_ok_changed_and_new(run):
     assert rows["coverage.counts"][3] == "changed (2)"
     assert rows["params.totals"][3] == "ok" and rows["params.totals"][1] == "7 entries"
     assert {r[3] for r in regress.rows({}, g, [])} == {"new"}
+
+
+def test_cli_a_run_of_another_model_is_not_compared(run, refs, capsys):
+    """onboard regress on a run of hf:qwen3_vl_moe compared it with the example's golden (a
+    run of onboard_hybrid) and called 76 differences a regression (exit 3); two models' facts
+    do not compare: exit 2 naming both and how to make the run's own golden."""
+    assert main(["regress", str(run), "--update"]) == 0
+    gold = refs / "example" / "golden.json"
+    before = gold.read_text()
+    capsys.readouterr()
+    edit(run, "model.json", lambda d: d.update(name="other_lm", source="hf"))
+    assert main(["regress", str(run)]) == 2
+    err = _out(capsys)[1]
+    assert "other_lm" in err and "--reference NAME --update" in err, err
+    assert gold.read_text() == before

@@ -77,6 +77,14 @@ def cmd_regress(args: argparse.Namespace, console: Console) -> int:
         run_dir, run_command = _regress_example(args.reference, console)
         console.print(f"ran the example in {time.perf_counter() - t0:.0f} s")
     facts = regress.golden(run_dir)
+    if old is not None and (other := regress.other_model(old["facts"], facts)):
+        if not args.update:
+            raise InputError(f"{run_dir} is a run of {other[1]}; the golden {ref_file} is of "
+                             f"{other[0]}: the facts of two models do not compare. Make this "
+                             f"model's golden with `onboard regress {run_dir} --reference NAME "
+                             f"--update`, then compare its runs with --reference NAME")
+        console.print(f"[yellow]the golden {ref_file} was of {other[0]}; --update makes it "
+                      f"{other[1]}'s[/yellow]", highlight=False)
     findings = regress.compare(old["facts"], facts) if old is not None else []
     made = ""
     if old is not None:
