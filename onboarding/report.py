@@ -34,7 +34,13 @@ def _model_section(run_dir: Path) -> str | None:
            "", "Full-size parameters, counted on the meta device:", "",
            table(["", "parameters", ""], rows)]
     if len(p.get("by_part") or {}) > 1:  # a multimodal model: the whole, by component
-        out += ["", "By component (the language model is what is onboarded):", "",
+        part = m.get("part") or "language"
+        rest = [k for k in p["by_part"] if k != part]
+        # the op graph, coverage, kernels and alignment below are of that part alone
+        other = ("; `--part vision` onboards the vision tower"
+                 if part != "vision" and "vision" in p["by_part"] else "")
+        out += ["", f"By component (the {part} part is what this run onboarded: its graph, "
+                f"coverage, kernels and alignment below; not {', '.join(rest)}{other}):", "",
                 table(["component", "parameters", ""],
                       [[k, f"{v:,}", human(v)] for k, v in p["by_part"].items()])]
         if p.get("parts_note"):
