@@ -103,10 +103,18 @@ def _opgraph_section(run_dir: Path) -> str | None:
            table(["kind", "blocks", "example", "input shape", "FLOPs (proxy)"], rows)]
     if _params_plot(g, run_dir / "params_by_kind.png"):
         out += ["", "![parameters by block kind](params_by_kind.png)"]
+    # an unknown block either ran ops no rule explains, or ran none in the proxy's forward (a
+    # layer or branch taken only for inputs the run did not give: `parse.unrun_layers`)
     unknown = g.by_kind("unknown")
-    if unknown:
-        out += ["", f"**{len(unknown)} unknown blocks** (no rule explains them): " +
-                ", ".join(f"`{b.path}`" for b in unknown[:8])]
+    unrun = [b for b in unknown if b.attrs.get("not_run")]
+    unexplained = [b for b in unknown if not b.attrs.get("not_run")]
+    if unexplained:
+        out += ["", f"**{len(unexplained)} unknown blocks** (no rule explains them): " +
+                ", ".join(f"`{b.path}`" for b in unexplained[:8])]
+    if unrun:
+        out += ["", f"**{len(unrun)} blocks never ran** in the proxy's forward (taken only for "
+                "inputs this run did not give, such as another modality's; not captured, not "
+                "checked): " + ", ".join(f"`{b.path}`" for b in unrun[:8])]
     return "\n".join(out)
 
 
