@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from onboarding.load.accounting import (ParamCounts, _same_structure, count_parameters, path_pattern,
-                                         token_embedding)
+                                         take_alternatives, token_embedding)
 from onboarding.graph.capture import Capture, capture
 from onboarding.graph.classify import Classifier, Context, stack_of
 from onboarding.graph._records import layer_of
@@ -316,7 +316,11 @@ def _parse(info: ModelInfo, model: nn.Module, batch: int, seq: int, seed: int, d
     for r in cap.records:
         first_op.setdefault(r.module, r.index)
     pattern, kinds = layer_pattern(blocks, first_op)
+    # sibling MoE blocks of which one ran no op: a token takes one (its active parameters)
+    not_run = [b.path for b in blocks if b.attrs.get("not_run")]
+    take_alternatives(info.full, not_run)
     proxy_counts = count_parameters(model, info.proxy_config)
+    take_alternatives(proxy_counts, not_run)
     params = {
         "full": {k: v for k, v in info.full.to_dict().items() if k not in ("by_component",)},
         "full_by_kind": by_kind_params(info.full, blocks),

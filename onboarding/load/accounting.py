@@ -5,6 +5,11 @@ parameters that share a leading expert dimension E (packed experts), or a Module
 identical modules whose parent also holds an [E, D] router weight. A token uses top-k of the E
 experts, so routed parameters count ``top_k / E`` toward the active parameters; shared experts and
 dense parts count fully.
+
+Alternative MoE blocks (`take_alternatives`): sibling MoE blocks of one class under one parent of
+which a forward on one kind of token runs one alone (the parse found the other ran no op: an
+`unknown` block with ``attrs["not_run"]``; ERNIE 4.5 VL's modality-routed experts) are branches
+a token takes one of. The active parameters count the largest; the totals count every one.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ class MoEInfo:
     router_path: str | None
     routed_params: int
     shared_paths: list[str] = field(default_factory=list)
+    class_name: str = ""  # the MoE block's class (siblings of one class may be alternatives)
+    active_params: int = 0  # parameters under ``path`` a token uses (routed: top-k of E)
+    # the sibling MoE block a token takes instead of this one (`take_alternatives`); "": none
+    alternative_to: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,6 +65,7 @@ class ParamCounts:
     # a multimodal model's parts (language, vision, projector, audio...; onboarding.load.multimodal)
     by_part: dict[str, int] = field(default_factory=dict)
     parts_note: str = ""
+    alternatives_note: str = ""  # MoE blocks a token takes one of (`take_alternatives`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,7 +149,8 @@ def find_moe(model: nn.Module, config: Any = None) -> list[MoEInfo]:
         found.append(MoEInfo(path=block_path, experts_path=path, n_experts=n_exp, top_k=top_k,
                              top_k_source=src, router_path=router,
                              routed_params=sum(p.numel() for p in mod.parameters()),
-                             shared_paths=shared))
+                             shared_paths=shared,
+                             class_name=type(modules[block_path]).__name__))
     return found
 
 
@@ -191,18 +202,66 @@ def count_parameters(model: nn.Module, config: Any = None) -> ParamCounts:
             embedding += n
         elif cat == "lm_head":
             lm_head += n
+        share = float(n)
         if cat == "moe.experts":
             info = next(i for i in moe if inside(owner, i.experts_path))
-            frac = (info.top_k / info.n_experts) if info.top_k else 1.0
-            active += n * frac
-        else:
-            active += n
+            share = n * ((info.top_k / info.n_experts) if info.top_k else 1.0)
+        active += share
+        block = next((i for i in moe if inside(owner, i.path)), None)
+        if block is not None:
+            block.active_params += share
     active = int(round(active))
+    for info in moe:
+        info.active_params = int(round(info.active_params))
     return ParamCounts(total=total, active=active,
                        active_without_embeddings=active - embedding - lm_head,
                        embedding=embedding, lm_head=lm_head, tied_embeddings=tied,
                        routed_experts=by_category.get("moe.experts", 0),
                        by_category=by_category, by_component=by_component, moe=moe)
+
+
+def alternative_moe(moe: list[MoEInfo], not_run: list[str]) -> dict[str, str]:
+    """{MoE block path: the sibling path a token takes instead} for the MoE blocks that are
+    alternatives: two or more MoE blocks of one class under one parent, of which some ran no op
+    in a forward (``not_run``: paths, of the proxy or this model, compared by `path_pattern`)
+    while another did. A token takes one: the one kept is the largest by active parameters
+    (the first of equals); the others map to it."""
+    unrun = {path_pattern(p) for p in not_run}
+    groups: dict[tuple[str, str], list[MoEInfo]] = {}
+    for info in moe:
+        if "." in info.path:
+            groups.setdefault((info.path.rsplit(".", 1)[0], info.class_name), []).append(info)
+    out: dict[str, str] = {}
+    for infos in groups.values():
+        ran = [i for i in infos if path_pattern(i.path) not in unrun]
+        if len(infos) < 2 or not ran or len(ran) == len(infos):
+            continue
+        kept = max(infos, key=lambda i: i.active_params)  # max keeps the first of equals
+        out.update({i.path: kept.path for i in infos if i is not kept})
+    return out
+
+
+def take_alternatives(counts: ParamCounts, not_run: list[str]) -> None:
+    """Count one of each group of alternative MoE blocks (`alternative_moe`) in ``counts``'s
+    active parameters, the largest, and say which in ``alternatives_note``; the totals, the
+    routed experts and the categories still count every block (their weights are all held).
+    Blocks already taken out are not taken out twice."""
+    alt = alternative_moe(counts.moe, not_run)
+    dropped = [i for i in counts.moe if i.path in alt and not i.alternative_to]
+    if not dropped:
+        return
+    for info in dropped:
+        info.alternative_to = alt[info.path]
+        counts.active -= info.active_params
+        counts.active_without_embeddings -= info.active_params
+    kept = sorted({path_pattern(i.alternative_to) for i in dropped})
+    left = sorted({path_pattern(i.path) for i in dropped})
+    n = sum(i.active_params for i in dropped)
+    counts.alternatives_note = (
+        f"MoE blocks a token takes one of (siblings of one class; the others ran no op on the "
+        f"proxy's tokens): the active parameters count {', '.join(kept)} (the largest), not "
+        f"{', '.join(left)} ({n:,} parameters a token of the other kind would use instead); "
+        "the totals count both")
 
 
 def token_embedding(model: nn.Module) -> nn.Embedding | None:

@@ -1,0 +1,60 @@
+"""Sibling MoE blocks of one class of which a forward runs one alone (ERNIE 4.5 VL's
+text_moe / vision_moe: a token takes its modality's) are alternatives: a token's active
+parameters and the plan's MoE layers count one per layer; the totals and weights count both."""
+
+FIX = "tests/fixtures/modality_moe_models.py"
+
+
+def _info(ref):
+    from onboarding.load.model import load_model
+    from onboarding.graph.parse import load_stage
+
+    return load_stage(load_model(f"{FIX}:{ref}", trust_remote_code=True))
+
+
+def _numel(model, prefix):
+    return sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefix))
+
+
+def test_active_parameters_count_one_of_alternative_moe_blocks(parse_model):
+    """Before: the vision MoE (which ran no op on text tokens) was counted too, as if every
+    token took both (ERNIE 4.5 VL: 4.77B active where a text token uses ~4.13B)."""
+    from onboarding.graph.parse import parse_stage
+
+    info = _info("modality_moe")
+    model = info.loaded.build(device="meta", seed=None)
+    total = sum(p.numel() for p in model.parameters())
+    assert info.full.total == total
+    graph = parse_stage(info)
+    # a text token: every dense parameter, the text router, top-2 of 4 text experts; no vision
+    text_experts = sum(_numel(model, f"layers.{i}.mlp.text_moe.experts") for i in range(2))
+    vision = sum(_numel(model, f"layers.{i}.mlp.vision_moe") for i in range(2))
+    want = total - vision - text_experts // 2
+    assert info.full.active == want
+    assert graph.param_counts["full"]["active"] == want
+    assert graph.param_counts["proxy"]["active"] == want  # the proxy is the fixture's size
+    # the totals and the routed experts still count both
+    assert info.full.total == total
+    assert info.full.routed_experts == text_experts + sum(
+        _numel(model, f"layers.{i}.mlp.vision_moe.experts") for i in range(2))
+    note = info.full.alternatives_note
+    assert "layers.*.mlp.text_moe (the largest)" in note and "layers.*.mlp.vision_moe" in note
+    assert {m.path: m.alternative_to for m in info.full.moe} == {
+        "layers.0.mlp.text_moe": "", "layers.0.mlp.vision_moe": "layers.0.mlp.text_moe",
+        "layers.1.mlp.text_moe": "", "layers.1.mlp.vision_moe": "layers.1.mlp.text_moe"}
+
+
+def test_moe_blocks_of_one_class_that_both_run_count_both(parse_model):
+    """The same structure where every token runs both blocks: no block ran no op, so both
+    count (the rule keys on what ran, not on siblings alone)."""
+    from onboarding.graph.parse import parse_stage
+
+    info = _info("two_moe")
+    model = info.loaded.build(device="meta", seed=None)
+    total = sum(p.numel() for p in model.parameters())
+    parse_stage(info)
+    routed = sum(_numel(model, f"layers.{i}.mlp.{b}.experts") for i in range(2)
+                 for b in ("first", "second"))
+    assert info.full.active == total - routed // 2
+    assert info.full.alternatives_note == ""
+    assert all(m.alternative_to == "" for m in info.full.moe)
