@@ -21,6 +21,7 @@ from onboarding.patching.core import patch_model
 FIX = "tests/fixtures/coverage_binding_models.py"
 INTERFACE, BIASED = f"{FIX}:InterfaceLM", f"{FIX}:BiasedInterfaceLM"
 TOPK, ROW_TOPK = f"{FIX}:TopkSparseLM", f"{FIX}:RowTopkSparseLM"
+SINK_TOPK = f"{FIX}:SinkTopkSparseLM"
 SOFTCAP, INLINE_CAP = f"{FIX}:SoftcapInterfaceLM", f"{FIX}:InlineCapInterfaceLM"
 INLINE = "tests/fixtures/handwritten.py:VocabWideLM"
 ATTENTION = ("sink_attention", "sparse_attention")
@@ -107,6 +108,23 @@ def test_row_topk_selection_is_not_claimed(parse_model):
     assert len(served) == 4 and {e.status for e in served} <= {"kernel", "template"}
 
 
+def test_topk_selection_over_a_sink_softmax_is_not_claimed(parse_model):
+    """A [B, T, S] top-k whose selection masks an eager attention with a sink column appended
+    to its scores (HY V4's layers 0 and 1): the intercept follows no q k^T -> softmax -> v chain
+    there, so the binding finds nothing to replace ("no attention ... over the top-k positions").
+    Coverage said template sparse_attention/gathered; the probe (`binding.SPARSE`) records what
+    the intercept finds and coverage says why it is uncovered."""
+    g = parse_model(SINK_TOPK)
+    blocks = g.by_kind("sparse_attention.topk")
+    assert len(blocks) == 2, [(b.path, b.kind) for b in g.blocks]
+    assert all(b.attrs["core_calls"]["sparse-attention"] == {"attention": []} for b in blocks)
+    entries = _attention_entries(g)
+    assert len(entries) == 2 and {e.status for e in entries.values()} == {"uncovered"}, entries
+    assert all(REFUSED in e.reason and "no attention" in e.reason for e in entries.values())
+    served = [b for b in parse_model(TOPK).by_kind("sparse_attention.topk")]
+    assert all(len(b.attrs["core_calls"]["sparse-attention"]["attention"]) == 1 for b in served)
+
+
 def _forced(block) -> list[tuple[str, str, dict]]:
     """(family, variant, params) the attention families would render for ``block`` were they to
     claim it anyway (their kind tests alone)."""
@@ -119,7 +137,7 @@ def _forced(block) -> list[tuple[str, str, dict]]:
     return out
 
 
-@pytest.mark.parametrize("ref", [INTERFACE, BIASED, SOFTCAP, INLINE_CAP, TOPK, ROW_TOPK, INLINE])
+@pytest.mark.parametrize("ref", [INTERFACE, BIASED, SOFTCAP, INLINE_CAP, TOPK, ROW_TOPK, SINK_TOPK, INLINE])
 def test_coverage_predicts_the_bindings(ref, parse_model, kernel_dir):
     """Every attention block coverage serves by a template or reviewed kernel is taken by its
     binding on the patched proxy's first forward; every block coverage says the binding would

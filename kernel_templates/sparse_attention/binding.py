@@ -15,6 +15,7 @@ binding's open choices are.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from types import ModuleType
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from onboarding.patching.sparse import patch_sparse_block
 from onboarding.graph.opgraph import Block
-from onboarding.patching.core import PatchRecord, entry_function
+from onboarding.patching.core import PatchRecord, entry_function, swap_forward
 
 from . import crossover
 
@@ -127,3 +128,75 @@ def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: Pat
                               prefer_dense=crossover.policy(layout))
     record.binding = "calibrating: top-k + attention intercept"
     return undo
+
+
+NO_ATTENTION = "no attention (SDPA, or q @ k^T -> softmax -> @ v) over the top-k positions"
+
+
+class SparseProbe:
+    """The family's `probe` (`onboarding.patching.probe.probe_core_calls`): what `bind`'s
+    intercept finds in each block, recorded by one run of the model with the intercept in place
+    and no kernel: ``{"attention": [{"q", "k", "v": shapes, "latent": [[out, in] of each
+    projection of the latent width before it]}]}``, one entry per attention call over the top-k
+    positions (none: the intercept finds nothing to replace, e.g. a softmax over scores with a
+    sink column appended)."""
+
+    what = "sparse-attention"
+
+    def record_calls(self, model: nn.Module, targets: list[tuple[Block, nn.Module]],
+                     run: Callable[[], Any]) -> list[dict[str, Any]]:
+        from onboarding.patching.sparse import SparseIntercept
+
+        found: list[dict[str, Any]] = [{"attention": []} for _ in targets]
+        undos = []
+
+        def probing(module: nn.Module, seen: list, latent: int | None) -> Callable[[], None]:
+            def attend(q, k, v, idx, scale, linears):
+                seen.append({"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
+                             "latent": [list(w.shape) for _, w, _ in linears
+                                        if w is not None and w.dim() == 2]})
+                raise ValueError("probe: recorded")  # the block's own attention runs
+
+            original = module.forward
+
+            def forward(*args, **kwargs):
+                with SparseIntercept({"probe": (attend, latent, "topk")}):
+                    return original(*args, **kwargs)
+
+            return swap_forward(module, forward)
+
+        for (block, module), f in zip(targets, found):
+            latent = block.attrs.get("kv_latent") if block.attrs.get("layout") == "mla" else None
+            latent = latent[0] if isinstance(latent, (list, tuple)) and latent else latent
+            undos.append(probing(module, f["attention"], latent if isinstance(latent, int) else None))
+        try:
+            with torch.no_grad():
+                run()
+        finally:
+            for undo in reversed(undos):
+                undo()
+        return found
+
+
+SPARSE = SparseProbe()
+
+
+def probe_refusal(found: dict[str, Any], d_v: int | None) -> str | None:
+    """Why `bind` would leave the block unpatched, read off what `SPARSE` recorded (``found``),
+    or None: no attention over the top-k positions for the intercept to replace; or, for the
+    absorbed MLA layout (latent width ``d_v``), q/k no wider than the latent part of every
+    expansion (no rope part: the kernel's shared KV is [latent | rope], D_QK > D_V)."""
+    calls = found.get("attention") or []
+    if not calls:
+        return NO_ATTENTION
+    if d_v is None:
+        return None
+    call = calls[0]
+    heads, d_qk, width_v = call["q"][1], call["q"][-1], call["v"][-1]
+    ropes = [d_qk - (out // heads - width_v) for out, inp in call.get("latent") or []
+             if inp == d_v and out % heads == 0 and out // heads > width_v]
+    if ropes and max(ropes) <= 0:
+        return (f"q/k width {d_qk} leaves no rope part after {d_qk - max(ropes)} latent columns: "
+                f"the absorbed MLA kernel takes a shared KV of [latent | rope] (D_QK > D_V = {d_v}); "
+                "this layer's attention has no rotary part")
+    return None

@@ -24,7 +24,7 @@ from onboarding.families import FamilySpec, Param, ShapeBucket
 from onboarding.patching.sparse import selection_refusal
 
 from . import bench, crossover
-from .binding import bind
+from .binding import SPARSE, bind, probe_refusal
 
 NAME = "sparse_attention"
 
@@ -66,11 +66,20 @@ def match_all(block: Any) -> list[dict[str, Any]]:
 def refusal(block: Any) -> dict[str, Any] | None:
     """For a `sparse_attention.topk` block: why the binding's intercept would find no selection to
     read, by its own test (`patching.sparse.selection_refusal`) on the top-ks over key positions
-    the op graph recorded (attrs ``topk_inputs``), as {"serves": None (the block's core),
-    "reason"}; None when one fits or none was recorded (an older graph: the match stands)."""
-    if block.kind != "sparse_attention.topk" or block.attrs.get("topk_inputs") is None:
+    the op graph recorded (attrs ``topk_inputs``), or no attention to replace, or (absorbed MLA)
+    no rope part beside the latent, read off what the family's probe recorded (attrs
+    ``core_calls``, `binding.probe_refusal`), as {"serves": None (the block's core), "reason"};
+    None when they fit or nothing was recorded (an older graph: the match stands)."""
+    if block.kind != "sparse_attention.topk":
         return None
-    why = selection_refusal(block.attrs["topk_inputs"])
+    why = None
+    if block.attrs.get("topk_inputs") is not None:
+        why = selection_refusal(block.attrs["topk_inputs"])
+    found = (block.attrs.get("core_calls") or {}).get(SPARSE.what)
+    if why is None and found is not None:
+        latent = block.attrs.get("kv_latent") if block.attrs.get("layout") == "mla" else None
+        latent = latent[0] if isinstance(latent, (list, tuple)) and latent else latent
+        why = probe_refusal(found, latent if isinstance(latent, int) else None)
     return None if why is None else {"serves": None, "reason": why}
 
 
@@ -259,4 +268,5 @@ FAMILY = FamilySpec(
     bench_nightly=bench.NIGHTLY,
     binding=bind,
     refusal=refusal,
+    probe=SPARSE,
 )
