@@ -58,3 +58,44 @@ def test_moe_blocks_of_one_class_that_both_run_count_both(parse_model):
     assert info.full.active == total - routed // 2
     assert info.full.alternatives_note == ""
     assert all(m.alternative_to == "" for m in info.full.moe)
+
+
+def test_the_plan_counts_one_moe_layer_of_alternatives_in_its_all_to_all():
+    """Before: the plan's experts held both patterns (4 MoE layers for 2 layers), so the
+    all-to-all and the expert GEMMs were doubled (ERNIE 4.5 VL: 54 MoE layers, 29.7 GB a
+    step where a token is sent 27 times). The weights still hold both."""
+    import dataclasses
+
+    from onboarding.graph.parse import parse_stage
+    from onboarding.plan import ClusterConfig, PlanConfig, build_plan
+    from onboarding.plan.estimate import communication, step_flops
+    from onboarding.plan.memory import Layout, memory
+    from onboarding.plan.shapes import model_shape
+
+    info = _info("modality_moe")
+    model = info.loaded.build(device="meta", seed=None)
+    shape = model_shape(model, None, parse_stage(info, seq=12))
+    assert sorted((e.pattern, e.count, e.alternative_to) for e in shape.experts) == [
+        ("layers.*.mlp.text_moe.experts", 2, ""),
+        ("layers.*.mlp.vision_moe.experts", 2, "layers.*.mlp.text_moe.experts")]
+    assert [e.pattern for e in shape.routed_layers] == ["layers.*.mlp.text_moe.experts"]
+    both = dataclasses.replace(shape, experts=[dataclasses.replace(e, alternative_to="")
+                                               for e in shape.experts])
+    cfg, cluster = PlanConfig(gpus=2, ep=2, seq=8), ClusterConfig()
+    lay = Layout(ep=2, fsdp=1, recompute="none", offload="none")
+    mem = memory(shape, cfg, lay, cluster)
+    comm = communication(shape, cfg, lay, mem, cluster)
+    assert comm.a2a_bytes == 2 * comm.a2a_layer_bytes  # one MoE layer per decoder layer
+    assert communication(both, cfg, lay, mem, cluster).a2a_bytes == 4 * comm.a2a_layer_bytes
+    # a token's expert GEMMs: the text experts' alone
+    text = next(e for e in shape.experts if not e.alternative_to)
+    assert step_flops(shape, cfg)[1] < step_flops(both, cfg)[1]
+    assert step_flops(shape, cfg)[1] == step_flops(
+        dataclasses.replace(shape, experts=[text]), cfg)[1]
+    # the weights: both experts
+    assert mem.weights_experts == memory(both, cfg, lay, cluster).weights_experts > memory(
+        dataclasses.replace(shape, experts=[text]), cfg, lay, cluster).weights_experts
+    plan = build_plan(shape, cfg, cluster)
+    assert any("layers.*.mlp.text_moe.experts in each layer, not "
+               "layers.*.mlp.vision_moe.experts" in n for n in plan.notes)
+    assert plan.shape["experts"][1]["alternative_to"] == "layers.*.mlp.text_moe.experts"

@@ -103,7 +103,7 @@ def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
     a2a_layer = a2a = 0.0
     if ep > 1:
         transfers = a2a_transfers(lay.recompute)
-        for e in shape.experts:
+        for e in shape.routed_layers:  # alternatives: a token is sent to one of them
             per = transfers * tokens * pairs_per_token(shape, cfg, ep, e.top_k) * e.hidden \
                 * BF16 * (ep - 1) / ep
             a2a_layer = max(a2a_layer, per)
@@ -164,7 +164,7 @@ def _core_flops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape]) ->
 def step_flops(shape: ModelShape, cfg: PlanConfig) -> tuple[float, float, float]:
     """(GEMM FLOPs, expert GEMM FLOPs, attention-core FLOPs) per token of one training step."""
     dense, experts = _gemm_flops(cfg, shape.dense_matmul, lora_params(shape, cfg)[0],
-                                 shape.experts)
+                                 shape.routed_layers)
     return dense, experts, _core_flops(shape, cfg, shape.blocks)
 
 
@@ -194,15 +194,16 @@ def rerun_flops(shape: ModelShape, cfg: PlanConfig, recompute: str
         adapters = lora_params(shape, cfg)[0] - sum(
             b.count * sum(cfg.lora_rank * (i + o) for _, i, o in b.lora_targets)
             for b in outside)
-        dense, experts = _gemm_flops(cfg, matmul, adapters, shape.experts, forward_only=True)
+        dense, experts = _gemm_flops(cfg, matmul, adapters, shape.routed_layers,
+                                     forward_only=True)
         return dense, experts, _core_flops(shape, cfg, blocks) / FWD_BWD_PASSES
     inner = {id(b) for b in inner_blocks(blocks)}  # their linears are the outer block's
     linear = [b for b in blocks if b.kind != "moe.experts" and id(b) not in inner]
     matmul = sum(b.count * sum(i * o for _, i, o in b.linears) for b in linear)
     adapters = sum(b.count * sum(cfg.lora_rank * (i + o) for _, i, o in b.lora_targets)
                    for b in linear) if cfg.mode != "full" else 0
-    experts = [e for e in shape.experts if any(b.kind == "moe.experts" and b.pattern == e.pattern
-                                               for b in blocks)]
+    experts = [e for e in shape.routed_layers
+               if any(b.kind == "moe.experts" and b.pattern == e.pattern for b in blocks)]
     return (*_gemm_flops(cfg, matmul, adapters, experts, forward_only=True),
             _core_flops(shape, cfg, blocks) / FWD_BWD_PASSES)
 
@@ -254,7 +255,8 @@ def forward_ops(shape: ModelShape, cfg: PlanConfig, blocks: list[BlockShape] | N
     ops = sum(b.count * b.ops for b in blocks)
     adapters = 0 if cfg.mode == "full" else ADAPTER_OPS * sum(
         b.count * len(b.lora_targets) for b in blocks if not b.nested)
-    return ops + adapters + (EP_OPS * sum(e.count for e in shape.experts) if ep_modules else 0)
+    ep = EP_OPS * sum(e.count for e in shape.routed_layers) if ep_modules else 0
+    return ops + adapters + ep
 
 
 def host_ops(shape: ModelShape, cfg: PlanConfig) -> float:

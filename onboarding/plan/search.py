@@ -222,6 +222,13 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
     if unknown:
         notes.append("unknown blocks (their activations are not modelled): "
                      + ", ".join(unknown[:6]))
+    alt = [e for e in shape.experts if e.alternative_to]
+    if alt:
+        notes.append("MoE blocks a token takes one of (siblings of one class; the proxy's "
+                     "forward ran one): the all-to-all and the expert GEMMs count "
+                     + ", ".join(sorted({e.alternative_to for e in alt}))
+                     + " in each layer, not " + ", ".join(e.pattern for e in alt)
+                     + "; the weights count both")
     notes += window_notes(shape, cfg.seq)
     notes += head_notes(shape)
     families = sorted({f for b in shape.blocks for f in b.kernels})
@@ -238,7 +245,8 @@ def shape_summary(shape: ModelShape) -> dict[str, Any]:
             "dense_params": shape.dense, "dense_matmul_params": shape.dense_matmul,
             "hidden": shape.hidden, "vocab": shape.vocab, "layers": shape.n_layers,
             "experts": [{"pattern": e.pattern, "layers": e.count, "n_experts": e.n_experts,
-                         "top_k": e.top_k, "width": e.width, "per_expert": e.per_expert}
+                         "top_k": e.top_k, "width": e.width, "per_expert": e.per_expert,
+                         "alternative_to": e.alternative_to}
                         for e in shape.experts],
             "blocks": [_block_summary(b) for b in shape.blocks]}
 

@@ -98,6 +98,10 @@ class ExpertShape:
     width: int  # F (one expert's intermediate width)
     gated: bool
     matrices: list[tuple[int, int]]  # (in, out) per expert weight matrix
+    # the pattern of the experts a token takes instead of these (sibling MoE blocks of one
+    # class of which the proxy's forward ran one: `accounting.take_alternatives`): held in
+    # memory, but no token's compute or all-to-all; "": a token takes these
+    alternative_to: str = ""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,6 +126,11 @@ class ModelShape:
     @property
     def dense(self) -> int:
         return sum(d0 * rest for d0, rest in self.dense_tensors)
+
+    @property
+    def routed_layers(self) -> list[ExpertShape]:
+        """The experts a token is routed through: one of each group of alternatives."""
+        return [e for e in self.experts if not e.alternative_to]
 
     @property
     def n_experts(self) -> int | None:
@@ -167,9 +176,12 @@ def _decoder_layers(model: nn.Module) -> int:
 
 def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = "") -> ModelShape:
     """Shapes of ``model`` (the full size, on meta) with ``graph``'s block kinds."""
-    from onboarding.load.accounting import count_parameters
+    from onboarding.load.accounting import count_parameters, take_alternatives
 
     counts = count_parameters(model, config)
+    take_alternatives(counts, [b.path for b in graph.blocks if b.attrs.get("not_run")])
+    alternative = {m.path: m.alternative_to for m in counts.moe if m.alternative_to}
+    block_experts = {m.path: m.experts_path for m in counts.moe}
     moe = [m for m in find_moe(model, config) if m.router_path is not None] or find_moe(
         model, config)
     modules = dict(model.named_modules())
@@ -248,10 +260,12 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
         ins = [i for i, _ in mats] + [o for _, o in mats]
         width = min((x for x in ins if x != hidden), default=hidden)
         gated = any(o == 2 * width for _, o in mats) or len(mats) >= 3
+        kept = block_experts.get(alternative.get(info.path, ""), "")
         experts.append(ExpertShape(
             pattern=key, count=len(same), n_experts=info.n_experts,
             top_k=info.top_k or 1, per_expert=info.routed_params // info.n_experts,
-            hidden=hidden, width=width, gated=gated, matrices=mats))
+            hidden=hidden, width=width, gated=gated, matrices=mats,
+            alternative_to=path_pattern(kept) if kept else ""))
 
     dense, seen = [], set()
     for pname, p in model.named_parameters():
