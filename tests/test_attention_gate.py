@@ -92,7 +92,10 @@ UNGATED_ATTRS = {
                  "core_widths": {"heads": 4, "d_qk": 12, "d_v": 6}},
     "TopkLM": {"topk": 4, "indexer_relu": True, "topk_inputs": [
         {"shape": [1, 12, 12], "dtype": "float32", "dim": -1, "largest": True}],
-        "core_widths": {"heads": 4, "d_qk": 8, "d_v": 8}},
+        "core_widths": {"heads": 4, "d_qk": 8, "d_v": 8},
+        # what sparse_attention's probe found: the SDPA call over the top-k positions
+        "core_calls": {"sparse-attention": {"attention": [
+            {"q": [1, 4, 12, 8], "k": [1, 4, 12, 8], "v": [1, 4, 12, 8], "latent": []}]}}},
 }
 
 
