@@ -49,6 +49,8 @@ def _model_section(run_dir: Path) -> str | None:
         moe = p["moe"][0]
         out += ["", f"{len(p['moe'])} MoE blocks: {moe['n_experts']} experts, top-k "
                 f"{moe['top_k']} ({moe['top_k_source']})."]
+        if p.get("alternatives_note"):  # blocks a token takes one of: active counts one
+            out += ["", f"Active per token: {p['alternatives_note']}."]
     if m.get("compat_shims"):
         out += ["", f"Remote code written for an older transformers ran through "
                 f"{len(m['compat_shims'])} compatibility shims:", "",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -132,6 +133,13 @@ def run_parse(info: ModelInfo, out_dir: Path | None, *, batch: int = 1, seq: int
     graph = parse_stage(info, batch=batch, seq=seq, seed=seed, on_step=on_step)
     if out_dir is not None:
         graph.save(out_dir / "opgraph.json")
+        model_json = out_dir / "model.json"
+        if info.full.alternatives_note and model_json.is_file():
+            # the parse found MoE blocks a token takes one of (`take_alternatives`): the active
+            # parameters model.json (written before it, read by the report) gave counted them all
+            data = json.loads(model_json.read_text())
+            data["params"] = info.full.to_dict()
+            write_json(model_json, data)
     return graph
 
 

@@ -99,3 +99,30 @@ def test_the_plan_counts_one_moe_layer_of_alternatives_in_its_all_to_all():
     assert any("layers.*.mlp.text_moe.experts in each layer, not "
                "layers.*.mlp.vision_moe.experts" in n for n in plan.notes)
     assert plan.shape["experts"][1]["alternative_to"] == "layers.*.mlp.text_moe.experts"
+
+
+def test_model_json_gives_the_active_parameters_the_parse_found(parse_model, tmp_path):
+    """model.json is written before the parse (`save_model_json`), and the report reads a run's
+    active parameters from it: after the parse finds alternatives it holds the parse's count."""
+    from onboarding.stages import run_parse, save_model_json
+    import json
+
+    info = _info("modality_moe")
+    save_model_json(info, tmp_path, {})
+    before = json.loads((tmp_path / "model.json").read_text())["params"]["active"]
+    run_parse(info, tmp_path)
+    after = json.loads((tmp_path / "model.json").read_text())
+    assert after["params"]["active"] == info.full.active < before
+    assert after["params"]["alternatives_note"] == info.full.alternatives_note != ""
+
+
+def test_the_report_says_which_alternative_the_active_count_takes(parse_model, tmp_path):
+    from onboarding.report import _model_section
+    from onboarding.stages import run_parse, save_model_json
+
+    info = _info("modality_moe")
+    save_model_json(info, tmp_path, {})
+    run_parse(info, tmp_path)
+    text = _model_section(tmp_path)
+    assert f"{info.full.active:,}" in text
+    assert "Active per token: MoE blocks a token takes one of" in text
