@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from onboarding.align.core import align, build_pair
-from onboarding.graph.opgraph import Block, OpGraph
+from fixtures.align_toys import ScaledGrad, layers_graph
 
 
 class _Attn(nn.Module):
@@ -61,24 +61,8 @@ class _KVStore(nn.Module):
         return self.head(x)
 
 
-def _graph() -> OpGraph:
-    blocks = [Block(path=f"layers.{i}", kind="attention.full", layer=i, class_name="_Attn")
-              for i in range(3)]
-    return OpGraph(model="kv_store", capture="export", capture_note="", batch=1, seq=5,
-                   dtype="float32", blocks=blocks, layer_pattern="", layer_kinds=[],
-                   param_counts={}, total_flops=0)
 
 
-class _ScaledGrad(torch.autograd.Function):
-    """Identity forward, a backward 1% off: a planted backward-only bug."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 1.01
 
 
 def _reference_run(container: type):
@@ -86,7 +70,7 @@ def _reference_run(container: type):
 
     torch.manual_seed(0)
     ref, _ = build_pair(_KVStore(container))
-    return ref, _run(ref, _graph(), (torch.randn(1, 5, 8),), {}, seed=0)
+    return ref, _run(ref, layers_graph("kv_store", 3, "_Attn"), (torch.randn(1, 5, 8),), {}, seed=0)
 
 
 @pytest.mark.parametrize("container", [dict, UserDict])
@@ -136,13 +120,13 @@ def test_align_blames_the_layer_with_the_bug(container, bug, monkeypatch):
     if bug == "store forward":
         monkeypatch.setattr(store, "kv", lambda x: (store.k(x) * 1.01, store.v(x)))
     elif bug == "store backward":
-        monkeypatch.setattr(store, "kv", lambda x: (_ScaledGrad.apply(store.k(x)), store.v(x)))
+        monkeypatch.setattr(store, "kv", lambda x: (ScaledGrad.apply(store.k(x)), store.v(x)))
     elif bug == "reuse backward":
-        monkeypatch.setattr(reuse, "read", lambda s: (_ScaledGrad.apply(s["full"][0]),
+        monkeypatch.setattr(reuse, "read", lambda s: (ScaledGrad.apply(s["full"][0]),
                                                       s["full"][1]))
     elif bug == "reuse drops the gradient":
         monkeypatch.setattr(reuse, "read", lambda s: tuple(t.detach() for t in s["full"]))
-    result = align(ref, cand, _graph(), (torch.randn(1, 5, 8),))
+    result = align(ref, cand, layers_graph("kv_store", 3, "_Attn"), (torch.randn(1, 5, 8),))
     got = {b.path: (b.fwd.verdict, b.bwd.verdict) for b in result.blocks}
     if bug is None:
         assert result.passed and set(got.values()) == {("pass", "pass")}, got

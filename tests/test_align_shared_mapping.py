@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from onboarding.align.core import align, build_pair
-from onboarding.graph.opgraph import Block, OpGraph
+from fixtures.align_toys import ScaledGrad, layers_graph
 
 
 class _Attn(nn.Module):
@@ -52,12 +52,7 @@ def test_replay_of_layers_sharing_a_written_mapping():
     torch.manual_seed(0)
     model = _SharedKV()
     ref, cand = build_pair(model)
-    blocks = [Block(path=f"layers.{i}", kind="attention.full", layer=i, class_name="_Attn")
-              for i in range(3)]
-    graph = OpGraph(model="shared_kv", capture="export", capture_note="", batch=1, seq=5,
-                    dtype="float32", blocks=blocks, layer_pattern="", layer_kinds=[],
-                    param_counts={}, total_flops=0)
-    result = align(ref, cand, graph, (torch.randn(1, 5, 8),), isolate="always")
+    result = align(ref, cand, layers_graph("shared_kv", 3, "_Attn"), (torch.randn(1, 5, 8),), isolate="always")
     for b in result.blocks:
         assert b.fwd.local is not None and b.bwd.local is not None, (b.path, b.fwd.message)
         assert "isolated replay failed" not in b.fwd.message + b.bwd.message, b.fwd.message
@@ -110,24 +105,8 @@ class _Writes(nn.Module):
         return self.head(x)
 
 
-def _writes_graph() -> OpGraph:
-    blocks = [Block(path=f"layers.{i}", kind="attention.full", layer=i, class_name="_Layer")
-              for i in range(2)]
-    return OpGraph(model="writes", capture="export", capture_note="", batch=1, seq=5,
-                   dtype="float32", blocks=blocks, layer_pattern="", layer_kinds=[],
-                   param_counts={}, total_flops=0)
 
 
-class _ScaledGrad(torch.autograd.Function):
-    """Identity forward, a backward 1% off: a planted backward-only bug."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 1.01
 
 
 @pytest.mark.parametrize("container", [dict, UserDict])
@@ -140,7 +119,7 @@ def test_replay_of_a_block_that_writes_into_a_shared_object_reproduces_its_gradi
 
     torch.manual_seed(0)
     ref, _ = build_pair(_Writes(container))
-    run = _run(ref, _writes_graph(), (torch.randn(1, 5, 8),), {}, seed=0)
+    run = _run(ref, layers_graph("writes", 2, "_Layer"), (torch.randn(1, 5, 8),), {}, seed=0)
     (call,) = run.rec.calls["layers.0"]
     again = _replay(ref.layers[0], call, call, torch.float64)
     names = [n for n, p in ref.layers[0].named_parameters()]
@@ -165,8 +144,8 @@ def test_align_judges_a_block_by_the_tensors_it_writes_into_a_shared_object(cont
                             lambda x: torch.tanh(cand.layers[0].w(x)) * 1.01)
     elif bug == "backward":
         monkeypatch.setattr(cand.layers[0], "shared_value",
-                            lambda x: _ScaledGrad.apply(torch.tanh(cand.layers[0].w(x))))
-    result = align(ref, cand, _writes_graph(), (torch.randn(1, 5, 8),), isolate="always")
+                            lambda x: ScaledGrad.apply(torch.tanh(cand.layers[0].w(x))))
+    result = align(ref, cand, layers_graph("writes", 2, "_Layer"), (torch.randn(1, 5, 8),), isolate="always")
     b = result.block("layers.0")
     assert b.fwd.local is not None and b.bwd.local is not None, b.fwd.message
     if bug is None:
