@@ -687,3 +687,24 @@ def test_the_experts_own_model_width_shrinks_as_the_hidden_does():
     small = PretrainedConfig(hidden_size=1024, num_attention_heads=8, num_hidden_layers=4,
                              num_local_experts=16, moe_hidden_size=64, vocab_size=5000)
     assert shrink_config(small, "tiny", notes=[]).moe_hidden_size == 64  # below the cap: kept
+
+
+def test_each_proxy_warning_is_shown_once_per_process():
+    """Load, parse and generate each rebuild the proxy: its warnings printed three times a run
+    (Python's "default" action forgets what it showed whenever a filter changes, as loading's
+    `catch_warnings` do). Each distinct one is shown once; a new one still shows."""
+    import uuid
+    import warnings
+
+    from onboarding.load.proxy import ProxyWarning, _warn
+
+    note = f"a cap said once ({uuid.uuid4().hex})"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()  # Python's own filters, not pytest's
+        for _ in range(3):
+            _warn("tiny", [note])
+            with warnings.catch_warnings():  # what loading does between the stages
+                warnings.simplefilter("ignore")
+        _warn("tiny", [note + " and another"])
+    shown = [str(w.message) for w in caught if issubclass(w.category, ProxyWarning)]
+    assert shown == [f"tiny proxy: {note}", f"tiny proxy: {note} and another"]

@@ -490,9 +490,22 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     return cfg
 
 
+# the warnings shown, by the filter list in force when shown: id -> (that list, messages)
+_SHOWN: dict[int, tuple[list, set[str]]] = {}
+
+
 def _warn(size: str, notes: list[str]) -> None:
+    """Warn about each note, each distinct one once while the same warning filters are in
+    force: the whole of a CLI run, whose stages each rebuild the proxy (Python's "default" and
+    "once" actions forget what they showed whenever a filter changes, which loading does); a
+    `catch_warnings` block (pytest's, a test's) starts afresh. The proxy note keeps them all."""
+    filters = warnings.filters  # held in _SHOWN, so that its id is not reused
+    shown = _SHOWN.setdefault(id(filters), (filters, set()))[1]
     for note in notes:
-        warnings.warn(f"{size} proxy: {note}", ProxyWarning, stacklevel=3)
+        message = f"{size} proxy: {note}"
+        if message not in shown:
+            shown.add(message)
+            warnings.warn(message, ProxyWarning, stacklevel=3)
 
 
 def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
