@@ -23,6 +23,19 @@ def or_dash(v: Any, fmt: str) -> str:
     return "\u2014" if v is None else format(v, fmt)
 
 
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, with "…" where it was
+    cut: a recorded reason (a rejected patch's error) stays short without ending mid-word. A
+    text with no space in its last part is cut where the limit falls."""
+    if len(text) <= limit:
+        return text
+    head = text[:limit - 1]
+    space = head.rstrip().rfind(" ")
+    if space >= limit // 2:
+        head = head[:space]
+    return head.rstrip(" ,;:") + "…"
+
+
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

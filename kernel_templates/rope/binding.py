@@ -66,6 +66,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from onboarding.formatting import clip
 from onboarding.graph.opgraph import Block
 from onboarding.patching.callswap import (bound_arguments, forward_function, min_required,
                                           outputs_agree, reachable, run_swapped)
@@ -314,7 +315,7 @@ def detect(fn: Callable, call: _Call, args: tuple, kwargs: dict) -> tuple[list[L
                 ref = fn(*p_args, **p_kwargs)
             break
         except Exception as exc:  # the model's function on inputs it was not written for
-            failed = f"the function failed on the probe's inputs: {type(exc).__name__}: {exc}"[:200]
+            failed = clip(f"the function failed on the probe's inputs: {type(exc).__name__}: {exc}", 200)
     else:
         return [], failed
     probed = _Call(fn, p_args, p_kwargs, {_storage(probe[n]) for n in call.table_names})
@@ -330,7 +331,7 @@ def detect(fn: Callable, call: _Call, args: tuple, kwargs: dict) -> tuple[list[L
             found.append(layout)
         elif not why:
             why = f"{layout.name()}: {msg}"
-    return found, (why or "no candidate layout fits the shapes")[:200]
+    return found, clip(why or "no candidate layout fits the shapes", 200)
 
 
 def _dtypes(ref: Any) -> tuple:
@@ -459,7 +460,7 @@ class RopePatch:
                 if self.state == "pending" and self.record.status == "pending":
                     seen = "; ".join(f"{n}: {w}" for n, w in self.passed.items())
                     self.record.status = "rejected"
-                    self.record.detail = (NOT_CALLED + (f" (handed them: {seen})" if seen else ""))[:300]
+                    self.record.detail = clip(NOT_CALLED + (f" (handed them: {seen})" if seen else ""), 300)
                     self.state = "kept"
         return forward
 
@@ -481,7 +482,7 @@ class RopePatch:
     def reject(self, why: str) -> None:
         self.state = "kept"
         self.record.status = "rejected"
-        self.record.detail = why[:400]
+        self.record.detail = clip(why, 400)
 
     def calibrate(self, swap: _Swap, call: _Call, args: tuple, kwargs: dict) -> Any:
         """The first rotation call: its layouts (`detect`), then each kernel of a layout's
@@ -513,7 +514,7 @@ class RopePatch:
                     self.record.status = "active"
                     self.served(swap.site)
                     return _cast(_ours(kernel, layout, call), self.dtypes)
-                tried.append(f"{_kernel_name(kernel)}: {msg}"[:160])
+                tried.append(clip(f"{_kernel_name(kernel)}: {msg}", 160))
         given = ", ".join(_kernel_name(k) for k in self.kernels) or "none"
         self.reject(f"{where} no kernel given reproduced its layout (calibration): "
                     f"{layouts[0].name(width)} (probe); "
@@ -529,8 +530,8 @@ class RopePatch:
 
     def original_call(self, why: str) -> None:
         self.originals[why] = self.originals.get(why, 0) + 1
-        self.record.detail = "; ".join(f"{n} call{'s' if n > 1 else ''} ran the original ({w})"
-                                       for w, n in self.originals.items())[:300]
+        self.record.detail = clip("; ".join(f"{n} call{'s' if n > 1 else ''} ran the original ({w})"
+                                            for w, n in self.originals.items()), 300)
 
     def _describe(self) -> None:
         name = next((s.name for _, swaps in self.consumers.values() for s in swaps.values()
@@ -567,8 +568,8 @@ def bind(block: Block, module: nn.Module, kernels: list[ModuleType], record: Pat
     if not patch.consumers:
         record.status, record.detail = "rejected", NONE_FOUND
         return None
-    record.binding = "calibrating: the functions " + ", ".join(sorted(
-        {s.name for _, swaps in patch.consumers.values() for s in swaps.values()}))[:200] + \
+    record.binding = "calibrating: the functions " + clip(", ".join(sorted(
+        {s.name for _, swaps in patch.consumers.values() for s in swaps.values()})), 200) + \
         f" of {len(patch.consumers)} modules beside {block.path}"
     return patch.install(parent)
 
@@ -643,11 +644,11 @@ def refusal(found: dict[str, Any]) -> str | None:
     calls = found.get("calls") or []
     if not calls:
         seen = "; ".join(f"{n}: {w}" for n, w in (found.get("handed") or {}).items())
-        return (NOT_CALLED + (f" (handed them: {seen})" if seen else ""))[:300]
+        return clip(NOT_CALLED + (f" (handed them: {seen})" if seen else ""), 300)
     call = calls[0]
     if "why" in call:
-        return (f"{call['function']} in {call['site']} was handed the tables, but no candidate "
-                f"layout reproduced it (probe): {call['why']}")[:400]
+        return clip(f"{call['function']} in {call['site']} was handed the tables, but no candidate "
+                    f"layout reproduced it (probe): {call['why']}", 400)
     return None
 
 

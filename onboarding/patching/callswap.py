@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from onboarding.formatting import clip
+
 
 def forward_function(module: nn.Module) -> Callable:
     """The class's own forward, under any decorating wrappers (its globals are the model's)."""
@@ -330,7 +332,7 @@ class CallSwapPatch:
             self.record.status = "active"
             self.record.binding = f"{self.interface.what} call {name} -> kernel"
         elif self.record.status != "active":
-            self.record.detail = f"{name}: {why}"[:200]
+            self.record.detail = clip(f"{name}: {why}", 200)
 
     def forward(self, *args, **kwargs):
         try:

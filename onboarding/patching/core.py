@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from onboarding.graph.classify import packed_orientation
 from onboarding.families import families
+from onboarding.formatting import clip
 from onboarding.graph.opgraph import Block, OpGraph
 from onboarding.testing.tolerance import compare, tolerance_for
 
@@ -153,7 +154,7 @@ class _Calibrated:
                     try:
                         out = fn(*args, **kwargs)
                     except (TypeError, ValueError, RuntimeError) as exc:
-                        self.record.detail = f"{name}: {type(exc).__name__}: {exc}"[:200]
+                        self.record.detail = clip(f"{name}: {type(exc).__name__}: {exc}", 200)
                         continue
                     fit = self.adapt(out, ref)
                     if fit is not None:
@@ -163,7 +164,7 @@ class _Calibrated:
                         self.record.status = "active"
                         self.record.detail = upcast
                         break
-                    self.record.detail = f"{name}: {_mismatch(out, ref)}"[:300]
+                    self.record.detail = clip(f"{name}: {_mismatch(out, ref)}", 300)
             if self.chosen is None:
                 self.record.status = "rejected"
                 why = self.record.detail  # the last binding's error or comparison
@@ -209,7 +210,7 @@ def _upcast_reference(module: nn.Module, original: Callable, args: tuple, kwargs
             t.data = d
     return _cast(ref, torch.float32, dtype), (
         f"the block's own code fails in {str(dtype).removeprefix('torch.')} "
-        f"({type(exc).__name__}: {str(exc)[:120]}); calibrated against it in float32")
+        f"({type(exc).__name__}: {clip(str(exc), 120)}); calibrated against it in float32")
 
 
 def _converted(fn: Callable, convert: Callable[[Any], Any]) -> Callable:
@@ -480,7 +481,7 @@ def swap_blocks(model: nn.Module, swaps: list[BlockSwap], patches: PatchSet | No
         try:
             fn = s.make(module)
         except Exception as exc:  # a replacement that cannot be made leaves the block as is
-            record.status, record.detail = "rejected", f"{type(exc).__name__}: {exc}"[:200]
+            record.status, record.detail = "rejected", clip(f"{type(exc).__name__}: {exc}", 200)
             continue
 
         def forward(*args, _fn=fn, _record=record, **kwargs):

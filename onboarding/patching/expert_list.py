@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from onboarding.formatting import clip
 from onboarding.patching.core import PatchRecord, _matches, swap_forward
 
 
@@ -159,7 +160,7 @@ class _ListPatch:
             undo()
 
     def _reject(self, detail: str) -> None:
-        self.record.status, self.record.detail = "rejected", detail[:200]
+        self.record.status, self.record.detail = "rejected", clip(detail, 200)
         self.undo()  # every member back, unpatched
 
     def _forward(self, e: int) -> Callable:
@@ -182,7 +183,7 @@ class _ListPatch:
                         try:
                             out = _call(self.fn, self.stacks[how], e)(x, r)
                         except (TypeError, ValueError, RuntimeError) as exc:
-                            self.record.detail = f"{how}: {type(exc).__name__}: {exc}"[:200]
+                            self.record.detail = clip(f"{how}: {type(exc).__name__}: {exc}", 200)
                             continue
                         if _matches(out, ref):
                             fit = how

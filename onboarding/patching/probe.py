@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from onboarding.formatting import clip
 from onboarding.graph.opgraph import Block
 
 
@@ -53,7 +54,7 @@ def probe_core_calls(model: nn.Module, blocks: list[Block], run: Callable[[], An
         try:
             found = iface.record_calls(model, [(b, m) for b, m, _ in group], run)
         except Exception as exc:  # as below: its blocks stay unprobed (the others are probed)
-            note = note or f"core-call probe not recorded: {type(exc).__name__}: {exc}"[:300]
+            note = note or clip(f"core-call probe not recorded: {type(exc).__name__}: {exc}", 300)
             continue
         for (b, _, _), f in zip(group, found):
             b.attrs.setdefault("core_calls", {})[iface.what] = f
@@ -69,7 +70,7 @@ def probe_core_calls(model: nn.Module, blocks: list[Block], run: Callable[[], An
         try:
             found = record_core_calls([(m, iface) for _, m, iface in batch], run)
         except Exception as exc:  # the model's own forward failing here leaves matches as they were
-            return f"core-call probe not recorded: {type(exc).__name__}: {exc}"[:300]
+            return clip(f"core-call probe not recorded: {type(exc).__name__}: {exc}", 300)
         for (b, _, iface), f in zip(batch, found):
             b.attrs.setdefault("core_calls", {})[iface.what] = f
         pending = rest
