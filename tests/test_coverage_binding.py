@@ -22,6 +22,7 @@ FIX = "tests/fixtures/coverage_binding_models.py"
 INTERFACE, BIASED = f"{FIX}:InterfaceLM", f"{FIX}:BiasedInterfaceLM"
 TOPK, ROW_TOPK = f"{FIX}:TopkSparseLM", f"{FIX}:RowTopkSparseLM"
 SINK_TOPK = f"{FIX}:SinkTopkSparseLM"
+SHIFTED_SINK_TOPK, ROW_SINK_TOPK = f"{FIX}:ShiftedSinkTopkSparseLM", f"{FIX}:RowSinkTopkSparseLM"
 SOFTCAP, INLINE_CAP = f"{FIX}:SoftcapInterfaceLM", f"{FIX}:InlineCapInterfaceLM"
 INLINE = "tests/fixtures/handwritten.py:VocabWideLM"
 ATTENTION = ("sink_attention", "sparse_attention")
@@ -125,6 +126,26 @@ def test_topk_selection_over_a_sink_softmax_is_not_claimed(parse_model):
     assert all(len(b.attrs["core_calls"]["sparse-attention"]["attention"]) == 1 for b in served)
 
 
+def test_topk_selection_over_a_per_head_sink_column_is_claimed(parse_model):
+    """HY V4's eager attention over the top-k positions (a per-head sink logit appended to the
+    scores, the row max subtracted, softmax, the column dropped, ``@ v``): the intercept follows
+    it and hands the sinks to the gathered kernel, so coverage serves it, the probe recording the
+    call with its sink. Before: uncovered, "no attention ... over the top-k positions". A sink
+    column computed per token is not the kernel's per-head sink: uncovered, and the reason says
+    so."""
+    g = parse_model(SHIFTED_SINK_TOPK)
+    blocks = g.by_kind("sparse_attention.topk")
+    assert len(blocks) == 2, [(b.path, b.kind) for b in g.blocks]
+    for b in blocks:
+        (call,) = b.attrs["core_calls"]["sparse-attention"]["attention"]
+        assert call["sink"] is True and call["q"][1] == 4 and call["q"][-1] == 8, call
+    entries = _attention_entries(g)
+    assert len(entries) == 2 and {e.status for e in entries.values()} <= {"template", "kernel"}, entries
+    refused = _attention_entries(parse_model(ROW_SINK_TOPK))
+    assert len(refused) == 2 and {e.status for e in refused.values()} == {"uncovered"}, refused
+    assert all(REFUSED in e.reason and "not one logit per head" in e.reason for e in refused.values())
+
+
 def _forced(block) -> list[tuple[str, str, dict]]:
     """(family, variant, params) the attention families would render for ``block`` were they to
     claim it anyway (their kind tests alone)."""
@@ -137,7 +158,8 @@ def _forced(block) -> list[tuple[str, str, dict]]:
     return out
 
 
-@pytest.mark.parametrize("ref", [INTERFACE, BIASED, SOFTCAP, INLINE_CAP, TOPK, ROW_TOPK, SINK_TOPK, INLINE])
+@pytest.mark.parametrize("ref", [INTERFACE, BIASED, SOFTCAP, INLINE_CAP, TOPK, ROW_TOPK, SINK_TOPK,
+                                 SHIFTED_SINK_TOPK, ROW_SINK_TOPK, INLINE])
 def test_coverage_predicts_the_bindings(ref, parse_model, kernel_dir):
     """Every attention block coverage serves by a template or reviewed kernel is taken by its
     binding on the patched proxy's first forward; every block coverage says the binding would

@@ -28,10 +28,16 @@ from onboarding.patching.core import PatchRecord, entry_function, swap_forward
 from . import crossover
 
 
+def _sink(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    # the kernel reads the per-head sink logits as fp32
+    return None if sinks is None else sinks.float()
+
+
 def mha_attend(fn: Callable) -> Callable:
-    """SDPA-layout q [B, H, T, D], k/v [B, HK, S, D] -> the gathered kernel (GQA), back to SDPA's."""
-    def attend(q, k, v, idx, scale, _linears):
-        o = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), idx, None, scale)
+    """SDPA-layout q [B, H, T, D], k/v [B, HK, S, D] -> the gathered kernel (GQA), back to SDPA's;
+    ``sinks`` [H]: the per-head logits of a sink column the block's softmax read (`SparseIntercept`)."""
+    def attend(q, k, v, idx, scale, _linears, sinks=None):
+        o = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), idx, _sink(sinks), scale)
         return o.transpose(1, 2)
     return attend
 
@@ -39,7 +45,7 @@ def mha_attend(fn: Callable) -> Callable:
 def mla_attend(fn: Callable, d_latent: int, block: nn.Module, key_rows_first: bool,
                nope_first: bool) -> Callable:
     """Absorbed MLA over the latent that the block's last width-``d_latent`` projection expanded."""
-    def attend(q, k, v, idx, scale, linears):
+    def attend(q, k, v, idx, scale, linears, sinks=None):
         B, H, T, D_QK = q.shape
         S, D_V = k.shape[2], v.shape[-1]
         found = [(c, W, b) for c, W, b in linears
@@ -61,7 +67,7 @@ def mla_attend(fn: Callable, d_latent: int, block: nn.Module, key_rows_first: bo
         kr = k[:, 0, :, nope:] if nope_first else k[:, 0, :, :rope]  # shared by every head
         q_abs = torch.cat([torch.einsum("bhtn,hnr->bthr", qn, Wk.to(q.dtype)), qr.transpose(1, 2)], -1)
         kv = torch.cat([c.reshape(B, S, d_latent).to(q.dtype), kr.to(q.dtype)], -1)[:, :, None]
-        o = fn(q_abs, kv, idx, None, scale)  # [B, T, H, r]
+        o = fn(q_abs, kv, idx, _sink(sinks), scale)  # [B, T, H, r]
         return torch.einsum("bthr,hvr->bhtv", o, Wv.to(o.dtype))
 
     return attend
@@ -137,9 +143,10 @@ class SparseProbe:
     """The family's `probe` (`onboarding.patching.probe.probe_core_calls`): what `bind`'s
     intercept finds in each block, recorded by one run of the model with the intercept in place
     and no kernel: ``{"attention": [{"q", "k", "v": shapes, "latent": [[out, in] of each
-    projection of the latent width before it]}]}``, one entry per attention call over the top-k
-    positions (none: the intercept finds nothing to replace, e.g. a softmax over scores with a
-    sink column appended)."""
+    projection of the latent width before it], "sink": True when the softmax read a per-head
+    sink column}]}``, one entry per attention call over the top-k positions (none: the intercept finds
+    nothing to replace, e.g. a sink column that is not one logit per head; then "declined" holds
+    the intercept's reasons, if it gave any)."""
 
     what = "sparse-attention"
 
@@ -150,31 +157,42 @@ class SparseProbe:
         found: list[dict[str, Any]] = [{"attention": []} for _ in targets]
         undos = []
 
-        def probing(module: nn.Module, seen: list, latent: int | None) -> Callable[[], None]:
-            def attend(q, k, v, idx, scale, linears):
+        def probing(module: nn.Module, seen: list, declined: list, latent: int | None
+                    ) -> Callable[[], None]:
+            def attend(q, k, v, idx, scale, linears, sinks=None):
                 seen.append({"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
                              "latent": [list(w.shape) for _, w, _ in linears
-                                        if w is not None and w.dim() == 2]})
+                                        if w is not None and w.dim() == 2],
+                             **({"sink": True} if sinks is not None else {})})
                 raise ValueError("probe: recorded")  # the block's own attention runs
 
             original = module.forward
 
             def forward(*args, **kwargs):
-                with SparseIntercept({"probe": (attend, latent, "topk")}):
-                    return original(*args, **kwargs)
+                mode = SparseIntercept({"probe": (attend, latent, "topk")})
+                with mode:
+                    out = original(*args, **kwargs)
+                for why in mode.declined:
+                    if why not in declined:
+                        declined.append(why)
+                return out
 
             return swap_forward(module, forward)
 
         for (block, module), f in zip(targets, found):
             latent = block.attrs.get("kv_latent") if block.attrs.get("layout") == "mla" else None
             latent = latent[0] if isinstance(latent, (list, tuple)) and latent else latent
-            undos.append(probing(module, f["attention"], latent if isinstance(latent, int) else None))
+            undos.append(probing(module, f["attention"], f.setdefault("declined", []),
+                                 latent if isinstance(latent, int) else None))
         try:
             with torch.no_grad():
                 run()
         finally:
             for undo in reversed(undos):
                 undo()
+        for f in found:
+            if not f["declined"]:
+                del f["declined"]
         return found
 
 
@@ -188,7 +206,8 @@ def probe_refusal(found: dict[str, Any], d_v: int | None) -> str | None:
     expansion (no rope part: the kernel's shared KV is [latent | rope], D_QK > D_V)."""
     calls = found.get("attention") or []
     if not calls:
-        return NO_ATTENTION
+        declined = found.get("declined") or []
+        return NO_ATTENTION + (f" ({'; '.join(declined)})" if declined else "")
     if d_v is None:
         return None
     call = calls[0]

@@ -113,6 +113,37 @@ _MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 _PASS = {"float", "to", "type_as", "contiguous", "dropout", "clone"}
 _SCALE = {"mul", "__mul__", "__rmul__", "mul_", "div", "__truediv__", "div_"}
 _ADD = {"add", "__add__", "__radd__", "add_"}
+_SUB = {"sub", "__sub__", "sub_"}
+_ROW_READS = {"max", "amax"}  # read the scores (a row max to shift by) without continuing them
+
+
+def _sink_logits(col: torch.Tensor) -> torch.Tensor | None:
+    """[H] from a sink column [B, H, T, 1] that holds one logit per head (the same on every batch
+    and query row), or None. Kept in the autograd graph (a view of the column: the sink's
+    parameter, expanded, gets its gradient through it)."""
+    if col.dim() != 4 or col.shape[-1] != 1 or not col.is_floating_point():
+        return None
+    head = col[:1, :, :1]
+    with torch.no_grad():
+        if not bool((col == head).all()):
+            return None
+    return col[0, :, 0, 0]
+
+
+def _drops_column(index: Any, width: int) -> int | None:
+    """The column a ``t[..., a:b]`` index drops from a last dim of ``width`` (0 or width - 1),
+    or None when it is not one slice of the last dim that keeps all but its first or last."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    *lead, last = index
+    if not isinstance(last, slice) or any(i is not Ellipsis and i != slice(None) for i in lead):
+        return None
+    if Ellipsis not in lead:
+        return None  # a slice of the first dims
+    start, stop, step = last.indices(width)
+    if step != 1:
+        return None
+    return {(0, width - 1): width - 1, (1, width): 0}.get((start, stop))
 
 
 class SparseIntercept(TorchFunctionMode):
@@ -148,6 +179,7 @@ class SparseIntercept(TorchFunctionMode):
         self.chain: dict[str, Any] | None = None  # the eager attention being followed
         self.hits = 0
         self.failures: list[str] = []
+        self.declined: list[str] = []  # why a chain over the top-k positions was not followed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -171,6 +203,8 @@ class SparseIntercept(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _MATMUL and len(args) == 2:
             return self._matmul(func, args, kwargs)
+        if self.chain is not None and func is torch.cat:
+            return self._cat(func, args, kwargs)
         if self.chain is not None and any(x is self.chain["t"] for x in args[:2]):
             out = func(*args, **kwargs)
             self._follow(func, args, kwargs, out)
@@ -183,28 +217,79 @@ class SparseIntercept(TorchFunctionMode):
     def _matmul(self, func, args, kwargs):
         a, b = args
         c = self.chain
-        if c is not None and c["soft"] and a is c["t"] and b.dim() == 4 and b.shape[-2] == a.shape[-1]:
+        if c is not None and c["soft"] and a is c["t"] and b.dim() == 4 and b.shape[-2] == a.shape[-1] \
+                and c["sink"] is None:
             self.chain = None
-            out = self._attend(c["q"], c["k"], b, c["masks"], False, c["scale"], lambda: func(*args, **kwargs))
+            out = self._attend(c["q"], c["k"], b, c["masks"], False, c["scale"], lambda: func(*args, **kwargs),
+                               c["sinks"])
             return func(*args, **kwargs) if out is None else out.to(b.dtype)
         out = func(*args, **kwargs)
         if a.dim() == 4 and b.dim() == 4 and self._fits(a, b) and a.shape[-1] == b.shape[-2]:
+            # sink: the column appended to the scores, while it is part of them (its position,
+            # 0 or -1); sinks: its per-head logits [H]; shifted: a row constant was subtracted
             self.chain = {"t": out, "q": a, "k": b.transpose(-1, -2), "scale": 1.0, "masks": [],
-                          "soft": False}
+                          "soft": False, "sink": None, "sinks": None, "shifted": False}
+        return out
+
+    def _cat(self, func, args, kwargs):
+        """A sink column appended to the scores: ``cat([scores, col], -1)`` (or col first), col
+        [B, H, T, 1] one logit per head. The softmax then reads it as one more key and the column
+        is dropped before ``@ v``: the kernel's sink, a per-head logit in the denominator only."""
+        c = self.chain
+        out = func(*args, **kwargs)
+        parts = args[0] if args else kwargs.get("tensors")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if not isinstance(parts, (list, tuple)) or not any(p is c["t"] for p in parts):
+            return out
+        self.chain = None
+        t = c["t"]
+        if (len(parts) != 2 or dim not in (-1, t.dim() - 1) or c["soft"] or c["sinks"] is not None
+                or c["shifted"]):
+            return out  # not one column onto the unnormalised scores (a shift before it moves the sink)
+        pos = 0 if parts[1] is t else -1
+        col = parts[0] if pos == 0 else parts[1]
+        if not isinstance(col, torch.Tensor) or col.shape[:-1] != t.shape[:-1] or col.shape[-1] != 1:
+            return out
+        sinks = _sink_logits(col)
+        if sinks is None:
+            self.declined.append("the column appended to the scores is not one logit per head (it varies "
+                                 "over batch or query rows); the kernel's sink is a per-head logit")
+            return out
+        c.update(t=out, sink=pos, sinks=sinks)
+        self.chain = c
         return out
 
     def _follow(self, func, args, kwargs, out) -> None:
         c, name = self.chain, getattr(func, "__name__", "")
         other = args[1] if len(args) > 1 and args[0] is c["t"] else args[0]
+        if (name in _ROW_READS or not isinstance(out, torch.Tensor)) and args[0] is c["t"]:
+            # reads that leave the scores as they are: the row max a numerically stable softmax
+            # subtracts, an attribute (``.dtype`` for softmax's dtype)
+            return
+        if name == "__getitem__" and c["sink"] is not None and c["soft"] and args[0] is c["t"] \
+                and isinstance(out, torch.Tensor) and out.shape[:-1] == c["t"].shape[:-1]:
+            width = c["t"].shape[-1]
+            if _drops_column(args[1], width) == (width - 1 if c["sink"] == -1 else 0):
+                c.update(t=out, sink=None)  # the sink's probability dropped: p over the keys
+            else:
+                self.chain = None
+            return
         if not isinstance(out, torch.Tensor) or out.shape[-2:] != c["t"].shape[-2:]:
             self.chain = None
             return
-        if name in _SCALE and not c["soft"] and (not isinstance(other, torch.Tensor) or other.numel() == 1):
+        if name in _SCALE and not c["soft"] and c["sinks"] is None and (
+                not isinstance(other, torch.Tensor) or other.numel() == 1):
             f = float(other)
             c["scale"] = c["scale"] * f if name.startswith(("mul", "__mul", "__rmul")) else c["scale"] / f
         elif name in _ADD and not c["soft"] and isinstance(other, torch.Tensor):
+            if c["sinks"] is not None:
+                self.chain = None  # a mask over the sink column too: not the kernel's sink
+                return
             c["masks"].append(other)
-        elif name in ("masked_fill", "masked_fill_") and not c["soft"]:
+        elif (name in _SUB and not c["soft"] and args[0] is c["t"] and isinstance(other, torch.Tensor)
+              and other.dim() == out.dim() and other.shape[-1] == 1):
+            c["shifted"] = True  # a row constant (the row max): softmax is unchanged by it
+        elif name in ("masked_fill", "masked_fill_") and not c["soft"] and c["sinks"] is None:
             fill = args[2] if len(args) > 2 else kwargs.get("value")
             if float(fill) > -1e30:
                 self.chain = None
@@ -221,7 +306,7 @@ class SparseIntercept(TorchFunctionMode):
             return
         c["t"] = out
 
-    def _attend(self, q, k, v, masks, is_causal, scale, original) -> torch.Tensor | None:
+    def _attend(self, q, k, v, masks, is_causal, scale, original, sinks=None) -> torch.Tensor | None:
         S = k.shape[-2]
         cache: dict[str, torch.Tensor] = {}
 
@@ -232,10 +317,10 @@ class SparseIntercept(TorchFunctionMode):
             return cache[source]
 
         if self.chosen is None:
-            self._calibrate(q, k, v, scale, indices, original)
+            self._calibrate(q, k, v, scale, indices, original, sinks)
         if self.chosen is None:
             return None
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
         why = self.prefer_dense(q, k, self.indices.shape[-1], backward) if self.prefer_dense else None
         if why:
             self.dense += 1
@@ -243,16 +328,16 @@ class SparseIntercept(TorchFunctionMode):
             return None  # the caller runs the original attention call
         attend, _, source = self.bindings[self.chosen]
         self.hits += 1
-        return attend(q, k, v, indices(source), scale, self.linears)
+        return attend(q, k, v, indices(source), scale, self.linears, sinks)
 
-    def _calibrate(self, q, k, v, scale, indices, original) -> None:
+    def _calibrate(self, q, k, v, scale, indices, original, sinks=None) -> None:
         from onboarding.patching.core import _matches
 
         with torch.no_grad():
             ref = original()
             for name, (attend, _, source) in self.bindings.items():
                 try:
-                    out = attend(q, k, v, indices(source), scale, self.linears)
+                    out = attend(q, k, v, indices(source), scale, self.linears, sinks)
                 except (TypeError, ValueError, RuntimeError) as exc:
                     self.failures.append(f"{name}: {type(exc).__name__}: {exc}"[:200])
                     continue
@@ -307,7 +392,8 @@ class SparseBlock:
             else:
                 self.record.status = "rejected"
                 self.record.detail = "; ".join(mode.failures)[:400] or (
-                    "no attention (SDPA, or q @ k^T -> softmax -> @ v) over the top-k positions")
+                    "no attention (SDPA, or q @ k^T -> softmax -> @ v) over the top-k positions"
+                    + (f" ({'; '.join(mode.declined)})" if mode.declined else ""))
                 self.module.forward = self.original  # give the block back, unpatched
                 return out
         if self.record.status != "restored":
