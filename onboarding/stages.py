@@ -86,13 +86,14 @@ def environment(checkout: GitState | None | object = _ASK) -> dict[str, Any]:
             "kernel_packages": optional_kernels.state()}
 
 
-def _config_dict(config: Any) -> dict[str, Any] | None:
-    """The text config as a dict, every nested mapping's keys sorted: some configs build a field
-    from a set (Dory's `rope_parameters`), whose order follows the hash seed, and ``model.json``
-    should not change from run to run."""
+def _config_dict(config: Any, *, text: bool = True) -> dict[str, Any] | None:
+    """The text config (``text=False``: the whole config, a multimodal model's towers and all)
+    as a dict, every nested mapping's keys sorted: some configs build a field from a set (Dory's
+    `rope_parameters`), whose order follows the hash seed, and ``model.json`` should not change
+    from run to run."""
     if config is None or not hasattr(config, "to_dict"):
         return None
-    return _keys_sorted(text_config(config).to_dict())
+    return _keys_sorted((text_config(config) if text else config).to_dict())
 
 
 def _keys_sorted(v: Any) -> Any:
@@ -123,7 +124,9 @@ def save_model_json(info: ModelInfo, out_dir: Path, overrides: dict[str, Any],
         "trust_remote_code": lm.trust_remote_code, "weights": [str(w) for w in lm.weights],
         "compat_shims": lm.compat_shims, "impl_note": lm.impl_note, "part": lm.part,
         "params": info.full.to_dict(), "proxy": info.proxy_size, "proxy_note": info.proxy_note,
-        "full_config": _config_dict(lm.config), "proxy_config": _config_dict(info.proxy_config),
+        # the whole config (a multimodal model's towers too); the proxy's stays its text config
+        "full_config": _config_dict(lm.config, text=False),
+        "proxy_config": _config_dict(info.proxy_config),
         "seconds": None if seconds is None else round(seconds, 3),
         "environment": environment()})
 
