@@ -117,6 +117,12 @@ _SUB = {"sub", "__sub__", "sub_"}
 _ROW_READS = {"max", "amax"}  # read the scores (a row max to shift by) without continuing them
 
 
+def _sink_kw(sinks: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A binding's ``attend`` takes ``sinks`` (keyword) only where the block has a sink column:
+    one written for sink-free attention, ``attend(q, k, v, idx, scale, linears)``, keeps working."""
+    return {} if sinks is None else {"sinks": sinks}
+
+
 def _sink_logits(col: torch.Tensor) -> torch.Tensor | None:
     """[H] from a sink column [B, H, T, 1] that holds one logit per head (the same on every batch
     and query row), or None. Kept in the autograd graph (a view of the column: the sink's
@@ -328,7 +334,7 @@ class SparseIntercept(TorchFunctionMode):
             return None  # the caller runs the original attention call
         attend, _, source = self.bindings[self.chosen]
         self.hits += 1
-        return attend(q, k, v, indices(source), scale, self.linears, sinks)
+        return attend(q, k, v, indices(source), scale, self.linears, **_sink_kw(sinks))
 
     def _calibrate(self, q, k, v, scale, indices, original, sinks=None) -> None:
         from onboarding.patching.core import _matches
@@ -337,7 +343,7 @@ class SparseIntercept(TorchFunctionMode):
             ref = original()
             for name, (attend, _, source) in self.bindings.items():
                 try:
-                    out = attend(q, k, v, indices(source), scale, self.linears, sinks)
+                    out = attend(q, k, v, indices(source), scale, self.linears, **_sink_kw(sinks))
                 except (TypeError, ValueError, RuntimeError) as exc:
                     self.failures.append(f"{name}: {type(exc).__name__}: {exc}"[:200])
                     continue
