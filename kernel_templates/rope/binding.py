@@ -70,7 +70,7 @@ from onboarding.formatting import clip
 from onboarding.graph.opgraph import Block
 from onboarding.patching.callswap import (bound_arguments, forward_function, min_required,
                                           outputs_agree, reachable, run_swapped)
-from onboarding.patching.core import PatchRecord, entry_function, swap_forward
+from onboarding.patching.core import PatchRecord, entry_function, run_probed, swap_forward
 
 NONE_FOUND = ("no module beside the rope block reaches a function of three or more arguments "
               "(q or k, cos, sin): the rotation runs inline")
@@ -622,12 +622,7 @@ class RotaryProbe:
             probes.append(probe)
             if probe.consumers:
                 undos.append(probe.install(parent))
-        try:
-            with torch.no_grad():
-                run()
-        finally:
-            for undo in reversed(undos):
-                undo()
+        run_probed(undos, run)
         return [p.found() for p in probes]
 
 

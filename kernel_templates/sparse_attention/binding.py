@@ -23,7 +23,7 @@ from torch import nn
 
 from onboarding.patching.sparse import patch_sparse_block
 from onboarding.graph.opgraph import Block
-from onboarding.patching.core import PatchRecord, entry_function, swap_forward
+from onboarding.patching.core import PatchRecord, entry_function, run_probed, swap_forward
 
 from . import crossover
 
@@ -184,12 +184,7 @@ class SparseProbe:
             latent = latent[0] if isinstance(latent, (list, tuple)) and latent else latent
             undos.append(probing(module, f["attention"], f.setdefault("declined", []),
                                  latent if isinstance(latent, int) else None))
-        try:
-            with torch.no_grad():
-                run()
-        finally:
-            for undo in reversed(undos):
-                undo()
+        run_probed(undos, run)
         for f in found:
             if not f["declined"]:
                 del f["declined"]

@@ -398,7 +398,7 @@ def record_core_calls(targets: list[tuple[nn.Module, Interface]], run: Callable[
     function that fits (`reachable`, `Interface.core_call`, `describe`), in call order. A
     binding's acceptance test reads this from the op graph (coverage: `FamilySpec.refusal`).
     The functions are wrapped only while their module runs, as the swaps are."""
-    from onboarding.patching.core import swap_forward
+    from onboarding.patching.core import run_probed, swap_forward
 
     out: list[dict[str, Any]] = []
     undos: list[Callable[[], None]] = []
@@ -410,12 +410,7 @@ def record_core_calls(targets: list[tuple[nn.Module, Interface]], run: Callable[
         if not probes:
             continue
         undos.append(swap_forward(module, _probing_forward(module, probes)))
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        for undo in reversed(undos):
-            undo()
+    run_probed(undos, run)
     return out
 
 

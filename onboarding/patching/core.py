@@ -97,6 +97,18 @@ def swap_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
     return undo
 
 
+def run_probed(undos: list[Callable[[], None]], run: Callable[[], Any]) -> None:
+    """``run`` the model once without grad with probes installed (``undos``: their undos, in
+    the order installed), then take them out again, last first, whatever ``run`` raised: how a
+    family's probe records what its binding would find."""
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for undo in reversed(undos):
+            undo()
+
+
 def entry_function(mod: ModuleType) -> Callable:
     """The user-facing function of a rendered module (its ``entry``, by the module contract)."""
     if callable(getattr(mod, "entry", None)):
