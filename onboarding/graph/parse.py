@@ -124,6 +124,13 @@ def _context(model: nn.Module, cap: Capture, config: Any, seq: int) -> Context:
                    vocabs=tuple(sorted(vocabs)))
 
 
+def _not_run_block(path: str, mod: nn.Module, params: dict[str, list[int]], why: str) -> Block:
+    """The `unknown` block of a module that ran no op in the proxy's forward (``attrs["not_run"]``:
+    why, which coverage gives as its reason and the report lists apart)."""
+    return Block(path=path, kind="unknown", layer=layer_of(path), class_name=type(mod).__name__,
+                 evidence=[why], params=params, attrs={"not_run": why})
+
+
 def unrun_layers(model: nn.Module, cap: Capture) -> list[Block]:
     """An `unknown` block for each layer of a layer list that ran no op in the forward while
     another layer of the list did: a layer the model skips without inputs the language model
@@ -147,8 +154,7 @@ def unrun_layers(model: nn.Module, cap: Capture) -> list[Block]:
             why = (f"ran no op in the proxy's forward while {len(live)} of the {len(items)} layers "
                    f"of {path or 'the model'} did: a layer the model skips without inputs it was "
                    "not given (states of another modality?); not captured, not checked")
-            out.append(Block(path=p, kind="unknown", layer=layer_of(p), class_name=type(m).__name__,
-                             evidence=[why], params=params, attrs={"not_run": why}))
+            out.append(_not_run_block(p, m, params, why))
     return out
 
 
@@ -189,9 +195,7 @@ def unrun_branches(model: nn.Module, cap: Capture, skip: list[Block]) -> list[Bl
         why = (f"ran no op in the proxy's forward while its sibling {sibs[0]} (the same class, "
                f"in the same {parent}) did: a branch the model takes for inputs it was not given "
                "(another modality's tokens?); not captured, not checked")
-        out.append(Block(path=path, kind="unknown", layer=layer_of(path),
-                         class_name=type(mod).__name__, evidence=[why], params=params,
-                         attrs={"not_run": why}))
+        out.append(_not_run_block(path, mod, params, why))
     return out
 
 
