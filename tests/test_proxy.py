@@ -708,3 +708,41 @@ def test_each_proxy_warning_is_shown_once_per_process():
         _warn("tiny", [note + " and another"])
     shown = [str(w.message) for w in caught if issubclass(w.category, ProxyWarning)]
     assert shown == [f"tiny proxy: {note}", f"tiny proxy: {note} and another"]
+
+
+def test_head_fit_retry_probes_each_distinct_config_once():
+    """A proxy that does not run is retried with the head dims the model's code may fix (the
+    full one, 128, 64), each as a head_dim field and with the heads refitted to it. Where a try
+    shrinks to a config already probed (the full head dim 32 is what the first shrink kept, and
+    4 heads of 32 already fill the width 128), it was built and run again for nothing: 7 probes
+    for 5 distinct configs. Each distinct config is probed once, and the retry still takes the
+    first that runs."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+
+    from onboarding.load.proxy import proxy_config
+
+    full = PretrainedConfig(hidden_size=1024, num_attention_heads=32, num_key_value_heads=8,
+                            head_dim=32, num_hidden_layers=4, vocab_size=5000)
+    probed: list[str] = []
+
+    def fails(cfg):
+        probed.append(cfg.to_json_string())
+        return False
+
+    loaded = SimpleNamespace(ref="test:head_fit", part="language", config=full, is_hf=True,
+                             probe_proxy=fails, build=None)
+    cfg, note = proxy_config(loaded, "tiny")
+    assert len(probed) == len(set(probed)) == 5
+    assert "head dim" not in note  # nothing ran: the first shrink is kept
+
+    def runs_64(cfg):  # only a head of 64 runs (two of them fill the width)
+        probed.append(cfg.to_json_string())
+        return cfg.head_dim == 64 and cfg.num_attention_heads == 2
+    probed.clear()
+    loaded.probe_proxy = runs_64
+    cfg, note = proxy_config(loaded, "tiny")
+    assert (cfg.head_dim, cfg.num_attention_heads) == (64, 2)
+    assert "head dim 64, 2 head(s) of the width 128" in note
+    assert len(probed) == len(set(probed)) == 5

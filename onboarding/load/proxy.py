@@ -548,11 +548,17 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
         # sections, [16, 24, 24] in its code, need a rotary half of 64)
         tries = [(hd, fit) for hd in dict.fromkeys(x for x in (full_hd, 128, 64) if x)
                  for fit in (False, True)]
+        # a try may shrink to a config already probed (a head dim the first shrink kept, heads
+        # that already fill the width): each probe builds and runs the model, so once a config
+        probed = {repr(cfg)}
         for hd, fit in tries:
             kept = shrink_config(loaded.config, size, signatures=sigs, notes=[], head_dim=hd,
                                  fit_heads=fit, layer_count=name, depth_kinds=depth)
             if fit and _head_dim_of_heads(text_config(kept)) != hd:
                 continue  # the width does not hold whole heads of this dim
+            if repr(kept) in probed:
+                continue
+            probed.add(repr(kept))
             if loaded.probe_proxy(kept):
                 cfg = kept
                 fitted = (f", {text_config(kept).num_attention_heads} head(s) of the width "
