@@ -746,3 +746,27 @@ def test_head_fit_retry_probes_each_distinct_config_once():
     assert (cfg.head_dim, cfg.num_attention_heads) == (64, 2)
     assert "head dim 64, 2 head(s) of the width 128" in note
     assert len(probed) == len(set(probed)) == 5
+
+
+def test_proxy_warnings_state_is_bounded():
+    """The warn-once state is kept per warning filter list, holding each list (so that its id
+    is not reused): every `catch_warnings` block that warned (one per test under pytest, each
+    stage of a run) added an entry that was never dropped. It keeps the most recently used
+    lists only, and the list in force still shows each note once."""
+    import warnings
+
+    from onboarding.load import proxy
+
+    for i in range(3 * proxy.SHOWN_LISTS):
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("default")
+            proxy._warn("tiny", [f"note {i}"])
+    assert len(proxy._SHOWN) <= proxy.SHOWN_LISTS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            proxy._warn("tiny", ["kept once"])
+            for i in range(proxy.SHOWN_LISTS - 1):  # other lists, fewer than the limit
+                with warnings.catch_warnings(record=True):
+                    proxy._warn("tiny", [f"inner {i}"])
+    assert [str(w.message) for w in caught] == ["tiny proxy: kept once"]

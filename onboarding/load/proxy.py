@@ -21,6 +21,7 @@ the sizes, the layer choice, the re-derivation of derived fields and the checks 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -490,17 +491,25 @@ def shrink_config(config: Any, size: str, *, periods: int = 1,
     return cfg
 
 
-# the warnings shown, by the filter list in force when shown: id -> (that list, messages)
-_SHOWN: dict[int, tuple[list, set[str]]] = {}
+# the warnings shown, by the filter list in force when shown: id -> (that list, messages), the
+# SHOWN_LISTS lists last warned under (most recent last): every `catch_warnings` block makes a
+# list of its own, one a test under pytest
+_SHOWN: collections.OrderedDict[int, tuple[list, set[str]]] = collections.OrderedDict()
+SHOWN_LISTS = 16
 
 
 def _warn(size: str, notes: list[str]) -> None:
     """Warn about each note, each distinct one once while the same warning filters are in
     force: the whole of a CLI run, whose stages each rebuild the proxy (Python's "default" and
     "once" actions forget what they showed whenever a filter changes, which loading does); a
-    `catch_warnings` block (pytest's, a test's) starts afresh. The proxy note keeps them all."""
-    filters = warnings.filters  # held in _SHOWN, so that its id is not reused
+    `catch_warnings` block (pytest's, a test's) starts afresh. The proxy note keeps them all.
+    What was shown is kept for the `SHOWN_LISTS` filter lists last warned under: a list warned
+    under again after more others than that shows its notes again."""
+    filters = warnings.filters  # held in _SHOWN, so that its id is not reused while kept
     shown = _SHOWN.setdefault(id(filters), (filters, set()))[1]
+    _SHOWN.move_to_end(id(filters))
+    while len(_SHOWN) > SHOWN_LISTS:
+        _SHOWN.popitem(last=False)
     for note in notes:
         message = f"{size} proxy: {note}"
         if message not in shown:
@@ -549,7 +558,7 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
         tries = [(hd, fit) for hd in dict.fromkeys(x for x in (full_hd, 128, 64) if x)
                  for fit in (False, True)]
         # a try may shrink to a config already probed (a head dim the first shrink kept, heads
-        # that already fill the width): each probe builds and runs the model, so once a config
+        # that already fill the width): each probe builds and runs the model, so each config once
         probed = {repr(cfg)}
         for hd, fit in tries:
             kept = shrink_config(loaded.config, size, signatures=sigs, notes=[], head_dim=hd,
