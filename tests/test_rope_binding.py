@@ -679,3 +679,109 @@ def test_transformers_rope_layouts_align(model, tmp_path, monkeypatch):
     rope = [p for p in res["patches"] if p["family"] == "rope"]
     assert [p["status"] for p in rope] == ["active"] and len(rope[0]["sites"]) >= 2, rope
     assert res["passed"], res["culprit"]
+
+
+# --- a vision tower's rotary: the patches of packed images, 3-D q/k, tables from grid positions ---
+
+def rotate_packed(q, k, cos, sin):  # q/k [T, H, D] (no batch dim), tables [T, D]; fp32 inside
+    dq, dk = q.dtype, k.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    return (q * cos + _half(q) * sin).to(dq), (k * cos + _half(k) * sin).to(dk)
+
+
+class GridTables(nn.Module):
+    """2-D axial tables from each patch's (row, column): a quarter of the head's frequencies per
+    axis, [T, D] (rows then columns, doubled as transformers' vision towers make them)."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.register_buffer("inv", 1.0 / 100.0 ** (torch.arange(0, head_dim // 2, 2).float() / (head_dim // 2)),
+                             persistent=False)
+
+    def forward(self, x, grid):  # grid [T, 2]
+        f = (grid[..., None].float() * self.inv).flatten(-2)  # [T, D/2]: rows' then columns'
+        e = torch.cat((f, f), dim=-1)
+        return e.cos(), e.sin()
+
+
+class PackedAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.h = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.o = nn.Linear(width, width)
+
+    def forward(self, x, tables):  # x [T, width]: the patches of every image, packed
+        T = x.shape[0]
+        q, k, v = self.qkv(x).reshape(T, 3, self.h, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = rotate_packed(q, k, *tables)
+        o = nn.functional.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
+        return self.o(o[0].transpose(0, 1).reshape(T, -1))
+
+
+class TinyTower(nn.Module):
+    def __init__(self, width=16, heads=2, layers=2, side=3):
+        super().__init__()
+        self.side = side
+        self.patch = nn.Linear(12, width)
+        self.rotary = GridTables(width // heads)
+        self.blocks = nn.ModuleList(PackedAttention(width, heads) for _ in range(layers))
+
+    def forward(self, pixels):  # [T, 12] patches of one side x side image
+        grid = torch.stack(torch.meshgrid(torch.arange(self.side), torch.arange(self.side),
+                                          indexing="ij"), dim=-1).reshape(-1, 2)
+        x = self.patch(pixels)
+        tables = self.rotary(x, grid)
+        for blk in self.blocks:
+            x = x + blk(x, tables)
+        return x
+
+
+def test_a_vision_towers_packed_rotation_is_patched(kernel, monkeypatch):
+    """A vision tower rotates the patches of its packed images: q/k [T, H, D] with no batch dim
+    (views of one qkv projection), tables [T, D] made from grid positions, the rotation in fp32.
+    The rotated tensors are one batch entry: the half kernel serves both layers forward and
+    backward, and the outputs and every gradient match (before: rejected, "not 4-D")."""
+    torch.manual_seed(2)
+    model, pixels = TinyTower(), torch.randn(9, 12)
+    ref = _run(model, pixels)
+    mod = kernel("half")
+    count = _Counting(mod, monkeypatch)
+    record = PatchRecord(path="rotary", kind="rope", family="rope")
+    undo = binding.bind(_block("rotary"), model.rotary, [mod], record, model)
+    _run(model, pixels)
+    assert record.status == "active", record
+    assert record.sites == ["blocks.0", "blocks.1"] and "[T, H, D]" in record.binding, record
+    count.fwd = count.bwd = 0
+    got = _run(model, pixels)
+    assert count.fwd == 2 and count.bwd == 2, (count.fwd, count.bwd)
+    _assert_same(got, ref)
+    undo()
+
+
+def test_vision_tower_rotary_is_covered_and_bound(kernel):
+    """transformers' Qwen2-VL vision tower (`--part vision`, a tiny proxy): its rotation function
+    is handed q/k [T, H, D]; the probe finds the half-split layout, coverage serves the rope block
+    (before: uncovered, "not 4-D") and the binding takes the tower with it in every block."""
+    from onboarding.coverage import build_coverage
+    from onboarding.graph.parse import example_inputs, load_stage, parse_stage
+    from onboarding.load.model import load_model
+    from onboarding.patching.core import patch_model
+
+    pytest.importorskip("transformers.models.qwen2_vl")
+    info = load_stage(load_model("hf:qwen2_vl", part="vision"))
+    g = parse_stage(info, seq=16, try_export=False)
+    block = next(b for b in g.blocks if b.kind == "rope")
+    entries = [e for e in build_coverage(g).entries if e.path == block.path]
+    served = [e for e in entries if e.family == "rope"]
+    assert [(e.status in ("template", "kernel"), e.variant) for e in served] == [(True, "half")], entries
+    assert not [e for e in entries if e.status == "uncovered"], entries
+    model = info.loaded.build(info.proxy_config, seed=0).eval()
+    inputs, kwargs = example_inputs(model, info.proxy_config, 1, 16, 0)
+    mod = kernel("half", rotary_dim=served[0].params["rotary_dim"])
+    with patch_model(model, g, {(block.path, "rope"): mod}, kinds={"rope"}) as patches, torch.no_grad():
+        model(*inputs, **kwargs)
+        (record,) = patches.records
+        assert record.status == "active" and len(record.sites) >= 2, record
+    assert "[T, H, D]" in record.binding, record

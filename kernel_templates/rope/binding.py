@@ -28,7 +28,9 @@ after the same move made by torch), the table columns each pair reads (one per
 rotated element: R = the tables' width, each frequency twice as transformers makes them; one per
 pair: R = twice the width, gpt-oss's tables of each frequency once; one per pair from the first
 half: R = the width, GLM's function reading half of a doubled table), the head axis of the inputs
-(``[B, T, H, D]`` or ``[B, H, T, D]``) and which table is cos. The kernel modules given for the
+(``[B, T, H, D]`` or ``[B, H, T, D]``; a 3-D call, ``[T, H, D]`` or ``[H, T, D]``, is one batch
+entry: vision towers rotate the patches of their packed images so, with tables ``[T, R]``) and
+which table is cos. The kernel modules given for the
 block are then tried in the layouts that matched (a module of the layout's variant; tables of a
 column per pair are doubled for it) on the call itself, and the first whose outputs agree with the
 original's within the layer tolerance is kept (calibration); the kernel then serves that call too
@@ -107,7 +109,8 @@ class _Call:
         """The call's structure: what a later call must repeat to be served as the first was."""
         rest = tuple((n, v if isinstance(v, (int, float, str, bool, type(None))) else type(v))
                      for n, v in self.rest.items())
-        return tuple(self.table_names), tuple(self.inputs), rest
+        dims = tuple(self.values[n].dim() for n in self.inputs)  # a bound 3-D call serves no 4-D one
+        return tuple(self.table_names), tuple(self.inputs), rest, dims
 
     def problem(self) -> str | None:
         """Why the kernel cannot take this call, or None."""
@@ -118,9 +121,16 @@ class _Call:
             return f"{len(self.inputs)} tensors to rotate ({self.inputs}), not one (x) or two (q, k)"
         if self.other_tensors:
             return f"tensor arguments the kernel does not take: {self.other_tensors}"
-        if any(self.values[n].dim() != 4 for n in self.inputs):
-            return "the rotated tensors are not 4-D ([B, T, H, D] or [B, H, T, D])"
+        dims = {self.values[n].dim() for n in self.inputs}
+        if len(dims) != 1 or not dims <= {3, 4}:
+            return ("the rotated tensors are not all 4-D ([B, T, H, D] or [B, H, T, D]) or all 3-D "
+                    "([T, H, D] or [H, T, D]: one batch entry)")
         return None
+
+    def batch(self) -> int:
+        """The rotated tensors' batch size (1 for 3-D ones: one batch entry)."""
+        x = self.values[self.inputs[0]]
+        return x.shape[0] if x.dim() == 4 else 1
 
 
 def _table(c: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -156,7 +166,7 @@ class Layout:
 
     rotation: str  # "half" (pairs (i, i + R/2)), "interleaved" (pairs (2i, 2i + 1)), "deinterleaved"
     columns: str  # `COLUMNS`
-    head_axis: int  # 2: inputs [B, T, H, D]; 1: [B, H, T, D]
+    head_axis: int  # 2: inputs [B, T, H, D]; 1: [B, H, T, D] (3-D inputs: with a batch dim of 1)
     swapped: bool  # the first table argument is sin
 
     @property
@@ -167,13 +177,15 @@ class Layout:
     def rotary_dim(self, width: int) -> int:
         return 2 * width if self.columns == "pairs" else width
 
-    def name(self, width: int | None = None) -> str:
+    def name(self, width: int | None = None, flat: bool = False) -> str:
+        """In words; ``flat``: of a 3-D call (one batch entry, no batch dim)."""
         r = f", rotary dim {self.rotary_dim(width)}" if width else ""
+        axes = "T, H, D" if self.head_axis == 2 else "H, T, D"
         tables = {"each": "", "pairs": ", tables of each frequency once (doubled)",
                   "first pairs": ", tables read by pair from their first half (doubled)"}[self.columns]
         rotation = ("deinterleaved (pairs (2i, 2i + 1) moved to (i, i + R/2)), then half"
                     if self.rotation == "deinterleaved" else self.rotation)
-        return (f"{rotation}{r}, {'[B, T, H, D]' if self.head_axis == 2 else '[B, H, T, D]'}"
+        return (f"{rotation}{r}, {f'[{axes}]' if flat else f'[B, {axes}]'}"
                 + (", tables swapped" if self.swapped else "") + tables)
 
     def to_json(self) -> dict[str, Any]:
@@ -226,8 +238,11 @@ def _rot(x: torch.Tensor, rotation: str) -> torch.Tensor:
 
 def _apply(layout: Layout, call: _Call, rotate: Callable) -> Any:
     """``rotate(xs [B, T, H, D], cos, sin [T, R] or [B, T, R]) -> outputs`` on a call's tensors
-    under ``layout``, in the call's structure (one tensor, or a tuple of two)."""
+    under ``layout``, in the call's structure (one tensor, or a tuple of two). 3-D tensors are
+    one batch entry: rotated as [1, ...], returned 3-D."""
     xs = [call.values[n] for n in call.inputs]
+    flat = xs[0].dim() == 3
+    xs = [x.unsqueeze(0) if flat else x for x in xs]
     cos, sin = (call.values[n] for n in call.table_names)
     xs = [x if layout.head_axis == 2 else x.transpose(1, 2) for x in xs]  # -> [B, T, H, D]
     B, T = xs[0].shape[:2]
@@ -235,6 +250,7 @@ def _apply(layout: Layout, call: _Call, rotate: Callable) -> Any:
     if layout.rotation == "deinterleaved":
         xs = [_deinterleave(x, cos.shape[-1]) for x in xs]
     outs = [o if layout.head_axis == 2 else o.transpose(1, 2) for o in rotate(xs, cos, sin)]
+    outs = [o.squeeze(0) if flat else o for o in outs]
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -296,11 +312,11 @@ def detect(fn: Callable, call: _Call, args: tuple, kwargs: dict) -> tuple[list[L
     its dtype). Returns (the layouts that agree, in `_layouts`'s order; why none did: the
     function's error on the probe, else the first candidate that ran and disagreed)."""
     gen = torch.Generator().manual_seed(0)
-    B = call.values[call.inputs[0]].shape[0]
+    B = call.batch()
 
     def known(t: torch.Tensor, batched: bool) -> torch.Tensor:
         shape = list(t.shape)
-        if batched and shape and shape[0] == B:
+        if batched and shape and shape[0] == B:  # (B > 1 only: a 3-D call is one entry)
             shape[0] = 1  # the first batch entry: the probe's cost is one entry's
         return torch.randn(shape, generator=gen).to(device=t.device, dtype=t.dtype)
 
@@ -539,7 +555,8 @@ class RopePatch:
         sites = self.record.sites
         shown = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
         self.record.binding = (f"rotary call {name} in {shown or '?'} -> "
-                               f"{_kernel_name(self.kernel)}, layout {self.layout.name()}")
+                               f"{_kernel_name(self.kernel)}, layout "
+                               f"{self.layout.name(flat=self.key[3][:1] == (3,))}")
 
 
 def _parent(model: nn.Module, path: str) -> tuple[str, nn.Module]:
