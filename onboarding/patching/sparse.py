@@ -27,6 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from onboarding.formatting import clip
+
 _SDPA = (F.scaled_dot_product_attention,)
 _TOPK = (torch.topk, torch.Tensor.topk)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -345,7 +347,7 @@ class SparseIntercept(TorchFunctionMode):
                 try:
                     out = attend(q, k, v, indices(source), scale, self.linears, **_sink_kw(sinks))
                 except (TypeError, ValueError, RuntimeError) as exc:
-                    self.failures.append(f"{name}: {type(exc).__name__}: {exc}"[:200])
+                    self.failures.append(clip(f"{name}: {type(exc).__name__}: {exc}", 200))
                     continue
                 if _matches(out.to(ref.dtype), ref):
                     self.chosen = name
@@ -397,7 +399,7 @@ class SparseBlock:
                 self.record.binding, self.record.detail = mode.chosen, ""
             else:
                 self.record.status = "rejected"
-                self.record.detail = "; ".join(mode.failures)[:400] or (
+                self.record.detail = clip("; ".join(mode.failures), 400) or (
                     "no attention (SDPA, or q @ k^T -> softmax -> @ v) over the top-k positions"
                     + (f" ({'; '.join(mode.declined)})" if mode.declined else ""))
                 self.module.forward = self.original  # give the block back, unpatched
