@@ -177,7 +177,8 @@ def test_stale_counts_only_the_kernel_families_the_runs_used(tmp_path):
     family's base: kimi_delta extends gated_delta), and names them. Before, every commit under
     kernel_templates counted (4b6ad16 to kimi_delta made the H100 numbers STALE, a family
     neither proxy uses). A case without a summary, or a kind no family is known to serve,
-    counts every family, as before; rejected kinds and --no-kernels cases count none."""
+    counts every family, as before; --no-kernels cases count none. A rejected kind's family
+    counts (`test_stale_counts_the_families_of_rejected_kinds`)."""
     from onboarding.plan.validate import step_paths
 
     repo, src = tmp_path / "repo", tmp_path / "measured"
@@ -198,20 +199,20 @@ def test_stale_counts_only_the_kernel_families_the_runs_used(tmp_path):
     paths = step_paths([used])
     assert paths == ("onboarding/train", "onboarding/patching", "kernel_templates/_common",
                      "kernel_templates/gated_delta", "kernel_templates/kimi_delta",
-                     "kernel_templates/swiglu")
+                     "kernel_templates/rmsnorm", "kernel_templates/swiglu")
     assert step_paths([used, {"case": {**case, "kernels": False}}]) == paths
     assert step_paths([used, {"case": case}]) == STEP_PATHS  # no summary: every family
     assert step_paths([{**used, "kernels": {"new.kind": 1}}]) == STEP_PATHS
     assert step_paths() == STEP_PATHS
     assert provenance(src, repo, [used])[0].endswith(", ".join(paths))
-    for d in ("kernel_templates/rmsnorm", "kernel_templates/lora"):  # rejected, attached none
+    for d in ("kernel_templates/lora",):  # attached none
         (repo / d).mkdir(exist_ok=True)
         (repo / d / "f.py").write_text("v = 2\n")
         _git(repo, "add", "-A")
         _git(repo, "commit", "-q", "-m", d)
     assert len(provenance(src, repo, [used])) == 1
     assert provenance(src, repo, [used, {"case": case}])[1].startswith(
-        "STALE: 2 commits to onboarding/train, onboarding/patching, kernel_templates between")
+        "STALE: 1 commits to onboarding/train, onboarding/patching, kernel_templates between")
     (repo / "kernel_templates/gated_delta/f.py").write_text("v = 2\n")
     _git(repo, "commit", "-q", "-am", "the base of kimi_delta")
     assert provenance(src, repo, [used])[1].startswith(
@@ -245,3 +246,40 @@ def test_the_first_case_of_each_model_gets_the_compile_allowance(monkeypatch, tm
         V.main(["--help"])
     said = " ".join(capsys.readouterr().out.split())
     assert "--first-timeout" in said and "compiles its kernels" in said
+
+
+def test_stale_counts_the_families_of_rejected_kinds(tmp_path):
+    """A kind whose kernel was rejected at the measured commit (its check against the torch path
+    failed: ``rejected:<kind>`` counted) ran the torch path there; a later commit to its family's
+    templates may make the check pass, and the step then runs the kernel: the measurements are
+    stale. Its family counts (it did not: a change to rmsnorm after norm.rms was rejected left
+    the numbers current). A kind the kernel was never tried on (``rejected:<kind> (<why>)``, a
+    refusal decided in onboarding/train, or a count of 0) adds no family."""
+    from onboarding.plan.validate import step_paths
+
+    repo, src = tmp_path / "repo", tmp_path / "measured"
+    src.mkdir()
+    for d in ("onboarding/train", "kernel_templates/rmsnorm", "kernel_templates/lora",
+              "kernel_templates/swiglu"):
+        (repo / d).mkdir(parents=True)
+        (repo / d / "f.py").write_text("v = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "measured here")
+    (src / "meta.json").write_text(json.dumps({"commit": _git(repo, "rev-parse", "HEAD")}))
+    case = asdict(Case(model="hf:qwen3_next", seq=64))
+    used = {"case": case, "predicted": {"kind_families": {"norm.rms": ["rmsnorm"]}},
+            "kernels": {"norm.rms": 0, "rejected:norm.rms": 4, "lora.linear": 0,
+                        "rejected:lora.linear": 0, "rejected:lora.linear (dropout)": 6,
+                        "moe.experts.weighted_act": 0, "rejected:moe.experts.weighted_act": 0}}
+    assert step_paths([used]) == ("onboarding/train", "onboarding/patching",
+                                  "kernel_templates/_common", "kernel_templates/rmsnorm")
+    for d in ("kernel_templates/lora", "kernel_templates/swiglu"):  # never tried: not stale
+        (repo / d / "f.py").write_text("v = 2\n")
+        _git(repo, "commit", "-q", "-am", d)
+    assert len(provenance(src, repo, [used])) == 1
+    (repo / "kernel_templates/rmsnorm/f.py").write_text("v = 2\n")
+    _git(repo, "commit", "-q", "-am", "the rejected kernel's template")
+    assert provenance(src, repo, [used])[1].startswith(
+        "STALE: 1 commits to onboarding/train, onboarding/patching, kernel_templates/_common, "
+        "kernel_templates/rmsnorm between")

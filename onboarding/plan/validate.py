@@ -203,7 +203,11 @@ def families_used(result: dict) -> set[str] | None:
     families whose `match` takes blocks of that kind in the case's graph, ``kind_families`` of
     its prediction), with the families they extend. None when that is unknown (no summary, no
     prediction, a kind no family is known to serve): then every family counts. A case run
-    with ``--no-kernels`` used none. Rejected kinds ran their torch path and do not count."""
+    with ``--no-kernels`` used none. A kind whose kernel was tried and rejected
+    (``rejected:<kind>`` counted: its check against the torch path failed) ran its torch path,
+    but its family's templates decided that: a change to them may make the check pass, and the
+    step would run the kernel, so that family counts too. A kind the kernel was not tried on
+    (``rejected:<kind> (<why>)``, refused in onboarding/train, counted anyway) adds none."""
     from onboarding.families import families, training_kernel
 
     if not result.get("case", {}).get("kernels", True):
@@ -214,7 +218,11 @@ def families_used(result: dict) -> set[str] | None:
         return None
     used: set[str] = set()
     for kind, n in summary.items():
-        if kind.startswith("rejected:") or not n:
+        if kind.startswith("rejected:"):
+            kind = kind.removeprefix("rejected:")
+            if " (" in kind:  # not tried: the refusal is onboarding/train's
+                continue
+        if not n:
             continue
         served = training_kernel(kind)
         fams = [served[0]] if served is not None else by_kind.get(kind) or []
