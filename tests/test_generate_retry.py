@@ -284,6 +284,31 @@ def test_a_kernel_left_out_everywhere_is_not_checked_again_nor_tuned(tmp_path, m
     assert why.startswith("left out after alignment") and NORM in why
 
 
+def test_a_kernel_left_out_at_one_of_its_blocks_is_not_proposed(tmp_path):
+    """Alignment left rmsnorm out at one of the two norms its one module serves (the same
+    params, the same shapes): the other keeps it (alignment judged it there on its own inputs and
+    it passed) and the tune stage still tunes it there, but `onboard pr` proposed the module, and
+    a reviewed module serves every block of its family and params (`coverage.reviewed_kernels`),
+    the block where it failed alignment included. The candidate records the blocks it was left
+    out at, and the PR leaves it out, naming them."""
+    from onboarding.generate.candidates import load_candidates
+    from onboarding.pr.collect import collect
+
+    paths = [NORM, "layers.1.norm"]
+    (cand,) = _run_dir(tmp_path, paths, exclude=[[NORM, "rmsnorm"]])
+    assert cand.status == "passed" and cand.blocks == ["layers.1.norm"]
+    (kept,) = load_candidates(tmp_path / "candidates.json")
+    assert kept.left_out_at == [NORM]
+    proposal = collect(tmp_path)
+    assert proposal.modules == []
+    (why,) = [w for label, w in proposal.left_out if label.startswith("rmsnorm/")]
+    assert why.startswith("left out after a failed alignment at") and NORM in why
+    other = tmp_path / "other"  # a module no alignment left out anywhere is still proposed
+    other.mkdir()
+    _run_dir(other, paths)
+    assert [m.blocks for m in collect(other).modules] == [paths]
+
+
 def test_the_tune_node_leaves_out_what_alignment_left_out_and_says_so(tmp_path, monkeypatch):
     """The agent's tune node hands the run's exclusions to the tune stage; the run's summary
     line names the kernel left out and not tuned."""

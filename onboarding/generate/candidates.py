@@ -48,6 +48,10 @@ class Candidate:
     seconds: float = 0.0
     promoted_to: str | None = None
     sha256: str = ""  # of the module as rendered: `load_candidates` refuses an edited file
+    # the blocks a failed alignment left it out at (not in `blocks`, unless all were): it runs
+    # at the others, but is never proposed for review (a reviewed module serves every block of
+    # its family and params, these included)
+    left_out_at: list[str] = field(default_factory=list)
 
 
 def candidate_name(family: str, variant: str, params: dict[str, Any]) -> str:
@@ -63,8 +67,8 @@ def render_candidates(coverage: Coverage, root: Path,
     """Render every distinct (family, variant, params) that coverage marks coverable; each
     candidate keeps the input shapes of the first block that needs it. ``exclude``: the (block
     path, family) pairs a failed alignment left out (`RunState.excluded_kernels`): those blocks
-    are not the candidate's, and a candidate left with none is ``left_out`` (its check would be
-    spent on a kernel nothing runs)."""
+    are not the candidate's (its ``left_out_at``), and a candidate left with none is
+    ``left_out`` (its check would be spent on a kernel nothing runs)."""
     exclude = {tuple(x) for x in exclude}
     out: dict[str, Candidate] = {}
     left: dict[str, list[str]] = {}
@@ -86,6 +90,7 @@ def render_candidates(coverage: Coverage, root: Path,
                 out[key].shapes = e.shapes
             out[key].blocks.append(e.path)
     for key, c in out.items():
+        c.left_out_at = list(left.get(key, []))
         if not c.blocks:
             c.blocks, c.status, c.error = left[key], "left_out", LEFT_OUT
     return list(out.values())

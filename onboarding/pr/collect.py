@@ -230,6 +230,13 @@ def collect(run_dir: Path, reviewed: Callable[[str], str | None] | None = None) 
             left_out.append((label, f"failed its correctness check ({c.get('status')}"
                              + (f": {c['error'][:120]}" if c.get("error") else "") + ")"))
             continue
+        if c.get("left_out_at"):  # a reviewed module would serve those blocks too
+            at = c["left_out_at"]
+            left_out.append((label, f"left out after a failed alignment at {', '.join(at[:3])}"
+                             + (f" and {len(at) - 3} more" if len(at) > 3 else "")
+                             + ": a reviewed module serves every block of its family and "
+                             "params, those included"))
+            continue
         bad = [f"{p}: {failed_blocks[(p, c['family'])]}" for p in c.get("blocks", [])
                if (p, c["family"]) in failed_blocks]
         if bad:
