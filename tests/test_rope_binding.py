@@ -760,17 +760,20 @@ def test_a_vision_towers_packed_rotation_is_patched(kernel, monkeypatch):
     undo()
 
 
-def test_vision_tower_rotary_is_covered_and_bound(kernel):
-    """transformers' Qwen2-VL vision tower (`--part vision`, a tiny proxy): its rotation function
-    is handed q/k [T, H, D]; the probe finds the half-split layout, coverage serves the rope block
-    (before: uncovered, "not 4-D") and the binding takes the tower with it in every block."""
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_tower_rotary_is_covered_and_bound(kernel, model_type):
+    """transformers' Qwen2-VL and Qwen2.5-VL vision towers (`--part vision`, tiny proxies): the
+    rotation function is handed q/k [T, H, D] (and in Qwen2.5-VL tables whose rows were gathered
+    into window order); the probe finds the half-split layout, coverage serves the rope block
+    (before: uncovered, "not 4-D" / "no function ... was handed this block's cos/sin tables") and
+    the binding takes the tower with it in every block."""
     from onboarding.coverage import build_coverage
     from onboarding.graph.parse import example_inputs, load_stage, parse_stage
     from onboarding.load.model import load_model
     from onboarding.patching.core import patch_model
 
-    pytest.importorskip("transformers.models.qwen2_vl")
-    info = load_stage(load_model("hf:qwen2_vl", part="vision"))
+    pytest.importorskip(f"transformers.models.{model_type}")
+    info = load_stage(load_model(f"hf:{model_type}", part="vision"))
     g = parse_stage(info, seq=16, try_export=False)
     block = next(b for b in g.blocks if b.kind == "rope")
     entries = [e for e in build_coverage(g).entries if e.path == block.path]
@@ -785,3 +788,43 @@ def test_vision_tower_rotary_is_covered_and_bound(kernel):
         (record,) = patches.records
         assert record.status == "active" and len(record.sites) >= 2, record
     assert "[T, H, D]" in record.binding, record
+
+
+class WindowTower(TinyTower):
+    """Qwen2.5-VL's order: the patches and the tables' rows gathered into attention windows'
+    order (new storage) before the blocks get them; and an absolute position term added to the
+    patches from the tables (a tensor mixing a table with the hidden states is no table)."""
+
+    def forward(self, pixels):
+        grid = torch.stack(torch.meshgrid(torch.arange(self.side), torch.arange(self.side),
+                                          indexing="ij"), dim=-1).reshape(-1, 2)
+        order = torch.arange(grid.shape[0]).flip(0)
+        x = self.patch(pixels)[order]
+        cos, sin = self.rotary(x, grid)
+        tables = tuple(t.reshape(-1, 1, t.shape[-1])[order, :, :].reshape(-1, t.shape[-1]) for t in (cos, sin))
+        x = x + 0.1 * tables[0].repeat(1, x.shape[-1] // tables[0].shape[-1])
+        for blk in self.blocks:
+            x = x + blk(x, tables)
+        return x
+
+
+def test_tables_gathered_before_the_blocks_are_recognised(kernel, monkeypatch):
+    """Tables whose rows were gathered (window order) after the rope block are tables computed
+    from its outputs alone: the rotation call is found and served in both blocks; the patches,
+    mixed with a table, stay the rotated inputs. Outputs and gradients match (before: rejected,
+    no function was handed the block's tables)."""
+    torch.manual_seed(3)
+    model, pixels = WindowTower(), torch.randn(9, 12)
+    ref = _run(model, pixels)
+    mod = kernel("half")
+    count = _Counting(mod, monkeypatch)
+    record = PatchRecord(path="rotary", kind="rope", family="rope")
+    undo = binding.bind(_block("rotary"), model.rotary, [mod], record, model)
+    _run(model, pixels)
+    assert record.status == "active", record
+    assert record.sites == ["blocks.0", "blocks.1"], record
+    count.fwd = count.bwd = 0
+    got = _run(model, pixels)
+    assert count.fwd == 2 and count.bwd == 2, (count.fwd, count.bwd)
+    _assert_same(got, ref)
+    undo()

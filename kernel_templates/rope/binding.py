@@ -13,7 +13,12 @@ function, and where, is not read from names:
   positional arguments (`onboarding.patching.callswap.reachable`) has those functions wrapped
   while it runs;
 - a wrapped function's call is a *rotation call* of this block when two of its arguments are
-  the block's outputs (the same storage: the tables or views of them). The floating tensors
+  the block's outputs (the same storage: the tables or views of them) or tensors computed from
+  them alone: until the first rotation call, the parent's forward runs under a
+  `TorchFunctionMode` (`_Derived`) that counts an op's floating outputs as tables when every
+  floating tensor it was given is one (Qwen2.5-VL's vision tower gathers its tables' rows into
+  its attention windows' order, new storage, before the blocks get them; an op mixing a table
+  with anything else, ``x + pos``, makes no table). The floating tensors
   among its other arguments are the rotated inputs (one, x, or two, q and k); any other tensor
   argument (a ``position_ids`` that indexes the tables) keeps the original.
 
@@ -67,6 +72,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from onboarding.formatting import clip
 from onboarding.graph.opgraph import Block
@@ -412,6 +419,29 @@ def _tables_at(fn: Callable, args: tuple, kwargs: dict, key: tuple) -> set:
     return {_storage(values[n]) for n in key[0] if isinstance(values.get(n), torch.Tensor)}
 
 
+class _Derived(TorchFunctionMode):
+    """The parent's forward until the first rotation call: an op whose floating tensor inputs
+    are all tables (the block's outputs, or tensors derived so) makes tables of its floating
+    outputs (`RopePatch.derived`: kept alive, so that no storage is reused by another tensor)."""
+
+    def __init__(self, patch: RopePatch):
+        super().__init__()
+        self.patch = patch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        p = self.patch
+        if p.state != "pending":
+            return out
+        given = [t for t in tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if given and all(_storage(t) in p.tables() for t in given):
+            made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            p.derived.extend(t for t in made if _storage(t) not in p.tables())
+        return out
+
+
 class RopePatch:
     """The swaps of one rope block: its tables' capture, the consumers' wrapped functions."""
 
@@ -424,6 +454,7 @@ class RopePatch:
         self.kernel: ModuleType | None = None
         self.key: tuple | None = None
         self.outputs: list[list[torch.Tensor]] = []  # the tables of its last `KEEP` calls
+        self.derived: list[torch.Tensor] = []  # tensors computed from them alone (`_Derived`)
         self.sites: dict[str, int] = {}
         self.originals: dict[str, int] = {}
         self.passed: dict[str, str] = {}  # calls handed the tables that the kernel cannot take
@@ -437,7 +468,7 @@ class RopePatch:
 
     # the tables
     def tables(self) -> set:
-        return {_storage(t) for call in self.outputs for t in call}
+        return {_storage(t) for t in [*(t for call in self.outputs for t in call), *self.derived]}
 
     def foreign(self, call: _Call) -> bool:
         """The call's tables are another live rope patch's recent outputs."""
@@ -471,8 +502,12 @@ class RopePatch:
         rejected (the record says so)."""
         def forward(*args, **kwargs):
             try:
-                return original(*args, **kwargs)
+                if self.state != "pending":
+                    return original(*args, **kwargs)
+                with _Derived(self):
+                    return original(*args, **kwargs)
             finally:
+                self.derived = []
                 if self.state == "pending" and self.record.status == "pending":
                     seen = "; ".join(f"{n}: {w}" for n, w in self.passed.items())
                     self.record.status = "rejected"
