@@ -435,6 +435,45 @@ def _tower_heads(tower: nn.Module) -> list[str]:
 def component_params(lay: Layout, cfg: Any) -> dict[str, int]:
     """Parameters of the whole model by component (language, vision, projector, audio...);
     tied tensors counted once, the parts sum to the whole."""
+    out: dict[str, int] = {}
+    for p, comp in param_components(lay, cfg).values():
+        out[comp] = out.get(comp, 0) + p.numel()
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def resident_parts(model: nn.Module, cfg: Any) -> dict[str, str]:
+    """The parameters of ``model`` (a causal LM built on ``meta``, as `onboard train` builds it)
+    outside its language part, by name (as ``model.named_parameters()`` lists them) -> component
+    (`param_components`): the towers and projector of a causal LM that holds the whole model
+    (Gemma 3's), which training keeps beside the language model; {} for a language model taken
+    out alone (`build_language_model`, Mllama's and Llama 4's causal LM over the text config),
+    whose towers are not built, and for a model with no other part."""
+    lay = getattr(model, "whole_model", None)
+    if lay is None or cfg is None:
+        return {}
+    if not isinstance(lay, Layout):  # `whole_of_causal_lm`, not called yet
+        try:
+            text_path = text_config_path(cfg)
+        except InputError:
+            return {}
+        built = {id(getattr(m, "config", None)) for m in model.modules()}
+        others = [c for p, c in sub_configs(cfg)
+                  if p and p != text_path[:len(p)] and p[:len(text_path)] != text_path]
+        if not any(id(c) in built for c in others):  # no module of another part: no tower here
+            return {}
+        lay = lay()
+        if not isinstance(lay, Layout):
+            return {}
+    if lay.lm_head is None and lay.decoder is lay.whole:  # a bare decoder: all of it language
+        return {}
+    comps = param_components(lay, cfg)
+    return {n: comps[id(p)][1] for n, p in model.named_parameters()
+            if comps.get(id(p), (None, "language"))[1] != "language"}
+
+
+def param_components(lay: Layout, cfg: Any) -> dict[int, tuple[nn.Parameter, str]]:
+    """``id(parameter)`` -> (the parameter, its component) for every distinct parameter of the
+    whole model, by the rules of the module docstring (`component_params` sums them)."""
     whole = lay.whole
     node = _get(cfg, lay.node_path)
     roots: dict[str, str] = {}  # module path -> component
@@ -455,7 +494,7 @@ def component_params(lay: Layout, cfg: Any) -> dict[str, int]:
     for path, comp in roots.items():
         if comp != "language":
             projector |= {f"{path}.{n}" for n in _tower_heads(whole.get_submodule(path))}
-    out: dict[str, int] = {}
+    out: dict[int, tuple[nn.Parameter, str]] = {}
     modules = dict(whole.named_modules())
     for name, p in whole.named_parameters():
         owner = name.rsplit(".", 1)[0] if "." in name else ""
@@ -478,8 +517,8 @@ def component_params(lay: Layout, cfg: Any) -> dict[str, int]:
                                                    r == ".".join(top[:i]) for r in roots):
                         comp = "projector" if _has_layers(mod) else "other"
                         break
-        out[comp] = out.get(comp, 0) + p.numel()
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+        out[id(p)] = (p, comp)
+    return out
 
 
 def account(model: nn.Module, config: Any):

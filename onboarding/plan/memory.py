@@ -2,6 +2,12 @@
 
 Weights are bf16: dense parameters sharded by FSDP2 over every rank (as `onboard train` shards
 them: dim 0 in ceil-sized chunks, so the largest shard is counted), routed experts split by EP.
+The parts besides the language model that the trained model holds (a causal LM that is the whole
+multimodal model, Gemma 3's: its vision tower and projector) are a line each, frozen, in the
+weights' dtype, in the root's FSDP2 group: their shard and, through the step, the whole part on
+every GPU (`tower_weights`); their activations only where the captured forward ran them (their
+blocks are then the op graph's, counted as any block's). A language model taken out alone
+(Qwen2-VL's, Mllama's, Llama 4's) trains without its towers: they are on no GPU.
 Trainable state, fp32: LoRA parameters, gradients and Adam moments (16 bytes per adapter
 parameter), or for full training bf16 gradients, an fp32 master copy and Adam moments (2 + 4 + 8
 bytes per parameter: with the bf16 weight, the article's 16 bytes per parameter).
@@ -114,12 +120,17 @@ class Memory:
     produced: float
     recomputed: float
     notes: list[str] = field(default_factory=list)
+    # bytes per device of the parts besides the language model the trained model holds
+    # (`ModelShape.towers`), by part; of `host_weights`, the bytes that are theirs
+    weights_towers: dict[str, float] = field(default_factory=dict)
+    host_towers: float = 0.0
 
     @property
     def allocated(self) -> float:
         """What ``torch.cuda.max_memory_allocated`` should read at the peak."""
-        return (self.weights_dense + self.weights_experts + self.fsdp_buffers
-                + sum(self.trainable.values()) + sum(self.activations.values()) + self.workspace)
+        return (self.weights_dense + self.weights_experts + sum(self.weights_towers.values())
+                + self.fsdp_buffers + sum(self.trainable.values())
+                + sum(self.activations.values()) + self.workspace)
 
     @property
     def host(self) -> float:
@@ -132,12 +143,44 @@ class Memory:
     def components(self) -> dict[str, float]:
         out = {"weights: dense (FSDP)": self.weights_dense,
                "weights: experts (EP)": self.weights_experts,
+               **{tower_key(k): v for k, v in self.weights_towers.items()},
                "FSDP gather buffers": self.fsdp_buffers}
         out.update(self.trainable)
         out.update({f"activations: {k}": v for k, v in self.activations.items()})
         out["workspace: " + self.workspace_what] = self.workspace
         out["allocator slack + reserved"] = self.slack + self.reserved
         return {k: v for k, v in out.items() if v > 0}
+
+
+def tower_key(part: str) -> str:
+    """The memory table's line of a part besides the language model (`ModelShape.towers`)."""
+    return f"weights: {part} part (frozen)"
+
+
+def tower_weights(shape: ModelShape, lay: Layout, wb: int
+                  ) -> tuple[dict[str, float], float, float]:
+    """(bytes per GPU by part, of them what the step allocates, host bytes) of the parts besides
+    the language model that the trained model holds (`ModelShape.towers`), as `onboard train`
+    holds them: frozen (no adapter: the op graph has no block of theirs to target), cast to the
+    weights' dtype with the rest, and outside the decoder layers it wraps one by one
+    (`parallel.shard`), so in the root's FSDP2 group, which the root's forward gathers and, as
+    the root's, keeps unsharded until the end of the backward (torch's FSDP2: no reshard after
+    the root's forward): every GPU holds its shard and, through the step, the whole part
+    (`tests/test_plan_towers.py` reads both off FSDP2 on a fake process group). On one GPU
+    there is no FSDP: the part once. With the weights offloaded the shard lives in host memory
+    and the whole part comes in for the step."""
+    out: dict[str, float] = {}
+    step = host = 0.0
+    for part, tensors in shape.towers.items():
+        whole = wb * sum(d0 * rest for d0, rest in tensors)
+        shard = wb * sum(fsdp_shard(d0, rest, lay.world) for d0, rest in tensors)
+        if lay.offload == "params":
+            out[part], step, host = whole, step + whole, host + shard
+        elif lay.world > 1:
+            out[part], step = shard + whole, step + whole
+        else:
+            out[part] = whole
+    return out, step, host
 
 
 def kind_group(kind: str) -> str:
@@ -537,6 +580,8 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
         w_dense = w_exp = 0.0
         notes.append("offload params: sharded weights live in host memory; two layers "
                      "(dense + local experts) are on the GPU at a time")
+    w_towers, towers_step, host_towers = tower_weights(shape, lay, wb)
+    host_w += host_towers
     # trainable state
     trainable: dict[str, float] = {}
     if cfg.mode != "full":
@@ -595,8 +640,9 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
     if cfg.mode == "full":
         notes.append("full training: gradients are reduce-scattered per layer; the peak "
                      "counts every shard's gradient at once")
-    dynamic = sum(acts.values()) + workspace + gather
+    dynamic = sum(acts.values()) + workspace + gather + towers_step
     return Memory(weights_dense=w_dense, weights_experts=w_exp, fsdp_buffers=gather,
+                  weights_towers=w_towers, host_towers=host_towers,
                   trainable=trainable, activations=acts, workspace=workspace,
                   workspace_what=what, slack=cluster.slack * dynamic,
                   reserved=cluster.reserved_gib * GIB, host_weights=host_w,

@@ -18,10 +18,12 @@ def shape_of(info, graph: OpGraph, *, config=None) -> ModelShape:
     return model_shape(model, cfg, graph, name=info.loaded.name)
 
 
-def parts_left_out(info) -> list[str]:
-    """What a multimodal model's plan leaves out: the plan is of the part that is onboarded and
-    trained (the language model), while the report's totals count every part. The plan's
-    memory rows said "the full-size model" with the towers' weights and activations in none."""
+def parts_left_out(info, shape: ModelShape | None = None) -> list[str]:
+    """What a multimodal model's plan leaves out: the plan is of the model `onboard train`
+    builds (the language model, and where its causal LM is the whole model the parts it holds:
+    ``shape.towers``, lines of their own), while the report's totals count every part. The
+    parts it does not build are on no GPU; the plan's memory rows said "the full-size model"
+    with no word of them."""
     full = info.full
     parts = dict(getattr(full, "by_part", None) or {})
     planned = getattr(info.loaded, "part", None) or "language"
@@ -29,13 +31,17 @@ def parts_left_out(info) -> list[str]:
         return []
     from onboarding.formatting import human
 
-    rest = {k: v for k, v in parts.items() if k != planned}
-    return [f"the plan is of the {planned} part ({human(parts[planned])} of the model's "
-            f"{human(sum(parts.values()))} parameters), the part that is onboarded and trained; "
-            "not in its memory, communication or step time: "
+    held = set(shape.towers) if shape is not None else set()
+    rest = {k: v for k, v in parts.items() if k != planned and k not in held}
+    if not rest:
+        return []
+    return [f"the plan is of the model `onboard train` builds, the {planned} part "
+            f"({human(parts[planned])} of the model's {human(sum(parts.values()))} parameters)"
+            + "".join(f" and the {k} part" for k in parts if k in held)
+            + "; it builds no other part (its batches are token ids): "
             + ", ".join(f"{k} {human(v)}" for k, v in rest.items())
-            + f" ({sum(rest.values()) * 2 / 2**30:.2f} GiB of weights in bf16, unsharded) and "
-            "their activations"]
+            + f" parameters ({sum(rest.values()) * 2 / 2**30:.2f} GiB of weights in bf16, "
+            "unsharded) are on no GPU, in none of the plan's memory, communication or step time"]
 
 
 def run_plan(info, graph: OpGraph, cfg: PlanConfig, cluster: ClusterConfig,
@@ -44,8 +50,9 @@ def run_plan(info, graph: OpGraph, cfg: PlanConfig, cluster: ClusterConfig,
     """The plan of ``info``'s model (``config``: another size of it); writes ``plan.json`` and
     its chart and its report section (``plan.png``, ``plan.md``) in ``out_dir``. ``notes``: what
     the plan should also say (how ``graph`` was captured, `onboarding.plan.capture`)."""
-    plan = build_plan(shape_of(info, graph, config=config), cfg, cluster)
-    plan.notes[:0] = (notes or []) + ([] if config is not None else parts_left_out(info))
+    shape = shape_of(info, graph, config=config)
+    plan = build_plan(shape, cfg, cluster)
+    plan.notes[:0] = (notes or []) + ([] if config is not None else parts_left_out(info, shape))
     if out_dir is not None:
         from onboarding.plan.render import MARKDOWN_FILE, PLOT_FILE, markdown, plot
         from onboarding.rundir import write_json

@@ -104,10 +104,11 @@ def _reason(shape: ModelShape, cand: Candidate, cluster: ClusterConfig, cfg: Pla
     if m.weights_experts > cap:
         return (f"experts {size(wb * shape.routed)} / EP {lay.ep} = {gib(m.weights_experts)} "
                 f"per GPU > {capt}")
-    weights = m.weights_dense + m.weights_experts
+    weights = m.weights_dense + m.weights_experts + sum(m.weights_towers.values())
     if weights > cap:
+        towers = "".join(f" + {k} {gib(v)}" for k, v in m.weights_towers.items())
         return (f"weights {gib(weights)} per GPU (dense {size(wb * shape.dense)} / {lay.world} + "
-                f"experts {size(wb * shape.routed)} / EP {lay.ep}) > {capt}")
+                f"experts {size(wb * shape.routed)} / EP {lay.ep}{towers}) > {capt}")
     static = weights + m.fsdp_buffers + sum(m.trainable.values())
     if static > cap:
         return (f"weights + trainable state {gib(static)} per GPU (state "
@@ -229,6 +230,7 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
                      + ", ".join(sorted({e.alternative_to for e in alt}))
                      + " in each layer, not " + ", ".join(e.pattern for e in alt)
                      + "; the weights count both")
+    notes += tower_notes(shape)
     notes += window_notes(shape, cfg.seq)
     notes += head_notes(shape)
     families = sorted({f for b in shape.blocks for f in b.kernels})
@@ -243,6 +245,7 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
 def shape_summary(shape: ModelShape) -> dict[str, Any]:
     return {"total_params": shape.total, "routed_expert_params": shape.routed,
             "dense_params": shape.dense, "dense_matmul_params": shape.dense_matmul,
+            "tower_params": shape.tower_params(), "towers_run": shape.towers_run,
             "hidden": shape.hidden, "vocab": shape.vocab, "layers": shape.n_layers,
             "experts": [{"pattern": e.pattern, "layers": e.count, "n_experts": e.n_experts,
                          "top_k": e.top_k, "width": e.width, "per_expert": e.per_expert,
@@ -267,6 +270,31 @@ def _block_summary(b: BlockShape) -> dict[str, Any]:
                          **({"chunked": True} if isinstance(w, Chunk) else {})}
                         for w, n, src in b.windows]
     return d
+
+
+def tower_notes(shape: ModelShape) -> list[str]:
+    """What the plan counts of the parts besides the language model that the trained model holds
+    (`ModelShape.towers`, `memory.tower_weights`)."""
+    if not shape.towers:
+        return []
+    from onboarding.formatting import human
+
+    n = shape.tower_params()
+    ran = [k for k in n if k in shape.towers_run]
+    idle = [k for k in n if k not in ran]
+    acts = []
+    if ran:
+        acts.append("the captured forward ran " + ", ".join(ran) + ": their blocks' "
+                    "activations are counted as the op graph's")
+    if idle:
+        acts.append("no activations of " + ", ".join(idle) + ": the captured forward on token "
+                    "ids, the batches `onboard train` feeds, ran no op in them")
+    return ["the model `onboard train` builds holds "
+            + ", ".join(f"the {k} part ({human(v)} parameters)" for k, v in n.items())
+            + " beside the language model: each a line of the memory table, frozen (no "
+            "adapter), in the weights' dtype, in the root's FSDP2 group: its shard and, from the "
+            "root's forward to the end of the backward, the whole part on every GPU (all-gathered "
+            "once a step; one GPU: the part once); " + "; ".join(acts)]
 
 
 def window_notes(shape: ModelShape, seq: int) -> list[str]:

@@ -122,10 +122,20 @@ class ModelShape:
     # the kernel family whose training variant `onboard train` attaches on a GPU as the loss
     # over the model's output embedding (`loss_kernel_family`); "": none, `_ChunkedCE` runs
     loss_kernel: str = ""
+    # the parameters of the parts besides the language model that the model `onboard train`
+    # builds holds (`load.multimodal.resident_parts`: a causal LM that is the whole multimodal
+    # model, Gemma 3's), by part, as (dim 0, elements per dim-0 row): frozen, left out of
+    # `dense_tensors` and of the layer counts; ``towers_run``: those of them whose modules ran an
+    # op in the captured forward (token ids, as `onboard train` feeds the model)
+    towers: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    towers_run: list[str] = field(default_factory=list)
 
     @property
     def dense(self) -> int:
         return sum(d0 * rest for d0, rest in self.dense_tensors)
+
+    def tower_params(self) -> dict[str, int]:
+        return {k: sum(d0 * rest for d0, rest in v) for k, v in self.towers.items()}
 
     @property
     def routed_layers(self) -> list[ExpertShape]:
@@ -169,9 +179,11 @@ def _own_params(module: nn.Module, path: str, holders: dict[int, str]) -> tuple[
     return own, tied
 
 
-def _decoder_layers(model: nn.Module) -> int:
-    """Length of the longest ModuleList whose members are all called ``<list>.<i>``: the layers."""
-    return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)), default=1)
+def _decoder_layers(model: nn.Module, skip: frozenset[int] = frozenset()) -> int:
+    """Length of the longest ModuleList whose members are all called ``<list>.<i>``: the layers;
+    not a list that holds a parameter of ``skip`` (ids: a tower's, `resident_parts`)."""
+    return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)
+                and not any(id(p) in skip for p in m.parameters())), default=1)
 
 
 def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = "") -> ModelShape:
@@ -267,6 +279,10 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             hidden=hidden, width=width, gated=gated, matrices=mats,
             alternative_to=path_pattern(kept) if kept else ""))
 
+    from onboarding.load.multimodal import resident_parts
+
+    parts = resident_parts(model, config)  # the towers the model that trains holds
+    towers: dict[str, list[tuple[int, int]]] = {}
     dense, seen = [], set()
     for pname, p in model.named_parameters():
         owner = pname.rsplit(".", 1)[0] if "." in pname else ""
@@ -274,9 +290,11 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
             continue
         seen.add(id(p))
         d0 = p.shape[0] if p.ndim else 1
-        dense.append((int(d0), int(p.numel() // d0) if d0 else 0))
-    n_layers = _decoder_layers(model)
-    layer_dense = _layer_dense_max(model, expert_paths)
+        (towers.setdefault(parts[pname], []) if pname in parts else dense).append(
+            (int(d0), int(p.numel() // d0) if d0 else 0))
+    tower_ids = frozenset(id(p) for n, p in model.named_parameters() if n in parts)
+    n_layers = _decoder_layers(model, tower_ids)
+    layer_dense = _layer_dense_max(model, expert_paths, tower_ids)
     vocab = getattr(cfg, "vocab_size", None) or max(
         (m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), default=0)
     return ModelShape(name=name or graph.model, hidden=_hidden(model), vocab=int(vocab),
@@ -284,7 +302,17 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
                       dense_tensors=dense, experts=experts, blocks=blocks,
                       layer_dense_max=layer_dense, config=cfg, unmatched=unmatched,
                       dense_matmul=_dense_matmul(model, counts, graph),
-                      loss_kernel=loss_kernel_family(model))
+                      loss_kernel=loss_kernel_family(model), towers=towers,
+                      towers_run=_towers_run(graph, parts))
+
+
+def _towers_run(graph: OpGraph, parts: dict[str, str]) -> list[str]:
+    """The parts of ``parts`` (parameter name -> part) a block of ``graph`` that ran (not
+    ``not_run``) holds a parameter of, by path pattern (the proxy's layer numbers)."""
+    by_pattern = {path_pattern(n): part for n, part in parts.items()}
+    ran = {by_pattern[k] for b in graph.blocks if b.path and not b.attrs.get("not_run")
+           for n in b.params if (k := path_pattern(f"{b.path}.{n}")) in by_pattern}
+    return sorted(ran)
 
 
 def loss_kernel_family(model: nn.Module) -> str:
@@ -489,11 +517,14 @@ def _expert_matrices(mod: nn.Module, n_experts: int) -> list[tuple[int, int]]:
     return [(int(p.shape[-1]), int(p.shape[-2])) for p in mod.parameters() if p.ndim >= 2]
 
 
-def _layer_dense_max(model: nn.Module, expert_paths: list[str]) -> int:
-    """Dense parameters of the biggest decoder layer (FSDP gathers one layer at a time)."""
+def _layer_dense_max(model: nn.Module, expert_paths: list[str],
+                     skip: frozenset[int] = frozenset()) -> int:
+    """Dense parameters of the biggest decoder layer (FSDP gathers one layer at a time); not of
+    a list that holds a parameter of ``skip`` (a tower's: `onboard train` wraps the decoder's
+    layers, `parallel.decoder_blocks`, and leaves a tower to the root's group)."""
     best = 0
     for path, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList):
+        if not isinstance(mod, nn.ModuleList) or any(id(p) in skip for p in mod.parameters()):
             continue
         for i, layer in enumerate(mod):
             n = 0
