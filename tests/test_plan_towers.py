@@ -86,7 +86,7 @@ def test_a_causal_lm_that_holds_its_tower_plans_the_towers_weights():
         meta = _loaded(cfg).build(device="meta", seed=None)
     shape = model_shape(meta, cfg, _empty_graph())
     whole = sum(p.numel() for p in _tower_params(meta, cfg))
-    assert whole > 0 and set(shape.towers) == {"vision", "other"}
+    assert whole > 0 and set(shape.towers) == {"vision", "projector"}
     assert sum(shape.tower_params().values()) == whole
     assert shape.dense + whole == shape.total  # the language part's dense weights alone
     assert shape.towers_run == []  # no block of theirs ran: no activations of theirs

@@ -16,8 +16,10 @@ Everything goes by structure, never by class or model names:
 - *components*: the module built from each sub-config (``model.config is sub``) is that
   component (``vision_config`` -> ``vision``, ``audio_config`` -> ``audio``; the text config is
   ``language``, with the lm_head); inside a tower, the children after its layer stack that hold
-  linear or convolution layers, and anything outside every component that holds them, are the
-  ``projector``; what is left is ``other``.
+  linear or convolution layers and take its features out of its width (the width its layer stack
+  reads, not a config field that may hold the language model's), and anything outside every
+  component that holds them or a bare matrix from a tower's width to the language model's
+  embedding width, are the ``projector``; what is left is ``other``.
 """
 
 from __future__ import annotations
@@ -412,18 +414,69 @@ def _widths(m: nn.Module) -> list[tuple[int, int]]:
     return out
 
 
+def _read_width(layer: nn.Module) -> int | None:
+    ins = [x.in_features for x in layer.modules() if isinstance(x, nn.Linear)]
+    return max(ins, key=ins.count) if ins else None
+
+
+def _stack_width(layers: nn.Module | None) -> int | None:
+    """The width a layer stack works at: the input width most linear layers of a layer read
+    (q/k/v, the output projection, the MLP's up/gate read it; the down projection alone does
+    not), the same in its first and last layer; None for no ModuleList, no linear layer, or a
+    stack whose width changes (a convolutional encoder's stages)."""
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    first, last = _read_width(layers[0]), _read_width(layers[-1])
+    return first if first == last else None
+
+
+def _config_width(tower: nn.Module) -> int | None:
+    cfg = getattr(tower, "config", None)
+    return next((v for n in ("hidden_size", "d_model", "embed_dim") if (v := _int(cfg, n))), None)
+
+
+def _tower_width(tower: nn.Module) -> int | None:
+    """A tower's width by structure: its layer stack's (`_stack_width`; the stack the largest
+    ModuleList in it), else its config's width field. The config's ``hidden_size`` can be the
+    width of what the tower hands the language model (Qwen2-VL's vision config: 3584, the
+    language model's, beside ``embed_dim`` 1280, the tower's own)."""
+    lists = [m for m in tower.modules() if isinstance(m, nn.ModuleList)]
+    stack = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    return _stack_width(stack) or _config_width(tower)
+
+
+def _projects(m: nn.Module, towers: set[int], language: int | None) -> bool:
+    """Whether a module outside every component is a projector, by structure: it holds linear or
+    convolution layers, or a bare weight matrix whose sides are a tower's width (``towers``) and
+    the language model's (``language``, its token embedding's width): a projection from a tower's
+    features into the language model's embedding space written as ``x @ W`` (Gemma 3's)."""
+    if _has_layers(m):
+        return True
+    return language is not None and any(
+        p.dim() == 2 and ((p.shape[0] in towers and p.shape[1] == language)
+                          or (p.shape[1] in towers and p.shape[0] == language))
+        for p in m.parameters())
+
+
+def _embedding_width(decoder: nn.Module) -> int | None:
+    """The width of the language model's input: its largest embedding's (the token table)."""
+    embs = [m for m in decoder.modules() if isinstance(m, nn.Embedding)]
+    return max(embs, key=lambda m: m.num_embeddings).embedding_dim if embs else None
+
+
 def _tower_heads(tower: nn.Module) -> list[str]:
     """Children of a tower that project its features out: not its layer stack (the ModuleList of
-    the tower's layer count, else the largest one), the last layer's output not the tower's width,
-    some layer's input at least that width (a stem from pixels or mel bins starts below it)."""
+    the tower's layer count, else the largest one), the last layer's output not the tower's width
+    (its stack's, `_stack_width`, else its config's), some layer's input at least that width (a
+    stem from pixels or mel bins starts below it)."""
     cfg = getattr(tower, "config", None)
-    width = next((v for n in ("hidden_size", "d_model", "embed_dim") if (v := _int(cfg, n))), None)
-    if width is None:
-        return []
     lists = [(n, c) for n, c in tower.named_children() if isinstance(c, nn.ModuleList)]
     n_layers = _layers(cfg) or _int(cfg, "depth") or _int(cfg, "encoder_layers")
     stack = next((n for n, c in lists if len(c) == n_layers), None) or max(
         lists, key=lambda nc: sum(p.numel() for p in nc[1].parameters()), default=(None,))[0]
+    width = _stack_width(dict(lists).get(stack)) or _config_width(tower)
+    if width is None:
+        return []
     heads = []
     for name, child in tower.named_children():
         w = _widths(child)
@@ -494,6 +547,9 @@ def param_components(lay: Layout, cfg: Any) -> dict[int, tuple[nn.Parameter, str
     for path, comp in roots.items():
         if comp != "language":
             projector |= {f"{path}.{n}" for n in _tower_heads(whole.get_submodule(path))}
+    towers = {w for path, comp in roots.items() if comp != "language"
+              and (w := _tower_width(whole.get_submodule(path)))}
+    language = _embedding_width(lay.decoder)
     out: dict[int, tuple[nn.Parameter, str]] = {}
     modules = dict(whole.named_modules())
     for name, p in whole.named_parameters():
@@ -515,7 +571,7 @@ def param_components(lay: Layout, cfg: Any) -> dict[int, tuple[nn.Parameter, str
                     mod = modules.get(".".join(top[:i]))
                     if mod is not None and not any(r.startswith(".".join(top[:i]) + ".") or
                                                    r == ".".join(top[:i]) for r in roots):
-                        comp = "projector" if _has_layers(mod) else "other"
+                        comp = "projector" if _projects(mod, towers, language) else "other"
                         break
         out[id(p)] = (p, comp)
     return out
