@@ -199,3 +199,41 @@ def test_a_layer_stack_at_the_root_is_not_routed_by_a_projection_inside_its_laye
     # a real router beside the stack is still found, at the root too
     (moe,) = find_moe(Stack(router=True))
     assert (moe.experts_path, moe.router_path, moe.n_experts) == ("layers", "gate", 2)
+
+
+def test_per_head_block_diagonal_weights_with_no_routing_are_not_experts():
+    """[H, bw, bw] gate weights applied per head (RecurrentGemma's RG-LRU block-diagonal
+    linears) with no router and no top-k anywhere are dense parameters every token uses: they
+    counted as H routed experts (hf:recurrent_gemma: 18 MoE blocks, 23.7M routed experts, and
+    the plan chose EP 2 for a dense model). Packed experts whose router is held elsewhere still
+    count when a top-k or the config's expert count says they are routed."""
+    import torch
+    from torch import nn
+
+    from onboarding.load.accounting import find_moe
+
+    class BlockDiagonal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_weight = nn.Parameter(torch.zeros(4, 8, 8))
+            self.gate_bias = nn.Parameter(torch.zeros(4, 8))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.lru = BlockDiagonal()
+
+    class Cfg:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    model = nn.Sequential(Layer(), Layer())
+    assert find_moe(model, Cfg()) == []
+    counts = count_parameters(model, Cfg())
+    assert counts.routed_experts == 0 and counts.active == counts.total and not counts.moe
+    # the same packed weights are experts where the config routes tokens over them
+    (a, b) = find_moe(model, Cfg(num_experts_per_tok=2))
+    assert (a.experts_path, a.n_experts, a.top_k, a.router_path) == ("0.lru", 4, 2, None)
+    assert len(find_moe(model, Cfg(num_experts=4))) == 2
+    assert find_moe(model, Cfg(num_experts=6)) == []

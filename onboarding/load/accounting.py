@@ -2,7 +2,10 @@
 
 Routed experts are found from the module tree, not class names: a module holding >= 3-D
 parameters that share a leading expert dimension E (packed experts), or a ModuleList of >= 2
-identical modules whose parent also holds an [E, D] router weight. A token uses top-k of the E
+identical modules whose parent also holds an [E, D] router weight. Packed weights with no router
+beside them count as experts only where something routes: a top-k (module or config attribute) or
+the config's expert count equal to E; else they are per-head weights every token uses
+(RecurrentGemma's block-diagonal gates, [H, bw, bw]). A token uses top-k of the E
 experts, so routed parameters count ``top_k / E`` toward the active parameters; shared experts and
 dense parts count fully.
 
@@ -116,6 +119,14 @@ def _top_k(block: nn.Module, router: nn.Module | None, config: Any) -> tuple[int
     return None, "not found"
 
 
+def _config_counts_experts(config: Any, n_experts: int) -> bool:
+    """Whether the (text) config names ``n_experts`` as its number of routed experts."""
+    from onboarding.load._proxy_cuts import EXPERT_COUNT_NAMES
+
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(getattr(cfg, name, None) == n_experts for name in EXPERT_COUNT_NAMES)
+
+
 def find_moe(model: nn.Module, config: Any = None) -> list[MoEInfo]:
     modules = dict(model.named_modules())
     found: list[MoEInfo] = []
@@ -138,6 +149,10 @@ def find_moe(model: nn.Module, config: Any = None) -> list[MoEInfo]:
             continue
         top_k, src = _top_k(modules[block_path], modules.get(router) if router else None,
                             config)
+        if router is None and top_k is None and not _config_counts_experts(config, n_exp):
+            # no sign of routing: per-head weights every token uses ([H, bw, bw] block-diagonal
+            # gates, RecurrentGemma's RG-LRU), not routed experts
+            continue
         shared = []
         if block_path != path:
             for name, child in modules[block_path].named_children():
