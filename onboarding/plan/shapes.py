@@ -183,7 +183,7 @@ def _decoder_layers(model: nn.Module, skip: frozenset[int] = frozenset()) -> int
     """Length of the longest ModuleList whose members are all called ``<list>.<i>``: the layers;
     not a list that holds a parameter of ``skip`` (ids: a tower's, `resident_parts`)."""
     return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)
-                and not any(id(p) in skip for p in m.parameters())), default=1)
+                and not (skip and any(id(p) in skip for p in m.parameters()))), default=1)
 
 
 def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = "") -> ModelShape:
@@ -524,7 +524,8 @@ def _layer_dense_max(model: nn.Module, expert_paths: list[str],
     layers, `parallel.decoder_blocks`, and leaves a tower to the root's group)."""
     best = 0
     for path, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or any(id(p) in skip for p in mod.parameters()):
+        if not isinstance(mod, nn.ModuleList) or (
+                skip and any(id(p) in skip for p in mod.parameters())):
             continue
         for i, layer in enumerate(mod):
             n = 0
