@@ -16,8 +16,9 @@ def test_a_multimodal_plan_names_the_parts_it_leaves_out(tmp_path):
     small = ["--set", "text_config.num_hidden_layers=2", "--set", "vision_config.depth=1"]
     assert main(["plan", "hf:qwen3_vl_moe", *small, "--out", str(tmp_path)]) == 0
     md = (tmp_path / "plan.md").read_text()
-    (note,) = [line for line in md.splitlines() if "the plan is of the language part" in line]
+    (note,) = [line for line in md.splitlines() if "the plan is of the model" in line and "the language part" in line]
     assert "vision" in note and "projector" in note and "GiB of weights" in note
+    assert "on no GPU" in note  # onboard train builds the language model alone
 
 
 def test_a_text_model_plan_has_no_parts_note(tmp_path):
