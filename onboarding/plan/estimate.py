@@ -112,7 +112,10 @@ def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
     dense_bytes = BF16 * shape.dense
     # a part besides the language model (`ModelShape.towers`): in the root's group, gathered
     # once (the root keeps it unsharded to the end of the backward), frozen: nothing to reduce
-    gather = (2 * dense_bytes + BF16 * sum(shape.tower_params().values())) * frac
+    # the root's own group (`ModelShape.root_tensors`: embedding, final norm, head) is gathered
+    # once too, for the same reason: the backward does not gather it again
+    gather = (2 * dense_bytes - BF16 * shape.root + BF16 * sum(shape.tower_params().values())) \
+        * frac
     if cfg.mode != "full":
         reduce = FP32 * lora_params(shape, cfg)[0] * frac
         exp_reduce = 0.0
@@ -127,8 +130,9 @@ def communication(shape: ModelShape, cfg: PlanConfig, lay: Layout, mem: Memory,
             else 0.0
     fsdp_s = _ring_time(gather + reduce + exp_reduce, world, cluster)
     # weights in for the forward and again for the backward; optimizer state out and back
-    # (a part besides the language model once: the root's group comes in for the whole step)
-    offload = 2 * mem.host_weights - mem.host_towers + 2 * mem.host_optimizer
+    # (a part besides the language model and the root's own group once: the root's group comes
+    # in for the whole step)
+    offload = 2 * mem.host_weights - mem.host_towers - mem.host_root + 2 * mem.host_optimizer
     return Comm(a2a_layer_bytes=a2a_layer, a2a_bytes=a2a, a2a_s=_link_time(a2a, ep, cluster),
                 fsdp_gather_bytes=gather, fsdp_reduce_bytes=reduce + exp_reduce, fsdp_s=fsdp_s,
                 offload_bytes=offload, offload_s=offload / (cluster.pcie_gbps * 1e9))

@@ -5,7 +5,10 @@ them: dim 0 in ceil-sized chunks, so the largest shard is counted), routed exper
 The parts besides the language model that the trained model holds (a causal LM that is the whole
 multimodal model, Gemma 3's: its vision tower and projector) are a line each, frozen, in the
 weights' dtype, in the root's FSDP2 group: their shard and, through the step, the whole part on
-every GPU (`tower_weights`); their activations only where the captured forward ran them (their
+every GPU (`tower_weights`). So is the root's own group (`ModelShape.root_tensors`: the token
+embedding, the final norm, the head, a tied head once): beside its shard in the dense line, its
+unsharded copy (FSDP2's padded all-gather output) on every GPU from the root's forward to the end
+of the backward, a line of its own (`root_weights`); their activations only where the captured forward ran them (their
 blocks are then the op graph's, counted as any block's). A language model taken out alone
 (Qwen2-VL's, Mllama's, Llama 4's) trains without its towers: they are on no GPU.
 Trainable state, fp32: LoRA parameters, gradients and Adam moments (16 bytes per adapter
@@ -124,12 +127,16 @@ class Memory:
     # (`ModelShape.towers`), by part; of `host_weights`, the bytes that are theirs
     weights_towers: dict[str, float] = field(default_factory=dict)
     host_towers: float = 0.0
+    # bytes per device of the root group's unsharded copy through the step (`root_weights`); of
+    # `host_weights`, the root group's shard (offloaded weights)
+    weights_root: float = 0.0
+    host_root: float = 0.0
 
     @property
     def allocated(self) -> float:
         """What ``torch.cuda.max_memory_allocated`` should read at the peak."""
         return (self.weights_dense + self.weights_experts + sum(self.weights_towers.values())
-                + self.fsdp_buffers + sum(self.trainable.values())
+                + self.weights_root + self.fsdp_buffers + sum(self.trainable.values())
                 + sum(self.activations.values()) + self.workspace)
 
     @property
@@ -143,6 +150,7 @@ class Memory:
     def components(self) -> dict[str, float]:
         out = {"weights: dense (FSDP)": self.weights_dense,
                "weights: experts (EP)": self.weights_experts,
+               ROOT_KEY: self.weights_root,
                **{tower_key(k): v for k, v in self.weights_towers.items()},
                "FSDP gather buffers": self.fsdp_buffers}
         out.update(self.trainable)
@@ -150,6 +158,29 @@ class Memory:
         out["workspace: " + self.workspace_what] = self.workspace
         out["allocator slack + reserved"] = self.slack + self.reserved
         return {k: v for k, v in out.items() if v > 0}
+
+
+ROOT_KEY = "weights: root group (embedding, head) unsharded through the step"
+
+
+def root_weights(shape: ModelShape, lay: Layout, wb: int) -> tuple[float, float]:
+    """(bytes per GPU through the step, host bytes) of the root's FSDP2 group of the language
+    model (`ModelShape.root_tensors`: what `onboard train` leaves outside the decoder layers it
+    wraps one by one, `parallel.shard`: the token embedding, the final norm, the head; a tied
+    head once, one storage). torch's FSDP2 does not reshard the root after its forward: from the
+    root's forward (its all-gather) to the end of the backward every GPU holds the group's
+    unsharded copy, FSDP2's all-gather output, ``world`` ceil-sized shards of each tensor (the
+    padding included), beside its own shard (counted in the dense line);
+    `tests/test_plan_root.py` reads both off FSDP2 on a fake process group. One GPU: no FSDP,
+    the weights once (the dense line), nothing more. Offloaded weights: the shard in host memory
+    (of `host_weights`), the unsharded copy on the GPU for the step."""
+    if lay.world <= 1 and lay.offload != "params":
+        return 0.0, 0.0
+    full = wb * sum(lay.world * fsdp_shard(d0, rest, lay.world) for d0, rest in
+                    shape.root_tensors)
+    host = wb * sum(fsdp_shard(d0, rest, lay.world) for d0, rest in shape.root_tensors) \
+        if lay.offload == "params" else 0.0
+    return full, host
 
 
 def tower_key(part: str) -> str:
@@ -582,6 +613,7 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
                      "(dense + local experts) are on the GPU at a time")
     w_towers, towers_step, host_towers = tower_weights(shape, lay, wb)
     host_w += host_towers
+    w_root, host_root = root_weights(shape, lay, wb)
     # trainable state
     trainable: dict[str, float] = {}
     if cfg.mode != "full":
@@ -640,9 +672,10 @@ def memory(shape: ModelShape, cfg: PlanConfig, lay: Layout, cluster: ClusterConf
     if cfg.mode == "full":
         notes.append("full training: gradients are reduce-scattered per layer; the peak "
                      "counts every shard's gradient at once")
-    dynamic = sum(acts.values()) + workspace + gather + towers_step
+    dynamic = sum(acts.values()) + workspace + gather + towers_step + w_root
     return Memory(weights_dense=w_dense, weights_experts=w_exp, fsdp_buffers=gather,
                   weights_towers=w_towers, host_towers=host_towers,
+                  weights_root=w_root, host_root=host_root,
                   trainable=trainable, activations=acts, workspace=workspace,
                   workspace_what=what, slack=cluster.slack * dynamic,
                   reserved=cluster.reserved_gib * GIB, host_weights=host_w,

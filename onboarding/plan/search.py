@@ -104,11 +104,13 @@ def _reason(shape: ModelShape, cand: Candidate, cluster: ClusterConfig, cfg: Pla
     if m.weights_experts > cap:
         return (f"experts {size(wb * shape.routed)} / EP {lay.ep} = {gib(m.weights_experts)} "
                 f"per GPU > {capt}")
-    weights = m.weights_dense + m.weights_experts + sum(m.weights_towers.values())
+    weights = m.weights_dense + m.weights_experts + sum(m.weights_towers.values()) \
+        + m.weights_root
     if weights > cap:
         towers = "".join(f" + {k} {gib(v)}" for k, v in m.weights_towers.items())
+        root = f" + root group unsharded {gib(m.weights_root)}" if m.weights_root else ""
         return (f"weights {gib(weights)} per GPU (dense {size(wb * shape.dense)} / {lay.world} + "
-                f"experts {size(wb * shape.routed)} / EP {lay.ep}{towers}) > {capt}")
+                f"experts {size(wb * shape.routed)} / EP {lay.ep}{root}{towers}) > {capt}")
     static = weights + m.fsdp_buffers + sum(m.trainable.values())
     if static > cap:
         return (f"weights + trainable state {gib(static)} per GPU (state "
@@ -245,6 +247,7 @@ def build_plan(shape: ModelShape, cfg: PlanConfig, cluster: ClusterConfig) -> Pl
 def shape_summary(shape: ModelShape) -> dict[str, Any]:
     return {"total_params": shape.total, "routed_expert_params": shape.routed,
             "dense_params": shape.dense, "dense_matmul_params": shape.dense_matmul,
+            "root_params": shape.root,
             "tower_params": shape.tower_params(), "towers_run": shape.towers_run,
             "hidden": shape.hidden, "vocab": shape.vocab, "layers": shape.n_layers,
             "experts": [{"pattern": e.pattern, "layers": e.count, "n_experts": e.n_experts,

@@ -129,10 +129,18 @@ class ModelShape:
     # op in the captured forward (token ids, as `onboard train` feeds the model)
     towers: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     towers_run: list[str] = field(default_factory=list)
+    # of `dense_tensors`, those outside the decoder layers `onboard train` wraps one by one
+    # (`root_tensors`): the root's FSDP2 group (the token embedding, the final norm, the head; a
+    # tied head once), which the root keeps unsharded from its forward to the end of the backward
+    root_tensors: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def dense(self) -> int:
         return sum(d0 * rest for d0, rest in self.dense_tensors)
+
+    @property
+    def root(self) -> int:
+        return sum(d0 * rest for d0, rest in self.root_tensors)
 
     def tower_params(self) -> dict[str, int]:
         return {k: sum(d0 * rest for d0, rest in v) for k, v in self.towers.items()}
@@ -283,16 +291,19 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
 
     parts = resident_parts(model, config)  # the towers the model that trains holds
     towers: dict[str, list[tuple[int, int]]] = {}
-    dense, seen = [], set()
+    tower_ids = frozenset(id(p) for n, p in model.named_parameters() if n in parts)
+    layer_lists = _wrapped_layer_lists(model, graph, tower_ids)
+    dense, root, seen = [], [], set()
     for pname, p in model.named_parameters():
         owner = pname.rsplit(".", 1)[0] if "." in pname else ""
         if id(p) in seen or any(inside(owner, e) for e in expert_paths):
             continue
         seen.add(id(p))
         d0 = p.shape[0] if p.ndim else 1
-        (towers.setdefault(parts[pname], []) if pname in parts else dense).append(
-            (int(d0), int(p.numel() // d0) if d0 else 0))
-    tower_ids = frozenset(id(p) for n, p in model.named_parameters() if n in parts)
+        t = (int(d0), int(p.numel() // d0) if d0 else 0)
+        (towers.setdefault(parts[pname], []) if pname in parts else dense).append(t)
+        if pname not in parts and not any(inside(owner, lst) for lst in layer_lists):
+            root.append(t)
     n_layers = _decoder_layers(model, tower_ids)
     layer_dense = _layer_dense_max(model, expert_paths, tower_ids)
     vocab = getattr(cfg, "vocab_size", None) or max(
@@ -303,7 +314,27 @@ def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = ""
                       layer_dense_max=layer_dense, config=cfg, unmatched=unmatched,
                       dense_matmul=_dense_matmul(model, counts, graph),
                       loss_kernel=loss_kernel_family(model), towers=towers,
-                      towers_run=_towers_run(graph, parts))
+                      towers_run=_towers_run(graph, parts), root_tensors=root)
+
+
+def _wrapped_layer_lists(model: nn.Module, graph: OpGraph, skip: frozenset[int]) -> list[str]:
+    """The ``ModuleList`` paths whose items `onboard train` wraps one by one with FSDP2
+    (`parallel.decoder_blocks`: the lists owning the graph's layer blocks; on the full-size model
+    every item of such a list); where the graph names no layer block (a shape built without a
+    capture), the longest list holding no parameter of ``skip`` (a tower's), the plan's layers
+    (`_decoder_layers`). Every other parameter is the root's."""
+    from onboarding.errors import InputError
+    from onboarding.train.parallel import decoder_blocks
+
+    try:
+        lists = sorted({path.rsplit(".", 1)[0] for path, _ in decoder_blocks(model, graph)})
+    except InputError:  # layer blocks that no list owns: train stops; the fallback below
+        lists = []
+    if lists:
+        return lists
+    cands = [(len(m), n) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
+             and len(m) and not (skip and any(id(p) in skip for p in m.parameters()))]
+    return [max(cands)[1]] if cands else []
 
 
 def _towers_run(graph: OpGraph, parts: dict[str, str]) -> list[str]:
