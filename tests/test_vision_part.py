@@ -119,3 +119,99 @@ def test_a_tower_needing_more_than_pixels_is_an_input_error():
 
     with pytest.raises(InputError, match="also needs attention_mask"):
         VisionPart("t", NeedsMask(), None)
+
+
+class _UnfoldTower(nn.Module):
+    """Patches cut by an ``nn.Unfold`` and projected by a linear (a convolution in two steps),
+    then a table of positions sized by the config's image_size: it runs on whole images of
+    that size only."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(image_size=12)
+        self.unfold = nn.Unfold(kernel_size=4, stride=4)
+        self.linear = nn.Linear(3 * 4 * 4, 8, bias=False)
+        self.positions = nn.Parameter(torch.randn(9, 8))  # (12 / 4)^2 patches
+        self.mlp = nn.Linear(8, 8)
+
+    def forward(self, pixel_values, attention_mask=None):
+        b, c, h, w = pixel_values.shape
+        x = self.linear(self.unfold(pixel_values).transpose(1, 2)) + self.positions
+        return (self.mlp(x),)
+
+
+def test_an_unfold_tower_gets_whole_images_at_the_configs_size():
+    """An Unfold then a linear reads whole images [B, C, H, W] (channels: the linear's inputs
+    over the kernel's area); a table of positions fixes their size to the config's image_size,
+    tried after the seq-sized one. Before: only flattened patches were offered (exit 2)."""
+    tower = _UnfoldTower()
+    part = VisionPart("tower", tower, tower.config)
+    (pixels,) = part.example_inputs(2, 64)
+    assert list(pixels.shape) == [2, 3, 12, 12] and part._layout[0] == "images"
+    assert part.tokens_per_image(2, 64) == 9
+    assert part(pixels).shape == (1, 2 * 9 * 8)
+
+
+class _TiledTower(nn.Module):
+    """Images cut into tiles [batch, images, tiles, C, H, W] beside two more required inputs,
+    an index and a mask, whose shapes the forward's docstring documents."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(image_size=8, max_num_tiles=2)
+        self.patch = nn.Conv2d(3, 8, kernel_size=4, stride=4)
+        self.tile_embedding = nn.Embedding(3, 2 * 8)
+
+    def forward(self, pixel_values, aspect_ratio_ids, aspect_ratio_mask):
+        r"""
+        Args:
+            aspect_ratio_ids (`torch.Tensor` of shape `(batch_size, max_num_images)`):
+                The aspect ratio of each image (0: padding).
+            aspect_ratio_mask (`torch.Tensor` of shape `(batch_size, max_num_images, max_num_tiles)`):
+                Which tiles hold the image.
+        """
+        b, m, t, c, h, w = pixel_values.shape
+        x = self.patch(pixel_values.reshape(b * m * t, c, h, w)).flatten(2).transpose(1, 2)
+        x = x.reshape(b * m, t, -1, 8) + self.tile_embedding(aspect_ratio_ids).reshape(b * m, t, 1, 8)
+        return (x * aspect_ratio_mask.reshape(b * m, t, 1, 1),)
+
+
+def test_required_inputs_are_built_from_their_documented_shapes():
+    """Indices hold 1 (0 is padding), masks ones, each in its documented shape: the batch, one
+    image a sample, the config's max_num_tiles; the pixels take those leading dimensions.
+    Before: an input error (the forward also needs aspect_ratio_ids, aspect_ratio_mask)."""
+    tower = _TiledTower()
+    part = VisionPart("tower", tower, tower.config)
+    assert [n for n, *_ in part.extra_args] == ["aspect_ratio_ids", "aspect_ratio_mask"]
+    pixels, ids, mask = part.example_inputs(2, 4)
+    assert list(pixels.shape) == [2, 1, 2, 3, 8, 8]
+    assert ids.dtype == torch.long and ids.tolist() == [[1], [1]]
+    assert mask.tolist() == [[[1, 1]], [[1, 1]]]
+    assert part.tokens_per_image(2, 4) == 2 * 4  # two tiles of 2 x 2 patches
+    assert part(pixels, ids, mask).shape == (1, 2 * 2 * 4 * 8)
+
+
+def test_an_input_that_cannot_be_built_is_named_with_why():
+    class NeedsTokens(nn.Module):
+        def forward(self, pixel_values, token_mask):
+            r"""
+            token_mask (`torch.Tensor` of shape `(batch_size, sequence_length)`):
+                Which tokens to keep.
+            """
+            return pixel_values
+
+    with pytest.raises(InputError, match="also needs token_mask.*sequence_length"):
+        VisionPart("t", NeedsTokens(), SimpleNamespace(image_size=8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama4", "mllama"])
+def test_map_vision_of_towers_on_whole_images(model_type, tmp_path):
+    """Llama 4's tower (Unfold + linear, positions for image_size; a pixel-shuffle adapter that
+    reads intermediate_size = 4 x hidden) and Mllama's (tiles, aspect ratio ids and mask)
+    map on their tiny proxies. Before: exit 2 on both."""
+    ref = _known(model_type)
+    out = tmp_path / "m"
+    assert main(["map", ref, "--part", "vision", "--out", str(out)]) == 0
+    cov = json.loads((out / "coverage.json").read_text())
+    assert cov["counts"]["uncovered"] == 0 and sum(cov["counts"].values()) > 0

@@ -777,18 +777,23 @@ def shrink_nested(text: Any, s: Any) -> list[str]:
     return shrunk
 
 
+def run_probe(model: nn.Module, cfg: Any) -> None:
+    """Run ``model`` (built from ``cfg``) on four tokens (a vision tower: its synthetic pixels);
+    raises what it raises."""
+    if hasattr(model, "example_inputs"):  # a vision tower: its synthetic pixels
+        with torch.no_grad():
+            model(*model.example_inputs(1, 16))
+        return
+    vocab = _int(_get(cfg, text_config_path(cfg)), "vocab_size") or 2
+    with torch.no_grad():
+        model(torch.arange(4).remainder(vocab)[None], use_cache=False)
+
+
 def runs(loaded: Any, cfg: Any) -> bool:
     """Whether ``loaded`` builds from ``cfg`` on the CPU and runs four tokens (a vision tower:
     its synthetic pixels)."""
     try:
-        model = loaded.build(cfg, device="cpu", seed=0).eval()
-        if hasattr(model, "example_inputs"):  # a vision tower: its synthetic pixels
-            with torch.no_grad():
-                model(*model.example_inputs(1, 16))
-            return True
-        vocab = _int(_get(cfg, text_config_path(cfg)), "vocab_size") or 2
-        with torch.no_grad():
-            model(torch.arange(4).remainder(vocab)[None], use_cache=False)
+        run_probe(loaded.build(cfg, device="cpu", seed=0).eval(), cfg)
         return True
     except Exception:  # noqa: BLE001 - the model's own code, whatever it raises
         return False

@@ -540,6 +540,7 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
         else None
     depth = _depth_dependent_kinds(loaded, sigs, name, full_model)
     notes: list[str] = []
+    tied = None
     periods, cfg = 1, shrink_config(loaded.config, size, signatures=sigs, notes=notes,
                                     layer_count=name, depth_kinds=depth)
     while s.min_params:
@@ -550,7 +551,8 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
         notes = []
         cfg = shrink_config(loaded.config, size, periods=periods, signatures=sigs, notes=notes,
                             layer_count=name, depth_kinds=depth)
-    if not s.min_params and loaded.probe_proxy is not None and not loaded.probe_proxy(cfg):
+    if not s.min_params and loaded.probe_proxy is not None and not loaded.probe_proxy(cfg) \
+            and not (tied := _keep_ties(loaded, cfg)):
         full_hd = _head_dim(c)
         # an attention that derives its head dim as hidden / heads ignores a head_dim field:
         # the head count is then cut so that the quotient is the head dim (Qwen2-VL's M-RoPE
@@ -575,11 +577,25 @@ def proxy_config(loaded, size: str, full_model: nn.Module | None = None,
                 notes.append(f"head dim {hd}{fitted}: the proxy with shrunk heads does not run "
                              "(a rotary layout fixed in the model's code)")
                 break
+    if tied:  # a tie between config fields the shrink broke, kept (`_proxy_ties`)
+        cfg, kept_notes = tied
+        notes.extend(kept_notes)
     _check_layer_stack(loaded, cfg, size, name, full_model)
     _check_shrunk(loaded, cfg, size, full_params)
     _warn(size, notes)
     note = f"shrunk to the {size} proxy ({periods} layer period(s))"
     return cfg, "; ".join([note] + notes)
+
+
+def _keep_ties(loaded, cfg: Any) -> tuple[Any, list[str]] | None:
+    """The proxy config ``cfg`` (which does not run) with the ties between config fields that
+    the shrink broke kept, and a note for each; None when that does not make it run
+    (`onboarding.load._proxy_ties`)."""
+    from onboarding.load._proxy_ties import keep_ties
+    from onboarding.load.multimodal import run_probe
+
+    return keep_ties(loaded.config, cfg, lambda c: loaded.build(c, device="cpu", seed=0).eval(),
+                     run_probe)
 
 
 def _depth_dependent_kinds(loaded, signatures: list[tuple] | None, name: str | None,

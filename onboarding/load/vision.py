@@ -8,17 +8,28 @@ By structure and config conventions, never by class or model names:
   the accounting calls ``vision``);
 - the *inputs* come from the tower's forward signature and its first layer: the first parameter
   takes the pixels, a parameter whose name holds ``grid`` takes one (t, h, w) row per image (or
-  (h, w)); the convolution with the fewest input channels (else the first linear) gives the
-  channels and the patch size (a 3-D kernel: temporal patches too); the grid's height and
-  width are multiples of every ``*merge*size*`` field of the config (patches merged after the
-  tower), about ``sqrt(seq)`` patches a side. The pixel layouts that fit are tried in turn
-  (flattened patches, patches, whole images) and the first the tower runs on is kept.
+  (h, w)); the convolution with the fewest input channels (else an ``nn.Unfold`` and the first
+  linear after it, which reads its patches; else the first linear) gives the channels and the
+  patch size (a 3-D kernel: temporal patches too); the grid's height and width are multiples
+  of every ``*merge*size*`` field of the config (patches merged after the tower), about
+  ``sqrt(seq)`` patches a side. The pixel layouts that fit are tried in turn (flattened
+  patches, patches, whole images: about ``sqrt(seq)`` patches a side, then the config's
+  ``image_size``, which a tower with a fixed table of positions needs) and the first the tower
+  runs on is kept;
+- another input the forward requires (no default) is built from the shape its docstring
+  documents (``name (`torch.Tensor` of shape `(batch_size, max_num_images, max_num_tiles)`)``):
+  ``batch_size`` is the batch, a dimension that counts images is 1 (one image a sample), one
+  named for an int field of the vision config is that field; an index input (``*_ids``) holds
+  1 (0 is padding by convention), a mask ones. Whole images are also tried with the leading
+  dimensions of those shapes ([batch, images, tiles, C, H, W]). An input that cannot be built
+  so (no documented shape, a dimension or a kind it cannot tell) is an input error naming it.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import re
 from typing import Any
 
 import torch
@@ -70,10 +81,60 @@ def _first_layer(tower: nn.Module) -> nn.Module | None:
     return next((m for m in tower.modules() if isinstance(m, nn.Linear)), None)
 
 
+def _pair(v: Any) -> tuple[int, int] | None:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return (v, v)
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) for x in v):
+        return tuple(v)
+    return None
+
+
+def _unfold_patches(tower: nn.Module) -> tuple[int, tuple[int, int]] | None:
+    """(channels, kernel) of a tower that cuts images into patches with an ``nn.Unfold`` (no
+    convolution) and projects them with the first linear after it: a convolution in two
+    steps, which needs whole images [B, C, H, W]. None when there is no such pair."""
+    mods = list(tower.modules())
+    at = next((i for i, m in enumerate(mods) if isinstance(m, nn.Unfold)), None)
+    if at is None:
+        return None
+    kernel = _pair(mods[at].kernel_size)
+    lin = next((m for m in mods[at + 1:] if isinstance(m, nn.Linear)), None)
+    if kernel is None or lin is None or lin.in_features % math.prod(kernel):
+        return None
+    return lin.in_features // math.prod(kernel), kernel
+
+
+_DOC_SHAPE = re.compile(r"^\s*(\w+) \(`[^`]*` of shape `\(([^)`]*)\)`")
+
+
+def documented_shapes(fn: Any) -> dict[str, list[str]]:
+    """Argument name -> its documented shape's dimension names, from ``fn``'s docstring lines
+    ``name (`torch.Tensor` of shape `(batch_size, max_num_tiles)`)`` (transformers' style)."""
+    out: dict[str, list[str]] = {}
+    for line in (inspect.getdoc(fn) or "").splitlines():
+        if m := _DOC_SHAPE.match(line):
+            out.setdefault(m.group(1), [d.strip() for d in m.group(2).split(",") if d.strip()])
+    return out
+
+
+def _dim(name: str, batch: int, cfg: Any) -> int | None:
+    """The size of a documented dimension: the batch, 1 for a count of images (one image a
+    sample), a number, or the vision config's int field of that name; None otherwise."""
+    if name == "batch_size":
+        return batch
+    if name.isdigit():
+        return int(name)
+    if re.search(r"(image|media)", name):
+        return 1
+    v = getattr(cfg, name, None) if cfg is not None else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
 class VisionPart(nn.Module):
-    """A vision tower as a model: ``forward(pixels, grid)`` runs it and returns every floating
-    tensor of its output (features, merged features, intermediate features) flattened into one
-    row, so that alignment's loss reaches every part of it."""
+    """A vision tower as a model: ``forward(pixels, *more)`` (``more``: the grid, then the other
+    inputs its forward requires, `extra_args`) runs it and returns every floating tensor of its
+    output (features, merged features, intermediate features) flattened into one row, so that
+    alignment's loss reaches every part of it."""
 
     def __init__(self, name: str, tower: nn.Module, config: Any):
         super().__init__()
@@ -89,19 +150,40 @@ class VisionPart(nn.Module):
         grid = [p.name for p in params[1:] if "grid" in p.name.lower()]
         self.grid_arg = grid[0] if grid else None
         needed = [p.name for p in params[1:] if p.default is p.empty and p.name not in grid]
-        if needed:
-            raise InputError(f"the vision tower's forward also needs {', '.join(needed)}: "
-                             "synthetic inputs cannot supply it")
+        shapes = documented_shapes(tower.forward)
+        # each other required input: (name, dimension names, dtype, fill value)
+        self.extra_args: list[tuple[str, list[str], torch.dtype, int]] = []
+        for n in needed:
+            why = self._unbuildable(n, shapes.get(n))
+            if why:
+                raise InputError(f"the vision tower's forward also needs {n}: synthetic inputs "
+                                 f"cannot supply it ({why})")
+            # an index: 1 (0 is padding by convention); a mask: ones (nothing masked)
+            self.extra_args.append((n, shapes[n], torch.long, 1))
         self._layout: tuple | None = None
+        self._tokens: int | None = None  # patches an image of the kept layout makes
+
+    def _unbuildable(self, name: str, dims: list[str] | None) -> str | None:
+        """Why the required input ``name`` (documented shape ``dims``) cannot be built; None
+        when it can."""
+        if dims is None:
+            return "its forward's docstring documents no shape for it"
+        if not (re.search(r"ids?$", name) or "mask" in name):
+            return "neither indices (*_ids) nor a mask: no value to give it"
+        unknown = [d for d in dims if _dim(d, 1, self.config) is None]
+        if unknown:
+            return (f"its documented shape ({', '.join(dims)}) has {', '.join(unknown)}, "
+                    "neither the batch, a count of images nor an int field of the vision config")
+        return None
 
     @property
     def tower_module(self) -> nn.Module:
         return self._modules[self.tower_name]
 
-    def forward(self, pixels: torch.Tensor, grid: torch.Tensor | None = None) -> torch.Tensor:
-        kwargs = {self.pixel_arg: pixels}
-        if self.grid_arg is not None:
-            kwargs[self.grid_arg] = grid
+    def forward(self, pixels: torch.Tensor, *more: torch.Tensor) -> torch.Tensor:
+        names = ([self.grid_arg] if self.grid_arg is not None else []) + \
+            [n for n, *_ in self.extra_args]
+        kwargs = {self.pixel_arg: pixels, **dict(zip(names, more))}
         out = self.tower_module(**kwargs)
         flat, _ = torch.utils._pytree.tree_flatten(
             out.to_tuple() if hasattr(out, "to_tuple") else out)
@@ -109,6 +191,10 @@ class VisionPart(nn.Module):
         if not feats:
             raise InputError("the vision tower returned no floating tensor")
         return torch.cat([t.reshape(-1) for t in feats])[None]
+
+    def _extras(self, batch: int) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+        return [(n, tuple(_dim(d, batch, self.config) for d in dims), dt, v)
+                for n, dims, dt, v in self.extra_args]
 
     def _candidates(self, batch: int, seq: int) -> list[tuple[str, tuple, tuple | None]]:
         """(layout, pixel shape, grid) for each input form that fits the tower's first layer."""
@@ -119,17 +205,30 @@ class VisionPart(nn.Module):
         side = max(1, round(math.sqrt(max(seq, 1))))
         h, w = mh * max(1, round(side / mh)), mw * max(1, round(side / mw))
         out: list[tuple[str, tuple, tuple | None]] = []
-        if isinstance(first, nn.modules.conv._ConvNd):
-            chans, kernel = first.in_channels, tuple(first.kernel_size)
+        unfold = None if isinstance(first, nn.modules.conv._ConvNd) \
+            else _unfold_patches(self.tower_module)
+        if isinstance(first, nn.modules.conv._ConvNd) or unfold is not None:
+            chans, kernel = (first.in_channels, tuple(first.kernel_size)) if unfold is None \
+                else unfold
             n = batch * h * w
             grids = [(batch, (1, h, w)), (batch, (h, w))] if self.grid_arg else [None]
             for g in grids:
-                out.append(("flat patches", (n, chans * math.prod(kernel)), g))
-                out.append(("patches", (n, chans, *kernel), g))
+                if unfold is None:
+                    out.append(("flat patches", (n, chans * math.prod(kernel)), g))
+                    out.append(("patches", (n, chans, *kernel), g))
             if not self.grid_arg:
-                size = [k * s for k, s in zip(kernel[-2:], (h, w))]
                 frames = (kernel[0],) if len(kernel) == 3 else ()
-                out.append(("images", (batch, chans, *frames, *size), None))
+                sizes = [tuple(k * s for k, s in zip(kernel[-2:], (h, w)))]
+                if (cs := _pair(getattr(self.config, "image_size", None))) and cs not in sizes:
+                    sizes.append(cs)  # a fixed table of positions: the config's images
+                # the leading dimensions of the other inputs (images, tiles a sample)
+                lead = [(batch,)]
+                for _, shape, _, _ in self._extras(batch):
+                    lead += [shape[:i] for i in range(2, len(shape) + 1)
+                             if shape[0] == batch and shape[:i] not in lead]
+                for size in sizes:
+                    for pre in lead:
+                        out.append(("images", (*pre, chans, *frames, *size), None))
         else:
             n = batch * h * w
             grids = [(batch, (1, h, w)), (batch, (h, w))] if self.grid_arg else [None]
@@ -139,17 +238,24 @@ class VisionPart(nn.Module):
                     out.append(("patch sequence", (batch, h * w, first.in_features), None))
         return out
 
+    def _args(self, shape: tuple, grid: tuple | None, batch: int, device: torch.device) -> tuple:
+        pixels = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
+        args = [pixels]
+        if grid:
+            args.append(torch.tensor([grid[1]] * grid[0], device=device))
+        args += [torch.full(s, v, dtype=dt, device=device) for _, s, dt, v in self._extras(batch)]
+        return tuple(args)
+
     def example_inputs(self, batch: int, seq: int) -> tuple:
-        """Seeded pixels (and grid) the tower runs on; the first fitting layout is kept."""
+        """Seeded pixels (grid, other inputs) the tower runs on; the first fitting layout is
+        kept."""
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         errors = []
         cands = self._candidates(batch, seq)
         if self._layout is not None:
-            cands = [c for c in cands if (c[0], c[2] is not None and len(c[2][1])) == self._layout]
+            cands = [c for c in cands if self._key(*c) == self._layout]
         for layout, shape, grid in cands:
-            pixels = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
-            g = torch.tensor([grid[1]] * grid[0], device=device) if grid else None
-            args = (pixels, g) if g is not None else (pixels,)
+            args = self._args(shape, grid, batch, device)
             if self._layout is None:
                 try:
                     with torch.no_grad():
@@ -158,12 +264,35 @@ class VisionPart(nn.Module):
                     errors.append(f"{layout} {list(shape)}: {type(exc).__name__}: "
                                   f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
                     continue
-                self._layout = (layout, grid is not None and len(grid[1]))
+                self._layout = self._key(layout, shape, grid)
+            self._tokens = self._plane_tokens(layout, shape)
             return args
+        extra = "".join(f"; with {n} {list(s)}" for n, s, _, _ in self._extras(batch))
         raise InputError("no synthetic pixel input runs the vision tower (tried "
-                         + "; ".join(errors) + ")")
+                         + "; ".join(errors) + extra + ")")
+
+    @staticmethod
+    def _key(layout: str, shape: tuple, grid: tuple | None) -> tuple:
+        """A layout as kept across calls: its name, its grid's rank, and for whole images their
+        rank and size (fixed by the tower, not by batch or seq)."""
+        return (layout, grid is not None and len(grid[1])) + \
+            ((len(shape), shape[-2:]) if layout == "images" else ())
+
+    def _plane_tokens(self, layout: str, shape: tuple) -> int | None:
+        """Patches an image makes where whole images were given: its patches times the planes
+        (tiles) between the batch and the channels."""
+        if layout != "images":
+            return None
+        unfold = _unfold_patches(self.tower_module)
+        first = _first_layer(self.tower_module)
+        kernel = unfold[1] if unfold and not isinstance(first, nn.modules.conv._ConvNd) \
+            else tuple(first.kernel_size)[-2:]
+        chans_at = len(shape) - 3 - (len(kernel) == 3)
+        return math.prod(shape[1:chans_at]) * (shape[-2] // kernel[-2]) * (shape[-1] // kernel[-1])
 
     def tokens_per_image(self, batch: int, seq: int) -> int:
+        if self._tokens is not None:  # whole images (`example_inputs` ran)
+            return self._tokens
         mh, mw = _merge_sizes(self.config)
         side = max(1, round(math.sqrt(max(seq, 1))))
         return mh * max(1, round(side / mh)) * mw * max(1, round(side / mw))
