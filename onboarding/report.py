@@ -180,8 +180,14 @@ def _decisions_section(run_dir: Path) -> str | None:
     verdicts: dict[str, str] = {}
     f = run_dir / "alignment.json"
     if f.exists():
-        for b in json.loads(f.read_text()).get("blocks", []):
-            verdicts[b["path"]] = f"fwd {b['fwd']['verdict']}, bwd {b['bwd']['verdict']}"
+        aligned = json.loads(f.read_text())
+        # a block the alignment did not patch (left uncovered, or its swap not asked for by
+        # --kernels) ran its own code there: its verdict says nothing of a kernel
+        active = {p["path"] for p in aligned.get("patches", []) if p.get("status") == "active"}
+        for b in aligned.get("blocks", []):
+            verdicts[b["path"]] = f"fwd {b['fwd']['verdict']}, bwd {b['bwd']['verdict']}" + (
+                "" if "patches" not in aligned or b["path"] in active
+                else " (not patched: its own code)")
     # a retry decides a block again after its family failed alignment: the last decision holds,
     # and the block's alignment verdict is that decision's
     last = {d.path: d for d in decisions}
