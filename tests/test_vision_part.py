@@ -215,3 +215,15 @@ def test_map_vision_of_towers_on_whole_images(model_type, tmp_path):
     assert main(["map", ref, "--part", "vision", "--out", str(out)]) == 0
     cov = json.loads((out / "coverage.json").read_text())
     assert cov["counts"]["uncovered"] == 0 and sum(cov["counts"].values()) > 0
+
+
+def test_documented_dimensions():
+    """The batch, the config's int fields (image_size is the config's, not a count of
+    images), one image a sample; anything else is not guessed."""
+    from onboarding.load.vision import _dim
+
+    cfg = SimpleNamespace(image_size=8, max_num_tiles=4)
+    assert [_dim(n, 2, cfg) for n in ("batch_size", "image_size", "max_num_tiles",
+                                      "max_num_images", "num_concurrent_media", "3")] == \
+        [2, 8, 4, 1, 1, 3]
+    assert _dim("sequence_length", 2, cfg) is None and _dim("image_tokens", 2, cfg) is None

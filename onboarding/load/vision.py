@@ -118,16 +118,17 @@ def documented_shapes(fn: Any) -> dict[str, list[str]]:
 
 
 def _dim(name: str, batch: int, cfg: Any) -> int | None:
-    """The size of a documented dimension: the batch, 1 for a count of images (one image a
-    sample), a number, or the vision config's int field of that name; None otherwise."""
+    """The size of a documented dimension: the batch, a number, the vision config's int field
+    of that name, or 1 for a count of images (``num_images``, ``max_num_images``: one image a
+    sample); None otherwise."""
     if name == "batch_size":
         return batch
     if name.isdigit():
         return int(name)
-    if re.search(r"(image|media)", name):
-        return 1
     v = getattr(cfg, name, None) if cfg is not None else None
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    return 1 if re.search(r"(^|_)num_(\w+_)?(images|media)$", name) else None
 
 
 class VisionPart(nn.Module):
