@@ -180,9 +180,13 @@ def _call(model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
         remote = describe_failure(exc, what="in forward", config=getattr(model, "config", None))
         if remote is not None:
             raise ModelRunError(remote + _gpu_kernel_hint(exc)) from exc
+        from onboarding.load.model import model_code_site
+
         lines = str(exc).strip().splitlines()
+        site = model_code_site(exc)
         raise ModelRunError(f"the model's forward raised {type(exc).__name__}: "
-                            f"{lines[0] if lines else ''}{_gpu_kernel_hint(exc)}") from exc
+                            f"{lines[0] if lines else ''}{f' at {site}' if site else ''}"
+                            f"{_gpu_kernel_hint(exc)}") from exc
 
 
 # installed packages whose frames say nothing about which kernel library the model code picked

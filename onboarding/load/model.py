@@ -124,8 +124,11 @@ class LoadedModel:
 
                 raise_remote(exc, ref=self.ref, what="building the model", config=cfg,
                              directory=self.directory)
+            site = model_code_site(exc) if self.is_hf else None
+            where = (f" at {site} (a config field that line reads may need a value: "
+                     "--set KEY=VALUE)") if site else ""
             raise InputError(f"{self.ref}: building the model failed: "
-                             f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                             f"{type(exc).__name__}: {_first_line(exc)}{where}") from exc
         if not isinstance(model, nn.Module):
             raise InputError(f"{self.ref}: the factory returned {type(model).__name__}, "
                              "not a torch.nn.Module")
@@ -161,6 +164,29 @@ def fill_parameters(model: nn.Module, std: float = 0.02) -> None:
         if not p.is_contiguous():
             p.copy_(flat.view(p.shape))
         pos += flat.numel()
+
+
+def model_code_site(exc: BaseException) -> str | None:
+    """``modeling_x.py:LINE (`source`)`` of the innermost frame of ``exc`` in transformers' model
+    code (its ``models/`` folder), or None: where a config transformers ships (an ``hf:`` type's
+    defaults) or one given with ``--set`` fails to build, which the exception's text alone does
+    not say (hf:lfm2_moe's default ``layer_types`` is None: "'NoneType' object is not
+    subscriptable")."""
+    import traceback
+
+    import transformers
+
+    models = Path(transformers.__file__).resolve().parent / "models"
+    e: BaseException | None = exc
+    while e is not None:
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if Path(f.filename).resolve().is_relative_to(models)]
+        if frames:
+            f = frames[-1]
+            code = f" (`{f.line.strip()}`)" if f.line and f.line.strip() else ""
+            return f"{Path(f.filename).name}:{f.lineno}{code}"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
