@@ -9,12 +9,15 @@ Everything goes by structure, never by class or model names:
 - the *whole model* is built from the model's own classes: the auto classes transformers (or the
   remote code's ``auto_map``) registers for the config, else the classes of the config's modeling
   module whose ``config_class`` is the config's class; where the root does not build, the
-  sub-config on the way to the text config does (what was not built is a note);
+  sub-config on the way to the text config does (what was not built is a note); where every
+  class that builds leaves some sub-config without a module, the first such class (or the last
+  tried) is the whole, and a note names what it leaves out and why (another class's error);
 - the *decoder* is the shallowest module with an embedding over the text vocabulary and a
   ModuleList of the text layer count; the *lm_head* is the whole model's output embedding (a
   linear to the vocabulary), else a new linear (tied where the decoder's config ties);
-- *components*: the module built from each sub-config (``model.config is sub``) is that
-  component (``vision_config`` -> ``vision``, ``audio_config`` -> ``audio``; the text config is
+- *components*: the module built from each sub-config (``model.config is sub``; for a
+  sub-config no module keeps, the modules whose constructor was given it: `config_modules`) is
+  that component (``vision_config`` -> ``vision``, ``audio_config`` -> ``audio``; the text config is
   ``language``, with the lm_head); inside a tower, the children after its layer stack that hold
   linear or convolution layers and take its features out of its width (the width its layer stack
   reads, not a config field that may hold the language model's), and anything outside every
@@ -27,8 +30,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import sys
 import warnings
+import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +62,64 @@ def sub_configs(cfg: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[st
     for k, v in vars(cfg).items():
         if _is_config(v) and not k.startswith("_"):
             yield from sub_configs(v, path + (k,))
+
+
+# module -> the config its constructor was given, for modules built under `recording_configs`
+_BUILT_FROM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def recording_configs() -> Iterator[None]:
+    """While models are built in it: each module whose constructor was given a config among its
+    arguments (``Head(config.flow_head_config)``) is recorded as built from it (`built_from`),
+    whether or not it keeps the config as ``.config``. The constructor's arguments are read off
+    its frame when it calls ``nn.Module.__init__`` (``super().__init__()``)."""
+    init = nn.Module.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        frame = sys._getframe(1)
+        code = frame.f_code
+        if code.co_name != "__init__" or frame.f_locals.get("self") is not self:
+            return
+        for name in code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]:
+            if _is_config(v := frame.f_locals.get(name)):
+                _BUILT_FROM[self] = v
+                return
+
+    nn.Module.__init__ = recording
+    try:
+        yield
+    finally:
+        nn.Module.__init__ = init
+
+
+def built_from(m: nn.Module) -> Any:
+    """The config ``m`` was built from: its own ``config``, else the config its constructor was
+    given where it was built under `recording_configs` (a tower or head that keeps none), else
+    None."""
+    c = getattr(m, "config", None)
+    return c if _is_config(c) else _BUILT_FROM.get(m)
+
+
+def config_modules(model: nn.Module) -> dict[str, int]:
+    """Module path -> ``id`` of the config it is built from: the modules that keep a config as
+    ``.config``, and for a config that no module keeps, the modules whose constructor was given
+    it and that hold parameters (`built_from`: a head built as ``Head(config.flow_head_config)``;
+    not a rotary table given a config its encoder keeps no trace of). A config some module keeps
+    is matched by that alone: a projector given the vision config for its widths is not the
+    vision tower."""
+    kept: dict[str, int] = {}
+    given: dict[str, int] = {}
+    for path, m in model.named_modules():
+        c = getattr(m, "config", None)
+        if _is_config(c):
+            kept[path] = id(c)
+        elif (r := _BUILT_FROM.get(m)) is not None and any(True for _ in m.parameters()):
+            given[path] = id(r)
+    held = set(kept.values())
+    out = {**{p: c for p, c in given.items() if c not in held}, **kept}
+    return {p: out[p] for p, _ in model.named_modules() if p in out}
 
 
 def _int(c: Any, name: str) -> int | None:
@@ -145,37 +209,59 @@ def build_whole(cfg: Any, trust_remote_code: bool) -> tuple[nn.Module, tuple[str
     for depth in range(len(text_path) + 1):
         node_path = text_path[:depth]
         node = _get(cfg, node_path)
-        partial: nn.Module | None = None
+        partial: tuple[nn.Module, str, list[str]] | None = None
         builders = _builders(node, trust_remote_code)
         for i, (what, build) in enumerate(builders):
             try:
-                model = build(node)
+                with recording_configs():
+                    model = build(node)
             except Exception as exc:  # noqa: BLE001 - the model's own code, whatever it raises
                 errors.append(f"{what}: {type(exc).__name__}: {_first_line(exc)}")
                 continue
             if isinstance(model, nn.Module) and any(True for _ in model.parameters()):
                 # a class that builds the text part alone (Mllama's causal LM beside its
                 # conditional-generation model): a later class may build the towers too
-                if (missing := _unbuilt_parts(model, node, text_path[depth:])) and i + 1 < len(builders):
+                missing = _unbuilt_parts(model, node, text_path[depth:])
+                if missing and i + 1 < len(builders):
                     errors.append(f"{what}: builds no module from {', '.join(missing)}")
-                    partial = partial or model
+                    partial = partial or (model, what, missing)
                     continue
                 if node_path:
                     skipped = [".".join(p) for p, _ in sub_configs(cfg)
                                if len(p) == 1 and p[0] != node_path[0]]
                     notes.append(f"built from {'.'.join(node_path)} ({errors[0] if errors else 'the root has no model class'}); "
                                  f"not built: {', '.join(skipped) or 'none'}")
+                if missing and (note := _partial_note(what, missing, node_path, errors)):
+                    notes.append(note)
                 return model, node_path, notes
         if partial is not None:
-            return partial, node_path, notes
+            model, what, missing = partial
+            if note := _partial_note(what, missing, node_path, errors):
+                notes.append(note)
+            return model, node_path, notes
     detail = errors[0] if errors else "no model class is registered for the config"
     raise InputError(f"building the model failed: {detail}")
+
+
+def _partial_note(what: str, missing: list[str], node_path: tuple[str, ...],
+                  errors: list[str]) -> str | None:
+    """The note of a whole model that builds no module from some sub-configs of the node it was
+    built from, where another class of the config raised (it may have built them: its error is
+    the why); None where none raised (a sub-config of settings, such as an attention config,
+    that no class builds a module from)."""
+    names = [".".join(node_path + (m,)) for m in missing]
+    why = next((e for e in errors if not e.startswith(f"{what}:")
+                and "builds no module from" not in e), None)
+    if why is None:  # no class raised: a sub-config of settings no class builds a module from
+        return None
+    return f"built by {what}, which builds no module from {', '.join(names)} ({why}); " \
+           f"not built: {', '.join(names)}"
 
 
 def _unbuilt_parts(model: nn.Module, node: Any, text_rest: tuple[str, ...]) -> list[str]:
     """The sub-configs of ``node`` (one level down, not the one on the way to the text config)
     from which no module of ``model`` is built (``module.config is sub``)."""
-    built = {id(getattr(m, "config", None)) for m in model.modules()}
+    built = set(config_modules(model).values())
     return [k for k, v in vars(node).items() if _is_config(v) and not k.startswith("_")
             and (not text_rest or k != text_rest[0]) and id(v) not in built]
 
@@ -247,7 +333,7 @@ def whole_of_causal_lm(model: nn.Module, cfg: Any, trust_remote_code: bool) -> L
     if whole is None:
         for what, build in _builders(cfg, trust_remote_code):
             try:
-                with torch.device("meta"), warnings.catch_warnings():
+                with torch.device("meta"), warnings.catch_warnings(), recording_configs():
                     warnings.simplefilter("ignore")
                     candidate = build(cfg)
             except Exception as exc:  # noqa: BLE001 - the model's own code, whatever it raises
@@ -509,7 +595,7 @@ def resident_parts(model: nn.Module, cfg: Any) -> dict[str, str]:
             text_path = text_config_path(cfg)
         except InputError:
             return {}
-        built = {id(getattr(m, "config", None)) for m in model.modules()}
+        built = set(config_modules(model).values())
         others = [c for p, c in sub_configs(cfg)
                   if p and p != text_path[:len(p)] and p[:len(text_path)] != text_path]
         if not any(id(c) in built for c in others):  # no module of another part: no tower here
@@ -532,8 +618,8 @@ def param_components(lay: Layout, cfg: Any) -> dict[int, tuple[nn.Parameter, str
     roots: dict[str, str] = {}  # module path -> component
     wanted = {id(c): _component_name(lay.node_path + p, lay.text_path)
               for p, c in sub_configs(node) if p}
-    for path, mod in whole.named_modules():
-        comp = wanted.get(id(getattr(mod, "config", None)))
+    for path, c in config_modules(whole).items():
+        comp = wanted.get(c)
         if comp is None or not path:
             continue
         if any(inside(path, r) for r in roots):
