@@ -165,6 +165,8 @@ def _fast_paths(b: Block) -> list[tuple[str, str]]:
     if b.kind == "embedding":
         return [("embedding gather", "memory-bound gather; torch is at bandwidth")]
     if b.kind == "embedding.patch":
+        if ops.get("im2col"):  # an unfold and a linear (`classify._patch_unfold`)
+            return [("patch convolution", "an unfold (im2col) and one GEMM: cuBLAS")]
         return [("patch convolution", "one strided convolution: cuDNN")]
     if b.kind == "lm_head":
         return [("vocabulary projection", "one large GEMM: cuBLAS")]

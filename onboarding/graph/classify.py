@@ -63,6 +63,8 @@ class Classifier(MixerRules, MoeRules, StreamRules):
             return "embedding", ["aten.embedding lookup"], {}
         if not mm and (patch := self._patch_conv(recs)) is not None:
             return patch
+        if len(mm) == 1 and (patch := self._patch_unfold(recs, mm[0])) is not None:
+            return patch
         if leaf and len(mm) == 1 and ctx.vocab and (d := _linear_dims(mm[0], ctx)) \
                 and (d[1] == ctx.vocab or d[1] in ctx.vocabs) and sum(n for op, n in ops.items()
                                               if op not in VIEW_OPS and not is_matmul(op)) <= 2 \
@@ -509,6 +511,33 @@ class Classifier(MixerRules, MoeRules, StreamRules):
             f"convolution {w[1]} -> {w[0]} channels, kernel {'x'.join(map(str, w[2:]))} = stride "
             "(non-overlapping patches)", "the first such convolution of the forward (on the input)"
         ], {"in_channels": w[1], "dim": w[0], "patch": w[2:]}
+
+    def _patch_unfold(self, recs: list[OpRecord], mm: OpRecord
+                      ) -> tuple[str, list[str], dict[str, Any]] | None:
+        """A patch embedding in two steps: one unfold (im2col) of images whose kernel is its
+        stride (non-overlapping patches), then one linear reading what it cut (channels x the
+        kernel's area), nothing else but views: a strided convolution written as an unfold and a
+        GEMM (Llama 4's vision tower); the first unfold of the forward (the one on the pixels)."""
+        cols = [r for r in recs if r.op == "im2col"]
+        if len(cols) != 1 or any(r.op not in VIEW_OPS for r in recs if r not in (cols[0], mm)):
+            return None
+        r = cols[0]
+        x = r.in_shapes[0] if r.in_shapes else None
+        kernel, stride = (r.scalars[1], r.scalars[4]) if len(r.scalars) > 4 else (None, None)
+        if not x or len(x) != 4 or not isinstance(kernel, list) or kernel != stride \
+                or max(kernel) < 2 or mm.index < r.index:
+            return None
+        d = _linear_dims(mm, self.ctx)
+        if not d or d[0] != x[1] * kernel[0] * kernel[1]:
+            return None
+        if r.index != min(x.index for x in self.cap.records if x.op == "im2col"):
+            return None
+        return "embedding.patch", [
+            f"unfold (im2col) of {x[1]}-channel images, kernel {'x'.join(map(str, kernel))} = "
+            "stride (non-overlapping patches)",
+            f"then one linear {d[0]} -> {d[1]} over the patches: a convolution in two steps",
+            "the first unfold of the forward (on the input)"
+        ], {"in_channels": x[1], "dim": d[1], "patch": list(kernel)}
 
     def _output_head(self, path: str, rec: OpRecord) -> str | None:
         """Why the vocabulary-wide linear at ``path`` is the model's output head, or None: its
