@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import DEVICE, LaunchSpy
-from test_gated_delta import (GPU_CASES, ArgSpy, Case, check_bf16_vs_fp32_gpu, check_fp16_dot_path, grads_of, load,
-                              make_inputs)
+from test_gated_delta import GPU_CASES, Case, check_bf16_vs_fp32_gpu, grads_of, load, make_inputs
 
 from onboarding.families import family_module
 from onboarding.generate import aot
@@ -82,24 +81,6 @@ def test_keyhead_vs_naive_and_default(case, bk, monkeypatch):
             continue
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4, msg=lambda m, n=n: f"{n} vs naive: {m}")
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n} vs default: {m}")
-
-
-@pytest.mark.parametrize("bk", [0, 32], ids=["bk=all", "bk=32"])
-def test_keyhead_fp16_dot_path(bk, monkeypatch):
-    """The 16-bit path (fp16 operands, dq and dk rounded to fp16 in dqo, dko between value heads and before dq's
-    l2norm pass, as the default's IDT slots) against the naive fp32 recurrence at fp16 accuracy
-    (`check_fp16_dot_path`: grouped values, T 37, the l2norm, an initial state), the keyhead kernel launched."""
-    module = load(gated_delta.FAMILY)
-    seen: list = []
-    monkeypatch.setattr(module, KEYHEAD, ArgSpy(getattr(module, KEYHEAD), lambda grid, kw: seen.append(
-        kw["p_dqo"].dtype)))
-    prev = module._CONFIG_OVERRIDE
-    module.set_config({**(prev or {}), "bwd_wy": "keyhead", "bwd_wy_bk": bk})
-    try:
-        check_fp16_dot_path(gated_delta.FAMILY, False, monkeypatch)
-    finally:
-        module.set_config(prev)
-    assert seen == [torch.float16], seen
 
 
 def test_keyhead_is_off_by_default():
