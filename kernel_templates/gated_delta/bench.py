@@ -6,9 +6,8 @@ forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd`
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
 (`PREP_SWEEP`: ``ours@prep_pipe=on_fwd`` and, against v27's forward without training (`fused_kq`
 "rows" with the prepare capped at 168 registers), ``ours@fused_kq=stored_fwd`` (v26's) and
-``ours@rows_maxnreg=0_fwd`` (rows uncapped)) and the chunk-local backward per key head (`KEYHEAD_SWEEP`,
-forward + backward: ``ours@bwd_wy=keyhead+bwd_wy_bk=32``, the same ``+bwd_wy_warps=8``,
-``ours@bwd_wy=keyhead+bwd_wy_bk=64+bwd_wy_warps=8``, ``ours@bwd_wy=keyhead+bwd_wy_warps=8``),
+``ours@rows_maxnreg=0_fwd`` (rows uncapped)) and the whole-K chunk-local backward (`WHOLE_SWEEP`:
+``ours@bwd_wy=whole``, ``ours@bwd_wy=whole+bwd_wy_warps=8``, forward + backward),
 on request, on the same inputs, so that one call times them against the default and fla."""
 
 from __future__ import annotations
@@ -46,15 +45,12 @@ FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
 PREP_SWEEP = ({"prep_pipe": "on"}, {"fused_kq": "stored"}, {"rows_maxnreg": 0})
 # (v24's SPLIT_SWEEP, the chunk-local backward split per K tile `bwd_split` "vk", went with the key in
 # v25: both rows slower than the default fwd+bwd on an H100, .ci/h200/h32_gdn7.sh, in git at 047b72b; family.py)
-# issue 32, template v35, fwd+bwd: the chunk-local backward per (chunk, key head) (`bwd_wy` "keyhead": the key
-# head's value heads in one program, dq, dk summed into the outputs, no group-sum launch) at the default's K tile
-# (`bwd_wy_bk` 32) at 4 and 8 warps, at K tiles of 64 and at all of K (0) with 8 warps. sm_90 AOT (bf16, triton
-# 3.9; registers / spill bytes): 255 / 428, 255 / 20, 255 / 304, 255 / 1,256 (the default's WY kernel 255 / 128
-# at 4 warps). Untimed when added (helper-185, CPU only).
-KEYHEAD_SWEEP = ({"bwd_wy": "keyhead", "bwd_wy_bk": 32}, {"bwd_wy": "keyhead", "bwd_wy_bk": 32, "bwd_wy_warps": 8},
-                 {"bwd_wy": "keyhead", "bwd_wy_bk": 64, "bwd_wy_warps": 8}, {"bwd_wy": "keyhead", "bwd_wy_warps": 8})
+# issue 32, template v35, fwd+bwd: the chunk-local backward per (chunk, key head) with the whole K side held
+# (`bwd_wy` "whole": one sweep over V per value head, no group sum), at the bucket's 4 warps and at 8 (its three
+# [64, 128] fp32 accumulators at 32 registers a thread). Untimed when added (helper-185, CPU only).
+WHOLE_SWEEP = ({"bwd_wy": "whole"}, {"bwd_wy": "whole", "bwd_wy_warps": 8})
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)
-BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0], *KEYHEAD_SWEEP)
+BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0], *WHOLE_SWEEP)
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)
 
 

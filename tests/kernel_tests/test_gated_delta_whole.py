@@ -1,8 +1,8 @@
-"""GDN's `bwd_wy` "keyhead" (template v35, off): the chunk-local backward as one program per (chunk, key head)
-walking its value heads, `gdn_chunk_bwd_keyhead_kernel`, in place of `gdn_chunk_bwd_wy_kernel` (per value head)
-and `gdn_group_sum_kernel`; K in tiles of `bwd_wy_bk` (0: all of K). Against the naive fp32 recurrence and the
-default path in the interpreter, its launches spied, its AOT spec against its launch, its sm_90 build, and on a
-GPU the bench rows' bf16 bars.
+"""GDN's `bwd_wy` "whole" (template v35, off): the chunk-local backward as one program per (chunk, key head)
+holding the whole K side, `gdn_chunk_bwd_whole_kernel`, in place of `gdn_chunk_bwd_wy_kernel` (per value head,
+K in tiles) and `gdn_group_sum_kernel`. Against the naive fp32 recurrence and the default path in the
+interpreter, its launches spied, its AOT spec against its launch, its sm_90 build, and on a GPU the bench rows'
+bf16 bars.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ from onboarding.generate import aot
 
 gated_delta = family_module("gated_delta")
 
-KEYHEAD = "gdn_chunk_bwd_keyhead_kernel"
+WHOLE = "gdn_chunk_bwd_whole_kernel"
 APART = ("gdn_chunk_bwd_wy_kernel", "gdn_group_sum_kernel")
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
 
-# The first two run by default (~16 s in all in the interpreter), the rest are marked slow. The first: grouped
-# values (HV = 2 HK), an odd T (37: the CPU chunk of 16 leaves a partial third chunk), K 64 (two K tiles of the default path's pinned BK 32), V 48 over two V tiles
+# The first two run by default (~9 s together in the interpreter), the rest are marked slow. The first: grouped values (HV = 2 HK), an odd T (37: the CPU chunk of 16 leaves a partial
+# third chunk), K 64 (two K tiles of the default path's pinned BK 32; one whole K here), V 48 over two V tiles
 # (the second partial), an initial state and the l2norm. Then one value head per key head (HV = HK, two key
 # heads); grouped at B 2 without the l2norm or an initial state; four value heads per key head with K 16 < V 32
-# at a T that is a multiple of the chunk; K 48, not a power of two (the K side masked). Each at all of K in one
-# tile and at K tiles of 32.
-KEYHEAD_CASES = [
+# at a T that is a multiple of the chunk; K 48, not a power of two (the K side masked).
+WHOLE_CASES = [
     Case(HK=1, HV=2, T=37, l2=True, h0=True, K=64, V=48),
     Case(HK=2, HV=2, T=37, l2=True, h0=True),
     Case(HK=1, HV=2, T=37, l2=False, h0=False, B=2),
@@ -42,7 +41,7 @@ def _run(module, cfg: dict, case: Case, monkeypatch, launches: list | None = Non
     douts = [torch.randn(case.B, case.T, case.HV, case.V, generator=gen).to(DEVICE),
              torch.randn(case.B, case.HV, case.K, case.V, generator=gen).to(DEVICE)]
     if launches is not None:
-        for name in (KEYHEAD, *APART):
+        for name in (WHOLE, *APART):
             monkeypatch.setattr(module, name, LaunchSpy(getattr(module, name), lambda grid, kw, _n=name: launches.append(
                 (_n, grid, kw))))
     prev = module._CONFIG_OVERRIDE
@@ -55,24 +54,21 @@ def _run(module, cfg: dict, case: Case, monkeypatch, launches: list | None = Non
     return [*outs, *grads], args, douts
 
 
-@pytest.mark.parametrize("bk", [0, 32], ids=["bk=all", "bk=32"])
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if i < 2 else pytest.mark.slow, id=c.id)
-                                  for i, c in enumerate(KEYHEAD_CASES)])
-def test_keyhead_vs_naive_and_default(case, bk, monkeypatch):
-    """Under `bwd_wy` "keyhead" o, the final state and every gradient (dq, dk, dv, dg, dbeta, d initial_state)
-    equal the naive fp32 recurrence's (1e-4) and the default path's (1e-5); the launches are the keyhead kernel
-    alone over (chunks, B * HK) at the K tile `bwd_wy_bk` gives (0: all of K) and the warps `bwd_wy_warps` gives
-    (the default's WY kernel and group sum never run)."""
+                                  for i, c in enumerate(WHOLE_CASES)])
+def test_whole_vs_naive_and_default(case, monkeypatch):
+    """Under `bwd_wy` "whole" o, the final state and every gradient (dq, dk, dv, dg, dbeta, d initial_state)
+    equal the naive fp32 recurrence's (1e-4) and the default path's (1e-5); the launches are the whole kernel
+    alone over (chunks, B * HK) with BK the whole K (the default's WY kernel and group sum never run) at the
+    warps `bwd_wy_warps` gives."""
     module = load(gated_delta.FAMILY)
     launches: list = []
-    got, args, douts = _run(module, {"bwd_wy": "keyhead", "bwd_wy_bk": bk, "bwd_wy_warps": 8}, case, monkeypatch,
-                            launches)
+    got, args, douts = _run(module, {"bwd_wy": "whole", "bwd_wy_warps": 8}, case, monkeypatch, launches)
     nt = -(-case.T // 16)
-    assert [(n, g) for n, g, _ in launches] == [(KEYHEAD, (nt, case.B * case.HK))], launches
+    assert [(n, g) for n, g, _ in launches] == [(WHOLE, (nt, case.B * case.HK))], launches
     kw = launches[0][2]
-    bkf = max(16, 1 << (case.K - 1).bit_length())
-    assert (kw["BK"], kw["G"], kw["num_warps"], kw["USE_L2"]) == (min(bk or bkf, bkf), case.HV // case.HK, 8,
-                                                                  case.l2), kw
+    assert (kw["BK"], kw["G"], kw["num_warps"], kw["USE_L2"]) == (max(16, 1 << (case.K - 1).bit_length()),
+                                                                  case.HV // case.HK, 8, case.l2), kw
     ref = [*sum(grads_of(module.reference, args, douts), [])]
     base, _, _ = _run(module, {}, case, monkeypatch)
     for n, a, r, b in zip(NAMES, got, ref, base):
@@ -83,8 +79,8 @@ def test_keyhead_vs_naive_and_default(case, bk, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n} vs default: {m}")
 
 
-def test_keyhead_is_off_by_default():
-    """Every bucket keeps the default chunk-local backward (`bwd_wy` "tiles"); "keyhead" is an option."""
+def test_whole_is_off_by_default():
+    """Every bucket keeps the default chunk-local backward (`bwd_wy` "tiles"); "whole" is an option."""
     module = load(gated_delta.FAMILY)
     prev = module._CONFIG_OVERRIDE
     module.set_config(None)
@@ -94,35 +90,32 @@ def test_keyhead_is_off_by_default():
         module.set_config(prev)
 
 
-def test_keyhead_aot_spec_is_the_launch(monkeypatch):
-    """The keyhead kernel's AOT spec (fp32, K = V = 128) is its launch at one value head per key head but G:
-    constexprs (BK from `bwd_wy_bk`), warps (`bwd_wy_warps`, else num_warps) and stages."""
+def test_whole_aot_spec_is_the_launch(monkeypatch):
+    """The whole kernel's AOT spec (fp32, K = V = 128) is its launch at one value head per key head but G:
+    constexprs (BK the whole K), warps (`bwd_wy_warps`, else num_warps) and stages."""
     case = Case(HK=1, HV=1, T=20, l2=True, h0=True, K=128, V=128)
     module = load(gated_delta.FAMILY, {"chunk_size": 64})
-    for bk, warps in ((0, 0), (64, 8)):
+    for warps in (0, 8):
         launches: list = []
-        cfg = {"bwd_wy": "keyhead", "bwd_wy_bk": bk, "bwd_wy_warps": warps}
-        _run(module, cfg, case, monkeypatch, launches)
+        _run(module, {"bwd_wy": "whole", "bwd_wy_warps": warps}, case, monkeypatch, launches)
         prev = module._CONFIG_OVERRIDE
-        module.set_config({**(prev or {}), **cfg})
+        module.set_config({**(prev or {}), "bwd_wy": "whole", "bwd_wy_warps": warps})
         try:
-            specs = [s for s in module.aot_specs("fp32", 128) if s["kernel"] == KEYHEAD]
+            specs = [s for s in module.aot_specs("fp32", 128) if s["kernel"] == WHOLE]
         finally:
             module.set_config(prev)
-        assert len(specs) == 1 and [n for n, _, _ in launches] == [KEYHEAD], (specs, launches)
+        assert len(specs) == 1 and [n for n, _, _ in launches] == [WHOLE], (specs, launches)
         kw = launches[0][2]
-        assert kw["BK"] == (bk or 128), kw
         assert {k: v for k, v in specs[0]["constexprs"].items() if k != "G"} == {
             k: kw[k] for k in specs[0]["constexprs"] if k != "G"}, (specs[0], kw)
         assert (kw["num_warps"], kw["num_stages"]) == (specs[0]["num_warps"], specs[0]["num_stages"]), (kw, specs)
 
 
-# the rendered module cut down to the keyhead kernel, its spec at 4 and 8 warps under a `bwd_wy_bk` pin
-# (`aot.compile_files` builds every kernel of a module in a child process, outside the interpreter)
-_KEYHEAD_ONLY = """
+# the rendered module cut down to the whole kernel, its spec at 4 and 8 warps (`aot.compile_files` builds every
+# kernel of a module in a child process, outside the interpreter)
+_WHOLE_ONLY = """
 
 _SPECS = aot_specs
-set_config({{"bwd_wy_bk": {bk}}})
 for _n in [n for n in list(globals()) if n.endswith("_kernel") and n != "{kernel}"]:
     del globals()[_n]
 
@@ -133,33 +126,31 @@ def aot_specs(dtype="bf16", size=128):
 """
 
 
-@pytest.mark.slow  # two sm_90 builds of one kernel (~30 s on a shared 2-core host)
-@pytest.mark.parametrize("bk", [0, 64, 32])
-def test_aot_sm90_keyhead(tmp_path, bk):
-    """The keyhead kernel builds for sm_90 (bf16, K = V = 128, the Qwen3-Next layout's G 2, every integer
-    marked) at 4 and 8 warps within the H100's shared memory at K tiles of `bk` (0: all of K); registers and
-    spills are printed (-s)."""
+@pytest.mark.slow  # two sm_90 builds of one kernel (~1 min on a shared 2-core host)
+def test_aot_sm90_whole(tmp_path):
+    """The whole kernel builds for sm_90 (bf16, K = V = 128, the Qwen3-Next layout's G 2, every integer
+    marked) at 4 and 8 warps within the H100's shared memory; registers and spills are printed (-s)."""
     from onboarding.generate import templating
 
     ok, why = aot.aot_available()
     if not ok:
         pytest.skip(f"triton cannot compile ahead of time here: {why}")
     source = templating.render(gated_delta.FAMILY, "chunk", {"chunk_size": 64, "qk_l2norm": True})
-    path = templating.write_module(source + _KEYHEAD_ONLY.format(kernel=KEYHEAD, bk=bk), tmp_path / "gated_delta" / "chunk.py")
+    path = templating.write_module(source + _WHOLE_ONLY.format(kernel=WHOLE), tmp_path / "gated_delta" / "chunk.py")
     results = next(iter(aot.compile_files([path], size=128, dtype="bf16", specialize="all").values()))
-    assert [(r.kernel, r.num_warps) for r in results] == [(KEYHEAD, 4), (KEYHEAD, 8)], results
+    assert [(r.kernel, r.num_warps) for r in results] == [(WHOLE, 4), (WHOLE, 8)], results
     for r in results:
         print(f"{r.kernel} {r.num_warps} warps: {r.n_regs} registers, {r.n_spills} B spilled, {r.shared_bytes} B shared")
         assert r.ok, r.error
         assert r.shared_bytes <= aot.H100_SHARED_BYTES, r.shared_bytes
 
 
-# The bench's "keyhead" rows (bench.KEYHEAD_SWEEP, template v35): each within the bf16 bars on the GPU, forward and
+# The bench's "whole" rows (bench.WHOLE_SWEEP, template v35): each within the bf16 bars on the GPU, forward and
 # every gradient, at both GPU cases.
 @pytest.mark.parametrize("cfg", [pytest.param(c, id=",".join(f"{k}={v}" for k, v in c.items()))
-                                 for c in gated_delta.bench.KEYHEAD_SWEEP])
+                                 for c in gated_delta.bench.WHOLE_SWEEP])
 @pytest.mark.parametrize("case,slow", GPU_CASES)
-def test_bf16_vs_fp32_on_gpu_keyhead(cfg, case, slow):
+def test_bf16_vs_fp32_on_gpu_whole(cfg, case, slow):
     if DEVICE.type != "cuda":
         pytest.skip("bf16 dots need a GPU (the interpreter computes them wrongly)")
     module = load(gated_delta.FAMILY, {"chunk_size": 64})
