@@ -6,8 +6,7 @@ forward + backward) and the fused output (`FWD_O_SWEEP`: ``ours@fwd_o=fused_fwd`
 ``ours@fwd_o=fused+state_bv=16_fwd``, ``ours@fwd_o=fused``) and the prepare kernel's order
 (`PREP_SWEEP`: ``ours@prep_pipe=on_fwd`` and, against v27's forward without training (`fused_kq`
 "rows" with the prepare capped at 168 registers), ``ours@fused_kq=stored_fwd`` (v26's) and
-``ours@rows_maxnreg=0_fwd`` (rows uncapped)) and the whole-K chunk-local backward (`WHOLE_SWEEP`:
-``ours@bwd_wy=whole``, ``ours@bwd_wy=whole+bwd_wy_warps=8``, forward + backward),
+``ours@rows_maxnreg=0_fwd`` (rows uncapped)),
 on request, on the same inputs, so that one call times them against the default and fla."""
 
 from __future__ import annotations
@@ -45,12 +44,8 @@ FWD_O_SWEEP = ({"fwd_o": "fused"}, {"fwd_o": "fused", "state_bv": 16})
 PREP_SWEEP = ({"prep_pipe": "on"}, {"fused_kq": "stored"}, {"rows_maxnreg": 0})
 # (v24's SPLIT_SWEEP, the chunk-local backward split per K tile `bwd_split` "vk", went with the key in
 # v25: both rows slower than the default fwd+bwd on an H100, .ci/h200/h32_gdn7.sh, in git at 047b72b; family.py)
-# issue 32, template v35, fwd+bwd: the chunk-local backward per (chunk, key head) with the whole K side held
-# (`bwd_wy` "whole": one sweep over V per value head, no group sum), at the bucket's 4 warps and at 8 (its three
-# [64, 128] fp32 accumulators at 32 registers a thread). Untimed when added (helper-185, CPU only).
-WHOLE_SWEEP = ({"bwd_wy": "whole"}, {"bwd_wy": "whole", "bwd_wy_warps": 8})
 FWD_SWEEP = (*SWEEP, *FWD_O_SWEEP, *PREP_SWEEP)
-BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0], *WHOLE_SWEEP)
+BWD_SWEEP = (*SWEEP, FWD_O_SWEEP[0])
 SWEEP_ROWS = sweep_rows(FWD_SWEEP, BWD_SWEEP)
 
 

@@ -107,23 +107,11 @@ DEFAULT_CONFIG = {"BK": 64, "BV": 32, "num_warps": 4, "num_stages": 1, "dot_prec
 #   default at both shapes timed on an H100 (`.ci/h200/h32_gdn7.sh`, in git at 047b72b; CUDA graph, fwd+bwd ms: B2
 #   T4096 H16 D128 0.808 default, 0.940 vk, 1.005 vk at 8 warps; B1 T8192 HK16 HV32 D128 1.590,
 #   1.925, 2.035; bars passed); v25 removed it (docs/LOG.md, thirty-sixth session).
-# bwd_wy ("tiles"): the chunk-local backward. "tiles" `gdn_chunk_bwd_wy_kernel` per (chunk, value head)
-#   (the V side, then BK-wide K tiles, each its own sweep over V) and `gdn_group_sum_kernel` (HV > HK, or
-#   the l2norm); "whole" (v35, off, untimed) `gdn_chunk_bwd_whole_kernel` per (chunk, key head): [BT, K]
-#   fp32 accumulators for the whole K side, one sweep over V per value head with the V side's dots in it,
-#   the key head's value heads in turn adding their dq, dk into the outputs (no slots, no group sum; the
-#   l2norm's row dots are plain row sums). K <= 128 only in spirit: three [BT, K] fp32 tiles a program.
-#   By count at B1 T8192 HK16 HV32 K=V=128 bf16 (helper-185): unique HBM bytes 1.15 -> 0.84 GB (the WY
-#   kernel and the group sum against the one kernel), the same 55.8 GFLOP, per value head 76 -> 28 dots
-#   (the K side's 4x wider) and 20 -> 8 steps over V tiles. sm_90 AOT (bf16, triton 3.9, every integer
-#   marked): 255 registers at 4 and 8 warps, 3,492 / 1,048 B spilled, 69,632 B shared.
-# bwd_wy_warps (0: num_warps): the "whole" kernel's launch alone; 8 gives each of its three [64, 128]
-#   fp32 accumulators 32 registers a thread.
 GDN_TUNING_SPACE = {**TUNING_SPACE, "fwd_o": ("split", "fused"), "prep_pipe": ("off", "on"),
                     "prep_warps": (0, 4, 8), "prep_maxnreg": (0, 128, 168), "fused_kq": ("stored", "rows"),
-                    "rows_maxnreg": (0, 168), "bwd_wy": ("tiles", "whole"), "bwd_wy_warps": (0, 4, 8)}
+                    "rows_maxnreg": (0, 168)}
 GDN_DEFAULT_CONFIG = {**DEFAULT_CONFIG, "fwd_o": "split", "prep_pipe": "off", "prep_warps": 0, "prep_maxnreg": 0,
-                      "fused_kq": "stored", "rows_maxnreg": 0, "bwd_wy": "tiles", "bwd_wy_warps": 0}
+                      "fused_kq": "stored", "rows_maxnreg": 0}
 SHAPE_BUCKETS = (
     # k_le_64: the best of a 162-config grid on the H200, fwd+bwd at B2 T4096 HK16 HV32 K=V=64 bf16:
     # 2.36 ms against 2.51 for the config before, re-timed together (docs/LOG.md, fifth session).
@@ -222,10 +210,8 @@ FAMILY = FamilySpec(
     # machine of the same kind: 1.772 / 1.795 / 2.349, host-bound): GPU-bound now; GPU bars passed.
     # v34: a `_tiles` hit also takes equal pins set again (a bench sweep row pins a new dict of the same
     # values before each step: v33 recomputed its tiles every step, so option rows paid host time the
-    # default row did not). v35: config `bwd_wy` "whole" (off) and `bwd_wy_warps`, the chunk-local backward per
-    # (chunk, key head) with the whole K side held (`gdn_chunk_bwd_whole_kernel`, its AOT spec); the default's
-    # kernels unchanged. History: docs/LOG.md.
-    template_version=35,
+    # default row did not). History: docs/LOG.md.
+    template_version=34,
     folder=Path(__file__).parent,
     variants={"chunk": "chunked gated delta rule, scalar decay per head; fwd, bwd, recurrent decode"},
     params=PARAMS,
