@@ -1096,8 +1096,6 @@ def _low_and_full(shape: tuple, dtype: torch.dtype, device) -> tuple[list, list,
                                  pytest.param({"bwd_ahead": True, "split_dbc": "triple"}, id="triple-ahead"),
                                  # v31's `bwd_dbc_ln` under "paired" (the bucket's `bwd_ahead`)
                                  pytest.param({"bwd_dbc_ln": True}, id="paired-dbc-ln"),
-                                 # v32's `bwd_head_unroll` 2 under "paired" (its two heads one pair)
-                                 pytest.param({"bwd_head_unroll": 2}, id="paired-head-unroll"),
                                  # v29's `pull_ahead` (nightly: test_pull_ahead_matches_pull checks its pull)
                                  pytest.param({"pull_ahead": True}, id="pull-ahead", marks=pytest.mark.slow)])
 def test_fp16_vs_fp32_interpreted(module, device, monkeypatch, cfg):
