@@ -27,8 +27,7 @@ backward of y, the training step, no final state):
   rows untimed. E.g. ``ONBOARD_ANCHOR_MAMBA_SSM=.anchors onboard bench --family ssd --case
   H128 --impl ours,ours_fwd,mamba_ssm,mamba_ssm_fwd``;
 - ``ours@...`` (first case only, after its other rows, so that a run cut short keeps those):
-  tuning values beside the default (`SWEEP`: v32's `bwd_head_unroll` 2 and the capped two-programs-per-SM
-  build; v31's `bwd_dbc_ln`; v29's default, `pull_ahead` False; v27's
+  tuning values beside the default (`SWEEP`: v31's `bwd_dbc_ln`; v29's default, `pull_ahead` False; v27's
   default, `bwd_ahead` False; v24's pull rows, `PULL_P` 32 and `pull_scale` "dy"; "triple"; `bwd_exp`
   "exp", the default until v23), forward
   (``ours@<cfg>_fwd``) or forward + backward (``ours@<cfg>``); they run
@@ -241,13 +240,7 @@ PULL = {"PULL_P": 32, "pull_scale": "dy"}
 # one run; wall / graph ms) the default 2.036 / 1.568, `bwd_dbc_ln` 2.151 / 1.533 (graph -2.2%, wall +5.6%),
 # `pull_ahead` False 2.026 / 1.513 (v29's default, 3.5% under v30's by graph in this run, 5.7% over it in the
 # fifty-fourth session's): differences of this size are within run-to-run spread here; none adopted.
-#
-# Template v32: `bwd_head_unroll` 2, the fused backward's head loops two heads a trip (launched at 2 stages),
-# and beside it the two-programs-per-SM build no option had named: `bwd_split_maxnreg` 128 with `bwd_stages` 2
-# (90 KB of shared memory, 128 registers: two 8-warp programs per SM, at 1,276 spill bytes; family.py has the
-# count of both). Their rows are first (a run cut short keeps them), then v31's and the rest. Untimed.
-SWEEP = (({"bwd_head_unroll": 2}, "bwd"), ({"bwd_split_maxnreg": 128, "bwd_stages": 2}, "bwd"),
-         ({"bwd_dbc_ln": True}, "bwd"), ({"pull_ahead": False}, "bwd"), ({"bwd_ahead": False}, "bwd"),
+SWEEP = (({"bwd_dbc_ln": True}, "bwd"), ({"pull_ahead": False}, "bwd"), ({"bwd_ahead": False}, "bwd"),
          (PULL, "bwd"), ({"split_dbc": "triple"}, "bwd"), ({"PULL_P": 32}, "bwd"),
          ({"bwd_exp": "exp"}, "bwd"))
 

@@ -90,7 +90,6 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
-    # v32: `bwd_head_unroll` (the fused backward's head loops two heads a trip; untimed, off).
     # v31: `bwd_dbc_ln` (the fused backward's dC / dB accumulated as [L, N], the scaled rows a register
     # operand; untimed, off).
     # v30: `pull_ahead` True in the P <= 64 bucket (timed on an H100, fifty-fourth session, below).
@@ -118,7 +117,7 @@ FAMILY = FamilySpec(
     # PULL_N (untimed). v20: the backward gets None, not autograd's zeros,
     # for the outputs without a gradient; `bwd_sums`. v19: `split_dbc` "fused" and "paired" (dx, dC,
     # dB in one launch; "paired" the P <= 64 bucket's since the thirty-sixth session)
-    template_version=32,
+    template_version=31,
     folder=Path(__file__).parent,
     variants={"scan": "Mamba-2 selective state-space scan with grouped B/C, D skip, dt bias/softplus/limits, states"},
     params=(
@@ -301,21 +300,6 @@ FAMILY = FamilySpec(
     #   loaded after them (no local memory access inside either loop). Off in every bucket; a SWEEP row and
     #   a bars row (XPASS on an H100). Timed once on an H100 (bench.py): graph -2.2%, wall +5.6%, within the
     #   spread of one run; not adopted.
-    # bwd_head_unroll (1; v32): ssd_bwd_split_fused_kernel's head loops one head a trip, or 2: two heads a
-    #   trip in one straight block (a static pair, then an odd count's last head alone; the same code per head
-    #   in the same order), for ptxas to schedule the second head's loads, exponentials and dots beside the
-    #   first's elementwise work: 2-head ILP in place of the occupancy this kernel cannot get. The count
-    #   (helper-186, sm_90 bf16 builds at B1 T8192 H128 P64 G8 N128, triton 3.9, 8 warps unless said;
-    #   "paired"): one program per SM today (252 registers x 256 threads; 139 KB). Two per SM need <= 128
-    #   registers at 8 warps and <= ~113 KB: capped at 128 with 2 stages it builds to 90 KB but spills 1,276
-    #   B, and its head loops load / store 142 / 80 (dC / dB) and 80 / 9 (dx) spilled values a head (a 326 KB
-    #   spill footprint a program, past L1); "triple" capped 1,440 B; 4 warps (255 registers, two per SM by
-    #   registers) 1,668-2,192 B (1-3 stages). A head split over two programs per (chunk, group) is DBC_SPLIT
-    #   2 (exists; the same registers, so still one per SM). Triton already pipelines the head loop's staged
-    #   loads (3 stages: 139 KB, 2: 90 KB). HU 2 at 2 stages (the host's cap under it: 238 KB at 3): 255
-    #   registers, 352 spill bytes (16 / 19 reloads, 0 / 2 stores a pair of heads in the loops), 140 KB; per
-    #   head 994.5 / 869.5 SASS instructions, 19 / 23 barriers and 4 / 3 wgmma waits as at HU 1. "triple" 255
-    #   / 352 / 156 KB; "fused" 255 / 1,848. Untimed; a SWEEP row and a bars row.
     tuning_space={
         "CHUNK": (16, 32, 64, 128),
         "BLOCK_P": (16, 32, 64, 128),
@@ -359,7 +343,6 @@ FAMILY = FamilySpec(
         "bwd_ahead": (False, True),
         "pull_ahead": (False, True),
         "bwd_dbc_ln": (False, True),
-        "bwd_head_unroll": (1, 2),
     },
     # The defaults (used above P 64) come from the sm_90 build's registers and spills; CHUNK..dbc
     # were timed at v3 (docs/LOG.md).
@@ -401,8 +384,7 @@ FAMILY = FamilySpec(
                     "PASS_K": 64, "bwd": "chunk", "BWD_M": 64,
                     "bwd_split_maxnreg": 128, "split_dbc": "two", "bwd_split_warps": 0,
                     "bwd_sums": "host", "PULL_N": 0, "bwd_exp": "exp", "PULL_P": 0, "pull_scale": "C",
-                    "bwd_qd": "elem", "bwd_ahead": False, "pull_ahead": False, "bwd_dbc_ln": False,
-                    "bwd_head_unroll": 1},
+                    "bwd_qd": "elem", "bwd_ahead": False, "pull_ahead": False, "bwd_dbc_ln": False},
     shape_buckets=(
         ShapeBucket(name="p_le_64", dim="P", lo=1, hi=64,
                     config={"dot": "input", "state": "input", "STATE_CHUNKS": 1, "gstate": "input",

@@ -959,12 +959,7 @@ UNTIMED = pytest.mark.xfail(reason="a tuning value beside the default: this meas
                                  pytest.param({"pull_ahead": True, "PULL_P": 32, "pull_scale": "dy"},
                                               id="v29-pull-ahead-pull", marks=UNTIMED),
                                  # v31's `bwd_dbc_ln` (the fused backward's dC and dB accumulated as [L, N]), untimed
-                                 pytest.param({"bwd_dbc_ln": True}, id="v31-dbc-ln", marks=UNTIMED),
-                                 # v32's `bwd_head_unroll` 2 (the fused backward's head loops two heads a trip)
-                                 # and the capped two-programs-per-SM build (bench.py's first SWEEP rows), untimed
-                                 pytest.param({"bwd_head_unroll": 2}, id="v32-head-unroll", marks=UNTIMED),
-                                 pytest.param({"bwd_split_maxnreg": 128, "bwd_stages": 2}, id="v32-cap128-s2",
-                                              marks=UNTIMED)])
+                                 pytest.param({"bwd_dbc_ln": True}, id="v31-dbc-ln", marks=UNTIMED)])
 def test_bf16_vs_fp32_on_gpu(module, device, cfg):
     """GPU, the default tiles (chunk 64; at P 64 16-bit dots and bf16 chunk states, template v6's
     rows dot-input / state-input / dot-state-input XPASSed on the H200; state chunks of 4 kernel
