@@ -1,17 +1,18 @@
 """Which gated_delta forward config faults (illegal memory access) at a short no-grad forward.
 
-probe_fault.py (fifty-seventh session, H100) named `gdn_state_fwd_kernel` of the reviewed module in
-the export probe of `onboard train hf:qwen3_next --proxy small --seq 256`: a no-grad forward of 16
-tokens, B1 HK16 HV16 K128 V128 bf16, the k_le_128 bucket (fwd_o fused, fused_kq rows, state_stages 3,
+probe_fault.py (fifty-seventh session, H100) named `gdn_state_fwd_kernel` of the reviewed module
+(then chunk_04fde1a8; chunk_89711166 has the same forward) in the export probe of `onboard train
+hf:qwen3_next --proxy small --seq 256`: a no-grad forward of 16 tokens, B1 HK16 HV16 K128 V128 bf16, the k_le_128 bucket (fwd_o fused, fused_kq rows, state_stages 3,
 state_bv auto = 16 at B*HV 16 on 132 SMs). Each variant runs in its own process (a fault poisons the
 context): `python3 .ci/h200/gdn_fault.py` prints one line per variant; `--one T PIN_JSON` runs one.
 """
+import glob
 import json
 import subprocess
 import sys
 import time
 
-MODULE = "kernels/gated_delta/chunk_04fde1a8.py"
+MODULE = sorted(glob.glob("kernels/gated_delta/chunk_*.py"))[0]  # the reviewed module
 
 
 def one(T: int, pin: dict, B: int = 1, HK: int = 16, HV: int = 16, D: int = 128) -> None:
