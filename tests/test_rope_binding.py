@@ -828,3 +828,32 @@ def test_tables_gathered_before_the_blocks_are_recognised(kernel, monkeypatch):
     assert count.fwd == 2 and count.bwd == 2, (count.fwd, count.bwd)
     _assert_same(got, ref)
     undo()
+
+
+def test_tables_no_op_reads_are_no_rotation_to_serve():
+    """hf:bamba's default config: every layer a Mamba mixer, so the rotary module's tables reach
+    no op. The probe said "no function ... was handed this block's cos/sin tables: the rotation
+    runs inline", coverage listed the block's "rope" op uncovered and the generate stage compiled
+    the table module with Inductor (15.8 s in onboard run hf:bamba). The probe now records that
+    nothing read the tables (``read`` False): no family match, no refusal, no uncovered entry, no
+    task; the table stays a fast torch path. A model whose attention reads them keeps its match."""
+    from onboarding.coverage import build_coverage
+    from onboarding.generate.tasks import task_blocks
+    from onboarding.graph.parse import load_stage, parse_stage
+    from onboarding.load.model import load_model
+
+    rope = families()["rope"]
+    g = parse_stage(load_stage(load_model("hf:bamba")), seq=8, try_export=False)
+    (block,) = [b for b in g.blocks if b.kind == "rope"]
+    assert block.attrs["core_calls"]["rotary"]["read"] is False
+    assert rope.match(block) is None and rope.refusal(block) is None
+    cov = build_coverage(g)
+    assert [(e.op, e.status) for e in cov.entries if e.path == block.path] == [
+        ("cos/sin table", "torch_fast")]
+    assert block.path not in [b.path for b, *_ in task_blocks(g, cov)]
+    # the same tables read by an attention layer: probed, matched as before
+    g = parse_stage(load_stage(load_model("hf:bamba", overrides={"attn_layer_indices": [1]})),
+                    seq=8, try_export=False)
+    (block,) = [b for b in g.blocks if b.kind == "rope"]
+    assert block.attrs["core_calls"]["rotary"]["read"] is True
+    assert rope.match(block) is not None

@@ -436,9 +436,12 @@ class _Derived(TorchFunctionMode):
             return out
         given = [t for t in tree_leaves((args, kwargs))
                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if given and all(_storage(t) in p.tables() for t in given):
+        tables = p.tables()
+        if given and all(_storage(t) in tables for t in given):
             made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            p.derived.extend(t for t in made if _storage(t) not in p.tables())
+            p.derived.extend(t for t in made if _storage(t) not in tables)
+        elif any(_storage(t) in tables for t in given):
+            p.read = True  # a table meets another tensor: something rotates (inline or not)
         return out
 
 
@@ -455,6 +458,8 @@ class RopePatch:
         self.key: tuple | None = None
         self.outputs: list[list[torch.Tensor]] = []  # the tables of its last `KEEP` calls
         self.derived: list[torch.Tensor] = []  # tensors computed from them alone (`_Derived`)
+        # an op of the parent's forward was given a table beside another tensor (`_Derived`)
+        self.read = False
         self.sites: dict[str, int] = {}
         self.originals: dict[str, int] = {}
         self.passed: dict[str, str] = {}  # calls handed the tables that the kernel cannot take
@@ -653,7 +658,8 @@ class _Probing(RopePatch):
     def found(self) -> dict[str, Any]:
         return {"reachable": sorted({s.name for _, swaps in self.consumers.values()
                                      for s in swaps.values()}),
-                "calls": self.calls, "handed": dict(self.passed)}
+                "calls": self.calls, "handed": dict(self.passed),
+                "read": bool(self.read or self.calls or self.passed)}
 
 
 class RotaryProbe:
@@ -679,6 +685,15 @@ class RotaryProbe:
 
 
 ROTARY = RotaryProbe()
+
+
+def unread(found: dict[str, Any]) -> bool:
+    """Whether the probe saw no op of the forward read the block's tables (beside another
+    tensor) and no function handed them: nothing rotates (Bamba's default config, every layer a
+    Mamba mixer, still makes the tables). The block is then its cos/sin table alone, which no
+    kernel serves and no fallback needs to (``read`` absent: a graph probed before it was
+    recorded, judged as before)."""
+    return found.get("read") is False and not found.get("calls") and not found.get("handed")
 
 
 def refusal(found: dict[str, Any]) -> str | None:

@@ -39,7 +39,7 @@ def refusal(block: Any) -> dict[str, str] | None:
     if block.kind != "rope":
         return None
     found = (block.attrs.get("core_calls") or {}).get(binding.ROTARY.what)
-    if found is None:
+    if found is None or binding.unread(found):  # unread: no rotation to refuse
         return None
     why = binding.refusal(found)
     return None if why is None else {"serves": None, "reason": why}
@@ -54,6 +54,8 @@ def match(block: Any) -> dict[str, Any] | None:
     if block.kind != "rope" or refusal(block) is not None:
         return None
     attrs = block.attrs
+    if binding.unread((attrs.get("core_calls") or {}).get(binding.ROTARY.what) or {}):
+        return None  # tables no op reads: nothing for the kernel to rotate
     layout = attrs.get("layout", "half")
     params = {"head_dim": attrs.get("head_dim"), "rotary_dim": attrs.get("rotary_dim")}
     probed = binding.probed_layout((attrs.get("core_calls") or {}).get(binding.ROTARY.what) or {})
