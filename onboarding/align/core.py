@@ -212,8 +212,11 @@ def _run(model: nn.Module, graph: OpGraph, inputs: tuple, kwargs: dict, seed: in
             projection_loss(logits, seed).backward()
     finally:
         rec.remove()
+    # every path of a parameter that modules share (Zamba2's shared transformer, reused by
+    # several layers): a block is judged by its parameters' names under its own path, and the
+    # de-duplicated listing names a shared one under its first user's alone
     grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
-             for n, p in model.named_parameters()}
+             for n, p in model.named_parameters(remove_duplicate=False)}
     return _Run(rec=rec, logits=logits.detach(), param_grads=grads)
 
 
