@@ -4,7 +4,7 @@ probe_fault.py (fifty-seventh session, H100) named `gdn_state_fwd_kernel` of the
 (then chunk_04fde1a8; chunk_89711166 has the same forward) in the export probe of `onboard train
 hf:qwen3_next --proxy small --seq 256`: a no-grad forward of 16 tokens, B1 HK16 HV16 K128 V128 bf16, the k_le_128 bucket (fwd_o fused, fused_kq rows, state_stages 3,
 state_bv auto = 16 at B*HV 16 on 132 SMs). Each variant runs in its own process (a fault poisons the
-context): `python3 .ci/h200/gdn_fault.py` prints one line per variant; `--one T PIN_JSON` runs one.
+context): `python3 .ci/h200/gdn_fault.py` prints one line per variant (`--pick I J ...`: those of VARIANTS); `--one T PIN_JSON` runs one.
 """
 import glob
 import json
@@ -54,7 +54,8 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
         one(int(sys.argv[2]), json.loads(sys.argv[3]))
         sys.exit(0)
-    for T, pin in VARIANTS:
+    pick = [int(a) for a in sys.argv[2:]] if sys.argv[1:2] == ["--pick"] else range(len(VARIANTS))
+    for T, pin in (VARIANTS[i] for i in pick):
         t0 = time.time()
         p = subprocess.run([sys.executable, __file__, "--one", str(T), json.dumps(pin)], capture_output=True,
                            text=True, timeout=120)
