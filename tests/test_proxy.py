@@ -226,6 +226,32 @@ def test_layer_count_is_the_field_that_sizes_the_layer_stack():
     _check_layer_stack(loaded, c, "tiny", "num_layers", stack(28))
 
 
+def test_a_stack_sized_by_another_layer_field_shrinks():
+    """HRM-text's num_hidden_layers (128) sizes no ModuleList; num_layers_per_stack (16) sizes
+    its two stacks. The proxy shrank num_hidden_layers alone, so onboard run hf:hrm_text kept
+    all 32 layers (proxy 6.29M, 99 blocks aligned in 80 s) while its report said '1 layer
+    period(s)'. The layer count is now the int field named for layers that sizes a stack."""
+    import dataclasses
+
+    from torch import nn
+
+    from onboarding.load.proxy import layer_count_name
+
+    @dataclasses.dataclass
+    class Stacks:
+        num_hidden_layers: int = 128
+        num_layers_per_stack: int = 16
+        use_cache: bool = True
+
+    model = nn.Module()
+    model.low = nn.ModuleList(nn.Linear(2, 2) for _ in range(16))
+    model.high = nn.ModuleList(nn.Linear(2, 2) for _ in range(16))
+    assert layer_count_name(Stacks(), model) == "num_layers_per_stack"
+    assert layer_count_name(Stacks(), None) == "num_hidden_layers"  # no model: as before
+    info = load_stage(load_model("hf:hrm_text"))
+    assert text_config(info.proxy_config).num_layers_per_stack < 16
+
+
 def test_same_seed_same_model():
     info = load_stage(load_model("hf:qwen3_moe"), "tiny")
     a = info.loaded.build(info.proxy_config, seed=3).state_dict()

@@ -99,7 +99,13 @@ def layer_count_name(c: Any, model: nn.Module | None = None) -> str | None:
     names = [n for n in LAYER_COUNT_NAMES if isinstance(getattr(c, n, None), int)]
     lengths = {len(m) for m in model.modules() if isinstance(m, nn.ModuleList)} \
         if model is not None else set()
-    return next((n for n in names if getattr(c, n) in lengths), names[0] if names else None)
+    found = next((n for n in names if getattr(c, n) in lengths), None)
+    if found is None and lengths:
+        # none sizes a stack: another int field named for layers that does (HRM-text's
+        # num_layers_per_stack = 16 sizes its two stacks; its num_hidden_layers = 128 sizes none)
+        found = next((k for k, v in vars(c).items() if "layer" in k and isinstance(v, int)
+                      and not isinstance(v, bool) and v > 1 and v in lengths), None)
+    return found or (names[0] if names else None)
 
 
 def _layer_stack(model: nn.Module, n_layers: int) -> str | None:
