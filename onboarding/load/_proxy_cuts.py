@@ -11,13 +11,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from onboarding.load.accounting import TOPK_NAMES
+from onboarding.load.accounting import EXPERT_COUNT_NAMES, TOPK_NAMES
 
 if TYPE_CHECKING:
     from onboarding.load.proxy import ProxySize
 
 
-EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 # The routed experts' FFN width (LongCat-Flash's: expert_ffn_hidden_size); a config with routed
 # experts and none of these sizes its experts with intermediate_size (Mixtral, gpt-oss, JetMoE).
 EXPERT_WIDTH_NAMES = ("moe_intermediate_size", "expert_intermediate_size",

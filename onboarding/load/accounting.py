@@ -25,6 +25,8 @@ from torch import nn
 
 from onboarding.modpath import inside
 
+# The config fields that count a model's routed experts.
+EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 # Config / module attribute names that hold the number of experts a token is routed to.
 TOPK_NAMES = ("num_experts_per_tok", "top_k", "topk", "moe_topk", "num_selected_experts",
               "experts_per_token", "moe_k")
@@ -121,8 +123,6 @@ def _top_k(block: nn.Module, router: nn.Module | None, config: Any) -> tuple[int
 
 def _config_counts_experts(config: Any, n_experts: int) -> bool:
     """Whether the (text) config names ``n_experts`` as its number of routed experts."""
-    from onboarding.load._proxy_cuts import EXPERT_COUNT_NAMES
-
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return any(getattr(cfg, name, None) == n_experts for name in EXPERT_COUNT_NAMES)
 
