@@ -19,7 +19,10 @@ without its l2norm first, then with it, and keeps the one that agrees.
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -48,14 +51,37 @@ def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, l2: bo
     for k in IGNORED:
         named.pop(k, None)
     # A named argument we do not take changes the maths; so does a tensor passed through the
-    # function's **kwargs (sequence offsets). Flags that only ride along in **kwargs do not.
+    # function's **kwargs (sequence offsets). Flags that only ride along in **kwargs do not, nor
+    # does anything in a **kwargs the function's body never reads (GLM-5-Next's layers hand
+    # their chunk_kimi_delta_attention the model's input_ids that way).
     unknown = [k for k, v in named.items() if v is not None]
-    unknown += [k for k, v in catch_all.items() if isinstance(v, torch.Tensor)]
+    if catch_all and _reads_catch_all(fn):
+        unknown += [k for k, v in catch_all.items() if isinstance(v, torch.Tensor)]
     if unknown:
         raise TypeError(f"arguments the kernel does not take: {unknown}")
     if l2 is not None:
         extra.setdefault(L2_FLAG, l2)
     return kernel(*pos, **extra)
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_catch_all(fn: Callable) -> bool:
+    """Whether ``fn``'s body reads its ``**kwargs`` parameter (by its own name); True when its
+    source cannot be read (what it does with them is then unknown)."""
+    name = next((p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind is p.VAR_KEYWORD), None)
+    if name is None:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    func = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
+                None)
+    if func is None:
+        return True
+    return any(isinstance(n, ast.Name) and n.id == name for stmt in func.body
+               for n in ast.walk(stmt))
 
 
 def _l2_variants(fn: Callable, args: tuple, kwargs: dict) -> tuple:
