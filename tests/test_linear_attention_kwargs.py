@@ -36,3 +36,16 @@ def test_a_tensor_in_kwargs_the_function_never_reads_keeps_the_kernel():
                             "use_qk_l2norm_in_kernel": False})
     with pytest.raises(TypeError, match=r"arguments the kernel does not take: \['cu_seqlens'\]"):
         _call_ours(_reads, _kernel, args, {"cu_seqlens": torch.tensor([0, 4])})
+
+
+def test_the_hub_decorated_form_is_read_through_its_module():
+    """transformers 5.25 turns chunk_kimi_delta_attention into a stateless module whose forward
+    (``*args, **kwargs``, the function's signature) calls the function: its **kwargs are read
+    as the function's own (here ignored), as the swap met it in hf:glm5_next_text."""
+    modeling = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+    fn = modeling.chunk_kimi_delta_attention
+    fn = getattr(fn, "forward", fn)
+    q = torch.zeros(1, 4, 2, 8)
+    got = _call_ours(fn, _kernel, (q, q, q, q, q[..., 0]),
+                     {"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    assert got[0] == "ours"

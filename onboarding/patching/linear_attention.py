@@ -68,12 +68,19 @@ def _call_ours(fn: Callable, kernel: Callable, args: tuple, kwargs: dict, l2: bo
 def _reads_catch_all(fn: Callable) -> bool:
     """Whether ``fn``'s body reads its ``**kwargs`` parameter (by its own name); True when its
     source cannot be read (what it does with them is then unknown)."""
-    name = next((p.name for p in inspect.signature(fn).parameters.values()
-                 if p.kind is p.VAR_KEYWORD), None)
+    sig = inspect.signature(fn)
+    name = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     if name is None:
         return False
+    body = inspect.unwrap(getattr(fn, "__func__", fn))
+    # a stateless module's forward standing for a function (transformers 5.25's hub decorator:
+    # `forward(self, *args, **kwargs)` with the function's signature, calling it): that function,
+    # the one among its closure's whose signature it carries
+    body = next((c.cell_contents for c in (getattr(body, "__closure__", None) or ())
+                 if inspect.isfunction(c.cell_contents)
+                 and inspect.signature(c.cell_contents) == sig), body)
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(body)))
     except (OSError, TypeError, SyntaxError):
         return True
     func = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
