@@ -35,6 +35,8 @@ kernel's autograd keeps; else (a CPU run, ``--no-kernels``) every block's own to
     the decay's tensors (`delta_rule_kernel_saved`); on the torch path the chunked form's fp32
     copies, C x C matrices and states (`_delta_rule_torch_saved`); its causal conv keeps its
     input and its activation's, its gated norm is a norm (below);
+  - a state-space mixer (Mamba-1's selective scan, Mamba-2's chunked SSD): what its torch path
+    keeps by its widths read off its projections and conv (`_scan_torch_saved`);
   - MoE: the router's fp32 scores (2 x E), per routed (token, expert) pair the expert's gate and
     up outputs (2F; the routing weight scales the activation, whose silu the backward
     recomputes), the pair's routing weight and two int64 indices; with expert LoRA on the torch
@@ -456,6 +458,74 @@ def _delta_rule_torch_saved(b: BlockShape, shape: ModelShape) -> float:
     return kept
 
 
+def _scan_widths(b: BlockShape, shape: ModelShape) -> dict[str, int] | None:
+    """The full-size widths of state-space block ``b`` (``linear_attention.mamba``), read off its
+    projections and its causal conv (a block nested in it), as the model's own torch path runs
+    them; None where they do not read as one:
+      - Mamba-1 (attrs ``scan`` "selective"): I the output projection's input (back to the
+        residual), x_proj I -> R + 2N beside dt_proj R -> I: ``inner``, ``state``, ``rank``;
+      - Mamba-2 (SSD): I the output projection's input, the conv's channels I + 2 G N, the input
+        projection's I (z) + I + 2 G N + H (x, B, C and one time step a head): ``inner``,
+        ``heads``, ``groups`` x ``state`` (N from the config's state size; without it, one
+        group), ``chunk`` (the chunked scan's, `attrs`)."""
+    from onboarding.train.flops import _int
+
+    d = shape.hidden
+    inner = next((i for _, i, o in b.linears if o == d and i != d), None)
+    if inner is None:
+        return None
+    if b.attrs.get("scan") == "selective":
+        x_proj = [o for _, i, o in b.linears if i == inner and o != d]
+        dt_proj = [i for _, i, o in b.linears if o == inner and i != d]
+        pair = next(((o, r) for o in x_proj for r in dt_proj if o > r and (o - r) % 2 == 0), None)
+        if pair is None:
+            return None
+        return {"inner": inner, "state": (pair[0] - pair[1]) // 2, "rank": pair[1]}
+    conv = next((c.width for c in shape.blocks if c.kind == "conv.causal1d"
+                 and (b.pattern, b.kind) in c.parents), None)
+    in_proj = next((o for _, i, o in b.linears if i == d and o > inner), None)
+    if conv is None or in_proj is None or conv <= inner or (conv - inner) % 2:
+        return None
+    heads, gn = in_proj - inner - conv, (conv - inner) // 2
+    n = _int(shape.config, "state_size", "ssm_state_size", "mamba_d_state", "d_state") \
+        if shape.config else None
+    if heads <= 0 or not n or gn % n:
+        n = gn
+    return {"inner": inner, "heads": heads, "groups": gn // n, "state": n,
+            "chunk": int(b.attrs.get("chunk") or 256)}
+
+
+def _scan_torch_saved(b: BlockShape, shape: ModelShape) -> float | None:
+    """Per token, what a state-space block (``linear_attention.mamba``) keeps running its own
+    torch path, its conv and (gated) norms aside (blocks of their own), its adapters aside; None
+    where its widths do not read (`_scan_widths`). As `saved_tensors_hooks` counts them in
+    transformers' torch forms (bf16, frozen weights: tests/test_plan_scan.py):
+      - Mamba-1's sequential scan: the fp32 discretised A and B (I x N each, for the whole
+        sequence), the fp32 state each step multiplies and its bf16 copy the read-out by C takes
+        (14 I N bytes); the time step before and after its bias and softplus, the fp32 scan input,
+        the gate and its activation, the scan's output (16 I beyond the conv's 4 I); B and C in
+        fp32 (4 N);
+      - Mamba-2's chunked scan (SSD): five fp32 C x C matrices a head (the segment sums, their
+        exp and the masked products), B and C repeated to the heads (4 H N fp32), the states
+        entering and leaving each chunk (3 I N / C fp32), two fp32 copies of x (2 I), the time
+        step (2 H) and the conv's padded output and split (2 (I + 2 G N) bf16).
+    Within 3% of the measured bytes of tiny Mamba-1 (Jamba's) and Mamba-2 mixers with their conv
+    and norms. Before, the block was charged as one attention-like head with an I x I state a
+    chunk (`_delta_rule_torch_saved`): 3.7x and 1.8x those tiny mixers' bytes; at full size the
+    mixer block alone 19.3 MB a token for hf:jamba (now 1.99 MB) and 3.55 MB for hf:mamba2 (now
+    1.06 MB). Onboard's selective_scan and ssd kernels keep less (their inputs and per-chunk
+    states): this torch count stands for them too, an overestimate there."""
+    w = _scan_widths(b, shape)
+    if w is None:
+        return None
+    i, n = w["inner"], w["state"]
+    if "rank" in w:
+        return FP32 * 3 * i * n + BF16 * i * n + 16 * i + FP32 * n
+    h, c, g = w["heads"], w["chunk"], w["groups"]
+    return FP32 * (2 * i + 5 * c * h + 4 * h * n + 3 * i * n / c + 2 * h) \
+        + BF16 * (i + 2 * g * n)
+
+
 def _topk_kernel(b: BlockShape, patched: dict, cfg: PlanConfig) -> bool:
     """Whether onboard's gathered top-k kernel serves top-k block ``b``: its family binds it,
     except the MLA layout under LoRA with an adapter on the latents' up-projection, which the
@@ -503,6 +573,9 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         family = next(iter(_saving(patched, "delta_rule")), None)
         if family is not None:
             return kept + delta_rule_kernel_saved(b, shape, patched[family]), 0.0, 0.0
+        scan = _scan_torch_saved(b, shape) if kind == "linear_attention.mamba" else None
+        if scan is not None:
+            return kept + scan, 0.0, 0.0
         return kept + _delta_rule_torch_saved(b, shape), 0.0, 0.0
     if kind.startswith(("attention.", "sparse_attention.")):
         h, dqk, dv, _ = block_heads(b, shape)
