@@ -2,7 +2,7 @@
 selective scan, Mamba-2's chunked SSD) against what torch keeps running the layer's own torch
 path: `saved_tensors_hooks` over the mixer's forward, bf16, frozen weights (the tensors autograd
 keeps that are no parameter), per token. Before, the plan charged the block as one
-attention-like head with an inner x inner state a chunk: 1.8x (Mamba-2) and 3.7x (Mamba-1)
+attention-like head with an inner x inner state a chunk: 1.2x (Mamba-2) and 3.7x (Mamba-1)
 these tiny layers' measured bytes; now within 3%."""
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from onboarding.plan.memory import block_saved
 T = 96  # tokens measured: a multiple of the chunk, no width of the layers
 
 CASES = {
-    # Mamba-2: 4 heads of 32, two groups of state 16, chunks of 32
-    "mamba2": {"hidden_size": 64, "num_heads": 4, "head_dim": 32, "state_size": 16,
+    # Mamba-2: 8 heads of 16, two groups of state 24, chunks of 32 (no two widths alike)
+    "mamba2": {"hidden_size": 64, "num_heads": 8, "head_dim": 16, "state_size": 24,
                "n_groups": 2, "chunk_size": 32, "num_hidden_layers": 1, "vocab_size": 256},
     # Jamba's Mamba-1 mixer: inner 128, state 16 (its attention and MoE layers elsewhere)
     "jamba": {"hidden_size": 64, "mamba_d_state": 16, "num_hidden_layers": 1, "vocab_size": 256,
@@ -79,7 +79,7 @@ def _planned(model_type: str) -> float:
 
 @pytest.mark.parametrize("model_type", sorted(CASES))
 def test_a_state_space_mixer_is_planned_as_torch_keeps_it(model_type):
-    """Within 10% of the measured bytes (Mamba-2: 8,650 B per token measured, 8,608 planned;
+    """Within 5% of the measured bytes (Mamba-2: 13,249 B per token measured, 13,184 planned;
     Mamba-1: 31,540 measured, 32,448 planned, most of it the scan's I x N fp32 tensors)."""
     planned, measured = _planned(model_type), _measured(model_type)
-    assert abs(planned - measured) <= 0.10 * measured, (planned, measured)
+    assert abs(planned - measured) <= 0.05 * measured, (planned, measured)

@@ -505,15 +505,17 @@ def _scan_torch_saved(b: BlockShape, shape: ModelShape) -> float | None:
         (14 I N bytes); the time step before and after its bias and softplus, the fp32 scan input,
         the gate and its activation, the scan's output (16 I beyond the conv's 4 I); B and C in
         fp32 (4 N);
-      - Mamba-2's chunked scan (SSD): five fp32 C x C matrices a head (the segment sums, their
-        exp and the masked products), B and C repeated to the heads (4 H N fp32), the states
-        entering and leaving each chunk (3 I N / C fp32), two fp32 copies of x (2 I), the time
-        step (2 H) and the conv's padded output and split (2 (I + 2 G N) bf16).
-    Within 3% of the measured bytes of tiny Mamba-1 (Jamba's) and Mamba-2 mixers with their conv
-    and norms. Before, the block was charged as one attention-like head with an I x I state a
-    chunk (`_delta_rule_torch_saved`): 3.7x and 1.8x those tiny mixers' bytes; at full size the
-    mixer block alone 19.3 MB a token for hf:jamba (now 1.99 MB) and 3.55 MB for hf:mamba2 (now
-    1.06 MB). Onboard's selective_scan and ssd kernels keep less (their inputs and per-chunk
+      - Mamba-2's chunked scan (SSD): three fp32 C x C matrices a head (the decay's segment
+        sums, their exp, the masked C B^T), five fp32 tensors of H x N (B and C repeated to the
+        heads and their products), four fp32 of I (x, and x and the decays by position within
+        the chunk), the states each chunk makes and enters with (2 I N / C fp32), the time step
+        (2 H fp32) and the conv's padded output (I + 2 G N, bf16).
+    With their conv and norms, within 3% of the measured bytes of tiny Mamba-1 (Jamba's) and
+    Mamba-2 mixers, and of the full-size hf:jamba (T 128: 2.00 MB a token measured) and
+    hf:mamba2 (T 512: 1.08 MB) mixers. Before, the block was charged as one attention-like head
+    with an I x I state a chunk (`_delta_rule_torch_saved`): 3.7x and 1.2x those tiny mixers'
+    bytes; at full size the mixer block alone 19.3 MB a token for hf:jamba (now 1.99 MB) and
+    3.55 MB for hf:mamba2 (now 0.91 MB). Onboard's selective_scan and ssd kernels keep less (their inputs and per-chunk
     states): this torch count stands for them too, an overestimate there."""
     w = _scan_widths(b, shape)
     if w is None:
@@ -522,7 +524,7 @@ def _scan_torch_saved(b: BlockShape, shape: ModelShape) -> float | None:
     if "rank" in w:
         return FP32 * 3 * i * n + BF16 * i * n + 16 * i + FP32 * n
     h, c, g = w["heads"], w["chunk"], w["groups"]
-    return FP32 * (2 * i + 5 * c * h + 4 * h * n + 3 * i * n / c + 2 * h) \
+    return FP32 * (3 * c * h + 5 * h * n + 4 * i + 2 * i * n / c + 2 * h) \
         + BF16 * (i + 2 * g * n)
 
 
