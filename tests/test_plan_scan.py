@@ -83,3 +83,92 @@ def test_a_state_space_mixer_is_planned_as_torch_keeps_it(model_type):
     Mamba-1: 31,540 measured, 32,448 planned, most of it the scan's I x N fp32 tensors)."""
     planned, measured = _planned(model_type), _measured(model_type)
     assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
+
+
+def _rendered(family: str, tmp_path):
+    from onboarding.generate import templating
+
+    source = templating.render(family, "scan", {})
+    return templating.load_module(templating.write_module(source, tmp_path / f"{family}_plan.py"))
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd keeps over ``fn()`` (each saved tensor once)."""
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = \
+            t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _declared(shapes) -> int:
+    import math
+
+    return sum(math.prod(s) * d.itemsize for s, d in shapes)
+
+
+def test_the_ssd_kernel_saves_what_its_family_declares(tmp_path):
+    """The ssd family's `saved_shapes` (the plan's count of a Mamba-2 block it serves) is what the
+    kernel's autograd Function saves: bf16 inputs (the interpreter's bf16 values are off; only
+    the tensors kept count here), T 70 over two saved chunks, under the untuned config the
+    module runs (`kernel_config`)."""
+    from onboarding.families import family_module
+
+    fam, mod = family_module("ssd"), _rendered("ssd", tmp_path)
+    b, t, h, p, g, n = 1, 70, 2, 8, 1, 8
+    assert fam.kernel_config(p) == mod.config_for(p)
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(b, t, h, p, generator=gen).to(bf).requires_grad_()
+    dt = torch.randn(b, t, h, generator=gen).to(bf).requires_grad_()
+    a = -torch.rand(h, generator=gen).requires_grad_()
+    bb, cc = (torch.randn(b, t, g, n, generator=gen).to(bf).requires_grad_() for _ in range(2))
+    d, bias = (torch.randn(h, generator=gen).requires_grad_() for _ in range(2))
+    saved = _saved_bytes(lambda: mod.ssd_scan(x, dt, a, bb, cc, D=d, dt_bias=bias))
+    declared = _declared(fam.saved_shapes(b, t, h, p, g, n, bf, mod.config_for(p)))
+    assert saved == declared, (saved, declared)
+
+
+def test_the_selective_scan_kernel_saves_what_its_family_declares(tmp_path):
+    """The selective_scan family's `saved_shapes` (the plan's count of a Mamba-1 block it
+    serves) is what the kernel's autograd Function saves: the inputs and the fp32 states every
+    S steps (T 70, three of them at the untuned config's S 32), bf16 inputs."""
+    from onboarding.families import family_module
+
+    fam, mod = family_module("selective_scan"), _rendered("selective_scan", tmp_path)
+    b, dd, t, n = 1, 8, 70, 4
+    assert fam.kernel_config(n) == mod.config_for(n)
+    gen = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    u, delta, z = (torch.randn(b, dd, t, generator=gen).to(bf).requires_grad_() for _ in range(3))
+    a = -torch.rand(dd, n, generator=gen).requires_grad_()
+    bb, cc = (torch.randn(b, n, t, generator=gen).to(bf).requires_grad_() for _ in range(2))
+    d, bias = (torch.randn(dd, generator=gen).requires_grad_() for _ in range(2))
+    saved = _saved_bytes(lambda: mod.selective_scan(u, delta, a, bb, cc, D=d, z=z, delta_bias=bias,
+                                                    delta_softplus=True))
+    declared = _declared(fam.saved_shapes(b, t, dd, n, 1, bf, mod.config_for(n)))
+    assert saved == declared, (saved, declared)
+
+
+@pytest.mark.parametrize("model_type,family", [("mamba2", "ssd"), ("jamba", "selective_scan")])
+def test_a_mixer_served_by_a_scan_kernel_is_planned_as_the_kernel_keeps_it(model_type, family):
+    """With the family patched in (kernels on) the mixer block is charged the kernel's declared
+    bytes (`plan_saved`), not its torch path's; kernels off, the torch path's. Before, the torch
+    count stood for both."""
+    from onboarding.families import family_module
+    from onboarding.plan.memory import _scan_torch_saved, _scan_widths
+
+    shape = _shape(model_type)
+    (mixer,) = [b for b in shape.blocks if b.kind == "linear_attention.mamba"]
+    mixer = dataclasses.replace(mixer, lora_targets=[], kernels={family: {}})
+    on = PlanConfig(gpus=1, ep=1, seq=T, micro_batch=1)
+    off = dataclasses.replace(on, kernels=False)
+    kernel = family_module(family).plan_saved(_scan_widths(mixer, shape), T)
+    assert block_saved(mixer, shape, on, 1)[0] == pytest.approx(kernel)
+    assert block_saved(mixer, shape, off, 1)[0] == pytest.approx(_scan_torch_saved(mixer, shape))
+    assert kernel < _scan_torch_saved(mixer, shape)

@@ -9,6 +9,7 @@ core of a classified Mamba-1 mixer; its projections and conv stay the model's mo
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +90,59 @@ def timing_inputs(variant: str, params: dict[str, Any], dims: dict[str, int], dt
             randn(gen, b, d, t, dtype=dtype), randn(gen, d, dtype=torch.float32), True]
 
 
+def kernel_config(size: int) -> dict[str, Any]:
+    """The tile config the rendered module runs a state size N of ``size`` with, untuned: the
+    default, then its shape bucket's values (`config_for` in kernel_templates/_common, before any
+    tuned.json pin)."""
+    bucket = next((b for b in FAMILY.shape_buckets if b.lo <= size <= b.hi), FAMILY.shape_buckets[-1])
+    return {**FAMILY.default_config, **bucket.config}
+
+
+def checkpoint_steps(config: dict[str, Any], T: int) -> int:
+    """Steps between the states the forward stores for the backward (the module's `_ck_steps`)."""
+    if config["bwd_order"] != "nt":
+        return config["BLOCK_T"]
+    return max(config["BLOCK_T"], min(config["BWD_BLOCK_T"], 1 << (max(T, 1) - 1).bit_length()))
+
+
+def saved_shapes(batch: int, T: int, inner: int, state: int, groups: int, dtype: torch.dtype,
+                 config: dict[str, Any], *, gate: bool = True, skip: bool = True,
+                 bias: bool = True, initial_state: bool = False,
+                 weights: torch.dtype = torch.float32) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """What the kernel's autograd Function keeps for its backward (`setup_context`'s
+    `save_for_backward`), as (shape, dtype): its inputs u and delta [B, D, T], A [D, N], B and
+    C [B, G, N, T], the gate z [B, D, T] where given (u, delta, B, C, z in ``dtype``; A, and the
+    D skip and delta bias where given, in ``weights``), the initial state where given, and the
+    fp32 states [B, D, cdiv(T, S), N] it stores every S steps (`checkpoint_steps` of
+    ``config``): nothing of T x N per channel. The plan's count of a block the family serves
+    (`onboarding.plan.memory`, `plan_saves` "scan"); tests/test_plan_scan.py checks it against
+    the tensors the Function saves."""
+    f32 = torch.float32
+    nst = -(-max(T, 1) // checkpoint_steps(config, T))
+    out = [((batch, inner, T), dtype), ((batch, inner, T), dtype), ((inner, state), weights),
+           ((batch, groups, state, T), dtype), ((batch, groups, state, T), dtype)]
+    out += [((inner,), weights)] * (int(skip) + int(bias))
+    out += [((batch, inner, T), dtype)] * int(gate)
+    if initial_state:
+        out.append(((batch, inner, state), f32))
+    return out + [((batch, inner, nst, state), f32)]
+
+
+def plan_saved(widths: dict[str, int], seq: int) -> float | None:
+    """Bytes per token the kernel keeps for a Mamba-1 mixer of ``widths`` (`memory._scan_widths`:
+    inner, state) over ``seq`` tokens: bf16 u, delta, z, B and C (one group), fp32 A, D and delta
+    bias (`saved_shapes` under the untuned config of its state size)."""
+    if "rank" not in widths:  # not a Mamba-1 mixer's widths
+        return None
+    shapes = saved_shapes(1, seq, widths["inner"], widths["state"], 1, torch.bfloat16,
+                          kernel_config(widths["state"]))
+    return sum(math.prod(s) * d.itemsize for s, d in shapes) / seq
+
+
 FAMILY = FamilySpec(
     name=NAME,
     template="selective_scan.py.j2",
+    plan_saves="scan",
     # v5: the backward gets None, not autograd's zeros, for outputs without a gradient
     template_version=5,
     folder=Path(__file__).parent,

@@ -87,9 +87,56 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
             dt0 + torch.log(-torch.expm1(-dt0))]
 
 
+def kernel_config(size: int) -> dict[str, Any]:
+    """The tile config the rendered module runs a head dim P of ``size`` with, untuned: the
+    default, then its shape bucket's values (`config_for` in kernel_templates/_common, before any
+    tuned.json pin)."""
+    bucket = next((b for b in FAMILY.shape_buckets if b.lo <= size <= b.hi), FAMILY.shape_buckets[-1])
+    return {**FAMILY.default_config, **bucket.config}
+
+
+def saved_shapes(batch: int, T: int, heads: int, head_dim: int, groups: int, state: int,
+                 dtype: torch.dtype, config: dict[str, Any], *, skip: bool = True,
+                 dt_bias: bool = True, initial_state: bool = False,
+                 weights: torch.dtype = torch.float32) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """What the kernel's autograd Function keeps for its backward (its `setup_context`'s
+    `save_for_backward`), as (shape, dtype): its inputs x [B, T, H, P], dt [B, T, H], A [H],
+    B and C [B, T, G, N] (x, dt, B, C in ``dtype``; A, and D and dt_bias where given, in
+    ``weights``), the initial state where given, and per saved chunk (CHUNK tokens of
+    ``config``, CHUNK x STATE_CHUNKS under `fwd` and `bwd` "split") the state entering it
+    [B, NC, H, P, N] (fp32, or 16-bit ``dtype`` where the config's `state` is "input") and its
+    total log decay [B, H, NC] fp32. The plan's count of a block the family serves
+    (`onboarding.plan.memory`, `plan_saves` "scan"); tests/test_plan_scan.py checks it against
+    the tensors the Function saves."""
+    f32 = torch.float32
+    split = config["bwd"] == "split" and config["fwd"] == "split"
+    nc = -(-max(T, 1) // (config["CHUNK"] * (config["STATE_CHUNKS"] if split else 1)))
+    sdt = dtype if config["state"] == "input" and dtype in (torch.bfloat16, torch.float16) else f32
+    out = [((batch, T, heads, head_dim), dtype), ((batch, T, heads), dtype), ((heads,), weights),
+           ((batch, T, groups, state), dtype), ((batch, T, groups, state), dtype)]
+    out += [((heads,), weights)] * (int(skip) + int(dt_bias))
+    if initial_state:
+        out.append(((batch, heads, head_dim, state), f32))
+    return out + [((batch, nc, heads, head_dim, state), sdt), ((batch, heads, nc), f32)]
+
+
+def plan_saved(widths: dict[str, int], seq: int) -> float | None:
+    """Bytes per token the kernel keeps for a Mamba-2 mixer of ``widths`` (`memory._scan_widths`:
+    inner, heads, groups, state) over ``seq`` tokens, bf16 inputs, fp32 A, D and dt bias
+    (`saved_shapes` under the untuned config of its head dim)."""
+    if "heads" not in widths:  # not a Mamba-2 mixer's widths
+        return None
+    h = widths["heads"]
+    p = widths["inner"] // h
+    shapes = saved_shapes(1, seq, h, p, widths["groups"], widths["state"], torch.bfloat16,
+                          kernel_config(p))
+    return sum(math.prod(s) * d.itemsize for s, d in shapes) / seq
+
+
 FAMILY = FamilySpec(
     name=NAME,
     template="ssd.py.j2",
+    plan_saves="scan",
     # v31: `bwd_dbc_ln` (the fused backward's dC / dB accumulated as [L, N], the scaled rows a register
     # operand; untimed, off).
     # v30: `pull_ahead` True in the P <= 64 bucket (timed on an H100, fifty-fourth session, below).

@@ -181,7 +181,9 @@ class FamilySpec:
     # (`onboarding.plan.memory`): "norm_input" (its 16-bit input alone), "delta_rule" (the chunked
     # delta rule's intermediates, `memory.delta_rule_kernel_saved` from the render params),
     # "topk_positions" (the picked int32 positions and the gathered keys and values),
-    # "gate_and_up" (a fused gated MLP: gate and up, the activation recomputed). None: the
+    # "gate_and_up" (a fused gated MLP: gate and up, the activation recomputed), "scan" (a
+    # state-space scan: what the family's `plan_saved(widths, seq)` declares per token, from its
+    # `saved_shapes` of what its autograd Function saves; None where the widths are not its). None: the
     # planner counts the block's own torch path.
     plan_saves: str | None = field(default=None, compare=False)
 

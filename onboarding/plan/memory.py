@@ -35,8 +35,10 @@ kernel's autograd keeps; else (a CPU run, ``--no-kernels``) every block's own to
     the decay's tensors (`delta_rule_kernel_saved`); on the torch path the chunked form's fp32
     copies, C x C matrices and states (`_delta_rule_torch_saved`); its causal conv keeps its
     input and its activation's, its gated norm is a norm (below);
-  - a state-space mixer (Mamba-1's selective scan, Mamba-2's chunked SSD): what its torch path
-    keeps by its widths read off its projections and conv (`_scan_torch_saved`);
+  - a state-space mixer (Mamba-1's selective scan, Mamba-2's chunked SSD): with onboard's
+    selective_scan or ssd kernel patched in, what that kernel's autograd Function saves (its
+    family's `saved_shapes`, `_scan_saved`); else what its torch path keeps by its widths read
+    off its projections and conv (`_scan_torch_saved`);
   - MoE: the router's fp32 scores (2 x E), per routed (token, expert) pair the expert's gate and
     up outputs (2F; the routing weight scales the activation, whose silu the backward
     recomputes), the pair's routing weight and two int64 indices; with expert LoRA on the torch
@@ -515,8 +517,9 @@ def _scan_torch_saved(b: BlockShape, shape: ModelShape) -> float | None:
     hf:mamba2 (T 512: 1.08 MB) mixers. Before, the block was charged as one attention-like head
     with an I x I state a chunk (`_delta_rule_torch_saved`): 3.7x and 1.2x those tiny mixers'
     bytes; at full size the mixer block alone 19.3 MB a token for hf:jamba (now 1.99 MB) and
-    3.55 MB for hf:mamba2 (now 0.91 MB). Onboard's selective_scan and ssd kernels keep less (their inputs and per-chunk
-    states): this torch count stands for them too, an overestimate there."""
+    3.55 MB for hf:mamba2 (now 0.91 MB). Onboard's selective_scan and ssd kernels keep less (their
+    inputs, fp32 states every S steps or each chunk's entering state): a block they serve is
+    charged their own count (`_scan_saved`)."""
     w = _scan_widths(b, shape)
     if w is None:
         return None
@@ -526,6 +529,23 @@ def _scan_torch_saved(b: BlockShape, shape: ModelShape) -> float | None:
     h, c, g = w["heads"], w["chunk"], w["groups"]
     return FP32 * (3 * c * h + 5 * h * n + 4 * i + 2 * i * n / c + 2 * h) \
         + BF16 * (i + 2 * g * n)
+
+
+def _scan_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, patched: dict
+                ) -> float | None:
+    """Per token, what state-space block ``b`` keeps for its scan: with onboard's ssd or
+    selective_scan kernel patched in (a family whose `plan_saves` is "scan"), what that kernel's
+    autograd Function saves (the family's `plan_saved` from its `saved_shapes`: the inputs it is
+    handed, bf16, and its fp32 checkpoints every S steps (selective_scan) or each chunk's
+    entering state (ssd) in place of the torch path's per-step I x N tensors and C x C
+    matrices); else the torch path's (`_scan_torch_saved`). None where the widths do not read."""
+    from onboarding.families import family_module
+
+    w = _scan_widths(b, shape)
+    family = next(iter(_saving(patched, "scan")), None)
+    kernel = None if w is None or family is None else \
+        family_module(family).plan_saved(w, max(int(cfg.seq), 1))
+    return _scan_torch_saved(b, shape) if kernel is None else kernel
 
 
 def _topk_kernel(b: BlockShape, patched: dict, cfg: PlanConfig) -> bool:
@@ -575,7 +595,7 @@ def block_saved(b: BlockShape, shape: ModelShape, cfg: PlanConfig, ep: int
         family = next(iter(_saving(patched, "delta_rule")), None)
         if family is not None:
             return kept + delta_rule_kernel_saved(b, shape, patched[family]), 0.0, 0.0
-        scan = _scan_torch_saved(b, shape) if kind == "linear_attention.mamba" else None
+        scan = _scan_saved(b, shape, cfg, patched) if kind == "linear_attention.mamba" else None
         if scan is not None:
             return kept + scan, 0.0, 0.0
         return kept + _delta_rule_torch_saved(b, shape), 0.0, 0.0
