@@ -227,3 +227,27 @@ def test_documented_dimensions():
                                       "max_num_images", "num_concurrent_media", "3")] == \
         [2, 8, 4, 1, 1, 3]
     assert _dim("sequence_length", 2, cfg) is None and _dim("image_tokens", 2, cfg) is None
+
+
+class _VideoTower(nn.Module):
+    """Whole clips [B, C, frames, H, W] cut by a Conv3d (temporal patches), no grid argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace()
+        self.proj = nn.Conv3d(3, 8, kernel_size=(2, 4, 4), stride=(2, 4, 4))
+
+    def forward(self, pixel_values):
+        assert pixel_values.ndim == 5 and pixel_values.shape[-1] > 4  # clips, not single patches
+        return (self.proj(pixel_values).flatten(2).transpose(1, 2),)
+
+
+def test_tokens_of_whole_clips_cut_by_a_3d_kernel():
+    """Patches a whole image makes, for a 3-D (temporal) kernel: the channels and frames are not
+    planes. Before, the kernel's rank was read after it was cut to its last two dims: 3 x the
+    patches (the channels counted as tiles)."""
+    tower = _VideoTower()
+    part = VisionPart("tower", tower, tower.config)
+    (pixels,) = part.example_inputs(1, 16)
+    assert list(pixels.shape) == [1, 3, 2, 16, 16] and part._layout[0] == "images"
+    assert part.tokens_per_image(1, 16) == 16 == part(pixels).numel() // 8

@@ -197,6 +197,14 @@ class VisionPart(nn.Module):
         return [(n, tuple(_dim(d, batch, self.config) for d in dims), dt, v)
                 for n, dims, dt, v in self.extra_args]
 
+    def _patch_cut(self) -> tuple[int, tuple[int, ...]] | None:
+        """(channels, kernel) of the layer that cuts images into patches: the tower's first
+        convolution, else an unfold and the linear after it (`_unfold_patches`); None."""
+        first = _first_layer(self.tower_module)
+        if isinstance(first, nn.modules.conv._ConvNd):
+            return first.in_channels, tuple(first.kernel_size)
+        return _unfold_patches(self.tower_module)
+
     def _candidates(self, batch: int, seq: int) -> list[tuple[str, tuple, tuple | None]]:
         """(layout, pixel shape, grid) for each input form that fits the tower's first layer."""
         first = _first_layer(self.tower_module)
@@ -206,15 +214,13 @@ class VisionPart(nn.Module):
         side = max(1, round(math.sqrt(max(seq, 1))))
         h, w = mh * max(1, round(side / mh)), mw * max(1, round(side / mw))
         out: list[tuple[str, tuple, tuple | None]] = []
-        unfold = None if isinstance(first, nn.modules.conv._ConvNd) \
-            else _unfold_patches(self.tower_module)
-        if isinstance(first, nn.modules.conv._ConvNd) or unfold is not None:
-            chans, kernel = (first.in_channels, tuple(first.kernel_size)) if unfold is None \
-                else unfold
+        cut = self._patch_cut()
+        if cut is not None:
+            chans, kernel = cut
             n = batch * h * w
             grids = [(batch, (1, h, w)), (batch, (h, w))] if self.grid_arg else [None]
             for g in grids:
-                if unfold is None:
+                if isinstance(first, nn.modules.conv._ConvNd):  # an unfold takes whole images
                     out.append(("flat patches", (n, chans * math.prod(kernel)), g))
                     out.append(("patches", (n, chans, *kernel), g))
             if not self.grid_arg:
@@ -284,11 +290,8 @@ class VisionPart(nn.Module):
         (tiles) between the batch and the channels."""
         if layout != "images":
             return None
-        unfold = _unfold_patches(self.tower_module)
-        first = _first_layer(self.tower_module)
-        kernel = unfold[1] if unfold and not isinstance(first, nn.modules.conv._ConvNd) \
-            else tuple(first.kernel_size)[-2:]
-        chans_at = len(shape) - 3 - (len(kernel) == 3)
+        _, kernel = self._patch_cut()
+        chans_at = len(shape) - 3 - (len(kernel) == 3)  # [*planes, C, (frames,) H, W]
         return math.prod(shape[1:chans_at]) * (shape[-2] // kernel[-2]) * (shape[-1] // kernel[-1])
 
     def tokens_per_image(self, batch: int, seq: int) -> int:
