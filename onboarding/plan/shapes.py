@@ -28,6 +28,7 @@ keeps each window with its instance count and where it came from.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,11 +188,20 @@ def _own_params(module: nn.Module, path: str, holders: dict[int, str]) -> tuple[
     return own, tied
 
 
+def _module_lists(model: nn.Module, skip: frozenset[int] = frozenset()
+                  ) -> Iterator[tuple[str, nn.ModuleList]]:
+    """(path, list) of each ModuleList of ``model`` that holds no parameter of ``skip`` (ids: a
+    tower's, `resident_parts`: `onboard train` wraps the decoder's layers,
+    `parallel.decoder_blocks`, and leaves a tower to the root's group)."""
+    for path, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and not (skip and any(id(p) in skip for p in m.parameters())):
+            yield path, m
+
+
 def _decoder_layers(model: nn.Module, skip: frozenset[int] = frozenset()) -> int:
     """Length of the longest ModuleList whose members are all called ``<list>.<i>``: the layers;
-    not a list that holds a parameter of ``skip`` (ids: a tower's, `resident_parts`)."""
-    return max((len(m) for m in model.modules() if isinstance(m, nn.ModuleList)
-                and not (skip and any(id(p) in skip for p in m.parameters()))), default=1)
+    not a list that holds a parameter of ``skip`` (`_module_lists`)."""
+    return max((len(m) for _, m in _module_lists(model, skip)), default=1)
 
 
 def model_shape(model: nn.Module, config: Any, graph: OpGraph, *, name: str = "") -> ModelShape:
@@ -332,8 +342,7 @@ def _wrapped_layer_lists(model: nn.Module, graph: OpGraph, skip: frozenset[int])
         lists = []
     if lists:
         return lists
-    cands = [(len(m), n) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)
-             and len(m) and not (skip and any(id(p) in skip for p in m.parameters()))]
+    cands = [(len(m), n) for n, m in _module_lists(model, skip) if len(m)]
     return [max(cands)[1]] if cands else []
 
 
@@ -551,13 +560,9 @@ def _expert_matrices(mod: nn.Module, n_experts: int) -> list[tuple[int, int]]:
 def _layer_dense_max(model: nn.Module, expert_paths: list[str],
                      skip: frozenset[int] = frozenset()) -> int:
     """Dense parameters of the biggest decoder layer (FSDP gathers one layer at a time); not of
-    a list that holds a parameter of ``skip`` (a tower's: `onboard train` wraps the decoder's
-    layers, `parallel.decoder_blocks`, and leaves a tower to the root's group)."""
+    a list that holds a parameter of ``skip`` (`_module_lists`)."""
     best = 0
-    for path, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or (
-                skip and any(id(p) in skip for p in mod.parameters())):
-            continue
+    for path, mod in _module_lists(model, skip):
         for i, layer in enumerate(mod):
             n = 0
             for pname, p in layer.named_parameters():
