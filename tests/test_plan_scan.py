@@ -116,12 +116,12 @@ def test_the_ssd_kernel_saves_what_its_family_declares(tmp_path):
     """The ssd family's `saved_shapes` (the plan's count of a Mamba-2 block it serves) is what the
     kernel's autograd Function saves: bf16 inputs (the interpreter's bf16 values are off; only
     the tensors kept count here), T 70 over two saved chunks, under the untuned config the
-    module runs (`kernel_config`)."""
+    module runs (`FamilySpec.untuned_config`)."""
     from onboarding.families import family_module
 
     fam, mod = family_module("ssd"), _rendered("ssd", tmp_path)
     b, t, h, p, g, n = 1, 70, 2, 8, 1, 8
-    assert fam.kernel_config(p) == mod.config_for(p)
+    assert fam.FAMILY.untuned_config(p) == mod.config_for(p)
     gen = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
     x = torch.randn(b, t, h, p, generator=gen).to(bf).requires_grad_()
@@ -142,7 +142,7 @@ def test_the_selective_scan_kernel_saves_what_its_family_declares(tmp_path):
 
     fam, mod = family_module("selective_scan"), _rendered("selective_scan", tmp_path)
     b, dd, t, n = 1, 8, 70, 4
-    assert fam.kernel_config(n) == mod.config_for(n)
+    assert fam.FAMILY.untuned_config(n) == mod.config_for(n)
     gen = torch.Generator().manual_seed(0)
     bf = torch.bfloat16
     u, delta, z = (torch.randn(b, dd, t, generator=gen).to(bf).requires_grad_() for _ in range(3))

@@ -90,14 +90,6 @@ def timing_inputs(variant: str, params: dict[str, Any], dims: dict[str, int], dt
             randn(gen, b, d, t, dtype=dtype), randn(gen, d, dtype=torch.float32), True]
 
 
-def kernel_config(size: int) -> dict[str, Any]:
-    """The tile config the rendered module runs a state size N of ``size`` with, untuned: the
-    default, then its shape bucket's values (`config_for` in kernel_templates/_common, before any
-    tuned.json pin)."""
-    bucket = next((b for b in FAMILY.shape_buckets if b.lo <= size <= b.hi), FAMILY.shape_buckets[-1])
-    return {**FAMILY.default_config, **bucket.config}
-
-
 def checkpoint_steps(config: dict[str, Any], T: int) -> int:
     """Steps between the states the forward stores for the backward (the module's `_ck_steps`)."""
     if config["bwd_order"] != "nt":
@@ -135,7 +127,7 @@ def plan_saved(widths: dict[str, int], seq: int) -> float | None:
     if "rank" not in widths:  # not a Mamba-1 mixer's widths
         return None
     shapes = saved_shapes(1, seq, widths["inner"], widths["state"], 1, torch.bfloat16,
-                          kernel_config(widths["state"]))
+                          FAMILY.untuned_config(widths["state"]))
     return sum(math.prod(s) * d.itemsize for s, d in shapes) / seq
 
 

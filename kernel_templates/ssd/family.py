@@ -87,14 +87,6 @@ def sample_inputs(variant: str, params: dict[str, Any], shapes: list[list[int]],
             dt0 + torch.log(-torch.expm1(-dt0))]
 
 
-def kernel_config(size: int) -> dict[str, Any]:
-    """The tile config the rendered module runs a head dim P of ``size`` with, untuned: the
-    default, then its shape bucket's values (`config_for` in kernel_templates/_common, before any
-    tuned.json pin)."""
-    bucket = next((b for b in FAMILY.shape_buckets if b.lo <= size <= b.hi), FAMILY.shape_buckets[-1])
-    return {**FAMILY.default_config, **bucket.config}
-
-
 def saved_shapes(batch: int, T: int, heads: int, head_dim: int, groups: int, state: int,
                  dtype: torch.dtype, config: dict[str, Any], *, skip: bool = True,
                  dt_bias: bool = True, initial_state: bool = False,
@@ -129,7 +121,7 @@ def plan_saved(widths: dict[str, int], seq: int) -> float | None:
     h = widths["heads"]
     p = widths["inner"] // h
     shapes = saved_shapes(1, seq, h, p, widths["groups"], widths["state"], torch.bfloat16,
-                          kernel_config(p))
+                          FAMILY.untuned_config(p))
     return sum(math.prod(s) * d.itemsize for s, d in shapes) / seq
 
 

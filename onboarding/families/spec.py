@@ -196,6 +196,13 @@ class FamilySpec:
         for variant in self.training_variants.values():
             self._check_variant(variant)
 
+    def untuned_config(self, size: int) -> dict[str, Any]:
+        """The tile config a rendered module runs a problem whose bucketed dimension is ``size``
+        with before any tuned.json pin: the default, then its shape bucket's values (the bucket
+        whose [lo, hi] holds ``size``, the last one past the end: the module's `config_for`)."""
+        bucket = next((b for b in self.shape_buckets if b.lo <= size <= b.hi), self.shape_buckets[-1])
+        return {**self.default_config, **bucket.config}
+
     def param(self, name: str) -> Param:
         for p in self.params:
             if p.name == name:
