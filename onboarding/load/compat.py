@@ -487,12 +487,14 @@ def remote_site(exc: BaseException, directory: Path | None = None) -> str | None
         return bool(directory) and p.name in names and \
             p.resolve().parent == Path(directory).resolve()
 
-    frame = _remote_frame(exc, is_remote)
+    frame = innermost_frame(exc, is_remote)
     return None if frame is None else f"{Path(frame[0]).name}:{frame[1]}"
 
 
-def _remote_frame(exc: BaseException, is_remote: Callable[[str], bool]
-                  ) -> tuple[str, int] | None:
+def innermost_frame(exc: BaseException, is_remote: Callable[[str], bool]
+                    ) -> tuple[str, int] | None:
+    """(file, line) of the innermost frame of ``exc`` whose file ``is_remote`` takes (a
+    SyntaxError's own file and line first), along its chain of causes and contexts; None."""
     e: BaseException | None = exc
     while e is not None:
         if isinstance(e, SyntaxError) and e.filename and is_remote(e.filename):
@@ -505,7 +507,7 @@ def _remote_frame(exc: BaseException, is_remote: Callable[[str], bool]
 
 
 def _target_of(exc: BaseException) -> str | None:
-    frame = _remote_frame(exc, lambda f: "transformers_modules" in Path(f).parts)
+    frame = innermost_frame(exc, lambda f: "transformers_modules" in Path(f).parts)
     package = _package_of_file(frame[0]) if frame else None
     return _TARGETS.get(package) if package else None
 

@@ -172,21 +172,18 @@ def model_code_site(exc: BaseException) -> str | None:
     defaults) or one given with ``--set`` fails to build, which the exception's text alone does
     not say (hf:lfm2_moe's default ``layer_types`` is None: "'NoneType' object is not
     subscriptable")."""
-    import traceback
+    import linecache
 
     import transformers
 
+    from onboarding.load.compat import innermost_frame
+
     models = Path(transformers.__file__).resolve().parent / "models"
-    e: BaseException | None = exc
-    while e is not None:
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if Path(f.filename).resolve().is_relative_to(models)]
-        if frames:
-            f = frames[-1]
-            code = f" (`{f.line.strip()}`)" if f.line and f.line.strip() else ""
-            return f"{Path(f.filename).name}:{f.lineno}{code}"
-        e = e.__cause__ or e.__context__
-    return None
+    frame = innermost_frame(exc, lambda f: Path(f).resolve().is_relative_to(models))
+    if frame is None:
+        return None
+    line = linecache.getline(*frame).strip()
+    return f"{Path(frame[0]).name}:{frame[1]}" + (f" (`{line}`)" if line else "")
 
 
 def _first_line(exc: BaseException) -> str:
